@@ -1,0 +1,56 @@
+//! Shared bench helpers: read criterion's medians back and print ratios against peers.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// Criterion's output folder (it follows `CARGO_TARGET_DIR`).
+fn criterion_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target"));
+    target.join("criterion")
+}
+
+/// The median estimate (ns per iteration) of `group/bench`, if criterion measured it this run.
+pub fn median_ns(group: &str, bench: &str) -> Option<f64> {
+    let path = criterion_dir()
+        .join(sanitize(group))
+        .join(sanitize(bench))
+        .join("new")
+        .join("estimates.json");
+    let json = std::fs::read_to_string(path).ok()?;
+    let at = json.find("\"median\"")?;
+    let rest = &json[at..];
+    let key = "\"point_estimate\":";
+    let start = rest.find(key)? + key.len();
+    let end = rest[start..].find([',', '}'])? + start;
+    rest[start..end].trim().parse().ok()
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| match c {
+            '/' | '\\' | '?' | '"' | '<' | '>' | '|' | '*' | ':' => '_',
+            c => c,
+        })
+        .collect()
+}
+
+/// Print `ours` against each peer of a group: medians and `ours / peer` time ratios
+/// (below 1.0 means flowgate is faster).
+pub fn print_ratios(group: &str, ours: &str, peers: &[&str]) {
+    let Some(base) = median_ns(group, ours) else {
+        println!("{group}: no measurement for {ours} (filtered out?)");
+        return;
+    };
+    println!(
+        "\n== {group}: median time per op, ratio = flowgate / peer (<= 1.0: flowgate at or faster)"
+    );
+    println!("  {ours:<28} {base:>10.2} ns");
+    for peer in peers {
+        match median_ns(group, peer) {
+            Some(p) => println!("  {peer:<28} {p:>10.2} ns   ratio {:.3}", base / p),
+            None => println!("  {peer:<28} (not measured)"),
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! `Decision`: the answer of every limiter and gate.
+
+use std::time::Duration;
+
+/// The answer of a limiter or gate to one request.
+///
+/// It maps one to one onto HTTP: [`retry_after`](Decision::retry_after) is the
+/// `Retry-After` header of a 429 response, and `limit` / `remaining` / `reset_after` are the
+/// quota, remaining units and reset time of the IETF `RateLimit` / `RateLimit-Policy` fields
+/// (see [`Decision::ratelimit_header`]).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Limiter, TokenBucket};
+/// use flowgate::Quota;
+///
+/// let mut bucket = TokenBucket::new(Quota::per_second(2)?);
+/// let d = bucket.check(Duration::ZERO, 2)?;
+/// assert!(d.allowed);
+/// assert_eq!((d.limit, d.remaining), (2, 0));
+/// assert_eq!(d.reset_after, Duration::from_secs(1)); // full again in 1 s
+///
+/// let d = bucket.check(Duration::ZERO, 1)?;
+/// assert!(!d.allowed);
+/// assert_eq!(d.retry_after, Duration::from_millis(500));
+/// assert_eq!(d.retry_after_secs(), Some(1)); // for the Retry-After header, rounded up
+/// assert_eq!(d.ratelimit_header("default"), "\"default\";r=0;t=1");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Decision {
+    /// Whether the request was admitted (and its cost consumed).
+    pub allowed: bool,
+    /// The quota: the most units that can be admitted at once (burst or window limit).
+    pub limit: u64,
+    /// Units that could still be admitted right now, after this decision.
+    pub remaining: u64,
+    /// When rejected: how long until the same request would be admitted. Zero when allowed.
+    pub retry_after: Duration,
+    /// How long until the limiter is back to its full quota (neutral state).
+    pub reset_after: Duration,
+}
+
+impl Decision {
+    /// An admitting decision.
+    pub(crate) fn allow(limit: u64, remaining: u64, reset_after: Duration) -> Decision {
+        Decision {
+            allowed: true,
+            limit,
+            remaining,
+            retry_after: Duration::ZERO,
+            reset_after,
+        }
+    }
+
+    /// A rejecting decision.
+    pub(crate) fn reject(
+        limit: u64,
+        remaining: u64,
+        retry_after: Duration,
+        reset_after: Duration,
+    ) -> Decision {
+        Decision {
+            allowed: false,
+            limit,
+            remaining,
+            retry_after,
+            reset_after,
+        }
+    }
+
+    /// A decision made by a gate without asking its backend (fail-open).
+    pub fn admitted_without_limit() -> Decision {
+        Decision::allow(u64::MAX, u64::MAX, Duration::ZERO)
+    }
+
+    /// `allowed`, as a method.
+    pub const fn is_allowed(&self) -> bool {
+        self.allowed
+    }
+
+    /// The `Retry-After` header value in whole seconds (rounded up), or `None` when allowed.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        (!self.allowed).then(|| ceil_secs(self.retry_after))
+    }
+
+    /// The IETF `RateLimit` field for this decision: `"<policy>";r=<remaining>;t=<reset>`,
+    /// with the reset time in whole seconds, rounded up.
+    pub fn ratelimit_header(&self, policy: &str) -> String {
+        format!(
+            "\"{policy}\";r={};t={}",
+            self.remaining,
+            ceil_secs(self.reset_after)
+        )
+    }
+}
+
+fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}

@@ -1,0 +1,100 @@
+//! `FixedWindow`: a counter per aligned window.
+
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::limit::limiter::{check_cost, nanos};
+use crate::limit::{LimitError, Limiter};
+use crate::rate::Rate;
+
+/// At most `limit` units per aligned window of length `window`.
+///
+/// Windows are aligned to the clock's origin: window `k` is `[k·window, (k+1)·window)`.
+/// The cheapest algorithm, and the coarsest: up to `2·limit` can pass in an interval of
+/// length `window` that straddles a boundary. Rejected requests get `retry_after` = the
+/// time to the next window.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{FixedWindow, Limiter};
+/// use flowgate::Rate;
+///
+/// let mut w = FixedWindow::new(Rate::per_second(2)?);
+/// let t = Duration::from_millis(250);
+/// assert!(w.check(t, 2)?.allowed);
+/// let d = w.check(t, 1)?;
+/// assert!(!d.allowed);
+/// assert_eq!(d.retry_after, Duration::from_millis(750));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct FixedWindow {
+    rate: Rate,
+    limit: u32,
+    window: u64,
+    start: u64,
+    count: u32,
+}
+
+impl FixedWindow {
+    /// A limiter admitting `rate.count()` units per window of `rate.period()`.
+    pub fn new(rate: Rate) -> FixedWindow {
+        FixedWindow {
+            rate,
+            limit: rate.count(),
+            window: rate.period_nanos(),
+            start: 0,
+            count: 0,
+        }
+    }
+
+    /// The limit and window.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+}
+
+impl Limiter for FixedWindow {
+    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+        check_cost(cost, self.capacity())?;
+        let now = nanos(now);
+        let start = now - now % self.window;
+        if start > self.start {
+            self.start = start;
+            self.count = 0;
+        }
+        // `now` may be earlier than `self.start` if time went backwards: stay in the window.
+        let now = now.max(self.start);
+        let reset = Duration::from_nanos(self.start.saturating_add(self.window) - now);
+        let limit = u64::from(self.limit);
+        if self.count + cost <= self.limit {
+            self.count += cost;
+            Ok(Decision::allow(
+                limit,
+                u64::from(self.limit - self.count),
+                reset,
+            ))
+        } else {
+            Ok(Decision::reject(
+                limit,
+                u64::from(self.limit - self.count),
+                reset,
+                reset,
+            ))
+        }
+    }
+
+    fn capacity(&self) -> u64 {
+        u64::from(self.limit)
+    }
+
+    fn neutral_at(&self) -> Duration {
+        if self.count == 0 {
+            Duration::ZERO
+        } else {
+            Duration::from_nanos(self.start.saturating_add(self.window))
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! `Keyed`: one limiter per key, in bounded memory.
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::fmt;
+use std::hash::{BuildHasher, Hash};
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::error::ConfigError;
+use crate::limit::{LimitError, Limiter};
+
+/// A map of per-key limiters (per user, per tenant, per IP) with bounded memory.
+///
+/// Each new key starts as a copy of a *prototype* limiter. A key whose limiter is back to its
+/// neutral state (everything it consumed has been restored) behaves exactly like a new key,
+/// so it can be forgotten without changing any decision: that is how idle keys are evicted.
+///
+/// # Memory bound and the full-map policy
+///
+/// At most `max_keys` keys are held. When a *new* key arrives at a full map, every neutral
+/// key is evicted in one sweep; if none is neutral, the request is refused with
+/// [`LimitError::KeyspaceFull`] and nothing is inserted. Existing keys are always decided
+/// normally. This policy never over-admits (evicting a busy key would reset its limit). A
+/// failed sweep remembers when the first key becomes neutral, so a flood of new keys costs
+/// one hash lookup each until then, not a scan. Call [`Keyed::sweep`] from a timer to
+/// release idle keys early.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Keyed, LimitError, TokenBucket};
+/// use flowgate::Quota;
+///
+/// let bucket = TokenBucket::new(Quota::per_second(1)?);
+/// let mut per_user = Keyed::new(bucket, 2)?;
+/// let t = Duration::ZERO;
+/// assert!(per_user.check("alice", t, 1)?.allowed);
+/// assert!(per_user.check("bob", t, 1)?.allowed);
+/// assert!(!per_user.check("alice", t, 1)?.allowed);
+/// assert_eq!(per_user.check("carol", t, 1), Err(LimitError::KeyspaceFull { max_keys: 2 }));
+/// // One second later alice and bob are neutral again and make room.
+/// assert!(per_user.check("carol", Duration::from_secs(1), 1)?.allowed);
+/// assert_eq!(per_user.len(), 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Keyed<K, L, S = RandomState> {
+    map: HashMap<K, L, S>,
+    prototype: L,
+    max_keys: usize,
+    /// No sweep can free anything before this time.
+    next_sweep: Duration,
+}
+
+impl<K: Hash + Eq, L: Limiter + Clone> Keyed<K, L> {
+    /// A map of limiters cloned from `prototype`, holding at most `max_keys` keys.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `keyed.max_keys` if it is zero.
+    pub fn new(prototype: L, max_keys: usize) -> Result<Self, ConfigError> {
+        Self::with_hasher(prototype, max_keys, RandomState::new())
+    }
+}
+
+impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
+    /// As [`Keyed::new`], with a custom hasher.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `keyed.max_keys` if it is zero.
+    pub fn with_hasher(prototype: L, max_keys: usize, hasher: S) -> Result<Self, ConfigError> {
+        if max_keys == 0 {
+            return Err(ConfigError::zero("keyed.max_keys"));
+        }
+        Ok(Keyed {
+            map: HashMap::with_hasher(hasher),
+            prototype,
+            max_keys,
+            next_sweep: Duration::ZERO,
+        })
+    }
+
+    /// Decide a request of `cost` for `key` at `now`.
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`Limiter::check`], and [`LimitError::KeyspaceFull`] for a new key when
+    /// the map is full and no key can be evicted.
+    pub fn check<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, LimitError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        if let Some(limiter) = self.map.get_mut(key) {
+            return limiter.check(now, cost);
+        }
+        let mut limiter = self.prototype.clone();
+        let decision = limiter.check(now, cost)?;
+        if self.map.len() >= self.max_keys && self.sweep(now) == 0 {
+            return Err(LimitError::KeyspaceFull {
+                max_keys: self.max_keys,
+            });
+        }
+        if !limiter.is_neutral(now) {
+            self.next_sweep = self.next_sweep.min(limiter.neutral_at());
+            self.map.insert(key.to_owned(), limiter);
+        }
+        Ok(decision)
+    }
+
+    /// Evict every key whose limiter is neutral at `now`; returns how many were evicted.
+    ///
+    /// Cheap when nothing can be evicted yet: the earliest time a key becomes neutral is
+    /// remembered from the previous sweep.
+    pub fn sweep(&mut self, now: Duration) -> usize {
+        if now < self.next_sweep {
+            return 0;
+        }
+        let before = self.map.len();
+        let mut next = Duration::MAX;
+        self.map.retain(|_, limiter| {
+            let at = limiter.neutral_at();
+            if at <= now {
+                false
+            } else {
+                next = next.min(at);
+                true
+            }
+        });
+        self.next_sweep = next;
+        before - self.map.len()
+    }
+
+    /// The limiter of `key`, if it is held.
+    pub fn get<Q>(&self, key: &Q) -> Option<&L>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.map.get(key)
+    }
+
+    /// Forget `key` (its next request starts fresh); returns its limiter.
+    pub fn remove<Q>(&mut self, key: &Q) -> Option<L>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.map.remove(key)
+    }
+}
+
+impl<K, L, S> Keyed<K, L, S> {
+    /// How many keys are held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The most keys this map holds.
+    pub fn max_keys(&self) -> usize {
+        self.max_keys
+    }
+
+    /// The limiter every new key starts from.
+    pub fn prototype(&self) -> &L {
+        &self.prototype
+    }
+}
+
+impl<K, L: fmt::Debug, S> fmt::Debug for Keyed<K, L, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Keyed")
+            .field("prototype", &self.prototype)
+            .field("keys", &self.map.len())
+            .field("max_keys", &self.max_keys)
+            .finish()
+    }
+}

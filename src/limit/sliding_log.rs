@@ -1,0 +1,130 @@
+//! `SlidingLog`: the exact sliding window.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::limit::limiter::{check_cost, nanos};
+use crate::limit::{LimitError, Limiter};
+use crate::rate::Rate;
+
+/// At most `limit` units in *any* interval of length `window`: the exact sliding window.
+///
+/// The log keeps one entry per admission time (a timestamp and the cost admitted then); an
+/// entry admitted at `t` counts while `now < t + window`. Memory is bounded: the live
+/// entries' costs sum to at most `limit`, so there are at most `limit` entries (fewer when
+/// requests cost more than 1 or share a timestamp).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Limiter, SlidingLog};
+/// use flowgate::Rate;
+///
+/// let mut log = SlidingLog::new(Rate::per_second(2)?);
+/// let ms = Duration::from_millis;
+/// assert!(log.check(ms(0), 1)?.allowed);
+/// assert!(log.check(ms(600), 1)?.allowed);
+/// let d = log.check(ms(900), 1)?;
+/// assert!(!d.allowed);
+/// assert_eq!(d.retry_after, ms(100)); // the entry from t = 0 expires at 1000 ms
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct SlidingLog {
+    rate: Rate,
+    limit: u32,
+    window: u64,
+    /// `(admitted at, cost)`, oldest first.
+    log: VecDeque<(u64, u32)>,
+    total: u32,
+}
+
+impl SlidingLog {
+    /// A limiter admitting `rate.count()` units in any interval of `rate.period()`.
+    pub fn new(rate: Rate) -> SlidingLog {
+        SlidingLog {
+            rate,
+            limit: rate.count(),
+            window: rate.period_nanos(),
+            log: VecDeque::new(),
+            total: 0,
+        }
+    }
+
+    /// The limit and window.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The number of log entries held (at most the limit).
+    pub fn entries(&self) -> usize {
+        self.log.len()
+    }
+
+    fn expire(&mut self, now: u64) {
+        while let Some(&(at, cost)) = self.log.front() {
+            if at.saturating_add(self.window) > now {
+                break;
+            }
+            self.log.pop_front();
+            self.total -= cost;
+        }
+    }
+
+    fn reset_after(&self, now: u64) -> Duration {
+        self.log.back().map_or(Duration::ZERO, |&(at, _)| {
+            Duration::from_nanos(at.saturating_add(self.window).saturating_sub(now))
+        })
+    }
+}
+
+impl Limiter for SlidingLog {
+    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+        check_cost(cost, self.capacity())?;
+        // Time going backwards is treated as no time passing.
+        let now = nanos(now).max(self.log.back().map_or(0, |&(at, _)| at));
+        self.expire(now);
+        let limit = u64::from(self.limit);
+        if self.total + cost <= self.limit {
+            self.total += cost;
+            match self.log.back_mut() {
+                Some((at, n)) if *at == now => *n += cost,
+                _ => self.log.push_back((now, cost)),
+            }
+            Ok(Decision::allow(
+                limit,
+                u64::from(self.limit - self.total),
+                self.reset_after(now),
+            ))
+        } else {
+            // Free the oldest entries until `cost` fits; the last one freed sets the wait.
+            let mut need = self.total + cost - self.limit;
+            let mut retry = 0;
+            for &(at, n) in &self.log {
+                retry = at.saturating_add(self.window) - now;
+                if n >= need {
+                    break;
+                }
+                need -= n;
+            }
+            Ok(Decision::reject(
+                limit,
+                u64::from(self.limit - self.total),
+                Duration::from_nanos(retry),
+                self.reset_after(now),
+            ))
+        }
+    }
+
+    fn capacity(&self) -> u64 {
+        u64::from(self.limit)
+    }
+
+    fn neutral_at(&self) -> Duration {
+        self.log.back().map_or(Duration::ZERO, |&(at, _)| {
+            Duration::from_nanos(at.saturating_add(self.window))
+        })
+    }
+}

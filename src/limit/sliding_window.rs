@@ -1,0 +1,167 @@
+//! `SlidingWindow`: the weighted two-window counter.
+
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::limit::limiter::{check_cost, nanos};
+use crate::limit::{LimitError, Limiter};
+use crate::rate::Rate;
+
+/// The sliding window counter: two counters, weighted, in constant memory.
+///
+/// It estimates the count over the last `window` as
+/// `previous · (window − elapsed) / window + current`, where `current` counts the aligned
+/// window containing `now`, `previous` the one before, and `elapsed` is the time since the
+/// current window began; a request is admitted when `estimate + cost ≤ limit`. The
+/// arithmetic is exact integers (the estimate is compared multiplied by `window`).
+///
+/// # Approximation bound
+///
+/// The estimate assumes the previous window's requests were spread evenly. Guarantees:
+/// - at most `limit` units are admitted per aligned window;
+/// - in any interval of length `window` ending at offset `e` into an aligned window whose
+///   predecessor admitted `p` units, at most `limit + p·e / window` units are admitted —
+///   always less than `2·limit`, and exactly `limit` when traffic is even.
+///
+/// Use [`SlidingLog`](crate::limit::SlidingLog) when the bound must be `limit`.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Limiter, SlidingWindow};
+/// use flowgate::Rate;
+///
+/// let mut w = SlidingWindow::new(Rate::per_second(10)?);
+/// let ms = Duration::from_millis;
+/// assert!(w.check(ms(500), 10)?.allowed); // 10 in window [0 s, 1 s)
+/// // At 1.5 s the estimate is 10 · 0.5 + 0 = 5, so 5 more fit.
+/// assert!(w.check(ms(1500), 5)?.allowed);
+/// assert!(!w.check(ms(1500), 1)?.allowed);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct SlidingWindow {
+    rate: Rate,
+    limit: u32,
+    window: u64,
+    start: u64,
+    current: u32,
+    previous: u32,
+}
+
+impl SlidingWindow {
+    /// A limiter admitting about `rate.count()` units per sliding `rate.period()`.
+    pub fn new(rate: Rate) -> SlidingWindow {
+        SlidingWindow {
+            rate,
+            limit: rate.count(),
+            window: rate.period_nanos(),
+            start: 0,
+            current: 0,
+            previous: 0,
+        }
+    }
+
+    /// The limit and window.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    fn roll(&mut self, now: u64) {
+        let start = now - now % self.window;
+        if start <= self.start {
+            return;
+        }
+        self.previous = if start - self.start == self.window {
+            self.current
+        } else {
+            0
+        };
+        self.current = 0;
+        self.start = start;
+    }
+
+    /// `estimate · window` at `elapsed` into the current window.
+    fn weighted(&self, elapsed: u64) -> u128 {
+        u128::from(self.previous) * u128::from(self.window - elapsed)
+            + u128::from(self.current) * u128::from(self.window)
+    }
+
+    /// Time from `elapsed` until the state is neutral (both counters decayed to zero).
+    fn reset_after(&self, elapsed: u64) -> Duration {
+        let to_end = self.window - elapsed;
+        Duration::from_nanos(if self.current > 0 {
+            to_end.saturating_add(self.window)
+        } else if self.previous > 0 {
+            to_end
+        } else {
+            0
+        })
+    }
+
+    /// Earliest offset into a window with `prev` in the previous window and `cur` in this one
+    /// at which `cost` more fits, if any: `prev·(window − e) ≤ (limit − cur − cost)·window`.
+    fn fits_from(&self, prev: u32, cur: u32, cost: u32) -> Option<u64> {
+        let spare = self.limit.checked_sub(cur)?.checked_sub(cost)?;
+        if prev == 0 {
+            return Some(0);
+        }
+        let slack = u128::from(spare) * u128::from(self.window) / u128::from(prev);
+        Some(self.window - slack.min(u128::from(self.window)) as u64)
+    }
+}
+
+impl Limiter for SlidingWindow {
+    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+        check_cost(cost, self.capacity())?;
+        let now = nanos(now);
+        self.roll(now);
+        let elapsed = now.max(self.start) - self.start;
+        let limit = u64::from(self.limit);
+        let w = u128::from(self.window);
+        let weighted = self.weighted(elapsed);
+        if weighted + u128::from(cost) * w <= u128::from(self.limit) * w {
+            self.current += cost;
+            let after = self.weighted(elapsed);
+            let remaining = (u128::from(self.limit) * w - after) / w;
+            Ok(Decision::allow(
+                limit,
+                remaining as u64,
+                self.reset_after(elapsed),
+            ))
+        } else {
+            let remaining = (u128::from(self.limit) * w).saturating_sub(weighted) / w;
+            // Later in this window, or else at an offset into the next one (where this
+            // window's count becomes the previous one and nothing is current yet).
+            let retry = match self.fits_from(self.previous, self.current, cost) {
+                Some(e) if e < self.window => e - elapsed,
+                _ => {
+                    let e = self.fits_from(self.current, 0, cost).unwrap_or(self.window);
+                    self.window - elapsed + e
+                }
+            };
+            Ok(Decision::reject(
+                limit,
+                remaining as u64,
+                Duration::from_nanos(retry),
+                self.reset_after(elapsed),
+            ))
+        }
+    }
+
+    fn capacity(&self) -> u64 {
+        u64::from(self.limit)
+    }
+
+    fn neutral_at(&self) -> Duration {
+        let end = self.start.saturating_add(self.window);
+        Duration::from_nanos(if self.current > 0 {
+            end.saturating_add(self.window)
+        } else if self.previous > 0 {
+            end
+        } else {
+            0
+        })
+    }
+}

@@ -1,0 +1,374 @@
+//! The limiter math against simple reference models, on random traces.
+//!
+//! Each model is written the obvious way (a token count, a full event log) so that it shares
+//! no code or formulation with the limiter it checks; decisions must be identical, and the
+//! documented guarantees are checked on every trace.
+
+use std::time::Duration;
+
+use flowgate::limit::{
+    FixedWindow, Keyed, LimitError, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+};
+use flowgate::{Decision, Quota, Rate};
+use proptest::prelude::*;
+
+/// A trace: strictly non-decreasing times (ns) with costs.
+fn trace(max_gap: u64, max_cost: u32) -> impl Strategy<Value = Vec<(u64, u32)>> {
+    prop::collection::vec((0..=max_gap, 1..=max_cost), 1..300).prop_map(|steps| {
+        let mut t = 0;
+        steps
+            .into_iter()
+            .map(|(gap, cost)| {
+                t += gap;
+                (t, cost)
+            })
+            .collect()
+    })
+}
+
+fn rate() -> impl Strategy<Value = Rate> {
+    // Periods that do and do not divide evenly by the count.
+    (
+        1u32..=20,
+        prop_oneof![Just(1_000u64), Just(1_000_000_000), 1..5_000_000u64],
+    )
+        .prop_map(|(n, p)| Rate::per(n, Duration::from_nanos(p)).unwrap())
+}
+
+fn ns(t: u64) -> Duration {
+    Duration::from_nanos(t)
+}
+
+/// A continuous token bucket: the level is kept in units of `1 / period` token.
+struct ModelBucket {
+    count: u128,
+    period: u128,
+    cap: u128,
+    level: u128,
+    last: u128,
+}
+
+impl ModelBucket {
+    fn new(q: Quota) -> Self {
+        let period = u128::from(q.rate().period_nanos());
+        let cap = u128::from(q.burst_size()) * period;
+        ModelBucket {
+            count: u128::from(q.rate().count()),
+            period,
+            cap,
+            level: cap,
+            last: 0,
+        }
+    }
+
+    fn check(&mut self, now: u64, cost: u32) -> (bool, u64, Duration, Duration) {
+        let now = u128::from(now);
+        self.level = (self.level + (now - self.last) * self.count).min(self.cap);
+        self.last = now;
+        let need = u128::from(cost) * self.period;
+        let ceil_ns = |units: u128| Duration::from_nanos(units.div_ceil(self.count) as u64);
+        if self.level >= need {
+            self.level -= need;
+            let remaining = (self.level / self.period) as u64;
+            (
+                true,
+                remaining,
+                Duration::ZERO,
+                ceil_ns(self.cap - self.level),
+            )
+        } else {
+            let remaining = (self.level / self.period) as u64;
+            (
+                false,
+                remaining,
+                ceil_ns(need - self.level),
+                ceil_ns(self.cap - self.level),
+            )
+        }
+    }
+}
+
+fn parts(d: &Decision) -> (bool, u64, Duration, Duration) {
+    (d.allowed, d.remaining, d.retry_after, d.reset_after)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn token_bucket_matches_model_and_bound(
+        r in rate(),
+        burst in 1u32..=20,
+        tr in trace(3_000_000, 20),
+    ) {
+        let q = Quota::new(r, burst).unwrap();
+        let mut bucket = TokenBucket::new(q);
+        let mut model = ModelBucket::new(q);
+        let mut admitted = Vec::new();
+        for &(t, cost) in &tr {
+            let got = bucket.check(ns(t), cost);
+            if cost > burst {
+                prop_assert_eq!(got, Err(LimitError::InsufficientCapacity { cost, capacity: u64::from(burst) }));
+                continue;
+            }
+            let got = got.unwrap();
+            prop_assert_eq!(got.limit, u64::from(burst));
+            prop_assert_eq!(parts(&got), model.check(t, cost), "at t={} cost={}", t, cost);
+            if got.allowed {
+                admitted.push((t, cost));
+            } else {
+                // Retrying at retry_after is admitted (on a copy: nothing else in between).
+                let mut probe = bucket.clone();
+                prop_assert!(probe.check(ns(t) + got.retry_after, cost).unwrap().allowed);
+                if got.retry_after > Duration::from_nanos(1) {
+                    let mut early = bucket.clone();
+                    prop_assert!(!early.check(ns(t) + got.retry_after - Duration::from_nanos(1), cost).unwrap().allowed);
+                }
+            }
+        }
+        // In any interval [t_i, t_j]: admitted cost <= burst + rate * (t_j - t_i).
+        let (count, period) = (u128::from(r.count()), u128::from(r.period_nanos()));
+        for i in 0..admitted.len() {
+            let mut sum = 0u128;
+            for j in i..admitted.len() {
+                sum += u128::from(admitted[j].1);
+                let w = u128::from(admitted[j].0 - admitted[i].0);
+                prop_assert!(sum * period <= u128::from(burst) * period + count * w);
+            }
+        }
+    }
+
+    #[test]
+    fn fixed_window_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
+        let (limit, window) = (r.count(), r.period_nanos());
+        let mut fw = FixedWindow::new(r);
+        let mut log: Vec<(u64, u32)> = Vec::new();
+        for &(t, cost) in &tr {
+            let got = fw.check(ns(t), cost);
+            if cost > limit {
+                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                continue;
+            }
+            let got = got.unwrap();
+            let start = t / window * window;
+            let used: u32 = log.iter().filter(|e| e.0 >= start).map(|e| e.1).sum();
+            let allowed = used + cost <= limit;
+            let used_after = if allowed { used + cost } else { used };
+            let reset = ns(start + window - t);
+            let want = (allowed, u64::from(limit - used_after), if allowed { Duration::ZERO } else { reset }, reset);
+            prop_assert_eq!(parts(&got), want);
+            if allowed {
+                log.push((t, cost));
+            }
+        }
+        let mut per_window = std::collections::HashMap::new();
+        for (t, c) in log {
+            *per_window.entry(t / window).or_insert(0u32) += c;
+        }
+        prop_assert!(per_window.values().all(|&n| n <= limit));
+    }
+
+    #[test]
+    fn sliding_log_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
+        let (limit, window) = (r.count(), r.period_nanos());
+        let mut sl = SlidingLog::new(r);
+        let mut log: Vec<(u64, u32)> = Vec::new();
+        for &(t, cost) in &tr {
+            let got = sl.check(ns(t), cost);
+            if cost > limit {
+                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                continue;
+            }
+            let got = got.unwrap();
+            let live: Vec<_> = log.iter().filter(|e| e.0 + window > t).copied().collect();
+            let used: u32 = live.iter().map(|e| e.1).sum();
+            let allowed = used + cost <= limit;
+            let newest = if allowed { Some(t) } else { live.last().map(|e| e.0) };
+            let reset = newest.map_or(Duration::ZERO, |n| ns(n + window - t));
+            let retry = if allowed {
+                Duration::ZERO
+            } else {
+                // The earliest expiry time after which used + cost fits.
+                let mut freed = 0;
+                let mut at = 0;
+                for e in &live {
+                    freed += e.1;
+                    at = e.0 + window - t;
+                    if used - freed + cost <= limit {
+                        break;
+                    }
+                }
+                ns(at)
+            };
+            let used_after = if allowed { used + cost } else { used };
+            prop_assert_eq!(parts(&got), (allowed, u64::from(limit - used_after), retry, reset));
+            prop_assert!(sl.entries() <= limit as usize);
+            if allowed {
+                log.push((t, cost));
+            }
+        }
+        for &(t, _) in &log {
+            let in_window: u32 = log.iter().filter(|e| e.0 <= t && e.0 + window > t).map(|e| e.1).sum();
+            prop_assert!(in_window <= limit);
+        }
+    }
+
+    #[test]
+    fn sliding_window_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
+        let (limit, window) = (u128::from(r.count()), u128::from(r.period_nanos()));
+        let mut sw = SlidingWindow::new(r);
+        let mut log: Vec<(u64, u32)> = Vec::new();
+        let in_window = |log: &[(u64, u32)], k: u128| -> u128 {
+            log.iter().filter(|e| u128::from(e.0) / window == k).map(|e| u128::from(e.1)).sum()
+        };
+        for &(t, cost) in &tr {
+            let got = sw.check(ns(t), cost);
+            if u128::from(cost) > limit {
+                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                continue;
+            }
+            let got = got.unwrap();
+            let k = u128::from(t) / window;
+            let e = u128::from(t) % window;
+            let prev = if k == 0 { 0 } else { in_window(&log, k - 1) };
+            let cur = in_window(&log, k);
+            let allowed = prev * (window - e) + (cur + u128::from(cost)) * window <= limit * window;
+            prop_assert_eq!(got.allowed, allowed, "t={} cost={}", t, cost);
+            if allowed {
+                log.push((t, cost));
+            } else {
+                // Retrying at retry_after is admitted, one nanosecond earlier is not.
+                let mut probe = sw.clone();
+                prop_assert!(probe.check(ns(t) + got.retry_after, cost).unwrap().allowed);
+                let mut early = sw.clone();
+                prop_assert!(!early.check(ns(t) + got.retry_after - Duration::from_nanos(1), cost).unwrap().allowed);
+            }
+        }
+        // Bounds: <= limit per aligned window; in any (t - window, t]: <= limit + prev * e / window.
+        for &(t, _) in &log {
+            let k = u128::from(t) / window;
+            prop_assert!(in_window(&log, k) <= limit);
+            let e = u128::from(t) % window;
+            let prev = if k == 0 { 0 } else { in_window(&log, k - 1) };
+            let n: u128 = log
+                .iter()
+                .filter(|x| x.0 <= t && u128::from(x.0) + window > u128::from(t))
+                .map(|x| u128::from(x.1))
+                .sum();
+            prop_assert!(n * window <= limit * window + prev * e, "n={} at t={}", n, t);
+        }
+    }
+
+    #[test]
+    fn keyed_decides_like_one_limiter_per_key(
+        tr in prop::collection::vec((0u64..2_000_000, 0u8..6, 1u32..=3), 1..300),
+        max_keys in 1usize..=6,
+    ) {
+        let q = Quota::per(3, Duration::from_millis(1)).unwrap();
+        let mut keyed = Keyed::new(TokenBucket::new(q), max_keys).unwrap();
+        let mut reference: std::collections::HashMap<u8, TokenBucket> = Default::default();
+        let mut t = 0;
+        for (gap, key, cost) in tr {
+            t += gap;
+            let got = keyed.check(&key, ns(t), cost);
+            prop_assert!(keyed.len() <= max_keys);
+            match got {
+                Err(LimitError::KeyspaceFull { max_keys: m }) => {
+                    prop_assert_eq!(m, max_keys);
+                    // Refused only when every held key is busy.
+                    prop_assert_eq!(keyed.len(), max_keys);
+                    prop_assert!(keyed.get(&key).is_none());
+                }
+                got => {
+                    let want = reference
+                        .entry(key)
+                        .or_insert_with(|| TokenBucket::new(q))
+                        .check(ns(t), cost);
+                    prop_assert_eq!(got, want);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_limiter_rejects_zero_cost_and_cost_above_capacity() {
+    let r = Rate::per_second(5).unwrap();
+    let q = Quota::new(r, 3).unwrap();
+    let mut limiters: Vec<Box<dyn Limiter>> = vec![
+        Box::new(TokenBucket::new(q)),
+        Box::new(FixedWindow::new(r)),
+        Box::new(SlidingLog::new(r)),
+        Box::new(SlidingWindow::new(r)),
+    ];
+    for l in &mut limiters {
+        let cap = l.capacity();
+        assert_eq!(l.check(Duration::ZERO, 0), Err(LimitError::ZeroCost));
+        let too_much = cap as u32 + 1;
+        let err = l.check(Duration::ZERO, too_much).unwrap_err();
+        assert_eq!(
+            err,
+            LimitError::InsufficientCapacity {
+                cost: too_much,
+                capacity: cap
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            format!("cost {too_much} exceeds the capacity {cap}: it could never be admitted")
+        );
+        // Errors consume nothing: the full capacity is still there.
+        assert!(l.check(Duration::ZERO, cap as u32).unwrap().allowed);
+        assert!(l.is_neutral(Duration::from_secs(3)));
+    }
+}
+
+#[test]
+fn keyed_rejects_zero_keys_and_reports_a_full_keyspace() {
+    let bucket = TokenBucket::new(Quota::per_second(1).unwrap());
+    let err = Keyed::<u32, _>::new(bucket.clone(), 0).unwrap_err();
+    assert_eq!(err.field(), "keyed.max_keys");
+    let mut keyed = Keyed::new(bucket, 1).unwrap();
+    keyed.check(&1u32, Duration::ZERO, 1).unwrap();
+    let full = keyed.check(&2u32, Duration::ZERO, 1).unwrap_err();
+    assert_eq!(full, LimitError::KeyspaceFull { max_keys: 1 });
+    assert_eq!(
+        full.to_string(),
+        "all 1 keys are in use and none is idle yet: new keys are refused"
+    );
+    // Bad cost for a new key is reported as such and inserts nothing.
+    assert_eq!(
+        keyed.check(&3u32, Duration::from_secs(5), 0),
+        Err(LimitError::ZeroCost)
+    );
+    assert_eq!(keyed.len(), 1);
+    assert_eq!(keyed.sweep(Duration::from_secs(5)), 1);
+    assert!(keyed.is_empty());
+}
+
+#[test]
+fn time_going_backwards_is_conservative() {
+    let q = Quota::per_second(1).unwrap();
+    let mut b = TokenBucket::new(q);
+    assert!(b.check(Duration::from_secs(10), 1).unwrap().allowed);
+    let d = b.check(Duration::from_secs(5), 1).unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.remaining, 0);
+    let mut log = SlidingLog::new(Rate::per_second(1).unwrap());
+    assert!(log.check(Duration::from_secs(10), 1).unwrap().allowed);
+    assert!(!log.check(Duration::from_secs(5), 1).unwrap().allowed);
+}
+
+#[test]
+fn token_bucket_is_exact_for_rates_that_do_not_divide_a_second() {
+    // 3 per second, burst 3, polled every millisecond for 1 000 s: the burst plus
+    // floor(3 * 999.999) = 2 999 refills, with no drift from the 333.3… ms interval.
+    let mut b = TokenBucket::new(Quota::per_second(3).unwrap());
+    let mut admitted = 0;
+    for ms in 0..1_000_000u64 {
+        if b.check(Duration::from_millis(ms), 1).unwrap().allowed {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 3 + 2_999);
+}

@@ -1,0 +1,27 @@
+//! Shared helpers for the integration tests.
+//!
+//! Every integration test file declares `mod support;`, so not every helper is used by
+//! every test binary (hence the `dead_code` allowance).
+//!
+//! - [`RedisServer`]: a private, throw-away `redis-server` (TCP on a free port of
+//!   127.0.0.1, or a unix socket) with `kill` / `pause` / `resume` / `restart` controls.
+//! - [`RedisCluster`]: a private Redis Cluster built from [`RedisServer`] nodes.
+//! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
+//!
+//! Everything a helper starts is stopped when its handle is dropped, including while a
+//! test unwinds from a panic. A missing `redis-server` (or `redis-cli`, for clusters) is
+//! a test failure with one clear line ([`MISSING_REDIS`], [`MISSING_REDIS_CLI`]), never
+//! a silent pass.
+#![allow(dead_code)]
+
+mod cluster;
+mod server;
+mod tempdir;
+
+// Not every test binary uses every helper.
+#[allow(unused_imports)]
+pub use cluster::RedisCluster;
+#[allow(unused_imports)]
+pub use server::{MISSING_REDIS, MISSING_REDIS_CLI, RedisServer};
+#[allow(unused_imports)]
+pub use tempdir::TempDir;

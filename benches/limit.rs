@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use criterion::{Criterion, Throughput, criterion_group};
+use criterion::{Bencher, Criterion, Throughput, criterion_group};
 use flowgate::Quota;
 use flowgate::limit::{Keyed, Limiter, TokenBucket};
 use governor::clock::FakeRelativeClock;
@@ -49,7 +49,7 @@ fn direct(c: &mut Criterion) {
 
     g.bench_function("flowgate_token_bucket", |b| {
         let clock = AtomicU64::new(0);
-        let mut bucket = TokenBucket::new(our_quota());
+        let mut bucket = Limiter::new(TokenBucket::new(our_quota()));
         b.iter(|| {
             let now = clock.fetch_add(STEP_NS, Ordering::Relaxed) + STEP_NS;
             black_box(bucket.check(Duration::from_nanos(now), 1).unwrap().allowed)
@@ -92,27 +92,29 @@ fn keyed(c: &mut Criterion) {
     g.bench_function("governor_keyed_dashmap", |b| {
         let clock = FakeRelativeClock::default();
         let lim = governor::RateLimiter::dashmap_with_clock(gov_quota(), clock.clone());
-        let mut i = 0;
-        b.iter(|| {
-            clock.advance(Duration::from_nanos(STEP_NS));
-            let key = order[i & 0xFFFF];
-            i += 1;
-            black_box(lim.check_key(&key).is_ok())
-        })
+        governor_keyed(b, &order, &clock, |k| lim.check_key(k).is_ok())
     });
-
     g.bench_function("governor_keyed_hashmap", |b| {
         let clock = FakeRelativeClock::default();
         let lim = governor::RateLimiter::hashmap_with_clock(gov_quota(), clock.clone());
-        let mut i = 0;
-        b.iter(|| {
-            clock.advance(Duration::from_nanos(STEP_NS));
-            let key = order[i & 0xFFFF];
-            i += 1;
-            black_box(lim.check_key(&key).is_ok())
-        })
+        governor_keyed(b, &order, &clock, |k| lim.check_key(k).is_ok())
     });
     g.finish();
+}
+
+fn governor_keyed(
+    b: &mut Bencher<'_>,
+    order: &[u64],
+    clock: &FakeRelativeClock,
+    check: impl Fn(&u64) -> bool,
+) {
+    let mut i = 0;
+    b.iter(|| {
+        clock.advance(Duration::from_nanos(STEP_NS));
+        let key = order[i & 0xFFFF];
+        i += 1;
+        black_box(check(&key))
+    })
 }
 
 fn config() -> Criterion {

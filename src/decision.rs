@@ -16,7 +16,7 @@ use std::time::Duration;
 /// use flowgate::limit::{Limiter, TokenBucket};
 /// use flowgate::Quota;
 ///
-/// let mut bucket = TokenBucket::new(Quota::per_second(2)?);
+/// let mut bucket = Limiter::new(TokenBucket::new(Quota::per_second(2)?));
 /// let d = bucket.check(Duration::ZERO, 2)?;
 /// assert!(d.allowed);
 /// assert_eq!((d.limit, d.remaining), (2, 0));

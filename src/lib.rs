@@ -79,6 +79,11 @@ pub use rate::{Quota, Rate};
 
 /// The types most pipelines need, in one import.
 pub mod prelude {
-    pub use crate::limit::{Keyed, Limiter};
+    pub use crate::limit::{Algorithm, Keyed, Limiter};
     pub use crate::{ConfigError, Decision, Overflow, Quota, Rate};
 }
+
+// The README's Rust examples are compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

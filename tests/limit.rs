@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use flowgate::limit::{
-    FixedWindow, Keyed, LimitError, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+    Algorithm, FixedWindow, Keyed, LimitError, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
 use flowgate::{Decision, Quota, Rate};
 use proptest::prelude::*;
@@ -102,7 +102,7 @@ proptest! {
         tr in trace(3_000_000, 20),
     ) {
         let q = Quota::new(r, burst).unwrap();
-        let mut bucket = TokenBucket::new(q);
+        let mut bucket = Limiter::new(TokenBucket::new(q));
         let mut model = ModelBucket::new(q);
         let mut admitted = Vec::new();
         for &(t, cost) in &tr {
@@ -141,7 +141,7 @@ proptest! {
     #[test]
     fn fixed_window_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
         let (limit, window) = (r.count(), r.period_nanos());
-        let mut fw = FixedWindow::new(r);
+        let mut fw = Limiter::new(FixedWindow::new(r));
         let mut log: Vec<(u64, u32)> = Vec::new();
         for &(t, cost) in &tr {
             let got = fw.check(ns(t), cost);
@@ -171,7 +171,7 @@ proptest! {
     #[test]
     fn sliding_log_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
         let (limit, window) = (r.count(), r.period_nanos());
-        let mut sl = SlidingLog::new(r);
+        let mut sl = Limiter::new(SlidingLog::new(r));
         let mut log: Vec<(u64, u32)> = Vec::new();
         for &(t, cost) in &tr {
             let got = sl.check(ns(t), cost);
@@ -202,7 +202,7 @@ proptest! {
             };
             let used_after = if allowed { used + cost } else { used };
             prop_assert_eq!(parts(&got), (allowed, u64::from(limit - used_after), retry, reset));
-            prop_assert!(sl.entries() <= limit as usize);
+            prop_assert!(sl.state().entries() <= limit as usize);
             if allowed {
                 log.push((t, cost));
             }
@@ -216,7 +216,7 @@ proptest! {
     #[test]
     fn sliding_window_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
         let (limit, window) = (u128::from(r.count()), u128::from(r.period_nanos()));
-        let mut sw = SlidingWindow::new(r);
+        let mut sw = Limiter::new(SlidingWindow::new(r));
         let mut log: Vec<(u64, u32)> = Vec::new();
         let in_window = |log: &[(u64, u32)], k: u128| -> u128 {
             log.iter().filter(|e| u128::from(e.0) / window == k).map(|e| u128::from(e.1)).sum()
@@ -266,7 +266,7 @@ proptest! {
     ) {
         let q = Quota::per(3, Duration::from_millis(1)).unwrap();
         let mut keyed = Keyed::new(TokenBucket::new(q), max_keys).unwrap();
-        let mut reference: std::collections::HashMap<u8, TokenBucket> = Default::default();
+        let mut reference: std::collections::HashMap<u8, Limiter<TokenBucket>> = Default::default();
         let mut t = 0;
         for (gap, key, cost) in tr {
             t += gap;
@@ -282,7 +282,7 @@ proptest! {
                 got => {
                     let want = reference
                         .entry(key)
-                        .or_insert_with(|| TokenBucket::new(q))
+                        .or_insert_with(|| Limiter::new(TokenBucket::new(q)))
                         .check(ns(t), cost);
                     prop_assert_eq!(got, want);
                 }
@@ -291,17 +291,9 @@ proptest! {
     }
 }
 
-#[test]
-fn every_limiter_rejects_zero_cost_and_cost_above_capacity() {
-    let r = Rate::per_second(5).unwrap();
-    let q = Quota::new(r, 3).unwrap();
-    let mut limiters: Vec<Box<dyn Limiter>> = vec![
-        Box::new(TokenBucket::new(q)),
-        Box::new(FixedWindow::new(r)),
-        Box::new(SlidingLog::new(r)),
-        Box::new(SlidingWindow::new(r)),
-    ];
-    for l in &mut limiters {
+fn rejects_bad_costs<A: Algorithm>(algorithm: A) {
+    let mut l = Limiter::new(algorithm);
+    {
         let cap = l.capacity();
         assert_eq!(l.check(Duration::ZERO, 0), Err(LimitError::ZeroCost));
         let too_much = cap as u32 + 1;
@@ -321,6 +313,15 @@ fn every_limiter_rejects_zero_cost_and_cost_above_capacity() {
         assert!(l.check(Duration::ZERO, cap as u32).unwrap().allowed);
         assert!(l.is_neutral(Duration::from_secs(3)));
     }
+}
+
+#[test]
+fn every_limiter_rejects_zero_cost_and_cost_above_capacity() {
+    let r = Rate::per_second(5).unwrap();
+    rejects_bad_costs(TokenBucket::new(Quota::new(r, 3).unwrap()));
+    rejects_bad_costs(FixedWindow::new(r));
+    rejects_bad_costs(SlidingLog::new(r));
+    rejects_bad_costs(SlidingWindow::new(r));
 }
 
 #[test]
@@ -349,12 +350,12 @@ fn keyed_rejects_zero_keys_and_reports_a_full_keyspace() {
 #[test]
 fn time_going_backwards_is_conservative() {
     let q = Quota::per_second(1).unwrap();
-    let mut b = TokenBucket::new(q);
+    let mut b = Limiter::new(TokenBucket::new(q));
     assert!(b.check(Duration::from_secs(10), 1).unwrap().allowed);
     let d = b.check(Duration::from_secs(5), 1).unwrap();
     assert!(!d.allowed);
     assert_eq!(d.remaining, 0);
-    let mut log = SlidingLog::new(Rate::per_second(1).unwrap());
+    let mut log = Limiter::new(SlidingLog::new(Rate::per_second(1).unwrap()));
     assert!(log.check(Duration::from_secs(10), 1).unwrap().allowed);
     assert!(!log.check(Duration::from_secs(5), 1).unwrap().allowed);
 }
@@ -363,7 +364,7 @@ fn time_going_backwards_is_conservative() {
 fn token_bucket_is_exact_for_rates_that_do_not_divide_a_second() {
     // 3 per second, burst 3, polled every millisecond for 1 000 s: the burst plus
     // floor(3 * 999.999) = 2 999 refills, with no drift from the 333.3… ms interval.
-    let mut b = TokenBucket::new(Quota::per_second(3).unwrap());
+    let mut b = Limiter::new(TokenBucket::new(Quota::per_second(3).unwrap()));
     let mut admitted = 0;
     for ms in 0..1_000_000u64 {
         if b.check(Duration::from_millis(ms), 1).unwrap().allowed {

@@ -116,6 +116,9 @@ fn public_types_are_send_sync_unpin() {
     check::<flowgate::ConfigError>();
     check::<flowgate::limit::LimitError>();
     check::<flowgate::limit::TokenBucket>();
+    check::<flowgate::limit::Limiter<flowgate::limit::TokenBucket>>();
+    check::<flowgate::limit::TokenBucketState>();
+    check::<flowgate::limit::SlidingLogState>();
     check::<flowgate::limit::FixedWindow>();
     check::<flowgate::limit::SlidingLog>();
     check::<flowgate::limit::SlidingWindow>();

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{LimitError, Limiter};
+use crate::limit::{Algorithm, LimitError};
 use crate::rate::Rate;
 
 /// At most `limit` units per aligned window of length `window`.
@@ -21,7 +21,7 @@ use crate::rate::Rate;
 /// use flowgate::limit::{FixedWindow, Limiter};
 /// use flowgate::Rate;
 ///
-/// let mut w = FixedWindow::new(Rate::per_second(2)?);
+/// let mut w = Limiter::new(FixedWindow::new(Rate::per_second(2)?));
 /// let t = Duration::from_millis(250);
 /// assert!(w.check(t, 2)?.allowed);
 /// let d = w.check(t, 1)?;
@@ -34,6 +34,11 @@ pub struct FixedWindow {
     rate: Rate,
     limit: u32,
     window: u64,
+}
+
+/// The state of one [`FixedWindow`] key: the current window and its count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FixedWindowState {
     start: u64,
     count: u32,
 }
@@ -45,8 +50,6 @@ impl FixedWindow {
             rate,
             limit: rate.count(),
             window: rate.period_nanos(),
-            start: 0,
-            count: 0,
         }
     }
 
@@ -56,30 +59,37 @@ impl FixedWindow {
     }
 }
 
-impl Limiter for FixedWindow {
-    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+impl Algorithm for FixedWindow {
+    type State = FixedWindowState;
+
+    fn check(
+        &self,
+        state: &mut FixedWindowState,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, LimitError> {
         check_cost(cost, self.capacity())?;
         let now = nanos(now);
         let start = now - now % self.window;
-        if start > self.start {
-            self.start = start;
-            self.count = 0;
+        if start > state.start {
+            state.start = start;
+            state.count = 0;
         }
-        // `now` may be earlier than `self.start` if time went backwards: stay in the window.
-        let now = now.max(self.start);
-        let reset = Duration::from_nanos(self.start.saturating_add(self.window) - now);
+        // `now` may be earlier than the window start if time went backwards: stay in the window.
+        let now = now.max(state.start);
+        let reset = Duration::from_nanos(state.start.saturating_add(self.window) - now);
         let limit = u64::from(self.limit);
-        if self.count + cost <= self.limit {
-            self.count += cost;
+        if state.count + cost <= self.limit {
+            state.count += cost;
             Ok(Decision::allow(
                 limit,
-                u64::from(self.limit - self.count),
+                u64::from(self.limit - state.count),
                 reset,
             ))
         } else {
             Ok(Decision::reject(
                 limit,
-                u64::from(self.limit - self.count),
+                u64::from(self.limit - state.count),
                 reset,
                 reset,
             ))
@@ -90,11 +100,11 @@ impl Limiter for FixedWindow {
         u64::from(self.limit)
     }
 
-    fn neutral_at(&self) -> Duration {
-        if self.count == 0 {
+    fn neutral_at(&self, state: &FixedWindowState) -> Duration {
+        if state.count == 0 {
             Duration::ZERO
         } else {
-            Duration::from_nanos(self.start.saturating_add(self.window))
+            Duration::from_nanos(state.start.saturating_add(self.window))
         }
     }
 }

@@ -9,13 +9,14 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
-use crate::limit::{LimitError, Limiter};
+use crate::limit::{Algorithm, LimitError};
 
-/// A map of per-key limiters (per user, per tenant, per IP) with bounded memory.
+/// Per-key limits (per user, per tenant, per IP) under one algorithm, in bounded memory.
 ///
-/// Each new key starts as a copy of a *prototype* limiter. A key whose limiter is back to its
-/// neutral state (everything it consumed has been restored) behaves exactly like a new key,
-/// so it can be forgotten without changing any decision: that is how idle keys are evicted.
+/// The map holds one [`Algorithm::State`] per key (16 bytes for a token bucket) and the
+/// algorithm once. A key whose state is back to neutral (everything it consumed has been
+/// restored) behaves exactly like a new key, so it can be forgotten without changing any
+/// decision: that is how idle keys are evicted.
 ///
 /// # Memory bound and the full-map policy
 ///
@@ -34,8 +35,7 @@ use crate::limit::{LimitError, Limiter};
 /// use flowgate::limit::{Keyed, LimitError, TokenBucket};
 /// use flowgate::Quota;
 ///
-/// let bucket = TokenBucket::new(Quota::per_second(1)?);
-/// let mut per_user = Keyed::new(bucket, 2)?;
+/// let mut per_user = Keyed::new(TokenBucket::new(Quota::per_second(1)?), 2)?;
 /// let t = Duration::ZERO;
 /// assert!(per_user.check("alice", t, 1)?.allowed);
 /// assert!(per_user.check("bob", t, 1)?.allowed);
@@ -46,38 +46,38 @@ use crate::limit::{LimitError, Limiter};
 /// assert_eq!(per_user.len(), 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct Keyed<K, L, S = RandomState> {
-    map: HashMap<K, L, S>,
-    prototype: L,
+pub struct Keyed<K, A: Algorithm, S = RandomState> {
+    map: HashMap<K, A::State, S>,
+    algorithm: A,
     max_keys: usize,
     /// No sweep can free anything before this time.
     next_sweep: Duration,
 }
 
-impl<K: Hash + Eq, L: Limiter + Clone> Keyed<K, L> {
-    /// A map of limiters cloned from `prototype`, holding at most `max_keys` keys.
+impl<K: Hash + Eq, A: Algorithm> Keyed<K, A> {
+    /// A map of keys limited by `algorithm`, holding at most `max_keys` keys.
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `keyed.max_keys` if it is zero.
-    pub fn new(prototype: L, max_keys: usize) -> Result<Self, ConfigError> {
-        Self::with_hasher(prototype, max_keys, RandomState::new())
+    pub fn new(algorithm: A, max_keys: usize) -> Result<Self, ConfigError> {
+        Self::with_hasher(algorithm, max_keys, RandomState::new())
     }
 }
 
-impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
+impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     /// As [`Keyed::new`], with a custom hasher.
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `keyed.max_keys` if it is zero.
-    pub fn with_hasher(prototype: L, max_keys: usize, hasher: S) -> Result<Self, ConfigError> {
+    pub fn with_hasher(algorithm: A, max_keys: usize, hasher: S) -> Result<Self, ConfigError> {
         if max_keys == 0 {
             return Err(ConfigError::zero("keyed.max_keys"));
         }
         Ok(Keyed {
             map: HashMap::with_hasher(hasher),
-            prototype,
+            algorithm,
             max_keys,
             next_sweep: Duration::ZERO,
         })
@@ -87,26 +87,39 @@ impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
     ///
     /// # Errors
     ///
-    /// The errors of [`Limiter::check`], and [`LimitError::KeyspaceFull`] for a new key when
+    /// The errors of [`Algorithm::check`], and [`LimitError::KeyspaceFull`] for a new key when
     /// the map is full and no key can be evicted.
+    #[inline]
     pub fn check<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, LimitError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
-        if let Some(limiter) = self.map.get_mut(key) {
-            return limiter.check(now, cost);
+        if let Some(state) = self.map.get_mut(key) {
+            return self.algorithm.check(state, now, cost);
         }
-        let mut limiter = self.prototype.clone();
-        let decision = limiter.check(now, cost)?;
+        self.check_new(key, now, cost)
+    }
+
+    /// The first request of a key not held: decide it on a fresh state, then make room.
+    #[cold]
+    #[inline(never)]
+    fn check_new<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, LimitError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let mut state = A::State::default();
+        let decision = self.algorithm.check(&mut state, now, cost)?;
         if self.map.len() >= self.max_keys && self.sweep(now) == 0 {
             return Err(LimitError::KeyspaceFull {
                 max_keys: self.max_keys,
             });
         }
-        if !limiter.is_neutral(now) {
-            self.next_sweep = self.next_sweep.min(limiter.neutral_at());
-            self.map.insert(key.to_owned(), limiter);
+        let neutral_at = self.algorithm.neutral_at(&state);
+        if neutral_at > now {
+            self.next_sweep = self.next_sweep.min(neutral_at);
+            self.map.insert(key.to_owned(), state);
         }
         Ok(decision)
     }
@@ -121,8 +134,9 @@ impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
         }
         let before = self.map.len();
         let mut next = Duration::MAX;
-        self.map.retain(|_, limiter| {
-            let at = limiter.neutral_at();
+        let algorithm = &self.algorithm;
+        self.map.retain(|_, state| {
+            let at = algorithm.neutral_at(state);
             if at <= now {
                 false
             } else {
@@ -134,8 +148,8 @@ impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
         before - self.map.len()
     }
 
-    /// The limiter of `key`, if it is held.
-    pub fn get<Q>(&self, key: &Q) -> Option<&L>
+    /// The state of `key`, if it is held.
+    pub fn get<Q>(&self, key: &Q) -> Option<&A::State>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
@@ -143,8 +157,8 @@ impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
         self.map.get(key)
     }
 
-    /// Forget `key` (its next request starts fresh); returns its limiter.
-    pub fn remove<Q>(&mut self, key: &Q) -> Option<L>
+    /// Forget `key` (its next request starts fresh); returns its state.
+    pub fn remove<Q>(&mut self, key: &Q) -> Option<A::State>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
@@ -153,7 +167,7 @@ impl<K: Hash + Eq, L: Limiter + Clone, S: BuildHasher> Keyed<K, L, S> {
     }
 }
 
-impl<K, L, S> Keyed<K, L, S> {
+impl<K, A: Algorithm, S> Keyed<K, A, S> {
     /// How many keys are held.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -169,16 +183,16 @@ impl<K, L, S> Keyed<K, L, S> {
         self.max_keys
     }
 
-    /// The limiter every new key starts from.
-    pub fn prototype(&self) -> &L {
-        &self.prototype
+    /// The algorithm every key is limited by.
+    pub fn algorithm(&self) -> &A {
+        &self.algorithm
     }
 }
 
-impl<K, L: fmt::Debug, S> fmt::Debug for Keyed<K, L, S> {
+impl<K, A: Algorithm + fmt::Debug, S> fmt::Debug for Keyed<K, A, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Keyed")
-            .field("prototype", &self.prototype)
+            .field("algorithm", &self.algorithm)
             .field("keys", &self.map.len())
             .field("max_keys", &self.max_keys)
             .finish()

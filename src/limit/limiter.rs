@@ -1,44 +1,129 @@
-//! The `Limiter` trait and the integer time helpers the algorithms share.
+//! The `Algorithm` trait, the single `Limiter`, and the integer helpers the algorithms share.
 
+use std::fmt::Debug;
 use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::limit::LimitError;
 
-/// A pure, synchronous rate-limiting state machine with an explicit clock.
+/// A rate-limiting algorithm: immutable configuration whose per-key state is kept apart.
 ///
-/// `now` is the time since an origin of the caller's choice (the same origin for every call
-/// on one limiter), with nanosecond resolution. Time must not go backwards; if it does, the
-/// limiter treats the earlier `now` as "no time has passed" and stays conservative.
+/// Splitting the algorithm (shared, `Send + Sync`) from its state (a few integers) is what
+/// lets [`Keyed`](crate::limit::Keyed) hold one small state per key under a single
+/// configuration, and what the Redis scripts mirror: the script is the algorithm, the key's
+/// value is the state. Use [`Limiter`] for one limiter with its state inside.
+///
+/// `now` is the time since an origin of the caller's choice (the same for every call on one
+/// state), with nanosecond resolution. Time must not go backwards; if it does, the earlier
+/// `now` is treated as "no time has passed", which is conservative.
 ///
 /// Every implementation follows the same contract:
-/// - a rejected check consumes nothing;
+/// - a rejected check leaves the state unchanged;
 /// - `cost == 0` is [`LimitError::ZeroCost`], `cost > capacity()` is
 ///   [`LimitError::InsufficientCapacity`], and neither changes the state;
 /// - when rejected, checking the same cost again at `now + retry_after` is admitted (if
 ///   nothing else was admitted in between).
-pub trait Limiter {
-    /// Decide one request of `cost` units at time `now`; consume the cost if it is admitted.
+pub trait Algorithm {
+    /// The per-key state; `Default` is the state of a fresh key.
+    type State: Default + Clone + Debug + Send + Sync;
+
+    /// Decide one request of `cost` units at `now`; consume the cost if it is admitted.
     ///
     /// # Errors
     ///
     /// [`LimitError::ZeroCost`] and [`LimitError::InsufficientCapacity`], as above.
-    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError>;
+    fn check(
+        &self,
+        state: &mut Self::State,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, LimitError>;
 
     /// The most units that can ever be admitted at once.
     fn capacity(&self) -> u64;
 
-    /// The earliest time at which the state equals that of a fresh limiter (everything
-    /// consumed has been restored). A fresh limiter returns `Duration::ZERO`.
-    fn neutral_at(&self) -> Duration;
+    /// The earliest time at which `state` equals a fresh state again (everything consumed has
+    /// been restored). A fresh state returns `Duration::ZERO`.
+    fn neutral_at(&self, state: &Self::State) -> Duration;
 
-    /// Whether the state at `now` is that of a fresh limiter, so it can be forgotten.
-    fn is_neutral(&self, now: Duration) -> bool {
-        self.neutral_at() <= now
+    /// Whether `state` at `now` is that of a fresh key, so it can be forgotten.
+    fn is_neutral(&self, state: &Self::State, now: Duration) -> bool {
+        self.neutral_at(state) <= now
     }
 }
 
-/// Validates the cost against the capacity, as every limiter must.
+/// One limiter: an [`Algorithm`] together with its state.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Limiter, TokenBucket};
+/// use flowgate::Quota;
+///
+/// let mut limiter = Limiter::new(TokenBucket::new(Quota::per_second(1)?));
+/// assert!(limiter.check(Duration::ZERO, 1)?.allowed);
+/// assert!(!limiter.check(Duration::ZERO, 1)?.allowed);
+/// assert!(limiter.is_neutral(Duration::from_secs(1)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Limiter<A: Algorithm> {
+    algorithm: A,
+    state: A::State,
+}
+
+impl<A: Algorithm> Limiter<A> {
+    /// A fresh limiter running `algorithm`.
+    pub fn new(algorithm: A) -> Limiter<A> {
+        Limiter {
+            algorithm,
+            state: A::State::default(),
+        }
+    }
+
+    /// Decide one request of `cost` units at `now`; see [`Algorithm::check`].
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::ZeroCost`], [`LimitError::InsufficientCapacity`].
+    pub fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+        self.algorithm.check(&mut self.state, now, cost)
+    }
+
+    /// The most units that can ever be admitted at once.
+    pub fn capacity(&self) -> u64 {
+        self.algorithm.capacity()
+    }
+
+    /// When the state is fresh again; see [`Algorithm::neutral_at`].
+    pub fn neutral_at(&self) -> Duration {
+        self.algorithm.neutral_at(&self.state)
+    }
+
+    /// Whether the state at `now` is that of a fresh limiter.
+    pub fn is_neutral(&self, now: Duration) -> bool {
+        self.algorithm.is_neutral(&self.state, now)
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> &A {
+        &self.algorithm
+    }
+
+    /// The current state.
+    pub fn state(&self) -> &A::State {
+        &self.state
+    }
+
+    /// Forget everything consumed.
+    pub fn reset(&mut self) {
+        self.state = A::State::default();
+    }
+}
+
+/// Validates the cost against the capacity, as every algorithm must.
+#[inline]
 pub(crate) fn check_cost(cost: u32, capacity: u64) -> Result<(), LimitError> {
     if cost == 0 {
         Err(LimitError::ZeroCost)
@@ -50,16 +135,16 @@ pub(crate) fn check_cost(cost: u32, capacity: u64) -> Result<(), LimitError> {
 }
 
 /// `now` in whole nanoseconds, saturating after ~584 years.
+#[inline]
 pub(crate) fn nanos(now: Duration) -> u64 {
-    u64::try_from(now.as_nanos()).unwrap_or(u64::MAX)
-}
-
-/// `a / b`, rounded up.
-pub(crate) fn ceil_div(a: u128, b: u128) -> u128 {
-    a.div_ceil(b)
+    now.as_secs()
+        .checked_mul(1_000_000_000)
+        .and_then(|s| s.checked_add(u64::from(now.subsec_nanos())))
+        .unwrap_or(u64::MAX)
 }
 
 /// A nanosecond count as a `Duration`, saturating.
+#[inline]
 pub(crate) fn from_nanos(ns: u128) -> Duration {
     Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
 }

@@ -1,9 +1,10 @@
 //! Pure, synchronous limiter algorithms with an explicit clock: the reference math.
 //!
-//! Each limiter is a state machine: [`Limiter::check`]`(now, cost)` returns a
-//! [`Decision`](crate::Decision) and consumes `cost` only when it admits. Nothing here reads
-//! a clock, sleeps or locks, so the same traces can be replayed in tests, compared against
-//! the Redis scripts, and wrapped by the async gates of this crate.
+//! Each algorithm is a state machine: [`Algorithm::check`]`(state, now, cost)` returns a
+//! [`Decision`](crate::Decision) and consumes `cost` only when it admits. The algorithm is
+//! immutable configuration; the state is a few integers per key ([`Limiter`] bundles one of
+//! each). Nothing here reads a clock, sleeps or locks, so the same traces can be replayed in
+//! tests, compared against the Redis scripts, and wrapped by the async gates of this crate.
 //!
 //! | algorithm | memory per key | guarantee |
 //! |---|---|---|
@@ -12,8 +13,8 @@
 //! | [`SlidingLog`] | ≤ `limit` entries | ≤ `limit` in any interval of length `window`, exactly |
 //! | [`SlidingWindow`] | three integers | ≤ `limit` per aligned window; < `2·limit` in any interval (see its docs) |
 //!
-//! [`Keyed`] holds one limiter per key with bounded memory and evicts keys whose state is
-//! back to neutral.
+//! [`Keyed`] holds one state per key under one algorithm, with bounded memory, and evicts
+//! keys whose state is back to neutral.
 //!
 //! All arithmetic is integer (nanoseconds, scaled where a rate does not divide evenly),
 //! so decisions are exact and reproducible.
@@ -27,9 +28,9 @@ mod sliding_window;
 mod token_bucket;
 
 pub use error::LimitError;
-pub use fixed_window::FixedWindow;
+pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use keyed::Keyed;
-pub use limiter::Limiter;
-pub use sliding_log::SlidingLog;
-pub use sliding_window::SlidingWindow;
-pub use token_bucket::TokenBucket;
+pub use limiter::{Algorithm, Limiter};
+pub use sliding_log::{SlidingLog, SlidingLogState};
+pub use sliding_window::{SlidingWindow, SlidingWindowState};
+pub use token_bucket::{TokenBucket, TokenBucketState};

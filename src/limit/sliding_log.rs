@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{LimitError, Limiter};
+use crate::limit::{Algorithm, LimitError};
 use crate::rate::Rate;
 
 /// At most `limit` units in *any* interval of length `window`: the exact sliding window.
@@ -22,7 +22,7 @@ use crate::rate::Rate;
 /// use flowgate::limit::{Limiter, SlidingLog};
 /// use flowgate::Rate;
 ///
-/// let mut log = SlidingLog::new(Rate::per_second(2)?);
+/// let mut log = Limiter::new(SlidingLog::new(Rate::per_second(2)?));
 /// let ms = Duration::from_millis;
 /// assert!(log.check(ms(0), 1)?.allowed);
 /// assert!(log.check(ms(600), 1)?.allowed);
@@ -36,9 +36,21 @@ pub struct SlidingLog {
     rate: Rate,
     limit: u32,
     window: u64,
+}
+
+/// The state of one [`SlidingLog`] key: the live entries, oldest first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlidingLogState {
     /// `(admitted at, cost)`, oldest first.
     log: VecDeque<(u64, u32)>,
     total: u32,
+}
+
+impl SlidingLogState {
+    /// The number of log entries held (at most the limit).
+    pub fn entries(&self) -> usize {
+        self.log.len()
+    }
 }
 
 impl SlidingLog {
@@ -48,8 +60,6 @@ impl SlidingLog {
             rate,
             limit: rate.count(),
             window: rate.period_nanos(),
-            log: VecDeque::new(),
-            total: 0,
         }
     }
 
@@ -58,51 +68,53 @@ impl SlidingLog {
         self.rate
     }
 
-    /// The number of log entries held (at most the limit).
-    pub fn entries(&self) -> usize {
-        self.log.len()
-    }
-
-    fn expire(&mut self, now: u64) {
-        while let Some(&(at, cost)) = self.log.front() {
+    fn expire(&self, state: &mut SlidingLogState, now: u64) {
+        while let Some(&(at, cost)) = state.log.front() {
             if at.saturating_add(self.window) > now {
                 break;
             }
-            self.log.pop_front();
-            self.total -= cost;
+            state.log.pop_front();
+            state.total -= cost;
         }
     }
 
-    fn reset_after(&self, now: u64) -> Duration {
-        self.log.back().map_or(Duration::ZERO, |&(at, _)| {
+    fn reset_after(&self, state: &SlidingLogState, now: u64) -> Duration {
+        state.log.back().map_or(Duration::ZERO, |&(at, _)| {
             Duration::from_nanos(at.saturating_add(self.window).saturating_sub(now))
         })
     }
 }
 
-impl Limiter for SlidingLog {
-    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+impl Algorithm for SlidingLog {
+    type State = SlidingLogState;
+
+    fn check(
+        &self,
+        state: &mut SlidingLogState,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, LimitError> {
         check_cost(cost, self.capacity())?;
         // Time going backwards is treated as no time passing.
-        let now = nanos(now).max(self.log.back().map_or(0, |&(at, _)| at));
-        self.expire(now);
+        let now = nanos(now).max(state.log.back().map_or(0, |&(at, _)| at));
+        self.expire(state, now);
         let limit = u64::from(self.limit);
-        if self.total + cost <= self.limit {
-            self.total += cost;
-            match self.log.back_mut() {
+        if state.total + cost <= self.limit {
+            state.total += cost;
+            match state.log.back_mut() {
                 Some((at, n)) if *at == now => *n += cost,
-                _ => self.log.push_back((now, cost)),
+                _ => state.log.push_back((now, cost)),
             }
             Ok(Decision::allow(
                 limit,
-                u64::from(self.limit - self.total),
-                self.reset_after(now),
+                u64::from(self.limit - state.total),
+                self.reset_after(state, now),
             ))
         } else {
             // Free the oldest entries until `cost` fits; the last one freed sets the wait.
-            let mut need = self.total + cost - self.limit;
+            let mut need = state.total + cost - self.limit;
             let mut retry = 0;
-            for &(at, n) in &self.log {
+            for &(at, n) in &state.log {
                 retry = at.saturating_add(self.window) - now;
                 if n >= need {
                     break;
@@ -111,9 +123,9 @@ impl Limiter for SlidingLog {
             }
             Ok(Decision::reject(
                 limit,
-                u64::from(self.limit - self.total),
+                u64::from(self.limit - state.total),
                 Duration::from_nanos(retry),
-                self.reset_after(now),
+                self.reset_after(state, now),
             ))
         }
     }
@@ -122,8 +134,8 @@ impl Limiter for SlidingLog {
         u64::from(self.limit)
     }
 
-    fn neutral_at(&self) -> Duration {
-        self.log.back().map_or(Duration::ZERO, |&(at, _)| {
+    fn neutral_at(&self, state: &SlidingLogState) -> Duration {
+        state.log.back().map_or(Duration::ZERO, |&(at, _)| {
             Duration::from_nanos(at.saturating_add(self.window))
         })
     }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{LimitError, Limiter};
+use crate::limit::{Algorithm, LimitError};
 use crate::rate::Rate;
 
 /// The sliding window counter: two counters, weighted, in constant memory.
@@ -32,7 +32,7 @@ use crate::rate::Rate;
 /// use flowgate::limit::{Limiter, SlidingWindow};
 /// use flowgate::Rate;
 ///
-/// let mut w = SlidingWindow::new(Rate::per_second(10)?);
+/// let mut w = Limiter::new(SlidingWindow::new(Rate::per_second(10)?));
 /// let ms = Duration::from_millis;
 /// assert!(w.check(ms(500), 10)?.allowed); // 10 in window [0 s, 1 s)
 /// // At 1.5 s the estimate is 10 · 0.5 + 0 = 5, so 5 more fit.
@@ -45,6 +45,11 @@ pub struct SlidingWindow {
     rate: Rate,
     limit: u32,
     window: u64,
+}
+
+/// The state of one [`SlidingWindow`] key: the current window and the two counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlidingWindowState {
     start: u64,
     current: u32,
     previous: u32,
@@ -57,9 +62,6 @@ impl SlidingWindow {
             rate,
             limit: rate.count(),
             window: rate.period_nanos(),
-            start: 0,
-            current: 0,
-            previous: 0,
         }
     }
 
@@ -68,32 +70,32 @@ impl SlidingWindow {
         self.rate
     }
 
-    fn roll(&mut self, now: u64) {
+    fn roll(&self, state: &mut SlidingWindowState, now: u64) {
         let start = now - now % self.window;
-        if start <= self.start {
+        if start <= state.start {
             return;
         }
-        self.previous = if start - self.start == self.window {
-            self.current
+        state.previous = if start - state.start == self.window {
+            state.current
         } else {
             0
         };
-        self.current = 0;
-        self.start = start;
+        state.current = 0;
+        state.start = start;
     }
 
     /// `estimate · window` at `elapsed` into the current window.
-    fn weighted(&self, elapsed: u64) -> u128 {
-        u128::from(self.previous) * u128::from(self.window - elapsed)
-            + u128::from(self.current) * u128::from(self.window)
+    fn weighted(&self, state: &SlidingWindowState, elapsed: u64) -> u128 {
+        u128::from(state.previous) * u128::from(self.window - elapsed)
+            + u128::from(state.current) * u128::from(self.window)
     }
 
     /// Time from `elapsed` until the state is neutral (both counters decayed to zero).
-    fn reset_after(&self, elapsed: u64) -> Duration {
+    fn reset_after(&self, state: &SlidingWindowState, elapsed: u64) -> Duration {
         let to_end = self.window - elapsed;
-        Duration::from_nanos(if self.current > 0 {
+        Duration::from_nanos(if state.current > 0 {
             to_end.saturating_add(self.window)
-        } else if self.previous > 0 {
+        } else if state.previous > 0 {
             to_end
         } else {
             0
@@ -112,32 +114,41 @@ impl SlidingWindow {
     }
 }
 
-impl Limiter for SlidingWindow {
-    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+impl Algorithm for SlidingWindow {
+    type State = SlidingWindowState;
+
+    fn check(
+        &self,
+        state: &mut SlidingWindowState,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, LimitError> {
         check_cost(cost, self.capacity())?;
         let now = nanos(now);
-        self.roll(now);
-        let elapsed = now.max(self.start) - self.start;
+        self.roll(state, now);
+        let elapsed = now.max(state.start) - state.start;
         let limit = u64::from(self.limit);
         let w = u128::from(self.window);
-        let weighted = self.weighted(elapsed);
+        let weighted = self.weighted(state, elapsed);
         if weighted + u128::from(cost) * w <= u128::from(self.limit) * w {
-            self.current += cost;
-            let after = self.weighted(elapsed);
+            state.current += cost;
+            let after = self.weighted(state, elapsed);
             let remaining = (u128::from(self.limit) * w - after) / w;
             Ok(Decision::allow(
                 limit,
                 remaining as u64,
-                self.reset_after(elapsed),
+                self.reset_after(state, elapsed),
             ))
         } else {
             let remaining = (u128::from(self.limit) * w).saturating_sub(weighted) / w;
             // Later in this window, or else at an offset into the next one (where this
             // window's count becomes the previous one and nothing is current yet).
-            let retry = match self.fits_from(self.previous, self.current, cost) {
+            let retry = match self.fits_from(state.previous, state.current, cost) {
                 Some(e) if e < self.window => e - elapsed,
                 _ => {
-                    let e = self.fits_from(self.current, 0, cost).unwrap_or(self.window);
+                    let e = self
+                        .fits_from(state.current, 0, cost)
+                        .unwrap_or(self.window);
                     self.window - elapsed + e
                 }
             };
@@ -145,7 +156,7 @@ impl Limiter for SlidingWindow {
                 limit,
                 remaining as u64,
                 Duration::from_nanos(retry),
-                self.reset_after(elapsed),
+                self.reset_after(state, elapsed),
             ))
         }
     }
@@ -154,11 +165,11 @@ impl Limiter for SlidingWindow {
         u64::from(self.limit)
     }
 
-    fn neutral_at(&self) -> Duration {
-        let end = self.start.saturating_add(self.window);
-        Duration::from_nanos(if self.current > 0 {
+    fn neutral_at(&self, state: &SlidingWindowState) -> Duration {
+        let end = state.start.saturating_add(self.window);
+        Duration::from_nanos(if state.current > 0 {
             end.saturating_add(self.window)
-        } else if self.previous > 0 {
+        } else if state.previous > 0 {
             end
         } else {
             0

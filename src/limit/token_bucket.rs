@@ -3,17 +3,17 @@
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::limiter::{ceil_div, check_cost, from_nanos, gcd, nanos};
-use crate::limit::{LimitError, Limiter};
+use crate::limit::limiter::{check_cost, from_nanos, gcd, nanos};
+use crate::limit::{Algorithm, LimitError};
 use crate::rate::Quota;
 
 /// A token bucket, implemented as GCRA (the generic cell rate algorithm) with exact integer
 /// arithmetic.
 ///
 /// The bucket holds up to `burst` tokens and refills at `rate`; a request of `cost` tokens
-/// is admitted when that many are there. GCRA stores a single number, the *theoretical
-/// arrival time* (TAT) at which the bucket would be full again, instead of a token count
-/// and a timestamp.
+/// is admitted when that many are there. GCRA stores a single number per key, the
+/// *theoretical arrival time* (TAT) at which the bucket would be full again, instead of a
+/// token count and a timestamp.
 ///
 /// # Exactness
 ///
@@ -29,7 +29,7 @@ use crate::rate::Quota;
 /// use flowgate::limit::{Limiter, TokenBucket};
 /// use flowgate::Quota;
 ///
-/// let mut bucket = TokenBucket::new(Quota::per_second(10)?.burst(5)?);
+/// let mut bucket = Limiter::new(TokenBucket::new(Quota::per_second(10)?.burst(5)?));
 /// let t0 = Duration::ZERO;
 /// for _ in 0..5 {
 ///     assert!(bucket.check(t0, 1)?.allowed);
@@ -49,23 +49,46 @@ pub struct TokenBucket {
     unit: u64,
     /// Units for a full bucket: `burst * unit`.
     tau: u128,
-    /// Theoretical arrival time, in units.
-    tat: u128,
+    /// `tau` when all arithmetic fits in `u64` nanoseconds (`scale == 1`).
+    fast_tau: Option<u64>,
+}
+
+/// The state of one [`TokenBucket`] key: its theoretical arrival time, in units.
+///
+/// Stored as two `u64` halves so that a key costs 16 bytes with 8-byte alignment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenBucketState {
+    lo: u64,
+    hi: u64,
+}
+
+impl TokenBucketState {
+    #[inline]
+    fn get(self) -> u128 {
+        (u128::from(self.hi) << 64) | u128::from(self.lo)
+    }
+
+    #[inline]
+    fn set(&mut self, tat: u128) {
+        self.lo = tat as u64;
+        self.hi = (tat >> 64) as u64;
+    }
 }
 
 impl TokenBucket {
-    /// A full bucket for `quota`.
+    /// A token bucket for `quota`.
     pub fn new(quota: Quota) -> TokenBucket {
         let rate = quota.rate();
         let g = gcd(u64::from(rate.count()), rate.period_nanos());
         let scale = u64::from(rate.count()) / g;
         let unit = rate.period_nanos() / g;
+        let tau = u128::from(quota.burst_size()) * u128::from(unit);
         TokenBucket {
             quota,
             scale,
             unit,
-            tau: u128::from(quota.burst_size()) * u128::from(unit),
-            tat: 0,
+            tau,
+            fast_tau: u64::try_from(tau).ok().filter(|_| scale == 1),
         }
     }
 
@@ -74,10 +97,10 @@ impl TokenBucket {
         self.quota
     }
 
-    /// Tokens available at `now`, without consuming any.
-    pub fn available(&self, now: Duration) -> u64 {
+    /// Tokens available in `state` at `now`, without consuming any.
+    pub fn available(&self, state: &TokenBucketState, now: Duration) -> u64 {
         let now = self.units(now);
-        let used = self.tat.saturating_sub(now).min(self.tau);
+        let used = state.get().saturating_sub(now).min(self.tau);
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
 
@@ -86,52 +109,99 @@ impl TokenBucket {
     }
 
     fn to_duration(&self, units: u128) -> Duration {
-        if self.scale == 1 {
-            from_nanos(units)
-        } else {
-            from_nanos(ceil_div(units, u128::from(self.scale)))
-        }
+        from_nanos(units.div_ceil(u128::from(self.scale)))
     }
 
-    fn tokens(&self, free_units: u128) -> u64 {
-        // `free_units <= tau = burst * unit`, so the quotient fits in a u32.
-        (free_units / u128::from(self.unit)) as u64
-    }
-}
-
-impl Limiter for TokenBucket {
-    fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
-        check_cost(cost, self.capacity())?;
+    /// Any rate, in 128-bit units: exact for every `Quota`.
+    #[inline(never)]
+    fn check_exact(&self, state: &mut TokenBucketState, now: Duration, cost: u32) -> Decision {
         let now = self.units(now);
         let limit = self.capacity();
-        let tat = self.tat.max(now);
+        let tat = state.get().max(now);
         let new_tat = tat + u128::from(cost) * u128::from(self.unit);
+        let tokens = |free: u128| (free / u128::from(self.unit)) as u64;
         // Admit when the bucket after this request is at most full: new_tat - now <= tau.
         let used_after = new_tat - now;
         if used_after <= self.tau {
-            self.tat = new_tat;
-            Ok(Decision::allow(
+            state.set(new_tat);
+            Decision::allow(
                 limit,
-                self.tokens(self.tau - used_after),
+                tokens(self.tau - used_after),
                 self.to_duration(used_after),
-            ))
+            )
         } else {
             // `tat - now` can exceed tau only if time went backwards.
             let used = (tat - now).min(self.tau);
-            Ok(Decision::reject(
+            Decision::reject(
                 limit,
-                self.tokens(self.tau - used),
+                tokens(self.tau - used),
                 self.to_duration(used_after - self.tau),
                 self.to_duration(tat - now),
+            )
+        }
+    }
+
+    /// The common case in 64-bit integers: whole-nanosecond units and nothing near overflow.
+    #[inline]
+    fn check_fast(
+        &self,
+        state: &mut TokenBucketState,
+        now: Duration,
+        cost: u32,
+        tau: u64,
+    ) -> Option<Decision> {
+        if state.hi != 0 {
+            return None;
+        }
+        let now = nanos(now);
+        let tat = state.lo.max(now);
+        let new_tat = tat.checked_add(u64::from(cost).checked_mul(self.unit)?)?;
+        let used_after = new_tat - now;
+        let limit = u64::from(self.quota.burst_size());
+        if used_after <= tau {
+            state.lo = new_tat;
+            let remaining = (tau - used_after) / self.unit;
+            Some(Decision::allow(
+                limit,
+                remaining,
+                Duration::from_nanos(used_after),
+            ))
+        } else {
+            let used = (tat - now).min(tau);
+            Some(Decision::reject(
+                limit,
+                (tau - used) / self.unit,
+                Duration::from_nanos(used_after - tau),
+                Duration::from_nanos(tat - now),
             ))
         }
+    }
+}
+
+impl Algorithm for TokenBucket {
+    type State = TokenBucketState;
+
+    #[inline]
+    fn check(
+        &self,
+        state: &mut TokenBucketState,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, LimitError> {
+        check_cost(cost, self.capacity())?;
+        if let Some(tau) = self.fast_tau
+            && let Some(decision) = self.check_fast(state, now, cost, tau)
+        {
+            return Ok(decision);
+        }
+        Ok(self.check_exact(state, now, cost))
     }
 
     fn capacity(&self) -> u64 {
         u64::from(self.quota.burst_size())
     }
 
-    fn neutral_at(&self) -> Duration {
-        self.to_duration(self.tat)
+    fn neutral_at(&self, state: &TokenBucketState) -> Duration {
+        self.to_duration(state.get())
     }
 }

@@ -15,7 +15,7 @@
 //! | [`overflow`] | [`Overflow`]: the policy of every bounded buffer | ready |
 //! | [`limit`] | token bucket (GCRA), fixed window, sliding log, sliding window; [`limit::Keyed`] | ready |
 //! | [`metrics`] | metric names; one recording path, free when the feature is off | ready |
-//! | `channel` | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | planned |
+//! | [`channel`] | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | ready |
 //! | `bulkhead` | concurrency caps, waiting room, load shedding, critical reserve | planned |
 //! | `pace` | leaky-bucket pacing: constant outflow from 1/s to 1M/s | planned |
 //! | `demand` | request(n) credit, fetch-by-demand sources, watermarks, commits | planned |
@@ -65,6 +65,7 @@
 #![doc(test(attr(deny(warnings))))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod channel;
 mod decision;
 mod error;
 pub mod limit;
@@ -79,6 +80,7 @@ pub use rate::{Quota, Rate};
 
 /// The types most pipelines need, in one import.
 pub mod prelude {
+    pub use crate::channel::{Receiver, Sender, Sent};
     pub use crate::limit::{Algorithm, Keyed, Limiter};
     pub use crate::{ConfigError, Decision, Overflow, Quota, Rate};
 }

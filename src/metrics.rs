@@ -11,7 +11,7 @@
 //!
 //! The names below are listed as components land; each is documented with its component.
 
-// The handles are used by the components as they land; the limit math records nothing.
+// Histograms are used by components still to land.
 #![allow(dead_code)]
 
 #[cfg(feature = "metrics")]

@@ -1,0 +1,138 @@
+//! Errors and outcomes of channel operations.
+
+use std::fmt;
+
+/// What happened to an item a send call accepted.
+///
+/// Under [`Overflow::Backpressure`](crate::Overflow::Backpressure) and
+/// [`Overflow::Reject`](crate::Overflow::Reject) an accepted item is always
+/// [`Queued`](Sent::Queued). Under the drop policies the send never waits, and the outcome
+/// says which item was dropped; the dropped item went to the `on_drop` hook (if one is set)
+/// and was counted in [`Stats::dropped`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Sent {
+    /// The item is in the buffer.
+    Queued,
+    /// The buffer was full: the item just sent was dropped (`Overflow::DropNewest`, or
+    /// `DropOldest` when every slot is reserved by a permit and there is nothing to evict).
+    DroppedNewest,
+    /// The buffer was full: its oldest item was evicted and the item just sent was queued.
+    EvictedOldest,
+}
+
+impl Sent {
+    /// Whether the item just sent is in the buffer.
+    pub fn is_queued(self) -> bool {
+        !matches!(self, Sent::DroppedNewest)
+    }
+}
+
+/// A send that did not happen; the item is handed back.
+#[derive(PartialEq, Eq, Clone, Copy)]
+#[non_exhaustive]
+pub enum SendError<T> {
+    /// The buffer is full: under `Overflow::Reject`, or a `try_send` under
+    /// `Overflow::Backpressure`.
+    Full(T),
+    /// The channel is closed: every receiver is gone, or `close()` was called.
+    Closed(T),
+}
+
+impl<T> SendError<T> {
+    /// The item that was not sent.
+    pub fn into_inner(self) -> T {
+        match self {
+            SendError::Full(t) | SendError::Closed(t) => t,
+        }
+    }
+
+    /// Whether the channel was full.
+    pub fn is_full(&self) -> bool {
+        matches!(self, SendError::Full(_))
+    }
+
+    /// Whether the channel was closed.
+    pub fn is_closed(&self) -> bool {
+        matches!(self, SendError::Closed(_))
+    }
+}
+
+impl<T> fmt::Debug for SendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendError::Full(_) => f.write_str("Full(..)"),
+            SendError::Closed(_) => f.write_str("Closed(..)"),
+        }
+    }
+}
+
+impl<T> fmt::Display for SendError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendError::Full(_) => f.write_str("channel full"),
+            SendError::Closed(_) => f.write_str("channel closed"),
+        }
+    }
+}
+
+impl<T> std::error::Error for SendError<T> {}
+
+/// A slot that could not be reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReserveError {
+    /// Every slot is taken by a buffered item or another permit (only from `try_reserve`).
+    Full,
+    /// The channel is closed.
+    Closed,
+}
+
+impl fmt::Display for ReserveError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReserveError::Full => f.write_str("channel full"),
+            ReserveError::Closed => f.write_str("channel closed"),
+        }
+    }
+}
+
+impl std::error::Error for ReserveError {}
+
+/// Why `try_recv` returned no item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TryRecvError {
+    /// Nothing is buffered right now; senders remain.
+    Empty,
+    /// Nothing is buffered and nothing more can come: every sender is gone or the channel
+    /// was closed, and no permit is outstanding.
+    Closed,
+}
+
+impl fmt::Display for TryRecvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TryRecvError::Empty => f.write_str("channel empty"),
+            TryRecvError::Closed => f.write_str("channel closed and drained"),
+        }
+    }
+}
+
+impl std::error::Error for TryRecvError {}
+
+/// Counts of one channel since it was built.
+///
+/// At any moment `sent == received + dropped + len()`; once the channel is drained,
+/// `sent == received + dropped` exactly.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Items accepted by a send (queued, or dropped by the overflow policy). Items handed
+    /// back in a [`SendError`] are not counted.
+    pub sent: u64,
+    /// Items taken by receivers.
+    pub received: u64,
+    /// Items dropped: by `DropNewest` / `DropOldest`, or left in the buffer (or sent through a
+    /// permit) after every receiver was gone.
+    pub dropped: u64,
+}

@@ -1,0 +1,91 @@
+//! A bounded multi-producer, multi-consumer channel with overflow policies.
+//!
+//! The queue between pipeline stages. An unbounded queue is how a slow consumer becomes an
+//! out-of-memory kill; this one is bounded and says exactly what happens when it is full,
+//! according to its [`Overflow`](crate::Overflow) policy:
+//!
+//! | policy | full buffer | [`Sender::send`] returns |
+//! |---|---|---|
+//! | `Backpressure` (default) | the sender waits for a slot, FIFO | `Ok(Sent::Queued)` |
+//! | `Reject` | the item is handed back | `Err(SendError::Full(item))` |
+//! | `DropNewest` | the new item is dropped | `Ok(Sent::DroppedNewest)` |
+//! | `DropOldest` | the oldest buffered item is evicted | `Ok(Sent::EvictedOldest)` |
+//!
+//! Nothing disappears silently: a dropped item goes to the [`Builder::on_drop`] hook (if
+//! set), is counted in [`Stats::dropped`] and in the `flowgate_channel_dropped_total`
+//! metric (labelled by `policy`), and the send outcome says what happened.
+//!
+//! # Shutdown
+//!
+//! - When every [`Sender`] is gone (or [`Sender::close`] / [`Receiver::close`] was called),
+//!   no new item is accepted; receivers still get every buffered item, and the item of any
+//!   outstanding [`Permit`], then `None`.
+//! - When every [`Receiver`] is gone, sends fail and hand the item back; items still
+//!   buffered go to `on_drop` and are counted as dropped.
+//!
+//! # Fairness
+//!
+//! Items are delivered in FIFO order. Senders waiting for space are served in FIFO order: a
+//! freed slot is handed directly to the longest-waiting sender, so a newcomer never takes it.
+//! Receivers waiting for items are woken in FIFO order, one per item.
+//!
+//! # Cancel safety
+//!
+//! Every future is cancel-safe: a dropped `recv` loses no item, a dropped `send` or
+//! `reserve` leaks no slot, and a wake-up or slot handed to a future that is then dropped
+//! passes on to the next waiter.
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature, labelled by the channel's `name`:
+//! `flowgate_channel_depth` (gauge), `flowgate_channel_sent_total`,
+//! `flowgate_channel_received_total`, and `flowgate_channel_dropped_total` with a `policy`
+//! label of `drop_newest`, `drop_oldest` or `closed`.
+//!
+//! # Examples
+//!
+//! ```
+//! use futures::{SinkExt, StreamExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (mut tx, rx) = flowgate::channel::bounded::<u32>(16)?;
+//! let producer = tokio::spawn(async move {
+//!     tx.send_all(&mut futures::stream::iter(0..100).map(Ok)).await
+//! });
+//! let doubled: Vec<u32> = rx.map(|x| x * 2).collect().await;
+//! producer.await??;
+//! assert_eq!(doubled.len(), 100);
+//! assert_eq!(doubled[99], 198);
+//! # Ok(())
+//! # }
+//! ```
+
+mod builder;
+mod error;
+mod permit;
+mod receiver;
+mod sender;
+mod shared;
+
+pub use builder::Builder;
+pub use error::{ReserveError, SendError, Sent, Stats, TryRecvError};
+pub use permit::{OwnedPermit, Permit};
+pub use receiver::{Receiver, Recv, RecvMany};
+pub use sender::{Closed, Reserve, ReserveOwned, Send, Sender};
+
+use crate::error::ConfigError;
+
+/// A bounded channel of `capacity` items with [`Overflow::Backpressure`](crate::Overflow).
+///
+/// # Errors
+///
+/// [`ConfigError`] on `channel.capacity` if `capacity` is zero.
+pub fn bounded<T>(capacity: usize) -> Result<(Sender<T>, Receiver<T>), ConfigError> {
+    builder(capacity).build()
+}
+
+/// A builder for a channel of `capacity` items: policy, drop hook, name.
+pub fn builder<T>(capacity: usize) -> Builder<T> {
+    Builder::new(capacity)
+}

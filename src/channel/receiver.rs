@@ -1,0 +1,231 @@
+//! `Receiver`: the receiving half, its futures, and its `Stream` implementation.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::Stream;
+use futures::stream::FusedStream;
+
+use crate::channel::error::{Stats, TryRecvError};
+use crate::channel::shared::{Shared, Waiting};
+
+/// The receiving half of a bounded channel. Clone it for more consumers; each item goes to
+/// exactly one receiver.
+///
+/// Implements [`Stream`] and [`FusedStream`]. When every sender is gone (or the channel was
+/// closed), receivers still get every buffered item, then `None`. When the last receiver is
+/// dropped, items still buffered are passed to the `on_drop` hook and counted as dropped,
+/// and further sends fail, handing their item back.
+pub struct Receiver<T> {
+    shared: Arc<Shared<T>>,
+    waiting: Waiting,
+    terminated: bool,
+}
+
+impl<T> Receiver<T> {
+    pub(crate) fn new(shared: Arc<Shared<T>>) -> Receiver<T> {
+        Receiver {
+            shared,
+            waiting: Waiting::default(),
+            terminated: false,
+        }
+    }
+
+    /// Receive the next item; `None` once the channel is closed and drained.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a dropped `recv` future loses no item (an item is taken out of the
+    /// buffer only by the poll that returns it), and a wake-up it had received passes on to
+    /// another waiting receiver.
+    pub fn recv(&mut self) -> Recv<'_, T> {
+        Recv { receiver: self }
+    }
+
+    /// Receive an item if one is buffered, without waiting.
+    ///
+    /// # Errors
+    ///
+    /// [`TryRecvError::Empty`] when nothing is buffered, [`TryRecvError::Closed`] when
+    /// nothing more can come.
+    pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
+        self.shared.try_recv()
+    }
+
+    /// Wait for at least one item, then move up to `limit` buffered items into `buf` (in
+    /// one lock). Returns how many were moved: 0 only when the channel is closed and
+    /// drained, or when `limit` is 0.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`recv`](Receiver::recv).
+    pub fn recv_many<'a>(&'a mut self, buf: &'a mut Vec<T>, limit: usize) -> RecvMany<'a, T> {
+        RecvMany {
+            receiver: self,
+            buf,
+            limit,
+        }
+    }
+
+    /// Close the channel: further sends fail and waiting senders fail, but every item already
+    /// buffered (or sent through an outstanding permit) can still be received.
+    pub fn close(&mut self) {
+        self.shared.close();
+    }
+
+    /// Poll for the next item, registering the task when none is there.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        self.shared.poll_recv(cx, &mut self.waiting)
+    }
+
+    /// Whether the channel is closed for new sends.
+    pub fn is_closed(&self) -> bool {
+        self.shared.is_closed()
+    }
+
+    /// How many items are buffered.
+    pub fn len(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Whether nothing is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer's capacity.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity()
+    }
+
+    /// The channel's counts so far.
+    pub fn stats(&self) -> Stats {
+        self.shared.stats()
+    }
+
+    /// The channel's name, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.shared.name()
+    }
+}
+
+impl<T> Clone for Receiver<T> {
+    fn clone(&self) -> Receiver<T> {
+        self.shared.add_receiver();
+        Receiver::new(self.shared.clone())
+    }
+}
+
+impl<T> Drop for Receiver<T> {
+    fn drop(&mut self) {
+        self.shared.cancel_recv_wait(&mut self.waiting);
+        self.shared.drop_receiver();
+    }
+}
+
+impl<T> fmt::Debug for Receiver<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver")
+            .field("channel", &*self.shared)
+            .finish()
+    }
+}
+
+// The receiver holds no pinned state.
+impl<T> Unpin for Receiver<T> {}
+
+impl<T> Stream for Receiver<T> {
+    type Item = T;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let this = self.get_mut();
+        if this.terminated {
+            return Poll::Ready(None);
+        }
+        let next = this.poll_recv(cx);
+        if let Poll::Ready(None) = next {
+            this.terminated = true;
+        }
+        next
+    }
+
+    /// Lower bound: the items buffered now. Upper bound: none while senders remain.
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        if self.terminated {
+            (0, Some(0))
+        } else {
+            (self.len(), None)
+        }
+    }
+}
+
+impl<T> FusedStream for Receiver<T> {
+    fn is_terminated(&self) -> bool {
+        self.terminated
+    }
+}
+
+/// Future of [`Receiver::recv`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Recv<'a, T> {
+    receiver: &'a mut Receiver<T>,
+}
+
+impl<T> Future for Recv<'_, T> {
+    type Output = Option<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        self.get_mut().receiver.poll_recv(cx)
+    }
+}
+
+impl<T> Drop for Recv<'_, T> {
+    fn drop(&mut self) {
+        let receiver = &mut *self.receiver;
+        receiver.shared.cancel_recv_wait(&mut receiver.waiting);
+    }
+}
+
+impl<T> fmt::Debug for Recv<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Recv").finish_non_exhaustive()
+    }
+}
+
+/// Future of [`Receiver::recv_many`].
+#[must_use = "futures do nothing unless polled"]
+pub struct RecvMany<'a, T> {
+    receiver: &'a mut Receiver<T>,
+    buf: &'a mut Vec<T>,
+    limit: usize,
+}
+
+impl<T> Future for RecvMany<'_, T> {
+    type Output = usize;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
+        let this = self.get_mut();
+        let receiver = &mut *this.receiver;
+        receiver
+            .shared
+            .poll_recv_many(cx, &mut receiver.waiting, this.buf, this.limit)
+    }
+}
+
+impl<T> Drop for RecvMany<'_, T> {
+    fn drop(&mut self) {
+        let receiver = &mut *self.receiver;
+        receiver.shared.cancel_recv_wait(&mut receiver.waiting);
+    }
+}
+
+impl<T> fmt::Debug for RecvMany<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecvMany")
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
+}

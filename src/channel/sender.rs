@@ -1,0 +1,425 @@
+//! `Sender`: the sending half, its futures, and its `Sink` implementation.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::Sink;
+
+use crate::channel::error::{ReserveError, SendError, Sent, Stats};
+use crate::channel::permit::{OwnedPermit, Permit};
+use crate::channel::shared::{Shared, Waiting};
+use crate::overflow::Overflow;
+
+/// The sending half of a bounded channel. Clone it for more producers.
+///
+/// What a send does when the buffer is full depends on the channel's [`Overflow`] policy:
+/// under `Backpressure` [`send`](Sender::send) waits (FIFO among waiting senders), under
+/// `Reject` it hands the item back, under the drop policies it never waits and reports the
+/// drop in its [`Sent`] outcome.
+///
+/// `Sender` implements [`Sink`]: `poll_ready` reserves a slot (waiting for one under
+/// `Backpressure`), `start_send` fills it, and a slot reserved but never filled is released
+/// when the sender is dropped or closed as a sink. Closing it as a sink (`poll_close`) detaches
+/// this handle only; the channel closes when the last sender is gone.
+///
+/// When the last `Sender` is dropped, receivers still get every buffered item, then `None`.
+pub struct Sender<T> {
+    shared: Arc<Shared<T>>,
+    /// A slot reserved by `poll_ready`, not yet used by `start_send`.
+    sink_reserved: bool,
+    sink_waiting: Waiting,
+    /// Closed as a sink: this handle no longer counts as a sender.
+    detached: bool,
+}
+
+impl<T> Sender<T> {
+    pub(crate) fn new(shared: Arc<Shared<T>>) -> Sender<T> {
+        Sender {
+            shared,
+            sink_reserved: false,
+            sink_waiting: Waiting::default(),
+            detached: false,
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Shared<T> {
+        &self.shared
+    }
+
+    /// Send `item`, waiting for a slot under `Overflow::Backpressure`.
+    ///
+    /// Under the other policies this completes at once, like [`try_send`](Sender::try_send).
+    ///
+    /// # Errors
+    ///
+    /// [`SendError::Closed`] when the channel is closed; [`SendError::Full`] when the buffer
+    /// is full under `Overflow::Reject`. Both hand the item back.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes leaks no slot and loses no other item; the
+    /// item it carried is dropped with it (it was never in the channel). A slot that was
+    /// already handed to this sender passes to the next waiting sender.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (tx, mut rx) = flowgate::channel::bounded(8)?;
+    /// tx.send("hello").await?;
+    /// assert_eq!(rx.recv().await, Some("hello"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn send(&self, item: T) -> Send<'_, T> {
+        Send {
+            shared: &self.shared,
+            waiting: Waiting::default(),
+            item: Some(item),
+            detached: self.detached,
+        }
+    }
+
+    /// Send `item` without waiting.
+    ///
+    /// # Errors
+    ///
+    /// [`SendError::Full`] when the buffer is full under `Backpressure` or `Reject`;
+    /// [`SendError::Closed`] when the channel is closed. Both hand the item back.
+    pub fn try_send(&self, item: T) -> Result<Sent, SendError<T>> {
+        if self.detached {
+            return Err(SendError::Closed(item));
+        }
+        self.shared.try_send(item)
+    }
+
+    /// Wait for a slot and reserve it: sending through the [`Permit`] cannot fail.
+    ///
+    /// Reservations wait for a free slot under every policy (they never evict or drop).
+    ///
+    /// # Errors
+    ///
+    /// [`ReserveError::Closed`] when the channel is closed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a dropped `reserve` future holds no slot, and a slot already handed to it
+    /// passes to the next waiting sender.
+    pub fn reserve(&self) -> Reserve<'_, T> {
+        Reserve {
+            shared: &self.shared,
+            waiting: Waiting::default(),
+            detached: self.detached,
+        }
+    }
+
+    /// Reserve a slot without waiting.
+    ///
+    /// # Errors
+    ///
+    /// [`ReserveError::Full`] or [`ReserveError::Closed`].
+    pub fn try_reserve(&self) -> Result<Permit<'_, T>, ReserveError> {
+        if self.detached {
+            return Err(ReserveError::Closed);
+        }
+        self.shared
+            .try_reserve()
+            .map(|()| Permit::new(&self.shared))
+    }
+
+    /// As [`reserve`](Sender::reserve), with a permit that owns its sender (`'static`).
+    ///
+    /// # Errors
+    ///
+    /// [`ReserveError::Closed`] when the channel is closed.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`reserve`](Sender::reserve); the sender is dropped with the future.
+    pub fn reserve_owned(self) -> ReserveOwned<T> {
+        ReserveOwned {
+            sender: Some(self),
+            waiting: Waiting::default(),
+        }
+    }
+
+    /// Close the channel for every sender: further sends fail, waiting senders fail, and
+    /// receivers drain what is buffered, then get `None`.
+    pub fn close(&self) {
+        self.shared.close();
+    }
+
+    /// Wait until the channel is closed (by `close()` or because every receiver is gone).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe.
+    pub fn closed(&self) -> Closed<'_, T> {
+        Closed {
+            shared: &self.shared,
+            waiting: Waiting::default(),
+        }
+    }
+
+    /// Whether the channel is closed.
+    pub fn is_closed(&self) -> bool {
+        self.detached || self.shared.is_closed()
+    }
+
+    /// How many items are buffered.
+    pub fn len(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Whether nothing is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer's capacity.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity()
+    }
+
+    /// The channel's overflow policy.
+    pub fn overflow(&self) -> Overflow {
+        self.shared.overflow()
+    }
+
+    /// The channel's counts so far.
+    pub fn stats(&self) -> Stats {
+        self.shared.stats()
+    }
+
+    fn release_sink_slot(&mut self) {
+        if std::mem::take(&mut self.sink_reserved) {
+            self.shared.release();
+        }
+        self.shared.cancel_send_wait(&mut self.sink_waiting);
+    }
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Sender<T> {
+        self.shared.add_sender();
+        Sender::new(self.shared.clone())
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    fn drop(&mut self) {
+        self.release_sink_slot();
+        if !self.detached {
+            self.shared.drop_sender();
+        }
+    }
+}
+
+impl<T> fmt::Debug for Sender<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender")
+            .field("channel", &*self.shared)
+            .field("sink_reserved", &self.sink_reserved)
+            .finish()
+    }
+}
+
+impl<T> Sink<T> for Sender<T> {
+    type Error = SendError<T>;
+
+    /// Under `Backpressure`, waits for a slot and reserves it. Under the other policies
+    /// (which never wait) and on a closed channel, ready at once: `start_send` then reports
+    /// what happened.
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let this = self.get_mut();
+        if this.sink_reserved || this.detached || !this.shared.overflow().waits() {
+            return Poll::Ready(Ok(()));
+        }
+        match this.shared.poll_reserve(cx, &mut this.sink_waiting) {
+            Poll::Ready(Ok(())) => {
+                this.sink_reserved = true;
+                Poll::Ready(Ok(()))
+            }
+            // `start_send` hands the item back in `SendError::Closed`.
+            Poll::Ready(Err(_)) => Poll::Ready(Ok(())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn start_send(self: Pin<&mut Self>, item: T) -> Result<(), Self::Error> {
+        let this = self.get_mut();
+        if std::mem::take(&mut this.sink_reserved) {
+            this.shared.send_reserved(item);
+            return Ok(());
+        }
+        this.try_send(item).map(drop)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    /// Releases an unused reservation and detaches this handle: it stops counting as a
+    /// sender (the channel closes when no sender is left) and sends through it fail.
+    fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        let this = self.get_mut();
+        this.release_sink_slot();
+        if !std::mem::replace(&mut this.detached, true) {
+            this.shared.drop_sender();
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Future of [`Sender::send`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Send<'a, T> {
+    shared: &'a Shared<T>,
+    waiting: Waiting,
+    item: Option<T>,
+    detached: bool,
+}
+
+// The item is moved, never pinned.
+impl<T> Unpin for Send<'_, T> {}
+
+impl<T> Future for Send<'_, T> {
+    type Output = Result<Sent, SendError<T>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if this.detached {
+            let item = this.item.take().expect("polled after completion");
+            return Poll::Ready(Err(SendError::Closed(item)));
+        }
+        this.shared.poll_send(cx, &mut this.waiting, &mut this.item)
+    }
+}
+
+impl<T> Drop for Send<'_, T> {
+    fn drop(&mut self) {
+        self.shared.cancel_send_wait(&mut self.waiting);
+    }
+}
+
+impl<T> fmt::Debug for Send<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Send")
+            .field("waiting", &self.waiting.is_waiting())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Future of [`Sender::reserve`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Reserve<'a, T> {
+    shared: &'a Shared<T>,
+    waiting: Waiting,
+    detached: bool,
+}
+
+impl<'a, T> Future for Reserve<'a, T> {
+    type Output = Result<Permit<'a, T>, ReserveError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if this.detached {
+            return Poll::Ready(Err(ReserveError::Closed));
+        }
+        let shared = this.shared;
+        shared
+            .poll_reserve(cx, &mut this.waiting)
+            .map_ok(|()| Permit::new(shared))
+    }
+}
+
+impl<T> Drop for Reserve<'_, T> {
+    fn drop(&mut self) {
+        self.shared.cancel_send_wait(&mut self.waiting);
+    }
+}
+
+impl<T> fmt::Debug for Reserve<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reserve")
+            .field("waiting", &self.waiting.is_waiting())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Future of [`Sender::reserve_owned`].
+#[must_use = "futures do nothing unless polled"]
+pub struct ReserveOwned<T> {
+    sender: Option<Sender<T>>,
+    waiting: Waiting,
+}
+
+impl<T> Unpin for ReserveOwned<T> {}
+
+impl<T> Future for ReserveOwned<T> {
+    type Output = Result<OwnedPermit<T>, ReserveError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let sender = this.sender.as_ref().expect("polled after completion");
+        if sender.detached {
+            return Poll::Ready(Err(ReserveError::Closed));
+        }
+        match sender.shared.poll_reserve(cx, &mut this.waiting) {
+            Poll::Ready(Ok(())) => {
+                let sender = this.sender.take().expect("checked above");
+                Poll::Ready(Ok(OwnedPermit::new(sender)))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T> Drop for ReserveOwned<T> {
+    fn drop(&mut self) {
+        if let Some(sender) = &self.sender {
+            sender.shared.cancel_send_wait(&mut self.waiting);
+        }
+    }
+}
+
+impl<T> fmt::Debug for ReserveOwned<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReserveOwned")
+            .field("waiting", &self.waiting.is_waiting())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Future of [`Sender::closed`].
+#[must_use = "futures do nothing unless polled"]
+pub struct Closed<'a, T> {
+    shared: &'a Shared<T>,
+    waiting: Waiting,
+}
+
+impl<T> Future for Closed<'_, T> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        this.shared.poll_closed(cx, &mut this.waiting)
+    }
+}
+
+impl<T> Drop for Closed<'_, T> {
+    fn drop(&mut self) {
+        self.shared.cancel_closed_wait(&mut self.waiting);
+    }
+}
+
+impl<T> fmt::Debug for Closed<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Closed").finish_non_exhaustive()
+    }
+}

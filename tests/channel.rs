@@ -1,0 +1,538 @@
+//! The bounded channel: order, shutdown, policies, permits, Sink/Stream, cancel safety, and
+//! a stress test that accounts for every item.
+
+use std::collections::HashSet;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+
+use flowgate::channel::{self, ReserveError, SendError, Sent, TryRecvError};
+use flowgate::{ConfigErrorKind, Overflow};
+use futures::{FutureExt, SinkExt, StreamExt, poll};
+
+#[tokio::test]
+async fn fifo_single_producer() {
+    let (tx, mut rx) = channel::bounded(4).unwrap();
+    let producer = tokio::spawn(async move {
+        for i in 0..1000u32 {
+            tx.send(i).await.unwrap();
+        }
+    });
+    for i in 0..1000u32 {
+        assert_eq!(rx.recv().await, Some(i));
+    }
+    producer.await.unwrap();
+    assert_eq!(rx.recv().await, None);
+}
+
+#[test]
+fn zero_capacity_is_a_config_error() {
+    let err = channel::bounded::<u8>(0).unwrap_err();
+    assert_eq!(
+        (err.field(), err.kind()),
+        ("channel.capacity", ConfigErrorKind::Zero)
+    );
+    let err = channel::bounded::<u8>(usize::MAX).unwrap_err();
+    assert_eq!(err.kind(), ConfigErrorKind::TooLarge);
+}
+
+#[tokio::test]
+async fn dropping_senders_drains_then_ends() {
+    let (tx, mut rx) = channel::bounded(8).unwrap();
+    let tx2 = tx.clone();
+    tx.send(1).await.unwrap();
+    tx2.send(2).await.unwrap();
+    drop(tx);
+    assert!(!rx.is_closed());
+    drop(tx2);
+    assert!(rx.is_closed());
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, Some(2));
+    assert_eq!(rx.recv().await, None);
+    assert_eq!(rx.try_recv(), Err(TryRecvError::Closed));
+}
+
+#[tokio::test]
+async fn receiver_close_refuses_sends_but_drains() {
+    let (tx, mut rx) = channel::bounded(8).unwrap();
+    tx.send(1).await.unwrap();
+    rx.close();
+    assert_eq!(tx.send(2).await, Err(SendError::Closed(2)));
+    assert_eq!(tx.try_send(3).unwrap_err().into_inner(), 3);
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, None);
+}
+
+#[tokio::test]
+async fn sender_close_wakes_waiting_senders_and_receivers() {
+    let (tx, mut rx) = channel::bounded(1).unwrap();
+    tx.send(1).await.unwrap();
+    let mut blocked = pin!(tx.send(2));
+    assert!(poll!(blocked.as_mut()).is_pending());
+    tx.close();
+    assert_eq!(blocked.await, Err(SendError::Closed(2)));
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, None);
+}
+
+#[tokio::test]
+async fn dropping_every_receiver_fails_sends_and_drops_the_buffer_observably() {
+    let dropped = Arc::new(Mutex::new(Vec::new()));
+    let seen = dropped.clone();
+    let (tx, rx) = channel::builder(4)
+        .on_drop(move |x: u32| seen.lock().unwrap().push(x))
+        .build()
+        .unwrap();
+    tx.send(1).await.unwrap();
+    tx.send(2).await.unwrap();
+    let rx2 = rx.clone();
+    drop(rx);
+    tx.send(3).await.unwrap();
+    let closed = tx.closed();
+    drop(rx2);
+    closed.await;
+    assert_eq!(*dropped.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(tx.send(4).await, Err(SendError::Closed(4)));
+    let stats = tx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (3, 0, 3));
+}
+
+#[tokio::test]
+async fn backpressure_waits_for_space() {
+    let (tx, mut rx) = channel::bounded(2).unwrap();
+    assert_eq!(tx.send(1).await, Ok(Sent::Queued));
+    assert_eq!(tx.send(2).await, Ok(Sent::Queued));
+    assert_eq!(tx.try_send(3), Err(SendError::Full(3)));
+    let mut third = pin!(tx.send(3));
+    assert!(poll!(third.as_mut()).is_pending());
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(third.await, Ok(Sent::Queued));
+    assert_eq!(rx.recv().await, Some(2));
+    assert_eq!(rx.recv().await, Some(3));
+}
+
+#[tokio::test]
+async fn reject_hands_the_item_back() {
+    let (tx, mut rx) = channel::builder(1)
+        .overflow(Overflow::Reject)
+        .build()
+        .unwrap();
+    tx.send("a").await.unwrap();
+    let err = tx.send("b").await.unwrap_err();
+    assert!(err.is_full());
+    assert_eq!(err.to_string(), "channel full");
+    assert_eq!(err.into_inner(), "b");
+    assert_eq!(rx.recv().await, Some("a"));
+    assert_eq!(tx.stats().dropped, 0);
+}
+
+fn recording_hook() -> (Arc<Mutex<Vec<u32>>>, impl Fn(u32) + Send + Sync + 'static) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    (log, move |x| sink.lock().unwrap().push(x))
+}
+
+#[tokio::test]
+async fn drop_newest_drops_the_incoming_item() {
+    let (log, hook) = recording_hook();
+    let (tx, mut rx) = channel::builder(2)
+        .overflow(Overflow::DropNewest)
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    let outcomes: Vec<Sent> = [
+        tx.send(1).await.unwrap(),
+        tx.send(2).await.unwrap(),
+        tx.send(3).await.unwrap(),
+        tx.send(4).await.unwrap(),
+    ]
+    .into();
+    assert_eq!(
+        outcomes,
+        [
+            Sent::Queued,
+            Sent::Queued,
+            Sent::DroppedNewest,
+            Sent::DroppedNewest
+        ]
+    );
+    assert!(!Sent::DroppedNewest.is_queued());
+    assert_eq!(*log.lock().unwrap(), [3, 4]);
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, Some(2));
+    let stats = rx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (4, 2, 2));
+}
+
+#[tokio::test]
+async fn drop_oldest_evicts_the_oldest_item() {
+    let (log, hook) = recording_hook();
+    let (tx, mut rx) = channel::builder(2)
+        .overflow(Overflow::DropOldest)
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    for i in 1..=5 {
+        let sent = tx.send(i).await.unwrap();
+        assert_eq!(
+            sent,
+            if i <= 2 {
+                Sent::Queued
+            } else {
+                Sent::EvictedOldest
+            }
+        );
+    }
+    assert_eq!(*log.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(rx.recv().await, Some(4));
+    assert_eq!(rx.recv().await, Some(5));
+    let stats = rx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (5, 2, 3));
+}
+
+#[tokio::test]
+async fn drop_oldest_with_every_slot_reserved_drops_the_newest() {
+    let (log, hook) = recording_hook();
+    let (tx, _rx) = channel::builder(1)
+        .overflow(Overflow::DropOldest)
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    let permit = tx.reserve().await.unwrap();
+    assert_eq!(tx.send(7).await, Ok(Sent::DroppedNewest));
+    drop(permit);
+    assert_eq!(*log.lock().unwrap(), [7]);
+}
+
+#[tokio::test]
+async fn permits_reserve_slots_and_return_them_when_dropped() {
+    let (tx, mut rx) = channel::bounded(2).unwrap();
+    let p1 = tx.reserve().await.unwrap();
+    let p2 = tx.try_reserve().unwrap();
+    assert_eq!(tx.try_reserve().unwrap_err(), ReserveError::Full);
+    assert_eq!(tx.try_send(0), Err(SendError::Full(0)));
+    drop(p1);
+    let p3 = tx.try_reserve().unwrap();
+    p2.send(2);
+    p3.send(3);
+    assert_eq!(rx.recv().await, Some(2));
+    assert_eq!(rx.recv().await, Some(3));
+
+    let owned = tx.clone().reserve_owned().await.unwrap();
+    let tx2 = owned.send(4);
+    assert_eq!(rx.recv().await, Some(4));
+    let owned = tx2.reserve_owned().await.unwrap();
+    drop(owned.release());
+    assert_eq!(tx.try_reserve().map(drop), Ok(()));
+}
+
+#[tokio::test]
+async fn an_outstanding_permit_holds_the_receiver_open_after_close() {
+    let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+    let permit = tx.clone().reserve_owned().await.unwrap();
+    drop(tx);
+    {
+        let mut next = pin!(rx.recv());
+        assert!(poll!(next.as_mut()).is_pending());
+        drop(permit.send(9));
+        assert_eq!(next.await, Some(9));
+    }
+    assert_eq!(rx.recv().await, None);
+}
+
+#[tokio::test]
+async fn a_dropped_send_future_leaks_no_slot() {
+    let (tx, mut rx) = channel::bounded(1).unwrap();
+    tx.send(1).await.unwrap();
+    {
+        let mut waiting = pin!(tx.send(2));
+        assert!(poll!(waiting.as_mut()).is_pending());
+    }
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(tx.try_send(3), Ok(Sent::Queued));
+}
+
+#[tokio::test]
+async fn a_slot_granted_to_a_dropped_sender_passes_to_the_next() {
+    let (tx, mut rx) = channel::bounded(1).unwrap();
+    tx.send(0).await.unwrap();
+    let mut a = Box::pin(tx.send(1));
+    let mut b = Box::pin(tx.send(2));
+    assert!(poll!(a.as_mut()).is_pending());
+    assert!(poll!(b.as_mut()).is_pending());
+    assert_eq!(rx.recv().await, Some(0)); // the freed slot is granted to `a`
+    drop(a);
+    assert_eq!(b.await, Ok(Sent::Queued));
+    assert_eq!(rx.recv().await, Some(2));
+    assert!(rx.is_empty());
+}
+
+#[tokio::test]
+async fn waiting_senders_are_served_fifo_and_newcomers_do_not_barge() {
+    let (tx, mut rx) = channel::bounded(1).unwrap();
+    tx.send(0).await.unwrap();
+    let mut waiting: Vec<_> = (1..=3).map(|i| Box::pin(tx.send(i))).collect();
+    for w in &mut waiting {
+        assert!(poll!(w.as_mut()).is_pending());
+    }
+    assert_eq!(rx.recv().await, Some(0));
+    // The freed slot belongs to the first waiter, not to a newcomer.
+    assert_eq!(tx.try_send(99), Err(SendError::Full(99)));
+    let mut got = Vec::new();
+    for w in waiting {
+        w.await.unwrap();
+        got.push(rx.recv().await.unwrap());
+    }
+    assert_eq!(got, [1, 2, 3]);
+}
+
+#[tokio::test]
+async fn a_dropped_recv_future_loses_no_item() {
+    let (tx, mut rx) = channel::bounded(4).unwrap();
+    let mut rx2 = rx.clone();
+    {
+        let mut r = pin!(rx.recv());
+        assert!(poll!(r.as_mut()).is_pending());
+        let mut r2 = pin!(rx2.recv());
+        assert!(poll!(r2.as_mut()).is_pending());
+        tx.send(1).await.unwrap(); // wakes the first receiver, which is then dropped
+    }
+    // The item is still there for anyone.
+    assert_eq!(rx2.recv().await, Some(1));
+}
+
+#[tokio::test]
+async fn recv_many_takes_a_batch() {
+    let (tx, mut rx) = channel::bounded(8).unwrap();
+    for i in 0..5 {
+        tx.send(i).await.unwrap();
+    }
+    let mut buf = Vec::new();
+    assert_eq!(rx.recv_many(&mut buf, 3).await, 3);
+    assert_eq!(rx.recv_many(&mut buf, 10).await, 2);
+    assert_eq!(buf, [0, 1, 2, 3, 4]);
+    assert_eq!(rx.recv_many(&mut buf, 0).await, 0);
+    drop(tx);
+    assert_eq!(rx.recv_many(&mut buf, 10).await, 0);
+}
+
+#[tokio::test]
+async fn recv_many_wakes_blocked_senders_for_every_freed_slot() {
+    let (tx, mut rx) = channel::bounded(2).unwrap();
+    tx.send(0).await.unwrap();
+    tx.send(1).await.unwrap();
+    let mut a = Box::pin(tx.send(2));
+    let mut b = Box::pin(tx.send(3));
+    assert!(poll!(a.as_mut()).is_pending());
+    assert!(poll!(b.as_mut()).is_pending());
+    let mut buf = Vec::new();
+    assert_eq!(rx.recv_many(&mut buf, 2).await, 2);
+    assert!(a.await.is_ok() && b.await.is_ok());
+    assert_eq!(rx.recv_many(&mut buf, 2).await, 2);
+    assert_eq!(buf, [0, 1, 2, 3]);
+}
+
+#[tokio::test]
+async fn stream_forward_into_sink_and_map_the_receiver() {
+    let (tx, rx) = channel::bounded(3).unwrap();
+    let forward = tokio::spawn(futures::stream::iter(0..50u32).map(Ok).forward(tx));
+    let out: Vec<u32> = rx.map(|x| x + 1).collect().await;
+    forward.await.unwrap().unwrap();
+    assert_eq!(out, (1..=50).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn a_sink_slot_reserved_but_unused_is_released_on_drop() {
+    let (mut tx, mut rx) = channel::bounded::<u32>(1).unwrap();
+    let tx2 = tx.clone();
+    // poll_ready reserves the only slot.
+    futures::future::poll_fn(|cx| tx.poll_ready_unpin(cx))
+        .await
+        .unwrap();
+    assert_eq!(tx2.try_send(1), Err(SendError::Full(1)));
+    drop(tx);
+    assert_eq!(tx2.try_send(1), Ok(Sent::Queued));
+    assert_eq!(rx.recv().await, Some(1));
+}
+
+#[tokio::test]
+async fn sink_close_detaches_only_this_sender() {
+    let (mut tx, mut rx) = channel::bounded::<u32>(4).unwrap();
+    let tx2 = tx.clone();
+    tx.send(1).now_or_never().unwrap().unwrap();
+    SinkExt::close(&mut tx).await.unwrap();
+    assert!(tx.is_closed());
+    assert!(!tx2.is_closed());
+    tx2.send(2).await.unwrap();
+    drop(tx2);
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, Some(2));
+    assert_eq!(rx.recv().await, None);
+}
+
+#[tokio::test]
+async fn sink_under_reject_hands_the_item_back() {
+    let (mut tx, _rx) = channel::builder(1)
+        .overflow(Overflow::Reject)
+        .build()
+        .unwrap();
+    SinkExt::send(&mut tx, 1u32).await.unwrap();
+    assert_eq!(SinkExt::send(&mut tx, 2).await, Err(SendError::Full(2)));
+}
+
+#[tokio::test]
+async fn closed_resolves_when_receivers_are_gone() {
+    let (tx, rx) = channel::bounded::<u8>(1).unwrap();
+    let mut closed = pin!(tx.closed());
+    assert_eq!(poll!(closed.as_mut()), Poll::Pending);
+    drop(rx);
+    closed.await;
+    assert!(tx.is_closed());
+}
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<channel::Sender<Vec<u8>>>();
+    send_sync::<channel::Receiver<Vec<u8>>>();
+    send_sync::<channel::Permit<'static, Vec<u8>>>();
+    send_sync::<channel::OwnedPermit<Vec<u8>>>();
+    send_sync::<channel::Send<'static, Vec<u8>>>();
+    send_sync::<channel::Reserve<'static, Vec<u8>>>();
+    send_sync::<channel::ReserveOwned<Vec<u8>>>();
+    send_sync::<channel::Recv<'static, Vec<u8>>>();
+    send_sync::<channel::Builder<Vec<u8>>>();
+    send_sync::<SendError<Vec<u8>>>();
+    fn unpin<T: Unpin>() {}
+    unpin::<channel::Receiver<std::marker::PhantomPinned>>();
+    unpin::<channel::Send<'static, std::marker::PhantomPinned>>();
+}
+
+/// xorshift, one per task.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Many producers and consumers on two worker threads; a third of the sends and receives
+/// are cancelled after their first poll. Every item is accounted for exactly once.
+async fn stress(overflow: Overflow, capacity: usize) {
+    const PRODUCERS: u64 = 6;
+    const CONSUMERS: u64 = 4;
+    const PER_PRODUCER: u64 = 3_000;
+    let dropped = Arc::new(Mutex::new(Vec::new()));
+    let hook_log = dropped.clone();
+    let (tx, rx) = channel::builder(capacity)
+        .overflow(overflow)
+        .on_drop(move |x: u64| hook_log.lock().unwrap().push(x))
+        .build()
+        .unwrap();
+    let cancelled_recvs = Arc::new(AtomicU64::new(0));
+    let mut producers = Vec::new();
+    for p in 0..PRODUCERS {
+        let tx = tx.clone();
+        producers.push(tokio::spawn(async move {
+            let mut rng = Rng(p * 7919 + 1);
+            let mut accepted = Vec::new();
+            for i in 0..PER_PRODUCER {
+                let item = p * PER_PRODUCER + i;
+                let mut send = pin!(tx.send(item));
+                let result = match poll!(send.as_mut()) {
+                    Poll::Ready(r) => Some(r),
+                    Poll::Pending if rng.next().is_multiple_of(3) => None, // cancelled: never sent
+                    Poll::Pending => Some(send.await),
+                };
+                if let Some(r) = result {
+                    r.expect("the receivers outlive the producers");
+                    accepted.push(item);
+                }
+                if rng.next().is_multiple_of(8) {
+                    tokio::task::yield_now().await;
+                }
+            }
+            accepted
+        }));
+    }
+    drop(tx);
+    let mut consumers = Vec::new();
+    for c in 0..CONSUMERS {
+        let mut rx = rx.clone();
+        let cancelled = cancelled_recvs.clone();
+        consumers.push(tokio::spawn(async move {
+            let mut rng = Rng(c * 104_729 + 3);
+            let mut got = Vec::new();
+            loop {
+                let next = {
+                    let mut recv = pin!(rx.recv());
+                    match poll!(recv.as_mut()) {
+                        Poll::Ready(next) => Some(next),
+                        Poll::Pending if rng.next().is_multiple_of(3) => None,
+                        Poll::Pending => Some(recv.await),
+                    }
+                };
+                let Some(next) = next else {
+                    // Cancelled after its first poll.
+                    cancelled.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                    continue;
+                };
+                match next {
+                    Some(x) => got.push(x),
+                    None => break (got, rx.stats()),
+                }
+            }
+        }));
+    }
+    drop(rx);
+    let mut accepted = HashSet::new();
+    for p in producers {
+        accepted.extend(p.await.unwrap());
+    }
+    let mut received = Vec::new();
+    let mut stats = None;
+    for c in consumers {
+        let (got, s) = c.await.unwrap();
+        received.extend(got);
+        stats = Some(s);
+    }
+    let stats = stats.unwrap();
+    let dropped = dropped.lock().unwrap().clone();
+    let mut seen = HashSet::new();
+    for x in received.iter().chain(&dropped) {
+        assert!(seen.insert(*x), "item {x} delivered or dropped twice");
+    }
+    assert_eq!(seen, accepted, "every accepted item is received or dropped");
+    // The channel's own counts agree: sent == received + dropped, exactly.
+    assert_eq!(stats.sent, accepted.len() as u64);
+    assert_eq!(stats.received, received.len() as u64);
+    assert_eq!(stats.dropped, dropped.len() as u64);
+    assert_eq!(stats.sent, stats.received + stats.dropped);
+    if !overflow.drops() {
+        assert!(dropped.is_empty());
+    }
+    assert!(
+        accepted.len() < (PRODUCERS * PER_PRODUCER) as usize || overflow.drops(),
+        "some sends were cancelled"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_backpressure_with_cancellation() {
+    stress(Overflow::Backpressure, 8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_drop_oldest_with_cancellation() {
+    stress(Overflow::DropOldest, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_drop_newest_with_cancellation() {
+    stress(Overflow::DropNewest, 4).await;
+}

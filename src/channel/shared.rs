@@ -78,6 +78,13 @@ impl WaitQueue {
         self.entries.pop_front()
     }
 
+    /// Stop waiting, if `waiting` is registered.
+    fn leave(&mut self, waiting: &mut Waiting) {
+        if let Some(id) = waiting.0.take() {
+            self.remove(id);
+        }
+    }
+
     fn drain_into(&mut self, wakers: &mut Vec<Waker>) {
         wakers.extend(self.entries.drain(..).map(|(_, w)| w));
     }
@@ -98,6 +105,16 @@ pub(crate) struct State<T> {
     close_waiters: WaitQueue,
     next_id: u64,
     stats: Stats,
+}
+
+impl<T> State<T> {
+    /// The id of `waiting`, allocating one if it has none.
+    fn id_for(&mut self, waiting: &mut Waiting) -> u64 {
+        *waiting.0.get_or_insert_with(|| {
+            self.next_id += 1;
+            self.next_id
+        })
+    }
 }
 
 /// Where a waiting future stands; the id is its place in a wait queue.
@@ -245,11 +262,6 @@ impl<T> Shared<T> {
         }
     }
 
-    fn new_id(st: &mut State<T>) -> u64 {
-        st.next_id += 1;
-        st.next_id
-    }
-
     /// Close for new sends and collect every waiter to wake.
     fn close_locked(st: &mut State<T>, wakers: &mut Vec<Waker>) {
         if !st.closed {
@@ -330,9 +342,8 @@ impl<T> Shared<T> {
                     wake(w);
                     return Poll::Ready(Ok(Sent::Queued));
                 }
-                let id = Self::new_id(&mut st);
+                let id = st.id_for(waiting);
                 st.send_waiters.register(id, cx.waker());
-                waiting.0 = Some(id);
             }
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
@@ -371,9 +382,8 @@ impl<T> Shared<T> {
                     st.reserved += 1;
                     return Poll::Ready(Ok(()));
                 }
-                let id = Self::new_id(&mut st);
+                let id = st.id_for(waiting);
                 st.send_waiters.register(id, cx.waker());
-                waiting.0 = Some(id);
             }
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
@@ -461,26 +471,17 @@ impl<T> Shared<T> {
     pub(crate) fn poll_closed(&self, cx: &mut Context<'_>, waiting: &mut Waiting) -> Poll<()> {
         let mut st = self.lock();
         if st.closed {
-            if let Some(id) = waiting.0.take() {
-                st.close_waiters.remove(id);
-            }
+            st.close_waiters.leave(waiting);
             return Poll::Ready(());
         }
-        let id = match waiting.0 {
-            Some(id) => id,
-            None => {
-                let id = Self::new_id(&mut st);
-                waiting.0 = Some(id);
-                id
-            }
-        };
+        let id = st.id_for(waiting);
         st.close_waiters.register(id, cx.waker());
         Poll::Pending
     }
 
     pub(crate) fn cancel_closed_wait(&self, waiting: &mut Waiting) {
-        if let Some(id) = waiting.0.take() {
-            self.lock().close_waiters.remove(id);
+        if waiting.is_waiting() {
+            self.lock().close_waiters.leave(waiting);
         }
     }
 
@@ -514,27 +515,16 @@ impl<T> Shared<T> {
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>, waiting: &mut Waiting) -> Poll<Option<T>> {
         let mut st = self.lock();
         if let Some((item, w)) = self.pop(&mut st) {
-            if let Some(id) = waiting.0.take() {
-                st.recv_waiters.remove(id);
-            }
+            st.recv_waiters.leave(waiting);
             drop(st);
             wake(w);
             return Poll::Ready(Some(item));
         }
         if Self::finished(&st) {
-            if let Some(id) = waiting.0.take() {
-                st.recv_waiters.remove(id);
-            }
+            st.recv_waiters.leave(waiting);
             return Poll::Ready(None);
         }
-        let id = match waiting.0 {
-            Some(id) => id,
-            None => {
-                let id = Self::new_id(&mut st);
-                waiting.0 = Some(id);
-                id
-            }
-        };
+        let id = st.id_for(waiting);
         st.recv_waiters.register(id, cx.waker());
         Poll::Pending
     }
@@ -557,28 +547,17 @@ impl<T> Shared<T> {
             st.stats.received += n as u64;
             self.metrics.received.increment(n as u64);
             self.metrics.depth.set(st.queue.len() as f64);
-            if let Some(id) = waiting.0.take() {
-                st.recv_waiters.remove(id);
-            }
+            st.recv_waiters.leave(waiting);
             let wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
             drop(st);
             wakers.into_iter().for_each(Waker::wake);
             return Poll::Ready(n);
         }
         if Self::finished(&st) {
-            if let Some(id) = waiting.0.take() {
-                st.recv_waiters.remove(id);
-            }
+            st.recv_waiters.leave(waiting);
             return Poll::Ready(0);
         }
-        let id = match waiting.0 {
-            Some(id) => id,
-            None => {
-                let id = Self::new_id(&mut st);
-                waiting.0 = Some(id);
-                id
-            }
-        };
+        let id = st.id_for(waiting);
         st.recv_waiters.register(id, cx.waker());
         Poll::Pending
     }

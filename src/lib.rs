@@ -72,6 +72,7 @@ pub mod limit;
 pub mod metrics;
 pub mod overflow;
 pub mod rate;
+mod sync;
 
 pub use decision::Decision;
 pub use error::{ConfigError, ConfigErrorKind};

@@ -1,13 +1,13 @@
 //! `Builder`: a channel with a policy, a drop hook and a name.
 
 use std::fmt;
-use std::sync::Arc;
 
 use crate::channel::receiver::Receiver;
 use crate::channel::sender::Sender;
 use crate::channel::shared::{OnDrop, Shared};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::overflow::Overflow;
+use crate::sync::Arc;
 
 /// The largest capacity a channel accepts (`isize::MAX / 2`), far beyond any sane bound.
 const MAX_CAPACITY: usize = usize::MAX >> 2;
@@ -18,8 +18,7 @@ const MAX_CAPACITY: usize = usize::MAX >> 2;
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
-/// use std::sync::Arc;
-/// use flowgate::channel::{self, Sent};
+/// /// use flowgate::channel::{self, Sent};
 /// use flowgate::Overflow;
 ///
 /// let evicted = Arc::new(AtomicUsize::new(0));

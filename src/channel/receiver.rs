@@ -3,7 +3,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures::Stream;
@@ -11,6 +10,7 @@ use futures::stream::FusedStream;
 
 use crate::channel::error::{Stats, TryRecvError};
 use crate::channel::shared::{Shared, Waiting};
+use crate::sync::Arc;
 
 /// The receiving half of a bounded channel. Clone it for more consumers; each item goes to
 /// exactly one receiver.

@@ -3,7 +3,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures::Sink;
@@ -12,6 +11,7 @@ use crate::channel::error::{ReserveError, SendError, Sent, Stats};
 use crate::channel::permit::{OwnedPermit, Permit};
 use crate::channel::shared::{Shared, Waiting};
 use crate::overflow::Overflow;
+use crate::sync::Arc;
 
 /// The sending half of a bounded channel. Clone it for more producers.
 ///

@@ -7,12 +7,13 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::PoisonError;
 use std::task::{Context, Poll, Waker};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
+use crate::sync::{Mutex, MutexGuard};
 
 pub(crate) type OnDrop<T> = Box<dyn Fn(T) + Send + Sync>;
 

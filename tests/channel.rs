@@ -1,6 +1,8 @@
 //! The bounded channel: order, shutdown, policies, permits, Sink/Stream, cancel safety, and
 //! a stress test that accounts for every item.
 
+mod support;
+
 use std::collections::HashSet;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -535,4 +537,35 @@ async fn stress_drop_oldest_with_cancellation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_drop_newest_with_cancellation() {
     stress(Overflow::DropNewest, 4).await;
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn metrics_count_by_name_and_policy() {
+    let recorder = support::TestRecorder::default();
+    let (tx, mut rx) = metrics::with_local_recorder(&recorder, || {
+        channel::builder(2)
+            .overflow(Overflow::DropOldest)
+            .name("stage-a")
+            .build()
+            .unwrap()
+    });
+    for i in 0..5u32 {
+        tx.send(i).await.unwrap();
+    }
+    assert_eq!(rx.recv().await, Some(3));
+    let id = |m: &str| format!("{m}{{name=stage-a}}");
+    assert_eq!(recorder.counter(&id("flowgate_channel_sent_total")), 5);
+    assert_eq!(recorder.counter(&id("flowgate_channel_received_total")), 1);
+    assert_eq!(recorder.gauge(&id("flowgate_channel_depth")), Some(1.0));
+    assert_eq!(
+        recorder.counter("flowgate_channel_dropped_total{name=stage-a,policy=drop_oldest}"),
+        3
+    );
+    drop(rx); // the last receiver: the buffered item is dropped, labelled `closed`
+    assert_eq!(
+        recorder.counter("flowgate_channel_dropped_total{name=stage-a,policy=closed}"),
+        1
+    );
+    assert_eq!(recorder.gauge(&id("flowgate_channel_depth")), Some(0.0));
 }

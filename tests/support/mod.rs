@@ -7,6 +7,7 @@
 //!   127.0.0.1, or a unix socket) with `kill` / `pause` / `resume` / `restart` controls.
 //! - [`RedisCluster`]: a private Redis Cluster built from [`RedisServer`] nodes.
 //! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
+//! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //!
 //! Everything a helper starts is stopped when its handle is dropped, including while a
 //! test unwinds from a panic. A missing `redis-server` (or `redis-cli`, for clusters) is
@@ -15,12 +16,17 @@
 #![allow(dead_code)]
 
 mod cluster;
+#[cfg(feature = "metrics")]
+mod recorder;
 mod server;
 mod tempdir;
 
 // Not every test binary uses every helper.
 #[allow(unused_imports)]
 pub use cluster::RedisCluster;
+#[allow(unused_imports)]
+#[cfg(feature = "metrics")]
+pub use recorder::TestRecorder;
 #[allow(unused_imports)]
 pub use server::{MISSING_REDIS, MISSING_REDIS_CLI, RedisServer};
 #[allow(unused_imports)]

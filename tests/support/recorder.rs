@@ -1,0 +1,119 @@
+//! A `metrics` recorder for tests: remembers every counter and gauge by name and labels.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use metrics::{
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    SharedString, Unit,
+};
+
+/// One registered metric: its value (counters and gauges) or its samples (histograms).
+#[derive(Default)]
+struct Cell {
+    value: AtomicU64,
+    samples: Mutex<Vec<f64>>,
+}
+
+impl CounterFn for Cell {
+    fn increment(&self, value: u64) {
+        self.value.fetch_add(value, Ordering::Relaxed);
+    }
+    fn absolute(&self, value: u64) {
+        self.value.store(value, Ordering::Relaxed);
+    }
+}
+
+impl GaugeFn for Cell {
+    fn increment(&self, value: f64) {
+        let v = f64::from_bits(self.value.load(Ordering::Relaxed)) + value;
+        self.value.store(v.to_bits(), Ordering::Relaxed);
+    }
+    fn decrement(&self, value: f64) {
+        GaugeFn::increment(self, -value);
+    }
+    fn set(&self, value: f64) {
+        self.value.store(value.to_bits(), Ordering::Relaxed);
+    }
+}
+
+impl HistogramFn for Cell {
+    fn record(&self, value: f64) {
+        self.samples.lock().unwrap().push(value);
+    }
+}
+
+/// Collects metrics registered while it is the local recorder
+/// (`metrics::with_local_recorder`).
+#[derive(Default, Clone)]
+pub struct TestRecorder {
+    cells: Arc<Mutex<BTreeMap<String, Arc<Cell>>>>,
+}
+
+fn render(key: &Key) -> String {
+    let mut labels: Vec<String> = key
+        .labels()
+        .map(|l| format!("{}={}", l.key(), l.value()))
+        .collect();
+    labels.sort();
+    format!("{}{{{}}}", key.name(), labels.join(","))
+}
+
+impl TestRecorder {
+    fn cell(&self, key: &Key) -> Arc<Cell> {
+        self.cells
+            .lock()
+            .unwrap()
+            .entry(render(key))
+            .or_default()
+            .clone()
+    }
+
+    /// A counter's value, by `name{label=value,...}` with labels sorted; 0 if never registered.
+    pub fn counter(&self, id: &str) -> u64 {
+        self.cells
+            .lock()
+            .unwrap()
+            .get(id)
+            .map_or(0, |c| c.value.load(Ordering::Relaxed))
+    }
+
+    /// A gauge's value, by `name{label=value,...}`; `None` if never registered.
+    pub fn gauge(&self, id: &str) -> Option<f64> {
+        self.cells
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|c| f64::from_bits(c.value.load(Ordering::Relaxed)))
+    }
+
+    /// A histogram's samples, by `name{label=value,...}`.
+    pub fn samples(&self, id: &str) -> Vec<f64> {
+        self.cells
+            .lock()
+            .unwrap()
+            .get(id)
+            .map_or_else(Vec::new, |c| c.samples.lock().unwrap().clone())
+    }
+
+    /// Every registered metric id, sorted.
+    pub fn ids(&self) -> Vec<String> {
+        self.cells.lock().unwrap().keys().cloned().collect()
+    }
+}
+
+impl Recorder for TestRecorder {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::from_arc(self.cell(key))
+    }
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::from_arc(self.cell(key))
+    }
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::from_arc(self.cell(key))
+    }
+}

@@ -54,3 +54,20 @@ pub fn print_ratios(group: &str, ours: &str, peers: &[&str]) {
         }
     }
 }
+
+/// Print each bench of a group as throughput, from its median: ns per element and
+/// million elements per second (`elements` per iteration, as given to
+/// `Throughput::Elements`). Benches without a measurement print "n/a".
+pub fn print_throughput(group: &str, elements: u64, benches: &[&str]) {
+    println!("\n== {group}: median throughput ({elements} elements per iteration)");
+    for bench in benches {
+        match median_ns(group, bench) {
+            Some(ns) => println!(
+                "  {bench:<28} {:>10.2} ns/elem {:>10.2} Melem/s",
+                ns / elements as f64,
+                elements as f64 * 1e3 / ns
+            ),
+            None => println!("  {bench:<28} n/a"),
+        }
+    }
+}

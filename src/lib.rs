@@ -16,7 +16,7 @@
 //! | [`limit`] | token bucket (GCRA), fixed window, sliding log, sliding window; [`limit::Keyed`] | ready |
 //! | [`metrics`] | metric names; one recording path, free when the feature is off | ready |
 //! | [`channel`] | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | ready |
-//! | `bulkhead` | concurrency caps, waiting room, load shedding, critical reserve | planned |
+//! | [`bulkhead`] | concurrency caps, waiting room, load shedding, critical reserve; stream adapters | ready |
 //! | `pace` | leaky-bucket pacing: constant outflow from 1/s to 1M/s | planned |
 //! | `demand` | request(n) credit, fetch-by-demand sources, watermarks, commits | planned |
 //! | `gate` | keyed token gates: in-memory default and Redis (atomic Lua, server clock) | planned |
@@ -65,9 +65,11 @@
 #![doc(test(attr(deny(warnings))))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod bulkhead;
 pub mod channel;
 mod decision;
 mod error;
+mod ext;
 pub mod limit;
 pub mod metrics;
 pub mod overflow;
@@ -76,12 +78,15 @@ mod sync;
 
 pub use decision::Decision;
 pub use error::{ConfigError, ConfigErrorKind};
+pub use ext::{FlowSinkExt, FlowStreamExt};
 pub use overflow::Overflow;
 pub use rate::{Quota, Rate};
 
 /// The types most pipelines need, in one import.
 pub mod prelude {
+    pub use crate::bulkhead::{Bulkhead, Priority, Rejected};
     pub use crate::channel::{Receiver, Sender, Sent};
+    pub use crate::ext::{FlowSinkExt, FlowStreamExt};
     pub use crate::limit::{Algorithm, Keyed, Limiter};
     pub use crate::{ConfigError, Decision, Overflow, Quota, Rate};
 }

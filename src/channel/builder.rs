@@ -18,7 +18,8 @@ const MAX_CAPACITY: usize = usize::MAX >> 2;
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
-/// /// use flowgate::channel::{self, Sent};
+/// use std::sync::Arc;
+/// use flowgate::channel::{self, Sent};
 /// use flowgate::Overflow;
 ///
 /// let evicted = Arc::new(AtomicUsize::new(0));

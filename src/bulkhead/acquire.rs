@@ -1,0 +1,315 @@
+//! The acquisition futures and the permits they yield.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use pin_project::{pin_project, pinned_drop};
+use tokio::time::{Instant, Sleep};
+
+use crate::bulkhead::core::{Core, Polled, Ticket};
+use crate::bulkhead::error::{Priority, Rejected};
+use crate::sync::Arc;
+
+/// The state of one acquisition: its place in the queue and its timeout.
+#[pin_project]
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    priority: Priority,
+    /// Subject to the waiting-room limit and the wait timeout (false for stream adapters,
+    /// which apply backpressure instead of being refused).
+    bounded: bool,
+    ticket: Ticket,
+    since: Option<Instant>,
+    #[pin]
+    timer: Option<Sleep>,
+}
+
+impl Waiter {
+    pub(crate) fn new(priority: Priority) -> Waiter {
+        Waiter {
+            priority,
+            bounded: true,
+            ticket: Ticket::default(),
+            since: None,
+            timer: None,
+        }
+    }
+
+    /// A wait that ignores the waiting-room limit and the timeout.
+    pub(crate) fn unbounded() -> Waiter {
+        Waiter {
+            priority: Priority::Normal,
+            bounded: false,
+            ticket: Ticket::default(),
+            since: None,
+            timer: None,
+        }
+    }
+
+    pub(crate) fn poll_acquire(
+        self: Pin<&mut Self>,
+        core: &Core,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), Rejected>> {
+        let mut this = self.project();
+        if this.since.is_none()
+            && let Some(done) = core.try_fast(*this.priority)
+        {
+            return Poll::Ready(done);
+        }
+        match core.poll_acquire(cx, *this.priority, *this.bounded, this.ticket) {
+            Polled::Acquired => {
+                if let Some(since) = this.since.take() {
+                    core.record_wait(since.elapsed());
+                }
+                return Poll::Ready(Ok(()));
+            }
+            Polled::Rejected(why) => return Poll::Ready(Err(why)),
+            Polled::Pending => {}
+        }
+        if this.since.is_none() {
+            *this.since = Some(Instant::now());
+            if let Some(limit) = core.wait_timeout().filter(|_| *this.bounded) {
+                this.timer.set(Some(tokio::time::sleep(limit)));
+            }
+        }
+        if let Some(timer) = this.timer.as_pin_mut() {
+            ready!(timer.poll(cx));
+            // Timed out; a permit granted in the meantime still wins.
+            if core.leave(this.ticket) {
+                return Poll::Ready(Ok(()));
+            }
+            return Poll::Ready(Err(core.reject(Rejected::TimedOut)));
+        }
+        Poll::Pending
+    }
+
+    /// Give up the wait; a permit already granted to it is returned.
+    pub(crate) fn cancel(self: Pin<&mut Self>, core: &Core) {
+        if core.leave(self.project().ticket) {
+            core.release();
+        }
+    }
+}
+
+/// Future of [`Bulkhead::acquire`](crate::bulkhead::Bulkhead::acquire).
+///
+/// # Cancel safety
+///
+/// Cancel-safe: dropping it leaves the waiting room, and a permit already granted to it is
+/// passed to the next waiter. Nothing is held once it is dropped.
+#[pin_project(PinnedDrop)]
+#[must_use = "futures do nothing unless polled"]
+pub struct Acquire<'a> {
+    core: &'a Core,
+    #[pin]
+    waiter: Waiter,
+}
+
+impl<'a> Acquire<'a> {
+    pub(crate) fn new(core: &'a Core, priority: Priority) -> Acquire<'a> {
+        Acquire {
+            core,
+            waiter: Waiter::new(priority),
+        }
+    }
+}
+
+impl<'a> Future for Acquire<'a> {
+    type Output = Result<BulkheadPermit<'a>, Rejected>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let core = *this.core;
+        this.waiter
+            .poll_acquire(core, cx)
+            .map_ok(|()| BulkheadPermit { core })
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for Acquire<'_> {
+    fn drop(self: Pin<&mut Self>) {
+        let this = self.project();
+        this.waiter.cancel(this.core);
+    }
+}
+
+impl fmt::Debug for Acquire<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Acquire")
+            .field("waiter", &self.waiter)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Future of [`Bulkhead::acquire_owned`](crate::bulkhead::Bulkhead::acquire_owned).
+///
+/// # Cancel safety
+///
+/// As [`Acquire`].
+#[pin_project(PinnedDrop)]
+#[must_use = "futures do nothing unless polled"]
+pub struct AcquireOwned {
+    core: Arc<Core>,
+    #[pin]
+    waiter: Waiter,
+}
+
+impl AcquireOwned {
+    pub(crate) fn new(core: Arc<Core>, priority: Priority) -> AcquireOwned {
+        AcquireOwned {
+            core,
+            waiter: Waiter::new(priority),
+        }
+    }
+}
+
+impl Future for AcquireOwned {
+    type Output = Result<OwnedBulkheadPermit, Rejected>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let core = this.core;
+        this.waiter
+            .poll_acquire(core, cx)
+            .map_ok(|()| OwnedBulkheadPermit { core: core.clone() })
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for AcquireOwned {
+    fn drop(self: Pin<&mut Self>) {
+        let this = self.project();
+        this.waiter.cancel(this.core);
+    }
+}
+
+impl fmt::Debug for AcquireOwned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AcquireOwned")
+            .field("waiter", &self.waiter)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A permit to run one unit of work through a bulkhead; returned when dropped.
+///
+/// Dropping it wakes the next waiter (critical first, then FIFO).
+#[must_use = "the permit is released as soon as it is dropped"]
+pub struct BulkheadPermit<'a> {
+    pub(crate) core: &'a Core,
+}
+
+impl Drop for BulkheadPermit<'_> {
+    fn drop(&mut self) {
+        self.core.release();
+    }
+}
+
+impl fmt::Debug for BulkheadPermit<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BulkheadPermit").finish_non_exhaustive()
+    }
+}
+
+/// A permit that owns a reference to its bulkhead (`'static`); returned when dropped.
+#[must_use = "the permit is released as soon as it is dropped"]
+pub struct OwnedBulkheadPermit {
+    pub(crate) core: Arc<Core>,
+}
+
+impl Drop for OwnedBulkheadPermit {
+    fn drop(&mut self) {
+        self.core.release();
+    }
+}
+
+impl fmt::Debug for OwnedBulkheadPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedBulkheadPermit")
+            .finish_non_exhaustive()
+    }
+}
+
+/// The permits a stream adapter holds, and its wait for the next one.
+///
+/// Dropping it abandons the wait and returns every permit still held, so an adapter that is
+/// dropped (or unwinds from a panicking future) leaks nothing.
+#[pin_project(PinnedDrop)]
+#[derive(Debug)]
+pub(crate) struct Permits {
+    core: Arc<Core>,
+    #[pin]
+    waiter: Waiter,
+    held: usize,
+    closed: bool,
+}
+
+impl Permits {
+    pub(crate) fn new(core: Arc<Core>) -> Permits {
+        Permits {
+            core,
+            waiter: Waiter::unbounded(),
+            held: 0,
+            closed: false,
+        }
+    }
+
+    /// Wait for one more permit. `Ready(false)` once the bulkhead is closed.
+    pub(crate) fn poll_acquire(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut this = self.project();
+        if *this.closed {
+            return Poll::Ready(false);
+        }
+        match ready!(this.waiter.as_mut().poll_acquire(this.core, cx)) {
+            Ok(()) => {
+                *this.held += 1;
+                this.waiter.set(Waiter::unbounded());
+                Poll::Ready(true)
+            }
+            Err(_) => {
+                *this.closed = true;
+                Poll::Ready(false)
+            }
+        }
+    }
+
+    /// Return one held permit.
+    pub(crate) fn release(self: Pin<&mut Self>) {
+        let this = self.project();
+        debug_assert!(*this.held > 0);
+        *this.held -= 1;
+        this.core.release();
+    }
+
+    /// Hand one held permit over to an owned permit.
+    pub(crate) fn into_owned(self: Pin<&mut Self>) -> OwnedBulkheadPermit {
+        let this = self.project();
+        *this.held -= 1;
+        OwnedBulkheadPermit {
+            core: this.core.clone(),
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.core.limit() as usize
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for Permits {
+    fn drop(self: Pin<&mut Self>) {
+        let this = self.project();
+        this.waiter.cancel(this.core);
+        for _ in 0..*this.held {
+            this.core.release();
+        }
+    }
+}

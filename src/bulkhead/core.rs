@@ -1,0 +1,491 @@
+//! The bulkhead core: an atomic fast path and a locked wait queue.
+//!
+//! `state` packs the permits in flight, the current limit and two flags into one `u64`.
+//! Acquiring and releasing without contention is one compare-and-swap. As soon as anyone
+//! waits, the `WAITERS` flag sends every acquirer and releaser through the mutex, where
+//! freed permits are *granted* to waiters in priority-then-FIFO order (the permit is counted
+//! in flight in the waiter's name before it is woken), so a newcomer never takes a permit a
+//! waiter is owed.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::PoisonError;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Waker};
+use std::time::Duration;
+
+use crate::bulkhead::error::{Priority, Rejected};
+use crate::metrics::{Counter, Gauge, Histogram, Labels};
+use crate::sync::{Mutex, MutexGuard};
+
+const COUNT_BITS: u32 = 31;
+/// The largest limit a bulkhead accepts.
+pub(crate) const MAX_PERMITS: u32 = (1 << COUNT_BITS) - 1;
+const COUNT_MASK: u64 = MAX_PERMITS as u64;
+const WAITERS: u64 = 1 << 62;
+const CLOSED: u64 = 1 << 63;
+
+fn in_flight_of(s: u64) -> u32 {
+    (s & COUNT_MASK) as u32
+}
+
+fn limit_of(s: u64) -> u32 {
+    ((s >> COUNT_BITS) & COUNT_MASK) as u32
+}
+
+/// Names of the bulkhead metrics.
+pub(crate) mod names {
+    pub(crate) const IN_FLIGHT: &str = "flowgate_bulkhead_in_flight";
+    pub(crate) const WAITING: &str = "flowgate_bulkhead_waiting";
+    pub(crate) const REJECTED: &str = "flowgate_bulkhead_rejected_total";
+    pub(crate) const WAIT_SECONDS: &str = "flowgate_bulkhead_wait_seconds";
+}
+
+struct Metrics {
+    in_flight: Gauge,
+    waiting: Gauge,
+    rejected: [Counter; 4],
+    wait: Histogram,
+}
+
+impl Metrics {
+    fn new(name: Option<&str>) -> Metrics {
+        let l = Labels::new(name);
+        let rejected = |r: Rejected| l.counter(names::REJECTED, &[("reason", r.as_str())]);
+        Metrics {
+            in_flight: l.gauge(names::IN_FLIGHT, &[]),
+            waiting: l.gauge(names::WAITING, &[]),
+            rejected: [
+                rejected(Rejected::WaitingRoomFull),
+                rejected(Rejected::TimedOut),
+                rejected(Rejected::Closed),
+                rejected(Rejected::NoPermit),
+            ],
+            wait: l.histogram(names::WAIT_SECONDS, &[]),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Waiters {
+    critical: VecDeque<(u64, Waker)>,
+    normal: VecDeque<(u64, Waker)>,
+    /// Waiters holding a permit granted in their name, not yet claimed.
+    granted: Vec<u64>,
+    /// Normal waiters shed to make room for critical ones.
+    shed: Vec<u64>,
+    next_id: u64,
+}
+
+impl Waiters {
+    fn len(&self) -> usize {
+        self.critical.len() + self.normal.len()
+    }
+
+    fn queue(&mut self, priority: Priority) -> &mut VecDeque<(u64, Waker)> {
+        match priority {
+            Priority::Critical => &mut self.critical,
+            Priority::Normal => &mut self.normal,
+        }
+    }
+
+    fn take(list: &mut Vec<u64>, id: u64) -> bool {
+        match list.iter().position(|&x| x == id) {
+            Some(at) => {
+                list.swap_remove(at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> bool {
+        for q in [&mut self.critical, &mut self.normal] {
+            if let Some(at) = q.iter().position(|(i, _)| *i == id) {
+                q.remove(at);
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// A waiting acquisition's place in the queue.
+#[derive(Debug, Default)]
+pub(crate) struct Ticket(Option<u64>);
+
+pub(crate) struct Core {
+    state: AtomicU64,
+    reserve: u32,
+    max_waiting: usize,
+    wait_timeout: Option<Duration>,
+    waiters: Mutex<Waiters>,
+    name: Option<String>,
+    metrics: Metrics,
+}
+
+impl fmt::Debug for Core {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.state.load(Ordering::Relaxed);
+        f.debug_struct("Bulkhead")
+            .field("name", &self.name)
+            .field("in_flight", &in_flight_of(s))
+            .field("limit", &limit_of(s))
+            .field("critical_reserve", &self.reserve)
+            .field("max_waiting", &self.max_waiting)
+            .field("wait_timeout", &self.wait_timeout)
+            .field("closed", &(s & CLOSED != 0))
+            .finish()
+    }
+}
+
+/// What a poll of a waiting acquisition found.
+pub(crate) enum Polled {
+    Acquired,
+    Rejected(Rejected),
+    Pending,
+}
+
+impl Core {
+    pub(crate) fn new(
+        limit: u32,
+        reserve: u32,
+        max_waiting: usize,
+        wait_timeout: Option<Duration>,
+        name: Option<String>,
+    ) -> Core {
+        Core {
+            state: AtomicU64::new(u64::from(limit) << COUNT_BITS),
+            reserve,
+            max_waiting,
+            wait_timeout,
+            waiters: Mutex::new(Waiters::default()),
+            metrics: Metrics::new(name.as_deref()),
+            name,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Waiters> {
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn wait_timeout(&self) -> Option<Duration> {
+        self.wait_timeout
+    }
+
+    pub(crate) fn in_flight(&self) -> u32 {
+        in_flight_of(self.state.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn limit(&self) -> u32 {
+        limit_of(self.state.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn reserve(&self) -> u32 {
+        self.reserve
+    }
+
+    pub(crate) fn max_waiting(&self) -> usize {
+        self.max_waiting
+    }
+
+    pub(crate) fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state.load(Ordering::Acquire) & CLOSED != 0
+    }
+
+    pub(crate) fn waiting(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Permits `priority` may use out of `limit`.
+    fn cap(&self, limit: u32, priority: Priority) -> u32 {
+        match priority {
+            Priority::Critical => limit,
+            Priority::Normal => limit.saturating_sub(self.reserve),
+        }
+    }
+
+    pub(crate) fn reject(&self, why: Rejected) -> Rejected {
+        self.metrics.rejected[why as usize].increment(1);
+        why
+    }
+
+    fn acquired(&self, s: u64) {
+        self.metrics
+            .in_flight
+            .set(f64::from(in_flight_of(s).wrapping_add(1)));
+    }
+
+    /// One CAS when nobody waits and a permit is free; `None` means take the slow path.
+    #[inline]
+    pub(crate) fn try_fast(&self, priority: Priority) -> Option<Result<(), Rejected>> {
+        let mut s = self.state.load(Ordering::Acquire);
+        loop {
+            if s & (WAITERS | CLOSED) != 0 {
+                return None;
+            }
+            if in_flight_of(s) >= self.cap(limit_of(s), priority) {
+                return None;
+            }
+            match self
+                .state
+                .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.acquired(s);
+                    return Some(Ok(()));
+                }
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Take a permit if this priority may have one right now, respecting the queue.
+    fn try_locked(&self, w: &Waiters, priority: Priority) -> Option<Result<(), Rejected>> {
+        let ahead = match priority {
+            Priority::Critical => !w.critical.is_empty(),
+            Priority::Normal => w.len() > 0,
+        };
+        let mut s = self.state.load(Ordering::Acquire);
+        loop {
+            if s & CLOSED != 0 {
+                return Some(Err(self.reject(Rejected::Closed)));
+            }
+            if ahead || in_flight_of(s) >= self.cap(limit_of(s), priority) {
+                return None;
+            }
+            match self
+                .state
+                .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.acquired(s);
+                    return Some(Ok(()));
+                }
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// `try_acquire`: a permit now or `NoPermit`; never waits.
+    pub(crate) fn try_acquire(&self, priority: Priority) -> Result<(), Rejected> {
+        if let Some(r) = self.try_fast(priority) {
+            return r;
+        }
+        let w = self.lock();
+        self.try_locked(&w, priority)
+            .unwrap_or_else(|| Err(self.reject(Rejected::NoPermit)))
+    }
+
+    fn set_flag(&self, flag: u64, on: bool) {
+        if on {
+            self.state.fetch_or(flag, Ordering::AcqRel);
+        } else {
+            self.state.fetch_and(!flag, Ordering::AcqRel);
+        }
+    }
+
+    /// Poll an acquisition that found no fast permit: take one, queue, or refuse. Unbounded
+    /// acquisitions (the stream adapters' backpressure) skip the waiting-room limit.
+    pub(crate) fn poll_acquire(
+        &self,
+        cx: &mut Context<'_>,
+        priority: Priority,
+        bounded: bool,
+        ticket: &mut Ticket,
+    ) -> Polled {
+        let mut w = self.lock();
+        if let Some(id) = ticket.0 {
+            return self.poll_queued(&mut w, cx, id, ticket);
+        }
+        // Flag first, so releasers that race us come through the lock and see the queue.
+        self.set_flag(WAITERS, true);
+        if let Some(r) = self.try_locked(&w, priority) {
+            if w.len() == 0 {
+                self.set_flag(WAITERS, false);
+            }
+            return match r {
+                Ok(()) => Polled::Acquired,
+                Err(why) => Polled::Rejected(why),
+            };
+        }
+        let mut woken = None;
+        if bounded && w.len() >= self.max_waiting {
+            // A full room sheds its newest normal waiter for critical work, never the reverse.
+            match (priority, w.normal.pop_back()) {
+                (Priority::Critical, Some((victim, waker))) => {
+                    w.shed.push(victim);
+                    woken = Some(waker);
+                }
+                (_, popped) => {
+                    if let Some(back) = popped {
+                        w.normal.push_back(back);
+                    }
+                    if w.len() == 0 {
+                        self.set_flag(WAITERS, false);
+                    }
+                    return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
+                }
+            }
+        }
+        w.next_id += 1;
+        let id = w.next_id;
+        w.queue(priority).push_back((id, cx.waker().clone()));
+        ticket.0 = Some(id);
+        self.metrics.waiting.set(w.len() as f64);
+        drop(w);
+        if let Some(waker) = woken {
+            waker.wake();
+        }
+        Polled::Pending
+    }
+
+    fn poll_queued(
+        &self,
+        w: &mut Waiters,
+        cx: &mut Context<'_>,
+        id: u64,
+        ticket: &mut Ticket,
+    ) -> Polled {
+        if Waiters::take(&mut w.granted, id) {
+            ticket.0 = None;
+            return Polled::Acquired;
+        }
+        if Waiters::take(&mut w.shed, id) {
+            ticket.0 = None;
+            return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
+        }
+        if self.is_closed() {
+            w.remove(id);
+            ticket.0 = None;
+            return Polled::Rejected(self.reject(Rejected::Closed));
+        }
+        for q in [&mut w.critical, &mut w.normal] {
+            if let Some((_, waker)) = q.iter_mut().find(|(i, _)| *i == id) {
+                waker.clone_from(cx.waker());
+            }
+        }
+        Polled::Pending
+    }
+
+    /// A waiting acquisition gave up (dropped or timed out). Returns true if a permit had
+    /// already been granted to it, in which case the caller now owns that permit.
+    pub(crate) fn leave(&self, ticket: &mut Ticket) -> bool {
+        let Some(id) = ticket.0.take() else {
+            return false;
+        };
+        let mut w = self.lock();
+        if w.remove(id) {
+            if w.len() == 0 {
+                self.set_flag(WAITERS, false);
+            }
+            self.metrics.waiting.set(w.len() as f64);
+            return false;
+        }
+        Waiters::take(&mut w.shed, id);
+        Waiters::take(&mut w.granted, id)
+    }
+
+    pub(crate) fn record_wait(&self, waited: Duration) {
+        self.metrics.wait.record(waited.as_secs_f64());
+    }
+
+    /// Return one permit: one CAS when nobody waits, else hand it on under the lock.
+    #[inline]
+    pub(crate) fn release(&self) {
+        let mut s = self.state.load(Ordering::Acquire);
+        while s & WAITERS == 0 {
+            match self
+                .state
+                .compare_exchange_weak(s, s - 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.metrics.in_flight.set(f64::from(in_flight_of(s) - 1));
+                    return;
+                }
+                Err(now) => s = now,
+            }
+        }
+        self.release_slow();
+    }
+
+    #[cold]
+    fn release_slow(&self) {
+        let mut w = self.lock();
+        let s = self.state.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.in_flight.set(f64::from(in_flight_of(s) - 1));
+        let wakers = self.grant(&mut w);
+        drop(w);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Hand free permits to waiters: critical first, then normal, FIFO within each.
+    fn grant(&self, w: &mut Waiters) -> Vec<Waker> {
+        let mut wakers = Vec::new();
+        loop {
+            let s = self.state.load(Ordering::Acquire);
+            let (n, limit) = (in_flight_of(s), limit_of(s));
+            let priority = if !w.critical.is_empty() && n < limit {
+                Priority::Critical
+            } else if !w.normal.is_empty() && n < self.cap(limit, Priority::Normal) {
+                Priority::Normal
+            } else {
+                break;
+            };
+            if self
+                .state
+                .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            self.acquired(s);
+            let (id, waker) = w.queue(priority).pop_front().expect("checked non-empty");
+            w.granted.push(id);
+            wakers.push(waker);
+        }
+        if w.len() == 0 {
+            self.set_flag(WAITERS, false);
+        }
+        self.metrics.waiting.set(w.len() as f64);
+        wakers
+    }
+
+    /// Change the limit; a larger one wakes waiters at once.
+    pub(crate) fn set_limit(&self, limit: u32) {
+        let mut w = self.lock();
+        let mut s = self.state.load(Ordering::Acquire);
+        loop {
+            let next = (s & !(COUNT_MASK << COUNT_BITS)) | (u64::from(limit) << COUNT_BITS);
+            match self
+                .state
+                .compare_exchange(s, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => s = now,
+            }
+        }
+        let wakers = self.grant(&mut w);
+        drop(w);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Refuse new acquisitions and wake every waiter (they fail with `Closed`). Permits in
+    /// flight stay valid.
+    pub(crate) fn close(&self) {
+        let mut w = self.lock();
+        self.set_flag(CLOSED, true);
+        let mut wakers: Vec<Waker> = w.critical.drain(..).map(|(_, k)| k).collect();
+        wakers.extend(w.normal.drain(..).map(|(_, k)| k));
+        // Grants not yet claimed stay valid: their waiters take the permits.
+        // Queued waiters are removed; their next poll sees `closed`.
+        self.set_flag(WAITERS, false);
+        self.metrics.waiting.set(0.0);
+        drop(w);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}

@@ -1,0 +1,330 @@
+//! `Bulkhead` and its builder.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit};
+use crate::bulkhead::core::{Core, MAX_PERMITS};
+use crate::bulkhead::error::{Priority, Rejected};
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::sync::Arc;
+
+/// A concurrency limit for one dependency: at most `limit` units of work in flight, a bounded
+/// waiting room, load shedding, and a reserve of permits for critical work.
+///
+/// Cloning is cheap and shares the limit (clones are handles to one bulkhead), so one
+/// bulkhead can guard a dependency across tasks and streams.
+///
+/// # Semantics
+///
+/// - **Permits** are RAII: a [`BulkheadPermit`] is returned when dropped, which wakes the
+///   next waiter. Waiters are served critical first, then FIFO.
+/// - **Waiting room**: at most `max_waiting` acquisitions wait; beyond that `acquire` fails
+///   at once with [`Rejected::WaitingRoomFull`] — that is load shedding, cheap and early. A
+///   critical acquisition at a full room sheds the newest normal waiter instead.
+/// - **Wait timeout**: a wait longer than `wait_timeout` fails with [`Rejected::TimedOut`].
+/// - **Critical reserve**: normal work cannot take the last `critical_reserve` permits;
+///   [`Priority::Critical`] work can.
+/// - **Resizing**: [`set_limit`](Bulkhead::set_limit) takes effect at once when growing
+///   (waiters are woken) and as permits come back when shrinking; work in flight is never
+///   revoked.
+/// - **Closing**: [`close`](Bulkhead::close) fails every waiter and every later acquisition
+///   with [`Rejected::Closed`]; permits in flight stay valid.
+///
+/// Acquiring and releasing without contention is a single atomic compare-and-swap.
+///
+/// # Metrics
+///
+/// Labelled by `name`: `flowgate_bulkhead_in_flight` and `flowgate_bulkhead_waiting`
+/// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
+/// `flowgate_bulkhead_wait_seconds` (histogram of the acquisitions that had to wait).
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::bulkhead::{Bulkhead, Priority, Rejected};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let payments = Bulkhead::builder(2)
+///     .max_waiting(0) // no waiting room: shed at once
+///     .critical_reserve(1)
+///     .name("payments")
+///     .build()?;
+/// let a = payments.acquire().await?; // normal work may use 2 - 1 = 1 permit
+/// assert_eq!(payments.try_acquire().unwrap_err(), Rejected::NoPermit);
+/// assert_eq!(payments.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
+/// let b = payments.acquire_with(Priority::Critical).await?; // the reserve
+/// assert_eq!(payments.in_flight(), 2);
+/// drop((a, b));
+/// let answer = payments.run(async { 42 }).await?;
+/// assert_eq!(answer, 42);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Bulkhead {
+    core: Arc<Core>,
+}
+
+impl Bulkhead {
+    /// A bulkhead of `max_in_flight` permits, with an unbounded waiting room, no timeout and
+    /// no critical reserve.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `bulkhead.max_in_flight` if it is zero or above 2³¹ − 1.
+    pub fn new(max_in_flight: usize) -> Result<Bulkhead, ConfigError> {
+        Bulkhead::builder(max_in_flight).build()
+    }
+
+    /// A builder for a bulkhead of `max_in_flight` permits.
+    pub fn builder(max_in_flight: usize) -> BulkheadBuilder {
+        BulkheadBuilder {
+            max_in_flight,
+            max_waiting: usize::MAX,
+            wait_timeout: None,
+            critical_reserve: 0,
+            name: None,
+        }
+    }
+
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
+    /// Wait for a permit for normal work.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::WaitingRoomFull`] at once when the room is full (or later, if shed for
+    /// critical work), [`Rejected::TimedOut`] after `wait_timeout`, [`Rejected::Closed`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: see [`Acquire`].
+    pub fn acquire(&self) -> Acquire<'_> {
+        Acquire::new(&self.core, Priority::Normal)
+    }
+
+    /// Wait for a permit at `priority`.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    pub fn acquire_with(&self, priority: Priority) -> Acquire<'_> {
+        Acquire::new(&self.core, priority)
+    }
+
+    /// As [`acquire`](Bulkhead::acquire), with a `'static` permit.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    pub fn acquire_owned(&self) -> AcquireOwned {
+        AcquireOwned::new(self.core.clone(), Priority::Normal)
+    }
+
+    /// As [`acquire_with`](Bulkhead::acquire_with), with a `'static` permit.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    pub fn acquire_owned_with(&self, priority: Priority) -> AcquireOwned {
+        AcquireOwned::new(self.core.clone(), priority)
+    }
+
+    /// A permit for normal work if one is free now; never waits.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::NoPermit`], or [`Rejected::Closed`].
+    pub fn try_acquire(&self) -> Result<BulkheadPermit<'_>, Rejected> {
+        self.try_acquire_with(Priority::Normal)
+    }
+
+    /// A permit at `priority` if one is free now; never waits.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::NoPermit`], or [`Rejected::Closed`].
+    pub fn try_acquire_with(&self, priority: Priority) -> Result<BulkheadPermit<'_>, Rejected> {
+        self.core
+            .try_acquire(priority)
+            .map(|()| BulkheadPermit { core: &self.core })
+    }
+
+    /// Run `work` holding a permit for normal work; the permit is returned when it finishes
+    /// (or is dropped).
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire); `work` is not started when rejected.
+    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, Rejected> {
+        self.run_with(Priority::Normal, work).await
+    }
+
+    /// As [`run`](Bulkhead::run), at `priority`.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    pub async fn run_with<F: Future>(
+        &self,
+        priority: Priority,
+        work: F,
+    ) -> Result<F::Output, Rejected> {
+        let _permit = self.acquire_with(priority).await?;
+        Ok(work.await)
+    }
+
+    /// Change the limit at runtime. Growing wakes waiters at once; shrinking takes effect as
+    /// permits come back (work in flight is never revoked).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `bulkhead.limit` if it is zero, above 2³¹ − 1, or not above the
+    /// critical reserve.
+    pub fn set_limit(&self, limit: usize) -> Result<(), ConfigError> {
+        let limit = check_limit("bulkhead.limit", limit)?;
+        check_reserve(limit, self.core.reserve())?;
+        self.core.set_limit(limit);
+        Ok(())
+    }
+
+    /// Permits in flight (may exceed the limit for a while after it was lowered).
+    pub fn in_flight(&self) -> usize {
+        self.core.in_flight() as usize
+    }
+
+    /// Acquisitions waiting for a permit.
+    pub fn waiting(&self) -> usize {
+        self.core.waiting()
+    }
+
+    /// The size of the waiting room (`usize::MAX`: unbounded).
+    pub fn max_waiting(&self) -> usize {
+        self.core.max_waiting()
+    }
+
+    /// The current limit.
+    pub fn limit(&self) -> usize {
+        self.core.limit() as usize
+    }
+
+    /// Fail every waiter and every later acquisition with [`Rejected::Closed`].
+    pub fn close(&self) {
+        self.core.close();
+    }
+
+    /// Whether [`close`](Bulkhead::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.core.is_closed()
+    }
+
+    /// The bulkhead's name, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.core.name()
+    }
+}
+
+impl fmt::Debug for Bulkhead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.core.fmt(f)
+    }
+}
+
+fn check_limit(field: &'static str, n: usize) -> Result<u32, ConfigError> {
+    if n == 0 {
+        return Err(ConfigError::zero(field));
+    }
+    u32::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_PERMITS)
+        .ok_or_else(|| {
+            ConfigError::new(
+                field,
+                ConfigErrorKind::TooLarge,
+                format!("{n} is above the maximum {MAX_PERMITS}"),
+            )
+        })
+}
+
+fn check_reserve(limit: u32, reserve: u32) -> Result<(), ConfigError> {
+    if reserve >= limit {
+        return Err(ConfigError::new(
+            "bulkhead.critical_reserve",
+            ConfigErrorKind::Inconsistent,
+            format!("a reserve of {reserve} out of {limit} permits leaves none for normal work"),
+        ));
+    }
+    Ok(())
+}
+
+/// Builds a [`Bulkhead`]; from [`Bulkhead::builder`].
+#[derive(Debug, Clone)]
+pub struct BulkheadBuilder {
+    max_in_flight: usize,
+    max_waiting: usize,
+    wait_timeout: Option<Duration>,
+    critical_reserve: usize,
+    name: Option<String>,
+}
+
+impl BulkheadBuilder {
+    /// The waiting room: how many acquisitions may wait for a permit (default unbounded).
+    /// `0` means no waiting at all: an acquisition that finds no free permit is shed at once.
+    pub fn max_waiting(mut self, n: usize) -> Self {
+        self.max_waiting = n;
+        self
+    }
+
+    /// The longest an acquisition waits before failing with [`Rejected::TimedOut`] (default:
+    /// no limit).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = Some(timeout);
+        self
+    }
+
+    /// How many permits only [`Priority::Critical`] work may take (default 0).
+    pub fn critical_reserve(mut self, k: usize) -> Self {
+        self.critical_reserve = k;
+        self
+    }
+
+    /// The `name` label of this bulkhead's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the bulkhead.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `bulkhead.max_in_flight` (zero or above 2³¹ − 1),
+    /// `bulkhead.wait_timeout` (zero: use `max_waiting(0)` to never wait), or
+    /// `bulkhead.critical_reserve` (not below `max_in_flight`).
+    pub fn build(self) -> Result<Bulkhead, ConfigError> {
+        let limit = check_limit("bulkhead.max_in_flight", self.max_in_flight)?;
+        if self.wait_timeout == Some(Duration::ZERO) {
+            return Err(ConfigError::new(
+                "bulkhead.wait_timeout",
+                ConfigErrorKind::Zero,
+                "must be positive; use max_waiting(0) to never wait",
+            ));
+        }
+        let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
+        check_reserve(limit, reserve)?;
+        Ok(Bulkhead {
+            core: Arc::new(Core::new(
+                limit,
+                reserve,
+                self.max_waiting,
+                self.wait_timeout,
+                self.name,
+            )),
+        })
+    }
+}

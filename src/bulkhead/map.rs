@@ -1,0 +1,171 @@
+//! `bulkhead_map`: map each item under a permit, yield in input order.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use futures::Stream;
+use futures::stream::{Fuse, FusedStream, FuturesOrdered, StreamExt};
+use pin_project::pin_project;
+
+use crate::bulkhead::Bulkhead;
+use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
+
+/// A mapped future that returns its permit the moment it completes (or is dropped).
+#[pin_project]
+#[derive(Debug)]
+pub(crate) struct Permitted<Fut> {
+    #[pin]
+    fut: Fut,
+    permit: Option<OwnedBulkheadPermit>,
+}
+
+impl<Fut: Future> Future for Permitted<Fut> {
+    type Output = Fut::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Fut::Output> {
+        let this = self.project();
+        let out = ready!(this.fut.poll(cx));
+        this.permit.take();
+        Poll::Ready(out)
+    }
+}
+
+/// Stream of [`bulkhead_map`](crate::FlowStreamExt::bulkhead_map).
+///
+/// As [`BulkheadMapUnordered`](crate::bulkhead::BulkheadMapUnordered), but outputs come in
+/// input order (like `buffered`). A future that completes early returns its permit at once;
+/// its output waits for the ones before it. At most `limit()` outputs are in flight or
+/// waiting, so memory stays bounded while the head of the line is slow.
+#[pin_project]
+#[must_use = "streams do nothing unless polled"]
+pub struct BulkheadMap<St: Stream, F, Fut: Future> {
+    #[pin]
+    stream: Fuse<St>,
+    f: F,
+    next: Option<St::Item>,
+    #[pin]
+    permits: Permits,
+    running: FuturesOrdered<Permitted<Fut>>,
+}
+
+impl<St, F, Fut> BulkheadMap<St, F, Fut>
+where
+    St: Stream,
+    F: FnMut(St::Item) -> Fut,
+    Fut: Future,
+{
+    pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
+        BulkheadMap {
+            stream: stream.fuse(),
+            f,
+            next: None,
+            permits: Permits::new(bulkhead.core().clone()),
+            running: FuturesOrdered::new(),
+        }
+    }
+
+    /// The inner stream.
+    pub fn get_ref(&self) -> &St {
+        self.stream.get_ref()
+    }
+
+    /// The inner stream, mutably.
+    pub fn get_mut(&mut self) -> &mut St {
+        self.stream.get_mut()
+    }
+
+    /// The inner stream, pinned.
+    pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut St> {
+        self.project().stream.get_pin_mut()
+    }
+
+    /// The inner stream; futures in flight are dropped and their permits returned.
+    pub fn into_inner(self) -> St {
+        self.stream.into_inner()
+    }
+}
+
+impl<St, F, Fut> Stream for BulkheadMap<St, F, Fut>
+where
+    St: Stream,
+    F: FnMut(St::Item) -> Fut,
+    Fut: Future,
+{
+    type Item = Fut::Output;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
+        let mut this = self.project();
+        while !this.permits.is_closed() && this.running.len() < this.permits.limit() {
+            if this.next.is_none() {
+                match this.stream.as_mut().poll_next(cx) {
+                    Poll::Ready(Some(item)) => *this.next = Some(item),
+                    Poll::Ready(None) | Poll::Pending => break,
+                }
+            }
+            match this.permits.as_mut().poll_acquire(cx) {
+                Poll::Ready(true) => {
+                    let item = this.next.take().expect("an item is waiting");
+                    let permit = Some(this.permits.as_mut().into_owned());
+                    this.running.push_back(Permitted {
+                        fut: (this.f)(item),
+                        permit,
+                    });
+                }
+                Poll::Ready(false) => *this.next = None,
+                Poll::Pending => break,
+            }
+        }
+        match this.running.poll_next_unpin(cx) {
+            Poll::Ready(Some(out)) => Poll::Ready(Some(out)),
+            Poll::Ready(None)
+                if this.next.is_none() && (this.stream.is_done() || this.permits.is_closed()) =>
+            {
+                Poll::Ready(None)
+            }
+            _ => Poll::Pending,
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        // Each future in flight and the held item yield one output; then the inner stream's.
+        let extra = self.running.len() + usize::from(self.next.is_some());
+        let (lo, hi) = if self.permits.is_closed() {
+            (0, Some(0))
+        } else {
+            self.stream.size_hint()
+        };
+        (
+            lo.saturating_add(self.running.len()),
+            hi.and_then(|h| h.checked_add(extra)),
+        )
+    }
+}
+
+impl<St, F, Fut> FusedStream for BulkheadMap<St, F, Fut>
+where
+    St: Stream,
+    F: FnMut(St::Item) -> Fut,
+    Fut: Future,
+{
+    fn is_terminated(&self) -> bool {
+        self.running.is_empty()
+            && self.next.is_none()
+            && (self.stream.is_done() || self.permits.is_closed())
+    }
+}
+
+impl<St, F, Fut> fmt::Debug for BulkheadMap<St, F, Fut>
+where
+    St: Stream + fmt::Debug,
+    Fut: Future,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BulkheadMap")
+            .field("stream", &self.stream)
+            .field("permits", &self.permits)
+            .field("running", &self.running.len())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,42 @@
+//! Bulkheads: concurrency caps per dependency, a bounded waiting room, load shedding, and a
+//! reserve for critical work.
+//!
+//! A bulkhead of 50 in front of the payments API means the 51st call waits instead of piling
+//! onto a saturated pool; when even the waiting room is full the call is shed early and
+//! cheaply, while critical work keeps a reserved share. See [`Bulkhead`] for the semantics.
+//!
+//! # Stream adapters
+//!
+//! Through [`FlowStreamExt`](crate::FlowStreamExt), one bulkhead can be shared by many
+//! streams; the adapters wait for permits (backpressure), they never reject, and each permit
+//! is held exactly while its mapped future runs:
+//!
+//! | adapter | output order | where the futures run |
+//! |---|---|---|
+//! | [`bulkhead_map`](crate::FlowStreamExt::bulkhead_map) | input order (like `buffered`) | inside the stream's poll |
+//! | [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered) | completion order (like `buffer_unordered`) | inside the stream's poll |
+//! | [`bulkhead_spawn_map`](crate::FlowStreamExt::bulkhead_spawn_map) | completion order | each on its own tokio task |
+//!
+//! **Which to use.** The first two drive the mapped futures only while the consumer polls
+//! the stream. If the consumer does slow work between items, futures in flight stop making
+//! progress and their permits sit idle while other callers of the dependency wait for them
+//! (the hazard described in futures-rs issue 2387). Use `bulkhead_spawn_map` when the
+//! consumer does real work per item or the permits are shared with other callers: each
+//! mapped future runs on its own task, so it progresses and releases its permit regardless of
+//! the consumer. Use the in-poll adapters for cheap consumers, non-`Send` futures, or when
+//! spawning is not wanted.
+
+mod acquire;
+mod core;
+mod error;
+mod handle;
+mod map;
+mod map_unordered;
+mod spawn_map;
+
+pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
+pub use error::{Priority, Rejected};
+pub use handle::{Bulkhead, BulkheadBuilder};
+pub use map::BulkheadMap;
+pub use map_unordered::BulkheadMapUnordered;
+pub use spawn_map::BulkheadSpawnMap;

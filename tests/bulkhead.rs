@@ -1,0 +1,560 @@
+//! Bulkheads: the limit under stress and cancellation, the waiting room, timeouts, the
+//! critical reserve, resizing, FIFO order, panics, and the stream adapters.
+
+mod support;
+
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use flowgate::bulkhead::{Bulkhead, Priority, Rejected};
+use flowgate::{ConfigErrorKind, FlowStreamExt};
+use futures::{FutureExt, StreamExt, poll};
+use tokio::time::{Instant, advance, sleep};
+
+/// Tracks how many holders are inside at once, and the most ever seen.
+#[derive(Default, Clone)]
+struct Gauge {
+    now: Arc<AtomicUsize>,
+    max: Arc<AtomicUsize>,
+}
+
+impl Gauge {
+    fn enter(&self) {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max.fetch_max(n, Ordering::SeqCst);
+    }
+    fn exit(&self) {
+        self.now.fetch_sub(1, Ordering::SeqCst);
+    }
+    /// Enter now, exit when the guard drops (also when cancelled).
+    fn inside(&self) -> impl Drop + '_ {
+        struct Exit<'a>(&'a Gauge);
+        impl Drop for Exit<'_> {
+            fn drop(&mut self) {
+                self.0.exit();
+            }
+        }
+        self.enter();
+        Exit(self)
+    }
+
+    fn max(&self) -> usize {
+        self.max.load(Ordering::SeqCst)
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn bad_configuration_is_a_config_error() {
+    let e = Bulkhead::new(0).unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("bulkhead.max_in_flight", ConfigErrorKind::Zero)
+    );
+    let e = Bulkhead::new(1 << 31).unwrap_err();
+    assert_eq!(e.kind(), ConfigErrorKind::TooLarge);
+    let e = Bulkhead::builder(4)
+        .critical_reserve(4)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("bulkhead.critical_reserve", ConfigErrorKind::Inconsistent)
+    );
+    assert_eq!(
+        e.to_string(),
+        "invalid bulkhead.critical_reserve: a reserve of 4 out of 4 permits leaves none for normal work"
+    );
+    let e = Bulkhead::builder(4)
+        .wait_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "bulkhead.wait_timeout");
+    let b = Bulkhead::builder(4).critical_reserve(2).build().unwrap();
+    assert_eq!(b.set_limit(0).unwrap_err().kind(), ConfigErrorKind::Zero);
+    assert_eq!(
+        b.set_limit(2).unwrap_err().kind(),
+        ConfigErrorKind::Inconsistent
+    );
+    assert_eq!(b.limit(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn never_more_than_the_limit_under_random_durations_and_cancellations() {
+    let b = Bulkhead::builder(5)
+        .wait_timeout(Duration::from_millis(40))
+        .build()
+        .unwrap();
+    let gauge = Gauge::default();
+    let mut tasks = Vec::new();
+    for t in 0..60u64 {
+        let (b, gauge) = (b.clone(), gauge.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(t * 31 + 7);
+            for _ in 0..20 {
+                let work = Duration::from_millis(rng.next() % 20);
+                let patience = Duration::from_millis(rng.next() % 30);
+                // Cancel the whole acquire-and-work at a random point.
+                let _ = tokio::time::timeout(patience, async {
+                    if let Ok(_permit) = b.acquire().await {
+                        let _inside = gauge.inside();
+                        sleep(work).await;
+                    }
+                })
+                .await;
+                sleep(Duration::from_millis(rng.next() % 5)).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(gauge.max(), 5, "the limit is reached and never exceeded");
+    assert_eq!(b.in_flight(), 0, "every permit came back");
+    assert_eq!(b.waiting(), 0, "every waiting-room place came back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_more_than_the_limit_on_two_threads() {
+    let b = Bulkhead::new(3).unwrap();
+    let gauge = Gauge::default();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..16u64 {
+        let (b, gauge, inside) = (b.clone(), gauge.clone(), inside.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(t + 1);
+            for _ in 0..300 {
+                let acquire = b.acquire();
+                let permit = if rng.next().is_multiple_of(4) {
+                    // Poll once, then cancel if it has to wait.
+                    let mut acquire = pin!(acquire);
+                    match poll!(acquire.as_mut()) {
+                        std::task::Poll::Ready(p) => p.unwrap(),
+                        std::task::Poll::Pending => continue,
+                    }
+                } else {
+                    acquire.await.unwrap()
+                };
+                let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                gauge.max.fetch_max(n, Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                drop(permit);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(gauge.max() <= 3, "max in flight {}", gauge.max());
+    assert_eq!(b.in_flight(), 0);
+    assert_eq!(b.waiting(), 0);
+}
+
+#[tokio::test]
+async fn a_full_waiting_room_sheds_at_once() {
+    let b = Bulkhead::builder(1).max_waiting(2).build().unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut w1 = Box::pin(b.acquire());
+    let mut w2 = Box::pin(b.acquire());
+    assert!(poll!(w1.as_mut()).is_pending());
+    assert!(poll!(w2.as_mut()).is_pending());
+    assert_eq!(b.waiting(), 2);
+    assert_eq!(b.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
+    assert_eq!(b.try_acquire().unwrap_err(), Rejected::NoPermit);
+    drop(held);
+    drop(w1.await.unwrap());
+    drop(w2.await.unwrap());
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_times_out() {
+    let b = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let _held = b.acquire().await.unwrap();
+    let start = Instant::now();
+    assert_eq!(b.acquire().await.unwrap_err(), Rejected::TimedOut);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(b.waiting(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_permit_granted_at_the_deadline_wins_over_the_timeout() {
+    let b = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut waiting = pin!(b.acquire());
+    assert!(poll!(waiting.as_mut()).is_pending());
+    advance(Duration::from_millis(100)).await;
+    drop(held); // granted to the waiter before it sees its timer
+    assert!(waiting.await.is_ok());
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn the_critical_reserve_is_for_critical_work_only() {
+    let b = Bulkhead::builder(3).critical_reserve(1).build().unwrap();
+    let n1 = b.acquire().await.unwrap();
+    let _n2 = b.acquire().await.unwrap();
+    assert_eq!(b.try_acquire().unwrap_err(), Rejected::NoPermit);
+    let mut normal = Box::pin(b.acquire());
+    assert!(poll!(normal.as_mut()).is_pending());
+    let c1 = b.acquire_with(Priority::Critical).await.unwrap();
+    assert_eq!(b.in_flight(), 3);
+    // Critical waiters are served before normal ones.
+    let mut critical = Box::pin(b.acquire_with(Priority::Critical));
+    assert!(poll!(critical.as_mut()).is_pending());
+    drop(c1);
+    assert!(poll!(normal.as_mut()).is_pending());
+    let c2 = critical.await.unwrap();
+    drop(c2);
+    // The freed permit is reserve: normal work still waits until in_flight < 2.
+    assert!(poll!(normal.as_mut()).is_pending());
+    drop(n1);
+    assert!(normal.await.is_ok());
+}
+
+#[tokio::test]
+async fn critical_work_sheds_the_newest_normal_waiter_from_a_full_room() {
+    let b = Bulkhead::builder(1).max_waiting(2).build().unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut old = Box::pin(b.acquire());
+    let mut new = Box::pin(b.acquire());
+    assert!(poll!(old.as_mut()).is_pending());
+    assert!(poll!(new.as_mut()).is_pending());
+    let mut critical = Box::pin(b.acquire_with(Priority::Critical));
+    assert!(poll!(critical.as_mut()).is_pending());
+    assert_eq!(new.await.unwrap_err(), Rejected::WaitingRoomFull);
+    drop(held);
+    drop(critical.await.unwrap());
+    assert!(old.await.is_ok());
+}
+
+#[tokio::test]
+async fn growing_the_limit_wakes_waiters_and_shrinking_waits_for_permits() {
+    let b = Bulkhead::new(1).unwrap();
+    let p1 = b.acquire().await.unwrap();
+    let mut w = Box::pin(b.acquire());
+    assert!(poll!(w.as_mut()).is_pending());
+    b.set_limit(2).unwrap();
+    let p2 = w.await.unwrap();
+    assert_eq!(b.in_flight(), 2);
+
+    b.set_limit(1).unwrap(); // in-flight work is not revoked
+    assert_eq!((b.in_flight(), b.limit()), (2, 1));
+    let mut w = Box::pin(b.acquire());
+    assert!(poll!(w.as_mut()).is_pending());
+    drop(p1); // 1 in flight: still at the limit
+    assert!(poll!(w.as_mut()).is_pending());
+    drop(p2);
+    assert!(w.await.is_ok());
+}
+
+#[tokio::test]
+async fn a_cancelled_acquire_leaks_no_permit_and_no_place() {
+    let b = Bulkhead::builder(1).max_waiting(1).build().unwrap();
+    let held = b.acquire().await.unwrap();
+    {
+        let mut a = pin!(b.acquire());
+        assert!(poll!(a.as_mut()).is_pending());
+        assert_eq!(b.waiting(), 1);
+    }
+    assert_eq!(b.waiting(), 0, "the place came back");
+    let mut next = Box::pin(b.acquire());
+    assert!(
+        poll!(next.as_mut()).is_pending(),
+        "admitted to the room, not shed"
+    );
+    drop(held);
+    drop(next.await.unwrap());
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn a_permit_granted_to_a_waiter_that_is_then_dropped_passes_on() {
+    let b = Bulkhead::new(1).unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut first = Box::pin(b.acquire());
+    let mut second = Box::pin(b.acquire());
+    assert!(poll!(first.as_mut()).is_pending());
+    assert!(poll!(second.as_mut()).is_pending());
+    drop(held); // granted to `first`, which never claims it
+    assert_eq!(b.in_flight(), 1);
+    drop(first);
+    let p = second.await.unwrap();
+    assert_eq!(b.in_flight(), 1);
+    drop(p);
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
+#[tokio::test]
+async fn waiters_are_served_fifo() {
+    let b = Bulkhead::new(1).unwrap();
+    let held = b.acquire().await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let (b, order) = (b.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let _p = b.acquire().await.unwrap();
+            order.lock().unwrap().push(i);
+        }));
+        // Let each task queue before the next one starts.
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(b.waiting(), 5);
+    drop(held);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
+}
+
+#[tokio::test]
+async fn close_fails_waiters_and_new_acquisitions_but_not_work_in_flight() {
+    let b = Bulkhead::new(1).unwrap();
+    let held = b.acquire_owned().await.unwrap();
+    let mut w = Box::pin(b.acquire());
+    assert!(poll!(w.as_mut()).is_pending());
+    b.close();
+    assert!(b.is_closed());
+    assert_eq!(w.await.unwrap_err(), Rejected::Closed);
+    assert_eq!(b.acquire().await.unwrap_err(), Rejected::Closed);
+    assert_eq!(b.run(async {}).await.unwrap_err(), Rejected::Closed);
+    assert_eq!(b.in_flight(), 1);
+    drop(held);
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_ordered_adapter_yields_in_input_order() {
+    let b = Bulkhead::new(4).unwrap();
+    let gauge = Gauge::default();
+    let g = gauge.clone();
+    let out: Vec<u64> = futures::stream::iter(0..40u64)
+        .bulkhead_map(b.clone(), move |x| {
+            let g = g.clone();
+            async move {
+                g.enter();
+                sleep(Duration::from_millis((x * 37) % 11)).await;
+                g.exit();
+                x
+            }
+        })
+        .collect()
+        .await;
+    assert_eq!(out, (0..40).collect::<Vec<_>>());
+    assert!(gauge.max() <= 4);
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn adapters_share_one_bulkhead_across_streams() {
+    let b = Bulkhead::new(3).unwrap();
+    let gauge = Gauge::default();
+    let run = |from: u64| {
+        let g = gauge.clone();
+        futures::stream::iter(from..from + 30)
+            .bulkhead_map_unordered(b.clone(), move |x| {
+                let g = g.clone();
+                async move {
+                    g.enter();
+                    sleep(Duration::from_millis(x % 7 + 1)).await;
+                    g.exit();
+                    x
+                }
+            })
+            .collect::<Vec<_>>()
+    };
+    let (a, c) = tokio::join!(run(0), run(100));
+    assert_eq!((a.len(), c.len()), (30, 30));
+    assert_eq!(
+        gauge.max(),
+        3,
+        "the two streams together use exactly the limit"
+    );
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn permits_are_released_when_a_mapped_future_panics() {
+    let b = Bulkhead::new(2).unwrap();
+    let stream = futures::stream::iter(0..10).bulkhead_map_unordered(b.clone(), |x| async move {
+        if x == 3 {
+            panic!("mapped future failed");
+        }
+        tokio::task::yield_now().await;
+        x
+    });
+    let result = AssertUnwindSafe(stream.collect::<Vec<_>>())
+        .catch_unwind()
+        .await;
+    assert!(result.is_err());
+    assert_eq!(b.in_flight(), 0);
+
+    let ordered = futures::stream::iter(0..10).bulkhead_map(b.clone(), |x| async move {
+        assert_ne!(x, 5, "mapped future failed");
+        x
+    });
+    assert!(
+        AssertUnwindSafe(ordered.collect::<Vec<_>>())
+            .catch_unwind()
+            .await
+            .is_err()
+    );
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn the_spawning_adapter_resumes_panics_and_returns_permits() {
+    let b = Bulkhead::new(2).unwrap();
+    let stream = futures::stream::iter(0..10).bulkhead_spawn_map(b.clone(), |x| async move {
+        assert_ne!(x, 4, "mapped future failed");
+        x
+    });
+    assert!(
+        AssertUnwindSafe(stream.collect::<Vec<_>>())
+            .catch_unwind()
+            .await
+            .is_err()
+    );
+    tokio::task::yield_now().await;
+    // Aborted tasks return their permits as they stop.
+    for _ in 0..10 {
+        if b.in_flight() == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_spawning_adapter_makes_progress_while_the_consumer_is_busy() {
+    let b = Bulkhead::new(4).unwrap();
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    let mut stream = pin!(
+        futures::stream::iter(0..8).bulkhead_spawn_map(b.clone(), move |x| {
+            let d = d.clone();
+            async move {
+                sleep(Duration::from_millis(10)).await;
+                d.fetch_add(1, Ordering::SeqCst);
+                x
+            }
+        })
+    );
+    assert!(stream.next().await.is_some());
+    // The consumer is busy for a while; the tasks in flight finish and free their permits.
+    sleep(Duration::from_millis(50)).await;
+    assert!(done.load(Ordering::SeqCst) >= 4);
+    assert_eq!(
+        b.in_flight(),
+        0,
+        "no permit sits idle while the consumer is busy"
+    );
+    let rest: Vec<_> = stream.collect().await;
+    assert_eq!(rest.len(), 7);
+
+    // The in-poll adapter, by contrast, keeps its permits while the consumer is away.
+    let mut stream = pin!(futures::stream::iter(0..8).bulkhead_map_unordered(
+        b.clone(),
+        |x| async move {
+            sleep(Duration::from_millis(10)).await;
+            x
+        }
+    ));
+    assert!(stream.next().await.is_some());
+    sleep(Duration::from_millis(50)).await;
+    // Three finished futures were never polled again, so their permits are still out.
+    assert!(b.in_flight() >= 3, "the futures in flight were not polled");
+}
+
+#[tokio::test]
+async fn closing_the_bulkhead_ends_an_adapter_after_work_in_flight() {
+    let b = Bulkhead::new(1).unwrap();
+    let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+    let mut stream = pin!(rx.bulkhead_map_unordered(b.clone(), |x| async move { x }));
+    tx.unbounded_send(1).unwrap();
+    assert_eq!(stream.next().await, Some(1));
+    b.close();
+    tx.unbounded_send(2).unwrap();
+    assert_eq!(stream.next().await, None);
+}
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Bulkhead>();
+    send_sync::<flowgate::bulkhead::BulkheadPermit<'static>>();
+    send_sync::<flowgate::bulkhead::OwnedBulkheadPermit>();
+    send_sync::<flowgate::bulkhead::Acquire<'static>>();
+    send_sync::<flowgate::bulkhead::AcquireOwned>();
+    send_sync::<Rejected>();
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn metrics_by_name_and_reason() {
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1)
+            .max_waiting(1)
+            .wait_timeout(Duration::from_millis(50))
+            .name("payments")
+            .build()
+            .unwrap()
+    });
+    let held = b.acquire().await.unwrap();
+    assert_eq!(
+        recorder.gauge("flowgate_bulkhead_in_flight{name=payments}"),
+        Some(1.0)
+    );
+    let mut waiter = Box::pin(b.acquire());
+    assert!(poll!(waiter.as_mut()).is_pending());
+    assert_eq!(
+        recorder.gauge("flowgate_bulkhead_waiting{name=payments}"),
+        Some(1.0)
+    );
+    assert_eq!(b.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
+    advance(Duration::from_millis(20)).await;
+    drop(held);
+    drop(waiter.await.unwrap());
+    assert_eq!(
+        recorder.samples("flowgate_bulkhead_wait_seconds{name=payments}"),
+        [0.02]
+    );
+    let _held = b.acquire().await.unwrap();
+    assert_eq!(b.acquire().await.unwrap_err(), Rejected::TimedOut);
+    let rejected = |r: &str| {
+        recorder.counter(&format!(
+            "flowgate_bulkhead_rejected_total{{name=payments,reason={r}}}"
+        ))
+    };
+    assert_eq!(
+        (rejected("waiting_room_full"), rejected("timed_out")),
+        (1, 1)
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_bulkhead_waiting{name=payments}"),
+        Some(0.0)
+    );
+}

@@ -4,10 +4,14 @@
 
 use std::time::Duration;
 
+use flowgate::bulkhead::{Bulkhead, Rejected};
+use flowgate::channel::{self, Sent};
 use flowgate::limit::{FixedWindow, Keyed, Limiter, SlidingLog, SlidingWindow, TokenBucket};
-use flowgate::{Overflow, Quota, Rate};
+use flowgate::{FlowStreamExt, Overflow, Quota, Rate};
+use futures::StreamExt;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 1. Value types validate their input: a typed error, never a panic.
     let quota = Quota::per_second(5)?.burst(10)?;
     println!("quota: {quota}");
@@ -61,18 +65,57 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         per_tenant.len()
     );
 
-    // 5. Every bounded buffer in flowgate takes one of these policies.
-    for policy in [
-        Overflow::Backpressure,
-        Overflow::Reject,
-        Overflow::DropNewest,
-        Overflow::DropOldest,
-    ] {
-        println!(
-            "overflow policy {policy}: sender waits = {}",
-            policy.waits()
-        );
+    // 5. A bounded channel that keeps the freshest items: the oldest are evicted, and every
+    //    eviction is reported and counted.
+    let (tx, mut rx) = channel::builder(4)
+        .overflow(Overflow::DropOldest)
+        .on_drop(|stale: u32| println!("  evicted stale reading {stale}"))
+        .name("readings")
+        .build()?;
+    for reading in 0..6u32 {
+        if tx.send(reading).await? == Sent::EvictedOldest {
+            println!("  reading {reading} queued by evicting the oldest");
+        }
     }
+    drop(tx);
+    let mut fresh = Vec::new();
+    while let Some(r) = rx.recv().await {
+        fresh.push(r);
+    }
+    let stats = rx.stats();
+    println!(
+        "channel: received {fresh:?}; sent {} = received {} + dropped {}",
+        stats.sent, stats.received, stats.dropped
+    );
+
+    // 6. A bulkhead: at most 3 calls in flight to a dependency, one waiting, the rest shed.
+    let dependency = Bulkhead::builder(3)
+        .max_waiting(1)
+        .name("dependency")
+        .build()?;
+    let held: Vec<_> = (0..3)
+        .map(|_| dependency.try_acquire())
+        .collect::<Result<_, _>>()?;
+    let mut waiting = Box::pin(dependency.acquire());
+    assert!(futures::poll!(waiting.as_mut()).is_pending());
+    match dependency.acquire().await {
+        Err(Rejected::WaitingRoomFull) => {
+            println!("bulkhead: 3 in flight, 1 waiting, the next is shed")
+        }
+        other => println!("unexpected: {other:?}"),
+    }
+    drop(held);
+    drop(waiting.await?);
+
+    // 7. The same bulkhead as a stream adapter: backpressure, never more than 3 at once.
+    let doubled: Vec<u32> = futures::stream::iter(1..=6)
+        .bulkhead_map(dependency.clone(), |x| async move { x * 2 })
+        .collect()
+        .await;
+    println!(
+        "bulkhead_map (ordered): {doubled:?}, in flight now {}",
+        dependency.in_flight()
+    );
     Ok(())
 }
 

@@ -5,6 +5,10 @@ use std::future::Future;
 use futures::{Sink, Stream};
 
 use crate::bulkhead::{Bulkhead, BulkheadMap, BulkheadMapUnordered, BulkheadSpawnMap};
+use crate::error::ConfigError;
+use crate::overflow::Overflow;
+use crate::pace::{Leaky, LeakyQueue, LeakySink, Pacer, UnitCost};
+use crate::rate::Rate;
 
 /// flowgate's stream combinators, for every [`Stream`].
 ///
@@ -71,6 +75,73 @@ pub trait FlowStreamExt: Stream {
     {
         BulkheadSpawnMap::new(self, &bulkhead, f)
     }
+
+    /// Release items at `rate` through a private [`Pacer`] with the default burst; the
+    /// upstream is slowed to the rate (backpressure).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::prelude::*;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let start = tokio::time::Instant::now();
+    /// let n = futures::stream::iter(0..100)
+    ///     .leaky(Rate::per_second(50)?)
+    ///     .count()
+    ///     .await;
+    /// assert_eq!(n, 100);
+    /// // The default burst (1 + 50 × 5 ms = 2) goes at once, the other 98 at 50/s.
+    /// assert_eq!(start.elapsed(), Duration::from_millis(1_960));
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn leaky(self, rate: Rate) -> Leaky<Self, UnitCost<Self::Item>>
+    where
+        Self: Sized,
+    {
+        Leaky::new(self, Pacer::new(rate), crate::pace::unit_cost)
+    }
+
+    /// Release items through a shared `pacer` (one rate for many streams, FIFO across them).
+    fn leaky_with(self, pacer: Pacer) -> Leaky<Self, UnitCost<Self::Item>>
+    where
+        Self: Sized,
+    {
+        Leaky::new(self, pacer, crate::pace::unit_cost)
+    }
+
+    /// Release items through `pacer`, each costing `cost(&item)` units (clamped to
+    /// `1..=burst`).
+    fn leaky_cost<C>(self, pacer: Pacer, cost: C) -> Leaky<Self, C>
+    where
+        Self: Sized,
+        C: FnMut(&Self::Item) -> u32,
+    {
+        Leaky::new(self, pacer, cost)
+    }
+
+    /// The enforcing leaky bucket: drain the upstream eagerly into a queue of `capacity`
+    /// items and release them through `pacer`; `overflow` decides what happens when the
+    /// queue is full (see [`LeakyQueue`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `pace.queue_capacity` if `capacity` is zero.
+    fn leaky_queue(
+        self,
+        pacer: Pacer,
+        capacity: usize,
+        overflow: Overflow,
+    ) -> Result<LeakyQueue<Self>, ConfigError>
+    where
+        Self: Sized,
+    {
+        LeakyQueue::new(self, pacer, capacity, overflow)
+    }
 }
 
 impl<S: Stream + ?Sized> FlowStreamExt for S {}
@@ -78,6 +149,23 @@ impl<S: Stream + ?Sized> FlowStreamExt for S {}
 /// flowgate's sink combinators, for every [`Sink`].
 ///
 /// In the [`prelude`](crate::prelude).
-pub trait FlowSinkExt<Item>: Sink<Item> {}
+pub trait FlowSinkExt<Item>: Sink<Item> {
+    /// Accept items at `rate` through a private [`Pacer`] with the default burst: each
+    /// `poll_ready` waits for the pacer before asking the inner sink.
+    fn leaky(self, rate: Rate) -> LeakySink<Self>
+    where
+        Self: Sized,
+    {
+        LeakySink::new(self, Pacer::new(rate))
+    }
+
+    /// As [`leaky`](FlowSinkExt::leaky), through a shared `pacer`.
+    fn leaky_with(self, pacer: Pacer) -> LeakySink<Self>
+    where
+        Self: Sized,
+    {
+        LeakySink::new(self, pacer)
+    }
+}
 
 impl<Item, S: Sink<Item> + ?Sized> FlowSinkExt<Item> for S {}

@@ -17,7 +17,7 @@
 //! | [`metrics`] | metric names; one recording path, free when the feature is off | ready |
 //! | [`channel`] | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | ready |
 //! | [`bulkhead`] | concurrency caps, waiting room, load shedding, critical reserve; stream adapters | ready |
-//! | `pace` | leaky-bucket pacing: constant outflow from 1/s to 1M/s | planned |
+//! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters | ready |
 //! | `demand` | request(n) credit, fetch-by-demand sources, watermarks, commits | planned |
 //! | `gate` | keyed token gates: in-memory default and Redis (atomic Lua, server clock) | planned |
 //!
@@ -73,6 +73,7 @@ mod ext;
 pub mod limit;
 pub mod metrics;
 pub mod overflow;
+pub mod pace;
 pub mod rate;
 mod sync;
 
@@ -88,6 +89,7 @@ pub mod prelude {
     pub use crate::channel::{Receiver, Sender, Sent};
     pub use crate::ext::{FlowSinkExt, FlowStreamExt};
     pub use crate::limit::{Algorithm, Keyed, Limiter};
+    pub use crate::pace::Pacer;
     pub use crate::{ConfigError, Decision, Overflow, Quota, Rate};
 }
 

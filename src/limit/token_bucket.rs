@@ -104,6 +104,14 @@ impl TokenBucket {
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
 
+    /// A state whose bucket is full again at `at` (its [`neutral_at`](Algorithm::neutral_at)),
+    /// for carrying a schedule over to a new quota.
+    pub fn state_full_at(&self, at: Duration) -> TokenBucketState {
+        let mut state = TokenBucketState::default();
+        state.set(self.units(at));
+        state
+    }
+
     fn units(&self, now: Duration) -> u128 {
         u128::from(nanos(now)) * u128::from(self.scale)
     }

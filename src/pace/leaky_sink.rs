@@ -1,0 +1,97 @@
+//! `sink.leaky(rate)`: outbound calls at a constant rate.
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use futures::Sink;
+use pin_project::pin_project;
+
+use crate::pace::Pacer;
+use crate::pace::paced::Paced;
+
+/// Sink of [`FlowSinkExt::leaky`](crate::FlowSinkExt::leaky): each item waits for the
+/// pacer in `poll_ready`, before the inner sink is asked for room.
+///
+/// A pacer admission taken by `poll_ready` but not used before the sink is dropped is not
+/// given back (the unit of rate is spent; no item is lost).
+#[pin_project]
+#[must_use = "sinks do nothing unless polled"]
+pub struct LeakySink<Si> {
+    #[pin]
+    sink: Si,
+    paced: Paced,
+    admitted: bool,
+}
+
+impl<Si> LeakySink<Si> {
+    pub(crate) fn new(sink: Si, pacer: Pacer) -> Self {
+        LeakySink {
+            sink,
+            paced: Paced::new(pacer),
+            admitted: false,
+        }
+    }
+
+    /// The pacer.
+    pub fn pacer(&self) -> &Pacer {
+        self.paced.pacer()
+    }
+
+    /// The inner sink.
+    pub fn get_ref(&self) -> &Si {
+        &self.sink
+    }
+
+    /// The inner sink, mutably.
+    pub fn get_mut(&mut self) -> &mut Si {
+        &mut self.sink
+    }
+
+    /// The inner sink, pinned.
+    pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut Si> {
+        self.project().sink
+    }
+
+    /// The inner sink.
+    pub fn into_inner(self) -> Si {
+        self.sink
+    }
+}
+
+impl<Si: Sink<Item>, Item> Sink<Item> for LeakySink<Si> {
+    type Error = Si::Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
+        let this = self.project();
+        if !*this.admitted {
+            ready!(this.paced.poll_admit(1, cx));
+            *this.admitted = true;
+        }
+        this.sink.poll_ready(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, item: Item) -> Result<(), Si::Error> {
+        let this = self.project();
+        *this.admitted = false;
+        this.sink.start_send(item)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
+        self.project().sink.poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
+        self.project().sink.poll_close(cx)
+    }
+}
+
+impl<Si: fmt::Debug> fmt::Debug for LeakySink<Si> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeakySink")
+            .field("sink", &self.sink)
+            .field("pacer", self.paced.pacer())
+            .field("admitted", &self.admitted)
+            .finish()
+    }
+}

@@ -1,0 +1,43 @@
+//! Leaky-bucket pacing: a constant outflow to fragile downstreams, exact from 1/s to 1M/s.
+//!
+//! A payment gateway with a hard TPS cap, a legacy database, a third-party API with a strict
+//! contract: they need a smooth, constant outflow however bursty the input. A [`Pacer`] is a
+//! shared leaky bucket; the adapters in [`FlowStreamExt`](crate::FlowStreamExt) and
+//! [`FlowSinkExt`](crate::FlowSinkExt) put streams and sinks behind one:
+//!
+//! | adapter | what it does |
+//! |---|---|
+//! | `stream.leaky(rate)` | releases items at `rate` (a private pacer); slows the upstream down |
+//! | `stream.leaky_with(pacer)` | the same through a shared pacer (fair, FIFO across streams) |
+//! | `stream.leaky_cost(pacer, \|item\| cost)` | items of different weights |
+//! | `stream.leaky_queue(pacer, capacity, overflow)` | drains upstream into a bounded queue, releases at the rate, applies the overflow policy when full |
+//! | `sink.leaky(rate)` | outbound calls at `rate` |
+//!
+//! # Precision
+//!
+//! Scheduling follows the exact GCRA schedule (item `i` is due at `T0 + i/rate`, integer
+//! time) and never sleeps per item: one timer wake releases every item that is due, up to
+//! the burst, so timer error never accumulates. Above the timer's resolution (1 ms) items
+//! leave in small on-time batches. See [`Pacer`] for the guarantees and the default burst.
+//!
+//! # Metrics
+//!
+//! Labelled by the pacer's `name`: `flowgate_pace_released_total`,
+//! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram),
+//! and for `leaky_queue` `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`.
+
+mod error;
+mod leaky;
+mod leaky_queue;
+mod leaky_sink;
+mod paced;
+mod pacer;
+mod until_ready;
+
+pub use error::{PaceError, TryAcquireError};
+pub(crate) use leaky::unit_cost;
+pub use leaky::{Leaky, UnitCost};
+pub use leaky_queue::LeakyQueue;
+pub use leaky_sink::LeakySink;
+pub use pacer::{Pacer, PacerBuilder};
+pub use until_ready::UntilReady;

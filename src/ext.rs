@@ -5,6 +5,7 @@ use std::future::Future;
 use futures::{Sink, Stream};
 
 use crate::bulkhead::{Bulkhead, BulkheadMap, BulkheadMapUnordered, BulkheadSpawnMap};
+use crate::demand::{DemandHandle, Demanded, Watermarks};
 use crate::error::ConfigError;
 use crate::overflow::Overflow;
 use crate::pace::{Leaky, LeakyQueue, LeakySink, Pacer, UnitCost};
@@ -141,6 +142,48 @@ pub trait FlowStreamExt: Stream {
         Self: Sized,
     {
         LeakyQueue::new(self, pacer, capacity, overflow)
+    }
+
+    /// Yield items only while credit remains: `initial` now, more through
+    /// [`DemandHandle::request`]. Never more items than requested in total.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::prelude::*;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (mut stream, demand) = futures::stream::iter(0..100).with_demand(2);
+    /// assert_eq!(stream.next().await, Some(0));
+    /// assert_eq!(stream.next().await, Some(1));
+    /// assert!(futures::poll!(stream.next()).is_pending()); // no credit left
+    /// demand.request(1)?;
+    /// assert_eq!(stream.next().await, Some(2));
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn with_demand(self, initial: u64) -> (Demanded<Self>, DemandHandle)
+    where
+        Self: Sized,
+    {
+        Demanded::new(self, initial, None)
+    }
+
+    /// Pair each item with a [`Ticket`](crate::demand::Ticket) and pause pulling while
+    /// `high` tickets are alive, until they fall to `low`; see
+    /// [`Watermarks`](crate::demand::Watermarks).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `watermarks.high` if it is zero, on `watermarks.low` if it is not
+    /// below `high`.
+    fn watermarks(self, high: usize, low: usize) -> Result<Watermarks<Self>, ConfigError>
+    where
+        Self: Sized,
+    {
+        Watermarks::new(self, high, low)
     }
 }
 

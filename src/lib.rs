@@ -18,7 +18,7 @@
 //! | [`channel`] | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | ready |
 //! | [`bulkhead`] | concurrency caps, waiting room, load shedding, critical reserve; stream adapters | ready |
 //! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters | ready |
-//! | `demand` | request(n) credit, fetch-by-demand sources, watermarks, commits | planned |
+//! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
 //! | `gate` | keyed token gates: in-memory default and Redis (atomic Lua, server clock) | planned |
 //!
 //! ## Shared concepts
@@ -68,6 +68,7 @@
 pub mod bulkhead;
 pub mod channel;
 mod decision;
+pub mod demand;
 mod error;
 mod ext;
 pub mod limit;

@@ -1,0 +1,226 @@
+//! `with_demand`: a stream that yields only what was requested.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
+
+use futures::Stream;
+use futures::stream::FusedStream;
+use futures::task::AtomicWaker;
+use pin_project::pin_project;
+
+use crate::demand::error::DemandError;
+use crate::metrics::{Gauge, Labels};
+use crate::sync::Arc;
+
+/// Credit meaning "no limit".
+pub const UNBOUNDED: u64 = u64::MAX;
+
+#[derive(Debug)]
+struct Credit {
+    remaining: AtomicU64,
+    waker: AtomicWaker,
+    outstanding: Gauge,
+}
+
+impl Credit {
+    /// Take one unit; false when there is none.
+    fn take(&self) -> bool {
+        let mut n = self.remaining.load(Ordering::Acquire);
+        loop {
+            if n == 0 {
+                return false;
+            }
+            if n == UNBOUNDED {
+                return true;
+            }
+            match self.remaining.compare_exchange_weak(
+                n,
+                n - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.outstanding.set((n - 1) as f64);
+                    return true;
+                }
+                Err(now) => n = now,
+            }
+        }
+    }
+
+    /// Give back one unit taken for an item that did not come (the stream ended).
+    fn give_back(&self) {
+        let _ = self
+            .remaining
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n != UNBOUNDED).then(|| n + 1)
+            });
+    }
+}
+
+/// The credit handle of a [`Demanded`] stream: `request(n)` lets `n` more items through.
+///
+/// Clone it and send it to any task.
+#[derive(Clone, Debug)]
+pub struct DemandHandle {
+    credit: Arc<Credit>,
+}
+
+impl DemandHandle {
+    /// Allow `n` more items (additive, saturating at [`UNBOUNDED`]); wakes the stream.
+    /// `request(UNBOUNDED)` lifts the limit for good.
+    ///
+    /// # Errors
+    ///
+    /// [`DemandError::ZeroRequest`] for `n == 0` (Reactive Streams rule 3.9).
+    pub fn request(&self, n: u64) -> Result<(), DemandError> {
+        if n == 0 {
+            return Err(DemandError::ZeroRequest);
+        }
+        let before = self
+            .credit
+            .remaining
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
+                Some(c.saturating_add(n))
+            })
+            .unwrap_or_else(|c| c);
+        let after = self.outstanding();
+        self.credit.outstanding.set(after as f64);
+        if before == 0 {
+            self.credit.waker.wake();
+        }
+        Ok(())
+    }
+
+    /// Credit not yet used ([`UNBOUNDED`] when unlimited).
+    pub fn outstanding(&self) -> u64 {
+        self.credit.remaining.load(Ordering::Acquire)
+    }
+}
+
+/// Stream of [`with_demand`](crate::FlowStreamExt::with_demand): yields an item only while
+/// credit remains, and never more items than were requested in total.
+///
+/// The upstream is not polled while there is no credit, so nothing is fetched ahead of
+/// demand.
+#[pin_project]
+#[must_use = "streams do nothing unless polled"]
+pub struct Demanded<S> {
+    #[pin]
+    stream: S,
+    credit: Arc<Credit>,
+    /// One unit taken and not yet matched by an item.
+    holding: bool,
+    done: bool,
+}
+
+impl<S: Stream> Demanded<S> {
+    pub(crate) fn new(stream: S, initial: u64, name: Option<&str>) -> (Demanded<S>, DemandHandle) {
+        let outstanding = Labels::new(name).gauge(names::OUTSTANDING, &[]);
+        outstanding.set(initial as f64);
+        let credit = Arc::new(Credit {
+            remaining: AtomicU64::new(initial),
+            waker: AtomicWaker::new(),
+            outstanding,
+        });
+        (
+            Demanded {
+                stream,
+                credit: credit.clone(),
+                holding: false,
+                done: false,
+            },
+            DemandHandle { credit },
+        )
+    }
+
+    /// A handle to add credit.
+    pub fn handle(&self) -> DemandHandle {
+        DemandHandle {
+            credit: self.credit.clone(),
+        }
+    }
+
+    /// The inner stream.
+    pub fn get_ref(&self) -> &S {
+        &self.stream
+    }
+
+    /// The inner stream, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.stream
+    }
+
+    /// The inner stream, pinned.
+    pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut S> {
+        self.project().stream
+    }
+
+    /// The inner stream.
+    pub fn into_inner(self) -> S {
+        self.stream
+    }
+}
+
+/// Names of the demand metrics.
+pub(crate) mod names {
+    pub(crate) const OUTSTANDING: &str = "flowgate_demand_outstanding";
+}
+
+impl<S: Stream> Stream for Demanded<S> {
+    type Item = S::Item;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
+        let this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        if !*this.holding {
+            if !this.credit.take() {
+                this.credit.waker.register(cx.waker());
+                // A request may have landed between the check and the registration.
+                if !this.credit.take() {
+                    return Poll::Pending;
+                }
+            }
+            *this.holding = true;
+        }
+        let next = ready!(this.stream.poll_next(cx));
+        *this.holding = false;
+        if next.is_none() {
+            *this.done = true;
+            this.credit.give_back();
+        }
+        Poll::Ready(next)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        // At most the credit (plus a unit already taken), at most the inner stream's.
+        if self.done {
+            return (0, Some(0));
+        }
+        let credit = self.credit.remaining.load(Ordering::Acquire);
+        let cap = usize::try_from(credit)
+            .unwrap_or(usize::MAX)
+            .saturating_add(usize::from(self.holding));
+        let (lo, hi) = self.stream.size_hint();
+        (lo.min(cap), Some(hi.map_or(cap, |h| h.min(cap))))
+    }
+}
+
+impl<S: Stream> FusedStream for Demanded<S> {
+    fn is_terminated(&self) -> bool {
+        self.done
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Demanded<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Demanded")
+            .field("stream", &self.stream)
+            .field("credit", &self.credit.remaining.load(Ordering::Relaxed))
+            .finish()
+    }
+}

@@ -1,0 +1,33 @@
+//! Demand signalling: fetch only what downstream asked for, pause a source by watermarks,
+//! commit only what is done.
+//!
+//! Rust streams pull one item at a time; batch sources (a Kafka poll, `XREADGROUP COUNT`)
+//! need to know how much to fetch, and a consumer loop must pause its source when the stages
+//! behind it saturate and commit only finished work. The pieces:
+//!
+//! - **Credit** — [`with_demand`](crate::FlowStreamExt::with_demand): the stream yields only
+//!   while credit remains; [`DemandHandle::request`] adds credit from any task (Reactive
+//!   Streams semantics: never more items than requested).
+//! - **Batch sources** — [`BatchSource`] and [`prefetch`]: buffer at most `high` fetched
+//!   items, refill at `low`, always asking for exactly `high − buffered`.
+//! - **Watermarks** — [`watermarks`](crate::FlowStreamExt::watermarks): every item comes with
+//!   a [`Ticket`]; a [`PauseSignal`] turns [`Flow::Paused`] at `high` in flight and
+//!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`.
+//! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done.
+//!
+//! # Metrics
+//!
+//! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
+//! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks), all gauges.
+
+mod commit;
+mod credit;
+mod error;
+mod source;
+mod watermarks;
+
+pub use commit::{CommitToken, CommitTracker};
+pub use credit::{DemandHandle, Demanded, UNBOUNDED};
+pub use error::DemandError;
+pub use source::{BatchSource, Fetched, Prefetch, StreamSource, prefetch};
+pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};

@@ -1,0 +1,289 @@
+//! Demand signalling: credit, prefetch, watermarks and commits, against simple models.
+
+mod support;
+
+use std::collections::{BTreeSet, VecDeque};
+use std::pin::{Pin, pin};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use flowgate::demand::{
+    BatchSource, CommitTracker, DemandError, Flow, StreamSource, UNBOUNDED, prefetch,
+};
+use flowgate::{ConfigErrorKind, FlowStreamExt};
+use futures::{StreamExt, poll};
+use proptest::prelude::*;
+use tokio::time::advance;
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Request(u64),
+    Pull,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![(1u64..5).prop_map(Op::Request), Just(Op::Pull)]
+}
+
+/// A source that records every `max` it is asked for, with the buffer at that moment.
+struct Recording {
+    next: u32,
+    end: u32,
+    /// Items handed to the consumer so far (shared with the test).
+    consumed: Arc<Mutex<usize>>,
+    fetched: usize,
+    /// `(max, buffered, first poll of this fetch)`.
+    asks: Arc<Mutex<Vec<(usize, usize, bool)>>>,
+    pending_every: u32,
+    /// The last poll returned `Pending`: complete this one.
+    was_pending: bool,
+}
+
+impl BatchSource for Recording {
+    type Item = u32;
+    type Error = ();
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, ()>>> {
+        let buffered = self.fetched - *self.consumed.lock().unwrap();
+        let first = !self.was_pending;
+        self.asks.lock().unwrap().push((max, buffered, first));
+        if self.next >= self.end {
+            return Poll::Ready(None);
+        }
+        if !self.was_pending && self.pending_every > 0 && self.next % self.pending_every == 1 {
+            // Pretend to be slow once in a while: pending, then ready on the next poll.
+            self.was_pending = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        self.was_pending = false;
+        let n = max.min((self.end - self.next) as usize).min(max / 2 + 1);
+        let batch: Vec<u32> = (self.next..self.next + n as u32).collect();
+        self.next += n as u32;
+        self.fetched += n;
+        Poll::Ready(Some(Ok(batch)))
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn with_demand_never_yields_more_than_requested(
+        initial in 0u64..4,
+        ops in prop::collection::vec(op(), 1..100),
+        available in 0usize..60,
+    ) {
+        block_on(async {
+            let (mut stream, demand) = futures::stream::iter(0..available).with_demand(initial);
+            let mut requested = initial;
+            let mut yielded = 0u64;
+            for op in ops {
+                match op {
+                    Op::Request(n) => {
+                        demand.request(n).unwrap();
+                        requested += n;
+                    }
+                    Op::Pull => {
+                        if let Poll::Ready(Some(_)) = poll!(stream.next()) {
+                            yielded += 1;
+                        }
+                    }
+                }
+                prop_assert!(yielded <= requested);
+                prop_assert_eq!(demand.outstanding(), requested - yielded);
+            }
+            // Draining gives exactly min(requested, available).
+            while let Poll::Ready(Some(_)) = poll!(stream.next()) {
+                yielded += 1;
+            }
+            prop_assert_eq!(yielded, requested.min(available as u64));
+            Ok(())
+        })?;
+    }
+
+    #[test]
+    fn prefetch_asks_for_exactly_high_minus_buffered(
+        high in 1usize..20,
+        low_frac in 0usize..100,
+        end in 0u32..200,
+        pending_every in 0u32..7,
+        take_pauses in prop::collection::vec(0u8..3, 0..50),
+    ) {
+        let low = high * low_frac / 100 % high;
+        let consumed = Arc::new(Mutex::new(0));
+        let asks = Arc::new(Mutex::new(Vec::new()));
+        let source = Recording {
+            next: 0,
+            end,
+            consumed: consumed.clone(),
+            fetched: 0,
+            asks: asks.clone(),
+            pending_every,
+            was_pending: false,
+        };
+        let out = block_on(async {
+            let mut stream = pin!(prefetch(source, high, low).unwrap());
+            let mut out = Vec::new();
+            let mut pauses = take_pauses.into_iter();
+            while let Some(item) = stream.next().await {
+                out.push(item.unwrap());
+                *consumed.lock().unwrap() += 1;
+                prop_assert!(flowgate::demand::Prefetch::buffered(&stream) <= high);
+                if pauses.next() == Some(0) {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Ok(out)
+        })?;
+        prop_assert_eq!(out, (0..end).collect::<Vec<_>>());
+        for &(max, buffered, first) in asks.lock().unwrap().iter() {
+            // Never more than there is room for; exactly the room when the fetch starts
+            // (while a fetch is in progress the consumer may drain more).
+            prop_assert!(max <= high - buffered, "asked for {} with {} buffered", max, buffered);
+            if first {
+                prop_assert_eq!(max, high - buffered);
+                prop_assert!(buffered <= low, "refilled above low");
+            }
+        }
+    }
+
+    #[test]
+    fn commit_tracker_matches_a_model(
+        gaps in prop::collection::vec(1u64..4, 1..60),
+        order in prop::collection::vec(any::<prop::sample::Index>(), 0..60),
+    ) {
+        let tracker = CommitTracker::new();
+        let mut offsets = Vec::new();
+        let mut tokens = Vec::new();
+        let mut offset = 0;
+        for g in gaps {
+            offset += g;
+            offsets.push(offset);
+            tokens.push(Some(tracker.track(offset).unwrap()));
+        }
+        let mut done = BTreeSet::new();
+        for idx in order {
+            let i = idx.index(tokens.len());
+            if let Some(t) = tokens[i].take() {
+                t.done();
+                done.insert(offsets[i]);
+            }
+            // Model: the last offset of the longest all-done prefix.
+            let model = offsets.iter().take_while(|o| done.contains(o)).last().copied();
+            prop_assert_eq!(tracker.committable(), model);
+        }
+    }
+}
+
+#[test]
+fn bad_requests_and_configs_are_typed_errors() {
+    let (_s, demand) = futures::stream::iter(0..1).with_demand(0);
+    assert_eq!(demand.request(0), Err(DemandError::ZeroRequest));
+    demand.request(UNBOUNDED).unwrap();
+    demand.request(5).unwrap();
+    assert_eq!(demand.outstanding(), UNBOUNDED);
+    let source = || StreamSource::new(futures::stream::iter(0..1));
+    assert_eq!(
+        prefetch(source(), 0, 0).err().unwrap().field(),
+        "prefetch.high"
+    );
+    let e = prefetch(source(), 4, 4).err().unwrap();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("prefetch.low", ConfigErrorKind::Inconsistent)
+    );
+    let e = futures::stream::iter(0..1).watermarks(2, 2).err().unwrap();
+    assert_eq!(e.field(), "watermarks.low");
+    let tracker = CommitTracker::new();
+    let _t = tracker.track(5).unwrap();
+    assert_eq!(
+        tracker.track(5).err(),
+        Some(DemandError::OffsetOutOfOrder { offset: 5, last: 5 })
+    );
+}
+
+#[tokio::test]
+async fn unbounded_demand_yields_everything() {
+    let (s, _demand) = futures::stream::iter(0..1000).with_demand(UNBOUNDED);
+    assert_eq!(s.count().await, 1000);
+}
+
+#[tokio::test]
+async fn a_request_from_another_task_wakes_the_stream() {
+    let (mut s, demand) = futures::stream::iter(0..10).with_demand(0);
+    let t = tokio::spawn(async move {
+        tokio::task::yield_now().await;
+        demand.request(3).unwrap();
+    });
+    assert_eq!(s.next().await, Some(0));
+    t.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn watermarks_pause_at_high_and_resume_at_low_with_min_hold() {
+    let stream = futures::stream::iter(0..100)
+        .watermarks(3, 1)
+        .unwrap()
+        .min_hold(Duration::from_millis(100));
+    let mut signal = stream.pause_signal();
+    let mut stream = pin!(stream);
+    let mut tickets = VecDeque::new();
+    for i in 0..3 {
+        let (item, t) = stream.next().await.unwrap();
+        assert_eq!(item, i);
+        tickets.push_back(t);
+    }
+    assert_eq!(signal.get(), Flow::Paused, "3 in flight = high");
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "paused: upstream not pulled"
+    );
+    drop(tickets.pop_front());
+    assert!(signal.is_paused(), "2 in flight: above low, still paused");
+    drop(tickets.pop_front());
+    // 1 in flight = low, but the pause began less than min_hold ago: held back.
+    assert!(signal.is_paused());
+    assert!(poll!(stream.next()).is_pending());
+    advance(Duration::from_millis(100)).await;
+    let (item, t) = stream.next().await.unwrap(); // the wrapper applied the resume
+    assert_eq!(item, 3);
+    assert_eq!(signal.changed().await, Some(Flow::Resumed));
+    tickets.push_back(t);
+    // 2 in flight; one more reaches high again, but min_hold keeps it resumed for now.
+    let (_, t) = stream.next().await.unwrap();
+    tickets.push_back(t);
+    assert_eq!(stream.in_flight(), 3);
+    assert!(!signal.is_paused(), "no flapping faster than min_hold");
+    advance(Duration::from_millis(100)).await;
+    assert!(poll!(stream.next()).is_pending(), "now paused");
+    assert!(signal.is_paused());
+}
+
+#[tokio::test]
+async fn watermarks_without_min_hold_follow_in_flight_at_once() {
+    let mut stream = pin!(futures::stream::iter(0..10).watermarks(2, 0).unwrap());
+    let signal = stream.pause_signal();
+    let (_, a) = stream.next().await.unwrap();
+    let (_, b) = stream.next().await.unwrap();
+    assert!(signal.is_paused());
+    drop(a);
+    assert!(signal.is_paused(), "1 > low");
+    drop(b);
+    assert!(!signal.is_paused());
+    assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+}

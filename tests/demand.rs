@@ -287,3 +287,204 @@ async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     assert!(!signal.is_paused());
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
 }
+
+#[cfg(feature = "redis")]
+mod redis_streams {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use flowgate::demand::{Origin, RedisStreamSource, prefetch};
+    use futures::StreamExt;
+    use redis::aio::MultiplexedConnection;
+
+    use super::support::RedisServer;
+
+    const KEY: &str = "orders";
+    const GROUP: &str = "billing";
+
+    async fn produce(con: &mut MultiplexedConnection, n: u32) {
+        for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+            let mut pipe = redis::pipe();
+            for i in chunk {
+                pipe.cmd("XADD").arg(KEY).arg("*").arg("n").arg(*i).ignore();
+            }
+            pipe.query_async::<()>(con).await.unwrap();
+        }
+    }
+
+    async fn source(
+        server: &RedisServer,
+        consumer: &str,
+    ) -> RedisStreamSource<MultiplexedConnection> {
+        RedisStreamSource::builder(server.connect().await, KEY, GROUP, consumer)
+            .block(Duration::from_millis(50))
+            .min_idle(Duration::from_millis(300))
+            .claim_every(Duration::from_millis(100))
+            .build()
+            .await
+            .unwrap()
+    }
+
+    async fn pending(con: &mut MultiplexedConnection) -> u64 {
+        let summary: redis::Value = redis::cmd("XPENDING")
+            .arg(KEY)
+            .arg(GROUP)
+            .query_async(con)
+            .await
+            .unwrap();
+        match summary {
+            redis::Value::Array(v) => {
+                redis::FromRedisValue::from_redis_value(v[0].clone()).unwrap()
+            }
+            other => panic!("unexpected XPENDING reply {other:?}"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
+        const N: u32 = 10_000;
+        let server = RedisServer::start();
+        let mut con = server.connect().await;
+        // The group exists before anything is produced, so every entry goes through it.
+        drop(source(&server, "setup").await);
+        produce(&mut con, N).await;
+        let seen: Arc<Mutex<HashMap<u32, u32>>> = Default::default();
+        let acked: Arc<Mutex<std::collections::HashSet<u32>>> = Default::default();
+
+        // Consumer c processes some entries, then dies holding 100 it never acknowledged.
+        {
+            let mut stream = Box::pin(prefetch(source(&server, "c").await, 100, 20).unwrap());
+            for _ in 0..1_000 {
+                let e = stream.next().await.unwrap().unwrap();
+                let n: u32 = e.get("n").unwrap();
+                *seen.lock().unwrap().entry(n).or_default() += 1;
+                e.ack.ack();
+                acked.lock().unwrap().insert(n);
+            }
+            stream
+                .as_mut()
+                .get_mut()
+                .get_mut()
+                .flush_acks()
+                .await
+                .unwrap();
+            for _ in 0..100 {
+                let e = stream.next().await.unwrap().unwrap();
+                *seen.lock().unwrap().entry(e.get("n").unwrap()).or_default() += 1;
+                drop(e.ack); // crash: never acknowledged
+            }
+        }
+
+        let done = Arc::new(AtomicBool::new(false));
+        let mut survivors = Vec::new();
+        for name in ["a", "b"] {
+            let (seen, acked, done) = (seen.clone(), acked.clone(), done.clone());
+            let server_src = source(&server, name).await;
+            survivors.push(tokio::spawn(async move {
+                let mut stream = Box::pin(prefetch(server_src, 100, 20).unwrap());
+                let mut claimed = 0;
+                while !done.load(Ordering::SeqCst) {
+                    let Ok(Some(e)) =
+                        tokio::time::timeout(Duration::from_millis(100), stream.next()).await
+                    else {
+                        continue;
+                    };
+                    let e = e.unwrap();
+                    claimed += usize::from(e.origin == Origin::Claimed);
+                    let n: u32 = e.get("n").unwrap();
+                    *seen.lock().unwrap().entry(n).or_default() += 1;
+                    e.ack.ack();
+                    let mut acked = acked.lock().unwrap();
+                    acked.insert(n);
+                    if acked.len() == N as usize {
+                        done.store(true, Ordering::SeqCst);
+                    }
+                }
+                stream
+                    .as_mut()
+                    .get_mut()
+                    .get_mut()
+                    .flush_acks()
+                    .await
+                    .unwrap();
+                claimed
+            }));
+        }
+        let all = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut claimed = 0;
+            for s in survivors {
+                claimed += s.await.unwrap();
+            }
+            claimed
+        })
+        .await;
+        if all.is_err() {
+            let acked_n = acked.lock().unwrap().len();
+            let detail: redis::Value = redis::cmd("XPENDING")
+                .arg(KEY)
+                .arg(GROUP)
+                .arg("-")
+                .arg("+")
+                .arg(5)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            let summary: redis::Value = redis::cmd("XPENDING")
+                .arg(KEY)
+                .arg(GROUP)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            panic!("timeout: acked {acked_n}, pending {summary:?} {detail:?}");
+        }
+        let all = all.unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), N as usize, "every entry was processed");
+        assert!(seen.values().all(|&c| c >= 1));
+        assert!(
+            all >= 100,
+            "the dead consumer's 100 entries were claimed ({all})"
+        );
+        assert_eq!(
+            pending(&mut con).await,
+            0,
+            "nothing left pending: acked == produced"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
+        let server = RedisServer::start();
+        let mut con = server.connect().await;
+        drop(source(&server, "setup").await);
+        produce(&mut con, 200).await;
+        let mut first = Vec::new();
+        {
+            let mut stream = Box::pin(prefetch(source(&server, "d").await, 50, 0).unwrap());
+            for _ in 0..50 {
+                let e = stream.next().await.unwrap().unwrap();
+                assert_eq!(e.origin, Origin::New);
+                first.push(e.id.clone());
+            }
+        } // dropped without acknowledging anything
+        let src = source(&server, "d").await;
+        assert!(src.is_recovering());
+        let mut stream = Box::pin(prefetch(src, 50, 0).unwrap());
+        let mut again = Vec::new();
+        for _ in 0..50 {
+            let e = stream.next().await.unwrap().unwrap();
+            assert_eq!(e.origin, Origin::OwnPending);
+            again.push(e.id.clone());
+            e.ack.ack();
+        }
+        assert_eq!(
+            again, first,
+            "its own pending entries come back first, in order"
+        );
+        let e = stream.next().await.unwrap().unwrap();
+        assert_eq!(e.origin, Origin::New);
+        assert_eq!(e.get::<u32>("n").unwrap(), 50);
+    }
+}

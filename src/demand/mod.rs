@@ -14,20 +14,30 @@
 //!   a [`Ticket`]; a [`PauseSignal`] turns [`Flow::Paused`] at `high` in flight and
 //!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`.
 //! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done.
+//! - **Redis Streams** (feature `redis`) — `RedisStreamSource`: a consumer-group member as a
+//!   `BatchSource` (`XREADGROUP COUNT <demand>`), recovering its own pending entries first,
+//!   claiming idle entries of dead consumers, acking in batches; at-least-once.
 //!
 //! # Metrics
 //!
 //! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
-//! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks), all gauges.
+//! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks), all gauges;
+//! `flowgate_demand_acked_total` and `flowgate_demand_claimed_total` (Redis Streams).
 
 mod commit;
 mod credit;
 mod error;
+#[cfg(feature = "redis")]
+mod redis_source;
 mod source;
 mod watermarks;
 
 pub use commit::{CommitToken, CommitTracker};
 pub use credit::{DemandHandle, Demanded, UNBOUNDED};
 pub use error::DemandError;
+#[cfg(feature = "redis")]
+pub use redis_source::{
+    Ack, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
+};
 pub use source::{BatchSource, Fetched, Prefetch, StreamSource, prefetch};
 pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};

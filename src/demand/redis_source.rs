@@ -1,0 +1,518 @@
+//! `RedisStreamSource`: a Redis Streams consumer-group member as a `BatchSource`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::PoisonError;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::{FromRedisValue, RedisError, RedisResult, Value};
+use tokio::time::Instant;
+
+use crate::demand::source::{BatchSource, Fetched};
+use crate::metrics::{Counter, Labels};
+use crate::sync::{Arc, Mutex};
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// Names of the Redis Streams metrics.
+pub(crate) mod names {
+    pub(crate) const ACKED: &str = "flowgate_demand_acked_total";
+    pub(crate) const CLAIMED: &str = "flowgate_demand_claimed_total";
+}
+
+/// Where a new consumer group starts reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartFrom {
+    /// Every entry already in the stream (`0`).
+    #[default]
+    Beginning,
+    /// Only entries added after the group is created (`$`).
+    New,
+}
+
+#[derive(Debug)]
+struct Config {
+    key: String,
+    group: String,
+    consumer: String,
+    block: Duration,
+    min_idle: Duration,
+    claim_every: Duration,
+}
+
+/// Ids acknowledged by the application, waiting to be sent in one `XACK`.
+#[derive(Debug, Default)]
+struct AckQueue {
+    ids: Mutex<Vec<String>>,
+}
+
+impl AckQueue {
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.ids.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The acknowledgement handle of one entry. Call [`ack`](Ack::ack) once the entry's work is
+/// done; acks are batched into one `XACK` sent with the next fetch (or by
+/// [`RedisStreamSource::flush_acks`]).
+///
+/// Dropping it without `ack` leaves the entry pending: it is redelivered to this consumer
+/// after a restart, or claimed by another consumer once idle longer than `min_idle`
+/// (at-least-once).
+#[must_use = "an entry stays pending until it is acknowledged"]
+pub struct Ack {
+    id: String,
+    queue: Arc<AckQueue>,
+}
+
+impl Ack {
+    /// The entry is done: acknowledge it.
+    pub fn ack(self) {
+        self.queue
+            .ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(self.id);
+    }
+
+    /// The entry id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl fmt::Debug for Ack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ack").field("id", &self.id).finish()
+    }
+}
+
+/// One stream entry, with its acknowledgement handle.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct StreamEntry {
+    /// The entry id, e.g. `1700000000000-0`.
+    pub id: String,
+    /// The entry's fields (empty if the entry was deleted while pending).
+    pub fields: HashMap<String, Value>,
+    /// How this entry reached this consumer.
+    pub origin: Origin,
+    /// Acknowledge it when done.
+    pub ack: Ack,
+}
+
+impl StreamEntry {
+    /// A field, converted.
+    ///
+    /// # Errors
+    ///
+    /// A Redis type error if the field is missing or does not convert.
+    pub fn get<T: FromRedisValue>(&self, field: &str) -> RedisResult<T> {
+        let value = self.fields.get(field).cloned().unwrap_or(Value::Nil);
+        Ok(T::from_redis_value(value)?)
+    }
+}
+
+/// How an entry reached this consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// Delivered to this consumer earlier and never acknowledged (recovered at start).
+    OwnPending,
+    /// A new entry (`>`).
+    New,
+    /// Claimed from another consumer after it was idle longer than `min_idle`.
+    Claimed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Draining this consumer's own pending entries, after this id.
+    OwnPending(String),
+    New,
+}
+
+struct Batch {
+    ids: Vec<StreamId>,
+    origin: Origin,
+    /// For claims: the cursor for the next `XAUTOCLAIM`.
+    cursor: Option<String>,
+}
+
+/// A member of a Redis Streams consumer group, as a [`BatchSource`]: each fetch asks for
+/// exactly the demand (`XREADGROUP … COUNT n`).
+///
+/// - On start it first drains its **own pending entries** (id `0`: delivered to this consumer
+///   name before and never acknowledged, e.g. before a crash), then reads new ones (`>`),
+///   waiting up to `block` for them.
+/// - Every `claim_every` it runs `XAUTOCLAIM` and takes over entries idle longer than
+///   `min_idle` from other consumers (dead ones), yielding them as [`Origin::Claimed`].
+/// - Each entry carries an [`Ack`]; acknowledged ids are sent in one `XACK`, pipelined with
+///   the next fetch. Nothing is acknowledged before the application says so: at-least-once.
+///
+/// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
+/// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`). Use it
+/// with [`prefetch`](crate::demand::prefetch).
+pub struct RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    conn: C,
+    config: Arc<Config>,
+    phase: Phase,
+    acks: Arc<AckQueue>,
+    fetch: Option<BoxFuture<RedisResult<Batch>>>,
+    next_claim: Instant,
+    claim_cursor: String,
+    acked: Counter,
+    claimed: Counter,
+}
+
+impl<C> fmt::Debug for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamSource")
+            .field("config", &self.config)
+            .field("phase", &self.phase)
+            .field("fetching", &self.fetch.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisStreamSource`]; from [`RedisStreamSource::builder`].
+#[derive(Debug, Clone)]
+pub struct RedisStreamSourceBuilder<C> {
+    conn: C,
+    key: String,
+    group: String,
+    consumer: String,
+    block: Duration,
+    min_idle: Duration,
+    claim_every: Duration,
+    start: StartFrom,
+    name: Option<String>,
+}
+
+impl<C> RedisStreamSourceBuilder<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// How long a read waits for new entries (default 1 s; `XREADGROUP BLOCK`).
+    pub fn block(mut self, block: Duration) -> Self {
+        self.block = block;
+        self
+    }
+
+    /// Claim entries idle longer than this from other consumers (default 30 s).
+    pub fn min_idle(mut self, min_idle: Duration) -> Self {
+        self.min_idle = min_idle;
+        self
+    }
+
+    /// How often to look for entries to claim (default 5 s).
+    pub fn claim_every(mut self, every: Duration) -> Self {
+        self.claim_every = every;
+        self
+    }
+
+    /// Where a group created by this source starts (default [`StartFrom::Beginning`]).
+    pub fn start_from(mut self, start: StartFrom) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// The `name` label of this source's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Create the group if needed and build the source.
+    ///
+    /// # Errors
+    ///
+    /// The Redis error if the group cannot be created (other than "already exists").
+    pub async fn build(mut self) -> RedisResult<RedisStreamSource<C>> {
+        let start = match self.start {
+            StartFrom::Beginning => "0",
+            StartFrom::New => "$",
+        };
+        let created: RedisResult<()> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.key)
+            .arg(&self.group)
+            .arg(start)
+            .arg("MKSTREAM")
+            .query_async(&mut self.conn)
+            .await;
+        if let Err(e) = created
+            && e.code() != Some("BUSYGROUP")
+        {
+            return Err(e);
+        }
+        let labels = Labels::new(self.name.as_deref());
+        Ok(RedisStreamSource {
+            conn: self.conn,
+            config: Arc::new(Config {
+                key: self.key,
+                group: self.group,
+                consumer: self.consumer,
+                block: self.block,
+                min_idle: self.min_idle,
+                claim_every: self.claim_every,
+            }),
+            phase: Phase::OwnPending("0".into()),
+            acks: Arc::new(AckQueue::default()),
+            fetch: None,
+            next_claim: Instant::now() + self.claim_every,
+            claim_cursor: "0-0".into(),
+            acked: labels.counter(names::ACKED, &[]),
+            claimed: labels.counter(names::CLAIMED, &[]),
+        })
+    }
+}
+
+impl<C> RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A builder for consumer `consumer` of group `group` on stream `key`.
+    pub fn builder(
+        conn: C,
+        key: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> RedisStreamSourceBuilder<C> {
+        RedisStreamSourceBuilder {
+            conn,
+            key: key.into(),
+            group: group.into(),
+            consumer: consumer.into(),
+            block: Duration::from_secs(1),
+            min_idle: Duration::from_secs(30),
+            claim_every: Duration::from_secs(5),
+            start: StartFrom::Beginning,
+            name: None,
+        }
+    }
+
+    /// Send the acknowledgements collected so far now.
+    ///
+    /// # Errors
+    ///
+    /// The Redis error; the ids are queued again.
+    pub async fn flush_acks(&mut self) -> RedisResult<usize> {
+        let ids = self.acks.take();
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sent: RedisResult<usize> = redis::cmd("XACK")
+            .arg(&self.config.key)
+            .arg(&self.config.group)
+            .arg(&ids)
+            .query_async(&mut self.conn)
+            .await;
+        match sent {
+            Ok(n) => {
+                self.acked.increment(ids.len() as u64);
+                Ok(n)
+            }
+            Err(e) => {
+                self.requeue(ids);
+                Err(e)
+            }
+        }
+    }
+
+    fn requeue(&self, ids: Vec<String>) {
+        self.acks
+            .ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(ids);
+    }
+
+    /// Whether this source is still recovering its own pending entries.
+    pub fn is_recovering(&self) -> bool {
+        matches!(self.phase, Phase::OwnPending(_))
+    }
+
+    fn start_fetch(&mut self, max: usize) {
+        let mut conn = self.conn.clone();
+        let cfg = self.config.clone();
+        let acks = self.acks.take();
+        let claim = self.phase == Phase::New && Instant::now() >= self.next_claim;
+        let phase = self.phase.clone();
+        let cursor = self.claim_cursor.clone();
+        let acked = self.acked.clone();
+        let requeue = self.acks.clone();
+        self.fetch = Some(Box::pin(async move {
+            let mut pipe = redis::pipe();
+            if !acks.is_empty() {
+                pipe.cmd("XACK")
+                    .arg(&cfg.key)
+                    .arg(&cfg.group)
+                    .arg(&acks)
+                    .ignore();
+            }
+            let origin = if claim {
+                pipe.cmd("XAUTOCLAIM")
+                    .arg(&cfg.key)
+                    .arg(&cfg.group)
+                    .arg(&cfg.consumer)
+                    .arg(cfg.min_idle.as_millis() as u64)
+                    .arg(&cursor)
+                    .arg("COUNT")
+                    .arg(max);
+                Origin::Claimed
+            } else {
+                let cmd = pipe
+                    .cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg(&cfg.group)
+                    .arg(&cfg.consumer)
+                    .arg("COUNT")
+                    .arg(max);
+                let id = match &phase {
+                    Phase::OwnPending(after) => after.as_str(),
+                    Phase::New => {
+                        cmd.arg("BLOCK").arg(cfg.block.as_millis().max(1) as u64);
+                        ">"
+                    }
+                };
+                cmd.arg("STREAMS").arg(&cfg.key).arg(id);
+                if matches!(phase, Phase::OwnPending(_)) {
+                    Origin::OwnPending
+                } else {
+                    Origin::New
+                }
+            };
+            let replies: Vec<Value> = match pipe.query_async(&mut conn).await {
+                Ok(r) => r,
+                Err(e) => {
+                    requeue
+                        .ids
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .extend(acks);
+                    return Err(e);
+                }
+            };
+            acked.increment(acks.len() as u64);
+            let reply = replies.into_iter().next().unwrap_or(Value::Nil);
+            if claim {
+                let r = StreamAutoClaimReply::from_redis_value(reply)?;
+                Ok(Batch {
+                    ids: r.claimed,
+                    origin,
+                    cursor: Some(r.next_stream_id),
+                })
+            } else {
+                // A BLOCK that timed out replies nil.
+                let r: Option<StreamReadReply> = FromRedisValue::from_redis_value(reply)?;
+                let ids = r
+                    .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+                    .unwrap_or_default();
+                Ok(Batch {
+                    ids,
+                    origin,
+                    cursor: None,
+                })
+            }
+        }));
+    }
+
+    fn entries(&mut self, batch: Batch) -> Vec<StreamEntry> {
+        match batch.origin {
+            Origin::OwnPending => match batch.ids.last() {
+                Some(last) => self.phase = Phase::OwnPending(last.id.clone()),
+                None => self.phase = Phase::New,
+            },
+            Origin::Claimed => {
+                self.claimed.increment(batch.ids.len() as u64);
+                let cursor = batch.cursor.unwrap_or_else(|| "0-0".into());
+                // A full pass over the pending list: wait before the next one.
+                if cursor == "0-0" {
+                    self.next_claim = Instant::now() + self.config.claim_every;
+                }
+                self.claim_cursor = cursor;
+            }
+            Origin::New => {}
+        }
+        batch
+            .ids
+            .into_iter()
+            .map(|s| StreamEntry {
+                ack: Ack {
+                    id: s.id.clone(),
+                    queue: self.acks.clone(),
+                },
+                id: s.id,
+                fields: s.map,
+                origin: batch.origin,
+            })
+            .collect()
+    }
+}
+
+impl<C> BatchSource for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + Unpin + 'static,
+{
+    type Item = StreamEntry;
+    type Error = RedisError;
+
+    fn poll_fetch(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Fetched<StreamEntry, RedisError> {
+        let this = self.get_mut();
+        if this.fetch.is_none() {
+            this.start_fetch(max.max(1));
+        }
+        let fetch = this.fetch.as_mut().expect("a fetch is in progress");
+        let result = match fetch.as_mut().poll(cx) {
+            Poll::Ready(r) => r,
+            Poll::Pending => return Poll::Pending,
+        };
+        this.fetch = None;
+        Poll::Ready(Some(result.map(|batch| this.entries(batch))))
+    }
+}
+
+impl<C> Drop for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Acks not sent yet are sent from a spawned task when a tokio runtime is running;
+    /// otherwise they stay pending and are redelivered (never lost).
+    fn drop(&mut self) {
+        let ids = self.acks.take();
+        if ids.is_empty() {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let mut conn = self.conn.clone();
+            let cfg = self.config.clone();
+            let acked = self.acked.clone();
+            handle.spawn(async move {
+                let sent: RedisResult<usize> = redis::cmd("XACK")
+                    .arg(&cfg.key)
+                    .arg(&cfg.group)
+                    .arg(&ids)
+                    .query_async(&mut conn)
+                    .await;
+                if sent.is_ok() {
+                    acked.increment(ids.len() as u64);
+                }
+            });
+        }
+    }
+}

@@ -422,27 +422,15 @@ mod redis_streams {
         .await;
         if all.is_err() {
             let acked_n = acked.lock().unwrap().len();
-            let detail: redis::Value = redis::cmd("XPENDING")
-                .arg(KEY)
-                .arg(GROUP)
-                .arg("-")
-                .arg("+")
-                .arg(5)
-                .query_async(&mut con)
-                .await
-                .unwrap();
-            let summary: redis::Value = redis::cmd("XPENDING")
-                .arg(KEY)
-                .arg(GROUP)
-                .query_async(&mut con)
-                .await
-                .unwrap();
-            panic!("timeout: acked {acked_n}, pending {summary:?} {detail:?}");
+            let left = pending(&mut con).await;
+            panic!("timeout: {acked_n} of {N} acked, {left} pending");
         }
         let all = all.unwrap();
-        let seen = seen.lock().unwrap();
-        assert_eq!(seen.len(), N as usize, "every entry was processed");
-        assert!(seen.values().all(|&c| c >= 1));
+        {
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.len(), N as usize, "every entry was processed");
+            assert!(seen.values().all(|&c| c >= 1));
+        }
         assert!(
             all >= 100,
             "the dead consumer's 100 entries were claimed ({all})"

@@ -20,7 +20,10 @@ pub(crate) struct Waiter {
     /// Subject to the waiting-room limit and the wait timeout (false for stream adapters,
     /// which apply backpressure instead of being refused).
     bounded: bool,
+    /// Past the first poll (the fast path was tried).
+    started: bool,
     ticket: Ticket,
+    /// When the wait began (bounded acquisitions only: the wait-time histogram).
     since: Option<Instant>,
     #[pin]
     timer: Option<Sleep>,
@@ -31,6 +34,7 @@ impl Waiter {
         Waiter {
             priority,
             bounded: true,
+            started: false,
             ticket: Ticket::default(),
             since: None,
             timer: None,
@@ -42,6 +46,7 @@ impl Waiter {
         Waiter {
             priority: Priority::Normal,
             bounded: false,
+            started: false,
             ticket: Ticket::default(),
             since: None,
             timer: None,
@@ -54,7 +59,7 @@ impl Waiter {
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), Rejected>> {
         let mut this = self.project();
-        if this.since.is_none()
+        if !*this.started
             && let Some(done) = core.try_fast(*this.priority)
         {
             return Poll::Ready(done);
@@ -69,10 +74,13 @@ impl Waiter {
             Polled::Rejected(why) => return Poll::Ready(Err(why)),
             Polled::Pending => {}
         }
-        if this.since.is_none() {
-            *this.since = Some(Instant::now());
-            if let Some(limit) = core.wait_timeout().filter(|_| *this.bounded) {
-                this.timer.set(Some(tokio::time::sleep(limit)));
+        if !*this.started {
+            *this.started = true;
+            if *this.bounded {
+                *this.since = Some(Instant::now());
+                if let Some(limit) = core.wait_timeout() {
+                    this.timer.set(Some(tokio::time::sleep(limit)));
+                }
             }
         }
         if let Some(timer) = this.timer.as_pin_mut() {
@@ -204,6 +212,7 @@ pub struct BulkheadPermit<'a> {
 }
 
 impl Drop for BulkheadPermit<'_> {
+    #[inline]
     fn drop(&mut self) {
         self.core.release();
     }
@@ -222,6 +231,7 @@ pub struct OwnedBulkheadPermit {
 }
 
 impl Drop for OwnedBulkheadPermit {
+    #[inline]
     fn drop(&mut self) {
         self.core.release();
     }
@@ -259,6 +269,7 @@ impl Permits {
     }
 
     /// Wait for one more permit. `Ready(false)` once the bulkhead is closed.
+    #[inline]
     pub(crate) fn poll_acquire(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<bool> {
         let mut this = self.project();
         if *this.closed {
@@ -277,7 +288,26 @@ impl Permits {
         }
     }
 
+    /// Take a permit only if one is free right now (never queues).
+    #[inline]
+    pub(crate) fn try_acquire(self: Pin<&mut Self>) -> bool {
+        let this = self.project();
+        if *this.closed || this.core.try_fast(Priority::Normal) != Some(Ok(())) {
+            return false;
+        }
+        *this.held += 1;
+        true
+    }
+
+    /// Whether a held permit may go straight to the holder's next item (no waiter is owed
+    /// it): saves returning it and taking it again.
+    #[inline]
+    pub(crate) fn may_keep(&self) -> bool {
+        !self.closed && self.core.may_keep()
+    }
+
     /// Return one held permit.
+    #[inline]
     pub(crate) fn release(self: Pin<&mut Self>) {
         let this = self.project();
         debug_assert!(*this.held > 0);
@@ -286,6 +316,7 @@ impl Permits {
     }
 
     /// Hand one held permit over to an owned permit.
+    #[inline]
     pub(crate) fn into_owned(self: Pin<&mut Self>) -> OwnedBulkheadPermit {
         let this = self.project();
         *this.held -= 1;
@@ -294,6 +325,7 @@ impl Permits {
         }
     }
 
+    #[inline]
     pub(crate) fn is_closed(&self) -> bool {
         self.closed
     }

@@ -220,6 +220,14 @@ impl Core {
             .set(f64::from(in_flight_of(s).wrapping_add(1)));
     }
 
+    /// Whether a holder may pass its permit straight on to its own next unit of work: nobody
+    /// waits, the bulkhead is open, and the limit has not been lowered below what is held.
+    #[inline]
+    pub(crate) fn may_keep(&self) -> bool {
+        let s = self.state.load(Ordering::Acquire);
+        s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= limit_of(s)
+    }
+
     /// One CAS when nobody waits and a permit is free; `None` means take the slow path.
     #[inline]
     pub(crate) fn try_fast(&self, priority: Priority) -> Option<Result<(), Rejected>> {
@@ -418,14 +426,18 @@ impl Core {
         let mut w = self.lock();
         let s = self.state.fetch_sub(1, Ordering::AcqRel);
         self.metrics.in_flight.set(f64::from(in_flight_of(s) - 1));
-        let wakers = self.grant(&mut w);
+        // One permit came back: at most one waiter can be served.
+        let woken = self.grant_next(&mut w);
+        self.settle(&w);
         drop(w);
-        wakers.into_iter().for_each(Waker::wake);
+        if let Some(waker) = woken {
+            waker.wake();
+        }
     }
 
-    /// Hand free permits to waiters: critical first, then normal, FIFO within each.
-    fn grant(&self, w: &mut Waiters) -> Vec<Waker> {
-        let mut wakers = Vec::new();
+    /// Hand one free permit to the next waiter (critical first, then normal, FIFO within
+    /// each), if there is a free permit and a waiter.
+    fn grant_next(&self, w: &mut Waiters) -> Option<Waker> {
         loop {
             let s = self.state.load(Ordering::Acquire);
             let (n, limit) = (in_flight_of(s), limit_of(s));
@@ -434,24 +446,33 @@ impl Core {
             } else if !w.normal.is_empty() && n < self.cap(limit, Priority::Normal) {
                 Priority::Normal
             } else {
-                break;
+                return None;
             };
             if self
                 .state
                 .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
+                .is_ok()
             {
-                continue;
+                self.acquired(s);
+                let (id, waker) = w.queue(priority).pop_front().expect("checked non-empty");
+                w.granted.push(id);
+                return Some(waker);
             }
-            self.acquired(s);
-            let (id, waker) = w.queue(priority).pop_front().expect("checked non-empty");
-            w.granted.push(id);
-            wakers.push(waker);
         }
+    }
+
+    /// After the queue changed: clear the flag if nobody waits, update the gauge.
+    fn settle(&self, w: &Waiters) {
         if w.len() == 0 {
             self.set_flag(WAITERS, false);
         }
         self.metrics.waiting.set(w.len() as f64);
+    }
+
+    /// Hand every free permit to waiters.
+    fn grant(&self, w: &mut Waiters) -> Vec<Waker> {
+        let wakers = std::iter::from_fn(|| self.grant_next(w)).collect();
+        self.settle(w);
         wakers
     }
 

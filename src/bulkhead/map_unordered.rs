@@ -81,13 +81,23 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        // Start work while there is input and a permit for it.
+        // Start work while there is input and a permit for it. With work of our own in
+        // flight, take only a permit that is free now: our futures will free permits as
+        // they finish (and wake us), so queueing for one would only wait on ourselves.
         while !this.permits.is_closed() {
             if this.next.is_none() {
                 match this.stream.as_mut().poll_next(cx) {
                     Poll::Ready(Some(item)) => *this.next = Some(item),
                     Poll::Ready(None) | Poll::Pending => break,
                 }
+            }
+            if !this.running.is_empty() {
+                if !this.permits.as_mut().try_acquire() {
+                    break;
+                }
+                let item = this.next.take().expect("an item is waiting");
+                this.running.push((this.f)(item));
+                continue;
             }
             match this.permits.as_mut().poll_acquire(cx) {
                 Poll::Ready(true) => {
@@ -100,7 +110,21 @@ where
         }
         match this.running.poll_next_unpin(cx) {
             Poll::Ready(Some(out)) => {
-                this.permits.release();
+                // The finished future's permit goes straight to the next item when nobody
+                // else is waiting for it; otherwise it is returned at once.
+                if this.next.is_none()
+                    && !this.stream.is_done()
+                    && let Poll::Ready(Some(item)) = this.stream.as_mut().poll_next(cx)
+                {
+                    *this.next = Some(item);
+                }
+                match this.next.take() {
+                    Some(item) if this.permits.may_keep() => this.running.push((this.f)(item)),
+                    next => {
+                        *this.next = next;
+                        this.permits.release();
+                    }
+                }
                 Poll::Ready(Some(out))
             }
             Poll::Ready(None)

@@ -288,15 +288,25 @@ impl Permits {
         }
     }
 
-    /// Take a permit only if one is free right now (never queues).
+    /// A permit for the adapter's next item. With work of its own in flight (`busy`) the
+    /// adapter takes only a permit that is free now and otherwise returns `Pending` without
+    /// queueing: its own futures wake it as they finish, so queueing would only wait on
+    /// itself. `Ready(false)` once the bulkhead is closed.
     #[inline]
-    pub(crate) fn try_acquire(self: Pin<&mut Self>) -> bool {
+    pub(crate) fn poll_for_item(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        busy: bool,
+    ) -> Poll<bool> {
+        if !busy {
+            return self.poll_acquire(cx);
+        }
         let this = self.project();
         if *this.closed || this.core.try_fast(Priority::Normal) != Some(Ok(())) {
-            return false;
+            return Poll::Pending;
         }
         *this.held += 1;
-        true
+        Poll::Ready(true)
     }
 
     /// Whether a held permit may go straight to the holder's next item (no waiter is owed

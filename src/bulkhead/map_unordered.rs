@@ -81,9 +81,7 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        // Start work while there is input and a permit for it. With work of our own in
-        // flight, take only a permit that is free now: our futures will free permits as
-        // they finish (and wake us), so queueing for one would only wait on ourselves.
+        // Start work while there is input and a permit for it.
         while !this.permits.is_closed() {
             if this.next.is_none() {
                 match this.stream.as_mut().poll_next(cx) {
@@ -91,15 +89,11 @@ where
                     Poll::Ready(None) | Poll::Pending => break,
                 }
             }
-            if !this.running.is_empty() {
-                if !this.permits.as_mut().try_acquire() {
-                    break;
-                }
-                let item = this.next.take().expect("an item is waiting");
-                this.running.push((this.f)(item));
-                continue;
-            }
-            match this.permits.as_mut().poll_acquire(cx) {
+            match this
+                .permits
+                .as_mut()
+                .poll_for_item(cx, !this.running.is_empty())
+            {
                 Poll::Ready(true) => {
                     let item = this.next.take().expect("an item is waiting");
                     this.running.push((this.f)(item));

@@ -109,23 +109,11 @@ where
                     Poll::Ready(None) | Poll::Pending => break,
                 }
             }
-            // With work of our own in flight, take only a free permit (see
-            // `BulkheadMapUnordered`): our futures wake us as they finish.
-            if !this.running.is_empty() {
-                if !this.permits.as_mut().try_acquire() {
-                    break;
-                }
-                let item = this.next.take().expect("an item is waiting");
-                let permit = this.permits.as_mut().into_owned();
-                let fut = (this.f)(item);
-                this.running.push(AbortOnDrop(tokio::spawn(async move {
-                    let out = fut.await;
-                    drop(permit);
-                    out
-                })));
-                continue;
-            }
-            match this.permits.as_mut().poll_acquire(cx) {
+            match this
+                .permits
+                .as_mut()
+                .poll_for_item(cx, !this.running.is_empty())
+            {
                 Poll::Ready(true) => {
                     let item = this.next.take().expect("an item is waiting");
                     let permit = this.permits.as_mut().into_owned();

@@ -7,6 +7,7 @@ use futures::{Sink, Stream};
 use crate::bulkhead::{Bulkhead, BulkheadMap, BulkheadMapUnordered, BulkheadSpawnMap};
 use crate::demand::{DemandHandle, Demanded, Watermarks};
 use crate::error::ConfigError;
+use crate::gate::{Gate, Gated, GatedDrop};
 use crate::overflow::Overflow;
 use crate::pace::{Leaky, LeakyQueue, LeakySink, Pacer, UnitCost};
 use crate::rate::Rate;
@@ -184,6 +185,51 @@ pub trait FlowStreamExt: Stream {
         Self: Sized,
     {
         Watermarks::new(self, high, low)
+    }
+
+    /// Pass each item through `gate` under the key `key(&item)`, waiting `retry_after` when
+    /// it is rejected (shaping): items leave at the rate the gate allows.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::gate::{Limit, MemoryGate};
+    /// use flowgate::prelude::*;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?))?;
+    /// let start = tokio::time::Instant::now();
+    /// let n = futures::stream::iter(0..20)
+    ///     .gated(gate, |_: &u32| "tenant-a")
+    ///     .count()
+    ///     .await;
+    /// assert_eq!(n, 20);
+    /// assert!(start.elapsed() >= std::time::Duration::from_millis(1_000)); // 10 at once, 10 at 10/s
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn gated<G, K, Key>(self, gate: G, key: K) -> Gated<Self, G, K>
+    where
+        Self: Sized,
+        G: Gate + Clone + 'static,
+        K: FnMut(&Self::Item) -> Key,
+        Key: Into<String>,
+    {
+        Gated::new(self, gate, key, true)
+    }
+
+    /// Pass each item through `gate` under the key `key(&item)`; drop it when rejected
+    /// (policing). Dropped items go to the adapter's `on_drop` hook and are counted.
+    fn gated_drop<G, K, Key>(self, gate: G, key: K) -> GatedDrop<Self, G, K>
+    where
+        Self: Sized,
+        G: Gate + Clone + 'static,
+        K: FnMut(&Self::Item) -> Key,
+        Key: Into<String>,
+    {
+        Gated::new(self, gate, key, false)
     }
 }
 

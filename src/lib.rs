@@ -19,7 +19,7 @@
 //! | [`bulkhead`] | concurrency caps, waiting room, load shedding, critical reserve; stream adapters | ready |
 //! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters | ready |
 //! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
-//! | `gate` | keyed token gates: in-memory default and Redis (atomic Lua, server clock) | planned |
+//! | [`gate`] | keyed token gates: in-memory default and Redis (atomic Lua, server clock, failure policy) | ready |
 //!
 //! ## Shared concepts
 //!
@@ -71,6 +71,7 @@ mod decision;
 pub mod demand;
 mod error;
 mod ext;
+pub mod gate;
 pub mod limit;
 pub mod metrics;
 pub mod overflow;

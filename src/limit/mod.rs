@@ -34,3 +34,6 @@ pub use limiter::{Algorithm, Limiter};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
+
+#[cfg(feature = "redis")]
+pub(crate) use limiter::check_cost as check_cost_for;

@@ -1,0 +1,60 @@
+-- flowgate sliding log: at most `limit` in any interval of `window` us, exactly.
+--
+-- KEYS[1]  the log (a sorted set: score = admission time in us, member = "<us>:<seq>:<cost>")
+-- ARGV[1]  limit
+-- ARGV[2]  window, in us
+-- ARGV[3]  cost
+-- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
+--
+-- An entry admitted at t counts while now < t + window. Memory: at most `limit` members.
+-- Returns {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}.
+-- A rejected call writes nothing but the removal of expired entries. The key expires when
+-- its newest entry does.
+
+local limit = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local now
+if ARGV[4] ~= nil and ARGV[4] ~= '' then
+  now = tonumber(ARGV[4])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
+local newest = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if newest[2] and tonumber(newest[2]) > now then
+  now = tonumber(newest[2])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local total = 0
+local costs = {}
+for i = 1, #entries, 2 do
+  local member = entries[i]
+  local c = tonumber(string.match(member, ':(%d+)$'))
+  costs[#costs + 1] = {tonumber(entries[i + 1]), c}
+  total = total + c
+end
+
+if total + cost <= limit then
+  local seq = redis.call('ZCARD', KEYS[1])
+  redis.call('ZADD', KEYS[1], now, string.format('%d:%d:%d', now, seq, cost))
+  redis.call('PEXPIRE', KEYS[1], math.max(1, math.floor((window + 999) / 1000)))
+  return {1, limit, limit - total - cost, 0, window}
+end
+local need = total + cost - limit
+local retry = 0
+for _, e in ipairs(costs) do
+  retry = e[1] + window - now
+  if e[2] >= need then
+    break
+  end
+  need = need - e[2]
+end
+local reset = 0
+if #costs > 0 then
+  reset = costs[#costs][1] + window - now
+end
+return {0, limit, limit - total, retry, reset}

@@ -1,0 +1,90 @@
+-- flowgate sliding window counter: two weighted counters, exact integer arithmetic in us.
+--
+-- KEYS[1]  the state, stored as "<window start us> <current> <previous>"
+-- ARGV[1]  limit
+-- ARGV[2]  window, in us
+-- ARGV[3]  cost
+-- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
+--
+-- estimate * window = previous * (window - elapsed) + current * window; admitted when
+-- estimate + cost <= limit. The caller keeps limit * window below 2^52 (exact in doubles).
+-- Returns {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}.
+-- A rejected call writes nothing. The key expires when both counters have decayed.
+
+local limit = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local now
+if ARGV[4] ~= nil and ARGV[4] ~= '' then
+  now = tonumber(ARGV[4])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local start, current, previous = 0, 0, 0
+local state = redis.call('GET', KEYS[1])
+if state then
+  local a, b, c = string.match(state, '^(%d+) (%d+) (%d+)$')
+  start, current, previous = tonumber(a), tonumber(b), tonumber(c)
+end
+local aligned = now - (now % window)
+if aligned > start then
+  if aligned - start == window then
+    previous = current
+  else
+    previous = 0
+  end
+  current = 0
+  start = aligned
+end
+if now < start then
+  now = start
+end
+local elapsed = now - start
+
+local function reset_after(cur, prev)
+  local to_end = window - elapsed
+  if cur > 0 then
+    return to_end + window
+  elseif prev > 0 then
+    return to_end
+  end
+  return 0
+end
+
+-- The earliest offset into a window (previous `prev`, current `cur`) where `cost` fits.
+local function fits_from(prev, cur)
+  local spare = limit - cur - cost
+  if spare < 0 then
+    return nil
+  end
+  if prev == 0 then
+    return 0
+  end
+  local slack = math.floor(spare * window / prev)
+  if slack > window then
+    slack = window
+  end
+  return window - slack
+end
+
+local weighted = previous * (window - elapsed) + current * window
+if weighted + cost * window <= limit * window then
+  current = current + cost
+  local after = previous * (window - elapsed) + current * window
+  local reset = reset_after(current, previous)
+  redis.call('SET', KEYS[1], string.format('%d %d %d', start, current, previous),
+    'PX', math.max(1, math.floor((reset + 999) / 1000)))
+  return {1, limit, math.floor((limit * window - after) / window), 0, reset}
+end
+local remaining = math.floor(math.max(0, limit * window - weighted) / window)
+local retry
+local e = fits_from(previous, current)
+if e ~= nil and e < window then
+  retry = e - elapsed
+else
+  local e2 = fits_from(current, 0) or window
+  retry = window - elapsed + e2
+end
+return {0, limit, remaining, retry, reset_after(current, previous)}

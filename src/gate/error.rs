@@ -1,0 +1,117 @@
+//! `GateError`: a decision a gate could not make.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a gate returned no [`Decision`](crate::Decision).
+///
+/// A rejection is not an error: it is a `Decision` with `allowed == false` and a
+/// `retry_after`. An error means the request is malformed, could never pass, or the backend
+/// could not decide it (and the gate's failure policy is to report that).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum GateError {
+    /// The cost is larger than the limit's capacity: it could never pass.
+    InsufficientCapacity {
+        /// The requested cost.
+        cost: u32,
+        /// The most the limit ever admits at once.
+        capacity: u64,
+    },
+    /// A cost of zero.
+    ZeroCost,
+    /// The key is empty or too long.
+    InvalidKey(&'static str),
+    /// The in-memory gate holds its maximum number of keys and none is idle yet.
+    KeyspaceFull {
+        /// The configured maximum.
+        max_keys: usize,
+    },
+    /// The backend (Redis) failed: connection, protocol or script error.
+    Backend(Arc<dyn std::error::Error + Send + Sync>),
+    /// The backend did not answer within the gate's timeout.
+    Timeout(Duration),
+}
+
+impl GateError {
+    /// Whether retrying later can help (a backend failure or timeout), as opposed to a
+    /// request that can never pass.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, GateError::Backend(_) | GateError::Timeout(_))
+    }
+
+    #[cfg(feature = "redis")]
+    pub(crate) fn backend(e: impl std::error::Error + Send + Sync + 'static) -> GateError {
+        GateError::Backend(Arc::new(e))
+    }
+}
+
+impl fmt::Display for GateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GateError::InsufficientCapacity { cost, capacity } => write!(
+                f,
+                "cost {cost} exceeds the capacity {capacity}: it could never be admitted"
+            ),
+            GateError::ZeroCost => f.write_str("cost must be at least 1"),
+            GateError::InvalidKey(why) => write!(f, "invalid key: {why}"),
+            GateError::KeyspaceFull { max_keys } => write!(
+                f,
+                "all {max_keys} keys are in use and none is idle yet: new keys are refused"
+            ),
+            GateError::Backend(e) => write!(f, "rate limit backend failed: {e}"),
+            GateError::Timeout(d) => write!(f, "rate limit backend did not answer within {d:?}"),
+        }
+    }
+}
+
+impl std::error::Error for GateError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            GateError::Backend(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+impl From<crate::limit::LimitError> for GateError {
+    fn from(e: crate::limit::LimitError) -> GateError {
+        use crate::limit::LimitError;
+        match e {
+            LimitError::InsufficientCapacity { cost, capacity } => {
+                GateError::InsufficientCapacity { cost, capacity }
+            }
+            LimitError::ZeroCost => GateError::ZeroCost,
+            LimitError::KeyspaceFull { max_keys } => GateError::KeyspaceFull { max_keys },
+        }
+    }
+}
+
+/// The longest key a gate accepts, in bytes.
+pub(crate) const MAX_KEY_LEN: usize = 512;
+
+pub(crate) fn check_key(key: &str) -> Result<(), GateError> {
+    if key.is_empty() {
+        Err(GateError::InvalidKey("empty"))
+    } else if key.len() > MAX_KEY_LEN {
+        Err(GateError::InvalidKey("longer than 512 bytes"))
+    } else {
+        Ok(())
+    }
+}
+
+/// A backend failure described in words (an unexpected reply, a pending probe).
+#[cfg(feature = "redis")]
+#[derive(Debug)]
+pub(crate) struct BackendMessage(pub(crate) String);
+
+#[cfg(feature = "redis")]
+impl fmt::Display for BackendMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(feature = "redis")]
+impl std::error::Error for BackendMessage {}

@@ -1,0 +1,39 @@
+//! Keyed token gates: one limit per key, in process or across a fleet through Redis.
+//!
+//! In-memory limits break the moment a service runs on more than one instance: ten instances
+//! each allow the full quota. A [`RedisGate`] makes one limit hold across the whole fleet
+//! with one atomic script per decision, using the Redis server's clock, and keeps working by
+//! a [`FailurePolicy`] the user chose when Redis is slow or gone. A [`MemoryGate`] is the
+//! embedded default: same math, same decisions, one process.
+//!
+//! Both implement [`Gate`], and the stream adapters
+//! [`gated`](crate::FlowStreamExt::gated) (wait for admission: shaping) and
+//! [`gated_drop`](crate::FlowStreamExt::gated_drop) (drop what is rejected: policing) work
+//! with either.
+//!
+//! The Lua scripts are in the crate's `lua/` folder, one per algorithm.
+
+mod api;
+mod error;
+mod gated;
+mod limit;
+mod memory;
+#[cfg(feature = "redis")]
+mod redis_gate;
+#[cfg(feature = "redis")]
+mod scripts;
+
+pub use api::{Gate, GateFuture};
+pub use error::GateError;
+pub use gated::{Dropped, Gated, GatedDrop};
+pub use limit::Limit;
+pub use memory::MemoryGate;
+#[cfg(feature = "redis")]
+pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
+
+/// The Lua source of each algorithm, for tests and tools that call the scripts directly
+/// (with an explicit `now` argument). Production code goes through [`RedisGate`].
+#[cfg(feature = "redis")]
+pub mod lua {
+    pub use super::scripts::{FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET};
+}

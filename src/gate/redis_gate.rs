@@ -1,0 +1,424 @@
+//! `RedisGate`: one limit across a fleet, decided atomically in Redis.
+
+use std::fmt;
+use std::sync::PoisonError;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use tokio::time::Instant;
+
+use crate::decision::Decision;
+use crate::error::ConfigError;
+use crate::gate::api::{Gate, GateFuture};
+use crate::gate::error::{BackendMessage, GateError, check_key};
+use crate::gate::limit::Limit;
+use crate::gate::memory::MemoryGate;
+use crate::gate::scripts;
+use crate::metrics::{Counter, Gauge, Histogram, Labels};
+use crate::sync::{Arc, Mutex};
+
+/// What a [`RedisGate`] does when Redis fails or does not answer within the timeout.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Return the error ([`GateError::Backend`] or [`GateError::Timeout`]) to the caller.
+    #[default]
+    Error,
+    /// Admit everything (availability over the limit).
+    Open,
+    /// Reject everything, with `retry_after` = the time until the next probe of Redis.
+    Closed,
+    /// Decide locally with this in-memory gate (each instance then enforces the limit on its
+    /// own: the fleet may admit up to instances × limit while Redis is away).
+    Fallback(MemoryGate),
+}
+
+impl FailurePolicy {
+    fn as_str(&self) -> &'static str {
+        match self {
+            FailurePolicy::Error => "error",
+            FailurePolicy::Open => "open",
+            FailurePolicy::Closed => "closed",
+            FailurePolicy::Fallback(_) => "fallback",
+        }
+    }
+}
+
+/// Names of the gate metrics.
+pub(crate) mod names {
+    pub(crate) const DECISIONS: &str = "flowgate_gate_decisions_total";
+    pub(crate) const LATENCY: &str = "flowgate_gate_redis_seconds";
+    pub(crate) const FAILURES: &str = "flowgate_gate_failures_total";
+    pub(crate) const DEGRADED: &str = "flowgate_gate_degraded";
+    pub(crate) const TRANSITIONS: &str = "flowgate_gate_transitions_total";
+}
+
+struct Metrics {
+    allowed: Counter,
+    rejected: Counter,
+    by_policy: Counter,
+    latency: Histogram,
+    failures: Counter,
+    degraded: Gauge,
+    to_degraded: Counter,
+    to_healthy: Counter,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Health {
+    Healthy,
+    /// Redis failed; the next call to Redis is a probe, at or after this instant.
+    Degraded {
+        next_probe: Instant,
+    },
+}
+
+struct Inner<C> {
+    conn: C,
+    limit: Limit,
+    count: u64,
+    period_us: u64,
+    script: redis::Script,
+    prefix: String,
+    timeout: Duration,
+    policy: FailurePolicy,
+    probe_interval: Duration,
+    health: Mutex<Health>,
+    name: Option<String>,
+    metrics: Metrics,
+}
+
+/// One limit across every instance of a service, decided by one atomic Lua script per
+/// request in Redis.
+///
+/// - **Atomic and exact**: each decision is one script (`EVALSHA`, reloaded on `NOSCRIPT`
+///   after a restart or failover) running the same integer math as [`limit`](crate::limit)
+///   in microseconds; a rejected call consumes nothing.
+/// - **Server clock**: time comes from Redis `TIME`, so application clocks may disagree.
+/// - **TTLs**: every key expires when its state is neutral again; idle keys vanish.
+/// - **Runtime limits**: the parameters travel with every call; change them by building a new
+///   gate over the same prefix.
+/// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
+///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
+///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
+///   by itself when a probe succeeds. Transitions are logged (`tracing`) and counted.
+///
+/// Works over any redis-rs async connection that is `Clone`: `MultiplexedConnection`, or
+/// `ConnectionManager` (which reconnects by itself: use it in production).
+///
+/// # Metrics
+///
+/// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
+/// `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_failures_total`,
+/// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`.
+pub struct RedisGate<C> {
+    inner: Arc<Inner<C>>,
+}
+
+impl<C> Clone for RedisGate<C> {
+    fn clone(&self) -> Self {
+        RedisGate {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for RedisGate<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisGate")
+            .field("name", &self.inner.name)
+            .field("limit", &self.inner.limit)
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .field("policy", &self.inner.policy.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisGate`]; from [`RedisGate::builder`].
+#[derive(Debug)]
+pub struct RedisGateBuilder<C> {
+    conn: C,
+    limit: Limit,
+    prefix: String,
+    timeout: Duration,
+    policy: FailurePolicy,
+    probe_interval: Duration,
+    name: Option<String>,
+}
+
+impl<C> RedisGateBuilder<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The prefix of every key (default `"flowgate:"`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest a decision may take before the failure policy applies (default 50 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// What to do when Redis fails or times out (default [`FailurePolicy::Error`]).
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// How often to try Redis again after a failure (default 1 s).
+    pub fn probe_interval(mut self, every: Duration) -> Self {
+        self.probe_interval = every;
+        self
+    }
+
+    /// The `name` label of this gate's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the gate and try to load its script (a failure to load is not an error: the
+    /// script is sent again with the first decision).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `gate.limit` when the limit cannot be computed exactly in Redis
+    /// (a period that is not whole microseconds, or numbers too large), on `gate.timeout` or
+    /// `gate.probe_interval` when zero.
+    pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
+        let (count, period_us) = self.limit.redis_params()?;
+        if self.timeout.is_zero() {
+            return Err(ConfigError::zero("gate.timeout"));
+        }
+        if self.probe_interval.is_zero() {
+            return Err(ConfigError::zero("gate.probe_interval"));
+        }
+        let script = redis::Script::new(scripts::source(&self.limit));
+        let mut conn = self.conn.clone();
+        let _ = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(500)),
+            script.prepare_invoke().load_async(&mut conn),
+        )
+        .await;
+        let labels = Labels::new(self.name.as_deref());
+        let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
+        let transitions = |to| labels.counter(names::TRANSITIONS, &[("to", to)]);
+        Ok(RedisGate {
+            inner: Arc::new(Inner {
+                conn: self.conn,
+                limit: self.limit,
+                count,
+                period_us,
+                script,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                policy: self.policy,
+                probe_interval: self.probe_interval,
+                health: Mutex::new(Health::Healthy),
+                metrics: Metrics {
+                    allowed: decisions("allowed"),
+                    rejected: decisions("rejected"),
+                    by_policy: decisions("policy"),
+                    latency: labels.histogram(names::LATENCY, &[]),
+                    failures: labels.counter(names::FAILURES, &[]),
+                    degraded: labels.gauge(names::DEGRADED, &[]),
+                    to_degraded: transitions("degraded"),
+                    to_healthy: transitions("healthy"),
+                },
+                name: self.name,
+            }),
+        })
+    }
+}
+
+impl<C> RedisGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A builder for a gate enforcing `limit` per key through `conn`.
+    pub fn builder(conn: C, limit: Limit) -> RedisGateBuilder<C> {
+        RedisGateBuilder {
+            conn,
+            limit,
+            prefix: "flowgate:".into(),
+            timeout: Duration::from_millis(50),
+            policy: FailurePolicy::Error,
+            probe_interval: Duration::from_secs(1),
+            name: None,
+        }
+    }
+
+    /// Whether the gate is currently deciding by its failure policy.
+    pub fn is_degraded(&self) -> bool {
+        matches!(
+            *self
+                .inner
+                .health
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+            Health::Degraded { .. }
+        )
+    }
+
+    /// The Redis key a gate key is stored under.
+    pub fn redis_key(&self, key: &str) -> String {
+        format!("{}{key}", self.inner.prefix)
+    }
+
+    /// Decide one request.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::InsufficientCapacity`], [`GateError::ZeroCost`],
+    /// [`GateError::InvalidKey`] for bad requests (Redis is not called); under
+    /// [`FailurePolicy::Error`], [`GateError::Backend`] and [`GateError::Timeout`].
+    pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
+        check_key(key)?;
+        self.inner.limit.check_cost(cost)?;
+        let inner = &*self.inner;
+        // While degraded, only one call per probe interval goes to Redis.
+        let now = Instant::now();
+        {
+            let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Health::Degraded { next_probe } = *health {
+                if now < next_probe {
+                    drop(health);
+                    return self.by_policy(key, cost, next_probe - now, None);
+                }
+                // This call is the probe; others keep using the policy meanwhile.
+                *health = Health::Degraded {
+                    next_probe: now + inner.probe_interval,
+                };
+            }
+        }
+        let mut conn = inner.conn.clone();
+        let mut invocation = inner.script.key(self.redis_key(key));
+        for arg in scripts::args(&inner.limit, inner.count, inner.period_us, cost) {
+            invocation.arg(arg);
+        }
+        invocation.arg("");
+        let started = Instant::now();
+        let reply = tokio::time::timeout(
+            inner.timeout,
+            invocation.invoke_async::<Vec<i64>>(&mut conn),
+        )
+        .await;
+        inner
+            .metrics
+            .latency
+            .record(started.elapsed().as_secs_f64());
+        let error = match reply {
+            Ok(Ok(r)) if r.len() == 5 => {
+                self.healthy();
+                let decision = decision_from(&r);
+                if decision.allowed {
+                    inner.metrics.allowed.increment(1);
+                } else {
+                    inner.metrics.rejected.increment(1);
+                }
+                return Ok(decision);
+            }
+            Ok(Ok(r)) => GateError::backend(BackendMessage(format!(
+                "unexpected reply from the gate script: {r:?}"
+            ))),
+            Ok(Err(e)) => GateError::backend(e),
+            Err(_) => GateError::Timeout(inner.timeout),
+        };
+        inner.metrics.failures.increment(1);
+        let until_probe = self.degraded(&error);
+        self.by_policy(key, cost, until_probe, Some(error))
+    }
+
+    fn healthy(&self) {
+        let mut health = self
+            .inner
+            .health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Health::Degraded { .. } = *health {
+            *health = Health::Healthy;
+            drop(health);
+            self.inner.metrics.degraded.set(0.0);
+            self.inner.metrics.to_healthy.increment(1);
+            tracing::info!(gate = ?self.inner.name, "redis answers again: the gate is back on redis");
+        }
+    }
+
+    /// Record a failure; returns the time until the next probe.
+    fn degraded(&self, error: &GateError) -> Duration {
+        let mut health = self
+            .inner
+            .health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let next_probe = Instant::now() + self.inner.probe_interval;
+        let was_healthy = matches!(*health, Health::Healthy);
+        *health = Health::Degraded { next_probe };
+        drop(health);
+        if was_healthy {
+            self.inner.metrics.degraded.set(1.0);
+            self.inner.metrics.to_degraded.increment(1);
+            tracing::warn!(
+                gate = ?self.inner.name,
+                policy = self.inner.policy.as_str(),
+                %error,
+                "redis failed: deciding by the failure policy, probing every {:?}",
+                self.inner.probe_interval
+            );
+        }
+        self.inner.probe_interval
+    }
+
+    fn by_policy(
+        &self,
+        key: &str,
+        cost: u32,
+        until_probe: Duration,
+        error: Option<GateError>,
+    ) -> Result<Decision, GateError> {
+        let inner = &*self.inner;
+        inner.metrics.by_policy.increment(1);
+        match &inner.policy {
+            FailurePolicy::Error => Err(error.unwrap_or_else(|| {
+                GateError::backend(BackendMessage(format!(
+                    "redis is failing; the next probe is in {until_probe:?}"
+                )))
+            })),
+            FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
+            FailurePolicy::Closed => Ok(Decision::reject(
+                inner.limit.capacity(),
+                0,
+                until_probe,
+                until_probe,
+            )),
+            FailurePolicy::Fallback(gate) => gate.check(key, cost),
+        }
+    }
+}
+
+fn decision_from(r: &[i64]) -> Decision {
+    let n = |i: usize| u64::try_from(r[i]).unwrap_or(0);
+    let us = |i: usize| Duration::from_micros(n(i));
+    if r[0] == 1 {
+        Decision::allow(n(1), n(2), us(4))
+    } else {
+        Decision::reject(n(1), n(2), us(3), us(4))
+    }
+}
+
+impl<C> Gate for RedisGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn acquire<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        Box::pin(self.check(key, cost))
+    }
+
+    fn limit(&self) -> Limit {
+        self.inner.limit
+    }
+}

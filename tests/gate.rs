@@ -1,0 +1,614 @@
+//! Token gates against real `redis-server` processes from the harness: the Lua scripts
+//! against the limit models, failure policies under kill / pause / restart, TTLs, bad input,
+//! and one limit held exactly across a fleet of processes.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use flowgate::gate::{FailurePolicy, Gate, GateError, Limit, MemoryGate, RedisGate, lua};
+use flowgate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow, TokenBucket};
+use flowgate::{ConfigErrorKind, Decision, FlowStreamExt, Quota, Rate};
+use futures::StreamExt;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use redis::aio::{ConnectionManager, MultiplexedConnection};
+use support::RedisServer;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `d` rounded up to whole microseconds (the Redis scripts' resolution).
+fn ceil_us(d: Duration) -> u64 {
+    (d.as_nanos() as u64).div_ceil(1_000)
+}
+
+/// The script's reply as (allowed, limit, remaining, retry_us, reset_us).
+type Reply = (bool, u64, u64, u64, u64);
+
+fn model_reply(d: &Decision) -> Reply {
+    (
+        d.allowed,
+        d.limit,
+        d.remaining,
+        ceil_us(d.retry_after),
+        ceil_us(d.reset_after),
+    )
+}
+
+async fn run_script(
+    con: &mut MultiplexedConnection,
+    script: &redis::Script,
+    key: &str,
+    args: &[u64],
+    now_us: u64,
+) -> Reply {
+    let mut inv = script.key(key);
+    for a in args {
+        inv.arg(*a);
+    }
+    inv.arg(now_us);
+    let r: Vec<i64> = inv.invoke_async(con).await.unwrap();
+    (
+        r[0] == 1,
+        r[1] as u64,
+        r[2] as u64,
+        r[3] as u64,
+        r[4] as u64,
+    )
+}
+
+/// Random traces through one script (explicit `now`) and the matching model: identical.
+fn differential<A: Algorithm>(source: &'static str, make: impl Fn(Rate, u32) -> (A, Vec<u64>)) {
+    let server = RedisServer::start();
+    let rt = rt();
+    let con = rt.block_on(server.connect());
+    let script = redis::Script::new(source);
+    let mut runner = TestRunner::new(Config::with_cases(40));
+    let case = std::sync::atomic::AtomicU64::new(0);
+    runner
+        .run(
+            &(
+                1u32..=12,
+                prop_oneof![Just(1_000_000u64), Just(1_000u64), 1..2_000_000u64],
+                1u32..=12,
+                prop::collection::vec((0u64..400_000, 1u32..=6), 1..120),
+            ),
+            |(count, period_us, burst, trace)| {
+                let case = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut con = con.clone();
+                let rate = Rate::per(count, Duration::from_micros(period_us)).unwrap();
+                let (algorithm, args) = make(rate, burst);
+                let mut model = Limiter::new(algorithm);
+                // Redis-like absolute times (us since the epoch).
+                let mut now_us = 1_700_000_000_000_000u64;
+                let key = format!("diff:{case}");
+                rt.block_on(async {
+                    for &(gap, cost) in &trace {
+                        now_us += gap;
+                        let want = model.check(Duration::from_micros(now_us), cost);
+                        let mut full = args.clone();
+                        full.push(u64::from(cost));
+                        match want {
+                            Ok(d) => {
+                                let got = run_script(&mut con, &script, &key, &full, now_us).await;
+                                prop_assert_eq!(
+                                    got,
+                                    model_reply(&d),
+                                    "cost {} at {}",
+                                    cost,
+                                    now_us
+                                );
+                            }
+                            // The gate rejects these before calling Redis.
+                            Err(_) => prop_assert!(u64::from(cost) > model.capacity()),
+                        }
+                    }
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn token_bucket_script_matches_the_model() {
+    differential(lua::TOKEN_BUCKET, |rate, burst| {
+        let q = Quota::new(rate, burst).unwrap();
+        (
+            TokenBucket::new(q),
+            vec![
+                u64::from(rate.count()),
+                rate.period_nanos() / 1_000,
+                u64::from(burst),
+            ],
+        )
+    });
+}
+
+#[test]
+fn fixed_window_script_matches_the_model() {
+    differential(lua::FIXED_WINDOW, |rate, _| {
+        (
+            FixedWindow::new(rate),
+            vec![u64::from(rate.count()), rate.period_nanos() / 1_000],
+        )
+    });
+}
+
+#[test]
+fn sliding_log_script_matches_the_model() {
+    differential(lua::SLIDING_LOG, |rate, _| {
+        (
+            SlidingLog::new(rate),
+            vec![u64::from(rate.count()), rate.period_nanos() / 1_000],
+        )
+    });
+}
+
+#[test]
+fn sliding_window_script_matches_the_model() {
+    differential(lua::SLIDING_WINDOW, |rate, _| {
+        (
+            SlidingWindow::new(rate),
+            vec![u64::from(rate.count()), rate.period_nanos() / 1_000],
+        )
+    });
+}
+
+fn quota(n: u32) -> Limit {
+    Limit::TokenBucket(Quota::per_second(n).unwrap())
+}
+
+#[tokio::test]
+async fn the_redis_gate_and_the_memory_gate_agree_on_a_burst() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(5))
+        .build()
+        .await
+        .unwrap();
+    let memory = MemoryGate::new(quota(5)).unwrap();
+    for i in 0..7 {
+        let r = gate.acquire("k", 1).await.unwrap();
+        let m = memory.acquire("k", 1).await.unwrap();
+        assert_eq!(
+            (r.allowed, r.remaining),
+            (m.allowed, m.remaining),
+            "call {i}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_input_is_a_typed_error_and_never_reaches_redis() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(5))
+        .build()
+        .await
+        .unwrap();
+    assert!(matches!(
+        gate.acquire("k", 0).await,
+        Err(GateError::ZeroCost)
+    ));
+    assert!(matches!(
+        gate.acquire("k", 6).await,
+        Err(GateError::InsufficientCapacity {
+            cost: 6,
+            capacity: 5
+        })
+    ));
+    assert!(matches!(
+        gate.acquire("", 1).await,
+        Err(GateError::InvalidKey(_))
+    ));
+    let long = "x".repeat(600);
+    assert!(matches!(
+        gate.acquire(&long, 1).await,
+        Err(GateError::InvalidKey(_))
+    ));
+    assert_eq!(
+        Quota::per_second(0).unwrap_err().kind(),
+        ConfigErrorKind::Zero
+    );
+    // A period that is not whole microseconds cannot run exactly in Redis.
+    let odd = Limit::FixedWindow(Rate::per(1, Duration::from_nanos(1_500)).unwrap());
+    let err = RedisGate::builder(server.connect().await, odd)
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(err.field(), "gate.limit");
+    let mut con = server.connect().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "nothing was written: {keys:?}");
+}
+
+#[tokio::test]
+async fn an_idle_key_expires_once_it_is_neutral() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let gate = RedisGate::builder(
+        con.clone(),
+        Limit::TokenBucket(Quota::per(10, Duration::from_millis(100)).unwrap()),
+    )
+    .build()
+    .await
+    .unwrap();
+    for _ in 0..10 {
+        assert!(gate.acquire("idle", 1).await.unwrap().allowed);
+    }
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(gate.redis_key("idle"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(
+        (1..=100).contains(&pttl),
+        "expires when full again, in {pttl} ms"
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(gate.redis_key("idle"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(!exists);
+    // Every algorithm sets a TTL.
+    for limit in [
+        Limit::FixedWindow(Rate::per(3, Duration::from_millis(100)).unwrap()),
+        Limit::SlidingLog(Rate::per(3, Duration::from_millis(100)).unwrap()),
+        Limit::SlidingWindow(Rate::per(3, Duration::from_millis(100)).unwrap()),
+    ] {
+        let gate = RedisGate::builder(con.clone(), limit)
+            .prefix(format!("{}:", limit.name()))
+            .build()
+            .await
+            .unwrap();
+        gate.acquire("k", 1).await.unwrap();
+    }
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    for k in &keys {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(k)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(ttl > 0, "{k} has no TTL");
+    }
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "left: {keys:?}");
+}
+
+async fn manager(server: &RedisServer) -> ConnectionManager {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(200)))
+        .set_response_timeout(Some(Duration::from_millis(200)))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(100));
+    ConnectionManager::new_with_config(server.client(), config)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
+    let server = RedisServer::start();
+    let fallback = MemoryGate::new(quota(2)).unwrap();
+    let policies = [
+        FailurePolicy::Error,
+        FailurePolicy::Open,
+        FailurePolicy::Closed,
+        FailurePolicy::Fallback(fallback),
+    ];
+    let mut gates = Vec::new();
+    for (i, p) in policies.into_iter().enumerate() {
+        gates.push(
+            RedisGate::builder(manager(&server).await, quota(2))
+                .prefix(format!("policy{i}:"))
+                .failure_policy(p)
+                .timeout(Duration::from_millis(50))
+                .build()
+                .await
+                .unwrap(),
+        );
+    }
+    for g in &gates {
+        assert!(g.acquire("k", 1).await.unwrap().allowed);
+    }
+    server.kill();
+    let mut outcomes = Vec::new();
+    for g in &gates {
+        let start = std::time::Instant::now();
+        let r = g.acquire("k", 1).await;
+        assert!(
+            start.elapsed() < Duration::from_millis(300),
+            "took {:?}",
+            start.elapsed()
+        );
+        assert!(g.is_degraded());
+        outcomes.push(r);
+    }
+    assert!(
+        outcomes[0].as_ref().unwrap_err().is_transient(),
+        "Error: {:?}",
+        outcomes[0]
+    );
+    assert!(outcomes[1].as_ref().unwrap().allowed, "Open admits");
+    assert!(!outcomes[2].as_ref().unwrap().allowed, "Closed rejects");
+    let fallback = outcomes[3].as_ref().unwrap();
+    assert!(
+        fallback.allowed && fallback.remaining == 1,
+        "Fallback decides locally"
+    );
+}
+
+#[tokio::test]
+async fn a_paused_redis_never_hangs_a_caller() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(100))
+        .failure_policy(FailurePolicy::Closed)
+        .timeout(Duration::from_millis(50))
+        .probe_interval(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.acquire("k", 1).await.unwrap().allowed);
+    server.pause();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let start = std::time::Instant::now();
+            let d = gate.acquire(&format!("k{i}"), 1).await.unwrap();
+            (start.elapsed(), d.allowed)
+        }));
+    }
+    for t in tasks {
+        let (took, allowed) = t.await.unwrap();
+        assert!(took <= Duration::from_millis(60), "took {took:?}");
+        assert!(!allowed);
+    }
+    server.resume();
+    // Back on Redis after the next probe.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut back = false;
+    for _ in 0..20 {
+        if gate.acquire("k", 1).await.unwrap().allowed && !gate.is_degraded() {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(back);
+}
+
+#[tokio::test]
+async fn a_restarted_empty_redis_gets_the_scripts_again_within_two_seconds() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(manager(&server).await, quota(100))
+        .failure_policy(FailurePolicy::Open)
+        .probe_interval(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.acquire("k", 1).await.unwrap().allowed);
+    server.restart(); // empty: no scripts, no keys
+    let start = std::time::Instant::now();
+    loop {
+        let d = gate.acquire("k", 1).await.unwrap();
+        if !gate.is_degraded() && d.remaining < 1_000 {
+            break; // decided by Redis again (Open decisions report u64::MAX)
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "not back on Redis after 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut con = server.connect().await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(gate.redis_key("k"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(exists, "the script ran on the new server");
+}
+
+#[tokio::test]
+async fn gated_shapes_and_gated_drop_polices() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(Quota::per_second(20).unwrap().burst(5).unwrap()),
+    )
+    .build()
+    .await
+    .unwrap();
+    let start = std::time::Instant::now();
+    let n = futures::stream::iter(0..10)
+        .gated(gate.clone(), |_: &i32| "shape")
+        .count()
+        .await;
+    assert_eq!(n, 10);
+    assert!(
+        start.elapsed() >= Duration::from_millis(240),
+        "5 at once, 5 more at 20/s"
+    );
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let d2 = dropped.clone();
+    let passed = futures::stream::iter(0..10)
+        .gated_drop(gate, |_: &i32| "police")
+        .on_drop(move |_, _| {
+            d2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        })
+        .count()
+        .await;
+    assert_eq!(passed, 5);
+    assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 5);
+}
+
+// ----- one limit across a fleet of processes -----
+
+const FLEET_URL: &str = "FLOWGATE_FLEET_URL";
+const FLEET_START: &str = "FLOWGATE_FLEET_START_MS";
+const FLEET_SKEW: &str = "FLOWGATE_FLEET_SKEW_S";
+const RATE: u32 = 1_000;
+const BURST: u32 = 100;
+const RUN: Duration = Duration::from_secs(5);
+
+fn epoch_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn epoch_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// A fleet member: 16 tasks hammering one key until the common deadline; prints its count.
+/// Run by `one_limit_holds_across_four_processes`, not on its own.
+#[test]
+#[ignore]
+fn fleet_worker() {
+    let Ok(url) = std::env::var(FLEET_URL) else {
+        return;
+    };
+    let start: u64 = std::env::var(FLEET_START).unwrap().parse().unwrap();
+    // The member's own idea of the time is off by this much; the gate never reads it.
+    let skew: i64 = std::env::var(FLEET_SKEW)
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or(0);
+    let _ = skew;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let admitted = rt.block_on(async move {
+        let client = redis::Client::open(url).unwrap();
+        let con = client.get_multiplexed_async_connection().await.unwrap();
+        let limit = Limit::TokenBucket(Quota::per_second(RATE).unwrap().burst(BURST).unwrap());
+        let gate = RedisGate::builder(con, limit)
+            .timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .unwrap();
+        let wait = start.saturating_sub(epoch_ms());
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let deadline = tokio::time::Instant::now() + RUN;
+        let mut tasks = Vec::new();
+        for _ in 0..16 {
+            let gate = gate.clone();
+            tasks.push(tokio::spawn(async move {
+                // Admissions, and the wall-clock span that contains all of them.
+                let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
+                while tokio::time::Instant::now() < deadline {
+                    let before = epoch_us();
+                    if gate.acquire("fleet", 1).await.unwrap().allowed {
+                        n += 1;
+                        first = first.min(before);
+                        last = epoch_us();
+                    }
+                }
+                (n, first, last)
+            }));
+        }
+        let (mut total, mut first, mut last) = (0, u64::MAX, 0);
+        for t in tasks {
+            let (n, f, l) = t.await.unwrap();
+            total += n;
+            first = first.min(f);
+            last = last.max(l);
+        }
+        (total, first, last)
+    });
+    println!("ADMITTED {} {} {}", admitted.0, admitted.1, admitted.2);
+}
+
+#[test]
+fn one_limit_holds_across_four_processes() {
+    let server = RedisServer::start();
+    let exe = std::env::current_exe().unwrap();
+    let start = epoch_ms() + 1_500;
+    let children: Vec<_> = [-30i64, 30, -30, 30]
+        .iter()
+        .map(|skew| {
+            Command::new(&exe)
+                .args([
+                    "fleet_worker",
+                    "--exact",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(FLEET_URL, server.url())
+                .env(FLEET_START, start.to_string())
+                .env(FLEET_SKEW, skew.to_string())
+                .output_async()
+        })
+        .collect();
+    let (mut total, mut first, mut last) = (0u64, u64::MAX, 0u64);
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let fields: Vec<u64> = text
+            .lines()
+            .find_map(|l| l.split("ADMITTED ").nth(1))
+            .unwrap_or_else(|| panic!("worker printed no count: {text}"))
+            .split_whitespace()
+            .map(|f| f.parse().unwrap())
+            .collect();
+        total += fields[0];
+        first = first.min(fields[1]);
+        last = last.max(fields[2]);
+    }
+    // Every admission happened on the server between `first` and `last` (the Redis server
+    // runs on this machine's clock): at most burst + rate * span, exactly.
+    let span_us = last - first;
+    let bound = u64::from(BURST) + (u64::from(RATE) * span_us).div_ceil(1_000_000);
+    eprintln!(
+        "fleet: 4 processes x 16 tasks admitted {total} in {span_us} us; bound {bound} = burst + rate x span"
+    );
+    assert!(total <= bound, "admitted {total} > bound {bound}");
+    assert!(
+        total * 100 >= bound * 99,
+        "admitted {total} < 99% of {bound}"
+    );
+}
+
+trait OutputAsync {
+    fn output_async(&mut self) -> std::process::Child;
+}
+
+impl OutputAsync for Command {
+    fn output_async(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}

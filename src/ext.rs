@@ -116,8 +116,8 @@ pub trait FlowStreamExt: Stream {
         Leaky::new(self, pacer, crate::pace::unit_cost)
     }
 
-    /// Release items through `pacer`, each costing `cost(&item)` units (clamped to
-    /// `1..=burst`).
+    /// Release items through `pacer`, each costing `cost(&item)` units (a cost above the
+    /// burst is paid in chunks; a cost of 0 is free).
     fn leaky_cost<C>(self, pacer: Pacer, cost: C) -> Leaky<Self, C>
     where
         Self: Sized,

@@ -180,6 +180,18 @@ async fn a_dropped_waiter_gives_its_place_back() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_item_above_the_burst_pays_in_chunks_and_cost_zero_is_free() {
+    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+        .burst(2)
+        .build()
+        .unwrap();
+    // Cost 5 with a burst of 2 at 10/s from a full bucket: 2 at 0 ms, 2 at 200 ms, 1 at 300 ms.
+    let rel = releases(pacer, vec![5, 0, 1]).await;
+    let ms: Vec<u64> = rel.iter().map(|r| r.0 / 1_000_000).collect();
+    assert_eq!(ms, [300, 300, 400]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn try_acquire_and_bad_costs() {
     let pacer = Pacer::builder(Rate::per_second(10).unwrap())
         .burst(2)
@@ -367,7 +379,9 @@ async fn metrics_count_releases_and_lateness() {
 fn public_types_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Pacer>();
-    send_sync::<flowgate::pace::UntilReady<'static>>();
+    send_sync::<flowgate::pace::UntilReady>();
+    fn is_static<T: 'static>() {}
+    is_static::<flowgate::pace::UntilReady>();
     send_sync::<PaceError>();
     fn send<T: Send>() {}
     send::<flowgate::pace::Leaky<futures::stream::Iter<std::vec::IntoIter<u8>>, fn(&u8) -> u32>>();

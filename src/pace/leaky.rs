@@ -26,8 +26,9 @@ pub(crate) fn unit_cost<T>(_: &T) -> u32 {
 /// Pulls one item, waits until its cost passes the pacer, yields it. It holds at most one
 /// item; upstream is not polled while that item waits, so a fast upstream is slowed down
 /// (backpressure). See [`leaky_queue`](crate::FlowStreamExt::leaky_queue) to drain a bursty
-/// upstream eagerly instead. An item whose cost is 0 or above the pacer's burst is charged
-/// 1 or the burst.
+/// upstream eagerly instead. An item whose cost is above the pacer's burst pays it in
+/// successive chunks of at most the burst, so the rate holds in cost units; an item of cost
+/// 0 passes at once.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Leaky<S: Stream, C> {

@@ -12,6 +12,8 @@ use crate::pace::until_ready::Wait;
 pub(crate) struct Paced {
     pacer: Pacer,
     wait: Wait,
+    /// Units of the current item still to pay (an item above the burst pays in chunks).
+    owed: Option<u32>,
 }
 
 impl Paced {
@@ -19,6 +21,7 @@ impl Paced {
         Paced {
             pacer,
             wait: Wait::new(),
+            owed: None,
         }
     }
 
@@ -26,23 +29,31 @@ impl Paced {
         &self.pacer
     }
 
-    /// Wait until `cost` (clamped to `1..=burst`) passes.
+    /// Wait until an item of `cost` units is paid for. A cost above the burst is paid in
+    /// successive chunks of at most the burst (so the rate holds in cost units); a cost of 0
+    /// passes at once.
     pub(crate) fn poll_admit(&mut self, cost: u32, cx: &mut Context<'_>) -> Poll<()> {
-        let mut cost = cost;
-        loop {
-            return match self.wait.poll_admit(self.pacer.inner(), cost, cx) {
-                Poll::Ready(Ok(())) => Poll::Ready(()),
-                Poll::Ready(Err(PaceError::InsufficientCapacity { burst, .. })) => {
-                    cost = burst;
-                    continue;
+        let mut owed = *self.owed.get_or_insert(cost);
+        while owed > 0 {
+            let mut chunk = owed;
+            loop {
+                match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {
+                    Poll::Ready(Ok(())) => break,
+                    Poll::Ready(Err(PaceError::InsufficientCapacity { burst, .. })) => {
+                        chunk = burst;
+                    }
+                    // Only a zero cost is refused otherwise; `chunk` is at least 1 here.
+                    Poll::Ready(Err(_)) => break,
+                    Poll::Pending => {
+                        self.owed = Some(owed);
+                        return Poll::Pending;
+                    }
                 }
-                Poll::Ready(Err(_)) => {
-                    cost = 1;
-                    continue;
-                }
-                Poll::Pending => Poll::Pending,
-            };
+            }
+            owed -= chunk;
         }
+        self.owed = None;
+        Poll::Ready(())
     }
 
     pub(crate) fn is_waiting(&self) -> bool {

@@ -86,10 +86,14 @@ pub(crate) enum Admit {
 /// # Burst and precision
 ///
 /// The default burst is `1 + ceil(rate × 5 ms)`: strict spacing, plus enough tolerance to
-/// absorb the lateness of a 1 ms timer, so the long-run rate is exact from 1/s to 1M/s.
-/// Above 1 000/s units leave in small on-time batches, one batch per timer tick. With
-/// `burst(1)` spacing is strict but each wait loses its timer's lateness (typically under
-/// 1 ms), so the long-run rate falls short by about `lateness × rate` (≈0.1% at 1/s).
+/// absorb the lateness of a 1 ms timer, so the long-run rate is exact from 1/s to 1M/s as
+/// long as the task is never kept from running for more than 5 ms (the tolerance cannot be
+/// caught up after a longer stall without breaking guarantee (a); on a heavily loaded host
+/// give a larger burst). Above 1 000/s units leave in small on-time batches, one batch per
+/// timer tick. With a backlog, units run up to `(burst − 1) / rate` ahead of the `T0 + i/rate`
+/// schedule (guarantee (b)). With `burst(1)` spacing is strict but each wait loses its
+/// timer's lateness (typically under 1 ms), so the long-run rate falls short by about
+/// `lateness × rate` (≈0.1% at 1/s).
 ///
 /// # Examples
 ///
@@ -163,8 +167,8 @@ impl Pacer {
     ///
     /// Cancel-safe: a dropped waiter leaves the queue and holds no reservation; the next
     /// waiter moves up.
-    pub fn until_ready(&self, cost: u32) -> UntilReady<'_> {
-        UntilReady::new(&self.inner, cost)
+    pub fn until_ready(&self, cost: u32) -> UntilReady {
+        UntilReady::new(self.clone(), cost)
     }
 
     /// Take `cost` units if they may pass now (and nobody is waiting ahead).

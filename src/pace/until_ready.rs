@@ -7,6 +7,7 @@ use std::task::{Context, Poll};
 
 use tokio::time::Sleep;
 
+use crate::pace::Pacer;
 use crate::pace::error::PaceError;
 use crate::pace::pacer::{Admit, Inner, Ticket};
 
@@ -69,16 +70,17 @@ impl Wait {
 
 /// Future of [`Pacer::until_ready`](crate::pace::Pacer::until_ready).
 ///
-/// Dropping it gives up its place in line and holds no reservation: nothing is lost.
+/// Owns a handle to the pacer (`'static`: it can be spawned or stored). Dropping it gives
+/// up its place in line and holds no reservation: nothing is lost.
 #[must_use = "futures do nothing unless polled"]
-pub struct UntilReady<'a> {
-    pacer: &'a Inner,
+pub struct UntilReady {
+    pacer: Pacer,
     cost: u32,
     wait: Wait,
 }
 
-impl<'a> UntilReady<'a> {
-    pub(crate) fn new(pacer: &'a Inner, cost: u32) -> UntilReady<'a> {
+impl UntilReady {
+    pub(crate) fn new(pacer: Pacer, cost: u32) -> UntilReady {
         UntilReady {
             pacer,
             cost,
@@ -87,22 +89,22 @@ impl<'a> UntilReady<'a> {
     }
 }
 
-impl Future for UntilReady<'_> {
+impl Future for UntilReady {
     type Output = Result<(), PaceError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        this.wait.poll_admit(this.pacer, this.cost, cx)
+        this.wait.poll_admit(this.pacer.inner(), this.cost, cx)
     }
 }
 
-impl Drop for UntilReady<'_> {
+impl Drop for UntilReady {
     fn drop(&mut self) {
-        self.wait.cancel(self.pacer);
+        self.wait.cancel(self.pacer.inner());
     }
 }
 
-impl fmt::Debug for UntilReady<'_> {
+impl fmt::Debug for UntilReady {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UntilReady")
             .field("cost", &self.cost)

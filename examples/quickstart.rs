@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use flowgate::bulkhead::{Bulkhead, Rejected};
 use flowgate::channel::{self, Sent};
+use flowgate::gate::{Limit, MemoryGate};
 use flowgate::limit::{FixedWindow, Keyed, Limiter, SlidingLog, SlidingWindow, TokenBucket};
+use flowgate::pace::Pacer;
 use flowgate::{FlowStreamExt, Overflow, Quota, Rate};
 use futures::StreamExt;
 
@@ -116,6 +118,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "bulkhead_map (ordered): {doubled:?}, in flight now {}",
         dependency.in_flight()
     );
+
+    // 8. Constant outflow: 20 items at 100/s (the default burst, 2, leaves at once).
+    let start = tokio::time::Instant::now();
+    let pacer = Pacer::new(Rate::per_second(100)?);
+    let n = futures::stream::iter(0..20).leaky_with(pacer).count().await;
+    println!("pace: {n} items at 100/s took {:?}", start.elapsed());
+
+    // 9. A keyed gate (the embedded default; RedisGate holds the same limit fleet-wide).
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(5)?))?;
+    let passed = futures::stream::iter(0..12)
+        .gated_drop(
+            gate,
+            |i: &u32| if i.is_multiple_of(2) { "even" } else { "odd" },
+        )
+        .count()
+        .await;
+    println!("gate: 12 requests over 2 keys of 5/s each, {passed} passed at once");
     Ok(())
 }
 

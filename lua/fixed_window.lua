@@ -1,33 +1,56 @@
 -- flowgate fixed window: at most `limit` per aligned window, in microseconds.
 --
--- KEYS[1]  the counter prefix (the window index is appended)
--- ARGV[1]  limit
--- ARGV[2]  window, in us
--- ARGV[3]  cost
--- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
+-- KEYS[i]     the counter prefix (the window index is appended), one per request of the batch (a key may repeat)
+-- ARGV[1]     limit
+-- ARGV[2]     window, in us
+-- ARGV[3]     now in us, for differential tests only; empty in production: Redis TIME is used
+-- ARGV[3+i]   the cost of request i
 --
 -- Windows are aligned to the Redis clock's epoch: window k is [k*window, (k+1)*window).
--- Returns {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}.
+-- Requests are decided in order, each exactly as if it were alone. Returns, per request,
+-- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing. Each window's key expires when the window ends.
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-local now
-if ARGV[4] ~= nil and ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
+local clock
+if ARGV[3] ~= nil and ARGV[3] ~= '' then
+  clock = tonumber(ARGV[3])
 else
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- With an explicit (logical) time the keys live for a minute of real time instead: logical
+-- time in a differential test runs far ahead of the wall clock that expires keys.
+local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
+local function ttl_ms(ms)
+  if explicit then
+    return 60000
+  end
+  return ms
+end
+
+local function decide(key, cost)
+local now = clock
+
 local index = math.floor(now / window)
-local key = KEYS[1] .. ':' .. index
+local key = key .. ':' .. index
 local reset = (index + 1) * window - now
 local used = tonumber(redis.call('GET', key) or '0')
 if used + cost <= limit then
   redis.call('INCRBY', key, cost)
-  redis.call('PEXPIRE', key, math.max(1, math.floor((reset + 999) / 1000)))
+  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000))))
   return {1, limit, limit - used - cost, 0, reset}
 end
 return {0, limit, limit - used, reset, reset}
+end
+
+local out = {}
+for i, key in ipairs(KEYS) do
+  local r = decide(key, tonumber(ARGV[3 + i]))
+  for j = 1, 5 do
+    out[#out + 1] = r[j]
+  end
+end
+return out

@@ -1,34 +1,47 @@
 -- flowgate sliding log: at most `limit` in any interval of `window` us, exactly.
 --
--- KEYS[1]  the log (a sorted set: score = admission time in us, member = "<us>:<seq>:<cost>")
--- ARGV[1]  limit
--- ARGV[2]  window, in us
--- ARGV[3]  cost
--- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
+-- KEYS[i]     the log (a sorted set: score = admission time in us, member = "<us>:<seq>:<cost>"), one per request of the batch (a key may repeat)
+-- ARGV[1]     limit
+-- ARGV[2]     window, in us
+-- ARGV[3]     now in us, for differential tests only; empty in production: Redis TIME is used
+-- ARGV[3+i]   the cost of request i
 --
 -- An entry admitted at t counts while now < t + window. Memory: at most `limit` members.
--- Returns {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}.
+-- Requests are decided in order, each exactly as if it were alone. Returns, per request,
+-- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing but the removal of expired entries. The key expires when
 -- its newest entry does.
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-local now
-if ARGV[4] ~= nil and ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
+local clock
+if ARGV[3] ~= nil and ARGV[3] ~= '' then
+  clock = tonumber(ARGV[3])
 else
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- With an explicit (logical) time the keys live for a minute of real time instead: logical
+-- time in a differential test runs far ahead of the wall clock that expires keys.
+local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
+local function ttl_ms(ms)
+  if explicit then
+    return 60000
+  end
+  return ms
+end
+
+local function decide(key, cost)
+local now = clock
+
 -- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
-local newest = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 if newest[2] and tonumber(newest[2]) > now then
   now = tonumber(newest[2])
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+local entries = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
 local total = 0
 local costs = {}
 for i = 1, #entries, 2 do
@@ -39,9 +52,9 @@ for i = 1, #entries, 2 do
 end
 
 if total + cost <= limit then
-  local seq = redis.call('ZCARD', KEYS[1])
-  redis.call('ZADD', KEYS[1], now, string.format('%d:%d:%d', now, seq, cost))
-  redis.call('PEXPIRE', KEYS[1], math.max(1, math.floor((window + 999) / 1000)))
+  local seq = redis.call('ZCARD', key)
+  redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
+  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((window + 999) / 1000))))
   return {1, limit, limit - total - cost, 0, window}
 end
 local need = total + cost - limit
@@ -58,3 +71,13 @@ if #costs > 0 then
   reset = costs[#costs][1] + window - now
 end
 return {0, limit, limit - total, retry, reset}
+end
+
+local out = {}
+for i, key in ipairs(KEYS) do
+  local r = decide(key, tonumber(ARGV[3 + i]))
+  for j = 1, 5 do
+    out[#out + 1] = r[j]
+  end
+end
+return out

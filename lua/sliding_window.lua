@@ -1,29 +1,42 @@
 -- flowgate sliding window counter: two weighted counters, exact integer arithmetic in us.
 --
--- KEYS[1]  the state, stored as "<window start us> <current> <previous>"
--- ARGV[1]  limit
--- ARGV[2]  window, in us
--- ARGV[3]  cost
--- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
+-- KEYS[i]     the state, stored as "<window start us> <current> <previous>", one per request of the batch (a key may repeat)
+-- ARGV[1]     limit
+-- ARGV[2]     window, in us
+-- ARGV[3]     now in us, for differential tests only; empty in production: Redis TIME is used
+-- ARGV[3+i]   the cost of request i
 --
 -- estimate * window = previous * (window - elapsed) + current * window; admitted when
 -- estimate + cost <= limit. The caller keeps limit * window below 2^52 (exact in doubles).
--- Returns {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}.
+-- Requests are decided in order, each exactly as if it were alone. Returns, per request,
+-- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing. The key expires when both counters have decayed.
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-local now
-if ARGV[4] ~= nil and ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
+local clock
+if ARGV[3] ~= nil and ARGV[3] ~= '' then
+  clock = tonumber(ARGV[3])
 else
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
+-- With an explicit (logical) time the keys live for a minute of real time instead: logical
+-- time in a differential test runs far ahead of the wall clock that expires keys.
+local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
+local function ttl_ms(ms)
+  if explicit then
+    return 60000
+  end
+  return ms
+end
+
+local function decide(key, cost)
+local now = clock
+
 local start, current, previous = 0, 0, 0
-local state = redis.call('GET', KEYS[1])
+local state = redis.call('GET', key)
 if state then
   local a, b, c = string.match(state, '^(%d+) (%d+) (%d+)$')
   start, current, previous = tonumber(a), tonumber(b), tonumber(c)
@@ -74,8 +87,8 @@ if weighted + cost * window <= limit * window then
   current = current + cost
   local after = previous * (window - elapsed) + current * window
   local reset = reset_after(current, previous)
-  redis.call('SET', KEYS[1], string.format('%d %d %d', start, current, previous),
-    'PX', math.max(1, math.floor((reset + 999) / 1000)))
+  redis.call('SET', key, string.format('%d %d %d', start, current, previous),
+    'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000))))
   return {1, limit, math.floor((limit * window - after) / window), 0, reset}
 end
 local remaining = math.floor(math.max(0, limit * window - weighted) / window)
@@ -88,3 +101,13 @@ else
   retry = window - elapsed + e2
 end
 return {0, limit, remaining, retry, reset_after(current, previous)}
+end
+
+local out = {}
+for i, key in ipairs(KEYS) do
+  local r = decide(key, tonumber(ARGV[3 + i]))
+  for j = 1, 5 do
+    out[#out + 1] = r[j]
+  end
+end
+return out

@@ -46,14 +46,15 @@ async fn run_script(
     con: &mut MultiplexedConnection,
     script: &redis::Script,
     key: &str,
-    args: &[u64],
+    params: &[u64],
     now_us: u64,
+    cost: u32,
 ) -> Reply {
     let mut inv = script.key(key);
-    for a in args {
+    for a in params {
         inv.arg(*a);
     }
-    inv.arg(now_us);
+    inv.arg(now_us).arg(cost);
     let r: Vec<i64> = inv.invoke_async(con).await.unwrap();
     (
         r[0] == 1,
@@ -93,11 +94,10 @@ fn differential<A: Algorithm>(source: &'static str, make: impl Fn(Rate, u32) -> 
                     for &(gap, cost) in &trace {
                         now_us += gap;
                         let want = model.check(Duration::from_micros(now_us), cost);
-                        let mut full = args.clone();
-                        full.push(u64::from(cost));
                         match want {
                             Ok(d) => {
-                                let got = run_script(&mut con, &script, &key, &full, now_us).await;
+                                let got =
+                                    run_script(&mut con, &script, &key, &args, now_us, cost).await;
                                 prop_assert_eq!(
                                     got,
                                     model_reply(&d),
@@ -435,8 +435,9 @@ async fn a_restarted_empty_redis_gets_the_scripts_again_within_two_seconds() {
 #[tokio::test]
 async fn gated_shapes_and_gated_drop_polices() {
     let server = RedisServer::start();
+    let gate_conn = server.connect().await;
     let gate = RedisGate::builder(
-        server.connect().await,
+        gate_conn.clone(),
         Limit::TokenBucket(Quota::per_second(20).unwrap().burst(5).unwrap()),
     )
     .build()
@@ -454,6 +455,9 @@ async fn gated_shapes_and_gated_drop_polices() {
     );
     let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let d2 = dropped.clone();
+    // Policing: 5 per minute, so nothing refills during the test.
+    let slow = Limit::TokenBucket(Quota::per_minute(5).unwrap());
+    let gate = RedisGate::builder(gate_conn, slow).build().await.unwrap();
     let passed = futures::stream::iter(0..10)
         .gated_drop(gate, |_: &i32| "police")
         .on_drop(move |_, _| {

@@ -297,10 +297,13 @@ where
         }
         let mut conn = inner.conn.clone();
         let mut invocation = inner.script.key(self.redis_key(key));
-        for arg in scripts::args(&inner.limit, inner.count, inner.period_us, cost) {
-            invocation.arg(arg);
-        }
-        invocation.arg("");
+        scripts::add_args(
+            &mut invocation,
+            &inner.limit,
+            inner.count,
+            inner.period_us,
+            [cost],
+        );
         let started = Instant::now();
         let reply = tokio::time::timeout(
             inner.timeout,

@@ -21,10 +21,21 @@ pub(crate) fn source(limit: &Limit) -> &'static str {
     }
 }
 
-/// The script arguments for `limit` and `cost`, with an empty `now` (Redis `TIME` decides).
-pub(crate) fn args(limit: &Limit, count: u64, period_us: u64, cost: u32) -> Vec<u64> {
-    match limit {
-        Limit::TokenBucket(q) => vec![count, period_us, u64::from(q.burst_size()), u64::from(cost)],
-        _ => vec![count, period_us, u64::from(cost)],
+/// Add the arguments of a batch to `invocation`: the limit's parameters, an empty `now`
+/// (Redis `TIME` decides), then one cost per key.
+pub(crate) fn add_args(
+    invocation: &mut redis::ScriptInvocation<'_>,
+    limit: &Limit,
+    count: u64,
+    period_us: u64,
+    costs: impl IntoIterator<Item = u32>,
+) {
+    invocation.arg(count).arg(period_us);
+    if let Limit::TokenBucket(q) = limit {
+        invocation.arg(q.burst_size());
+    }
+    invocation.arg("");
+    for cost in costs {
+        invocation.arg(cost);
     }
 }

@@ -616,3 +616,115 @@ impl OutputAsync for Command {
             .unwrap()
     }
 }
+
+// ----- batching and the rejection cache -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_preserves_every_callers_decision() {
+    let server = RedisServer::start();
+    // Nothing refills during the test, so decisions depend only on the order of requests.
+    let limit = Limit::TokenBucket(Quota::per_hour(7).unwrap());
+    let batched = RedisGate::builder(server.connect().await, limit)
+        .prefix("batched:")
+        .reject_cache(0)
+        .timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let unbatched = RedisGate::builder(server.connect().await, limit)
+        .prefix("single:")
+        .batch_size(1)
+        .reject_cache(0)
+        .build()
+        .await
+        .unwrap();
+    let mut x = 12345u64;
+    let trace: Vec<(String, u32)> = (0..400)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (format!("k{}", x % 20), (x % 3) as u32 + 1)
+        })
+        .collect();
+    // All at once: the futures are polled, and so enqueued, in trace order.
+    let together =
+        futures::future::join_all(trace.iter().map(|(k, c)| batched.acquire(k, *c))).await;
+    for ((k, c), got) in trace.iter().zip(together) {
+        let want = unbatched.acquire(k, *c).await.unwrap();
+        let got = got.unwrap();
+        assert_eq!(
+            (got.allowed, got.remaining),
+            (want.allowed, want.remaining),
+            "{k} cost {c}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let gate = RedisGate::builder(
+        con.clone(),
+        Limit::TokenBucket(Quota::per_second(10).unwrap()),
+    )
+    .build()
+    .await
+    .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_millis(500);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut rejected, mut admitted) = (0u64, 0u64);
+            while std::time::Instant::now() < deadline {
+                if gate.acquire("hot", 1).await.unwrap().allowed {
+                    admitted += 1;
+                } else {
+                    rejected += 1;
+                }
+                tokio::task::yield_now().await;
+            }
+            (rejected, admitted)
+        }));
+    }
+    let (mut rejected, mut admitted) = (0, 0);
+    for t in tasks {
+        let (r, a) = t.await.unwrap();
+        rejected += r;
+        admitted += a;
+    }
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let calls: u64 = info
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    eprintln!("hot key: {admitted} admitted, {rejected} rejected, {calls} script calls");
+    assert!(admitted <= 10 + 6, "burst 10 + 10/s over 0.5 s");
+    assert!(
+        rejected > 1_000,
+        "the callers hammered the key ({rejected})"
+    );
+    assert!(
+        (calls as f64) / (rejected as f64) <= 0.05,
+        "{calls} Redis calls for {rejected} rejections"
+    );
+}

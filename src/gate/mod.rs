@@ -14,12 +14,16 @@
 //! The Lua scripts are in the crate's `lua/` folder, one per algorithm.
 
 mod api;
+#[cfg(feature = "redis")]
+mod batch;
 mod error;
 mod gated;
 mod limit;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis_gate;
+#[cfg(feature = "redis")]
+mod reject_cache;
 #[cfg(feature = "redis")]
 mod scripts;
 

@@ -5,14 +5,17 @@ use std::sync::PoisonError;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
 use crate::gate::api::{Gate, GateFuture};
+use crate::gate::batch::{Driver, Request, decision_from};
 use crate::gate::error::{BackendMessage, GateError, check_key};
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
+use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::sync::{Arc, Mutex};
@@ -51,9 +54,11 @@ pub(crate) mod names {
     pub(crate) const FAILURES: &str = "flowgate_gate_failures_total";
     pub(crate) const DEGRADED: &str = "flowgate_gate_degraded";
     pub(crate) const TRANSITIONS: &str = "flowgate_gate_transitions_total";
+    pub(crate) const BATCH_SIZE: &str = "flowgate_gate_batch_size";
 }
 
 struct Metrics {
+    cached: Counter,
     allowed: Counter,
     rejected: Counter,
     by_policy: Counter,
@@ -75,6 +80,9 @@ enum Health {
 
 struct Inner<C> {
     conn: C,
+    /// The batch driver's queue; `None` when batching is off.
+    batcher: Option<mpsc::UnboundedSender<Request>>,
+    cache: RejectCache,
     limit: Limit,
     count: u64,
     period_us: u64,
@@ -98,6 +106,15 @@ struct Inner<C> {
 /// - **TTLs**: every key expires when its state is neutral again; idle keys vanish.
 /// - **Runtime limits**: the parameters travel with every call; change them by building a new
 ///   gate over the same prefix.
+/// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default
+///   128): while one call is in flight the next batch fills, so there is no added latency at
+///   low load. Each caller gets exactly the decision it would get alone, in arrival order. A
+///   caller that gives up before its batch is sent is left out; one that gives up after may
+///   still consume its cost (never over-admission).
+/// - **Rejection cache**: after Redis rejects cost `c` for a key with `retry_after` T, further
+///   requests of cost ≥ `c` for that key are rejected locally until T, with no round trip.
+///   Exact: T is counted from when the request was sent, so it never rejects what Redis would
+///   admit. Bounded (`reject_cache`, default 10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
@@ -109,8 +126,9 @@ struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_failures_total`,
-/// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`.
+/// `cached`, `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
+/// `flowgate_gate_failures_total`, `flowgate_gate_degraded` (1 while degraded),
+/// `flowgate_gate_transitions_total` by `to`.
 pub struct RedisGate<C> {
     inner: Arc<Inner<C>>,
 }
@@ -140,6 +158,8 @@ impl<C> fmt::Debug for RedisGate<C> {
 pub struct RedisGateBuilder<C> {
     conn: C,
     limit: Limit,
+    batch_size: usize,
+    reject_cache: usize,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -181,6 +201,20 @@ where
         self
     }
 
+    /// The most decisions sent in one script call (default 128). Concurrent decisions are
+    /// batched naturally: while one call is in flight the next batch fills, so there is no
+    /// added latency at low load. `1` turns batching off (one call per decision).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How many keys the local rejection cache holds (default 10 000; `0` turns it off).
+    pub fn reject_cache(mut self, keys: usize) -> Self {
+        self.reject_cache = keys;
+        self
+    }
+
     /// Build the gate and try to load its script (a failure to load is not an error: the
     /// script is sent again with the first decision).
     ///
@@ -197,6 +231,9 @@ where
         if self.probe_interval.is_zero() {
             return Err(ConfigError::zero("gate.probe_interval"));
         }
+        if self.batch_size == 0 {
+            return Err(ConfigError::zero("gate.batch_size"));
+        }
         let script = redis::Script::new(scripts::source(&self.limit));
         let mut conn = self.conn.clone();
         let _ = tokio::time::timeout(
@@ -207,9 +244,26 @@ where
         let labels = Labels::new(self.name.as_deref());
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let transitions = |to| labels.counter(names::TRANSITIONS, &[("to", to)]);
+        let batcher = (self.batch_size > 1).then(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let driver = Driver {
+                conn: self.conn.clone(),
+                script: script.clone(),
+                limit: self.limit,
+                count,
+                period_us,
+                timeout: self.timeout,
+                max_batch: self.batch_size,
+                batch_size: labels.histogram(names::BATCH_SIZE, &[]),
+            };
+            tokio::spawn(driver.run(rx));
+            tx
+        });
         Ok(RedisGate {
             inner: Arc::new(Inner {
                 conn: self.conn,
+                batcher,
+                cache: RejectCache::new(self.reject_cache),
                 limit: self.limit,
                 count,
                 period_us,
@@ -220,6 +274,7 @@ where
                 probe_interval: self.probe_interval,
                 health: Mutex::new(Health::Healthy),
                 metrics: Metrics {
+                    cached: decisions("cached"),
                     allowed: decisions("allowed"),
                     rejected: decisions("rejected"),
                     by_policy: decisions("policy"),
@@ -244,6 +299,8 @@ where
         RedisGateBuilder {
             conn,
             limit,
+            batch_size: 128,
+            reject_cache: 10_000,
             prefix: "flowgate:".into(),
             timeout: Duration::from_millis(50),
             policy: FailurePolicy::Error,
@@ -280,8 +337,12 @@ where
         check_key(key)?;
         self.inner.limit.check_cost(cost)?;
         let inner = &*self.inner;
-        // While degraded, only one call per probe interval goes to Redis.
         let now = Instant::now();
+        if let Some(decision) = inner.cache.check(key, cost, now) {
+            inner.metrics.cached.increment(1);
+            return Ok(decision);
+        }
+        // While degraded, only one call per probe interval goes to Redis.
         {
             let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
             if let Health::Degraded { next_probe } = *health {
@@ -295,45 +356,85 @@ where
                 };
             }
         }
-        let mut conn = inner.conn.clone();
-        let mut invocation = inner.script.key(self.redis_key(key));
-        scripts::add_args(
-            &mut invocation,
-            &inner.limit,
-            inner.count,
-            inner.period_us,
-            [cost],
-        );
-        let started = Instant::now();
-        let reply = tokio::time::timeout(
-            inner.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut conn),
-        )
-        .await;
-        inner
-            .metrics
-            .latency
-            .record(started.elapsed().as_secs_f64());
+        let reply = self.decide(key, cost).await;
         let error = match reply {
-            Ok(Ok(r)) if r.len() == 5 => {
+            Ok(decision) => {
                 self.healthy();
-                let decision = decision_from(&r);
                 if decision.allowed {
                     inner.metrics.allowed.increment(1);
                 } else {
                     inner.metrics.rejected.increment(1);
+                    inner.cache.rejected(key, cost, now, &decision);
                 }
                 return Ok(decision);
             }
-            Ok(Ok(r)) => GateError::backend(BackendMessage(format!(
-                "unexpected reply from the gate script: {r:?}"
-            ))),
-            Ok(Err(e)) => GateError::backend(e),
-            Err(_) => GateError::Timeout(inner.timeout),
+            Err(e) => e,
         };
         inner.metrics.failures.increment(1);
         let until_probe = self.degraded(&error);
         self.by_policy(key, cost, until_probe, Some(error))
+    }
+
+    /// One decision from Redis, batched or alone, bounded by the timeout.
+    async fn decide(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
+        let inner = &*self.inner;
+        let started = Instant::now();
+        let result = match &inner.batcher {
+            Some(queue) => {
+                let (reply, answer) = oneshot::channel();
+                let request = Request {
+                    key: self.redis_key(key),
+                    cost,
+                    reply,
+                };
+                if queue.send(request).is_err() {
+                    return Err(GateError::backend(BackendMessage(
+                        "the batch driver stopped (its runtime shut down)".into(),
+                    )));
+                }
+                match tokio::time::timeout(inner.timeout, answer).await {
+                    Ok(Ok(result)) => result,
+                    Ok(Err(_)) => Err(GateError::backend(BackendMessage(
+                        "the batch driver dropped the request".into(),
+                    ))),
+                    Err(_) => Err(GateError::Timeout(inner.timeout)),
+                }
+            }
+            None => {
+                let mut conn = inner.conn.clone();
+                let mut invocation = inner.script.key(self.redis_key(key));
+                scripts::add_args(
+                    &mut invocation,
+                    &inner.limit,
+                    inner.count,
+                    inner.period_us,
+                    [cost],
+                );
+                match tokio::time::timeout(
+                    inner.timeout,
+                    invocation.invoke_async::<Vec<i64>>(&mut conn),
+                )
+                .await
+                {
+                    Ok(Ok(r)) if r.len() == 5 => Ok(decision_from(&r)),
+                    Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
+                        "unexpected reply from the gate script: {r:?}"
+                    )))),
+                    Ok(Err(e)) => Err(GateError::backend(e)),
+                    Err(_) => Err(GateError::Timeout(inner.timeout)),
+                }
+            }
+        };
+        inner
+            .metrics
+            .latency
+            .record(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Keys held by the local rejection cache.
+    pub fn cached_rejections(&self) -> usize {
+        self.inner.cache.len()
     }
 
     fn healthy(&self) {
@@ -400,16 +501,6 @@ where
             )),
             FailurePolicy::Fallback(gate) => gate.check(key, cost),
         }
-    }
-}
-
-fn decision_from(r: &[i64]) -> Decision {
-    let n = |i: usize| u64::try_from(r[i]).unwrap_or(0);
-    let us = |i: usize| Duration::from_micros(n(i));
-    if r[0] == 1 {
-        Decision::allow(n(1), n(2), us(4))
-    } else {
-        Decision::reject(n(1), n(2), us(3), us(4))
     }
 }
 

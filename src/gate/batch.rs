@@ -1,0 +1,107 @@
+//! Natural batching: concurrent decisions share one script call.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::decision::Decision;
+use crate::gate::error::{BackendMessage, GateError};
+use crate::gate::limit::Limit;
+use crate::gate::scripts;
+use crate::metrics::Histogram;
+
+/// One decision waiting for its batch.
+pub(crate) struct Request {
+    pub(crate) key: String,
+    pub(crate) cost: u32,
+    pub(crate) reply: oneshot::Sender<Result<Decision, GateError>>,
+}
+
+/// What the driver needs to call Redis (no handle on the gate itself, so dropping the last
+/// gate handle ends the driver).
+pub(crate) struct Driver<C> {
+    pub(crate) conn: C,
+    pub(crate) script: redis::Script,
+    pub(crate) limit: Limit,
+    pub(crate) count: u64,
+    pub(crate) period_us: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) max_batch: usize,
+    pub(crate) batch_size: Histogram,
+}
+
+/// Turn a script reply of 5 integers into a decision.
+pub(crate) fn decision_from(r: &[i64]) -> Decision {
+    let n = |i: usize| u64::try_from(r[i]).unwrap_or(0);
+    let us = |i: usize| Duration::from_micros(n(i));
+    if r[0] == 1 {
+        Decision::allow(n(1), n(2), us(4))
+    } else {
+        Decision::reject(n(1), n(2), us(3), us(4))
+    }
+}
+
+impl<C> Driver<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Take whatever is queued (up to `max_batch`), decide it in one script call, answer
+    /// everyone, repeat. While a call is in flight the next batch fills: no added latency
+    /// at low load, large batches at high load.
+    pub(crate) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+        let mut batch = Vec::with_capacity(self.max_batch);
+        while let Some(first) = rx.recv().await {
+            batch.push(first);
+            while batch.len() < self.max_batch {
+                match rx.try_recv() {
+                    Ok(r) => batch.push(r),
+                    Err(_) => break,
+                }
+            }
+            // A caller that gave up does not need its tokens.
+            batch.retain(|r| !r.reply.is_closed());
+            if batch.is_empty() {
+                continue;
+            }
+            self.batch_size.record(batch.len() as f64);
+            let mut invocation = self.script.prepare_invoke();
+            for r in &batch {
+                invocation.key(&r.key);
+            }
+            scripts::add_args(
+                &mut invocation,
+                &self.limit,
+                self.count,
+                self.period_us,
+                batch.iter().map(|r| r.cost),
+            );
+            let reply = tokio::time::timeout(
+                self.timeout,
+                invocation.invoke_async::<Vec<i64>>(&mut self.conn),
+            )
+            .await;
+            match reply {
+                Ok(Ok(v)) if v.len() == 5 * batch.len() => {
+                    for (r, chunk) in batch.drain(..).zip(v.chunks_exact(5)) {
+                        let _ = r.reply.send(Ok(decision_from(chunk)));
+                    }
+                }
+                other => {
+                    let error = match other {
+                        Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
+                            "unexpected reply from the gate script: {} values for {} requests",
+                            v.len(),
+                            batch.len()
+                        ))),
+                        Ok(Err(e)) => GateError::backend(e),
+                        Err(_) => GateError::Timeout(self.timeout),
+                    };
+                    for r in batch.drain(..) {
+                        let _ = r.reply.send(Err(error.clone()));
+                    }
+                }
+            }
+        }
+    }
+}

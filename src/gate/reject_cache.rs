@@ -1,0 +1,193 @@
+//! The local rejection cache: what Redis just rejected is rejected here until its
+//! `retry_after`, without a round trip.
+
+use std::collections::HashMap;
+use std::sync::PoisonError;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::decision::Decision;
+use crate::sync::Mutex;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// The smallest cost Redis rejected for this key...
+    cost: u32,
+    /// ...until this instant (measured from when the request was sent, so never later than
+    /// the server would admit it).
+    until: Instant,
+    /// The rejection, for the fields of cached answers.
+    decision: Decision,
+}
+
+/// Rejections Redis made, per key, with bounded memory.
+///
+/// Exact: after Redis rejects cost `c` for key `k` with `retry_after` T, any request of cost
+/// ≥ `c` for `k` before T would be rejected by Redis too — time is the only thing that
+/// makes room, and other callers only take it. T is counted from the moment the request was
+/// sent, which is no later than the script ran, so the cache never rejects something Redis
+/// would admit. When full, it stops caching (never wrong, only less useful).
+#[derive(Debug)]
+pub(crate) struct RejectCache {
+    entries: Mutex<HashMap<String, Entry>>,
+    capacity: usize,
+}
+
+impl RejectCache {
+    pub(crate) fn new(capacity: usize) -> RejectCache {
+        RejectCache {
+            entries: Mutex::new(HashMap::new()),
+            capacity,
+        }
+    }
+
+    /// A cached rejection for `cost` on `key` at `now`, if one applies.
+    pub(crate) fn check(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = *entries.get(key)?;
+        if now >= entry.until {
+            entries.remove(key);
+            return None;
+        }
+        if cost < entry.cost {
+            return None;
+        }
+        let mut d = entry.decision;
+        let left = entry.until - now;
+        d.retry_after = left;
+        d.reset_after = d
+            .reset_after
+            .saturating_sub(entry.decision.retry_after.saturating_sub(left));
+        Some(d)
+    }
+
+    /// Remember that Redis rejected `cost` on `key` for a request sent at `sent`.
+    pub(crate) fn rejected(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+        if self.capacity == 0 || decision.retry_after == Duration::ZERO {
+            return;
+        }
+        let until = sent + decision.retry_after;
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        if entries.len() >= self.capacity && !entries.contains_key(key) {
+            let now = Instant::now();
+            entries.retain(|_, e| e.until > now);
+            if entries.len() >= self.capacity {
+                return;
+            }
+        }
+        entries.insert(
+            key.to_owned(),
+            Entry {
+                cost,
+                until,
+                decision: *decision,
+            },
+        );
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.entries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use tokio::time::Instant;
+
+    use super::RejectCache;
+    use crate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow, TokenBucket};
+    use crate::{Quota, Rate};
+
+    /// Play Redis with a model on explicit time; feed the cache its rejections; whenever the
+    /// cache rejects, the model (on a copy, consuming nothing) must reject too.
+    fn never_rejects_what_the_model_admits<A: Algorithm + Clone>(
+        algorithm: A,
+        trace: &[(u64, u8, u32, bool)],
+    ) -> Result<(), TestCaseError> {
+        let origin = Instant::now();
+        let cache = RejectCache::new(4);
+        let mut models: Vec<Limiter<A>> = (0..6).map(|_| Limiter::new(algorithm.clone())).collect();
+        let mut t = 0u64;
+        for &(gap, key, cost, ask_cache_only) in trace {
+            t += gap;
+            let now = Duration::from_micros(t);
+            let at = origin + now;
+            let name = format!("k{key}");
+            let model = &mut models[usize::from(key)];
+            if cost as u64 > model.capacity() {
+                continue;
+            }
+            if let Some(cached) = cache.check(&name, cost, at) {
+                prop_assert!(!cached.allowed);
+                let mut probe = model.clone();
+                let truth = probe.check(now, cost).unwrap();
+                prop_assert!(
+                    !truth.allowed,
+                    "cache rejected cost {} on {} at {} but the model admits",
+                    cost,
+                    name,
+                    t
+                );
+                continue;
+            }
+            if ask_cache_only {
+                continue;
+            }
+            let d = model.check(now, cost).unwrap();
+            if !d.allowed {
+                cache.rejected(&name, cost, at, &d);
+            }
+        }
+        Ok(())
+    }
+
+    fn trace() -> impl Strategy<Value = Vec<(u64, u8, u32, bool)>> {
+        prop::collection::vec((0u64..40_000, 0u8..6, 1u32..4, any::<bool>()), 1..300)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        #[test]
+        fn token_bucket(tr in trace(), n in 1u32..6, burst in 1u32..6) {
+            let q = Quota::new(Rate::per(n, Duration::from_millis(100)).unwrap(), burst).unwrap();
+            never_rejects_what_the_model_admits(TokenBucket::new(q), &tr)?;
+        }
+
+        #[test]
+        fn windows(tr in trace(), n in 3u32..8) {
+            let r = Rate::per(n, Duration::from_millis(100)).unwrap();
+            never_rejects_what_the_model_admits(FixedWindow::new(r), &tr)?;
+            never_rejects_what_the_model_admits(SlidingLog::new(r), &tr)?;
+            never_rejects_what_the_model_admits(SlidingWindow::new(r), &tr)?;
+        }
+    }
+
+    #[test]
+    fn a_full_cache_stops_caching_instead_of_guessing() {
+        let cache = RejectCache::new(1);
+        let now = Instant::now();
+        let mut b = Limiter::new(TokenBucket::new(Quota::per_second(1).unwrap()));
+        b.check(Duration::ZERO, 1).unwrap();
+        let d = b.check(Duration::ZERO, 1).unwrap();
+        cache.rejected("a", 1, now, &d);
+        cache.rejected("b", 1, now, &d);
+        assert_eq!(cache.len(), 1);
+        assert!(cache.check("b", 1, now).is_none());
+        assert!(cache.check("a", 1, now).is_some());
+        assert!(
+            cache.check("a", 1, now + Duration::from_secs(1)).is_none(),
+            "expired"
+        );
+    }
+}

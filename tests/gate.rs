@@ -728,3 +728,48 @@ async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
         "{calls} Redis calls for {rejected} rejections"
     );
 }
+
+#[tokio::test]
+async fn acquire_all_is_all_or_nothing() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(100))
+        .build()
+        .await
+        .unwrap();
+    let per_hour = |n| Quota::per_hour(n).unwrap();
+    let layers = [
+        ("{t1}:ip", per_hour(5)),
+        ("{t1}:user", per_hour(3)),
+        ("{t1}:tenant", per_hour(10)),
+    ];
+    for i in 0..3 {
+        let ds = gate.acquire_all(&layers, 1).await.unwrap();
+        assert!(ds.iter().all(|d| d.allowed), "call {i}");
+    }
+    let ds = gate.acquire_all(&layers, 1).await.unwrap();
+    assert!(
+        ds.iter().all(|d| !d.allowed),
+        "the user layer is empty: nothing passes"
+    );
+    assert_eq!(
+        ds.iter().map(|d| d.remaining).collect::<Vec<_>>(),
+        [2, 0, 7]
+    );
+    assert!(ds[1].retry_after > Duration::ZERO && ds[0].retry_after == Duration::ZERO);
+    // No partial consumption: the IP and tenant layers still have 2 and 7.
+    let ip_only = gate.acquire_all(&layers[..1], 2).await.unwrap();
+    assert!(ip_only[0].allowed && ip_only[0].remaining == 0);
+    let tenant_only = gate.acquire_all(&layers[2..], 7).await.unwrap();
+    assert!(tenant_only[0].allowed && tenant_only[0].remaining == 0);
+    assert!(matches!(
+        gate.acquire_all(&layers, 4).await,
+        Err(GateError::InsufficientCapacity {
+            cost: 4,
+            capacity: 3
+        })
+    ));
+    assert!(matches!(
+        gate.acquire_all(&[], 1).await,
+        Err(GateError::InvalidKey(_))
+    ));
+}

@@ -39,5 +39,7 @@ pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 /// (with an explicit `now` argument). Production code goes through [`RedisGate`].
 #[cfg(feature = "redis")]
 pub mod lua {
-    pub use super::scripts::{FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET};
+    pub use super::scripts::{
+        FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET, TOKEN_BUCKET_ALL,
+    };
 }

@@ -18,6 +18,7 @@ use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
+use crate::rate::Quota;
 use crate::sync::{Arc, Mutex};
 
 /// What a [`RedisGate`] does when Redis fails or does not answer within the timeout.
@@ -87,6 +88,7 @@ struct Inner<C> {
     count: u64,
     period_us: u64,
     script: redis::Script,
+    all_script: redis::Script,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -268,6 +270,7 @@ where
                 count,
                 period_us,
                 script,
+                all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 policy: self.policy,
@@ -430,6 +433,84 @@ where
             .latency
             .record(started.elapsed().as_secs_f64());
         result
+    }
+
+    /// All-or-nothing across several limits in one atomic script: admitted only if every
+    /// `(key, quota)` token bucket has room for `cost`, and then charged on all of them;
+    /// otherwise nothing is charged anywhere (layered throttling: IP + user + tenant).
+    /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
+    /// the limits that blocked have a non-zero `retry_after`.
+    ///
+    /// Not batched, not cached; the gate's own limit and prefix are not used (keys are taken
+    /// as given). On Redis Cluster the keys must share a hash slot: use a hash tag, e.g.
+    /// `{tenant-42}:ip:10.0.0.1` and `{tenant-42}:user:7`.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::InvalidKey`], [`GateError::ZeroCost`], [`GateError::InsufficientCapacity`]
+    /// (cost above some burst) before Redis is called; [`GateError::Backend`] /
+    /// [`GateError::Timeout`] (the failure policy applies: `Open` admits, `Closed` rejects,
+    /// `Error` and `Fallback` return the error); a CROSSSLOT error from a cluster is a
+    /// `Backend` error.
+    pub async fn acquire_all(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Result<Vec<Decision>, GateError> {
+        if limits.is_empty() {
+            return Err(GateError::InvalidKey("no limits given"));
+        }
+        if cost == 0 {
+            return Err(GateError::ZeroCost);
+        }
+        let mut invocation = self.inner.all_script.prepare_invoke();
+        invocation.arg("").arg(cost);
+        for (key, quota) in limits {
+            check_key(key)?;
+            let capacity = u64::from(quota.burst_size());
+            if u64::from(cost) > capacity {
+                return Err(GateError::InsufficientCapacity { cost, capacity });
+            }
+            let (count, period_us) = Limit::TokenBucket(*quota).redis_params().map_err(|_| {
+                GateError::InvalidKey("a quota cannot be computed exactly in Redis")
+            })?;
+            invocation
+                .key(*key)
+                .arg(count)
+                .arg(period_us)
+                .arg(quota.burst_size());
+        }
+        let mut conn = self.inner.conn.clone();
+        let reply = tokio::time::timeout(
+            self.inner.timeout,
+            invocation.invoke_async::<Vec<i64>>(&mut conn),
+        )
+        .await;
+        let error = match reply {
+            Ok(Ok(v)) if v.len() == 5 * limits.len() => {
+                self.healthy();
+                return Ok(v.chunks_exact(5).map(decision_from).collect());
+            }
+            Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
+                "unexpected reply from the multi-limit script: {v:?}"
+            ))),
+            Ok(Err(e)) => GateError::backend(e),
+            Err(_) => GateError::Timeout(self.inner.timeout),
+        };
+        self.inner.metrics.failures.increment(1);
+        let until_probe = self.degraded(&error);
+        let one = |allowed: bool, q: &Quota| {
+            if allowed {
+                Decision::admitted_without_limit()
+            } else {
+                Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
+            }
+        };
+        match self.inner.policy {
+            FailurePolicy::Open => Ok(limits.iter().map(|(_, q)| one(true, q)).collect()),
+            FailurePolicy::Closed => Ok(limits.iter().map(|(_, q)| one(false, q)).collect()),
+            _ => Err(error),
+        }
     }
 
     /// Keys held by the local rejection cache.

@@ -1,5 +1,6 @@
 //! Natural batching: concurrent decisions share one script call.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -9,6 +10,7 @@ use crate::decision::Decision;
 use crate::gate::error::{BackendMessage, GateError};
 use crate::gate::limit::Limit;
 use crate::gate::scripts;
+use crate::gate::slot::slot;
 use crate::metrics::Histogram;
 
 /// One decision waiting for its batch.
@@ -29,6 +31,8 @@ pub(crate) struct Driver<C> {
     pub(crate) timeout: Duration,
     pub(crate) max_batch: usize,
     pub(crate) batch_size: Histogram,
+    /// Redis Cluster: one script call per hash slot of the batch.
+    pub(crate) cluster: bool,
 }
 
 /// Turn a script reply of 5 integers into a decision.
@@ -46,10 +50,48 @@ impl<C> Driver<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    /// Decide `batch` in one script call and answer every request.
+    async fn call(&self, conn: &mut C, batch: Vec<Request>) {
+        let mut invocation = self.script.prepare_invoke();
+        for r in &batch {
+            invocation.key(&r.key);
+        }
+        scripts::add_args(
+            &mut invocation,
+            &self.limit,
+            self.count,
+            self.period_us,
+            batch.iter().map(|r| r.cost),
+        );
+        let reply =
+            tokio::time::timeout(self.timeout, invocation.invoke_async::<Vec<i64>>(conn)).await;
+        match reply {
+            Ok(Ok(v)) if v.len() == 5 * batch.len() => {
+                for (r, chunk) in batch.into_iter().zip(v.chunks_exact(5)) {
+                    let _ = r.reply.send(Ok(decision_from(chunk)));
+                }
+            }
+            other => {
+                let error = match other {
+                    Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
+                        "unexpected reply from the gate script: {} values for {} requests",
+                        v.len(),
+                        batch.len()
+                    ))),
+                    Ok(Err(e)) => GateError::backend(e),
+                    Err(_) => GateError::Timeout(self.timeout),
+                };
+                for r in batch {
+                    let _ = r.reply.send(Err(error.clone()));
+                }
+            }
+        }
+    }
+
     /// Take whatever is queued (up to `max_batch`), decide it in one script call, answer
     /// everyone, repeat. While a call is in flight the next batch fills: no added latency
     /// at low load, large batches at high load.
-    pub(crate) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Request>) {
         let mut batch = Vec::with_capacity(self.max_batch);
         while let Some(first) = rx.recv().await {
             batch.push(first);
@@ -65,42 +107,20 @@ where
                 continue;
             }
             self.batch_size.record(batch.len() as f64);
-            let mut invocation = self.script.prepare_invoke();
-            for r in &batch {
-                invocation.key(&r.key);
-            }
-            scripts::add_args(
-                &mut invocation,
-                &self.limit,
-                self.count,
-                self.period_us,
-                batch.iter().map(|r| r.cost),
-            );
-            let reply = tokio::time::timeout(
-                self.timeout,
-                invocation.invoke_async::<Vec<i64>>(&mut self.conn),
-            )
-            .await;
-            match reply {
-                Ok(Ok(v)) if v.len() == 5 * batch.len() => {
-                    for (r, chunk) in batch.drain(..).zip(v.chunks_exact(5)) {
-                        let _ = r.reply.send(Ok(decision_from(chunk)));
-                    }
+            if self.cluster && batch.len() > 1 {
+                let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
+                for r in batch.drain(..) {
+                    groups.entry(slot(r.key.as_bytes())).or_default().push(r);
                 }
-                other => {
-                    let error = match other {
-                        Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
-                            "unexpected reply from the gate script: {} values for {} requests",
-                            v.len(),
-                            batch.len()
-                        ))),
-                        Ok(Err(e)) => GateError::backend(e),
-                        Err(_) => GateError::Timeout(self.timeout),
-                    };
-                    for r in batch.drain(..) {
-                        let _ = r.reply.send(Err(error.clone()));
-                    }
-                }
+                let calls = groups.into_values().map(|group| {
+                    let mut conn = self.conn.clone();
+                    let this = &self;
+                    async move { this.call(&mut conn, group).await }
+                });
+                futures::future::join_all(calls).await;
+            } else {
+                let mut conn = self.conn.clone();
+                self.call(&mut conn, std::mem::take(&mut batch)).await;
             }
         }
     }

@@ -26,6 +26,8 @@ mod redis_gate;
 mod reject_cache;
 #[cfg(feature = "redis")]
 mod scripts;
+#[cfg(feature = "redis")]
+mod slot;
 
 pub use api::{Gate, GateFuture};
 pub use error::GateError;

@@ -17,6 +17,7 @@ use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
+use crate::gate::slot::slot;
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::rate::Quota;
 use crate::sync::{Arc, Mutex};
@@ -89,6 +90,7 @@ struct Inner<C> {
     period_us: u64,
     script: redis::Script,
     all_script: redis::Script,
+    cluster: bool,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -162,6 +164,7 @@ pub struct RedisGateBuilder<C> {
     limit: Limit,
     batch_size: usize,
     reject_cache: usize,
+    cluster: bool,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -211,6 +214,17 @@ where
         self
     }
 
+    /// The connection is a Redis Cluster connection
+    /// (`redis::cluster_async::ClusterConnection`): batches are split per hash slot, one
+    /// script call per slot, and `acquire_all` checks that its keys share a slot.
+    ///
+    /// Name keys so that what must be decided together shares a slot, with a hash tag:
+    /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
+    pub fn cluster(mut self, cluster: bool) -> Self {
+        self.cluster = cluster;
+        self
+    }
+
     /// How many keys the local rejection cache holds (default 10 000; `0` turns it off).
     pub fn reject_cache(mut self, keys: usize) -> Self {
         self.reject_cache = keys;
@@ -257,6 +271,7 @@ where
                 timeout: self.timeout,
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
+                cluster: self.cluster,
             };
             tokio::spawn(driver.run(rx));
             tx
@@ -271,6 +286,7 @@ where
                 period_us,
                 script,
                 all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
+                cluster: self.cluster,
                 prefix: self.prefix,
                 timeout: self.timeout,
                 policy: self.policy,
@@ -304,6 +320,7 @@ where
             limit,
             batch_size: 128,
             reject_cache: 10_000,
+            cluster: false,
             prefix: "flowgate:".into(),
             timeout: Duration::from_millis(50),
             policy: FailurePolicy::Error,
@@ -462,6 +479,15 @@ where
         }
         if cost == 0 {
             return Err(GateError::ZeroCost);
+        }
+        if self.inner.cluster {
+            let first = slot(limits[0].0.as_bytes());
+            if limits.iter().any(|(k, _)| slot(k.as_bytes()) != first) {
+                return Err(GateError::InvalidKey(
+                    "on Redis Cluster the keys of acquire_all must share a hash slot: \
+                     give them the same {hash tag}",
+                ));
+            }
         }
         let mut invocation = self.inner.all_script.prepare_invoke();
         invocation.arg("").arg(cost);

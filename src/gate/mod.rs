@@ -18,6 +18,8 @@ mod api;
 mod batch;
 mod error;
 mod gated;
+#[cfg(feature = "redis")]
+mod lease;
 mod limit;
 mod memory;
 #[cfg(feature = "redis")]
@@ -43,5 +45,6 @@ pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 pub mod lua {
     pub use super::scripts::{
         FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET, TOKEN_BUCKET_ALL,
+        TOKEN_BUCKET_LEASE,
     };
 }

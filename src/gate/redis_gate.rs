@@ -9,10 +9,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::decision::Decision;
-use crate::error::ConfigError;
+use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::batch::{Driver, Request, decision_from};
 use crate::gate::error::{BackendMessage, GateError, check_key};
+use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
@@ -91,6 +92,8 @@ struct Inner<C> {
     script: redis::Script,
     all_script: redis::Script,
     cluster: bool,
+    leases: Option<Leases>,
+    lease_script: redis::Script,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -165,6 +168,8 @@ pub struct RedisGateBuilder<C> {
     batch_size: usize,
     reject_cache: usize,
     cluster: bool,
+    lease: u32,
+    lease_ttl: Duration,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -225,6 +230,24 @@ where
         self
     }
 
+    /// Token leases (token bucket only; off by default): when a key has no local tokens, take
+    /// up to `n` from Redis in one call — debited there before any is used, so the fleet can
+    /// never over-admit — and serve the next requests for that key locally.
+    ///
+    /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key that
+    /// no other instance can use, and tokens unused after `lease_ttl` are lost. Decisions
+    /// served from a lease report the lease's remaining tokens. `0` or `1` turns leases off.
+    pub fn lease(mut self, n: u32) -> Self {
+        self.lease = n;
+        self
+    }
+
+    /// How long leased tokens may be spent locally (default 1 s).
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
     /// How many keys the local rejection cache holds (default 10 000; `0` turns it off).
     pub fn reject_cache(mut self, keys: usize) -> Self {
         self.reject_cache = keys;
@@ -250,6 +273,21 @@ where
         if self.batch_size == 0 {
             return Err(ConfigError::zero("gate.batch_size"));
         }
+        let leases = match (self.lease > 1, &self.limit) {
+            (false, _) => None,
+            (true, Limit::TokenBucket(_)) => Some(Leases::new(
+                self.lease,
+                self.lease_ttl,
+                self.reject_cache.max(1_000),
+            )),
+            (true, _) => {
+                return Err(ConfigError::new(
+                    "gate.lease",
+                    ConfigErrorKind::Inconsistent,
+                    "token leases need a token bucket limit",
+                ));
+            }
+        };
         let script = redis::Script::new(scripts::source(&self.limit));
         let mut conn = self.conn.clone();
         let _ = tokio::time::timeout(
@@ -287,6 +325,8 @@ where
                 script,
                 all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
                 cluster: self.cluster,
+                leases,
+                lease_script: redis::Script::new(scripts::TOKEN_BUCKET_LEASE),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 policy: self.policy,
@@ -321,6 +361,8 @@ where
             batch_size: 128,
             reject_cache: 10_000,
             cluster: false,
+            lease: 0,
+            lease_ttl: Duration::from_secs(1),
             prefix: "flowgate:".into(),
             timeout: Duration::from_millis(50),
             policy: FailurePolicy::Error,
@@ -362,6 +404,10 @@ where
             inner.metrics.cached.increment(1);
             return Ok(decision);
         }
+        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
+            inner.metrics.allowed.increment(1);
+            return Ok(decision);
+        }
         // While degraded, only one call per probe interval goes to Redis.
         {
             let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
@@ -376,7 +422,10 @@ where
                 };
             }
         }
-        let reply = self.decide(key, cost).await;
+        let reply = match &inner.leases {
+            Some(leases) => self.decide_lease(leases, key, cost).await,
+            None => self.decide(key, cost).await,
+        };
         let error = match reply {
             Ok(decision) => {
                 self.healthy();
@@ -536,6 +585,62 @@ where
             FailurePolicy::Open => Ok(limits.iter().map(|(_, q)| one(true, q)).collect()),
             FailurePolicy::Closed => Ok(limits.iter().map(|(_, q)| one(false, q)).collect()),
             _ => Err(error),
+        }
+    }
+
+    /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
+    async fn decide_lease(
+        &self,
+        leases: &Leases,
+        key: &str,
+        cost: u32,
+    ) -> Result<Decision, GateError> {
+        let inner = &*self.inner;
+        let Limit::TokenBucket(quota) = inner.limit else {
+            // Leases are only built for token buckets.
+            return self.decide(key, cost).await;
+        };
+        let started = Instant::now();
+        let mut conn = inner.conn.clone();
+        let mut invocation = inner.lease_script.key(self.redis_key(key));
+        invocation
+            .arg(inner.count)
+            .arg(inner.period_us)
+            .arg(quota.burst_size())
+            .arg("")
+            .arg(cost)
+            .arg(leases.size.max(cost));
+        let reply = tokio::time::timeout(
+            inner.timeout,
+            invocation.invoke_async::<Vec<i64>>(&mut conn),
+        )
+        .await;
+        inner
+            .metrics
+            .latency
+            .record(started.elapsed().as_secs_f64());
+        match reply {
+            Ok(Ok(r)) if r.len() == 5 => {
+                let granted = u32::try_from(r[0]).unwrap_or(0);
+                if granted >= cost {
+                    let limit = u64::from(quota.burst_size());
+                    leases.keep(key, granted - cost, limit, started);
+                    Ok(decision_from(&[
+                        1,
+                        r[1],
+                        r[2] + i64::from(granted - cost),
+                        0,
+                        r[4],
+                    ]))
+                } else {
+                    Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]))
+                }
+            }
+            Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
+                "unexpected reply from the lease script: {r:?}"
+            )))),
+            Ok(Err(e)) => Err(GateError::backend(e)),
+            Err(_) => Err(GateError::Timeout(inner.timeout)),
         }
     }
 

@@ -10,6 +10,8 @@ pub const FIXED_WINDOW: &str = include_str!("../../lua/fixed_window.lua");
 pub const SLIDING_LOG: &str = include_str!("../../lua/sliding_log.lua");
 /// `lua/token_bucket_all.lua`: all-or-nothing across several token buckets.
 pub const TOKEN_BUCKET_ALL: &str = include_str!("../../lua/token_bucket_all.lua");
+/// `lua/token_bucket_lease.lua`: take up to n tokens at once.
+pub const TOKEN_BUCKET_LEASE: &str = include_str!("../../lua/token_bucket_lease.lua");
 /// `lua/sliding_window.lua`.
 pub const SLIDING_WINDOW: &str = include_str!("../../lua/sliding_window.lua");
 

@@ -71,3 +71,18 @@ pub fn print_throughput(group: &str, elements: u64, benches: &[&str]) {
         }
     }
 }
+
+/// As [`median_ns`], but only if criterion wrote the estimate at or after `since` (e.g. the
+/// start of this run), so a bench filtered out of this run does not report an old median.
+pub fn median_ns_since(group: &str, bench: &str, since: std::time::SystemTime) -> Option<f64> {
+    let path = criterion_dir()
+        .join(sanitize(group))
+        .join(sanitize(bench))
+        .join("new")
+        .join("estimates.json");
+    let modified = std::fs::metadata(path).ok()?.modified().ok()?;
+    if modified < since {
+        return None;
+    }
+    median_ns(group, bench)
+}

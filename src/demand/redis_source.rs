@@ -155,8 +155,13 @@ struct Batch {
 ///   the next fetch. Nothing is acknowledged before the application says so: at-least-once.
 ///
 /// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
-/// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`). Use it
-/// with [`prefetch`](crate::demand::prefetch).
+/// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`). Give the
+/// source a connection of its own: a blocking read holds up every other command multiplexed
+/// on the same connection for up to `block`. Use it with
+/// [`prefetch`](crate::demand::prefetch).
+///
+/// Ids of claimed entries are older than the new ones already seen: track them apart (or
+/// ack them directly) rather than in the same [`CommitTracker`](crate::demand::CommitTracker).
 pub struct RedisStreamSource<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -203,7 +208,11 @@ impl<C> RedisStreamSourceBuilder<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// How long a read waits for new entries (default 1 s; `XREADGROUP BLOCK`).
+    /// How long a read waits for new entries (default 250 ms; `XREADGROUP BLOCK`).
+    ///
+    /// Keep it below the connection's response timeout (redis-rs: 500 ms by default), or
+    /// idle reads fail with a timeout — and an entry Redis hands out in a read the client has
+    /// already abandoned stays pending until it is claimed after `min_idle`.
     pub fn block(mut self, block: Duration) -> Self {
         self.block = block;
         self
@@ -294,7 +303,7 @@ where
             key: key.into(),
             group: group.into(),
             consumer: consumer.into(),
-            block: Duration::from_secs(1),
+            block: Duration::from_millis(250),
             min_idle: Duration::from_secs(30),
             claim_every: Duration::from_secs(5),
             start: StartFrom::Beginning,

@@ -79,7 +79,7 @@ impl<S: Stream> BatchSource for StreamSource<S> {
         max: usize,
     ) -> Fetched<S::Item, Self::Error> {
         let mut stream = self.project().stream;
-        let mut batch = Vec::new();
+        let mut batch = Vec::with_capacity(max.min(1024));
         while batch.len() < max {
             match stream.as_mut().poll_next(cx) {
                 Poll::Ready(Some(item)) => batch.push(item),
@@ -240,8 +240,8 @@ impl<S: BatchSource> Stream for Prefetch<S> {
                     Poll::Pending => {}
                 }
             }
+            // The gauge is updated when a batch lands, not per item (cheap hot path).
             if let Some(item) = this.buffer.pop_front() {
-                this.buffered.set(this.buffer.len() as f64);
                 return Poll::Ready(Some(Ok(item)));
             }
             if let Some(e) = this.error.take() {

@@ -1,0 +1,266 @@
+//! A Kafka-style consumer loop: a batch source read by demand (`prefetch`), a pool of workers
+//! behind a bulkhead (`bulkhead_map_unordered`; simulated work of 1–4 ms that fails 5 % of
+//! attempts and is retried), and a `CommitTracker` that commits only the contiguous prefix of
+//! finished offsets while work completes out of order.
+//!
+//! - By default the source is in memory: a `BatchSource` over numbered offsets of one
+//!   partition, returning at most what `prefetch` asks for after a short poll delay.
+//! - With `REDIS_URL` set, the source is a Redis Streams consumer group (`RedisStreamSource`)
+//!   on a fresh stream key (deleted at the end): every entry is acked when done and the entry
+//!   ids are the offsets. Consumer `c1` abandons a few entries without acking them (as if
+//!   their worker had crashed); consumer `c2` claims them once idle (`XAUTOCLAIM`) and
+//!   finishes them: a redelivery, at-least-once.
+//!
+//! ```text
+//! cargo run --example consumer_loop
+//! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example consumer_loop
+//! ```
+
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use flowgate::FlowStreamExt;
+use flowgate::bulkhead::Bulkhead;
+use flowgate::demand::{
+    BatchSource, CommitTracker, Fetched, RedisStreamSource, StreamEntry, prefetch,
+};
+use futures::StreamExt;
+use tokio::time::{sleep, timeout};
+
+type Error = Box<dyn std::error::Error>;
+
+const WORKERS: usize = 32;
+const FAIL_PERCENT: u64 = 5;
+const MAX_ATTEMPTS: u64 = 5;
+
+/// splitmix64 of `(key, attempt)`: the same "random" run every time.
+fn mix(key: u64, attempt: u64) -> u64 {
+    let mut z = key ^ attempt.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The simulated work for item `key`: 1–4 ms, retried on failure. Returns the retries used,
+/// or `None` if every attempt failed.
+async fn work(key: u64) -> Option<u64> {
+    for attempt in 0..MAX_ATTEMPTS {
+        let r = mix(key, attempt);
+        sleep(Duration::from_micros(1_000 + r % 3_000)).await;
+        if r % 100 >= FAIL_PERCENT {
+            return Some(attempt);
+        }
+    }
+    None
+}
+
+/// One partition of numbered offsets: each poll returns `max` of them (as a Kafka poll would).
+struct Partition {
+    next: u64,
+    end: u64,
+}
+
+impl BatchSource for Partition {
+    type Item = u64;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        max: usize,
+    ) -> Fetched<u64, Self::Error> {
+        if self.next >= self.end {
+            return Poll::Ready(None);
+        }
+        let n = (max as u64).min(self.end - self.next);
+        self.next += n;
+        Poll::Ready(Some(Ok((self.next - n..self.next).collect())))
+    }
+}
+
+async fn in_memory() -> Result<(), Error> {
+    const OFFSETS: u64 = 10_000;
+    let tracker = CommitTracker::new();
+    let source = Partition {
+        next: 0,
+        end: OFFSETS,
+    };
+    let t = tracker.clone();
+    // Tokens are taken in offset order, as items leave the source; work completes in any order.
+    let mut done = pin!(prefetch(source, 256, 64)?.bulkhead_map_unordered(
+        Bulkhead::new(WORKERS)?,
+        move |r| {
+            let offset = r.unwrap_or_else(|never| match never {});
+            let token = t.track(offset).expect("offsets increase");
+            async move { (token, work(offset).await) }
+        }
+    ));
+    let (mut processed, mut retries, mut gave_up) = (0u64, 0, 0);
+    while let Some((token, outcome)) = done.next().await {
+        let Some(r) = outcome else {
+            gave_up += 1; // the token is dropped: nothing from its offset on is committed
+            continue;
+        };
+        (processed, retries) = (processed + 1, retries + r);
+        let offset = token.offset();
+        token.done();
+        if processed % 2_000 == 0 {
+            println!(
+                "processed {processed:>5}  (last finished {offset:>5})  committable {:?}  not yet committable {}",
+                tracker.committable(),
+                tracker.pending()
+            );
+        }
+    }
+    let committed = tracker.committable().map_or(0, |o| o + 1);
+    println!(
+        "\nin memory: {OFFSETS} offsets, processed {processed}, retries {retries}, gave up {gave_up}"
+    );
+    println!(
+        "committed {committed} offsets (Kafka would commit next offset {committed}); redelivered 0"
+    );
+    Ok(())
+}
+
+/// `ms-seq` as one increasing number, for the `CommitTracker` (and back, for printing).
+fn offset_of(id: &str) -> u64 {
+    let (ms, seq) = id.split_once('-').expect("a stream id");
+    (ms.parse::<u64>().expect("ms") << 20) | seq.parse::<u64>().expect("seq")
+}
+
+fn id_of(offset: Option<u64>) -> String {
+    offset.map_or("none".into(), |o| format!("{}-{}", o >> 20, o & 0xF_FFFF))
+}
+
+async fn redis_streams(url: &str) -> Result<(), Error> {
+    const ENTRIES: u64 = 1_000;
+    let mut con = redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    let key = format!(
+        "flowgate:consumer_loop:{}:{}",
+        std::process::id(),
+        now.as_nanos()
+    );
+    let result = consume(&mut con, &key, ENTRIES).await;
+    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut con).await?;
+    println!("deleted stream {key}");
+    result
+}
+
+async fn consume(
+    con: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    entries: u64,
+) -> Result<(), Error> {
+    const GROUP: &str = "consumer-loop";
+    let c1 = RedisStreamSource::builder(con.clone(), key, GROUP, "c1")
+        .block(Duration::from_millis(100))
+        .build()
+        .await?;
+    let mut pipe = redis::pipe();
+    for n in 0..entries {
+        pipe.cmd("XADD").arg(key).arg("*").arg("n").arg(n).ignore();
+    }
+    pipe.query_async::<()>(con).await?;
+    println!("produced {entries} entries on {key}");
+
+    let tracker = CommitTracker::new();
+    let t = tracker.clone();
+    let mut done = pin!(prefetch(c1, 64, 16)?.bulkhead_map_unordered(
+        Bulkhead::new(WORKERS)?,
+        move |r| {
+            // Tracked as entries leave the source (in id order); a fetch error passes through.
+            let tracked = r.and_then(|entry: StreamEntry| {
+                let token = t
+                    .track(offset_of(&entry.id))
+                    .expect("new entries come in id order");
+                Ok((entry.get::<u64>("n")?, entry, token))
+            });
+            async move {
+                let (n, entry, token) = tracked?;
+                Ok::<_, redis::RedisError>((entry, token, n, work(n).await))
+            }
+        }
+    ));
+    let (mut processed, mut abandoned) = (0u64, 0u64);
+    for i in 1..=entries {
+        let (entry, token, n, outcome) = done.next().await.expect("endless")?;
+        // Entries 17, 267, 517, 767: the worker "crashes" after the work, before the ack.
+        if n % 250 == 17 || outcome.is_none() {
+            abandoned += 1;
+            continue; // Ack and token dropped: pending in Redis, and a gap in the commits
+        }
+        processed += 1;
+        entry.ack.ack();
+        token.done();
+        if i % 200 == 0 {
+            println!(
+                "c1: processed {processed:>4}  committable up to {}  not yet committable {}",
+                id_of(tracker.committable()),
+                tracker.pending()
+            );
+        }
+    }
+    done.as_mut()
+        .get_pin_mut()
+        .get_pin_mut()
+        .get_mut()
+        .flush_acks()
+        .await?;
+    println!(
+        "c1: stops with {abandoned} entries unacked; it may commit up to {} only",
+        id_of(tracker.committable())
+    );
+
+    // A second consumer claims what c1 left pending once it has been idle for 200 ms.
+    let c2 = RedisStreamSource::builder(con.clone(), key, GROUP, "c2")
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_millis(200))
+        .claim_every(Duration::from_millis(50))
+        .build()
+        .await?;
+    let mut stream = Box::pin(prefetch(c2, 64, 16)?);
+    let mut redelivered = 0u64;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while redelivered < abandoned && Instant::now() < deadline {
+        let Ok(Some(entry)) = timeout(Duration::from_millis(100), stream.next()).await else {
+            continue;
+        };
+        let entry = entry?;
+        let n: u64 = entry.get("n")?;
+        while work(n ^ 0xC2).await.is_none() {}
+        println!(
+            "c2: {:?} entry {} (n = {n}) processed and acked",
+            entry.origin, entry.id
+        );
+        entry.ack.ack();
+        redelivered += 1;
+    }
+    stream.as_mut().get_pin_mut().get_mut().flush_acks().await?;
+    type Summary = (u64, redis::Value, redis::Value, redis::Value);
+    let (pending, ..): Summary = redis::cmd("XPENDING")
+        .arg(key)
+        .arg(GROUP)
+        .query_async(con)
+        .await?;
+    println!(
+        "\nredis: {entries} entries; processed and acked {} ({processed} by c1, {redelivered} \
+     redelivered to c2); still pending {pending}",
+        processed + redelivered
+    );
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Error> {
+    let start = Instant::now();
+    match std::env::var("REDIS_URL") {
+        Ok(url) => redis_streams(&url).await?,
+        Err(_) => in_memory().await?,
+    }
+    println!("done in {:.2?}", start.elapsed());
+    Ok(())
+}

@@ -1,0 +1,158 @@
+//! Several processes sharing one limit through Redis: admitted counts against the bound.
+//!
+//! Run with a Redis server at `REDIS_URL` (default `redis://127.0.0.1:6379/`):
+//!
+//! ```text
+//! redis-server --save "" --appendonly no &      # if none is running
+//! cargo run --example distributed
+//! REDIS_URL=redis://10.0.0.5:6379/ cargo run --example distributed
+//! ```
+//!
+//! The parent spawns 4 copies of itself (`distributed worker <prefix> <start_ms>`); each runs
+//! 8 tasks hammering one shared key for 3 s through a `RedisGate` (token bucket 200/s,
+//! burst 50) and prints its admitted count and the wall-clock span of its admissions. The
+//! parent adds them up: however many processes ask, together they get at most
+//! `burst + rate × span` (the span is measured on this machine's clock, so with Redis on
+//! another host allow for the clock difference). An in-memory limiter in each process would
+//! have let each of them through up to that much on its own. (Most rejections never reach
+//! Redis: the gate's local rejection cache answers them until the `retry_after` Redis gave.)
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use flowgate::Quota;
+use flowgate::gate::{Gate, Limit, RedisGate};
+
+const WORKERS: usize = 4;
+const TASKS: usize = 8;
+const RATE: u32 = 200;
+const BURST: u32 = 50;
+const RUN: Duration = Duration::from_secs(3);
+const KEY: &str = "shared";
+
+fn epoch_us() -> u64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    since.as_micros() as u64
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let client = redis::Client::open(url.as_str())?;
+    let con = match client.get_multiplexed_async_connection().await {
+        Ok(con) => con,
+        Err(e) => no_redis(&url, &e),
+    };
+    if let [mode, prefix, start_ms] = args.as_slice()
+        && mode == "worker"
+    {
+        return worker(con, prefix, start_ms.parse()?).await;
+    }
+
+    // A fresh prefix: earlier runs (or other users of this Redis) do not interfere.
+    let prefix = format!("flowgate-example:{}-{}:", std::process::id(), epoch_us());
+    let start_ms = epoch_us() / 1_000 + 1_000; // time for the workers to start
+    println!(
+        "{WORKERS} processes x {TASKS} tasks, one key, token bucket {RATE}/s burst {BURST}, {RUN:?}, via {url}"
+    );
+    let children = (0..WORKERS)
+        .map(|_| {
+            Command::new(std::env::current_exe()?)
+                .args(["worker", &prefix, &start_ms.to_string()])
+                .env("REDIS_URL", &url)
+                .stdout(Stdio::piped())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (mut total, mut first, mut last) = (0, u64::MAX, 0);
+    for (i, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let Some(line) = text.lines().find_map(|l| l.strip_prefix("ADMITTED ")) else {
+            return Err(format!("worker {i} printed no count ({}): {text}", out.status).into());
+        };
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        let Ok([pid, n, decisions, errors, f, l]) = <[u64; 6]>::try_from(fields) else {
+            return Err(format!("worker {i}: unexpected line {line:?}").into());
+        };
+        println!(
+            "  worker {i} (pid {pid}): admitted {n:>4} of {decisions:>6} decisions, {errors} errors"
+        );
+        (total, first, last) = (total + n, first.min(f), last.max(l));
+    }
+    let span_us = last.saturating_sub(first);
+    let bound = u64::from(BURST) + (u64::from(RATE) * span_us).div_ceil(1_000_000);
+    println!("total admitted: {total} in {:.3} s", span_us as f64 / 1e6);
+    println!(
+        "bound: burst + rate x span = {BURST} + {RATE}/s x {:.3} s = {bound} ({})",
+        span_us as f64 / 1e6,
+        if total <= bound { "held" } else { "EXCEEDED" }
+    );
+    println!(
+        "an in-memory limiter per process would have allowed up to {WORKERS} x {bound} = {}",
+        WORKERS as u64 * bound
+    );
+    Ok(()) // the key expires by itself once the bucket is full again
+}
+
+fn no_redis(url: &str, e: &redis::RedisError) -> ! {
+    eprintln!("cannot connect to Redis at {url}: {e}");
+    eprintln!("start one: `redis-server --save \"\" --appendonly no &`, or set REDIS_URL");
+    std::process::exit(1);
+}
+
+/// One fleet member: `TASKS` tasks on one key until the common deadline.
+async fn worker(
+    con: redis::aio::MultiplexedConnection,
+    prefix: &str,
+    start_ms: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let limit = Limit::TokenBucket(Quota::per_second(RATE)?.burst(BURST)?);
+    let gate = RedisGate::builder(con, limit)
+        .prefix(prefix)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .await?;
+    tokio::time::sleep(Duration::from_millis(
+        start_ms.saturating_sub(epoch_us() / 1_000),
+    ))
+    .await;
+    let deadline = tokio::time::Instant::now() + RUN;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                // Admitted, decisions, errors, and the wall-clock span holding the admissions.
+                let (mut n, mut decisions, mut errors, mut first, mut last) =
+                    (0, 0, 0, u64::MAX, 0);
+                while tokio::time::Instant::now() < deadline {
+                    let before = epoch_us();
+                    decisions += 1;
+                    match gate.acquire(KEY, 1).await {
+                        Ok(d) if d.allowed => {
+                            (n, first, last) = (n + 1, first.min(before), epoch_us())
+                        }
+                        // Rejections the gate answers from its local cache complete at once: yield.
+                        Ok(_) => tokio::task::yield_now().await,
+                        Err(_) => errors += 1,
+                    }
+                }
+                (n, decisions, errors, first, last)
+            })
+        })
+        .collect();
+    let mut sum = (0u64, 0u64, 0u64, u64::MAX, 0u64);
+    for task in tasks {
+        let (n, d, e, f, l) = task.await?;
+        sum = (sum.0 + n, sum.1 + d, sum.2 + e, sum.3.min(f), sum.4.max(l));
+    }
+    let (n, d, e, f, l) = sum;
+    println!("ADMITTED {} {n} {d} {e} {f} {l}", std::process::id());
+    Ok(())
+}

@@ -167,6 +167,13 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
         .build()
         .await
         .expect("RedisGate");
+    let leased = RedisGate::builder(connect(&client).await, limit)
+        .prefix("fgl:")
+        .timeout(Duration::from_secs(2))
+        .lease(16)
+        .build()
+        .await
+        .expect("RedisGate");
     let plain = Plain {
         conn: connect(&client).await,
         script: redis::Script::new(PLAIN_TOKEN_BUCKET),
@@ -175,6 +182,7 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
     let imps = [
         ("flowgate", Arc::new(Imp::Flowgate(flowgate))),
         ("flowgate b=1", Arc::new(Imp::Flowgate(unbatched))),
+        ("flowgate lease16", Arc::new(Imp::Flowgate(leased))),
         ("plain", Arc::new(Imp::Plain(plain))),
         ("memory", Arc::new(Imp::Memory(memory))),
     ];
@@ -206,7 +214,52 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
         }
     }
     query(&mut admin, &redis::cmd("FLUSHALL")).await;
+    hot_key(&client, &mut admin, run).await;
     rows
+}
+
+/// Hot-key abuse: 64 callers on one key far over its limit (10/s). With the rejection cache,
+/// how many script calls does each rejected acquire cost?
+async fn hot_key(client: &redis::Client, admin: &mut MultiplexedConnection, run: Duration) {
+    let limit = Limit::TokenBucket(Quota::per_second(10).expect("quota"));
+    let gate = RedisGate::builder(connect(client).await, limit)
+        .prefix("hot:")
+        .timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .expect("RedisGate");
+    query(admin, redis::cmd("CONFIG").arg("RESETSTAT")).await;
+    let deadline = Instant::now() + run;
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                let (mut admitted, mut rejected) = (0u64, 0u64);
+                while Instant::now() < deadline {
+                    match gate.acquire("abuser", 1).await {
+                        Ok(d) if d.allowed => admitted += 1,
+                        Ok(_) => rejected += 1,
+                        Err(_) => {}
+                    }
+                    tokio::task::yield_now().await;
+                }
+                (admitted, rejected)
+            })
+        })
+        .collect();
+    let (mut admitted, mut rejected) = (0u64, 0u64);
+    for t in tasks {
+        let (a, r) = t.await.expect("a caller panicked");
+        admitted += a;
+        rejected += r;
+    }
+    let calls = evalsha_stats(admin).await.map_or(0, |(calls, _)| calls);
+    let per = calls as f64 / rejected.max(1) as f64;
+    println!(
+        "\n== hot key: 64 callers on one key at 10/s for {run:?}: admitted {admitted}, rejected {rejected}, \
+         script calls {calls}; calls per rejected acquire {per:.5} (must be <= 0.05: {})",
+        if per <= 0.05 { "PASS" } else { "FAIL" }
+    );
 }
 
 async fn connect(client: &redis::Client) -> MultiplexedConnection {
@@ -495,7 +548,7 @@ fn print_table(rows: &[Row]) {
             }
         }
         let plain = of("plain").map(|p| p.run.per_second());
-        for name in ["flowgate", "flowgate b=1"] {
+        for name in ["flowgate", "flowgate b=1", "flowgate lease16"] {
             if let (Some(f), Some(p)) = (of(name), plain) {
                 println!(
                     "  {scenario:<10} ratio        throughput {name} / plain = {:.3}",

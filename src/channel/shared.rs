@@ -95,6 +95,8 @@ pub(crate) struct State<T> {
     queue: VecDeque<T>,
     /// Slots held by permits, sink reservations and grants not yet claimed.
     reserved: usize,
+    /// Slots held by items that receivers took in a batch and have not yielded yet.
+    held: usize,
     /// No new sends: `close()` was called, or every sender or every receiver is gone.
     closed: bool,
     senders: usize,
@@ -173,6 +175,7 @@ impl<T> Shared<T> {
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
                 reserved: 0,
+                held: 0,
                 closed: false,
                 senders: 1,
                 receivers: 1,
@@ -221,7 +224,13 @@ impl<T> Shared<T> {
     }
 
     fn has_room(&self, st: &State<T>) -> bool {
-        st.queue.len() + st.reserved < self.capacity
+        st.queue.len() + st.reserved + st.held < self.capacity
+    }
+
+    /// How many items a receiver takes under one lock: up to 32, and at most an eighth of
+    /// the capacity (so senders never lose much room to a batch).
+    pub(crate) fn batch(&self) -> usize {
+        (self.capacity / 8).clamp(1, 32)
     }
 
     /// Hand a freed slot to the first waiting sender, if any.
@@ -513,13 +522,31 @@ impl<T> Shared<T> {
         }
     }
 
-    pub(crate) fn poll_recv(&self, cx: &mut Context<'_>, waiting: &mut Waiting) -> Poll<Option<T>> {
+    /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
+    /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
+    /// channel's bound still counts them.
+    pub(crate) fn poll_recv_batch(
+        &self,
+        cx: &mut Context<'_>,
+        waiting: &mut Waiting,
+        local: &mut VecDeque<T>,
+        max: usize,
+    ) -> Poll<Option<T>> {
         let mut st = self.lock();
-        if let Some((item, w)) = self.pop(&mut st) {
+        let n = st.queue.len().min(max);
+        if n > 0 {
             st.recv_waiters.leave(waiting);
+            let first = st.queue.pop_front().expect("n > 0");
+            local.extend(st.queue.drain(..n - 1));
+            st.held += n - 1;
+            st.stats.received += n as u64;
+            self.metrics.received.increment(n as u64);
+            self.metrics.depth.set(st.queue.len() as f64);
+            // The first item's slot is free now.
+            let w = Self::grant(&mut st);
             drop(st);
             wake(w);
-            return Poll::Ready(Some(item));
+            return Poll::Ready(Some(first));
         }
         if Self::finished(&st) {
             st.recv_waiters.leave(waiting);
@@ -528,6 +555,35 @@ impl<T> Shared<T> {
         let id = st.id_for(waiting);
         st.recv_waiters.register(id, cx.waker());
         Poll::Pending
+    }
+
+    /// A receiver yielded `n` items of its batch: their slots are free.
+    pub(crate) fn release_held(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut st = self.lock();
+        st.held -= n;
+        let wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
+        drop(st);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
+    /// all): the items go back to the front of the queue, in order, for other receivers.
+    pub(crate) fn give_back(&self, items: VecDeque<T>, held: usize) {
+        let mut st = self.lock();
+        st.held -= held;
+        st.stats.received -= items.len() as u64;
+        let freed = held - items.len();
+        for item in items.into_iter().rev() {
+            st.queue.push_front(item);
+        }
+        let mut wakers: Vec<Waker> = (0..freed).map_while(|_| Self::grant(&mut st)).collect();
+        st.recv_waiters.drain_into(&mut wakers);
+        self.metrics.depth.set(st.queue.len() as f64);
+        drop(st);
+        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).

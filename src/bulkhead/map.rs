@@ -6,11 +6,12 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use futures::Stream;
-use futures::stream::{Fuse, FusedStream, FuturesOrdered, StreamExt};
+use futures::stream::{FusedStream, FuturesOrdered, StreamExt};
 use pin_project::pin_project;
 
 use crate::bulkhead::Bulkhead;
-use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
+use crate::bulkhead::acquire::OwnedBulkheadPermit;
+use crate::bulkhead::feed::Feed;
 
 /// A mapped future that returns its permit the moment it completes (or is dropped).
 #[pin_project]
@@ -42,11 +43,8 @@ impl<Fut: Future> Future for Permitted<Fut> {
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMap<St: Stream, F, Fut: Future> {
     #[pin]
-    stream: Fuse<St>,
+    feed: Feed<St>,
     f: F,
-    next: Option<St::Item>,
-    #[pin]
-    permits: Permits,
     running: FuturesOrdered<Permitted<Fut>>,
 }
 
@@ -58,32 +56,30 @@ where
 {
     pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
         BulkheadMap {
-            stream: stream.fuse(),
+            feed: Feed::new(stream, bulkhead),
             f,
-            next: None,
-            permits: Permits::new(bulkhead.core().clone()),
             running: FuturesOrdered::new(),
         }
     }
 
     /// The inner stream.
     pub fn get_ref(&self) -> &St {
-        self.stream.get_ref()
+        self.feed.get_ref()
     }
 
     /// The inner stream, mutably.
     pub fn get_mut(&mut self) -> &mut St {
-        self.stream.get_mut()
+        self.feed.get_mut()
     }
 
     /// The inner stream, pinned.
     pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut St> {
-        self.project().stream.get_pin_mut()
+        self.project().feed.get_pin_mut()
     }
 
     /// The inner stream; futures in flight are dropped and their permits returned.
     pub fn into_inner(self) -> St {
-        self.stream.into_inner()
+        self.feed.into_inner()
     }
 }
 
@@ -97,53 +93,27 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        while !this.permits.is_closed() && this.running.len() < this.permits.limit() {
-            if this.next.is_none() {
-                match this.stream.as_mut().poll_next(cx) {
-                    Poll::Ready(Some(item)) => *this.next = Some(item),
-                    Poll::Ready(None) | Poll::Pending => break,
-                }
-            }
-            match this
-                .permits
-                .as_mut()
-                .poll_for_item(cx, !this.running.is_empty())
-            {
-                Poll::Ready(true) => {
-                    let item = this.next.take().expect("an item is waiting");
-                    let permit = Some(this.permits.as_mut().into_owned());
-                    this.running.push_back(Permitted {
-                        fut: (this.f)(item),
-                        permit,
-                    });
-                }
-                Poll::Ready(false) => *this.next = None,
-                Poll::Pending => break,
-            }
+        // Start work while there is input and a permit for it, with at most `limit` outputs
+        // in flight or waiting their turn.
+        while this.running.len() < this.feed.limit() {
+            let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty()) else {
+                break;
+            };
+            let permit = Some(this.feed.as_mut().into_owned());
+            this.running.push_back(Permitted {
+                fut: (this.f)(item),
+                permit,
+            });
         }
         match this.running.poll_next_unpin(cx) {
             Poll::Ready(Some(out)) => Poll::Ready(Some(out)),
-            Poll::Ready(None)
-                if this.next.is_none() && (this.stream.is_done() || this.permits.is_closed()) =>
-            {
-                Poll::Ready(None)
-            }
+            Poll::Ready(None) if this.feed.is_done() => Poll::Ready(None),
             _ => Poll::Pending,
         }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // Each future in flight and the held item yield one output; then the inner stream's.
-        let extra = self.running.len() + usize::from(self.next.is_some());
-        let (lo, hi) = if self.permits.is_closed() {
-            (0, Some(0))
-        } else {
-            self.stream.size_hint()
-        };
-        (
-            lo.saturating_add(self.running.len()),
-            hi.and_then(|h| h.checked_add(extra)),
-        )
+        self.feed.size_hint(self.running.len(), true)
     }
 }
 
@@ -154,9 +124,7 @@ where
     Fut: Future,
 {
     fn is_terminated(&self) -> bool {
-        self.running.is_empty()
-            && self.next.is_none()
-            && (self.stream.is_done() || self.permits.is_closed())
+        self.running.is_empty() && self.feed.is_done()
     }
 }
 
@@ -167,8 +135,7 @@ where
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkheadMap")
-            .field("stream", &self.stream)
-            .field("permits", &self.permits)
+            .field("stream", self.feed.inner())
             .field("running", &self.running.len())
             .finish_non_exhaustive()
     }

@@ -29,6 +29,7 @@
 mod acquire;
 mod core;
 mod error;
+mod feed;
 mod handle;
 mod map;
 mod map_unordered;

@@ -6,12 +6,12 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::Stream;
-use futures::stream::{Fuse, FusedStream, FuturesUnordered, StreamExt};
+use futures::stream::{FusedStream, FuturesUnordered, StreamExt};
 use pin_project::pin_project;
 use tokio::task::JoinHandle;
 
 use crate::bulkhead::Bulkhead;
-use crate::bulkhead::acquire::Permits;
+use crate::bulkhead::feed::Feed;
 
 /// A task handle that aborts the task when dropped.
 #[derive(Debug)]
@@ -45,11 +45,8 @@ impl<T> Drop for AbortOnDrop<T> {
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadSpawnMap<St: Stream, F, Fut: Future> {
     #[pin]
-    stream: Fuse<St>,
+    feed: Feed<St>,
     f: F,
-    next: Option<St::Item>,
-    #[pin]
-    permits: Permits,
     running: FuturesUnordered<AbortOnDrop<Fut::Output>>,
 }
 
@@ -62,32 +59,30 @@ where
 {
     pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
         BulkheadSpawnMap {
-            stream: stream.fuse(),
+            feed: Feed::new(stream, bulkhead),
             f,
-            next: None,
-            permits: Permits::new(bulkhead.core().clone()),
             running: FuturesUnordered::new(),
         }
     }
 
     /// The inner stream.
     pub fn get_ref(&self) -> &St {
-        self.stream.get_ref()
+        self.feed.get_ref()
     }
 
     /// The inner stream, mutably.
     pub fn get_mut(&mut self) -> &mut St {
-        self.stream.get_mut()
+        self.feed.get_mut()
     }
 
     /// The inner stream, pinned.
     pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut St> {
-        self.project().stream.get_pin_mut()
+        self.project().feed.get_pin_mut()
     }
 
     /// The inner stream; tasks still running are aborted.
     pub fn into_inner(self) -> St {
-        self.stream.into_inner()
+        self.feed.into_inner()
     }
 }
 
@@ -102,31 +97,14 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        while !this.permits.is_closed() {
-            if this.next.is_none() {
-                match this.stream.as_mut().poll_next(cx) {
-                    Poll::Ready(Some(item)) => *this.next = Some(item),
-                    Poll::Ready(None) | Poll::Pending => break,
-                }
-            }
-            match this
-                .permits
-                .as_mut()
-                .poll_for_item(cx, !this.running.is_empty())
-            {
-                Poll::Ready(true) => {
-                    let item = this.next.take().expect("an item is waiting");
-                    let permit = this.permits.as_mut().into_owned();
-                    let fut = (this.f)(item);
-                    this.running.push(AbortOnDrop(tokio::spawn(async move {
-                        let out = fut.await;
-                        drop(permit);
-                        out
-                    })));
-                }
-                Poll::Ready(false) => *this.next = None,
-                Poll::Pending => break,
-            }
+        while let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty()) {
+            let permit = this.feed.as_mut().into_owned();
+            let fut = (this.f)(item);
+            this.running.push(AbortOnDrop(tokio::spawn(async move {
+                let out = fut.await;
+                drop(permit);
+                out
+            })));
         }
         loop {
             return match this.running.poll_next_unpin(cx) {
@@ -136,26 +114,15 @@ where
                     // Cancelled: only when the runtime shuts down.
                     Err(_) => continue,
                 },
-                Poll::Ready(None)
-                    if this.next.is_none()
-                        && (this.stream.is_done() || this.permits.is_closed()) =>
-                {
-                    Poll::Ready(None)
-                }
+                Poll::Ready(None) if this.feed.is_done() => Poll::Ready(None),
                 _ => Poll::Pending,
             };
         }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // Each task in flight and the held item yield one output; then the inner stream's.
-        let extra = self.running.len() + usize::from(self.next.is_some());
-        let (lo, hi) = if self.permits.is_closed() {
-            (0, Some(0))
-        } else {
-            self.stream.size_hint()
-        };
-        (lo, hi.and_then(|h| h.checked_add(extra)))
+        // A task in flight can be cancelled by a runtime shutdown: not counted as sure.
+        self.feed.size_hint(self.running.len(), false)
     }
 }
 
@@ -167,9 +134,7 @@ where
     Fut::Output: Send + 'static,
 {
     fn is_terminated(&self) -> bool {
-        self.running.is_empty()
-            && self.next.is_none()
-            && (self.stream.is_done() || self.permits.is_closed())
+        self.running.is_empty() && self.feed.is_done()
     }
 }
 
@@ -180,8 +145,7 @@ where
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkheadSpawnMap")
-            .field("stream", &self.stream)
-            .field("permits", &self.permits)
+            .field("stream", self.feed.inner())
             .field("running", &self.running.len())
             .finish_non_exhaustive()
     }

@@ -1,0 +1,135 @@
+//! `Feed`: the input side shared by the bulkhead stream adapters.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::Stream;
+use futures::stream::{Fuse, StreamExt};
+use pin_project::pin_project;
+
+use crate::bulkhead::Bulkhead;
+use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
+
+/// The upstream, the one item pulled and waiting for a permit, and the permits held: what
+/// every bulkhead adapter needs before it can start a mapped future.
+#[pin_project]
+#[derive(Debug)]
+pub(crate) struct Feed<St: Stream> {
+    #[pin]
+    stream: Fuse<St>,
+    next: Option<St::Item>,
+    #[pin]
+    permits: Permits,
+}
+
+impl<St: Stream> Feed<St> {
+    pub(crate) fn new(stream: St, bulkhead: &Bulkhead) -> Self {
+        Feed {
+            stream: stream.fuse(),
+            next: None,
+            permits: Permits::new(bulkhead.core().clone()),
+        }
+    }
+
+    /// The next input item together with a permit for it (now held), or `None` when no work
+    /// can start now. `busy`: the adapter has work of its own in flight (see
+    /// [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is dropped.
+    pub(crate) fn poll_start(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        busy: bool,
+    ) -> Option<St::Item> {
+        let mut this = self.project();
+        if this.permits.is_closed() {
+            return None;
+        }
+        if this.next.is_none() {
+            match this.stream.as_mut().poll_next(cx) {
+                Poll::Ready(Some(item)) => *this.next = Some(item),
+                Poll::Ready(None) | Poll::Pending => return None,
+            }
+        }
+        match this.permits.poll_for_item(cx, busy) {
+            Poll::Ready(true) => this.next.take(),
+            Poll::Ready(false) => {
+                *this.next = None;
+                None
+            }
+            Poll::Pending => None,
+        }
+    }
+
+    /// Pull the next input item if it is ready now, without a permit (to pass a finished
+    /// future's permit on to it).
+    pub(crate) fn poll_ready_item(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<St::Item> {
+        let mut this = self.project();
+        if this.next.is_none()
+            && !this.stream.is_done()
+            && let Poll::Ready(Some(item)) = this.stream.as_mut().poll_next(cx)
+        {
+            *this.next = Some(item);
+        }
+        this.next.take()
+    }
+
+    /// Keep `item` for later (no permit for it yet).
+    pub(crate) fn put_back(self: Pin<&mut Self>, item: St::Item) {
+        *self.project().next = Some(item);
+    }
+
+    /// Whether nothing more can start: the upstream ended (or the bulkhead closed) and no
+    /// item is held.
+    pub(crate) fn is_done(&self) -> bool {
+        self.next.is_none() && (self.stream.is_done() || self.permits.is_closed())
+    }
+
+    /// Bounds on the outputs still to come, given `running` outputs in flight; `sure`:
+    /// whether the running ones count for the lower bound.
+    pub(crate) fn size_hint(&self, running: usize, sure: bool) -> (usize, Option<usize>) {
+        // Each future in flight and the held item yield one output; then the inner stream's.
+        let extra = running + usize::from(self.next.is_some());
+        let (lo, hi) = if self.permits.is_closed() {
+            (0, Some(0))
+        } else {
+            self.stream.size_hint()
+        };
+        let lo = if sure { lo.saturating_add(running) } else { lo };
+        (lo, hi.and_then(|h| h.checked_add(extra)))
+    }
+
+    pub(crate) fn permits(self: Pin<&mut Self>) -> Pin<&mut Permits> {
+        self.project().permits
+    }
+
+    pub(crate) fn into_owned(self: Pin<&mut Self>) -> OwnedBulkheadPermit {
+        self.permits().into_owned()
+    }
+
+    pub(crate) fn may_keep(&self) -> bool {
+        self.permits.may_keep()
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.permits.limit()
+    }
+
+    pub(crate) fn get_ref(&self) -> &St {
+        self.stream.get_ref()
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut St {
+        self.stream.get_mut()
+    }
+
+    pub(crate) fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut St> {
+        self.project().stream.get_pin_mut()
+    }
+
+    pub(crate) fn into_inner(self) -> St {
+        self.stream.into_inner()
+    }
+
+    pub(crate) fn inner(&self) -> &Fuse<St> {
+        &self.stream
+    }
+}

@@ -15,7 +15,11 @@
 //!   `bulkhead_map_unordered` (`bulkhead_map`) with a bulkhead of limit `c`, against
 //!   `map(..).buffer_unordered(c)` (`buffered(c)`), mapping each item to a trivial
 //!   `async move { x }` and counting the outputs (asserted). Current-thread runtime; the
-//!   cost measured is the adapter itself.
+//!   cost measured is the adapter itself. flowgate's adapter polls a fresh future in a slot
+//!   of its own, so a future that is ready at once never touches its `FuturesUnordered`.
+//! - **`bulkhead_map_unordered_yield_c{64,8}`**: the same with futures that yield once
+//!   (`yield_now().await` before returning), so both adapters run them through a
+//!   `FuturesUnordered` (an extra check, not an issue requirement).
 //!
 //! After the run, `main` reads criterion's medians back, prints throughput and
 //! `flowgate / peer` time ratios (below 1.0: flowgate faster), then one verdict line per
@@ -35,6 +39,7 @@
 
 mod support;
 
+use std::future::Future;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,6 +90,10 @@ fn multi_thread() -> Runtime {
 
 fn map_unordered_group(c: usize) -> String {
     format!("bulkhead_map_unordered_c{c}")
+}
+
+fn map_unordered_yield_group(c: usize) -> String {
+    format!("bulkhead_map_unordered_yield_c{c}")
 }
 
 fn map_group(c: usize) -> String {
@@ -198,32 +207,47 @@ fn items() -> futures::stream::Iter<std::ops::Range<u64>> {
     futures::stream::iter(0..ITEMS)
 }
 
+/// A mapped future that is ready at its first poll.
+async fn trivial(x: u64) -> u64 {
+    black_box(x)
+}
+
+/// A mapped future that yields to the scheduler once before it is ready.
+async fn yielding(x: u64) -> u64 {
+    tokio::task::yield_now().await;
+    black_box(x)
+}
+
+/// `bulkhead_map_unordered` against `buffer_unordered` at concurrency `n`, mapping with `f`.
+fn unordered_group<Fut>(c: &mut Criterion, rt: &Runtime, group: String, n: usize, f: fn(u64) -> Fut)
+where
+    Fut: Future<Output = u64>,
+{
+    let mut g = c.benchmark_group(group);
+    g.throughput(Throughput::Elements(ITEMS));
+    g.bench_function(OURS, |b| {
+        let bh = &Bulkhead::new(n).expect("valid limit");
+        b.to_async(rt).iter(|| async move {
+            let count = items().bulkhead_map_unordered(bh.clone(), f).count().await;
+            assert_eq!(count as u64, ITEMS);
+        })
+    });
+    g.bench_function("buffer_unordered", |b| {
+        b.to_async(rt).iter(|| async move {
+            let count = items().map(f).buffer_unordered(n).count().await;
+            assert_eq!(count as u64, ITEMS);
+        })
+    });
+    g.finish();
+}
+
 fn adapters(c: &mut Criterion) {
     let rt = current_thread();
     for n in CONCURRENCY {
-        let mut g = c.benchmark_group(map_unordered_group(n));
-        g.throughput(Throughput::Elements(ITEMS));
-        g.bench_function(OURS, |b| {
-            let bh = &Bulkhead::new(n).expect("valid limit");
-            b.to_async(&rt).iter(|| async move {
-                let count = items()
-                    .bulkhead_map_unordered(bh.clone(), |x| async move { black_box(x) })
-                    .count()
-                    .await;
-                assert_eq!(count as u64, ITEMS);
-            })
-        });
-        g.bench_function("buffer_unordered", |b| {
-            b.to_async(&rt).iter(|| async move {
-                let count = items()
-                    .map(|x| async move { black_box(x) })
-                    .buffer_unordered(n)
-                    .count()
-                    .await;
-                assert_eq!(count as u64, ITEMS);
-            })
-        });
-        g.finish();
+        unordered_group(c, &rt, map_unordered_group(n), n, trivial);
+        // Futures not ready at their first poll: flowgate's adapter then runs them through
+        // its FuturesUnordered, as buffer_unordered does.
+        unordered_group(c, &rt, map_unordered_yield_group(n), n, yielding);
 
         let mut g = c.benchmark_group(map_group(n));
         g.throughput(Throughput::Elements(ITEMS));
@@ -313,6 +337,9 @@ fn main() {
         let (unordered, ordered) = (map_unordered_group(n), map_group(n));
         support::print_throughput(&unordered, ITEMS, &[OURS, "buffer_unordered"]);
         support::print_ratios(&unordered, OURS, &["buffer_unordered"]);
+        let yielding = map_unordered_yield_group(n);
+        support::print_throughput(&yielding, ITEMS, &[OURS, "buffer_unordered"]);
+        support::print_ratios(&yielding, OURS, &["buffer_unordered"]);
         support::print_throughput(&ordered, ITEMS, &[OURS, "buffered"]);
         support::print_ratios(&ordered, OURS, &["buffered"]);
     }
@@ -351,17 +378,23 @@ fn main() {
     }
     summary("requirements", required);
 
-    println!("\n== extra, not in the issue: the ordered adapter at the same bar");
-    let extra = CONCURRENCY
-        .into_iter()
-        .map(|n| {
-            verdict(
-                &format!("bulkhead_map c={n} vs buffered"),
-                &map_group(n),
-                "buffered",
-                max_map_ratio,
-            )
-        })
-        .collect();
+    println!(
+        "\n== extra, not in the issue: futures that yield once, and the ordered adapter, at the same bar"
+    );
+    let mut extra = Vec::new();
+    for n in CONCURRENCY {
+        extra.push(verdict(
+            &format!("bulkhead_map_unordered yielding c={n}"),
+            &map_unordered_yield_group(n),
+            "buffer_unordered",
+            max_map_ratio,
+        ));
+        extra.push(verdict(
+            &format!("bulkhead_map c={n} vs buffered"),
+            &map_group(n),
+            "buffered",
+            max_map_ratio,
+        ));
+    }
     summary("extra checks", extra);
 }

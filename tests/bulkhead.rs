@@ -394,6 +394,39 @@ async fn adapters_share_one_bulkhead_across_streams() {
     assert_eq!(b.in_flight(), 0);
 }
 
+#[tokio::test(start_paused = true)]
+async fn the_unordered_adapter_mixes_ready_and_waiting_futures() {
+    // Even items complete at once (they run in the adapter's own slot), odd ones sleep (they
+    // queue behind it): every item comes out once, ready ones first, within the limit.
+    let b = Bulkhead::new(4).unwrap();
+    let gauge = Gauge::default();
+    let g = gauge.clone();
+    let out: Vec<u64> = futures::stream::iter(0..40u64)
+        .bulkhead_map_unordered(b.clone(), move |x| {
+            let g = g.clone();
+            async move {
+                g.enter();
+                if x % 2 == 1 {
+                    sleep(Duration::from_millis(10 + x)).await;
+                }
+                g.exit();
+                x
+            }
+        })
+        .collect()
+        .await;
+    let mut sorted = out.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..40).collect::<Vec<_>>());
+    assert!(
+        gauge.max() <= 4,
+        "at most the limit in flight: {}",
+        gauge.max()
+    );
+    assert_eq!(out[0], 0, "a ready future is yielded at once");
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[tokio::test]
 async fn permits_are_released_when_a_mapped_future_panics() {
     let b = Bulkhead::new(2).unwrap();

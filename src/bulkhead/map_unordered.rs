@@ -19,6 +19,11 @@ use crate::bulkhead::feed::Feed;
 /// future completes, in the same poll, and every permit is returned if the stream is dropped
 /// or a mapped future panics. Outputs come in completion order.
 ///
+/// One mapped future at a time runs in a slot inside the adapter and is polled as soon as it
+/// is made; only while that slot is taken do new futures go into a `FuturesUnordered`. A
+/// future that completes at once (a cache hit, an already-ready result) therefore costs no
+/// allocation. The slot's future is polled on every wake-up of the adapter, as in `select!`.
+///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 /// ends; the one item it held waiting for a permit is dropped (counted as a `closed`
 /// rejection).
@@ -28,6 +33,10 @@ pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
     #[pin]
     feed: Feed<St>,
     f: F,
+    /// The first future in flight, polled in place.
+    #[pin]
+    slot: Option<Fut>,
+    /// The others.
     running: FuturesUnordered<Fut>,
 }
 
@@ -41,6 +50,7 @@ where
         BulkheadMapUnordered {
             feed: Feed::new(stream, bulkhead),
             f,
+            slot: None,
             running: FuturesUnordered::new(),
         }
     }
@@ -66,6 +76,13 @@ where
     }
 }
 
+impl<St: Stream, F, Fut> BulkheadMapUnordered<St, F, Fut> {
+    /// Mapped futures in flight.
+    fn in_flight(&self) -> usize {
+        self.running.len() + usize::from(self.slot.is_some())
+    }
+}
+
 impl<St, F, Fut> Stream for BulkheadMapUnordered<St, F, Fut>
 where
     St: Stream,
@@ -76,32 +93,68 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        // Start work while there is input and a permit for it.
-        while let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty()) {
-            this.running.push((this.f)(item));
-        }
-        match this.running.poll_next_unpin(cx) {
-            Poll::Ready(Some(out)) => {
-                // The finished future's permit goes straight to the next item when nobody
-                // else is waiting for it; otherwise it is returned at once.
-                match this.feed.as_mut().poll_ready_item(cx) {
-                    Some(item) if this.feed.may_keep() => this.running.push((this.f)(item)),
-                    next => {
-                        if let Some(item) = next {
-                            this.feed.as_mut().put_back(item);
-                        }
-                        this.feed.as_mut().permits().release();
-                    }
-                }
-                Poll::Ready(Some(out))
+        let out = loop {
+            if let Some(fut) = this.slot.as_mut().as_pin_mut()
+                && let Poll::Ready(out) = fut.poll(cx)
+            {
+                this.slot.set(None);
+                break out;
             }
-            Poll::Ready(None) if this.feed.is_done() => Poll::Ready(None),
-            _ => Poll::Pending,
+            // Start work while there is input and a permit for it; a new future that lands
+            // in the free slot is polled at once.
+            let was_free = this.slot.is_none();
+            while let Some(item) = {
+                let busy = this.slot.is_some() || !this.running.is_empty();
+                this.feed.as_mut().poll_start(cx, busy)
+            } {
+                if place(this.slot.as_mut(), this.running, (this.f)(item)) {
+                    break;
+                }
+            }
+            if was_free && this.slot.is_some() {
+                continue;
+            }
+            match this.running.poll_next_unpin(cx) {
+                Poll::Ready(Some(out)) => break out,
+                Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
+                    return Poll::Ready(None);
+                }
+                _ => return Poll::Pending,
+            }
+        };
+        // The finished future's permit goes straight to the next item when that item is
+        // ready and nobody else is waiting for the permit; otherwise it is returned at once.
+        match this.feed.as_mut().poll_ready_item(cx) {
+            Some(item) if this.feed.may_keep() => {
+                place(this.slot.as_mut(), this.running, (this.f)(item));
+            }
+            next => {
+                if let Some(item) = next {
+                    this.feed.as_mut().put_back(item);
+                }
+                this.feed.as_mut().permits().release();
+            }
         }
+        Poll::Ready(Some(out))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        self.feed.size_hint(self.running.len(), true)
+        self.feed.size_hint(self.in_flight(), true)
+    }
+}
+
+/// Put a new future in the slot if it is free (true), else with the others.
+fn place<Fut>(
+    mut slot: Pin<&mut Option<Fut>>,
+    running: &mut FuturesUnordered<Fut>,
+    fut: Fut,
+) -> bool {
+    if slot.is_none() {
+        slot.set(Some(fut));
+        true
+    } else {
+        running.push(fut);
+        false
     }
 }
 
@@ -112,7 +165,7 @@ where
     Fut: Future,
 {
     fn is_terminated(&self) -> bool {
-        self.running.is_empty() && self.feed.is_done()
+        self.in_flight() == 0 && self.feed.is_done()
     }
 }
 
@@ -123,7 +176,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkheadMapUnordered")
             .field("stream", self.feed.inner())
-            .field("running", &self.running.len())
+            .field("running", &self.in_flight())
             .finish_non_exhaustive()
     }
 }

@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::vec;
 
 use futures::Stream;
 use futures::stream::FusedStream;
@@ -106,7 +107,11 @@ impl<S: Stream> BatchSource for StreamSource<S> {
 pub struct Prefetch<S: BatchSource> {
     #[pin]
     source: S,
-    buffer: VecDeque<S::Item>,
+    /// Fetched items, batch by batch, as the fetches returned them (no copy): the batch
+    /// being handed out, and the ones behind it with their item count.
+    current: vec::IntoIter<S::Item>,
+    queued: VecDeque<vec::IntoIter<S::Item>>,
+    queued_items: usize,
     high: usize,
     low: usize,
     /// The `max` of a fetch in progress.
@@ -165,7 +170,9 @@ impl<S: BatchSource> Prefetch<S> {
         }
         Ok(Prefetch {
             source,
-            buffer: VecDeque::with_capacity(high.min(4096)),
+            current: Vec::new().into_iter(),
+            queued: VecDeque::new(),
+            queued_items: 0,
             high,
             low,
             fetching: None,
@@ -177,7 +184,7 @@ impl<S: BatchSource> Prefetch<S> {
 
     /// Items fetched and not yet consumed.
     pub fn buffered(&self) -> usize {
-        self.buffer.len()
+        self.current.len() + self.queued_items
     }
 
     /// The source.
@@ -195,6 +202,23 @@ impl<S: BatchSource> Prefetch<S> {
         self.project().source
     }
 
+    /// The next buffered item.
+    #[inline]
+    fn pop(
+        current: &mut vec::IntoIter<S::Item>,
+        queued: &mut VecDeque<vec::IntoIter<S::Item>>,
+        queued_items: &mut usize,
+    ) -> Option<S::Item> {
+        if let Some(item) = current.next() {
+            return Some(item);
+        }
+        let mut next = queued.pop_front()?;
+        *queued_items -= next.len();
+        let item = next.next();
+        *current = next;
+        item
+    }
+
     /// The source; buffered items are dropped.
     pub fn into_inner(self) -> S {
         self.source
@@ -209,55 +233,23 @@ pub(crate) mod names {
 impl<S: BatchSource> Stream for Prefetch<S> {
     type Item = Result<S::Item, S::Error>;
 
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let mut this = self.project();
+    #[inline]
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        // The hot path, small enough to inline into the consumer: above `low`, no fetch in
+        // progress, and the current batch not used up.
+        let this = self.as_mut().project();
+        if this.fetching.is_none()
+            && this.current.len() + *this.queued_items > *this.low
+            && let Some(item) = this.current.next()
         {
-            let refill = this.fetching.is_some()
-                || (this.buffer.len() <= *this.low && !*this.done && this.error.is_none());
-            if refill {
-                let max = *this.fetching.get_or_insert(*this.high - this.buffer.len());
-                match this.source.as_mut().poll_fetch(cx, max) {
-                    Poll::Ready(result) => {
-                        *this.fetching = None;
-                        match result {
-                            Some(Ok(batch)) => {
-                                let empty = batch.is_empty();
-                                debug_assert!(batch.len() <= max, "source returned more than max");
-                                this.buffer.extend(batch);
-                                this.buffered.set(this.buffer.len() as f64);
-                                // An empty batch with nothing buffered: fetch again, after
-                                // yielding to the executor (a source that is always ready
-                                // and always empty must not spin inside one poll).
-                                if empty && this.buffer.is_empty() {
-                                    cx.waker().wake_by_ref();
-                                    return Poll::Pending;
-                                }
-                            }
-                            Some(Err(e)) => *this.error = Some(e),
-                            None => *this.done = true,
-                        }
-                    }
-                    Poll::Pending => {}
-                }
-            }
-            // The gauge is updated when a batch lands, not per item (cheap hot path).
-            if let Some(item) = this.buffer.pop_front() {
-                return Poll::Ready(Some(Ok(item)));
-            }
-            if let Some(e) = this.error.take() {
-                return Poll::Ready(Some(Err(e)));
-            }
-            if *this.done {
-                Poll::Ready(None)
-            } else {
-                Poll::Pending
-            }
+            return Poll::Ready(Some(Ok(item)));
         }
+        self.poll_fetching(cx)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         // The buffer is certain; the source's size is unknown.
-        let lo = self.buffer.len();
+        let lo = self.buffered();
         (
             lo,
             if self.done {
@@ -269,9 +261,63 @@ impl<S: BatchSource> Stream for Prefetch<S> {
     }
 }
 
+impl<S: BatchSource> Prefetch<S> {
+    /// `poll_next` when a fetch may be due or the current batch is used up.
+    #[inline(never)]
+    fn poll_fetching(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<S::Item, S::Error>>> {
+        let mut this = self.project();
+        let buffered = this.current.len() + *this.queued_items;
+        let refill = this.fetching.is_some()
+            || (buffered <= *this.low && !*this.done && this.error.is_none());
+        if refill {
+            let max = *this.fetching.get_or_insert(*this.high - buffered);
+            if let Poll::Ready(result) = this.source.as_mut().poll_fetch(cx, max) {
+                *this.fetching = None;
+                match result {
+                    Some(Ok(batch)) => {
+                        debug_assert!(batch.len() <= max, "source returned more than max");
+                        let fetched = batch.len();
+                        if this.current.len() == 0 && this.queued.is_empty() {
+                            *this.current = batch.into_iter();
+                        } else if fetched > 0 {
+                            this.queued.push_back(batch.into_iter());
+                            *this.queued_items += fetched;
+                        }
+                        this.buffered.set((buffered + fetched) as f64);
+                        // An empty batch with nothing buffered: fetch again, after yielding
+                        // to the executor (a source that is always ready and always empty
+                        // must not spin inside one poll).
+                        if buffered + fetched == 0 {
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                    }
+                    Some(Err(e)) => *this.error = Some(e),
+                    None => *this.done = true,
+                }
+            }
+        }
+        // The gauge is updated when a batch lands, not per item (cheap hot path).
+        if let Some(item) = Self::pop(this.current, this.queued, this.queued_items) {
+            return Poll::Ready(Some(Ok(item)));
+        }
+        if let Some(e) = this.error.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        if *this.done {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
 impl<S: BatchSource> FusedStream for Prefetch<S> {
     fn is_terminated(&self) -> bool {
-        self.done && self.buffer.is_empty() && self.error.is_none()
+        self.done && self.buffered() == 0 && self.error.is_none()
     }
 }
 
@@ -279,7 +325,7 @@ impl<S: BatchSource + fmt::Debug> fmt::Debug for Prefetch<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Prefetch")
             .field("source", &self.source)
-            .field("buffered", &self.buffer.len())
+            .field("buffered", &self.buffered())
             .field("high", &self.high)
             .field("low", &self.low)
             .field("fetching", &self.fetching)

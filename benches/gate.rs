@@ -46,6 +46,7 @@
 //! ```text
 //! cargo bench --bench gate          # 2 scenarios × 4 implementations × 3.5 s, ~30 s
 //! GATE_RUN_MS=1000 cargo bench --bench gate
+//! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 100 ms: a smoke test.
@@ -188,9 +189,14 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
     ];
     let keys: Arc<[String]> = (0..KEYS).map(|k| format!("key-{k}")).collect();
 
+    // GATE_ONLY=<name> (e.g. `flowgate`) runs one implementation, for profiling.
+    let only = std::env::var("GATE_ONLY").ok();
     let mut rows = Vec::new();
     for callers in CALLERS {
         for (name, imp) in &imps {
+            if only.as_deref().is_some_and(|o| o != *name) {
+                continue;
+            }
             let on_redis = !matches!(**imp, Imp::Memory(_));
             query(&mut admin, &redis::cmd("FLUSHALL")).await;
             drive(imp, callers, &keys, warm_up).await;

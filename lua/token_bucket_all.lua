@@ -7,8 +7,9 @@
 --
 -- The request is admitted only if every bucket has room; then every bucket is charged. If
 -- any bucket lacks room nothing is charged anywhere. Same state format and arithmetic as
--- token_bucket.lua. Returns {allowed, limit, remaining, retry_after_us, reset_after_us} per
--- bucket, flattened; `allowed` is the same for all.
+-- token_bucket.lua (lua/bucket_state.lua is put in front). Returns {allowed, limit,
+-- remaining, retry_after_us, reset_after_us} per bucket, flattened; `allowed` is the same for
+-- all.
 
 local now
 if ARGV[1] ~= nil and ARGV[1] ~= '' then
@@ -27,47 +28,29 @@ for i, key in ipairs(KEYS) do
   local period = tonumber(ARGV[3 * i + 1])
   local burst = tonumber(ARGV[3 * i + 2])
   local tau = burst * period
-  local used = 0
-  local state = redis.call('GET', key)
-  if state then
-    local sep = string.find(state, ' ', 1, true)
-    local tat_us = tonumber(string.sub(state, 1, sep - 1))
-    local tat_frac = tonumber(string.sub(state, sep + 1))
-    if tat_us >= now then
-      used = (tat_us - now) * count + tat_frac
-    end
-  end
+  local used, exp_us = bucket_read(key, now, count)
   local used_after = used + cost * period
   if used_after > tau then
     all = false
   end
-  buckets[i] = {key, count, period, burst, tau, used, used_after}
+  buckets[i] = {key, count, period, burst, tau, used, used_after, exp_us}
 end
 
 local out = {}
 for _, b in ipairs(buckets) do
-  local key, count, period, burst, tau, used, used_after = b[1], b[2], b[3], b[4], b[5], b[6], b[7]
-  local function ceil_us(units)
-    return math.floor((units + count - 1) / count)
-  end
+  local key, count, period, burst, tau, used, used_after, exp_us = unpack(b)
   if all then
-    local ahead = math.floor(used_after / count)
-    local frac = used_after - ahead * count
-    local ttl = math.max(1, math.floor((ceil_us(used_after) + 999) / 1000))
-    if explicit then
-      ttl = 60000
-    end
-    redis.call('SET', key, string.format('%d %d', now + ahead, frac), 'PX', ttl)
-    for _, v in ipairs({1, burst, math.floor((tau - used_after) / period), 0, ceil_us(used_after)}) do
+    bucket_write(key, now, count, used_after, exp_us, explicit)
+    for _, v in ipairs({1, burst, math.floor((tau - used_after) / period), 0, ceil_us(used_after, count)}) do
       out[#out + 1] = v
     end
   else
     local held = math.min(used, tau)
     local retry = 0
     if used_after > tau then
-      retry = ceil_us(used_after - tau)
+      retry = ceil_us(used_after - tau, count)
     end
-    for _, v in ipairs({0, burst, math.floor((tau - held) / period), retry, ceil_us(held)}) do
+    for _, v in ipairs({0, burst, math.floor((tau - held) / period), retry, ceil_us(held, count)}) do
       out[#out + 1] = v
     end
   end

@@ -41,17 +41,6 @@ pub(crate) struct Driver<C> {
     pub(crate) cluster: bool,
 }
 
-/// Turn a script reply of 5 integers into a decision.
-pub(crate) fn decision_from(r: &[i64]) -> Decision {
-    let n = |i: usize| u64::try_from(r[i]).unwrap_or(0);
-    let us = |i: usize| Duration::from_micros(n(i));
-    if r[0] == 1 {
-        Decision::allow(n(1), n(2), us(4))
-    } else {
-        Decision::reject(n(1), n(2), us(3), us(4))
-    }
-}
-
 impl<C> Driver<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -71,10 +60,13 @@ where
         );
         let reply =
             tokio::time::timeout(self.timeout, invocation.invoke_async::<Vec<i64>>(conn)).await;
+        let width = scripts::reply_width(&self.limit);
         match reply {
-            Ok(Ok(v)) if v.len() == 5 * batch.len() => {
-                for (r, chunk) in batch.into_iter().zip(v.chunks_exact(5)) {
-                    let _ = r.reply.send(Ok(decision_from(chunk)));
+            Ok(Ok(v)) if v.len() == width * batch.len() => {
+                for (r, chunk) in batch.into_iter().zip(v.chunks_exact(width)) {
+                    let decision =
+                        scripts::decode(&self.limit, self.count, self.period_us, r.cost, chunk);
+                    let _ = r.reply.send(Ok(decision));
                 }
             }
             other => {

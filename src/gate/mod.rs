@@ -45,6 +45,6 @@ pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 pub mod lua {
     pub use super::scripts::{
         FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET, TOKEN_BUCKET_ALL,
-        TOKEN_BUCKET_LEASE,
+        TOKEN_BUCKET_LEASE, token_bucket_reply,
     };
 }

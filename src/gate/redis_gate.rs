@@ -11,13 +11,14 @@ use tokio::time::Instant;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
-use crate::gate::batch::{Driver, Request, decision_from};
+use crate::gate::batch::{Driver, Request};
 use crate::gate::error::{BackendMessage, GateError, check_key};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
+use crate::gate::scripts::decision_from;
 use crate::gate::slot::slot;
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::rate::Quota;
@@ -110,7 +111,9 @@ struct Inner<C> {
 ///   after a restart or failover) running the same integer math as [`limit`](crate::limit)
 ///   in microseconds; a rejected call consumes nothing.
 /// - **Server clock**: time comes from Redis `TIME`, so application clocks may disagree.
-/// - **TTLs**: every key expires when its state is neutral again; idle keys vanish.
+/// - **TTLs**: every key expires once its state is neutral again; idle keys vanish. A token
+///   bucket key lives up to 1 s longer than that: its TTL is set with that slack so that most
+///   writes can keep it (`SET .. KEEPTTL` costs Redis about half as much as `SET .. PX`).
 /// - **Runtime limits**: the parameters travel with every call; change them by building a new
 ///   gate over the same prefix.
 /// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default
@@ -485,7 +488,9 @@ where
                 )
                 .await
                 {
-                    Ok(Ok(r)) if r.len() == 5 => Ok(decision_from(&r)),
+                    Ok(Ok(r)) if r.len() == scripts::reply_width(&inner.limit) => Ok(
+                        scripts::decode(&inner.limit, inner.count, inner.period_us, cost, &r),
+                    ),
                     Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
                         "unexpected reply from the gate script: {r:?}"
                     )))),

@@ -1,17 +1,31 @@
 //! The Lua scripts, one per algorithm, compiled in.
 
+use std::time::Duration;
+
+use crate::decision::Decision;
 use crate::gate::limit::Limit;
 
-/// `lua/token_bucket.lua`: GCRA.
-pub const TOKEN_BUCKET: &str = include_str!("../../lua/token_bucket.lua");
+/// `lua/bucket_state.lua` then `lua/token_bucket.lua`: GCRA. One integer per request; read
+/// it with [`token_bucket_reply`].
+pub const TOKEN_BUCKET: &str = concat!(
+    include_str!("../../lua/bucket_state.lua"),
+    include_str!("../../lua/token_bucket.lua")
+);
 /// `lua/fixed_window.lua`.
 pub const FIXED_WINDOW: &str = include_str!("../../lua/fixed_window.lua");
 /// `lua/sliding_log.lua`.
 pub const SLIDING_LOG: &str = include_str!("../../lua/sliding_log.lua");
-/// `lua/token_bucket_all.lua`: all-or-nothing across several token buckets.
-pub const TOKEN_BUCKET_ALL: &str = include_str!("../../lua/token_bucket_all.lua");
-/// `lua/token_bucket_lease.lua`: take up to n tokens at once.
-pub const TOKEN_BUCKET_LEASE: &str = include_str!("../../lua/token_bucket_lease.lua");
+/// `lua/bucket_state.lua` then `lua/token_bucket_all.lua`: all-or-nothing across several
+/// token buckets.
+pub const TOKEN_BUCKET_ALL: &str = concat!(
+    include_str!("../../lua/bucket_state.lua"),
+    include_str!("../../lua/token_bucket_all.lua")
+);
+/// `lua/bucket_state.lua` then `lua/token_bucket_lease.lua`: take up to n tokens at once.
+pub const TOKEN_BUCKET_LEASE: &str = concat!(
+    include_str!("../../lua/bucket_state.lua"),
+    include_str!("../../lua/token_bucket_lease.lua")
+);
 /// `lua/sliding_window.lua`.
 pub const SLIDING_WINDOW: &str = include_str!("../../lua/sliding_window.lua");
 
@@ -41,5 +55,72 @@ pub(crate) fn add_args(
     invocation.arg("");
     for cost in costs {
         invocation.arg(cost);
+    }
+}
+
+/// How many integers the script of `limit` returns per request.
+pub(crate) fn reply_width(limit: &Limit) -> usize {
+    match limit {
+        Limit::TokenBucket(_) => 1,
+        _ => 5,
+    }
+}
+
+/// One request's decision from its part of the script's reply (`reply_width` integers).
+pub(crate) fn decode(limit: &Limit, count: u64, period_us: u64, cost: u32, r: &[i64]) -> Decision {
+    match limit {
+        Limit::TokenBucket(q) => token_bucket_reply(count, period_us, q.burst_size(), cost, r[0]),
+        _ => decision_from(r),
+    }
+}
+
+/// A reply of 5 integers (allowed, limit, remaining, retry_after_us, reset_after_us) as a
+/// decision.
+pub(crate) fn decision_from(r: &[i64]) -> Decision {
+    let n = |i: usize| u64::try_from(r[i]).unwrap_or(0);
+    let us = |i: usize| Duration::from_micros(n(i));
+    if r[0] == 1 {
+        Decision::allow(n(1), n(2), us(4))
+    } else {
+        Decision::reject(n(1), n(2), us(3), us(4))
+    }
+}
+
+/// Read one request's reply of [`TOKEN_BUCKET`]: `value` is the bucket's fill after the
+/// request if it was admitted (`>= 0`), or `-1 - fill` before it if it was rejected; `count`,
+/// `period_us`, `burst` and `cost` are what the script was called with. Fill is measured in
+/// units of 1/`count` µs, one token being `period_us` units; the arithmetic here is exact.
+pub fn token_bucket_reply(
+    count: u64,
+    period_us: u64,
+    burst: u32,
+    cost: u32,
+    value: i64,
+) -> Decision {
+    let count = u128::from(count.max(1));
+    let period = u128::from(period_us.max(1));
+    let tau = u128::from(burst) * period;
+    let limit = u64::from(burst);
+    let tokens = |units: u128| u64::try_from(units / period).unwrap_or(u64::MAX);
+    let ceil_us = |units: u128| {
+        Duration::from_micros(u64::try_from(units.div_ceil(count)).unwrap_or(u64::MAX))
+    };
+    match u128::try_from(value) {
+        Ok(used_after) => Decision::allow(
+            limit,
+            tokens(tau.saturating_sub(used_after)),
+            ceil_us(used_after),
+        ),
+        Err(_) => {
+            let used = u128::from((-1 - value).unsigned_abs());
+            let used_after = used + u128::from(cost) * period;
+            let held = used.min(tau);
+            Decision::reject(
+                limit,
+                tokens(tau - held),
+                ceil_us(used_after.saturating_sub(tau)),
+                ceil_us(held),
+            )
+        }
     }
 }

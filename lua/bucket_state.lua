@@ -1,0 +1,61 @@
+-- flowgate token bucket state, shared by token_bucket.lua, token_bucket_all.lua and
+-- token_bucket_lease.lua: the gate puts this file in front of each of them.
+--
+-- A bucket is one string key of 24 bytes: three little-endian doubles (every value is an
+-- integer below 2^53, so exact):
+--   tat_us   the theoretical arrival time (TAT), whole microseconds of the Redis clock
+--   frac     the rest of the TAT, in units of 1/count us (0 <= frac < count)
+--   exp_us   until this time the key is known not to expire (0: not known)
+-- The text form "<tat_us> <frac>" written by flowgate 0.1 is still read.
+--
+-- TTL: a write sets the key's TTL only when the bucket would outlive it, and then to the time
+-- the bucket is full again plus SLACK_MS; other writes keep the TTL (SET KEEPTTL), which costs
+-- Redis about half as much as SET PX. A key therefore expires at most SLACK_MS + 1 ms after
+-- its bucket is full again, and never before.
+
+local SLACK_MS = 1000
+
+-- The bucket's fill at `now` (units of 1/count us: one token is `period` units) and exp_us.
+local function bucket_read(key, now, count)
+  local state = redis.call('GET', key)
+  if not state then
+    return 0, 0
+  end
+  local tat_us, frac, exp_us
+  if #state == 24 then
+    tat_us, frac, exp_us = struct.unpack('<ddd', state)
+  else
+    local sep = string.find(state, ' ', 1, true)
+    tat_us = tonumber(string.sub(state, 1, sep - 1))
+    frac = tonumber(string.sub(state, sep + 1))
+    exp_us = 0
+  end
+  if tat_us < now then
+    return 0, exp_us
+  end
+  return (tat_us - now) * count + frac, exp_us
+end
+
+-- Store the bucket with fill `used` at `now`. `explicit`: logical time (differential tests),
+-- which runs far ahead of the clock that expires keys: every write sets a TTL of a minute.
+local function bucket_write(key, now, count, used, exp_us, explicit)
+  local ahead = math.floor(used / count)
+  local frac = used - ahead * count
+  local tat_us = now + ahead
+  if explicit then
+    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, 0), 'PX', 60000)
+  elseif tat_us < exp_us then
+    -- Full again at tat_us + frac/count <= tat_us + 1 <= exp_us: the TTL still covers it.
+    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, exp_us), 'KEEPTTL')
+  else
+    local ttl = math.floor((ahead + 1000) / 1000) + SLACK_MS
+    -- One millisecond of margin between Redis TIME and the clock that expires keys.
+    local expires = now + (ttl - 1) * 1000
+    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, expires), 'PX', ttl)
+  end
+end
+
+-- ceil(units / count): units of 1/count us as whole microseconds.
+local function ceil_us(units, count)
+  return math.floor((units + count - 1) / count)
+end

@@ -1,6 +1,8 @@
 //! Natural batching: concurrent decisions share one script call.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -26,9 +28,45 @@ pub(crate) struct Request {
     pub(crate) reply: oneshot::Sender<Result<Decision, GateError>>,
 }
 
+/// The gate's side of the batch driver: its queue, and the script calls in flight (the
+/// driver's and those callers make directly when nothing is in flight).
+#[derive(Debug)]
+pub(crate) struct Batcher {
+    pub(crate) queue: mpsc::UnboundedSender<Request>,
+    pub(crate) calls: Arc<AtomicUsize>,
+}
+
+impl Batcher {
+    /// A claim on the connection for one direct call, if no call is in flight.
+    pub(crate) fn idle_call(&self) -> Option<Call<'_>> {
+        self.calls
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| Call(&self.calls))
+    }
+}
+
+/// One script call in flight, counted until dropped.
+#[derive(Debug)]
+pub(crate) struct Call<'a>(&'a AtomicUsize);
+
+impl<'a> Call<'a> {
+    fn start(calls: &'a AtomicUsize) -> Call<'a> {
+        calls.fetch_add(1, Ordering::AcqRel);
+        Call(calls)
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What the driver needs to call Redis (no handle on the gate itself, so dropping the last
 /// gate handle ends the driver).
 pub(crate) struct Driver<C> {
+    pub(crate) calls: Arc<AtomicUsize>,
     pub(crate) conn: C,
     pub(crate) script: redis::Script,
     pub(crate) limit: Limit,
@@ -112,7 +150,7 @@ where
                         continue;
                     }
                     self.batch_size.record(batch.len() as f64);
-                    in_flight.push(self.dispatch(batch));
+                    in_flight.push(self.dispatch(batch, Call::start(&self.calls)));
                 }
                 else => break,
             }
@@ -121,7 +159,7 @@ where
     }
 
     /// One batch: a single call, or one call per hash slot on a cluster.
-    async fn dispatch(&self, mut batch: Vec<Request>) {
+    async fn dispatch(&self, mut batch: Vec<Request>, _call: Call<'_>) {
         if self.cluster && batch.len() > 1 {
             let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
             for r in batch.drain(..) {

@@ -2,9 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::PoisonError;
-use std::time::Duration;
-
-use tokio::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::decision::Decision;
 use crate::sync::Mutex;

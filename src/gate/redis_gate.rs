@@ -2,16 +2,18 @@
 
 use std::fmt;
 use std::sync::PoisonError;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+// Real time, not tokio's (pausable) clock: the cache, leases and probes follow Redis, whose
+// clock never pauses.
+use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
 
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
-use crate::gate::batch::{Driver, Request};
+use crate::gate::batch::{Batcher, Driver, Request};
 use crate::gate::error::{BackendMessage, GateError, check_key};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
@@ -85,7 +87,7 @@ enum Health {
 struct Inner<C> {
     conn: C,
     /// The batch driver's queue; `None` when batching is off.
-    batcher: Option<mpsc::UnboundedSender<Request>>,
+    batcher: Option<Batcher>,
     cache: RejectCache,
     limit: Limit,
     count: u64,
@@ -100,6 +102,8 @@ struct Inner<C> {
     policy: FailurePolicy,
     probe_interval: Duration,
     health: Mutex<Health>,
+    /// Whether `health` is `Degraded`: lets the healthy path skip the lock.
+    degraded: AtomicBool,
     name: Option<String>,
     metrics: Metrics,
 }
@@ -303,7 +307,9 @@ where
         let transitions = |to| labels.counter(names::TRANSITIONS, &[("to", to)]);
         let batcher = (self.batch_size > 1).then(|| {
             let (tx, rx) = mpsc::unbounded_channel();
+            let calls = Arc::new(AtomicUsize::new(0));
             let driver = Driver {
+                calls: calls.clone(),
                 conn: self.conn.clone(),
                 script: script.clone(),
                 limit: self.limit,
@@ -315,7 +321,7 @@ where
                 cluster: self.cluster,
             };
             tokio::spawn(driver.run(rx));
-            tx
+            Batcher { queue: tx, calls }
         });
         Ok(RedisGate {
             inner: Arc::new(Inner {
@@ -335,6 +341,7 @@ where
                 policy: self.policy,
                 probe_interval: self.probe_interval,
                 health: Mutex::new(Health::Healthy),
+                degraded: AtomicBool::new(false),
                 metrics: Metrics {
                     cached: decisions("cached"),
                     allowed: decisions("allowed"),
@@ -412,7 +419,7 @@ where
             return Ok(decision);
         }
         // While degraded, only one call per probe interval goes to Redis.
-        {
+        if inner.degraded.load(Ordering::Acquire) {
             let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
             if let Health::Degraded { next_probe } = *health {
                 if now < next_probe {
@@ -447,19 +454,53 @@ where
         self.by_policy(key, cost, until_probe, Some(error))
     }
 
+    /// One decision in a script call of its own, bounded by the timeout.
+    async fn call_one(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
+        let inner = &*self.inner;
+        let mut conn = inner.conn.clone();
+        let mut invocation = inner.script.key(self.redis_key(key));
+        scripts::add_args(
+            &mut invocation,
+            &inner.limit,
+            inner.count,
+            inner.period_us,
+            [cost],
+        );
+        let reply = tokio::time::timeout(
+            inner.timeout,
+            invocation.invoke_async::<Vec<i64>>(&mut conn),
+        )
+        .await;
+        match reply {
+            Ok(Ok(r)) if r.len() == scripts::reply_width(&inner.limit) => Ok(scripts::decode(
+                &inner.limit,
+                inner.count,
+                inner.period_us,
+                cost,
+                &r,
+            )),
+            Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
+                "unexpected reply from the gate script: {r:?}"
+            )))),
+            Ok(Err(e)) => Err(GateError::backend(e)),
+            Err(_) => Err(GateError::Timeout(inner.timeout)),
+        }
+    }
+
     /// One decision from Redis, batched or alone, bounded by the timeout.
     async fn decide(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         let started = Instant::now();
-        let result = match &inner.batcher {
-            Some(queue) => {
+        let result = match inner.batcher.as_ref().map(|b| (b, b.idle_call())) {
+            // Calls in flight: join the next batch.
+            Some((batcher, None)) => {
                 let (reply, answer) = oneshot::channel();
                 let request = Request {
                     key: self.redis_key(key),
                     cost,
                     reply,
                 };
-                if queue.send(request).is_err() {
+                if batcher.queue.send(request).is_err() {
                     return Err(GateError::backend(BackendMessage(
                         "the batch driver stopped (its runtime shut down)".into(),
                     )));
@@ -472,32 +513,10 @@ where
                     Err(_) => Err(GateError::Timeout(inner.timeout)),
                 }
             }
-            None => {
-                let mut conn = inner.conn.clone();
-                let mut invocation = inner.script.key(self.redis_key(key));
-                scripts::add_args(
-                    &mut invocation,
-                    &inner.limit,
-                    inner.count,
-                    inner.period_us,
-                    [cost],
-                );
-                match tokio::time::timeout(
-                    inner.timeout,
-                    invocation.invoke_async::<Vec<i64>>(&mut conn),
-                )
-                .await
-                {
-                    Ok(Ok(r)) if r.len() == scripts::reply_width(&inner.limit) => Ok(
-                        scripts::decode(&inner.limit, inner.count, inner.period_us, cost, &r),
-                    ),
-                    Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
-                        "unexpected reply from the gate script: {r:?}"
-                    )))),
-                    Ok(Err(e)) => Err(GateError::backend(e)),
-                    Err(_) => Err(GateError::Timeout(inner.timeout)),
-                }
-            }
+            // Nothing in flight: call Redis from here, without the hop through the driver
+            // (no added latency at low load); callers arriving meanwhile batch behind it.
+            Some((_, Some(_call))) => self.call_one(key, cost).await,
+            None => self.call_one(key, cost).await,
         };
         inner
             .metrics
@@ -655,6 +674,9 @@ where
     }
 
     fn healthy(&self) {
+        if !self.inner.degraded.load(Ordering::Acquire) {
+            return;
+        }
         let mut health = self
             .inner
             .health
@@ -662,6 +684,7 @@ where
             .unwrap_or_else(PoisonError::into_inner);
         if let Health::Degraded { .. } = *health {
             *health = Health::Healthy;
+            self.inner.degraded.store(false, Ordering::Release);
             drop(health);
             self.inner.metrics.degraded.set(0.0);
             self.inner.metrics.to_healthy.increment(1);
@@ -679,6 +702,7 @@ where
         let next_probe = Instant::now() + self.inner.probe_interval;
         let was_healthy = matches!(*health, Health::Healthy);
         *health = Health::Degraded { next_probe };
+        self.inner.degraded.store(true, Ordering::Release);
         drop(health);
         if was_healthy {
             self.inner.metrics.degraded.set(1.0);

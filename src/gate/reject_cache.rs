@@ -3,9 +3,8 @@
 
 use std::collections::HashMap;
 use std::sync::PoisonError;
-use std::time::Duration;
-
-use tokio::time::Instant;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::decision::Decision;
 use crate::sync::Mutex;
@@ -31,6 +30,8 @@ struct Entry {
 #[derive(Debug)]
 pub(crate) struct RejectCache {
     entries: Mutex<HashMap<String, Entry>>,
+    /// `entries.len()`, readable without the lock: an empty cache costs one load.
+    count: AtomicUsize,
     capacity: usize,
 }
 
@@ -38,19 +39,23 @@ impl RejectCache {
     pub(crate) fn new(capacity: usize) -> RejectCache {
         RejectCache {
             entries: Mutex::new(HashMap::new()),
+            count: AtomicUsize::new(0),
             capacity,
         }
     }
 
     /// A cached rejection for `cost` on `key` at `now`, if one applies.
     pub(crate) fn check(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
-        if self.capacity == 0 {
+        // A rejection being recorded concurrently may be missed: the request then goes to
+        // Redis, which is never wrong.
+        if self.count.load(Ordering::Acquire) == 0 {
             return None;
         }
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = *entries.get(key)?;
         if now >= entry.until {
             entries.remove(key);
+            self.count.store(entries.len(), Ordering::Release);
             return None;
         }
         if cost < entry.cost {
@@ -75,6 +80,7 @@ impl RejectCache {
         if entries.len() >= self.capacity && !entries.contains_key(key) {
             let now = Instant::now();
             entries.retain(|_, e| e.until > now);
+            self.count.store(entries.len(), Ordering::Release);
             if entries.len() >= self.capacity {
                 return;
             }
@@ -87,13 +93,11 @@ impl RejectCache {
                 decision: *decision,
             },
         );
+        self.count.store(entries.len(), Ordering::Release);
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.entries
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        self.count.load(Ordering::Acquire)
     }
 }
 
@@ -102,7 +106,7 @@ mod tests {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tokio::time::Instant;
+    use std::time::Instant;
 
     use super::RejectCache;
     use crate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow, TokenBucket};

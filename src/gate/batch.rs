@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use tokio::sync::{mpsc, oneshot};
@@ -25,6 +25,9 @@ const MAX_IN_FLIGHT: usize = 4;
 pub(crate) struct Request {
     pub(crate) key: String,
     pub(crate) cost: u32,
+    /// When the caller's timeout ends: the driver answers by then (the caller sets no timer
+    /// of its own).
+    pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Result<Decision, GateError>>,
 }
 
@@ -85,19 +88,34 @@ where
 {
     /// Decide `batch` in one script call and answer every request.
     async fn call(&self, conn: &mut C, batch: Vec<Request>) {
-        let mut invocation = self.script.prepare_invoke();
+        // A request whose deadline passed while it was queued times out now; the call gets
+        // the time the most urgent of the others has left.
+        let now = Instant::now();
+        let (expired, batch): (Vec<Request>, Vec<Request>) =
+            batch.into_iter().partition(|r| r.deadline <= now);
+        for r in expired {
+            let _ = r.reply.send(Err(GateError::Timeout(self.timeout)));
+        }
+        let Some(deadline) = batch.iter().map(|r| r.deadline).min() else {
+            return;
+        };
+        let left = deadline - now;
+        let mut cmd = scripts::evalsha(&self.script, batch.len());
         for r in &batch {
-            invocation.key(&r.key);
+            cmd.arg(r.key.as_bytes());
         }
         scripts::add_args(
-            &mut invocation,
+            &mut cmd,
             &self.limit,
             self.count,
             self.period_us,
             batch.iter().map(|r| r.cost),
         );
-        let reply =
-            tokio::time::timeout(self.timeout, invocation.invoke_async::<Vec<i64>>(conn)).await;
+        let reply = tokio::time::timeout(
+            left,
+            scripts::query::<_, Vec<i64>>(conn, &self.script, &cmd),
+        )
+        .await;
         let width = scripts::reply_width(&self.limit);
         match reply {
             Ok(Ok(v)) if v.len() == width * batch.len() => {

@@ -395,7 +395,11 @@ where
 
     /// The Redis key a gate key is stored under.
     pub fn redis_key(&self, key: &str) -> String {
-        format!("{}{key}", self.inner.prefix)
+        let prefix = &self.inner.prefix;
+        let mut k = String::with_capacity(prefix.len() + key.len());
+        k.push_str(prefix);
+        k.push_str(key);
+        k
     }
 
     /// Decide one request.
@@ -458,17 +462,12 @@ where
     async fn call_one(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         let mut conn = inner.conn.clone();
-        let mut invocation = inner.script.key(self.redis_key(key));
-        scripts::add_args(
-            &mut invocation,
-            &inner.limit,
-            inner.count,
-            inner.period_us,
-            [cost],
-        );
+        let mut cmd = scripts::evalsha(&inner.script, 1);
+        cmd.arg(self.redis_key(key));
+        scripts::add_args(&mut cmd, &inner.limit, inner.count, inner.period_us, [cost]);
         let reply = tokio::time::timeout(
             inner.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut conn),
+            scripts::query::<_, Vec<i64>>(&mut conn, &inner.script, &cmd),
         )
         .await;
         match reply {
@@ -498,6 +497,7 @@ where
                 let request = Request {
                     key: self.redis_key(key),
                     cost,
+                    deadline: started + inner.timeout,
                     reply,
                 };
                 if batcher.queue.send(request).is_err() {
@@ -505,13 +505,12 @@ where
                         "the batch driver stopped (its runtime shut down)".into(),
                     )));
                 }
-                match tokio::time::timeout(inner.timeout, answer).await {
-                    Ok(Ok(result)) => result,
-                    Ok(Err(_)) => Err(GateError::backend(BackendMessage(
+                // The driver answers by the deadline (its call's timeout ends there).
+                answer.await.unwrap_or_else(|_| {
+                    Err(GateError::backend(BackendMessage(
                         "the batch driver dropped the request".into(),
-                    ))),
-                    Err(_) => Err(GateError::Timeout(inner.timeout)),
-                }
+                    )))
+                })
             }
             // Nothing in flight: call Redis from here, without the hop through the driver
             // (no added latency at low load); callers arriving meanwhile batch behind it.

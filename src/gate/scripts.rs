@@ -39,10 +39,39 @@ pub(crate) fn source(limit: &Limit) -> &'static str {
     }
 }
 
-/// Add the arguments of a batch to `invocation`: the limit's parameters, an empty `now`
-/// (Redis `TIME` decides), then one cost per key.
+/// `EVALSHA <sha1 of script> <keys>`, to be followed by the keys and the arguments. Built as
+/// one [`redis::Cmd`] (one buffer for every argument, unlike `ScriptInvocation`, which
+/// allocates each key and argument on its own and copies them again into a command).
+pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys);
+    cmd
+}
+
+/// Send a command made by [`evalsha`]; if Redis does not have the script (restarted or
+/// flushed), load it and send the command again.
+pub(crate) async fn query<C, T>(
+    conn: &mut C,
+    script: &redis::Script,
+    cmd: &redis::Cmd,
+) -> redis::RedisResult<T>
+where
+    C: redis::aio::ConnectionLike,
+    T: redis::FromRedisValue,
+{
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
+    }
+}
+
+/// Add the arguments of a batch to `cmd` (after its keys): the limit's parameters, an empty
+/// `now` (Redis `TIME` decides), then one cost per key.
 pub(crate) fn add_args(
-    invocation: &mut redis::ScriptInvocation<'_>,
+    invocation: &mut redis::Cmd,
     limit: &Limit,
     count: u64,
     period_us: u64,

@@ -16,8 +16,11 @@
 //! - **Limit**: token bucket, 100 000/s per key, burst 1 000: generous enough that (nearly)
 //!   every decision is admitted, even by the in-memory gate at millions of decisions per
 //!   second, so the admission path is what is timed. The admitted column shows it.
-//! - **Runs**: per (scenario, implementation): `FLUSHALL`, a 0.5 s warm-up, `CONFIG
-//!   RESETSTAT`, then 3 s measured. decisions/s = decisions ÷ wall time until the last
+//! - **Runs**: per scenario, [`ROUNDS`] rounds; in each round every implementation runs in
+//!   turn: `FLUSHALL`, a 0.5 s warm-up, `CONFIG RESETSTAT`, then 2 s measured. Throughput
+//!   ratios are taken between runs of the same round (a drift of this shared machine's speed
+//!   then hits both sides alike) and their median over the rounds is printed; p99 is over
+//!   every round's decisions. decisions/s = decisions ÷ wall time until the last
 //!   caller finished. Latency is per decision, `Instant` before and after the `await`
 //!   (queueing behind other callers on the shared connection included), in a log-linear
 //!   histogram (≤ 1.6 % bucket error); p50 / p99 by nearest rank, and the exact maximum.
@@ -44,9 +47,10 @@
 //! # Running
 //!
 //! ```text
-//! cargo bench --bench gate          # 2 scenarios × 4 implementations × 3.5 s, ~30 s
+//! cargo bench --bench gate          # 2 scenarios × 3 rounds × 5 implementations × 2.5 s, ~80 s
 //! GATE_RUN_MS=1000 cargo bench --bench gate
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
+//! GATE_ROUNDS=5 cargo bench --bench gate
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 100 ms: a smoke test.
@@ -98,7 +102,10 @@ const BURST: u32 = 1_000;
 const KEYS: usize = 1_000;
 const CALLERS: [usize; 2] = [1, 64];
 const WORKERS: usize = 2;
-const RUN: Duration = Duration::from_secs(3);
+const RUN: Duration = Duration::from_secs(2);
+/// Rounds per scenario: every implementation runs once per round, in turn, so a drift of the
+/// machine's speed hits all of them alike; ratios are taken within a round.
+const ROUNDS: usize = 3;
 const WARM_UP: Duration = Duration::from_millis(500);
 const SMOKE_RUN: Duration = Duration::from_millis(100);
 const SMOKE_WARM_UP: Duration = Duration::from_millis(20);
@@ -112,6 +119,10 @@ fn main() {
         .map(Duration::from_millis)
         .unwrap_or(if bench_mode { RUN } else { SMOKE_RUN });
     let warm_up = if bench_mode { WARM_UP } else { SMOKE_WARM_UP };
+    let rounds = std::env::var("GATE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if bench_mode { ROUNDS } else { 1 });
 
     let server = PrivateRedis::start();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -120,14 +131,15 @@ fn main() {
         .build()
         .expect("tokio runtime");
     let load_before = load_average();
-    let rows = rt.block_on(measure_all(&server.url(), run, warm_up));
+    let rows = rt.block_on(measure_all(&server.url(), run, warm_up, rounds));
     let load_after = load_average();
     drop(rt);
     drop(server);
 
     println!(
         "\n== gate: token bucket {RATE}/s burst {BURST} per key, {KEYS} keys uniform, cost 1, \
-         {WORKERS} runtime workers, {run:?} per run after {warm_up:?} warm-up"
+         {WORKERS} runtime workers, {rounds} round(s) of {run:?} per implementation after \
+         {warm_up:?} warm-up each"
     );
     println!("   load average (1/5/15 min): before {load_before}, after {load_after}");
     print_table(&rows);
@@ -136,13 +148,14 @@ fn main() {
 /// One measured run.
 struct Row {
     callers: usize,
+    round: usize,
     name: &'static str,
     run: Totals,
     /// `EVALSHA` calls and their total server time (µs) during the run.
     evalsha: Option<(u64, u64)>,
 }
 
-async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
+async fn measure_all(url: &str, run: Duration, warm_up: Duration, rounds: usize) -> Vec<Row> {
     let client = redis::Client::open(url).expect("redis url");
     let mut admin = client
         .get_multiplexed_async_connection()
@@ -193,7 +206,7 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
     let only = std::env::var("GATE_ONLY").ok();
     let mut rows = Vec::new();
     for callers in CALLERS {
-        for (name, imp) in &imps {
+        for (round, (name, imp)) in (0..rounds).flat_map(|r| imps.iter().map(move |i| (r, i))) {
             if only.as_deref().is_some_and(|o| o != *name) {
                 continue;
             }
@@ -208,11 +221,12 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration) -> Vec<Row> {
                 None
             };
             println!(
-                "  {callers:>2} caller(s) {name:<12} {:>9.0} decisions/s",
+                "  {callers:>2} caller(s) round {round} {name:<16} {:>9.0} decisions/s",
                 totals.per_second()
             );
             rows.push(Row {
                 callers,
+                round,
                 name,
                 run: totals,
                 evalsha,
@@ -512,8 +526,9 @@ impl Histogram {
 
 fn print_table(rows: &[Row]) {
     println!(
-        "\n  {:<10} {:<12} {:>11} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>6}",
+        "\n  {:<10} {:<5} {:<16} {:>11} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>6}",
         "scenario",
+        "round",
         "impl",
         "decisions/s",
         "p50 µs",
@@ -528,13 +543,18 @@ fn print_table(rows: &[Row]) {
     let dash = || "-".to_string();
     for callers in CALLERS {
         let scenario = format!("{callers} caller{}", if callers == 1 { "" } else { "s" });
-        let of = |name: &str| rows.iter().find(|r| r.callers == callers && r.name == name);
+        let of = |name: &str, round: usize| {
+            rows.iter()
+                .find(|r| r.callers == callers && r.name == name && r.round == round)
+        };
+        let rounds = rows.iter().map(|r| r.round + 1).max().unwrap_or(0);
         for row in rows.iter().filter(|r| r.callers == callers) {
             let t = &row.run;
             let per = |n: u64| n as f64 / t.decisions.max(1) as f64;
             println!(
-                "  {:<10} {:<12} {:>11.0} {:>8} {:>8} {:>9} {:>7.2}% {:>10} {:>9} {:>6}",
+                "  {:<10} {:<5} {:<16} {:>11.0} {:>8} {:>8} {:>9} {:>7.2}% {:>10} {:>9} {:>6}",
                 scenario,
+                row.round,
                 row.name,
                 t.per_second(),
                 t.latency.quantile(0.50).map_or_else(dash, us),
@@ -553,12 +573,35 @@ fn print_table(rows: &[Row]) {
                 println!("  {:<10}   first error: {e}", "");
             }
         }
-        let plain = of("plain").map(|p| p.run.per_second());
+        // Ratios within each round (adjacent runs), then their median over the rounds.
         for name in ["flowgate", "flowgate b=1", "flowgate lease16"] {
-            if let (Some(f), Some(p)) = (of(name), plain) {
+            let mut ratios: Vec<f64> = (0..rounds)
+                .filter_map(|r| {
+                    let (f, p) = (of(name, r)?, of("plain", r)?);
+                    Some(f.run.per_second() / p.run.per_second())
+                })
+                .collect();
+            if ratios.is_empty() {
+                continue;
+            }
+            let each: Vec<String> = ratios.iter().map(|x| format!("{x:.3}")).collect();
+            ratios.sort_by(f64::total_cmp);
+            println!(
+                "  {scenario:<10} ratio throughput {name} / plain: median {:.3} (rounds: {})",
+                ratios[ratios.len() / 2],
+                each.join(", ")
+            );
+        }
+        // p99 over all rounds' decisions.
+        for name in ["flowgate", "flowgate lease16", "plain"] {
+            let mut all = Histogram::default();
+            for r in (0..rounds).filter_map(|r| of(name, r)) {
+                all.merge(&r.run.latency);
+            }
+            if let Some(p99) = all.quantile(0.99) {
                 println!(
-                    "  {scenario:<10} ratio        throughput {name} / plain = {:.3}",
-                    f.run.per_second() / p
+                    "  {scenario:<10} p99 over all rounds {name:<16} {}",
+                    us(p99)
                 );
             }
         }

@@ -190,6 +190,75 @@ proptest! {
     }
 }
 
+/// A source that fails its first `failures` fetches, then yields `0..4` and fails once more,
+/// then ends; it records the (paused) time of every fetch.
+struct Flaky {
+    failures: u32,
+    served: bool,
+    failed_after: bool,
+    at: Arc<Mutex<Vec<Duration>>>,
+    origin: tokio::time::Instant,
+}
+
+impl BatchSource for Flaky {
+    type Item = u32;
+    type Error = &'static str;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        _max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, &'static str>>> {
+        let elapsed = self.origin.elapsed();
+        self.at.lock().unwrap().push(elapsed);
+        if self.failures > 0 {
+            self.failures -= 1;
+            return Poll::Ready(Some(Err("down")));
+        }
+        if !self.served {
+            self.served = true;
+            return Poll::Ready(Some(Ok((0..4).collect())));
+        }
+        if !self.failed_after {
+            self.failed_after = true;
+            return Poll::Ready(Some(Err("down again")));
+        }
+        Poll::Ready(None)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_fetch_is_yielded_and_the_next_one_waits_with_backoff() {
+    let at = Arc::new(Mutex::new(Vec::new()));
+    let source = Flaky {
+        failures: 3,
+        served: false,
+        failed_after: false,
+        at: at.clone(),
+        origin: tokio::time::Instant::now(),
+    };
+    let out: Vec<Result<u32, &str>> = prefetch(source, 4, 0).unwrap().collect().await;
+    assert_eq!(
+        out,
+        [
+            Err("down"),
+            Err("down"),
+            Err("down"),
+            Ok(0),
+            Ok(1),
+            Ok(2),
+            Ok(3),
+            Err("down again"),
+        ]
+    );
+    let ms = |v: u64| Duration::from_millis(v);
+    // 10 ms, then doubling while it keeps failing; a success starts over at 10 ms.
+    assert_eq!(
+        *at.lock().unwrap(),
+        [ms(0), ms(10), ms(30), ms(70), ms(70), ms(80)]
+    );
+}
+
 #[test]
 fn bad_requests_and_configs_are_typed_errors() {
     let (_s, demand) = futures::stream::iter(0..1).with_demand(0);
@@ -206,6 +275,15 @@ fn bad_requests_and_configs_are_typed_errors() {
     assert_eq!(
         (e.field(), e.kind()),
         ("prefetch.low", ConfigErrorKind::Inconsistent)
+    );
+    let e = prefetch(source(), 4, 1)
+        .unwrap()
+        .retry_backoff(Duration::from_secs(2), Duration::from_secs(1))
+        .err()
+        .unwrap();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("prefetch.retry_backoff", ConfigErrorKind::Inconsistent)
     );
     let e = futures::stream::iter(0..1).watermarks(2, 2).err().unwrap();
     assert_eq!(e.field(), "watermarks.low");

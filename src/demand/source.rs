@@ -4,11 +4,13 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use std::vec;
 
 use futures::Stream;
 use futures::stream::FusedStream;
 use pin_project::pin_project;
+use tokio::time::Sleep;
 
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Gauge, Labels};
@@ -100,8 +102,11 @@ impl<S: Stream> BatchSource for StreamSource<S> {
 /// At most `high` items are fetched but not yet consumed. When the buffer falls to `low`,
 /// the next fetch asks for exactly `high − buffered` items — never more — so memory stays
 /// bounded and nothing is fetched that downstream has no room for. A fetch error is yielded
-/// as an `Err` item (after the items buffered before it); the stream ends when the source
-/// does and the buffer is empty.
+/// as an `Err` item (after the items buffered before it), and the next fetch waits (10 ms,
+/// doubling up to 1 s while fetches keep failing; see
+/// [`retry_backoff`](Prefetch::retry_backoff)), so a loop that logs errors and goes on does
+/// not hammer a source that is down. The stream ends when the source does and the buffer is
+/// empty.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Prefetch<S: BatchSource> {
@@ -119,6 +124,13 @@ pub struct Prefetch<S: BatchSource> {
     error: Option<S::Error>,
     done: bool,
     buffered: Gauge,
+    /// After a failed fetch the next one waits `retry_next`: `retry_min`, doubling after each
+    /// further failure up to `retry_max`.
+    retry_min: Duration,
+    retry_max: Duration,
+    retry_next: Duration,
+    /// Boxed only when a fetch failed, so the stream stays `Unpin` when its source is.
+    pause: Option<Pin<Box<Sleep>>>,
 }
 
 /// Fetch from `source` by demand: keep at most `high` items buffered, refill when the buffer
@@ -179,7 +191,33 @@ impl<S: BatchSource> Prefetch<S> {
             error: None,
             done: false,
             buffered: Labels::new(name).gauge(names::BUFFERED, &[]),
+            retry_min: DEFAULT_RETRY_MIN,
+            retry_max: DEFAULT_RETRY_MAX,
+            retry_next: DEFAULT_RETRY_MIN,
+            pause: None,
         })
+    }
+
+    /// How long the fetch after a failed one waits: `min`, doubling after each further failure
+    /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
+    /// `min` zero a failed fetch is retried at once. The pause needs a tokio runtime with time
+    /// enabled; polled outside one, the stream does not pause.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `prefetch.retry_backoff` if `min` is above `max`.
+    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Result<Self, ConfigError> {
+        if min > max {
+            return Err(ConfigError::new(
+                "prefetch.retry_backoff",
+                ConfigErrorKind::Inconsistent,
+                format!("min {min:?} is above max {max:?}"),
+            ));
+        }
+        self.retry_min = min;
+        self.retry_max = max;
+        self.retry_next = min;
+        Ok(self)
     }
 
     /// Items fetched and not yet consumed.
@@ -224,6 +262,9 @@ impl<S: BatchSource> Prefetch<S> {
         self.source
     }
 }
+
+const DEFAULT_RETRY_MIN: Duration = Duration::from_millis(10);
+const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Names of the prefetch metrics.
 pub(crate) mod names {
@@ -270,8 +311,16 @@ impl<S: BatchSource> Prefetch<S> {
     ) -> Poll<Option<Result<S::Item, S::Error>>> {
         let mut this = self.project();
         let buffered = this.current.len() + *this.queued_items;
-        let refill = this.fetching.is_some()
+        let mut refill = this.fetching.is_some()
             || (buffered <= *this.low && !*this.done && this.error.is_none());
+        // Pausing after a failed fetch?
+        if refill && let Some(pause) = this.pause.as_mut() {
+            if pause.as_mut().poll(cx).is_pending() {
+                refill = false;
+            } else {
+                *this.pause = None;
+            }
+        }
         if refill {
             let max = *this.fetching.get_or_insert(*this.high - buffered);
             if let Poll::Ready(result) = this.source.as_mut().poll_fetch(cx, max) {
@@ -279,6 +328,7 @@ impl<S: BatchSource> Prefetch<S> {
                 match result {
                     Some(Ok(batch)) => {
                         debug_assert!(batch.len() <= max, "source returned more than max");
+                        *this.retry_next = *this.retry_min;
                         let fetched = batch.len();
                         if this.current.len() == 0 && this.queued.is_empty() {
                             *this.current = batch.into_iter();
@@ -295,7 +345,14 @@ impl<S: BatchSource> Prefetch<S> {
                             return Poll::Pending;
                         }
                     }
-                    Some(Err(e)) => *this.error = Some(e),
+                    Some(Err(e)) => {
+                        *this.error = Some(e);
+                        let wait = *this.retry_next;
+                        if !wait.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
+                            *this.pause = Some(Box::pin(tokio::time::sleep(wait)));
+                            *this.retry_next = (wait * 2).min(*this.retry_max);
+                        }
+                    }
                     None => *this.done = true,
                 }
             }
@@ -329,6 +386,7 @@ impl<S: BatchSource + fmt::Debug> fmt::Debug for Prefetch<S> {
             .field("high", &self.high)
             .field("low", &self.low)
             .field("fetching", &self.fetching)
+            .field("retry_backoff", &(self.retry_min, self.retry_max))
             .finish()
     }
 }

@@ -51,6 +51,7 @@
 //! GATE_RUN_MS=1000 cargo bench --bench gate
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
 //! GATE_ROUNDS=5 cargo bench --bench gate
+//! GATE_WORKERS=1 cargo bench --bench gate    # the client on one worker thread
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 100 ms: a smoke test.
@@ -124,9 +125,13 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if bench_mode { ROUNDS } else { 1 });
 
+    let workers = std::env::var("GATE_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(WORKERS);
     let server = PrivateRedis::start();
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(WORKERS)
+        .worker_threads(workers)
         .enable_all()
         .build()
         .expect("tokio runtime");
@@ -138,7 +143,7 @@ fn main() {
 
     println!(
         "\n== gate: token bucket {RATE}/s burst {BURST} per key, {KEYS} keys uniform, cost 1, \
-         {WORKERS} runtime workers, {rounds} round(s) of {run:?} per implementation after \
+         {workers} runtime worker(s), {rounds} round(s) of {run:?} per implementation after \
          {warm_up:?} warm-up each"
     );
     println!("   load average (1/5/15 min): before {load_before}, after {load_after}");

@@ -15,8 +15,9 @@
 //!   `bulkhead_map_unordered` (`bulkhead_map`) with a bulkhead of limit `c`, against
 //!   `map(..).buffer_unordered(c)` (`buffered(c)`), mapping each item to a trivial
 //!   `async move { x }` and counting the outputs (asserted). Current-thread runtime; the
-//!   cost measured is the adapter itself. flowgate's adapter polls a fresh future in a slot
-//!   of its own, so a future that is ready at once never touches its `FuturesUnordered`.
+//!   cost measured is the adapter itself. flowgate's adapters poll a fresh future in a slot
+//!   of their own, so a future that is ready at once never touches their
+//!   `FuturesUnordered` / `FuturesOrdered`.
 //! - **`bulkhead_map_unordered_yield_c{64,8}`**: the same with futures that yield once
 //!   (`yield_now().await` before returning), so both adapters run them through a
 //!   `FuturesUnordered` (an extra check, not an issue requirement).

@@ -345,6 +345,25 @@ async fn close_fails_waiters_and_new_acquisitions_but_not_work_in_flight() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_ordered_adapter_holds_back_outputs_that_overtake_the_oldest() {
+    // Every fourth future is slow; the ones after it finish first and must wait their turn.
+    let b = Bulkhead::new(4).unwrap();
+    let out: Vec<u64> = futures::stream::iter(0..20u64)
+        .bulkhead_map(b.clone(), |x| async move {
+            if x % 4 == 0 {
+                sleep(Duration::from_millis(50)).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+            x
+        })
+        .collect()
+        .await;
+    assert_eq!(out, (0..20).collect::<Vec<_>>());
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_ordered_adapter_yields_in_input_order() {
     let b = Bulkhead::new(4).unwrap();
     let gauge = Gauge::default();

@@ -1,5 +1,6 @@
 //! `bulkhead_map`: map each item under a permit, yield in input order.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -39,12 +40,22 @@ impl<Fut: Future> Future for Permitted<Fut> {
 /// input order (like `buffered`). A future that completes early returns its permit at once;
 /// its output waits for the ones before it. At most `limit()` outputs are in flight or
 /// waiting, so memory stays bounded while the head of the line is slow.
+///
+/// When nothing else is in flight, a new future runs in a slot inside the adapter and is
+/// polled as soon as it is made (it is then the oldest, so its output goes first): a future
+/// that is ready at once costs no allocation. Outputs of later futures that finish while the
+/// slot's future still runs wait in a small queue behind it.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMap<St: Stream, F, Fut: Future> {
     #[pin]
     feed: Feed<St>,
     f: F,
+    /// The oldest future in flight, polled in place (filled only when nothing else runs).
+    #[pin]
+    slot: Option<Permitted<Fut>>,
+    /// Outputs of `running` that finished before the slot's future, in order.
+    done: VecDeque<Fut::Output>,
     running: FuturesOrdered<Permitted<Fut>>,
 }
 
@@ -58,6 +69,8 @@ where
         BulkheadMap {
             feed: Feed::new(stream, bulkhead),
             f,
+            slot: None,
+            done: VecDeque::new(),
             running: FuturesOrdered::new(),
         }
     }
@@ -83,6 +96,13 @@ where
     }
 }
 
+impl<St: Stream, F, Fut: Future> BulkheadMap<St, F, Fut> {
+    /// Outputs in flight or waiting their turn.
+    fn queued(&self) -> usize {
+        usize::from(self.slot.is_some()) + self.done.len() + self.running.len()
+    }
+}
+
 impl<St, F, Fut> Stream for BulkheadMap<St, F, Fut>
 where
     St: Stream,
@@ -93,27 +113,61 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        // Start work while there is input and a permit for it, with at most `limit` outputs
-        // in flight or waiting their turn.
-        while this.running.len() < this.feed.limit() {
-            let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty()) else {
-                break;
-            };
-            let permit = Some(this.feed.as_mut().into_owned());
-            this.running.push_back(Permitted {
-                fut: (this.f)(item),
-                permit,
-            });
-        }
-        match this.running.poll_next_unpin(cx) {
-            Poll::Ready(Some(out)) => Poll::Ready(Some(out)),
-            Poll::Ready(None) if this.feed.is_done() => Poll::Ready(None),
-            _ => Poll::Pending,
+        loop {
+            // The slot holds the oldest output to come, then `done`, then `running`.
+            match this.slot.as_mut().as_pin_mut() {
+                Some(fut) => {
+                    if let Poll::Ready(out) = fut.poll(cx) {
+                        this.slot.set(None);
+                        return Poll::Ready(Some(out));
+                    }
+                }
+                None => {
+                    if let Some(out) = this.done.pop_front() {
+                        return Poll::Ready(Some(out));
+                    }
+                }
+            }
+            // Start work while there is input and a permit for it, with at most `limit`
+            // outputs in flight or waiting their turn.
+            let mut fresh = false;
+            loop {
+                let queued =
+                    usize::from(this.slot.is_some()) + this.done.len() + this.running.len();
+                if queued >= this.feed.limit() {
+                    break;
+                }
+                let Some(item) = this.feed.as_mut().poll_start(cx, queued > 0) else {
+                    break;
+                };
+                let fut = Permitted {
+                    fut: (this.f)(item),
+                    permit: Some(this.feed.as_mut().into_owned()),
+                };
+                if queued == 0 {
+                    this.slot.set(Some(fut));
+                    fresh = true;
+                    break;
+                }
+                this.running.push_back(fut);
+            }
+            if fresh {
+                continue;
+            }
+            match this.running.poll_next_unpin(cx) {
+                // Younger than the slot's future: it waits its turn.
+                Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
+                Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
+                Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
+                    return Poll::Ready(None);
+                }
+                _ => return Poll::Pending,
+            }
         }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        self.feed.size_hint(self.running.len(), true)
+        self.feed.size_hint(self.queued(), true)
     }
 }
 
@@ -124,7 +178,7 @@ where
     Fut: Future,
 {
     fn is_terminated(&self) -> bool {
-        self.running.is_empty() && self.feed.is_done()
+        self.queued() == 0 && self.feed.is_done()
     }
 }
 
@@ -136,7 +190,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BulkheadMap")
             .field("stream", self.feed.inner())
-            .field("running", &self.running.len())
+            .field("running", &self.queued())
             .finish_non_exhaustive()
     }
 }

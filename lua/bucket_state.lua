@@ -1,12 +1,14 @@
 -- flowgate token bucket state, shared by token_bucket.lua, token_bucket_all.lua and
 -- token_bucket_lease.lua: the gate puts this file in front of each of them.
 --
--- A bucket is one string key of 24 bytes: three little-endian doubles (every value is an
--- integer below 2^53, so exact):
+-- A bucket is one string key of 25 bytes: a zero byte (the text form below never starts
+-- with one), then three little-endian doubles (every value is an integer below 2^53, so
+-- exact):
 --   tat_us   the theoretical arrival time (TAT), whole microseconds of the Redis clock
 --   frac     the rest of the TAT, in units of 1/count us (0 <= frac < count)
 --   exp_us   until this time the key is known not to expire (0: not known)
--- The text form "<tat_us> <frac>" written by flowgate 0.1 is still read.
+-- The text form "<tat_us> <frac>" written by flowgate 0.1 is still read. KEEPTTL needs
+-- Redis 6.0 or later.
 --
 -- TTL: a write sets the key's TTL only when the bucket would outlive it, and then to the time
 -- the bucket is full again plus SLACK_MS; other writes keep the TTL (SET KEEPTTL), which costs
@@ -22,8 +24,9 @@ local function bucket_read(key, now, count)
     return 0, 0
   end
   local tat_us, frac, exp_us
-  if #state == 24 then
-    tat_us, frac, exp_us = struct.unpack('<ddd', state)
+  if string.byte(state, 1) == 0 then
+    local _
+    _, tat_us, frac, exp_us = struct.unpack('<Bddd', state)
   else
     local sep = string.find(state, ' ', 1, true)
     tat_us = tonumber(string.sub(state, 1, sep - 1))
@@ -43,15 +46,15 @@ local function bucket_write(key, now, count, used, exp_us, explicit)
   local frac = used - ahead * count
   local tat_us = now + ahead
   if explicit then
-    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, 0), 'PX', 60000)
+    redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, 0), 'PX', 60000)
   elseif tat_us < exp_us then
     -- Full again at tat_us + frac/count <= tat_us + 1 <= exp_us: the TTL still covers it.
-    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, exp_us), 'KEEPTTL')
+    redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, exp_us), 'KEEPTTL')
   else
     local ttl = math.floor((ahead + 1000) / 1000) + SLACK_MS
     -- One millisecond of margin between Redis TIME and the clock that expires keys.
     local expires = now + (ttl - 1) * 1000
-    redis.call('SET', key, struct.pack('<ddd', tat_us, frac, expires), 'PX', ttl)
+    redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, expires), 'PX', ttl)
   end
 end
 

@@ -446,6 +446,27 @@ async fn the_unordered_adapter_mixes_ready_and_waiting_futures() {
     assert_eq!(b.in_flight(), 0);
 }
 
+#[test]
+fn a_mapped_future_that_panicked_is_not_polled_again() {
+    // The panicking future sits in the adapter's slot; after the panic is caught the adapter
+    // goes on with the other items instead of polling the dead future again.
+    let b = Bulkhead::new(2).unwrap();
+    let mut stream = Box::pin(futures::stream::iter(0..3u32).bulkhead_map_unordered(
+        b.clone(),
+        |x| async move {
+            assert_ne!(x, 0, "boom");
+            x
+        },
+    ));
+    let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        futures::executor::block_on(stream.next())
+    }));
+    assert!(first.is_err());
+    let rest: Vec<u32> = futures::executor::block_on(stream.collect());
+    assert_eq!(rest, [1, 2]);
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[tokio::test]
 async fn permits_are_released_when_a_mapped_future_panics() {
     let b = Bulkhead::new(2).unwrap();

@@ -254,35 +254,49 @@ async fn ten_per_second(con: &MultiplexedConnection) -> RedisGate<MultiplexedCon
 async fn a_bucket_in_the_text_form_of_0_1_is_still_read() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let gate = ten_per_second(&con).await;
-    // "<tat_us> <frac>": drained until 10 s from now (the bucket holds 1 s).
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
-    let now_us = secs * 1_000_000 + micros;
-    let () = redis::cmd("SET")
-        .arg(gate.redis_key("old"))
-        .arg(format!("{} 0", now_us + 10_000_000))
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut con)
+    // 10/s, and 2 000 000/s: there the text form's fraction has 7 digits, which makes the
+    // whole text 24 bytes long (the size of the packed doubles, without the marker byte).
+    for (n, frac) in [(10u32, 0u64), (2_000_000, 1_000_000)] {
+        let gate = RedisGate::builder(
+            con.clone(),
+            Limit::TokenBucket(Quota::per_second(n).unwrap()),
+        )
+        .prefix(format!("tb{n}:"))
+        .build()
         .await
         .unwrap();
-    let d = gate.acquire("old", 1).await.unwrap();
-    assert!(!d.allowed);
-    // 10 s ahead + 0.1 s for the token - 1 s of bucket, less the time since TIME.
-    assert!(
-        d.retry_after > Duration::from_millis(8_900)
-            && d.retry_after <= Duration::from_millis(9_100),
-        "{d:?}"
-    );
-    // A key written now is in the binary form, and read back the same way.
-    assert!(gate.acquire("new", 10).await.unwrap().allowed);
-    let stored: Vec<u8> = redis::cmd("GET")
-        .arg(gate.redis_key("new"))
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(stored.len(), 24);
-    assert!(!gate.acquire("new", 1).await.unwrap().allowed);
+        // "<tat_us> <frac>": drained until 10 s from now (the bucket holds 1 s).
+        let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+        let now_us = secs * 1_000_000 + micros;
+        let text = format!("{} {frac}", now_us + 10_000_000);
+        let () = redis::cmd("SET")
+            .arg(gate.redis_key("old"))
+            .arg(&text)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let d = gate.acquire("old", 1).await.unwrap();
+        assert!(!d.allowed, "{n}/s, {text:?}: {d:?}");
+        // 10 s ahead + one token - 1 s of bucket, less the time since TIME.
+        assert!(
+            d.retry_after > Duration::from_millis(8_900)
+                && d.retry_after <= Duration::from_millis(9_100),
+            "{n}/s, {text:?}: {d:?}"
+        );
+        // A key written now is in the packed form, and read back the same way.
+        assert!(gate.acquire("new", n).await.unwrap().allowed);
+        let stored: Vec<u8> = redis::cmd("GET")
+            .arg(gate.redis_key("new"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!((stored.len(), stored[0]), (25, 0));
+        // Read back drained: at most what the last few milliseconds refilled is left.
+        let d = gate.acquire("new", 1).await.unwrap();
+        assert!(d.remaining < u64::from(n) / 10 + 1, "{n}/s: {d:?}");
+    }
 }
 
 #[tokio::test]

@@ -13,6 +13,7 @@ use pin_project::pin_project;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
+use crate::bulkhead::slot::poll_slot;
 
 /// A mapped future that returns its permit the moment it completes (or is dropped).
 #[pin_project]
@@ -115,18 +116,14 @@ where
         let mut this = self.project();
         loop {
             // The slot holds the oldest output to come, then `done`, then `running`.
-            match this.slot.as_mut().as_pin_mut() {
-                Some(fut) => {
-                    if let Poll::Ready(out) = fut.poll(cx) {
-                        this.slot.set(None);
-                        return Poll::Ready(Some(out));
-                    }
-                }
-                None => {
+            match poll_slot(this.slot.as_mut(), cx) {
+                Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
+                Poll::Ready(None) => {
                     if let Some(out) = this.done.pop_front() {
                         return Poll::Ready(Some(out));
                     }
                 }
+                Poll::Pending => {}
             }
             // Start work while there is input and a permit for it, with at most `limit`
             // outputs in flight or waiting their turn.
@@ -154,14 +151,17 @@ where
             if fresh {
                 continue;
             }
-            match this.running.poll_next_unpin(cx) {
-                // Younger than the slot's future: it waits its turn.
-                Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
-                Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
-                Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
-                    return Poll::Ready(None);
+            // The slot's future (if any) was polled above and is pending: outputs that finish
+            // before it wait their turn, without polling it again.
+            loop {
+                match this.running.poll_next_unpin(cx) {
+                    Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
+                    Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
+                    Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
+                        return Poll::Ready(None);
+                    }
+                    _ => return Poll::Pending,
                 }
-                _ => return Poll::Pending,
             }
         }
     }

@@ -11,6 +11,7 @@ use pin_project::pin_project;
 
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
+use crate::bulkhead::slot::poll_slot;
 
 /// Stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered).
 ///
@@ -94,10 +95,7 @@ where
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
         let out = loop {
-            if let Some(fut) = this.slot.as_mut().as_pin_mut()
-                && let Poll::Ready(out) = fut.poll(cx)
-            {
-                this.slot.set(None);
+            if let Poll::Ready(Some(out)) = poll_slot(this.slot.as_mut(), cx) {
                 break out;
             }
             // Start work while there is input and a permit for it; a new future that lands

@@ -33,6 +33,7 @@ mod feed;
 mod handle;
 mod map;
 mod map_unordered;
+mod slot;
 mod spawn_map;
 
 pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};

@@ -200,8 +200,9 @@ impl<S: BatchSource> Prefetch<S> {
 
     /// How long the fetch after a failed one waits: `min`, doubling after each further failure
     /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
-    /// `min` zero a failed fetch is retried at once. The pause needs a tokio runtime with time
-    /// enabled; polled outside one, the stream does not pause.
+    /// `min` zero a failed fetch is retried at once. The pause is a tokio timer: inside a tokio
+    /// runtime that runtime must have time enabled (as for every timed part of flowgate);
+    /// polled outside any tokio runtime, the stream does not pause.
     ///
     /// # Errors
     ///
@@ -350,7 +351,7 @@ impl<S: BatchSource> Prefetch<S> {
                         let wait = *this.retry_next;
                         if !wait.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
                             *this.pause = Some(Box::pin(tokio::time::sleep(wait)));
-                            *this.retry_next = (wait * 2).min(*this.retry_max);
+                            *this.retry_next = wait.saturating_mul(2).min(*this.retry_max);
                         }
                     }
                     None => *this.done = true,

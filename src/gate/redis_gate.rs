@@ -118,6 +118,10 @@ struct Inner<C> {
 /// - **TTLs**: every key expires once its state is neutral again; idle keys vanish. A token
 ///   bucket key lives up to 1 s longer than that: its TTL is set with that slack so that most
 ///   writes can keep it (`SET .. KEEPTTL` costs Redis about half as much as `SET .. PX`).
+/// - **Redis version**: 6.0 or later (`SET .. KEEPTTL`).
+/// - **Upgrading from flowgate 0.1**: token bucket keys are now stored packed (25 bytes)
+///   instead of as text. This version reads both, but 0.1 cannot read the new form: upgrade
+///   every instance that shares a key prefix at once, or give the new ones a new prefix.
 /// - **Runtime limits**: the parameters travel with every call; change them by building a new
 ///   gate over the same prefix.
 /// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default
@@ -505,12 +509,15 @@ where
                         "the batch driver stopped (its runtime shut down)".into(),
                     )));
                 }
-                // The driver answers by the deadline (its call's timeout ends there).
-                answer.await.unwrap_or_else(|_| {
-                    Err(GateError::backend(BackendMessage(
+                // The driver answers by the deadline (its call's timeout ends there); the
+                // timer here is the backstop for a driver whose runtime is not being driven.
+                match tokio::time::timeout(inner.timeout, answer).await {
+                    Ok(Ok(result)) => result,
+                    Ok(Err(_)) => Err(GateError::backend(BackendMessage(
                         "the batch driver dropped the request".into(),
-                    )))
-                })
+                    ))),
+                    Err(_) => Err(GateError::Timeout(inner.timeout)),
+                }
             }
             // Nothing in flight: call Redis from here, without the hop through the driver
             // (no added latency at low load); callers arriving meanwhile batch behind it.

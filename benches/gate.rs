@@ -47,7 +47,7 @@
 //! # Running
 //!
 //! ```text
-//! cargo bench --bench gate          # 2 scenarios × 3 rounds × 5 implementations × 2.5 s, ~80 s
+//! cargo bench --bench gate          # 2 scenarios × 5 rounds × 5 implementations × 2.5 s, ~2 min
 //! GATE_RUN_MS=1000 cargo bench --bench gate
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
 //! GATE_ROUNDS=5 cargo bench --bench gate
@@ -106,7 +106,7 @@ const WORKERS: usize = 2;
 const RUN: Duration = Duration::from_secs(2);
 /// Rounds per scenario: every implementation runs once per round, in turn, so a drift of the
 /// machine's speed hits all of them alike; ratios are taken within a round.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 const WARM_UP: Duration = Duration::from_millis(500);
 const SMOKE_RUN: Duration = Duration::from_millis(100);
 const SMOKE_WARM_UP: Duration = Duration::from_millis(20);

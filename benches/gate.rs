@@ -52,6 +52,8 @@
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
 //! GATE_ROUNDS=5 cargo bench --bench gate
 //! GATE_WORKERS=1 cargo bench --bench gate    # the client on one worker thread
+//! GATE_REDIS_CPUS=0 GATE_WORKERS=1 taskset -c 1 cargo bench --bench gate
+//!                                             # server and client on a core each
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 100 ms: a smoke test.
@@ -645,7 +647,17 @@ impl PrivateRedis {
                 .and_then(|l| l.local_addr())
                 .expect("find a free port")
                 .port();
-            let spawned = Command::new("redis-server")
+            // GATE_REDIS_CPUS=0: the server runs on those CPUs only (`taskset`), so that with
+            // `taskset -c 1 cargo bench ..` client and server do not share a core.
+            let mut command = match std::env::var("GATE_REDIS_CPUS") {
+                Ok(cpus) => {
+                    let mut c = Command::new("taskset");
+                    c.args(["-c", &cpus, "redis-server"]);
+                    c
+                }
+                Err(_) => Command::new("redis-server"),
+            };
+            let spawned = command
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
                 .arg("--dir")

@@ -47,11 +47,7 @@ mod support;
 
 use std::convert::Infallible;
 use std::hint::black_box;
-use std::io::ErrorKind;
-use std::net::TcpListener;
-use std::path::PathBuf;
 use std::pin::{Pin, pin};
-use std::process::{Child, Command, Stdio};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -60,6 +56,7 @@ use flowgate::demand::{BatchSource, Fetched, RedisStreamSource, StreamSource, pr
 use futures::{Stream, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
+use support::redis_server::PrivateRedis;
 use tokio::runtime::Runtime;
 
 /// Items per iteration of the in-memory groups.
@@ -238,93 +235,6 @@ criterion_group! {
 // Redis Streams
 // ---------------------------------------------------------------------------------------
 
-/// A private `redis-server`, killed (and its temp dir removed) on drop, also on panic.
-struct RedisServer {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl RedisServer {
-    /// Start one on a free port of 127.0.0.1 and wait until it answers PING. Exits the
-    /// process with one line if `redis-server` is not on `PATH`.
-    fn start() -> RedisServer {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let dir = std::env::temp_dir().join(format!(
-            "flowgate-bench-demand-{}-{port}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let spawned = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                if e.kind() == ErrorKind::NotFound {
-                    println!(
-                        "redis-server not found on PATH: the Redis Streams part of this bench \
-                         needs it (apt-get install -y redis-server)"
-                    );
-                } else {
-                    println!("cannot start redis-server: {e}");
-                }
-                std::process::exit(1);
-            }
-        };
-        let server = RedisServer { child, port, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let pong = server
-                .client()
-                .get_connection_with_timeout(Duration::from_millis(200));
-            if let Ok(mut con) = pong
-                && redis::cmd("PING").query::<String>(&mut con).is_ok()
-            {
-                return server;
-            }
-            // `server` is dropped (killed) by the panic.
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on port {port} did not answer PING within 10 s (log: {})",
-                server.dir.join("redis.log").display()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn client(&self) -> redis::Client {
-        redis::Client::open(format!("redis://127.0.0.1:{}/", self.port)).expect("valid url")
-    }
-
-    async fn connect(&self) -> MultiplexedConnection {
-        self.client()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect to the private redis-server")
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 async fn produce(con: &mut MultiplexedConnection, n: u64) {
     let mut i = 0;
     while i < n {
@@ -357,7 +267,7 @@ async fn pending(con: &mut MultiplexedConnection, group: &str) -> u64 {
 }
 
 /// (a): `prefetch(RedisStreamSource, 100, 20)`, ack every entry, flush at the end.
-async fn run_prefetch(server: &RedisServer, group: &str, n: u64) -> Duration {
+async fn run_prefetch(server: &PrivateRedis, group: &str, n: u64) -> Duration {
     let source = RedisStreamSource::builder(server.connect().await, STREAM_KEY, group, "c")
         // Every entry is there before the run, so a read waits only after the last one: keep
         // that wait short, as `flush_acks` queues behind it on the same connection.
@@ -386,7 +296,7 @@ async fn run_prefetch(server: &RedisServer, group: &str, n: u64) -> Duration {
 }
 
 /// (b): one `XREADGROUP COUNT 1` and one `XACK` per entry.
-async fn run_naive(server: &RedisServer, group: &str, n: u64) -> Duration {
+async fn run_naive(server: &PrivateRedis, group: &str, n: u64) -> Duration {
     let mut con = server.connect().await;
     let _: () = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -444,9 +354,9 @@ fn redis_streams(bench_mode: bool) {
     println!(
         "\n== demand_redis_streams: {n} entries, {reps} run(s) each (alternating), median; \
          load average {}",
-        loadavg()
+        support::load_average()
     );
-    let server = RedisServer::start();
+    let server = PrivateRedis::start("demand", None);
     let rt = current_thread();
     rt.block_on(async {
         let mut con = server.connect().await;
@@ -486,12 +396,6 @@ fn redis_streams(bench_mode: bool) {
     drop(server);
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "n/a".into())
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let bench_mode = args.iter().any(|a| a == "--bench");
@@ -503,7 +407,7 @@ fn main() {
     println!(
         "demand: {} CPUs, load average at start {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        loadavg()
+        support::load_average()
     );
 
     let started = SystemTime::now();
@@ -569,5 +473,5 @@ fn main() {
     if filters.is_empty() || filters.iter().any(|f| "demand_redis_streams".contains(f)) {
         redis_streams(bench_mode);
     }
-    println!("\nload average at end: {}", loadavg());
+    println!("\nload average at end: {}", support::load_average());
 }

@@ -59,16 +59,15 @@
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 100 ms: a smoke test.
 //! `redis-server` must be on `PATH`; without it the bench prints one line and exits with 1.
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use flowgate::Quota;
 use flowgate::gate::{Gate, Limit, MemoryGate, RedisGate};
 use redis::aio::MultiplexedConnection;
+use support::redis_server::PrivateRedis;
 
 /// The token bucket as commonly written: client time, floats, a hash with tokens and
 /// timestamp. ARGV: rate (tokens/s), capacity, now (client time, s), requested.
@@ -131,15 +130,18 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(WORKERS);
-    let server = PrivateRedis::start();
+    // GATE_REDIS_CPUS=0: the server runs on those CPUs only (`taskset`), so that with
+    // `taskset -c 1 cargo bench ..` client and server do not share a core.
+    let cpus = std::env::var("GATE_REDIS_CPUS").ok();
+    let server = PrivateRedis::start("gate", cpus.as_deref());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let load_before = load_average();
+    let load_before = support::load_average();
     let rows = rt.block_on(measure_all(&server.url(), run, warm_up, rounds));
-    let load_after = load_average();
+    let load_after = support::load_average();
     drop(rt);
     drop(server);
 
@@ -613,119 +615,4 @@ fn print_table(rows: &[Row]) {
             }
         }
     }
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "n/a".into())
-}
-
-/// A private `redis-server`, killed (and its temp dir removed) on drop.
-struct PrivateRedis {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl PrivateRedis {
-    /// Starts the server and waits for PING; exits the process with 1 and one line when
-    /// `redis-server` is not on `PATH`.
-    fn start() -> PrivateRedis {
-        let mut last_failure = String::new();
-        for attempt in 0..5 {
-            let dir = std::env::temp_dir().join(format!(
-                "flowgate-bench-gate-{}-{attempt}-{}",
-                std::process::id(),
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map(|d| d.subsec_nanos())
-                    .unwrap_or(0)
-            ));
-            std::fs::create_dir_all(&dir).expect("create the server's temp dir");
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("find a free port")
-                .port();
-            // GATE_REDIS_CPUS=0: the server runs on those CPUs only (`taskset`), so that with
-            // `taskset -c 1 cargo bench ..` client and server do not share a core.
-            let mut command = match std::env::var("GATE_REDIS_CPUS") {
-                Ok(cpus) => {
-                    let mut c = Command::new("taskset");
-                    c.args(["-c", &cpus, "redis-server"]);
-                    c
-                }
-                Err(_) => Command::new("redis-server"),
-            };
-            let spawned = command
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                .arg("--dir")
-                .arg(&dir)
-                .arg("--logfile")
-                .arg(dir.join("redis.log"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
-            let child = match spawned {
-                Ok(child) => child,
-                Err(e) => {
-                    let _ = std::fs::remove_dir_all(&dir);
-                    if e.kind() == ErrorKind::NotFound {
-                        eprintln!(
-                            "redis-server not found on PATH: benches/gate.rs needs it (install it with: apt-get install -y redis-server)"
-                        );
-                    } else {
-                        eprintln!("cannot run redis-server: {e}");
-                    }
-                    std::process::exit(1);
-                }
-            };
-            let mut server = PrivateRedis { child, port, dir };
-            match server.wait_ready(Duration::from_secs(10)) {
-                Ok(()) => return server,
-                // Most likely the port was taken between the probe and the bind.
-                Err(why) => last_failure = why,
-            }
-        }
-        panic!("redis-server failed to start 5 times; last failure: {last_failure}");
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
-    }
-
-    fn wait_ready(&mut self, within: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                let log = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
-                let tail: Vec<_> = log.lines().rev().take(5).collect();
-                return Err(format!("exited with {status}: {}", tail.join(" | ")));
-            }
-            if ping(self.port) {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Err(format!("no PONG within {within:?}"))
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
 }

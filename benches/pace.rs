@@ -67,6 +67,8 @@
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 50 ms: a smoke test.
 
+mod support;
+
 use std::future::poll_fn;
 use std::num::NonZeroU32;
 use std::pin::pin;
@@ -480,12 +482,6 @@ fn fmt_ns(ns: i64) -> String {
     }
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "n/a".into())
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let bench_mode = args.iter().any(|a| a == "--bench");
@@ -521,7 +517,7 @@ fn main() {
         "  runtime: tokio current_thread, one fresh runtime per run, on the main thread; \
          {} CPUs; load average at start: {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        loadavg()
+        support::load_average()
     );
     println!(
         "  window: [t0, t0 + {:?}), t0 = first release (the initial burst is inside it); \
@@ -598,7 +594,7 @@ fn main() {
         }
     }
 
-    println!("\nload average at end: {}", loadavg());
+    println!("\nload average at end: {}", support::load_average());
     let ours: Vec<&Row> = rows.iter().filter(|r| r.which == Impl::Flowgate).collect();
     if ours.is_empty() {
         return;

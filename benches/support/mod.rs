@@ -3,6 +3,15 @@
 
 use std::path::PathBuf;
 
+pub mod redis_server;
+
+/// The machine's load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "n/a".into())
+}
+
 /// Criterion's output folder (it follows `CARGO_TARGET_DIR`).
 fn criterion_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")

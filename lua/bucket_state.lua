@@ -1,5 +1,6 @@
 -- flowgate token bucket state, shared by token_bucket.lua, token_bucket_all.lua and
--- token_bucket_lease.lua: the gate puts this file in front of each of them.
+-- token_bucket_lease.lua: the gate puts this file in front of each of them (after
+-- lua/prelude.lua).
 --
 -- A bucket is one string key of 25 bytes: a zero byte (the text form below never starts
 -- with one), then three little-endian doubles (every value is an integer below 2^53, so
@@ -46,7 +47,7 @@ local function bucket_write(key, now, count, used, exp_us, explicit)
   local frac = used - ahead * count
   local tat_us = now + ahead
   if explicit then
-    redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, 0), 'PX', 60000)
+    redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, 0), 'PX', ttl_ms(0, true))
   elseif tat_us < exp_us then
     -- Full again at tat_us + frac/count <= tat_us + 1 <= exp_us: the TTL still covers it.
     redis.call('SET', key, struct.pack('<Bddd', 0, tat_us, frac, exp_us), 'KEEPTTL')

@@ -10,26 +10,11 @@
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing. Each window's key expires when the window ends.
+-- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local clock
-if ARGV[3] ~= nil and ARGV[3] ~= '' then
-  clock = tonumber(ARGV[3])
-else
-  local t = redis.call('TIME')
-  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
--- With an explicit (logical) time the keys live for a minute of real time instead: logical
--- time in a differential test runs far ahead of the wall clock that expires keys.
-local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
-local function ttl_ms(ms)
-  if explicit then
-    return 60000
-  end
-  return ms
-end
+local clock, explicit = clock_us(ARGV[3])
 
 local function decide(key, cost)
 local now = clock
@@ -40,17 +25,10 @@ local reset = (index + 1) * window - now
 local used = tonumber(redis.call('GET', key) or '0')
 if used + cost <= limit then
   redis.call('INCRBY', key, cost)
-  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000))))
+  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
   return {1, limit, limit - used - cost, 0, reset}
 end
 return {0, limit, limit - used, reset, reset}
 end
 
-local out = {}
-for i, key in ipairs(KEYS) do
-  local r = decide(key, tonumber(ARGV[3 + i]))
-  for j = 1, 5 do
-    out[#out + 1] = r[j]
-  end
-end
-return out
+return decide_batch(decide, 3)

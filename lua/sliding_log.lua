@@ -11,26 +11,11 @@
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing but the removal of expired entries. The key expires when
 -- its newest entry does.
+-- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local clock
-if ARGV[3] ~= nil and ARGV[3] ~= '' then
-  clock = tonumber(ARGV[3])
-else
-  local t = redis.call('TIME')
-  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
--- With an explicit (logical) time the keys live for a minute of real time instead: logical
--- time in a differential test runs far ahead of the wall clock that expires keys.
-local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
-local function ttl_ms(ms)
-  if explicit then
-    return 60000
-  end
-  return ms
-end
+local clock, explicit = clock_us(ARGV[3])
 
 local function decide(key, cost)
 local now = clock
@@ -54,7 +39,7 @@ end
 if total + cost <= limit then
   local seq = redis.call('ZCARD', key)
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
-  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((window + 999) / 1000))))
+  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((window + 999) / 1000)), explicit))
   return {1, limit, limit - total - cost, 0, window}
 end
 local need = total + cost - limit
@@ -73,11 +58,4 @@ end
 return {0, limit, limit - total, retry, reset}
 end
 
-local out = {}
-for i, key in ipairs(KEYS) do
-  local r = decide(key, tonumber(ARGV[3 + i]))
-  for j = 1, 5 do
-    out[#out + 1] = r[j]
-  end
-end
-return out
+return decide_batch(decide, 3)

@@ -11,26 +11,11 @@
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
 -- A rejected call writes nothing. The key expires when both counters have decayed.
+-- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local clock
-if ARGV[3] ~= nil and ARGV[3] ~= '' then
-  clock = tonumber(ARGV[3])
-else
-  local t = redis.call('TIME')
-  clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
--- With an explicit (logical) time the keys live for a minute of real time instead: logical
--- time in a differential test runs far ahead of the wall clock that expires keys.
-local explicit = ARGV[3] ~= nil and ARGV[3] ~= ''
-local function ttl_ms(ms)
-  if explicit then
-    return 60000
-  end
-  return ms
-end
+local clock, explicit = clock_us(ARGV[3])
 
 local function decide(key, cost)
 local now = clock
@@ -88,7 +73,7 @@ if weighted + cost * window <= limit * window then
   local after = previous * (window - elapsed) + current * window
   local reset = reset_after(current, previous)
   redis.call('SET', key, string.format('%d %d %d', start, current, previous),
-    'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000))))
+    'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
   return {1, limit, math.floor((limit * window - after) / window), 0, reset}
 end
 local remaining = math.floor(math.max(0, limit * window - weighted) / window)
@@ -103,11 +88,4 @@ end
 return {0, limit, remaining, retry, reset_after(current, previous)}
 end
 
-local out = {}
-for i, key in ipairs(KEYS) do
-  local r = decide(key, tonumber(ARGV[3 + i]))
-  for j = 1, 5 do
-    out[#out + 1] = r[j]
-  end
-end
-return out
+return decide_batch(decide, 3)

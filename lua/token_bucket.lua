@@ -1,5 +1,6 @@
 -- flowgate token bucket (GCRA), exact integer arithmetic in microseconds.
--- The gate runs it with lua/bucket_state.lua in front (bucket_read, bucket_write).
+-- The gate runs it with lua/prelude.lua and lua/bucket_state.lua in front (clock_us,
+-- bucket_read, bucket_write).
 --
 -- KEYS[i]     the buckets, one per request of the batch (a key may repeat)
 -- ARGV[1]     rate count          (units per period)
@@ -21,14 +22,7 @@
 local count = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
 local burst = tonumber(ARGV[3])
-local explicit = ARGV[4] ~= nil and ARGV[4] ~= ''
-local now
-if explicit then
-  now = tonumber(ARGV[4])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now, explicit = clock_us(ARGV[4])
 local tau = burst * period
 
 local out = {}

@@ -7,18 +7,11 @@
 --
 -- The request is admitted only if every bucket has room; then every bucket is charged. If
 -- any bucket lacks room nothing is charged anywhere. Same state format and arithmetic as
--- token_bucket.lua (lua/bucket_state.lua is put in front). Returns {allowed, limit,
--- remaining, retry_after_us, reset_after_us} per bucket, flattened; `allowed` is the same for
--- all.
+-- token_bucket.lua (lua/prelude.lua and lua/bucket_state.lua are put in front). Returns
+-- {allowed, limit, remaining, retry_after_us, reset_after_us} per bucket, flattened;
+-- `allowed` is the same for all.
 
-local now
-if ARGV[1] ~= nil and ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local explicit = ARGV[1] ~= nil and ARGV[1] ~= ''
+local now, explicit = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
 
 local buckets = {}

@@ -1,7 +1,7 @@
 -- flowgate token lease: take between `min` and `max` tokens of one bucket (GCRA) at once.
 --
--- KEYS[1]  the bucket (same state format as token_bucket.lua: lua/bucket_state.lua is put in
---          front)
+-- KEYS[1]  the bucket (same state format as token_bucket.lua: lua/prelude.lua and
+--          lua/bucket_state.lua are put in front)
 -- ARGV[1]  rate count
 -- ARGV[2]  rate period, in us
 -- ARGV[3]  burst
@@ -16,14 +16,7 @@
 local count = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
 local burst = tonumber(ARGV[3])
-local now
-if ARGV[4] ~= nil and ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local explicit = ARGV[4] ~= nil and ARGV[4] ~= ''
+local now, explicit = clock_us(ARGV[4])
 local want_min = tonumber(ARGV[5])
 local want_max = tonumber(ARGV[6])
 

@@ -5,29 +5,27 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::gate::limit::Limit;
 
-/// `lua/bucket_state.lua` then `lua/token_bucket.lua`: GCRA. One integer per request; read
-/// it with [`token_bucket_reply`].
-pub const TOKEN_BUCKET: &str = concat!(
-    include_str!("../../lua/bucket_state.lua"),
-    include_str!("../../lua/token_bucket.lua")
-);
+/// Every script is `lua/prelude.lua` (the clock, TTLs under logical time, the batch loop)
+/// followed by the script; the token bucket ones also get `lua/bucket_state.lua`.
+macro_rules! script {
+    ($($file:literal),+) => {
+        concat!(include_str!("../../lua/prelude.lua"), $(include_str!(concat!("../../lua/", $file))),+)
+    };
+}
+
+/// `lua/token_bucket.lua`: GCRA. One integer per request; read it with
+/// [`token_bucket_reply`].
+pub const TOKEN_BUCKET: &str = script!("bucket_state.lua", "token_bucket.lua");
 /// `lua/fixed_window.lua`.
-pub const FIXED_WINDOW: &str = include_str!("../../lua/fixed_window.lua");
+pub const FIXED_WINDOW: &str = script!("fixed_window.lua");
 /// `lua/sliding_log.lua`.
-pub const SLIDING_LOG: &str = include_str!("../../lua/sliding_log.lua");
-/// `lua/bucket_state.lua` then `lua/token_bucket_all.lua`: all-or-nothing across several
-/// token buckets.
-pub const TOKEN_BUCKET_ALL: &str = concat!(
-    include_str!("../../lua/bucket_state.lua"),
-    include_str!("../../lua/token_bucket_all.lua")
-);
-/// `lua/bucket_state.lua` then `lua/token_bucket_lease.lua`: take up to n tokens at once.
-pub const TOKEN_BUCKET_LEASE: &str = concat!(
-    include_str!("../../lua/bucket_state.lua"),
-    include_str!("../../lua/token_bucket_lease.lua")
-);
+pub const SLIDING_LOG: &str = script!("sliding_log.lua");
+/// `lua/token_bucket_all.lua`: all-or-nothing across several token buckets.
+pub const TOKEN_BUCKET_ALL: &str = script!("bucket_state.lua", "token_bucket_all.lua");
+/// `lua/token_bucket_lease.lua`: take up to n tokens at once.
+pub const TOKEN_BUCKET_LEASE: &str = script!("bucket_state.lua", "token_bucket_lease.lua");
 /// `lua/sliding_window.lua`.
-pub const SLIDING_WINDOW: &str = include_str!("../../lua/sliding_window.lua");
+pub const SLIDING_WINDOW: &str = script!("sliding_window.lua");
 
 /// The script source for `limit`.
 pub(crate) fn source(limit: &Limit) -> &'static str {

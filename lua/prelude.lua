@@ -1,0 +1,34 @@
+-- flowgate script prelude: the gate puts this file in front of every script in lua/.
+
+-- The time of the call in microseconds, and whether it was given: `arg` (an ARGV entry)
+-- when not empty, for differential tests that run on logical time; else the Redis clock.
+local function clock_us(arg)
+  if arg ~= nil and arg ~= '' then
+    return tonumber(arg), true
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]), false
+end
+
+-- A key's TTL in ms. With an explicit (logical) time the keys live for a minute of real
+-- time instead: logical time in a differential test runs far ahead of the wall clock that
+-- expires keys.
+local function ttl_ms(ms, explicit)
+  if explicit then
+    return 60000
+  end
+  return ms
+end
+
+-- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]),
+-- which returns its 5 values; they come back flattened.
+local function decide_batch(decide, costs)
+  local out = {}
+  for i, key in ipairs(KEYS) do
+    local r = decide(key, tonumber(ARGV[costs + i]))
+    for j = 1, 5 do
+      out[#out + 1] = r[j]
+    end
+  end
+  return out
+end

@@ -12,9 +12,8 @@ use redis::aio::ConnectionLike;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::Decision;
-use crate::gate::error::{BackendMessage, GateError};
-use crate::gate::limit::Limit;
-use crate::gate::scripts;
+use crate::gate::error::GateError;
+use crate::gate::scripts::LimitScript;
 use crate::gate::slot::slot;
 use crate::metrics::Histogram;
 
@@ -71,10 +70,7 @@ impl Drop for Call<'_> {
 pub(crate) struct Driver<C> {
     pub(crate) calls: Arc<AtomicUsize>,
     pub(crate) conn: C,
-    pub(crate) script: redis::Script,
-    pub(crate) limit: Limit,
-    pub(crate) count: u64,
-    pub(crate) period_us: u64,
+    pub(crate) eval: LimitScript,
     pub(crate) timeout: Duration,
     pub(crate) max_batch: usize,
     pub(crate) batch_size: Histogram,
@@ -91,50 +87,25 @@ where
         // A request whose deadline passed while it was queued times out now; the call gets
         // the time the most urgent of the others has left.
         let now = Instant::now();
-        let (expired, batch): (Vec<Request>, Vec<Request>) =
-            batch.into_iter().partition(|r| r.deadline <= now);
-        for r in expired {
+        let mut batch = batch;
+        for r in batch.extract_if(.., |r| r.deadline <= now) {
             let _ = r.reply.send(Err(GateError::Timeout(self.timeout)));
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).min() else {
             return;
         };
-        let left = deadline - now;
-        let mut cmd = scripts::evalsha(&self.script, batch.len());
-        for r in &batch {
-            cmd.arg(r.key.as_bytes());
-        }
-        scripts::add_args(
-            &mut cmd,
-            &self.limit,
-            self.count,
-            self.period_us,
-            batch.iter().map(|r| r.cost),
-        );
-        let reply = tokio::time::timeout(
-            left,
-            scripts::query::<_, Vec<i64>>(conn, &self.script, &cmd),
-        )
-        .await;
-        let width = scripts::reply_width(&self.limit);
-        match reply {
-            Ok(Ok(v)) if v.len() == width * batch.len() => {
-                for (r, chunk) in batch.into_iter().zip(v.chunks_exact(width)) {
-                    let decision =
-                        scripts::decode(&self.limit, self.count, self.period_us, r.cost, chunk);
+        let requests = batch.iter().map(|r| (r.key.as_str(), r.cost));
+        let decided = self
+            .eval
+            .decide(conn, requests, deadline - now, self.timeout)
+            .await;
+        match decided {
+            Ok(decisions) => {
+                for (r, decision) in batch.into_iter().zip(decisions) {
                     let _ = r.reply.send(Ok(decision));
                 }
             }
-            other => {
-                let error = match other {
-                    Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
-                        "unexpected reply from the gate script: {} values for {} requests",
-                        v.len(),
-                        batch.len()
-                    ))),
-                    Ok(Err(e)) => GateError::backend(e),
-                    Err(_) => GateError::Timeout(self.timeout),
-                };
+            Err(error) => {
                 for r in batch {
                     let _ = r.reply.send(Err(error.clone()));
                 }

@@ -20,7 +20,7 @@ use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
-use crate::gate::scripts::decision_from;
+use crate::gate::scripts::{LimitScript, decision_from};
 use crate::gate::slot::slot;
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::rate::Quota;
@@ -89,10 +89,8 @@ struct Inner<C> {
     /// The batch driver's queue; `None` when batching is off.
     batcher: Option<Batcher>,
     cache: RejectCache,
-    limit: Limit,
-    count: u64,
-    period_us: u64,
-    script: redis::Script,
+    /// The limit and its script.
+    eval: LimitScript,
     all_script: redis::Script,
     cluster: bool,
     leases: Option<Leases>,
@@ -163,7 +161,7 @@ impl<C> fmt::Debug for RedisGate<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisGate")
             .field("name", &self.inner.name)
-            .field("limit", &self.inner.limit)
+            .field("limit", &self.inner.eval.limit)
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
             .field("policy", &self.inner.policy.as_str())
@@ -274,7 +272,7 @@ where
     /// (a period that is not whole microseconds, or numbers too large), on `gate.timeout` or
     /// `gate.probe_interval` when zero.
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
-        let (count, period_us) = self.limit.redis_params()?;
+        let eval = LimitScript::new(self.limit)?;
         if self.timeout.is_zero() {
             return Err(ConfigError::zero("gate.timeout"));
         }
@@ -299,11 +297,10 @@ where
                 ));
             }
         };
-        let script = redis::Script::new(scripts::source(&self.limit));
         let mut conn = self.conn.clone();
         let _ = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(500)),
-            script.prepare_invoke().load_async(&mut conn),
+            eval.script.prepare_invoke().load_async(&mut conn),
         )
         .await;
         let labels = Labels::new(self.name.as_deref());
@@ -315,10 +312,7 @@ where
             let driver = Driver {
                 calls: calls.clone(),
                 conn: self.conn.clone(),
-                script: script.clone(),
-                limit: self.limit,
-                count,
-                period_us,
+                eval: eval.clone(),
                 timeout: self.timeout,
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
@@ -332,10 +326,7 @@ where
                 conn: self.conn,
                 batcher,
                 cache: RejectCache::new(self.reject_cache),
-                limit: self.limit,
-                count,
-                period_us,
-                script,
+                eval,
                 all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
                 cluster: self.cluster,
                 leases,
@@ -415,7 +406,7 @@ where
     /// [`FailurePolicy::Error`], [`GateError::Backend`] and [`GateError::Timeout`].
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         check_key(key)?;
-        self.inner.limit.check_cost(cost)?;
+        self.inner.eval.limit.check_cost(cost)?;
         let inner = &*self.inner;
         let now = Instant::now();
         if let Some(decision) = inner.cache.check(key, cost, now) {
@@ -466,28 +457,13 @@ where
     async fn call_one(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         let mut conn = inner.conn.clone();
-        let mut cmd = scripts::evalsha(&inner.script, 1);
-        cmd.arg(self.redis_key(key));
-        scripts::add_args(&mut cmd, &inner.limit, inner.count, inner.period_us, [cost]);
-        let reply = tokio::time::timeout(
-            inner.timeout,
-            scripts::query::<_, Vec<i64>>(&mut conn, &inner.script, &cmd),
-        )
-        .await;
-        match reply {
-            Ok(Ok(r)) if r.len() == scripts::reply_width(&inner.limit) => Ok(scripts::decode(
-                &inner.limit,
-                inner.count,
-                inner.period_us,
-                cost,
-                &r,
-            )),
-            Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
-                "unexpected reply from the gate script: {r:?}"
-            )))),
-            Ok(Err(e)) => Err(GateError::backend(e)),
-            Err(_) => Err(GateError::Timeout(inner.timeout)),
-        }
+        let key = self.redis_key(key);
+        let requests = std::iter::once((key.as_str(), cost));
+        let mut decided = inner
+            .eval
+            .decide(&mut conn, requests, inner.timeout, inner.timeout)
+            .await?;
+        Ok(decided.pop().expect("one decision per request"))
     }
 
     /// One decision from Redis, batched or alone, bounded by the timeout.
@@ -626,7 +602,7 @@ where
         cost: u32,
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
-        let Limit::TokenBucket(quota) = inner.limit else {
+        let Limit::TokenBucket(quota) = inner.eval.limit else {
             // Leases are only built for token buckets.
             return self.decide(key, cost).await;
         };
@@ -634,8 +610,8 @@ where
         let mut conn = inner.conn.clone();
         let mut invocation = inner.lease_script.key(self.redis_key(key));
         invocation
-            .arg(inner.count)
-            .arg(inner.period_us)
+            .arg(inner.eval.count)
+            .arg(inner.eval.period_us)
             .arg(quota.burst_size())
             .arg("")
             .arg(cost)
@@ -741,7 +717,7 @@ where
             })),
             FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
             FailurePolicy::Closed => Ok(Decision::reject(
-                inner.limit.capacity(),
+                inner.eval.limit.capacity(),
                 0,
                 until_probe,
                 until_probe,
@@ -760,6 +736,6 @@ where
     }
 
     fn limit(&self) -> Limit {
-        self.inner.limit
+        self.inner.eval.limit
     }
 }

@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 use crate::decision::Decision;
+use crate::error::ConfigError;
+use crate::gate::error::{BackendMessage, GateError};
 use crate::gate::limit::Limit;
 
 /// Every script is `lua/prelude.lua` (the clock, TTLs under logical time, the batch loop)
@@ -28,7 +30,7 @@ pub const TOKEN_BUCKET_LEASE: &str = script!("bucket_state.lua", "token_bucket_l
 pub const SLIDING_WINDOW: &str = script!("sliding_window.lua");
 
 /// The script source for `limit`.
-pub(crate) fn source(limit: &Limit) -> &'static str {
+fn source(limit: &Limit) -> &'static str {
     match limit {
         Limit::TokenBucket(_) => TOKEN_BUCKET,
         Limit::FixedWindow(_) => FIXED_WINDOW,
@@ -40,7 +42,7 @@ pub(crate) fn source(limit: &Limit) -> &'static str {
 /// `EVALSHA <sha1 of script> <keys>`, to be followed by the keys and the arguments. Built as
 /// one [`redis::Cmd`] (one buffer for every argument, unlike `ScriptInvocation`, which
 /// allocates each key and argument on its own and copies them again into a command).
-pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
+fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(keys);
     cmd
@@ -48,7 +50,7 @@ pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
 
 /// Send a command made by [`evalsha`]; if Redis does not have the script (restarted or
 /// flushed), load it and send the command again.
-pub(crate) async fn query<C, T>(
+async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,
     cmd: &redis::Cmd,
@@ -66,9 +68,73 @@ where
     }
 }
 
+/// The script of one limit, with the limit's parameters as Redis gets them.
+#[derive(Clone, Debug)]
+pub(crate) struct LimitScript {
+    pub(crate) script: redis::Script,
+    pub(crate) limit: Limit,
+    pub(crate) count: u64,
+    pub(crate) period_us: u64,
+}
+
+impl LimitScript {
+    /// # Errors
+    ///
+    /// [`ConfigError`] when `limit` cannot be computed exactly in Redis.
+    pub(crate) fn new(limit: Limit) -> Result<LimitScript, ConfigError> {
+        let (count, period_us) = limit.redis_params()?;
+        Ok(LimitScript {
+            script: redis::Script::new(source(&limit)),
+            limit,
+            count,
+            period_us,
+        })
+    }
+
+    /// Decide `requests` (key, cost) in one `EVALSHA`, within `within`; running out of time
+    /// is reported as [`GateError::Timeout`] of `timeout` (the gate's setting).
+    pub(crate) async fn decide<'a, C, R>(
+        &self,
+        conn: &mut C,
+        requests: R,
+        within: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<Decision>, GateError>
+    where
+        C: redis::aio::ConnectionLike,
+        R: Iterator<Item = (&'a str, u32)> + Clone,
+    {
+        let n = requests.clone().count();
+        let mut cmd = evalsha(&self.script, n);
+        for (key, _) in requests.clone() {
+            cmd.arg(key);
+        }
+        add_args(
+            &mut cmd,
+            &self.limit,
+            self.count,
+            self.period_us,
+            requests.clone().map(|(_, cost)| cost),
+        );
+        let width = reply_width(&self.limit);
+        match tokio::time::timeout(within, query::<_, Vec<i64>>(conn, &self.script, &cmd)).await {
+            Ok(Ok(v)) if v.len() == width * n => Ok(requests
+                .zip(v.chunks_exact(width))
+                .map(|((_, cost), r)| decode(&self.limit, self.count, self.period_us, cost, r))
+                .collect()),
+            Ok(Ok(v)) => Err(GateError::backend(BackendMessage(format!(
+                "unexpected reply from the gate script: {} values for {n} requests",
+                v.len()
+            )))),
+            Ok(Err(e)) => Err(GateError::backend(e)),
+            Err(_) => Err(GateError::Timeout(timeout)),
+        }
+    }
+}
+
 /// Add the arguments of a batch to `cmd` (after its keys): the limit's parameters, an empty
 /// `now` (Redis `TIME` decides), then one cost per key.
-pub(crate) fn add_args(
+fn add_args(
     invocation: &mut redis::Cmd,
     limit: &Limit,
     count: u64,
@@ -86,7 +152,7 @@ pub(crate) fn add_args(
 }
 
 /// How many integers the script of `limit` returns per request.
-pub(crate) fn reply_width(limit: &Limit) -> usize {
+fn reply_width(limit: &Limit) -> usize {
     match limit {
         Limit::TokenBucket(_) => 1,
         _ => 5,
@@ -94,7 +160,7 @@ pub(crate) fn reply_width(limit: &Limit) -> usize {
 }
 
 /// One request's decision from its part of the script's reply (`reply_width` integers).
-pub(crate) fn decode(limit: &Limit, count: u64, period_us: u64, cost: u32, r: &[i64]) -> Decision {
+fn decode(limit: &Limit, count: u64, period_us: u64, cost: u32, r: &[i64]) -> Decision {
     match limit {
         Limit::TokenBucket(q) => token_bucket_reply(count, period_us, q.burst_size(), cost, r[0]),
         _ => decision_from(r),

@@ -239,17 +239,6 @@ async fn bad_input_is_a_typed_error_and_never_reaches_redis() {
     assert!(keys.is_empty(), "nothing was written: {keys:?}");
 }
 
-/// A gate of 10 per second (burst 10) on `con`.
-async fn ten_per_second(con: &MultiplexedConnection) -> RedisGate<MultiplexedConnection> {
-    RedisGate::builder(
-        con.clone(),
-        Limit::TokenBucket(Quota::per_second(10).unwrap()),
-    )
-    .build()
-    .await
-    .unwrap()
-}
-
 #[tokio::test]
 async fn a_bucket_in_the_text_form_of_0_1_is_still_read() {
     let server = RedisServer::start();
@@ -777,7 +766,13 @@ async fn batching_preserves_every_callers_decision() {
 async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let gate = ten_per_second(&con).await;
+    let gate = RedisGate::builder(
+        con.clone(),
+        Limit::TokenBucket(Quota::per_second(10).unwrap()),
+    )
+    .build()
+    .await
+    .unwrap();
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query_async(&mut con)

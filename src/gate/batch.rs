@@ -41,6 +41,10 @@ pub(crate) struct Batcher {
 impl Batcher {
     /// A claim on the connection for one direct call, if no call is in flight.
     pub(crate) fn idle_call(&self) -> Option<Call<'_>> {
+        // Under load calls are in flight: a plain load then spares the shared line a write.
+        if self.calls.load(Ordering::Relaxed) != 0 {
+            return None;
+        }
         self.calls
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
             .ok()

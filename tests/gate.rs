@@ -554,7 +554,7 @@ fn epoch_us() -> u64 {
 /// A fleet member: 16 tasks hammering one key until the common deadline; prints its count.
 /// Run by `one_limit_holds_across_four_processes`, not on its own.
 #[test]
-#[ignore]
+#[ignore = "a subprocess entry point of the fleet tests, run by them"]
 fn fleet_worker() {
     let Ok(url) = std::env::var(FLEET_URL) else {
         return;

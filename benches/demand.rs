@@ -1,18 +1,19 @@
-//! `prefetch` over a `BatchSource` against consuming the plain stream, in memory (criterion),
-//! and a Redis Streams consumer through `prefetch(RedisStreamSource)` against a naive
+//! `prefetch` over an in-memory source against consuming the plain stream (criterion), and a
+//! Redis Streams consumer through `prefetch(RedisStreamSource)` against a naive
 //! one-entry-at-a-time loop (plain timing, on a private `redis-server`).
 //!
 //! # What is measured
 //!
-//! - **`demand_prefetch_iter`**: [`N`] `u64`s summed (each through `black_box`, so the sum
-//!   is not folded into a formula) from `futures::stream::iter(0..N)` directly
-//!   (`plain_stream`), against `prefetch(StreamSource::new(iter(0..N)), high, low)`
-//!   (`prefetch_h{high}_l{low}`). Current-thread runtime; the cost measured is the adapter.
-//! - **`demand_prefetch_batches`**: the same sum when the source yields batches. The peer
-//!   is `iter(0..N).chunks(high − low).flat_map(iter)` (`plain_chunks_flattened`): a plain
-//!   stream of `Vec`s of the size `prefetch(high, low)` fetches in steady state, flattened.
-//!   Ours is `prefetch(Counter, high, low)`, where `Counter` is a `BatchSource` that returns
-//!   exactly `max` items per fetch from a counter (one `Vec` per fetch, like the peer).
+//! - **`demand_prefetch_memory`**: [`N`] `u64`s summed (each through `black_box`, so the
+//!   sum is not folded into a formula), current-thread runtime:
+//!   - `plain_stream`: `futures::stream::iter(0..N)`, the plain stream;
+//!   - `prefetch_h{high}_l{low}`: `prefetch(IterSource::new(0..N), high, low)`, the
+//!     in-memory source (one `Vec` of `high − buffered` items per fetch);
+//!   - `stream_source_h{high}_l{low}`: `prefetch(StreamSource::new(iter(0..N)), high, low)`,
+//!     any stream turned into a batch source (polled item by item into each batch);
+//!   - `plain_chunks_flattened_{k}`: `iter(0..N).chunks(k).flat_map(iter)`, a plain stream of
+//!     the batches `prefetch(high, low)` fetches in steady state (`k = high − low`),
+//!     flattened: what a batch source read without `prefetch` costs.
 //! - **Redis Streams** (plain wall-clock timing): [`REDIS_ENTRIES`] entries are produced with
 //!   pipelined `XADD`; each run then consumes all of them in its own consumer group, so both
 //!   sides read every entry:
@@ -47,12 +48,11 @@ mod support;
 
 use std::convert::Infallible;
 use std::hint::black_box;
-use std::pin::{Pin, pin};
-use std::task::{Context, Poll};
+use std::pin::pin;
 use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{Criterion, Throughput, criterion_group};
-use flowgate::demand::{BatchSource, Fetched, RedisStreamSource, StreamSource, prefetch};
+use flowgate::demand::{IterSource, RedisStreamSource, StreamSource, prefetch};
 use futures::{Stream, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
@@ -66,8 +66,7 @@ const WATERMARKS: [(usize, usize); 2] = [(100, 20), (1_000, 200)];
 /// The requirement: prefetch at most 10 % slower than the plain stream.
 const MAX_OVERHEAD: f64 = 1.10;
 
-const ITER: &str = "demand_prefetch_iter";
-const BATCHES: &str = "demand_prefetch_batches";
+const MEMORY: &str = "demand_prefetch_memory";
 const PLAIN: &str = "plain_stream";
 const CHUNKS: &str = "plain_chunks_flattened";
 
@@ -84,6 +83,14 @@ fn prefetch_id(high: usize, low: usize) -> String {
     format!("prefetch_h{high}_l{low}")
 }
 
+fn stream_source_id(high: usize, low: usize) -> String {
+    format!("stream_source_h{high}_l{low}")
+}
+
+fn chunks_id(high: usize, low: usize) -> String {
+    format!("{CHUNKS}_{}", high - low)
+}
+
 fn current_thread() -> Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -94,38 +101,6 @@ fn current_thread() -> Runtime {
 /// `0 + 1 + … + (n − 1)`, what every in-memory run must sum to.
 const fn expected_sum(n: u64) -> u64 {
     n * (n - 1) / 2
-}
-
-/// A `BatchSource` over `next..end` that returns exactly `max` items per fetch (fewer only
-/// at the end), always ready.
-struct Counter {
-    next: u64,
-    end: u64,
-}
-
-impl Counter {
-    fn new(end: u64) -> Counter {
-        Counter { next: 0, end }
-    }
-}
-
-impl BatchSource for Counter {
-    type Item = u64;
-    type Error = Infallible;
-
-    fn poll_fetch(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-        max: usize,
-    ) -> Fetched<u64, Infallible> {
-        if self.next >= self.end {
-            return Poll::Ready(None);
-        }
-        let n = (max as u64).min(self.end - self.next);
-        let batch: Vec<u64> = (self.next..self.next + n).collect();
-        self.next += n;
-        Poll::Ready(Some(Ok(batch)))
-    }
 }
 
 /// The consumer both sides share: sum every item, each through `black_box`.
@@ -146,9 +121,9 @@ fn infallible<T>(r: Result<T, Infallible>) -> T {
     }
 }
 
-fn iter(c: &mut Criterion) {
+fn memory(c: &mut Criterion) {
     let rt = current_thread();
-    let mut g = c.benchmark_group(ITER);
+    let mut g = c.benchmark_group(MEMORY);
     g.throughput(Throughput::Elements(N));
     g.bench_function(PLAIN, |b| {
         b.to_async(&rt).iter(|| async {
@@ -159,36 +134,26 @@ fn iter(c: &mut Criterion) {
     for (high, low) in WATERMARKS {
         g.bench_function(prefetch_id(high, low), |b| {
             b.to_async(&rt).iter(|| async move {
+                let source = IterSource::new(0..black_box(N));
+                let stream = prefetch(source, high, low).expect("valid watermarks");
+                let s = sum(stream.map(infallible)).await;
+                assert_eq!(s, expected_sum(N));
+            })
+        });
+        g.bench_function(stream_source_id(high, low), |b| {
+            b.to_async(&rt).iter(|| async move {
                 let source = StreamSource::new(futures::stream::iter(0..black_box(N)));
                 let stream = prefetch(source, high, low).expect("valid watermarks");
                 let s = sum(stream.map(infallible)).await;
                 assert_eq!(s, expected_sum(N));
             })
         });
-    }
-    g.finish();
-}
-
-fn batches(c: &mut Criterion) {
-    let rt = current_thread();
-    let mut g = c.benchmark_group(BATCHES);
-    g.throughput(Throughput::Elements(N));
-    for (high, low) in WATERMARKS {
-        // The steady-state fetch of prefetch(high, low): refill at `low`, up to `high`.
-        let chunk = high - low;
-        g.bench_function(format!("{CHUNKS}_{chunk}"), |b| {
+        g.bench_function(chunks_id(high, low), |b| {
             b.to_async(&rt).iter(|| async move {
                 let stream = futures::stream::iter(0..black_box(N))
-                    .chunks(chunk)
+                    .chunks(high - low)
                     .flat_map(futures::stream::iter);
                 let s = sum(stream).await;
-                assert_eq!(s, expected_sum(N));
-            })
-        });
-        g.bench_function(prefetch_id(high, low), |b| {
-            b.to_async(&rt).iter(|| async move {
-                let stream = prefetch(Counter::new(black_box(N)), high, low).expect("valid");
-                let s = sum(stream.map(infallible)).await;
                 assert_eq!(s, expected_sum(N));
             })
         });
@@ -228,7 +193,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = iter, batches
+    targets = memory
 }
 
 // ---------------------------------------------------------------------------------------
@@ -414,25 +379,16 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
     if bench_mode {
-        let ours: Vec<String> = WATERMARKS.iter().map(|&(h, l)| prefetch_id(h, l)).collect();
-        let ours: Vec<&str> = ours.iter().map(String::as_str).collect();
-        support::print_throughput(ITER, N, &[&[PLAIN], &ours[..]].concat());
-        for id in &ours {
-            support::print_ratios(ITER, id, &[PLAIN]);
+        let mut rows = vec![PLAIN.to_string()];
+        for (h, l) in WATERMARKS {
+            rows.extend([prefetch_id(h, l), stream_source_id(h, l), chunks_id(h, l)]);
         }
-        let chunks: Vec<String> = WATERMARKS
-            .iter()
-            .map(|&(h, l)| format!("{CHUNKS}_{}", h - l))
-            .collect();
-        let all: Vec<&str> = chunks
-            .iter()
-            .map(String::as_str)
-            .zip(ours.iter().copied())
-            .flat_map(|(a, b)| [a, b])
-            .collect();
-        support::print_throughput(BATCHES, N, &all);
-        for (id, chunk) in ours.iter().zip(&chunks) {
-            support::print_ratios(BATCHES, id, &[chunk]);
+        let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+        support::print_throughput(MEMORY, N, &rows);
+        for (h, l) in WATERMARKS {
+            let peers = [PLAIN, &chunks_id(h, l)];
+            support::print_ratios(MEMORY, &prefetch_id(h, l), &peers);
+            support::print_ratios(MEMORY, &stream_source_id(h, l), &peers);
         }
 
         let (h, l) = WATERMARKS[0];
@@ -443,17 +399,24 @@ fn main() {
         );
         let results = [
             verdict(
-                &format!("prefetch({h}, {l}) over StreamSource vs iter"),
-                ITER,
-                ours[0],
+                &format!("prefetch({h}, {l}) over IterSource vs iter"),
+                MEMORY,
+                &prefetch_id(h, l),
                 PLAIN,
                 started,
             ),
             verdict(
-                &format!("prefetch({h}, {l}) over a BatchSource vs chunks"),
-                BATCHES,
-                ours[0],
-                &chunks[0],
+                &format!("prefetch({h}, {l}) over StreamSource vs iter"),
+                MEMORY,
+                &stream_source_id(h, l),
+                PLAIN,
+                started,
+            ),
+            verdict(
+                &format!("prefetch({h}, {l}) over IterSource vs chunks"),
+                MEMORY,
+                &prefetch_id(h, l),
+                &chunks_id(h, l),
                 started,
             ),
         ];

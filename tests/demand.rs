@@ -47,6 +47,8 @@ struct Recording {
     pending_every: u32,
     /// The last poll returned `Pending`: complete this one.
     was_pending: bool,
+    /// Return `max` items per fetch (else about half of it).
+    full_batches: bool,
 }
 
 impl BatchSource for Recording {
@@ -71,7 +73,8 @@ impl BatchSource for Recording {
             return Poll::Pending;
         }
         self.was_pending = false;
-        let n = max.min((self.end - self.next) as usize).min(max / 2 + 1);
+        let part = if self.full_batches { max } else { max / 2 + 1 };
+        let n = max.min((self.end - self.next) as usize).min(part);
         let batch: Vec<u32> = (self.next..self.next + n as u32).collect();
         self.next += n as u32;
         self.fetched += n;
@@ -135,6 +138,7 @@ proptest! {
             asks: asks.clone(),
             pending_every,
             was_pending: false,
+            full_batches: false,
         };
         let out = block_on(async {
             let mut stream = pin!(prefetch(source, high, low).unwrap());
@@ -225,6 +229,36 @@ impl BatchSource for Flaky {
         }
         Poll::Ready(None)
     }
+}
+
+#[tokio::test]
+async fn prefetch_refills_exactly_when_the_buffer_falls_to_low() {
+    let consumed = Arc::new(Mutex::new(0));
+    let asks = Arc::new(Mutex::new(Vec::new()));
+    let source = Recording {
+        next: 0,
+        end: 100,
+        consumed: consumed.clone(),
+        fetched: 0,
+        asks: asks.clone(),
+        pending_every: 0,
+        was_pending: false,
+        full_batches: true,
+    };
+    let mut stream = pin!(prefetch(source, 10, 3).unwrap());
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await {
+        out.push(item.unwrap());
+        *consumed.lock().unwrap() += 1;
+    }
+    assert_eq!(out, (0..100).collect::<Vec<_>>());
+    // The first fetch fills the buffer; every later one starts with exactly `low` buffered
+    // (not above: too early; not below: too late) and asks for `high − low`; the last ask
+    // finds the source at its end.
+    let asks = asks.lock().unwrap().clone();
+    let mut expected = vec![(10, 0, true)];
+    expected.extend(std::iter::repeat_n((7, 3, true), 14));
+    assert_eq!(asks, expected);
 }
 
 #[tokio::test(start_paused = true)]

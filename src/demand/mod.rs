@@ -9,7 +9,8 @@
 //!   while credit remains; [`DemandHandle::request`] adds credit from any task (Reactive
 //!   Streams semantics: never more items than requested).
 //! - **Batch sources** — [`BatchSource`] and [`prefetch`]: buffer at most `high` fetched
-//!   items, refill at `low`, always asking for exactly `high − buffered`.
+//!   items, refill at `low`, always asking for exactly `high − buffered`; [`IterSource`]
+//!   (in memory) and [`StreamSource`] turn an iterator or a stream into a batch source.
 //! - **Watermarks** — [`watermarks`](crate::FlowStreamExt::watermarks): every item comes with
 //!   a [`Ticket`]; a [`PauseSignal`] turns [`Flow::Paused`] at `high` in flight and
 //!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`.
@@ -39,5 +40,5 @@ pub use error::DemandError;
 pub use redis_source::{
     Ack, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
 };
-pub use source::{BatchSource, Fetched, Prefetch, StreamSource, prefetch};
+pub use source::{BatchSource, Fetched, IterSource, Prefetch, StreamSource, prefetch};
 pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};

@@ -96,6 +96,65 @@ impl<S: Stream> BatchSource for StreamSource<S> {
     }
 }
 
+/// Any [`Iterator`] as a [`BatchSource`]: an in-memory source (a `Vec` of jobs, records
+/// parsed from a file, a range of offsets). A fetch takes up to `max` items at once; the
+/// source is always ready, never fails, and ends when the iterator returns `None`.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::demand::{prefetch, IterSource};
+/// use futures::StreamExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let jobs = vec!["a", "b", "c"];
+/// let done: Vec<&str> = prefetch(IterSource::new(jobs), 2, 0)?
+///     .map(|r| r.unwrap())
+///     .collect()
+///     .await;
+/// assert_eq!(done, ["a", "b", "c"]);
+/// # Ok(())
+/// # }
+/// ```
+#[pin_project]
+#[derive(Debug, Clone)]
+pub struct IterSource<I> {
+    iter: I,
+}
+
+impl<I: Iterator> IterSource<I> {
+    /// Wrap `iter` (anything that turns into an iterator).
+    pub fn new(iter: impl IntoIterator<IntoIter = I>) -> Self {
+        IterSource {
+            iter: iter.into_iter(),
+        }
+    }
+
+    /// The inner iterator, with the items not fetched yet.
+    pub fn into_inner(self) -> I {
+        self.iter
+    }
+}
+
+impl<I: Iterator> BatchSource for IterSource<I> {
+    type Item = I::Item;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        max: usize,
+    ) -> Fetched<I::Item, Self::Error> {
+        let batch: Vec<I::Item> = self.project().iter.by_ref().take(max).collect();
+        if batch.is_empty() {
+            Poll::Ready(None)
+        } else {
+            Poll::Ready(Some(Ok(batch)))
+        }
+    }
+}
+
 /// Stream of [`prefetch`](crate::demand::prefetch): fetches from a [`BatchSource`] exactly
 /// what the buffer has room for.
 ///
@@ -115,6 +174,9 @@ pub struct Prefetch<S: BatchSource> {
     /// Fetched items, batch by batch, as the fetches returned them (no copy): the batch
     /// being handed out, and the ones behind it with their item count.
     current: vec::IntoIter<S::Item>,
+    /// How many items of `current` the hot path may hand out unchecked: no fetch is in
+    /// progress and the buffer stays above `low` (set by the slow path, see `unchecked`).
+    fast: usize,
     queued: VecDeque<vec::IntoIter<S::Item>>,
     queued_items: usize,
     high: usize,
@@ -183,6 +245,7 @@ impl<S: BatchSource> Prefetch<S> {
         Ok(Prefetch {
             source,
             current: Vec::new().into_iter(),
+            fast: 0,
             queued: VecDeque::new(),
             queued_items: 0,
             high,
@@ -280,13 +343,13 @@ impl<S: BatchSource> Stream for Prefetch<S> {
         // The hot path, small enough to inline into the consumer: above `low`, no fetch in
         // progress, and the current batch not used up.
         let this = self.as_mut().project();
-        if this.fetching.is_none()
-            && this.current.len() + *this.queued_items > *this.low
-            && let Some(item) = this.current.next()
-        {
-            return Poll::Ready(Some(Ok(item)));
+        if *this.fast != 0 {
+            *this.fast -= 1;
+            if let Some(item) = this.current.next() {
+                return Poll::Ready(Some(Ok(item)));
+            }
         }
-        self.poll_fetching(cx)
+        self.poll_slow(cx)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -304,8 +367,34 @@ impl<S: BatchSource> Stream for Prefetch<S> {
 }
 
 impl<S: BatchSource> Prefetch<S> {
+    /// Sets `fast`: the items `poll_next` may take from `current` before `poll_fetching` has
+    /// to look again. A fetch in progress is polled on every poll. Otherwise the slow path
+    /// would start a fetch once the buffer is at `low` or below, so the hot path stops there
+    /// (unless no fetch can start: the source ended or an error waits to be yielded).
+    fn unchecked(self: Pin<&mut Self>) {
+        let this = self.project();
+        let current = this.current.len();
+        *this.fast = if this.fetching.is_some() {
+            0
+        } else if *this.done || this.error.is_some() {
+            current
+        } else {
+            current.min((current + *this.queued_items).saturating_sub(*this.low))
+        };
+    }
+
     /// `poll_next` when a fetch may be due or the current batch is used up.
     #[inline(never)]
+    fn poll_slow(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<S::Item, S::Error>>> {
+        let next = self.as_mut().poll_fetching(cx);
+        self.unchecked();
+        next
+    }
+
+    /// Polls a fetch that is due or in progress, then hands out the next buffered item.
     fn poll_fetching(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

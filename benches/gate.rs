@@ -9,7 +9,9 @@
 //! all its callers (cloned per call, as the gate does).
 //!
 //! - **Scenarios**: 1 caller, and 64 callers; each caller is a tokio task on a multi-thread
-//!   runtime with 2 workers, deciding one request (cost 1) after the other, on keys drawn
+//!   runtime with 1 worker ([`WORKERS`]: the client has one core and `redis-server` the
+//!   other, as on separate machines; `GATE_WORKERS=2` lets the client's two workers and the
+//!   server contend for the 2 cores), deciding one request (cost 1) after the other, on keys drawn
 //!   uniformly from 1 000 keys (a per-task xorshift). Every caller yields to the scheduler
 //!   once per 256 decisions, so the in-memory gate (whose future is always ready) shares
 //!   the workers like the others do.
@@ -27,6 +29,10 @@
 //! - **Server side** (`INFO commandstats`): **srv µs/dec** is the total `EVALSHA` time on the
 //!   server ÷ decisions (the script's cost per decision, also when a call decides a batch),
 //!   **dec/EVAL** the decisions per `EVALSHA` call.
+//!
+//! After the table come one PASS/FAIL line per requirement of the issue at 64 callers
+//! (batched ≥ 2.0× plain, `lease(16)` ≥ 5×, p99 no worse than plain) and the hot-key
+//! figure (script calls per rejected acquire ≤ 0.05).
 //!
 //! # Implementations
 //!
@@ -51,7 +57,7 @@
 //! GATE_RUN_MS=1000 cargo bench --bench gate
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
 //! GATE_ROUNDS=5 cargo bench --bench gate
-//! GATE_WORKERS=1 cargo bench --bench gate    # the client on one worker thread
+//! GATE_WORKERS=2 cargo bench --bench gate    # the client on two worker threads
 //! GATE_REDIS_CPUS=0 GATE_WORKERS=1 taskset -c 1 cargo bench --bench gate
 //!                                             # server and client on a core each
 //! ```
@@ -103,7 +109,12 @@ const RATE: u32 = 100_000;
 const BURST: u32 = 1_000;
 const KEYS: usize = 1_000;
 const CALLERS: [usize; 2] = [1, 64];
-const WORKERS: usize = 2;
+/// Client runtime workers: one, so that on a 2-core machine the client and the server have a
+/// core each, as they would on separate machines. With two, the client's workers and
+/// `redis-server` contend for the two cores (`GATE_WORKERS=2` shows that case).
+const WORKERS: usize = 1;
+/// The scenario the issue's requirements are stated for.
+const MUST_CALLERS: usize = 64;
 const RUN: Duration = Duration::from_secs(2);
 /// Rounds per scenario: every implementation runs once per round, in turn, so a drift of the
 /// machine's speed hits all of them alike; ratios are taken within a round.
@@ -583,6 +594,7 @@ fn print_table(rows: &[Row]) {
             }
         }
         // Ratios within each round (adjacent runs), then their median over the rounds.
+        let mut medians = Vec::new();
         for name in ["flowgate", "flowgate b=1", "flowgate lease16"] {
             let mut ratios: Vec<f64> = (0..rounds)
                 .filter_map(|r| {
@@ -595,24 +607,60 @@ fn print_table(rows: &[Row]) {
             }
             let each: Vec<String> = ratios.iter().map(|x| format!("{x:.3}")).collect();
             ratios.sort_by(f64::total_cmp);
+            let median = ratios[ratios.len() / 2];
+            medians.push((name, median));
             println!(
-                "  {scenario:<10} ratio throughput {name} / plain: median {:.3} (rounds: {})",
-                ratios[ratios.len() / 2],
+                "  {scenario:<10} ratio throughput {name} / plain: median {median:.3} (rounds: {})",
                 each.join(", ")
             );
         }
         // p99 over all rounds' decisions.
+        let mut p99s = Vec::new();
         for name in ["flowgate", "flowgate lease16", "plain"] {
             let mut all = Histogram::default();
             for r in (0..rounds).filter_map(|r| of(name, r)) {
                 all.merge(&r.run.latency);
             }
             if let Some(p99) = all.quantile(0.99) {
+                p99s.push((name, p99));
                 println!(
                     "  {scenario:<10} p99 over all rounds {name:<16} {}",
                     us(p99)
                 );
             }
+        }
+        if callers == MUST_CALLERS {
+            print_requirements(&medians, &p99s);
+        }
+    }
+}
+
+/// The issue's requirements at [`MUST_CALLERS`] callers, from this run's figures: throughput
+/// against plain (median of the in-round ratios) and p99 no worse than plain's.
+fn print_requirements(medians: &[(&str, f64)], p99s: &[(&str, f64)]) {
+    let find =
+        |list: &[(&str, f64)], name: &str| list.iter().find(|(n, _)| *n == name).map(|&(_, v)| v);
+    println!("\n== requirements of the issue at {MUST_CALLERS} callers (this run's figures)");
+    let verdict = |pass: bool| if pass { "PASS" } else { "FAIL" };
+    for (name, at_least) in [("flowgate", 2.0), ("flowgate lease16", 5.0)] {
+        match find(medians, name) {
+            Some(m) => println!(
+                "  {}  throughput {name} / plain, median {m:.3} (must be >= {at_least})",
+                verdict(m >= at_least)
+            ),
+            None => println!("  n/a   throughput {name} / plain (not measured)"),
+        }
+    }
+    let plain = find(p99s, "plain");
+    for name in ["flowgate", "flowgate lease16"] {
+        match (find(p99s, name), plain) {
+            (Some(ours), Some(plain)) => println!(
+                "  {}  p99 {name} {:.2} µs vs plain {:.2} µs (must be no worse)",
+                verdict(ours <= plain),
+                ours / 1e3,
+                plain / 1e3
+            ),
+            _ => println!("  n/a   p99 {name} vs plain (not measured)"),
         }
     }
 }

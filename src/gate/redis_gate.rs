@@ -432,8 +432,8 @@ where
             }
         }
         let reply = match &inner.leases {
-            Some(leases) => self.decide_lease(leases, key, cost).await,
-            None => self.decide(key, cost).await,
+            Some(leases) => self.decide_lease(leases, key, cost, now).await,
+            None => self.decide(key, cost, now).await,
         };
         let error = match reply {
             Ok(decision) => {
@@ -466,18 +466,18 @@ where
         Ok(decided.pop().expect("one decision per request"))
     }
 
-    /// One decision from Redis, batched or alone, bounded by the timeout.
-    async fn decide(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
+    /// One decision from Redis, batched or alone, bounded by the timeout from `started`.
+    async fn decide(&self, key: &str, cost: u32, started: Instant) -> Result<Decision, GateError> {
         let inner = &*self.inner;
-        let started = Instant::now();
         let result = match inner.batcher.as_ref().map(|b| (b, b.idle_call())) {
             // Calls in flight: join the next batch.
             Some((batcher, None)) => {
                 let (reply, answer) = oneshot::channel();
+                let deadline = started + inner.timeout;
                 let request = Request {
                     key: self.redis_key(key),
                     cost,
-                    deadline: started + inner.timeout,
+                    deadline,
                     reply,
                 };
                 if batcher.queue.send(request).is_err() {
@@ -487,7 +487,8 @@ where
                 }
                 // The driver answers by the deadline (its call's timeout ends there); the
                 // timer here is the backstop for a driver whose runtime is not being driven.
-                match tokio::time::timeout(inner.timeout, answer).await {
+                let deadline = tokio::time::Instant::from_std(deadline);
+                match tokio::time::timeout_at(deadline, answer).await {
                     Ok(Ok(result)) => result,
                     Ok(Err(_)) => Err(GateError::backend(BackendMessage(
                         "the batch driver dropped the request".into(),
@@ -600,13 +601,13 @@ where
         leases: &Leases,
         key: &str,
         cost: u32,
+        started: Instant,
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         let Limit::TokenBucket(quota) = inner.eval.limit else {
             // Leases are only built for token buckets.
-            return self.decide(key, cost).await;
+            return self.decide(key, cost, started).await;
         };
-        let started = Instant::now();
         let mut conn = inner.conn.clone();
         let mut invocation = inner.lease_script.key(self.redis_key(key));
         invocation

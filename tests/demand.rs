@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use flowgate::demand::{
-    BatchSource, CommitTracker, DemandError, Flow, StreamSource, UNBOUNDED, prefetch,
+    BatchSource, CommitTracker, DemandError, Flow, IterSource, StreamSource, UNBOUNDED, prefetch,
 };
 use flowgate::{ConfigErrorKind, FlowStreamExt};
 use futures::{StreamExt, poll};
@@ -229,6 +229,23 @@ impl BatchSource for Flaky {
         }
         Poll::Ready(None)
     }
+}
+
+#[tokio::test]
+async fn an_iter_source_ends_at_the_first_none() {
+    // Yields 0, 1, 2, then None, then would start again: not fused.
+    let mut n = 0u32;
+    let restarting = std::iter::from_fn(move || {
+        n += 1;
+        (n % 4 != 0).then(|| n % 4 - 1)
+    });
+    let items: Vec<u32> = prefetch(IterSource::new(restarting), 2, 0)
+        .unwrap()
+        .map(Result::unwrap)
+        .take(10) // bounded, should the source go on after its end
+        .collect()
+        .await;
+    assert_eq!(items, [0, 1, 2]);
 }
 
 #[tokio::test]

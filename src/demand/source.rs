@@ -96,9 +96,11 @@ impl<S: Stream> BatchSource for StreamSource<S> {
     }
 }
 
-/// Any [`Iterator`] as a [`BatchSource`]: an in-memory source (a `Vec` of jobs, records
-/// parsed from a file, a range of offsets). A fetch takes up to `max` items at once; the
-/// source is always ready, never fails, and ends when the iterator returns `None`.
+/// Any [`Iterator`] as a [`BatchSource`]: an in-memory source (a `Vec` of jobs, a range of
+/// offsets, a decoder over bytes already read). A fetch takes up to `max` items at once; the
+/// source is always ready, never fails, and ends the first time the iterator returns `None`
+/// (it is not called again). `next` runs inside `poll`, so it must not block: an iterator
+/// that does I/O belongs behind a real source.
 ///
 /// # Examples
 ///
@@ -121,6 +123,7 @@ impl<S: Stream> BatchSource for StreamSource<S> {
 #[derive(Debug, Clone)]
 pub struct IterSource<I> {
     iter: I,
+    ended: bool,
 }
 
 impl<I: Iterator> IterSource<I> {
@@ -128,6 +131,7 @@ impl<I: Iterator> IterSource<I> {
     pub fn new(iter: impl IntoIterator<IntoIter = I>) -> Self {
         IterSource {
             iter: iter.into_iter(),
+            ended: false,
         }
     }
 
@@ -146,7 +150,13 @@ impl<I: Iterator> BatchSource for IterSource<I> {
         _cx: &mut Context<'_>,
         max: usize,
     ) -> Fetched<I::Item, Self::Error> {
-        let batch: Vec<I::Item> = self.project().iter.by_ref().take(max).collect();
+        let this = self.project();
+        if *this.ended {
+            return Poll::Ready(None);
+        }
+        let batch: Vec<I::Item> = this.iter.by_ref().take(max).collect();
+        // Fewer than `max`: the iterator returned `None`.
+        *this.ended = batch.len() < max;
         if batch.is_empty() {
             Poll::Ready(None)
         } else {
@@ -174,8 +184,8 @@ pub struct Prefetch<S: BatchSource> {
     /// Fetched items, batch by batch, as the fetches returned them (no copy): the batch
     /// being handed out, and the ones behind it with their item count.
     current: vec::IntoIter<S::Item>,
-    /// How many items of `current` the hot path may hand out unchecked: no fetch is in
-    /// progress and the buffer stays above `low` (set by the slow path, see `unchecked`).
+    /// How many items of `current` the hot path may hand out unchecked: those the slow path
+    /// would hand out without starting or polling a fetch (set by `unchecked`).
     fast: usize,
     queued: VecDeque<vec::IntoIter<S::Item>>,
     queued_items: usize,
@@ -368,9 +378,10 @@ impl<S: BatchSource> Stream for Prefetch<S> {
 
 impl<S: BatchSource> Prefetch<S> {
     /// Sets `fast`: the items `poll_next` may take from `current` before `poll_fetching` has
-    /// to look again. A fetch in progress is polled on every poll. Otherwise the slow path
-    /// would start a fetch once the buffer is at `low` or below, so the hot path stops there
-    /// (unless no fetch can start: the source ended or an error waits to be yielded).
+    /// to look again. A fetch in progress is polled on every poll: none. If no fetch can start
+    /// (the source ended, or an error waits to be yielded after the buffered items): all of
+    /// `current`. Otherwise the slow path starts a fetch once the buffer is at `low`, so the
+    /// hot path stops there.
     fn unchecked(self: Pin<&mut Self>) {
         let this = self.project();
         let current = this.current.len();

@@ -24,8 +24,8 @@ const MAX_IN_FLIGHT: usize = 4;
 pub(crate) struct Request {
     pub(crate) key: String,
     pub(crate) cost: u32,
-    /// When the caller's timeout ends: the driver answers by then (the caller sets no timer
-    /// of its own).
+    /// When the caller's timeout ends: the driver answers by then. The caller's own timer,
+    /// started a little later, is only the backstop for a driver that is not polled.
     pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Result<Decision, GateError>>,
 }

@@ -487,8 +487,7 @@ where
                 }
                 // The driver answers by the deadline (its call's timeout ends there); the
                 // timer here is the backstop for a driver whose runtime is not being driven.
-                let deadline = tokio::time::Instant::from_std(deadline);
-                match tokio::time::timeout_at(deadline, answer).await {
+                match tokio::time::timeout(inner.timeout, answer).await {
                     Ok(Ok(result)) => result,
                     Ok(Err(_)) => Err(GateError::backend(BackendMessage(
                         "the batch driver dropped the request".into(),

@@ -237,7 +237,7 @@ async fn an_iter_source_ends_at_the_first_none() {
     let mut n = 0u32;
     let restarting = std::iter::from_fn(move || {
         n += 1;
-        (n % 4 != 0).then(|| n % 4 - 1)
+        (!n.is_multiple_of(4)).then(|| n % 4 - 1)
     });
     let items: Vec<u32> = prefetch(IterSource::new(restarting), 2, 0)
         .unwrap()

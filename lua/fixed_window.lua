@@ -9,7 +9,8 @@
 -- Windows are aligned to the Redis clock's epoch: window k is [k*window, (k+1)*window).
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing. Each window's key expires when the window ends.
+-- A rejected call writes nothing. Each window's key expires when the window ends: the write
+-- that creates it sets the TTL.
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -24,8 +25,11 @@ local key = key .. ':' .. index
 local reset = (index + 1) * window - now
 local used = tonumber(redis.call('GET', key) or '0')
 if used + cost <= limit then
-  redis.call('INCRBY', key, cost)
-  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+  -- The write that creates the window's key sets its TTL (to the window's end); the others
+  -- leave it, which saves Redis a PEXPIRE per admitted request.
+  if redis.call('INCRBY', key, cost) == cost then
+    redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+  end
   return {1, limit, limit - used - cost, 0, reset}
 end
 return {0, limit, limit - used, reset, reset}

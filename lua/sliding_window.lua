@@ -10,7 +10,9 @@
 -- estimate + cost <= limit. The caller keeps limit * window below 2^52 (exact in doubles).
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing. The key expires when both counters have decayed.
+-- A rejected call writes nothing. The key expires when both counters have decayed: a write
+-- sets the TTL when it opens a window's count, later writes in that window keep it (KEEPTTL,
+-- Redis 6.0+).
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -26,6 +28,9 @@ if state then
   local a, b, c = string.match(state, '^(%d+) (%d+) (%d+)$')
   start, current, previous = tonumber(a), tonumber(b), tonumber(c)
 end
+-- The TTL the key has covers this write too when it was set in this window with a count
+-- in it (it runs to start + 2 windows, as the write's own would).
+local ttl_holds = current > 0 and not explicit
 local aligned = now - (now % window)
 if aligned > start then
   if aligned - start == window then
@@ -35,6 +40,7 @@ if aligned > start then
   end
   current = 0
   start = aligned
+  ttl_holds = false
 end
 if now < start then
   now = start
@@ -72,8 +78,13 @@ if weighted + cost * window <= limit * window then
   current = current + cost
   local after = previous * (window - elapsed) + current * window
   local reset = reset_after(current, previous)
-  redis.call('SET', key, string.format('%d %d %d', start, current, previous),
-    'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+  local value = string.format('%d %d %d', start, current, previous)
+  if ttl_holds then
+    redis.call('SET', key, value, 'KEEPTTL')
+  else
+    redis.call('SET', key, value,
+      'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+  end
   return {1, limit, math.floor((limit * window - after) / window), 0, reset}
 end
 local remaining = math.floor(math.max(0, limit * window - weighted) / window)

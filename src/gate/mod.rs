@@ -2,7 +2,8 @@
 //!
 //! In-memory limits break the moment a service runs on more than one instance: ten instances
 //! each allow the full quota. A [`RedisGate`] makes one limit hold across the whole fleet
-//! with one atomic script per decision, using the Redis server's clock, and keeps working by
+//! by deciding atomically in Lua scripts (concurrent decisions share a script call) on the
+//! Redis server's clock, and keeps working by
 //! a [`FailurePolicy`] the user chose when Redis is slow or gone. A [`MemoryGate`] is the
 //! embedded default: same math, same decisions, one process.
 //!

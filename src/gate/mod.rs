@@ -3,9 +3,9 @@
 //! In-memory limits break the moment a service runs on more than one instance: ten instances
 //! each allow the full quota. A [`RedisGate`] makes one limit hold across the whole fleet
 //! by deciding atomically in Lua scripts (concurrent decisions share a script call) on the
-//! Redis server's clock, and keeps working by
-//! a [`FailurePolicy`] the user chose when Redis is slow or gone. A [`MemoryGate`] is the
-//! embedded default: same math, same decisions, one process.
+//! Redis server's clock, and keeps working by a [`FailurePolicy`] the user chose when Redis
+//! is slow or gone. A [`MemoryGate`] is the embedded default: same math, same decisions,
+//! one process.
 //!
 //! Both implement [`Gate`], and the stream adapters
 //! [`gated`](crate::FlowStreamExt::gated) (wait for admission: shaping) and

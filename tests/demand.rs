@@ -605,3 +605,37 @@ mod redis_streams {
         assert_eq!(e.get::<u32>("n").unwrap(), 50);
     }
 }
+
+#[test]
+fn public_types_are_send_and_sync() {
+    use flowgate::demand::{
+        CommitToken, DemandHandle, Demanded, PauseSignal, Prefetch, Ticket, Watermarks,
+    };
+    type Items = futures::stream::Iter<std::ops::Range<u32>>;
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<DemandHandle>();
+    send_sync::<Demanded<Items>>();
+    send_sync::<Prefetch<IterSource<std::ops::Range<u32>>>>();
+    send_sync::<Prefetch<StreamSource<Items>>>();
+    send_sync::<Watermarks<Items>>();
+    send_sync::<Ticket>();
+    send_sync::<PauseSignal>();
+    send_sync::<CommitTracker>();
+    send_sync::<CommitToken>();
+    send_sync::<DemandError>();
+    fn unpin<T: Unpin>() {}
+    unpin::<Prefetch<IterSource<std::ops::Range<u32>>>>();
+    unpin::<Demanded<Items>>();
+    #[cfg(feature = "redis")]
+    {
+        use flowgate::demand::{Ack, RedisStreamSource, StreamEntry};
+        use redis::aio::MultiplexedConnection;
+        // Send (a consumer loop can be spawned), not Sync: a fetch in flight is a boxed
+        // `Send` future, and a source is polled by one task anyway.
+        fn send<T: Send>() {}
+        send::<RedisStreamSource<MultiplexedConnection>>();
+        send::<Prefetch<RedisStreamSource<MultiplexedConnection>>>();
+        send_sync::<StreamEntry>();
+        send_sync::<Ack>();
+    }
+}

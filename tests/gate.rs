@@ -962,3 +962,19 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     let back = back.expect("the gate is back on Redis after the failover");
     eprintln!("cluster: back on Redis {back:?} after the master was killed");
 }
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<RedisGate<MultiplexedConnection>>();
+    send_sync::<RedisGate<ConnectionManager>>();
+    send_sync::<RedisGate<redis::cluster_async::ClusterConnection>>();
+    send_sync::<MemoryGate>();
+    send_sync::<GateError>();
+    fn is_static<T: 'static>() {}
+    is_static::<RedisGate<MultiplexedConnection>>();
+    // The acquire future can be spawned.
+    fn send<T: Send>(_: &T) {}
+    let gate = MemoryGate::new(quota(1)).unwrap();
+    send(&gate.acquire("k", 1));
+}

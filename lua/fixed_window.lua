@@ -28,7 +28,7 @@ if used + cost <= limit then
   -- The write that creates the window's key sets its TTL (to the window's end); the others
   -- leave it, which saves Redis a PEXPIRE per admitted request.
   if redis.call('INCRBY', key, cost) == cost then
-    redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+    redis.call('PEXPIRE', key, ttl_ms(reset, explicit))
   end
   return {1, limit, limit - used - cost, 0, reset}
 end

@@ -10,14 +10,14 @@ local function clock_us(arg)
   return tonumber(t[1]) * 1000000 + tonumber(t[2]), false
 end
 
--- A key's TTL in ms. With an explicit (logical) time the keys live for a minute of real
--- time instead: logical time in a differential test runs far ahead of the wall clock that
--- expires keys.
-local function ttl_ms(ms, explicit)
+-- The TTL in ms of a key whose state lasts `us` more microseconds: rounded up, at least
+-- 1 ms. With an explicit (logical) time the keys live for a minute of real time instead:
+-- logical time in a differential test runs far ahead of the wall clock that expires keys.
+local function ttl_ms(us, explicit)
   if explicit then
     return 60000
   end
-  return ms
+  return math.max(1, math.floor((us + 999) / 1000))
 end
 
 -- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]),

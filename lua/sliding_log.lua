@@ -39,7 +39,7 @@ end
 if total + cost <= limit then
   local seq = redis.call('ZCARD', key)
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
-  redis.call('PEXPIRE', key, ttl_ms(math.max(1, math.floor((window + 999) / 1000)), explicit))
+  redis.call('PEXPIRE', key, ttl_ms(window, explicit))
   return {1, limit, limit - total - cost, 0, window}
 end
 local need = total + cost - limit

@@ -82,8 +82,7 @@ if weighted + cost * window <= limit * window then
   if ttl_holds then
     redis.call('SET', key, value, 'KEEPTTL')
   else
-    redis.call('SET', key, value,
-      'PX', ttl_ms(math.max(1, math.floor((reset + 999) / 1000)), explicit))
+    redis.call('SET', key, value, 'PX', ttl_ms(reset, explicit))
   end
   return {1, limit, math.floor((limit * window - after) / window), 0, reset}
 end

@@ -100,8 +100,17 @@ where
 impl<St: Stream, F, Fut: Future> BulkheadMap<St, F, Fut> {
     /// Outputs in flight or waiting their turn.
     fn queued(&self) -> usize {
-        usize::from(self.slot.is_some()) + self.done.len() + self.running.len()
+        queued(&self.slot, &self.done, &self.running)
     }
+}
+
+/// Outputs in flight or waiting their turn: the slot's, the finished ones, the running ones.
+fn queued<T, O, R: Future>(
+    slot: &Option<T>,
+    done: &VecDeque<O>,
+    running: &FuturesOrdered<R>,
+) -> usize {
+    usize::from(slot.is_some()) + done.len() + running.len()
 }
 
 impl<St, F, Fut> Stream for BulkheadMap<St, F, Fut>
@@ -129,8 +138,7 @@ where
             // outputs in flight or waiting their turn.
             let mut fresh = false;
             loop {
-                let queued =
-                    usize::from(this.slot.is_some()) + this.done.len() + this.running.len();
+                let queued = queued(&this.slot, this.done, this.running);
                 if queued >= this.feed.limit() {
                     break;
                 }

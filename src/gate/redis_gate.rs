@@ -544,8 +544,9 @@ where
                 ));
             }
         }
-        let mut invocation = self.inner.all_script.prepare_invoke();
-        invocation.arg("").arg(cost);
+        // KEYS: the buckets; ARGV: now (empty: Redis TIME), cost, then each bucket's
+        // parameters.
+        let mut params = Vec::with_capacity(limits.len());
         for (key, quota) in limits {
             check_key(key)?;
             let capacity = u64::from(quota.burst_size());
@@ -555,28 +556,35 @@ where
             let (count, period_us) = Limit::TokenBucket(*quota).redis_params().map_err(|_| {
                 GateError::InvalidKey("a quota cannot be computed exactly in Redis")
             })?;
-            invocation
-                .key(*key)
-                .arg(count)
-                .arg(period_us)
-                .arg(quota.burst_size());
+            params.push((count, period_us, quota.burst_size()));
+        }
+        let script = &self.inner.all_script;
+        let mut cmd = scripts::evalsha(script, limits.len());
+        for (key, _) in limits {
+            cmd.arg(*key);
+        }
+        cmd.arg("").arg(cost);
+        for (count, period_us, burst) in params {
+            cmd.arg(count).arg(period_us).arg(burst);
         }
         let mut conn = self.inner.conn.clone();
-        let reply = tokio::time::timeout(
-            self.inner.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut conn),
+        let timeout = self.inner.timeout;
+        let reply = scripts::eval_ints(
+            &mut conn,
+            script,
+            &cmd,
+            5 * limits.len(),
+            timeout,
+            timeout,
+            "multi-limit script",
         )
         .await;
         let error = match reply {
-            Ok(Ok(v)) if v.len() == 5 * limits.len() => {
+            Ok(v) => {
                 self.healthy();
                 return Ok(v.chunks_exact(5).map(decision_from).collect());
             }
-            Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
-                "unexpected reply from the multi-limit script: {v:?}"
-            ))),
-            Ok(Err(e)) => GateError::backend(e),
-            Err(_) => GateError::Timeout(self.inner.timeout),
+            Err(e) => e,
         };
         self.inner.metrics.failures.increment(1);
         let until_probe = self.degraded(&error);
@@ -608,45 +616,38 @@ where
             return self.decide(key, cost, started).await;
         };
         let mut conn = inner.conn.clone();
-        let mut invocation = inner.lease_script.key(self.redis_key(key));
-        invocation
-            .arg(inner.eval.count)
-            .arg(inner.eval.period_us)
-            .arg(quota.burst_size())
-            .arg("")
-            .arg(cost)
-            .arg(leases.size.max(cost));
-        let reply = tokio::time::timeout(
+        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
+        cmd.arg(self.redis_key(key));
+        inner.eval.add_args(&mut cmd, [cost]);
+        cmd.arg(leases.size.max(cost));
+        let reply = scripts::eval_ints(
+            &mut conn,
+            &inner.lease_script,
+            &cmd,
+            5,
             inner.timeout,
-            invocation.invoke_async::<Vec<i64>>(&mut conn),
+            inner.timeout,
+            "lease script",
         )
         .await;
         inner
             .metrics
             .latency
             .record(started.elapsed().as_secs_f64());
-        match reply {
-            Ok(Ok(r)) if r.len() == 5 => {
-                let granted = u32::try_from(r[0]).unwrap_or(0);
-                if granted >= cost {
-                    let limit = u64::from(quota.burst_size());
-                    leases.keep(key, granted - cost, limit, started);
-                    Ok(decision_from(&[
-                        1,
-                        r[1],
-                        r[2] + i64::from(granted - cost),
-                        0,
-                        r[4],
-                    ]))
-                } else {
-                    Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]))
-                }
-            }
-            Ok(Ok(r)) => Err(GateError::backend(BackendMessage(format!(
-                "unexpected reply from the lease script: {r:?}"
-            )))),
-            Ok(Err(e)) => Err(GateError::backend(e)),
-            Err(_) => Err(GateError::Timeout(inner.timeout)),
+        let r = reply?;
+        let granted = u32::try_from(r[0]).unwrap_or(0);
+        if granted >= cost {
+            let limit = u64::from(quota.burst_size());
+            leases.keep(key, granted - cost, limit, started);
+            Ok(decision_from(&[
+                1,
+                r[1],
+                r[2] + i64::from(granted - cost),
+                0,
+                r[4],
+            ]))
+        } else {
+            Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]))
         }
     }
 

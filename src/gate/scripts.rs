@@ -42,7 +42,7 @@ fn source(limit: &Limit) -> &'static str {
 /// `EVALSHA <sha1 of script> <keys>`, to be followed by the keys and the arguments. Built as
 /// one [`redis::Cmd`] (one buffer for every argument, unlike `ScriptInvocation`, which
 /// allocates each key and argument on its own and copies them again into a command).
-fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
+pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(keys);
     cmd
@@ -65,6 +65,29 @@ where
             cmd.query_async(conn).await
         }
         other => other,
+    }
+}
+
+/// Send a command made by [`evalsha`] within `within` and read `len` integers back. A reply
+/// of another length is a backend error naming `what`; running out of time is
+/// [`GateError::Timeout`] of `timeout` (the gate's setting).
+pub(crate) async fn eval_ints<C: redis::aio::ConnectionLike>(
+    conn: &mut C,
+    script: &redis::Script,
+    cmd: &redis::Cmd,
+    len: usize,
+    within: Duration,
+    timeout: Duration,
+    what: &str,
+) -> Result<Vec<i64>, GateError> {
+    match tokio::time::timeout(within, query::<_, Vec<i64>>(conn, script, cmd)).await {
+        Ok(Ok(v)) if v.len() == len => Ok(v),
+        Ok(Ok(v)) => Err(GateError::backend(BackendMessage(format!(
+            "unexpected reply from the {what}: {} values where {len} were expected",
+            v.len()
+        )))),
+        Ok(Err(e)) => Err(GateError::backend(e)),
+        Err(_) => Err(GateError::Timeout(timeout)),
     }
 }
 
@@ -91,6 +114,19 @@ impl LimitScript {
         })
     }
 
+    /// Add the arguments of a call to `cmd` (after its keys): the limit's parameters, an
+    /// empty `now` (Redis `TIME` decides), then one cost per key.
+    pub(crate) fn add_args(&self, cmd: &mut redis::Cmd, costs: impl IntoIterator<Item = u32>) {
+        cmd.arg(self.count).arg(self.period_us);
+        if let Limit::TokenBucket(q) = self.limit {
+            cmd.arg(q.burst_size());
+        }
+        cmd.arg("");
+        for cost in costs {
+            cmd.arg(cost);
+        }
+    }
+
     /// Decide `requests` (key, cost) in one `EVALSHA`, within `within`; running out of time
     /// is reported as [`GateError::Timeout`] of `timeout` (the gate's setting).
     pub(crate) async fn decide<'a, C, R>(
@@ -109,45 +145,22 @@ impl LimitScript {
         for (key, _) in requests.clone() {
             cmd.arg(key);
         }
-        add_args(
-            &mut cmd,
-            &self.limit,
-            self.count,
-            self.period_us,
-            requests.clone().map(|(_, cost)| cost),
-        );
+        self.add_args(&mut cmd, requests.clone().map(|(_, cost)| cost));
         let width = reply_width(&self.limit);
-        match tokio::time::timeout(within, query::<_, Vec<i64>>(conn, &self.script, &cmd)).await {
-            Ok(Ok(v)) if v.len() == width * n => Ok(requests
-                .zip(v.chunks_exact(width))
-                .map(|((_, cost), r)| decode(&self.limit, self.count, self.period_us, cost, r))
-                .collect()),
-            Ok(Ok(v)) => Err(GateError::backend(BackendMessage(format!(
-                "unexpected reply from the gate script: {} values for {n} requests",
-                v.len()
-            )))),
-            Ok(Err(e)) => Err(GateError::backend(e)),
-            Err(_) => Err(GateError::Timeout(timeout)),
-        }
-    }
-}
-
-/// Add the arguments of a batch to `cmd` (after its keys): the limit's parameters, an empty
-/// `now` (Redis `TIME` decides), then one cost per key.
-fn add_args(
-    invocation: &mut redis::Cmd,
-    limit: &Limit,
-    count: u64,
-    period_us: u64,
-    costs: impl IntoIterator<Item = u32>,
-) {
-    invocation.arg(count).arg(period_us);
-    if let Limit::TokenBucket(q) = limit {
-        invocation.arg(q.burst_size());
-    }
-    invocation.arg("");
-    for cost in costs {
-        invocation.arg(cost);
+        let v = eval_ints(
+            conn,
+            &self.script,
+            &cmd,
+            width * n,
+            within,
+            timeout,
+            "gate script",
+        )
+        .await?;
+        Ok(requests
+            .zip(v.chunks_exact(width))
+            .map(|((_, cost), r)| decode(&self.limit, self.count, self.period_us, cost, r))
+            .collect())
     }
 }
 

@@ -290,22 +290,10 @@ fn verdict(what: &str, group: &str, peer: &str, max_ratio: f64) -> Option<bool> 
     let pass = ratio <= max_ratio;
     println!(
         "  {}  {what:<50} time ratio {ratio:.3} (max {max_ratio:.3}), throughput {:.2}x {peer}",
-        if pass { "PASS" } else { "FAIL" },
+        support::pass_fail(pass),
         theirs / ours,
     );
     Some(pass)
-}
-
-/// One line: how many of the measured checks pass.
-fn summary(what: &str, results: Vec<Option<bool>>) {
-    let measured: Vec<bool> = results.into_iter().flatten().collect();
-    let failed = measured.iter().filter(|pass| !**pass).count();
-    println!(
-        "verdict: {} of {} measured {what} pass{}",
-        measured.len() - failed,
-        measured.len(),
-        if failed == 0 { "" } else { " (see FAIL lines)" }
-    );
 }
 
 fn config() -> Criterion {
@@ -377,7 +365,7 @@ fn main() {
             max_map_ratio,
         ));
     }
-    summary("requirements", required);
+    support::summary("requirements", required);
 
     println!(
         "\n== extra, not in the issue: futures that yield once, and the ordered adapter, at the same bar"
@@ -397,5 +385,5 @@ fn main() {
             max_map_ratio,
         ));
     }
-    summary("extra checks", extra);
+    support::summary("extra checks", extra);
 }

@@ -177,7 +177,7 @@ fn verdict(what: &str, group: &str, ours: &str, peer: &str, since: SystemTime) -
     let pass = ratio <= MAX_OVERHEAD;
     println!(
         "  {}  {what:<46} time ratio {ratio:.3} (overhead {:+.1} %, max {:+.0} %)",
-        if pass { "PASS" } else { "FAIL" },
+        support::pass_fail(pass),
         (ratio - 1.0) * 100.0,
         (MAX_OVERHEAD - 1.0) * 100.0,
     );
@@ -422,15 +422,8 @@ fn main() {
                 started,
             ),
         ];
-        let measured: Vec<bool> = results.into_iter().flatten().collect();
-        let failed = measured.iter().filter(|p| !**p).count();
-        println!(
-            "verdict: {} of {} measured checks pass{}",
-            measured.len() - failed,
-            measured.len(),
-            if failed == 0 { "" } else { " (see FAIL lines)" }
-        );
-    } else if !bench_mode {
+        support::summary("checks", results);
+    } else {
         println!("(no --bench: criterion smoke run, no verdicts)");
     }
 

@@ -301,7 +301,7 @@ async fn hot_key(client: &redis::Client, admin: &mut MultiplexedConnection, run:
     println!(
         "\n== hot key: 64 callers on one key at 10/s for {run:?}: admitted {admitted}, rejected {rejected}, \
          script calls {calls}; calls per rejected acquire {per:.5} (must be <= 0.05: {})",
-        if per <= 0.05 { "PASS" } else { "FAIL" }
+        support::pass_fail(per <= 0.05)
     );
 }
 
@@ -645,12 +645,11 @@ fn print_requirements(medians: &[(&str, f64)], p99s: &[(&str, f64)]) {
     let find =
         |list: &[(&str, f64)], name: &str| list.iter().find(|(n, _)| *n == name).map(|&(_, v)| v);
     println!("\n== requirements of the issue at {MUST_CALLERS} callers (this run's figures)");
-    let verdict = |pass: bool| if pass { "PASS" } else { "FAIL" };
     for (name, at_least) in [("flowgate", 2.0), ("flowgate lease16", 5.0)] {
         match find(medians, name) {
             Some(m) => println!(
                 "  {}  throughput {name} / plain, median {m:.3} (must be >= {at_least})",
-                verdict(m >= at_least)
+                support::pass_fail(m >= at_least)
             ),
             None => println!("  n/a   throughput {name} / plain (not measured)"),
         }
@@ -660,7 +659,7 @@ fn print_requirements(medians: &[(&str, f64)], p99s: &[(&str, f64)]) {
         match (find(p99s, name), plain) {
             (Some(ours), Some(plain)) => println!(
                 "  {}  p99 {name} {:.2} µs vs plain {:.2} µs (must be no worse)",
-                verdict(ours <= plain),
+                support::pass_fail(ours <= plain),
                 ours / 1e3,
                 plain / 1e3
             ),

@@ -619,7 +619,7 @@ fn main() {
         .all(|r| r.ratio >= MIN_RATIO && r.violations == 0 && !r.overflowed);
     println!(
         "Must (flowgate ≥ {MIN_RATIO} at 1k, 10k, 100k and 1M/s and never above bound (a)): {}{}",
-        if pass { "PASS" } else { "FAIL" },
+        support::pass_fail(pass),
         if all_rates {
             ""
         } else {

@@ -5,6 +5,23 @@ use std::path::PathBuf;
 
 pub mod redis_server;
 
+/// How a requirement line starts.
+pub fn pass_fail(pass: bool) -> &'static str {
+    if pass { "PASS" } else { "FAIL" }
+}
+
+/// One line: how many of the measured checks (`None`: not measured) pass.
+pub fn summary(what: &str, results: impl IntoIterator<Item = Option<bool>>) {
+    let measured: Vec<bool> = results.into_iter().flatten().collect();
+    let failed = measured.iter().filter(|pass| !**pass).count();
+    println!(
+        "verdict: {} of {} measured {what} pass{}",
+        measured.len() - failed,
+        measured.len(),
+        if failed == 0 { "" } else { " (see FAIL lines)" }
+    );
+}
+
 /// The machine's load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

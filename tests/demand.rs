@@ -249,6 +249,18 @@ async fn an_iter_source_ends_at_the_first_none() {
 }
 
 #[tokio::test]
+async fn a_stream_source_does_not_poll_its_stream_after_the_end() {
+    // `unfold` panics if polled after it returned `None`; a short batch must not lead to it.
+    let s = futures::stream::unfold(0u32, |n| async move { (n < 3).then_some((n, n + 1)) });
+    let items: Vec<u32> = prefetch(StreamSource::new(s), 8, 0)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    assert_eq!(items, [0, 1, 2]);
+}
+
+#[tokio::test]
 async fn prefetch_refills_exactly_when_the_buffer_falls_to_low() {
     let consumed = Arc::new(Mutex::new(0));
     let asks = Arc::new(Mutex::new(Vec::new()));

@@ -52,18 +52,24 @@ impl<S: BatchSource + Unpin + ?Sized> BatchSource for &mut S {
 }
 
 /// Any [`Stream`] as a [`BatchSource`] (for tests and simple sources): a fetch takes up to
-/// `max` items that are ready, waiting only for the first.
+/// `max` items that are ready, waiting only for the first. Once the stream returns `None` it
+/// is not polled again (a stream need not be fused).
 #[pin_project]
 #[derive(Debug)]
 pub struct StreamSource<S> {
     #[pin]
     stream: S,
+    /// The stream returned `None`: it is not polled again.
+    ended: bool,
 }
 
 impl<S> StreamSource<S> {
     /// Wrap `stream`.
     pub fn new(stream: S) -> Self {
-        StreamSource { stream }
+        StreamSource {
+            stream,
+            ended: false,
+        }
     }
 
     /// The inner stream.
@@ -81,13 +87,22 @@ impl<S: Stream> BatchSource for StreamSource<S> {
         cx: &mut Context<'_>,
         max: usize,
     ) -> Fetched<S::Item, Self::Error> {
-        let mut stream = self.project().stream;
+        let this = self.project();
+        if *this.ended {
+            return Poll::Ready(None);
+        }
+        let mut stream = this.stream;
         let mut batch = Vec::with_capacity(max.min(1024));
         while batch.len() < max {
             match stream.as_mut().poll_next(cx) {
                 Poll::Ready(Some(item)) => batch.push(item),
-                Poll::Ready(None) if batch.is_empty() => return Poll::Ready(None),
-                Poll::Ready(None) => break,
+                Poll::Ready(None) => {
+                    *this.ended = true;
+                    if batch.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    break;
+                }
                 Poll::Pending if batch.is_empty() => return Poll::Pending,
                 Poll::Pending => break,
             }

@@ -410,8 +410,64 @@ async fn watermarks_pause_at_high_and_resume_at_low_with_min_hold() {
     tickets.push_back(t);
     assert_eq!(stream.in_flight(), 3);
     assert!(!signal.is_paused(), "no flapping faster than min_hold");
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "at high: not pulled, although the pause is held back"
+    );
     advance(Duration::from_millis(100)).await;
     assert!(poll!(stream.next()).is_pending(), "now paused");
+    assert!(signal.is_paused());
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_flight_never_exceeds_high_while_a_pause_is_held_back() {
+    let high = 3;
+    let stream = futures::stream::iter(0..10_000)
+        .watermarks(high, 1)
+        .unwrap()
+        .min_hold(Duration::from_secs(1));
+    let signal = stream.pause_signal();
+    let mut stream = pin!(stream);
+    let mut tickets = VecDeque::new();
+    for _ in 0..high {
+        tickets.push_back(stream.next().await.unwrap().1);
+    }
+    assert!(signal.is_paused());
+    // Down to low, then the held-back resume applies: resumed, and a pause is now held back
+    // for a second.
+    tickets.truncate(1);
+    advance(Duration::from_secs(1)).await;
+    let mut pull_all = async |tickets: &mut VecDeque<_>| {
+        let mut pulled = 0;
+        while let Poll::Ready(next) = poll!(stream.next()) {
+            tickets.push_back(next.unwrap().1);
+            pulled += 1;
+            assert!(
+                stream.in_flight() <= high,
+                "{} in flight",
+                stream.in_flight()
+            );
+        }
+        pulled
+    };
+    assert_eq!(
+        pull_all(&mut tickets).await,
+        2,
+        "from 1 in flight up to high"
+    );
+    tickets.pop_front();
+    assert_eq!(
+        pull_all(&mut tickets).await,
+        1,
+        "one done: one more, up to high"
+    );
+    assert_eq!(stream.in_flight(), high);
+    assert!(
+        !signal.is_paused(),
+        "the pause is still held back by min_hold"
+    );
+    advance(Duration::from_secs(1)).await;
+    assert!(poll!(stream.next()).is_pending());
     assert!(signal.is_paused());
 }
 

@@ -81,8 +81,9 @@ impl Shared {
         st.in_flight -= 1;
         self.in_flight.set(st.in_flight as f64);
         let blocked = self.evaluate(&mut st, Instant::now());
-        // A resume held back by `min_hold` is applied by the wrapper's timer.
-        if blocked.is_some()
+        // Wake the wrapper if it may pull again (below `high` while a pause is held back by
+        // `min_hold`) or has a held-back change to apply with its timer.
+        if (blocked.is_some() || (!st.paused && st.in_flight < self.high))
             && let Some(w) = st.waker.take()
         {
             w.wake();
@@ -126,7 +127,8 @@ impl PauseSignal {
         self.get() == Flow::Paused
     }
 
-    /// Wait for the next change and return the new state. `None` when the wrapper is gone.
+    /// Wait for the next change and return the new state. `None` once no change can come:
+    /// the wrapper and every [`Ticket`] it handed out are gone.
     pub async fn changed(&mut self) -> Option<Flow> {
         self.rx.changed().await.ok()?;
         Some(*self.rx.borrow_and_update())
@@ -139,8 +141,10 @@ impl PauseSignal {
 /// When in-flight reaches `high` the state turns [`Flow::Paused`] and the wrapper stops
 /// pulling upstream; when it falls to `low` it turns [`Flow::Resumed`]. Two changes are
 /// never closer than `min_hold` (a change due earlier waits for it), so the signal does not
-/// flap. The wrapper must be polled for a change held back by `min_hold` to be applied on
-/// time (a consumer loop awaiting `next()` does that).
+/// flap. The wrapper never has more than `high` items in flight: while a pause is held back
+/// by `min_hold` it still stops pulling at `high` (and pulls again below it). The wrapper
+/// must be polled for a change held back by `min_hold` to be applied on time (a consumer
+/// loop awaiting `next()` does that).
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Watermarks<S> {
@@ -270,7 +274,9 @@ impl<S: Stream> Stream for Watermarks<S> {
                     cx.waker().wake_by_ref();
                 }
             }
-            if st.paused {
+            // At `high` the wrapper stops pulling even while the pause itself is held back
+            // by `min_hold`: in flight never exceeds `high`.
+            if st.paused || st.in_flight >= this.shared.high {
                 st.waker = Some(cx.waker().clone());
                 return Poll::Pending;
             }

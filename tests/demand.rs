@@ -492,7 +492,7 @@ mod redis_streams {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use flowgate::demand::{Origin, RedisStreamSource, prefetch};
+    use flowgate::demand::{Origin, RedisStreamSource, StreamEntry, prefetch};
     use futures::StreamExt;
     use redis::aio::MultiplexedConnection;
 
@@ -636,6 +636,102 @@ mod redis_streams {
             pending(&mut con).await,
             0,
             "nothing left pending: acked == produced"
+        );
+    }
+
+    /// The next entry within 700 ms.
+    async fn next<S>(stream: &mut S) -> Option<StreamEntry>
+    where
+        S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+    {
+        let next = tokio::time::timeout(Duration::from_millis(700), stream.next()).await;
+        next.ok().flatten().map(Result::unwrap)
+    }
+
+    /// Waits (up to 5 s) until nothing is pending in the group; returns what is left.
+    async fn drained(con: &mut MultiplexedConnection) -> u64 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let left = pending(con).await;
+            if left == 0 || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_consumer_never_redelivers_what_it_holds_and_reclaims_what_it_dropped() {
+        let server = RedisServer::start();
+        let mut con = server.connect().await;
+        drop(source(&server, "setup").await);
+        produce(&mut con, 20).await;
+        // min_idle 300 ms, a claim every 100 ms: held entries go idle while we sleep.
+        let mut stream = Box::pin(prefetch(source(&server, "solo").await, 5, 0).unwrap());
+        let mut held = Vec::new();
+        for _ in 0..5 {
+            held.push(stream.next().await.unwrap().unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        while held.len() < 20 {
+            let e = next(&mut stream)
+                .await
+                .expect("the 15 other entries arrive");
+            assert!(
+                held.iter().all(|h| h.id != e.id),
+                "{} delivered again while held ({:?})",
+                e.id,
+                e.origin
+            );
+            held.push(e);
+        }
+        assert!(
+            next(&mut stream).await.is_none(),
+            "nothing more: all 20 held"
+        );
+        // Dropped without an ack: claimed back once idle, by this same consumer.
+        let dropped = held.swap_remove(3);
+        let id = dropped.id.clone();
+        drop(dropped);
+        let again = next(&mut stream)
+            .await
+            .expect("the dropped entry comes back");
+        assert_eq!(
+            (again.id.as_str(), again.origin),
+            (id.as_str(), Origin::Claimed)
+        );
+        held.push(again);
+        // Acks leave without a fetch: the background flusher sends them.
+        for e in held {
+            e.ack.ack();
+        }
+        assert_eq!(
+            drained(&mut con).await,
+            0,
+            "all acked without another fetch"
+        );
+    }
+
+    #[tokio::test]
+    async fn acks_after_the_source_is_dropped_still_reach_redis() {
+        let server = RedisServer::start();
+        let mut con = server.connect().await;
+        drop(source(&server, "setup").await);
+        produce(&mut con, 10).await;
+        let mut stream = Box::pin(prefetch(source(&server, "e").await, 5, 0).unwrap());
+        let mut entries = Vec::new();
+        for _ in 0..5 {
+            entries.push(stream.next().await.unwrap().unwrap());
+        }
+        drop(stream); // shutdown: stop fetching, let the workers finish
+        assert_eq!(pending(&mut con).await, 5);
+        for e in entries {
+            e.ack.ack();
+        }
+        assert_eq!(
+            drained(&mut con).await,
+            0,
+            "acked after the drop, still sent"
         );
     }
 

@@ -1,6 +1,6 @@
 //! `RedisStreamSource`: a Redis Streams consumer-group member as a `BatchSource`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -11,6 +11,7 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{FromRedisValue, RedisError, RedisResult, Value};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::demand::source::{BatchSource, Fetched};
@@ -43,52 +44,115 @@ struct Config {
     block: Duration,
     min_idle: Duration,
     claim_every: Duration,
+    ack_interval: Duration,
 }
 
-/// Ids acknowledged by the application, waiting to be sent in one `XACK`.
-#[derive(Debug, Default)]
+/// What the source and its [`Ack`] handles share: the ids acknowledged and not sent yet,
+/// and the ids handed out and not yet acknowledged or dropped.
+#[derive(Debug)]
 struct AckQueue {
-    ids: Mutex<Vec<String>>,
+    state: Mutex<AckState>,
+    /// Wakes the background flusher: an ack, or a handle gone.
+    wake: Notify,
+}
+
+#[derive(Debug)]
+struct AckState {
+    /// Acknowledged by the application, waiting to be sent in one `XACK`.
+    ids: Vec<String>,
+    /// Delivered by this source and still held by the application (their `Ack` is alive):
+    /// this consumer's own `XAUTOCLAIM` returns them too once idle, and must not deliver
+    /// them a second time.
+    held: HashSet<String>,
+    /// The source plus its live `Ack`s; the flusher stops once all are gone and every ack
+    /// is sent.
+    handles: usize,
 }
 
 impl AckQueue {
+    fn new() -> Self {
+        AckQueue {
+            state: Mutex::new(AckState {
+                ids: Vec::new(),
+                held: HashSet::new(),
+                handles: 1,
+            }),
+            wake: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> crate::sync::MutexGuard<'_, AckState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.ids.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(&mut self.lock().ids)
+    }
+
+    fn requeue(&self, ids: Vec<String>) {
+        self.lock().ids.extend(ids);
+    }
+
+    /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.
+    fn release(&self, id: Option<String>, acked: bool) {
+        let mut st = self.lock();
+        if let Some(id) = id {
+            st.held.remove(&id);
+            if acked {
+                st.ids.push(id);
+            }
+        }
+        st.handles -= 1;
+        drop(st);
+        self.wake.notify_one();
     }
 }
 
 /// The acknowledgement handle of one entry. Call [`ack`](Ack::ack) once the entry's work is
-/// done; acks are batched into one `XACK` sent with the next fetch (or by
-/// [`RedisStreamSource::flush_acks`]).
+/// done; acks are batched into one `XACK`, sent with the next fetch or by the source's
+/// background flusher within [`ack_interval`](RedisStreamSourceBuilder::ack_interval) —
+/// also after the source itself was dropped.
 ///
 /// Dropping it without `ack` leaves the entry pending: it is redelivered to this consumer
-/// after a restart, or claimed by another consumer once idle longer than `min_idle`
-/// (at-least-once).
+/// after a restart, or claimed (by this consumer or another) once idle longer than
+/// `min_idle` (at-least-once).
 #[must_use = "an entry stays pending until it is acknowledged"]
 pub struct Ack {
-    id: String,
+    /// `None` once acknowledged (then dropped).
+    id: Option<String>,
     queue: Arc<AckQueue>,
 }
 
 impl Ack {
+    fn new(id: String, queue: Arc<AckQueue>) -> Self {
+        Ack {
+            id: Some(id),
+            queue,
+        }
+    }
+
     /// The entry is done: acknowledge it.
-    pub fn ack(self) {
-        self.queue
-            .ids
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(self.id);
+    pub fn ack(mut self) {
+        self.queue.release(self.id.take(), true);
     }
 
     /// The entry id.
     pub fn id(&self) -> &str {
-        &self.id
+        self.id.as_deref().unwrap_or_default()
+    }
+}
+
+impl Drop for Ack {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.queue.release(Some(id), false);
+        }
     }
 }
 
 impl fmt::Debug for Ack {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Ack").field("id", &self.id).finish()
+        f.debug_struct("Ack").field("id", &self.id()).finish()
     }
 }
 
@@ -125,7 +189,8 @@ pub enum Origin {
     OwnPending,
     /// A new entry (`>`).
     New,
-    /// Claimed from another consumer after it was idle longer than `min_idle`.
+    /// Claimed after it was idle longer than `min_idle`: from a dead consumer, or one this
+    /// consumer received and dropped without acknowledging.
     Claimed,
 }
 
@@ -150,9 +215,14 @@ struct Batch {
 ///   name before and never acknowledged, e.g. before a crash), then reads new ones (`>`),
 ///   waiting up to `block` for them.
 /// - Every `claim_every` it runs `XAUTOCLAIM` and takes over entries idle longer than
-///   `min_idle` from other consumers (dead ones), yielding them as [`Origin::Claimed`].
+///   `min_idle` — those of dead consumers, and its own that the application dropped without
+///   acknowledging — yielding them as [`Origin::Claimed`]. Entries it handed out and the
+///   application still holds are never delivered twice by it (see
+///   [`min_idle`](RedisStreamSourceBuilder::min_idle) for other consumers).
 /// - Each entry carries an [`Ack`]; acknowledged ids are sent in one `XACK`, pipelined with
-///   the next fetch. Nothing is acknowledged before the application says so: at-least-once.
+///   the next fetch or by a background task within
+///   [`ack_interval`](RedisStreamSourceBuilder::ack_interval), also after the source is
+///   dropped. Nothing is acknowledged before the application says so: at-least-once.
 ///
 /// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
 /// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`). Give the
@@ -200,6 +270,7 @@ pub struct RedisStreamSourceBuilder<C> {
     block: Duration,
     min_idle: Duration,
     claim_every: Duration,
+    ack_interval: Duration,
     start: StartFrom,
     name: Option<String>,
 }
@@ -218,7 +289,14 @@ where
         self
     }
 
-    /// Claim entries idle longer than this from other consumers (default 30 s).
+    /// Claim entries idle longer than this (default 30 s): entries of dead consumers, and
+    /// entries this consumer received and dropped without acknowledging.
+    ///
+    /// Redis counts an entry idle from its last delivery, not from the last sign of life of
+    /// its consumer: keep `min_idle` above the longest an entry may wait in the `prefetch`
+    /// buffer plus its processing time, or another consumer takes over entries this one is
+    /// still working on and they are processed twice (at-least-once still holds). This
+    /// consumer's own claims skip the entries it still holds.
     pub fn min_idle(mut self, min_idle: Duration) -> Self {
         self.min_idle = min_idle;
         self
@@ -227,6 +305,16 @@ where
     /// How often to look for entries to claim (default 5 s).
     pub fn claim_every(mut self, every: Duration) -> Self {
         self.claim_every = every;
+        self
+    }
+
+    /// Acknowledgements are sent at most this long after the first one since the last send
+    /// (default 100 ms): with the next fetch if one starts sooner, otherwise by a background
+    /// task on the tokio runtime the source was built on, which also sends the acks that
+    /// come after the source is dropped. A send waits behind a blocking read on the same
+    /// multiplexed connection, so add up to `block`.
+    pub fn ack_interval(mut self, interval: Duration) -> Self {
+        self.ack_interval = interval;
         self
     }
 
@@ -266,22 +354,36 @@ where
             return Err(e);
         }
         let labels = Labels::new(self.name.as_deref());
+        let config = Arc::new(Config {
+            key: self.key,
+            group: self.group,
+            consumer: self.consumer,
+            block: self.block,
+            min_idle: self.min_idle,
+            claim_every: self.claim_every,
+            ack_interval: self.ack_interval,
+        });
+        let acks = Arc::new(AckQueue::new());
+        let acked = labels.counter(names::ACKED, &[]);
+        // Without a tokio runtime there is no flusher: acks travel with fetches and
+        // `flush_acks` only.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(flush_in_background(
+                acks.clone(),
+                self.conn.clone(),
+                config.clone(),
+                acked.clone(),
+            ));
+        }
         Ok(RedisStreamSource {
             conn: self.conn,
-            config: Arc::new(Config {
-                key: self.key,
-                group: self.group,
-                consumer: self.consumer,
-                block: self.block,
-                min_idle: self.min_idle,
-                claim_every: self.claim_every,
-            }),
+            config,
             phase: Phase::OwnPending("0".into()),
-            acks: Arc::new(AckQueue::default()),
+            acks,
             fetch: None,
             next_claim: Instant::now() + self.claim_every,
             claim_cursor: "0-0".into(),
-            acked: labels.counter(names::ACKED, &[]),
+            acked,
             claimed: labels.counter(names::CLAIMED, &[]),
         })
     }
@@ -306,6 +408,7 @@ where
             block: Duration::from_millis(250),
             min_idle: Duration::from_secs(30),
             claim_every: Duration::from_secs(5),
+            ack_interval: Duration::from_millis(100),
             start: StartFrom::Beginning,
             name: None,
         }
@@ -321,30 +424,16 @@ where
         if ids.is_empty() {
             return Ok(0);
         }
-        let sent: RedisResult<usize> = redis::cmd("XACK")
-            .arg(&self.config.key)
-            .arg(&self.config.group)
-            .arg(&ids)
-            .query_async(&mut self.conn)
-            .await;
-        match sent {
+        match xack(&mut self.conn, &self.config, &ids).await {
             Ok(n) => {
                 self.acked.increment(ids.len() as u64);
                 Ok(n)
             }
             Err(e) => {
-                self.requeue(ids);
+                self.acks.requeue(ids);
                 Err(e)
             }
         }
-    }
-
-    fn requeue(&self, ids: Vec<String>) {
-        self.acks
-            .ids
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(ids);
     }
 
     /// Whether this source is still recovering its own pending entries.
@@ -405,11 +494,7 @@ where
             let replies: Vec<Value> = match pipe.query_async(&mut conn).await {
                 Ok(r) => r,
                 Err(e) => {
-                    requeue
-                        .ids
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .extend(acks);
+                    requeue.requeue(acks);
                     return Err(e);
                 }
             };
@@ -444,7 +529,6 @@ where
                 None => self.phase = Phase::New,
             },
             Origin::Claimed => {
-                self.claimed.increment(batch.ids.len() as u64);
                 let cursor = batch.cursor.unwrap_or_else(|| "0-0".into());
                 // A full pass over the pending list: wait before the next one.
                 if cursor == "0-0" {
@@ -454,19 +538,27 @@ where
             }
             Origin::New => {}
         }
-        batch
-            .ids
-            .into_iter()
-            .map(|s| StreamEntry {
-                ack: Ack {
-                    id: s.id.clone(),
-                    queue: self.acks.clone(),
-                },
+        let mut st = self.acks.lock();
+        let mut entries = Vec::with_capacity(batch.ids.len());
+        for s in batch.ids {
+            // A claim also returns idle entries this consumer still holds: they are with the
+            // application already (the claim only reset their idle time).
+            if !st.held.insert(s.id.clone()) {
+                continue;
+            }
+            st.handles += 1;
+            entries.push(StreamEntry {
+                ack: Ack::new(s.id.clone(), self.acks.clone()),
                 id: s.id,
                 fields: s.map,
                 origin: batch.origin,
-            })
-            .collect()
+            });
+        }
+        drop(st);
+        if batch.origin == Origin::Claimed {
+            self.claimed.increment(entries.len() as u64);
+        }
+        entries
     }
 }
 
@@ -500,28 +592,56 @@ impl<C> Drop for RedisStreamSource<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Acks not sent yet are sent from a spawned task when a tokio runtime is running;
-    /// otherwise they stay pending and are redelivered (never lost).
+    /// Acks not sent yet, and those of entries still being worked on, are sent by the
+    /// background flusher. Without one (no tokio runtime at build) they stay pending and are
+    /// redelivered: never lost.
     fn drop(&mut self) {
-        let ids = self.acks.take();
-        if ids.is_empty() {
-            return;
+        self.acks.release(None, false);
+    }
+}
+
+/// `XACK key group ids…`.
+async fn xack<C: ConnectionLike>(conn: &mut C, cfg: &Config, ids: &[String]) -> RedisResult<usize> {
+    redis::cmd("XACK")
+        .arg(&cfg.key)
+        .arg(&cfg.group)
+        .arg(ids)
+        .query_async(conn)
+        .await
+}
+
+/// The background flusher: sends the queued acks `ack_interval` after the first one since
+/// the last send, until the source and every [`Ack`] are gone and nothing is left to send.
+/// A failed send is retried after the next interval while any handle is alive; after that,
+/// the entries stay pending and are redelivered (at-least-once).
+async fn flush_in_background<C: ConnectionLike>(
+    queue: Arc<AckQueue>,
+    mut conn: C,
+    cfg: Arc<Config>,
+    acked: Counter,
+) {
+    loop {
+        let (idle, gone) = {
+            let st = queue.lock();
+            (st.ids.is_empty(), st.handles == 0)
+        };
+        if idle {
+            if gone {
+                return;
+            }
+            // `notify_one` keeps a permit: a wake between the check and here is not lost.
+            queue.wake.notified().await;
+            continue;
         }
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let mut conn = self.conn.clone();
-            let cfg = self.config.clone();
-            let acked = self.acked.clone();
-            handle.spawn(async move {
-                let sent: RedisResult<usize> = redis::cmd("XACK")
-                    .arg(&cfg.key)
-                    .arg(&cfg.group)
-                    .arg(&ids)
-                    .query_async(&mut conn)
-                    .await;
-                if sent.is_ok() {
-                    acked.increment(ids.len() as u64);
-                }
-            });
+        tokio::time::sleep(cfg.ack_interval).await;
+        let ids = queue.take();
+        if ids.is_empty() {
+            continue;
+        }
+        match xack(&mut conn, &cfg, &ids).await {
+            Ok(_) => acked.increment(ids.len() as u64),
+            Err(_) if queue.lock().handles == 0 => return,
+            Err(_) => queue.requeue(ids),
         }
     }
 }

@@ -511,6 +511,16 @@ mod redis_streams {
         }
     }
 
+    /// A private server whose stream holds `n` entries, produced after the group was
+    /// created, so every entry goes through it.
+    async fn with_entries(n: u32) -> (RedisServer, MultiplexedConnection) {
+        let server = RedisServer::start();
+        let mut con = server.connect().await;
+        drop(source(&server, "setup").await);
+        produce(&mut con, n).await;
+        (server, con)
+    }
+
     async fn source(
         server: &RedisServer,
         consumer: &str,
@@ -542,11 +552,7 @@ mod redis_streams {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
         const N: u32 = 10_000;
-        let server = RedisServer::start();
-        let mut con = server.connect().await;
-        // The group exists before anything is produced, so every entry goes through it.
-        drop(source(&server, "setup").await);
-        produce(&mut con, N).await;
+        let (server, mut con) = with_entries(N).await;
         let seen: Arc<Mutex<HashMap<u32, u32>>> = Default::default();
         let acked: Arc<Mutex<std::collections::HashSet<u32>>> = Default::default();
 
@@ -662,10 +668,7 @@ mod redis_streams {
 
     #[tokio::test]
     async fn a_consumer_never_redelivers_what_it_holds_and_reclaims_what_it_dropped() {
-        let server = RedisServer::start();
-        let mut con = server.connect().await;
-        drop(source(&server, "setup").await);
-        produce(&mut con, 20).await;
+        let (server, mut con) = with_entries(20).await;
         // min_idle 300 ms, a claim every 100 ms: held entries go idle while we sleep.
         let mut stream = Box::pin(prefetch(source(&server, "solo").await, 5, 0).unwrap());
         let mut held = Vec::new();
@@ -714,10 +717,7 @@ mod redis_streams {
 
     #[tokio::test]
     async fn acks_after_the_source_is_dropped_still_reach_redis() {
-        let server = RedisServer::start();
-        let mut con = server.connect().await;
-        drop(source(&server, "setup").await);
-        produce(&mut con, 10).await;
+        let (server, mut con) = with_entries(10).await;
         let mut stream = Box::pin(prefetch(source(&server, "e").await, 5, 0).unwrap());
         let mut entries = Vec::new();
         for _ in 0..5 {
@@ -737,10 +737,7 @@ mod redis_streams {
 
     #[tokio::test]
     async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
-        let server = RedisServer::start();
-        let mut con = server.connect().await;
-        drop(source(&server, "setup").await);
-        produce(&mut con, 200).await;
+        let (server, _con) = with_entries(200).await;
         let mut first = Vec::new();
         {
             let mut stream = Box::pin(prefetch(source(&server, "d").await, 50, 0).unwrap());

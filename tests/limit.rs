@@ -373,3 +373,26 @@ fn token_bucket_is_exact_for_rates_that_do_not_divide_a_second() {
     }
     assert_eq!(admitted, 3 + 2_999);
 }
+
+/// A daily byte budget of 3e9, checked with costs in bytes: 2e9 + 2.5e9 passes `u32::MAX`.
+fn over_two_to_the_31<A: Algorithm>(algorithm: A) {
+    let mut limiter = Limiter::new(algorithm);
+    let t = Duration::from_secs(1);
+    assert!(limiter.check(t, 2_000_000_000).unwrap().allowed);
+    let d = limiter.check(t, 2_500_000_000).unwrap();
+    assert!(!d.allowed, "admitted over the limit: {d:?}");
+    assert_eq!(d.remaining, 1_000_000_000);
+    assert!(
+        limiter.check(t, 1_000_000_000).unwrap().allowed,
+        "exactly the rest fits"
+    );
+}
+
+#[test]
+fn limits_above_two_to_the_31_never_overflow_into_an_admission() {
+    let rate = Rate::per(3_000_000_000, Duration::from_secs(86_400)).unwrap();
+    over_two_to_the_31(FixedWindow::new(rate));
+    over_two_to_the_31(SlidingLog::new(rate));
+    over_two_to_the_31(SlidingWindow::new(rate));
+    over_two_to_the_31(TokenBucket::new(Quota::from(rate)));
+}

@@ -79,7 +79,8 @@ impl Algorithm for FixedWindow {
         let now = now.max(state.start);
         let reset = Duration::from_nanos(state.start.saturating_add(self.window) - now);
         let limit = u64::from(self.limit);
-        if state.count + cost <= self.limit {
+        // `count <= limit` always holds; compare without adding (no overflow near u32::MAX).
+        if cost <= self.limit - state.count {
             state.count += cost;
             Ok(Decision::allow(
                 limit,

@@ -99,7 +99,8 @@ impl Algorithm for SlidingLog {
         let now = nanos(now).max(state.log.back().map_or(0, |&(at, _)| at));
         self.expire(state, now);
         let limit = u64::from(self.limit);
-        if state.total + cost <= self.limit {
+        // `total <= limit` always holds; compare without adding (no overflow near u32::MAX).
+        if cost <= self.limit - state.total {
             state.total += cost;
             match state.log.back_mut() {
                 Some((at, n)) if *at == now => *n += cost,
@@ -112,7 +113,7 @@ impl Algorithm for SlidingLog {
             ))
         } else {
             // Free the oldest entries until `cost` fits; the last one freed sets the wait.
-            let mut need = state.total + cost - self.limit;
+            let mut need = cost - (self.limit - state.total);
             let mut retry = 0;
             for &(at, n) in &state.log {
                 retry = at.saturating_add(self.window) - now;

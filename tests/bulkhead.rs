@@ -468,6 +468,78 @@ fn a_mapped_future_that_panicked_is_not_polled_again() {
 }
 
 #[tokio::test]
+async fn an_adapter_is_never_shed_and_does_not_fill_the_waiting_room() {
+    let b = Bulkhead::builder(1).max_waiting(1).build().unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut out = Box::pin(
+        futures::stream::iter(0..5u32).bulkhead_map_unordered(b.clone(), |x| async move { x }),
+    );
+    assert!(
+        poll!(out.next()).is_pending(),
+        "the adapter waits for a permit"
+    );
+    // The adapter's wait is outside the room: a normal acquire still finds a place.
+    let mut normal = Box::pin(b.acquire());
+    assert!(poll!(normal.as_mut()).is_pending());
+    // The room (1) is full: a critical acquire sheds the normal waiter, not the adapter.
+    let mut critical = Box::pin(b.acquire_with(Priority::Critical));
+    assert!(poll!(critical.as_mut()).is_pending());
+    assert_eq!(normal.await.unwrap_err(), Rejected::WaitingRoomFull);
+    drop(held);
+    drop(critical.await.unwrap());
+    let mut all: Vec<u32> = out.collect().await;
+    all.sort_unstable();
+    assert_eq!(all, [0, 1, 2, 3, 4], "no input lost");
+    assert_eq!((b.in_flight(), b.is_closed()), (0, false));
+}
+
+#[tokio::test]
+async fn a_caught_panic_in_the_unordered_adapter_returns_its_permit_at_once() {
+    let b = Bulkhead::new(1).unwrap();
+    let mut stream = Box::pin(futures::stream::iter(0..3u32).bulkhead_map_unordered(
+        b.clone(),
+        |x| async move {
+            assert_ne!(x, 0, "boom");
+            x
+        },
+    ));
+    assert!(
+        AssertUnwindSafe(stream.next())
+            .catch_unwind()
+            .await
+            .is_err()
+    );
+    // Limit 1: with the dead future's permit still counted the stream would wait forever.
+    let rest = tokio::time::timeout(Duration::from_secs(5), stream.by_ref().collect::<Vec<_>>());
+    assert_eq!(rest.await.expect("not stuck"), [1, 2]);
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn an_adapter_gives_back_the_critical_reserve_after_the_limit_shrinks() {
+    let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();
+    // Normal share 3: the adapter runs three at a time, recycling its permits.
+    let mut out = Box::pin(futures::stream::iter(0..1_000u32).bulkhead_map_unordered(
+        b.clone(),
+        |x| async move {
+            tokio::task::yield_now().await;
+            x
+        },
+    ));
+    for _ in 0..10 {
+        out.next().await.unwrap();
+    }
+    assert_eq!(b.in_flight(), 3);
+    b.set_limit(3).unwrap(); // normal share 2: one permit must go back to the reserve
+    for _ in 0..10 {
+        out.next().await.unwrap();
+    }
+    assert!(b.in_flight() <= 2, "{} in flight", b.in_flight());
+    let critical = b.try_acquire_with(Priority::Critical);
+    assert!(critical.is_ok(), "the reserve is free: {critical:?}");
+}
+
+#[tokio::test]
 async fn permits_are_released_when_a_mapped_future_panics() {
     let b = Bulkhead::new(2).unwrap();
     let stream = futures::stream::iter(0..10).bulkhead_map_unordered(b.clone(), |x| async move {
@@ -626,6 +698,16 @@ async fn metrics_by_name_and_reason() {
         (rejected("waiting_room_full"), rejected("timed_out")),
         (1, 1)
     );
+    drop(_held);
+    // A waiter shed for critical work and dropped before it looks again is still counted.
+    let held = b.acquire().await.unwrap();
+    let mut shed = Box::pin(b.acquire());
+    assert!(poll!(shed.as_mut()).is_pending());
+    let mut critical = Box::pin(b.acquire_with(Priority::Critical));
+    assert!(poll!(critical.as_mut()).is_pending());
+    drop(shed);
+    assert_eq!(rejected("waiting_room_full"), 2);
+    drop((held, critical));
     assert_eq!(
         recorder.gauge("flowgate_bulkhead_waiting{name=payments}"),
         Some(0.0)

@@ -281,9 +281,16 @@ impl Permits {
                 this.waiter.set(Waiter::unbounded());
                 Poll::Ready(true)
             }
-            Err(_) => {
+            Err(Rejected::Closed) => {
                 *this.closed = true;
                 Poll::Ready(false)
+            }
+            // Adapters are outside the waiting room and never shed or timed out; should a
+            // refusal come anyway, wait again rather than end the stream and drop its input.
+            Err(_) => {
+                this.waiter.set(Waiter::unbounded());
+                cx.waker().wake_by_ref();
+                Poll::Pending
             }
         }
     }
@@ -338,6 +345,17 @@ impl Permits {
     #[inline]
     pub(crate) fn is_closed(&self) -> bool {
         self.closed
+    }
+
+    /// Return the permits of work that vanished without finishing (a future that panicked,
+    /// the panic caught by the caller): the adapter holds one per unit of work in flight.
+    #[inline]
+    pub(crate) fn settle(self: Pin<&mut Self>, in_flight: usize) {
+        let this = self.project();
+        while *this.held > in_flight {
+            *this.held -= 1;
+            this.core.release();
+        }
     }
 
     pub(crate) fn limit(&self) -> usize {

@@ -74,12 +74,38 @@ struct Waiters {
     granted: Vec<u64>,
     /// Normal waiters shed to make room for critical ones.
     shed: Vec<u64>,
+    /// Queued waiters of the stream adapters (normal priority): outside the waiting room,
+    /// never shed.
+    unbounded: Vec<u64>,
     next_id: u64,
 }
 
 impl Waiters {
     fn len(&self) -> usize {
         self.critical.len() + self.normal.len()
+    }
+
+    /// Waiters in the waiting room (the adapters' waiters do not count).
+    fn room(&self) -> usize {
+        self.len() - self.unbounded.len()
+    }
+
+    /// Sheds the newest normal waiter in the waiting room, for a critical one.
+    fn shed_newest_normal(&mut self) -> Option<Waker> {
+        let at = self
+            .normal
+            .iter()
+            .rposition(|(id, _)| !self.unbounded.contains(id))?;
+        let (id, waker) = self.normal.remove(at).expect("found");
+        self.shed.push(id);
+        Some(waker)
+    }
+
+    /// The queued waiter `id` left the queue (granted, removed or shed).
+    fn left(&mut self, id: u64) {
+        if !self.unbounded.is_empty() {
+            Self::take(&mut self.unbounded, id);
+        }
     }
 
     fn queue(&mut self, priority: Priority) -> &mut VecDeque<(u64, Waker)> {
@@ -100,13 +126,16 @@ impl Waiters {
     }
 
     fn remove(&mut self, id: u64) -> bool {
-        for q in [&mut self.critical, &mut self.normal] {
-            if let Some(at) = q.iter().position(|(i, _)| *i == id) {
-                q.remove(at);
-                return true;
-            }
+        let found = [&mut self.critical, &mut self.normal].into_iter().any(|q| {
+            q.iter()
+                .position(|(i, _)| *i == id)
+                .and_then(|at| q.remove(at))
+                .is_some()
+        });
+        if found {
+            self.left(id);
         }
-        false
+        found
     }
 }
 
@@ -220,12 +249,13 @@ impl Core {
             .set(f64::from(in_flight_of(s).wrapping_add(1)));
     }
 
-    /// Whether a holder may pass its permit straight on to its own next unit of work: nobody
-    /// waits, the bulkhead is open, and the limit has not been lowered below what is held.
+    /// Whether a holder (a stream adapter, normal priority) may pass its permit straight on
+    /// to its own next unit of work: nobody waits, the bulkhead is open, and what is held is
+    /// within the normal share (a lowered limit, or the critical reserve, takes it back).
     #[inline]
     pub(crate) fn may_keep(&self) -> bool {
         let s = self.state.load(Ordering::Acquire);
-        s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= limit_of(s)
+        s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= self.cap(limit_of(s), Priority::Normal)
     }
 
     /// One CAS when nobody waits and a permit is free; `None` means take the slow path.
@@ -322,27 +352,26 @@ impl Core {
             };
         }
         let mut woken = None;
-        if bounded && w.len() >= self.max_waiting {
-            // A full room sheds its newest normal waiter for critical work, never the reverse.
-            match (priority, w.normal.pop_back()) {
-                (Priority::Critical, Some((victim, waker))) => {
-                    w.shed.push(victim);
-                    woken = Some(waker);
+        if bounded && w.room() >= self.max_waiting {
+            // A full room sheds its newest normal waiter for critical work, never the
+            // reverse (and never an adapter's waiter: adapters wait, they are not refused).
+            woken = match priority {
+                Priority::Critical => w.shed_newest_normal(),
+                Priority::Normal => None,
+            };
+            if woken.is_none() {
+                if w.len() == 0 {
+                    self.set_flag(WAITERS, false);
                 }
-                (_, popped) => {
-                    if let Some(back) = popped {
-                        w.normal.push_back(back);
-                    }
-                    if w.len() == 0 {
-                        self.set_flag(WAITERS, false);
-                    }
-                    return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
-                }
+                return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
             }
         }
         w.next_id += 1;
         let id = w.next_id;
         w.queue(priority).push_back((id, cx.waker().clone()));
+        if !bounded {
+            w.unbounded.push(id);
+        }
         ticket.0 = Some(id);
         self.metrics.waiting.set(w.len() as f64);
         drop(w);
@@ -394,7 +423,10 @@ impl Core {
             self.metrics.waiting.set(w.len() as f64);
             return false;
         }
-        Waiters::take(&mut w.shed, id);
+        if Waiters::take(&mut w.shed, id) {
+            // Shed, and gone before it polled again: still a refusal.
+            self.reject(Rejected::WaitingRoomFull);
+        }
         Waiters::take(&mut w.granted, id)
     }
 
@@ -455,6 +487,7 @@ impl Core {
             {
                 self.acquired(s);
                 let (id, waker) = w.queue(priority).pop_front().expect("checked non-empty");
+                w.left(id);
                 w.granted.push(id);
                 return Some(waker);
             }
@@ -502,6 +535,7 @@ impl Core {
         self.set_flag(CLOSED, true);
         let mut wakers: Vec<Waker> = w.critical.drain(..).map(|(_, k)| k).collect();
         wakers.extend(w.normal.drain(..).map(|(_, k)| k));
+        w.unbounded.clear();
         // Grants not yet claimed stay valid: their waiters take the permits.
         // Queued waiters are removed; their next poll sees `closed`.
         self.set_flag(WAITERS, false);

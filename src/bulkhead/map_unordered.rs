@@ -92,8 +92,11 @@ where
 {
     type Item = Fut::Output;
 
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
-        let mut this = self.project();
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
+        // A future that panicked (the panic caught by the caller) is gone: free its permit.
+        let in_flight = self.in_flight();
+        let mut this = self.as_mut().project();
+        this.feed.as_mut().permits().settle(in_flight);
         let out = loop {
             if let Poll::Ready(Some(out)) = poll_slot(this.slot.as_mut(), cx) {
                 break out;

@@ -764,6 +764,39 @@ async fn batching_preserves_every_callers_decision() {
     }
 }
 
+#[tokio::test]
+async fn concurrent_lease_calls_lose_no_tokens_and_beat_a_cached_rejection() {
+    let server = RedisServer::start();
+    let con = server.connect().await;
+    let leased = |n, prefix| {
+        RedisGate::builder(con.clone(), Limit::TokenBucket(Quota::per_hour(n).unwrap()))
+            .lease(10)
+            .lease_ttl(Duration::from_secs(60))
+            .prefix(prefix)
+            .build()
+    };
+    // Ten callers at once find no local lease and each take one: every token is kept.
+    let gate = leased(100, "a").await.unwrap();
+    let first = futures::future::join_all((0..10).map(|_| gate.check("k", 1))).await;
+    let mut admitted = first.iter().filter(|d| d.as_ref().unwrap().allowed).count();
+    while gate.check("k", 1).await.unwrap().allowed {
+        admitted += 1;
+    }
+    assert_eq!(
+        admitted, 100,
+        "the whole burst, none lost to a replaced lease"
+    );
+    // A keeps 9 leased tokens while B is refused and cached: C is served from the lease.
+    let gate = leased(10, "b").await.unwrap();
+    let (a, b) = futures::future::join(gate.check("k", 1), gate.check("k", 5)).await;
+    assert!(
+        a.unwrap().allowed != b.unwrap().allowed,
+        "one of them took the lease"
+    );
+    let c = gate.check("k", 5).await.unwrap();
+    assert!(c.allowed, "the local lease holds the tokens: {c:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
     let server = RedisServer::start();

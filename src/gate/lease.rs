@@ -19,7 +19,8 @@ struct Lease {
 /// Never over-admits: every token served from a lease was taken from the global bucket
 /// first. The cost is under-admission: tokens held here are unavailable to other instances,
 /// and tokens not spent before the lease expires are lost (at most `size − 1` per key per
-/// instance at any moment, and at most that many per `ttl` lost).
+/// instance and lease call in flight for it at any moment, and at most that many per `ttl`
+/// lost).
 #[derive(Debug)]
 pub(crate) struct Leases {
     leases: Mutex<HashMap<String, Lease>>,
@@ -58,7 +59,9 @@ impl Leases {
         Some(Decision::allow(limit, u64::from(left), Duration::ZERO))
     }
 
-    /// Keep `tokens` granted for `key` (replacing an older lease, whose tokens are lost).
+    /// Keep `tokens` granted for `key`. A lease still held for the key (concurrent calls
+    /// each took one) absorbs them and keeps its earlier expiry: no token is lost to the
+    /// other lease, and none is held longer than `ttl` after it was taken.
     pub(crate) fn keep(&self, key: &str, tokens: u32, limit: u64, now: Instant) {
         if tokens == 0 {
             return;
@@ -70,13 +73,23 @@ impl Leases {
                 return;
             }
         }
-        leases.insert(
-            key.to_owned(),
-            Lease {
-                tokens,
-                expires: now + self.ttl,
-                limit,
-            },
-        );
+        let expires = now + self.ttl;
+        match leases.get_mut(key) {
+            Some(held) if held.expires > now => {
+                held.tokens = held.tokens.saturating_add(tokens);
+                held.expires = held.expires.min(expires);
+                held.limit = limit;
+            }
+            _ => {
+                leases.insert(
+                    key.to_owned(),
+                    Lease {
+                        tokens,
+                        expires,
+                        limit,
+                    },
+                );
+            }
+        }
     }
 }

@@ -243,8 +243,9 @@ where
     /// up to `n` from Redis in one call — debited there before any is used, so the fleet can
     /// never over-admit — and serve the next requests for that key locally.
     ///
-    /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key that
-    /// no other instance can use, and tokens unused after `lease_ttl` are lost. Decisions
+    /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key (per
+    /// lease call in flight for it: concurrent calls' leases add up) that no other instance
+    /// can use, and tokens unused after `lease_ttl` are lost. Decisions
     /// served from a lease report the lease's remaining tokens. `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;
@@ -409,12 +410,14 @@ where
         self.inner.eval.limit.check_cost(cost)?;
         let inner = &*self.inner;
         let now = Instant::now();
-        if let Some(decision) = inner.cache.check(key, cost, now) {
-            inner.metrics.cached.increment(1);
-            return Ok(decision);
-        }
+        // Tokens leased here are already paid for: spend them before any cached rejection
+        // (taken by a concurrent call) can refuse the request.
         if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
             inner.metrics.allowed.increment(1);
+            return Ok(decision);
+        }
+        if let Some(decision) = inner.cache.check(key, cost, now) {
+            inner.metrics.cached.increment(1);
             return Ok(decision);
         }
         // While degraded, only one call per probe interval goes to Redis.

@@ -78,6 +78,7 @@ pub mod overflow;
 pub mod pace;
 pub mod rate;
 mod sync;
+mod time;
 
 pub use decision::Decision;
 pub use error::{ConfigError, ConfigErrorKind};

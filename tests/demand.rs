@@ -471,6 +471,22 @@ async fn in_flight_never_exceeds_high_while_a_pause_is_held_back() {
     assert!(signal.is_paused());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_min_hold_of_duration_max_holds_forever_without_panicking() {
+    let stream = futures::stream::iter(0..10)
+        .watermarks(1, 0)
+        .unwrap()
+        .min_hold(Duration::MAX);
+    let signal = stream.pause_signal();
+    let mut stream = pin!(stream);
+    let (_, t) = stream.next().await.unwrap();
+    assert!(signal.is_paused());
+    drop(t);
+    advance(Duration::from_secs(86_400)).await;
+    assert!(poll!(stream.next()).is_pending(), "the resume is held back");
+    assert!(signal.is_paused());
+}
+
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     let mut stream = pin!(futures::stream::iter(0..10).watermarks(2, 0).unwrap());

@@ -797,6 +797,26 @@ async fn concurrent_lease_calls_lose_no_tokens_and_beat_a_cached_rejection() {
     assert!(c.allowed, "the local lease holds the tokens: {c:?}");
 }
 
+#[tokio::test]
+async fn duration_max_settings_mean_never_and_do_not_panic() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(Quota::per_hour(10).unwrap()),
+    )
+    .timeout(Duration::MAX)
+    .probe_interval(Duration::MAX)
+    .lease(5)
+    .lease_ttl(Duration::MAX)
+    .build()
+    .await
+    .unwrap();
+    // Two at once: the second joins a batch, whose deadline is `started + timeout`.
+    let (a, b) = futures::future::join(gate.check("a", 1), gate.check("b", 1)).await;
+    assert!(a.unwrap().allowed && b.unwrap().allowed);
+    assert!(gate.check("a", 1).await.unwrap().allowed, "from the lease");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
     let server = RedisServer::start();

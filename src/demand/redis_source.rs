@@ -285,7 +285,7 @@ where
     /// idle reads fail with a timeout — and an entry Redis hands out in a read the client has
     /// already abandoned stays pending until it is claimed after `min_idle`.
     pub fn block(mut self, block: Duration) -> Self {
-        self.block = block;
+        self.block = crate::time::capped(block);
         self
     }
 
@@ -298,13 +298,13 @@ where
     /// still working on and they are processed twice (at-least-once still holds). This
     /// consumer's own claims skip the entries it still holds.
     pub fn min_idle(mut self, min_idle: Duration) -> Self {
-        self.min_idle = min_idle;
+        self.min_idle = crate::time::capped(min_idle);
         self
     }
 
     /// How often to look for entries to claim (default 5 s).
     pub fn claim_every(mut self, every: Duration) -> Self {
-        self.claim_every = every;
+        self.claim_every = crate::time::capped(every);
         self
     }
 
@@ -314,7 +314,7 @@ where
     /// come after the source is dropped. A send waits behind a blocking read on the same
     /// multiplexed connection, so add up to `block`.
     pub fn ack_interval(mut self, interval: Duration) -> Self {
-        self.ack_interval = interval;
+        self.ack_interval = crate::time::capped(interval);
         self
     }
 

@@ -192,7 +192,7 @@ impl<S: Stream> Watermarks<S> {
     /// first poll.
     pub fn min_hold(mut self, hold: Duration) -> Self {
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.min_hold = hold;
+            shared.min_hold = crate::time::capped(hold);
         }
         self
     }

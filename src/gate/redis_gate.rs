@@ -197,8 +197,10 @@ where
     }
 
     /// The longest a decision may take before the failure policy applies (default 50 ms).
+    /// `Duration::MAX` means no limit (as for every duration setting, anything above a
+    /// century is taken as a century).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.timeout = crate::time::capped(timeout);
         self
     }
 
@@ -210,7 +212,7 @@ where
 
     /// How often to try Redis again after a failure (default 1 s).
     pub fn probe_interval(mut self, every: Duration) -> Self {
-        self.probe_interval = every;
+        self.probe_interval = crate::time::capped(every);
         self
     }
 
@@ -254,7 +256,7 @@ where
 
     /// How long leased tokens may be spent locally (default 1 s).
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl;
+        self.lease_ttl = crate::time::capped(ttl);
         self
     }
 

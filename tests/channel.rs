@@ -595,10 +595,67 @@ async fn metrics_count_by_name_and_policy() {
         recorder.counter("flowgate_channel_dropped_total{name=stage-a,policy=drop_oldest}"),
         3
     );
+    // A lone receiver takes a batch; only what it hands out counts as received.
+    let (tx2, mut rx2) = metrics::with_local_recorder(&recorder, || {
+        channel::builder(64).name("stage-b").build().unwrap()
+    });
+    for i in 0..8u32 {
+        tx2.try_send(i).unwrap();
+    }
+    assert_eq!(rx2.recv().await, Some(0));
+    assert_eq!(rx2.recv().await, Some(1));
+    drop(rx2); // gives back 2..8, then drops them as the last receiver
+    assert_eq!(
+        recorder.counter("flowgate_channel_received_total{name=stage-b}"),
+        2
+    );
+    assert_eq!(tx2.stats().received, 2);
     drop(rx); // the last receiver: the buffered item is dropped, labelled `closed`
     assert_eq!(
         recorder.counter("flowgate_channel_dropped_total{name=stage-a,policy=closed}"),
         1
     );
     assert_eq!(recorder.gauge(&id("flowgate_channel_depth")), Some(0.0));
+}
+
+#[tokio::test]
+async fn with_several_receivers_none_sits_on_items_another_is_idle_for() {
+    let (tx, mut r1) = channel::bounded::<u32>(64).unwrap();
+    let mut r2 = r1.clone();
+    for i in 0..8 {
+        tx.try_send(i).unwrap();
+    }
+    // r1 takes at most its share (half) of the queue into its batch.
+    assert_eq!(r1.recv().await, Some(0));
+    assert_eq!(r1.len(), 4);
+    let mut got = Vec::new();
+    while let Ok(x) = r2.try_recv() {
+        got.push(x);
+    }
+    assert_eq!(got, [4, 5, 6, 7], "the rest is there for the idle receiver");
+}
+
+#[tokio::test]
+async fn a_receiver_never_sees_the_end_while_another_holds_items_of_a_batch() {
+    let (tx, mut r1) = channel::bounded::<u32>(16).unwrap();
+    tx.try_send(0).unwrap();
+    tx.try_send(1).unwrap();
+    drop(tx);
+    assert_eq!(r1.recv().await, Some(0)); // alone: takes both, holds 1
+    let mut r2 = r1.clone();
+    assert!(poll!(r2.recv()).is_pending(), "1 may still come back");
+    drop(r1); // gives 1 back
+    assert_eq!(r2.recv().await, Some(1));
+    assert_eq!(r2.recv().await, None);
+    // A batch used up ends the stream for the others too.
+    let (tx, mut r1) = channel::bounded::<u32>(16).unwrap();
+    tx.try_send(0).unwrap();
+    tx.try_send(1).unwrap();
+    drop(tx);
+    assert_eq!(r1.recv().await, Some(0));
+    let mut r2 = r1.clone();
+    let mut end = Box::pin(r2.recv());
+    assert!(poll!(end.as_mut()).is_pending());
+    assert_eq!(r1.recv().await, Some(1));
+    assert_eq!(end.await, None, "woken when the batch was used up");
 }

@@ -98,9 +98,11 @@ impl<T> Receiver<T> {
     /// Poll for the next item, registering the task when none is there.
     ///
     /// To save locking, a receiver takes up to 32 buffered items at once (at most an eighth
-    /// of the capacity) and hands them out one by one; they keep their slots in the channel
-    /// until the last of them is handed out, so the bound holds, and if the receiver is
-    /// dropped first they go back to the front of the queue for the other receivers.
+    /// of the capacity, and at most its share of the queue — `len / receivers` — so with
+    /// several receivers none sits on items another one is idle for) and hands them out one
+    /// by one; they keep their slots in the channel until the last of them is handed out, so
+    /// the bound holds, and if the receiver is dropped first they go back to the front of
+    /// the queue for the other receivers.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         if let Some(item) = self.take_local() {
             return Poll::Ready(Some(item));

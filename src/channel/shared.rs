@@ -497,8 +497,10 @@ impl<T> Shared<T> {
 
     // ----- receiving -----
 
+    /// Nothing more can come: closed, no reservation left, nothing queued, and no batch
+    /// held by a receiver (a receiver dropped with one gives it back to the queue).
     fn finished(st: &State<T>) -> bool {
-        st.closed && st.reserved == 0 && st.queue.is_empty()
+        st.closed && st.reserved == 0 && st.queue.is_empty() && st.held == 0
     }
 
     fn pop(&self, st: &mut State<T>) -> Option<(T, Wake)> {
@@ -524,7 +526,10 @@ impl<T> Shared<T> {
 
     /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
     /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
-    /// channel's bound still counts them.
+    /// channel's bound still counts them. A receiver takes at most its share of what is
+    /// queued (`len / receivers`), so none sits on items another one is idle for. `Stats` count a
+    /// batch as received when it is taken (and uncount what is given back); the
+    /// `received_total` metric, which cannot go back, counts items as they are handed out.
     pub(crate) fn poll_recv_batch(
         &self,
         cx: &mut Context<'_>,
@@ -533,6 +538,8 @@ impl<T> Shared<T> {
         max: usize,
     ) -> Poll<Option<T>> {
         let mut st = self.lock();
+        // At most a fair share of what is queued, so other receivers find items too.
+        let max = max.min((st.queue.len() / st.receivers.max(1)).max(1));
         let n = st.queue.len().min(max);
         if n > 0 {
             st.recv_waiters.leave(waiting);
@@ -540,7 +547,7 @@ impl<T> Shared<T> {
             local.extend(st.queue.drain(..n - 1));
             st.held += n - 1;
             st.stats.received += n as u64;
-            self.metrics.received.increment(n as u64);
+            self.metrics.received.increment(1);
             self.metrics.depth.set(st.queue.len() as f64);
             // The first item's slot is free now.
             let w = Self::grant(&mut st);
@@ -557,14 +564,19 @@ impl<T> Shared<T> {
         Poll::Pending
     }
 
-    /// A receiver yielded `n` items of its batch: their slots are free.
+    /// A receiver handed out the `n` items of its batch: their slots are free.
     pub(crate) fn release_held(&self, n: usize) {
         if n == 0 {
             return;
         }
         let mut st = self.lock();
         st.held -= n;
-        let wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
+        self.metrics.received.increment(n as u64);
+        let mut wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
+        // Other receivers may be waiting only for this batch to end the stream.
+        if Self::finished(&st) {
+            st.recv_waiters.drain_into(&mut wakers);
+        }
         drop(st);
         wakers.into_iter().for_each(Waker::wake);
     }
@@ -574,8 +586,10 @@ impl<T> Shared<T> {
     pub(crate) fn give_back(&self, items: VecDeque<T>, held: usize) {
         let mut st = self.lock();
         st.held -= held;
-        st.stats.received -= items.len() as u64;
+        // Those handed out are received; the rest go back.
         let freed = held - items.len();
+        st.stats.received -= items.len() as u64;
+        self.metrics.received.increment(freed as u64);
         for item in items.into_iter().rev() {
             st.queue.push_front(item);
         }

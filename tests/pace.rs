@@ -249,6 +249,27 @@ async fn set_rate_applies_to_waiters_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
+    // Default burst 2 at 1/s: two units at once, the next due in 1 s.
+    let pacer = Pacer::new(Rate::per_second(1).unwrap());
+    pacer.until_ready(1).await.unwrap();
+    pacer.until_ready(1).await.unwrap();
+    let old = pacer.try_acquire(1).unwrap_err().retry_after().unwrap();
+    assert_eq!(old, Duration::from_secs(1));
+    pacer
+        .set_rate(Rate::per_second(1_000).unwrap(), None)
+        .unwrap();
+    let start = Instant::now();
+    pacer.until_ready(1).await.unwrap();
+    assert_eq!(start.elapsed(), old, "due when it was due, not later");
+    // From there the new rate: 1 ms apart (after the new burst).
+    for _ in 0..10 {
+        pacer.until_ready(1).await.unwrap();
+    }
+    assert!(start.elapsed() <= old + Duration::from_millis(10));
+}
+
+#[tokio::test(start_paused = true)]
 async fn leaky_queue_drops_by_policy_and_counts() {
     for (policy, expect_first) in [
         (Overflow::DropOldest, 6u32),

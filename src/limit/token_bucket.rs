@@ -104,6 +104,12 @@ impl TokenBucket {
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
 
+    /// How long before the bucket is full again ([`neutral_at`](Algorithm::neutral_at)) one
+    /// more token can be taken: `burst − 1` emission intervals (rounded up to whole ns).
+    pub(crate) fn lead(&self) -> Duration {
+        self.to_duration(self.tau - u128::from(self.unit))
+    }
+
     /// A state whose bucket is full again at `at` (its [`neutral_at`](Algorithm::neutral_at)),
     /// for carrying a schedule over to a new quota.
     pub fn state_full_at(&self, at: Duration) -> TokenBucketState {

@@ -182,7 +182,8 @@ impl Pacer {
     }
 
     /// Change the rate (and, with `burst`, the burst) at runtime. Units already released keep
-    /// their place in the schedule; waiters recompute their due time at once.
+    /// their place in the schedule: the next unit is due when it was under the old rate and
+    /// burst, and the new ones apply from there; waiters recompute their due time at once.
     ///
     /// # Errors
     ///
@@ -362,9 +363,19 @@ impl Inner {
     }
 
     fn set_quota(&self, quota: Quota) {
+        let now = self.elapsed(Instant::now());
         let mut st = self.lock();
         let full_at = st.bucket.neutral_at(&st.gcra);
+        // The next unit stays due when it was under the old quota (never later: the burst
+        // the old quota let through early is not debt under the new one); from there the
+        // new rate and burst apply. A bucket full now stays full.
+        let next_due = full_at.saturating_sub(st.bucket.lead());
         st.bucket = TokenBucket::new(quota);
+        let full_at = if full_at <= now {
+            full_at
+        } else {
+            next_due + st.bucket.lead()
+        };
         st.gcra = st.bucket.state_full_at(full_at);
         let head = st.waiters.front().map(|(_, w)| w.clone());
         drop(st);

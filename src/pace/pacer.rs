@@ -80,13 +80,17 @@ pub(crate) enum Admit {
 /// (a) In any interval of length `w`, released cost ≤ `burst + rate·w`.
 /// (b) No unit is released before its due time minus the burst tolerance
 ///     (`(burst − 1) / rate`).
-/// (c) Waiters are served in FIFO order across tasks.
+/// (c) Waiters are served in FIFO order across tasks. The price of the order: only the
+///     first waiter can be released, when its task polls it. A waiter left unpolled while it
+///     is first (a `leaky_with` stream kept in a `select!` loop whose other branch runs
+///     long) holds up everyone behind it on the same pacer until it is polled or dropped.
 /// (d) Every wait is cancel-safe: a dropped waiter holds no reservation.
 ///
 /// # Burst and precision
 ///
-/// The default burst is `1 + ceil(rate × 5 ms)`: strict spacing, plus enough tolerance to
-/// absorb the lateness of a 1 ms timer, so the long-run rate is exact from 1/s to 1M/s as
+/// The default burst is `1 + ceil(rate × 5 ms)` (so at least 2: at low rates two units may
+/// leave together after an idle spell), enough tolerance to absorb the lateness of a 1 ms
+/// timer, so the long-run rate is exact from 1/s to 1M/s as
 /// long as the task is never kept from running for more than 5 ms (the tolerance cannot be
 /// caught up after a longer stall without breaking guarantee (a); on a heavily loaded host
 /// give a larger burst). Above 1 000/s units leave in small on-time batches, one batch per

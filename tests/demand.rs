@@ -731,6 +731,57 @@ mod redis_streams {
         );
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_consumer_keeps_the_entries_it_holds_from_other_consumers() {
+        let (server, mut con) = with_entries(5).await;
+        // min_idle 300 ms: a's keep-alive runs every 100 ms; b claims every 100 ms.
+        let mut a = Box::pin(prefetch(source(&server, "a").await, 5, 0).unwrap());
+        let mut held = Vec::new();
+        for _ in 0..5 {
+            held.push(a.next().await.unwrap().unwrap());
+        }
+        let mut b = Box::pin(prefetch(source(&server, "b").await, 5, 0).unwrap());
+        let started = tokio::time::Instant::now();
+        while started.elapsed() < Duration::from_millis(1_200) {
+            if let Some(e) = next(&mut b).await {
+                panic!("b took {} ({:?}) while a holds it", e.id, e.origin);
+            }
+        }
+        // Another consumer claimed one meanwhile (as if a had stalled): a's keep-alive
+        // leaves it with that consumer.
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(KEY)
+            .arg(GROUP)
+            .arg("intruder")
+            .arg(0)
+            .arg(&held[0].id)
+            .arg("JUSTID")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let owner: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(KEY)
+            .arg(GROUP)
+            .arg(&held[0].id)
+            .arg(&held[0].id)
+            .arg(1)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(owner[0].1, "intruder", "the keep-alive never steals");
+        // a lets go of them without an ack (say its work failed): b takes them over.
+        drop(held);
+        let mut claimed = 0;
+        while claimed < 5 {
+            let e = next(&mut b).await.expect("a's dropped entries are claimed");
+            assert_eq!(e.origin, Origin::Claimed);
+            e.ack.ack();
+            claimed += 1;
+        }
+        assert_eq!(drained(&mut con).await, 0);
+    }
+
     #[tokio::test]
     async fn acks_after_the_source_is_dropped_still_reach_redis() {
         let (server, mut con) = with_entries(10).await;

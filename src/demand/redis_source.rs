@@ -52,7 +52,7 @@ struct Config {
 #[derive(Debug)]
 struct AckQueue {
     state: Mutex<AckState>,
-    /// Wakes the background flusher: an ack, or a handle gone.
+    /// Wakes the background task: an ack, or a handle gone.
     wake: Notify,
 }
 
@@ -64,7 +64,7 @@ struct AckState {
     /// this consumer's own `XAUTOCLAIM` returns them too once idle, and must not deliver
     /// them a second time.
     held: HashSet<String>,
-    /// The source plus its live `Ack`s; the flusher stops once all are gone and every ack
+    /// The source plus its live `Ack`s; the background task stops once all are gone and every ack
     /// is sent.
     handles: usize,
 }
@@ -110,7 +110,7 @@ impl AckQueue {
 
 /// The acknowledgement handle of one entry. Call [`ack`](Ack::ack) once the entry's work is
 /// done; acks are batched into one `XACK`, sent with the next fetch or by the source's
-/// background flusher within [`ack_interval`](RedisStreamSourceBuilder::ack_interval) —
+/// background task within [`ack_interval`](RedisStreamSourceBuilder::ack_interval) —
 /// also after the source itself was dropped.
 ///
 /// Dropping it without `ack` leaves the entry pending: it is redelivered to this consumer
@@ -215,10 +215,11 @@ struct Batch {
 ///   name before and never acknowledged, e.g. before a crash), then reads new ones (`>`),
 ///   waiting up to `block` for them.
 /// - Every `claim_every` it runs `XAUTOCLAIM` and takes over entries idle longer than
-///   `min_idle` — those of dead consumers, and its own that the application dropped without
-///   acknowledging — yielding them as [`Origin::Claimed`]. Entries it handed out and the
-///   application still holds are never delivered twice by it (see
-///   [`min_idle`](RedisStreamSourceBuilder::min_idle) for other consumers).
+///   `min_idle` — those of consumers that stopped, and its own that the application dropped
+///   without acknowledging — yielding them as [`Origin::Claimed`]. Entries a live consumer
+///   handed out and the application still holds are kept from going idle (a keep-alive
+///   script, see [`min_idle`](RedisStreamSourceBuilder::min_idle)), and are never delivered
+///   twice by their own consumer.
 /// - Each entry carries an [`Ack`]; acknowledged ids are sent in one `XACK`, pipelined with
 ///   the next fetch or by a background task within
 ///   [`ack_interval`](RedisStreamSourceBuilder::ack_interval), also after the source is
@@ -289,14 +290,14 @@ where
         self
     }
 
-    /// Claim entries idle longer than this (default 30 s): entries of dead consumers, and
-    /// entries this consumer received and dropped without acknowledging.
+    /// Claim entries idle longer than this (default 30 s): entries of consumers that
+    /// stopped, and entries this consumer received and dropped without acknowledging.
     ///
-    /// Redis counts an entry idle from its last delivery, not from the last sign of life of
-    /// its consumer: keep `min_idle` above the longest an entry may wait in the `prefetch`
-    /// buffer plus its processing time, or another consumer takes over entries this one is
-    /// still working on and they are processed twice (at-least-once still holds). This
-    /// consumer's own claims skip the entries it still holds.
+    /// While a source lives, its background task resets the idle time of the entries the
+    /// application still holds every `min_idle / 3` (only while this consumer still owns
+    /// them), so other consumers do not take them however long they wait in the `prefetch`
+    /// buffer or take to process. A consumer whose runtime stalls for longer than
+    /// `min_idle` may lose them to another (processed twice: at-least-once still holds).
     pub fn min_idle(mut self, min_idle: Duration) -> Self {
         self.min_idle = crate::time::capped(min_idle);
         self
@@ -365,10 +366,10 @@ where
         });
         let acks = Arc::new(AckQueue::new());
         let acked = labels.counter(names::ACKED, &[]);
-        // Without a tokio runtime there is no flusher: acks travel with fetches and
+        // Without a tokio runtime there is no background task: acks travel with fetches and
         // `flush_acks` only.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(flush_in_background(
+            rt.spawn(keep_in_background(
                 acks.clone(),
                 self.conn.clone(),
                 config.clone(),
@@ -593,7 +594,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Acks not sent yet, and those of entries still being worked on, are sent by the
-    /// background flusher. Without one (no tokio runtime at build) they stay pending and are
+    /// background task. Without one (no tokio runtime at build) they stay pending and are
     /// redelivered: never lost.
     fn drop(&mut self) {
         self.acks.release(None, false);
@@ -610,38 +611,66 @@ async fn xack<C: ConnectionLike>(conn: &mut C, cfg: &Config, ids: &[String]) -> 
         .await
 }
 
-/// The background flusher: sends the queued acks `ack_interval` after the first one since
-/// the last send, until the source and every [`Ack`] are gone and nothing is left to send.
-/// A failed send is retried after the next interval while any handle is alive; after that,
-/// the entries stay pending and are redelivered (at-least-once).
-async fn flush_in_background<C: ConnectionLike>(
+/// `lua/stream_keepalive.lua`: resets the idle time of entries this consumer still owns.
+const KEEPALIVE: &str = include_str!("../../lua/stream_keepalive.lua");
+
+/// Ids per keep-alive script call, so one call never blocks Redis for long.
+const KEEPALIVE_CHUNK: usize = 500;
+
+/// The source's background task, on the tokio runtime it was built on:
+///
+/// - sends the queued acks `ack_interval` after the first one since the last send;
+/// - every `min_idle / 3`, resets the idle time of the entries the application still holds
+///   (`lua/stream_keepalive.lua`), so other consumers claim only entries of consumers that
+///   stopped, or entries dropped without an ack;
+///
+/// until the source and every [`Ack`] are gone and nothing is left to send. A failed send is
+/// retried after the next interval while any handle is alive; after that, the entries stay
+/// pending and are redelivered (at-least-once).
+async fn keep_in_background<C: ConnectionLike>(
     queue: Arc<AckQueue>,
     mut conn: C,
     cfg: Arc<Config>,
     acked: Counter,
 ) {
+    let keepalive = redis::Script::new(KEEPALIVE);
+    let every = (cfg.min_idle / 3).max(Duration::from_millis(1));
+    let mut next_touch = Instant::now() + every;
     loop {
         let (idle, gone) = {
             let st = queue.lock();
             (st.ids.is_empty(), st.handles == 0)
         };
+        if idle && gone {
+            return;
+        }
         if idle {
-            if gone {
-                return;
-            }
             // `notify_one` keeps a permit: a wake between the check and here is not lost.
-            queue.wake.notified().await;
-            continue;
+            tokio::select! {
+                () = queue.wake.notified() => {}
+                () = tokio::time::sleep_until(next_touch) => {}
+            }
+        } else {
+            tokio::time::sleep(cfg.ack_interval).await;
+            let ids = queue.take();
+            if !ids.is_empty() {
+                match xack(&mut conn, &cfg, &ids).await {
+                    Ok(_) => acked.increment(ids.len() as u64),
+                    Err(_) if queue.lock().handles == 0 => return,
+                    Err(_) => queue.requeue(ids),
+                }
+            }
         }
-        tokio::time::sleep(cfg.ack_interval).await;
-        let ids = queue.take();
-        if ids.is_empty() {
-            continue;
-        }
-        match xack(&mut conn, &cfg, &ids).await {
-            Ok(_) => acked.increment(ids.len() as u64),
-            Err(_) if queue.lock().handles == 0 => return,
-            Err(_) => queue.requeue(ids),
+        if Instant::now() >= next_touch {
+            let held: Vec<String> = queue.lock().held.iter().cloned().collect();
+            for ids in held.chunks(KEEPALIVE_CHUNK) {
+                let mut call = keepalive.key(&cfg.key);
+                call.arg(&cfg.group).arg(&cfg.consumer).arg(ids);
+                // A failed keep-alive is harmless: the next one comes `every` later, and at
+                // worst an entry is claimed by another consumer (at-least-once).
+                let _: RedisResult<u64> = call.invoke_async(&mut conn).await;
+            }
+            next_touch = Instant::now() + every;
         }
     }
 }

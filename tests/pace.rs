@@ -270,6 +270,32 @@ async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back() {
+    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+        .burst(1)
+        .build()
+        .unwrap();
+    let mut a = Box::pin(futures::stream::iter(0..10u32).leaky_with(pacer.clone()));
+    let start = Instant::now();
+    assert_eq!(a.next().await, Some(0));
+    // `a` is first in line (due at 100 ms), then left alone, as in a busy `select!` loop.
+    assert!(poll!(a.next()).is_pending());
+    pacer.until_ready(1).await.unwrap();
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(110),
+        "stepped over 10 ms after a's turn"
+    );
+    let mut c = Box::pin(pacer.until_ready(1));
+    assert!(poll!(c.as_mut()).is_pending());
+    // Polled again, `a` is first again, ahead of `c`, and the schedule holds.
+    assert_eq!(a.next().await, Some(1));
+    assert_eq!(start.elapsed(), Duration::from_millis(210));
+    c.await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(310));
+}
+
+#[tokio::test(start_paused = true)]
 async fn leaky_queue_drops_by_policy_and_counts() {
     for (policy, expect_first) in [
         (Overflow::DropOldest, 6u32),

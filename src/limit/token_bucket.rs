@@ -110,6 +110,13 @@ impl TokenBucket {
         self.to_duration(self.tau - u128::from(self.unit))
     }
 
+    /// When `cost` tokens can be taken from `state` (a time in the same timeline as the
+    /// `now` of [`check`](Algorithm::check)); at or before `now` if they can be now.
+    pub(crate) fn ready_at(&self, state: &TokenBucketState, cost: u32) -> Duration {
+        let needed = u128::from(cost) * u128::from(self.unit);
+        self.to_duration((state.get() + needed).saturating_sub(self.tau))
+    }
+
     /// A state whose bucket is full again at `at` (its [`neutral_at`](Algorithm::neutral_at)),
     /// for carrying a schedule over to a new quota.
     pub fn state_full_at(&self, at: Duration) -> TokenBucketState {

@@ -19,6 +19,10 @@ use crate::sync::{Arc, Mutex, MutexGuard};
 /// The timer lateness the default burst absorbs.
 const DEFAULT_TOLERANCE: Duration = Duration::from_millis(5);
 
+/// How long the first waiter may leave its turn unclaimed (its task not polling it) before
+/// the one behind it steps over it.
+const STALL_GRACE: Duration = Duration::from_millis(10);
+
 /// Names of the pacing metrics.
 pub(crate) mod names {
     pub(crate) const RELEASED: &str = "flowgate_pace_released_total";
@@ -27,12 +31,56 @@ pub(crate) mod names {
     pub(crate) const DROPPED: &str = "flowgate_pace_dropped_total";
 }
 
+/// A waiting acquisition.
+struct Waiter {
+    id: u64,
+    cost: u32,
+    waker: Waker,
+    /// Stepped over: it was first in line and left its turn unclaimed for `STALL_GRACE`.
+    /// It takes its place back when it is polled again.
+    absent: bool,
+}
+
 struct State {
     bucket: TokenBucket,
     gcra: TokenBucketState,
-    /// Waiting acquisitions, FIFO; only the head may be admitted.
-    waiters: VecDeque<(u64, Waker)>,
+    /// Waiting acquisitions, FIFO; only the head (the first one not absent) may pass.
+    waiters: VecDeque<Waiter>,
     next_id: u64,
+    /// The head, and since when it is the head.
+    head: Option<(u64, Instant)>,
+}
+
+impl State {
+    fn present(&self) -> impl Iterator<Item = &Waiter> {
+        self.waiters.iter().filter(|w| !w.absent)
+    }
+
+    fn find(&mut self, id: u64) -> Option<&mut Waiter> {
+        self.waiters.iter_mut().find(|w| w.id == id)
+    }
+
+    fn push(&mut self, cost: u32, waker: &Waker) -> u64 {
+        self.next_id += 1;
+        self.waiters.push_back(Waiter {
+            id: self.next_id,
+            cost,
+            waker: waker.clone(),
+            absent: false,
+        });
+        self.next_id
+    }
+
+    /// After the queue changed: if the head changed, note since when, and return the wakers
+    /// of the new head and of the waiter behind it (who watches it).
+    fn refresh(&mut self, now: Instant) -> Vec<Waker> {
+        let head = self.present().next().map(|w| w.id);
+        if head == self.head.map(|(id, _)| id) {
+            return Vec::new();
+        }
+        self.head = head.map(|id| (id, now));
+        self.present().take(2).map(|w| w.waker.clone()).collect()
+    }
 }
 
 pub(crate) struct Inner {
@@ -63,8 +111,10 @@ pub(crate) enum Admit {
     Now,
     /// This acquisition is first in line and is due at this instant: sleep until then.
     At(Instant),
-    /// Others are ahead; the task is woken when it is first in line.
-    Queued,
+    /// Others are ahead; the task is woken when it is first in line. The waiter right
+    /// behind the first one also gets the instant at which to look again: the first one has
+    /// left its turn unclaimed by then, and is stepped over.
+    Queued(Option<Instant>),
 }
 
 /// A shared leaky bucket: releases units at a constant rate, in FIFO order across every task
@@ -80,10 +130,10 @@ pub(crate) enum Admit {
 /// (a) In any interval of length `w`, released cost ≤ `burst + rate·w`.
 /// (b) No unit is released before its due time minus the burst tolerance
 ///     (`(burst − 1) / rate`).
-/// (c) Waiters are served in FIFO order across tasks. The price of the order: only the
-///     first waiter can be released, when its task polls it. A waiter left unpolled while it
-///     is first (a `leaky_with` stream kept in a `select!` loop whose other branch runs
-///     long) holds up everyone behind it on the same pacer until it is polled or dropped.
+/// (c) Waiters are served in FIFO order across tasks, as long as their tasks poll them: a
+///     first waiter that leaves its turn unclaimed for 10 ms (a `leaky_with` stream kept in
+///     a `select!` loop whose other branch runs long) is stepped over, so it cannot hold up
+///     everyone behind it, and takes its place back when it is polled again.
 /// (d) Every wait is cancel-safe: a dropped waiter holds no reservation.
 ///
 /// # Burst and precision
@@ -147,6 +197,7 @@ impl Pacer {
                     gcra: TokenBucketState::default(),
                     waiters: VecDeque::new(),
                     next_id: 0,
+                    head: None,
                 }),
                 epoch: Instant::now(),
                 released: labels.counter(names::RELEASED, &[]),
@@ -261,10 +312,17 @@ impl Inner {
 
     fn try_acquire(&self, cost: u32) -> Result<(), TryAcquireError> {
         let now = Instant::now();
-        let mut st = self.lock();
-        let st = &mut *st;
+        let mut guard = self.lock();
+        let wake = self.step_over_stalled(&mut guard, now, None);
+        let result = self.try_locked(&mut guard, now, cost);
+        drop(guard);
+        wake.into_iter().for_each(Waker::wake);
+        result
+    }
+
+    fn try_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<(), TryAcquireError> {
         let invalid = |e| TryAcquireError::Invalid(Self::invalid(e));
-        if !st.waiters.is_empty() {
+        if st.head.is_some() {
             // Someone is ahead: never jump the queue. Report when this cost would fit.
             let mut probe = st.gcra;
             let decision = st
@@ -285,8 +343,34 @@ impl Inner {
         }
     }
 
+    /// When the head may claim its turn: once it is the head and its cost fits the bucket.
+    fn turn_of_head(&self, st: &State) -> Option<Instant> {
+        let (id, since) = st.head?;
+        let cost = st.waiters.iter().find(|w| w.id == id)?.cost;
+        Some(since.max(self.epoch + st.bucket.ready_at(&st.gcra, cost)))
+    }
+
+    /// Steps over a head (other than `caller`) that has left its turn unclaimed for
+    /// `STALL_GRACE`: its task is not polling it, and must not hold up everyone behind it.
+    /// Returns the wakers of the new head and its watcher.
+    fn step_over_stalled(&self, st: &mut State, now: Instant, caller: Option<u64>) -> Vec<Waker> {
+        let mut wake = Vec::new();
+        while let Some((head, _)) = st.head
+            && Some(head) != caller
+            && self
+                .turn_of_head(st)
+                .is_some_and(|turn| now >= turn + STALL_GRACE)
+        {
+            if let Some(w) = st.find(head) {
+                w.absent = true;
+            }
+            wake.extend(st.refresh(now));
+        }
+        wake
+    }
+
     /// One attempt to pass `cost`, keeping FIFO order: a newcomer passes only when nobody
-    /// waits; a waiter passes only when first in line.
+    /// waits; a waiter passes only when it is the head.
     pub(crate) fn admit(
         &self,
         cx: &mut Context<'_>,
@@ -296,52 +380,65 @@ impl Inner {
         let now = Instant::now();
         let mut guard = self.lock();
         let st = &mut *guard;
-        let first = match ticket.id {
-            None => st.waiters.is_empty(),
-            Some(id) => st.waiters.front().is_some_and(|(head, _)| *head == id),
-        };
-        if !first {
-            match ticket.id {
-                None => {
-                    st.next_id += 1;
-                    ticket.id = Some(st.next_id);
-                    st.waiters.push_back((st.next_id, cx.waker().clone()));
-                }
-                Some(id) => {
-                    if let Some((_, w)) = st.waiters.iter_mut().find(|(i, _)| *i == id) {
-                        w.clone_from(cx.waker());
-                    }
-                }
-            }
-            return Ok(Admit::Queued);
+        // Polled again: a waiter that was stepped over takes its place back.
+        if let Some(w) = ticket.id.and_then(|id| st.find(id)) {
+            w.waker.clone_from(cx.waker());
+            w.absent = false;
         }
+        let mut wake = st.refresh(now);
+        wake.extend(self.step_over_stalled(st, now, ticket.id));
+        let first = match ticket.id {
+            None => st.head.is_none(),
+            Some(id) => st.head.is_some_and(|(head, _)| head == id),
+        };
+        let admit = if first {
+            self.admit_head(st, now, cost, ticket, cx, &mut wake)
+        } else {
+            if ticket.id.is_none() {
+                ticket.id = Some(st.push(cost, cx.waker()));
+            }
+            let watching = st.present().nth(1).map(|w| w.id) == ticket.id;
+            let look_again = watching
+                .then(|| self.turn_of_head(st))
+                .flatten()
+                .map(|turn| turn + STALL_GRACE);
+            Ok(Admit::Queued(look_again))
+        };
+        drop(guard);
+        wake.into_iter().for_each(Waker::wake);
+        admit
+    }
+
+    /// The head (or a newcomer with nobody waiting) tries the bucket.
+    fn admit_head(
+        &self,
+        st: &mut State,
+        now: Instant,
+        cost: u32,
+        ticket: &mut Ticket,
+        cx: &mut Context<'_>,
+        wake: &mut Vec<Waker>,
+    ) -> Result<Admit, PaceError> {
         let decision = st
             .bucket
             .check(&mut st.gcra, self.elapsed(now), cost)
             .map_err(Self::invalid)?;
         if decision.allowed {
-            let mut next = None;
-            if ticket.id.take().is_some() {
-                st.waiters.pop_front();
-                next = st.waiters.front().map(|(_, w)| w.clone());
+            if let Some(id) = ticket.id.take() {
+                st.waiters.retain(|w| w.id != id);
+                wake.extend(st.refresh(now));
             }
             if let Some(due) = ticket.due.take() {
                 self.lateness
                     .record(now.saturating_duration_since(due).as_secs_f64());
             }
             self.released.increment(u64::from(cost));
-            drop(guard);
-            if let Some(w) = next {
-                w.wake();
-            }
             return Ok(Admit::Now);
         }
         if ticket.id.is_none() {
-            st.next_id += 1;
-            ticket.id = Some(st.next_id);
-            st.waiters.push_back((st.next_id, cx.waker().clone()));
-        } else if let Some((_, w)) = st.waiters.front_mut() {
-            w.clone_from(cx.waker());
+            ticket.id = Some(st.push(cost, cx.waker()));
+            // It is the head now; no need to wake it, it is being polled.
+            st.refresh(now);
         }
         let due = now + decision.retry_after;
         ticket.due = Some(due);
@@ -353,17 +450,10 @@ impl Inner {
         let Some(id) = ticket.id.take() else { return };
         ticket.due = None;
         let mut st = self.lock();
-        let was_head = st.waiters.front().is_some_and(|(head, _)| *head == id);
-        st.waiters.retain(|(i, _)| *i != id);
-        let next = if was_head {
-            st.waiters.front().map(|(_, w)| w.clone())
-        } else {
-            None
-        };
+        st.waiters.retain(|w| w.id != id);
+        let wake = st.refresh(Instant::now());
         drop(st);
-        if let Some(w) = next {
-            w.wake();
-        }
+        wake.into_iter().for_each(Waker::wake);
     }
 
     fn set_quota(&self, quota: Quota) {
@@ -381,11 +471,10 @@ impl Inner {
             next_due + st.bucket.lead()
         };
         st.gcra = st.bucket.state_full_at(full_at);
-        let head = st.waiters.front().map(|(_, w)| w.clone());
+        // The head and its watcher recompute their times.
+        let wake: Vec<Waker> = st.present().take(2).map(|w| w.waker.clone()).collect();
         drop(st);
-        if let Some(w) = head {
-            w.wake();
-        }
+        wake.into_iter().for_each(Waker::wake);
     }
 }
 

@@ -39,8 +39,8 @@ impl Wait {
         loop {
             match pacer.admit(cx, cost, &mut self.ticket)? {
                 Admit::Now => return Poll::Ready(Ok(())),
-                Admit::Queued => return Poll::Pending,
-                Admit::At(due) => {
+                Admit::Queued(None) => return Poll::Pending,
+                Admit::Queued(Some(due)) | Admit::At(due) => {
                     let timer = match &mut self.timer {
                         Some(timer) => {
                             timer.as_mut().reset(due);
@@ -51,7 +51,8 @@ impl Wait {
                     if timer.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
-                    // Already due: the next attempt is admitted.
+                    // Already due: the next attempt is admitted (or, watching a first waiter
+                    // that let its turn pass, steps over it).
                 }
             }
         }

@@ -296,6 +296,27 @@ async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back()
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_next_waiter_takes_over_the_watch_when_the_watcher_leaves() {
+    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+        .burst(1)
+        .build()
+        .unwrap();
+    pacer.until_ready(1).await.unwrap();
+    let start = Instant::now();
+    let mut a = Box::pin(pacer.until_ready(1));
+    assert!(poll!(a.as_mut()).is_pending()); // first in line, then never polled again
+    let mut b = Box::pin(pacer.until_ready(1));
+    assert!(poll!(b.as_mut()).is_pending()); // right behind a: it watches a
+    let p = pacer.clone();
+    let c = tokio::spawn(async move { p.until_ready(1).await });
+    tokio::task::yield_now().await; // c queues third
+    drop(b); // the watcher gives up: c watches now
+    c.await.unwrap().unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(110));
+    drop(a);
+}
+
+#[tokio::test(start_paused = true)]
 async fn leaky_queue_drops_by_policy_and_counts() {
     for (policy, expect_first) in [
         (Overflow::DropOldest, 6u32),

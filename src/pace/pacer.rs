@@ -49,6 +49,8 @@ struct State {
     next_id: u64,
     /// The head, and since when it is the head.
     head: Option<(u64, Instant)>,
+    /// The waiter right behind the head, which watches it (with a timer) in case it stalls.
+    watcher: Option<u64>,
 }
 
 impl State {
@@ -71,15 +73,27 @@ impl State {
         self.next_id
     }
 
-    /// After the queue changed: if the head changed, note since when, and return the wakers
-    /// of the new head and of the waiter behind it (who watches it).
+    /// After the queue changed: note a new head (and since when) or a new watcher, and return
+    /// the wakers of those that changed, so each takes up its role (the head its turn, the
+    /// watcher its timer).
     fn refresh(&mut self, now: Instant) -> Vec<Waker> {
-        let head = self.present().next().map(|w| w.id);
-        if head == self.head.map(|(id, _)| id) {
-            return Vec::new();
+        let mut wake = Vec::new();
+        let (head, watcher) = {
+            let mut present = self.present();
+            let (head, watcher) = (present.next(), present.next());
+            if head.map(|w| w.id) != self.head.map(|(id, _)| id) {
+                wake.extend(head.map(|w| w.waker.clone()));
+            }
+            if watcher.map(|w| w.id) != self.watcher {
+                wake.extend(watcher.map(|w| w.waker.clone()));
+            }
+            (head.map(|w| w.id), watcher.map(|w| w.id))
+        };
+        if head != self.head.map(|(id, _)| id) {
+            self.head = head.map(|id| (id, now));
         }
-        self.head = head.map(|id| (id, now));
-        self.present().take(2).map(|w| w.waker.clone()).collect()
+        self.watcher = watcher;
+        wake
     }
 }
 
@@ -132,8 +146,10 @@ pub(crate) enum Admit {
 ///     (`(burst − 1) / rate`).
 /// (c) Waiters are served in FIFO order across tasks, as long as their tasks poll them: a
 ///     first waiter that leaves its turn unclaimed for 10 ms (a `leaky_with` stream kept in
-///     a `select!` loop whose other branch runs long) is stepped over, so it cannot hold up
-///     everyone behind it, and takes its place back when it is polled again.
+///     a `select!` loop whose other branch runs long) is stepped over by the one behind it,
+///     which watches it with a timer, so it cannot hold up everyone; it takes its place back
+///     when it is polled again. (If the one behind it is not polled either, the line moves
+///     on when either of them is polled or dropped, or when anyone else polls the pacer.)
 /// (d) Every wait is cancel-safe: a dropped waiter holds no reservation.
 ///
 /// # Burst and precision
@@ -198,6 +214,7 @@ impl Pacer {
                     waiters: VecDeque::new(),
                     next_id: 0,
                     head: None,
+                    watcher: None,
                 }),
                 epoch: Instant::now(),
                 released: labels.counter(names::RELEASED, &[]),
@@ -396,8 +413,10 @@ impl Inner {
         } else {
             if ticket.id.is_none() {
                 ticket.id = Some(st.push(cost, cx.waker()));
+                // It may be the watcher now (being polled, its own wake is spurious).
+                wake.extend(st.refresh(now));
             }
-            let watching = st.present().nth(1).map(|w| w.id) == ticket.id;
+            let watching = st.watcher.is_some() && st.watcher == ticket.id;
             let look_again = watching
                 .then(|| self.turn_of_head(st))
                 .flatten()
@@ -425,7 +444,10 @@ impl Inner {
             .map_err(Self::invalid)?;
         if decision.allowed {
             if let Some(id) = ticket.id.take() {
-                st.waiters.retain(|w| w.id != id);
+                // The head is at the front, or behind a few waiters that were stepped over.
+                if let Some(at) = st.waiters.iter().position(|w| w.id == id) {
+                    st.waiters.remove(at);
+                }
                 wake.extend(st.refresh(now));
             }
             if let Some(due) = ticket.due.take() {
@@ -437,7 +459,7 @@ impl Inner {
         }
         if ticket.id.is_none() {
             ticket.id = Some(st.push(cost, cx.waker()));
-            // It is the head now; no need to wake it, it is being polled.
+            // It is the head now: being polled, it needs no wake (nobody is behind it).
             st.refresh(now);
         }
         let due = now + decision.retry_after;

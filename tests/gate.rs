@@ -798,6 +798,31 @@ async fn concurrent_lease_calls_lose_no_tokens_and_beat_a_cached_rejection() {
 }
 
 #[tokio::test]
+async fn each_lease_keeps_its_own_expiry() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(Quota::per_hour(20).unwrap()),
+    )
+    .lease(10)
+    .lease_ttl(Duration::from_millis(200))
+    .build()
+    .await
+    .unwrap();
+    for _ in 0..8 {
+        assert!(gate.check("k", 1).await.unwrap().allowed); // lease 1: 10 taken, 2 left
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // 2 left are not enough: lease 2 takes the last 10 in Redis and keeps 5.
+    assert!(gate.check("k", 5).await.unwrap().allowed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Lease 1 has expired; lease 2 (taken 100 ms ago) has not.
+    let d = gate.check("k", 5).await.unwrap();
+    assert!(d.allowed, "lease 2's tokens died with lease 1: {d:?}");
+    assert!(!gate.check("k", 1).await.unwrap().allowed, "all 20 spent");
+}
+
+#[tokio::test]
 async fn duration_max_settings_mean_never_and_do_not_panic() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

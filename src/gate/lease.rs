@@ -1,17 +1,41 @@
 //! Token leases: tokens taken from Redis in advance and spent locally.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use crate::decision::Decision;
 use crate::sync::Mutex;
 
-#[derive(Debug, Clone, Copy)]
+/// The tokens leased for one key: one part per lease call (concurrent calls each take one),
+/// oldest first, each with its own expiry.
+#[derive(Debug, Clone)]
 struct Lease {
-    tokens: u32,
-    expires: Instant,
+    parts: VecDeque<(u32, Instant)>,
     limit: u64,
+}
+
+impl Lease {
+    /// Forget expired parts; the tokens left.
+    fn live(&mut self, now: Instant) -> u64 {
+        self.parts.retain(|&(_, expires)| now < expires);
+        self.parts.iter().map(|&(n, _)| u64::from(n)).sum()
+    }
+
+    /// Take `cost` (known to be there), oldest tokens first.
+    fn take(&mut self, mut cost: u32) {
+        while cost > 0 {
+            let Some((n, _)) = self.parts.front_mut() else {
+                return;
+            };
+            let used = cost.min(*n);
+            *n -= used;
+            cost -= used;
+            if *n == 0 {
+                self.parts.pop_front();
+            }
+        }
+    }
 }
 
 /// Tokens already debited in Redis, per key, waiting to be spent here.
@@ -39,57 +63,43 @@ impl Leases {
         }
     }
 
-    /// Spend `cost` from the lease of `key`, if it holds enough and has not expired.
+    /// Spend `cost` from the lease of `key`, if it holds enough unexpired tokens.
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
         let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
         let lease = leases.get_mut(key)?;
-        if now >= lease.expires {
-            leases.remove(key);
+        let held = lease.live(now);
+        if held < u64::from(cost) {
+            if held == 0 {
+                leases.remove(key);
+            }
             return None;
         }
-        if lease.tokens < cost {
-            return None;
-        }
-        lease.tokens -= cost;
-        let left = lease.tokens;
-        let limit = lease.limit;
+        lease.take(cost);
+        let (left, limit) = (held - u64::from(cost), lease.limit);
         if left == 0 {
             leases.remove(key);
         }
-        Some(Decision::allow(limit, u64::from(left), Duration::ZERO))
+        Some(Decision::allow(limit, left, Duration::ZERO))
     }
 
-    /// Keep `tokens` granted for `key`. A lease still held for the key (concurrent calls
-    /// each took one) absorbs them and keeps its earlier expiry: no token is lost to the
-    /// other lease, and none is held longer than `ttl` after it was taken.
+    /// Keep `tokens` granted for `key` at `now`, until `now + ttl`. Leases taken by
+    /// concurrent calls add up, each keeping its own expiry: none replaces another.
     pub(crate) fn keep(&self, key: &str, tokens: u32, limit: u64, now: Instant) {
         if tokens == 0 {
             return;
         }
         let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
         if leases.len() >= self.capacity && !leases.contains_key(key) {
-            leases.retain(|_, l| l.expires > now);
+            leases.retain(|_, l| l.live(now) > 0);
             if leases.len() >= self.capacity {
                 return;
             }
         }
-        let expires = now + self.ttl;
-        match leases.get_mut(key) {
-            Some(held) if held.expires > now => {
-                held.tokens = held.tokens.saturating_add(tokens);
-                held.expires = held.expires.min(expires);
-                held.limit = limit;
-            }
-            _ => {
-                leases.insert(
-                    key.to_owned(),
-                    Lease {
-                        tokens,
-                        expires,
-                        limit,
-                    },
-                );
-            }
-        }
+        let lease = leases.entry(key.to_owned()).or_insert_with(|| Lease {
+            parts: VecDeque::new(),
+            limit,
+        });
+        lease.limit = limit;
+        lease.parts.push_back((tokens, now + self.ttl));
     }
 }

@@ -89,8 +89,11 @@ impl AckQueue {
         std::mem::take(&mut self.lock().ids)
     }
 
+    /// Ids whose send failed go back in the queue; the background task is told, so they
+    /// leave within `ack_interval` even if no fetch comes.
     fn requeue(&self, ids: Vec<String>) {
         self.lock().ids.extend(ids);
+        self.wake.notify_one();
     }
 
     /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.

@@ -317,6 +317,42 @@ async fn the_next_waiter_takes_over_the_watch_when_the_watcher_leaves() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn leaky_queue_yields_with_an_upstream_that_is_always_ready() {
+    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+        .burst(1)
+        .build()
+        .unwrap();
+    let mut queue = futures::stream::repeat(7u32)
+        .leaky_queue(pacer, 4, Overflow::DropNewest)
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), queue.next()).await;
+    assert_eq!(first.expect("poll_next returns"), Some(7));
+    assert!(queue.dropped() > 0, "the full queue refused the rest");
+}
+
+#[tokio::test(start_paused = true)]
+async fn leaky_queue_reports_what_is_still_queued_when_dropped() {
+    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+        .burst(1)
+        .build()
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hook = seen.clone();
+    let mut queue = futures::stream::iter(0..5u32)
+        .leaky_queue(pacer, 8, Overflow::DropNewest)
+        .unwrap()
+        .on_drop(move |x| hook.lock().unwrap().push(x));
+    assert_eq!(queue.next().await, Some(0));
+    assert_eq!(queue.queued(), 4);
+    drop(queue);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [1, 2, 3, 4],
+        "queued items go to on_drop"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn leaky_queue_drops_by_policy_and_counts() {
     for (policy, expect_first) in [
         (Overflow::DropOldest, 6u32),

@@ -18,6 +18,37 @@ use crate::pace::pacer::names;
 
 type OnDrop<T> = Box<dyn FnMut(T) + Send>;
 
+/// Upstream items pulled per poll at most: an upstream that is always ready (with a drop
+/// policy, a full queue never stops the pulling) must not keep `poll_next` from returning.
+const DRAIN_BUDGET: usize = 128;
+
+/// The queue, and the accounting of what it drops. Dropped itself (the stream dropped or
+/// taken apart), it drops what is still queued the same way: to the hook, counted.
+struct Queue<T> {
+    items: VecDeque<T>,
+    on_drop: Option<OnDrop<T>>,
+    dropped: u64,
+    metric: Counter,
+}
+
+impl<T> Queue<T> {
+    fn drop_item(&mut self, item: T) {
+        self.dropped += 1;
+        self.metric.increment(1);
+        if let Some(hook) = self.on_drop.as_mut() {
+            hook(item);
+        }
+    }
+}
+
+impl<T> Drop for Queue<T> {
+    fn drop(&mut self) {
+        while let Some(item) = self.items.pop_front() {
+            self.drop_item(item);
+        }
+    }
+}
+
 /// Stream of [`leaky_queue`](crate::FlowStreamExt::leaky_queue): the enforcing leaky bucket.
 ///
 /// Upstream is drained eagerly into a queue of `capacity` items, and items leave the queue at
@@ -26,20 +57,18 @@ type OnDrop<T> = Box<dyn FnMut(T) + Send>;
 /// refuse the incoming item; `DropOldest` evicts the oldest queued item. (A stream adapter
 /// cannot hand an item back, so `Reject` acts as `DropNewest`.) Every dropped item goes to
 /// the [`on_drop`](LeakyQueue::on_drop) hook, if set, and is counted in
-/// [`dropped`](LeakyQueue::dropped) and the `flowgate_pace_dropped_total` metric.
+/// [`dropped`](LeakyQueue::dropped) and the `flowgate_pace_dropped_total` metric — so do the
+/// items still queued when the stream is dropped or taken apart with `into_inner`.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct LeakyQueue<S: Stream> {
     #[pin]
     stream: Fuse<S>,
-    queue: VecDeque<S::Item>,
+    queue: Queue<S::Item>,
     capacity: usize,
     overflow: Overflow,
-    on_drop: Option<OnDrop<S::Item>>,
-    dropped: u64,
     paced: Paced,
     depth: Gauge,
-    dropped_metric: Counter,
 }
 
 impl<S: Stream> LeakyQueue<S> {
@@ -60,31 +89,33 @@ impl<S: Stream> LeakyQueue<S> {
         };
         Ok(LeakyQueue {
             stream: stream.fuse(),
-            queue: VecDeque::with_capacity(capacity.min(4096)),
+            queue: Queue {
+                items: VecDeque::with_capacity(capacity.min(4096)),
+                on_drop: None,
+                dropped: 0,
+                metric: labels.counter(names::DROPPED, &[("policy", policy.as_str())]),
+            },
             capacity,
             overflow,
-            on_drop: None,
-            dropped: 0,
             depth: labels.gauge(names::QUEUE_DEPTH, &[]),
-            dropped_metric: labels.counter(names::DROPPED, &[("policy", policy.as_str())]),
             paced: Paced::new(pacer),
         })
     }
 
     /// Call `hook` with every item the overflow policy drops.
     pub fn on_drop(mut self, hook: impl FnMut(S::Item) + Send + 'static) -> Self {
-        self.on_drop = Some(Box::new(hook));
+        self.queue.on_drop = Some(Box::new(hook));
         self
     }
 
     /// Items dropped by the overflow policy so far.
     pub fn dropped(&self) -> u64 {
-        self.dropped
+        self.queue.dropped
     }
 
     /// Items queued now.
     pub fn queued(&self) -> usize {
-        self.queue.len()
+        self.queue.items.len()
     }
 
     /// The pacer.
@@ -108,15 +139,7 @@ impl<S: Stream> LeakyQueue<S> {
     }
 
     /// The inner stream; queued items are dropped (passed to `on_drop` first).
-    pub fn into_inner(mut self) -> S {
-        let queued: Vec<_> = self.queue.drain(..).collect();
-        for item in queued {
-            self.dropped += 1;
-            self.dropped_metric.increment(1);
-            if let Some(hook) = &mut self.on_drop {
-                hook(item);
-            }
-        }
+    pub fn into_inner(self) -> S {
         self.stream.into_inner()
     }
 }
@@ -126,34 +149,39 @@ impl<S: Stream> Stream for LeakyQueue<S> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let mut this = self.project();
-        // Drain upstream as far as the policy allows.
+        let queue = &mut *this.queue;
+        // Drain upstream as far as the policy allows, within the budget.
+        let mut budget = DRAIN_BUDGET;
         while !this.stream.is_done() {
-            let full = this.queue.len() >= *this.capacity;
+            let full = queue.items.len() >= *this.capacity;
             if full && *this.overflow == Overflow::Backpressure {
                 break;
             }
+            if budget == 0 {
+                // More may be ready: come back after the executor has run others.
+                cx.waker().wake_by_ref();
+                break;
+            }
+            budget -= 1;
             let Poll::Ready(Some(item)) = this.stream.as_mut().poll_next(cx) else {
                 break;
             };
             if !full {
-                this.queue.push_back(item);
+                queue.items.push_back(item);
                 continue;
             }
             let victim = if *this.overflow == Overflow::DropOldest {
-                let oldest = this.queue.pop_front().expect("the queue is full");
-                this.queue.push_back(item);
+                let oldest = queue.items.pop_front().expect("the queue is full");
+                queue.items.push_back(item);
                 oldest
             } else {
                 item
             };
-            *this.dropped += 1;
-            this.dropped_metric.increment(1);
-            if let Some(hook) = this.on_drop.as_mut() {
-                hook(victim);
-            }
+            queue.drop_item(victim);
         }
-        this.depth.set(this.queue.len() as f64);
-        if this.queue.is_empty() {
+        let queue = &mut this.queue.items;
+        this.depth.set(queue.len() as f64);
+        if queue.is_empty() {
             return if this.stream.is_done() {
                 Poll::Ready(None)
             } else {
@@ -161,26 +189,27 @@ impl<S: Stream> Stream for LeakyQueue<S> {
             };
         }
         ready!(this.paced.poll_admit(1, cx));
-        let item = this.queue.pop_front();
-        this.depth.set(this.queue.len() as f64);
+        let item = queue.pop_front();
+        this.depth.set(queue.len() as f64);
         Poll::Ready(item)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         // Queued items will be released unless evicted; upstream items may be dropped.
         let (_, hi) = self.stream.size_hint();
+        let queued = self.queue.items.len();
         let lo = if self.overflow == Overflow::Backpressure {
-            self.queue.len().saturating_add(self.stream.size_hint().0)
+            queued.saturating_add(self.stream.size_hint().0)
         } else {
-            usize::from(!self.queue.is_empty())
+            usize::from(queued > 0)
         };
-        (lo, hi.and_then(|h| h.checked_add(self.queue.len())))
+        (lo, hi.and_then(|h| h.checked_add(queued)))
     }
 }
 
 impl<S: Stream> FusedStream for LeakyQueue<S> {
     fn is_terminated(&self) -> bool {
-        self.queue.is_empty() && self.stream.is_done()
+        self.queue.items.is_empty() && self.stream.is_done()
     }
 }
 
@@ -188,10 +217,10 @@ impl<S: Stream + fmt::Debug> fmt::Debug for LeakyQueue<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LeakyQueue")
             .field("stream", &self.stream)
-            .field("queued", &self.queue.len())
+            .field("queued", &self.queue.items.len())
             .field("capacity", &self.capacity)
             .field("overflow", &self.overflow)
-            .field("dropped", &self.dropped)
+            .field("dropped", &self.queue.dropped)
             .field("pacer", self.paced.pacer())
             .finish()
     }

@@ -529,6 +529,62 @@ async fn gated_shapes_and_gated_drop_polices() {
     assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 5);
 }
 
+#[tokio::test]
+async fn shaping_waits_out_a_full_keyspace_and_drops_nothing() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // 16 keys in all, one per shard: distinct keys in a burst fill shards at once.
+    let gate = MemoryGate::with_max_keys(Limit::TokenBucket(Quota::per_second(1_000).unwrap()), 16)
+        .unwrap();
+    // A full shard reports the gate's keyspace, not its own 16th of it.
+    let full = (0..40)
+        .map(|i| gate.check(&format!("fill{i}"), 1))
+        .find_map(Result::err)
+        .expect("16 keys cannot hold 40");
+    assert!(
+        matches!(full, GateError::KeyspaceFull { max_keys: 16 }),
+        "{full}"
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await; // all neutral again
+    let dropped = std::sync::Arc::new(AtomicUsize::new(0));
+    let d2 = dropped.clone();
+    let stream = futures::stream::iter(0..40)
+        .gated(gate.clone(), |i: &i32| format!("k{i}"))
+        .on_drop(move |_, _| {
+            d2.fetch_add(1, Ordering::SeqCst);
+        });
+    assert_eq!(
+        futures::Stream::size_hint(&stream),
+        (0, Some(40)),
+        "any item may be dropped"
+    );
+    let passed = stream.count().await;
+    assert_eq!((passed, dropped.load(Ordering::SeqCst)), (40, 0));
+}
+
+#[tokio::test]
+async fn an_item_waiting_at_the_gate_is_reported_when_the_stream_is_dropped() {
+    use flowgate::gate::Dropped;
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_minute(1).unwrap())).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hook = seen.clone();
+    let mut stream = Box::pin(
+        futures::stream::iter(0..3)
+            .gated(gate, |_: &i32| "k")
+            .on_drop(move |i, why| {
+                hook.lock()
+                    .unwrap()
+                    .push((i, matches!(why, Dropped::Discarded)))
+            }),
+    );
+    assert_eq!(stream.next().await, Some(0));
+    assert!(
+        futures::poll!(stream.next()).is_pending(),
+        "1 waits a minute"
+    );
+    drop(stream);
+    assert_eq!(*seen.lock().unwrap(), [(1, true)]);
+}
+
 // ----- one limit across a fleet of processes -----
 
 const FLEET_URL: &str = "FLOWGATE_FLEET_URL";

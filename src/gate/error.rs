@@ -35,10 +35,14 @@ pub enum GateError {
 }
 
 impl GateError {
-    /// Whether retrying later can help (a backend failure or timeout), as opposed to a
-    /// request that can never pass.
+    /// Whether retrying later can help — a backend failure or timeout, or a full in-memory
+    /// keyspace (keys go idle and are evicted) — as opposed to a request that can never
+    /// pass.
     pub fn is_transient(&self) -> bool {
-        matches!(self, GateError::Backend(_) | GateError::Timeout(_))
+        matches!(
+            self,
+            GateError::Backend(_) | GateError::Timeout(_) | GateError::KeyspaceFull { .. }
+        )
     }
 
     #[cfg(feature = "redis")]

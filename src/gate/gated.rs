@@ -30,6 +30,9 @@ pub enum Dropped {
     /// The gate could not decide it: a permanent error (cost or key), or, for
     /// `gated_drop`, any error.
     Error(GateError),
+    /// It was waiting at the gate when the stream was dropped or taken apart
+    /// ([`into_inner`](Gated::into_inner)).
+    Discarded,
 }
 
 enum State {
@@ -43,12 +46,14 @@ enum State {
 ///
 /// Each item's key is asked of the gate with cost 1.
 /// - `gated` (shaping): a rejected item waits `retry_after` and asks again, so items leave at
-///   the rate the gate allows; a transient backend error waits 100 ms and asks again.
+///   the rate the gate allows; a transient error (backend, or a full in-memory keyspace)
+///   waits 100 ms and asks again.
 /// - `gated_drop` (policing): a rejected item is dropped at once.
 ///
-/// Items that are dropped — rejected under `gated_drop`, or refused for good (an invalid
-/// key, or an error under `gated_drop`) — go to the [`on_drop`](Gated::on_drop) hook with
-/// the reason, and are counted in [`dropped`](Gated::dropped).
+/// Items that are dropped — rejected under `gated_drop`, refused for good (an invalid key,
+/// or an error under `gated_drop`), or waiting at the gate when the stream is dropped — go
+/// to the [`on_drop`](Gated::on_drop) hook with the reason, and are counted in
+/// [`dropped`](Gated::dropped).
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K> {
@@ -57,10 +62,34 @@ pub struct Gated<S: Stream, G, K> {
     gate: G,
     key: K,
     shaping: bool,
-    item: Option<(S::Item, String)>,
+    held: Held<S::Item>,
     state: State,
-    on_drop: Option<OnDrop<S::Item>>,
+}
+
+/// The item waiting at the gate, and the accounting of drops. Dropped itself (the stream
+/// dropped or taken apart), it reports the waiting item as [`Dropped::Discarded`].
+struct Held<T> {
+    item: Option<(T, String)>,
+    on_drop: Option<OnDrop<T>>,
     dropped: u64,
+}
+
+impl<T> Held<T> {
+    /// Drop the waiting item, if any, for `why`.
+    fn drop_item(&mut self, why: Dropped) {
+        if let Some((item, _)) = self.item.take() {
+            self.dropped += 1;
+            if let Some(hook) = self.on_drop.as_mut() {
+                hook(item, &why);
+            }
+        }
+    }
+}
+
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        self.drop_item(Dropped::Discarded);
+    }
 }
 
 /// Stream of [`gated_drop`](crate::FlowStreamExt::gated_drop): the same adapter as
@@ -80,22 +109,24 @@ where
             gate,
             key,
             shaping,
-            item: None,
+            held: Held {
+                item: None,
+                on_drop: None,
+                dropped: 0,
+            },
             state: State::Idle,
-            on_drop: None,
-            dropped: 0,
         }
     }
 
     /// Call `hook` with every dropped item and why it was dropped.
     pub fn on_drop(mut self, hook: impl FnMut(S::Item, &Dropped) + Send + 'static) -> Self {
-        self.on_drop = Some(Box::new(hook));
+        self.held.on_drop = Some(Box::new(hook));
         self
     }
 
     /// Items dropped so far.
     pub fn dropped(&self) -> u64 {
-        self.dropped
+        self.held.dropped
     }
 
     /// The inner stream.
@@ -113,7 +144,8 @@ where
         self.project().stream.get_pin_mut()
     }
 
-    /// The inner stream; an item waiting at the gate is dropped.
+    /// The inner stream; an item waiting at the gate is dropped (to the hook, as
+    /// [`Dropped::Discarded`]).
     pub fn into_inner(self) -> S {
         self.stream.into_inner()
     }
@@ -143,7 +175,7 @@ where
                     };
                     let key: String = (this.key)(&item).into();
                     *this.state = State::Deciding(ask(this.gate, &key));
-                    *this.item = Some((item, key));
+                    this.held.item = Some((item, key));
                 }
                 State::Deciding(decide) => {
                     let outcome = ready!(decide.as_mut().poll(cx));
@@ -152,12 +184,12 @@ where
                         Ok(d) if *this.shaping => Some(d.retry_after),
                         Err(e) if *this.shaping && e.is_transient() => Some(ERROR_BACKOFF),
                         Ok(d) => {
-                            drop_item(this.item, this.on_drop, this.dropped, Dropped::Rejected(d));
+                            this.held.drop_item(Dropped::Rejected(d));
                             *this.state = State::Idle;
                             continue;
                         }
                         Err(e) => {
-                            drop_item(this.item, this.on_drop, this.dropped, Dropped::Error(e));
+                            this.held.drop_item(Dropped::Error(e));
                             *this.state = State::Idle;
                             continue;
                         }
@@ -165,7 +197,7 @@ where
                     match wait {
                         None => {
                             *this.state = State::Idle;
-                            return Poll::Ready(this.item.take().map(|(item, _)| item));
+                            return Poll::Ready(this.held.item.take().map(|(item, _)| item));
                         }
                         Some(d) => {
                             *this.state = State::Waiting(Box::pin(tokio::time::sleep(d)));
@@ -174,7 +206,7 @@ where
                 }
                 State::Waiting(sleep) => {
                     ready!(sleep.as_mut().poll(cx));
-                    let key = &this.item.as_ref().expect("an item waits").1;
+                    let key = &this.held.item.as_ref().expect("an item waits").1;
                     *this.state = State::Deciding(ask(this.gate, key));
                 }
             }
@@ -182,29 +214,11 @@ where
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // Shaping passes every item; policing may drop any.
-        let held = usize::from(self.item.is_some());
-        let (lo, hi) = self.stream.size_hint();
-        let hi = hi.and_then(|h| h.checked_add(held));
-        if self.shaping {
-            (lo.saturating_add(held), hi)
-        } else {
-            (0, hi)
-        }
-    }
-}
-
-fn drop_item<T>(
-    item: &mut Option<(T, String)>,
-    on_drop: &mut Option<OnDrop<T>>,
-    dropped: &mut u64,
-    why: Dropped,
-) {
-    if let Some((item, _)) = item.take() {
-        *dropped += 1;
-        if let Some(hook) = on_drop {
-            hook(item, &why);
-        }
+        // Any item may be dropped (policing: rejected; both: an invalid key or a permanent
+        // error), so no lower bound.
+        let held = usize::from(self.held.item.is_some());
+        let (_, hi) = self.stream.size_hint();
+        (0, hi.and_then(|h| h.checked_add(held)))
     }
 }
 
@@ -216,7 +230,7 @@ where
     Key: Into<String>,
 {
     fn is_terminated(&self) -> bool {
-        self.item.is_none() && self.stream.is_done()
+        self.held.item.is_none() && self.stream.is_done()
     }
 }
 
@@ -226,8 +240,8 @@ impl<S: Stream + fmt::Debug, G: fmt::Debug, K> fmt::Debug for Gated<S, G, K> {
             .field("stream", &self.stream)
             .field("gate", &self.gate)
             .field("shaping", &self.shaping)
-            .field("holding", &self.item.is_some())
-            .field("dropped", &self.dropped)
+            .field("holding", &self.held.item.is_some())
+            .field("dropped", &self.held.dropped)
             .finish_non_exhaustive()
     }
 }

@@ -109,7 +109,10 @@ impl MemoryGate {
     }
 
     /// A gate enforcing `limit` per key, holding at most about `max_keys` keys (rounded up to
-    /// a multiple of 16).
+    /// a multiple of 16). The keys are spread over 16 shards by hash, each holding a 16th:
+    /// new keys may be refused with [`GateError::KeyspaceFull`] while one shard is full
+    /// before the whole gate is (with a thousand keys, at about three quarters), so leave
+    /// some headroom.
     ///
     /// # Errors
     ///
@@ -151,10 +154,18 @@ impl MemoryGate {
     pub fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         check_key(key)?;
         let now = self.now();
-        self.shard(key)
+        let decided = self
+            .shard(key)
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .check(key, now, cost)
+            .check(key, now, cost);
+        // A shard reports its own share of the keyspace: report the gate's.
+        decided.map_err(|e| match e {
+            GateError::KeyspaceFull { .. } => GateError::KeyspaceFull {
+                max_keys: self.inner.max_keys,
+            },
+            e => e,
+        })
     }
 
     /// Keys held now.

@@ -7,7 +7,8 @@ use std::fmt;
 /// Every buffer in flowgate (channels, pacing queues, waiting rooms) takes one of these.
 /// Whatever the policy, nothing disappears silently: a dropped item is handed to the
 /// buffer's `on_drop` hook (when one is set), counted in its metrics, and reported in the
-/// result of the call that caused the drop.
+/// result of the call that caused the drop where that call has one (a channel's `send` and
+/// `try_send`; not `Sink::start_send`, whose only error would end the sink).
 ///
 /// | policy | full buffer, new item | caller waits? |
 /// |---|---|---|

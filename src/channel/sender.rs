@@ -228,6 +228,9 @@ impl<T> fmt::Debug for Sender<T> {
     }
 }
 
+/// The sender as a `Sink`. Under `DropNewest` / `DropOldest` a send that drops an item still
+/// succeeds (a `Sink` error would end the sink): the drop is seen through the `on_drop` hook,
+/// [`stats`](Sender::stats) and the metrics, not in the result of `start_send`.
 impl<T> Sink<T> for Sender<T> {
     type Error = SendError<T>;
 

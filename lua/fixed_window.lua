@@ -1,6 +1,8 @@
 -- flowgate fixed window: at most `limit` per aligned window, in microseconds.
 --
--- KEYS[i]     the counter prefix (the window index is appended), one per request of the batch (a key may repeat)
+-- KEYS[i]     the window's state (a hash: `w` window index, `n` count), one per request of the
+--             batch (a key may repeat). Only declared keys are touched, so the script runs on
+--             Redis Cluster with any key.
 -- ARGV[1]     limit
 -- ARGV[2]     window, in us
 -- ARGV[3]     now in us, for differential tests only; empty in production: Redis TIME is used
@@ -9,8 +11,8 @@
 -- Windows are aligned to the Redis clock's epoch: window k is [k*window, (k+1)*window).
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing. Each window's key expires when the window ends: the write
--- that creates it sets the TTL.
+-- A rejected call writes nothing. The key expires when its window ends: the write that
+-- starts a window sets the TTL; later writes in the window keep it.
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -21,13 +23,18 @@ local function decide(key, cost)
 local now = clock
 
 local index = math.floor(now / window)
-local key = key .. ':' .. index
 local reset = (index + 1) * window - now
-local used = tonumber(redis.call('GET', key) or '0')
+-- The index is compared as the text it is stored as (exact up to 14 digits; beyond, two
+-- windows may share a text, which can only count more, never less).
+local w = tostring(index)
+local state = redis.call('HMGET', key, 'w', 'n')
+local same = state[1] == w
+local used = same and tonumber(state[2] or '0') or 0
 if used + cost <= limit then
-  -- The write that creates the window's key sets its TTL (to the window's end); the others
-  -- leave it, which saves Redis a PEXPIRE per admitted request.
-  if redis.call('INCRBY', key, cost) == cost then
+  if same then
+    redis.call('HINCRBY', key, 'n', cost)
+  else
+    redis.call('HSET', key, 'w', w, 'n', cost)
     redis.call('PEXPIRE', key, ttl_ms(reset, explicit))
   end
   return {1, limit, limit - used - cost, 0, reset}

@@ -1069,6 +1069,32 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
         Err(GateError::InvalidKey(_))
     ));
 
+    // Every algorithm runs on the cluster with keys that carry no hash tag: the scripts
+    // touch only the keys they are given.
+    let rate = Rate::per_hour(2).unwrap();
+    for limit in [
+        Limit::FixedWindow(rate),
+        Limit::SlidingLog(rate),
+        Limit::SlidingWindow(rate),
+    ] {
+        let g = RedisGate::builder(client.get_async_connection().await.unwrap(), limit)
+            .cluster(true)
+            .prefix(format!("{}:", limit.name()))
+            .build()
+            .await
+            .unwrap();
+        for k in (0..12).map(|i| format!("user{i}")) {
+            let mut allowed = Vec::new();
+            for _ in 0..3 {
+                allowed.push(match g.acquire(&k, 1).await {
+                    Ok(d) => d.allowed.to_string(),
+                    Err(e) => e.to_string(),
+                });
+            }
+            assert_eq!(allowed, ["true", "true", "false"], "{limit:?} {k}");
+        }
+    }
+
     // Kill the master of one key: the policy applies at once, then the replica takes over.
     let victim_key = "fresh";
     let victim = cluster.node_for_key(&gate.redis_key(victim_key));

@@ -446,6 +446,16 @@ async fn a_paused_redis_never_hangs_a_caller() {
         assert!(took <= Duration::from_millis(60), "took {took:?}");
         assert!(!allowed);
     }
+    // acquire_all keeps to the probe interval too: it does not wait on the paused Redis.
+    let q = Quota::per_hour(5).unwrap();
+    let start = std::time::Instant::now();
+    let all = gate.acquire_all(&[("a", q), ("b", q)], 1).await.unwrap();
+    assert!(
+        start.elapsed() < Duration::from_millis(20),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(all.iter().all(|d| !d.allowed), "Closed rejects");
     server.resume();
     // Back on Redis after the next probe.
     tokio::time::sleep(Duration::from_millis(250)).await;

@@ -422,19 +422,8 @@ where
             inner.metrics.cached.increment(1);
             return Ok(decision);
         }
-        // While degraded, only one call per probe interval goes to Redis.
-        if inner.degraded.load(Ordering::Acquire) {
-            let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Health::Degraded { next_probe } = *health {
-                if now < next_probe {
-                    drop(health);
-                    return self.by_policy(key, cost, next_probe - now, None);
-                }
-                // This call is the probe; others keep using the policy meanwhile.
-                *health = Health::Degraded {
-                    next_probe: now + inner.probe_interval,
-                };
-            }
+        if let Err(until_probe) = self.may_call(now) {
+            return self.by_policy(key, cost, until_probe, None);
         }
         let reply = match &inner.leases {
             Some(leases) => self.decide_lease(leases, key, cost, now).await,
@@ -456,6 +445,27 @@ where
         inner.metrics.failures.increment(1);
         let until_probe = self.degraded(&error);
         self.by_policy(key, cost, until_probe, Some(error))
+    }
+
+    /// Whether this call may go to Redis: always while healthy; while degraded, one call per
+    /// probe interval (the probe) — the others get `Err(time until the next probe)` and use
+    /// the failure policy meanwhile.
+    fn may_call(&self, now: Instant) -> Result<(), Duration> {
+        let inner = &*self.inner;
+        if !inner.degraded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Health::Degraded { next_probe } = *health {
+            if now < next_probe {
+                return Err(next_probe - now);
+            }
+            // This call is the probe; others keep using the policy meanwhile.
+            *health = Health::Degraded {
+                next_probe: now + inner.probe_interval,
+            };
+        }
+        Ok(())
     }
 
     /// One decision in a script call of its own, bounded by the timeout.
@@ -572,27 +582,39 @@ where
         for (count, period_us, burst) in params {
             cmd.arg(count).arg(period_us).arg(burst);
         }
-        let mut conn = self.inner.conn.clone();
-        let timeout = self.inner.timeout;
-        let reply = scripts::eval_ints(
-            &mut conn,
-            script,
-            &cmd,
-            5 * limits.len(),
-            timeout,
-            timeout,
-            "multi-limit script",
-        )
-        .await;
-        let error = match reply {
-            Ok(v) => {
-                self.healthy();
-                return Ok(v.chunks_exact(5).map(decision_from).collect());
+        // While degraded, like `check`: only the probe goes to Redis.
+        let (until_probe, error) = match self.may_call(Instant::now()) {
+            Err(until_probe) => (
+                until_probe,
+                GateError::backend(BackendMessage(format!(
+                    "redis is failing; the next probe is in {until_probe:?}"
+                ))),
+            ),
+            Ok(()) => {
+                let mut conn = self.inner.conn.clone();
+                let timeout = self.inner.timeout;
+                let reply = scripts::eval_ints(
+                    &mut conn,
+                    script,
+                    &cmd,
+                    5 * limits.len(),
+                    timeout,
+                    timeout,
+                    "multi-limit script",
+                )
+                .await;
+                let error = match reply {
+                    Ok(v) => {
+                        self.healthy();
+                        return Ok(v.chunks_exact(5).map(decision_from).collect());
+                    }
+                    Err(e) => e,
+                };
+                self.inner.metrics.failures.increment(1);
+                (self.degraded(&error), error)
             }
-            Err(e) => e,
         };
-        self.inner.metrics.failures.increment(1);
-        let until_probe = self.degraded(&error);
+        self.inner.metrics.by_policy.increment(1);
         let one = |allowed: bool, q: &Quota| {
             if allowed {
                 Decision::admitted_without_limit()

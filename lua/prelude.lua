@@ -20,12 +20,21 @@ local function ttl_ms(us, explicit)
   return math.max(1, math.floor((us + 999) / 1000))
 end
 
+-- The first value of a request's reply when its key could not be decided (a Redis error on
+-- that key, e.g. WRONGTYPE: the key holds another gate's state): only that request fails,
+-- not the batch. -2^53: exact in a double, and below every value a script returns.
+local KEY_ERROR = -9007199254740992
+
 -- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]),
--- which returns its 5 values; they come back flattened.
+-- which returns its 5 values; they come back flattened. A request whose key fails gets
+-- {KEY_ERROR, 0, 0, 0, 0} (its reads fail before any write).
 local function decide_batch(decide, costs)
   local out = {}
   for i, key in ipairs(KEYS) do
-    local r = decide(key, tonumber(ARGV[costs + i]))
+    local ok, r = pcall(decide, key, tonumber(ARGV[costs + i]))
+    if not ok then
+      r = {KEY_ERROR, 0, 0, 0, 0}
+    end
     for j = 1, 5 do
       out[#out + 1] = r[j]
     end

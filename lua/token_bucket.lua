@@ -15,7 +15,8 @@
 --
 -- Requests are decided in order, each exactly as if it were alone. Returns one integer per
 -- request: the bucket's fill after the request (used_after >= 0) if it is admitted, or
--- -1 - used (its fill before, < 0) if it is rejected; a rejected request writes nothing. The
+-- -1 - used (its fill before, < 0) if it is rejected, or KEY_ERROR if its key could not be
+-- read; a rejected request writes nothing. The
 -- caller derives remaining, retry_after and reset_after from it (flowgate::gate::lua::
 -- token_bucket_reply): one number instead of five is cheaper for Redis to build and send.
 
@@ -25,15 +26,21 @@ local burst = tonumber(ARGV[3])
 local now, explicit = clock_us(ARGV[4])
 local tau = burst * period
 
-local out = {}
-for i, key in ipairs(KEYS) do
+local function decide(key, cost)
   local used, exp_us = bucket_read(key, now, count)
-  local used_after = used + tonumber(ARGV[4 + i]) * period
+  local used_after = used + cost * period
   if used_after <= tau then
     bucket_write(key, now, count, used_after, exp_us, explicit)
-    out[i] = used_after
-  else
-    out[i] = -1 - used
+    return used_after
   end
+  return -1 - used
+end
+
+-- A request whose key fails (e.g. WRONGTYPE) gets KEY_ERROR (lua/prelude.lua); the others
+-- are decided as usual.
+local out = {}
+for i, key in ipairs(KEYS) do
+  local ok, r = pcall(decide, key, tonumber(ARGV[4 + i]))
+  out[i] = ok and r or KEY_ERROR
 end
 return out

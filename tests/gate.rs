@@ -864,6 +864,49 @@ async fn concurrent_lease_calls_lose_no_tokens_and_beat_a_cached_rejection() {
 }
 
 #[tokio::test]
+async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
+    let server = RedisServer::start();
+    let con = server.connect().await;
+    // Two gates of different algorithms on the same prefix: "bad" becomes a sorted set.
+    let log = RedisGate::builder(con.clone(), Limit::SlidingLog(Rate::per_hour(5).unwrap()))
+        .build()
+        .await
+        .unwrap();
+    assert!(log.acquire("bad", 1).await.unwrap().allowed);
+    let gate = RedisGate::builder(con.clone(), quota(5))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..50)
+        .map(|i| format!("good{i}"))
+        .chain(["bad".to_string()])
+        .collect();
+    let decisions = futures::future::join_all(keys.iter().map(|k| gate.acquire(k, 1))).await;
+    for (k, d) in keys.iter().zip(&decisions) {
+        match (k.as_str(), d) {
+            ("bad", Err(GateError::InvalidKey(why))) => assert!(why.contains("another type")),
+            ("bad", other) => panic!("bad: {other:?}"),
+            (_, Ok(d)) => assert!(d.allowed, "{k}"),
+            (_, Err(e)) => panic!("{k} failed with the bad key's batch: {e}"),
+        }
+    }
+    assert!(!gate.is_degraded(), "Redis is fine");
+    assert!(gate.acquire("unrelated", 1).await.unwrap().allowed);
+    // The same through a lease (a single-key script call).
+    let leased = RedisGate::builder(con, quota(5))
+        .lease(3)
+        .build()
+        .await
+        .unwrap();
+    assert!(matches!(
+        leased.acquire("bad", 1).await,
+        Err(GateError::InvalidKey(_))
+    ));
+    assert!(!leased.is_degraded());
+}
+
+#[tokio::test]
 async fn each_lease_keeps_its_own_expiry() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

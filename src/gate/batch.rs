@@ -88,14 +88,15 @@ where
 {
     /// Decide `batch` in one script call and answer every request.
     async fn call(&self, conn: &mut C, batch: Vec<Request>) {
-        // A request whose deadline passed while it was queued times out now; the call gets
-        // the time the most urgent of the others has left.
+        // A request whose deadline passed while it was queued times out now. The call gets
+        // the time the last of the others has left: each caller's own timer bounds its wait,
+        // so one that joined late is not failed by the deadline of one that came early.
         let now = Instant::now();
         let mut batch = batch;
         for r in batch.extract_if(.., |r| r.deadline <= now) {
             let _ = r.reply.send(Err(GateError::Timeout(self.timeout)));
         }
-        let Some(deadline) = batch.iter().map(|r| r.deadline).min() else {
+        let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
         };
         let requests = batch.iter().map(|r| (r.key.as_str(), r.cost));
@@ -106,7 +107,7 @@ where
         match decided {
             Ok(decisions) => {
                 for (r, decision) in batch.into_iter().zip(decisions) {
-                    let _ = r.reply.send(Ok(decision));
+                    let _ = r.reply.send(decision);
                 }
             }
             Err(error) => {

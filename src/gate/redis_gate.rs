@@ -405,7 +405,9 @@ where
     /// # Errors
     ///
     /// [`GateError::InsufficientCapacity`], [`GateError::ZeroCost`],
-    /// [`GateError::InvalidKey`] for bad requests (Redis is not called); under
+    /// [`GateError::InvalidKey`] for bad requests (Redis is not called) and for a key that
+    /// holds a value of another type in Redis (only that request fails, the gate does not
+    /// degrade); under
     /// [`FailurePolicy::Error`], [`GateError::Backend`] and [`GateError::Timeout`].
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         check_key(key)?;
@@ -440,6 +442,9 @@ where
                 }
                 return Ok(decision);
             }
+            // This key cannot be decided (it holds another type): its own error; Redis is
+            // fine, the gate does not degrade.
+            Err(e @ GateError::InvalidKey(_)) => return Err(e),
             Err(e) => e,
         };
         inner.metrics.failures.increment(1);
@@ -478,7 +483,7 @@ where
             .eval
             .decide(&mut conn, requests, inner.timeout, inner.timeout)
             .await?;
-        Ok(decided.pop().expect("one decision per request"))
+        decided.pop().expect("one decision per request")
     }
 
     /// One decision from Redis, batched or alone, bounded by the timeout from `started`.
@@ -608,6 +613,7 @@ where
                         self.healthy();
                         return Ok(v.chunks_exact(5).map(decision_from).collect());
                     }
+                    Err(e @ GateError::InvalidKey(_)) => return Err(e),
                     Err(e) => e,
                 };
                 self.inner.metrics.failures.increment(1);

@@ -86,6 +86,8 @@ pub(crate) async fn eval_ints<C: redis::aio::ConnectionLike>(
             "unexpected reply from the {what}: {} values where {len} were expected",
             v.len()
         )))),
+        // A single-call script (lease, all-or-nothing) on a key of another type.
+        Ok(Err(e)) if e.code() == Some("WRONGTYPE") => Err(key_error()),
         Ok(Err(e)) => Err(GateError::backend(e)),
         Err(_) => Err(GateError::Timeout(timeout)),
     }
@@ -135,7 +137,7 @@ impl LimitScript {
         requests: R,
         within: Duration,
         timeout: Duration,
-    ) -> Result<Vec<Decision>, GateError>
+    ) -> Result<Vec<Result<Decision, GateError>>, GateError>
     where
         C: redis::aio::ConnectionLike,
         R: Iterator<Item = (&'a str, u32)> + Clone,
@@ -159,9 +161,27 @@ impl LimitScript {
         .await?;
         Ok(requests
             .zip(v.chunks_exact(width))
-            .map(|((_, cost), r)| decode(&self.limit, self.count, self.period_us, cost, r))
+            .map(|((_, cost), r)| {
+                if r[0] == KEY_ERROR {
+                    Err(key_error())
+                } else {
+                    Ok(decode(&self.limit, self.count, self.period_us, cost, r))
+                }
+            })
             .collect())
     }
+}
+
+/// The first integer of a request's reply when Redis could not decide its key
+/// (`KEY_ERROR` in `lua/prelude.lua`).
+pub(crate) const KEY_ERROR: i64 = -(1 << 53);
+
+/// What a request whose key Redis could not read gets: its own error, not the batch's.
+fn key_error() -> GateError {
+    GateError::InvalidKey(
+        "Redis could not decide this key: it holds a value of another type (shared with a \
+         gate of another algorithm? give each gate its own prefix)",
+    )
 }
 
 /// How many integers the script of `limit` returns per request.

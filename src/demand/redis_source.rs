@@ -54,6 +54,9 @@ struct AckQueue {
     state: Mutex<AckState>,
     /// Wakes the background task: an ack, or a handle gone.
     wake: Notify,
+    /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
+    /// `flush_acks` returns only once acks the task took before it are in Redis too.
+    sending: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug)]
@@ -78,6 +81,7 @@ impl AckQueue {
                 handles: 1,
             }),
             wake: Notify::new(),
+            sending: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -418,12 +422,16 @@ where
         }
     }
 
-    /// Send the acknowledgements collected so far now.
+    /// Send the acknowledgements collected so far now. When it returns, every ack made
+    /// before the call has reached Redis, including those the background task was sending.
     ///
     /// # Errors
     ///
     /// The Redis error; the ids are queued again.
     pub async fn flush_acks(&mut self) -> RedisResult<usize> {
+        let acks = self.acks.clone();
+        // Waits for a send of the background task in progress: its acks come first.
+        let _sending = acks.sending.lock().await;
         let ids = self.acks.take();
         if ids.is_empty() {
             return Ok(0);
@@ -655,6 +663,7 @@ async fn keep_in_background<C: ConnectionLike>(
             }
         } else {
             tokio::time::sleep(cfg.ack_interval).await;
+            let _sending = queue.sending.lock().await;
             let ids = queue.take();
             if !ids.is_empty() {
                 match xack(&mut conn, &cfg, &ids).await {

@@ -346,7 +346,9 @@ async fn an_idle_key_expires_once_it_is_neutral() {
             .query_async(&mut con)
             .await
             .unwrap();
-        assert!(ttl > 0, "{k} has no TTL");
+        // -1: no TTL. (-2: gone already — a fixed window's key lives to its window's end,
+        // which may come between KEYS and PTTL on a loaded machine.)
+        assert_ne!(ttl, -1, "{k} has no TTL");
     }
     tokio::time::sleep(Duration::from_millis(350)).await;
     let keys: Vec<String> = redis::cmd("KEYS")

@@ -442,13 +442,9 @@ where
                 }
                 return Ok(decision);
             }
-            // This key cannot be decided (it holds another type): its own error; Redis is
-            // fine, the gate does not degrade.
-            Err(e @ GateError::InvalidKey(_)) => return Err(e),
             Err(e) => e,
         };
-        inner.metrics.failures.increment(1);
-        let until_probe = self.degraded(&error);
+        let (until_probe, error) = self.failed(error)?;
         self.by_policy(key, cost, until_probe, Some(error))
     }
 
@@ -589,12 +585,7 @@ where
         }
         // While degraded, like `check`: only the probe goes to Redis.
         let (until_probe, error) = match self.may_call(Instant::now()) {
-            Err(until_probe) => (
-                until_probe,
-                GateError::backend(BackendMessage(format!(
-                    "redis is failing; the next probe is in {until_probe:?}"
-                ))),
-            ),
+            Err(until_probe) => (until_probe, failing(until_probe)),
             Ok(()) => {
                 let mut conn = self.inner.conn.clone();
                 let timeout = self.inner.timeout;
@@ -608,16 +599,13 @@ where
                     "multi-limit script",
                 )
                 .await;
-                let error = match reply {
+                match reply {
                     Ok(v) => {
                         self.healthy();
                         return Ok(v.chunks_exact(5).map(decision_from).collect());
                     }
-                    Err(e @ GateError::InvalidKey(_)) => return Err(e),
-                    Err(e) => e,
-                };
-                self.inner.metrics.failures.increment(1);
-                (self.degraded(&error), error)
+                    Err(e) => self.failed(e)?,
+                }
             }
         };
         self.inner.metrics.by_policy.increment(1);
@@ -708,6 +696,18 @@ where
         }
     }
 
+    /// A call to Redis failed with `error`. An error of the key itself (it holds a value of
+    /// another type: `InvalidKey`) is that caller's alone and comes back as `Err`: Redis is
+    /// fine, the gate does not degrade. Any other error is a Redis failure: counted, the gate
+    /// degrades, and the time until the next probe comes back with the error.
+    fn failed(&self, error: GateError) -> Result<(Duration, GateError), GateError> {
+        if matches!(error, GateError::InvalidKey(_)) {
+            return Err(error);
+        }
+        self.inner.metrics.failures.increment(1);
+        Ok((self.degraded(&error), error))
+    }
+
     /// Record a failure; returns the time until the next probe.
     fn degraded(&self, error: &GateError) -> Duration {
         let mut health = self
@@ -744,11 +744,7 @@ where
         let inner = &*self.inner;
         inner.metrics.by_policy.increment(1);
         match &inner.policy {
-            FailurePolicy::Error => Err(error.unwrap_or_else(|| {
-                GateError::backend(BackendMessage(format!(
-                    "redis is failing; the next probe is in {until_probe:?}"
-                )))
-            })),
+            FailurePolicy::Error => Err(error.unwrap_or_else(|| failing(until_probe))),
             FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
             FailurePolicy::Closed => Ok(Decision::reject(
                 inner.eval.limit.capacity(),
@@ -759,6 +755,13 @@ where
             FailurePolicy::Fallback(gate) => gate.check(key, cost),
         }
     }
+}
+
+/// The error of a call the failure policy decided while Redis is failing.
+fn failing(until_probe: Duration) -> GateError {
+    GateError::backend(BackendMessage(format!(
+        "redis is failing; the next probe is in {until_probe:?}"
+    )))
 }
 
 impl<C> Gate for RedisGate<C>

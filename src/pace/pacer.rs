@@ -397,12 +397,17 @@ impl Inner {
         let now = Instant::now();
         let mut guard = self.lock();
         let st = &mut *guard;
-        // Polled again: a waiter that was stepped over takes its place back.
-        if let Some(w) = ticket.id.and_then(|id| st.find(id)) {
+        // Polled again: a waiter that was stepped over takes its place back. (Every other
+        // change to the line refreshes the head and watcher where it happens.)
+        let returned = ticket.id.and_then(|id| st.find(id)).is_some_and(|w| {
             w.waker.clone_from(cx.waker());
-            w.absent = false;
-        }
-        let mut wake = st.refresh(now);
+            std::mem::replace(&mut w.absent, false)
+        });
+        let mut wake = if returned {
+            st.refresh(now)
+        } else {
+            Vec::new()
+        };
         wake.extend(self.step_over_stalled(st, now, ticket.id));
         let first = match ticket.id {
             None => st.head.is_none(),

@@ -281,16 +281,11 @@ impl Permits {
                 this.waiter.set(Waiter::unbounded());
                 Poll::Ready(true)
             }
-            Err(Rejected::Closed) => {
+            Err(why) => {
+                // Adapters wait outside the waiting room, untimed: only closing refuses them.
+                debug_assert_eq!(why, Rejected::Closed);
                 *this.closed = true;
                 Poll::Ready(false)
-            }
-            // Adapters are outside the waiting room and never shed or timed out; should a
-            // refusal come anyway, wait again rather than end the stream and drop its input.
-            Err(_) => {
-                this.waiter.set(Waiter::unbounded());
-                cx.waker().wake_by_ref();
-                Poll::Pending
             }
         }
     }

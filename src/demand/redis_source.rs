@@ -429,9 +429,8 @@ where
     ///
     /// The Redis error; the ids are queued again.
     pub async fn flush_acks(&mut self) -> RedisResult<usize> {
-        let acks = self.acks.clone();
         // Waits for a send of the background task in progress: its acks come first.
-        let _sending = acks.sending.lock().await;
+        let _sending = self.acks.sending.lock().await;
         let ids = self.acks.take();
         if ids.is_empty() {
             return Ok(0);

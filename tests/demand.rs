@@ -661,6 +661,14 @@ mod redis_streams {
         );
     }
 
+    /// The next `n` entries.
+    async fn take<S>(stream: &mut S, n: usize) -> Vec<StreamEntry>
+    where
+        S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+    {
+        stream.take(n).map(Result::unwrap).collect().await
+    }
+
     /// The next entry within 700 ms.
     async fn next<S>(stream: &mut S) -> Option<StreamEntry>
     where
@@ -687,10 +695,7 @@ mod redis_streams {
         let (server, mut con) = with_entries(20).await;
         // min_idle 300 ms, a claim every 100 ms: held entries go idle while we sleep.
         let mut stream = Box::pin(prefetch(source(&server, "solo").await, 5, 0).unwrap());
-        let mut held = Vec::new();
-        for _ in 0..5 {
-            held.push(stream.next().await.unwrap().unwrap());
-        }
+        let mut held = take(&mut stream, 5).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         while held.len() < 20 {
             let e = next(&mut stream)
@@ -736,10 +741,7 @@ mod redis_streams {
         let (server, mut con) = with_entries(5).await;
         // min_idle 300 ms: a's keep-alive runs every 100 ms; b claims every 100 ms.
         let mut a = Box::pin(prefetch(source(&server, "a").await, 5, 0).unwrap());
-        let mut held = Vec::new();
-        for _ in 0..5 {
-            held.push(a.next().await.unwrap().unwrap());
-        }
+        let held = take(&mut a, 5).await;
         let mut b = Box::pin(prefetch(source(&server, "b").await, 5, 0).unwrap());
         let started = tokio::time::Instant::now();
         while started.elapsed() < Duration::from_millis(1_200) {
@@ -786,10 +788,7 @@ mod redis_streams {
     async fn acks_after_the_source_is_dropped_still_reach_redis() {
         let (server, mut con) = with_entries(10).await;
         let mut stream = Box::pin(prefetch(source(&server, "e").await, 5, 0).unwrap());
-        let mut entries = Vec::new();
-        for _ in 0..5 {
-            entries.push(stream.next().await.unwrap().unwrap());
-        }
+        let entries = take(&mut stream, 5).await;
         drop(stream); // shutdown: stop fetching, let the workers finish
         assert_eq!(pending(&mut con).await, 5);
         for e in entries {

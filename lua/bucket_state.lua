@@ -18,7 +18,15 @@
 
 local SLACK_MS = 1000
 
+-- The largest fill a bucket can hold and still be computed exactly (2^52 units: see
+-- token_bucket.lua).
+local EXACT = 4503599627370496
+
 -- The bucket's fill at `now` (units of 1/count us: one token is `period` units) and exp_us.
+-- A value that is not a bucket state (the wrong length, not numbers, NaN, infinite, negative,
+-- a TAT or expiry further ahead than any write could have put it) raises CORRUPT
+-- (lua/prelude.lua): that request fails alone, with a key error, instead of being decided
+-- on garbage. NaN fails every comparison, so each check is written to fail on it.
 local function bucket_read(key, now, count)
   local state = redis.call('GET', key)
   if not state then
@@ -26,18 +34,32 @@ local function bucket_read(key, now, count)
   end
   local tat_us, frac, exp_us
   if string.byte(state, 1) == 0 then
+    if #state ~= 25 then
+      corrupt()
+    end
     local _
     _, tat_us, frac, exp_us = struct.unpack('<Bddd', state)
   else
     local sep = string.find(state, ' ', 1, true)
+    if not sep then
+      corrupt()
+    end
     tat_us = tonumber(string.sub(state, 1, sep - 1))
     frac = tonumber(string.sub(state, sep + 1))
     exp_us = 0
   end
-  if tat_us < now then
+  if not (tat_us and frac and tat_us >= 0 and frac >= 0 and frac < EXACT and exp_us >= 0) then
+    corrupt()
+  end
+  local ahead = tat_us - now
+  if not ((ahead <= 0 or ahead * count + frac <= EXACT)
+      and exp_us - now <= EXACT / count + (SLACK_MS + 1) * 1000) then
+    corrupt()
+  end
+  if ahead < 0 then
     return 0, exp_us
   end
-  return (tat_us - now) * count + frac, exp_us
+  return ahead * count + frac, exp_us
 end
 
 -- Store the bucket with fill `used` at `now`. `explicit`: logical time (differential tests),

@@ -42,4 +42,4 @@ end
 return {0, limit, limit - used, reset, reset}
 end
 
-return decide_batch(decide, 3)
+return decide_batch(decide, 3, 5)

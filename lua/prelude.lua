@@ -20,23 +20,85 @@ local function ttl_ms(us, explicit)
   return math.max(1, math.floor((us + 999) / 1000))
 end
 
--- The first value of a request's reply when its key could not be decided (a Redis error on
--- that key, e.g. WRONGTYPE: the key holds another gate's state): only that request fails,
--- not the batch. -2^53: exact in a double, and below every value a script returns.
-local KEY_ERROR = -9007199254740992
+-- The first value of a request's reply when its key could not be decided: only that request
+-- fails, not the batch, and the gate stays healthy. Both are below every value a script
+-- returns, and exact in a double.
+--   KEY_WRONGTYPE  the key holds a value of another type (another gate's state?)
+--   KEY_CORRUPT    the key holds a value of the right type that is not a state this script
+--                  can read (short, not a number, NaN, infinite, out of range)
+local KEY_WRONGTYPE = -9007199254740992
+local KEY_CORRUPT = -9007199254740991
 
--- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]),
--- which returns its 5 values; they come back flattened. A request whose key fails gets
--- {KEY_ERROR, 0, 0, 0, 0} (its reads fail before any write).
-local function decide_batch(decide, costs)
+-- Raised (as this very table) by a script that finds a key's value unreadable.
+local CORRUPT = {}
+local function corrupt()
+  error(CORRUPT)
+end
+
+-- Error codes with which the server refuses to run a command at all (memory, replication,
+-- loading, a busy script, cluster state): a failure of Redis, never of one key.
+local REFUSED = {'OOM', 'READONLY', 'NOREPLICAS', 'BUSY', 'LOADING', 'MASTERDOWN', 'TRYAGAIN',
+  'CLUSTERDOWN', 'MISCONF'}
+
+-- What an error `e` raised while deciding one request means: that key's own failure
+-- (returns its marker), or a failure of Redis (returns nil and the error text, to fail the
+-- whole call with, so the gate's failure policy applies).
+--   - our CORRUPT marker, or a Lua error on the key's data            -> KEY_CORRUPT
+--   - WRONGTYPE                                                       -> KEY_WRONGTYPE
+--   - an error reply of Redis (a table since Redis 7) or a text with
+--     one of the REFUSED codes (Redis 6 raises text)                  -> the whole call fails
+local function key_failure(e)
+  if e == CORRUPT then
+    return KEY_CORRUPT
+  end
+  local msg = type(e) == 'table' and tostring(e.err) or tostring(e)
+  if string.find(msg, 'WRONGTYPE', 1, true) then
+    return KEY_WRONGTYPE
+  end
+  if type(e) == 'table' then
+    return nil, msg
+  end
+  for _, code in ipairs(REFUSED) do
+    if string.find(msg, code, 1, true) then
+      return nil, msg
+    end
+  end
+  return KEY_CORRUPT
+end
+
+-- The error reply that fails a whole call with the server's error `msg`, keeping its code
+-- first (Redis 6 puts the script's position in front of it).
+local function refused(msg)
+  for _, code in ipairs(REFUSED) do
+    local at = string.find(msg, code, 1, true)
+    if at then
+      return redis.error_reply(string.sub(msg, at))
+    end
+  end
+  return redis.error_reply(msg)
+end
+
+-- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]).
+-- `width` 5: decide returns 5 values, which come back flattened, and a request whose key
+-- fails gets {marker, 0, 0, 0, 0}; `width` 1: decide returns one integer, and a failing key
+-- gets its marker. A failure of Redis itself fails the whole call (see key_failure).
+local function decide_batch(decide, costs, width)
   local out = {}
   for i, key in ipairs(KEYS) do
     local ok, r = pcall(decide, key, tonumber(ARGV[costs + i]))
     if not ok then
-      r = {KEY_ERROR, 0, 0, 0, 0}
+      local marker, msg = key_failure(r)
+      if not marker then
+        return refused(msg)
+      end
+      r = width == 1 and marker or {marker, 0, 0, 0, 0}
     end
-    for j = 1, 5 do
-      out[#out + 1] = r[j]
+    if width == 1 then
+      out[i] = r
+    else
+      for j = 1, 5 do
+        out[#out + 1] = r[j]
+      end
     end
   end
   return out

@@ -58,4 +58,4 @@ end
 return {0, limit, limit - total, retry, reset}
 end
 
-return decide_batch(decide, 3)
+return decide_batch(decide, 3, 5)

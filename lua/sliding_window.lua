@@ -98,4 +98,4 @@ end
 return {0, limit, remaining, retry, reset_after(current, previous)}
 end
 
-return decide_batch(decide, 3)
+return decide_batch(decide, 3, 5)

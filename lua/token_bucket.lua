@@ -15,8 +15,8 @@
 --
 -- Requests are decided in order, each exactly as if it were alone. Returns one integer per
 -- request: the bucket's fill after the request (used_after >= 0) if it is admitted, or
--- -1 - used (its fill before, < 0) if it is rejected, or KEY_ERROR if its key could not be
--- read; a rejected request writes nothing. The
+-- -1 - used (its fill before, < 0) if it is rejected, or KEY_WRONGTYPE / KEY_CORRUPT if its
+-- key could not be read; a rejected request writes nothing. The
 -- caller derives remaining, retry_after and reset_after from it (flowgate::gate::lua::
 -- token_bucket_reply): one number instead of five is cheaper for Redis to build and send.
 
@@ -36,11 +36,6 @@ local function decide(key, cost)
   return -1 - used
 end
 
--- A request whose key fails (e.g. WRONGTYPE) gets KEY_ERROR (lua/prelude.lua); the others
--- are decided as usual.
-local out = {}
-for i, key in ipairs(KEYS) do
-  local ok, r = pcall(decide, key, tonumber(ARGV[4 + i]))
-  out[i] = ok and r or KEY_ERROR
-end
-return out
+-- A request whose key fails gets its marker (lua/prelude.lua); the others are decided as
+-- usual; a failure of Redis fails the call.
+return decide_batch(decide, 4, 1)

@@ -11,7 +11,9 @@
 --
 -- If at least `min` tokens are there, takes min(max, available) of them, debited in Redis
 -- before any is used, so the instance that holds them can never over-admit. Otherwise takes
--- nothing. Returns {granted, limit, remaining, retry_after_us (for `min`), reset_after_us}.
+-- nothing. Returns {granted, limit, remaining, retry_after_us (for `min`), reset_after_us},
+-- or {KEY_WRONGTYPE | KEY_CORRUPT, 0, 0, 0, 0} when the key's value cannot be read
+-- (lua/prelude.lua); a failure of Redis itself (it refuses writes) fails the call.
 
 local count = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
@@ -21,7 +23,14 @@ local want_min = tonumber(ARGV[5])
 local want_max = tonumber(ARGV[6])
 
 local tau = burst * period
-local used, exp_us = bucket_read(KEYS[1], now, count)
+local ok, used, exp_us = pcall(bucket_read, KEYS[1], now, count)
+if not ok then
+  local marker, msg = key_failure(used)
+  if not marker then
+    return refused(msg)
+  end
+  return {marker, 0, 0, 0, 0}
+end
 
 local available = math.floor((tau - math.min(used, tau)) / period)
 if available < want_min then

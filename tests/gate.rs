@@ -887,7 +887,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
     let decisions = futures::future::join_all(keys.iter().map(|k| gate.acquire(k, 1))).await;
     for (k, d) in keys.iter().zip(&decisions) {
         match (k.as_str(), d) {
-            ("bad", Err(GateError::InvalidKey(why))) => assert!(why.contains("another type")),
+            ("bad", Err(GateError::UnreadableKey(why))) => assert!(why.contains("another type")),
             ("bad", other) => panic!("bad: {other:?}"),
             (_, Ok(d)) => assert!(d.allowed, "{k}"),
             (_, Err(e)) => panic!("{k} failed with the bad key's batch: {e}"),
@@ -903,7 +903,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
         .unwrap();
     assert!(matches!(
         leased.acquire("bad", 1).await,
-        Err(GateError::InvalidKey(_))
+        Err(GateError::UnreadableKey(_))
     ));
     assert!(!leased.is_degraded());
 }
@@ -1062,7 +1062,7 @@ async fn acquire_all_is_all_or_nothing() {
     ));
     assert!(matches!(
         gate.acquire_all(&[], 1).await,
-        Err(GateError::InvalidKey(_))
+        Err(GateError::NoLimits)
     ));
 }
 
@@ -1121,7 +1121,7 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     );
     assert!(matches!(
         gate.acquire_all(&[("a", q), ("b", q)], 1).await,
-        Err(GateError::InvalidKey(_))
+        Err(GateError::CrossSlot)
     ));
 
     // Every algorithm runs on the cluster with keys that carry no hash tag: the scripts

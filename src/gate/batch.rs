@@ -1,21 +1,23 @@
 //! Natural batching: concurrent decisions share one script call.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::PoisonError;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use std::time::{Duration, Instant};
-
 use redis::aio::ConnectionLike;
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::Decision;
+use crate::gate::backend::{Backend, CallError};
 use crate::gate::error::GateError;
 use crate::gate::scripts::LimitScript;
 use crate::gate::slot::slot;
-use crate::metrics::Histogram;
+use crate::metrics::{Counter, Histogram};
+use crate::sync::{Arc, Mutex};
 
 /// How many batch calls may be in flight at once.
 const MAX_IN_FLIGHT: usize = 4;
@@ -27,18 +29,102 @@ pub(crate) struct Request {
     /// When the caller's timeout ends: the driver answers by then. The caller's own timer,
     /// started a little later, is only the backstop for a driver that is not polled.
     pub(crate) deadline: Instant,
-    pub(crate) reply: oneshot::Sender<Result<Decision, GateError>>,
+    pub(crate) reply: oneshot::Sender<Result<Decision, CallError>>,
 }
 
-/// The gate's side of the batch driver: its queue, and the script calls in flight (the
-/// driver's and those callers make directly when nothing is in flight).
-#[derive(Debug)]
-pub(crate) struct Batcher {
-    pub(crate) queue: mpsc::UnboundedSender<Request>,
+/// The gate's side of the batch driver: its bounded queue, the script calls in flight (the
+/// driver's and those callers make directly when nothing is in flight), and what it takes to
+/// start the driver again when the runtime it ran on has shut down.
+pub(crate) struct Batcher<C> {
+    queue: Mutex<mpsc::Sender<Request>>,
     pub(crate) calls: Arc<AtomicUsize>,
+    driver: Driver<C>,
+    restarts: Counter,
 }
 
-impl Batcher {
+impl<C> std::fmt::Debug for Batcher<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("calls", &self.calls.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Batcher<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Start a driver for `driver` on the current runtime.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub(crate) fn start(driver: Driver<C>, restarts: Counter) -> Batcher<C> {
+        let queue = driver.spawn();
+        Batcher {
+            queue: Mutex::new(queue),
+            calls: driver.calls.clone(),
+            driver,
+            restarts,
+        }
+    }
+
+    /// Queue `request` for the next batch, waiting for room in the queue until its
+    /// deadline. A driver that stopped because its runtime shut down is started again on
+    /// the caller's runtime (counted, logged), and the request goes to it.
+    pub(crate) async fn submit(&self, request: Request) -> Result<(), CallError> {
+        let deadline = request.deadline;
+        let mut request = request;
+        for _ in 0..2 {
+            let queue = self
+                .queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            let back = match queue.try_send(request) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(r)) => {
+                    let wait = queue.reserve();
+                    match tokio::time::timeout_at(deadline.into(), wait).await {
+                        Ok(Ok(permit)) => {
+                            permit.send(r);
+                            return Ok(());
+                        }
+                        Ok(Err(_)) => r,
+                        // The queue stayed full for the whole timeout: Redis is too slow.
+                        Err(_) => {
+                            let backend = &self.driver.backend;
+                            return Err(backend.fail(GateError::Timeout(backend.timeout())));
+                        }
+                    }
+                }
+                Err(TrySendError::Closed(r)) => r,
+            };
+            request = back;
+            self.restart(&queue);
+        }
+        Err(CallError::Request(GateError::backend(
+            crate::gate::error::BackendMessage(
+                "the batch driver stopped twice in a row (its runtime shut down)".into(),
+            ),
+        )))
+    }
+
+    /// Start a new driver, unless another caller already replaced the stopped `queue`.
+    fn restart(&self, stopped: &mpsc::Sender<Request>) {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        if !queue.same_channel(stopped) {
+            return;
+        }
+        *queue = self.driver.spawn();
+        drop(queue);
+        self.restarts.increment(1);
+        tracing::warn!(
+            "the gate's batch driver stopped (the tokio runtime the gate was built on shut \
+             down): started it again on the caller's runtime"
+        );
+    }
+
     /// A claim on the connection for one direct call, if no call is in flight.
     pub(crate) fn idle_call(&self) -> Option<Call<'_>> {
         // Under load calls are in flight: a plain load then spares the shared line a write.
@@ -73,28 +159,50 @@ impl Drop for Call<'_> {
 /// gate handle ends the driver).
 pub(crate) struct Driver<C> {
     pub(crate) calls: Arc<AtomicUsize>,
-    pub(crate) conn: C,
+    pub(crate) backend: Arc<Backend<C>>,
     pub(crate) eval: LimitScript,
-    pub(crate) timeout: Duration,
     pub(crate) max_batch: usize,
     pub(crate) batch_size: Histogram,
     /// Redis Cluster: one script call per hash slot of the batch.
     pub(crate) cluster: bool,
 }
 
+impl<C> Clone for Driver<C> {
+    fn clone(&self) -> Self {
+        Driver {
+            calls: self.calls.clone(),
+            backend: self.backend.clone(),
+            eval: self.eval.clone(),
+            max_batch: self.max_batch,
+            batch_size: self.batch_size.clone(),
+            cluster: self.cluster,
+        }
+    }
+}
+
 impl<C> Driver<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    /// Start a copy of this driver on the current runtime; returns its queue, which holds
+    /// up to [`MAX_IN_FLIGHT`] batches.
+    fn spawn(&self) -> mpsc::Sender<Request> {
+        let (tx, rx) = mpsc::channel(self.max_batch.saturating_mul(MAX_IN_FLIGHT).max(1));
+        tokio::spawn(self.clone().run(rx));
+        tx
+    }
+
     /// Decide `batch` in one script call and answer every request.
-    async fn call(&self, conn: &mut C, batch: Vec<Request>) {
+    async fn call(&self, batch: Vec<Request>) {
         // A request whose deadline passed while it was queued times out now. The call gets
         // the time the last of the others has left: each caller's own timer bounds its wait,
         // so one that joined late is not failed by the deadline of one that came early.
         let now = Instant::now();
         let mut batch = batch;
         for r in batch.extract_if(.., |r| r.deadline <= now) {
-            let _ = r.reply.send(Err(GateError::Timeout(self.timeout)));
+            let _ = r.reply.send(Err(self
+                .backend
+                .fail(GateError::Timeout(self.backend.timeout()))));
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
@@ -102,12 +210,12 @@ where
         let requests = batch.iter().map(|r| (r.key.as_str(), r.cost));
         let decided = self
             .eval
-            .decide(conn, requests, deadline - now, self.timeout)
+            .decide(&self.backend, requests, deadline - now)
             .await;
         match decided {
             Ok(decisions) => {
                 for (r, decision) in batch.into_iter().zip(decisions) {
-                    let _ = r.reply.send(decision);
+                    let _ = r.reply.send(decision.map_err(CallError::Request));
                 }
             }
             Err(error) => {
@@ -121,7 +229,7 @@ where
     /// Take whatever is queued (up to `max_batch`), decide it in one script call, answer
     /// everyone, repeat. While a call is in flight the next batch fills: no added latency
     /// at low load, large batches at high load.
-    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Request>) {
+    pub(crate) async fn run(self, mut rx: mpsc::Receiver<Request>) {
         // Up to MAX_IN_FLIGHT calls overlap (pipelined on the connection), so the client's
         // work on one batch overlaps Redis's work on another.
         let mut in_flight = FuturesUnordered::new();
@@ -159,14 +267,10 @@ where
             for r in batch.drain(..) {
                 groups.entry(slot(r.key.as_bytes())).or_default().push(r);
             }
-            let calls = groups.into_values().map(|group| {
-                let mut conn = self.conn.clone();
-                async move { self.call(&mut conn, group).await }
-            });
+            let calls = groups.into_values().map(|group| self.call(group));
             futures::future::join_all(calls).await;
         } else {
-            let mut conn = self.conn.clone();
-            self.call(&mut conn, batch).await;
+            self.call(batch).await;
         }
     }
 }

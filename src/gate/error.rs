@@ -23,6 +23,33 @@ pub enum GateError {
     ZeroCost,
     /// The key is empty or too long.
     InvalidKey(&'static str),
+    /// Redis holds a value under this key that the gate cannot decide on: a value of another
+    /// type (`WRONGTYPE`: the key is shared with a gate of another algorithm), or one that is
+    /// not a state the gate's script can read (written by something else, or corrupt). Only
+    /// the requests on this key fail; the gate stays healthy.
+    UnreadableKey(&'static str),
+    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) was given no limits.
+    NoLimits,
+    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) was given more limits than it
+    /// decides in one call.
+    TooManyLimits {
+        /// How many were given.
+        given: usize,
+        /// The most one call takes.
+        max: usize,
+    },
+    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) listed one key with two
+    /// different quotas: one bucket cannot be measured in two units.
+    ConflictingQuotas {
+        /// The key listed twice.
+        key: String,
+    },
+    /// A quota given with the request cannot be enforced by this gate (on Redis: a period
+    /// that is not whole microseconds, or numbers too large to compute exactly).
+    InvalidQuota(crate::ConfigError),
+    /// On Redis Cluster, the keys of one all-or-nothing call do not share a hash slot; give
+    /// them the same `{hash tag}`.
+    CrossSlot,
     /// The in-memory gate holds its maximum number of keys and none is idle yet.
     KeyspaceFull {
         /// The configured maximum.
@@ -60,6 +87,20 @@ impl fmt::Display for GateError {
             ),
             GateError::ZeroCost => f.write_str("cost must be at least 1"),
             GateError::InvalidKey(why) => write!(f, "invalid key: {why}"),
+            GateError::UnreadableKey(why) => write!(f, "redis cannot decide this key: {why}"),
+            GateError::NoLimits => f.write_str("no limits given: acquire_all needs at least one"),
+            GateError::TooManyLimits { given, max } => {
+                write!(f, "{given} limits given where one call takes at most {max}")
+            }
+            GateError::ConflictingQuotas { key } => write!(
+                f,
+                "key {key:?} is listed with two different quotas: one bucket has one quota"
+            ),
+            GateError::InvalidQuota(e) => write!(f, "the quota cannot be enforced: {e}"),
+            GateError::CrossSlot => f.write_str(
+                "on redis cluster the keys of one all-or-nothing call must share a hash slot: \
+                 give them the same {hash tag}",
+            ),
             GateError::KeyspaceFull { max_keys } => write!(
                 f,
                 "all {max_keys} keys are in use and none is idle yet: new keys are refused"
@@ -74,6 +115,7 @@ impl std::error::Error for GateError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             GateError::Backend(e) => Some(&**e),
+            GateError::InvalidQuota(e) => Some(e),
             _ => None,
         }
     }

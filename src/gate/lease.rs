@@ -7,35 +7,58 @@ use std::time::{Duration, Instant};
 use crate::decision::Decision;
 use crate::sync::Mutex;
 
+/// One lease call's tokens for a key.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    tokens: u32,
+    /// When the tokens may no longer be spent.
+    expires: Instant,
+    /// When the bucket in Redis is full again, as Redis said when it granted them (spending
+    /// them here does not change it: they are already debited there).
+    full_at: Instant,
+}
+
 /// The tokens leased for one key: one part per lease call (concurrent calls each take one),
 /// oldest first, each with its own expiry.
 #[derive(Debug, Clone)]
 struct Lease {
-    parts: VecDeque<(u32, Instant)>,
+    parts: VecDeque<Part>,
     limit: u64,
 }
 
 impl Lease {
     /// Forget expired parts; the tokens left.
     fn live(&mut self, now: Instant) -> u64 {
-        self.parts.retain(|&(_, expires)| now < expires);
-        self.parts.iter().map(|&(n, _)| u64::from(n)).sum()
+        self.parts.retain(|p| now < p.expires);
+        self.parts.iter().map(|p| u64::from(p.tokens)).sum()
     }
 
     /// Take `cost` (known to be there), oldest tokens first.
     fn take(&mut self, mut cost: u32) {
         while cost > 0 {
-            let Some((n, _)) = self.parts.front_mut() else {
+            let Some(part) = self.parts.front_mut() else {
                 return;
             };
-            let used = cost.min(*n);
-            *n -= used;
+            let used = cost.min(part.tokens);
+            part.tokens -= used;
             cost -= used;
-            if *n == 0 {
+            if part.tokens == 0 {
                 self.parts.pop_front();
             }
         }
     }
+
+    /// When the bucket in Redis is full again, as far as this instance knows.
+    fn full_at(&self) -> Option<Instant> {
+        self.parts.iter().map(|p| p.full_at).max()
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    leases: HashMap<String, Lease>,
+    /// Lease calls in flight for keys without a lease: each holds a place in the map.
+    reserved: usize,
 }
 
 /// Tokens already debited in Redis, per key, waiting to be spent here.
@@ -45,61 +68,119 @@ impl Lease {
 /// and tokens not spent before the lease expires are lost (at most `size − 1` per key per
 /// instance and lease call in flight for it at any moment, and at most that many per `ttl`
 /// lost).
+///
+/// Bounded: keys holding a lease plus lease calls in flight never exceed `capacity`. A call
+/// that finds the map full (after forgetting expired leases) takes no lease: it is decided
+/// alone, for its own cost — so a full map never throws away tokens already debited in
+/// Redis.
 #[derive(Debug)]
 pub(crate) struct Leases {
-    leases: Mutex<HashMap<String, Lease>>,
+    state: Mutex<State>,
     pub(crate) size: u32,
     pub(crate) ttl: Duration,
     capacity: usize,
 }
 
+/// A place in the lease map held for one lease call; given back when dropped (a call that
+/// failed or was cancelled) or when its lease is kept.
+#[derive(Debug)]
+pub(crate) struct Place<'a> {
+    /// `None` once given back.
+    leases: Option<&'a Leases>,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if let Some(leases) = self.leases.take() {
+            leases.lock().reserved -= 1;
+        }
+    }
+}
+
 impl Leases {
     pub(crate) fn new(size: u32, ttl: Duration, capacity: usize) -> Leases {
         Leases {
-            leases: Mutex::new(HashMap::new()),
+            state: Mutex::new(State::default()),
             size,
             ttl,
             capacity,
         }
     }
 
+    fn lock(&self) -> crate::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keys holding a lease now (expired ones included until they are next looked at).
+    pub(crate) fn len(&self) -> usize {
+        self.lock().leases.len()
+    }
+
     /// Spend `cost` from the lease of `key`, if it holds enough unexpired tokens.
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
-        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
-        let lease = leases.get_mut(key)?;
+        let mut state = self.lock();
+        let lease = state.leases.get_mut(key)?;
         let held = lease.live(now);
         if held < u64::from(cost) {
             if held == 0 {
-                leases.remove(key);
+                state.leases.remove(key);
             }
             return None;
         }
         lease.take(cost);
         let (left, limit) = (held - u64::from(cost), lease.limit);
+        let reset_after = lease
+            .full_at()
+            .map_or(Duration::ZERO, |at| at.saturating_duration_since(now));
         if left == 0 {
-            leases.remove(key);
+            state.leases.remove(key);
         }
-        Some(Decision::allow(limit, left, Duration::ZERO))
+        Some(Decision::allow(limit, left, reset_after))
     }
 
-    /// Keep `tokens` granted for `key` at `now`, until `now + ttl`. Leases taken by
-    /// concurrent calls add up, each keeping its own expiry: none replaces another.
-    pub(crate) fn keep(&self, key: &str, tokens: u32, limit: u64, now: Instant) {
+    /// A place for one lease call, or `None` when the map is full: then take no lease.
+    /// Every call holds one (whether or not its key has a lease), so keys with a lease plus
+    /// calls in flight never exceed the capacity.
+    pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
+        let mut state = self.lock();
+        if state.leases.len() + state.reserved >= self.capacity {
+            state.leases.retain(|_, l| l.live(now) > 0);
+            if state.leases.len() + state.reserved >= self.capacity {
+                return None;
+            }
+        }
+        state.reserved += 1;
+        Some(Place { leases: Some(self) })
+    }
+
+    /// Keep `tokens` granted for `key` at `now` in the place taken for it, until
+    /// `now + ttl`; the bucket in Redis is full again `reset_after` after `now`. Leases taken
+    /// by concurrent calls add up, each keeping its own expiry: none replaces another.
+    pub(crate) fn keep(
+        &self,
+        mut place: Place<'_>,
+        key: &str,
+        tokens: u32,
+        limit: u64,
+        now: Instant,
+        reset_after: Duration,
+    ) {
         if tokens == 0 {
             return;
         }
-        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
-        if leases.len() >= self.capacity && !leases.contains_key(key) {
-            leases.retain(|_, l| l.live(now) > 0);
-            if leases.len() >= self.capacity {
-                return;
-            }
-        }
-        let lease = leases.entry(key.to_owned()).or_insert_with(|| Lease {
+        let mut state = self.lock();
+        // The place becomes the key's entry (or goes, if the key has one already).
+        state.reserved -= 1;
+        place.leases = None;
+        let lease = state.leases.entry(key.to_owned()).or_insert_with(|| Lease {
             parts: VecDeque::new(),
             limit,
         });
         lease.limit = limit;
-        lease.parts.push_back((tokens, now + self.ttl));
+        lease.parts.push_back(Part {
+            tokens,
+            expires: now + self.ttl,
+            full_at: now + reset_after,
+        });
     }
 }

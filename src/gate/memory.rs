@@ -13,7 +13,9 @@ use crate::error::ConfigError;
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
+use crate::gate::multi::{MAX_QUOTAS, MemoryBuckets, Merged};
 use crate::limit::{FixedWindow, Keyed, SlidingLog, SlidingWindow, TokenBucket};
+use crate::rate::Quota;
 use crate::sync::{Arc, Mutex};
 
 const SHARDS: usize = 16;
@@ -71,6 +73,8 @@ struct Inner {
     hasher: RandomState,
     epoch: Instant,
     max_keys: usize,
+    /// The buckets of [`MemoryGate::acquire_all`].
+    multi: Mutex<MemoryBuckets>,
 }
 
 /// The embedded gate: per-key limits in this process, in bounded memory.
@@ -132,6 +136,7 @@ impl MemoryGate {
                 hasher: RandomState::new(),
                 epoch: Instant::now(),
                 max_keys: per_shard * SHARDS,
+                multi: Mutex::new(MemoryBuckets::default()),
             }),
         })
     }
@@ -166,6 +171,61 @@ impl MemoryGate {
             },
             e => e,
         })
+    }
+
+    /// All-or-nothing across several token buckets, in this process: admitted only if every
+    /// `(key, quota)` bucket has room for `cost`, and then charged on all of them; otherwise
+    /// nothing is charged anywhere (layered throttling: IP + user + tenant). The same
+    /// semantics as [`RedisGate::acquire_all`](crate::gate::RedisGate::acquire_all), which
+    /// falls back to this under [`FailurePolicy::Fallback`](crate::gate::FailurePolicy).
+    ///
+    /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
+    /// the limits that blocked have a non-zero `retry_after`. A key listed `n` times is one
+    /// bucket charged `n × cost`. These buckets are apart from the gate's own limit (a key
+    /// here and in [`check`](MemoryGate::check) are two buckets); they hold at most
+    /// [`max_keys`](MemoryGate::max_keys) keys over at most 16 distinct quotas, idle ones
+    /// evicted when room is needed.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::NoLimits`], [`GateError::TooManyLimits`] (more than 32),
+    /// [`GateError::ZeroCost`], [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`]
+    /// (one key with two quotas), [`GateError::InsufficientCapacity`] (a key's total cost
+    /// above its burst), [`GateError::KeyspaceFull`]; nothing is charged on an error.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::gate::{Limit, MemoryGate};
+    /// use flowgate::Quota;
+    ///
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?))?;
+    /// let ip = Quota::per_second(2)?;
+    /// let user = Quota::per_second(1)?;
+    /// let limits = [("ip:10.0.0.1", ip), ("user:7", user)];
+    /// assert!(gate.acquire_all(&limits, 1)?[0].allowed);
+    /// // The user's bucket is empty: nothing is charged, not even the IP's.
+    /// let d = gate.acquire_all(&limits, 1)?;
+    /// assert!(!d[0].allowed && !d[1].allowed);
+    /// assert_eq!(d[0].remaining, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn acquire_all(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Result<Vec<Decision>, GateError> {
+        let request = Merged::new(limits, cost)?;
+        self.acquire_merged(&request)
+    }
+
+    pub(crate) fn acquire_merged(&self, request: &Merged<'_>) -> Result<Vec<Decision>, GateError> {
+        let now = self.now();
+        self.inner
+            .multi
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .acquire_all(request, now, self.inner.max_keys.div_ceil(MAX_QUOTAS))
     }
 
     /// Keys held now.

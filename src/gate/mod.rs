@@ -16,6 +16,8 @@
 
 mod api;
 #[cfg(feature = "redis")]
+mod backend;
+#[cfg(feature = "redis")]
 mod batch;
 mod error;
 mod gated;
@@ -23,6 +25,9 @@ mod gated;
 mod lease;
 mod limit;
 mod memory;
+mod multi;
+#[cfg(feature = "redis")]
+mod redis_all;
 #[cfg(feature = "redis")]
 mod redis_gate;
 #[cfg(feature = "redis")]

@@ -1,30 +1,27 @@
 //! `RedisGate`: one limit across a fleet, decided atomically in Redis.
 
 use std::fmt;
-use std::sync::PoisonError;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 // Real time, not tokio's (pausable) clock: the cache, leases and probes follow Redis, whose
 // clock never pauses.
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
+use crate::gate::backend::{Backend, CallError, key_failure};
 use crate::gate::batch::{Batcher, Driver, Request};
-use crate::gate::error::{BackendMessage, GateError, check_key};
+use crate::gate::error::{GateError, check_key};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
 use crate::gate::scripts::{LimitScript, decision_from};
-use crate::gate::slot::slot;
-use crate::metrics::{Counter, Gauge, Histogram, Labels};
-use crate::rate::Quota;
-use crate::sync::{Arc, Mutex};
+use crate::metrics::{Counter, Labels};
+use crate::sync::Arc;
 
 /// What a [`RedisGate`] does when Redis fails or does not answer within the timeout.
 #[derive(Debug, Clone, Default)]
@@ -43,7 +40,7 @@ pub enum FailurePolicy {
 }
 
 impl FailurePolicy {
-    fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             FailurePolicy::Error => "error",
             FailurePolicy::Open => "open",
@@ -53,57 +50,36 @@ impl FailurePolicy {
     }
 }
 
-/// Names of the gate metrics.
+/// Names of the gate metrics (the backend's are in `backend::names`).
 pub(crate) mod names {
     pub(crate) const DECISIONS: &str = "flowgate_gate_decisions_total";
-    pub(crate) const LATENCY: &str = "flowgate_gate_redis_seconds";
-    pub(crate) const FAILURES: &str = "flowgate_gate_failures_total";
-    pub(crate) const DEGRADED: &str = "flowgate_gate_degraded";
-    pub(crate) const TRANSITIONS: &str = "flowgate_gate_transitions_total";
     pub(crate) const BATCH_SIZE: &str = "flowgate_gate_batch_size";
+    pub(crate) const DRIVER_RESTARTS: &str = "flowgate_gate_driver_restarts_total";
 }
 
-struct Metrics {
-    cached: Counter,
-    allowed: Counter,
-    rejected: Counter,
-    by_policy: Counter,
-    latency: Histogram,
-    failures: Counter,
-    degraded: Gauge,
-    to_degraded: Counter,
-    to_healthy: Counter,
+pub(super) struct Metrics {
+    pub(super) cached: Counter,
+    pub(super) allowed: Counter,
+    pub(super) rejected: Counter,
+    pub(super) by_policy: Counter,
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Health {
-    Healthy,
-    /// Redis failed; the next call to Redis is a probe, at or after this instant.
-    Degraded {
-        next_probe: Instant,
-    },
-}
-
-struct Inner<C> {
-    conn: C,
+pub(super) struct Inner<C> {
+    /// Every call to Redis goes through it.
+    pub(super) backend: Arc<Backend<C>>,
     /// The batch driver's queue; `None` when batching is off.
-    batcher: Option<Batcher>,
-    cache: RejectCache,
+    batcher: Option<Batcher<C>>,
+    pub(super) cache: RejectCache,
     /// The limit and its script.
-    eval: LimitScript,
-    all_script: redis::Script,
-    cluster: bool,
+    pub(super) eval: LimitScript,
+    pub(super) all_script: redis::Script,
+    pub(super) cluster: bool,
     leases: Option<Leases>,
     lease_script: redis::Script,
     prefix: String,
-    timeout: Duration,
-    policy: FailurePolicy,
-    probe_interval: Duration,
-    health: Mutex<Health>,
-    /// Whether `health` is `Degraded`: lets the healthy path skip the lock.
-    degraded: AtomicBool,
+    pub(super) policy: FailurePolicy,
     name: Option<String>,
-    metrics: Metrics,
+    pub(super) metrics: Metrics,
 }
 
 /// One limit across every instance of a service, decided by one atomic Lua script per
@@ -134,7 +110,21 @@ struct Inner<C> {
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
-///   by itself when a probe succeeds. Transitions are logged (`tracing`) and counted.
+///   by itself when a probe succeeds. Transitions are logged (`tracing`) and counted. Every
+///   path (`check`, batches, leases, [`acquire_all`](RedisGate::acquire_all)) calls Redis
+///   through one backend, so a failure means the same everywhere:
+///
+///   | what Redis answers | what the caller gets |
+///   |---|---|
+///   | no answer within `timeout`; a transport error | Redis failure: the policy decides, the gate degrades and probes |
+///   | `OOM`, `READONLY`, `NOREPLICAS`, `BUSY`, `LOADING`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, `MISCONF` (it refuses writes or is not serving) | Redis failure, as above |
+///   | any other error (a script error, `CROSSSLOT`, a reply of the wrong shape) | Redis failure, as above |
+///   | `WRONGTYPE` on one key, or a value that is not a state the script can read (short, not numbers, NaN, infinite, out of range) | [`GateError::UnreadableKey`] for the requests on that key only; the gate stays healthy |
+/// - **Runtime**: batches are sent by a task spawned on the runtime that built the gate. If
+///   that runtime shuts down while the gate lives on, the next caller starts the task again
+///   on its own runtime (logged, counted in `flowgate_gate_driver_restarts_total`); the
+///   connection must still be usable there (a `ConnectionManager` reconnects, a
+///   `MultiplexedConnection` made on the dead runtime fails like a dead Redis).
 ///
 /// Works over any redis-rs async connection that is `Clone`: `MultiplexedConnection`, or
 /// `ConnectionManager` (which reconnects by itself: use it in production).
@@ -143,10 +133,11 @@ struct Inner<C> {
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
 /// `cached`, `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
-/// `flowgate_gate_failures_total`, `flowgate_gate_degraded` (1 while degraded),
-/// `flowgate_gate_transitions_total` by `to`.
+/// `flowgate_gate_failures_total` (failed calls to Redis: one per failed batch),
+/// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`,
+/// `flowgate_gate_driver_restarts_total`.
 pub struct RedisGate<C> {
-    inner: Arc<Inner<C>>,
+    pub(super) inner: Arc<Inner<C>>,
 }
 
 impl<C> Clone for RedisGate<C> {
@@ -163,8 +154,9 @@ impl<C> fmt::Debug for RedisGate<C> {
             .field("name", &self.inner.name)
             .field("limit", &self.inner.eval.limit)
             .field("prefix", &self.inner.prefix)
-            .field("timeout", &self.inner.timeout)
+            .field("timeout", &self.inner.backend.timeout())
             .field("policy", &self.inner.policy.as_str())
+            .field("degraded", &self.inner.backend.is_degraded())
             .finish_non_exhaustive()
     }
 }
@@ -179,6 +171,7 @@ pub struct RedisGateBuilder<C> {
     cluster: bool,
     lease: u32,
     lease_ttl: Duration,
+    lease_keys: usize,
     prefix: String,
     timeout: Duration,
     policy: FailurePolicy,
@@ -190,7 +183,8 @@ impl<C> RedisGateBuilder<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// The prefix of every key (default `"flowgate:"`).
+    /// The prefix of every key (default `"flowgate:"`), for [`check`](RedisGate::check) and
+    /// [`acquire_all`](RedisGate::acquire_all) alike.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -224,7 +218,9 @@ where
 
     /// The most decisions sent in one script call (default 128). Concurrent decisions are
     /// batched naturally: while one call is in flight the next batch fills, so there is no
-    /// added latency at low load. `1` turns batching off (one call per decision).
+    /// added latency at low load. `1` turns batching off (one call per decision). The queue
+    /// in front of the batches holds 4 batches; a caller that finds it full waits for room
+    /// within its timeout.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
         self
@@ -247,16 +243,25 @@ where
     ///
     /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key (per
     /// lease call in flight for it: concurrent calls' leases add up) that no other instance
-    /// can use, and tokens unused after `lease_ttl` are lost. Decisions
-    /// served from a lease report the lease's remaining tokens. `0` or `1` turns leases off.
+    /// can use, and tokens unused after `lease_ttl` are lost. Decisions served from a lease
+    /// report the lease's remaining tokens and when the bucket in Redis is full again. `0` or
+    /// `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;
         self
     }
 
-    /// How long leased tokens may be spent locally (default 1 s).
+    /// How long leased tokens may be spent locally (default 1 s; must not be zero).
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = crate::time::capped(ttl);
+        self
+    }
+
+    /// How many keys may hold a lease at once, lease calls in flight included (default
+    /// 10 000). A call that finds the map full takes no lease: it is decided by Redis for
+    /// its own cost alone, so no token already debited in Redis is ever thrown away.
+    pub fn lease_keys(mut self, keys: usize) -> Self {
+        self.lease_keys = keys;
         self
     }
 
@@ -266,14 +271,21 @@ where
         self
     }
 
-    /// Build the gate and try to load its script (a failure to load is not an error: the
-    /// script is sent again with the first decision).
+    /// Build the gate, start its batch driver on the current runtime, and try to load its
+    /// script (a failure to load is not an error: the script is sent again with the first
+    /// decision).
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `gate.limit` when the limit cannot be computed exactly in Redis
-    /// (a period that is not whole microseconds, or numbers too large), on `gate.timeout` or
-    /// `gate.probe_interval` when zero.
+    /// (a period that is not whole microseconds, or numbers too large); on `gate.timeout`,
+    /// `gate.probe_interval`, `gate.batch_size`, `gate.lease_ttl` or `gate.lease_keys` when
+    /// zero (the last two only with leases on); on `gate.lease` when leases are asked of a
+    /// limit that is not a token bucket.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime (it spawns the batch driver).
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
         let eval = LimitScript::new(self.limit)?;
         if self.timeout.is_zero() {
@@ -287,11 +299,15 @@ where
         }
         let leases = match (self.lease > 1, &self.limit) {
             (false, _) => None,
-            (true, Limit::TokenBucket(_)) => Some(Leases::new(
-                self.lease,
-                self.lease_ttl,
-                self.reject_cache.max(1_000),
-            )),
+            (true, Limit::TokenBucket(_)) => {
+                if self.lease_ttl.is_zero() {
+                    return Err(ConfigError::zero("gate.lease_ttl"));
+                }
+                if self.lease_keys == 0 {
+                    return Err(ConfigError::zero("gate.lease_keys"));
+                }
+                Some(Leases::new(self.lease, self.lease_ttl, self.lease_keys))
+            }
             (true, _) => {
                 return Err(ConfigError::new(
                     "gate.lease",
@@ -308,25 +324,28 @@ where
         .await;
         let labels = Labels::new(self.name.as_deref());
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
-        let transitions = |to| labels.counter(names::TRANSITIONS, &[("to", to)]);
+        let backend = Arc::new(Backend::new(
+            self.conn,
+            self.timeout,
+            self.probe_interval,
+            self.name.clone(),
+            self.policy.as_str(),
+            &labels,
+        ));
         let batcher = (self.batch_size > 1).then(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let calls = Arc::new(AtomicUsize::new(0));
             let driver = Driver {
-                calls: calls.clone(),
-                conn: self.conn.clone(),
+                calls: Default::default(),
+                backend: backend.clone(),
                 eval: eval.clone(),
-                timeout: self.timeout,
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
                 cluster: self.cluster,
             };
-            tokio::spawn(driver.run(rx));
-            Batcher { queue: tx, calls }
+            Batcher::start(driver, labels.counter(names::DRIVER_RESTARTS, &[]))
         });
         Ok(RedisGate {
             inner: Arc::new(Inner {
-                conn: self.conn,
+                backend,
                 batcher,
                 cache: RejectCache::new(self.reject_cache),
                 eval,
@@ -335,21 +354,12 @@ where
                 leases,
                 lease_script: redis::Script::new(scripts::TOKEN_BUCKET_LEASE),
                 prefix: self.prefix,
-                timeout: self.timeout,
                 policy: self.policy,
-                probe_interval: self.probe_interval,
-                health: Mutex::new(Health::Healthy),
-                degraded: AtomicBool::new(false),
                 metrics: Metrics {
                     cached: decisions("cached"),
                     allowed: decisions("allowed"),
                     rejected: decisions("rejected"),
                     by_policy: decisions("policy"),
-                    latency: labels.histogram(names::LATENCY, &[]),
-                    failures: labels.counter(names::FAILURES, &[]),
-                    degraded: labels.gauge(names::DEGRADED, &[]),
-                    to_degraded: transitions("degraded"),
-                    to_healthy: transitions("healthy"),
                 },
                 name: self.name,
             }),
@@ -371,6 +381,7 @@ where
             cluster: false,
             lease: 0,
             lease_ttl: Duration::from_secs(1),
+            lease_keys: 10_000,
             prefix: "flowgate:".into(),
             timeout: Duration::from_millis(50),
             policy: FailurePolicy::Error,
@@ -381,14 +392,7 @@ where
 
     /// Whether the gate is currently deciding by its failure policy.
     pub fn is_degraded(&self) -> bool {
-        matches!(
-            *self
-                .inner
-                .health
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-            Health::Degraded { .. }
-        )
+        self.inner.backend.is_degraded()
     }
 
     /// The Redis key a gate key is stored under.
@@ -405,10 +409,16 @@ where
     /// # Errors
     ///
     /// [`GateError::InsufficientCapacity`], [`GateError::ZeroCost`],
-    /// [`GateError::InvalidKey`] for bad requests (Redis is not called) and for a key that
-    /// holds a value of another type in Redis (only that request fails, the gate does not
-    /// degrade); under
-    /// [`FailurePolicy::Error`], [`GateError::Backend`] and [`GateError::Timeout`].
+    /// [`GateError::InvalidKey`] for bad requests (Redis is not called);
+    /// [`GateError::UnreadableKey`] for a key whose value in Redis the gate cannot read (only
+    /// that request fails, the gate does not degrade); under [`FailurePolicy::Error`],
+    /// [`GateError::Backend`] and [`GateError::Timeout`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before its request is sent charges nothing; after, the request
+    /// may still be charged in Redis (never over-admission). A lease taken by a dropped call
+    /// is lost (under-admission only).
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         check_key(key)?;
         self.inner.eval.limit.check_cost(cost)?;
@@ -424,252 +434,121 @@ where
             inner.metrics.cached.increment(1);
             return Ok(decision);
         }
-        if let Err(until_probe) = self.may_call(now) {
-            return self.by_policy(key, cost, until_probe, None);
-        }
-        let reply = match &inner.leases {
-            Some(leases) => self.decide_lease(leases, key, cost, now).await,
-            None => self.decide(key, cost, now).await,
+        let reply = match inner.backend.admit(now) {
+            Err(e) => Err(e),
+            Ok(()) => match &inner.leases {
+                Some(leases) => self.decide_lease(leases, key, cost, now).await,
+                None => self.decide(key, cost, now).await,
+            },
         };
-        let error = match reply {
+        match reply {
             Ok(decision) => {
-                self.healthy();
                 if decision.allowed {
                     inner.metrics.allowed.increment(1);
                 } else {
                     inner.metrics.rejected.increment(1);
                     inner.cache.rejected(key, cost, now, &decision);
                 }
-                return Ok(decision);
+                Ok(decision)
             }
-            Err(e) => e,
-        };
-        let (until_probe, error) = self.failed(error)?;
-        self.by_policy(key, cost, until_probe, Some(error))
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                self.by_policy(key, cost, until_probe, error)
+            }
+        }
     }
 
-    /// Whether this call may go to Redis: always while healthy; while degraded, one call per
-    /// probe interval (the probe) — the others get `Err(time until the next probe)` and use
-    /// the failure policy meanwhile.
-    fn may_call(&self, now: Instant) -> Result<(), Duration> {
+    /// One decision in a script call of its own, bounded by what is left of the timeout.
+    async fn call_one(
+        &self,
+        key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Result<Decision, CallError> {
         let inner = &*self.inner;
-        if !inner.degraded.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let mut health = inner.health.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Health::Degraded { next_probe } = *health {
-            if now < next_probe {
-                return Err(next_probe - now);
-            }
-            // This call is the probe; others keep using the policy meanwhile.
-            *health = Health::Degraded {
-                next_probe: now + inner.probe_interval,
-            };
-        }
-        Ok(())
-    }
-
-    /// One decision in a script call of its own, bounded by the timeout.
-    async fn call_one(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
-        let inner = &*self.inner;
-        let mut conn = inner.conn.clone();
         let key = self.redis_key(key);
         let requests = std::iter::once((key.as_str(), cost));
-        let mut decided = inner
-            .eval
-            .decide(&mut conn, requests, inner.timeout, inner.timeout)
-            .await?;
-        decided.pop().expect("one decision per request")
+        let within = inner.backend.timeout().saturating_sub(started.elapsed());
+        let mut decided = inner.eval.decide(&inner.backend, requests, within).await?;
+        decided
+            .pop()
+            .expect("one decision per request")
+            .map_err(CallError::Request)
     }
 
     /// One decision from Redis, batched or alone, bounded by the timeout from `started`.
-    async fn decide(&self, key: &str, cost: u32, started: Instant) -> Result<Decision, GateError> {
+    async fn decide(&self, key: &str, cost: u32, started: Instant) -> Result<Decision, CallError> {
         let inner = &*self.inner;
-        let result = match inner.batcher.as_ref().map(|b| (b, b.idle_call())) {
-            // Calls in flight: join the next batch.
-            Some((batcher, None)) => {
-                let (reply, answer) = oneshot::channel();
-                let deadline = started + inner.timeout;
-                let request = Request {
-                    key: self.redis_key(key),
-                    cost,
-                    deadline,
-                    reply,
-                };
-                if batcher.queue.send(request).is_err() {
-                    return Err(GateError::backend(BackendMessage(
-                        "the batch driver stopped (its runtime shut down)".into(),
-                    )));
-                }
-                // The driver answers by the deadline (its call's timeout ends there); the
-                // timer here is the backstop for a driver whose runtime is not being driven.
-                match tokio::time::timeout(inner.timeout, answer).await {
-                    Ok(Ok(result)) => result,
-                    Ok(Err(_)) => Err(GateError::backend(BackendMessage(
-                        "the batch driver dropped the request".into(),
-                    ))),
-                    Err(_) => Err(GateError::Timeout(inner.timeout)),
-                }
-            }
+        let batcher = match inner.batcher.as_ref() {
             // Nothing in flight: call Redis from here, without the hop through the driver
             // (no added latency at low load); callers arriving meanwhile batch behind it.
-            Some((_, Some(_call))) => self.call_one(key, cost).await,
-            None => self.call_one(key, cost).await,
+            Some(batcher) => match batcher.idle_call() {
+                Some(_call) => return self.call_one(key, cost, started).await,
+                None => batcher,
+            },
+            None => return self.call_one(key, cost, started).await,
         };
-        inner
-            .metrics
-            .latency
-            .record(started.elapsed().as_secs_f64());
-        result
-    }
-
-    /// All-or-nothing across several limits in one atomic script: admitted only if every
-    /// `(key, quota)` token bucket has room for `cost`, and then charged on all of them;
-    /// otherwise nothing is charged anywhere (layered throttling: IP + user + tenant).
-    /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
-    /// the limits that blocked have a non-zero `retry_after`.
-    ///
-    /// Not batched, not cached; the gate's own limit and prefix are not used (keys are taken
-    /// as given). On Redis Cluster the keys must share a hash slot: use a hash tag, e.g.
-    /// `{tenant-42}:ip:10.0.0.1` and `{tenant-42}:user:7`.
-    ///
-    /// # Errors
-    ///
-    /// [`GateError::InvalidKey`], [`GateError::ZeroCost`], [`GateError::InsufficientCapacity`]
-    /// (cost above some burst) before Redis is called; [`GateError::Backend`] /
-    /// [`GateError::Timeout`] (the failure policy applies: `Open` admits, `Closed` rejects,
-    /// `Error` and `Fallback` return the error); a CROSSSLOT error from a cluster is a
-    /// `Backend` error.
-    pub async fn acquire_all(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-    ) -> Result<Vec<Decision>, GateError> {
-        if limits.is_empty() {
-            return Err(GateError::InvalidKey("no limits given"));
-        }
-        if cost == 0 {
-            return Err(GateError::ZeroCost);
-        }
-        if self.inner.cluster {
-            let first = slot(limits[0].0.as_bytes());
-            if limits.iter().any(|(k, _)| slot(k.as_bytes()) != first) {
-                return Err(GateError::InvalidKey(
-                    "on Redis Cluster the keys of acquire_all must share a hash slot: \
-                     give them the same {hash tag}",
-                ));
-            }
-        }
-        // KEYS: the buckets; ARGV: now (empty: Redis TIME), cost, then each bucket's
-        // parameters.
-        let mut params = Vec::with_capacity(limits.len());
-        for (key, quota) in limits {
-            check_key(key)?;
-            let capacity = u64::from(quota.burst_size());
-            if u64::from(cost) > capacity {
-                return Err(GateError::InsufficientCapacity { cost, capacity });
-            }
-            let (count, period_us) = Limit::TokenBucket(*quota).redis_params().map_err(|_| {
-                GateError::InvalidKey("a quota cannot be computed exactly in Redis")
-            })?;
-            params.push((count, period_us, quota.burst_size()));
-        }
-        let script = &self.inner.all_script;
-        let mut cmd = scripts::evalsha(script, limits.len());
-        for (key, _) in limits {
-            cmd.arg(*key);
-        }
-        cmd.arg("").arg(cost);
-        for (count, period_us, burst) in params {
-            cmd.arg(count).arg(period_us).arg(burst);
-        }
-        // While degraded, like `check`: only the probe goes to Redis.
-        let (until_probe, error) = match self.may_call(Instant::now()) {
-            Err(until_probe) => (until_probe, failing(until_probe)),
-            Ok(()) => {
-                let mut conn = self.inner.conn.clone();
-                let timeout = self.inner.timeout;
-                let reply = scripts::eval_ints(
-                    &mut conn,
-                    script,
-                    &cmd,
-                    5 * limits.len(),
-                    timeout,
-                    timeout,
-                    "multi-limit script",
-                )
-                .await;
-                match reply {
-                    Ok(v) => {
-                        self.healthy();
-                        return Ok(v.chunks_exact(5).map(decision_from).collect());
-                    }
-                    Err(e) => self.failed(e)?,
-                }
-            }
+        // Calls in flight: join the next batch.
+        let timeout = inner.backend.timeout();
+        let (reply, answer) = oneshot::channel();
+        let request = Request {
+            key: self.redis_key(key),
+            cost,
+            deadline: started + timeout,
+            reply,
         };
-        self.inner.metrics.by_policy.increment(1);
-        let one = |allowed: bool, q: &Quota| {
-            if allowed {
-                Decision::admitted_without_limit()
-            } else {
-                Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
-            }
-        };
-        match self.inner.policy {
-            FailurePolicy::Open => Ok(limits.iter().map(|(_, q)| one(true, q)).collect()),
-            FailurePolicy::Closed => Ok(limits.iter().map(|(_, q)| one(false, q)).collect()),
-            _ => Err(error),
+        batcher.submit(request).await?;
+        // The driver answers by the deadline (its call's timeout ends there); the timer here
+        // is the backstop for a driver whose runtime is not being driven.
+        match tokio::time::timeout_at((started + timeout).into(), answer).await {
+            Ok(Ok(result)) => result,
+            // The driver went away with the request (its runtime shut down): decide it here.
+            Ok(Err(_)) => self.call_one(key, cost, started).await,
+            Err(_) => Err(inner.backend.fail(GateError::Timeout(timeout))),
         }
     }
 
     /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
+    /// With the lease map full, decide `cost` alone instead.
     async fn decide_lease(
         &self,
         leases: &Leases,
         key: &str,
         cost: u32,
         started: Instant,
-    ) -> Result<Decision, GateError> {
+    ) -> Result<Decision, CallError> {
         let inner = &*self.inner;
-        let Limit::TokenBucket(quota) = inner.eval.limit else {
-            // Leases are only built for token buckets.
+        let (Limit::TokenBucket(quota), Some(place)) = (inner.eval.limit, leases.place(started))
+        else {
+            // Leases are only built for token buckets; a full map takes no lease.
             return self.decide(key, cost, started).await;
         };
-        let mut conn = inner.conn.clone();
         let mut cmd = scripts::evalsha(&inner.lease_script, 1);
         cmd.arg(self.redis_key(key));
         inner.eval.add_args(&mut cmd, [cost]);
         cmd.arg(leases.size.max(cost));
-        let reply = scripts::eval_ints(
-            &mut conn,
-            &inner.lease_script,
-            &cmd,
-            5,
-            inner.timeout,
-            inner.timeout,
-            "lease script",
-        )
-        .await;
-        inner
-            .metrics
-            .latency
-            .record(started.elapsed().as_secs_f64());
-        let r = reply?;
-        let granted = u32::try_from(r[0]).unwrap_or(0);
-        if granted >= cost {
-            let limit = u64::from(quota.burst_size());
-            leases.keep(key, granted - cost, limit, started);
-            Ok(decision_from(&[
-                1,
-                r[1],
-                r[2] + i64::from(granted - cost),
-                0,
-                r[4],
-            ]))
-        } else {
-            Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]))
+        let within = inner.backend.timeout().saturating_sub(started.elapsed());
+        let r = inner
+            .backend
+            .eval(&inner.lease_script, &cmd, 5, within)
+            .await?;
+        if let Some(e) = key_failure(r[0]) {
+            return Err(CallError::Request(e));
         }
+        let granted = u32::try_from(r[0]).unwrap_or(0);
+        if granted < cost {
+            return Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]));
+        }
+        let limit = u64::from(quota.burst_size());
+        let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
+        leases.keep(place, key, granted - cost, limit, started, reset_after);
+        Ok(decision_from(&[
+            1,
+            r[1],
+            r[2] + i64::from(granted - cost),
+            0,
+            r[4],
+        ]))
     }
 
     /// Keys held by the local rejection cache.
@@ -677,74 +556,22 @@ where
         self.inner.cache.len()
     }
 
-    fn healthy(&self) {
-        if !self.inner.degraded.load(Ordering::Acquire) {
-            return;
-        }
-        let mut health = self
-            .inner
-            .health
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Health::Degraded { .. } = *health {
-            *health = Health::Healthy;
-            self.inner.degraded.store(false, Ordering::Release);
-            drop(health);
-            self.inner.metrics.degraded.set(0.0);
-            self.inner.metrics.to_healthy.increment(1);
-            tracing::info!(gate = ?self.inner.name, "redis answers again: the gate is back on redis");
-        }
+    /// Keys holding a lease now.
+    pub fn leased_keys(&self) -> usize {
+        self.inner.leases.as_ref().map_or(0, Leases::len)
     }
 
-    /// A call to Redis failed with `error`. An error of the key itself (it holds a value of
-    /// another type: `InvalidKey`) is that caller's alone and comes back as `Err`: Redis is
-    /// fine, the gate does not degrade. Any other error is a Redis failure: counted, the gate
-    /// degrades, and the time until the next probe comes back with the error.
-    fn failed(&self, error: GateError) -> Result<(Duration, GateError), GateError> {
-        if matches!(error, GateError::InvalidKey(_)) {
-            return Err(error);
-        }
-        self.inner.metrics.failures.increment(1);
-        Ok((self.degraded(&error), error))
-    }
-
-    /// Record a failure; returns the time until the next probe.
-    fn degraded(&self, error: &GateError) -> Duration {
-        let mut health = self
-            .inner
-            .health
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let next_probe = Instant::now() + self.inner.probe_interval;
-        let was_healthy = matches!(*health, Health::Healthy);
-        *health = Health::Degraded { next_probe };
-        self.inner.degraded.store(true, Ordering::Release);
-        drop(health);
-        if was_healthy {
-            self.inner.metrics.degraded.set(1.0);
-            self.inner.metrics.to_degraded.increment(1);
-            tracing::warn!(
-                gate = ?self.inner.name,
-                policy = self.inner.policy.as_str(),
-                %error,
-                "redis failed: deciding by the failure policy, probing every {:?}",
-                self.inner.probe_interval
-            );
-        }
-        self.inner.probe_interval
-    }
-
-    fn by_policy(
+    pub(super) fn by_policy(
         &self,
         key: &str,
         cost: u32,
         until_probe: Duration,
-        error: Option<GateError>,
+        error: GateError,
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         inner.metrics.by_policy.increment(1);
         match &inner.policy {
-            FailurePolicy::Error => Err(error.unwrap_or_else(|| failing(until_probe))),
+            FailurePolicy::Error => Err(error),
             FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
             FailurePolicy::Closed => Ok(Decision::reject(
                 inner.eval.limit.capacity(),
@@ -755,13 +582,6 @@ where
             FailurePolicy::Fallback(gate) => gate.check(key, cost),
         }
     }
-}
-
-/// The error of a call the failure policy decided while Redis is failing.
-fn failing(until_probe: Duration) -> GateError {
-    GateError::backend(BackendMessage(format!(
-        "redis is failing; the next probe is in {until_probe:?}"
-    )))
 }
 
 impl<C> Gate for RedisGate<C>

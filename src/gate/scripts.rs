@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
-use crate::gate::error::{BackendMessage, GateError};
+use crate::gate::backend::{Backend, CallError, key_failure};
+use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
 
 /// Every script is `lua/prelude.lua` (the clock, TTLs under logical time, the batch loop)
@@ -48,51 +49,6 @@ pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
     cmd
 }
 
-/// Send a command made by [`evalsha`]; if Redis does not have the script (restarted or
-/// flushed), load it and send the command again.
-async fn query<C, T>(
-    conn: &mut C,
-    script: &redis::Script,
-    cmd: &redis::Cmd,
-) -> redis::RedisResult<T>
-where
-    C: redis::aio::ConnectionLike,
-    T: redis::FromRedisValue,
-{
-    match cmd.query_async(conn).await {
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            script.load_async(conn).await?;
-            cmd.query_async(conn).await
-        }
-        other => other,
-    }
-}
-
-/// Send a command made by [`evalsha`] within `within` and read `len` integers back. A reply
-/// of another length is a backend error naming `what`; running out of time is
-/// [`GateError::Timeout`] of `timeout` (the gate's setting).
-pub(crate) async fn eval_ints<C: redis::aio::ConnectionLike>(
-    conn: &mut C,
-    script: &redis::Script,
-    cmd: &redis::Cmd,
-    len: usize,
-    within: Duration,
-    timeout: Duration,
-    what: &str,
-) -> Result<Vec<i64>, GateError> {
-    match tokio::time::timeout(within, query::<_, Vec<i64>>(conn, script, cmd)).await {
-        Ok(Ok(v)) if v.len() == len => Ok(v),
-        Ok(Ok(v)) => Err(GateError::backend(BackendMessage(format!(
-            "unexpected reply from the {what}: {} values where {len} were expected",
-            v.len()
-        )))),
-        // A single-call script (lease, all-or-nothing) on a key of another type.
-        Ok(Err(e)) if e.code() == Some("WRONGTYPE") => Err(key_error()),
-        Ok(Err(e)) => Err(GateError::backend(e)),
-        Err(_) => Err(GateError::Timeout(timeout)),
-    }
-}
-
 /// The script of one limit, with the limit's parameters as Redis gets them.
 #[derive(Clone, Debug)]
 pub(crate) struct LimitScript {
@@ -129,17 +85,16 @@ impl LimitScript {
         }
     }
 
-    /// Decide `requests` (key, cost) in one `EVALSHA`, within `within`; running out of time
-    /// is reported as [`GateError::Timeout`] of `timeout` (the gate's setting).
+    /// Decide `requests` (key, cost) in one `EVALSHA` through `backend`, within `within`.
+    /// Each request gets its decision, or its key's own error.
     pub(crate) async fn decide<'a, C, R>(
         &self,
-        conn: &mut C,
+        backend: &Backend<C>,
         requests: R,
         within: Duration,
-        timeout: Duration,
-    ) -> Result<Vec<Result<Decision, GateError>>, GateError>
+    ) -> Result<Vec<Result<Decision, GateError>>, CallError>
     where
-        C: redis::aio::ConnectionLike,
+        C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
         R: Iterator<Item = (&'a str, u32)> + Clone,
     {
         let n = requests.clone().count();
@@ -149,39 +104,15 @@ impl LimitScript {
         }
         self.add_args(&mut cmd, requests.clone().map(|(_, cost)| cost));
         let width = reply_width(&self.limit);
-        let v = eval_ints(
-            conn,
-            &self.script,
-            &cmd,
-            width * n,
-            within,
-            timeout,
-            "gate script",
-        )
-        .await?;
+        let v = backend.eval(&self.script, &cmd, width * n, within).await?;
         Ok(requests
             .zip(v.chunks_exact(width))
-            .map(|((_, cost), r)| {
-                if r[0] == KEY_ERROR {
-                    Err(key_error())
-                } else {
-                    Ok(decode(&self.limit, self.count, self.period_us, cost, r))
-                }
+            .map(|((_, cost), r)| match key_failure(r[0]) {
+                Some(e) => Err(e),
+                None => Ok(decode(&self.limit, self.count, self.period_us, cost, r)),
             })
             .collect())
     }
-}
-
-/// The first integer of a request's reply when Redis could not decide its key
-/// (`KEY_ERROR` in `lua/prelude.lua`).
-pub(crate) const KEY_ERROR: i64 = -(1 << 53);
-
-/// What a request whose key Redis could not read gets: its own error, not the batch's.
-fn key_error() -> GateError {
-    GateError::InvalidKey(
-        "Redis could not decide this key: it holds a value of another type (shared with a \
-         gate of another algorithm? give each gate its own prefix)",
-    )
 }
 
 /// How many integers the script of `limit` returns per request.

@@ -1,0 +1,297 @@
+//! The one Redis backend under every path of a [`RedisGate`](super::RedisGate): the
+//! connection, the timeout, health and probing, the classification of every reply and error,
+//! and the latency and failure metrics.
+//!
+//! `check`, the batch driver, leases and `acquire_all` all call Redis through
+//! [`Backend::eval`], so a failure means the same thing on every path, and a new path cannot
+//! forget the timeout, probing or the failure policy.
+//!
+//! # How a failure is classified
+//!
+//! | what Redis answers | kind | what happens |
+//! |---|---|---|
+//! | no answer within the timeout | Redis failure | counted, the gate degrades, the policy decides |
+//! | a transport error (refused, reset, closed) | Redis failure | as above |
+//! | `OOM`, `READONLY`, `NOREPLICAS`, `BUSY`, `LOADING`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, `MISCONF` (the server refuses writes or is not serving) | Redis failure | as above |
+//! | any other error reply (a script error, `CROSSSLOT`, a reply of the wrong shape) | Redis failure | as above |
+//! | `WRONGTYPE` on one key (it holds another type of value) | that key's error | [`GateError::UnreadableKey`] for that request only; the gate stays healthy |
+//! | a key whose value is not a state the script can read (short, not numbers, NaN, infinite, out of range) | that key's error | as above |
+//!
+//! The scripts decide each request under `pcall` and report a key's own failure in that
+//! request's reply (`KEY_WRONGTYPE`, `KEY_CORRUPT` in `lua/prelude.lua`); a failure of Redis
+//! itself fails the whole call with the server's error code.
+
+use std::fmt;
+use std::sync::PoisonError;
+use std::sync::atomic::{AtomicBool, Ordering};
+// Real time: probes follow Redis, whose clock never pauses.
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionLike;
+
+use crate::gate::error::{BackendMessage, GateError};
+use crate::metrics::{Counter, Gauge, Histogram, Labels};
+use crate::sync::Mutex;
+
+/// Names of the backend's metrics.
+pub(crate) mod names {
+    pub(crate) const LATENCY: &str = "flowgate_gate_redis_seconds";
+    pub(crate) const FAILURES: &str = "flowgate_gate_failures_total";
+    pub(crate) const DEGRADED: &str = "flowgate_gate_degraded";
+    pub(crate) const TRANSITIONS: &str = "flowgate_gate_transitions_total";
+}
+
+/// The first integer of a request's reply when its key holds a value of another type
+/// (`KEY_WRONGTYPE` in `lua/prelude.lua`).
+pub(crate) const KEY_WRONGTYPE: i64 = -(1 << 53);
+/// The first integer of a request's reply when its key's value cannot be read as a state
+/// (`KEY_CORRUPT` in `lua/prelude.lua`).
+pub(crate) const KEY_CORRUPT: i64 = -(1 << 53) + 1;
+
+/// The error of a request whose reply starts with `marker`, if it is a key's own failure.
+pub(crate) fn key_failure(marker: i64) -> Option<GateError> {
+    match marker {
+        KEY_WRONGTYPE => Some(GateError::UnreadableKey(
+            "it holds a value of another type (shared with a gate of another algorithm? give \
+             each gate its own prefix)",
+        )),
+        KEY_CORRUPT => Some(GateError::UnreadableKey(
+            "its value is not a state this gate can read (written by something else, or \
+             corrupt); delete the key to reset it",
+        )),
+        _ => None,
+    }
+}
+
+/// Why a call to Redis gave no reply.
+#[derive(Debug, Clone)]
+pub(crate) enum CallError {
+    /// The request's own error (its key's value cannot be read): returned to its caller;
+    /// Redis is fine and the gate stays healthy.
+    Request(GateError),
+    /// Redis failed, or the gate is degraded and this call was not the probe: already
+    /// counted; the failure policy decides, and the next probe is `until_probe` away.
+    Backend {
+        error: GateError,
+        until_probe: Duration,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Health {
+    Healthy,
+    /// Redis failed; the next call to Redis is a probe, at or after this instant.
+    Degraded {
+        next_probe: Instant,
+    },
+}
+
+struct Metrics {
+    latency: Histogram,
+    failures: Counter,
+    degraded: Gauge,
+    to_degraded: Counter,
+    to_healthy: Counter,
+}
+
+/// A connection to Redis with a timeout, a health state and one way to call it.
+pub(crate) struct Backend<C> {
+    conn: C,
+    timeout: Duration,
+    probe_interval: Duration,
+    health: Mutex<Health>,
+    /// Whether `health` is `Degraded`: lets the healthy path skip the lock.
+    degraded: AtomicBool,
+    /// For logs: the gate's name and failure policy.
+    name: Option<String>,
+    policy: &'static str,
+    metrics: Metrics,
+}
+
+impl<C> fmt::Debug for Backend<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backend")
+            .field("timeout", &self.timeout)
+            .field("probe_interval", &self.probe_interval)
+            .field("degraded", &self.degraded.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Backend<C> {
+    /// The longest a decision may take.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether the gate is deciding by its failure policy.
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Acquire)
+    }
+}
+
+impl<C> Backend<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    pub(crate) fn new(
+        conn: C,
+        timeout: Duration,
+        probe_interval: Duration,
+        name: Option<String>,
+        policy: &'static str,
+        labels: &Labels,
+    ) -> Backend<C> {
+        let transitions = |to| labels.counter(names::TRANSITIONS, &[("to", to)]);
+        Backend {
+            conn,
+            timeout,
+            probe_interval,
+            health: Mutex::new(Health::Healthy),
+            degraded: AtomicBool::new(false),
+            name,
+            policy,
+            metrics: Metrics {
+                latency: labels.histogram(names::LATENCY, &[]),
+                failures: labels.counter(names::FAILURES, &[]),
+                degraded: labels.gauge(names::DEGRADED, &[]),
+                to_degraded: transitions("degraded"),
+                to_healthy: transitions("healthy"),
+            },
+        }
+    }
+
+    /// Whether a call may go to Redis now: always while healthy; while degraded, one call
+    /// per probe interval (the probe). The others get the [`CallError::Backend`] to decide
+    /// by the policy with.
+    pub(crate) fn admit(&self, now: Instant) -> Result<(), CallError> {
+        if !self.degraded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Health::Degraded { next_probe } = *health {
+            if now < next_probe {
+                let until_probe = next_probe - now;
+                return Err(CallError::Backend {
+                    error: failing(until_probe),
+                    until_probe,
+                });
+            }
+            // This call is the probe; others keep using the policy meanwhile.
+            *health = Health::Degraded {
+                next_probe: now + self.probe_interval,
+            };
+        }
+        Ok(())
+    }
+
+    /// Send `cmd` (made by [`scripts::evalsha`](crate::gate::scripts::evalsha) for `script`)
+    /// within `within` and read `len` integers back: the one way every path calls Redis.
+    /// Records the latency; a success marks the gate healthy, a failure is classified (see
+    /// the module docs), and a Redis failure is counted and degrades the gate.
+    pub(crate) async fn eval(
+        &self,
+        script: &redis::Script,
+        cmd: &redis::Cmd,
+        len: usize,
+        within: Duration,
+    ) -> Result<Vec<i64>, CallError> {
+        let started = Instant::now();
+        let mut conn = self.conn.clone();
+        let reply =
+            tokio::time::timeout(within, query::<_, Vec<i64>>(&mut conn, script, cmd)).await;
+        self.metrics.latency.record(started.elapsed().as_secs_f64());
+        let error = match reply {
+            Ok(Ok(v)) if v.len() == len => {
+                self.healthy();
+                return Ok(v);
+            }
+            Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
+                "unexpected reply from the gate script: {} values where {len} were expected",
+                v.len()
+            ))),
+            Ok(Err(e)) => match e.code() {
+                // Only a call on one key can get this at the top level (every script
+                // decides each key under pcall): that key's error.
+                Some("WRONGTYPE") => {
+                    self.healthy();
+                    return Err(CallError::Request(
+                        key_failure(KEY_WRONGTYPE).expect("a key failure"),
+                    ));
+                }
+                _ => GateError::backend(e),
+            },
+            Err(_) => GateError::Timeout(self.timeout),
+        };
+        Err(self.fail(error))
+    }
+
+    /// Record a failure of Redis (`error`): counted; the gate degrades and probes every
+    /// probe interval.
+    pub(crate) fn fail(&self, error: GateError) -> CallError {
+        self.metrics.failures.increment(1);
+        let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        let next_probe = Instant::now() + self.probe_interval;
+        let was_healthy = matches!(*health, Health::Healthy);
+        *health = Health::Degraded { next_probe };
+        self.degraded.store(true, Ordering::Release);
+        drop(health);
+        if was_healthy {
+            self.metrics.degraded.set(1.0);
+            self.metrics.to_degraded.increment(1);
+            tracing::warn!(
+                gate = ?self.name,
+                policy = self.policy,
+                %error,
+                "redis failed: deciding by the failure policy, probing every {:?}",
+                self.probe_interval
+            );
+        }
+        CallError::Backend {
+            error,
+            until_probe: self.probe_interval,
+        }
+    }
+
+    fn healthy(&self) {
+        if !self.degraded.load(Ordering::Acquire) {
+            return;
+        }
+        let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Health::Degraded { .. } = *health {
+            *health = Health::Healthy;
+            self.degraded.store(false, Ordering::Release);
+            drop(health);
+            self.metrics.degraded.set(0.0);
+            self.metrics.to_healthy.increment(1);
+            tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
+        }
+    }
+}
+
+/// The error of a call the failure policy decided while Redis is failing.
+fn failing(until_probe: Duration) -> GateError {
+    GateError::backend(BackendMessage(format!(
+        "redis is failing; the next probe is in {until_probe:?}"
+    )))
+}
+
+/// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
+/// have the script (restarted or flushed), load it and send the command again.
+async fn query<C, T>(
+    conn: &mut C,
+    script: &redis::Script,
+    cmd: &redis::Cmd,
+) -> redis::RedisResult<T>
+where
+    C: ConnectionLike,
+    T: redis::FromRedisValue,
+{
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
+    }
+}

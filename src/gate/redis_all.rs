@@ -1,0 +1,136 @@
+//! `RedisGate::acquire_all`: all-or-nothing across several token buckets in one script.
+
+use std::time::Instant;
+
+use redis::aio::ConnectionLike;
+
+use crate::decision::Decision;
+use crate::gate::backend::{CallError, key_failure};
+use crate::gate::error::GateError;
+use crate::gate::limit::Limit;
+use crate::gate::multi::Merged;
+use crate::gate::redis_gate::{FailurePolicy, RedisGate};
+use crate::gate::scripts::{self, decision_from};
+use crate::gate::slot::slot;
+use crate::rate::Quota;
+
+impl<C> RedisGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// All-or-nothing across several token buckets in one atomic script: admitted only if
+    /// every `(key, quota)` bucket has room for `cost`, and then charged on all of them;
+    /// otherwise nothing is charged anywhere (layered throttling: IP + user + tenant).
+    /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
+    /// the limits that blocked have a non-zero `retry_after`.
+    ///
+    /// - **Keys** get the gate's prefix, as in [`check`](RedisGate::check): give the keys of
+    ///   each layer a name of its own (`ip:10.0.0.1`, `user:7`), since one key is one bucket
+    ///   and the gate's own limit may differ from the quotas given here. A key listed `n`
+    ///   times is one bucket charged `n × cost`.
+    /// - **Failure policy**: as for `check` (same timeout, probing and classification):
+    ///   `Open` admits every limit, `Closed` rejects every limit until the next probe,
+    ///   `Fallback` decides all-or-nothing in its [`MemoryGate`](crate::gate::MemoryGate)
+    ///   ([`MemoryGate::acquire_all`](crate::gate::MemoryGate::acquire_all)), `Error`
+    ///   returns the error.
+    /// - **Bypassed, with reasons**: batching (each call is one script over its own keys);
+    ///   the rejection cache (a cached answer could not tell what the limits that did not
+    ///   block have left); leases (leased tokens belong to the gate's own quota, not to the
+    ///   quotas given here).
+    /// - **Redis Cluster**: the keys must share a hash slot: use a hash tag, e.g.
+    ///   `{tenant-42}:ip:10.0.0.1` and `{tenant-42}:user:7`.
+    ///
+    /// # Errors
+    ///
+    /// Before Redis is called, nothing charged: [`GateError::NoLimits`],
+    /// [`GateError::TooManyLimits`] (more than 32), [`GateError::ZeroCost`],
+    /// [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`] (one key with two
+    /// quotas), [`GateError::InsufficientCapacity`] (a key's total cost above its burst),
+    /// [`GateError::InvalidQuota`] (a quota Redis cannot compute exactly),
+    /// [`GateError::CrossSlot`] (cluster keys in different slots). From Redis:
+    /// [`GateError::UnreadableKey`] when a key's value cannot be read (nothing is charged;
+    /// the gate stays healthy); under [`FailurePolicy::Error`], [`GateError::Backend`] and
+    /// [`GateError::Timeout`]; under `Fallback`, the in-memory gate's errors.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before the script runs charges nothing; after, every bucket may
+    /// be charged (never over-admission).
+    pub async fn acquire_all(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Result<Vec<Decision>, GateError> {
+        let request = Merged::new(limits, cost)?;
+        let inner = &*self.inner;
+        let keys: Vec<String> = request
+            .buckets
+            .iter()
+            .map(|(key, _, _)| self.redis_key(key))
+            .collect();
+        if inner.cluster {
+            let first = slot(keys[0].as_bytes());
+            if keys.iter().any(|k| slot(k.as_bytes()) != first) {
+                return Err(GateError::CrossSlot);
+            }
+        }
+        // KEYS: the buckets; ARGV: now (empty: Redis TIME), then each bucket's parameters
+        // and cost.
+        let mut cmd = scripts::evalsha(&inner.all_script, keys.len());
+        for key in &keys {
+            cmd.arg(key);
+        }
+        cmd.arg("");
+        for &(_, quota, total) in &request.buckets {
+            let (count, period_us) = Limit::TokenBucket(quota)
+                .redis_params()
+                .map_err(GateError::InvalidQuota)?;
+            cmd.arg(count)
+                .arg(period_us)
+                .arg(quota.burst_size())
+                .arg(total);
+        }
+        let started = Instant::now();
+        let reply = match inner.backend.admit(started) {
+            Err(e) => Err(e),
+            Ok(()) => {
+                let len = 5 * keys.len();
+                let within = inner.backend.timeout();
+                inner
+                    .backend
+                    .eval(&inner.all_script, &cmd, len, within)
+                    .await
+            }
+        };
+        match reply {
+            Ok(v) => {
+                if let Some(e) = v.chunks_exact(5).find_map(|r| key_failure(r[0])) {
+                    return Err(e);
+                }
+                let decided: Vec<Decision> = v.chunks_exact(5).map(decision_from).collect();
+                let outcome = if decided[0].allowed {
+                    &inner.metrics.allowed
+                } else {
+                    &inner.metrics.rejected
+                };
+                outcome.increment(1);
+                Ok(request.expand(&decided))
+            }
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                inner.metrics.by_policy.increment(1);
+                let each = |d: &dyn Fn(Quota) -> Decision| -> Vec<Decision> {
+                    limits.iter().map(|&(_, q)| d(q)).collect()
+                };
+                match &inner.policy {
+                    FailurePolicy::Open => Ok(each(&|_| Decision::admitted_without_limit())),
+                    FailurePolicy::Closed => Ok(each(&|q| {
+                        Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
+                    })),
+                    FailurePolicy::Fallback(gate) => gate.acquire_merged(&request),
+                    _ => Err(error),
+                }
+            }
+        }
+    }
+}

@@ -17,13 +17,16 @@
 //! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done.
 //! - **Redis Streams** (feature `redis`) — `RedisStreamSource`: a consumer-group member as a
 //!   `BatchSource` (`XREADGROUP COUNT <demand>`), recovering its own pending entries first,
-//!   claiming idle entries of dead consumers, acking in batches; at-least-once.
+//!   claiming idle entries of dead consumers, acking in batches, creating its group again
+//!   when Redis lost it (`NOGROUP`); at-least-once.
 //!
 //! # Metrics
 //!
 //! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
 //! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks), all gauges;
-//! `flowgate_demand_acked_total` and `flowgate_demand_claimed_total` (Redis Streams).
+//! `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
+//! `flowgate_demand_group_recreated_total` and `flowgate_demand_stale_acks_total` (Redis
+//! Streams), all counters.
 
 mod commit;
 mod credit;
@@ -38,7 +41,7 @@ pub use credit::{DemandHandle, Demanded, UNBOUNDED};
 pub use error::DemandError;
 #[cfg(feature = "redis")]
 pub use redis_source::{
-    Ack, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
+    Ack, BuildError, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
 };
 pub use source::{BatchSource, Fetched, IterSource, Prefetch, StreamSource, prefetch};
 pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};

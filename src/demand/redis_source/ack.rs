@@ -1,0 +1,193 @@
+//! The acknowledgement side: [`Ack`] handles and the queue they share with the source.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::PoisonError;
+
+use redis::RedisResult;
+use redis::aio::ConnectionLike;
+use tokio::sync::Notify;
+
+use super::builder::Config;
+use crate::metrics::Counter;
+use crate::sync::{Arc, Mutex, MutexGuard};
+
+/// What the source and its [`Ack`] handles share: the ids acknowledged and not sent yet,
+/// the ids handed out and not yet acknowledged or dropped, and the generation of the group
+/// they belong to.
+#[derive(Debug)]
+pub(super) struct AckQueue {
+    state: Mutex<AckState>,
+    /// Wakes the background task: an ack, or a handle gone.
+    pub(super) wake: Notify,
+    /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
+    /// `flush_acks` returns only once acks the task took before it are in Redis too.
+    pub(super) sending: tokio::sync::Mutex<()>,
+    /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)).
+    stale: Counter,
+}
+
+#[derive(Debug)]
+pub(super) struct AckState {
+    /// Acknowledged by the application, waiting to be sent in one `XACK`.
+    pub(super) ids: Vec<String>,
+    /// Delivered by this source and still held by the application (their `Ack` is alive):
+    /// this consumer's own `XAUTOCLAIM` returns them too once idle, and must not deliver
+    /// them a second time.
+    pub(super) held: HashSet<String>,
+    /// The source plus its live `Ack`s; the background task stops once all are gone and
+    /// every ack is sent.
+    pub(super) handles: usize,
+    /// Bumped each time the source re-creates its lost group: `ids` and `held` belong to
+    /// this generation; an `Ack` of an older one is stale.
+    pub(super) generation: u64,
+}
+
+impl AckQueue {
+    pub(super) fn new(stale: Counter) -> Self {
+        AckQueue {
+            state: Mutex::new(AckState {
+                ids: Vec::new(),
+                held: HashSet::new(),
+                handles: 1,
+                generation: 0,
+            }),
+            wake: Notify::new(),
+            sending: tokio::sync::Mutex::new(()),
+            stale,
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, AckState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The queued acks, and the generation they belong to.
+    pub(super) fn take(&self) -> (Vec<String>, u64) {
+        let mut st = self.lock();
+        (std::mem::take(&mut st.ids), st.generation)
+    }
+
+    /// Ids whose send failed go back in the queue, unless their group was lost meanwhile;
+    /// the background task is told, so they leave within `ack_interval` even if no fetch
+    /// comes.
+    pub(super) fn requeue(&self, ids: Vec<String>, generation: u64) {
+        let mut st = self.lock();
+        if st.generation == generation {
+            st.ids.extend(ids);
+        } else {
+            self.stale.increment(ids.len() as u64);
+        }
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// The group was lost and created again: the queued acks and the held ids belong to the
+    /// lost one, whose pending list is gone. They are not sent (not to the new group
+    /// either, where an id may be pending for another delivery); the queued ones are
+    /// counted as stale now, the held ones when their `Ack` is used.
+    pub(super) fn new_group(&self) {
+        let mut st = self.lock();
+        st.generation += 1;
+        let queued = std::mem::take(&mut st.ids).len();
+        st.held.clear();
+        drop(st);
+        self.stale.increment(queued as u64);
+    }
+
+    /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.
+    fn release(&self, id: Option<(String, u64)>, acked: bool) {
+        let mut st = self.lock();
+        if let Some((id, generation)) = id {
+            if generation != st.generation {
+                if acked {
+                    self.stale.increment(1);
+                }
+            } else {
+                st.held.remove(&id);
+                if acked {
+                    st.ids.push(id);
+                }
+            }
+        }
+        st.handles -= 1;
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// The source is gone.
+    pub(super) fn release_source(&self) {
+        self.release(None, false);
+    }
+}
+
+/// The acknowledgement handle of one entry. Call [`ack`](Ack::ack) once the entry's work is
+/// done; acks are batched into one `XACK`, sent with the next fetch or by the source's
+/// background task within
+/// [`ack_interval`](super::RedisStreamSourceBuilder::ack_interval) — also after the source
+/// itself was dropped.
+///
+/// Dropping it without `ack` leaves the entry pending: it is redelivered to this consumer
+/// after a restart, or claimed (by this consumer or another) once idle longer than
+/// `min_idle` (at-least-once).
+///
+/// If the group was lost and re-created since the entry was delivered, `ack` sends nothing
+/// (the lost group's pending list is gone) and counts the ack in
+/// `flowgate_demand_stale_acks_total`; see the [module docs](crate::demand) and
+/// [`RedisStreamSource`](super::RedisStreamSource).
+#[must_use = "an entry stays pending until it is acknowledged"]
+pub struct Ack {
+    /// The id and its group generation; `None` once acknowledged (then dropped).
+    id: Option<(String, u64)>,
+    queue: Arc<AckQueue>,
+}
+
+impl Ack {
+    pub(super) fn new(id: String, generation: u64, queue: Arc<AckQueue>) -> Self {
+        Ack {
+            id: Some((id, generation)),
+            queue,
+        }
+    }
+
+    /// The entry is done: acknowledge it.
+    pub fn ack(mut self) {
+        self.queue.release(self.id.take(), true);
+    }
+
+    /// The entry id.
+    pub fn id(&self) -> &str {
+        self.id
+            .as_ref()
+            .map(|(id, _)| id.as_str())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Ack {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.queue.release(Some(id), false);
+        }
+    }
+}
+
+impl fmt::Debug for Ack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ack").field("id", &self.id()).finish()
+    }
+}
+
+/// `XACK key group ids…`. Redis answers 0 (not an error) when the key or group is missing.
+pub(super) async fn xack<C: ConnectionLike>(
+    conn: &mut C,
+    cfg: &Config,
+    ids: &[String],
+) -> RedisResult<usize> {
+    redis::cmd("XACK")
+        .arg(&cfg.key)
+        .arg(&cfg.group)
+        .arg(ids)
+        .query_async(conn)
+        .await
+}

@@ -1,0 +1,302 @@
+//! [`RedisStreamSourceBuilder`]: the settings of a [`RedisStreamSource`], their validation,
+//! and the creation of its consumer group.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use redis::{RedisError, RedisResult};
+
+use super::error::BuildError;
+use super::fetch::RedisStreamSource;
+use crate::error::{ConfigError, ConfigErrorKind};
+
+/// Names of the Redis Streams metrics.
+pub(super) mod names {
+    pub(crate) const ACKED: &str = "flowgate_demand_acked_total";
+    pub(crate) const CLAIMED: &str = "flowgate_demand_claimed_total";
+    pub(crate) const GROUP_RECREATED: &str = "flowgate_demand_group_recreated_total";
+    pub(crate) const STALE_ACKS: &str = "flowgate_demand_stale_acks_total";
+}
+
+/// Where a consumer group starts reading when this source creates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartFrom {
+    /// Every entry already in the stream (`0`).
+    #[default]
+    Beginning,
+    /// Only entries added after the group is created (`$`).
+    New,
+}
+
+impl StartFrom {
+    /// The id `XGROUP CREATE` takes.
+    fn id(self) -> &'static str {
+        match self {
+            StartFrom::Beginning => "0",
+            StartFrom::New => "$",
+        }
+    }
+}
+
+/// The longest [`block`](RedisStreamSourceBuilder::block) accepted: one minute.
+const MAX_BLOCK: Duration = Duration::from_secs(60);
+/// The default [`max_count`](RedisStreamSourceBuilder::max_count).
+const DEFAULT_MAX_COUNT: usize = 1_000;
+/// The largest [`max_count`](RedisStreamSourceBuilder::max_count) accepted.
+const MAX_MAX_COUNT: usize = 100_000;
+
+/// The validated settings, shared by the source and its background task.
+#[derive(Debug)]
+pub(super) struct Config {
+    pub(super) key: String,
+    pub(super) group: String,
+    pub(super) consumer: String,
+    pub(super) block: Duration,
+    pub(super) min_idle: Duration,
+    pub(super) claim_every: Duration,
+    pub(super) ack_interval: Duration,
+    pub(super) max_count: usize,
+    pub(super) recreate_from: StartFrom,
+}
+
+/// Builds a [`RedisStreamSource`]; from [`RedisStreamSource::builder`].
+///
+/// Every setting is checked by [`build`](Self::build), which returns a [`ConfigError`]
+/// (inside [`BuildError::Config`]) naming the field, before anything is sent to Redis.
+#[derive(Debug, Clone)]
+pub struct RedisStreamSourceBuilder<C> {
+    conn: C,
+    key: String,
+    group: String,
+    consumer: String,
+    block: Duration,
+    min_idle: Duration,
+    claim_every: Duration,
+    ack_interval: Duration,
+    max_count: usize,
+    start: StartFrom,
+    recreate_from: StartFrom,
+    name: Option<String>,
+}
+
+impl<C> RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A builder for consumer `consumer` of group `group` on stream `key`.
+    pub fn builder(
+        conn: C,
+        key: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> RedisStreamSourceBuilder<C> {
+        RedisStreamSourceBuilder {
+            conn,
+            key: key.into(),
+            group: group.into(),
+            consumer: consumer.into(),
+            block: Duration::from_millis(250),
+            min_idle: Duration::from_secs(30),
+            claim_every: Duration::from_secs(5),
+            ack_interval: Duration::from_millis(100),
+            max_count: DEFAULT_MAX_COUNT,
+            start: StartFrom::Beginning,
+            recreate_from: StartFrom::New,
+            name: None,
+        }
+    }
+}
+
+impl<C> RedisStreamSourceBuilder<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// How long a read waits for new entries (default 250 ms; `XREADGROUP BLOCK`), from
+    /// 1 ms to 1 minute, and at most a third of [`min_idle`](Self::min_idle).
+    ///
+    /// Keep it below the connection's response timeout (redis-rs: 500 ms by default), or
+    /// idle reads fail with a timeout — and an entry Redis hands out in a read the client has
+    /// already abandoned stays pending until it is claimed after `min_idle`. Acks and
+    /// keep-alives sent on the same connection wait behind a blocking read, hence the
+    /// bounds.
+    pub fn block(mut self, block: Duration) -> Self {
+        self.block = crate::time::capped(block);
+        self
+    }
+
+    /// Claim entries idle longer than this (default 30 s; at least 1 ms, and at least three
+    /// times [`block`](Self::block)): entries of consumers that stopped, and entries this
+    /// consumer received and dropped without acknowledging.
+    ///
+    /// While a source lives, its background task resets the idle time of the entries the
+    /// application still holds every `min_idle / 3` (only while this consumer still owns
+    /// them), so other consumers do not take them however long they wait in the `prefetch`
+    /// buffer or take to process. A consumer whose runtime stalls for longer than
+    /// `min_idle` may lose them to another (processed twice: at-least-once still holds).
+    pub fn min_idle(mut self, min_idle: Duration) -> Self {
+        self.min_idle = crate::time::capped(min_idle);
+        self
+    }
+
+    /// How often to look for entries to claim (default 5 s; at least 1 ms). Between two
+    /// passes over the pending list there is always at least one read of new entries, so
+    /// claims never starve them.
+    pub fn claim_every(mut self, every: Duration) -> Self {
+        self.claim_every = crate::time::capped(every);
+        self
+    }
+
+    /// Acknowledgements are sent at most this long after the first one since the last send
+    /// (default 100 ms; at least 1 ms): with the next fetch if one starts sooner, otherwise
+    /// by a background task on the tokio runtime the source was built on, which also sends
+    /// the acks that come after the source is dropped. A send waits behind a blocking read
+    /// on the same multiplexed connection, so add up to `block`.
+    pub fn ack_interval(mut self, interval: Duration) -> Self {
+        self.ack_interval = crate::time::capped(interval);
+        self
+    }
+
+    /// The most entries one fetch asks Redis for (default 1,000; from 1 to 100,000): the
+    /// `COUNT` of `XREADGROUP` and `XAUTOCLAIM` is the demand
+    /// ([`prefetch`](crate::demand::prefetch) asks for `high − buffered`), capped at this.
+    /// A `prefetch` window larger than this fills in several fetches.
+    pub fn max_count(mut self, max: usize) -> Self {
+        self.max_count = max;
+        self
+    }
+
+    /// Where the group starts when this source creates it at build (default
+    /// [`StartFrom::Beginning`]).
+    pub fn start_from(mut self, start: StartFrom) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// Where the group starts when this source creates it again after it was lost
+    /// (`NOGROUP`: the server restarted without its data, `XGROUP DESTROY`, the stream
+    /// deleted); default [`StartFrom::New`] (`$`).
+    ///
+    /// With `New`, nothing already processed is delivered again after an `XGROUP DESTROY`,
+    /// but entries a producer added between the loss and the re-creation are skipped. With
+    /// `Beginning`, nothing in the stream is skipped, but after an `XGROUP DESTROY` every
+    /// entry still in the stream is delivered again (at-least-once). See
+    /// [`RedisStreamSource`] for what happens to acks of entries of the lost group.
+    pub fn recreate_from(mut self, start: StartFrom) -> Self {
+        self.recreate_from = start;
+        self
+    }
+
+    /// The `name` label of this source's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Check every setting, create the group if needed (`XGROUP CREATE … MKSTREAM` from
+    /// [`start_from`](Self::start_from)), and build the source.
+    ///
+    /// # Errors
+    ///
+    /// - [`BuildError::Config`], before anything is sent to Redis, with the field:
+    ///   `redis_stream.block` (below 1 ms, above 1 minute), `redis_stream.min_idle` (below
+    ///   1 ms, or below three times `block`), `redis_stream.claim_every` and
+    ///   `redis_stream.ack_interval` (below 1 ms), `redis_stream.max_count` (zero, above
+    ///   100,000).
+    /// - [`BuildError::Redis`] if the group cannot be created (other than "already exists",
+    ///   `BUSYGROUP`).
+    pub async fn build(mut self) -> Result<RedisStreamSource<C>, BuildError> {
+        let config = self.validate()?;
+        create_group(&mut self.conn, &config.key, &config.group, self.start).await?;
+        Ok(RedisStreamSource::new(
+            self.conn,
+            config,
+            self.name.as_deref(),
+        ))
+    }
+
+    fn validate(&self) -> Result<Config, ConfigError> {
+        let at_least_1ms = |field: &'static str, d: Duration| {
+            if d < Duration::from_millis(1) {
+                Err(ConfigError::new(
+                    field,
+                    ConfigErrorKind::Zero,
+                    "must be at least 1 ms",
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        at_least_1ms("redis_stream.block", self.block)?;
+        at_least_1ms("redis_stream.min_idle", self.min_idle)?;
+        at_least_1ms("redis_stream.claim_every", self.claim_every)?;
+        at_least_1ms("redis_stream.ack_interval", self.ack_interval)?;
+        if self.block > MAX_BLOCK {
+            return Err(ConfigError::new(
+                "redis_stream.block",
+                ConfigErrorKind::TooLarge,
+                format!("{:?} is above the maximum of {MAX_BLOCK:?}", self.block),
+            ));
+        }
+        if self.min_idle < self.block.saturating_mul(3) {
+            return Err(ConfigError::new(
+                "redis_stream.min_idle",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "{:?} is below three times block ({:?}): held entries could go idle \
+                     while a blocking read holds up their keep-alive",
+                    self.min_idle, self.block
+                ),
+            ));
+        }
+        if self.max_count == 0 {
+            return Err(ConfigError::zero("redis_stream.max_count"));
+        }
+        if self.max_count > MAX_MAX_COUNT {
+            return Err(ConfigError::new(
+                "redis_stream.max_count",
+                ConfigErrorKind::TooLarge,
+                format!("{} is above the maximum of {MAX_MAX_COUNT}", self.max_count),
+            ));
+        }
+        Ok(Config {
+            key: self.key.clone(),
+            group: self.group.clone(),
+            consumer: self.consumer.clone(),
+            block: self.block,
+            min_idle: self.min_idle,
+            claim_every: self.claim_every,
+            ack_interval: self.ack_interval,
+            max_count: self.max_count,
+            recreate_from: self.recreate_from,
+        })
+    }
+}
+
+/// `XGROUP CREATE key group <start> MKSTREAM`. Returns whether this call created the group:
+/// `false` if it existed already (`BUSYGROUP`: created before, or by another consumer
+/// first).
+pub(super) async fn create_group<C: ConnectionLike>(
+    conn: &mut C,
+    key: &str,
+    group: &str,
+    start: StartFrom,
+) -> RedisResult<bool> {
+    let created: RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(key)
+        .arg(group)
+        .arg(start.id())
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await;
+    match created {
+        Ok(()) => Ok(true),
+        Err(e) if is_code(&e, "BUSYGROUP") => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether Redis answered with the error `code` (`NOGROUP`, `BUSYGROUP`).
+pub(super) fn is_code(e: &RedisError, code: &str) -> bool {
+    e.code() == Some(code)
+}

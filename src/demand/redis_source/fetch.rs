@@ -1,0 +1,422 @@
+//! [`RedisStreamSource`]: the fetch pipeline, and the re-creation of a lost group.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use redis::aio::ConnectionLike;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::{FromRedisValue, RedisError, RedisResult, Value};
+use tokio::time::Instant;
+
+use super::ack::{Ack, AckQueue, xack};
+use super::builder::{Config, create_group, is_code, names};
+use super::entry::{Origin, StreamEntry};
+use super::keepalive::keep_in_background;
+use crate::demand::source::{BatchSource, Fetched};
+use crate::metrics::{Counter, Labels};
+use crate::sync::Arc;
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Draining this consumer's own pending entries, after this id.
+    OwnPending(String),
+    New,
+}
+
+/// What one fetch brought back.
+enum Outcome {
+    /// Entries (possibly none).
+    Batch(Batch),
+    /// Redis answered `NOGROUP`: the group was created again (`true`), or found created
+    /// again by another consumer (`false`).
+    GroupLost { created: bool },
+}
+
+struct Batch {
+    ids: Vec<StreamId>,
+    origin: Origin,
+    /// For claims: the cursor for the next `XAUTOCLAIM`.
+    cursor: Option<String>,
+}
+
+/// What a fetch needs besides the connection: cloned into its future.
+struct Counters {
+    acked: Counter,
+    claimed: Counter,
+    recreated: Counter,
+    stale: Counter,
+}
+
+/// A member of a Redis Streams consumer group, as a [`BatchSource`]: each fetch asks for
+/// exactly the demand (`XREADGROUP … COUNT n`), at most
+/// [`max_count`](super::RedisStreamSourceBuilder::max_count) (1,000 by default) per fetch.
+///
+/// - On start it first drains its **own pending entries** (id `0`: delivered to this consumer
+///   name before and never acknowledged, e.g. before a crash), then reads new ones (`>`),
+///   waiting up to `block` for them.
+/// - Every `claim_every` it runs `XAUTOCLAIM` and takes over entries idle longer than
+///   `min_idle` — those of consumers that stopped, and its own that the application dropped
+///   without acknowledging — yielding them as [`Origin::Claimed`]. Entries a live consumer
+///   handed out and the application still holds are kept from going idle (a keep-alive
+///   script, see [`min_idle`](super::RedisStreamSourceBuilder::min_idle)), and are never
+///   delivered twice by their own consumer. After a full pass over the pending list, the
+///   next fetch always reads new entries.
+/// - Each entry carries an [`Ack`]; acknowledged ids are sent in one `XACK`, pipelined with
+///   the next fetch or by a background task within
+///   [`ack_interval`](super::RedisStreamSourceBuilder::ack_interval), also after the source
+///   is dropped. Nothing is acknowledged before the application says so: at-least-once.
+///
+/// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
+/// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`; only the
+/// latter reconnects after the server restarts). Give the source a connection of its own:
+/// a blocking read holds up every other command multiplexed on the same connection for up
+/// to `block`. Use it with [`prefetch`](crate::demand::prefetch).
+///
+/// # A lost group
+///
+/// When Redis answers `NOGROUP` (the server restarted without its data, `XGROUP DESTROY`,
+/// the stream deleted and perhaps re-created by a producer), the source creates the group
+/// again with `MKSTREAM`, from
+/// [`recreate_from`](super::RedisStreamSourceBuilder::recreate_from) (`$` by default),
+/// treating `BUSYGROUP` (another consumer was first) as done; it logs a `tracing` warning,
+/// counts it in `flowgate_demand_group_recreated_total`, and reads on: that fetch returns
+/// an empty batch, not an error. If creating fails, the fetch returns that error and the
+/// next fetch tries again.
+///
+/// Acks of entries delivered before the loss are never sent: the lost group's pending list
+/// is gone, and in the new group the same id may be pending for another delivery (with
+/// [`StartFrom::Beginning`](super::StartFrom::Beginning)), which such an ack would wrongly
+/// acknowledge. Those queued at the time, and those made later through their [`Ack`], are
+/// counted in `flowgate_demand_stale_acks_total` instead, so no ack is retried forever and
+/// none lands twice. A loss this source does not see itself (another consumer re-created
+/// the group before this source's next fetch) is not detected: its queued acks then go to
+/// the new group, where Redis ignores the ids it does not hold (with the default `$`, all
+/// of them).
+///
+/// Ids of claimed entries are older than the new ones already seen: track them apart (or
+/// ack them directly) rather than in the same [`CommitTracker`](crate::demand::CommitTracker).
+pub struct RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    conn: C,
+    config: Arc<Config>,
+    phase: Phase,
+    acks: Arc<AckQueue>,
+    fetch: Option<BoxFuture<RedisResult<Outcome>>>,
+    next_claim: Instant,
+    claim_cursor: String,
+    /// A claim pass ended: the next fetch reads new entries whatever `claim_every` says.
+    read_due: bool,
+    counters: Arc<Counters>,
+}
+
+impl<C> fmt::Debug for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamSource")
+            .field("config", &self.config)
+            .field("phase", &self.phase)
+            .field("fetching", &self.fetch.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The source of a validated `config` whose group exists; starts the background task
+    /// on the current tokio runtime, if any.
+    pub(super) fn new(conn: C, config: Config, name: Option<&str>) -> Self {
+        let labels = Labels::new(name);
+        let counters = Arc::new(Counters {
+            acked: labels.counter(names::ACKED, &[]),
+            claimed: labels.counter(names::CLAIMED, &[]),
+            recreated: labels.counter(names::GROUP_RECREATED, &[]),
+            stale: labels.counter(names::STALE_ACKS, &[]),
+        });
+        let config = Arc::new(config);
+        let acks = Arc::new(AckQueue::new(counters.stale.clone()));
+        // Without a tokio runtime there is no background task: acks travel with fetches and
+        // `flush_acks` only.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(keep_in_background(
+                acks.clone(),
+                conn.clone(),
+                config.clone(),
+                counters.acked.clone(),
+            ));
+        }
+        RedisStreamSource {
+            conn,
+            next_claim: Instant::now() + config.claim_every,
+            config,
+            phase: Phase::OwnPending("0".into()),
+            acks,
+            fetch: None,
+            claim_cursor: "0-0".into(),
+            read_due: false,
+            counters,
+        }
+    }
+
+    /// Send the acknowledgements collected so far now. When it returns, every ack made
+    /// before the call has reached Redis, including those the background task was sending.
+    ///
+    /// # Errors
+    ///
+    /// The Redis error; the ids are queued again.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped while waiting for the background task's send, nothing is lost. Dropped while
+    /// its own `XACK` is in flight, the ids it took are not queued again: if the `XACK` did
+    /// not reach Redis, those entries stay pending and are claimed again once idle longer
+    /// than `min_idle` (at-least-once).
+    pub async fn flush_acks(&mut self) -> RedisResult<usize> {
+        // Waits for a send of the background task in progress: its acks come first.
+        let _sending = self.acks.sending.lock().await;
+        let (ids, generation) = self.acks.take();
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        match xack(&mut self.conn, &self.config, &ids).await {
+            Ok(n) => {
+                self.counters.acked.increment(ids.len() as u64);
+                Ok(n)
+            }
+            Err(e) => {
+                self.acks.requeue(ids, generation);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether this source is still recovering its own pending entries.
+    pub fn is_recovering(&self) -> bool {
+        matches!(self.phase, Phase::OwnPending(_))
+    }
+
+    fn start_fetch(&mut self, max: usize) {
+        let mut conn = self.conn.clone();
+        let cfg = self.config.clone();
+        let (acks, generation) = self.acks.take();
+        let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
+        let phase = self.phase.clone();
+        let cursor = self.claim_cursor.clone();
+        let counters = self.counters.clone();
+        let queue = self.acks.clone();
+        // Redis refuses a COUNT above i64::MAX; a large demand fills in several fetches.
+        let count = max.clamp(1, cfg.max_count);
+        self.fetch = Some(Box::pin(async move {
+            let mut pipe = redis::pipe();
+            // Each reply on its own: an XACK that went through is not sent again because the
+            // read after it failed.
+            pipe.ignore_errors();
+            if !acks.is_empty() {
+                pipe.cmd("XACK").arg(&cfg.key).arg(&cfg.group).arg(&acks);
+            }
+            let origin = if claim {
+                pipe.cmd("XAUTOCLAIM")
+                    .arg(&cfg.key)
+                    .arg(&cfg.group)
+                    .arg(&cfg.consumer)
+                    .arg(cfg.min_idle.as_millis() as u64)
+                    .arg(&cursor)
+                    .arg("COUNT")
+                    .arg(count);
+                Origin::Claimed
+            } else {
+                let cmd = pipe
+                    .cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg(&cfg.group)
+                    .arg(&cfg.consumer)
+                    .arg("COUNT")
+                    .arg(count);
+                let id = match &phase {
+                    Phase::OwnPending(after) => after.as_str(),
+                    Phase::New => {
+                        cmd.arg("BLOCK").arg(cfg.block.as_millis() as u64);
+                        ">"
+                    }
+                };
+                cmd.arg("STREAMS").arg(&cfg.key).arg(id);
+                if matches!(phase, Phase::OwnPending(_)) {
+                    Origin::OwnPending
+                } else {
+                    Origin::New
+                }
+            };
+            let mut replies: Vec<RedisResult<Value>> = match pipe.query_async(&mut conn).await {
+                Ok(r) => r,
+                Err(e) => {
+                    queue.requeue(acks, generation);
+                    return Err(e);
+                }
+            };
+            let reply = replies.pop().unwrap_or(Ok(Value::Nil));
+            let lost = matches!(&reply, Err(e) if is_code(e, "NOGROUP"));
+            if let Some(sent) = replies.pop() {
+                match sent {
+                    // XACK on a missing group answers 0: these acks reached no group.
+                    Ok(_) if lost => counters.stale.increment(acks.len() as u64),
+                    Ok(_) => counters.acked.increment(acks.len() as u64),
+                    Err(_) => queue.requeue(acks, generation),
+                }
+            }
+            if lost {
+                let created =
+                    create_group(&mut conn, &cfg.key, &cfg.group, cfg.recreate_from).await?;
+                return Ok(Outcome::GroupLost { created });
+            }
+            let reply = match reply {
+                // A blocking read ended early by the server (the stream key was deleted,
+                // `CLIENT UNBLOCK … ERROR`): as if it timed out. If the group is gone, the
+                // next read says so with `NOGROUP`.
+                Err(e) if is_code(&e, "UNBLOCKED") => Value::Nil,
+                reply => reply?,
+            };
+            if claim {
+                let r = StreamAutoClaimReply::from_redis_value(reply)?;
+                Ok(Outcome::Batch(Batch {
+                    ids: r.claimed,
+                    origin,
+                    cursor: Some(r.next_stream_id),
+                }))
+            } else {
+                // A BLOCK that timed out replies nil.
+                let r: Option<StreamReadReply> = FromRedisValue::from_redis_value(reply)?;
+                let ids = r
+                    .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+                    .unwrap_or_default();
+                Ok(Outcome::Batch(Batch {
+                    ids,
+                    origin,
+                    cursor: None,
+                }))
+            }
+        }));
+    }
+
+    /// The group was lost and is there again: start over in it.
+    fn group_lost(&mut self, created: bool) {
+        self.acks.new_group();
+        self.phase = Phase::New;
+        self.claim_cursor = "0-0".into();
+        self.read_due = false;
+        self.next_claim = Instant::now() + self.config.claim_every;
+        self.counters.recreated.increment(1);
+        tracing::warn!(
+            stream = %self.config.key,
+            group = %self.config.group,
+            consumer = %self.config.consumer,
+            created,
+            "redis stream consumer group was gone (NOGROUP): created it again; acks of \
+             entries delivered before are not sent"
+        );
+    }
+
+    fn entries(&mut self, batch: Batch) -> Vec<StreamEntry> {
+        match batch.origin {
+            Origin::OwnPending => match batch.ids.last() {
+                Some(last) => self.phase = Phase::OwnPending(last.id.clone()),
+                None => self.phase = Phase::New,
+            },
+            Origin::Claimed => {
+                let cursor = batch.cursor.unwrap_or_else(|| "0-0".into());
+                // A full pass over the pending list: read new entries next, and wait before
+                // the next pass.
+                if cursor == "0-0" {
+                    self.next_claim = Instant::now() + self.config.claim_every;
+                    self.read_due = true;
+                }
+                self.claim_cursor = cursor;
+            }
+            Origin::New => self.read_due = false,
+        }
+        let mut st = self.acks.lock();
+        let generation = st.generation;
+        let mut entries = Vec::with_capacity(batch.ids.len());
+        for s in batch.ids {
+            // A claim also returns idle entries this consumer still holds: they are with the
+            // application already (the claim only reset their idle time).
+            if !st.held.insert(s.id.clone()) {
+                continue;
+            }
+            st.handles += 1;
+            entries.push(StreamEntry {
+                ack: Ack::new(s.id.clone(), generation, self.acks.clone()),
+                id: s.id,
+                fields: s.map,
+                origin: batch.origin,
+            });
+        }
+        drop(st);
+        if batch.origin == Origin::Claimed {
+            self.counters.claimed.increment(entries.len() as u64);
+        }
+        entries
+    }
+}
+
+impl<C> BatchSource for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + Unpin + 'static,
+{
+    type Item = StreamEntry;
+    type Error = RedisError;
+
+    /// Fetches at most `min(max, max_count)` entries. A fetch that finds the group lost
+    /// creates it again and returns an empty batch.
+    ///
+    /// # Cancel safety
+    ///
+    /// A fetch in progress is kept across polls and finished by the next call; dropping the
+    /// source mid-fetch may leave entries Redis handed out pending for this consumer: they
+    /// are recovered at its next start, or claimed after `min_idle`.
+    fn poll_fetch(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Fetched<StreamEntry, RedisError> {
+        let this = self.get_mut();
+        if this.fetch.is_none() {
+            this.start_fetch(max);
+        }
+        let Some(fetch) = this.fetch.as_mut() else {
+            return Poll::Pending;
+        };
+        let result = match fetch.as_mut().poll(cx) {
+            Poll::Ready(r) => r,
+            Poll::Pending => return Poll::Pending,
+        };
+        this.fetch = None;
+        Poll::Ready(Some(result.map(|outcome| match outcome {
+            Outcome::Batch(batch) => this.entries(batch),
+            Outcome::GroupLost { created } => {
+                this.group_lost(created);
+                Vec::new()
+            }
+        })))
+    }
+}
+
+impl<C> Drop for RedisStreamSource<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Acks not sent yet, and those of entries still being worked on, are sent by the
+    /// background task. Without one (no tokio runtime at build) they stay pending and are
+    /// redelivered: never lost.
+    fn drop(&mut self) {
+        self.acks.release_source();
+    }
+}

@@ -1,0 +1,79 @@
+//! The source's background task: sends queued acks, keeps held entries from going idle.
+
+use std::time::Duration;
+
+use redis::RedisResult;
+use redis::aio::ConnectionLike;
+use tokio::time::Instant;
+
+use super::ack::{AckQueue, xack};
+use super::builder::Config;
+use crate::metrics::Counter;
+use crate::sync::Arc;
+
+/// `lua/stream_keepalive.lua`: resets the idle time of entries this consumer still owns.
+const KEEPALIVE: &str = include_str!("../../../lua/stream_keepalive.lua");
+
+/// Ids per keep-alive script call, so one call never blocks Redis for long.
+const KEEPALIVE_CHUNK: usize = 500;
+
+/// The source's background task, on the tokio runtime it was built on:
+///
+/// - sends the queued acks `ack_interval` after the first one since the last send;
+/// - every `min_idle / 3`, resets the idle time of the entries the application still holds
+///   (`lua/stream_keepalive.lua`), so other consumers claim only entries of consumers that
+///   stopped, or entries dropped without an ack;
+///
+/// until the source and every [`Ack`](super::Ack) are gone and nothing is left to send. A
+/// failed send is retried after the next interval while any handle is alive and the group
+/// it was meant for is not lost; after that, the entries stay pending and are redelivered
+/// (at-least-once). While the group is missing, `XACK` answers 0 and the keep-alive script
+/// fails: both are harmless, and the fetch path re-creates the group.
+pub(super) async fn keep_in_background<C: ConnectionLike>(
+    queue: Arc<AckQueue>,
+    mut conn: C,
+    cfg: Arc<Config>,
+    acked: Counter,
+) {
+    let keepalive = redis::Script::new(KEEPALIVE);
+    let every = (cfg.min_idle / 3).max(Duration::from_millis(1));
+    let mut next_touch = Instant::now() + every;
+    loop {
+        let (idle, gone) = {
+            let st = queue.lock();
+            (st.ids.is_empty(), st.handles == 0)
+        };
+        if idle && gone {
+            return;
+        }
+        if idle {
+            // `notify_one` keeps a permit: a wake between the check and here is not lost.
+            tokio::select! {
+                () = queue.wake.notified() => {}
+                () = tokio::time::sleep_until(next_touch) => {}
+            }
+        } else {
+            tokio::time::sleep(cfg.ack_interval).await;
+            let _sending = queue.sending.lock().await;
+            let (ids, generation) = queue.take();
+            if !ids.is_empty() {
+                match xack(&mut conn, &cfg, &ids).await {
+                    Ok(_) => acked.increment(ids.len() as u64),
+                    Err(_) if queue.lock().handles == 0 => return,
+                    Err(_) => queue.requeue(ids, generation),
+                }
+            }
+        }
+        if Instant::now() >= next_touch {
+            let held: Vec<String> = queue.lock().held.iter().cloned().collect();
+            for ids in held.chunks(KEEPALIVE_CHUNK) {
+                let mut call = keepalive.key(&cfg.key);
+                call.arg(&cfg.group).arg(&cfg.consumer).arg(ids);
+                // A failed keep-alive is harmless: the next one comes `every` later, and at
+                // worst an entry is claimed by another consumer (at-least-once).
+                let _: RedisResult<u64> = call.invoke_async(&mut conn).await;
+            }
+            next_touch = Instant::now() + every;
+        }
+    }
+}

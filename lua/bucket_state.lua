@@ -8,7 +8,7 @@
 --   tat_us   the theoretical arrival time (TAT), whole microseconds of the Redis clock
 --   frac     the rest of the TAT, in units of 1/count us (0 <= frac < count)
 --   exp_us   until this time the key is known not to expire (0: not known)
--- The text form "<tat_us> <frac>" written by flowgate 0.1 is still read. KEEPTTL needs
+-- The text form "<tat_us> <frac>" of earlier development builds is still read. KEEPTTL needs
 -- Redis 6.0 or later.
 --
 -- TTL: a write sets the key's TTL only when the bucket would outlive it, and then to the time

@@ -9,13 +9,21 @@
 //! Metrics are emitted through the [`metrics`](https://docs.rs/metrics) facade: install any
 //! recorder (Prometheus, StatsD, …) to collect them.
 //!
-//! The names below are listed as components land; each is documented with its component.
-
-// Histograms are used by components still to land.
-#![allow(dead_code)]
+//! Each metric is documented with its component.
+//!
+//! # Unnamed primitives
+//!
+//! Primitives not given a name share the label `name="default"`. Their counters and
+//! histograms add up there, and so do their gauges: every gauge handle records its own
+//! instance's value as a contribution (changes are sent as increments and decrements, and
+//! what is left is taken back when the primitive is dropped), so two unnamed channels
+//! report the sum of their depths rather than overwriting each other. Name a primitive to
+//! see it on its own.
 
 #[cfg(feature = "metrics")]
 use std::sync::Arc;
+#[cfg(feature = "metrics")]
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The label every metric carries: the primitive's name.
 pub const NAME_LABEL: &str = "name";
@@ -30,11 +38,41 @@ pub(crate) struct Counter {
     inner: Option<metrics::Counter>,
 }
 
-/// A gauge handle (goes up and down).
+/// A gauge handle (goes up and down): one primitive instance's contribution to its gauge.
+/// Clones share the contribution; when the last clone is dropped, the contribution is taken
+/// back, so gauges sharing a label (unnamed primitives) always show the sum of the live
+/// instances' values.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Gauge {
     #[cfg(feature = "metrics")]
-    inner: Option<metrics::Gauge>,
+    inner: Option<Arc<Share>>,
+}
+
+/// A gauge and what this instance has added to it.
+#[cfg(feature = "metrics")]
+struct Share {
+    gauge: metrics::Gauge,
+    /// This instance's value, as `f64` bits.
+    value: AtomicU64,
+}
+
+#[cfg(feature = "metrics")]
+impl std::fmt::Debug for Share {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Share")
+            .field("value", &f64::from_bits(self.value.load(Ordering::Relaxed)))
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Drop for Share {
+    fn drop(&mut self) {
+        let left = f64::from_bits(*self.value.get_mut());
+        if left != 0.0 {
+            self.gauge.decrement(left);
+        }
+    }
 }
 
 /// A histogram handle.
@@ -88,7 +126,10 @@ impl Labels {
     ) -> Gauge {
         Gauge {
             #[cfg(feature = "metrics")]
-            inner: Some(metrics::gauge!(metric, self.all(extra))),
+            inner: Some(Arc::new(Share {
+                gauge: metrics::gauge!(metric, self.all(extra)),
+                value: AtomicU64::new(0f64.to_bits()),
+            })),
         }
     }
 
@@ -118,27 +159,16 @@ impl Counter {
 
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 impl Gauge {
+    /// Set this instance's value: the gauge moves by the difference.
     #[inline]
     pub(crate) fn set(&self, value: f64) {
         #[cfg(feature = "metrics")]
-        if let Some(g) = &self.inner {
-            g.set(value);
-        }
-    }
-
-    #[inline]
-    pub(crate) fn increment(&self, n: f64) {
-        #[cfg(feature = "metrics")]
-        if let Some(g) = &self.inner {
-            g.increment(n);
-        }
-    }
-
-    #[inline]
-    pub(crate) fn decrement(&self, n: f64) {
-        #[cfg(feature = "metrics")]
-        if let Some(g) = &self.inner {
-            g.decrement(n);
+        if let Some(share) = &self.inner {
+            let old = f64::from_bits(share.value.swap(value.to_bits(), Ordering::AcqRel));
+            let delta = value - old;
+            if delta != 0.0 {
+                share.gauge.increment(delta);
+            }
         }
     }
 }
@@ -160,8 +190,8 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use metrics::{
-        Counter as MCounter, CounterFn, Gauge as MGauge, Histogram as MHistogram, Key, KeyName,
-        Metadata, Recorder, SharedString, Unit,
+        Counter as MCounter, CounterFn, Gauge as MGauge, GaugeFn, Histogram as MHistogram, Key,
+        KeyName, Metadata, Recorder, SharedString, Unit,
     };
 
     use super::*;
@@ -170,6 +200,36 @@ mod tests {
     #[derive(Default)]
     struct TestRecorder {
         counters: Mutex<Vec<(Key, Arc<AtomicCounter>)>>,
+        gauges: Mutex<Vec<(Key, Arc<AtomicGauge>)>>,
+    }
+
+    /// An `f64` as bits.
+    #[derive(Default)]
+    struct AtomicGauge(AtomicU64);
+
+    impl AtomicGauge {
+        fn get(&self) -> f64 {
+            f64::from_bits(self.0.load(Ordering::Relaxed))
+        }
+        fn update(&self, f: impl Fn(f64) -> f64) {
+            let _ = self
+                .0
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                    Some(f(f64::from_bits(b)).to_bits())
+                });
+        }
+    }
+
+    impl GaugeFn for AtomicGauge {
+        fn increment(&self, value: f64) {
+            self.update(|v| v + value);
+        }
+        fn decrement(&self, value: f64) {
+            self.update(|v| v - value);
+        }
+        fn set(&self, value: f64) {
+            self.update(|_| value);
+        }
     }
 
     #[derive(Default)]
@@ -193,8 +253,15 @@ mod tests {
             self.counters.lock().unwrap().push((key.clone(), c.clone()));
             MCounter::from_arc(c)
         }
-        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> MGauge {
-            MGauge::noop()
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> MGauge {
+            // One gauge per key, as a real recorder keeps it.
+            let mut gauges = self.gauges.lock().unwrap();
+            if let Some((_, g)) = gauges.iter().find(|(k, _)| k == key) {
+                return MGauge::from_arc(g.clone());
+            }
+            let g = Arc::new(AtomicGauge::default());
+            gauges.push((key.clone(), g.clone()));
+            MGauge::from_arc(g)
         }
         fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> MHistogram {
             MHistogram::noop()
@@ -224,5 +291,38 @@ mod tests {
         metrics::with_local_recorder(&recorder, || Labels::new(None).counter("flowgate_x", &[]));
         let counters = recorder.counters.lock().unwrap();
         assert_eq!(counters[0].0.labels().next().unwrap().value(), DEFAULT_NAME);
+    }
+
+    #[test]
+    fn unnamed_gauges_add_up_and_a_dropped_one_takes_its_share_back() {
+        let recorder = TestRecorder::default();
+        let (a, b) = metrics::with_local_recorder(&recorder, || {
+            let labels = Labels::new(None);
+            (
+                labels.gauge("flowgate_test_depth", &[]),
+                labels.gauge("flowgate_test_depth", &[]),
+            )
+        });
+        let total = recorder.gauges.lock().unwrap()[0].1.clone();
+        a.set(3.0);
+        b.set(4.0);
+        assert_eq!(
+            total.get(),
+            7.0,
+            "two unnamed instances: the sum, not the last set"
+        );
+        a.set(1.0);
+        assert_eq!(total.get(), 5.0);
+        let a2 = a.clone();
+        drop(a);
+        assert_eq!(total.get(), 5.0, "a clone still holds the share");
+        drop(a2);
+        assert_eq!(
+            total.get(),
+            4.0,
+            "the dropped instance's share is taken back"
+        );
+        drop(b);
+        assert_eq!(total.get(), 0.0);
     }
 }

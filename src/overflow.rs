@@ -4,7 +4,11 @@ use std::fmt;
 
 /// The policy a bounded buffer applies to an item that arrives while it is full.
 ///
-/// Every buffer in flowgate (channels, pacing queues, waiting rooms) takes one of these.
+/// The bounded buffers of items in flowgate take one of these: channels
+/// ([`channel::Builder::overflow`](crate::channel::Builder::overflow)) and pacing queues
+/// ([`leaky_queue`](crate::FlowStreamExt::leaky_queue)). A bulkhead's waiting room holds
+/// callers, not items, and does not: a caller that finds it full is shed at once with an
+/// error.
 /// Whatever the policy, nothing disappears silently: a dropped item is handed to the
 /// buffer's `on_drop` hook (when one is set), counted in its metrics, and reported in the
 /// result of the call that caused the drop where that call has one (a channel's `send` and

@@ -93,9 +93,9 @@ pub(super) struct Inner<C> {
 ///   bucket key lives up to 1 s longer than that: its TTL is set with that slack so that most
 ///   writes can keep it (`SET .. KEEPTTL` costs Redis about half as much as `SET .. PX`).
 /// - **Redis version**: 6.0 or later (`SET .. KEEPTTL`).
-/// - **Upgrading from flowgate 0.1**: token bucket keys are now stored packed (25 bytes)
-///   instead of as text. This version reads both, but 0.1 cannot read the new form: upgrade
-///   every instance that shares a key prefix at once, or give the new ones a new prefix.
+/// - **State format**: a token bucket key holds 25 packed bytes; the text form
+///   `"<tat_us> <frac>"` of earlier development builds is still read (and rewritten packed),
+///   but those builds cannot read the packed form: do not share a prefix with them.
 /// - **Runtime limits**: the parameters travel with every call; change them by building a new
 ///   gate over the same prefix.
 /// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default

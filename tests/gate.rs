@@ -5,6 +5,9 @@
 
 mod support;
 
+#[path = "gate/failures.rs"]
+mod failures;
+
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -1,0 +1,641 @@
+//! The gate under the Redis failures of issue 14, against real `redis-server` processes:
+//! Redis refusing writes (OOM, a read-only replica, unmet `min-replicas-to-write`) under
+//! every failure policy and on every path, corrupt values on one key, `acquire_all`'s
+//! merging, limits, prefix and fallback, a full lease map, and a gate whose runtime shut
+//! down.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use flowgate::gate::{FailurePolicy, GateError, Limit, MemoryGate, RedisGate};
+use flowgate::{Decision, Quota};
+use futures::future::join_all;
+use redis::aio::{ConnectionManager, MultiplexedConnection};
+
+use super::support::RedisServer;
+
+/// How often a degraded gate tries Redis again.
+const PROBE: Duration = Duration::from_millis(50);
+/// The burst of the Redis gates' own limit.
+const BURST: u32 = 100;
+/// The burst of the fallback gate, and of the quotas given to `acquire_all`.
+const SMALL: u32 = 3;
+
+fn per_hour(n: u32) -> Quota {
+    Quota::per_hour(n).unwrap()
+}
+
+/// `fut`, or a panic naming `what` once `secs` seconds have passed.
+async fn bounded<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {secs} s"))
+}
+
+fn query(server: &RedisServer, args: &[&str]) {
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    let _: redis::Value = server
+        .query_blocking(&cmd)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+}
+
+// ----- Redis refusing writes -----
+
+/// One way a server refuses writes, and how to make it accept them again.
+enum Refusal {
+    /// `maxmemory 1` under `noeviction`: OOM.
+    OutOfMemory,
+    /// A replica of `master`: READONLY.
+    Replica { master: RedisServer },
+    /// `min-replicas-to-write 1` with no replica: NOREPLICAS.
+    NoReplicas,
+}
+
+impl Refusal {
+    fn apply(&self, server: &RedisServer) {
+        match self {
+            Refusal::OutOfMemory => {
+                query(server, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+                query(server, &["CONFIG", "SET", "maxmemory", "1"]);
+            }
+            Refusal::Replica { master } => {
+                let port = master.port().to_string();
+                query(server, &["REPLICAOF", "127.0.0.1", &port]);
+            }
+            Refusal::NoReplicas => query(server, &["CONFIG", "SET", "min-replicas-to-write", "1"]),
+        }
+    }
+
+    fn lift(&self, server: &RedisServer) {
+        match self {
+            Refusal::OutOfMemory => query(server, &["CONFIG", "SET", "maxmemory", "0"]),
+            Refusal::Replica { .. } => query(server, &["REPLICAOF", "NO", "ONE"]),
+            Refusal::NoReplicas => query(server, &["CONFIG", "SET", "min-replicas-to-write", "0"]),
+        }
+    }
+}
+
+/// The four ways into Redis, each on a gate of its own so that each is the first to meet
+/// the failure (its own classification is tested, not the degraded state another path
+/// left behind).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Path {
+    /// `check`, one script call per decision (`batch_size(1)`).
+    Check,
+    /// Concurrent `check`s sharing script calls (default batch size).
+    Batched,
+    /// `check` with leases of 5.
+    Lease,
+    /// `acquire_all` over two keys.
+    All,
+}
+
+const PATHS: [Path; 4] = [Path::Check, Path::Batched, Path::Lease, Path::All];
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Policy {
+    Error,
+    Open,
+    Closed,
+    Fallback,
+}
+
+const POLICIES: [Policy; 4] = [
+    Policy::Error,
+    Policy::Open,
+    Policy::Closed,
+    Policy::Fallback,
+];
+
+impl Policy {
+    fn make(self) -> FailurePolicy {
+        match self {
+            Policy::Error => FailurePolicy::Error,
+            Policy::Open => FailurePolicy::Open,
+            Policy::Closed => FailurePolicy::Closed,
+            Policy::Fallback => FailurePolicy::Fallback(
+                MemoryGate::new(Limit::TokenBucket(per_hour(SMALL))).unwrap(),
+            ),
+        }
+    }
+}
+
+async fn path_gate(
+    conn: &ConnectionManager,
+    policy: Policy,
+    path: Path,
+) -> RedisGate<ConnectionManager> {
+    let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(per_hour(BURST)))
+        .prefix(format!("{policy:?}:{path:?}:"))
+        .failure_policy(policy.make())
+        .probe_interval(PROBE)
+        // Generous: a slow CI machine must not turn a refusal into a timeout.
+        .timeout(Duration::from_secs(1));
+    let builder = match path {
+        Path::Check | Path::All => builder.batch_size(1),
+        Path::Batched => builder,
+        Path::Lease => builder.lease(5),
+    };
+    builder.build().await.unwrap()
+}
+
+/// One outcome of a call on a path: for `check`, one decision; for `acquire_all`, one per
+/// limit.
+type Outcome = Result<Vec<Decision>, GateError>;
+
+/// `n` calls for `key` on `path`: concurrent ones on the batched path, one after another
+/// on the others.
+async fn calls(
+    gate: &RedisGate<ConnectionManager>,
+    path: Path,
+    key: &str,
+    n: usize,
+) -> Vec<Outcome> {
+    let one = || async move { gate.check(key, 1).await.map(|d| vec![d]) };
+    bounded(5, "calls", async {
+        match path {
+            Path::Batched => join_all((0..n).map(|_| one())).await,
+            Path::Check | Path::Lease => {
+                let mut out = Vec::with_capacity(n);
+                for _ in 0..n {
+                    out.push(one().await);
+                }
+                out
+            }
+            Path::All => {
+                let (a, b) = (format!("{key}:a"), format!("{key}:b"));
+                let limits = [(a.as_str(), per_hour(SMALL)), (b.as_str(), per_hour(SMALL))];
+                let mut out = Vec::with_capacity(n);
+                for _ in 0..n {
+                    out.push(gate.acquire_all(&limits, 1).await);
+                }
+                out
+            }
+        }
+    })
+    .await
+}
+
+/// While Redis refuses writes, each call on `path` is decided by `policy`.
+fn assert_policy_decides(policy: Policy, path: Path, outcomes: &[Outcome]) {
+    let at = format!("{policy:?} on {path:?}");
+    let mut admitted = 0;
+    for outcome in outcomes {
+        let decisions = match (policy, outcome) {
+            (Policy::Error, Err(GateError::Backend(_))) => continue,
+            (_, Ok(ds)) if policy != Policy::Error => ds,
+            (_, other) => panic!("{at}: {other:?}"),
+        };
+        let allowed = decisions[0].allowed;
+        assert!(
+            decisions.iter().all(|d| d.allowed == allowed),
+            "{at}: not all or nothing: {decisions:?}"
+        );
+        admitted += usize::from(allowed);
+        for d in decisions {
+            match policy {
+                Policy::Open => assert!(d.allowed && d.limit == u64::MAX, "{at}: {d:?}"),
+                Policy::Closed => assert!(
+                    !d.allowed && d.retry_after > Duration::ZERO && d.retry_after <= PROBE,
+                    "{at}: retry_after is not the time until the next probe: {d:?}"
+                ),
+                // The memory gate's burst (its own limit, or the quota given to acquire_all).
+                _ => assert_eq!(d.limit, u64::from(SMALL), "{at}: {d:?}"),
+            }
+        }
+    }
+    if policy == Policy::Fallback {
+        assert_eq!(admitted, SMALL as usize, "{at}: the memory gate's burst");
+    }
+}
+
+/// Once Redis accepts writes again, `gate` returns to Redis by itself within a few probe
+/// intervals: it stops being degraded after a probe, and then calls on `path` are decided
+/// by Redis (healthy before and after them, so every one reached Redis and none failed).
+async fn assert_recovers(gate: &RedisGate<ConnectionManager>, policy: Policy, path: Path) {
+    let at = format!("{policy:?} on {path:?}");
+    let started = Instant::now();
+    for attempt in 0.. {
+        assert!(
+            started.elapsed() < 10 * PROBE,
+            "{at}: not back on Redis after {:?}",
+            started.elapsed()
+        );
+        let key = format!("{policy:?}:up{attempt}");
+        if gate.is_degraded() {
+            // Calls while degraded are the probes.
+            let _ = calls(gate, path, &key, 1).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        let n = if path == Path::Batched { 32 } else { 2 };
+        let outcomes = calls(gate, path, &key, n).await;
+        assert!(!gate.is_degraded(), "{at}: failed again: {outcomes:?}");
+        for outcome in outcomes {
+            let ds = outcome.unwrap_or_else(|e| panic!("{at}: {e}"));
+            assert!(
+                ds.iter().all(|d| d.allowed && d.limit < u64::MAX),
+                "{at}: {ds:?}"
+            );
+        }
+        return;
+    }
+}
+
+/// Under `refusal`, every policy applies on every path, and every gate recovers by itself
+/// when the refusal is lifted.
+///
+/// Each gate has a prefix of its own, and its keys name its policy as well, so no two gates
+/// share a bucket even on a path that would ignore the prefix.
+async fn refusing_writes(refusal: Refusal) {
+    let server = RedisServer::start();
+    let conn = super::manager(&server).await;
+    let mut gates = Vec::new();
+    for policy in POLICIES {
+        for path in PATHS {
+            let gate = path_gate(&conn, policy, path).await;
+            // Healthy, and on Redis, before.
+            let before = calls(&gate, path, &format!("{policy:?}:before"), 1).await;
+            assert!(
+                before[0].as_ref().is_ok_and(|ds| ds[0].allowed),
+                "{before:?}"
+            );
+            gates.push((policy, path, gate));
+        }
+    }
+    refusal.apply(&server);
+    for (policy, path, gate) in &gates {
+        let n = if *path == Path::Batched { 32 } else { 5 };
+        let outcomes = calls(gate, *path, &format!("{policy:?}:down"), n).await;
+        assert_policy_decides(*policy, *path, &outcomes);
+        assert!(gate.is_degraded(), "{policy:?} on {path:?}: not degraded");
+    }
+    refusal.lift(&server);
+    for (policy, path, gate) in &gates {
+        assert_recovers(gate, *policy, *path).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_out_of_memory_is_a_redis_failure_on_every_path_and_the_gate_recovers() {
+    refusing_writes(Refusal::OutOfMemory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_replica_is_a_redis_failure_on_every_path_and_the_gate_recovers() {
+    // The replica syncs at once (the default waits 5 s for more replicas).
+    let master = RedisServer::start_with_args(&["--repl-diskless-sync-delay", "0"]);
+    refusing_writes(Refusal::Replica { master }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmet_min_replicas_is_a_redis_failure_on_every_path_and_the_gate_recovers() {
+    refusing_writes(Refusal::NoReplicas).await;
+}
+
+// ----- corrupt values on one key -----
+
+/// A packed token bucket state: a zero byte, then tat_us, frac, exp_us as little-endian
+/// doubles (`lua/bucket_state.lua`).
+fn packed(tat_us: f64, frac: f64, exp_us: f64) -> Vec<u8> {
+    let mut v = vec![0u8];
+    for x in [tat_us, frac, exp_us] {
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+/// Values no token bucket script can read, by the key that holds them.
+fn corrupt_values() -> Vec<(&'static str, Vec<u8>)> {
+    vec![
+        ("garbage", b"garbage".to_vec()),
+        ("twelve", b"12".to_vec()),
+        ("short", b"\0abc".to_vec()),
+        ("nan", packed(f64::NAN, 0.0, 0.0)),
+        ("inf", packed(f64::INFINITY, 0.0, 0.0)),
+        ("neginf", packed(f64::NEG_INFINITY, 0.0, 0.0)),
+        ("far", packed(1e18, 0.0, 0.0)),
+        ("nan-frac", packed(0.0, f64::NAN, 0.0)),
+        ("inf-expiry", packed(0.0, 0.0, f64::INFINITY)),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_value_fails_only_its_key_on_every_path() {
+    const GOOD_BURST: u32 = 5;
+    const GOOD: usize = 7;
+    const ROUNDS: usize = 5;
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let bad = corrupt_values();
+    // 9 bad + 7 good keys, two callers each: 32 concurrent calls per round.
+    let keys: Vec<String> = bad
+        .iter()
+        .map(|(k, _)| k.to_string())
+        .chain((0..GOOD).map(|i| format!("good{i}")))
+        .collect();
+    let tenant = per_hour(1_000);
+    for path in PATHS {
+        let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(per_hour(GOOD_BURST)))
+            .prefix(format!("corrupt:{path:?}:"))
+            .timeout(Duration::from_secs(2));
+        let gate = match path {
+            Path::Check | Path::All => builder.batch_size(1),
+            Path::Batched => builder,
+            Path::Lease => builder.lease(3).lease_ttl(Duration::from_secs(60)),
+        }
+        .build()
+        .await
+        .unwrap();
+        for (key, value) in &bad {
+            let set = redis::cmd("SET")
+                .arg(gate.redis_key(key))
+                .arg(value)
+                .clone();
+            let _: () = server.query_blocking(&set).unwrap();
+        }
+        let one = |key: &str| {
+            let gate = gate.clone();
+            let key = key.to_string();
+            async move {
+                match path {
+                    // The bad keys' calls must charge nothing on the shared tenant layer.
+                    Path::All => gate
+                        .acquire_all(&[(&key, per_hour(GOOD_BURST)), ("tenant", tenant)], 1)
+                        .await
+                        .map(|ds| ds[0]),
+                    _ => gate.check(&key, 1).await,
+                }
+            }
+        };
+        let mut admitted = vec![0u32; keys.len()];
+        for round in 0..ROUNDS {
+            let at = format!("{path:?}, round {round}");
+            let batch = keys.iter().chain(&keys).map(|k| one(k));
+            let outcomes = bounded(10, &at, join_all(batch)).await;
+            for (i, outcome) in outcomes.iter().enumerate() {
+                let k = i % keys.len();
+                match (k < bad.len(), outcome) {
+                    (true, Err(GateError::UnreadableKey(_))) => {}
+                    (false, Ok(d)) => admitted[k] += u32::from(d.allowed),
+                    (_, other) => panic!("{at}: {}: {other:?}", keys[k]),
+                }
+            }
+            assert!(
+                !gate.is_degraded(),
+                "{at}: one corrupt key degraded the gate"
+            );
+        }
+        assert_eq!(
+            admitted[bad.len()..],
+            [GOOD_BURST; GOOD],
+            "{path:?}: every good key admitted exactly its burst"
+        );
+        if path == Path::All {
+            let d = gate.acquire_all(&[("tenant", tenant)], 1).await.unwrap();
+            let charged = 1 + GOOD as u64 * u64::from(GOOD_BURST);
+            assert_eq!(
+                d[0].remaining,
+                1_000 - charged,
+                "only the good calls charged"
+            );
+        }
+    }
+}
+
+// ----- acquire_all -----
+
+/// A gate with the default settings but `prefix`, on a new connection to `server`.
+async fn default_gate(server: &RedisServer, prefix: &str) -> RedisGate<MultiplexedConnection> {
+    RedisGate::builder(server.connect().await, super::quota(100))
+        .prefix(prefix)
+        .build()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn acquire_all_charges_a_key_listed_twice_for_each_listing() {
+    let server = RedisServer::start();
+    let gate = default_gate(&server, "flowgate:").await;
+    let one = per_hour(1);
+    assert!(matches!(
+        gate.acquire_all(&[("k1", one), ("k1", one)], 1).await,
+        Err(GateError::InsufficientCapacity {
+            cost: 2,
+            capacity: 1
+        })
+    ));
+    // Nothing was charged.
+    assert!(gate.acquire_all(&[("k1", one)], 1).await.unwrap()[0].allowed);
+
+    let two = per_hour(2);
+    let both = gate
+        .acquire_all(&[("k2", two), ("k2", two)], 1)
+        .await
+        .unwrap();
+    assert_eq!(both.len(), 2);
+    assert!(
+        both.iter().all(|d| d.allowed && d.remaining == 0),
+        "{both:?}"
+    );
+    let after = gate.acquire_all(&[("k2", two)], 1).await.unwrap();
+    assert!(
+        !after[0].allowed,
+        "charged twice: the bucket is empty: {after:?}"
+    );
+}
+
+#[tokio::test]
+async fn acquire_all_refuses_conflicting_quotas_and_too_many_limits() {
+    let server = RedisServer::start();
+    let gate = default_gate(&server, "flowgate:").await;
+    match gate
+        .acquire_all(&[("k", per_hour(1)), ("k", per_hour(2))], 1)
+        .await
+    {
+        Err(GateError::ConflictingQuotas { key }) => assert_eq!(key, "k"),
+        other => panic!("{other:?}"),
+    }
+    let names: Vec<String> = (0..33).map(|i| format!("k{i}")).collect();
+    let limits: Vec<(&str, Quota)> = names.iter().map(|k| (k.as_str(), per_hour(5))).collect();
+    assert!(matches!(
+        gate.acquire_all(&limits, 1).await,
+        Err(GateError::TooManyLimits { given: 33, max: 32 })
+    ));
+    let all = gate.acquire_all(&limits[..32], 1).await.unwrap();
+    assert!(
+        all.len() == 32 && all.iter().all(|d| d.allowed),
+        "32 is allowed"
+    );
+}
+
+#[tokio::test]
+async fn acquire_all_keys_get_the_gate_prefix() {
+    let server = RedisServer::start();
+    let gate = default_gate(&server, "pfx:").await;
+    assert!(gate.acquire_all(&[("k", per_hour(5))], 1).await.unwrap()[0].allowed);
+    let exists = |key: &str| -> bool {
+        server
+            .query_blocking(redis::cmd("EXISTS").arg(key))
+            .unwrap()
+    };
+    assert!(exists("pfx:k"), "stored under the prefix");
+    assert!(!exists("k"), "not without it");
+}
+
+#[tokio::test]
+async fn acquire_all_under_fallback_decides_all_or_nothing_in_memory() {
+    let server = RedisServer::start();
+    let fallback = MemoryGate::new(super::quota(100)).unwrap();
+    let gate = RedisGate::builder(super::manager(&server).await, super::quota(100))
+        .failure_policy(FailurePolicy::Fallback(fallback))
+        .build()
+        .await
+        .unwrap();
+    server.kill();
+    let (ip, user) = (per_hour(5), per_hour(3));
+    let layers = [("ip", ip), ("user", user)];
+    for i in 0..3 {
+        let ds = bounded(2, "acquire_all", gate.acquire_all(&layers, 1))
+            .await
+            .unwrap_or_else(|e| panic!("call {i}: {e}"));
+        assert!(ds.iter().all(|d| d.allowed), "call {i}: {ds:?}");
+        assert_eq!((ds[0].limit, ds[1].limit), (5, 3), "the quotas given");
+    }
+    assert!(gate.is_degraded());
+    let ds = gate.acquire_all(&layers, 1).await.unwrap();
+    assert!(
+        ds.iter().all(|d| !d.allowed),
+        "the user layer is empty: {ds:?}"
+    );
+    assert_eq!((ds[0].remaining, ds[1].remaining), (2, 0));
+    // The rejection charged no layer: the IP layer still has 2.
+    let ip_only = gate.acquire_all(&[("ip", ip)], 2).await.unwrap();
+    assert!(
+        ip_only[0].allowed && ip_only[0].remaining == 0,
+        "{ip_only:?}"
+    );
+}
+
+// ----- leases -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_lease_map_admits_what_check_admits() {
+    const KEYS: usize = 8;
+    const KEY_BURST: u32 = 20;
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let limit = Limit::TokenBucket(per_hour(KEY_BURST));
+    let leased = RedisGate::builder(conn.clone(), limit)
+        .prefix("leased:")
+        .lease(10)
+        .lease_keys(2)
+        .lease_ttl(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let plain = RedisGate::builder(conn, limit)
+        .prefix("plain:")
+        .build()
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+    let mut admitted = [vec![0u32; KEYS], vec![0u32; KEYS]];
+    // Round robin over the keys, twice the burst each: most keys find the map full.
+    bounded(20, "rounds", async {
+        for _ in 0..2 * KEY_BURST {
+            for (i, key) in keys.iter().enumerate() {
+                for (gate, count) in [&leased, &plain].into_iter().zip(&mut admitted) {
+                    count[i] += u32::from(gate.check(key, 1).await.unwrap().allowed);
+                }
+            }
+        }
+    })
+    .await;
+    assert_eq!(admitted[1], vec![KEY_BURST; KEYS], "check admits the burst");
+    assert_eq!(
+        admitted[0], admitted[1],
+        "leases under a full map admit what check admits"
+    );
+    assert!(leased.leased_keys() <= 2, "{}", leased.leased_keys());
+}
+
+#[tokio::test]
+async fn a_lease_decision_reports_when_the_bucket_is_full_again() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, Limit::TokenBucket(per_hour(10)))
+        .lease(5)
+        .lease_ttl(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    // One token per 360 s: 5 debited in Redis are refilled 1800 s after the lease.
+    let taken = gate.check("k", 1).await.unwrap();
+    let spent = gate.check("k", 1).await.unwrap();
+    assert!(taken.allowed && spent.allowed);
+    assert_eq!(spent.remaining, 5 - 2, "the lease's remaining tokens");
+    for d in [taken, spent] {
+        assert!(
+            d.reset_after > Duration::from_secs(1_790)
+                && d.reset_after <= Duration::from_secs(1_800),
+            "{d:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn zero_lease_settings_are_config_errors() {
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let leased = || RedisGate::builder(conn.clone(), super::quota(10)).lease(5);
+    let keys = leased().lease_keys(0).build().await.unwrap_err();
+    assert_eq!(keys.field(), "gate.lease_keys");
+    let ttl = leased()
+        .lease_ttl(Duration::ZERO)
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(ttl.field(), "gate.lease_ttl");
+}
+
+// ----- runtime loss -----
+
+#[test]
+fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
+    const KEYS: usize = 16;
+    const KEY_BURST: u32 = 40;
+    let server = RedisServer::start();
+    // The test's runtime: it owns the connection (and drives it while the other builds).
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = main.block_on(server.connect());
+    // The gate, and so its batch driver, on a runtime that then shuts down.
+    let other = super::rt();
+    let gate = other
+        .block_on(
+            RedisGate::builder(conn, Limit::TokenBucket(per_hour(KEY_BURST)))
+                .timeout(Duration::from_secs(2))
+                .build(),
+        )
+        .unwrap();
+    drop(other);
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+    let calls = keys.iter().cycle().take(1_600).map(|k| gate.check(k, 1));
+    let outcomes = main.block_on(bounded(20, "1600 calls", join_all(calls)));
+    let mut admitted = vec![0u32; KEYS];
+    for (i, outcome) in outcomes.iter().enumerate() {
+        match outcome {
+            Ok(d) => admitted[i % KEYS] += u32::from(d.allowed),
+            Err(e) => panic!("call {i}: {e}"),
+        }
+    }
+    assert_eq!(admitted, vec![KEY_BURST; KEYS], "exactly the burst per key");
+    assert!(!gate.is_degraded());
+}

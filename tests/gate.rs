@@ -243,7 +243,7 @@ async fn bad_input_is_a_typed_error_and_never_reaches_redis() {
 }
 
 #[tokio::test]
-async fn a_bucket_in_the_text_form_of_0_1_is_still_read() {
+async fn a_bucket_in_the_text_form_of_earlier_builds_is_still_read() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
     // 10/s, and 2 000 000/s: there the text form's fraction has 7 digits, which makes the

@@ -633,6 +633,90 @@ async fn the_spawning_adapter_makes_progress_while_the_consumer_is_busy() {
     assert!(b.in_flight() >= 3, "the futures in flight were not polled");
 }
 
+/// An output that counts its live instances: made when a mapped future finishes, gone
+/// when the consumer drops it.
+struct Counted(Gauge);
+
+impl Counted {
+    fn new(live: Gauge) -> Counted {
+        live.enter();
+        Counted(live)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.exit();
+    }
+}
+
+/// `bulkhead_spawn_map` over `n` items whose futures finish at once with a [`Counted`].
+fn counted_outputs(
+    n: u32,
+    b: &Bulkhead,
+    live: &Gauge,
+) -> impl futures::Stream<Item = Counted> + use<> {
+    let live = live.clone();
+    futures::stream::iter(0..n).bulkhead_spawn_map(b.clone(), move |_| {
+        let live = live.clone();
+        async move { Counted::new(live) }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_spawning_adapter_bounds_finished_outputs_under_a_slow_consumer() {
+    let b = Bulkhead::new(16).unwrap();
+    let live = Gauge::default();
+    let mut stream = pin!(counted_outputs(10_000, &b, &live));
+    let mut consumed = 0;
+    while let Some(out) = stream.next().await {
+        drop(out);
+        consumed += 1;
+        // A slow consumer: the tasks finish while it sleeps.
+        if consumed % 2 == 0 {
+            sleep(Duration::from_millis(1)).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert_eq!(consumed, 10_000);
+    assert_eq!(live.now.load(Ordering::SeqCst), 0);
+    assert!(
+        live.max() <= 16,
+        "{} finished outputs waited for the consumer; the bound is the limit, 16",
+        live.max()
+    );
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_spawning_adapter_follows_a_lowered_limit() {
+    let b = Bulkhead::new(8).unwrap();
+    let live = Gauge::default();
+    let mut stream = pin!(counted_outputs(200, &b, &live));
+    drop(stream.next().await);
+    b.set_limit(2).unwrap();
+    // Let the outstanding tasks finish, then drain them; from then on at most 2 wait.
+    sleep(Duration::from_millis(1)).await;
+    for _ in 0..8 {
+        drop(stream.next().await);
+    }
+    live.max
+        .store(live.now.load(Ordering::SeqCst), Ordering::SeqCst);
+    let mut rest = 0;
+    while let Some(out) = stream.next().await {
+        drop(out);
+        rest += 1;
+        sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(rest, 191);
+    assert!(
+        live.max() <= 2,
+        "{} outputs waited under limit 2",
+        live.max()
+    );
+}
+
 #[tokio::test]
 async fn closing_the_bulkhead_ends_an_adapter_after_work_in_flight() {
     let b = Bulkhead::new(1).unwrap();

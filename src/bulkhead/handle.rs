@@ -101,6 +101,12 @@ impl Bulkhead {
     /// [`Rejected::WaitingRoomFull`] at once when the room is full (or later, if shed for
     /// critical work), [`Rejected::TimedOut`] after `wait_timeout`, [`Rejected::Closed`].
     ///
+    /// # Panics
+    ///
+    /// With a [`wait_timeout`](BulkheadBuilder::wait_timeout), the future starts a tokio
+    /// timer when it has to wait: it panics if it is polled outside a tokio runtime with
+    /// timers enabled and finds no free permit. Without a timeout it needs no runtime.
+    ///
     /// # Cancel safety
     ///
     /// Cancel-safe: see [`Acquire`].
@@ -113,6 +119,10 @@ impl Bulkhead {
     /// # Errors
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Panics
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
     pub fn acquire_with(&self, priority: Priority) -> Acquire<'_> {
         Acquire::new(&self.core, priority)
     }
@@ -122,6 +132,10 @@ impl Bulkhead {
     /// # Errors
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Panics
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
     pub fn acquire_owned(&self) -> AcquireOwned {
         AcquireOwned::new(self.core.clone(), Priority::Normal)
     }
@@ -129,6 +143,10 @@ impl Bulkhead {
     /// As [`acquire_with`](Bulkhead::acquire_with), with a `'static` permit.
     ///
     /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
     pub fn acquire_owned_with(&self, priority: Priority) -> AcquireOwned {
@@ -161,6 +179,10 @@ impl Bulkhead {
     /// # Errors
     ///
     /// As [`acquire`](Bulkhead::acquire); `work` is not started when rejected.
+    ///
+    /// # Panics
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, Rejected> {
         self.run_with(Priority::Normal, work).await
     }
@@ -168,6 +190,10 @@ impl Bulkhead {
     /// As [`run`](Bulkhead::run), at `priority`.
     ///
     /// # Errors
+    ///
+    /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
     pub async fn run_with<F: Future>(
@@ -281,7 +307,10 @@ impl BulkheadBuilder {
     }
 
     /// The longest an acquisition waits before failing with [`Rejected::TimedOut`] (default:
-    /// no limit).
+    /// no limit). The timeout is a tokio timer, so with one set, an acquisition that has to
+    /// wait must be polled inside a tokio runtime with timers enabled (see
+    /// [`Bulkhead::acquire`]'s `# Panics`). The stream adapters wait untimed and are not
+    /// affected.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
         self

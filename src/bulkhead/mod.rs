@@ -25,6 +25,18 @@
 //! mapped future runs on its own task, so it progresses and releases its permit regardless of
 //! the consumer. Use the in-poll adapters for cheap consumers, non-`Send` futures, or when
 //! spawning is not wanted.
+//!
+//! **Memory.** Every adapter keeps at most the bulkhead's `limit` outputs: `bulkhead_map`
+//! counts the futures in flight and the outputs waiting for their turn, `bulkhead_spawn_map`
+//! the tasks running and the finished outputs the consumer has not taken yet (a slow
+//! consumer slows the intake; it never makes finished outputs pile up), and
+//! `bulkhead_map_unordered` yields each output in the poll in which its future completes.
+//!
+//! # Panics
+//!
+//! `bulkhead_spawn_map` spawns tokio tasks, and an acquisition with a
+//! [`wait_timeout`](BulkheadBuilder::wait_timeout) starts a tokio timer when it has to
+//! wait: both panic outside a tokio runtime (with timers enabled, for the timeout).
 
 mod acquire;
 mod core;

@@ -40,7 +40,22 @@ impl<T> Drop for AbortOnDrop<T> {
 /// permit was already returned when the task unwound). Dropping the stream aborts the tasks
 /// still running; their permits are returned as they stop.
 ///
-/// Must be polled inside a tokio runtime.
+/// # Memory bound
+///
+/// A task returns its permit the moment its future ends, before the consumer takes its
+/// output, so permits never sit idle behind a slow consumer. What the adapter keeps is
+/// bounded instead: it spawns only while fewer than the bulkhead's
+/// [`limit`](Bulkhead::limit) of its tasks are outstanding — running, or finished with an
+/// output the consumer has not taken yet. So at most `limit` finished outputs ever wait for
+/// the consumer, however slow it is; a slow consumer slows the intake, and memory stays at
+/// most `limit` tasks and their outputs. (After [`set_limit`](Bulkhead::set_limit) lowers
+/// the limit, no new task starts until the outstanding ones are below the new limit.)
+///
+/// # Panics
+///
+/// Panics if polled outside a tokio runtime: each mapped future is spawned with
+/// [`tokio::spawn`]. A panic in a mapped future is resumed by the poll that would have
+/// yielded its output.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadSpawnMap<St: Stream, F, Fut: Future> {
@@ -97,7 +112,12 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
-        while let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty()) {
+        // `running` holds every task whose output the consumer has not taken, finished or
+        // not: keeping it under the limit bounds the finished outputs waiting (see the
+        // type's docs). With tasks outstanding, the next one to finish wakes this stream.
+        while this.running.len() < this.feed.limit()
+            && let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty())
+        {
             let permit = this.feed.as_mut().into_owned();
             let fut = (this.f)(item);
             this.running.push(AbortOnDrop(tokio::spawn(async move {

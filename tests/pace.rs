@@ -5,6 +5,7 @@ mod support;
 
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use flowgate::pace::{PaceError, Pacer, TryAcquireError};
@@ -12,6 +13,14 @@ use flowgate::{ConfigErrorKind, FlowSinkExt, FlowStreamExt, Overflow, Rate};
 use futures::{SinkExt, StreamExt, poll};
 use proptest::prelude::*;
 use tokio::time::Instant;
+
+/// A pacer at `per_second` with `burst`.
+fn pacer(per_second: u32, burst: u32) -> Pacer {
+    Pacer::builder(Rate::per_second(per_second).unwrap())
+        .burst(burst)
+        .build()
+        .unwrap()
+}
 
 /// Release `costs` through `pacer` from a saturated source; returns `(ns since start, cost)`.
 async fn releases(pacer: Pacer, costs: Vec<u32>) -> Vec<(u64, u32)> {
@@ -89,10 +98,7 @@ async fn the_rate_is_exact_and_does_not_drift() {
     // 3 per second does not divide a second, and the timer rounds every wait up to a whole
     // millisecond; the schedule still does not drift: item i (after a burst of 2) is due at
     // exactly (i - 1) / 3 s, and item 3 001 leaves at 1 000 s.
-    let pacer = Pacer::builder(Rate::per_second(3).unwrap())
-        .burst(2)
-        .build()
-        .unwrap();
+    let pacer = pacer(3, 2);
     let rel = releases(pacer, vec![1; 3_002]).await;
     let last = Duration::from_nanos(rel.last().unwrap().0);
     assert_eq!(last, Duration::from_secs(1_000));
@@ -120,10 +126,7 @@ async fn high_rates_leave_in_on_time_batches() {
 
 #[tokio::test(start_paused = true)]
 async fn waiters_are_served_fifo_across_tasks() {
-    let pacer = Pacer::builder(Rate::per_second(100).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(100, 1);
     pacer.until_ready(1).await.unwrap(); // from here on, everyone waits
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -153,10 +156,7 @@ async fn waiters_are_served_fifo_across_tasks() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_waiter_gives_its_place_back() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     pacer.until_ready(1).await.unwrap(); // t = 0; next due at 100 ms
     let start = Instant::now();
     {
@@ -181,10 +181,7 @@ async fn a_dropped_waiter_gives_its_place_back() {
 
 #[tokio::test(start_paused = true)]
 async fn an_item_above_the_burst_pays_in_chunks_and_cost_zero_is_free() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(2)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 2);
     // Cost 5 with a burst of 2 at 10/s from a full bucket: 2 at 0 ms, 2 at 200 ms, 1 at 300 ms.
     let rel = releases(pacer, vec![5, 0, 1]).await;
     let ms: Vec<u64> = rel.iter().map(|r| r.0 / 1_000_000).collect();
@@ -193,10 +190,7 @@ async fn an_item_above_the_burst_pays_in_chunks_and_cost_zero_is_free() {
 
 #[tokio::test(start_paused = true)]
 async fn try_acquire_and_bad_costs() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(2)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 2);
     pacer.try_acquire(2).unwrap();
     assert_eq!(
         pacer.try_acquire(1),
@@ -225,10 +219,7 @@ async fn try_acquire_and_bad_costs() {
 
 #[tokio::test(start_paused = true)]
 async fn set_rate_applies_to_waiters_at_once() {
-    let pacer = Pacer::builder(Rate::per_second(1).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(1, 1);
     pacer.until_ready(1).await.unwrap();
     let start = Instant::now();
     let mut next = Box::pin(pacer.until_ready(1));
@@ -271,10 +262,7 @@ async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
 
 #[tokio::test(start_paused = true)]
 async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     let mut a = Box::pin(futures::stream::iter(0..10u32).leaky_with(pacer.clone()));
     let start = Instant::now();
     assert_eq!(a.next().await, Some(0));
@@ -296,11 +284,54 @@ async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back()
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_stalled_item_above_the_burst_is_stepped_over_after_the_grace() {
+    // 10/s, burst 2: an item of cost 20 pays in chunks of 2.
+    let pacer = pacer(10, 2);
+    let start = Instant::now();
+    pacer.until_ready(2).await.unwrap(); // the bucket is empty: the next unit is due at 100 ms
+    let mut head = Box::pin(pacer.until_ready(1));
+    assert!(poll!(head.as_mut()).is_pending());
+    // A heavy item queues behind `head`, then its task stops polling it (a busy `select!`).
+    let mut heavy = Box::pin(futures::stream::iter([20u32]).leaky_cost(pacer.clone(), |c| *c));
+    assert!(poll!(heavy.next()).is_pending());
+    head.await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    // `heavy` is first in line now; its first chunk of 2 is due at 300 ms. Unclaimed, it is
+    // stepped over 10 ms later, not after the (20 - 2) / 10 s its whole cost would take.
+    pacer.until_ready(1).await.unwrap();
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(310),
+        "the other user of the pacer waited for the stalled heavy item"
+    );
+    // Polled again, `heavy` takes its place back and pays its 20 units at the rate: ten
+    // chunks of 2, 200 ms apart, the first due at 410 ms (after the unit taken at 310 ms).
+    assert_eq!(heavy.next().await, Some(20));
+    assert_eq!(start.elapsed(), Duration::from_millis(2_210));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_more_than_the_burst_fails_at_once_behind_others() {
+    let pacer = pacer(10, 2);
+    pacer.until_ready(2).await.unwrap();
+    let start = Instant::now();
+    let mut head = Box::pin(pacer.until_ready(1));
+    assert!(poll!(head.as_mut()).is_pending());
+    // Behind a waiter, a cost that can never pass is refused at once, without queueing.
+    let mut big = Box::pin(pacer.until_ready(3));
+    assert!(matches!(
+        poll!(big.as_mut()),
+        Poll::Ready(Err(PaceError::InsufficientCapacity { cost: 3, burst: 2 }))
+    ));
+    assert_eq!(pacer.waiting(), 1);
+    drop(big);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    head.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_next_waiter_takes_over_the_watch_when_the_watcher_leaves() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     pacer.until_ready(1).await.unwrap();
     let start = Instant::now();
     let mut a = Box::pin(pacer.until_ready(1));
@@ -318,10 +349,7 @@ async fn the_next_waiter_takes_over_the_watch_when_the_watcher_leaves() {
 
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_yields_with_an_upstream_that_is_always_ready() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     let mut queue = futures::stream::repeat(7u32)
         .leaky_queue(pacer, 4, Overflow::DropNewest)
         .unwrap();
@@ -332,10 +360,7 @@ async fn leaky_queue_yields_with_an_upstream_that_is_always_ready() {
 
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_reports_what_is_still_queued_when_dropped() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let hook = seen.clone();
     let mut queue = futures::stream::iter(0..5u32)
@@ -361,10 +386,7 @@ async fn leaky_queue_drops_by_policy_and_counts() {
     ] {
         let dropped = Arc::new(Mutex::new(Vec::new()));
         let seen = dropped.clone();
-        let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-            .burst(1)
-            .build()
-            .unwrap();
+        let pacer = pacer(10, 1);
         let (tx, rx) = futures::channel::mpsc::unbounded();
         for i in 0..10u32 {
             tx.unbounded_send(i).unwrap();
@@ -390,10 +412,7 @@ async fn leaky_queue_drops_by_policy_and_counts() {
 
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_with_backpressure_loses_nothing() {
-    let pacer = Pacer::builder(Rate::per_second(100).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(100, 1);
     let out: Vec<u32> = futures::stream::iter(0..50)
         .leaky_queue(pacer, 4, Overflow::Backpressure)
         .unwrap()
@@ -406,12 +425,7 @@ async fn leaky_queue_with_backpressure_loses_nothing() {
 async fn a_sink_is_paced() {
     let (tx, rx) = flowgate::channel::bounded::<u32>(100).unwrap();
     let start = Instant::now();
-    let mut sink = tx.leaky_with(
-        Pacer::builder(Rate::per_second(20).unwrap())
-            .burst(1)
-            .build()
-            .unwrap(),
-    );
+    let mut sink = tx.leaky_with(pacer(20, 1));
     for i in 0..5 {
         sink.send(i).await.unwrap();
     }
@@ -422,10 +436,7 @@ async fn a_sink_is_paced() {
 
 #[tokio::test(start_paused = true)]
 async fn streams_sharing_a_pacer_split_the_rate() {
-    let pacer = Pacer::builder(Rate::per_second(100).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(100, 1);
     let start = Instant::now();
     let a = futures::stream::iter(0..50)
         .leaky_with(pacer.clone())
@@ -441,10 +452,7 @@ async fn streams_sharing_a_pacer_split_the_rate() {
 
 #[tokio::test(start_paused = true)]
 async fn dropping_an_adapter_frees_the_shared_pacer() {
-    let pacer = Pacer::builder(Rate::per_second(10).unwrap())
-        .burst(1)
-        .build()
-        .unwrap();
+    let pacer = pacer(10, 1);
     pacer.until_ready(1).await.unwrap();
     {
         let mut s = pin!(futures::stream::iter(0..5).leaky_with(pacer.clone()));

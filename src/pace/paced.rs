@@ -12,8 +12,9 @@ use crate::pace::until_ready::Wait;
 pub(crate) struct Paced {
     pacer: Pacer,
     wait: Wait,
-    /// Units of the current item still to pay (an item above the burst pays in chunks).
-    owed: Option<u32>,
+    /// The current item's units still to pay, and the chunk being paid (an item above the
+    /// burst pays in chunks of at most the burst).
+    owed: Option<(u32, u32)>,
 }
 
 impl Paced {
@@ -31,26 +32,24 @@ impl Paced {
 
     /// Wait until an item of `cost` units is paid for. A cost above the burst is paid in
     /// successive chunks of at most the burst (so the rate holds in cost units); a cost of 0
-    /// passes at once.
+    /// passes at once. The wait in line is for the chunk, never for the whole cost: the
+    /// pacer refuses a cost above the burst before queueing it, so a stalled item is timed
+    /// (and stepped over) by its chunk, as guarantee (c) of [`Pacer`] needs.
     pub(crate) fn poll_admit(&mut self, cost: u32, cx: &mut Context<'_>) -> Poll<()> {
-        let mut owed = *self.owed.get_or_insert(cost);
+        let (mut owed, mut chunk) = self.owed.unwrap_or((cost, cost));
         while owed > 0 {
-            let mut chunk = owed;
-            loop {
-                match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {
-                    Poll::Ready(Ok(())) => break,
-                    Poll::Ready(Err(PaceError::InsufficientCapacity { burst, .. })) => {
-                        chunk = burst;
-                    }
-                    // Only a zero cost is refused otherwise; `chunk` is at least 1 here.
-                    Poll::Ready(Err(_)) => break,
-                    Poll::Pending => {
-                        self.owed = Some(owed);
-                        return Poll::Pending;
-                    }
+            chunk = chunk.min(owed);
+            match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {
+                Poll::Ready(Ok(())) => owed -= chunk,
+                // Too big for the burst: ask again for a burst, keeping the place in line.
+                Poll::Ready(Err(PaceError::InsufficientCapacity { burst, .. })) => chunk = burst,
+                // Only a zero cost is refused otherwise; `chunk` is at least 1 here.
+                Poll::Ready(Err(_)) => owed -= chunk,
+                Poll::Pending => {
+                    self.owed = Some((owed, chunk));
+                    return Poll::Pending;
                 }
             }
-            owed -= chunk;
         }
         self.owed = None;
         Poll::Ready(())

@@ -150,6 +150,9 @@ pub(crate) enum Admit {
 ///     which watches it with a timer, so it cannot hold up everyone; it takes its place back
 ///     when it is polled again. (If the one behind it is not polled either, the line moves
 ///     on when either of them is polled or dropped, or when anyone else polls the pacer.)
+///     An item above the burst (`leaky_cost`) waits in line for one chunk of at most the
+///     burst at a time, so its turn, and the 10 ms after it, are those of its next chunk,
+///     never of its whole cost; a cost that can never pass is refused before it queues.
 /// (d) Every wait is cancel-safe: a dropped waiter holds no reservation.
 ///
 /// # Burst and precision
@@ -233,7 +236,15 @@ impl Pacer {
     /// # Errors
     ///
     /// [`PaceError::ZeroCost`], and [`PaceError::InsufficientCapacity`] when `cost` is above
-    /// the burst (it could never pass; this never waits forever).
+    /// the burst (it could never pass; this never waits forever). Both are returned by the
+    /// first poll, before the future queues; the second also if
+    /// [`set_rate`](Pacer::set_rate) lowers the burst below `cost` while it waits (the
+    /// future then leaves the line).
+    ///
+    /// # Panics
+    ///
+    /// The future sleeps on a tokio timer when it has to wait: polling it outside a tokio
+    /// runtime with timers enabled panics unless it passes at once.
     ///
     /// # Cancel safety
     ///
@@ -361,9 +372,12 @@ impl Inner {
     }
 
     /// When the head may claim its turn: once it is the head and its cost fits the bucket.
+    /// A cost above the burst (the burst was lowered since it queued) counts as the burst: it
+    /// can never pass, and its turn must not move the stall-skip (guarantee (c)) further out.
     fn turn_of_head(&self, st: &State) -> Option<Instant> {
         let (id, since) = st.head?;
-        let cost = st.waiters.iter().find(|w| w.id == id)?.cost;
+        let burst = st.bucket.quota().burst_size();
+        let cost = st.waiters.iter().find(|w| w.id == id)?.cost.min(burst);
         Some(since.max(self.epoch + st.bucket.ready_at(&st.gcra, cost)))
     }
 
@@ -386,6 +400,16 @@ impl Inner {
         wake
     }
 
+    /// Refuses a cost that could never pass: zero, or above the burst.
+    fn validate(st: &State, cost: u32) -> Result<(), PaceError> {
+        let burst = st.bucket.quota().burst_size();
+        match cost {
+            0 => Err(PaceError::ZeroCost),
+            _ if cost > burst => Err(PaceError::InsufficientCapacity { cost, burst }),
+            _ => Ok(()),
+        }
+    }
+
     /// One attempt to pass `cost`, keeping FIFO order: a newcomer passes only when nobody
     /// waits; a waiter passes only when it is the head.
     pub(crate) fn admit(
@@ -397,10 +421,16 @@ impl Inner {
         let now = Instant::now();
         let mut guard = self.lock();
         let st = &mut *guard;
-        // Polled again: a waiter that was stepped over takes its place back. (Every other
+        // A cost that can never pass is refused before it touches the line: it is never
+        // queued, and a waiter keeps the cost it last passed here (guarantee (c) times a
+        // stalled head by it).
+        Self::validate(st, cost)?;
+        // Polled again: a waiter that was stepped over takes its place back, with the cost
+        // it asks for now (`Paced` retries an item above the burst in chunks). (Every other
         // change to the line refreshes the head and watcher where it happens.)
         let returned = ticket.id.and_then(|id| st.find(id)).is_some_and(|w| {
             w.waker.clone_from(cx.waker());
+            w.cost = cost;
             std::mem::replace(&mut w.absent, false)
         });
         let mut wake = if returned {

@@ -95,7 +95,13 @@ impl Future for UntilReady {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        this.wait.poll_admit(this.pacer.inner(), this.cost, cx)
+        let polled = this.wait.poll_admit(this.pacer.inner(), this.cost, cx);
+        if let Poll::Ready(Err(_)) = polled {
+            // Refused (the burst was lowered below the cost while it waited): a wait that
+            // can never pass gives up its place at once.
+            this.wait.cancel(this.pacer.inner());
+        }
+        polled
     }
 }
 

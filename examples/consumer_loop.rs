@@ -1,15 +1,18 @@
 //! A Kafka-style consumer loop: a batch source read by demand (`prefetch`), a pool of workers
 //! behind a bulkhead (`bulkhead_map_unordered`; simulated work of 1–4 ms that fails 5 % of
 //! attempts and is retried), and a `CommitTracker` that commits only the contiguous prefix of
-//! finished offsets while work completes out of order.
+//! finished offsets while work completes out of order. An item whose every attempt failed is
+//! dead-lettered and its offset given up (`CommitToken::abandon`), so commits go on past it;
+//! the tracker is bounded, and the source waits (`until_ready`) while it is full.
 //!
 //! - By default the source is in memory: a `BatchSource` over numbered offsets of one
 //!   partition, returning at most what `prefetch` asks for after a short poll delay.
 //! - With `REDIS_URL` set, the source is a Redis Streams consumer group (`RedisStreamSource`)
 //!   on a fresh stream key (deleted at the end): every entry is acked when done and the entry
-//!   ids are the offsets. Consumer `c1` abandons a few entries without acking them (as if
-//!   their worker had crashed); consumer `c2` claims them once idle (`XAUTOCLAIM`) and
-//!   finishes them: a redelivery, at-least-once.
+//!   ids are the offsets. Consumer `c1` drops a few entries without acking them or finishing
+//!   their tokens (as if their worker had crashed: the commits of `c1` stop there); consumer
+//!   `c2` claims them once idle (`XAUTOCLAIM`) and finishes them: a redelivery,
+//!   at-least-once.
 //!
 //! ```text
 //! cargo run --example consumer_loop
@@ -23,7 +26,7 @@ use std::time::{Duration, Instant};
 use flowgate::FlowStreamExt;
 use flowgate::bulkhead::Bulkhead;
 use flowgate::demand::{
-    BatchSource, CommitTracker, Fetched, RedisStreamSource, StreamEntry, prefetch,
+    BatchSource, CommitTracker, DemandError, Fetched, RedisStreamSource, StreamEntry, prefetch,
 };
 use futures::StreamExt;
 use tokio::time::{sleep, timeout};
@@ -81,25 +84,42 @@ impl BatchSource for Partition {
 
 async fn in_memory() -> Result<(), Error> {
     const OFFSETS: u64 = 10_000;
-    let tracker = CommitTracker::new();
+    let tracker = CommitTracker::builder()
+        .max_pending(4_096)
+        .name("partition-0")
+        .build()?;
     let source = Partition {
         next: 0,
         end: OFFSETS,
     };
     let t = tracker.clone();
-    // Tokens are taken in offset order, as items leave the source; work completes in any order.
-    let mut done = pin!(prefetch(source, 256, 64)?.bulkhead_map_unordered(
-        Bulkhead::new(WORKERS)?,
-        move |r| {
-            let offset = r.unwrap_or_else(|never| match never {});
-            let token = t.track(offset).expect("offsets increase");
-            async move { (token, work(offset).await) }
-        }
-    ));
-    let (mut processed, mut retries, mut gave_up) = (0u64, 0, 0);
-    while let Some((token, outcome)) = done.next().await {
+    // Tokens are taken in offset order, as items leave the source (`then` runs one at a time),
+    // and the source waits while the tracker is full; work completes in any order.
+    let mut done = pin!(
+        prefetch(source, 256, 64)?
+            .then(move |r| {
+                let t = t.clone();
+                async move {
+                    let offset = r.unwrap_or_else(|never| match never {});
+                    t.until_ready().await;
+                    t.track(offset)
+                }
+            })
+            .bulkhead_map_unordered(Bulkhead::new(WORKERS)?, |tracked| async move {
+                let token = tracked?;
+                let outcome = work(token.offset()).await;
+                Ok::<_, DemandError>((token, outcome))
+            })
+    );
+    let (mut processed, mut retries, mut dead_letters) = (0u64, 0, Vec::new());
+    while let Some(finished) = done.next().await {
+        let (token, outcome) = finished?;
         let Some(r) = outcome else {
-            gave_up += 1; // the token is dropped: nothing from its offset on is committed
+            // Every attempt failed: hand the record to a dead-letter queue (a real consumer
+            // produces it to a dead-letter topic first), then give the offset up so the
+            // commits go on past it.
+            dead_letters.push(token.offset());
+            token.abandon();
             continue;
         };
         (processed, retries) = (processed + 1, retries + r);
@@ -115,7 +135,10 @@ async fn in_memory() -> Result<(), Error> {
     }
     let committed = tracker.committable().map_or(0, |o| o + 1);
     println!(
-        "\nin memory: {OFFSETS} offsets, processed {processed}, retries {retries}, gave up {gave_up}"
+        "\nin memory: {OFFSETS} offsets, processed {processed}, retries {retries}, \
+         dead-lettered {} {dead_letters:?} (abandoned {})",
+        dead_letters.len(),
+        tracker.abandoned()
     );
     println!(
         "committed {committed} offsets (Kafka would commit next offset {committed}); redelivered 0"
@@ -167,31 +190,44 @@ async fn consume(
     pipe.query_async::<()>(con).await?;
     println!("produced {entries} entries on {key}");
 
-    let tracker = CommitTracker::new();
+    let tracker = CommitTracker::builder().name("c1").build()?;
     let t = tracker.clone();
-    let mut done = pin!(prefetch(c1, 64, 16)?.bulkhead_map_unordered(
-        Bulkhead::new(WORKERS)?,
-        move |r| {
-            // Tracked as entries leave the source (in id order); a fetch error passes through.
-            let tracked = r.and_then(|entry: StreamEntry| {
-                let token = t
-                    .track(offset_of(&entry.id))
-                    .expect("new entries come in id order");
-                Ok((entry.get::<u64>("n")?, entry, token))
-            });
-            async move {
+    let mut done = pin!(
+        prefetch(c1, 64, 16)?
+            .then(move |r| {
+                // Tracked as entries leave the source (in id order); a fetch error passes
+                // through.
+                let t = t.clone();
+                async move {
+                    let entry: StreamEntry = r?;
+                    t.until_ready().await;
+                    let token = t.track(offset_of(&entry.id))?;
+                    Ok::<_, Error>((entry.get::<u64>("n")?, entry, token))
+                }
+            })
+            .bulkhead_map_unordered(Bulkhead::new(WORKERS)?, |tracked| async move {
                 let (n, entry, token) = tracked?;
-                Ok::<_, redis::RedisError>((entry, token, n, work(n).await))
-            }
-        }
-    ));
-    let (mut processed, mut abandoned) = (0u64, 0u64);
+                Ok::<_, Error>((entry, token, n, work(n).await))
+            })
+    );
+    let (mut processed, mut crashed, mut dead_lettered) = (0u64, 0u64, 0u64);
     for i in 1..=entries {
         let (entry, token, n, outcome) = done.next().await.expect("endless")?;
         // Entries 17, 267, 517, 767: the worker "crashes" after the work, before the ack.
-        if n % 250 == 17 || outcome.is_none() {
-            abandoned += 1;
-            continue; // Ack and token dropped: pending in Redis, and a gap in the commits
+        if n % 250 == 17 {
+            crashed += 1;
+            // Ack and token dropped unfinished: pending in Redis (c2 claims it), and the
+            // token holds the commits of c1 (counted in `dropped`).
+            drop((entry, token));
+            continue;
+        }
+        if outcome.is_none() {
+            // Every attempt failed: dead-letter it (a real consumer would XADD it to a
+            // dead-letter stream first), ack it and give the offset up.
+            dead_lettered += 1;
+            entry.ack.ack();
+            token.abandon();
+            continue;
         }
         processed += 1;
         entry.ack.ack();
@@ -205,13 +241,16 @@ async fn consume(
         }
     }
     done.as_mut()
-        .get_pin_mut()
-        .get_pin_mut()
+        .get_pin_mut() // Then
+        .get_pin_mut() // Prefetch
+        .get_pin_mut() // RedisStreamSource
         .get_mut()
         .flush_acks()
         .await?;
     println!(
-        "c1: stops with {abandoned} entries unacked; it may commit up to {} only",
+        "c1: stops with {crashed} entries unacked (tokens dropped: {}), {dead_lettered} \
+         dead-lettered; it may commit up to {} only",
+        tracker.dropped(),
         id_of(tracker.committable())
     );
 
@@ -225,7 +264,7 @@ async fn consume(
     let mut stream = Box::pin(prefetch(c2, 64, 16)?);
     let mut redelivered = 0u64;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while redelivered < abandoned && Instant::now() < deadline {
+    while redelivered < crashed && Instant::now() < deadline {
         let Ok(Some(entry)) = timeout(Duration::from_millis(100), stream.next()).await else {
             continue;
         };
@@ -248,7 +287,7 @@ async fn consume(
         .await?;
     println!(
         "\nredis: {entries} entries; processed and acked {} ({processed} by c1, {redelivered} \
-     redelivered to c2); still pending {pending}",
+     redelivered to c2), dead-lettered {dead_lettered}; still pending {pending}",
         processed + redelivered
     );
     Ok(())

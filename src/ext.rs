@@ -148,6 +148,9 @@ pub trait FlowStreamExt: Stream {
     /// Yield items only while credit remains: `initial` now, more through
     /// [`DemandHandle::request`]. Never more items than requested in total.
     ///
+    /// Unnamed: to set the `name` label of its metrics, build it with
+    /// [`Demanded::builder`]`(stream, initial).name(..)`.
+    ///
     /// # Examples
     ///
     /// ```
@@ -176,10 +179,18 @@ pub trait FlowStreamExt: Stream {
     /// `high` tickets are alive, until they fall to `low`; see
     /// [`Watermarks`](crate::demand::Watermarks).
     ///
+    /// Name it and set its `min_hold` with [`Watermarks::name`] and
+    /// [`Watermarks::min_hold`].
+    ///
     /// # Errors
     ///
     /// [`ConfigError`] on `watermarks.high` if it is zero, on `watermarks.low` if it is not
     /// below `high`.
+    ///
+    /// # Panics
+    ///
+    /// With a non-zero `min_hold`, polling panics outside a tokio runtime with its time
+    /// driver enabled once a change is held back (see [`Watermarks`]).
     fn watermarks(self, high: usize, low: usize) -> Result<Watermarks<Self>, ConfigError>
     where
         Self: Sized,

@@ -9,7 +9,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use flowgate::demand::{
-    BatchSource, CommitTracker, DemandError, Flow, IterSource, StreamSource, UNBOUNDED, prefetch,
+    BatchSource, CommitToken, CommitTracker, DemandError, Flow, IterSource, StreamSource,
+    UNBOUNDED, prefetch,
 };
 use flowgate::{ConfigErrorKind, FlowStreamExt};
 use futures::{StreamExt, poll};
@@ -499,6 +500,285 @@ async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     drop(b);
     assert!(!signal.is_paused());
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+}
+
+/// What happened to a tracked offset, in the model of the commit property test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    InFlight,
+    Done,
+    Abandoned,
+    Dropped,
+}
+
+#[derive(Debug, Clone)]
+enum CommitOp {
+    /// Track the offset this far above the last one.
+    Track(u64),
+    Finish(prop::sample::Index, Fate),
+}
+
+fn commit_op() -> impl Strategy<Value = CommitOp> {
+    let finish = |fate| any::<prop::sample::Index>().prop_map(move |i| CommitOp::Finish(i, fate));
+    prop_oneof![
+        4 => (1u64..4).prop_map(CommitOp::Track),
+        3 => finish(Fate::Done),
+        2 => finish(Fate::Abandoned),
+        1 => finish(Fate::Dropped),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn the_commit_never_passes_an_unfinished_offset_and_pending_stays_bounded(
+        max_pending in 1usize..10,
+        ops in prop::collection::vec(commit_op(), 1..200),
+    ) {
+        let tracker = CommitTracker::builder().max_pending(max_pending).build().unwrap();
+        let mut last = 0u64;
+        // Every offset tracked, in order: its token while alive, and its fate.
+        let mut tracked: Vec<(u64, Option<CommitToken>, Fate)> = Vec::new();
+        for op in ops {
+            match op {
+                CommitOp::Track(gap) => match tracker.track(last + gap) {
+                    Ok(token) => {
+                        last += gap;
+                        tracked.push((last, Some(token), Fate::InFlight));
+                    }
+                    Err(DemandError::PendingFull { offset, oldest, max_pending: m }) => {
+                        prop_assert_eq!((offset, m), (last + gap, max_pending));
+                        prop_assert_eq!(tracker.pending(), max_pending, "refused below the bound");
+                        let first_pending = tracked
+                            .iter()
+                            .find(|(_, _, f)| !matches!(f, Fate::Done | Fate::Abandoned))
+                            .map(|&(o, ..)| o);
+                        prop_assert_eq!(Some(oldest), first_pending);
+                    }
+                    Err(e) => prop_assert!(false, "unexpected {e}"),
+                },
+                CommitOp::Finish(idx, fate) => {
+                    if tracked.is_empty() {
+                        continue;
+                    }
+                    let at = idx.index(tracked.len());
+                    let entry = &mut tracked[at];
+                    if let Some(token) = entry.1.take() {
+                        match fate {
+                            Fate::Done => token.done(),
+                            Fate::Abandoned => token.abandon(),
+                            Fate::Dropped | Fate::InFlight => drop(token),
+                        }
+                        entry.2 = fate;
+                    }
+                }
+            }
+            let committed = tracker.committable();
+            // Never past an offset neither processed nor abandoned.
+            for &(offset, _, fate) in &tracked {
+                if matches!(fate, Fate::InFlight | Fate::Dropped) {
+                    prop_assert!(
+                        committed.is_none_or(|c| c < offset),
+                        "committable {:?} passes {} ({:?})", committed, offset, fate
+                    );
+                }
+            }
+            // And as far as the finished prefix goes.
+            let prefix = tracked
+                .iter()
+                .take_while(|(_, _, f)| matches!(f, Fate::Done | Fate::Abandoned))
+                .count();
+            let model = prefix.checked_sub(1).map(|i| tracked[i].0);
+            prop_assert_eq!(committed, model, "commits stopped short of the finished prefix");
+            prop_assert!(tracker.pending() <= max_pending);
+            prop_assert_eq!(tracker.pending(), tracked.len() - prefix);
+            let count = |f| tracked.iter().filter(|e| e.2 == f).count() as u64;
+            prop_assert_eq!(tracker.abandoned(), count(Fate::Abandoned));
+            prop_assert_eq!(tracker.dropped(), count(Fate::Dropped));
+        }
+    }
+}
+
+#[test]
+fn commits_continue_past_an_abandoned_offset() {
+    let tracker = CommitTracker::new();
+    let tokens: Vec<_> = (1..=1_000).map(|o| tracker.track(o).unwrap()).collect();
+    for token in tokens {
+        // Every tenth item fails for good: dead-lettered, then given up.
+        if token.offset() % 10 == 3 {
+            token.abandon();
+        } else {
+            token.done();
+        }
+    }
+    assert_eq!(tracker.committable(), Some(1_000));
+    assert_eq!(tracker.pending(), 0);
+    assert_eq!(tracker.abandoned(), 100);
+    // And later offsets keep committing.
+    tracker.track(1_001).unwrap().done();
+    assert_eq!(tracker.committable(), Some(1_001));
+}
+
+#[test]
+fn a_dropped_token_holds_the_commit_and_is_counted() {
+    let tracker = CommitTracker::builder().max_pending(3).build().unwrap();
+    tracker.track(1).unwrap().done();
+    drop(tracker.track(2).unwrap()); // a worker that crashed
+    tracker.track(3).unwrap().done();
+    tracker.track(4).unwrap().done();
+    assert_eq!(
+        tracker.committable(),
+        Some(1),
+        "2 is redelivered after a restart"
+    );
+    assert_eq!(tracker.dropped(), 1);
+    assert_eq!(tracker.pending(), 3);
+    // Full: refused (not tracked), with the offset the commits wait for.
+    assert_eq!(
+        tracker.track(5).err(),
+        Some(DemandError::PendingFull {
+            offset: 5,
+            oldest: 2,
+            max_pending: 3
+        })
+    );
+    assert_eq!(tracker.pending(), 3);
+    let e = CommitTracker::builder().max_pending(0).build().unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("commit.max_pending", ConfigErrorKind::Zero)
+    );
+}
+
+#[tokio::test]
+async fn until_ready_waits_for_room_in_a_full_tracker() {
+    let tracker = CommitTracker::builder().max_pending(2).build().unwrap();
+    let a = tracker.track(10).unwrap();
+    let b = tracker.track(11).unwrap();
+    let mut ready = pin!(tracker.until_ready());
+    assert!(poll!(ready.as_mut()).is_pending(), "full");
+    b.done(); // behind 10: still full
+    assert!(poll!(ready.as_mut()).is_pending());
+    let t = tokio::spawn(async move {
+        tokio::task::yield_now().await;
+        a.abandon();
+    });
+    ready.await;
+    t.await.unwrap();
+    assert_eq!(tracker.committable(), Some(11));
+    tracker.track(12).unwrap().done();
+    assert_eq!(tracker.committable(), Some(12));
+}
+
+#[tokio::test]
+async fn the_size_hint_of_with_demand_holds_after_a_request_raises_the_credit() {
+    let (mut stream, demand) = futures::stream::iter(0..10).with_demand(2);
+    let (lo, hi) = futures::Stream::size_hint(&stream);
+    assert_eq!(lo, 2, "the credit now is a floor");
+    demand.request(5).unwrap();
+    let mut yielded = 0;
+    while let Poll::Ready(Some(_)) = poll!(stream.next()) {
+        yielded += 1;
+    }
+    assert_eq!(yielded, 7);
+    assert!(
+        hi.is_none_or(|hi| yielded <= hi),
+        "size_hint said at most {hi:?}, {yielded} came"
+    );
+    assert_eq!(hi, Some(10), "the inner stream's bound");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_min_hold_set_while_a_ticket_is_alive_takes_effect() {
+    let mut stream = futures::stream::iter(0..10).watermarks(1, 0).unwrap();
+    let signal = stream.pause_signal();
+    let (_, ticket) = stream.next().await.unwrap();
+    assert!(signal.is_paused());
+    let mut stream = stream.min_hold(Duration::from_millis(100));
+    drop(ticket);
+    assert!(signal.is_paused(), "the resume waits for min_hold");
+    assert!(poll!(stream.next()).is_pending());
+    advance(Duration::from_millis(100)).await;
+    assert_eq!(stream.next().await.map(|(i, _)| i), Some(1));
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_name_set_while_a_ticket_is_alive_takes_effect() {
+    let recorder = support::TestRecorder::default();
+    let stream = futures::stream::iter(0..10).watermarks(2, 0).unwrap();
+    let mut stream = metrics::with_local_recorder(&recorder, || stream);
+    let (_, a) = stream.next().await.unwrap();
+    let mut stream = metrics::with_local_recorder(&recorder, || stream.name("wm"));
+    let id = |m: &str| format!("{m}{{name=wm}}");
+    assert_eq!(recorder.gauge(&id("flowgate_demand_in_flight")), Some(1.0));
+    assert_eq!(recorder.gauge(&id("flowgate_demand_paused")), Some(0.0));
+    let (_, b) = stream.next().await.unwrap();
+    assert_eq!(recorder.gauge(&id("flowgate_demand_in_flight")), Some(2.0));
+    assert_eq!(recorder.gauge(&id("flowgate_demand_paused")), Some(1.0));
+    drop((a, b));
+    assert_eq!(recorder.gauge(&id("flowgate_demand_in_flight")), Some(0.0));
+    assert_eq!(recorder.gauge(&id("flowgate_demand_paused")), Some(0.0));
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn named_with_demand_and_prefetch_report_under_their_names() {
+    use flowgate::demand::{Demanded, Prefetch};
+    let recorder = support::TestRecorder::default();
+    let ((mut credit, demand), mut fetched) = metrics::with_local_recorder(&recorder, || {
+        (
+            Demanded::builder(futures::stream::iter(0..10), 3)
+                .name("credit-a")
+                .build(),
+            Prefetch::builder(IterSource::new(0..10), 4, 1)
+                .name("prefetch-a")
+                .build()
+                .unwrap(),
+        )
+    });
+    assert_eq!(
+        (credit.name(), demand.name()),
+        (Some("credit-a"), Some("credit-a"))
+    );
+    assert_eq!(fetched.name(), Some("prefetch-a"));
+    let outstanding = "flowgate_demand_outstanding{name=credit-a}";
+    assert_eq!(recorder.gauge(outstanding), Some(3.0));
+    assert_eq!(credit.next().await, Some(0));
+    assert_eq!(recorder.gauge(outstanding), Some(2.0));
+    demand.request(5).unwrap();
+    assert_eq!(recorder.gauge(outstanding), Some(7.0));
+    assert_eq!(fetched.next().await.map(Result::unwrap), Some(0));
+    assert_eq!(
+        recorder.gauge("flowgate_demand_buffered{name=prefetch-a}"),
+        Some(4.0),
+        "a batch of high landed"
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_demand_outstanding{name=default}"),
+        None
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_demand_buffered{name=default}"),
+        None
+    );
+}
+
+#[test]
+fn prefetch_builder_validates_everything() {
+    use flowgate::demand::Prefetch;
+    let source = || IterSource::new(0..1);
+    let e = Prefetch::builder(source(), 0, 0).build().err().unwrap();
+    assert_eq!(e.field(), "prefetch.high");
+    let e = Prefetch::builder(source(), 4, 4).build().err().unwrap();
+    assert_eq!(e.field(), "prefetch.low");
+    let e = Prefetch::builder(source(), 4, 1)
+        .retry_backoff(Duration::from_secs(2), Duration::from_secs(1))
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(e.field(), "prefetch.retry_backoff");
 }
 
 #[cfg(feature = "redis")]
@@ -1179,6 +1459,9 @@ fn public_types_are_send_and_sync() {
     send_sync::<PauseSignal>();
     send_sync::<CommitTracker>();
     send_sync::<CommitToken>();
+    send_sync::<flowgate::demand::CommitTrackerBuilder>();
+    send_sync::<flowgate::demand::DemandedBuilder<Items>>();
+    send_sync::<flowgate::demand::PrefetchBuilder<IterSource<std::ops::Range<u32>>>>();
     send_sync::<DemandError>();
     fn unpin<T: Unpin>() {}
     unpin::<Prefetch<IterSource<std::ops::Range<u32>>>>();

@@ -2,27 +2,98 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::pin::pin;
 use std::sync::PoisonError;
 
+use tokio::sync::Notify;
+
 use crate::demand::error::DemandError;
+use crate::error::ConfigError;
+use crate::metrics::{Counter, Gauge, Labels};
 use crate::sync::{Arc, Mutex, MutexGuard};
+
+/// The bound on pending offsets of [`CommitTracker::new`].
+pub const DEFAULT_MAX_PENDING: usize = 65_536;
+
+/// Where a tracked offset stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    /// Its token is alive.
+    InFlight,
+    /// [`CommitToken::done`].
+    Done,
+    /// [`CommitToken::abandon`]: given up, committed past like a done offset.
+    Abandoned,
+    /// The token was dropped unfinished: commits stop before it in this process.
+    Dropped,
+}
+
+impl Mark {
+    /// Whether commits may move past an offset so marked.
+    fn is_finished(self) -> bool {
+        matches!(self, Mark::Done | Mark::Abandoned)
+    }
+}
 
 #[derive(Debug, Default)]
 struct State {
-    /// Tracked offsets not yet committable, in order, with their done flags.
-    pending: VecDeque<(u64, bool)>,
+    /// Tracked offsets not yet committable, in order, with their marks.
+    pending: VecDeque<(u64, Mark)>,
     last_tracked: Option<u64>,
     committable: Option<u64>,
+    abandoned: u64,
+    dropped: u64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    max_pending: usize,
+    /// Woken when `pending` falls below `max_pending` again (for `until_ready`).
+    room: Notify,
+    name: Option<String>,
+    pending_gauge: Gauge,
+    abandoned_total: Counter,
+    dropped_total: Counter,
 }
 
 /// Tracks the offsets of one partition and says which may be committed: the highest offset
-/// whose predecessors (every offset tracked before it) are all done. It never reports an
-/// offset past a gap, so a crash redelivers whatever was not finished (at-least-once).
+/// whose predecessors (every offset tracked before it) are all finished. It never reports an
+/// offset past an unfinished one, so a crash redelivers whatever was not finished
+/// (at-least-once).
 ///
-/// Offsets must be tracked in increasing order (gaps in numbering are fine). Tokens complete
-/// in any order, from any task. Memory is one entry per tracked offset not yet committable.
+/// Offsets must be tracked in increasing order (gaps in numbering are fine). Tokens finish in
+/// any order, from any task, in one of three ways:
+///
+/// - Processed: [`CommitToken::done`].
+/// - Given up (skip / dead-letter): [`CommitToken::abandon`]. Commits move past it as past a
+///   done offset, so it is **not** redelivered: hand the record to a dead-letter queue (or
+///   log it) before abandoning it. Counted in [`abandoned`](CommitTracker::abandoned) and
+///   `flowgate_demand_commit_abandoned_total`.
+/// - Dropped without either (a panicking worker, a cancelled task, a shutdown): the offset
+///   **holds** the commit. Nothing at or after it becomes committable in this process, so it
+///   is redelivered after a restart or rebalance. Counted in
+///   [`dropped`](CommitTracker::dropped) and `flowgate_demand_commit_dropped_total`. The
+///   commits of this tracker stay at that offset for good, so a consumer that goes on
+///   running should finish every token with `done` or `abandon`.
+///
+/// # Bound
+///
+/// Memory is one entry per tracked offset not yet committable ([`pending`]), and `pending`
+/// never exceeds [`max_pending`] ([`DEFAULT_MAX_PENDING`] unless set with
+/// [`CommitTracker::builder`]). When it is full, [`track`] refuses the offset with
+/// [`DemandError::PendingFull`] (nothing is tracked; track it again later) and
+/// [`until_ready`] waits for room: backpressure for the loop that pulls records. The
+/// tracker fills up when one offset stays unfinished while later ones finish — a slow item,
+/// or a token dropped unfinished (which then stops the consumer instead of growing memory
+/// without end). `flowgate_demand_commit_pending` shows how close it is.
 ///
 /// Kafka commits the *next* offset to read: commit `committable() + 1`.
+///
+/// [`pending`]: CommitTracker::pending
+/// [`max_pending`]: CommitTracker::max_pending
+/// [`track`]: CommitTracker::track
+/// [`until_ready`]: CommitTracker::until_ready
 ///
 /// # Examples
 ///
@@ -34,33 +105,70 @@ struct State {
 /// let b = tracker.track(11)?;
 /// let c = tracker.track(15)?;
 /// c.done();
-/// assert_eq!(tracker.committable(), None); // 10 and 11 are not done
+/// assert_eq!(tracker.committable(), None); // 10 and 11 are not finished
 /// a.done();
 /// assert_eq!(tracker.committable(), Some(10));
-/// b.done();
+/// b.abandon(); // e.g. sent to a dead-letter topic after its last retry
 /// assert_eq!(tracker.committable(), Some(15));
+/// assert_eq!(tracker.abandoned(), 1);
 /// # Ok::<(), flowgate::demand::DemandError>(())
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct CommitTracker {
-    state: Arc<Mutex<State>>,
+    shared: Arc<Shared>,
+}
+
+impl Default for CommitTracker {
+    fn default() -> Self {
+        CommitTracker::with(DEFAULT_MAX_PENDING, None)
+    }
 }
 
 impl CommitTracker {
-    /// An empty tracker.
+    /// An empty, unnamed tracker of at most [`DEFAULT_MAX_PENDING`] pending offsets.
     pub fn new() -> CommitTracker {
         CommitTracker::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    /// A builder, to set the bound on pending offsets and the metrics name.
+    pub fn builder() -> CommitTrackerBuilder {
+        CommitTrackerBuilder {
+            max_pending: DEFAULT_MAX_PENDING,
+            name: None,
+        }
     }
 
-    /// Start tracking `offset`; finish it with [`CommitToken::done`].
+    fn with(max_pending: usize, name: Option<String>) -> CommitTracker {
+        let labels = Labels::new(name.as_deref());
+        CommitTracker {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                max_pending,
+                room: Notify::new(),
+                pending_gauge: labels.gauge(names::PENDING, &[]),
+                abandoned_total: labels.counter(names::ABANDONED, &[]),
+                dropped_total: labels.counter(names::DROPPED, &[]),
+                name,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Start tracking `offset`; finish it with [`CommitToken::done`] or
+    /// [`CommitToken::abandon`].
     ///
     /// # Errors
     ///
-    /// [`DemandError::OffsetOutOfOrder`] if `offset` is not above the last tracked offset.
+    /// - [`DemandError::OffsetOutOfOrder`] if `offset` is not above the last tracked offset.
+    /// - [`DemandError::PendingFull`] if [`max_pending`](CommitTracker::max_pending) offsets
+    ///   are pending; `offset` is not tracked (track it again once there is room, see
+    ///   [`until_ready`](CommitTracker::until_ready)).
     pub fn track(&self, offset: u64) -> Result<CommitToken, DemandError> {
         let mut st = self.lock();
         if let Some(last) = st.last_tracked
@@ -68,8 +176,18 @@ impl CommitTracker {
         {
             return Err(DemandError::OffsetOutOfOrder { offset, last });
         }
+        if st.pending.len() >= self.shared.max_pending {
+            let oldest = st.pending.front().map_or(offset, |&(o, _)| o);
+            return Err(DemandError::PendingFull {
+                offset,
+                oldest,
+                max_pending: self.shared.max_pending,
+            });
+        }
         st.last_tracked = Some(offset);
-        st.pending.push_back((offset, false));
+        st.pending.push_back((offset, Mark::InFlight));
+        self.shared.pending_gauge.set(st.pending.len() as f64);
+        drop(st);
         Ok(CommitToken {
             tracker: self.clone(),
             offset,
@@ -77,25 +195,90 @@ impl CommitTracker {
         })
     }
 
+    /// Wait until [`track`](CommitTracker::track) has room: fewer than
+    /// [`max_pending`](CommitTracker::max_pending) offsets pending. Await it before tracking
+    /// the next record to pause the source while the tracker is full. (Room is not reserved:
+    /// with several tasks tracking into one tracker, `track` may still find it full.)
+    ///
+    /// It waits for ever if the offset that holds the commit never finishes (its token was
+    /// dropped unfinished): give up records with [`CommitToken::abandon`] instead.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future loses nothing.
+    pub async fn until_ready(&self) {
+        loop {
+            let mut notified = pin!(self.shared.room.notified());
+            // Registered before the check, so room made after it is not missed.
+            notified.as_mut().enable();
+            if self.lock().pending.len() < self.shared.max_pending {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// The highest offset that may be committed, if any.
     pub fn committable(&self) -> Option<u64> {
         self.lock().committable
     }
 
-    /// Tracked offsets not yet committable (in flight, or done behind a gap).
+    /// Tracked offsets not yet committable (in flight, or finished behind an unfinished one);
+    /// at most [`max_pending`](CommitTracker::max_pending).
     pub fn pending(&self) -> usize {
         self.lock().pending.len()
     }
 
-    fn finish(&self, offset: u64) {
+    /// The most offsets that may be pending at once.
+    pub fn max_pending(&self) -> usize {
+        self.shared.max_pending
+    }
+
+    /// Offsets given up with [`CommitToken::abandon`] so far.
+    pub fn abandoned(&self) -> u64 {
+        self.lock().abandoned
+    }
+
+    /// Tokens dropped without `done` or `abandon` so far; each holds the commit.
+    pub fn dropped(&self) -> u64 {
+        self.lock().dropped
+    }
+
+    /// The `name` label of this tracker's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.shared.name.as_deref()
+    }
+
+    fn finish(&self, offset: u64, mark: Mark) {
         let mut st = self.lock();
+        let was_full = st.pending.len() >= self.shared.max_pending;
         // Offsets are sorted: find it by binary search.
         if let Ok(at) = st.pending.binary_search_by_key(&offset, |&(o, _)| o) {
-            st.pending[at].1 = true;
+            st.pending[at].1 = mark;
         }
-        while let Some(&(o, true)) = st.pending.front() {
+        match mark {
+            Mark::Abandoned => {
+                st.abandoned += 1;
+                self.shared.abandoned_total.increment(1);
+            }
+            Mark::Dropped => {
+                st.dropped += 1;
+                self.shared.dropped_total.increment(1);
+            }
+            Mark::InFlight | Mark::Done => {}
+        }
+        while let Some(&(o, m)) = st.pending.front()
+            && m.is_finished()
+        {
             st.committable = Some(o);
             st.pending.pop_front();
+        }
+        self.shared.pending_gauge.set(st.pending.len() as f64);
+        let room = was_full && st.pending.len() < self.shared.max_pending;
+        drop(st);
+        // Outside the lock: waking runs wakers.
+        if room {
+            self.shared.room.notify_waiters();
         }
     }
 }
@@ -104,18 +287,80 @@ impl fmt::Debug for CommitTracker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let st = self.lock();
         f.debug_struct("CommitTracker")
+            .field("name", &self.shared.name)
             .field("committable", &st.committable)
             .field("pending", &st.pending.len())
+            .field("max_pending", &self.shared.max_pending)
+            .field("abandoned", &st.abandoned)
+            .field("dropped", &st.dropped)
             .finish()
     }
 }
 
-/// One tracked offset. Call [`done`](CommitToken::done) when its work is finished.
+/// Names of the commit metrics.
+pub(crate) mod names {
+    pub(crate) const PENDING: &str = "flowgate_demand_commit_pending";
+    pub(crate) const ABANDONED: &str = "flowgate_demand_commit_abandoned_total";
+    pub(crate) const DROPPED: &str = "flowgate_demand_commit_dropped_total";
+}
+
+/// Builds a [`CommitTracker`]; from [`CommitTracker::builder`].
 ///
-/// Dropping it without `done` leaves the offset unfinished: nothing at or after it becomes
+/// # Examples
+///
+/// ```
+/// use flowgate::demand::{CommitTracker, DemandError};
+///
+/// let tracker = CommitTracker::builder().max_pending(2).name("orders-p0").build()?;
+/// let a = tracker.track(1)?;
+/// let _b = tracker.track(2)?;
+/// assert!(matches!(tracker.track(3), Err(DemandError::PendingFull { oldest: 1, .. })));
+/// a.done();
+/// let _c = tracker.track(3)?; // room again
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct CommitTrackerBuilder {
+    max_pending: usize,
+    name: Option<String>,
+}
+
+impl CommitTrackerBuilder {
+    /// The most offsets pending at once (default [`DEFAULT_MAX_PENDING`]); see
+    /// [`CommitTracker`]'s bound.
+    pub fn max_pending(mut self, max_pending: usize) -> Self {
+        self.max_pending = max_pending;
+        self
+    }
+
+    /// The `name` label of this tracker's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the tracker.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `commit.max_pending` if it is zero.
+    pub fn build(self) -> Result<CommitTracker, ConfigError> {
+        if self.max_pending == 0 {
+            return Err(ConfigError::zero("commit.max_pending"));
+        }
+        Ok(CommitTracker::with(self.max_pending, self.name))
+    }
+}
+
+/// One tracked offset. Finish it with [`done`](CommitToken::done) or
+/// [`abandon`](CommitToken::abandon).
+///
+/// Dropping it without either leaves the offset unfinished: nothing at or after it becomes
 /// committable in this process, so it is redelivered after a restart. That is the
-/// at-least-once guarantee for work that failed or was abandoned.
-#[must_use = "an offset is committable only after its token is marked done"]
+/// at-least-once guarantee for work that crashed or was cancelled; it is counted in
+/// [`CommitTracker::dropped`], and the offsets finished behind it stay pending until the
+/// tracker is full (see [`CommitTracker`]'s bound).
+#[must_use = "an offset is committable only after its token is marked done or abandoned"]
 pub struct CommitToken {
     tracker: CommitTracker,
     offset: u64,
@@ -128,10 +373,26 @@ impl CommitToken {
         self.offset
     }
 
-    /// Mark the offset done.
+    /// Mark the offset done: processed.
     pub fn done(mut self) {
         self.finished = true;
-        self.tracker.finish(self.offset);
+        self.tracker.finish(self.offset, Mark::Done);
+    }
+
+    /// Give the offset up (skip / dead-letter): commits move past it as past a done offset,
+    /// so it is not redelivered. Counted in [`CommitTracker::abandoned`]. Hand the record to
+    /// a dead-letter queue, or log it, before calling this if it must not be lost.
+    pub fn abandon(mut self) {
+        self.finished = true;
+        self.tracker.finish(self.offset, Mark::Abandoned);
+    }
+}
+
+impl Drop for CommitToken {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.tracker.finish(self.offset, Mark::Dropped);
+        }
     }
 }
 

@@ -22,6 +22,7 @@ struct Credit {
     remaining: AtomicU64,
     waker: AtomicWaker,
     outstanding: Gauge,
+    name: Option<String>,
 }
 
 impl Credit {
@@ -98,6 +99,11 @@ impl DemandHandle {
     pub fn outstanding(&self) -> u64 {
         self.credit.remaining.load(Ordering::Acquire)
     }
+
+    /// The `name` label of the stream's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.credit.name.as_deref()
+    }
 }
 
 /// Stream of [`with_demand`](crate::FlowStreamExt::with_demand): yields an item only while
@@ -117,13 +123,45 @@ pub struct Demanded<S> {
 }
 
 impl<S: Stream> Demanded<S> {
-    pub(crate) fn new(stream: S, initial: u64, name: Option<&str>) -> (Demanded<S>, DemandHandle) {
-        let outstanding = Labels::new(name).gauge(names::OUTSTANDING, &[]);
+    /// A builder, to give the stream a name: `Demanded::builder(stream, initial)` is
+    /// [`stream.with_demand(initial)`](crate::FlowStreamExt::with_demand) with options.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::demand::Demanded;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (mut stream, demand) = Demanded::builder(futures::stream::iter(0..100), 1)
+    ///     .name("orders")
+    ///     .build();
+    /// assert_eq!(stream.next().await, Some(0));
+    /// assert_eq!(demand.name(), Some("orders"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(stream: S, initial: u64) -> DemandedBuilder<S> {
+        DemandedBuilder {
+            stream,
+            initial,
+            name: None,
+        }
+    }
+
+    pub(crate) fn new(
+        stream: S,
+        initial: u64,
+        name: Option<String>,
+    ) -> (Demanded<S>, DemandHandle) {
+        let outstanding = Labels::new(name.as_deref()).gauge(names::OUTSTANDING, &[]);
         outstanding.set(initial as f64);
         let credit = Arc::new(Credit {
             remaining: AtomicU64::new(initial),
             waker: AtomicWaker::new(),
             outstanding,
+            name,
         });
         (
             Demanded {
@@ -134,6 +172,11 @@ impl<S: Stream> Demanded<S> {
             },
             DemandHandle { credit },
         )
+    }
+
+    /// The `name` label of this stream's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.credit.name.as_deref()
     }
 
     /// A handle to add credit.
@@ -161,6 +204,39 @@ impl<S: Stream> Demanded<S> {
     /// The inner stream.
     pub fn into_inner(self) -> S {
         self.stream
+    }
+}
+
+/// Builds a [`Demanded`] stream and its [`DemandHandle`]; from [`Demanded::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct DemandedBuilder<S> {
+    stream: S,
+    initial: u64,
+    name: Option<String>,
+}
+
+impl<S: Stream> DemandedBuilder<S> {
+    /// The `name` label of the stream's metrics (`flowgate_demand_outstanding`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the stream and its credit handle. There is nothing to validate: every `initial`
+    /// credit is valid (zero waits for the first request, [`UNBOUNDED`] lets everything
+    /// through).
+    pub fn build(self) -> (Demanded<S>, DemandHandle) {
+        Demanded::new(self.stream, self.initial, self.name)
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for DemandedBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DemandedBuilder")
+            .field("stream", &self.stream)
+            .field("initial", &self.initial)
+            .field("name", &self.name)
+            .finish()
     }
 }
 
@@ -197,7 +273,10 @@ impl<S: Stream> Stream for Demanded<S> {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // At most the credit (plus a unit already taken), at most the inner stream's.
+        // Credit only grows from outside (`request`), and only this stream takes it, so the
+        // credit now (plus a unit already taken) is a floor on what it will let through: the
+        // lower bound is the inner stream's, capped by it. The credit is no ceiling — any
+        // handle may raise it after this call — so the upper bound is the inner stream's.
         if self.done {
             return (0, Some(0));
         }
@@ -206,7 +285,7 @@ impl<S: Stream> Stream for Demanded<S> {
             .unwrap_or(usize::MAX)
             .saturating_add(usize::from(self.holding));
         let (lo, hi) = self.stream.size_hint();
-        (lo.min(cap), Some(hi.map_or(cap, |h| h.min(cap))))
+        (lo.min(cap), hi)
     }
 }
 
@@ -220,6 +299,7 @@ impl<S: fmt::Debug> fmt::Debug for Demanded<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Demanded")
             .field("stream", &self.stream)
+            .field("name", &self.credit.name)
             .field("credit", &self.credit.remaining.load(Ordering::Relaxed))
             .finish()
     }

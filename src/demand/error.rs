@@ -15,6 +15,17 @@ pub enum DemandError {
         /// The last offset tracked.
         last: u64,
     },
+    /// `track(offset)` while the tracker holds its
+    /// [`max_pending`](crate::demand::CommitTracker::max_pending) offsets: nothing was
+    /// tracked. Commits wait for `oldest`; track `offset` again once there is room.
+    PendingFull {
+        /// The offset passed.
+        offset: u64,
+        /// The oldest pending offset: the one every later commit waits for.
+        oldest: u64,
+        /// The bound that was reached.
+        max_pending: usize,
+    },
 }
 
 impl fmt::Display for DemandError {
@@ -24,6 +35,15 @@ impl fmt::Display for DemandError {
             DemandError::OffsetOutOfOrder { offset, last } => write!(
                 f,
                 "offset {offset} tracked after offset {last}: offsets must increase"
+            ),
+            DemandError::PendingFull {
+                offset,
+                oldest,
+                max_pending,
+            } => write!(
+                f,
+                "offset {offset} not tracked: {max_pending} offsets are pending behind \
+                 unfinished offset {oldest}"
             ),
         }
     }

@@ -14,17 +14,32 @@
 //! - **Watermarks** — [`watermarks`](crate::FlowStreamExt::watermarks): every item comes with
 //!   a [`Ticket`]; a [`PauseSignal`] turns [`Flow::Paused`] at `high` in flight and
 //!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`.
-//! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done.
+//! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done or
+//!   given up ([`CommitToken::abandon`]: skip / dead-letter); a token dropped unfinished holds
+//!   the commit (redelivered after a restart). At most `max_pending` offsets wait to be
+//!   committed; beyond, `track` refuses and `until_ready` waits.
 //! - **Redis Streams** (feature `redis`) — `RedisStreamSource`: a consumer-group member as a
 //!   `BatchSource` (`XREADGROUP COUNT <demand>`), recovering its own pending entries first,
 //!   claiming idle entries of dead consumers, acking in batches, creating its group again
 //!   when Redis lost it (`NOGROUP`); at-least-once.
 //!
+//! # Runtime
+//!
+//! Credit, prefetch and commits need no runtime. Timers are tokio's: a [`Watermarks`] with a
+//! non-zero `min_hold`, and a [`Prefetch`] pausing after a failed fetch, panic when polled in
+//! a tokio runtime without its time driver (see their `# Panics` sections).
+//!
 //! # Metrics
 //!
+//! Each piece can be named (the `name` label): [`Demanded::builder`], [`Prefetch::builder`],
+//! [`Watermarks::name`], [`CommitTracker::builder`]; `with_demand` and `prefetch` are the
+//! unnamed shorthands.
+//!
 //! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
-//! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks), all gauges;
-//! `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
+//! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks),
+//! `flowgate_demand_commit_pending` (offsets not yet committable), all gauges;
+//! `flowgate_demand_commit_abandoned_total` and `flowgate_demand_commit_dropped_total`
+//! (tokens given up, tokens dropped unfinished), `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
 //! `flowgate_demand_group_recreated_total` and `flowgate_demand_stale_acks_total` (Redis
 //! Streams), all counters.
 
@@ -36,12 +51,14 @@ mod redis_source;
 mod source;
 mod watermarks;
 
-pub use commit::{CommitToken, CommitTracker};
-pub use credit::{DemandHandle, Demanded, UNBOUNDED};
+pub use commit::{CommitToken, CommitTracker, CommitTrackerBuilder, DEFAULT_MAX_PENDING};
+pub use credit::{DemandHandle, Demanded, DemandedBuilder, UNBOUNDED};
 pub use error::DemandError;
 #[cfg(feature = "redis")]
 pub use redis_source::{
     Ack, BuildError, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
 };
-pub use source::{BatchSource, Fetched, IterSource, Prefetch, StreamSource, prefetch};
+pub use source::{
+    BatchSource, Fetched, IterSource, Prefetch, PrefetchBuilder, StreamSource, prefetch,
+};
 pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};

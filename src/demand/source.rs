@@ -191,6 +191,11 @@ impl<I: Iterator> BatchSource for IterSource<I> {
 /// [`retry_backoff`](Prefetch::retry_backoff)), so a loop that logs errors and goes on does
 /// not hammer a source that is down. The stream ends when the source does and the buffer is
 /// empty.
+///
+/// # Panics
+///
+/// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled
+/// (unless the retry backoff is zero); see [`retry_backoff`](Prefetch::retry_backoff).
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Prefetch<S: BatchSource> {
@@ -218,15 +223,23 @@ pub struct Prefetch<S: BatchSource> {
     retry_next: Duration,
     /// Boxed only when a fetch failed, so the stream stays `Unpin` when its source is.
     pause: Option<Pin<Box<Sleep>>>,
+    name: Option<String>,
 }
 
 /// Fetch from `source` by demand: keep at most `high` items buffered, refill when the buffer
-/// falls to `low`, asking for exactly `high − buffered`.
+/// falls to `low`, asking for exactly `high − buffered`. Unnamed: to set the `name` label of
+/// its metrics, use [`Prefetch::builder`].
 ///
 /// # Errors
 ///
 /// [`ConfigError`] on `prefetch.high` if it is zero, on `prefetch.low` if it is not below
 /// `high`.
+///
+/// # Panics
+///
+/// Polling the stream panics after a failed fetch if it runs inside a tokio runtime whose
+/// time driver is disabled (the pause before the next fetch is a tokio timer). Outside any
+/// tokio runtime it does not pause, and does not panic.
 ///
 /// # Examples
 ///
@@ -251,11 +264,42 @@ pub fn prefetch<S: BatchSource>(
 }
 
 impl<S: BatchSource> Prefetch<S> {
+    /// A builder, to give the stream a name and a retry backoff:
+    /// `Prefetch::builder(source, high, low)` is [`prefetch`] with options.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::demand::{IterSource, Prefetch};
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let stream = Prefetch::builder(IterSource::new(0..10), 4, 1)
+    ///     .name("orders")
+    ///     .retry_backoff(Duration::from_millis(50), Duration::from_secs(5))
+    ///     .build()?;
+    /// assert_eq!(stream.name(), Some("orders"));
+    /// assert_eq!(stream.map(|r| r.unwrap()).count().await, 10);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(source: S, high: usize, low: usize) -> PrefetchBuilder<S> {
+        PrefetchBuilder {
+            source,
+            high,
+            low,
+            retry: (DEFAULT_RETRY_MIN, DEFAULT_RETRY_MAX),
+            name: None,
+        }
+    }
+
     pub(crate) fn new(
         source: S,
         high: usize,
         low: usize,
-        name: Option<&str>,
+        name: Option<String>,
     ) -> Result<Self, ConfigError> {
         if high == 0 {
             return Err(ConfigError::zero("prefetch.high"));
@@ -278,12 +322,18 @@ impl<S: BatchSource> Prefetch<S> {
             fetching: None,
             error: None,
             done: false,
-            buffered: Labels::new(name).gauge(names::BUFFERED, &[]),
+            buffered: Labels::new(name.as_deref()).gauge(names::BUFFERED, &[]),
             retry_min: DEFAULT_RETRY_MIN,
             retry_max: DEFAULT_RETRY_MAX,
             retry_next: DEFAULT_RETRY_MIN,
             pause: None,
+            name,
         })
+    }
+
+    /// The `name` label of this stream's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
     }
 
     /// How long the fetch after a failed one waits: `min`, doubling after each further failure
@@ -295,6 +345,11 @@ impl<S: BatchSource> Prefetch<S> {
     /// # Errors
     ///
     /// [`ConfigError`] on `prefetch.retry_backoff` if `min` is above `max`.
+    ///
+    /// # Panics
+    ///
+    /// With `min` above zero, polling panics after a failed fetch inside a tokio runtime
+    /// whose time driver is disabled.
     pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Result<Self, ConfigError> {
         if min > max {
             return Err(ConfigError::new(
@@ -349,6 +404,54 @@ impl<S: BatchSource> Prefetch<S> {
     /// The source; buffered items are dropped.
     pub fn into_inner(self) -> S {
         self.source
+    }
+}
+
+/// Builds a [`Prefetch`] stream; from [`Prefetch::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct PrefetchBuilder<S> {
+    source: S,
+    high: usize,
+    low: usize,
+    retry: (Duration, Duration),
+    name: Option<String>,
+}
+
+impl<S: BatchSource> PrefetchBuilder<S> {
+    /// The `name` label of the stream's metrics (`flowgate_demand_buffered`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// How long the fetch after a failed one waits; see [`Prefetch::retry_backoff`]
+    /// (validated by [`build`](PrefetchBuilder::build)).
+    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.retry = (min, max);
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `prefetch.high` if it is zero, on `prefetch.low` if it is not below
+    /// `high`, on `prefetch.retry_backoff` if its `min` is above its `max`.
+    pub fn build(self) -> Result<Prefetch<S>, ConfigError> {
+        let (min, max) = self.retry;
+        Prefetch::new(self.source, self.high, self.low, self.name)?.retry_backoff(min, max)
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for PrefetchBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefetchBuilder")
+            .field("source", &self.source)
+            .field("high", &self.high)
+            .field("low", &self.low)
+            .field("retry_backoff", &self.retry)
+            .field("name", &self.name)
+            .finish()
     }
 }
 
@@ -498,6 +601,7 @@ impl<S: BatchSource + fmt::Debug> fmt::Debug for Prefetch<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Prefetch")
             .field("source", &self.source)
+            .field("name", &self.name)
             .field("buffered", &self.buffered())
             .field("high", &self.high)
             .field("low", &self.low)

@@ -14,7 +14,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Gauge, Labels};
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, MutexGuard};
 
 /// The state a [`PauseSignal`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,6 +32,20 @@ struct State {
     last_change: Option<Instant>,
     /// The wrapper, waiting to resume.
     waker: Option<Waker>,
+    /// Here rather than in `Shared` so that `min_hold` and `name` take effect while tickets
+    /// (which share `Shared`) are alive.
+    min_hold: Duration,
+    in_flight_gauge: Gauge,
+    paused_gauge: Gauge,
+}
+
+impl State {
+    /// Register the gauges under `name`.
+    fn label(&mut self, name: Option<&str>) {
+        let labels = Labels::new(name);
+        self.in_flight_gauge = labels.gauge(names::IN_FLIGHT, &[]);
+        self.paused_gauge = labels.gauge(names::PAUSED, &[]);
+    }
 }
 
 #[derive(Debug)]
@@ -39,13 +53,14 @@ struct Shared {
     state: Mutex<State>,
     high: usize,
     low: usize,
-    min_hold: Duration,
     signal: watch::Sender<Flow>,
-    in_flight: Gauge,
-    paused: Gauge,
 }
 
 impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Apply the hysteresis rule now; returns when a blocked transition may happen.
     fn evaluate(&self, st: &mut State, now: Instant) -> Option<Instant> {
         let want_pause = st.in_flight >= self.high;
@@ -55,37 +70,37 @@ impl Shared {
             return None;
         }
         if let Some(last) = st.last_change {
-            let allowed = last + self.min_hold;
+            let allowed = last + st.min_hold;
             if now < allowed {
                 return Some(allowed);
             }
         }
         st.paused = !st.paused;
         st.last_change = Some(now);
-        self.paused.set(if st.paused { 1.0 } else { 0.0 });
+        st.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
         self.signal.send_replace(if st.paused {
             Flow::Paused
         } else {
             Flow::Resumed
         });
-        if !st.paused
-            && let Some(w) = st.waker.take()
-        {
-            w.wake();
-        }
         None
     }
 
     fn done(&self) {
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.lock();
         st.in_flight -= 1;
-        self.in_flight.set(st.in_flight as f64);
+        st.in_flight_gauge.set(st.in_flight as f64);
         let blocked = self.evaluate(&mut st, Instant::now());
-        // Wake the wrapper if it may pull again (below `high` while a pause is held back by
-        // `min_hold`) or has a held-back change to apply with its timer.
-        if (blocked.is_some() || (!st.paused && st.in_flight < self.high))
-            && let Some(w) = st.waker.take()
-        {
+        // Wake the wrapper if it may pull again (resumed, or below `high` while a pause is
+        // held back by `min_hold`) or has a held-back change to apply with its timer.
+        let waker = if blocked.is_some() || (!st.paused && st.in_flight < self.high) {
+            st.waker.take()
+        } else {
+            None
+        };
+        drop(st);
+        // Outside the lock: a waker runs code of its own when woken.
+        if let Some(w) = waker {
             w.wake();
         }
     }
@@ -145,6 +160,15 @@ impl PauseSignal {
 /// by `min_hold` it still stops pulling at `high` (and pulls again below it). The wrapper
 /// must be polled for a change held back by `min_hold` to be applied on time (a consumer
 /// loop awaiting `next()` does that).
+///
+/// [`min_hold`](Watermarks::min_hold) and [`name`](Watermarks::name) may be set at any time,
+/// also after items (and their tickets) were handed out; they take effect at once.
+///
+/// # Panics
+///
+/// With a non-zero `min_hold`, polling panics outside a tokio runtime with its time driver
+/// enabled once a change is held back (the wrapper sets a tokio timer to apply it). With the
+/// default `min_hold` of zero no timer is ever set.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Watermarks<S> {
@@ -167,43 +191,54 @@ impl<S: Stream> Watermarks<S> {
             ));
         }
         let (signal, _) = watch::channel(Flow::Resumed);
-        let labels = Labels::new(None);
+        let mut state = State {
+            in_flight: 0,
+            paused: false,
+            last_change: None,
+            waker: None,
+            min_hold: Duration::ZERO,
+            in_flight_gauge: Gauge::default(),
+            paused_gauge: Gauge::default(),
+        };
+        state.label(None);
         Ok(Watermarks {
             stream,
             shared: Arc::new(Shared {
-                state: Mutex::new(State {
-                    in_flight: 0,
-                    paused: false,
-                    last_change: None,
-                    waker: None,
-                }),
+                state: Mutex::new(state),
                 high,
                 low,
-                min_hold: Duration::ZERO,
                 signal,
-                in_flight: labels.gauge(names::IN_FLIGHT, &[]),
-                paused: labels.gauge(names::PAUSED, &[]),
             }),
             timer: None,
         })
     }
 
-    /// The shortest time between two changes of state (default zero). Call before the
-    /// first poll.
-    pub fn min_hold(mut self, hold: Duration) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.min_hold = crate::time::capped(hold);
-        }
+    /// The shortest time between two changes of state (default zero; `Duration::MAX` holds
+    /// for ever). It takes effect at once, also while tickets are alive: a change not yet made
+    /// waits until `min_hold` after the last one, which may already be over.
+    ///
+    /// # Panics
+    ///
+    /// With a non-zero `min_hold`, polling the stream panics outside a tokio runtime with its
+    /// time driver enabled once a change is held back (the wrapper sets a tokio timer).
+    pub fn min_hold(self, hold: Duration) -> Self {
+        self.shared.lock().min_hold = crate::time::capped(hold);
         self
     }
 
-    /// The `name` label of the in-flight and paused metrics. Call before the first poll.
-    pub fn name(mut self, name: &str) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            let labels = Labels::new(Some(name));
-            shared.in_flight = labels.gauge(names::IN_FLIGHT, &[]);
-            shared.paused = labels.gauge(names::PAUSED, &[]);
-        }
+    /// The `name` label of the in-flight and paused metrics (`flowgate_demand_in_flight`,
+    /// `flowgate_demand_paused`). It takes effect at once, also while tickets are alive: the
+    /// metrics under the new name start from the current values, and those under the old
+    /// name are set to zero.
+    pub fn name(self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        let mut st = self.shared.lock();
+        st.in_flight_gauge.set(0.0);
+        st.paused_gauge.set(0.0);
+        st.label(Some(&name));
+        st.in_flight_gauge.set(st.in_flight as f64);
+        st.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
+        drop(st);
         self
     }
 
@@ -216,11 +251,7 @@ impl<S: Stream> Watermarks<S> {
 
     /// Items handed out whose tickets are still alive.
     pub fn in_flight(&self) -> usize {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .in_flight
+        self.shared.lock().in_flight
     }
 
     /// The inner stream.
@@ -256,11 +287,7 @@ impl<S: Stream> Stream for Watermarks<S> {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.project();
         {
-            let mut st = this
-                .shared
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut st = this.shared.lock();
             if let Some(at) = this.shared.evaluate(&mut st, Instant::now()) {
                 // A change is held back by `min_hold`: come back when it may happen.
                 let timer = match this.timer {
@@ -277,19 +304,18 @@ impl<S: Stream> Stream for Watermarks<S> {
             // At `high` the wrapper stops pulling even while the pause itself is held back
             // by `min_hold`: in flight never exceeds `high`.
             if st.paused || st.in_flight >= this.shared.high {
-                st.waker = Some(cx.waker().clone());
+                let old = st.waker.replace(cx.waker().clone());
+                drop(st);
+                // Outside the lock: dropping a waker may run code of its own.
+                drop(old);
                 return Poll::Pending;
             }
         }
         let item = ready!(this.stream.poll_next(cx));
         Poll::Ready(item.map(|item| {
-            let mut st = this
-                .shared
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut st = this.shared.lock();
             st.in_flight += 1;
-            this.shared.in_flight.set(st.in_flight as f64);
+            st.in_flight_gauge.set(st.in_flight as f64);
             this.shared.evaluate(&mut st, Instant::now());
             drop(st);
             (
@@ -319,7 +345,7 @@ impl<S: fmt::Debug> fmt::Debug for Watermarks<S> {
             .field("stream", &self.stream)
             .field("high", &self.shared.high)
             .field("low", &self.shared.low)
-            .field("min_hold", &self.shared.min_hold)
+            .field("min_hold", &self.shared.lock().min_hold)
             .finish()
     }
 }

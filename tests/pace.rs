@@ -487,6 +487,70 @@ async fn metrics_count_releases_and_lateness() {
     );
 }
 
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn leaky_queues_sharing_a_pacer_report_their_own_depth() {
+    let recorder = support::TestRecorder::default();
+    let (mut ingest, mut replay) = metrics::with_local_recorder(&recorder, || {
+        let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+            .burst(1)
+            .name("gateway")
+            .build()
+            .unwrap();
+        let ingest = futures::stream::iter(0..5u32)
+            .leaky_queue(pacer.clone(), 8, Overflow::Backpressure)
+            .unwrap()
+            .name("ingest");
+        let replay = futures::stream::iter(0..3u32)
+            .leaky_queue(pacer, 8, Overflow::Backpressure)
+            .unwrap()
+            .name("replay");
+        (ingest, replay)
+    });
+    assert_eq!(ingest.next().await, Some(0));
+    assert!(poll!(replay.next()).is_pending()); // drained, waiting behind `ingest`
+    let depth = |name: &str| recorder.gauge(&format!("flowgate_pace_queue_depth{{name={name}}}"));
+    assert_eq!((depth("ingest"), depth("replay")), (Some(4.0), Some(3.0)));
+    assert_eq!(
+        depth("gateway").unwrap_or(0.0),
+        0.0,
+        "the queues do not report under the pacer's name"
+    );
+    drop((ingest, replay));
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn items_left_in_a_dropped_leaky_queue_are_counted_as_closed() {
+    let recorder = support::TestRecorder::default();
+    for policy in [Overflow::Backpressure, Overflow::DropNewest] {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hook = seen.clone();
+        let mut queue = metrics::with_local_recorder(&recorder, || {
+            let pacer = pacer(10, 1);
+            futures::stream::iter(0..5u32)
+                .leaky_queue(pacer, 8, policy)
+                .unwrap()
+                .name(policy.as_str())
+                .on_drop(move |x| hook.lock().unwrap().push(x))
+        });
+        assert_eq!(queue.next().await, Some(0));
+        drop(queue);
+        assert_eq!(*seen.lock().unwrap(), [1, 2, 3, 4], "{policy}: to on_drop");
+        let dropped = |p: &str| {
+            recorder.counter(&format!(
+                "flowgate_pace_dropped_total{{name={policy},policy={p}}}"
+            ))
+        };
+        assert_eq!(dropped("closed"), 4, "{policy}: left items are discarded");
+        assert_eq!(dropped("drop_newest"), 0, "{policy}: not an overflow drop");
+        assert_eq!(
+            recorder.gauge(&format!("flowgate_pace_queue_depth{{name={policy}}}")),
+            Some(0.0)
+        );
+    }
+}
+
 #[test]
 fn public_types_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}

@@ -29,6 +29,11 @@ pub(crate) fn unit_cost<T>(_: &T) -> u32 {
 /// upstream eagerly instead. An item whose cost is above the pacer's burst pays it in
 /// successive chunks of at most the burst, so the rate holds in cost units; an item of cost
 /// 0 passes at once.
+///
+/// # Panics
+///
+/// An item that has to wait sleeps on a tokio timer: polled outside a tokio runtime with
+/// timers enabled, the stream panics unless the pacer admits each item at once.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Leaky<S: Stream, C> {

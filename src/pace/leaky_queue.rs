@@ -22,19 +22,53 @@ type OnDrop<T> = Box<dyn FnMut(T) + Send>;
 /// policy, a full queue never stops the pulling) must not keep `poll_next` from returning.
 const DRAIN_BUDGET: usize = 128;
 
+/// The queue's metrics, labelled by the queue's name (by default its pacer's).
+struct Metrics {
+    depth: Gauge,
+    /// Items the overflow policy dropped (never registered under `Backpressure`).
+    dropped: Counter,
+    /// Items still queued when the queue went away.
+    closed: Counter,
+}
+
+impl Metrics {
+    fn new(name: Option<&str>, overflow: Overflow) -> Metrics {
+        let labels = Labels::new(name);
+        let dropped = |policy: &'static str| labels.counter(names::DROPPED, &[("policy", policy)]);
+        Metrics {
+            depth: labels.gauge(names::QUEUE_DEPTH, &[]),
+            // `Reject` cannot hand the item back from a stream: it drops the newest.
+            dropped: match overflow {
+                Overflow::Backpressure => Counter::default(),
+                Overflow::DropOldest => dropped(Overflow::DropOldest.as_str()),
+                Overflow::DropNewest | Overflow::Reject => dropped(Overflow::DropNewest.as_str()),
+            },
+            closed: dropped(CLOSED),
+        }
+    }
+}
+
+/// The `policy` label of the items still queued when the queue goes away (as a channel's).
+const CLOSED: &str = "closed";
+
 /// The queue, and the accounting of what it drops. Dropped itself (the stream dropped or
-/// taken apart), it drops what is still queued the same way: to the hook, counted.
+/// taken apart), it discards what is still queued: to the hook, counted as `closed`.
 struct Queue<T> {
     items: VecDeque<T>,
     on_drop: Option<OnDrop<T>>,
     dropped: u64,
-    metric: Counter,
+    metrics: Metrics,
 }
 
 impl<T> Queue<T> {
+    /// The overflow policy drops `item`.
     fn drop_item(&mut self, item: T) {
         self.dropped += 1;
-        self.metric.increment(1);
+        self.metrics.dropped.increment(1);
+        self.hook(item);
+    }
+
+    fn hook(&mut self, item: T) {
         if let Some(hook) = self.on_drop.as_mut() {
             hook(item);
         }
@@ -43,8 +77,11 @@ impl<T> Queue<T> {
 
 impl<T> Drop for Queue<T> {
     fn drop(&mut self) {
+        let left = self.items.len();
+        self.metrics.closed.increment(left as u64);
+        self.metrics.depth.set(0.0);
         while let Some(item) = self.items.pop_front() {
-            self.drop_item(item);
+            self.hook(item);
         }
     }
 }
@@ -57,8 +94,22 @@ impl<T> Drop for Queue<T> {
 /// refuse the incoming item; `DropOldest` evicts the oldest queued item. (A stream adapter
 /// cannot hand an item back, so `Reject` acts as `DropNewest`.) Every dropped item goes to
 /// the [`on_drop`](LeakyQueue::on_drop) hook, if set, and is counted in
-/// [`dropped`](LeakyQueue::dropped) and the `flowgate_pace_dropped_total` metric — so do the
-/// items still queued when the stream is dropped or taken apart with `into_inner`.
+/// [`dropped`](LeakyQueue::dropped) and the `flowgate_pace_dropped_total` metric under its
+/// `policy` (`drop_newest`, `drop_oldest`). The items still queued when the stream is dropped
+/// or taken apart with `into_inner` are discarded, whatever the policy: they go to the hook
+/// too and are counted under `policy="closed"`, as a channel counts the items left when its
+/// last receiver goes.
+///
+/// # Metrics
+///
+/// `flowgate_pace_queue_depth` (gauge) and `flowgate_pace_dropped_total` (by `policy`),
+/// labelled by the queue's [`name`](LeakyQueue::name), by default its pacer's name. Queues
+/// sharing a pacer need names of their own to be told apart.
+///
+/// # Panics
+///
+/// An item that has to wait for the pacer sleeps on a tokio timer: polled outside a tokio
+/// runtime with timers enabled, the stream panics unless the pacer admits each item at once.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct LeakyQueue<S: Stream> {
@@ -68,7 +119,8 @@ pub struct LeakyQueue<S: Stream> {
     capacity: usize,
     overflow: Overflow,
     paced: Paced,
-    depth: Gauge,
+    /// The name of the queue's metrics, if it was given one.
+    name: Option<String>,
 }
 
 impl<S: Stream> LeakyQueue<S> {
@@ -81,34 +133,44 @@ impl<S: Stream> LeakyQueue<S> {
         if capacity == 0 {
             return Err(ConfigError::zero("pace.queue_capacity"));
         }
-        let labels = Labels::new(pacer.name());
-        let policy = if overflow == Overflow::DropOldest {
-            Overflow::DropOldest
-        } else {
-            Overflow::DropNewest
-        };
         Ok(LeakyQueue {
             stream: stream.fuse(),
             queue: Queue {
                 items: VecDeque::with_capacity(capacity.min(4096)),
                 on_drop: None,
                 dropped: 0,
-                metric: labels.counter(names::DROPPED, &[("policy", policy.as_str())]),
+                metrics: Metrics::new(pacer.name(), overflow),
             },
             capacity,
             overflow,
-            depth: labels.gauge(names::QUEUE_DEPTH, &[]),
             paced: Paced::new(pacer),
+            name: None,
         })
     }
 
-    /// Call `hook` with every item the overflow policy drops.
+    /// The `name` label of this queue's metrics (by default, its pacer's name). Give each
+    /// queue that shares a pacer a name of its own, or they report under one label. Call it
+    /// right after [`leaky_queue`](crate::FlowStreamExt::leaky_queue): the metrics are
+    /// registered again under the new name (the depth under the old one is set to zero).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        self.queue.metrics.depth.set(0.0);
+        self.queue.metrics = Metrics::new(Some(&name), self.overflow);
+        self.queue.metrics.depth.set(self.queue.items.len() as f64);
+        self.name = Some(name);
+        self
+    }
+
+    /// Call `hook` with every item the queue drops: those the overflow policy drops, and
+    /// those still queued when the stream is dropped or taken apart with `into_inner`
+    /// (discarded: counted under `policy="closed"`, not as overflow drops).
     pub fn on_drop(mut self, hook: impl FnMut(S::Item) + Send + 'static) -> Self {
         self.queue.on_drop = Some(Box::new(hook));
         self
     }
 
-    /// Items dropped by the overflow policy so far.
+    /// Items dropped by the overflow policy so far (items discarded when the queue goes
+    /// away are not among them).
     pub fn dropped(&self) -> u64 {
         self.queue.dropped
     }
@@ -179,8 +241,9 @@ impl<S: Stream> Stream for LeakyQueue<S> {
             };
             queue.drop_item(victim);
         }
+        let depth = &this.queue.metrics.depth;
         let queue = &mut this.queue.items;
-        this.depth.set(queue.len() as f64);
+        depth.set(queue.len() as f64);
         if queue.is_empty() {
             return if this.stream.is_done() {
                 Poll::Ready(None)
@@ -190,7 +253,7 @@ impl<S: Stream> Stream for LeakyQueue<S> {
         }
         ready!(this.paced.poll_admit(1, cx));
         let item = queue.pop_front();
-        this.depth.set(queue.len() as f64);
+        depth.set(queue.len() as f64);
         Poll::Ready(item)
     }
 
@@ -217,6 +280,7 @@ impl<S: Stream + fmt::Debug> fmt::Debug for LeakyQueue<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LeakyQueue")
             .field("stream", &self.stream)
+            .field("name", &self.name)
             .field("queued", &self.queue.items.len())
             .field("capacity", &self.capacity)
             .field("overflow", &self.overflow)

@@ -15,6 +15,11 @@ use crate::pace::paced::Paced;
 ///
 /// A pacer admission taken by `poll_ready` but not used before the sink is dropped is not
 /// given back (the unit of rate is spent; no item is lost).
+///
+/// # Panics
+///
+/// `poll_ready` sleeps on a tokio timer when the item has to wait: outside a tokio runtime
+/// with timers enabled it panics unless the pacer admits the item at once.
 #[pin_project]
 #[must_use = "sinks do nothing unless polled"]
 pub struct LeakySink<Si> {

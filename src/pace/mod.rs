@@ -20,11 +20,20 @@
 //! the burst, so timer error never accumulates. Above the timer's resolution (1 ms) items
 //! leave in small on-time batches. See [`Pacer`] for the guarantees and the default burst.
 //!
+//! # Runtime
+//!
+//! A wait for the pacer sleeps on a tokio timer, so [`Pacer::until_ready`] and the adapters
+//! must be polled inside a tokio runtime with timers enabled whenever they have to wait
+//! (they panic otherwise). [`Pacer::try_acquire`] never waits and needs no runtime. Under
+//! `tokio::time::pause()` every wait is exact.
+//!
 //! # Metrics
 //!
 //! Labelled by the pacer's `name`: `flowgate_pace_released_total`,
-//! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram),
-//! and for `leaky_queue` `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`.
+//! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram).
+//! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
+//! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
+//! queue goes away) under its own [`name`](LeakyQueue::name), by default its pacer's.
 
 mod error;
 mod leaky;

@@ -67,7 +67,13 @@ pub trait FlowStreamExt: Stream {
 
     /// As [`bulkhead_map_unordered`](FlowStreamExt::bulkhead_map_unordered), but each mapped
     /// future runs on its own tokio task, so it keeps making progress (and returns its
-    /// permit) while the consumer is busy.
+    /// permit) while the consumer is busy. At most the bulkhead's limit of its tasks are
+    /// outstanding (running, or finished with an output not yet taken), so a slow consumer
+    /// slows the intake instead of piling up outputs (see [`BulkheadSpawnMap`]).
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime (it spawns tasks).
     fn bulkhead_spawn_map<F, Fut>(self, bulkhead: Bulkhead, f: F) -> BulkheadSpawnMap<Self, F, Fut>
     where
         Self: Sized,
@@ -80,6 +86,11 @@ pub trait FlowStreamExt: Stream {
 
     /// Release items at `rate` through a private [`Pacer`] with the default burst; the
     /// upstream is slowed to the rate (backpressure).
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     ///
     /// # Examples
     ///
@@ -109,6 +120,11 @@ pub trait FlowStreamExt: Stream {
     }
 
     /// Release items through a shared `pacer` (one rate for many streams, FIFO across them).
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     fn leaky_with(self, pacer: Pacer) -> Leaky<Self, UnitCost<Self::Item>>
     where
         Self: Sized,
@@ -118,6 +134,11 @@ pub trait FlowStreamExt: Stream {
 
     /// Release items through `pacer`, each costing `cost(&item)` units (a cost above the
     /// burst is paid in chunks; a cost of 0 is free).
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     fn leaky_cost<C>(self, pacer: Pacer, cost: C) -> Leaky<Self, C>
     where
         Self: Sized,
@@ -128,11 +149,16 @@ pub trait FlowStreamExt: Stream {
 
     /// The enforcing leaky bucket: drain the upstream eagerly into a queue of `capacity`
     /// items and release them through `pacer`; `overflow` decides what happens when the
-    /// queue is full (see [`LeakyQueue`]).
+    /// queue is full (see [`LeakyQueue`]; name its metrics with [`LeakyQueue::name`]).
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `pace.queue_capacity` if `capacity` is zero.
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     fn leaky_queue(
         self,
         pacer: Pacer,
@@ -252,6 +278,11 @@ impl<S: Stream + ?Sized> FlowStreamExt for S {}
 pub trait FlowSinkExt<Item>: Sink<Item> {
     /// Accept items at `rate` through a private [`Pacer`] with the default burst: each
     /// `poll_ready` waits for the pacer before asking the inner sink.
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     fn leaky(self, rate: Rate) -> LeakySink<Self>
     where
         Self: Sized,
@@ -260,6 +291,11 @@ pub trait FlowSinkExt<Item>: Sink<Item> {
     }
 
     /// As [`leaky`](FlowSinkExt::leaky), through a shared `pacer`.
+    ///
+    /// # Panics
+    ///
+    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
+    /// timers).
     fn leaky_with(self, pacer: Pacer) -> LeakySink<Self>
     where
         Self: Sized,

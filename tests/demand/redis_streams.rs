@@ -1,0 +1,656 @@
+//! The Redis Streams consumer-group source against real `redis-server` processes from the
+//! harness (part of the `demand` test binary).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flowgate::demand::{
+    Origin, RedisStreamSource, RedisStreamSourceBuilder, StreamEntry, prefetch,
+};
+use futures::StreamExt;
+use redis::aio::MultiplexedConnection;
+
+use super::support::RedisServer;
+
+const KEY: &str = "orders";
+const GROUP: &str = "billing";
+
+async fn produce<C: redis::aio::ConnectionLike>(con: &mut C, n: u32) {
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("XADD").arg(KEY).arg("*").arg("n").arg(*i).ignore();
+        }
+        pipe.query_async::<()>(con).await.unwrap();
+    }
+}
+
+/// A private server whose stream holds `n` entries, produced after the group was
+/// created, so every entry goes through it.
+async fn with_entries(n: u32) -> (RedisServer, MultiplexedConnection) {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    drop(source(&server, "setup").await);
+    produce(&mut con, n).await;
+    (server, con)
+}
+
+async fn source(server: &RedisServer, consumer: &str) -> RedisStreamSource<MultiplexedConnection> {
+    RedisStreamSource::builder(server.connect().await, KEY, GROUP, consumer)
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_millis(300))
+        .claim_every(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap()
+}
+
+async fn pending(con: &mut MultiplexedConnection) -> u64 {
+    let summary: redis::Value = redis::cmd("XPENDING")
+        .arg(KEY)
+        .arg(GROUP)
+        .query_async(con)
+        .await
+        .unwrap();
+    match summary {
+        redis::Value::Array(v) => redis::FromRedisValue::from_redis_value(v[0].clone()).unwrap(),
+        other => panic!("unexpected XPENDING reply {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
+    const N: u32 = 10_000;
+    let (server, mut con) = with_entries(N).await;
+    let seen: Arc<Mutex<HashMap<u32, u32>>> = Default::default();
+    let acked: Arc<Mutex<std::collections::HashSet<u32>>> = Default::default();
+
+    // Consumer c processes some entries, then dies holding 100 it never acknowledged.
+    {
+        let mut stream = Box::pin(prefetch(source(&server, "c").await, 100, 20).unwrap());
+        for _ in 0..1_000 {
+            let e = stream.next().await.unwrap().unwrap();
+            let n: u32 = e.get("n").unwrap();
+            *seen.lock().unwrap().entry(n).or_default() += 1;
+            e.ack.ack();
+            acked.lock().unwrap().insert(n);
+        }
+        stream
+            .as_mut()
+            .get_mut()
+            .get_mut()
+            .flush_acks()
+            .await
+            .unwrap();
+        for _ in 0..100 {
+            let e = stream.next().await.unwrap().unwrap();
+            *seen.lock().unwrap().entry(e.get("n").unwrap()).or_default() += 1;
+            drop(e.ack); // crash: never acknowledged
+        }
+    }
+
+    let done = Arc::new(AtomicBool::new(false));
+    let mut survivors = Vec::new();
+    for name in ["a", "b"] {
+        let (seen, acked, done) = (seen.clone(), acked.clone(), done.clone());
+        let server_src = source(&server, name).await;
+        survivors.push(tokio::spawn(async move {
+            let mut stream = Box::pin(prefetch(server_src, 100, 20).unwrap());
+            let mut claimed = 0;
+            while !done.load(Ordering::SeqCst) {
+                let Ok(Some(e)) =
+                    tokio::time::timeout(Duration::from_millis(100), stream.next()).await
+                else {
+                    continue;
+                };
+                let e = e.unwrap();
+                claimed += usize::from(e.origin == Origin::Claimed);
+                let n: u32 = e.get("n").unwrap();
+                *seen.lock().unwrap().entry(n).or_default() += 1;
+                e.ack.ack();
+                let mut acked = acked.lock().unwrap();
+                acked.insert(n);
+                if acked.len() == N as usize {
+                    done.store(true, Ordering::SeqCst);
+                }
+            }
+            stream
+                .as_mut()
+                .get_mut()
+                .get_mut()
+                .flush_acks()
+                .await
+                .unwrap();
+            claimed
+        }));
+    }
+    let all = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut claimed = 0;
+        for s in survivors {
+            claimed += s.await.unwrap();
+        }
+        claimed
+    })
+    .await;
+    if all.is_err() {
+        let acked_n = acked.lock().unwrap().len();
+        let left = pending(&mut con).await;
+        panic!("timeout: {acked_n} of {N} acked, {left} pending");
+    }
+    let all = all.unwrap();
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), N as usize, "every entry was processed");
+        assert!(seen.values().all(|&c| c >= 1));
+    }
+    assert!(
+        all >= 100,
+        "the dead consumer's 100 entries were claimed ({all})"
+    );
+    assert_eq!(
+        pending(&mut con).await,
+        0,
+        "nothing left pending: acked == produced"
+    );
+}
+
+/// The next `n` entries.
+async fn take<S>(stream: &mut S, n: usize) -> Vec<StreamEntry>
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    stream.take(n).map(Result::unwrap).collect().await
+}
+
+/// The next entry within 700 ms.
+async fn next<S>(stream: &mut S) -> Option<StreamEntry>
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    let next = tokio::time::timeout(Duration::from_millis(700), stream.next()).await;
+    next.ok().flatten().map(Result::unwrap)
+}
+
+/// Waits (up to 5 s) until nothing is pending in the group; returns what is left.
+async fn drained(con: &mut MultiplexedConnection) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = pending(con).await;
+        if left == 0 || tokio::time::Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_consumer_never_redelivers_what_it_holds_and_reclaims_what_it_dropped() {
+    let (server, mut con) = with_entries(20).await;
+    // min_idle 300 ms, a claim every 100 ms: held entries go idle while we sleep.
+    let mut stream = Box::pin(prefetch(source(&server, "solo").await, 5, 0).unwrap());
+    let mut held = take(&mut stream, 5).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while held.len() < 20 {
+        let e = next(&mut stream)
+            .await
+            .expect("the 15 other entries arrive");
+        assert!(
+            held.iter().all(|h| h.id != e.id),
+            "{} delivered again while held ({:?})",
+            e.id,
+            e.origin
+        );
+        held.push(e);
+    }
+    assert!(
+        next(&mut stream).await.is_none(),
+        "nothing more: all 20 held"
+    );
+    // Dropped without an ack: claimed back once idle, by this same consumer.
+    let dropped = held.swap_remove(3);
+    let id = dropped.id.clone();
+    drop(dropped);
+    let again = next(&mut stream)
+        .await
+        .expect("the dropped entry comes back");
+    assert_eq!(
+        (again.id.as_str(), again.origin),
+        (id.as_str(), Origin::Claimed)
+    );
+    held.push(again);
+    // Acks leave without a fetch: the background flusher sends them.
+    for e in held {
+        e.ack.ack();
+    }
+    assert_eq!(
+        drained(&mut con).await,
+        0,
+        "all acked without another fetch"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_consumer_keeps_the_entries_it_holds_from_other_consumers() {
+    let (server, mut con) = with_entries(5).await;
+    // min_idle 300 ms: a's keep-alive runs every 100 ms; b claims every 100 ms.
+    let mut a = Box::pin(prefetch(source(&server, "a").await, 5, 0).unwrap());
+    let held = take(&mut a, 5).await;
+    let mut b = Box::pin(prefetch(source(&server, "b").await, 5, 0).unwrap());
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(1_200) {
+        if let Some(e) = next(&mut b).await {
+            panic!("b took {} ({:?}) while a holds it", e.id, e.origin);
+        }
+    }
+    // Another consumer claimed one meanwhile (as if a had stalled): a's keep-alive
+    // leaves it with that consumer.
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg(KEY)
+        .arg(GROUP)
+        .arg("intruder")
+        .arg(0)
+        .arg(&held[0].id)
+        .arg("JUSTID")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let owner: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(KEY)
+        .arg(GROUP)
+        .arg(&held[0].id)
+        .arg(&held[0].id)
+        .arg(1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(owner[0].1, "intruder", "the keep-alive never steals");
+    // a lets go of them without an ack (say its work failed): b takes them over.
+    drop(held);
+    let mut claimed = 0;
+    while claimed < 5 {
+        let e = next(&mut b).await.expect("a's dropped entries are claimed");
+        assert_eq!(e.origin, Origin::Claimed);
+        e.ack.ack();
+        claimed += 1;
+    }
+    assert_eq!(drained(&mut con).await, 0);
+}
+
+#[tokio::test]
+async fn acks_after_the_source_is_dropped_still_reach_redis() {
+    let (server, mut con) = with_entries(10).await;
+    let mut stream = Box::pin(prefetch(source(&server, "e").await, 5, 0).unwrap());
+    let entries = take(&mut stream, 5).await;
+    drop(stream); // shutdown: stop fetching, let the workers finish
+    assert_eq!(pending(&mut con).await, 5);
+    for e in entries {
+        e.ack.ack();
+    }
+    assert_eq!(
+        drained(&mut con).await,
+        0,
+        "acked after the drop, still sent"
+    );
+}
+
+#[tokio::test]
+async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
+    let (server, _con) = with_entries(200).await;
+    let mut first = Vec::new();
+    {
+        let mut stream = Box::pin(prefetch(source(&server, "d").await, 50, 0).unwrap());
+        for _ in 0..50 {
+            let e = stream.next().await.unwrap().unwrap();
+            assert_eq!(e.origin, Origin::New);
+            first.push(e.id.clone());
+        }
+    } // dropped without acknowledging anything
+    let src = source(&server, "d").await;
+    assert!(src.is_recovering());
+    let mut stream = Box::pin(prefetch(src, 50, 0).unwrap());
+    let mut again = Vec::new();
+    for _ in 0..50 {
+        let e = stream.next().await.unwrap().unwrap();
+        assert_eq!(e.origin, Origin::OwnPending);
+        again.push(e.id.clone());
+        e.ack.ack();
+    }
+    assert_eq!(
+        again, first,
+        "its own pending entries come back first, in order"
+    );
+    let e = stream.next().await.unwrap().unwrap();
+    assert_eq!(e.origin, Origin::New);
+    assert_eq!(e.get::<u32>("n").unwrap(), 50);
+}
+
+/// Counters of one source, read from a test recorder (`None` without `metrics`).
+struct Counters {
+    #[cfg(feature = "metrics")]
+    recorder: super::support::TestRecorder,
+    name: &'static str,
+}
+
+impl Counters {
+    fn new(name: &'static str) -> Self {
+        Counters {
+            #[cfg(feature = "metrics")]
+            recorder: Default::default(),
+            name,
+        }
+    }
+
+    /// Builds the source with its metrics registered in this recorder. Needs a
+    /// multi-thread runtime (the build runs in `block_in_place`).
+    fn build<C>(&self, builder: RedisStreamSourceBuilder<C>) -> RedisStreamSource<C>
+    where
+        C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let builder = builder.name(self.name);
+        let build = || {
+            tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(builder.build())
+            })
+        };
+        #[cfg(feature = "metrics")]
+        let source = metrics::with_local_recorder(&self.recorder, build);
+        #[cfg(not(feature = "metrics"))]
+        let source = build();
+        source.unwrap()
+    }
+
+    /// A counter of this source; `None` without the `metrics` feature.
+    fn get(&self, metric: &str) -> Option<u64> {
+        #[cfg(feature = "metrics")]
+        return Some(self.recorder.counter(&format!(
+            "flowgate_demand_{metric}_total{{name={}}}",
+            self.name
+        )));
+        #[cfg(not(feature = "metrics"))]
+        {
+            let _ = (metric, self.name);
+            None
+        }
+    }
+}
+
+/// A builder with short timings; acks leave only with a fetch or `flush_acks` (the
+/// background task waits 30 s), so the tests know where each ack goes.
+fn lost_group_builder<C>(conn: C, consumer: &str) -> RedisStreamSourceBuilder<C>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    RedisStreamSource::builder(conn, KEY, GROUP, consumer)
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_secs(3))
+        .claim_every(Duration::from_secs(1))
+        .ack_interval(Duration::from_secs(30))
+}
+
+/// The next entry within 700 ms, skipping fetch errors (a restarting server).
+async fn next_ok<S>(stream: &mut S) -> Option<StreamEntry>
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(700);
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(e))) => return Some(e),
+            Ok(Some(Err(_))) => continue,
+            Ok(None) | Err(_) => return None,
+        }
+    }
+}
+
+/// Whether the group exists (on a fresh blocking connection: the server may have
+/// restarted).
+fn group_exists(server: &RedisServer) -> bool {
+    let groups: redis::RedisResult<Vec<redis::Value>> =
+        server.query_blocking(redis::cmd("XINFO").arg("GROUPS").arg(KEY));
+    groups.is_ok_and(|g| !g.is_empty())
+}
+
+/// Polls the stream (no entry may come) until the source has created its group again;
+/// at most 10 rounds of 700 ms.
+async fn until_group_recreated<S>(server: &RedisServer, stream: &mut S)
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    for _ in 0..10 {
+        if let Some(e) = next_ok(stream).await {
+            panic!("nothing to deliver while the group is lost, got {}", e.id);
+        }
+        if group_exists(server) {
+            return;
+        }
+    }
+    panic!("the source did not create its lost group again within 7 s");
+}
+
+/// Takes `n` entries (each within 700 ms, fetch errors skipped) and checks they are the
+/// `n` produced after the group came back, each exactly once; acks them all.
+async fn take_produced<S>(stream: &mut S, n: u32)
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..n {
+        let e = next_ok(stream)
+            .await
+            .unwrap_or_else(|| panic!("only {} of {n} entries arrived", seen.len()));
+        assert_eq!(e.origin, Origin::New);
+        let value: u32 = e.get("n").unwrap();
+        assert!(seen.insert(value), "entry {value} delivered twice");
+        e.ack.ack();
+    }
+    assert_eq!(
+        seen,
+        (0..n).collect(),
+        "every entry produced after it came back"
+    );
+    assert!(next_ok(stream).await.is_none(), "nothing delivered twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let counters = Counters::new("destroyed");
+    let source = counters.build(lost_group_builder(server.connect().await, "r"));
+    produce(&mut con, 10).await;
+    let mut stream = Box::pin(prefetch(source, 10, 0).unwrap());
+    let mut first = take(&mut stream, 10).await;
+    let held = first.split_off(6);
+    for e in first {
+        e.ack.ack();
+    }
+    let source = stream.as_mut().get_mut().get_mut();
+    assert_eq!(source.flush_acks().await.unwrap(), 6);
+
+    let _: () = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(KEY)
+        .arg(GROUP)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let mut held = held.into_iter();
+    // Two acks queued while the group is gone: they ride on the fetch that meets NOGROUP.
+    for e in held.by_ref().take(2) {
+        e.ack.ack();
+    }
+    until_group_recreated(&server, &mut stream).await;
+    // Two acks of entries of the lost group, made after the new group exists.
+    for e in held {
+        e.ack.ack();
+    }
+    produce(&mut con, 20).await;
+    take_produced(&mut stream, 20).await;
+    let source = stream.as_mut().get_mut().get_mut();
+    source.flush_acks().await.unwrap();
+    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
+    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+    // Sent: the 6 before the loss and the 20 new ones, each once; none of the old group.
+    assert_eq!(counters.get("acked").unwrap_or(26), 6 + 20);
+    assert_eq!(
+        counters.get("stale_acks").unwrap_or(4),
+        4,
+        "old acks not sent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_stream_refilled_by_a_producer_is_consumed_again() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let counters = Counters::new("deleted");
+    // From the beginning: entries a producer adds before the source sees the loss are
+    // not skipped.
+    let builder = lost_group_builder(server.connect().await, "r")
+        .recreate_from(flowgate::demand::StartFrom::Beginning);
+    let source = counters.build(builder);
+    produce(&mut con, 5).await;
+    let mut stream = Box::pin(prefetch(source, 5, 0).unwrap());
+    for e in take(&mut stream, 5).await {
+        e.ack.ack();
+    }
+    // The source is not polled: the producer re-creates the stream (without the
+    // group) before the source's next fetch.
+    let _: () = redis::cmd("DEL")
+        .arg(KEY)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    produce(&mut con, 10).await;
+    take_produced(&mut stream, 10).await;
+    assert!(group_exists(&server));
+    let source = stream.as_mut().get_mut().get_mut();
+    source.flush_acks().await.unwrap();
+    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
+    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+    assert_eq!(counters.get("acked").unwrap_or(10), 10);
+    assert_eq!(counters.get("stale_acks").unwrap_or(5), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumption_resumes_after_the_server_restarts_empty() {
+    let server = RedisServer::start();
+    let counters = Counters::new("restarted");
+    // A connection manager reconnects after the restart.
+    let conn = server.client().get_connection_manager().await.unwrap();
+    let source = counters.build(lost_group_builder(conn.clone(), "r"));
+    let mut producer = conn;
+    produce(&mut producer, 5).await;
+    let mut stream = Box::pin(prefetch(source, 5, 0).unwrap());
+    for e in take(&mut stream, 5).await {
+        e.ack.ack();
+    }
+    let source = stream.as_mut().get_mut().get_mut();
+    source.flush_acks().await.unwrap();
+
+    server.restart();
+    assert!(!group_exists(&server), "the restarted server is empty");
+    until_group_recreated(&server, &mut stream).await;
+    let mut con = server.connect().await;
+    produce(&mut con, 10).await;
+    take_produced(&mut stream, 10).await;
+    let source = stream.as_mut().get_mut().get_mut();
+    source.flush_acks().await.unwrap();
+    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
+    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+}
+
+#[tokio::test]
+async fn zero_durations_and_absurd_counts_are_config_errors() {
+    use flowgate::ConfigErrorKind::{Inconsistent, TooLarge, Zero};
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let builder = || RedisStreamSource::builder(conn.clone(), KEY, GROUP, "c");
+    let ms = Duration::from_millis;
+    let cases = [
+        (builder().block(Duration::ZERO), "redis_stream.block", Zero),
+        (
+            builder().block(Duration::from_micros(500)),
+            "redis_stream.block",
+            Zero,
+        ),
+        (
+            builder().block(Duration::MAX),
+            "redis_stream.block",
+            TooLarge,
+        ),
+        (
+            builder().min_idle(Duration::ZERO),
+            "redis_stream.min_idle",
+            Zero,
+        ),
+        (
+            builder().block(ms(250)).min_idle(ms(500)),
+            "redis_stream.min_idle",
+            Inconsistent,
+        ),
+        (
+            builder().claim_every(Duration::ZERO),
+            "redis_stream.claim_every",
+            Zero,
+        ),
+        (
+            builder().ack_interval(Duration::ZERO),
+            "redis_stream.ack_interval",
+            Zero,
+        ),
+        (builder().max_count(0), "redis_stream.max_count", Zero),
+        (
+            builder().max_count(usize::MAX),
+            "redis_stream.max_count",
+            TooLarge,
+        ),
+    ];
+    for (builder, field, kind) in cases {
+        let err = builder.build().await.unwrap_err();
+        let config = err
+            .config()
+            .unwrap_or_else(|| panic!("{err}: not a config error"));
+        assert_eq!((config.field(), config.kind()), (field, kind), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("invalid ") && !text.ends_with('.'),
+            "{text}"
+        );
+        assert!(std::error::Error::source(&err).is_some());
+    }
+    let exists: u64 = server
+        .query_blocking(redis::cmd("EXISTS").arg(KEY))
+        .unwrap();
+    assert_eq!(exists, 0, "a rejected build sends nothing to Redis");
+}
+
+#[tokio::test]
+async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
+    let (server, mut con) = with_entries(0).await;
+    let source = RedisStreamSource::builder(server.connect().await, KEY, GROUP, "c")
+        .block(Duration::from_millis(50))
+        .max_count(3)
+        .build()
+        .await
+        .unwrap();
+    produce(&mut con, 10).await;
+    let mut stream = Box::pin(prefetch(source, usize::MAX, 0).unwrap());
+    let first = next(&mut stream)
+        .await
+        .expect("COUNT is capped: Redis accepts it");
+    assert_eq!(
+        flowgate::demand::Prefetch::buffered(&stream),
+        2,
+        "one fetch brought max_count entries"
+    );
+    let mut all = vec![first];
+    all.extend(take(&mut stream, 9).await);
+    for e in all {
+        e.ack.ack();
+    }
+    assert_eq!(drained(&mut con).await, 0);
+}

@@ -3,11 +3,11 @@
 //! Run with `RUSTFLAGS="--cfg flowgate_loom" cargo test --release --no-default-features --test loom`.
 #![cfg(flowgate_loom)]
 
-use std::pin::pin;
-use std::task::Poll;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
 
 use flowgate::channel::{self, SendError};
-use futures::poll;
+use futures::{Stream, StreamExt, poll};
 use loom::future::block_on;
 use loom::thread;
 
@@ -98,5 +98,31 @@ fn close_wakes_every_receiver() {
             n += 1;
         }
         assert_eq!(n + r.join().unwrap(), 1);
+    });
+}
+
+/// Two receivers used as streams; one polls once and then stops (keeping its receiver). The
+/// item sent still reaches the other: a stream cannot pass a wake it does not use on, so a
+/// new item wakes every waiting stream.
+#[test]
+fn a_stream_that_stops_polling_does_not_keep_the_wake() {
+    loom::model(|| {
+        let (tx, mut r1) = channel::bounded::<u32>(2).unwrap();
+        let mut r2 = r1.clone();
+        let stalled = thread::spawn(move || {
+            let waker = futures::task::noop_waker();
+            let first = Pin::new(&mut r1).poll_next(&mut Context::from_waker(&waker));
+            (first, r1)
+        });
+        let consumer = thread::spawn(move || block_on(r2.next()));
+        block_on(tx.send(7)).unwrap();
+        let (first, _r1) = stalled.join().unwrap();
+        if first == Poll::Ready(Some(7)) {
+            // The stalled stream took it: the consumer ends with the channel.
+            drop(tx);
+            assert_eq!(consumer.join().unwrap(), None);
+        } else {
+            assert_eq!(consumer.join().unwrap(), Some(7));
+        }
     });
 }

@@ -27,7 +27,17 @@
 //!
 //! Items are delivered in FIFO order. Senders waiting for space are served in FIFO order: a
 //! freed slot is handed directly to the longest-waiting sender, so a newcomer never takes it.
-//! Receivers waiting for items are woken in FIFO order, one per item.
+//! Receivers waiting in [`Receiver::recv`] or [`Receiver::recv_many`] are woken in FIFO
+//! order, one per item (a future dropped after its wake passes it on). Receivers polled as a
+//! [`Stream`](futures::Stream) (or through [`Receiver::poll_recv`]) are all woken by each new
+//! item, since a stream that stops being polled cannot pass a wake on; the ones that find
+//! nothing wait again.
+//!
+//! # Locks
+//!
+//! No user code runs under the channel's lock: wakers are woken *and dropped*, and items
+//! are passed to `on_drop`, only after it is released, so a waker or hook may use the
+//! channel (a waker that owns a permit, say).
 //!
 //! # Cancel safety
 //!
@@ -67,6 +77,7 @@ mod permit;
 mod receiver;
 mod sender;
 mod shared;
+mod wait;
 
 pub use builder::Builder;
 pub use error::{ReserveError, SendError, Sent, Stats, TryRecvError};

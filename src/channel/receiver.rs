@@ -10,7 +10,8 @@ use futures::Stream;
 use futures::stream::FusedStream;
 
 use crate::channel::error::{Stats, TryRecvError};
-use crate::channel::shared::{Shared, Waiting};
+use crate::channel::shared::{BatchLen, Shared};
+use crate::channel::wait::Waiting;
 use crate::sync::Arc;
 
 /// The receiving half of a bounded channel. Clone it for more consumers; each item goes to
@@ -28,16 +29,21 @@ pub struct Receiver<T> {
     local: VecDeque<T>,
     /// Slots held for this receiver's batch, freed when the batch is used up.
     held: usize,
+    /// `local.len()`, published for the channel's `len()`.
+    batch_len: Arc<BatchLen>,
 }
 
 impl<T> Receiver<T> {
+    /// A new receiver of `shared`, counted as one.
     pub(crate) fn new(shared: Arc<Shared<T>>) -> Receiver<T> {
+        let batch_len = shared.add_receiver();
         Receiver {
             shared,
             waiting: Waiting::default(),
             terminated: false,
             local: VecDeque::new(),
             held: 0,
+            batch_len,
         }
     }
 
@@ -68,6 +74,7 @@ impl<T> Receiver<T> {
     /// The next item of this receiver's batch; frees the batch's slots when it is used up.
     fn take_local(&mut self) -> Option<T> {
         let item = self.local.pop_front()?;
+        self.batch_len.set(self.local.len());
         if self.local.is_empty() {
             self.shared.release_held(std::mem::take(&mut self.held));
         }
@@ -101,16 +108,34 @@ impl<T> Receiver<T> {
     /// of the capacity, and at most its share of the queue — `len / receivers` — so with
     /// several receivers none sits on items another one is idle for) and hands them out one
     /// by one; they keep their slots in the channel until the last of them is handed out, so
-    /// the bound holds, and if the receiver is dropped first they go back to the front of
-    /// the queue for the other receivers.
+    /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if
+    /// the receiver is dropped first they go back to the front of the queue for the other
+    /// receivers. Under [`Overflow::DropOldest`](crate::Overflow::DropOldest) a receiver takes
+    /// one item at a time, so an eviction always finds the oldest item not yet handed out.
+    ///
+    /// A task waiting here is woken by every new item (not only by one item in turn, as a
+    /// waiting [`recv`](Receiver::recv) is): a task that polls a receiver directly may stop
+    /// polling without dropping anything, so it cannot pass a wake it does not use on to
+    /// another receiver. (With one receiver this costs nothing; with several, an item may
+    /// wake receivers that then find nothing.)
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        self.poll_next_item(cx, true)
+    }
+
+    /// As `poll_recv`; `stream`: polled without a future whose drop passes a wake on.
+    fn poll_next_item(&mut self, cx: &mut Context<'_>, stream: bool) -> Poll<Option<T>> {
         if let Some(item) = self.take_local() {
             return Poll::Ready(Some(item));
         }
         let batch = self.shared.batch();
-        let next = self
-            .shared
-            .poll_recv_batch(cx, &mut self.waiting, &mut self.local, batch);
+        let next = self.shared.poll_recv_batch(
+            cx,
+            &mut self.waiting,
+            stream,
+            &mut self.local,
+            &self.batch_len,
+            batch,
+        );
         self.held = self.local.len();
         next
     }
@@ -120,7 +145,8 @@ impl<T> Receiver<T> {
         self.shared.is_closed()
     }
 
-    /// How many items are buffered.
+    /// How many items are buffered: queued, or taken by a receiver in a batch and not yet
+    /// handed out (see [`poll_recv`](Receiver::poll_recv)).
     pub fn len(&self) -> usize {
         self.shared.len()
     }
@@ -148,7 +174,6 @@ impl<T> Receiver<T> {
 
 impl<T> Clone for Receiver<T> {
     fn clone(&self) -> Receiver<T> {
-        self.shared.add_receiver();
         Receiver::new(self.shared.clone())
     }
 }
@@ -158,9 +183,10 @@ impl<T> Drop for Receiver<T> {
         self.shared.cancel_recv_wait(&mut self.waiting);
         if self.held > 0 || !self.local.is_empty() {
             let local = std::mem::take(&mut self.local);
-            self.shared.give_back(local, std::mem::take(&mut self.held));
+            self.shared
+                .give_back(local, std::mem::take(&mut self.held), &self.batch_len);
         }
-        self.shared.drop_receiver();
+        self.shared.drop_receiver(&self.batch_len);
     }
 }
 
@@ -190,12 +216,18 @@ impl<T> Stream for Receiver<T> {
         next
     }
 
-    /// Lower bound: the items buffered now. Upper bound: none while senders remain.
+    /// Lower bound: this receiver's own batch, plus the queue if it is the only receiver
+    /// (other receivers may take all of the queue; an eviction replaces a queued item, so the
+    /// queue never shrinks but by a receive). A receiver cloned later shares the queue from
+    /// then on. Upper bound: none while senders remain.
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
             (0, Some(0))
         } else {
-            (self.len() + self.local.len(), None)
+            (
+                self.local.len() + self.shared.queued_for_sole_receiver(),
+                None,
+            )
         }
     }
 }
@@ -216,7 +248,8 @@ impl<T> Future for Recv<'_, T> {
     type Output = Option<T>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        self.get_mut().receiver.poll_recv(cx)
+        // A `Recv` passes a wake it will not use on when dropped: it waits as a future.
+        self.get_mut().receiver.poll_next_item(cx, false)
     }
 }
 
@@ -250,6 +283,7 @@ impl<T> Future for RecvMany<'_, T> {
         if !receiver.local.is_empty() && this.limit > 0 {
             let n = receiver.local.len().min(this.limit);
             this.buf.extend(receiver.local.drain(..n));
+            receiver.batch_len.set(receiver.local.len());
             if receiver.local.is_empty() {
                 receiver
                     .shared

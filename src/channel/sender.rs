@@ -9,7 +9,8 @@ use futures::Sink;
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats};
 use crate::channel::permit::{OwnedPermit, Permit};
-use crate::channel::shared::{Shared, Waiting};
+use crate::channel::shared::Shared;
+use crate::channel::wait::Waiting;
 use crate::overflow::Overflow;
 use crate::sync::Arc;
 
@@ -170,7 +171,8 @@ impl<T> Sender<T> {
         self.detached || self.shared.is_closed()
     }
 
-    /// How many items are buffered.
+    /// How many items are buffered: queued, or taken by a receiver in a batch and not yet
+    /// handed out.
     pub fn len(&self) -> usize {
         self.shared.len()
     }

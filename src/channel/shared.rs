@@ -1,19 +1,26 @@
 //! The channel core: one mutex around the buffer, the reservations and the waiters.
 //!
-//! Every operation takes the lock once, decides, and wakes tasks and runs the `on_drop` hook
-//! only after releasing it, so no user code ever runs under the lock. Free slots are handed
+//! Every operation takes the lock once, decides, and wakes tasks, drops wakers and runs the
+//! `on_drop` hook only after releasing it (see [`Deferred`]), so no user code ever runs under
+//! the lock. Free slots are handed
 //! to waiting senders directly (a *grant*: the slot is reserved in the waiter's name), which
 //! makes waiting senders strictly FIFO and means a woken sender never finds its slot taken.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::PoisonError;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
+
+#[cfg(flowgate_loom)]
+use loom::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(not(flowgate_loom))]
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
+use crate::channel::wait::{Deferred, WaitQueue, Waiting};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Arc, Mutex, MutexGuard};
 
 pub(crate) type OnDrop<T> = Box<dyn Fn(T) + Send + Sync>;
 
@@ -48,54 +55,34 @@ impl Metrics {
         }
     }
 }
+/// How many items of one receiver's batch it has not handed out yet, for `len()`.
+///
+/// Written only by its receiver (a plain store: under the lock when a batch is taken or
+/// given back, without it as items are handed out), read by `len()`. On its own cache line,
+/// so the receiver's stores touch nothing the senders use.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct BatchLen(AtomicUsize);
 
-/// Tasks waiting for something, FIFO, each known by the id its future holds.
-#[derive(Default)]
-pub(crate) struct WaitQueue {
-    entries: VecDeque<(u64, Waker)>,
-}
-
-impl WaitQueue {
-    /// Add `id`, or refresh its waker if it is already waiting.
-    fn register(&mut self, id: u64, waker: &Waker) {
-        match self.entries.iter_mut().find(|(i, _)| *i == id) {
-            Some((_, w)) => w.clone_from(waker),
-            None => self.entries.push_back((id, waker.clone())),
-        }
+impl BatchLen {
+    /// The receiver now has `n` items of its batch left.
+    #[inline]
+    pub(crate) fn set(&self, n: usize) {
+        self.0.store(n, Ordering::Relaxed);
     }
 
-    /// Remove `id`; false if it was not waiting (it was woken, or never registered).
-    fn remove(&mut self, id: u64) -> bool {
-        match self.entries.iter().position(|(i, _)| *i == id) {
-            Some(at) => {
-                self.entries.remove(at);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn pop(&mut self) -> Option<(u64, Waker)> {
-        self.entries.pop_front()
-    }
-
-    /// Stop waiting, if `waiting` is registered.
-    fn leave(&mut self, waiting: &mut Waiting) {
-        if let Some(id) = waiting.0.take() {
-            self.remove(id);
-        }
-    }
-
-    fn drain_into(&mut self, wakers: &mut Vec<Waker>) {
-        wakers.extend(self.entries.drain(..).map(|(_, w)| w));
+    fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
     }
 }
 
 pub(crate) struct State<T> {
     queue: VecDeque<T>,
+    /// Every receiver's batch length.
+    batches: Vec<Arc<BatchLen>>,
     /// Slots held by permits, sink reservations and grants not yet claimed.
     reserved: usize,
-    /// Slots held by items that receivers took in a batch and have not yielded yet.
+    /// Slots held by receivers' batches: freed when a batch is used up (or given back).
     held: usize,
     /// No new sends: `close()` was called, or every sender or every receiver is gone.
     closed: bool,
@@ -104,7 +91,12 @@ pub(crate) struct State<T> {
     send_waiters: WaitQueue,
     /// Waiting senders that were handed a reserved slot and have not claimed it yet.
     granted: Vec<u64>,
+    /// Receivers waiting in a `Recv` / `RecvMany` future: one is woken per new item, and a
+    /// future dropped after its wake passes it on.
     recv_waiters: WaitQueue,
+    /// Receivers polled directly (`poll_recv`, `Stream`): each new item wakes all of them,
+    /// because a stream that stops being polled cannot pass a wake on.
+    stream_waiters: WaitQueue,
     close_waiters: WaitQueue,
     next_id: u64,
     stats: Stats,
@@ -118,24 +110,45 @@ impl<T> State<T> {
             self.next_id
         })
     }
-}
 
-/// Where a waiting future stands; the id is its place in a wait queue.
-#[derive(Debug, Default)]
-pub(crate) struct Waiting(Option<u64>);
-
-impl Waiting {
-    pub(crate) fn is_waiting(&self) -> bool {
-        self.0.is_some()
+    /// A new item is queued: wake one waiting future and every waiting stream.
+    #[inline]
+    fn wake_for_item(&mut self, out: &mut Deferred) {
+        self.recv_waiters.wake_one(out);
+        self.stream_waiters.wake_all(out);
     }
-}
 
-/// Wakers collected under the lock, woken after it is released.
-type Wake = Option<Waker>;
+    fn wake_receivers(&mut self, out: &mut Deferred) {
+        self.recv_waiters.wake_all(out);
+        self.stream_waiters.wake_all(out);
+    }
 
-fn wake(w: Wake) {
-    if let Some(w) = w {
-        w.wake();
+    /// Register a receiver in the queue of its kind (leaving the other one).
+    fn register_receiver(
+        &mut self,
+        waiting: &mut Waiting,
+        stream: bool,
+        cx: &Context<'_>,
+        out: &mut Deferred,
+    ) {
+        let id = self.id_for(waiting);
+        let (queue, other) = if stream {
+            (&mut self.stream_waiters, &mut self.recv_waiters)
+        } else {
+            (&mut self.recv_waiters, &mut self.stream_waiters)
+        };
+        if !other.is_empty() {
+            other.remove(id, out);
+        }
+        queue.register(id, cx.waker(), out);
+    }
+
+    /// Stop waiting as a receiver; true if it was still registered (not woken).
+    fn leave_receiver(&mut self, waiting: &mut Waiting, out: &mut Deferred) -> bool {
+        match waiting.0.take() {
+            Some(id) => self.recv_waiters.remove(id, out) || self.stream_waiters.remove(id, out),
+            None => false,
+        }
     }
 }
 
@@ -155,7 +168,7 @@ impl<T> fmt::Debug for Shared<T> {
             .field("name", &self.name)
             .field("capacity", &self.capacity)
             .field("overflow", &self.overflow)
-            .field("len", &st.queue.len())
+            .field("len", &self.len_locked(&st))
             .field("reserved", &st.reserved)
             .field("closed", &st.closed)
             .field("stats", &st.stats)
@@ -174,14 +187,17 @@ impl<T> Shared<T> {
         Shared {
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
+                batches: Vec::new(),
                 reserved: 0,
                 held: 0,
                 closed: false,
                 senders: 1,
-                receivers: 1,
+                // `Receiver::new` counts the first one.
+                receivers: 0,
                 send_waiters: WaitQueue::default(),
                 granted: Vec::new(),
                 recv_waiters: WaitQueue::default(),
+                stream_waiters: WaitQueue::default(),
                 close_waiters: WaitQueue::default(),
                 next_id: 0,
                 stats: Stats::default(),
@@ -211,8 +227,26 @@ impl<T> Shared<T> {
         self.name.as_deref()
     }
 
+    /// Items not yet handed to a consumer: queued, or in a receiver's batch.
+    fn len_locked(&self, st: &State<T>) -> usize {
+        st.queue.len() + st.batches.iter().map(|b| b.get()).sum::<usize>()
+    }
+
     pub(crate) fn len(&self) -> usize {
-        self.lock().queue.len()
+        self.len_locked(&self.lock())
+    }
+
+    /// What a receiver's `size_hint` may count on besides its own batch: the queue, if it is
+    /// the only receiver (no other can take from it, and an eviction replaces an item).
+    pub(crate) fn queued_for_sole_receiver(&self) -> usize {
+        let st = self.lock();
+        if st.receivers == 1 { st.queue.len() } else { 0 }
+    }
+
+    /// The depth gauge: queued items and the slots receivers' batches hold (exact when a
+    /// batch is taken or used up; it reads nothing the receivers write without the lock).
+    fn set_depth(&self, st: &State<T>) {
+        self.metrics.depth.set((st.queue.len() + st.held) as f64);
     }
 
     pub(crate) fn is_closed(&self) -> bool {
@@ -228,17 +262,34 @@ impl<T> Shared<T> {
     }
 
     /// How many items a receiver takes under one lock: up to 32, and at most an eighth of
-    /// the capacity (so senders never lose much room to a batch).
+    /// the capacity (so senders never lose much room to a batch). Under `DropOldest`, 1: an
+    /// eviction must take the oldest item not yet handed out, and a batch is out of its reach.
     pub(crate) fn batch(&self) -> usize {
-        (self.capacity / 8).clamp(1, 32)
+        if self.overflow == Overflow::DropOldest {
+            1
+        } else {
+            (self.capacity / 8).clamp(1, 32)
+        }
     }
 
     /// Hand a freed slot to the first waiting sender, if any.
-    fn grant(st: &mut State<T>) -> Wake {
-        let (id, waker) = st.send_waiters.pop()?;
+    fn grant(st: &mut State<T>, out: &mut Deferred) -> bool {
+        let Some((id, waker)) = st.send_waiters.pop() else {
+            return false;
+        };
         st.reserved += 1;
         st.granted.push(id);
-        Some(waker)
+        out.wake(waker);
+        true
+    }
+
+    /// Hand up to `n` freed slots to waiting senders.
+    fn grant_many(st: &mut State<T>, n: usize, out: &mut Deferred) {
+        for _ in 0..n {
+            if !Self::grant(st, out) {
+                break;
+            }
+        }
     }
 
     fn take_grant(st: &mut State<T>, id: u64) -> bool {
@@ -252,17 +303,17 @@ impl<T> Shared<T> {
     }
 
     /// Give back one reserved slot: to the next waiting sender, or to the pool.
-    fn release_reserved(st: &mut State<T>) -> Wake {
+    fn release_reserved(st: &mut State<T>, out: &mut Deferred) {
         st.reserved -= 1;
-        Self::grant(st)
+        Self::grant(st, out);
     }
 
-    fn push(&self, st: &mut State<T>, item: T) -> Wake {
+    fn push(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
         st.queue.push_back(item);
         st.stats.sent += 1;
         self.metrics.sent.increment(1);
-        self.metrics.depth.set(st.queue.len() as f64);
-        st.recv_waiters.pop().map(|(_, w)| w)
+        self.set_depth(st);
+        st.wake_for_item(out);
     }
 
     fn dropped(&self, item: T, counter: &Counter) {
@@ -273,46 +324,45 @@ impl<T> Shared<T> {
     }
 
     /// Close for new sends and collect every waiter to wake.
-    fn close_locked(st: &mut State<T>, wakers: &mut Vec<Waker>) {
+    fn close_locked(st: &mut State<T>, out: &mut Deferred) {
         if !st.closed {
             st.closed = true;
             // Grants not yet claimed are void: their senders will see `closed`.
             st.reserved -= st.granted.len();
             st.granted.clear();
         }
-        st.send_waiters.drain_into(wakers);
-        st.recv_waiters.drain_into(wakers);
-        st.close_waiters.drain_into(wakers);
+        st.send_waiters.wake_all(out);
+        st.wake_receivers(out);
+        st.close_waiters.wake_all(out);
     }
 
     pub(crate) fn close(&self) {
-        let mut wakers = Vec::new();
-        Self::close_locked(&mut self.lock(), &mut wakers);
-        wakers.into_iter().for_each(Waker::wake);
+        let mut out = Deferred::default();
+        Self::close_locked(&mut self.lock(), &mut out);
     }
 
     // ----- sending -----
 
     /// Send without waiting. Under `Backpressure` a full buffer is `Full(item)`.
     pub(crate) fn try_send(&self, item: T) -> Result<Sent, SendError<T>> {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         if st.closed {
             return Err(SendError::Closed(item));
         }
         if self.has_room(&st) {
-            let w = self.push(&mut st, item);
-            drop(st);
-            wake(w);
+            self.push(&mut st, item, &mut out);
             return Ok(Sent::Queued);
         }
         match self.overflow {
             Overflow::Backpressure | Overflow::Reject => Err(SendError::Full(item)),
+            // No receiver batches under `DropOldest`: the queue's front is the oldest item
+            // not yet handed out.
             Overflow::DropOldest if !st.queue.is_empty() => {
                 let oldest = st.queue.pop_front().expect("queue is not empty");
                 st.stats.dropped += 1;
-                let w = self.push(&mut st, item);
+                self.push(&mut st, item, &mut out);
                 drop(st);
-                wake(w);
                 self.dropped(oldest, &self.metrics.dropped_oldest);
                 Ok(Sent::EvictedOldest)
             }
@@ -340,6 +390,7 @@ impl<T> Shared<T> {
         if !self.overflow.waits() {
             return Poll::Ready(self.try_send(item));
         }
+        let mut out = Deferred::default();
         let mut st = self.lock();
         match waiting.0 {
             None => {
@@ -347,29 +398,25 @@ impl<T> Shared<T> {
                     return Poll::Ready(Err(SendError::Closed(item)));
                 }
                 if self.has_room(&st) {
-                    let w = self.push(&mut st, item);
-                    drop(st);
-                    wake(w);
+                    self.push(&mut st, item, &mut out);
                     return Poll::Ready(Ok(Sent::Queued));
                 }
                 let id = st.id_for(waiting);
-                st.send_waiters.register(id, cx.waker());
+                st.send_waiters.register(id, cx.waker(), &mut out);
             }
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
                     waiting.0 = None;
                     st.reserved -= 1;
-                    let w = self.push(&mut st, item);
-                    drop(st);
-                    wake(w);
+                    self.push(&mut st, item, &mut out);
                     return Poll::Ready(Ok(Sent::Queued));
                 }
                 if st.closed {
-                    st.send_waiters.remove(id);
+                    st.send_waiters.remove(id, &mut out);
                     waiting.0 = None;
                     return Poll::Ready(Err(SendError::Closed(item)));
                 }
-                st.send_waiters.register(id, cx.waker());
+                st.send_waiters.register(id, cx.waker(), &mut out);
             }
         }
         *slot = Some(item);
@@ -382,6 +429,7 @@ impl<T> Shared<T> {
         cx: &mut Context<'_>,
         waiting: &mut Waiting,
     ) -> Poll<Result<(), ReserveError>> {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         match waiting.0 {
             None => {
@@ -393,7 +441,7 @@ impl<T> Shared<T> {
                     return Poll::Ready(Ok(()));
                 }
                 let id = st.id_for(waiting);
-                st.send_waiters.register(id, cx.waker());
+                st.send_waiters.register(id, cx.waker(), &mut out);
             }
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
@@ -402,11 +450,11 @@ impl<T> Shared<T> {
                     return Poll::Ready(Ok(()));
                 }
                 if st.closed {
-                    st.send_waiters.remove(id);
+                    st.send_waiters.remove(id, &mut out);
                     waiting.0 = None;
                     return Poll::Ready(Err(ReserveError::Closed));
                 }
-                st.send_waiters.register(id, cx.waker());
+                st.send_waiters.register(id, cx.waker(), &mut out);
             }
         }
         Poll::Pending
@@ -427,22 +475,17 @@ impl<T> Shared<T> {
     /// A waiting send or reserve was dropped: leave the queue, or pass a grant on.
     pub(crate) fn cancel_send_wait(&self, waiting: &mut Waiting) {
         let Some(id) = waiting.0.take() else { return };
+        let mut out = Deferred::default();
         let mut st = self.lock();
-        if st.send_waiters.remove(id) {
-            return;
+        if !st.send_waiters.remove(id, &mut out) && Self::take_grant(&mut st, id) {
+            Self::release_reserved(&mut st, &mut out);
         }
-        let w = if Self::take_grant(&mut st, id) {
-            Self::release_reserved(&mut st)
-        } else {
-            None
-        };
-        drop(st);
-        wake(w);
     }
 
     /// Send into a slot reserved earlier. Cannot fail; with every receiver gone the item is
     /// dropped through `on_drop` and counted.
     pub(crate) fn send_reserved(&self, item: T) {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         st.reserved -= 1;
         if st.receivers == 0 {
@@ -453,45 +496,40 @@ impl<T> Shared<T> {
             self.dropped(item, &self.metrics.dropped_closed);
             return;
         }
-        let w = self.push(&mut st, item);
+        self.push(&mut st, item, &mut out);
         // Closed and this was the last reservation: every receiver must see the end.
-        let mut wakers = Vec::new();
         if st.closed && st.reserved == 0 {
-            st.recv_waiters.drain_into(&mut wakers);
+            st.wake_receivers(&mut out);
         }
-        drop(st);
-        wake(w);
-        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// A reserved slot was not used.
     pub(crate) fn release(&self) {
+        let mut out = Deferred::default();
         let mut st = self.lock();
-        let w = Self::release_reserved(&mut st);
+        Self::release_reserved(&mut st, &mut out);
         // With the channel closed, receivers may be waiting only for this reservation.
-        let mut wakers = Vec::new();
         if st.closed && st.reserved == 0 && st.queue.is_empty() {
-            st.recv_waiters.drain_into(&mut wakers);
+            st.wake_receivers(&mut out);
         }
-        drop(st);
-        wake(w);
-        wakers.into_iter().for_each(Waker::wake);
     }
 
     pub(crate) fn poll_closed(&self, cx: &mut Context<'_>, waiting: &mut Waiting) -> Poll<()> {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         if st.closed {
-            st.close_waiters.leave(waiting);
+            st.close_waiters.leave(waiting, &mut out);
             return Poll::Ready(());
         }
         let id = st.id_for(waiting);
-        st.close_waiters.register(id, cx.waker());
+        st.close_waiters.register(id, cx.waker(), &mut out);
         Poll::Pending
     }
 
     pub(crate) fn cancel_closed_wait(&self, waiting: &mut Waiting) {
         if waiting.is_waiting() {
-            self.lock().close_waiters.leave(waiting);
+            let mut out = Deferred::default();
+            self.lock().close_waiters.leave(waiting, &mut out);
         }
     }
 
@@ -503,20 +541,15 @@ impl<T> Shared<T> {
         st.closed && st.reserved == 0 && st.queue.is_empty() && st.held == 0
     }
 
-    fn pop(&self, st: &mut State<T>) -> Option<(T, Wake)> {
-        let item = st.queue.pop_front()?;
-        st.stats.received += 1;
-        self.metrics.received.increment(1);
-        self.metrics.depth.set(st.queue.len() as f64);
-        Some((item, Self::grant(st)))
-    }
-
     pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
+        let mut out = Deferred::default();
         let mut st = self.lock();
-        match self.pop(&mut st) {
-            Some((item, w)) => {
-                drop(st);
-                wake(w);
+        match st.queue.pop_front() {
+            Some(item) => {
+                st.stats.received += 1;
+                self.metrics.received.increment(1);
+                self.set_depth(&st);
+                Self::grant(&mut st, &mut out);
                 Ok(item)
             }
             None if Self::finished(&st) => Err(TryRecvError::Closed),
@@ -530,62 +563,68 @@ impl<T> Shared<T> {
     /// queued (`len / receivers`), so none sits on items another one is idle for. `Stats` count a
     /// batch as received when it is taken (and uncount what is given back); the
     /// `received_total` metric, which cannot go back, counts items as they are handed out.
+    ///
+    /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
+    /// stream waiters, which every new item wakes.
     pub(crate) fn poll_recv_batch(
         &self,
         cx: &mut Context<'_>,
         waiting: &mut Waiting,
+        stream: bool,
         local: &mut VecDeque<T>,
+        batch_len: &BatchLen,
         max: usize,
     ) -> Poll<Option<T>> {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         // At most a fair share of what is queued, so other receivers find items too.
         let max = max.min((st.queue.len() / st.receivers.max(1)).max(1));
         let n = st.queue.len().min(max);
         if n > 0 {
-            st.recv_waiters.leave(waiting);
+            st.leave_receiver(waiting, &mut out);
             let first = st.queue.pop_front().expect("n > 0");
             local.extend(st.queue.drain(..n - 1));
             st.held += n - 1;
+            batch_len.set(n - 1);
             st.stats.received += n as u64;
             self.metrics.received.increment(1);
-            self.metrics.depth.set(st.queue.len() as f64);
+            self.set_depth(&st);
             // The first item's slot is free now.
-            let w = Self::grant(&mut st);
-            drop(st);
-            wake(w);
+            Self::grant(&mut st, &mut out);
             return Poll::Ready(Some(first));
         }
         if Self::finished(&st) {
-            st.recv_waiters.leave(waiting);
+            st.leave_receiver(waiting, &mut out);
             return Poll::Ready(None);
         }
-        let id = st.id_for(waiting);
-        st.recv_waiters.register(id, cx.waker());
+        st.register_receiver(waiting, stream, cx, &mut out);
         Poll::Pending
     }
 
-    /// A receiver handed out the `n` items of its batch: their slots are free.
+    /// A receiver used up its batch, which held `n` slots: they are free.
     pub(crate) fn release_held(&self, n: usize) {
         if n == 0 {
             return;
         }
+        let mut out = Deferred::default();
         let mut st = self.lock();
         st.held -= n;
         self.metrics.received.increment(n as u64);
-        let mut wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
+        self.set_depth(&st);
+        Self::grant_many(&mut st, n, &mut out);
         // Other receivers may be waiting only for this batch to end the stream.
         if Self::finished(&st) {
-            st.recv_waiters.drain_into(&mut wakers);
+            st.wake_receivers(&mut out);
         }
-        drop(st);
-        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
     /// all): the items go back to the front of the queue, in order, for other receivers.
-    pub(crate) fn give_back(&self, items: VecDeque<T>, held: usize) {
+    pub(crate) fn give_back(&self, items: VecDeque<T>, held: usize, batch_len: &BatchLen) {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         st.held -= held;
+        batch_len.set(0);
         // Those handed out are received; the rest go back.
         let freed = held - items.len();
         st.stats.received -= items.len() as u64;
@@ -593,11 +632,9 @@ impl<T> Shared<T> {
         for item in items.into_iter().rev() {
             st.queue.push_front(item);
         }
-        let mut wakers: Vec<Waker> = (0..freed).map_while(|_| Self::grant(&mut st)).collect();
-        st.recv_waiters.drain_into(&mut wakers);
-        self.metrics.depth.set(st.queue.len() as f64);
-        drop(st);
-        wakers.into_iter().for_each(Waker::wake);
+        Self::grant_many(&mut st, freed, &mut out);
+        st.wake_receivers(&mut out);
+        self.set_depth(&st);
     }
 
     /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
@@ -611,43 +648,38 @@ impl<T> Shared<T> {
         if limit == 0 {
             return Poll::Ready(0);
         }
+        let mut out = Deferred::default();
         let mut st = self.lock();
         let n = st.queue.len().min(limit);
         if n > 0 {
             buf.extend(st.queue.drain(..n));
             st.stats.received += n as u64;
             self.metrics.received.increment(n as u64);
-            self.metrics.depth.set(st.queue.len() as f64);
-            st.recv_waiters.leave(waiting);
-            let wakers: Vec<Waker> = (0..n).map_while(|_| Self::grant(&mut st)).collect();
-            drop(st);
-            wakers.into_iter().for_each(Waker::wake);
+            self.set_depth(&st);
+            st.leave_receiver(waiting, &mut out);
+            Self::grant_many(&mut st, n, &mut out);
             return Poll::Ready(n);
         }
         if Self::finished(&st) {
-            st.recv_waiters.leave(waiting);
+            st.leave_receiver(waiting, &mut out);
             return Poll::Ready(0);
         }
-        let id = st.id_for(waiting);
-        st.recv_waiters.register(id, cx.waker());
+        st.register_receiver(waiting, false, cx, &mut out);
         Poll::Pending
     }
 
     /// A waiting receive was dropped. If it had already been woken for an item it will not
-    /// take, pass the wake-up on so the item is not stranded.
+    /// take, pass the wake-up on so the item is not stranded. (Stream waiters were all woken
+    /// with the item; one waiting future is.)
     pub(crate) fn cancel_recv_wait(&self, waiting: &mut Waiting) {
-        let Some(id) = waiting.0.take() else { return };
-        let mut st = self.lock();
-        if st.recv_waiters.remove(id) {
+        if !waiting.is_waiting() {
             return;
         }
-        let w = if st.queue.is_empty() {
-            None
-        } else {
-            st.recv_waiters.pop().map(|(_, w)| w)
-        };
-        drop(st);
-        wake(w);
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        if !st.leave_receiver(waiting, &mut out) && !st.queue.is_empty() {
+            st.recv_waiters.wake_one(&mut out);
+        }
     }
 
     // ----- handles -----
@@ -656,36 +688,38 @@ impl<T> Shared<T> {
         self.lock().senders += 1;
     }
 
-    pub(crate) fn add_receiver(&self) {
-        self.lock().receivers += 1;
+    /// A new receiver: counted, and its batch length known to `len()`.
+    pub(crate) fn add_receiver(&self) -> Arc<BatchLen> {
+        let batch_len = Arc::new(BatchLen::default());
+        let mut st = self.lock();
+        st.receivers += 1;
+        st.batches.push(batch_len.clone());
+        batch_len
     }
 
     pub(crate) fn drop_sender(&self) {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         st.senders -= 1;
-        if st.senders > 0 {
-            return;
+        if st.senders == 0 {
+            Self::close_locked(&mut st, &mut out);
         }
-        let mut wakers = Vec::new();
-        Self::close_locked(&mut st, &mut wakers);
-        drop(st);
-        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// The last receiver going away drops what is buffered, through `on_drop`, counted.
-    pub(crate) fn drop_receiver(&self) {
+    pub(crate) fn drop_receiver(&self, batch_len: &Arc<BatchLen>) {
+        let mut out = Deferred::default();
         let mut st = self.lock();
         st.receivers -= 1;
+        st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
         if st.receivers > 0 {
             return;
         }
-        let mut wakers = Vec::new();
-        Self::close_locked(&mut st, &mut wakers);
+        Self::close_locked(&mut st, &mut out);
         let left: Vec<T> = st.queue.drain(..).collect();
         st.stats.dropped += left.len() as u64;
-        self.metrics.depth.set(0.0);
+        self.set_depth(&st);
         drop(st);
-        wakers.into_iter().for_each(Waker::wake);
         for item in left {
             self.dropped(item, &self.metrics.dropped_closed);
         }

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use futures::StreamExt;
@@ -36,6 +36,10 @@ pub(crate) struct Request {
 /// driver's and those callers make directly when nothing is in flight), and what it takes to
 /// start the driver again when the runtime it ran on has shut down.
 pub(crate) struct Batcher<C> {
+    /// The queue of the driver started with the gate: the hot path, with no lock.
+    first: mpsc::Sender<Request>,
+    /// Set once that driver has stopped: then `queue` holds the current one.
+    moved: AtomicBool,
     queue: Mutex<mpsc::Sender<Request>>,
     pub(crate) calls: Arc<AtomicUsize>,
     driver: Driver<C>,
@@ -62,6 +66,8 @@ where
     pub(crate) fn start(driver: Driver<C>, restarts: Counter) -> Batcher<C> {
         let queue = driver.spawn();
         Batcher {
+            first: queue.clone(),
+            moved: AtomicBool::new(false),
             queue: Mutex::new(queue),
             calls: driver.calls.clone(),
             driver,
@@ -73,8 +79,14 @@ where
     /// deadline. A driver that stopped because its runtime shut down is started again on
     /// the caller's runtime (counted, logged), and the request goes to it.
     pub(crate) async fn submit(&self, request: Request) -> Result<(), CallError> {
-        let deadline = request.deadline;
         let mut request = request;
+        if !self.moved.load(Ordering::Acquire) {
+            request = match self.first.try_send(request) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(r) | TrySendError::Closed(r)) => r,
+            };
+        }
+        let deadline = request.deadline;
         for _ in 0..2 {
             let queue = self
                 .queue
@@ -117,6 +129,7 @@ where
             return;
         }
         *queue = self.driver.spawn();
+        self.moved.store(true, Ordering::Release);
         drop(queue);
         self.restarts.increment(1);
         tracing::warn!(

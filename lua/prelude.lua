@@ -41,12 +41,13 @@ local REFUSED = {'OOM', 'READONLY', 'NOREPLICAS', 'BUSY', 'LOADING', 'MASTERDOWN
   'CLUSTERDOWN', 'MISCONF'}
 
 -- What an error `e` raised while deciding one request means: that key's own failure
--- (returns its marker), or a failure of Redis (returns nil and the error text, to fail the
--- whole call with, so the gate's failure policy applies).
+-- (returns its marker), or a failure of Redis (returns nil and the error text to fail the
+-- whole call with, its code first: Redis 6 puts the script's position in front of it), so
+-- the gate's failure policy applies.
 --   - our CORRUPT marker, or a Lua error on the key's data            -> KEY_CORRUPT
 --   - WRONGTYPE                                                       -> KEY_WRONGTYPE
---   - an error reply of Redis (a table since Redis 7) or a text with
---     one of the REFUSED codes (Redis 6 raises text)                  -> the whole call fails
+--   - an error reply of Redis (a table) or a text with one of the
+--     REFUSED codes                                                   -> the whole call fails
 local function key_failure(e)
   if e == CORRUPT then
     return KEY_CORRUPT
@@ -55,27 +56,16 @@ local function key_failure(e)
   if string.find(msg, 'WRONGTYPE', 1, true) then
     return KEY_WRONGTYPE
   end
-  if type(e) == 'table' then
-    return nil, msg
-  end
-  for _, code in ipairs(REFUSED) do
-    if string.find(msg, code, 1, true) then
-      return nil, msg
-    end
-  end
-  return KEY_CORRUPT
-end
-
--- The error reply that fails a whole call with the server's error `msg`, keeping its code
--- first (Redis 6 puts the script's position in front of it).
-local function refused(msg)
   for _, code in ipairs(REFUSED) do
     local at = string.find(msg, code, 1, true)
     if at then
-      return redis.error_reply(string.sub(msg, at))
+      return nil, string.sub(msg, at)
     end
   end
-  return redis.error_reply(msg)
+  if type(e) == 'table' then
+    return nil, msg
+  end
+  return KEY_CORRUPT
 end
 
 -- Decide every request of a batch, in order: request i is decide(KEYS[i], ARGV[costs + i]).
@@ -89,7 +79,7 @@ local function decide_batch(decide, costs, width)
     if not ok then
       local marker, msg = key_failure(r)
       if not marker then
-        return refused(msg)
+        return redis.error_reply(msg)
       end
       r = width == 1 and marker or {marker, 0, 0, 0, 0}
     end

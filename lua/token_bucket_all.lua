@@ -32,7 +32,7 @@ for i, key in ipairs(KEYS) do
     local msg
     marker, msg = key_failure(used)
     if not marker then
-      return refused(msg)
+      return redis.error_reply(msg)
     end
     failed = true
     used, exp_us = 0, 0

@@ -27,7 +27,7 @@ local ok, used, exp_us = pcall(bucket_read, KEYS[1], now, count)
 if not ok then
   local marker, msg = key_failure(used)
   if not marker then
-    return refused(msg)
+    return redis.error_reply(msg)
   end
   return {marker, 0, 0, 0, 0}
 end

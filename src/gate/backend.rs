@@ -69,12 +69,25 @@ pub(crate) enum CallError {
     /// The request's own error (its key's value cannot be read): returned to its caller;
     /// Redis is fine and the gate stays healthy.
     Request(GateError),
-    /// Redis failed, or the gate is degraded and this call was not the probe: already
-    /// counted; the failure policy decides, and the next probe is `until_probe` away.
+    /// Redis failed (`error`: already counted), or the gate is degraded and this call was
+    /// not the probe (`None`: made only if the policy returns it, see [`CallError::error`]);
+    /// the failure policy decides, and the next probe is `until_probe` away.
     Backend {
-        error: GateError,
+        error: Option<GateError>,
         until_probe: Duration,
     },
+}
+
+impl CallError {
+    /// The error to return for a call the policy does not decide: what Redis said, or, for a
+    /// call that waited for the next probe, that Redis is failing.
+    pub(crate) fn error(error: Option<GateError>, until_probe: Duration) -> GateError {
+        error.unwrap_or_else(|| {
+            GateError::backend(BackendMessage(format!(
+                "redis is failing; the next probe is in {until_probe:?}"
+            )))
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -173,7 +186,7 @@ where
             if now < next_probe {
                 let until_probe = next_probe - now;
                 return Err(CallError::Backend {
-                    error: failing(until_probe),
+                    error: None,
                     until_probe,
                 });
             }
@@ -248,7 +261,7 @@ where
             );
         }
         CallError::Backend {
-            error,
+            error: Some(error),
             until_probe: self.probe_interval,
         }
     }
@@ -267,13 +280,6 @@ where
             tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
         }
     }
-}
-
-/// The error of a call the failure policy decided while Redis is failing.
-fn failing(until_probe: Duration) -> GateError {
-    GateError::backend(BackendMessage(format!(
-        "redis is failing; the next probe is in {until_probe:?}"
-    )))
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not

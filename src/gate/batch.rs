@@ -212,10 +212,14 @@ where
         // so one that joined late is not failed by the deadline of one that came early.
         let now = Instant::now();
         let mut batch = batch;
+        // Redis was too slow for them: one failure, however many waited.
+        let mut timed_out = None;
         for r in batch.extract_if(.., |r| r.deadline <= now) {
-            let _ = r.reply.send(Err(self
-                .backend
-                .fail(GateError::Timeout(self.backend.timeout()))));
+            let error = timed_out.get_or_insert_with(|| {
+                self.backend
+                    .fail(GateError::Timeout(self.backend.timeout()))
+            });
+            let _ = r.reply.send(Err(error.clone()));
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;

@@ -128,7 +128,7 @@ where
                         Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
                     })),
                     FailurePolicy::Fallback(gate) => gate.acquire_merged(&request),
-                    _ => Err(error),
+                    _ => Err(CallError::error(error, until_probe)),
                 }
             }
         }

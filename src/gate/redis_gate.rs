@@ -566,12 +566,12 @@ where
         key: &str,
         cost: u32,
         until_probe: Duration,
-        error: GateError,
+        error: Option<GateError>,
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         inner.metrics.by_policy.increment(1);
         match &inner.policy {
-            FailurePolicy::Error => Err(error),
+            FailurePolicy::Error => Err(CallError::error(error, until_probe)),
             FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
             FailurePolicy::Closed => Ok(Decision::reject(
                 inner.eval.limit.capacity(),

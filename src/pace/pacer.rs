@@ -349,6 +349,8 @@ impl Inner {
     }
 
     fn try_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<(), TryAcquireError> {
+        // The one place that refuses a cost that can never pass (as `admit` does).
+        Self::validate(st, cost).map_err(TryAcquireError::Invalid)?;
         let invalid = |e| TryAcquireError::Invalid(Self::invalid(e));
         if st.head.is_some() {
             // Someone is ahead: never jump the queue. Report when this cost would fit.

@@ -4,6 +4,10 @@
 //! internals, which do not build that way as a dependency.)
 
 #[cfg(flowgate_loom)]
+pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(flowgate_loom)]
 pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
+#[cfg(not(flowgate_loom))]
+pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
 #[cfg(not(flowgate_loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};

@@ -180,13 +180,12 @@ impl<T> Clone for Receiver<T> {
 
 impl<T> Drop for Receiver<T> {
     fn drop(&mut self) {
-        self.shared.cancel_recv_wait(&mut self.waiting);
-        if self.held > 0 || !self.local.is_empty() {
-            let local = std::mem::take(&mut self.local);
-            self.shared
-                .give_back(local, std::mem::take(&mut self.held), &self.batch_len);
-        }
-        self.shared.drop_receiver(&self.batch_len);
+        self.shared.drop_receiver(
+            &mut self.waiting,
+            std::mem::take(&mut self.local),
+            std::mem::take(&mut self.held),
+            &self.batch_len,
+        );
     }
 }
 

@@ -11,16 +11,11 @@ use std::fmt;
 use std::sync::PoisonError;
 use std::task::{Context, Poll};
 
-#[cfg(flowgate_loom)]
-use loom::sync::atomic::{AtomicUsize, Ordering};
-#[cfg(not(flowgate_loom))]
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 use crate::channel::wait::{Deferred, WaitQueue, Waiting};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
-use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Arc, AtomicUsize, Mutex, MutexGuard, Ordering};
 
 pub(crate) type OnDrop<T> = Box<dyn Fn(T) + Send + Sync>;
 
@@ -78,7 +73,7 @@ impl BatchLen {
 
 pub(crate) struct State<T> {
     queue: VecDeque<T>,
-    /// Every receiver's batch length.
+    /// Every receiver's batch length, one per receiver: its length is the receiver count.
     batches: Vec<Arc<BatchLen>>,
     /// Slots held by permits, sink reservations and grants not yet claimed.
     reserved: usize,
@@ -87,7 +82,6 @@ pub(crate) struct State<T> {
     /// No new sends: `close()` was called, or every sender or every receiver is gone.
     closed: bool,
     senders: usize,
-    receivers: usize,
     send_waiters: WaitQueue,
     /// Waiting senders that were handed a reserved slot and have not claimed it yet.
     granted: Vec<u64>,
@@ -105,7 +99,7 @@ pub(crate) struct State<T> {
 impl<T> State<T> {
     /// The id of `waiting`, allocating one if it has none.
     fn id_for(&mut self, waiting: &mut Waiting) -> u64 {
-        *waiting.0.get_or_insert_with(|| {
+        *waiting.id.get_or_insert_with(|| {
             self.next_id += 1;
             self.next_id
         })
@@ -123,7 +117,17 @@ impl<T> State<T> {
         self.stream_waiters.wake_all(out);
     }
 
-    /// Register a receiver in the queue of its kind (leaving the other one).
+    /// The receiver queue of one kind: stream waiters or future waiters.
+    fn receiver_queue(&mut self, stream: bool) -> &mut WaitQueue {
+        if stream {
+            &mut self.stream_waiters
+        } else {
+            &mut self.recv_waiters
+        }
+    }
+
+    /// Register a receiver in the queue of its kind. A receiver waits in one queue at a
+    /// time, the one `waiting.stream` names: if it waited in the other, it leaves it.
     fn register_receiver(
         &mut self,
         waiting: &mut Waiting,
@@ -131,22 +135,20 @@ impl<T> State<T> {
         cx: &Context<'_>,
         out: &mut Deferred,
     ) {
-        let id = self.id_for(waiting);
-        let (queue, other) = if stream {
-            (&mut self.stream_waiters, &mut self.recv_waiters)
-        } else {
-            (&mut self.recv_waiters, &mut self.stream_waiters)
-        };
-        if !other.is_empty() {
-            other.remove(id, out);
+        if waiting.stream != stream {
+            if let Some(id) = waiting.id {
+                self.receiver_queue(waiting.stream).remove(id, out);
+            }
+            waiting.stream = stream;
         }
-        queue.register(id, cx.waker(), out);
+        let id = self.id_for(waiting);
+        self.receiver_queue(stream).register(id, cx.waker(), out);
     }
 
     /// Stop waiting as a receiver; true if it was still registered (not woken).
     fn leave_receiver(&mut self, waiting: &mut Waiting, out: &mut Deferred) -> bool {
-        match waiting.0.take() {
-            Some(id) => self.recv_waiters.remove(id, out) || self.stream_waiters.remove(id, out),
+        match waiting.id.take() {
+            Some(id) => self.receiver_queue(waiting.stream).remove(id, out),
             None => false,
         }
     }
@@ -187,13 +189,12 @@ impl<T> Shared<T> {
         Shared {
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
+                // `Receiver::new` adds the first receiver's.
                 batches: Vec::new(),
                 reserved: 0,
                 held: 0,
                 closed: false,
                 senders: 1,
-                // `Receiver::new` counts the first one.
-                receivers: 0,
                 send_waiters: WaitQueue::default(),
                 granted: Vec::new(),
                 recv_waiters: WaitQueue::default(),
@@ -240,7 +241,11 @@ impl<T> Shared<T> {
     /// the only receiver (no other can take from it, and an eviction replaces an item).
     pub(crate) fn queued_for_sole_receiver(&self) -> usize {
         let st = self.lock();
-        if st.receivers == 1 { st.queue.len() } else { 0 }
+        if st.batches.len() == 1 {
+            st.queue.len()
+        } else {
+            0
+        }
     }
 
     /// The depth gauge: queued items and the slots receivers' batches hold (exact when a
@@ -392,7 +397,7 @@ impl<T> Shared<T> {
         }
         let mut out = Deferred::default();
         let mut st = self.lock();
-        match waiting.0 {
+        match waiting.id {
             None => {
                 if st.closed {
                     return Poll::Ready(Err(SendError::Closed(item)));
@@ -406,14 +411,14 @@ impl<T> Shared<T> {
             }
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
-                    waiting.0 = None;
+                    waiting.id = None;
                     st.reserved -= 1;
                     self.push(&mut st, item, &mut out);
                     return Poll::Ready(Ok(Sent::Queued));
                 }
                 if st.closed {
                     st.send_waiters.remove(id, &mut out);
-                    waiting.0 = None;
+                    waiting.id = None;
                     return Poll::Ready(Err(SendError::Closed(item)));
                 }
                 st.send_waiters.register(id, cx.waker(), &mut out);
@@ -431,7 +436,7 @@ impl<T> Shared<T> {
     ) -> Poll<Result<(), ReserveError>> {
         let mut out = Deferred::default();
         let mut st = self.lock();
-        match waiting.0 {
+        match waiting.id {
             None => {
                 if st.closed {
                     return Poll::Ready(Err(ReserveError::Closed));
@@ -446,12 +451,12 @@ impl<T> Shared<T> {
             Some(id) => {
                 if Self::take_grant(&mut st, id) {
                     // The grant's reservation becomes the caller's.
-                    waiting.0 = None;
+                    waiting.id = None;
                     return Poll::Ready(Ok(()));
                 }
                 if st.closed {
                     st.send_waiters.remove(id, &mut out);
-                    waiting.0 = None;
+                    waiting.id = None;
                     return Poll::Ready(Err(ReserveError::Closed));
                 }
                 st.send_waiters.register(id, cx.waker(), &mut out);
@@ -474,7 +479,7 @@ impl<T> Shared<T> {
 
     /// A waiting send or reserve was dropped: leave the queue, or pass a grant on.
     pub(crate) fn cancel_send_wait(&self, waiting: &mut Waiting) {
-        let Some(id) = waiting.0.take() else { return };
+        let Some(id) = waiting.id.take() else { return };
         let mut out = Deferred::default();
         let mut st = self.lock();
         if !st.send_waiters.remove(id, &mut out) && Self::take_grant(&mut st, id) {
@@ -488,7 +493,7 @@ impl<T> Shared<T> {
         let mut out = Deferred::default();
         let mut st = self.lock();
         st.reserved -= 1;
-        if st.receivers == 0 {
+        if st.batches.is_empty() {
             st.stats.sent += 1;
             st.stats.dropped += 1;
             drop(st);
@@ -509,7 +514,7 @@ impl<T> Shared<T> {
         let mut st = self.lock();
         Self::release_reserved(&mut st, &mut out);
         // With the channel closed, receivers may be waiting only for this reservation.
-        if st.closed && st.reserved == 0 && st.queue.is_empty() {
+        if Self::finished(&st) {
             st.wake_receivers(&mut out);
         }
     }
@@ -578,7 +583,7 @@ impl<T> Shared<T> {
         let mut out = Deferred::default();
         let mut st = self.lock();
         // At most a fair share of what is queued, so other receivers find items too.
-        let max = max.min((st.queue.len() / st.receivers.max(1)).max(1));
+        let max = max.min((st.queue.len() / st.batches.len().max(1)).max(1));
         let n = st.queue.len().min(max);
         if n > 0 {
             st.leave_receiver(waiting, &mut out);
@@ -620,9 +625,14 @@ impl<T> Shared<T> {
 
     /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
     /// all): the items go back to the front of the queue, in order, for other receivers.
-    pub(crate) fn give_back(&self, items: VecDeque<T>, held: usize, batch_len: &BatchLen) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
+    fn give_back(
+        &self,
+        st: &mut State<T>,
+        items: VecDeque<T>,
+        held: usize,
+        batch_len: &BatchLen,
+        out: &mut Deferred,
+    ) {
         st.held -= held;
         batch_len.set(0);
         // Those handed out are received; the rest go back.
@@ -632,9 +642,9 @@ impl<T> Shared<T> {
         for item in items.into_iter().rev() {
             st.queue.push_front(item);
         }
-        Self::grant_many(&mut st, freed, &mut out);
-        st.wake_receivers(&mut out);
-        self.set_depth(&st);
+        Self::grant_many(st, freed, out);
+        st.wake_receivers(out);
+        self.set_depth(st);
     }
 
     /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
@@ -676,9 +686,12 @@ impl<T> Shared<T> {
             return;
         }
         let mut out = Deferred::default();
-        let mut st = self.lock();
-        if !st.leave_receiver(waiting, &mut out) && !st.queue.is_empty() {
-            st.recv_waiters.wake_one(&mut out);
+        Self::cancel_recv_wait_locked(&mut self.lock(), waiting, &mut out);
+    }
+
+    fn cancel_recv_wait_locked(st: &mut State<T>, waiting: &mut Waiting, out: &mut Deferred) {
+        if !st.leave_receiver(waiting, out) && !st.queue.is_empty() {
+            st.recv_waiters.wake_one(out);
         }
     }
 
@@ -691,9 +704,7 @@ impl<T> Shared<T> {
     /// A new receiver: counted, and its batch length known to `len()`.
     pub(crate) fn add_receiver(&self) -> Arc<BatchLen> {
         let batch_len = Arc::new(BatchLen::default());
-        let mut st = self.lock();
-        st.receivers += 1;
-        st.batches.push(batch_len.clone());
+        self.lock().batches.push(batch_len.clone());
         batch_len
     }
 
@@ -706,13 +717,28 @@ impl<T> Shared<T> {
         }
     }
 
-    /// The last receiver going away drops what is buffered, through `on_drop`, counted.
-    pub(crate) fn drop_receiver(&self, batch_len: &Arc<BatchLen>) {
+    /// A receiver is dropped, all under one lock: it stops waiting (passing on a wake it
+    /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
+    /// its batch (`items`, and `held` slots in all) to the front of the queue, and is no
+    /// longer counted. The last receiver going away drops what is buffered, through
+    /// `on_drop`, counted.
+    pub(crate) fn drop_receiver(
+        &self,
+        waiting: &mut Waiting,
+        items: VecDeque<T>,
+        held: usize,
+        batch_len: &Arc<BatchLen>,
+    ) {
         let mut out = Deferred::default();
         let mut st = self.lock();
-        st.receivers -= 1;
+        if waiting.is_waiting() {
+            Self::cancel_recv_wait_locked(&mut st, waiting, &mut out);
+        }
+        if held > 0 || !items.is_empty() {
+            self.give_back(&mut st, items, held, batch_len, &mut out);
+        }
         st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
-        if st.receivers > 0 {
+        if !st.batches.is_empty() {
             return;
         }
         Self::close_locked(&mut st, &mut out);

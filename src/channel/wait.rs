@@ -12,38 +12,63 @@
 use std::collections::VecDeque;
 use std::task::Waker;
 
-/// Where a waiting future stands; the id is its place in a wait queue.
+/// Where a waiting future stands: `id` is its place in a wait queue; for a receiver,
+/// `stream` says which of the two receiver queues that place is in.
 #[derive(Debug, Default)]
-pub(crate) struct Waiting(pub(super) Option<u64>);
+pub(crate) struct Waiting {
+    pub(super) id: Option<u64>,
+    /// A receiver's queue: the stream waiters (`true`) or the future waiters. Meaningful
+    /// only while `id` is set; senders and close waiters leave it `false`.
+    pub(super) stream: bool,
+}
 
 impl Waiting {
     #[inline]
     pub(crate) fn is_waiting(&self) -> bool {
-        self.0.is_some()
+        self.id.is_some()
     }
 }
+
+/// How many wakers a [`Deferred`] holds without allocating.
+///
+/// Enough for the common operations: a push wakes one waiting future and one waiting
+/// stream; a receive or a cancel drops its own waker and wakes a sender or another receiver.
+const INLINE: usize = 4;
 
 /// Wakers collected under the lock: woken or dropped when this is dropped.
 ///
 /// Declare it *before* taking the lock (`let mut out = Deferred::default();` then
 /// `let mut st = self.lock();`): locals are dropped in reverse order, so the guard is
 /// released first on every path, early returns included.
+///
+/// The first [`INLINE`] wakers are kept inline and only further ones spill into a vector
+/// (as tokio's `WakeList`), so an operation that wakes or drops a few wakers does not
+/// allocate.
 #[derive(Default)]
 pub(crate) struct Deferred {
-    /// The first waker to wake: most operations wake at most one, without allocating.
-    wake: Option<Waker>,
-    /// Further wakers: to wake (`true`), or only to drop (`false`: replaced or removed from
-    /// a queue). Rare, so one vector.
+    /// Wakers in the order they were given: to wake (`true`), or only to drop (`false`:
+    /// replaced or removed from a queue). The first `len` slots are filled.
+    inline: [Option<(Waker, bool)>; INLINE],
+    len: usize,
+    /// The wakers past the first [`INLINE`]: rare (closing, a batch freeing many slots).
     more: Vec<(Waker, bool)>,
 }
 
 impl Deferred {
     #[inline]
-    pub(crate) fn wake(&mut self, waker: Waker) {
-        match self.wake {
-            None => self.wake = Some(waker),
-            Some(_) => self.more.push((waker, true)),
+    fn push(&mut self, waker: Waker, wake: bool) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => {
+                *slot = Some((waker, wake));
+                self.len += 1;
+            }
+            None => self.more.push((waker, wake)),
         }
+    }
+
+    #[inline]
+    pub(crate) fn wake(&mut self, waker: Waker) {
+        self.push(waker, true);
     }
 
     #[inline]
@@ -55,21 +80,21 @@ impl Deferred {
 
     #[inline]
     fn discard(&mut self, waker: Waker) {
-        self.more.push((waker, false));
+        self.push(waker, false);
     }
 }
 
 impl Drop for Deferred {
     #[inline]
     fn drop(&mut self) {
-        if let Some(w) = self.wake.take() {
-            w.wake();
+        for (w, wake) in self.inline[..self.len].iter_mut().filter_map(Option::take) {
+            if wake {
+                w.wake();
+            }
         }
-        if !self.more.is_empty() {
-            for (w, wake) in self.more.drain(..) {
-                if wake {
-                    w.wake();
-                }
+        for (w, wake) in self.more.drain(..) {
+            if wake {
+                w.wake();
             }
         }
     }
@@ -121,7 +146,7 @@ impl WaitQueue {
     /// Stop waiting, if `waiting` is registered.
     #[inline]
     pub(crate) fn leave(&mut self, waiting: &mut Waiting, out: &mut Deferred) {
-        if let Some(id) = waiting.0.take() {
+        if let Some(id) = waiting.id.take() {
             self.remove(id, out);
         }
     }
@@ -132,10 +157,5 @@ impl WaitQueue {
         while let Some((_, w)) = self.entries.pop_front() {
             out.wake(w);
         }
-    }
-
-    #[inline]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }

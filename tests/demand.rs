@@ -4,13 +4,14 @@ mod support;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::pin::{Pin, pin};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use flowgate::demand::{
-    BatchSource, CommitToken, CommitTracker, DemandError, Flow, IterSource, StreamSource,
-    UNBOUNDED, prefetch,
+    BatchSource, CommitToken, CommitTracker, DemandError, Flow, IterSource, Prefetch, StreamSource,
+    Ticket, UNBOUNDED, prefetch,
 };
 use flowgate::{ConfigErrorKind, FlowStreamExt};
 use futures::{StreamExt, poll};
@@ -340,9 +341,9 @@ fn bad_requests_and_configs_are_typed_errors() {
         (e.field(), e.kind()),
         ("prefetch.low", ConfigErrorKind::Inconsistent)
     );
-    let e = prefetch(source(), 4, 1)
-        .unwrap()
+    let e = Prefetch::builder(source(), 4, 1)
         .retry_backoff(Duration::from_secs(2), Duration::from_secs(1))
+        .build()
         .err()
         .unwrap();
     assert_eq!(
@@ -500,6 +501,97 @@ async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     drop(b);
     assert!(!signal.is_paused());
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+}
+
+/// A waker with code of its own that takes the watermarks' lock: woken, it drops the ticket
+/// it was given.
+#[derive(Default)]
+struct DropsTicket(Mutex<Option<Ticket>>);
+
+impl DropsTicket {
+    fn give(&self, ticket: Ticket) {
+        *self.0.lock().unwrap() = Some(ticket);
+    }
+}
+
+impl Wake for DropsTicket {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let ticket = self.0.lock().unwrap().take();
+        drop(ticket);
+    }
+}
+
+/// Runs `f` on a thread of its own and fails if it has not finished within 10 s, so that a
+/// deadlock fails the test instead of hanging it.
+fn with_watchdog(f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(()) => thread.join().unwrap(),
+        Err(RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(thread.join().unwrap_err())
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("deadlock: a waker ran under the lock"),
+    }
+}
+
+#[test]
+fn pause_signal_waiters_are_woken_outside_the_lock() {
+    with_watchdog(|| {
+        block_on(async {
+            let hold = Duration::from_millis(100);
+            let mut stream = pin!(
+                futures::stream::iter(0..10)
+                    .watermarks(3, 1)
+                    .unwrap()
+                    .min_hold(hold)
+            );
+            let mut signal = stream.pause_signal();
+            let wake = Arc::new(DropsTicket::default());
+            let waker = Waker::from(wake.clone());
+            let mut cx = Context::from_waker(&waker);
+
+            // The pause, sent as the item at `high` is handed out.
+            let (_, a) = stream.next().await.unwrap();
+            let (_, b) = stream.next().await.unwrap();
+            let mut changed = Box::pin(signal.changed());
+            assert!(changed.as_mut().poll(&mut cx).is_pending());
+            wake.give(a);
+            let (_, c) = stream.next().await.unwrap();
+            assert_eq!(changed.await, Some(Flow::Paused));
+            assert_eq!(stream.in_flight(), 2, "the waker dropped its ticket");
+
+            // The resume, sent as a ticket is dropped.
+            advance(hold).await;
+            let mut changed = Box::pin(signal.changed());
+            assert!(changed.as_mut().poll(&mut cx).is_pending());
+            wake.give(c);
+            drop(b);
+            assert_eq!(changed.await, Some(Flow::Resumed));
+            assert_eq!(stream.in_flight(), 0);
+
+            // A pause held back by `min_hold`, sent when the wrapper is polled after it.
+            let mut tickets = Vec::new();
+            for _ in 0..3 {
+                tickets.push(stream.next().await.unwrap().1);
+            }
+            assert!(!signal.is_paused(), "held back by min_hold");
+            let mut changed = Box::pin(signal.changed());
+            assert!(changed.as_mut().poll(&mut cx).is_pending());
+            wake.give(tickets.remove(0));
+            advance(hold).await;
+            assert!(poll!(stream.next()).is_pending());
+            assert_eq!(changed.await, Some(Flow::Paused));
+            assert_eq!(stream.in_flight(), 2);
+        });
+    });
 }
 
 /// What happened to a tracked offset, in the model of the commit property test.
@@ -767,7 +859,6 @@ async fn named_with_demand_and_prefetch_report_under_their_names() {
 
 #[test]
 fn prefetch_builder_validates_everything() {
-    use flowgate::demand::Prefetch;
     let source = || IterSource::new(0..1);
     let e = Prefetch::builder(source(), 0, 0).build().err().unwrap();
     assert_eq!(e.field(), "prefetch.high");

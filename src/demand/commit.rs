@@ -320,6 +320,7 @@ pub(crate) mod names {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct CommitTrackerBuilder {
     max_pending: usize,
     name: Option<String>,

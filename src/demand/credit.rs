@@ -208,6 +208,7 @@ impl<S: Stream> Demanded<S> {
 }
 
 /// Builds a [`Demanded`] stream and its [`DemandHandle`]; from [`Demanded::builder`].
+#[derive(Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
 pub struct DemandedBuilder<S> {
     stream: S,
@@ -227,16 +228,6 @@ impl<S: Stream> DemandedBuilder<S> {
     /// through).
     pub fn build(self) -> (Demanded<S>, DemandHandle) {
         Demanded::new(self.stream, self.initial, self.name)
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for DemandedBuilder<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DemandedBuilder")
-            .field("stream", &self.stream)
-            .field("initial", &self.initial)
-            .field("name", &self.name)
-            .finish()
     }
 }
 

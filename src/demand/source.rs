@@ -188,14 +188,14 @@ impl<I: Iterator> BatchSource for IterSource<I> {
 /// bounded and nothing is fetched that downstream has no room for. A fetch error is yielded
 /// as an `Err` item (after the items buffered before it), and the next fetch waits (10 ms,
 /// doubling up to 1 s while fetches keep failing; see
-/// [`retry_backoff`](Prefetch::retry_backoff)), so a loop that logs errors and goes on does
-/// not hammer a source that is down. The stream ends when the source does and the buffer is
-/// empty.
+/// [`retry_backoff`](PrefetchBuilder::retry_backoff)), so a loop that logs errors and goes
+/// on does not hammer a source that is down. The stream ends when the source does and the
+/// buffer is empty.
 ///
 /// # Panics
 ///
 /// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled
-/// (unless the retry backoff is zero); see [`retry_backoff`](Prefetch::retry_backoff).
+/// (unless the retry backoff is zero); see [`retry_backoff`](PrefetchBuilder::retry_backoff).
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Prefetch<S: BatchSource> {
@@ -290,7 +290,7 @@ impl<S: BatchSource> Prefetch<S> {
             source,
             high,
             low,
-            retry: (DEFAULT_RETRY_MIN, DEFAULT_RETRY_MAX),
+            retry_backoff: (DEFAULT_RETRY_MIN, DEFAULT_RETRY_MAX),
             name: None,
         }
     }
@@ -334,34 +334,6 @@ impl<S: BatchSource> Prefetch<S> {
     /// The `name` label of this stream's metrics, if it was given one.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
-    }
-
-    /// How long the fetch after a failed one waits: `min`, doubling after each further failure
-    /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
-    /// `min` zero a failed fetch is retried at once. The pause is a tokio timer: inside a tokio
-    /// runtime that runtime must have time enabled (as for every timed part of flowgate);
-    /// polled outside any tokio runtime, the stream does not pause.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError`] on `prefetch.retry_backoff` if `min` is above `max`.
-    ///
-    /// # Panics
-    ///
-    /// With `min` above zero, polling panics after a failed fetch inside a tokio runtime
-    /// whose time driver is disabled.
-    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Result<Self, ConfigError> {
-        if min > max {
-            return Err(ConfigError::new(
-                "prefetch.retry_backoff",
-                ConfigErrorKind::Inconsistent,
-                format!("min {min:?} is above max {max:?}"),
-            ));
-        }
-        self.retry_min = min;
-        self.retry_max = max;
-        self.retry_next = min;
-        Ok(self)
     }
 
     /// Items fetched and not yet consumed.
@@ -408,12 +380,14 @@ impl<S: BatchSource> Prefetch<S> {
 }
 
 /// Builds a [`Prefetch`] stream; from [`Prefetch::builder`].
+#[derive(Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
 pub struct PrefetchBuilder<S> {
     source: S,
     high: usize,
     low: usize,
-    retry: (Duration, Duration),
+    /// `(min, max)`, checked by `build`.
+    retry_backoff: (Duration, Duration),
     name: Option<String>,
 }
 
@@ -424,10 +398,34 @@ impl<S: BatchSource> PrefetchBuilder<S> {
         self
     }
 
-    /// How long the fetch after a failed one waits; see [`Prefetch::retry_backoff`]
-    /// (validated by [`build`](PrefetchBuilder::build)).
+    /// How long the fetch after a failed one waits: `min`, doubling after each further failure
+    /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
+    /// `min` zero a failed fetch is retried at once. The pause is a tokio timer: inside a tokio
+    /// runtime that runtime must have time enabled (as for every timed part of flowgate);
+    /// polled outside any tokio runtime, the stream does not pause.
+    ///
+    /// `min` above `max` is refused by [`build`](PrefetchBuilder::build) (`ConfigError` on
+    /// `prefetch.retry_backoff`).
+    ///
+    /// # Panics
+    ///
+    /// With `min` above zero, polling the built stream panics after a failed fetch inside a
+    /// tokio runtime whose time driver is disabled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::demand::{IterSource, Prefetch};
+    ///
+    /// let source = || IterSource::new(0..10);
+    /// let backoff = |min, max| Prefetch::builder(source(), 4, 1).retry_backoff(min, max).build();
+    /// assert!(backoff(Duration::ZERO, Duration::from_secs(1)).is_ok());
+    /// let e = backoff(Duration::from_secs(2), Duration::from_secs(1)).unwrap_err();
+    /// assert_eq!(e.field(), "prefetch.retry_backoff");
+    /// ```
     pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.retry = (min, max);
+        self.retry_backoff = (min, max);
         self
     }
 
@@ -438,20 +436,19 @@ impl<S: BatchSource> PrefetchBuilder<S> {
     /// [`ConfigError`] on `prefetch.high` if it is zero, on `prefetch.low` if it is not below
     /// `high`, on `prefetch.retry_backoff` if its `min` is above its `max`.
     pub fn build(self) -> Result<Prefetch<S>, ConfigError> {
-        let (min, max) = self.retry;
-        Prefetch::new(self.source, self.high, self.low, self.name)?.retry_backoff(min, max)
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for PrefetchBuilder<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PrefetchBuilder")
-            .field("source", &self.source)
-            .field("high", &self.high)
-            .field("low", &self.low)
-            .field("retry_backoff", &self.retry)
-            .field("name", &self.name)
-            .finish()
+        let (min, max) = self.retry_backoff;
+        let mut prefetch = Prefetch::new(self.source, self.high, self.low, self.name)?;
+        if min > max {
+            return Err(ConfigError::new(
+                "prefetch.retry_backoff",
+                ConfigErrorKind::Inconsistent,
+                format!("min {min:?} is above max {max:?}"),
+            ));
+        }
+        prefetch.retry_min = min;
+        prefetch.retry_max = max;
+        prefetch.retry_next = min;
+        Ok(prefetch)
     }
 }
 

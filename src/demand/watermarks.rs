@@ -3,6 +3,7 @@
 use std::fmt;
 use std::pin::Pin;
 use std::sync::PoisonError;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
@@ -40,12 +41,37 @@ struct State {
 }
 
 impl State {
-    /// Register the gauges under `name`.
-    fn label(&mut self, name: Option<&str>) {
-        let labels = Labels::new(name);
-        self.in_flight_gauge = labels.gauge(names::IN_FLIGHT, &[]);
-        self.paused_gauge = labels.gauge(names::PAUSED, &[]);
+    /// Nothing in flight, resumed, the gauges registered under `name`.
+    fn new(name: Option<&str>) -> Self {
+        let (in_flight_gauge, paused_gauge) = gauges(name);
+        State {
+            in_flight: 0,
+            paused: false,
+            last_change: None,
+            waker: None,
+            min_hold: Duration::ZERO,
+            in_flight_gauge,
+            paused_gauge,
+        }
     }
+
+    /// Register the gauges under `name` instead.
+    fn label(&mut self, name: Option<&str>) {
+        (self.in_flight_gauge, self.paused_gauge) = gauges(name);
+    }
+}
+
+/// The in-flight and paused gauges under `name`.
+fn gauges(name: Option<&str>) -> (Gauge, Gauge) {
+    let labels = Labels::new(name);
+    (
+        labels.gauge(names::IN_FLIGHT, &[]),
+        labels.gauge(names::PAUSED, &[]),
+    )
+}
+
+fn flow_of(paused: bool) -> Flow {
+    if paused { Flow::Paused } else { Flow::Resumed }
 }
 
 #[derive(Debug)]
@@ -53,6 +79,9 @@ struct Shared {
     state: Mutex<State>,
     high: usize,
     low: usize,
+    /// `State::paused`, written under the lock, read by [`publish`](Shared::publish) after it
+    /// was released.
+    paused: AtomicBool,
     signal: watch::Sender<Flow>,
 }
 
@@ -61,49 +90,81 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Apply the hysteresis rule now; returns when a blocked transition may happen.
-    fn evaluate(&self, st: &mut State, now: Instant) -> Option<Instant> {
+    /// Apply the hysteresis rule now. The caller holds the lock, so the signal is not sent
+    /// here: when the state flipped, the caller calls [`publish`](Shared::publish) once it
+    /// has released the lock.
+    fn evaluate(&self, st: &mut State, now: Instant) -> Evaluated {
         let want_pause = st.in_flight >= self.high;
         let want_resume = st.in_flight <= self.low;
         let change = (want_pause && !st.paused) || (want_resume && st.paused);
         if !change {
-            return None;
+            return Evaluated::Unchanged;
         }
         if let Some(last) = st.last_change {
             let allowed = last + st.min_hold;
             if now < allowed {
-                return Some(allowed);
+                return Evaluated::HeldUntil(allowed);
             }
         }
         st.paused = !st.paused;
         st.last_change = Some(now);
         st.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
-        self.signal.send_replace(if st.paused {
-            Flow::Paused
-        } else {
-            Flow::Resumed
+        self.paused.store(st.paused, Ordering::Release);
+        Evaluated::Flipped
+    }
+
+    /// Send the pause state to the [`PauseSignal`]s; called without the lock, because
+    /// sending wakes the tasks waiting in [`PauseSignal::changed`].
+    ///
+    /// It sends the latest state, not the one the caller computed: two callers that flipped
+    /// it one after the other may publish in either order, and the watch's own lock orders
+    /// their sends; the last one reads the last flip. A change undone at once may be skipped,
+    /// as a watch keeps only its latest value anyway.
+    fn publish(&self) {
+        self.signal.send_if_modified(|flow| {
+            let now = flow_of(self.paused.load(Ordering::Acquire));
+            if *flow == now {
+                false
+            } else {
+                *flow = now;
+                true
+            }
         });
-        None
     }
 
     fn done(&self) {
         let mut st = self.lock();
         st.in_flight -= 1;
         st.in_flight_gauge.set(st.in_flight as f64);
-        let blocked = self.evaluate(&mut st, Instant::now());
+        let evaluated = self.evaluate(&mut st, Instant::now());
+        let blocked = matches!(evaluated, Evaluated::HeldUntil(_));
         // Wake the wrapper if it may pull again (resumed, or below `high` while a pause is
         // held back by `min_hold`) or has a held-back change to apply with its timer.
-        let waker = if blocked.is_some() || (!st.paused && st.in_flight < self.high) {
+        let waker = if blocked || (!st.paused && st.in_flight < self.high) {
             st.waker.take()
         } else {
             None
         };
         drop(st);
         // Outside the lock: a waker runs code of its own when woken.
+        if evaluated == Evaluated::Flipped {
+            self.publish();
+        }
         if let Some(w) = waker {
             w.wake();
         }
     }
+}
+
+/// What [`Shared::evaluate`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evaluated {
+    /// No change is due.
+    Unchanged,
+    /// The state flipped: [`publish`](Shared::publish) it once the lock is released.
+    Flipped,
+    /// A change is due but `min_hold` holds it back until then.
+    HeldUntil(Instant),
 }
 
 /// One item's place in flight; dropping it marks the item done.
@@ -191,22 +252,13 @@ impl<S: Stream> Watermarks<S> {
             ));
         }
         let (signal, _) = watch::channel(Flow::Resumed);
-        let mut state = State {
-            in_flight: 0,
-            paused: false,
-            last_change: None,
-            waker: None,
-            min_hold: Duration::ZERO,
-            in_flight_gauge: Gauge::default(),
-            paused_gauge: Gauge::default(),
-        };
-        state.label(None);
         Ok(Watermarks {
             stream,
             shared: Arc::new(Shared {
-                state: Mutex::new(state),
+                state: Mutex::new(State::new(None)),
                 high,
                 low,
+                paused: AtomicBool::new(false),
                 signal,
             }),
             timer: None,
@@ -286,38 +338,49 @@ impl<S: Stream> Stream for Watermarks<S> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.project();
-        {
-            let mut st = this.shared.lock();
-            if let Some(at) = this.shared.evaluate(&mut st, Instant::now()) {
-                // A change is held back by `min_hold`: come back when it may happen.
-                let timer = match this.timer {
-                    Some(t) => {
-                        t.as_mut().reset(at);
-                        t
-                    }
-                    None => this.timer.insert(Box::pin(tokio::time::sleep_until(at))),
-                };
-                if timer.as_mut().poll(cx).is_ready() {
-                    cx.waker().wake_by_ref();
+        let mut st = this.shared.lock();
+        let evaluated = this.shared.evaluate(&mut st, Instant::now());
+        // At `high` the wrapper stops pulling even while the pause itself is held back by
+        // `min_hold`: in flight never exceeds `high`.
+        let pending = st.paused || st.in_flight >= this.shared.high;
+        let old = if pending {
+            st.waker.replace(cx.waker().clone())
+        } else {
+            None
+        };
+        drop(st);
+        // Outside the lock: sending wakes the signal's waiters, dropping a waker may run code
+        // of its own, and so may the timer (it drops the waker it held, or wakes ours).
+        if evaluated == Evaluated::Flipped {
+            this.shared.publish();
+        }
+        drop(old);
+        if let Evaluated::HeldUntil(at) = evaluated {
+            // A change is held back by `min_hold`: come back when it may happen.
+            let timer = match this.timer {
+                Some(t) => {
+                    t.as_mut().reset(at);
+                    t
                 }
+                None => this.timer.insert(Box::pin(tokio::time::sleep_until(at))),
+            };
+            if timer.as_mut().poll(cx).is_ready() {
+                cx.waker().wake_by_ref();
             }
-            // At `high` the wrapper stops pulling even while the pause itself is held back
-            // by `min_hold`: in flight never exceeds `high`.
-            if st.paused || st.in_flight >= this.shared.high {
-                let old = st.waker.replace(cx.waker().clone());
-                drop(st);
-                // Outside the lock: dropping a waker may run code of its own.
-                drop(old);
-                return Poll::Pending;
-            }
+        }
+        if pending {
+            return Poll::Pending;
         }
         let item = ready!(this.stream.poll_next(cx));
         Poll::Ready(item.map(|item| {
             let mut st = this.shared.lock();
             st.in_flight += 1;
             st.in_flight_gauge.set(st.in_flight as f64);
-            this.shared.evaluate(&mut st, Instant::now());
+            let evaluated = this.shared.evaluate(&mut st, Instant::now());
             drop(st);
+            if evaluated == Evaluated::Flipped {
+                this.shared.publish();
+            }
             (
                 item,
                 Ticket {

@@ -2,12 +2,13 @@
 //! harness (part of the `demand` test binary).
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flowgate::demand::{
-    Origin, RedisStreamSource, RedisStreamSourceBuilder, StreamEntry, prefetch,
+    Origin, Prefetch, RedisStreamSource, RedisStreamSourceBuilder, StreamEntry, prefetch,
 };
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
@@ -60,6 +61,23 @@ async fn pending(con: &mut MultiplexedConnection) -> u64 {
     }
 }
 
+/// A source behind `prefetch`, as the tests hold it.
+type Prefetched<C> = Pin<Box<Prefetch<RedisStreamSource<C>>>>;
+
+/// Sends the acks collected so far (`flush_acks`); returns how many Redis acknowledged.
+async fn flush<C>(stream: &mut Prefetched<C>) -> usize
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + Unpin + 'static,
+{
+    stream
+        .as_mut()
+        .get_mut()
+        .get_mut()
+        .flush_acks()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
     const N: u32 = 10_000;
@@ -77,13 +95,7 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
             e.ack.ack();
             acked.lock().unwrap().insert(n);
         }
-        stream
-            .as_mut()
-            .get_mut()
-            .get_mut()
-            .flush_acks()
-            .await
-            .unwrap();
+        flush(&mut stream).await;
         for _ in 0..100 {
             let e = stream.next().await.unwrap().unwrap();
             *seen.lock().unwrap().entry(e.get("n").unwrap()).or_default() += 1;
@@ -116,13 +128,7 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
                     done.store(true, Ordering::SeqCst);
                 }
             }
-            stream
-                .as_mut()
-                .get_mut()
-                .get_mut()
-                .flush_acks()
-                .await
-                .unwrap();
+            flush(&mut stream).await;
             claimed
         }));
     }
@@ -454,11 +460,32 @@ where
     assert!(next_ok(stream).await.is_none(), "nothing delivered twice");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() {
+/// How each lost-group test ends: the last acks are sent, nothing is left pending, and
+/// the source created the group again exactly once.
+async fn recovered_once<C>(
+    stream: &mut Prefetched<C>,
+    con: &mut MultiplexedConnection,
+    counters: &Counters,
+) where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + Unpin + 'static,
+{
+    flush(stream).await;
+    assert_eq!(drained(con).await, 0, "nothing left pending");
+    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+}
+
+/// A source of `counters` (from `lost_group_builder`) took the 10 entries produced, acked
+/// 6 and sent them; then its group was destroyed. Returns the 4 entries it still holds.
+async fn destroyed_holding_four(
+    counters: &Counters,
+) -> (
+    RedisServer,
+    MultiplexedConnection,
+    Prefetched<MultiplexedConnection>,
+    Vec<StreamEntry>,
+) {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let counters = Counters::new("destroyed");
     let source = counters.build(lost_group_builder(server.connect().await, "r"));
     produce(&mut con, 10).await;
     let mut stream = Box::pin(prefetch(source, 10, 0).unwrap());
@@ -467,9 +494,7 @@ async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() 
     for e in first {
         e.ack.ack();
     }
-    let source = stream.as_mut().get_mut().get_mut();
-    assert_eq!(source.flush_acks().await.unwrap(), 6);
-
+    assert_eq!(flush(&mut stream).await, 6);
     let _: () = redis::cmd("XGROUP")
         .arg("DESTROY")
         .arg(KEY)
@@ -477,6 +502,13 @@ async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() 
         .query_async(&mut con)
         .await
         .unwrap();
+    (server, con, stream, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() {
+    let counters = Counters::new("destroyed");
+    let (server, mut con, mut stream, held) = destroyed_holding_four(&counters).await;
     let mut held = held.into_iter();
     // Two acks queued while the group is gone: they ride on the fetch that meets NOGROUP.
     for e in held.by_ref().take(2) {
@@ -489,16 +521,41 @@ async fn a_destroyed_group_is_created_again_and_no_ack_of_the_old_one_is_sent() 
     }
     produce(&mut con, 20).await;
     take_produced(&mut stream, 20).await;
-    let source = stream.as_mut().get_mut().get_mut();
-    source.flush_acks().await.unwrap();
-    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
-    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+    recovered_once(&mut stream, &mut con, &counters).await;
     // Sent: the 6 before the loss and the 20 new ones, each once; none of the old group.
     assert_eq!(counters.get("acked").unwrap_or(26), 6 + 20);
     assert_eq!(
         counters.get("stale_acks").unwrap_or(4),
         4,
         "old acks not sent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_sent_before_the_loss_is_noticed_count_as_stale_not_acked() {
+    let counters = Counters::new("unnoticed");
+    let (server, mut con, mut stream, held) = destroyed_holding_four(&counters).await;
+    // Sent before any fetch meets NOGROUP: XACK answers 0, not an error.
+    for e in held {
+        e.ack.ack();
+    }
+    assert_eq!(flush(&mut stream).await, 0, "the group is gone");
+    assert_eq!(
+        counters.get("acked").unwrap_or(6),
+        6,
+        "only what Redis acknowledged"
+    );
+    assert_eq!(counters.get("stale_acks").unwrap_or(4), 4);
+
+    until_group_recreated(&server, &mut stream).await;
+    recovered_once(&mut stream, &mut con, &counters).await;
+    assert_eq!(
+        (
+            counters.get("acked").unwrap_or(6),
+            counters.get("stale_acks").unwrap_or(4)
+        ),
+        (6, 4),
+        "counted once, not again when the fetch notices the loss"
     );
 }
 
@@ -527,10 +584,7 @@ async fn a_deleted_stream_refilled_by_a_producer_is_consumed_again() {
     produce(&mut con, 10).await;
     take_produced(&mut stream, 10).await;
     assert!(group_exists(&server));
-    let source = stream.as_mut().get_mut().get_mut();
-    source.flush_acks().await.unwrap();
-    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
-    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+    recovered_once(&mut stream, &mut con, &counters).await;
     assert_eq!(counters.get("acked").unwrap_or(10), 10);
     assert_eq!(counters.get("stale_acks").unwrap_or(5), 5);
 }
@@ -548,8 +602,7 @@ async fn consumption_resumes_after_the_server_restarts_empty() {
     for e in take(&mut stream, 5).await {
         e.ack.ack();
     }
-    let source = stream.as_mut().get_mut().get_mut();
-    source.flush_acks().await.unwrap();
+    flush(&mut stream).await;
 
     server.restart();
     assert!(!group_exists(&server), "the restarted server is empty");
@@ -557,10 +610,7 @@ async fn consumption_resumes_after_the_server_restarts_empty() {
     let mut con = server.connect().await;
     produce(&mut con, 10).await;
     take_produced(&mut stream, 10).await;
-    let source = stream.as_mut().get_mut().get_mut();
-    source.flush_acks().await.unwrap();
-    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
-    assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
+    recovered_once(&mut stream, &mut con, &counters).await;
 }
 
 #[tokio::test]

@@ -4,8 +4,8 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::PoisonError;
 
-use redis::RedisResult;
 use redis::aio::ConnectionLike;
+use redis::{Cmd, RedisResult};
 use tokio::sync::Notify;
 
 use super::builder::Config;
@@ -23,7 +23,10 @@ pub(super) struct AckQueue {
     /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
     /// `flush_acks` returns only once acks the task took before it are in Redis too.
     pub(super) sending: tokio::sync::Mutex<()>,
-    /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)).
+    /// Acks Redis acknowledged: the count each `XACK` answers.
+    acked: Counter,
+    /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)), and
+    /// those an `XACK` sent but Redis did not acknowledge (see [`sent`](Self::sent)).
     stale: Counter,
 }
 
@@ -44,7 +47,7 @@ pub(super) struct AckState {
 }
 
 impl AckQueue {
-    pub(super) fn new(stale: Counter) -> Self {
+    pub(super) fn new(acked: Counter, stale: Counter) -> Self {
         AckQueue {
             state: Mutex::new(AckState {
                 ids: Vec::new(),
@@ -54,6 +57,7 @@ impl AckQueue {
             }),
             wake: Notify::new(),
             sending: tokio::sync::Mutex::new(()),
+            acked,
             stale,
         }
     }
@@ -66,6 +70,43 @@ impl AckQueue {
     pub(super) fn take(&self) -> (Vec<String>, u64) {
         let mut st = self.lock();
         (std::mem::take(&mut st.ids), st.generation)
+    }
+
+    /// Sends the queued acks in one `XACK`, once a send in progress (the background task's,
+    /// `flush_acks`) is done; returns how many Redis acknowledged, 0 if none were queued.
+    ///
+    /// On an error the ids are queued again ([`requeue`](Self::requeue)). Dropped while its
+    /// `XACK` is in flight, the ids it took are not: if the `XACK` did not reach Redis,
+    /// those entries stay pending (at-least-once).
+    pub(super) async fn send<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        cfg: &Config,
+    ) -> RedisResult<usize> {
+        let _sending = self.sending.lock().await;
+        let (ids, generation) = self.take();
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        match xack_cmd(cfg, &ids).query_async(conn).await {
+            Ok(n) => {
+                self.sent(ids.len(), n);
+                Ok(n)
+            }
+            Err(e) => {
+                self.requeue(ids, generation);
+                Err(e)
+            }
+        }
+    }
+
+    /// One `XACK` of `ids` ids went through and Redis answered `n`: `n` are counted as
+    /// acked, the rest as stale. Redis counts only the ids pending in the group, and answers
+    /// 0 when the group is missing: acks sent before the source noticed the loss reached no
+    /// group.
+    pub(super) fn sent(&self, ids: usize, n: usize) {
+        self.acked.increment(n as u64);
+        self.stale.increment(ids.saturating_sub(n) as u64);
     }
 
     /// Ids whose send failed go back in the queue, unless their group was lost meanwhile;
@@ -178,16 +219,10 @@ impl fmt::Debug for Ack {
     }
 }
 
-/// `XACK key group ids…`. Redis answers 0 (not an error) when the key or group is missing.
-pub(super) async fn xack<C: ConnectionLike>(
-    conn: &mut C,
-    cfg: &Config,
-    ids: &[String],
-) -> RedisResult<usize> {
-    redis::cmd("XACK")
-        .arg(&cfg.key)
-        .arg(&cfg.group)
-        .arg(ids)
-        .query_async(conn)
-        .await
+/// `XACK key group ids…`: it answers how many of `ids` were pending in the group, and 0
+/// (not an error) when the key or group is missing.
+pub(super) fn xack_cmd(cfg: &Config, ids: &[String]) -> Cmd {
+    let mut cmd = redis::cmd("XACK");
+    cmd.arg(&cfg.key).arg(&cfg.group).arg(ids);
+    cmd
 }

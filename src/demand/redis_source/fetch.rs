@@ -10,7 +10,7 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{FromRedisValue, RedisError, RedisResult, Value};
 use tokio::time::Instant;
 
-use super::ack::{Ack, AckQueue, xack};
+use super::ack::{Ack, AckQueue, xack_cmd};
 use super::builder::{Config, create_group, is_code, names};
 use super::entry::{Origin, StreamEntry};
 use super::keepalive::keep_in_background;
@@ -43,12 +43,10 @@ struct Batch {
     cursor: Option<String>,
 }
 
-/// What a fetch needs besides the connection: cloned into its future.
+/// The source's own counters; acked and stale acks are counted by its [`AckQueue`].
 struct Counters {
-    acked: Counter,
     claimed: Counter,
     recreated: Counter,
-    stale: Counter,
 }
 
 /// A member of a Redis Streams consumer group, as a [`BatchSource`]: each fetch asks for
@@ -97,6 +95,11 @@ struct Counters {
 /// the new group, where Redis ignores the ids it does not hold (with the default `$`, all
 /// of them).
 ///
+/// `flowgate_demand_acked_total` counts what Redis acknowledged: the count each `XACK`
+/// answers. The other ids sent are counted as stale: those no longer pending in the group
+/// (claimed and acknowledged by another consumer meanwhile), and those sent while the
+/// group was missing and this source had not noticed yet (`XACK` then answers 0).
+///
 /// Ids of claimed entries are older than the new ones already seen: track them apart (or
 /// ack them directly) rather than in the same [`CommitTracker`](crate::demand::CommitTracker).
 pub struct RedisStreamSource<C>
@@ -112,7 +115,7 @@ where
     claim_cursor: String,
     /// A claim pass ended: the next fetch reads new entries whatever `claim_every` says.
     read_due: bool,
-    counters: Arc<Counters>,
+    counters: Counters,
 }
 
 impl<C> fmt::Debug for RedisStreamSource<C>
@@ -136,14 +139,15 @@ where
     /// on the current tokio runtime, if any.
     pub(super) fn new(conn: C, config: Config, name: Option<&str>) -> Self {
         let labels = Labels::new(name);
-        let counters = Arc::new(Counters {
-            acked: labels.counter(names::ACKED, &[]),
+        let counters = Counters {
             claimed: labels.counter(names::CLAIMED, &[]),
             recreated: labels.counter(names::GROUP_RECREATED, &[]),
-            stale: labels.counter(names::STALE_ACKS, &[]),
-        });
+        };
         let config = Arc::new(config);
-        let acks = Arc::new(AckQueue::new(counters.stale.clone()));
+        let acks = Arc::new(AckQueue::new(
+            labels.counter(names::ACKED, &[]),
+            labels.counter(names::STALE_ACKS, &[]),
+        ));
         // Without a tokio runtime there is no background task: acks travel with fetches and
         // `flush_acks` only.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -151,7 +155,6 @@ where
                 acks.clone(),
                 conn.clone(),
                 config.clone(),
-                counters.acked.clone(),
             ));
         }
         RedisStreamSource {
@@ -170,6 +173,11 @@ where
     /// Send the acknowledgements collected so far now. When it returns, every ack made
     /// before the call has reached Redis, including those the background task was sending.
     ///
+    /// Returns how many ids Redis acknowledged (the count `XACK` answers), counted in
+    /// `flowgate_demand_acked_total`; the others sent (ids no longer pending in the group,
+    /// or every one if the group is gone and no fetch has noticed it yet) are counted in
+    /// `flowgate_demand_stale_acks_total`.
+    ///
     /// # Errors
     ///
     /// The Redis error; the ids are queued again.
@@ -182,21 +190,7 @@ where
     /// than `min_idle` (at-least-once).
     pub async fn flush_acks(&mut self) -> RedisResult<usize> {
         // Waits for a send of the background task in progress: its acks come first.
-        let _sending = self.acks.sending.lock().await;
-        let (ids, generation) = self.acks.take();
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        match xack(&mut self.conn, &self.config, &ids).await {
-            Ok(n) => {
-                self.counters.acked.increment(ids.len() as u64);
-                Ok(n)
-            }
-            Err(e) => {
-                self.acks.requeue(ids, generation);
-                Err(e)
-            }
-        }
+        self.acks.send(&mut self.conn, &self.config).await
     }
 
     /// Whether this source is still recovering its own pending entries.
@@ -204,24 +198,24 @@ where
         matches!(self.phase, Phase::OwnPending(_))
     }
 
-    fn start_fetch(&mut self, max: usize) {
+    /// The next fetch of at most `min(max, max_count)` entries, with the queued acks.
+    fn start_fetch(&mut self, max: usize) -> BoxFuture<RedisResult<Outcome>> {
         let mut conn = self.conn.clone();
         let cfg = self.config.clone();
         let (acks, generation) = self.acks.take();
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
         let phase = self.phase.clone();
         let cursor = self.claim_cursor.clone();
-        let counters = self.counters.clone();
         let queue = self.acks.clone();
         // Redis refuses a COUNT above i64::MAX; a large demand fills in several fetches.
         let count = max.clamp(1, cfg.max_count);
-        self.fetch = Some(Box::pin(async move {
+        Box::pin(async move {
             let mut pipe = redis::pipe();
             // Each reply on its own: an XACK that went through is not sent again because the
             // read after it failed.
             pipe.ignore_errors();
             if !acks.is_empty() {
-                pipe.cmd("XACK").arg(&cfg.key).arg(&cfg.group).arg(&acks);
+                pipe.add_command(xack_cmd(&cfg, &acks));
             }
             let origin = if claim {
                 pipe.cmd("XAUTOCLAIM")
@@ -265,10 +259,10 @@ where
             let reply = replies.pop().unwrap_or(Ok(Value::Nil));
             let lost = matches!(&reply, Err(e) if is_code(e, "NOGROUP"));
             if let Some(sent) = replies.pop() {
-                match sent {
-                    // XACK on a missing group answers 0: these acks reached no group.
-                    Ok(_) if lost => counters.stale.increment(acks.len() as u64),
-                    Ok(_) => counters.acked.increment(acks.len() as u64),
+                // XACK on a missing group answers 0: those acks reached no group, and
+                // count as stale.
+                match sent.and_then(|n| usize::from_redis_value(n).map_err(RedisError::from)) {
+                    Ok(n) => queue.sent(acks.len(), n),
                     Err(_) => queue.requeue(acks, generation),
                 }
             }
@@ -303,7 +297,7 @@ where
                     cursor: None,
                 }))
             }
-        }));
+        })
     }
 
     /// The group was lost and is there again: start over in it.
@@ -388,17 +382,17 @@ where
         max: usize,
     ) -> Fetched<StreamEntry, RedisError> {
         let this = self.get_mut();
-        if this.fetch.is_none() {
-            this.start_fetch(max);
-        }
-        let Some(fetch) = this.fetch.as_mut() else {
-            return Poll::Pending;
+        let mut fetch = match this.fetch.take() {
+            Some(fetch) => fetch,
+            None => this.start_fetch(max),
         };
         let result = match fetch.as_mut().poll(cx) {
             Poll::Ready(r) => r,
-            Poll::Pending => return Poll::Pending,
+            Poll::Pending => {
+                this.fetch = Some(fetch);
+                return Poll::Pending;
+            }
         };
-        this.fetch = None;
         Poll::Ready(Some(result.map(|outcome| match outcome {
             Outcome::Batch(batch) => this.entries(batch),
             Outcome::GroupLost { created } => {

@@ -6,9 +6,8 @@ use redis::RedisResult;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
-use super::ack::{AckQueue, xack};
+use super::ack::AckQueue;
 use super::builder::Config;
-use crate::metrics::Counter;
 use crate::sync::Arc;
 
 /// `lua/stream_keepalive.lua`: resets the idle time of entries this consumer still owns.
@@ -27,13 +26,13 @@ const KEEPALIVE_CHUNK: usize = 500;
 /// until the source and every [`Ack`](super::Ack) are gone and nothing is left to send. A
 /// failed send is retried after the next interval while any handle is alive and the group
 /// it was meant for is not lost; after that, the entries stay pending and are redelivered
-/// (at-least-once). While the group is missing, `XACK` answers 0 and the keep-alive script
-/// fails: both are harmless, and the fetch path re-creates the group.
+/// (at-least-once). While the group is missing, `XACK` answers 0 (those acks count as
+/// stale, not acked) and the keep-alive script fails: both are harmless, and the fetch path
+/// re-creates the group.
 pub(super) async fn keep_in_background<C: ConnectionLike>(
     queue: Arc<AckQueue>,
     mut conn: C,
     cfg: Arc<Config>,
-    acked: Counter,
 ) {
     let keepalive = redis::Script::new(KEEPALIVE);
     let every = (cfg.min_idle / 3).max(Duration::from_millis(1));
@@ -54,14 +53,10 @@ pub(super) async fn keep_in_background<C: ConnectionLike>(
             }
         } else {
             tokio::time::sleep(cfg.ack_interval).await;
-            let _sending = queue.sending.lock().await;
-            let (ids, generation) = queue.take();
-            if !ids.is_empty() {
-                match xack(&mut conn, &cfg, &ids).await {
-                    Ok(_) => acked.increment(ids.len() as u64),
-                    Err(_) if queue.lock().handles == 0 => return,
-                    Err(_) => queue.requeue(ids, generation),
-                }
+            // Failed, the ids are queued again: retried after the next interval, unless
+            // no handle is left to wait for.
+            if queue.send(&mut conn, &cfg).await.is_err() && queue.lock().handles == 0 {
+                return;
             }
         }
         if Instant::now() >= next_touch {

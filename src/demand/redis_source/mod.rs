@@ -32,6 +32,12 @@
 //! `flowgate_demand_stale_acks_total`. The entries themselves are not lost for the
 //! application that holds them; whether the new group delivers them again depends on
 //! `recreate_from` (with `$`, no; with [`StartFrom::Beginning`], yes: at-least-once).
+//!
+//! An ack sent before the source notices the loss (by `flush_acks` or the background task,
+//! between the loss and the next fetch) reaches no group: `XACK` answers 0, not an error.
+//! Every `XACK` is counted by what Redis answers: that many in
+//! `flowgate_demand_acked_total`, the rest of the ids sent in
+//! `flowgate_demand_stale_acks_total`.
 
 mod ack;
 mod builder;

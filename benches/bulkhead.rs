@@ -7,12 +7,12 @@
 //!   `acquire().await` + drop pairs per iteration on a bulkhead (or semaphore) of 16 permits,
 //!   so every acquisition takes the fast path. Throughput is per acquire/release pair.
 //! - **`bulkhead_try_acquire_uncontended`**: the same with `try_acquire` (never waits).
-//! - **`bulkhead_acquire_contended`**: 4 tasks share a limit of 2 on a multi-thread runtime
-//!   with 2 workers; each task does [`CONTENDED_OPS`] pairs and yields to the scheduler while
+//! - **`bulkhead_acquire_contended`**: 4 tasks share a bulkhead of 2 permits on a
+//!   multi-thread runtime with 2 workers; each task does [`CONTENDED_OPS`] pairs and yields to the scheduler while
 //!   holding its permit, so the other tasks really find no permit free and queue. Both sides
 //!   do exactly the same work around the acquisition. Throughput is per pair (all tasks).
 //! - **`bulkhead_map_unordered_c{64,8}`** / **`bulkhead_map_c{64,8}`**: [`ITEMS`] items through
-//!   `bulkhead_map_unordered` (`bulkhead_map`) with a bulkhead of limit `c`, against
+//!   `bulkhead_map_unordered` (`bulkhead_map`) with a bulkhead of `c` permits, against
 //!   `map(..).buffer_unordered(c)` (`buffered(c)`), mapping each item to a trivial
 //!   `async move { x }` and counting the outputs (asserted). Current-thread runtime; the
 //!   cost measured is the adapter itself. flowgate's adapters poll a fresh future in a slot
@@ -55,10 +55,10 @@ use tokio::sync::Semaphore;
 /// Acquire/release pairs per iteration, uncontended.
 const OPS: u64 = 1_000;
 /// Permits of the uncontended bulkhead / semaphore (never exhausted).
-const UNCONTENDED_LIMIT: usize = 16;
-/// Tasks, limit and pairs per task of the contended group.
+const UNCONTENDED_MAX_IN_FLIGHT: usize = 16;
+/// Tasks, permits and pairs per task of the contended group.
 const TASKS: u64 = 4;
-const CONTENDED_LIMIT: usize = 2;
+const CONTENDED_MAX_IN_FLIGHT: usize = 2;
 const CONTENDED_OPS: u64 = 1_000;
 /// Items per iteration of the stream-adapter groups.
 const ITEMS: u64 = 10_000;
@@ -107,7 +107,7 @@ fn uncontended(c: &mut Criterion) {
     let mut g = c.benchmark_group(UNCONTENDED);
     g.throughput(Throughput::Elements(OPS));
     g.bench_function(OURS, |b| {
-        let bh = &Bulkhead::new(UNCONTENDED_LIMIT).expect("valid limit");
+        let bh = &Bulkhead::new(UNCONTENDED_MAX_IN_FLIGHT).expect("valid max_in_flight");
         b.to_async(&rt).iter(|| async move {
             for _ in 0..OPS {
                 let p = bh.acquire().await.expect("uncontended");
@@ -116,7 +116,7 @@ fn uncontended(c: &mut Criterion) {
         })
     });
     g.bench_function(TOKIO, |b| {
-        let sem = &Semaphore::new(UNCONTENDED_LIMIT);
+        let sem = &Semaphore::new(UNCONTENDED_MAX_IN_FLIGHT);
         b.to_async(&rt).iter(|| async move {
             for _ in 0..OPS {
                 let p = sem.acquire().await.expect("not closed");
@@ -129,7 +129,7 @@ fn uncontended(c: &mut Criterion) {
     let mut g = c.benchmark_group(TRY_UNCONTENDED);
     g.throughput(Throughput::Elements(OPS));
     g.bench_function(OURS, |b| {
-        let bh = Bulkhead::new(UNCONTENDED_LIMIT).expect("valid limit");
+        let bh = Bulkhead::new(UNCONTENDED_MAX_IN_FLIGHT).expect("valid max_in_flight");
         b.iter(|| {
             for _ in 0..OPS {
                 drop(black_box(bh.try_acquire().expect("uncontended")));
@@ -137,7 +137,7 @@ fn uncontended(c: &mut Criterion) {
         })
     });
     g.bench_function(TOKIO, |b| {
-        let sem = Semaphore::new(UNCONTENDED_LIMIT);
+        let sem = Semaphore::new(UNCONTENDED_MAX_IN_FLIGHT);
         b.iter(|| {
             for _ in 0..OPS {
                 drop(black_box(sem.try_acquire().expect("uncontended")));
@@ -154,7 +154,7 @@ fn contended(c: &mut Criterion) {
     // The noisiest group (3 threads on 2 cores, work stealing): more time and samples.
     g.measurement_time(Duration::from_secs(4)).sample_size(30);
     g.bench_function(OURS, |b| {
-        let bh = Bulkhead::new(CONTENDED_LIMIT).expect("valid limit");
+        let bh = Bulkhead::new(CONTENDED_MAX_IN_FLIGHT).expect("valid max_in_flight");
         b.to_async(&rt).iter(|| {
             let bh = bh.clone();
             async move {
@@ -178,7 +178,7 @@ fn contended(c: &mut Criterion) {
         })
     });
     g.bench_function(TOKIO, |b| {
-        let sem = Arc::new(Semaphore::new(CONTENDED_LIMIT));
+        let sem = Arc::new(Semaphore::new(CONTENDED_MAX_IN_FLIGHT));
         b.to_async(&rt).iter(|| {
             let sem = sem.clone();
             async move {
@@ -197,7 +197,7 @@ fn contended(c: &mut Criterion) {
                 for t in tasks {
                     t.await.expect("task");
                 }
-                assert_eq!(sem.available_permits(), CONTENDED_LIMIT);
+                assert_eq!(sem.available_permits(), CONTENDED_MAX_IN_FLIGHT);
             }
         })
     });
@@ -227,7 +227,7 @@ where
     let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Elements(ITEMS));
     g.bench_function(OURS, |b| {
-        let bh = &Bulkhead::new(n).expect("valid limit");
+        let bh = &Bulkhead::new(n).expect("valid max_in_flight");
         b.to_async(rt).iter(|| async move {
             let count = items().bulkhead_map_unordered(bh.clone(), f).count().await;
             assert_eq!(count as u64, ITEMS);
@@ -253,7 +253,7 @@ fn adapters(c: &mut Criterion) {
         let mut g = c.benchmark_group(map_group(n));
         g.throughput(Throughput::Elements(ITEMS));
         g.bench_function(OURS, |b| {
-            let bh = &Bulkhead::new(n).expect("valid limit");
+            let bh = &Bulkhead::new(n).expect("valid max_in_flight");
             b.to_async(&rt).iter(|| async move {
                 let count = items()
                     .bulkhead_map(bh.clone(), |x| async move { black_box(x) })

@@ -13,12 +13,12 @@
 //!   awaiting send (flowgate under `Overflow::Backpressure`, the default).
 //!   tokio mpsc is single-consumer, so it is not run in the MPMC groups (printed as n/a).
 //! - **`channel_drop_oldest`**: a producer offers [`DROP_ITEMS`] items into a capacity-16
-//!   channel that evicts the oldest item when full, while a slow consumer task
+//!   channel that drops the oldest item when full, while a slow consumer task
 //!   (`yield_now` after every item) drains it concurrently. The producer runs on the bench
 //!   thread inside `block_on` (see `drop_oldest` for why). The measured time is its loop,
-//!   so the throughput is items offered per second. flowgate (`Overflow::DropOldest`, evicted
+//!   so the throughput is items offered per second. flowgate (`Overflow::DropOldest`, dropped
 //!   items counted through `on_drop`) runs against async-channel's `force_send`, which has
-//!   the same evict-the-oldest semantics. Each iteration asserts the accounting
+//!   the same drop-the-oldest semantics. Each iteration asserts the accounting
 //!   (`sent == received + dropped`, `on_drop` calls `== dropped`); after the criterion run a
 //!   separate one-shot run prints the exact counts.
 //!
@@ -42,8 +42,8 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group};
-use flowgate::Overflow;
 use flowgate::channel::{self, Sent};
+use flowgate::{Dropped, Overflow};
 use tokio::runtime::Runtime;
 
 /// Items moved per iteration in the transfer groups (the same for every scenario).
@@ -296,7 +296,7 @@ struct DropRun {
     sent: u64,
     received: u64,
     dropped: u64,
-    /// Drops seen by the sender side: `on_drop` hook calls (flowgate) or evicted items
+    /// Drops seen by the sender side: `on_drop` hook calls (flowgate) or dropped items
     /// returned by `force_send` (async-channel).
     hook_calls: u64,
     /// What `hook_calls` counts, for the one-shot report.
@@ -308,7 +308,7 @@ async fn drop_oldest_flowgate() -> DropRun {
     let hook = Arc::clone(&hook_calls);
     let (tx, mut rx) = channel::builder(DROP_CAP)
         .overflow(Overflow::DropOldest)
-        .on_drop(move |_item: u64| {
+        .on_drop(move |_item: u64, _why: &Dropped| {
             hook.fetch_add(1, Ordering::Relaxed);
         })
         .name("bench")
@@ -326,11 +326,11 @@ async fn drop_oldest_flowgate() -> DropRun {
     });
     // The producer runs right here, on the `block_on` thread: see `drop_oldest`.
     let start = Instant::now();
-    let mut evicted = 0u64;
+    let mut dropped_oldest = 0u64;
     for v in 0..DROP_ITEMS {
         match tx.send(v).await {
             Ok(Sent::Queued) => {}
-            Ok(Sent::EvictedOldest) => evicted += 1,
+            Ok(Sent::DroppedOldest) => dropped_oldest += 1,
             Ok(Sent::DroppedNewest) => panic!("DropOldest dropped the newest item"),
             Err(_) => panic!("receiver gone"),
         }
@@ -355,8 +355,8 @@ async fn drop_oldest_flowgate() -> DropRun {
     assert_eq!(run.sent, run.received + run.dropped, "flowgate: accounting");
     assert_eq!(run.hook_calls, run.dropped, "flowgate: on_drop calls");
     assert_eq!(
-        evicted, run.dropped,
-        "flowgate: Sent::EvictedOldest results"
+        dropped_oldest, run.dropped,
+        "flowgate: Sent::DroppedOldest results"
     );
     run
 }

@@ -7,10 +7,11 @@
 //! - **`demand_prefetch_memory`**: [`N`] `u64`s summed (each through `black_box`, so the
 //!   sum is not folded into a formula), current-thread runtime:
 //!   - `plain_stream`: `futures::stream::iter(0..N)`, the plain stream;
-//!   - `prefetch_h{high}_l{low}`: `prefetch(IterSource::new(0..N), high, low)`, the
+//!   - `prefetch_h{high}_l{low}`: `prefetch(IterSource::new(0..N), levels).items()`, the
 //!     in-memory source (one `Vec` of `high − buffered` items per fetch);
-//!   - `stream_source_h{high}_l{low}`: `prefetch(StreamSource::new(iter(0..N)), high, low)`,
-//!     any stream turned into a batch source (polled item by item into each batch);
+//!   - `stream_source_h{high}_l{low}`: `prefetch(StreamSource::new(iter(0..N)), levels)`
+//!     `.items()`, any stream turned into a batch source (polled item by item into each
+//!     batch);
 //!   - `plain_chunks_flattened_{k}`: `iter(0..N).chunks(k).flat_map(iter)`, a plain stream of
 //!     the batches `prefetch(high, low)` fetches in steady state (`k = high − low`),
 //!     flattened: what a batch source read without `prefetch` costs.
@@ -48,13 +49,12 @@
 
 mod support;
 
-use std::convert::Infallible;
 use std::hint::black_box;
 use std::pin::pin;
 use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{Criterion, Throughput, criterion_group};
-use flowgate::demand::{IterSource, RedisStreamSource, StreamSource, prefetch};
+use flowgate::demand::{IterSource, Levels, RedisStreamSource, StreamSource, prefetch};
 use futures::{Stream, StreamExt};
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
@@ -100,6 +100,11 @@ fn current_thread() -> Runtime {
         .expect("tokio runtime")
 }
 
+/// The prefetch levels `(high, low)`, valid by construction of [`WATERMARKS`].
+fn levels(high: usize, low: usize) -> Levels {
+    Levels::new(high, low).expect("valid levels")
+}
+
 /// `0 + 1 + … + (n − 1)`, what every in-memory run must sum to.
 const fn expected_sum(n: u64) -> u64 {
     n * (n - 1) / 2
@@ -113,14 +118,6 @@ async fn sum<S: Stream<Item = u64>>(stream: S) -> u64 {
         sum = sum.wrapping_add(black_box(x));
     }
     sum
-}
-
-/// `prefetch` yields `Result<_, Infallible>`: unwrap it for free.
-fn infallible<T>(r: Result<T, Infallible>) -> T {
-    match r {
-        Ok(v) => v,
-        Err(never) => match never {},
-    }
 }
 
 fn memory(c: &mut Criterion) {
@@ -137,16 +134,16 @@ fn memory(c: &mut Criterion) {
         g.bench_function(prefetch_id(high, low), |b| {
             b.to_async(&rt).iter(|| async move {
                 let source = IterSource::new(0..black_box(N));
-                let stream = prefetch(source, high, low).expect("valid watermarks");
-                let s = sum(stream.map(infallible)).await;
+                let stream = prefetch(source, levels(high, low)).items();
+                let s = sum(stream).await;
                 assert_eq!(s, expected_sum(N));
             })
         });
         g.bench_function(stream_source_id(high, low), |b| {
             b.to_async(&rt).iter(|| async move {
                 let source = StreamSource::new(futures::stream::iter(0..black_box(N)));
-                let stream = prefetch(source, high, low).expect("valid watermarks");
-                let s = sum(stream.map(infallible)).await;
+                let stream = prefetch(source, levels(high, low)).items();
+                let s = sum(stream).await;
                 assert_eq!(s, expected_sum(N));
             })
         });
@@ -242,7 +239,7 @@ async fn run_prefetch(server: &PrivateRedis, group: &str, n: u64) -> Duration {
         .build()
         .await
         .expect("group");
-    let mut stream = Box::pin(prefetch(source, REDIS_HIGH, REDIS_LOW).expect("valid"));
+    let mut stream = Box::pin(prefetch(source, levels(REDIS_HIGH, REDIS_LOW)));
     let start = Instant::now();
     let mut sum = 0u64;
     for _ in 0..n {

@@ -32,7 +32,7 @@
 //!   server ÷ decisions (the script's cost per decision, also when a call decides a batch),
 //!   **dec/EVAL** the decisions per `EVALSHA` call.
 //!
-//! The hot-key figure (script calls per rejected acquire ≤ 0.05, PASS/FAIL) comes first;
+//! The hot-key figure (script calls per rejected check ≤ 0.05, PASS/FAIL) comes first;
 //! after the table, one PASS/FAIL line per requirement of the issue at 64 callers (batched
 //! ≥ 2.0× plain, `lease(16)` ≥ 5×, p99 no worse than plain). Smoke runs print no
 //! PASS/FAIL lines for the table.
@@ -41,7 +41,7 @@
 //!
 //! - `flowgate`: `RedisGate::builder(conn, Limit::TokenBucket(..)).build()` with its
 //!   defaults (natural batching up to 128 decisions per script call, rejection cache), then
-//!   `gate.acquire(key, 1)`: `EVALSHA` of `lua/token_bucket.lua` (GCRA, integer
+//!   `gate.check(key, 1)`: `EVALSHA` of `lua/token_bucket.lua` (GCRA, integer
 //!   microseconds, Redis `TIME`, one string key with `SET .. PX`), under the gate's timeout
 //!   (2 s here, so the failure policy does not decide; redis-rs's own response timeout of
 //!   the connection, 500 ms by default, applies to every Redis implementation alike).
@@ -51,7 +51,20 @@
 //!   in float seconds as an argument, tokens and timestamp in a hash (`HMGET`, `HSET`,
 //!   `EXPIRE`), floats throughout, through `redis::Script::invoke_async`, one call per
 //!   decision.
-//! - `memory`: `MemoryGate::acquire`, in process, for reference (no network).
+//! - `memory`: `MemoryGate` through the `Gate` trait (`Gate::check`), in process, for
+//!   reference (no network).
+//!
+//! # The gated path
+//!
+//! First, before the table: the stream adapter over the in-memory gate, with no Redis.
+//! [`GATED_ITEMS`] items (10^6; 10^4 in a smoke run) of `stream::iter(0..n)
+//! .gated(MemoryGate, key)`, consumed by one tokio task on the same runtime, the key of
+//! item `i` being `KEYS[i % 1 000]`, a `&'static str` (so the key function allocates
+//! nothing itself), the same token bucket as the table (every item admitted, so no item
+//! waits). Beside it, the floor: the same task calling `MemoryGate::check` for the same keys
+//! in a plain loop. Printed per round: ns per item of each, the adapter's overhead above the
+//! floor, and heap allocations per item (counted by this bench's global allocator, per
+//! thread, on the task's thread).
 //!
 //! # Running
 //!
@@ -59,6 +72,7 @@
 //! cargo bench --bench gate          # 2 scenarios × 5 rounds × 5 implementations × 2.5 s, ~2 min
 //! GATE_RUN_MS=1000 cargo bench --bench gate
 //! GATE_ONLY=flowgate cargo bench --bench gate   # one implementation (for a profiler)
+//! GATE_ONLY=gated cargo bench --bench gate      # the gated path alone (no Redis)
 //! GATE_ROUNDS=5 cargo bench --bench gate
 //! GATE_WORKERS=2 cargo bench --bench gate    # the client on two worker threads
 //! GATE_REDIS_CPUS=0 taskset -c 1 cargo bench --bench gate
@@ -70,11 +84,14 @@
 
 mod support;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use flowgate::Quota;
 use flowgate::gate::{Gate, Limit, MemoryGate, RedisGate};
+use flowgate::{FlowStreamExt, Quota};
+use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
 use support::redis_server::PrivateRedis;
 
@@ -126,6 +143,57 @@ const WARM_UP: Duration = Duration::from_millis(500);
 const SMOKE_RUN: Duration = Duration::from_millis(100);
 const SMOKE_WARM_UP: Duration = Duration::from_millis(20);
 const YIELD_EVERY: u64 = 256;
+/// Items per run of the gated path: steady state, as users run it.
+const GATED_ITEMS: u64 = 1_000_000;
+const SMOKE_GATED_ITEMS: u64 = 10_000;
+
+/// The system allocator, counting the allocations of each thread (a thread-local counter:
+/// no shared atomic, so the Redis runs are not slowed by it).
+struct CountingAlloc;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_allocation() {
+    // `try_with`: the thread-local may be gone while a thread exits.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+/// Allocations made so far by the calling thread.
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+// SAFETY: every call is forwarded to `System` with the caller's arguments unchanged; the
+// counter is a const-initialised thread-local, which itself never allocates.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: forwarded as is; the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: forwarded as is.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count_allocation();
+        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 fn main() {
     let bench_mode = std::env::args().any(|a| a == "--bench");
@@ -144,6 +212,21 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(WORKERS);
+    let gated_items = if bench_mode {
+        GATED_ITEMS
+    } else {
+        SMOKE_GATED_ITEMS
+    };
+    let gated_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    gated_rt.block_on(gated_path(gated_items, rounds));
+    drop(gated_rt);
+    if std::env::var("GATE_ONLY").is_ok_and(|o| o == "gated") {
+        return;
+    }
     // GATE_REDIS_CPUS=0: the server runs on those CPUs only (`taskset`), so that with
     // `taskset -c 1 cargo bench ..` client and server do not share a core.
     let cpus = std::env::var("GATE_REDIS_CPUS").ok();
@@ -215,7 +298,7 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration, rounds: usize)
         conn: connect(&client).await,
         script: redis::Script::new(PLAIN_TOKEN_BUCKET),
     };
-    let memory = MemoryGate::new(limit).expect("MemoryGate");
+    let memory = MemoryGate::new(limit);
     let imps = [
         ("flowgate", Arc::new(Imp::Flowgate(flowgate))),
         ("flowgate b=1", Arc::new(Imp::Flowgate(unbatched))),
@@ -262,7 +345,7 @@ async fn measure_all(url: &str, run: Duration, warm_up: Duration, rounds: usize)
 }
 
 /// Hot-key abuse: 64 callers on one key far over its limit (10/s). With the rejection cache,
-/// how many script calls does each rejected acquire cost?
+/// how many script calls does each rejected check cost?
 async fn hot_key(client: &redis::Client, admin: &mut MultiplexedConnection, run: Duration) {
     let limit = Limit::TokenBucket(Quota::per_second(10).expect("quota"));
     let gate = RedisGate::builder(connect(client).await, limit)
@@ -279,7 +362,7 @@ async fn hot_key(client: &redis::Client, admin: &mut MultiplexedConnection, run:
             tokio::spawn(async move {
                 let (mut admitted, mut rejected) = (0u64, 0u64);
                 while Instant::now() < deadline {
-                    match gate.acquire("abuser", 1).await {
+                    match gate.check("abuser", 1).await {
                         Ok(d) if d.allowed => admitted += 1,
                         Ok(_) => rejected += 1,
                         Err(_) => {}
@@ -300,7 +383,7 @@ async fn hot_key(client: &redis::Client, admin: &mut MultiplexedConnection, run:
     let per = calls as f64 / rejected.max(1) as f64;
     println!(
         "\n== hot key: 64 callers on one key at 10/s for {run:?}: admitted {admitted}, rejected {rejected}, \
-         script calls {calls}; calls per rejected acquire {per:.5} (must be <= 0.05: {})",
+         script calls {calls}; calls per rejected check {per:.5} (must be <= 0.05: {})",
         support::pass_fail(per <= 0.05)
     );
 }
@@ -389,17 +472,68 @@ impl Imp {
     async fn decide(&self, key: &str) -> Result<bool, String> {
         match self {
             Imp::Flowgate(gate) => gate
-                .acquire(key, 1)
+                .check(key, 1)
                 .await
                 .map(|d| d.allowed)
                 .map_err(|e| e.to_string()),
             Imp::Plain(plain) => plain.decide(key).await.map_err(|e| e.to_string()),
-            Imp::Memory(gate) => gate
-                .acquire(key, 1)
+            Imp::Memory(gate) => Gate::check(gate, key, 1)
                 .await
                 .map(|d| d.allowed)
                 .map_err(|e| e.to_string()),
         }
+    }
+}
+
+/// The gated path (see the bench's docs): per round, `items` items through
+/// `gated(MemoryGate, key)` and, as the floor, `MemoryGate::check` in a loop, each on a fresh
+/// gate, on one tokio task.
+async fn gated_path(items: u64, rounds: usize) {
+    let quota = Quota::per_second(RATE)
+        .and_then(|q| q.burst(BURST))
+        .expect("quota");
+    let keys: Vec<&'static str> = (0..KEYS)
+        .map(|k| &*Box::leak(format!("key-{k}").into_boxed_str()))
+        .collect();
+    let keys: &'static [&'static str] = Box::leak(keys.into_boxed_slice());
+    let key_of = move |i: &u64| keys[(*i % KEYS as u64) as usize];
+    println!(
+        "\n== gated path: {items} items through `gated(MemoryGate, key)` on one task, {KEYS} \
+         &'static str keys, token bucket {RATE}/s burst {BURST}; floor: MemoryGate::check in a loop"
+    );
+    for round in 0..rounds {
+        let run = tokio::spawn(async move {
+            let gate = MemoryGate::new(Limit::TokenBucket(quota));
+            let (allocs, start) = (allocations(), Instant::now());
+            let mut admitted = 0u64;
+            for i in 0..items {
+                admitted += u64::from(gate.check(key_of(&i), 1).is_ok_and(|d| d.allowed));
+            }
+            let floor = (start.elapsed(), allocations() - allocs, admitted);
+
+            let gate = MemoryGate::new(Limit::TokenBucket(quota));
+            let (allocs, start) = (allocations(), Instant::now());
+            let passed = futures::stream::iter(0..items)
+                .gated(gate, key_of)
+                .fold(0u64, |n, _| std::future::ready(n + 1))
+                .await;
+            let gated = (start.elapsed(), allocations() - allocs, passed);
+            (floor, gated)
+        });
+        let (floor, gated) = run.await.expect("the gated run panicked");
+        let ns = |d: Duration| d.as_nanos() as f64 / items as f64;
+        let per = |n: u64| n as f64 / items as f64;
+        println!(
+            "  round {round}: gated {:>6.1} ns/item, {:.3} allocations/item ({} passed); \
+             check loop {:>6.1} ns/item, {:.3} allocations/item ({} admitted); overhead {:>5.1} ns/item",
+            ns(gated.0),
+            per(gated.1),
+            gated.2,
+            ns(floor.0),
+            per(floor.1),
+            floor.2,
+            ns(gated.0) - ns(floor.0),
+        );
     }
 }
 

@@ -114,7 +114,7 @@ impl Impl {
 
 /// flowgate's default burst, computed through flowgate itself.
 fn flowgate_burst(rate: u32) -> u32 {
-    flowgate::pace::Pacer::new(Rate::per_second(rate).expect("rate > 0")).burst()
+    flowgate::pace::Pacer::default_quota(Rate::per_second(rate).expect("rate > 0")).burst_size()
 }
 
 /// leaky-bucket adds `refill` tokens every `interval` (whole milliseconds, at least 1 ms),
@@ -296,7 +296,7 @@ async fn drive(which: Impl, rate: u32, rec: &mut Recorder) -> u32 {
     match which {
         Impl::Flowgate => {
             let paced = upstream.leaky(Rate::per_second(rate).expect("rate > 0"));
-            let burst = paced.pacer().burst();
+            let burst = paced.pacer().quota().burst_size();
             drain(paced, rec).await;
             burst
         }

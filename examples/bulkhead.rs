@@ -8,7 +8,7 @@
 //! 1. **No bulkhead**: every request goes straight in, the downstream passes its knee, its
 //!    latency feeds on itself and explodes for everyone.
 //! 2. **`Bulkhead::builder(8).max_waiting(16)`**: at most 8 calls in the downstream and 16
-//!    waiting; the excess is shed at once with `Rejected::WaitingRoomFull`. The downstream
+//!    waiting; the excess is shed at once with `AcquireError::WaitingRoomFull`. The downstream
 //!    stays at its knee, so its p99 stays flat at 10 ms and end-to-end p99 is bounded by the
 //!    short queue, at the price of the shed requests (which the caller learns about at once).
 //!
@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use flowgate::bulkhead::{Bulkhead, Rejected};
+use flowgate::bulkhead::{AcquireError, Bulkhead};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -58,8 +58,8 @@ async fn request(downstream: Arc<Downstream>, bulkhead: Option<Bulkhead>) -> Out
         None => downstream.call().await,
         Some(b) => match b.run(downstream.call()).await {
             Ok(latency) => latency,
-            Err(Rejected::WaitingRoomFull) => return None,
-            Err(other) => panic!("unexpected rejection: {other}"),
+            Err(AcquireError::WaitingRoomFull) => return None,
+            Err(other) => panic!("unexpected acquire error: {other}"),
         },
     };
     Some((call, start.elapsed()))

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 use flowgate::FlowStreamExt;
 use flowgate::bulkhead::Bulkhead;
 use flowgate::demand::{
-    BatchSource, CommitTracker, DemandError, Fetched, RedisStreamSource, StreamEntry, prefetch,
+    BatchSource, CommitTracker, Fetched, Levels, RedisStreamSource, StreamEntry, TrackError,
+    prefetch,
 };
 use futures::StreamExt;
 use tokio::time::{sleep, timeout};
@@ -94,13 +95,14 @@ async fn in_memory() -> Result<(), Error> {
     };
     let t = tracker.clone();
     // Tokens are taken in offset order, as items leave the source (`then` runs one at a time),
-    // and the source waits while the tracker is full; work completes in any order.
+    // and the source waits while the tracker is full; work completes in any order. The
+    // partition cannot fail (`Error = Infallible`): `items()` yields the offsets themselves.
     let mut done = pin!(
-        prefetch(source, 256, 64)?
-            .then(move |r| {
+        prefetch(source, Levels::new(256, 64)?)
+            .items()
+            .then(move |offset| {
                 let t = t.clone();
                 async move {
-                    let offset = r.unwrap_or_else(|never| match never {});
                     t.until_ready().await;
                     t.track(offset)
                 }
@@ -108,7 +110,7 @@ async fn in_memory() -> Result<(), Error> {
             .bulkhead_map_unordered(Bulkhead::new(WORKERS)?, |tracked| async move {
                 let token = tracked?;
                 let outcome = work(token.offset()).await;
-                Ok::<_, DemandError>((token, outcome))
+                Ok::<_, TrackError>((token, outcome))
             })
     );
     let (mut processed, mut retries, mut dead_letters) = (0u64, 0, Vec::new());
@@ -193,7 +195,7 @@ async fn consume(
     let tracker = CommitTracker::builder().name("c1").build()?;
     let t = tracker.clone();
     let mut done = pin!(
-        prefetch(c1, 64, 16)?
+        prefetch(c1, Levels::new(64, 16)?)
             .then(move |r| {
                 // Tracked as entries leave the source (in id order); a fetch error passes
                 // through.
@@ -261,7 +263,7 @@ async fn consume(
         .claim_every(Duration::from_millis(50))
         .build()
         .await?;
-    let mut stream = Box::pin(prefetch(c2, 64, 16)?);
+    let mut stream = Box::pin(prefetch(c2, Levels::new(64, 16)?));
     let mut redelivered = 0u64;
     let deadline = Instant::now() + Duration::from_secs(5);
     while redelivered < crashed && Instant::now() < deadline {

@@ -21,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use flowgate::Quota;
-use flowgate::gate::{Gate, Limit, RedisGate};
+use flowgate::gate::{Limit, RedisGate};
 
 const WORKERS: usize = 4;
 const TASKS: usize = 8;
@@ -134,7 +134,7 @@ async fn worker(
                 while tokio::time::Instant::now() < deadline {
                     let before = epoch_us();
                     decisions += 1;
-                    match gate.acquire(KEY, 1).await {
+                    match gate.check(KEY, 1).await {
                         Ok(d) if d.allowed => {
                             (n, first, last) = (n + 1, first.min(before), epoch_us())
                         }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use flowgate::bulkhead::{Bulkhead, Rejected};
+use flowgate::bulkhead::{AcquireError, Bulkhead};
 use flowgate::channel::{self, Sent};
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::limit::{FixedWindow, Keyed, Limiter, SlidingLog, SlidingWindow, TokenBucket};
@@ -67,16 +67,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         per_tenant.len()
     );
 
-    // 5. A bounded channel that keeps the freshest items: the oldest are evicted, and every
-    //    eviction is reported and counted.
+    // 5. A bounded channel that keeps the freshest items: the oldest are dropped, and every
+    //    drop is reported, with its reason, and counted.
     let (tx, mut rx) = channel::builder(4)
         .overflow(Overflow::DropOldest)
-        .on_drop(|stale: u32| println!("  evicted stale reading {stale}"))
+        .on_drop(|stale: u32, why: &flowgate::Dropped| {
+            println!("  dropped stale reading {stale}: {why}")
+        })
         .name("readings")
         .build()?;
     for reading in 0..6u32 {
-        if tx.send(reading).await? == Sent::EvictedOldest {
-            println!("  reading {reading} queued by evicting the oldest");
+        if tx.send(reading).await? == Sent::DroppedOldest {
+            println!("  reading {reading} queued by dropping the oldest");
         }
     }
     drop(tx);
@@ -101,7 +103,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut waiting = Box::pin(dependency.acquire());
     assert!(futures::poll!(waiting.as_mut()).is_pending());
     match dependency.acquire().await {
-        Err(Rejected::WaitingRoomFull) => {
+        Err(AcquireError::WaitingRoomFull) => {
             println!("bulkhead: 3 in flight, 1 waiting, the next is shed")
         }
         other => println!("unexpected: {other:?}"),
@@ -126,7 +128,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("pace: {n} items at 100/s took {:?}", start.elapsed());
 
     // 9. A keyed gate (the embedded default; RedisGate holds the same limit fleet-wide).
-    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(5)?))?;
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(5)?));
     let passed = futures::stream::iter(0..12)
         .gated_drop(
             gate,
@@ -141,7 +143,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 fn run<A: flowgate::limit::Algorithm>(
     algorithm: A,
     trace: &[Duration],
-) -> Result<usize, flowgate::limit::LimitError> {
+) -> Result<usize, flowgate::CostError> {
     let mut limiter = Limiter::new(algorithm);
     let mut admitted = 0;
     for &t in trace {

@@ -20,8 +20,8 @@
 use std::pin::pin;
 use std::time::Duration;
 
-use flowgate::pace::Pacer;
-use flowgate::{FlowStreamExt, Overflow, Rate};
+use flowgate::pace::{LeakyQueue, Pacer};
+use flowgate::{Overflow, Rate};
 use futures::StreamExt;
 use tokio::time::Instant;
 
@@ -48,8 +48,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pacer = Pacer::builder(Rate::per_second(RATE)?)
         .name("shaping")
         .build()?;
-    let burst = pacer.burst();
-    let mut shaped = pin!(producer.leaky_queue(pacer, BURST_ITEMS, Overflow::Backpressure)?);
+    let burst = pacer.quota().burst_size();
+    // `producer.leaky_queue(pacer, capacity, overflow)` does the same; the builder also
+    // takes a `usize` capacity (checked by `build`), a name and an `on_drop` hook.
+    let shaped = LeakyQueue::builder(producer, pacer, BURST_ITEMS)
+        .overflow(Overflow::Backpressure)
+        .build()?;
+    let mut shaped = pin!(shaped);
 
     let (mut input, mut output) = (Vec::<usize>::new(), Vec::<usize>::new());
     let mut max_queued = 0;

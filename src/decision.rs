@@ -5,8 +5,8 @@ use std::time::Duration;
 /// The answer of a limiter or gate to one request.
 ///
 /// It maps one to one onto HTTP: [`retry_after`](Decision::retry_after) is the
-/// `Retry-After` header of a 429 response, and `limit` / `remaining` / `reset_after` are the
-/// quota, remaining units and reset time of the IETF `RateLimit` / `RateLimit-Policy` fields
+/// `Retry-After` header of a 429 response, and `capacity` / `remaining` / `reset_after` are
+/// the quota, remaining units and reset time of the IETF `RateLimit` / `RateLimit-Policy` fields
 /// (see [`Decision::ratelimit_header`]).
 ///
 /// # Examples
@@ -19,7 +19,7 @@ use std::time::Duration;
 /// let mut bucket = Limiter::new(TokenBucket::new(Quota::per_second(2)?));
 /// let d = bucket.check(Duration::ZERO, 2)?;
 /// assert!(d.allowed);
-/// assert_eq!((d.limit, d.remaining), (2, 0));
+/// assert_eq!((d.capacity, d.remaining), (2, 0));
 /// assert_eq!(d.reset_after, Duration::from_secs(1)); // full again in 1 s
 ///
 /// let d = bucket.check(Duration::ZERO, 1)?;
@@ -34,8 +34,9 @@ use std::time::Duration;
 pub struct Decision {
     /// Whether the request was admitted (and its cost consumed).
     pub allowed: bool,
-    /// The quota: the most units that can be admitted at once (burst or window limit).
-    pub limit: u64,
+    /// The most units that can be admitted at once: the burst of a token bucket, the count
+    /// of a window. The IETF fields call it the quota (`q`).
+    pub capacity: u64,
     /// Units that could still be admitted right now, after this decision.
     pub remaining: u64,
     /// When rejected: how long until the same request would be admitted. Zero when allowed.
@@ -46,10 +47,10 @@ pub struct Decision {
 
 impl Decision {
     /// An admitting decision.
-    pub(crate) fn allow(limit: u64, remaining: u64, reset_after: Duration) -> Decision {
+    pub(crate) fn allow(capacity: u64, remaining: u64, reset_after: Duration) -> Decision {
         Decision {
             allowed: true,
-            limit,
+            capacity,
             remaining,
             retry_after: Duration::ZERO,
             reset_after,
@@ -58,14 +59,14 @@ impl Decision {
 
     /// A rejecting decision.
     pub(crate) fn reject(
-        limit: u64,
+        capacity: u64,
         remaining: u64,
         retry_after: Duration,
         reset_after: Duration,
     ) -> Decision {
         Decision {
             allowed: false,
-            limit,
+            capacity,
             remaining,
             retry_after,
             reset_after,
@@ -73,7 +74,7 @@ impl Decision {
     }
 
     /// A decision made by a gate without asking its backend (fail-open).
-    pub fn admitted_without_limit() -> Decision {
+    pub fn fail_open() -> Decision {
         Decision::allow(u64::MAX, u64::MAX, Duration::ZERO)
     }
 

@@ -78,3 +78,68 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+/// A cost that no limiter, gate or pacer can ever grant, so it is refused at once instead of
+/// waiting forever.
+///
+/// Every component that takes a `cost` checks it the same way and answers with this error:
+/// the [`limit`](crate::limit) algorithms, the [`gate`](crate::gate)s and the
+/// [`Pacer`](crate::pace::Pacer). The `capacity` is the most units admitted at once: a
+/// quota's burst, a window's count (the same number as [`Decision::capacity`](crate::Decision::capacity)).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::limit::{Limiter, TokenBucket};
+/// use flowgate::{CostError, Quota};
+///
+/// let mut bucket = Limiter::new(TokenBucket::new(Quota::per_second(5)?));
+/// assert_eq!(bucket.check(Duration::ZERO, 0), Err(CostError::Zero));
+/// assert_eq!(
+///     bucket.check(Duration::ZERO, 6),
+///     Err(CostError::ExceedsCapacity { cost: 6, capacity: 5 })
+/// );
+/// # Ok::<(), flowgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CostError {
+    /// A cost of zero: costs are at least 1.
+    Zero,
+    /// The cost is larger than the capacity: it could never be admitted, so no
+    /// `retry_after` is given (waiting for it would never end).
+    ExceedsCapacity {
+        /// The requested cost.
+        cost: u32,
+        /// The most units ever admitted at once (a burst, or a window's count).
+        capacity: u64,
+    },
+}
+
+impl CostError {
+    /// Check `cost` against `capacity`: at least 1, at most `capacity`.
+    pub(crate) fn check(cost: u32, capacity: u64) -> Result<(), CostError> {
+        if cost == 0 {
+            Err(CostError::Zero)
+        } else if u64::from(cost) > capacity {
+            Err(CostError::ExceedsCapacity { cost, capacity })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl fmt::Display for CostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CostError::Zero => f.write_str("cost must be at least 1"),
+            CostError::ExceedsCapacity { cost, capacity } => write!(
+                f,
+                "cost {cost} exceeds the capacity {capacity}: it could never be admitted"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CostError {}

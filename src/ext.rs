@@ -1,12 +1,12 @@
 //! `FlowStreamExt` and `FlowSinkExt`: every flowgate combinator, as a method.
 
 use std::future::Future;
+use std::num::NonZeroUsize;
 
 use futures::{Sink, Stream};
 
 use crate::bulkhead::{Bulkhead, BulkheadMap, BulkheadMapUnordered, BulkheadSpawnMap};
-use crate::demand::{DemandHandle, Demanded, Watermarks};
-use crate::error::ConfigError;
+use crate::demand::{DemandHandle, Demanded, Levels, Watermarks};
 use crate::gate::{Gate, Gated, GatedDrop};
 use crate::overflow::Overflow;
 use crate::pace::{Leaky, LeakyQueue, LeakySink, Pacer, UnitCost};
@@ -16,9 +16,10 @@ use crate::rate::Rate;
 ///
 /// In the [`prelude`](crate::prelude).
 pub trait FlowStreamExt: Stream {
-    /// Map each item to a future and run at most the bulkhead's limit of them at once
-    /// (shared with everything else using `bulkhead`); outputs in input order, like
-    /// `buffered`. Waits for permits, never rejects.
+    /// Map each item to a future and run at most the bulkhead's
+    /// [`max_in_flight`](Bulkhead::max_in_flight) of them at once (shared with everything
+    /// else using `bulkhead`); outputs in input order, like `buffered`. Waits for permits,
+    /// never sheds.
     ///
     /// See the [`bulkhead`](crate::bulkhead) module for when to use which adapter.
     ///
@@ -67,9 +68,9 @@ pub trait FlowStreamExt: Stream {
 
     /// As [`bulkhead_map_unordered`](FlowStreamExt::bulkhead_map_unordered), but each mapped
     /// future runs on its own tokio task, so it keeps making progress (and returns its
-    /// permit) while the consumer is busy. At most the bulkhead's limit of its tasks are
-    /// outstanding (running, or finished with an output not yet taken), so a slow consumer
-    /// slows the intake instead of piling up outputs (see [`BulkheadSpawnMap`]).
+    /// permit) while the consumer is busy. At most the bulkhead's `max_in_flight` of its
+    /// tasks are outstanding (running, or finished with an output not yet taken), so a slow
+    /// consumer slows the intake instead of piling up outputs (see [`BulkheadSpawnMap`]).
     ///
     /// # Panics
     ///
@@ -149,26 +150,44 @@ pub trait FlowStreamExt: Stream {
 
     /// The enforcing leaky bucket: drain the upstream eagerly into a queue of `capacity`
     /// items and release them through `pacer`; `overflow` decides what happens when the
-    /// queue is full (see [`LeakyQueue`]; name its metrics with [`LeakyQueue::name`]).
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError`] on `pace.queue_capacity` if `capacity` is zero.
+    /// queue is full (see [`LeakyQueue`]). Unnamed and without a drop hook: to set them,
+    /// build it with [`LeakyQueue::builder`]`(stream, pacer, capacity)`.
     ///
     /// # Panics
     ///
     /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
     /// timers).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroUsize;
+    /// use flowgate::pace::Pacer;
+    /// use flowgate::prelude::*;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pacer = Pacer::builder(Rate::per_second(100)?).burst(1).build()?;
+    /// let capacity = NonZeroUsize::new(4).expect("4 is not zero");
+    /// let out: Vec<u32> = futures::stream::iter(0..10)
+    ///     .leaky_queue(pacer, capacity, Overflow::Backpressure)
+    ///     .collect()
+    ///     .await;
+    /// assert_eq!(out, (0..10).collect::<Vec<_>>()); // backpressure loses nothing
+    /// # Ok(())
+    /// # }
+    /// ```
     fn leaky_queue(
         self,
         pacer: Pacer,
-        capacity: usize,
+        capacity: NonZeroUsize,
         overflow: Overflow,
-    ) -> Result<LeakyQueue<Self>, ConfigError>
+    ) -> LeakyQueue<Self>
     where
         Self: Sized,
     {
-        LeakyQueue::new(self, pacer, capacity, overflow)
+        LeakyQueue::new(self, pacer, capacity, overflow, None, None)
     }
 
     /// Yield items only while credit remains: `initial` now, more through
@@ -202,30 +221,52 @@ pub trait FlowStreamExt: Stream {
     }
 
     /// Pair each item with a [`Ticket`](crate::demand::Ticket) and pause pulling while
-    /// `high` tickets are alive, until they fall to `low`; see
+    /// `levels.high()` tickets are alive, until they fall to `levels.low()`; see
     /// [`Watermarks`](crate::demand::Watermarks).
     ///
-    /// Name it and set its `min_hold` with [`Watermarks::name`] and
-    /// [`Watermarks::min_hold`].
+    /// Unnamed and without `min_hold` (changes of state follow in-flight at once): to set
+    /// them, build it with [`Watermarks::builder`]`(stream, levels).min_hold(..).name(..)`.
+    /// No timer is ever set, so it needs no runtime.
     ///
-    /// # Errors
+    /// # Examples
     ///
-    /// [`ConfigError`] on `watermarks.high` if it is zero, on `watermarks.low` if it is not
-    /// below `high`.
+    /// ```
+    /// use flowgate::prelude::*;
+    /// use flowgate::demand::Levels;
+    /// use futures::StreamExt;
     ///
-    /// # Panics
-    ///
-    /// With a non-zero `min_hold`, polling panics outside a tokio runtime with its time
-    /// driver enabled once a change is held back (see [`Watermarks`]).
-    fn watermarks(self, high: usize, low: usize) -> Result<Watermarks<Self>, ConfigError>
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut stream = futures::stream::iter(0..10).watermarks(Levels::new(2, 0)?);
+    /// let signal = stream.pause_signal();
+    /// let (_, a) = stream.next().await.unwrap();
+    /// let (_, b) = stream.next().await.unwrap();
+    /// assert!(signal.is_paused()); // 2 tickets alive: high
+    /// assert!(futures::poll!(stream.next()).is_pending());
+    /// drop((a, b)); // done: down to low
+    /// assert!(!signal.is_paused());
+    /// assert_eq!(stream.next().await.map(|(i, _ticket)| i), Some(2));
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn watermarks(self, levels: Levels) -> Watermarks<Self>
     where
         Self: Sized,
     {
-        Watermarks::new(self, high, low)
+        Watermarks::new(self, levels, std::time::Duration::ZERO, None)
     }
 
     /// Pass each item through `gate` under the key `key(&item)`, waiting `retry_after` when
-    /// it is rejected (shaping): items leave at the rate the gate allows.
+    /// it is rejected (shaping): items leave at the rate the gate allows. Each item costs 1.
+    ///
+    /// The key function returns anything that is `AsRef<str> + Send + 'static` (a
+    /// `&'static str`, a `String`, an `Arc<str>`): flowgate allocates nothing for it. With an
+    /// in-memory gate nothing is allocated per item at all. For a cost per item, a drop hook
+    /// or a name, use [`Gated::builder`].
+    ///
+    /// # Panics
+    ///
+    /// When it has to wait outside a tokio runtime with its time driver enabled.
     ///
     /// # Examples
     ///
@@ -236,7 +277,7 @@ pub trait FlowStreamExt: Stream {
     ///
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?))?;
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?));
     /// let start = tokio::time::Instant::now();
     /// let n = futures::stream::iter(0..20)
     ///     .gated(gate, |_: &u32| "tenant-a")
@@ -252,21 +293,45 @@ pub trait FlowStreamExt: Stream {
         Self: Sized,
         G: Gate + Clone + 'static,
         K: FnMut(&Self::Item) -> Key,
-        Key: Into<String>,
+        Key: AsRef<str> + Send + 'static,
     {
-        Gated::new(self, gate, key, true)
+        Gated::builder(self, gate, key).into_gated()
     }
 
     /// Pass each item through `gate` under the key `key(&item)`; drop it when rejected
-    /// (policing). Dropped items go to the adapter's `on_drop` hook and are counted.
+    /// (policing). Each item costs 1. Dropped items are counted
+    /// ([`Gated::dropped`]); to see them, give a hook to [`Gated::builder`]`(..)
+    /// .drop_rejected(true).on_drop(..)`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::gate::{Limit, MemoryGate};
+    /// use flowgate::prelude::*;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(5)?));
+    /// let mut passed = futures::stream::iter(0..20).gated_drop(gate, |_: &u32| "tenant-a");
+    /// let mut n = 0;
+    /// while passed.next().await.is_some() {
+    ///     n += 1;
+    /// }
+    /// assert_eq!((n, passed.dropped()), (5, 15));
+    /// # Ok(())
+    /// # }
+    /// ```
     fn gated_drop<G, K, Key>(self, gate: G, key: K) -> GatedDrop<Self, G, K>
     where
         Self: Sized,
         G: Gate + Clone + 'static,
         K: FnMut(&Self::Item) -> Key,
-        Key: Into<String>,
+        Key: AsRef<str> + Send + 'static,
     {
-        Gated::new(self, gate, key, false)
+        Gated::builder(self, gate, key)
+            .drop_rejected(true)
+            .into_gated()
     }
 }
 
@@ -279,24 +344,51 @@ pub trait FlowSinkExt<Item>: Sink<Item> {
     /// Accept items at `rate` through a private [`Pacer`] with the default burst: each
     /// `poll_ready` waits for the pacer before asking the inner sink.
     ///
+    /// The sink side of [`FlowStreamExt::leaky`]; its own name, so that a type that is both a
+    /// `Stream` and a `Sink` (a `Framed`, a websocket) can call either with the prelude in
+    /// scope.
+    ///
     /// # Panics
     ///
     /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
     /// timers).
-    fn leaky(self, rate: Rate) -> LeakySink<Self>
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::prelude::*;
+    /// use futures::SinkExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (tx, rx) = flowgate::channel::bounded::<u32>(16)?;
+    /// let mut outbound = tx.leaky_sink(Rate::per_second(10)?);
+    /// let start = tokio::time::Instant::now();
+    /// for i in 0..4 {
+    ///     outbound.send(i).await?;
+    /// }
+    /// // The default burst (1 + 10 × 5 ms = 2) goes at once, the other 2 at 10/s.
+    /// assert_eq!(start.elapsed(), Duration::from_millis(200));
+    /// # drop(rx);
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn leaky_sink(self, rate: Rate) -> LeakySink<Self>
     where
         Self: Sized,
     {
         LeakySink::new(self, Pacer::new(rate))
     }
 
-    /// As [`leaky`](FlowSinkExt::leaky), through a shared `pacer`.
+    /// As [`leaky_sink`](FlowSinkExt::leaky_sink), through a shared `pacer` (one rate for
+    /// many sinks and streams, FIFO across them).
     ///
     /// # Panics
     ///
     /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
     /// timers).
-    fn leaky_with(self, pacer: Pacer) -> LeakySink<Self>
+    fn leaky_sink_with(self, pacer: Pacer) -> LeakySink<Self>
     where
         Self: Sized,
     {

@@ -32,6 +32,35 @@
 //! - **Time**: local code uses `tokio::time`, so tests run with paused time; the limiter
 //!   math takes `now` explicitly.
 //!
+//! ## One word, one meaning
+//!
+//! Every module follows this table; a new name is looked up here first.
+//!
+//! | word | means | where |
+//! |---|---|---|
+//! | *check* | decide now, consuming the cost if admitted; never waits for capacity; answers a [`Decision`]. A future only where deciding needs I/O (a gate may ask Redis). | `Limiter::check`, `Keyed::check`, `Gate::check`, `MemoryGate::check` (sync), `RedisGate::check` (async), `check_all`, `Pacer::check` |
+//! | *until_ready* | wait until admitted; nothing is given back afterwards | `Pacer::until_ready`, `CommitTracker::until_ready` |
+//! | *acquire* | wait for an RAII permit, given back when it drops | `Bulkhead::acquire`, `acquire_owned` |
+//! | *reserve* | wait for a channel slot: a permit to send one item | `Sender::reserve`, `reserve_owned` |
+//! | *try_* | the form of a waiting verb that does not wait: an error instead | `try_send`, `try_recv`, `try_reserve`, `try_acquire` |
+//! | *close* | stop taking new work; what is buffered still drains (`&self` everywhere) | `Sender::close`, `Receiver::close`, `Bulkhead::close` |
+//! | *rate* | n per period: [`Rate`] | pacers, windows |
+//! | *quota* | a rate with a burst: [`Quota`] | token buckets, pacers (`Pacer::quota`, `set_quota`) |
+//! | *capacity* | the most units admitted at once (a quota's burst, a window's count); for a buffer, the most items it holds | `Decision::capacity`, `Limit::capacity`, [`CostError`], `Sender::capacity` |
+//! | *limit* | a limiting rule: an algorithm with its numbers ([`gate::Limit`]); the [`limit`] module is those algorithms as pure math. Nothing else is called a limit | `gate::Limit`, `Gate::limit` |
+//! | *max_in_flight* | a bulkhead's concurrency cap | `Bulkhead::max_in_flight`, `set_max_in_flight` |
+//! | *cost* | the units one request takes, at least 1 | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost` |
+//! | *reject* | a limiter, gate or buffer refuses a request and answers the caller: a `Decision` with `allowed == false`, or the item handed back ([`Overflow::Reject`]) | `Decision`, `SendError::Full` |
+//! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted by `dropped()` (a channel reads all its counters together with `stats()`) | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop` |
+//! | *shed* | a bulkhead refuses work because it is saturated: waiting room full, waited too long, no permit free, or pushed out by critical work | `bulkhead::AcquireError` |
+//! | *evict* | remove idle per-key state to bound memory; never items | `MemoryGate`, `Keyed` (`sweep`, `max_keys`) |
+//!
+//! Builders follow one convention: `X::builder(..) -> XBuilder`, `name(impl Into<String>)`
+//! (the `name` label of the metrics), and `build()` that validates everything and returns
+//! `Result<X, ConfigError>`. Extension methods whose inputs are valid by their types
+//! ([`NonZeroUsize`](std::num::NonZeroUsize), [`Rate`], `demand::Levels`) return the adapter
+//! itself, so chains stay chains.
+//!
 //! ## Example
 //!
 //! ```
@@ -69,6 +98,7 @@ pub mod bulkhead;
 pub mod channel;
 mod decision;
 pub mod demand;
+mod dropped;
 mod error;
 mod ext;
 pub mod gate;
@@ -81,17 +111,24 @@ mod sync;
 mod time;
 
 pub use decision::Decision;
-pub use error::{ConfigError, ConfigErrorKind};
+pub use dropped::{Dropped, OnDrop};
+pub use error::{ConfigError, ConfigErrorKind, CostError};
 pub use ext::{FlowSinkExt, FlowStreamExt};
 pub use overflow::Overflow;
 pub use rate::{Quota, Rate};
 
-/// The types most pipelines need, in one import.
+/// The traits and the few types every pipeline needs, in one import.
+///
+/// The extension traits, the primitives a pipeline shares between its stages, the gate
+/// `gated` takes, and the value types they are built from. Everything else (channel handles,
+/// errors, the limiter math) is imported from its module, where its name is unambiguous.
 pub mod prelude {
-    pub use crate::bulkhead::{Bulkhead, Priority, Rejected};
-    pub use crate::channel::{Receiver, Sender, Sent};
+    pub use crate::bulkhead::Bulkhead;
+    pub use crate::demand::Levels;
     pub use crate::ext::{FlowSinkExt, FlowStreamExt};
-    pub use crate::limit::{Algorithm, Keyed, Limiter};
+    #[cfg(feature = "redis")]
+    pub use crate::gate::RedisGate;
+    pub use crate::gate::{Gate, Limit, MemoryGate};
     pub use crate::pace::Pacer;
     pub use crate::{ConfigError, Decision, Overflow, Quota, Rate};
 }

@@ -82,6 +82,16 @@ pub(crate) struct Histogram {
     inner: Option<metrics::Histogram>,
 }
 
+// A metric handle only records (atomic adds on the recorder's side); a panic elsewhere
+// cannot leave it half-updated in a way a later caller would observe. Declaring it unwind
+// safe lets every primitive that holds handles be unwind safe, as tokio's handles are.
+impl std::panic::UnwindSafe for Counter {}
+impl std::panic::RefUnwindSafe for Counter {}
+impl std::panic::UnwindSafe for Gauge {}
+impl std::panic::RefUnwindSafe for Gauge {}
+impl std::panic::UnwindSafe for Histogram {}
+impl std::panic::RefUnwindSafe for Histogram {}
+
 /// The labels of one primitive: its name plus fixed extra labels.
 #[derive(Clone, Debug)]
 pub(crate) struct Labels {

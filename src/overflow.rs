@@ -5,7 +5,7 @@ use std::fmt;
 /// The policy a bounded buffer applies to an item that arrives while it is full.
 ///
 /// The bounded buffers of items in flowgate take one of these: channels
-/// ([`channel::Builder::overflow`](crate::channel::Builder::overflow)) and pacing queues
+/// ([`ChannelBuilder::overflow`](crate::channel::ChannelBuilder::overflow)) and pacing queues
 /// ([`leaky_queue`](crate::FlowStreamExt::leaky_queue)). A bulkhead's waiting room holds
 /// callers, not items, and does not: a caller that finds it full is shed at once with an
 /// error.
@@ -19,7 +19,7 @@ use std::fmt;
 /// | [`Backpressure`](Overflow::Backpressure) | the sender waits for space | yes |
 /// | [`Reject`](Overflow::Reject) | the item is handed back in an error | no |
 /// | [`DropNewest`](Overflow::DropNewest) | the incoming item is dropped | no |
-/// | [`DropOldest`](Overflow::DropOldest) | the oldest buffered item is evicted, the new one is queued | no |
+/// | [`DropOldest`](Overflow::DropOldest) | the oldest buffered item is dropped, the new one is queued | no |
 ///
 /// # Examples
 ///

@@ -1,4 +1,4 @@
-//! Bulkheads: the limit under stress and cancellation, the waiting room, timeouts, the
+//! Bulkheads: `max_in_flight` under stress and cancellation, the waiting room, timeouts, the
 //! critical reserve, resizing, FIFO order, panics, and the stream adapters.
 
 mod support;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use flowgate::bulkhead::{Bulkhead, Priority, Rejected};
+use flowgate::bulkhead::{AcquireError, Bulkhead, Priority};
 use flowgate::{ConfigErrorKind, FlowStreamExt};
 use futures::{FutureExt, StreamExt, poll};
 use tokio::time::{Instant, advance, sleep};
@@ -83,16 +83,20 @@ fn bad_configuration_is_a_config_error() {
         .unwrap_err();
     assert_eq!(e.field(), "bulkhead.wait_timeout");
     let b = Bulkhead::builder(4).critical_reserve(2).build().unwrap();
-    assert_eq!(b.set_limit(0).unwrap_err().kind(), ConfigErrorKind::Zero);
+    let e = b.set_max_in_flight(0).unwrap_err();
     assert_eq!(
-        b.set_limit(2).unwrap_err().kind(),
+        (e.field(), e.kind()),
+        ("bulkhead.max_in_flight", ConfigErrorKind::Zero)
+    );
+    assert_eq!(
+        b.set_max_in_flight(2).unwrap_err().kind(),
         ConfigErrorKind::Inconsistent
     );
-    assert_eq!(b.limit(), 4);
+    assert_eq!(b.max_in_flight(), 4);
 }
 
 #[tokio::test(start_paused = true)]
-async fn never_more_than_the_limit_under_random_durations_and_cancellations() {
+async fn never_more_than_max_in_flight_under_random_durations_and_cancellations() {
     let b = Bulkhead::builder(5)
         .wait_timeout(Duration::from_millis(40))
         .build()
@@ -127,7 +131,7 @@ async fn never_more_than_the_limit_under_random_durations_and_cancellations() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn never_more_than_the_limit_on_two_threads() {
+async fn never_more_than_max_in_flight_on_two_threads() {
     let b = Bulkhead::new(3).unwrap();
     let gauge = Gauge::default();
     let inside = Arc::new(AtomicUsize::new(0));
@@ -173,8 +177,11 @@ async fn a_full_waiting_room_sheds_at_once() {
     assert!(poll!(w1.as_mut()).is_pending());
     assert!(poll!(w2.as_mut()).is_pending());
     assert_eq!(b.waiting(), 2);
-    assert_eq!(b.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
-    assert_eq!(b.try_acquire().unwrap_err(), Rejected::NoPermit);
+    assert_eq!(
+        b.acquire().await.unwrap_err(),
+        AcquireError::WaitingRoomFull
+    );
+    assert_eq!(b.try_acquire().unwrap_err(), AcquireError::NoPermit);
     drop(held);
     drop(w1.await.unwrap());
     drop(w2.await.unwrap());
@@ -189,7 +196,7 @@ async fn a_wait_times_out() {
         .unwrap();
     let _held = b.acquire().await.unwrap();
     let start = Instant::now();
-    assert_eq!(b.acquire().await.unwrap_err(), Rejected::TimedOut);
+    assert_eq!(b.acquire().await.unwrap_err(), AcquireError::TimedOut);
     assert_eq!(start.elapsed(), Duration::from_millis(100));
     assert_eq!(b.waiting(), 0);
 }
@@ -214,7 +221,7 @@ async fn the_critical_reserve_is_for_critical_work_only() {
     let b = Bulkhead::builder(3).critical_reserve(1).build().unwrap();
     let n1 = b.acquire().await.unwrap();
     let _n2 = b.acquire().await.unwrap();
-    assert_eq!(b.try_acquire().unwrap_err(), Rejected::NoPermit);
+    assert_eq!(b.try_acquire().unwrap_err(), AcquireError::NoPermit);
     let mut normal = Box::pin(b.acquire());
     assert!(poll!(normal.as_mut()).is_pending());
     let c1 = b.acquire_with(Priority::Critical).await.unwrap();
@@ -242,24 +249,24 @@ async fn critical_work_sheds_the_newest_normal_waiter_from_a_full_room() {
     assert!(poll!(new.as_mut()).is_pending());
     let mut critical = Box::pin(b.acquire_with(Priority::Critical));
     assert!(poll!(critical.as_mut()).is_pending());
-    assert_eq!(new.await.unwrap_err(), Rejected::WaitingRoomFull);
+    assert_eq!(new.await.unwrap_err(), AcquireError::WaitingRoomFull);
     drop(held);
     drop(critical.await.unwrap());
     assert!(old.await.is_ok());
 }
 
 #[tokio::test]
-async fn growing_the_limit_wakes_waiters_and_shrinking_waits_for_permits() {
+async fn growing_max_in_flight_wakes_waiters_and_shrinking_waits_for_permits() {
     let b = Bulkhead::new(1).unwrap();
     let p1 = b.acquire().await.unwrap();
     let mut w = Box::pin(b.acquire());
     assert!(poll!(w.as_mut()).is_pending());
-    b.set_limit(2).unwrap();
+    b.set_max_in_flight(2).unwrap();
     let p2 = w.await.unwrap();
     assert_eq!(b.in_flight(), 2);
 
-    b.set_limit(1).unwrap(); // in-flight work is not revoked
-    assert_eq!((b.in_flight(), b.limit()), (2, 1));
+    b.set_max_in_flight(1).unwrap(); // in-flight work is not revoked
+    assert_eq!((b.in_flight(), b.max_in_flight()), (2, 1));
     let mut w = Box::pin(b.acquire());
     assert!(poll!(w.as_mut()).is_pending());
     drop(p1); // 1 in flight: still at the limit
@@ -336,9 +343,9 @@ async fn close_fails_waiters_and_new_acquisitions_but_not_work_in_flight() {
     assert!(poll!(w.as_mut()).is_pending());
     b.close();
     assert!(b.is_closed());
-    assert_eq!(w.await.unwrap_err(), Rejected::Closed);
-    assert_eq!(b.acquire().await.unwrap_err(), Rejected::Closed);
-    assert_eq!(b.run(async {}).await.unwrap_err(), Rejected::Closed);
+    assert_eq!(w.await.unwrap_err(), AcquireError::Closed);
+    assert_eq!(b.acquire().await.unwrap_err(), AcquireError::Closed);
+    assert_eq!(b.run(async {}).await.unwrap_err(), AcquireError::Closed);
     assert_eq!(b.in_flight(), 1);
     drop(held);
     assert_eq!(b.in_flight(), 0);
@@ -484,7 +491,7 @@ async fn an_adapter_is_never_shed_and_does_not_fill_the_waiting_room() {
     // The room (1) is full: a critical acquire sheds the normal waiter, not the adapter.
     let mut critical = Box::pin(b.acquire_with(Priority::Critical));
     assert!(poll!(critical.as_mut()).is_pending());
-    assert_eq!(normal.await.unwrap_err(), Rejected::WaitingRoomFull);
+    assert_eq!(normal.await.unwrap_err(), AcquireError::WaitingRoomFull);
     drop(held);
     drop(critical.await.unwrap());
     let mut all: Vec<u32> = out.collect().await;
@@ -516,7 +523,7 @@ async fn a_caught_panic_in_the_unordered_adapter_returns_its_permit_at_once() {
 }
 
 #[tokio::test]
-async fn an_adapter_gives_back_the_critical_reserve_after_the_limit_shrinks() {
+async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();
     // Normal share 3: the adapter runs three at a time, recycling its permits.
     let mut out = Box::pin(futures::stream::iter(0..1_000u32).bulkhead_map_unordered(
@@ -530,7 +537,7 @@ async fn an_adapter_gives_back_the_critical_reserve_after_the_limit_shrinks() {
         out.next().await.unwrap();
     }
     assert_eq!(b.in_flight(), 3);
-    b.set_limit(3).unwrap(); // normal share 2: one permit must go back to the reserve
+    b.set_max_in_flight(3).unwrap(); // normal share 2: one permit must go back to the reserve
     for _ in 0..10 {
         out.next().await.unwrap();
     }
@@ -690,12 +697,12 @@ async fn the_spawning_adapter_bounds_finished_outputs_under_a_slow_consumer() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_spawning_adapter_follows_a_lowered_limit() {
+async fn the_spawning_adapter_follows_a_lowered_max_in_flight() {
     let b = Bulkhead::new(8).unwrap();
     let live = Gauge::default();
     let mut stream = pin!(counted_outputs(200, &b, &live));
     drop(stream.next().await);
-    b.set_limit(2).unwrap();
+    b.set_max_in_flight(2).unwrap();
     // Let the outstanding tasks finish, then drain them; from then on at most 2 wait.
     sleep(Duration::from_millis(1)).await;
     for _ in 0..8 {
@@ -737,7 +744,7 @@ fn public_types_are_send_and_sync() {
     send_sync::<flowgate::bulkhead::OwnedBulkheadPermit>();
     send_sync::<flowgate::bulkhead::Acquire<'static>>();
     send_sync::<flowgate::bulkhead::AcquireOwned>();
-    send_sync::<Rejected>();
+    send_sync::<AcquireError>();
 }
 
 #[cfg(feature = "metrics")]
@@ -763,7 +770,10 @@ async fn metrics_by_name_and_reason() {
         recorder.gauge("flowgate_bulkhead_waiting{name=payments}"),
         Some(1.0)
     );
-    assert_eq!(b.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
+    assert_eq!(
+        b.acquire().await.unwrap_err(),
+        AcquireError::WaitingRoomFull
+    );
     advance(Duration::from_millis(20)).await;
     drop(held);
     drop(waiter.await.unwrap());
@@ -772,7 +782,7 @@ async fn metrics_by_name_and_reason() {
         [0.02]
     );
     let _held = b.acquire().await.unwrap();
-    assert_eq!(b.acquire().await.unwrap_err(), Rejected::TimedOut);
+    assert_eq!(b.acquire().await.unwrap_err(), AcquireError::TimedOut);
     let rejected = |r: &str| {
         recorder.counter(&format!(
             "flowgate_bulkhead_rejected_total{{name=payments,reason={r}}}"

@@ -10,13 +10,14 @@ mod batches;
 mod wakers;
 
 use std::collections::HashSet;
+use std::panic::{RefUnwindSafe, UnwindSafe};
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
 use flowgate::channel::{self, ReserveError, SendError, Sent, TryRecvError};
-use flowgate::{ConfigErrorKind, Overflow};
+use flowgate::{ConfigErrorKind, Dropped, Overflow};
 use futures::{FutureExt, SinkExt, StreamExt, poll};
 
 #[tokio::test]
@@ -89,7 +90,7 @@ async fn dropping_every_receiver_fails_sends_and_drops_the_buffer_observably() {
     let dropped = Arc::new(Mutex::new(Vec::new()));
     let seen = dropped.clone();
     let (tx, rx) = channel::builder(4)
-        .on_drop(move |x: u32| seen.lock().unwrap().push(x))
+        .on_drop(move |x: u32, why: &Dropped| seen.lock().unwrap().push((x, why.as_str())))
         .build()
         .unwrap();
     tx.send(1).await.unwrap();
@@ -100,7 +101,10 @@ async fn dropping_every_receiver_fails_sends_and_drops_the_buffer_observably() {
     let closed = tx.closed();
     drop(rx2);
     closed.await;
-    assert_eq!(*dropped.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(
+        *dropped.lock().unwrap(),
+        [(1, "discarded"), (2, "discarded"), (3, "discarded")]
+    );
     assert_eq!(tx.send(4).await, Err(SendError::Closed(4)));
     let stats = tx.stats();
     assert_eq!((stats.sent, stats.received, stats.dropped), (3, 0, 3));
@@ -135,15 +139,25 @@ async fn reject_hands_the_item_back() {
     assert_eq!(tx.stats().dropped, 0);
 }
 
-fn recording_hook() -> (Arc<Mutex<Vec<u32>>>, impl Fn(u32) + Send + Sync + 'static) {
+/// A hook that records each dropped item, and each reason (`Dropped::as_str`) in a second log.
+#[allow(clippy::type_complexity)]
+fn recording_hook() -> (
+    Arc<Mutex<Vec<u32>>>,
+    Arc<Mutex<Vec<&'static str>>>,
+    impl Fn(u32, &Dropped) + Send + Sync + 'static,
+) {
     let log = Arc::new(Mutex::new(Vec::new()));
-    let sink = log.clone();
-    (log, move |x| sink.lock().unwrap().push(x))
+    let reasons = Arc::new(Mutex::new(Vec::new()));
+    let (sink, why_sink) = (log.clone(), reasons.clone());
+    (log, reasons, move |x, why: &Dropped| {
+        sink.lock().unwrap().push(x);
+        why_sink.lock().unwrap().push(why.as_str());
+    })
 }
 
 #[tokio::test]
 async fn drop_newest_drops_the_incoming_item() {
-    let (log, hook) = recording_hook();
+    let (log, reasons, hook) = recording_hook();
     let (tx, mut rx) = channel::builder(2)
         .overflow(Overflow::DropNewest)
         .on_drop(hook)
@@ -167,6 +181,7 @@ async fn drop_newest_drops_the_incoming_item() {
     );
     assert!(!Sent::DroppedNewest.is_queued());
     assert_eq!(*log.lock().unwrap(), [3, 4]);
+    assert_eq!(*reasons.lock().unwrap(), ["newest", "newest"]);
     assert_eq!(rx.recv().await, Some(1));
     assert_eq!(rx.recv().await, Some(2));
     let stats = rx.stats();
@@ -174,8 +189,8 @@ async fn drop_newest_drops_the_incoming_item() {
 }
 
 #[tokio::test]
-async fn drop_oldest_evicts_the_oldest_item() {
-    let (log, hook) = recording_hook();
+async fn drop_oldest_drops_the_oldest_item() {
+    let (log, reasons, hook) = recording_hook();
     let (tx, mut rx) = channel::builder(2)
         .overflow(Overflow::DropOldest)
         .on_drop(hook)
@@ -188,11 +203,13 @@ async fn drop_oldest_evicts_the_oldest_item() {
             if i <= 2 {
                 Sent::Queued
             } else {
-                Sent::EvictedOldest
+                Sent::DroppedOldest
             }
         );
     }
+    assert!(Sent::DroppedOldest.is_queued());
     assert_eq!(*log.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(*reasons.lock().unwrap(), ["oldest", "oldest", "oldest"]);
     assert_eq!(rx.recv().await, Some(4));
     assert_eq!(rx.recv().await, Some(5));
     let stats = rx.stats();
@@ -201,7 +218,7 @@ async fn drop_oldest_evicts_the_oldest_item() {
 
 #[tokio::test]
 async fn drop_oldest_with_every_slot_reserved_drops_the_newest() {
-    let (log, hook) = recording_hook();
+    let (log, reasons, hook) = recording_hook();
     let (tx, _rx) = channel::builder(1)
         .overflow(Overflow::DropOldest)
         .on_drop(hook)
@@ -211,6 +228,7 @@ async fn drop_oldest_with_every_slot_reserved_drops_the_newest() {
     assert_eq!(tx.send(7).await, Ok(Sent::DroppedNewest));
     drop(permit);
     assert_eq!(*log.lock().unwrap(), [7]);
+    assert_eq!(*reasons.lock().unwrap(), ["newest"]);
 }
 
 #[tokio::test]
@@ -410,11 +428,78 @@ fn public_types_are_send_and_sync() {
     send_sync::<channel::Reserve<'static, Vec<u8>>>();
     send_sync::<channel::ReserveOwned<Vec<u8>>>();
     send_sync::<channel::Recv<'static, Vec<u8>>>();
-    send_sync::<channel::Builder<Vec<u8>>>();
+    send_sync::<channel::ChannelBuilder<Vec<u8>>>();
     send_sync::<SendError<Vec<u8>>>();
     fn unpin<T: Unpin>() {}
     unpin::<channel::Receiver<std::marker::PhantomPinned>>();
     unpin::<channel::Send<'static, std::marker::PhantomPinned>>();
+}
+
+/// Channel handles are unwind-safe for any item type, as tokio's are: no user code runs
+/// under the channel's lock, so a panic (in a hook, say) leaves it consistent.
+#[test]
+fn handles_are_unwind_safe() {
+    fn unwind_safe<T: UnwindSafe + RefUnwindSafe>() {}
+    // `Cell` is not `RefUnwindSafe`: the channel only moves its items, never shares them.
+    type Item = std::cell::Cell<u8>;
+    unwind_safe::<channel::Sender<Item>>();
+    unwind_safe::<channel::Receiver<Item>>();
+    unwind_safe::<channel::Permit<'static, Item>>();
+    unwind_safe::<channel::OwnedPermit<Item>>();
+    unwind_safe::<channel::ChannelBuilder<Item>>();
+    unwind_safe::<channel::Reserve<'static, Item>>();
+    unwind_safe::<channel::ReserveOwned<Item>>();
+    unwind_safe::<channel::Closed<'static, Item>>();
+}
+
+/// A panic in the drop hook unwinds through `try_send` (`catch_unwind` takes the handles by
+/// reference, which needs `RefUnwindSafe`) and leaves the channel consistent and usable.
+#[test]
+fn a_panicking_hook_leaves_the_channel_usable() {
+    let (tx, mut rx) = channel::builder::<u32>(1)
+        .overflow(Overflow::DropNewest)
+        .on_drop(|x, _: &Dropped| {
+            if x == 2 {
+                panic!("hook panics on {x}");
+            }
+        })
+        .build()
+        .unwrap();
+    assert_eq!(tx.try_send(1), Ok(Sent::Queued));
+    let unwound = std::panic::catch_unwind(|| tx.try_send(2));
+    assert!(unwound.is_err(), "the hook's panic reached the caller");
+    assert_eq!(tx.try_send(3), Ok(Sent::DroppedNewest));
+    assert_eq!(rx.try_recv(), Ok(1));
+    assert_eq!(tx.try_send(4), Ok(Sent::Queued));
+    let recv_again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rx.try_recv()));
+    assert_eq!(recv_again.unwrap(), Ok(4));
+    let stats = tx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (4, 2, 2));
+}
+
+#[tokio::test]
+async fn receiver_close_takes_a_shared_reference() {
+    let (tx, rx) = channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let rx = Arc::new(rx);
+    let closer = Arc::clone(&rx);
+    tokio::spawn(async move { closer.close() }).await.unwrap();
+    assert!(tx.is_closed());
+    assert_eq!(tx.try_send(2), Err(SendError::Closed(2)));
+    let mut rx = Arc::into_inner(rx).unwrap();
+    assert_eq!(rx.recv().await, Some(1));
+    assert_eq!(rx.recv().await, None);
+}
+
+#[test]
+fn both_handles_read_the_name() {
+    let (tx, rx) = channel::builder::<u32>(1)
+        .name(String::from("stage-a"))
+        .build()
+        .unwrap();
+    assert_eq!((tx.name(), rx.name()), (Some("stage-a"), Some("stage-a")));
+    let (tx, rx) = channel::bounded::<u32>(1).unwrap();
+    assert_eq!((tx.name(), rx.name()), (None, None));
 }
 
 /// xorshift, one per task.
@@ -438,7 +523,19 @@ async fn stress(overflow: Overflow, capacity: usize) {
     let hook_log = dropped.clone();
     let (tx, rx) = channel::builder(capacity)
         .overflow(overflow)
-        .on_drop(move |x: u64| hook_log.lock().unwrap().push(x))
+        .on_drop(move |x: u64, why: &Dropped| {
+            // Receivers outlive the producers: only the policy drops items.
+            let expected: &[&str] = match overflow {
+                Overflow::DropNewest => &["newest"],
+                Overflow::DropOldest => &["oldest", "newest"],
+                _ => &[],
+            };
+            assert!(
+                expected.contains(&why.as_str()),
+                "{overflow:?} dropped with {why}"
+            );
+            hook_log.lock().unwrap().push(x)
+        })
         .build()
         .unwrap();
     let cancelled_recvs = Arc::new(AtomicU64::new(0));

@@ -10,13 +10,18 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use flowgate::demand::{
-    BatchSource, CommitToken, CommitTracker, DemandError, Flow, IterSource, Prefetch, StreamSource,
-    Ticket, UNBOUNDED, prefetch,
+    BatchSource, CommitToken, CommitTracker, Flow, IterSource, Levels, Prefetch, RequestError,
+    StreamSource, Ticket, TrackError, UNBOUNDED, Watermarks, prefetch,
 };
 use flowgate::{ConfigErrorKind, FlowStreamExt};
 use futures::{StreamExt, poll};
 use proptest::prelude::*;
 use tokio::time::advance;
+
+/// Levels the test knows to be valid.
+fn levels(high: usize, low: usize) -> Levels {
+    Levels::new(high, low).unwrap()
+}
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
@@ -143,7 +148,7 @@ proptest! {
             full_batches: false,
         };
         let out = block_on(async {
-            let mut stream = pin!(prefetch(source, high, low).unwrap());
+            let mut stream = pin!(prefetch(source, levels(high, low)));
             let mut out = Vec::new();
             let mut pauses = take_pauses.into_iter();
             while let Some(item) = stream.next().await {
@@ -241,9 +246,8 @@ async fn an_iter_source_ends_at_the_first_none() {
         n += 1;
         (!n.is_multiple_of(4)).then(|| n % 4 - 1)
     });
-    let items: Vec<u32> = prefetch(IterSource::new(restarting), 2, 0)
-        .unwrap()
-        .map(Result::unwrap)
+    let items: Vec<u32> = prefetch(IterSource::new(restarting), levels(2, 0))
+        .items()
         .take(10) // bounded, should the source go on after its end
         .collect()
         .await;
@@ -254,12 +258,31 @@ async fn an_iter_source_ends_at_the_first_none() {
 async fn a_stream_source_does_not_poll_its_stream_after_the_end() {
     // `unfold` panics if polled after it returned `None`; a short batch must not lead to it.
     let s = futures::stream::unfold(0u32, |n| async move { (n < 3).then_some((n, n + 1)) });
-    let items: Vec<u32> = prefetch(StreamSource::new(s), 8, 0)
-        .unwrap()
-        .map(Result::unwrap)
+    let items: Vec<u32> = prefetch(StreamSource::new(s), levels(8, 0))
+        .items()
         .collect()
         .await;
     assert_eq!(items, [0, 1, 2]);
+}
+
+#[tokio::test]
+async fn an_infallible_prefetch_yields_plain_items_and_keeps_its_buffer() {
+    use futures::Stream;
+    use futures::stream::FusedStream;
+    let mut stream = prefetch(IterSource::new(0..10u32), levels(4, 1));
+    assert_eq!(stream.levels(), levels(4, 1));
+    // Part consumed through the `Result` stream, the rest as plain items: `items()` keeps the
+    // fetched batch and the fetch state.
+    assert_eq!(stream.next().await, Some(Ok(0)));
+    assert_eq!(Prefetch::buffered(&stream), 3);
+    let mut items = stream.items();
+    assert_eq!(Prefetch::buffered(&items), 3);
+    assert_eq!(items.size_hint(), (3, None));
+    let rest: Vec<u32> = (&mut items).collect().await;
+    assert_eq!(rest, (1..10).collect::<Vec<_>>());
+    assert_eq!(items.size_hint(), (0, Some(0)));
+    assert!(items.is_terminated());
+    assert_eq!(items.next().await, None);
 }
 
 #[tokio::test]
@@ -276,7 +299,7 @@ async fn prefetch_refills_exactly_when_the_buffer_falls_to_low() {
         was_pending: false,
         full_batches: true,
     };
-    let mut stream = pin!(prefetch(source, 10, 3).unwrap());
+    let mut stream = pin!(prefetch(source, levels(10, 3)));
     let mut out = Vec::new();
     while let Some(item) = stream.next().await {
         out.push(item.unwrap());
@@ -302,7 +325,7 @@ async fn a_failed_fetch_is_yielded_and_the_next_one_waits_with_backoff() {
         at: at.clone(),
         origin: tokio::time::Instant::now(),
     };
-    let out: Vec<Result<u32, &str>> = prefetch(source, 4, 0).unwrap().collect().await;
+    let out: Vec<Result<u32, &str>> = prefetch(source, levels(4, 0)).collect().await;
     assert_eq!(
         out,
         [
@@ -327,21 +350,25 @@ async fn a_failed_fetch_is_yielded_and_the_next_one_waits_with_backoff() {
 #[test]
 fn bad_requests_and_configs_are_typed_errors() {
     let (_s, demand) = futures::stream::iter(0..1).with_demand(0);
-    assert_eq!(demand.request(0), Err(DemandError::ZeroRequest));
+    assert_eq!(demand.request(0), Err(RequestError::Zero));
+    assert_eq!(demand.outstanding(), 0, "a refused request adds no credit");
     demand.request(UNBOUNDED).unwrap();
     demand.request(5).unwrap();
     assert_eq!(demand.outstanding(), UNBOUNDED);
     let source = || StreamSource::new(futures::stream::iter(0..1));
-    assert_eq!(
-        prefetch(source(), 0, 0).err().unwrap().field(),
-        "prefetch.high"
-    );
-    let e = prefetch(source(), 4, 4).err().unwrap();
+    let e = Levels::new(0, 0).unwrap_err();
     assert_eq!(
         (e.field(), e.kind()),
-        ("prefetch.low", ConfigErrorKind::Inconsistent)
+        ("levels.high", ConfigErrorKind::Zero)
     );
-    let e = Prefetch::builder(source(), 4, 1)
+    let e = Levels::new(4, 4).unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("levels.low", ConfigErrorKind::Inconsistent)
+    );
+    let e = Levels::new(2, 2).unwrap_err();
+    assert_eq!(e.field(), "levels.low");
+    let e = Prefetch::builder(source(), levels(4, 1))
         .retry_backoff(Duration::from_secs(2), Duration::from_secs(1))
         .build()
         .err()
@@ -350,13 +377,11 @@ fn bad_requests_and_configs_are_typed_errors() {
         (e.field(), e.kind()),
         ("prefetch.retry_backoff", ConfigErrorKind::Inconsistent)
     );
-    let e = futures::stream::iter(0..1).watermarks(2, 2).err().unwrap();
-    assert_eq!(e.field(), "watermarks.low");
     let tracker = CommitTracker::new();
     let _t = tracker.track(5).unwrap();
     assert_eq!(
         tracker.track(5).err(),
-        Some(DemandError::OffsetOutOfOrder { offset: 5, last: 5 })
+        Some(TrackError::OutOfOrder { offset: 5, last: 5 })
     );
 }
 
@@ -379,10 +404,10 @@ async fn a_request_from_another_task_wakes_the_stream() {
 
 #[tokio::test(start_paused = true)]
 async fn watermarks_pause_at_high_and_resume_at_low_with_min_hold() {
-    let stream = futures::stream::iter(0..100)
-        .watermarks(3, 1)
-        .unwrap()
-        .min_hold(Duration::from_millis(100));
+    let stream = Watermarks::builder(futures::stream::iter(0..100), levels(3, 1))
+        .min_hold(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let mut signal = stream.pause_signal();
     let mut stream = pin!(stream);
     let mut tickets = VecDeque::new();
@@ -424,10 +449,10 @@ async fn watermarks_pause_at_high_and_resume_at_low_with_min_hold() {
 #[tokio::test(start_paused = true)]
 async fn in_flight_never_exceeds_high_while_a_pause_is_held_back() {
     let high = 3;
-    let stream = futures::stream::iter(0..10_000)
-        .watermarks(high, 1)
-        .unwrap()
-        .min_hold(Duration::from_secs(1));
+    let stream = Watermarks::builder(futures::stream::iter(0..10_000), levels(high, 1))
+        .min_hold(Duration::from_secs(1))
+        .build()
+        .unwrap();
     let signal = stream.pause_signal();
     let mut stream = pin!(stream);
     let mut tickets = VecDeque::new();
@@ -475,10 +500,10 @@ async fn in_flight_never_exceeds_high_while_a_pause_is_held_back() {
 
 #[tokio::test(start_paused = true)]
 async fn a_min_hold_of_duration_max_holds_forever_without_panicking() {
-    let stream = futures::stream::iter(0..10)
-        .watermarks(1, 0)
-        .unwrap()
-        .min_hold(Duration::MAX);
+    let stream = Watermarks::builder(futures::stream::iter(0..10), levels(1, 0))
+        .min_hold(Duration::MAX)
+        .build()
+        .unwrap();
     let signal = stream.pause_signal();
     let mut stream = pin!(stream);
     let (_, t) = stream.next().await.unwrap();
@@ -491,7 +516,7 @@ async fn a_min_hold_of_duration_max_holds_forever_without_panicking() {
 
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
-    let mut stream = pin!(futures::stream::iter(0..10).watermarks(2, 0).unwrap());
+    let mut stream = pin!(futures::stream::iter(0..10).watermarks(levels(2, 0)));
     let signal = stream.pause_signal();
     let (_, a) = stream.next().await.unwrap();
     let (_, b) = stream.next().await.unwrap();
@@ -548,10 +573,10 @@ fn pause_signal_waiters_are_woken_outside_the_lock() {
         block_on(async {
             let hold = Duration::from_millis(100);
             let mut stream = pin!(
-                futures::stream::iter(0..10)
-                    .watermarks(3, 1)
-                    .unwrap()
+                Watermarks::builder(futures::stream::iter(0..10), levels(3, 1))
                     .min_hold(hold)
+                    .build()
+                    .unwrap()
             );
             let mut signal = stream.pause_signal();
             let wake = Arc::new(DropsTicket::default());
@@ -639,7 +664,7 @@ proptest! {
                         last += gap;
                         tracked.push((last, Some(token), Fate::InFlight));
                     }
-                    Err(DemandError::PendingFull { offset, oldest, max_pending: m }) => {
+                    Err(TrackError::PendingFull { offset, oldest, max_pending: m }) => {
                         prop_assert_eq!((offset, m), (last + gap, max_pending));
                         prop_assert_eq!(tracker.pending(), max_pending, "refused below the bound");
                         let first_pending = tracked
@@ -729,7 +754,7 @@ fn a_dropped_token_holds_the_commit_and_is_counted() {
     // Full: refused (not tracked), with the offset the commits wait for.
     assert_eq!(
         tracker.track(5).err(),
-        Some(DemandError::PendingFull {
+        Some(TrackError::PendingFull {
             offset: 5,
             oldest: 2,
             max_pending: 3
@@ -782,12 +807,14 @@ async fn the_size_hint_of_with_demand_holds_after_a_request_raises_the_credit() 
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_min_hold_set_while_a_ticket_is_alive_takes_effect() {
-    let mut stream = futures::stream::iter(0..10).watermarks(1, 0).unwrap();
+async fn a_min_hold_from_the_builder_holds_the_first_resume() {
+    let mut stream = Watermarks::builder(futures::stream::iter(0..10), levels(1, 0))
+        .min_hold(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let signal = stream.pause_signal();
     let (_, ticket) = stream.next().await.unwrap();
     assert!(signal.is_paused());
-    let mut stream = stream.min_hold(Duration::from_millis(100));
     drop(ticket);
     assert!(signal.is_paused(), "the resume waits for min_hold");
     assert!(poll!(stream.next()).is_pending());
@@ -795,14 +822,29 @@ async fn a_min_hold_set_while_a_ticket_is_alive_takes_effect() {
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(1));
 }
 
+#[test]
+fn the_watermarks_shorthand_and_builder_agree() {
+    let stream = futures::stream::iter(0..10).watermarks(levels(2, 0));
+    assert_eq!((stream.name(), stream.levels()), (None, levels(2, 0)));
+    let named = Watermarks::builder(futures::stream::iter(0..10), levels(5, 3))
+        .name(String::from("wm"))
+        .build()
+        .unwrap();
+    assert_eq!((named.name(), named.levels()), (Some("wm"), levels(5, 3)));
+    assert_eq!(named.in_flight(), 0);
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test]
-async fn a_name_set_while_a_ticket_is_alive_takes_effect() {
+async fn a_named_watermarks_reports_under_its_name() {
     let recorder = support::TestRecorder::default();
-    let stream = futures::stream::iter(0..10).watermarks(2, 0).unwrap();
-    let mut stream = metrics::with_local_recorder(&recorder, || stream);
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        Watermarks::builder(futures::stream::iter(0..10), levels(2, 0))
+            .name("wm")
+            .build()
+            .unwrap()
+    });
     let (_, a) = stream.next().await.unwrap();
-    let mut stream = metrics::with_local_recorder(&recorder, || stream.name("wm"));
     let id = |m: &str| format!("{m}{{name=wm}}");
     assert_eq!(recorder.gauge(&id("flowgate_demand_in_flight")), Some(1.0));
     assert_eq!(recorder.gauge(&id("flowgate_demand_paused")), Some(0.0));
@@ -823,8 +865,9 @@ async fn named_with_demand_and_prefetch_report_under_their_names() {
         (
             Demanded::builder(futures::stream::iter(0..10), 3)
                 .name("credit-a")
-                .build(),
-            Prefetch::builder(IterSource::new(0..10), 4, 1)
+                .build()
+                .unwrap(),
+            Prefetch::builder(IterSource::new(0..10), levels(4, 1))
                 .name("prefetch-a")
                 .build()
                 .unwrap(),
@@ -860,11 +903,9 @@ async fn named_with_demand_and_prefetch_report_under_their_names() {
 #[test]
 fn prefetch_builder_validates_everything() {
     let source = || IterSource::new(0..1);
-    let e = Prefetch::builder(source(), 0, 0).build().err().unwrap();
-    assert_eq!(e.field(), "prefetch.high");
-    let e = Prefetch::builder(source(), 4, 4).build().err().unwrap();
-    assert_eq!(e.field(), "prefetch.low");
-    let e = Prefetch::builder(source(), 4, 1)
+    // The levels are checked by `Levels::new` (see `bad_requests_and_configs_are_typed_errors`);
+    // the builder checks the rest.
+    let e = Prefetch::builder(source(), levels(4, 1))
         .retry_backoff(Duration::from_secs(2), Duration::from_secs(1))
         .build()
         .err()
@@ -895,9 +936,14 @@ fn public_types_are_send_and_sync() {
     send_sync::<flowgate::demand::CommitTrackerBuilder>();
     send_sync::<flowgate::demand::DemandedBuilder<Items>>();
     send_sync::<flowgate::demand::PrefetchBuilder<IterSource<std::ops::Range<u32>>>>();
-    send_sync::<DemandError>();
+    send_sync::<RequestError>();
+    send_sync::<TrackError>();
+    send_sync::<Levels>();
+    send_sync::<Prefetch<IterSource<std::ops::Range<u32>>, flowgate::demand::Items>>();
+    send_sync::<flowgate::demand::WatermarksBuilder<Items>>();
     fn unpin<T: Unpin>() {}
     unpin::<Prefetch<IterSource<std::ops::Range<u32>>>>();
+    unpin::<Prefetch<IterSource<std::ops::Range<u32>>, flowgate::demand::Items>>();
     unpin::<Demanded<Items>>();
     #[cfg(feature = "redis")]
     {

@@ -7,13 +7,15 @@ mod support;
 
 #[path = "gate/failures.rs"]
 mod failures;
+#[path = "gate/gated.rs"]
+mod gated;
 
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use flowgate::gate::{FailurePolicy, Gate, GateError, Limit, MemoryGate, RedisGate, lua};
+use flowgate::gate::{FailurePolicy, Gate, GateError, Gated, Limit, MemoryGate, RedisGate, lua};
 use flowgate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow, TokenBucket};
-use flowgate::{ConfigErrorKind, Decision, FlowStreamExt, Quota, Rate};
+use flowgate::{ConfigErrorKind, CostError, Decision, FlowStreamExt, Quota, Rate};
 use futures::StreamExt;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -32,13 +34,13 @@ fn ceil_us(d: Duration) -> u64 {
     (d.as_nanos() as u64).div_ceil(1_000)
 }
 
-/// The script's reply as (allowed, limit, remaining, retry_us, reset_us).
+/// The script's reply as (allowed, capacity, remaining, retry_us, reset_us).
 type Reply = (bool, u64, u64, u64, u64);
 
 fn model_reply(d: &Decision) -> Reply {
     (
         d.allowed,
-        d.limit,
+        d.capacity,
         d.remaining,
         ceil_us(d.retry_after),
         ceil_us(d.reset_after),
@@ -183,10 +185,10 @@ async fn the_redis_gate_and_the_memory_gate_agree_on_a_burst() {
         .build()
         .await
         .unwrap();
-    let memory = MemoryGate::new(quota(5)).unwrap();
+    let memory = MemoryGate::new(quota(5));
     for i in 0..7 {
-        let r = gate.acquire("k", 1).await.unwrap();
-        let m = memory.acquire("k", 1).await.unwrap();
+        let r = gate.check("k", 1).await.unwrap();
+        let m = Gate::check(&memory, "k", 1).await.unwrap();
         assert_eq!(
             (r.allowed, r.remaining),
             (m.allowed, m.remaining),
@@ -203,23 +205,23 @@ async fn bad_input_is_a_typed_error_and_never_reaches_redis() {
         .await
         .unwrap();
     assert!(matches!(
-        gate.acquire("k", 0).await,
-        Err(GateError::ZeroCost)
+        gate.check("k", 0).await,
+        Err(GateError::Cost(CostError::Zero))
     ));
     assert!(matches!(
-        gate.acquire("k", 6).await,
-        Err(GateError::InsufficientCapacity {
+        gate.check("k", 6).await,
+        Err(GateError::Cost(CostError::ExceedsCapacity {
             cost: 6,
             capacity: 5
-        })
+        }))
     ));
     assert!(matches!(
-        gate.acquire("", 1).await,
+        gate.check("", 1).await,
         Err(GateError::InvalidKey(_))
     ));
     let long = "x".repeat(600);
     assert!(matches!(
-        gate.acquire(&long, 1).await,
+        gate.check(&long, 1).await,
         Err(GateError::InvalidKey(_))
     ));
     assert_eq!(
@@ -269,7 +271,7 @@ async fn a_bucket_in_the_text_form_of_earlier_builds_is_still_read() {
             .query_async(&mut con)
             .await
             .unwrap();
-        let d = gate.acquire("old", 1).await.unwrap();
+        let d = gate.check("old", 1).await.unwrap();
         assert!(!d.allowed, "{n}/s, {text:?}: {d:?}");
         // 10 s ahead + one token - 1 s of bucket, less the time since TIME.
         assert!(
@@ -278,7 +280,7 @@ async fn a_bucket_in_the_text_form_of_earlier_builds_is_still_read() {
             "{n}/s, {text:?}: {d:?}"
         );
         // A key written now is in the packed form, and read back the same way.
-        assert!(gate.acquire("new", n).await.unwrap().allowed);
+        assert!(gate.check("new", n).await.unwrap().allowed);
         let stored: Vec<u8> = redis::cmd("GET")
             .arg(gate.redis_key("new"))
             .query_async(&mut con)
@@ -286,7 +288,7 @@ async fn a_bucket_in_the_text_form_of_earlier_builds_is_still_read() {
             .unwrap();
         assert_eq!((stored.len(), stored[0]), (25, 0));
         // Read back drained: at most what the last few milliseconds refilled is left.
-        let d = gate.acquire("new", 1).await.unwrap();
+        let d = gate.check("new", 1).await.unwrap();
         assert!(d.remaining < u64::from(n) / 10 + 1, "{n}/s: {d:?}");
     }
 }
@@ -303,7 +305,7 @@ async fn an_idle_key_expires_once_it_is_neutral() {
     .await
     .unwrap();
     for _ in 0..10 {
-        assert!(gate.acquire("idle", 1).await.unwrap().allowed);
+        assert!(gate.check("idle", 1).await.unwrap().allowed);
     }
     let pttl: i64 = redis::cmd("PTTL")
         .arg(gate.redis_key("idle"))
@@ -335,7 +337,7 @@ async fn an_idle_key_expires_once_it_is_neutral() {
             .await
             .unwrap();
         for _ in 0..2 {
-            assert!(gate.acquire("k", 1).await.unwrap().allowed);
+            assert!(gate.check("k", 1).await.unwrap().allowed);
         }
     }
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -376,7 +378,7 @@ async fn manager(server: &RedisServer) -> ConnectionManager {
 #[tokio::test]
 async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
     let server = RedisServer::start();
-    let fallback = MemoryGate::new(quota(2)).unwrap();
+    let fallback = MemoryGate::new(quota(2));
     let policies = [
         FailurePolicy::Error,
         FailurePolicy::Open,
@@ -396,13 +398,13 @@ async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
         );
     }
     for g in &gates {
-        assert!(g.acquire("k", 1).await.unwrap().allowed);
+        assert!(g.check("k", 1).await.unwrap().allowed);
     }
     server.kill();
     let mut outcomes = Vec::new();
     for g in &gates {
         let start = std::time::Instant::now();
-        let r = g.acquire("k", 1).await;
+        let r = g.check("k", 1).await;
         assert!(
             start.elapsed() < Duration::from_millis(300),
             "took {:?}",
@@ -435,14 +437,14 @@ async fn a_paused_redis_never_hangs_a_caller() {
         .build()
         .await
         .unwrap();
-    assert!(gate.acquire("k", 1).await.unwrap().allowed);
+    assert!(gate.check("k", 1).await.unwrap().allowed);
     server.pause();
     let mut tasks = Vec::new();
     for i in 0..16 {
         let gate = gate.clone();
         tasks.push(tokio::spawn(async move {
             let start = std::time::Instant::now();
-            let d = gate.acquire(&format!("k{i}"), 1).await.unwrap();
+            let d = gate.check(&format!("k{i}"), 1).await.unwrap();
             (start.elapsed(), d.allowed)
         }));
     }
@@ -451,10 +453,10 @@ async fn a_paused_redis_never_hangs_a_caller() {
         assert!(took <= Duration::from_millis(60), "took {took:?}");
         assert!(!allowed);
     }
-    // acquire_all keeps to the probe interval too: it does not wait on the paused Redis.
+    // check_all keeps to the probe interval too: it does not wait on the paused Redis.
     let q = Quota::per_hour(5).unwrap();
     let start = std::time::Instant::now();
-    let all = gate.acquire_all(&[("a", q), ("b", q)], 1).await.unwrap();
+    let all = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
     assert!(
         start.elapsed() < Duration::from_millis(20),
         "took {:?}",
@@ -466,7 +468,7 @@ async fn a_paused_redis_never_hangs_a_caller() {
     tokio::time::sleep(Duration::from_millis(250)).await;
     let mut back = false;
     for _ in 0..20 {
-        if gate.acquire("k", 1).await.unwrap().allowed && !gate.is_degraded() {
+        if gate.check("k", 1).await.unwrap().allowed && !gate.is_degraded() {
             back = true;
             break;
         }
@@ -484,11 +486,11 @@ async fn a_restarted_empty_redis_gets_the_scripts_again_within_two_seconds() {
         .build()
         .await
         .unwrap();
-    assert!(gate.acquire("k", 1).await.unwrap().allowed);
+    assert!(gate.check("k", 1).await.unwrap().allowed);
     server.restart(); // empty: no scripts, no keys
     let start = std::time::Instant::now();
     loop {
-        let d = gate.acquire("k", 1).await.unwrap();
+        let d = gate.check("k", 1).await.unwrap();
         if !gate.is_degraded() && d.remaining < 1_000 {
             break; // decided by Redis again (Open decisions report u64::MAX)
         }
@@ -533,11 +535,13 @@ async fn gated_shapes_and_gated_drop_polices() {
     // Policing: 5 per minute, so nothing refills during the test.
     let slow = Limit::TokenBucket(Quota::per_minute(5).unwrap());
     let gate = RedisGate::builder(gate_conn, slow).build().await.unwrap();
-    let passed = futures::stream::iter(0..10)
-        .gated_drop(gate, |_: &i32| "police")
+    let passed = Gated::builder(futures::stream::iter(0..10), gate, |_: &i32| "police")
+        .drop_rejected(true)
         .on_drop(move |_, _| {
             d2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         })
+        .build()
+        .unwrap()
         .count()
         .await;
     assert_eq!(passed, 5);
@@ -548,7 +552,9 @@ async fn gated_shapes_and_gated_drop_polices() {
 async fn shaping_waits_out_a_full_keyspace_and_drops_nothing() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     // 16 keys in all, one per shard: distinct keys in a burst fill shards at once.
-    let gate = MemoryGate::with_max_keys(Limit::TokenBucket(Quota::per_second(1_000).unwrap()), 16)
+    let gate = MemoryGate::builder(Limit::TokenBucket(Quota::per_second(1_000).unwrap()))
+        .max_keys(16)
+        .build()
         .unwrap();
     // A full shard reports the gate's keyspace, not its own 16th of it.
     let full = (0..40)
@@ -562,11 +568,14 @@ async fn shaping_waits_out_a_full_keyspace_and_drops_nothing() {
     tokio::time::sleep(Duration::from_millis(5)).await; // all neutral again
     let dropped = std::sync::Arc::new(AtomicUsize::new(0));
     let d2 = dropped.clone();
-    let stream = futures::stream::iter(0..40)
-        .gated(gate.clone(), |i: &i32| format!("k{i}"))
-        .on_drop(move |_, _| {
-            d2.fetch_add(1, Ordering::SeqCst);
-        });
+    let stream = Gated::builder(futures::stream::iter(0..40), gate.clone(), |i: &i32| {
+        format!("k{i}")
+    })
+    .on_drop(move |_, _| {
+        d2.fetch_add(1, Ordering::SeqCst);
+    })
+    .build()
+    .unwrap();
     assert_eq!(
         futures::Stream::size_hint(&stream),
         (0, Some(40)),
@@ -578,18 +587,19 @@ async fn shaping_waits_out_a_full_keyspace_and_drops_nothing() {
 
 #[tokio::test]
 async fn an_item_waiting_at_the_gate_is_reported_when_the_stream_is_dropped() {
-    use flowgate::gate::Dropped;
-    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_minute(1).unwrap())).unwrap();
+    use flowgate::Dropped;
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_minute(1).unwrap()));
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let hook = seen.clone();
     let mut stream = Box::pin(
-        futures::stream::iter(0..3)
-            .gated(gate, |_: &i32| "k")
+        Gated::builder(futures::stream::iter(0..3), gate, |_: &i32| "k")
             .on_drop(move |i, why| {
                 hook.lock()
                     .unwrap()
                     .push((i, matches!(why, Dropped::Discarded)))
-            }),
+            })
+            .build()
+            .unwrap(),
     );
     assert_eq!(stream.next().await, Some(0));
     assert!(
@@ -671,7 +681,7 @@ fn fleet_worker() {
                 let (mut n, mut first, mut last) = (0u64, u64::MAX, 0u64);
                 while tokio::time::Instant::now() < deadline {
                     let before = true_us();
-                    if gate.acquire("fleet", 1).await.unwrap().allowed {
+                    if gate.check("fleet", 1).await.unwrap().allowed {
                         n += 1;
                         first = first.min(before);
                         last = true_us();
@@ -822,10 +832,9 @@ async fn batching_preserves_every_callers_decision() {
         })
         .collect();
     // All at once: the futures are polled, and so enqueued, in trace order.
-    let together =
-        futures::future::join_all(trace.iter().map(|(k, c)| batched.acquire(k, *c))).await;
+    let together = futures::future::join_all(trace.iter().map(|(k, c)| batched.check(k, *c))).await;
     for ((k, c), got) in trace.iter().zip(together) {
-        let want = unbatched.acquire(k, *c).await.unwrap();
+        let want = unbatched.check(k, *c).await.unwrap();
         let got = got.unwrap();
         assert_eq!(
             (got.allowed, got.remaining),
@@ -877,7 +886,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
         .build()
         .await
         .unwrap();
-    assert!(log.acquire("bad", 1).await.unwrap().allowed);
+    assert!(log.check("bad", 1).await.unwrap().allowed);
     let gate = RedisGate::builder(con.clone(), quota(5))
         .failure_policy(FailurePolicy::Closed)
         .build()
@@ -887,7 +896,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
         .map(|i| format!("good{i}"))
         .chain(["bad".to_string()])
         .collect();
-    let decisions = futures::future::join_all(keys.iter().map(|k| gate.acquire(k, 1))).await;
+    let decisions = futures::future::join_all(keys.iter().map(|k| gate.check(k, 1))).await;
     for (k, d) in keys.iter().zip(&decisions) {
         match (k.as_str(), d) {
             ("bad", Err(GateError::UnreadableKey(why))) => assert!(why.contains("another type")),
@@ -897,7 +906,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
         }
     }
     assert!(!gate.is_degraded(), "Redis is fine");
-    assert!(gate.acquire("unrelated", 1).await.unwrap().allowed);
+    assert!(gate.check("unrelated", 1).await.unwrap().allowed);
     // The same through a lease (a single-key script call).
     let leased = RedisGate::builder(con, quota(5))
         .lease(3)
@@ -905,7 +914,7 @@ async fn a_key_of_another_type_fails_alone_and_does_not_degrade_the_gate() {
         .await
         .unwrap();
     assert!(matches!(
-        leased.acquire("bad", 1).await,
+        leased.check("bad", 1).await,
         Err(GateError::UnreadableKey(_))
     ));
     assert!(!leased.is_degraded());
@@ -979,7 +988,7 @@ async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
         tasks.push(tokio::spawn(async move {
             let (mut rejected, mut admitted) = (0u64, 0u64);
             while std::time::Instant::now() < deadline {
-                if gate.acquire("hot", 1).await.unwrap().allowed {
+                if gate.check("hot", 1).await.unwrap().allowed {
                     admitted += 1;
                 } else {
                     rejected += 1;
@@ -1025,7 +1034,7 @@ async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
 }
 
 #[tokio::test]
-async fn acquire_all_is_all_or_nothing() {
+async fn check_all_is_all_or_nothing() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(server.connect().await, quota(100))
         .build()
@@ -1038,10 +1047,10 @@ async fn acquire_all_is_all_or_nothing() {
         ("{t1}:tenant", per_hour(10)),
     ];
     for i in 0..3 {
-        let ds = gate.acquire_all(&layers, 1).await.unwrap();
+        let ds = gate.check_all(&layers, 1).await.unwrap();
         assert!(ds.iter().all(|d| d.allowed), "call {i}");
     }
-    let ds = gate.acquire_all(&layers, 1).await.unwrap();
+    let ds = gate.check_all(&layers, 1).await.unwrap();
     assert!(
         ds.iter().all(|d| !d.allowed),
         "the user layer is empty: nothing passes"
@@ -1052,19 +1061,19 @@ async fn acquire_all_is_all_or_nothing() {
     );
     assert!(ds[1].retry_after > Duration::ZERO && ds[0].retry_after == Duration::ZERO);
     // No partial consumption: the IP and tenant layers still have 2 and 7.
-    let ip_only = gate.acquire_all(&layers[..1], 2).await.unwrap();
+    let ip_only = gate.check_all(&layers[..1], 2).await.unwrap();
     assert!(ip_only[0].allowed && ip_only[0].remaining == 0);
-    let tenant_only = gate.acquire_all(&layers[2..], 7).await.unwrap();
+    let tenant_only = gate.check_all(&layers[2..], 7).await.unwrap();
     assert!(tenant_only[0].allowed && tenant_only[0].remaining == 0);
     assert!(matches!(
-        gate.acquire_all(&layers, 4).await,
-        Err(GateError::InsufficientCapacity {
+        gate.check_all(&layers, 4).await,
+        Err(GateError::Cost(CostError::ExceedsCapacity {
             cost: 4,
             capacity: 3
-        })
+        }))
     ));
     assert!(matches!(
-        gate.acquire_all(&[], 1).await,
+        gate.check_all(&[], 1).await,
         Err(GateError::NoLimits)
     ));
 }
@@ -1099,7 +1108,7 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     let calls = keys
         .iter()
         .flat_map(|k| (0..6).map(move |_| k))
-        .map(|k| gate.acquire(k, 1));
+        .map(|k| gate.check(k, 1));
     let decisions = futures::future::join_all(calls).await;
     let mut admitted = std::collections::HashMap::<&str, u32>::new();
     for (k, d) in keys
@@ -1117,13 +1126,13 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     // Layered limits work when the keys share a slot, and are refused clearly otherwise.
     let q = Quota::per_hour(2).unwrap();
     assert!(
-        gate.acquire_all(&[("{t}:a", q), ("{t}:b", q)], 1)
+        gate.check_all(&[("{t}:a", q), ("{t}:b", q)], 1)
             .await
             .unwrap()[0]
             .allowed
     );
     assert!(matches!(
-        gate.acquire_all(&[("a", q), ("b", q)], 1).await,
+        gate.check_all(&[("a", q), ("b", q)], 1).await,
         Err(GateError::CrossSlot)
     ));
 
@@ -1144,7 +1153,7 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
         for k in (0..12).map(|i| format!("user{i}")) {
             let mut allowed = Vec::new();
             for _ in 0..3 {
-                allowed.push(match g.acquire(&k, 1).await {
+                allowed.push(match g.check(&k, 1).await {
                     Ok(d) => d.allowed.to_string(),
                     Err(e) => e.to_string(),
                 });
@@ -1158,7 +1167,7 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     let victim = cluster.node_for_key(&gate.redis_key(victim_key));
     victim.kill();
     let start = std::time::Instant::now();
-    let d = gate.acquire(victim_key, 1).await.unwrap();
+    let d = gate.check(victim_key, 1).await.unwrap();
     assert!(
         start.elapsed() < Duration::from_millis(800),
         "took {:?}",
@@ -1171,7 +1180,7 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     let mut back = None;
     for _ in 0..150 {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let d = gate.acquire(victim_key, 1).await.unwrap();
+        let d = gate.check(victim_key, 1).await.unwrap();
         if d.allowed && !gate.is_degraded() {
             back = Some(start.elapsed());
             break;
@@ -1188,11 +1197,18 @@ fn public_types_are_send_and_sync() {
     send_sync::<RedisGate<ConnectionManager>>();
     send_sync::<RedisGate<redis::cluster_async::ClusterConnection>>();
     send_sync::<MemoryGate>();
+    send_sync::<flowgate::gate::MemoryGateBuilder>();
     send_sync::<GateError>();
+    send_sync::<flowgate::limit::KeyedError>();
+    // The adapter can be moved to another task, over either gate.
+    fn send_static<T: Send + 'static>() {}
+    type Items = futures::stream::Iter<std::ops::Range<u32>>;
+    send_static::<Gated<Items, MemoryGate, fn(&u32) -> &'static str>>();
+    send_static::<Gated<Items, RedisGate<ConnectionManager>, fn(&u32) -> String>>();
     fn is_static<T: 'static>() {}
     is_static::<RedisGate<MultiplexedConnection>>();
-    // The acquire future can be spawned.
+    // The check future can be spawned.
     fn send<T: Send>(_: &T) {}
-    let gate = MemoryGate::new(quota(1)).unwrap();
-    send(&gate.acquire("k", 1));
+    let gate = MemoryGate::new(quota(1));
+    send(&Gate::check(&gate, "k", 1));
 }

@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use flowgate::limit::{
-    Algorithm, FixedWindow, Keyed, LimitError, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+    Algorithm, FixedWindow, Keyed, KeyedError, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
-use flowgate::{Decision, Quota, Rate};
+use flowgate::{CostError, Decision, Quota, Rate};
 use proptest::prelude::*;
 
 /// A trace: strictly non-decreasing times (ns) with costs.
@@ -108,11 +108,11 @@ proptest! {
         for &(t, cost) in &tr {
             let got = bucket.check(ns(t), cost);
             if cost > burst {
-                prop_assert_eq!(got, Err(LimitError::InsufficientCapacity { cost, capacity: u64::from(burst) }));
+                prop_assert_eq!(got, Err(CostError::ExceedsCapacity { cost, capacity: u64::from(burst) }));
                 continue;
             }
             let got = got.unwrap();
-            prop_assert_eq!(got.limit, u64::from(burst));
+            prop_assert_eq!(got.capacity, u64::from(burst));
             prop_assert_eq!(parts(&got), model.check(t, cost), "at t={} cost={}", t, cost);
             if got.allowed {
                 admitted.push((t, cost));
@@ -146,7 +146,7 @@ proptest! {
         for &(t, cost) in &tr {
             let got = fw.check(ns(t), cost);
             if cost > limit {
-                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                prop_assert!(matches!(got, Err(CostError::ExceedsCapacity { .. })), "expected ExceedsCapacity");
                 continue;
             }
             let got = got.unwrap();
@@ -176,7 +176,7 @@ proptest! {
         for &(t, cost) in &tr {
             let got = sl.check(ns(t), cost);
             if cost > limit {
-                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                prop_assert!(matches!(got, Err(CostError::ExceedsCapacity { .. })), "expected ExceedsCapacity");
                 continue;
             }
             let got = got.unwrap();
@@ -224,7 +224,7 @@ proptest! {
         for &(t, cost) in &tr {
             let got = sw.check(ns(t), cost);
             if u128::from(cost) > limit {
-                prop_assert!(matches!(got, Err(LimitError::InsufficientCapacity { .. })), "expected InsufficientCapacity");
+                prop_assert!(matches!(got, Err(CostError::ExceedsCapacity { .. })), "expected ExceedsCapacity");
                 continue;
             }
             let got = got.unwrap();
@@ -273,7 +273,7 @@ proptest! {
             let got = keyed.check(&key, ns(t), cost);
             prop_assert!(keyed.len() <= max_keys);
             match got {
-                Err(LimitError::KeyspaceFull { max_keys: m }) => {
+                Err(KeyedError::KeyspaceFull { max_keys: m }) => {
                     prop_assert_eq!(m, max_keys);
                     // Refused only when every held key is busy.
                     prop_assert_eq!(keyed.len(), max_keys);
@@ -283,7 +283,8 @@ proptest! {
                     let want = reference
                         .entry(key)
                         .or_insert_with(|| Limiter::new(TokenBucket::new(q)))
-                        .check(ns(t), cost);
+                        .check(ns(t), cost)
+                        .map_err(KeyedError::Cost);
                     prop_assert_eq!(got, want);
                 }
             }
@@ -295,12 +296,12 @@ fn rejects_bad_costs<A: Algorithm>(algorithm: A) {
     let mut l = Limiter::new(algorithm);
     {
         let cap = l.capacity();
-        assert_eq!(l.check(Duration::ZERO, 0), Err(LimitError::ZeroCost));
+        assert_eq!(l.check(Duration::ZERO, 0), Err(CostError::Zero));
         let too_much = cap as u32 + 1;
         let err = l.check(Duration::ZERO, too_much).unwrap_err();
         assert_eq!(
             err,
-            LimitError::InsufficientCapacity {
+            CostError::ExceedsCapacity {
                 cost: too_much,
                 capacity: cap
             }
@@ -332,7 +333,7 @@ fn keyed_rejects_zero_keys_and_reports_a_full_keyspace() {
     let mut keyed = Keyed::new(bucket, 1).unwrap();
     keyed.check(&1u32, Duration::ZERO, 1).unwrap();
     let full = keyed.check(&2u32, Duration::ZERO, 1).unwrap_err();
-    assert_eq!(full, LimitError::KeyspaceFull { max_keys: 1 });
+    assert_eq!(full, KeyedError::KeyspaceFull { max_keys: 1 });
     assert_eq!(
         full.to_string(),
         "all 1 keys are in use and none is idle yet: new keys are refused"
@@ -340,8 +341,22 @@ fn keyed_rejects_zero_keys_and_reports_a_full_keyspace() {
     // Bad cost for a new key is reported as such and inserts nothing.
     assert_eq!(
         keyed.check(&3u32, Duration::from_secs(5), 0),
-        Err(LimitError::ZeroCost)
+        Err(KeyedError::Cost(CostError::Zero))
     );
+    // So is one for a key held: the cost error, wrapped, with the same words.
+    let too_much = keyed.check(&1u32, Duration::ZERO, 2).unwrap_err();
+    assert_eq!(
+        too_much,
+        KeyedError::Cost(CostError::ExceedsCapacity {
+            cost: 2,
+            capacity: 1
+        })
+    );
+    assert_eq!(
+        too_much.to_string(),
+        "cost 2 exceeds the capacity 1: it could never be admitted"
+    );
+    assert!(std::error::Error::source(&too_much).is_some());
     assert_eq!(keyed.len(), 1);
     assert_eq!(keyed.sweep(Duration::from_secs(5)), 1);
     assert!(keyed.is_empty());

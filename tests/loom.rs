@@ -6,6 +6,7 @@
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 
+use flowgate::Dropped;
 use flowgate::channel::{self, SendError};
 use futures::{Stream, StreamExt, poll};
 use loom::future::block_on;
@@ -36,7 +37,9 @@ fn send_races_receiver_drop() {
         let dropped = loom::sync::Arc::new(loom::sync::atomic::AtomicUsize::new(0));
         let seen = dropped.clone();
         let (tx, rx) = channel::builder::<u32>(1)
-            .on_drop(move |_| {
+            .on_drop(move |_, why: &Dropped| {
+                // The channel ended with the item in it: discarded, never "newest"/"oldest".
+                assert!(matches!(why, Dropped::Discarded), "dropped with {why}");
                 seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             })
             .build()

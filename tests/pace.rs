@@ -3,13 +3,15 @@
 
 mod support;
 
+use std::num::NonZeroUsize;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
-use flowgate::pace::{PaceError, Pacer, TryAcquireError};
-use flowgate::{ConfigErrorKind, FlowSinkExt, FlowStreamExt, Overflow, Rate};
+use flowgate::pace::{LeakyQueue, Pacer};
+use flowgate::{ConfigErrorKind, CostError, Dropped, FlowSinkExt, FlowStreamExt, Overflow};
+use flowgate::{Quota, Rate};
 use futures::{SinkExt, StreamExt, poll};
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -20,6 +22,21 @@ fn pacer(per_second: u32, burst: u32) -> Pacer {
         .burst(burst)
         .build()
         .unwrap()
+}
+
+fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap()
+}
+
+/// What a recording drop hook saw: each item with its reason.
+type Seen<T> = Arc<Mutex<Vec<(T, &'static str)>>>;
+
+/// A drop hook that records each item with its reason.
+fn recorder<T: Send + 'static>() -> (Seen<T>, impl Fn(T, &Dropped) + Send + Sync + 'static) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hook = seen.clone();
+    let record = move |item: T, why: &Dropped| hook.lock().unwrap().push((item, why.as_str()));
+    (seen, record)
 }
 
 /// Release `costs` through `pacer` from a saturated source; returns `(ns since start, cost)`.
@@ -111,7 +128,7 @@ async fn high_rates_leave_in_on_time_batches() {
     // 1M/s with the default burst (1 + 5 000): 200 000 items in 0.195 s of virtual time.
     let rate = Rate::per_second(1_000_000).unwrap();
     let pacer = Pacer::new(rate);
-    assert_eq!(pacer.burst(), 5_001);
+    assert_eq!(pacer.quota().burst_size(), 5_001);
     let rel = releases(pacer, vec![1; 200_000]).await;
     let last = rel.last().unwrap().0;
     assert!(
@@ -189,23 +206,25 @@ async fn an_item_above_the_burst_pays_in_chunks_and_cost_zero_is_free() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn try_acquire_and_bad_costs() {
+async fn check_and_bad_costs() {
     let pacer = pacer(10, 2);
-    pacer.try_acquire(2).unwrap();
+    assert!(pacer.check(2).unwrap().allowed);
+    let refused = pacer.check(1).unwrap();
     assert_eq!(
-        pacer.try_acquire(1),
-        Err(TryAcquireError::RetryAfter(Duration::from_millis(100)))
+        (refused.allowed, refused.retry_after),
+        (false, Duration::from_millis(100))
     );
-    let too_much = PaceError::InsufficientCapacity { cost: 3, burst: 2 };
-    assert_eq!(
-        pacer.try_acquire(3),
-        Err(TryAcquireError::Invalid(too_much))
-    );
+    let too_much = CostError::ExceedsCapacity {
+        cost: 3,
+        capacity: 2,
+    };
+    assert_eq!(pacer.check(3), Err(too_much));
+    assert_eq!(pacer.check(0), Err(CostError::Zero));
     assert_eq!(pacer.until_ready(3).await, Err(too_much));
-    assert_eq!(pacer.until_ready(0).await, Err(PaceError::ZeroCost));
+    assert_eq!(pacer.until_ready(0).await, Err(CostError::Zero));
     assert_eq!(
         too_much.to_string(),
-        "cost 3 exceeds the pacer's burst 2: it could never pass"
+        "cost 3 exceeds the capacity 2: it could never be admitted"
     );
     let err = Pacer::builder(Rate::per_second(1).unwrap())
         .burst(0)
@@ -218,25 +237,83 @@ async fn try_acquire_and_bad_costs() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn set_rate_applies_to_waiters_at_once() {
+async fn check_answers_a_decision_and_never_jumps_the_line() {
+    // 10/s, burst 4: a unit every 100 ms, the bucket full again 400 ms after it empties.
+    let pacer = pacer(10, 4);
+    let d = pacer.check(3).unwrap();
+    assert!(d.allowed);
+    assert_eq!((d.capacity, d.remaining), (4, 1));
+    assert_eq!(
+        (d.retry_after, d.reset_after),
+        (Duration::ZERO, Duration::from_millis(300))
+    );
+    let d = pacer.check(2).unwrap();
+    assert!(!d.allowed, "one unit left, two asked for");
+    assert_eq!((d.capacity, d.remaining), (4, 1));
+    assert_eq!(
+        (d.retry_after, d.reset_after),
+        (Duration::from_millis(100), Duration::from_millis(300))
+    );
+    // A refusal takes nothing: the last unit is still there.
+    assert!(pacer.check(1).unwrap().allowed);
+
+    // FIFO: while someone waits, `check` refuses even a cost the bucket could take now.
+    let start = Instant::now();
+    let mut waiter = Box::pin(pacer.until_ready(3));
+    assert!(poll!(waiter.as_mut()).is_pending()); // due at 300 ms
+    tokio::time::advance(Duration::from_millis(100)).await;
+    let d = pacer.check(1).unwrap();
+    assert!(!d.allowed, "the waiter ahead comes first");
+    assert_eq!((d.capacity, d.remaining), (4, 0));
+    assert_eq!(
+        (d.retry_after, d.reset_after),
+        (Duration::ZERO, Duration::from_millis(300)),
+        "the bucket alone holds a unit now; full again in 300 ms"
+    );
+    waiter.await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+    // Nobody waits any more: the next unit is due 100 ms later.
+    let d = pacer.check(1).unwrap();
+    assert_eq!(
+        (d.allowed, d.retry_after),
+        (false, Duration::from_millis(100))
+    );
+    tokio::time::advance(d.retry_after).await;
+    assert!(pacer.check(1).unwrap().allowed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn set_quota_applies_to_waiters_at_once() {
     let pacer = pacer(1, 1);
     pacer.until_ready(1).await.unwrap();
     let start = Instant::now();
     let mut next = Box::pin(pacer.until_ready(1));
     assert!(poll!(next.as_mut()).is_pending()); // due in 1 s at the old rate
-    pacer
-        .set_rate(Rate::per_second(1).unwrap(), Some(1))
-        .unwrap();
+    pacer.set_quota(Quota::new(Rate::per_second(1).unwrap(), 1).unwrap());
     tokio::time::advance(Duration::from_millis(10)).await;
     // Raising the rate keeps the schedule already taken (full at 1 s), then runs faster.
-    pacer
-        .set_rate(Rate::per_second(100).unwrap(), Some(1))
-        .unwrap();
+    let faster = Quota::new(Rate::per_second(100).unwrap(), 1).unwrap();
+    pacer.set_quota(faster);
     next.await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_secs(1));
     pacer.until_ready(1).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(1_010));
-    assert_eq!(pacer.rate(), Rate::per_second(100).unwrap());
+    assert_eq!(pacer.quota(), faster);
+}
+
+#[test]
+fn the_default_quota_is_the_pacers_default_burst() {
+    for (per_second, burst) in [(1, 2), (200, 2), (201, 3), (1_000, 6), (1_000_000, 5_001)] {
+        let rate = Rate::per_second(per_second).unwrap();
+        let quota = Pacer::default_quota(rate);
+        assert_eq!((quota.rate(), quota.burst_size()), (rate, burst));
+        assert_eq!(Pacer::new(rate).quota(), quota);
+        let built = Pacer::builder(rate).build().unwrap();
+        assert_eq!(built.quota(), quota);
+    }
+    // The burst saturates instead of overflowing.
+    let huge = Rate::per(u32::MAX, Duration::from_nanos(1)).unwrap();
+    assert_eq!(Pacer::default_quota(huge).burst_size(), u32::MAX);
 }
 
 #[tokio::test(start_paused = true)]
@@ -245,11 +322,11 @@ async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
     let pacer = Pacer::new(Rate::per_second(1).unwrap());
     pacer.until_ready(1).await.unwrap();
     pacer.until_ready(1).await.unwrap();
-    let old = pacer.try_acquire(1).unwrap_err().retry_after().unwrap();
+    let refused = pacer.check(1).unwrap();
+    assert!(!refused.allowed);
+    let old = refused.retry_after;
     assert_eq!(old, Duration::from_secs(1));
-    pacer
-        .set_rate(Rate::per_second(1_000).unwrap(), None)
-        .unwrap();
+    pacer.set_quota(Pacer::default_quota(Rate::per_second(1_000).unwrap()));
     let start = Instant::now();
     pacer.until_ready(1).await.unwrap();
     assert_eq!(start.elapsed(), old, "due when it was due, not later");
@@ -321,7 +398,10 @@ async fn a_wait_for_more_than_the_burst_fails_at_once_behind_others() {
     let mut big = Box::pin(pacer.until_ready(3));
     assert!(matches!(
         poll!(big.as_mut()),
-        Poll::Ready(Err(PaceError::InsufficientCapacity { cost: 3, burst: 2 }))
+        Poll::Ready(Err(CostError::ExceedsCapacity {
+            cost: 3,
+            capacity: 2
+        }))
     ));
     assert_eq!(pacer.waiting(), 1);
     drop(big);
@@ -350,9 +430,7 @@ async fn the_next_waiter_takes_over_the_watch_when_the_watcher_leaves() {
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_yields_with_an_upstream_that_is_always_ready() {
     let pacer = pacer(10, 1);
-    let mut queue = futures::stream::repeat(7u32)
-        .leaky_queue(pacer, 4, Overflow::DropNewest)
-        .unwrap();
+    let mut queue = futures::stream::repeat(7u32).leaky_queue(pacer, nz(4), Overflow::DropNewest);
     let first = tokio::time::timeout(Duration::from_secs(5), queue.next()).await;
     assert_eq!(first.expect("poll_next returns"), Some(7));
     assert!(queue.dropped() > 0, "the full queue refused the rest");
@@ -361,41 +439,41 @@ async fn leaky_queue_yields_with_an_upstream_that_is_always_ready() {
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_reports_what_is_still_queued_when_dropped() {
     let pacer = pacer(10, 1);
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let hook = seen.clone();
-    let mut queue = futures::stream::iter(0..5u32)
-        .leaky_queue(pacer, 8, Overflow::DropNewest)
-        .unwrap()
-        .on_drop(move |x| hook.lock().unwrap().push(x));
+    let (seen, hook) = recorder();
+    let mut queue = LeakyQueue::builder(futures::stream::iter(0..5u32), pacer, 8)
+        .overflow(Overflow::DropNewest)
+        .on_drop(hook)
+        .build()
+        .unwrap();
     assert_eq!(queue.next().await, Some(0));
     assert_eq!(queue.queued(), 4);
     drop(queue);
     assert_eq!(
         *seen.lock().unwrap(),
-        [1, 2, 3, 4],
-        "queued items go to on_drop"
+        [1, 2, 3, 4].map(|x| (x, "discarded")),
+        "queued items go to on_drop, discarded"
     );
 }
 
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_drops_by_policy_and_counts() {
-    for (policy, expect_first) in [
-        (Overflow::DropOldest, 6u32),
-        (Overflow::DropNewest, 0),
-        (Overflow::Reject, 0),
+    for (policy, expect_first, reason) in [
+        (Overflow::DropOldest, 6u32, "oldest"),
+        (Overflow::DropNewest, 0, "newest"),
+        (Overflow::Reject, 0, "newest"),
     ] {
-        let dropped = Arc::new(Mutex::new(Vec::new()));
-        let seen = dropped.clone();
+        let (dropped, hook) = recorder();
         let pacer = pacer(10, 1);
         let (tx, rx) = futures::channel::mpsc::unbounded();
         for i in 0..10u32 {
             tx.unbounded_send(i).unwrap();
         }
         drop(tx);
-        let queue = rx
-            .leaky_queue(pacer, 4, policy)
-            .unwrap()
-            .on_drop(move |x| seen.lock().unwrap().push(x));
+        let queue = LeakyQueue::builder(rx, pacer, 4)
+            .overflow(policy)
+            .on_drop(hook)
+            .build()
+            .unwrap();
         let mut queue = pin!(queue);
         let first = queue.next().await.unwrap();
         assert_eq!(first, expect_first, "{policy}");
@@ -403,19 +481,27 @@ async fn leaky_queue_drops_by_policy_and_counts() {
         let dropped = dropped.lock().unwrap().clone();
         assert_eq!(dropped.len(), 6, "{policy}: 10 offered into 4 places");
         assert_eq!(1 + rest.len() + dropped.len(), 10, "{policy}: nothing lost");
+        assert!(
+            dropped.iter().all(|&(_, why)| why == reason),
+            "{policy}: dropped as {reason}: {dropped:?}"
+        );
         assert_eq!(queue.dropped(), 6);
     }
     let pacer = Pacer::new(Rate::per_second(1).unwrap());
-    let err = futures::stream::iter([1]).leaky_queue(pacer, 0, Overflow::Backpressure);
-    assert_eq!(err.err().unwrap().field(), "pace.queue_capacity");
+    let err = LeakyQueue::builder(futures::stream::iter([1]), pacer, 0)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (err.field(), err.kind()),
+        ("pace.queue_capacity", ConfigErrorKind::Zero)
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn leaky_queue_with_backpressure_loses_nothing() {
     let pacer = pacer(100, 1);
     let out: Vec<u32> = futures::stream::iter(0..50)
-        .leaky_queue(pacer, 4, Overflow::Backpressure)
-        .unwrap()
+        .leaky_queue(pacer, nz(4), Overflow::Backpressure)
         .collect()
         .await;
     assert_eq!(out, (0..50).collect::<Vec<_>>());
@@ -425,7 +511,7 @@ async fn leaky_queue_with_backpressure_loses_nothing() {
 async fn a_sink_is_paced() {
     let (tx, rx) = flowgate::channel::bounded::<u32>(100).unwrap();
     let start = Instant::now();
-    let mut sink = tx.leaky_with(pacer(20, 1));
+    let mut sink = tx.leaky_sink_with(pacer(20, 1));
     for i in 0..5 {
         sink.send(i).await.unwrap();
     }
@@ -497,16 +583,20 @@ async fn leaky_queues_sharing_a_pacer_report_their_own_depth() {
             .name("gateway")
             .build()
             .unwrap();
-        let ingest = futures::stream::iter(0..5u32)
-            .leaky_queue(pacer.clone(), 8, Overflow::Backpressure)
-            .unwrap()
-            .name("ingest");
-        let replay = futures::stream::iter(0..3u32)
-            .leaky_queue(pacer, 8, Overflow::Backpressure)
-            .unwrap()
-            .name("replay");
+        let ingest = LeakyQueue::builder(futures::stream::iter(0..5u32), pacer.clone(), 8)
+            .name("ingest")
+            .build()
+            .unwrap();
+        let replay = LeakyQueue::builder(futures::stream::iter(0..3u32), pacer, 8)
+            .name("replay")
+            .build()
+            .unwrap();
         (ingest, replay)
     });
+    assert_eq!(
+        (ingest.name(), replay.name()),
+        (Some("ingest"), Some("replay"))
+    );
     assert_eq!(ingest.next().await, Some(0));
     assert!(poll!(replay.next()).is_pending()); // drained, waiting behind `ingest`
     let depth = |name: &str| recorder.gauge(&format!("flowgate_pace_queue_depth{{name={name}}}"));
@@ -524,19 +614,23 @@ async fn leaky_queues_sharing_a_pacer_report_their_own_depth() {
 async fn items_left_in_a_dropped_leaky_queue_are_counted_as_closed() {
     let recorder = support::TestRecorder::default();
     for policy in [Overflow::Backpressure, Overflow::DropNewest] {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let hook = seen.clone();
+        let (seen, hook) = self::recorder();
         let mut queue = metrics::with_local_recorder(&recorder, || {
             let pacer = pacer(10, 1);
-            futures::stream::iter(0..5u32)
-                .leaky_queue(pacer, 8, policy)
-                .unwrap()
+            LeakyQueue::builder(futures::stream::iter(0..5u32), pacer, 8)
+                .overflow(policy)
                 .name(policy.as_str())
-                .on_drop(move |x| hook.lock().unwrap().push(x))
+                .on_drop(hook)
+                .build()
+                .unwrap()
         });
         assert_eq!(queue.next().await, Some(0));
         drop(queue);
-        assert_eq!(*seen.lock().unwrap(), [1, 2, 3, 4], "{policy}: to on_drop");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [1, 2, 3, 4].map(|x| (x, "discarded")),
+            "{policy}: to on_drop"
+        );
         let dropped = |p: &str| {
             recorder.counter(&format!(
                 "flowgate_pace_dropped_total{{name={policy},policy={p}}}"
@@ -558,8 +652,11 @@ fn public_types_are_send_and_sync() {
     send_sync::<flowgate::pace::UntilReady>();
     fn is_static<T: 'static>() {}
     is_static::<flowgate::pace::UntilReady>();
-    send_sync::<PaceError>();
+    send_sync::<CostError>();
     fn send<T: Send>() {}
-    send::<flowgate::pace::Leaky<futures::stream::Iter<std::vec::IntoIter<u8>>, fn(&u8) -> u32>>();
-    send::<flowgate::pace::LeakyQueue<futures::stream::Iter<std::vec::IntoIter<u8>>>>();
+    type Items = futures::stream::Iter<std::vec::IntoIter<u8>>;
+    send::<flowgate::pace::Leaky<Items, fn(&u8) -> u32>>();
+    send::<LeakyQueue<Items>>();
+    send::<flowgate::pace::LeakyQueueBuilder<Items>>();
+    is_static::<LeakyQueue<Items>>();
 }

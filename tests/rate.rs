@@ -101,7 +101,7 @@ fn overflow_policies() {
 
 #[test]
 fn decision_headers() {
-    let d = Decision::admitted_without_limit();
+    let d = Decision::fail_open();
     assert!(d.is_allowed());
     assert_eq!(d.retry_after_secs(), None);
 }
@@ -114,7 +114,7 @@ fn public_types_are_send_sync_unpin() {
     check::<Overflow>();
     check::<Decision>();
     check::<flowgate::ConfigError>();
-    check::<flowgate::limit::LimitError>();
+    check::<flowgate::limit::KeyedError>();
     check::<flowgate::limit::TokenBucket>();
     check::<flowgate::limit::Limiter<flowgate::limit::TokenBucket>>();
     check::<flowgate::limit::TokenBucketState>();

@@ -9,7 +9,7 @@ use pin_project::{pin_project, pinned_drop};
 use tokio::time::{Instant, Sleep};
 
 use crate::bulkhead::core::{Core, Polled, Ticket};
-use crate::bulkhead::error::{Priority, Rejected};
+use crate::bulkhead::error::{AcquireError, Priority};
 use crate::sync::Arc;
 
 /// The state of one acquisition: its place in the queue and its timeout.
@@ -17,7 +17,7 @@ use crate::sync::Arc;
 #[derive(Debug)]
 pub(crate) struct Waiter {
     priority: Priority,
-    /// Subject to the waiting-room limit and the wait timeout (false for stream adapters,
+    /// Subject to the waiting room's size and the wait timeout (false for stream adapters,
     /// which apply backpressure instead of being refused).
     bounded: bool,
     /// Past the first poll (the fast path was tried).
@@ -41,7 +41,7 @@ impl Waiter {
         }
     }
 
-    /// A wait that ignores the waiting-room limit and the timeout.
+    /// A wait that ignores the waiting room's size and the timeout.
     pub(crate) fn unbounded() -> Waiter {
         Waiter {
             priority: Priority::Normal,
@@ -57,7 +57,7 @@ impl Waiter {
         self: Pin<&mut Self>,
         core: &Core,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<(), Rejected>> {
+    ) -> Poll<Result<(), AcquireError>> {
         let mut this = self.project();
         if !*this.started
             && let Some(done) = core.try_fast(*this.priority)
@@ -71,15 +71,15 @@ impl Waiter {
                 }
                 return Poll::Ready(Ok(()));
             }
-            Polled::Rejected(why) => return Poll::Ready(Err(why)),
+            Polled::Refused(why) => return Poll::Ready(Err(why)),
             Polled::Pending => {}
         }
         if !*this.started {
             *this.started = true;
             if *this.bounded {
                 *this.since = Some(Instant::now());
-                if let Some(limit) = core.wait_timeout() {
-                    this.timer.set(Some(tokio::time::sleep(limit)));
+                if let Some(timeout) = core.wait_timeout() {
+                    this.timer.set(Some(tokio::time::sleep(timeout)));
                 }
             }
         }
@@ -89,7 +89,7 @@ impl Waiter {
             if core.leave(this.ticket) {
                 return Poll::Ready(Ok(()));
             }
-            return Poll::Ready(Err(core.reject(Rejected::TimedOut)));
+            return Poll::Ready(Err(core.refuse(AcquireError::TimedOut)));
         }
         Poll::Pending
     }
@@ -126,7 +126,7 @@ impl<'a> Acquire<'a> {
 }
 
 impl<'a> Future for Acquire<'a> {
-    type Output = Result<BulkheadPermit<'a>, Rejected>;
+    type Output = Result<BulkheadPermit<'a>, AcquireError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -176,7 +176,7 @@ impl AcquireOwned {
 }
 
 impl Future for AcquireOwned {
-    type Output = Result<OwnedBulkheadPermit, Rejected>;
+    type Output = Result<OwnedBulkheadPermit, AcquireError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -283,7 +283,7 @@ impl Permits {
             }
             Err(why) => {
                 // Adapters wait outside the waiting room, untimed: only closing refuses them.
-                debug_assert_eq!(why, Rejected::Closed);
+                debug_assert_eq!(why, AcquireError::Closed);
                 *this.closed = true;
                 Poll::Ready(false)
             }
@@ -353,8 +353,8 @@ impl Permits {
         }
     }
 
-    pub(crate) fn limit(&self) -> usize {
-        self.core.limit() as usize
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.core.max_in_flight() as usize
     }
 }
 

@@ -1,6 +1,6 @@
 //! The bulkhead core: an atomic fast path and a locked wait queue.
 //!
-//! `state` packs the permits in flight, the current limit and two flags into one `u64`.
+//! `state` packs the permits in flight, the current `max_in_flight` and two flags into one `u64`.
 //! Acquiring and releasing without contention is one compare-and-swap. As soon as anyone
 //! waits, the `WAITERS` flag sends every acquirer and releaser through the mutex, where
 //! freed permits are *granted* to waiters in priority-then-FIFO order (the permit is counted
@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Waker};
 use std::time::Duration;
 
-use crate::bulkhead::error::{Priority, Rejected};
+use crate::bulkhead::error::{AcquireError, Priority};
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::sync::{Mutex, MutexGuard};
 
 const COUNT_BITS: u32 = 31;
-/// The largest limit a bulkhead accepts.
+/// The largest `max_in_flight` a bulkhead accepts.
 pub(crate) const MAX_PERMITS: u32 = (1 << COUNT_BITS) - 1;
 const COUNT_MASK: u64 = MAX_PERMITS as u64;
 const WAITERS: u64 = 1 << 62;
@@ -29,7 +29,7 @@ fn in_flight_of(s: u64) -> u32 {
     (s & COUNT_MASK) as u32
 }
 
-fn limit_of(s: u64) -> u32 {
+fn max_of(s: u64) -> u32 {
     ((s >> COUNT_BITS) & COUNT_MASK) as u32
 }
 
@@ -51,15 +51,15 @@ struct Metrics {
 impl Metrics {
     fn new(name: Option<&str>) -> Metrics {
         let l = Labels::new(name);
-        let rejected = |r: Rejected| l.counter(names::REJECTED, &[("reason", r.as_str())]);
+        let rejected = |r: AcquireError| l.counter(names::REJECTED, &[("reason", r.as_str())]);
         Metrics {
             in_flight: l.gauge(names::IN_FLIGHT, &[]),
             waiting: l.gauge(names::WAITING, &[]),
             rejected: [
-                rejected(Rejected::WaitingRoomFull),
-                rejected(Rejected::TimedOut),
-                rejected(Rejected::Closed),
-                rejected(Rejected::NoPermit),
+                rejected(AcquireError::WaitingRoomFull),
+                rejected(AcquireError::TimedOut),
+                rejected(AcquireError::Closed),
+                rejected(AcquireError::NoPermit),
             ],
             wait: l.histogram(names::WAIT_SECONDS, &[]),
         }
@@ -159,7 +159,7 @@ impl fmt::Debug for Core {
         f.debug_struct("Bulkhead")
             .field("name", &self.name)
             .field("in_flight", &in_flight_of(s))
-            .field("limit", &limit_of(s))
+            .field("max_in_flight", &max_of(s))
             .field("critical_reserve", &self.reserve)
             .field("max_waiting", &self.max_waiting)
             .field("wait_timeout", &self.wait_timeout)
@@ -171,20 +171,20 @@ impl fmt::Debug for Core {
 /// What a poll of a waiting acquisition found.
 pub(crate) enum Polled {
     Acquired,
-    Rejected(Rejected),
+    Refused(AcquireError),
     Pending,
 }
 
 impl Core {
     pub(crate) fn new(
-        limit: u32,
+        max_in_flight: u32,
         reserve: u32,
         max_waiting: usize,
         wait_timeout: Option<Duration>,
         name: Option<String>,
     ) -> Core {
         Core {
-            state: AtomicU64::new(u64::from(limit) << COUNT_BITS),
+            state: AtomicU64::new(u64::from(max_in_flight) << COUNT_BITS),
             reserve,
             max_waiting,
             wait_timeout,
@@ -206,8 +206,8 @@ impl Core {
         in_flight_of(self.state.load(Ordering::Acquire))
     }
 
-    pub(crate) fn limit(&self) -> u32 {
-        limit_of(self.state.load(Ordering::Acquire))
+    pub(crate) fn max_in_flight(&self) -> u32 {
+        max_of(self.state.load(Ordering::Acquire))
     }
 
     pub(crate) fn reserve(&self) -> u32 {
@@ -230,15 +230,15 @@ impl Core {
         self.lock().len()
     }
 
-    /// Permits `priority` may use out of `limit`.
-    fn cap(&self, limit: u32, priority: Priority) -> u32 {
+    /// Permits `priority` may use out of `max`.
+    fn cap(&self, max: u32, priority: Priority) -> u32 {
         match priority {
-            Priority::Critical => limit,
-            Priority::Normal => limit.saturating_sub(self.reserve),
+            Priority::Critical => max,
+            Priority::Normal => max.saturating_sub(self.reserve),
         }
     }
 
-    pub(crate) fn reject(&self, why: Rejected) -> Rejected {
+    pub(crate) fn refuse(&self, why: AcquireError) -> AcquireError {
         self.metrics.rejected[why as usize].increment(1);
         why
     }
@@ -251,22 +251,22 @@ impl Core {
 
     /// Whether a holder (a stream adapter, normal priority) may pass its permit straight on
     /// to its own next unit of work: nobody waits, the bulkhead is open, and what is held is
-    /// within the normal share (a lowered limit, or the critical reserve, takes it back).
+    /// within the normal share (a lowered `max_in_flight`, or the critical reserve, takes it back).
     #[inline]
     pub(crate) fn may_keep(&self) -> bool {
         let s = self.state.load(Ordering::Acquire);
-        s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= self.cap(limit_of(s), Priority::Normal)
+        s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= self.cap(max_of(s), Priority::Normal)
     }
 
     /// One CAS when nobody waits and a permit is free; `None` means take the slow path.
     #[inline]
-    pub(crate) fn try_fast(&self, priority: Priority) -> Option<Result<(), Rejected>> {
+    pub(crate) fn try_fast(&self, priority: Priority) -> Option<Result<(), AcquireError>> {
         let mut s = self.state.load(Ordering::Acquire);
         loop {
             if s & (WAITERS | CLOSED) != 0 {
                 return None;
             }
-            if in_flight_of(s) >= self.cap(limit_of(s), priority) {
+            if in_flight_of(s) >= self.cap(max_of(s), priority) {
                 return None;
             }
             match self
@@ -283,7 +283,7 @@ impl Core {
     }
 
     /// Take a permit if this priority may have one right now, respecting the queue.
-    fn try_locked(&self, w: &Waiters, priority: Priority) -> Option<Result<(), Rejected>> {
+    fn try_locked(&self, w: &Waiters, priority: Priority) -> Option<Result<(), AcquireError>> {
         let ahead = match priority {
             Priority::Critical => !w.critical.is_empty(),
             Priority::Normal => w.len() > 0,
@@ -291,9 +291,9 @@ impl Core {
         let mut s = self.state.load(Ordering::Acquire);
         loop {
             if s & CLOSED != 0 {
-                return Some(Err(self.reject(Rejected::Closed)));
+                return Some(Err(self.refuse(AcquireError::Closed)));
             }
-            if ahead || in_flight_of(s) >= self.cap(limit_of(s), priority) {
+            if ahead || in_flight_of(s) >= self.cap(max_of(s), priority) {
                 return None;
             }
             match self
@@ -310,13 +310,13 @@ impl Core {
     }
 
     /// `try_acquire`: a permit now or `NoPermit`; never waits.
-    pub(crate) fn try_acquire(&self, priority: Priority) -> Result<(), Rejected> {
+    pub(crate) fn try_acquire(&self, priority: Priority) -> Result<(), AcquireError> {
         if let Some(r) = self.try_fast(priority) {
             return r;
         }
         let w = self.lock();
         self.try_locked(&w, priority)
-            .unwrap_or_else(|| Err(self.reject(Rejected::NoPermit)))
+            .unwrap_or_else(|| Err(self.refuse(AcquireError::NoPermit)))
     }
 
     fn set_flag(&self, flag: u64, on: bool) {
@@ -328,7 +328,7 @@ impl Core {
     }
 
     /// Poll an acquisition that found no fast permit: take one, queue, or refuse. Unbounded
-    /// acquisitions (the stream adapters' backpressure) skip the waiting-room limit.
+    /// acquisitions (the stream adapters' backpressure) skip the waiting room's size.
     pub(crate) fn poll_acquire(
         &self,
         cx: &mut Context<'_>,
@@ -348,7 +348,7 @@ impl Core {
             }
             return match r {
                 Ok(()) => Polled::Acquired,
-                Err(why) => Polled::Rejected(why),
+                Err(why) => Polled::Refused(why),
             };
         }
         let mut woken = None;
@@ -363,7 +363,7 @@ impl Core {
                 if w.len() == 0 {
                     self.set_flag(WAITERS, false);
                 }
-                return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
+                return Polled::Refused(self.refuse(AcquireError::WaitingRoomFull));
             }
         }
         w.next_id += 1;
@@ -394,12 +394,12 @@ impl Core {
         }
         if Waiters::take(&mut w.shed, id) {
             ticket.0 = None;
-            return Polled::Rejected(self.reject(Rejected::WaitingRoomFull));
+            return Polled::Refused(self.refuse(AcquireError::WaitingRoomFull));
         }
         if self.is_closed() {
             w.remove(id);
             ticket.0 = None;
-            return Polled::Rejected(self.reject(Rejected::Closed));
+            return Polled::Refused(self.refuse(AcquireError::Closed));
         }
         for q in [&mut w.critical, &mut w.normal] {
             if let Some((_, waker)) = q.iter_mut().find(|(i, _)| *i == id) {
@@ -425,7 +425,7 @@ impl Core {
         }
         if Waiters::take(&mut w.shed, id) {
             // Shed, and gone before it polled again: still a refusal.
-            self.reject(Rejected::WaitingRoomFull);
+            self.refuse(AcquireError::WaitingRoomFull);
         }
         Waiters::take(&mut w.granted, id)
     }
@@ -472,10 +472,10 @@ impl Core {
     fn grant_next(&self, w: &mut Waiters) -> Option<Waker> {
         loop {
             let s = self.state.load(Ordering::Acquire);
-            let (n, limit) = (in_flight_of(s), limit_of(s));
-            let priority = if !w.critical.is_empty() && n < limit {
+            let (n, max) = (in_flight_of(s), max_of(s));
+            let priority = if !w.critical.is_empty() && n < max {
                 Priority::Critical
-            } else if !w.normal.is_empty() && n < self.cap(limit, Priority::Normal) {
+            } else if !w.normal.is_empty() && n < self.cap(max, Priority::Normal) {
                 Priority::Normal
             } else {
                 return None;
@@ -509,12 +509,12 @@ impl Core {
         wakers
     }
 
-    /// Change the limit; a larger one wakes waiters at once.
-    pub(crate) fn set_limit(&self, limit: u32) {
+    /// Change `max_in_flight`; a larger one wakes waiters at once.
+    pub(crate) fn set_max_in_flight(&self, max: u32) {
         let mut w = self.lock();
         let mut s = self.state.load(Ordering::Acquire);
         loop {
-            let next = (s & !(COUNT_MASK << COUNT_BITS)) | (u64::from(limit) << COUNT_BITS);
+            let next = (s & !(COUNT_MASK << COUNT_BITS)) | (u64::from(max) << COUNT_BITS);
             match self
                 .state
                 .compare_exchange(s, next, Ordering::AcqRel, Ordering::Acquire)

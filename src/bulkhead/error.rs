@@ -1,46 +1,66 @@
-//! Why an acquisition was refused.
+//! Why an acquisition got no permit, and the priority of an acquisition.
 
 use std::fmt;
 
-/// Why a [`Bulkhead`](crate::bulkhead::Bulkhead) refused a permit.
+/// Why a [`Bulkhead`](crate::bulkhead::Bulkhead) gave no permit: the error of `acquire`,
+/// `try_acquire` and `run`.
+///
+/// Apart from [`Closed`](AcquireError::Closed), each variant is a way the bulkhead *sheds*
+/// work because it is saturated: the waiting room is full, the wait took too long, no permit
+/// is free for a `try_acquire`, or a critical acquisition pushed this waiter out. Shedding is
+/// cheap and early, and takes nothing from the dependency behind the bulkhead.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::bulkhead::{AcquireError, Bulkhead};
+///
+/// let db = Bulkhead::new(1)?;
+/// let _held = db.try_acquire()?;
+/// let err = db.try_acquire().unwrap_err();
+/// assert_eq!(err, AcquireError::NoPermit);
+/// assert_eq!(err.to_string(), "bulkhead saturated: no permit free");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Rejected {
-    /// Every permit is taken and the waiting room is full (load shedding), or this waiter
-    /// was shed from the waiting room to make room for critical work.
+pub enum AcquireError {
+    /// Shed: every permit is taken and the waiting room is full, or this waiter was shed
+    /// from the waiting room to make room for critical work.
     WaitingRoomFull,
-    /// The wait for a permit exceeded the bulkhead's `wait_timeout`.
+    /// Shed: the wait for a permit exceeded the bulkhead's `wait_timeout`.
     TimedOut,
     /// The bulkhead was closed.
     Closed,
-    /// `try_acquire` found no permit free (it never waits).
+    /// Shed: `try_acquire` found no permit free (it never waits).
     NoPermit,
 }
 
-impl Rejected {
-    /// A stable lowercase name, used as the `reason` label of the rejection metric.
+impl AcquireError {
+    /// A stable lowercase name, used as the `reason` label of the
+    /// `flowgate_bulkhead_rejected_total` metric.
     pub const fn as_str(self) -> &'static str {
         match self {
-            Rejected::WaitingRoomFull => "waiting_room_full",
-            Rejected::TimedOut => "timed_out",
-            Rejected::Closed => "closed",
-            Rejected::NoPermit => "no_permit",
+            AcquireError::WaitingRoomFull => "waiting_room_full",
+            AcquireError::TimedOut => "timed_out",
+            AcquireError::Closed => "closed",
+            AcquireError::NoPermit => "no_permit",
         }
     }
 }
 
-impl fmt::Display for Rejected {
+impl fmt::Display for AcquireError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Rejected::WaitingRoomFull => "bulkhead saturated: waiting room full",
-            Rejected::TimedOut => "bulkhead saturated: timed out waiting for a permit",
-            Rejected::Closed => "bulkhead closed",
-            Rejected::NoPermit => "bulkhead saturated: no permit free",
+            AcquireError::WaitingRoomFull => "bulkhead saturated: waiting room full",
+            AcquireError::TimedOut => "bulkhead saturated: timed out waiting for a permit",
+            AcquireError::Closed => "bulkhead closed",
+            AcquireError::NoPermit => "bulkhead saturated: no permit free",
         })
     }
 }
 
-impl std::error::Error for Rejected {}
+impl std::error::Error for AcquireError {}
 
 /// The priority of an acquisition.
 ///

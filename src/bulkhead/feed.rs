@@ -109,8 +109,8 @@ impl<St: Stream> Feed<St> {
         self.permits.may_keep()
     }
 
-    pub(crate) fn limit(&self) -> usize {
-        self.permits.limit()
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.permits.max_in_flight()
     }
 
     pub(crate) fn get_ref(&self) -> &St {

@@ -6,31 +6,32 @@ use std::time::Duration;
 
 use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit};
 use crate::bulkhead::core::{Core, MAX_PERMITS};
-use crate::bulkhead::error::{Priority, Rejected};
+use crate::bulkhead::error::{AcquireError, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::sync::Arc;
 
-/// A concurrency limit for one dependency: at most `limit` units of work in flight, a bounded
-/// waiting room, load shedding, and a reserve of permits for critical work.
+/// A concurrency cap for one dependency: at most `max_in_flight` units of work in flight, a
+/// bounded waiting room, load shedding, and a reserve of permits for critical work.
 ///
-/// Cloning is cheap and shares the limit (clones are handles to one bulkhead), so one
+/// Cloning is cheap and shares the cap (clones are handles to one bulkhead), so one
 /// bulkhead can guard a dependency across tasks and streams.
 ///
 /// # Semantics
 ///
 /// - **Permits** are RAII: a [`BulkheadPermit`] is returned when dropped, which wakes the
 ///   next waiter. Waiters are served critical first, then FIFO.
-/// - **Waiting room**: at most `max_waiting` acquisitions wait; beyond that `acquire` fails
-///   at once with [`Rejected::WaitingRoomFull`] — that is load shedding, cheap and early. A
-///   critical acquisition at a full room sheds the newest normal waiter instead.
-/// - **Wait timeout**: a wait longer than `wait_timeout` fails with [`Rejected::TimedOut`].
+/// - **Waiting room**: at most `max_waiting` acquisitions wait; beyond that `acquire` is
+///   shed at once with [`AcquireError::WaitingRoomFull`] — load shedding, cheap and early.
+///   A critical acquisition at a full room sheds the newest normal waiter instead.
+/// - **Wait timeout**: a wait longer than `wait_timeout` is shed with
+///   [`AcquireError::TimedOut`].
 /// - **Critical reserve**: normal work cannot take the last `critical_reserve` permits;
 ///   [`Priority::Critical`] work can.
-/// - **Resizing**: [`set_limit`](Bulkhead::set_limit) takes effect at once when growing
-///   (waiters are woken) and as permits come back when shrinking; work in flight is never
-///   revoked.
+/// - **Resizing**: [`set_max_in_flight`](Bulkhead::set_max_in_flight) takes effect at once
+///   when growing (waiters are woken) and as permits come back when shrinking; work in
+///   flight is never revoked.
 /// - **Closing**: [`close`](Bulkhead::close) fails every waiter and every later acquisition
-///   with [`Rejected::Closed`]; permits in flight stay valid.
+///   with [`AcquireError::Closed`]; permits in flight stay valid.
 ///
 /// Acquiring and releasing without contention is a single atomic compare-and-swap.
 ///
@@ -43,7 +44,7 @@ use crate::sync::Arc;
 /// # Examples
 ///
 /// ```
-/// use flowgate::bulkhead::{Bulkhead, Priority, Rejected};
+/// use flowgate::bulkhead::{Bulkhead, Priority, AcquireError};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -53,8 +54,8 @@ use crate::sync::Arc;
 ///     .name("payments")
 ///     .build()?;
 /// let a = payments.acquire().await?; // normal work may use 2 - 1 = 1 permit
-/// assert_eq!(payments.try_acquire().unwrap_err(), Rejected::NoPermit);
-/// assert_eq!(payments.acquire().await.unwrap_err(), Rejected::WaitingRoomFull);
+/// assert_eq!(payments.try_acquire().unwrap_err(), AcquireError::NoPermit);
+/// assert_eq!(payments.acquire().await.unwrap_err(), AcquireError::WaitingRoomFull);
 /// let b = payments.acquire_with(Priority::Critical).await?; // the reserve
 /// assert_eq!(payments.in_flight(), 2);
 /// drop((a, b));
@@ -98,8 +99,8 @@ impl Bulkhead {
     ///
     /// # Errors
     ///
-    /// [`Rejected::WaitingRoomFull`] at once when the room is full (or later, if shed for
-    /// critical work), [`Rejected::TimedOut`] after `wait_timeout`, [`Rejected::Closed`].
+    /// [`AcquireError::WaitingRoomFull`] at once when the room is full (or later, if shed for
+    /// critical work), [`AcquireError::TimedOut`] after `wait_timeout`, [`AcquireError::Closed`].
     ///
     /// # Panics
     ///
@@ -157,8 +158,8 @@ impl Bulkhead {
     ///
     /// # Errors
     ///
-    /// [`Rejected::NoPermit`], or [`Rejected::Closed`].
-    pub fn try_acquire(&self) -> Result<BulkheadPermit<'_>, Rejected> {
+    /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    pub fn try_acquire(&self) -> Result<BulkheadPermit<'_>, AcquireError> {
         self.try_acquire_with(Priority::Normal)
     }
 
@@ -166,8 +167,8 @@ impl Bulkhead {
     ///
     /// # Errors
     ///
-    /// [`Rejected::NoPermit`], or [`Rejected::Closed`].
-    pub fn try_acquire_with(&self, priority: Priority) -> Result<BulkheadPermit<'_>, Rejected> {
+    /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    pub fn try_acquire_with(&self, priority: Priority) -> Result<BulkheadPermit<'_>, AcquireError> {
         self.core
             .try_acquire(priority)
             .map(|()| BulkheadPermit { core: &self.core })
@@ -178,12 +179,12 @@ impl Bulkhead {
     ///
     /// # Errors
     ///
-    /// As [`acquire`](Bulkhead::acquire); `work` is not started when rejected.
+    /// As [`acquire`](Bulkhead::acquire); `work` is not started when shed or closed.
     ///
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
-    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, Rejected> {
+    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, AcquireError> {
         self.run_with(Priority::Normal, work).await
     }
 
@@ -200,26 +201,27 @@ impl Bulkhead {
         &self,
         priority: Priority,
         work: F,
-    ) -> Result<F::Output, Rejected> {
+    ) -> Result<F::Output, AcquireError> {
         let _permit = self.acquire_with(priority).await?;
         Ok(work.await)
     }
 
-    /// Change the limit at runtime. Growing wakes waiters at once; shrinking takes effect as
-    /// permits come back (work in flight is never revoked).
+    /// Change `max_in_flight` at runtime. Growing wakes waiters at once; shrinking takes
+    /// effect as permits come back (work in flight is never revoked).
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `bulkhead.limit` if it is zero, above 2³¹ − 1, or not above the
-    /// critical reserve.
-    pub fn set_limit(&self, limit: usize) -> Result<(), ConfigError> {
-        let limit = check_limit("bulkhead.limit", limit)?;
-        check_reserve(limit, self.core.reserve())?;
-        self.core.set_limit(limit);
+    /// [`ConfigError`] on `bulkhead.max_in_flight` if it is zero or above 2³¹ − 1, on
+    /// `bulkhead.critical_reserve` if it is not above the critical reserve.
+    pub fn set_max_in_flight(&self, max_in_flight: usize) -> Result<(), ConfigError> {
+        let max = check_max_in_flight(max_in_flight)?;
+        check_reserve(max, self.core.reserve())?;
+        self.core.set_max_in_flight(max);
         Ok(())
     }
 
-    /// Permits in flight (may exceed the limit for a while after it was lowered).
+    /// Permits in flight (may exceed [`max_in_flight`](Bulkhead::max_in_flight) for a while
+    /// after it was lowered).
     pub fn in_flight(&self) -> usize {
         self.core.in_flight() as usize
     }
@@ -234,12 +236,12 @@ impl Bulkhead {
         self.core.max_waiting()
     }
 
-    /// The current limit.
-    pub fn limit(&self) -> usize {
-        self.core.limit() as usize
+    /// The current concurrency cap: the most permits in flight at once.
+    pub fn max_in_flight(&self) -> usize {
+        self.core.max_in_flight() as usize
     }
 
-    /// Fail every waiter and every later acquisition with [`Rejected::Closed`].
+    /// Fail every waiter and every later acquisition with [`AcquireError::Closed`].
     pub fn close(&self) {
         self.core.close();
     }
@@ -261,7 +263,8 @@ impl fmt::Debug for Bulkhead {
     }
 }
 
-fn check_limit(field: &'static str, n: usize) -> Result<u32, ConfigError> {
+fn check_max_in_flight(n: usize) -> Result<u32, ConfigError> {
+    let field = "bulkhead.max_in_flight";
     if n == 0 {
         return Err(ConfigError::zero(field));
     }
@@ -277,12 +280,12 @@ fn check_limit(field: &'static str, n: usize) -> Result<u32, ConfigError> {
         })
 }
 
-fn check_reserve(limit: u32, reserve: u32) -> Result<(), ConfigError> {
-    if reserve >= limit {
+fn check_reserve(max: u32, reserve: u32) -> Result<(), ConfigError> {
+    if reserve >= max {
         return Err(ConfigError::new(
             "bulkhead.critical_reserve",
             ConfigErrorKind::Inconsistent,
-            format!("a reserve of {reserve} out of {limit} permits leaves none for normal work"),
+            format!("a reserve of {reserve} out of {max} permits leaves none for normal work"),
         ));
     }
     Ok(())
@@ -306,10 +309,10 @@ impl BulkheadBuilder {
         self
     }
 
-    /// The longest an acquisition waits before failing with [`Rejected::TimedOut`] (default:
-    /// no limit). The timeout is a tokio timer, so with one set, an acquisition that has to
-    /// wait must be polled inside a tokio runtime with timers enabled (see
-    /// [`Bulkhead::acquire`]'s `# Panics`). The stream adapters wait untimed and are not
+    /// The longest an acquisition waits before it is shed with [`AcquireError::TimedOut`]
+    /// (default: as long as it takes). The timeout is a tokio timer, so with one set, an
+    /// acquisition that has to wait must be polled inside a tokio runtime with timers enabled
+    /// (see [`Bulkhead::acquire`]'s `# Panics`). The stream adapters wait untimed and are not
     /// affected.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
@@ -336,7 +339,7 @@ impl BulkheadBuilder {
     /// `bulkhead.wait_timeout` (zero: use `max_waiting(0)` to never wait), or
     /// `bulkhead.critical_reserve` (not below `max_in_flight`).
     pub fn build(self) -> Result<Bulkhead, ConfigError> {
-        let limit = check_limit("bulkhead.max_in_flight", self.max_in_flight)?;
+        let max = check_max_in_flight(self.max_in_flight)?;
         if self.wait_timeout == Some(Duration::ZERO) {
             return Err(ConfigError::new(
                 "bulkhead.wait_timeout",
@@ -345,10 +348,10 @@ impl BulkheadBuilder {
             ));
         }
         let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
-        check_reserve(limit, reserve)?;
+        check_reserve(max, reserve)?;
         Ok(Bulkhead {
             core: Arc::new(Core::new(
-                limit,
+                max,
                 reserve,
                 self.max_waiting,
                 self.wait_timeout,

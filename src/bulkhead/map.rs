@@ -39,7 +39,8 @@ impl<Fut: Future> Future for Permitted<Fut> {
 ///
 /// As [`BulkheadMapUnordered`](crate::bulkhead::BulkheadMapUnordered), but outputs come in
 /// input order (like `buffered`). A future that completes early returns its permit at once;
-/// its output waits for the ones before it. At most `limit()` outputs are in flight or
+/// its output waits for the ones before it. At most the bulkhead's
+/// [`max_in_flight`](crate::bulkhead::Bulkhead::max_in_flight) outputs are in flight or
 /// waiting, so memory stays bounded while the head of the line is slow.
 ///
 /// When nothing else is in flight, a new future runs in a slot inside the adapter and is
@@ -134,12 +135,12 @@ where
                 }
                 Poll::Pending => {}
             }
-            // Start work while there is input and a permit for it, with at most `limit`
+            // Start work while there is input and a permit for it, with at most `max_in_flight`
             // outputs in flight or waiting their turn.
             let mut fresh = false;
             loop {
                 let queued = queued(&this.slot, this.done, this.running);
-                if queued >= this.feed.limit() {
+                if queued >= this.feed.max_in_flight() {
                     break;
                 }
                 let Some(item) = this.feed.as_mut().poll_start(cx, queued > 0) else {

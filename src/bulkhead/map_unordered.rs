@@ -15,7 +15,7 @@ use crate::bulkhead::slot::poll_slot;
 
 /// Stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered).
 ///
-/// Pulls one item at a time, waits for a permit for it (backpressure: it never rejects),
+/// Pulls one item at a time, waits for a permit for it (backpressure: it never sheds),
 /// maps it and runs the future with the permit held. The permit is returned the moment the
 /// future completes, in the same poll, and every permit is returned if the stream is dropped
 /// or a mapped future panics. Outputs come in completion order.
@@ -27,7 +27,7 @@ use crate::bulkhead::slot::poll_slot;
 ///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 /// ends; the one item it held waiting for a permit is dropped (counted as a `closed`
-/// rejection).
+/// refusal in `flowgate_bulkhead_rejected_total`).
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMapUnordered<St: Stream, F, Fut> {

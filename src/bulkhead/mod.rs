@@ -8,7 +8,7 @@
 //! # Stream adapters
 //!
 //! Through [`FlowStreamExt`](crate::FlowStreamExt), one bulkhead can be shared by many
-//! streams; the adapters wait for permits (backpressure), they never reject, and each permit
+//! streams; the adapters wait for permits (backpressure), they never shed, and each permit
 //! is held exactly while its mapped future runs:
 //!
 //! | adapter | output order | where the futures run |
@@ -26,7 +26,7 @@
 //! the consumer. Use the in-poll adapters for cheap consumers, non-`Send` futures, or when
 //! spawning is not wanted.
 //!
-//! **Memory.** Every adapter keeps at most the bulkhead's `limit` outputs: `bulkhead_map`
+//! **Memory.** Every adapter keeps at most the bulkhead's `max_in_flight` outputs: `bulkhead_map`
 //! counts the futures in flight and the outputs waiting for their turn, `bulkhead_spawn_map`
 //! the tasks running and the finished outputs the consumer has not taken yet (a slow
 //! consumer slows the intake; it never makes finished outputs pile up), and
@@ -49,7 +49,7 @@ mod slot;
 mod spawn_map;
 
 pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
-pub use error::{Priority, Rejected};
+pub use error::{AcquireError, Priority};
 pub use handle::{Bulkhead, BulkheadBuilder};
 pub use map::BulkheadMap;
 pub use map_unordered::BulkheadMapUnordered;

@@ -45,11 +45,12 @@ impl<T> Drop for AbortOnDrop<T> {
 /// A task returns its permit the moment its future ends, before the consumer takes its
 /// output, so permits never sit idle behind a slow consumer. What the adapter keeps is
 /// bounded instead: it spawns only while fewer than the bulkhead's
-/// [`limit`](Bulkhead::limit) of its tasks are outstanding — running, or finished with an
-/// output the consumer has not taken yet. So at most `limit` finished outputs ever wait for
-/// the consumer, however slow it is; a slow consumer slows the intake, and memory stays at
-/// most `limit` tasks and their outputs. (After [`set_limit`](Bulkhead::set_limit) lowers
-/// the limit, no new task starts until the outstanding ones are below the new limit.)
+/// [`max_in_flight`](Bulkhead::max_in_flight) of its tasks are outstanding — running, or
+/// finished with an output the consumer has not taken yet. So at most `max_in_flight`
+/// finished outputs ever wait for the consumer, however slow it is; a slow consumer slows
+/// the intake, and memory stays at most `max_in_flight` tasks and their outputs. (After
+/// [`set_max_in_flight`](Bulkhead::set_max_in_flight) lowers the cap, no new task starts
+/// until the outstanding ones are below the new cap.)
 ///
 /// # Panics
 ///
@@ -113,9 +114,9 @@ where
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
         // `running` holds every task whose output the consumer has not taken, finished or
-        // not: keeping it under the limit bounds the finished outputs waiting (see the
+        // not: keeping it under `max_in_flight` bounds the finished outputs waiting (see the
         // type's docs). With tasks outstanding, the next one to finish wakes this stream.
-        while this.running.len() < this.feed.limit()
+        while this.running.len() < this.feed.max_in_flight()
             && let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty())
         {
             let permit = this.feed.as_mut().into_owned();

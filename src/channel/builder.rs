@@ -1,10 +1,11 @@
-//! `Builder`: a channel with a policy, a drop hook and a name.
+//! `ChannelBuilder`: a channel with a policy, a drop hook and a name.
 
 use std::fmt;
 
 use crate::channel::receiver::Receiver;
 use crate::channel::sender::Sender;
-use crate::channel::shared::{OnDrop, Shared};
+use crate::channel::shared::Shared;
+use crate::dropped::{Dropped, OnDrop};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::overflow::Overflow;
 use crate::sync::Arc;
@@ -17,37 +18,42 @@ const MAX_CAPACITY: usize = usize::MAX >> 2;
 /// # Examples
 ///
 /// ```
-/// use std::sync::atomic::{AtomicUsize, Ordering};
-/// use std::sync::Arc;
+/// use std::sync::{Arc, Mutex};
 /// use flowgate::channel::{self, Sent};
-/// use flowgate::Overflow;
+/// use flowgate::{Dropped, Overflow};
 ///
-/// let evicted = Arc::new(AtomicUsize::new(0));
-/// let seen = evicted.clone();
+/// let log = Arc::new(Mutex::new(Vec::new()));
+/// let seen = log.clone();
 /// let (tx, mut rx) = channel::builder(2)
 ///     .overflow(Overflow::DropOldest)
-///     .on_drop(move |_item: u32| { seen.fetch_add(1, Ordering::Relaxed); })
+///     .on_drop(move |item: u32, why: &Dropped| seen.lock().unwrap().push((item, why.as_str())))
 ///     .name("stage-a")
 ///     .build()?;
 /// for i in 0..3 {
 ///     tx.try_send(i)?;
 /// }
-/// assert_eq!(tx.try_send(3)?, Sent::EvictedOldest);
+/// assert_eq!(tx.try_send(3)?, Sent::DroppedOldest);
 /// assert_eq!(rx.try_recv()?, 2);
-/// assert_eq!(evicted.load(Ordering::Relaxed), 2);
+/// assert_eq!(*log.lock().unwrap(), [(0, "oldest"), (1, "oldest")]);
 /// assert_eq!(rx.stats().dropped, 2);
+/// assert_eq!(rx.name(), Some("stage-a"));
+///
+/// // Item 3 is still buffered when the last receiver goes: discarded, and counted.
+/// drop(rx);
+/// assert_eq!(log.lock().unwrap()[2], (3, "discarded"));
+/// assert_eq!(tx.stats().dropped, 3);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct Builder<T> {
+pub struct ChannelBuilder<T> {
     capacity: usize,
     overflow: Overflow,
     on_drop: Option<OnDrop<T>>,
     name: Option<String>,
 }
 
-impl<T> Builder<T> {
-    pub(crate) fn new(capacity: usize) -> Builder<T> {
-        Builder {
+impl<T> ChannelBuilder<T> {
+    pub(crate) fn new(capacity: usize) -> ChannelBuilder<T> {
+        ChannelBuilder {
             capacity,
             overflow: Overflow::Backpressure,
             on_drop: None,
@@ -61,11 +67,20 @@ impl<T> Builder<T> {
         self
     }
 
-    /// Called with every item the channel drops: evicted or refused by a drop policy, or left
-    /// over when the last receiver is gone. It runs on the task that caused the drop, outside
-    /// the channel's lock; it should be quick and must not block.
-    pub fn on_drop(mut self, hook: impl Fn(T) + Send + Sync + 'static) -> Self {
-        self.on_drop = Some(Box::new(hook));
+    /// Called with every item the channel drops, and why ([`Dropped`]):
+    ///
+    /// - [`Dropped::Newest`]: the item just sent, refused by a full buffer under
+    ///   [`Overflow::DropNewest`] (or under [`Overflow::DropOldest`] when every slot is
+    ///   reserved and there is nothing to drop instead);
+    /// - [`Dropped::Oldest`]: the oldest buffered item, dropped under
+    ///   [`Overflow::DropOldest`] to make room;
+    /// - [`Dropped::Discarded`]: an item left over when the channel ended: still buffered
+    ///   when the last receiver was dropped, or sent through a permit after that.
+    ///
+    /// It runs on the task that caused the drop, outside the channel's lock; it should be
+    /// quick and must not block.
+    pub fn on_drop(mut self, hook: impl Fn(T, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
         self
     }
 
@@ -101,9 +116,9 @@ impl<T> Builder<T> {
     }
 }
 
-impl<T> fmt::Debug for Builder<T> {
+impl<T> fmt::Debug for ChannelBuilder<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Builder")
+        f.debug_struct("ChannelBuilder")
             .field("capacity", &self.capacity)
             .field("overflow", &self.overflow)
             .field("on_drop", &self.on_drop.is_some())

@@ -7,17 +7,26 @@ use std::fmt;
 /// Under [`Overflow::Backpressure`](crate::Overflow::Backpressure) and
 /// [`Overflow::Reject`](crate::Overflow::Reject) an accepted item is always
 /// [`Queued`](Sent::Queued). Under the drop policies the send never waits, and the outcome
-/// says which item was dropped; the dropped item went to the `on_drop` hook (if one is set)
-/// and was counted in [`Stats::dropped`].
+/// says which item was dropped (named as the policies are: [`Overflow::DropNewest`] gives
+/// `DroppedNewest`, [`Overflow::DropOldest`] gives `DroppedOldest`); the dropped item went
+/// to the `on_drop` hook (if one is set) with the matching [`Dropped`] reason and was
+/// counted in [`Stats::dropped`].
+///
+/// [`Overflow::DropNewest`]: crate::Overflow::DropNewest
+/// [`Overflow::DropOldest`]: crate::Overflow::DropOldest
+/// [`Dropped`]: crate::Dropped
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Sent {
     /// The item is in the buffer.
     Queued,
     /// The buffer was full: the item just sent was dropped (`Overflow::DropNewest`, or
-    /// `DropOldest` when every slot is reserved by a permit and there is nothing to evict).
+    /// `DropOldest` when every slot is reserved by a permit and there is nothing to drop
+    /// instead). The hook saw it with [`Dropped::Newest`](crate::Dropped::Newest).
     DroppedNewest,
-    /// The buffer was full: its oldest item was evicted and the item just sent was queued.
-    EvictedOldest,
+    /// The buffer was full: its oldest item was dropped (`Overflow::DropOldest`) and the item
+    /// just sent was queued. The hook saw the old item with
+    /// [`Dropped::Oldest`](crate::Dropped::Oldest).
+    DroppedOldest,
 }
 
 impl Sent {

@@ -9,11 +9,12 @@
 //! | `Backpressure` (default) | the sender waits for a slot, FIFO | `Ok(Sent::Queued)` |
 //! | `Reject` | the item is handed back | `Err(SendError::Full(item))` |
 //! | `DropNewest` | the new item is dropped | `Ok(Sent::DroppedNewest)` |
-//! | `DropOldest` | the oldest buffered item is evicted | `Ok(Sent::EvictedOldest)` |
+//! | `DropOldest` | the oldest buffered item is dropped | `Ok(Sent::DroppedOldest)` |
 //!
-//! Nothing disappears silently: a dropped item goes to the [`Builder::on_drop`] hook (if
-//! set), is counted in [`Stats::dropped`] and in the `flowgate_channel_dropped_total`
-//! metric (labelled by `policy`), and the send outcome says what happened.
+//! Nothing disappears silently: a dropped item goes to the [`ChannelBuilder::on_drop`] hook
+//! (if set) with its [`Dropped`](crate::Dropped) reason, is counted in [`Stats::dropped`] and
+//! in the `flowgate_channel_dropped_total` metric (labelled by `policy`), and the send
+//! outcome says what happened.
 //!
 //! # Shutdown
 //!
@@ -21,7 +22,8 @@
 //!   no new item is accepted; receivers still get every buffered item, and the item of any
 //!   outstanding [`Permit`], then `None`.
 //! - When every [`Receiver`] is gone, sends fail and hand the item back; items still
-//!   buffered go to `on_drop` and are counted as dropped.
+//!   buffered go to `on_drop` ([`Dropped::Discarded`](crate::Dropped::Discarded)) and are
+//!   counted as dropped.
 //!
 //! # Fairness
 //!
@@ -38,6 +40,11 @@
 //! No user code runs under the channel's lock: wakers are woken *and dropped*, and items
 //! are passed to `on_drop`, only after it is released, so a waker or hook may use the
 //! channel (a waker that owns a permit, say).
+//!
+//! The handles ([`Sender`], [`Receiver`], [`Permit`], [`OwnedPermit`]) are
+//! [`UnwindSafe`](std::panic::UnwindSafe) and [`RefUnwindSafe`](std::panic::RefUnwindSafe)
+//! for every item type: a panic, in an `on_drop` hook say, leaves the channel consistent and
+//! usable.
 //!
 //! # Cancel safety
 //!
@@ -79,7 +86,7 @@ mod sender;
 mod shared;
 mod wait;
 
-pub use builder::Builder;
+pub use builder::ChannelBuilder;
 pub use error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 pub use permit::{OwnedPermit, Permit};
 pub use receiver::{Receiver, Recv, RecvMany};
@@ -97,6 +104,24 @@ pub fn bounded<T>(capacity: usize) -> Result<(Sender<T>, Receiver<T>), ConfigErr
 }
 
 /// A builder for a channel of `capacity` items: policy, drop hook, name.
-pub fn builder<T>(capacity: usize) -> Builder<T> {
-    Builder::new(capacity)
+///
+/// The capacity is checked by [`ChannelBuilder::build`].
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::channel::{self, Sent};
+/// use flowgate::Overflow;
+///
+/// let (tx, mut rx) = channel::builder(1)
+///     .overflow(Overflow::DropNewest)
+///     .name("stage-a")
+///     .build()?;
+/// assert_eq!(tx.try_send(1)?, Sent::Queued);
+/// assert_eq!(tx.try_send(2)?, Sent::DroppedNewest);
+/// assert_eq!(rx.try_recv()?, 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn builder<T>(capacity: usize) -> ChannelBuilder<T> {
+    ChannelBuilder::new(capacity)
 }

@@ -9,7 +9,8 @@ use crate::channel::shared::Shared;
 ///
 /// Sending through it cannot fail and never waits. Dropping it unused returns the slot (to
 /// the next waiting sender, if any). If every receiver is gone by the time it is used, the
-/// item goes to the channel's `on_drop` hook and is counted as dropped.
+/// item goes to the channel's `on_drop` hook ([`Dropped::Discarded`](crate::Dropped::Discarded))
+/// and is counted as dropped.
 #[must_use = "a permit holds a slot until it is used or dropped"]
 pub struct Permit<'a, T> {
     shared: &'a Shared<T>,

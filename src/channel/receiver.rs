@@ -19,8 +19,9 @@ use crate::sync::Arc;
 ///
 /// Implements [`Stream`] and [`FusedStream`]. When every sender is gone (or the channel was
 /// closed), receivers still get every buffered item, then `None`. When the last receiver is
-/// dropped, items still buffered are passed to the `on_drop` hook and counted as dropped,
-/// and further sends fail, handing their item back.
+/// dropped, items still buffered are passed to the `on_drop` hook
+/// ([`Dropped::Discarded`](crate::Dropped::Discarded)) and counted as dropped, and further
+/// sends fail, handing their item back.
 pub struct Receiver<T> {
     shared: Arc<Shared<T>>,
     waiting: Waiting,
@@ -98,7 +99,24 @@ impl<T> Receiver<T> {
 
     /// Close the channel: further sends fail and waiting senders fail, but every item already
     /// buffered (or sent through an outstanding permit) can still be received.
-    pub fn close(&mut self) {
+    ///
+    /// Takes `&self`, as [`Sender::close`](crate::channel::Sender::close) does: any handle
+    /// may close the channel, even one shared with the task that drains it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::channel::{self, SendError};
+    ///
+    /// let (tx, mut rx) = channel::bounded(4)?;
+    /// tx.try_send(1)?;
+    /// let closer = &rx;
+    /// closer.close();
+    /// assert_eq!(tx.try_send(2), Err(SendError::Closed(2)));
+    /// assert_eq!(rx.try_recv()?, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn close(&self) {
         self.shared.close();
     }
 
@@ -111,7 +129,8 @@ impl<T> Receiver<T> {
     /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if
     /// the receiver is dropped first they go back to the front of the queue for the other
     /// receivers. Under [`Overflow::DropOldest`](crate::Overflow::DropOldest) a receiver takes
-    /// one item at a time, so an eviction always finds the oldest item not yet handed out.
+    /// one item at a time, so dropping the oldest item always finds the oldest one not yet
+    /// handed out.
     ///
     /// A task waiting here is woken by every new item (not only by one item in turn, as a
     /// waiting [`recv`](Receiver::recv) is): a task that polls a receiver directly may stop
@@ -166,7 +185,8 @@ impl<T> Receiver<T> {
         self.shared.stats()
     }
 
-    /// The channel's name, if it was given one.
+    /// The channel's name, if it was given one
+    /// ([`ChannelBuilder::name`](crate::channel::ChannelBuilder::name)).
     pub fn name(&self) -> Option<&str> {
         self.shared.name()
     }
@@ -197,6 +217,12 @@ impl<T> fmt::Debug for Receiver<T> {
     }
 }
 
+// As the channel's state (see `Shared`): the batch in `local` holds items moved out of the
+// queue, never lent out, so a panic cannot leave one observed half-updated through the
+// receiver. Unwind-safe for every `T`, as tokio's receivers are.
+impl<T> std::panic::RefUnwindSafe for Receiver<T> {}
+impl<T> std::panic::UnwindSafe for Receiver<T> {}
+
 // The receiver holds no pinned state.
 impl<T> Unpin for Receiver<T> {}
 
@@ -216,9 +242,9 @@ impl<T> Stream for Receiver<T> {
     }
 
     /// Lower bound: this receiver's own batch, plus the queue if it is the only receiver
-    /// (other receivers may take all of the queue; an eviction replaces a queued item, so the
-    /// queue never shrinks but by a receive). A receiver cloned later shares the queue from
-    /// then on. Upper bound: none while senders remain.
+    /// (other receivers may take all of the queue; dropping the oldest replaces a queued item,
+    /// so the queue never shrinks but by a receive). A receiver cloned later shares the queue
+    /// from then on. Upper bound: none while senders remain.
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
             (0, Some(0))

@@ -100,7 +100,7 @@ impl<T> Sender<T> {
 
     /// Wait for a slot and reserve it: sending through the [`Permit`] cannot fail.
     ///
-    /// Reservations wait for a free slot under every policy (they never evict or drop).
+    /// Reservations wait for a free slot under every policy (they never drop an item).
     ///
     /// # Errors
     ///
@@ -195,6 +195,12 @@ impl<T> Sender<T> {
     /// The channel's counts so far.
     pub fn stats(&self) -> Stats {
         self.shared.stats()
+    }
+
+    /// The channel's name, if it was given one
+    /// ([`ChannelBuilder::name`](crate::channel::ChannelBuilder::name)).
+    pub fn name(&self) -> Option<&str> {
+        self.shared.name()
     }
 
     fn release_sink_slot(&mut self) {

@@ -13,11 +13,10 @@ use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 use crate::channel::wait::{Deferred, WaitQueue, Waiting};
+use crate::dropped::{Dropped, OnDrop};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
 use crate::sync::{Arc, AtomicUsize, Mutex, MutexGuard, Ordering};
-
-pub(crate) type OnDrop<T> = Box<dyn Fn(T) + Send + Sync>;
 
 /// Names of the channel metrics.
 pub(crate) mod names {
@@ -163,6 +162,14 @@ pub(crate) struct Shared<T> {
     metrics: Metrics,
 }
 
+// Unwind-safe for every `T`, as tokio declares its channel state: no user code runs under
+// the lock (hooks and wakers run after it is released, see `Deferred`), so a panic leaves
+// the state consistent, and a poisoned lock is used as it is (`lock`). The channel only
+// moves items in and out; it never hands out a reference to one. (The metrics handles, trait
+// objects, are the only fields that are not unwind-safe by themselves.)
+impl<T> std::panic::RefUnwindSafe for Shared<T> {}
+impl<T> std::panic::UnwindSafe for Shared<T> {}
+
 impl<T> fmt::Debug for Shared<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let st = self.lock();
@@ -238,7 +245,7 @@ impl<T> Shared<T> {
     }
 
     /// What a receiver's `size_hint` may count on besides its own batch: the queue, if it is
-    /// the only receiver (no other can take from it, and an eviction replaces an item).
+    /// the only receiver (no other can take from it, and dropping the oldest replaces an item).
     pub(crate) fn queued_for_sole_receiver(&self) -> usize {
         let st = self.lock();
         if st.batches.len() == 1 {
@@ -267,8 +274,8 @@ impl<T> Shared<T> {
     }
 
     /// How many items a receiver takes under one lock: up to 32, and at most an eighth of
-    /// the capacity (so senders never lose much room to a batch). Under `DropOldest`, 1: an
-    /// eviction must take the oldest item not yet handed out, and a batch is out of its reach.
+    /// the capacity (so senders never lose much room to a batch). Under `DropOldest`, 1: a
+    /// drop must take the oldest item not yet handed out, and a batch is out of its reach.
     pub(crate) fn batch(&self) -> usize {
         if self.overflow == Overflow::DropOldest {
             1
@@ -321,10 +328,11 @@ impl<T> Shared<T> {
         st.wake_for_item(out);
     }
 
-    fn dropped(&self, item: T, counter: &Counter) {
+    /// Count a dropped item and pass it to the hook with `why`. Called without the lock.
+    fn dropped(&self, item: T, why: Dropped, counter: &Counter) {
         counter.increment(1);
         if let Some(hook) = &self.on_drop {
-            hook(item);
+            hook.call(item, &why);
         }
     }
 
@@ -368,15 +376,15 @@ impl<T> Shared<T> {
                 st.stats.dropped += 1;
                 self.push(&mut st, item, &mut out);
                 drop(st);
-                self.dropped(oldest, &self.metrics.dropped_oldest);
-                Ok(Sent::EvictedOldest)
+                self.dropped(oldest, Dropped::Oldest, &self.metrics.dropped_oldest);
+                Ok(Sent::DroppedOldest)
             }
             Overflow::DropNewest | Overflow::DropOldest => {
                 st.stats.sent += 1;
                 st.stats.dropped += 1;
                 drop(st);
                 self.metrics.sent.increment(1);
-                self.dropped(item, &self.metrics.dropped_newest);
+                self.dropped(item, Dropped::Newest, &self.metrics.dropped_newest);
                 Ok(Sent::DroppedNewest)
             }
         }
@@ -488,7 +496,7 @@ impl<T> Shared<T> {
     }
 
     /// Send into a slot reserved earlier. Cannot fail; with every receiver gone the item is
-    /// dropped through `on_drop` and counted.
+    /// dropped through `on_drop` (`Discarded`) and counted.
     pub(crate) fn send_reserved(&self, item: T) {
         let mut out = Deferred::default();
         let mut st = self.lock();
@@ -498,7 +506,7 @@ impl<T> Shared<T> {
             st.stats.dropped += 1;
             drop(st);
             self.metrics.sent.increment(1);
-            self.dropped(item, &self.metrics.dropped_closed);
+            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
             return;
         }
         self.push(&mut st, item, &mut out);
@@ -721,7 +729,7 @@ impl<T> Shared<T> {
     /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
     /// its batch (`items`, and `held` slots in all) to the front of the queue, and is no
     /// longer counted. The last receiver going away drops what is buffered, through
-    /// `on_drop`, counted.
+    /// `on_drop` (`Discarded`), counted.
     pub(crate) fn drop_receiver(
         &self,
         waiting: &mut Waiting,
@@ -747,7 +755,7 @@ impl<T> Shared<T> {
         self.set_depth(&st);
         drop(st);
         for item in left {
-            self.dropped(item, &self.metrics.dropped_closed);
+            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::PoisonError;
 
 use tokio::sync::Notify;
 
-use crate::demand::error::DemandError;
+use crate::demand::error::TrackError;
 use crate::error::ConfigError;
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::sync::{Arc, Mutex, MutexGuard};
@@ -82,7 +82,7 @@ struct Shared {
 /// Memory is one entry per tracked offset not yet committable ([`pending`]), and `pending`
 /// never exceeds [`max_pending`] ([`DEFAULT_MAX_PENDING`] unless set with
 /// [`CommitTracker::builder`]). When it is full, [`track`] refuses the offset with
-/// [`DemandError::PendingFull`] (nothing is tracked; track it again later) and
+/// [`TrackError::PendingFull`] (nothing is tracked; track it again later) and
 /// [`until_ready`] waits for room: backpressure for the loop that pulls records. The
 /// tracker fills up when one offset stays unfinished while later ones finish — a slow item,
 /// or a token dropped unfinished (which then stops the consumer instead of growing memory
@@ -111,7 +111,7 @@ struct Shared {
 /// b.abandon(); // e.g. sent to a dead-letter topic after its last retry
 /// assert_eq!(tracker.committable(), Some(15));
 /// assert_eq!(tracker.abandoned(), 1);
-/// # Ok::<(), flowgate::demand::DemandError>(())
+/// # Ok::<(), flowgate::demand::TrackError>(())
 /// ```
 #[derive(Clone)]
 pub struct CommitTracker {
@@ -165,20 +165,20 @@ impl CommitTracker {
     ///
     /// # Errors
     ///
-    /// - [`DemandError::OffsetOutOfOrder`] if `offset` is not above the last tracked offset.
-    /// - [`DemandError::PendingFull`] if [`max_pending`](CommitTracker::max_pending) offsets
+    /// - [`TrackError::OutOfOrder`] if `offset` is not above the last tracked offset.
+    /// - [`TrackError::PendingFull`] if [`max_pending`](CommitTracker::max_pending) offsets
     ///   are pending; `offset` is not tracked (track it again once there is room, see
     ///   [`until_ready`](CommitTracker::until_ready)).
-    pub fn track(&self, offset: u64) -> Result<CommitToken, DemandError> {
+    pub fn track(&self, offset: u64) -> Result<CommitToken, TrackError> {
         let mut st = self.lock();
         if let Some(last) = st.last_tracked
             && offset <= last
         {
-            return Err(DemandError::OffsetOutOfOrder { offset, last });
+            return Err(TrackError::OutOfOrder { offset, last });
         }
         if st.pending.len() >= self.shared.max_pending {
             let oldest = st.pending.front().map_or(offset, |&(o, _)| o);
-            return Err(DemandError::PendingFull {
+            return Err(TrackError::PendingFull {
                 offset,
                 oldest,
                 max_pending: self.shared.max_pending,
@@ -309,12 +309,12 @@ pub(crate) mod names {
 /// # Examples
 ///
 /// ```
-/// use flowgate::demand::{CommitTracker, DemandError};
+/// use flowgate::demand::{CommitTracker, TrackError};
 ///
 /// let tracker = CommitTracker::builder().max_pending(2).name("orders-p0").build()?;
 /// let a = tracker.track(1)?;
 /// let _b = tracker.track(2)?;
-/// assert!(matches!(tracker.track(3), Err(DemandError::PendingFull { oldest: 1, .. })));
+/// assert!(matches!(tracker.track(3), Err(TrackError::PendingFull { oldest: 1, .. })));
 /// a.done();
 /// let _c = tracker.track(3)?; // room again
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -10,7 +10,8 @@ use futures::stream::FusedStream;
 use futures::task::AtomicWaker;
 use pin_project::pin_project;
 
-use crate::demand::error::DemandError;
+use crate::demand::error::RequestError;
+use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
 use crate::sync::Arc;
 
@@ -75,10 +76,10 @@ impl DemandHandle {
     ///
     /// # Errors
     ///
-    /// [`DemandError::ZeroRequest`] for `n == 0` (Reactive Streams rule 3.9).
-    pub fn request(&self, n: u64) -> Result<(), DemandError> {
+    /// [`RequestError::Zero`] for `n == 0` (Reactive Streams rule 3.9); no credit is added.
+    pub fn request(&self, n: u64) -> Result<(), RequestError> {
         if n == 0 {
-            return Err(DemandError::ZeroRequest);
+            return Err(RequestError::Zero);
         }
         let before = self
             .credit
@@ -136,7 +137,7 @@ impl<S: Stream> Demanded<S> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let (mut stream, demand) = Demanded::builder(futures::stream::iter(0..100), 1)
     ///     .name("orders")
-    ///     .build();
+    ///     .build()?;
     /// assert_eq!(stream.next().await, Some(0));
     /// assert_eq!(demand.name(), Some("orders"));
     /// # Ok(())
@@ -223,11 +224,15 @@ impl<S: Stream> DemandedBuilder<S> {
         self
     }
 
-    /// Build the stream and its credit handle. There is nothing to validate: every `initial`
-    /// credit is valid (zero waits for the first request, [`UNBOUNDED`] lets everything
-    /// through).
-    pub fn build(self) -> (Demanded<S>, DemandHandle) {
-        Demanded::new(self.stream, self.initial, self.name)
+    /// Build the stream and its credit handle.
+    ///
+    /// # Errors
+    ///
+    /// None today: every `initial` credit is valid (zero waits for the first request,
+    /// [`UNBOUNDED`] lets everything through). The `Result` is the builder convention, and
+    /// room for settings that can be wrong.
+    pub fn build(self) -> Result<(Demanded<S>, DemandHandle), ConfigError> {
+        Ok(Demanded::new(self.stream, self.initial, self.name))
     }
 }
 

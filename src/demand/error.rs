@@ -1,15 +1,33 @@
-//! Errors of the demand module.
+//! Errors of the demand module, one per verb: [`RequestError`] for
+//! [`DemandHandle::request`](super::DemandHandle::request), [`TrackError`] for
+//! [`CommitTracker::track`](super::CommitTracker::track).
 
 use std::fmt;
 
-/// A demand or commit call that was refused.
+/// A [`request`](super::DemandHandle::request) that was refused; no credit was added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum DemandError {
-    /// `request(0)`: a request must be for at least one item.
-    ZeroRequest,
+pub enum RequestError {
+    /// `request(0)`: a request must be for at least one item (Reactive Streams rule 3.9).
+    Zero,
+}
+
+impl fmt::Display for RequestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RequestError::Zero => f.write_str("request(0): demand must be at least 1"),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
+/// A [`track`](super::CommitTracker::track) that was refused; nothing was tracked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TrackError {
     /// `track(offset)` with an offset not above the last tracked one.
-    OffsetOutOfOrder {
+    OutOfOrder {
         /// The offset passed.
         offset: u64,
         /// The last offset tracked.
@@ -28,15 +46,14 @@ pub enum DemandError {
     },
 }
 
-impl fmt::Display for DemandError {
+impl fmt::Display for TrackError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            DemandError::ZeroRequest => f.write_str("request(0): demand must be at least 1"),
-            DemandError::OffsetOutOfOrder { offset, last } => write!(
+            TrackError::OutOfOrder { offset, last } => write!(
                 f,
                 "offset {offset} tracked after offset {last}: offsets must increase"
             ),
-            DemandError::PendingFull {
+            TrackError::PendingFull {
                 offset,
                 oldest,
                 max_pending,
@@ -49,4 +66,4 @@ impl fmt::Display for DemandError {
     }
 }
 
-impl std::error::Error for DemandError {}
+impl std::error::Error for TrackError {}

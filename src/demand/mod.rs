@@ -8,16 +8,21 @@
 //! - **Credit** — [`with_demand`](crate::FlowStreamExt::with_demand): the stream yields only
 //!   while credit remains; [`DemandHandle::request`] adds credit from any task (Reactive
 //!   Streams semantics: never more items than requested).
+//! - **Levels** — [`Levels`]: the validated `(high, low)` pair that prefetch and watermarks
+//!   both take, checked once so neither can fail.
 //! - **Batch sources** — [`BatchSource`] and [`prefetch`]: buffer at most `high` fetched
 //!   items, refill at `low`, always asking for exactly `high − buffered`; [`IterSource`]
-//!   (in memory) and [`StreamSource`] turn an iterator or a stream into a batch source.
+//!   (in memory) and [`StreamSource`] turn an iterator or a stream into a batch source. A
+//!   fetch error is an `Err` item; over a source that cannot fail,
+//!   [`Prefetch::items`] yields plain items.
 //! - **Watermarks** — [`watermarks`](crate::FlowStreamExt::watermarks): every item comes with
 //!   a [`Ticket`]; a [`PauseSignal`] turns [`Flow::Paused`] at `high` in flight and
-//!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`.
+//!   [`Flow::Resumed`] at `low`, never flapping faster than `min_hold`
+//!   ([`Watermarks::builder`]).
 //! - **Commits** — [`CommitTracker`]: the highest offset whose predecessors are all done or
 //!   given up ([`CommitToken::abandon`]: skip / dead-letter); a token dropped unfinished holds
 //!   the commit (redelivered after a restart). At most `max_pending` offsets wait to be
-//!   committed; beyond, `track` refuses and `until_ready` waits.
+//!   committed; beyond, `track` refuses ([`TrackError`]) and `until_ready` waits.
 //! - **Redis Streams** (feature `redis`) — `RedisStreamSource`: a consumer-group member as a
 //!   `BatchSource` (`XREADGROUP COUNT <demand>`), recovering its own pending entries first,
 //!   claiming idle entries of dead consumers, acking in batches, creating its group again
@@ -31,9 +36,9 @@
 //!
 //! # Metrics
 //!
-//! Each piece can be named (the `name` label): [`Demanded::builder`], [`Prefetch::builder`],
-//! [`Watermarks::name`], [`CommitTracker::builder`]; `with_demand` and `prefetch` are the
-//! unnamed shorthands.
+//! Each piece can be named (the `name` label) by its builder: [`Demanded::builder`],
+//! [`Prefetch::builder`], [`Watermarks::builder`], [`CommitTracker::builder`];
+//! `with_demand`, `prefetch` and `watermarks` are the unnamed shorthands.
 //!
 //! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
 //! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks),
@@ -46,6 +51,8 @@
 mod commit;
 mod credit;
 mod error;
+mod levels;
+mod prefetch;
 #[cfg(feature = "redis")]
 mod redis_source;
 mod source;
@@ -53,12 +60,12 @@ mod watermarks;
 
 pub use commit::{CommitToken, CommitTracker, CommitTrackerBuilder, DEFAULT_MAX_PENDING};
 pub use credit::{DemandHandle, Demanded, DemandedBuilder, UNBOUNDED};
-pub use error::DemandError;
+pub use error::{RequestError, TrackError};
+pub use levels::Levels;
+pub use prefetch::{Items, Prefetch, PrefetchBuilder, Results, prefetch};
 #[cfg(feature = "redis")]
 pub use redis_source::{
     Ack, BuildError, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
 };
-pub use source::{
-    BatchSource, Fetched, IterSource, Prefetch, PrefetchBuilder, StreamSource, prefetch,
-};
-pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks};
+pub use source::{BatchSource, Fetched, IterSource, StreamSource};
+pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks, WatermarksBuilder};

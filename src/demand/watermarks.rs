@@ -13,7 +13,8 @@ use pin_project::pin_project;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
-use crate::error::{ConfigError, ConfigErrorKind};
+use crate::demand::Levels;
+use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
 use crate::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,41 +34,6 @@ struct State {
     last_change: Option<Instant>,
     /// The wrapper, waiting to resume.
     waker: Option<Waker>,
-    /// Here rather than in `Shared` so that `min_hold` and `name` take effect while tickets
-    /// (which share `Shared`) are alive.
-    min_hold: Duration,
-    in_flight_gauge: Gauge,
-    paused_gauge: Gauge,
-}
-
-impl State {
-    /// Nothing in flight, resumed, the gauges registered under `name`.
-    fn new(name: Option<&str>) -> Self {
-        let (in_flight_gauge, paused_gauge) = gauges(name);
-        State {
-            in_flight: 0,
-            paused: false,
-            last_change: None,
-            waker: None,
-            min_hold: Duration::ZERO,
-            in_flight_gauge,
-            paused_gauge,
-        }
-    }
-
-    /// Register the gauges under `name` instead.
-    fn label(&mut self, name: Option<&str>) {
-        (self.in_flight_gauge, self.paused_gauge) = gauges(name);
-    }
-}
-
-/// The in-flight and paused gauges under `name`.
-fn gauges(name: Option<&str>) -> (Gauge, Gauge) {
-    let labels = Labels::new(name);
-    (
-        labels.gauge(names::IN_FLIGHT, &[]),
-        labels.gauge(names::PAUSED, &[]),
-    )
 }
 
 fn flow_of(paused: bool) -> Flow {
@@ -77,8 +43,12 @@ fn flow_of(paused: bool) -> Flow {
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
-    high: usize,
-    low: usize,
+    levels: Levels,
+    min_hold: Duration,
+    name: Option<String>,
+    /// Set under the lock, so they follow the state in the order it changes.
+    in_flight_gauge: Gauge,
+    paused_gauge: Gauge,
     /// `State::paused`, written under the lock, read by [`publish`](Shared::publish) after it
     /// was released.
     paused: AtomicBool,
@@ -94,21 +64,21 @@ impl Shared {
     /// here: when the state flipped, the caller calls [`publish`](Shared::publish) once it
     /// has released the lock.
     fn evaluate(&self, st: &mut State, now: Instant) -> Evaluated {
-        let want_pause = st.in_flight >= self.high;
-        let want_resume = st.in_flight <= self.low;
+        let want_pause = st.in_flight >= self.levels.high();
+        let want_resume = st.in_flight <= self.levels.low();
         let change = (want_pause && !st.paused) || (want_resume && st.paused);
         if !change {
             return Evaluated::Unchanged;
         }
         if let Some(last) = st.last_change {
-            let allowed = last + st.min_hold;
+            let allowed = last + self.min_hold;
             if now < allowed {
                 return Evaluated::HeldUntil(allowed);
             }
         }
         st.paused = !st.paused;
         st.last_change = Some(now);
-        st.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
+        self.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
         self.paused.store(st.paused, Ordering::Release);
         Evaluated::Flipped
     }
@@ -135,12 +105,12 @@ impl Shared {
     fn done(&self) {
         let mut st = self.lock();
         st.in_flight -= 1;
-        st.in_flight_gauge.set(st.in_flight as f64);
+        self.in_flight_gauge.set(st.in_flight as f64);
         let evaluated = self.evaluate(&mut st, Instant::now());
         let blocked = matches!(evaluated, Evaluated::HeldUntil(_));
         // Wake the wrapper if it may pull again (resumed, or below `high` while a pause is
         // held back by `min_hold`) or has a held-back change to apply with its timer.
-        let waker = if blocked || (!st.paused && st.in_flight < self.high) {
+        let waker = if blocked || (!st.paused && st.in_flight < self.levels.high()) {
             st.waker.take()
         } else {
             None
@@ -222,8 +192,8 @@ impl PauseSignal {
 /// must be polled for a change held back by `min_hold` to be applied on time (a consumer
 /// loop awaiting `next()` does that).
 ///
-/// [`min_hold`](Watermarks::min_hold) and [`name`](Watermarks::name) may be set at any time,
-/// also after items (and their tickets) were handed out; they take effect at once.
+/// `stream.watermarks(levels)` has no `min_hold` and no name; set them with
+/// [`Watermarks::builder`].
 ///
 /// # Panics
 ///
@@ -240,58 +210,74 @@ pub struct Watermarks<S> {
 }
 
 impl<S: Stream> Watermarks<S> {
-    pub(crate) fn new(stream: S, high: usize, low: usize) -> Result<Self, ConfigError> {
-        if high == 0 {
-            return Err(ConfigError::zero("watermarks.high"));
+    /// A builder, to set `min_hold` and a name: `Watermarks::builder(stream, levels)` is
+    /// [`stream.watermarks(levels)`](crate::FlowStreamExt::watermarks) with options.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::demand::{Levels, Watermarks};
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut stream = Watermarks::builder(futures::stream::iter(0..10), Levels::new(2, 0)?)
+    ///     .min_hold(Duration::from_millis(100))
+    ///     .name("orders")
+    ///     .build()?;
+    /// let signal = stream.pause_signal();
+    /// let (_, a) = stream.next().await.unwrap();
+    /// let (_, b) = stream.next().await.unwrap();
+    /// assert!(signal.is_paused()); // 2 in flight: high
+    /// drop((a, b));
+    /// assert!(signal.is_paused()); // at low, but the resume waits for min_hold
+    /// assert_eq!(stream.next().await.map(|(i, _)| i), Some(2)); // after 100 ms
+    /// assert_eq!(stream.name(), Some("orders"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(stream: S, levels: Levels) -> WatermarksBuilder<S> {
+        WatermarksBuilder {
+            stream,
+            levels,
+            min_hold: Duration::ZERO,
+            name: None,
         }
-        if low >= high {
-            return Err(ConfigError::new(
-                "watermarks.low",
-                ConfigErrorKind::Inconsistent,
-                format!("{low} must be below high ({high})"),
-            ));
-        }
+    }
+
+    pub(crate) fn new(stream: S, levels: Levels, min_hold: Duration, name: Option<String>) -> Self {
+        let labels = Labels::new(name.as_deref());
         let (signal, _) = watch::channel(Flow::Resumed);
-        Ok(Watermarks {
+        Watermarks {
             stream,
             shared: Arc::new(Shared {
-                state: Mutex::new(State::new(None)),
-                high,
-                low,
+                state: Mutex::new(State {
+                    in_flight: 0,
+                    paused: false,
+                    last_change: None,
+                    waker: None,
+                }),
+                levels,
+                min_hold: crate::time::capped(min_hold),
+                in_flight_gauge: labels.gauge(names::IN_FLIGHT, &[]),
+                paused_gauge: labels.gauge(names::PAUSED, &[]),
+                name,
                 paused: AtomicBool::new(false),
                 signal,
             }),
             timer: None,
-        })
+        }
     }
 
-    /// The shortest time between two changes of state (default zero; `Duration::MAX` holds
-    /// for ever). It takes effect at once, also while tickets are alive: a change not yet made
-    /// waits until `min_hold` after the last one, which may already be over.
-    ///
-    /// # Panics
-    ///
-    /// With a non-zero `min_hold`, polling the stream panics outside a tokio runtime with its
-    /// time driver enabled once a change is held back (the wrapper sets a tokio timer).
-    pub fn min_hold(self, hold: Duration) -> Self {
-        self.shared.lock().min_hold = crate::time::capped(hold);
-        self
+    /// The `name` label of this stream's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.shared.name.as_deref()
     }
 
-    /// The `name` label of the in-flight and paused metrics (`flowgate_demand_in_flight`,
-    /// `flowgate_demand_paused`). It takes effect at once, also while tickets are alive: the
-    /// metrics under the new name start from the current values, and those under the old
-    /// name are set to zero.
-    pub fn name(self, name: impl Into<String>) -> Self {
-        let name = name.into();
-        let mut st = self.shared.lock();
-        st.in_flight_gauge.set(0.0);
-        st.paused_gauge.set(0.0);
-        st.label(Some(&name));
-        st.in_flight_gauge.set(st.in_flight as f64);
-        st.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
-        drop(st);
-        self
+    /// The levels: pause at `high` in flight, resume at `low`.
+    pub fn levels(&self) -> Levels {
+        self.shared.levels
     }
 
     /// A signal that follows the pause state.
@@ -327,6 +313,53 @@ impl<S: Stream> Watermarks<S> {
     }
 }
 
+/// Builds a [`Watermarks`] stream; from [`Watermarks::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct WatermarksBuilder<S> {
+    stream: S,
+    levels: Levels,
+    min_hold: Duration,
+    name: Option<String>,
+}
+
+impl<S: Stream> WatermarksBuilder<S> {
+    /// The shortest time between two changes of state (default zero; `Duration::MAX` holds
+    /// for ever): a change due earlier waits until `min_hold` after the last one.
+    ///
+    /// # Panics
+    ///
+    /// With a non-zero `min_hold`, polling the built stream panics outside a tokio runtime
+    /// with its time driver enabled once a change is held back (the wrapper sets a tokio
+    /// timer).
+    pub fn min_hold(mut self, hold: Duration) -> Self {
+        self.min_hold = hold;
+        self
+    }
+
+    /// The `name` label of the in-flight and paused metrics (`flowgate_demand_in_flight`,
+    /// `flowgate_demand_paused`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// None today: the levels were checked by [`Levels::new`], and every `min_hold` is valid.
+    /// The `Result` is the builder convention, and room for settings that can be wrong.
+    pub fn build(self) -> Result<Watermarks<S>, ConfigError> {
+        Ok(Watermarks::new(
+            self.stream,
+            self.levels,
+            self.min_hold,
+            self.name,
+        ))
+    }
+}
+
 /// Names of the watermark metrics.
 pub(crate) mod names {
     pub(crate) const IN_FLIGHT: &str = "flowgate_demand_in_flight";
@@ -342,7 +375,7 @@ impl<S: Stream> Stream for Watermarks<S> {
         let evaluated = this.shared.evaluate(&mut st, Instant::now());
         // At `high` the wrapper stops pulling even while the pause itself is held back by
         // `min_hold`: in flight never exceeds `high`.
-        let pending = st.paused || st.in_flight >= this.shared.high;
+        let pending = st.paused || st.in_flight >= this.shared.levels.high();
         let old = if pending {
             st.waker.replace(cx.waker().clone())
         } else {
@@ -375,7 +408,7 @@ impl<S: Stream> Stream for Watermarks<S> {
         Poll::Ready(item.map(|item| {
             let mut st = this.shared.lock();
             st.in_flight += 1;
-            st.in_flight_gauge.set(st.in_flight as f64);
+            this.shared.in_flight_gauge.set(st.in_flight as f64);
             let evaluated = this.shared.evaluate(&mut st, Instant::now());
             drop(st);
             if evaluated == Evaluated::Flipped {
@@ -406,9 +439,9 @@ impl<S: fmt::Debug> fmt::Debug for Watermarks<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Watermarks")
             .field("stream", &self.stream)
-            .field("high", &self.shared.high)
-            .field("low", &self.shared.low)
-            .field("min_hold", &self.shared.lock().min_hold)
+            .field("levels", &self.shared.levels)
+            .field("name", &self.shared.name)
+            .field("min_hold", &self.shared.min_hold)
             .finish()
     }
 }

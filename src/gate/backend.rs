@@ -2,7 +2,7 @@
 //! connection, the timeout, health and probing, the classification of every reply and error,
 //! and the latency and failure metrics.
 //!
-//! `check`, the batch driver, leases and `acquire_all` all call Redis through
+//! `check`, the batch driver, leases and `check_all` all call Redis through
 //! [`Backend::eval`], so a failure means the same thing on every path, and a new path cannot
 //! forget the timeout, probing or the failure policy.
 //!

@@ -4,6 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::error::CostError;
+use crate::limit::KeyedError;
+
 /// Why a gate returned no [`Decision`](crate::Decision).
 ///
 /// A rejection is not an error: it is a `Decision` with `allowed == false` and a
@@ -12,15 +15,8 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum GateError {
-    /// The cost is larger than the limit's capacity: it could never pass.
-    InsufficientCapacity {
-        /// The requested cost.
-        cost: u32,
-        /// The most the limit ever admits at once.
-        capacity: u64,
-    },
-    /// A cost of zero.
-    ZeroCost,
+    /// The cost could never pass: zero, or above the limit's capacity (see [`CostError`]).
+    Cost(CostError),
     /// The key is empty or too long.
     InvalidKey(&'static str),
     /// Redis holds a value under this key that the gate cannot decide on: a value of another
@@ -28,9 +24,9 @@ pub enum GateError {
     /// not a state the gate's script can read (written by something else, or corrupt). Only
     /// the requests on this key fail; the gate stays healthy.
     UnreadableKey(&'static str),
-    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) was given no limits.
+    /// [`check_all`](crate::gate::RedisGate::check_all) was given no limits.
     NoLimits,
-    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) was given more limits than it
+    /// [`check_all`](crate::gate::RedisGate::check_all) was given more limits than it
     /// decides in one call.
     TooManyLimits {
         /// How many were given.
@@ -38,7 +34,7 @@ pub enum GateError {
         /// The most one call takes.
         max: usize,
     },
-    /// [`acquire_all`](crate::gate::RedisGate::acquire_all) listed one key with two
+    /// [`check_all`](crate::gate::RedisGate::check_all) listed one key with two
     /// different quotas: one bucket cannot be measured in two units.
     ConflictingQuotas {
         /// The key listed twice.
@@ -81,14 +77,10 @@ impl GateError {
 impl fmt::Display for GateError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            GateError::InsufficientCapacity { cost, capacity } => write!(
-                f,
-                "cost {cost} exceeds the capacity {capacity}: it could never be admitted"
-            ),
-            GateError::ZeroCost => f.write_str("cost must be at least 1"),
+            GateError::Cost(e) => e.fmt(f),
             GateError::InvalidKey(why) => write!(f, "invalid key: {why}"),
             GateError::UnreadableKey(why) => write!(f, "redis cannot decide this key: {why}"),
-            GateError::NoLimits => f.write_str("no limits given: acquire_all needs at least one"),
+            GateError::NoLimits => f.write_str("no limits given: check_all needs at least one"),
             GateError::TooManyLimits { given, max } => {
                 write!(f, "{given} limits given where one call takes at most {max}")
             }
@@ -116,20 +108,23 @@ impl std::error::Error for GateError {
         match self {
             GateError::Backend(e) => Some(&**e),
             GateError::InvalidQuota(e) => Some(e),
+            GateError::Cost(e) => Some(e),
             _ => None,
         }
     }
 }
 
-impl From<crate::limit::LimitError> for GateError {
-    fn from(e: crate::limit::LimitError) -> GateError {
-        use crate::limit::LimitError;
+impl From<CostError> for GateError {
+    fn from(e: CostError) -> GateError {
+        GateError::Cost(e)
+    }
+}
+
+impl From<KeyedError> for GateError {
+    fn from(e: KeyedError) -> GateError {
         match e {
-            LimitError::InsufficientCapacity { cost, capacity } => {
-                GateError::InsufficientCapacity { cost, capacity }
-            }
-            LimitError::ZeroCost => GateError::ZeroCost,
-            LimitError::KeyspaceFull { max_keys } => GateError::KeyspaceFull { max_keys },
+            KeyedError::Cost(e) => GateError::Cost(e),
+            KeyedError::KeyspaceFull { max_keys } => GateError::KeyspaceFull { max_keys },
         }
     }
 }

@@ -3,9 +3,9 @@
 use std::fmt;
 
 #[cfg(feature = "redis")]
-use crate::error::{ConfigError, ConfigErrorKind};
+use crate::error::CostError;
 #[cfg(feature = "redis")]
-use crate::limit::LimitError;
+use crate::error::{ConfigError, ConfigErrorKind};
 use crate::rate::{Quota, Rate};
 
 /// The limit a gate enforces per key: an algorithm of [`limit`](crate::limit) and its
@@ -57,8 +57,8 @@ impl Limit {
     }
 
     #[cfg(feature = "redis")]
-    pub(crate) fn check_cost(&self, cost: u32) -> Result<(), LimitError> {
-        crate::limit::check_cost_for(cost, self.capacity())
+    pub(crate) fn check_cost(&self, cost: u32) -> Result<(), CostError> {
+        CostError::check(cost, self.capacity())
     }
 
     /// The period in whole microseconds, and a check that the Lua arithmetic stays exact.

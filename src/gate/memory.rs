@@ -15,10 +15,20 @@ use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
 use crate::gate::multi::{MAX_QUOTAS, MemoryBuckets, Merged};
 use crate::limit::{FixedWindow, Keyed, SlidingLog, SlidingWindow, TokenBucket};
+use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
 use crate::sync::{Arc, Mutex};
 
 const SHARDS: usize = 16;
+
+/// The most keys a gate holds unless told otherwise.
+const DEFAULT_MAX_KEYS: usize = 100_000;
+
+/// Names of the metrics every gate records (a [`RedisGate`](crate::gate::RedisGate) records
+/// more).
+pub(crate) mod names {
+    pub(crate) const DECISIONS: &str = "flowgate_gate_decisions_total";
+}
 
 enum Shard {
     TokenBucket(Keyed<String, TokenBucket>),
@@ -73,8 +83,22 @@ struct Inner {
     hasher: RandomState,
     epoch: Instant,
     max_keys: usize,
-    /// The buckets of [`MemoryGate::acquire_all`].
+    /// The buckets of [`MemoryGate::check_all`].
     multi: Mutex<MemoryBuckets>,
+    name: Option<String>,
+    allowed: Counter,
+    rejected: Counter,
+}
+
+impl Inner {
+    /// Count a decision in the metrics.
+    fn count(&self, allowed: bool) {
+        if allowed {
+            self.allowed.increment(1);
+        } else {
+            self.rejected.increment(1);
+        }
+    }
 }
 
 /// The embedded gate: per-key limits in this process, in bounded memory.
@@ -85,13 +109,22 @@ struct Inner {
 /// for one process — and only for one process: run several instances and each allows the
 /// full limit. Clone it to share.
 ///
+/// It decides without I/O: [`check`](MemoryGate::check) is synchronous, and as a [`Gate`]
+/// it answers in [`Gate::check_local`], so the stream adapters pass items through it
+/// without allocating.
+///
+/// # Metrics
+///
+/// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`,
+/// `rejected`).
+///
 /// # Examples
 ///
 /// ```
 /// use flowgate::gate::{Limit, MemoryGate};
 /// use flowgate::Quota;
 ///
-/// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(2)?))?;
+/// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(2)?));
 /// assert!(gate.check("user-1", 2)?.allowed);
 /// assert!(!gate.check("user-1", 1)?.allowed);
 /// assert!(gate.check("user-2", 1)?.allowed);
@@ -102,43 +135,93 @@ pub struct MemoryGate {
     inner: Arc<Inner>,
 }
 
-impl MemoryGate {
-    /// A gate enforcing `limit` per key, holding at most 100 000 keys.
-    ///
-    /// # Errors
-    ///
-    /// Never in practice; returns `Result` like [`MemoryGate::with_max_keys`].
-    pub fn new(limit: Limit) -> Result<MemoryGate, ConfigError> {
-        MemoryGate::with_max_keys(limit, 100_000)
+/// Builds a [`MemoryGate`]; from [`MemoryGate::builder`].
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::gate::{Limit, MemoryGate};
+/// use flowgate::Quota;
+///
+/// let gate = MemoryGate::builder(Limit::TokenBucket(Quota::per_second(100)?))
+///     .max_keys(10_000)
+///     .name("api")
+///     .build()?;
+/// assert_eq!(gate.name(), Some("api"));
+/// assert_eq!(gate.max_keys(), 10_000);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until it is built"]
+pub struct MemoryGateBuilder {
+    limit: Limit,
+    max_keys: usize,
+    name: Option<String>,
+}
+
+impl MemoryGateBuilder {
+    /// Hold at most about `max_keys` keys (default 100 000), rounded up to a multiple of
+    /// 16. The keys are spread over 16 shards by hash, each holding a 16th: new keys may be
+    /// refused with [`GateError::KeyspaceFull`] while one shard is full before the whole
+    /// gate is (with a thousand keys, at about three quarters), so leave some headroom.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
     }
 
-    /// A gate enforcing `limit` per key, holding at most about `max_keys` keys (rounded up to
-    /// a multiple of 16). The keys are spread over 16 shards by hash, each holding a 16th:
-    /// new keys may be refused with [`GateError::KeyspaceFull`] while one shard is full
-    /// before the whole gate is (with a thousand keys, at about three quarters), so leave
-    /// some headroom.
+    /// The `name` label of this gate's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the gate.
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `keyed.max_keys` if it is zero.
-    pub fn with_max_keys(limit: Limit, max_keys: usize) -> Result<MemoryGate, ConfigError> {
-        if max_keys == 0 {
+    pub fn build(self) -> Result<MemoryGate, ConfigError> {
+        if self.max_keys == 0 {
             return Err(ConfigError::zero("keyed.max_keys"));
         }
-        let per_shard = max_keys.div_ceil(SHARDS);
+        let per_shard = self.max_keys.div_ceil(SHARDS);
         let shards = (0..SHARDS)
-            .map(|_| Shard::new(limit, per_shard).map(Mutex::new))
+            .map(|_| Shard::new(self.limit, per_shard).map(Mutex::new))
             .collect::<Result<Vec<_>, _>>()?;
+        let labels = Labels::new(self.name.as_deref());
+        let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         Ok(MemoryGate {
             inner: Arc::new(Inner {
-                limit,
+                limit: self.limit,
                 shards: shards.into_boxed_slice(),
                 hasher: RandomState::new(),
                 epoch: Instant::now(),
                 max_keys: per_shard * SHARDS,
                 multi: Mutex::new(MemoryBuckets::default()),
+                allowed: decisions("allowed"),
+                rejected: decisions("rejected"),
+                name: self.name,
             }),
         })
+    }
+}
+
+impl MemoryGate {
+    /// A gate enforcing `limit` per key, holding at most 100 000 keys, unnamed. To set the
+    /// number of keys or a name, use [`MemoryGate::builder`].
+    pub fn new(limit: Limit) -> MemoryGate {
+        MemoryGate::builder(limit)
+            .build()
+            .expect("the default configuration is valid")
+    }
+
+    /// A builder for a gate enforcing `limit` per key.
+    pub fn builder(limit: Limit) -> MemoryGateBuilder {
+        MemoryGateBuilder {
+            limit,
+            max_keys: DEFAULT_MAX_KEYS,
+            name: None,
+        }
     }
 
     fn now(&self) -> Duration {
@@ -150,12 +233,13 @@ impl MemoryGate {
         &self.inner.shards[h % SHARDS]
     }
 
-    /// Decide one request now, synchronously.
+    /// Decide one request now, synchronously: admitted (and consumed) or rejected with a
+    /// `retry_after`.
     ///
     /// # Errors
     ///
-    /// [`GateError::InsufficientCapacity`], [`GateError::ZeroCost`],
-    /// [`GateError::InvalidKey`], [`GateError::KeyspaceFull`].
+    /// [`GateError::Cost`] (a cost of zero or above the capacity), [`GateError::InvalidKey`],
+    /// [`GateError::KeyspaceFull`].
     pub fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         check_key(key)?;
         let now = self.now();
@@ -164,19 +248,23 @@ impl MemoryGate {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .check(key, now, cost);
-        // A shard reports its own share of the keyspace: report the gate's.
-        decided.map_err(|e| match e {
-            GateError::KeyspaceFull { .. } => GateError::KeyspaceFull {
+        match decided {
+            Ok(d) => {
+                self.inner.count(d.allowed);
+                Ok(d)
+            }
+            // A shard reports its own share of the keyspace: report the gate's.
+            Err(GateError::KeyspaceFull { .. }) => Err(GateError::KeyspaceFull {
                 max_keys: self.inner.max_keys,
-            },
-            e => e,
-        })
+            }),
+            Err(e) => Err(e),
+        }
     }
 
     /// All-or-nothing across several token buckets, in this process: admitted only if every
     /// `(key, quota)` bucket has room for `cost`, and then charged on all of them; otherwise
     /// nothing is charged anywhere (layered throttling: IP + user + tenant). The same
-    /// semantics as [`RedisGate::acquire_all`](crate::gate::RedisGate::acquire_all), which
+    /// semantics as [`RedisGate::check_all`](crate::gate::RedisGate::check_all), which
     /// falls back to this under [`FailurePolicy::Fallback`](crate::gate::FailurePolicy).
     ///
     /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
@@ -189,9 +277,9 @@ impl MemoryGate {
     /// # Errors
     ///
     /// [`GateError::NoLimits`], [`GateError::TooManyLimits`] (more than 32),
-    /// [`GateError::ZeroCost`], [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`]
-    /// (one key with two quotas), [`GateError::InsufficientCapacity`] (a key's total cost
-    /// above its burst), [`GateError::KeyspaceFull`]; nothing is charged on an error.
+    /// [`GateError::Cost`] (a cost of zero, or a key's total cost above its burst),
+    /// [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`] (one key with two
+    /// quotas), [`GateError::KeyspaceFull`]; nothing is charged on an error.
     ///
     /// # Examples
     ///
@@ -199,33 +287,36 @@ impl MemoryGate {
     /// use flowgate::gate::{Limit, MemoryGate};
     /// use flowgate::Quota;
     ///
-    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?))?;
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?));
     /// let ip = Quota::per_second(2)?;
     /// let user = Quota::per_second(1)?;
     /// let limits = [("ip:10.0.0.1", ip), ("user:7", user)];
-    /// assert!(gate.acquire_all(&limits, 1)?[0].allowed);
+    /// assert!(gate.check_all(&limits, 1)?[0].allowed);
     /// // The user's bucket is empty: nothing is charged, not even the IP's.
-    /// let d = gate.acquire_all(&limits, 1)?;
+    /// let d = gate.check_all(&limits, 1)?;
     /// assert!(!d[0].allowed && !d[1].allowed);
     /// assert_eq!(d[0].remaining, 1);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn acquire_all(
+    pub fn check_all(
         &self,
         limits: &[(&str, Quota)],
         cost: u32,
     ) -> Result<Vec<Decision>, GateError> {
         let request = Merged::new(limits, cost)?;
-        self.acquire_merged(&request)
+        self.check_merged(&request)
     }
 
-    pub(crate) fn acquire_merged(&self, request: &Merged<'_>) -> Result<Vec<Decision>, GateError> {
+    pub(crate) fn check_merged(&self, request: &Merged<'_>) -> Result<Vec<Decision>, GateError> {
         let now = self.now();
-        self.inner
+        let decided = self
+            .inner
             .multi
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .acquire_all(request, now, self.inner.max_keys.div_ceil(MAX_QUOTAS))
+            .check_all(request, now, self.inner.max_keys.div_ceil(MAX_QUOTAS))?;
+        self.inner.count(decided[0].allowed);
+        Ok(decided)
     }
 
     /// Keys held now.
@@ -261,11 +352,22 @@ impl MemoryGate {
     pub fn limit(&self) -> Limit {
         self.inner.limit
     }
+
+    /// The `name` label of this gate's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.inner.name.as_deref()
+    }
 }
 
 impl Gate for MemoryGate {
-    fn acquire<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
-        Box::pin(std::future::ready(self.check(key, cost)))
+    /// [`MemoryGate::check`], as a future that is ready at once.
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        Box::pin(std::future::ready(MemoryGate::check(self, key, cost)))
+    }
+
+    /// Always `Some`: [`MemoryGate::check`].
+    fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
+        Some(MemoryGate::check(self, key, cost))
     }
 
     fn limit(&self) -> Limit {
@@ -276,6 +378,7 @@ impl Gate for MemoryGate {
 impl fmt::Debug for MemoryGate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryGate")
+            .field("name", &self.inner.name)
             .field("limit", &self.inner.limit)
             .field("max_keys", &self.inner.max_keys)
             .finish_non_exhaustive()

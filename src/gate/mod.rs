@@ -7,10 +7,14 @@
 //! is slow or gone. A [`MemoryGate`] is the embedded default: same math, same decisions,
 //! one process.
 //!
-//! Both implement [`Gate`], and the stream adapters
-//! [`gated`](crate::FlowStreamExt::gated) (wait for admission: shaping) and
-//! [`gated_drop`](crate::FlowStreamExt::gated_drop) (drop what is rejected: policing) work
-//! with either.
+//! Both implement [`Gate`]: [`check`](Gate::check) decides now (admitted and consumed, or
+//! rejected with a `retry_after`), as a future because deciding may need I/O;
+//! [`check_local`](Gate::check_local) is the same decision where it needs none (always on a
+//! [`MemoryGate`], whose own `check` is synchronous). Both also decide several limits
+//! all-or-nothing (`check_all`). The stream adapters [`gated`](crate::FlowStreamExt::gated)
+//! (wait for admission: shaping) and [`gated_drop`](crate::FlowStreamExt::gated_drop) (drop
+//! what is rejected: policing) work with either; [`Gated::builder`] adds a cost per item, a
+//! drop hook and a name.
 //!
 //! The Lua scripts are in the crate's `lua/` folder, one per algorithm.
 
@@ -39,9 +43,9 @@ mod slot;
 
 pub use api::{Gate, GateFuture};
 pub use error::GateError;
-pub use gated::{Dropped, Gated, GatedDrop};
+pub use gated::{Gated, GatedBuilder, GatedDrop, KeyFn};
 pub use limit::Limit;
-pub use memory::MemoryGate;
+pub use memory::{MemoryGate, MemoryGateBuilder};
 #[cfg(feature = "redis")]
 pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 

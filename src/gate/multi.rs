@@ -1,13 +1,14 @@
 //! All-or-nothing decisions across several token buckets (layered throttling: IP + user +
 //! tenant), with one meaning in both gates: the request's validation and merging, and the
-//! in-memory buckets of [`MemoryGate::acquire_all`](crate::gate::MemoryGate::acquire_all).
+//! in-memory buckets of [`MemoryGate::check_all`](crate::gate::MemoryGate::check_all).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::decision::Decision;
+use crate::error::CostError;
 use crate::gate::error::{GateError, check_key};
-use crate::limit::{Algorithm, Keyed, LimitError, TokenBucket};
+use crate::limit::{Algorithm, Keyed, KeyedError, TokenBucket};
 use crate::rate::Quota;
 
 /// The most limits one all-or-nothing call takes.
@@ -31,9 +32,9 @@ impl<'a> Merged<'a> {
     ///
     /// # Errors
     ///
-    /// [`GateError::NoLimits`], [`GateError::TooManyLimits`], [`GateError::ZeroCost`],
-    /// [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`] (a key with two quotas),
-    /// [`GateError::InsufficientCapacity`] (a bucket's total cost above its burst).
+    /// [`GateError::NoLimits`], [`GateError::TooManyLimits`], [`GateError::Cost`] (a cost of
+    /// zero, or a bucket's total cost above its burst), [`GateError::InvalidKey`],
+    /// [`GateError::ConflictingQuotas`] (a key with two quotas).
     pub(crate) fn new(limits: &[(&'a str, Quota)], cost: u32) -> Result<Merged<'a>, GateError> {
         if limits.is_empty() {
             return Err(GateError::NoLimits);
@@ -45,7 +46,7 @@ impl<'a> Merged<'a> {
             });
         }
         if cost == 0 {
-            return Err(GateError::ZeroCost);
+            return Err(CostError::Zero.into());
         }
         let mut buckets: Vec<(&'a str, Quota, u32)> = Vec::with_capacity(limits.len());
         let mut of = Vec::with_capacity(limits.len());
@@ -69,13 +70,7 @@ impl<'a> Merged<'a> {
             }
         }
         for &(_, quota, total) in &buckets {
-            let capacity = u64::from(quota.burst_size());
-            if u64::from(total) > capacity {
-                return Err(GateError::InsufficientCapacity {
-                    cost: total,
-                    capacity,
-                });
-            }
+            CostError::check(total, u64::from(quota.burst_size()))?;
         }
         Ok(Merged { buckets, of })
     }
@@ -100,7 +95,7 @@ impl MemoryBuckets {
     ///
     /// [`GateError::KeyspaceFull`] when a new key or quota finds no room (nothing is
     /// charged then).
-    pub(crate) fn acquire_all(
+    pub(crate) fn check_all(
         &mut self,
         request: &Merged<'_>,
         now: Duration,
@@ -146,7 +141,7 @@ impl MemoryBuckets {
             for &(key, quota, cost) in &request.buckets {
                 let keys = self.by_quota.get_mut(&quota).expect("made room above");
                 charged.push(keys.check(key, now, cost).map_err(|e| match e {
-                    LimitError::KeyspaceFull { .. } => full(),
+                    KeyedError::KeyspaceFull { .. } => full(),
                     e => e.into(),
                 })?);
             }
@@ -158,7 +153,7 @@ impl MemoryBuckets {
             .into_iter()
             .map(|(d, remaining, reset)| {
                 if d.allowed {
-                    Decision::reject(d.limit, remaining, Duration::ZERO, reset)
+                    Decision::reject(d.capacity, remaining, Duration::ZERO, reset)
                 } else {
                     d
                 }

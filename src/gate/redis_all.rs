@@ -1,4 +1,4 @@
-//! `RedisGate::acquire_all`: all-or-nothing across several token buckets in one script.
+//! `RedisGate::check_all`: all-or-nothing across several token buckets in one script.
 
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ where
     /// - **Failure policy**: as for `check` (same timeout, probing and classification):
     ///   `Open` admits every limit, `Closed` rejects every limit until the next probe,
     ///   `Fallback` decides all-or-nothing in its [`MemoryGate`](crate::gate::MemoryGate)
-    ///   ([`MemoryGate::acquire_all`](crate::gate::MemoryGate::acquire_all)), `Error`
+    ///   ([`MemoryGate::check_all`](crate::gate::MemoryGate::check_all)), `Error`
     ///   returns the error.
     /// - **Bypassed, with reasons**: batching (each call is one script over its own keys);
     ///   the rejection cache (a cached answer could not tell what the limits that did not
@@ -43,9 +43,9 @@ where
     /// # Errors
     ///
     /// Before Redis is called, nothing charged: [`GateError::NoLimits`],
-    /// [`GateError::TooManyLimits`] (more than 32), [`GateError::ZeroCost`],
-    /// [`GateError::InvalidKey`], [`GateError::ConflictingQuotas`] (one key with two
-    /// quotas), [`GateError::InsufficientCapacity`] (a key's total cost above its burst),
+    /// [`GateError::TooManyLimits`] (more than 32), [`GateError::Cost`] (a cost of zero, or
+    /// a key's total cost above its burst), [`GateError::InvalidKey`],
+    /// [`GateError::ConflictingQuotas`] (one key with two quotas),
     /// [`GateError::InvalidQuota`] (a quota Redis cannot compute exactly),
     /// [`GateError::CrossSlot`] (cluster keys in different slots). From Redis:
     /// [`GateError::UnreadableKey`] when a key's value cannot be read (nothing is charged;
@@ -56,7 +56,7 @@ where
     ///
     /// Dropping the future before the script runs charges nothing; after, every bucket may
     /// be charged (never over-admission).
-    pub async fn acquire_all(
+    pub async fn check_all(
         &self,
         limits: &[(&str, Quota)],
         cost: u32,
@@ -123,11 +123,11 @@ where
                     limits.iter().map(|&(_, q)| d(q)).collect()
                 };
                 match &inner.policy {
-                    FailurePolicy::Open => Ok(each(&|_| Decision::admitted_without_limit())),
+                    FailurePolicy::Open => Ok(each(&|_| Decision::fail_open())),
                     FailurePolicy::Closed => Ok(each(&|q| {
                         Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
                     })),
-                    FailurePolicy::Fallback(gate) => gate.acquire_merged(&request),
+                    FailurePolicy::Fallback(gate) => gate.check_merged(&request),
                     _ => Err(CallError::error(error, until_probe)),
                 }
             }

@@ -52,7 +52,7 @@ impl FailurePolicy {
 
 /// Names of the gate metrics (the backend's are in `backend::names`).
 pub(crate) mod names {
-    pub(crate) const DECISIONS: &str = "flowgate_gate_decisions_total";
+    pub(crate) use crate::gate::memory::names::DECISIONS;
     pub(crate) const BATCH_SIZE: &str = "flowgate_gate_batch_size";
     pub(crate) const DRIVER_RESTARTS: &str = "flowgate_gate_driver_restarts_total";
 }
@@ -111,7 +111,7 @@ pub(super) struct Inner<C> {
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
 ///   by itself when a probe succeeds. Transitions are logged (`tracing`) and counted. Every
-///   path (`check`, batches, leases, [`acquire_all`](RedisGate::acquire_all)) calls Redis
+///   path (`check`, batches, leases, [`check_all`](RedisGate::check_all)) calls Redis
 ///   through one backend, so a failure means the same everywhere:
 ///
 ///   | what Redis answers | what the caller gets |
@@ -184,7 +184,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// The prefix of every key (default `"flowgate:"`), for [`check`](RedisGate::check) and
-    /// [`acquire_all`](RedisGate::acquire_all) alike.
+    /// [`check_all`](RedisGate::check_all) alike.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -228,7 +228,7 @@ where
 
     /// The connection is a Redis Cluster connection
     /// (`redis::cluster_async::ClusterConnection`): batches are split per hash slot, one
-    /// script call per slot, and `acquire_all` checks that its keys share a slot.
+    /// script call per slot, and `check_all` checks that its keys share a slot.
     ///
     /// Name keys so that what must be decided together shares a slot, with a hash tag:
     /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
@@ -390,6 +390,11 @@ where
         }
     }
 
+    /// The `name` label of this gate's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.inner.name.as_deref()
+    }
+
     /// Whether the gate is currently deciding by its failure policy.
     pub fn is_degraded(&self) -> bool {
         self.inner.backend.is_degraded()
@@ -404,11 +409,12 @@ where
         k
     }
 
-    /// Decide one request.
+    /// Decide one request now: admitted (and consumed) or rejected with a `retry_after`.
+    /// Async because deciding may ask Redis; it never waits for capacity.
     ///
     /// # Errors
     ///
-    /// [`GateError::InsufficientCapacity`], [`GateError::ZeroCost`],
+    /// [`GateError::Cost`] (a cost of zero or above the capacity) and
     /// [`GateError::InvalidKey`] for bad requests (Redis is not called);
     /// [`GateError::UnreadableKey`] for a key whose value in Redis the gate cannot read (only
     /// that request fails, the gate does not degrade); under [`FailurePolicy::Error`],
@@ -420,20 +426,11 @@ where
     /// may still be charged in Redis (never over-admission). A lease taken by a dropped call
     /// is lost (under-admission only).
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
-        check_key(key)?;
-        self.inner.eval.limit.check_cost(cost)?;
-        let inner = &*self.inner;
         let now = Instant::now();
-        // Tokens leased here are already paid for: spend them before any cached rejection
-        // (taken by a concurrent call) can refuse the request.
-        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
-            inner.metrics.allowed.increment(1);
-            return Ok(decision);
+        if let Some(answer) = self.check_local_at(key, cost, now) {
+            return answer;
         }
-        if let Some(decision) = inner.cache.check(key, cost, now) {
-            inner.metrics.cached.increment(1);
-            return Ok(decision);
-        }
+        let inner = &*self.inner;
         let reply = match inner.backend.admit(now) {
             Err(e) => Err(e),
             Ok(()) => match &inner.leases {
@@ -456,6 +453,34 @@ where
                 self.by_policy(key, cost, until_probe, error)
             }
         }
+    }
+
+    /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
+    /// leased token, a cached rejection. `None`: only Redis can decide.
+    fn check_local_at(
+        &self,
+        key: &str,
+        cost: u32,
+        now: Instant,
+    ) -> Option<Result<Decision, GateError>> {
+        if let Err(e) = check_key(key) {
+            return Some(Err(e));
+        }
+        if let Err(e) = self.inner.eval.limit.check_cost(cost) {
+            return Some(Err(e.into()));
+        }
+        let inner = &*self.inner;
+        // Tokens leased here are already paid for: spend them before any cached rejection
+        // (taken by a concurrent call) can refuse the request.
+        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
+            inner.metrics.allowed.increment(1);
+            return Some(Ok(decision));
+        }
+        if let Some(decision) = inner.cache.check(key, cost, now) {
+            inner.metrics.cached.increment(1);
+            return Some(Ok(decision));
+        }
+        None
     }
 
     /// One decision in a script call of its own, bounded by what is left of the timeout.
@@ -572,7 +597,7 @@ where
         inner.metrics.by_policy.increment(1);
         match &inner.policy {
             FailurePolicy::Error => Err(CallError::error(error, until_probe)),
-            FailurePolicy::Open => Ok(Decision::admitted_without_limit()),
+            FailurePolicy::Open => Ok(Decision::fail_open()),
             FailurePolicy::Closed => Ok(Decision::reject(
                 inner.eval.limit.capacity(),
                 0,
@@ -588,8 +613,15 @@ impl<C> Gate for RedisGate<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    fn acquire<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
-        Box::pin(self.check(key, cost))
+    /// [`RedisGate::check`].
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        Box::pin(RedisGate::check(self, key, cost))
+    }
+
+    /// What [`RedisGate::check`] decides without Redis: a malformed request, a leased
+    /// token, a cached rejection.
+    fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
+        self.check_local_at(key, cost, Instant::now())
     }
 
     fn limit(&self) -> Limit {

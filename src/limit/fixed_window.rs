@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{Algorithm, LimitError};
+use crate::error::CostError;
+use crate::limit::Algorithm;
+use crate::limit::limiter::nanos;
 use crate::rate::Rate;
 
 /// At most `limit` units per aligned window of length `window`.
@@ -67,8 +68,8 @@ impl Algorithm for FixedWindow {
         state: &mut FixedWindowState,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, LimitError> {
-        check_cost(cost, self.capacity())?;
+    ) -> Result<Decision, CostError> {
+        CostError::check(cost, self.capacity())?;
         let now = nanos(now);
         let start = now - now % self.window;
         if start > state.start {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
-use crate::limit::{Algorithm, LimitError};
+use crate::limit::{Algorithm, KeyedError};
 
 /// Per-key limits (per user, per tenant, per IP) under one algorithm, in bounded memory.
 ///
@@ -22,7 +22,7 @@ use crate::limit::{Algorithm, LimitError};
 ///
 /// At most `max_keys` keys are held. When a *new* key arrives at a full map, every neutral
 /// key is evicted in one sweep; if none is neutral, the request is refused with
-/// [`LimitError::KeyspaceFull`] and nothing is inserted. Existing keys are always decided
+/// [`KeyedError::KeyspaceFull`] and nothing is inserted. Existing keys are always decided
 /// normally. This policy never over-admits (evicting a busy key would reset its limit). A
 /// failed sweep remembers when the first key becomes neutral, so a flood of new keys costs
 /// one hash lookup each until then, not a scan. Call [`Keyed::sweep`] from a timer to
@@ -32,7 +32,7 @@ use crate::limit::{Algorithm, LimitError};
 ///
 /// ```
 /// use std::time::Duration;
-/// use flowgate::limit::{Keyed, LimitError, TokenBucket};
+/// use flowgate::limit::{Keyed, KeyedError, TokenBucket};
 /// use flowgate::Quota;
 ///
 /// let mut per_user = Keyed::new(TokenBucket::new(Quota::per_second(1)?), 2)?;
@@ -40,7 +40,7 @@ use crate::limit::{Algorithm, LimitError};
 /// assert!(per_user.check("alice", t, 1)?.allowed);
 /// assert!(per_user.check("bob", t, 1)?.allowed);
 /// assert!(!per_user.check("alice", t, 1)?.allowed);
-/// assert_eq!(per_user.check("carol", t, 1), Err(LimitError::KeyspaceFull { max_keys: 2 }));
+/// assert_eq!(per_user.check("carol", t, 1), Err(KeyedError::KeyspaceFull { max_keys: 2 }));
 /// // One second later alice and bob are neutral again and make room.
 /// assert!(per_user.check("carol", Duration::from_secs(1), 1)?.allowed);
 /// assert_eq!(per_user.len(), 1);
@@ -87,16 +87,17 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     ///
     /// # Errors
     ///
-    /// The errors of [`Algorithm::check`], and [`LimitError::KeyspaceFull`] for a new key when
-    /// the map is full and no key can be evicted.
+    /// [`KeyedError::Cost`] with the error of [`Algorithm::check`], and
+    /// [`KeyedError::KeyspaceFull`] for a new key when the map is full and no key can be
+    /// evicted.
     #[inline]
-    pub fn check<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, LimitError>
+    pub fn check<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, KeyedError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         if let Some(state) = self.map.get_mut(key) {
-            return self.algorithm.check(state, now, cost);
+            return Ok(self.algorithm.check(state, now, cost)?);
         }
         self.check_new(key, now, cost)
     }
@@ -104,7 +105,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     /// The first request of a key not held: decide it on a fresh state, then make room.
     #[cold]
     #[inline(never)]
-    fn check_new<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, LimitError>
+    fn check_new<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, KeyedError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
@@ -112,7 +113,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         let mut state = A::State::default();
         let decision = self.algorithm.check(&mut state, now, cost)?;
         if self.map.len() >= self.max_keys && self.sweep(now) == 0 {
-            return Err(LimitError::KeyspaceFull {
+            return Err(KeyedError::KeyspaceFull {
                 max_keys: self.max_keys,
             });
         }

@@ -4,7 +4,7 @@ use std::fmt::Debug;
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::LimitError;
+use crate::error::CostError;
 
 /// A rate-limiting algorithm: immutable configuration whose per-key state is kept apart.
 ///
@@ -19,8 +19,8 @@ use crate::limit::LimitError;
 ///
 /// Every implementation follows the same contract:
 /// - a rejected check leaves the state unchanged;
-/// - `cost == 0` is [`LimitError::ZeroCost`], `cost > capacity()` is
-///   [`LimitError::InsufficientCapacity`], and neither changes the state;
+/// - `cost == 0` is [`CostError::Zero`], `cost > capacity()` is
+///   [`CostError::ExceedsCapacity`], and neither changes the state;
 /// - when rejected, checking the same cost again at `now + retry_after` is admitted (if
 ///   nothing else was admitted in between).
 pub trait Algorithm {
@@ -31,13 +31,13 @@ pub trait Algorithm {
     ///
     /// # Errors
     ///
-    /// [`LimitError::ZeroCost`] and [`LimitError::InsufficientCapacity`], as above.
+    /// [`CostError::Zero`] and [`CostError::ExceedsCapacity`], as above.
     fn check(
         &self,
         state: &mut Self::State,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, LimitError>;
+    ) -> Result<Decision, CostError>;
 
     /// The most units that can ever be admitted at once.
     fn capacity(&self) -> u64;
@@ -86,8 +86,8 @@ impl<A: Algorithm> Limiter<A> {
     ///
     /// # Errors
     ///
-    /// [`LimitError::ZeroCost`], [`LimitError::InsufficientCapacity`].
-    pub fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, LimitError> {
+    /// [`CostError::Zero`], [`CostError::ExceedsCapacity`].
+    pub fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, CostError> {
         self.algorithm.check(&mut self.state, now, cost)
     }
 
@@ -119,18 +119,6 @@ impl<A: Algorithm> Limiter<A> {
     /// Forget everything consumed.
     pub fn reset(&mut self) {
         self.state = A::State::default();
-    }
-}
-
-/// Validates the cost against the capacity, as every algorithm must.
-#[inline]
-pub(crate) fn check_cost(cost: u32, capacity: u64) -> Result<(), LimitError> {
-    if cost == 0 {
-        Err(LimitError::ZeroCost)
-    } else if u64::from(cost) > capacity {
-        Err(LimitError::InsufficientCapacity { cost, capacity })
-    } else {
-        Ok(())
     }
 }
 

@@ -27,13 +27,10 @@ mod sliding_log;
 mod sliding_window;
 mod token_bucket;
 
-pub use error::LimitError;
+pub use error::KeyedError;
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use keyed::Keyed;
 pub use limiter::{Algorithm, Limiter};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
-
-#[cfg(feature = "redis")]
-pub(crate) use limiter::check_cost as check_cost_for;

@@ -4,8 +4,9 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{Algorithm, LimitError};
+use crate::error::CostError;
+use crate::limit::Algorithm;
+use crate::limit::limiter::nanos;
 use crate::rate::Rate;
 
 /// At most `limit` units in *any* interval of length `window`: the exact sliding window.
@@ -93,8 +94,8 @@ impl Algorithm for SlidingLog {
         state: &mut SlidingLogState,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, LimitError> {
-        check_cost(cost, self.capacity())?;
+    ) -> Result<Decision, CostError> {
+        CostError::check(cost, self.capacity())?;
         // Time going backwards is treated as no time passing.
         let now = nanos(now).max(state.log.back().map_or(0, |&(at, _)| at));
         self.expire(state, now);

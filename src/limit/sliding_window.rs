@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::limiter::{check_cost, nanos};
-use crate::limit::{Algorithm, LimitError};
+use crate::error::CostError;
+use crate::limit::Algorithm;
+use crate::limit::limiter::nanos;
 use crate::rate::Rate;
 
 /// The sliding window counter: two counters, weighted, in constant memory.
@@ -122,8 +123,8 @@ impl Algorithm for SlidingWindow {
         state: &mut SlidingWindowState,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, LimitError> {
-        check_cost(cost, self.capacity())?;
+    ) -> Result<Decision, CostError> {
+        CostError::check(cost, self.capacity())?;
         let now = nanos(now);
         self.roll(state, now);
         let elapsed = now.max(state.start) - state.start;

@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::limiter::{check_cost, from_nanos, gcd, nanos};
-use crate::limit::{Algorithm, LimitError};
+use crate::error::CostError;
+use crate::limit::Algorithm;
+use crate::limit::limiter::{from_nanos, gcd, nanos};
 use crate::rate::Quota;
 
 /// A token bucket, implemented as GCRA (the generic cell rate algorithm) with exact integer
@@ -208,8 +209,8 @@ impl Algorithm for TokenBucket {
         state: &mut TokenBucketState,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, LimitError> {
-        check_cost(cost, self.capacity())?;
+    ) -> Result<Decision, CostError> {
+        CostError::check(cost, self.capacity())?;
         if let Some(tau) = self.fast_tau
             && let Some(decision) = self.check_fast(state, now, cost, tau)
         {

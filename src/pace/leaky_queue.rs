@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -9,14 +10,13 @@ use futures::Stream;
 use futures::stream::{Fuse, FusedStream, StreamExt};
 use pin_project::pin_project;
 
+use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
 use crate::pace::Pacer;
 use crate::pace::paced::Paced;
 use crate::pace::pacer::names;
-
-type OnDrop<T> = Box<dyn FnMut(T) + Send>;
 
 /// Upstream items pulled per poll at most: an upstream that is always ready (with a drop
 /// policy, a full queue never stops the pulling) must not keep `poll_next` from returning.
@@ -52,7 +52,8 @@ impl Metrics {
 const CLOSED: &str = "closed";
 
 /// The queue, and the accounting of what it drops. Dropped itself (the stream dropped or
-/// taken apart), it discards what is still queued: to the hook, counted as `closed`.
+/// taken apart), it discards what is still queued: to the hook as
+/// [`Dropped::Discarded`], counted as `closed`.
 struct Queue<T> {
     items: VecDeque<T>,
     on_drop: Option<OnDrop<T>>,
@@ -61,16 +62,16 @@ struct Queue<T> {
 }
 
 impl<T> Queue<T> {
-    /// The overflow policy drops `item`.
-    fn drop_item(&mut self, item: T) {
+    /// The overflow policy drops `item`, for the reason `why` (`Newest` or `Oldest`).
+    fn drop_item(&mut self, item: T, why: &Dropped) {
         self.dropped += 1;
         self.metrics.dropped.increment(1);
-        self.hook(item);
+        self.hook(item, why);
     }
 
-    fn hook(&mut self, item: T) {
-        if let Some(hook) = self.on_drop.as_mut() {
-            hook(item);
+    fn hook(&self, item: T, why: &Dropped) {
+        if let Some(hook) = &self.on_drop {
+            hook.call(item, why);
         }
     }
 }
@@ -81,7 +82,7 @@ impl<T> Drop for Queue<T> {
         self.metrics.closed.increment(left as u64);
         self.metrics.depth.set(0.0);
         while let Some(item) = self.items.pop_front() {
-            self.hook(item);
+            self.hook(item, &Dropped::Discarded);
         }
     }
 }
@@ -91,25 +92,58 @@ impl<T> Drop for Queue<T> {
 /// Upstream is drained eagerly into a queue of `capacity` items, and items leave the queue at
 /// the pacer's rate. When the queue is full the [`Overflow`] policy applies:
 /// `Backpressure` stops pulling upstream until there is room; `DropNewest` and `Reject`
-/// refuse the incoming item; `DropOldest` evicts the oldest queued item. (A stream adapter
-/// cannot hand an item back, so `Reject` acts as `DropNewest`.) Every dropped item goes to
-/// the [`on_drop`](LeakyQueue::on_drop) hook, if set, and is counted in
+/// drop the incoming item; `DropOldest` drops the oldest queued item to make room. (A stream
+/// adapter cannot hand an item back, so `Reject` acts as `DropNewest`.) Every dropped item
+/// goes to the [`on_drop`](LeakyQueueBuilder::on_drop) hook, if one is set, with its reason
+/// ([`Dropped::Newest`] or [`Dropped::Oldest`]), and is counted in
 /// [`dropped`](LeakyQueue::dropped) and the `flowgate_pace_dropped_total` metric under its
 /// `policy` (`drop_newest`, `drop_oldest`). The items still queued when the stream is dropped
 /// or taken apart with `into_inner` are discarded, whatever the policy: they go to the hook
-/// too and are counted under `policy="closed"`, as a channel counts the items left when its
-/// last receiver goes.
+/// too, as [`Dropped::Discarded`], and are counted under `policy="closed"`, as a channel
+/// counts the items left when its last receiver goes.
+///
+/// Made by [`leaky_queue`](crate::FlowStreamExt::leaky_queue), or by
+/// [`LeakyQueue::builder`] to give it a name or a hook.
 ///
 /// # Metrics
 ///
 /// `flowgate_pace_queue_depth` (gauge) and `flowgate_pace_dropped_total` (by `policy`),
-/// labelled by the queue's [`name`](LeakyQueue::name), by default its pacer's name. Queues
-/// sharing a pacer need names of their own to be told apart.
+/// labelled by the queue's [`name`](LeakyQueueBuilder::name), by default its pacer's name.
+/// Queues sharing a pacer need names of their own to be told apart.
 ///
 /// # Panics
 ///
 /// An item that has to wait for the pacer sleeps on a tokio timer: polled outside a tokio
 /// runtime with timers enabled, the stream panics unless the pacer admits each item at once.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use flowgate::pace::{LeakyQueue, Pacer};
+/// use flowgate::{Dropped, Overflow, Rate};
+/// use futures::StreamExt;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pacer = Pacer::builder(Rate::per_second(10)?).burst(1).build()?;
+/// let lost = Arc::new(Mutex::new(Vec::new()));
+/// let log = lost.clone();
+/// let mut queue = LeakyQueue::builder(futures::stream::iter(0..10u32), pacer, 4)
+///     .overflow(Overflow::DropNewest)
+///     .name("ingest")
+///     .on_drop(move |item: u32, why: &Dropped| log.lock().unwrap().push((item, why.as_str())))
+///     .build()?;
+/// assert_eq!(queue.name(), Some("ingest"));
+/// assert_eq!(queue.next().await, Some(0)); // 0..4 were queued, 4..10 dropped (newest)
+/// assert_eq!(queue.dropped(), 6);
+/// drop(queue); // 1, 2 and 3 were still queued: discarded
+/// let lost = lost.lock().unwrap();
+/// assert!(lost[..6].iter().all(|&(_, why)| why == "newest"));
+/// assert_eq!(lost[6..], [(1, "discarded"), (2, "discarded"), (3, "discarded")]);
+/// # Ok(())
+/// # }
+/// ```
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct LeakyQueue<S: Stream> {
@@ -127,50 +161,48 @@ impl<S: Stream> LeakyQueue<S> {
     pub(crate) fn new(
         stream: S,
         pacer: Pacer,
-        capacity: usize,
+        capacity: NonZeroUsize,
         overflow: Overflow,
-    ) -> Result<Self, ConfigError> {
-        if capacity == 0 {
-            return Err(ConfigError::zero("pace.queue_capacity"));
-        }
-        Ok(LeakyQueue {
+        name: Option<String>,
+        on_drop: Option<OnDrop<S::Item>>,
+    ) -> Self {
+        let capacity = capacity.get();
+        LeakyQueue {
             stream: stream.fuse(),
             queue: Queue {
                 items: VecDeque::with_capacity(capacity.min(4096)),
-                on_drop: None,
+                on_drop,
                 dropped: 0,
-                metrics: Metrics::new(pacer.name(), overflow),
+                metrics: Metrics::new(name.as_deref().or(pacer.name()), overflow),
             },
             capacity,
             overflow,
             paced: Paced::new(pacer),
+            name,
+        }
+    }
+
+    /// A builder for a queue of `capacity` items in front of `pacer`, with a name and a drop
+    /// hook; the overflow policy is [`Overflow::Backpressure`] unless set.
+    pub fn builder(stream: S, pacer: Pacer, capacity: usize) -> LeakyQueueBuilder<S> {
+        LeakyQueueBuilder {
+            stream,
+            pacer,
+            capacity,
+            overflow: Overflow::Backpressure,
             name: None,
-        })
+            on_drop: None,
+        }
     }
 
-    /// The `name` label of this queue's metrics (by default, its pacer's name). Give each
-    /// queue that shares a pacer a name of its own, or they report under one label. Call it
-    /// right after [`leaky_queue`](crate::FlowStreamExt::leaky_queue): the metrics are
-    /// registered again under the new name (the depth under the old one is set to zero).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        let name = name.into();
-        self.queue.metrics.depth.set(0.0);
-        self.queue.metrics = Metrics::new(Some(&name), self.overflow);
-        self.queue.metrics.depth.set(self.queue.items.len() as f64);
-        self.name = Some(name);
-        self
+    /// The `name` label of this queue's metrics: the name it was built with, else its
+    /// pacer's name.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref().or(self.paced.pacer().name())
     }
 
-    /// Call `hook` with every item the queue drops: those the overflow policy drops, and
-    /// those still queued when the stream is dropped or taken apart with `into_inner`
-    /// (discarded: counted under `policy="closed"`, not as overflow drops).
-    pub fn on_drop(mut self, hook: impl FnMut(S::Item) + Send + 'static) -> Self {
-        self.queue.on_drop = Some(Box::new(hook));
-        self
-    }
-
-    /// Items dropped by the overflow policy so far (items discarded when the queue goes
-    /// away are not among them).
+    /// Items dropped by the overflow policy so far (the items discarded when the queue goes
+    /// away are dropped with it, after the last time this can be read).
     pub fn dropped(&self) -> u64 {
         self.queue.dropped
     }
@@ -232,14 +264,14 @@ impl<S: Stream> Stream for LeakyQueue<S> {
                 queue.items.push_back(item);
                 continue;
             }
-            let victim = if *this.overflow == Overflow::DropOldest {
+            if *this.overflow == Overflow::DropOldest {
                 let oldest = queue.items.pop_front().expect("the queue is full");
                 queue.items.push_back(item);
-                oldest
+                queue.drop_item(oldest, &Dropped::Oldest);
             } else {
-                item
-            };
-            queue.drop_item(victim);
+                // `DropNewest`, and `Reject`, which cannot hand the item back from a stream.
+                queue.drop_item(item, &Dropped::Newest);
+            }
         }
         let depth = &this.queue.metrics.depth;
         let queue = &mut this.queue.items;
@@ -258,7 +290,7 @@ impl<S: Stream> Stream for LeakyQueue<S> {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // Queued items will be released unless evicted; upstream items may be dropped.
+        // Queued items will be released unless dropped for a newer one; upstream items may be dropped.
         let (_, hi) = self.stream.size_hint();
         let queued = self.queue.items.len();
         let lo = if self.overflow == Overflow::Backpressure {
@@ -286,6 +318,74 @@ impl<S: Stream + fmt::Debug> fmt::Debug for LeakyQueue<S> {
             .field("overflow", &self.overflow)
             .field("dropped", &self.queue.dropped)
             .field("pacer", self.paced.pacer())
+            .finish()
+    }
+}
+
+/// Builds a [`LeakyQueue`]; from [`LeakyQueue::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct LeakyQueueBuilder<S: Stream> {
+    stream: S,
+    pacer: Pacer,
+    capacity: usize,
+    overflow: Overflow,
+    name: Option<String>,
+    on_drop: Option<OnDrop<S::Item>>,
+}
+
+impl<S: Stream> LeakyQueueBuilder<S> {
+    /// What happens when the queue is full (default [`Overflow::Backpressure`]); see
+    /// [`LeakyQueue`].
+    pub fn overflow(mut self, overflow: Overflow) -> Self {
+        self.overflow = overflow;
+        self
+    }
+
+    /// The `name` label of this queue's metrics (default: its pacer's name). Give each queue
+    /// that shares a pacer a name of its own, or they report under one label.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Call `hook` with every item the queue drops, and why: those the overflow policy drops
+    /// ([`Dropped::Newest`], [`Dropped::Oldest`]), and those still queued when the stream is
+    /// dropped or taken apart with `into_inner` ([`Dropped::Discarded`]: counted under
+    /// `policy="closed"`, not as overflow drops). It runs in the task that polls or drops
+    /// the stream.
+    pub fn on_drop(mut self, hook: impl Fn(S::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
+        self
+    }
+
+    /// Build the queue.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `pace.queue_capacity` if the capacity is zero.
+    pub fn build(self) -> Result<LeakyQueue<S>, ConfigError> {
+        let capacity = NonZeroUsize::new(self.capacity)
+            .ok_or_else(|| ConfigError::zero("pace.queue_capacity"))?;
+        Ok(LeakyQueue::new(
+            self.stream,
+            self.pacer,
+            capacity,
+            self.overflow,
+            self.name,
+            self.on_drop,
+        ))
+    }
+}
+
+impl<S: Stream + fmt::Debug> fmt::Debug for LeakyQueueBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeakyQueueBuilder")
+            .field("stream", &self.stream)
+            .field("pacer", &self.pacer)
+            .field("capacity", &self.capacity)
+            .field("overflow", &self.overflow)
+            .field("name", &self.name)
+            .field("on_drop", &self.on_drop.is_some())
             .finish()
     }
 }

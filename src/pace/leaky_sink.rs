@@ -1,4 +1,4 @@
-//! `sink.leaky(rate)`: outbound calls at a constant rate.
+//! `sink.leaky_sink(rate)`: outbound calls at a constant rate.
 
 use std::fmt;
 use std::pin::Pin;
@@ -10,8 +10,9 @@ use pin_project::pin_project;
 use crate::pace::Pacer;
 use crate::pace::paced::Paced;
 
-/// Sink of [`FlowSinkExt::leaky`](crate::FlowSinkExt::leaky): each item waits for the
-/// pacer in `poll_ready`, before the inner sink is asked for room.
+/// Sink of [`leaky_sink`](crate::FlowSinkExt::leaky_sink) and
+/// [`leaky_sink_with`](crate::FlowSinkExt::leaky_sink_with): each item waits for the pacer in
+/// `poll_ready`, before the inner sink is asked for room.
 ///
 /// A pacer admission taken by `poll_ready` but not used before the sink is dropped is not
 /// given back (the unit of rate is spent; no item is lost).

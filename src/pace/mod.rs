@@ -10,8 +10,13 @@
 //! | `stream.leaky(rate)` | releases items at `rate` (a private pacer); slows the upstream down |
 //! | `stream.leaky_with(pacer)` | the same through a shared pacer (fair, FIFO across streams) |
 //! | `stream.leaky_cost(pacer, \|item\| cost)` | items of different weights |
-//! | `stream.leaky_queue(pacer, capacity, overflow)` | drains upstream into a bounded queue, releases at the rate, applies the overflow policy when full |
-//! | `sink.leaky(rate)` | outbound calls at `rate` |
+//! | `stream.leaky_queue(pacer, capacity, overflow)` | drains upstream into a bounded queue, releases at the rate, applies the overflow policy when full ([`LeakyQueue::builder`] adds a name and an `on_drop` hook) |
+//! | `sink.leaky_sink(rate)` | outbound calls at `rate` |
+//! | `sink.leaky_sink_with(pacer)` | the same through a shared pacer |
+//!
+//! The pacer itself speaks the crate's verbs: [`Pacer::check`] decides now (a
+//! [`Decision`](crate::Decision), never waiting), [`Pacer::until_ready`] waits until the
+//! cost passes. A cost of zero, or above the burst, is a [`CostError`](crate::CostError).
 //!
 //! # Precision
 //!
@@ -24,7 +29,7 @@
 //!
 //! A wait for the pacer sleeps on a tokio timer, so [`Pacer::until_ready`] and the adapters
 //! must be polled inside a tokio runtime with timers enabled whenever they have to wait
-//! (they panic otherwise). [`Pacer::try_acquire`] never waits and needs no runtime. Under
+//! (they panic otherwise). [`Pacer::check`] never waits and needs no runtime. Under
 //! `tokio::time::pause()` every wait is exact.
 //!
 //! # Metrics
@@ -33,9 +38,8 @@
 //! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram).
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
-//! queue goes away) under its own [`name`](LeakyQueue::name), by default its pacer's.
+//! queue goes away) under its own [`name`](LeakyQueueBuilder::name), by default its pacer's.
 
-mod error;
 mod leaky;
 mod leaky_queue;
 mod leaky_sink;
@@ -43,10 +47,9 @@ mod paced;
 mod pacer;
 mod until_ready;
 
-pub use error::{PaceError, TryAcquireError};
 pub(crate) use leaky::unit_cost;
 pub use leaky::{Leaky, UnitCost};
-pub use leaky_queue::LeakyQueue;
+pub use leaky_queue::{LeakyQueue, LeakyQueueBuilder};
 pub use leaky_sink::LeakySink;
 pub use pacer::{Pacer, PacerBuilder};
 pub use until_ready::UntilReady;

@@ -2,8 +2,8 @@
 
 use std::task::{Context, Poll};
 
+use crate::error::CostError;
 use crate::pace::Pacer;
-use crate::pace::error::PaceError;
 use crate::pace::until_ready::Wait;
 
 /// A pacer plus one wait on it; dropping it gives up the place in line, so a dropped
@@ -42,7 +42,9 @@ impl Paced {
             match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {
                 Poll::Ready(Ok(())) => owed -= chunk,
                 // Too big for the burst: ask again for a burst, keeping the place in line.
-                Poll::Ready(Err(PaceError::InsufficientCapacity { burst, .. })) => chunk = burst,
+                Poll::Ready(Err(CostError::ExceedsCapacity { capacity, .. })) => {
+                    chunk = u32::try_from(capacity).unwrap_or(u32::MAX);
+                }
                 // Only a zero cost is refused otherwise; `chunk` is at least 1 here.
                 Poll::Ready(Err(_)) => owed -= chunk,
                 Poll::Pending => {

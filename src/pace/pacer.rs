@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::error::{ConfigError, ConfigErrorKind};
-use crate::limit::{Algorithm, LimitError, TokenBucket, TokenBucketState};
+use crate::decision::Decision;
+use crate::error::{ConfigError, ConfigErrorKind, CostError};
+use crate::limit::{Algorithm, TokenBucket, TokenBucketState};
 use crate::metrics::{Counter, Histogram, Labels};
-use crate::pace::error::{PaceError, TryAcquireError};
 use crate::pace::until_ready::UntilReady;
 use crate::rate::{Quota, Rate};
 use crate::sync::{Arc, Mutex, MutexGuard};
@@ -153,6 +153,7 @@ pub(crate) enum Admit {
 ///     An item above the burst (`leaky_cost`) waits in line for one chunk of at most the
 ///     burst at a time, so its turn, and the 10 ms after it, are those of its next chunk,
 ///     never of its whole cost; a cost that can never pass is refused before it queues.
+///     [`check`](Pacer::check) never jumps the line either: it refuses while others wait.
 /// (d) Every wait is cancel-safe: a dropped waiter holds no reservation.
 ///
 /// # Burst and precision
@@ -192,10 +193,31 @@ pub struct Pacer {
 }
 
 impl Pacer {
-    /// A pacer at `rate` with the default burst (see the type's docs).
+    /// A pacer at `rate` with the default burst (see the type's docs), that is, with the
+    /// quota [`default_quota`](Pacer::default_quota)`(rate)`.
     pub fn new(rate: Rate) -> Pacer {
-        let quota = Quota::new(rate, default_burst(rate)).unwrap_or_else(|_| Quota::from(rate));
-        Pacer::with_quota(quota, None)
+        Pacer::with_quota(Pacer::default_quota(rate), None)
+    }
+
+    /// The quota of a pacer at `rate` with the default burst, `1 + ceil(rate × 5 ms)` (see
+    /// the type's docs): what [`Pacer::new`] and a builder without a
+    /// [`burst`](PacerBuilder::burst) use, and what to give [`set_quota`](Pacer::set_quota)
+    /// to change the rate and keep the default burst.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::pace::Pacer;
+    /// use flowgate::Rate;
+    ///
+    /// let quota = Pacer::default_quota(Rate::per_second(1_000)?);
+    /// assert_eq!(quota.burst_size(), 6); // 1 + 1 000/s × 5 ms
+    /// assert_eq!(Pacer::default_quota(Rate::per_second(1)?).burst_size(), 2);
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    pub fn default_quota(rate: Rate) -> Quota {
+        // The default burst is at least 1, so `Quota::new` cannot refuse it.
+        Quota::new(rate, default_burst(rate)).unwrap_or_else(|_| Quota::from(rate))
     }
 
     /// A builder for a pacer at `rate`.
@@ -235,11 +257,10 @@ impl Pacer {
     ///
     /// # Errors
     ///
-    /// [`PaceError::ZeroCost`], and [`PaceError::InsufficientCapacity`] when `cost` is above
-    /// the burst (it could never pass; this never waits forever). Both are returned by the
-    /// first poll, before the future queues; the second also if
-    /// [`set_rate`](Pacer::set_rate) lowers the burst below `cost` while it waits (the
-    /// future then leaves the line).
+    /// [`CostError::Zero`], and [`CostError::ExceedsCapacity`] when `cost` is above the
+    /// burst (it could never pass; this never waits forever). Both are returned by the first
+    /// poll, before the future queues; the second also if [`set_quota`](Pacer::set_quota)
+    /// lowers the burst below `cost` while it waits (the future then leaves the line).
     ///
     /// # Panics
     ///
@@ -254,38 +275,71 @@ impl Pacer {
         UntilReady::new(self.clone(), cost)
     }
 
-    /// Take `cost` units if they may pass now (and nobody is waiting ahead).
+    /// Decide now whether `cost` units may pass, and take them if they may; never waits and
+    /// needs no runtime.
+    ///
+    /// The answer is a [`Decision`], as every limiter's: `capacity` is the burst, `remaining`
+    /// the units that could still pass at once after this decision, `reset_after` how long
+    /// until the bucket is full again, and when refused, `retry_after` how long until the
+    /// bucket holds `cost` units. The line is FIFO: while others wait for the pacer
+    /// ([`until_ready`](Pacer::until_ready), the adapters), `check` refuses (it never jumps
+    /// the line), with `remaining` 0 and the `retry_after` of the bucket alone (the waiters
+    /// ahead may take those units first).
     ///
     /// # Errors
     ///
-    /// [`TryAcquireError::RetryAfter`] with the time until they could pass;
-    /// [`TryAcquireError::Invalid`] for a zero cost or a cost above the burst.
-    pub fn try_acquire(&self, cost: u32) -> Result<(), TryAcquireError> {
-        self.inner.try_acquire(cost)
+    /// [`CostError::Zero`], and [`CostError::ExceedsCapacity`] when `cost` is above the burst
+    /// (it could never pass).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::pace::Pacer;
+    /// use flowgate::{CostError, Rate};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pacer = Pacer::builder(Rate::per_second(10)?).burst(2).build()?;
+    /// let d = pacer.check(2)?;
+    /// assert!(d.allowed);
+    /// assert_eq!((d.capacity, d.remaining), (2, 0));
+    /// let d = pacer.check(1)?;
+    /// assert!(!d.allowed);
+    /// assert_eq!(d.retry_after, Duration::from_millis(100));
+    /// assert_eq!(pacer.check(3), Err(CostError::ExceedsCapacity { cost: 3, capacity: 2 }));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn check(&self, cost: u32) -> Result<Decision, CostError> {
+        self.inner.check(cost)
     }
 
-    /// Change the rate (and, with `burst`, the burst) at runtime. Units already released keep
-    /// their place in the schedule: the next unit is due when it was under the old rate and
-    /// burst, and the new ones apply from there; waiters recompute their due time at once.
+    /// Change the quota (rate and burst) at runtime. Units already released keep their place
+    /// in the schedule: the next unit is due when it was under the old quota, and the new one
+    /// applies from there; waiters recompute their due time at once. To keep the default
+    /// burst for the new rate, pass [`Pacer::default_quota`]`(rate)`.
     ///
-    /// # Errors
+    /// # Examples
     ///
-    /// [`ConfigError`] on `pace.burst` if `burst` is zero.
-    pub fn set_rate(&self, rate: Rate, burst: Option<u32>) -> Result<(), ConfigError> {
-        let burst = burst.unwrap_or_else(|| default_burst(rate));
-        let quota = Quota::new(rate, burst).map_err(|_| ConfigError::zero("pace.burst"))?;
+    /// ```
+    /// use flowgate::pace::Pacer;
+    /// use flowgate::{Quota, Rate};
+    ///
+    /// let pacer = Pacer::new(Rate::per_second(10)?);
+    /// pacer.set_quota(Quota::per_second(100)?.burst(5)?);
+    /// assert_eq!(pacer.quota(), Quota::per_second(100)?.burst(5)?);
+    /// pacer.set_quota(Pacer::default_quota(Rate::per_second(1_000)?));
+    /// assert_eq!(pacer.quota().burst_size(), 6);
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    pub fn set_quota(&self, quota: Quota) {
         self.inner.set_quota(quota);
-        Ok(())
     }
 
-    /// The current rate.
-    pub fn rate(&self) -> Rate {
-        self.inner.lock().bucket.quota().rate()
-    }
-
-    /// The current burst.
-    pub fn burst(&self) -> u32 {
-        self.inner.lock().bucket.quota().burst_size()
+    /// The current quota: the rate, and the burst (how many units may pass at once).
+    pub fn quota(&self) -> Quota {
+        self.inner.lock().bucket.quota()
     }
 
     /// How many acquisitions are waiting.
@@ -326,51 +380,38 @@ impl Inner {
         now.saturating_duration_since(self.epoch)
     }
 
-    fn invalid(e: LimitError) -> PaceError {
-        match e {
-            LimitError::InsufficientCapacity { cost, capacity } => {
-                PaceError::InsufficientCapacity {
-                    cost,
-                    burst: u32::try_from(capacity).unwrap_or(u32::MAX),
-                }
-            }
-            _ => PaceError::ZeroCost,
-        }
-    }
-
-    fn try_acquire(&self, cost: u32) -> Result<(), TryAcquireError> {
+    fn check(&self, cost: u32) -> Result<Decision, CostError> {
         let now = Instant::now();
         let mut guard = self.lock();
         let wake = self.step_over_stalled(&mut guard, now, None);
-        let result = self.try_locked(&mut guard, now, cost);
+        let result = self.check_locked(&mut guard, now, cost);
         drop(guard);
         wake.into_iter().for_each(Waker::wake);
         result
     }
 
-    fn try_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<(), TryAcquireError> {
+    fn check_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<Decision, CostError> {
         // The one place that refuses a cost that can never pass (as `admit` does).
-        Self::validate(st, cost).map_err(TryAcquireError::Invalid)?;
-        let invalid = |e| TryAcquireError::Invalid(Self::invalid(e));
+        Self::validate(st, cost)?;
+        let elapsed = self.elapsed(now);
         if st.head.is_some() {
-            // Someone is ahead: never jump the queue. Report when this cost would fit.
+            // Someone is ahead: never jump the line. Refuse, and report when the bucket
+            // alone would fit this cost.
             let mut probe = st.gcra;
-            let decision = st
-                .bucket
-                .check(&mut probe, self.elapsed(now), cost)
-                .map_err(invalid)?;
-            return Err(TryAcquireError::RetryAfter(decision.retry_after));
+            let fits = st.bucket.check(&mut probe, elapsed, cost)?;
+            let reset_after = st.bucket.neutral_at(&st.gcra).saturating_sub(elapsed);
+            return Ok(Decision::reject(
+                st.bucket.capacity(),
+                0,
+                fits.retry_after,
+                reset_after,
+            ));
         }
-        let decision = st
-            .bucket
-            .check(&mut st.gcra, self.elapsed(now), cost)
-            .map_err(invalid)?;
+        let decision = st.bucket.check(&mut st.gcra, elapsed, cost)?;
         if decision.allowed {
             self.released.increment(u64::from(cost));
-            Ok(())
-        } else {
-            Err(TryAcquireError::RetryAfter(decision.retry_after))
         }
+        Ok(decision)
     }
 
     /// When the head may claim its turn: once it is the head and its cost fits the bucket.
@@ -403,13 +444,8 @@ impl Inner {
     }
 
     /// Refuses a cost that could never pass: zero, or above the burst.
-    fn validate(st: &State, cost: u32) -> Result<(), PaceError> {
-        let burst = st.bucket.quota().burst_size();
-        match cost {
-            0 => Err(PaceError::ZeroCost),
-            _ if cost > burst => Err(PaceError::InsufficientCapacity { cost, burst }),
-            _ => Ok(()),
-        }
+    fn validate(st: &State, cost: u32) -> Result<(), CostError> {
+        CostError::check(cost, st.bucket.capacity())
     }
 
     /// One attempt to pass `cost`, keeping FIFO order: a newcomer passes only when nobody
@@ -419,7 +455,7 @@ impl Inner {
         cx: &mut Context<'_>,
         cost: u32,
         ticket: &mut Ticket,
-    ) -> Result<Admit, PaceError> {
+    ) -> Result<Admit, CostError> {
         let now = Instant::now();
         let mut guard = self.lock();
         let st = &mut *guard;
@@ -474,11 +510,8 @@ impl Inner {
         ticket: &mut Ticket,
         cx: &mut Context<'_>,
         wake: &mut Vec<Waker>,
-    ) -> Result<Admit, PaceError> {
-        let decision = st
-            .bucket
-            .check(&mut st.gcra, self.elapsed(now), cost)
-            .map_err(Self::invalid)?;
+    ) -> Result<Admit, CostError> {
+        let decision = st.bucket.check(&mut st.gcra, self.elapsed(now), cost)?;
         if decision.allowed {
             if let Some(id) = ticket.id.take() {
                 // The head is at the front, or behind a few waiters that were stepped over.
@@ -565,10 +598,12 @@ impl PacerBuilder {
     ///
     /// [`ConfigError`] on `pace.burst` if the burst is zero.
     pub fn build(self) -> Result<Pacer, ConfigError> {
-        let burst = self.burst.unwrap_or_else(|| default_burst(self.rate));
-        let quota = Quota::new(self.rate, burst).map_err(|_| {
-            ConfigError::new("pace.burst", ConfigErrorKind::Zero, "must be at least 1")
-        })?;
+        let quota = match self.burst {
+            None => Pacer::default_quota(self.rate),
+            Some(burst) => Quota::new(self.rate, burst).map_err(|_| {
+                ConfigError::new("pace.burst", ConfigErrorKind::Zero, "must be at least 1")
+            })?,
+        };
         Ok(Pacer::with_quota(quota, self.name))
     }
 }

@@ -7,8 +7,8 @@ use std::task::{Context, Poll};
 
 use tokio::time::Sleep;
 
+use crate::error::CostError;
 use crate::pace::Pacer;
-use crate::pace::error::PaceError;
 use crate::pace::pacer::{Admit, Inner, Ticket};
 
 /// Waits for admission through a pacer, keeping its place in line and its timer.
@@ -35,7 +35,7 @@ impl Wait {
         pacer: &Inner,
         cost: u32,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<(), PaceError>> {
+    ) -> Poll<Result<(), CostError>> {
         loop {
             match pacer.admit(cx, cost, &mut self.ticket)? {
                 Admit::Now => return Poll::Ready(Ok(())),
@@ -91,7 +91,7 @@ impl UntilReady {
 }
 
 impl Future for UntilReady {
-    type Output = Result<(), PaceError>;
+    type Output = Result<(), CostError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();

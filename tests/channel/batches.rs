@@ -1,12 +1,12 @@
-//! Receiver batches: `len()` / `is_empty()` count them, `DropOldest` evicts the oldest item
+//! Receiver batches: `len()` / `is_empty()` count them, `DropOldest` drops the oldest item
 //! not yet handed to a consumer (a model-based property test), and a receiver's
 //! `size_hint` counts only what it will get.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use flowgate::Overflow;
 use flowgate::channel::{self, Permit, ReserveError, Sent};
+use flowgate::{Dropped, Overflow};
 use futures::{FutureExt, Stream, StreamExt};
 use proptest::prelude::*;
 
@@ -60,12 +60,12 @@ async fn len_counts_items_in_receiver_batches() {
 
 /// The reproduction: capacity 16 (batches of 2 under the other policies).
 #[tokio::test]
-async fn drop_oldest_evicts_the_oldest_item_not_yet_handed_out() {
+async fn drop_oldest_drops_the_oldest_item_not_yet_handed_out() {
     let log = Arc::new(Mutex::new(Vec::new()));
     let hook_log = log.clone();
     let (tx, mut rx) = channel::builder::<u32>(16)
         .overflow(Overflow::DropOldest)
-        .on_drop(move |x| hook_log.lock().unwrap().push(x))
+        .on_drop(move |x, why: &Dropped| hook_log.lock().unwrap().push((x, why.as_str())))
         .build()
         .unwrap();
     for i in 0..16 {
@@ -73,9 +73,9 @@ async fn drop_oldest_evicts_the_oldest_item_not_yet_handed_out() {
     }
     assert_eq!(rx.recv().await, Some(0));
     assert_eq!(tx.try_send(16), Ok(Sent::Queued));
-    assert_eq!(tx.try_send(17), Ok(Sent::EvictedOldest));
-    let evicted = log.lock().unwrap().clone();
-    assert_eq!(evicted, [1], "1 was the oldest not handed out");
+    assert_eq!(tx.try_send(17), Ok(Sent::DroppedOldest));
+    let dropped = log.lock().unwrap().clone();
+    assert_eq!(dropped, [(1, "oldest")], "1 was the oldest not handed out");
     assert_eq!(rx.recv().await, Some(2));
 }
 
@@ -148,10 +148,10 @@ struct Model {
     reserved: usize,
     sent: u64,
     received: u64,
-    evicted: Vec<u32>,
+    dropped_oldest: Vec<u32>,
     dropped_newest: u64,
-    /// Every item dropped, in order: what the `on_drop` hook must have seen.
-    hook: Vec<u32>,
+    /// Every item dropped, in order, with its reason: what the `on_drop` hook must have seen.
+    hook: Vec<(u32, &'static str)>,
 }
 
 impl Model {
@@ -161,13 +161,13 @@ impl Model {
             self.queue.push_back(item);
             Sent::Queued
         } else if let Some(oldest) = self.queue.pop_front() {
-            self.evicted.push(oldest);
-            self.hook.push(oldest);
+            self.dropped_oldest.push(oldest);
+            self.hook.push((oldest, "oldest"));
             self.queue.push_back(item);
-            Sent::EvictedOldest
+            Sent::DroppedOldest
         } else {
             self.dropped_newest += 1;
-            self.hook.push(item);
+            self.hook.push((item, "newest"));
             Sent::DroppedNewest
         }
     }
@@ -190,7 +190,7 @@ fn run_model(cap: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let build = || {
         channel::builder::<u32>(cap)
             .overflow(Overflow::DropOldest)
-            .on_drop(move |x| hook_log.lock().unwrap().push(x))
+            .on_drop(move |x, why: &Dropped| hook_log.lock().unwrap().push((x, why.as_str())))
             .name("model")
             .build()
             .unwrap()
@@ -255,7 +255,7 @@ fn run_model(cap: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
         // After every step: the counts, the hook and the metrics agree with the model.
         prop_assert_eq!(tx.len(), m.queue.len(), "len counts what is not handed out");
         let s = tx.stats();
-        let dropped = m.evicted.len() as u64 + m.dropped_newest;
+        let dropped = m.dropped_oldest.len() as u64 + m.dropped_newest;
         prop_assert_eq!(
             (s.sent, s.received, s.dropped),
             (m.sent, m.received, dropped)
@@ -270,7 +270,10 @@ fn run_model(cap: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
             let id = |policy: &str| {
                 format!("flowgate_channel_dropped_total{{name=model,policy={policy}}}")
             };
-            prop_assert_eq!(recorder.counter(&id("drop_oldest")), m.evicted.len() as u64);
+            prop_assert_eq!(
+                recorder.counter(&id("drop_oldest")),
+                m.dropped_oldest.len() as u64
+            );
             prop_assert_eq!(recorder.counter(&id("drop_newest")), m.dropped_newest);
         }
     }
@@ -280,7 +283,7 @@ fn run_model(cap: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let s = tx.stats();
     prop_assert_eq!(s.sent, s.received + s.dropped);
     let mut all_dropped = m.hook.clone();
-    all_dropped.extend(m.queue.iter().copied());
+    all_dropped.extend(m.queue.iter().map(|&x| (x, "discarded")));
     prop_assert_eq!(&*hook.lock().unwrap(), &all_dropped);
     Ok(())
 }
@@ -290,7 +293,7 @@ proptest! {
 
     /// Random sends, receives (as future, stream, `try_recv`, `recv_many`), permits and
     /// receivers cloned and dropped, against a `VecDeque` of the items not yet handed out:
-    /// every eviction takes the oldest of those, and every evicted item reaches the hook,
+    /// every drop of the oldest takes the oldest of those, and every dropped item reaches the hook,
     /// `Stats::dropped` and the `drop_oldest` counter. Capacities from 16 up are where
     /// receivers take batches under the other policies.
     #[test]

@@ -13,6 +13,7 @@ use flowgate::demand::{
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
 
+use super::levels;
 use super::support::RedisServer;
 
 const KEY: &str = "orders";
@@ -87,7 +88,7 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
 
     // Consumer c processes some entries, then dies holding 100 it never acknowledged.
     {
-        let mut stream = Box::pin(prefetch(source(&server, "c").await, 100, 20).unwrap());
+        let mut stream = Box::pin(prefetch(source(&server, "c").await, levels(100, 20)));
         for _ in 0..1_000 {
             let e = stream.next().await.unwrap().unwrap();
             let n: u32 = e.get("n").unwrap();
@@ -109,7 +110,7 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
         let (seen, acked, done) = (seen.clone(), acked.clone(), done.clone());
         let server_src = source(&server, name).await;
         survivors.push(tokio::spawn(async move {
-            let mut stream = Box::pin(prefetch(server_src, 100, 20).unwrap());
+            let mut stream = Box::pin(prefetch(server_src, levels(100, 20)));
             let mut claimed = 0;
             while !done.load(Ordering::SeqCst) {
                 let Ok(Some(e)) =
@@ -195,7 +196,7 @@ async fn drained(con: &mut MultiplexedConnection) -> u64 {
 async fn a_consumer_never_redelivers_what_it_holds_and_reclaims_what_it_dropped() {
     let (server, mut con) = with_entries(20).await;
     // min_idle 300 ms, a claim every 100 ms: held entries go idle while we sleep.
-    let mut stream = Box::pin(prefetch(source(&server, "solo").await, 5, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source(&server, "solo").await, levels(5, 0)));
     let mut held = take(&mut stream, 5).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     while held.len() < 20 {
@@ -241,9 +242,9 @@ async fn a_consumer_never_redelivers_what_it_holds_and_reclaims_what_it_dropped(
 async fn a_live_consumer_keeps_the_entries_it_holds_from_other_consumers() {
     let (server, mut con) = with_entries(5).await;
     // min_idle 300 ms: a's keep-alive runs every 100 ms; b claims every 100 ms.
-    let mut a = Box::pin(prefetch(source(&server, "a").await, 5, 0).unwrap());
+    let mut a = Box::pin(prefetch(source(&server, "a").await, levels(5, 0)));
     let held = take(&mut a, 5).await;
-    let mut b = Box::pin(prefetch(source(&server, "b").await, 5, 0).unwrap());
+    let mut b = Box::pin(prefetch(source(&server, "b").await, levels(5, 0)));
     let started = tokio::time::Instant::now();
     while started.elapsed() < Duration::from_millis(1_200) {
         if let Some(e) = next(&mut b).await {
@@ -288,7 +289,7 @@ async fn a_live_consumer_keeps_the_entries_it_holds_from_other_consumers() {
 #[tokio::test]
 async fn acks_after_the_source_is_dropped_still_reach_redis() {
     let (server, mut con) = with_entries(10).await;
-    let mut stream = Box::pin(prefetch(source(&server, "e").await, 5, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source(&server, "e").await, levels(5, 0)));
     let entries = take(&mut stream, 5).await;
     drop(stream); // shutdown: stop fetching, let the workers finish
     assert_eq!(pending(&mut con).await, 5);
@@ -307,7 +308,7 @@ async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
     let (server, _con) = with_entries(200).await;
     let mut first = Vec::new();
     {
-        let mut stream = Box::pin(prefetch(source(&server, "d").await, 50, 0).unwrap());
+        let mut stream = Box::pin(prefetch(source(&server, "d").await, levels(50, 0)));
         for _ in 0..50 {
             let e = stream.next().await.unwrap().unwrap();
             assert_eq!(e.origin, Origin::New);
@@ -316,7 +317,7 @@ async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
     } // dropped without acknowledging anything
     let src = source(&server, "d").await;
     assert!(src.is_recovering());
-    let mut stream = Box::pin(prefetch(src, 50, 0).unwrap());
+    let mut stream = Box::pin(prefetch(src, levels(50, 0)));
     let mut again = Vec::new();
     for _ in 0..50 {
         let e = stream.next().await.unwrap().unwrap();
@@ -488,7 +489,7 @@ async fn destroyed_holding_four(
     let mut con = server.connect().await;
     let source = counters.build(lost_group_builder(server.connect().await, "r"));
     produce(&mut con, 10).await;
-    let mut stream = Box::pin(prefetch(source, 10, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source, levels(10, 0)));
     let mut first = take(&mut stream, 10).await;
     let held = first.split_off(6);
     for e in first {
@@ -570,7 +571,7 @@ async fn a_deleted_stream_refilled_by_a_producer_is_consumed_again() {
         .recreate_from(flowgate::demand::StartFrom::Beginning);
     let source = counters.build(builder);
     produce(&mut con, 5).await;
-    let mut stream = Box::pin(prefetch(source, 5, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source, levels(5, 0)));
     for e in take(&mut stream, 5).await {
         e.ack.ack();
     }
@@ -598,7 +599,7 @@ async fn consumption_resumes_after_the_server_restarts_empty() {
     let source = counters.build(lost_group_builder(conn.clone(), "r"));
     let mut producer = conn;
     produce(&mut producer, 5).await;
-    let mut stream = Box::pin(prefetch(source, 5, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source, levels(5, 0)));
     for e in take(&mut stream, 5).await {
         e.ack.ack();
     }
@@ -688,7 +689,7 @@ async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
         .await
         .unwrap();
     produce(&mut con, 10).await;
-    let mut stream = Box::pin(prefetch(source, usize::MAX, 0).unwrap());
+    let mut stream = Box::pin(prefetch(source, levels(usize::MAX, 0)));
     let first = next(&mut stream)
         .await
         .expect("COUNT is capped: Redis accepts it");

@@ -1,6 +1,6 @@
 //! The gate under the Redis failures of issue 14, against real `redis-server` processes:
 //! Redis refusing writes (OOM, a read-only replica, unmet `min-replicas-to-write`) under
-//! every failure policy and on every path, corrupt values on one key, `acquire_all`'s
+//! every failure policy and on every path, corrupt values on one key, `check_all`'s
 //! merging, limits, prefix and fallback, a full lease map, and a gate whose runtime shut
 //! down.
 
@@ -18,7 +18,7 @@ use super::support::RedisServer;
 const PROBE: Duration = Duration::from_millis(50);
 /// The burst of the Redis gates' own limit.
 const BURST: u32 = 100;
-/// The burst of the fallback gate, and of the quotas given to `acquire_all`.
+/// The burst of the fallback gate, and of the quotas given to `check_all`.
 const SMALL: u32 = 3;
 
 fn per_hour(n: u32) -> Quota {
@@ -89,7 +89,7 @@ enum Path {
     Batched,
     /// `check` with leases of 5.
     Lease,
-    /// `acquire_all` over two keys.
+    /// `check_all` over two keys.
     All,
 }
 
@@ -116,9 +116,9 @@ impl Policy {
             Policy::Error => FailurePolicy::Error,
             Policy::Open => FailurePolicy::Open,
             Policy::Closed => FailurePolicy::Closed,
-            Policy::Fallback => FailurePolicy::Fallback(
-                MemoryGate::new(Limit::TokenBucket(per_hour(SMALL))).unwrap(),
-            ),
+            Policy::Fallback => {
+                FailurePolicy::Fallback(MemoryGate::new(Limit::TokenBucket(per_hour(SMALL))))
+            }
         }
     }
 }
@@ -142,7 +142,7 @@ async fn path_gate(
     builder.build().await.unwrap()
 }
 
-/// One outcome of a call on a path: for `check`, one decision; for `acquire_all`, one per
+/// One outcome of a call on a path: for `check`, one decision; for `check_all`, one per
 /// limit.
 type Outcome = Result<Vec<Decision>, GateError>;
 
@@ -170,7 +170,7 @@ async fn calls(
                 let limits = [(a.as_str(), per_hour(SMALL)), (b.as_str(), per_hour(SMALL))];
                 let mut out = Vec::with_capacity(n);
                 for _ in 0..n {
-                    out.push(gate.acquire_all(&limits, 1).await);
+                    out.push(gate.check_all(&limits, 1).await);
                 }
                 out
             }
@@ -197,13 +197,13 @@ fn assert_policy_decides(policy: Policy, path: Path, outcomes: &[Outcome]) {
         admitted += usize::from(allowed);
         for d in decisions {
             match policy {
-                Policy::Open => assert!(d.allowed && d.limit == u64::MAX, "{at}: {d:?}"),
+                Policy::Open => assert!(d.allowed && d.capacity == u64::MAX, "{at}: {d:?}"),
                 Policy::Closed => assert!(
                     !d.allowed && d.retry_after > Duration::ZERO && d.retry_after <= PROBE,
                     "{at}: retry_after is not the time until the next probe: {d:?}"
                 ),
-                // The memory gate's burst (its own limit, or the quota given to acquire_all).
-                _ => assert_eq!(d.limit, u64::from(SMALL), "{at}: {d:?}"),
+                // The memory gate's burst (its own limit, or the quota given to check_all).
+                _ => assert_eq!(d.capacity, u64::from(SMALL), "{at}: {d:?}"),
             }
         }
     }
@@ -237,7 +237,7 @@ async fn assert_recovers(gate: &RedisGate<ConnectionManager>, policy: Policy, pa
         for outcome in outcomes {
             let ds = outcome.unwrap_or_else(|e| panic!("{at}: {e}"));
             assert!(
-                ds.iter().all(|d| d.allowed && d.limit < u64::MAX),
+                ds.iter().all(|d| d.allowed && d.capacity < u64::MAX),
                 "{at}: {ds:?}"
             );
         }
@@ -364,7 +364,7 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
                 match path {
                     // The bad keys' calls must charge nothing on the shared tenant layer.
                     Path::All => gate
-                        .acquire_all(&[(&key, per_hour(GOOD_BURST)), ("tenant", tenant)], 1)
+                        .check_all(&[(&key, per_hour(GOOD_BURST)), ("tenant", tenant)], 1)
                         .await
                         .map(|ds| ds[0]),
                     _ => gate.check(&key, 1).await,
@@ -395,7 +395,7 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
             "{path:?}: every good key admitted exactly its burst"
         );
         if path == Path::All {
-            let d = gate.acquire_all(&[("tenant", tenant)], 1).await.unwrap();
+            let d = gate.check_all(&[("tenant", tenant)], 1).await.unwrap();
             let charged = 1 + GOOD as u64 * u64::from(GOOD_BURST);
             assert_eq!(
                 d[0].remaining,
@@ -406,7 +406,7 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
     }
 }
 
-// ----- acquire_all -----
+// ----- check_all -----
 
 /// A gate with the default settings but `prefix`, on a new connection to `server`.
 async fn default_gate(server: &RedisServer, prefix: &str) -> RedisGate<MultiplexedConnection> {
@@ -418,23 +418,23 @@ async fn default_gate(server: &RedisServer, prefix: &str) -> RedisGate<Multiplex
 }
 
 #[tokio::test]
-async fn acquire_all_charges_a_key_listed_twice_for_each_listing() {
+async fn check_all_charges_a_key_listed_twice_for_each_listing() {
     let server = RedisServer::start();
     let gate = default_gate(&server, "flowgate:").await;
     let one = per_hour(1);
     assert!(matches!(
-        gate.acquire_all(&[("k1", one), ("k1", one)], 1).await,
-        Err(GateError::InsufficientCapacity {
+        gate.check_all(&[("k1", one), ("k1", one)], 1).await,
+        Err(GateError::Cost(flowgate::CostError::ExceedsCapacity {
             cost: 2,
             capacity: 1
-        })
+        }))
     ));
     // Nothing was charged.
-    assert!(gate.acquire_all(&[("k1", one)], 1).await.unwrap()[0].allowed);
+    assert!(gate.check_all(&[("k1", one)], 1).await.unwrap()[0].allowed);
 
     let two = per_hour(2);
     let both = gate
-        .acquire_all(&[("k2", two), ("k2", two)], 1)
+        .check_all(&[("k2", two), ("k2", two)], 1)
         .await
         .unwrap();
     assert_eq!(both.len(), 2);
@@ -442,7 +442,7 @@ async fn acquire_all_charges_a_key_listed_twice_for_each_listing() {
         both.iter().all(|d| d.allowed && d.remaining == 0),
         "{both:?}"
     );
-    let after = gate.acquire_all(&[("k2", two)], 1).await.unwrap();
+    let after = gate.check_all(&[("k2", two)], 1).await.unwrap();
     assert!(
         !after[0].allowed,
         "charged twice: the bucket is empty: {after:?}"
@@ -450,11 +450,11 @@ async fn acquire_all_charges_a_key_listed_twice_for_each_listing() {
 }
 
 #[tokio::test]
-async fn acquire_all_refuses_conflicting_quotas_and_too_many_limits() {
+async fn check_all_refuses_conflicting_quotas_and_too_many_limits() {
     let server = RedisServer::start();
     let gate = default_gate(&server, "flowgate:").await;
     match gate
-        .acquire_all(&[("k", per_hour(1)), ("k", per_hour(2))], 1)
+        .check_all(&[("k", per_hour(1)), ("k", per_hour(2))], 1)
         .await
     {
         Err(GateError::ConflictingQuotas { key }) => assert_eq!(key, "k"),
@@ -463,10 +463,10 @@ async fn acquire_all_refuses_conflicting_quotas_and_too_many_limits() {
     let names: Vec<String> = (0..33).map(|i| format!("k{i}")).collect();
     let limits: Vec<(&str, Quota)> = names.iter().map(|k| (k.as_str(), per_hour(5))).collect();
     assert!(matches!(
-        gate.acquire_all(&limits, 1).await,
+        gate.check_all(&limits, 1).await,
         Err(GateError::TooManyLimits { given: 33, max: 32 })
     ));
-    let all = gate.acquire_all(&limits[..32], 1).await.unwrap();
+    let all = gate.check_all(&limits[..32], 1).await.unwrap();
     assert!(
         all.len() == 32 && all.iter().all(|d| d.allowed),
         "32 is allowed"
@@ -474,10 +474,10 @@ async fn acquire_all_refuses_conflicting_quotas_and_too_many_limits() {
 }
 
 #[tokio::test]
-async fn acquire_all_keys_get_the_gate_prefix() {
+async fn check_all_keys_get_the_gate_prefix() {
     let server = RedisServer::start();
     let gate = default_gate(&server, "pfx:").await;
-    assert!(gate.acquire_all(&[("k", per_hour(5))], 1).await.unwrap()[0].allowed);
+    assert!(gate.check_all(&[("k", per_hour(5))], 1).await.unwrap()[0].allowed);
     let exists = |key: &str| -> bool {
         server
             .query_blocking(redis::cmd("EXISTS").arg(key))
@@ -488,9 +488,9 @@ async fn acquire_all_keys_get_the_gate_prefix() {
 }
 
 #[tokio::test]
-async fn acquire_all_under_fallback_decides_all_or_nothing_in_memory() {
+async fn check_all_under_fallback_decides_all_or_nothing_in_memory() {
     let server = RedisServer::start();
-    let fallback = MemoryGate::new(super::quota(100)).unwrap();
+    let fallback = MemoryGate::new(super::quota(100));
     let gate = RedisGate::builder(super::manager(&server).await, super::quota(100))
         .failure_policy(FailurePolicy::Fallback(fallback))
         .build()
@@ -500,21 +500,21 @@ async fn acquire_all_under_fallback_decides_all_or_nothing_in_memory() {
     let (ip, user) = (per_hour(5), per_hour(3));
     let layers = [("ip", ip), ("user", user)];
     for i in 0..3 {
-        let ds = bounded(2, "acquire_all", gate.acquire_all(&layers, 1))
+        let ds = bounded(2, "check_all", gate.check_all(&layers, 1))
             .await
             .unwrap_or_else(|e| panic!("call {i}: {e}"));
         assert!(ds.iter().all(|d| d.allowed), "call {i}: {ds:?}");
-        assert_eq!((ds[0].limit, ds[1].limit), (5, 3), "the quotas given");
+        assert_eq!((ds[0].capacity, ds[1].capacity), (5, 3), "the quotas given");
     }
     assert!(gate.is_degraded());
-    let ds = gate.acquire_all(&layers, 1).await.unwrap();
+    let ds = gate.check_all(&layers, 1).await.unwrap();
     assert!(
         ds.iter().all(|d| !d.allowed),
         "the user layer is empty: {ds:?}"
     );
     assert_eq!((ds[0].remaining, ds[1].remaining), (2, 0));
     // The rejection charged no layer: the IP layer still has 2.
-    let ip_only = gate.acquire_all(&[("ip", ip)], 2).await.unwrap();
+    let ip_only = gate.check_all(&[("ip", ip)], 2).await.unwrap();
     assert!(
         ip_only[0].allowed && ip_only[0].remaining == 0,
         "{ip_only:?}"

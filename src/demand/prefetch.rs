@@ -1,0 +1,568 @@
+//! `prefetch`: a stream that fetches from a `BatchSource` exactly what its buffer has room for.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::fmt;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use std::vec;
+
+use futures::Stream;
+use futures::stream::FusedStream;
+use pin_project::pin_project;
+use tokio::time::Sleep;
+
+use crate::demand::{BatchSource, Levels};
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::metrics::{Gauge, Labels};
+
+/// Stream of [`prefetch`](crate::demand::prefetch): fetches from a [`BatchSource`] exactly
+/// what the buffer has room for.
+///
+/// At most `high` items are fetched but not yet consumed. When the buffer falls to `low`,
+/// the next fetch asks for exactly `high − buffered` items — never more — so memory stays
+/// bounded and nothing is fetched that downstream has no room for. A fetch error is yielded
+/// as an `Err` item (after the items buffered before it), and the next fetch waits (10 ms,
+/// doubling up to 1 s while fetches keep failing; see
+/// [`retry_backoff`](PrefetchBuilder::retry_backoff)), so a loop that logs errors and goes
+/// on does not hammer a source that is down. The stream ends when the source does and the
+/// buffer is empty.
+///
+/// `Y` is what the stream yields: [`Results`] (the default), `Result<S::Item, S::Error>`;
+/// or [`Items`], plain `S::Item`s, for a source that cannot fail (`Error =`
+/// [`Infallible`]), such as [`IterSource`](crate::demand::IterSource) and
+/// [`StreamSource`](crate::demand::StreamSource): see [`items`](Prefetch::items).
+///
+/// # Panics
+///
+/// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled
+/// (unless the retry backoff is zero); see [`retry_backoff`](PrefetchBuilder::retry_backoff).
+#[pin_project]
+#[must_use = "streams do nothing unless polled"]
+pub struct Prefetch<S: BatchSource, Y = Results> {
+    #[pin]
+    source: S,
+    /// Fetched items, batch by batch, as the fetches returned them (no copy): the batch
+    /// being handed out, and the ones behind it with their item count.
+    current: vec::IntoIter<S::Item>,
+    /// How many items of `current` the hot path may hand out unchecked: those the slow path
+    /// would hand out without starting or polling a fetch (set by `unchecked`).
+    fast: usize,
+    queued: VecDeque<vec::IntoIter<S::Item>>,
+    queued_items: usize,
+    levels: Levels,
+    /// The `max` of a fetch in progress.
+    fetching: Option<usize>,
+    error: Option<S::Error>,
+    done: bool,
+    buffered: Gauge,
+    /// After a failed fetch the next one waits `retry_next`: `retry_min`, doubling after each
+    /// further failure up to `retry_max`.
+    retry_min: Duration,
+    retry_max: Duration,
+    retry_next: Duration,
+    /// Boxed only when a fetch failed, so the stream stays `Unpin` when its source is.
+    pause: Option<Pin<Box<Sleep>>>,
+    name: Option<String>,
+    /// What the stream yields; `fn() -> Y` so `Y` does not change the auto traits.
+    yields: PhantomData<fn() -> Y>,
+}
+
+/// What a [`Prefetch`] yields by default: `Result<S::Item, S::Error>`, a fetch error as an
+/// `Err` item.
+#[derive(Debug)]
+pub enum Results {}
+
+/// What a [`Prefetch`] over a source that cannot fail yields after
+/// [`items`](Prefetch::items): plain `S::Item`s.
+#[derive(Debug)]
+pub enum Items {}
+
+/// Fetch from `source` by demand: keep at most `levels.high()` items buffered, refill when
+/// the buffer falls to `levels.low()`, asking for exactly `high − buffered`. Unnamed: to set
+/// the `name` label of its metrics or the retry backoff, use [`Prefetch::builder`].
+///
+/// The stream yields `Result<S::Item, S::Error>`; over a source that cannot fail
+/// (`Error =` [`Infallible`]), [`.items()`](Prefetch::items) makes it yield plain items.
+///
+/// # Panics
+///
+/// Polling the stream panics after a failed fetch if it runs inside a tokio runtime whose
+/// time driver is disabled (the pause before the next fetch is a tokio timer). Outside any
+/// tokio runtime it does not pause, and does not panic.
+///
+/// # Examples
+///
+/// ```
+/// use std::pin::Pin;
+/// use std::task::{Context, Poll};
+/// use flowgate::demand::{prefetch, BatchSource, Fetched, Levels, StreamSource};
+/// use futures::StreamExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let levels = Levels::new(4, 1)?;
+///
+/// // A source that cannot fail: plain items.
+/// let source = StreamSource::new(futures::stream::iter(0..10));
+/// let items: Vec<u32> = prefetch(source, levels).items().collect().await;
+/// assert_eq!(items, (0..10).collect::<Vec<_>>());
+///
+/// // A source that can: `Result`s, the error after the items fetched before it.
+/// struct Flaky(u32);
+/// impl BatchSource for Flaky {
+///     type Item = u32;
+///     type Error = &'static str;
+///     fn poll_fetch(mut self: Pin<&mut Self>, _: &mut Context<'_>, max: usize) -> Fetched<u32, &'static str> {
+///         self.0 += 1;
+///         Poll::Ready(match self.0 {
+///             1 => Some(Ok(vec![7; max])),
+///             2 => Some(Err("broker down")),
+///             _ => None,
+///         })
+///     }
+/// }
+/// let out: Vec<Result<u32, &str>> = prefetch(Flaky(0), levels).collect().await;
+/// assert_eq!(out, [Ok(7), Ok(7), Ok(7), Ok(7), Err("broker down")]);
+/// # Ok(())
+/// # }
+/// ```
+pub fn prefetch<S: BatchSource>(source: S, levels: Levels) -> Prefetch<S> {
+    Prefetch::new(source, levels, None)
+}
+
+impl<S: BatchSource> Prefetch<S> {
+    /// A builder, to give the stream a name and a retry backoff:
+    /// `Prefetch::builder(source, levels)` is [`prefetch`] with options.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::demand::{IterSource, Levels, Prefetch};
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let stream = Prefetch::builder(IterSource::new(0..10), Levels::new(4, 1)?)
+    ///     .name("orders")
+    ///     .retry_backoff(Duration::from_millis(50), Duration::from_secs(5))
+    ///     .build()?
+    ///     .items();
+    /// assert_eq!(stream.name(), Some("orders"));
+    /// assert_eq!(stream.count().await, 10);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(source: S, levels: Levels) -> PrefetchBuilder<S> {
+        PrefetchBuilder {
+            source,
+            levels,
+            retry_backoff: (DEFAULT_RETRY_MIN, DEFAULT_RETRY_MAX),
+            name: None,
+        }
+    }
+
+    pub(crate) fn new(source: S, levels: Levels, name: Option<String>) -> Self {
+        Prefetch {
+            source,
+            current: Vec::new().into_iter(),
+            fast: 0,
+            queued: VecDeque::new(),
+            queued_items: 0,
+            levels,
+            fetching: None,
+            error: None,
+            done: false,
+            buffered: Labels::new(name.as_deref()).gauge(names::BUFFERED, &[]),
+            retry_min: DEFAULT_RETRY_MIN,
+            retry_max: DEFAULT_RETRY_MAX,
+            retry_next: DEFAULT_RETRY_MIN,
+            pause: None,
+            name,
+            yields: PhantomData,
+        }
+    }
+}
+
+impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
+    /// The same stream, yielding plain items instead of `Result`s: for a source that cannot
+    /// fail (`Error =` [`Infallible`]), such as [`IterSource`](crate::demand::IterSource),
+    /// [`StreamSource`](crate::demand::StreamSource) or a source of your own. Nothing else
+    /// changes (buffer, levels, name, metrics).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::demand::{prefetch, IterSource, Levels};
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut offsets = prefetch(IterSource::new(100..103u64), Levels::new(2, 0)?).items();
+    /// assert_eq!(offsets.next().await, Some(100));
+    /// assert_eq!(offsets.collect::<Vec<u64>>().await, [101, 102]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn items(self) -> Prefetch<S, Items> {
+        let Prefetch {
+            source,
+            current,
+            fast,
+            queued,
+            queued_items,
+            levels,
+            fetching,
+            error,
+            done,
+            buffered,
+            retry_min,
+            retry_max,
+            retry_next,
+            pause,
+            name,
+            yields: _,
+        } = self;
+        Prefetch {
+            source,
+            current,
+            fast,
+            queued,
+            queued_items,
+            levels,
+            fetching,
+            error,
+            done,
+            buffered,
+            retry_min,
+            retry_max,
+            retry_next,
+            pause,
+            name,
+            yields: PhantomData,
+        }
+    }
+}
+
+impl<S: BatchSource, Y> Prefetch<S, Y> {
+    /// The `name` label of this stream's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// Items fetched and not yet consumed.
+    pub fn buffered(&self) -> usize {
+        self.current.len() + self.queued_items
+    }
+
+    /// The levels: at most `high` items buffered, a fetch when the buffer falls to `low`.
+    pub fn levels(&self) -> Levels {
+        self.levels
+    }
+
+    /// The source.
+    pub fn get_ref(&self) -> &S {
+        &self.source
+    }
+
+    /// The source, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.source
+    }
+
+    /// The source, pinned.
+    pub fn get_pin_mut(self: Pin<&mut Self>) -> Pin<&mut S> {
+        self.project().source
+    }
+
+    /// The next buffered item.
+    #[inline]
+    fn pop(
+        current: &mut vec::IntoIter<S::Item>,
+        queued: &mut VecDeque<vec::IntoIter<S::Item>>,
+        queued_items: &mut usize,
+    ) -> Option<S::Item> {
+        if let Some(item) = current.next() {
+            return Some(item);
+        }
+        let mut next = queued.pop_front()?;
+        *queued_items -= next.len();
+        let item = next.next();
+        *current = next;
+        item
+    }
+
+    /// The source; buffered items are dropped.
+    pub fn into_inner(self) -> S {
+        self.source
+    }
+}
+
+/// Builds a [`Prefetch`] stream; from [`Prefetch::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct PrefetchBuilder<S> {
+    source: S,
+    levels: Levels,
+    /// `(min, max)`, checked by `build`.
+    retry_backoff: (Duration, Duration),
+    name: Option<String>,
+}
+
+impl<S: BatchSource> PrefetchBuilder<S> {
+    /// The `name` label of the stream's metrics (`flowgate_demand_buffered`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// How long the fetch after a failed one waits: `min`, doubling after each further failure
+    /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
+    /// `min` zero a failed fetch is retried at once. The pause is a tokio timer: inside a tokio
+    /// runtime that runtime must have time enabled (as for every timed part of flowgate);
+    /// polled outside any tokio runtime, the stream does not pause.
+    ///
+    /// `min` above `max` is refused by [`build`](PrefetchBuilder::build) (`ConfigError` on
+    /// `prefetch.retry_backoff`).
+    ///
+    /// # Panics
+    ///
+    /// With `min` above zero, polling the built stream panics after a failed fetch inside a
+    /// tokio runtime whose time driver is disabled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::demand::{IterSource, Levels, Prefetch};
+    ///
+    /// let source = || IterSource::new(0..10);
+    /// let levels = Levels::new(4, 1)?;
+    /// let backoff = |min, max| Prefetch::builder(source(), levels).retry_backoff(min, max).build();
+    /// assert!(backoff(Duration::ZERO, Duration::from_secs(1)).is_ok());
+    /// let e = backoff(Duration::from_secs(2), Duration::from_secs(1)).unwrap_err();
+    /// assert_eq!(e.field(), "prefetch.retry_backoff");
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.retry_backoff = (min, max);
+        self
+    }
+
+    /// Build the stream. It yields `Result`s; over a source that cannot fail, call
+    /// [`items`](Prefetch::items) on it for plain items.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `prefetch.retry_backoff` if its `min` is above its `max` (the
+    /// levels were checked by [`Levels::new`]).
+    pub fn build(self) -> Result<Prefetch<S>, ConfigError> {
+        let (min, max) = self.retry_backoff;
+        if min > max {
+            return Err(ConfigError::new(
+                "prefetch.retry_backoff",
+                ConfigErrorKind::Inconsistent,
+                format!("min {min:?} is above max {max:?}"),
+            ));
+        }
+        let mut prefetch = Prefetch::new(self.source, self.levels, self.name);
+        prefetch.retry_min = min;
+        prefetch.retry_max = max;
+        prefetch.retry_next = min;
+        Ok(prefetch)
+    }
+}
+
+const DEFAULT_RETRY_MIN: Duration = Duration::from_millis(10);
+const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// Names of the prefetch metrics.
+pub(crate) mod names {
+    pub(crate) const BUFFERED: &str = "flowgate_demand_buffered";
+}
+
+impl<S: BatchSource> Stream for Prefetch<S, Results> {
+    type Item = Result<S::Item, S::Error>;
+
+    #[inline]
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.poll_result(cx)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.hint()
+    }
+}
+
+impl<S: BatchSource<Error = Infallible>> Stream for Prefetch<S, Items> {
+    type Item = S::Item;
+
+    #[inline]
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
+        self.poll_result(cx).map(|next| {
+            next.map(|item| match item {
+                Ok(item) => item,
+                Err(never) => match never {},
+            })
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        // The source cannot fail, so `hint` never counts an error item.
+        self.hint()
+    }
+}
+
+impl<S: BatchSource, Y> Prefetch<S, Y> {
+    /// `poll_next`, with a fetch error as an `Err` item.
+    #[inline]
+    fn poll_result(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<S::Item, S::Error>>> {
+        // The hot path, small enough to inline into the consumer: above `low`, no fetch in
+        // progress, and the current batch not used up.
+        let this = self.as_mut().project();
+        if *this.fast != 0 {
+            *this.fast -= 1;
+            if let Some(item) = this.current.next() {
+                return Poll::Ready(Some(Ok(item)));
+            }
+        }
+        self.poll_slow(cx)
+    }
+
+    /// `size_hint` of either stream.
+    fn hint(&self) -> (usize, Option<usize>) {
+        // The buffer is certain; the source's size is unknown.
+        let lo = self.buffered();
+        (
+            lo,
+            if self.done {
+                Some(lo + usize::from(self.error.is_some()))
+            } else {
+                None
+            },
+        )
+    }
+
+    /// Sets `fast`: the items `poll_next` may take from `current` before `poll_fetching` has
+    /// to look again. A fetch in progress is polled on every poll: none. If no fetch can start
+    /// (the source ended, or an error waits to be yielded after the buffered items): all of
+    /// `current`. Otherwise the slow path starts a fetch once the buffer is at `low`, so the
+    /// hot path stops there.
+    fn unchecked(self: Pin<&mut Self>) {
+        let this = self.project();
+        let current = this.current.len();
+        *this.fast = if this.fetching.is_some() {
+            0
+        } else if *this.done || this.error.is_some() {
+            current
+        } else {
+            current.min((current + *this.queued_items).saturating_sub(this.levels.low()))
+        };
+    }
+
+    /// `poll_next` when a fetch may be due or the current batch is used up.
+    #[inline(never)]
+    fn poll_slow(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<S::Item, S::Error>>> {
+        let next = self.as_mut().poll_fetching(cx);
+        self.unchecked();
+        next
+    }
+
+    /// Polls a fetch that is due or in progress, then hands out the next buffered item.
+    fn poll_fetching(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<S::Item, S::Error>>> {
+        let mut this = self.project();
+        let buffered = this.current.len() + *this.queued_items;
+        let mut refill = this.fetching.is_some()
+            || (buffered <= this.levels.low() && !*this.done && this.error.is_none());
+        // Pausing after a failed fetch?
+        if refill && let Some(pause) = this.pause.as_mut() {
+            if pause.as_mut().poll(cx).is_pending() {
+                refill = false;
+            } else {
+                *this.pause = None;
+            }
+        }
+        if refill {
+            let max = *this.fetching.get_or_insert(this.levels.high() - buffered);
+            if let Poll::Ready(result) = this.source.as_mut().poll_fetch(cx, max) {
+                *this.fetching = None;
+                match result {
+                    Some(Ok(batch)) => {
+                        debug_assert!(batch.len() <= max, "source returned more than max");
+                        *this.retry_next = *this.retry_min;
+                        let fetched = batch.len();
+                        if this.current.len() == 0 && this.queued.is_empty() {
+                            *this.current = batch.into_iter();
+                        } else if fetched > 0 {
+                            this.queued.push_back(batch.into_iter());
+                            *this.queued_items += fetched;
+                        }
+                        this.buffered.set((buffered + fetched) as f64);
+                        // An empty batch with nothing buffered: fetch again, after yielding
+                        // to the executor (a source that is always ready and always empty
+                        // must not spin inside one poll).
+                        if buffered + fetched == 0 {
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                    }
+                    Some(Err(e)) => {
+                        *this.error = Some(e);
+                        let wait = *this.retry_next;
+                        if !wait.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
+                            *this.pause = Some(Box::pin(tokio::time::sleep(wait)));
+                            *this.retry_next = wait.saturating_mul(2).min(*this.retry_max);
+                        }
+                    }
+                    None => *this.done = true,
+                }
+            }
+        }
+        // The gauge is updated when a batch lands, not per item (cheap hot path).
+        if let Some(item) = Self::pop(this.current, this.queued, this.queued_items) {
+            return Poll::Ready(Some(Ok(item)));
+        }
+        if let Some(e) = this.error.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        if *this.done {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl<S: BatchSource, Y> FusedStream for Prefetch<S, Y>
+where
+    Prefetch<S, Y>: Stream,
+{
+    fn is_terminated(&self) -> bool {
+        self.done && self.buffered() == 0 && self.error.is_none()
+    }
+}
+
+impl<S: BatchSource + fmt::Debug, Y> fmt::Debug for Prefetch<S, Y> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Prefetch")
+            .field("source", &self.source)
+            .field("name", &self.name)
+            .field("buffered", &self.buffered())
+            .field("levels", &self.levels)
+            .field("fetching", &self.fetching)
+            .field("retry_backoff", &(self.retry_min, self.retry_max))
+            .finish()
+    }
+}

@@ -1,0 +1,109 @@
+//! `Dropped` and `OnDrop`: why an item was dropped, and the one hook signature that sees it.
+
+use std::fmt;
+
+use crate::decision::Decision;
+use crate::gate::GateError;
+use std::sync::Arc;
+
+/// Why an item was dropped: removed without being delivered.
+///
+/// Every component that can drop items (the [`channel`](crate::channel), the enforcing
+/// [`leaky_queue`](crate::FlowStreamExt::leaky_queue), [`gated_drop`](crate::FlowStreamExt::gated_drop)
+/// and [`gated`](crate::FlowStreamExt::gated)) passes each dropped item, with this reason, to
+/// its `on_drop` hook (see [`OnDrop`]) and counts it in its `dropped` count. Nothing is
+/// dropped silently.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Dropped {
+    /// The buffer was full under [`Overflow::DropNewest`](crate::Overflow::DropNewest): the
+    /// incoming item was dropped.
+    Newest,
+    /// The buffer was full under [`Overflow::DropOldest`](crate::Overflow::DropOldest): the
+    /// oldest buffered item was dropped to make room.
+    Oldest,
+    /// The item was still buffered or waiting when its holder was closed, dropped or taken
+    /// apart (a receiver dropped, a stream adapter dropped with an item in hand).
+    Discarded,
+    /// A gate rejected it ([`gated_drop`](crate::FlowStreamExt::gated_drop)).
+    Rejected(Decision),
+    /// A gate could not decide it.
+    GateError(GateError),
+}
+
+impl Dropped {
+    /// A stable lowercase name (the `reason` label of `flowgate_gated_dropped_total`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Dropped::Newest => "newest",
+            Dropped::Oldest => "oldest",
+            Dropped::Discarded => "discarded",
+            Dropped::Rejected(_) => "rejected",
+            Dropped::GateError(_) => "gate_error",
+        }
+    }
+}
+
+impl fmt::Display for Dropped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dropped::Newest => f.write_str("dropped: the buffer was full (drop newest)"),
+            Dropped::Oldest => f.write_str("dropped to make room (drop oldest)"),
+            Dropped::Discarded => f.write_str("discarded: its holder closed or went away"),
+            Dropped::Rejected(d) => write!(f, "rejected: retry after {:?}", d.retry_after),
+            Dropped::GateError(e) => write!(f, "the gate could not decide: {e}"),
+        }
+    }
+}
+
+/// The drop hook: one signature everywhere, `Fn(T, &Dropped) + Send + Sync + 'static`.
+///
+/// Shared components call it from whichever task dropped the item, never under a lock.
+/// Build it from a closure with `OnDrop::new`, or pass the closure to a builder's `on_drop`.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::sync::Arc;
+/// use flowgate::{Dropped, OnDrop};
+///
+/// let lost = Arc::new(AtomicU64::new(0));
+/// let seen = lost.clone();
+/// let hook = OnDrop::new(move |_item: u32, why: &Dropped| {
+///     assert_eq!(why.as_str(), "newest");
+///     seen.fetch_add(1, Ordering::Relaxed);
+/// });
+/// hook.call(7, &Dropped::Newest);
+/// assert_eq!(lost.load(Ordering::Relaxed), 1);
+/// ```
+pub struct OnDrop<T>(Arc<Hook<T>>);
+
+type Hook<T> = dyn Fn(T, &Dropped) + Send + Sync;
+
+impl<T> OnDrop<T> {
+    /// Wrap a hook.
+    pub fn new(hook: impl Fn(T, &Dropped) + Send + Sync + 'static) -> OnDrop<T> {
+        OnDrop(Arc::new(hook))
+    }
+
+    /// Call the hook with a dropped item and why it was dropped.
+    pub fn call(&self, item: T, why: &Dropped) {
+        (self.0)(item, why)
+    }
+}
+
+impl<T> Clone for OnDrop<T> {
+    fn clone(&self) -> OnDrop<T> {
+        OnDrop(self.0.clone())
+    }
+}
+
+impl<T> fmt::Debug for OnDrop<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OnDrop(..)")
+    }
+}
+
+impl<T> std::panic::UnwindSafe for OnDrop<T> {}
+impl<T> std::panic::RefUnwindSafe for OnDrop<T> {}

@@ -1,0 +1,151 @@
+//! The public API as a user meets it: the prelude alone reaches every adapter, even on a type
+//! that is both a `Stream` and a `Sink` (a `Framed`, a websocket), and the handles users
+//! share across tasks and panics have the auto traits they need.
+
+use std::panic::{RefUnwindSafe, UnwindSafe};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use flowgate::prelude::*;
+use futures::{Sink, SinkExt, Stream, StreamExt};
+
+/// Both a `Stream` and a `Sink`: yields 1, 2, 3, ... up to `end`; records what it is sent.
+#[derive(Default)]
+struct Duplex {
+    next: u32,
+    end: u32,
+    sent: Vec<u32>,
+}
+
+impl Duplex {
+    fn upto(end: u32) -> Duplex {
+        Duplex {
+            end,
+            ..Duplex::default()
+        }
+    }
+}
+
+impl Stream for Duplex {
+    type Item = u32;
+
+    fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<u32>> {
+        if self.next == self.end {
+            return Poll::Ready(None);
+        }
+        self.next += 1;
+        Poll::Ready(Some(self.next))
+    }
+}
+
+impl Sink<u32> for Duplex {
+    type Error = std::convert::Infallible;
+
+    fn poll_ready(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn start_send(mut self: Pin<&mut Self>, item: u32) -> Result<(), Self::Error> {
+        self.sent.push(item);
+        Ok(())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Every stream and sink adapter is called on a `Duplex` with nothing but the prelude
+/// imported: a method name shared by `FlowStreamExt` and `FlowSinkExt` would not compile
+/// (E0034). Each adapter also runs, so the test checks what it yields.
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_is_also_a_sink_reaches_every_adapter_through_the_prelude() {
+    let rate = Rate::per_second(1_000).unwrap();
+    let pacer = Pacer::new(rate);
+    let bulkhead = Bulkhead::new(2).unwrap();
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(3).unwrap()));
+    let twice = |x: u32| async move { x * 2 };
+
+    let ordered: Vec<u32> = Duplex::upto(4)
+        .bulkhead_map(bulkhead.clone(), twice)
+        .collect()
+        .await;
+    assert_eq!(ordered, [2, 4, 6, 8]);
+    let mut unordered: Vec<u32> = Duplex::upto(4)
+        .bulkhead_map_unordered(bulkhead.clone(), twice)
+        .collect()
+        .await;
+    unordered.sort_unstable();
+    assert_eq!(unordered, [2, 4, 6, 8]);
+    let spawned: Vec<u32> = Duplex::upto(4)
+        .bulkhead_spawn_map(bulkhead.clone(), twice)
+        .collect()
+        .await;
+    assert_eq!(spawned.len(), 4);
+
+    let start = tokio::time::Instant::now();
+    let slow = Rate::per_second(10).unwrap();
+    assert_eq!(Duplex::upto(4).leaky(slow).count().await, 4);
+    assert_eq!(start.elapsed(), Duration::from_millis(200)); // a burst of 2, then 10/s
+    assert_eq!(Duplex::upto(3).leaky_with(pacer.clone()).count().await, 3);
+    let costed = Duplex::upto(3).leaky_cost(pacer.clone(), |_| 1);
+    assert_eq!(costed.count().await, 3);
+    let queued =
+        Duplex::upto(3).leaky_queue(pacer.clone(), 8.try_into().unwrap(), Overflow::DropNewest);
+    assert_eq!(queued.count().await, 3);
+
+    // Two items of credit: two come, then the stream waits for more.
+    let (demanded, handle) = Duplex::upto(10).with_demand(2);
+    let mut demanded = std::pin::pin!(demanded);
+    assert_eq!(demanded.next().await, Some(1));
+    assert_eq!(demanded.next().await, Some(2));
+    assert!(futures::poll!(demanded.next()).is_pending());
+    assert_eq!(handle.outstanding(), 0);
+    let levels = Levels::new(4, 2).unwrap();
+    let tickets: Vec<_> = Duplex::upto(3).watermarks(levels).collect().await;
+    assert_eq!(tickets.len(), 3);
+
+    // Three per second on one key: the shaping adapter delays the fourth, the policing one
+    // drops it.
+    let policed = Duplex::upto(4)
+        .gated_drop(gate.clone(), |_: &u32| "k")
+        .count()
+        .await;
+    assert_eq!(policed, 3);
+    let start = tokio::time::Instant::now();
+    let shaped = Duplex::upto(2).gated(gate, |_: &u32| "k").count().await;
+    assert_eq!(shaped, 2);
+    assert!(start.elapsed() >= Duration::from_millis(333));
+
+    let mut sink = Duplex::default().leaky_sink(rate);
+    sink.send(7).await.unwrap();
+    assert_eq!(sink.get_ref().sent, [7]);
+    let mut sink = Duplex::default().leaky_sink_with(pacer);
+    sink.send(8).await.unwrap();
+    assert_eq!(sink.get_ref().sent, [8]);
+}
+
+fn shared<T: Send + Sync + Unpin + UnwindSafe + RefUnwindSafe + Clone + 'static>() {}
+fn sendable<T: Send + 'static>() {}
+
+/// The handles a pipeline shares between tasks (and across `catch_unwind`) are cheap to
+/// clone, `Send + Sync + Unpin + 'static` and unwind safe, as tokio's are.
+#[test]
+fn shared_handles_have_the_auto_traits_users_need() {
+    shared::<Bulkhead>();
+    shared::<Pacer>();
+    shared::<MemoryGate>();
+    shared::<flowgate::channel::Sender<std::cell::Cell<u8>>>();
+    shared::<flowgate::OnDrop<String>>();
+    shared::<Levels>();
+    shared::<Quota>();
+    shared::<Decision>();
+    sendable::<flowgate::channel::Receiver<std::cell::Cell<u8>>>();
+    sendable::<flowgate::Dropped>();
+    sendable::<flowgate::CostError>();
+}

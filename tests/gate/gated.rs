@@ -1,0 +1,305 @@
+//! The stream adapters over a gate (`gated`, `gated_drop`, `Gated::builder`), the in-memory
+//! gate's builder and metrics, and `Gate::check_local`: deciding without I/O where a gate can.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flowgate::gate::{Gate, GateError, GateFuture, Gated, Limit, MemoryGate, RedisGate};
+use flowgate::{CostError, Decision, Dropped, FlowStreamExt, Quota};
+use futures::StreamExt;
+
+use crate::support::RedisServer;
+
+/// A gate that forwards to a `MemoryGate` and counts how it was asked. With `local`, it
+/// decides in `check_local` as the memory gate does; without, it has only the async path
+/// (the default `check_local`), as a remote gate would.
+#[derive(Debug, Clone)]
+struct Counted {
+    inner: MemoryGate,
+    local: bool,
+    futures: Arc<AtomicU64>,
+}
+
+impl Counted {
+    fn new(limit: Limit, local: bool) -> Counted {
+        Counted {
+            inner: MemoryGate::new(limit),
+            local,
+            futures: Arc::default(),
+        }
+    }
+}
+
+impl Gate for Counted {
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        self.futures.fetch_add(1, Ordering::Relaxed);
+        Gate::check(&self.inner, key, cost)
+    }
+
+    fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
+        if self.local {
+            self.inner.check_local(key, cost)
+        } else {
+            None
+        }
+    }
+
+    fn limit(&self) -> Limit {
+        self.inner.limit()
+    }
+}
+
+fn per_minute(n: u32) -> Limit {
+    Limit::TokenBucket(Quota::per_minute(n).unwrap())
+}
+
+/// The items a hook saw, with why they were dropped.
+type Seen = Arc<Mutex<Vec<(u32, String)>>>;
+
+/// The reasons seen by a hook, and the hook.
+fn recording() -> (Seen, impl Fn(u32, &Dropped) + Send + Sync + 'static) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hook = seen.clone();
+    (seen, move |item: u32, why: &Dropped| {
+        let why = match why {
+            Dropped::GateError(GateError::Cost(e)) => format!("cost: {e}"),
+            why => why.as_str().to_owned(),
+        };
+        hook.lock().unwrap().push((item, why));
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_gate_that_decides_locally_is_never_asked_for_a_future() {
+    // Shaping, with rejections: 3 pass at once, the other 3 wait 20 s each.
+    for local in [true, false] {
+        let gate = Counted::new(per_minute(3), local);
+        let start = tokio::time::Instant::now();
+        let out: Vec<u32> = futures::stream::iter(0..6)
+            .gated(gate.clone(), |_: &u32| "k")
+            .collect()
+            .await;
+        assert_eq!(
+            out,
+            [0, 1, 2, 3, 4, 5],
+            "local {local}: in order, nothing lost"
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(60), "local {local}");
+        // 6 admissions and 3 rejections: 9 decisions, each through a boxed future only
+        // when the gate cannot decide locally.
+        let futures = gate.futures.load(Ordering::Relaxed);
+        assert_eq!(futures, if local { 0 } else { 9 }, "local {local}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn gated_cost_charges_each_item_its_cost_and_drops_what_can_never_pass() {
+    for local in [true, false] {
+        // 10 per minute, bursts of 10: one unit every 6 s.
+        let gate = Counted::new(per_minute(10), local);
+        let (seen, hook) = recording();
+        let costs = [4, 4, 0, 11, 2, 1];
+        let mut stream = Gated::builder(futures::stream::iter(0..6u32), gate, |_: &u32| "k")
+            .cost(move |i: &u32| costs[*i as usize])
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        let start = tokio::time::Instant::now();
+        let mut passed = Vec::new();
+        while let Some(i) = stream.next().await {
+            passed.push((i, start.elapsed().as_secs()));
+        }
+        // 4 + 4 + 2 use the burst; the last unit comes 6 s later.
+        assert_eq!(passed, [(0, 0), (1, 0), (4, 0), (5, 6)], "local {local}");
+        assert_eq!(stream.dropped(), 2);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                (2, "cost: cost must be at least 1".to_owned()),
+                (
+                    3,
+                    "cost: cost 11 exceeds the capacity 10: it could never be admitted".to_owned()
+                ),
+            ],
+            "local {local}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn gated_drop_reports_each_rejection_with_its_decision() {
+    let gate = MemoryGate::new(per_minute(2));
+    let rejections = Arc::new(Mutex::new(Vec::new()));
+    let hook = rejections.clone();
+    let mut stream = Gated::builder(futures::stream::iter(0..5u32), gate.clone(), |_: &u32| {
+        String::from("k")
+    })
+    .drop_rejected(true)
+    .on_drop(move |i, why| match why {
+        Dropped::Rejected(d) => hook.lock().unwrap().push((i, d.allowed, d.retry_after)),
+        other => panic!("{i}: {other}"),
+    })
+    .name("police")
+    .build()
+    .unwrap();
+    assert_eq!(stream.name(), Some("police"));
+    assert_eq!(stream.gate().limit(), per_minute(2));
+    let passed: Vec<u32> = stream.by_ref().collect().await;
+    assert_eq!(passed, [0, 1]);
+    assert_eq!(stream.dropped(), 3);
+    let rejections = rejections.lock().unwrap().clone();
+    assert_eq!(
+        rejections.iter().map(|r| r.0).collect::<Vec<_>>(),
+        [2, 3, 4]
+    );
+    assert!(
+        rejections
+            .iter()
+            .all(|&(_, allowed, retry)| !allowed && retry > Duration::from_secs(29)),
+        "{rejections:?}"
+    );
+    // The extension method polices the same way, counting what it drops.
+    let mut quick = futures::stream::iter(0..5u32).gated_drop(gate, |_: &u32| "k2");
+    assert_eq!(quick.by_ref().count().await, 2);
+    assert_eq!((quick.dropped(), quick.name()), (3, None));
+}
+
+#[tokio::test]
+async fn a_gated_stream_can_be_spawned_with_any_owned_key() {
+    static KEYS: [&str; 2] = ["even", "odd"];
+    let keys: &'static [&'static str] = &KEYS;
+    let limit = Limit::TokenBucket(Quota::per_second(1_000).unwrap());
+    let gate = MemoryGate::new(limit);
+    // A key borrowed for 'static, captured by reference.
+    let a = tokio::spawn(
+        futures::stream::iter(0..10u32)
+            .gated(gate.clone(), move |i: &u32| keys[(*i % 2) as usize])
+            .count(),
+    );
+    // A key the closure allocates, and a shared one.
+    let b = tokio::spawn(
+        futures::stream::iter(0..10u32)
+            .gated(gate.clone(), |i: &u32| format!("n{i}"))
+            .count(),
+    );
+    let tenant: Arc<str> = Arc::from("tenant");
+    let c = tokio::spawn(
+        futures::stream::iter(0..10u32)
+            .gated_drop(Arc::new(gate), move |_: &u32| tenant.clone())
+            .count(),
+    );
+    assert_eq!(
+        (a.await.unwrap(), b.await.unwrap(), c.await.unwrap()),
+        (10, 10, 10)
+    );
+}
+
+#[test]
+fn the_memory_gate_builder_validates_and_names() {
+    let limit = per_minute(5);
+    let err = MemoryGate::builder(limit).max_keys(0).build().unwrap_err();
+    assert_eq!(err.field(), "keyed.max_keys");
+    let gate = MemoryGate::builder(limit)
+        .max_keys(1_000)
+        .name("tenants")
+        .build()
+        .unwrap();
+    assert_eq!(
+        (gate.name(), gate.max_keys(), gate.limit()),
+        (Some("tenants"), 1_008, limit),
+        "rounded up to 16 shards of 63"
+    );
+    let plain = MemoryGate::new(limit);
+    assert_eq!((plain.name(), plain.max_keys()), (None, 100_000));
+    assert!(format!("{gate:?}").contains("tenants"));
+    // As a `Gate`, it always decides locally, with the same effect as `check`.
+    for _ in 0..5 {
+        assert!(gate.check_local("k", 1).unwrap().unwrap().allowed);
+    }
+    assert!(!gate.check("k", 1).unwrap().allowed);
+    assert!(matches!(
+        gate.check_local("k", 0),
+        Some(Err(GateError::Cost(CostError::Zero)))
+    ));
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_memory_gate_and_the_adapter_count_under_their_names() {
+    let recorder = crate::support::TestRecorder::default();
+    let q = Quota::per_minute(2).unwrap();
+    let (gate, stream) = metrics::with_local_recorder(&recorder, || {
+        let gate = MemoryGate::builder(Limit::TokenBucket(q))
+            .name("api")
+            .build()
+            .unwrap();
+        let stream = Gated::builder(futures::stream::iter(0..5u32), gate.clone(), |_: &u32| "k")
+            .drop_rejected(true)
+            .name("ingest")
+            .build()
+            .unwrap();
+        (gate, stream)
+    });
+    assert_eq!(stream.count().await, 2);
+    assert!(gate.check_all(&[("a", q), ("b", q)], 1).unwrap()[0].allowed);
+    let decisions = |outcome: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=api,outcome={outcome}}}"
+        ))
+    };
+    assert_eq!((decisions("allowed"), decisions("rejected")), (3, 3));
+    let dropped = |reason: &str| {
+        recorder.counter(&format!(
+            "flowgate_gated_dropped_total{{name=ingest,reason={reason}}}"
+        ))
+    };
+    assert_eq!(
+        (
+            dropped("rejected"),
+            dropped("gate_error"),
+            dropped("discarded")
+        ),
+        (3, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn the_redis_gate_decides_locally_only_what_needs_no_redis() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_minute(1))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(gate.name(), None);
+    // Malformed requests: answered here.
+    assert!(matches!(
+        gate.check_local("k", 2),
+        Some(Err(GateError::Cost(CostError::ExceedsCapacity {
+            cost: 2,
+            capacity: 1
+        })))
+    ));
+    assert!(matches!(
+        gate.check_local("", 1),
+        Some(Err(GateError::InvalidKey(_)))
+    ));
+    // A fresh key needs Redis; nothing was consumed by asking.
+    assert!(gate.check_local("k", 1).is_none());
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    // Rejected by Redis: the cached rejection is answered here until its retry_after.
+    assert!(!gate.check("k", 1).await.unwrap().allowed);
+    let cached = gate.check_local("k", 1).expect("cached").unwrap();
+    assert!(!cached.allowed && cached.retry_after > Duration::ZERO);
+    // Through the adapter, over Redis: the first item passes, the rest are dropped.
+    let named = RedisGate::builder(server.connect().await, per_minute(1))
+        .prefix("other:")
+        .name("fleet")
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(named.name(), Some("fleet"));
+    let mut stream = futures::stream::iter(0..3u32).gated_drop(named, |_: &u32| "k");
+    assert_eq!(stream.by_ref().count().await, 1);
+    assert_eq!(stream.dropped(), 2);
+}

@@ -88,17 +88,36 @@ impl Decision {
         (!self.allowed).then(|| ceil_secs(self.retry_after))
     }
 
-    /// The IETF `RateLimit` field for this decision: `"<policy>";r=<remaining>;t=<reset>`,
-    /// with the reset time in whole seconds, rounded up.
+    /// One member of the IETF `RateLimit` field for this decision:
+    /// `"<policy>";r=<remaining>;t=<seconds>`, with `t` in whole seconds, rounded up: the
+    /// time until the quota is full again when admitted, and `retry_after` when rejected
+    /// (the mapping the `http` module's layer uses; with feature `http`, its
+    /// `RateLimitLayer` writes the whole fields, through a Structured Fields serializer).
+    /// `"` and `\` in `policy` are escaped as an sf-String needs; a name outside printable
+    /// ASCII gives no valid field.
     pub fn ratelimit_header(&self, policy: &str) -> String {
-        format!(
-            "\"{policy}\";r={};t={}",
-            self.remaining,
-            ceil_secs(self.reset_after)
-        )
+        let t = ceil_secs(if self.allowed {
+            self.reset_after
+        } else {
+            self.retry_after
+        });
+        let mut out = String::with_capacity(policy.len() + 24);
+        out.push('"');
+        for c in policy.chars() {
+            if c == '"' || c == '\\' {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push_str("\";r=");
+        out.push_str(&self.remaining.to_string());
+        out.push_str(";t=");
+        out.push_str(&t.to_string());
+        out
     }
 }
 
-fn ceil_secs(d: Duration) -> u64 {
+/// Whole seconds, rounded up.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }

@@ -20,6 +20,7 @@
 //! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters | ready |
 //! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
 //! | [`gate`] | keyed token gates: in-memory default and Redis (atomic Lua, server clock, failure policy) | ready |
+//! | `http` | (feature `http`) tower layers: `RateLimitLayer` (429, `Retry-After`, IETF `RateLimit` fields, several policies all-or-nothing, shadow mode) and `ShedLayer` (503 by priority over a bulkhead) | ready |
 //!
 //! ## Shared concepts
 //!
@@ -82,6 +83,8 @@
 //! - `redis` (default): the Redis-backed gate and stream source.
 //! - `metrics` (default): emit metrics through the `metrics` facade. Off, every recording
 //!   call compiles to nothing.
+//! - `http`: the tower layers of the `http` module (adds `tower`, `http`, `http-body`,
+//!   `sfv`, `ipnet`).
 
 #![warn(
     missing_docs,
@@ -102,6 +105,9 @@ mod dropped;
 mod error;
 mod ext;
 pub mod gate;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 pub mod limit;
 pub mod metrics;
 pub mod overflow;

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit};
+use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
 use crate::bulkhead::core::{Core, MAX_PERMITS};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
@@ -172,6 +172,33 @@ impl Bulkhead {
         self.core
             .try_acquire(priority)
             .map(|()| BulkheadPermit { core: &self.core })
+    }
+
+    /// An owned permit for normal work if one is free now; never waits. The owned form of
+    /// [`try_acquire`](Bulkhead::try_acquire): the permit holds the bulkhead, so it can move
+    /// into a spawned task or a response body.
+    ///
+    /// # Errors
+    ///
+    /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    pub fn try_acquire_owned(&self) -> Result<OwnedBulkheadPermit, AcquireError> {
+        self.try_acquire_owned_with(Priority::Normal)
+    }
+
+    /// An owned permit at `priority` if one is free now; never waits.
+    ///
+    /// # Errors
+    ///
+    /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    pub fn try_acquire_owned_with(
+        &self,
+        priority: Priority,
+    ) -> Result<OwnedBulkheadPermit, AcquireError> {
+        self.core
+            .try_acquire(priority)
+            .map(|()| OwnedBulkheadPermit {
+                core: self.core.clone(),
+            })
     }
 
     /// Run `work` holding a permit for normal work; the permit is returned when it finishes

@@ -7,10 +7,13 @@ use std::pin::Pin;
 use crate::decision::Decision;
 use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
+use crate::rate::Quota;
 use crate::sync::Arc;
 
-/// The future of [`Gate::check`].
-pub type GateFuture<'a> = Pin<Box<dyn Future<Output = Result<Decision, GateError>> + Send + 'a>>;
+/// The future of [`Gate::check`] (a [`Decision`]) and of [`Gate::check_all`] (one
+/// `Decision` per limit: `GateFuture<'a, Vec<Decision>>`).
+pub type GateFuture<'a, T = Decision> =
+    Pin<Box<dyn Future<Output = Result<T, GateError>> + Send + 'a>>;
 
 /// An async keyed token gate: decides whether `cost` units for `key` may pass now.
 ///
@@ -74,6 +77,80 @@ pub trait Gate: Send + Sync + fmt::Debug {
         None
     }
 
+    /// All-or-nothing across several token buckets: admitted only if every `(key, quota)`
+    /// bucket has room for `cost`, and then charged on all of them; otherwise nothing is
+    /// charged anywhere (layered throttling: IP + user + tenant). One decision per limit, in
+    /// order; `allowed` is the same in all of them, and the limits that blocked have a
+    /// non-zero `retry_after`.
+    ///
+    /// [`MemoryGate`](crate::gate::MemoryGate) and [`RedisGate`](crate::gate::RedisGate)
+    /// forward to their inherent `check_all` (the Redis one under the gate's failure
+    /// policy). The default, for gates that cannot decide several buckets atomically,
+    /// answers [`GateError::InvalidQuota`] for every call: a gate must not pretend to be
+    /// all-or-nothing.
+    ///
+    /// # Errors
+    ///
+    /// As the inherent `check_all` of each gate: [`GateError::NoLimits`],
+    /// [`GateError::TooManyLimits`], [`GateError::Cost`], [`GateError::InvalidKey`],
+    /// [`GateError::ConflictingQuotas`], backend errors as the failure policy says; the
+    /// default implementation [`GateError::InvalidQuota`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As the gate documents: dropping the future may leave every bucket charged (never
+    /// more admitted than the quotas allow).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::gate::{Gate, Limit, MemoryGate};
+    /// use flowgate::Quota;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let gate: &dyn Gate = &MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?));
+    /// let limits = [("ip:10.0.0.1", Quota::per_second(2)?), ("user:7", Quota::per_second(1)?)];
+    /// assert!(gate.check_all(&limits, 1).await?[0].allowed);
+    /// let d = gate.check_all(&limits, 1).await?;
+    /// assert!(!d[0].allowed && !d[1].allowed); // the user's bucket is empty
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> GateFuture<'a, Vec<Decision>> {
+        let _ = (limits, cost);
+        Box::pin(std::future::ready(Err(GateError::InvalidQuota(
+            crate::ConfigError::new(
+                "gate.check_all",
+                crate::ConfigErrorKind::Inconsistent,
+                "this gate does not decide several limits all-or-nothing",
+            ),
+        ))))
+    }
+
+    /// [`check_all`](Gate::check_all) without I/O, when this gate can: `Some` with exactly
+    /// what `check_all` would answer (and with the same effect), or `None` when only
+    /// `check_all` can decide it. Nothing is consumed when it returns `None`.
+    ///
+    /// The default answers `None`; [`MemoryGate`](crate::gate::MemoryGate) always decides
+    /// here (so a caller such as the HTTP layer allocates no future for it).
+    ///
+    /// # Errors
+    ///
+    /// Those of [`check_all`](Gate::check_all), inside the `Some`.
+    fn check_all_local(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Option<Result<Vec<Decision>, GateError>> {
+        let _ = (limits, cost);
+        None
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -85,6 +162,22 @@ impl<G: Gate + ?Sized> Gate for Arc<G> {
 
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         (**self).check_local(key, cost)
+    }
+
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> GateFuture<'a, Vec<Decision>> {
+        (**self).check_all(limits, cost)
+    }
+
+    fn check_all_local(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Option<Result<Vec<Decision>, GateError>> {
+        (**self).check_all_local(limits, cost)
     }
 
     fn limit(&self) -> Limit {
@@ -99,6 +192,22 @@ impl<G: Gate + ?Sized> Gate for &G {
 
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         (**self).check_local(key, cost)
+    }
+
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> GateFuture<'a, Vec<Decision>> {
+        (**self).check_all(limits, cost)
+    }
+
+    fn check_all_local(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Option<Result<Vec<Decision>, GateError>> {
+        (**self).check_all_local(limits, cost)
     }
 
     fn limit(&self) -> Limit {

@@ -370,6 +370,26 @@ impl Gate for MemoryGate {
         Some(MemoryGate::check(self, key, cost))
     }
 
+    /// [`MemoryGate::check_all`], as a future that is ready at once.
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> GateFuture<'a, Vec<Decision>> {
+        Box::pin(std::future::ready(MemoryGate::check_all(
+            self, limits, cost,
+        )))
+    }
+
+    /// Always `Some`: [`MemoryGate::check_all`].
+    fn check_all_local(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+    ) -> Option<Result<Vec<Decision>, GateError>> {
+        Some(MemoryGate::check_all(self, limits, cost))
+    }
+
     fn limit(&self) -> Limit {
         self.inner.limit
     }

@@ -21,6 +21,7 @@ use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
 use crate::gate::scripts::{LimitScript, decision_from};
 use crate::metrics::{Counter, Labels};
+use crate::rate::Quota;
 use crate::sync::Arc;
 
 /// What a [`RedisGate`] does when Redis fails or does not answer within the timeout.
@@ -622,6 +623,15 @@ where
     /// token, a cached rejection.
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         self.check_local_at(key, cost, Instant::now())
+    }
+
+    /// [`RedisGate::check_all`].
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> GateFuture<'a, Vec<Decision>> {
+        Box::pin(RedisGate::check_all(self, limits, cost))
     }
 
     fn limit(&self) -> Limit {

@@ -1,0 +1,818 @@
+//! Requests/s and p99 latency of an axum service over loopback: no limiter, flowgate's
+//! `RateLimitLayer` on `MemoryGate`, tower_governor with the same quota, and flowgate on
+//! `RedisGate`, at 16 and 64 keep-alive connections; once with nothing rejected (run A), once
+//! with 90 % of the requests rejected (run B).
+//!
+//! # What is measured
+//!
+//! - **Server**: an axum 0.8 `Router` with one route, `GET /` answering `"ok"` (the
+//!   harshest case for a limiter: the handler costs nothing), served by `axum::serve` on
+//!   127.0.0.1:0 in a tokio runtime with **one worker thread**. The limiter is
+//!   `Router::layer(..)` over it. Each variant has its own server for the whole run (A or
+//!   B), with fresh limiter state.
+//! - **Client**: hyper's `client::conn::http1`, exactly one keep-alive connection per
+//!   simulated client (16 or 64, opened before the first round and kept), each sending
+//!   `GET /` with an `x-api-key` header, reading the whole response, then sending the next:
+//!   a closed loop, so requests/s is what server and client sustain together. All
+//!   connections are tasks of a second tokio runtime with **one worker thread**. On the
+//!   2-core machine this was written on, both threads are busy 85-98 % of the time
+//!   (`srv busy`, `cli busy`), so a response that costs the client more (more header
+//!   fields to parse) also lowers requests/s. Latency is per request, `Instant` before the
+//!   send and after the body's end, in µs; p99 by nearest rank over the measurement.
+//! - **Server CPU per request** (`srv µs/req`): the time the server's worker thread was on
+//!   a CPU during the measurement (`/proc/self/task/<tid>/schedstat`, kernel time included)
+//!   ÷ the requests answered. It is much less disturbed by other work on the machine than
+//!   requests/s, and is printed beside each ratio ("by server CPU per request": peer's ÷
+//!   ours, so above 1 is better for flowgate, as for requests/s).
+//! - **Variants**:
+//!   - `no limiter`: the router alone.
+//!   - `no limiter, body wrapped`: a `map_response` layer that only wraps the body in
+//!     flowgate's `ResponseBody`: what any layer with its own body type costs under axum
+//!     (axum boxes the body again), before any decision.
+//!   - `flowgate (memory)`: `RateLimitLayer::builder(MemoryGate)` with one policy keyed by
+//!     the `x-api-key` header (a closure writing the header's value into the layer's reused
+//!     key buffer) and the default header style: the IETF `RateLimit-Policy` / `RateLimit`
+//!     fields on every response, a problem document on every 429.
+//!   - `flowgate (no fields)`: the same with `HeaderStyles::NONE` (no rate-limit fields;
+//!     429s keep `Retry-After` and the problem body): comparable to tower_governor's
+//!     defaults, which send no fields on success.
+//!   - `tower_governor`: `GovernorLayer` (tower_governor 0.8, default settings: no headers on
+//!     success, `retry-after` and `x-ratelimit-after` on a 429) with a key extractor reading
+//!     the same header (its `HeaderValue`, cloned: a reference count, no allocation; the
+//!     cheapest key the crate allows), and the same quota: `.period(period / count)
+//!     .burst_size(burst)` (tower_governor's `.per_second(n)` means one token every `n`
+//!     seconds, not `n` per second).
+//!   - `flowgate (redis)`: the flowgate layer on `RedisGate` (its defaults, timeout raised to
+//!     1 s so the failure policy never answers) against a private `redis-server` this bench
+//!     starts (free port, no persistence; `FLUSHALL` before each run). Skipped with a
+//!     message when `redis-server` is not on `PATH`, or with `HTTP_REDIS=0`. Redis shares
+//!     the 2 cores with the server and the client, so its figures are for information only.
+//! - **Run A (nothing rejected)**: quota 1 000 000 per second, burst 1 000 000; connection
+//!   `i` always sends `x-api-key: cold-<i>`.
+//! - **Run B (90 % rejected)**: quota 1 per hour, burst 1 000 000. When the server starts,
+//!   the key `hot` is drained (one decision of cost 1 000 000 straight on the limiter's
+//!   state: `MemoryGate::check_all` / `RedisGate::check_all` on the layer's gate key for
+//!   `hot`, `per-key:hot`; governor's `check_key_n`); then request `n` of each connection
+//!   sends `x-api-key: hot` unless `n % 10 == 9`, when it sends `cold-<i>`. Every `hot`
+//!   request is rejected and every `cold` one admitted: 90 % rejected whatever the
+//!   throughput, the same for both limiters (the `rejected` column shows it).
+//! - **Rounds**: for each run and each connection count, [`ROUNDS`] rounds; in each round
+//!   every variant runs once, in an order rotated by one each round (a drift of this shared
+//!   machine's speed then hits every variant alike): [`WARM_UP`] unmeasured, then [`RUN`]
+//!   measured, on the connections already open. Short turns, many rounds: neighbouring
+//!   turns see nearly the same machine. Ratios are taken between variants of the same
+//!   round; the median over the rounds is printed, with each round's requests/s ratio.
+//!
+//! The requirements of the issue are checked on the medians, in both runs and at both
+//! connection counts: **flowgate (memory) / no limiter ≥ 0.95** in requests/s (costs at
+//! most 5 %) and **flowgate (memory) / tower_governor ≥ 1.00** (at least as fast); one
+//! PASS/FAIL line each. The other ratios are for information. The machine's load average is
+//! printed first: other work on the machine shows there.
+//!
+//! # Running
+//!
+//! ```text
+//! cargo bench --all-features --bench http    # 2 runs × 2 conn counts × 7 rounds × 6 variants × 0.6 s, ~1 min 45 s
+//! HTTP_RUN_MS=2000 HTTP_ROUNDS=11 cargo bench --all-features --bench http   # longer
+//! HTTP_CONNS=64 cargo bench --all-features --bench http          # one connection count
+//! HTTP_ONLY=none,flowgate,governor cargo bench --all-features --bench http  # some variants
+//! HTTP_REDIS=0 cargo bench --all-features --bench http           # without the Redis variant
+//! ```
+//!
+//! `HTTP_ONLY` takes a comma list of `none`, `wrapped`, `flowgate`, `nofields`, `governor`,
+//! `redis`; `HTTP_WARM_MS` sets the warm-up. Without `--bench` (as `cargo test --benches`
+//! runs it) each measurement lasts 100 ms, one round, and no PASS/FAIL lines are printed: a
+//! smoke test.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use bytes::Bytes;
+use flowgate::Quota;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{HeaderStyles, Policy, RateLimitLayer, RequestInfo, ResponseBody};
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+use tokio::sync::oneshot;
+use tower::util::MapResponseLayer;
+use tower_governor::GovernorError;
+use tower_governor::governor::GovernorConfigBuilder;
+
+/// Connection counts measured (`HTTP_CONNS` overrides).
+const CONNS: [usize; 2] = [16, 64];
+/// Rounds per run and connection count (`HTTP_ROUNDS` overrides).
+const ROUNDS: usize = 7;
+/// Measured time per variant and round (`HTTP_RUN_MS` overrides).
+const RUN: Duration = Duration::from_millis(500);
+/// Unmeasured time before it (`HTTP_WARM_MS` overrides).
+const WARM_UP: Duration = Duration::from_millis(100);
+const SMOKE_RUN: Duration = Duration::from_millis(100);
+const SMOKE_WARM_UP: Duration = Duration::from_millis(20);
+/// Run B's burst, and the cost that drains the hot key.
+const BURST_B: u32 = 1_000_000;
+/// The one policy's name (its key in the gate is `<policy>:<x-api-key>`).
+const POLICY: &str = "per-key";
+/// The requirements: flowgate / no limiter, and flowgate / tower_governor, in requests/s.
+const MIN_VS_NONE: f64 = 0.95;
+const MIN_VS_GOVERNOR: f64 = 1.0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    None,
+    Wrapped,
+    Flowgate,
+    FlowgateNoFields,
+    Governor,
+    Redis,
+}
+
+impl Variant {
+    const ALL: [Variant; 6] = [
+        Variant::None,
+        Variant::Wrapped,
+        Variant::Flowgate,
+        Variant::FlowgateNoFields,
+        Variant::Governor,
+        Variant::Redis,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Variant::None => "no limiter",
+            Variant::Wrapped => "no limiter, body wrapped",
+            Variant::Flowgate => "flowgate (memory)",
+            Variant::FlowgateNoFields => "flowgate (no fields)",
+            Variant::Governor => "tower_governor",
+            Variant::Redis => "flowgate (redis)",
+        }
+    }
+
+    fn knob(self) -> &'static str {
+        match self {
+            Variant::None => "none",
+            Variant::Wrapped => "wrapped",
+            Variant::Flowgate => "flowgate",
+            Variant::FlowgateNoFields => "nofields",
+            Variant::Governor => "governor",
+            Variant::Redis => "redis",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    /// Nothing rejected.
+    A,
+    /// 90 % rejected.
+    B,
+}
+
+impl Scenario {
+    fn title(self) -> &'static str {
+        match self {
+            Scenario::A => "run A: quota 1 000 000/s, burst 1 000 000: nothing rejected",
+            Scenario::B => {
+                "run B: quota 1/h, burst 1 000 000, key `hot` drained, 9 of 10 requests on it: 90 % rejected"
+            }
+        }
+    }
+
+    fn quota(self) -> Quota {
+        match self {
+            Scenario::A => Quota::per_second(1_000_000)
+                .and_then(|q| q.burst(1_000_000))
+                .expect("valid quota"),
+            Scenario::B => Quota::per_hour(1)
+                .and_then(|q| q.burst(BURST_B))
+                .expect("valid quota"),
+        }
+    }
+}
+
+/// What one measurement saw.
+#[derive(Debug, Default)]
+struct Measured {
+    requests: u64,
+    rejected: u64,
+    /// Neither 200 nor 429 (a gate error, a failure): should stay 0.
+    other: u64,
+    latencies_us: Vec<u32>,
+    elapsed: Duration,
+    /// CPU time of the server's / the client's runtime thread during the measurement.
+    server_cpu_ns: Option<u64>,
+    client_cpu_ns: Option<u64>,
+}
+
+impl Measured {
+    fn per_second(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn p99_us(&mut self) -> u32 {
+        if self.latencies_us.is_empty() {
+            return 0;
+        }
+        let rank = (self.latencies_us.len() * 99).div_ceil(100).max(1) - 1;
+        *self.latencies_us.select_nth_unstable(rank).1
+    }
+
+    fn merge(&mut self, other: Measured) {
+        self.requests += other.requests;
+        self.rejected += other.rejected;
+        self.other += other.other;
+        self.latencies_us.extend(other.latencies_us);
+    }
+}
+
+/// One row: a variant's per-round figures, and its totals.
+struct Row {
+    variant: Variant,
+    per_second: Vec<f64>,
+    p99_us: Vec<u32>,
+    /// Server thread CPU per request, µs (NaN when it cannot be read).
+    cpu_us: Vec<f64>,
+    /// Share of the measured time the server's / the client's thread was on a CPU.
+    server_busy: Vec<f64>,
+    client_busy: Vec<f64>,
+    rejected: u64,
+    other: u64,
+    requests: u64,
+}
+
+impl Row {
+    fn new(variant: Variant) -> Row {
+        Row {
+            variant,
+            per_second: Vec::new(),
+            p99_us: Vec::new(),
+            cpu_us: Vec::new(),
+            server_busy: Vec::new(),
+            client_busy: Vec::new(),
+            rejected: 0,
+            other: 0,
+            requests: 0,
+        }
+    }
+
+    fn push(&mut self, mut m: Measured) {
+        self.per_second.push(m.per_second());
+        self.p99_us.push(m.p99_us());
+        let run_ns = m.elapsed.as_nanos() as f64;
+        let requests = m.requests.max(1) as f64;
+        self.cpu_us.push(
+            m.server_cpu_ns
+                .map_or(f64::NAN, |ns| ns as f64 / requests / 1e3),
+        );
+        self.server_busy
+            .push(m.server_cpu_ns.map_or(f64::NAN, |ns| ns as f64 / run_ns));
+        self.client_busy
+            .push(m.client_cpu_ns.map_or(f64::NAN, |ns| ns as f64 / run_ns));
+        self.rejected += m.rejected;
+        self.other += m.other;
+        self.requests += m.requests;
+    }
+}
+
+struct Knobs {
+    run: Duration,
+    warm_up: Duration,
+    rounds: usize,
+    conns: Vec<usize>,
+    variants: Vec<Variant>,
+    verdicts: bool,
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+fn knobs() -> Knobs {
+    let bench_mode = std::env::args().any(|a| a == "--bench");
+    let (run, warm_up, rounds) = if bench_mode {
+        (RUN, WARM_UP, ROUNDS)
+    } else {
+        (SMOKE_RUN, SMOKE_WARM_UP, 1)
+    };
+    let run = env_u64("HTTP_RUN_MS").map_or(run, Duration::from_millis);
+    let warm_up = env_u64("HTTP_WARM_MS").map_or(warm_up, Duration::from_millis);
+    let rounds = env_u64("HTTP_ROUNDS").map_or(rounds, |n| n.max(1) as usize);
+    let conns = std::env::var("HTTP_CONNS")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|n| n.trim().parse().ok())
+                .filter(|&n: &usize| n > 0)
+                .collect::<Vec<_>>()
+        })
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| CONNS.to_vec());
+    let only = std::env::var("HTTP_ONLY").ok();
+    let mut variants: Vec<Variant> = Variant::ALL
+        .into_iter()
+        .filter(|v| {
+            only.as_deref()
+                .is_none_or(|only| only.split(',').any(|o| o.trim() == v.knob()))
+        })
+        .collect();
+    if std::env::var("HTTP_REDIS").is_ok_and(|v| v == "0") {
+        variants.retain(|v| *v != Variant::Redis);
+    }
+    Knobs {
+        run,
+        warm_up,
+        rounds,
+        conns,
+        variants,
+        verdicts: bench_mode,
+    }
+}
+
+/// Whether `redis-server` can be started (the private server exits the bench otherwise).
+fn redis_server_available() -> bool {
+    std::process::Command::new("redis-server")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok()
+}
+
+const SERVER_THREAD: &str = "http-server";
+const CLIENT_THREAD: &str = "http-client";
+
+fn runtime(name: &str) -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// CPU time (ns) the threads of this process named `name` have run so far, from
+/// `/proc/self/task/*/schedstat` (Linux; `None` elsewhere).
+fn thread_cpu_ns(name: &str) -> Option<u64> {
+    let mut total = None;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let path = task.path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue;
+        };
+        if comm.trim_end() != name {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
+            continue;
+        };
+        if let Some(ns) = stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            *total.get_or_insert(0) += ns;
+        }
+    }
+    total
+}
+
+fn main() {
+    let mut knobs = knobs();
+    println!(
+        "benches/http: axum over loopback, hyper http1 keep-alive client; server and client on a 1-worker runtime each; load average {}",
+        support::load_average()
+    );
+    let redis = if knobs.variants.contains(&Variant::Redis) {
+        if redis_server_available() {
+            Some(support::redis_server::PrivateRedis::start("http", None))
+        } else {
+            println!(
+                "redis-server not found on PATH: the flowgate (redis) variant is skipped (install it with: apt-get install -y redis-server)"
+            );
+            knobs.variants.retain(|v| *v != Variant::Redis);
+            None
+        }
+    } else {
+        None
+    };
+    let redis_url = redis.as_ref().map(|r| r.url());
+    let server_rt = runtime(SERVER_THREAD);
+    let client_rt = runtime(CLIENT_THREAD);
+    println!(
+        "{} rounds of {} ms measured after {} ms warm-up, per variant; connections {:?}",
+        knobs.rounds,
+        knobs.run.as_millis(),
+        knobs.warm_up.as_millis(),
+        knobs.conns
+    );
+
+    let mut checks = Vec::new();
+    for scenario in [Scenario::A, Scenario::B] {
+        let servers: Vec<Server> = knobs
+            .variants
+            .iter()
+            .map(|&v| server_rt.block_on(Server::start(v, scenario, redis_url.as_deref())))
+            .collect();
+        for &conns in &knobs.conns {
+            let mut clients: Vec<Vec<Sender>> = servers
+                .iter()
+                .map(|s| client_rt.block_on(connect(s.addr, conns)))
+                .collect();
+            let mut rows: Vec<Row> = knobs.variants.iter().map(|&v| Row::new(v)).collect();
+            let n = rows.len();
+            for round in 0..knobs.rounds {
+                for i in 0..n {
+                    let v = (i + round) % n;
+                    let senders = std::mem::take(&mut clients[v]);
+                    let (senders, m) =
+                        client_rt.block_on(slot(senders, scenario, knobs.warm_up, knobs.run));
+                    clients[v] = senders;
+                    rows[v].push(m);
+                }
+            }
+            drop(clients);
+            print_table(scenario, conns, &rows);
+            checks.extend(print_ratios(scenario, conns, &rows, knobs.verdicts));
+        }
+        for server in servers {
+            server_rt.block_on(server.stop());
+        }
+    }
+    if knobs.verdicts {
+        support::summary("requirements (benches/http)", checks);
+    }
+    drop(redis);
+}
+
+/// The median of `values` (the mean of the middle two for an even count); NaN when empty.
+fn median(values: &[f64]) -> f64 {
+    let mut values: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn print_table(scenario: Scenario, conns: usize, rows: &[Row]) {
+    println!("\n== {}, {conns} connections", scenario.title());
+    println!(
+        "  {:<26} {:>9} {:>8} {:>12} {:>9} {:>9} {:>9} {:>6}",
+        "variant", "req/s", "p99 µs", "srv µs/req", "srv busy", "cli busy", "rejected", "other"
+    );
+    for row in rows {
+        let p99: Vec<f64> = row.p99_us.iter().map(|&v| f64::from(v)).collect();
+        let rejected = if row.requests == 0 {
+            0.0
+        } else {
+            row.rejected as f64 * 100.0 / row.requests as f64
+        };
+        println!(
+            "  {:<26} {:>9.0} {:>8.0} {:>12.2} {:>8.0}% {:>8.0}% {:>8.1}% {:>6}",
+            row.variant.label(),
+            median(&row.per_second),
+            median(&p99),
+            median(&row.cpu_us),
+            median(&row.server_busy) * 100.0,
+            median(&row.client_busy) * 100.0,
+            rejected,
+            row.other
+        );
+    }
+}
+
+/// Per-round ratios of `ours` against `peer` (requests/s; server CPU per request, peer /
+/// ours so that above 1 is better for ours too; p99), their medians; a PASS/FAIL line on
+/// the requests/s ratio against `min` when `verdicts`.
+fn print_ratios(
+    scenario: Scenario,
+    conns: usize,
+    rows: &[Row],
+    verdicts: bool,
+) -> Vec<Option<bool>> {
+    let find = |v| rows.iter().find(|r| r.variant == v);
+    let mut out = Vec::new();
+    let run = match scenario {
+        Scenario::A => "A",
+        Scenario::B => "B",
+    };
+    let pairs = [
+        (Variant::Flowgate, Variant::None, Some(MIN_VS_NONE)),
+        (Variant::Flowgate, Variant::Governor, Some(MIN_VS_GOVERNOR)),
+        (Variant::Flowgate, Variant::Wrapped, None),
+        (Variant::FlowgateNoFields, Variant::None, None),
+        (Variant::FlowgateNoFields, Variant::Governor, None),
+        (Variant::Redis, Variant::None, None),
+        (Variant::Redis, Variant::Governor, None),
+    ];
+    for (ours, peer, min) in pairs {
+        let (Some(a), Some(b)) = (find(ours), find(peer)) else {
+            continue;
+        };
+        let ratios =
+            |x: &[f64], y: &[f64]| -> Vec<f64> { x.iter().zip(y).map(|(x, y)| x / y).collect() };
+        let rps = ratios(&a.per_second, &b.per_second);
+        let cpu = ratios(&b.cpu_us, &a.cpu_us);
+        let p99: Vec<f64> = a
+            .p99_us
+            .iter()
+            .zip(&b.p99_us)
+            .map(|(&x, &y)| f64::from(x) / f64::from(y.max(1)))
+            .collect();
+        let rounds = rps
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let rps_median = median(&rps);
+        let line = format!(
+            "{} / {}: req/s {rps_median:.3} (rounds {rounds}); by server CPU per request {:.3}; p99 {:.3}",
+            a.variant.label(),
+            b.variant.label(),
+            median(&cpu),
+            median(&p99)
+        );
+        match min {
+            Some(min) if verdicts => {
+                let pass = rps_median >= min;
+                println!(
+                    "  {} run {run}, {conns} conns, need req/s >= {min:.2}: {line}",
+                    support::pass_fail(pass)
+                );
+                out.push(Some(pass));
+            }
+            _ => println!("  {line}"),
+        }
+    }
+    out
+}
+
+// --- the server ---
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+/// The policy's key: the `x-api-key` header, written into the layer's reused buffer.
+fn api_key(req: &RequestInfo<'_>, key: &mut String) -> bool {
+    match req.headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        Some(v) => {
+            key.push_str(v);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The `wrapped` variant's layer: the response as flowgate's layers return it.
+fn wrap(res: Response<axum::body::Body>) -> Response<ResponseBody<axum::body::Body>> {
+    res.map(ResponseBody::Inner)
+}
+
+/// tower_governor's key: the same header.
+#[derive(Debug, Clone, Copy)]
+struct ApiKey;
+
+impl tower_governor::key_extractor::KeyExtractor for ApiKey {
+    type Key = HeaderValue;
+
+    fn extract<T>(&self, req: &Request<T>) -> Result<HeaderValue, GovernorError> {
+        req.headers()
+            .get("x-api-key")
+            .cloned()
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+/// The gate key the layer uses for `x-api-key: hot` (see [`POLICY`]).
+fn hot_key() -> String {
+    format!("{POLICY}:hot")
+}
+
+struct Server {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    /// A fresh app of `variant` for `scenario` on 127.0.0.1:0 (its limiter drained for run B).
+    async fn start(variant: Variant, scenario: Scenario, redis_url: Option<&str>) -> Server {
+        let quota = scenario.quota();
+        let app = Router::new().route("/", get(ok));
+        let app = match variant {
+            Variant::None => app,
+            // What any layer with a body type of its own costs under axum (which boxes the
+            // body back into its own): flowgate's `ResponseBody`, no decision.
+            Variant::Wrapped => app.layer(MapResponseLayer::new(wrap as fn(_) -> _)),
+            Variant::Flowgate | Variant::FlowgateNoFields => {
+                let gate = MemoryGate::new(Limit::TokenBucket(quota));
+                if scenario == Scenario::B {
+                    let drained = gate.check_all(&[(&hot_key(), quota)], BURST_B);
+                    assert!(drained.is_ok_and(|d| d[0].allowed), "drain the hot key");
+                }
+                let styles = if variant == Variant::Flowgate {
+                    HeaderStyles::default()
+                } else {
+                    HeaderStyles::NONE
+                };
+                app.layer(flowgate_layer(gate, quota, styles))
+            }
+            Variant::Governor => {
+                let period = quota.rate().period() / quota.rate().count();
+                let config = GovernorConfigBuilder::default()
+                    .period(period)
+                    .burst_size(quota.burst_size())
+                    .key_extractor(ApiKey)
+                    .finish()
+                    .expect("a valid governor configuration");
+                if scenario == Scenario::B {
+                    let cost = NonZeroU32::new(BURST_B).expect("non-zero");
+                    let drained = config
+                        .limiter()
+                        .check_key_n(&HeaderValue::from_static("hot"), cost);
+                    assert!(matches!(drained, Ok(Ok(()))), "drain the hot key");
+                }
+                app.layer(tower_governor::GovernorLayer::new(config))
+            }
+            Variant::Redis => redis_app(app, quota, scenario, redis_url).await,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("local address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+                .expect("serve");
+        });
+        Server { addr, stop, task }
+    }
+
+    /// Stop accepting, and wait until the (already closed) connections are gone.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.task).await;
+    }
+}
+
+fn flowgate_layer<G>(gate: G, quota: Quota, styles: HeaderStyles) -> RateLimitLayer<G>
+where
+    G: flowgate::gate::Gate + Clone + 'static,
+{
+    RateLimitLayer::builder(gate)
+        .policy(Policy::new(POLICY, quota, api_key))
+        .header_styles(styles)
+        .build()
+        .expect("a valid layer")
+}
+
+#[cfg(feature = "redis")]
+async fn redis_app(app: Router, quota: Quota, scenario: Scenario, url: Option<&str>) -> Router {
+    use flowgate::gate::RedisGate;
+
+    let client = redis::Client::open(url.expect("a Redis URL for the redis variant"))
+        .expect("a valid Redis URL");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to the private redis-server");
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut conn)
+        .await
+        .expect("FLUSHALL");
+    let gate = RedisGate::builder(conn, Limit::TokenBucket(quota))
+        .timeout(Duration::from_secs(1))
+        .build()
+        .await
+        .expect("a RedisGate");
+    if scenario == Scenario::B {
+        let drained = gate.check_all(&[(&hot_key(), quota)], BURST_B).await;
+        assert!(drained.is_ok_and(|d| d[0].allowed), "drain the hot key");
+    }
+    app.layer(flowgate_layer(gate, quota, HeaderStyles::default()))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_app(_: Router, _: Quota, _: Scenario, _: Option<&str>) -> Router {
+    unreachable!("the redis variant is skipped without the redis feature")
+}
+
+// --- the client ---
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+/// `conns` keep-alive connections to `addr` (their drivers spawned; each ends when its
+/// sender is dropped).
+async fn connect(addr: SocketAddr, conns: usize) -> Vec<Sender> {
+    let mut senders = Vec::with_capacity(conns);
+    for _ in 0..conns {
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        tcp.set_nodelay(true).expect("TCP_NODELAY");
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        senders.push(send);
+    }
+    senders
+}
+
+/// Every connection in a closed loop for `warm_up + run`; what the last `run` of it saw,
+/// with the CPU time the server's and the client's threads spent in it.
+async fn slot(
+    senders: Vec<Sender>,
+    scenario: Scenario,
+    warm_up: Duration,
+    run: Duration,
+) -> (Vec<Sender>, Measured) {
+    let measure_from = Instant::now() + warm_up;
+    let end = measure_from + run;
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let before = (thread_cpu_ns(SERVER_THREAD), thread_cpu_ns(CLIENT_THREAD));
+        tokio::time::sleep_until(end.into()).await;
+        let after = (thread_cpu_ns(SERVER_THREAD), thread_cpu_ns(CLIENT_THREAD));
+        let spent = |b: Option<u64>, a: Option<u64>| Some(a?.saturating_sub(b?));
+        (spent(before.0, after.0), spent(before.1, after.1))
+    });
+    let tasks: Vec<_> = senders
+        .into_iter()
+        .enumerate()
+        .map(|(i, send)| tokio::spawn(connection(send, i, scenario, measure_from, end)))
+        .collect();
+    let mut total = Measured {
+        elapsed: run,
+        ..Measured::default()
+    };
+    let mut senders = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        let (send, seen) = task.await.expect("a client connection");
+        senders.push(send);
+        total.merge(seen);
+    }
+    (total.server_cpu_ns, total.client_cpu_ns) = cpu.await.expect("the CPU probe");
+    (senders, total)
+}
+
+/// One connection's closed loop until `end`; requests sent from `measure_from` on count.
+async fn connection(
+    mut send: Sender,
+    id: usize,
+    scenario: Scenario,
+    measure_from: Instant,
+    end: Instant,
+) -> (Sender, Measured) {
+    let cold = HeaderValue::try_from(format!("cold-{id}")).expect("a header value");
+    let hot = HeaderValue::from_static("hot");
+    let host = HeaderValue::from_static("127.0.0.1");
+    let mut seen = Measured {
+        latencies_us: Vec::with_capacity(1 << 12),
+        ..Measured::default()
+    };
+    let mut n = 0u64;
+    loop {
+        let sent = Instant::now();
+        if sent >= end {
+            break;
+        }
+        let key = match scenario {
+            Scenario::B if n % 10 != 9 => hot.clone(),
+            _ => cold.clone(),
+        };
+        n += 1;
+        let req = Request::get("/")
+            .header(header::HOST, host.clone())
+            .header("x-api-key", key)
+            .body(Empty::<Bytes>::new())
+            .expect("a request");
+        send.ready().await.expect("connection ready");
+        let res = send.send_request(req).await.expect("a response");
+        let status = res.status();
+        res.into_body().collect().await.expect("the body");
+        if sent >= measure_from {
+            let us = u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX);
+            seen.latencies_us.push(us);
+            seen.requests += 1;
+            match status {
+                StatusCode::OK => {}
+                StatusCode::TOO_MANY_REQUESTS => seen.rejected += 1,
+                _ => seen.other += 1,
+            }
+        }
+    }
+    (send, seen)
+}

@@ -1,0 +1,742 @@
+//! `ClientIp`: the client's address behind trusted proxies, read from one proxy header
+//! (`X-Forwarded-For` or `Forwarded`), and the parsers of those headers.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::Arc;
+
+use http::HeaderMap;
+use http::header::{FORWARDED, HeaderName};
+use ipnet::IpNet;
+
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::http::key::{KeyExtractor, PeerIp, RequestInfo, write_ip};
+
+/// The one header a [`ClientIp`] reads the proxy chain from.
+///
+/// Exactly one: a client can write either header itself, and a proxy rewrites at most the
+/// one it is configured for, so reading both would let a client inject through the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2` (de facto standard): comma-separated
+    /// addresses, optionally `ip:port` or `[ipv6]:port`.
+    XForwardedFor,
+    /// `Forwarded: for=192.0.2.60;proto=http, for="[2001:db8::1]:4711"` (RFC 7239): the
+    /// `for` parameter of each element.
+    Forwarded,
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// The key is the IP address of the client behind trusted proxies: the proxy chain in one
+/// header is believed only as far as it was written by proxies you trust.
+///
+/// Built with the trusted proxies' networks (CIDRs such as `10.0.0.0/8`, or single
+/// addresses) and one [`ForwardedHeader`]. For each request:
+///
+/// 1. The peer (the connection's address, read like [`PeerIp`]) is not trusted: the key is
+///    the peer, and the header is ignored (anyone can write it).
+/// 2. Else the header's entries are walked from the right (the last field line's last entry
+///    is the nearest hop), skipping trusted addresses; the first untrusted address is the
+///    client. Entries left of it were written by the client or by untrusted hops and are
+///    never read: a spoofed left-most entry cannot change the key.
+/// 3. An entry that is not an address (`unknown`, an obfuscated `_name`, a missing or
+///    repeated `for`, text that does not parse, bytes outside ASCII, `Forwarded` syntax
+///    that breaks) stops the walk: the key is the nearest trusted hop to its right (the
+///    last address known to be true). Each line is read from the right, entry by entry, so
+///    whatever a client writes left of the entries the proxies appended (stray bytes, an
+///    unterminated quote) is never reached.
+/// 4. Every hop is trusted: the key is the left-most address (the only case the left-most
+///    entry is used).
+///
+/// Addresses are compared and written canonical ([`IpAddr::to_canonical`]); a trusted
+/// network given as IPv4-mapped IPv6 (`::ffff:10.0.0.0/104`) is matched as its IPv4 form.
+/// Ports are accepted and ignored. Empty list elements are skipped (RFC 9110 §5.6.1).
+///
+/// A request without a peer address has no key (see [`MissingKey`](super::MissingKey)).
+///
+/// # Examples
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use flowgate::http::{ClientIp, ForwardedHeader, KeyExtractor, RequestInfo};
+///
+/// let client_ip = ClientIp::builder(ForwardedHeader::XForwardedFor)
+///     .trust("10.0.0.0/8")
+///     .build()?;
+///
+/// let mut req = http::Request::new(());
+/// req.extensions_mut().insert("10.0.0.2:40000".parse::<SocketAddr>()?);
+/// // The client wrote "6.6.6.6"; the proxy at 10.0.0.1 appended the address it saw.
+/// req.headers_mut().insert("x-forwarded-for", "6.6.6.6, 203.0.113.9, 10.0.0.1".parse()?);
+/// let mut key = String::new();
+/// assert!(client_ip.extract(&RequestInfo::of(&req), &mut key));
+/// assert_eq!(key, "203.0.113.9");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct ClientIp {
+    peer: PeerIp,
+    trusted: Arc<[IpNet]>,
+    source: ForwardedHeader,
+    ipv6_per_64: bool,
+}
+
+impl ClientIp {
+    /// A builder reading the proxy chain from `source`; add the trusted proxies with
+    /// [`trust`](ClientIpBuilder::trust).
+    pub fn builder(source: ForwardedHeader) -> ClientIpBuilder {
+        ClientIpBuilder {
+            source,
+            peer: PeerIp::new(),
+            trusted: Vec::new(),
+            error: None,
+            ipv6_per_64: false,
+        }
+    }
+
+    /// The header the proxy chain is read from.
+    #[must_use]
+    pub fn source(&self) -> ForwardedHeader {
+        self.source
+    }
+
+    /// The trusted proxies' networks.
+    #[must_use]
+    pub fn trusted(&self) -> &[IpNet] {
+        &self.trusted
+    }
+
+    /// The client's address (the rules are in the type's docs); `None` without a peer
+    /// address.
+    #[must_use]
+    pub fn client(&self, req: &RequestInfo<'_>) -> Option<IpAddr> {
+        let peer = self.peer.peer(req)?;
+        Some(self.resolve(req.headers, peer))
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        self.trusted.iter().any(|net| net.contains(&ip))
+    }
+
+    fn resolve(&self, headers: &HeaderMap, peer: IpAddr) -> IpAddr {
+        if !self.is_trusted(peer) {
+            return peer;
+        }
+        // The nearest hop known to be true: where a bad entry stops the walk.
+        let mut nearest = peer;
+        match self.source {
+            ForwardedHeader::XForwardedFor => {
+                for line in headers.get_all(&X_FORWARDED_FOR).iter().rev() {
+                    for entry in line.as_bytes().rsplit(|&b| b == b',') {
+                        let entry = entry.trim_ascii();
+                        if entry.is_empty() {
+                            continue;
+                        }
+                        match parse_node(entry) {
+                            Some(ip) if self.is_trusted(ip) => nearest = ip,
+                            Some(ip) => return ip,
+                            None => return nearest,
+                        }
+                    }
+                }
+            }
+            ForwardedHeader::Forwarded => {
+                let mut nodes = Vec::new();
+                for line in headers.get_all(FORWARDED).iter().rev() {
+                    nodes.clear();
+                    parse_forwarded_rev(line.as_bytes(), &mut nodes);
+                    for node in &nodes {
+                        match *node {
+                            Some(ip) if self.is_trusted(ip) => nearest = ip,
+                            Some(ip) => return ip,
+                            None => return nearest,
+                        }
+                    }
+                }
+            }
+        }
+        nearest
+    }
+}
+
+impl fmt::Debug for ClientIp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientIp")
+            .field("source", &self.source)
+            .field("trusted", &self.trusted)
+            .field("peer", &self.peer)
+            .field("ipv6_per_64", &self.ipv6_per_64)
+            .finish()
+    }
+}
+
+impl KeyExtractor for ClientIp {
+    fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool {
+        match self.client(req) {
+            Some(ip) => {
+                write_ip(key, ip, self.ipv6_per_64);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Builds a [`ClientIp`]; see [`ClientIp::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct ClientIpBuilder {
+    source: ForwardedHeader,
+    peer: PeerIp,
+    trusted: Vec<IpNet>,
+    error: Option<ConfigError>,
+    ipv6_per_64: bool,
+}
+
+impl ClientIpBuilder {
+    /// Trust the proxies in `cidr`: a network (`10.0.0.0/8`, `2001:db8::/32`) or one
+    /// address (`192.0.2.1`). Host bits are ignored (`10.1.2.3/8` is `10.0.0.0/8`). Text
+    /// that is neither fails [`build`](Self::build).
+    pub fn trust(mut self, cidr: impl AsRef<str>) -> ClientIpBuilder {
+        let text = cidr.as_ref().trim();
+        let net = text
+            .parse::<IpNet>()
+            .ok()
+            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
+        match net {
+            Some(net) => self.trusted.push(canonical_net(net)),
+            None => {
+                self.error.get_or_insert_with(|| {
+                    ConfigError::new(
+                        "client_ip.trusted",
+                        ConfigErrorKind::Inconsistent,
+                        format!("{text:?} is neither a CIDR network nor an IP address"),
+                    )
+                });
+            }
+        }
+        self
+    }
+
+    /// Trust the proxies in `net`.
+    pub fn trust_net(mut self, net: IpNet) -> ClientIpBuilder {
+        self.trusted.push(canonical_net(net));
+        self
+    }
+
+    /// Read the peer address as `peer` does (default [`PeerIp::new`]: a
+    /// [`SocketAddr`](std::net::SocketAddr) extension); `peer`'s own `/64` setting is not
+    /// used (see [`ipv6_per_64`](Self::ipv6_per_64)).
+    pub fn peer(mut self, peer: PeerIp) -> ClientIpBuilder {
+        self.peer = peer;
+        self
+    }
+
+    /// Count IPv6 clients per `/64` network instead of per address (default `false`).
+    pub fn ipv6_per_64(mut self, per_64: bool) -> ClientIpBuilder {
+        self.ipv6_per_64 = per_64;
+        self
+    }
+
+    /// The extractor.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] (field `client_ip.trusted`) when a [`trust`](Self::trust) text is
+    /// not a network or an address, or when no proxy is trusted (then the header would
+    /// never be read: use [`PeerIp`]).
+    pub fn build(self) -> Result<ClientIp, ConfigError> {
+        if let Some(error) = self.error {
+            return Err(error);
+        }
+        if self.trusted.is_empty() {
+            return Err(ConfigError::new(
+                "client_ip.trusted",
+                ConfigErrorKind::Zero,
+                "at least one trusted proxy is needed (with none, use PeerIp)",
+            ));
+        }
+        Ok(ClientIp {
+            peer: self.peer,
+            trusted: self.trusted.into(),
+            source: self.source,
+            ipv6_per_64: self.ipv6_per_64,
+        })
+    }
+}
+
+/// `net` without host bits; an IPv4-mapped IPv6 network as its IPv4 form (addresses are
+/// compared canonical).
+fn canonical_net(net: IpNet) -> IpNet {
+    if let IpNet::V6(v6) = net
+        && v6.prefix_len() >= 96
+        && let IpAddr::V4(v4) = IpAddr::V6(v6.network()).to_canonical()
+        && let Ok(v4net) = ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96)
+    {
+        return IpNet::V4(v4net.trunc());
+    }
+    net.trunc()
+}
+
+/// One node (`for` value or X-Forwarded-For entry): an address, optionally with a port;
+/// `None` for `unknown`, an obfuscated name or anything that does not parse.
+fn parse_node(node: &[u8]) -> Option<IpAddr> {
+    let text = std::str::from_utf8(node).ok()?;
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        return Some(ip.to_canonical());
+    }
+    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
+        let (host, after) = rest.split_once(']')?;
+        let ip = host.parse::<Ipv6Addr>().ok()?;
+        match after {
+            "" => return Some(IpAddr::V6(ip).to_canonical()),
+            after => (IpAddr::V6(ip), after.strip_prefix(':')?),
+        }
+    } else {
+        let (host, port) = text.rsplit_once(':')?;
+        (IpAddr::V4(host.parse().ok()?), port)
+    };
+    let port_ok = if let Some(obfuscated) = port.strip_prefix('_') {
+        !obfuscated.is_empty()
+            && obfuscated
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+    } else {
+        (1..=5).contains(&port.len()) && port.bytes().all(|b| b.is_ascii_digit())
+    };
+    port_ok.then(|| host.to_canonical())
+}
+
+/// The `for` node of each element of one `Forwarded` field line (RFC 7239 §4), read from
+/// the right and pushed to `out` right-most first: the address, or `None` for an element
+/// whose `for` is missing, repeated, `unknown`, obfuscated or not an address. Where the
+/// syntax breaks, a last `None` is pushed and reading stops.
+///
+/// Reading from the right means the elements proxies appended are read whatever a client
+/// wrote to their left (an unterminated quote, stray bytes). Elements are split on `,` and
+/// pairs on `;` outside quoted-strings; a quoted value is unescaped (`\x` is `x`);
+/// parameter names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
+/// or whitespace (leniently: RFC 7239 needs quotes around `:` and `[`, which some proxies
+/// leave out). Empty elements are skipped.
+fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
+    let b = line;
+    let mut end = b.len();
+    let last = |end: usize| end.checked_sub(1).map(|i| b[i]);
+    let skip_ows = |end: &mut usize| {
+        while matches!(last(*end), Some(b' ' | b'\t')) {
+            *end -= 1;
+        }
+    };
+    let mut unescaped = Vec::new();
+    loop {
+        // One element: pairs separated by ';', right to left.
+        let mut node: Option<Option<IpAddr>> = None;
+        let mut repeated = false;
+        let mut pairs = 0usize;
+        loop {
+            skip_ows(&mut end);
+            match last(end) {
+                None | Some(b',') => break,
+                Some(b';') => {
+                    end -= 1;
+                    continue;
+                }
+                _ => {}
+            }
+            let quoted = last(end) == Some(b'"');
+            let value: &[u8] = if quoted {
+                let close = end - 1;
+                // The opening quote: the first '"' to the left not escaped by an odd run of
+                // backslashes.
+                let mut j = close;
+                let open = loop {
+                    if j == 0 {
+                        out.push(None);
+                        return;
+                    }
+                    j -= 1;
+                    if b[j] == b'"' {
+                        let slashes = b[..j].iter().rev().take_while(|&&c| c == b'\\').count();
+                        if slashes % 2 == 0 {
+                            break j;
+                        }
+                    }
+                };
+                end = open;
+                let raw = &b[open + 1..close];
+                if raw.contains(&b'\\') {
+                    unescaped.clear();
+                    let mut bytes = raw.iter();
+                    while let Some(&c) = bytes.next() {
+                        if c == b'\\' {
+                            match bytes.next() {
+                                Some(&next) => unescaped.push(next),
+                                None => {
+                                    out.push(None);
+                                    return;
+                                }
+                            }
+                        } else {
+                            unescaped.push(c);
+                        }
+                    }
+                    &unescaped
+                } else {
+                    raw
+                }
+            } else {
+                let stop = end;
+                while !matches!(
+                    last(end),
+                    None | Some(b',' | b';' | b'"' | b'=' | b' ' | b'\t')
+                ) {
+                    end -= 1;
+                }
+                &b[end..stop]
+            };
+            if (value.is_empty() && !quoted) || last(end) != Some(b'=') {
+                out.push(None);
+                return;
+            }
+            end -= 1;
+            let name_end = end;
+            while last(end).is_some_and(is_tchar) {
+                end -= 1;
+            }
+            if end == name_end {
+                out.push(None);
+                return;
+            }
+            pairs += 1;
+            if b[end..name_end].eq_ignore_ascii_case(b"for") {
+                repeated |= node.is_some();
+                node = Some(parse_forwarded_node(value));
+            }
+            skip_ows(&mut end);
+            match last(end) {
+                Some(b';') => end -= 1,
+                None | Some(b',') => break,
+                Some(_) => {
+                    out.push(None);
+                    return;
+                }
+            }
+        }
+        if pairs > 0 {
+            out.push(if repeated { None } else { node.flatten() });
+        }
+        match last(end) {
+            Some(b',') => end -= 1,
+            _ => return,
+        }
+    }
+}
+
+/// A `for` value: `unknown` and obfuscated names (`_hidden`) are not addresses.
+fn parse_forwarded_node(value: &[u8]) -> Option<IpAddr> {
+    if value.eq_ignore_ascii_case(b"unknown") || value.first() == Some(&b'_') {
+        return None;
+    }
+    parse_node(value)
+}
+
+/// RFC 9110 `tchar`.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use http::header::HeaderValue;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::http::key::Header;
+    use crate::http::key::tests::{key_of, request};
+
+    fn xff() -> ClientIp {
+        ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("10.0.0.0/8")
+            .trust("2001:db8:ffff::/48")
+            .build()
+            .unwrap()
+    }
+
+    fn fwd() -> ClientIp {
+        ClientIp::builder(ForwardedHeader::Forwarded)
+            .trust("10.0.0.0/8")
+            .trust("2001:db8:ffff::/48")
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn xff_walks_right_to_left_over_trusted_hops() {
+        let c = xff();
+        let get = |peer: &str, lines: &[&[u8]]| {
+            let headers: Vec<(&str, &[u8])> =
+                lines.iter().map(|l| ("x-forwarded-for", *l)).collect();
+            key_of(&c, &request(Some(peer), &headers)).unwrap()
+        };
+        // Untrusted peer: the header is ignored.
+        assert_eq!(get("198.51.100.1:1", &[b"203.0.113.9"]), "198.51.100.1");
+        // Trusted peer, no header: the peer.
+        assert_eq!(get("10.0.0.1:1", &[]), "10.0.0.1");
+        // The first untrusted from the right, never the spoofed left-most.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"6.6.6.6, 203.0.113.9, 10.1.1.1"]),
+            "203.0.113.9"
+        );
+        // Across field lines, the last line is the nearest.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"6.6.6.6", b"203.0.113.9 ,10.9.9.9"]),
+            "203.0.113.9"
+        );
+        // Ports and brackets, IPv4-mapped addresses.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"[2001:db8::5]:443, 10.0.0.3:8080"]),
+            "2001:db8::5"
+        );
+        assert_eq!(get("10.0.0.1:1", &[b"::ffff:203.0.113.4"]), "203.0.113.4");
+        assert_eq!(get("10.0.0.1:1", &[b"203.0.113.4:5"]), "203.0.113.4");
+        // Every hop trusted: the left-most.
+        assert_eq!(get("10.0.0.1:1", &[b"10.2.2.2, 10.3.3.3"]), "10.2.2.2");
+        // A bad entry stops the walk at the nearest trusted hop.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"203.0.113.9, garbage, 10.3.3.3"]),
+            "10.3.3.3"
+        );
+        assert_eq!(get("10.0.0.1:1", &[b"203.0.113.9, unknown"]), "10.0.0.1");
+        assert_eq!(get("10.0.0.1:1", &[b"203.0.113.9", b"\xff"]), "10.0.0.1");
+        // Empty elements are skipped.
+        assert_eq!(get("10.0.0.1:1", &[b"203.0.113.9,, "]), "203.0.113.9");
+        // IPv6 trusted network; dual-stack peer.
+        assert_eq!(
+            get("[2001:db8:ffff::1]:1", &[b"2001:db8:1::1"]),
+            "2001:db8:1::1"
+        );
+        assert_eq!(get("[::ffff:10.0.0.1]:1", &[b"203.0.113.9"]), "203.0.113.9");
+    }
+
+    #[test]
+    fn forwarded_parses_rfc_7239() {
+        let c = fwd();
+        let get = |peer: &str, lines: &[&[u8]]| {
+            let headers: Vec<(&str, &[u8])> = lines.iter().map(|l| ("forwarded", *l)).collect();
+            key_of(&c, &request(Some(peer), &headers)).unwrap()
+        };
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.43, for=198.51.100.17"]),
+            "198.51.100.17"
+        );
+        assert_eq!(
+            get(
+                "10.0.0.1:1",
+                &[b"for=6.6.6.6;proto=http, For=\"[2001:db8:cafe::17]:4711\";by=10.0.0.1, for=10.0.0.7"]
+            ),
+            "2001:db8:cafe::17"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=\"192.0.2.60:80\";proto=https"]),
+            "192.0.2.60"
+        );
+        // Quoted commas and semicolons do not split; escapes are undone.
+        assert_eq!(
+            get(
+                "10.0.0.1:1",
+                &[b"for=192.0.2.1;ext=\"a,b;c\\\"d\", for=\"\\1\\9\\2.0.2.2\""]
+            ),
+            "192.0.2.2"
+        );
+        // unknown, obfuscated, missing `for`, repeated `for`: stop at the nearest trusted hop.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.1, for=unknown"]),
+            "10.0.0.1"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.1, for=_hidden, for=10.0.0.5"]),
+            "10.0.0.5"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.1, proto=http"]),
+            "10.0.0.1"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.1;for=192.0.2.2"]),
+            "10.0.0.1"
+        );
+        // A broken line is one bad entry; lines to its right still count.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=\"6.6.6.6", b"for=192.0.2.3"]),
+            "192.0.2.3"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=192.0.2.3, for=\"oops"]),
+            "10.0.0.1"
+        );
+        assert_eq!(get("10.0.0.1:1", &[b"for 192.0.2.3"]), "10.0.0.1");
+        // A client's broken text left of a proxy's element does not hide it.
+        assert_eq!(
+            get("10.0.0.1:1", &[b"for=\"6.6.6.6\\, for=192.0.2.4"]),
+            "192.0.2.4"
+        );
+        assert_eq!(
+            get("10.0.0.1:1", &[b"\xff\"\", for=192.0.2.4"]),
+            "192.0.2.4"
+        );
+        assert_eq!(get("10.0.0.1:1", &[b"for=\"\""]), "10.0.0.1");
+        // Untrusted peer: ignored.
+        assert_eq!(get("192.0.2.200:1", &[b"for=192.0.2.3"]), "192.0.2.200");
+        // X-Forwarded-For is not read by a Forwarded extractor.
+        let req = request(Some("10.0.0.1:1"), &[("x-forwarded-for", b"192.0.2.3")]);
+        assert_eq!(key_of(&c, &req).as_deref(), Some("10.0.0.1"));
+    }
+
+    #[test]
+    fn client_ip_config_errors() {
+        let err = ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("10.0.0.0/8")
+            .trust("10.0.0.0/33")
+            .build()
+            .unwrap_err();
+        assert_eq!(err.field(), "client_ip.trusted");
+        assert!(err.reason().contains("10.0.0.0/33"));
+        let err = ClientIp::builder(ForwardedHeader::Forwarded)
+            .build()
+            .unwrap_err();
+        assert_eq!(err.kind(), ConfigErrorKind::Zero);
+        // A single address, host bits, a v4-mapped network.
+        let c = ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("192.0.2.1")
+            .trust("10.1.2.3/8")
+            .trust("::ffff:172.16.0.0/108")
+            .build()
+            .unwrap();
+        assert_eq!(
+            c.trusted()
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["192.0.2.1/32", "10.0.0.0/8", "172.16.0.0/12"]
+        );
+        let req = request(Some("172.16.5.5:1"), &[("x-forwarded-for", b"203.0.113.1")]);
+        assert_eq!(key_of(&c, &req).as_deref(), Some("203.0.113.1"));
+    }
+
+    /// Any bytes a header value may hold (no CR, LF, NUL).
+    fn value_bytes() -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(any::<u8>(), 0..64).prop_map(|v| {
+            v.into_iter()
+                .filter(|b| HeaderValue::from_bytes(&[*b]).is_ok())
+                .collect()
+        })
+    }
+
+    /// Header-ish text: addresses, separators, quotes and keywords, to reach deep paths.
+    fn chainish() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            Just(b"10.0.0.1".to_vec()),
+            Just(b"203.0.113.5".to_vec()),
+            Just(b"[2001:db8::1]:80".to_vec()),
+            Just(b"for=".to_vec()),
+            Just(b"\"".to_vec()),
+            Just(b"\\".to_vec()),
+            Just(b",".to_vec()),
+            Just(b";".to_vec()),
+            Just(b" ".to_vec()),
+            Just(b"unknown".to_vec()),
+            Just(b"_x".to_vec()),
+            Just(b":".to_vec()),
+            value_bytes(),
+        ];
+        proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
+    }
+
+    fn untrusted_v4() -> impl Strategy<Value = IpAddr> {
+        any::<[u8; 4]>()
+            .prop_filter("not trusted", |o| o[0] != 10)
+            .prop_map(IpAddr::from)
+    }
+
+    proptest! {
+        #[test]
+        fn no_panic_on_any_header_bytes(
+            lines in proptest::collection::vec(chainish(), 0..4),
+            trusted_peer in any::<bool>(),
+        ) {
+            let peer = if trusted_peer { "10.0.0.1:1" } else { "192.0.2.1:1" };
+            for (name, c) in [("x-forwarded-for", xff()), ("forwarded", fwd())] {
+                let headers: Vec<(&str, &[u8])> = lines.iter().map(|l| (name, l.as_slice())).collect();
+                let req = request(Some(peer), &headers);
+                let key = key_of(&c, &req).unwrap();
+                prop_assert!(key.parse::<IpAddr>().is_ok());
+                let _ = key_of(&Header::new(name).unwrap(), &req);
+            }
+        }
+
+        /// Whatever a client writes left of the address the trusted proxies saw, the key is
+        /// that address.
+        #[test]
+        fn spoofed_left_most_xff_never_changes_the_key(
+            client in untrusted_v4(),
+            spoof in proptest::collection::vec(chainish(), 0..3),
+            hops in proptest::collection::vec(any::<[u8; 3]>(), 0..4),
+        ) {
+            let c = xff();
+            let hops: Vec<String> = hops.iter().map(|h| format!("10.{}.{}.{}", h[0], h[1], h[2])).collect();
+            let honest = std::iter::once(client.to_string()).chain(hops.iter().cloned()).collect::<Vec<_>>().join(", ");
+            let plain = request(Some("10.0.0.1:1"), &[("x-forwarded-for", honest.as_bytes())]);
+            prop_assert_eq!(key_of(&c, &plain), Some(client.to_string()));
+            // Spoofed entries in the same line, left of the client.
+            for s in &spoof {
+                let mut line = s.clone();
+                line.extend_from_slice(b", ");
+                line.extend_from_slice(honest.as_bytes());
+                let req = request(Some("10.0.0.1:1"), &[("x-forwarded-for", &line)]);
+                prop_assert_eq!(key_of(&c, &req), Some(client.to_string()));
+                // ... or in earlier field lines.
+                let req = request(Some("10.0.0.1:1"), &[("x-forwarded-for", s), ("x-forwarded-for", honest.as_bytes())]);
+                prop_assert_eq!(key_of(&c, &req), Some(client.to_string()));
+            }
+        }
+
+        /// The same for Forwarded: spoofed elements or earlier field lines.
+        #[test]
+        fn spoofed_left_most_forwarded_never_changes_the_key(
+            client in untrusted_v4(),
+            spoof in chainish(),
+            spoofed_ip in any::<[u8; 4]>(),
+        ) {
+            let c = fwd();
+            let honest = format!("for={client};proto=https, for=\"10.0.0.9:1234\"");
+            let line = format!("for={};by=x, {honest}", IpAddr::from(spoofed_ip));
+            let req = request(Some("10.0.0.1:1"), &[("forwarded", line.as_bytes())]);
+            prop_assert_eq!(key_of(&c, &req), Some(client.to_string()));
+            let req = request(Some("10.0.0.1:1"), &[("forwarded", &spoof), ("forwarded", honest.as_bytes())]);
+            prop_assert_eq!(key_of(&c, &req), Some(client.to_string()));
+            // Any bytes left of the honest elements in the same line.
+            let mut line = spoof.clone();
+            line.extend_from_slice(b", ");
+            line.extend_from_slice(honest.as_bytes());
+            let req = request(Some("10.0.0.1:1"), &[("forwarded", &line)]);
+            prop_assert_eq!(key_of(&c, &req), Some(client.to_string()));
+        }
+
+        #[test]
+        fn untrusted_peers_header_is_ignored(
+            peer in untrusted_v4(),
+            lines in proptest::collection::vec(chainish(), 0..4),
+        ) {
+            let addr = SocketAddr::new(peer, 443).to_string();
+            for (name, c) in [("x-forwarded-for", xff()), ("forwarded", fwd())] {
+                let headers: Vec<(&str, &[u8])> = lines.iter().map(|l| (name, l.as_slice())).collect();
+                let req = request(Some(&addr), &headers);
+                prop_assert_eq!(key_of(&c, &req), Some(peer.to_string()));
+            }
+        }
+    }
+}

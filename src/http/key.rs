@@ -1,0 +1,441 @@
+//! `KeyExtractor`: what a request is counted under, and the built-in extractors.
+
+use std::fmt::{self, Write as _};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use http::header::HeaderName;
+use http::{Extensions, HeaderMap, Method, Uri};
+
+use crate::error::{ConfigError, ConfigErrorKind};
+
+/// The parts of a request a [`KeyExtractor`] or a classifier reads (everything but the body).
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct RequestInfo<'a> {
+    /// The request method.
+    pub method: &'a Method,
+    /// The request target.
+    pub uri: &'a Uri,
+    /// The request's header fields.
+    pub headers: &'a HeaderMap,
+    /// The request's extensions (the peer address lives here).
+    pub extensions: &'a Extensions,
+}
+
+impl<'a> RequestInfo<'a> {
+    /// The parts of `req`.
+    pub fn of<B>(req: &'a http::Request<B>) -> RequestInfo<'a> {
+        RequestInfo {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            extensions: req.extensions(),
+        }
+    }
+}
+
+/// What a request is counted under for one policy: an IP, an API key, a tenant.
+///
+/// `extract` appends the key to `key` (which the layer reuses between requests, so a key
+/// costs no allocation) and returns `false` when the request has no key for this policy
+/// (no peer address, a missing header); what such a request gets is the policy's
+/// [`MissingKey`] choice.
+///
+/// Any `Fn(&RequestInfo<'_>, &mut String) -> bool + Send + Sync + 'static` is an extractor.
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// Append this request's key to `key`; `false` when it has none.
+    fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool;
+}
+
+impl<F> KeyExtractor for F
+where
+    F: Fn(&RequestInfo<'_>, &mut String) -> bool + Send + Sync + 'static,
+{
+    fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool {
+        self(req, key)
+    }
+}
+
+/// What a request without a key (see [`KeyExtractor`]) gets from a policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// All keyless requests share one bucket under this key (the default, `"-"`): they are
+    /// limited together, never let through unlimited.
+    Shared(String),
+    /// The policy does not apply to the request.
+    Skip,
+    /// The request is refused with `400 Bad Request`.
+    Refuse,
+}
+
+impl Default for MissingKey {
+    fn default() -> MissingKey {
+        MissingKey::Shared("-".to_owned())
+    }
+}
+
+/// Reads the peer's socket address from a request's extensions.
+type ReadPeer = Arc<dyn Fn(&Extensions) -> Option<SocketAddr> + Send + Sync>;
+
+/// Write `ip` to `key`: the address itself, or its `/64` network when `per_64` and IPv6.
+pub(crate) fn write_ip(key: &mut String, ip: IpAddr, per_64: bool) {
+    // Writing to a String never fails.
+    let _ = match ip {
+        IpAddr::V6(v6) if per_64 => {
+            let network = Ipv6Addr::from_bits(v6.to_bits() & (u128::MAX << 64));
+            write!(key, "{network}/64")
+        }
+        ip => write!(key, "{ip}"),
+    };
+}
+
+/// The key is the IP address of the connection's peer: the client itself when nothing
+/// stands in between, else the nearest proxy (see [`ClientIp`](super::ClientIp) for
+/// clients behind proxies).
+///
+/// The peer comes from the request's extensions: by default a [`SocketAddr`] extension
+/// (insert it per connection with a bare hyper server), or any type the server puts there
+/// through [`from_extension`](Self::from_extension) (axum's `ConnectInfo<SocketAddr>`). The
+/// address is normalised with [`IpAddr::to_canonical`], so an IPv4 client of a dual-stack
+/// listener (`::ffff:192.0.2.1`) has the same key as on an IPv4 listener (`192.0.2.1`).
+/// With [`ipv6_per_64`](Self::ipv6_per_64), IPv6 peers are counted per `/64` network (one
+/// host usually holds a whole /64, so per-address keys are easy to multiply); the key is
+/// then the network, e.g. `2001:db8:1:2::/64`.
+///
+/// A request without the extension has no key (see [`MissingKey`]).
+///
+/// # Examples
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use flowgate::http::{KeyExtractor, PeerIp, RequestInfo};
+///
+/// let mut req = http::Request::new(());
+/// req.extensions_mut().insert("[::ffff:192.0.2.7]:5000".parse::<SocketAddr>()?);
+/// let mut key = String::new();
+/// assert!(PeerIp::new().extract(&RequestInfo::of(&req), &mut key));
+/// assert_eq!(key, "192.0.2.7");
+///
+/// // axum: PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)
+/// #[derive(Clone)]
+/// struct Conn(SocketAddr);
+/// let peer = PeerIp::from_extension(|c: &Conn| c.0);
+/// assert!(!peer.extract(&RequestInfo::of(&req), &mut key)); // no `Conn` extension
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct PeerIp {
+    read: ReadPeer,
+    source: &'static str,
+    ipv6_per_64: bool,
+}
+
+impl PeerIp {
+    /// The peer from a [`SocketAddr`] extension.
+    #[must_use]
+    pub fn new() -> PeerIp {
+        PeerIp::from_extension(|addr: &SocketAddr| *addr)
+    }
+
+    /// The peer from an extension of type `T`, read with `get`; for axum,
+    /// `PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)` (with
+    /// `into_make_service_with_connect_info::<SocketAddr>()`).
+    #[must_use]
+    pub fn from_extension<T: Send + Sync + 'static>(get: fn(&T) -> SocketAddr) -> PeerIp {
+        PeerIp {
+            read: Arc::new(move |ext: &Extensions| ext.get::<T>().map(get)),
+            source: std::any::type_name::<T>(),
+            ipv6_per_64: false,
+        }
+    }
+
+    /// Count IPv6 peers per `/64` network instead of per address (default `false`).
+    #[must_use]
+    pub fn ipv6_per_64(mut self, per_64: bool) -> PeerIp {
+        self.ipv6_per_64 = per_64;
+        self
+    }
+
+    /// The peer's address, canonical (`::ffff:a.b.c.d` becomes `a.b.c.d`); `None` without
+    /// the extension.
+    #[must_use]
+    pub fn peer(&self, req: &RequestInfo<'_>) -> Option<IpAddr> {
+        (self.read)(req.extensions).map(|addr| addr.ip().to_canonical())
+    }
+}
+
+impl Default for PeerIp {
+    fn default() -> PeerIp {
+        PeerIp::new()
+    }
+}
+
+impl fmt::Debug for PeerIp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerIp")
+            .field("extension", &self.source)
+            .field("ipv6_per_64", &self.ipv6_per_64)
+            .finish()
+    }
+}
+
+impl KeyExtractor for PeerIp {
+    fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool {
+        match self.peer(req) {
+            Some(ip) => {
+                write_ip(key, ip, self.ipv6_per_64);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The key is the value of one request header: an API key, a user or tenant id.
+///
+/// A request has no key (see [`MissingKey`]) when the header is missing, empty, present on
+/// more than one field line (ambiguous), longer than [`max_len`](Self::max_len) bytes
+/// (default 256), or holds anything but visible ASCII and inner spaces.
+///
+/// The value becomes part of the gate's key (and of the top rejected keys the layer
+/// reports and logs): for a secret such as a bearer token, key by a hash of it with a
+/// closure instead. Clients choose these values, so each new value is a new entry in the
+/// gate: bound the gate's keys (`MemoryGate`'s `max_keys`, Redis expiry) accordingly.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::http::{Header, KeyExtractor, RequestInfo};
+///
+/// let api_key = Header::new("X-Api-Key")?;
+/// let mut req = http::Request::new(());
+/// req.headers_mut().insert("x-api-key", "k-123".parse()?);
+/// let mut key = String::new();
+/// assert!(api_key.extract(&RequestInfo::of(&req), &mut key));
+/// assert_eq!(key, "k-123");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Header {
+    name: HeaderName,
+    max_len: usize,
+}
+
+impl Header {
+    /// The default [`max_len`](Self::max_len): 256 bytes.
+    pub const DEFAULT_MAX_LEN: usize = 256;
+
+    /// The value of the header `name` (case-insensitive).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] (field `header.name`) when `name` is not a valid header name.
+    pub fn new(name: impl AsRef<str>) -> Result<Header, ConfigError> {
+        let name = name.as_ref();
+        HeaderName::from_bytes(name.as_bytes())
+            .map(Header::from)
+            .map_err(|_| {
+                ConfigError::new(
+                    "header.name",
+                    ConfigErrorKind::Inconsistent,
+                    format!("{name:?} is not a valid header name"),
+                )
+            })
+    }
+
+    /// The header read.
+    #[must_use]
+    pub fn name(&self) -> &HeaderName {
+        &self.name
+    }
+
+    /// Values longer than `max_len` bytes give no key (default
+    /// [`DEFAULT_MAX_LEN`](Self::DEFAULT_MAX_LEN)).
+    #[must_use]
+    pub fn max_len(mut self, max_len: std::num::NonZeroUsize) -> Header {
+        self.max_len = max_len.get();
+        self
+    }
+}
+
+impl From<HeaderName> for Header {
+    fn from(name: HeaderName) -> Header {
+        Header {
+            name,
+            max_len: Header::DEFAULT_MAX_LEN,
+        }
+    }
+}
+
+impl KeyExtractor for Header {
+    fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool {
+        let mut lines = req.headers.get_all(&self.name).iter();
+        let (Some(value), None) = (lines.next(), lines.next()) else {
+            return false;
+        };
+        let bytes = value.as_bytes();
+        let usable = !bytes.is_empty()
+            && bytes.len() <= self.max_len
+            && bytes.iter().all(|&b| b == b' ' || b.is_ascii_graphic())
+            && bytes.first() != Some(&b' ')
+            && bytes.last() != Some(&b' ');
+        match value.to_str() {
+            Ok(text) if usable => {
+                key.push_str(text);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The same key for every request: one limit shared by all (a global limit).
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::http::{Constant, KeyExtractor, RequestInfo};
+///
+/// let req = http::Request::new(());
+/// let mut key = String::new();
+/// assert!(Constant::new("all").extract(&RequestInfo::of(&req), &mut key));
+/// assert_eq!(key, "all");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Constant(String);
+
+impl Constant {
+    /// Every request is counted under `key`.
+    #[must_use]
+    pub fn new(key: impl Into<String>) -> Constant {
+        Constant(key.into())
+    }
+
+    /// The key.
+    #[must_use]
+    pub fn key(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Constant {
+    /// The key `"all"`.
+    fn default() -> Constant {
+        Constant::new("all")
+    }
+}
+
+impl KeyExtractor for Constant {
+    fn extract(&self, _req: &RequestInfo<'_>, key: &mut String) -> bool {
+        key.push_str(&self.0);
+        true
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::net::SocketAddr;
+
+    use http::header::HeaderValue;
+
+    use super::*;
+    use crate::http::ClientIp;
+
+    pub(crate) fn request(peer: Option<&str>, headers: &[(&str, &[u8])]) -> http::Request<()> {
+        let mut req = http::Request::new(());
+        if let Some(peer) = peer {
+            req.extensions_mut()
+                .insert(peer.parse::<SocketAddr>().unwrap());
+        }
+        for (name, value) in headers {
+            req.headers_mut().append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(value).unwrap(),
+            );
+        }
+        req
+    }
+
+    pub(crate) fn key_of(extractor: &impl KeyExtractor, req: &http::Request<()>) -> Option<String> {
+        let mut key = String::new();
+        extractor
+            .extract(&RequestInfo::of(req), &mut key)
+            .then_some(key)
+    }
+
+    #[test]
+    fn peer_ip_is_canonical_and_optionally_grouped() {
+        let req = request(Some("[::ffff:192.0.2.7]:1"), &[]);
+        assert_eq!(key_of(&PeerIp::new(), &req).as_deref(), Some("192.0.2.7"));
+        let req = request(Some("[2001:db8:1:2:3:4:5:6]:1"), &[]);
+        assert_eq!(
+            key_of(&PeerIp::new(), &req).as_deref(),
+            Some("2001:db8:1:2:3:4:5:6")
+        );
+        assert_eq!(
+            key_of(&PeerIp::new().ipv6_per_64(true), &req).as_deref(),
+            Some("2001:db8:1:2::/64")
+        );
+        assert_eq!(key_of(&PeerIp::new(), &request(None, &[])), None);
+    }
+
+    #[test]
+    fn peer_ip_from_a_custom_extension() {
+        #[derive(Clone)]
+        struct ConnectInfo<T>(T);
+        let peer = PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0);
+        let mut req = request(Some("192.0.2.1:1"), &[]);
+        assert_eq!(key_of(&peer, &req), None, "reads only its own extension");
+        req.extensions_mut()
+            .insert(ConnectInfo("192.0.2.9:80".parse::<SocketAddr>().unwrap()));
+        assert_eq!(key_of(&peer, &req).as_deref(), Some("192.0.2.9"));
+        assert!(format!("{peer:?}").contains("ConnectInfo"));
+    }
+
+    #[test]
+    fn header_values() {
+        let h = Header::new("X-Api-Key").unwrap();
+        assert_eq!(h.name(), "x-api-key");
+        let get = |values: &[&[u8]]| {
+            let headers: Vec<(&str, &[u8])> = values.iter().map(|v| ("x-api-key", *v)).collect();
+            key_of(&h, &request(None, &headers))
+        };
+        assert_eq!(get(&[b"k-1"]).as_deref(), Some("k-1"));
+        assert_eq!(get(&[b"Bearer abc"]).as_deref(), Some("Bearer abc"));
+        assert_eq!(get(&[]), None);
+        assert_eq!(get(&[b""]), None);
+        assert_eq!(get(&[b"a", b"b"]), None, "two field lines are ambiguous");
+        assert_eq!(get(&[b"caf\xc3\xa9"]), None);
+        assert_eq!(get(&[b"a\tb"]), None);
+        assert_eq!(get(&[&[b'x'; 257]]), None);
+        assert!(get(&[&[b'x'; 256]]).is_some());
+        let short = h.clone().max_len(std::num::NonZeroUsize::new(2).unwrap());
+        assert_eq!(
+            key_of(&short, &request(None, &[("x-api-key", b"abc")])),
+            None
+        );
+        assert_eq!(Header::new("bad name").unwrap_err().field(), "header.name");
+    }
+
+    #[test]
+    fn constant_and_closure() {
+        let req = request(None, &[]);
+        assert_eq!(key_of(&Constant::default(), &req).as_deref(), Some("all"));
+        let by_method = |req: &RequestInfo<'_>, key: &mut String| {
+            key.push_str(req.method.as_str());
+            true
+        };
+        assert_eq!(key_of(&by_method, &req).as_deref(), Some("GET"));
+    }
+
+    #[test]
+    fn extractors_are_send_sync_clone_debug() {
+        fn check<T: KeyExtractor + Clone + fmt::Debug>() {}
+        check::<PeerIp>();
+        check::<ClientIp>();
+        check::<Header>();
+        check::<Constant>();
+    }
+}

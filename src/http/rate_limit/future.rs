@@ -1,0 +1,169 @@
+//! `RateLimitFuture`: decides a request, then calls the inner service or answers itself.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use http::{Request, Response};
+use pin_project::pin_project;
+use tower::Service;
+
+use crate::gate::Gate;
+use crate::http::body::ResponseBody;
+use crate::http::fields::Fields;
+use crate::http::key::RequestInfo;
+use crate::http::rate_limit::layer::{Check, Prepared, Shared, Verdict};
+use crate::sync::Arc;
+
+/// The response future of [`RateLimit`](crate::http::RateLimit).
+///
+/// On its first poll it takes the request's keys and decides them: on a gate that decides
+/// locally ([`MemoryGate`](crate::gate::MemoryGate)) at once, without allocating a future;
+/// otherwise through the gate's future (woken by it, never by itself). Then it calls the
+/// inner service and adds the rate-limit fields to its response, or answers `429` / `503` /
+/// `400` itself.
+///
+/// Dropped before the gate answered, the request is not passed on; its cost may already be
+/// charged (as the gate documents for a dropped `check_all`).
+///
+/// # Panics
+///
+/// When polled again after it completed.
+#[pin_project]
+#[must_use = "futures do nothing unless polled"]
+pub struct RateLimitFuture<S, G, B>
+where
+    S: Service<Request<B>>,
+{
+    shared: Arc<Shared<G>>,
+    #[pin]
+    state: State<S, B>,
+}
+
+#[pin_project(project = StateProj)]
+enum State<S, B>
+where
+    S: Service<Request<B>>,
+{
+    /// Not polled yet: the request and the ready inner service.
+    Decide {
+        req: Option<Request<B>>,
+        inner: Option<S>,
+    },
+    /// Waiting for the gate.
+    Check {
+        check: Check,
+        req: Option<Request<B>>,
+        inner: Option<S>,
+    },
+    /// Waiting for the inner service.
+    Call {
+        #[pin]
+        fut: S::Future,
+        fields: Option<Fields>,
+    },
+    /// Completed.
+    Done,
+}
+
+impl<S, G, B> RateLimitFuture<S, G, B>
+where
+    S: Service<Request<B>>,
+{
+    pub(crate) fn new(shared: Arc<Shared<G>>, inner: S, req: Request<B>) -> Self {
+        RateLimitFuture {
+            shared,
+            state: State::Decide {
+                req: Some(req),
+                inner: Some(inner),
+            },
+        }
+    }
+}
+
+impl<S, G, B> fmt::Debug for RateLimitFuture<S, G, B>
+where
+    S: Service<Request<B>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Decide { .. } => "Decide",
+            State::Check { .. } => "Check",
+            State::Call { .. } => "Call",
+            State::Done => "Done",
+        };
+        f.debug_struct("RateLimitFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+const POLLED_AFTER_DONE: &str = "RateLimitFuture polled after it completed";
+
+impl<S, G, B, ResBody> Future for RateLimitFuture<S, G, B>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+    G: Gate + 'static,
+{
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let verdict = match this.state.as_mut().project() {
+                StateProj::Decide { req, inner } => {
+                    let r = req.as_ref().expect(POLLED_AFTER_DONE);
+                    match this.shared.prepare(&RequestInfo::of(r)) {
+                        Prepared::Pass(fields) => Verdict::Pass(fields),
+                        Prepared::Answer(res) => Verdict::Answer(res),
+                        Prepared::Check(keys, cost) => match this.shared.check_local(&keys, cost) {
+                            Some(verdict) => verdict,
+                            None => {
+                                let check = this.shared.check(keys, cost);
+                                let (req, inner) = (req.take(), inner.take());
+                                this.state.set(State::Check { check, req, inner });
+                                continue;
+                            }
+                        },
+                    }
+                }
+                StateProj::Check { check, .. } => {
+                    let (keys, decided) = ready!(check.as_mut().poll(cx));
+                    this.shared.conclude(&keys, decided)
+                }
+                StateProj::Call { fut, fields } => {
+                    let res = ready!(fut.poll(cx));
+                    let fields = fields.take();
+                    this.state.set(State::Done);
+                    let mut res = res?.map(ResponseBody::Inner);
+                    if let Some(fields) = fields {
+                        fields.write(res.headers_mut());
+                    }
+                    return Poll::Ready(Ok(res));
+                }
+                StateProj::Done => panic!("{POLLED_AFTER_DONE}"),
+            };
+            // Decided: take the request and the service out of the state.
+            let (req, inner) = match this.state.as_mut().project() {
+                StateProj::Decide { req, inner } | StateProj::Check { req, inner, .. } => {
+                    (req.take(), inner.take())
+                }
+                _ => unreachable!("a verdict comes from Decide or Check"),
+            };
+            match verdict {
+                Verdict::Answer(res) => {
+                    this.state.set(State::Done);
+                    return Poll::Ready(Ok(res.map(ResponseBody::own)));
+                }
+                Verdict::Pass(fields) => {
+                    let (Some(req), Some(mut inner)) = (req, inner) else {
+                        panic!("{POLLED_AFTER_DONE}");
+                    };
+                    let fut = inner.call(req);
+                    this.state.set(State::Call { fut, fields });
+                }
+            }
+        }
+    }
+}

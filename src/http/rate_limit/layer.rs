@@ -1,0 +1,740 @@
+//! `RateLimitLayer`, its builder, and the decision every request goes through.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use tower::Layer;
+
+use crate::decision::Decision;
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::gate::{Gate, GateError};
+use crate::http::fields::{self, Fields, HeaderStyles, Member};
+use crate::http::key::{MissingKey, RequestInfo};
+use crate::http::problem::{self, QUOTA_EXCEEDED, TEMPORARY_REDUCED_CAPACITY};
+use crate::http::rate_limit::policy::Policy;
+use crate::http::rate_limit::service::RateLimit;
+use crate::http::topn::{RejectedKey, TopRejected};
+use crate::metrics::{Counter, Labels};
+use crate::rate::Quota;
+use crate::sync::Arc;
+
+/// The most policies one layer takes (one all-or-nothing call decides at most 32 limits).
+const MAX_POLICIES: usize = 32;
+
+/// How often rejections are logged, at most.
+const LOG_EVERY_MS: u64 = 60_000;
+
+/// The metric of the layer's decisions.
+const DECISIONS: &str = "flowgate_http_decisions_total";
+
+/// A request's cost, from its parts.
+type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
+
+/// A rate-limiting tower layer: decides every request against one or more [`Policy`]s on
+/// any [`Gate`], all-or-nothing, and answers `429 Too Many Requests` itself when a policy
+/// has no room; every response (admitted or not) carries the rate-limit header fields.
+///
+/// # Deciding
+///
+/// Each policy takes the request's key with its [`KeyExtractor`](crate::http::KeyExtractor);
+/// the gate key is `<key prefix><policy name>:<key>`. All the policies that apply are
+/// decided in one [`Gate::check_all`] call with the request's cost (1, or the
+/// [`cost`](RateLimitLayerBuilder::cost) closure's): the request is admitted only when every
+/// policy has room, and then charged on all of them; a rejected request is charged nowhere.
+/// On a [`MemoryGate`](crate::gate::MemoryGate) this is a synchronous call in the response
+/// future ([`Gate::check_all_local`]): no future is allocated. On a
+/// [`RedisGate`](crate::gate::RedisGate) it is one atomic script; on Redis Cluster the keys
+/// of one request must share a hash slot: give a [`key_prefix`](RateLimitLayerBuilder::key_prefix)
+/// with a hash tag (`"{rl}"`; then all the layer's keys live in one slot) or use one policy
+/// per layer.
+///
+/// # Responses
+///
+/// - **Admitted**: the inner service's response, with the fields added.
+/// - **Rejected**: `429`, `Retry-After` in whole seconds (the largest `retry_after` of the
+///   policies that blocked, rounded up, at least 1), the fields, and an RFC 9457
+///   `application/problem+json` body of type `…#quota-exceeded` whose `violated-policies`
+///   names the policies that blocked.
+/// - **Gate error** (a [`GateError`] the gate's failure policy passes on, such as
+///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), or a cost the quotas can never
+///   admit): `503` with `Retry-After: 1` and a problem body of type
+///   `…#temporary-reduced-capacity` with no violated policy. The layer adds no wait and no
+///   retry of its own: the gate's timeout and failure policy apply unchanged (a fail-open
+///   decision is admitted and counted as `fail_open`; it is left out of the fields, as it
+///   says nothing about a quota).
+/// - **No key**, with [`MissingKey::Refuse`]: `400 Bad Request` with an empty body.
+///
+/// # Fields
+///
+/// One list member per policy applied to the request ([`HeaderStyles`]); the IETF fields
+/// follow draft-ietf-httpapi-ratelimit-headers, -10/-11 syntax:
+/// `RateLimit-Policy: "per-ip";q=100;w=60` and `RateLimit: "per-ip";r=42;t=17`.
+///
+/// | limit | `q` | `w` (seconds) | `r` | `t` admitted | `t` rejected |
+/// |---|---|---|---|---|---|
+/// | token bucket (`Quota`: rate, burst) | the burst | time to refill from empty to full: ⌈burst × period / count⌉ | remaining | ⌈time to full⌉ | ⌈retry_after⌉ |
+/// | fixed window (`Rate`) | count | ⌈period⌉ | remaining | ⌈time to the window's end⌉ | ⌈retry_after⌉ |
+/// | sliding log / sliding window (`Rate`) | count | ⌈period⌉ | remaining | ⌈time to full⌉ | ⌈retry_after⌉ |
+///
+/// A token bucket has no window. It sends `w` = the time the bucket takes to refill from
+/// empty, so that `q / w` is its sustained rate (rounded down, which errs on the side the
+/// draft asks: a client reading the fields never sends more than the bucket admits). The
+/// policies of this layer are token buckets (what [`Gate::check_all`] decides); the rows for
+/// the windows are the mapping flowgate uses wherever a gate's own limit is shown.
+///
+/// On a `429`, every policy is listed with its remaining `r`; only the policies that blocked
+/// carry `t` (their `⌈retry_after⌉`), because the time-to-full of the others can be later than
+/// `Retry-After`, which the draft forbids. `Retry-After` is thus never earlier than any `t`.
+///
+/// # Shadow mode
+///
+/// With [`shadow(true)`](RateLimitLayerBuilder::shadow) every request is decided and the
+/// fields are written, but nothing is refused: a request that would have been rejected
+/// passes, counted as `shadow_rejected` (and recorded in the top rejected keys). Use it to
+/// roll a new limit out. A would-be rejection charges nothing, as a real one.
+///
+/// # Abuse visibility
+///
+/// Each rejection (and shadow rejection) records `<policy name>:<key>` of every policy that
+/// blocked in a bounded space-saving sketch ([`TopRejected`]), read with
+/// [`top_rejected`](RateLimitLayer::top_rejected), and logged with `tracing` (warn) at most
+/// once a minute while rejections happen, with the count since the last log and the top
+/// five keys. No background task.
+///
+/// # Metrics
+///
+/// Labelled by `name`: `flowgate_http_decisions_total` by `outcome` (`admitted`,
+/// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `missing_key`), the same counts
+/// as [`stats`](RateLimitLayer::stats). Keys are never labels.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::gate::{Limit, MemoryGate};
+/// use flowgate::http::{HeaderStyles, Policy, RateLimitLayer, RequestInfo};
+/// use flowgate::Quota;
+///
+/// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1)?));
+/// let per_tenant = |req: &RequestInfo<'_>, key: &mut String| {
+///     match req.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+///         Some(t) => { key.push_str(t); true }
+///         None => false,
+///     }
+/// };
+/// let layer = RateLimitLayer::builder(gate)
+///     .policy(Policy::new("per-tenant", Quota::per_minute(600)?.burst(100)?, per_tenant))
+///     .header_styles(HeaderStyles::IETF | HeaderStyles::X_RATELIMIT)
+///     .name("api")
+///     .build()?;
+/// // axum: Router::new().route(..).layer(layer); tower: ServiceBuilder::new().layer(layer)
+/// assert_eq!(layer.stats().admitted, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct RateLimitLayer<G> {
+    shared: Arc<Shared<G>>,
+}
+
+impl<G> Clone for RateLimitLayer<G> {
+    fn clone(&self) -> Self {
+        RateLimitLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<G: fmt::Debug> fmt::Debug for RateLimitLayer<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl<G: Gate + 'static> RateLimitLayer<G> {
+    /// A builder for a layer deciding on `gate`.
+    pub fn builder(gate: G) -> RateLimitLayerBuilder<G> {
+        RateLimitLayerBuilder {
+            gate,
+            policies: Vec::new(),
+            cost: None,
+            styles: HeaderStyles::IETF,
+            shadow: false,
+            top_rejected: TopRejected::DEFAULT_CAPACITY,
+            name: None,
+            prefix: String::new(),
+        }
+    }
+}
+
+impl<G> RateLimitLayer<G> {
+    /// The count of each outcome so far (shared by every clone and every service).
+    pub fn stats(&self) -> RateLimitStats {
+        self.shared.stats()
+    }
+
+    /// The `n` keys rejected most often, as `<policy name>:<key>`, with their counts and
+    /// error bounds (see [`TopRejected`]).
+    pub fn top_rejected(&self, n: usize) -> Vec<RejectedKey> {
+        self.shared.top.top(n)
+    }
+
+    /// The `name` label of the layer's metrics, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.shared.name.as_deref()
+    }
+
+    /// Whether the layer is in shadow mode (decides, never refuses).
+    pub fn is_shadow(&self) -> bool {
+        self.shared.shadow
+    }
+}
+
+impl<S, G> Layer<S> for RateLimitLayer<G> {
+    type Service = RateLimit<S, G>;
+
+    fn layer(&self, inner: S) -> RateLimit<S, G> {
+        RateLimit::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// Builds a [`RateLimitLayer`]; from [`RateLimitLayer::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct RateLimitLayerBuilder<G> {
+    gate: G,
+    policies: Vec<Policy>,
+    cost: Option<Arc<CostFn>>,
+    styles: HeaderStyles,
+    shadow: bool,
+    top_rejected: usize,
+    name: Option<String>,
+    prefix: String,
+}
+
+impl<G: fmt::Debug> fmt::Debug for RateLimitLayerBuilder<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field("gate", &self.gate)
+            .field("policies", &self.policies)
+            .field("cost", &self.cost.as_ref().map(|_| "Fn"))
+            .field("styles", &self.styles)
+            .field("shadow", &self.shadow)
+            .field("top_rejected", &self.top_rejected)
+            .field("name", &self.name)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
+    /// Add a policy; a request must have room in every policy that applies to it.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policies.push(policy);
+        self
+    }
+
+    /// The cost of a request (default 1), e.g. a route's weight. A cost of zero or above a
+    /// policy's burst can never be decided: such a request gets the layer's `503`.
+    pub fn cost<F>(mut self, cost: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> u32 + Send + Sync + 'static,
+    {
+        self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// Which header fields to write (default [`HeaderStyles::IETF`]).
+    pub fn header_styles(mut self, styles: HeaderStyles) -> Self {
+        self.styles = styles;
+        self
+    }
+
+    /// Shadow mode: decide, count and write the fields, but never refuse (default off).
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// How many of the most rejected keys to keep (default 64; see [`TopRejected`]).
+    pub fn top_rejected(mut self, k: usize) -> Self {
+        self.top_rejected = k;
+        self
+    }
+
+    /// The `name` label of the layer's metrics, and its name in the logs.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// A prefix for every gate key of this layer (default none): keys are
+    /// `<prefix><policy name>:<key>`. Layers sharing a gate need distinct prefixes or policy
+    /// names; on Redis Cluster, a prefix with a hash tag (`"{rl}"`) puts all the keys of
+    /// the layer in one slot, which an all-or-nothing call over several policies needs.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Build the layer.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `rate_limit.policies` when there is no policy, more than 32, a
+    /// name that is empty, not printable ASCII or contains `:`, or two policies with one
+    /// name; on `rate_limit.header_styles` for both `X_RATELIMIT` and
+    /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
+    /// [`TopRejected::MAX_CAPACITY`].
+    pub fn build(self) -> Result<RateLimitLayer<G>, ConfigError> {
+        if self.policies.is_empty() {
+            return Err(ConfigError::zero("rate_limit.policies"));
+        }
+        if self.policies.len() > MAX_POLICIES {
+            return Err(ConfigError::new(
+                "rate_limit.policies",
+                ConfigErrorKind::TooLarge,
+                format!("at most {MAX_POLICIES} policies (one all-or-nothing call)"),
+            ));
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            if !fields::valid_name(&p.name) || p.name.contains(':') {
+                return Err(ConfigError::new(
+                    "rate_limit.policies",
+                    ConfigErrorKind::Inconsistent,
+                    format!(
+                        "policy name {:?} must be non-empty printable ASCII without ':'",
+                        p.name
+                    ),
+                ));
+            }
+            if self.policies[..i].iter().any(|q| q.name == p.name) {
+                return Err(ConfigError::new(
+                    "rate_limit.policies",
+                    ConfigErrorKind::Inconsistent,
+                    format!("two policies are called {:?}", p.name),
+                ));
+            }
+        }
+        if self.styles.contains(HeaderStyles::X_RATELIMIT)
+            && self.styles.contains(HeaderStyles::X_RATELIMIT_EPOCH)
+        {
+            return Err(ConfigError::new(
+                "rate_limit.header_styles",
+                ConfigErrorKind::Inconsistent,
+                "X_RATELIMIT and X_RATELIMIT_EPOCH both write X-RateLimit-Reset: choose one",
+            ));
+        }
+        let top = TopRejected::new(self.top_rejected)?;
+        let policies: Box<[Entry]> = self
+            .policies
+            .into_iter()
+            .map(|p| {
+                let (q, w) = fields::policy_params(&crate::gate::Limit::TokenBucket(p.quota));
+                let quota_exceeded = problem::document(
+                    QUOTA_EXCEEDED,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &[p.name.as_str()],
+                );
+                Entry {
+                    q,
+                    w,
+                    quota_exceeded,
+                    policy: p,
+                }
+            })
+            .collect();
+        let members: Vec<Member<'_>> = policies.iter().map(|e| e.member(0, None)).collect();
+        let all_policy = fields::policy_field(&members);
+        drop(members);
+        let labels = Labels::new(self.name.as_deref());
+        let counter = |outcome| labels.counter(DECISIONS, &[("outcome", outcome)]);
+        let counters = Outcome::ALL.map(|o| counter(o.as_str()));
+        let gate_error_body = problem::document(
+            TEMPORARY_REDUCED_CAPACITY,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &[],
+        );
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                gate: self.gate,
+                policies,
+                cost: self.cost,
+                styles: self.styles,
+                shadow: self.shadow,
+                prefix: self.prefix,
+                all_policy,
+                gate_error_body,
+                top,
+                counts: Default::default(),
+                counters,
+                name: self.name,
+                epoch: Instant::now(),
+                next_log_ms: AtomicU64::new(0),
+                since_log: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+/// How many requests ended each way, from [`RateLimitLayer::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RateLimitStats {
+    /// Admitted by every policy that applied (or by none applying).
+    pub admitted: u64,
+    /// Refused with `429`.
+    pub rejected: u64,
+    /// Would have been refused; passed because the layer is in shadow mode.
+    pub shadow_rejected: u64,
+    /// The gate returned an error: answered `503` (passed in shadow mode).
+    pub gate_error: u64,
+    /// Admitted by the gate's fail-open policy (the backend could not decide).
+    pub fail_open: u64,
+    /// Refused with `400` because a policy with [`MissingKey::Refuse`] found no key
+    /// (passed in shadow mode).
+    pub missing_key: u64,
+}
+
+/// The outcome of one request.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Admitted,
+    Rejected,
+    ShadowRejected,
+    GateError,
+    FailOpen,
+    MissingKey,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 6] = [
+        Outcome::Admitted,
+        Outcome::Rejected,
+        Outcome::ShadowRejected,
+        Outcome::GateError,
+        Outcome::FailOpen,
+        Outcome::MissingKey,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Admitted => "admitted",
+            Outcome::Rejected => "rejected",
+            Outcome::ShadowRejected => "shadow_rejected",
+            Outcome::GateError => "gate_error",
+            Outcome::FailOpen => "fail_open",
+            Outcome::MissingKey => "missing_key",
+        }
+    }
+}
+
+/// A policy with what the layer derived from it at build time.
+struct Entry {
+    policy: Policy,
+    q: u64,
+    w: u64,
+    /// The problem body of a 429 that this policy alone blocked.
+    quota_exceeded: Bytes,
+}
+
+impl Entry {
+    fn member(&self, r: u64, t: Option<u64>) -> Member<'_> {
+        Member {
+            name: &self.policy.name,
+            q: self.q,
+            w: self.w,
+            r,
+            t,
+        }
+    }
+}
+
+/// The keys of one request: for each policy that applies, its index and where its gate key
+/// is in `buf`.
+#[derive(Debug, Default)]
+pub(crate) struct Keys {
+    buf: String,
+    spans: Vec<(usize, usize, usize)>,
+}
+
+/// What the layer does with a request before (or without) asking the gate.
+pub(crate) enum Prepared {
+    /// Pass to the inner service with these fields (if any).
+    Pass(Option<Fields>),
+    /// Answer with this response.
+    Answer(Response<Bytes>),
+    /// Ask the gate.
+    Check(Keys, u32),
+}
+
+/// What the layer does with a decided request.
+pub(crate) enum Verdict {
+    /// Pass to the inner service, adding these fields to its response.
+    Pass(Option<Fields>),
+    /// Answer with this response (429, 503).
+    Answer(Response<Bytes>),
+}
+
+/// The future of a gate call that could not be decided locally; it owns the keys it
+/// decides and gives them back.
+pub(crate) type Check =
+    Pin<Box<dyn Future<Output = (Keys, Result<Vec<Decision>, GateError>)> + Send>>;
+
+/// The state every clone of a layer and its services shares.
+pub(crate) struct Shared<G> {
+    gate: G,
+    policies: Box<[Entry]>,
+    cost: Option<Arc<CostFn>>,
+    styles: HeaderStyles,
+    shadow: bool,
+    prefix: String,
+    /// `RateLimit-Policy` of all the policies, serialized once.
+    all_policy: Option<HeaderValue>,
+    gate_error_body: Bytes,
+    top: TopRejected,
+    counts: [AtomicU64; 6],
+    counters: [Counter; 6],
+    name: Option<String>,
+    epoch: Instant,
+    /// Milliseconds since `epoch` before which no rejection is logged.
+    next_log_ms: AtomicU64,
+    /// Rejections since the last log.
+    since_log: AtomicU64,
+}
+
+impl<G: fmt::Debug> fmt::Debug for Shared<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let policies: Vec<&Policy> = self.policies.iter().map(|e| &e.policy).collect();
+        f.debug_struct("RateLimitLayer")
+            .field("name", &self.name)
+            .field("gate", &self.gate)
+            .field("policies", &policies)
+            .field("styles", &self.styles)
+            .field("shadow", &self.shadow)
+            .field("prefix", &self.prefix)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<G> Shared<G> {
+    fn count(&self, outcome: Outcome) {
+        self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.counters[outcome as usize].increment(1);
+    }
+
+    pub(crate) fn stats(&self) -> RateLimitStats {
+        let c = |o: Outcome| self.counts[o as usize].load(Ordering::Relaxed);
+        RateLimitStats {
+            admitted: c(Outcome::Admitted),
+            rejected: c(Outcome::Rejected),
+            shadow_rejected: c(Outcome::ShadowRejected),
+            gate_error: c(Outcome::GateError),
+            fail_open: c(Outcome::FailOpen),
+            missing_key: c(Outcome::MissingKey),
+        }
+    }
+
+    /// Take the request's keys and cost; answer at once when no policy applies or a key is
+    /// missing under [`MissingKey::Refuse`].
+    pub(crate) fn prepare(&self, req: &RequestInfo<'_>) -> Prepared {
+        let mut keys = Keys {
+            buf: String::with_capacity(64),
+            spans: Vec::with_capacity(self.policies.len()),
+        };
+        for (i, entry) in self.policies.iter().enumerate() {
+            let start = keys.buf.len();
+            keys.buf.push_str(&self.prefix);
+            keys.buf.push_str(&entry.policy.name);
+            keys.buf.push(':');
+            let key_at = keys.buf.len();
+            if !entry.policy.key.extract(req, &mut keys.buf) || keys.buf.len() == key_at {
+                keys.buf.truncate(key_at);
+                match &entry.policy.missing {
+                    MissingKey::Shared(k) => keys.buf.push_str(k),
+                    MissingKey::Skip => {
+                        keys.buf.truncate(start);
+                        continue;
+                    }
+                    _ => {
+                        self.count(Outcome::MissingKey);
+                        if self.shadow {
+                            return Prepared::Pass(None);
+                        }
+                        let mut res = Response::new(Bytes::new());
+                        *res.status_mut() = StatusCode::BAD_REQUEST;
+                        return Prepared::Answer(res);
+                    }
+                }
+            }
+            keys.spans.push((i, start, keys.buf.len()));
+        }
+        if keys.spans.is_empty() {
+            self.count(Outcome::Admitted);
+            return Prepared::Pass(None);
+        }
+        let cost = self.cost.as_ref().map_or(1, |f| f(req));
+        Prepared::Check(keys, cost)
+    }
+
+    /// The `(key, quota)` list of `keys` for the gate.
+    fn limits<'k>(&self, keys: &'k Keys) -> Vec<(&'k str, Quota)> {
+        keys.spans
+            .iter()
+            .map(|&(i, start, end)| (&keys.buf[start..end], self.policies[i].policy.quota))
+            .collect()
+    }
+
+    /// What to do with a request the gate decided (or failed to).
+    pub(crate) fn conclude(
+        &self,
+        keys: &Keys,
+        decided: Result<Vec<Decision>, GateError>,
+    ) -> Verdict {
+        let decisions = match decided {
+            Ok(d) if d.len() == keys.spans.len() => d,
+            // A gate that answers the wrong number of decisions is as broken as one that
+            // errs.
+            Ok(_) | Err(_) => {
+                if let Err(e) = &decided {
+                    tracing::debug!(layer = ?self.name, error = %e, "rate limit: gate error");
+                }
+                self.count(Outcome::GateError);
+                if self.shadow {
+                    return Verdict::Pass(None);
+                }
+                return Verdict::Answer(problem::response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    self.gate_error_body.clone(),
+                    HeaderValue::from(1u64),
+                ));
+            }
+        };
+        let allowed = decisions.iter().all(|d| d.allowed);
+        let fail_open = decisions.iter().any(|d| d.capacity == u64::MAX);
+        // The policies that blocked: a rejection with a retry_after of its own (the others
+        // had room but were not charged). If none says so (a closed gate about to probe),
+        // all of them did.
+        let blocked = |d: &Decision| !d.allowed && !d.retry_after.is_zero();
+        let any_blocked = decisions.iter().any(blocked);
+        let violated = |d: &Decision| !allowed && (blocked(d) || !any_blocked);
+        let mut members = Vec::with_capacity(decisions.len());
+        let mut retry_after = 1u64;
+        let mut violated_mask = 0u32;
+        for (&(i, _, _), d) in keys.spans.iter().zip(&decisions) {
+            let entry = &self.policies[i];
+            let is_violated = violated(d);
+            if is_violated {
+                retry_after = retry_after.max(fields::ceil_secs(d.retry_after));
+                violated_mask |= 1 << i;
+            }
+            if d.capacity == u64::MAX {
+                continue;
+            }
+            let t = (allowed || is_violated).then(|| fields::reset_secs(d));
+            members.push(entry.member(d.remaining, t));
+        }
+        let all = members.len() == self.policies.len();
+        let fields = Fields::new(
+            self.styles,
+            &members,
+            self.all_policy.as_ref().filter(|_| all),
+        );
+        if allowed {
+            self.count(if fail_open {
+                Outcome::FailOpen
+            } else {
+                Outcome::Admitted
+            });
+            return Verdict::Pass(Some(fields));
+        }
+        self.record_rejection(keys, violated_mask);
+        if self.shadow {
+            self.count(Outcome::ShadowRejected);
+            return Verdict::Pass(Some(fields));
+        }
+        self.count(Outcome::Rejected);
+        let body = if violated_mask.is_power_of_two() {
+            self.policies[violated_mask.trailing_zeros() as usize]
+                .quota_exceeded
+                .clone()
+        } else {
+            let names: Vec<&str> = self
+                .policies
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| violated_mask & (1 << i) != 0)
+                .map(|(_, e)| e.policy.name.as_str())
+                .collect();
+            problem::document(QUOTA_EXCEEDED, StatusCode::TOO_MANY_REQUESTS, &names)
+        };
+        let mut res = problem::response(
+            StatusCode::TOO_MANY_REQUESTS,
+            body,
+            HeaderValue::from(retry_after),
+        );
+        fields.write(res.headers_mut());
+        Verdict::Answer(res)
+    }
+
+    /// Record the blocked keys in the top-N sketch; log at most once a minute.
+    fn record_rejection(&self, keys: &Keys, violated_mask: u32) {
+        let skip = self.prefix.len();
+        for &(i, start, end) in &keys.spans {
+            if violated_mask & (1 << i) != 0 {
+                self.top.record(&keys.buf[start + skip..end]);
+            }
+        }
+        self.since_log.fetch_add(1, Ordering::Relaxed);
+        let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let next = self.next_log_ms.load(Ordering::Relaxed);
+        if now_ms >= next
+            && self
+                .next_log_ms
+                .compare_exchange(
+                    next,
+                    now_ms.saturating_add(LOG_EVERY_MS),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            let since = self.since_log.swap(0, Ordering::Relaxed);
+            let top: Vec<(String, u64)> = self
+                .top
+                .top(5)
+                .into_iter()
+                .map(|k| (k.key, k.count))
+                .collect();
+            tracing::warn!(
+                layer = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
+                rejected = since,
+                shadow = self.shadow,
+                top = ?top,
+                "rate limit: requests rejected",
+            );
+        }
+    }
+}
+
+impl<G: Gate + 'static> Shared<G> {
+    /// Decide `keys` without I/O if the gate can.
+    pub(crate) fn check_local(&self, keys: &Keys, cost: u32) -> Option<Verdict> {
+        let limits = self.limits(keys);
+        let decided = self.gate.check_all_local(&limits, cost)?;
+        Some(self.conclude(keys, decided))
+    }
+
+    /// Decide `keys` through the gate's future.
+    pub(crate) fn check(self: &Arc<Self>, keys: Keys, cost: u32) -> Check {
+        let shared = Arc::clone(self);
+        Box::pin(async move {
+            let limits = shared.limits(&keys);
+            let decided = shared.gate.check_all(&limits, cost).await;
+            drop(limits);
+            (keys, decided)
+        })
+    }
+}

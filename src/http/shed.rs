@@ -1,0 +1,645 @@
+//! `ShedLayer`: a bulkhead in front of a service, answering `503` with `Retry-After` when it
+//! is saturated, by request class.
+
+use std::fmt;
+use std::future::Future;
+use std::mem;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use pin_project::pin_project;
+use tower::{Layer, Service};
+
+use crate::bulkhead::{AcquireOwned, Bulkhead, OwnedBulkheadPermit, Priority};
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::http::body::ResponseBody;
+use crate::http::key::RequestInfo;
+use crate::http::problem::{self, TEMPORARY_REDUCED_CAPACITY};
+use crate::metrics::{Counter, Labels};
+use crate::sync::Arc;
+
+/// Names of the shed layer's metrics.
+pub(crate) mod names {
+    /// Requests the layer answered with `503`, by `class`.
+    pub(crate) const SHED: &str = "flowgate_http_shed_total";
+}
+
+/// How much a request matters when the bulkhead is saturated: what a [`ShedLayer`]'s
+/// classifier answers for each request.
+///
+/// | class | permit | when no permit is free |
+/// |---|---|---|
+/// | `Critical` | [`Priority::Critical`]: may take the bulkhead's `critical_reserve` | waits or is refused, as the layer's [`wait`](ShedLayerBuilder::wait) mode says; a waiting critical request is served first and pushes the newest normal waiter out of a full waiting room |
+/// | `Normal` | [`Priority::Normal`] | waits or is refused, as the layer's `wait` mode says |
+/// | `Sheddable` | [`Priority::Normal`] | refused at once, whatever the mode: never waits |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Class {
+    /// Must get through: health checks, the core path. Uses the bulkhead's critical reserve.
+    Critical,
+    /// Ordinary work (the default).
+    #[default]
+    Normal,
+    /// Work to drop first (reports, exports, prefetches): never waits for a permit.
+    Sheddable,
+}
+
+impl Class {
+    /// A stable lowercase name, the `class` label of `flowgate_http_shed_total`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Class::Critical => "critical",
+            Class::Normal => "normal",
+            Class::Sheddable => "sheddable",
+        }
+    }
+
+    const ALL: [Class; 3] = [Class::Critical, Class::Normal, Class::Sheddable];
+
+    const fn index(self) -> usize {
+        match self {
+            Class::Critical => 0,
+            Class::Normal => 1,
+            Class::Sheddable => 2,
+        }
+    }
+
+    const fn priority(self) -> Priority {
+        match self {
+            Class::Critical => Priority::Critical,
+            Class::Normal | Class::Sheddable => Priority::Normal,
+        }
+    }
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What one class of requests met at a [`ShedLayer`]: part of [`ShedStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ClassStats {
+    /// Requests that got a permit and went on to the inner service.
+    pub admitted: u64,
+    /// Requests answered with `503`: shed by the saturated bulkhead (no permit free, waiting
+    /// room full, waited past the timeout, pushed out by critical work) or refused by a
+    /// closed bulkhead. The bulkhead's `flowgate_bulkhead_rejected_total{reason}` tells the
+    /// reasons apart.
+    pub shed: u64,
+}
+
+/// Counts of a [`ShedLayer`] (and every service it made) since it was built; from
+/// [`ShedLayer::stats`] or [`Shed::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ShedStats {
+    /// [`Class::Critical`] requests.
+    pub critical: ClassStats,
+    /// [`Class::Normal`] requests.
+    pub normal: ClassStats,
+    /// [`Class::Sheddable`] requests.
+    pub sheddable: ClassStats,
+}
+
+impl ShedStats {
+    /// The counts of `class`.
+    pub fn class(&self, class: Class) -> ClassStats {
+        match class {
+            Class::Critical => self.critical,
+            Class::Normal => self.normal,
+            Class::Sheddable => self.sheddable,
+        }
+    }
+
+    /// Requests admitted, all classes together.
+    pub fn admitted(&self) -> u64 {
+        self.critical.admitted + self.normal.admitted + self.sheddable.admitted
+    }
+
+    /// Requests answered with `503`, all classes together.
+    pub fn shed(&self) -> u64 {
+        self.critical.shed + self.normal.shed + self.sheddable.shed
+    }
+}
+
+type Classifier = dyn Fn(&RequestInfo<'_>) -> Class + Send + Sync;
+
+/// What every clone of a layer and its services shares.
+struct Shared {
+    bulkhead: Bulkhead,
+    classify: Option<Box<Classifier>>,
+    wait: bool,
+    retry_after: HeaderValue,
+    /// The problem document of every 503 (built once: shedding stays cheap under load).
+    body: Bytes,
+    name: Option<String>,
+    admitted: [AtomicU64; 3],
+    shed: [AtomicU64; 3],
+    shed_metric: [Counter; 3],
+}
+
+impl Shared {
+    fn classify(&self, req: &RequestInfo<'_>) -> Class {
+        self.classify.as_ref().map_or(Class::Normal, |f| f(req))
+    }
+
+    fn admitted(&self, class: Class) {
+        self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The `503` for a request of `class` the bulkhead refused.
+    fn refused<B>(&self, class: Class) -> Response<ResponseBody<B>> {
+        self.shed[class.index()].fetch_add(1, Ordering::Relaxed);
+        self.shed_metric[class.index()].increment(1);
+        problem::response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            self.body.clone(),
+            self.retry_after.clone(),
+        )
+        .map(ResponseBody::own)
+    }
+
+    fn stats(&self) -> ShedStats {
+        let of = |c: Class| ClassStats {
+            admitted: self.admitted[c.index()].load(Ordering::Relaxed),
+            shed: self.shed[c.index()].load(Ordering::Relaxed),
+        };
+        ShedStats {
+            critical: of(Class::Critical),
+            normal: of(Class::Normal),
+            sheddable: of(Class::Sheddable),
+        }
+    }
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShedLayer")
+            .field("name", &self.name)
+            .field("bulkhead", &self.bulkhead)
+            .field("wait", &self.wait)
+            .field("retry_after", &self.retry_after)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A tower [`Layer`] that puts a [`Bulkhead`] in front of a service: each request holds a
+/// permit from the moment it is admitted until its response body is sent (or dropped), and
+/// a request the saturated bulkhead refuses is answered `503 Service Unavailable` with
+/// `Retry-After` and an RFC 9457 problem body, without reaching the inner service.
+///
+/// A classifier gives each request a [`Class`]: `Critical` requests may take the bulkhead's
+/// critical reserve, so health checks and the core path keep a share when everything else is
+/// shed; `Sheddable` requests never wait; `Normal` requests wait or not as the layer's
+/// [`wait`](ShedLayerBuilder::wait) mode says.
+///
+/// # The 503
+///
+/// Status `503`, `Retry-After` in whole seconds (the configured
+/// [`retry_after`](ShedLayerBuilder::retry_after), default 1 s, rounded up), and an
+/// `application/problem+json` body of the ratelimit-headers draft's
+/// `temporary-reduced-capacity` type:
+///
+/// ```json
+/// {"type":"https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
+///  "title":"Request cannot be satisfied due to temporary server capacity constraints",
+///  "status":503,"violated-policies":[]}
+/// ```
+///
+/// `violated-policies` is empty: shedding is about the server's capacity, not a quota policy
+/// a client could read in `RateLimit-Policy`.
+///
+/// # tower semantics
+///
+/// `poll_ready` only asks the inner service; the permit is taken in the response future, so
+/// an idle keep-alive connection holds none. The inner service is cloned after it was ready
+/// (`mem::replace`), and a refused request drops its ready clone without calling it. The
+/// layer and its services are `Clone` and share the bulkhead and the counts. A waiting
+/// request is woken by the bulkhead when a permit frees or its timeout fires; nothing polls
+/// in a loop. Dropping the response future gives up the wait or returns the permit.
+///
+/// # Metrics
+///
+/// `flowgate_http_shed_total{name, class}`: requests answered with `503`, by class. The
+/// bulkhead's own metrics (`flowgate_bulkhead_in_flight`, `..._rejected_total{reason}`,
+/// `..._wait_seconds`) carry the bulkhead's name.
+///
+/// # Examples
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::time::Duration;
+///
+/// use bytes::Bytes;
+/// use flowgate::bulkhead::Bulkhead;
+/// use flowgate::http::{Class, ShedLayer};
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let bulkhead = Bulkhead::builder(64)
+///     .critical_reserve(4) // only /health may use the last 4 permits
+///     .max_waiting(128)
+///     .wait_timeout(Duration::from_millis(250))
+///     .name("api")
+///     .build()?;
+/// let layer = ShedLayer::builder(bulkhead)
+///     .classify(|req| match req.uri.path() {
+///         "/health" => Class::Critical,
+///         path if path.starts_with("/report") => Class::Sheddable,
+///         _ => Class::Normal,
+///     })
+///     .wait(true) // normal requests wait up to 250 ms in the bulkhead's waiting room
+///     .retry_after(Duration::from_secs(2))
+///     .name("api")
+///     .build()?;
+///
+/// let app = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+/// }));
+/// let res = app.oneshot(Request::get("/health").body(Full::default())?).await?;
+/// assert_eq!(res.status(), StatusCode::OK);
+/// assert_eq!(layer.stats().critical.admitted, 1);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// With axum, `Router::layer(layer)` sheds every route and `Router::route_layer(layer)` the
+/// matched routes only.
+#[derive(Clone, Debug)]
+pub struct ShedLayer {
+    shared: Arc<Shared>,
+}
+
+impl ShedLayer {
+    /// A builder for a layer over `bulkhead` (a handle: the bulkhead may be shared with other
+    /// layers and other work).
+    pub fn builder(bulkhead: Bulkhead) -> ShedLayerBuilder {
+        ShedLayerBuilder {
+            bulkhead,
+            classify: None,
+            wait: false,
+            retry_after: Duration::from_secs(1),
+            name: None,
+        }
+    }
+
+    /// The counts of this layer and every service it made.
+    pub fn stats(&self) -> ShedStats {
+        self.shared.stats()
+    }
+
+    /// The bulkhead the layer takes its permits from.
+    pub fn bulkhead(&self) -> &Bulkhead {
+        &self.shared.bulkhead
+    }
+}
+
+impl<S> Layer<S> for ShedLayer {
+    type Service = Shed<S>;
+
+    fn layer(&self, inner: S) -> Shed<S> {
+        Shed {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Builds a [`ShedLayer`]; from [`ShedLayer::builder`].
+#[must_use = "a builder does nothing until built"]
+pub struct ShedLayerBuilder {
+    bulkhead: Bulkhead,
+    classify: Option<Box<Classifier>>,
+    wait: bool,
+    retry_after: Duration,
+    name: Option<String>,
+}
+
+impl fmt::Debug for ShedLayerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShedLayerBuilder")
+            .field("bulkhead", &self.bulkhead)
+            .field("classify", &self.classify.as_ref().map(|_| "Fn"))
+            .field("wait", &self.wait)
+            .field("retry_after", &self.retry_after)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl ShedLayerBuilder {
+    /// The classifier: a [`Class`] for each request, from its method, URI, headers and
+    /// extensions (the body is not read). Default: every request is [`Class::Normal`].
+    ///
+    /// It runs once per request, in `call`, and should be cheap (a path match).
+    pub fn classify<F>(mut self, classify: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> Class + Send + Sync + 'static,
+    {
+        self.classify = Some(Box::new(classify));
+        self
+    }
+
+    /// Whether `Normal` and `Critical` requests that find no free permit wait for one.
+    ///
+    /// - `false` (the default): refuse at once with `503` (tower's `LoadShed` behaviour);
+    ///   the bulkhead's waiting room is not used.
+    /// - `true`: wait in the bulkhead's bounded waiting room, up to its
+    ///   [`wait_timeout`](crate::bulkhead::BulkheadBuilder::wait_timeout); a full room or
+    ///   the timeout is a `503`. The bulkhead must have a `wait_timeout` (see
+    ///   [`build`](ShedLayerBuilder::build)).
+    ///
+    /// `Sheddable` requests never wait, in either mode.
+    pub fn wait(mut self, wait: bool) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The `Retry-After` of a `503` (default 1 s), sent in whole seconds rounded up
+    /// (1.2 s → `Retry-After: 2`).
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// The `name` label of the layer's metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the layer.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `shed.retry_after` if it is zero, and on `shed.wait` if waiting
+    /// was asked for over a bulkhead without a `wait_timeout` (requests would wait for as
+    /// long as the bulkhead stays saturated, and a client's own timeout would fire before
+    /// any `503`).
+    pub fn build(self) -> Result<ShedLayer, ConfigError> {
+        if self.retry_after.is_zero() {
+            return Err(ConfigError::new(
+                "shed.retry_after",
+                ConfigErrorKind::Zero,
+                "must be positive",
+            ));
+        }
+        if self.wait && self.bulkhead.core().wait_timeout().is_none() {
+            return Err(ConfigError::new(
+                "shed.wait",
+                ConfigErrorKind::Inconsistent,
+                "waiting needs a bulkhead with a wait_timeout",
+            ));
+        }
+        let secs = self
+            .retry_after
+            .as_secs()
+            .saturating_add(u64::from(self.retry_after.subsec_nanos() > 0));
+        let labels = Labels::new(self.name.as_deref());
+        let shed_metric = Class::ALL.map(|c| labels.counter(names::SHED, &[("class", c.as_str())]));
+        Ok(ShedLayer {
+            shared: Arc::new(Shared {
+                bulkhead: self.bulkhead,
+                classify: self.classify,
+                wait: self.wait,
+                retry_after: HeaderValue::from(secs),
+                body: problem::document(
+                    TEMPORARY_REDUCED_CAPACITY,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &[],
+                ),
+                name: self.name,
+                admitted: Default::default(),
+                shed: Default::default(),
+                shed_metric,
+            }),
+        })
+    }
+}
+
+/// The service of a [`ShedLayer`]: the inner service behind a bulkhead.
+///
+/// Clones share the layer's bulkhead and counts.
+#[derive(Clone)]
+pub struct Shed<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Shed<S> {
+    /// The counts of the layer this service came from (shared by all its services).
+    pub fn stats(&self) -> ShedStats {
+        self.shared.stats()
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Shed<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shed")
+            .field("inner", &self.inner)
+            .field("layer", &self.shared)
+            .finish()
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Shed<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ShedFuture<S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        // Only the inner service: a permit is taken when a request is there to use it.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let class = self.shared.classify(&RequestInfo::of(&req));
+        // The service that was made ready goes with this request; a fresh clone stays.
+        let clone = self.inner.clone();
+        let inner = mem::replace(&mut self.inner, clone);
+        let state = if self.shared.wait && class != Class::Sheddable {
+            // Takes nothing until polled.
+            State::Wait(self.shared.bulkhead.acquire_owned_with(class.priority()))
+        } else {
+            State::Try
+        };
+        ShedFuture {
+            state,
+            pending: Some((inner, req)),
+            class,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The response future of [`Shed`]: takes a permit (or waits for one), then calls the inner
+/// service; or answers `503`.
+///
+/// # Cancel safety
+///
+/// Dropping it before the permit is taken gives up its place in the waiting room; after,
+/// the permit is returned and the inner service's future is dropped with it. Once the
+/// response is out, the permit travels in its body ([`ResponseBody::Held`]).
+#[pin_project]
+#[must_use = "futures do nothing unless polled"]
+pub struct ShedFuture<S, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    #[pin]
+    state: State<S::Future>,
+    /// The ready inner service and the request, until the permit is there.
+    pending: Option<(S, Request<ReqBody>)>,
+    class: Class,
+    shared: Arc<Shared>,
+}
+
+#[pin_project(project = StateProj)]
+enum State<F> {
+    /// Take a permit without waiting, on the first poll.
+    Try,
+    /// Waiting in the bulkhead's waiting room.
+    Wait(#[pin] AcquireOwned),
+    /// The inner service runs, holding the permit.
+    Call(#[pin] F, Option<OwnedBulkheadPermit>),
+    /// The response was given out.
+    Done,
+}
+
+impl<S, ReqBody, ResBody> Future for ShedFuture<S, ReqBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let acquired = match this.state.as_mut().project() {
+                StateProj::Try => this
+                    .shared
+                    .bulkhead
+                    .try_acquire_owned_with(this.class.priority()),
+                StateProj::Wait(acquire) => ready!(acquire.poll(cx)),
+                StateProj::Call(fut, permit) => {
+                    let res = ready!(fut.poll(cx));
+                    let permit = permit.take();
+                    this.state.set(State::Done);
+                    return Poll::Ready(res.map(|res| res.map(|b| ResponseBody::Held(b, permit))));
+                }
+                StateProj::Done => panic!("ShedFuture polled after completion"),
+            };
+            let class = *this.class;
+            match acquired {
+                Ok(permit) => {
+                    let (mut inner, req) = this.pending.take().expect("pending until acquired");
+                    this.shared.admitted(class);
+                    let fut = inner.call(req);
+                    this.state.set(State::Call(fut, Some(permit)));
+                }
+                Err(_) => {
+                    // The ready service and the request are dropped unused.
+                    *this.pending = None;
+                    this.state.set(State::Done);
+                    return Poll::Ready(Ok(this.shared.refused(class)));
+                }
+            }
+        }
+    }
+}
+
+impl<S, ReqBody> fmt::Debug for ShedFuture<S, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Try => "try",
+            State::Wait(_) => "wait",
+            State::Call(..) => "call",
+            State::Done => "done",
+        };
+        f.debug_struct("ShedFuture")
+            .field("class", &self.class)
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulkhead() -> Bulkhead {
+        Bulkhead::new(2).unwrap()
+    }
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up() {
+        for (given, sent) in [(1000, "1"), (1200, "2"), (1, "1"), (3000, "3"), (2999, "3")] {
+            let layer = ShedLayer::builder(bulkhead())
+                .retry_after(Duration::from_millis(given))
+                .build()
+                .unwrap();
+            assert_eq!(layer.shared.retry_after, sent, "{given} ms");
+        }
+    }
+
+    #[test]
+    fn bad_config_is_an_error() {
+        let err = ShedLayer::builder(bulkhead())
+            .retry_after(Duration::ZERO)
+            .build()
+            .unwrap_err();
+        assert_eq!(err.field(), "shed.retry_after");
+        let err = ShedLayer::builder(bulkhead())
+            .wait(true)
+            .build()
+            .unwrap_err();
+        assert_eq!(err.field(), "shed.wait");
+        assert_eq!(err.kind(), ConfigErrorKind::Inconsistent);
+        let timed = Bulkhead::builder(2)
+            .wait_timeout(Duration::from_millis(10))
+            .build()
+            .unwrap();
+        assert!(ShedLayer::builder(timed).wait(true).build().is_ok());
+    }
+
+    #[test]
+    fn public_types_are_send_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<ShedLayer>();
+        send_sync::<ShedLayerBuilder>();
+        send_sync::<Shed<()>>();
+        send_sync::<ShedStats>();
+    }
+}

@@ -1,0 +1,797 @@
+//! `RateLimitLayer` against a real server and a real client: exact counts, `Retry-After`,
+//! the fields as `sfv` parses them in every style, several policies, shadow mode, trusted
+//! proxies, gate errors, Redis killed mid-run, clone-after-ready and keep-alive.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use axum::routing::get as route_get;
+use bytes::Bytes;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{
+    ClientIp, ForwardedHeader, HeaderStyles, MissingKey, PeerIp, Policy, RateLimitLayer,
+    RequestInfo,
+};
+use flowgate::{Quota, Rate};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::harness::{Server, client, field, get};
+
+fn gate() -> MemoryGate {
+    MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()))
+}
+
+/// The `x-client` header as the key (none: no key).
+fn by_client(req: &RequestInfo<'_>, key: &mut String) -> bool {
+    match req.headers.get("x-client").and_then(|v| v.to_str().ok()) {
+        Some(c) => {
+            key.push_str(c);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The `x-user` header as the key.
+fn by_user(req: &RequestInfo<'_>, key: &mut String) -> bool {
+    match req.headers.get("x-user").and_then(|v| v.to_str().ok()) {
+        Some(c) => {
+            key.push_str(c);
+            true
+        }
+        None => false,
+    }
+}
+
+/// `burst` at once, refilling `burst` per `period`.
+fn quota(burst: u32, period: Duration) -> Quota {
+    Quota::new(Rate::per(burst, period).unwrap(), burst).unwrap()
+}
+
+fn app(layer: RateLimitLayer<MemoryGate>) -> Router {
+    Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(layer)
+}
+
+/// One list member of an IETF field: its name and integer parameters.
+#[derive(Debug)]
+struct Member {
+    name: String,
+    params: HashMap<String, i64>,
+}
+
+/// Parse an IETF list field with the Structured Fields parser.
+fn list(headers: &HeaderMap, name: &str) -> Vec<Member> {
+    let Some(text) = field(headers, name) else {
+        return Vec::new();
+    };
+    let parsed: sfv::List = sfv::Parser::new(&text)
+        .parse()
+        .unwrap_or_else(|e| panic!("{name}: {text:?}: {e}"));
+    parsed
+        .iter()
+        .map(|e| {
+            let sfv::ListEntry::Item(it) = e else {
+                panic!("{name}: inner list in {text:?}")
+            };
+            let name = it
+                .bare_item
+                .as_string()
+                .map(|s| s.as_str().to_owned())
+                .or_else(|| it.bare_item.as_token().map(|t| t.as_str().to_owned()))
+                .expect("a String or Token names the policy");
+            let params = it
+                .params
+                .iter()
+                .map(|(k, v)| {
+                    let v = v.as_integer().map(i64::from).expect("integer parameters");
+                    (k.as_str().to_owned(), v)
+                })
+                .collect();
+            Member { name, params }
+        })
+        .collect()
+}
+
+/// Parse a single-integer field with the Structured Fields parser.
+fn integer(headers: &HeaderMap, name: &str) -> i64 {
+    let text = field(headers, name).unwrap_or_else(|| panic!("no {name}"));
+    let item: sfv::Item = sfv::Parser::new(&text).parse().unwrap();
+    item.bare_item.as_integer().map(i64::from).unwrap()
+}
+
+fn retry_after(headers: &HeaderMap) -> u64 {
+    headers["retry-after"].to_str().unwrap().parse().unwrap()
+}
+
+fn violated(body: &Bytes) -> Vec<String> {
+    let doc: serde_json::Value = serde_json::from_slice(body).unwrap();
+    doc["violated-policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn exactly_the_burst_passes_and_every_429_says_when_to_retry() {
+    let layer = RateLimitLayer::builder(gate())
+        // Nothing refills during the test: 10 per 30 s.
+        .policy(Policy::new(
+            "per-client",
+            quota(10, Duration::from_secs(30)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    let url = server.url("/");
+    let tasks: Vec<_> = (0..25)
+        .map(|_| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move { get(&client, &url, &[("x-client", "a")]).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let ok = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::OK)
+        .count();
+    let limited: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::TOO_MANY_REQUESTS)
+        .collect();
+    assert_eq!((ok, limited.len()), (10, 15));
+    for a in &answers {
+        // Fields on every response.
+        let policy = list(&a.headers, "ratelimit-policy");
+        assert_eq!(policy.len(), 1);
+        assert_eq!(policy[0].name, "per-client");
+        assert_eq!(policy[0].params["q"], 10);
+        assert_eq!(policy[0].params["w"], 30);
+        let rl = list(&a.headers, "ratelimit");
+        assert_eq!(rl.len(), 1);
+        assert!(rl[0].params["r"] <= 9);
+    }
+    for a in &limited {
+        let t = list(&a.headers, "ratelimit")[0].params["t"];
+        let secs = retry_after(&a.headers);
+        assert!(secs >= 1 && secs as i64 >= t, "Retry-After {secs} < t {t}");
+        assert_eq!(secs, 3, "one token per 3 s");
+        assert_eq!(a.headers["content-type"], "application/problem+json");
+        let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(
+            doc["type"],
+            "https://iana.org/assignments/http-problem-types#quota-exceeded"
+        );
+        assert_eq!(doc["status"], 429);
+        assert_eq!(violated(&a.body), ["per-client"]);
+    }
+    let stats = layer.stats();
+    assert_eq!((stats.admitted, stats.rejected), (10, 15));
+    let top = layer.top_rejected(1);
+    assert_eq!(top[0].key, "per-client:a");
+    assert_eq!(top[0].count, 15);
+}
+
+#[tokio::test]
+async fn a_client_that_waits_retry_after_then_succeeds() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(1, Duration::from_millis(700)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "b")];
+    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    let wait = retry_after(&no.headers);
+    assert_eq!(wait, 1, "700 ms rounded up");
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn every_header_style_parses_as_structured_fields() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(5, Duration::from_secs(60)),
+            by_client,
+        ))
+        .policy(Policy::new(
+            "per-user",
+            quota(2, Duration::from_secs(10)),
+            by_user,
+        ))
+        .header_styles(HeaderStyles::IETF | HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT)
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "c"), ("x-user", "u")];
+    let a = get(&client, &url, &h).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let policy = list(&a.headers, "ratelimit-policy");
+    let names: Vec<&str> = policy.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["per-client", "per-user"]);
+    assert_eq!((policy[1].params["q"], policy[1].params["w"]), (2, 10));
+    let rl = list(&a.headers, "ratelimit");
+    assert_eq!((rl[0].params["r"], rl[1].params["r"]), (4, 1));
+    // Token buckets: time to full after one token.
+    assert_eq!((rl[0].params["t"], rl[1].params["t"]), (12, 5));
+    // The single-policy styles show the lowest remaining: per-user.
+    for prefix in ["ratelimit-", "x-ratelimit-"] {
+        assert_eq!(integer(&a.headers, &format!("{prefix}limit")), 2);
+        assert_eq!(integer(&a.headers, &format!("{prefix}remaining")), 1);
+        assert_eq!(integer(&a.headers, &format!("{prefix}reset")), 5);
+    }
+
+    let epoch = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(5, Duration::from_secs(60)),
+            by_client,
+        ))
+        .header_styles(HeaderStyles::X_RATELIMIT_EPOCH)
+        .build()
+        .unwrap();
+    let server = Server::start(app(epoch)).await;
+    let a = get(&client, &server.url("/"), &h).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let reset = integer(&a.headers, "x-ratelimit-reset");
+    assert!((now + 11..=now + 13).contains(&reset), "{reset} vs {now}");
+    assert!(a.headers.get("ratelimit").is_none());
+}
+
+#[tokio::test]
+async fn the_violated_policy_is_named_and_only_it_carries_t() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(100, Duration::from_secs(3600)),
+            by_client,
+        ))
+        .policy(Policy::new(
+            "per-user",
+            quota(1, Duration::from_secs(5)),
+            by_user,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "d"), ("x-user", "v")];
+    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(violated(&no.body), ["per-user"]);
+    let rl = list(&no.headers, "ratelimit");
+    assert_eq!(rl[0].name, "per-client");
+    assert_eq!(rl[0].params["r"], 99, "nothing charged on a 429");
+    assert!(!rl[0].params.contains_key("t"), "{rl:?}");
+    assert_eq!(rl[1].name, "per-user");
+    assert_eq!(rl[1].params["r"], 0);
+    let t = rl[1].params["t"];
+    assert!((4..=5).contains(&t));
+    assert!(retry_after(&no.headers) as i64 >= t);
+    // Another user of the same client still passes: the client's bucket was not charged.
+    let other = get(&client, &url, &[("x-client", "d"), ("x-user", "w")]).await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert_eq!(list(&other.headers, "ratelimit")[0].params["r"], 98);
+}
+
+#[tokio::test]
+async fn shadow_mode_admits_all_and_counts_the_would_be_rejections() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(3, Duration::from_secs(60)),
+            by_client,
+        ))
+        .shadow(true)
+        .build()
+        .unwrap();
+    assert!(layer.is_shadow());
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    let url = server.url("/");
+    for i in 0..10 {
+        let a = get(&client, &url, &[("x-client", "e")]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        let rl = list(&a.headers, "ratelimit");
+        assert_eq!(
+            rl[0].params["r"],
+            (2 - i).max(0),
+            "the fields tell the truth"
+        );
+        assert!(a.headers.get("retry-after").is_none());
+    }
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.admitted, stats.shadow_rejected, stats.rejected),
+        (3, 7, 0)
+    );
+    assert_eq!(layer.top_rejected(1)[0].count, 7);
+}
+
+#[tokio::test]
+async fn keyless_requests_share_skip_or_are_refused_as_configured() {
+    let layer = |missing: MissingKey| {
+        RateLimitLayer::builder(gate())
+            .policy(
+                Policy::new("per-client", quota(1, Duration::from_secs(60)), by_client)
+                    .missing_key(missing),
+            )
+            .build()
+            .unwrap()
+    };
+    let client = client();
+    // Shared: keyless requests are one bucket.
+    let shared = layer(MissingKey::default());
+    let server = Server::start(app(shared)).await;
+    assert_eq!(
+        get(&client, &server.url("/"), &[]).await.status,
+        StatusCode::OK
+    );
+    let second = get(&client, &server.url("/"), &[]).await;
+    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+    // Skip: not limited, and no fields.
+    let skip = layer(MissingKey::Skip);
+    let server = Server::start(app(skip.clone())).await;
+    for _ in 0..3 {
+        let a = get(&client, &server.url("/"), &[]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert!(a.headers.get("ratelimit").is_none());
+    }
+    // Refuse: 400.
+    let refuse = layer(MissingKey::Refuse);
+    let server = Server::start(app(refuse.clone())).await;
+    let a = get(&client, &server.url("/"), &[]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refuse.stats().missing_key, 1);
+}
+
+#[tokio::test]
+async fn a_cost_no_quota_admits_is_a_503_counted_as_gate_error() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(5, Duration::from_secs(60)),
+            by_client,
+        ))
+        .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/" { 6 } else { 1 })
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let a = get(&client(), &server.url("/"), &[("x-client", "f")]).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry_after(&a.headers), 1);
+    let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(
+        doc["type"],
+        "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+    );
+    assert_eq!(layer.stats().gate_error, 1);
+}
+
+#[tokio::test]
+async fn bad_configurations_are_config_errors() {
+    let p = |name: &str| Policy::new(name, quota(1, Duration::from_secs(1)), by_client);
+    let build = |ps: Vec<Policy>| {
+        ps.into_iter()
+            .fold(RateLimitLayer::builder(gate()), |b, p| b.policy(p))
+            .build()
+    };
+    assert!(build(vec![]).is_err());
+    assert!(build(vec![p("a"), p("a")]).is_err());
+    assert!(build(vec![p("é")]).is_err());
+    assert!(build(vec![p("a:b")]).is_err());
+    assert!(build(vec![p("")]).is_err());
+    assert!(build((0..33).map(|i| p(&format!("p{i}"))).collect()).is_err());
+    assert!(build(vec![p("a b-\"c\"")]).is_ok());
+    let styles = RateLimitLayer::builder(gate())
+        .policy(p("a"))
+        .header_styles(HeaderStyles::X_RATELIMIT | HeaderStyles::X_RATELIMIT_EPOCH)
+        .build();
+    assert!(styles.is_err());
+    let top = RateLimitLayer::builder(gate())
+        .policy(p("a"))
+        .top_rejected(0)
+        .build();
+    assert!(top.is_err());
+}
+
+#[tokio::test]
+async fn a_spoofed_left_most_forwarded_for_does_not_change_the_key() {
+    let peer = || PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0);
+    // The test client connects from 127.0.0.1: here a trusted proxy.
+    let behind_proxy = ClientIp::builder(ForwardedHeader::XForwardedFor)
+        .trust("127.0.0.0/8")
+        .peer(peer())
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-ip",
+            quota(2, Duration::from_secs(60)),
+            behind_proxy,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    let url = server.url("/");
+    let mut statuses = Vec::new();
+    for spoof in ["6.6.6.6", "1.2.3.4", "9.9.9.9"] {
+        let xff = format!("{spoof}, 203.0.113.7");
+        statuses.push(
+            get(&client, &url, &[("x-forwarded-for", &xff)])
+                .await
+                .status,
+        );
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    assert_eq!(layer.top_rejected(1)[0].key, "per-ip:203.0.113.7");
+
+    // An untrusted peer's header is ignored: the key is the peer.
+    let untrusting = ClientIp::builder(ForwardedHeader::XForwardedFor)
+        .trust("10.0.0.0/8")
+        .peer(peer())
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-ip",
+            quota(1, Duration::from_secs(60)),
+            untrusting,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let url = server.url("/");
+    let a = get(&client, &url, &[("x-forwarded-for", "203.0.113.8")]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let b = get(&client, &url, &[("x-forwarded-for", "203.0.113.9")]).await;
+    assert_eq!(b.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(layer.top_rejected(1)[0].key, "per-ip:127.0.0.1");
+}
+
+/// An inner service whose `poll_ready` reserves a slot that `call` needs; a clone has none.
+#[derive(Default)]
+struct Reserving {
+    reserved: bool,
+}
+
+impl Clone for Reserving {
+    fn clone(&self) -> Self {
+        Reserving { reserved: false }
+    }
+}
+
+impl<B> Service<Request<B>> for Reserving {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<String>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.reserved = true;
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<B>) -> Self::Future {
+        let reserved = std::mem::replace(&mut self.reserved, false);
+        Box::pin(async move {
+            let mut res = Response::new(String::new());
+            if !reserved {
+                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            }
+            Ok(res)
+        })
+    }
+}
+
+#[tokio::test]
+async fn the_inner_service_that_was_ready_is_the_one_called() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(3, Duration::from_secs(60)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Reserving::default());
+    // Readiness alone takes nothing from the quota.
+    for _ in 0..100 {
+        ServiceExt::<Request<()>>::ready(&mut svc).await.unwrap();
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let req = Request::get("/").header("x-client", "g").body(()).unwrap();
+        let res = ServiceExt::<Request<()>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(req)
+            .await
+            .unwrap();
+        statuses.push(res.status());
+        let _ = res.into_body().collect().await;
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    // Clones share the state.
+    let mut clone = svc.clone();
+    let req = Request::get("/").header("x-client", "g").body(()).unwrap();
+    let res = ServiceExt::<Request<()>>::ready(&mut clone)
+        .await
+        .unwrap()
+        .call(req)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(svc.stats().rejected, 2);
+}
+
+#[test]
+fn the_layer_its_service_and_future_are_send_sync_and_clone() {
+    fn send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+    fn send<T: Send + 'static>() {}
+    type Svc = flowgate::http::RateLimit<axum::routing::Route, MemoryGate>;
+    send_sync_clone::<RateLimitLayer<MemoryGate>>();
+    send_sync_clone::<Svc>();
+    send::<flowgate::http::RateLimitFuture<axum::routing::Route, MemoryGate, axum::body::Body>>();
+    send_sync_clone::<Policy>();
+}
+
+/// A bare hyper server (no axum) with the peer address as a `SocketAddr` extension.
+async fn hyper_server(layer: RateLimitLayer<MemoryGate>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = listener.accept().await.unwrap();
+            let inner = tower::service_fn(|_req: Request<hyper::body::Incoming>| async {
+                Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from("ok"))))
+            });
+            let svc = tower::ServiceBuilder::new()
+                .map_request(move |mut r: Request<hyper::body::Incoming>| {
+                    r.extensions_mut().insert(peer);
+                    r
+                })
+                .service(layer.layer(inner));
+            let svc = hyper_util::service::TowerToHyperService::new(svc);
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc),
+            );
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn many_requests_over_few_keep_alive_connections_on_a_bare_hyper_server() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-peer",
+            quota(30, Duration::from_secs(60)),
+            PeerIp::new(),
+        ))
+        .build()
+        .unwrap();
+    let addr = hyper_server(layer.clone()).await;
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = hyper::client::conn::http1::handshake::<_, Empty<Bytes>>(
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        conns.push(send);
+    }
+    let mut ok = 0;
+    let mut limited = 0;
+    for round in 0..20 {
+        for send in &mut conns {
+            send.ready().await.unwrap();
+            let req = Request::get(format!("http://{addr}/"))
+                .body(Empty::new())
+                .unwrap();
+            let res = send.send_request(req).await.unwrap();
+            match res.status() {
+                StatusCode::OK => ok += 1,
+                StatusCode::TOO_MANY_REQUESTS => limited += 1,
+                s => panic!("round {round}: {s}"),
+            }
+            assert!(res.headers().contains_key("ratelimit"));
+            let _ = res.into_body().collect().await.unwrap();
+        }
+    }
+    // Both connections are the same peer (127.0.0.1): one bucket, and a 429 keeps the
+    // connection open.
+    assert_eq!((ok, limited), (30, 10));
+    assert_eq!(layer.stats().admitted, 30);
+}
+
+#[tokio::test]
+async fn route_layer_works_too() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(1, Duration::from_secs(60)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/limited", route_get(|| async { "ok" }))
+        .route_layer(layer)
+        .route("/free", route_get(|| async { "ok" }));
+    let server = Server::start(app).await;
+    let client = client();
+    let h = [("x-client", "h")];
+    for _ in 0..3 {
+        assert_eq!(
+            get(&client, &server.url("/free"), &h).await.status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        get(&client, &server.url("/limited"), &h).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&client, &server.url("/limited"), &h).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use flowgate::gate::{FailurePolicy, RedisGate};
+    use redis::aio::ConnectionManager;
+
+    use super::*;
+    use crate::support::RedisServer;
+
+    async fn manager(server: &RedisServer) -> ConnectionManager {
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(200)))
+            .set_response_timeout(Some(Duration::from_millis(200)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(100));
+        ConnectionManager::new_with_config(server.client(), config)
+            .await
+            .unwrap()
+    }
+
+    const TIMEOUT: Duration = Duration::from_millis(300);
+
+    async fn layer(
+        conn: &ConnectionManager,
+        policy: FailurePolicy,
+        prefix: &str,
+    ) -> RateLimitLayer<RedisGate<ConnectionManager>> {
+        let gate = RedisGate::builder(
+            conn.clone(),
+            Limit::TokenBucket(quota(1, Duration::from_secs(1))),
+        )
+        .prefix(prefix)
+        .failure_policy(policy)
+        .timeout(TIMEOUT)
+        .probe_interval(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+        RateLimitLayer::builder(gate)
+            .policy(Policy::new(
+                "per-client",
+                quota(1000, Duration::from_secs(60)),
+                by_client,
+            ))
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn redis_killed_mid_run_answers_under_the_failure_policy_and_recovers() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let open = layer(&conn, FailurePolicy::Open, "open:").await;
+        let error = layer(&conn, FailurePolicy::Error, "error:").await;
+        let app = Router::new()
+            .route("/open", route_get(|| async { "ok" }).layer(open.clone()))
+            .route("/error", route_get(|| async { "ok" }).layer(error.clone()));
+        let http = Server::start(app).await;
+        let client = client();
+        let h = [("x-client", "r")];
+        let (open_url, error_url) = (http.url("/open"), http.url("/error"));
+
+        // On Redis: decided, with fields.
+        for url in [&open_url, &error_url] {
+            let a = get(&client, url, &h).await;
+            assert_eq!(a.status, StatusCode::OK);
+            assert_eq!(list(&a.headers, "ratelimit")[0].params["r"], 999);
+        }
+
+        server.kill();
+        for i in 0..5 {
+            let started = Instant::now();
+            let a = get(&client, &open_url, &h).await;
+            let took = started.elapsed();
+            assert!(took < TIMEOUT + Duration::from_millis(700), "{i}: {took:?}");
+            assert_eq!(a.status, StatusCode::OK, "fail open");
+            assert!(
+                a.headers.get("ratelimit").is_none(),
+                "fail-open says no quota"
+            );
+            let started = Instant::now();
+            let b = get(&client, &error_url, &h).await;
+            assert!(started.elapsed() < TIMEOUT + Duration::from_millis(700));
+            assert_eq!(b.status, StatusCode::SERVICE_UNAVAILABLE, "policy Error");
+            assert_eq!(retry_after(&b.headers), 1);
+        }
+        assert_eq!(open.stats().fail_open, 5);
+        assert_eq!(error.stats().gate_error, 5);
+
+        server.restart();
+        let started = Instant::now();
+        loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "not back on Redis"
+            );
+            let a = get(&client, &open_url, &h).await;
+            let b = get(&client, &error_url, &h).await;
+            if a.headers.contains_key("ratelimit") && b.status == StatusCode::OK {
+                assert_eq!(a.status, StatusCode::OK);
+                assert!(b.headers.contains_key("ratelimit"));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

@@ -1,0 +1,518 @@
+//! `ShedLayer` against a real server and a real client: critical requests keep their reserve
+//! while normal ones get `503`, the waiting mode, permits held by streamed bodies, and
+//! tower's keep-alive / clone-after-ready rules.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use bytes::Bytes;
+use flowgate::bulkhead::Bulkhead;
+use flowgate::http::{Class, ResponseBody, ShedLayer};
+use http::{Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Empty, Full};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::harness::{self, Answer, Server};
+
+const TEMPORARY_REDUCED_CAPACITY: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
+
+/// Polls `cond` every 5 ms until it holds; fails after `limit`.
+async fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The `503` a shed request gets: `Retry-After: retry_after` and the problem document.
+fn assert_shed(answer: &Answer, retry_after: &str) {
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(
+        harness::field(&answer.headers, "retry-after").as_deref(),
+        Some(retry_after)
+    );
+    assert_eq!(
+        harness::field(&answer.headers, "content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(doc["type"], TEMPORARY_REDUCED_CAPACITY);
+    assert_eq!(
+        doc["title"],
+        "Request cannot be satisfied due to temporary server capacity constraints"
+    );
+    assert_eq!(doc["status"], 503);
+    assert_eq!(doc["violated-policies"], serde_json::json!([]));
+}
+
+/// `/slow` waits for a permit of `release` (normal); `/fast` (normal), `/health` (critical)
+/// and `/report` (sheddable) answer at once.
+fn app(release: &Arc<Semaphore>) -> Router {
+    let release = release.clone();
+    Router::new()
+        .route(
+            "/slow",
+            get(move || {
+                let release = release.clone();
+                async move {
+                    release.acquire().await.unwrap().forget();
+                    "slow"
+                }
+            }),
+        )
+        .route("/fast", get(|| async { "fast" }))
+        .route("/health", get(|| async { "ok" }))
+        .route("/report", get(|| async { "report" }))
+}
+
+/// The routes' classes.
+fn class_of(path: &str) -> Class {
+    match path {
+        "/health" => Class::Critical,
+        "/report" => Class::Sheddable,
+        _ => Class::Normal,
+    }
+}
+
+fn layer(bulkhead: &Bulkhead) -> flowgate::http::ShedLayerBuilder {
+    ShedLayer::builder(bulkhead.clone()).classify(|req| class_of(req.uri.path()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_bulkhead_passes_critical_requests_and_sheds_the_rest() {
+    // 4 permits, the last one only for critical work: normal work may hold 3.
+    let bulkhead = Bulkhead::builder(4).critical_reserve(1).build().unwrap();
+    let layer = layer(&bulkhead)
+        .retry_after(Duration::from_millis(1500))
+        .build()
+        .unwrap();
+    let release = Arc::new(Semaphore::new(0));
+    let server = Server::start(app(&release).layer(layer.clone())).await;
+    let client = harness::client();
+
+    let slow: Vec<_> = (0..3)
+        .map(|_| {
+            let (client, url) = (client.clone(), server.url("/slow"));
+            tokio::spawn(async move { harness::get(&client, &url, &[]).await })
+        })
+        .collect();
+    eventually("the slow requests", Duration::from_secs(5), || {
+        bulkhead.in_flight() == 3
+    })
+    .await;
+
+    for _ in 0..5 {
+        let health = harness::get(&client, &server.url("/health"), &[]).await;
+        assert_eq!(health.status, StatusCode::OK, "{health:?}");
+        assert_eq!(&health.body[..], b"ok");
+        // The reserve comes back when the response is sent.
+        eventually("the reserve back", Duration::from_secs(1), || {
+            bulkhead.in_flight() == 3
+        })
+        .await;
+    }
+    let normal = harness::get(&client, &server.url("/fast"), &[]).await;
+    assert_shed(&normal, "2"); // 1.5 s, rounded up
+    let report = harness::get(&client, &server.url("/report"), &[]).await;
+    assert_shed(&report, "2");
+
+    release.add_permits(3);
+    for answer in slow {
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status, StatusCode::OK);
+        assert_eq!(&answer.body[..], b"slow");
+    }
+    eventually("every permit back", Duration::from_secs(1), || {
+        bulkhead.in_flight() == 0
+    })
+    .await;
+    for path in ["/fast", "/report"] {
+        let answer = harness::get(&client, &server.url(path), &[]).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::OK,
+            "{path} once the bulkhead has room"
+        );
+    }
+
+    let stats = layer.stats();
+    assert_eq!((stats.critical.admitted, stats.critical.shed), (5, 0));
+    assert_eq!((stats.normal.admitted, stats.normal.shed), (4, 1));
+    assert_eq!((stats.sheddable.admitted, stats.sheddable.shed), (1, 1));
+    assert_eq!((stats.admitted(), stats.shed()), (10, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_mode_admits_a_waiter_when_a_permit_frees_and_sheds_it_after_the_timeout() {
+    let timeout = Duration::from_millis(1500);
+    let bulkhead = Bulkhead::builder(1)
+        .max_waiting(4)
+        .wait_timeout(timeout)
+        .build()
+        .unwrap();
+    let layer = layer(&bulkhead).wait(true).build().unwrap();
+    let release = Arc::new(Semaphore::new(0));
+    // route_layer: the layer wraps each matched route.
+    let server = Server::start(app(&release).route_layer(layer.clone())).await;
+    let client = harness::client();
+    let spawn_get = |path: &str| {
+        let (client, url) = (client.clone(), server.url(path));
+        tokio::spawn(async move { harness::get(&client, &url, &[]).await })
+    };
+
+    // A permit frees while a normal request waits: the waiter gets it.
+    let slow = spawn_get("/slow");
+    eventually("the slow request", Duration::from_secs(5), || {
+        bulkhead.in_flight() == 1
+    })
+    .await;
+    let waiter = spawn_get("/fast");
+    eventually("the waiter", Duration::from_secs(5), || {
+        bulkhead.waiting() == 1
+    })
+    .await;
+    // A sheddable request never waits, even with room to.
+    let report = harness::get(&client, &server.url("/report"), &[]).await;
+    assert_shed(&report, "1");
+    assert_eq!(bulkhead.waiting(), 1);
+    release.add_permits(1);
+    let (slow, waiter) = (slow.await.unwrap(), waiter.await.unwrap());
+    assert_eq!(
+        (slow.status, &slow.body[..]),
+        (StatusCode::OK, &b"slow"[..])
+    );
+    assert_eq!(
+        (waiter.status, &waiter.body[..]),
+        (StatusCode::OK, &b"fast"[..])
+    );
+    eventually("every permit back", Duration::from_secs(1), || {
+        bulkhead.in_flight() == 0
+    })
+    .await;
+
+    // No permit frees: the waiter is shed after the bulkhead's wait_timeout.
+    let slow = spawn_get("/slow");
+    eventually("the slow request", Duration::from_secs(5), || {
+        bulkhead.in_flight() == 1
+    })
+    .await;
+    let started = Instant::now();
+    let late = harness::get(&client, &server.url("/fast"), &[]).await;
+    assert!(started.elapsed() >= timeout, "{:?}", started.elapsed());
+    assert_shed(&late, "1");
+    assert_eq!(bulkhead.waiting(), 0);
+    release.add_permits(1);
+    assert_eq!(slow.await.unwrap().status, StatusCode::OK);
+
+    let stats = layer.stats();
+    assert_eq!((stats.normal.admitted, stats.normal.shed), (3, 1));
+    assert_eq!((stats.sheddable.admitted, stats.sheddable.shed), (0, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_holds_its_permit_until_it_is_sent_or_dropped() {
+    let bulkhead = Bulkhead::new(4).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    type Chunks = mpsc::Receiver<Bytes>;
+    let next: Arc<std::sync::Mutex<Option<Chunks>>> = Arc::default();
+    let slot = next.clone();
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(move || {
+                let rx = slot
+                    .lock()
+                    .unwrap()
+                    .take()
+                    .expect("a stream for each request");
+                async move {
+                    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+                        let chunk = rx.recv().await?;
+                        Some((Ok::<_, Infallible>(chunk), rx))
+                    }))
+                }
+            }),
+        )
+        .layer(layer.clone());
+    let server = Server::start(app).await;
+    let client = harness::client();
+    let request = || {
+        Request::get(server.url("/stream"))
+            .body(Empty::<Bytes>::new())
+            .unwrap()
+    };
+
+    // Sent to the end: the permit is held until the last chunk.
+    let (tx, rx) = mpsc::channel(4);
+    next.lock().unwrap().replace(rx);
+    tx.send(Bytes::from_static(b"first ")).await.unwrap();
+    let res = client.request(request()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"first ");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(bulkhead.in_flight(), 1, "the body is not sent yet");
+    tx.send(Bytes::from_static(b"last")).await.unwrap();
+    drop(tx);
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&rest[..], b"last");
+    eventually("the permit back", Duration::from_secs(1), || {
+        bulkhead.in_flight() == 0
+    })
+    .await;
+
+    // Dropped by a client that went away: the permit comes back with the body.
+    let (tx, rx) = mpsc::channel(4);
+    next.lock().unwrap().replace(rx);
+    tx.send(Bytes::from_static(b"first ")).await.unwrap();
+    let res = client.request(request()).await.unwrap();
+    let mut body = res.into_body();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(bulkhead.in_flight(), 1);
+    drop(body); // the pooled client closes the connection
+    let start = Instant::now();
+    while bulkhead.in_flight() != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "permit never came back"
+        );
+        // The server notices the closed connection when it writes; a dropped body also
+        // drops the receiver, so a failed send is fine.
+        let _ = tx.try_send(Bytes::from_static(b"more "));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(layer.stats().normal.admitted, 2);
+}
+
+/// A bare hyper server (no axum) serving `layer` around a `200 hi` service, one task per
+/// connection.
+async fn bare_server(layer: ShedLayer) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let hi = tower::service_fn(|_req: Request<hyper::body::Incoming>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hi"))))
+        });
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let svc = hyper_util::service::TowerToHyperService::new(layer.layer(hi));
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc),
+            );
+        }
+    });
+    (addr, task)
+}
+
+/// One keep-alive HTTP/1 connection.
+async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Empty<Bytes>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    send
+}
+
+async fn send(
+    conn: &mut hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    addr: SocketAddr,
+) -> (StatusCode, Bytes) {
+    conn.ready().await.unwrap();
+    let req = Request::get("/")
+        .header(header::HOST, addr.to_string())
+        .body(Empty::new())
+        .unwrap();
+    let res = conn.send_request(req).await.unwrap();
+    let status = res.status();
+    (status, res.into_body().collect().await.unwrap().to_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_hold_no_permit() {
+    // One permit: if an idle connection kept one, the other connection would get 503s.
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let (addr, server) = bare_server(layer.clone()).await;
+    let mut a = connect(addr).await;
+    let mut b = connect(addr).await;
+    for _ in 0..20 {
+        for conn in [&mut a, &mut b] {
+            let (status, body) = send(conn, addr).await;
+            assert_eq!((status, &body[..]), (StatusCode::OK, &b"hi"[..]));
+            eventually("the permit back", Duration::from_secs(1), || {
+                bulkhead.in_flight() == 0
+            })
+            .await;
+        }
+    }
+    let stats = layer.stats();
+    assert_eq!((stats.normal.admitted, stats.normal.shed), (40, 0));
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_over_few_keep_alive_connections_fit_one_permit_each() {
+    // Each connection has one request at a time, so 4 permits serve 4 connections and none
+    // is ever shed; in_flight is back to 0 at the end.
+    let bulkhead = Bulkhead::new(4).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let (addr, server) = bare_server(layer.clone()).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let mut conn = connect(addr).await;
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..50 {
+                let (status, _) = send(&mut conn, addr).await;
+                assert_eq!(status, StatusCode::OK);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    eventually("every permit back", Duration::from_secs(1), || {
+        bulkhead.in_flight() == 0
+    })
+    .await;
+    let stats = layer.stats();
+    assert_eq!((stats.normal.admitted, stats.normal.shed), (200, 0));
+    server.abort();
+}
+
+/// A service whose `poll_ready` reserves one of `slots` and whose `call` spends it, like
+/// tower's `ConcurrencyLimit`: calling a clone that was not made ready panics.
+struct Reserving {
+    slots: Arc<Semaphore>,
+    held: Option<OwnedSemaphorePermit>,
+}
+
+impl Clone for Reserving {
+    fn clone(&self) -> Reserving {
+        Reserving {
+            slots: self.slots.clone(),
+            held: None,
+        }
+    }
+}
+
+impl Service<Request<Empty<Bytes>>> for Reserving {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        if self.held.is_none() {
+            let slot = self.slots.clone().try_acquire_owned();
+            self.held = Some(slot.expect("a free slot: a ready clone was leaked"));
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Empty<Bytes>>) -> Self::Future {
+        let slot = self
+            .held
+            .take()
+            .expect("called a clone that was not made ready");
+        Box::pin(async move {
+            drop(slot);
+            Ok(Response::new(Full::new(Bytes::from_static(b"reserved"))))
+        })
+    }
+}
+
+fn assert_send<T: Send>(_: &T) {}
+
+#[tokio::test]
+async fn the_service_made_ready_is_the_one_called() {
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let slots = Arc::new(Semaphore::new(1));
+    let mut svc = ShedLayer::builder(bulkhead.clone())
+        .build()
+        .unwrap()
+        .layer(Reserving {
+            slots: slots.clone(),
+            held: None,
+        });
+    let req = || Request::get("/").body(Empty::new()).unwrap();
+    for _ in 0..10 {
+        let fut = svc.ready().await.unwrap().call(req());
+        assert_send(&fut);
+        let res = fut.await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(matches!(res.body(), ResponseBody::Held(..)));
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"reserved");
+        assert_eq!(bulkhead.in_flight(), 0);
+    }
+
+    // Shed: the ready clone is dropped unused and gives its slot back.
+    let held = bulkhead.try_acquire().unwrap();
+    let res = svc.ready().await.unwrap().call(req()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(slots.available_permits(), 1);
+    drop(held);
+    let res = svc.ready().await.unwrap().call(req()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(bulkhead.in_flight(), 1, "held by the body until it is sent");
+    drop(res);
+    assert_eq!(bulkhead.in_flight(), 0);
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn shed_requests_are_counted_by_class() {
+    let recorder = crate::support::TestRecorder::default();
+    let bulkhead = Bulkhead::builder(2).critical_reserve(1).build().unwrap();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        layer(&bulkhead).name("shed-metrics").build().unwrap()
+    });
+    let svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let call = |path: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let req = Request::get(path).body(Empty::new()).unwrap();
+            svc.oneshot(req).await.unwrap()
+        }
+    };
+    let held = bulkhead.try_acquire().unwrap(); // the normal share is taken
+    assert_eq!(
+        call("/fast").await.status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        call("/fast").await.status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        call("/report").await.status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(call("/health").await.status(), StatusCode::OK);
+    drop(held);
+    let id = |class: &str| format!("flowgate_http_shed_total{{class={class},name=shed-metrics}}");
+    assert_eq!(recorder.counter(&id("normal")), 2);
+    assert_eq!(recorder.counter(&id("sheddable")), 1);
+    assert_eq!(recorder.counter(&id("critical")), 0);
+    assert!(
+        recorder.ids().contains(&id("critical")),
+        "registered at build"
+    );
+    let stats = layer.stats();
+    assert_eq!((stats.critical.admitted, stats.shed()), (1, 3));
+}

@@ -94,7 +94,8 @@ impl Decision {
     /// (the mapping the `http` module's layer uses; with feature `http`, its
     /// `RateLimitLayer` writes the whole fields, through a Structured Fields serializer).
     /// `"` and `\` in `policy` are escaped as an sf-String needs; a name outside printable
-    /// ASCII gives no valid field.
+    /// ASCII gives no valid field. Numbers above the largest sf-Integer
+    /// (999 999 999 999 999) are sent as that (a fail-open decision has no real remaining).
     pub fn ratelimit_header(&self, policy: &str) -> String {
         let t = ceil_secs(if self.allowed {
             self.reset_after
@@ -110,14 +111,17 @@ impl Decision {
             out.push(c);
         }
         out.push_str("\";r=");
-        out.push_str(&self.remaining.to_string());
+        out.push_str(&self.remaining.min(SF_INTEGER_MAX).to_string());
         out.push_str(";t=");
-        out.push_str(&t.to_string());
+        out.push_str(&t.min(SF_INTEGER_MAX).to_string());
         out
     }
 }
 
+/// The largest Integer a Structured Field carries (RFC 9651).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }

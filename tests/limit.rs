@@ -411,3 +411,10 @@ fn limits_above_two_to_the_31_never_overflow_into_an_admission() {
     over_two_to_the_31(SlidingWindow::new(rate));
     over_two_to_the_31(TokenBucket::new(Quota::from(rate)));
 }
+
+#[test]
+fn a_fail_open_decision_writes_a_valid_ratelimit_member() {
+    // u64::MAX is not an sf-Integer: the member carries the largest one instead.
+    let d = flowgate::Decision::fail_open();
+    assert_eq!(d.ratelimit_header("p"), "\"p\";r=999999999999999;t=0");
+}

@@ -151,6 +151,29 @@ pub trait Gate: Send + Sync + fmt::Debug {
         None
     }
 
+    /// [`check_all_local`](Gate::check_all_local) into `decisions` instead of a new `Vec`:
+    /// `decisions` is cleared, and on `Some(Ok(()))` holds one decision per limit, in
+    /// order. A caller deciding many requests (the HTTP layer) reuses one `Vec` for all of
+    /// them.
+    ///
+    /// The default forwards to `check_all_local` and moves its decisions over;
+    /// [`MemoryGate`](crate::gate::MemoryGate) decides straight into `decisions`, without
+    /// allocating.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`check_all`](Gate::check_all), inside the `Some`.
+    fn check_all_local_into(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+        decisions: &mut Vec<Decision>,
+    ) -> Option<Result<(), GateError>> {
+        decisions.clear();
+        let decided = self.check_all_local(limits, cost)?;
+        Some(decided.map(|d| decisions.extend(d)))
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -178,6 +201,15 @@ impl<G: Gate + ?Sized> Gate for Arc<G> {
         cost: u32,
     ) -> Option<Result<Vec<Decision>, GateError>> {
         (**self).check_all_local(limits, cost)
+    }
+
+    fn check_all_local_into(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+        decisions: &mut Vec<Decision>,
+    ) -> Option<Result<(), GateError>> {
+        (**self).check_all_local_into(limits, cost, decisions)
     }
 
     fn limit(&self) -> Limit {
@@ -208,6 +240,15 @@ impl<G: Gate + ?Sized> Gate for &G {
         cost: u32,
     ) -> Option<Result<Vec<Decision>, GateError>> {
         (**self).check_all_local(limits, cost)
+    }
+
+    fn check_all_local_into(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+        decisions: &mut Vec<Decision>,
+    ) -> Option<Result<(), GateError>> {
+        (**self).check_all_local_into(limits, cost, decisions)
     }
 
     fn limit(&self) -> Limit {

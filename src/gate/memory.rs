@@ -303,20 +303,54 @@ impl MemoryGate {
         limits: &[(&str, Quota)],
         cost: u32,
     ) -> Result<Vec<Decision>, GateError> {
-        let request = Merged::new(limits, cost)?;
-        self.check_merged(&request)
+        let mut decided = Vec::with_capacity(limits.len());
+        self.check_all_into(limits, cost, &mut decided)?;
+        Ok(decided)
     }
 
+    /// [`check_all`](MemoryGate::check_all) into `decisions` (cleared first): no allocation
+    /// once `decisions` has room for the limits.
+    fn check_all_into(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+        decisions: &mut Vec<Decision>,
+    ) -> Result<(), GateError> {
+        decisions.clear();
+        let request = Merged::new(limits, cost)?;
+        self.check_merged_into(&request, decisions)
+    }
+
+    #[cfg(feature = "redis")]
     pub(crate) fn check_merged(&self, request: &Merged<'_>) -> Result<Vec<Decision>, GateError> {
+        let mut decided = Vec::with_capacity(request.buckets.len());
+        self.check_merged_into(request, &mut decided)?;
+        Ok(decided)
+    }
+
+    fn check_merged_into(
+        &self,
+        request: &Merged<'_>,
+        decisions: &mut Vec<Decision>,
+    ) -> Result<(), GateError> {
         let now = self.now();
         let decided = self
             .inner
             .multi
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .check_all(request, now, self.inner.max_keys.div_ceil(MAX_QUOTAS))?;
-        self.inner.count(decided[0].allowed);
-        Ok(decided)
+            .check_all_into(
+                request,
+                now,
+                self.inner.max_keys.div_ceil(MAX_QUOTAS),
+                decisions,
+            );
+        if let Err(e) = decided {
+            decisions.clear();
+            return Err(e);
+        }
+        self.inner.count(decisions[0].allowed);
+        Ok(())
     }
 
     /// Keys held now.
@@ -388,6 +422,16 @@ impl Gate for MemoryGate {
         cost: u32,
     ) -> Option<Result<Vec<Decision>, GateError>> {
         Some(MemoryGate::check_all(self, limits, cost))
+    }
+
+    /// Always `Some`: [`MemoryGate::check_all`], into `decisions`.
+    fn check_all_local_into(
+        &self,
+        limits: &[(&str, Quota)],
+        cost: u32,
+        decisions: &mut Vec<Decision>,
+    ) -> Option<Result<(), GateError>> {
+        Some(self.check_all_into(limits, cost, decisions))
     }
 
     fn limit(&self) -> Limit {

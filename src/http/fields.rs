@@ -3,6 +3,7 @@
 //! `-Remaining` / `-Reset` and legacy `X-RateLimit-*`, all written with the `sfv` Structured
 //! Fields serializers.
 
+use std::cell::Cell;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -153,10 +154,29 @@ fn integer(v: u64) -> Integer {
     Integer::try_from(v).unwrap_or(Integer::MAX)
 }
 
-/// A single-integer field value (`42`), written by the sf serializer.
+/// A single-integer field value (`42`), clamped to the largest sf-Integer.
 fn integer_value(v: u64) -> HeaderValue {
-    let text = ItemSerializer::new().bare_item(integer(v)).finish();
-    HeaderValue::try_from(text).expect("an sf-Integer is a valid field value")
+    HeaderValue::from(v.min(SF_INTEGER_MAX))
+}
+
+/// The largest sf-Integer (RFC 9651: at most 15 digits).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// Append `v` as an sf-Integer (decimal digits, clamped to the largest one): what sfv
+/// writes for it.
+fn push_integer(buf: &mut Vec<u8>, v: u64) {
+    let mut v = v.min(SF_INTEGER_MAX);
+    let mut digits = [0u8; 15];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[at..]);
 }
 
 /// Whether `name` can be a policy name: a non-empty sf-String (printable ASCII).
@@ -164,52 +184,106 @@ pub(crate) fn valid_name(name: &str) -> bool {
     !name.is_empty() && StringRef::from_str(name).is_ok()
 }
 
-/// One policy as the fields show it.
+/// What the fields show of one policy that does not change from a request to the next,
+/// serialized once (by sfv) when the layer is built.
+#[derive(Debug, Clone)]
+pub(crate) struct PolicyParts {
+    /// The name as an sf-String: `"per-ip"` (quotes, `"` and `\` escaped).
+    name: Box<[u8]>,
+    /// Its member of `RateLimit-Policy`: `"per-ip";q=100;w=60`.
+    policy: Box<[u8]>,
+    /// The quota (`q`).
+    q: u64,
+}
+
+impl PolicyParts {
+    /// The parts of the policy `name` with quota `q` and window `w` (seconds); `None` when
+    /// `name` is not an sf-String (see [`valid_name`]).
+    pub(crate) fn new(name: &str, q: u64, w: u64) -> Option<PolicyParts> {
+        let name = StringRef::from_str(name).ok()?;
+        let item = ItemSerializer::new().bare_item(name).finish();
+        let mut policy = ListSerializer::new();
+        let _ = policy
+            .bare_item(name)
+            .parameter(key_ref("q"), integer(q))
+            .parameter(key_ref("w"), integer(w));
+        Some(PolicyParts {
+            name: item.into_bytes().into_boxed_slice(),
+            policy: policy.finish()?.into_bytes().into_boxed_slice(),
+            q,
+        })
+    }
+}
+
+/// One policy as the fields show it for one request.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Member<'a> {
-    /// The policy name (a valid sf-String, checked when the layer is built).
-    pub(crate) name: &'a str,
-    /// The quota (`q`).
-    pub(crate) q: u64,
-    /// The window (`w`), seconds.
-    pub(crate) w: u64,
+    /// The policy's name, quota and window, serialized.
+    pub(crate) parts: &'a PolicyParts,
     /// Remaining (`r`).
     pub(crate) r: u64,
     /// Reset (`t`), seconds; `None` on the members of a 429 that did not block.
     pub(crate) t: Option<u64>,
 }
 
-/// `RateLimit-Policy`: `"name";q=..;w=..` per member; `None` for no members.
-pub(crate) fn policy_field(members: &[Member<'_>]) -> Option<HeaderValue> {
-    let mut ser = ListSerializer::new();
-    for m in members {
-        let Ok(name) = StringRef::from_str(m.name) else {
-            continue;
-        };
-        let _ = ser
-            .bare_item(name)
-            .parameter(key_ref("q"), integer(m.q))
-            .parameter(key_ref("w"), integer(m.w));
+thread_local! {
+    /// Where field values are put together before they are copied into their
+    /// `HeaderValue` (exactly as long as the value: one allocation per value).
+    static VALUE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+}
+
+/// A list field value written by `write` into the thread's reused buffer; `None` when
+/// `write` writes nothing (no members).
+fn list_value(write: impl FnOnce(&mut Vec<u8>)) -> Option<HeaderValue> {
+    let mut buf = VALUE.take();
+    buf.clear();
+    write(&mut buf);
+    let value = if buf.is_empty() {
+        None
+    } else {
+        // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
+        // `from_bytes` checks it again (a scan of a few dozen bytes).
+        Some(HeaderValue::from_bytes(&buf).expect("sf is visible ASCII"))
+    };
+    if buf.capacity() <= 4096 {
+        VALUE.set(buf);
     }
-    ser.finish()
-        .map(|text| HeaderValue::try_from(text).expect("sf is visible ASCII"))
+    value
+}
+
+/// `RateLimit-Policy`: `"name";q=..;w=..` per member (sfv's serialization of each, made
+/// once, joined as an sf-List); `None` for no members.
+pub(crate) fn policy_field<'a>(members: impl Iterator<Item = Member<'a>>) -> Option<HeaderValue> {
+    list_value(|buf| {
+        for m in members {
+            if !buf.is_empty() {
+                buf.extend_from_slice(b", ");
+            }
+            buf.extend_from_slice(&m.parts.policy);
+        }
+    })
 }
 
 /// `RateLimit`: `"name";r=..;t=..` per member (`t` only where known); `None` for no
-/// members.
-pub(crate) fn ratelimit_field(members: &[Member<'_>]) -> Option<HeaderValue> {
-    let mut ser = ListSerializer::new();
-    for m in members {
-        let Ok(name) = StringRef::from_str(m.name) else {
-            continue;
-        };
-        let p = ser.bare_item(name).parameter(key_ref("r"), integer(m.r));
-        if let Some(t) = m.t {
-            let _ = p.parameter(key_ref("t"), integer(t));
+/// members. The name as sfv serialized it, then the parameters: the same bytes as sfv's
+/// `ListSerializer` (a unit test compares them).
+pub(crate) fn ratelimit_field<'a>(
+    members: impl Iterator<Item = Member<'a>>,
+) -> Option<HeaderValue> {
+    list_value(|buf| {
+        for m in members {
+            if !buf.is_empty() {
+                buf.extend_from_slice(b", ");
+            }
+            buf.extend_from_slice(&m.parts.name);
+            buf.extend_from_slice(b";r=");
+            push_integer(buf, m.r);
+            if let Some(t) = m.t {
+                buf.extend_from_slice(b";t=");
+                push_integer(buf, t);
+            }
         }
-    }
-    ser.finish()
-        .map(|text| HeaderValue::try_from(text).expect("sf is visible ASCII"))
+    })
 }
 
 /// The header fields of one response, computed when the request was decided and written
@@ -218,29 +292,35 @@ pub(crate) fn ratelimit_field(members: &[Member<'_>]) -> Option<HeaderValue> {
 pub(crate) struct Fields {
     policy: Option<HeaderValue>,
     ratelimit: Option<HeaderValue>,
-    draft03: Option<[HeaderValue; 3]>,
-    x: Option<[HeaderValue; 3]>,
+    /// Limit, remaining, reset of `RateLimit-Limit` / `-Remaining` / `-Reset`.
+    draft03: Option<[u64; 3]>,
+    /// The same of `X-RateLimit-*`.
+    x: Option<[u64; 3]>,
 }
 
 impl Fields {
     /// The fields of `styles` for `members` (the policies applied to this request, in
-    /// order). `all_policy` is the `RateLimit-Policy` value of all the layer's policies,
-    /// serialized once, used when `members` are all of them.
-    pub(crate) fn new(
+    /// order). `all_policy` is the `RateLimit-Policy` value of all the layer's
+    /// `all_count` policies, serialized once, used when there are as many members.
+    pub(crate) fn new<'a, I>(
         styles: HeaderStyles,
-        members: &[Member<'_>],
+        members: I,
         all_policy: Option<&HeaderValue>,
-    ) -> Fields {
+        all_count: usize,
+    ) -> Fields
+    where
+        I: Iterator<Item = Member<'a>> + Clone,
+    {
         let mut fields = Fields::default();
-        if members.is_empty() {
+        let Some(first) = members.clone().next() else {
             return fields;
-        }
+        };
         if styles.contains(HeaderStyles::IETF) {
             fields.policy = match all_policy {
-                Some(v) => Some(v.clone()),
-                None => policy_field(members),
+                Some(v) if members.clone().count() == all_count => Some(v.clone()),
+                _ => policy_field(members.clone()),
             };
-            fields.ratelimit = ratelimit_field(members);
+            fields.ratelimit = ratelimit_field(members.clone());
         }
         let single = styles.contains(HeaderStyles::DRAFT_03)
             || styles.contains(HeaderStyles::X_RATELIMIT)
@@ -249,18 +329,11 @@ impl Fields {
             // The member with the lowest remaining (ties: the later reset), among those
             // that carry a reset (on a 429, the ones that blocked).
             let chosen = members
-                .iter()
                 .filter(|m| m.t.is_some())
                 .min_by(|a, b| a.r.cmp(&b.r).then(b.t.cmp(&a.t)))
-                .unwrap_or(&members[0]);
+                .unwrap_or(first);
             let t = chosen.t.unwrap_or(0);
-            let values = |reset: u64| {
-                [
-                    integer_value(chosen.q),
-                    integer_value(chosen.r),
-                    integer_value(reset),
-                ]
-            };
+            let values = |reset: u64| [chosen.parts.q, chosen.r, reset];
             if styles.contains(HeaderStyles::DRAFT_03) {
                 fields.draft03 = Some(values(t));
             }
@@ -287,14 +360,14 @@ impl Fields {
             headers.append(RATELIMIT, v);
         }
         if let Some([l, r, t]) = self.draft03 {
-            headers.insert(RATELIMIT_LIMIT, l);
-            headers.insert(RATELIMIT_REMAINING, r);
-            headers.insert(RATELIMIT_RESET, t);
+            headers.insert(RATELIMIT_LIMIT, integer_value(l));
+            headers.insert(RATELIMIT_REMAINING, integer_value(r));
+            headers.insert(RATELIMIT_RESET, integer_value(t));
         }
         if let Some([l, r, t]) = self.x {
-            headers.insert(X_RATELIMIT_LIMIT, l);
-            headers.insert(X_RATELIMIT_REMAINING, r);
-            headers.insert(X_RATELIMIT_RESET, t);
+            headers.insert(X_RATELIMIT_LIMIT, integer_value(l));
+            headers.insert(X_RATELIMIT_REMAINING, integer_value(r));
+            headers.insert(X_RATELIMIT_RESET, integer_value(t));
         }
     }
 }
@@ -340,59 +413,132 @@ mod tests {
         assert_eq!(reset_secs(&no), 3);
     }
 
+    fn parts(name: &str, q: u64, w: u64) -> PolicyParts {
+        PolicyParts::new(name, q, w).unwrap()
+    }
+
     #[test]
     fn lists_parse_back() {
+        let (ip, user) = (parts("per-ip", 100, 60), parts("per \"user\"", 10, 1));
         let members = [
             Member {
-                name: "per-ip",
-                q: 100,
-                w: 60,
+                parts: &ip,
                 r: 42,
                 t: Some(17),
             },
             Member {
-                name: "per \"user\"",
-                q: 10,
-                w: 1,
+                parts: &user,
                 r: 0,
                 t: None,
             },
         ];
-        let policy = policy_field(&members).unwrap();
+        let policy = policy_field(members.iter().copied()).unwrap();
         assert_eq!(
             policy.to_str().unwrap(),
             r#""per-ip";q=100;w=60, "per \"user\"";q=10;w=1"#
         );
-        let rl = ratelimit_field(&members).unwrap();
+        let rl = ratelimit_field(members.iter().copied()).unwrap();
         assert_eq!(
             rl.to_str().unwrap(),
             r#""per-ip";r=42;t=17, "per \"user\"";r=0"#
         );
         let list: sfv::List = sfv::Parser::new(rl.to_str().unwrap()).parse().unwrap();
         assert_eq!(list.len(), 2);
-        assert!(policy_field(&[]).is_none());
+        assert!(policy_field(std::iter::empty()).is_none());
+        assert!(ratelimit_field(std::iter::empty()).is_none());
+    }
+
+    /// The values put together from parts are the bytes sfv's serializer writes.
+    #[test]
+    fn fields_are_what_sfv_writes() {
+        let names = [
+            "a",
+            "per-ip",
+            "with \"quote\" and \\ slash",
+            " ~!#$%&'()*+,-./:;<=>?@[]^_`{|}",
+        ];
+        let numbers = [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            12_345,
+            999_999_999_999_999,
+            1_000_000_000_000_000,
+            u64::MAX,
+        ];
+        for name in names {
+            for (i, &q) in numbers.iter().enumerate() {
+                let w = numbers[(i + 3) % numbers.len()];
+                let r = numbers[(i + 5) % numbers.len()];
+                let p = parts(name, q, w);
+                let members = [
+                    Member {
+                        parts: &p,
+                        r,
+                        t: Some(w),
+                    },
+                    Member {
+                        parts: &p,
+                        r: q,
+                        t: None,
+                    },
+                ];
+                let sf_name = StringRef::from_str(name).unwrap();
+                let mut expected = ListSerializer::new();
+                let _ = expected
+                    .bare_item(sf_name)
+                    .parameter(key_ref("q"), integer(q))
+                    .parameter(key_ref("w"), integer(w));
+                let _ = expected
+                    .bare_item(sf_name)
+                    .parameter(key_ref("q"), integer(q))
+                    .parameter(key_ref("w"), integer(w));
+                assert_eq!(
+                    policy_field(members.iter().copied())
+                        .unwrap()
+                        .to_str()
+                        .unwrap(),
+                    expected.finish().unwrap()
+                );
+                let mut expected = ListSerializer::new();
+                let _ = expected
+                    .bare_item(sf_name)
+                    .parameter(key_ref("r"), integer(r))
+                    .parameter(key_ref("t"), integer(w));
+                let _ = expected
+                    .bare_item(sf_name)
+                    .parameter(key_ref("r"), integer(q));
+                let rl = ratelimit_field(members.iter().copied()).unwrap();
+                assert_eq!(rl.to_str().unwrap(), expected.finish().unwrap());
+                let list: sfv::List = sfv::Parser::new(rl.to_str().unwrap()).parse().unwrap();
+                assert_eq!(list.len(), 2);
+            }
+        }
     }
 
     #[test]
     fn huge_values_are_clamped_to_sf_integers() {
         assert_eq!(integer_value(u64::MAX).to_str().unwrap(), "999999999999999");
         assert_eq!(integer_value(7).to_str().unwrap(), "7");
+        let mut buf = Vec::new();
+        push_integer(&mut buf, u64::MAX);
+        assert_eq!(buf, b"999999999999999");
     }
 
     #[test]
     fn single_styles_take_the_lowest_remaining() {
+        let (a, b) = (parts("a", 100, 60), parts("b", 10, 1));
         let members = [
             Member {
-                name: "a",
-                q: 100,
-                w: 60,
+                parts: &a,
                 r: 5,
                 t: Some(3),
             },
             Member {
-                name: "b",
-                q: 10,
-                w: 1,
+                parts: &b,
                 r: 2,
                 t: Some(1),
             },
@@ -400,8 +546,9 @@ mod tests {
         let mut h = HeaderMap::new();
         Fields::new(
             HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT,
-            &members,
+            members.iter().copied(),
             None,
+            2,
         )
         .write(&mut h);
         assert_eq!(h["ratelimit-limit"], "10");
@@ -421,5 +568,6 @@ mod tests {
         assert!(!valid_name(""));
         assert!(!valid_name("é"));
         assert!(!valid_name("tab\t"));
+        assert!(PolicyParts::new("é", 1, 1).is_none());
     }
 }

@@ -159,10 +159,15 @@ impl PeerIp {
     }
 
     /// The peer's address, canonical (`::ffff:a.b.c.d` becomes `a.b.c.d`); `None` without
-    /// the extension.
+    /// the extension (the first time, a warning is logged: the server is not recording
+    /// the connection's address, so such requests fall to the policy's [`MissingKey`]).
     #[must_use]
     pub fn peer(&self, req: &RequestInfo<'_>) -> Option<IpAddr> {
-        (self.read)(req.extensions).map(|addr| addr.ip().to_canonical())
+        let peer = (self.read)(req.extensions).map(|addr| addr.ip().to_canonical());
+        if peer.is_none() {
+            warn_no_peer(self.source);
+        }
+        peer
     }
 }
 
@@ -190,6 +195,22 @@ impl KeyExtractor for PeerIp {
             }
             None => false,
         }
+    }
+}
+
+/// Say once per process that a request came without the connection's address: the server
+/// was not set up to record it (axum: `into_make_service_with_connect_info::<SocketAddr>()`),
+/// so every request falls to the policy's [`MissingKey`] choice (by default one shared
+/// bucket for the whole site).
+fn warn_no_peer(source: &'static str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            extension = source,
+            "rate limit key: a request has no peer address extension; requests without one \
+             fall to the policy's MissingKey choice (serve with the connection's address, \
+             e.g. axum's into_make_service_with_connect_info::<SocketAddr>())"
+        );
     }
 }
 

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
@@ -339,6 +339,76 @@ async fn shadow_mode_admits_all_and_counts_the_would_be_rejections() {
         (3, 7, 0)
     );
     assert_eq!(layer.top_rejected(1)[0].count, 7);
+}
+
+#[tokio::test]
+async fn shadow_mode_with_a_refused_key_still_decides_the_other_policies() {
+    // The first policy would refuse every request (no x-client); in shadow mode that is
+    // counted and the second policy is still decided, counted and written.
+    let layer = RateLimitLayer::builder(gate())
+        .policy(
+            Policy::new("per-client", quota(3, Duration::from_secs(60)), by_client)
+                .missing_key(MissingKey::Refuse),
+        )
+        .policy(Policy::new(
+            "per-user",
+            quota(2, Duration::from_secs(60)),
+            by_user,
+        ))
+        .shadow(true)
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    for _ in 0..5 {
+        let a = get(&client, &server.url("/"), &[("x-user", "u")]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        let rl = list(&a.headers, "ratelimit");
+        assert_eq!(rl.len(), 1, "{rl:?}");
+        assert_eq!(rl[0].name, "per-user");
+    }
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.missing_key, stats.admitted, stats.shadow_rejected),
+        (5, 2, 3)
+    );
+}
+
+/// An extractor that replaces the whole string it is given (`*key = ..`).
+fn replacing(req: &RequestInfo<'_>, key: &mut String) -> bool {
+    *key = req.uri.path().to_owned();
+    true
+}
+
+#[tokio::test]
+async fn an_extractor_that_replaces_its_string_cannot_break_the_other_keys() {
+    // With a shared key buffer, `*key = ..` in the second policy's extractor erased the
+    // first policy's key and panicked on a slice; each extractor now writes on its own.
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(1, Duration::from_secs(60)),
+            by_client,
+        ))
+        .policy(Policy::new(
+            "per-path",
+            quota(10, Duration::from_secs(60)),
+            replacing,
+        ))
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    let a = get(&client, &server.url("/"), &[("x-client", "a")]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    // Client a is out of its quota of 1; client b has its own.
+    let a = get(&client, &server.url("/"), &[("x-client", "a")]).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(violated(&a.body), ["per-client"]);
+    let b = get(&client, &server.url("/"), &[("x-client", "b")]).await;
+    assert_eq!(b.status, StatusCode::OK);
+    let rl = list(&b.headers, "ratelimit");
+    assert_eq!((rl[0].params["r"], rl[1].params["r"]), (0, 8));
 }
 
 #[tokio::test]
@@ -691,6 +761,8 @@ async fn route_layer_works_too() {
 
 #[cfg(feature = "redis")]
 mod on_redis {
+    use std::time::Instant;
+
     use flowgate::gate::{FailurePolicy, RedisGate};
     use redis::aio::ConnectionManager;
 

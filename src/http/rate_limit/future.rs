@@ -117,20 +117,27 @@ where
                     match this.shared.prepare(&RequestInfo::of(r)) {
                         Prepared::Pass(fields) => Verdict::Pass(fields),
                         Prepared::Answer(res) => Verdict::Answer(res),
-                        Prepared::Check(keys, cost) => match this.shared.check_local(&keys, cost) {
-                            Some(verdict) => verdict,
-                            None => {
-                                let check = this.shared.check(keys, cost);
-                                let (req, inner) = (req.take(), inner.take());
-                                this.state.set(State::Check { check, req, inner });
-                                continue;
+                        Prepared::Check(mut keys, cost) => {
+                            match this.shared.check_local(&mut keys, cost) {
+                                Some(verdict) => {
+                                    keys.recycle();
+                                    verdict
+                                }
+                                None => {
+                                    let check = this.shared.check(keys, cost);
+                                    let (req, inner) = (req.take(), inner.take());
+                                    this.state.set(State::Check { check, req, inner });
+                                    continue;
+                                }
                             }
-                        },
+                        }
                     }
                 }
                 StateProj::Check { check, .. } => {
                     let (keys, decided) = ready!(check.as_mut().poll(cx));
-                    this.shared.conclude(&keys, decided)
+                    let verdict = this.shared.conclude(&keys, decided.as_deref());
+                    keys.recycle();
+                    verdict
                 }
                 StateProj::Call { fut, fields } => {
                     let res = ready!(fut.poll(cx));

@@ -1,5 +1,6 @@
 //! `RateLimitLayer`, its builder, and the decision every request goes through.
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -13,7 +14,7 @@ use tower::Layer;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::{Gate, GateError};
-use crate::http::fields::{self, Fields, HeaderStyles, Member};
+use crate::http::fields::{self, Fields, HeaderStyles, Member, PolicyParts};
 use crate::http::key::{MissingKey, RequestInfo};
 use crate::http::problem::{self, QUOTA_EXCEEDED, TEMPORARY_REDUCED_CAPACITY};
 use crate::http::rate_limit::policy::Policy;
@@ -25,6 +26,12 @@ use crate::sync::Arc;
 
 /// The most policies one layer takes (one all-or-nothing call decides at most 32 limits).
 const MAX_POLICIES: usize = 32;
+
+thread_local! {
+    /// Where a policy's key extractor writes (see `prepare`): reused, so a key costs no
+    /// allocation once the thread has seen one as long.
+    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
 
 /// How often rejections are logged, at most.
 const LOG_EVERY_MS: u64 = 60_000;
@@ -332,22 +339,20 @@ impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
             .into_iter()
             .map(|p| {
                 let (q, w) = fields::policy_params(&crate::gate::Limit::TokenBucket(p.quota));
+                let parts = PolicyParts::new(&p.name, q, w).expect("a valid name, checked above");
                 let quota_exceeded = problem::document(
                     QUOTA_EXCEEDED,
                     StatusCode::TOO_MANY_REQUESTS,
                     &[p.name.as_str()],
                 );
                 Entry {
-                    q,
-                    w,
+                    parts,
                     quota_exceeded,
                     policy: p,
                 }
             })
             .collect();
-        let members: Vec<Member<'_>> = policies.iter().map(|e| e.member(0, None)).collect();
-        let all_policy = fields::policy_field(&members);
-        drop(members);
+        let all_policy = fields::policy_field(policies.iter().map(|e| e.member(0, None)));
         let labels = Labels::new(self.name.as_deref());
         let counter = |outcome| labels.counter(DECISIONS, &[("outcome", outcome)]);
         let counters = Outcome::ALL.map(|o| counter(o.as_str()));
@@ -433,8 +438,8 @@ impl Outcome {
 /// A policy with what the layer derived from it at build time.
 struct Entry {
     policy: Policy,
-    q: u64,
-    w: u64,
+    /// Its name, `q` and `w` as the fields show them, serialized once.
+    parts: PolicyParts,
     /// The problem body of a 429 that this policy alone blocked.
     quota_exceeded: Bytes,
 }
@@ -442,9 +447,7 @@ struct Entry {
 impl Entry {
     fn member(&self, r: u64, t: Option<u64>) -> Member<'_> {
         Member {
-            name: &self.policy.name,
-            q: self.q,
-            w: self.w,
+            parts: &self.parts,
             r,
             t,
         }
@@ -452,11 +455,43 @@ impl Entry {
 }
 
 /// The keys of one request: for each policy that applies, its index and where its gate key
-/// is in `buf`.
+/// is in `buf`; and room for the gate's decisions. Taken from the thread's spare one and
+/// given back when the request is decided ([`Keys::recycle`]): once a thread has decided a
+/// request, the next costs no allocation here.
 #[derive(Debug, Default)]
 pub(crate) struct Keys {
     buf: String,
     spans: Vec<(usize, usize, usize)>,
+    decisions: Vec<Decision>,
+}
+
+thread_local! {
+    /// The thread's spare [`Keys`].
+    static SPARE_KEYS: Cell<Keys> = const {
+        Cell::new(Keys {
+            buf: String::new(),
+            spans: Vec::new(),
+            decisions: Vec::new(),
+        })
+    };
+}
+
+impl Keys {
+    /// The thread's spare keys (empty), or new ones.
+    fn take() -> Keys {
+        let mut keys = SPARE_KEYS.take();
+        keys.buf.clear();
+        keys.spans.clear();
+        keys.decisions.clear();
+        keys
+    }
+
+    /// Keep these keys' buffers for the thread's next request (unless they grew large).
+    pub(crate) fn recycle(self) {
+        if self.buf.capacity() <= 4096 && self.spans.capacity() <= MAX_POLICIES {
+            SPARE_KEYS.set(self);
+        }
+    }
 }
 
 /// What the layer does with a request before (or without) asking the gate.
@@ -540,29 +575,39 @@ impl<G> Shared<G> {
     /// Take the request's keys and cost; answer at once when no policy applies or a key is
     /// missing under [`MissingKey::Refuse`].
     pub(crate) fn prepare(&self, req: &RequestInfo<'_>) -> Prepared {
-        let mut keys = Keys {
-            buf: String::with_capacity(64),
-            spans: Vec::with_capacity(self.policies.len()),
-        };
+        let mut keys = Keys::take();
         for (i, entry) in self.policies.iter().enumerate() {
             let start = keys.buf.len();
             keys.buf.push_str(&self.prefix);
             keys.buf.push_str(&entry.policy.name);
             keys.buf.push(':');
-            let key_at = keys.buf.len();
-            if !entry.policy.key.extract(req, &mut keys.buf) || keys.buf.len() == key_at {
-                keys.buf.truncate(key_at);
+            // The extractor writes into a scratch string of its own, so whatever it does to
+            // it (`*key = ..`, `clear`) cannot touch the other policies' keys.
+            let found = SCRATCH.with_borrow_mut(|scratch| {
+                scratch.clear();
+                let found = entry.policy.key.extract(req, scratch) && !scratch.is_empty();
+                if found {
+                    keys.buf.push_str(scratch);
+                }
+                found
+            });
+            if !found {
                 match &entry.policy.missing {
                     MissingKey::Shared(k) => keys.buf.push_str(k),
                     MissingKey::Skip => {
                         keys.buf.truncate(start);
                         continue;
                     }
+                    _ if self.shadow => {
+                        // Shadow mode refuses nothing: count the request that would have
+                        // been refused and go on with the other policies.
+                        self.count(Outcome::MissingKey);
+                        keys.buf.truncate(start);
+                        continue;
+                    }
                     _ => {
                         self.count(Outcome::MissingKey);
-                        if self.shadow {
-                            return Prepared::Pass(None);
-                        }
+                        keys.recycle();
                         let mut res = Response::new(Bytes::new());
                         *res.status_mut() = StatusCode::BAD_REQUEST;
                         return Prepared::Answer(res);
@@ -573,6 +618,7 @@ impl<G> Shared<G> {
         }
         if keys.spans.is_empty() {
             self.count(Outcome::Admitted);
+            keys.recycle();
             return Prepared::Pass(None);
         }
         let cost = self.cost.as_ref().map_or(1, |f| f(req));
@@ -587,18 +633,42 @@ impl<G> Shared<G> {
             .collect()
     }
 
+    /// `f` of the `(key, quota)` list of `keys`, held on the stack.
+    fn with_limits<R>(&self, keys: &Keys, f: impl FnOnce(&[(&str, Quota)]) -> R) -> R {
+        fn fill<'k, const N: usize>(
+            limits: &mut [(&'k str, Quota); N],
+            keys: &'k Keys,
+            policies: &[Entry],
+        ) -> usize {
+            for (slot, &(i, start, end)) in limits.iter_mut().zip(&keys.spans) {
+                *slot = (&keys.buf[start..end], policies[i].policy.quota);
+            }
+            keys.spans.len().min(N)
+        }
+        let empty = ("", self.policies[0].policy.quota);
+        if keys.spans.len() <= 4 {
+            let mut limits = [empty; 4];
+            let n = fill(&mut limits, keys, &self.policies);
+            f(&limits[..n])
+        } else {
+            let mut limits = [empty; MAX_POLICIES];
+            let n = fill(&mut limits, keys, &self.policies);
+            f(&limits[..n])
+        }
+    }
+
     /// What to do with a request the gate decided (or failed to).
     pub(crate) fn conclude(
         &self,
         keys: &Keys,
-        decided: Result<Vec<Decision>, GateError>,
+        decided: Result<&[Decision], &GateError>,
     ) -> Verdict {
         let decisions = match decided {
             Ok(d) if d.len() == keys.spans.len() => d,
             // A gate that answers the wrong number of decisions is as broken as one that
             // errs.
             Ok(_) | Err(_) => {
-                if let Err(e) = &decided {
+                if let Err(e) = decided {
                     tracing::debug!(layer = ?self.name, error = %e, "rate limit: gate error");
                 }
                 self.count(Outcome::GateError);
@@ -620,27 +690,31 @@ impl<G> Shared<G> {
         let blocked = |d: &Decision| !d.allowed && !d.retry_after.is_zero();
         let any_blocked = decisions.iter().any(blocked);
         let violated = |d: &Decision| !allowed && (blocked(d) || !any_blocked);
-        let mut members = Vec::with_capacity(decisions.len());
         let mut retry_after = 1u64;
         let mut violated_mask = 0u32;
-        for (&(i, _, _), d) in keys.spans.iter().zip(&decisions) {
-            let entry = &self.policies[i];
-            let is_violated = violated(d);
-            if is_violated {
-                retry_after = retry_after.max(fields::ceil_secs(d.retry_after));
-                violated_mask |= 1 << i;
+        if !allowed {
+            for (&(i, _, _), d) in keys.spans.iter().zip(decisions) {
+                if violated(d) {
+                    retry_after = retry_after.max(fields::ceil_secs(d.retry_after));
+                    violated_mask |= 1 << i;
+                }
             }
-            if d.capacity == u64::MAX {
-                continue;
-            }
-            let t = (allowed || is_violated).then(|| fields::reset_secs(d));
-            members.push(entry.member(d.remaining, t));
         }
-        let all = members.len() == self.policies.len();
+        // The fields' members: every policy applied, but a fail-open decision.
+        let members = keys
+            .spans
+            .iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.capacity != u64::MAX)
+            .map(|(&(i, _, _), d)| {
+                let t = (allowed || violated(d)).then(|| fields::reset_secs(d));
+                self.policies[i].member(d.remaining, t)
+            });
         let fields = Fields::new(
             self.styles,
-            &members,
-            self.all_policy.as_ref().filter(|_| all),
+            members,
+            self.all_policy.as_ref(),
+            self.policies.len(),
         );
         if allowed {
             self.count(if fail_open {
@@ -720,11 +794,16 @@ impl<G> Shared<G> {
 }
 
 impl<G: Gate + 'static> Shared<G> {
-    /// Decide `keys` without I/O if the gate can.
-    pub(crate) fn check_local(&self, keys: &Keys, cost: u32) -> Option<Verdict> {
-        let limits = self.limits(keys);
-        let decided = self.gate.check_all_local(&limits, cost)?;
-        Some(self.conclude(keys, decided))
+    /// Decide `keys` without I/O if the gate can (no allocation on a gate that decides
+    /// into the keys' reused decisions, as [`MemoryGate`](crate::gate::MemoryGate) does).
+    pub(crate) fn check_local(&self, keys: &mut Keys, cost: u32) -> Option<Verdict> {
+        let mut decisions = std::mem::take(&mut keys.decisions);
+        let decided = self.with_limits(keys, |limits| {
+            self.gate.check_all_local_into(limits, cost, &mut decisions)
+        });
+        let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
+        keys.decisions = decisions;
+        verdict
     }
 
     /// Decide `keys` through the gate's future.

@@ -317,6 +317,13 @@ impl MemoryGate {
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         decisions.clear();
+        if let [(key, quota)] = *limits {
+            // One limit: nothing to merge.
+            Merged::check_one(key, quota, cost)?;
+            return self.decide_into(decisions, |buckets, now, keys_per_quota, out| {
+                buckets.check_one_into(key, quota, cost, now, keys_per_quota, out)
+            });
+        }
         let request = Merged::new(limits, cost)?;
         self.check_merged_into(&request, decisions)
     }
@@ -333,18 +340,33 @@ impl MemoryGate {
         request: &Merged<'_>,
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
+        self.decide_into(decisions, |buckets, now, keys_per_quota, out| {
+            buckets.check_all_into(request, now, keys_per_quota, out)
+        })
+    }
+
+    /// `decide` on the all-or-nothing buckets at the gate's time, into `decisions`; counted.
+    fn decide_into(
+        &self,
+        decisions: &mut Vec<Decision>,
+        decide: impl FnOnce(
+            &mut MemoryBuckets,
+            Duration,
+            usize,
+            &mut Vec<Decision>,
+        ) -> Result<(), GateError>,
+    ) -> Result<(), GateError> {
         let now = self.now();
-        let decided = self
-            .inner
-            .multi
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .check_all_into(
-                request,
-                now,
-                self.inner.max_keys.div_ceil(MAX_QUOTAS),
-                decisions,
-            );
+        let decided = decide(
+            &mut self
+                .inner
+                .multi
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+            now,
+            self.inner.max_keys.div_ceil(MAX_QUOTAS),
+            decisions,
+        );
         if let Err(e) = decided {
             decisions.clear();
             return Err(e);

@@ -142,6 +142,21 @@ impl<'a> Merged<'a> {
         Ok(Merged { buckets, of })
     }
 
+    /// What [`new`](Merged::new) checks of a request on one limit (which needs no merging):
+    /// the same errors, in the same order.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::Cost`], [`GateError::InvalidKey`].
+    pub(crate) fn check_one(key: &str, quota: Quota, cost: u32) -> Result<(), GateError> {
+        if cost == 0 {
+            return Err(CostError::Zero.into());
+        }
+        check_key(key)?;
+        CostError::check(cost, u64::from(quota.burst_size()))?;
+        Ok(())
+    }
+
     /// One decision per limit given, in order, from one decision per bucket.
     #[cfg(feature = "redis")]
     pub(crate) fn expand(&self, decided: &[Decision]) -> Vec<Decision> {
@@ -233,6 +248,29 @@ impl MemoryBuckets {
         Ok(&mut self.by_quota[at].keys)
     }
 
+    /// A request on one bucket, validated ([`Merged::check_one`]) or merged: deciding it is
+    /// all or nothing already (a rejection charges nothing; a new key at a full map is
+    /// refused before it is charged). One decision pushed onto `out`.
+    pub(crate) fn check_one_into(
+        &mut self,
+        key: &str,
+        quota: Quota,
+        cost: u32,
+        now: Duration,
+        keys_per_quota: usize,
+        out: &mut Vec<Decision>,
+    ) -> Result<(), GateError> {
+        let keys = self.quota_keys(quota, now, keys_per_quota)?;
+        let decided = keys.check(key, now, cost).map_err(|e| match e {
+            KeyedError::KeyspaceFull { .. } => GateError::KeyspaceFull {
+                max_keys: keys_per_quota * MAX_QUOTAS,
+            },
+            e => e.into(),
+        })?;
+        out.push(decided);
+        Ok(())
+    }
+
     /// [`check_all`](MemoryBuckets::check_all) into `out` (cleared first; unspecified on an
     /// error): one decision per limit of the request, in order. One hash lookup per key for a request on one
     /// bucket, two per key on several (decide on copies, then charge).
@@ -252,10 +290,7 @@ impl MemoryBuckets {
             e => e.into(),
         };
         if let [(key, quota, cost)] = *request.buckets {
-            // One bucket: deciding it is all or nothing already (a rejection charges
-            // nothing; a new key at a full map is refused before it is charged).
-            let keys = self.quota_keys(quota, now, keys_per_quota)?;
-            out.push(keys.check(key, now, cost).map_err(keyed_error)?);
+            self.check_one_into(key, quota, cost, now, keys_per_quota, out)?;
             request.expand_in_place(out);
             return Ok(());
         }

@@ -292,6 +292,14 @@ pub(crate) fn ratelimit_field<'a>(
 pub(crate) struct Fields {
     policy: Option<HeaderValue>,
     ratelimit: Option<HeaderValue>,
+    /// The single-integer styles, boxed: rarely used, and `Fields` is moved with every
+    /// response future.
+    single: Option<Box<Single>>,
+}
+
+/// The values of the single-integer styles.
+#[derive(Debug, Default)]
+struct Single {
     /// Limit, remaining, reset of `RateLimit-Limit` / `-Remaining` / `-Reset`.
     draft03: Option<[u64; 3]>,
     /// The same of `X-RateLimit-*`.
@@ -334,18 +342,20 @@ impl Fields {
                 .unwrap_or(first);
             let t = chosen.t.unwrap_or(0);
             let values = |reset: u64| [chosen.parts.q, chosen.r, reset];
+            let mut single = Single::default();
             if styles.contains(HeaderStyles::DRAFT_03) {
-                fields.draft03 = Some(values(t));
+                single.draft03 = Some(values(t));
             }
             if styles.contains(HeaderStyles::X_RATELIMIT) {
-                fields.x = Some(values(t));
+                single.x = Some(values(t));
             } else if styles.contains(HeaderStyles::X_RATELIMIT_EPOCH) {
                 let now = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .unwrap_or_default()
                     .as_secs();
-                fields.x = Some(values(now.saturating_add(t)));
+                single.x = Some(values(now.saturating_add(t)));
             }
+            fields.single = Some(Box::new(single));
         }
         fields
     }
@@ -359,12 +369,15 @@ impl Fields {
         if let Some(v) = self.ratelimit {
             headers.append(RATELIMIT, v);
         }
-        if let Some([l, r, t]) = self.draft03 {
+        let Some(single) = self.single else {
+            return;
+        };
+        if let Some([l, r, t]) = single.draft03 {
             headers.insert(RATELIMIT_LIMIT, integer_value(l));
             headers.insert(RATELIMIT_REMAINING, integer_value(r));
             headers.insert(RATELIMIT_RESET, integer_value(t));
         }
-        if let Some([l, r, t]) = self.x {
+        if let Some([l, r, t]) = single.x {
             headers.insert(X_RATELIMIT_LIMIT, integer_value(l));
             headers.insert(X_RATELIMIT_REMAINING, integer_value(r));
             headers.insert(X_RATELIMIT_RESET, integer_value(t));

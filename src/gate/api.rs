@@ -132,12 +132,14 @@ pub trait Gate: Send + Sync + fmt::Debug {
         ))))
     }
 
-    /// [`check_all`](Gate::check_all) without I/O, when this gate can: `Some` with exactly
-    /// what `check_all` would answer (and with the same effect), or `None` when only
-    /// `check_all` can decide it. Nothing is consumed when it returns `None`.
+    /// [`check_all`](Gate::check_all) without I/O, when this gate can, into `decisions`:
+    /// `Some` with exactly what `check_all` would answer (and with the same effect), or
+    /// `None` when only `check_all` can decide it; nothing is consumed when it returns
+    /// `None`. `decisions` is cleared, and on `Some(Ok(()))` holds one decision per limit,
+    /// in order, so a caller deciding many requests (the HTTP layer) reuses one `Vec`.
     ///
     /// The default answers `None`; [`MemoryGate`](crate::gate::MemoryGate) always decides
-    /// here (so a caller such as the HTTP layer allocates no future for it).
+    /// here, without allocating.
     ///
     /// # Errors
     ///
@@ -146,112 +148,50 @@ pub trait Gate: Send + Sync + fmt::Debug {
         &self,
         limits: &[(&str, Quota)],
         cost: u32,
-    ) -> Option<Result<Vec<Decision>, GateError>> {
-        let _ = (limits, cost);
-        None
-    }
-
-    /// [`check_all_local`](Gate::check_all_local) into `decisions` instead of a new `Vec`:
-    /// `decisions` is cleared, and on `Some(Ok(()))` holds one decision per limit, in
-    /// order. A caller deciding many requests (the HTTP layer) reuses one `Vec` for all of
-    /// them.
-    ///
-    /// The default forwards to `check_all_local` and moves its decisions over;
-    /// [`MemoryGate`](crate::gate::MemoryGate) decides straight into `decisions`, without
-    /// allocating.
-    ///
-    /// # Errors
-    ///
-    /// Those of [`check_all`](Gate::check_all), inside the `Some`.
-    fn check_all_local_into(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
         decisions: &mut Vec<Decision>,
     ) -> Option<Result<(), GateError>> {
-        decisions.clear();
-        let decided = self.check_all_local(limits, cost)?;
-        Some(decided.map(|d| decisions.extend(d)))
+        let _ = (limits, cost, decisions);
+        None
     }
 
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
 
-impl<G: Gate + ?Sized> Gate for Arc<G> {
-    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
-        (**self).check(key, cost)
-    }
+/// `Arc<G>` and `&G` are gates: every method forwards to `G`.
+macro_rules! forward_gate {
+    ($($ty:ty),*) => {$(
+        impl<G: Gate + ?Sized> Gate for $ty {
+            fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+                (**self).check(key, cost)
+            }
 
-    fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
-        (**self).check_local(key, cost)
-    }
+            fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
+                (**self).check_local(key, cost)
+            }
 
-    fn check_all<'a>(
-        &'a self,
-        limits: &'a [(&'a str, Quota)],
-        cost: u32,
-    ) -> GateFuture<'a, Vec<Decision>> {
-        (**self).check_all(limits, cost)
-    }
+            fn check_all<'a>(
+                &'a self,
+                limits: &'a [(&'a str, Quota)],
+                cost: u32,
+            ) -> GateFuture<'a, Vec<Decision>> {
+                (**self).check_all(limits, cost)
+            }
 
-    fn check_all_local(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-    ) -> Option<Result<Vec<Decision>, GateError>> {
-        (**self).check_all_local(limits, cost)
-    }
+            fn check_all_local(
+                &self,
+                limits: &[(&str, Quota)],
+                cost: u32,
+                decisions: &mut Vec<Decision>,
+            ) -> Option<Result<(), GateError>> {
+                (**self).check_all_local(limits, cost, decisions)
+            }
 
-    fn check_all_local_into(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-        decisions: &mut Vec<Decision>,
-    ) -> Option<Result<(), GateError>> {
-        (**self).check_all_local_into(limits, cost, decisions)
-    }
-
-    fn limit(&self) -> Limit {
-        (**self).limit()
-    }
+            fn limit(&self) -> Limit {
+                (**self).limit()
+            }
+        }
+    )*};
 }
 
-impl<G: Gate + ?Sized> Gate for &G {
-    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
-        (**self).check(key, cost)
-    }
-
-    fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
-        (**self).check_local(key, cost)
-    }
-
-    fn check_all<'a>(
-        &'a self,
-        limits: &'a [(&'a str, Quota)],
-        cost: u32,
-    ) -> GateFuture<'a, Vec<Decision>> {
-        (**self).check_all(limits, cost)
-    }
-
-    fn check_all_local(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-    ) -> Option<Result<Vec<Decision>, GateError>> {
-        (**self).check_all_local(limits, cost)
-    }
-
-    fn check_all_local_into(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-        decisions: &mut Vec<Decision>,
-    ) -> Option<Result<(), GateError>> {
-        (**self).check_all_local_into(limits, cost, decisions)
-    }
-
-    fn limit(&self) -> Limit {
-        (**self).limit()
-    }
-}
+forward_gate!(Arc<G>, &G);

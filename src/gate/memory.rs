@@ -437,17 +437,8 @@ impl Gate for MemoryGate {
         )))
     }
 
-    /// Always `Some`: [`MemoryGate::check_all`].
+    /// Always `Some`: [`MemoryGate::check_all`], into `decisions` (no allocation).
     fn check_all_local(
-        &self,
-        limits: &[(&str, Quota)],
-        cost: u32,
-    ) -> Option<Result<Vec<Decision>, GateError>> {
-        Some(MemoryGate::check_all(self, limits, cost))
-    }
-
-    /// Always `Some`: [`MemoryGate::check_all`], into `decisions`.
-    fn check_all_local_into(
         &self,
         limits: &[(&str, Quota)],
         cost: u32,

@@ -799,7 +799,7 @@ impl<G: Gate + 'static> Shared<G> {
     pub(crate) fn check_local(&self, keys: &mut Keys, cost: u32) -> Option<Verdict> {
         let mut decisions = std::mem::take(&mut keys.decisions);
         let decided = self.with_limits(keys, |limits| {
-            self.gate.check_all_local_into(limits, cost, &mut decisions)
+            self.gate.check_all_local(limits, cost, &mut decisions)
         });
         let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
         keys.decisions = decisions;

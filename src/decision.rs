@@ -119,7 +119,7 @@ impl Decision {
 }
 
 /// The largest Integer a Structured Field carries (RFC 9651).
-const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+pub(crate) const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {

@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use http::{HeaderMap, HeaderName, HeaderValue};
 use sfv::{Integer, ItemSerializer, ListSerializer, StringRef, key_ref};
 
-use crate::decision::Decision;
+use crate::decision::{Decision, SF_INTEGER_MAX};
 use crate::gate::Limit;
 
 /// `RateLimit-Policy` (IETF).
@@ -158,9 +158,6 @@ fn integer(v: u64) -> Integer {
 fn integer_value(v: u64) -> HeaderValue {
     HeaderValue::from(v.min(SF_INTEGER_MAX))
 }
-
-/// The largest sf-Integer (RFC 9651: at most 15 digits).
-const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
 
 /// Append `v` as an sf-Integer (decimal digits, clamped to the largest one): what sfv
 /// writes for it.

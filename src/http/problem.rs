@@ -42,16 +42,37 @@ pub(crate) fn document(kind: &str, status: StatusCode, violated: &[&str]) -> Byt
             out.push(',');
         }
         out.push('"');
-        for c in name.chars() {
-            if c == '"' || c == '\\' {
-                out.push('\\');
-            }
-            out.push(c);
-        }
+        push_json_str(&mut out, name);
         out.push('"');
     }
     out.push_str("]}");
     Bytes::from(out)
+}
+
+/// A `400 Bad Request` with a problem document (`about:blank`) whose `detail` says why.
+pub(crate) fn bad_request(detail: &str) -> Response<Bytes> {
+    let mut out = String::with_capacity(96 + detail.len());
+    out.push_str(r#"{"type":"about:blank","title":"Bad Request","status":400,"detail":""#);
+    push_json_str(&mut out, detail);
+    out.push_str("\"}");
+    let mut res = Response::new(Bytes::from(out));
+    *res.status_mut() = StatusCode::BAD_REQUEST;
+    res.headers_mut().insert(header::CONTENT_TYPE, PROBLEM_JSON);
+    res
+}
+
+/// `s` as the inside of a JSON string: `"`, `\` and control characters escaped.
+fn push_json_str(out: &mut String, s: &str) {
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
 }
 
 /// A response a layer answers itself: `status`, `Retry-After: retry_after` and a problem

@@ -20,7 +20,7 @@ use flowgate::http::{
     RequestInfo,
 };
 use flowgate::{Quota, Rate};
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty};
 use tower::{Layer, Service, ServiceExt};
 
@@ -445,30 +445,57 @@ async fn keyless_requests_share_skip_or_are_refused_as_configured() {
     let server = Server::start(app(refuse.clone())).await;
     let a = get(&client, &server.url("/"), &[]).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(doc["status"], 400);
+    assert!(
+        doc["detail"].as_str().unwrap().contains("per-client"),
+        "{doc}"
+    );
     assert_eq!(refuse.stats().missing_key, 1);
 }
 
 #[tokio::test]
-async fn a_cost_no_quota_admits_is_a_503_counted_as_gate_error() {
+async fn a_request_that_can_never_pass_is_a_400_and_a_free_one_passes_undecided() {
     let layer = RateLimitLayer::builder(gate())
         .policy(Policy::new(
             "per-client",
             quota(5, Duration::from_secs(60)),
             by_client,
         ))
-        .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/" { 6 } else { 1 })
+        .cost(|req: &RequestInfo<'_>| match req.uri.path() {
+            "/" => 6,
+            "/free" => 0,
+            _ => 1,
+        })
         .build()
         .unwrap();
-    let server = Server::start(app(layer.clone())).await;
-    let a = get(&client(), &server.url("/"), &[("x-client", "f")]).await;
-    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(retry_after(&a.headers), 1);
+    let routes = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .route("/free", route_get(|| async { "ok" }))
+        .route("/other", route_get(|| async { "ok" }))
+        .layer(layer.clone());
+    let server = Server::start(routes).await;
+    let client = client();
+    let a = get(&client, &server.url("/"), &[("x-client", "f")]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(a.headers.get(header::RETRY_AFTER).is_none());
+    assert_eq!(a.headers[header::CONTENT_TYPE], "application/problem+json");
     let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
-    assert_eq!(
-        doc["type"],
-        "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
-    );
-    assert_eq!(layer.stats().gate_error, 1);
+    assert_eq!(doc["status"], 400);
+    assert!(doc["detail"].as_str().unwrap().contains("6"), "{doc}");
+    // A key the gate refuses (over 512 bytes) is the client's error too.
+    let long = "k".repeat(600);
+    let b = get(&client, &server.url("/other"), &[("x-client", &long)]).await;
+    assert_eq!(b.status, StatusCode::BAD_REQUEST);
+    // Cost 0: free, as often as asked, without fields.
+    for _ in 0..10 {
+        let c = get(&client, &server.url("/free"), &[("x-client", "f")]).await;
+        assert_eq!(c.status, StatusCode::OK);
+        assert!(c.headers.get("ratelimit").is_none());
+    }
+    let stats = layer.stats();
+    assert_eq!((stats.bad_request, stats.gate_error), (2, 0));
+    assert_eq!(stats.admitted, 10);
 }
 
 #[tokio::test]

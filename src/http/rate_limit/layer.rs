@@ -68,13 +68,17 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   `application/problem+json` body of type `…#quota-exceeded` whose `violated-policies`
 ///   names the policies that blocked.
 /// - **Gate error** (a [`GateError`] the gate's failure policy passes on, such as
-///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), or a cost the quotas can never
-///   admit): `503` with `Retry-After: 1` and a problem body of type
+///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), or a full keyspace): `503` with `Retry-After: 1` and a problem body of type
 ///   `…#temporary-reduced-capacity` with no violated policy. The layer adds no wait and no
 ///   retry of its own: the gate's timeout and failure policy apply unchanged (a fail-open
 ///   decision is admitted and counted as `fail_open`; it is left out of the fields, as it
 ///   says nothing about a quota).
-/// - **No key**, with [`MissingKey::Refuse`]: `400 Bad Request` with an empty body.
+/// - **No key**, with [`MissingKey::Refuse`]: `400 Bad Request` with a problem body
+///   (`about:blank`) whose `detail` names the policy; counted as `missing_key`.
+/// - **A request that can never be decided** (its cost above a policy's burst, or a key
+///   the gate refuses: longer than 512 bytes): `400 Bad Request` with a problem body whose
+///   `detail` says why; counted as `bad_request`. A cost of zero is a free request: it
+///   passes without a decision (and without fields).
 ///
 /// # Fields
 ///
@@ -242,8 +246,9 @@ impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
         self
     }
 
-    /// The cost of a request (default 1), e.g. a route's weight. A cost of zero or above a
-    /// policy's burst can never be decided: such a request gets the layer's `503`.
+    /// The cost of a request (default 1), e.g. a route's weight. A cost of zero is free
+    /// (passed without a decision); a cost above a policy's burst can never be admitted:
+    /// such a request gets `400 Bad Request` (see the layer's docs).
     pub fn cost<F>(mut self, cost: F) -> Self
     where
         F: Fn(&RequestInfo<'_>) -> u32 + Send + Sync + 'static,
@@ -400,6 +405,10 @@ pub struct RateLimitStats {
     /// Refused with `400` because a policy with [`MissingKey::Refuse`] found no key
     /// (passed in shadow mode).
     pub missing_key: u64,
+    /// Refused with `400` because the request itself cannot be decided: its cost is above
+    /// a policy's capacity (it could never pass), or a key is not one the gate takes (empty
+    /// after the prefix, too long). Passed in shadow mode.
+    pub bad_request: u64,
 }
 
 /// The outcome of one request.
@@ -411,16 +420,18 @@ enum Outcome {
     GateError,
     FailOpen,
     MissingKey,
+    BadRequest,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 6] = [
+    const ALL: [Outcome; 7] = [
         Outcome::Admitted,
         Outcome::Rejected,
         Outcome::ShadowRejected,
         Outcome::GateError,
         Outcome::FailOpen,
         Outcome::MissingKey,
+        Outcome::BadRequest,
     ];
 
     fn as_str(self) -> &'static str {
@@ -431,6 +442,7 @@ impl Outcome {
             Outcome::GateError => "gate_error",
             Outcome::FailOpen => "fail_open",
             Outcome::MissingKey => "missing_key",
+            Outcome::BadRequest => "bad_request",
         }
     }
 }
@@ -529,8 +541,8 @@ pub(crate) struct Shared<G> {
     all_policy: Option<HeaderValue>,
     gate_error_body: Bytes,
     top: TopRejected,
-    counts: [AtomicU64; 6],
-    counters: [Counter; 6],
+    counts: [AtomicU64; 7],
+    counters: [Counter; 7],
     name: Option<String>,
     epoch: Instant,
     /// Milliseconds since `epoch` before which no rejection is logged.
@@ -569,6 +581,7 @@ impl<G> Shared<G> {
             gate_error: c(Outcome::GateError),
             fail_open: c(Outcome::FailOpen),
             missing_key: c(Outcome::MissingKey),
+            bad_request: c(Outcome::BadRequest),
         }
     }
 
@@ -608,9 +621,10 @@ impl<G> Shared<G> {
                     _ => {
                         self.count(Outcome::MissingKey);
                         keys.recycle();
-                        let mut res = Response::new(Bytes::new());
-                        *res.status_mut() = StatusCode::BAD_REQUEST;
-                        return Prepared::Answer(res);
+                        return Prepared::Answer(problem::bad_request(&format!(
+                            "the request has no key for the policy \"{}\"",
+                            entry.policy.name
+                        )));
                     }
                 }
             }
@@ -622,6 +636,12 @@ impl<G> Shared<G> {
             return Prepared::Pass(None);
         }
         let cost = self.cost.as_ref().map_or(1, |f| f(req));
+        if cost == 0 {
+            // A free request: nothing to charge, nothing to decide.
+            self.count(Outcome::Admitted);
+            keys.recycle();
+            return Prepared::Pass(None);
+        }
         Prepared::Check(keys, cost)
     }
 
@@ -665,6 +685,16 @@ impl<G> Shared<G> {
     ) -> Verdict {
         let decisions = match decided {
             Ok(d) if d.len() == keys.spans.len() => d,
+            // The request itself cannot be decided: a client error, not the gate's.
+            Err(
+                e @ (GateError::Cost(_) | GateError::InvalidKey(_) | GateError::UnreadableKey(_)),
+            ) => {
+                self.count(Outcome::BadRequest);
+                if self.shadow {
+                    return Verdict::Pass(None);
+                }
+                return Verdict::Answer(problem::bad_request(&e.to_string()));
+            }
             // A gate that answers the wrong number of decisions is as broken as one that
             // errs.
             Ok(_) | Err(_) => {

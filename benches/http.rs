@@ -84,6 +84,8 @@
 //! runs it) each measurement lasts 100 ms, one round, and no PASS/FAIL lines are printed: a
 //! smoke test.
 
+#[path = "support/http_keys.rs"]
+mod http_keys;
 mod support;
 
 use std::net::SocketAddr;
@@ -95,7 +97,7 @@ use axum::routing::get;
 use bytes::Bytes;
 use flowgate::Quota;
 use flowgate::gate::{Limit, MemoryGate};
-use flowgate::http::{HeaderStyles, Policy, RateLimitLayer, RequestInfo, ResponseBody};
+use flowgate::http::{HeaderStyles, Policy, RateLimitLayer, ResponseBody};
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
@@ -103,8 +105,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 use tower::util::MapResponseLayer;
-use tower_governor::GovernorError;
 use tower_governor::governor::GovernorConfigBuilder;
+
+use crate::http_keys::{ApiKey, api_key};
 
 /// Connection counts measured (`HTTP_CONNS` overrides).
 const CONNS: [usize; 2] = [16, 64];
@@ -564,35 +567,9 @@ async fn ok() -> &'static str {
     "ok"
 }
 
-/// The policy's key: the `x-api-key` header, written into the layer's reused buffer.
-fn api_key(req: &RequestInfo<'_>, key: &mut String) -> bool {
-    match req.headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
-        Some(v) => {
-            key.push_str(v);
-            true
-        }
-        None => false,
-    }
-}
-
 /// The `wrapped` variant's layer: the response as flowgate's layers return it.
 fn wrap(res: Response<axum::body::Body>) -> Response<ResponseBody<axum::body::Body>> {
     res.map(ResponseBody::Inner)
-}
-
-/// tower_governor's key: the same header.
-#[derive(Debug, Clone, Copy)]
-struct ApiKey;
-
-impl tower_governor::key_extractor::KeyExtractor for ApiKey {
-    type Key = HeaderValue;
-
-    fn extract<T>(&self, req: &Request<T>) -> Result<HeaderValue, GovernorError> {
-        req.headers()
-            .get("x-api-key")
-            .cloned()
-            .ok_or(GovernorError::UnableToExtractKey)
-    }
 }
 
 /// The gate key the layer uses for `x-api-key: hot` (see [`POLICY`]).

@@ -17,9 +17,10 @@
 //! | [`metrics`] | metric names; one recording path, free when the feature is off | ready |
 //! | [`channel`] | bounded MPMC channel with overflow policies, `Sink`/`Stream`, permits | ready |
 //! | [`bulkhead`] | concurrency caps, waiting room, load shedding, critical reserve; stream adapters | ready |
-//! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters | ready |
+//! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters; [`pace::AdaptivePacer`], a rate that follows the server's feedback (`Retry-After`, 429/503, the `RateLimit` fields) | ready |
 //! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
 //! | [`gate`] | keyed token gates: in-memory default and Redis (atomic Lua, server clock, failure policy) | ready |
+//! | [`retry`] | the outbound side: [`retry::Backoff`] (exponential, the AWS jitters, a deadline over every attempt; the server's `Retry-After` wins), [`retry::RetryBudget`] (gRPC `retryThrottling`), [`retry::retry`] with a [`retry::Classify`]; with feature `http`, `ServerHint` (parses `Retry-After` and every rate-limit field style) and a tower client layer | ready |
 //! | `http` | (feature `http`) tower layers: `RateLimitLayer` (429, `Retry-After`, IETF `RateLimit` fields, several policies all-or-nothing, shadow mode) and `ShedLayer` (503 by priority over a bulkhead) | ready |
 //!
 //! ## Shared concepts
@@ -113,6 +114,7 @@ pub mod metrics;
 pub mod overflow;
 pub mod pace;
 pub mod rate;
+pub mod retry;
 mod sync;
 mod time;
 

@@ -18,12 +18,14 @@ use crate::gate::Limit;
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 /// `RateLimit` (IETF).
 pub(crate) const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-const RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
-const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
-const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
-const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
-const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
-const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// The draft-03 and legacy single-integer fields.
+pub(crate) const RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+pub(crate) const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+pub(crate) const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+pub(crate) const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+pub(crate) const X_RATELIMIT_REMAINING: HeaderName =
+    HeaderName::from_static("x-ratelimit-remaining");
+pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 /// Which rate-limit header fields a [`RateLimitLayer`](crate::http::RateLimitLayer)
 /// writes; combine styles with `|`.

@@ -18,7 +18,7 @@
 
 mod body;
 mod client_ip;
-mod fields;
+pub(crate) mod fields;
 mod key;
 mod problem;
 mod rate_limit;

@@ -13,6 +13,7 @@
 //! | `stream.leaky_queue(pacer, capacity, overflow)` | drains upstream into a bounded queue, releases at the rate, applies the overflow policy when full ([`LeakyQueue::builder`] adds a name and an `on_drop` hook) |
 //! | `sink.leaky_sink(rate)` | outbound calls at `rate` |
 //! | `sink.leaky_sink_with(pacer)` | the same through a shared pacer |
+//! | `AdaptivePacer::pacer()` with any of the above | the same at a rate that follows the server's feedback: pauses on `Retry-After`, cuts on 429/503, climbs back, obeys the `RateLimit` fields ([`AdaptivePacer`]) |
 //!
 //! The pacer itself speaks the crate's verbs: [`Pacer::check`] decides now (a
 //! [`Decision`](crate::Decision), never waiting), [`Pacer::until_ready`] waits until the
@@ -39,7 +40,10 @@
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
 //! queue goes away) under its own [`name`](LeakyQueueBuilder::name), by default its pacer's.
+//! An [`AdaptivePacer`] adds `flowgate_pace_adaptive_rate` (gauge, per second),
+//! `flowgate_pace_adaptive_pauses_total` and `flowgate_pace_adaptive_cuts_total`.
 
+mod adaptive;
 mod leaky;
 mod leaky_queue;
 mod leaky_sink;
@@ -47,6 +51,7 @@ mod paced;
 mod pacer;
 mod until_ready;
 
+pub use adaptive::{AdaptivePacer, AdaptivePacerBuilder, AdaptiveStatus, Phase};
 pub(crate) use leaky::unit_cost;
 pub use leaky::{Leaky, UnitCost};
 pub use leaky_queue::{LeakyQueue, LeakyQueueBuilder};

@@ -337,6 +337,39 @@ impl Pacer {
         self.inner.set_quota(quota);
     }
 
+    /// Let nothing pass before `at`; from `at` on, the schedule resumes at the current rate
+    /// with no burst: one unit may pass at `at`, the next one `1 / rate` later, and so on,
+    /// however long the pacer was idle before. Waiters recompute their due time at once.
+    ///
+    /// A pause that ends before the next unit is due anyway changes nothing (it never
+    /// brings the schedule forward), so overlapping pauses keep the latest end. A later
+    /// [`set_quota`](Pacer::set_quota) keeps the pause: the next unit stays due at `at`.
+    /// This is what a client does with a server's `Retry-After`
+    /// ([`AdaptivePacer`](crate::pace::AdaptivePacer) calls it on back-pressure).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use flowgate::pace::Pacer;
+    /// use flowgate::Rate;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pacer = Pacer::new(Rate::per_second(10)?);
+    /// let start = tokio::time::Instant::now();
+    /// pacer.pause_until(start + Duration::from_secs(1));
+    /// assert!(!pacer.check(1)?.allowed);
+    /// pacer.until_ready(1).await?;
+    /// pacer.until_ready(1).await?;
+    /// assert_eq!(start.elapsed(), Duration::from_millis(1_100)); // 1 s, then 1/rate: no burst
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn pause_until(&self, at: Instant) {
+        self.inner.pause_until(at);
+    }
+
     /// The current quota: the rate, and the burst (how many units may pass at once).
     pub fn quota(&self) -> Quota {
         self.inner.lock().bucket.quota()
@@ -544,6 +577,20 @@ impl Inner {
         let mut st = self.lock();
         st.waiters.retain(|w| w.id != id);
         let wake = st.refresh(Instant::now());
+        drop(st);
+        wake.into_iter().for_each(Waker::wake);
+    }
+
+    fn pause_until(&self, at: Instant) {
+        let mut st = self.lock();
+        // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`).
+        let full_at = self.elapsed(at) + st.bucket.lead();
+        if full_at <= st.bucket.neutral_at(&st.gcra) {
+            return;
+        }
+        st.gcra = st.bucket.state_full_at(full_at);
+        // The head and its watcher recompute their times.
+        let wake: Vec<Waker> = st.present().take(2).map(|w| w.waker.clone()).collect();
         drop(st);
         wake.into_iter().for_each(Waker::wake);
     }

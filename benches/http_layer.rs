@@ -1,0 +1,164 @@
+//! What a rate-limit layer costs per request, in process: no sockets, no client, so the
+//! figure is the layer's own CPU time and is not blurred by the loopback network that
+//! dominates `benches/http.rs` on a 2-core machine.
+//!
+//! # What is measured
+//!
+//! An axum 0.8 `Router` with one route, `GET /` answering `"ok"`, called directly through
+//! `tower::Service` (`ready().await` then `call(req).await`) on a current-thread tokio
+//! runtime, one request after the other; each request is built fresh (`GET /` with an
+//! `x-api-key: cold-<i % 16>` header) and its response dropped, in every variant alike.
+//! Variants, each `Router::layer(..)` over the same router, as in `benches/http.rs`:
+//!
+//! - `no limiter`: the router alone;
+//! - `flowgate (memory)`: `RateLimitLayer` on `MemoryGate`, one policy keyed by the header,
+//!   the default IETF fields on every response;
+//! - `flowgate (no fields)`: the same with `HeaderStyles::NONE`;
+//! - `tower_governor`: `GovernorLayer` (default settings) keyed by the same header.
+//!
+//! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. Each round runs every
+//! variant once for [`REQUESTS`] requests, in an order rotated by one per round; the
+//! median over [`ROUNDS`] rounds of ns per request is printed, and the overhead of each
+//! layer over `no limiter` (its ns per request minus the router's), with the ratio of the
+//! overheads (flowgate ÷ tower_governor: below 1 is cheaper).
+//!
+//! ```text
+//! cargo bench --all-features --bench http_layer
+//! LAYER_REQUESTS=1000000 LAYER_ROUNDS=9 cargo bench --all-features --bench http_layer
+//! ```
+//!
+//! Without `--bench` (as `cargo test --benches` runs it) it runs 1 000 requests once: a
+//! smoke test.
+
+#[path = "support/http_keys.rs"]
+mod http_keys;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use flowgate::Quota;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{HeaderStyles, Policy, RateLimitLayer};
+use http::{HeaderValue, Request};
+use tower::{Service, ServiceExt};
+use tower_governor::governor::GovernorConfigBuilder;
+
+use crate::http_keys::{ApiKey, api_key};
+
+/// Requests per variant and round (`LAYER_REQUESTS` overrides).
+const REQUESTS: usize = 300_000;
+/// Rounds (`LAYER_ROUNDS` overrides).
+const ROUNDS: usize = 7;
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let (requests, rounds) = if full {
+        (
+            env_usize("LAYER_REQUESTS").unwrap_or(REQUESTS).max(1),
+            env_usize("LAYER_ROUNDS").unwrap_or(ROUNDS).max(1),
+        )
+    } else {
+        (1_000, 1)
+    };
+    println!(
+        "benches/http_layer: axum Router called in process, {requests} requests per variant, {rounds} rounds; load average {}",
+        support::load_average()
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let quota = Quota::per_second(1_000_000)
+        .and_then(|q| q.burst(1_000_000))
+        .expect("a valid quota");
+    let base = Router::new().route("/", get(ok));
+    let flowgate = |styles| {
+        base.clone().layer(
+            RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+                .policy(Policy::new("per-key", quota, api_key))
+                .header_styles(styles)
+                .build()
+                .expect("a valid layer"),
+        )
+    };
+    let config = GovernorConfigBuilder::default()
+        .period(Duration::from_micros(1))
+        .burst_size(1_000_000)
+        .key_extractor(ApiKey)
+        .finish()
+        .expect("a valid governor configuration");
+    let mut apps = [
+        ("no limiter", base.clone()),
+        ("flowgate (memory)", flowgate(HeaderStyles::default())),
+        ("flowgate (no fields)", flowgate(HeaderStyles::NONE)),
+        (
+            "tower_governor",
+            base.clone()
+                .layer(tower_governor::GovernorLayer::new(config)),
+        ),
+    ];
+    let keys: Vec<HeaderValue> = (0..16)
+        .map(|i| HeaderValue::from_str(&format!("cold-{i}")).expect("a valid header value"))
+        .collect();
+    let n = apps.len();
+    let mut ns: Vec<Vec<f64>> = vec![Vec::new(); n];
+    rt.block_on(async {
+        for round in 0..rounds {
+            for i in 0..n {
+                let v = (i + round) % n;
+                let app = &mut apps[v].1;
+                let start = Instant::now();
+                for j in 0..requests {
+                    let req = Request::builder()
+                        .uri("/")
+                        .header("x-api-key", keys[j % keys.len()].clone())
+                        .body(axum::body::Body::empty())
+                        .expect("a valid request");
+                    let svc = <Router as ServiceExt<Request<axum::body::Body>>>::ready(app)
+                        .await
+                        .expect("the router is always ready");
+                    let res = svc.call(req).await.expect("infallible");
+                    assert!(res.status().is_success());
+                }
+                ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
+            }
+        }
+    });
+    let medians: Vec<f64> = ns.iter().map(|v| median(v)).collect();
+    println!("  variant                  ns/request   over no limiter");
+    for (i, (name, _)) in apps.iter().enumerate() {
+        println!(
+            "  {name:22} {:>10.0}   {:>+10.0}",
+            medians[i],
+            medians[i] - medians[0]
+        );
+    }
+    let over = |i: usize| medians[i] - medians[0];
+    println!(
+        "  layer overhead, flowgate (memory) / tower_governor: {:.2}; flowgate (no fields) / tower_governor: {:.2}",
+        over(1) / over(3),
+        over(2) / over(3)
+    );
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}

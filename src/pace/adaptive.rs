@@ -1,0 +1,745 @@
+//! `AdaptivePacer`: a [`Pacer`] whose rate follows the server's feedback.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::PoisonError;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::metrics::{Counter, Gauge, Labels};
+use crate::pace::{Pacer, UntilReady};
+use crate::rate::Rate;
+use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::time::capped;
+
+/// Names of the adaptive pacing metrics.
+pub(crate) mod names {
+    pub(crate) const RATE: &str = "flowgate_pace_adaptive_rate";
+    pub(crate) const PAUSES: &str = "flowgate_pace_adaptive_pauses_total";
+    pub(crate) const CUTS: &str = "flowgate_pace_adaptive_cuts_total";
+}
+
+/// How long the server's fields steer the rate after the last one was seen.
+const FIELDS_FRESH: Duration = Duration::from_secs(2);
+/// The span over which the trend of the server's remaining is fitted.
+const TREND_SPAN: Duration = Duration::from_millis(500);
+/// The shortest span a trend is fitted over.
+const TREND_MIN_SPAN: Duration = Duration::from_millis(150);
+/// The most samples of the server's remaining kept for the trend.
+const TREND_SAMPLES: usize = 64;
+/// One bucket of the response meter; the meter spans `METER_BUCKETS` of them.
+const METER_BUCKET: Duration = Duration::from_millis(250);
+const METER_BUCKETS: usize = 4;
+/// The longest step the controller integrates at once (a long idle spell is not growth).
+const MAX_STEP: Duration = Duration::from_secs(1);
+/// Tracking: the gain of the rate's correction, per second, per unit of relative error.
+const TRACK_GAIN: f64 = 2.0;
+/// Tracking: the share of its quota the server's remaining is steered to.
+const TRACK_LEVEL: f64 = 0.25;
+/// Tracking: how fast the server's remaining is steered back to half its quota (seconds).
+const TRACK_LEVEL_TIME: f64 = 2.0;
+/// Tracking: the largest relative error acted on.
+const MAX_ERROR: f64 = 0.5;
+/// Probing: the climb accelerates by its base step every this many seconds without a cut.
+const PROBE_ACCEL_SECS: f64 = 2.0;
+/// Below this share of the last good rate, the climb doubles the rate every second.
+const SLOW_START_BELOW: f64 = 0.5;
+/// The share of its rate a caller must use for the rate to grow (not app-limited).
+const USED_SHARE: f64 = 0.8;
+/// A change of the rate smaller than this share is not passed to the pacer.
+const APPLY_SHARE: f64 = 0.001;
+
+/// What the [`AdaptivePacer`] is doing; part of its [`AdaptiveStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Phase {
+    /// No recent server fields: the rate climbs while the caller uses it, and is cut on
+    /// back-pressure (additive increase, multiplicative decrease).
+    Probing,
+    /// The server's `RateLimit` fields are fresh: the rate is steered so that the server's
+    /// remaining stays near half its quota.
+    Tracking,
+    /// Back-pressure with a `Retry-After`: nothing passes until it has elapsed.
+    Paused,
+}
+
+/// A snapshot of an [`AdaptivePacer`], from [`AdaptivePacer::status`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct AdaptiveStatus {
+    /// What the pacer is doing.
+    pub phase: Phase,
+    /// The current rate, per second.
+    pub rate_per_second: f64,
+    /// The highest rate allowed now: the configured ceiling, lowered by the server's policy
+    /// and allowance.
+    pub ceiling_per_second: f64,
+    /// The rate that last got through before a cut (what the climb aims back at).
+    pub last_good_per_second: f64,
+    /// Until when nothing passes, while paused.
+    pub paused_until: Option<Instant>,
+    /// The server's last remaining (`r`), if it sends one.
+    pub server_remaining: Option<u64>,
+    /// The server's last policy (`q` within `w`), if it sends one.
+    pub server_policy: Option<(u64, Duration)>,
+    /// How many times back-pressure cut the rate.
+    pub cuts: u64,
+    /// How many times back-pressure paused the pacer.
+    pub pauses: u64,
+}
+
+/// A [`Pacer`] whose rate follows the server's feedback: it pauses on `Retry-After`, cuts
+/// its rate on back-pressure, climbs back while it is used, and never sends faster than the
+/// server's `RateLimit` fields allow.
+///
+/// Outbound calls go through [`pacer`](AdaptivePacer::pacer) (so `stream.leaky_with`,
+/// `sink.leaky_sink_with` and [`Pacer::until_ready`] all follow the adaptive rate), or
+/// through [`until_ready`](AdaptivePacer::until_ready). Each response is reported with
+/// the feedback calls, which are cheap (one short lock), never wait, and need no runtime:
+///
+/// | response | call |
+/// |---|---|
+/// | success | [`on_success`](AdaptivePacer::on_success) |
+/// | 429, 503, timeout (back-pressure) | [`on_back_pressure`](AdaptivePacer::on_back_pressure)`(retry_after)` |
+/// | `RateLimit: "p";r=R;t=T` (any response) | [`on_allowance`](AdaptivePacer::on_allowance)`(R, T s)` |
+/// | `RateLimit-Policy: "p";q=Q;w=W` | [`on_policy`](AdaptivePacer::on_policy)`(Q, W s)` |
+///
+/// Report the fields before the outcome. Clones share the state: every task sending to
+/// one server reports to one `AdaptivePacer`.
+///
+/// # State machine
+///
+/// ```text
+///                  back-pressure: cut the rate ×β (once per epoch),
+///                  pause until Retry-After
+///   ┌──────────┐ ─────────────────────────────────────▶ ┌──────────┐
+///   │ Probing  │                                        │  Paused  │
+///   │  climb   │ ◀───────── Retry-After elapsed ─────── │ (no unit │
+///   └──────────┘        (to Tracking if fields fresh)   │  passes) │
+///     │     ▲                                           └──────────┘
+///     │     │ no fields for 2 s                              ▲
+///     ▼     │                                                │ back-pressure
+///   ┌──────────┐ ────────────────────────────────────────────┘
+///   │ Tracking │  steer the server's remaining toward q/2
+///   └──────────┘
+/// ```
+///
+/// - **Back-pressure** ([`on_back_pressure`](AdaptivePacer::on_back_pressure)): with a
+///   `Retry-After`, every waiter is held until it has elapsed ([`Pacer::pause_until`]; a
+///   later hint extends the pause, the schedule then resumes without a burst). The rate is
+///   cut to `β ×` itself, or to what actually got through in the last second if that is
+///   lower, never below the floor. One congestion epoch gets one cut: the responses to
+///   requests sent before the cut (the others in flight) only extend the pause. The epoch
+///   ends when the pause does, or after the [`cooldown`](AdaptivePacerBuilder::cooldown)
+///   when the back-pressure had no `Retry-After`.
+/// - **Probing** (no fields): the rate climbs by `increase ×` the last good rate per
+///   second, a step that grows the longer no cut came (so a server that raised its limit
+///   is found in seconds), and doubles every second while below half the last good rate
+///   (after a deep cut). Growth is per second of time, not per response, so it does not
+///   depend on the rate.
+/// - **Tracking** (the server sends `RateLimit` and `RateLimit-Policy`): the server's
+///   remaining `r` is a shared bucket that every client of that server drains; its trend is
+///   the aggregate's surplus over the sustained rate `q / w`. The rate is corrected by the
+///   same factor the aggregate is off, steering `r` toward `q / 2`: the rate drops before
+///   any 429 when the bucket drains, and climbs when it fills.
+/// - **Never faster than the server allows**: the rate stays at or below `q / w` of the
+///   last policy, and, until the reset `t` of an allowance, at or below `r / t` (or `q / w`
+///   when that is higher: a token bucket refills during `t`).
+/// - **Never growing unused**: the rate grows only while the caller uses at least 80 % of
+///   it (someone waits for the pacer, or that many responses came back in the last second).
+///
+/// Everything runs on `tokio::time`, so under paused time it is deterministic.
+///
+/// # Metrics
+///
+/// Labelled by the `name`: `flowgate_pace_adaptive_rate` (gauge, per second),
+/// `flowgate_pace_adaptive_pauses_total`, `flowgate_pace_adaptive_cuts_total`; the inner
+/// pacer reports the [pacing metrics](crate::pace) under the same name.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::pace::AdaptivePacer;
+/// use flowgate::Rate;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let adaptive = AdaptivePacer::builder(Rate::per_second(100)?).name("payments").build()?;
+/// let start = tokio::time::Instant::now();
+/// adaptive.until_ready(1).await?;
+/// // The server answered 429 with `Retry-After: 2`.
+/// adaptive.on_back_pressure(Some(Duration::from_secs(2)));
+/// assert!(adaptive.rate().per_second_f64() < 100.0);
+/// adaptive.until_ready(1).await?;
+/// assert_eq!(start.elapsed(), Duration::from_secs(2));
+/// assert_eq!(adaptive.status().cuts, 1);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct AdaptivePacer {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    pacer: Pacer,
+    config: Config,
+    control: Mutex<Control>,
+    rate_gauge: Gauge,
+    pauses: Counter,
+    cuts: Counter,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    ceiling: f64,
+    floor: f64,
+    decrease: f64,
+    increase: f64,
+    cooldown: Duration,
+}
+
+/// The controller's state, behind the lock.
+#[derive(Debug)]
+struct Control {
+    rate: f64,
+    /// The rate last given to the pacer.
+    applied: f64,
+    last_good: f64,
+    last_update: Instant,
+    last_cut: Instant,
+    /// No cut before this instant (the current congestion epoch).
+    epoch_end: Option<Instant>,
+    paused_until: Option<Instant>,
+    /// The server's sustained rate (`q / w`, per second), its quota `q` and window `w`.
+    policy: Option<(f64, u64, Duration)>,
+    /// A cap from the server's allowance, per second, and until when it holds.
+    allowance: Option<(f64, Instant)>,
+    /// The server's remaining, as reported (time, r).
+    remaining: VecDeque<(Instant, u64)>,
+    successes: Meter,
+    responses: Meter,
+    cuts: u64,
+    pauses: u64,
+}
+
+/// Counts events over the last second, in four buckets of 250 ms.
+#[derive(Debug)]
+struct Meter {
+    origin: Instant,
+    /// The index (since `origin`) of the newest bucket.
+    newest: u64,
+    buckets: [u64; METER_BUCKETS],
+}
+
+impl Meter {
+    fn new(origin: Instant) -> Meter {
+        Meter {
+            origin,
+            newest: 0,
+            buckets: [0; METER_BUCKETS],
+        }
+    }
+
+    fn index(&self, now: Instant) -> u64 {
+        let since = now.saturating_duration_since(self.origin).as_nanos();
+        u64::try_from(since / METER_BUCKET.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn roll(&mut self, now: Instant) {
+        let index = self.index(now);
+        let stale = index.saturating_sub(self.newest);
+        for k in 1..=stale.min(METER_BUCKETS as u64) {
+            let slot = (self.newest.wrapping_add(k) % METER_BUCKETS as u64) as usize;
+            self.buckets[slot] = 0;
+        }
+        self.newest = self.newest.max(index);
+    }
+
+    fn record(&mut self, now: Instant) {
+        self.roll(now);
+        let slot = (self.newest % METER_BUCKETS as u64) as usize;
+        self.buckets[slot] = self.buckets[slot].saturating_add(1);
+    }
+
+    /// Events per second over the buckets kept (at most the last second, plus the
+    /// current bucket's part), or since the origin when that is shorter.
+    fn per_second(&mut self, now: Instant) -> f64 {
+        self.roll(now);
+        let total: u64 = self.buckets.iter().sum();
+        let since = now.saturating_duration_since(self.origin).as_nanos();
+        let bucket = METER_BUCKET.as_nanos();
+        let into_newest = since.saturating_sub(bucket * u128::from(self.newest));
+        let span = (bucket * (METER_BUCKETS as u128 - 1) + into_newest).min(since);
+        if span == 0 {
+            return 0.0;
+        }
+        total as f64 * 1e9 / span as f64
+    }
+}
+
+impl AdaptivePacer {
+    /// A builder for an adaptive pacer that never sends faster than `ceiling`.
+    pub fn builder(ceiling: Rate) -> AdaptivePacerBuilder {
+        AdaptivePacerBuilder {
+            ceiling,
+            floor: None,
+            initial: None,
+            decrease: 0.7,
+            increase: 0.05,
+            cooldown: Duration::from_millis(200),
+            name: None,
+        }
+    }
+
+    /// The pacer whose rate this one steers: give it to `stream.leaky_with`,
+    /// `sink.leaky_sink_with`, or wait on it with [`Pacer::until_ready`].
+    pub fn pacer(&self) -> &Pacer {
+        &self.inner.pacer
+    }
+
+    /// Wait until `cost` units may pass at the current rate, then take them: the inner
+    /// pacer's [`until_ready`](Pacer::until_ready).
+    ///
+    /// # Errors
+    ///
+    /// As [`Pacer::until_ready`]: [`CostError`](crate::CostError) for a zero cost or one
+    /// above the burst.
+    ///
+    /// # Panics
+    ///
+    /// As [`Pacer::until_ready`]: a wait needs a tokio runtime with timers.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe, as [`Pacer::until_ready`].
+    pub fn until_ready(&self, cost: u32) -> UntilReady {
+        self.inner.pacer.until_ready(cost)
+    }
+
+    /// A request succeeded: the rate may climb (see the type's docs).
+    pub fn on_success(&self) {
+        let now = Instant::now();
+        let mut c = self.inner.lock();
+        c.successes.record(now);
+        c.responses.record(now);
+        self.inner.step(&mut c, now);
+        self.inner.apply(&mut c);
+    }
+
+    /// The server pushed back (429, 503, a timeout), with its `Retry-After` if it sent one:
+    /// pause every waiter until then, and cut the rate once per congestion epoch.
+    ///
+    /// The pause extends an earlier one that ends sooner; a pause never brings the schedule
+    /// forward. A `retry_after` longer than a century is taken as a century.
+    pub fn on_back_pressure(&self, retry_after: Option<Duration>) {
+        let now = Instant::now();
+        let mut c = self.inner.lock();
+        c.responses.record(now);
+        self.inner.step(&mut c, now);
+        let pause_end = retry_after.map(|d| now + capped(d));
+        if let Some(end) = pause_end {
+            if c.paused_until.is_none_or(|p| p < end) {
+                c.paused_until = Some(end);
+            }
+            c.pauses += 1;
+            self.inner.pauses.increment(1);
+        }
+        if c.epoch_end.is_none_or(|e| now >= e) {
+            let measured = c.successes.per_second(now);
+            let good = c.rate.min(measured.max(self.inner.config.floor));
+            let cut = (c.rate * self.inner.config.decrease).min(measured);
+            c.last_good = good;
+            c.rate = cut.max(self.inner.config.floor);
+            c.last_cut = now;
+            c.cuts += 1;
+            self.inner.cuts.increment(1);
+            let epoch = pause_end
+                .unwrap_or(now)
+                .max(now + self.inner.config.cooldown);
+            c.epoch_end = Some(epoch);
+        } else if let (Some(end), Some(epoch)) = (pause_end, c.epoch_end) {
+            // Still the same congestion: the epoch lasts as long as its pause.
+            c.epoch_end = Some(epoch.max(end));
+        }
+        self.inner.apply(&mut c);
+        drop(c);
+        if let Some(end) = pause_end {
+            self.inner.pacer.pause_until(end);
+        }
+    }
+
+    /// The server's allowance, seen on any response: `remaining` units within `reset` (the
+    /// `r` and `t` of the IETF `RateLimit` field, or `X-RateLimit-Remaining` / `-Reset`).
+    ///
+    /// Until `reset` has elapsed the rate stays at or below `remaining / reset` (or the
+    /// policy's `q / w` when that is higher); with a policy known, the remaining steers the
+    /// rate (see [Tracking](AdaptivePacer#state-machine)).
+    pub fn on_allowance(&self, remaining: u64, reset: Duration) {
+        let now = Instant::now();
+        let mut c = self.inner.lock();
+        while c.remaining.len() >= TREND_SAMPLES
+            || c.remaining
+                .front()
+                .is_some_and(|&(at, _)| now.saturating_duration_since(at) > TREND_SPAN)
+        {
+            c.remaining.pop_front();
+        }
+        c.remaining.push_back((now, remaining));
+        if !reset.is_zero() {
+            let sustained = c.policy.map_or(0.0, |(rate, _, _)| rate);
+            let cap = (remaining as f64 / reset.as_secs_f64()).max(sustained);
+            c.allowance = Some((cap, now + capped(reset)));
+        }
+        self.inner.step(&mut c, now);
+        self.inner.apply(&mut c);
+    }
+
+    /// The server's policy: `quota` units per `window` (the `q` and `w` of the IETF
+    /// `RateLimit-Policy` field): the rate stays at or below `quota / window`. A zero quota
+    /// or window is ignored.
+    pub fn on_policy(&self, quota: u64, window: Duration) {
+        if quota == 0 || window.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        let mut c = self.inner.lock();
+        let sustained = quota as f64 / window.as_secs_f64();
+        c.policy = Some((sustained, quota, window));
+        self.inner.step(&mut c, now);
+        self.inner.apply(&mut c);
+    }
+
+    /// The current rate.
+    pub fn rate(&self) -> Rate {
+        self.inner.pacer.quota().rate()
+    }
+
+    /// A snapshot of the controller.
+    pub fn status(&self) -> AdaptiveStatus {
+        let now = Instant::now();
+        let c = self.inner.lock();
+        let phase = self.inner.phase(&c, now);
+        AdaptiveStatus {
+            phase,
+            rate_per_second: c.rate,
+            ceiling_per_second: self.inner.cap(&c, now),
+            last_good_per_second: c.last_good,
+            paused_until: c.paused_until.filter(|&p| p > now),
+            server_remaining: c.remaining.back().map(|&(_, r)| r),
+            server_policy: c.policy.map(|(_, q, w)| (q, w)),
+            cuts: c.cuts,
+            pauses: c.pauses,
+        }
+    }
+
+    /// The name, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.inner.pacer.name()
+    }
+}
+
+impl fmt::Debug for AdaptivePacer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdaptivePacer")
+            .field("name", &self.name())
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn phase(&self, c: &Control, now: Instant) -> Phase {
+        if c.paused_until.is_some_and(|p| p > now) {
+            Phase::Paused
+        } else if self.tracking(c, now) {
+            Phase::Tracking
+        } else {
+            Phase::Probing
+        }
+    }
+
+    fn tracking(&self, c: &Control, now: Instant) -> bool {
+        c.policy.is_some()
+            && c.remaining
+                .back()
+                .is_some_and(|&(at, _)| now.saturating_duration_since(at) <= FIELDS_FRESH)
+    }
+
+    /// The highest rate allowed now.
+    fn cap(&self, c: &Control, now: Instant) -> f64 {
+        let mut cap = self.config.ceiling;
+        if let Some((sustained, _, _)) = c.policy {
+            cap = cap.min(sustained);
+        }
+        if let Some((allowed, until)) = c.allowance
+            && now < until
+        {
+            cap = cap.min(allowed);
+        }
+        cap.max(self.config.floor)
+    }
+
+    /// Whether the caller uses the rate (so that growing it means something).
+    fn in_use(&self, c: &mut Control, now: Instant) -> bool {
+        self.pacer.waiting() > 0 || c.responses.per_second(now) >= USED_SHARE * c.rate
+    }
+
+    /// Advance the controller to `now`.
+    fn step(&self, c: &mut Control, now: Instant) {
+        let dt = now.saturating_duration_since(c.last_update).min(MAX_STEP);
+        c.last_update = now;
+        let paused = c.paused_until.is_some_and(|p| p > now);
+        if !paused {
+            c.paused_until = None;
+        }
+        let dt = dt.as_secs_f64();
+        if !paused && dt > 0.0 {
+            if self.tracking(c, now) {
+                self.track(c, now, dt);
+            } else if self.in_use(c, now) {
+                self.probe(c, now, dt);
+            }
+        }
+        c.rate = c.rate.clamp(self.config.floor, self.cap(c, now));
+    }
+
+    /// Probing: climb (additive, accelerating; doubling while far below the last good rate).
+    fn probe(&self, c: &mut Control, now: Instant, dt: f64) {
+        if c.rate < SLOW_START_BELOW * c.last_good {
+            c.rate = (c.rate * dt.exp2()).min(SLOW_START_BELOW * c.last_good);
+        } else {
+            let quiet = now.saturating_duration_since(c.last_cut).as_secs_f64();
+            let step = self.config.increase * c.last_good * (1.0 + quiet / PROBE_ACCEL_SECS);
+            c.rate += step * dt;
+        }
+    }
+
+    /// Tracking: correct the rate by the aggregate's relative error (see the type's docs).
+    fn track(&self, c: &mut Control, now: Instant, dt: f64) {
+        let Some((sustained, quota, _)) = c.policy else {
+            return;
+        };
+        let Some(&(_, r)) = c.remaining.back() else {
+            return;
+        };
+        let q = quota as f64;
+        let r = (r as f64).min(q);
+        let target = sustained + (r - TRACK_LEVEL * q) / TRACK_LEVEL_TIME;
+        // The bucket's trend is the aggregate's shortfall (it cannot show one when full or
+        // empty: then only the level speaks).
+        let full = r >= q - (q / 50.0).max(1.0);
+        let trend = if full || r < 1.0 {
+            0.0
+        } else {
+            trend(&c.remaining, now).unwrap_or(0.0)
+        };
+        let aggregate = sustained - trend;
+        let error = if full {
+            // Below the sustained rate by an unknown amount: climb at the fastest pace.
+            MAX_ERROR
+        } else {
+            ((target - aggregate) / sustained).clamp(-MAX_ERROR, MAX_ERROR)
+        };
+        if error > 0.0 && !self.in_use(c, now) {
+            return;
+        }
+        c.rate *= (TRACK_GAIN * error * dt).exp();
+    }
+
+    /// Hand a changed rate to the pacer and the gauge.
+    fn apply(&self, c: &mut Control) {
+        if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied {
+            return;
+        }
+        c.applied = c.rate;
+        self.pacer.set_quota(Pacer::default_quota(to_rate(c.rate)));
+        self.rate_gauge.set(c.rate);
+    }
+}
+
+/// The least-squares slope of the server's remaining over the last `TREND_SPAN`, in units
+/// per second; `None` with too few samples or too short a span.
+fn trend(samples: &VecDeque<(Instant, u64)>, now: Instant) -> Option<f64> {
+    let recent = samples
+        .iter()
+        .filter(|&&(at, _)| now.saturating_duration_since(at) <= TREND_SPAN);
+    let first = samples.front()?.0;
+    let points: Vec<(f64, f64)> = recent
+        .map(|&(at, r)| (at.saturating_duration_since(first).as_secs_f64(), r as f64))
+        .collect();
+    if points.len() < 3 {
+        return None;
+    }
+    let span = points[points.len() - 1].0 - points[0].0;
+    if span < TREND_MIN_SPAN.as_secs_f64() {
+        return None;
+    }
+    let n = points.len() as f64;
+    let mean_t = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let mean_r = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let (mut num, mut den) = (0.0, 0.0);
+    for &(t, r) in &points {
+        num += (t - mean_t) * (r - mean_r);
+        den += (t - mean_t) * (t - mean_t);
+    }
+    (den > 0.0).then(|| num / den)
+}
+
+/// The [`Rate`] nearest `per_second` (at least one per 1 000 s, at most `u32::MAX`/s).
+fn to_rate(per_second: f64) -> Rate {
+    let fallback = Rate::per_second(1).unwrap_or_else(|_| unreachable!("1/s is a valid rate"));
+    if per_second < 4_000_000.0 {
+        let milli = (per_second * 1_000.0).round().max(1.0) as u32;
+        Rate::per(milli, Duration::from_secs(1_000)).unwrap_or(fallback)
+    } else {
+        let count = per_second.round().min(f64::from(u32::MAX)) as u32;
+        Rate::per_second(count).unwrap_or(fallback)
+    }
+}
+
+/// Builds an [`AdaptivePacer`]; from [`AdaptivePacer::builder`].
+#[derive(Debug, Clone)]
+pub struct AdaptivePacerBuilder {
+    ceiling: Rate,
+    floor: Option<Rate>,
+    initial: Option<Rate>,
+    decrease: f64,
+    increase: f64,
+    cooldown: Duration,
+    name: Option<String>,
+}
+
+impl AdaptivePacerBuilder {
+    /// The lowest rate a cut goes to. Default: 1 % of the ceiling.
+    pub fn floor(mut self, floor: Rate) -> Self {
+        self.floor = Some(floor);
+        self
+    }
+
+    /// The rate to start at. Default: the ceiling.
+    pub fn initial(mut self, initial: Rate) -> Self {
+        self.initial = Some(initial);
+        self
+    }
+
+    /// The factor `β` a cut multiplies the rate by, in `(0, 1)`. Default: 0.7.
+    pub fn decrease(mut self, beta: f64) -> Self {
+        self.decrease = beta;
+        self
+    }
+
+    /// How fast the rate climbs while probing: this share of the last good rate per
+    /// second, a step that grows by itself every 2 s without a cut. In `(0, 10]`.
+    /// Default: 0.05.
+    pub fn increase(mut self, share_per_second: f64) -> Self {
+        self.increase = share_per_second;
+        self
+    }
+
+    /// How long a congestion epoch lasts after back-pressure without a `Retry-After` (a
+    /// 503 or a timeout): more such responses within it do not cut again. Set it near the
+    /// round-trip time. Default: 200 ms.
+    pub fn cooldown(mut self, cooldown: Duration) -> Self {
+        self.cooldown = capped(cooldown);
+        self
+    }
+
+    /// The `name` label of the metrics (of the adaptive pacer and of its pacer).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Build the adaptive pacer.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `adaptive.floor` if the floor is above the ceiling, on
+    /// `adaptive.initial` if the initial rate is outside `[floor, ceiling]`, on
+    /// `adaptive.decrease` if `β` is not in `(0, 1)`, on `adaptive.increase` if it is not
+    /// in `(0, 10]`.
+    pub fn build(self) -> Result<AdaptivePacer, ConfigError> {
+        let ceiling = self.ceiling.per_second_f64();
+        let floor = match self.floor {
+            Some(floor) => floor.per_second_f64(),
+            None => ceiling / 100.0,
+        };
+        if floor > ceiling {
+            return Err(ConfigError::new(
+                "adaptive.floor",
+                ConfigErrorKind::Inconsistent,
+                "must be at most the ceiling",
+            ));
+        }
+        let initial = self.initial.map_or(ceiling, |r| r.per_second_f64());
+        if !(floor..=ceiling).contains(&initial) {
+            return Err(ConfigError::new(
+                "adaptive.initial",
+                ConfigErrorKind::Inconsistent,
+                "must be between the floor and the ceiling",
+            ));
+        }
+        if !(self.decrease > 0.0 && self.decrease < 1.0) {
+            return Err(ConfigError::new(
+                "adaptive.decrease",
+                ConfigErrorKind::Inconsistent,
+                "must be above 0 and below 1",
+            ));
+        }
+        if !(self.increase > 0.0 && self.increase <= 10.0) {
+            return Err(ConfigError::new(
+                "adaptive.increase",
+                ConfigErrorKind::Inconsistent,
+                "must be above 0 and at most 10",
+            ));
+        }
+        let mut builder = Pacer::builder(to_rate(initial));
+        if let Some(name) = &self.name {
+            builder = builder.name(name.clone());
+        }
+        let pacer = builder.build()?;
+        let labels = Labels::new(self.name.as_deref());
+        let now = Instant::now();
+        let shared = Shared {
+            pacer,
+            config: Config {
+                ceiling,
+                floor,
+                decrease: self.decrease,
+                increase: self.increase,
+                cooldown: self.cooldown,
+            },
+            control: Mutex::new(Control {
+                rate: initial,
+                applied: initial,
+                last_good: initial,
+                last_update: now,
+                last_cut: now,
+                epoch_end: None,
+                paused_until: None,
+                policy: None,
+                allowance: None,
+                remaining: VecDeque::new(),
+                successes: Meter::new(now),
+                responses: Meter::new(now),
+                cuts: 0,
+                pauses: 0,
+            }),
+            rate_gauge: labels.gauge(names::RATE, &[]),
+            pauses: labels.counter(names::PAUSES, &[]),
+            cuts: labels.counter(names::CUTS, &[]),
+        };
+        shared.rate_gauge.set(initial);
+        Ok(AdaptivePacer {
+            inner: Arc::new(shared),
+        })
+    }
+}

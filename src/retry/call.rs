@@ -1,0 +1,461 @@
+//! `retry`: one operation, attempted until it succeeds, fails for good, or the policy
+//! gives up; with backoff, a retry budget and an adaptive pacer.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::ConfigError;
+use crate::metrics::{Counter, Histogram, Labels};
+use crate::pace::AdaptivePacer;
+use crate::retry::backoff::{Backoff, GiveUp};
+use crate::retry::budget::RetryBudget;
+use crate::sync::Arc;
+
+/// Names of the retry metrics.
+mod names {
+    pub(super) const ATTEMPTS: &str = "flowgate_retry_attempts_total";
+    pub(super) const STOPPED: &str = "flowgate_retry_stopped_total";
+    pub(super) const RTT: &str = "flowgate_retry_attempt_seconds";
+}
+
+/// What one attempt's outcome means for the operation, as a [`Classify`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Done, and the downstream is fine: stop; a success for the budget and the pacer.
+    Success,
+    /// Done, but retrying cannot help (a `400`, a `404`): stop. Says nothing about the
+    /// downstream's load: neither the budget nor the pacer hears of it.
+    Fatal,
+    /// A transient failure (a `500`, a reset connection): retry after the backoff's delay,
+    /// if the budget allows.
+    Retry,
+    /// The downstream is overloaded or limiting this client (`429`, `503`, a timeout):
+    /// the pacer slows down (and pauses until `retry_after`), then retry, if the budget
+    /// allows, after `retry_after` when the server said, else the backoff's delay.
+    BackPressure {
+        /// The server's `Retry-After`, if it sent one.
+        retry_after: Option<Duration>,
+    },
+}
+
+/// Decides what each attempt's result means: which outcomes are retryable and which are
+/// back-pressure. Called once per attempt, with the attempt's own result.
+///
+/// Implemented for every `Fn(&Result<T, E>) -> Outcome`.
+pub trait Classify<T, E> {
+    /// The [`Outcome`] of one attempt.
+    fn classify(&self, result: &Result<T, E>) -> Outcome;
+}
+
+impl<T, E, F> Classify<T, E> for F
+where
+    F: Fn(&Result<T, E>) -> Outcome,
+{
+    fn classify(&self, result: &Result<T, E>) -> Outcome {
+        self(result)
+    }
+}
+
+/// Why [`retry`] stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Stop {
+    /// The last attempt was a [`Outcome::Success`].
+    Success,
+    /// The last attempt was [`Outcome::Fatal`].
+    Fatal,
+    /// The backoff gave up: attempts exhausted, the deadline, a `Retry-After` too long or
+    /// past the deadline.
+    GaveUp(GiveUp),
+    /// The retry budget refused a retry: the downstream fails too often for retries to
+    /// help.
+    Budget,
+    /// The attempt ran past the policy's
+    /// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) and the backoff then gave
+    /// up (or the budget refused): there is no result.
+    TimedOut,
+}
+
+impl Stop {
+    fn as_str(&self) -> &'static str {
+        match self {
+            Stop::Success => "success",
+            Stop::Fatal => "fatal",
+            Stop::GaveUp(_) => "gave_up",
+            Stop::Budget => "budget",
+            Stop::TimedOut => "timed_out",
+        }
+    }
+}
+
+/// What [`retry`] ends with: the last attempt's result, how many attempts were made, and
+/// why it stopped.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Retried<T, E> {
+    /// The last attempt's result; `None` only when the last attempt timed out
+    /// ([`Stop::TimedOut`]).
+    pub result: Option<Result<T, E>>,
+    /// Attempts made, the first included.
+    pub attempts: u32,
+    /// Why it stopped.
+    pub stop: Stop,
+}
+
+impl<T, E> Retried<T, E> {
+    /// Whether the operation ended with an [`Outcome::Success`].
+    pub fn is_success(&self) -> bool {
+        self.stop == Stop::Success
+    }
+
+    /// The last attempt's result.
+    ///
+    /// # Errors
+    ///
+    /// [`RetryError::Inner`] with the last attempt's error, or [`RetryError::TimedOut`]
+    /// when the last attempt timed out.
+    pub fn into_result(self) -> Result<T, RetryError<E>> {
+        match self.result {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(e)) => Err(RetryError::Inner(e)),
+            None => Err(RetryError::TimedOut {
+                attempts: self.attempts,
+            }),
+        }
+    }
+}
+
+/// The error of [`Retried::into_result`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RetryError<E> {
+    /// The last attempt's own error.
+    Inner(E),
+    /// The last attempt ran past the attempt timeout.
+    TimedOut {
+        /// Attempts made.
+        attempts: u32,
+    },
+}
+
+impl<E: fmt::Display> fmt::Display for RetryError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RetryError::Inner(e) => write!(f, "{e}"),
+            RetryError::TimedOut { attempts } => {
+                write!(f, "the last of {attempts} attempts timed out")
+            }
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for RetryError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RetryError::Inner(e) => Some(e),
+            RetryError::TimedOut { .. } => None,
+        }
+    }
+}
+
+/// How [`retry`] retries: a [`Backoff`], and optionally a [`RetryBudget`], an
+/// [`AdaptivePacer`] every attempt waits for, and a timeout per attempt. Cheap to clone;
+/// clones share the budget, the pacer and the metrics.
+#[derive(Clone)]
+pub struct RetryPolicy {
+    inner: Arc<PolicyInner>,
+}
+
+struct PolicyInner {
+    backoff: Backoff,
+    budget: Option<RetryBudget>,
+    pacer: Option<AdaptivePacer>,
+    attempt_timeout: Option<Duration>,
+    name: Option<String>,
+    attempts: Counter,
+    stopped: [Counter; 5],
+    rtt: Histogram,
+}
+
+impl fmt::Debug for RetryPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &*self.inner;
+        f.debug_struct("RetryPolicy")
+            .field("name", &p.name)
+            .field("backoff", &p.backoff)
+            .field("budget", &p.budget)
+            .field("pacer", &p.pacer)
+            .field("attempt_timeout", &p.attempt_timeout)
+            .finish()
+    }
+}
+
+impl RetryPolicy {
+    /// A builder for a policy that retries with `backoff`.
+    pub fn builder(backoff: Backoff) -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            backoff,
+            budget: None,
+            pacer: None,
+            attempt_timeout: None,
+            name: None,
+        }
+    }
+
+    /// The backoff.
+    pub fn backoff(&self) -> &Backoff {
+        &self.inner.backoff
+    }
+
+    /// The retry budget, if any.
+    pub fn budget(&self) -> Option<&RetryBudget> {
+        self.inner.budget.as_ref()
+    }
+
+    /// The adaptive pacer, if any.
+    pub fn pacer(&self) -> Option<&AdaptivePacer> {
+        self.inner.pacer.as_ref()
+    }
+
+    /// The policy's name, if it was given one.
+    pub fn name(&self) -> Option<&str> {
+        self.inner.name.as_deref()
+    }
+
+    /// Record an attempt's outcome and `rtt` (the attempt alone, never its wait for the
+    /// pacer or a backoff) with the budget, the pacer and the metrics.
+    pub(crate) fn record(&self, outcome: Outcome, rtt: Duration) {
+        let p = &*self.inner;
+        p.attempts.increment(1);
+        p.rtt.record(rtt.as_secs_f64());
+        match outcome {
+            Outcome::Success => {
+                if let Some(b) = &p.budget {
+                    b.on_success();
+                }
+                if let Some(pacer) = &p.pacer {
+                    pacer.on_success();
+                }
+            }
+            Outcome::BackPressure { retry_after } => {
+                if let Some(pacer) = &p.pacer {
+                    pacer.on_back_pressure(retry_after);
+                }
+            }
+            Outcome::Fatal | Outcome::Retry => {}
+        }
+    }
+
+    /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or
+    /// why not to retry. Takes a token from the budget.
+    pub(crate) fn next(
+        &self,
+        schedule: &mut crate::retry::Schedule,
+        outcome: Outcome,
+    ) -> Result<Duration, Stop> {
+        if let Some(b) = &self.inner.budget
+            && !b.try_retry()
+        {
+            return Err(Stop::Budget);
+        }
+        let hint = match outcome {
+            Outcome::BackPressure { retry_after } => retry_after,
+            _ => None,
+        };
+        schedule.next_delay(hint).map_err(Stop::GaveUp)
+    }
+
+    pub(crate) fn count_stop(&self, stop: &Stop) {
+        let i = match stop {
+            Stop::Success => 0,
+            Stop::Fatal => 1,
+            Stop::GaveUp(_) => 2,
+            Stop::Budget => 3,
+            Stop::TimedOut => 4,
+        };
+        self.inner.stopped[i].increment(1);
+        if !matches!(stop, Stop::Success | Stop::Fatal) {
+            tracing::debug!(
+                policy = self.inner.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
+                stop = ?stop,
+                "retry: stopped retrying",
+            );
+        }
+    }
+
+    pub(crate) fn attempt_timeout(&self) -> Option<Duration> {
+        self.inner.attempt_timeout
+    }
+}
+
+/// A builder for a [`RetryPolicy`], from [`RetryPolicy::builder`].
+#[derive(Debug)]
+pub struct RetryPolicyBuilder {
+    backoff: Backoff,
+    budget: Option<RetryBudget>,
+    pacer: Option<AdaptivePacer>,
+    attempt_timeout: Option<Duration>,
+    name: Option<String>,
+}
+
+impl RetryPolicyBuilder {
+    /// Retry only while `budget` allows (shared with every clone of it: one budget per
+    /// downstream, whoever calls it).
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Wait for `pacer` before every attempt, and tell it each attempt's outcome (it slows
+    /// down on back-pressure, climbs back on success).
+    pub fn pacer(mut self, pacer: AdaptivePacer) -> Self {
+        self.pacer = Some(pacer);
+        self
+    }
+
+    /// Give up on an attempt that takes longer than `timeout` (the attempt alone; the
+    /// backoff's deadline bounds the whole operation). A timed-out attempt is
+    /// back-pressure.
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// The `name` label of the metrics.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The policy.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `retry_policy.attempt_timeout` when it is zero.
+    pub fn build(self) -> Result<RetryPolicy, ConfigError> {
+        if self.attempt_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(ConfigError::zero("retry_policy.attempt_timeout"));
+        }
+        let labels = Labels::new(self.name.as_deref());
+        let stop = |s: Stop| labels.counter(names::STOPPED, &[("stop", s.as_str())]);
+        Ok(RetryPolicy {
+            inner: Arc::new(PolicyInner {
+                attempts: labels.counter(names::ATTEMPTS, &[]),
+                stopped: [
+                    stop(Stop::Success),
+                    stop(Stop::Fatal),
+                    stop(Stop::GaveUp(GiveUp::Attempts { attempts: 0 })),
+                    stop(Stop::Budget),
+                    stop(Stop::TimedOut),
+                ],
+                rtt: labels.histogram(names::RTT, &[]),
+                backoff: self.backoff,
+                budget: self.budget,
+                pacer: self.pacer,
+                attempt_timeout: self.attempt_timeout,
+                name: self.name,
+            }),
+        })
+    }
+}
+
+/// Attempt `op` until `classify` calls an attempt a success or fatal, or `policy` gives
+/// up; return the last attempt's result.
+///
+/// Each attempt first waits for the policy's pacer (if any), then runs `op(attempt)`
+/// (`attempt` counts from 1) under the attempt timeout (if any). Its round-trip time is
+/// that attempt's alone, never the wait before it. After a [`Outcome::Retry`] or
+/// [`Outcome::BackPressure`], the budget is asked, then the backoff's schedule: the wait
+/// is the server's `Retry-After` when it sent one, else the jittered backoff; the
+/// schedule gives up when attempts run out or the deadline would pass (at once, without
+/// waiting for a `Retry-After` past it).
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the attempt under way (and its result) and any wait; the
+/// budget and the pacer have heard of every attempt that completed.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use flowgate::retry::{retry, Backoff, Outcome, RetryPolicy, Stop};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let policy = RetryPolicy::builder(Backoff::builder().seed(7).build()?).build()?;
+/// // The downstream answers 503 with `Retry-After: 2` twice, then 200.
+/// let classify = |r: &Result<u16, std::io::Error>| match r {
+///     Ok(200) => Outcome::Success,
+///     Ok(503) => Outcome::BackPressure { retry_after: Some(Duration::from_secs(2)) },
+///     Ok(_) => Outcome::Fatal,
+///     Err(_) => Outcome::Retry,
+/// };
+/// let start = tokio::time::Instant::now();
+/// let done = retry(&policy, classify, |attempt| async move {
+///     Ok(if attempt < 3 { 503 } else { 200 })
+/// })
+/// .await;
+/// assert_eq!((done.attempts, done.stop.clone()), (3, Stop::Success));
+/// assert_eq!(start.elapsed(), Duration::from_secs(4)); // what the server asked for
+/// assert_eq!(done.into_result()?, 200);
+/// # Ok(())
+/// # }
+/// ```
+pub async fn retry<T, E, C, F, Fut>(policy: &RetryPolicy, classify: C, mut op: F) -> Retried<T, E>
+where
+    C: Classify<T, E>,
+    F: FnMut(u32) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut schedule = policy.backoff().start();
+    loop {
+        let attempt = schedule.attempts();
+        if let Some(pacer) = policy.pacer() {
+            // Cost 1 never exceeds a pacer's burst (at least 1): this cannot fail.
+            let _ = pacer.until_ready(1).await;
+        }
+        let started = Instant::now();
+        let (result, outcome) = match policy.attempt_timeout() {
+            Some(limit) => match tokio::time::timeout(limit, op(attempt)).await {
+                Ok(result) => {
+                    let outcome = classify.classify(&result);
+                    (Some(result), outcome)
+                }
+                Err(_) => (None, Outcome::BackPressure { retry_after: None }),
+            },
+            None => {
+                let result = op(attempt).await;
+                let outcome = classify.classify(&result);
+                (Some(result), outcome)
+            }
+        };
+        policy.record(outcome, started.elapsed());
+        let stop = match outcome {
+            Outcome::Success => Some(Stop::Success),
+            Outcome::Fatal => Some(Stop::Fatal),
+            Outcome::Retry | Outcome::BackPressure { .. } => {
+                match policy.next(&mut schedule, outcome) {
+                    Ok(delay) => {
+                        tokio::time::sleep(delay).await;
+                        None
+                    }
+                    Err(_) if result.is_none() => Some(Stop::TimedOut),
+                    Err(stop) => Some(stop),
+                }
+            }
+        };
+        if let Some(stop) = stop {
+            policy.count_stop(&stop);
+            return Retried {
+                result,
+                attempts: attempt,
+                stop,
+            };
+        }
+    }
+}

@@ -1,0 +1,545 @@
+//! `ServerHint`: what a server's response says about when and how fast to come back:
+//! `Retry-After`, the IETF `RateLimit` / `RateLimit-Policy` fields, draft-03
+//! `RateLimit-*` and `X-RateLimit-*`.
+
+use std::convert::Infallible;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::{HeaderMap, HeaderName, header::RETRY_AFTER};
+use sfv::visitor::{
+    EntryVisitor, Ignored, InnerListVisitor, ItemVisitor, ListVisitor, ParameterVisitor,
+};
+use sfv::{BareItemFromInput, KeyRef, Parser};
+
+use crate::http::fields::{
+    RATELIMIT, RATELIMIT_LIMIT, RATELIMIT_POLICY, RATELIMIT_REMAINING, RATELIMIT_RESET,
+    X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
+};
+
+/// An `X-RateLimit-Reset` above this many seconds is a Unix time, not a delay.
+const EPOCH_SECONDS_ABOVE: u64 = 1_000_000_000;
+/// An `X-RateLimit-Reset` above this is a Unix time in milliseconds.
+const EPOCH_MILLIS_ABOVE: u64 = 1_000_000_000_000;
+
+/// One rate-limit policy as a server described it: its name, quota and window (from
+/// `RateLimit-Policy`), and its current remaining and reset (from `RateLimit`). Any part
+/// the server did not send, or sent malformed, is `None`.
+///
+/// The IETF fields name their policies; the draft-03 and `X-RateLimit-*` fields describe
+/// one nameless policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct PolicyHint {
+    /// The policy's name (the IETF fields' sf-String or token), if it has one.
+    pub name: Option<String>,
+    /// The quota: units allowed per window (`q`, `RateLimit-Limit`, `X-RateLimit-Limit`).
+    pub quota: Option<u64>,
+    /// The window (`w`, or the `w` parameter of a draft-03 `RateLimit-Limit`).
+    pub window: Option<Duration>,
+    /// The units left now (`r`, `RateLimit-Remaining`, `X-RateLimit-Remaining`).
+    pub remaining: Option<u64>,
+    /// The time until more quota is available (`t`, `RateLimit-Reset`,
+    /// `X-RateLimit-Reset`).
+    pub reset: Option<Duration>,
+}
+
+/// What a response says about coming back: the server's `Retry-After` and its rate-limit
+/// policies, parsed from every common style of field.
+///
+/// [`from_headers`](ServerHint::from_headers) reads:
+///
+/// | field | parsed as |
+/// |---|---|
+/// | `Retry-After` | delta-seconds, or an HTTP-date relative to `now` (a date in the past is zero) |
+/// | `RateLimit-Policy`, `RateLimit` | the IETF fields (draft-ietf-httpapi-ratelimit-headers -10/-11): Structured Field Lists, `"name";q=100;w=60` and `"name";r=42;t=17`, matched by name; several field lines are one list |
+/// | `RateLimit-Limit`, `-Remaining`, `-Reset` | draft-03: integers, the reset in seconds; the limit may carry `;w=` |
+/// | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | integers; a reset above 10⁹ is a Unix time in seconds (above 10¹² in milliseconds), converted with `now`; fractions allowed |
+///
+/// The same limit is often sent in several styles, so only one style of rate-limit fields
+/// is used: the IETF fields when any is valid, else draft-03, else `X-RateLimit-*`.
+///
+/// Malformed fields are ignored, as the IETF draft requires: a field that does not parse
+/// (a list with a syntax error, a negative or non-integer number) contributes nothing, and
+/// a parameter of the wrong type is as if absent. No input panics. At most
+/// [`MAX_POLICIES`](ServerHint::MAX_POLICIES) policies are kept, those with a current
+/// remaining first.
+///
+/// The summaries ([`remaining`](ServerHint::remaining), [`reset`](ServerHint::reset),
+/// [`quota`](ServerHint::quota), [`window`](ServerHint::window),
+/// [`allowance`](ServerHint::allowance)) are those of the
+/// [`most_restrictive`](ServerHint::most_restrictive) policy.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use flowgate::retry::ServerHint;
+/// use http::HeaderMap;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("retry-after", "20".parse()?);
+/// headers.insert("ratelimit-policy", r#""permin";q=50;w=60, "perhr";q=1000;w=3600"#.parse()?);
+/// headers.insert("ratelimit", r#""permin";r=0;t=20"#.parse()?);
+/// let hint = ServerHint::from_headers(&headers, SystemTime::now());
+/// assert_eq!(hint.retry_after, Some(Duration::from_secs(20)));
+/// assert_eq!(hint.policy_names().collect::<Vec<_>>(), ["permin", "perhr"]);
+/// assert_eq!(hint.allowance(), Some((0, Duration::from_secs(20))));
+/// assert_eq!(hint.quota(), Some(50));
+/// // The lowest sustained rate: 1000 per hour.
+/// assert_eq!(hint.sustained_rate(), Some((1000, Duration::from_secs(3600))));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerHint {
+    /// The server's `Retry-After`, relative to the `now` given (zero for a date in the
+    /// past).
+    pub retry_after: Option<Duration>,
+    /// The policies described by the fields, in the order the server listed them (those
+    /// with a current remaining first when there were too many; see
+    /// [`MAX_POLICIES`](ServerHint::MAX_POLICIES)).
+    pub policies: Vec<PolicyHint>,
+}
+
+impl ServerHint {
+    /// The most policies kept from one response: 16.
+    pub const MAX_POLICIES: usize = 16;
+
+    /// Parse the hint of a response's `headers`; `now` is the time an HTTP-date or a Unix
+    /// time is measured from (usually `SystemTime::now()` when the response arrives).
+    ///
+    /// Never fails and never panics: a malformed field is ignored (see the type's docs).
+    pub fn from_headers(headers: &HeaderMap, now: SystemTime) -> ServerHint {
+        let retry_after = headers
+            .get(RETRY_AFTER)
+            .and_then(|v| retry_after(v.as_bytes(), now));
+        let mut policies = ietf(headers);
+        if policies.is_empty() {
+            policies.extend(draft_03(headers));
+        }
+        if policies.is_empty() {
+            policies.extend(x_ratelimit(headers, now));
+        }
+        ServerHint {
+            retry_after,
+            policies,
+        }
+    }
+
+    /// Whether the response said nothing: no `Retry-After`, no policy.
+    pub fn is_empty(&self) -> bool {
+        self.retry_after.is_none() && self.policies.is_empty()
+    }
+
+    /// The names of the policies, in order (nameless ones skipped).
+    pub fn policy_names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.policies.iter().filter_map(|p| p.name.as_deref())
+    }
+
+    /// The policy closest to refusing: among those with a current remaining, the lowest
+    /// remaining (ties: the longest reset); without any remaining, the one with the lowest
+    /// sustained rate (`quota / window`); else the first.
+    pub fn most_restrictive(&self) -> Option<&PolicyHint> {
+        let by_remaining = self
+            .policies
+            .iter()
+            .filter_map(|p| p.remaining.map(|r| (r, p)))
+            .min_by(|(ra, a), (rb, b)| ra.cmp(rb).then(b.reset.cmp(&a.reset)))
+            .map(|(_, p)| p);
+        by_remaining
+            .or_else(|| self.slowest())
+            .or_else(|| self.policies.first())
+    }
+
+    /// The remaining of the [`most_restrictive`](ServerHint::most_restrictive) policy.
+    pub fn remaining(&self) -> Option<u64> {
+        self.most_restrictive()?.remaining
+    }
+
+    /// The reset of the [`most_restrictive`](ServerHint::most_restrictive) policy.
+    pub fn reset(&self) -> Option<Duration> {
+        self.most_restrictive()?.reset
+    }
+
+    /// The quota of the [`most_restrictive`](ServerHint::most_restrictive) policy.
+    pub fn quota(&self) -> Option<u64> {
+        self.most_restrictive()?.quota
+    }
+
+    /// The window of the [`most_restrictive`](ServerHint::most_restrictive) policy.
+    pub fn window(&self) -> Option<Duration> {
+        self.most_restrictive()?.window
+    }
+
+    /// What the server allows now: `(remaining, reset)` of the
+    /// [`most_restrictive`](ServerHint::most_restrictive) policy, both needed: no more
+    /// than `remaining` units before `reset` has passed.
+    pub fn allowance(&self) -> Option<(u64, Duration)> {
+        let p = self.most_restrictive()?;
+        Some((p.remaining?, p.reset?))
+    }
+
+    /// The server's sustained rate: `(quota, window)` of the policy with the lowest
+    /// `quota / window`, among those with both (and a window above zero). For flowgate's
+    /// own server layer, a token bucket's `q` is its burst and `w` the time to refill it,
+    /// so `q / w` is its rate.
+    pub fn sustained_rate(&self) -> Option<(u64, Duration)> {
+        let p = self.slowest()?;
+        Some((p.quota?, p.window?))
+    }
+
+    /// How long to wait before sending again, if the response says: the `Retry-After`
+    /// (it takes precedence, as the draft requires), else the longest reset of a policy
+    /// with nothing remaining.
+    pub fn retry_delay(&self) -> Option<Duration> {
+        self.retry_after.or_else(|| {
+            self.policies
+                .iter()
+                .filter(|p| p.remaining == Some(0))
+                .filter_map(|p| p.reset)
+                .max()
+        })
+    }
+
+    /// The policy with the lowest `quota / window`.
+    fn slowest(&self) -> Option<&PolicyHint> {
+        self.policies
+            .iter()
+            .filter_map(|p| match (p.quota, p.window) {
+                (Some(q), Some(w)) if !w.is_zero() => Some((q, w.as_nanos(), p)),
+                _ => None,
+            })
+            // q1 / w1 < q2 / w2  ⇔  q1 × w2 < q2 × w1, compared exactly.
+            .min_by(|(qa, wa, _), (qb, wb, _)| cmp_rate(*qa, *wa, *qb, *wb))
+            .map(|(_, _, p)| p)
+    }
+}
+
+/// Compare `qa / wa` with `qb / wb` exactly (`w` in nanoseconds, non-zero).
+fn cmp_rate(qa: u64, wa: u128, qb: u64, wb: u128) -> std::cmp::Ordering {
+    // Cross-multiplied: a 64-bit quota times a window of up to 2^94 ns does not fit in
+    // 128 bits, so each product is computed as (high, low) 64-bit halves of `w`:
+    // x × w = (x × hi + carry) × 2^64 + low 64 bits of x × lo.
+    let mul = |x: u64, w: u128| -> (u128, u128) {
+        let (hi, lo) = (w >> 64, w & u128::from(u64::MAX));
+        let lo_prod = u128::from(x) * lo;
+        let hi_prod = u128::from(x) * hi + (lo_prod >> 64);
+        (hi_prod, lo_prod & u128::from(u64::MAX))
+    };
+    mul(qa, wb).cmp(&mul(qb, wa))
+}
+
+/// `Retry-After`: delta-seconds (saturating) or an HTTP-date.
+fn retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
+    let value = value.trim_ascii();
+    if value.is_empty() {
+        return None;
+    }
+    if value.iter().all(u8::is_ascii_digit) {
+        let secs = value.iter().fold(0u64, |acc, d| {
+            acc.saturating_mul(10).saturating_add(u64::from(d - b'0'))
+        });
+        return Some(Duration::from_secs(secs));
+    }
+    let date = httpdate::parse_http_date(std::str::from_utf8(value).ok()?).ok()?;
+    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// What one list member holds: its value and the parameters flowgate reads.
+#[derive(Debug, Default)]
+struct Member {
+    /// The name (an sf-String or a token).
+    name: Option<String>,
+    /// The value when it is a non-negative Integer (draft-03 `RateLimit-Limit`).
+    int: Option<u64>,
+    /// An inner list, or a value of another type.
+    other: bool,
+    q: Option<u64>,
+    w: Option<u64>,
+    r: Option<u64>,
+    t: Option<u64>,
+}
+
+/// A non-negative sf-Integer.
+fn non_negative(value: &BareItemFromInput<'_>) -> Option<u64> {
+    match value {
+        BareItemFromInput::Integer(i) => u64::try_from(i64::from(*i)).ok(),
+        _ => None,
+    }
+}
+
+/// Collects the members of a list (at most `MAX_POLICIES`; later ones are still checked
+/// for syntax, then ignored).
+struct Members<'a>(&'a mut Vec<Member>);
+
+impl<'de> ListVisitor<'de> for Members<'_> {
+    type Out = ();
+    type Error = Infallible;
+
+    fn entry(&mut self) -> Result<impl EntryVisitor<'de>, Self::Error> {
+        if self.0.len() >= ServerHint::MAX_POLICIES {
+            return Ok(None);
+        }
+        self.0.push(Member::default());
+        Ok(self.0.last_mut().map(Entry))
+    }
+
+    fn finish(self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// One member being parsed.
+struct Entry<'a>(&'a mut Member);
+
+impl<'de> EntryVisitor<'de> for Entry<'_> {
+    type Error = Infallible;
+
+    fn item(self) -> Result<impl ItemVisitor<'de>, Self::Error> {
+        Ok(self)
+    }
+
+    fn inner_list(self) -> Result<impl InnerListVisitor<'de>, Self::Error> {
+        self.0.other = true;
+        Ok(Ignored)
+    }
+}
+
+impl<'de> ItemVisitor<'de> for Entry<'_> {
+    type Out = ();
+    type Error = Infallible;
+
+    fn bare_item(
+        self,
+        value: BareItemFromInput<'de>,
+    ) -> Result<impl ParameterVisitor<'de, Out = ()>, Self::Error> {
+        let member = self.0;
+        match &value {
+            BareItemFromInput::String(s) => member.name = Some(s.as_str().to_owned()),
+            BareItemFromInput::Token(t) => member.name = Some(t.as_str().to_owned()),
+            BareItemFromInput::Integer(_) => match non_negative(&value) {
+                Some(v) => member.int = Some(v),
+                None => member.other = true,
+            },
+            _ => member.other = true,
+        }
+        Ok(Params(member))
+    }
+}
+
+/// The parameters of one member; the last of a repeated key wins (RFC 9651), and a value
+/// of the wrong type is as if absent.
+struct Params<'a>(&'a mut Member);
+
+impl<'de> ParameterVisitor<'de> for Params<'_> {
+    type Out = ();
+    type Error = Infallible;
+
+    fn parameter(
+        &mut self,
+        key: &'de KeyRef,
+        value: BareItemFromInput<'de>,
+    ) -> Result<(), Self::Error> {
+        let slot = match key.as_str() {
+            "q" => &mut self.0.q,
+            "w" => &mut self.0.w,
+            "r" => &mut self.0.r,
+            "t" => &mut self.0.t,
+            _ => return Ok(()),
+        };
+        *slot = non_negative(&value);
+        Ok(())
+    }
+
+    fn finish(self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// Every line of the field `name` as one list (RFC 9651 §3.1: lines are joined with
+/// commas); empty when the field is absent or malformed.
+fn list(headers: &HeaderMap, name: &HeaderName) -> Vec<Member> {
+    let mut lines = headers.get_all(name).iter();
+    let Some(first) = lines.next() else {
+        return Vec::new();
+    };
+    let mut joined;
+    let input: &[u8] = match lines.next() {
+        None => first.as_bytes(),
+        Some(second) => {
+            joined = first.as_bytes().to_vec();
+            for line in std::iter::once(second).chain(lines) {
+                joined.extend_from_slice(b", ");
+                joined.extend_from_slice(line.as_bytes());
+            }
+            &joined
+        }
+    };
+    let mut members = Vec::new();
+    if Parser::new(input)
+        .parse_list_with_visitor(Members(&mut members))
+        .is_err()
+    {
+        members.clear();
+    }
+    members
+}
+
+/// One sf-Item field that must be a non-negative Integer.
+fn integer_item(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
+    let mut lines = headers.get_all(name).iter();
+    let value = lines.next()?;
+    if lines.next().is_some() {
+        return None; // several lines: not an Item
+    }
+    let mut out = None;
+    Parser::new(value.as_bytes())
+        .parse_item_with_visitor(|v: BareItemFromInput<'_>| {
+            out = non_negative(&v);
+            Ok::<_, Infallible>(Ignored)
+        })
+        .ok()?;
+    out
+}
+
+/// One sf-Item field that must be a non-negative Integer or Decimal; in milliseconds.
+fn number_item_millis(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
+    let mut lines = headers.get_all(name).iter();
+    let value = lines.next()?;
+    if lines.next().is_some() {
+        return None;
+    }
+    let mut out = None;
+    Parser::new(value.as_bytes())
+        .parse_item_with_visitor(|v: BareItemFromInput<'_>| {
+            out = match v {
+                BareItemFromInput::Integer(i) => u64::try_from(i64::from(i))
+                    .ok()
+                    .map(|s| s.saturating_mul(1000)),
+                BareItemFromInput::Decimal(d) => {
+                    u64::try_from(i64::from(d.as_integer_scaled_1000())).ok()
+                }
+                _ => None,
+            };
+            Ok::<_, Infallible>(Ignored)
+        })
+        .ok()?;
+    out
+}
+
+/// The IETF fields: `RateLimit-Policy` members, with the `RateLimit` members matched by
+/// name (a `RateLimit` member without a policy is a policy of its own).
+fn ietf(headers: &HeaderMap) -> Vec<PolicyHint> {
+    let mut policies: Vec<PolicyHint> = Vec::new();
+    for m in list(headers, &RATELIMIT_POLICY) {
+        let Some(name) = m.name.filter(|_| !m.other) else {
+            continue;
+        };
+        if policies.iter().any(|p| p.name.as_deref() == Some(&name)) {
+            continue; // a repeated name: the first one counts
+        }
+        policies.push(PolicyHint {
+            name: Some(name),
+            quota: m.q,
+            window: m.w.filter(|&w| w > 0).map(Duration::from_secs),
+            remaining: None,
+            reset: None,
+        });
+    }
+    let mut matched = vec![false; policies.len()];
+    for m in list(headers, &RATELIMIT) {
+        let Some(name) = m.name.filter(|_| !m.other) else {
+            continue;
+        };
+        let reset = m.t.map(Duration::from_secs);
+        match policies
+            .iter()
+            .position(|p| p.name.as_deref() == Some(&name))
+        {
+            Some(i) if i < matched.len() => {
+                if !matched[i] {
+                    matched[i] = true;
+                    policies[i].remaining = m.r;
+                    policies[i].reset = reset;
+                }
+            }
+            Some(_) => {} // a repeated name among the RateLimit members
+            None => policies.push(PolicyHint {
+                name: Some(name),
+                quota: None,
+                window: None,
+                remaining: m.r,
+                reset,
+            }),
+        }
+    }
+    if policies.len() > ServerHint::MAX_POLICIES {
+        // Keep the policies with a current remaining first, in their order.
+        let mut extra = policies.len() - ServerHint::MAX_POLICIES;
+        let mut i = policies.len();
+        while extra > 0 && i > 0 {
+            i -= 1;
+            if policies[i].remaining.is_none() {
+                policies.remove(i);
+                extra -= 1;
+            }
+        }
+        policies.truncate(ServerHint::MAX_POLICIES);
+    }
+    policies
+}
+
+/// Draft-03: `RateLimit-Limit` (`10` or `10, 10;w=1, 50;w=60`), `RateLimit-Remaining`,
+/// `RateLimit-Reset` (seconds).
+fn draft_03(headers: &HeaderMap) -> Option<PolicyHint> {
+    let limit = list(headers, &RATELIMIT_LIMIT);
+    let quota = limit.first().and_then(|m| m.int);
+    // The window: `w` on the first member, else on a later member with the same quota.
+    let window = limit
+        .iter()
+        .filter(|m| m.int == quota && quota.is_some())
+        .find_map(|m| m.w.filter(|&w| w > 0))
+        .map(Duration::from_secs);
+    let remaining = integer_item(headers, &RATELIMIT_REMAINING);
+    let reset = integer_item(headers, &RATELIMIT_RESET).map(Duration::from_secs);
+    let hint = PolicyHint {
+        name: None,
+        quota,
+        window,
+        remaining,
+        reset,
+    };
+    (hint != PolicyHint::default()).then_some(hint)
+}
+
+/// `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds from now, or a Unix time).
+fn x_ratelimit(headers: &HeaderMap, now: SystemTime) -> Option<PolicyHint> {
+    let quota = integer_item(headers, &X_RATELIMIT_LIMIT);
+    let remaining = integer_item(headers, &X_RATELIMIT_REMAINING);
+    let reset = number_item_millis(headers, &X_RATELIMIT_RESET).map(|millis| {
+        // The number as written (the integer part).
+        let written = millis / 1000;
+        let at = if written > EPOCH_MILLIS_ABOVE {
+            // A Unix time in milliseconds: the number written is the milliseconds.
+            Some(UNIX_EPOCH.checked_add(Duration::from_millis(written)))
+        } else if written > EPOCH_SECONDS_ABOVE {
+            Some(UNIX_EPOCH.checked_add(Duration::from_millis(millis)))
+        } else {
+            None
+        };
+        match at {
+            None => Duration::from_millis(millis),
+            Some(at) => at
+                .and_then(|at| at.duration_since(now).ok())
+                .unwrap_or(Duration::ZERO),
+        }
+    });
+    let hint = PolicyHint {
+        name: None,
+        quota,
+        window: None,
+        remaining,
+        reset,
+    };
+    (hint != PolicyHint::default()).then_some(hint)
+}

@@ -1,0 +1,82 @@
+//! The outbound side: calling a downstream that limits you, politely.
+//!
+//! A server that answers `429 Too Many Requests` or `503 Service Unavailable` asks its
+//! clients to back off, often saying for how long (`Retry-After`) and how fast they may
+//! come back (the IETF `RateLimit` fields). This module holds the pieces a client needs to
+//! listen:
+//!
+//! | piece | what it does |
+//! |---|---|
+//! | [`Backoff`] → [`Schedule`] | exponential backoff with the AWS jitters ([`Jitter`]), max attempts and a deadline over the whole operation; the server's `Retry-After` wins, bounded; gives up with a typed [`GiveUp`] |
+//! | [`retry()`](retry()) with a [`RetryPolicy`] | the whole loop: waits for the policy's [`AdaptivePacer`](crate::pace::AdaptivePacer), runs the attempt (with a timeout), asks your [`Classify`] what the result means ([`Outcome`]: success, fatal, retry, back-pressure), tells the budget and the pacer, waits the backoff or the server's `Retry-After`; the round-trip time is each attempt's own |
+//! | [`RetryBudget`] | gRPC's `retryThrottling`: retries only while the downstream mostly succeeds, shared by every clone, so a struggling downstream sees no retry storm |
+//! | `ServerHint`, `PolicyHint` (feature `http`) | parse a response's `Retry-After`, IETF `RateLimit` / `RateLimit-Policy`, draft-03 `RateLimit-*` and `X-RateLimit-*` into one value; malformed fields are ignored, no input panics |
+//!
+//! # A retry loop
+//!
+//! Each operation starts a [`Schedule`]; after each failed attempt the budget says whether a
+//! retry is worth it, and the schedule how long to wait (the server's hint, when it sent
+//! one):
+//!
+//! ```
+//! use std::time::Duration;
+//! use flowgate::retry::{Backoff, RetryBudget};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let backoff = Backoff::builder().deadline(Duration::from_secs(30)).seed(1).build()?;
+//! let budget = RetryBudget::new(10, 0.1)?;
+//!
+//! let mut schedule = backoff.start();
+//! let mut calls = 0;
+//! let result = loop {
+//!     calls += 1;
+//!     // The downstream: fails twice with `Retry-After: 1`, then answers.
+//!     let outcome: Result<&str, Option<Duration>> =
+//!         if calls < 3 { Err(Some(Duration::from_secs(1))) } else { Ok("done") };
+//!     match outcome {
+//!         Ok(v) => {
+//!             budget.on_success();
+//!             break Ok(v);
+//!         }
+//!         Err(retry_after) => {
+//!             if !budget.try_retry() {
+//!                 break Err("retry budget exhausted".to_string());
+//!             }
+//!             match schedule.next_delay(retry_after) {
+//!                 Ok(delay) => tokio::time::sleep(delay).await,
+//!                 Err(give_up) => break Err(give_up.to_string()),
+//!             }
+//!         }
+//!     }
+//! };
+//! assert_eq!(result, Ok("done"));
+//! assert_eq!(schedule.elapsed(), Duration::from_secs(2)); // waited what the server said
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Time
+//!
+//! Schedules measure time with `tokio::time`, so tests run under paused time; a
+//! `ServerHint` takes `now` explicitly (a `SystemTime`) for HTTP-dates and Unix times.
+//!
+//! # Metrics
+//!
+//! Labelled by the budget's `name`: `flowgate_retry_budget_retries_total` by `outcome`
+//! (`allowed`, `refused`) and `flowgate_retry_budget_tokens`.
+
+mod backoff;
+mod budget;
+mod call;
+#[cfg(feature = "http")]
+mod hint;
+
+pub use backoff::{Backoff, BackoffBuilder, GiveUp, Jitter, Schedule};
+pub use budget::{RetryBudget, RetryBudgetBuilder, RetryBudgetStats};
+pub use call::{
+    Classify, Outcome, RetryError, RetryPolicy, RetryPolicyBuilder, Retried, Stop, retry,
+};
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use hint::{PolicyHint, ServerHint};

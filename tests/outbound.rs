@@ -1,0 +1,378 @@
+//! The outbound side under paused time: `Pacer::pause_until`, and `AdaptivePacer` against a
+//! simulated rate-limited server (8 clients, one shared token bucket of 100/s; see
+//! `support/outbound_sim.rs`).
+
+#[path = "support/outbound_sim.rs"]
+mod sim;
+
+use std::time::Duration;
+
+use flowgate::pace::{AdaptivePacer, Pacer, Phase};
+use flowgate::{ConfigErrorKind, Quota, Rate};
+use sim::{Clients, Server, SimConfig, Strategy};
+use tokio::time::{Instant, advance, sleep};
+
+const SECOND: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+fn pacer(per_second: u32, burst: u32) -> Pacer {
+    Pacer::builder(Rate::per_second(per_second).unwrap())
+        .burst(burst)
+        .build()
+        .unwrap()
+}
+
+/// Release `n` units through `pacer`, one task per unit in FIFO order; their times since
+/// `start`.
+async fn release_times(pacer: &Pacer, n: usize, start: Instant) -> Vec<Duration> {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let pacer = pacer.clone();
+        tasks.push(tokio::spawn(async move {
+            pacer.until_ready(1).await.unwrap();
+            start.elapsed()
+        }));
+        tokio::task::yield_now().await;
+    }
+    let mut times = Vec::new();
+    for t in tasks {
+        times.push(t.await.unwrap());
+    }
+    times
+}
+
+// ---- Pacer::pause_until ----
+
+#[tokio::test(start_paused = true)]
+async fn pause_until_holds_everything_then_resumes_without_burst() {
+    // Idle for long: the bucket is full (burst 5), yet after the pause no burst leaves.
+    let p = pacer(10, 5);
+    let start = Instant::now();
+    advance(10 * SECOND).await;
+    let start_pause = Instant::now();
+    p.pause_until(start_pause + SECOND);
+    assert!(!p.check(1).unwrap().allowed);
+    let times = release_times(&p, 4, start).await;
+    let at = |ms: u64| 10 * SECOND + Duration::from_millis(ms);
+    assert_eq!(times, vec![at(1_000), at(1_100), at(1_200), at(1_300)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pause_until_moves_a_sleeping_waiter_at_once() {
+    let p = pacer(1, 1);
+    let start = Instant::now();
+    p.until_ready(1).await.unwrap();
+    let waiter = {
+        let p = p.clone();
+        tokio::spawn(async move {
+            p.until_ready(1).await.unwrap();
+            start.elapsed()
+        })
+    };
+    // The waiter sleeps until 1 s; the pause reaches it while it sleeps.
+    sleep(500 * MS).await;
+    p.pause_until(start + 3 * SECOND);
+    assert_eq!(waiter.await.unwrap(), 3 * SECOND);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pause_until_earlier_than_the_schedule_changes_nothing() {
+    let p = pacer(1, 1);
+    let start = Instant::now();
+    p.until_ready(1).await.unwrap();
+    // The next unit is due at 1 s; a pause to 0.5 s neither delays nor advances it.
+    p.pause_until(start + 500 * MS);
+    p.pause_until(start);
+    let times = release_times(&p, 2, start).await;
+    assert_eq!(times, vec![SECOND, 2 * SECOND]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn set_quota_during_a_pause_keeps_it() {
+    let p = pacer(10, 1);
+    let start = Instant::now();
+    p.pause_until(start + 2 * SECOND);
+    p.set_quota(Quota::per_second(100).unwrap().burst(1).unwrap());
+    let times = release_times(&p, 3, start).await;
+    assert_eq!(
+        times,
+        vec![2 * SECOND, 2 * SECOND + 10 * MS, 2 * SECOND + 20 * MS]
+    );
+}
+
+// ---- AdaptivePacer: configuration and feedback ----
+
+#[test]
+fn builder_refuses_bad_settings() {
+    let ceiling = Rate::per_second(100).unwrap();
+    let err = |b: flowgate::pace::AdaptivePacerBuilder| b.build().unwrap_err();
+    let e = err(AdaptivePacer::builder(ceiling).floor(Rate::per_second(101).unwrap()));
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("adaptive.floor", ConfigErrorKind::Inconsistent)
+    );
+    let e = err(AdaptivePacer::builder(ceiling).initial(Rate::per_second(200).unwrap()));
+    assert_eq!(e.field(), "adaptive.initial");
+    let e = err(AdaptivePacer::builder(ceiling)
+        .floor(Rate::per_second(10).unwrap())
+        .initial(Rate::per_second(5).unwrap()));
+    assert_eq!(e.field(), "adaptive.initial");
+    for beta in [0.0, 1.0, -0.5, f64::NAN, f64::INFINITY] {
+        assert_eq!(
+            err(AdaptivePacer::builder(ceiling).decrease(beta)).field(),
+            "adaptive.decrease"
+        );
+    }
+    for inc in [0.0, -1.0, 10.5, f64::NAN] {
+        assert_eq!(
+            err(AdaptivePacer::builder(ceiling).increase(inc)).field(),
+            "adaptive.increase"
+        );
+    }
+    let a = AdaptivePacer::builder(ceiling).name("api").build().unwrap();
+    assert_eq!(a.name(), Some("api"));
+    assert_eq!(a.rate(), a.pacer().quota().rate());
+    assert!((a.status().rate_per_second - 100.0).abs() < 1e-9);
+}
+
+#[tokio::test(start_paused = true)]
+async fn back_pressure_pauses_every_waiter_and_cuts_once_per_epoch() {
+    let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    // Eight requests in flight all come back 429 with `Retry-After: 1`.
+    for _ in 0..8 {
+        a.on_back_pressure(Some(SECOND));
+    }
+    let s = a.status();
+    assert_eq!((s.cuts, s.pauses, s.phase), (1, 8, Phase::Paused));
+    assert!(s.rate_per_second <= 70.0 + 1e-9, "{s:?}");
+    assert_eq!(s.paused_until, Some(start + SECOND));
+    let times = release_times(a.pacer(), 2, start).await;
+    assert_eq!(times[0], SECOND);
+    assert!(times[1] > SECOND, "no burst after the pause: {times:?}");
+    // A new epoch: the next back-pressure cuts again.
+    a.on_back_pressure(Some(SECOND));
+    assert_eq!(a.status().cuts, 2);
+    // Without a Retry-After: a cut, no pause; the cooldown (200 ms) is one epoch.
+    sleep(2 * SECOND).await;
+    a.on_back_pressure(None);
+    a.on_back_pressure(None);
+    let s = a.status();
+    assert_eq!((s.cuts, s.pauses, s.paused_until), (3, 9, None));
+    sleep(300 * MS).await;
+    a.on_back_pressure(None);
+    assert_eq!(a.status().cuts, 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn cuts_never_go_below_the_floor() {
+    let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .floor(Rate::per_second(20).unwrap())
+        .build()
+        .unwrap();
+    for _ in 0..20 {
+        a.on_back_pressure(None);
+        sleep(SECOND).await;
+    }
+    assert!((a.status().rate_per_second - 20.0).abs() < 1e-9);
+    assert_eq!(a.status().cuts, 20);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_server_policy_and_allowance_cap_the_rate() {
+    let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+        .build()
+        .unwrap();
+    a.on_policy(50, SECOND);
+    assert!(a.status().rate_per_second <= 50.0 + 1e-9);
+    assert_eq!(a.status().server_policy, Some((50, SECOND)));
+    // Zero quota or window: ignored, never a panic.
+    a.on_policy(0, SECOND);
+    a.on_policy(10, Duration::ZERO);
+    assert_eq!(a.status().server_policy, Some((50, SECOND)));
+    // An allowance below the policy's sustained rate does not cap below it (a token
+    // bucket refills during `t`); without a policy, `r / t` caps.
+    let b = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+        .build()
+        .unwrap();
+    b.on_allowance(30, 2 * SECOND);
+    assert!(
+        b.status().rate_per_second <= 15.0 + 1e-9,
+        "{:?}",
+        b.status()
+    );
+    assert_eq!(b.status().server_remaining, Some(30));
+    a.on_allowance(0, Duration::from_secs(u64::MAX));
+    a.on_back_pressure(Some(Duration::MAX));
+    assert!(a.status().paused_until.is_some());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unused_rate_does_not_grow() {
+    let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+        .initial(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    // The caller sends 1 per second, far below the rate: nobody waits for the pacer.
+    for _ in 0..30 {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+        sleep(SECOND).await;
+    }
+    assert!(
+        a.status().rate_per_second <= 100.0 + 1e-9,
+        "{:?}",
+        a.status()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_used_rate_climbs_to_the_ceiling() {
+    let a = AdaptivePacer::builder(Rate::per_second(400).unwrap())
+        .initial(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    while start.elapsed() < 20 * SECOND {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+    }
+    assert!(
+        (a.status().rate_per_second - 400.0).abs() < 1e-6,
+        "{:?}",
+        a.status()
+    );
+    assert_eq!(a.status().phase, Phase::Probing);
+}
+
+// ---- AdaptivePacer against the simulated server ----
+
+/// What the issue asks of a scenario, measured from the server's log.
+#[derive(Debug)]
+struct Figures {
+    goodput: f64,
+    reject_ratio: f64,
+    /// Goodput in `[change + 9 s, change + 10 s)`.
+    doubled_late: u64,
+    /// The first whole second after the change with at least 180 admitted.
+    doubled_first: Option<u32>,
+    /// The 429 ratio of the 10 s after the change.
+    doubled_reject_ratio: f64,
+}
+
+/// 8 clients from 1 000/s each against 100/s; at 20 s the limit doubles.
+async fn scenario(config: SimConfig, clients: Clients) -> Figures {
+    let change = 20 * SECOND;
+    let server = Server::new(SimConfig {
+        change: Some((change, 200, 200)),
+        ..config
+    });
+    sim::run(&server, Strategy::Adaptive, &clients, change + 10 * SECOND).await;
+    let steady = server.window(2 * SECOND, change);
+    let per_second = |s: u32| server.window(change + s * SECOND, change + (s + 1) * SECOND);
+    let timeline: Vec<String> = (0..30u32)
+        .map(|s| {
+            let w = server.window(s * SECOND, (s + 1) * SECOND);
+            format!("{}/{}", w.admitted, w.rejected)
+        })
+        .collect();
+    eprintln!("admitted/rejected per second: {}", timeline.join(" "));
+    Figures {
+        goodput: steady.goodput(),
+        reject_ratio: steady.reject_ratio(),
+        doubled_late: per_second(9).admitted,
+        doubled_first: (0..10).find(|&s| per_second(s).admitted >= 180),
+        doubled_reject_ratio: server.window(change, change + 10 * SECOND).reject_ratio(),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn eight_clients_converge_with_the_ietf_fields() {
+    let f = scenario(SimConfig::default(), Clients::default()).await;
+    eprintln!("with fields: {f:?}");
+    assert!(f.reject_ratio < 0.05, "{f:?}");
+    assert!(f.goodput >= 95.0, "{f:?}");
+    // 90 % of the doubled limit within 10 s, and still there at the end.
+    assert!(f.doubled_first.is_some_and(|s| s < 10), "{f:?}");
+    assert!(f.doubled_late >= 180, "{f:?}");
+    assert!(f.doubled_reject_ratio < 0.05, "{f:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn eight_clients_converge_with_retry_after_only() {
+    let config = SimConfig {
+        fields: false,
+        ..SimConfig::default()
+    };
+    let f = scenario(config, Clients::default()).await;
+    eprintln!("Retry-After only: {f:?}");
+    assert!(f.reject_ratio < 0.05, "{f:?}");
+    assert!(f.goodput >= 95.0, "{f:?}");
+    assert!(f.doubled_first.is_some_and(|s| s < 10), "{f:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn convergence_with_fields_holds_across_round_trips_and_seeds() {
+    for rtt in [5, 50, 150] {
+        for seed in [1, 2] {
+            let config = SimConfig {
+                rtt: Duration::from_millis(rtt),
+                seed,
+                ..SimConfig::default()
+            };
+            let clients = Clients {
+                seed: seed * 77,
+                ..Clients::default()
+            };
+            let f = scenario(config, clients).await;
+            eprintln!("rtt {rtt} ms, seed {seed}: {f:?}");
+            assert!(f.reject_ratio < 0.05, "rtt {rtt} seed {seed}: {f:?}");
+            assert!(f.goodput >= 95.0, "rtt {rtt} seed {seed}: {f:?}");
+            assert!(f.doubled_late >= 180, "rtt {rtt} seed {seed}: {f:?}");
+            assert!(
+                f.doubled_reject_ratio < 0.05,
+                "rtt {rtt} seed {seed}: {f:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_simulation_is_deterministic() {
+    // Each run in a fresh paused runtime (its timers aligned the same way).
+    let once = || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let server = Server::new(SimConfig::default());
+            let run = sim::run(&server, Strategy::Adaptive, &Clients::default(), 5 * SECOND).await;
+            let w = server.window(Duration::ZERO, 5 * SECOND);
+            // Jobs finishing at the very end race with the shutdown: compare those before.
+            let mut jobs: Vec<_> = run
+                .jobs
+                .iter()
+                .filter(|j| j.done < 4 * SECOND)
+                .map(|j| (j.first, j.done, j.attempts))
+                .collect();
+            jobs.sort();
+            (w.admitted, w.rejected, jobs)
+        })
+    };
+    let (a, b) = (once(), once());
+    assert!(a.0 > 0 && !a.2.is_empty());
+    assert!(a == b, "two runs differ");
+}
+
+#[test]
+fn public_types_are_send_sync_unpin() {
+    fn check<T: Send + Sync + Unpin + 'static>() {}
+    check::<AdaptivePacer>();
+    check::<flowgate::pace::AdaptivePacerBuilder>();
+    check::<flowgate::pace::AdaptiveStatus>();
+    check::<Phase>();
+}

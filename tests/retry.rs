@@ -1,0 +1,18 @@
+//! The outbound pieces of `flowgate::retry`: backoff schedules under paused time (jitter
+//! bounds, determinism, deadlines, server hints), the retry budget (gRPC semantics, exact
+//! under concurrency) and, with the `http` feature, the parsing of server hints.
+
+mod support;
+
+#[path = "retry/backoff.rs"]
+mod backoff;
+
+#[path = "retry/budget.rs"]
+mod budget;
+
+#[cfg(feature = "http")]
+#[path = "retry/hint.rs"]
+mod hint;
+
+#[path = "retry/call.rs"]
+mod call;

@@ -1,0 +1,282 @@
+//! `RetryBudget`: gRPC `retryThrottling` semantics checked against a reference model and
+//! its formula, a rarely failing downstream never refused, and exact counts under
+//! concurrency.
+
+use flowgate::ConfigErrorKind;
+use flowgate::retry::RetryBudget;
+use proptest::prelude::*;
+
+/// The retry loop of one request against a downstream whose attempts fail as `fails`
+/// says; at most `max_attempts` attempts. Returns the retries made.
+fn request(budget: &RetryBudget, max_attempts: u32, mut fails: impl FnMut() -> bool) -> u32 {
+    let mut retries = 0;
+    for attempt in 1..=max_attempts {
+        if !fails() {
+            budget.on_success();
+            return retries;
+        }
+        if attempt == max_attempts {
+            budget.on_failure();
+        } else if budget.try_retry() {
+            retries += 1;
+        } else {
+            return retries;
+        }
+    }
+    retries
+}
+
+#[test]
+fn a_downstream_failing_every_time_gets_the_formula_at_most() {
+    for (max_tokens, ratio) in [(10, 0.1), (100, 0.5), (3, 1.0), (1000, 0.001)] {
+        let budget = RetryBudget::new(max_tokens, ratio).unwrap();
+        let n = 2_000;
+        let retries: u32 = (0..n).map(|_| request(&budget, u32::MAX, || true)).sum();
+        // No success ever, so the formula max_tokens / 2 + successes × ratio is
+        // max_tokens / 2. Exactly: from max, each failure takes one token, and a retry
+        // needs more than max / 2 left after its failure.
+        let bound = f64::from(max_tokens) / 2.0;
+        assert!(
+            f64::from(retries) <= bound,
+            "{max_tokens}: {retries} > {bound}"
+        );
+        let exact = (1..=max_tokens)
+            .filter(|taken| 2 * (max_tokens - taken) > max_tokens)
+            .count();
+        assert_eq!(retries as usize, exact, "{max_tokens}/{ratio}");
+        assert_eq!(budget.stats().allowed, u64::from(retries));
+        assert_eq!(budget.tokens(), 0.0);
+        assert!(!budget.would_allow());
+        // With a last attempt that is not retried (max 4 attempts), fewer still.
+        let budget = RetryBudget::new(max_tokens, ratio).unwrap();
+        let retries: u32 = (0..n).map(|_| request(&budget, 4, || true)).sum();
+        assert!(
+            f64::from(retries) <= bound,
+            "{max_tokens}: {retries} > {bound}"
+        );
+    }
+}
+
+#[test]
+fn retries_never_exceed_half_the_tokens_plus_the_ratio_per_request() {
+    // A downstream failing 70 % of attempts: the successes refill a little.
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut fails = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % 100 < 70
+    };
+    let (max_tokens, ratio) = (10, 0.1);
+    let budget = RetryBudget::new(max_tokens, ratio).unwrap();
+    for n in 1..=2_000u32 {
+        request(&budget, 3, &mut fails);
+        let allowed = budget.stats().allowed as f64;
+        let bound = f64::from(max_tokens) / 2.0 + f64::from(n) * ratio;
+        assert!(allowed <= bound, "after {n} requests: {allowed} > {bound}");
+    }
+    assert!(budget.stats().refused > 0, "the budget held the storm back");
+}
+
+#[test]
+fn a_downstream_failing_5_percent_is_never_refused() {
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    // Every 20th attempt fails: 5 %.
+    let mut attempt = 0u64;
+    let retries: u32 = (0..10_000)
+        .map(|_| {
+            request(&budget, 3, || {
+                attempt += 1;
+                attempt.is_multiple_of(20)
+            })
+        })
+        .sum();
+    assert!(retries > 400, "{retries} retries");
+    assert_eq!(budget.stats().refused, 0);
+    // Randomly placed failures, 5 %, seeded: never refused either.
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut retries = 0;
+    for _ in 0..10_000 {
+        retries += request(&budget, 3, || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % 100 < 5
+        });
+    }
+    assert!(retries > 400, "{retries} retries");
+    assert_eq!(budget.stats().refused, 0);
+}
+
+#[test]
+fn successes_refill_up_to_max_tokens() {
+    let budget = RetryBudget::new(4, 0.25).unwrap();
+    assert_eq!(budget.tokens(), 4.0);
+    budget.on_success();
+    assert_eq!(budget.tokens(), 4.0, "never above max_tokens");
+    for _ in 0..6 {
+        budget.on_failure();
+    }
+    assert_eq!(budget.tokens(), 0.0, "never below zero");
+    for _ in 0..9 {
+        budget.on_success();
+    }
+    assert_eq!(budget.tokens(), 2.25);
+    assert!(!budget.would_allow(), "2.25 − 1 is not above 2");
+    for _ in 0..4 {
+        budget.on_success();
+    }
+    assert_eq!(budget.tokens(), 3.25);
+    assert!(budget.would_allow());
+    assert!(budget.try_retry());
+    assert_eq!(budget.tokens(), 2.25);
+}
+
+#[test]
+fn clones_share_one_budget_exactly_across_threads() {
+    let budget = RetryBudget::new(1000, 0.1).unwrap();
+    // 8 threads × 100 retries from 1000 tokens: the retries leaving more than 500 are
+    // allowed, 499 of them, whoever asks.
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            let b = budget.clone();
+            std::thread::spawn(move || (0..100).filter(|_| b.try_retry()).count())
+        })
+        .collect();
+    let allowed: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    assert_eq!(allowed, 499);
+    assert_eq!(budget.tokens(), 200.0);
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.refused), (499, 301));
+
+    // Drained to 0, then 8 threads each give back 1 token per 10 successes and take it
+    // again with a failure: never below 0, never near the cap, so nothing is lost.
+    for _ in 0..200 {
+        budget.on_failure();
+    }
+    assert_eq!(budget.tokens(), 0.0);
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            let b = budget.clone();
+            std::thread::spawn(move || {
+                for _ in 0..1_000 {
+                    for _ in 0..10 {
+                        b.on_success();
+                    }
+                    b.on_failure();
+                }
+                for _ in 0..10 {
+                    b.on_success();
+                }
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+    assert_eq!(budget.tokens(), 8.0);
+}
+
+#[test]
+fn configuration_is_checked() {
+    let err = RetryBudget::new(0, 0.1).unwrap_err();
+    assert_eq!(
+        (err.field(), err.kind()),
+        ("retry_budget.max_tokens", ConfigErrorKind::Zero)
+    );
+    let err = RetryBudget::new(1001, 0.1).unwrap_err();
+    assert_eq!(err.kind(), ConfigErrorKind::TooLarge);
+    for bad in [0.0, -1.0, 0.0004, f64::NAN, f64::INFINITY] {
+        let err = RetryBudget::new(10, bad).unwrap_err();
+        assert_eq!(err.field(), "retry_budget.token_ratio", "{bad}");
+    }
+    let err = RetryBudget::new(10, 10.5).unwrap_err();
+    assert_eq!(err.kind(), ConfigErrorKind::TooLarge);
+    let b = RetryBudget::builder()
+        .max_tokens(1000)
+        .token_ratio(1000.0)
+        .name("payments")
+        .build()
+        .unwrap();
+    assert_eq!((b.max_tokens(), b.token_ratio()), (1000, 1000.0));
+    assert_eq!(b.name(), Some("payments"));
+    // Rounded to the thousandth.
+    assert_eq!(RetryBudget::new(10, 0.0125).unwrap().token_ratio(), 0.013);
+    let debug = format!("{b:?}");
+    assert!(
+        debug.contains("payments") && debug.contains("tokens: 1000.0"),
+        "{debug}"
+    );
+}
+
+#[cfg(feature = "metrics")]
+#[test]
+fn metrics_count_allowed_and_refused_retries() {
+    let recorder = crate::support::TestRecorder::default();
+    let budget = metrics::with_local_recorder(&recorder, || {
+        RetryBudget::builder()
+            .max_tokens(4)
+            .name("api")
+            .build()
+            .unwrap()
+    });
+    let answers: Vec<bool> = (0..4).map(|_| budget.try_retry()).collect();
+    assert_eq!(answers, [true, false, false, false]);
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_retries_total{name=api,outcome=allowed}"),
+        1
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_retries_total{name=api,outcome=refused}"),
+        3
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_retry_budget_tokens{name=api}"),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn public_types_are_send_sync_unpin() {
+    fn check<T: Send + Sync + Unpin + 'static>() {}
+    check::<RetryBudget>();
+}
+
+proptest! {
+    /// Any sequence of outcomes: the tokens follow the reference model exactly, and the
+    /// allowed retries never exceed max_tokens / 2 + successes × ratio.
+    #[test]
+    fn tokens_follow_the_reference_model(
+        max_tokens in 1u32..=50,
+        ratio_milli in 1u64..=2_000,
+        ops in proptest::collection::vec(0u8..3, 0..400),
+    ) {
+        let ratio_milli = ratio_milli.min(u64::from(max_tokens) * 1000);
+        let budget = RetryBudget::new(max_tokens, ratio_milli as f64 / 1000.0).unwrap();
+        let max = u64::from(max_tokens) * 1000;
+        let mut model = max;
+        let (mut successes, mut allowed) = (0u64, 0u64);
+        for op in ops {
+            match op {
+                0 => {
+                    budget.on_success();
+                    successes += 1;
+                    model = (model + ratio_milli).min(max);
+                }
+                1 => {
+                    budget.on_failure();
+                    model = model.saturating_sub(1000);
+                }
+                _ => {
+                    model = model.saturating_sub(1000);
+                    let want = model > max / 2;
+                    prop_assert_eq!(budget.try_retry(), want);
+                    allowed += u64::from(want);
+                }
+            }
+            prop_assert_eq!(budget.tokens(), model as f64 / 1000.0);
+        }
+        prop_assert_eq!(budget.stats().allowed, allowed);
+        let bound = u64::from(max_tokens) * 500 + successes * ratio_milli;
+        prop_assert!(allowed * 1000 <= bound);
+    }
+}

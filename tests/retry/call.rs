@@ -1,0 +1,212 @@
+//! `retry`: what each outcome does, the budget, the deadline, the attempt timeout, and the
+//! round-trip time of each attempt measured on its own.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use flowgate::Rate;
+use flowgate::pace::AdaptivePacer;
+use flowgate::retry::{
+    Backoff, GiveUp, Jitter, Outcome, RetryBudget, RetryError, RetryPolicy, Stop, retry,
+};
+use tokio::time::Instant;
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// A status code as the downstream's answer: 200 success, 429/503 back-pressure with
+/// `Retry-After: 2`, 500 retryable, anything else fatal.
+fn classify(r: &Result<u16, &'static str>) -> Outcome {
+    match r {
+        Ok(200) => Outcome::Success,
+        Ok(429 | 503) => Outcome::BackPressure {
+            retry_after: Some(secs(2)),
+        },
+        Ok(500) | Err(_) => Outcome::Retry,
+        Ok(_) => Outcome::Fatal,
+    }
+}
+
+fn per_second(rate: Rate) -> f64 {
+    rate.count() as f64 * 1e9 / rate.period_nanos() as f64
+}
+
+fn backoff() -> Backoff {
+    Backoff::builder()
+        .base(Duration::from_millis(100))
+        .jitter(Jitter::None)
+        .max_attempts(5)
+        .seed(1)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn back_pressure_waits_what_the_server_said_then_succeeds() {
+    let policy = RetryPolicy::builder(backoff()).build().unwrap();
+    let start = Instant::now();
+    let done = retry(&policy, classify, |attempt| async move {
+        Ok(if attempt < 3 { 429 } else { 200 })
+    })
+    .await;
+    assert_eq!(done.stop, Stop::Success);
+    assert_eq!(done.attempts, 3);
+    assert_eq!(start.elapsed(), secs(4));
+    assert_eq!(done.into_result().unwrap(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transient_failure_waits_the_backoff_and_a_fatal_one_stops_at_once() {
+    let policy = RetryPolicy::builder(backoff()).build().unwrap();
+    let start = Instant::now();
+    let done = retry(&policy, classify, |attempt| async move {
+        Ok(if attempt < 3 { 500 } else { 200 })
+    })
+    .await;
+    assert_eq!((done.attempts, done.stop), (3, Stop::Success));
+    // No jitter: 100 ms, then 200 ms.
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+
+    let calls = AtomicU32::new(0);
+    let done = retry(&policy, classify, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(404) }
+    })
+    .await;
+    assert_eq!((done.attempts, done.stop), (1, Stop::Fatal));
+    assert_eq!(calls.load(Ordering::Relaxed), 1);
+    assert_eq!(done.result, Some(Ok(404)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_run_out_with_the_last_result() {
+    let policy = RetryPolicy::builder(backoff()).build().unwrap();
+    let done = retry(&policy, classify, |_| async { Err("reset") }).await;
+    assert_eq!(done.attempts, 5);
+    assert!(matches!(
+        done.stop,
+        Stop::GaveUp(GiveUp::Attempts { attempts: 5 })
+    ));
+    assert!(matches!(
+        done.into_result(),
+        Err(RetryError::Inner("reset"))
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_past_the_deadline_gives_up_at_once() {
+    let backoff = Backoff::builder()
+        .deadline(secs(1))
+        .max_attempts(10)
+        .seed(3)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff).build().unwrap();
+    let start = Instant::now();
+    // Retry-After: 2 s, the deadline 1 s away: no wait at all.
+    let done = retry(&policy, classify, |_| async { Ok(503) }).await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(done.attempts, 1);
+    assert!(matches!(done.stop, Stop::GaveUp(GiveUp::Deadline { .. })));
+    assert_eq!(done.result, Some(Ok(503)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_stops_a_retry_storm() {
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let backoff = Backoff::builder()
+        .max_attempts(100)
+        .base(Duration::from_millis(1))
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let calls = AtomicU32::new(0);
+    let done = retry(&policy, classify, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(500) }
+    })
+    .await;
+    assert_eq!(done.stop, Stop::Budget);
+    // 10 tokens, retries need more than 5 left: 4 retries (9, 8, 7, 6), the 5th refused.
+    assert_eq!(calls.load(Ordering::Relaxed), 5);
+    assert_eq!(budget.stats().allowed, 4);
+    assert_eq!(budget.stats().refused, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_hangs_is_timed_out_and_counts_as_back_pressure() {
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff())
+        .attempt_timeout(Duration::from_millis(250))
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let before = pacer.rate();
+    let start = Instant::now();
+    let done: flowgate::retry::Retried<u16, &str> =
+        retry(&policy, classify, |_| std::future::pending()).await;
+    assert_eq!(done.stop, Stop::TimedOut);
+    assert!(done.result.is_none());
+    assert_eq!(done.attempts, 5);
+    assert!(matches!(
+        done.into_result(),
+        Err(RetryError::TimedOut { attempts: 5 })
+    ));
+    // Five timeouts of 250 ms and backoffs of 100, 200, 400, 800 ms.
+    assert!(start.elapsed() >= Duration::from_millis(5 * 250 + 1_500));
+    assert!(
+        per_second(pacer.rate()) < per_second(before),
+        "the pacer slowed down on timeouts"
+    );
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn each_attempt_s_round_trip_is_its_own() {
+    use std::sync::Arc;
+
+    let recorder = crate::support::TestRecorder::default();
+    let policy = metrics::with_local_recorder(&recorder, || {
+        RetryPolicy::builder(backoff()).name("rtt").build().unwrap()
+    });
+    let attempts = Arc::new(AtomicU32::new(0));
+    let done = retry(&policy, classify, |_| {
+        let attempts = Arc::clone(&attempts);
+        async move {
+            // Every attempt takes 50 ms; the wait between them (2 s) is not part of it.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(if attempts.fetch_add(1, Ordering::Relaxed) < 2 {
+                429
+            } else {
+                200
+            })
+        }
+    })
+    .await;
+    assert_eq!(done.stop, Stop::Success);
+    let rtts = recorder.samples("flowgate_retry_attempt_seconds{name=rtt}");
+    assert_eq!(rtts, vec![0.05, 0.05, 0.05]);
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=rtt}"),
+        3
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=rtt,stop=success}"),
+        1
+    );
+}
+
+#[test]
+fn a_zero_attempt_timeout_is_a_config_error() {
+    let err = RetryPolicy::builder(backoff())
+        .attempt_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("attempt_timeout"), "{err}");
+}

@@ -27,6 +27,8 @@
 //! LAYER_REQUESTS=1000000 LAYER_ROUNDS=9 cargo bench --all-features --bench http_layer
 //! ```
 //!
+//! `LAYER_ONLY="flowgate (memory)"` runs one variant (to profile it).
+//!
 //! Without `--bench` (as `cargo test --benches` runs it) it runs 1 000 requests once: a
 //! smoke test.
 
@@ -110,12 +112,17 @@ fn main() {
     let keys: Vec<HeaderValue> = (0..16)
         .map(|i| HeaderValue::from_str(&format!("cold-{i}")).expect("a valid header value"))
         .collect();
+    // `LAYER_ONLY=<variant>` runs one variant (for a profiler); the others show NaN.
+    let only = std::env::var("LAYER_ONLY").ok();
     let n = apps.len();
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); n];
     rt.block_on(async {
         for round in 0..rounds {
             for i in 0..n {
                 let v = (i + round) % n;
+                if only.as_deref().is_some_and(|o| o != apps[v].0) {
+                    continue;
+                }
                 let app = &mut apps[v].1;
                 let start = Instant::now();
                 for j in 0..requests {
@@ -156,6 +163,9 @@ fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
     if n % 2 == 1 {
         v[n / 2]
     } else {

@@ -75,7 +75,7 @@ mod hint;
 pub use backoff::{Backoff, BackoffBuilder, GiveUp, Jitter, Schedule};
 pub use budget::{RetryBudget, RetryBudgetBuilder, RetryBudgetStats};
 pub use call::{
-    Classify, Outcome, RetryError, RetryPolicy, RetryPolicyBuilder, Retried, Stop, retry,
+    Classify, Outcome, Retried, RetryError, RetryPolicy, RetryPolicyBuilder, Stop, retry,
 };
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]

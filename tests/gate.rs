@@ -1212,3 +1212,36 @@ fn public_types_are_send_and_sync() {
     let gate = MemoryGate::new(quota(1));
     send(&Gate::check(&gate, "k", 1));
 }
+
+/// Regression: the all-or-nothing buckets gave each quota a 16th of `max_keys`, so a
+/// per-client policy (one quota) refused its 101st active client at `max_keys(1600)`
+/// (`KeyspaceFull`, a 503 at the HTTP edge); one quota may now use the whole keyspace.
+#[test]
+fn one_quota_of_check_all_may_use_the_whole_keyspace() {
+    let gate = MemoryGate::builder(quota(10))
+        .max_keys(1_600)
+        .build()
+        .unwrap();
+    // A long window: no key is back to neutral while the test runs.
+    let per_client = flowgate::Quota::new(
+        flowgate::Rate::per(1, Duration::from_secs(3_600)).unwrap(),
+        5,
+    )
+    .unwrap();
+    let keys: Vec<String> = (0..1_000).map(|i| format!("client-{i}")).collect();
+    for key in &keys {
+        let d = gate.check_all(&[(key.as_str(), per_client)], 1).unwrap();
+        assert!(d[0].allowed, "{key}");
+    }
+    // And the keys are bounded over every quota: a second quota shares the same room.
+    let other = flowgate::Quota::new(
+        flowgate::Rate::per(2, Duration::from_secs(3_600)).unwrap(),
+        5,
+    )
+    .unwrap();
+    let refused = (0..2_000)
+        .map(|i| format!("other-{i}"))
+        .filter(|key| gate.check_all(&[(key.as_str(), other)], 1).is_err())
+        .count();
+    assert!(refused >= 1_400, "only {refused} of 2 000 refused");
+}

@@ -12,3 +12,6 @@ mod shed;
 
 #[path = "http/rate_limit.rs"]
 mod rate_limit;
+
+#[path = "http/outbound.rs"]
+mod outbound;

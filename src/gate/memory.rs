@@ -13,7 +13,7 @@ use crate::error::ConfigError;
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
-use crate::gate::multi::{MAX_QUOTAS, MemoryBuckets, Merged};
+use crate::gate::multi::{Merged, ShardedBuckets};
 use crate::limit::{FixedWindow, Keyed, SlidingLog, SlidingWindow, TokenBucket};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
@@ -84,7 +84,7 @@ struct Inner {
     epoch: Instant,
     max_keys: usize,
     /// The buckets of [`MemoryGate::check_all`].
-    multi: Mutex<MemoryBuckets>,
+    multi: ShardedBuckets,
     name: Option<String>,
     allowed: Counter,
     rejected: Counter,
@@ -197,7 +197,7 @@ impl MemoryGateBuilder {
                 hasher: RandomState::new(),
                 epoch: Instant::now(),
                 max_keys: per_shard * SHARDS,
-                multi: Mutex::new(MemoryBuckets::default()),
+                multi: ShardedBuckets::new(SHARDS, per_shard),
                 allowed: decisions("allowed"),
                 rejected: decisions("rejected"),
                 name: self.name,
@@ -228,9 +228,12 @@ impl MemoryGate {
         self.inner.epoch.elapsed()
     }
 
+    fn shard_index(&self, key: &str) -> usize {
+        self.inner.hasher.hash_one(key) as usize % SHARDS
+    }
+
     fn shard(&self, key: &str) -> &Mutex<Shard> {
-        let h = self.inner.hasher.hash_one(key) as usize;
-        &self.inner.shards[h % SHARDS]
+        &self.inner.shards[self.shard_index(key)]
     }
 
     /// Decide one request now, synchronously: admitted (and consumed) or rejected with a
@@ -271,8 +274,10 @@ impl MemoryGate {
     /// the limits that blocked have a non-zero `retry_after`. A key listed `n` times is one
     /// bucket charged `n × cost`. These buckets are apart from the gate's own limit (a key
     /// here and in [`check`](MemoryGate::check) are two buckets); they hold at most
-    /// [`max_keys`](MemoryGate::max_keys) keys over at most 16 distinct quotas, idle ones
-    /// evicted when room is needed.
+    /// [`max_keys`](MemoryGate::max_keys) keys over every quota together (one quota may use
+    /// them all), spread over 16 shards by hash as the gate's own keys are, with at most 16
+    /// distinct quotas per shard; idle ones are evicted when room is needed. A request
+    /// locks only the shards of its keys.
     ///
     /// # Errors
     ///
@@ -317,54 +322,30 @@ impl MemoryGate {
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         decisions.clear();
-        if let [(key, quota)] = *limits {
-            // One limit: nothing to merge.
-            Merged::check_one(key, quota, cost)?;
-            return self.decide_into(decisions, |buckets, now, keys_per_quota, out| {
-                buckets.check_one_into(key, quota, cost, now, keys_per_quota, out)
-            });
-        }
         let request = Merged::new(limits, cost)?;
-        self.check_merged_into(&request, decisions)
+        self.decide_into(&request, decisions)
     }
 
     #[cfg(feature = "redis")]
     pub(crate) fn check_merged(&self, request: &Merged<'_>) -> Result<Vec<Decision>, GateError> {
         let mut decided = Vec::with_capacity(request.buckets.len());
-        self.check_merged_into(request, &mut decided)?;
+        self.decide_into(request, &mut decided)?;
         Ok(decided)
     }
 
-    fn check_merged_into(
+    /// `request` decided on the all-or-nothing buckets at the gate's time, into
+    /// `decisions`; counted.
+    fn decide_into(
         &self,
         request: &Merged<'_>,
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
-        self.decide_into(decisions, |buckets, now, keys_per_quota, out| {
-            buckets.check_all_into(request, now, keys_per_quota, out)
-        })
-    }
-
-    /// `decide` on the all-or-nothing buckets at the gate's time, into `decisions`; counted.
-    fn decide_into(
-        &self,
-        decisions: &mut Vec<Decision>,
-        decide: impl FnOnce(
-            &mut MemoryBuckets,
-            Duration,
-            usize,
-            &mut Vec<Decision>,
-        ) -> Result<(), GateError>,
-    ) -> Result<(), GateError> {
         let now = self.now();
-        let decided = decide(
-            &mut self
-                .inner
-                .multi
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
+        let decided = self.inner.multi.check_all_into(
+            request,
+            |key| self.shard_index(key),
             now,
-            self.inner.max_keys.div_ceil(MAX_QUOTAS),
+            self.inner.max_keys,
             decisions,
         );
         if let Err(e) = decided {

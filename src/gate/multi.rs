@@ -3,6 +3,7 @@
 //! in-memory buckets of [`MemoryGate::check_all`](crate::gate::MemoryGate::check_all).
 
 use std::ops::{Deref, DerefMut};
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use crate::decision::Decision;
@@ -10,6 +11,7 @@ use crate::error::CostError;
 use crate::gate::error::{GateError, check_key};
 use crate::limit::{Algorithm, Keyed, KeyedError, TokenBucket};
 use crate::rate::Quota;
+use crate::sync::{Mutex, MutexGuard};
 
 /// The most limits one all-or-nothing call takes.
 pub(crate) const MAX_LIMITS: usize = 32;
@@ -142,21 +144,6 @@ impl<'a> Merged<'a> {
         Ok(Merged { buckets, of })
     }
 
-    /// What [`new`](Merged::new) checks of a request on one limit (which needs no merging):
-    /// the same errors, in the same order.
-    ///
-    /// # Errors
-    ///
-    /// [`GateError::Cost`], [`GateError::InvalidKey`].
-    pub(crate) fn check_one(key: &str, quota: Quota, cost: u32) -> Result<(), GateError> {
-        if cost == 0 {
-            return Err(CostError::Zero.into());
-        }
-        check_key(key)?;
-        CostError::check(cost, u64::from(quota.burst_size()))?;
-        Ok(())
-    }
-
     /// One decision per limit given, in order, from one decision per bucket.
     #[cfg(feature = "redis")]
     pub(crate) fn expand(&self, decided: &[Decision]) -> Vec<Decision> {
@@ -189,125 +176,178 @@ struct QuotaKeys {
     keys: Keyed<String, TokenBucket>,
 }
 
-/// The in-memory token buckets of all-or-nothing calls: one bounded [`Keyed`] map per quota
-/// (at most [`MAX_QUOTAS`], found by a scan: cheaper than hashing a quota).
+/// One shard of the in-memory token buckets of all-or-nothing calls: one [`Keyed`] map per
+/// quota (at most [`MAX_QUOTAS`], found by a scan: cheaper than hashing a quota). The
+/// shard's room for keys (`max_keys`) is shared by all its quotas: one quota may use all of
+/// it.
 #[derive(Debug, Default)]
 pub(crate) struct MemoryBuckets {
     by_quota: Vec<QuotaKeys>,
 }
 
 impl MemoryBuckets {
-    /// Decide `request` at `now`, all or nothing; each quota's map holds at most
-    /// `keys_per_quota` keys, and at most [`MAX_QUOTAS`] quotas are held at once.
+    /// Keys held, over every quota.
+    fn len(&self) -> usize {
+        self.by_quota.iter().map(|q| q.keys.len()).sum()
+    }
+
+    /// Evict the keys back to neutral in every quota, and the quotas left without a key;
+    /// returns how many keys were evicted.
+    fn sweep(&mut self, now: Duration) -> usize {
+        let mut evicted = 0;
+        self.by_quota.retain_mut(|q| {
+            evicted += q.keys.sweep(now);
+            !q.keys.is_empty()
+        });
+        evicted
+    }
+
+    /// The map of `quota`, made when it is not held (evicting the quotas with no key left
+    /// if [`MAX_QUOTAS`] are held). Room for `key` is made too: when the shard holds
+    /// `max_keys` keys and `key` is not one of them, neutral keys are evicted first.
     ///
     /// # Errors
     ///
-    /// [`GateError::KeyspaceFull`] when a new key or quota finds no room (nothing is
-    /// charged then).
-    #[cfg(test)]
-    pub(crate) fn check_all(
+    /// [`GateError::KeyspaceFull`] (with `full`'s figure) when there is no room for a new
+    /// key or a new quota.
+    fn room(
         &mut self,
-        request: &Merged<'_>,
-        now: Duration,
-        keys_per_quota: usize,
-    ) -> Result<Vec<Decision>, GateError> {
-        let mut out = Vec::new();
-        self.check_all_into(request, now, keys_per_quota, &mut out)?;
-        Ok(out)
-    }
-
-    /// The map of `quota`, made (evicting the quotas with no key left if need be) when it
-    /// is not held.
-    fn quota_keys(
-        &mut self,
+        key: &str,
         quota: Quota,
         now: Duration,
-        keys_per_quota: usize,
+        max_keys: usize,
+        full: &impl Fn() -> GateError,
     ) -> Result<&mut Keyed<String, TokenBucket>, GateError> {
-        let full = || GateError::KeyspaceFull {
-            max_keys: keys_per_quota * MAX_QUOTAS,
-        };
         let at = match self.by_quota.iter().position(|q| q.quota == quota) {
             Some(at) => at,
             None => {
                 if self.by_quota.len() >= MAX_QUOTAS {
-                    self.by_quota.retain_mut(|q| {
-                        q.keys.sweep(now);
-                        !q.keys.is_empty()
-                    });
+                    self.sweep(now);
                 }
                 if self.by_quota.len() >= MAX_QUOTAS {
                     return Err(full());
                 }
-                let keys =
-                    Keyed::new(TokenBucket::new(quota), keys_per_quota).map_err(|_| full())?;
+                let keys = Keyed::new(TokenBucket::new(quota), max_keys).map_err(|_| full())?;
                 self.by_quota.push(QuotaKeys { quota, keys });
                 self.by_quota.len() - 1
             }
         };
+        if self.len() >= max_keys && self.by_quota[at].keys.get(key).is_none() {
+            self.sweep(now);
+            // The sweep may have dropped this quota's map (empty): find or make it again.
+            let at = match self.by_quota.iter().position(|q| q.quota == quota) {
+                Some(at) => at,
+                None => {
+                    let keys = Keyed::new(TokenBucket::new(quota), max_keys).map_err(|_| full())?;
+                    self.by_quota.push(QuotaKeys { quota, keys });
+                    self.by_quota.len() - 1
+                }
+            };
+            if self.len() >= max_keys {
+                return Err(full());
+            }
+            return Ok(&mut self.by_quota[at].keys);
+        }
         Ok(&mut self.by_quota[at].keys)
     }
+}
 
-    /// A request on one bucket, validated ([`Merged::check_one`]) or merged: deciding it is
-    /// all or nothing already (a rejection charges nothing; a new key at a full map is
-    /// refused before it is charged). One decision pushed onto `out`.
-    pub(crate) fn check_one_into(
-        &mut self,
-        key: &str,
-        quota: Quota,
-        cost: u32,
-        now: Duration,
-        keys_per_quota: usize,
-        out: &mut Vec<Decision>,
-    ) -> Result<(), GateError> {
-        let keys = self.quota_keys(quota, now, keys_per_quota)?;
-        let decided = keys.check(key, now, cost).map_err(|e| match e {
-            KeyedError::KeyspaceFull { .. } => GateError::KeyspaceFull {
-                max_keys: keys_per_quota * MAX_QUOTAS,
-            },
-            e => e.into(),
-        })?;
-        out.push(decided);
-        Ok(())
+/// The shard `i` among the locked ones.
+fn locked<'a>(
+    guards: &'a mut [(usize, MutexGuard<'_, MemoryBuckets>)],
+    i: usize,
+) -> &'a mut MemoryBuckets {
+    let at = guards
+        .iter()
+        .position(|(g, _)| *g == i)
+        .expect("every shard of the request is locked");
+    &mut guards[at].1
+}
+
+/// The in-memory token buckets of all-or-nothing calls
+/// ([`MemoryGate::check_all`](crate::gate::MemoryGate::check_all)), sharded by key so
+/// that requests on different keys rarely wait for each other; each shard holds at most
+/// `max_keys / shards` keys over every quota.
+#[derive(Debug)]
+pub(crate) struct ShardedBuckets {
+    shards: Box<[Mutex<MemoryBuckets>]>,
+    per_shard: usize,
+}
+
+impl ShardedBuckets {
+    /// `shards` shards (at most 32) of `per_shard` keys each.
+    pub(crate) fn new(shards: usize, per_shard: usize) -> ShardedBuckets {
+        debug_assert!(shards <= 32, "a shard set is a u32 mask");
+        ShardedBuckets {
+            shards: (0..shards).map(|_| Mutex::default()).collect(),
+            per_shard,
+        }
     }
 
-    /// [`check_all`](MemoryBuckets::check_all) into `out` (cleared first; unspecified on an
-    /// error): one decision per limit of the request, in order. One hash lookup per key for a request on one
-    /// bucket, two per key on several (decide on copies, then charge).
+    fn lock(&self, i: usize) -> MutexGuard<'_, MemoryBuckets> {
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Decide `request` at `now`, all or nothing, into `out` (cleared first; unspecified on
+    /// an error): one decision per limit of the request, in order. `shard_of` maps a key to
+    /// its shard. A request on one key takes that shard's lock and looks its key up once;
+    /// on several, the shards involved are locked in ascending order (no deadlock), each
+    /// bucket is decided on a copy of its state, and only if all have room are they
+    /// charged.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::KeyspaceFull`] when a new key or quota finds no room (nothing is
+    /// charged then), with the gate's whole figure `max_keys`.
     pub(crate) fn check_all_into(
-        &mut self,
+        &self,
         request: &Merged<'_>,
+        shard_of: impl Fn(&str) -> usize,
         now: Duration,
-        keys_per_quota: usize,
+        max_keys: usize,
         out: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         out.clear();
-        let full = || GateError::KeyspaceFull {
-            max_keys: keys_per_quota * MAX_QUOTAS,
-        };
+        let per_shard = self.per_shard;
+        let full = || GateError::KeyspaceFull { max_keys };
         let keyed_error = |e| match e {
             KeyedError::KeyspaceFull { .. } => full(),
             e => e.into(),
         };
         if let [(key, quota, cost)] = *request.buckets {
-            self.check_one_into(key, quota, cost, now, keys_per_quota, out)?;
+            // One bucket: deciding it is all or nothing already (a rejection charges
+            // nothing; a new key at a full shard is refused before it is charged).
+            let mut shard = self.lock(shard_of(key));
+            let keys = shard.room(key, quota, now, per_shard, &full)?;
+            out.push(keys.check(key, now, cost).map_err(keyed_error)?);
             request.expand_in_place(out);
             return Ok(());
+        }
+        let mut guards: Vec<(usize, MutexGuard<'_, MemoryBuckets>)> =
+            Vec::with_capacity(request.buckets.len());
+        let mut wanted = 0u32;
+        for &(key, _, _) in &request.buckets {
+            wanted |= 1 << shard_of(key);
+        }
+        while wanted != 0 {
+            let i = wanted.trailing_zeros() as usize;
+            wanted &= wanted - 1;
+            guards.push((i, self.lock(i)));
         }
         // Room first, then each bucket decided on a copy of its state: pure, so deciding
         // again for real below gives the same answer.
         for &(key, quota, cost) in &request.buckets {
-            let keys = self.quota_keys(quota, now, keys_per_quota)?;
-            let state = keys.get(key).copied();
-            if state.is_none() && keys.len() >= keys.max_keys() && keys.sweep(now) == 0 {
-                return Err(full());
-            }
-            let mut state = state.unwrap_or_default();
+            let keys =
+                locked(&mut guards, shard_of(key)).room(key, quota, now, per_shard, &full)?;
+            let mut state = keys.get(key).copied().unwrap_or_default();
             out.push(keys.algorithm().check(&mut state, now, cost)?);
         }
         if out.iter().all(|d| d.allowed) {
             for (d, &(key, quota, cost)) in out.iter_mut().zip(&request.buckets) {
-                let keys = self.quota_keys(quota, now, keys_per_quota)?;
+                let keys =
+                    locked(&mut guards, shard_of(key)).room(key, quota, now, per_shard, &full)?;
                 *d = keys.check(key, now, cost).map_err(keyed_error)?;
             }
         } else {
@@ -315,7 +355,8 @@ impl MemoryBuckets {
             // rejection with no retry_after of their own, as the Redis script does.
             for (d, &(key, quota, _)) in out.iter_mut().zip(&request.buckets) {
                 if d.allowed {
-                    let keys = self.quota_keys(quota, now, keys_per_quota)?;
+                    let keys = locked(&mut guards, shard_of(key))
+                        .room(key, quota, now, per_shard, &full)?;
                     let state = keys.get(key).copied().unwrap_or_default();
                     let remaining = keys.algorithm().available(&state, now);
                     let reset = keys.algorithm().neutral_at(&state).saturating_sub(now);
@@ -326,6 +367,12 @@ impl MemoryBuckets {
         request.expand_in_place(out);
         Ok(())
     }
+
+    /// Keys held over every shard and quota.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        (0..self.shards.len()).map(|i| self.lock(i).len()).sum()
+    }
 }
 
 #[cfg(test)]
@@ -334,6 +381,51 @@ mod tests {
 
     fn q(n: u32) -> Quota {
         Quota::per_second(n).unwrap()
+    }
+
+    /// A test shard function: the key's first byte.
+    fn shard_of(key: &str) -> usize {
+        usize::from(key.as_bytes().first().copied().unwrap_or(0)) % 4
+    }
+
+    fn check(
+        buckets: &ShardedBuckets,
+        m: &Merged<'_>,
+        now: Duration,
+    ) -> Result<Vec<Decision>, GateError> {
+        let mut out = Vec::new();
+        let max_keys = buckets.per_shard * buckets.shards.len();
+        buckets.check_all_into(m, shard_of, now, max_keys, &mut out)?;
+        Ok(out)
+    }
+
+    #[test]
+    fn every_quota_may_use_the_whole_shard_and_keys_are_counted_over_all_quotas() {
+        // One shard of 10 keys: one quota may hold all ten (each quota got a 16th before).
+        let buckets = ShardedBuckets::new(1, 10);
+        let shard_of = |_: &str| 0;
+        let keys: Vec<String> = (0..11).map(|i| format!("k{i}")).collect();
+        let mut out = Vec::new();
+        for k in &keys[..10] {
+            let m = Merged::new(&[(k.as_str(), q(1))], 1).unwrap();
+            buckets
+                .check_all_into(&m, shard_of, Duration::ZERO, 10, &mut out)
+                .unwrap();
+        }
+        assert_eq!(buckets.len(), 10);
+        // The 11th key, on another quota, finds the shard full (nothing back to neutral).
+        let m = Merged::new(&[(keys[10].as_str(), q(2))], 1).unwrap();
+        let full = buckets.check_all_into(&m, shard_of, Duration::ZERO, 10, &mut out);
+        assert!(matches!(
+            full,
+            Err(GateError::KeyspaceFull { max_keys: 10 })
+        ));
+        // A second later every key is back to neutral: room is made by evicting them.
+        buckets
+            .check_all_into(&m, shard_of, Duration::from_secs(1), 10, &mut out)
+            .unwrap();
+        assert!(out[0].allowed);
+        assert_eq!(buckets.len(), 1);
     }
 
     #[test]
@@ -348,8 +440,7 @@ mod tests {
         let m = Merged::new(&limits, 1).unwrap();
         let keys: Vec<_> = m.buckets.iter().map(|b| (b.0, b.2)).collect();
         assert_eq!(keys, [("a", 2), ("b", 2), ("c", 1)]);
-        let mut buckets = MemoryBuckets::default();
-        let d = buckets.check_all(&m, Duration::ZERO, 10).unwrap();
+        let d = check(&ShardedBuckets::new(4, 10), &m, Duration::ZERO).unwrap();
         assert_eq!(d.len(), 5);
         let remaining: Vec<u64> = d.iter().map(|d| d.remaining).collect();
         assert_eq!(remaining, [3, 3, 3, 8, 3]);
@@ -361,10 +452,10 @@ mod tests {
     fn one_bucket_is_charged_only_when_admitted() {
         let limits = [("k", q(2)), ("k", q(2))];
         let m = Merged::new(&limits, 1).unwrap();
-        let mut buckets = MemoryBuckets::default();
-        let d = buckets.check_all(&m, Duration::ZERO, 10).unwrap();
+        let buckets = ShardedBuckets::new(4, 10);
+        let d = check(&buckets, &m, Duration::ZERO).unwrap();
         assert!(d.iter().all(|d| d.allowed && d.remaining == 0));
-        let d = buckets.check_all(&m, Duration::ZERO, 10).unwrap();
+        let d = check(&buckets, &m, Duration::ZERO).unwrap();
         assert_eq!(d.len(), 2);
         assert!(d.iter().all(|d| !d.allowed && !d.retry_after.is_zero()));
     }
@@ -379,9 +470,7 @@ mod tests {
         let keys: Vec<String> = (0..MAX_LIMITS).map(|i| format!("k{i}")).collect();
         let limits: Vec<(&str, Quota)> = keys.iter().map(|k| (k.as_str(), q(3))).collect();
         let m = Merged::new(&limits, 1).unwrap();
-        let d = MemoryBuckets::default()
-            .check_all(&m, Duration::ZERO, 100)
-            .unwrap();
+        let d = check(&ShardedBuckets::new(4, 100), &m, Duration::ZERO).unwrap();
         assert_eq!(d.len(), MAX_LIMITS);
         assert!(d.iter().all(|d| d.allowed && d.remaining == 2));
     }

@@ -75,8 +75,9 @@ pub enum Stop {
     /// help.
     Budget,
     /// The attempt ran past the policy's
-    /// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) and the backoff then gave
-    /// up (or the budget refused): there is no result.
+    /// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) and was not retried (the
+    /// backoff gave up, the budget refused, or the request may not be sent twice): there
+    /// is no result.
     TimedOut,
 }
 

@@ -10,6 +10,7 @@
 //! | [`Backoff`] → [`Schedule`] | exponential backoff with the AWS jitters ([`Jitter`]), max attempts and a deadline over the whole operation; the server's `Retry-After` wins, bounded; gives up with a typed [`GiveUp`] |
 //! | [`retry()`](retry()) with a [`RetryPolicy`] | the whole loop: waits for the policy's [`AdaptivePacer`](crate::pace::AdaptivePacer), runs the attempt (with a timeout), asks your [`Classify`] what the result means ([`Outcome`]: success, fatal, retry, back-pressure), tells the budget and the pacer, waits the backoff or the server's `Retry-After`; the round-trip time is each attempt's own |
 //! | [`RetryBudget`] | gRPC's `retryThrottling`: retries only while the downstream mostly succeeds, shared by every clone, so a struggling downstream sees no retry storm |
+//! | `RetryLayer` (feature `http`) | a tower client layer (hyper-util's client, any `Service<Request<B: Clone>>`): retry + backoff + budget + adaptive pacer, statuses classified by `HttpClassify`, the server's fields fed to the pacer on every response |
 //! | `ServerHint`, `PolicyHint` (feature `http`) | parse a response's `Retry-After`, IETF `RateLimit` / `RateLimit-Policy`, draft-03 `RateLimit-*` and `X-RateLimit-*` into one value; malformed fields are ignored, no input panics |
 //!
 //! # A retry loop
@@ -71,6 +72,8 @@ mod budget;
 mod call;
 #[cfg(feature = "http")]
 mod hint;
+#[cfg(feature = "http")]
+mod layer;
 
 pub use backoff::{Backoff, BackoffBuilder, GiveUp, Jitter, Schedule};
 pub use budget::{RetryBudget, RetryBudgetBuilder, RetryBudgetStats};
@@ -80,3 +83,6 @@ pub use call::{
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use hint::{PolicyHint, ServerHint};
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use layer::{HttpClassify, Retry, RetryFuture, RetryInfo, RetryLayer};

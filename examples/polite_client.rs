@@ -1,0 +1,369 @@
+//! A fleet of HTTP clients against a server limited to 100 requests per second: naive
+//! exponential backoff versus flowgate's adaptive client.
+//!
+//! ```text
+//! cargo run --example polite_client --features http                 # 8 clients, 10 s per run
+//! cargo run --example polite_client --features http -- --secs 5 --clients 16
+//! cargo run --example polite_client --features http -- --url http://127.0.0.1:3000/
+//! ```
+//!
+//! By default the server runs in this process: an axum route behind flowgate's
+//! `RateLimitLayer`, one global key, a token bucket of 100/s with bursts of 100, on
+//! 127.0.0.1 (a free port). With `--url`, the clients call that server instead (such as
+//! the `http_server` example, whose `GET /` allows 100 per minute per client IP).
+//!
+//! Each client is a closed loop of jobs on its own keep-alive hyper client (hyper-util's
+//! legacy client); a job is one `GET`, retried until it succeeds or its strategy gives up.
+//! Two runs, one per strategy:
+//!
+//! - **naive**: exponential backoff, 100 ms doubling up to 10 s, 8 attempts at most, no
+//!   jitter, `Retry-After` ignored, no pacing: every client sends as fast as its answers
+//!   come back.
+//! - **flowgate**: `RetryLayer` with full-jitter backoff (the server's `Retry-After` wins),
+//!   a `RetryBudget` (10 tokens, 0.1 per success) and an `AdaptivePacer` per client starting
+//!   at 1 000/s, which pauses on `Retry-After`, cuts on `429` and follows the server's
+//!   `RateLimit` fields.
+//!
+//! Every second it prints what the server answered (2xx/s, 429/s) and the retries of the
+//! jobs finished that second, then a table of both runs side by side.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use bytes::Bytes;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{Constant, Policy, RateLimitLayer};
+use flowgate::pace::AdaptivePacer;
+use flowgate::retry::{
+    Backoff, HttpClassify, Jitter, Outcome, RetryBudget, RetryInfo, RetryLayer, RetryPolicy,
+};
+use flowgate::{Quota, Rate};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The command line.
+struct Args {
+    secs: u64,
+    clients: usize,
+    url: Option<String>,
+}
+
+fn args() -> Result<Args, BoxError> {
+    let mut args = Args {
+        secs: 10,
+        clients: 8,
+        url: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--secs" => args.secs = value()?.parse()?,
+            "--clients" => args.clients = value()?.parse()?,
+            "--url" => args.url = Some(value()?),
+            "-h" | "--help" => {
+                println!("polite_client [--secs N] [--clients N] [--url http://host:port/path]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)").into()),
+        }
+    }
+    if args.secs == 0 || args.clients == 0 {
+        return Err("--secs and --clients must be at least 1".into());
+    }
+    Ok(args)
+}
+
+/// What happened in one second of a run.
+#[derive(Debug, Default, Clone, Copy)]
+struct Second {
+    /// Attempts answered 2xx.
+    ok: u64,
+    /// Attempts answered 429.
+    refused: u64,
+    /// Attempts answered otherwise, or failed.
+    other: u64,
+    /// Retries of the jobs that finished this second.
+    retries: u64,
+    /// Jobs finished this second.
+    jobs: u64,
+}
+
+/// The counts of one run, per second since its start, and every job's duration.
+struct Tally {
+    start: Instant,
+    seconds: Mutex<Vec<Second>>,
+    job_times: Mutex<Vec<Duration>>,
+}
+
+impl Tally {
+    fn new(secs: u64) -> Tally {
+        Tally {
+            start: Instant::now(),
+            seconds: Mutex::new(vec![Second::default(); secs as usize]),
+            job_times: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn with_second(&self, f: impl FnOnce(&mut Second)) {
+        let i = self.start.elapsed().as_secs() as usize;
+        if let Some(s) = self.seconds.lock().unwrap().get_mut(i) {
+            f(s);
+        }
+    }
+
+    fn attempt(&self, status: Option<StatusCode>) {
+        self.with_second(|s| match status {
+            Some(st) if st.is_success() => s.ok += 1,
+            Some(StatusCode::TOO_MANY_REQUESTS) => s.refused += 1,
+            _ => s.other += 1,
+        });
+    }
+
+    fn job(&self, attempts: u32, took: Duration) {
+        self.with_second(|s| {
+            s.jobs += 1;
+            s.retries += u64::from(attempts.saturating_sub(1));
+        });
+        self.job_times.lock().unwrap().push(took);
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Strategy {
+    Naive,
+    Flowgate,
+}
+
+impl Strategy {
+    fn label(self) -> &'static str {
+        match self {
+            Strategy::Naive => "naive exponential backoff",
+            Strategy::Flowgate => "flowgate adaptive client",
+        }
+    }
+
+    /// The retry policy of one client.
+    fn policy(self, client: usize) -> Result<RetryPolicy, BoxError> {
+        Ok(match self {
+            Strategy::Naive => {
+                let backoff = Backoff::builder()
+                    .jitter(Jitter::None)
+                    .base(Duration::from_millis(100))
+                    .cap(Duration::from_secs(10))
+                    .max_attempts(8)
+                    .build()?;
+                RetryPolicy::builder(backoff).name("naive").build()?
+            }
+            Strategy::Flowgate => {
+                let backoff = Backoff::builder()
+                    .jitter(Jitter::Full)
+                    .base(Duration::from_millis(100))
+                    .cap(Duration::from_secs(10))
+                    .max_attempts(10)
+                    .deadline(Duration::from_secs(30))
+                    .build()?;
+                let pacer = AdaptivePacer::builder(Rate::per_second(1_000)?)
+                    .name(format!("client-{client}"))
+                    .build()?;
+                RetryPolicy::builder(backoff)
+                    .budget(RetryBudget::new(10, 0.1)?)
+                    .pacer(pacer)
+                    .attempt_timeout(Duration::from_secs(5))
+                    .name("flowgate")
+                    .build()?
+            }
+        })
+    }
+}
+
+/// The naive client's classifier: `429` and `503` are plain failures, their `Retry-After`
+/// unheard.
+fn deaf(result: &Result<Response<Incoming>, hyper_util::client::legacy::Error>) -> Outcome {
+    match result {
+        Ok(res) => match HttpClassify::new().outcome(res.status(), res.headers()) {
+            Outcome::BackPressure { .. } => Outcome::Retry,
+            outcome => outcome,
+        },
+        Err(_) => Outcome::Retry,
+    }
+}
+
+/// One client: jobs in a closed loop until `end`.
+async fn client(
+    strategy: Strategy,
+    index: usize,
+    url: String,
+    tally: Arc<Tally>,
+    end: Instant,
+) -> Result<(), BoxError> {
+    let hyper = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    // Every attempt, as the server answered it.
+    let counted = {
+        let tally = tally.clone();
+        service_fn(move |req: Request<Empty<Bytes>>| {
+            let (hyper, tally) = (hyper.clone(), tally.clone());
+            async move {
+                let res = hyper.request(req).await;
+                tally.attempt(res.as_ref().ok().map(|r| r.status()));
+                res
+            }
+        })
+    };
+    let layer = RetryLayer::new(strategy.policy(index)?);
+    let mut svc = match strategy {
+        Strategy::Naive => tower::util::BoxCloneService::new(layer.classify(deaf).layer(counted)),
+        Strategy::Flowgate => tower::util::BoxCloneService::new(layer.layer(counted)),
+    };
+    while Instant::now() < end {
+        let req = Request::get(url.as_str()).body(Empty::new())?;
+        let started = Instant::now();
+        let res = tokio::time::timeout_at(end, svc.ready().await?.call(req)).await;
+        let Ok(res) = res else { break }; // the run is over
+        let attempts = match res {
+            Ok(res) => {
+                let attempts = res
+                    .extensions()
+                    .get::<RetryInfo>()
+                    .map_or(1, |i| i.attempts);
+                // Read the body: the connection goes back to the pool.
+                let _ = res.into_body().collect().await;
+                attempts
+            }
+            Err(_) => 1,
+        };
+        tally.job(attempts, started.elapsed());
+    }
+    Ok(())
+}
+
+/// The figures of one run.
+struct Summary {
+    ok_per_sec: f64,
+    refused_per_sec: f64,
+    refused_ratio: f64,
+    retries_per_sec: f64,
+    p99: Duration,
+}
+
+async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxError> {
+    println!(
+        "\n{} ({} clients, {} s against {url})",
+        strategy.label(),
+        args.clients,
+        args.secs
+    );
+    println!("  second    2xx/s    429/s  retries/s");
+    let tally = Arc::new(Tally::new(args.secs));
+    let end = tally.start + Duration::from_secs(args.secs);
+    let tasks: Vec<_> = (0..args.clients)
+        .map(|i| tokio::spawn(client(strategy, i, url.to_owned(), tally.clone(), end)))
+        .collect();
+    // One line per second, as each second ends.
+    for second in 0..args.secs {
+        tokio::time::sleep_until(tally.start + Duration::from_secs(second + 1)).await;
+        let s = tally.seconds.lock().unwrap()[second as usize];
+        println!(
+            "  {:>6} {:>8} {:>8} {:>10}",
+            second + 1,
+            s.ok,
+            s.refused,
+            s.retries
+        );
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let seconds = tally.seconds.lock().unwrap().clone();
+    let sum = |f: fn(&Second) -> u64| seconds.iter().map(f).sum::<u64>() as f64;
+    let secs = args.secs as f64;
+    let attempts = sum(|s| s.ok + s.refused + s.other);
+    let mut times = tally.job_times.lock().unwrap().clone();
+    times.sort();
+    let p99 = times
+        .get((times.len() * 99 / 100).min(times.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or_default();
+    Ok(Summary {
+        ok_per_sec: sum(|s| s.ok) / secs,
+        refused_per_sec: sum(|s| s.refused) / secs,
+        refused_ratio: sum(|s| s.refused) / attempts.max(1.0),
+        retries_per_sec: sum(|s| s.retries) / secs,
+        p99,
+    })
+}
+
+/// The in-process server: `GET /` behind a token bucket of 100/s, bursts of 100, one key
+/// for everyone.
+async fn serve() -> Result<String, BoxError> {
+    let quota = Quota::per_second(100)?.burst(100)?;
+    let limit = RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+        .policy(Policy::new("global", quota, Constant::new("all")))
+        .name("polite_client")
+        .build()?;
+    let app = Router::new()
+        .route("/", get(|| async { Ok::<_, Infallible>("ok\n") }))
+        .layer(limit);
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let url = format!("http://{}/", listener.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("server: {e}");
+        }
+    });
+    Ok(url)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args = args()?;
+    let url = match &args.url {
+        Some(url) => url.clone(),
+        None => {
+            let url = serve().await?;
+            println!("server on {url}: 100 requests/s, bursts of 100, one key for all clients");
+            url
+        }
+    };
+
+    let naive = run(Strategy::Naive, &args, &url).await?;
+    // Let the server's bucket fill up again between the runs.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let adaptive = run(Strategy::Flowgate, &args, &url).await?;
+
+    println!("\nsummary ({} clients, {} s each)", args.clients, args.secs);
+    println!(
+        "  {:<26} {:>8} {:>9} {:>10} {:>10} {:>12}",
+        "strategy", "2xx/s", "429/s", "429 share", "retries/s", "p99 job"
+    );
+    for (strategy, s) in [(Strategy::Naive, &naive), (Strategy::Flowgate, &adaptive)] {
+        println!(
+            "  {:<26} {:>8.1} {:>9.1} {:>9.1}% {:>10.1} {:>12}",
+            strategy.label(),
+            s.ok_per_sec,
+            s.refused_per_sec,
+            s.refused_ratio * 100.0,
+            s.retries_per_sec,
+            format!("{:.0?}", s.p99)
+        );
+    }
+    if adaptive.refused_per_sec > 0.0 {
+        println!(
+            "\nthe naive fleet drew {:.0}x the 429s of the adaptive one, with {:.0}% of its goodput",
+            naive.refused_per_sec / adaptive.refused_per_sec,
+            100.0 * naive.ok_per_sec / adaptive.ok_per_sec.max(f64::MIN_POSITIVE)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,717 @@
+//! `RetryLayer`: a tower client layer that retries HTTP requests with a [`RetryPolicy`]
+//! (backoff, retry budget, adaptive pacer) and listens to the server's fields.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::SystemTime;
+
+use bytes::Buf;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body::Body;
+use pin_project::pin_project;
+use tokio::time::{Instant, Sleep};
+use tower::{Layer, Service};
+
+use crate::pace::{AdaptivePacer, UntilReady};
+use crate::retry::backoff::Schedule;
+use crate::retry::call::{Classify, Outcome, RetryError, RetryPolicy, Stop};
+use crate::retry::hint::ServerHint;
+use crate::sync::Arc;
+use crate::time::capped;
+
+/// The most body bytes read from a retried response (so that its connection can be
+/// reused) before it is dropped instead.
+const DRAIN_LIMIT: usize = 64 * 1024;
+
+/// The methods RFC 9110 (§9.2.2) calls idempotent: sending one twice does what sending it
+/// once does.
+const IDEMPOTENT: [Method; 6] = [
+    Method::GET,
+    Method::HEAD,
+    Method::OPTIONS,
+    Method::TRACE,
+    Method::PUT,
+    Method::DELETE,
+];
+
+/// The default classifier of a [`RetryLayer`]: what an HTTP response (or a transport
+/// error) means for the request.
+///
+/// | result | [`Outcome`] |
+/// |---|---|
+/// | `1xx`, `2xx`, `3xx` | [`Success`](Outcome::Success) |
+/// | `429 Too Many Requests`, `503 Service Unavailable` | [`BackPressure`](Outcome::BackPressure), with the server's [`retry_delay`](ServerHint::retry_delay): its `Retry-After`, else the reset of a `RateLimit` policy with nothing remaining |
+/// | `408 Request Timeout`, `500`, `502`, `504` | [`Retry`](Outcome::Retry) |
+/// | any other `4xx` or `5xx` | [`Fatal`](Outcome::Fatal) |
+/// | a transport error (`Err`) | [`Retry`](Outcome::Retry) |
+///
+/// The layer retries a [`Retry`](Outcome::Retry) only for the methods it is told are safe
+/// to send twice (by default the idempotent ones; see [`RetryLayer::retry_methods`]), so a
+/// `POST` that met a `500` is not sent again. Back-pressure is retried for every method:
+/// a `429` or `503` refuses the request without acting on it.
+///
+/// A custom classifier is any `Fn(&Result<Response<B>, E>) -> Outcome` (see
+/// [`RetryLayer::classify`]); it can fall back to this one through
+/// [`HttpClassify::outcome`].
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::retry::{HttpClassify, Outcome};
+/// use http::{HeaderMap, StatusCode};
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("retry-after", "3".parse()?);
+/// let classify = HttpClassify::new();
+/// assert_eq!(
+///     classify.outcome(StatusCode::TOO_MANY_REQUESTS, &headers),
+///     Outcome::BackPressure { retry_after: Some(std::time::Duration::from_secs(3)) },
+/// );
+/// assert_eq!(classify.outcome(StatusCode::BAD_GATEWAY, &headers), Outcome::Retry);
+/// assert_eq!(classify.outcome(StatusCode::NOT_FOUND, &headers), Outcome::Fatal);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HttpClassify {}
+
+impl HttpClassify {
+    /// The default classifier.
+    pub fn new() -> HttpClassify {
+        HttpClassify {}
+    }
+
+    /// The outcome of a response with `status` and `headers` (see the table of the type).
+    /// A `Retry-After` given as an HTTP-date is measured from `SystemTime::now()`.
+    pub fn outcome(&self, status: StatusCode, headers: &HeaderMap) -> Outcome {
+        match status.as_u16() {
+            429 | 503 => Outcome::BackPressure {
+                retry_after: ServerHint::from_headers(headers, SystemTime::now()).retry_delay(),
+            },
+            408 | 500 | 502 | 504 => Outcome::Retry,
+            400.. => Outcome::Fatal,
+            _ => Outcome::Success,
+        }
+    }
+}
+
+impl<B, E> Classify<Response<B>, E> for HttpClassify {
+    fn classify(&self, result: &Result<Response<B>, E>) -> Outcome {
+        match result {
+            Ok(res) => self.outcome(res.status(), res.headers()),
+            Err(_) => Outcome::Retry,
+        }
+    }
+}
+
+/// Tell `pacer` what a response's fields say: the server's sustained rate
+/// (`RateLimit-Policy`'s `q` within `w`) and its allowance (`RateLimit`'s `r` within `t`),
+/// each when the server sent it. Call it before reporting the response's outcome, as
+/// [`AdaptivePacer`] asks.
+pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint) {
+    if let Some((quota, window)) = hint.sustained_rate() {
+        pacer.on_policy(quota, window);
+    }
+    if let Some((remaining, reset)) = hint.allowance() {
+        pacer.on_allowance(remaining, reset);
+    }
+}
+
+/// Which methods a [`Outcome::Retry`] may send again.
+#[derive(Debug, Clone)]
+enum Methods {
+    Any,
+    Only(Arc<[Method]>),
+}
+
+impl Methods {
+    fn allows(&self, method: &Method) -> bool {
+        match self {
+            Methods::Any => true,
+            Methods::Only(methods) => methods.contains(method),
+        }
+    }
+}
+
+/// A tower layer that retries HTTP requests: backoff, retry budget and adaptive pacing
+/// from a [`RetryPolicy`], outcomes from a classifier ([`HttpClassify`] by default).
+///
+/// It wraps a client: any `Service<Request<B>, Response = Response<ResB>>` whose request
+/// body can be sent again, `B: Clone` (`Full<Bytes>`, `Empty<Bytes>`, `String`; a
+/// streaming body cannot be retried). Each attempt sends a clone of the request; for each
+/// one [`Retry`]'s future:
+///
+/// 1. waits for the policy's [`AdaptivePacer`], if any;
+/// 2. sends the request (the inner service made ready first), under the policy's
+///    [`attempt_timeout`](crate::retry::RetryPolicyBuilder::attempt_timeout) if any (a
+///    timed-out attempt is back-pressure);
+/// 3. classifies the result; feeds the response's `RateLimit-Policy` / `RateLimit`
+///    fields to the pacer (every response, not only refusals: the server's remaining
+///    steers the rate before any `429`); reports the outcome and the attempt's own
+///    round-trip time to the policy (the budget, the pacer, the metrics): the RTT of
+///    that attempt alone, from sending to the response, never the waits before it nor
+///    the earlier attempts;
+/// 4. stops on success or a fatal outcome; else asks the budget and the backoff, waits
+///    (the server's `Retry-After` when it sent one) and goes again, or stops.
+///
+/// The response is the last attempt's (on giving up after `429`s, the last `429`, its
+/// `Retry-After` and fields intact), with a [`RetryInfo`] in its extensions. The error is
+/// the last attempt's own error, [`RetryError::Inner`], or [`RetryError::TimedOut`] when
+/// the last attempt ran past the attempt timeout.
+///
+/// An [`Outcome::Retry`] (a `500`, a transport error) and a timed-out attempt are retried
+/// only for the methods of [`retry_methods`](RetryLayer::retry_methods), by default the
+/// idempotent ones (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`): the request may
+/// have been acted on, so for the others it is final (as [`Outcome::Fatal`], the budget
+/// counting the failure; a timeout as [`Stop::TimedOut`]). A `429` or `503` is retried for
+/// every method: the server refused the request without acting on it.
+///
+/// The layer, its services and their futures follow tower's rules: `poll_ready` only asks
+/// the inner service; the service that was made ready goes with the request (the layer
+/// keeps a fresh clone, `mem::replace`); later attempts make that service ready again
+/// themselves. Clones share the policy (and so its budget, pacer and metrics).
+///
+/// A retried response's body is read and dropped during the wait before the next attempt
+/// (up to 64 KiB; a longer one, or one still arriving when the wait ends, is dropped
+/// unread): hyper's client returns a connection to its pool only once its response was read,
+/// so refusals do not cost a new connection each.
+///
+/// # Examples
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::time::Duration;
+/// use flowgate::retry::{Backoff, RetryInfo, RetryLayer, RetryPolicy, Stop};
+/// use http::{HeaderValue, Request, Response, StatusCode, header::RETRY_AFTER};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // A server that answers `503` with `Retry-After: 2` twice, then `200`.
+/// let calls = Arc::new(AtomicU32::new(0));
+/// let server = service_fn(move |_req: Request<String>| {
+///     let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
+///     async move {
+///         let mut res = Response::new(format!("answer {n}"));
+///         if n < 3 {
+///             *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+///             res.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("2"));
+///         }
+///         Ok::<_, Infallible>(res)
+///     }
+/// });
+///
+/// let policy = RetryPolicy::builder(Backoff::builder().seed(1).build()?).build()?;
+/// let client = RetryLayer::new(policy).layer(server);
+///
+/// let start = tokio::time::Instant::now();
+/// let res = client.oneshot(Request::get("/").body(String::new())?).await?;
+/// assert_eq!(res.status(), StatusCode::OK);
+/// assert_eq!(start.elapsed(), Duration::from_secs(4)); // what the server asked for
+/// let info = res.extensions().get::<RetryInfo>().unwrap();
+/// assert_eq!((info.attempts, &info.stop), (3, &Stop::Success));
+/// assert_eq!(res.into_body(), "answer 3");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RetryLayer<C = HttpClassify> {
+    policy: RetryPolicy,
+    classify: C,
+    methods: Methods,
+}
+
+impl RetryLayer<HttpClassify> {
+    /// A layer retrying with `policy`, classifying with [`HttpClassify`], retrying
+    /// [`Outcome::Retry`] for the idempotent methods only.
+    pub fn new(policy: RetryPolicy) -> RetryLayer<HttpClassify> {
+        RetryLayer {
+            policy,
+            classify: HttpClassify::new(),
+            methods: Methods::Only(Arc::from(IDEMPOTENT.as_slice())),
+        }
+    }
+}
+
+impl<C> RetryLayer<C> {
+    /// Classify with `classify` instead: a [`Classify`] of the inner service's result,
+    /// such as `|r: &Result<Response<B>, E>| -> Outcome`. It is called once per attempt.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::retry::{Backoff, HttpClassify, Outcome, RetryLayer, RetryPolicy};
+    /// use http::{Response, StatusCode};
+    ///
+    /// let policy = RetryPolicy::builder(Backoff::builder().build()?).build()?;
+    /// // Also retry `409 Conflict`; everything else as by default.
+    /// let layer = RetryLayer::new(policy).classify(
+    ///     |r: &Result<Response<String>, std::io::Error>| match r {
+    ///         Ok(res) if res.status() == StatusCode::CONFLICT => Outcome::Retry,
+    ///         Ok(res) => HttpClassify::new().outcome(res.status(), res.headers()),
+    ///         Err(_) => Outcome::Retry,
+    ///     },
+    /// );
+    /// # let _ = layer;
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    pub fn classify<D>(self, classify: D) -> RetryLayer<D> {
+        RetryLayer {
+            policy: self.policy,
+            classify,
+            methods: self.methods,
+        }
+    }
+
+    /// Retry an [`Outcome::Retry`] or a timed-out attempt only for these methods (by
+    /// default the idempotent ones: `GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`).
+    /// For any other method it is final. A `429` or `503` is retried whatever the method.
+    pub fn retry_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = Methods::Only(methods.into_iter().collect());
+        self
+    }
+
+    /// Retry an [`Outcome::Retry`] or a timed-out attempt whatever the method (for a
+    /// server that makes every request idempotent, say with an idempotency key).
+    pub fn retry_any_method(mut self) -> Self {
+        self.methods = Methods::Any;
+        self
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+}
+
+impl<C: fmt::Debug> fmt::Debug for RetryLayer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("policy", &self.policy)
+            .field("classify", &self.classify)
+            .field("methods", &self.methods)
+            .finish()
+    }
+}
+
+impl<S, C: Clone> Layer<S> for RetryLayer<C> {
+    type Service = Retry<S, C>;
+
+    fn layer(&self, inner: S) -> Retry<S, C> {
+        Retry {
+            inner,
+            shared: Arc::new(Shared {
+                policy: self.policy.clone(),
+                classify: self.classify.clone(),
+                methods: self.methods.clone(),
+            }),
+        }
+    }
+}
+
+/// What a layer hands each of its services and their futures.
+struct Shared<C> {
+    policy: RetryPolicy,
+    classify: C,
+    methods: Methods,
+}
+
+/// The service of a [`RetryLayer`]: retries each request; see the layer for what each
+/// attempt does. Cheap to clone (the inner service, and an `Arc`).
+#[derive(Clone)]
+pub struct Retry<S, C = HttpClassify> {
+    inner: S,
+    shared: Arc<Shared<C>>,
+}
+
+impl<S, C> Retry<S, C> {
+    /// The policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.shared.policy
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: fmt::Debug, C: fmt::Debug> fmt::Debug for Retry<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .field("policy", &self.shared.policy)
+            .field("classify", &self.shared.classify)
+            .field("methods", &self.shared.methods)
+            .finish()
+    }
+}
+
+impl<S, C, B, ResB> Service<Request<B>> for Retry<S, C>
+where
+    S: Service<Request<B>, Response = Response<ResB>> + Clone,
+    C: Classify<Response<ResB>, S::Error>,
+    B: Clone,
+    ResB: Body,
+{
+    type Response = Response<ResB>;
+    type Error = RetryError<S::Error>;
+    type Future = RetryFuture<S, C, B, ResB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(RetryError::Inner)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service that was made ready goes with this request; a fresh clone stays.
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        let retryable = self.shared.methods.allows(req.method());
+        let schedule = self.shared.policy.backoff().start();
+        let state = first_state(&self.shared.policy);
+        RetryFuture {
+            shared: self.shared.clone(),
+            service,
+            ready: true,
+            request: req,
+            retryable,
+            schedule,
+            state,
+            sleep: None,
+        }
+    }
+}
+
+/// The state an attempt starts in: waiting for the pacer, or sending at once.
+fn first_state<F, ResB>(policy: &RetryPolicy) -> State<F, ResB> {
+    match policy.pacer() {
+        Some(pacer) => State::Pace {
+            wait: pacer.until_ready(1),
+        },
+        None => State::Send,
+    }
+}
+
+/// What [`Retry`] did for a response: in the response's extensions.
+///
+/// # Examples
+///
+/// See [`RetryLayer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryInfo {
+    /// Attempts made, the first included.
+    pub attempts: u32,
+    /// Why the retries stopped (with this response).
+    pub stop: Stop,
+}
+
+/// The response future of [`Retry`]: the whole retry sequence of one request.
+///
+/// It owns everything it needs (a ready clone of the inner service, the request, the
+/// backoff schedule, a refused response's body while it is read) and keeps its states in an
+/// explicit enum, with one timer reset for every timeout and wait: no allocation beyond the
+/// pacer's wait.
+///
+/// # Cancel safety
+///
+/// Dropping it drops the attempt under way (and its response) or the wait before the next
+/// one; the request is not sent again. The budget and the pacer have heard of every
+/// attempt that completed.
+#[pin_project]
+#[must_use = "futures do nothing unless polled"]
+pub struct RetryFuture<S, C, B, ResB>
+where
+    S: Service<Request<B>>,
+{
+    shared: Arc<Shared<C>>,
+    /// A clone of the inner service, for this request's attempts.
+    service: S,
+    /// Whether `service` is known ready (the first attempt: the caller made it ready).
+    ready: bool,
+    /// The request; each attempt sends a clone.
+    request: Request<B>,
+    /// Whether an [`Outcome::Retry`] may send this request again (its method).
+    retryable: bool,
+    schedule: Schedule,
+    #[pin]
+    state: State<S::Future, ResB>,
+    /// The attempt's timeout, or the wait before the next attempt: one timer, reset.
+    #[pin]
+    sleep: Option<Sleep>,
+}
+
+#[pin_project(project = StateProj)]
+enum State<F, ResB> {
+    /// Waiting for the adaptive pacer before an attempt.
+    Pace {
+        #[pin]
+        wait: UntilReady,
+    },
+    /// Making the service ready (after the first attempt), then sending.
+    Send,
+    /// An attempt under way.
+    Call {
+        #[pin]
+        fut: F,
+        started: Instant,
+    },
+    /// Waiting before the next attempt, reading the last response's body meanwhile.
+    Backoff {
+        #[pin]
+        drain: Option<ResB>,
+        drained: usize,
+    },
+    /// The result was given out.
+    Done,
+}
+
+/// Set `sleep` to end at `deadline`, creating the timer on first use.
+fn arm(mut sleep: Pin<&mut Option<Sleep>>, deadline: Instant) {
+    match sleep.as_mut().as_pin_mut() {
+        Some(timer) => timer.reset(deadline),
+        None => sleep.set(Some(tokio::time::sleep_until(deadline))),
+    }
+}
+
+impl<S, C, B, ResB> Future for RetryFuture<S, C, B, ResB>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    C: Classify<Response<ResB>, S::Error>,
+    B: Clone,
+    ResB: Body,
+{
+    type Output = Result<Response<ResB>, RetryError<S::Error>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let policy = &this.shared.policy;
+        loop {
+            let (result, started) = match this.state.as_mut().project() {
+                StateProj::Pace { wait } => {
+                    // Cost 1 never exceeds a pacer's burst (at least 1): this cannot fail.
+                    let _ = ready!(wait.poll(cx));
+                    this.state.set(State::Send);
+                    continue;
+                }
+                StateProj::Send => {
+                    if !*this.ready
+                        && let Err(e) = ready!(this.service.poll_ready(cx))
+                    {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(RetryError::Inner(e)));
+                    }
+                    *this.ready = false;
+                    let req = this.request.clone();
+                    // The round trip starts when the request is handed to the client.
+                    let started = Instant::now();
+                    let fut = this.service.call(req);
+                    if let Some(limit) = policy.attempt_timeout() {
+                        arm(this.sleep.as_mut(), started + capped(limit));
+                    }
+                    this.state.set(State::Call { fut, started });
+                    continue;
+                }
+                StateProj::Call { fut, started } => {
+                    let started = *started;
+                    match fut.poll(cx) {
+                        Poll::Ready(result) => (Some(result), started),
+                        Poll::Pending => {
+                            // The timer was armed for this attempt when it has a timeout.
+                            let timed_out = policy.attempt_timeout().is_some()
+                                && this
+                                    .sleep
+                                    .as_mut()
+                                    .as_pin_mut()
+                                    .is_some_and(|t| t.poll(cx).is_ready());
+                            if !timed_out {
+                                return Poll::Pending;
+                            }
+                            (None, started)
+                        }
+                    }
+                }
+                StateProj::Backoff { mut drain, drained } => {
+                    // Read the refused response to its end while waiting: hyper's client
+                    // reuses a connection only once its response was read.
+                    if let Some(body) = drain.as_mut().as_pin_mut() {
+                        let done = poll_drain(body, drained, cx);
+                        if done {
+                            drain.set(None);
+                        }
+                    }
+                    if let Some(timer) = this.sleep.as_mut().as_pin_mut() {
+                        ready!(timer.poll(cx));
+                    }
+                    this.state.set(first_state(policy));
+                    continue;
+                }
+                StateProj::Done => panic!("RetryFuture polled after completion"),
+            };
+            // The attempt is over: drop its future (a timed-out one is cancelled).
+            this.state.set(State::Done);
+            let rtt = started.elapsed();
+            let mut outcome = match &result {
+                Some(result) => this.shared.classify.classify(result),
+                None => Outcome::BackPressure { retry_after: None },
+            };
+            if outcome == Outcome::Retry && !*this.retryable {
+                // Not sent again; the downstream failed all the same.
+                outcome = Outcome::Fatal;
+                if let Some(budget) = policy.budget() {
+                    budget.on_failure();
+                }
+            }
+            if let (Some(pacer), Some(Ok(res))) = (policy.pacer(), &result) {
+                feed_hint(
+                    pacer,
+                    &ServerHint::from_headers(res.headers(), SystemTime::now()),
+                );
+            }
+            policy.record(outcome, rtt);
+            let attempts = this.schedule.attempts();
+            let stop = match outcome {
+                Outcome::Success => Stop::Success,
+                Outcome::Fatal => Stop::Fatal,
+                // A timed-out request may have been acted on: only a method safe to send
+                // twice is sent again (the pacer still heard of the back-pressure).
+                Outcome::BackPressure { .. } if result.is_none() && !*this.retryable => {
+                    Stop::TimedOut
+                }
+                Outcome::Retry | Outcome::BackPressure { .. } => {
+                    match policy.next(this.schedule, outcome) {
+                        Ok(delay) => {
+                            arm(this.sleep.as_mut(), Instant::now() + capped(delay));
+                            let drain = match result {
+                                Some(Ok(res)) => Some(res.into_body()),
+                                _ => None,
+                            };
+                            this.state.set(State::Backoff { drain, drained: 0 });
+                            continue;
+                        }
+                        Err(_) if result.is_none() => Stop::TimedOut,
+                        Err(stop) => stop,
+                    }
+                }
+            };
+            policy.count_stop(&stop);
+            return Poll::Ready(match result {
+                Some(Ok(mut res)) => {
+                    res.extensions_mut().insert(RetryInfo { attempts, stop });
+                    Ok(res)
+                }
+                Some(Err(e)) => Err(RetryError::Inner(e)),
+                None => Err(RetryError::TimedOut { attempts }),
+            });
+        }
+    }
+}
+
+/// Read `body` without keeping it, while it has frames ready; whether it is done with (its
+/// end, an error, or more than [`DRAIN_LIMIT`] bytes read).
+fn poll_drain<ResB: Body>(
+    mut body: Pin<&mut ResB>,
+    drained: &mut usize,
+    cx: &mut Context<'_>,
+) -> bool {
+    loop {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    *drained = drained.saturating_add(data.remaining());
+                }
+                if *drained > DRAIN_LIMIT {
+                    return true;
+                }
+            }
+            Poll::Ready(Some(Err(_)) | None) => return true,
+            Poll::Pending => return false,
+        }
+    }
+}
+
+impl<S, C, B, ResB> fmt::Debug for RetryFuture<S, C, B, ResB>
+where
+    S: Service<Request<B>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Pace { .. } => "pace",
+            State::Send => "send",
+            State::Call { .. } => "call",
+            State::Backoff { .. } => "backoff",
+            State::Done => "done",
+        };
+        f.debug_struct("RetryFuture")
+            .field("method", self.request.method())
+            .field("uri", self.request.uri())
+            .field("attempts", &self.schedule.attempts())
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_types_are_send_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<RetryLayer>();
+        send_sync::<HttpClassify>();
+        send_sync::<RetryInfo>();
+        send_sync::<Retry<(), HttpClassify>>();
+    }
+
+    #[test]
+    fn idempotent_methods_only_by_default() {
+        let methods = Methods::Only(Arc::from(IDEMPOTENT.as_slice()));
+        for m in IDEMPOTENT {
+            assert!(methods.allows(&m), "{m}");
+        }
+        for m in [Method::POST, Method::PATCH, Method::CONNECT] {
+            assert!(!methods.allows(&m), "{m}");
+        }
+        assert!(Methods::Any.allows(&Method::POST));
+    }
+
+    #[test]
+    fn statuses_classify_as_documented() {
+        let c = HttpClassify::new();
+        let none = HeaderMap::new();
+        for (status, want) in [
+            (200, Outcome::Success),
+            (204, Outcome::Success),
+            (301, Outcome::Success),
+            (429, Outcome::BackPressure { retry_after: None }),
+            (503, Outcome::BackPressure { retry_after: None }),
+            (408, Outcome::Retry),
+            (500, Outcome::Retry),
+            (502, Outcome::Retry),
+            (504, Outcome::Retry),
+            (400, Outcome::Fatal),
+            (404, Outcome::Fatal),
+            (501, Outcome::Fatal),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap();
+            assert_eq!(c.outcome(status, &none), want, "{status}");
+        }
+        let err: Result<Response<()>, ()> = Err(());
+        assert_eq!(c.classify(&err), Outcome::Retry);
+    }
+}

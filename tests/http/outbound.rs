@@ -1,0 +1,725 @@
+//! The outbound side over HTTP: `RetryLayer` around `tower::service_fn` servers under paused
+//! time (Retry-After, deadline, methods, timeouts, RTT per attempt, clone-after-ready, the
+//! server's fields fed to the pacer), and 8 real hyper clients with their own
+//! `AdaptivePacer`s against flowgate's `RateLimitLayer` over real HTTP and real time.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get as route_get;
+use bytes::Bytes;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{Constant, Policy, RateLimitLayer};
+use flowgate::pace::AdaptivePacer;
+use flowgate::retry::{
+    Backoff, GiveUp, Jitter, RetryBudget, RetryError, RetryInfo, RetryLayer, RetryPolicy, Stop,
+};
+use flowgate::{Quota, Rate};
+use http::header::RETRY_AFTER;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+use crate::harness::Server;
+
+const SECOND: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// A backoff without jitter (100 ms, 200 ms, ...), `attempts` attempts at most.
+fn backoff(attempts: u32) -> Backoff {
+    Backoff::builder()
+        .jitter(Jitter::None)
+        .max_attempts(attempts)
+        .seed(1)
+        .build()
+        .unwrap()
+}
+
+fn policy(backoff: Backoff) -> RetryPolicy {
+    RetryPolicy::builder(backoff).build().unwrap()
+}
+
+/// A response with `status`, `body`, and a `Retry-After` of `retry_after` seconds.
+fn answer(status: u16, body: String, retry_after: Option<&'static str>) -> Response<String> {
+    let mut res = Response::new(body);
+    *res.status_mut() = StatusCode::from_u16(status).unwrap();
+    if let Some(secs) = retry_after {
+        res.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from_static(secs));
+    }
+    res
+}
+
+fn request(method: Method) -> Request<String> {
+    Request::builder()
+        .method(method)
+        .uri("/")
+        .body(String::new())
+        .unwrap()
+}
+
+fn info<B>(res: &Response<B>) -> RetryInfo {
+    res.extensions().get::<RetryInfo>().cloned().unwrap()
+}
+
+/// A server answering `status(n)` to its n-th call (from 1); counts its calls and when
+/// each came (since `start`).
+#[derive(Clone)]
+struct Scripted {
+    calls: Arc<AtomicU32>,
+    times: Arc<Mutex<Vec<Duration>>>,
+    start: Instant,
+}
+
+impl Scripted {
+    fn new() -> Scripted {
+        Scripted {
+            calls: Arc::new(AtomicU32::new(0)),
+            times: Arc::new(Mutex::new(Vec::new())),
+            start: Instant::now(),
+        }
+    }
+
+    fn calls(&self) -> u32 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn times(&self) -> Vec<Duration> {
+        self.times.lock().unwrap().clone()
+    }
+
+    /// A `service_fn` answering `script(n)` to the n-th call.
+    fn service(
+        &self,
+        script: impl Fn(u32) -> Response<String> + Clone + Send + 'static,
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone
+    {
+        let this = self.clone();
+        service_fn(move |_req: Request<String>| {
+            let n = this.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            this.times.lock().unwrap().push(this.start.elapsed());
+            let res = script(n);
+            async move { Ok::<_, Infallible>(res) }
+        })
+    }
+}
+
+// ---- the layer, paused time ----
+
+#[tokio::test(start_paused = true)]
+async fn retries_a_503_after_its_retry_after() {
+    let server = Scripted::new();
+    let svc = server.service(|n| match n {
+        1 => answer(503, "busy".into(), Some("3")),
+        _ => answer(200, format!("answer {n}"), None),
+    });
+    let client = RetryLayer::new(policy(backoff(5))).layer(svc);
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The second attempt came exactly when the server said, not after the 100 ms backoff.
+    assert_eq!(server.times(), [Duration::ZERO, 3 * SECOND]);
+    let info = info(&res);
+    assert_eq!((info.attempts, info.stop), (2, Stop::Success));
+    assert_eq!(res.into_body(), "answer 2");
+}
+
+#[tokio::test(start_paused = true)]
+async fn gives_up_past_the_deadline_returning_the_last_429() {
+    let server = Scripted::new();
+    let svc = server.service(|n| answer(429, format!("refusal {n}"), Some("2")));
+    let backoff = Backoff::builder()
+        .max_attempts(10)
+        .deadline(5 * SECOND)
+        .seed(1)
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy(backoff)).layer(svc);
+    let start = Instant::now();
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    // Attempts at 0, 2 and 4 s; waiting 2 s more would reach the deadline of 5 s: give up
+    // at once, with the last refusal (its Retry-After intact).
+    assert_eq!(start.elapsed(), 4 * SECOND);
+    assert_eq!(server.times(), [Duration::ZERO, 2 * SECOND, 4 * SECOND]);
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(res.headers()[RETRY_AFTER], "2");
+    let info = info(&res);
+    assert_eq!(info.attempts, 3);
+    assert!(
+        matches!(info.stop, Stop::GaveUp(GiveUp::Deadline { delay, .. }) if delay == 2 * SECOND),
+        "{:?}",
+        info.stop
+    );
+    assert_eq!(res.into_body(), "refusal 3");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_past_the_deadline_gives_up_at_once() {
+    let server = Scripted::new();
+    let svc = server.service(|_| answer(503, String::new(), Some("60")));
+    let backoff = Backoff::builder()
+        .deadline(30 * SECOND)
+        .max_retry_after(120 * SECOND)
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy(backoff)).layer(svc);
+    let start = Instant::now();
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(server.calls(), 1);
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(matches!(
+        info(&res).stop,
+        Stop::GaveUp(GiveUp::Deadline { .. })
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn does_not_retry_a_post_on_500_by_default() {
+    let always_500 = |_| answer(500, String::new(), None);
+
+    // POST: the 500 is final.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy(backoff(3))).layer(server.service(always_500));
+    let res = client.oneshot(request(Method::POST)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(server.calls(), 1);
+    assert_eq!(info(&res).stop, Stop::Fatal);
+
+    // GET, idempotent: retried until the attempts run out.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy(backoff(3))).layer(server.service(always_500));
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(server.calls(), 3);
+    assert_eq!(
+        info(&res).stop,
+        Stop::GaveUp(GiveUp::Attempts { attempts: 3 })
+    );
+
+    // POST with every method allowed: retried.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy(backoff(3)))
+        .retry_any_method()
+        .layer(server.service(always_500));
+    client.oneshot(request(Method::POST)).await.unwrap();
+    assert_eq!(server.calls(), 3);
+
+    // PATCH not in an explicit list: final; PATCH in it: retried.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy(backoff(3)))
+        .retry_methods([Method::GET])
+        .layer(server.service(always_500));
+    client.oneshot(request(Method::PATCH)).await.unwrap();
+    assert_eq!(server.calls(), 1);
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy(backoff(3)))
+        .retry_methods([Method::PATCH])
+        .layer(server.service(always_500));
+    client.oneshot(request(Method::PATCH)).await.unwrap();
+    assert_eq!(server.calls(), 3);
+
+    // POST on back-pressure: the server refused it without acting on it, so it is retried.
+    let server = Scripted::new();
+    let svc = server.service(|n| match n {
+        1 => answer(429, String::new(), Some("1")),
+        _ => answer(201, String::new(), None),
+    });
+    let client = RetryLayer::new(policy(backoff(3))).layer(svc);
+    let res = client.oneshot(request(Method::POST)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(server.calls(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn other_4xx_are_fatal_and_5xx_retried_with_the_backoff() {
+    let server = Scripted::new();
+    let svc = server.service(|n| match n {
+        1 => answer(502, String::new(), None),
+        2 => answer(504, String::new(), None),
+        _ => answer(404, String::new(), None),
+    });
+    let client = RetryLayer::new(policy(backoff(10))).layer(svc);
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+    // No Retry-After: the backoff's delays, 100 ms then 200 ms (no jitter).
+    assert_eq!(server.times(), [Duration::ZERO, 100 * MS, 300 * MS]);
+    let info = info(&res);
+    assert_eq!((info.attempts, info.stop), (3, Stop::Fatal));
+}
+
+#[derive(Debug, PartialEq)]
+struct Refused(u32);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "connection refused ({})", self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+#[tokio::test(start_paused = true)]
+async fn transport_errors_are_retried_and_the_last_one_returned() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let flaky = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if n < 3 {
+                    Err(Refused(n))
+                } else {
+                    Ok(Response::new(String::from("ok")))
+                }
+            }
+        })
+    };
+    let client = RetryLayer::new(policy(backoff(5))).layer(flaky);
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(info(&res).attempts, 3);
+
+    let calls = Arc::new(AtomicU32::new(0));
+    let down = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move { Err::<Response<String>, _>(Refused(n)) }
+        })
+    };
+    let client = RetryLayer::new(policy(backoff(4))).layer(down);
+    let err = client.oneshot(request(Method::GET)).await.unwrap_err();
+    assert!(matches!(err, RetryError::Inner(Refused(4))), "{err:?}");
+    assert_eq!(err.to_string(), "connection refused (4)");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_attempt_is_back_pressure_and_the_last_one_an_error() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let hangs = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<Response<String>, Infallible>>()
+        })
+    };
+    let policy = RetryPolicy::builder(backoff(2))
+        .attempt_timeout(SECOND)
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(hangs);
+    let start = Instant::now();
+    let err = client.oneshot(request(Method::GET)).await.unwrap_err();
+    assert!(
+        matches!(err, RetryError::TimedOut { attempts: 2 }),
+        "{err:?}"
+    );
+    // 1 s, the 100 ms backoff, 1 s.
+    assert_eq!(start.elapsed(), 2100 * MS);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_post_is_not_sent_again_after_a_timeout_or_a_500_but_the_budget_hears_it() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let hangs = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<Response<String>, Infallible>>()
+        })
+    };
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff(5))
+        .attempt_timeout(SECOND)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(hangs);
+    let err = client.oneshot(request(Method::POST)).await.unwrap_err();
+    assert!(
+        matches!(err, RetryError::TimedOut { attempts: 1 }),
+        "{err:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // The timeout was back-pressure for the pacer all the same.
+    assert_eq!(pacer.status().cuts, 1);
+
+    let server = Scripted::new();
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let policy = RetryPolicy::builder(backoff(5))
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let client =
+        RetryLayer::new(policy).layer(server.service(|_| answer(500, String::new(), None)));
+    client.oneshot(request(Method::POST)).await.unwrap();
+    assert_eq!(server.calls(), 1);
+    assert_eq!(budget.tokens(), 9.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_stops_retries_and_returns_the_last_response() {
+    let server = Scripted::new();
+    let svc = server.service(|_| answer(502, String::new(), None));
+    // 4 tokens: one failure leaves 3 (> 2: retry), the second leaves 2 (refused).
+    let policy = RetryPolicy::builder(backoff(10))
+        .budget(RetryBudget::new(4, 0.1).unwrap())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(svc);
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(server.calls(), 2);
+    assert_eq!(info(&res).stop, Stop::Budget);
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn rtt_is_recorded_per_attempt_not_across_the_retries() {
+    use crate::support::TestRecorder;
+
+    // Attempts take 100, 200 and 300 ms; the first two answer 503 with `Retry-After: 1`;
+    // a pacer at 1/s adds its own waits before the attempts.
+    let calls = Arc::new(AtomicU32::new(0));
+    let slow = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                tokio::time::sleep(100 * MS * n).await;
+                Ok::<_, Infallible>(if n < 3 {
+                    answer(503, String::new(), Some("1"))
+                } else {
+                    answer(200, String::new(), None)
+                })
+            }
+        })
+    };
+    let recorder = TestRecorder::default();
+    let pacer = AdaptivePacer::builder(Rate::per_second(1).unwrap())
+        .build()
+        .unwrap();
+    let policy = metrics::with_local_recorder(&recorder, || {
+        RetryPolicy::builder(backoff(5))
+            .pacer(pacer.clone())
+            .name("rtt")
+            .build()
+            .unwrap()
+    });
+    let client = RetryLayer::new(policy).layer(slow);
+    let start = Instant::now();
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let total = start.elapsed();
+
+    let samples = recorder.samples("flowgate_retry_attempt_seconds{name=rtt}");
+    assert_eq!(samples.len(), 3, "{samples:?}");
+    for (sample, want) in samples.iter().zip([0.1, 0.2, 0.3]) {
+        // Each attempt alone (timer granularity: 1 ms), never the sequence so far.
+        assert!(
+            (want..want + 0.002).contains(sample),
+            "{samples:?} (total {total:?})"
+        );
+    }
+    assert!(total >= 2 * SECOND + 600 * MS, "{total:?}");
+    // The pacer heard of the back-pressure: paused twice (Retry-After), cut once (one
+    // congestion epoch per pause).
+    let status = pacer.status();
+    assert_eq!(status.pauses, 2);
+    assert!(status.cuts >= 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_server_fields_reach_the_pacer_on_every_response() {
+    let server = Scripted::new();
+    let svc = server.service(|_| {
+        let mut res = answer(200, String::new(), None);
+        let h = res.headers_mut();
+        h.insert(
+            "ratelimit-policy",
+            HeaderValue::from_static(r#""global";q=50;w=2"#),
+        );
+        h.insert("ratelimit", HeaderValue::from_static(r#""global";r=7;t=1"#));
+        res
+    });
+    let pacer = AdaptivePacer::builder(Rate::per_second(1000).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff(3))
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(svc);
+    client.oneshot(request(Method::GET)).await.unwrap();
+    let status = pacer.status();
+    assert_eq!(status.server_policy, Some((50, 2 * SECOND)));
+    assert_eq!(status.server_remaining, Some(7));
+    // Never faster than the server's sustained 25/s.
+    assert!(status.ceiling_per_second <= 25.0, "{status:?}");
+    assert!(pacer.rate().per_second_f64() <= 25.0, "{status:?}");
+}
+
+/// A body of one chunk that notes when it was read to its end.
+struct Watched {
+    chunk: Option<Bytes>,
+    ended: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        match self.chunk.take() {
+            Some(chunk) => Poll::Ready(Some(Ok(http_body::Frame::data(chunk)))),
+            None => {
+                self.ended.store(true, Ordering::SeqCst);
+                Poll::Ready(None)
+            }
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_response_is_read_to_its_end_while_waiting() {
+    let ended: Vec<Arc<std::sync::atomic::AtomicBool>> = (0..2).map(|_| Arc::default()).collect();
+    let calls = Arc::new(AtomicU32::new(0));
+    let svc = {
+        let (ended, calls) = (ended.clone(), calls.clone());
+        service_fn(move |_req: Request<String>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) as usize;
+            let body = Watched {
+                chunk: Some(Bytes::from_static(b"{\"title\": \"too many requests\"}")),
+                ended: ended[n].clone(),
+            };
+            let mut res = Response::new(body);
+            if n == 0 {
+                *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                res.headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            async move { Ok::<_, Infallible>(res) }
+        })
+    };
+    let client = RetryLayer::new(policy(backoff(3))).layer(svc);
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The 429's body was read (its connection could go back to a pool); the answer's is
+    // the caller's, untouched.
+    assert!(ended[0].load(Ordering::SeqCst));
+    assert!(!ended[1].load(Ordering::SeqCst));
+}
+
+/// A service whose readiness belongs to one instance: `call` panics unless this very
+/// instance was polled ready since its last call. Logs every `poll_ready` and `call` with
+/// the instance's id.
+struct Tracked {
+    id: usize,
+    ready: bool,
+    ids: Arc<AtomicUsize>,
+    log: Arc<Mutex<Vec<(&'static str, usize)>>>,
+    calls: Arc<AtomicU32>,
+}
+
+impl Clone for Tracked {
+    fn clone(&self) -> Tracked {
+        Tracked {
+            id: self.ids.fetch_add(1, Ordering::SeqCst),
+            ready: false,
+            ids: self.ids.clone(),
+            log: self.log.clone(),
+            calls: self.calls.clone(),
+        }
+    }
+}
+
+impl Service<Request<String>> for Tracked {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<String>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.ready = true;
+        self.log.lock().unwrap().push(("ready", self.id));
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: Request<String>) -> Self::Future {
+        assert!(self.ready, "instance {} called without poll_ready", self.id);
+        self.ready = false;
+        self.log.lock().unwrap().push(("call", self.id));
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        Box::pin(async move {
+            Ok(if n == 1 {
+                answer(503, String::new(), Some("1"))
+            } else {
+                answer(200, String::new(), None)
+            })
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_service_made_ready_goes_with_the_request() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let tracked = Tracked {
+        id: 0,
+        ready: false,
+        ids: Arc::new(AtomicUsize::new(1)),
+        log: log.clone(),
+        calls: Arc::new(AtomicU32::new(0)),
+    };
+    let mut client = RetryLayer::new(policy(backoff(3))).layer(tracked);
+    client.ready().await.unwrap();
+    let fut = client.call(request(Method::GET));
+    // The layer kept a fresh clone; instance 0, made ready by the caller, went with the
+    // request.
+    assert_eq!(client.get_ref().id, 1);
+    assert!(!client.get_ref().ready);
+    let res = fut.await.unwrap();
+    assert_eq!(info(&res).attempts, 2);
+    // The first attempt calls the instance the caller made ready; the retry makes it ready
+    // again before calling it.
+    assert_eq!(
+        *log.lock().unwrap(),
+        [("ready", 0), ("call", 0), ("ready", 0), ("call", 0)]
+    );
+}
+
+#[test]
+fn layer_types_are_clone_debug_send() {
+    fn check<T: Clone + std::fmt::Debug + Send + Sync>(_: &T) {}
+    let layer = RetryLayer::new(policy(backoff(3)));
+    check(&layer);
+    let svc = layer.layer(tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    fn check_service<T: Clone + Send + Sync>(_: &T) {}
+    check_service(&svc);
+    let text = format!("{layer:?}");
+    assert!(
+        text.contains("RetryLayer") && text.contains("HttpClassify"),
+        "{text}"
+    );
+}
+
+// ---- real HTTP, real time ----
+
+/// Per attempt, as the client saw it: when (since the start) and the status.
+type Log = Arc<Mutex<Vec<(Duration, StatusCode)>>>;
+
+/// 8 clients, each a hyper client behind a `RetryLayer` with its own `AdaptivePacer`
+/// starting at 1 000/s, against flowgate's `RateLimitLayer` at 100/s (one key, burst 100)
+/// on 127.0.0.1, for 8 s of real time, each client a closed loop of GETs.
+///
+/// After the first 2 s: fewer than 5 % of the attempts are `429`s and goodput is at least
+/// 90 % of 100/s. The simulated run under paused time (`tests/outbound.rs`) holds the
+/// issue's tighter figure (95 %); here the bound is looser because real time is noisy: the
+/// scheduler, TCP connects after a retried response's connection is closed, and timer
+/// granularity (1 ms) jitter when each client sends, and a slow CI machine (this one has
+/// 2 cores shared with other builds) can stall the clients for tens of milliseconds, which
+/// costs goodput that a simulation never loses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_adaptive_clients_converge_on_a_real_server() {
+    const CLIENTS: usize = 8;
+    const RUN: Duration = Duration::from_secs(8);
+    const WARMUP: Duration = Duration::from_secs(2);
+
+    let quota = Quota::per_second(100).unwrap().burst(100).unwrap();
+    let limit = RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+        .policy(Policy::new("global", quota, Constant::new("all")))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(limit);
+    let server = Server::start(app).await;
+    let url = server.url("/");
+
+    let log: Log = Arc::default();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..CLIENTS {
+        let pacer = AdaptivePacer::builder(Rate::per_second(1000).unwrap())
+            .name(format!("client-{i}"))
+            .build()
+            .unwrap();
+        let backoff = Backoff::builder()
+            .max_attempts(10)
+            .deadline(5 * SECOND)
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(backoff)
+            .budget(RetryBudget::new(10, 0.1).unwrap())
+            .pacer(pacer)
+            .attempt_timeout(2 * SECOND)
+            .build()
+            .unwrap();
+        let hyper = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+        let log = log.clone();
+        // Log every attempt as it comes back.
+        let logged = service_fn(move |req: Request<Empty<Bytes>>| {
+            let (hyper, log) = (hyper.clone(), log.clone());
+            async move {
+                let res = hyper.request(req).await;
+                if let Ok(res) = &res {
+                    log.lock().unwrap().push((start.elapsed(), res.status()));
+                }
+                res
+            }
+        });
+        let mut client = RetryLayer::new(policy).layer(logged);
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            while start.elapsed() < RUN {
+                let req = Request::get(url.as_str()).body(Empty::new()).unwrap();
+                let svc = client.ready().await.unwrap();
+                if let Ok(res) = svc.call(req).await {
+                    // Read the body: the connection goes back to the pool.
+                    let _ = res.into_body().collect().await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    let log = log.lock().unwrap();
+    let after: Vec<StatusCode> = log
+        .iter()
+        .filter(|(at, _)| *at >= WARMUP && *at < RUN)
+        .map(|&(_, s)| s)
+        .collect();
+    let ok = after.iter().filter(|s| s.is_success()).count();
+    let refused = after
+        .iter()
+        .filter(|&&s| s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    let secs = (RUN - WARMUP).as_secs_f64();
+    let goodput = ok as f64 / secs;
+    let ratio = refused as f64 / after.len().max(1) as f64;
+    let report = format!(
+        "after {WARMUP:?}: {} attempts, {ok} ok ({goodput:.1}/s), {refused} 429s ({:.2} %); \
+         in all {} attempts",
+        after.len(),
+        ratio * 100.0,
+        log.len()
+    );
+    eprintln!("{report}");
+    assert!(ratio < 0.05, "429 ratio too high: {report}");
+    assert!(goodput >= 90.0, "goodput too low: {report}");
+}

@@ -20,6 +20,7 @@
 //! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters; [`pace::AdaptivePacer`], a rate that follows the server's feedback (`Retry-After`, 429/503, the `RateLimit` fields) | ready |
 //! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
 //! | [`gate`] | keyed token gates: in-memory default and Redis (atomic Lua, server clock, failure policy) | ready |
+//! | [`adaptive`] | adaptive concurrency: an [`adaptive::AdaptiveLimit`] drives a bulkhead's `max_in_flight` from each call's round-trip time and outcome; flowgate's default [`adaptive::Probe`], [`adaptive::Aimd`], [`adaptive::Gradient2`], [`adaptive::Vegas`]; a simulator ([`adaptive::sim`]) and a knee finder ([`adaptive::knee`]) | ready |
 //! | [`retry`] | the outbound side: [`retry::Backoff`] (exponential, the AWS jitters, a deadline over every attempt; the server's `Retry-After` wins), [`retry::RetryBudget`] (gRPC `retryThrottling`), [`retry::retry`] with a [`retry::Classify`]; with feature `http`, `ServerHint` (parses `Retry-After` and every rate-limit field style) and a tower client layer | ready |
 //! | `http` | (feature `http`) tower layers: `RateLimitLayer` (429, `Retry-After`, IETF `RateLimit` fields, several policies all-or-nothing, shadow mode) and `ShedLayer` (503 by priority over a bulkhead) | ready |
 //!
@@ -98,6 +99,7 @@
 #![doc(test(attr(deny(warnings))))]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adaptive;
 pub mod bulkhead;
 pub mod channel;
 mod decision;

@@ -8,6 +8,8 @@ use std::task::{Context, Poll, ready};
 use pin_project::{pin_project, pinned_drop};
 use tokio::time::{Instant, Sleep};
 
+use crate::adaptive::Outcome;
+use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::{Core, Polled, Ticket};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::sync::Arc;
@@ -133,7 +135,7 @@ impl<'a> Future for Acquire<'a> {
         let core = *this.core;
         this.waiter
             .poll_acquire(core, cx)
-            .map_ok(|()| BulkheadPermit { core })
+            .map_ok(|()| BulkheadPermit::new(core))
     }
 }
 
@@ -183,7 +185,7 @@ impl Future for AcquireOwned {
         let core = this.core;
         this.waiter
             .poll_acquire(core, cx)
-            .map_ok(|()| OwnedBulkheadPermit { core: core.clone() })
+            .map_ok(|()| OwnedBulkheadPermit::new(core.clone()))
     }
 }
 
@@ -206,15 +208,46 @@ impl fmt::Debug for AcquireOwned {
 /// A permit to run one unit of work through a bulkhead; returned when dropped.
 ///
 /// Dropping it wakes the next waiter (critical first, then FIFO).
+///
+/// # Adaptive bulkheads
+///
+/// On a bulkhead built with [`adaptive`](crate::bulkhead::BulkheadBuilder::adaptive), the
+/// permit remembers when it was granted and how many permits were in flight then. End the
+/// call with [`record`](BulkheadPermit::record) to feed its round-trip time (grant to
+/// `record`, never the wait for the permit) and outcome to the algorithm. A permit dropped
+/// without `record` is an [`Outcome::Ignored`] sample: a cancelled call says nothing about
+/// the downstream. On a fixed bulkhead `record` just drops the permit.
 #[must_use = "the permit is released as soon as it is dropped"]
 pub struct BulkheadPermit<'a> {
-    pub(crate) core: &'a Core,
+    core: &'a Core,
+    grant: Option<Grant>,
+}
+
+impl<'a> BulkheadPermit<'a> {
+    #[inline]
+    pub(crate) fn new(core: &'a Core) -> BulkheadPermit<'a> {
+        BulkheadPermit {
+            core,
+            grant: core.start(),
+        }
+    }
+
+    /// End the call with `outcome` and return the permit. On an adaptive bulkhead the call's
+    /// round-trip time and outcome become a sample for its algorithm (see the type's docs).
+    pub fn record(mut self, outcome: Outcome) {
+        if let Some(grant) = self.grant.take() {
+            self.core.record(grant, outcome);
+        }
+    }
 }
 
 impl Drop for BulkheadPermit<'_> {
     #[inline]
     fn drop(&mut self) {
         self.core.release();
+        if let Some(grant) = self.grant.take() {
+            self.core.record(grant, Outcome::Ignored);
+        }
     }
 }
 
@@ -225,15 +258,45 @@ impl fmt::Debug for BulkheadPermit<'_> {
 }
 
 /// A permit that owns a reference to its bulkhead (`'static`); returned when dropped.
+///
+/// On an adaptive bulkhead, end the call with [`record`](OwnedBulkheadPermit::record), as
+/// for [`BulkheadPermit`]; dropped without it, the call is an [`Outcome::Ignored`] sample.
 #[must_use = "the permit is released as soon as it is dropped"]
 pub struct OwnedBulkheadPermit {
-    pub(crate) core: Arc<Core>,
+    core: Arc<Core>,
+    grant: Option<Grant>,
+}
+
+impl OwnedBulkheadPermit {
+    #[inline]
+    pub(crate) fn new(core: Arc<Core>) -> OwnedBulkheadPermit {
+        let grant = core.start();
+        OwnedBulkheadPermit { core, grant }
+    }
+
+    /// End the call with `outcome` and return the permit; see [`BulkheadPermit::record`].
+    pub fn record(mut self, outcome: Outcome) {
+        self.note_with(|| outcome);
+    }
+
+    /// Feed the call's sample now (if the bulkhead is adaptive: `outcome` is asked only
+    /// then) and keep the permit: the HTTP layer learns from the response head while the
+    /// body still holds the permit.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn note_with(&mut self, outcome: impl FnOnce() -> Outcome) {
+        if let Some(grant) = self.grant.take() {
+            self.core.record(grant, outcome());
+        }
+    }
 }
 
 impl Drop for OwnedBulkheadPermit {
     #[inline]
     fn drop(&mut self) {
         self.core.release();
+        if let Some(grant) = self.grant.take() {
+            self.core.record(grant, Outcome::Ignored);
+        }
     }
 }
 
@@ -332,9 +395,7 @@ impl Permits {
     pub(crate) fn into_owned(self: Pin<&mut Self>) -> OwnedBulkheadPermit {
         let this = self.project();
         *this.held -= 1;
-        OwnedBulkheadPermit {
-            core: this.core.clone(),
-        }
+        OwnedBulkheadPermit::new(this.core.clone())
     }
 
     #[inline]
@@ -355,6 +416,17 @@ impl Permits {
 
     pub(crate) fn max_in_flight(&self) -> usize {
         self.core.max_in_flight() as usize
+    }
+
+    /// The grant of a unit of work starting now (adaptive bulkheads only).
+    #[inline]
+    pub(crate) fn grant(&self) -> Option<Grant> {
+        self.core.start()
+    }
+
+    /// Feed the sample of a unit of work that ended now (the permit is handled apart).
+    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) {
+        self.core.record(grant, outcome);
     }
 }
 

@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Waker};
 use std::time::Duration;
 
+use crate::adaptive::Outcome;
+use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats, Grant};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::sync::{Mutex, MutexGuard};
@@ -151,6 +153,9 @@ pub(crate) struct Core {
     waiters: Mutex<Waiters>,
     name: Option<String>,
     metrics: Metrics,
+    /// Set when the bulkhead is adaptive: every permit then records its grant and feeds a
+    /// sample when it ends. `None` costs one branch per permit.
+    adaptive: Option<Adaptive>,
 }
 
 impl fmt::Debug for Core {
@@ -164,6 +169,7 @@ impl fmt::Debug for Core {
             .field("max_waiting", &self.max_waiting)
             .field("wait_timeout", &self.wait_timeout)
             .field("closed", &(s & CLOSED != 0))
+            .field("adaptive", &self.adaptive)
             .finish()
     }
 }
@@ -182,8 +188,11 @@ impl Core {
         max_waiting: usize,
         wait_timeout: Option<Duration>,
         name: Option<String>,
+        adaptive: Option<Adaptive>,
     ) -> Core {
+        let max_in_flight = adaptive.as_ref().map_or(max_in_flight, Adaptive::initial);
         Core {
+            adaptive,
             state: AtomicU64::new(u64::from(max_in_flight) << COUNT_BITS),
             reserve,
             max_waiting,
@@ -428,6 +437,31 @@ impl Core {
             self.refuse(AcquireError::WaitingRoomFull);
         }
         Waiters::take(&mut w.granted, id)
+    }
+
+    /// The grant of a permit taken now: `Some` only when the bulkhead is adaptive.
+    #[inline]
+    pub(crate) fn start(&self) -> Option<Grant> {
+        self.adaptive
+            .as_ref()
+            .map(|_| Grant::now(self.in_flight().max(1)))
+    }
+
+    /// Feed the adaptive algorithm the call granted at `grant`, ended now with `outcome`,
+    /// and apply the `max_in_flight` it answers. Called with no lock held; the algorithm
+    /// runs under its own lock, never under the waiters' lock.
+    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) {
+        let Some(adaptive) = &self.adaptive else {
+            return;
+        };
+        let target = adaptive.record(grant, outcome);
+        if target != self.max_in_flight() {
+            self.set_max_in_flight(target);
+        }
+    }
+
+    pub(crate) fn adaptive_stats(&self) -> Option<AdaptiveStats> {
+        self.adaptive.as_ref().map(Adaptive::stats)
     }
 
     pub(crate) fn record_wait(&self, waited: Duration) {

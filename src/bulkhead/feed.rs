@@ -7,8 +7,10 @@ use futures::Stream;
 use futures::stream::{Fuse, StreamExt};
 use pin_project::pin_project;
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
+use crate::bulkhead::adaptive::Grant;
 
 /// The upstream, the one item pulled and waiting for a permit, and the permits held: what
 /// every bulkhead adapter needs before it can start a mapped future.
@@ -103,6 +105,17 @@ impl<St: Stream> Feed<St> {
 
     pub(crate) fn into_owned(self: Pin<&mut Self>) -> OwnedBulkheadPermit {
         self.permits().into_owned()
+    }
+
+    /// The grant of a unit of work starting now (adaptive bulkheads only).
+    #[inline]
+    pub(crate) fn start(&self) -> Option<Grant> {
+        self.permits.grant()
+    }
+
+    /// Feed the sample of a unit of work that ended now.
+    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) {
+        self.permits.record(grant, outcome);
     }
 
     pub(crate) fn may_keep(&self) -> bool {

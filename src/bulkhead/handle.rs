@@ -4,7 +4,9 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+use crate::adaptive::{AdaptiveLimit, Outcome};
 use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
+use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats};
 use crate::bulkhead::core::{Core, MAX_PERMITS};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
@@ -32,6 +34,9 @@ use crate::sync::Arc;
 ///   flight is never revoked.
 /// - **Closing**: [`close`](Bulkhead::close) fails every waiter and every later acquisition
 ///   with [`AcquireError::Closed`]; permits in flight stay valid.
+/// - **Adaptive**: built with [`adaptive`](BulkheadBuilder::adaptive), the bulkhead lets an
+///   [`AdaptiveLimit`] algorithm set `max_in_flight` from each call's round-trip time and
+///   outcome (see [`BulkheadPermit`]'s docs and the [`adaptive`](crate::adaptive) module).
 ///
 /// Acquiring and releasing without contention is a single atomic compare-and-swap.
 ///
@@ -40,6 +45,10 @@ use crate::sync::Arc;
 /// Labelled by `name`: `flowgate_bulkhead_in_flight` and `flowgate_bulkhead_waiting`
 /// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
 /// `flowgate_bulkhead_wait_seconds` (histogram of the acquisitions that had to wait).
+/// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the algorithm's
+/// current limit), `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the
+/// algorithm's estimates) and `flowgate_bulkhead_samples_total{outcome}` (`ok`,
+/// `back_pressure`, `ignored`).
 ///
 /// # Examples
 ///
@@ -88,6 +97,7 @@ impl Bulkhead {
             wait_timeout: None,
             critical_reserve: 0,
             name: None,
+            adaptive: None,
         }
     }
 
@@ -171,7 +181,7 @@ impl Bulkhead {
     pub fn try_acquire_with(&self, priority: Priority) -> Result<BulkheadPermit<'_>, AcquireError> {
         self.core
             .try_acquire(priority)
-            .map(|()| BulkheadPermit { core: &self.core })
+            .map(|()| BulkheadPermit::new(&self.core))
     }
 
     /// An owned permit for normal work if one is free now; never waits. The owned form of
@@ -196,13 +206,13 @@ impl Bulkhead {
     ) -> Result<OwnedBulkheadPermit, AcquireError> {
         self.core
             .try_acquire(priority)
-            .map(|()| OwnedBulkheadPermit {
-                core: self.core.clone(),
-            })
+            .map(|()| OwnedBulkheadPermit::new(self.core.clone()))
     }
 
     /// Run `work` holding a permit for normal work; the permit is returned when it finishes
-    /// (or is dropped).
+    /// (or is dropped). On an adaptive bulkhead, `work` finishing is an [`Outcome::Ok`]
+    /// sample and `work` dropped unfinished an [`Outcome::Ignored`] one; to report
+    /// back-pressure, take a permit and [`record`](BulkheadPermit::record) the outcome.
     ///
     /// # Errors
     ///
@@ -229,12 +239,15 @@ impl Bulkhead {
         priority: Priority,
         work: F,
     ) -> Result<F::Output, AcquireError> {
-        let _permit = self.acquire_with(priority).await?;
-        Ok(work.await)
+        let permit = self.acquire_with(priority).await?;
+        let out = work.await;
+        permit.record(Outcome::Ok);
+        Ok(out)
     }
 
     /// Change `max_in_flight` at runtime. Growing wakes waiters at once; shrinking takes
-    /// effect as permits come back (work in flight is never revoked).
+    /// effect as permits come back (work in flight is never revoked). On an adaptive bulkhead
+    /// the algorithm owns `max_in_flight`: a value set here lasts until the next sample.
     ///
     /// # Errors
     ///
@@ -282,6 +295,11 @@ impl Bulkhead {
     pub fn name(&self) -> Option<&str> {
         self.core.name()
     }
+
+    /// What the adaptive algorithm learnt so far; `None` when the bulkhead is not adaptive.
+    pub fn adaptive_stats(&self) -> Option<AdaptiveStats> {
+        self.core.adaptive_stats()
+    }
 }
 
 impl fmt::Debug for Bulkhead {
@@ -318,6 +336,19 @@ fn check_reserve(max: u32, reserve: u32) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Makes a fresh copy of the algorithm for each bulkhead built (the builder is `Clone`).
+#[derive(Clone)]
+struct Factory {
+    make: std::sync::Arc<dyn Fn() -> Box<dyn AdaptiveLimit> + Send + Sync>,
+    name: &'static str,
+}
+
+impl fmt::Debug for Factory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
 /// Builds a [`Bulkhead`]; from [`Bulkhead::builder`].
 #[derive(Debug, Clone)]
 pub struct BulkheadBuilder {
@@ -326,6 +357,7 @@ pub struct BulkheadBuilder {
     wait_timeout: Option<Duration>,
     critical_reserve: usize,
     name: Option<String>,
+    adaptive: Option<Factory>,
 }
 
 impl BulkheadBuilder {
@@ -358,6 +390,52 @@ impl BulkheadBuilder {
         self
     }
 
+    /// Let `limit` set `max_in_flight` from the calls' round-trip times and outcomes.
+    ///
+    /// The builder's `max_in_flight` becomes the ceiling: the bulkhead starts at the
+    /// algorithm's current limit and follows it within `[critical_reserve + 1,
+    /// max_in_flight]`. Every permit then records when it was granted; a call ends with
+    /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
+    /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is
+    /// [`Outcome::Ignored`]. The algorithm runs on the thread that ends the call, under its
+    /// own lock (never the bulkhead's waiters' lock). Each bulkhead built gets its own copy
+    /// of `limit`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::adaptive::{Outcome, Probe};
+    /// use flowgate::bulkhead::Bulkhead;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let api = Bulkhead::builder(500) // never above 500
+    ///     .adaptive(Probe::builder().initial(8).max_limit(500).build()?)
+    ///     .name("api")
+    ///     .build()?;
+    /// assert_eq!(api.max_in_flight(), 8);
+    /// let permit = api.acquire().await?;
+    /// // ... the call, answered 503 by the downstream:
+    /// permit.record(Outcome::BackPressure);
+    /// assert_eq!(api.max_in_flight(), 7); // 8 × 0.9, rounded down
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn adaptive<A: AdaptiveLimit + Clone>(mut self, limit: A) -> Self {
+        let name = limit.name();
+        let limit = std::sync::Mutex::new(limit);
+        self.adaptive = Some(Factory {
+            make: std::sync::Arc::new(move || {
+                let limit = limit
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                Box::new(limit.clone())
+            }),
+            name,
+        });
+        self
+    }
+
     /// Build the bulkhead.
     ///
     /// # Errors
@@ -376,6 +454,9 @@ impl BulkheadBuilder {
         }
         let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
         check_reserve(max, reserve)?;
+        let adaptive = self
+            .adaptive
+            .map(|f| Adaptive::new((f.make)(), reserve + 1, max, self.name.as_deref()));
         Ok(Bulkhead {
             core: Arc::new(Core::new(
                 max,
@@ -383,6 +464,7 @@ impl BulkheadBuilder {
                 self.max_waiting,
                 self.wait_timeout,
                 self.name,
+                adaptive,
             )),
         })
     }

@@ -10,6 +10,7 @@ use futures::Stream;
 use futures::stream::{FusedStream, FuturesOrdered, StreamExt};
 use pin_project::pin_project;
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
@@ -30,7 +31,10 @@ impl<Fut: Future> Future for Permitted<Fut> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Fut::Output> {
         let this = self.project();
         let out = ready!(this.fut.poll(cx));
-        this.permit.take();
+        // Completed: an `Ok` sample on an adaptive bulkhead (dropped before: `Ignored`).
+        if let Some(permit) = this.permit.take() {
+            permit.record(Outcome::Ok);
+        }
         Poll::Ready(out)
     }
 }

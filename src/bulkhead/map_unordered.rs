@@ -9,9 +9,10 @@ use futures::Stream;
 use futures::stream::{FusedStream, FuturesUnordered, StreamExt};
 use pin_project::pin_project;
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::poll_slot;
+use crate::bulkhead::slot::{Timed, poll_slot};
 
 /// Stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered).
 ///
@@ -36,9 +37,9 @@ pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
     f: F,
     /// The first future in flight, polled in place.
     #[pin]
-    slot: Option<Fut>,
+    slot: Option<Timed<Fut>>,
     /// The others.
-    running: FuturesUnordered<Fut>,
+    running: FuturesUnordered<Timed<Fut>>,
 }
 
 impl<St, F, Fut> BulkheadMapUnordered<St, F, Fut>
@@ -97,7 +98,7 @@ where
         let in_flight = self.in_flight();
         let mut this = self.as_mut().project();
         this.feed.as_mut().permits().settle(in_flight);
-        let out = loop {
+        let (out, grant) = loop {
             if let Poll::Ready(Some(out)) = poll_slot(this.slot.as_mut(), cx) {
                 break out;
             }
@@ -108,7 +109,8 @@ where
                 let busy = this.slot.is_some() || !this.running.is_empty();
                 this.feed.as_mut().poll_start(cx, busy)
             } {
-                if place(this.slot.as_mut(), this.running, (this.f)(item)) {
+                let fut = Timed::new((this.f)(item), this.feed.start());
+                if place(this.slot.as_mut(), this.running, fut) {
                     break;
                 }
             }
@@ -123,11 +125,16 @@ where
                 _ => return Poll::Pending,
             }
         };
+        // Completed: an `Ok` sample on an adaptive bulkhead.
+        if let Some(grant) = grant {
+            this.feed.record(grant, Outcome::Ok);
+        }
         // The finished future's permit goes straight to the next item when that item is
         // ready and nobody else is waiting for the permit; otherwise it is returned at once.
         match this.feed.as_mut().poll_ready_item(cx) {
             Some(item) if this.feed.may_keep() => {
-                place(this.slot.as_mut(), this.running, (this.f)(item));
+                let fut = Timed::new((this.f)(item), this.feed.start());
+                place(this.slot.as_mut(), this.running, fut);
             }
             next => {
                 if let Some(item) = next {

@@ -39,6 +39,7 @@
 //! wait: both panic outside a tokio runtime (with timers enabled, for the timeout).
 
 mod acquire;
+mod adaptive;
 mod core;
 mod error;
 mod feed;
@@ -49,6 +50,7 @@ mod slot;
 mod spawn_map;
 
 pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
+pub use adaptive::AdaptiveStats;
 pub use error::{AcquireError, Priority};
 pub use handle::{Bulkhead, BulkheadBuilder};
 pub use map::BulkheadMap;

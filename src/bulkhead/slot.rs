@@ -2,7 +2,37 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
+
+use pin_project::pin_project;
+
+use crate::bulkhead::adaptive::Grant;
+
+/// A mapped future with its grant (adaptive bulkheads only), answered with its output, so
+/// the adapter can feed the sample when it completes.
+#[pin_project]
+#[derive(Debug)]
+pub(crate) struct Timed<Fut> {
+    #[pin]
+    fut: Fut,
+    grant: Option<Grant>,
+}
+
+impl<Fut> Timed<Fut> {
+    pub(crate) fn new(fut: Fut, grant: Option<Grant>) -> Timed<Fut> {
+        Timed { fut, grant }
+    }
+}
+
+impl<Fut: Future> Future for Timed<Fut> {
+    type Output = (Fut::Output, Option<Grant>);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let out = ready!(this.fut.poll(cx));
+        Poll::Ready((out, this.grant.take()))
+    }
+}
 
 /// Poll the future in `slot`: `Ready(Some(output))` once it completes (the slot is then
 /// empty), `Ready(None)` if the slot is empty. If the poll panics, the slot is emptied while

@@ -10,6 +10,7 @@ use futures::stream::{FusedStream, FuturesUnordered, StreamExt};
 use pin_project::pin_project;
 use tokio::task::JoinHandle;
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
 
@@ -123,7 +124,7 @@ where
             let fut = (this.f)(item);
             this.running.push(AbortOnDrop(tokio::spawn(async move {
                 let out = fut.await;
-                drop(permit);
+                permit.record(Outcome::Ok);
                 out
             })));
         }

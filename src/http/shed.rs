@@ -14,6 +14,7 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project::pin_project;
 use tower::{Layer, Service};
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::{AcquireOwned, Bulkhead, OwnedBulkheadPermit, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::body::ResponseBody;
@@ -231,6 +232,16 @@ impl fmt::Debug for Shared {
 /// `flowgate_http_shed_total{name, class}`: requests answered with `503`, by class. The
 /// bulkhead's own metrics (`flowgate_bulkhead_in_flight`, `..._rejected_total{reason}`,
 /// `..._wait_seconds`) carry the bulkhead's name.
+///
+/// # Adaptive bulkheads
+///
+/// Over a bulkhead built with [`adaptive`](crate::bulkhead::BulkheadBuilder::adaptive), each
+/// admitted request is a sample for its algorithm when the inner service answers (the
+/// round-trip time from the permit's grant to the response head; the body still holds the
+/// permit): `429`, `503`, `504` and inner errors are back-pressure, other `4xx` are ignored,
+/// the rest is a served call; a request dropped before its answer is ignored. The layer's
+/// own `503`s never reach the algorithm. Shedding works as above, against the bulkhead's
+/// current `max_in_flight`.
 ///
 /// # Examples
 ///
@@ -552,7 +563,12 @@ where
                 StateProj::Wait(acquire) => ready!(acquire.poll(cx)),
                 StateProj::Call(fut, permit) => {
                     let res = ready!(fut.poll(cx));
-                    let permit = permit.take();
+                    let mut permit = permit.take();
+                    if let Some(permit) = permit.as_mut() {
+                        // An adaptive bulkhead learns from the response head; the body
+                        // still holds the permit.
+                        permit.note_with(|| outcome(&res));
+                    }
                     this.state.set(State::Done);
                     return Poll::Ready(res.map(|res| res.map(|b| ResponseBody::Held(b, permit))));
                 }
@@ -574,6 +590,22 @@ where
                 }
             }
         }
+    }
+}
+
+/// What the inner service's answer tells an adaptive bulkhead: `429`, `503`, `504` and
+/// errors (a timeout layer's among them) are back-pressure; other `4xx` say nothing about
+/// capacity (ignored); the rest is a served call.
+fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
+    match res {
+        Err(_) => Outcome::BackPressure,
+        Ok(res) => match res.status() {
+            StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT => Outcome::BackPressure,
+            s if s.is_client_error() => Outcome::Ignored,
+            _ => Outcome::Ok,
+        },
     }
 }
 

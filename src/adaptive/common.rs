@@ -1,0 +1,266 @@
+//! What every algorithm shares: the limit's bounds and their validation, an exponentially
+//! weighted moving average, a windowed minimum, and the congestion epoch.
+
+use std::time::Duration;
+
+use crate::error::{ConfigError, ConfigErrorKind};
+
+/// The largest limit an algorithm accepts (a bulkhead's largest `max_in_flight`).
+pub(crate) const MAX_LIMIT: u32 = (1 << 31) - 1;
+
+/// The `min_limit`, `max_limit` and `initial` setters every algorithm's builder has (a
+/// `bounds: Bounds` field); `$initial` is the documented default of `initial`.
+macro_rules! bounds_setters {
+    ($initial:literal) => {
+        /// The lowest limit (default 1).
+        pub fn min_limit(mut self, n: u32) -> Self {
+            self.bounds.min = n;
+            self
+        }
+
+        /// The highest limit (default 1000).
+        pub fn max_limit(mut self, n: u32) -> Self {
+            self.bounds.max = n;
+            self
+        }
+
+        #[doc = concat!("The limit to start from (default ", $initial, ").")]
+        pub fn initial(mut self, n: u32) -> Self {
+            self.bounds.initial = n;
+            self
+        }
+    };
+}
+pub(crate) use bounds_setters;
+
+/// `min_limit`, `max_limit`, `initial`: every builder has them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    pub(crate) min: u32,
+    pub(crate) max: u32,
+    pub(crate) initial: u32,
+}
+
+impl Bounds {
+    pub(crate) const fn new(min: u32, max: u32, initial: u32) -> Bounds {
+        Bounds { min, max, initial }
+    }
+
+    /// Validate; `fields` names `[min_limit, max_limit, initial]` for the error.
+    pub(crate) fn check(self, fields: [&'static str; 3]) -> Result<Bounds, ConfigError> {
+        let [min_f, max_f, initial_f] = fields;
+        if self.min == 0 {
+            return Err(ConfigError::zero(min_f));
+        }
+        if self.max > MAX_LIMIT {
+            return Err(ConfigError::new(
+                max_f,
+                ConfigErrorKind::TooLarge,
+                format!("{} is above the maximum {MAX_LIMIT}", self.max),
+            ));
+        }
+        if self.min > self.max {
+            return Err(ConfigError::new(
+                min_f,
+                ConfigErrorKind::Inconsistent,
+                format!("{} is above max_limit {}", self.min, self.max),
+            ));
+        }
+        if self.initial < self.min || self.initial > self.max {
+            return Err(ConfigError::new(
+                initial_f,
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "{} is outside [min_limit, max_limit] = [{}, {}]",
+                    self.initial, self.min, self.max
+                ),
+            ));
+        }
+        Ok(self)
+    }
+
+    /// `limit` clamped into the bounds.
+    pub(crate) fn clamp(&self, limit: f64) -> f64 {
+        if limit.is_nan() {
+            return f64::from(self.min);
+        }
+        limit.clamp(f64::from(self.min), f64::from(self.max))
+    }
+}
+
+/// `limit` as the whole number reported (rounded down, within `u32`).
+pub(crate) fn whole(limit: f64) -> u32 {
+    // `as` saturates and maps NaN to 0; the callers clamp first.
+    limit as u32
+}
+
+/// A finite ratio in `(0, 1)` (exclusive), or an error on `field`.
+pub(crate) fn check_fraction(field: &'static str, x: f64) -> Result<f64, ConfigError> {
+    if x.is_finite() && x > 0.0 && x < 1.0 {
+        Ok(x)
+    } else {
+        Err(ConfigError::new(
+            field,
+            ConfigErrorKind::Inconsistent,
+            format!("{x} is not strictly between 0 and 1"),
+        ))
+    }
+}
+
+/// A finite value in `[0, 1)`, or an error on `field`.
+pub(crate) fn check_below_one(field: &'static str, x: f64) -> Result<f64, ConfigError> {
+    if x.is_finite() && (0.0..1.0).contains(&x) {
+        Ok(x)
+    } else {
+        Err(ConfigError::new(
+            field,
+            ConfigErrorKind::Inconsistent,
+            format!("{x} is not in [0, 1)"),
+        ))
+    }
+}
+
+/// A finite value at least `min`, or an error on `field`.
+pub(crate) fn check_at_least(field: &'static str, x: f64, min: f64) -> Result<f64, ConfigError> {
+    if x.is_finite() && x >= min {
+        Ok(x)
+    } else {
+        Err(ConfigError::new(
+            field,
+            ConfigErrorKind::Inconsistent,
+            format!("{x} is not a finite number of at least {min}"),
+        ))
+    }
+}
+
+/// A positive duration, or an error on `field`.
+pub(crate) fn check_positive(field: &'static str, d: Duration) -> Result<Duration, ConfigError> {
+    if d.is_zero() {
+        Err(ConfigError::new(
+            field,
+            ConfigErrorKind::Zero,
+            "must be positive",
+        ))
+    } else {
+        Ok(crate::time::capped(d))
+    }
+}
+
+/// An exponentially weighted moving average (of seconds).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ewma {
+    alpha: f64,
+    value: Option<f64>,
+}
+
+impl Ewma {
+    pub(crate) const fn new(alpha: f64) -> Ewma {
+        Ewma { alpha, value: None }
+    }
+
+    pub(crate) fn update(&mut self, x: f64) -> f64 {
+        let v = match self.value {
+            Some(v) => v + self.alpha * (x - v),
+            None => x,
+        };
+        self.value = Some(v);
+        v
+    }
+
+    pub(crate) fn get(&self) -> Option<f64> {
+        self.value
+    }
+
+    pub(crate) fn set(&mut self, x: f64) {
+        self.value = Some(x);
+    }
+}
+
+/// The minimum round-trip time over a sliding window of time: the minimum of the current
+/// and the previous interval of `window`. A minimum older than two windows ages out, so
+/// a downstream that got slower for good is learnt again without lowering the limit to
+/// measure it (nothing is pinned).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WindowMin {
+    window: Duration,
+    started: Option<Duration>,
+    current: Option<Duration>,
+    previous: Option<Duration>,
+}
+
+impl WindowMin {
+    pub(crate) const fn new(window: Duration) -> WindowMin {
+        WindowMin {
+            window,
+            started: None,
+            current: None,
+            previous: None,
+        }
+    }
+
+    pub(crate) fn update(&mut self, rtt: Duration, now: Duration) {
+        let started = *self.started.get_or_insert(now);
+        if now.saturating_sub(started) >= self.window {
+            // Two windows or more since: the previous interval is empty.
+            self.previous = if now.saturating_sub(started) >= self.window * 2 {
+                None
+            } else {
+                self.current
+            };
+            self.current = None;
+            self.started = Some(now);
+        }
+        self.current = Some(self.current.map_or(rtt, |m| m.min(rtt)));
+    }
+
+    pub(crate) fn get(&self) -> Option<Duration> {
+        match (self.current, self.previous) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// The congestion epoch: a cut answers every back-pressure sample of calls that started
+/// before it, so the calls in flight at an overload cut the limit once, not once each.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Epoch {
+    last_cut: Option<Duration>,
+}
+
+impl Epoch {
+    /// Whether a call that took `rtt` and ended at `now` started after the last cut (and so
+    /// may cut again); if so, the cut is recorded at `now`.
+    pub(crate) fn cut(&mut self, rtt: Duration, now: Duration) -> bool {
+        let started = now.saturating_sub(rtt);
+        match self.last_cut {
+            Some(at) if started < at => false,
+            _ => {
+                self.last_cut = Some(now);
+                true
+            }
+        }
+    }
+}
+
+impl Epoch {
+    /// Record a cut at `now` made for another reason (a window's verdict): the calls in
+    /// flight now do not cut again.
+    pub(crate) fn mark(&mut self, now: Duration) {
+        self.last_cut = Some(now);
+    }
+}
+
+/// Seconds of `d`.
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// A duration of `s` seconds (non-negative, finite, capped).
+pub(crate) fn from_secs(s: f64) -> Duration {
+    if s.is_finite() && s > 0.0 {
+        Duration::try_from_secs_f64(s).map_or(crate::time::FOREVER, crate::time::capped)
+    } else {
+        Duration::ZERO
+    }
+}

@@ -1,0 +1,628 @@
+//! Finding the knee: measure a downstream at rising concurrency and recommend a fixed
+//! `max_in_flight` for its [`Bulkhead`](crate::bulkhead::Bulkhead).
+//!
+//! "Set limits from measured capacity, not guesses": [`find_knee`] runs a small load test
+//! against a [`KneeTarget`] (the [simulator](super::sim)'s [`Downstream`],
+//! an HTTP endpoint, anything that answers calls), finds the concurrency where throughput
+//! stops growing, and recommends 65 % of it (configurable).
+//!
+//! # How a step is measured
+//!
+//! A step runs `concurrency` closed-loop workers for [`step_duration`](KneeConfigBuilder::step_duration)
+//! in one task: each worker calls the target, waits for the answer and calls again at once
+//! (no think time), so exactly `concurrency` calls are in flight the whole time. The first
+//! [`warmup`](KneeConfigBuilder::warmup) of the step is not measured. Then:
+//!
+//! - **throughput** = `Ok` answers that arrive within the measured window, per second;
+//! - **p50 / p99** = the round-trip times of the `Ok` calls started within the window
+//!   (nearest rank), calls that end after the window included;
+//! - a call slower than the [`timeout`](KneeConfigBuilder::timeout) is abandoned and counts as
+//!   [`BackPressure`](Outcome::BackPressure), like a `429` or `503` the target answers.
+//!
+//! The step waits for its last calls to end before the next one starts, so steps never
+//! overlap. Everything uses tokio's clock: against the simulator under paused time a whole
+//! search takes milliseconds and gives the same answer every time.
+//!
+//! # The ramp
+//!
+//! 1. **Ramp**: concurrency 1, 2, 4, ... (doubling from [`start`](KneeConfigBuilder::start)),
+//!    until a step is *saturated* (below), or [`max_concurrency`](KneeConfigBuilder::max_concurrency).
+//! 2. **Refine**, [`refine_rounds`](KneeConfigBuilder::refine_rounds) times: measure
+//!    [`refine_steps`](KneeConfigBuilder::refine_steps) evenly spaced concurrencies between
+//!    the step below the knee found so far and the step above the best throughput, so
+//!    both the knee and a peak that fell between two coarse steps are seen up close.
+//!
+//! With an explicit list of concurrencies ([`steps`](KneeConfigBuilder::steps)) exactly
+//! those are measured, in increasing order, and nothing is refined.
+//!
+//! A step is **saturated** when its throughput has fallen more than
+//! [`max_drop`](KneeConfigBuilder::max_drop) (default 20 %) below the best seen so far, its
+//! p50 is [`max_latency_growth`](KneeConfigBuilder::max_latency_growth) times (default 10×)
+//! the lowest p50 seen, or more than [`max_back_pressure`](KneeConfigBuilder::max_back_pressure)
+//! (default 5 %) of its calls were pushed back.
+//!
+//! # The knee rule
+//!
+//! The **knee** is the lowest concurrency whose throughput reaches the plateau: at least
+//! `1 − `[`plateau`](KneeConfigBuilder::plateau) (default 97 %) of the best throughput
+//! measured, linearly interpolated between the two steps around that level. Below it, each
+//! added call in flight still buys throughput; above it, it buys only queueing (by Little's
+//! law, latency grows in proportion to the concurrency once the throughput is flat, and
+//! faster when the throughput falls). The rule finds the same point on a downstream whose
+//! throughput peaks and falls (a queue that collapses) and on one whose throughput stays
+//! flat (a queue that only grows).
+//!
+//! The knee counts as found only if some measured step above it is saturated: a ramp that
+//! reaches `max_concurrency` while the throughput still grows finds no knee
+//! ([`KneeReport::knee`] is `None`).
+//!
+//! The **recommendation** is `⌊knee × `[`recommend_fraction`](KneeConfigBuilder::recommend_fraction)`⌋`
+//! (default 0.65), at least 1: headroom for a slower day, a noisy neighbour, a deploy.
+//! Use it as a fixed `max_in_flight`, or as the initial limit of an adaptive bulkhead.
+//!
+//! # Examples
+//!
+//! ```
+//! use std::time::Duration;
+//! use flowgate::adaptive::knee::{KneeConfig, find_knee};
+//! use flowgate::adaptive::sim::Downstream;
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let downstream = Downstream::builder().knee(40).steepness(1.3).build()?;
+//! let config = KneeConfig::builder().step_duration(Duration::from_secs(2)).build()?;
+//! let report = find_knee(&downstream, &config).await?;
+//! let knee = report.knee.expect("the simulator has a knee");
+//! assert!((36..=44).contains(&knee), "knee {knee}");
+//! assert_eq!(report.recommended, Some(knee * 65 / 100));
+//! # Ok(())
+//! # }
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{BoxFuture, join_all};
+use tokio::time::Instant;
+
+use super::sample::Outcome;
+use super::sim::Downstream;
+
+mod config;
+
+use config::ramp_len;
+pub use config::{KneeConfig, KneeConfigBuilder};
+
+/// Something the knee finder can load: it answers one call at a time, many concurrently.
+///
+/// Implemented for the simulator's [`Downstream`]; implement it for an HTTP client, a
+/// database pool, a gRPC stub. `call` makes one call and says how it ended: `Ok` when it was
+/// served, [`BackPressure`](Outcome::BackPressure) for a `429`, a `503`, a refused
+/// connection, [`Ignored`](Outcome::Ignored) for anything else that says nothing about
+/// capacity (counted, otherwise ignored). The finder measures the round-trip time itself.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use futures::future::BoxFuture;
+/// use flowgate::adaptive::Outcome;
+/// use flowgate::adaptive::knee::{KneeConfig, KneeTarget, find_knee};
+///
+/// /// Answers every call after 5 ms, however many are in flight.
+/// #[derive(Debug)]
+/// struct Echo;
+///
+/// impl KneeTarget for Echo {
+///     fn call(&self) -> BoxFuture<'_, Outcome> {
+///         Box::pin(async {
+///             tokio::time::sleep(Duration::from_millis(5)).await;
+///             Outcome::Ok
+///         })
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let config = KneeConfig::builder().steps([1, 10]).build()?;
+/// let report = find_knee(&Echo, &config).await?;
+/// // 4 measured seconds: 200 calls per second per call in flight.
+/// assert_eq!(report.steps[1].throughput, 2_000.0);
+/// assert_eq!(report.knee, None); // it never saturates
+/// # Ok(())
+/// # }
+/// ```
+pub trait KneeTarget: Send + Sync {
+    /// Make one call; answer how it ended.
+    fn call(&self) -> BoxFuture<'_, Outcome>;
+}
+
+impl<T: KneeTarget + ?Sized> KneeTarget for &T {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        (**self).call()
+    }
+}
+
+impl<T: KneeTarget + ?Sized> KneeTarget for Arc<T> {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        (**self).call()
+    }
+}
+
+impl<T: KneeTarget + ?Sized> KneeTarget for Box<T> {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        (**self).call()
+    }
+}
+
+/// One call to the simulator: `Ok`, or back-pressure when it was refused above the capacity
+/// or timed out.
+impl KneeTarget for Downstream {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        let call = Downstream::call(self);
+        Box::pin(async move { call.await.status.outcome() })
+    }
+}
+
+/// What one step measured.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct KneeStep {
+    /// Calls kept in flight.
+    pub concurrency: u32,
+    /// `Ok` answers per second within the measured window.
+    pub throughput: f64,
+    /// Median round-trip time of the `Ok` calls started in the window (zero if none).
+    pub p50: Duration,
+    /// 99th percentile round-trip time of those calls (zero if none).
+    pub p99: Duration,
+    /// `Ok` calls started in the window.
+    pub ok: u64,
+    /// Calls started in the window that were pushed back or timed out.
+    pub back_pressure: u64,
+    /// Calls started in the window whose outcome was ignored.
+    pub ignored: u64,
+}
+
+impl KneeStep {
+    /// The share of the calls started in the window that were pushed back.
+    pub fn back_pressure_ratio(&self) -> f64 {
+        let total = self.ok + self.back_pressure;
+        if total == 0 {
+            0.0
+        } else {
+            self.back_pressure as f64 / total as f64
+        }
+    }
+}
+
+/// Which part of the search a step belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KneePhase {
+    /// The doubling ramp.
+    Ramp,
+    /// A refining round around the knee (numbered from 1).
+    Refine(u32),
+    /// An explicit list of concurrencies.
+    List,
+}
+
+/// Passed to the progress callback after each step.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct KneeProgress<'a> {
+    /// The part of the search.
+    pub phase: KneePhase,
+    /// The step just measured.
+    pub step: &'a KneeStep,
+    /// Steps measured so far, this one included.
+    pub done: usize,
+    /// An upper bound of the steps the search will measure (it shrinks as the search
+    /// learns; never below `done`).
+    pub planned: usize,
+}
+
+/// What [`find_knee`] found.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct KneeReport {
+    /// Every step measured, by increasing concurrency.
+    pub steps: Vec<KneeStep>,
+    /// The knee (see the [rule](self#the-knee-rule)), rounded to the nearest call; `None`
+    /// when no step above it saturated.
+    pub knee: Option<u32>,
+    /// The recommended `max_in_flight`: `⌊knee × recommend_fraction⌋`, at least 1.
+    pub recommended: Option<u32>,
+    /// The fraction used for the recommendation.
+    pub recommend_fraction: f64,
+    /// How long the search took, on tokio's clock.
+    pub elapsed: Duration,
+}
+
+impl KneeReport {
+    /// The step with the best throughput.
+    pub fn peak(&self) -> Option<&KneeStep> {
+        self.steps
+            .iter()
+            .max_by(|a, b| a.throughput.total_cmp(&b.throughput))
+    }
+}
+
+/// The target failed in a way that leaves nothing to measure.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum KneeError {
+    /// No call succeeded at the lowest concurrency: the target is down or refuses all.
+    NoSuccess {
+        /// The lowest concurrency measured.
+        concurrency: u32,
+    },
+    /// The lowest concurrency measured is already saturated (pushed back beyond
+    /// `max_back_pressure`): the knee is below it.
+    SaturatedAtStart {
+        /// The lowest concurrency measured.
+        concurrency: u32,
+        /// The share of its calls pushed back.
+        back_pressure_ratio: f64,
+    },
+}
+
+impl fmt::Display for KneeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KneeError::NoSuccess { concurrency } => write!(
+                f,
+                "no call succeeded at concurrency {concurrency}: the target is down or refuses every call"
+            ),
+            KneeError::SaturatedAtStart {
+                concurrency,
+                back_pressure_ratio,
+            } => write!(
+                f,
+                "the target is saturated at concurrency {concurrency} already ({:.1} % of calls pushed back): the knee is lower",
+                back_pressure_ratio * 100.0
+            ),
+        }
+    }
+}
+
+impl std::error::Error for KneeError {}
+
+/// Ramp concurrency against `target`, find the knee and recommend a `max_in_flight`: see
+/// the [module docs](self) for the steps and the rule.
+///
+/// # Errors
+///
+/// [`KneeError::NoSuccess`] when no call succeeds at the lowest concurrency,
+/// [`KneeError::SaturatedAtStart`] when it is saturated already.
+///
+/// # Cancel safety
+///
+/// Dropping the future stops the search and drops the calls in flight; nothing is
+/// reported.
+///
+/// # Panics
+///
+/// Outside a tokio runtime with timers enabled.
+///
+/// # Examples
+///
+/// See the [module docs](self).
+pub async fn find_knee<T: KneeTarget + ?Sized>(
+    target: &T,
+    config: &KneeConfig,
+) -> Result<KneeReport, KneeError> {
+    find_knee_with_progress(target, config, |_| {}).await
+}
+
+/// [`find_knee`], calling `progress` after each step (for a progress bar, a log line).
+///
+/// # Errors
+///
+/// As [`find_knee`].
+///
+/// # Cancel safety
+///
+/// As [`find_knee`].
+///
+/// # Panics
+///
+/// Outside a tokio runtime with timers enabled.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::adaptive::knee::{KneeConfig, find_knee_with_progress};
+/// use flowgate::adaptive::sim::Downstream;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let downstream = Downstream::builder().knee(8).steepness(1.5).build()?;
+/// let config = KneeConfig::builder().steps([1, 4, 8, 16]).build()?;
+/// let mut seen = Vec::new();
+/// let report = find_knee_with_progress(&downstream, &config, |p| {
+///     seen.push((p.step.concurrency, p.done, p.planned));
+/// })
+/// .await?;
+/// assert_eq!(seen, [(1, 1, 4), (4, 2, 4), (8, 3, 4), (16, 4, 4)]);
+/// assert_eq!(report.knee, Some(8));
+/// # Ok(())
+/// # }
+/// ```
+pub async fn find_knee_with_progress<T, F>(
+    target: &T,
+    config: &KneeConfig,
+    mut progress: F,
+) -> Result<KneeReport, KneeError>
+where
+    T: KneeTarget + ?Sized,
+    F: FnMut(&KneeProgress<'_>) + Send,
+{
+    let started = Instant::now();
+    let mut search = Search {
+        steps: Vec::new(),
+        progress: &mut progress,
+    };
+
+    if let Some(list) = &config.steps {
+        for (i, &c) in list.iter().enumerate() {
+            let step = measure(target, c, config).await;
+            if i == 0 {
+                check_first(&step, config)?;
+            }
+            search.record(KneePhase::List, step, list.len());
+        }
+    } else {
+        // The ramp: double until a step saturates or the maximum is reached.
+        let mut c = config.start;
+        loop {
+            let step = measure(target, c, config).await;
+            if search.steps.is_empty() {
+                check_first(&step, config)?;
+            }
+            let ends = c >= config.max_concurrency || is_saturated(&step, &search.steps, config);
+            // This step, the doubling steps after it, every refining round.
+            let left = if ends {
+                1
+            } else {
+                ramp_len(c, config.max_concurrency)
+            };
+            let planned = search.steps.len() + left + config.refine_len();
+            search.record(KneePhase::Ramp, step, planned);
+            if ends {
+                break;
+            }
+            c = c.saturating_mul(2).min(config.max_concurrency);
+        }
+        // Refining rounds: between the step below the knee and the step above the peak.
+        for round in 1..=config.refine_rounds {
+            let between = refine_points(&search.sorted(), config);
+            if between.is_empty() {
+                break;
+            }
+            let rounds_left = (config.refine_rounds - round) as usize;
+            let planned =
+                search.steps.len() + between.len() + rounds_left * config.refine_steps as usize;
+            for c in between {
+                let step = measure(target, c, config).await;
+                search.record(KneePhase::Refine(round), step, planned);
+            }
+        }
+    }
+
+    let steps = search.sorted();
+    let knee = knee_of(&steps, config);
+    let recommended = knee.map(|k| ((k * config.recommend_fraction).floor() as u32).max(1));
+    Ok(KneeReport {
+        knee: knee.map(|k| k.round() as u32),
+        recommended,
+        recommend_fraction: config.recommend_fraction,
+        steps,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// The steps measured so far, in the order measured, and the progress callback.
+struct Search<'f, F> {
+    steps: Vec<KneeStep>,
+    progress: &'f mut F,
+}
+
+impl<F: FnMut(&KneeProgress<'_>)> Search<'_, F> {
+    fn record(&mut self, phase: KneePhase, step: KneeStep, planned: usize) {
+        let done = self.steps.len() + 1;
+        (self.progress)(&KneeProgress {
+            phase,
+            step: &step,
+            done,
+            planned: planned.max(done),
+        });
+        self.steps.push(step);
+    }
+
+    fn sorted(&self) -> Vec<KneeStep> {
+        let mut steps = self.steps.clone();
+        steps.sort_by_key(|s| s.concurrency);
+        steps
+    }
+}
+
+fn check_first(step: &KneeStep, config: &KneeConfig) -> Result<(), KneeError> {
+    if step.ok == 0 {
+        return Err(KneeError::NoSuccess {
+            concurrency: step.concurrency,
+        });
+    }
+    if step.back_pressure_ratio() > config.max_back_pressure {
+        return Err(KneeError::SaturatedAtStart {
+            concurrency: step.concurrency,
+            back_pressure_ratio: step.back_pressure_ratio(),
+        });
+    }
+    Ok(())
+}
+
+/// Saturated compared with the steps measured below it (see the module docs).
+fn is_saturated(step: &KneeStep, below: &[KneeStep], config: &KneeConfig) -> bool {
+    if step.back_pressure_ratio() > config.max_back_pressure || step.ok == 0 {
+        return true;
+    }
+    let below = || below.iter().filter(|s| s.concurrency < step.concurrency);
+    let best = below().map(|s| s.throughput).fold(0.0_f64, f64::max);
+    let min_p50 = below().filter(|s| s.ok > 0).map(|s| s.p50).min();
+    let dropped = step.throughput < best * (1.0 - config.max_drop);
+    let slow = min_p50.is_some_and(|min| {
+        !min.is_zero() && step.p50.as_secs_f64() >= min.as_secs_f64() * config.max_latency_growth
+    });
+    dropped || slow
+}
+
+/// The concurrencies of the next refining round: evenly spaced strictly between the step
+/// below the knee found so far and the step above the best throughput, without those
+/// measured already.
+fn refine_points(steps: &[KneeStep], config: &KneeConfig) -> Vec<u32> {
+    let Some((peak, _)) = steps
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.throughput.total_cmp(&b.1.throughput))
+    else {
+        return Vec::new();
+    };
+    let level = steps[peak].throughput * (1.0 - config.plateau);
+    let first = steps
+        .iter()
+        .position(|s| s.throughput >= level)
+        .unwrap_or(0);
+    let lo = steps[first.saturating_sub(1)].concurrency;
+    let hi = steps[(peak + 1).min(steps.len() - 1)].concurrency;
+    let n = u64::from(config.refine_steps);
+    let mut points: Vec<u32> = (1..=n)
+        .map(|i| {
+            let span = u64::from(hi.saturating_sub(lo));
+            // Rounded to the nearest integer, in u64 so nothing overflows.
+            lo + u32::try_from((span * i * 2 + n + 1) / (2 * (n + 1))).unwrap_or(0)
+        })
+        .filter(|&c| c > lo && c < hi)
+        .filter(|&c| steps.iter().all(|s| s.concurrency != c))
+        .collect();
+    points.dedup();
+    points
+}
+
+/// The knee as a fractional concurrency, or `None` if no step above it saturated.
+fn knee_of(steps: &[KneeStep], config: &KneeConfig) -> Option<f64> {
+    let best = steps.iter().map(|s| s.throughput).fold(0.0_f64, f64::max);
+    if best <= 0.0 {
+        return None;
+    }
+    let level = best * (1.0 - config.plateau);
+    let j = steps.iter().position(|s| s.throughput >= level)?;
+    let knee = if j == 0 {
+        f64::from(steps[0].concurrency)
+    } else {
+        let (a, b) = (&steps[j - 1], &steps[j]);
+        let (ca, cb) = (f64::from(a.concurrency), f64::from(b.concurrency));
+        let rise = b.throughput - a.throughput;
+        if rise > 0.0 {
+            ca + (cb - ca) * (level - a.throughput) / rise
+        } else {
+            cb
+        }
+    };
+    let saturated_above = steps
+        .iter()
+        .enumerate()
+        .any(|(i, s)| f64::from(s.concurrency) > knee && is_saturated(s, &steps[..i], config));
+    saturated_above.then_some(knee)
+}
+
+/// One worker's tally for a step.
+#[derive(Default)]
+struct Tally {
+    /// Round-trip times of the `Ok` calls started in the window.
+    rtts: Vec<Duration>,
+    /// `Ok` answers that arrived in the window.
+    arrived: u64,
+    back_pressure: u64,
+    ignored: u64,
+}
+
+async fn measure<T: KneeTarget + ?Sized>(
+    target: &T,
+    concurrency: u32,
+    config: &KneeConfig,
+) -> KneeStep {
+    let start = Instant::now();
+    let from = start + config.warmup;
+    let end = start + config.step_duration;
+    let workers = (0..concurrency).map(|_| worker(target, from, end, config.timeout));
+    let tallies = join_all(workers).await;
+
+    let mut rtts = Vec::new();
+    let (mut arrived, mut back_pressure, mut ignored) = (0, 0, 0);
+    for tally in tallies {
+        rtts.extend(tally.rtts);
+        arrived += tally.arrived;
+        back_pressure += tally.back_pressure;
+        ignored += tally.ignored;
+    }
+    rtts.sort_unstable();
+    let window = (end - from).as_secs_f64();
+    KneeStep {
+        concurrency,
+        throughput: arrived as f64 / window,
+        p50: percentile(&rtts, 0.50),
+        p99: percentile(&rtts, 0.99),
+        ok: rtts.len() as u64,
+        back_pressure,
+        ignored,
+    }
+}
+
+/// Nearest-rank percentile of sorted values (zero when empty).
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One closed-loop worker: call, wait for the answer, call again, until `end`.
+async fn worker<T: KneeTarget + ?Sized>(
+    target: &T,
+    from: Instant,
+    end: Instant,
+    timeout: Duration,
+) -> Tally {
+    let mut tally = Tally::default();
+    loop {
+        let sent = Instant::now();
+        if sent >= end {
+            break;
+        }
+        let outcome = tokio::time::timeout(timeout, target.call())
+            .await
+            .unwrap_or(Outcome::BackPressure);
+        let answered = Instant::now();
+        if sent >= from {
+            match outcome {
+                Outcome::Ok => tally.rtts.push(answered - sent),
+                Outcome::BackPressure => tally.back_pressure += 1,
+                _ => tally.ignored += 1,
+            }
+        }
+        if outcome == Outcome::Ok && answered > from && answered <= end {
+            tally.arrived += 1;
+        }
+        if answered == sent {
+            // A call that took no time at all (a target that never waits, under paused
+            // time) would keep this task busy forever and the clock would never reach
+            // `end`: give the clock a millisecond.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    tally
+}

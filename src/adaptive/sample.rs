@@ -1,0 +1,88 @@
+//! What an adaptive limit learns from: one sample per finished call.
+
+use std::fmt;
+use std::time::Duration;
+
+/// How a call ended, as an adaptive limit sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The call completed and the downstream served it: its round-trip time is a
+    /// measurement of the downstream's latency at this concurrency.
+    Ok,
+    /// The downstream pushed back (`429`, `503`, a timeout, a connection refused for
+    /// overload): a signal to lower the limit, whatever the round-trip time says.
+    BackPressure,
+    /// Says nothing about the downstream's capacity (the call was cancelled or dropped, a
+    /// client error such as a `400`): the sample is ignored. Its round-trip time, often
+    /// near zero, must not pull the limit up.
+    Ignored,
+}
+
+/// One finished call: how long the call itself took (never its wait for a permit), how many
+/// calls were in flight when it started (itself included), and how it ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// The call's own round-trip time, from the permit's grant to the call's end.
+    pub rtt: Duration,
+    /// Calls in flight when this one started, itself included.
+    pub in_flight: u32,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// When it ended, as time since the limit was created (the algorithms take `now`
+    /// explicitly, as the [`limit`](crate::limit) math does, so they are deterministic).
+    pub now: Duration,
+}
+
+impl fmt::Debug for Sample {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sample")
+            .field("rtt", &self.rtt)
+            .field("in_flight", &self.in_flight)
+            .field("outcome", &self.outcome)
+            .field("now", &self.now)
+            .finish()
+    }
+}
+
+/// An algorithm that sets a concurrency limit from samples of finished calls.
+///
+/// A pure state machine: `update` takes one sample and answers the new limit, always
+/// within `[min_limit, max_limit]` of the algorithm's configuration. It never reads a clock
+/// (the sample carries `now`), never waits, and is driven under a lock by the
+/// [`Bulkhead`](crate::bulkhead::Bulkhead) it is given to, so it must be cheap.
+pub trait AdaptiveLimit: Send + fmt::Debug + 'static {
+    /// The current limit.
+    fn limit(&self) -> u32;
+
+    /// Learn from one finished call; return the new limit.
+    fn update(&mut self, sample: &Sample) -> u32;
+
+    /// A short name for reports and metrics labels (`"aimd"`, `"gradient2"`, ...).
+    fn name(&self) -> &'static str;
+
+    /// The algorithm's round-trip-time estimates, for metrics and reports (the
+    /// bulkhead publishes them as `flowgate_bulkhead_rtt_seconds{kind}`). The default
+    /// knows none.
+    fn rtt_estimates(&self) -> RttEstimates {
+        RttEstimates::default()
+    }
+}
+
+/// What an [`AdaptiveLimit`] currently believes about the downstream's round-trip time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RttEstimates {
+    /// The no-load round-trip time the algorithm compares against (a windowed minimum),
+    /// once it has one.
+    pub min: Option<Duration>,
+    /// The smoothed (averaged) round-trip time, once it has one.
+    pub smoothed: Option<Duration>,
+}
+
+impl RttEstimates {
+    /// Estimates from their parts (for algorithms written outside flowgate).
+    pub fn new(min: Option<Duration>, smoothed: Option<Duration>) -> RttEstimates {
+        RttEstimates { min, smoothed }
+    }
+}

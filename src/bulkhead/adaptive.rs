@@ -1,0 +1,183 @@
+//! The adaptive side of a bulkhead: its algorithm, the samples its permits feed it, and
+//! their metrics.
+
+use std::fmt;
+use std::sync::PoisonError;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use tokio::time::Instant;
+
+use crate::adaptive::{AdaptiveLimit, Outcome, RttEstimates, Sample};
+use crate::metrics::{Counter, Gauge, Labels};
+use crate::sync::Mutex;
+
+/// Names of the adaptive bulkhead metrics.
+pub(crate) mod names {
+    pub(crate) const MAX_IN_FLIGHT: &str = "flowgate_bulkhead_max_in_flight";
+    pub(crate) const RTT_SECONDS: &str = "flowgate_bulkhead_rtt_seconds";
+    pub(crate) const SAMPLES: &str = "flowgate_bulkhead_samples_total";
+}
+
+/// When a permit of an adaptive bulkhead was granted, and how many were in flight then
+/// (itself included).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grant {
+    at: Instant,
+    in_flight: u32,
+}
+
+impl Grant {
+    pub(crate) fn now(in_flight: u32) -> Grant {
+        Grant {
+            at: Instant::now(),
+            in_flight,
+        }
+    }
+}
+
+struct Metrics {
+    max_in_flight: Gauge,
+    rtt_min: Gauge,
+    rtt_smoothed: Gauge,
+    samples: [Counter; 3],
+}
+
+/// What an adaptive bulkhead learnt so far; from
+/// [`Bulkhead::adaptive_stats`](crate::bulkhead::Bulkhead::adaptive_stats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AdaptiveStats {
+    /// The algorithm's [`name`](AdaptiveLimit::name).
+    pub algorithm: &'static str,
+    /// The `max_in_flight` the algorithm set last (within the bulkhead's bounds).
+    pub max_in_flight: usize,
+    /// The algorithm's round-trip-time estimates.
+    pub rtt: RttEstimates,
+    /// Samples of calls that ended [`Outcome::Ok`].
+    pub ok: u64,
+    /// Samples of calls that ended [`Outcome::BackPressure`].
+    pub back_pressure: u64,
+    /// Samples of calls that ended [`Outcome::Ignored`]: dropped permits, cancelled calls.
+    pub ignored: u64,
+}
+
+pub(crate) struct Adaptive {
+    algorithm: Mutex<Box<dyn AdaptiveLimit>>,
+    name: &'static str,
+    /// `Sample::now` counts from here.
+    epoch: Instant,
+    /// The bulkhead's bounds: `critical_reserve + 1` and the builder's `max_in_flight`.
+    floor: u32,
+    ceiling: u32,
+    /// The latest `max_in_flight` the algorithm asked for.
+    target: AtomicU32,
+    counts: [AtomicU64; 3],
+    metrics: Metrics,
+}
+
+impl fmt::Debug for Adaptive {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Adaptive")
+            .field("algorithm", &self.name)
+            .field("target", &self.target.load(Ordering::Relaxed))
+            .field("floor", &self.floor)
+            .field("ceiling", &self.ceiling)
+            .finish_non_exhaustive()
+    }
+}
+
+fn index(outcome: Outcome) -> usize {
+    match outcome {
+        Outcome::Ok => 0,
+        Outcome::BackPressure => 1,
+        _ => 2,
+    }
+}
+
+impl Adaptive {
+    pub(crate) fn new(
+        algorithm: Box<dyn AdaptiveLimit>,
+        floor: u32,
+        ceiling: u32,
+        name: Option<&str>,
+    ) -> Adaptive {
+        let l = Labels::new(name);
+        let samples = |o: &'static str| l.counter(names::SAMPLES, &[("outcome", o)]);
+        let target = algorithm.limit().clamp(floor, ceiling);
+        let adaptive = Adaptive {
+            name: algorithm.name(),
+            algorithm: Mutex::new(algorithm),
+            epoch: Instant::now(),
+            floor,
+            ceiling,
+            target: AtomicU32::new(target),
+            counts: Default::default(),
+            metrics: Metrics {
+                max_in_flight: l.gauge(names::MAX_IN_FLIGHT, &[]),
+                rtt_min: l.gauge(names::RTT_SECONDS, &[("kind", "min")]),
+                rtt_smoothed: l.gauge(names::RTT_SECONDS, &[("kind", "smoothed")]),
+                samples: [samples("ok"), samples("back_pressure"), samples("ignored")],
+            },
+        };
+        adaptive.metrics.max_in_flight.set(f64::from(target));
+        adaptive
+    }
+
+    /// The `max_in_flight` to start with.
+    pub(crate) fn initial(&self) -> u32 {
+        self.target.load(Ordering::Relaxed)
+    }
+
+    /// Feed the sample of a call granted at `grant` that ended now with `outcome`; answers
+    /// the `max_in_flight` to apply (the latest target, whoever set it).
+    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> u32 {
+        let now = Instant::now();
+        self.counts[index(outcome)].fetch_add(1, Ordering::Relaxed);
+        self.metrics.samples[index(outcome)].increment(1);
+        if index(outcome) == 2 {
+            // Ignored: nothing to learn, and no lock to take.
+            return self.target.load(Ordering::Acquire);
+        }
+        let sample = Sample {
+            rtt: now.saturating_duration_since(grant.at),
+            in_flight: grant.in_flight,
+            outcome,
+            now: now.saturating_duration_since(self.epoch),
+        };
+        let (limit, rtt) = {
+            let mut algorithm = self
+                .algorithm
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let limit = algorithm.update(&sample).clamp(self.floor, self.ceiling);
+            // Stored under the lock: the last writer wrote the latest answer.
+            self.target.store(limit, Ordering::Release);
+            (limit, algorithm.rtt_estimates())
+        };
+        self.metrics.max_in_flight.set(f64::from(limit));
+        if let Some(min) = rtt.min {
+            self.metrics.rtt_min.set(min.as_secs_f64());
+        }
+        if let Some(smoothed) = rtt.smoothed {
+            self.metrics.rtt_smoothed.set(smoothed.as_secs_f64());
+        }
+        self.target.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn stats(&self) -> AdaptiveStats {
+        let rtt = self
+            .algorithm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .rtt_estimates();
+        let count = |i: usize| self.counts[i].load(Ordering::Relaxed);
+        AdaptiveStats {
+            algorithm: self.name,
+            max_in_flight: self.target.load(Ordering::Acquire) as usize,
+            rtt,
+            ok: count(0),
+            back_pressure: count(1),
+            ignored: count(2),
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Adaptive concurrency limits: the algorithms on the simulated downstream through an
+//! adaptive bulkhead, and the regressions the anchors shipped. Paused time throughout.
+
+#[path = "adaptive/support.rs"]
+mod support;
+
+use std::time::Duration;
+
+use std::sync::{Arc, Mutex};
+
+use flowgate::FlowStreamExt;
+use flowgate::adaptive::sim::{Downstream, Scenario};
+use flowgate::adaptive::{AdaptiveLimit, Aimd, Gradient2, Outcome, Probe, Sample, Vegas};
+use flowgate::bulkhead::Bulkhead;
+use futures::StreamExt;
+
+fn bulkhead<A: AdaptiveLimit + Clone>(limit: A) -> Bulkhead {
+    Bulkhead::builder(1000).adaptive(limit).build().unwrap()
+}
+
+/// Every algorithm with its defaults (the downstream's timeout is 1 s, so the algorithms
+/// that take one are told).
+fn algorithms() -> Vec<Box<dyn Fn() -> Bulkhead>> {
+    let t = Duration::from_secs(1);
+    vec![
+        Box::new(move || bulkhead(Probe::builder().timeout(t).build().unwrap())),
+        Box::new(move || bulkhead(Aimd::builder().timeout(t).build().unwrap())),
+        Box::new(move || bulkhead(Gradient2::builder().timeout(t).build().unwrap())),
+        Box::new(|| bulkhead(Vegas::builder().build().unwrap())),
+    ]
+}
+
+/// The documented band of each algorithm's mean limit (20 s to the end) around a knee of
+/// 40 on the shallow and steep scenarios: probe within ±10 % of the knee; gradient2 and
+/// vegas between half the knee and 1.25 × (both settle below the knee when latency grows
+/// with load); aimd, which ignores latency, between the knee and 1.5 × the capacity (the
+/// downstream refuses above 80).
+fn band(algorithm: &str) -> (f64, f64) {
+    match algorithm {
+        "probe" => (36.0, 44.0),
+        "aimd" => (40.0, 120.0),
+        _ => (20.0, 50.0),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_algorithm_settles_on_shallow_and_steep_knees() {
+    for scenario in [Scenario::shallow_knee(), Scenario::steep_knee()] {
+        for make in algorithms() {
+            let b = make();
+            let algorithm = b.adaptive_stats().unwrap().algorithm;
+            let run = support::drive(&scenario.downstream(), &b, 200, 60).await;
+            let mean = run.mean_limit(20, 60);
+            let (lo, hi) = band(algorithm);
+            println!(
+                "{} {algorithm}: mean limit {mean:.1}, max {}",
+                scenario.name(),
+                run.max_limit(20, 60)
+            );
+            assert!(
+                (lo..=hi).contains(&mean),
+                "{} {algorithm}: mean limit {mean:.1} outside [{lo}, {hi}]",
+                scenario.name()
+            );
+            if algorithm == "probe" {
+                // Gradient2 and AIMD move per sample and spike; probe holds a level and
+                // tries one step (here 1) at a time: never more than a few above the knee.
+                assert!(
+                    run.max_limit(20, 60) <= 44,
+                    "{algorithm} overshoots: {}",
+                    run.max_limit(20, 60)
+                );
+                // At the knee, 40 calls of about 27 to 35 ms: above 1,100 calls/s.
+                let throughput = run.throughput(20, 60);
+                assert!(throughput > 1_100.0, "{algorithm}: {throughput:.0}/s");
+            }
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_algorithm_follows_a_capacity_drop_and_recovers() {
+    // The knee is 60, 30 from t = 30 s, 60 again from t = 60 s.
+    let scenario = Scenario::capacity_drop();
+    for make in algorithms() {
+        let b = make();
+        let algorithm = b.adaptive_stats().unwrap().algorithm;
+        let run = support::drive(&scenario.downstream(), &b, 200, 120).await;
+        let before = run.mean_limit(10, 30);
+        // AIMD ignores latency: it follows the downstream's capacity (twice the knee).
+        let target = if algorithm == "aimd" { 66 } else { 37 };
+        let below = run.first_at_most(30, target).unwrap_or(Duration::MAX);
+        let after = run.mean_limit(90, 120);
+        println!(
+            "{algorithm}: before {before:.1}, at most {target} at {below:?}, during {:.1}, after {after:.1}",
+            run.mean_limit(40, 60)
+        );
+        // Within 25 % of the new knee (30; AIMD: 10 % of the new capacity, 60) within 10 s
+        // of the drop.
+        assert!(
+            below <= Duration::from_secs(40),
+            "{algorithm}: at most {target} only at {below:?}"
+        );
+        // Back within 20 % of where it was before the drop, 30 s after the knee came back.
+        assert!(
+            after >= 0.8 * before,
+            "{algorithm}: {after:.1} after, {before:.1} before"
+        );
+        if algorithm == "probe" {
+            probe_follows_the_knee(&run);
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_follows_a_capacity_drop_on_other_seeds() {
+    for seed in [1, 2] {
+        let scenario = Scenario::capacity_drop().with_seed(seed);
+        let b = algorithms().remove(0)();
+        assert_eq!(b.adaptive_stats().unwrap().algorithm, "probe");
+        let run = support::drive(&scenario.downstream(), &b, 200, 120).await;
+        probe_follows_the_knee(&run);
+    }
+}
+
+/// Probe's stated bounds on the capacity drop: before it, within 10 % of the knee (60);
+/// at most the new knee (30) within 3 s of the drop, and within 10 % of it (never above
+/// 36) from 10 s after the drop until the knee comes back; back to 80 % of the old knee
+/// (48) within 10 s of its return, and within 10 % of it from 30 s on.
+fn probe_follows_the_knee(run: &support::Run) {
+    let before = run.mean_limit(10, 30);
+    assert!(
+        (54.0..=66.0).contains(&before),
+        "probe before the drop: {before:.1}"
+    );
+    let below = run.first_at_most(30, 30).unwrap_or(Duration::MAX);
+    println!(
+        "probe: at most 30 at {below:?}, during {:.1} (max {}), after {:.1}",
+        run.mean_limit(40, 60),
+        run.max_limit(40, 60),
+        run.mean_limit(90, 120)
+    );
+    assert!(
+        below <= Duration::from_secs(33),
+        "probe at most 30 only at {below:?}"
+    );
+    let during = run.mean_limit(40, 60);
+    assert!(
+        (27.0..=33.0).contains(&during),
+        "probe during the drop: {during:.1}"
+    );
+    assert!(
+        run.max_limit(40, 60) <= 36,
+        "probe: {} during the drop",
+        run.max_limit(40, 60)
+    );
+    let back = run
+        .limits
+        .iter()
+        .find(|&&(t, l)| t >= Duration::from_secs(60) && l >= 48)
+        .map_or(Duration::MAX, |&(t, _)| t);
+    assert!(
+        back <= Duration::from_secs(70),
+        "probe at 48 only at {back:?}"
+    );
+    let after = run.mean_limit(90, 120);
+    assert!(
+        (54.0..=66.0).contains(&after),
+        "probe after the drop: {after:.1}"
+    );
+}
+
+/// An algorithm that records every sample and keeps its limit.
+#[derive(Debug, Clone)]
+struct Recorder {
+    limit: u32,
+    samples: Arc<Mutex<Vec<Sample>>>,
+}
+
+impl Recorder {
+    fn new(limit: u32) -> Recorder {
+        Recorder {
+            limit,
+            samples: Arc::default(),
+        }
+    }
+
+    fn samples(&self) -> Vec<Sample> {
+        self.samples.lock().unwrap().clone()
+    }
+}
+
+impl AdaptiveLimit for Recorder {
+    fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    fn update(&mut self, sample: &Sample) -> u32 {
+        self.samples.lock().unwrap().push(*sample);
+        self.limit
+    }
+
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+}
+
+const MS: Duration = Duration::from_millis(1);
+
+#[tokio::test(start_paused = true)]
+async fn permit_wait_time_is_not_rtt() {
+    let recorder = Recorder::new(1);
+    let b = Bulkhead::builder(1)
+        .adaptive(recorder.clone())
+        .build()
+        .unwrap();
+    let first = b.acquire_owned().await.unwrap();
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let permit = b.acquire().await.unwrap(); // waits 100 ms for `first`
+            tokio::time::sleep(10 * MS).await;
+            permit.record(Outcome::Ok);
+        })
+    };
+    tokio::time::sleep(100 * MS).await;
+    first.record(Outcome::Ok);
+    waiter.await.unwrap();
+    let samples = recorder.samples();
+    assert_eq!(samples.len(), 2);
+    assert_eq!(samples[0].rtt, 100 * MS);
+    assert_eq!(samples[1].rtt, 10 * MS, "the 100 ms wait is not counted");
+    assert_eq!(samples[1].in_flight, 1);
+    assert_eq!(samples[1].now, 110 * MS);
+    assert!(samples.iter().all(|s| s.outcome == Outcome::Ok));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropped_and_cancelled_calls_are_ignored() {
+    // Through the bulkhead: permits dropped at once (near-zero round trips), a cancelled run.
+    for make in algorithms() {
+        let b = make();
+        let before = b.max_in_flight();
+        for _ in 0..1_000 {
+            let permit = b.acquire().await.unwrap();
+            drop(permit);
+        }
+        let cancelled = tokio::time::timeout(MS, b.run(tokio::time::sleep(Duration::from_secs(1))));
+        assert!(cancelled.await.is_err());
+        let stats = b.adaptive_stats().unwrap();
+        assert_eq!(stats.ignored, 1_001, "{}", stats.algorithm);
+        assert_eq!((stats.ok, stats.back_pressure), (0, 0));
+        assert_eq!(b.max_in_flight(), before, "{}", stats.algorithm);
+        assert_eq!(
+            stats.rtt.min, None,
+            "{}: an ignored rtt is no estimate",
+            stats.algorithm
+        );
+    }
+    // The algorithms themselves: `Ignored` samples with zero round trips change nothing.
+    let mut algorithms: Vec<Box<dyn AdaptiveLimit>> = vec![
+        Box::new(Probe::default()),
+        Box::new(Aimd::builder().build().unwrap()),
+        Box::new(Gradient2::builder().build().unwrap()),
+        Box::new(Vegas::builder().build().unwrap()),
+    ];
+    for a in &mut algorithms {
+        let before = a.limit();
+        for i in 0..10_000u64 {
+            let s = Sample {
+                rtt: Duration::ZERO,
+                in_flight: before,
+                outcome: Outcome::Ignored,
+                now: Duration::from_micros(i),
+            };
+            assert_eq!(a.update(&s), before, "{}", a.name());
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn constant_timeouts_do_not_grow_the_limit() {
+    // Every call takes longer than the downstream's 1 s timeout.
+    for make in algorithms() {
+        let b = make();
+        let initial = b.max_in_flight();
+        let downstream = Downstream::builder()
+            .base(Duration::from_secs(2))
+            .timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let run = support::drive(&downstream, &b, 200, 60).await;
+        let stats = b.adaptive_stats().unwrap();
+        assert!(stats.back_pressure > 0);
+        assert!(
+            run.max_limit(0, 60) <= initial,
+            "{}: grew to {}",
+            stats.algorithm,
+            run.max_limit(0, 60)
+        );
+        assert!(
+            b.max_in_flight() < initial,
+            "{}: never cut",
+            stats.algorithm
+        );
+    }
+    // A caller that reports timeouts as `Ok` with the timeout as round trip (Netflix 137):
+    // the algorithms with a `timeout` treat them as back-pressure.
+    let t = Duration::from_secs(1);
+    let mut algorithms: Vec<Box<dyn AdaptiveLimit>> = vec![
+        Box::new(Probe::builder().timeout(t).build().unwrap()),
+        Box::new(Aimd::builder().timeout(t).build().unwrap()),
+        Box::new(Gradient2::builder().timeout(t).build().unwrap()),
+    ];
+    for a in &mut algorithms {
+        let initial = a.limit();
+        for i in 1..=1_000u64 {
+            let limit = a.limit();
+            let s = Sample {
+                rtt: t,
+                in_flight: limit,
+                outcome: Outcome::Ok,
+                now: Duration::from_millis(10 * i) + t,
+            };
+            assert!(a.update(&s) <= initial, "{}", a.name());
+        }
+        assert!(a.limit() < initial, "{}: never cut", a.name());
+        assert_eq!(
+            a.rtt_estimates().min,
+            None,
+            "{}: a timeout is no rtt",
+            a.name()
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_app_limited_caller_does_not_inflate_the_limit() {
+    // Four calls in flight at most, a fast flat downstream, for a minute.
+    for make in algorithms() {
+        let b = make();
+        let initial = b.max_in_flight();
+        let downstream = Downstream::builder()
+            .base(Duration::from_millis(10))
+            .build()
+            .unwrap();
+        let run = support::drive(&downstream, &b, 4, 60).await;
+        let stats = b.adaptive_stats().unwrap();
+        assert!(stats.ok > 20_000, "{}: {} calls", stats.algorithm, stats.ok);
+        assert!(
+            run.max_limit(0, 60) <= initial,
+            "{}: grew to {} with 4 in flight",
+            stats.algorithm,
+            run.max_limit(0, 60)
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn stream_adapters_and_run_record_ok() {
+    let recorder = Recorder::new(4);
+    let b = Bulkhead::builder(4)
+        .adaptive(recorder.clone())
+        .build()
+        .unwrap();
+    let work = |_| async {
+        tokio::time::sleep(5 * MS).await;
+    };
+    let n = futures::stream::iter(0..10)
+        .bulkhead_map(b.clone(), work)
+        .count()
+        .await;
+    let m = futures::stream::iter(0..10)
+        .bulkhead_map_unordered(b.clone(), work)
+        .count()
+        .await;
+    let k = futures::stream::iter(0..10)
+        .bulkhead_spawn_map(b.clone(), work)
+        .count()
+        .await;
+    b.run(tokio::time::sleep(7 * MS)).await.unwrap();
+    assert_eq!((n, m, k), (10, 10, 10));
+    let samples = recorder.samples();
+    assert_eq!(samples.len(), 31);
+    assert!(samples.iter().all(|s| s.outcome == Outcome::Ok));
+    assert!(samples[..30].iter().all(|s| s.rtt == 5 * MS), "{samples:?}");
+    assert_eq!(samples[30].rtt, 7 * MS);
+    assert!(samples.iter().all(|s| (1..=4).contains(&s.in_flight)));
+    let stats = b.adaptive_stats().unwrap();
+    assert_eq!((stats.ok, stats.ignored), (31, 0));
+    // Dropped before completing: ignored.
+    let mut s = Box::pin(futures::stream::iter(0..10).bulkhead_map(b.clone(), work));
+    let _ = futures::poll!(s.next());
+    drop(s);
+    assert_eq!(b.adaptive_stats().unwrap().ignored, 4);
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
+async fn a_fixed_bulkhead_has_no_adaptive_state() {
+    let b = Bulkhead::new(3).unwrap();
+    assert!(b.adaptive_stats().is_none());
+    let permit = b.acquire().await.unwrap();
+    permit.record(Outcome::BackPressure); // returns the permit, nothing else
+    assert_eq!((b.in_flight(), b.max_in_flight()), (0, 3));
+}
+
+#[tokio::test]
+async fn the_bulkhead_keeps_the_algorithm_within_its_bounds() {
+    // Ceiling 8 (the builder's max_in_flight), floor 3 (critical_reserve 2 + 1).
+    let b = Bulkhead::builder(8)
+        .critical_reserve(2)
+        .adaptive(Aimd::builder().initial(20).build().unwrap())
+        .build()
+        .unwrap();
+    assert_eq!(b.max_in_flight(), 8);
+    for _ in 0..50 {
+        b.acquire().await.unwrap().record(Outcome::BackPressure);
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(b.max_in_flight(), 3);
+    // Each bulkhead built from one builder gets its own copy of the algorithm.
+    let builder = Bulkhead::builder(100).adaptive(Aimd::builder().build().unwrap());
+    let (x, y) = (builder.clone().build().unwrap(), builder.build().unwrap());
+    x.acquire().await.unwrap().record(Outcome::BackPressure);
+    assert_eq!((x.max_in_flight(), y.max_in_flight()), (18, 20));
+}
+
+#[test]
+fn bad_config_is_an_error() {
+    let field = |r: Result<(), flowgate::ConfigError>| r.unwrap_err().field();
+    assert_eq!(
+        field(Probe::builder().min_limit(0).build().map(drop)),
+        "probe.min_limit"
+    );
+    assert_eq!(
+        field(
+            Probe::builder()
+                .min_limit(50)
+                .max_limit(10)
+                .build()
+                .map(drop)
+        ),
+        "probe.min_limit"
+    );
+    assert_eq!(
+        field(Probe::builder().initial(5000).build().map(drop)),
+        "probe.initial"
+    );
+    assert_eq!(
+        field(Probe::builder().max_limit(u32::MAX).build().map(drop)),
+        "probe.max_limit"
+    );
+    assert_eq!(
+        field(Probe::builder().backoff_ratio(1.0).build().map(drop)),
+        "probe.backoff_ratio"
+    );
+    assert_eq!(
+        field(Probe::builder().max_rtt_ratio(0.5).build().map(drop)),
+        "probe.max_rtt_ratio"
+    );
+    assert_eq!(
+        field(Probe::builder().timeout(Duration::ZERO).build().map(drop)),
+        "probe.timeout"
+    );
+    assert_eq!(
+        field(Aimd::builder().backoff_ratio(f64::NAN).build().map(drop)),
+        "aimd.backoff_ratio"
+    );
+    assert_eq!(
+        field(Aimd::builder().initial(0).build().map(drop)),
+        "aimd.initial"
+    );
+    assert_eq!(
+        field(Gradient2::builder().tolerance(0.9).build().map(drop)),
+        "gradient2.tolerance"
+    );
+    assert_eq!(
+        field(Gradient2::builder().smoothing(0.0).build().map(drop)),
+        "gradient2.smoothing"
+    );
+    assert_eq!(
+        field(Gradient2::builder().long_window(0).build().map(drop)),
+        "gradient2.long_window"
+    );
+    assert_eq!(
+        field(Vegas::builder().alpha(4.0).beta(3.0).build().map(drop)),
+        "vegas.beta"
+    );
+    assert_eq!(
+        field(Vegas::builder().probe_multiplier(0).build().map(drop)),
+        "vegas.probe_multiplier"
+    );
+}

@@ -1,0 +1,497 @@
+//! The knee finder (`flowgate::adaptive::knee`): against the simulator under paused time it
+//! finds the knee within ±10 % on several knees and recommends 60–70 % of it, the same way
+//! every time; bad configurations and non-loopback URLs are refused with typed errors; and a
+//! short run against a real HTTP server on 127.0.0.1 measures what the server answers.
+
+#[path = "support/knee_http.rs"]
+mod knee_http;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use flowgate::ConfigErrorKind;
+use flowgate::adaptive::Outcome;
+use flowgate::adaptive::knee::{
+    KneeConfig, KneeConfigBuilder, KneeError, KneePhase, KneeReport, KneeTarget, find_knee,
+    find_knee_with_progress,
+};
+use flowgate::adaptive::sim::{Downstream, Scenario};
+use futures::future::BoxFuture;
+use knee_http::{HttpTarget, UrlError, loopback_uri};
+
+/// Shorter steps than the defaults: the simulator is steady after a few hundred ms.
+fn quick() -> KneeConfigBuilder {
+    KneeConfig::builder()
+        .step_duration(Duration::from_secs(3))
+        .warmup(Duration::from_millis(500))
+}
+
+/// A downstream with the scenarios' shape (base 25 ms, capacity 2× the knee, 1 s timeout)
+/// and a knee of our choosing.
+fn downstream(knee: u32, steepness: f64, slope: f64, jitter: f64) -> Downstream {
+    Downstream::builder()
+        .knee(knee)
+        .steepness(steepness)
+        .slope(slope)
+        .jitter(jitter)
+        .capacity(knee * 2)
+        .timeout(Duration::from_secs(1))
+        .seed(7)
+        .build()
+        .expect("valid downstream")
+}
+
+fn assert_knee(report: &KneeReport, truth: u32, what: &str) {
+    let knee = report
+        .knee
+        .unwrap_or_else(|| panic!("{what}: no knee in {report:?}"));
+    let error = (f64::from(knee) - f64::from(truth)).abs() / f64::from(truth);
+    assert!(
+        error <= 0.10,
+        "{what}: knee {knee}, true {truth} ({:.1} % off)",
+        error * 100.0
+    );
+    let recommended = report.recommended.expect("a recommendation with the knee");
+    eprintln!(
+        "{what}: true knee {truth}, found {knee}, recommended {recommended}, {} steps",
+        report.steps.len()
+    );
+    let share = f64::from(recommended) / f64::from(knee);
+    assert!(
+        (0.60..=0.70).contains(&share),
+        "{what}: recommended {recommended} for knee {knee} ({share:.2})"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn finds_three_different_knees_within_ten_percent() {
+    let config = quick().build().unwrap();
+    for (truth, steepness, slope) in [(10, 1.3, 0.01), (40, 1.1, 0.005), (150, 1.05, 0.002)] {
+        let target = downstream(truth, steepness, slope, 0.1);
+        let report = find_knee(&target, &config).await.unwrap();
+        assert_knee(&report, truth, &format!("knee {truth}"));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn finds_the_knee_of_each_bench_scenario() {
+    let config = quick().build().unwrap();
+    for scenario in [
+        Scenario::shallow_knee(),
+        Scenario::steep_knee(),
+        Scenario::noisy(),
+    ] {
+        let report = find_knee(&scenario.downstream(), &config).await.unwrap();
+        assert_knee(&report, scenario.knee_at(Duration::ZERO), scenario.name());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_seed_gives_the_same_report() {
+    let config = quick().build().unwrap();
+    let first = find_knee(&downstream(40, 1.1, 0.005, 0.3), &config)
+        .await
+        .unwrap();
+    let second = find_knee(&downstream(40, 1.1, 0.005, 0.3), &config)
+        .await
+        .unwrap();
+    assert_eq!(first, second);
+    assert!(first.steps.len() > 10, "{first:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn steps_are_sorted_and_the_peak_is_near_the_knee() {
+    let report = find_knee(&downstream(40, 1.3, 0.002, 0.05), &quick().build().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        report
+            .steps
+            .windows(2)
+            .all(|w| w[0].concurrency < w[1].concurrency)
+    );
+    let peak = report.peak().unwrap();
+    assert!((38..=42).contains(&peak.concurrency), "{peak:?}");
+    // p50 ≤ p99, and the latency at the peak is close to the model's.
+    assert!(report.steps.iter().all(|s| s.p50 <= s.p99));
+    assert!(
+        peak.p50 >= Duration::from_millis(25) && peak.p50 <= Duration::from_millis(30),
+        "{peak:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_recommendation_follows_the_configured_fraction() {
+    let config = quick().recommend_fraction(0.6).build().unwrap();
+    let report = find_knee(&downstream(40, 1.3, 0.002, 0.05), &config)
+        .await
+        .unwrap();
+    let knee = report.knee.unwrap();
+    let recommended = report.recommended.unwrap();
+    assert_eq!(report.recommend_fraction, 0.6);
+    // ⌊knee × 0.6⌋ of the interpolated knee: within one call of the rounded knee's.
+    assert!(
+        recommended.abs_diff(knee * 6 / 10) <= 1,
+        "{knee} → {recommended}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn progress_is_reported_after_every_step() {
+    let config = quick().build().unwrap();
+    let mut seen = Vec::new();
+    let report = find_knee_with_progress(&downstream(40, 1.3, 0.002, 0.05), &config, |p| {
+        seen.push((p.phase, p.step.concurrency, p.done, p.planned));
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen.len(), report.steps.len());
+    for (i, &(_, _, done, planned)) in seen.iter().enumerate() {
+        assert_eq!(done, i + 1);
+        assert!(planned >= done && planned <= config.max_steps());
+    }
+    assert!(
+        seen.windows(2).all(|w| w[1].3 <= w[0].3),
+        "planned never grows: {seen:?}"
+    );
+    assert_eq!(seen.last().map(|s| s.3), Some(report.steps.len()));
+    // The ramp doubles from 1, then the refining rounds follow.
+    let ramp: Vec<u32> = seen
+        .iter()
+        .filter(|s| s.0 == KneePhase::Ramp)
+        .map(|s| s.1)
+        .collect();
+    assert_eq!(ramp, [1, 2, 4, 8, 16, 32, 64]);
+    assert!(seen.iter().any(|s| s.0 == KneePhase::Refine(2)), "{seen:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_explicit_list_is_measured_as_given() {
+    let config = quick().steps([16, 4, 1, 4, 64]).build().unwrap();
+    assert_eq!(config.steps(), Some(&[1, 4, 16, 64][..]));
+    let mut phases = Vec::new();
+    let report = find_knee_with_progress(&downstream(40, 1.3, 0.002, 0.05), &config, |p| {
+        phases.push(p.phase)
+    })
+    .await
+    .unwrap();
+    let measured: Vec<u32> = report.steps.iter().map(|s| s.concurrency).collect();
+    assert_eq!(measured, [1, 4, 16, 64]);
+    assert!(phases.iter().all(|&p| p == KneePhase::List));
+    // Coarse steps: the knee lies between 16 and 64, where throughput reached the plateau.
+    let knee = report.knee.unwrap();
+    assert!((16..64).contains(&knee), "{knee}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_knee_below_the_maximum_concurrency() {
+    let config = quick().max_concurrency(64).build().unwrap();
+    let report = find_knee(&downstream(200, 1.1, 0.001, 0.05), &config)
+        .await
+        .unwrap();
+    assert_eq!(report.knee, None);
+    assert_eq!(report.recommended, None);
+    assert_eq!(report.steps.last().map(|s| s.concurrency), Some(64));
+}
+
+/// Answers after `latency`; every `every`-th call (if any) with `outcome` instead of `Ok`.
+#[derive(Debug)]
+struct Scripted {
+    latency: Duration,
+    every: u64,
+    outcome: Outcome,
+    calls: AtomicU64,
+}
+
+impl Scripted {
+    fn new(latency: Duration, every: u64, outcome: Outcome) -> Scripted {
+        Scripted {
+            latency,
+            every,
+            outcome,
+            calls: AtomicU64::new(0),
+        }
+    }
+}
+
+impl KneeTarget for Scripted {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        Box::pin(async move {
+            let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+            if !self.latency.is_zero() {
+                tokio::time::sleep(self.latency).await;
+            }
+            if self.every > 0 && n.is_multiple_of(self.every) {
+                self.outcome
+            } else {
+                Outcome::Ok
+            }
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_target_that_refuses_everything_is_an_error() {
+    let target = Scripted::new(Duration::from_millis(5), 1, Outcome::BackPressure);
+    let err = find_knee(&target, &quick().build().unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(err, KneeError::NoSuccess { concurrency: 1 });
+    assert!(err.to_string().contains("no call succeeded"), "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_target_saturated_at_the_first_step_is_an_error() {
+    // One call in five pushed back: 20 % > the 5 % allowed.
+    let target = Scripted::new(Duration::from_millis(5), 5, Outcome::BackPressure);
+    let err = find_knee(&target, &quick().start(2).build().unwrap())
+        .await
+        .unwrap_err();
+    let KneeError::SaturatedAtStart {
+        concurrency,
+        back_pressure_ratio,
+    } = err
+    else {
+        panic!("{err:?}");
+    };
+    assert_eq!(concurrency, 2);
+    assert!(
+        (back_pressure_ratio - 0.2).abs() < 0.01,
+        "{back_pressure_ratio}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn ignored_outcomes_are_counted_apart() {
+    let target = Scripted::new(Duration::from_millis(10), 4, Outcome::Ignored);
+    let config = quick().steps([1]).build().unwrap();
+    let report = find_knee(&target, &config).await.unwrap();
+    let step = &report.steps[0];
+    // 2.5 s measured at 10 ms per call: 250 calls, one in four ignored.
+    assert_eq!(step.ok + step.ignored, 250);
+    assert!(step.ignored.abs_diff(62) <= 1, "{step:?}");
+    assert_eq!(step.back_pressure, 0);
+    // Ignored answers are not throughput.
+    assert!((step.throughput - 75.0).abs() < 1.0, "{step:?}");
+}
+
+#[derive(Debug)]
+struct Slow;
+
+impl KneeTarget for Slow {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Outcome::Ok
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_slower_than_the_timeout_is_back_pressure() {
+    let config = quick().timeout(Duration::from_millis(100)).build().unwrap();
+    let err = find_knee(&Slow, &config).await.unwrap_err();
+    assert_eq!(err, KneeError::NoSuccess { concurrency: 1 });
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_target_that_never_waits_still_ends_each_step() {
+    let target = Scripted::new(Duration::ZERO, 0, Outcome::Ok);
+    let config = quick().steps([1, 2]).build().unwrap();
+    let report = find_knee(&target, &config).await.unwrap();
+    assert_eq!(report.steps.len(), 2);
+    assert!(report.steps.iter().all(|s| s.ok > 0));
+}
+
+#[test]
+fn bad_configurations_are_refused() {
+    let cases: Vec<(KneeConfigBuilder, &str, ConfigErrorKind)> = vec![
+        (
+            KneeConfig::builder().steps([]),
+            "knee.steps",
+            ConfigErrorKind::Zero,
+        ),
+        (
+            KneeConfig::builder().steps([0, 4]),
+            "knee.steps",
+            ConfigErrorKind::Zero,
+        ),
+        (
+            KneeConfig::builder().steps([100_000]),
+            "knee.steps",
+            ConfigErrorKind::TooLarge,
+        ),
+        (
+            KneeConfig::builder().start(0),
+            "knee.start",
+            ConfigErrorKind::Zero,
+        ),
+        (
+            KneeConfig::builder().start(8).max_concurrency(4),
+            "knee.max_concurrency",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().max_concurrency(1 << 20),
+            "knee.max_concurrency",
+            ConfigErrorKind::TooLarge,
+        ),
+        (
+            KneeConfig::builder().refine_steps(65),
+            "knee.refine_steps",
+            ConfigErrorKind::TooLarge,
+        ),
+        (
+            KneeConfig::builder().refine_rounds(9),
+            "knee.refine_rounds",
+            ConfigErrorKind::TooLarge,
+        ),
+        (
+            KneeConfig::builder().step_duration(Duration::ZERO),
+            "knee.step_duration",
+            ConfigErrorKind::Zero,
+        ),
+        (
+            KneeConfig::builder().warmup(Duration::from_secs(5)),
+            "knee.warmup",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().timeout(Duration::ZERO),
+            "knee.timeout",
+            ConfigErrorKind::Zero,
+        ),
+        (
+            KneeConfig::builder().plateau(0.5),
+            "knee.plateau",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().plateau(f64::NAN),
+            "knee.plateau",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().max_drop(0.01),
+            "knee.max_drop",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().max_latency_growth(1.0),
+            "knee.max_latency_growth",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().max_back_pressure(1.0),
+            "knee.max_back_pressure",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().recommend_fraction(0.0),
+            "knee.recommend_fraction",
+            ConfigErrorKind::Inconsistent,
+        ),
+        (
+            KneeConfig::builder().recommend_fraction(1.5),
+            "knee.recommend_fraction",
+            ConfigErrorKind::Inconsistent,
+        ),
+    ];
+    for (builder, field, kind) in cases {
+        let err = builder.build().unwrap_err();
+        assert_eq!((err.field(), err.kind()), (field, kind), "{err}");
+    }
+    let ok = KneeConfig::builder()
+        .recommend_fraction(1.0)
+        .build()
+        .unwrap();
+    assert_eq!(ok.recommend_fraction(), 1.0);
+    assert_eq!(KneeConfig::builder().build().unwrap().max_steps(), 11 + 14);
+}
+
+#[test]
+fn only_loopback_http_urls_are_accepted() {
+    for url in [
+        "http://127.0.0.1:3000/",
+        "http://127.1.2.3/x?y=1",
+        "http://[::1]:8080/",
+        "http://localhost:3000/",
+    ] {
+        assert!(loopback_uri(url).is_ok(), "{url}");
+    }
+    let refused = |url: &str| loopback_uri(url).unwrap_err();
+    assert!(
+        matches!(refused("http://example.com/"), UrlError::NotLoopback(h) if h == "example.com")
+    );
+    assert!(matches!(
+        refused("http://10.0.0.1:80/"),
+        UrlError::NotLoopback(_)
+    ));
+    assert!(matches!(
+        refused("http://[2001:db8::1]/"),
+        UrlError::NotLoopback(_)
+    ));
+    assert!(matches!(
+        refused("http://0.0.0.0:3000/"),
+        UrlError::NotLoopback(_)
+    ));
+    assert!(matches!(refused("https://127.0.0.1/"), UrlError::Scheme(s) if s == "https"));
+    assert!(matches!(refused("/just/a/path"), UrlError::Scheme(_)));
+    assert!(matches!(refused("http://exa mple/"), UrlError::Invalid(_)));
+    assert!(HttpTarget::new("http://192.168.1.1/").is_err());
+    assert!(
+        refused("http://example.com/")
+            .to_string()
+            .contains("only loopback")
+    );
+}
+
+/// A real server on 127.0.0.1:0 answering `status` after 2 ms.
+async fn serve(status: u16) -> String {
+    use axum::Router;
+    use axum::http::StatusCode;
+    use axum::routing::get;
+
+    let status = StatusCode::from_u16(status).unwrap();
+    let app = Router::new().route(
+        "/",
+        get(move || async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            (status, "hello")
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/")
+}
+
+/// Real time (a real server): short steps, and only what does not depend on the clock is
+/// asserted.
+fn http_config() -> KneeConfig {
+    KneeConfig::builder()
+        .steps([1, 4])
+        .step_duration(Duration::from_millis(300))
+        .warmup(Duration::from_millis(50))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn measures_a_real_http_server_on_loopback() {
+    let target = HttpTarget::new(&serve(200).await).unwrap();
+    let report = find_knee(&target, &http_config()).await.unwrap();
+    assert_eq!(report.steps.len(), 2);
+    for step in &report.steps {
+        assert!(step.ok > 0 && step.back_pressure == 0, "{step:?}");
+        assert!(step.p50 >= Duration::from_millis(2), "{step:?}");
+        assert!(step.throughput > 0.0, "{step:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_server_answering_503_is_back_pressure() {
+    let target = HttpTarget::new(&serve(503).await).unwrap();
+    let err = find_knee(&target, &http_config()).await.unwrap_err();
+    assert_eq!(err, KneeError::NoSuccess { concurrency: 1 });
+}

@@ -5,6 +5,13 @@
 //! fixed step per call), so the comparison is the decision itself, not the clock source.
 //! Rate 1M/s (1 µs interval), burst 100, step 700 ns: a realistic mix of admissions and
 //! rejections.
+//!
+//! The `*_real_clock` groups measure what users run instead: each side reads its own real
+//! clock per decision (flowgate: `Instant::now()` for the direct bucket, `MemoryGate`'s
+//! tokio clock; governor: its default clock), over 10 000 `String` keys
+//! (`MemoryGate::check` against governor's keyed `check_key`), on one thread and with 8
+//! threads contending for the same limiter (each thread runs its own share of the
+//! iterations; the figure is the time for all of them, per decision).
 
 mod support;
 
@@ -15,6 +22,7 @@ use std::time::Duration;
 
 use criterion::{Bencher, Criterion, Throughput, criterion_group};
 use flowgate::Quota;
+use flowgate::gate::{Limit, MemoryGate};
 use flowgate::limit::{Keyed, Limiter, TokenBucket};
 use governor::clock::FakeRelativeClock;
 
@@ -117,6 +125,70 @@ fn governor_keyed(
     })
 }
 
+/// The 10 000 keys as strings (both sides key by `String`).
+fn string_keys(order: &[u64]) -> Vec<String> {
+    order.iter().map(|k| format!("client-{k}")).collect()
+}
+
+fn direct_real_clock(c: &mut Criterion) {
+    let mut g = c.benchmark_group("limit_direct_real_clock");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("flowgate_token_bucket", |b| {
+        let epoch = std::time::Instant::now();
+        let mut bucket = Limiter::new(TokenBucket::new(our_quota()));
+        b.iter(|| black_box(bucket.check(epoch.elapsed(), 1).unwrap().allowed))
+    });
+    g.bench_function("governor_direct", |b| {
+        let lim = governor::RateLimiter::direct(gov_quota());
+        b.iter(|| black_box(lim.check().is_ok()))
+    });
+    g.finish();
+}
+
+/// `check(key)` from `threads` threads at once, `iters` decisions in all.
+fn contended(
+    iters: u64,
+    threads: u64,
+    keys: &[String],
+    check: impl Fn(&String) -> bool + Sync,
+) -> Duration {
+    let per = iters.div_ceil(threads);
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let check = &check;
+            s.spawn(move || {
+                let first = (t as usize) * 4_099;
+                for i in first..first + per as usize {
+                    black_box(check(&keys[i & 0xFFFF]));
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+fn keyed_real_clock(c: &mut Criterion) {
+    let keys = string_keys(&key_order());
+    for threads in [1u64, 8] {
+        let mut g = c.benchmark_group(format!("limit_keyed_10k_real_clock_{threads}t"));
+        g.throughput(Throughput::Elements(1));
+        g.bench_function("flowgate_memory_gate", |b| {
+            let gate = MemoryGate::new(Limit::TokenBucket(our_quota()));
+            b.iter_custom(|iters| {
+                contended(iters, threads, &keys, |k| {
+                    gate.check(k, 1).is_ok_and(|d| d.allowed)
+                })
+            })
+        });
+        g.bench_function("governor_keyed", |b| {
+            let lim = governor::RateLimiter::keyed(gov_quota());
+            b.iter_custom(|iters| contended(iters, threads, &keys, |k| lim.check_key(k).is_ok()))
+        });
+        g.finish();
+    }
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -128,7 +200,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = direct, keyed
+    targets = direct, keyed, direct_real_clock, keyed_real_clock
 }
 
 fn main() {
@@ -144,4 +216,16 @@ fn main() {
         "flowgate_keyed",
         &["governor_keyed_dashmap", "governor_keyed_hashmap"],
     );
+    support::print_ratios(
+        "limit_direct_real_clock",
+        "flowgate_token_bucket",
+        &["governor_direct"],
+    );
+    for threads in [1, 8] {
+        support::print_ratios(
+            &format!("limit_keyed_10k_real_clock_{threads}t"),
+            "flowgate_memory_gate",
+            &["governor_keyed"],
+        );
+    }
 }

@@ -327,7 +327,9 @@ impl AdaptivePacer {
         c.successes.record(now);
         c.responses.record(now);
         self.inner.step(&mut c, now);
-        self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c);
+        drop(c);
+        self.inner.hand_over(rate);
     }
 
     /// The server pushed back (429, 503, a timeout), with its `Retry-After` if it sent one:
@@ -365,8 +367,9 @@ impl AdaptivePacer {
             // Still the same congestion: the epoch lasts as long as its pause.
             c.epoch_end = Some(epoch.max(end));
         }
-        self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c);
         drop(c);
+        self.inner.hand_over(rate);
         if let Some(end) = pause_end {
             self.inner.pacer.pause_until(end);
         }
@@ -395,7 +398,9 @@ impl AdaptivePacer {
             c.allowance = Some((cap, now + capped(reset)));
         }
         self.inner.step(&mut c, now);
-        self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c);
+        drop(c);
+        self.inner.hand_over(rate);
     }
 
     /// The server's policy: `quota` units per `window` (the `q` and `w` of the IETF
@@ -410,7 +415,9 @@ impl AdaptivePacer {
         let sustained = quota as f64 / window.as_secs_f64();
         c.policy = Some((sustained, quota, window));
         self.inner.step(&mut c, now);
-        self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c);
+        drop(c);
+        self.inner.hand_over(rate);
     }
 
     /// The current rate.
@@ -554,39 +561,62 @@ impl Shared {
         c.rate *= (TRACK_GAIN * error * dt).exp();
     }
 
-    /// Hand a changed rate to the pacer and the gauge.
-    fn apply(&self, c: &mut Control) {
+    /// The rate to hand to the pacer, when it changed enough: give it to
+    /// [`hand_over`](Inner::hand_over) once the control lock is released (the pacer wakes
+    /// its waiters when its quota changes).
+    fn apply(&self, c: &mut Control) -> Option<f64> {
         if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied {
-            return;
+            return None;
         }
         c.applied = c.rate;
-        self.pacer.set_quota(Pacer::default_quota(to_rate(c.rate)));
-        self.rate_gauge.set(c.rate);
+        Some(c.rate)
+    }
+
+    /// Hand a rate from [`apply`](Inner::apply) to the pacer and the gauge; call without the
+    /// control lock. Two callers may hand over in the opposite order to the one they applied
+    /// in: each checks afterwards that the pacer has the latest applied rate, and hands that
+    /// over if not, so the last word is always the latest rate.
+    fn hand_over(&self, mut rate: Option<f64>) {
+        while let Some(r) = rate {
+            self.pacer.set_quota(Pacer::default_quota(to_rate(r)));
+            self.rate_gauge.set(r);
+            let latest = self.lock().applied;
+            rate = (latest != r).then_some(latest);
+        }
     }
 }
 
 /// The least-squares slope of the server's remaining over the last `TREND_SPAN`, in units
 /// per second; `None` with too few samples or too short a span.
 fn trend(samples: &VecDeque<(Instant, u64)>, now: Instant) -> Option<f64> {
-    let recent = samples
-        .iter()
-        .filter(|&&(at, _)| now.saturating_duration_since(at) <= TREND_SPAN);
     let first = samples.front()?.0;
-    let points: Vec<(f64, f64)> = recent
-        .map(|&(at, r)| (at.saturating_duration_since(first).as_secs_f64(), r as f64))
-        .collect();
-    if points.len() < 3 {
+    // Read in place (it runs on every response): two passes over the recent samples.
+    let points = || {
+        samples
+            .iter()
+            .filter(move |&&(at, _)| now.saturating_duration_since(at) <= TREND_SPAN)
+            .map(move |&(at, r)| (at.saturating_duration_since(first).as_secs_f64(), r as f64))
+    };
+    let (mut count, mut sum_t, mut sum_r) = (0usize, 0.0, 0.0);
+    let (mut first_t, mut last_t) = (None, 0.0);
+    for (t, r) in points() {
+        count += 1;
+        sum_t += t;
+        sum_r += r;
+        first_t.get_or_insert(t);
+        last_t = t;
+    }
+    if count < 3 {
         return None;
     }
-    let span = points[points.len() - 1].0 - points[0].0;
+    let span = last_t - first_t.unwrap_or(last_t);
     if span < TREND_MIN_SPAN.as_secs_f64() {
         return None;
     }
-    let n = points.len() as f64;
-    let mean_t = points.iter().map(|p| p.0).sum::<f64>() / n;
-    let mean_r = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let n = count as f64;
+    let (mean_t, mean_r) = (sum_t / n, sum_r / n);
     let (mut num, mut den) = (0.0, 0.0);
-    for &(t, r) in &points {
+    for (t, r) in points() {
         num += (t - mean_t) * (r - mean_r);
         den += (t - mean_t) * (t - mean_t);
     }

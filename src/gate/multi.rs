@@ -252,16 +252,14 @@ impl MemoryBuckets {
     }
 }
 
-/// The shard `i` among the locked ones.
-fn locked<'a>(
-    guards: &'a mut [(usize, MutexGuard<'_, MemoryBuckets>)],
-    i: usize,
-) -> &'a mut MemoryBuckets {
-    let at = guards
-        .iter()
-        .position(|(g, _)| *g == i)
-        .expect("every shard of the request is locked");
-    &mut guards[at].1
+/// The locks of one request's shards, by shard index (at most 32 shards).
+type Guards<'a> = [Option<MutexGuard<'a, MemoryBuckets>>; 32];
+
+/// The locked shard `i`.
+fn locked<'a>(guards: &'a mut Guards<'_>, i: u8) -> &'a mut MemoryBuckets {
+    guards[usize::from(i)]
+        .as_deref_mut()
+        .expect("every shard of the request is locked")
 }
 
 /// The in-memory token buckets of all-or-nothing calls
@@ -325,38 +323,39 @@ impl ShardedBuckets {
             request.expand_in_place(out);
             return Ok(());
         }
-        let mut guards: Vec<(usize, MutexGuard<'_, MemoryBuckets>)> =
-            Vec::with_capacity(request.buckets.len());
+        // Each bucket's shard, hashed once; the shards locked in ascending order. No
+        // allocation: a request has at most `MAX_LIMITS` buckets over at most 32 shards.
+        let mut shard = [0u8; MAX_LIMITS];
         let mut wanted = 0u32;
-        for &(key, _, _) in &request.buckets {
-            wanted |= 1 << shard_of(key);
+        for (s, &(key, _, _)) in shard.iter_mut().zip(&request.buckets) {
+            *s = shard_of(key) as u8;
+            wanted |= 1 << *s;
         }
+        let mut guards: Guards<'_> = std::array::from_fn(|_| None);
         while wanted != 0 {
             let i = wanted.trailing_zeros() as usize;
             wanted &= wanted - 1;
-            guards.push((i, self.lock(i)));
+            guards[i] = Some(self.lock(i));
         }
         // Room first, then each bucket decided on a copy of its state: pure, so deciding
         // again for real below gives the same answer.
-        for &(key, quota, cost) in &request.buckets {
-            let keys =
-                locked(&mut guards, shard_of(key)).room(key, quota, now, per_shard, &full)?;
+        for (&s, &(key, quota, cost)) in shard.iter().zip(&request.buckets) {
+            let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
             let mut state = keys.get(key).copied().unwrap_or_default();
             out.push(keys.algorithm().check(&mut state, now, cost)?);
         }
+        let buckets = shard.iter().zip(&request.buckets);
         if out.iter().all(|d| d.allowed) {
-            for (d, &(key, quota, cost)) in out.iter_mut().zip(&request.buckets) {
-                let keys =
-                    locked(&mut guards, shard_of(key)).room(key, quota, now, per_shard, &full)?;
+            for (d, (&s, &(key, quota, cost))) in out.iter_mut().zip(buckets) {
+                let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
                 *d = keys.check(key, now, cost).map_err(keyed_error)?;
             }
         } else {
             // Not all had room: nothing is charged; the buckets that had room report a
             // rejection with no retry_after of their own, as the Redis script does.
-            for (d, &(key, quota, _)) in out.iter_mut().zip(&request.buckets) {
+            for (d, (&s, &(key, quota, _))) in out.iter_mut().zip(buckets) {
                 if d.allowed {
-                    let keys = locked(&mut guards, shard_of(key))
-                        .room(key, quota, now, per_shard, &full)?;
+                    let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
                     let state = keys.get(key).copied().unwrap_or_default();
                     let remaining = keys.algorithm().available(&state, now);
                     let reset = keys.algorithm().neutral_at(&state).saturating_sub(now);

@@ -365,14 +365,7 @@ async fn an_idle_key_expires_once_it_is_neutral() {
 }
 
 async fn manager(server: &RedisServer) -> ConnectionManager {
-    let config = redis::aio::ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(Duration::from_millis(200)))
-        .set_response_timeout(Some(Duration::from_millis(200)))
-        .set_number_of_retries(1)
-        .set_max_delay(Duration::from_millis(100));
-    ConnectionManager::new_with_config(server.client(), config)
-        .await
-        .unwrap()
+    server.fast_failing_manager().await
 }
 
 #[tokio::test]

@@ -797,14 +797,7 @@ mod on_redis {
     use crate::support::RedisServer;
 
     async fn manager(server: &RedisServer) -> ConnectionManager {
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(200)))
-            .set_response_timeout(Some(Duration::from_millis(200)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(100));
-        ConnectionManager::new_with_config(server.client(), config)
-            .await
-            .unwrap()
+        server.fast_failing_manager().await
     }
 
     const TIMEOUT: Duration = Duration::from_millis(300);

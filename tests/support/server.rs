@@ -289,6 +289,20 @@ impl RedisServer {
         panic!("redis-server failed to restart on {}: {last}", self.url());
     }
 
+    /// A `ConnectionManager` that gives up fast (200 ms to connect or answer, one retry,
+    /// 100 ms between retries): what the failure tests kill and pause servers under.
+    #[cfg(feature = "redis")]
+    pub async fn fast_failing_manager(&self) -> redis::aio::ConnectionManager {
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(200)))
+            .set_response_timeout(Some(Duration::from_millis(200)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(100));
+        redis::aio::ConnectionManager::new_with_config(self.client(), config)
+            .await
+            .unwrap()
+    }
+
     /// A client for this server (the library's default timeouts).
     pub fn client(&self) -> redis::Client {
         let addr = match &self.listen {

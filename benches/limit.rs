@@ -7,11 +7,15 @@
 //! rejections.
 //!
 //! The `*_real_clock` groups measure what users run instead: each side reads its own real
-//! clock per decision (flowgate: `Instant::now()` for the direct bucket, `MemoryGate`'s
-//! tokio clock; governor: its default clock), over 10 000 `String` keys
+//! clock per decision (flowgate: [`flowgate::clock::Clock`], the CPU's time-stamp counter
+//! through quanta, which is what `MemoryGate` reads outside a current-thread runtime;
+//! governor: its default clock, also quanta), over 10 000 `String` keys
 //! (`MemoryGate::check` against governor's keyed `check_key`), on one thread and with 8
 //! threads contending for the same limiter (each thread runs its own share of the
-//! iterations; the figure is the time for all of them, per decision).
+//! iterations; the figure is the time for all of them, per decision). The direct group also
+//! runs the flowgate bucket on `std::time::Instant` (`flowgate_token_bucket_std_instant`),
+//! to show what the clock alone costs. After the run, `main` prints the ratios and a
+//! PASS/FAIL line per Must of issue 20 (flowgate ≤ governor in each real-clock group).
 
 mod support;
 
@@ -22,6 +26,7 @@ use std::time::Duration;
 
 use criterion::{Bencher, Criterion, Throughput, criterion_group};
 use flowgate::Quota;
+use flowgate::clock::Clock;
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::limit::{Keyed, Limiter, TokenBucket};
 use governor::clock::FakeRelativeClock;
@@ -134,6 +139,11 @@ fn direct_real_clock(c: &mut Criterion) {
     let mut g = c.benchmark_group("limit_direct_real_clock");
     g.throughput(Throughput::Elements(1));
     g.bench_function("flowgate_token_bucket", |b| {
+        let clock = Clock::counter();
+        let mut bucket = Limiter::new(TokenBucket::new(our_quota()));
+        b.iter(|| black_box(bucket.check(clock.now(), 1).unwrap().allowed))
+    });
+    g.bench_function("flowgate_token_bucket_std_instant", |b| {
         let epoch = std::time::Instant::now();
         let mut bucket = Limiter::new(TokenBucket::new(our_quota()));
         b.iter(|| black_box(bucket.check(epoch.elapsed(), 1).unwrap().allowed))
@@ -219,7 +229,7 @@ fn main() {
     support::print_ratios(
         "limit_direct_real_clock",
         "flowgate_token_bucket",
-        &["governor_direct"],
+        &["governor_direct", "flowgate_token_bucket_std_instant"],
     );
     for threads in [1, 8] {
         support::print_ratios(
@@ -228,4 +238,35 @@ fn main() {
             &["governor_keyed"],
         );
     }
+    println!();
+    let mut musts = vec![must(
+        "limit_direct_real_clock",
+        "flowgate_token_bucket",
+        "governor_direct",
+        "direct token bucket, real clock",
+    )];
+    for threads in [1, 8] {
+        musts.push(must(
+            &format!("limit_keyed_10k_real_clock_{threads}t"),
+            "flowgate_memory_gate",
+            "governor_keyed",
+            &format!("MemoryGate::check, 10 000 keys, {threads} thread(s)"),
+        ));
+    }
+    support::summary("issue 20 gate Musts", musts);
+}
+
+/// One Must line: `ours` at most `peer`'s median time in `group`; `None` if not measured.
+fn must(group: &str, ours: &str, peer: &str, what: &str) -> Option<bool> {
+    let (a, b) = (
+        support::median_ns(group, ours)?,
+        support::median_ns(group, peer)?,
+    );
+    let pass = a <= b;
+    println!(
+        "{} {what}: flowgate {a:.1} ns vs governor {b:.1} ns (ratio {:.3}, Must <= 1.0)",
+        support::pass_fail(pass),
+        a / b
+    );
+    Some(pass)
 }

@@ -102,6 +102,7 @@
 pub mod adaptive;
 pub mod bulkhead;
 pub mod channel;
+pub mod clock;
 mod decision;
 pub mod demand;
 mod dropped;

@@ -1,11 +1,12 @@
 //! `Keyed`: one limiter per key, in bounded memory.
 
 use std::borrow::Borrow;
-use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::time::Duration;
+
+use hashbrown::HashTable;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
@@ -47,7 +48,10 @@ use crate::limit::{Algorithm, KeyedError};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Keyed<K, A: Algorithm, S = RandomState> {
-    map: HashMap<K, A::State, S>,
+    /// Each key with its state, placed by `hasher`'s hash of the key (so a caller that has
+    /// hashed the key already does not hash it again: [`Keyed::check_hashed`]).
+    map: HashTable<(K, A::State)>,
+    hasher: S,
     algorithm: A,
     max_keys: usize,
     /// No sweep can free anything before this time.
@@ -76,7 +80,8 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             return Err(ConfigError::zero("keyed.max_keys"));
         }
         Ok(Keyed {
-            map: HashMap::with_hasher(hasher),
+            map: HashTable::new(),
+            hasher,
             algorithm,
             max_keys,
             next_sweep: Duration::ZERO,
@@ -96,16 +101,41 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
-        if let Some(state) = self.map.get_mut(key) {
+        let hash = self.hasher.hash_one(key);
+        self.check_hashed(hash, key, now, cost)
+    }
+
+    /// [`check`](Keyed::check) with `hash`, this map's hash of `key` (its hasher's
+    /// `hash_one(key)`), already computed: one hash per decision for a caller that also
+    /// shards by it.
+    #[inline]
+    pub(crate) fn check_hashed<Q>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, KeyedError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        if let Some((_, state)) = self.map.find_mut(hash, |(k, _)| k.borrow() == key) {
             return Ok(self.algorithm.check(state, now, cost)?);
         }
-        self.check_new(key, now, cost)
+        self.check_new(hash, key, now, cost)
     }
 
     /// The first request of a key not held: decide it on a fresh state, then make room.
     #[cold]
     #[inline(never)]
-    fn check_new<Q>(&mut self, key: &Q, now: Duration, cost: u32) -> Result<Decision, KeyedError>
+    fn check_new<Q>(
+        &mut self,
+        hash: u64,
+        key: &Q,
+        now: Duration,
+        cost: u32,
+    ) -> Result<Decision, KeyedError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
@@ -120,7 +150,9 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         let neutral_at = self.algorithm.neutral_at(&state);
         if neutral_at > now {
             self.next_sweep = self.next_sweep.min(neutral_at);
-            self.map.insert(key.to_owned(), state);
+            let hasher = &self.hasher;
+            self.map
+                .insert_unique(hash, (key.to_owned(), state), |(k, _)| hasher.hash_one(k));
         }
         Ok(decision)
     }
@@ -136,7 +168,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         let before = self.map.len();
         let mut next = Duration::MAX;
         let algorithm = &self.algorithm;
-        self.map.retain(|_, state| {
+        self.map.retain(|(_, state)| {
             let at = algorithm.neutral_at(state);
             if at <= now {
                 false
@@ -155,7 +187,10 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.map.get(key)
+        let hash = self.hasher.hash_one(key);
+        self.map
+            .find(hash, |(k, _)| k.borrow() == key)
+            .map(|(_, state)| state)
     }
 
     /// Forget `key` (its next request starts fresh); returns its state.
@@ -164,7 +199,9 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.map.remove(key)
+        let hash = self.hasher.hash_one(key);
+        let entry = self.map.find_entry(hash, |(k, _)| k.borrow() == key).ok()?;
+        Some(entry.remove().0.1)
     }
 }
 

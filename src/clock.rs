@@ -1,0 +1,152 @@
+//! [`Clock`]: where the in-memory limiters read the time.
+//!
+//! Deciding a request is a few integer operations; reading the time can cost more than all
+//! of them. On this crate's reference machine `std::time::Instant::now()` (a `clock_gettime`
+//! call) costs about 30 ns, while the CPU's time-stamp counter, read through
+//! the `quanta` crate and scaled to nanoseconds, costs about 13 ns: most of
+//! a token-bucket decision. So the limiters read the counter by default.
+//!
+//! Tests want the other thing: tokio's paused time (`#[tokio::test(start_paused = true)]`,
+//! `tokio::time::pause()`), which only tokio's clock follows. A paused clock only exists in
+//! a current-thread runtime, so [`Clock::new`] picks:
+//!
+//! | where the clock is made | source |
+//! |---|---|
+//! | inside a current-thread tokio runtime (every `#[tokio::test]`) | tokio's clock: paused time works |
+//! | inside a multi-thread runtime, or outside any runtime | the time-stamp counter (`quanta`) |
+//!
+//! [`Clock::tokio`] and [`Clock::counter`] choose explicitly, for a gate built in one
+//! runtime and used in another. Where the counter is not usable (no invariant TSC, or not
+//! x86), `quanta` falls back to the OS monotonic clock by itself.
+//!
+//! Every source is monotonic for one clock; readings are durations since the clock was made,
+//! so two clocks (even two clones, which share their start) never need to agree on an
+//! absolute time.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+/// A monotonic clock reading durations since it was made: the time-stamp counter, or
+/// tokio's clock when tokio's paused time must be followed (see the [module
+/// docs](crate::clock) for which [`Clock::new`] picks).
+///
+/// Cheap to clone; clones share the start, so they read the same timeline.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::clock::Clock;
+///
+/// let clock = Clock::counter();
+/// let a = clock.now();
+/// let b = clock.now();
+/// assert!(b >= a);
+/// ```
+///
+/// With tokio's paused time (a current-thread runtime, as `#[tokio::test]` builds):
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// use std::time::Duration;
+/// use flowgate::clock::Clock;
+///
+/// let clock = Clock::new(); // follows tokio's clock here
+/// assert!(clock.is_tokio());
+/// tokio::time::sleep(Duration::from_secs(60)).await; // returns at once, paused
+/// assert_eq!(clock.now(), Duration::from_secs(60));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Clock {
+    source: Source,
+}
+
+#[derive(Clone)]
+enum Source {
+    /// The time-stamp counter through `quanta`: its raw reading at the start.
+    Counter { clock: quanta::Clock, start: u64 },
+    /// tokio's clock (follows paused time), from its first reading inside a runtime (or
+    /// from when the clock was made, if that was inside one); shared by clones.
+    Tokio {
+        start: Arc<OnceLock<tokio::time::Instant>>,
+    },
+}
+
+impl Clock {
+    /// tokio's clock inside a current-thread runtime (where paused time exists), the
+    /// time-stamp counter everywhere else.
+    pub fn new() -> Clock {
+        match Handle::try_current() {
+            Ok(handle) if handle.runtime_flavor() != RuntimeFlavor::MultiThread => Clock::tokio(),
+            _ => Clock::counter(),
+        }
+    }
+
+    /// The time-stamp counter (through `quanta`; the OS monotonic clock where there is no
+    /// usable counter): the cheap source. It does not follow tokio's paused time.
+    pub fn counter() -> Clock {
+        let clock = quanta::Clock::new();
+        let start = clock.raw();
+        Clock {
+            source: Source::Counter { clock, start },
+        }
+    }
+
+    /// tokio's clock (`tokio::time::Instant::now()`): follows paused time; costs what the
+    /// OS clock costs (with tokio's `test-util` feature, a little more).
+    ///
+    /// Made inside a runtime, the timeline starts now; made outside any (a gate built before
+    /// the runtime its tests pause), it starts at the first reading, so a paused runtime
+    /// created in between does not make the first readings saturate at zero.
+    pub fn tokio() -> Clock {
+        let start = OnceLock::new();
+        if Handle::try_current().is_ok() {
+            let _ = start.set(tokio::time::Instant::now());
+        }
+        Clock {
+            source: Source::Tokio {
+                start: Arc::new(start),
+            },
+        }
+    }
+
+    /// Whether this clock reads tokio's clock.
+    pub fn is_tokio(&self) -> bool {
+        matches!(self.source, Source::Tokio { .. })
+    }
+
+    /// The time since this clock was made (or the clock it was cloned from).
+    #[inline]
+    pub fn now(&self) -> Duration {
+        match &self.source {
+            Source::Counter { clock, start } => {
+                Duration::from_nanos(clock.delta_as_nanos(*start, clock.raw()))
+            }
+            Source::Tokio { start } => start.get_or_init(tokio::time::Instant::now).elapsed(),
+        }
+    }
+}
+
+impl Default for Clock {
+    /// [`Clock::new`].
+    fn default() -> Clock {
+        Clock::new()
+    }
+}
+
+impl fmt::Debug for Clock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match self.source {
+            Source::Counter { .. } => "counter",
+            Source::Tokio { .. } => "tokio",
+        };
+        f.debug_struct("Clock")
+            .field("source", &source)
+            .field("now", &self.now())
+            .finish()
+    }
+}

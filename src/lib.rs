@@ -20,6 +20,7 @@
 //! | [`pace`] | leaky-bucket pacing: constant outflow from 1/s to 1M/s; stream and sink adapters; [`pace::AdaptivePacer`], a rate that follows the server's feedback (`Retry-After`, 429/503, the `RateLimit` fields) | ready |
 //! | [`demand`] | request(n) credit, fetch-by-demand sources, watermarks, commits | ready |
 //! | [`gate`] | keyed token gates: in-memory default and Redis (atomic Lua, server clock, failure policy) | ready |
+//! | [`clock`] | [`clock::Clock`]: the monotonic clock the in-memory gate reads (a CPU counter, or tokio's clock under paused time) | ready |
 //! | [`adaptive`] | adaptive concurrency: an [`adaptive::AdaptiveLimit`] drives a bulkhead's `max_in_flight` from each call's round-trip time and outcome; flowgate's default [`adaptive::Probe`], [`adaptive::Aimd`], [`adaptive::Gradient2`], [`adaptive::Vegas`]; a simulator ([`adaptive::sim`]) and a knee finder ([`adaptive::knee`]) | ready |
 //! | [`retry`] | the outbound side: [`retry::Backoff`] (exponential, the AWS jitters, a deadline over every attempt; the server's `Retry-After` wins), [`retry::RetryBudget`] (gRPC `retryThrottling`), [`retry::retry`] with a [`retry::Classify`]; with feature `http`, `ServerHint` (parses `Retry-After` and every rate-limit field style) and a tower client layer | ready |
 //! | `http` | (feature `http`) tower layers: `RateLimitLayer` (429, `Retry-After`, IETF `RateLimit` fields, several policies all-or-nothing, shadow mode) and `ShedLayer` (503 by priority over a bulkhead) | ready |
@@ -33,7 +34,9 @@
 //! - **[`Decision`]**: what every limiter and gate answers; it maps onto HTTP `Retry-After`
 //!   and the IETF `RateLimit` fields.
 //! - **Time**: local code uses `tokio::time`, so tests run with paused time; the limiter
-//!   math takes `now` explicitly.
+//!   math takes `now` explicitly. [`MemoryGate`](gate::MemoryGate) reads a
+//!   [`clock::Clock`]: a cheap CPU counter in production, tokio's clock in a current-thread
+//!   runtime (every `#[tokio::test]`), so paused time works there too.
 //!
 //! ## One word, one meaning
 //!

@@ -807,3 +807,27 @@ async fn metrics_by_name_and_reason() {
         Some(0.0)
     );
 }
+
+/// Issue 20: 40,000 waiting acquisitions dropped newest first (the worst order for a queue
+/// scanned from the front): each leaves in O(1) (the waiter list's unit test counts the
+/// work), the waiting count returns to 0, and the bulkhead works on.
+#[test]
+fn forty_thousand_waiters_dropped_newest_first() {
+    const N: usize = 40_000;
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let held = bulkhead.try_acquire().unwrap();
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut waiting: Vec<_> = (0..N).map(|_| Box::pin(bulkhead.acquire())).collect();
+    for acquire in &mut waiting {
+        assert!(acquire.as_mut().poll(&mut cx).is_pending());
+    }
+    assert_eq!(bulkhead.waiting(), N);
+    while let Some(acquire) = waiting.pop() {
+        drop(acquire);
+    }
+    assert_eq!(bulkhead.waiting(), 0);
+    drop(held);
+    assert_eq!(bulkhead.in_flight(), 0);
+    let _again = bulkhead.try_acquire().unwrap();
+}

@@ -816,16 +816,9 @@ fn forty_thousand_waiters_dropped_newest_first() {
     const N: usize = 40_000;
     let bulkhead = Bulkhead::new(1).unwrap();
     let held = bulkhead.try_acquire().unwrap();
-    let waker = futures::task::noop_waker();
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut waiting: Vec<_> = (0..N).map(|_| Box::pin(bulkhead.acquire())).collect();
-    for acquire in &mut waiting {
-        assert!(acquire.as_mut().poll(&mut cx).is_pending());
-    }
+    let mut waiting = support::queue_waiters(N, || bulkhead.acquire());
     assert_eq!(bulkhead.waiting(), N);
-    while let Some(acquire) = waiting.pop() {
-        drop(acquire);
-    }
+    while waiting.pop().is_some() {}
     assert_eq!(bulkhead.waiting(), 0);
     drop(held);
     assert_eq!(bulkhead.in_flight(), 0);

@@ -14,7 +14,6 @@ pub mod loom_models;
 mod waiters;
 
 pub(crate) use deferred::Deferred;
-#[allow(unused_imports)] // until the primitives queue here
 pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
 
 #[cfg(flowgate_loom)]

@@ -50,10 +50,6 @@
 //! for someone else) never matches a live entry, so it can never cancel, grant or claim
 //! another waiter's entry. The generation is 64 bits: it does not wrap in practice.
 
-// Until every primitive queues here (the channel migrates separately), some operations
-// have no caller outside the tests and the loom models.
-#![allow(dead_code)]
-
 use std::fmt;
 use std::task::Waker;
 
@@ -184,6 +180,10 @@ impl<T> WaiterList<T> {
 
     /// How many entries were granted and are not yet claimed or cancelled.
     #[inline]
+    #[allow(
+        dead_code,
+        reason = "for the channel's queues; used by the tests and the loom models"
+    )]
     pub(crate) fn granted(&self) -> usize {
         self.granted
     }
@@ -368,6 +368,10 @@ impl<T> WaiterList<T> {
     /// [`refresh`](Self::refresh)); if it is granted, leave it as it is (it should claim);
     /// if it has no key or a stale one, add it at the back with `value()` and store its key.
     /// Returns its status afterwards (`Waiting` or `Granted`).
+    #[allow(
+        dead_code,
+        reason = "for the channel's queues; used by the tests and the loom models"
+    )]
     pub(crate) fn register(
         &mut self,
         key: &mut Option<Key>,
@@ -508,6 +512,10 @@ impl<T> WaiterList<T> {
     /// grant the next waiter in its place, so the wake is not lost. Also returns the key of
     /// the waiter granted in its place: `None` with `Cancelled::Granted` means nobody was
     /// waiting, and what was granted is the caller's to put back.
+    #[allow(
+        dead_code,
+        reason = "for the channel's queues; used by the tests and the loom models"
+    )]
     pub(crate) fn cancel_passing_on(
         &mut self,
         key: Key,

@@ -661,3 +661,39 @@ impl PacerBuilder {
         Ok(Pacer::with_quota(quota, self.name))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    /// Issue 20: 40,000 waiters leave the line newest first, the worst order for a line
+    /// scanned from the front; the slots the waiter list visits, counted, stay a small
+    /// constant per leave (a scan would visit 20,000 on average).
+    #[test]
+    fn forty_thousand_leaves_are_linear() {
+        const N: usize = 40_000;
+        let pacer = Pacer::builder(Rate::per_second(1).unwrap())
+            .burst(1)
+            .build()
+            .unwrap();
+        let inner = pacer.inner();
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(
+            inner.admit(&mut cx, 1, &mut Ticket::default()),
+            Ok(Admit::Now)
+        ));
+        let mut tickets: Vec<Ticket> = (0..N).map(|_| Ticket::default()).collect();
+        for t in &mut tickets {
+            assert!(!matches!(inner.admit(&mut cx, 1, t), Ok(Admit::Now)));
+        }
+        let before = inner.lock().waiters.steps();
+        for t in tickets.iter_mut().rev() {
+            inner.leave(t);
+        }
+        let per_leave = (inner.lock().waiters.steps() - before) as f64 / N as f64;
+        assert!(per_leave <= 16.0, "{per_leave} slots visited per leave");
+        assert_eq!(pacer.waiting(), 0);
+    }
+}

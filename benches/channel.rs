@@ -22,18 +22,46 @@
 //!   (`sent == received + dropped`, `on_drop` calls `== dropped`); after the criterion run a
 //!   separate one-shot run prints the exact counts.
 //!
-//! After the run, `main` reads criterion's medians back and prints, per group, the throughput
-//! of every channel, the `flowgate / peer` time ratios (below 1.0: flowgate faster) and a
-//! one-line verdict.
+//! - **Steady-state groups** (`steady_{spsc,mpsc_4to1,mpmc_2to2}_cap{1024,16}_{task,block_on}`):
+//!   the same transfers with 10^6 `u64` per round, long enough that the
+//!   producers and consumers really run side by side on both workers for most of the round
+//!   (10^4 items hide that: a good part of such an iteration is start-up and wind-down).
+//!   Hand-timed, not criterion: per case, one fresh 2-worker multi-thread runtime, a warm-up
+//!   round of 10^5 items per channel, then 5 timed rounds in which the
+//!   channels take turns (so a change in the machine's load hits all of them alike); the
+//!   median round is reported, with the slowest and fastest. A round is the wall time of the
+//!   whole transfer, asserting count and sum like the criterion groups. Consumers run
+//!   - `task`: as `tokio::spawn`ed tasks, like the producers;
+//!   - `block_on`: each on its own plain thread in `futures::executor::block_on`, while the
+//!     producers stay tasks: 3 busy threads on the 2 workers' cores (4 in MPMC), the layout
+//!     of a sync consumer loop fed by async producers.
+//!
+//!   Then one PASS/FAIL line per case for issue 20's Must (flowgate's median throughput
+//!   at least tokio mpsc's, async-channel's and flume's; tokio only with one consumer), the
+//!   aim in SPSC (within 1.5x of kanal, which is not cancel-safe) and the `support::summary`
+//!   line. Figures are medians on whatever machine runs this; ties within 5% are flagged,
+//!   a shared machine is noisier than that.
+//!
+//! After the criterion run, `main` reads criterion's medians back and prints, per group, the
+//! throughput of every channel, the `flowgate / peer` time ratios (below 1.0: flowgate
+//! faster) and a one-line verdict; then it runs the steady-state groups.
 //!
 //! # Running
 //!
 //! ```text
-//! cargo bench --bench channel                      # everything, about 2-3 minutes
+//! cargo bench --bench channel                      # everything, about 5 minutes
 //! cargo bench --bench channel -- channel_spsc      # one scenario (other tables: stale/n/a)
+//! cargo bench --bench channel -- steady_           # only the steady-state groups
+//! cargo bench --bench channel -- steady_spsc       # steady-state SPSC, both placements
 //! ```
+//!
+//! Without `--bench` (as `cargo test --benches` runs it) the steady-state groups move
+//! 10^4 items once each, without verdicts: a smoke test.
 
 mod support;
+
+#[path = "channel/steady.rs"]
+mod steady;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -212,18 +240,63 @@ fn runtime() -> Runtime {
         .expect("tokio runtime")
 }
 
-/// One iteration of a transfer scenario: fresh channel, spawn everything, await everything,
-/// check that every item arrived exactly once.
-async fn transfer<C: Chan>(cap: usize, s: Scenario) {
+/// Where the consumers of a transfer run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// `tokio::spawn`ed tasks on the runtime's 2 workers, like the producers.
+    Task,
+    /// Each consumer on its own plain thread, in `futures::executor::block_on`: with the 2
+    /// workers that run the producers, 3 busy threads (4 for MPMC) on the 2 cores.
+    BlockOn,
+}
+
+impl Placement {
+    fn label(self) -> &'static str {
+        match self {
+            Placement::Task => "task",
+            Placement::BlockOn => "block_on",
+        }
+    }
+}
+
+/// A running consumer: (count, sum) of what it received once the channel is closed.
+enum Consumer {
+    Task(tokio::task::JoinHandle<(u64, u64)>),
+    Thread(std::thread::JoinHandle<(u64, u64)>),
+}
+
+impl Consumer {
+    fn start<C: Chan>(rx: C::Rx, at: Placement) -> Consumer {
+        match at {
+            Placement::Task => Consumer::Task(tokio::spawn(consume::<C>(rx))),
+            Placement::BlockOn => Consumer::Thread(std::thread::spawn(move || {
+                futures::executor::block_on(consume::<C>(rx))
+            })),
+        }
+    }
+
+    /// Joining a thread blocks, but only the bench thread's `block_on` (not a worker), and
+    /// only once every producer is done.
+    async fn finish(self) -> (u64, u64) {
+        match self {
+            Consumer::Task(task) => task.await.expect("consumer task"),
+            Consumer::Thread(thread) => thread.join().expect("consumer thread"),
+        }
+    }
+}
+
+/// One transfer: fresh channel, start every consumer (at `at`) and spawn every producer
+/// task, await everything, check that each of the `items` arrived exactly once.
+async fn transfer<C: Chan>(cap: usize, s: Scenario, items: u64, at: Placement) {
     let (tx, rx) = C::bounded(cap);
-    let per_producer = ITEMS / s.producers;
+    let per_producer = items / s.producers;
 
     let mut consumers = Vec::with_capacity(s.consumers as usize);
     for _ in 1..s.consumers {
         let rx = C::clone_rx(&rx).expect("multi-consumer channel");
-        consumers.push(tokio::spawn(consume::<C>(rx)));
+        consumers.push(Consumer::start::<C>(rx, at));
     }
-    consumers.push(tokio::spawn(consume::<C>(rx)));
+    consumers.push(Consumer::start::<C>(rx, at));
 
     let producers: Vec<_> = (0..s.producers)
         .map(|p| {
@@ -242,12 +315,12 @@ async fn transfer<C: Chan>(cap: usize, s: Scenario) {
     }
     let (mut count, mut sum) = (0, 0);
     for c in consumers {
-        let (n, s) = c.await.expect("consumer task");
+        let (n, s) = c.finish().await;
         count += n;
         sum += s;
     }
-    assert_eq!(count, ITEMS, "{}: items received", C::ID);
-    assert_eq!(sum, ITEMS * (ITEMS - 1) / 2, "{}: checksum", C::ID);
+    assert_eq!(count, items, "{}: items received", C::ID);
+    assert_eq!(sum, items * (items - 1) / 2, "{}: checksum", C::ID);
 }
 
 /// Receive until the channel is closed and drained; (count, sum) of the items.
@@ -266,7 +339,10 @@ fn bench_transfer<C: Chan>(
     cap: usize,
     s: Scenario,
 ) {
-    g.bench_function(C::ID, |b| b.to_async(rt).iter(|| transfer::<C>(cap, s)));
+    g.bench_function(C::ID, |b| {
+        b.to_async(rt)
+            .iter(|| transfer::<C>(cap, s, ITEMS, Placement::Task))
+    });
 }
 
 fn transfers(c: &mut Criterion) {
@@ -460,8 +536,8 @@ fn verdict(group: &str, ids: &[&str], key_peers: &[&str]) {
 
 fn config() -> Criterion {
     Criterion::default()
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
         .sample_size(20)
         .configure_from_args()
 }
@@ -472,7 +548,52 @@ criterion_group! {
     targets = transfers, drop_oldest
 }
 
+/// The bench filter criterion was given (its first positional argument), so the
+/// hand-timed groups honour it too; `--bench` (a real run, not `cargo test --benches`).
+fn filter_and_mode() -> (Option<String>, bool) {
+    // Criterion's options that take a value as the next argument.
+    const WITH_VALUE: [&str; 16] = [
+        "--save-baseline",
+        "-s",
+        "--baseline",
+        "-b",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--sample-size",
+        "--warm-up-time",
+        "--measurement-time",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--profile-time",
+        "--color",
+        "--output-format",
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let bench_mode = args.iter().any(|a| a == "--bench");
+    let mut filter = None;
+    let mut skip_next = false;
+    for a in &args {
+        if std::mem::take(&mut skip_next) {
+            continue;
+        }
+        if a.starts_with('-') {
+            skip_next = WITH_VALUE.contains(&a.as_str());
+        } else {
+            filter = Some(a.clone());
+            break;
+        }
+    }
+    (filter, bench_mode)
+}
+
 fn main() {
+    let (filter, bench_mode) = filter_and_mode();
+    if std::env::args().any(|a| a == "--list") {
+        benches();
+        return;
+    }
     benches();
     Criterion::default().configure_from_args().final_summary();
 
@@ -512,4 +633,6 @@ fn main() {
             run.producer_time, run.sent, run.received, run.dropped, run.hook_label, run.hook_calls
         );
     }
+
+    steady::run(filter.as_deref(), bench_mode);
 }

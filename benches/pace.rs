@@ -45,6 +45,22 @@
 //!   burst, so no burst-limited pacer can make those up. For flowgate this is the part of
 //!   the shortfall that the process, not the pacer, caused (compare with **runq wait**).
 //!
+//! # Contended runs
+//!
+//! After the table above, flowgate and `governor b=fg` (the same burst) run again at each
+//! rate while [`SPINNERS`] std threads spin on `black_box` arithmetic for the whole section:
+//! more busy threads than this 2-core machine has cores, so the pacing thread gets a share
+//! of a core, not one of its own. Same runtime, window and columns. **CPU ns/item** here is
+//! the CPU time of every thread of the process *except the spinners* (their thread ids,
+//! read from `/proc/thread-self`, are left out of the schedstat sum), ÷ items released:
+//! the pacing thread and any helper thread the implementation uses (governor's futures-timer
+//! thread), as in the uncontended table. Then one PASS/FAIL line per Must of issue 20 —
+//! achieved/target of flowgate ≥ governor's at every rate, and flowgate's CPU per released
+//! item ≤ governor's at 1M/s — and the `support::summary` line. Both the load of other
+//! processes (see **runq wait** and the load averages printed) and the spinners decide
+//! what a pacer achieves here: compare flowgate with governor from the same run, not
+//! across runs.
+//!
 //! # Peers and their configuration
 //!
 //! - `flowgate leaky`: `stream.leaky(rate)`, default burst `1 + ceil(rate × 5 ms)`.
@@ -59,7 +75,7 @@
 //! # Running
 //!
 //! ```text
-//! cargo bench --bench pace                      # 4 rates × 5 implementations × 2 s, ~45 s
+//! cargo bench --bench pace                      # 4 rates × (5 + 2 contended) × 2 s, ~70 s
 //! cargo bench --bench pace -- 10000             # one rate (any rates, as numbers)
 //! cargo bench --bench pace -- 1000000 flowgate  # implementations whose name contains a word
 //! PACE_WINDOW_MS=500 cargo bench --bench pace   # a shorter window
@@ -70,8 +86,11 @@
 mod support;
 
 use std::future::poll_fn;
+use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use flowgate::{FlowStreamExt, Rate};
@@ -82,6 +101,10 @@ const WINDOW: Duration = Duration::from_secs(2);
 const SMOKE_WINDOW: Duration = Duration::from_millis(50);
 /// The issue's **Must**: flowgate's achieved/configured ratio at every rate.
 const MIN_RATIO: f64 = 0.995;
+/// Busy threads in the contended runs (on a 2-core machine: twice the cores).
+const SPINNERS: usize = 4;
+/// The peers of the contended runs: flowgate against governor at flowgate's burst.
+const CONTENDED: [Impl; 2] = [Impl::Flowgate, Impl::GovernorSameBurst];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Impl {
@@ -228,17 +251,19 @@ enum CpuSource {
     StatTicks,
 }
 
-/// CPU time of every thread of this process and, from schedstat, the time they spent
-/// runnable but waiting for a CPU (other processes' load), both in ns.
+/// CPU time of every thread of this process but those in `exclude` (thread ids, as
+/// [`thread_id`] gives them) and, from schedstat, the time they spent runnable but waiting
+/// for a CPU (other processes' load), both in ns.
 ///
 /// The kernel brings a running thread's counters up to date only when it is descheduled,
 /// so this sleeps 1 ms first: the calling thread's figure is then exact to a few µs.
-fn process_cpu_ns(source: CpuSource) -> (u64, u64) {
+fn process_cpu_ns(source: CpuSource, exclude: &[String]) -> (u64, u64) {
     std::thread::sleep(Duration::from_millis(1));
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return (0, 0);
     };
     dir.flatten()
+        .filter(|task| !exclude.iter().any(|tid| task.file_name() == tid.as_str()))
         .map(|task| match source {
             CpuSource::Schedstat => std::fs::read_to_string(task.path().join("schedstat"))
                 .ok()
@@ -271,6 +296,58 @@ fn cpu_source() -> CpuSource {
         CpuSource::Schedstat
     } else {
         CpuSource::StatTicks
+    }
+}
+
+/// The calling thread's id, as named in `/proc/self/task` (`None` off Linux).
+fn thread_id() -> Option<String> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    Some(link.file_name()?.to_string_lossy().into_owned())
+}
+
+/// [`SPINNERS`] std threads doing `black_box` arithmetic in a loop until dropped: the
+/// "more busy threads than cores" load of the contended runs.
+struct Spinners {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Their thread ids, left out of the pacing side's CPU time.
+    tids: Vec<String>,
+}
+
+impl Spinners {
+    fn start() -> Spinners {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let threads = (0..SPINNERS)
+            .map(|_| {
+                let stop = Arc::clone(&stop);
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    tx.send(thread_id()).expect("main thread waits");
+                    let mut x = 1u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        for _ in 0..1_000 {
+                            x = black_box(x.wrapping_mul(0x5851_F42D_4C95_7F2D).wrapping_add(1));
+                        }
+                    }
+                })
+            })
+            .collect();
+        let tids = rx.iter().take(SPINNERS).flatten().collect();
+        Spinners {
+            stop,
+            threads,
+            tids,
+        }
+    }
+}
+
+impl Drop for Spinners {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().expect("spinner thread");
+        }
     }
 }
 
@@ -369,15 +446,23 @@ struct Row {
     overflowed: bool,
 }
 
-fn run(which: Impl, rate: u32, window: Duration, rec: &mut Recorder, cpu: CpuSource) -> Row {
+/// One run of `which` at `rate`; its CPU time leaves out the threads in `exclude`.
+fn run(
+    which: Impl,
+    rate: u32,
+    window: Duration,
+    rec: &mut Recorder,
+    cpu: CpuSource,
+    exclude: &[String],
+) -> Row {
     rec.reset(window);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .expect("tokio runtime");
-    let (cpu_before, runq_before) = process_cpu_ns(cpu);
+    let (cpu_before, runq_before) = process_cpu_ns(cpu, exclude);
     let burst = runtime.block_on(drive(which, rate, rec));
-    let (cpu_after, runq_after) = process_cpu_ns(cpu);
+    let (cpu_after, runq_after) = process_cpu_ns(cpu, exclude);
     let cpu_ns = cpu_after.saturating_sub(cpu_before);
     let runq_ns = runq_after.saturating_sub(runq_before);
     drop(runtime);
@@ -482,6 +567,67 @@ fn fmt_ns(ns: i64) -> String {
     }
 }
 
+/// The column titles of [`print_row`].
+fn print_header() {
+    println!(
+        "{:>9}  {:<15} {:>7} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>11} {:>9} {:>10} {:>13}  \
+         bound (a)",
+        "rate/s",
+        "impl",
+        "burst",
+        "released",
+        "achv/cfg",
+        "w/o burst",
+        "CPU ns/it",
+        "p50 late",
+        "p99 late",
+        "max early",
+        "runq wait",
+        "max gap",
+        "stalls/items"
+    );
+}
+
+/// One run as a table line.
+fn print_row(row: &Row) {
+    let mut bound = if row.which != Impl::Flowgate {
+        "-".to_string()
+    } else if row.violations == 0 {
+        "holds".to_string()
+    } else {
+        format!(
+            "VIOLATED ({} windows, worst +{:.2} items)",
+            row.violations, row.worst_excess
+        )
+    };
+    if row.which == Impl::Flowgate && row.uncertain > 0 {
+        bound += &format!(" ({} within timing error)", row.uncertain);
+    }
+    println!(
+        "{:>9}  {:<15} {:>7} {:>9} {:>9.4} {:>9.4} {:>10.1} {:>11} {:>11} {:>11} {:>9} \
+         {:>10} {:>13}  {}{}",
+        row.rate,
+        row.which.name(),
+        row.burst,
+        row.released,
+        row.ratio,
+        row.steady,
+        row.cpu_ns_per_item,
+        fmt_ns(row.p50),
+        fmt_ns(row.p99),
+        fmt_ns(row.max_early),
+        fmt_ns(row.runq_ns as i64),
+        fmt_ns(row.max_gap as i64),
+        format!("{}/{}", row.long_gaps, row.stall_loss),
+        bound,
+        if row.overflowed {
+            "  [buffer full: run cut short]"
+        } else {
+            ""
+        }
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let bench_mode = args.iter().any(|a| a == "--bench");
@@ -532,69 +678,81 @@ fn main() {
         println!("  (no --bench: smoke run with a short window; use `cargo bench --bench pace`)");
     }
     println!();
-    println!(
-        "{:>9}  {:<15} {:>7} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>11} {:>9} {:>10} {:>13}  \
-         bound (a)",
-        "rate/s",
-        "impl",
-        "burst",
-        "released",
-        "achv/cfg",
-        "w/o burst",
-        "CPU ns/it",
-        "p50 late",
-        "p99 late",
-        "max early",
-        "runq wait",
-        "max gap",
-        "stalls/items"
-    );
-
+    print_header();
     let mut rows = Vec::new();
     for &rate in &rates {
         for &which in &impls {
-            let row = run(which, rate, window, &mut rec, cpu);
-            let mut bound = if row.which != Impl::Flowgate {
-                "-".to_string()
-            } else if row.violations == 0 {
-                "holds".to_string()
-            } else {
-                format!(
-                    "VIOLATED ({} windows, worst +{:.2} items)",
-                    row.violations, row.worst_excess
-                )
-            };
-            if row.which == Impl::Flowgate && row.uncertain > 0 {
-                bound += &format!(" ({} within timing error)", row.uncertain);
-            }
-            println!(
-                "{:>9}  {:<15} {:>7} {:>9} {:>9.4} {:>9.4} {:>10.1} {:>11} {:>11} {:>11} {:>9} \
-                 {:>10} {:>13}  {}{}",
-                row.rate,
-                row.which.name(),
-                row.burst,
-                row.released,
-                row.ratio,
-                row.steady,
-                row.cpu_ns_per_item,
-                fmt_ns(row.p50),
-                fmt_ns(row.p99),
-                fmt_ns(row.max_early),
-                fmt_ns(row.runq_ns as i64),
-                fmt_ns(row.max_gap as i64),
-                format!("{}/{}", row.long_gaps, row.stall_loss),
-                bound,
-                if row.overflowed {
-                    "  [buffer full: run cut short]"
-                } else {
-                    ""
-                }
-            );
+            let row = run(which, rate, window, &mut rec, cpu, &[]);
+            print_row(&row);
             rows.push(row);
         }
     }
 
     println!("\nload average at end: {}", support::load_average());
+    uncontended_must(&rows);
+
+    // The contended runs: the same, with SPINNERS busy threads on the cores throughout.
+    let contended: Vec<Impl> = CONTENDED
+        .into_iter()
+        .filter(|i| impls.contains(i))
+        .collect();
+    if contended.is_empty() {
+        return;
+    }
+    let spinners = Spinners::start();
+    println!(
+        "\ncontended: {SPINNERS} std threads spinning on black_box arithmetic meanwhile; CPU \
+         ns/it: every thread of the process but the spinners ({}); load average: {}",
+        if spinners.tids.len() == SPINNERS {
+            "spinners identified"
+        } else {
+            "spinners NOT identified: CPU includes them"
+        },
+        support::load_average()
+    );
+    print_header();
+    let mut rows = Vec::new();
+    for &rate in &rates {
+        for &which in &contended {
+            let row = run(which, rate, window, &mut rec, cpu, &spinners.tids);
+            print_row(&row);
+            rows.push(row);
+        }
+    }
+    drop(spinners);
+    println!("\nload average at end: {}\n", support::load_average());
+    let mut checks = Vec::new();
+    for &rate in &rates {
+        let find = |which| rows.iter().find(|r| r.rate == rate && r.which == which);
+        let (Some(ours), Some(peer)) = (find(Impl::Flowgate), find(Impl::GovernorSameBurst)) else {
+            continue;
+        };
+        let pass = ours.ratio >= peer.ratio && !ours.overflowed;
+        println!(
+            "{} contended {rate:>9}/s achieved/target: flowgate {:.4} vs governor b=fg {:.4} \
+             (Must: flowgate >=)",
+            support::pass_fail(pass),
+            ours.ratio,
+            peer.ratio
+        );
+        checks.push(Some(pass));
+        if rate == 1_000_000 {
+            let pass = ours.cpu_ns_per_item <= peer.cpu_ns_per_item;
+            println!(
+                "{} contended {rate:>9}/s CPU per released item: flowgate {:.1} ns vs governor \
+                 b=fg {:.1} ns (Must: flowgate <=)",
+                support::pass_fail(pass),
+                ours.cpu_ns_per_item,
+                peer.cpu_ns_per_item
+            );
+            checks.push(Some(pass));
+        }
+    }
+    support::summary("issue 20 contended pacing Musts", checks);
+}
+
+/// The uncontended Must: flowgate's achieved/configured ratio and bound (a) at every rate.
+fn uncontended_must(rows: &[Row]) {
     let ours: Vec<&Row> = rows.iter().filter(|r| r.which == Impl::Flowgate).collect();
     if ours.is_empty() {
         return;

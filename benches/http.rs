@@ -454,20 +454,6 @@ fn main() {
     drop(redis);
 }
 
-/// The median of `values` (the mean of the middle two for an even count); NaN when empty.
-fn median(values: &[f64]) -> f64 {
-    let mut values: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
-}
-
 fn print_table(scenario: Scenario, conns: usize, rows: &[Row]) {
     println!("\n== {}, {conns} connections", scenario.title());
     println!(
@@ -484,11 +470,11 @@ fn print_table(scenario: Scenario, conns: usize, rows: &[Row]) {
         println!(
             "  {:<26} {:>9.0} {:>8.0} {:>12.2} {:>8.0}% {:>8.0}% {:>8.1}% {:>6}",
             row.variant.label(),
-            median(&row.per_second),
-            median(&p99),
-            median(&row.cpu_us),
-            median(&row.server_busy) * 100.0,
-            median(&row.client_busy) * 100.0,
+            support::median(&row.per_second),
+            support::median(&p99),
+            support::median(&row.cpu_us),
+            support::median(&row.server_busy) * 100.0,
+            support::median(&row.client_busy) * 100.0,
             rejected,
             row.other
         );
@@ -538,13 +524,13 @@ fn print_ratios(
             .map(|r| format!("{r:.2}"))
             .collect::<Vec<_>>()
             .join(" ");
-        let rps_median = median(&rps);
+        let rps_median = support::median(&rps);
         let line = format!(
             "{} / {}: req/s {rps_median:.3} (rounds {rounds}); by server CPU per request {:.3}; p99 {:.3}",
             a.variant.label(),
             b.variant.label(),
-            median(&cpu),
-            median(&p99)
+            support::median(&cpu),
+            support::median(&p99)
         );
         match min {
             Some(min) if verdicts => {

@@ -141,7 +141,7 @@ fn main() {
             }
         }
     });
-    let medians: Vec<f64> = ns.iter().map(|v| median(v)).collect();
+    let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();
     println!("  variant                  ns/request   over no limiter");
     for (i, (name, _)) in apps.iter().enumerate() {
         println!(
@@ -156,19 +156,4 @@ fn main() {
         over(1) / over(3),
         over(2) / over(3)
     );
-}
-
-/// The median of `values` (the mean of the middle two for an even count).
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }

@@ -22,6 +22,21 @@ pub fn summary(what: &str, results: impl IntoIterator<Item = Option<bool>>) {
     );
 }
 
+/// The median of `values` (the mean of the middle two for an even count; NaN values are
+/// left out); NaN when there is none.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// The machine's load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

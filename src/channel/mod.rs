@@ -82,6 +82,7 @@ mod builder;
 mod error;
 mod permit;
 mod receiver;
+mod ring;
 mod sender;
 mod shared;
 mod wait;

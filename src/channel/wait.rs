@@ -132,6 +132,12 @@ impl WaitQueue {
         }
     }
 
+    /// Whether no task is waiting.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     #[inline]
     pub(crate) fn pop(&mut self) -> Option<(u64, Waker)> {
         self.entries.pop_front()

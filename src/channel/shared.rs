@@ -63,7 +63,7 @@ use std::sync::PoisonError;
 use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
-use crate::channel::ring::{AtomicU64, Ring, fence};
+use crate::channel::ring::{Ring, fence};
 use crate::channel::wait::{Deferred, WaitQueue, Waiting};
 use crate::dropped::{Dropped, OnDrop};
 use crate::metrics::{Counter, Gauge, Labels};
@@ -139,16 +139,28 @@ impl BatchLen {
     }
 }
 
-/// The words every sender touches, on a cache line of their own.
+/// A value on cache lines of its own (128 bytes: adjacent-line prefetch pairs lines).
 #[derive(Debug)]
 #[repr(align(128))]
+struct Line<V>(V);
+
+impl<V> std::ops::Deref for Line<V> {
+    type Target = V;
+
+    fn deref(&self) -> &V {
+        &self.0
+    }
+}
+
+/// The words every sender touches.
+#[derive(Debug)]
 struct Hot {
-    /// Occupied slots times [`ONE`], plus [`CLOSED`] and [`SEND_WAIT`].
-    state: AtomicUsize,
-    /// [`RECV_WAIT`] and [`RX_GONE`].
-    rx: AtomicUsize,
-    /// Items accepted by a send (`Stats::sent`).
-    sent: AtomicU64,
+    /// Occupied slots times [`ONE`], plus [`CLOSED`] and [`SEND_WAIT`]: written by every
+    /// claim and free.
+    state: Line<AtomicUsize>,
+    /// [`RECV_WAIT`] and [`RX_GONE`]: read after every push, rarely written, so on a line
+    /// apart from `state` (it stays in every sender's cache).
+    rx: Line<AtomicUsize>,
 }
 
 pub(crate) struct State<T> {
@@ -276,9 +288,8 @@ impl<T> Shared<T> {
         let metrics = Metrics::new(name.as_deref());
         Shared {
             hot: Hot {
-                state: AtomicUsize::new(0),
-                rx: AtomicUsize::new(0),
-                sent: AtomicU64::new(0),
+                state: Line(AtomicUsize::new(0)),
+                rx: Line(AtomicUsize::new(0)),
             },
             ring: Ring::new(capacity),
             depth_extra: AtomicUsize::new(0),
@@ -361,9 +372,10 @@ impl<T> Shared<T> {
     }
 
     fn stats_locked(&self, st: &State<T>) -> Stats {
+        // Every accepted item is received, dropped, or still queued (a batch counts as
+        // received when it is taken): no counter on the senders' path.
         Stats {
-            // Counted before an item is pushed, so it never reads below received + dropped.
-            sent: self.hot.sent.load(Ordering::SeqCst),
+            sent: st.received + st.dropped + self.queued(st) as u64,
             received: st.received,
             dropped: st.dropped,
         }
@@ -403,9 +415,10 @@ impl<T> Shared<T> {
     // ----- slots -----
 
     /// Claim a free slot without the lock: only while the channel is open, no sender is
-    /// queued (no barging) and a slot is free. On failure, the `state` word that refused.
+    /// queued (no barging) and a slot is free. Returns how many slots were occupied before;
+    /// on failure, the `state` word that refused.
     #[inline]
-    fn try_claim(&self) -> Result<(), usize> {
+    fn try_claim(&self) -> Result<usize, usize> {
         let mut s = self.hot.state.load(Ordering::Relaxed);
         loop {
             if s & (CLOSED | SEND_WAIT) != 0 || occupied(s) >= self.capacity {
@@ -417,7 +430,7 @@ impl<T> Shared<T> {
                 Ordering::SeqCst,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(occupied(s)),
                 Err(now) => s = now,
             }
         }
@@ -469,6 +482,8 @@ impl<T> Shared<T> {
                 Err(now) => s = now,
             }
         }
+        // Full: the gauge the fast path only samples is exact while senders wait.
+        self.set_depth();
         let id = st.id_for(waiting);
         st.send_waiters.register(id, cx.waker(), out);
         Poll::Pending
@@ -557,23 +572,33 @@ impl<T> Shared<T> {
     // ----- items -----
 
     /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
-    /// (the fence pairs with the one in [`wait_flag`](Shared::wait_flag) and in
-    /// [`drop_receiver`](Shared::drop_receiver)).
+    /// (the fence pairs with the one in [`queued_or_flag`](Shared::queued_or_flag) and in
+    /// [`drop_receiver`](Shared::drop_receiver)). `depth`: update the depth gauge.
     #[inline]
-    fn push_claimed(&self, item: T) -> usize {
-        self.hot.sent.fetch_add(1, Ordering::Relaxed);
+    fn push_claimed(&self, item: T, depth: bool) -> usize {
         self.metrics.sent.increment(1);
         self.ring.push(item);
         fence(Ordering::SeqCst);
         let rx = self.hot.rx.load(Ordering::Relaxed);
-        self.set_depth();
+        if depth {
+            self.set_depth();
+        }
         rx
+    }
+
+    /// Whether a send that claimed the slot after `occupied` others updates the depth
+    /// gauge. The fast path samples it at every sixteenth of the capacity (a gauge update
+    /// is a read-modify-write every sender would contend on); receives and sends that find
+    /// the channel full set it exactly.
+    #[inline]
+    fn samples_depth(&self, occupied: usize) -> bool {
+        occupied.is_multiple_of((self.capacity / 16).max(1))
     }
 
     /// Push an item into a slot claimed for it, without the lock.
     #[inline]
-    fn enqueue(&self, item: T) {
-        let rx = self.push_claimed(item);
+    fn enqueue(&self, item: T, depth: bool) {
+        let rx = self.push_claimed(item, depth);
         if rx != 0 {
             self.after_push(rx);
         }
@@ -594,7 +619,7 @@ impl<T> Shared<T> {
     /// Push an item into a slot claimed for it, under the lock (the channel is open, so
     /// receivers are not gone).
     fn enqueue_locked(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
-        if self.push_claimed(item) & RECV_WAIT != 0 {
+        if self.push_claimed(item, true) & RECV_WAIT != 0 {
             self.wake_for_item(st, out);
         }
     }
@@ -658,8 +683,8 @@ impl<T> Shared<T> {
     #[inline]
     pub(crate) fn try_send(&self, item: T) -> Result<Sent, SendError<T>> {
         match self.try_claim() {
-            Ok(()) => {
-                self.enqueue(item);
+            Ok(before) => {
+                self.enqueue(item, self.samples_depth(before));
                 Ok(Sent::Queued)
             }
             Err(s) if s & CLOSED != 0 => Err(SendError::Closed(item)),
@@ -672,9 +697,10 @@ impl<T> Shared<T> {
     fn try_send_full(&self, item: T) -> Result<Sent, SendError<T>> {
         let mut out = Deferred::default();
         let mut st = self.lock();
+        self.set_depth();
         // A slot may have been freed since.
         match self.try_claim() {
-            Ok(()) => {
+            Ok(_) => {
                 self.enqueue_locked(&mut st, item, &mut out);
                 return Ok(Sent::Queued);
             }
@@ -708,7 +734,6 @@ impl<T> Shared<T> {
     /// Accept `item` and drop it at once (`DropNewest`, or `DropOldest` with every slot
     /// reserved). Called without the lock; counted under it.
     fn drop_newest(&self, item: T) -> Sent {
-        self.hot.sent.fetch_add(1, Ordering::SeqCst);
         self.lock().dropped += 1;
         self.metrics.sent.increment(1);
         self.dropped(item, Dropped::Newest, &self.metrics.dropped_newest);
@@ -731,8 +756,8 @@ impl<T> Shared<T> {
         }
         if !waiting.is_waiting() {
             match self.try_claim() {
-                Ok(()) => {
-                    self.enqueue(item);
+                Ok(before) => {
+                    self.enqueue(item, self.samples_depth(before));
                     return Poll::Ready(Ok(Sent::Queued));
                 }
                 Err(s) if s & CLOSED != 0 => return Poll::Ready(Err(SendError::Closed(item))),
@@ -774,7 +799,7 @@ impl<T> Shared<T> {
 
     pub(crate) fn try_reserve(&self) -> Result<(), ReserveError> {
         match self.try_claim() {
-            Ok(()) => Ok(()),
+            Ok(_) => Ok(()),
             Err(s) if s & CLOSED != 0 => Err(ReserveError::Closed),
             Err(_) => Err(ReserveError::Full),
         }
@@ -797,7 +822,7 @@ impl<T> Shared<T> {
     /// Send into a slot reserved earlier. Cannot fail; with every receiver gone the item is
     /// dropped through `on_drop` (`Discarded`) and counted.
     pub(crate) fn send_reserved(&self, item: T) {
-        self.enqueue(item);
+        self.enqueue(item, true);
     }
 
     /// A reserved slot was not used.

@@ -12,6 +12,9 @@ use futures::{Stream, StreamExt, poll};
 use loom::future::block_on;
 use loom::thread;
 
+#[path = "loom/ring.rs"]
+mod ring;
+
 /// Two producers into a buffer of one: both items arrive, none twice, nobody hangs.
 #[test]
 fn two_senders_one_slot() {

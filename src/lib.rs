@@ -119,6 +119,11 @@ pub mod pace;
 pub mod rate;
 pub mod retry;
 mod sync;
+/// The loom models of crate-private primitives, for `tests/loom.rs` (only under
+/// `--cfg flowgate_loom`).
+#[cfg(flowgate_loom)]
+#[doc(hidden)]
+pub use sync::loom_models;
 mod time;
 
 pub use decision::Decision;

@@ -807,3 +807,20 @@ async fn metrics_by_name_and_reason() {
         Some(0.0)
     );
 }
+
+/// Issue 20: 40,000 waiting acquisitions dropped newest first (the worst order for a queue
+/// scanned from the front): each leaves in O(1) (the waiter list's unit test counts the
+/// work), the waiting count returns to 0, and the bulkhead works on.
+#[test]
+fn forty_thousand_waiters_dropped_newest_first() {
+    const N: usize = 40_000;
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let held = bulkhead.try_acquire().unwrap();
+    let mut waiting = support::queue_waiters(N, || bulkhead.acquire());
+    assert_eq!(bulkhead.waiting(), N);
+    while waiting.pop().is_some() {}
+    assert_eq!(bulkhead.waiting(), 0);
+    drop(held);
+    assert_eq!(bulkhead.in_flight(), 0);
+    let _again = bulkhead.try_acquire().unwrap();
+}

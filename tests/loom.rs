@@ -14,6 +14,8 @@ use loom::thread;
 
 #[path = "loom/ring.rs"]
 mod ring;
+#[path = "loom/waiters.rs"]
+mod waiters;
 
 /// Two producers into a buffer of one: both items arrive, none twice, nobody hangs.
 #[test]

@@ -660,3 +660,19 @@ fn public_types_are_send_and_sync() {
     send::<flowgate::pace::LeakyQueueBuilder<Items>>();
     is_static::<LeakyQueue<Items>>();
 }
+
+/// Issue 20: 40,000 waiters dropped newest first (the worst order for a line scanned from
+/// the front) each leave in O(1); the line empties and the pacer serves on, on schedule.
+#[tokio::test(start_paused = true)]
+async fn forty_thousand_waiters_dropped_newest_first() {
+    const N: usize = 40_000;
+    let p = pacer(10, 1);
+    p.until_ready(1).await.unwrap();
+    let mut waiting = support::queue_waiters(N, || p.until_ready(1));
+    assert_eq!(p.waiting(), N);
+    while waiting.pop().is_some() {}
+    assert_eq!(p.waiting(), 0);
+    let start = Instant::now();
+    p.until_ready(1).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+}

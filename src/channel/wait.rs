@@ -12,6 +12,9 @@
 use std::collections::VecDeque;
 use std::task::Waker;
 
+/// The collector moved to `crate::sync`, shared with the bulkhead and the pacer.
+pub(crate) use crate::sync::Deferred;
+
 /// Where a waiting future stands: `id` is its place in a wait queue; for a receiver,
 /// `stream` says which of the two receiver queues that place is in.
 #[derive(Debug, Default)]
@@ -26,77 +29,6 @@ impl Waiting {
     #[inline]
     pub(crate) fn is_waiting(&self) -> bool {
         self.id.is_some()
-    }
-}
-
-/// How many wakers a [`Deferred`] holds without allocating.
-///
-/// Enough for the common operations: a push wakes one waiting future and one waiting
-/// stream; a receive or a cancel drops its own waker and wakes a sender or another receiver.
-const INLINE: usize = 4;
-
-/// Wakers collected under the lock: woken or dropped when this is dropped.
-///
-/// Declare it *before* taking the lock (`let mut out = Deferred::default();` then
-/// `let mut st = self.lock();`): locals are dropped in reverse order, so the guard is
-/// released first on every path, early returns included.
-///
-/// The first [`INLINE`] wakers are kept inline and only further ones spill into a vector
-/// (as tokio's `WakeList`), so an operation that wakes or drops a few wakers does not
-/// allocate.
-#[derive(Default)]
-pub(crate) struct Deferred {
-    /// Wakers in the order they were given: to wake (`true`), or only to drop (`false`:
-    /// replaced or removed from a queue). The first `len` slots are filled.
-    inline: [Option<(Waker, bool)>; INLINE],
-    len: usize,
-    /// The wakers past the first [`INLINE`]: rare (closing, a batch freeing many slots).
-    more: Vec<(Waker, bool)>,
-}
-
-impl Deferred {
-    #[inline]
-    fn push(&mut self, waker: Waker, wake: bool) {
-        match self.inline.get_mut(self.len) {
-            Some(slot) => {
-                *slot = Some((waker, wake));
-                self.len += 1;
-            }
-            None => self.more.push((waker, wake)),
-        }
-    }
-
-    #[inline]
-    pub(crate) fn wake(&mut self, waker: Waker) {
-        self.push(waker, true);
-    }
-
-    #[inline]
-    pub(crate) fn wake_opt(&mut self, waker: Option<Waker>) {
-        if let Some(w) = waker {
-            self.wake(w);
-        }
-    }
-
-    #[inline]
-    fn discard(&mut self, waker: Waker) {
-        self.push(waker, false);
-    }
-}
-
-impl Drop for Deferred {
-    #[inline]
-    fn drop(&mut self) {
-        for (w, wake) in self.inline[..self.len].iter_mut().filter_map(Option::take) {
-            if wake {
-                w.wake();
-            }
-        }
-        for (w, wake) in self.more.drain(..) {
-            if wake {
-                w.wake();
-            }
-        }
     }
 }
 

@@ -31,3 +31,20 @@ pub use recorder::TestRecorder;
 pub use server::{MISSING_REDIS, MISSING_REDIS_CLI, RedisServer};
 #[allow(unused_imports)]
 pub use tempdir::TempDir;
+
+/// Polls each future once with a waker that does nothing, asserting it waits: `n` waiters
+/// queued, in order (the O(1) cancellation tests then drop them newest first).
+pub fn queue_waiters<F: std::future::Future>(
+    n: usize,
+    mut new: impl FnMut() -> F,
+) -> Vec<std::pin::Pin<Box<F>>> {
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    (0..n)
+        .map(|_| {
+            let mut f = Box::pin(new());
+            assert!(f.as_mut().poll(&mut cx).is_pending(), "expected to wait");
+            f
+        })
+        .collect()
+}

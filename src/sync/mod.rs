@@ -2,6 +2,19 @@
 //! `--cfg flowgate_loom` so the concurrency models in `tests/loom.rs` can explore every
 //! interleaving. (A crate-specific cfg name: a plain `--cfg loom` would also switch tokio's
 //! internals, which do not build that way as a dependency.)
+//!
+//! Beside them, the waiting machinery every primitive shares: [`WaiterList`] (one FIFO list
+//! of waiting tasks with O(1) cancellation) and [`Deferred`] (the wakers collected under a
+//! lock, woken after it is released).
+
+mod deferred;
+#[cfg(flowgate_loom)]
+#[doc(hidden)]
+pub mod loom_models;
+mod waiters;
+
+pub(crate) use deferred::Deferred;
+pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
 
 #[cfg(flowgate_loom)]
 pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};

@@ -1,0 +1,109 @@
+//! [`Deferred`]: the wakers collected under a lock, woken or dropped after it is released.
+//!
+//! A `Waker` is user code twice over: `wake` and `drop` both run the waker's vtable, which
+//! may do anything, including touching the primitive again (a waker that owns a permit or a
+//! sender releases or sends when it is dropped). So no code under a lock wakes or drops a
+//! waker: every waker given up (to wake, replaced or removed) moves into a [`Deferred`],
+//! which wakes and drops them when it is dropped, after the lock is released.
+//!
+//! Cloning a waker still happens under the lock (as in tokio's `Notify` and semaphore), and
+//! only when the waker is not already stored (`will_wake`).
+
+use std::fmt;
+use std::task::Waker;
+
+/// How many wakers a [`Deferred`] holds without allocating.
+///
+/// Enough for the common operations: a push wakes one waiting future and one waiting
+/// stream; a receive or a cancel drops its own waker and wakes a sender or another receiver;
+/// a pacer wakes a new head and its watcher.
+const INLINE: usize = 4;
+
+/// Wakers collected under the lock: woken or dropped when this is dropped.
+///
+/// Declare it *before* taking the lock (`let mut out = Deferred::default();` then
+/// `let mut st = self.lock();`): locals are dropped in reverse order, so the guard is
+/// released first on every path, early returns included.
+///
+/// The first [`INLINE`] wakers are kept inline and only further ones spill into a vector
+/// (as tokio's `WakeList`), so an operation that wakes or drops a few wakers does not
+/// allocate.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    /// Wakers in the order they were given: to wake (`true`), or only to drop (`false`:
+    /// replaced or removed from a queue). The first `len` slots are filled.
+    inline: [Option<(Waker, bool)>; INLINE],
+    len: usize,
+    /// The wakers past the first [`INLINE`]: rare (closing, a batch freeing many slots).
+    more: Vec<(Waker, bool)>,
+}
+
+impl Deferred {
+    #[inline]
+    fn push(&mut self, waker: Waker, wake: bool) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => {
+                *slot = Some((waker, wake));
+                self.len += 1;
+            }
+            None => self.more.push((waker, wake)),
+        }
+    }
+
+    /// Wake `waker` once the lock is released.
+    #[inline]
+    pub(crate) fn wake(&mut self, waker: Waker) {
+        self.push(waker, true);
+    }
+
+    /// Wake `waker`, if any, once the lock is released.
+    #[inline]
+    pub(crate) fn wake_opt(&mut self, waker: Option<Waker>) {
+        if let Some(w) = waker {
+            self.wake(w);
+        }
+    }
+
+    /// Only drop `waker` (replaced or removed), once the lock is released.
+    #[inline]
+    pub(crate) fn discard(&mut self, waker: Waker) {
+        self.push(waker, false);
+    }
+
+    /// How many wakers this holds (to wake or to drop).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len + self.more.len()
+    }
+
+    /// How many of the held wakers are to be woken.
+    #[cfg(test)]
+    pub(crate) fn to_wake(&self) -> usize {
+        let inline = self.inline[..self.len].iter().flatten();
+        inline.chain(&self.more).filter(|(_, wake)| *wake).count()
+    }
+}
+
+impl Drop for Deferred {
+    #[inline]
+    fn drop(&mut self) {
+        for (w, wake) in self.inline[..self.len].iter_mut().filter_map(Option::take) {
+            if wake {
+                w.wake();
+            }
+        }
+        for (w, wake) in self.more.drain(..) {
+            if wake {
+                w.wake();
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Deferred")
+            .field("wakers", &(self.len + self.more.len()))
+            .finish()
+    }
+}

@@ -172,9 +172,9 @@ pub(crate) struct State<T> {
     /// Every receiver's batch length, one per receiver: its length is the receiver count.
     batches: Vec<Arc<BatchLen>>,
     senders: usize,
+    /// Senders waiting for a slot, and those granted one (a slot reserved in their name,
+    /// counted as occupied) that have not claimed it yet.
     send_waiters: WaitQueue,
-    /// Waiting senders that were handed a slot and have not claimed it yet.
-    granted: Vec<u64>,
     /// Receivers waiting in a `Recv` / `RecvMany` future: one is woken per new item, and a
     /// future dropped after its wake passes it on.
     recv_waiters: WaitQueue,
@@ -182,20 +182,11 @@ pub(crate) struct State<T> {
     /// because a stream that stops being polled cannot pass a wake on.
     stream_waiters: WaitQueue,
     close_waiters: WaitQueue,
-    next_id: u64,
     received: u64,
     dropped: u64,
 }
 
 impl<T> State<T> {
-    /// The id of `waiting`, allocating one if it has none.
-    fn id_for(&mut self, waiting: &mut Waiting) -> u64 {
-        *waiting.id.get_or_insert_with(|| {
-            self.next_id += 1;
-            self.next_id
-        })
-    }
-
     /// The receiver queue of one kind: stream waiters or future waiters.
     fn receiver_queue(&mut self, stream: bool) -> &mut WaitQueue {
         if stream {
@@ -215,31 +206,17 @@ impl<T> State<T> {
         out: &mut Deferred,
     ) {
         if waiting.stream != stream {
-            if let Some(id) = waiting.id {
-                self.receiver_queue(waiting.stream).remove(id, out);
-            }
+            self.leave_receiver(waiting, out);
             waiting.stream = stream;
         }
-        let id = self.id_for(waiting);
-        self.receiver_queue(stream).register(id, cx.waker(), out);
+        self.receiver_queue(stream)
+            .register(waiting, cx.waker(), out);
     }
 
     /// Stop waiting as a receiver; true if it was still registered (not woken).
     fn leave_receiver(&mut self, waiting: &mut Waiting, out: &mut Deferred) -> bool {
-        match waiting.id.take() {
-            Some(id) => self.receiver_queue(waiting.stream).remove(id, out),
-            None => false,
-        }
-    }
-
-    fn take_grant(&mut self, id: u64) -> bool {
-        match self.granted.iter().position(|&g| g == id) {
-            Some(at) => {
-                self.granted.swap_remove(at);
-                true
-            }
-            None => false,
-        }
+        let stream = waiting.stream;
+        self.receiver_queue(stream).leave(waiting, out)
     }
 }
 
@@ -302,11 +279,9 @@ impl<T> Shared<T> {
                 batches: Vec::new(),
                 senders: 1,
                 send_waiters: WaitQueue::default(),
-                granted: Vec::new(),
                 recv_waiters: WaitQueue::default(),
                 stream_waiters: WaitQueue::default(),
                 close_waiters: WaitQueue::default(),
-                next_id: 0,
                 received: 0,
                 dropped: 0,
             }),
@@ -449,18 +424,17 @@ impl<T> Shared<T> {
         waiting: &mut Waiting,
         out: &mut Deferred,
     ) -> Poll<Result<(), ()>> {
-        if let Some(id) = waiting.id {
-            if st.take_grant(id) {
-                // The granted slot is the caller's.
-                waiting.id = None;
-                return Poll::Ready(Ok(()));
-            }
+        if waiting.is_waiting() {
             if self.is_closed() {
-                st.send_waiters.remove(id, out);
-                waiting.id = None;
+                // A grant not yet claimed was void from the close on.
+                st.send_waiters.leave(waiting, out);
                 return Poll::Ready(Err(()));
             }
-            st.send_waiters.register(id, cx.waker(), out);
+            if st.send_waiters.claim(waiting) {
+                // The granted slot is the caller's.
+                return Poll::Ready(Ok(()));
+            }
+            st.send_waiters.register(waiting, cx.waker(), out);
             return Poll::Pending;
         }
         let mut s = self.hot.state.load(Ordering::SeqCst);
@@ -487,8 +461,7 @@ impl<T> Shared<T> {
         }
         // Full: the gauge the fast path only samples is exact while senders wait.
         self.set_depth();
-        let id = st.id_for(waiting);
-        st.send_waiters.register(id, cx.waker(), out);
+        st.send_waiters.register(waiting, cx.waker(), out);
         Poll::Pending
     }
 
@@ -525,12 +498,7 @@ impl<T> Shared<T> {
     /// clear `SEND_WAIT` when none is left, and free the rest.
     fn free_locked(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
         let mut left = n;
-        while left > 0 {
-            let Some((id, waker)) = st.send_waiters.pop() else {
-                break;
-            };
-            st.granted.push(id);
-            out.wake(waker);
+        while left > 0 && st.send_waiters.grant_one(out) {
             left -= 1;
         }
         let clear = if st.send_waiters.is_empty() {
@@ -667,7 +635,7 @@ impl<T> Shared<T> {
         if !self.is_closed() {
             // Grants not yet claimed are void: their senders will see `closed`. No sender
             // can queue any more, so `SEND_WAIT` goes too.
-            let void = std::mem::take(&mut st.granted).len();
+            let void = st.send_waiters.granted();
             self.update(|s| ((s | CLOSED) & !SEND_WAIT) - void * ONE);
         }
         st.send_waiters.wake_all(out);

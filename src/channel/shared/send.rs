@@ -134,15 +134,18 @@ impl<T> Shared<T> {
 
     /// A waiting send or reserve was dropped: leave the queue, or pass a grant on.
     pub(crate) fn cancel_send_wait(&self, waiting: &mut Waiting) {
-        let Some(id) = waiting.id.take() else { return };
+        if !waiting.is_waiting() {
+            return;
+        }
         let mut out = Deferred::default();
         let mut st = self.lock();
-        if st.send_waiters.remove(id, &mut out) {
-            if st.send_waiters.is_empty() {
+        match st.send_waiters.leave_granted(waiting, &mut out) {
+            Some(false) if st.send_waiters.is_empty() => {
                 self.update(|s| s & !SEND_WAIT);
             }
-        } else if st.take_grant(id) {
-            self.free_locked(&mut st, 1, &mut out);
+            // A grant given up passes on (void once closed: the close freed its slot).
+            Some(true) if !self.is_closed() => self.free_locked(&mut st, 1, &mut out),
+            _ => {}
         }
     }
 
@@ -164,8 +167,7 @@ impl<T> Shared<T> {
             st.close_waiters.leave(waiting, &mut out);
             return Poll::Ready(());
         }
-        let id = st.id_for(waiting);
-        st.close_waiters.register(id, cx.waker(), &mut out);
+        st.close_waiters.register(waiting, cx.waker(), &mut out);
         Poll::Pending
     }
 

@@ -1,10 +1,61 @@
-//! The channel core: one mutex around the buffer, the reservations and the waiters.
+//! The channel core: a lock-free fast path for sends, one mutex for everything else.
 //!
-//! Every operation takes the lock once, decides, and wakes tasks, drops wakers and runs the
-//! `on_drop` hook only after releasing it (see [`Deferred`]), so no user code ever runs under
-//! the lock. Free slots are handed
-//! to waiting senders directly (a *grant*: the slot is reserved in the waiter's name), which
-//! makes waiting senders strictly FIFO and means a woken sender never finds its slot taken.
+//! # Design
+//!
+//! Items live in a lock-free ring ([`Ring`]). One atomic word, `state`, holds the number of
+//! *occupied* slots (queued items, items of receivers' batches, reservations, grants, and
+//! sends under way) shifted left by two, and two flags: `CLOSED`, and `SEND_WAIT` (some
+//! sender is queued waiting for a slot). A second word, `rx`, holds `RECV_WAIT` (some
+//! receiver is registered waiting for an item) and `RX_GONE` (every receiver is dropped).
+//!
+//! - **Send, fast path** (no lock): claim a slot by compare-and-swap on `state`, only when
+//!   it is open, `SEND_WAIT` is clear and a slot is free; push the item into the ring; a
+//!   `SeqCst` fence; read `rx`. Only if a flag is set does the sender take the lock, to wake
+//!   receivers (or, with every receiver gone, to drop what is left through `on_drop`).
+//! - **Send, slow path** (under the lock): the claim is retried; if the channel is full, or
+//!   senders already wait, the sender sets `SEND_WAIT` (by compare-and-swap on the very
+//!   `state` it found full) and queues. So a newcomer never overtakes a waiting sender:
+//!   while `SEND_WAIT` is set, the fast path refuses every claim.
+//! - **Freeing a slot** (a receive, a released permit, a used-up batch): decrement
+//!   `state` by compare-and-swap unless `SEND_WAIT` is set; if it is, take the lock and
+//!   *grant* the slot to the first waiting sender instead (the slot stays occupied, in the
+//!   waiter's name), clearing `SEND_WAIT` when the last waiter is served. Under the lock,
+//!   with `SEND_WAIT` set, the count changes only under the lock.
+//! - **Receive** (under the lock, which receivers share with the slow paths; a receiver
+//!   takes a batch per lock): pop from the items given back by dropped receivers first
+//!   (`stash`, older than the ring's), then from the ring. A receiver that finds nothing
+//!   sets `RECV_WAIT`, issues a `SeqCst` fence, and looks again before it registers.
+//!
+//! # Invariants
+//!
+//! - `occupied == ring + stash + held + reserved + granted + sends under way <= capacity`:
+//!   a push never finds the ring full, and the bound is exact.
+//! - `SEND_WAIT` is set iff a sender is queued (both change only under the lock), and then
+//!   every slot is occupied.
+//! - `RECV_WAIT` is set while a receiver is registered (it is cleared under the lock when
+//!   none is); `CLOSED` and `RX_GONE` are set under the lock and never cleared.
+//! - The channel is *finished* (receivers get `None`) when `CLOSED` is set and no slot is
+//!   occupied: nothing is queued, held, reserved or on its way.
+//!
+//! # Why no wake is lost
+//!
+//! - *Item vs waiting receiver*: the sender pushes, fences, reads `RECV_WAIT`; the receiver
+//!   sets `RECV_WAIT`, fences, looks at the ring. With a `SeqCst` fence on both sides (the
+//!   store-buffering pattern) at least one sees the other: the receiver finds the item, or
+//!   the sender sees the flag and wakes it under the lock (the receiver registers under the
+//!   lock it held while looking, so it is registered by then).
+//! - *Freed slot vs waiting sender*: both change `state` by read-modify-write, so they are
+//!   totally ordered: a sender that set `SEND_WAIT` on a full count is served by every later
+//!   free (which sees the flag), and a free before it left a slot the sender's claim finds.
+//! - *Send vs close*: `CLOSED` is in `state`, so a claim either happened before the close
+//!   (its item counts as occupied and receivers wait for it) or fails.
+//! - *Last slot vs end of stream*: a free that leaves `CLOSED` with nothing occupied wakes
+//!   every receiver under the lock; a receiver reads `state` and registers under the lock.
+//! - *Send vs last receiver dropped*: the receiver sets `RX_GONE`, fences, drains the ring;
+//!   the sender pushes, fences, reads `rx`. One of them drops the item through `on_drop`.
+//!
+//! As before, no user code runs under the lock: wakers and the `on_drop` hook run after it
+//! is released (see [`Deferred`]).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -12,11 +63,32 @@ use std::sync::PoisonError;
 use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
+use crate::channel::ring::{Ring, fence};
 use crate::channel::wait::{Deferred, WaitQueue, Waiting};
 use crate::dropped::{Dropped, OnDrop};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
 use crate::sync::{Arc, AtomicUsize, Mutex, MutexGuard, Ordering};
+
+mod recv;
+mod send;
+
+/// `state`: closed for new sends.
+const CLOSED: usize = 1;
+/// `state`: a sender is queued for a slot; freed slots go to it, claims without the lock fail.
+const SEND_WAIT: usize = 2;
+/// `state`: one occupied slot.
+const ONE: usize = 4;
+/// `rx`: a receiver is registered waiting for an item.
+const RECV_WAIT: usize = 1;
+/// `rx`: every receiver is gone.
+const RX_GONE: usize = 2;
+
+/// How many slots a `state` word says are occupied.
+#[inline]
+fn occupied(state: usize) -> usize {
+    state / ONE
+}
 
 /// Names of the channel metrics.
 pub(crate) mod names {
@@ -70,20 +142,39 @@ impl BatchLen {
     }
 }
 
+/// A value on cache lines of its own (128 bytes: adjacent-line prefetch pairs lines).
+#[derive(Debug)]
+#[repr(align(128))]
+struct Line<V>(V);
+
+impl<V> std::ops::Deref for Line<V> {
+    type Target = V;
+
+    fn deref(&self) -> &V {
+        &self.0
+    }
+}
+
+/// The words every sender touches.
+#[derive(Debug)]
+struct Hot {
+    /// Occupied slots times [`ONE`], plus [`CLOSED`] and [`SEND_WAIT`]: written by every
+    /// claim and free.
+    state: Line<AtomicUsize>,
+    /// [`RECV_WAIT`] and [`RX_GONE`]: read after every push, rarely written, so on a line
+    /// apart from `state` (it stays in every sender's cache).
+    rx: Line<AtomicUsize>,
+}
+
 pub(crate) struct State<T> {
-    queue: VecDeque<T>,
+    /// Items given back by dropped receivers: older than every item in the ring.
+    stash: VecDeque<T>,
     /// Every receiver's batch length, one per receiver: its length is the receiver count.
     batches: Vec<Arc<BatchLen>>,
-    /// Slots held by permits, sink reservations and grants not yet claimed.
-    reserved: usize,
-    /// Slots held by receivers' batches: freed when a batch is used up (or given back).
-    held: usize,
-    /// No new sends: `close()` was called, or every sender or every receiver is gone.
-    closed: bool,
     senders: usize,
+    /// Senders waiting for a slot, and those granted one (a slot reserved in their name,
+    /// counted as occupied) that have not claimed it yet.
     send_waiters: WaitQueue,
-    /// Waiting senders that were handed a reserved slot and have not claimed it yet.
-    granted: Vec<u64>,
     /// Receivers waiting in a `Recv` / `RecvMany` future: one is woken per new item, and a
     /// future dropped after its wake passes it on.
     recv_waiters: WaitQueue,
@@ -91,31 +182,11 @@ pub(crate) struct State<T> {
     /// because a stream that stops being polled cannot pass a wake on.
     stream_waiters: WaitQueue,
     close_waiters: WaitQueue,
-    next_id: u64,
-    stats: Stats,
+    received: u64,
+    dropped: u64,
 }
 
 impl<T> State<T> {
-    /// The id of `waiting`, allocating one if it has none.
-    fn id_for(&mut self, waiting: &mut Waiting) -> u64 {
-        *waiting.id.get_or_insert_with(|| {
-            self.next_id += 1;
-            self.next_id
-        })
-    }
-
-    /// A new item is queued: wake one waiting future and every waiting stream.
-    #[inline]
-    fn wake_for_item(&mut self, out: &mut Deferred) {
-        self.recv_waiters.wake_one(out);
-        self.stream_waiters.wake_all(out);
-    }
-
-    fn wake_receivers(&mut self, out: &mut Deferred) {
-        self.recv_waiters.wake_all(out);
-        self.stream_waiters.wake_all(out);
-    }
-
     /// The receiver queue of one kind: stream waiters or future waiters.
     fn receiver_queue(&mut self, stream: bool) -> &mut WaitQueue {
         if stream {
@@ -135,25 +206,26 @@ impl<T> State<T> {
         out: &mut Deferred,
     ) {
         if waiting.stream != stream {
-            if let Some(id) = waiting.id {
-                self.receiver_queue(waiting.stream).remove(id, out);
-            }
+            self.leave_receiver(waiting, out);
             waiting.stream = stream;
         }
-        let id = self.id_for(waiting);
-        self.receiver_queue(stream).register(id, cx.waker(), out);
+        self.receiver_queue(stream)
+            .register(waiting, cx.waker(), out);
     }
 
     /// Stop waiting as a receiver; true if it was still registered (not woken).
     fn leave_receiver(&mut self, waiting: &mut Waiting, out: &mut Deferred) -> bool {
-        match waiting.id.take() {
-            Some(id) => self.receiver_queue(waiting.stream).remove(id, out),
-            None => false,
-        }
+        let stream = waiting.stream;
+        self.receiver_queue(stream).leave(waiting, out)
     }
 }
 
 pub(crate) struct Shared<T> {
+    hot: Hot,
+    ring: Ring<T>,
+    /// Items in `stash` plus slots held by receivers' batches: the depth gauge's part
+    /// besides the ring (changed by receivers only).
+    depth_extra: AtomicUsize,
     state: Mutex<State<T>>,
     capacity: usize,
     overflow: Overflow,
@@ -173,14 +245,15 @@ impl<T> std::panic::UnwindSafe for Shared<T> {}
 impl<T> fmt::Debug for Shared<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let st = self.lock();
+        let state = self.hot.state.load(Ordering::SeqCst);
         f.debug_struct("Channel")
             .field("name", &self.name)
             .field("capacity", &self.capacity)
             .field("overflow", &self.overflow)
             .field("len", &self.len_locked(&st))
-            .field("reserved", &st.reserved)
-            .field("closed", &st.closed)
-            .field("stats", &st.stats)
+            .field("occupied", &occupied(state))
+            .field("closed", &(state & CLOSED != 0))
+            .field("stats", &self.stats_locked(&st))
             .finish()
     }
 }
@@ -194,21 +267,23 @@ impl<T> Shared<T> {
     ) -> Shared<T> {
         let metrics = Metrics::new(name.as_deref());
         Shared {
+            hot: Hot {
+                state: Line(AtomicUsize::new(0)),
+                rx: Line(AtomicUsize::new(0)),
+            },
+            ring: Ring::new(capacity),
+            depth_extra: AtomicUsize::new(0),
             state: Mutex::new(State {
-                queue: VecDeque::with_capacity(capacity.min(4096)),
+                stash: VecDeque::new(),
                 // `Receiver::new` adds the first receiver's.
                 batches: Vec::new(),
-                reserved: 0,
-                held: 0,
-                closed: false,
                 senders: 1,
                 send_waiters: WaitQueue::default(),
-                granted: Vec::new(),
                 recv_waiters: WaitQueue::default(),
                 stream_waiters: WaitQueue::default(),
                 close_waiters: WaitQueue::default(),
-                next_id: 0,
-                stats: Stats::default(),
+                received: 0,
+                dropped: 0,
             }),
             capacity,
             overflow,
@@ -235,9 +310,14 @@ impl<T> Shared<T> {
         self.name.as_deref()
     }
 
+    /// Items queued: given back, or in the ring (pushes under way included).
+    fn queued(&self, st: &State<T>) -> usize {
+        st.stash.len() + self.ring.len()
+    }
+
     /// Items not yet handed to a consumer: queued, or in a receiver's batch.
     fn len_locked(&self, st: &State<T>) -> usize {
-        st.queue.len() + st.batches.iter().map(|b| b.get()).sum::<usize>()
+        self.queued(st) + st.batches.iter().map(|b| b.get()).sum::<usize>()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -249,28 +329,38 @@ impl<T> Shared<T> {
     pub(crate) fn queued_for_sole_receiver(&self) -> usize {
         let st = self.lock();
         if st.batches.len() == 1 {
-            st.queue.len()
+            self.queued(&st)
         } else {
             0
         }
     }
 
-    /// The depth gauge: queued items and the slots receivers' batches hold (exact when a
-    /// batch is taken or used up; it reads nothing the receivers write without the lock).
-    fn set_depth(&self, st: &State<T>) {
-        self.metrics.depth.set((st.queue.len() + st.held) as f64);
+    /// The depth gauge: queued items and the slots receivers' batches hold.
+    #[inline]
+    fn set_depth(&self) {
+        // Without the feature the gauge is empty: skip reading the ring.
+        if cfg!(feature = "metrics") {
+            let depth = self.ring.len() + self.depth_extra.load(Ordering::Relaxed);
+            self.metrics.depth.set(depth as f64);
+        }
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        self.lock().closed
+        self.hot.state.load(Ordering::SeqCst) & CLOSED != 0
+    }
+
+    fn stats_locked(&self, st: &State<T>) -> Stats {
+        // Every accepted item is received, dropped, or still queued (a batch counts as
+        // received when it is taken): no counter on the senders' path.
+        Stats {
+            sent: st.received + st.dropped + self.queued(st) as u64,
+            received: st.received,
+            dropped: st.dropped,
+        }
     }
 
     pub(crate) fn stats(&self) -> Stats {
-        self.lock().stats
-    }
-
-    fn has_room(&self, st: &State<T>) -> bool {
-        st.queue.len() + st.reserved + st.held < self.capacity
+        self.stats_locked(&self.lock())
     }
 
     /// How many items a receiver takes under one lock: up to 32, and at most an eighth of
@@ -284,48 +374,236 @@ impl<T> Shared<T> {
         }
     }
 
-    /// Hand a freed slot to the first waiting sender, if any.
-    fn grant(st: &mut State<T>, out: &mut Deferred) -> bool {
-        let Some((id, waker)) = st.send_waiters.pop() else {
-            return false;
-        };
-        st.reserved += 1;
-        st.granted.push(id);
-        out.wake(waker);
-        true
+    /// Change `state` by `f` (compare-and-swap loop); returns the word it replaced.
+    #[inline]
+    fn update(&self, mut f: impl FnMut(usize) -> usize) -> usize {
+        let mut s = self.hot.state.load(Ordering::SeqCst);
+        loop {
+            match self
+                .hot
+                .state
+                .compare_exchange_weak(s, f(s), Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(prev) => return prev,
+                Err(now) => s = now,
+            }
+        }
     }
 
-    /// Hand up to `n` freed slots to waiting senders.
-    fn grant_many(st: &mut State<T>, n: usize, out: &mut Deferred) {
-        for _ in 0..n {
-            if !Self::grant(st, out) {
+    // ----- slots -----
+
+    /// Claim a free slot without the lock: only while the channel is open, no sender is
+    /// queued (no barging) and a slot is free. Returns how many slots were occupied before;
+    /// on failure, the `state` word that refused.
+    #[inline]
+    fn try_claim(&self) -> Result<usize, usize> {
+        let mut s = self.hot.state.load(Ordering::Relaxed);
+        loop {
+            if s & (CLOSED | SEND_WAIT) != 0 || occupied(s) >= self.capacity {
+                return Err(s);
+            }
+            match self.hot.state.compare_exchange_weak(
+                s,
+                s + ONE,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(occupied(s)),
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Under the lock: claim a slot, or queue as a waiting sender (setting `SEND_WAIT`
+    /// on the full count it found, so every later free sees it). A sender already queued
+    /// takes its grant if it has one. `Ready(Err(()))`: closed.
+    fn poll_slot(
+        &self,
+        st: &mut State<T>,
+        cx: &Context<'_>,
+        waiting: &mut Waiting,
+        out: &mut Deferred,
+    ) -> Poll<Result<(), ()>> {
+        if waiting.is_waiting() {
+            if self.is_closed() {
+                // A grant not yet claimed was void from the close on.
+                st.send_waiters.leave(waiting, out);
+                return Poll::Ready(Err(()));
+            }
+            if st.send_waiters.claim(waiting) {
+                // The granted slot is the caller's.
+                return Poll::Ready(Ok(()));
+            }
+            st.send_waiters.register(waiting, cx.waker(), out);
+            return Poll::Pending;
+        }
+        let mut s = self.hot.state.load(Ordering::SeqCst);
+        loop {
+            let next = if s & CLOSED != 0 {
+                return Poll::Ready(Err(()));
+            } else if s & SEND_WAIT != 0 {
+                // Behind the senders already waiting.
                 break;
+            } else if occupied(s) < self.capacity {
+                s + ONE
+            } else {
+                s | SEND_WAIT
+            };
+            match self
+                .hot
+                .state
+                .compare_exchange_weak(s, next, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) if next & SEND_WAIT == 0 => return Poll::Ready(Ok(())),
+                Ok(_) => break,
+                Err(now) => s = now,
             }
+        }
+        // Full: the gauge the fast path only samples is exact while senders wait.
+        self.set_depth();
+        st.send_waiters.register(waiting, cx.waker(), out);
+        Poll::Pending
+    }
+
+    /// `n` slots are free (items taken, a reservation or a batch given up): to queued
+    /// senders first. Without the lock unless a sender is queued.
+    fn free(&self, n: usize) {
+        let mut s = self.hot.state.load(Ordering::Relaxed);
+        loop {
+            if s & SEND_WAIT != 0 {
+                let mut out = Deferred::default();
+                let mut st = self.lock();
+                self.free_locked(&mut st, n, &mut out);
+                return;
+            }
+            match self.hot.state.compare_exchange_weak(
+                s,
+                s - n * ONE,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(now) => s = now,
+            }
+        }
+        if s & CLOSED != 0 && occupied(s) == n {
+            // The end of the stream: receivers may be waiting for these slots only.
+            let mut out = Deferred::default();
+            let mut st = self.lock();
+            self.wake_receivers(&mut st, &mut out);
         }
     }
 
-    fn take_grant(st: &mut State<T>, id: u64) -> bool {
-        match st.granted.iter().position(|&g| g == id) {
-            Some(at) => {
-                st.granted.swap_remove(at);
-                true
-            }
-            None => false,
+    /// As [`free`](Shared::free), under the lock: grant the slots to queued senders (FIFO),
+    /// clear `SEND_WAIT` when none is left, and free the rest.
+    fn free_locked(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
+        let mut left = n;
+        while left > 0 && st.send_waiters.grant_one(out) {
+            left -= 1;
+        }
+        let clear = if st.send_waiters.is_empty() {
+            SEND_WAIT
+        } else {
+            0
+        };
+        if left == 0 && self.hot.state.load(Ordering::Relaxed) & clear == 0 {
+            return;
+        }
+        let prev = self.update(|s| (s & !clear) - left * ONE);
+        if prev & CLOSED != 0 && occupied(prev) == left {
+            self.wake_receivers(st, out);
         }
     }
 
-    /// Give back one reserved slot: to the next waiting sender, or to the pool.
-    fn release_reserved(st: &mut State<T>, out: &mut Deferred) {
-        st.reserved -= 1;
-        Self::grant(st, out);
+    // ----- waking receivers -----
+
+    /// Clear `RECV_WAIT` if no receiver is registered any more (under the lock).
+    fn sync_recv_flag(&self, st: &State<T>) {
+        if st.recv_waiters.is_empty()
+            && st.stream_waiters.is_empty()
+            && self.hot.rx.load(Ordering::Relaxed) & RECV_WAIT != 0
+        {
+            self.hot.rx.fetch_and(!RECV_WAIT, Ordering::SeqCst);
+        }
     }
 
-    fn push(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
-        st.queue.push_back(item);
-        st.stats.sent += 1;
+    /// A new item is queued: wake one waiting future and every waiting stream.
+    fn wake_for_item(&self, st: &mut State<T>, out: &mut Deferred) {
+        st.recv_waiters.wake_one(out);
+        st.stream_waiters.wake_all(out);
+        self.sync_recv_flag(st);
+    }
+
+    fn wake_receivers(&self, st: &mut State<T>, out: &mut Deferred) {
+        st.recv_waiters.wake_all(out);
+        st.stream_waiters.wake_all(out);
+        self.sync_recv_flag(st);
+    }
+
+    // ----- items -----
+
+    /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
+    /// (the fence pairs with the one in [`queued_or_flag`](Shared::queued_or_flag) and in
+    /// [`drop_receiver`](Shared::drop_receiver)). `depth`: update the depth gauge.
+    #[inline]
+    fn push_claimed(&self, item: T, depth: bool) -> usize {
         self.metrics.sent.increment(1);
-        self.set_depth(st);
-        st.wake_for_item(out);
+        self.ring.push(item);
+        fence(Ordering::SeqCst);
+        let rx = self.hot.rx.load(Ordering::Relaxed);
+        if depth {
+            self.set_depth();
+        }
+        rx
+    }
+
+    /// Whether a send that claimed the slot after `occupied` others updates the depth
+    /// gauge. The fast path samples it at every sixteenth of the capacity (a gauge update
+    /// is a read-modify-write every sender would contend on); receives and sends that find
+    /// the channel full set it exactly.
+    #[inline]
+    fn samples_depth(&self, occupied: usize) -> bool {
+        occupied.is_multiple_of((self.capacity / 16).max(1))
+    }
+
+    /// Push an item into a slot claimed for it, without the lock.
+    #[inline]
+    fn enqueue(&self, item: T, depth: bool) {
+        let rx = self.push_claimed(item, depth);
+        if rx != 0 {
+            self.after_push(rx);
+        }
+    }
+
+    /// A push found a receiver waiting, or every receiver gone.
+    #[cold]
+    fn after_push(&self, rx: usize) {
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        if rx & RX_GONE != 0 {
+            self.discard_rest(st);
+        } else {
+            self.wake_for_item(&mut st, &mut out);
+        }
+    }
+
+    /// Push an item into a slot claimed for it, under the lock (the channel is open, so
+    /// receivers are not gone).
+    fn enqueue_locked(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
+        if self.push_claimed(item, true) & RECV_WAIT != 0 {
+            self.wake_for_item(st, out);
+        }
+    }
+
+    /// The oldest queued item (under the lock).
+    fn pop_oldest(&self, st: &mut State<T>) -> Option<T> {
+        match st.stash.pop_front() {
+            Some(item) => {
+                self.depth_extra.fetch_sub(1, Ordering::Relaxed);
+                Some(item)
+            }
+            None => self.ring.pop(),
+        }
     }
 
     /// Count a dropped item and pass it to the hook with `why`. Called without the lock.
@@ -336,426 +614,37 @@ impl<T> Shared<T> {
         }
     }
 
+    /// Every receiver is gone: drop what is queued through `on_drop` (`Discarded`), after
+    /// releasing the lock.
+    fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>) {
+        let mut left: Vec<T> = st.stash.drain(..).collect();
+        while let Some(item) = self.ring.pop() {
+            left.push(item);
+        }
+        st.dropped += left.len() as u64;
+        self.depth_extra.store(0, Ordering::Relaxed);
+        self.set_depth();
+        drop(st);
+        for item in left {
+            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
+        }
+    }
+
     /// Close for new sends and collect every waiter to wake.
-    fn close_locked(st: &mut State<T>, out: &mut Deferred) {
-        if !st.closed {
-            st.closed = true;
-            // Grants not yet claimed are void: their senders will see `closed`.
-            st.reserved -= st.granted.len();
-            st.granted.clear();
+    fn close_locked(&self, st: &mut State<T>, out: &mut Deferred) {
+        if !self.is_closed() {
+            // Grants not yet claimed are void: their senders will see `closed`. No sender
+            // can queue any more, so `SEND_WAIT` goes too.
+            let void = st.send_waiters.granted();
+            self.update(|s| ((s | CLOSED) & !SEND_WAIT) - void * ONE);
         }
         st.send_waiters.wake_all(out);
-        st.wake_receivers(out);
+        self.wake_receivers(st, out);
         st.close_waiters.wake_all(out);
     }
 
     pub(crate) fn close(&self) {
         let mut out = Deferred::default();
-        Self::close_locked(&mut self.lock(), &mut out);
-    }
-
-    // ----- sending -----
-
-    /// Send without waiting. Under `Backpressure` a full buffer is `Full(item)`.
-    pub(crate) fn try_send(&self, item: T) -> Result<Sent, SendError<T>> {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        if st.closed {
-            return Err(SendError::Closed(item));
-        }
-        if self.has_room(&st) {
-            self.push(&mut st, item, &mut out);
-            return Ok(Sent::Queued);
-        }
-        match self.overflow {
-            Overflow::Backpressure | Overflow::Reject => Err(SendError::Full(item)),
-            // No receiver batches under `DropOldest`: the queue's front is the oldest item
-            // not yet handed out.
-            Overflow::DropOldest if !st.queue.is_empty() => {
-                let oldest = st.queue.pop_front().expect("queue is not empty");
-                st.stats.dropped += 1;
-                self.push(&mut st, item, &mut out);
-                drop(st);
-                self.dropped(oldest, Dropped::Oldest, &self.metrics.dropped_oldest);
-                Ok(Sent::DroppedOldest)
-            }
-            Overflow::DropNewest | Overflow::DropOldest => {
-                st.stats.sent += 1;
-                st.stats.dropped += 1;
-                drop(st);
-                self.metrics.sent.increment(1);
-                self.dropped(item, Dropped::Newest, &self.metrics.dropped_newest);
-                Ok(Sent::DroppedNewest)
-            }
-        }
-    }
-
-    /// Wait for a slot (FIFO) under `Backpressure`; other policies never wait.
-    ///
-    /// On `Pending` the item is kept by the caller in `slot`.
-    pub(crate) fn poll_send(
-        &self,
-        cx: &mut Context<'_>,
-        waiting: &mut Waiting,
-        slot: &mut Option<T>,
-    ) -> Poll<Result<Sent, SendError<T>>> {
-        let item = slot.take().expect("polled after completion");
-        if !self.overflow.waits() {
-            return Poll::Ready(self.try_send(item));
-        }
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        match waiting.id {
-            None => {
-                if st.closed {
-                    return Poll::Ready(Err(SendError::Closed(item)));
-                }
-                if self.has_room(&st) {
-                    self.push(&mut st, item, &mut out);
-                    return Poll::Ready(Ok(Sent::Queued));
-                }
-                let id = st.id_for(waiting);
-                st.send_waiters.register(id, cx.waker(), &mut out);
-            }
-            Some(id) => {
-                if Self::take_grant(&mut st, id) {
-                    waiting.id = None;
-                    st.reserved -= 1;
-                    self.push(&mut st, item, &mut out);
-                    return Poll::Ready(Ok(Sent::Queued));
-                }
-                if st.closed {
-                    st.send_waiters.remove(id, &mut out);
-                    waiting.id = None;
-                    return Poll::Ready(Err(SendError::Closed(item)));
-                }
-                st.send_waiters.register(id, cx.waker(), &mut out);
-            }
-        }
-        *slot = Some(item);
-        Poll::Pending
-    }
-
-    /// Wait for a slot and keep it reserved (for a permit or a sink).
-    pub(crate) fn poll_reserve(
-        &self,
-        cx: &mut Context<'_>,
-        waiting: &mut Waiting,
-    ) -> Poll<Result<(), ReserveError>> {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        match waiting.id {
-            None => {
-                if st.closed {
-                    return Poll::Ready(Err(ReserveError::Closed));
-                }
-                if self.has_room(&st) {
-                    st.reserved += 1;
-                    return Poll::Ready(Ok(()));
-                }
-                let id = st.id_for(waiting);
-                st.send_waiters.register(id, cx.waker(), &mut out);
-            }
-            Some(id) => {
-                if Self::take_grant(&mut st, id) {
-                    // The grant's reservation becomes the caller's.
-                    waiting.id = None;
-                    return Poll::Ready(Ok(()));
-                }
-                if st.closed {
-                    st.send_waiters.remove(id, &mut out);
-                    waiting.id = None;
-                    return Poll::Ready(Err(ReserveError::Closed));
-                }
-                st.send_waiters.register(id, cx.waker(), &mut out);
-            }
-        }
-        Poll::Pending
-    }
-
-    pub(crate) fn try_reserve(&self) -> Result<(), ReserveError> {
-        let mut st = self.lock();
-        if st.closed {
-            Err(ReserveError::Closed)
-        } else if self.has_room(&st) {
-            st.reserved += 1;
-            Ok(())
-        } else {
-            Err(ReserveError::Full)
-        }
-    }
-
-    /// A waiting send or reserve was dropped: leave the queue, or pass a grant on.
-    pub(crate) fn cancel_send_wait(&self, waiting: &mut Waiting) {
-        let Some(id) = waiting.id.take() else { return };
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        if !st.send_waiters.remove(id, &mut out) && Self::take_grant(&mut st, id) {
-            Self::release_reserved(&mut st, &mut out);
-        }
-    }
-
-    /// Send into a slot reserved earlier. Cannot fail; with every receiver gone the item is
-    /// dropped through `on_drop` (`Discarded`) and counted.
-    pub(crate) fn send_reserved(&self, item: T) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        st.reserved -= 1;
-        if st.batches.is_empty() {
-            st.stats.sent += 1;
-            st.stats.dropped += 1;
-            drop(st);
-            self.metrics.sent.increment(1);
-            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
-            return;
-        }
-        self.push(&mut st, item, &mut out);
-        // Closed and this was the last reservation: every receiver must see the end.
-        if st.closed && st.reserved == 0 {
-            st.wake_receivers(&mut out);
-        }
-    }
-
-    /// A reserved slot was not used.
-    pub(crate) fn release(&self) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        Self::release_reserved(&mut st, &mut out);
-        // With the channel closed, receivers may be waiting only for this reservation.
-        if Self::finished(&st) {
-            st.wake_receivers(&mut out);
-        }
-    }
-
-    pub(crate) fn poll_closed(&self, cx: &mut Context<'_>, waiting: &mut Waiting) -> Poll<()> {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        if st.closed {
-            st.close_waiters.leave(waiting, &mut out);
-            return Poll::Ready(());
-        }
-        let id = st.id_for(waiting);
-        st.close_waiters.register(id, cx.waker(), &mut out);
-        Poll::Pending
-    }
-
-    pub(crate) fn cancel_closed_wait(&self, waiting: &mut Waiting) {
-        if waiting.is_waiting() {
-            let mut out = Deferred::default();
-            self.lock().close_waiters.leave(waiting, &mut out);
-        }
-    }
-
-    // ----- receiving -----
-
-    /// Nothing more can come: closed, no reservation left, nothing queued, and no batch
-    /// held by a receiver (a receiver dropped with one gives it back to the queue).
-    fn finished(st: &State<T>) -> bool {
-        st.closed && st.reserved == 0 && st.queue.is_empty() && st.held == 0
-    }
-
-    pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        match st.queue.pop_front() {
-            Some(item) => {
-                st.stats.received += 1;
-                self.metrics.received.increment(1);
-                self.set_depth(&st);
-                Self::grant(&mut st, &mut out);
-                Ok(item)
-            }
-            None if Self::finished(&st) => Err(TryRecvError::Closed),
-            None => Err(TryRecvError::Empty),
-        }
-    }
-
-    /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
-    /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
-    /// channel's bound still counts them. A receiver takes at most its share of what is
-    /// queued (`len / receivers`), so none sits on items another one is idle for. `Stats` count a
-    /// batch as received when it is taken (and uncount what is given back); the
-    /// `received_total` metric, which cannot go back, counts items as they are handed out.
-    ///
-    /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
-    /// stream waiters, which every new item wakes.
-    pub(crate) fn poll_recv_batch(
-        &self,
-        cx: &mut Context<'_>,
-        waiting: &mut Waiting,
-        stream: bool,
-        local: &mut VecDeque<T>,
-        batch_len: &BatchLen,
-        max: usize,
-    ) -> Poll<Option<T>> {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        // At most a fair share of what is queued, so other receivers find items too.
-        let max = max.min((st.queue.len() / st.batches.len().max(1)).max(1));
-        let n = st.queue.len().min(max);
-        if n > 0 {
-            st.leave_receiver(waiting, &mut out);
-            let first = st.queue.pop_front().expect("n > 0");
-            local.extend(st.queue.drain(..n - 1));
-            st.held += n - 1;
-            batch_len.set(n - 1);
-            st.stats.received += n as u64;
-            self.metrics.received.increment(1);
-            self.set_depth(&st);
-            // The first item's slot is free now.
-            Self::grant(&mut st, &mut out);
-            return Poll::Ready(Some(first));
-        }
-        if Self::finished(&st) {
-            st.leave_receiver(waiting, &mut out);
-            return Poll::Ready(None);
-        }
-        st.register_receiver(waiting, stream, cx, &mut out);
-        Poll::Pending
-    }
-
-    /// A receiver used up its batch, which held `n` slots: they are free.
-    pub(crate) fn release_held(&self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        st.held -= n;
-        self.metrics.received.increment(n as u64);
-        self.set_depth(&st);
-        Self::grant_many(&mut st, n, &mut out);
-        // Other receivers may be waiting only for this batch to end the stream.
-        if Self::finished(&st) {
-            st.wake_receivers(&mut out);
-        }
-    }
-
-    /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
-    /// all): the items go back to the front of the queue, in order, for other receivers.
-    fn give_back(
-        &self,
-        st: &mut State<T>,
-        items: VecDeque<T>,
-        held: usize,
-        batch_len: &BatchLen,
-        out: &mut Deferred,
-    ) {
-        st.held -= held;
-        batch_len.set(0);
-        // Those handed out are received; the rest go back.
-        let freed = held - items.len();
-        st.stats.received -= items.len() as u64;
-        self.metrics.received.increment(freed as u64);
-        for item in items.into_iter().rev() {
-            st.queue.push_front(item);
-        }
-        Self::grant_many(st, freed, out);
-        st.wake_receivers(out);
-        self.set_depth(st);
-    }
-
-    /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
-    pub(crate) fn poll_recv_many(
-        &self,
-        cx: &mut Context<'_>,
-        waiting: &mut Waiting,
-        buf: &mut Vec<T>,
-        limit: usize,
-    ) -> Poll<usize> {
-        if limit == 0 {
-            return Poll::Ready(0);
-        }
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        let n = st.queue.len().min(limit);
-        if n > 0 {
-            buf.extend(st.queue.drain(..n));
-            st.stats.received += n as u64;
-            self.metrics.received.increment(n as u64);
-            self.set_depth(&st);
-            st.leave_receiver(waiting, &mut out);
-            Self::grant_many(&mut st, n, &mut out);
-            return Poll::Ready(n);
-        }
-        if Self::finished(&st) {
-            st.leave_receiver(waiting, &mut out);
-            return Poll::Ready(0);
-        }
-        st.register_receiver(waiting, false, cx, &mut out);
-        Poll::Pending
-    }
-
-    /// A waiting receive was dropped. If it had already been woken for an item it will not
-    /// take, pass the wake-up on so the item is not stranded. (Stream waiters were all woken
-    /// with the item; one waiting future is.)
-    pub(crate) fn cancel_recv_wait(&self, waiting: &mut Waiting) {
-        if !waiting.is_waiting() {
-            return;
-        }
-        let mut out = Deferred::default();
-        Self::cancel_recv_wait_locked(&mut self.lock(), waiting, &mut out);
-    }
-
-    fn cancel_recv_wait_locked(st: &mut State<T>, waiting: &mut Waiting, out: &mut Deferred) {
-        if !st.leave_receiver(waiting, out) && !st.queue.is_empty() {
-            st.recv_waiters.wake_one(out);
-        }
-    }
-
-    // ----- handles -----
-
-    pub(crate) fn add_sender(&self) {
-        self.lock().senders += 1;
-    }
-
-    /// A new receiver: counted, and its batch length known to `len()`.
-    pub(crate) fn add_receiver(&self) -> Arc<BatchLen> {
-        let batch_len = Arc::new(BatchLen::default());
-        self.lock().batches.push(batch_len.clone());
-        batch_len
-    }
-
-    pub(crate) fn drop_sender(&self) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        st.senders -= 1;
-        if st.senders == 0 {
-            Self::close_locked(&mut st, &mut out);
-        }
-    }
-
-    /// A receiver is dropped, all under one lock: it stops waiting (passing on a wake it
-    /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
-    /// its batch (`items`, and `held` slots in all) to the front of the queue, and is no
-    /// longer counted. The last receiver going away drops what is buffered, through
-    /// `on_drop` (`Discarded`), counted.
-    pub(crate) fn drop_receiver(
-        &self,
-        waiting: &mut Waiting,
-        items: VecDeque<T>,
-        held: usize,
-        batch_len: &Arc<BatchLen>,
-    ) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        if waiting.is_waiting() {
-            Self::cancel_recv_wait_locked(&mut st, waiting, &mut out);
-        }
-        if held > 0 || !items.is_empty() {
-            self.give_back(&mut st, items, held, batch_len, &mut out);
-        }
-        st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
-        if !st.batches.is_empty() {
-            return;
-        }
-        Self::close_locked(&mut st, &mut out);
-        let left: Vec<T> = st.queue.drain(..).collect();
-        st.stats.dropped += left.len() as u64;
-        self.set_depth(&st);
-        drop(st);
-        for item in left {
-            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
-        }
+        self.close_locked(&mut self.lock(), &mut out);
     }
 }

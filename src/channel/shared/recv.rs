@@ -1,0 +1,238 @@
+//! Receiving (under the lock, a batch at a time) and the handles coming and going.
+
+use std::collections::VecDeque;
+use std::task::{Context, Poll};
+
+use super::*;
+
+impl<T> Shared<T> {
+    /// Nothing more can come: closed, and no slot occupied (nothing queued, reserved, on
+    /// its way, or held in a receiver's batch: a receiver dropped with one gives it back).
+    fn finished(&self) -> bool {
+        let s = self.hot.state.load(Ordering::SeqCst);
+        s & CLOSED != 0 && occupied(s) == 0
+    }
+
+    /// How many items are queued, for a receiver about to wait if there are none: then it
+    /// sets `RECV_WAIT`, fences (pairing with the fence after a push) and looks again, so
+    /// an item pushed meanwhile is either seen here or its sender sees the flag and wakes
+    /// the receiver, which registers before it releases the lock.
+    fn queued_or_flag(&self, st: &State<T>) -> usize {
+        let n = self.queued(st);
+        if n > 0 || self.finished() {
+            return n;
+        }
+        self.hot.rx.fetch_or(RECV_WAIT, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.queued(st)
+    }
+
+    /// An item was received: count it and free its slot.
+    fn took(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
+        st.received += n as u64;
+        self.metrics.received.increment(n as u64);
+        self.free_locked(st, n, out);
+        self.set_depth();
+    }
+
+    pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        match self.pop_oldest(&mut st) {
+            Some(item) => {
+                self.took(&mut st, 1, &mut out);
+                Ok(item)
+            }
+            None if self.finished() => Err(TryRecvError::Closed),
+            None => Err(TryRecvError::Empty),
+        }
+    }
+
+    /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
+    /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
+    /// channel's bound still counts them. A receiver takes at most its share of what is
+    /// queued (`len / receivers`), so none sits on items another one is idle for. `Stats` count a
+    /// batch as received when it is taken (and uncount what is given back); the
+    /// `received_total` metric, which cannot go back, counts items as they are handed out.
+    ///
+    /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
+    /// stream waiters, which every new item wakes.
+    pub(crate) fn poll_recv_batch(
+        &self,
+        cx: &mut Context<'_>,
+        waiting: &mut Waiting,
+        stream: bool,
+        local: &mut VecDeque<T>,
+        batch_len: &BatchLen,
+        max: usize,
+    ) -> Poll<Option<T>> {
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        let queued = self.queued_or_flag(&st);
+        // At most a fair share of what is queued, so other receivers find items too.
+        let n = queued.min(max.min((queued / st.batches.len().max(1)).max(1)));
+        if let Some(first) = (n > 0).then(|| self.pop_oldest(&mut st)).flatten() {
+            st.leave_receiver(waiting, &mut out);
+            local.extend(std::iter::from_fn(|| self.pop_oldest(&mut st)).take(n - 1));
+            let held = local.len();
+            batch_len.set(held);
+            self.depth_extra.fetch_add(held, Ordering::Relaxed);
+            // Only the first item's slot is free now; the batch's are held.
+            st.received += held as u64;
+            self.took(&mut st, 1, &mut out);
+            self.sync_recv_flag(&st);
+            return Poll::Ready(Some(first));
+        }
+        if self.finished() {
+            st.leave_receiver(waiting, &mut out);
+            self.sync_recv_flag(&st);
+            return Poll::Ready(None);
+        }
+        st.register_receiver(waiting, stream, cx, &mut out);
+        Poll::Pending
+    }
+
+    /// A receiver used up its batch, which held `n` slots: they are free.
+    pub(crate) fn release_held(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.metrics.received.increment(n as u64);
+        self.depth_extra.fetch_sub(n, Ordering::Relaxed);
+        self.set_depth();
+        self.free(n);
+    }
+
+    /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
+    /// all): the items go back to the front of the queue, in order, for other receivers.
+    fn give_back(
+        &self,
+        st: &mut State<T>,
+        items: VecDeque<T>,
+        held: usize,
+        batch_len: &BatchLen,
+        out: &mut Deferred,
+    ) {
+        batch_len.set(0);
+        // Those handed out are received; the rest go back.
+        let freed = held - items.len();
+        st.received -= items.len() as u64;
+        self.metrics.received.increment(freed as u64);
+        self.depth_extra.fetch_sub(freed, Ordering::Relaxed);
+        for item in items.into_iter().rev() {
+            st.stash.push_front(item);
+        }
+        self.free_locked(st, freed, out);
+        self.wake_receivers(st, out);
+        self.set_depth();
+    }
+
+    /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
+    pub(crate) fn poll_recv_many(
+        &self,
+        cx: &mut Context<'_>,
+        waiting: &mut Waiting,
+        buf: &mut Vec<T>,
+        limit: usize,
+    ) -> Poll<usize> {
+        if limit == 0 {
+            return Poll::Ready(0);
+        }
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        let n = self.queued_or_flag(&st).min(limit);
+        let before = buf.len();
+        buf.extend(std::iter::from_fn(|| self.pop_oldest(&mut st)).take(n));
+        let n = buf.len() - before;
+        if n > 0 {
+            st.leave_receiver(waiting, &mut out);
+            self.took(&mut st, n, &mut out);
+            self.sync_recv_flag(&st);
+            return Poll::Ready(n);
+        }
+        if self.finished() {
+            st.leave_receiver(waiting, &mut out);
+            self.sync_recv_flag(&st);
+            return Poll::Ready(0);
+        }
+        st.register_receiver(waiting, false, cx, &mut out);
+        Poll::Pending
+    }
+
+    /// A waiting receive was dropped. If it had already been woken for an item it will not
+    /// take, pass the wake-up on so the item is not stranded. (Stream waiters were all woken
+    /// with the item; one waiting future is.)
+    pub(crate) fn cancel_recv_wait(&self, waiting: &mut Waiting) {
+        if !waiting.is_waiting() {
+            return;
+        }
+        let mut out = Deferred::default();
+        self.cancel_recv_wait_locked(&mut self.lock(), waiting, &mut out);
+    }
+
+    fn cancel_recv_wait_locked(
+        &self,
+        st: &mut State<T>,
+        waiting: &mut Waiting,
+        out: &mut Deferred,
+    ) {
+        if !st.leave_receiver(waiting, out) && self.queued(st) > 0 {
+            st.recv_waiters.wake_one(out);
+        }
+        self.sync_recv_flag(st);
+    }
+
+    // ----- handles -----
+
+    pub(crate) fn add_sender(&self) {
+        self.lock().senders += 1;
+    }
+
+    /// A new receiver: counted, and its batch length known to `len()`.
+    pub(crate) fn add_receiver(&self) -> Arc<BatchLen> {
+        let batch_len = Arc::new(BatchLen::default());
+        self.lock().batches.push(batch_len.clone());
+        batch_len
+    }
+
+    pub(crate) fn drop_sender(&self) {
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        st.senders -= 1;
+        if st.senders == 0 {
+            self.close_locked(&mut st, &mut out);
+        }
+    }
+
+    /// A receiver is dropped, all under one lock: it stops waiting (passing on a wake it
+    /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
+    /// its batch (`items`, and `held` slots in all) to the front of the queue, and is no
+    /// longer counted. The last receiver going away drops what is buffered, through
+    /// `on_drop` (`Discarded`), counted; so does a send that pushes after it (it sees
+    /// `RX_GONE`).
+    pub(crate) fn drop_receiver(
+        &self,
+        waiting: &mut Waiting,
+        items: VecDeque<T>,
+        held: usize,
+        batch_len: &Arc<BatchLen>,
+    ) {
+        let mut out = Deferred::default();
+        let mut st = self.lock();
+        if waiting.is_waiting() {
+            self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
+        }
+        if held > 0 || !items.is_empty() {
+            self.give_back(&mut st, items, held, batch_len, &mut out);
+        }
+        st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
+        if !st.batches.is_empty() {
+            return;
+        }
+        self.close_locked(&mut st, &mut out);
+        // Pairs with the fence after a push: a push this drain misses sees `RX_GONE`.
+        self.hot.rx.fetch_or(RX_GONE, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.discard_rest(st);
+    }
+}

@@ -1,0 +1,113 @@
+//! loom models of the channel's lock-free fast path (`src/channel/shared.rs`): the slot
+//! count claimed by compare-and-swap, the ring, and the flags that send the slow cases to
+//! the lock. (Under loom the ring is a loom mutex around a `VecDeque`; the atomics around
+//! it are loom's.)
+
+use std::sync::atomic::Ordering::SeqCst;
+
+use flowgate::channel::{self, SendError, Sent};
+use flowgate::{Dropped, Overflow};
+use loom::future::block_on;
+use loom::sync::Arc;
+use loom::sync::atomic::AtomicUsize;
+use loom::thread;
+
+/// Lost wake: a receiver going to sleep (flag, fence, look again) races a lock-free push
+/// (push, fence, read the flag). The receiver is woken or finds the item: it never hangs.
+#[test]
+fn a_push_racing_a_receiver_going_to_sleep_wakes_it() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(4).unwrap();
+        let receiver = thread::spawn(move || block_on(rx.recv()));
+        assert_eq!(tx.try_send(1), Ok(Sent::Queued));
+        assert_eq!(receiver.join().unwrap(), Some(1));
+    });
+}
+
+/// A send racing `close`: the claim and the close are ordered on one word, so the item is
+/// either handed back or queued and received before the end; never lost, never after it.
+#[test]
+fn send_races_close() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+        let tx2 = tx.clone();
+        let sender = thread::spawn(move || tx2.try_send(7));
+        tx.close();
+        let mut got = Vec::new();
+        while let Some(x) = block_on(rx.recv()) {
+            got.push(x);
+        }
+        match sender.join().unwrap() {
+            Ok(Sent::Queued) => assert_eq!(got, [7]),
+            Err(SendError::Closed(7)) => assert!(got.is_empty()),
+            other => panic!("unexpected {other:?}"),
+        }
+        let s = rx.stats();
+        assert_eq!((s.sent, s.received), (got.len() as u64, got.len() as u64));
+    });
+}
+
+/// `DropOldest` on a full channel racing a receive: each item is received or dropped
+/// (through the hook) exactly once, and the counts add up.
+#[test]
+fn drop_oldest_races_recv() {
+    loom::model(|| {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let seen = dropped.clone();
+        let (tx, mut rx) = channel::builder::<u32>(1)
+            .overflow(Overflow::DropOldest)
+            .on_drop(move |x, why: &Dropped| {
+                assert_eq!((x, why.as_str()), (0, "oldest"));
+                seen.fetch_add(1, SeqCst);
+            })
+            .build()
+            .unwrap();
+        assert_eq!(tx.try_send(0), Ok(Sent::Queued));
+        let sender = thread::spawn(move || tx.try_send(1).unwrap());
+        let first = rx.try_recv().ok();
+        let sent = sender.join().unwrap();
+        let mut got: Vec<u32> = first.into_iter().collect();
+        while let Some(x) = block_on(rx.recv()) {
+            got.push(x);
+        }
+        match sent {
+            Sent::Queued => assert_eq!(got, [0, 1]),
+            Sent::DroppedOldest => assert_eq!((got, dropped.load(SeqCst)), (vec![1], 1)),
+            other => panic!("unexpected {other:?}"),
+        }
+        let s = rx.stats();
+        assert_eq!(s.sent, s.received + s.dropped);
+    });
+}
+
+/// Grant handoff: a sender queued on a full channel gets the slot a dropped permit frees
+/// (the free sees `SEND_WAIT` and grants under the lock), or claims it itself if the
+/// permit went first; a newcomer never takes it from a queued sender.
+#[test]
+fn a_released_permit_goes_to_the_waiting_sender() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(1).unwrap();
+        let permit = tx.try_reserve().unwrap();
+        let tx2 = tx.clone();
+        let waiter = thread::spawn(move || block_on(tx2.send(2)).unwrap());
+        drop(permit);
+        waiter.join().unwrap();
+        assert_eq!(tx.try_send(3), Err(SendError::Full(3)), "the slot is 2's");
+        assert_eq!(block_on(rx.recv()), Some(2));
+    });
+}
+
+/// The end of the stream: a receiver waiting on a closed channel for an outstanding permit
+/// is woken when the permit is dropped on another thread (the free that leaves nothing
+/// occupied wakes every receiver).
+#[test]
+fn the_last_released_slot_ends_the_stream() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+        let permit = block_on(tx.clone().reserve_owned()).unwrap();
+        tx.close();
+        let releaser = thread::spawn(move || drop(permit));
+        assert_eq!(block_on(rx.recv()), None);
+        releaser.join().unwrap();
+    });
+}

@@ -122,8 +122,8 @@ impl<T> Receiver<T> {
 
     /// Poll for the next item, registering the task when none is there.
     ///
-    /// To save locking, a receiver takes up to 32 buffered items at once (at most an eighth
-    /// of the capacity, and at most its share of the queue — `len / receivers` — so with
+    /// To save locking, a receiver takes up to 32 buffered items at once (at most the
+    /// capacity, and at most its share of the queue — `len / receivers` — so with
     /// several receivers none sits on items another one is idle for) and hands them out one
     /// by one; they keep their slots in the channel until the last of them is handed out, so
     /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if

@@ -41,24 +41,20 @@ async fn len_counts_items_in_receiver_batches() {
         tx.try_send(i).unwrap();
     }
     let mut rx2 = rx.clone();
-    assert_eq!(rx2.recv().await, Some(0)); // a batch of 2: 1 is held
+    assert_eq!(rx2.recv().await, Some(0)); // its half of the 8: 1, 2 and 3 are held
     assert_eq!(tx.len(), 7);
     drop(rx2);
     assert_eq!(tx.len(), 7);
-    assert_eq!(rx.recv().await, Some(1)); // takes 1 and 2
+    assert_eq!(rx.recv().await, Some(1)); // the only receiver now: takes 1 to 7
     let mut buf = Vec::new();
-    assert_eq!(
-        rx.recv_many(&mut buf, 8).await,
-        1,
-        "the rest of the batch first"
-    );
-    assert_eq!(tx.len(), 5);
-    assert_eq!(rx.recv_many(&mut buf, 8).await, 5);
+    assert_eq!(rx.recv_many(&mut buf, 3).await, 3, "from the batch first");
+    assert_eq!(tx.len(), 3);
+    assert_eq!(rx.recv_many(&mut buf, 8).await, 3, "the rest of the batch");
     assert_eq!(buf, [2, 3, 4, 5, 6, 7]);
     assert!(tx.is_empty());
 }
 
-/// The reproduction: capacity 16 (batches of 2 under the other policies).
+/// The reproduction: capacity 16 (batches of up to 16 under the other policies).
 #[tokio::test]
 async fn drop_oldest_drops_the_oldest_item_not_yet_handed_out() {
     let log = Arc::new(Mutex::new(Vec::new()));
@@ -83,7 +79,7 @@ async fn drop_oldest_drops_the_oldest_item_not_yet_handed_out() {
 /// the queue only while no other receiver can take from it.
 #[tokio::test]
 async fn size_hint_does_not_count_items_cloned_receivers_will_take() {
-    let (tx, mut rx) = channel::bounded::<u32>(16).unwrap(); // batches of 2
+    let (tx, mut rx) = channel::bounded::<u32>(16).unwrap(); // a receiver of two takes at most half the queue
     for i in 0..4 {
         tx.try_send(i).unwrap();
     }

@@ -180,10 +180,6 @@ impl<T> WaiterList<T> {
 
     /// How many entries were granted and are not yet claimed or cancelled.
     #[inline]
-    #[allow(
-        dead_code,
-        reason = "for the channel's queues; used by the tests and the loom models"
-    )]
     pub(crate) fn granted(&self) -> usize {
         self.granted
     }
@@ -368,10 +364,6 @@ impl<T> WaiterList<T> {
     /// [`refresh`](Self::refresh)); if it is granted, leave it as it is (it should claim);
     /// if it has no key or a stale one, add it at the back with `value()` and store its key.
     /// Returns its status afterwards (`Waiting` or `Granted`).
-    #[allow(
-        dead_code,
-        reason = "for the channel's queues; used by the tests and the loom models"
-    )]
     pub(crate) fn register(
         &mut self,
         key: &mut Option<Key>,
@@ -514,7 +506,8 @@ impl<T> WaiterList<T> {
     /// waiting, and what was granted is the caller's to put back.
     #[allow(
         dead_code,
-        reason = "for the channel's queues; used by the tests and the loom models"
+        reason = "the primitives pass a given-up grant on through their own counts; the \
+                  unit tests and loom models use it"
     )]
     pub(crate) fn cancel_passing_on(
         &mut self,

@@ -87,6 +87,7 @@ impl<A: Algorithm> Limiter<A> {
     /// # Errors
     ///
     /// [`CostError::Zero`], [`CostError::ExceedsCapacity`].
+    #[inline]
     pub fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, CostError> {
         self.algorithm.check(&mut self.state, now, cost)
     }

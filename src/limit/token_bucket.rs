@@ -170,7 +170,7 @@ impl TokenBucket {
     }
 
     /// The common case in 64-bit integers: whole-nanosecond units and nothing near overflow.
-    #[inline]
+    #[inline(always)]
     fn check_fast(
         &self,
         state: &mut TokenBucketState,
@@ -214,7 +214,7 @@ impl TokenBucket {
 impl Algorithm for TokenBucket {
     type State = TokenBucketState;
 
-    #[inline]
+    #[inline(always)]
     fn check(
         &self,
         state: &mut TokenBucketState,

@@ -14,7 +14,7 @@ use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
 use crate::gate::multi::{Merged, ShardedBuckets};
-use crate::limit::{FixedWindow, Keyed, SlidingLog, SlidingWindow, TokenBucket};
+use crate::limit::{FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
 use crate::sync::{Arc, Mutex};
@@ -66,13 +66,15 @@ impl Shard {
         key: &str,
         now: Duration,
         cost: u32,
-    ) -> Result<Decision, GateError> {
-        Ok(match self {
-            Shard::TokenBucket(k) => k.check_hashed(hash, key, now, cost)?,
-            Shard::FixedWindow(k) => k.check_hashed(hash, key, now, cost)?,
-            Shard::SlidingLog(k) => k.check_hashed(hash, key, now, cost)?,
-            Shard::SlidingWindow(k) => k.check_hashed(hash, key, now, cost)?,
-        })
+    ) -> Result<Decision, KeyedError> {
+        // The small error type all the way to the gate: converting here put the decision
+        // through a store-forwarding stall on every call.
+        match self {
+            Shard::TokenBucket(k) => k.check_hashed(hash, key, now, cost),
+            Shard::FixedWindow(k) => k.check_hashed(hash, key, now, cost),
+            Shard::SlidingLog(k) => k.check_hashed(hash, key, now, cost),
+            Shard::SlidingWindow(k) => k.check_hashed(hash, key, now, cost),
+        }
     }
 
     fn len(&self) -> usize {
@@ -284,10 +286,10 @@ impl MemoryGate {
                 Ok(d)
             }
             // A shard reports its own share of the keyspace: report the gate's.
-            Err(GateError::KeyspaceFull { .. }) => Err(GateError::KeyspaceFull {
+            Err(KeyedError::KeyspaceFull { .. }) => Err(GateError::KeyspaceFull {
                 max_keys: self.inner.max_keys,
             }),
-            Err(e) => Err(e),
+            Err(KeyedError::Cost(e)) => Err(GateError::Cost(e)),
         }
     }
 

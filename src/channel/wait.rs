@@ -104,7 +104,7 @@ impl WaitQueue {
     /// Wake the first waiter, if any.
     #[inline]
     pub(crate) fn wake_one(&mut self, out: &mut Deferred) {
-        out.wake_opt(self.list.pop_front().map(|(_, waker, ())| waker));
+        self.list.wake_front(out);
     }
 
     /// Wake every waiter (grants stay granted).

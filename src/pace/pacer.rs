@@ -60,10 +60,6 @@ impl State {
             .map(|(key, _)| key)
     }
 
-    fn find(&mut self, key: Key) -> Option<&mut Waiter> {
-        self.waiters.get_mut(key)
-    }
-
     fn push(&mut self, cost: u32, waker: &Waker) -> Key {
         self.waiters.push_back(
             waker,
@@ -477,7 +473,7 @@ impl Inner {
                 .turn_of_head(st)
                 .is_some_and(|turn| now >= turn + STALL_GRACE)
         {
-            if let Some(w) = st.find(head) {
+            if let Some(w) = st.waiters.get_mut(head) {
                 w.absent = true;
             }
             st.refresh(now, out);
@@ -511,7 +507,7 @@ impl Inner {
         // change to the line refreshes the head and watcher where it happens.)
         let returned = ticket.id.is_some_and(|key| {
             st.waiters.refresh(key, cx.waker(), &mut out);
-            st.find(key).is_some_and(|w| {
+            st.waiters.get_mut(key).is_some_and(|w| {
                 w.cost = cost;
                 std::mem::replace(&mut w.absent, false)
             })

@@ -56,14 +56,6 @@ impl Deferred {
         self.push(waker, true);
     }
 
-    /// Wake `waker`, if any, once the lock is released.
-    #[inline]
-    pub(crate) fn wake_opt(&mut self, waker: Option<Waker>) {
-        if let Some(w) = waker {
-            self.wake(w);
-        }
-    }
-
     /// Only drop `waker` (replaced or removed), once the lock is released.
     #[inline]
     pub(crate) fn discard(&mut self, waker: Waker) {

@@ -504,11 +504,9 @@ impl<T> WaiterList<T> {
     /// grant the next waiter in its place, so the wake is not lost. Also returns the key of
     /// the waiter granted in its place: `None` with `Cancelled::Granted` means nobody was
     /// waiting, and what was granted is the caller's to put back.
-    #[allow(
-        dead_code,
-        reason = "the primitives pass a given-up grant on through their own counts; the \
-                  unit tests and loom models use it"
-    )]
+    /// (No primitive needs it: each passes a given-up grant on through its own count. The
+    /// unit tests and the loom models of the list use it.)
+    #[cfg(any(test, flowgate_loom))]
     pub(crate) fn cancel_passing_on(
         &mut self,
         key: Key,

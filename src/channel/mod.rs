@@ -46,9 +46,9 @@
 //! taken by receivers (once per batch), by sends that find the channel full or must wake a
 //! waiting receiver, by waiting senders, and by closing.
 //!
-//! With the `metrics` feature, sends that take no lock update the depth gauge at every
-//! sixteenth of the capacity rather than on every item; receives, and sends that find the
-//! channel full, set it exactly.
+//! With the `metrics` feature, sends that take no lock (permits' included) update the depth
+//! gauge at every sixteenth of the capacity or more often, rather than on every item;
+//! receives, and sends that find the channel full, set it exactly.
 //!
 //! The handles ([`Sender`], [`Receiver`], [`Permit`], [`OwnedPermit`]) are
 //! [`UnwindSafe`](std::panic::UnwindSafe) and [`RefUnwindSafe`](std::panic::RefUnwindSafe)

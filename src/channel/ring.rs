@@ -1,14 +1,9 @@
 //! The items' ring: a lock-free bounded queue (`concurrent-queue`, the queue async-channel
-//! is built on), and the fence the channel's fast path uses (loom's under loom).
+//! is built on).
 //!
 //! Under `--cfg flowgate_loom` the ring is a `Mutex<VecDeque>` of loom's with the same
 //! API (the queue's own atomics are not loom-aware), so the loom models explore every
 //! interleaving of the channel's protocol around it.
-
-#[cfg(flowgate_loom)]
-pub(crate) use loom::sync::atomic::fence;
-#[cfg(not(flowgate_loom))]
-pub(crate) use std::sync::atomic::fence;
 
 #[cfg(flowgate_loom)]
 use crate::sync::Mutex;

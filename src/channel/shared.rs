@@ -63,12 +63,12 @@ use std::sync::PoisonError;
 use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
-use crate::channel::ring::{Ring, fence};
-use crate::channel::wait::{Deferred, WaitQueue, Waiting};
+use crate::channel::ring::Ring;
+use crate::channel::wait::{WaitQueue, Waiting};
 use crate::dropped::{Dropped, OnDrop};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
-use crate::sync::{Arc, AtomicUsize, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicUsize, Deferred, Mutex, MutexGuard, Ordering, fence};
 
 mod recv;
 mod send;
@@ -228,6 +228,9 @@ pub(crate) struct Shared<T> {
     depth_extra: AtomicUsize,
     state: Mutex<State<T>>,
     capacity: usize,
+    /// Fast-path sends set the depth gauge when the occupied count has these bits clear:
+    /// every sixteenth of the capacity or more often (a power of two, so no division).
+    depth_mask: usize,
     overflow: Overflow,
     on_drop: Option<OnDrop<T>>,
     name: Option<String>,
@@ -286,6 +289,7 @@ impl<T> Shared<T> {
                 dropped: 0,
             }),
             capacity,
+            depth_mask: (1usize << (capacity / 16).max(1).ilog2()) - 1,
             overflow,
             on_drop,
             name,
@@ -377,20 +381,14 @@ impl<T> Shared<T> {
         }
     }
 
-    /// Change `state` by `f` (compare-and-swap loop); returns the word it replaced.
+    /// Change `state` by `f`; returns the word it replaced.
     #[inline]
     fn update(&self, mut f: impl FnMut(usize) -> usize) -> usize {
-        let mut s = self.hot.state.load(Ordering::SeqCst);
-        loop {
-            match self
-                .hot
-                .state
-                .compare_exchange_weak(s, f(s), Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(prev) => return prev,
-                Err(now) => s = now,
-            }
-        }
+        // `f` never refuses, so this is always `Ok`.
+        self.hot
+            .state
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| Some(f(s)))
+            .unwrap_or_else(|prev| prev)
     }
 
     // ----- slots -----
@@ -561,12 +559,12 @@ impl<T> Shared<T> {
     }
 
     /// Whether a send that claimed the slot after `occupied` others updates the depth
-    /// gauge. The fast path samples it at every sixteenth of the capacity (a gauge update
-    /// is a read-modify-write every sender would contend on); receives and sends that find
-    /// the channel full set it exactly.
+    /// gauge. The fast path samples it at every sixteenth of the capacity or more often
+    /// (`depth_mask`; a gauge update is a read-modify-write every sender would contend on);
+    /// receives and sends that find the channel full set it exactly.
     #[inline]
     fn samples_depth(&self, occupied: usize) -> bool {
-        occupied.is_multiple_of((self.capacity / 16).max(1))
+        occupied & self.depth_mask == 0
     }
 
     /// Push an item into a slot claimed for it, without the lock.

@@ -14,7 +14,7 @@
 use std::task::Waker;
 
 /// The collector moved to `crate::sync`, shared with the bulkhead and the pacer.
-pub(crate) use crate::sync::Deferred;
+use crate::sync::Deferred;
 use crate::sync::{Cancelled, Key, WaiterList};
 
 /// Where a waiting future stands: `key` is its entry in a wait queue; for a receiver,

@@ -17,10 +17,10 @@ pub(crate) use deferred::Deferred;
 pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
 
 #[cfg(flowgate_loom)]
-pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering, fence};
 #[cfg(flowgate_loom)]
 pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
 #[cfg(not(flowgate_loom))]
-pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicUsize, Ordering, fence};
 #[cfg(not(flowgate_loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};

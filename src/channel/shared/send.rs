@@ -46,22 +46,17 @@ impl<T> Shared<T> {
                     self.dropped(oldest, Dropped::Oldest, &self.metrics.dropped_oldest);
                     Ok(Sent::DroppedOldest)
                 }
-                None => {
-                    drop(st);
-                    Ok(self.drop_newest(item))
-                }
+                None => Ok(self.drop_newest(st, item)),
             },
-            Overflow::DropNewest => {
-                drop(st);
-                Ok(self.drop_newest(item))
-            }
+            Overflow::DropNewest => Ok(self.drop_newest(st, item)),
         }
     }
 
     /// Accept `item` and drop it at once (`DropNewest`, or `DropOldest` with every slot
-    /// reserved). Called without the lock; counted under it.
-    fn drop_newest(&self, item: T) -> Sent {
-        self.lock().dropped += 1;
+    /// reserved): counted under the lock `st` holds, dropped through the hook after it.
+    fn drop_newest(&self, mut st: MutexGuard<'_, State<T>>, item: T) -> Sent {
+        st.dropped += 1;
+        drop(st);
         self.metrics.sent.increment(1);
         self.dropped(item, Dropped::Newest, &self.metrics.dropped_newest);
         Sent::DroppedNewest
@@ -152,7 +147,8 @@ impl<T> Shared<T> {
     /// Send into a slot reserved earlier. Cannot fail; with every receiver gone the item is
     /// dropped through `on_drop` (`Discarded`) and counted.
     pub(crate) fn send_reserved(&self, item: T) {
-        self.enqueue(item, true);
+        let depth = self.samples_depth(occupied(self.hot.state.load(Ordering::Relaxed)));
+        self.enqueue(item, depth);
     }
 
     /// A reserved slot was not used.

@@ -23,6 +23,7 @@
 //! | [`clock`] | [`clock::Clock`]: the monotonic clock the in-memory gate reads (a CPU counter, or tokio's clock under paused time) | ready |
 //! | [`adaptive`] | adaptive concurrency: an [`adaptive::AdaptiveLimit`] drives a bulkhead's `max_in_flight` from each call's round-trip time and outcome; flowgate's default [`adaptive::Probe`], [`adaptive::Aimd`], [`adaptive::Gradient2`], [`adaptive::Vegas`]; a simulator ([`adaptive::sim`]) and a knee finder ([`adaptive::knee`]) | ready |
 //! | [`retry`] | the outbound side: [`retry::Backoff`] (exponential, the AWS jitters, a deadline over every attempt; the server's `Retry-After` wins), [`retry::RetryBudget`] (gRPC `retryThrottling`), [`retry::retry`] with a [`retry::Classify`]; with feature `http`, `ServerHint` (parses `Retry-After` and every rate-limit field style) and a tower client layer | ready |
+//! | [`region`] | (feature `redis`) one global quota across regions: each region decides against its local Redis at its share; shares are leases in a home Redis (static, fair-share or proportional-share by demand), with a hard bound on their sum | ready |
 //! | `http` | (feature `http`) tower layers: `RateLimitLayer` (429, `Retry-After`, IETF `RateLimit` fields, several policies all-or-nothing, shadow mode) and `ShedLayer` (503 by priority over a bulkhead) | ready |
 //!
 //! ## Shared concepts
@@ -120,6 +121,9 @@ pub mod metrics;
 pub mod overflow;
 pub mod pace;
 pub mod rate;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod region;
 pub mod retry;
 mod sync;
 /// The loom models of crate-private primitives, for `tests/loom.rs` (only under

@@ -97,6 +97,9 @@ impl std::panic::RefUnwindSafe for Histogram {}
 pub(crate) struct Labels {
     #[cfg(feature = "metrics")]
     name: Arc<str>,
+    /// Labels of bounded, configured values (a region of an allocator), on every metric.
+    #[cfg(feature = "metrics")]
+    fixed: Vec<(&'static str, Arc<str>)>,
 }
 
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -106,12 +109,32 @@ impl Labels {
         Labels {
             #[cfg(feature = "metrics")]
             name: Arc::from(name.unwrap_or(DEFAULT_NAME)),
+            #[cfg(feature = "metrics")]
+            fixed: Vec::new(),
         }
+    }
+
+    /// These labels plus `key = value` on every metric. Only for values from configuration
+    /// (a bounded set), never for user keys.
+    #[cfg(feature = "redis")]
+    pub(crate) fn with(self, key: &'static str, value: &str) -> Labels {
+        #[cfg(feature = "metrics")]
+        let mut labels = self;
+        #[cfg(feature = "metrics")]
+        labels.fixed.push((key, Arc::from(value)));
+        #[cfg(not(feature = "metrics"))]
+        let labels = self;
+        labels
     }
 
     #[cfg(feature = "metrics")]
     fn all(&self, extra: &[(&'static str, &'static str)]) -> Vec<metrics::Label> {
         let mut labels = vec![metrics::Label::new(NAME_LABEL, self.name.to_string())];
+        labels.extend(
+            self.fixed
+                .iter()
+                .map(|(k, v)| metrics::Label::new(*k, v.to_string())),
+        );
         labels.extend(extra.iter().map(|&(k, v)| metrics::Label::new(k, v)));
         labels
     }

@@ -20,7 +20,7 @@
 
 mod api;
 #[cfg(feature = "redis")]
-mod backend;
+pub(crate) mod backend;
 #[cfg(feature = "redis")]
 mod batch;
 mod error;
@@ -37,14 +37,18 @@ mod redis_gate;
 #[cfg(feature = "redis")]
 mod reject_cache;
 #[cfg(feature = "redis")]
-mod scripts;
+pub(crate) mod scripts;
 #[cfg(feature = "redis")]
 mod slot;
 
 pub use api::{Gate, GateFuture};
 pub use error::GateError;
+#[cfg(feature = "redis")]
+pub(crate) use error::check_key;
 pub use gated::{Gated, GatedBuilder, GatedDrop, KeyFn};
 pub use limit::Limit;
+#[cfg(feature = "redis")]
+pub(crate) use memory::names::DECISIONS;
 pub use memory::{MemoryGate, MemoryGateBuilder};
 #[cfg(feature = "redis")]
 pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
@@ -54,7 +58,7 @@ pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 #[cfg(feature = "redis")]
 pub mod lua {
     pub use super::scripts::{
-        FIXED_WINDOW, SLIDING_LOG, SLIDING_WINDOW, TOKEN_BUCKET, TOKEN_BUCKET_ALL,
-        TOKEN_BUCKET_LEASE, token_bucket_reply,
+        FIXED_WINDOW, REGION_BUCKET, REGION_HOME, REGION_SHARE, SLIDING_LOG, SLIDING_WINDOW,
+        TOKEN_BUCKET, TOKEN_BUCKET_ALL, TOKEN_BUCKET_LEASE, token_bucket_reply,
     };
 }

@@ -41,6 +41,24 @@ pub enum FailurePolicy {
 }
 
 impl FailurePolicy {
+    /// The answer for `key` and `cost` while Redis is failing (`error`: what it said, if this
+    /// call asked it) and the next probe is `until_probe` away; `capacity` is the limit's.
+    pub(crate) fn decide(
+        &self,
+        capacity: u64,
+        key: &str,
+        cost: u32,
+        until_probe: Duration,
+        error: Option<GateError>,
+    ) -> Result<Decision, GateError> {
+        match self {
+            FailurePolicy::Error => Err(CallError::error(error, until_probe)),
+            FailurePolicy::Open => Ok(Decision::fail_open()),
+            FailurePolicy::Closed => Ok(Decision::reject(capacity, 0, until_probe, until_probe)),
+            FailurePolicy::Fallback(gate) => gate.check(key, cost),
+        }
+    }
+
     pub(crate) fn as_str(&self) -> &'static str {
         match self {
             FailurePolicy::Error => "error",
@@ -596,17 +614,8 @@ where
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         inner.metrics.by_policy.increment(1);
-        match &inner.policy {
-            FailurePolicy::Error => Err(CallError::error(error, until_probe)),
-            FailurePolicy::Open => Ok(Decision::fail_open()),
-            FailurePolicy::Closed => Ok(Decision::reject(
-                inner.eval.limit.capacity(),
-                0,
-                until_probe,
-                until_probe,
-            )),
-            FailurePolicy::Fallback(gate) => gate.check(key, cost),
-        }
+        let capacity = inner.eval.limit.capacity();
+        inner.policy.decide(capacity, key, cost, until_probe, error)
     }
 }
 

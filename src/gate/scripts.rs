@@ -29,6 +29,12 @@ pub const TOKEN_BUCKET_ALL: &str = script!("bucket_state.lua", "token_bucket_all
 pub const TOKEN_BUCKET_LEASE: &str = script!("bucket_state.lua", "token_bucket_lease.lua");
 /// `lua/sliding_window.lua`.
 pub const SLIDING_WINDOW: &str = script!("sliding_window.lua");
+/// `lua/region_home.lua`: the leases of a global quota in the home Redis.
+pub const REGION_HOME: &str = script!("region_home.lua");
+/// `lua/region_share.lua`: a region's lease record and demand counters, in its local Redis.
+pub const REGION_SHARE: &str = script!("region_share.lua");
+/// `lua/region_bucket.lua`: a token bucket at the region's current share.
+pub const REGION_BUCKET: &str = script!("region_bucket.lua");
 
 /// The script source for `limit`.
 fn source(limit: &Limit) -> &'static str {

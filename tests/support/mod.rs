@@ -6,6 +6,7 @@
 //! - [`RedisServer`]: a private, throw-away `redis-server` (TCP on a free port of
 //!   127.0.0.1, or a unix socket) with `kill` / `pause` / `resume` / `restart` controls.
 //! - [`RedisCluster`]: a private Redis Cluster built from [`RedisServer`] nodes.
+//! - [`DelayProxy`]: a loopback TCP proxy adding one-way latency, with partition controls.
 //! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //!
@@ -16,6 +17,7 @@
 #![allow(dead_code)]
 
 mod cluster;
+mod delay_proxy;
 #[cfg(feature = "metrics")]
 mod recorder;
 mod server;
@@ -24,6 +26,8 @@ mod tempdir;
 // Not every test binary uses every helper.
 #[allow(unused_imports)]
 pub use cluster::RedisCluster;
+#[allow(unused_imports)]
+pub use delay_proxy::DelayProxy;
 #[allow(unused_imports)]
 #[cfg(feature = "metrics")]
 pub use recorder::TestRecorder;

@@ -1,0 +1,72 @@
+-- flowgate region bucket: a token bucket (GCRA) whose rate is the region's current share of
+-- a global quota, read from the lease record in the same script. lua/prelude.lua is put in
+-- front (clock_us, corrupt).
+--
+-- KEYS[1]  the lease record (lua/region_share.lua): <seq, share, tau, expires_us>
+-- KEYS[2]  the demand counters: HINCRBY a (admitted) or r (rejected) by the cost
+-- KEYS[3]  the bucket: <tat_us, frac, count>, packed little-endian doubles; frac is in units
+--          of 1/count us, count the share it was written at
+-- ARGV[1]  now in us, for the model tests only; empty in production: Redis TIME is used
+-- ARGV[2]  cost
+-- ARGV[3]  the quota's period, us
+-- ARGV[4]  the safe share (units per period) and ARGV[5] its tau: what the region admits at
+--          when it holds no live lease
+-- ARGV[6]  retry_after (us) to answer while the share is 0
+--
+-- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
+-- tau units (the region's part of the global burst, at least one token). When the share
+-- changes, the bucket keeps how far ahead its TAT is in time (rounded up), so a region never
+-- gains tokens by a change. Returns {allowed, burst, remaining, retry_after_us,
+-- reset_after_us}; a rejected request writes nothing but the counter.
+
+local now = clock_us(ARGV[1])
+local cost = tonumber(ARGV[2])
+local period = tonumber(ARGV[3])
+
+local share, tau = tonumber(ARGV[4]), tonumber(ARGV[5])
+local raw = redis.call('GET', KEYS[1])
+if raw then
+  local ok, _, s, t, expires = pcall(struct.unpack, '<dddd', raw)
+  if not ok or type(expires) ~= 'number' then
+    return redis.error_reply('ERR region lease record is unreadable: delete ' .. KEYS[1])
+  end
+  if now < expires then
+    share, tau = s, t
+  end
+end
+
+if share <= 0 then
+  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  return {0, 0, 0, tonumber(ARGV[6]), 0}
+end
+
+local used = 0
+local state = redis.call('GET', KEYS[3])
+if state then
+  local ok, tat_us, frac, count = pcall(struct.unpack, '<ddd', state)
+  if not ok or type(count) ~= 'number' or count <= 0 or frac < 0 or frac >= count then
+    return redis.error_reply('ERR region bucket is unreadable: delete ' .. KEYS[3])
+  end
+  local ahead = tat_us - now
+  if ahead > 0 or (ahead == 0 and frac > 0) then
+    if count ~= share then
+      frac = math.ceil(frac * share / count)
+    end
+    used = ahead * share + frac
+  end
+end
+
+local burst = math.floor(tau / period)
+local used_after = used + cost * period
+if used_after > tau then
+  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  local held = math.min(used, tau)
+  return {0, burst, math.floor((tau - held) / period),
+    math.ceil((used_after - tau) / share), math.ceil(held / share)}
+end
+local ahead = math.floor(used_after / share)
+local frac = used_after - ahead * share
+redis.call('SET', KEYS[3], struct.pack('<ddd', now + ahead, frac, share), 'PX',
+  math.floor(ahead / 1000) + 1000)
+redis.call('HINCRBY', KEYS[2], 'a', cost)
+return {1, burst, math.floor((tau - used_after) / period), 0, math.ceil(used_after / share)}

@@ -1,0 +1,70 @@
+-- flowgate region share: a region's lease in its local Redis, read and written by the
+-- region's refresher (one process of the region at a time: the one holding the lock).
+-- lua/prelude.lua is put in front (clock_us). The gates of every process of the region read
+-- the same record in lua/region_bucket.lua, so they all admit at the same share, switched
+-- at one instant by the local Redis clock.
+--
+-- KEYS[1]  the lease record: <seq, share, tau, expires_us>, packed little-endian doubles;
+--          expires_us is on this Redis's clock
+-- KEYS[2]  the demand counters: a hash {a = units admitted, r = units rejected} since the
+--          last report (written by lua/region_bucket.lua)
+-- KEYS[3]  the refresher lock
+-- ARGV[1]  mode: 'report' or 'apply'
+-- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
+--
+-- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms.
+--   Takes or renews the lock. Not the holder: {0, now_us, 0, 0, 0, 0, 0}. The holder: {1, now_us, seq,
+--   share, expires_us - now_us, admitted, rejected}, and the counters start again from 0.
+--   now_us is the time the lease written by 'apply' will count from.
+-- apply: ARGV[3] seq, ARGV[4] share, ARGV[5] tau, ARGV[6] expires_us (this Redis's clock),
+--   ARGV[7] '1' for a grant of the home's learning phase, ARGV[8] and ARGV[9] the safe share
+--   and its tau. Writes the lease unless the record holds a newer one (a larger seq): a late
+--   reply can never replace a newer lease. A learning grant is capped at what the region
+--   admits at now (its lease if live, else its safe share). {1, share written} or {0, 0}.
+
+local mode = ARGV[1]
+local now = clock_us(ARGV[2])
+
+local function record()
+  local raw = redis.call('GET', KEYS[1])
+  if not raw then
+    return 0, 0, 0, 0
+  end
+  local ok, seq, share, tau, expires = pcall(struct.unpack, '<dddd', raw)
+  if not ok or type(expires) ~= 'number' then
+    error('region lease record is unreadable: delete ' .. KEYS[1])
+  end
+  return seq, share, tau, expires
+end
+
+if mode == 'report' then
+  local token = ARGV[3]
+  local holder = redis.call('GET', KEYS[3])
+  if holder and holder ~= token then
+    return {0, now, 0, 0, 0, 0, 0}
+  end
+  redis.call('SET', KEYS[3], token, 'PX', tonumber(ARGV[4]))
+  local seq, share, _, expires = record()
+  local counts = redis.call('HMGET', KEYS[2], 'a', 'r')
+  redis.call('DEL', KEYS[2])
+  return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0)}
+end
+
+local seq, share, tau, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[6])
+local held, held_share, held_tau, held_expires = record()
+if seq < held then
+  return {0, 0}
+end
+if ARGV[7] == '1' then
+  -- A grant of the home's learning phase: at most what the region admits at now.
+  local now_share, now_tau = tonumber(ARGV[8]), tonumber(ARGV[9])
+  if now < held_expires then
+    now_share, now_tau = held_share, held_tau
+  end
+  if now_share < share then
+    share, tau = now_share, now_tau
+  end
+end
+redis.call('SET', KEYS[1], struct.pack('<dddd', seq, share, tau, expires))
+return {1, share}

@@ -1,0 +1,583 @@
+//! `QuotaAllocator`: the global quota, its regions and the lease settings, validated once.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::gate::backend::Backend;
+use crate::gate::scripts;
+use crate::metrics::Labels;
+use crate::rate::Quota;
+use crate::region::model;
+use crate::region::policy::Allocation;
+use crate::region::status::{AllocatorStatus, HomeRegion};
+use crate::sync::Arc;
+
+/// What a region admits at when its lease has expired (the home is unreachable, or the
+/// region is cut off from it).
+///
+/// The home keeps every region's safe share reserved at all times: a region falls to it
+/// without asking, so no other region may be granted it. A safe share above zero therefore
+/// trades utilisation for availability: that much of the global quota never moves to the
+/// regions with demand.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SafeShare {
+    /// Admit nothing until a lease is granted again (the default): the whole quota can move
+    /// to where the demand is.
+    #[default]
+    Closed,
+    /// Admit at this many units per period of the global quota.
+    Units(u64),
+    /// Admit at the region's static weight of the global quota.
+    StaticWeight,
+}
+
+/// One region of a [`QuotaAllocator`]: a name, a weight (for [`Allocation::Static`] and
+/// [`SafeShare::StaticWeight`]) and a safe share.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSpec {
+    name: String,
+    weight: u64,
+    safe: Option<SafeShare>,
+}
+
+impl RegionSpec {
+    /// A region called `name` with `weight` (any scale: 50 / 30 / 20 or 5 / 3 / 2).
+    pub fn new(name: impl Into<String>, weight: u64) -> RegionSpec {
+        RegionSpec {
+            name: name.into(),
+            weight,
+            safe: None,
+        }
+    }
+
+    /// This region's safe share (default: the allocator's, see
+    /// [`QuotaAllocatorBuilder::safe_share`]).
+    pub fn safe_share(mut self, safe: SafeShare) -> RegionSpec {
+        self.safe = Some(safe);
+        self
+    }
+
+    /// The region's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl<S: Into<String>> From<(S, u64)> for RegionSpec {
+    fn from((name, weight): (S, u64)) -> RegionSpec {
+        RegionSpec::new(name, weight)
+    }
+}
+
+/// The validated settings every region and the home share.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    pub(crate) name: String,
+    pub(crate) quota: Quota,
+    /// The global rate in units per period, and the period in µs.
+    pub(crate) capacity: u64,
+    pub(crate) period_us: u64,
+    pub(crate) burst: u64,
+    pub(crate) policy: Allocation,
+    pub(crate) ttl: Duration,
+    pub(crate) refresh: Duration,
+    pub(crate) margin: Duration,
+    pub(crate) home_timeout: Duration,
+    pub(crate) local_timeout: Duration,
+    pub(crate) smoothing: f64,
+    /// (name, weight, safe share in units)
+    pub(crate) regions: Vec<(String, u64, u64)>,
+}
+
+impl Plan {
+    /// The home's hash.
+    pub(crate) fn home_key(&self) -> String {
+        format!("{{flowgate:region:{}}}:home", self.name)
+    }
+
+    /// A region's local keys share one hash tag (one Cluster slot): the lease record, the
+    /// demand counters, the refresher lock, and the buckets under `bucket_prefix`.
+    pub(crate) fn local_prefix(&self, region: &str) -> String {
+        format!("{{flowgate:region:{}:{}}}", self.name, region)
+    }
+
+    pub(crate) fn index(&self, region: &str) -> Option<usize> {
+        self.regions.iter().position(|(n, _, _)| n == region)
+    }
+
+    /// The bucket size of `share` units per period, in units of 1/share µs: the region's
+    /// part of the global burst (rounded down), at least one token. 0 for a share of 0.
+    pub(crate) fn tau(&self, share: u64) -> u64 {
+        if share == 0 {
+            return 0;
+        }
+        let part = u128::from(self.burst) * u128::from(self.period_us) * u128::from(share)
+            / u128::from(self.capacity);
+        u64::try_from(part).unwrap_or(u64::MAX).max(self.period_us)
+    }
+
+    /// The reference model's view of this plan.
+    pub(crate) fn model(&self) -> model::Config {
+        model::Config {
+            capacity: self.capacity,
+            policy: self.policy,
+            ttl_us: micros(self.ttl),
+            stale_us: micros(self.ttl),
+            regions: self
+                .regions
+                .iter()
+                .map(|&(_, weight, safe)| model::Spec { weight, safe })
+                .collect(),
+        }
+    }
+
+    /// A call of the home script: mode, region `i` (0-based) and its report, then the
+    /// configuration.
+    pub(crate) fn home_cmd(&self, mode: &str, i: usize, report: &model::Report) -> redis::Cmd {
+        let script = home_script();
+        let mut cmd = scripts::evalsha(script, 1);
+        let cfg = self.model();
+        cmd.arg(self.home_key())
+            .arg(mode)
+            .arg("")
+            .arg(i + 1)
+            .arg(report.seq)
+            .arg(report.share)
+            .arg(report.demand)
+            .arg(cfg.capacity)
+            .arg(cfg.policy.code())
+            .arg(cfg.ttl_us)
+            .arg(cfg.stale_us)
+            .arg(self.regions.len());
+        for (name, weight, safe) in &self.regions {
+            cmd.arg(name).arg(weight).arg(safe);
+        }
+        cmd
+    }
+}
+
+pub(crate) fn home_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_HOME))
+}
+
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A global quota shared by named regions (or instance groups), each deciding against its
+/// own local Redis at local latency, with the shares held as leases in one **home** Redis.
+///
+/// Build it with the global quota and the regions (the same settings in every process of
+/// every region), then in each process [`join`](QuotaAllocator::join) the process's region
+/// with a connection to the region's local Redis: the [`Region`](crate::region::Region) it
+/// returns keeps the lease fresh in the background and hands out the
+/// [`RegionGate`](crate::region::RegionGate) that admits at the region's current share. See
+/// the [module docs](crate::region) for the protocol and its guarantees.
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use flowgate::region::{Allocation, QuotaAllocator};
+/// use flowgate::Quota;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let home = redis::Client::open("redis://home.internal:6379/")?
+///     .get_connection_manager()
+///     .await?;
+/// let local = redis::Client::open("redis://127.0.0.1:6379/")?
+///     .get_connection_manager()
+///     .await?;
+/// let allocator = QuotaAllocator::builder(home, Quota::per_second(3000)?.burst(300)?)
+///     .name("partner-api")
+///     .region(("us", 50))
+///     .region(("eu", 30))
+///     .region(("ap", 20))
+///     .policy(Allocation::FairShare)
+///     .build()?;
+/// let region = allocator.join("eu", local).await?;
+/// let gate = region.gate();
+/// let decision = gate.check("partner-api", 1).await?;
+/// # let _ = decision;
+/// # Ok(())
+/// # }
+/// ```
+pub struct QuotaAllocator<C> {
+    pub(crate) plan: Arc<Plan>,
+    pub(crate) home: Arc<Backend<C>>,
+}
+
+impl<C> Clone for QuotaAllocator<C> {
+    fn clone(&self) -> Self {
+        QuotaAllocator {
+            plan: self.plan.clone(),
+            home: self.home.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for QuotaAllocator<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaAllocator")
+            .field("name", &self.plan.name)
+            .field("quota", &self.plan.quota)
+            .field("policy", &self.plan.policy)
+            .field("regions", &self.plan.regions)
+            .field("lease", &self.plan.ttl)
+            .field("refresh", &self.plan.refresh)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`QuotaAllocator`]; from [`QuotaAllocator::builder`].
+#[derive(Debug)]
+pub struct QuotaAllocatorBuilder<C> {
+    home: C,
+    quota: Quota,
+    name: String,
+    regions: Vec<RegionSpec>,
+    policy: Allocation,
+    safe: SafeShare,
+    ttl: Duration,
+    refresh: Option<Duration>,
+    home_timeout: Duration,
+    local_timeout: Duration,
+    smoothing: f64,
+}
+
+impl<C> QuotaAllocatorBuilder<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The allocator's name: it names the keys in every Redis (`{flowgate:region:<name>}…`)
+    /// and is the `name` label of the metrics (default `"default"`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Add a region: `("us", 50)` or a [`RegionSpec`]. Every process must list the same
+    /// regions in the same order.
+    pub fn region(mut self, region: impl Into<RegionSpec>) -> Self {
+        self.regions.push(region.into());
+        self
+    }
+
+    /// How the capacity is divided (default [`Allocation::FairShare`]).
+    pub fn policy(mut self, policy: Allocation) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// What a region admits at once its lease has expired, for regions that do not set their
+    /// own (default [`SafeShare::Closed`]).
+    pub fn safe_share(mut self, safe: SafeShare) -> Self {
+        self.safe = safe;
+        self
+    }
+
+    /// The length of a lease (default 10 s): how long a region keeps its share without
+    /// reaching the home, and how long a dead region's share stays unusable by the others.
+    pub fn lease(mut self, ttl: Duration) -> Self {
+        self.ttl = crate::time::capped(ttl);
+        self
+    }
+
+    /// How often a region refreshes its lease and reports its demand (default a fifth of the
+    /// lease). Shares follow demand within about two refreshes.
+    pub fn refresh_every(mut self, every: Duration) -> Self {
+        self.refresh = Some(crate::time::capped(every));
+        self
+    }
+
+    /// The longest a call to the home Redis may take (default 1 s; a cross-region round
+    /// trip is 100–200 ms).
+    pub fn home_timeout(mut self, timeout: Duration) -> Self {
+        self.home_timeout = crate::time::capped(timeout);
+        self
+    }
+
+    /// The longest a decision against the local Redis may take before the gate's failure
+    /// policy applies (default 50 ms).
+    pub fn local_timeout(mut self, timeout: Duration) -> Self {
+        self.local_timeout = crate::time::capped(timeout);
+        self
+    }
+
+    /// The weight of the newest measurement in a region's demand (an exponentially weighted
+    /// moving average over refreshes; default 0.5, in (0, 1]).
+    pub fn smoothing(mut self, weight: f64) -> Self {
+        self.smoothing = weight;
+        self
+    }
+
+    /// Validate the settings.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `region.regions` (none, a repeated or empty name, or every
+    /// weight 0 with a policy or safe share that uses weights), `region.safe_share` (the
+    /// safe shares add up to more than the capacity), `region.quota` (a period that is not
+    /// whole microseconds, or numbers too large for exact arithmetic in Redis),
+    /// `region.lease`, `region.refresh` (zero, or a refresh not shorter than half the
+    /// lease), `region.home_timeout` and `region.local_timeout` (zero, or a home timeout not
+    /// shorter than the refresh interval), `region.smoothing` (outside (0, 1]).
+    pub fn build(self) -> Result<QuotaAllocator<C>, ConfigError> {
+        let field = |f| move |kind, why: &str| ConfigError::new(f, kind, why.to_string());
+        let regions_err = field("region.regions");
+        if self.regions.is_empty() {
+            return Err(regions_err(ConfigErrorKind::Zero, "no regions"));
+        }
+        for (i, r) in self.regions.iter().enumerate() {
+            if r.name.is_empty() {
+                return Err(regions_err(
+                    ConfigErrorKind::Inconsistent,
+                    "a region without a name",
+                ));
+            }
+            if self.regions[..i].iter().any(|o| o.name == r.name) {
+                return Err(regions_err(
+                    ConfigErrorKind::Inconsistent,
+                    &format!("the region \"{}\" is listed twice", r.name),
+                ));
+            }
+        }
+        let limit = crate::gate::Limit::TokenBucket(self.quota);
+        let (capacity, period_us) = limit
+            .redis_params()
+            .map_err(|e| ConfigError::new("region.quota", e.kind(), e.reason().to_string()))?;
+        let total_weight: u128 = self.regions.iter().map(|r| u128::from(r.weight)).sum();
+        let uses_weights = self.policy == Allocation::Static
+            || self.safe == SafeShare::StaticWeight
+            || self
+                .regions
+                .iter()
+                .any(|r| r.safe == Some(SafeShare::StaticWeight));
+        if uses_weights && total_weight == 0 {
+            return Err(regions_err(
+                ConfigErrorKind::Zero,
+                "every weight is 0, but the policy or a safe share divides by weight",
+            ));
+        }
+        let regions: Vec<(String, u64, u64)> = self
+            .regions
+            .iter()
+            .map(|r| {
+                let safe = match r.safe.unwrap_or(self.safe) {
+                    SafeShare::Closed => 0,
+                    SafeShare::Units(n) => n,
+                    SafeShare::StaticWeight => {
+                        u64::try_from(u128::from(capacity) * u128::from(r.weight) / total_weight)
+                            .unwrap_or(u64::MAX)
+                    }
+                };
+                (r.name.clone(), r.weight, safe)
+            })
+            .collect();
+        let safe_total: u128 = regions.iter().map(|r| u128::from(r.2)).sum();
+        if safe_total > u128::from(capacity) {
+            return Err(ConfigError::new(
+                "region.safe_share",
+                ConfigErrorKind::TooLarge,
+                format!(
+                    "the safe shares add up to {safe_total}, more than the capacity {capacity}"
+                ),
+            ));
+        }
+        if self.ttl.is_zero() {
+            return Err(ConfigError::zero("region.lease"));
+        }
+        let refresh = self.refresh.unwrap_or(self.ttl / 5);
+        if refresh.is_zero() {
+            return Err(ConfigError::zero("region.refresh"));
+        }
+        if refresh * 2 > self.ttl {
+            return Err(ConfigError::new(
+                "region.refresh",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "a refresh every {refresh:?} must be at most half the lease ({:?}), or \
+                     leases expire between refreshes",
+                    self.ttl
+                ),
+            ));
+        }
+        if self.home_timeout.is_zero() {
+            return Err(ConfigError::zero("region.home_timeout"));
+        }
+        if self.home_timeout >= refresh {
+            return Err(ConfigError::new(
+                "region.home_timeout",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "the home timeout ({:?}) must be shorter than the refresh interval \
+                     ({refresh:?})",
+                    self.home_timeout
+                ),
+            ));
+        }
+        if self.local_timeout.is_zero() {
+            return Err(ConfigError::zero("region.local_timeout"));
+        }
+        if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
+            return Err(ConfigError::new(
+                "region.smoothing",
+                ConfigErrorKind::Inconsistent,
+                format!("{} is not in (0, 1]", self.smoothing),
+            ));
+        }
+        let plan = Plan {
+            name: self.name,
+            quota: self.quota,
+            capacity,
+            period_us,
+            burst: u64::from(self.quota.burst_size()),
+            policy: self.policy,
+            ttl: self.ttl,
+            refresh,
+            // Clocks of two Redis servers drift apart by parts per million; 1 % of the
+            // lease (at least 5 ms) covers that many times over.
+            margin: (self.ttl / 100).max(Duration::from_millis(5)),
+            home_timeout: self.home_timeout,
+            local_timeout: self.local_timeout,
+            smoothing: self.smoothing,
+            regions,
+        };
+        let labels = Labels::new(Some(&plan.name));
+        let home = Arc::new(Backend::new(
+            self.home,
+            plan.home_timeout,
+            plan.refresh,
+            Some(format!("{}/home", plan.name)),
+            "lease",
+            &labels,
+        ));
+        Ok(QuotaAllocator {
+            plan: Arc::new(plan),
+            home,
+        })
+    }
+}
+
+impl<C> QuotaAllocator<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A builder for `quota` (the global rate and burst) with the home Redis `home`.
+    pub fn builder(home: C, quota: Quota) -> QuotaAllocatorBuilder<C> {
+        QuotaAllocatorBuilder {
+            home,
+            quota,
+            name: crate::metrics::DEFAULT_NAME.to_string(),
+            regions: Vec::new(),
+            policy: Allocation::FairShare,
+            safe: SafeShare::Closed,
+            ttl: Duration::from_secs(10),
+            refresh: None,
+            home_timeout: Duration::from_secs(1),
+            local_timeout: Duration::from_millis(50),
+            smoothing: 0.5,
+        }
+    }
+
+    /// The allocator's name.
+    pub fn name(&self) -> &str {
+        &self.plan.name
+    }
+
+    /// The global quota.
+    pub fn quota(&self) -> Quota {
+        self.plan.quota
+    }
+
+    /// Each region's safe share, in units per period of the global quota, in the order the
+    /// regions were given.
+    pub fn safe_shares(&self) -> Vec<(&str, u64)> {
+        self.plan
+            .regions
+            .iter()
+            .map(|(n, _, s)| (n.as_str(), *s))
+            .collect()
+    }
+
+    /// Start the home without its learning phase: `true` if it had no state and starts now,
+    /// `false` if it already had state (then nothing changes).
+    ///
+    /// A home without state cannot tell a first start from a restart that lost its state,
+    /// so by itself it spends one lease length re-granting only what regions report holding
+    /// (see the [module docs](crate::region)): on a first start that means one lease length
+    /// at the safe shares. Call this once, on a first deployment, when you know that no
+    /// region holds a lease; calling it after a home restart would let the home grant
+    /// shares that regions still hold, and break the global bound for up to one lease.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError`](crate::gate::GateError) when the home fails or does not answer within
+    /// the home timeout.
+    pub async fn init_home(&self) -> Result<bool, crate::gate::GateError> {
+        let cmd = self.plan.home_cmd("init", 0, &model::Report::default());
+        let v = self.call_home(&cmd, 1).await?;
+        Ok(v[0] == 1)
+    }
+
+    /// What the home holds now: each region's share, demand and lease age, read from the
+    /// home Redis (one call, changes nothing).
+    ///
+    /// # Errors
+    ///
+    /// [`GateError`](crate::gate::GateError) when the home fails or does not answer within
+    /// the home timeout.
+    pub async fn status(&self) -> Result<AllocatorStatus, crate::gate::GateError> {
+        let cmd = self.plan.home_cmd("status", 0, &model::Report::default());
+        let k = self.plan.regions.len();
+        let v = self.call_home(&cmd, 2 + 6 * k).await?;
+        let us = |x: i64| Duration::from_micros(u64::try_from(x).unwrap_or(0));
+        let units = |x: i64| u64::try_from(x).unwrap_or(0);
+        let regions = self
+            .plan
+            .regions
+            .iter()
+            .zip(v[2..].chunks_exact(6))
+            .map(|((name, _, safe), r)| HomeRegion {
+                region: name.clone(),
+                held: units(r[0]),
+                share: units(r[2]),
+                safe: *safe,
+                lease_left: us(r[3]),
+                demand: units(r[4]),
+                since_refresh: (r[5] >= 0).then(|| us(r[5])),
+            })
+            .collect();
+        Ok(AllocatorStatus {
+            capacity: self.plan.capacity,
+            period: self.plan.quota.rate().period(),
+            learning: v[0] == 1,
+            regions,
+        })
+    }
+
+    /// One call of the home script, `len` integers back.
+    pub(crate) async fn call_home(
+        &self,
+        cmd: &redis::Cmd,
+        len: usize,
+    ) -> Result<Vec<i64>, crate::gate::GateError> {
+        use crate::gate::backend::CallError;
+        match self
+            .home
+            .eval(home_script(), cmd, len, self.plan.home_timeout)
+            .await
+        {
+            Ok(v) => Ok(v),
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                Err(CallError::error(error, until_probe))
+            }
+        }
+    }
+}

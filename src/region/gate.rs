@@ -1,0 +1,180 @@
+//! `RegionGate`: a token bucket in the region's local Redis at the region's current share.
+
+use std::fmt;
+// Real time: the backend's probes follow Redis, whose clock never pauses.
+use std::time::Instant;
+
+use redis::aio::ConnectionLike;
+
+use crate::decision::Decision;
+use crate::gate::backend::{CallError, key_failure};
+use crate::gate::scripts::{self, decision_from};
+use crate::gate::{FailurePolicy, Gate, GateError, GateFuture, Limit};
+use crate::metrics::Counter;
+use crate::region::config::micros;
+use crate::region::member::Region;
+
+/// A [`Gate`] that admits at its region's current share of a global quota, deciding in one
+/// script call against the region's **local** Redis (local latency; the home is never on
+/// the decision path); from [`Region::gate`].
+///
+/// Each key has its own bucket at the region's share (a global limit is usually one key,
+/// such as the API's name): the rate is the share, the burst the region's part of the
+/// global burst (at least one request). The share is read from the lease record in the
+/// same script, on the local Redis clock, so every process of the region switches at the
+/// same instant, and a lease that expired gives way to the safe share at once. When the
+/// share changes, a bucket keeps how far ahead it is in time, so no region gains tokens by a
+/// change.
+///
+/// A rejection while the region's share is 0 says `retry_after` = one refresh interval.
+///
+/// # Errors
+///
+/// As [`RedisGate::check`](crate::gate::RedisGate::check): [`GateError::Cost`] (zero, or
+/// above the global burst), [`GateError::InvalidKey`]; a failing or slow local Redis as the
+/// gate's [`FailurePolicy`] says. [`Gate::check_all`] is not supported (it answers
+/// [`GateError::InvalidQuota`]).
+///
+/// # Cancel safety
+///
+/// Dropping the future after the call was sent may still charge the cost (never over
+/// admission).
+///
+/// # Metrics
+///
+/// `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`, `policy`), labelled
+/// with the allocator's `name` and the `region`; the local Redis's latency and failures as
+/// a [`RedisGate`](crate::gate::RedisGate)'s.
+pub struct RegionGate<C> {
+    region: Region<C>,
+    policy: FailurePolicy,
+    allowed: Counter,
+    rejected: Counter,
+    by_policy: Counter,
+}
+
+impl<C> Clone for RegionGate<C> {
+    fn clone(&self) -> Self {
+        RegionGate {
+            region: self.region.clone(),
+            policy: self.policy.clone(),
+            allowed: self.allowed.clone(),
+            rejected: self.rejected.clone(),
+            by_policy: self.by_policy.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for RegionGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionGate")
+            .field("region", &self.region)
+            .field("policy", &self.policy.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+fn bucket_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_BUCKET))
+}
+
+impl<C> RegionGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    pub(crate) fn new(region: Region<C>, policy: FailurePolicy) -> RegionGate<C> {
+        let labels = &region.core().labels;
+        let decisions = |outcome| labels.counter(crate::gate::DECISIONS, &[("outcome", outcome)]);
+        RegionGate {
+            allowed: decisions("allowed"),
+            rejected: decisions("rejected"),
+            by_policy: decisions("policy"),
+            region,
+            policy,
+        }
+    }
+
+    /// The region this gate admits for.
+    pub fn region(&self) -> &Region<C> {
+        &self.region
+    }
+
+    /// Decide one request now at the region's current share.
+    ///
+    /// # Errors
+    ///
+    /// See the [type docs](RegionGate#errors).
+    pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
+        crate::gate::check_key(key)?;
+        let core = self.region.core();
+        let plan = &core.allocator.plan;
+        let limit = Limit::TokenBucket(plan.quota);
+        limit.check_cost(cost).map_err(GateError::from)?;
+        let now = Instant::now();
+        let reply = match core.local.admit(now) {
+            Err(e) => Err(e),
+            Ok(()) => {
+                let (safe_share, safe_tau) = {
+                    let safe = plan.regions[core.index].2;
+                    (safe, plan.tau(safe))
+                };
+                let mut cmd = scripts::evalsha(bucket_script(), 3);
+                let mut bucket = String::with_capacity(core.keys.bucket_prefix.len() + key.len());
+                bucket.push_str(&core.keys.bucket_prefix);
+                bucket.push_str(key);
+                cmd.arg(&core.keys.record)
+                    .arg(&core.keys.counters)
+                    .arg(bucket)
+                    .arg("")
+                    .arg(cost)
+                    .arg(plan.period_us)
+                    .arg(safe_share)
+                    .arg(safe_tau)
+                    .arg(micros(plan.refresh));
+                let within = plan.local_timeout.saturating_sub(now.elapsed());
+                match core.local.eval(bucket_script(), &cmd, 5, within).await {
+                    Ok(v) => match key_failure(v[0]) {
+                        Some(e) => Err(CallError::Request(e)),
+                        None => Ok(decision_from(&v)),
+                    },
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        match reply {
+            Ok(d) => {
+                if d.allowed {
+                    self.allowed.increment(1);
+                } else {
+                    self.rejected.increment(1);
+                }
+                Ok(d)
+            }
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                self.by_policy.increment(1);
+                self.policy
+                    .decide(limit.capacity(), key, cost, until_probe, error)
+            }
+        }
+    }
+}
+
+impl<C> Gate for RegionGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// [`RegionGate::check`].
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        Box::pin(RegionGate::check(self, key, cost))
+    }
+
+    /// The global quota as a token bucket (each region admits at its share of it).
+    fn limit(&self) -> Limit {
+        Limit::TokenBucket(self.region.core().allocator.plan.quota)
+    }
+}

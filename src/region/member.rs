@@ -1,0 +1,458 @@
+//! `Region`: one process's membership in a region: the refresher that keeps the region's
+//! lease, and the gates that admit at it.
+
+use std::fmt;
+use std::sync::PoisonError;
+// Real time: leases follow the Redis clocks, which never pause.
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionLike;
+use tokio::task::JoinHandle;
+
+use crate::error::{ConfigError, ConfigErrorKind};
+use crate::gate::FailurePolicy;
+use crate::gate::backend::{Backend, CallError};
+use crate::gate::scripts;
+use crate::metrics::{Counter, Gauge, Labels};
+use crate::region::config::{Plan, QuotaAllocator, micros};
+use crate::region::gate::RegionGate;
+use crate::region::model::Report;
+use crate::region::status::RegionStatus;
+use crate::sync::{Arc, Mutex};
+
+/// Names of the region metrics (labels `name` = the allocator, `region`).
+pub(crate) mod names {
+    pub(crate) const SHARE: &str = "flowgate_region_share";
+    pub(crate) const DEMAND: &str = "flowgate_region_demand";
+    pub(crate) const UTILISATION: &str = "flowgate_region_utilisation";
+    pub(crate) const LEASE_AGE: &str = "flowgate_region_lease_age_seconds";
+    pub(crate) const REFRESHES: &str = "flowgate_region_refreshes_total";
+}
+
+struct Metrics {
+    share: Gauge,
+    demand: Gauge,
+    utilisation: Gauge,
+    lease_age: Gauge,
+    granted: Counter,
+    failed: Counter,
+    follower: Counter,
+}
+
+/// The keys of a region in its local Redis (one hash tag).
+pub(crate) struct LocalKeys {
+    pub(crate) record: String,
+    pub(crate) counters: String,
+    pub(crate) lock: String,
+    pub(crate) bucket_prefix: String,
+}
+
+/// What the refresher keeps between rounds.
+struct Round {
+    status: RegionStatus,
+    /// When the last report was taken (demand is measured between reports).
+    last_report: Option<Instant>,
+    /// When the current lease was granted, as seen here.
+    granted_at: Option<Instant>,
+    /// The end of the current lease, as seen here.
+    lease_end: Option<Instant>,
+    demand: f64,
+}
+
+pub(crate) struct Core<C> {
+    pub(crate) allocator: QuotaAllocator<C>,
+    pub(crate) index: usize,
+    pub(crate) local: Arc<Backend<C>>,
+    pub(crate) keys: LocalKeys,
+    pub(crate) labels: Labels,
+    token: String,
+    round: Mutex<Round>,
+    metrics: Metrics,
+}
+
+struct Handle<C> {
+    core: Arc<Core<C>>,
+    task: JoinHandle<()>,
+}
+
+impl<C> Drop for Handle<C> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// This process's membership in one region of a [`QuotaAllocator`]; from
+/// [`QuotaAllocator::join`].
+///
+/// While any clone of it (or a [`RegionGate`] made from it) lives, a background task
+/// refreshes the region's lease every refresh interval: it reports the region's demand to
+/// the home, gets the region's share, and writes it to the local Redis, where every gate of
+/// every process of the region reads it. One process of the region refreshes at a time (a
+/// lock in the local Redis); the others take over within three refresh intervals if it
+/// stops. When the last handle drops, this process stops refreshing; the region's lease
+/// then runs out unless another process refreshes it.
+pub struct Region<C> {
+    handle: Arc<Handle<C>>,
+}
+
+impl<C> Clone for Region<C> {
+    fn clone(&self) -> Self {
+        Region {
+            handle: self.handle.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for Region<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let core = &self.handle.core;
+        f.debug_struct("Region")
+            .field("allocator", &core.allocator.plan.name)
+            .field("region", &core.allocator.plan.regions[core.index].0)
+            .field("status", &self.status())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> QuotaAllocator<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Join region `region` from this process, with `local`, a connection to the region's
+    /// own Redis. Refreshes the lease once before returning (a home that does not answer
+    /// within the home timeout is not an error: the region admits at its safe share until a
+    /// refresh succeeds), then keeps refreshing in a task spawned on the current runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `region.name` when `region` is not one of the allocator's regions.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime (it spawns the refresher).
+    pub async fn join(&self, region: &str, local: C) -> Result<Region<C>, ConfigError> {
+        let plan = &self.plan;
+        let index = plan.index(region).ok_or_else(|| {
+            ConfigError::new(
+                "region.name",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "\"{region}\" is not a region of the allocator \"{}\" ({})",
+                    plan.name,
+                    plan.regions
+                        .iter()
+                        .map(|r| r.0.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })?;
+        let labels = Labels::new(Some(&plan.name)).with("region", region);
+        let local = Arc::new(Backend::new(
+            local,
+            plan.local_timeout,
+            plan.refresh,
+            Some(format!("{}/{region}", plan.name)),
+            "region",
+            &labels,
+        ));
+        let prefix = plan.local_prefix(region);
+        let refreshes = |outcome| labels.counter(names::REFRESHES, &[("outcome", outcome)]);
+        let core = Arc::new(Core {
+            allocator: self.clone(),
+            index,
+            local,
+            keys: LocalKeys {
+                record: format!("{prefix}:lease"),
+                counters: format!("{prefix}:demand"),
+                lock: format!("{prefix}:lock"),
+                bucket_prefix: format!("{prefix}:bucket:"),
+            },
+            token: format!("{:016x}", fastrand::u64(..)),
+            round: Mutex::new(Round {
+                status: RegionStatus {
+                    region: region.to_string(),
+                    safe: plan.regions[index].2,
+                    ..RegionStatus::default()
+                },
+                last_report: None,
+                granted_at: None,
+                lease_end: None,
+                demand: 0.0,
+            }),
+            metrics: Metrics {
+                share: labels.gauge(names::SHARE, &[]),
+                demand: labels.gauge(names::DEMAND, &[]),
+                utilisation: labels.gauge(names::UTILISATION, &[]),
+                lease_age: labels.gauge(names::LEASE_AGE, &[]),
+                granted: refreshes("granted"),
+                failed: refreshes("failed"),
+                follower: refreshes("follower"),
+            },
+            labels,
+        });
+        core.refresh().await;
+        let task = tokio::spawn(run(core.clone()));
+        Ok(Region {
+            handle: Arc::new(Handle { core, task }),
+        })
+    }
+}
+
+/// Refresh every interval until aborted.
+async fn run<C>(core: Arc<Core<C>>)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let every = core.allocator.plan.refresh;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        core.refresh().await;
+    }
+}
+
+impl<C> Core<C> {
+    fn plan(&self) -> &Plan {
+        &self.allocator.plan
+    }
+
+    fn round(&self) -> std::sync::MutexGuard<'_, Round> {
+        self.round.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn share_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_SHARE))
+}
+
+impl<C> Core<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// One call of the share script in the local Redis.
+    async fn local_call(&self, args: impl FnOnce(&mut redis::Cmd), len: usize) -> Option<Vec<i64>> {
+        let mut cmd = scripts::evalsha(share_script(), 3);
+        cmd.arg(&self.keys.record)
+            .arg(&self.keys.counters)
+            .arg(&self.keys.lock);
+        args(&mut cmd);
+        match self
+            .local
+            .eval(
+                share_script(),
+                &cmd,
+                len,
+                self.plan().local_timeout.max(Duration::from_millis(500)),
+            )
+            .await
+        {
+            Ok(v) => Some(v),
+            Err(e) => {
+                if let CallError::Backend { error: Some(e), .. } | CallError::Request(e) = e {
+                    tracing::debug!(region = %self.round().status.region, error = %e, "region: local redis failed");
+                }
+                None
+            }
+        }
+    }
+
+    /// One refresh: report, get a lease from the home, write it locally (and tell the home
+    /// at once when the share shrank, so the others can have it).
+    pub(crate) async fn refresh(&self) {
+        let plan = self.plan();
+        let safe = plan.regions[self.index].2;
+        let lock_ms = micros(plan.refresh * 3).div_ceil(1000);
+        let started = Instant::now();
+        let Some(r) = self
+            .local_call(
+                |c| {
+                    c.arg("report").arg("").arg(&self.token).arg(lock_ms);
+                },
+                7,
+            )
+            .await
+        else {
+            self.failed(None);
+            return;
+        };
+        if r[0] == 0 {
+            self.metrics.follower.increment(1);
+            let mut round = self.round();
+            round.status.leader = false;
+            round.last_report = None;
+            return;
+        }
+        let [_, local_now, seq, share, left, admitted, rejected] = r[..] else {
+            unreachable!("the report has 7 values")
+        };
+        let units = |x: i64| u64::try_from(x).unwrap_or(0);
+        let enforced = if left > 0 { units(share) } else { safe };
+        let report = {
+            let mut round = self.round();
+            round.status.leader = true;
+            let elapsed = round
+                .last_report
+                .map_or(plan.refresh, |t| started.saturating_duration_since(t))
+                .max(Duration::from_millis(1));
+            round.last_report = Some(started);
+            let per_period =
+                |n: i64| units(n) as f64 * plan.period_us as f64 / elapsed.as_micros() as f64;
+            let measured = per_period(admitted) + per_period(rejected);
+            round.demand = plan.smoothing * measured + (1.0 - plan.smoothing) * round.demand;
+            round.status.utilisation = if enforced == 0 {
+                0.0
+            } else {
+                per_period(admitted) / enforced as f64
+            };
+            // Capped so the home's arithmetic stays exact.
+            let demand = (round.demand.ceil() as u64).min(plan.capacity.saturating_mul(8));
+            round.status.demand = demand;
+            Report {
+                seq: units(seq),
+                share: enforced,
+                demand,
+            }
+        };
+        let cmd = plan.home_cmd("refresh", self.index, &report);
+        let grant = match self.allocator.call_home(&cmd, 5).await {
+            Ok(g) => g,
+            Err(e) => {
+                self.failed(Some(&e));
+                return;
+            }
+        };
+        let [g_seq, g_share, g_left, learning, _] = grant[..] else {
+            unreachable!("a grant has 5 values")
+        };
+        let g_share_u = units(g_share);
+        // The lease counts from the local clock's reading before the home was asked, so it
+        // ends here before it ends at the home, however long the reply took.
+        let expires = local_now + g_left - i64::try_from(micros(plan.margin)).unwrap_or(0);
+        let tau = plan.tau(g_share_u);
+        let written = self
+            .local_call(
+                |c| {
+                    c.arg("apply")
+                        .arg("")
+                        .arg(g_seq)
+                        .arg(g_share)
+                        .arg(tau)
+                        .arg(expires)
+                        .arg(learning)
+                        .arg(safe)
+                        .arg(plan.tau(safe));
+                },
+                2,
+            )
+            .await;
+        let Some(written) = written else {
+            self.failed(None);
+            return;
+        };
+        // What the record holds now (a learning grant may have been capped).
+        let g_share_u = if written[0] == 1 {
+            units(written[1])
+        } else {
+            g_share_u
+        };
+        if written[0] == 1 && g_share_u < enforced {
+            let ack = Report {
+                seq: units(g_seq),
+                share: g_share_u,
+                demand: report.demand,
+            };
+            let cmd = plan.home_cmd("ack", self.index, &ack);
+            if let Err(e) = self.allocator.call_home(&cmd, 2).await {
+                tracing::debug!(error = %e, "region: the home did not take the ack (the next refresh carries it)");
+            }
+        }
+        let lease = Duration::from_micros(units(g_left)).saturating_sub(plan.margin);
+        let mut round = self.round();
+        round.granted_at = Some(started);
+        round.lease_end = Some(started + lease);
+        round.status.share = g_share_u;
+        round.status.learning = learning == 1;
+        round.status.home_reachable = true;
+        round.status.refreshes += 1;
+        self.metrics.granted.increment(1);
+        self.metrics.share.set(g_share_u as f64);
+        self.metrics.demand.set(round.status.demand as f64);
+        self.metrics.utilisation.set(round.status.utilisation);
+        self.metrics.lease_age.set(0.0);
+    }
+
+    fn failed(&self, error: Option<&crate::gate::GateError>) {
+        self.metrics.failed.increment(1);
+        let mut round = self.round();
+        round.status.failures += 1;
+        if error.is_some() {
+            round.status.home_reachable = false;
+        }
+        if let Some(at) = round.granted_at {
+            self.metrics.lease_age.set(at.elapsed().as_secs_f64());
+        }
+        if round.status.failures.is_power_of_two() {
+            tracing::warn!(
+                allocator = %self.plan().name,
+                region = %round.status.region,
+                failures = round.status.failures,
+                error = ?error.map(ToString::to_string),
+                "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
+            );
+        }
+    }
+}
+
+impl<C> Region<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A gate that admits at the region's current share, deciding against the local Redis;
+    /// when the local Redis fails, [`FailurePolicy::Error`] (see
+    /// [`gate_with`](Region::gate_with)).
+    pub fn gate(&self) -> RegionGate<C> {
+        self.gate_with(FailurePolicy::Error)
+    }
+
+    /// A gate with this failure policy for when the local Redis fails or times out.
+    /// [`FailurePolicy::Error`] and [`FailurePolicy::Closed`] keep the global bound;
+    /// `Open` and `Fallback` admit outside it while the local Redis is away.
+    pub fn gate_with(&self, policy: FailurePolicy) -> RegionGate<C> {
+        RegionGate::new(self.clone(), policy)
+    }
+
+    /// Refresh now instead of waiting for the next interval (what the background task does
+    /// every interval).
+    pub async fn refresh_now(&self) {
+        self.handle.core.refresh().await;
+    }
+}
+
+impl<C> Region<C> {
+    pub(crate) fn core(&self) -> &Arc<Core<C>> {
+        &self.handle.core
+    }
+
+    /// This process's view of the region: share, demand, utilisation, lease age.
+    pub fn status(&self) -> RegionStatus {
+        let round = self.handle.core.round();
+        let now = Instant::now();
+        let mut status = round.status.clone();
+        status.lease_left = round
+            .lease_end
+            .map_or(Duration::ZERO, |end| end.saturating_duration_since(now));
+        status.lease_age = round.granted_at.map(|at| now.saturating_duration_since(at));
+        status
+    }
+}
+
+impl<C> fmt::Debug for Core<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Core")
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}

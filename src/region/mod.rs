@@ -1,0 +1,99 @@
+//! One limit across regions: a global quota divided among regions (or instance groups)
+//! that each decide against their **local** Redis, with the shares held as leases in one
+//! **home** Redis.
+//!
+//! A limit that must hold across continents cannot ask one Redis per request (a cross-region
+//! round trip is 100–200 ms). Here each region admits at its *share* of the global rate with
+//! a [`RegionGate`] against its own Redis, at local latency; a background refresher in each
+//! region reports the region's demand to the home and gets the region's next share as a
+//! lease. The home Redis is the single writer (atomic Lua, its own clock): no extra server,
+//! no election.
+//!
+//! ```text
+//!            home Redis (one hash: every region's leases, demands; lua/region_home.lua)
+//!              ▲  refresh every `refresh_every`: report demand, get a lease (share, TTL)
+//!     ┌────────┼─────────────────┬──────────────────────┐
+//!   region us (local Redis)    region eu              region ap
+//!   lease record ◄── refresher  lease record            lease record
+//!   buckets at the share ◄── RegionGate::check (local latency, every process of the region)
+//! ```
+//!
+//! # Policies
+//!
+//! [`Allocation::Static`] splits by weight (50 % / 30 % / 20 %). [`Allocation::FairShare`]
+//! (the default) and [`Allocation::ProportionalShare`] follow demand — what each region
+//! admitted plus what it rejected, smoothed over refreshes — as Doorman does: with capacity
+//! 120 and wants 1000 / 50 / 10, fair share gives 60 / 50 / 10.
+//!
+//! # The invariant, and the protocol that keeps it
+//!
+//! **At every instant, the shares the regions may admit at add up to at most the global
+//! rate.** Shares are whole units of the quota's period, so this is exact. The home keeps,
+//! per region, the largest rate the region may be admitting at — its safe share, or a lease
+//! it may still be using — and grants a region at most what the others do not hold:
+//!
+//! 1. **Leases end early locally.** A refresh first reads the local Redis clock (`t0`), then
+//!    asks the home. The home grants `(seq, share)` until `now_home + ttl`; the region writes
+//!    the lease to expire at `t0 + ttl − margin` on its own clock. `t0` was read before the
+//!    home ran the script, so the lease ends locally before it ends at the home, however late
+//!    the reply arrives (the margin covers clock rate drift; Redis clocks may disagree in
+//!    absolute time).
+//! 2. **A share only grows after what it takes has stopped being used.** When the home
+//!    shrinks region A, it keeps counting A's old lease until A proves it no longer uses it:
+//!    A's next report names the lease it holds, and its local record takes only leases with a
+//!    larger `seq`, so every older lease is dead for good. (A region whose share shrank tells
+//!    the home at once, so the capacity moves within one refresh.) Otherwise the old lease
+//!    counts until it expires. At most two leases per region are ever live: a region that has
+//!    not reported holding its last lease gets that same lease again.
+//! 3. **Safe shares are reserved.** A region whose lease expires falls to its
+//!    [`SafeShare`] without asking anyone, so the home never grants a region's safe share to
+//!    another. [`SafeShare::Closed`] (the default) reserves nothing.
+//! 4. **A home that lost its state learns.** A home without state (first start, or a restart
+//!    without persistence) cannot know the leases it granted before. For one lease length it
+//!    grants each region at most what that region reports admitting at; by then every lease
+//!    from before has expired, and the home knows every live lease again.
+//!    [`QuotaAllocator::init_home`] skips this on a first deployment.
+//!
+//! [`model::Home`] is this protocol as pure math; `tests/region/model.rs` checks the invariant
+//! over random interleavings of refreshes, lost and late replies, crashes, expiries and home
+//! restarts, and runs the same traces through the Lua script.
+//!
+//! # Failures
+//!
+//! | what fails | what happens |
+//! |---|---|
+//! | the home Redis is unreachable | every region keeps its lease until it ends, then admits at its safe share |
+//! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
+//! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
+//! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
+//! | a region's refreshing process dies | another process of the region takes over within three refresh intervals |
+//!
+//! The global burst is divided like the rate (each region's bucket holds its part of the
+//! burst, at least one request), so over any window of length `w` the regions together
+//! admit at most `rate × w + burst + regions` requests.
+//!
+//! Home state persistence: run the home without persistence or with an append-only file
+//! synced on every write. A snapshot restored from the past holds old leases as if they were
+//! current and would not start a learning phase.
+//!
+//! # Metrics
+//!
+//! Labelled by `name` (the allocator) and `region`: `flowgate_region_share`,
+//! `flowgate_region_demand` (units per period), `flowgate_region_utilisation` (admitted ÷
+//! share over the last interval), `flowgate_region_lease_age_seconds` (age of the lease in
+//! use; grows while the home is unreachable), `flowgate_region_refreshes_total` by
+//! `outcome` (`granted`, `failed`, `follower`); the gate's decisions and the Redis calls
+//! as the [`gate`](crate::gate) module's.
+
+mod config;
+mod gate;
+mod member;
+pub mod model;
+mod policy;
+mod status;
+
+pub use config::{QuotaAllocator, QuotaAllocatorBuilder, RegionSpec, SafeShare};
+pub use gate::RegionGate;
+pub use member::Region;
+pub use policy::Allocation;
+pub use status::{AllocatorStatus, HomeRegion, RegionStatus};

@@ -1,0 +1,123 @@
+//! Snapshots: one region as its process sees it, and every region as the home holds them.
+
+use std::fmt;
+use std::time::Duration;
+
+/// One region as this process sees it; from [`Region::status`](crate::region::Region::status).
+///
+/// Shares and demand are in units per period of the global quota.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct RegionStatus {
+    /// The region's name.
+    pub region: String,
+    /// Whether this process refreshes the region's lease (one process per region does; the
+    /// others only decide).
+    pub leader: bool,
+    /// The share of the region's current lease (what its gates admit at until the lease
+    /// ends), as of the last refresh by this process.
+    pub share: u64,
+    /// What the region admits at once the lease has expired.
+    pub safe: u64,
+    /// How long the lease has left, as of now (zero: expired; the region admits at its safe
+    /// share).
+    pub lease_left: Duration,
+    /// Time since the last lease this process obtained was granted (`None`: none yet).
+    pub lease_age: Option<Duration>,
+    /// The region's smoothed demand (admitted plus rejected) as last reported.
+    pub demand: u64,
+    /// Admitted units per period over the last refresh interval ÷ the share it had (0 with
+    /// a share of 0).
+    pub utilisation: f64,
+    /// Whether the home was in its learning phase at the last refresh.
+    pub learning: bool,
+    /// Whether the last call to the home succeeded.
+    pub home_reachable: bool,
+    /// Refreshes that got a lease, and refreshes that failed (home or local Redis), by this
+    /// process.
+    pub refreshes: u64,
+    /// See `refreshes`.
+    pub failures: u64,
+}
+
+impl fmt::Display for RegionStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: share {} (safe {}), lease {:.1}s left, demand {}, utilisation {:.0}%{}{}",
+            self.region,
+            self.share,
+            self.safe,
+            self.lease_left.as_secs_f64(),
+            self.demand,
+            self.utilisation * 100.0,
+            if self.learning { ", home learning" } else { "" },
+            if self.home_reachable {
+                ""
+            } else {
+                ", home unreachable"
+            },
+        )
+    }
+}
+
+/// One region as the home holds it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HomeRegion {
+    /// The region's name.
+    pub region: String,
+    /// The most the region may admit at as far as the home knows (its safe share, or a
+    /// live lease it may still use, whichever is larger): what the home keeps from the
+    /// others.
+    pub held: u64,
+    /// Its last lease's share (0: no live lease).
+    pub share: u64,
+    /// Its safe share.
+    pub safe: u64,
+    /// How long its last lease has left (zero: none live).
+    pub lease_left: Duration,
+    /// The demand of its last refresh.
+    pub demand: u64,
+    /// Time since its last refresh (`None`: never, since the home's state began).
+    pub since_refresh: Option<Duration>,
+}
+
+/// Every region as the home holds them; from
+/// [`QuotaAllocator::status`](crate::region::QuotaAllocator::status).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AllocatorStatus {
+    /// The global rate in units per `period`.
+    pub capacity: u64,
+    /// The period of the global quota.
+    pub period: Duration,
+    /// Whether the home is in its learning phase (it restarted without state).
+    pub learning: bool,
+    /// The regions, in configuration order.
+    pub regions: Vec<HomeRegion>,
+}
+
+impl AllocatorStatus {
+    /// The sum of what the regions hold: never above `capacity` (the allocation invariant).
+    pub fn held(&self) -> u64 {
+        self.regions.iter().map(|r| r.held).sum()
+    }
+}
+
+impl fmt::Display for AllocatorStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} of {} per {:?} held{}",
+            self.held(),
+            self.capacity,
+            self.period,
+            if self.learning { " (learning)" } else { "" }
+        )?;
+        for r in &self.regions {
+            write!(f, "; {} {} (demand {})", r.region, r.held, r.demand)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,9 @@
+//! One quota across regions: the lease protocol (model and Lua), and regions against real
+//! `redis-server` processes from the harness, cross-region latency injected by a TCP delay
+//! proxy.
+#![cfg(feature = "redis")]
+
+mod support;
+
+#[path = "region/model.rs"]
+mod model;

@@ -5,5 +5,9 @@
 
 mod support;
 
+#[path = "region/e2e.rs"]
+mod e2e;
+#[path = "region/fleet.rs"]
+mod fleet;
 #[path = "region/model.rs"]
 mod model;

@@ -310,7 +310,9 @@ where
     }
 
     /// The weight of the newest measurement in a region's demand (an exponentially weighted
-    /// moving average over refreshes; default 0.5, in (0, 1]).
+    /// moving average over refreshes; default 0.5, in (0, 1]). A measurement more than a
+    /// quarter away from the average replaces it: demand that really moved is followed at
+    /// once, noise is smoothed.
     pub fn smoothing(mut self, weight: f64) -> Self {
         self.smoothing = weight;
         self

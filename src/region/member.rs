@@ -223,6 +223,17 @@ impl<C> Core<C> {
     }
 }
 
+/// The demand after a new measurement: an exponentially weighted moving average with weight
+/// `weight` for the new value, except that a measurement more than a quarter away from the
+/// average replaces it (demand that really moved is followed at once; noise is smoothed).
+fn smooth(average: f64, measured: f64, weight: f64) -> f64 {
+    if (measured - average).abs() > average / 4.0 {
+        measured
+    } else {
+        weight * measured + (1.0 - weight) * average
+    }
+}
+
 fn share_script() -> &'static redis::Script {
     static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
     SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_SHARE))
@@ -301,7 +312,7 @@ where
             let per_period =
                 |n: i64| units(n) as f64 * plan.period_us as f64 / elapsed.as_micros() as f64;
             let measured = per_period(admitted) + per_period(rejected);
-            round.demand = plan.smoothing * measured + (1.0 - plan.smoothing) * round.demand;
+            round.demand = smooth(round.demand, measured, plan.smoothing);
             round.status.utilisation = if enforced == 0 {
                 0.0
             } else {
@@ -454,5 +465,18 @@ impl<C> fmt::Debug for Core<C> {
         f.debug_struct("Core")
             .field("index", &self.index)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::smooth;
+
+    #[test]
+    fn demand_smooths_noise_and_follows_a_move_at_once() {
+        assert_eq!(smooth(100.0, 110.0, 0.5), 105.0);
+        assert_eq!(smooth(100.0, 10.0, 0.5), 10.0);
+        assert_eq!(smooth(0.0, 40.0, 0.5), 40.0);
+        assert_eq!(smooth(40.0, 0.0, 0.5), 0.0);
     }
 }

@@ -1,0 +1,345 @@
+//! Three regions × two processes against real `redis-server`s: a home, one local Redis per
+//! region, cross-region latency through a TCP delay proxy. The global quota is 300/s with
+//! bursts of 30; leases last 2 s, refreshed every 400 ms.
+//!
+//! Each test prints what it measured (run with `--nocapture` to see it). The tests run one
+//! at a time (they share the machine's two cores with their servers).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use flowgate::region::{Allocation, SafeShare};
+
+use super::fleet::{BURST, Fleet, RATE, Setup, manager, percentile};
+
+/// One end-to-end test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+/// The window bound, at 1 s and 5 s, over everything admitted so far.
+fn assert_bound(fleet: &Fleet, what: &str) {
+    for w in [secs(1.0), secs(5.0)] {
+        let (n, at) = fleet.max_in_window(w);
+        let bound = Fleet::bound(w);
+        println!("{what}: most admitted in {w:?}: {n} (bound {bound}), at {at:.1?}");
+        assert!(
+            n <= bound,
+            "{what}: {n} admitted in {w:?} at {at:?}, bound {bound}"
+        );
+    }
+}
+
+/// Sample the home's status every 100 ms for `d`; fail if the regions ever hold more than
+/// the capacity.
+async fn watch_home(fleet: &Fleet, d: Duration) -> u64 {
+    let alloc = super::fleet::allocator_builder(manager(&fleet.home.url()).await, &fleet.setup)
+        .build()
+        .unwrap();
+    let end = tokio::time::Instant::now() + d;
+    let mut max_held = 0;
+    while tokio::time::Instant::now() < end {
+        if let Ok(status) = alloc.status().await {
+            assert!(
+                status.held() <= status.capacity,
+                "the home holds {} > {}: {status}",
+                status.held(),
+                status.capacity
+            );
+            max_held = max_held.max(status.held());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    max_held
+}
+
+/// How long a phase of the moving-demand test lasts.
+const PHASE: f64 = 4.0;
+
+/// Demand moves between the regions every 4 s (each in turn wants 400/s, the others 50/s)
+/// for `REGION_SECS` seconds (default 24; the run is 60): the admitted total in
+/// every 1 s and 5 s window stays within the bound, the home never holds more than the
+/// capacity, and in the second half of each phase the fleet admits most of the quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_global_bound_holds_while_demand_moves() {
+    let _serial = SERIAL.lock().await;
+    let total: f64 = std::env::var("REGION_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24.0);
+    let mut fleet = Fleet::start(Setup::default()).await;
+    fleet.start_load();
+    let phases = (total / PHASE).ceil() as usize;
+    let mut max_held = 0;
+    for p in 0..phases {
+        let mut rates = [50; 3];
+        rates[p % 3] = 400;
+        fleet.offer(rates);
+        max_held = max_held.max(watch_home(&fleet, secs(PHASE)).await);
+    }
+    fleet.stop_load();
+    assert_bound(&fleet, "moving demand");
+    println!("the home held at most {max_held} of {RATE}");
+    for p in 0..phases {
+        let from = secs(p as f64 * PHASE + PHASE / 2.0);
+        let got = fleet.admitted_between(from, from + secs(PHASE / 2.0));
+        let per_s = got.iter().sum::<u64>() as f64 / (PHASE / 2.0);
+        println!("phase {p}: admitted {got:?} in its second half, {per_s:.0}/s of {RATE}/s");
+        assert!(
+            per_s >= 0.8 * RATE as f64,
+            "phase {p}: only {per_s:.0}/s admitted of {RATE}/s"
+        );
+    }
+    assert_eq!(fleet.errors.load(Ordering::Relaxed), 0);
+}
+
+/// Skewed demand (ap wants 3× its static weight: 180/s of the 60/s its 20 % gives; us 90/s,
+/// eu 50/s, both under their weights): fair share admits at least 90 % of the quota,
+/// where the static split admits only what the weights allow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demand_driven_shares_use_the_quota_where_a_static_split_cannot() {
+    let _serial = SERIAL.lock().await;
+    let offered = [90, 50, 180];
+    let mut measured = Vec::new();
+    for policy in [Allocation::Static, Allocation::FairShare] {
+        let mut fleet = Fleet::start(Setup {
+            policy,
+            ..Setup::default()
+        })
+        .await;
+        fleet.offer(offered);
+        fleet.start_load();
+        tokio::time::sleep(secs(9.0)).await;
+        fleet.stop_load();
+        let got = fleet.admitted_between(secs(3.0), secs(9.0));
+        let per_s = got.iter().sum::<u64>() as f64 / 6.0;
+        println!(
+            "{policy}: admitted {got:?} in 6 s = {per_s:.0}/s, {:.1} % of {RATE}/s (offered {offered:?}/s)",
+            per_s / RATE as f64 * 100.0
+        );
+        assert_bound(&fleet, &policy.to_string());
+        measured.push(per_s);
+    }
+    let (stat, fair) = (measured[0], measured[1]);
+    assert!(fair >= 0.9 * RATE as f64, "fair share admitted {fair:.0}/s");
+    // The static split: us 90 + eu 50 + ap 60 (its 20 %) = 200/s at most, plus bursts.
+    assert!(stat <= 210.0, "the static split admitted {stat:.0}/s");
+}
+
+/// After demand moves from one region to another, the shares follow within two refresh
+/// intervals of the first refresh that sees the new demand (printed: how long it took).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_follow_demand() {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(Setup::default()).await;
+    fleet.offer([280, 10, 10]);
+    fleet.start_load();
+    tokio::time::sleep(secs(4.0)).await;
+    let before = fleet.shares();
+    println!("before the move: shares {before:?}");
+    assert!(
+        before[0] >= 240,
+        "us should hold most of the quota: {before:?}"
+    );
+    fleet.offer([10, 280, 10]);
+    let moved = tokio::time::Instant::now();
+    let refresh = fleet.setup.refresh;
+    let mut followed = None;
+    while moved.elapsed() < secs(6.0) {
+        let s = fleet.shares();
+        if s[1] >= 240 && s[0] <= 40 {
+            followed = Some(moved.elapsed());
+            println!(
+                "after {:?} ({:.1} refresh intervals): shares {s:?}",
+                moved.elapsed(),
+                moved.elapsed().as_secs_f64() / refresh.as_secs_f64()
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fleet.stop_load();
+    assert_bound(&fleet, "moving shares");
+    let took = followed.expect("the shares did not follow within 6 s");
+    // The demand of the interval in which it moved is half old, half new (each refresh
+    // measures the interval behind it), so the first refresh that sees the new demand
+    // fully is up to one interval after the move; two more bring the shares.
+    assert!(
+        took <= refresh * 3 + Duration::from_millis(300),
+        "the shares took {took:?} to follow ({refresh:?} refreshes)"
+    );
+}
+
+/// The home becomes unreachable from every region: each keeps its lease until it ends,
+/// then admits at its safe share (20/s each here); when the home is back, shares grow again.
+/// The bound holds throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_home_regions_keep_their_lease_then_fall_to_the_safe_share() {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(Setup {
+        safe: SafeShare::Units(20),
+        ..Setup::default()
+    })
+    .await;
+    fleet.offer([200, 200, 200]);
+    fleet.start_load();
+    tokio::time::sleep(secs(3.0)).await;
+    for p in &fleet.proxies {
+        p.cut();
+    }
+    let cut = fleet.started.elapsed();
+    tokio::time::sleep(secs(5.0)).await;
+    for p in &fleet.proxies {
+        p.heal();
+    }
+    let healed = fleet.started.elapsed();
+    tokio::time::sleep(secs(4.0)).await;
+    fleet.stop_load();
+    let rate = |from: Duration, len: f64| {
+        let got = fleet.admitted_between(from, from + secs(len));
+        (got, got.iter().sum::<u64>() as f64 / len)
+    };
+    let (before, before_rate) = rate(cut - secs(1.5), 1.5);
+    // The lease runs out 2 s after its last refresh, which was at most 0.4 s before the cut.
+    let (during_lease, lease_rate) = rate(cut, 1.5);
+    let (on_safe, safe_rate) = rate(cut + secs(2.5), 2.5);
+    let (after, after_rate) = rate(healed + secs(2.0), 2.0);
+    println!(
+        "before the cut {before:?} = {before_rate:.0}/s; first 1.5 s without the home {during_lease:?} = {lease_rate:.0}/s; on the safe shares {on_safe:?} = {safe_rate:.0}/s; after healing {after:?} = {after_rate:.0}/s"
+    );
+    assert!(
+        lease_rate >= 0.8 * RATE as f64,
+        "the leases should hold: {lease_rate:.0}/s"
+    );
+    // 3 × 20/s, plus each region's burst (its part of 30) spread over 2.5 s.
+    assert!(
+        safe_rate <= 60.0 + BURST as f64 / 2.5 + 3.0,
+        "{safe_rate:.0}/s on safe shares"
+    );
+    assert!(
+        safe_rate >= 40.0,
+        "the safe shares should still admit: {safe_rate:.0}/s"
+    );
+    assert!(
+        after_rate >= 0.8 * RATE as f64,
+        "shares should grow back: {after_rate:.0}/s"
+    );
+    assert_bound(&fleet, "home unreachable");
+}
+
+/// A region dies (its processes stop): its lease ends at its TTL, and the other regions get
+/// its share; the bound holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_regions_share_goes_to_the_others() {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(Setup::default()).await;
+    fleet.offer([200, 200, 200]);
+    fleet.start_load();
+    tokio::time::sleep(secs(3.0)).await;
+    let before = fleet.shares();
+    fleet.kill_region(2);
+    let killed = fleet.started.elapsed();
+    // The dead region's lease ends 2 s after its last refresh; two refreshes later the
+    // others hold its share.
+    tokio::time::sleep(secs(2.0 + 1.2)).await;
+    let after = fleet.shares();
+    tokio::time::sleep(secs(2.0)).await;
+    fleet.stop_load();
+    let got = fleet.admitted_between(killed + secs(3.2), killed + secs(5.2));
+    let per_s = (got[0] + got[1]) as f64 / 2.0;
+    println!(
+        "shares before {before:?}, 3.2 s after ap died {after:?}; us + eu then admit {per_s:.0}/s"
+    );
+    assert!(before[2] >= 80, "ap held its part before: {before:?}");
+    assert!(
+        after[0] + after[1] >= RATE - 10,
+        "us + eu should hold the quota: {after:?}"
+    );
+    assert!(per_s >= 0.85 * RATE as f64, "us + eu admitted {per_s:.0}/s");
+    assert_bound(&fleet, "dead region");
+}
+
+/// The home restarts without its state: for one lease length it re-grants only what the
+/// regions hold (nothing grows), then it allocates again; the bound holds throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_restarted_empty_learns_for_one_lease_and_the_bound_holds() {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(Setup::default()).await;
+    fleet.offer([250, 50, 50]);
+    fleet.start_load();
+    tokio::time::sleep(secs(3.0)).await;
+    let before = fleet.shares();
+    // The demand moves as the home restarts: without learning, eu would be granted at once
+    // what us still holds.
+    fleet.offer([50, 250, 50]);
+    fleet.home.restart();
+    let restarted = tokio::time::Instant::now();
+    let mut learning_seen = false;
+    let mut max_eu_while_learning = 0;
+    while restarted.elapsed() < secs(1.5) {
+        let s = fleet.shares();
+        max_eu_while_learning = max_eu_while_learning.max(s[1]);
+        learning_seen |= fleet.members[1]
+            .iter()
+            .flatten()
+            .any(|m| m.status().learning);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(secs(4.5)).await;
+    let after = fleet.shares();
+    fleet.stop_load();
+    println!(
+        "shares before {before:?}; eu at most {max_eu_while_learning} while learning; 6 s after the restart {after:?}"
+    );
+    assert!(learning_seen, "the regions should see the home learning");
+    assert!(
+        max_eu_while_learning <= before[1],
+        "eu grew while the home was learning: {max_eu_while_learning} > {}",
+        before[1]
+    );
+    // Fair share of wants 56 / 281 / 56 (demand plus an eighth): eu gets 300 − 112 = 188.
+    assert!(
+        after[1] >= 180,
+        "after learning eu should get its share: {after:?}"
+    );
+    assert_bound(&fleet, "home restart");
+}
+
+/// Decisions stay local: with 50 ms one way (100 ms round trip) between each region and
+/// the home, the p99 of a region's decision is the local Redis's latency, not the home's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_stay_at_local_latency() {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(Setup {
+        one_way: Duration::from_millis(50),
+        refresh: Duration::from_millis(500),
+        ..Setup::default()
+    })
+    .await;
+    // The local Redis alone, as a baseline: a PING on the same kind of connection.
+    let mut baseline = Vec::new();
+    let mut con = manager(&fleet.locals[0].url()).await;
+    for _ in 0..400 {
+        let t = std::time::Instant::now();
+        let _: String = redis::cmd("PING").query_async(&mut con).await.unwrap();
+        baseline.push(t.elapsed().as_micros() as u64);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    fleet.offer([150, 90, 60]);
+    fleet.start_load();
+    tokio::time::sleep(secs(4.0)).await;
+    fleet.stop_load();
+    let mut all: Vec<u64> = fleet.latencies.lock().unwrap().concat();
+    let p99 = percentile(&mut all, 99.0);
+    let p50 = percentile(&mut all, 50.0);
+    let base99 = percentile(&mut baseline, 99.0);
+    let base50 = percentile(&mut baseline, 50.0);
+    println!(
+        "decision latency over {} decisions: p50 {p50} µs, p99 {p99} µs; local Redis PING: p50 {base50} µs, p99 {base99} µs; home round trip 100 ms",
+        all.len()
+    );
+    assert!(all.len() > 500);
+    assert!(p99 < 25_000, "p99 {p99} µs: decisions wait for the home?");
+}

@@ -1,0 +1,290 @@
+//! A fleet for the end-to-end tests: a home `redis-server`, one local `redis-server` per
+//! region, a TCP delay proxy between each region and the home (the cross-region latency),
+//! several processes per region (each its own `Region`, connections and refresher), and
+//! open-loop load at a per-region offered rate that a test can move.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use flowgate::Quota;
+use flowgate::region::{Allocation, QuotaAllocator, Region, RegionSpec, SafeShare};
+use redis::aio::ConnectionManager;
+use tokio::task::JoinHandle;
+
+use crate::support::{DelayProxy, RedisServer};
+
+pub const REGIONS: [&str; 3] = ["us", "eu", "ap"];
+pub const WEIGHTS: [u64; 3] = [50, 30, 20];
+/// The global quota: 300 per second, bursts of 30.
+pub const RATE: u64 = 300;
+pub const BURST: u64 = 30;
+
+/// How a fleet is set up.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub policy: Allocation,
+    pub safe: SafeShare,
+    pub lease: Duration,
+    pub refresh: Duration,
+    /// One-way latency between each region and the home.
+    pub one_way: Duration,
+    pub processes: usize,
+    /// Whether to start the home without its learning phase (a first deployment).
+    pub init_home: bool,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            policy: Allocation::FairShare,
+            safe: SafeShare::Closed,
+            lease: Duration::from_secs(2),
+            refresh: Duration::from_millis(400),
+            one_way: Duration::from_millis(25),
+            processes: 2,
+            init_home: true,
+        }
+    }
+}
+
+/// A connection manager that gives up fast, so a dead home or local Redis fails a call
+/// within the timeouts instead of hanging.
+pub async fn manager(url: &str) -> ConnectionManager {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(300)))
+        .set_response_timeout(Some(Duration::from_millis(300)))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(100));
+    let client = redis::Client::open(url).expect("a valid url");
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .expect("connect")
+}
+
+pub fn allocator_builder(
+    home: ConnectionManager,
+    setup: &Setup,
+) -> flowgate::region::QuotaAllocatorBuilder<ConnectionManager> {
+    let quota = Quota::per_second(RATE as u32)
+        .and_then(|q| q.burst(BURST as u32))
+        .expect("a valid quota");
+    let mut b = QuotaAllocator::builder(home, quota)
+        .name("e2e")
+        .policy(setup.policy)
+        .safe_share(setup.safe)
+        .lease(setup.lease)
+        .refresh_every(setup.refresh)
+        .home_timeout(setup.refresh * 3 / 4);
+    for (name, weight) in REGIONS.iter().zip(WEIGHTS) {
+        b = b.region(RegionSpec::new(*name, weight));
+    }
+    b
+}
+
+pub struct Fleet {
+    pub setup: Setup,
+    pub home: RedisServer,
+    pub locals: Vec<RedisServer>,
+    pub proxies: Vec<DelayProxy>,
+    /// Per region, per process.
+    pub members: Vec<Vec<Option<Region<ConnectionManager>>>>,
+    /// Offered load per region, requests per second (split over its processes).
+    pub offered: Vec<Arc<AtomicU64>>,
+    /// Every admitted request: when (after its decision returned) and which region.
+    pub admitted: Arc<Mutex<Vec<(Instant, usize)>>>,
+    /// Decision latencies in µs, per region.
+    pub latencies: Arc<Mutex<Vec<Vec<u64>>>>,
+    pub errors: Arc<AtomicU64>,
+    load: Vec<JoinHandle<()>>,
+    pub started: Instant,
+}
+
+impl Fleet {
+    pub async fn start(setup: Setup) -> Fleet {
+        let home = RedisServer::start();
+        let locals: Vec<RedisServer> = REGIONS.iter().map(|_| RedisServer::start()).collect();
+        let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+        let mut proxies = Vec::new();
+        for _ in REGIONS {
+            proxies.push(DelayProxy::start(home_addr, setup.one_way).await.unwrap());
+        }
+        if setup.init_home {
+            let alloc = allocator_builder(manager(&home.url()).await, &setup)
+                .build()
+                .unwrap();
+            assert!(alloc.init_home().await.unwrap());
+        }
+        let mut members = Vec::new();
+        for (r, name) in REGIONS.iter().enumerate() {
+            let mut procs = Vec::new();
+            for _ in 0..setup.processes {
+                let alloc = allocator_builder(manager(&proxies[r].url()).await, &setup)
+                    .build()
+                    .unwrap();
+                let region = alloc
+                    .join(name, manager(&locals[r].url()).await)
+                    .await
+                    .unwrap();
+                procs.push(Some(region));
+            }
+            members.push(procs);
+        }
+        Fleet {
+            setup,
+            home,
+            locals,
+            proxies,
+            members,
+            offered: REGIONS
+                .iter()
+                .map(|_| Arc::new(AtomicU64::new(0)))
+                .collect(),
+            admitted: Arc::new(Mutex::new(Vec::new())),
+            latencies: Arc::new(Mutex::new(vec![Vec::new(); REGIONS.len()])),
+            errors: Arc::new(AtomicU64::new(0)),
+            load: Vec::new(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Start open-loop load: each process of region `r` sends `offered[r] / processes`
+    /// requests per second (re-read every tick, so a test can move demand).
+    pub fn start_load(&mut self) {
+        self.started = Instant::now();
+        for (r, procs) in self.members.iter().enumerate() {
+            let n = procs.len() as u64;
+            for member in procs.iter().flatten() {
+                let gate = member.gate();
+                let offered = self.offered[r].clone();
+                let admitted = self.admitted.clone();
+                let latencies = self.latencies.clone();
+                let errors = self.errors.clone();
+                self.load.push(tokio::spawn(async move {
+                    let mut next = tokio::time::Instant::now();
+                    loop {
+                        let rate = offered.load(Ordering::Relaxed) / n;
+                        if rate == 0 {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            next = tokio::time::Instant::now();
+                            continue;
+                        }
+                        next += Duration::from_nanos(1_000_000_000 / rate);
+                        tokio::time::sleep_until(next).await;
+                        let sent = Instant::now();
+                        match gate.check("api", 1).await {
+                            Ok(d) => {
+                                let done = Instant::now();
+                                latencies.lock().unwrap()[r]
+                                    .push(done.duration_since(sent).as_micros() as u64);
+                                if d.allowed {
+                                    admitted.lock().unwrap().push((done, r));
+                                }
+                            }
+                            Err(_) => {
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }));
+            }
+        }
+    }
+
+    pub fn offer(&self, rates: [u64; 3]) {
+        for (o, r) in self.offered.iter().zip(rates) {
+            o.store(r, Ordering::Relaxed);
+        }
+    }
+
+    /// Stop every process of region `r` (its load and its refreshers).
+    pub fn kill_region(&mut self, r: usize) {
+        self.offered[r].store(0, Ordering::Relaxed);
+        for m in &mut self.members[r] {
+            *m = None;
+        }
+    }
+
+    /// Admitted requests per region in [from, to) (offsets from the start of the load).
+    pub fn admitted_between(&self, from: Duration, to: Duration) -> [u64; 3] {
+        let (a, b) = (self.started + from, self.started + to);
+        let mut out = [0; 3];
+        for &(t, r) in self.admitted.lock().unwrap().iter() {
+            if t >= a && t < b {
+                out[r] += 1;
+            }
+        }
+        out
+    }
+
+    /// The most admitted (all regions together) in any window of length `w`, and where it
+    /// starts (offset from the start of the load).
+    pub fn max_in_window(&self, w: Duration) -> (u64, Duration) {
+        let mut times: Vec<Instant> = self.admitted.lock().unwrap().iter().map(|a| a.0).collect();
+        times.sort();
+        let (mut best, mut at, mut lo) = (0, Duration::ZERO, 0);
+        for hi in 0..times.len() {
+            while times[hi].duration_since(times[lo]) >= w {
+                lo += 1;
+            }
+            let n = (hi - lo + 1) as u64;
+            if n > best {
+                best = n;
+                at = times[lo].saturating_duration_since(self.started);
+            }
+        }
+        (best, at)
+    }
+
+    /// The bound on any window of `w`: rate × w + burst + one request per region (each
+    /// region's bucket holds at least one), plus what the decisions' measured latency lets
+    /// slip into a window measured at the client (the rate × 20 ms).
+    pub fn bound(w: Duration) -> u64 {
+        let slack = Duration::from_millis(20);
+        (RATE as f64 * (w + slack).as_secs_f64()).ceil() as u64 + BURST + REGIONS.len() as u64
+    }
+
+    /// The share each region's leader last got.
+    pub fn shares(&self) -> [u64; 3] {
+        let mut out = [0; 3];
+        for (r, procs) in self.members.iter().enumerate() {
+            out[r] = procs
+                .iter()
+                .flatten()
+                .map(|m| m.status())
+                .filter(|s| s.leader)
+                .map(|s| {
+                    if s.lease_left > Duration::ZERO {
+                        s.share
+                    } else {
+                        s.safe
+                    }
+                })
+                .max()
+                .unwrap_or(0);
+        }
+        out
+    }
+
+    pub fn stop_load(&mut self) {
+        for t in self.load.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.stop_load();
+    }
+}
+
+/// The p-th percentile (0..=100) of `v`, by nearest rank.
+pub fn percentile(v: &mut [u64], p: f64) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    v.sort_unstable();
+    let rank = ((p / 100.0) * v.len() as f64).ceil().max(1.0) as usize;
+    v[rank.min(v.len()) - 1]
+}

@@ -4,8 +4,8 @@
 --
 -- KEYS[1]  the lease record (lua/region_share.lua): <seq, share, tau, expires_us>
 -- KEYS[2]  the demand counters: HINCRBY a (admitted) or r (rejected) by the cost
--- KEYS[3]  the bucket: <tat_us, frac, count>, packed little-endian doubles; frac is in units
---          of 1/count us, count the share it was written at
+-- KEYS[3]  the bucket: <tat_us, frac, count, tau>, packed little-endian doubles; frac is in
+--          units of 1/count us; count and tau are the share and bucket size it was written at
 -- ARGV[1]  now in us, for the model tests only; empty in production: Redis TIME is used
 -- ARGV[2]  cost
 -- ARGV[3]  the quota's period, us
@@ -15,9 +15,10 @@
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
--- changes, the bucket keeps how far ahead its TAT is in time (rounded up), so a region never
+-- changes, the bucket keeps the tokens in hand (at most the new bucket), so a region never
 -- gains tokens by a change. Returns {allowed, burst, remaining, retry_after_us,
--- reset_after_us}; a rejected request writes nothing but the counter.
+-- reset_after_us}; a rejected request writes only the counter (and the bucket converted to
+-- a new share).
 
 local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
@@ -40,33 +41,49 @@ if share <= 0 then
   return {0, 0, 0, tonumber(ARGV[6]), 0}
 end
 
+-- Store the bucket with fill `used` (units of 1/share us) at now.
+local function write(used)
+  local ahead = math.floor(used / share)
+  local frac = used - ahead * share
+  redis.call('SET', KEYS[3], struct.pack('<dddd', now + ahead, frac, share, tau), 'PX',
+    math.floor(ahead / 1000) + 1000)
+end
+
 local used = 0
+local converted = false
 local state = redis.call('GET', KEYS[3])
 if state then
-  local ok, tat_us, frac, count = pcall(struct.unpack, '<ddd', state)
-  if not ok or type(count) ~= 'number' or count <= 0 or frac < 0 or frac >= count then
+  local ok, tat_us, frac, count, was_tau = pcall(struct.unpack, '<dddd', state)
+  if not ok or type(was_tau) ~= 'number' or count <= 0 or frac < 0 or frac >= count
+      or was_tau < 0 then
     return redis.error_reply('ERR region bucket is unreadable: delete ' .. KEYS[3])
   end
   local ahead = tat_us - now
   if ahead > 0 or (ahead == 0 and frac > 0) then
-    if count ~= share then
-      frac = math.ceil(frac * share / count)
-    end
-    used = ahead * share + frac
+    used = ahead * count + frac
+  end
+  if count ~= share or was_tau ~= tau then
+    -- The share changed: keep the tokens in hand (a token is `period` units at any share),
+    -- at most the new bucket. A region never gains tokens by a change, so the regions
+    -- together never hold more than their buckets, which add up to the global burst.
+    local in_hand = math.max(0, was_tau - used)
+    used = tau - math.min(tau, in_hand)
+    converted = true
   end
 end
 
 local burst = math.floor(tau / period)
 local used_after = used + cost * period
 if used_after > tau then
+  if converted then
+    -- Refill at the new share from now on, admitted or not.
+    write(used)
+  end
   redis.call('HINCRBY', KEYS[2], 'r', cost)
   local held = math.min(used, tau)
   return {0, burst, math.floor((tau - held) / period),
     math.ceil((used_after - tau) / share), math.ceil(held / share)}
 end
-local ahead = math.floor(used_after / share)
-local frac = used_after - ahead * share
-redis.call('SET', KEYS[3], struct.pack('<ddd', now + ahead, frac, share), 'PX',
-  math.floor(ahead / 1000) + 1000)
+write(used_after)
 redis.call('HINCRBY', KEYS[2], 'a', cost)
 return {1, burst, math.floor((tau - used_after) / period), 0, math.ceil(used_after / share)}

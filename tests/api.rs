@@ -148,4 +148,16 @@ fn shared_handles_have_the_auto_traits_users_need() {
     sendable::<flowgate::channel::Receiver<std::cell::Cell<u8>>>();
     sendable::<flowgate::Dropped>();
     sendable::<flowgate::CostError>();
+    #[cfg(feature = "redis")]
+    {
+        // Unwind safety follows the connection type (redis-rs's are not), as for RedisGate.
+        fn connected<T: Send + Sync + Unpin + Clone + 'static>() {}
+        type Conn = redis::aio::ConnectionManager;
+        connected::<flowgate::region::QuotaAllocator<Conn>>();
+        connected::<flowgate::region::Region<Conn>>();
+        connected::<flowgate::region::RegionGate<Conn>>();
+        connected::<flowgate::gate::RedisGate<Conn>>();
+        shared::<flowgate::region::RegionStatus>();
+        shared::<flowgate::region::AllocatorStatus>();
+    }
 }

@@ -5,6 +5,8 @@
 
 mod support;
 
+#[path = "region/config.rs"]
+mod config;
 #[path = "region/e2e.rs"]
 mod e2e;
 #[path = "region/fleet.rs"]

@@ -1,0 +1,212 @@
+//! Settings are validated with typed errors; the allocation policies' arithmetic.
+
+use std::time::Duration;
+
+use flowgate::region::{Allocation, QuotaAllocator, RegionSpec, SafeShare};
+use flowgate::{ConfigErrorKind, Quota};
+use proptest::prelude::*;
+
+use crate::support::RedisServer;
+
+async fn builder(
+    server: &RedisServer,
+) -> flowgate::region::QuotaAllocatorBuilder<redis::aio::MultiplexedConnection> {
+    QuotaAllocator::builder(server.connect().await, Quota::per_second(100).unwrap())
+}
+
+#[tokio::test]
+async fn bad_settings_are_typed_errors() {
+    let server = RedisServer::start();
+    let err = |r: Result<_, flowgate::ConfigError>| r.map(|_| ()).unwrap_err();
+    let e = err(builder(&server).await.build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.regions", ConfigErrorKind::Zero)
+    );
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .region(("us", 2))
+        .build());
+    assert_eq!(e.field(), "region.regions");
+    assert!(e.to_string().contains("\"us\" is listed twice"), "{e}");
+    let e = err(builder(&server).await.region(("", 1)).build());
+    assert_eq!(e.field(), "region.regions");
+    let e = err(builder(&server)
+        .await
+        .region(RegionSpec::new("us", 1).safe_share(SafeShare::Units(60)))
+        .region(RegionSpec::new("eu", 1).safe_share(SafeShare::Units(50)))
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.safe_share", ConfigErrorKind::TooLarge)
+    );
+    let e = err(builder(&server)
+        .await
+        .region(("us", 0))
+        .policy(Allocation::Static)
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.regions", ConfigErrorKind::Zero)
+    );
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .lease(Duration::ZERO)
+        .build());
+    assert_eq!(e.field(), "region.lease");
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .lease(Duration::from_secs(1))
+        .refresh_every(Duration::from_millis(600))
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.refresh", ConfigErrorKind::Inconsistent)
+    );
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .refresh_every(Duration::from_millis(500))
+        .home_timeout(Duration::from_millis(500))
+        .build());
+    assert_eq!(e.field(), "region.home_timeout");
+    for bad in [0.0, -1.0, 1.5, f64::NAN] {
+        let e = err(builder(&server)
+            .await
+            .region(("us", 1))
+            .smoothing(bad)
+            .build());
+        assert_eq!(e.field(), "region.smoothing");
+    }
+    let e = err(QuotaAllocator::builder(
+        server.connect().await,
+        Quota::per(1, Duration::from_nanos(1500)).unwrap(),
+    )
+    .region(("us", 1))
+    .build());
+    assert_eq!(e.field(), "region.quota");
+    // A safe share by static weight is the region's weight of the capacity.
+    let alloc = builder(&server)
+        .await
+        .region(("us", 3))
+        .region(RegionSpec::new("eu", 1).safe_share(SafeShare::Units(5)))
+        .safe_share(SafeShare::StaticWeight)
+        .build()
+        .unwrap();
+    assert_eq!(alloc.safe_shares(), [("us", 75), ("eu", 5)]);
+    // Joining a region that is not configured.
+    let e = alloc
+        .join("mars", server.connect().await)
+        .await
+        .unwrap_err();
+    assert_eq!(e.field(), "region.name");
+    assert!(e.to_string().contains("us, eu"), "{e}");
+}
+
+proptest! {
+    /// Every policy: the parts never add up to more than the capacity; demand-driven parts
+    /// never exceed a want; wants that fit are met.
+    #[test]
+    fn policies_never_give_more_than_the_capacity(
+        capacity in 0u64..10_000,
+        regions in prop::collection::vec((0u64..100, 0u64..5_000), 1..8),
+    ) {
+        let weights: Vec<u64> = regions.iter().map(|r| r.0).collect();
+        let wants: Vec<u64> = regions.iter().map(|r| r.1).collect();
+        for policy in [Allocation::Static, Allocation::FairShare, Allocation::ProportionalShare] {
+            let parts = policy.divide(capacity, &weights, &wants);
+            prop_assert_eq!(parts.len(), regions.len());
+            prop_assert!(parts.iter().sum::<u64>() <= capacity, "{} {:?}", policy, parts);
+            if policy != Allocation::Static {
+                for (p, w) in parts.iter().zip(&wants) {
+                    prop_assert!(p <= w);
+                }
+                if wants.iter().sum::<u64>() <= capacity {
+                    prop_assert_eq!(&parts, &wants);
+                }
+            }
+        }
+        // Max-min fairness: a region that got less than it wants got at least as much as
+        // every other region (give or take the rounding unit).
+        let fair = Allocation::FairShare.divide(capacity, &weights, &wants);
+        for i in 0..fair.len() {
+            if fair[i] < wants[i] {
+                for j in 0..fair.len() {
+                    prop_assert!(fair[i] + 1 >= fair[j], "{:?} wants {:?}", fair, wants);
+                }
+            }
+        }
+    }
+}
+
+/// A region's gate: bad requests are typed errors without a call; a dead local Redis is
+/// decided by the gate's failure policy; one region alone gets the whole quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(
+        home.fast_failing_manager().await,
+        Quota::per_second(100).unwrap().burst(10).unwrap(),
+    )
+    .name("solo")
+    .region(("only", 1))
+    .lease(Duration::from_secs(2))
+    .refresh_every(Duration::from_millis(200))
+    .home_timeout(Duration::from_millis(150))
+    .build()
+    .unwrap();
+    assert!(alloc.init_home().await.unwrap());
+    assert!(!alloc.init_home().await.unwrap(), "the home has state now");
+    let region = alloc
+        .join("only", local.fast_failing_manager().await)
+        .await
+        .unwrap();
+    let gate = region.gate();
+    assert!(matches!(
+        gate.check("k", 0).await,
+        Err(flowgate::gate::GateError::Cost(_))
+    ));
+    assert!(matches!(
+        gate.check("k", 11).await,
+        Err(flowgate::gate::GateError::Cost(_))
+    ));
+    assert!(matches!(
+        gate.check("", 1).await,
+        Err(flowgate::gate::GateError::InvalidKey(_))
+    ));
+    // The first refresh reported no demand (a share of 1); the next one sees the rejected
+    // requests and grants the whole quota.
+    let mut admitted = 0;
+    for _ in 0..40 {
+        admitted += u32::from(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!(admitted, 1, "a share of 1 per second holds one request");
+    region.refresh_now().await;
+    let status = region.status();
+    assert!(status.leader);
+    assert_eq!(status.share, 100, "{status}");
+    assert!(status.lease_left > Duration::from_millis(1500), "{status}");
+    let home_view = alloc.status().await.unwrap();
+    assert_eq!(home_view.held(), 100, "{home_view}");
+    // A bigger share brings no tokens with it: the bucket fills at the new rate (100/s),
+    // its whole burst of 10 within 100 ms.
+    let d = gate.check("k", 10).await.unwrap();
+    assert!(!d.allowed, "tokens appeared with the share: {d:?}");
+    assert!(d.retry_after <= Duration::from_millis(100), "{d:?}");
+    tokio::time::sleep(Duration::from_millis(110)).await;
+    let d = gate.check("k", 10).await.unwrap();
+    assert!(d.allowed, "the bucket fills at the new share: {d:?}");
+    assert_eq!(d.capacity, 10);
+    local.kill();
+    assert!(
+        gate.check("k", 1).await.is_err(),
+        "FailurePolicy::Error returns the error"
+    );
+    let closed = region.gate_with(flowgate::gate::FailurePolicy::Closed);
+    let d = closed.check("k", 1).await.unwrap();
+    assert!(!d.allowed);
+}

@@ -182,30 +182,29 @@ pub(crate) fn micros(d: Duration) -> u64 {
 /// # Examples
 ///
 /// ```no_run
-/// use std::time::Duration;
 /// use flowgate::region::{Allocation, QuotaAllocator};
 /// use flowgate::Quota;
 ///
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// let home = redis::Client::open("redis://home.internal:6379/")?
-///     .get_connection_manager()
-///     .await?;
-/// let local = redis::Client::open("redis://127.0.0.1:6379/")?
-///     .get_connection_manager()
-///     .await?;
-/// let allocator = QuotaAllocator::builder(home, Quota::per_second(3000)?.burst(300)?)
-///     .name("partner-api")
-///     .region(("us", 50))
-///     .region(("eu", 30))
-///     .region(("ap", 20))
-///     .policy(Allocation::FairShare)
-///     .build()?;
-/// let region = allocator.join("eu", local).await?;
-/// let gate = region.gate();
-/// let decision = gate.check("partner-api", 1).await?;
-/// # let _ = decision;
-/// # Ok(())
-/// # }
+/// #[tokio::main]
+/// async fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let home = redis::Client::open("redis://home.internal:6379/")?
+///         .get_connection_manager()
+///         .await?;
+///     let local = redis::Client::open("redis://127.0.0.1:6379/")?
+///         .get_connection_manager()
+///         .await?;
+///     let allocator = QuotaAllocator::builder(home, Quota::per_second(3000)?.burst(300)?)
+///         .name("partner-api")
+///         .region(("us", 50))
+///         .region(("eu", 30))
+///         .region(("ap", 20))
+///         .policy(Allocation::FairShare)
+///         .build()?;
+///     let region = allocator.join("eu", local).await?;
+///     let decision = region.gate().check("partner-api", 1).await?;
+///     println!("{decision:?}");
+///     Ok(())
+/// }
 /// ```
 pub struct QuotaAllocator<C> {
     pub(crate) plan: Arc<Plan>,

@@ -210,3 +210,49 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     let d = closed.check("k", 1).await.unwrap();
     assert!(!d.allowed);
 }
+
+/// The region's metrics carry the allocator's name and the region, never a user key.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn region_metrics_are_labelled_by_allocator_and_region() {
+    let recorder = crate::support::TestRecorder::default();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name("metered")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(2))
+        .refresh_every(Duration::from_millis(200))
+        .home_timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    let gate = region.gate();
+    for _ in 0..5 {
+        gate.check("tenant-7", 1).await.unwrap();
+    }
+    region.refresh_now().await;
+    let id = |m: &str| format!("{m}{{name=metered,region=eu}}");
+    assert_eq!(recorder.gauge(&id("flowgate_region_share")), Some(50.0));
+    assert!(recorder.gauge(&id("flowgate_region_demand")).unwrap() > 0.0);
+    assert!(recorder.gauge(&id("flowgate_region_utilisation")).is_some());
+    assert_eq!(
+        recorder.gauge(&id("flowgate_region_lease_age_seconds")),
+        Some(0.0)
+    );
+    assert_eq!(
+        recorder.counter("flowgate_region_refreshes_total{name=metered,outcome=granted,region=eu}"),
+        2
+    );
+    let decisions = |o: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=metered,outcome={o},region=eu}}"
+        ))
+    };
+    assert_eq!(decisions("allowed") + decisions("rejected"), 5);
+    assert!(
+        recorder.ids().iter().all(|id| !id.contains("tenant-7")),
+        "a user key became a label"
+    );
+}

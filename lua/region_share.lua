@@ -13,8 +13,9 @@
 -- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
 --
 -- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms.
---   Takes or renews the lock. Not the holder: {0, now_us, 0, 0, 0, 0, 0}. The holder: {1, now_us, seq,
---   share, expires_us - now_us, admitted, rejected}, and the counters start again from 0.
+--   Takes or renews the lock. The holder gets {1, now_us, seq, share, expires_us - now_us,
+--   admitted, rejected}, and the counters start again from 0; another process gets
+--   {0, now_us, seq, share, expires_us - now_us, 0, 0} (the lease, to show in its status).
 --   now_us is the time the lease written by 'apply' will count from.
 -- apply: ARGV[3] seq, ARGV[4] share, ARGV[5] tau, ARGV[6] expires_us (this Redis's clock),
 --   ARGV[7] '1' for a grant of the home's learning phase, ARGV[8] and ARGV[9] the safe share
@@ -40,11 +41,11 @@ end
 if mode == 'report' then
   local token = ARGV[3]
   local holder = redis.call('GET', KEYS[3])
+  local seq, share, _, expires = record()
   if holder and holder ~= token then
-    return {0, now, 0, 0, 0, 0, 0}
+    return {0, now, seq, share, expires - now, 0, 0}
   end
   redis.call('SET', KEYS[3], token, 'PX', tonumber(ARGV[4]))
-  local seq, share, _, expires = record()
   local counts = redis.call('HMGET', KEYS[2], 'a', 'r')
   redis.call('DEL', KEYS[2])
   return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0)}

@@ -244,7 +244,7 @@ pub struct QuotaAllocatorBuilder<C> {
     safe: SafeShare,
     ttl: Duration,
     refresh: Option<Duration>,
-    home_timeout: Duration,
+    home_timeout: Option<Duration>,
     local_timeout: Duration,
     smoothing: f64,
 }
@@ -294,10 +294,10 @@ where
         self
     }
 
-    /// The longest a call to the home Redis may take (default 1 s; a cross-region round
-    /// trip is 100–200 ms).
+    /// The longest a call to the home Redis may take (default 1 s or three quarters of the
+    /// refresh interval, whichever is shorter; a cross-region round trip is 100–200 ms).
     pub fn home_timeout(mut self, timeout: Duration) -> Self {
-        self.home_timeout = crate::time::capped(timeout);
+        self.home_timeout = Some(crate::time::capped(timeout));
         self
     }
 
@@ -408,17 +408,19 @@ where
                 ),
             ));
         }
-        if self.home_timeout.is_zero() {
+        let home_timeout = self
+            .home_timeout
+            .unwrap_or_else(|| Duration::from_secs(1).min(refresh * 3 / 4));
+        if home_timeout.is_zero() {
             return Err(ConfigError::zero("region.home_timeout"));
         }
-        if self.home_timeout >= refresh {
+        if home_timeout >= refresh {
             return Err(ConfigError::new(
                 "region.home_timeout",
                 ConfigErrorKind::Inconsistent,
                 format!(
-                    "the home timeout ({:?}) must be shorter than the refresh interval \
-                     ({refresh:?})",
-                    self.home_timeout
+                    "the home timeout ({home_timeout:?}) must be shorter than the refresh \
+                     interval ({refresh:?})"
                 ),
             ));
         }
@@ -444,7 +446,7 @@ where
             // Clocks of two Redis servers drift apart by parts per million; 1 % of the
             // lease (at least 5 ms) covers that many times over.
             margin: (self.ttl / 100).max(Duration::from_millis(5)),
-            home_timeout: self.home_timeout,
+            home_timeout,
             local_timeout: self.local_timeout,
             smoothing: self.smoothing,
             regions,
@@ -480,7 +482,7 @@ where
             safe: SafeShare::Closed,
             ttl: Duration::from_secs(10),
             refresh: None,
-            home_timeout: Duration::from_secs(1),
+            home_timeout: None,
             local_timeout: Duration::from_millis(50),
             smoothing: 0.5,
         }

@@ -289,17 +289,20 @@ where
             self.failed(None);
             return;
         };
-        if r[0] == 0 {
+        let [leader, local_now, seq, share, left, admitted, rejected] = r[..] else {
+            unreachable!("the report has 7 values")
+        };
+        let units = |x: i64| u64::try_from(x).unwrap_or(0);
+        if leader == 0 {
+            // Another process refreshes: show the lease it keeps.
             self.metrics.follower.increment(1);
             let mut round = self.round();
             round.status.leader = false;
             round.last_report = None;
+            round.status.share = units(share);
+            round.lease_end = Some(started + Duration::from_micros(units(left)));
             return;
         }
-        let [_, local_now, seq, share, left, admitted, rejected] = r[..] else {
-            unreachable!("the report has 7 values")
-        };
-        let units = |x: i64| u64::try_from(x).unwrap_or(0);
         let enforced = if left > 0 { units(share) } else { safe };
         let report = {
             let mut round = self.round();

@@ -15,7 +15,8 @@ pub struct RegionStatus {
     /// others only decide).
     pub leader: bool,
     /// The share of the region's current lease (what its gates admit at until the lease
-    /// ends), as of the last refresh by this process.
+    /// ends), as of this process's last refresh (a process that does not refresh reads the
+    /// lease another one keeps).
     pub share: u64,
     /// What the region admits at once the lease has expired.
     pub safe: u64,
@@ -24,10 +25,11 @@ pub struct RegionStatus {
     pub lease_left: Duration,
     /// Time since the last lease this process obtained was granted (`None`: none yet).
     pub lease_age: Option<Duration>,
-    /// The region's smoothed demand (admitted plus rejected) as last reported.
+    /// The region's smoothed demand (admitted plus rejected) as last reported (by this
+    /// process, if it refreshes).
     pub demand: u64,
     /// Admitted units per period over the last refresh interval ÷ the share it had (0 with
-    /// a share of 0).
+    /// a share of 0; measured by the refreshing process).
     pub utilisation: f64,
     /// Whether the home was in its learning phase at the last refresh.
     pub learning: bool,

@@ -73,6 +73,13 @@ async fn bad_settings_are_typed_errors() {
         .home_timeout(Duration::from_millis(500))
         .build());
     assert_eq!(e.field(), "region.home_timeout");
+    // Without an explicit home timeout, it follows a short refresh interval.
+    builder(&server)
+        .await
+        .region(("us", 1))
+        .refresh_every(Duration::from_millis(500))
+        .build()
+        .unwrap();
     for bad in [0.0, -1.0, 1.5, f64::NAN] {
         let e = err(builder(&server)
             .await
@@ -255,4 +262,45 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
         recorder.ids().iter().all(|id| !id.contains("tenant-7")),
         "a user key became a label"
     );
+}
+
+/// One process of a region refreshes at a time; when it stops, another takes over within
+/// three refresh intervals (its lock lapses), before the region's lease runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_takes_over_the_refreshing() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(home.connect().await, Quota::per_second(50).unwrap())
+        .name("takeover")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(2))
+        .refresh_every(Duration::from_millis(200))
+        .home_timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let first = alloc.join("eu", local.connect().await).await.unwrap();
+    let second = alloc.join("eu", local.connect().await).await.unwrap();
+    assert!(first.status().leader);
+    assert!(!second.status().leader);
+    // A process that does not refresh still shows the region's lease.
+    second.refresh_now().await;
+    let (lead, follow) = (first.status(), second.status());
+    assert_eq!(follow.share, lead.share, "{follow}");
+    assert!(follow.lease_left > Duration::from_millis(1000), "{follow}");
+    drop(first);
+    let stopped = std::time::Instant::now();
+    while !second.status().leader {
+        assert!(
+            stopped.elapsed() < Duration::from_millis(1000),
+            "no takeover after {:?}",
+            stopped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = stopped.elapsed();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let status = second.status();
+    println!("took over after {took:?}: {status}");
+    assert!(status.lease_left > Duration::from_millis(1500), "{status}");
 }

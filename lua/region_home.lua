@@ -219,9 +219,13 @@ local share = math.min(parts[i] + safes[i], math.max(0, capacity - others))
 if learning then
   share = math.min(share, rep_share)
 end
-local seq = math.max(now, last_seq + 1)
+-- Later than every grant of this home, and than the lease the region holds.
+local seq = math.max(now, last_seq + 1, rep_seq + 1)
 redis.call('HSET', home, 'meta', struct.pack('<dd', learn_until, seq))
-me.ps, me.pn, me.pu = me.ls, me.ln, me.lu
+-- The last grant becomes the one before; if it expired, a live one before stays counted.
+if me.ls > 0 then
+  me.ps, me.pn, me.pu = me.ls, me.ln, me.lu
+end
 me.ls, me.ln, me.lu = seq, share, now + ttl
 save(i)
 return {seq, share, ttl, learning and 1 or 0, now}

@@ -198,7 +198,8 @@ impl Home {
     /// 2. Expired grants are forgotten; the report may prove the grant before the last one
     ///    unused.
     /// 3. If the region may still use two grants (it has not reported holding the last),
-    ///    it gets the last one again: at most two grants per region are ever live.
+    ///    it gets the last one again (marked learning or not as the home is now): at most
+    ///    two grants per region are ever live.
     /// 4. Otherwise it gets its target, but at most what the other regions do not hold
     ///    (their safe shares and live grants, at their largest), and while learning at most
     ///    what it reports admitting at. A grant made while learning is marked so: the region
@@ -211,7 +212,10 @@ impl Home {
         self.expire(now_us);
         self.take_report(now_us, i, report);
         if let (Some(_), Some(last)) = (self.regions[i].prev, self.regions[i].last) {
-            return last;
+            return Grant {
+                learning: self.learning(now_us),
+                ..last
+            };
         }
         let others: u64 = (0..cfg.regions.len())
             .filter(|&j| j != i)
@@ -222,7 +226,10 @@ impl Home {
         if learning {
             share = share.min(report.share);
         }
-        let seq = now_us.max(self.last_seq + 1);
+        // Later than every grant this home made, and than the lease the region holds (a
+        // home restarted on a clock behind the old one would otherwise grant leases the
+        // region's record refuses as older).
+        let seq = now_us.max(self.last_seq + 1).max(report.seq + 1);
         self.last_seq = seq;
         let grant = Grant {
             seq,
@@ -231,7 +238,11 @@ impl Home {
             learning,
         };
         let r = &mut self.regions[i];
-        r.prev = r.last;
+        // The last grant becomes the one before; if it expired already, the one before (if
+        // still live: leases of another length) stays counted.
+        if r.last.is_some() {
+            r.prev = r.last;
+        }
         r.last = Some(grant);
         grant
     }

@@ -4,8 +4,9 @@
 --
 -- KEYS[1]  the lease record (lua/region_share.lua): <seq, share, tau, expires_us>
 -- KEYS[2]  the demand counters: HINCRBY a (admitted) or r (rejected) by the cost
--- KEYS[3]  the bucket: <tat_us, frac, count, tau>, packed little-endian doubles; frac is in
---          units of 1/count us; count and tau are the share and bucket size it was written at
+-- KEYS[3]  the bucket: <tat_us, frac, count, tau, written_us>, packed little-endian
+--          doubles; frac is in units of 1/count us; count and tau are the share and bucket
+--          size it was written at, written_us when
 -- ARGV[1]  now in us, for the model tests only; empty in production: Redis TIME is used
 -- ARGV[2]  cost
 -- ARGV[3]  the quota's period, us
@@ -15,8 +16,9 @@
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
--- changes, the bucket keeps the tokens in hand (at most the new bucket), so a region never
--- gains tokens by a change. Returns {allowed, burst, remaining, retry_after_us,
+-- changes, the bucket keeps the tokens it had in hand, refilled at the lower of the two
+-- shares and at most the new bucket, so a region never gains tokens by a change. A cost
+-- above the bucket at the current share is rejected with retry_after = ARGV[6]. Returns {allowed, burst, remaining, retry_after_us,
 -- reset_after_us}; a rejected request writes only the counter (and the bucket converted to
 -- a new share).
 
@@ -41,11 +43,17 @@ if share <= 0 then
   return {0, 0, 0, tonumber(ARGV[6]), 0}
 end
 
+if cost * period > tau then
+  -- More than the region's bucket holds at its share now: not before the share grows.
+  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  return {0, math.floor(tau / period), 0, tonumber(ARGV[6]), 0}
+end
+
 -- Store the bucket with fill `used` (units of 1/share us) at now.
 local function write(used)
   local ahead = math.floor(used / share)
   local frac = used - ahead * share
-  redis.call('SET', KEYS[3], struct.pack('<dddd', now + ahead, frac, share, tau), 'PX',
+  redis.call('SET', KEYS[3], struct.pack('<ddddd', now + ahead, frac, share, tau, now), 'PX',
     math.floor(ahead / 1000) + 1000)
 end
 
@@ -53,20 +61,25 @@ local used = 0
 local converted = false
 local state = redis.call('GET', KEYS[3])
 if state then
-  local ok, tat_us, frac, count, was_tau = pcall(struct.unpack, '<dddd', state)
-  if not ok or type(was_tau) ~= 'number' or count <= 0 or frac < 0 or frac >= count
-      or was_tau < 0 then
-    return redis.error_reply('ERR region bucket is unreadable: delete ' .. KEYS[3])
+  local ok, tat_us, frac, count, was_tau, written = pcall(struct.unpack, '<ddddd', state)
+  if not ok or type(written) ~= 'number' or not (count > 0) or not (frac >= 0)
+      or not (frac < count) or not (was_tau >= 0) or not (written <= now + 60000000)
+      or not (tat_us >= written) then
+    -- This key only: the request fails with a key error, the gate stays healthy.
+    return {KEY_CORRUPT, 0, 0, 0, 0}
   end
-  local ahead = tat_us - now
-  if ahead > 0 or (ahead == 0 and frac > 0) then
-    used = ahead * count + frac
-  end
-  if count ~= share or was_tau ~= tau then
-    -- The share changed: keep the tokens in hand (a token is `period` units at any share),
-    -- at most the new bucket. A region never gains tokens by a change, so the regions
-    -- together never hold more than their buckets, which add up to the global burst.
-    local in_hand = math.max(0, was_tau - used)
+  if count == share and was_tau == tau then
+    local ahead = tat_us - now
+    if ahead > 0 or (ahead == 0 and frac > 0) then
+      used = ahead * count + frac
+    end
+  else
+    -- The share changed since the last write: the tokens in hand then (a token is `period`
+    -- units at any share), refilled since at the lower of the two shares, at most the new
+    -- bucket. A region never gains tokens by a change, so the regions together never hold
+    -- more than their buckets, which add up to the global burst (and one request each).
+    local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))
+    in_hand = in_hand + math.max(0, now - written) * math.min(count, share)
     used = tau - math.min(tau, in_hand)
     converted = true
   end

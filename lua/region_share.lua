@@ -14,14 +14,17 @@
 --
 -- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms.
 --   Takes or renews the lock. The holder gets {1, now_us, seq, share, expires_us - now_us,
---   admitted, rejected}, and the counters start again from 0; another process gets
---   {0, now_us, seq, share, expires_us - now_us, 0, 0} (the lease, to show in its status).
+--   admitted, rejected, us since the counters started (-1: unknown)}, and the counters start
+--   again from 0; another process gets {0, now_us, seq, share, expires_us - now_us, 0, 0, -1}
+--   (the lease, to show in its status).
 --   now_us is the time the lease written by 'apply' will count from.
 -- apply: ARGV[3] seq, ARGV[4] share, ARGV[5] tau, ARGV[6] expires_us (this Redis's clock),
 --   ARGV[7] '1' for a grant of the home's learning phase, ARGV[8] and ARGV[9] the safe share
---   and its tau. Writes the lease unless the record holds a newer one (a larger seq): a late
---   reply can never replace a newer lease. A learning grant is capped at what the region
---   admits at now (its lease if live, else its safe share). {1, share written} or {0, 0}.
+--   and its tau, ARGV[10] the seq the record held when the refresh began. Writes the lease
+--   unless the record holds a newer one (a larger seq): a late reply can never replace a
+--   newer lease; nor when the record went back below ARGV[10] (lost writes). A learning grant
+--   is capped at what the region admits at now (its lease if live, else its safe share).
+--   {1, share written}, {0, 0} (a newer lease is there) or {0, -1} (the record went back).
 
 local mode = ARGV[1]
 local now = clock_us(ARGV[2])
@@ -43,12 +46,15 @@ if mode == 'report' then
   local holder = redis.call('GET', KEYS[3])
   local seq, share, _, expires = record()
   if holder and holder ~= token then
-    return {0, now, seq, share, expires - now, 0, 0}
+    return {0, now, seq, share, expires - now, 0, 0, -1}
   end
   redis.call('SET', KEYS[3], token, 'PX', tonumber(ARGV[4]))
-  local counts = redis.call('HMGET', KEYS[2], 'a', 'r')
+  local counts = redis.call('HMGET', KEYS[2], 'a', 'r', 't')
   redis.call('DEL', KEYS[2])
-  return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0)}
+  redis.call('HSET', KEYS[2], 't', now)
+  local since = counts[3] and (now - tonumber(counts[3])) or -1
+  return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0),
+    since}
 end
 
 local seq, share, tau, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
@@ -56,6 +62,12 @@ local seq, share, tau, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(
 local held, held_share, held_tau, held_expires = record()
 if seq < held then
   return {0, 0}
+end
+if held < tonumber(ARGV[10]) then
+  -- The record is older than when this refresh read it: this Redis lost writes (a restart
+  -- without persistence, a failover to a replica behind). A reply in flight from before
+  -- must not land on it; the next refresh starts from what is here now.
+  return {0, -1}
 end
 if ARGV[7] == '1' then
   -- A grant of the home's learning phase: at most what the region admits at now.

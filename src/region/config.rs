@@ -73,6 +73,12 @@ impl<S: Into<String>> From<(S, u64)> for RegionSpec {
     }
 }
 
+/// The largest capacity (units per period) the home divides exactly: its products of a
+/// capacity and a want (at most twice the capacity) stay below 2^53 in Lua's doubles.
+const MAX_CAPACITY: u64 = 1 << 25;
+/// The largest weight (capacity × weight stays below 2^53).
+const MAX_WEIGHT: u64 = 1 << 20;
+
 /// The validated settings every region and the home share.
 #[derive(Debug)]
 pub(crate) struct Plan {
@@ -288,7 +294,7 @@ where
     }
 
     /// How often a region refreshes its lease and reports its demand (default a fifth of the
-    /// lease). Shares follow demand within about two refreshes.
+    /// lease; at most a quarter). Shares follow demand within about two refreshes.
     pub fn refresh_every(mut self, every: Duration) -> Self {
         self.refresh = Some(crate::time::capped(every));
         self
@@ -321,24 +327,47 @@ where
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `region.regions` (none, a repeated or empty name, or every
-    /// weight 0 with a policy or safe share that uses weights), `region.safe_share` (the
-    /// safe shares add up to more than the capacity), `region.quota` (a period that is not
-    /// whole microseconds, or numbers too large for exact arithmetic in Redis),
-    /// `region.lease`, `region.refresh` (zero, or a refresh not shorter than half the
-    /// lease), `region.home_timeout` and `region.local_timeout` (zero, or a home timeout not
-    /// shorter than the refresh interval), `region.smoothing` (outside (0, 1]).
+    /// [`ConfigError`] on `region.name` (the allocator's name empty or with `{`, `}` or
+    /// `:`), `region.regions` (none, a repeated name, a name empty or with `{`, `}` or `:`,
+    /// a weight above 2^20, or every weight 0 with a policy or safe share that uses
+    /// weights), `region.safe_share` (the safe shares add up to more than the capacity),
+    /// `region.quota` (a period that is not whole microseconds, more than 2^25 units per
+    /// period, or numbers too large for exact arithmetic in Redis), `region.lease`,
+    /// `region.refresh` (zero, or more than a quarter of the lease), `region.home_timeout`
+    /// and `region.local_timeout` (zero, or a home timeout not shorter than the refresh
+    /// interval), `region.smoothing` (outside (0, 1]).
     pub fn build(self) -> Result<QuotaAllocator<C>, ConfigError> {
         let field = |f| move |kind, why: &str| ConfigError::new(f, kind, why.to_string());
         let regions_err = field("region.regions");
         if self.regions.is_empty() {
             return Err(regions_err(ConfigErrorKind::Zero, "no regions"));
         }
+        // Names become parts of Redis keys: no hash-tag braces, no separator.
+        let bad_name = |n: &str| n.is_empty() || n.contains(['{', '}', ':']);
+        if bad_name(&self.name) {
+            return Err(ConfigError::new(
+                "region.name",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "the allocator's name {:?} is empty or has '{{', '}}' or ':'",
+                    self.name
+                ),
+            ));
+        }
         for (i, r) in self.regions.iter().enumerate() {
-            if r.name.is_empty() {
+            if bad_name(&r.name) {
                 return Err(regions_err(
                     ConfigErrorKind::Inconsistent,
-                    "a region without a name",
+                    &format!(
+                        "the region name {:?} is empty or has '{{', '}}' or ':'",
+                        r.name
+                    ),
+                ));
+            }
+            if r.weight > MAX_WEIGHT {
+                return Err(regions_err(
+                    ConfigErrorKind::TooLarge,
+                    &format!("the weight of \"{}\" is above {MAX_WEIGHT}", r.name),
                 ));
             }
             if self.regions[..i].iter().any(|o| o.name == r.name) {
@@ -352,6 +381,16 @@ where
         let (capacity, period_us) = limit
             .redis_params()
             .map_err(|e| ConfigError::new("region.quota", e.kind(), e.reason().to_string()))?;
+        if capacity > MAX_CAPACITY {
+            return Err(ConfigError::new(
+                "region.quota",
+                ConfigErrorKind::TooLarge,
+                format!(
+                    "{capacity} per period is above {MAX_CAPACITY}, what the home divides \
+                     exactly (express the quota per a shorter period)"
+                ),
+            ));
+        }
         let total_weight: u128 = self.regions.iter().map(|r| u128::from(r.weight)).sum();
         let uses_weights = self.policy == Allocation::Static
             || self.safe == SafeShare::StaticWeight
@@ -397,13 +436,13 @@ where
         if refresh.is_zero() {
             return Err(ConfigError::zero("region.refresh"));
         }
-        if refresh * 2 > self.ttl {
+        if refresh * 4 > self.ttl {
             return Err(ConfigError::new(
                 "region.refresh",
                 ConfigErrorKind::Inconsistent,
                 format!(
-                    "a refresh every {refresh:?} must be at most half the lease ({:?}), or \
-                     leases expire between refreshes",
+                    "a refresh every {refresh:?} must be at most a quarter of the lease ({:?}), \
+                     so that a lease outlives a failed refresh and another process taking over",
                     self.ttl
                 ),
             ));

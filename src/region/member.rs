@@ -50,8 +50,6 @@ pub(crate) struct LocalKeys {
 /// What the refresher keeps between rounds.
 struct Round {
     status: RegionStatus,
-    /// When the last report was taken (demand is measured between reports).
-    last_report: Option<Instant>,
     /// When the current lease was granted, as seen here.
     granted_at: Option<Instant>,
     /// The end of the current lease, as seen here.
@@ -66,6 +64,7 @@ pub(crate) struct Core<C> {
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,
     token: String,
+    refreshing: tokio::sync::Mutex<()>,
     round: Mutex<Round>,
     metrics: Metrics,
 }
@@ -88,8 +87,9 @@ impl<C> Drop for Handle<C> {
 /// refreshes the region's lease every refresh interval: it reports the region's demand to
 /// the home, gets the region's share, and writes it to the local Redis, where every gate of
 /// every process of the region reads it. One process of the region refreshes at a time (a
-/// lock in the local Redis); the others take over within three refresh intervals if it
-/// stops. When the last handle drops, this process stops refreshing; the region's lease
+/// lock in the local Redis, held for two refresh intervals plus the home timeout); if it
+/// stops, another takes over at its first refresh after the lock lapses, well before the
+/// lease ends. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
@@ -169,13 +169,13 @@ where
                 bucket_prefix: format!("{prefix}:bucket:"),
             },
             token: format!("{:016x}", fastrand::u64(..)),
+            refreshing: tokio::sync::Mutex::new(()),
             round: Mutex::new(Round {
                 status: RegionStatus {
                     region: region.to_string(),
                     safe: plan.regions[index].2,
                     ..RegionStatus::default()
                 },
-                last_report: None,
                 granted_at: None,
                 lease_end: None,
                 demand: 0.0,
@@ -271,34 +271,50 @@ where
     }
 
     /// One refresh: report, get a lease from the home, write it locally (and tell the home
-    /// at once when the share shrank, so the others can have it).
+    /// at once when the share shrank, so the others can have it). One at a time per
+    /// process (the background task and [`Region::refresh_now`] may meet).
     pub(crate) async fn refresh(&self) {
+        let _one_at_a_time = self.refreshing.lock().await;
         let plan = self.plan();
         let safe = plan.regions[self.index].2;
-        let lock_ms = micros(plan.refresh * 3).div_ceil(1000);
+        // Long enough for a whole refresh (two local calls, a home call) between renewals;
+        // short enough that another process takes over well before the lease ends
+        // (`build` keeps the refresh at most a quarter of the lease).
+        let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
         let started = Instant::now();
         let Some(r) = self
             .local_call(
                 |c| {
                     c.arg("report").arg("").arg(&self.token).arg(lock_ms);
                 },
-                7,
+                8,
             )
             .await
         else {
             self.failed(None);
             return;
         };
-        let [leader, local_now, seq, share, left, admitted, rejected] = r[..] else {
-            unreachable!("the report has 7 values")
+        let [
+            leader,
+            local_now,
+            seq,
+            share,
+            left,
+            admitted,
+            rejected,
+            since,
+        ] = r[..]
+        else {
+            unreachable!("the report has 8 values")
         };
         let units = |x: i64| u64::try_from(x).unwrap_or(0);
         if leader == 0 {
             // Another process refreshes: show the lease it keeps.
             self.metrics.follower.increment(1);
+            let effective = if left > 0 { units(share) } else { safe };
+            self.metrics.share.set(effective as f64);
             let mut round = self.round();
             round.status.leader = false;
-            round.last_report = None;
             round.status.share = units(share);
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             return;
@@ -307,11 +323,13 @@ where
         let report = {
             let mut round = self.round();
             round.status.leader = true;
-            let elapsed = round
-                .last_report
-                .map_or(plan.refresh, |t| started.saturating_duration_since(t))
-                .max(Duration::from_millis(1));
-            round.last_report = Some(started);
+            // The counters cover the time since they were last reset, by whichever process
+            // (on the local Redis clock); unknown the first time.
+            let elapsed = if since > 0 {
+                Duration::from_micros(units(since))
+            } else {
+                plan.refresh
+            };
             let per_period =
                 |n: i64| units(n) as f64 * plan.period_us as f64 / elapsed.as_micros() as f64;
             let measured = per_period(admitted) + per_period(rejected);
@@ -321,8 +339,9 @@ where
             } else {
                 per_period(admitted) / enforced as f64
             };
-            // Capped so the home's arithmetic stays exact.
-            let demand = (round.demand.ceil() as u64).min(plan.capacity.saturating_mul(8));
+            // Capped so the home's arithmetic stays exact (a want of twice the capacity
+            // already takes all a policy can give).
+            let demand = (round.demand.ceil() as u64).min(plan.capacity.saturating_mul(2));
             round.status.demand = demand;
             Report {
                 seq: units(seq),
@@ -341,11 +360,10 @@ where
         let [g_seq, g_share, g_left, learning, _] = grant[..] else {
             unreachable!("a grant has 5 values")
         };
-        let g_share_u = units(g_share);
         // The lease counts from the local clock's reading before the home was asked, so it
         // ends here before it ends at the home, however long the reply took.
         let expires = local_now + g_left - i64::try_from(micros(plan.margin)).unwrap_or(0);
-        let tau = plan.tau(g_share_u);
+        let tau = plan.tau(units(g_share));
         let written = self
             .local_call(
                 |c| {
@@ -357,7 +375,8 @@ where
                         .arg(expires)
                         .arg(learning)
                         .arg(safe)
-                        .arg(plan.tau(safe));
+                        .arg(plan.tau(safe))
+                        .arg(seq);
                 },
                 2,
             )
@@ -366,13 +385,22 @@ where
             self.failed(None);
             return;
         };
+        if written[0] != 1 {
+            if written[1] == -1 {
+                tracing::warn!(
+                    allocator = %plan.name,
+                    region = %self.round().status.region,
+                    "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
+                );
+            }
+            // A newer lease is there (another process's), or the record went back: this
+            // refresh changed nothing.
+            self.metrics.follower.increment(1);
+            return;
+        }
         // What the record holds now (a learning grant may have been capped).
-        let g_share_u = if written[0] == 1 {
-            units(written[1])
-        } else {
-            g_share_u
-        };
-        if written[0] == 1 && g_share_u < enforced {
+        let g_share_u = units(written[1]);
+        if g_share_u < enforced {
             let ack = Report {
                 seq: units(g_seq),
                 share: g_share_u,
@@ -407,6 +435,10 @@ where
         }
         if let Some(at) = round.granted_at {
             self.metrics.lease_age.set(at.elapsed().as_secs_f64());
+        }
+        if round.lease_end.is_none_or(|end| end <= Instant::now()) {
+            // The lease ran out: the region admits at its safe share.
+            self.metrics.share.set(round.status.safe as f64);
         }
         if round.status.failures.is_power_of_two() {
             tracing::warn!(

@@ -66,15 +66,26 @@
 //! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
 //! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
-//! | a region's refreshing process dies | another process of the region takes over within three refresh intervals |
+//! | a region's refreshing process dies | another process of the region takes over within three refresh intervals plus the home timeout (its lock lapses), before the lease ends |
+//! | a local Redis loses writes (restart without persistence, failover to a replica behind) | a reply in flight is not written over the older record; but a record that went back to a live older lease breaks the bound until that lease ends: run local Redis without persistence and without failover to lagging replicas, or with an append-only file synced on every write |
 //!
 //! The global burst is divided like the rate (each region's bucket holds its part of the
 //! burst, at least one request), so over any window of length `w` the regions together
 //! admit at most `rate × w + burst + regions` requests.
 //!
-//! Home state persistence: run the home without persistence or with an append-only file
-//! synced on every write. A snapshot restored from the past holds old leases as if they were
-//! current and would not start a learning phase.
+//! Requirements the bound rests on:
+//!
+//! - **Persistence**: run the home and the local Redis servers without persistence or with
+//!   an append-only file synced on every write. A snapshot restored from the past holds old
+//!   leases as if they were current (the home would not start a learning phase; a local
+//!   record would admit at a lease the home has given away).
+//! - **Clocks**: Redis `TIME` must not step (keep NTP slewing, not stepping): a home clock
+//!   that jumps forward forgets leases early, a local clock that jumps back keeps them
+//!   late. Rate drift is covered by a margin of 1 % of the lease.
+//! - **One configuration**: every process lists the same regions, capacity, safe shares and
+//!   lease length. A lease length may change in a rolling deploy while the home keeps its
+//!   state (the proptest runs processes on a shorter lease); a home that restarts meanwhile
+//!   learns for the lease length of the first process that calls it.
 //!
 //! # Metrics
 //!

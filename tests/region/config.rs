@@ -32,6 +32,26 @@ async fn bad_settings_are_typed_errors() {
     assert!(e.to_string().contains("\"us\" is listed twice"), "{e}");
     let e = err(builder(&server).await.region(("", 1)).build());
     assert_eq!(e.field(), "region.regions");
+    // Names are parts of Redis keys: "a:b" + "c" and "a" + "b:c" would share keys.
+    let e = err(builder(&server).await.region(("b:c", 1)).build());
+    assert_eq!(e.field(), "region.regions");
+    let e = err(builder(&server).await.name("{a}").region(("b", 1)).build());
+    assert_eq!(e.field(), "region.name");
+    let e = err(builder(&server).await.region(("b", (1 << 20) + 1)).build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.regions", ConfigErrorKind::TooLarge)
+    );
+    let e = err(QuotaAllocator::builder(
+        server.connect().await,
+        Quota::per(40_000_000, Duration::from_secs(1)).unwrap(),
+    )
+    .region(("us", 1))
+    .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.quota", ConfigErrorKind::TooLarge)
+    );
     let e = err(builder(&server)
         .await
         .region(RegionSpec::new("us", 1).safe_share(SafeShare::Units(60)))
@@ -161,9 +181,10 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     )
     .name("solo")
     .region(("only", 1))
-    .lease(Duration::from_secs(2))
-    .refresh_every(Duration::from_millis(200))
-    .home_timeout(Duration::from_millis(150))
+    // The background refresh (every second) stays out of the way of `refresh_now` here.
+    .lease(Duration::from_secs(5))
+    .refresh_every(Duration::from_secs(1))
+    .home_timeout(Duration::from_millis(500))
     .build()
     .unwrap();
     assert!(alloc.init_home().await.unwrap());
@@ -196,7 +217,7 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     let status = region.status();
     assert!(status.leader);
     assert_eq!(status.share, 100, "{status}");
-    assert!(status.lease_left > Duration::from_millis(1500), "{status}");
+    assert!(status.lease_left > Duration::from_millis(4500), "{status}");
     let home_view = alloc.status().await.unwrap();
     assert_eq!(home_view.held(), 100, "{home_view}");
     // A bigger share brings no tokens with it: the bucket fills at the new rate (100/s),
@@ -208,6 +229,35 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     let d = gate.check("k", 10).await.unwrap();
     assert!(d.allowed, "the bucket fills at the new share: {d:?}");
     assert_eq!(d.capacity, 10);
+    // A bucket that is not one (written by something else): that key fails alone.
+    let mut con = local.connect().await;
+    let _: () = redis::cmd("SET")
+        .arg("{flowgate:region:solo:only}:bucket:garbled")
+        .arg("not a bucket")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(matches!(
+        gate.check("garbled", 1).await,
+        Err(flowgate::gate::GateError::UnreadableKey(_))
+    ));
+    assert!(gate.check("k", 1).await.is_ok(), "the gate stays healthy");
+    // A reply that was in flight when the record went back (lost writes) is not written.
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(flowgate::gate::lua::REGION_SHARE)
+        .arg(3)
+        .arg("{t}:lease")
+        .arg("{t}:demand")
+        .arg("{t}:lock")
+        .arg("apply")
+        .arg("")
+        .arg(&[9i64, 100, 1_000_000, 1 << 52, 0, 0, 0, 5][..]);
+    let v: Vec<i64> = cmd.query_async(&mut con).await.unwrap();
+    assert_eq!(
+        v,
+        [0, -1],
+        "the record (none) is older than the seq read (5)"
+    );
     local.kill();
     assert!(
         gate.check("k", 1).await.is_err(),
@@ -228,9 +278,9 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
     let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
         .name("metered")
         .region(("eu", 1))
-        .lease(Duration::from_secs(2))
-        .refresh_every(Duration::from_millis(200))
-        .home_timeout(Duration::from_millis(150))
+        .lease(Duration::from_secs(5))
+        .refresh_every(Duration::from_secs(1))
+        .home_timeout(Duration::from_millis(500))
         .build()
         .unwrap();
     alloc.init_home().await.unwrap();
@@ -303,4 +353,32 @@ async fn another_process_takes_over_the_refreshing() {
     let status = second.status();
     println!("took over after {took:?}: {status}");
     assert!(status.lease_left > Duration::from_millis(1500), "{status}");
+}
+
+/// A cost above the region's part of the burst cannot pass at its share now: rejected, with
+/// the next refresh as the time to retry (not a retry_after that would pass no sooner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(
+        server.connect().await,
+        Quota::per_second(100).unwrap().burst(10).unwrap(),
+    )
+    .name("halves")
+    .region(("a", 1))
+    .region(("b", 1))
+    .policy(Allocation::Static)
+    .lease(Duration::from_secs(4))
+    .refresh_every(Duration::from_secs(1))
+    .build()
+    .unwrap();
+    alloc.init_home().await.unwrap();
+    let a = alloc.join("a", server.connect().await).await.unwrap();
+    assert_eq!(a.status().share, 50);
+    let gate = a.gate();
+    let d = gate.check("k", 8).await.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.capacity, 5, "a's part of the burst of 10");
+    assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
+    assert!(gate.check("k", 5).await.unwrap().allowed);
 }

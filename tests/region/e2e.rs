@@ -239,14 +239,28 @@ async fn a_dead_regions_share_goes_to_the_others() {
     fleet.start_load();
     tokio::time::sleep(secs(3.0)).await;
     let before = fleet.shares();
+    let alloc = super::fleet::allocator_builder(manager(&fleet.home.url()).await, &fleet.setup)
+        .build()
+        .unwrap();
     fleet.kill_region(2);
     let killed = fleet.started.elapsed();
     // The dead region's lease ends 2 s after its last refresh; two refreshes later the
     // others hold its share.
     tokio::time::sleep(secs(2.0 + 1.2)).await;
     let after = fleet.shares();
+    let home = alloc.status().await.unwrap();
     tokio::time::sleep(secs(2.0)).await;
     fleet.stop_load();
+    let ap = &home.regions[2];
+    println!(
+        "the home 3.2 s after ap died: {home}; ap last refreshed {:?} ago",
+        ap.since_refresh
+    );
+    assert!(
+        ap.since_refresh.is_some_and(|d| d >= secs(3.0)),
+        "ap kept refreshing: {ap:?}"
+    );
+    assert_eq!(ap.held, 0, "ap's lease should have ended: {ap:?}");
     let got = fleet.admitted_between(killed + secs(3.2), killed + secs(5.2));
     let per_s = (got[0] + got[1]) as f64 / 2.0;
     println!(
@@ -269,8 +283,17 @@ async fn a_home_restarted_empty_learns_for_one_lease_and_the_bound_holds() {
     let mut fleet = Fleet::start(Setup::default()).await;
     fleet.offer([250, 50, 50]);
     fleet.start_load();
-    tokio::time::sleep(secs(3.0)).await;
-    let before = fleet.shares();
+    tokio::time::sleep(secs(2.0)).await;
+    // eu's share moves by a unit or two with its measured demand: its most in the last
+    // second before the restart.
+    let mut before = [0; 3];
+    for _ in 0..20 {
+        let s = fleet.shares();
+        for r in 0..3 {
+            before[r] = before[r].max(s[r]);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The demand moves as the home restarts: without learning, eu would be granted at once
     // what us still holds.
     fleet.offer([50, 250, 50]);
@@ -341,5 +364,6 @@ async fn decisions_stay_at_local_latency() {
         all.len()
     );
     assert!(all.len() > 500);
-    assert!(p99 < 25_000, "p99 {p99} µs: decisions wait for the home?");
+    // Below one one-way trip to the home (a round trip is 100 ms).
+    assert!(p99 < 50_000, "p99 {p99} µs: decisions wait for the home?");
 }

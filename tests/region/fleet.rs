@@ -75,7 +75,9 @@ pub fn allocator_builder(
         .safe_share(setup.safe)
         .lease(setup.lease)
         .refresh_every(setup.refresh)
-        .home_timeout(setup.refresh * 3 / 4);
+        .home_timeout(setup.refresh * 3 / 4)
+        // Generous: two busy cores run the servers, the proxies and the load.
+        .local_timeout(Duration::from_millis(300));
     for (name, weight) in REGIONS.iter().zip(WEIGHTS) {
         b = b.region(RegionSpec::new(*name, weight));
     }
@@ -91,12 +93,13 @@ pub struct Fleet {
     pub members: Vec<Vec<Option<Region<ConnectionManager>>>>,
     /// Offered load per region, requests per second (split over its processes).
     pub offered: Vec<Arc<AtomicU64>>,
-    /// Every admitted request: when (after its decision returned) and which region.
-    pub admitted: Arc<Mutex<Vec<(Instant, usize)>>>,
+    /// Every admitted request: when it was sent, when its decision returned, which region.
+    pub admitted: Arc<Mutex<Vec<(Instant, Instant, usize)>>>,
     /// Decision latencies in µs, per region.
     pub latencies: Arc<Mutex<Vec<Vec<u64>>>>,
     pub errors: Arc<AtomicU64>,
-    load: Vec<JoinHandle<()>>,
+    /// The load tasks, with their region.
+    load: Vec<(usize, JoinHandle<()>)>,
     pub started: Instant,
 }
 
@@ -160,33 +163,36 @@ impl Fleet {
                 let admitted = self.admitted.clone();
                 let latencies = self.latencies.clone();
                 let errors = self.errors.clone();
-                self.load.push(tokio::spawn(async move {
-                    let mut next = tokio::time::Instant::now();
-                    loop {
-                        let rate = offered.load(Ordering::Relaxed) / n;
-                        if rate == 0 {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                            next = tokio::time::Instant::now();
-                            continue;
-                        }
-                        next += Duration::from_nanos(1_000_000_000 / rate);
-                        tokio::time::sleep_until(next).await;
-                        let sent = Instant::now();
-                        match gate.check("api", 1).await {
-                            Ok(d) => {
-                                let done = Instant::now();
-                                latencies.lock().unwrap()[r]
-                                    .push(done.duration_since(sent).as_micros() as u64);
-                                if d.allowed {
-                                    admitted.lock().unwrap().push((done, r));
+                self.load.push((
+                    r,
+                    tokio::spawn(async move {
+                        let mut next = tokio::time::Instant::now();
+                        loop {
+                            let rate = offered.load(Ordering::Relaxed) / n;
+                            if rate == 0 {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                next = tokio::time::Instant::now();
+                                continue;
+                            }
+                            next += Duration::from_nanos(1_000_000_000 / rate);
+                            tokio::time::sleep_until(next).await;
+                            let sent = Instant::now();
+                            match gate.check("api", 1).await {
+                                Ok(d) => {
+                                    let done = Instant::now();
+                                    latencies.lock().unwrap()[r]
+                                        .push(done.duration_since(sent).as_micros() as u64);
+                                    if d.allowed {
+                                        admitted.lock().unwrap().push((sent, done, r));
+                                    }
+                                }
+                                Err(_) => {
+                                    errors.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
-                            Err(_) => {
-                                errors.fetch_add(1, Ordering::Relaxed);
-                            }
                         }
-                    }
-                }));
+                    }),
+                ));
             }
         }
     }
@@ -197,9 +203,15 @@ impl Fleet {
         }
     }
 
-    /// Stop every process of region `r` (its load and its refreshers).
+    /// Stop every process of region `r`: its load (whose gates keep the region alive) and
+    /// its refreshers.
     pub fn kill_region(&mut self, r: usize) {
         self.offered[r].store(0, Ordering::Relaxed);
+        for (region, task) in &self.load {
+            if *region == r {
+                task.abort();
+            }
+        }
         for m in &mut self.members[r] {
             *m = None;
         }
@@ -209,7 +221,7 @@ impl Fleet {
     pub fn admitted_between(&self, from: Duration, to: Duration) -> [u64; 3] {
         let (a, b) = (self.started + from, self.started + to);
         let mut out = [0; 3];
-        for &(t, r) in self.admitted.lock().unwrap().iter() {
+        for &(_, t, r) in self.admitted.lock().unwrap().iter() {
             if t >= a && t < b {
                 out[r] += 1;
             }
@@ -217,31 +229,39 @@ impl Fleet {
         out
     }
 
-    /// The most admitted (all regions together) in any window of length `w`, and where it
-    /// starts (offset from the start of the load).
+    /// The most admitted (all regions together) in any window of length `w`, counting only
+    /// decisions certainly made inside it (sent at or after its start, answered before its
+    /// end: Redis decided between the two), and where it starts (offset from the start of
+    /// the load). A stall of the client cannot make this exceed what Redis admitted.
     pub fn max_in_window(&self, w: Duration) -> (u64, Duration) {
-        let mut times: Vec<Instant> = self.admitted.lock().unwrap().iter().map(|a| a.0).collect();
-        times.sort();
-        let (mut best, mut at, mut lo) = (0, Duration::ZERO, 0);
-        for hi in 0..times.len() {
-            while times[hi].duration_since(times[lo]) >= w {
-                lo += 1;
-            }
-            let n = (hi - lo + 1) as u64;
+        let mut spans: Vec<(Instant, Instant)> = self
+            .admitted
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|a| (a.0, a.1))
+            .collect();
+        spans.sort();
+        let (mut best, mut at) = (0, Duration::ZERO);
+        for i in 0..spans.len() {
+            let (start, end) = (spans[i].0, spans[i].0 + w);
+            let n = spans[i..]
+                .iter()
+                .take_while(|s| s.0 < end)
+                .filter(|s| s.1 < end)
+                .count() as u64;
             if n > best {
                 best = n;
-                at = times[lo].saturating_duration_since(self.started);
+                at = start.saturating_duration_since(self.started);
             }
         }
         (best, at)
     }
 
     /// The bound on any window of `w`: rate × w + burst + one request per region (each
-    /// region's bucket holds at least one), plus what the decisions' measured latency lets
-    /// slip into a window measured at the client (the rate × 20 ms).
+    /// region's bucket holds at least one).
     pub fn bound(w: Duration) -> u64 {
-        let slack = Duration::from_millis(20);
-        (RATE as f64 * (w + slack).as_secs_f64()).ceil() as u64 + BURST + REGIONS.len() as u64
+        (RATE as f64 * w.as_secs_f64()).ceil() as u64 + BURST + REGIONS.len() as u64
     }
 
     /// The share each region's leader last got.
@@ -267,7 +287,7 @@ impl Fleet {
     }
 
     pub fn stop_load(&mut self) {
-        for t in self.load.drain(..) {
+        for (_, t) in self.load.drain(..) {
             t.abort();
         }
     }

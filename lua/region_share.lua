@@ -9,7 +9,7 @@
 -- KEYS[2]  the demand counters: a hash {a = units admitted, r = units rejected} since the
 --          last report (written by lua/region_bucket.lua)
 -- KEYS[3]  the refresher lock
--- ARGV[1]  mode: 'report' or 'apply'
+-- ARGV[1]  mode: 'report', 'apply' or 'release'
 -- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
 --
 -- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms.
@@ -25,6 +25,8 @@
 --   newer lease; nor when the record went back below ARGV[10] (lost writes). A learning grant
 --   is capped at what the region admits at now (its lease if live, else its safe share).
 --   {1, share written}, {0, 0} (a newer lease is there) or {0, -1} (the record went back).
+-- release: ARGV[3] this process's lock token. Deletes the lock if this process holds it
+--   (a process that stops, or cannot reach the home): {1} released, {0} not held.
 
 local mode = ARGV[1]
 local now = clock_us(ARGV[2])
@@ -55,6 +57,15 @@ if mode == 'report' then
   local since = counts[3] and (now - tonumber(counts[3])) or -1
   return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0),
     since}
+end
+
+if mode == 'release' then
+  -- Give the refresher lock up, if this process (token ARGV[3]) holds it.
+  if redis.call('GET', KEYS[3]) == ARGV[3] then
+    redis.call('DEL', KEYS[3])
+    return {1}
+  end
+  return {0}
 end
 
 local seq, share, tau, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),

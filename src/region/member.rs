@@ -54,6 +54,8 @@ struct Round {
     granted_at: Option<Instant>,
     /// The end of the current lease, as seen here.
     lease_end: Option<Instant>,
+    /// Calls to the home that failed in a row.
+    home_failures: u32,
     demand: f64,
 }
 
@@ -69,14 +71,26 @@ pub(crate) struct Core<C> {
     metrics: Metrics,
 }
 
+/// Gives the refresher lock up in the background (made where the connection's bounds are
+/// known, so that `Drop` can run it).
+type Release = Box<dyn FnOnce() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
 struct Handle<C> {
     core: Arc<Core<C>>,
     task: JoinHandle<()>,
+    release: Option<Release>,
 }
 
 impl<C> Drop for Handle<C> {
     fn drop(&mut self) {
         self.task.abort();
+        // Let another process of the region take over at once rather than when the lock
+        // lapses (best effort: only inside a runtime).
+        if let (Some(release), Ok(runtime)) =
+            (self.release.take(), tokio::runtime::Handle::try_current())
+        {
+            runtime.spawn(release());
+        }
     }
 }
 
@@ -89,7 +103,9 @@ impl<C> Drop for Handle<C> {
 /// every process of the region reads it. One process of the region refreshes at a time (a
 /// lock in the local Redis, held for two refresh intervals plus the home timeout); if it
 /// stops, another takes over at its first refresh after the lock lapses, well before the
-/// lease ends. When the last handle drops, this process stops refreshing; the region's lease
+/// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
+/// and after three failed calls to the home in a row, so a process of the region that can
+/// reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
@@ -178,6 +194,7 @@ where
                 },
                 granted_at: None,
                 lease_end: None,
+                home_failures: 0,
                 demand: 0.0,
             }),
             metrics: Metrics {
@@ -193,8 +210,14 @@ where
         });
         core.refresh().await;
         let task = tokio::spawn(run(core.clone()));
+        let releasing = core.clone();
+        let release: Release = Box::new(move || Box::pin(async move { releasing.release().await }));
         Ok(Region {
-            handle: Arc::new(Handle { core, task }),
+            handle: Arc::new(Handle {
+                core,
+                task,
+                release: Some(release),
+            }),
         })
     }
 }
@@ -351,9 +374,22 @@ where
         };
         let cmd = plan.home_cmd("refresh", self.index, &report);
         let grant = match self.allocator.call_home(&cmd, 5).await {
-            Ok(g) => g,
+            Ok(g) => {
+                self.round().home_failures = 0;
+                g
+            }
             Err(e) => {
                 self.failed(Some(&e));
+                let failures = {
+                    let mut round = self.round();
+                    round.home_failures += 1;
+                    round.home_failures
+                };
+                if failures >= 3 {
+                    // This process cannot reach the home: let another one of the region try
+                    // (this one takes the lock again if it is still free next time).
+                    self.release().await;
+                }
                 return;
             }
         };
@@ -424,6 +460,18 @@ where
         self.metrics.demand.set(round.status.demand as f64);
         self.metrics.utilisation.set(round.status.utilisation);
         self.metrics.lease_age.set(0.0);
+    }
+
+    /// Give the refresher lock up if this process holds it.
+    async fn release(&self) {
+        let _ = self
+            .local_call(
+                |c| {
+                    c.arg("release").arg("").arg(&self.token);
+                },
+                1,
+            )
+            .await;
     }
 
     fn failed(&self, error: Option<&crate::gate::GateError>) {

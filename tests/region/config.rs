@@ -314,8 +314,8 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
     );
 }
 
-/// One process of a region refreshes at a time; when it stops, another takes over within
-/// three refresh intervals (its lock lapses), before the region's lease runs out.
+/// One process of a region refreshes at a time; when it stops it gives its lock up, and
+/// another takes over at its next refresh (200 ms here), long before the lease runs out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_process_takes_over_the_refreshing() {
     let home = RedisServer::start();
@@ -341,8 +341,10 @@ async fn another_process_takes_over_the_refreshing() {
     drop(first);
     let stopped = std::time::Instant::now();
     while !second.status().leader {
+        // Without the release it would wait for the lock to lapse (550 ms after its last
+        // renewal).
         assert!(
-            stopped.elapsed() < Duration::from_millis(1000),
+            stopped.elapsed() < Duration::from_millis(400),
             "no takeover after {:?}",
             stopped.elapsed()
         );
@@ -381,4 +383,49 @@ async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
     assert_eq!(d.capacity, 5, "a's part of the burst of 10");
     assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
     assert!(gate.check("k", 5).await.unwrap().allowed);
+}
+
+/// A refreshing process that cannot reach the home gives its lock up after three failed
+/// refreshes, and a process of the region that can reach it keeps the lease alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
+        .await
+        .unwrap();
+    let build = |conn| {
+        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+            .name("cutoff")
+            .region(("eu", 1))
+            .lease(Duration::from_secs(2))
+            .refresh_every(Duration::from_millis(200))
+            .home_timeout(Duration::from_millis(100))
+            .build()
+            .unwrap()
+    };
+    let via_proxy = build(super::fleet::manager(&proxy.url()).await);
+    let direct = build(super::fleet::manager(&home.url()).await);
+    direct.init_home().await.unwrap();
+    let first = via_proxy
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    let second = direct
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    assert!(first.status().leader && !second.status().leader);
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    while !second.status().leader {
+        assert!(cut.elapsed() < Duration::from_millis(1500), "no takeover");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = second.status();
+    println!("took over {:?} after the cut: {status}", cut.elapsed());
+    assert!(status.home_reachable, "{status}");
+    assert!(status.lease_left > Duration::from_millis(1500), "{status}");
 }

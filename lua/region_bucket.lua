@@ -13,6 +13,7 @@
 -- ARGV[4]  the safe share (units per period) and ARGV[5] its tau: what the region admits at
 --          when it holds no live lease
 -- ARGV[6]  retry_after (us) to answer while the share is 0
+-- ARGV[7]  how long (ms) a full bucket is kept: the lease length, at least 1000
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
@@ -53,8 +54,10 @@ end
 local function write(used)
   local ahead = math.floor(used / share)
   local frac = used - ahead * share
+  -- Kept a lease length after it is full again: a share change within that time finds it
+  -- (and converts it) instead of a new, full bucket.
   redis.call('SET', KEYS[3], struct.pack('<ddddd', now + ahead, frac, share, tau, now), 'PX',
-    math.floor(ahead / 1000) + 1000)
+    math.floor(ahead / 1000) + tonumber(ARGV[7]))
 end
 
 local used = 0
@@ -62,9 +65,12 @@ local converted = false
 local state = redis.call('GET', KEYS[3])
 if state then
   local ok, tat_us, frac, count, was_tau, written = pcall(struct.unpack, '<ddddd', state)
-  if not ok or type(written) ~= 'number' or not (count > 0) or not (frac >= 0)
-      or not (frac < count) or not (was_tau >= 0) or not (written <= now + 60000000)
-      or not (tat_us >= written) then
+  local function finite(x)
+    return type(x) == 'number' and x == x and x > -math.huge and x < math.huge
+  end
+  if not ok or not (finite(tat_us) and finite(frac) and finite(count) and finite(was_tau)
+      and finite(written)) or not (count > 0) or not (frac >= 0) or not (frac < count)
+      or not (was_tau >= 0) or not (written <= now + 60000000) or not (tat_us >= written) then
     -- This key only: the request fails with a key error, the gate stays healthy.
     return {KEY_CORRUPT, 0, 0, 0, 0}
   end
@@ -79,7 +85,7 @@ if state then
     -- bucket. A region never gains tokens by a change, so the regions together never hold
     -- more than their buckets, which add up to the global burst (and one request each).
     local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))
-    in_hand = in_hand + math.max(0, now - written) * math.min(count, share)
+    in_hand = math.min(was_tau, in_hand + math.max(0, now - written) * math.min(count, share))
     used = tau - math.min(tau, in_hand)
     converted = true
   end

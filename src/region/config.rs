@@ -294,7 +294,9 @@ where
     }
 
     /// How often a region refreshes its lease and reports its demand (default a fifth of the
-    /// lease; at most a quarter). Shares follow demand within about two refreshes.
+    /// lease; three refreshes and two home timeouts must fit in a lease, so that another
+    /// process can take over before it ends). Shares follow demand within about two
+    /// refreshes.
     pub fn refresh_every(mut self, every: Duration) -> Self {
         self.refresh = Some(crate::time::capped(every));
         self
@@ -333,7 +335,8 @@ where
     /// weights), `region.safe_share` (the safe shares add up to more than the capacity),
     /// `region.quota` (a period that is not whole microseconds, more than 2^25 units per
     /// period, or numbers too large for exact arithmetic in Redis), `region.lease`,
-    /// `region.refresh` (zero, or more than a quarter of the lease), `region.home_timeout`
+    /// `region.refresh` (zero, or 3 × refresh + 2 × home timeout not shorter than the
+    /// lease), `region.home_timeout`
     /// and `region.local_timeout` (zero, or a home timeout not shorter than the refresh
     /// interval), `region.smoothing` (outside (0, 1]).
     pub fn build(self) -> Result<QuotaAllocator<C>, ConfigError> {
@@ -436,22 +439,27 @@ where
         if refresh.is_zero() {
             return Err(ConfigError::zero("region.refresh"));
         }
-        if refresh * 4 > self.ttl {
-            return Err(ConfigError::new(
-                "region.refresh",
-                ConfigErrorKind::Inconsistent,
-                format!(
-                    "a refresh every {refresh:?} must be at most a quarter of the lease ({:?}), \
-                     so that a lease outlives a failed refresh and another process taking over",
-                    self.ttl
-                ),
-            ));
-        }
+
         let home_timeout = self
             .home_timeout
             .unwrap_or_else(|| Duration::from_secs(1).min(refresh * 3 / 4));
         if home_timeout.is_zero() {
             return Err(ConfigError::zero("region.home_timeout"));
+        }
+        let margin = (self.ttl / 100).max(Duration::from_millis(5));
+        // The lock (2 refreshes + the home timeout), then the next process's tick (one
+        // refresh) and its refresh (a home timeout) must fit in a lease.
+        if refresh * 3 + home_timeout * 2 + margin >= self.ttl {
+            return Err(ConfigError::new(
+                "region.refresh",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "3 × the refresh ({refresh:?}) + 2 × the home timeout ({home_timeout:?}) \
+                     must be shorter than the lease ({:?}): a lease must outlive a process \
+                     taking another's place",
+                    self.ttl
+                ),
+            ));
         }
         if home_timeout >= refresh {
             return Err(ConfigError::new(
@@ -484,7 +492,7 @@ where
             refresh,
             // Clocks of two Redis servers drift apart by parts per million; 1 % of the
             // lease (at least 5 ms) covers that many times over.
-            margin: (self.ttl / 100).max(Duration::from_millis(5)),
+            margin,
             home_timeout,
             local_timeout: self.local_timeout,
             smoothing: self.smoothing,

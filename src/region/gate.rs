@@ -135,7 +135,8 @@ where
                     .arg(plan.period_us)
                     .arg(safe_share)
                     .arg(safe_tau)
-                    .arg(micros(plan.refresh));
+                    .arg(micros(plan.refresh))
+                    .arg(micros(plan.ttl).div_ceil(1000).max(1000));
                 let within = plan.local_timeout.saturating_sub(now.elapsed());
                 match core.local.eval(bucket_script(), &cmd, 5, within).await {
                     Ok(v) => match key_failure(v[0]) {

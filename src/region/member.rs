@@ -257,6 +257,9 @@ fn smooth(average: f64, measured: f64, weight: f64) -> f64 {
     }
 }
 
+/// The largest demand reported (units per period): see `config::MAX_CAPACITY`.
+const MAX_DEMAND: u64 = 1 << 27;
+
 fn share_script() -> &'static redis::Script {
     static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
     SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_SHARE))
@@ -336,7 +339,11 @@ where
             self.metrics.follower.increment(1);
             let effective = if left > 0 { units(share) } else { safe };
             self.metrics.share.set(effective as f64);
+            // Measured by the refreshing process, not this one.
+            self.metrics.demand.set(0.0);
+            self.metrics.utilisation.set(0.0);
             let mut round = self.round();
+            round.home_failures = 0;
             round.status.leader = false;
             round.status.share = units(share);
             round.lease_end = Some(started + Duration::from_micros(units(left)));
@@ -362,9 +369,9 @@ where
             } else {
                 per_period(admitted) / enforced as f64
             };
-            // Capped so the home's arithmetic stays exact (a want of twice the capacity
-            // already takes all a policy can give).
-            let demand = (round.demand.ceil() as u64).min(plan.capacity.saturating_mul(2));
+            // Capped so the home's arithmetic stays exact (capacity ≤ 2^25 times a want
+            // ≤ 2^27 + 2^24 stays below 2^53).
+            let demand = (round.demand.ceil() as u64).min(MAX_DEMAND);
             round.status.demand = demand;
             Report {
                 seq: units(seq),
@@ -428,10 +435,12 @@ where
                     region = %self.round().status.region,
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
+                self.failed(None);
+            } else {
+                // A newer lease is there (another process refreshed meanwhile): this
+                // refresh changed nothing.
+                self.metrics.follower.increment(1);
             }
-            // A newer lease is there (another process's), or the record went back: this
-            // refresh changed nothing.
-            self.metrics.follower.increment(1);
             return;
         }
         // What the record holds now (a learning grant may have been capped).

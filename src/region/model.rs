@@ -229,7 +229,9 @@ impl Home {
         // Later than every grant this home made, and than the lease the region holds (a
         // home restarted on a clock behind the old one would otherwise grant leases the
         // region's record refuses as older).
-        let seq = now_us.max(self.last_seq + 1).max(report.seq + 1);
+        let seq = now_us
+            .max(self.last_seq.saturating_add(1))
+            .max(report.seq.saturating_add(1));
         self.last_seq = seq;
         let grant = Grant {
             seq,

@@ -370,7 +370,7 @@ async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
     .region(("a", 1))
     .region(("b", 1))
     .policy(Allocation::Static)
-    .lease(Duration::from_secs(4))
+    .lease(Duration::from_secs(5))
     .refresh_every(Duration::from_secs(1))
     .build()
     .unwrap();
@@ -428,4 +428,50 @@ async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
     println!("took over {:?} after the cut: {status}", cut.elapsed());
     assert!(status.home_reachable, "{status}");
     assert!(status.lease_left > Duration::from_millis(1500), "{status}");
+}
+
+/// The bucket script on explicit time: a region whose share grows keeps the tokens it had
+/// (at most its old bucket, refilled at the lower share), it does not gain the new bucket.
+#[tokio::test]
+async fn a_growing_share_brings_no_tokens() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let record = |share: f64, tau: f64| {
+        [1.0f64, share, tau, 1e15]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let set = |v: Vec<u8>| {
+        let mut c = redis::cmd("SET");
+        c.arg("{g}:lease").arg(v);
+        c
+    };
+    let check = |now: u64, cost: u32| {
+        let mut c = redis::cmd("EVAL");
+        c.arg(flowgate::gate::lua::REGION_BUCKET)
+            .arg(3)
+            .arg("{g}:lease")
+            .arg("{g}:demand")
+            .arg("{g}:bucket")
+            .arg(now)
+            .arg(cost)
+            .arg(1_000_000)
+            .arg(0)
+            .arg(0)
+            .arg(1_000_000)
+            .arg(10_000);
+        c
+    };
+    // Share 10 per second, a bucket of 10 tokens (a token is 1 000 000 units).
+    let _: () = set(record(10.0, 1e7)).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = check(1_000_000, 1).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 1);
+    // 1.05 s later the share is 90 per second with a bucket of 90: the old bucket was full
+    // again after 0.1 s (10 tokens), and that is all the region has.
+    let _: () = set(record(90.0, 9e7)).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = check(2_050_000, 11).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 0, "11 tokens appeared with the bigger share: {v:?}");
+    let v: Vec<i64> = check(2_050_000, 10).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 1, "the 10 it had: {v:?}");
 }

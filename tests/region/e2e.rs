@@ -337,7 +337,6 @@ async fn decisions_stay_at_local_latency() {
     let _serial = SERIAL.lock().await;
     let mut fleet = Fleet::start(Setup {
         one_way: Duration::from_millis(50),
-        refresh: Duration::from_millis(500),
         ..Setup::default()
     })
     .await;

@@ -50,8 +50,10 @@
 //!    another. [`SafeShare::Closed`] (the default) reserves nothing.
 //! 4. **A home that lost its state learns.** A home without state (first start, or a restart
 //!    without persistence) cannot know the leases it granted before. For one lease length it
-//!    grants each region at most what that region reports admitting at; by then every lease
-//!    from before has expired, and the home knows every live lease again.
+//!    grants each region at most what that region reports admitting at, and the region takes
+//!    at most what it admits at when the grant lands (its report may predate a shrink the
+//!    old home already gave away); by then every lease from before has expired, and the home
+//!    knows every live lease again.
 //!    [`QuotaAllocator::init_home`] skips this on a first deployment.
 //!
 //! [`model::Home`] is this protocol as pure math; `tests/region/model.rs` checks the invariant
@@ -66,7 +68,8 @@
 //! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
 //! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
-//! | a region's refreshing process dies | another process of the region takes over within three refresh intervals plus the home timeout (its lock lapses), before the lease ends |
+//! | a region's refreshing process stops | it gives its lock up as its last handle drops; another process of the region refreshes at its next tick |
+//! | a region's refreshing process dies, or cannot reach the home | another process takes over within three refresh intervals plus the home timeout (the lock lapses, or is given up after three failed home calls), before the lease ends |
 //! | a local Redis loses writes (restart without persistence, failover to a replica behind) | a reply in flight is not written over the older record; but a record that went back to a live older lease breaks the bound until that lease ends: run local Redis without persistence and without failover to lagging replicas, or with an append-only file synced on every write |
 //!
 //! The global burst is divided like the rate (each region's bucket holds its part of the

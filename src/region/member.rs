@@ -56,6 +56,8 @@ struct Round {
     lease_end: Option<Instant>,
     /// Calls to the home that failed in a row.
     home_failures: u32,
+    /// Until then this process does not take a free refresher lock (it gave it up).
+    stand_down_until: Option<Instant>,
     demand: f64,
 }
 
@@ -104,8 +106,8 @@ impl<C> Drop for Handle<C> {
 /// lock in the local Redis, held for two refresh intervals plus the home timeout); if it
 /// stops, another takes over at its first refresh after the lock lapses, well before the
 /// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
-/// and after three failed calls to the home in a row, so a process of the region that can
-/// reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
+/// and after three failed calls to the home in a row (then it leaves the lock to the others
+/// for a lock's length), so a process of the region that can reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
@@ -195,6 +197,7 @@ where
                 granted_at: None,
                 lease_end: None,
                 home_failures: 0,
+                stand_down_until: None,
                 demand: 0.0,
             }),
             metrics: Metrics {
@@ -308,10 +311,20 @@ where
         // (`build` keeps the refresh at most a quarter of the lease).
         let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
         let started = Instant::now();
+        // A process that gave the lock up for failing to reach the home leaves it to the
+        // others for a lock's length.
+        let standing_down = self
+            .round()
+            .stand_down_until
+            .is_some_and(|until| started < until);
         let Some(r) = self
             .local_call(
                 |c| {
-                    c.arg("report").arg("").arg(&self.token).arg(lock_ms);
+                    c.arg("report")
+                        .arg("")
+                        .arg(&self.token)
+                        .arg(lock_ms)
+                        .arg(u8::from(standing_down));
                 },
                 8,
             )
@@ -393,8 +406,10 @@ where
                     round.home_failures
                 };
                 if failures >= 3 {
-                    // This process cannot reach the home: let another one of the region try
-                    // (this one takes the lock again if it is still free next time).
+                    // This process cannot reach the home: let another one of the region try,
+                    // and do not take the lock back for a lock's length.
+                    self.round().stand_down_until =
+                        Some(Instant::now() + Duration::from_millis(lock_ms));
                     self.release().await;
                 }
                 return;

@@ -36,6 +36,32 @@ pub const REGION_SHARE: &str = script!("region_share.lua");
 /// `lua/region_bucket.lua`: a token bucket at the region's current share.
 pub const REGION_BUCKET: &str = script!("region_bucket.lua");
 
+/// The script of `source`, hashed once in `cell`.
+fn compiled(
+    cell: &'static std::sync::OnceLock<redis::Script>,
+    source: &'static str,
+) -> &'static redis::Script {
+    cell.get_or_init(|| redis::Script::new(source))
+}
+
+/// [`REGION_HOME`], compiled once.
+pub(crate) fn region_home() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    compiled(&SCRIPT, REGION_HOME)
+}
+
+/// [`REGION_SHARE`], compiled once.
+pub(crate) fn region_share() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    compiled(&SCRIPT, REGION_SHARE)
+}
+
+/// [`REGION_BUCKET`], compiled once.
+pub(crate) fn region_bucket() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    compiled(&SCRIPT, REGION_BUCKET)
+}
+
 /// The script source for `limit`.
 fn source(limit: &Limit) -> &'static str {
     match limit {

@@ -144,7 +144,7 @@ impl Plan {
     /// A call of the home script: mode, region `i` (0-based) and its report, then the
     /// configuration.
     pub(crate) fn home_cmd(&self, mode: &str, i: usize, report: &model::Report) -> redis::Cmd {
-        let script = home_script();
+        let script = scripts::region_home();
         let mut cmd = scripts::evalsha(script, 1);
         let cfg = self.model();
         cmd.arg(self.home_key())
@@ -164,11 +164,6 @@ impl Plan {
         }
         cmd
     }
-}
-
-pub(crate) fn home_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_HOME))
 }
 
 pub(crate) fn micros(d: Duration) -> u64 {
@@ -620,7 +615,7 @@ where
         use crate::gate::backend::CallError;
         match self
             .home
-            .eval(home_script(), cmd, len, self.plan.home_timeout)
+            .eval(scripts::region_home(), cmd, len, self.plan.home_timeout)
             .await
         {
             Ok(v) => Ok(v),

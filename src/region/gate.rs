@@ -78,11 +78,6 @@ where
     }
 }
 
-fn bucket_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_BUCKET))
-}
-
 impl<C> RegionGate<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -119,11 +114,7 @@ where
         let reply = match core.local.admit(now) {
             Err(e) => Err(e),
             Ok(()) => {
-                let (safe_share, safe_tau) = {
-                    let safe = plan.regions[core.index].2;
-                    (safe, plan.tau(safe))
-                };
-                let mut cmd = scripts::evalsha(bucket_script(), 3);
+                let mut cmd = scripts::evalsha(scripts::region_bucket(), 3);
                 let mut bucket = String::with_capacity(core.keys.bucket_prefix.len() + key.len());
                 bucket.push_str(&core.keys.bucket_prefix);
                 bucket.push_str(key);
@@ -133,12 +124,16 @@ where
                     .arg("")
                     .arg(cost)
                     .arg(plan.period_us)
-                    .arg(safe_share)
-                    .arg(safe_tau)
+                    .arg(core.safe)
+                    .arg(core.safe_tau)
                     .arg(micros(plan.refresh))
                     .arg(micros(plan.ttl).div_ceil(1000).max(1000));
                 let within = plan.local_timeout.saturating_sub(now.elapsed());
-                match core.local.eval(bucket_script(), &cmd, 5, within).await {
+                match core
+                    .local
+                    .eval(scripts::region_bucket(), &cmd, 5, within)
+                    .await
+                {
                     Ok(v) => match key_failure(v[0]) {
                         Some(e) => Err(CallError::Request(e)),
                         None => Ok(decision_from(&v)),

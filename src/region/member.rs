@@ -64,6 +64,9 @@ struct Round {
 pub(crate) struct Core<C> {
     pub(crate) allocator: QuotaAllocator<C>,
     pub(crate) index: usize,
+    /// The region's safe share, and its bucket size (computed once: every decision sends them).
+    pub(crate) safe: u64,
+    pub(crate) safe_tau: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,
@@ -179,6 +182,8 @@ where
         let core = Arc::new(Core {
             allocator: self.clone(),
             index,
+            safe: plan.regions[index].2,
+            safe_tau: plan.tau(plan.regions[index].2),
             local,
             keys: LocalKeys {
                 record: format!("{prefix}:lease"),
@@ -244,6 +249,11 @@ impl<C> Core<C> {
         &self.allocator.plan
     }
 
+    /// The region's name.
+    fn region(&self) -> &str {
+        &self.plan().regions[self.index].0
+    }
+
     fn round(&self) -> std::sync::MutexGuard<'_, Round> {
         self.round.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -263,18 +273,13 @@ fn smooth(average: f64, measured: f64, weight: f64) -> f64 {
 /// The largest demand reported (units per period): see `config::MAX_CAPACITY`.
 const MAX_DEMAND: u64 = 1 << 27;
 
-fn share_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    SCRIPT.get_or_init(|| redis::Script::new(scripts::REGION_SHARE))
-}
-
 impl<C> Core<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// One call of the share script in the local Redis.
     async fn local_call(&self, args: impl FnOnce(&mut redis::Cmd), len: usize) -> Option<Vec<i64>> {
-        let mut cmd = scripts::evalsha(share_script(), 3);
+        let mut cmd = scripts::evalsha(scripts::region_share(), 3);
         cmd.arg(&self.keys.record)
             .arg(&self.keys.counters)
             .arg(&self.keys.lock);
@@ -282,7 +287,7 @@ where
         match self
             .local
             .eval(
-                share_script(),
+                scripts::region_share(),
                 &cmd,
                 len,
                 self.plan().local_timeout.max(Duration::from_millis(500)),
@@ -292,7 +297,7 @@ where
             Ok(v) => Some(v),
             Err(e) => {
                 if let CallError::Backend { error: Some(e), .. } | CallError::Request(e) = e {
-                    tracing::debug!(region = %self.round().status.region, error = %e, "region: local redis failed");
+                    tracing::debug!(region = %self.region(), error = %e, "region: local redis failed");
                 }
                 None
             }
@@ -305,7 +310,7 @@ where
     pub(crate) async fn refresh(&self) {
         let _one_at_a_time = self.refreshing.lock().await;
         let plan = self.plan();
-        let safe = plan.regions[self.index].2;
+        let safe = self.safe;
         // Long enough for a whole refresh (two local calls, a home call) between renewals;
         // short enough that another process takes over well before the lease ends
         // (`build` keeps the refresh at most a quarter of the lease).
@@ -433,7 +438,7 @@ where
                         .arg(expires)
                         .arg(learning)
                         .arg(safe)
-                        .arg(plan.tau(safe))
+                        .arg(self.safe_tau)
                         .arg(seq);
                 },
                 2,
@@ -447,7 +452,7 @@ where
             if written[1] == -1 {
                 tracing::warn!(
                     allocator = %plan.name,
-                    region = %self.round().status.region,
+                    region = %self.region(),
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
                 self.failed(None);
@@ -512,11 +517,14 @@ where
             // The lease ran out: the region admits at its safe share.
             self.metrics.share.set(round.status.safe as f64);
         }
-        if round.status.failures.is_power_of_two() {
+        let failures = round.status.failures;
+        // The log goes out after the lock is released (a subscriber is user code).
+        drop(round);
+        if failures.is_power_of_two() {
             tracing::warn!(
                 allocator = %self.plan().name,
-                region = %round.status.region,
-                failures = round.status.failures,
+                region = %self.region(),
+                failures,
                 error = ?error.map(ToString::to_string),
                 "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
             );

@@ -129,7 +129,7 @@ impl Plan {
     /// The reference model's view of this plan.
     pub(crate) fn model(&self) -> model::Config {
         model::Config {
-            capacity: self.capacity,
+            rate: self.capacity,
             policy: self.policy,
             ttl_us: micros(self.ttl),
             stale_us: micros(self.ttl),
@@ -154,7 +154,7 @@ impl Plan {
             .arg(report.seq)
             .arg(report.share)
             .arg(report.demand)
-            .arg(cfg.capacity)
+            .arg(cfg.rate)
             .arg(cfg.policy.code())
             .arg(cfg.ttl_us)
             .arg(cfg.stale_us)
@@ -599,7 +599,7 @@ where
             })
             .collect();
         Ok(AllocatorStatus {
-            capacity: self.plan.capacity,
+            rate: self.plan.capacity,
             period: self.plan.quota.rate().period(),
             learning: v[0] == 1,
             regions,

@@ -54,7 +54,7 @@ pub struct Spec {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     /// The global rate, in units per period.
-    pub capacity: u64,
+    pub rate: u64,
     /// How the capacity is divided.
     pub policy: Allocation,
     /// The length of a lease, in µs.
@@ -169,7 +169,7 @@ impl Home {
     /// safe shares, on top of each region's safe share.
     pub fn targets(&self, cfg: &Config, now_us: u64) -> Vec<u64> {
         let safe: u64 = cfg.regions.iter().map(|s| s.safe).sum();
-        let free = cfg.capacity.saturating_sub(safe);
+        let free = cfg.rate.saturating_sub(safe);
         let weights: Vec<u64> = cfg.regions.iter().map(|s| s.weight).collect();
         let wants: Vec<u64> = self
             .regions
@@ -221,7 +221,7 @@ impl Home {
             .filter(|&j| j != i)
             .map(|j| self.held(cfg, j))
             .sum();
-        let mut share = self.targets(cfg, now_us)[i].min(cfg.capacity.saturating_sub(others));
+        let mut share = self.targets(cfg, now_us)[i].min(cfg.rate.saturating_sub(others));
         let learning = self.learning(now_us);
         if learning {
             share = share.min(report.share);

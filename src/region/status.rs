@@ -91,7 +91,7 @@ pub struct HomeRegion {
 #[non_exhaustive]
 pub struct AllocatorStatus {
     /// The global rate in units per `period`.
-    pub capacity: u64,
+    pub rate: u64,
     /// The period of the global quota.
     pub period: Duration,
     /// Whether the home is in its learning phase (it restarted without state).
@@ -101,7 +101,7 @@ pub struct AllocatorStatus {
 }
 
 impl AllocatorStatus {
-    /// The sum of what the regions hold: never above `capacity` (the allocation invariant).
+    /// The sum of what the regions hold: never above `rate` (the allocation invariant).
     pub fn held(&self) -> u64 {
         self.regions.iter().map(|r| r.held).sum()
     }
@@ -113,7 +113,7 @@ impl fmt::Display for AllocatorStatus {
             f,
             "{} of {} per {:?} held{}",
             self.held(),
-            self.capacity,
+            self.rate,
             self.period,
             if self.learning { " (learning)" } else { "" }
         )?;

@@ -43,10 +43,10 @@ async fn watch_home(fleet: &Fleet, d: Duration) -> u64 {
     while tokio::time::Instant::now() < end {
         if let Ok(status) = alloc.status().await {
             assert!(
-                status.held() <= status.capacity,
+                status.held() <= status.rate,
                 "the home holds {} > {}: {status}",
                 status.held(),
-                status.capacity
+                status.rate
             );
             max_held = max_held.max(status.held());
         }

@@ -25,7 +25,7 @@ fn policies() -> impl Strategy<Value = Allocation> {
 fn config() -> impl Strategy<Value = Config> {
     (policies(), prop::collection::vec((0u64..5, 0u64..15), 3)).prop_map(|(policy, regions)| {
         Config {
-            capacity: CAPACITY,
+            rate: CAPACITY,
             policy,
             ttl_us: TTL,
             stale_us: TTL,
@@ -144,10 +144,10 @@ fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64
     let mut checked_until = 0;
     let check = |records: &[Record; 3], t: u64| -> Result<(), String> {
         let total: u64 = (0..3).map(|j| records[j].admits(t, safe[j])).sum();
-        if total > cfg.capacity {
+        if total > cfg.rate {
             return Err(format!(
                 "at {t} µs the regions admit at {total} > {}: {records:?}",
-                cfg.capacity
+                cfg.rate
             ));
         }
         Ok(())
@@ -227,11 +227,8 @@ fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64
         check(&records, t)?;
         if home.started {
             let held: u64 = (0..3).map(|j| home.held(cfg, j)).sum();
-            if held > cfg.capacity {
-                return Err(format!(
-                    "at {t} µs the home holds {held} > {}",
-                    cfg.capacity
-                ));
+            if held > cfg.rate {
+                return Err(format!("at {t} µs the home holds {held} > {}", cfg.rate));
             }
         }
     }
@@ -265,7 +262,7 @@ proptest! {
 /// Three regions of weight 1 without safe shares.
 fn equal_regions() -> Config {
     Config {
-        capacity: CAPACITY,
+        rate: CAPACITY,
         policy: Allocation::FairShare,
         ttl_us: TTL,
         stale_us: TTL,
@@ -344,7 +341,7 @@ fn lua_call(
         .arg(report.seq)
         .arg(report.share)
         .arg(report.demand)
-        .arg(cfg.capacity)
+        .arg(cfg.rate)
         .arg(match cfg.policy {
             Allocation::Static => 0,
             Allocation::FairShare => 1,
@@ -485,7 +482,7 @@ fn the_home_script_matches_the_model() {
 #[test]
 fn a_stale_report_after_a_home_restart_does_not_restore_a_shrunk_share() {
     let cfg = Config {
-        capacity: CAPACITY,
+        rate: CAPACITY,
         policy: Allocation::FairShare,
         ttl_us: TTL,
         stale_us: TTL,

@@ -29,7 +29,8 @@
 //!   - `no limiter, body wrapped`: a `map_response` layer that only wraps the body in
 //!     flowgate's `ResponseBody`: what any layer with its own body type costs under axum
 //!     (axum boxes the body again), before any decision.
-//!   - `flowgate (memory)`: `RateLimitLayer::builder(MemoryGate)` with one policy keyed by
+//!   - `flowgate (memory)`: `RateLimitLayer::builder(MemoryGate).inner_body()` (responses
+//!     keep axum's `Body`, as the layer's docs advise under axum) with one policy keyed by
 //!     the `x-api-key` header (a closure writing the header's value into the layer's reused
 //!     key buffer) and the default header style: the IETF `RateLimit-Policy` / `RateLimit`
 //!     fields on every response, a problem document on every 429.
@@ -632,11 +633,16 @@ impl Server {
     }
 }
 
-fn flowgate_layer<G>(gate: G, quota: Quota, styles: HeaderStyles) -> RateLimitLayer<G>
+fn flowgate_layer<G>(
+    gate: G,
+    quota: Quota,
+    styles: HeaderStyles,
+) -> RateLimitLayer<G, flowgate::http::InnerBody>
 where
     G: flowgate::gate::Gate + Clone + 'static,
 {
     RateLimitLayer::builder(gate)
+        .inner_body()
         .policy(Policy::new(POLICY, quota, api_key))
         .header_styles(styles)
         .build()

@@ -11,8 +11,9 @@
 //! Variants, each `Router::layer(..)` over the same router, as in `benches/http.rs`:
 //!
 //! - `no limiter`: the router alone;
-//! - `flowgate (memory)`: `RateLimitLayer` on `MemoryGate`, one policy keyed by the header,
-//!   the default IETF fields on every response;
+//! - `flowgate (memory)`: `RateLimitLayer` on `MemoryGate` with `.inner_body()` (axum's
+//!   `Body` kept, as advised under axum), one policy keyed by the header, the default IETF
+//!   fields on every response;
 //! - `flowgate (no fields)`: the same with `HeaderStyles::NONE`;
 //! - `tower_governor`: `GovernorLayer` (default settings) keyed by the same header.
 //!
@@ -87,6 +88,7 @@ fn main() {
     let flowgate = |styles| {
         base.clone().layer(
             RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+                .inner_body()
                 .policy(Policy::new("per-key", quota, api_key))
                 .header_styles(styles)
                 .build()

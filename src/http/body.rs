@@ -1,4 +1,5 @@
-//! `ResponseBody`: the inner service's body, or a response a layer wrote itself.
+//! `ResponseBody`: the inner service's body, or a response a layer wrote itself; and
+//! [`BodyMode`], which says whether a layer's responses use it or keep the inner body type.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -68,4 +69,63 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
             ResponseBody::Own(b) => b.size_hint(),
         }
     }
+}
+
+/// The body type of the responses of a [`RateLimitLayer`](crate::http::RateLimitLayer):
+/// [`WrapBody`] (the default, any inner body) or [`InnerBody`] (the inner body type itself).
+///
+/// Sealed: the two markers are the only modes.
+pub trait BodyMode<B>: sealed::Sealed {
+    /// The body of the layer's responses when the inner service's body is `B`.
+    type Body;
+    /// The inner service's body, as the layer passes it on.
+    #[doc(hidden)]
+    fn inner(body: B) -> Self::Body;
+    /// A body the layer wrote itself (a problem document).
+    #[doc(hidden)]
+    fn own(bytes: Bytes) -> Self::Body;
+}
+
+/// The default [`BodyMode`]: responses have a [`ResponseBody<B>`], which works over any
+/// inner body `B`.
+#[derive(Debug, Clone, Copy)]
+pub enum WrapBody {}
+
+/// The [`BodyMode`] that keeps the inner service's body type `B`, for bodies made from
+/// [`Bytes`] (`B: From<Bytes>`: axum's `Body`, `http_body_util::Full<Bytes>`): the layer's
+/// own bodies are `B::from(bytes)`. Under axum this saves a second boxing of every response
+/// body (axum boxes any body that is not its own `Body` again).
+#[derive(Debug, Clone, Copy)]
+pub enum InnerBody {}
+
+impl<B> BodyMode<B> for WrapBody {
+    type Body = ResponseBody<B>;
+
+    #[inline]
+    fn inner(body: B) -> ResponseBody<B> {
+        ResponseBody::Inner(body)
+    }
+
+    fn own(bytes: Bytes) -> ResponseBody<B> {
+        ResponseBody::own(bytes)
+    }
+}
+
+impl<B: From<Bytes>> BodyMode<B> for InnerBody {
+    type Body = B;
+
+    #[inline]
+    fn inner(body: B) -> B {
+        body
+    }
+
+    fn own(bytes: Bytes) -> B {
+        B::from(bytes)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::WrapBody {}
+    impl Sealed for super::InnerBody {}
 }

@@ -25,7 +25,7 @@ mod rate_limit;
 mod shed;
 mod topn;
 
-pub use body::ResponseBody;
+pub use body::{BodyMode, InnerBody, ResponseBody, WrapBody};
 pub use client_ip::{ClientIp, ClientIpBuilder, ForwardedHeader};
 pub use fields::HeaderStyles;
 pub use key::{Constant, Header, KeyExtractor, MissingKey, PeerIp, RequestInfo};

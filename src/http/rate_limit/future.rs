@@ -1,6 +1,7 @@
 //! `RateLimitFuture`: decides a request, then calls the inner service or answers itself.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -10,7 +11,7 @@ use pin_project::pin_project;
 use tower::Service;
 
 use crate::gate::Gate;
-use crate::http::body::ResponseBody;
+use crate::http::body::{BodyMode, WrapBody};
 use crate::http::fields::Fields;
 use crate::http::key::RequestInfo;
 use crate::http::rate_limit::layer::{Check, Prepared, Shared, Verdict};
@@ -32,13 +33,14 @@ use crate::sync::Arc;
 /// When polled again after it completed.
 #[pin_project]
 #[must_use = "futures do nothing unless polled"]
-pub struct RateLimitFuture<S, G, B>
+pub struct RateLimitFuture<S, G, B, K = WrapBody>
 where
     S: Service<Request<B>>,
 {
     shared: Arc<Shared<G>>,
     #[pin]
     state: State<S, B>,
+    body: PhantomData<fn() -> K>,
 }
 
 #[pin_project(project = StateProj)]
@@ -67,7 +69,7 @@ where
     Done,
 }
 
-impl<S, G, B> RateLimitFuture<S, G, B>
+impl<S, G, B, K> RateLimitFuture<S, G, B, K>
 where
     S: Service<Request<B>>,
 {
@@ -78,11 +80,12 @@ where
                 req: Some(req),
                 inner: Some(inner),
             },
+            body: PhantomData,
         }
     }
 }
 
-impl<S, G, B> fmt::Debug for RateLimitFuture<S, G, B>
+impl<S, G, B, K> fmt::Debug for RateLimitFuture<S, G, B, K>
 where
     S: Service<Request<B>>,
 {
@@ -101,12 +104,13 @@ where
 
 const POLLED_AFTER_DONE: &str = "RateLimitFuture polled after it completed";
 
-impl<S, G, B, ResBody> Future for RateLimitFuture<S, G, B>
+impl<S, G, B, K, ResBody> Future for RateLimitFuture<S, G, B, K>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
     G: Gate + 'static,
+    K: BodyMode<ResBody>,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Response<K::Body>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -143,7 +147,7 @@ where
                     let res = ready!(fut.poll(cx));
                     let fields = fields.take();
                     this.state.set(State::Done);
-                    let mut res = res?.map(ResponseBody::Inner);
+                    let mut res = res?.map(K::inner);
                     if let Some(fields) = fields {
                         fields.write(res.headers_mut());
                     }
@@ -161,7 +165,7 @@ where
             match verdict {
                 Verdict::Answer(res) => {
                     this.state.set(State::Done);
-                    return Poll::Ready(Ok(res.map(ResponseBody::own)));
+                    return Poll::Ready(Ok(res.map(K::own)));
                 }
                 Verdict::Pass(fields) => {
                     let (Some(req), Some(mut inner)) = (req, inner) else {

@@ -3,6 +3,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -14,6 +15,7 @@ use tower::Layer;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::{Gate, GateError};
+use crate::http::body::{InnerBody, WrapBody};
 use crate::http::fields::{self, Fields, HeaderStyles, Member, PolicyParts};
 use crate::http::key::{MissingKey, RequestInfo};
 use crate::http::problem::{self, QUOTA_EXCEEDED, TEMPORARY_REDUCED_CAPACITY};
@@ -146,19 +148,21 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// assert_eq!(layer.stats().admitted, 0);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct RateLimitLayer<G> {
+pub struct RateLimitLayer<G, K = WrapBody> {
     shared: Arc<Shared<G>>,
+    body: PhantomData<fn() -> K>,
 }
 
-impl<G> Clone for RateLimitLayer<G> {
+impl<G, K> Clone for RateLimitLayer<G, K> {
     fn clone(&self) -> Self {
         RateLimitLayer {
             shared: Arc::clone(&self.shared),
+            body: PhantomData,
         }
     }
 }
 
-impl<G: fmt::Debug> fmt::Debug for RateLimitLayer<G> {
+impl<G: fmt::Debug, K> fmt::Debug for RateLimitLayer<G, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.shared.fmt(f)
     }
@@ -176,11 +180,12 @@ impl<G: Gate + 'static> RateLimitLayer<G> {
             top_rejected: TopRejected::DEFAULT_CAPACITY,
             name: None,
             prefix: String::new(),
+            body: PhantomData,
         }
     }
 }
 
-impl<G> RateLimitLayer<G> {
+impl<G, K> RateLimitLayer<G, K> {
     /// The count of each outcome so far (shared by every clone and every service).
     pub fn stats(&self) -> RateLimitStats {
         self.shared.stats()
@@ -203,17 +208,17 @@ impl<G> RateLimitLayer<G> {
     }
 }
 
-impl<S, G> Layer<S> for RateLimitLayer<G> {
-    type Service = RateLimit<S, G>;
+impl<S, G, K> Layer<S> for RateLimitLayer<G, K> {
+    type Service = RateLimit<S, G, K>;
 
-    fn layer(&self, inner: S) -> RateLimit<S, G> {
+    fn layer(&self, inner: S) -> RateLimit<S, G, K> {
         RateLimit::new(inner, Arc::clone(&self.shared))
     }
 }
 
 /// Builds a [`RateLimitLayer`]; from [`RateLimitLayer::builder`].
 #[must_use = "a builder does nothing until it is built"]
-pub struct RateLimitLayerBuilder<G> {
+pub struct RateLimitLayerBuilder<G, K = WrapBody> {
     gate: G,
     policies: Vec<Policy>,
     cost: Option<Arc<CostFn>>,
@@ -222,9 +227,10 @@ pub struct RateLimitLayerBuilder<G> {
     top_rejected: usize,
     name: Option<String>,
     prefix: String,
+    body: PhantomData<fn() -> K>,
 }
 
-impl<G: fmt::Debug> fmt::Debug for RateLimitLayerBuilder<G> {
+impl<G: fmt::Debug, K> fmt::Debug for RateLimitLayerBuilder<G, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
             .field("gate", &self.gate)
@@ -240,6 +246,27 @@ impl<G: fmt::Debug> fmt::Debug for RateLimitLayerBuilder<G> {
 }
 
 impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
+    /// Responses keep the inner service's body type `B` instead of a
+    /// [`ResponseBody<B>`](crate::http::ResponseBody) (see [`InnerBody`]); the layer's own
+    /// `429` / `400` / `503` bodies are `B::from(bytes)`, so the service needs
+    /// `B: From<Bytes>`. Under axum, whose `Body` qualifies, this saves boxing every
+    /// response body a second time: choose it there.
+    pub fn inner_body(self) -> RateLimitLayerBuilder<G, InnerBody> {
+        RateLimitLayerBuilder {
+            gate: self.gate,
+            policies: self.policies,
+            cost: self.cost,
+            styles: self.styles,
+            shadow: self.shadow,
+            top_rejected: self.top_rejected,
+            name: self.name,
+            prefix: self.prefix,
+            body: PhantomData,
+        }
+    }
+}
+
+impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// Add a policy; a request must have room in every policy that applies to it.
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policies.push(policy);
@@ -299,7 +326,7 @@ impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
     /// name; on `rate_limit.header_styles` for both `X_RATELIMIT` and
     /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
     /// [`TopRejected::MAX_CAPACITY`].
-    pub fn build(self) -> Result<RateLimitLayer<G>, ConfigError> {
+    pub fn build(self) -> Result<RateLimitLayer<G, K>, ConfigError> {
         if self.policies.is_empty() {
             return Err(ConfigError::zero("rate_limit.policies"));
         }
@@ -384,6 +411,7 @@ impl<G: Gate + 'static> RateLimitLayerBuilder<G> {
                 next_log_ms: AtomicU64::new(0),
                 since_log: AtomicU64::new(0),
             }),
+            body: PhantomData,
         })
     }
 }

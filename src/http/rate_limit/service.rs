@@ -1,6 +1,7 @@
 //! `RateLimit`: the service of a [`RateLimitLayer`](crate::http::RateLimitLayer).
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::mem;
 use std::task::{Context, Poll};
 
@@ -8,7 +9,7 @@ use http::{Request, Response};
 use tower::Service;
 
 use crate::gate::Gate;
-use crate::http::body::ResponseBody;
+use crate::http::body::{BodyMode, WrapBody};
 use crate::http::rate_limit::future::RateLimitFuture;
 use crate::http::rate_limit::layer::{RateLimitStats, Shared};
 use crate::sync::Arc;
@@ -19,14 +20,22 @@ use crate::sync::Arc;
 /// request holds nothing); the request is decided in the [`RateLimitFuture`], and the inner
 /// service that was ready is the one called (clone-after-ready). Clones share the layer's
 /// state: policies, counts, top rejected keys.
-pub struct RateLimit<S, G> {
+///
+/// `K` is the [`BodyMode`]: [`WrapBody`] (responses have a
+/// [`ResponseBody`](crate::http::ResponseBody)) or [`InnerBody`](crate::http::InnerBody).
+pub struct RateLimit<S, G, K = WrapBody> {
     inner: S,
     shared: Arc<Shared<G>>,
+    body: PhantomData<fn() -> K>,
 }
 
-impl<S, G> RateLimit<S, G> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<G>>) -> RateLimit<S, G> {
-        RateLimit { inner, shared }
+impl<S, G, K> RateLimit<S, G, K> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<G>>) -> RateLimit<S, G, K> {
+        RateLimit {
+            inner,
+            shared,
+            body: PhantomData,
+        }
     }
 
     /// The count of each outcome so far (shared with the layer and every clone).
@@ -50,16 +59,13 @@ impl<S, G> RateLimit<S, G> {
     }
 }
 
-impl<S: Clone, G> Clone for RateLimit<S, G> {
+impl<S: Clone, G, K> Clone for RateLimit<S, G, K> {
     fn clone(&self) -> Self {
-        RateLimit {
-            inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
-        }
+        RateLimit::new(self.inner.clone(), Arc::clone(&self.shared))
     }
 }
 
-impl<S: fmt::Debug, G: fmt::Debug> fmt::Debug for RateLimit<S, G> {
+impl<S: fmt::Debug, G: fmt::Debug, K> fmt::Debug for RateLimit<S, G, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -68,21 +74,22 @@ impl<S: fmt::Debug, G: fmt::Debug> fmt::Debug for RateLimit<S, G> {
     }
 }
 
-impl<S, G, B, ResBody> Service<Request<B>> for RateLimit<S, G>
+impl<S, G, K, B, ResBody> Service<Request<B>> for RateLimit<S, G, K>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     G: Gate + 'static,
+    K: BodyMode<ResBody>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<K::Body>;
     type Error = S::Error;
-    type Future = RateLimitFuture<S, G, B>;
+    type Future = RateLimitFuture<S, G, B, K>;
 
     /// The inner service's readiness, and nothing else.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> RateLimitFuture<S, G, B> {
+    fn call(&mut self, req: Request<B>) -> RateLimitFuture<S, G, B, K> {
         // The service that was polled ready goes with the request; a fresh clone stays.
         let clone = self.inner.clone();
         let inner = mem::replace(&mut self.inner, clone);

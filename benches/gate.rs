@@ -84,8 +84,6 @@
 
 mod support;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -93,6 +91,7 @@ use flowgate::gate::{Gate, Limit, MemoryGate, RedisGate};
 use flowgate::{FlowStreamExt, Quota};
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
+use support::alloc::{CountingAlloc, allocations};
 use support::redis_server::PrivateRedis;
 
 /// The token bucket as commonly written: client time, floats, a hash with tokens and
@@ -146,51 +145,6 @@ const YIELD_EVERY: u64 = 256;
 /// Items per run of the gated path: steady state, as users run it.
 const GATED_ITEMS: u64 = 1_000_000;
 const SMOKE_GATED_ITEMS: u64 = 10_000;
-
-/// The system allocator, counting the allocations of each thread (a thread-local counter:
-/// no shared atomic, so the Redis runs are not slowed by it).
-struct CountingAlloc;
-
-thread_local! {
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count_allocation() {
-    // `try_with`: the thread-local may be gone while a thread exits.
-    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
-}
-
-/// Allocations made so far by the calling thread.
-fn allocations() -> u64 {
-    ALLOCATIONS.with(Cell::get)
-}
-
-// SAFETY: every call is forwarded to `System` with the caller's arguments unchanged; the
-// counter is a const-initialised thread-local, which itself never allocates.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count_allocation();
-        // SAFETY: forwarded as is; the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count_allocation();
-        // SAFETY: forwarded as is.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count_allocation();
-        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;

@@ -21,7 +21,9 @@
 //! variant once for [`REQUESTS`] requests, in an order rotated by one per round; the
 //! median over [`ROUNDS`] rounds of ns per request is printed, and the overhead of each
 //! layer over `no limiter` (its ns per request minus the router's), with the ratio of the
-//! overheads (flowgate ÷ tower_governor: below 1 is cheaper).
+//! overheads (flowgate ÷ tower_governor: below 1 is cheaper). Allocations per request
+//! (the request's own included, counted by a global allocator wrapper in every variant
+//! alike) are from the last round: they do not vary.
 //!
 //! ```text
 //! cargo bench --all-features --bench http_layer
@@ -49,6 +51,10 @@ use tower::{Service, ServiceExt};
 use tower_governor::governor::GovernorConfigBuilder;
 
 use crate::http_keys::{ApiKey, api_key};
+use crate::support::alloc::{CountingAlloc, allocations};
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 /// Requests per variant and round (`LAYER_REQUESTS` overrides).
 const REQUESTS: usize = 300_000;
@@ -118,6 +124,7 @@ fn main() {
     let only = std::env::var("LAYER_ONLY").ok();
     let n = apps.len();
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); n];
+    let mut allocs: Vec<f64> = vec![f64::NAN; n];
     rt.block_on(async {
         for round in 0..rounds {
             for i in 0..n {
@@ -126,6 +133,7 @@ fn main() {
                     continue;
                 }
                 let app = &mut apps[v].1;
+                let allocated = allocations();
                 let start = Instant::now();
                 for j in 0..requests {
                     let req = Request::builder()
@@ -140,16 +148,18 @@ fn main() {
                     assert!(res.status().is_success());
                 }
                 ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
+                allocs[v] = (allocations() - allocated) as f64 / requests as f64;
             }
         }
     });
     let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();
-    println!("  variant                  ns/request   over no limiter");
+    println!("  variant                  ns/request   over no limiter   allocations/request");
     for (i, (name, _)) in apps.iter().enumerate() {
         println!(
-            "  {name:22} {:>10.0}   {:>+10.0}",
+            "  {name:22} {:>10.0}   {:>+15.0}   {:>19.2}",
             medians[i],
-            medians[i] - medians[0]
+            medians[i] - medians[0],
+            allocs[i]
         );
     }
     let over = |i: usize| medians[i] - medians[0];

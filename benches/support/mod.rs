@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+pub mod alloc;
 pub mod redis_server;
 
 /// How a requirement line starts.

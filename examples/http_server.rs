@@ -35,7 +35,7 @@ use flowgate::Quota;
 use flowgate::bulkhead::Bulkhead;
 use flowgate::gate::{Gate, Limit, MemoryGate};
 use flowgate::http::{
-    Class, Header, MissingKey, PeerIp, Policy, RateLimitLayer, RequestInfo, ShedLayer,
+    Class, Header, InnerBody, MissingKey, PeerIp, Policy, RateLimitLayer, RequestInfo, ShedLayer,
 };
 
 #[tokio::main]
@@ -49,8 +49,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let per_key = Quota::per(20, Duration::from_secs(10))?;
     let (gate, backend) = gate(Limit::TokenBucket(per_ip)).await?;
 
-    // 429s: both policies on every request to `/`, all-or-nothing.
+    // 429s: both policies on every request to `/`, all-or-nothing. `inner_body`: the
+    // responses keep axum's `Body` (axum would box any other body type again).
     let rate_limit = RateLimitLayer::builder(gate)
+        .inner_body()
         .policy(Policy::new(
             "per-ip",
             per_ip,
@@ -140,7 +142,7 @@ async fn report() -> &'static str {
     "report: done\n"
 }
 
-fn stats(rate_limit: &RateLimitLayer<Arc<dyn Gate>>, shed: &ShedLayer) -> String {
+fn stats(rate_limit: &RateLimitLayer<Arc<dyn Gate>, InnerBody>, shed: &ShedLayer) -> String {
     let mut out = format!("rate limit: {:?}\n", rate_limit.stats());
     out.push_str("most rejected (policy:key, count, error):\n");
     for top in rate_limit.top_rejected(5) {

@@ -3,11 +3,13 @@
 //! `-Remaining` / `-Reset` and legacy `X-RateLimit-*`, all written with the `sfv` Structured
 //! Fields serializers.
 
-use std::cell::Cell;
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use sfv::{Integer, ItemSerializer, ListSerializer, StringRef, key_ref};
 
@@ -161,21 +163,10 @@ fn integer_value(v: u64) -> HeaderValue {
     HeaderValue::from(v.min(SF_INTEGER_MAX))
 }
 
-/// Append `v` as an sf-Integer (decimal digits, clamped to the largest one): what sfv
-/// writes for it.
-fn push_integer(buf: &mut Vec<u8>, v: u64) {
-    let mut v = v.min(SF_INTEGER_MAX);
-    let mut digits = [0u8; 15];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (v % 10) as u8;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    buf.extend_from_slice(&digits[at..]);
+/// `v` as an sf-Integer (decimal digits, clamped to the largest one): what sfv writes
+/// for it.
+fn sf_digits(buf: &mut itoa::Buffer, v: u64) -> &str {
+    buf.format(v.min(SF_INTEGER_MAX))
 }
 
 /// Whether `name` can be a policy name: a non-empty sf-String (printable ASCII).
@@ -225,35 +216,64 @@ pub(crate) struct Member<'a> {
     pub(crate) t: Option<u64>,
 }
 
-thread_local! {
-    /// Where field values are put together before they are copied into their
-    /// `HeaderValue` (exactly as long as the value: one allocation per value).
-    static VALUE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+/// A list field value from bytes written by `write` into a buffer of `len` bytes (exactly
+/// that long, so that the value keeps the buffer without a copy); `None` for none.
+fn list_value(len: usize, write: impl FnOnce(&mut Vec<u8>)) -> Option<HeaderValue> {
+    if len == 0 {
+        return None;
+    }
+    let mut buf = Vec::with_capacity(len);
+    write(&mut buf);
+    debug_assert_eq!(buf.len(), len, "the length computed beforehand");
+    // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
+    // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
+    Some(HeaderValue::from_maybe_shared(Bytes::from(buf)).expect("sf is visible ASCII"))
 }
 
-/// A list field value written by `write` into the thread's reused buffer; `None` when
-/// `write` writes nothing (no members).
-fn list_value(write: impl FnOnce(&mut Vec<u8>)) -> Option<HeaderValue> {
-    let mut buf = VALUE.take();
-    buf.clear();
-    write(&mut buf);
-    let value = if buf.is_empty() {
-        None
-    } else {
-        // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
-        // `from_bytes` checks it again (a scan of a few dozen bytes).
-        Some(HeaderValue::from_bytes(&buf).expect("sf is visible ASCII"))
+/// The most distinct `RateLimit-Policy` values kept for the life of the process (see
+/// [`static_value`]).
+const MAX_STATIC_VALUES: usize = 1024;
+
+/// The interned `RateLimit-Policy` values (see [`static_value`]).
+static STATIC_VALUES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+
+/// `value` as a `HeaderValue` over a `&'static str`, so that the layer's clone of it on
+/// every response is a copy, not a reference count (an atomic increment, and a decrement
+/// when the response is sent). Values are interned: building a layer again with the same
+/// policies adds nothing; past [`MAX_STATIC_VALUES`] distinct values (layers built from
+/// ever new policy names), a shared value, as before, so the memory kept is bounded.
+pub(crate) fn static_value(value: &HeaderValue) -> HeaderValue {
+    let Ok(text) = value.to_str() else {
+        return value.clone();
     };
-    if buf.capacity() <= 4096 {
-        VALUE.set(buf);
-    }
-    value
+    let mut values = STATIC_VALUES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let kept = match values.get(text) {
+        Some(&kept) => kept,
+        None if values.len() < MAX_STATIC_VALUES => {
+            let kept: &'static str = Box::leak(text.to_owned().into_boxed_str());
+            values.insert(kept);
+            kept
+        }
+        None => return value.clone(),
+    };
+    HeaderValue::from_static(kept)
 }
 
 /// `RateLimit-Policy`: `"name";q=..;w=..` per member (sfv's serialization of each, made
-/// once, joined as an sf-List); `None` for no members.
-pub(crate) fn policy_field<'a>(members: impl Iterator<Item = Member<'a>>) -> Option<HeaderValue> {
-    list_value(|buf| {
+/// once, joined as an sf-List); `None` for no members. The layer keeps the value of all its
+/// policies as a [`static_value`].
+pub(crate) fn policy_field<'a>(
+    members: impl Iterator<Item = Member<'a>> + Clone,
+) -> Option<HeaderValue> {
+    let len = members
+        .clone()
+        .enumerate()
+        .map(|(i, m)| m.parts.policy.len() + if i > 0 { 2 } else { 0 })
+        .sum();
+    list_value(len, |buf| {
         for m in members {
             if !buf.is_empty() {
                 buf.extend_from_slice(b", ");
@@ -267,19 +287,28 @@ pub(crate) fn policy_field<'a>(members: impl Iterator<Item = Member<'a>>) -> Opt
 /// members. The name as sfv serialized it, then the parameters: the same bytes as sfv's
 /// `ListSerializer` (a unit test compares them).
 pub(crate) fn ratelimit_field<'a>(
-    members: impl Iterator<Item = Member<'a>>,
+    members: impl Iterator<Item = Member<'a>> + Clone,
 ) -> Option<HeaderValue> {
-    list_value(|buf| {
+    // The digits first: the value's exact length, then one buffer of that length.
+    let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let mut len = 0;
+    for (i, m) in members.clone().enumerate() {
+        len += usize::from(i > 0) * 2 + m.parts.name.len() + 3 + sf_digits(&mut r, m.r).len();
+        if let Some(v) = m.t {
+            len += 3 + sf_digits(&mut t, v).len();
+        }
+    }
+    list_value(len, |buf| {
         for m in members {
             if !buf.is_empty() {
                 buf.extend_from_slice(b", ");
             }
             buf.extend_from_slice(&m.parts.name);
             buf.extend_from_slice(b";r=");
-            push_integer(buf, m.r);
-            if let Some(t) = m.t {
+            buf.extend_from_slice(sf_digits(&mut r, m.r).as_bytes());
+            if let Some(v) = m.t {
                 buf.extend_from_slice(b";t=");
-                push_integer(buf, t);
+                buf.extend_from_slice(sf_digits(&mut t, v).as_bytes());
             }
         }
     })
@@ -307,13 +336,12 @@ struct Single {
 
 impl Fields {
     /// The fields of `styles` for `members` (the policies applied to this request, in
-    /// order). `all_policy` is the `RateLimit-Policy` value of all the layer's
-    /// `all_count` policies, serialized once, used when there are as many members.
+    /// order). `all_policy` is the `RateLimit-Policy` value of all the layer's policies,
+    /// serialized once, used when `members` are all of them.
     pub(crate) fn new<'a, I>(
         styles: HeaderStyles,
         members: I,
         all_policy: Option<&HeaderValue>,
-        all_count: usize,
     ) -> Fields
     where
         I: Iterator<Item = Member<'a>> + Clone,
@@ -324,8 +352,8 @@ impl Fields {
         };
         if styles.contains(HeaderStyles::IETF) {
             fields.policy = match all_policy {
-                Some(v) if members.clone().count() == all_count => Some(v.clone()),
-                _ => policy_field(members.clone()),
+                Some(v) => Some(v.clone()),
+                None => policy_field(members.clone()),
             };
             fields.ratelimit = ratelimit_field(members.clone());
         }
@@ -535,9 +563,53 @@ mod tests {
     fn huge_values_are_clamped_to_sf_integers() {
         assert_eq!(integer_value(u64::MAX).to_str().unwrap(), "999999999999999");
         assert_eq!(integer_value(7).to_str().unwrap(), "7");
-        let mut buf = Vec::new();
-        push_integer(&mut buf, u64::MAX);
-        assert_eq!(buf, b"999999999999999");
+        assert_eq!(
+            sf_digits(&mut itoa::Buffer::new(), u64::MAX),
+            "999999999999999"
+        );
+        let p = parts("p", 1, 1);
+        let member = Member {
+            parts: &p,
+            r: u64::MAX,
+            t: Some(u64::MAX),
+        };
+        let rl = ratelimit_field([member].into_iter()).unwrap();
+        assert_eq!(rl, "\"p\";r=999999999999999;t=999999999999999");
+    }
+
+    /// The policy field is one value per content for the life of the process, and the
+    /// number of values kept is bounded.
+    #[test]
+    fn policy_values_are_interned_and_bounded() {
+        let p = parts("interned", 5, 7);
+        let member = || Member {
+            parts: &p,
+            r: 0,
+            t: None,
+        };
+        let a = static_value(&policy_field([member()].into_iter()).unwrap());
+        let b = static_value(&policy_field([member()].into_iter()).unwrap());
+        assert_eq!(a, "\"interned\";q=5;w=7");
+        assert_eq!(
+            a.as_bytes().as_ptr(),
+            b.as_bytes().as_ptr(),
+            "one value, shared"
+        );
+        // Past the bound, values are still right (shared, not kept).
+        let many: Vec<PolicyParts> = (0..MAX_STATIC_VALUES + 8)
+            .map(|i| parts(&format!("bound-{i}"), 1, 1))
+            .collect();
+        for (i, p) in many.iter().enumerate() {
+            let m = Member {
+                parts: p,
+                r: 0,
+                t: None,
+            };
+            let v = static_value(&policy_field([m].into_iter()).unwrap());
+            assert_eq!(v.to_str().unwrap(), format!("\"bound-{i}\";q=1;w=1"));
+        }
+        let kept = STATIC_VALUES.get().unwrap().lock().unwrap().len();
+        assert!(kept <= MAX_STATIC_VALUES, "{kept} values kept");
     }
 
     #[test]
@@ -560,7 +632,6 @@ mod tests {
             HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT,
             members.iter().copied(),
             None,
-            2,
         )
         .write(&mut h);
         assert_eq!(h["ratelimit-limit"], "10");

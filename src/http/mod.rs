@@ -11,6 +11,9 @@
 //!   the request gets a `503` with `Retry-After`, while critical routes keep their reserve.
 //! - Keys come from a [`KeyExtractor`]: the peer IP, the client IP behind trusted proxies
 //!   only, a header, a constant, or a closure.
+//! - Responses have a [`ResponseBody`] over the inner body by default; under axum, build the
+//!   rate-limit layer with [`inner_body`](RateLimitLayerBuilder::inner_body) so responses keep
+//!   axum's `Body` ([`BodyMode`]).
 //!
 //! Both layers follow tower's rules: `poll_ready` only asks the inner service, the decision
 //! is made in the response future (an idle keep-alive connection holds nothing), the inner

@@ -189,6 +189,56 @@ async fn exactly_the_burst_passes_and_every_429_says_when_to_retry() {
     assert_eq!(top[0].count, 15);
 }
 
+/// `inner_body()`: the responses keep axum's `Body` (no second boxing), and the layer's own
+/// 429 is the same problem document with the same fields.
+#[tokio::test]
+async fn inner_body_keeps_the_inner_body_type_and_answers_the_same() {
+    fn same_body<S, B>(_: &S)
+    where
+        S: Service<Request<B>, Response = Response<axum::body::Body>>,
+    {
+    }
+    let layer = RateLimitLayer::builder(gate())
+        .inner_body()
+        .policy(Policy::new(
+            "per-client",
+            quota(2, Duration::from_secs(30)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let inner = tower::service_fn(|_req: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::from("ok")))
+    });
+    same_body::<_, axum::body::Body>(&layer.layer(inner));
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(layer.clone());
+    let server = Server::start(app).await;
+    let client = client();
+    let url = server.url("/");
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let a = get(&client, &url, &[("x-client", "c")]).await;
+        let rl = list(&a.headers, "ratelimit");
+        assert_eq!(rl[0].name, "per-client");
+        if a.status == StatusCode::OK {
+            assert_eq!(&a.body[..], b"ok");
+        } else {
+            assert_eq!(a.headers["content-type"], "application/problem+json");
+            assert_eq!(violated(&a.body), ["per-client"]);
+            assert_eq!(retry_after(&a.headers), 15);
+        }
+        statuses.push(a.status);
+    }
+    use StatusCode as S;
+    assert_eq!(
+        statuses,
+        [S::OK, S::OK, S::TOO_MANY_REQUESTS, S::TOO_MANY_REQUESTS]
+    );
+    assert_eq!(layer.stats().rejected, 2);
+}
+
 #[tokio::test]
 async fn a_client_that_waits_retry_after_then_succeeds() {
     let layer = RateLimitLayer::builder(gate())

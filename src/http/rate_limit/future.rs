@@ -1,8 +1,8 @@
 //! `RateLimitFuture`: decides a request, then calls the inner service or answers itself.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 

@@ -384,7 +384,8 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 }
             })
             .collect();
-        let all_policy = fields::policy_field(policies.iter().map(|e| e.member(0, None)));
+        let all_policy = fields::policy_field(policies.iter().map(|e| e.member(0, None)))
+            .map(|v| fields::static_value(&v));
         let labels = Labels::new(self.name.as_deref());
         let counter = |outcome| labels.counter(DECISIONS, &[("outcome", outcome)]);
         let counters = Outcome::ALL.map(|o| counter(o.as_str()));
@@ -768,11 +769,12 @@ impl<G> Shared<G> {
                 let t = (allowed || violated(d)).then(|| fields::reset_secs(d));
                 self.policies[i].member(d.remaining, t)
             });
+        // Every policy applied and none failed open: the layer's `RateLimit-Policy`, as built.
+        let all = !fail_open && keys.spans.len() == self.policies.len();
         let fields = Fields::new(
             self.styles,
             members,
-            self.all_policy.as_ref(),
-            self.policies.len(),
+            self.all_policy.as_ref().filter(|_| all),
         );
         if allowed {
             self.count(if fail_open {

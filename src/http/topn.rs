@@ -54,9 +54,14 @@ pub struct TopRejected {
     sketch: Mutex<Sketch>,
 }
 
+/// The sketch's map: a fast, randomly seeded hasher (foldhash), as the gates use; the map
+/// never holds more than the sketch's capacity, so a client choosing colliding keys can
+/// slow a lookup by at most that many comparisons.
+type Entries = HashMap<Box<str>, Counter, foldhash::fast::RandomState>;
+
 #[derive(Default)]
 struct Sketch {
-    entries: HashMap<Box<str>, Counter>,
+    entries: Entries,
     total: u64,
 }
 
@@ -117,7 +122,7 @@ impl TopRejected {
         Ok(TopRejected {
             capacity,
             sketch: Mutex::new(Sketch {
-                entries: HashMap::with_capacity(capacity),
+                entries: Entries::with_capacity_and_hasher(capacity, Default::default()),
                 total: 0,
             }),
         })
@@ -223,7 +228,10 @@ impl Default for TopRejected {
         TopRejected {
             capacity: Self::DEFAULT_CAPACITY,
             sketch: Mutex::new(Sketch {
-                entries: HashMap::with_capacity(Self::DEFAULT_CAPACITY),
+                entries: Entries::with_capacity_and_hasher(
+                    Self::DEFAULT_CAPACITY,
+                    Default::default(),
+                ),
                 total: 0,
             }),
         }

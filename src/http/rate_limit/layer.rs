@@ -37,6 +37,9 @@ thread_local! {
 
 /// How often rejections are logged, at most.
 const LOG_EVERY_MS: u64 = 60_000;
+/// Past this many rejections since the last log, the clock is read for one rejection in
+/// this many (a log can then come this many rejections late).
+const LOG_CHECK_EVERY: u64 = 64;
 
 /// The metric of the layer's decisions.
 const DECISIONS: &str = "flowgate_http_decisions_total";
@@ -821,7 +824,12 @@ impl<G> Shared<G> {
                 self.top.record(&keys.buf[start + skip..end]);
             }
         }
-        self.since_log.fetch_add(1, Ordering::Relaxed);
+        let since = self.since_log.fetch_add(1, Ordering::Relaxed);
+        // The clock is read for the first rejections after a log, then for one in
+        // `LOG_CHECK_EVERY`: a steady flood of rejections does not read it on each.
+        if since >= LOG_CHECK_EVERY && since % LOG_CHECK_EVERY != 0 {
+            return;
+        }
         let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
         let next = self.next_log_ms.load(Ordering::Relaxed);
         if now_ms >= next

@@ -827,7 +827,7 @@ impl<G> Shared<G> {
         let since = self.since_log.fetch_add(1, Ordering::Relaxed);
         // The clock is read for the first rejections after a log, then for one in
         // `LOG_CHECK_EVERY`: a steady flood of rejections does not read it on each.
-        if since >= LOG_CHECK_EVERY && since % LOG_CHECK_EVERY != 0 {
+        if since >= LOG_CHECK_EVERY && !since.is_multiple_of(LOG_CHECK_EVERY) {
             return;
         }
         let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);

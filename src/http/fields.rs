@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::io;
 use std::ops::{BitOr, BitOrAssign};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -216,18 +217,23 @@ pub(crate) struct Member<'a> {
     pub(crate) t: Option<u64>,
 }
 
-/// A list field value from bytes written by `write` into a buffer of `len` bytes (exactly
-/// that long, so that the value keeps the buffer without a copy); `None` for none.
-fn list_value(len: usize, write: impl FnOnce(&mut Vec<u8>)) -> Option<HeaderValue> {
-    if len == 0 {
-        return None;
-    }
-    let mut buf = Vec::with_capacity(len);
-    write(&mut buf);
-    debug_assert_eq!(buf.len(), len, "the length computed beforehand");
+/// A list field value written by `write`, into a buffer on the stack when it fits (a
+/// value is then one allocation of its exact length), else into a growing one; `None` when
+/// `write` writes nothing (no members).
+fn list_value(write: impl Fn(&mut dyn io::Write) -> io::Result<()>) -> Option<HeaderValue> {
+    let mut stack = [0u8; 256];
+    let mut cursor = io::Cursor::new(&mut stack[..]);
+    let bytes = if write(&mut cursor).is_ok() {
+        let n = usize::try_from(cursor.position()).expect("at most 256");
+        Bytes::copy_from_slice(&stack[..n])
+    } else {
+        let mut buf = Vec::new();
+        write(&mut buf).expect("a Vec takes every write");
+        Bytes::from(buf)
+    };
     // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
     // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
-    Some(HeaderValue::from_maybe_shared(Bytes::from(buf)).expect("sf is visible ASCII"))
+    (!bytes.is_empty()).then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
 }
 
 /// The most distinct `RateLimit-Policy` values kept for the life of the process (see
@@ -268,18 +274,14 @@ pub(crate) fn static_value(value: &HeaderValue) -> HeaderValue {
 pub(crate) fn policy_field<'a>(
     members: impl Iterator<Item = Member<'a>> + Clone,
 ) -> Option<HeaderValue> {
-    let len = members
-        .clone()
-        .enumerate()
-        .map(|(i, m)| m.parts.policy.len() + if i > 0 { 2 } else { 0 })
-        .sum();
-    list_value(len, |buf| {
-        for m in members {
-            if !buf.is_empty() {
-                buf.extend_from_slice(b", ");
+    list_value(|w| {
+        for (i, m) in members.clone().enumerate() {
+            if i > 0 {
+                w.write_all(b", ")?;
             }
-            buf.extend_from_slice(&m.parts.policy);
+            w.write_all(&m.parts.policy)?;
         }
+        Ok(())
     })
 }
 
@@ -289,28 +291,21 @@ pub(crate) fn policy_field<'a>(
 pub(crate) fn ratelimit_field<'a>(
     members: impl Iterator<Item = Member<'a>> + Clone,
 ) -> Option<HeaderValue> {
-    // The digits first: the value's exact length, then one buffer of that length.
-    let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
-    let mut len = 0;
-    for (i, m) in members.clone().enumerate() {
-        len += usize::from(i > 0) * 2 + m.parts.name.len() + 3 + sf_digits(&mut r, m.r).len();
-        if let Some(v) = m.t {
-            len += 3 + sf_digits(&mut t, v).len();
-        }
-    }
-    list_value(len, |buf| {
-        for m in members {
-            if !buf.is_empty() {
-                buf.extend_from_slice(b", ");
+    list_value(|w| {
+        let mut digits = itoa::Buffer::new();
+        for (i, m) in members.clone().enumerate() {
+            if i > 0 {
+                w.write_all(b", ")?;
             }
-            buf.extend_from_slice(&m.parts.name);
-            buf.extend_from_slice(b";r=");
-            buf.extend_from_slice(sf_digits(&mut r, m.r).as_bytes());
-            if let Some(v) = m.t {
-                buf.extend_from_slice(b";t=");
-                buf.extend_from_slice(sf_digits(&mut t, v).as_bytes());
+            w.write_all(&m.parts.name)?;
+            w.write_all(b";r=")?;
+            w.write_all(sf_digits(&mut digits, m.r).as_bytes())?;
+            if let Some(t) = m.t {
+                w.write_all(b";t=")?;
+                w.write_all(sf_digits(&mut digits, t).as_bytes())?;
             }
         }
+        Ok(())
     })
 }
 
@@ -556,6 +551,35 @@ mod tests {
                 let list: sfv::List = sfv::Parser::new(rl.to_str().unwrap()).parse().unwrap();
                 assert_eq!(list.len(), 2);
             }
+        }
+    }
+
+    /// Values longer than the stack buffer (32 policies with long names) are written whole.
+    #[test]
+    fn long_values_are_written_whole() {
+        let all: Vec<PolicyParts> = (0..32)
+            .map(|i| {
+                parts(
+                    &format!("a-rather-long-policy-name-{i:02}"),
+                    1_000_000,
+                    3_600,
+                )
+            })
+            .collect();
+        let members: Vec<Member<'_>> = all
+            .iter()
+            .map(|p| Member {
+                parts: p,
+                r: 999_999,
+                t: Some(3_600),
+            })
+            .collect();
+        let rl = ratelimit_field(members.iter().copied()).unwrap();
+        let policy = policy_field(members.iter().copied()).unwrap();
+        assert!(rl.len() > 256 && policy.len() > 256);
+        for value in [rl, policy] {
+            let list: sfv::List = sfv::Parser::new(value.to_str().unwrap()).parse().unwrap();
+            assert_eq!(list.len(), 32);
         }
     }
 

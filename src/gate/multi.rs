@@ -2,9 +2,10 @@
 //! tenant), with one meaning in both gates: the request's validation and merging, and the
 //! in-memory buckets of [`MemoryGate::check_all`](crate::gate::MemoryGate::check_all).
 
-use std::ops::{Deref, DerefMut};
 use std::sync::PoisonError;
 use std::time::Duration;
+
+use smallvec::SmallVec;
 
 use crate::decision::Decision;
 use crate::error::CostError;
@@ -19,72 +20,9 @@ pub(crate) const MAX_LIMITS: usize = 32;
 /// The most distinct quotas the in-memory gate keeps all-or-nothing buckets for at once.
 pub(crate) const MAX_QUOTAS: usize = 16;
 
-/// How many items an [`Inline`] holds without allocating.
-const INLINE: usize = 4;
-
-/// A list of `Copy` items held inline up to [`INLINE`] of them (a request on a few keys is
-/// validated and merged without allocating, and stays small to move), in a `Vec` beyond.
-#[derive(Debug, Clone)]
-pub(crate) enum Inline<T: Copy> {
-    Few { len: usize, items: [T; INLINE] },
-    Many(Vec<T>),
-}
-
-impl<T: Copy> Inline<T> {
-    /// Empty; `fill` only initializes the unused slots.
-    fn new(fill: T) -> Inline<T> {
-        Inline::Few {
-            len: 0,
-            items: [fill; INLINE],
-        }
-    }
-
-    /// Append `item`.
-    fn push(&mut self, item: T) {
-        match self {
-            Inline::Few { len, items } if *len < INLINE => {
-                items[*len] = item;
-                *len += 1;
-            }
-            Inline::Few { items, .. } => {
-                let mut many = Vec::with_capacity(MAX_LIMITS);
-                many.extend_from_slice(items);
-                many.push(item);
-                *self = Inline::Many(many);
-            }
-            Inline::Many(many) => many.push(item),
-        }
-    }
-}
-
-impl<T: Copy> Deref for Inline<T> {
-    type Target = [T];
-
-    fn deref(&self) -> &[T] {
-        match self {
-            Inline::Few { len, items } => &items[..*len],
-            Inline::Many(many) => many,
-        }
-    }
-}
-
-impl<T: Copy> DerefMut for Inline<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        match self {
-            Inline::Few { len, items } => &mut items[..*len],
-            Inline::Many(many) => many,
-        }
-    }
-}
-
-impl<'s, T: Copy> IntoIterator for &'s Inline<T> {
-    type Item = &'s T;
-    type IntoIter = std::slice::Iter<'s, T>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.iter()
-    }
-}
+/// A request's buckets (or limits) held inline up to 4 of them: a request on a few keys is
+/// validated and merged without allocating, and stays small to move.
+type Inline<T> = SmallVec<[T; 4]>;
 
 /// A validated all-or-nothing request: each distinct key once, with the cost it is charged.
 #[derive(Debug)]
@@ -105,9 +43,9 @@ impl<'a> Merged<'a> {
     /// zero, or a bucket's total cost above its burst), [`GateError::InvalidKey`],
     /// [`GateError::ConflictingQuotas`] (a key with two quotas).
     pub(crate) fn new(limits: &[(&'a str, Quota)], cost: u32) -> Result<Merged<'a>, GateError> {
-        let Some(&(first, first_quota)) = limits.first() else {
+        if limits.is_empty() {
             return Err(GateError::NoLimits);
-        };
+        }
         if limits.len() > MAX_LIMITS {
             return Err(GateError::TooManyLimits {
                 given: limits.len(),
@@ -117,8 +55,8 @@ impl<'a> Merged<'a> {
         if cost == 0 {
             return Err(CostError::Zero.into());
         }
-        let mut buckets = Inline::new((first, first_quota, 0u32));
-        let mut of = Inline::new(0u8);
+        let mut buckets: Inline<(&str, Quota, u32)> = Inline::new();
+        let mut of: Inline<u8> = Inline::new();
         for &(key, quota) in limits {
             check_key(key)?;
             match buckets.iter().position(|b| b.0 == key) {

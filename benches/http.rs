@@ -55,7 +55,8 @@
 //!   `hot`, `per-key:hot`; governor's `check_key_n`); then request `n` of each connection
 //!   sends `x-api-key: hot` unless `n % 10 == 9`, when it sends `cold-<i>`. Every `hot`
 //!   request is rejected and every `cold` one admitted: 90 % rejected whatever the
-//!   throughput, the same for both limiters (the `rejected` column shows it).
+//!   throughput, the same for both limiters (the `rejected` column shows it). The `fields`
+//!   column is the share of responses carrying `ratelimit` or `x-ratelimit-remaining`.
 //! - **Rounds**: for each run and each connection count, [`ROUNDS`] rounds; in each round
 //!   every variant runs once, in an order rotated by one each round (a drift of this shared
 //!   machine's speed then hits every variant alike): [`WARM_UP`] unmeasured, then [`RUN`]
@@ -83,7 +84,7 @@
 //! HTTP_REDIS=0 cargo bench --all-features --bench http           # without the Redis variant
 //! ```
 //!
-//! `HTTP_ONLY` takes a comma list of `none`, `wrapped`, `flowgate`, `nofields`, `governor`,
+//! `HTTP_ONLY` takes a comma list of `none`, `flowgate`, `nofields`, `governor`, `governorh`,
 //! `redis`; `HTTP_WARM_MS` sets the warm-up. Without `--bench` (as `cargo test --benches`
 //! runs it) each measurement lasts 100 ms, one round, and no PASS/FAIL lines are printed: a
 //! smoke test.
@@ -210,6 +211,9 @@ struct Measured {
     rejected: u64,
     /// Neither 200 nor 429 (a gate error, a failure): should stay 0.
     other: u64,
+    /// Responses carrying rate-limit fields (`ratelimit` or `x-ratelimit-remaining`): shows
+    /// which variants write fields on every response.
+    with_fields: u64,
     latencies_us: Vec<u32>,
     elapsed: Duration,
     /// CPU time of the server's / the client's runtime thread during the measurement.
@@ -234,6 +238,7 @@ impl Measured {
         self.requests += other.requests;
         self.rejected += other.rejected;
         self.other += other.other;
+        self.with_fields += other.with_fields;
         self.latencies_us.extend(other.latencies_us);
     }
 }
@@ -250,6 +255,7 @@ struct Row {
     client_busy: Vec<f64>,
     rejected: u64,
     other: u64,
+    with_fields: u64,
     requests: u64,
 }
 
@@ -264,6 +270,7 @@ impl Row {
             client_busy: Vec::new(),
             rejected: 0,
             other: 0,
+            with_fields: 0,
             requests: 0,
         }
     }
@@ -283,6 +290,7 @@ impl Row {
             .push(m.client_cpu_ns.map_or(f64::NAN, |ns| ns as f64 / run_ns));
         self.rejected += m.rejected;
         self.other += m.other;
+        self.with_fields += m.with_fields;
         self.requests += m.requests;
     }
 }
@@ -460,25 +468,30 @@ fn main() {
 fn print_table(scenario: Scenario, conns: usize, rows: &[Row]) {
     println!("\n== {}, {conns} connections", scenario.title());
     println!(
-        "  {:<26} {:>9} {:>8} {:>12} {:>9} {:>9} {:>9} {:>6}",
-        "variant", "req/s", "p99 µs", "srv µs/req", "srv busy", "cli busy", "rejected", "other"
+        "  {:<26} {:>9} {:>8} {:>12} {:>9} {:>9} {:>9} {:>7} {:>6}",
+        "variant",
+        "req/s",
+        "p99 µs",
+        "srv µs/req",
+        "srv busy",
+        "cli busy",
+        "rejected",
+        "fields",
+        "other"
     );
     for row in rows {
         let p99: Vec<f64> = row.p99_us.iter().map(|&v| f64::from(v)).collect();
-        let rejected = if row.requests == 0 {
-            0.0
-        } else {
-            row.rejected as f64 * 100.0 / row.requests as f64
-        };
+        let share = |n: u64| n as f64 * 100.0 / row.requests.max(1) as f64;
         println!(
-            "  {:<26} {:>9.0} {:>8.0} {:>12.2} {:>8.0}% {:>8.0}% {:>8.1}% {:>6}",
+            "  {:<26} {:>9.0} {:>8.0} {:>12.2} {:>8.0}% {:>8.0}% {:>8.1}% {:>6.0}% {:>6}",
             row.variant.label(),
             support::median(&row.per_second),
             support::median(&p99),
             support::median(&row.cpu_us),
             support::median(&row.server_busy) * 100.0,
             support::median(&row.client_busy) * 100.0,
-            rejected,
+            share(row.rejected),
+            share(row.with_fields),
             row.other
         );
     }
@@ -599,23 +612,31 @@ impl Server {
             }
             Variant::Governor | Variant::GovernorHeaders => {
                 let period = quota.rate().period() / quota.rate().count();
-                let mut config = GovernorConfigBuilder::default();
-                config.period(period).burst_size(quota.burst_size());
+                let mut builder = GovernorConfigBuilder::default();
+                builder.period(period).burst_size(quota.burst_size());
+                // `use_headers` returns another builder (another middleware type): the two
+                // variants are built apart.
+                macro_rules! governor {
+                    ($builder:expr) => {{
+                        let config = $builder
+                            .key_extractor(ApiKey)
+                            .finish()
+                            .expect("a valid governor configuration");
+                        if scenario == Scenario::B {
+                            let cost = NonZeroU32::new(BURST_B).expect("non-zero");
+                            let drained = config
+                                .limiter()
+                                .check_key_n(&HeaderValue::from_static("hot"), cost);
+                            assert!(matches!(drained, Ok(Ok(_))), "drain the hot key");
+                        }
+                        app.layer(tower_governor::GovernorLayer::new(config))
+                    }};
+                }
                 if variant == Variant::GovernorHeaders {
-                    config.use_headers();
+                    governor!(builder.use_headers())
+                } else {
+                    governor!(builder)
                 }
-                let config = config
-                    .key_extractor(ApiKey)
-                    .finish()
-                    .expect("a valid governor configuration");
-                if scenario == Scenario::B {
-                    let cost = NonZeroU32::new(BURST_B).expect("non-zero");
-                    let drained = config
-                        .limiter()
-                        .check_key_n(&HeaderValue::from_static("hot"), cost);
-                    assert!(matches!(drained, Ok(Ok(()))), "drain the hot key");
-                }
-                app.layer(tower_governor::GovernorLayer::new(config))
             }
             Variant::Redis => redis_app(app, quota, scenario, redis_url).await,
         };
@@ -778,11 +799,14 @@ async fn connection(
         send.ready().await.expect("connection ready");
         let res = send.send_request(req).await.expect("a response");
         let status = res.status();
+        let fields = res.headers().contains_key("ratelimit")
+            || res.headers().contains_key("x-ratelimit-remaining");
         res.into_body().collect().await.expect("the body");
         if sent >= measure_from {
             let us = u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX);
             seen.latencies_us.push(us);
             seen.requests += 1;
+            seen.with_fields += u64::from(fields);
             match status {
                 StatusCode::OK => {}
                 StatusCode::TOO_MANY_REQUESTS => seen.rejected += 1,

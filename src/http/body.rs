@@ -78,12 +78,13 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
 pub trait BodyMode<B>: sealed::Sealed {
     /// The body of the layer's responses when the inner service's body is `B`.
     type Body;
-    /// The inner service's body, as the layer passes it on.
+    /// The inner service's body, as the layer passes it on (only the crate can call it:
+    /// it alone makes a [`sealed::Token`]).
     #[doc(hidden)]
-    fn inner(body: B) -> Self::Body;
+    fn inner(body: B, _: sealed::Token) -> Self::Body;
     /// A body the layer wrote itself (a problem document).
     #[doc(hidden)]
-    fn own(bytes: Bytes) -> Self::Body;
+    fn own(bytes: Bytes, _: sealed::Token) -> Self::Body;
 }
 
 /// The default [`BodyMode`]: responses have a [`ResponseBody<B>`], which works over any
@@ -102,11 +103,11 @@ impl<B> BodyMode<B> for WrapBody {
     type Body = ResponseBody<B>;
 
     #[inline]
-    fn inner(body: B) -> ResponseBody<B> {
+    fn inner(body: B, _: sealed::Token) -> ResponseBody<B> {
         ResponseBody::Inner(body)
     }
 
-    fn own(bytes: Bytes) -> ResponseBody<B> {
+    fn own(bytes: Bytes, _: sealed::Token) -> ResponseBody<B> {
         ResponseBody::own(bytes)
     }
 }
@@ -115,16 +116,23 @@ impl<B: From<Bytes>> BodyMode<B> for InnerBody {
     type Body = B;
 
     #[inline]
-    fn inner(body: B) -> B {
+    fn inner(body: B, _: sealed::Token) -> B {
         body
     }
 
-    fn own(bytes: Bytes) -> B {
+    fn own(bytes: Bytes, _: sealed::Token) -> B {
         B::from(bytes)
     }
 }
 
-mod sealed {
+pub(crate) mod sealed {
+    /// Proof that the caller is this crate (the field is private): [`BodyMode`]'s methods
+    /// take one, so only the layers call them.
+    ///
+    /// [`BodyMode`]: super::BodyMode
+    #[derive(Debug, Clone, Copy)]
+    pub struct Token(pub(crate) ());
+
     pub trait Sealed {}
     impl Sealed for super::WrapBody {}
     impl Sealed for super::InnerBody {}

@@ -633,7 +633,19 @@ mod tests {
             assert_eq!(v.to_str().unwrap(), format!("\"bound-{i}\";q=1;w=1"));
         }
         let kept = STATIC_VALUES.get().unwrap().lock().unwrap().len();
-        assert!(kept <= MAX_STATIC_VALUES, "{kept} values kept");
+        assert_eq!(kept, MAX_STATIC_VALUES, "the set is full, and no fuller");
+        // Past the bound a value is shared, not kept: two calls, two buffers.
+        let last = many.last().unwrap();
+        let m = || Member {
+            parts: last,
+            r: 0,
+            t: None,
+        };
+        let (x, y) = (
+            static_value(&policy_field([m()].into_iter()).unwrap()),
+            static_value(&policy_field([m()].into_iter()).unwrap()),
+        );
+        assert_ne!(x.as_bytes().as_ptr(), y.as_bytes().as_ptr());
     }
 
     #[test]

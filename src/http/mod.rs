@@ -13,7 +13,8 @@
 //!   only, a header, a constant, or a closure.
 //! - Responses have a [`ResponseBody`] over the inner body by default; under axum, build the
 //!   rate-limit layer with [`inner_body`](RateLimitLayerBuilder::inner_body) so responses keep
-//!   axum's `Body` ([`BodyMode`]).
+//!   axum's `Body` ([`BodyMode`]). [`ShedLayer`]'s responses keep a [`ResponseBody`]: its
+//!   bulkhead permit travels in the body until the response is sent.
 //!
 //! Both layers follow tower's rules: `poll_ready` only asks the inner service, the decision
 //! is made in the response future (an idle keep-alive connection holds nothing), the inner

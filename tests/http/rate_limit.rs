@@ -239,6 +239,65 @@ async fn inner_body_keeps_the_inner_body_type_and_answers_the_same() {
     assert_eq!(layer.stats().rejected, 2);
 }
 
+/// Counts the layer's "requests rejected" warnings and the `rejected` count each carries.
+#[derive(Clone, Default)]
+struct RejectionLogs(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for RejectionLogs {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Rejected(Option<u64>);
+        impl tracing::field::Visit for Rejected {
+            fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+                if field.name() == "rejected" {
+                    self.0 = Some(value);
+                }
+            }
+            fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+        }
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut rejected = Rejected(None);
+            event.record(&mut rejected);
+            if let Some(n) = rejected.0 {
+                self.0.lock().unwrap().push(n);
+            }
+        }
+    }
+}
+
+/// The first rejection is logged at once; the next ones within the minute are counted for
+/// the next log, not logged.
+#[tokio::test]
+async fn rejections_are_logged_at_most_once_a_minute_with_their_count() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let logs = RejectionLogs::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(logs.clone()));
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(1, Duration::from_secs(30)),
+            by_client,
+        ))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    }));
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let req = Request::builder().header("x-client", "z").body(()).unwrap();
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        statuses.push(res.status());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == StatusCode::OK).count(), 1);
+    assert_eq!(layer.stats().rejected, 4);
+    assert_eq!(
+        *logs.0.lock().unwrap(),
+        [1],
+        "one log, for the first rejection"
+    );
+}
+
 #[tokio::test]
 async fn a_client_that_waits_retry_after_then_succeeds() {
     let layer = RateLimitLayer::builder(gate())
@@ -502,6 +561,47 @@ async fn keyless_requests_share_skip_or_are_refused_as_configured() {
         "{doc}"
     );
     assert_eq!(refuse.stats().missing_key, 1);
+}
+
+/// Two policies, one skipped for keyless requests: the fields list only the policies
+/// applied to each request.
+#[tokio::test]
+async fn the_fields_list_only_the_policies_applied() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            "per-client",
+            quota(5, Duration::from_secs(60)),
+            by_client,
+        ))
+        .policy(
+            Policy::new("per-user", quota(3, Duration::from_secs(30)), by_user)
+                .missing_key(MissingKey::Skip),
+        )
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let names = |a: &crate::harness::Answer, field: &str| -> Vec<String> {
+        list(&a.headers, field)
+            .into_iter()
+            .map(|m| m.name)
+            .collect()
+    };
+    let anonymous = get(&client, &server.url("/"), &[("x-client", "k")]).await;
+    assert_eq!(anonymous.status, StatusCode::OK);
+    assert_eq!(names(&anonymous, "ratelimit-policy"), ["per-client"]);
+    assert_eq!(names(&anonymous, "ratelimit"), ["per-client"]);
+    let user = get(
+        &client,
+        &server.url("/"),
+        &[("x-client", "k"), ("x-user", "u")],
+    )
+    .await;
+    assert_eq!(user.status, StatusCode::OK);
+    assert_eq!(names(&user, "ratelimit-policy"), ["per-client", "per-user"]);
+    assert_eq!(names(&user, "ratelimit"), ["per-client", "per-user"]);
+    let policy = list(&user.headers, "ratelimit-policy");
+    assert_eq!((policy[1].params["q"], policy[1].params["w"]), (3, 30));
 }
 
 #[tokio::test]

@@ -11,6 +11,7 @@ use pin_project::pin_project;
 use tower::Service;
 
 use crate::gate::Gate;
+use crate::http::body::sealed::Token;
 use crate::http::body::{BodyMode, WrapBody};
 use crate::http::fields::Fields;
 use crate::http::key::RequestInfo;
@@ -147,7 +148,7 @@ where
                     let res = ready!(fut.poll(cx));
                     let fields = fields.take();
                     this.state.set(State::Done);
-                    let mut res = res?.map(K::inner);
+                    let mut res = res?.map(|b| K::inner(b, Token(())));
                     if let Some(fields) = fields {
                         fields.write(res.headers_mut());
                     }
@@ -165,7 +166,7 @@ where
             match verdict {
                 Verdict::Answer(res) => {
                     this.state.set(State::Done);
-                    return Poll::Ready(Ok(res.map(K::own)));
+                    return Poll::Ready(Ok(res.map(|b| K::own(b, Token(())))));
                 }
                 Verdict::Pass(fields) => {
                     let (Some(req), Some(mut inner)) = (req, inner) else {

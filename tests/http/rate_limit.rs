@@ -239,6 +239,52 @@ async fn inner_body_keeps_the_inner_body_type_and_answers_the_same() {
     assert_eq!(layer.stats().rejected, 2);
 }
 
+/// `inner_body()` over a bare tower service with `Full<Bytes>` bodies: the layer's own 400s
+/// (a cost no policy can ever admit, a refused keyless request) are `Full` bodies too.
+#[tokio::test]
+async fn inner_body_answers_400_in_the_inner_body_type() {
+    use http_body_util::Full;
+    let layer = RateLimitLayer::builder(gate())
+        .inner_body()
+        .policy(
+            Policy::new("per-client", quota(2, Duration::from_secs(30)), by_client)
+                .missing_key(MissingKey::Refuse),
+        )
+        .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/big" { 3 } else { 1 })
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+    }));
+    let mut call = async |path: &str, client: Option<&str>| -> Response<Full<Bytes>> {
+        let mut req = Request::builder().uri(path);
+        if let Some(c) = client {
+            req = req.header("x-client", c);
+        }
+        let req = req.body(()).unwrap();
+        svc.ready().await.unwrap().call(req).await.unwrap()
+    };
+    for (path, client) in [("/big", Some("b")), ("/", None)] {
+        let res = call(path, client).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{path} {client:?}");
+        assert_eq!(
+            res.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(doc["status"], 400);
+    }
+    let ok = call("/", Some("b")).await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(ok.into_body().collect().await.unwrap().to_bytes(), "ok");
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.bad_request, stats.missing_key, stats.admitted),
+        (1, 1, 1)
+    );
+}
+
 /// Counts the layer's "requests rejected" warnings and the `rejected` count each carries.
 #[derive(Clone, Default)]
 struct RejectionLogs(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);

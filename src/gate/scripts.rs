@@ -36,30 +36,24 @@ pub const REGION_SHARE: &str = script!("region_share.lua");
 /// `lua/region_bucket.lua`: a token bucket at the region's current share.
 pub const REGION_BUCKET: &str = script!("region_bucket.lua");
 
-/// The script of `source`, hashed once in `cell`.
-fn compiled(
-    cell: &'static std::sync::OnceLock<redis::Script>,
-    source: &'static str,
-) -> &'static redis::Script {
-    cell.get_or_init(|| redis::Script::new(source))
+/// `pub(crate) fn $name() -> &'static redis::Script`: `$source`, hashed once.
+macro_rules! compiled_once {
+    ($($(#[$doc:meta])* $name:ident = $source:expr;)+) => {$(
+        $(#[$doc])*
+        pub(crate) fn $name() -> &'static redis::Script {
+            static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+            SCRIPT.get_or_init(|| redis::Script::new($source))
+        }
+    )+};
 }
 
-/// [`REGION_HOME`], compiled once.
-pub(crate) fn region_home() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    compiled(&SCRIPT, REGION_HOME)
-}
-
-/// [`REGION_SHARE`], compiled once.
-pub(crate) fn region_share() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    compiled(&SCRIPT, REGION_SHARE)
-}
-
-/// [`REGION_BUCKET`], compiled once.
-pub(crate) fn region_bucket() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    compiled(&SCRIPT, REGION_BUCKET)
+compiled_once! {
+    /// [`REGION_HOME`], compiled once.
+    region_home = REGION_HOME;
+    /// [`REGION_SHARE`], compiled once.
+    region_share = REGION_SHARE;
+    /// [`REGION_BUCKET`], compiled once.
+    region_bucket = REGION_BUCKET;
 }
 
 /// The script source for `limit`.

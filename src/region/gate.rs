@@ -124,7 +124,7 @@ where
                     .arg("")
                     .arg(cost)
                     .arg(plan.period_us)
-                    .arg(core.safe)
+                    .arg(core.safe())
                     .arg(core.safe_tau)
                     .arg(micros(plan.refresh))
                     .arg(micros(plan.ttl).div_ceil(1000).max(1000));

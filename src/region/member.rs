@@ -64,8 +64,7 @@ struct Round {
 pub(crate) struct Core<C> {
     pub(crate) allocator: QuotaAllocator<C>,
     pub(crate) index: usize,
-    /// The region's safe share, and its bucket size (computed once: every decision sends them).
-    pub(crate) safe: u64,
+    /// The bucket size of the region's safe share (computed once: every decision sends it).
     pub(crate) safe_tau: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
@@ -182,7 +181,6 @@ where
         let core = Arc::new(Core {
             allocator: self.clone(),
             index,
-            safe: plan.regions[index].2,
             safe_tau: plan.tau(plan.regions[index].2),
             local,
             keys: LocalKeys {
@@ -254,6 +252,11 @@ impl<C> Core<C> {
         &self.plan().regions[self.index].0
     }
 
+    /// The region's safe share.
+    pub(crate) fn safe(&self) -> u64 {
+        self.plan().regions[self.index].2
+    }
+
     fn round(&self) -> std::sync::MutexGuard<'_, Round> {
         self.round.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -310,7 +313,7 @@ where
     pub(crate) async fn refresh(&self) {
         let _one_at_a_time = self.refreshing.lock().await;
         let plan = self.plan();
-        let safe = self.safe;
+        let safe = self.safe();
         // Long enough for a whole refresh (two local calls, a home call) between renewals;
         // short enough that another process takes over well before the lease ends
         // (`build` keeps the refresh at most a quarter of the lease).

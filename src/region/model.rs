@@ -4,7 +4,7 @@
 //! `tests/region/model.rs` drives this model through random interleavings of refreshes,
 //! delayed and lost replies, region crashes, lease expiries and home restarts, and checks
 //! the invariant at every instant: the shares the regions may admit at add up to at most the
-//! capacity. It also runs the same traces through the Lua script and compares every grant.
+//! global rate. It also runs the same traces through the Lua script and compares every grant.
 //!
 //! Times are microseconds of the home's clock; shares are whole units of the global quota's
 //! period. See the [module docs](super) for the protocol in prose.
@@ -55,7 +55,7 @@ pub struct Spec {
 pub struct Config {
     /// The global rate, in units per period.
     pub rate: u64,
-    /// How the capacity is divided.
+    /// How the rate is divided.
     pub policy: Allocation,
     /// The length of a lease, in µs.
     pub ttl_us: u64,
@@ -156,7 +156,7 @@ impl Home {
     }
 
     /// Region `i` says it now holds the lease `seq` (after applying a smaller share), so
-    /// the capacity it gave up is free for the others at once.
+    /// the rate it gave up is free for the others at once.
     pub fn ack(&mut self, cfg: &Config, now_us: u64, i: usize, report: &Report) {
         if !self.started {
             self.start(cfg, now_us, true);
@@ -165,7 +165,7 @@ impl Home {
         self.take_report(now_us, i, report);
     }
 
-    /// The share each region should have now: `policy` over the capacity left after the
+    /// The share each region should have now: `policy` over the rate left after the
     /// safe shares, on top of each region's safe share.
     pub fn targets(&self, cfg: &Config, now_us: u64) -> Vec<u64> {
         let safe: u64 = cfg.regions.iter().map(|s| s.safe).sum();

@@ -59,10 +59,19 @@ pub struct TopRejected {
 /// slow a lookup by at most that many comparisons.
 type Entries = HashMap<Box<str>, Counter, foldhash::fast::RandomState>;
 
-#[derive(Default)]
 struct Sketch {
     entries: Entries,
     total: u64,
+}
+
+impl Sketch {
+    /// Empty, with room for `capacity` keys.
+    fn with_capacity(capacity: usize) -> Sketch {
+        Sketch {
+            entries: Entries::with_capacity_and_hasher(capacity, Default::default()),
+            total: 0,
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -121,10 +130,7 @@ impl TopRejected {
         }
         Ok(TopRejected {
             capacity,
-            sketch: Mutex::new(Sketch {
-                entries: Entries::with_capacity_and_hasher(capacity, Default::default()),
-                total: 0,
-            }),
+            sketch: Mutex::new(Sketch::with_capacity(capacity)),
         })
     }
 
@@ -227,13 +233,7 @@ impl Default for TopRejected {
     fn default() -> TopRejected {
         TopRejected {
             capacity: Self::DEFAULT_CAPACITY,
-            sketch: Mutex::new(Sketch {
-                entries: Entries::with_capacity_and_hasher(
-                    Self::DEFAULT_CAPACITY,
-                    Default::default(),
-                ),
-                total: 0,
-            }),
+            sketch: Mutex::new(Sketch::with_capacity(Self::DEFAULT_CAPACITY)),
         }
     }
 }

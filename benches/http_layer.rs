@@ -111,17 +111,18 @@ fn main() {
         builder
             .period(Duration::from_micros(1))
             .burst_size(1_000_000);
-        let app = base.clone();
+        macro_rules! layered {
+            ($builder:expr) => {{
+                let config = $builder.key_extractor(ApiKey).finish();
+                base.clone().layer(tower_governor::GovernorLayer::new(
+                    config.expect("a valid configuration"),
+                ))
+            }};
+        }
         if headers {
-            let config = builder.use_headers().key_extractor(ApiKey).finish();
-            app.layer(tower_governor::GovernorLayer::new(
-                config.expect("a valid configuration"),
-            ))
+            layered!(builder.use_headers())
         } else {
-            let config = builder.key_extractor(ApiKey).finish();
-            app.layer(tower_governor::GovernorLayer::new(
-                config.expect("a valid configuration"),
-            ))
+            layered!(builder)
         }
     };
     let mut apps = [

@@ -8,6 +8,8 @@
 //! `tower::Service` (`ready().await` then `call(req).await`) on a current-thread tokio
 //! runtime, one request after the other; each request is built fresh (`GET /` with an
 //! `x-api-key: cold-<i % 16>` header) and its response dropped, in every variant alike.
+//! Each router is prepared with `with_state(())` first, as `axum::serve` prepares it for
+//! each connection (without it, axum would apply the layer anew on every request).
 //! Variants, each `Router::layer(..)` over the same router, as in `benches/http.rs`:
 //!
 //! - `no limiter`: the router alone;
@@ -125,13 +127,17 @@ fn main() {
             layered!(builder)
         }
     };
+    // `with_state(())` turns each route's handler (and the layers over it) into a service
+    // once, as `axum::serve` does for every connection; a router called without it would
+    // rebuild its routes, layers included, on every request.
     let mut apps = [
         ("no limiter", base.clone()),
         ("flowgate (memory)", flowgate(HeaderStyles::default())),
         ("flowgate (no fields)", flowgate(HeaderStyles::NONE)),
         ("tower_governor", governor(false)),
         ("tower_governor (headers)", governor(true)),
-    ];
+    ]
+    .map(|(name, app)| (name, app.with_state(())));
     let keys: Vec<HeaderValue> = (0..16)
         .map(|i| HeaderValue::from_str(&format!("cold-{i}")).expect("a valid header value"))
         .collect();

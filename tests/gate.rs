@@ -1238,3 +1238,37 @@ fn one_quota_of_check_all_may_use_the_whole_keyspace() {
         .count();
     assert!(refused >= 1_400, "only {refused} of 2 000 refused");
 }
+
+/// `check_all` on one limit (the HTTP layer's common case, decided without merging)
+/// validates as the merged path does and charges the same bucket: a key listed once and
+/// the same key listed with another share one state.
+#[test]
+fn check_all_on_one_limit_validates_and_shares_the_merged_bucket() {
+    let gate = MemoryGate::new(quota(10));
+    let q = Quota::new(Rate::per(1, Duration::from_secs(3_600)).unwrap(), 4).unwrap();
+    assert!(matches!(
+        gate.check_all(&[("k", q)], 0),
+        Err(GateError::Cost(CostError::Zero))
+    ));
+    assert!(matches!(
+        gate.check_all(&[("k", q)], 5),
+        Err(GateError::Cost(CostError::ExceedsCapacity {
+            cost: 5,
+            capacity: 4
+        }))
+    ));
+    assert!(matches!(
+        gate.check_all(&[("", q)], 1),
+        Err(GateError::InvalidKey(_))
+    ));
+    // Nothing was charged by the errors.
+    let d = gate.check_all(&[("k", q)], 1).unwrap();
+    assert!(d[0].allowed && d[0].remaining == 3);
+    // The merged path (two limits) sees the one-limit path's charge, and the reverse.
+    let d = gate.check_all(&[("k", q), ("other", q)], 2).unwrap();
+    assert!(d[0].allowed && d[0].remaining == 1, "{d:?}");
+    let d = gate.check_all(&[("k", q)], 2).unwrap();
+    assert!(!d[0].allowed && d[0].remaining == 1 && d[0].retry_after > Duration::ZERO);
+    // Bucket state is not the gate's own limit: `check` on the same key is apart.
+    assert!(gate.check("k", 10).unwrap().allowed);
+}

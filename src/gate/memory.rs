@@ -226,10 +226,10 @@ impl MemoryGateBuilder {
             inner: Arc::new(Inner {
                 limit: self.limit,
                 shards: shards.into_boxed_slice(),
+                multi: ShardedBuckets::new(SHARDS, per_shard, hasher.clone()),
                 hasher,
                 clock: self.clock.unwrap_or_default(),
                 max_keys: per_shard * SHARDS,
-                multi: ShardedBuckets::new(SHARDS, per_shard),
                 allowed: decisions("allowed"),
                 rejected: decisions("rejected"),
                 name: self.name,
@@ -259,10 +259,6 @@ impl MemoryGate {
 
     fn now(&self) -> Duration {
         self.inner.clock.now()
-    }
-
-    fn shard_index(&self, key: &str) -> usize {
-        shard_of(self.inner.hasher.hash_one(key))
     }
 
     /// Decide one request now, synchronously: admitted (and consumed) or rejected with a
@@ -351,6 +347,18 @@ impl MemoryGate {
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         decisions.clear();
+        if let [(key, quota)] = *limits {
+            // One limit: nothing to merge (validated as `Merged::new` would).
+            let bucket = Merged::one(key, quota, cost)?;
+            let now = self.now();
+            let decided = self
+                .inner
+                .multi
+                .check_one(bucket, shard_of, now, self.inner.max_keys)?;
+            self.inner.count(decided.allowed);
+            decisions.push(decided);
+            return Ok(());
+        }
         let request = Merged::new(limits, cost)?;
         self.decide_into(&request, decisions)
     }
@@ -370,13 +378,10 @@ impl MemoryGate {
         decisions: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         let now = self.now();
-        let decided = self.inner.multi.check_all_into(
-            request,
-            |key| self.shard_index(key),
-            now,
-            self.inner.max_keys,
-            decisions,
-        );
+        let decided =
+            self.inner
+                .multi
+                .check_all_into(request, shard_of, now, self.inner.max_keys, decisions);
         if let Err(e) = decided {
             decisions.clear();
             return Err(e);

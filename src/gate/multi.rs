@@ -2,9 +2,11 @@
 //! tenant), with one meaning in both gates: the request's validation and merging, and the
 //! in-memory buckets of [`MemoryGate::check_all`](crate::gate::MemoryGate::check_all).
 
+use std::hash::BuildHasher;
 use std::sync::PoisonError;
 use std::time::Duration;
 
+use foldhash::fast::RandomState;
 use smallvec::SmallVec;
 
 use crate::decision::Decision;
@@ -24,11 +26,14 @@ pub(crate) const MAX_QUOTAS: usize = 16;
 /// validated and merged without allocating, and stays small to move.
 type Inline<T> = SmallVec<[T; 4]>;
 
+/// A bucket of a request: its key, its quota, the cost it is charged.
+pub(crate) type Bucket<'a> = (&'a str, Quota, u32);
+
 /// A validated all-or-nothing request: each distinct key once, with the cost it is charged.
 #[derive(Debug)]
 pub(crate) struct Merged<'a> {
     /// The distinct keys, in order of first appearance, with their quota and total cost.
-    pub(crate) buckets: Inline<(&'a str, Quota, u32)>,
+    pub(crate) buckets: Inline<Bucket<'a>>,
     /// For each limit given, the index of its bucket (never above the limit's own index).
     of: Inline<u8>,
 }
@@ -55,7 +60,7 @@ impl<'a> Merged<'a> {
         if cost == 0 {
             return Err(CostError::Zero.into());
         }
-        let mut buckets: Inline<(&str, Quota, u32)> = Inline::new();
+        let mut buckets: Inline<Bucket<'_>> = Inline::new();
         let mut of: Inline<u8> = Inline::new();
         for &(key, quota) in limits {
             check_key(key)?;
@@ -80,6 +85,22 @@ impl<'a> Merged<'a> {
             CostError::check(total, u64::from(quota.burst_size()))?;
         }
         Ok(Merged { buckets, of })
+    }
+
+    /// One limit validated as [`Merged::new`] validates it, as its one bucket: no merging
+    /// to do, nothing to move.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::Cost`] (a cost of zero or above the quota's burst),
+    /// [`GateError::InvalidKey`].
+    pub(crate) fn one(key: &'a str, quota: Quota, cost: u32) -> Result<Bucket<'a>, GateError> {
+        if cost == 0 {
+            return Err(CostError::Zero.into());
+        }
+        check_key(key)?;
+        CostError::check(cost, u64::from(quota.burst_size()))?;
+        Ok((key, quota, cost))
     }
 
     /// One decision per limit given, in order, from one decision per bucket.
@@ -111,7 +132,7 @@ impl<'a> Merged<'a> {
 #[derive(Debug)]
 struct QuotaKeys {
     quota: Quota,
-    keys: Keyed<String, TokenBucket>,
+    keys: Keyed<String, TokenBucket, RandomState>,
 }
 
 /// One shard of the in-memory token buckets of all-or-nothing calls: one [`Keyed`] map per
@@ -142,20 +163,19 @@ impl MemoryBuckets {
 
     /// The map of `quota`, made when it is not held (evicting the quotas with no key left
     /// if [`MAX_QUOTAS`] are held). Room for `key` is made too: when the shard holds
-    /// `max_keys` keys and `key` is not one of them, neutral keys are evicted first.
+    /// `room.per_shard` keys and `key` is not one of them, neutral keys are evicted first.
     ///
     /// # Errors
     ///
-    /// [`GateError::KeyspaceFull`] (with `full`'s figure) when there is no room for a new
+    /// [`GateError::KeyspaceFull`] (with the gate's figure) when there is no room for a new
     /// key or a new quota.
     fn room(
         &mut self,
         key: &str,
         quota: Quota,
         now: Duration,
-        max_keys: usize,
-        full: &impl Fn() -> GateError,
-    ) -> Result<&mut Keyed<String, TokenBucket>, GateError> {
+        room: &Room<'_>,
+    ) -> Result<&mut Keyed<String, TokenBucket, RandomState>, GateError> {
         let at = match self.by_quota.iter().position(|q| q.quota == quota) {
             Some(at) => at,
             None => {
@@ -163,30 +183,48 @@ impl MemoryBuckets {
                     self.sweep(now);
                 }
                 if self.by_quota.len() >= MAX_QUOTAS {
-                    return Err(full());
+                    return Err(room.full());
                 }
-                let keys = Keyed::new(TokenBucket::new(quota), max_keys).map_err(|_| full())?;
-                self.by_quota.push(QuotaKeys { quota, keys });
-                self.by_quota.len() - 1
+                self.add(quota, room)?
             }
         };
-        if self.len() >= max_keys && self.by_quota[at].keys.get(key).is_none() {
+        if self.len() >= room.per_shard && self.by_quota[at].keys.get(key).is_none() {
             self.sweep(now);
             // The sweep may have dropped this quota's map (empty): find or make it again.
             let at = match self.by_quota.iter().position(|q| q.quota == quota) {
                 Some(at) => at,
-                None => {
-                    let keys = Keyed::new(TokenBucket::new(quota), max_keys).map_err(|_| full())?;
-                    self.by_quota.push(QuotaKeys { quota, keys });
-                    self.by_quota.len() - 1
-                }
+                None => self.add(quota, room)?,
             };
-            if self.len() >= max_keys {
-                return Err(full());
+            if self.len() >= room.per_shard {
+                return Err(room.full());
             }
             return Ok(&mut self.by_quota[at].keys);
         }
         Ok(&mut self.by_quota[at].keys)
+    }
+
+    /// A new, empty map for `quota`; its index.
+    fn add(&mut self, quota: Quota, room: &Room<'_>) -> Result<usize, GateError> {
+        let keys = Keyed::with_hasher(TokenBucket::new(quota), room.per_shard, room.hasher.clone())
+            .map_err(|_| room.full())?;
+        self.by_quota.push(QuotaKeys { quota, keys });
+        Ok(self.by_quota.len() - 1)
+    }
+}
+
+/// What a shard needs to make room: its size, the gate's hasher, and the gate's whole
+/// figure for [`GateError::KeyspaceFull`].
+struct Room<'a> {
+    per_shard: usize,
+    max_keys: usize,
+    hasher: &'a RandomState,
+}
+
+impl Room<'_> {
+    fn full(&self) -> GateError {
+        GateError::KeyspaceFull {
+            max_keys: self.max_keys,
+        }
     }
 }
 
@@ -203,20 +241,23 @@ fn locked<'a>(guards: &'a mut Guards<'_>, i: u8) -> &'a mut MemoryBuckets {
 /// The in-memory token buckets of all-or-nothing calls
 /// ([`MemoryGate::check_all`](crate::gate::MemoryGate::check_all)), sharded by key so
 /// that requests on different keys rarely wait for each other; each shard holds at most
-/// `max_keys / shards` keys over every quota.
+/// `max_keys / shards` keys over every quota. A key is hashed once, by the gate's hasher:
+/// the hash picks its shard and finds it in the shard's map.
 #[derive(Debug)]
 pub(crate) struct ShardedBuckets {
     shards: Box<[Mutex<MemoryBuckets>]>,
     per_shard: usize,
+    hasher: RandomState,
 }
 
 impl ShardedBuckets {
-    /// `shards` shards (at most 32) of `per_shard` keys each.
-    pub(crate) fn new(shards: usize, per_shard: usize) -> ShardedBuckets {
+    /// `shards` shards (at most 32) of `per_shard` keys each, keys hashed by `hasher`.
+    pub(crate) fn new(shards: usize, per_shard: usize, hasher: RandomState) -> ShardedBuckets {
         debug_assert!(shards <= 32, "a shard set is a u32 mask");
         ShardedBuckets {
             shards: (0..shards).map(|_| Mutex::default()).collect(),
             per_shard,
+            hasher,
         }
     }
 
@@ -226,9 +267,43 @@ impl ShardedBuckets {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn room(&self, max_keys: usize) -> Room<'_> {
+        Room {
+            per_shard: self.per_shard,
+            max_keys,
+            hasher: &self.hasher,
+        }
+    }
+
+    /// One bucket decided at `now`: deciding it is all or nothing already (a rejection
+    /// charges nothing; a new key at a full shard is refused before it is charged). The
+    /// caller has validated the key and the cost (as [`Merged::new`] does). `shard_of` maps
+    /// a key's hash to its shard.
+    ///
+    /// # Errors
+    ///
+    /// [`GateError::KeyspaceFull`], with the gate's whole figure `max_keys`.
+    pub(crate) fn check_one(
+        &self,
+        (key, quota, cost): Bucket<'_>,
+        shard_of: impl Fn(u64) -> usize,
+        now: Duration,
+        max_keys: usize,
+    ) -> Result<Decision, GateError> {
+        let room = self.room(max_keys);
+        let hash = self.hasher.hash_one(key);
+        let mut shard = self.lock(shard_of(hash));
+        let keys = shard.room(key, quota, now, &room)?;
+        keys.check_hashed(hash, key, now, cost)
+            .map_err(|e| match e {
+                KeyedError::KeyspaceFull { .. } => room.full(),
+                e => e.into(),
+            })
+    }
+
     /// Decide `request` at `now`, all or nothing, into `out` (cleared first; unspecified on
-    /// an error): one decision per limit of the request, in order. `shard_of` maps a key to
-    /// its shard. A request on one key takes that shard's lock and looks its key up once;
+    /// an error): one decision per limit of the request, in order. `shard_of` maps a key's
+    /// hash to its shard. A request on one key is [`check_one`](ShardedBuckets::check_one);
     /// on several, the shards involved are locked in ascending order (no deadlock), each
     /// bucket is decided on a copy of its state, and only if all have room are they
     /// charged.
@@ -240,33 +315,28 @@ impl ShardedBuckets {
     pub(crate) fn check_all_into(
         &self,
         request: &Merged<'_>,
-        shard_of: impl Fn(&str) -> usize,
+        shard_of: impl Fn(u64) -> usize,
         now: Duration,
         max_keys: usize,
         out: &mut Vec<Decision>,
     ) -> Result<(), GateError> {
         out.clear();
-        let per_shard = self.per_shard;
-        let full = || GateError::KeyspaceFull { max_keys };
-        let keyed_error = |e| match e {
-            KeyedError::KeyspaceFull { .. } => full(),
-            e => e.into(),
-        };
-        if let [(key, quota, cost)] = *request.buckets {
-            // One bucket: deciding it is all or nothing already (a rejection charges
-            // nothing; a new key at a full shard is refused before it is charged).
-            let mut shard = self.lock(shard_of(key));
-            let keys = shard.room(key, quota, now, per_shard, &full)?;
-            out.push(keys.check(key, now, cost).map_err(keyed_error)?);
+        if let [bucket] = *request.buckets {
+            out.push(self.check_one(bucket, shard_of, now, max_keys)?);
             request.expand_in_place(out);
             return Ok(());
         }
+        let room = self.room(max_keys);
+        let keyed_error = |e| match e {
+            KeyedError::KeyspaceFull { .. } => room.full(),
+            e => e.into(),
+        };
         // Each bucket's shard, hashed once; the shards locked in ascending order. No
         // allocation: a request has at most `MAX_LIMITS` buckets over at most 32 shards.
         let mut shard = [0u8; MAX_LIMITS];
         let mut wanted = 0u32;
         for (s, &(key, _, _)) in shard.iter_mut().zip(&request.buckets) {
-            *s = shard_of(key) as u8;
+            *s = shard_of(self.hasher.hash_one(key)) as u8;
             wanted |= 1 << *s;
         }
         let mut guards: Guards<'_> = std::array::from_fn(|_| None);
@@ -278,14 +348,14 @@ impl ShardedBuckets {
         // Room first, then each bucket decided on a copy of its state: pure, so deciding
         // again for real below gives the same answer.
         for (&s, &(key, quota, cost)) in shard.iter().zip(&request.buckets) {
-            let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
+            let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
             let mut state = keys.get(key).copied().unwrap_or_default();
             out.push(keys.algorithm().check(&mut state, now, cost)?);
         }
         let buckets = shard.iter().zip(&request.buckets);
         if out.iter().all(|d| d.allowed) {
             for (d, (&s, &(key, quota, cost))) in out.iter_mut().zip(buckets) {
-                let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
+                let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
                 *d = keys.check(key, now, cost).map_err(keyed_error)?;
             }
         } else {
@@ -293,7 +363,7 @@ impl ShardedBuckets {
             // rejection with no retry_after of their own, as the Redis script does.
             for (d, (&s, &(key, quota, _))) in out.iter_mut().zip(buckets) {
                 if d.allowed {
-                    let keys = locked(&mut guards, s).room(key, quota, now, per_shard, &full)?;
+                    let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
                     let state = keys.get(key).copied().unwrap_or_default();
                     let remaining = keys.algorithm().available(&state, now);
                     let reset = keys.algorithm().neutral_at(&state).saturating_sub(now);
@@ -320,9 +390,13 @@ mod tests {
         Quota::per_second(n).unwrap()
     }
 
-    /// A test shard function: the key's first byte.
-    fn shard_of(key: &str) -> usize {
-        usize::from(key.as_bytes().first().copied().unwrap_or(0)) % 4
+    /// A test shard function: four shards by hash.
+    fn shard_of(hash: u64) -> usize {
+        (hash % 4) as usize
+    }
+
+    fn sharded(shards: usize, per_shard: usize) -> ShardedBuckets {
+        ShardedBuckets::new(shards, per_shard, RandomState::default())
     }
 
     fn check(
@@ -339,8 +413,8 @@ mod tests {
     #[test]
     fn every_quota_may_use_the_whole_shard_and_keys_are_counted_over_all_quotas() {
         // One shard of 10 keys: one quota may hold all ten (each quota got a 16th before).
-        let buckets = ShardedBuckets::new(1, 10);
-        let shard_of = |_: &str| 0;
+        let buckets = sharded(1, 10);
+        let shard_of = |_: u64| 0;
         let keys: Vec<String> = (0..11).map(|i| format!("k{i}")).collect();
         let mut out = Vec::new();
         for k in &keys[..10] {
@@ -377,7 +451,7 @@ mod tests {
         let m = Merged::new(&limits, 1).unwrap();
         let keys: Vec<_> = m.buckets.iter().map(|b| (b.0, b.2)).collect();
         assert_eq!(keys, [("a", 2), ("b", 2), ("c", 1)]);
-        let d = check(&ShardedBuckets::new(4, 10), &m, Duration::ZERO).unwrap();
+        let d = check(&sharded(4, 10), &m, Duration::ZERO).unwrap();
         assert_eq!(d.len(), 5);
         let remaining: Vec<u64> = d.iter().map(|d| d.remaining).collect();
         assert_eq!(remaining, [3, 3, 3, 8, 3]);
@@ -389,7 +463,7 @@ mod tests {
     fn one_bucket_is_charged_only_when_admitted() {
         let limits = [("k", q(2)), ("k", q(2))];
         let m = Merged::new(&limits, 1).unwrap();
-        let buckets = ShardedBuckets::new(4, 10);
+        let buckets = sharded(4, 10);
         let d = check(&buckets, &m, Duration::ZERO).unwrap();
         assert!(d.iter().all(|d| d.allowed && d.remaining == 0));
         let d = check(&buckets, &m, Duration::ZERO).unwrap();
@@ -407,7 +481,7 @@ mod tests {
         let keys: Vec<String> = (0..MAX_LIMITS).map(|i| format!("k{i}")).collect();
         let limits: Vec<(&str, Quota)> = keys.iter().map(|k| (k.as_str(), q(3))).collect();
         let m = Merged::new(&limits, 1).unwrap();
-        let d = check(&ShardedBuckets::new(4, 100), &m, Duration::ZERO).unwrap();
+        let d = check(&sharded(4, 100), &m, Duration::ZERO).unwrap();
         assert_eq!(d.len(), MAX_LIMITS);
         assert!(d.iter().all(|d| d.allowed && d.remaining == 2));
     }

@@ -5,7 +5,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::io;
 use std::ops::{BitOr, BitOrAssign};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -217,23 +216,55 @@ pub(crate) struct Member<'a> {
     pub(crate) t: Option<u64>,
 }
 
-/// A list field value written by `write`, into a buffer on the stack when it fits (a
-/// value is then one allocation of its exact length), else into a growing one; `None` when
-/// `write` writes nothing (no members).
-fn list_value(write: impl Fn(&mut dyn io::Write) -> io::Result<()>) -> Option<HeaderValue> {
-    let mut stack = [0u8; 256];
-    let mut cursor = io::Cursor::new(&mut stack[..]);
-    let bytes = if write(&mut cursor).is_ok() {
-        let n = usize::try_from(cursor.position()).expect("at most 256");
-        Bytes::copy_from_slice(&stack[..n])
-    } else {
-        let mut buf = Vec::new();
-        write(&mut buf).expect("a Vec takes every write");
-        Bytes::from(buf)
-    };
-    // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
-    // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
-    (!bytes.is_empty()).then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
+/// A field value being written: on the stack up to 256 bytes (a value is then one
+/// allocation of its exact length), past that on the heap.
+struct ValueBuf {
+    stack: [u8; 256],
+    len: usize,
+    heap: Vec<u8>,
+}
+
+impl ValueBuf {
+    fn new() -> ValueBuf {
+        ValueBuf {
+            stack: [0; 256],
+            len: 0,
+            heap: Vec::new(),
+        }
+    }
+
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        if self.heap.is_empty() {
+            if let Some(to) = self.stack.get_mut(self.len..self.len + bytes.len()) {
+                to.copy_from_slice(bytes);
+                self.len += bytes.len();
+                return;
+            }
+            self.heap.extend_from_slice(&self.stack[..self.len]);
+        }
+        self.heap.extend_from_slice(bytes);
+    }
+
+    /// The value written; `None` when nothing was.
+    fn value(self) -> Option<HeaderValue> {
+        let bytes = if self.heap.is_empty() {
+            Bytes::copy_from_slice(&self.stack[..self.len])
+        } else {
+            Bytes::from(self.heap)
+        };
+        // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
+        // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
+        (!bytes.is_empty())
+            .then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
+    }
+}
+
+/// A list field value written by `write`; `None` when `write` writes nothing (no members).
+fn list_value(write: impl FnOnce(&mut ValueBuf)) -> Option<HeaderValue> {
+    let mut buf = ValueBuf::new();
+    write(&mut buf);
+    buf.value()
 }
 
 /// The most distinct `RateLimit-Policy` values kept for the life of the process (see
@@ -275,13 +306,12 @@ pub(crate) fn policy_field<'a>(
     members: impl Iterator<Item = Member<'a>> + Clone,
 ) -> Option<HeaderValue> {
     list_value(|w| {
-        for (i, m) in members.clone().enumerate() {
+        for (i, m) in members.enumerate() {
             if i > 0 {
-                w.write_all(b", ")?;
+                w.put(b", ");
             }
-            w.write_all(&m.parts.policy)?;
+            w.put(&m.parts.policy);
         }
-        Ok(())
     })
 }
 
@@ -293,19 +323,18 @@ pub(crate) fn ratelimit_field<'a>(
 ) -> Option<HeaderValue> {
     list_value(|w| {
         let mut digits = itoa::Buffer::new();
-        for (i, m) in members.clone().enumerate() {
+        for (i, m) in members.enumerate() {
             if i > 0 {
-                w.write_all(b", ")?;
+                w.put(b", ");
             }
-            w.write_all(&m.parts.name)?;
-            w.write_all(b";r=")?;
-            w.write_all(sf_digits(&mut digits, m.r).as_bytes())?;
+            w.put(&m.parts.name);
+            w.put(b";r=");
+            w.put(sf_digits(&mut digits, m.r).as_bytes());
             if let Some(t) = m.t {
-                w.write_all(b";t=")?;
-                w.write_all(sf_digits(&mut digits, t).as_bytes())?;
+                w.put(b";t=");
+                w.put(sf_digits(&mut digits, t).as_bytes());
             }
         }
-        Ok(())
     })
 }
 

@@ -725,6 +725,38 @@ async fn metrics_count_by_name_and_policy() {
     assert_eq!(recorder.gauge(&id("flowgate_channel_depth")), Some(0.0));
 }
 
+/// The depth gauge on the lock-free path: sampled every 16 items (at every sixteenth of
+/// larger capacities), never by a send into an empty channel, exact once the channel is
+/// full and on every receive. Regression: with a capacity of 16 every send updated it,
+/// two cache lines all senders fought over (a third of an MPSC send's cost).
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_depth_gauge_is_sampled_every_16_sends_and_exact_when_full() {
+    let recorder = support::TestRecorder::default();
+    let (tx, mut rx) = metrics::with_local_recorder(&recorder, || {
+        channel::builder(64).name("sampled").build().unwrap()
+    });
+    let depth = || recorder.gauge("flowgate_channel_depth{name=sampled}");
+    for i in 0..16u32 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(depth(), Some(0.0), "no sample before the 17th item");
+    tx.try_send(16).unwrap();
+    assert_eq!(depth(), Some(17.0), "sampled at 16 occupied");
+    for i in 17..64u32 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(depth(), Some(49.0), "the last sample, at 48 occupied");
+    assert!(tx.try_send(64).is_err());
+    assert_eq!(
+        depth(),
+        Some(64.0),
+        "a send that finds it full sets it exactly"
+    );
+    assert_eq!(rx.recv().await, Some(0));
+    assert!(depth().unwrap() <= 63.0, "a receive sets it: {:?}", depth());
+}
+
 #[tokio::test]
 async fn with_several_receivers_none_sits_on_items_another_is_idle_for() {
     let (tx, mut r1) = channel::bounded::<u32>(64).unwrap();

@@ -47,8 +47,9 @@
 //! waiting receiver, by waiting senders, and by closing.
 //!
 //! With the `metrics` feature, sends that take no lock (permits' included) update the depth
-//! gauge at every sixteenth of the capacity or more often, rather than on every item;
-//! receives, and sends that find the channel full, set it exactly.
+//! gauge every sixteenth of the capacity, and at least every 16 items, rather than on every
+//! item (the update touches cache lines every sender would contend on); receives, and
+//! sends that find the channel full, set it exactly.
 //!
 //! The handles ([`Sender`], [`Receiver`], [`Permit`], [`OwnedPermit`]) are
 //! [`UnwindSafe`](std::panic::UnwindSafe) and [`RefUnwindSafe`](std::panic::RefUnwindSafe)

@@ -228,8 +228,9 @@ pub(crate) struct Shared<T> {
     depth_extra: AtomicUsize,
     state: Mutex<State<T>>,
     capacity: usize,
-    /// Fast-path sends set the depth gauge when the occupied count has these bits clear:
-    /// every sixteenth of the capacity or more often (a power of two, so no division).
+    /// Fast-path sends set the depth gauge when the occupied count is not zero and has these
+    /// bits clear: every sixteenth of the capacity, and at least every 16 items (a power of
+    /// two, so no division).
     depth_mask: usize,
     overflow: Overflow,
     on_drop: Option<OnDrop<T>>,
@@ -289,7 +290,7 @@ impl<T> Shared<T> {
                 dropped: 0,
             }),
             capacity,
-            depth_mask: (1usize << (capacity / 16).max(1).ilog2()) - 1,
+            depth_mask: (1usize << (capacity / 16).max(16).ilog2()) - 1,
             overflow,
             on_drop,
             name,
@@ -559,12 +560,15 @@ impl<T> Shared<T> {
     }
 
     /// Whether a send that claimed the slot after `occupied` others updates the depth
-    /// gauge. The fast path samples it at every sixteenth of the capacity or more often
-    /// (`depth_mask`; a gauge update is a read-modify-write every sender would contend on);
-    /// receives and sends that find the channel full set it exactly.
+    /// gauge. The fast path samples it at every sixteenth of the capacity, and not more
+    /// often than every 16 items (`depth_mask`): a gauge update reads the ring's two ends
+    /// and swaps the gauge's word, cache lines every sender and receiver would contend on.
+    /// Not when the channel was empty: the receiver that emptied it set the gauge. Receives
+    /// and sends that find the channel full set it exactly, so the gauge lags the truth by
+    /// less than one sampling step.
     #[inline]
     fn samples_depth(&self, occupied: usize) -> bool {
-        occupied & self.depth_mask == 0
+        occupied != 0 && occupied & self.depth_mask == 0
     }
 
     /// Push an item into a slot claimed for it, without the lock.

@@ -28,7 +28,9 @@
 //!   (10^4 items hide that: a good part of such an iteration is start-up and wind-down).
 //!   Hand-timed, not criterion: per case, one fresh 2-worker multi-thread runtime, a warm-up
 //!   round of 10^5 items per channel, then 5 timed rounds in which the
-//!   channels take turns (so a change in the machine's load hits all of them alike); the
+//!   channels take turns, in an order rotated by one each round (so a change in the
+//!   machine's load, or what the channel before leaves behind, such as kanal's spinning
+//!   consumers, hits all of them alike); the
 //!   median round is reported, with the slowest and fastest. A round is the wall time of the
 //!   whole transfer, asserting count and sum like the criterion groups. Consumers run
 //!   - `task`: as `tokio::spawn`ed tasks, like the producers;

@@ -41,6 +41,9 @@ where
     shared: Arc<Shared<G>>,
     #[pin]
     state: State<S, B>,
+    /// The fields for the inner service's response, once the request passed (apart from
+    /// `state`, so that entering `Call` moves only the inner future).
+    fields: Option<Fields>,
     body: PhantomData<fn() -> K>,
 }
 
@@ -64,7 +67,6 @@ where
     Call {
         #[pin]
         fut: S::Future,
-        fields: Option<Fields>,
     },
     /// Completed.
     Done,
@@ -81,6 +83,7 @@ where
                 req: Some(req),
                 inner: Some(inner),
             },
+            fields: None,
             body: PhantomData,
         }
     }
@@ -144,12 +147,11 @@ where
                     keys.recycle();
                     verdict
                 }
-                StateProj::Call { fut, fields } => {
+                StateProj::Call { fut } => {
                     let res = ready!(fut.poll(cx));
-                    let fields = fields.take();
                     this.state.set(State::Done);
                     let mut res = res?.map(|b| K::inner(b, Token(())));
-                    if let Some(fields) = fields {
+                    if let Some(fields) = this.fields.take() {
                         fields.write(res.headers_mut());
                     }
                     return Poll::Ready(Ok(res));
@@ -172,8 +174,9 @@ where
                     let (Some(req), Some(mut inner)) = (req, inner) else {
                         panic!("{POLLED_AFTER_DONE}");
                     };
+                    *this.fields = fields;
                     let fut = inner.call(req);
-                    this.state.set(State::Call { fut, fields });
+                    this.state.set(State::Call { fut });
                 }
             }
         }

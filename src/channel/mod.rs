@@ -47,9 +47,10 @@
 //! waiting receiver, by waiting senders, and by closing.
 //!
 //! With the `metrics` feature, sends that take no lock (permits' included) update the depth
-//! gauge every sixteenth of the capacity, and at least every 16 items, rather than on every
-//! item (the update touches cache lines every sender would contend on); receives, and
-//! sends that find the channel full, set it exactly.
+//! gauge every sixteenth of the capacity (rounded down to a power of two), but not more often
+//! than every 16 items, rather than on every item (the update touches cache lines every
+//! sender would contend on); receives, and sends that find the channel full, set it
+//! exactly. At a capacity of 16 or less only those set it.
 //!
 //! The handles ([`Sender`], [`Receiver`], [`Permit`], [`OwnedPermit`]) are
 //! [`UnwindSafe`](std::panic::UnwindSafe) and [`RefUnwindSafe`](std::panic::RefUnwindSafe)

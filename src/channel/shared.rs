@@ -229,8 +229,8 @@ pub(crate) struct Shared<T> {
     state: Mutex<State<T>>,
     capacity: usize,
     /// Fast-path sends set the depth gauge when the occupied count is not zero and has these
-    /// bits clear: every sixteenth of the capacity, and at least every 16 items (a power of
-    /// two, so no division).
+    /// bits clear: every sixteenth of the capacity rounded down to a power of two (so no
+    /// division), but not more often than every 16 items.
     depth_mask: usize,
     overflow: Overflow,
     on_drop: Option<OnDrop<T>>,

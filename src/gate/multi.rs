@@ -241,8 +241,9 @@ fn locked<'a>(guards: &'a mut Guards<'_>, i: u8) -> &'a mut MemoryBuckets {
 /// The in-memory token buckets of all-or-nothing calls
 /// ([`MemoryGate::check_all`](crate::gate::MemoryGate::check_all)), sharded by key so
 /// that requests on different keys rarely wait for each other; each shard holds at most
-/// `max_keys / shards` keys over every quota. A key is hashed once, by the gate's hasher:
-/// the hash picks its shard and finds it in the shard's map.
+/// `max_keys / shards` keys over every quota. Keys are hashed by the gate's hasher; a
+/// request on one key hashes it once (the hash picks its shard and finds it in the shard's
+/// map), one on several keys hashes each for its shard and again in its map.
 #[derive(Debug)]
 pub(crate) struct ShardedBuckets {
     shards: Box<[Mutex<MemoryBuckets>]>,
@@ -392,7 +393,8 @@ mod tests {
 
     /// A test shard function: four shards by hash.
     fn shard_of(hash: u64) -> usize {
-        (hash % 4) as usize
+        // High bits, as the gate's: the map places keys by the low ones.
+        ((hash >> 40) % 4) as usize
     }
 
     fn sharded(shards: usize, per_shard: usize) -> ShardedBuckets {

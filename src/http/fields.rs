@@ -306,9 +306,7 @@ pub(crate) fn static_value(value: &HeaderValue) -> HeaderValue {
 /// `RateLimit-Policy`: `"name";q=..;w=..` per member (sfv's serialization of each, made
 /// once, joined as an sf-List); `None` for no members. The layer keeps the value of all its
 /// policies as a [`static_value`].
-pub(crate) fn policy_field<'a>(
-    members: impl Iterator<Item = Member<'a>> + Clone,
-) -> Option<HeaderValue> {
+pub(crate) fn policy_field<'a>(members: impl Iterator<Item = Member<'a>>) -> Option<HeaderValue> {
     list_value(|w| {
         for (i, m) in members.enumerate() {
             if i > 0 {
@@ -323,7 +321,7 @@ pub(crate) fn policy_field<'a>(
 /// members. The name as sfv serialized it, then the parameters: the same bytes as sfv's
 /// `ListSerializer` (a unit test compares them).
 pub(crate) fn ratelimit_field<'a>(
-    members: impl Iterator<Item = Member<'a>> + Clone,
+    members: impl Iterator<Item = Member<'a>>,
 ) -> Option<HeaderValue> {
     list_value(|w| {
         let mut digits = itoa::Buffer::new();

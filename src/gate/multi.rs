@@ -162,7 +162,8 @@ impl MemoryBuckets {
     }
 
     /// The map of `quota`, made when it is not held (evicting the quotas with no key left
-    /// if [`MAX_QUOTAS`] are held). Room for `key` is made too: when the shard holds
+    /// if [`MAX_QUOTAS`] are held). Room for `key` (whose hash by the gate's hasher is
+    /// `hash`) is made too: when the shard holds
     /// `room.per_shard` keys and `key` is not one of them, neutral keys are evicted first.
     ///
     /// # Errors
@@ -171,7 +172,7 @@ impl MemoryBuckets {
     /// key or a new quota.
     fn room(
         &mut self,
-        key: &str,
+        (key, hash): (&str, u64),
         quota: Quota,
         now: Duration,
         room: &Room<'_>,
@@ -188,7 +189,7 @@ impl MemoryBuckets {
                 self.add(quota, room)?
             }
         };
-        if self.len() >= room.per_shard && self.by_quota[at].keys.get(key).is_none() {
+        if self.len() >= room.per_shard && self.by_quota[at].keys.get_hashed(hash, key).is_none() {
             self.sweep(now);
             // The sweep may have dropped this quota's map (empty): find or make it again.
             let at = match self.by_quota.iter().position(|q| q.quota == quota) {
@@ -241,9 +242,8 @@ fn locked<'a>(guards: &'a mut Guards<'_>, i: u8) -> &'a mut MemoryBuckets {
 /// The in-memory token buckets of all-or-nothing calls
 /// ([`MemoryGate::check_all`](crate::gate::MemoryGate::check_all)), sharded by key so
 /// that requests on different keys rarely wait for each other; each shard holds at most
-/// `max_keys / shards` keys over every quota. Keys are hashed by the gate's hasher; a
-/// request on one key hashes it once (the hash picks its shard and finds it in the shard's
-/// map), one on several keys hashes each for its shard and again in its map.
+/// `max_keys / shards` keys over every quota. Each key of a request is hashed once, by the
+/// gate's hasher: the hash picks its shard and finds it in the shard's map.
 #[derive(Debug)]
 pub(crate) struct ShardedBuckets {
     shards: Box<[Mutex<MemoryBuckets>]>,
@@ -294,7 +294,7 @@ impl ShardedBuckets {
         let room = self.room(max_keys);
         let hash = self.hasher.hash_one(key);
         let mut shard = self.lock(shard_of(hash));
-        let keys = shard.room(key, quota, now, &room)?;
+        let keys = shard.room((key, hash), quota, now, &room)?;
         keys.check_hashed(hash, key, now, cost)
             .map_err(|e| match e {
                 KeyedError::KeyspaceFull { .. } => room.full(),
@@ -332,12 +332,15 @@ impl ShardedBuckets {
             KeyedError::KeyspaceFull { .. } => room.full(),
             e => e.into(),
         };
-        // Each bucket's shard, hashed once; the shards locked in ascending order. No
-        // allocation: a request has at most `MAX_LIMITS` buckets over at most 32 shards.
+        // Each bucket's key hashed once, which picks its shard; the shards locked in
+        // ascending order. No allocation: a request has at most `MAX_LIMITS` buckets over
+        // at most 32 shards.
         let mut shard = [0u8; MAX_LIMITS];
+        let mut hash = [0u64; MAX_LIMITS];
         let mut wanted = 0u32;
-        for (s, &(key, _, _)) in shard.iter_mut().zip(&request.buckets) {
-            *s = shard_of(self.hasher.hash_one(key)) as u8;
+        for ((s, h), &(key, _, _)) in shard.iter_mut().zip(&mut hash).zip(&request.buckets) {
+            *h = self.hasher.hash_one(key);
+            *s = shard_of(*h) as u8;
             wanted |= 1 << *s;
         }
         let mut guards: Guards<'_> = std::array::from_fn(|_| None);
@@ -348,24 +351,24 @@ impl ShardedBuckets {
         }
         // Room first, then each bucket decided on a copy of its state: pure, so deciding
         // again for real below gives the same answer.
-        for (&s, &(key, quota, cost)) in shard.iter().zip(&request.buckets) {
-            let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
-            let mut state = keys.get(key).copied().unwrap_or_default();
+        for ((&s, &h), &(key, quota, cost)) in shard.iter().zip(&hash).zip(&request.buckets) {
+            let keys = locked(&mut guards, s).room((key, h), quota, now, &room)?;
+            let mut state = keys.get_hashed(h, key).copied().unwrap_or_default();
             out.push(keys.algorithm().check(&mut state, now, cost)?);
         }
-        let buckets = shard.iter().zip(&request.buckets);
+        let buckets = shard.iter().zip(&hash).zip(&request.buckets);
         if out.iter().all(|d| d.allowed) {
-            for (d, (&s, &(key, quota, cost))) in out.iter_mut().zip(buckets) {
-                let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
-                *d = keys.check(key, now, cost).map_err(keyed_error)?;
+            for (d, ((&s, &h), &(key, quota, cost))) in out.iter_mut().zip(buckets) {
+                let keys = locked(&mut guards, s).room((key, h), quota, now, &room)?;
+                *d = keys.check_hashed(h, key, now, cost).map_err(keyed_error)?;
             }
         } else {
             // Not all had room: nothing is charged; the buckets that had room report a
             // rejection with no retry_after of their own, as the Redis script does.
-            for (d, (&s, &(key, quota, _))) in out.iter_mut().zip(buckets) {
+            for (d, ((&s, &h), &(key, quota, _))) in out.iter_mut().zip(buckets) {
                 if d.allowed {
-                    let keys = locked(&mut guards, s).room(key, quota, now, &room)?;
-                    let state = keys.get(key).copied().unwrap_or_default();
+                    let keys = locked(&mut guards, s).room((key, h), quota, now, &room)?;
+                    let state = keys.get_hashed(h, key).copied().unwrap_or_default();
                     let remaining = keys.algorithm().available(&state, now);
                     let reset = keys.algorithm().neutral_at(&state).saturating_sub(now);
                     *d = Decision::reject(d.capacity, remaining, Duration::ZERO, reset);

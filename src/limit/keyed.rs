@@ -187,7 +187,16 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let hash = self.hasher.hash_one(key);
+        self.get_hashed(self.hasher.hash_one(key), key)
+    }
+
+    /// [`get`](Keyed::get) with `hash`, this map's hash of `key`, already computed.
+    #[inline]
+    pub(crate) fn get_hashed<Q>(&self, hash: u64, key: &Q) -> Option<&A::State>
+    where
+        K: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
         self.map
             .find(hash, |(k, _)| k.borrow() == key)
             .map(|(_, state)| state)

@@ -32,6 +32,8 @@ use std::time::Duration;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
+use crate::rate::NANOS_PER_SEC;
+
 /// A monotonic clock reading durations since it was made: the time-stamp counter, or
 /// tokio's clock when tokio's paused time must be followed (see the [module
 /// docs](crate::clock) for which [`Clock::new`] picks).
@@ -175,8 +177,6 @@ impl Clone for Second {
         Second(AtomicU64::new(self.0.load(Ordering::Relaxed)))
     }
 }
-
-const NANOS_PER_SEC: u64 = 1_000_000_000;
 
 impl Default for Clock {
     /// [`Clock::new`].

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::error::{ConfigError, ConfigErrorKind};
 
-const NANOS_PER_SEC: u64 = 1_000_000_000;
+pub(crate) const NANOS_PER_SEC: u64 = 1_000_000_000;
 
 /// A count per period: "100 per second", "5 per 90 seconds".
 ///

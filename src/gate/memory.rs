@@ -348,7 +348,8 @@ impl MemoryGate {
     ) -> Result<(), GateError> {
         decisions.clear();
         if let [(key, quota)] = *limits {
-            // One limit: nothing to merge (validated as `Merged::new` would).
+            // One limit: nothing to merge (validated as `Merged::new` would). Building the
+            // merged request and expanding its decision cost ~25 ns of a ~60 ns decision.
             let bucket = Merged::one(key, quota, cost)?;
             let now = self.now();
             let decided = self

@@ -57,6 +57,11 @@ fn quota(burst: u32, period: Duration) -> Quota {
     Quota::new(Rate::per(burst, period).unwrap(), burst).unwrap()
 }
 
+/// The `per-client` policy: `quota`, keyed by the `x-client` header.
+fn per_client(quota: Quota) -> Policy {
+    Policy::new("per-client", quota, by_client)
+}
+
 fn app(layer: RateLimitLayer<MemoryGate>) -> Router {
     Router::new()
         .route("/", route_get(|| async { "ok" }))
@@ -128,11 +133,7 @@ fn violated(body: &Bytes) -> Vec<String> {
 async fn exactly_the_burst_passes_and_every_429_says_when_to_retry() {
     let layer = RateLimitLayer::builder(gate())
         // Nothing refills during the test: 10 per 30 s.
-        .policy(Policy::new(
-            "per-client",
-            quota(10, Duration::from_secs(30)),
-            by_client,
-        ))
+        .policy(per_client(quota(10, Duration::from_secs(30))))
         .build()
         .unwrap();
     let server = Server::start(app(layer.clone())).await;
@@ -200,11 +201,7 @@ async fn inner_body_keeps_the_inner_body_type_and_answers_the_same() {
     }
     let layer = RateLimitLayer::builder(gate())
         .inner_body()
-        .policy(Policy::new(
-            "per-client",
-            quota(2, Duration::from_secs(30)),
-            by_client,
-        ))
+        .policy(per_client(quota(2, Duration::from_secs(30))))
         .build()
         .unwrap();
     let inner = tower::service_fn(|_req: Request<axum::body::Body>| async {
@@ -246,10 +243,7 @@ async fn inner_body_answers_400_in_the_inner_body_type() {
     use http_body_util::Full;
     let layer = RateLimitLayer::builder(gate())
         .inner_body()
-        .policy(
-            Policy::new("per-client", quota(2, Duration::from_secs(30)), by_client)
-                .missing_key(MissingKey::Refuse),
-        )
+        .policy(per_client(quota(2, Duration::from_secs(30))).missing_key(MissingKey::Refuse))
         .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/big" { 3 } else { 1 })
         .build()
         .unwrap();
@@ -319,11 +313,7 @@ async fn rejections_are_logged_at_most_once_a_minute_with_their_count() {
     let _guard =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(logs.clone()));
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(1, Duration::from_secs(30)),
-            by_client,
-        ))
+        .policy(per_client(quota(1, Duration::from_secs(30))))
         .build()
         .unwrap();
     let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
@@ -347,11 +337,7 @@ async fn rejections_are_logged_at_most_once_a_minute_with_their_count() {
 #[tokio::test]
 async fn a_client_that_waits_retry_after_then_succeeds() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(1, Duration::from_millis(700)),
-            by_client,
-        ))
+        .policy(per_client(quota(1, Duration::from_millis(700))))
         .build()
         .unwrap();
     let server = Server::start(app(layer)).await;
@@ -370,11 +356,7 @@ async fn a_client_that_waits_retry_after_then_succeeds() {
 #[tokio::test]
 async fn every_header_style_parses_as_structured_fields() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(5, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(5, Duration::from_secs(60))))
         .policy(Policy::new(
             "per-user",
             quota(2, Duration::from_secs(10)),
@@ -405,11 +387,7 @@ async fn every_header_style_parses_as_structured_fields() {
     }
 
     let epoch = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(5, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(5, Duration::from_secs(60))))
         .header_styles(HeaderStyles::X_RATELIMIT_EPOCH)
         .build()
         .unwrap();
@@ -427,11 +405,7 @@ async fn every_header_style_parses_as_structured_fields() {
 #[tokio::test]
 async fn the_violated_policy_is_named_and_only_it_carries_t() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(100, Duration::from_secs(3600)),
-            by_client,
-        ))
+        .policy(per_client(quota(100, Duration::from_secs(3600))))
         .policy(Policy::new(
             "per-user",
             quota(1, Duration::from_secs(5)),
@@ -465,11 +439,7 @@ async fn the_violated_policy_is_named_and_only_it_carries_t() {
 #[tokio::test]
 async fn shadow_mode_admits_all_and_counts_the_would_be_rejections() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(3, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(3, Duration::from_secs(60))))
         .shadow(true)
         .build()
         .unwrap();
@@ -501,10 +471,7 @@ async fn shadow_mode_with_a_refused_key_still_decides_the_other_policies() {
     // The first policy would refuse every request (no x-client); in shadow mode that is
     // counted and the second policy is still decided, counted and written.
     let layer = RateLimitLayer::builder(gate())
-        .policy(
-            Policy::new("per-client", quota(3, Duration::from_secs(60)), by_client)
-                .missing_key(MissingKey::Refuse),
-        )
+        .policy(per_client(quota(3, Duration::from_secs(60))).missing_key(MissingKey::Refuse))
         .policy(Policy::new(
             "per-user",
             quota(2, Duration::from_secs(60)),
@@ -540,11 +507,7 @@ async fn an_extractor_that_replaces_its_string_cannot_break_the_other_keys() {
     // With a shared key buffer, `*key = ..` in the second policy's extractor erased the
     // first policy's key and panicked on a slice; each extractor now writes on its own.
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(1, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(1, Duration::from_secs(60))))
         .policy(Policy::new(
             "per-path",
             quota(10, Duration::from_secs(60)),
@@ -570,10 +533,7 @@ async fn an_extractor_that_replaces_its_string_cannot_break_the_other_keys() {
 async fn keyless_requests_share_skip_or_are_refused_as_configured() {
     let layer = |missing: MissingKey| {
         RateLimitLayer::builder(gate())
-            .policy(
-                Policy::new("per-client", quota(1, Duration::from_secs(60)), by_client)
-                    .missing_key(missing),
-            )
+            .policy(per_client(quota(1, Duration::from_secs(60))).missing_key(missing))
             .build()
             .unwrap()
     };
@@ -614,11 +574,7 @@ async fn keyless_requests_share_skip_or_are_refused_as_configured() {
 #[tokio::test]
 async fn the_fields_list_only_the_policies_applied() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(5, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(5, Duration::from_secs(60))))
         .policy(
             Policy::new("per-user", quota(3, Duration::from_secs(30)), by_user)
                 .missing_key(MissingKey::Skip),
@@ -653,11 +609,7 @@ async fn the_fields_list_only_the_policies_applied() {
 #[tokio::test]
 async fn a_request_that_can_never_pass_is_a_400_and_a_free_one_passes_undecided() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(5, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(5, Duration::from_secs(60))))
         .cost(|req: &RequestInfo<'_>| match req.uri.path() {
             "/" => 6,
             "/free" => 0,
@@ -820,11 +772,7 @@ impl<B> Service<Request<B>> for Reserving {
 #[tokio::test]
 async fn the_inner_service_that_was_ready_is_the_one_called() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(3, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(3, Duration::from_secs(60))))
         .build()
         .unwrap();
     let mut svc = layer.layer(Reserving::default());
@@ -952,11 +900,7 @@ async fn many_requests_over_few_keep_alive_connections_on_a_bare_hyper_server() 
 #[tokio::test]
 async fn route_layer_works_too() {
     let layer = RateLimitLayer::builder(gate())
-        .policy(Policy::new(
-            "per-client",
-            quota(1, Duration::from_secs(60)),
-            by_client,
-        ))
+        .policy(per_client(quota(1, Duration::from_secs(60))))
         .build()
         .unwrap();
     let app = Router::new()
@@ -1015,11 +959,7 @@ mod on_redis {
         .await
         .unwrap();
         RateLimitLayer::builder(gate)
-            .policy(Policy::new(
-                "per-client",
-                quota(1000, Duration::from_secs(60)),
-                by_client,
-            ))
+            .policy(per_client(quota(1000, Duration::from_secs(60))))
             .build()
             .unwrap()
     }

@@ -1023,3 +1023,72 @@ mod on_redis {
         }
     }
 }
+
+/// A key extractor that decides another request on the same thread (here: through a second
+/// layer, polled to completion inside `extract`) gets its own keys: both requests are
+/// decided, with their own keys and counts. (The extractor's scratch string used to be one
+/// thread-local `RefCell` borrowed around `extract`: the inner decision panicked with
+/// "already borrowed".)
+#[tokio::test]
+async fn an_extractor_deciding_another_request_on_the_same_thread_is_decided_too() {
+    use futures::FutureExt;
+    use http_body_util::Full;
+    let inner_layer = RateLimitLayer::builder(gate())
+        .inner_body()
+        .policy(per_client(quota(1, Duration::from_secs(30))))
+        .build()
+        .unwrap();
+    let nested = inner_layer.clone();
+    let by_nested_decision = move |req: &RequestInfo<'_>, key: &mut String| {
+        let mut svc = nested.layer(tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        }));
+        let client = req.headers["x-client"].clone();
+        let inner_req = Request::builder()
+            .header("x-client", client)
+            .body(())
+            .unwrap();
+        let res = svc
+            .call(inner_req)
+            .now_or_never()
+            .expect("a memory gate decides at once")
+            .unwrap();
+        key.push_str(if res.status() == StatusCode::OK {
+            "first"
+        } else {
+            "again"
+        });
+        true
+    };
+    let outer = RateLimitLayer::builder(gate())
+        .inner_body()
+        .policy(Policy::new(
+            "outer",
+            quota(1, Duration::from_secs(30)),
+            by_nested_decision,
+        ))
+        .build()
+        .unwrap();
+    let mut svc = outer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+    }));
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let req = Request::builder().header("x-client", "c").body(()).unwrap();
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        let ratelimit = res.headers()["ratelimit"].to_str().unwrap().to_owned();
+        statuses.push((res.status(), ratelimit.starts_with("\"outer\"")));
+    }
+    // Outer keys: "first" (admitted), then "again" twice (one token: admitted, rejected).
+    assert_eq!(
+        statuses,
+        [
+            (StatusCode::OK, true),
+            (StatusCode::OK, true),
+            (StatusCode::TOO_MANY_REQUESTS, true)
+        ]
+    );
+    let (inner, outer) = (inner_layer.stats(), outer.stats());
+    assert_eq!((inner.admitted, inner.rejected), (1, 2));
+    assert_eq!((outer.admitted, outer.rejected), (2, 1));
+}

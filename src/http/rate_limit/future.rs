@@ -15,7 +15,7 @@ use crate::http::body::sealed::Token;
 use crate::http::body::{BodyMode, WrapBody};
 use crate::http::fields::Fields;
 use crate::http::key::RequestInfo;
-use crate::http::rate_limit::layer::{Check, Prepared, Shared, Verdict};
+use crate::http::rate_limit::layer::{Check, Decided, Shared, Verdict};
 use crate::sync::Arc;
 
 /// The response future of [`RateLimit`](crate::http::RateLimit).
@@ -122,30 +122,18 @@ where
             let verdict = match this.state.as_mut().project() {
                 StateProj::Decide { req, inner } => {
                     let r = req.as_ref().expect(POLLED_AFTER_DONE);
-                    match this.shared.prepare(&RequestInfo::of(r)) {
-                        Prepared::Pass(fields) => Verdict::Pass(fields),
-                        Prepared::Answer(res) => Verdict::Answer(res),
-                        Prepared::Check(mut keys, cost) => {
-                            match this.shared.check_local(&mut keys, cost) {
-                                Some(verdict) => {
-                                    keys.recycle();
-                                    verdict
-                                }
-                                None => {
-                                    let check = this.shared.check(keys, cost);
-                                    let (req, inner) = (req.take(), inner.take());
-                                    this.state.set(State::Check { check, req, inner });
-                                    continue;
-                                }
-                            }
+                    match this.shared.decide(&RequestInfo::of(r)) {
+                        Decided::Now(verdict) => verdict,
+                        Decided::Later(check) => {
+                            let (req, inner) = (req.take(), inner.take());
+                            this.state.set(State::Check { check, req, inner });
+                            continue;
                         }
                     }
                 }
                 StateProj::Check { check, .. } => {
                     let (keys, decided) = ready!(check.as_mut().poll(cx));
-                    let verdict = this.shared.conclude(&keys, decided.as_deref());
-                    keys.recycle();
-                    verdict
+                    this.shared.conclude(&keys, decided.as_deref())
                 }
                 StateProj::Call { fut } => {
                     let res = ready!(fut.poll(cx));

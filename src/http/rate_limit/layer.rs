@@ -1,6 +1,6 @@
 //! `RateLimitLayer`, its builder, and the decision every request goes through.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
@@ -28,12 +28,6 @@ use crate::sync::Arc;
 
 /// The most policies one layer takes (one all-or-nothing call decides at most 32 limits).
 const MAX_POLICIES: usize = 32;
-
-thread_local! {
-    /// Where a policy's key extractor writes (see `prepare`): reused, so a key costs no
-    /// allocation once the thread has seen one as long.
-    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
-}
 
 /// How often rejections are logged, at most.
 const LOG_EVERY_MS: u64 = 60_000;
@@ -393,6 +387,7 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                     &[p.name.as_str()],
                 );
                 Entry {
+                    head: format!("{}{}:", self.prefix, p.name),
                     parts,
                     quota_exceeded,
                     policy: p,
@@ -494,6 +489,8 @@ impl Outcome {
 /// A policy with what the layer derived from it at build time.
 struct Entry {
     policy: Policy,
+    /// The start of the policy's gate keys: `<key prefix><policy name>:`.
+    head: String,
     /// Its name, `q` and `w` as the fields show them, serialized once.
     parts: PolicyParts,
     /// The problem body of a 429 that this policy alone blocked.
@@ -511,42 +508,52 @@ impl Entry {
 }
 
 /// The keys of one request: for each policy that applies, its index and where its gate key
-/// is in `buf`; and room for the gate's decisions. Taken from the thread's spare one and
-/// given back when the request is decided ([`Keys::recycle`]): once a thread has decided a
-/// request, the next costs no allocation here.
-#[derive(Debug, Default)]
+/// is in `buf`; room for the gate's decisions; and the string a key extractor writes into.
+/// A request decided locally borrows the thread's [`Keys`] ([`Keys::with`]): once a thread
+/// has decided a request, the next costs no allocation here. A request the gate decides
+/// through its future takes a copy of them along.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Keys {
     buf: String,
     spans: Vec<(usize, usize, usize)>,
     decisions: Vec<Decision>,
+    /// Where a policy's key extractor writes: its own string, so whatever it does to it
+    /// (`*key = ..`, `clear`) cannot touch the other policies' keys in `buf`.
+    scratch: String,
 }
 
 thread_local! {
-    /// The thread's spare [`Keys`].
-    static SPARE_KEYS: Cell<Keys> = const {
-        Cell::new(Keys {
+    /// The thread's reused [`Keys`].
+    static THREAD_KEYS: RefCell<Keys> = const {
+        RefCell::new(Keys {
             buf: String::new(),
             spans: Vec::new(),
             decisions: Vec::new(),
+            scratch: String::new(),
         })
     };
 }
 
 impl Keys {
-    /// The thread's spare keys (empty), or new ones.
-    fn take() -> Keys {
-        let mut keys = SPARE_KEYS.take();
-        keys.buf.clear();
-        keys.spans.clear();
-        keys.decisions.clear();
-        keys
-    }
-
-    /// Keep these keys' buffers for the thread's next request (unless they grew large).
-    pub(crate) fn recycle(self) {
-        if self.buf.capacity() <= 4096 && self.spans.capacity() <= MAX_POLICIES {
-            SPARE_KEYS.set(self);
-        }
+    /// `f` of the thread's keys, cleared; of new ones when they are in use (a key extractor
+    /// or a gate deciding another request on this thread: no panic, an allocation). Buffers
+    /// that grew large are let go afterwards, so a thread keeps at most a few KiB.
+    fn with<R>(f: impl FnOnce(&mut Keys) -> R) -> R {
+        THREAD_KEYS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut keys) => {
+                keys.buf.clear();
+                keys.spans.clear();
+                let r = f(&mut keys);
+                if keys.buf.capacity() > 4096
+                    || keys.scratch.capacity() > 4096
+                    || keys.spans.capacity() > MAX_POLICIES
+                {
+                    *keys = Keys::default();
+                }
+                r
+            }
+            Err(_) => f(&mut Keys::default()),
+        })
     }
 }
 
@@ -556,8 +563,16 @@ pub(crate) enum Prepared {
     Pass(Option<Fields>),
     /// Answer with this response.
     Answer(Response<Bytes>),
-    /// Ask the gate.
-    Check(Keys, u32),
+    /// Ask the gate with this cost (the keys are in the [`Keys`] prepared).
+    Check(u32),
+}
+
+/// What the layer does with a request: decided, or to be decided by the gate's future.
+pub(crate) enum Decided {
+    /// Decided without I/O.
+    Now(Verdict),
+    /// The gate's future decides (it owns a copy of the keys).
+    Later(Check),
 }
 
 /// What the layer does with a decided request.
@@ -630,26 +645,16 @@ impl<G> Shared<G> {
         }
     }
 
-    /// Take the request's keys and cost; answer at once when no policy applies or a key is
-    /// missing under [`MissingKey::Refuse`].
-    pub(crate) fn prepare(&self, req: &RequestInfo<'_>) -> Prepared {
-        let mut keys = Keys::take();
+    /// Take the request's keys (into `keys`, cleared) and cost; answer at once when no
+    /// policy applies or a key is missing under [`MissingKey::Refuse`].
+    pub(crate) fn prepare(&self, req: &RequestInfo<'_>, keys: &mut Keys) -> Prepared {
         for (i, entry) in self.policies.iter().enumerate() {
             let start = keys.buf.len();
-            keys.buf.push_str(&self.prefix);
-            keys.buf.push_str(&entry.policy.name);
-            keys.buf.push(':');
-            // The extractor writes into a scratch string of its own, so whatever it does to
-            // it (`*key = ..`, `clear`) cannot touch the other policies' keys.
-            let found = SCRATCH.with_borrow_mut(|scratch| {
-                scratch.clear();
-                let found = entry.policy.key.extract(req, scratch) && !scratch.is_empty();
-                if found {
-                    keys.buf.push_str(scratch);
-                }
-                found
-            });
-            if !found {
+            keys.buf.push_str(&entry.head);
+            keys.scratch.clear();
+            if entry.policy.key.extract(req, &mut keys.scratch) && !keys.scratch.is_empty() {
+                keys.buf.push_str(&keys.scratch);
+            } else {
                 match &entry.policy.missing {
                     MissingKey::Shared(k) => keys.buf.push_str(k),
                     MissingKey::Skip => {
@@ -665,7 +670,6 @@ impl<G> Shared<G> {
                     }
                     _ => {
                         self.count(Outcome::MissingKey);
-                        keys.recycle();
                         return Prepared::Answer(problem::bad_request(&format!(
                             "the request has no key for the policy \"{}\"",
                             entry.policy.name
@@ -677,17 +681,15 @@ impl<G> Shared<G> {
         }
         if keys.spans.is_empty() {
             self.count(Outcome::Admitted);
-            keys.recycle();
             return Prepared::Pass(None);
         }
         let cost = self.cost.as_ref().map_or(1, |f| f(req));
         if cost == 0 {
             // A free request: nothing to charge, nothing to decide.
             self.count(Outcome::Admitted);
-            keys.recycle();
             return Prepared::Pass(None);
         }
-        Prepared::Check(keys, cost)
+        Prepared::Check(cost)
     }
 
     /// The `(key, quota)` list of `keys` for the gate.
@@ -757,6 +759,21 @@ impl<G> Shared<G> {
                 ));
             }
         };
+        // The common case, one policy that admits: nothing blocked or violated to work out.
+        if let ([(i, _, _)], [d]) = (&keys.spans[..], decisions)
+            && d.allowed
+            && d.capacity != u64::MAX
+        {
+            let member = self.policies[*i].member(d.remaining, Some(fields::reset_secs(d)));
+            let all = self.policies.len() == 1;
+            let fields = Fields::new(
+                self.styles,
+                std::iter::once(member),
+                self.all_policy.as_ref().filter(|_| all),
+            );
+            self.count(Outcome::Admitted);
+            return Verdict::Pass(Some(fields));
+        }
         let allowed = decisions.iter().all(|d| d.allowed);
         let fail_open = decisions.iter().any(|d| d.capacity == u64::MAX);
         // The policies that blocked: a rejection with a retry_after of its own (the others
@@ -872,20 +889,37 @@ impl<G> Shared<G> {
 }
 
 impl<G: Gate + 'static> Shared<G> {
-    /// Decide `keys` without I/O if the gate can (no allocation on a gate that decides
-    /// into the keys' reused decisions, as [`MemoryGate`](crate::gate::MemoryGate) does).
-    pub(crate) fn check_local(&self, keys: &mut Keys, cost: u32) -> Option<Verdict> {
-        let mut decisions = std::mem::take(&mut keys.decisions);
-        let decided = self.with_limits(keys, |limits| {
-            self.gate.check_all_local(limits, cost, &mut decisions)
-        });
-        let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
-        keys.decisions = decisions;
-        verdict
+    /// Decide `req`: at once when no policy applies, a key is missing, or the gate decides
+    /// without I/O (no allocation on a gate that decides into the reused decisions, as
+    /// [`MemoryGate`](crate::gate::MemoryGate) does); else through the gate's future.
+    pub(crate) fn decide(self: &Arc<Self>, req: &RequestInfo<'_>) -> Decided {
+        Keys::with(|keys| {
+            let cost = match self.prepare(req, keys) {
+                Prepared::Pass(fields) => return Decided::Now(Verdict::Pass(fields)),
+                Prepared::Answer(res) => return Decided::Now(Verdict::Answer(res)),
+                Prepared::Check(cost) => cost,
+            };
+            let mut decisions = std::mem::take(&mut keys.decisions);
+            let decided = match keys.spans[..] {
+                [(i, start, end)] => {
+                    let limit = [(&keys.buf[start..end], self.policies[i].policy.quota)];
+                    self.gate.check_all_local(&limit, cost, &mut decisions)
+                }
+                _ => self.with_limits(keys, |limits| {
+                    self.gate.check_all_local(limits, cost, &mut decisions)
+                }),
+            };
+            let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
+            keys.decisions = decisions;
+            match verdict {
+                Some(verdict) => Decided::Now(verdict),
+                None => Decided::Later(self.check(keys.clone(), cost)),
+            }
+        })
     }
 
     /// Decide `keys` through the gate's future.
-    pub(crate) fn check(self: &Arc<Self>, keys: Keys, cost: u32) -> Check {
+    fn check(self: &Arc<Self>, keys: Keys, cost: u32) -> Check {
         let shared = Arc::clone(self);
         Box::pin(async move {
             let limits = shared.limits(&keys);

@@ -7,7 +7,9 @@
 //!
 //! - **Server**: an axum 0.8 `Router` with one route, `GET /` answering `"ok"` (the
 //!   harshest case for a limiter: the handler costs nothing), served by `axum::serve` on
-//!   127.0.0.1:0 in a tokio runtime with **one worker thread**. The limiter is
+//!   127.0.0.1:0 in a tokio runtime with **one worker thread** (`HTTP_SERVER_WORKERS=2`: two,
+//!   so that the workers share the limiter's state across cores, as a multi-threaded server
+//!   does; with the client that is 3 busy threads on the 2 cores). The limiter is
 //!   `Router::layer(..)` over it. Each variant has its own server for the whole run (A or
 //!   B), with fresh limiter state.
 //! - **Client**: hyper's `client::conn::http1`, exactly one keep-alive connection per
@@ -82,6 +84,7 @@
 //! HTTP_CONNS=64 cargo bench --all-features --bench http          # one connection count
 //! HTTP_ONLY=none,flowgate,governor cargo bench --all-features --bench http  # some variants
 //! HTTP_REDIS=0 cargo bench --all-features --bench http           # without the Redis variant
+//! HTTP_SERVER_WORKERS=2 cargo bench --all-features --bench http  # the server on 2 workers (3 busy threads on 2 cores)
 //! ```
 //!
 //! `HTTP_ONLY` takes a comma list of `none`, `flowgate`, `nofields`, `governor`, `governorh`,
@@ -302,6 +305,8 @@ struct Knobs {
     conns: Vec<usize>,
     variants: Vec<Variant>,
     verdicts: bool,
+    /// Worker threads of the server's runtime (`HTTP_SERVER_WORKERS`, default 1).
+    server_workers: usize,
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -346,6 +351,7 @@ fn knobs() -> Knobs {
         conns,
         variants,
         verdicts: bench_mode,
+        server_workers: env_u64("HTTP_SERVER_WORKERS").map_or(1, |n| n.clamp(1, 64) as usize),
     }
 }
 
@@ -362,9 +368,9 @@ fn redis_server_available() -> bool {
 const SERVER_THREAD: &str = "http-server";
 const CLIENT_THREAD: &str = "http-client";
 
-fn runtime(name: &str) -> Runtime {
+fn runtime(name: &str, workers: usize) -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(workers)
         .thread_name(name)
         .enable_all()
         .build()
@@ -400,7 +406,8 @@ fn thread_cpu_ns(name: &str) -> Option<u64> {
 fn main() {
     let mut knobs = knobs();
     println!(
-        "benches/http: axum over loopback, hyper http1 keep-alive client; server and client on a 1-worker runtime each; load average {}",
+        "benches/http: axum over loopback, hyper http1 keep-alive client; server on a {}-worker runtime, client on a 1-worker runtime; load average {}",
+        knobs.server_workers,
         support::load_average()
     );
     let redis = if knobs.variants.contains(&Variant::Redis) {
@@ -417,8 +424,8 @@ fn main() {
         None
     };
     let redis_url = redis.as_ref().map(|r| r.url());
-    let server_rt = runtime(SERVER_THREAD);
-    let client_rt = runtime(CLIENT_THREAD);
+    let server_rt = runtime(SERVER_THREAD, knobs.server_workers);
+    let client_rt = runtime(CLIENT_THREAD, 1);
     println!(
         "{} rounds of {} ms measured after {} ms warm-up, per variant; connections {:?}",
         knobs.rounds,

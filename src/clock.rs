@@ -29,7 +29,6 @@ use std::time::Duration;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-
 /// A monotonic clock reading durations since it was made: the time-stamp counter, or
 /// tokio's clock when tokio's paused time must be followed (see the [module
 /// docs](crate::clock) for which [`Clock::new`] picks).

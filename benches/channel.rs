@@ -38,11 +38,13 @@
 //!     producers stay tasks: 3 busy threads on the 2 workers' cores (4 in MPMC), the layout
 //!     of a sync consumer loop fed by async producers.
 //!
-//!   Then one PASS/FAIL line per case for issue 20's Must (flowgate's median throughput
-//!   at least tokio mpsc's, async-channel's and flume's; tokio only with one consumer), the
-//!   aim in SPSC (within 1.5x of kanal, which is not cancel-safe) and the `support::summary`
-//!   line. Figures are medians on whatever machine runs this; ties within 5% are flagged,
-//!   a shared machine is noisier than that.
+//!   Then one PASS/FAIL line per case for issue 20's Must (flowgate's throughput at least
+//!   tokio mpsc's, async-channel's and flume's; tokio only with one consumer), the aim in
+//!   SPSC (within 1.5x of kanal, which is not cancel-safe) and the `support::summary` line.
+//!   The verdicts read the median of the rounds' *paired* ratios (flowgate / peer within
+//!   each round, where the two ran back to back), with their spread and the ratio of the
+//!   two medians beside it; `CHANNEL_ROUNDS` sets the rounds (default 5). Ties within 5%
+//!   are flagged, a shared machine is noisier than that.
 //!
 //! After the criterion run, `main` reads criterion's medians back and prints, per group, the
 //! throughput of every channel, the `flowgate / peer` time ratios (below 1.0: flowgate
@@ -54,6 +56,7 @@
 //! cargo bench --bench channel                      # everything, about 5 minutes
 //! cargo bench --bench channel -- channel_spsc      # one scenario (other tables: stale/n/a)
 //! cargo bench --bench channel -- steady_           # only the steady-state groups
+//! CHANNEL_ROUNDS=11 cargo bench --bench channel -- steady_   # more rounds
 //! cargo bench --bench channel -- steady_spsc       # steady-state SPSC, both placements
 //! ```
 //!

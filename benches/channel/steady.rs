@@ -12,7 +12,7 @@ use super::{
 
 /// Items moved per round.
 const STEADY_ITEMS: u64 = 1_000_000;
-/// Timed rounds per channel (the median is reported).
+/// Timed rounds per channel (the median is reported; `CHANNEL_ROUNDS` overrides).
 const STEADY_ROUNDS: usize = 5;
 
 /// One steady-state case: a scenario, a capacity and where the consumers run.
@@ -152,8 +152,26 @@ fn print_steady(case: Case, items: u64, measured: &[Measured]) {
     }
 }
 
-/// The Must for one case (flowgate's median throughput at least each of
-/// [`MUST_PEERS`]'), printed as a PASS/FAIL line; and in SPSC the aim against kanal.
+/// flowgate / `peer` throughput in each round (the two ran back to back in it), and their
+/// median: a drift of the machine's speed between rounds cancels out of it.
+fn paired(measured: &[Measured], peer: &str) -> Option<(f64, f64, f64)> {
+    let ours = measured.iter().find(|m| m.id == OURS)?;
+    let peer = measured.iter().find(|m| m.id == peer)?;
+    let ratios: Vec<f64> = ours
+        .rounds
+        .iter()
+        .zip(&peer.rounds)
+        .map(|(o, p)| p.as_secs_f64() / o.as_secs_f64())
+        .collect();
+    let (lo, hi) = ratios
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+    Some((support::median(&ratios), lo, hi))
+}
+
+/// The Must for one case (flowgate's throughput at least each of [`MUST_PEERS`]'),
+/// read from the median of the rounds' paired ratios ([`paired`]), printed as a PASS/FAIL
+/// line with the ratio of the medians beside it; and in SPSC the aim against kanal.
 fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
     let median = |id: &str| measured.iter().find(|m| m.id == id).map(Measured::median);
     let ours = median(OURS)?;
@@ -161,14 +179,17 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
     let mut pass = true;
     let mut parts = Vec::new();
     for peer in MUST_PEERS {
-        if let Some(r) = ratio(peer) {
+        if let Some((r, lo, hi)) = paired(measured, peer) {
             pass &= r >= 1.0;
             let tie = if (r - 1.0).abs() < 0.05 {
-                " (tie within 5%)"
+                ", tie within 5%"
             } else {
                 ""
             };
-            parts.push(format!("{peer} x{r:.3}{tie}"));
+            let of_medians = ratio(peer).unwrap_or(f64::NAN);
+            parts.push(format!(
+                "{peer} x{r:.3} (rounds {lo:.2}..{hi:.2}, of medians x{of_medians:.3}{tie})"
+            ));
         }
     }
     println!(
@@ -179,7 +200,7 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
     );
     if case.s.producers == 1
         && case.s.consumers == 1
-        && let Some(r) = ratio(Kanal::ID)
+        && let Some((r, _, _)) = paired(measured, Kanal::ID)
     {
         println!(
             "     aim {}: flowgate within {KANAL_AIM}x of kanal: x{r:.3} ({})",
@@ -197,7 +218,12 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
 /// The steady-state groups, hand-timed (see the file's docs); `filter` as criterion's.
 pub(crate) fn run(filter: Option<&str>, bench_mode: bool) {
     let (items, rounds) = if bench_mode {
-        (STEADY_ITEMS, STEADY_ROUNDS)
+        let rounds = std::env::var("CHANNEL_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(STEADY_ROUNDS);
+        (STEADY_ITEMS, rounds)
     } else {
         (ITEMS, 1)
     };

@@ -3,13 +3,14 @@
 //! `-Remaining` / `-Reset` and legacy `X-RateLimit-*`, all written with the `sfv` Structured
 //! Fields serializers.
 
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
+use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use sfv::{Integer, ItemSerializer, ListSerializer, StringRef, key_ref};
 
@@ -216,59 +217,46 @@ pub(crate) struct Member<'a> {
     pub(crate) t: Option<u64>,
 }
 
-/// The longest field value written on the stack: a few policies' worth (one is ~30 bytes);
-/// zeroing a larger buffer for each response costs more than it saves.
-const STACK_VALUE: usize = 128;
+/// The size of the chunks field values are written into (see [`ValueBuf`]).
+const VALUE_CHUNK: usize = 1024;
 
-/// A field value being written: on the stack up to 128 bytes (a value is then one
-/// allocation of its exact length), past that on the heap.
-struct ValueBuf {
-    stack: [u8; STACK_VALUE],
-    len: usize,
-    heap: Vec<u8>,
+thread_local! {
+    /// The thread's chunk of field values: each value is split off it, so a value costs a
+    /// reference count on its chunk instead of an allocation of its own (a chunk serves
+    /// about thirty values; a new one is allocated when the rest is too short). A chunk is
+    /// freed when the last response whose value lies in it is dropped, so at most one
+    /// chunk per thread is kept beyond those the responses in flight hold.
+    static VALUES: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
 
-impl ValueBuf {
-    fn new() -> ValueBuf {
-        ValueBuf {
-            stack: [0; STACK_VALUE],
-            len: 0,
-            heap: Vec::new(),
-        }
-    }
+/// A field value being written into the thread's chunk.
+struct ValueBuf<'a>(&'a mut BytesMut);
 
+impl ValueBuf<'_> {
     #[inline]
     fn put(&mut self, bytes: &[u8]) {
-        if self.heap.is_empty() {
-            if let Some(to) = self.stack.get_mut(self.len..self.len + bytes.len()) {
-                to.copy_from_slice(bytes);
-                self.len += bytes.len();
-                return;
-            }
-            self.heap.extend_from_slice(&self.stack[..self.len]);
-        }
-        self.heap.extend_from_slice(bytes);
-    }
-
-    /// The value written; `None` when nothing was.
-    fn value(self) -> Option<HeaderValue> {
-        let bytes = if self.heap.is_empty() {
-            Bytes::copy_from_slice(&self.stack[..self.len])
-        } else {
-            Bytes::from(self.heap)
-        };
-        // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
-        // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
-        (!bytes.is_empty())
-            .then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
+        self.0.extend_from_slice(bytes);
     }
 }
 
 /// A list field value written by `write`; `None` when `write` writes nothing (no members).
-fn list_value(write: impl FnOnce(&mut ValueBuf)) -> Option<HeaderValue> {
-    let mut buf = ValueBuf::new();
-    write(&mut buf);
-    buf.value()
+fn list_value(write: impl FnOnce(&mut ValueBuf<'_>)) -> Option<HeaderValue> {
+    let value = |chunk: &mut BytesMut| {
+        if chunk.capacity() - chunk.len() < VALUE_CHUNK / 8 {
+            chunk.reserve(VALUE_CHUNK);
+        }
+        write(&mut ValueBuf(chunk));
+        let bytes = chunk.split().freeze();
+        // Valid by construction (sfv's serializations joined by `, `, `;r=` and digits);
+        // `from_maybe_shared` checks it again (a scan of a few dozen bytes).
+        (!bytes.is_empty())
+            .then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
+    };
+    VALUES.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut chunk) => value(&mut chunk),
+        // Not reached (nothing re-enters while a value is written); a value of its own.
+        Err(_) => value(&mut BytesMut::new()),
+    })
 }
 
 /// The most distinct `RateLimit-Policy` values kept for the life of the process (see
@@ -589,7 +577,27 @@ mod tests {
         }
     }
 
-    /// Values longer than the stack buffer (32 policies with long names) are written whole.
+    /// Values longer than a chunk (32 policies with long names) are written whole.
+    /// Values split off the thread's chunk stay what they were written as while later ones
+    /// fill the chunk and the next ones (kept all at once: no value overwrites another).
+    #[test]
+    fn values_from_one_chunk_do_not_overwrite_each_other() {
+        let one = [parts("p", 100, 60)];
+        let values: Vec<(u64, HeaderValue)> = (0..500u64)
+            .map(|r| {
+                let m = Member {
+                    parts: &one[0],
+                    r,
+                    t: Some(r % 7),
+                };
+                (r, ratelimit_field(std::iter::once(m)).unwrap())
+            })
+            .collect();
+        for (r, v) in &values {
+            assert_eq!(v.to_str().unwrap(), format!("\"p\";r={r};t={}", r % 7));
+        }
+    }
+
     #[test]
     fn long_values_are_written_whole() {
         let all: Vec<PolicyParts> = (0..32)
@@ -611,7 +619,7 @@ mod tests {
             .collect();
         let rl = ratelimit_field(members.iter().copied()).unwrap();
         let policy = policy_field(members.iter().copied()).unwrap();
-        assert!(rl.len() > STACK_VALUE && policy.len() > STACK_VALUE);
+        assert!(rl.len() > VALUE_CHUNK && policy.len() > VALUE_CHUNK / 2);
         for value in [rl, policy] {
             let list: sfv::List = sfv::Parser::new(value.to_str().unwrap()).parse().unwrap();
             assert_eq!(list.len(), 32);

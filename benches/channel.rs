@@ -42,7 +42,7 @@
 //!   tokio mpsc's, async-channel's and flume's; tokio only with one consumer), the aim in
 //!   SPSC (within 1.5x of kanal, which is not cancel-safe) and the `support::summary` line.
 //!   The verdicts read the median of the rounds' *paired* ratios (flowgate / peer within
-//!   each round, where the two ran back to back), with their spread and the ratio of the
+//!   each round, where the two ran a few seconds apart at most), with their spread and the ratio of the
 //!   two medians beside it; `CHANNEL_ROUNDS` sets the rounds (default 5). Ties within 5%
 //!   are flagged, a shared machine is noisier than that.
 //!

@@ -18,7 +18,8 @@
 //!   a closed loop, so requests/s is what server and client sustain together. All
 //!   connections are tasks of a second tokio runtime with **one worker thread**. On the
 //!   2-core machine this was written on, both threads are busy 85-98 % of the time
-//!   (`srv busy`, `cli busy`), so a response that costs the client more (more header
+//!   (`srv busy`, `cli busy`; with several server workers `srv busy` adds their CPU up, so
+//!   it can pass 100 %), so a response that costs the client more (more header
 //!   fields to parse) also lowers requests/s. Latency is per request, `Instant` before the
 //!   send and after the body's end, in µs; p99 by nearest rank over the measurement.
 //! - **Server CPU per request** (`srv µs/req`): the time the server's worker thread was on

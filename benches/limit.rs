@@ -20,8 +20,8 @@
 //!
 //! On a shared 2-core VM the machine's speed drifts by 10-30 % between the few seconds
 //! criterion spends on one function and the next, which is as large as the differences
-//! measured. So, run as a bench and unless a filter excludes `real_clock`, `main` then
-//! measures the real-clock pairs in [`AB_ROUNDS`] interleaved rounds: each round times
+//! measured. So, run as a bench, `main` then
+//! measures the real-clock pairs (those the filter matches) in [`AB_ROUNDS`] interleaved rounds: each round times
 //! [`AB_OPS`] decisions of flowgate and of governor back to back (which goes first
 //! alternates), and the ratio of the two is taken within the round; the median of the
 //! rounds' ratios is printed with its spread (the lowest and highest round), and the
@@ -257,12 +257,12 @@ fn main() {
         );
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let filter = args.iter().find(|a| !a.starts_with('-'));
-    if !args.iter().any(|a| a == "--bench")
-        || filter.is_some_and(|f| !"real_clock".contains(f.as_str()) && !f.contains("real_clock"))
-    {
+    if !args.iter().any(|a| a == "--bench") {
         return;
     }
+    let filter = bench_filter(&args);
+    // A pair runs when no filter is given or the filter matches one of its criterion ids.
+    let wanted = |ids: &[&str]| filter.is_none_or(|f| ids.iter().any(|id| id.contains(f)));
     let env = |name: &str, default: u64| {
         std::env::var(name)
             .ok()
@@ -277,7 +277,10 @@ fn main() {
         support::load_average()
     );
     let mut musts = Vec::new();
-    {
+    if wanted(&[
+        "limit_direct_real_clock/flowgate_token_bucket",
+        "limit_direct_real_clock/governor_direct",
+    ]) {
         let clock = Clock::counter();
         let mut bucket = Limiter::new(TokenBucket::new(our_quota()));
         let lim = governor::RateLimiter::direct(gov_quota());
@@ -294,6 +297,13 @@ fn main() {
     }
     let keys = string_keys(&key_order());
     for threads in [1u64, 8] {
+        let group = format!("limit_keyed_10k_real_clock_{threads}t");
+        if !wanted(&[
+            &format!("{group}/flowgate_memory_gate"),
+            &format!("{group}/governor_keyed"),
+        ]) {
+            continue;
+        }
         let gate = MemoryGate::new(Limit::TokenBucket(our_quota()));
         let lim = governor::RateLimiter::keyed(gov_quota());
         musts.push(interleaved(
@@ -308,6 +318,39 @@ fn main() {
         ));
     }
     support::summary("issue 20 gate Musts", musts);
+}
+
+/// The filter criterion was given: the first argument that is not a flag nor a flag's
+/// value.
+fn bench_filter(args: &[String]) -> Option<&str> {
+    const TAKES_VALUE: [&str; 15] = [
+        "--save-baseline",
+        "--baseline",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--sample-size",
+        "--warm-up-time",
+        "--measurement-time",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--profile-time",
+        "--plotting-backend",
+        "--output-format",
+        "--color",
+    ];
+    let mut after_flag = false;
+    for a in args {
+        if after_flag {
+            after_flag = false;
+        } else if a.starts_with('-') {
+            after_flag = TAKES_VALUE.contains(&a.as_str());
+        } else {
+            return Some(a);
+        }
+    }
+    None
 }
 
 /// The time `ops` calls of `f` take.

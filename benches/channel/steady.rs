@@ -152,7 +152,7 @@ fn print_steady(case: Case, items: u64, measured: &[Measured]) {
     }
 }
 
-/// flowgate / `peer` throughput in each round (the two ran back to back in it), and their
+/// flowgate / `peer` throughput in each round (both ran in it, a few turns apart at most), and their
 /// median: a drift of the machine's speed between rounds cancels out of it.
 fn paired(measured: &[Measured], peer: &str) -> Option<(f64, f64, f64)> {
     let ours = measured.iter().find(|m| m.id == OURS)?;

@@ -223,9 +223,11 @@ const VALUE_CHUNK: usize = 1024;
 thread_local! {
     /// The thread's chunk of field values: each value is split off it, so a value costs a
     /// reference count on its chunk instead of an allocation of its own (a chunk serves
-    /// about thirty values; a new one is allocated when the rest is too short). A chunk is
-    /// freed when the last response whose value lies in it is dropped, so at most one
-    /// chunk per thread is kept beyond those the responses in flight hold.
+    /// about thirty values; a new one is allocated when less than an eighth is left; a
+    /// value longer than the rest grows it as `BytesMut` grows, so the chunk a thread keeps
+    /// is at most about twice its longest value, which the layer's policy names bound).
+    /// A chunk is freed when the last value in it is dropped: a value kept past its
+    /// response (a cache of header values) keeps its whole chunk.
     static VALUES: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
 
@@ -242,7 +244,9 @@ impl ValueBuf<'_> {
 /// A list field value written by `write`; `None` when `write` writes nothing (no members).
 fn list_value(write: impl FnOnce(&mut ValueBuf<'_>)) -> Option<HeaderValue> {
     let value = |chunk: &mut BytesMut| {
-        if chunk.capacity() - chunk.len() < VALUE_CHUNK / 8 {
+        // Empty after every split; cleared so a value cut short (a panic) cannot lead the next.
+        chunk.clear();
+        if chunk.capacity() < VALUE_CHUNK / 8 {
             chunk.reserve(VALUE_CHUNK);
         }
         write(&mut ValueBuf(chunk));
@@ -286,7 +290,9 @@ pub(crate) fn static_value(value: &HeaderValue) -> HeaderValue {
             values.insert(kept);
             kept
         }
-        None => return value.clone(),
+        // Past the bound: a copy of its exact length (not a slice that would keep the
+        // chunk it was written in for the layer's life).
+        None => return HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone()),
     };
     HeaderValue::from_static(kept)
 }
@@ -577,7 +583,6 @@ mod tests {
         }
     }
 
-    /// Values longer than a chunk (32 policies with long names) are written whole.
     /// Values split off the thread's chunk stay what they were written as while later ones
     /// fill the chunk and the next ones (kept all at once: no value overwrites another).
     #[test]
@@ -598,6 +603,7 @@ mod tests {
         }
     }
 
+    /// Values longer than a chunk (32 policies with long names) are written whole.
     #[test]
     fn long_values_are_written_whole() {
         let all: Vec<PolicyParts> = (0..32)
@@ -619,7 +625,7 @@ mod tests {
             .collect();
         let rl = ratelimit_field(members.iter().copied()).unwrap();
         let policy = policy_field(members.iter().copied()).unwrap();
-        assert!(rl.len() > VALUE_CHUNK && policy.len() > VALUE_CHUNK / 2);
+        assert!(rl.len() > VALUE_CHUNK && policy.len() > VALUE_CHUNK);
         for value in [rl, policy] {
             let list: sfv::List = sfv::Parser::new(value.to_str().unwrap()).parse().unwrap();
             assert_eq!(list.len(), 32);

@@ -511,8 +511,8 @@ impl Entry {
 /// is in `buf`; room for the gate's decisions; and the string a key extractor writes into.
 /// A request decided locally borrows the thread's [`Keys`] ([`Keys::with`]): once a thread
 /// has decided a request, the next costs no allocation here. A request the gate decides
-/// through its future takes a copy of them along.
-#[derive(Debug, Default, Clone)]
+/// through its future takes a copy of its keys and spans along.
+#[derive(Debug, Default)]
 pub(crate) struct Keys {
     buf: String,
     spans: Vec<(usize, usize, usize)>,
@@ -543,10 +543,12 @@ impl Keys {
             Ok(mut keys) => {
                 keys.buf.clear();
                 keys.spans.clear();
+                keys.decisions.clear();
                 let r = f(&mut keys);
                 if keys.buf.capacity() > 4096
                     || keys.scratch.capacity() > 4096
                     || keys.spans.capacity() > MAX_POLICIES
+                    || keys.decisions.capacity() > MAX_POLICIES
                 {
                     *keys = Keys::default();
                 }
@@ -645,7 +647,7 @@ impl<G> Shared<G> {
         }
     }
 
-    /// Take the request's keys (into `keys`, cleared) and cost; answer at once when no
+    /// Take the request's keys (into `keys`, which [`Keys::with`] cleared) and cost; answer at once when no
     /// policy applies or a key is missing under [`MissingKey::Refuse`].
     pub(crate) fn prepare(&self, req: &RequestInfo<'_>, keys: &mut Keys) -> Prepared {
         for (i, entry) in self.policies.iter().enumerate() {
@@ -913,7 +915,16 @@ impl<G: Gate + 'static> Shared<G> {
             keys.decisions = decisions;
             match verdict {
                 Some(verdict) => Decided::Now(verdict),
-                None => Decided::Later(self.check(keys.clone(), cost)),
+                // The future owns what it decides and concludes from: the keys and their
+                // spans (an allocation each; a remote decision costs a round trip anyway).
+                None => Decided::Later(self.check(
+                    Keys {
+                        buf: keys.buf.clone(),
+                        spans: keys.spans.clone(),
+                        ..Keys::default()
+                    },
+                    cost,
+                )),
             }
         })
     }

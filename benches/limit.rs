@@ -256,13 +256,16 @@ fn main() {
             &["governor_keyed"],
         );
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if !args.iter().any(|a| a == "--bench") {
+    let (filter, bench_mode) = support::filter_and_mode();
+    if !bench_mode {
         return;
     }
-    let filter = bench_filter(&args);
     // A pair runs when no filter is given or the filter matches one of its criterion ids.
-    let wanted = |ids: &[&str]| filter.is_none_or(|f| ids.iter().any(|id| id.contains(f)));
+    let wanted = |ids: &[&str]| {
+        filter
+            .as_deref()
+            .is_none_or(|f| ids.iter().any(|id| id.contains(f)))
+    };
     let env = |name: &str, default: u64| {
         std::env::var(name)
             .ok()
@@ -318,39 +321,6 @@ fn main() {
         ));
     }
     support::summary("issue 20 gate Musts", musts);
-}
-
-/// The filter criterion was given: the first argument that is not a flag nor a flag's
-/// value.
-fn bench_filter(args: &[String]) -> Option<&str> {
-    const TAKES_VALUE: [&str; 15] = [
-        "--save-baseline",
-        "--baseline",
-        "--baseline-lenient",
-        "--load-baseline",
-        "--sample-size",
-        "--warm-up-time",
-        "--measurement-time",
-        "--nresamples",
-        "--noise-threshold",
-        "--confidence-level",
-        "--significance-level",
-        "--profile-time",
-        "--plotting-backend",
-        "--output-format",
-        "--color",
-    ];
-    let mut after_flag = false;
-    for a in args {
-        if after_flag {
-            after_flag = false;
-        } else if a.starts_with('-') {
-            after_flag = TAKES_VALUE.contains(&a.as_str());
-        } else {
-            return Some(a);
-        }
-    }
-    None
 }
 
 /// The time `ops` calls of `f` take.

@@ -128,3 +128,43 @@ pub fn median_ns_since(group: &str, bench: &str, since: std::time::SystemTime) -
     }
     median_ns(group, bench)
 }
+
+/// The bench filter criterion was given (its first positional argument), so the
+/// hand-timed groups honour it too; `--bench` (a real run, not `cargo test --benches`).
+pub fn filter_and_mode() -> (Option<String>, bool) {
+    // Criterion's options that take a value as the next argument.
+    const WITH_VALUE: [&str; 16] = [
+        "--save-baseline",
+        "-s",
+        "--baseline",
+        "-b",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--sample-size",
+        "--warm-up-time",
+        "--measurement-time",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--profile-time",
+        "--color",
+        "--output-format",
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let bench_mode = args.iter().any(|a| a == "--bench");
+    let mut filter = None;
+    let mut skip_next = false;
+    for a in &args {
+        if std::mem::take(&mut skip_next) {
+            continue;
+        }
+        if a.starts_with('-') {
+            skip_next = WITH_VALUE.contains(&a.as_str());
+        } else {
+            filter = Some(a.clone());
+            break;
+        }
+    }
+    (filter, bench_mode)
+}

@@ -4,6 +4,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -559,16 +560,6 @@ impl Keys {
     }
 }
 
-/// What the layer does with a request before (or without) asking the gate.
-pub(crate) enum Prepared {
-    /// Pass to the inner service with these fields (if any).
-    Pass(Option<Fields>),
-    /// Answer with this response.
-    Answer(Response<Bytes>),
-    /// Ask the gate with this cost (the keys are in the [`Keys`] prepared).
-    Check(u32),
-}
-
 /// What the layer does with a request: decided, or to be decided by the gate's future.
 pub(crate) enum Decided {
     /// Decided without I/O.
@@ -647,9 +638,10 @@ impl<G> Shared<G> {
         }
     }
 
-    /// Take the request's keys (into `keys`, which [`Keys::with`] cleared) and cost; answer at once when no
-    /// policy applies or a key is missing under [`MissingKey::Refuse`].
-    pub(crate) fn prepare(&self, req: &RequestInfo<'_>, keys: &mut Keys) -> Prepared {
+    /// Take the request's keys (into `keys`, which [`Keys::with`] cleared): `Continue` with
+    /// the cost to ask the gate for, or `Break` with what to do at once when no policy
+    /// applies, the request is free, or a key is missing under [`MissingKey::Refuse`].
+    fn prepare(&self, req: &RequestInfo<'_>, keys: &mut Keys) -> ControlFlow<Verdict, u32> {
         for (i, entry) in self.policies.iter().enumerate() {
             let start = keys.buf.len();
             keys.buf.push_str(&entry.head);
@@ -672,9 +664,11 @@ impl<G> Shared<G> {
                     }
                     _ => {
                         self.count(Outcome::MissingKey);
-                        return Prepared::Answer(problem::bad_request(&format!(
-                            "the request has no key for the policy \"{}\"",
-                            entry.policy.name
+                        return ControlFlow::Break(Verdict::Answer(problem::bad_request(
+                            &format!(
+                                "the request has no key for the policy \"{}\"",
+                                entry.policy.name
+                            ),
                         )));
                     }
                 }
@@ -683,15 +677,15 @@ impl<G> Shared<G> {
         }
         if keys.spans.is_empty() {
             self.count(Outcome::Admitted);
-            return Prepared::Pass(None);
+            return ControlFlow::Break(Verdict::Pass(None));
         }
         let cost = self.cost.as_ref().map_or(1, |f| f(req));
         if cost == 0 {
             // A free request: nothing to charge, nothing to decide.
             self.count(Outcome::Admitted);
-            return Prepared::Pass(None);
+            return ControlFlow::Break(Verdict::Pass(None));
         }
-        Prepared::Check(cost)
+        ControlFlow::Continue(cost)
     }
 
     /// The `(key, quota)` list of `keys` for the gate.
@@ -713,6 +707,10 @@ impl<G> Shared<G> {
                 *slot = (&keys.buf[start..end], policies[i].policy.quota);
             }
             keys.spans.len().min(N)
+        }
+        if let [(i, start, end)] = keys.spans[..] {
+            // One policy (the common case): nothing to fill.
+            return f(&[(&keys.buf[start..end], self.policies[i].policy.quota)]);
         }
         let empty = ("", self.policies[0].policy.quota);
         if keys.spans.len() <= 4 {
@@ -761,7 +759,9 @@ impl<G> Shared<G> {
                 ));
             }
         };
-        // The common case, one policy that admits: nothing blocked or violated to work out.
+        // The common case, one policy that admits: nothing blocked or violated to work out,
+        // and the fields take one member, not the filtered zip below (measured with
+        // callgrind: ~60 instructions a request fewer without fields, ~195 with them).
         if let ([(i, _, _)], [d]) = (&keys.spans[..], decisions)
             && d.allowed
             && d.capacity != u64::MAX
@@ -897,20 +897,13 @@ impl<G: Gate + 'static> Shared<G> {
     pub(crate) fn decide(self: &Arc<Self>, req: &RequestInfo<'_>) -> Decided {
         Keys::with(|keys| {
             let cost = match self.prepare(req, keys) {
-                Prepared::Pass(fields) => return Decided::Now(Verdict::Pass(fields)),
-                Prepared::Answer(res) => return Decided::Now(Verdict::Answer(res)),
-                Prepared::Check(cost) => cost,
+                ControlFlow::Continue(cost) => cost,
+                ControlFlow::Break(verdict) => return Decided::Now(verdict),
             };
             let mut decisions = std::mem::take(&mut keys.decisions);
-            let decided = match keys.spans[..] {
-                [(i, start, end)] => {
-                    let limit = [(&keys.buf[start..end], self.policies[i].policy.quota)];
-                    self.gate.check_all_local(&limit, cost, &mut decisions)
-                }
-                _ => self.with_limits(keys, |limits| {
-                    self.gate.check_all_local(limits, cost, &mut decisions)
-                }),
-            };
+            let decided = self.with_limits(keys, |limits| {
+                self.gate.check_all_local(limits, cost, &mut decisions)
+            });
             let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
             keys.decisions = decisions;
             match verdict {

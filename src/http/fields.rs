@@ -16,6 +16,7 @@ use sfv::{Integer, ItemSerializer, ListSerializer, StringRef, key_ref};
 
 use crate::decision::{Decision, SF_INTEGER_MAX};
 use crate::gate::Limit;
+use crate::sync::with_reused;
 
 /// `RateLimit-Policy` (IETF).
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -256,11 +257,8 @@ fn list_value(write: impl FnOnce(&mut ValueBuf<'_>)) -> Option<HeaderValue> {
         (!bytes.is_empty())
             .then(|| HeaderValue::from_maybe_shared(bytes).expect("sf is visible ASCII"))
     };
-    VALUES.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut chunk) => value(&mut chunk),
-        // Not reached (nothing re-enters while a value is written); a value of its own.
-        Err(_) => value(&mut BytesMut::new()),
-    })
+    // Nothing re-enters while a value is written, so the thread's chunk is always free.
+    with_reused(&VALUES, value)
 }
 
 /// The most distinct `RateLimit-Policy` values kept for the life of the process (see

@@ -5,15 +5,19 @@
 //!
 //! Beside them, the waiting machinery every primitive shares: [`WaiterList`] (one FIFO list
 //! of waiting tasks with O(1) cancellation) and [`Deferred`] (the wakers collected under a
-//! lock, woken after it is released).
+//! lock, woken after it is released); and [`with_reused`], a thread's reused buffer.
 
 mod deferred;
 #[cfg(flowgate_loom)]
 #[doc(hidden)]
 pub mod loom_models;
+#[cfg(feature = "http")]
+mod reused;
 mod waiters;
 
 pub(crate) use deferred::Deferred;
+#[cfg(feature = "http")]
+pub(crate) use reused::with_reused;
 pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
 
 #[cfg(flowgate_loom)]

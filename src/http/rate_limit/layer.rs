@@ -25,7 +25,7 @@ use crate::http::rate_limit::service::RateLimit;
 use crate::http::topn::{RejectedKey, TopRejected};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
-use crate::sync::Arc;
+use crate::sync::{Arc, with_reused};
 
 /// The most policies one layer takes (one all-or-nothing call decides at most 32 limits).
 const MAX_POLICIES: usize = 32;
@@ -540,22 +540,19 @@ impl Keys {
     /// or a gate deciding another request on this thread: no panic, an allocation). Buffers
     /// that grew large are let go afterwards, so a thread keeps at most a few KiB.
     fn with<R>(f: impl FnOnce(&mut Keys) -> R) -> R {
-        THREAD_KEYS.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut keys) => {
-                keys.buf.clear();
-                keys.spans.clear();
-                keys.decisions.clear();
-                let r = f(&mut keys);
-                if keys.buf.capacity() > 4096
-                    || keys.scratch.capacity() > 4096
-                    || keys.spans.capacity() > MAX_POLICIES
-                    || keys.decisions.capacity() > MAX_POLICIES
-                {
-                    *keys = Keys::default();
-                }
-                r
+        with_reused(&THREAD_KEYS, |keys| {
+            keys.buf.clear();
+            keys.spans.clear();
+            keys.decisions.clear();
+            let r = f(keys);
+            if keys.buf.capacity() > 4096
+                || keys.scratch.capacity() > 4096
+                || keys.spans.capacity() > MAX_POLICIES
+                || keys.decisions.capacity() > MAX_POLICIES
+            {
+                *keys = Keys::default();
             }
-            Err(_) => f(&mut Keys::default()),
+            r
         })
     }
 }

@@ -357,10 +357,7 @@ fn interleaved(
         b.push(y.as_secs_f64());
         ratios.push(x.as_secs_f64() / y.as_secs_f64());
     }
-    let ratio = support::median(&ratios);
-    let (lo, hi) = ratios
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+    let (ratio, lo, hi) = support::median_spread(&ratios);
     let pass = ratio <= 1.0;
     println!(
         "{} {what}: median ratio {ratio:.3} (rounds {lo:.3} .. {hi:.3}); median round flowgate {:.1} ms, governor {:.1} ms (Must <= 1.0)",

@@ -163,10 +163,7 @@ fn paired(measured: &[Measured], peer: &str) -> Option<(f64, f64, f64)> {
         .zip(&peer.rounds)
         .map(|(o, p)| p.as_secs_f64() / o.as_secs_f64())
         .collect();
-    let (lo, hi) = ratios
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
-    Some((support::median(&ratios), lo, hi))
+    Some(support::median_spread(&ratios))
 }
 
 /// The Must for one case (flowgate's throughput at least each of [`MUST_PEERS`]'),

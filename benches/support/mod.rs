@@ -38,6 +38,14 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// The median of `values` with their lowest and highest (the spread of a set of rounds).
+pub fn median_spread(values: &[f64]) -> (f64, f64, f64) {
+    let (lo, hi) = values
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    (median(values), lo, hi)
+}
+
 /// The machine's load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

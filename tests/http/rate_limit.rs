@@ -62,6 +62,13 @@ fn per_client(quota: Quota) -> Policy {
     Policy::new("per-client", quota, by_client)
 }
 
+/// A bare inner service answering `200 ok` in a `Full` body.
+async fn ok_full(_req: Request<()>) -> Result<Response<http_body_util::Full<Bytes>>, Infallible> {
+    Ok(Response::new(http_body_util::Full::new(
+        Bytes::from_static(b"ok"),
+    )))
+}
+
 fn app(layer: RateLimitLayer<MemoryGate>) -> Router {
     Router::new()
         .route("/", route_get(|| async { "ok" }))
@@ -247,9 +254,7 @@ async fn inner_body_answers_400_in_the_inner_body_type() {
         .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/big" { 3 } else { 1 })
         .build()
         .unwrap();
-    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
-        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-    }));
+    let mut svc = layer.layer(tower::service_fn(ok_full));
     let mut call = async |path: &str, client: Option<&str>| -> Response<Full<Bytes>> {
         let mut req = Request::builder().uri(path);
         if let Some(c) = client {
@@ -1032,7 +1037,6 @@ mod on_redis {
 #[tokio::test]
 async fn an_extractor_deciding_another_request_on_the_same_thread_is_decided_too() {
     use futures::FutureExt;
-    use http_body_util::Full;
     let inner_layer = RateLimitLayer::builder(gate())
         .inner_body()
         .policy(per_client(quota(1, Duration::from_secs(30))))
@@ -1040,9 +1044,7 @@ async fn an_extractor_deciding_another_request_on_the_same_thread_is_decided_too
         .unwrap();
     let nested = inner_layer.clone();
     let by_nested_decision = move |req: &RequestInfo<'_>, key: &mut String| {
-        let mut svc = nested.layer(tower::service_fn(|_req: Request<()>| async {
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-        }));
+        let mut svc = nested.layer(tower::service_fn(ok_full));
         let client = req.headers["x-client"].clone();
         let inner_req = Request::builder()
             .header("x-client", client)
@@ -1069,9 +1071,7 @@ async fn an_extractor_deciding_another_request_on_the_same_thread_is_decided_too
         ))
         .build()
         .unwrap();
-    let mut svc = outer.layer(tower::service_fn(|_req: Request<()>| async {
-        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-    }));
+    let mut svc = outer.layer(tower::service_fn(ok_full));
     let mut statuses = Vec::new();
     for _ in 0..3 {
         let req = Request::builder().header("x-client", "c").body(()).unwrap();

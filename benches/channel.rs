@@ -44,7 +44,10 @@
 //!   The verdicts read the median of the rounds' *paired* ratios (flowgate / peer within
 //!   each round, where the two ran a few seconds apart at most), with their spread and the ratio of the
 //!   two medians beside it; `CHANNEL_ROUNDS` sets the rounds (default 5). Ties within 5%
-//!   are flagged, a shared machine is noisier than that.
+//!   are flagged, a shared machine is noisier than that. `CHANNEL_ONLY` (channel ids,
+//!   comma-separated) runs flowgate against those peers only, for more rounds of one pair
+//!   in the same time (kanal's rounds in `block_on` take seconds each); a Must whose peer
+//!   was left out is not checked against it.
 //!
 //! After the criterion run, `main` reads criterion's medians back and prints, per group, the
 //! throughput of every channel, the `flowgate / peer` time ratios (below 1.0: flowgate
@@ -57,6 +60,7 @@
 //! cargo bench --bench channel -- channel_spsc      # one scenario (other tables: stale/n/a)
 //! cargo bench --bench channel -- steady_           # only the steady-state groups
 //! CHANNEL_ROUNDS=11 cargo bench --bench channel -- steady_   # more rounds
+//! CHANNEL_ONLY=flume,tokio_mpsc cargo bench --bench channel -- steady_spsc_cap16  # fewer peers
 //! cargo bench --bench channel -- steady_spsc       # steady-state SPSC, both placements
 //! ```
 //!

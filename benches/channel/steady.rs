@@ -28,11 +28,19 @@ impl Case {
         format!("steady_{}_cap{}_{}", self.s.name, self.cap, self.at.label())
     }
 
-    /// The channels this case runs: tokio mpsc only with a single consumer.
+    /// The channels this case runs: tokio mpsc only with a single consumer; with
+    /// `CHANNEL_ONLY` (ids separated by commas), only those (flowgate always).
     fn impls(self) -> Vec<(&'static str, Round)> {
+        let only = std::env::var("CHANNEL_ONLY").ok();
         STEADY_IMPLS
             .into_iter()
             .filter(|(id, _)| self.s.consumers == 1 || *id != TokioMpsc::ID)
+            .filter(|(id, _)| {
+                *id == OURS
+                    || only
+                        .as_deref()
+                        .is_none_or(|o| o.split(',').any(|x| x == *id))
+            })
             .collect()
     }
 }

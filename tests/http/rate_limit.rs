@@ -407,6 +407,52 @@ async fn every_header_style_parses_as_structured_fields() {
     assert!(a.headers.get("ratelimit").is_none());
 }
 
+/// `HeaderStyles::NONE`: no rate-limit field on any response, one policy or several; a 429
+/// still says when to retry and names the violated policy, and the counts are the same.
+#[tokio::test]
+async fn no_header_style_writes_no_field_but_a_429_still_says_when_to_retry() {
+    let one = RateLimitLayer::builder(gate())
+        .policy(per_client(quota(2, Duration::from_secs(30))))
+        .header_styles(HeaderStyles::NONE)
+        .build()
+        .unwrap();
+    let two = RateLimitLayer::builder(gate())
+        .policy(per_client(quota(2, Duration::from_secs(30))))
+        .policy(Policy::new(
+            "per-user",
+            quota(5, Duration::from_secs(30)),
+            by_user,
+        ))
+        .header_styles(HeaderStyles::NONE)
+        .build()
+        .unwrap();
+    let client = client();
+    for layer in [one, two] {
+        let server = Server::start(app(layer.clone())).await;
+        let url = server.url("/");
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let a = get(&client, &url, &[("x-client", "a"), ("x-user", "u")]).await;
+            // No field of any style: they all have `ratelimit` in their names.
+            for name in a.headers.keys() {
+                assert!(
+                    !name.as_str().contains("ratelimit"),
+                    "{name} on a {}",
+                    a.status
+                );
+            }
+            if a.status == StatusCode::TOO_MANY_REQUESTS {
+                assert_eq!(retry_after(&a.headers), 15, "one token per 15 s");
+                assert_eq!(violated(&a.body), ["per-client"]);
+            }
+            statuses.push(a.status.as_u16());
+        }
+        assert_eq!(statuses, [200, 200, 429]);
+        let stats = layer.stats();
+        assert_eq!((stats.admitted, stats.rejected), (2, 1));
+    }
+}
+
 #[tokio::test]
 async fn the_violated_policy_is_named_and_only_it_carries_t() {
     let layer = RateLimitLayer::builder(gate())

@@ -763,6 +763,11 @@ impl<G> Shared<G> {
             && d.allowed
             && d.capacity != u64::MAX
         {
+            self.count(Outcome::Admitted);
+            if self.styles.is_empty() {
+                // No fields to write: none to carry to the response either.
+                return Verdict::Pass(None);
+            }
             let member = self.policies[*i].member(d.remaining, Some(fields::reset_secs(d)));
             let all = self.policies.len() == 1;
             let fields = Fields::new(
@@ -770,7 +775,6 @@ impl<G> Shared<G> {
                 std::iter::once(member),
                 self.all_policy.as_ref().filter(|_| all),
             );
-            self.count(Outcome::Admitted);
             return Verdict::Pass(Some(fields));
         }
         let allowed = decisions.iter().all(|d| d.allowed);

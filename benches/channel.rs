@@ -47,7 +47,9 @@
 //!   are flagged, a shared machine is noisier than that. `CHANNEL_ONLY` (channel ids,
 //!   comma-separated) runs flowgate against those peers only, for more rounds of one pair
 //!   in the same time (kanal's rounds in `block_on` take seconds each); a Must whose peer
-//!   was left out is not checked against it.
+//!   was left out is not checked against it. flowgate also runs a second time in every
+//!   round as if it were a peer (`flowgate_aa`, the A/A control): its paired ratio to
+//!   flowgate, printed under each verdict, is the noise of that case in that run.
 //!
 //! After the criterion run, `main` reads criterion's medians back and prints, per group, the
 //! throughput of every channel, the `flowgate / peer` time ratios (below 1.0: flowgate

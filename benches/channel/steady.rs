@@ -68,8 +68,13 @@ fn round<C: Chan>(rt: &Runtime, case: Case, items: u64) -> Duration {
     start.elapsed()
 }
 
-const STEADY_IMPLS: [(&str, Round); 5] = [
+/// flowgate run a second time as if it were a peer: the A/A control. Its paired ratio to
+/// flowgate is this bench's own noise in the case (1.0 on a quiet machine).
+const AA: &str = "flowgate_aa";
+
+const STEADY_IMPLS: [(&str, Round); 6] = [
     (Flowgate::ID, round::<Flowgate>),
+    (AA, round::<Flowgate>),
     (TokioMpsc::ID, round::<TokioMpsc>),
     (Flume::ID, round::<Flume>),
     (AsyncChannel::ID, round::<AsyncChannel>),
@@ -183,6 +188,7 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
     let ratio = |id: &str| median(id).map(|p| p.as_secs_f64() / ours.as_secs_f64());
     let mut pass = true;
     let mut parts = Vec::new();
+
     for peer in MUST_PEERS {
         if let Some((r, lo, hi)) = paired(measured, peer) {
             pass &= r >= 1.0;
@@ -203,6 +209,12 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
         case.name(),
         parts.join(", ")
     );
+    if let Some((r, lo, hi)) = paired(measured, AA) {
+        println!(
+            "     A/A {}: flowgate / flowgate x{r:.3} (rounds {lo:.2}..{hi:.2}): the noise the ratios above carry",
+            case.name()
+        );
+    }
     if case.s.producers == 1
         && case.s.consumers == 1
         && let Some((r, _, _)) = paired(measured, Kanal::ID)

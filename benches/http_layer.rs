@@ -20,7 +20,9 @@
 //! - `tower_governor`: `GovernorLayer` (default settings: no header on success) keyed by
 //!   the same header;
 //! - `tower_governor (headers)`: the same with `.use_headers()` (`x-ratelimit-limit` and
-//!   `x-ratelimit-remaining` on every response: the work flowgate's default fields do).
+//!   `x-ratelimit-remaining` on every response: the work flowgate's default fields do);
+//! - `no limiter (A/A)`: the router alone again, the A/A control: its difference to
+//!   `no limiter` is what two identical variants read apart in this run.
 //!
 //! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. Each round runs every
 //! variant once for [`REQUESTS`] requests, in an order rotated by one per round; the
@@ -136,6 +138,8 @@ fn main() {
         ("flowgate (no fields)", flowgate(HeaderStyles::NONE)),
         ("tower_governor", governor(false)),
         ("tower_governor (headers)", governor(true)),
+        // The router alone again: the A/A control (see the file's docs).
+        ("no limiter (A/A)", base.clone()),
     ]
     .map(|(name, app)| (name, app.with_state(())));
     let keys: Vec<HeaderValue> = (0..16)
@@ -190,5 +194,9 @@ fn main() {
         "  like for like, ns per request more than tower_governor: flowgate (memory) vs tower_governor (headers) {:+.0}; flowgate (no fields) vs tower_governor {:+.0}",
         over(1) - over(4),
         over(2) - over(3)
+    );
+    println!(
+        "  A/A control, no limiter (A/A) minus no limiter: {:+.0} ns per request (the noise of the differences above in this run)",
+        over(5)
     );
 }

@@ -97,9 +97,9 @@
 //! ```
 //!
 //! `HTTP_ONLY` takes a comma list of `none`, `none2` (the A/A control), `flowgate`,
-//! `nofields`, `governor`, `governorh`, `redis`; `HTTP_WARM_MS` sets the warm-up. Without `--bench` (as `cargo test --benches`
-//! runs it) each measurement lasts 100 ms, one round, and no PASS/FAIL lines are printed: a
-//! smoke test.
+//! `nofields`, `governor`, `governorh`, `redis`; `HTTP_WARM_MS` sets the warm-up. Without
+//! `--bench` (as `cargo test --benches` runs it) each measurement lasts 100 ms, one round,
+//! and no PASS/FAIL lines are printed: a smoke test.
 
 #[path = "support/http_keys.rs"]
 mod http_keys;

@@ -188,7 +188,6 @@ fn steady_must(case: Case, measured: &[Measured]) -> Option<bool> {
     let ratio = |id: &str| median(id).map(|p| p.as_secs_f64() / ours.as_secs_f64());
     let mut pass = true;
     let mut parts = Vec::new();
-
     for peer in MUST_PEERS {
         if let Some((r, lo, hi)) = paired(measured, peer) {
             pass &= r >= 1.0;

@@ -354,24 +354,23 @@ struct Single {
 
 impl Fields {
     /// The fields of `styles` for `members` (the policies applied to this request, in
-    /// order). `all_policy` is the `RateLimit-Policy` value of all the layer's policies,
-    /// serialized once, used when `members` are all of them.
+    /// order); `None` when there is nothing to write (no style, or no member), so that a
+    /// response future carries nothing for it. `all_policy` is the `RateLimit-Policy` value
+    /// of all the layer's policies, serialized once, used when `members` are all of them.
     pub(crate) fn new<'a, I>(
         styles: HeaderStyles,
         members: I,
         all_policy: Option<&HeaderValue>,
-    ) -> Fields
+    ) -> Option<Fields>
     where
         I: Iterator<Item = Member<'a>> + Clone,
     {
-        let mut fields = Fields::default();
         if styles.is_empty() {
             // Nothing to write: not even the members are worked out.
-            return fields;
+            return None;
         }
-        let Some(first) = members.clone().next() else {
-            return fields;
-        };
+        let first = members.clone().next()?;
+        let mut fields = Fields::default();
         if styles.contains(HeaderStyles::IETF) {
             fields.policy = match all_policy {
                 Some(v) => Some(v.clone()),
@@ -406,7 +405,7 @@ impl Fields {
             }
             fields.single = Some(Box::new(single));
         }
-        fields
+        Some(fields)
     }
 
     /// Write the fields onto `headers`. The IETF list fields are appended (an inner layer's
@@ -716,6 +715,7 @@ mod tests {
             members.iter().copied(),
             None,
         )
+        .expect("two styles and two members")
         .write(&mut h);
         assert_eq!(h["ratelimit-limit"], "10");
         assert_eq!(h["ratelimit-remaining"], "2");

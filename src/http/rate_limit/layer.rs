@@ -763,19 +763,18 @@ impl<G> Shared<G> {
             && d.allowed
             && d.capacity != u64::MAX
         {
-            self.count(Outcome::Admitted);
-            if self.styles.is_empty() {
-                // No fields to write: none to carry to the response either.
-                return Verdict::Pass(None);
-            }
-            let member = self.policies[*i].member(d.remaining, Some(fields::reset_secs(d)));
+            // Worked out only if a style is on (`Fields::new` looks at the styles first).
+            let member = std::iter::once_with(|| {
+                self.policies[*i].member(d.remaining, Some(fields::reset_secs(d)))
+            });
             let all = self.policies.len() == 1;
             let fields = Fields::new(
                 self.styles,
-                std::iter::once(member),
+                member,
                 self.all_policy.as_ref().filter(|_| all),
             );
-            return Verdict::Pass(Some(fields));
+            self.count(Outcome::Admitted);
+            return Verdict::Pass(fields);
         }
         let allowed = decisions.iter().all(|d| d.allowed);
         let fail_open = decisions.iter().any(|d| d.capacity == u64::MAX);
@@ -818,12 +817,12 @@ impl<G> Shared<G> {
             } else {
                 Outcome::Admitted
             });
-            return Verdict::Pass(Some(fields));
+            return Verdict::Pass(fields);
         }
         self.record_rejection(keys, violated_mask);
         if self.shadow {
             self.count(Outcome::ShadowRejected);
-            return Verdict::Pass(Some(fields));
+            return Verdict::Pass(fields);
         }
         self.count(Outcome::Rejected);
         let body = if violated_mask.is_power_of_two() {
@@ -845,7 +844,9 @@ impl<G> Shared<G> {
             body,
             HeaderValue::from(retry_after),
         );
-        fields.write(res.headers_mut());
+        if let Some(fields) = fields {
+            fields.write(res.headers_mut());
+        }
         Verdict::Answer(res)
     }
 

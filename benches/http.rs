@@ -38,8 +38,8 @@
 //!     read the ratios beside the A/A line, and over several runs.
 //!   - `flowgate (memory)`: `RateLimitLayer::builder(MemoryGate).inner_body()` (responses
 //!     keep axum's `Body`, as the layer's docs advise under axum) with one policy keyed by
-//!     the `x-api-key` header (a closure writing the header's value into the layer's reused
-//!     key buffer) and the default header style: the IETF `RateLimit-Policy` / `RateLimit`
+//!     the `x-api-key` header (the built-in `Header` extractor, its name made once) and the
+//!     default header style: the IETF `RateLimit-Policy` / `RateLimit`
 //!     fields on every response, a problem document on every 429.
 //!   - `flowgate (no fields)`: the same with `HeaderStyles::NONE` (no rate-limit fields;
 //!     429s keep `Retry-After` and the problem body): comparable to tower_governor's
@@ -695,7 +695,7 @@ where
 {
     RateLimitLayer::builder(gate)
         .inner_body()
-        .policy(Policy::new(POLICY, quota, api_key))
+        .policy(Policy::new(POLICY, quota, api_key()))
         .header_styles(styles)
         .build()
         .expect("a valid layer")

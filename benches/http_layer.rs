@@ -102,7 +102,7 @@ fn main() {
         base.clone().layer(
             RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
                 .inner_body()
-                .policy(Policy::new("per-key", quota, api_key))
+                .policy(Policy::new("per-key", quota, api_key()))
                 .header_styles(styles)
                 .build()
                 .expect("a valid layer"),

@@ -24,7 +24,11 @@
 //! - `no limiter (A/A)`: the router alone again, the A/A control: its difference to
 //!   `no limiter` is what two identical variants read apart in this run.
 //!
-//! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. Each round runs every
+//! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. With `LAYER_REJECT=1`,
+//! the rejection path instead (as run B of `benches/http.rs`, where 90 % is rejected): quota
+//! 1 per hour with a burst of 1 in every limiter, so each of the 16 keys is admitted once and
+//! every later request gets the limiter's 429 (the `rejected` column counts them; `no
+//! limiter` still answers `"ok"`). Each round runs every
 //! variant once for [`REQUESTS`] requests, in an order rotated by one per round; the
 //! median over [`ROUNDS`] rounds of ns per request is printed, and the overhead of each
 //! layer over `no limiter` (its ns per request minus the router's), and the difference
@@ -35,6 +39,7 @@
 //! ```text
 //! cargo bench --all-features --bench http_layer
 //! LAYER_REQUESTS=1000000 LAYER_ROUNDS=9 cargo bench --all-features --bench http_layer
+//! LAYER_REJECT=1 cargo bench --all-features --bench http_layer
 //! ```
 //!
 //! `LAYER_ONLY="flowgate (memory)"` runs one variant (to profile it).
@@ -86,17 +91,27 @@ fn main() {
     } else {
         (1_000, 1)
     };
+    // `LAYER_REJECT=1`: every limiter rejects all but each key's first request.
+    let reject = std::env::var("LAYER_REJECT").is_ok_and(|v| v == "1");
     println!(
-        "benches/http_layer: axum Router called in process, {requests} requests per variant, {rounds} rounds; load average {}",
+        "benches/http_layer: axum Router called in process, {requests} requests per variant, {rounds} rounds, {}; load average {}",
+        if reject {
+            "quota 1/h burst 1 (all but each key's first request rejected)"
+        } else {
+            "quota 1 000 000/s burst 1 000 000 (nothing rejected)"
+        },
         support::load_average()
     );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a runtime");
-    let quota = Quota::per_second(1_000_000)
-        .and_then(|q| q.burst(1_000_000))
-        .expect("a valid quota");
+    let quota = if reject {
+        Quota::per_hour(1).and_then(|q| q.burst(1))
+    } else {
+        Quota::per_second(1_000_000).and_then(|q| q.burst(1_000_000))
+    }
+    .expect("a valid quota");
     let base = Router::new().route("/", get(ok));
     let flowgate = |styles| {
         base.clone().layer(
@@ -112,9 +127,13 @@ fn main() {
     // built apart.
     let governor = |headers: bool| {
         let mut builder = GovernorConfigBuilder::default();
-        builder
-            .period(Duration::from_micros(1))
-            .burst_size(1_000_000);
+        if reject {
+            builder.period(Duration::from_secs(3600)).burst_size(1);
+        } else {
+            builder
+                .period(Duration::from_micros(1))
+                .burst_size(1_000_000);
+        }
         macro_rules! layered {
             ($builder:expr) => {{
                 let config = $builder.key_extractor(ApiKey).finish();
@@ -150,6 +169,7 @@ fn main() {
     let n = apps.len();
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut allocs: Vec<f64> = vec![f64::NAN; n];
+    let mut rejected: Vec<f64> = vec![f64::NAN; n];
     rt.block_on(async {
         for round in 0..rounds {
             for i in 0..n {
@@ -159,6 +179,7 @@ fn main() {
                 }
                 let app = &mut apps[v].1;
                 let allocated = allocations();
+                let mut refused = 0usize;
                 let start = Instant::now();
                 for j in 0..requests {
                     let req = Request::builder()
@@ -170,21 +191,29 @@ fn main() {
                         .await
                         .expect("the router is always ready");
                     let res = svc.call(req).await.expect("infallible");
-                    assert!(res.status().is_success());
+                    if res.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                        refused += 1;
+                    } else {
+                        assert!(res.status().is_success(), "{}", res.status());
+                    }
                 }
                 ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
                 allocs[v] = (allocations() - allocated) as f64 / requests as f64;
+                rejected[v] = refused as f64 / requests as f64;
             }
         }
     });
     let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();
-    println!("  variant                  ns/request   over no limiter   allocations/request");
+    println!(
+        "  variant                  ns/request   over no limiter   allocations/request   rejected"
+    );
     for (i, (name, _)) in apps.iter().enumerate() {
         println!(
-            "  {name:22} {:>10.0}   {:>+15.0}   {:>19.2}",
+            "  {name:22} {:>10.0}   {:>+15.0}   {:>19.2}   {:>7.1}%",
             medians[i],
             medians[i] - medians[0],
-            allocs[i]
+            allocs[i],
+            rejected[i] * 100.0
         );
     }
     let over = |i: usize| medians[i] - medians[0];

@@ -96,6 +96,7 @@ mod receiver;
 mod ring;
 mod sender;
 mod shared;
+mod spin;
 mod wait;
 
 pub use builder::ChannelBuilder;

@@ -11,6 +11,7 @@ use futures::stream::FusedStream;
 
 use crate::channel::error::{Stats, TryRecvError};
 use crate::channel::shared::{BatchLen, Shared};
+use crate::channel::spin::Spin;
 use crate::channel::wait::Waiting;
 use crate::sync::Arc;
 
@@ -22,6 +23,14 @@ use crate::sync::Arc;
 /// dropped, items still buffered are passed to the `on_drop` hook
 /// ([`Dropped::Discarded`](crate::Dropped::Discarded)) and counted as dropped, and further
 /// sends fail, handing their item back.
+///
+/// A receiver that finds the channel empty just after it let a waiting sender in (the
+/// channel was full) and is not polled inside a tokio task (a consumer loop in
+/// `futures::executor::block_on`, say) watches the buffer for up to 20 µs before it waits,
+/// since that sender is about to push: the thread then need not park and be woken for
+/// the item. Spins that see nothing back off (after eight in a row, none for the next 16
+/// waits, then 32, up to 4096), so a receiver they do not help spends at most 160 µs of
+/// CPU per 4096 waits on them. Inside a tokio task a receiver never spins.
 pub struct Receiver<T> {
     shared: Arc<Shared<T>>,
     waiting: Waiting,
@@ -32,6 +41,8 @@ pub struct Receiver<T> {
     held: usize,
     /// `local.len()`, published for the channel's `len()`.
     batch_len: Arc<BatchLen>,
+    /// The short spin before waiting (see `poll_next_item`).
+    spin: Spin,
 }
 
 impl<T> Receiver<T> {
@@ -45,6 +56,7 @@ impl<T> Receiver<T> {
             local: VecDeque::new(),
             held: 0,
             batch_len,
+            spin: Spin::default(),
         }
     }
 
@@ -145,6 +157,19 @@ impl<T> Receiver<T> {
     fn poll_next_item(&mut self, cx: &mut Context<'_>, stream: bool) -> Poll<Option<T>> {
         if let Some(item) = self.take_local() {
             return Poll::Ready(Some(item));
+        }
+        // Nothing in the ring, but a sender that waited for room was let in since the last
+        // look: it is about to push, so watch the ring for a moment before registering
+        // (a thread-parking executor need not park). Never in a tokio task: that would hold
+        // up a worker, maybe the very sender (woken onto this worker). See `channel::spin`.
+        if !cfg!(flowgate_loom)
+            && !self.shared.has_ringed_item()
+            && self.spin.senders_let_in(self.shared.grants())
+            && tokio::task::try_id().is_none()
+        {
+            let shared = &self.shared;
+            self.spin
+                .before_wait(|| shared.has_ringed_item(), || shared.is_closed());
         }
         let batch = self.shared.batch();
         let next = self.shared.poll_recv_batch(

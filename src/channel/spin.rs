@@ -1,0 +1,198 @@
+//! A receiver's short, adaptive spin before it waits.
+//!
+//! A receiver that finds the channel empty registers its waker and returns `Pending`; if
+//! its executor then parks the thread (a consumer loop in `block_on`), the next item costs
+//! a futex wake and two context switches, tens of microseconds on a VM, even when the
+//! producer pushes it a few microseconds later. That is the common case of a small channel
+//! whose sender waits for room: the receiver frees a slot, the waiting sender is let in
+//! and woken, and the receiver, having drained the rest, finds nothing yet.
+//!
+//! So a receiver about to wait first watches the ring for up to [`SPIN`] and takes the item
+//! if one comes, when all of these hold (checked in `Receiver::poll_next_item`):
+//!
+//! - nothing is in the ring;
+//! - some slot was granted to a waiting sender since the receiver's last look (the
+//!   channel's grant count moved: [`Spin::senders_let_in`]), so a push is on its way;
+//! - the receiver is not polled inside a tokio task: spinning there would hold up a worker,
+//!   maybe the very sender, woken onto this worker's queue;
+//! - spinning has not been turned off for a while: [`MISSES`] fruitless spins in a row turn
+//!   it off for the next `cooldown` waits, `cooldown` doubling with each such pause (from
+//!   [`COOLDOWN_MIN`] to [`COOLDOWN_MAX`] waits) and coming back to its least with the next
+//!   spin that sees an item.
+//!
+//! The cost is bounded: a receiver whose spins never pay spends at most [`MISSES`] ×
+//! [`SPIN`] of CPU per [`COOLDOWN_MAX`] waits once it has backed off. Nothing the channel
+//! promises depends on the spin: it only looks at the ring, and then the receive goes on
+//! as it would have. Under `--cfg flowgate_loom` it never spins.
+
+use std::time::{Duration, Instant};
+
+/// The longest a receiver spins before it waits.
+pub(crate) const SPIN: Duration = Duration::from_micros(20);
+/// Fruitless spins in a row that turn spinning off for a while.
+const MISSES: u32 = 8;
+/// Waits without spinning after the first pause.
+const COOLDOWN_MIN: u32 = 16;
+/// The most waits without spinning in one pause.
+const COOLDOWN_MAX: u32 = 4096;
+/// `spin_loop` hints between two looks at the clock.
+const SPINS_PER_CLOCK_READ: u32 = 16;
+
+/// A receiver's spin state (see the module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct Spin {
+    /// Waits left before the next spin.
+    skip: u32,
+    /// Waits to skip at the next pause.
+    cooldown: u32,
+    /// Fruitless spins in a row.
+    misses: u32,
+    /// The channel's count of slots granted to waiting senders, at the last look.
+    grants_seen: usize,
+}
+
+impl Default for Spin {
+    fn default() -> Spin {
+        Spin {
+            skip: 0,
+            cooldown: COOLDOWN_MIN,
+            misses: 0,
+            grants_seen: 0,
+        }
+    }
+}
+
+impl Spin {
+    /// Whether the channel's count of slots granted to waiting senders moved from
+    /// `grants` since the last look: a sender that waited for room was let in and is about
+    /// to push.
+    pub(crate) fn senders_let_in(&mut self, grants: usize) -> bool {
+        let moved = grants != self.grants_seen;
+        self.grants_seen = grants;
+        moved
+    }
+
+    /// The receiver found nothing and is about to wait: unless spinning is paused, spin up
+    /// to [`SPIN`] until `ready()` (an item came) or `stop()` (none can come). Returns
+    /// whether `ready()` became true.
+    pub(crate) fn before_wait(
+        &mut self,
+        ready: impl Fn() -> bool,
+        stop: impl Fn() -> bool,
+    ) -> bool {
+        if cfg!(flowgate_loom) || stop() {
+            return false;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
+            return false;
+        }
+        let start = Instant::now();
+        loop {
+            for _ in 0..SPINS_PER_CLOCK_READ {
+                if ready() {
+                    self.cooldown = COOLDOWN_MIN;
+                    self.misses = 0;
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if stop() || start.elapsed() >= SPIN {
+                break;
+            }
+        }
+        self.misses += 1;
+        if self.misses >= MISSES {
+            self.misses = 0;
+            self.skip = self.cooldown;
+            self.cooldown = (self.cooldown * 2).min(COOLDOWN_MAX);
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// Runs `before_wait` with a `ready` that never is, and says whether it spun.
+    fn spun(spin: &mut Spin) -> bool {
+        let looked = Cell::new(false);
+        let came = spin.before_wait(
+            || {
+                looked.set(true);
+                false
+            },
+            || false,
+        );
+        assert!(!came);
+        looked.get()
+    }
+
+    #[test]
+    fn fruitless_spins_pause_spinning_for_longer_and_longer() {
+        let mut spin = Spin::default();
+        let mut pauses = Vec::new();
+        for _ in 0..12 {
+            for _ in 0..MISSES {
+                assert!(spun(&mut spin), "spins until MISSES misses in a row");
+            }
+            let mut skipped = 0;
+            while !spun(&mut spin) {
+                skipped += 1;
+            }
+            // That last call spun again: the first miss of the next round.
+            spin.misses -= 1;
+            pauses.push(skipped);
+        }
+        assert_eq!(
+            pauses,
+            [
+                16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 4096, 4096, 4096
+            ]
+        );
+    }
+
+    #[test]
+    fn a_spin_that_sees_an_item_resets_the_pause() {
+        let mut spin = Spin::default();
+        for _ in 0..3 * MISSES {
+            spin.skip = 0;
+            spun(&mut spin);
+        }
+        assert!(spin.cooldown > COOLDOWN_MIN);
+        spin.skip = 0;
+        spin.misses = MISSES - 1;
+        assert!(spin.before_wait(|| true, || false));
+        assert_eq!(
+            (spin.cooldown, spin.misses, spin.skip),
+            (COOLDOWN_MIN, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_closed_channel_is_never_spun_for() {
+        let mut spin = Spin::default();
+        let looked = Cell::new(false);
+        assert!(!spin.before_wait(
+            || {
+                looked.set(true);
+                false
+            },
+            || true
+        ));
+        assert!(!looked.get());
+        assert_eq!((spin.misses, spin.skip), (0, 0));
+    }
+
+    #[test]
+    fn only_a_grant_since_the_last_look_calls_for_a_spin() {
+        let mut spin = Spin::default();
+        assert!(!spin.senders_let_in(0));
+        assert!(spin.senders_let_in(3));
+        assert!(!spin.senders_let_in(3));
+        assert!(spin.senders_let_in(4));
+    }
+}

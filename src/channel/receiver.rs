@@ -11,7 +11,7 @@ use futures::stream::FusedStream;
 
 use crate::channel::error::{Stats, TryRecvError};
 use crate::channel::shared::{BatchLen, Shared};
-use crate::channel::spin::Spin;
+use crate::channel::spin::{Spin, may_spin_here};
 use crate::channel::wait::Waiting;
 use crate::sync::Arc;
 
@@ -30,7 +30,8 @@ use crate::sync::Arc;
 /// since that sender is about to push: the thread then need not park and be woken for
 /// the item. Spins that see nothing back off (after eight in a row, none for the next 16
 /// waits, then 32, up to 4096), so a receiver they do not help spends at most 160 µs of
-/// CPU per 4096 waits on them. Inside a tokio task a receiver never spins.
+/// CPU per 4096 waits on them. Inside a tokio task, and on the thread of a tokio
+/// current-thread runtime (a `#[tokio::test]` body), a receiver never spins.
 pub struct Receiver<T> {
     shared: Arc<Shared<T>>,
     waiting: Waiting,
@@ -160,12 +161,12 @@ impl<T> Receiver<T> {
         }
         // Nothing in the ring, but a sender that waited for room was let in since the last
         // look: it is about to push, so watch the ring for a moment before registering
-        // (a thread-parking executor need not park). Never in a tokio task: that would hold
-        // up a worker, maybe the very sender (woken onto this worker). See `channel::spin`.
+        // (a thread-parking executor need not park). Never in a tokio task, nor on a
+        // current-thread runtime: see `channel::spin`.
         if !cfg!(flowgate_loom)
             && !self.shared.has_ringed_item()
             && self.spin.senders_let_in(self.shared.grants())
-            && tokio::task::try_id().is_none()
+            && may_spin_here()
         {
             let shared = &self.shared;
             self.spin

@@ -13,8 +13,10 @@
 //! - nothing is in the ring;
 //! - some slot was granted to a waiting sender since the receiver's last look (the
 //!   channel's grant count moved: [`Spin::senders_let_in`]), so a push is on its way;
-//! - the receiver is not polled inside a tokio task: spinning there would hold up a worker,
-//!   maybe the very sender, woken onto this worker's queue;
+//! - the receiver is not polled inside a tokio task (spinning there would hold up a worker,
+//!   maybe the very sender, woken onto this worker's queue), nor on the thread of a tokio
+//!   current-thread runtime (a `#[tokio::test]` body: its senders run on that same thread,
+//!   so no push can come while it spins): [`may_spin_here`];
 //! - spinning has not been turned off for a while: [`MISSES`] fruitless spins in a row turn
 //!   it off for the next `cooldown` waits, `cooldown` doubling with each such pause (from
 //!   [`COOLDOWN_MIN`] to [`COOLDOWN_MAX`] waits) and coming back to its least with the next
@@ -37,6 +39,18 @@ const COOLDOWN_MIN: u32 = 16;
 const COOLDOWN_MAX: u32 = 4096;
 /// `spin_loop` hints between two looks at the clock.
 const SPINS_PER_CLOCK_READ: u32 = 16;
+
+/// Whether a receiver polled on this thread may spin (see the module docs): not in a tokio
+/// task, not on a tokio current-thread runtime's thread.
+pub(crate) fn may_spin_here() -> bool {
+    if tokio::task::try_id().is_some() {
+        return false;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread,
+        Err(_) => true,
+    }
+}
 
 /// A receiver's spin state (see the module docs).
 #[derive(Debug, Clone)]
@@ -185,6 +199,27 @@ mod tests {
         ));
         assert!(!looked.get());
         assert_eq!((spin.misses, spin.skip), (0, 0));
+    }
+
+    #[test]
+    fn never_in_a_tokio_task_nor_on_a_current_thread_runtime() {
+        // A plain thread (`futures::executor::block_on`, say) may.
+        assert!(may_spin_here());
+        assert!(futures::executor::block_on(async { may_spin_here() }));
+        // The thread of a current-thread runtime may not, in `block_on` or in a task.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert!(!rt.block_on(async { may_spin_here() }));
+        assert!(!rt.block_on(async { tokio::spawn(async { may_spin_here() }).await.unwrap() }));
+        // A multi-thread runtime: its workers' tasks may not; `block_on` (a caller's thread,
+        // the workers run the senders) may.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        assert!(!rt.block_on(async { tokio::spawn(async { may_spin_here() }).await.unwrap() }));
+        assert!(rt.block_on(async { may_spin_here() }));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use futures::stream::FusedStream;
 
 use crate::channel::error::{Stats, TryRecvError};
 use crate::channel::shared::{BatchLen, Shared};
-use crate::channel::spin::{Spin, may_spin_here};
+use crate::channel::spin::{Spin, may_spin_here, worth_spinning_for};
 use crate::channel::wait::Waiting;
 use crate::sync::Arc;
 
@@ -24,8 +24,8 @@ use crate::sync::Arc;
 /// ([`Dropped::Discarded`](crate::Dropped::Discarded)) and counted as dropped, and further
 /// sends fail, handing their item back.
 ///
-/// A receiver that finds the channel empty just after it let a waiting sender in (the
-/// channel was full) and is not polled inside a tokio task (a consumer loop in
+/// A receiver of a channel of at most 256 items that finds it empty just after it let a
+/// waiting sender in (the channel was full) and is not polled inside a tokio task (a consumer loop in
 /// `futures::executor::block_on`, say) watches the buffer for up to 20 µs before it waits,
 /// since that sender is about to push: the thread then need not park and be woken for
 /// the item. Spins that see nothing back off (after eight in a row, none for the next 16
@@ -159,11 +159,12 @@ impl<T> Receiver<T> {
         if let Some(item) = self.take_local() {
             return Poll::Ready(Some(item));
         }
-        // Nothing in the ring, but a sender that waited for room was let in since the last
-        // look: it is about to push, so watch the ring for a moment before registering
+        // Nothing in a small ring, but a sender that waited for room was let in since the
+        // last look: it is about to push, so watch the ring for a moment before registering
         // (a thread-parking executor need not park). Never in a tokio task, nor on a
         // current-thread runtime: see `channel::spin`.
         if !cfg!(flowgate_loom)
+            && worth_spinning_for(self.shared.capacity())
             && !self.shared.has_ringed_item()
             && self.spin.senders_let_in(self.shared.grants())
             && may_spin_here()

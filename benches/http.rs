@@ -91,6 +91,7 @@
 //! cargo bench --all-features --bench http    # 2 runs × 2 conn counts × 7 rounds × 7 variants × 0.6 s, ~2 min
 //! HTTP_RUN_MS=2000 HTTP_ROUNDS=11 cargo bench --all-features --bench http   # longer
 //! HTTP_CONNS=64 cargo bench --all-features --bench http          # one connection count
+//! HTTP_RUNS=A cargo bench --all-features --bench http            # run A only (or B)
 //! HTTP_ONLY=none,flowgate,governor cargo bench --all-features --bench http  # some variants
 //! HTTP_REDIS=0 cargo bench --all-features --bench http           # without the Redis variant
 //! HTTP_SERVER_WORKERS=2 cargo bench --all-features --bench http  # the server on 2 workers (3 busy threads on 2 cores)
@@ -200,6 +201,14 @@ enum Scenario {
 }
 
 impl Scenario {
+    /// Its name in `HTTP_RUNS`.
+    fn knob(self) -> &'static str {
+        match self {
+            Scenario::A => "A",
+            Scenario::B => "B",
+        }
+    }
+
     fn title(self) -> &'static str {
         match self {
             Scenario::A => "run A: quota 1 000 000/s, burst 1 000 000: nothing rejected",
@@ -321,6 +330,8 @@ struct Knobs {
     verdicts: bool,
     /// Worker threads of the server's runtime (`HTTP_SERVER_WORKERS`, default 1).
     server_workers: usize,
+    /// The runs (`HTTP_RUNS`: `A`, `B` or both, comma-separated; default both).
+    scenarios: Vec<Scenario>,
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -366,6 +377,19 @@ fn knobs() -> Knobs {
         variants,
         verdicts: bench_mode,
         server_workers: env_u64("HTTP_SERVER_WORKERS").map_or(1, |n| n.clamp(1, 64) as usize),
+        scenarios: std::env::var("HTTP_RUNS")
+            .ok()
+            .map(|v| {
+                [Scenario::A, Scenario::B]
+                    .into_iter()
+                    .filter(|s| {
+                        v.split(',')
+                            .any(|r| r.trim().eq_ignore_ascii_case(s.knob()))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| vec![Scenario::A, Scenario::B]),
     }
 }
 
@@ -449,7 +473,7 @@ fn main() {
     );
 
     let mut checks = Vec::new();
-    for scenario in [Scenario::A, Scenario::B] {
+    for &scenario in &knobs.scenarios {
         let servers: Vec<Server> = knobs
             .variants
             .iter()

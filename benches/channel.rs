@@ -6,11 +6,12 @@
 //! - **Transfer groups** (`channel_spsc_cap*`, `channel_mpsc_4to1_cap*`,
 //!   `channel_mpmc_2to2_cap*`, capacities 1024 and 16): one iteration creates a fresh
 //!   channel of `u64`, spawns the producer and consumer tasks with `tokio::spawn` on a
-//!   2-worker multi-thread runtime, moves [`ITEMS`] items through it (split evenly between
-//!   the producers) and awaits every task. The consumers count and sum what they receive and
-//!   the iteration asserts both totals, so a channel that loses or duplicates items fails
-//!   instead of "winning". Throughput is reported per item. Every channel uses its plain
-//!   awaiting send (flowgate under `Overflow::Backpressure`, the default).
+//!   2-worker multi-thread runtime (`CHANNEL_WORKERS` sets another count), moves
+//!   [`ITEMS`] items through it (split evenly between the producers) and awaits every
+//!   task. The consumers count and sum what they receive and the iteration asserts both
+//!   totals, so a channel that loses or duplicates items fails instead of "winning".
+//!   Throughput is reported per item. Every channel uses its plain awaiting send (flowgate
+//!   under `Overflow::Backpressure`, the default).
 //!   tokio mpsc is single-consumer, so it is not run in the MPMC groups (printed as n/a).
 //! - **`channel_drop_oldest`**: a producer offers [`DROP_ITEMS`] items into a capacity-16
 //!   channel that drops the oldest item when full, while a slow consumer task
@@ -26,13 +27,13 @@
 //!   the same transfers with 10^6 `u64` per round, long enough that the
 //!   producers and consumers really run side by side on both workers for most of the round
 //!   (10^4 items hide that: a good part of such an iteration is start-up and wind-down).
-//!   Hand-timed, not criterion: per case, one fresh 2-worker multi-thread runtime, a warm-up
-//!   round of 10^5 items per channel, then 5 timed rounds in which the
-//!   channels take turns, in an order rotated by one each round (so a change in the
-//!   machine's load, or what the channel before leaves behind, such as kanal's spinning
-//!   consumers, hits all of them alike); the
-//!   median round is reported, with the slowest and fastest. A round is the wall time of the
-//!   whole transfer, asserting count and sum like the criterion groups. Consumers run
+//!   Hand-timed, not criterion: per case, one fresh multi-thread runtime (2 workers
+//!   unless `CHANNEL_WORKERS` says otherwise), a warm-up round of 10^5 items per channel,
+//!   then 5 timed rounds in which the channels take turns, in an order rotated by one each
+//!   round (so a change in the machine's load, or what the channel before leaves behind,
+//!   such as kanal's spinning consumers, hits all of them alike); the median round is
+//!   reported, with the slowest and fastest. A round is the wall time of the whole
+//!   transfer, asserting count and sum like the criterion groups. Consumers run
 //!   - `task`: as `tokio::spawn`ed tasks, like the producers;
 //!   - `block_on`: each on its own plain thread in `futures::executor::block_on`, while the
 //!     producers stay tasks: 3 busy threads on the 2 workers' cores (4 in MPMC), the layout
@@ -63,6 +64,7 @@
 //! cargo bench --bench channel -- steady_           # only the steady-state groups
 //! CHANNEL_ROUNDS=11 cargo bench --bench channel -- steady_   # more rounds
 //! CHANNEL_ONLY=flume,tokio_mpsc cargo bench --bench channel -- steady_spsc_cap16  # fewer peers
+//! CHANNEL_WORKERS=4 cargo bench --bench channel -- steady_  # 4 tokio workers on the same cores
 //! cargo bench --bench channel -- steady_spsc       # steady-state SPSC, both placements
 //! ```
 //!
@@ -242,10 +244,21 @@ impl Chan for Kanal {
     }
 }
 
-/// The runtime every group uses: multi-thread, 2 workers (one per core here).
+/// Worker threads of every group's runtime: 2 (one per core on the machine this was
+/// written on), or `CHANNEL_WORKERS` (to measure another thread layout, such as more
+/// workers than cores).
+fn workers() -> usize {
+    std::env::var("CHANNEL_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(2)
+}
+
+/// The runtime every group uses: multi-thread, [`workers`] workers.
 fn runtime() -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(workers())
         .enable_all()
         .build()
         .expect("tokio runtime")
@@ -254,7 +267,7 @@ fn runtime() -> Runtime {
 /// Where the consumers of a transfer run.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Placement {
-    /// `tokio::spawn`ed tasks on the runtime's 2 workers, like the producers.
+    /// `tokio::spawn`ed tasks on the runtime's workers, like the producers.
     Task,
     /// Each consumer on its own plain thread, in `futures::executor::block_on`: with the 2
     /// workers that run the producers, 3 busy threads (4 for MPMC) on the 2 cores.

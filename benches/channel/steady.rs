@@ -251,8 +251,9 @@ pub(crate) fn run(filter: Option<&str>, bench_mode: bool) {
         return;
     }
     println!(
-        "\nsteady state: tokio multi-thread runtime, 2 workers; {} CPUs; load average at \
+        "\nsteady state: tokio multi-thread runtime, {} workers; {} CPUs; load average at \
          start: {} (a shared, noisy machine: other builds may run)",
+        super::workers(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         support::load_average()
     );

@@ -28,9 +28,9 @@ use crate::sync::Arc;
 /// waiting sender in (the channel was full) and is not polled inside a tokio task (a
 /// consumer loop in `futures::executor::block_on`, say) watches the buffer for up to 60 µs
 /// before it waits, since that sender is about to push: the thread then need not park and
-/// be woken for the item. Spins that see nothing back off (after eight in a row, none for the next 16
-/// waits, then 32, up to 4096), so a receiver they do not help spends at most 480 µs of
-/// CPU per 4096 waits on them. Inside a tokio task, and on the thread of a tokio
+/// be woken for the item. Spins that see nothing back off (after eight in a row, none for
+/// the next 16 waits, then 32, up to 4096), so a receiver they do not help spends at most
+/// 480 µs of CPU per 4096 waits on them. Inside a tokio task, and on the thread of a tokio
 /// current-thread runtime (a `#[tokio::test]` body), a receiver never spins.
 pub struct Receiver<T> {
     shared: Arc<Shared<T>>,

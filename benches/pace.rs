@@ -50,7 +50,7 @@
 //! After the table above, flowgate and `governor b=fg` (the same burst) run again at each
 //! rate while [`SPINNERS`] std threads spin on `black_box` arithmetic for the whole section:
 //! more busy threads than this 2-core machine has cores, so the pacing thread gets a share
-//! of a core, not one of its own. Each rate runs [`CONTENDED_ROUNDS`] times per
+//! of a core, not one of its own. Each rate runs [`CONTENDED_ROUNDS`] times (or `PACE_ROUNDS`) per
 //! implementation, the order alternating between rounds, and the checks compare the medians
 //! (one 2 s run each tilts with the machine's load). Same runtime, window and columns. **CPU ns/item** here is
 //! the CPU time of every thread of the process *except the spinners* (their thread ids,
@@ -81,6 +81,7 @@
 //! cargo bench --bench pace -- 10000             # one rate (any rates, as numbers)
 //! cargo bench --bench pace -- 1000000 flowgate  # implementations whose name contains a word
 //! PACE_WINDOW_MS=500 cargo bench --bench pace   # a shorter window
+//! PACE_ROUNDS=9 cargo bench --bench pace        # 9 contended rounds per rate (default 3)
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 50 ms: a smoke test.
@@ -107,7 +108,8 @@ const MIN_RATIO: f64 = 0.995;
 const SPINNERS: usize = 4;
 /// The peers of the contended runs: flowgate against governor at flowgate's burst.
 const CONTENDED: [Impl; 2] = [Impl::Flowgate, Impl::GovernorSameBurst];
-/// Runs per implementation and rate in the contended section (the checks use the medians).
+/// Runs per implementation and rate in the contended section (the checks use the medians);
+/// `PACE_ROUNDS=n` sets another count.
 const CONTENDED_ROUNDS: usize = 3;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -655,6 +657,11 @@ fn main() {
         .map(Duration::from_millis)
         .unwrap_or(if bench_mode { WINDOW } else { SMOKE_WINDOW });
     let cpu = cpu_source();
+    let rounds = std::env::var("PACE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(CONTENDED_ROUNDS);
 
     // Room for the largest burst (governor's: one second of items) plus 10% over the rate.
     let max_rate = rates.iter().copied().max().unwrap_or(1);
@@ -716,10 +723,10 @@ fn main() {
     );
     print_header();
     let mut rows = Vec::new();
-    // CONTENDED_ROUNDS rounds per rate, the order of the implementations alternating, so a
+    // `rounds` rounds per rate, the order of the implementations alternating, so a
     // change in the machine's load hits both alike; the checks compare medians.
     for &rate in &rates {
-        for round in 0..CONTENDED_ROUNDS {
+        for round in 0..rounds {
             let mut order = contended.clone();
             if round % 2 == 1 {
                 order.reverse();

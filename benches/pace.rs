@@ -50,18 +50,19 @@
 //! After the table above, flowgate and `governor b=fg` (the same burst) run again at each
 //! rate while [`SPINNERS`] std threads spin on `black_box` arithmetic for the whole section:
 //! more busy threads than this 2-core machine has cores, so the pacing thread gets a share
-//! of a core, not one of its own. Each rate runs [`CONTENDED_ROUNDS`] times (or `PACE_ROUNDS`) per
-//! implementation, the order alternating between rounds, and the checks compare the medians
-//! (one 2 s run each tilts with the machine's load). Same runtime, window and columns. **CPU ns/item** here is
-//! the CPU time of every thread of the process *except the spinners* (their thread ids,
-//! read from `/proc/thread-self`, are left out of the schedstat sum), ÷ items released:
-//! the pacing thread and any helper thread the implementation uses (governor's futures-timer
-//! thread), as in the uncontended table. Then one PASS/FAIL line per Must of issue 20 —
-//! achieved/target of flowgate ≥ governor's at every rate, and flowgate's CPU per released
-//! item ≤ governor's at 1M/s — and the `support::summary` line. Both the load of other
-//! processes (see **runq wait** and the load averages printed) and the spinners decide
-//! what a pacer achieves here: compare flowgate with governor from the same run, not
-//! across runs.
+//! of a core, not one of its own. Each rate runs [`CONTENDED_ROUNDS`] times per
+//! implementation (`PACE_ROUNDS=n`: n times), the order alternating between rounds, and the
+//! checks compare the medians (one 2 s run each tilts with the machine's load: with 3 rounds
+//! the 1M/s verdict went either way between runs). Same runtime, window and columns.
+//! **CPU ns/item** here is the CPU time of every thread of the process *except the
+//! spinners* (their thread ids, read from `/proc/thread-self`, are left out of the schedstat
+//! sum), ÷ items released: the pacing thread and any helper thread the implementation uses
+//! (governor's futures-timer thread), as in the uncontended table. Then one PASS/FAIL line
+//! per Must of issue 20 — achieved/target of flowgate ≥ governor's at every rate, and
+//! flowgate's CPU per released item ≤ governor's at 1M/s — and the `support::summary` line.
+//! Both the load of other processes (see **runq wait** and the load averages printed) and
+//! the spinners decide what a pacer achieves here: compare flowgate with governor from the
+//! same run, not across runs.
 //!
 //! # Peers and their configuration
 //!
@@ -77,11 +78,11 @@
 //! # Running
 //!
 //! ```text
-//! cargo bench --bench pace                      # 4 rates × (5 + 2 contended) × 2 s, ~70 s
+//! cargo bench --bench pace                      # 4 rates × (5 + 2 × 5 contended) × 2 s, ~2 min
 //! cargo bench --bench pace -- 10000             # one rate (any rates, as numbers)
 //! cargo bench --bench pace -- 1000000 flowgate  # implementations whose name contains a word
 //! PACE_WINDOW_MS=500 cargo bench --bench pace   # a shorter window
-//! PACE_ROUNDS=9 cargo bench --bench pace        # 9 contended rounds per rate (default 3)
+//! PACE_ROUNDS=9 cargo bench --bench pace        # 9 contended rounds per rate (default 5)
 //! ```
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) each run lasts 50 ms: a smoke test.
@@ -110,7 +111,7 @@ const SPINNERS: usize = 4;
 const CONTENDED: [Impl; 2] = [Impl::Flowgate, Impl::GovernorSameBurst];
 /// Runs per implementation and rate in the contended section (the checks use the medians);
 /// `PACE_ROUNDS=n` sets another count.
-const CONTENDED_ROUNDS: usize = 3;
+const CONTENDED_ROUNDS: usize = 5;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Impl {

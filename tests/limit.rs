@@ -138,6 +138,33 @@ proptest! {
         }
     }
 
+    /// `check_nanos` (the token bucket's own, the default of the others) decides exactly as
+    /// `check` with the same time as a `Duration`, on the fast path and the exact one (rates
+    /// that do not divide a nanosecond) alike, and a cost above the burst is refused the same.
+    #[test]
+    fn check_nanos_decides_as_check(
+        r in rate(),
+        burst in 1u32..=20,
+        tr in trace(3_000_000, 22),
+    ) {
+        let q = Quota::new(r, burst).unwrap();
+        fn same<A: Algorithm + Clone>(a: A, tr: &[(u64, u32)]) -> Result<(), TestCaseError> {
+            let (mut by_duration, mut by_nanos) = (Limiter::new(a.clone()), Limiter::new(a));
+            for &(t, cost) in tr {
+                prop_assert_eq!(
+                    by_nanos.check_nanos(t, cost),
+                    by_duration.check(ns(t), cost),
+                    "at t={} cost={}", t, cost
+                );
+            }
+            Ok(())
+        }
+        same(TokenBucket::new(q), &tr)?;
+        same(FixedWindow::new(r), &tr)?;
+        same(SlidingWindow::new(r), &tr)?;
+        same(SlidingLog::new(r), &tr)?;
+    }
+
     #[test]
     fn fixed_window_matches_model_and_bound(r in rate(), tr in trace(2_000_000, 20)) {
         let (limit, window) = (r.count(), r.period_nanos());

@@ -39,6 +39,24 @@ pub trait Algorithm {
         cost: u32,
     ) -> Result<Decision, CostError>;
 
+    /// [`check`](Algorithm::check) with `now` in whole nanoseconds, as
+    /// [`Clock::now_nanos`](crate::clock::Clock::now_nanos) reads it. The default converts
+    /// to a `Duration`; an algorithm that computes in nanoseconds overrides it to skip the
+    /// conversion ([`TokenBucket`](crate::limit::TokenBucket) does). Same decision as
+    /// `check(state, Duration::from_nanos(now_ns), cost)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Algorithm::check).
+    fn check_nanos(
+        &self,
+        state: &mut Self::State,
+        now_ns: u64,
+        cost: u32,
+    ) -> Result<Decision, CostError> {
+        self.check(state, Duration::from_nanos(now_ns), cost)
+    }
+
     /// The most units that can ever be admitted at once.
     fn capacity(&self) -> u64;
 
@@ -90,6 +108,32 @@ impl<A: Algorithm> Limiter<A> {
     #[inline]
     pub fn check(&mut self, now: Duration, cost: u32) -> Result<Decision, CostError> {
         self.algorithm.check(&mut self.state, now, cost)
+    }
+
+    /// [`check`](Limiter::check) with `now` in whole nanoseconds: the cheap way with a
+    /// [`Clock`](crate::clock::Clock), whose [`now_nanos`](crate::clock::Clock::now_nanos)
+    /// reads it without building a `Duration` (see [`Algorithm::check_nanos`]).
+    ///
+    /// # Errors
+    ///
+    /// [`CostError::Zero`], [`CostError::ExceedsCapacity`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::clock::Clock;
+    /// use flowgate::limit::{Limiter, TokenBucket};
+    /// use flowgate::Quota;
+    ///
+    /// let clock = Clock::counter();
+    /// let mut limiter = Limiter::new(TokenBucket::new(Quota::per_second(10)?.burst(2)?));
+    /// assert!(limiter.check_nanos(clock.now_nanos(), 2)?.allowed);
+    /// assert!(!limiter.check_nanos(clock.now_nanos(), 1)?.allowed);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[inline]
+    pub fn check_nanos(&mut self, now_ns: u64, cost: u32) -> Result<Decision, CostError> {
+        self.algorithm.check_nanos(&mut self.state, now_ns, cost)
     }
 
     /// The most units that can ever be admitted at once.

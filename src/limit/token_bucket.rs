@@ -142,8 +142,8 @@ impl TokenBucket {
 
     /// Any rate, in 128-bit units: exact for every `Quota`.
     #[inline(never)]
-    fn check_exact(&self, state: &mut TokenBucketState, now: Duration, cost: u32) -> Decision {
-        let now = self.units(now);
+    fn check_exact(&self, state: &mut TokenBucketState, now_ns: u64, cost: u32) -> Decision {
+        let now = u128::from(now_ns) * u128::from(self.scale);
         let limit = self.capacity();
         let tat = state.get().max(now);
         let new_tat = tat + u128::from(cost) * u128::from(self.unit);
@@ -174,14 +174,13 @@ impl TokenBucket {
     fn check_fast(
         &self,
         state: &mut TokenBucketState,
-        now: Duration,
+        now: u64,
         cost: u32,
         tau: u64,
     ) -> Option<Decision> {
         if state.hi != 0 {
             return None;
         }
-        let now = nanos(now);
         let tat = state.lo.max(now);
         let new_tat = tat.checked_add(u64::from(cost).checked_mul(self.unit)?)?;
         let used_after = new_tat - now;
@@ -221,13 +220,23 @@ impl Algorithm for TokenBucket {
         now: Duration,
         cost: u32,
     ) -> Result<Decision, CostError> {
+        self.check_nanos(state, nanos(now), cost)
+    }
+
+    #[inline(always)]
+    fn check_nanos(
+        &self,
+        state: &mut TokenBucketState,
+        now_ns: u64,
+        cost: u32,
+    ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
         if let Some(tau) = self.fast_tau
-            && let Some(decision) = self.check_fast(state, now, cost, tau)
+            && let Some(decision) = self.check_fast(state, now_ns, cost, tau)
         {
             return Ok(decision);
         }
-        Ok(self.check_exact(state, now, cost))
+        Ok(self.check_exact(state, now_ns, cost))
     }
 
     fn capacity(&self) -> u64 {

@@ -226,9 +226,6 @@ pub(crate) struct Shared<T> {
     /// Items in `stash` plus slots held by receivers' batches: the depth gauge's part
     /// besides the ring (changed by receivers only).
     depth_extra: AtomicUsize,
-    /// Slots granted to waiting senders so far (a receiver spins before it waits only
-    /// when some were granted since its last look: see `channel::spin`).
-    grants: AtomicUsize,
     state: Mutex<State<T>>,
     capacity: usize,
     /// Fast-path sends set the depth gauge when the occupied count is not zero and has these
@@ -280,7 +277,6 @@ impl<T> Shared<T> {
             },
             ring: Ring::new(capacity),
             depth_extra: AtomicUsize::new(0),
-            grants: AtomicUsize::new(0),
             state: Mutex::new(State {
                 stash: VecDeque::new(),
                 // `Receiver::new` adds the first receiver's.
@@ -357,11 +353,6 @@ impl<T> Shared<T> {
     /// Whether an item is in the ring (read without the lock; for a receiver's spin).
     pub(crate) fn has_ringed_item(&self) -> bool {
         self.ring.len() > 0
-    }
-
-    /// How many slots have been granted to waiting senders so far.
-    pub(crate) fn grants(&self) -> usize {
-        self.grants.load(Ordering::Relaxed)
     }
 
     pub(crate) fn is_closed(&self) -> bool {
@@ -516,9 +507,6 @@ impl<T> Shared<T> {
         let mut left = n;
         while left > 0 && st.send_waiters.grant_one(out) {
             left -= 1;
-        }
-        if left < n {
-            self.grants.fetch_add(n - left, Ordering::Relaxed);
         }
         let clear = if st.send_waiters.is_empty() {
             SEND_WAIT

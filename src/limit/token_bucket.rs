@@ -106,7 +106,7 @@ impl TokenBucket {
 
     /// Tokens available in `state` at `now`, without consuming any.
     pub fn available(&self, state: &TokenBucketState, now: Duration) -> u64 {
-        let now = self.units(now);
+        let now = self.units(nanos(now));
         let used = state.get().saturating_sub(now).min(self.tau);
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
@@ -128,12 +128,12 @@ impl TokenBucket {
     /// for carrying a schedule over to a new quota.
     pub fn state_full_at(&self, at: Duration) -> TokenBucketState {
         let mut state = TokenBucketState::default();
-        state.set(self.units(at));
+        state.set(self.units(nanos(at)));
         state
     }
 
-    fn units(&self, now: Duration) -> u128 {
-        u128::from(nanos(now)) * u128::from(self.scale)
+    fn units(&self, now_ns: u64) -> u128 {
+        u128::from(now_ns) * u128::from(self.scale)
     }
 
     fn to_duration(&self, units: u128) -> Duration {
@@ -143,7 +143,7 @@ impl TokenBucket {
     /// Any rate, in 128-bit units: exact for every `Quota`.
     #[inline(never)]
     fn check_exact(&self, state: &mut TokenBucketState, now_ns: u64, cost: u32) -> Decision {
-        let now = u128::from(now_ns) * u128::from(self.scale);
+        let now = self.units(now_ns);
         let limit = self.capacity();
         let tat = state.get().max(now);
         let new_tat = tat + u128::from(cost) * u128::from(self.unit);

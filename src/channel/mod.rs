@@ -93,6 +93,8 @@ mod builder;
 mod error;
 mod permit;
 mod receiver;
+// The crate's one module with `unsafe` code: see its docs.
+#[allow(unsafe_code)]
 mod ring;
 mod sender;
 mod shared;

@@ -1,87 +1,370 @@
-//! The items' ring: a lock-free bounded queue (`concurrent-queue`, the queue async-channel
-//! is built on).
+//! The items' ring: a lock-free queue that senders push into without the lock, and
+//! receivers pop from under it.
 //!
-//! Under `--cfg flowgate_loom` the ring is a `Mutex<VecDeque>` of loom's with the same
-//! API (the queue's own atomics are not loom-aware), so the loom models explore every
-//! interleaving of the channel's protocol around it.
+//! A channel of up to [`PREALLOCATED`] items gets a [`Tickets`] ring: an array whose
+//! positions senders take by `fetch_add` on the tail, a *ticket*, so a push never retries,
+//! however many senders contend (a compare-and-swap loop on the tail, as in a general
+//! bounded queue, retries once per sender that got there first). That works because the
+//! channel's claim comes first: a sender pushes only into a slot it claimed on the channel's
+//! count, so the ticket's cell is always free, or about to be (see [`Tickets::push`]). Larger
+//! channels get `concurrent-queue`'s queue of linked blocks (the queue async-channel is built
+//! on), so their memory follows the items queued, not the capacity.
+//!
+//! Under `--cfg flowgate_loom` every channel gets a [`Tickets`] ring, built on loom's atomics
+//! and cells, so the channel's loom models explore the ring's interleavings too.
+
+use std::mem::MaybeUninit;
+
+use crate::channel::shared::Line;
+use crate::sync::{AtomicUsize, Ordering};
 
 #[cfg(flowgate_loom)]
-use crate::sync::Mutex;
-#[cfg(flowgate_loom)]
-use std::collections::VecDeque;
+use loom::cell::UnsafeCell;
 
-/// Capacities up to this get a preallocated array; larger ones a queue of linked blocks
-/// (the channel's slot count bounds it just the same).
+/// Capacities up to this get a preallocated [`Tickets`] ring; larger ones a queue of linked
+/// blocks (the channel's slot count bounds it just the same).
 #[cfg(not(flowgate_loom))]
 const PREALLOCATED: usize = 4096;
 
-/// A multi-producer, multi-consumer FIFO queue of items. The channel bounds it: an item is
-/// pushed only into a slot claimed for it, so a push never finds the ring full for good.
+/// A multi-producer FIFO queue of items; pops are serialized by the channel's lock. The
+/// channel bounds it: an item is pushed only into a slot claimed for it, so a push never
+/// finds the ring full for good.
 pub(crate) struct Ring<T> {
+    inner: Inner<T>,
+}
+
+enum Inner<T> {
+    Tickets(Tickets<T>),
     #[cfg(not(flowgate_loom))]
-    queue: concurrent_queue::ConcurrentQueue<T>,
-    #[cfg(flowgate_loom)]
-    queue: Mutex<VecDeque<T>>,
+    Blocks(concurrent_queue::ConcurrentQueue<T>),
+}
+
+/// The right to pop from one ring: there is one per ring, it cannot be cloned, and a pop
+/// takes it by `&mut`, so pops are serialized by the borrow rules (the channel keeps it in
+/// its locked state). It names its ring by the address of the ring's array.
+#[derive(Debug)]
+pub(crate) struct Popper {
+    ring: usize,
 }
 
 impl<T> Ring<T> {
-    /// A ring for at most `capacity` items.
-    pub(crate) fn new(capacity: usize) -> Ring<T> {
+    /// A ring for at most `capacity` items, and the one [`Popper`] of it.
+    pub(crate) fn new(capacity: usize) -> (Ring<T>, Popper) {
         #[cfg(not(flowgate_loom))]
-        let queue = if capacity <= PREALLOCATED {
-            concurrent_queue::ConcurrentQueue::bounded(capacity)
-        } else {
-            concurrent_queue::ConcurrentQueue::unbounded()
+        if capacity > PREALLOCATED {
+            let ring = Ring {
+                inner: Inner::Blocks(concurrent_queue::ConcurrentQueue::unbounded()),
+            };
+            return (ring, Popper { ring: 0 });
+        }
+        let tickets = Tickets::new(capacity);
+        let popper = Popper {
+            ring: tickets.address(),
         };
-        #[cfg(flowgate_loom)]
-        let queue = Mutex::new(VecDeque::with_capacity(capacity.min(64)));
-        Ring { queue }
+        let ring = Ring {
+            inner: Inner::Tickets(tickets),
+        };
+        (ring, popper)
     }
 
     /// Append `item` into a slot claimed for it.
-    ///
-    /// The claim makes room: the items in the ring never outnumber the claimed slots. The
-    /// array's cell for this push may still be in the hands of a pop that has not finished
-    /// (pops of different receivers finish out of order); then the push retries until that
-    /// pop is done, which takes a few instructions.
-    #[cfg(not(flowgate_loom))]
     #[inline]
-    pub(crate) fn push(&self, mut item: T) {
-        let mut spins = 0u32;
-        loop {
-            match self.queue.push(item) {
-                Ok(()) => return,
-                Err(e) => item = e.into_inner(),
-            }
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+    pub(crate) fn push(&self, item: T) {
+        match &self.inner {
+            Inner::Tickets(ring) => ring.push(item),
+            // Unbounded: a push always succeeds.
+            #[cfg(not(flowgate_loom))]
+            Inner::Blocks(queue) => drop(queue.push(item)),
         }
     }
 
-    #[cfg(flowgate_loom)]
-    pub(crate) fn push(&self, item: T) {
-        self.queue.lock().unwrap().push_back(item);
-    }
-
-    /// Take the oldest item.
+    /// Take the oldest item; `None` only when no push has begun since the last pop (a push
+    /// under way is waited for: a few instructions).
+    ///
+    /// # Panics
+    ///
+    /// If `popper` is another ring's (a bug in the channel).
     #[inline]
-    pub(crate) fn pop(&self) -> Option<T> {
-        #[cfg(not(flowgate_loom))]
-        return self.queue.pop().ok();
-        #[cfg(flowgate_loom)]
-        return self.queue.lock().unwrap().pop_front();
+    pub(crate) fn pop(&self, popper: &mut Popper) -> Option<T> {
+        match &self.inner {
+            Inner::Tickets(ring) => {
+                assert_eq!(popper.ring, ring.address(), "another ring's popper");
+                // SAFETY: `popper` is this ring's one popper, borrowed exclusively: no other
+                // pop runs.
+                unsafe { ring.pop() }
+            }
+            #[cfg(not(flowgate_loom))]
+            Inner::Blocks(queue) => queue.pop().ok(),
+        }
     }
 
     /// How many items are in the ring (pushes under way included).
     #[inline]
     pub(crate) fn len(&self) -> usize {
-        #[cfg(not(flowgate_loom))]
-        return self.queue.len();
+        match &self.inner {
+            Inner::Tickets(ring) => ring.len(),
+            #[cfg(not(flowgate_loom))]
+            Inner::Blocks(queue) => queue.len(),
+        }
+    }
+}
+
+/// One cell of a [`Tickets`] ring.
+struct Slot<T> {
+    /// The position the cell is ready for: `pos` while it waits for the push of ticket
+    /// `pos`, `pos + 1` once that item is in it, `pos + len` once it is popped (free for the
+    /// next lap).
+    stamp: AtomicUsize,
+    item: UnsafeCell<MaybeUninit<T>>,
+}
+
+/// A ring whose pushes take positions by ticket (`fetch_add` on `tail`) and whose pops,
+/// serialized by the channel's lock, advance `head`. Positions grow without wrapping in
+/// practice (a `usize` of them lasts centuries at a billion items a second) and index the
+/// array modulo its length, a power of two.
+pub(crate) struct Tickets<T> {
+    /// The next ticket: written by every push.
+    tail: Line<AtomicUsize>,
+    /// The next position to pop: written by the (serialized) pops, read by `len`.
+    head: Line<AtomicUsize>,
+    slots: Box<[Slot<T>]>,
+    /// `slots.len() - 1`.
+    mask: usize,
+}
+
+// SAFETY: items move in and out whole, by value, from any thread; every access to a cell is
+// ordered by its stamp (a push writes a cell only once its stamp says it is free, a pop reads
+// it only once its stamp says it is full).
+unsafe impl<T: Send> Send for Tickets<T> {}
+unsafe impl<T: Send> Sync for Tickets<T> {}
+
+impl<T> Tickets<T> {
+    fn new(capacity: usize) -> Tickets<T> {
+        let len = capacity.max(1).next_power_of_two();
+        let slots = (0..len)
+            .map(|pos| Slot {
+                stamp: AtomicUsize::new(pos),
+                item: UnsafeCell::new(MaybeUninit::uninit()),
+            })
+            .collect();
+        Tickets {
+            tail: Line(AtomicUsize::new(0)),
+            head: Line(AtomicUsize::new(0)),
+            slots,
+            mask: len - 1,
+        }
+    }
+
+    /// The address of the array, which names the ring (it does not move with the ring).
+    fn address(&self) -> usize {
+        self.slots.as_ptr() as usize
+    }
+
+    /// Push into the cell of the next ticket.
+    ///
+    /// The cell is free: the channel's claim means fewer than `capacity <= slots` items are
+    /// queued or on their way, so the item that had this cell a lap ago (`slots` tickets
+    /// earlier) has been popped, and its slot freed, before this sender could claim. The
+    /// pop's stamp may still be on its way to this core; then the push waits for it.
+    #[inline]
+    fn push(&self, item: T) {
+        let pos = self.tail.fetch_add(1, Ordering::Relaxed);
+        let slot = &self.slots[pos & self.mask];
+        wait_for(|| slot.stamp.load(Ordering::Acquire) == pos);
+        // SAFETY: the stamp says the cell is free and this ticket's alone.
+        slot.item.with_mut(|cell| unsafe { (*cell).write(item) });
+        slot.stamp.store(pos.wrapping_add(1), Ordering::Release);
+    }
+
+    /// Pop the item at the head, waiting for its push if the ticket is taken but the item
+    /// not written yet (a sender between two instructions; the receiver would otherwise
+    /// report an item it cannot hand out).
+    ///
+    /// # Safety
+    ///
+    /// Pops are serialized.
+    #[inline]
+    unsafe fn pop(&self) -> Option<T> {
+        let head = self.head.load(Ordering::Relaxed);
+        if self.tail.load(Ordering::Acquire) == head {
+            return None;
+        }
+        let slot = &self.slots[head & self.mask];
+        let full = head.wrapping_add(1);
+        wait_for(|| slot.stamp.load(Ordering::Acquire) == full);
+        // SAFETY: the stamp says the cell holds the item of ticket `head`, and only this
+        // (serialized) pop takes it.
+        let item = slot.item.with(|cell| unsafe { (*cell).assume_init_read() });
+        slot.stamp
+            .store(head.wrapping_add(self.slots.len()), Ordering::Release);
+        self.head.store(full, Ordering::Release);
+        Some(item)
+    }
+
+    /// Tickets taken and not popped. The head is read first: a pop stores it only after
+    /// reading a tail at least that far, so the tail read after it is never behind it.
+    #[inline]
+    fn len(&self) -> usize {
+        let head = self.head.load(Ordering::Acquire);
+        self.tail.load(Ordering::Acquire).wrapping_sub(head)
+    }
+}
+
+impl<T> Drop for Tickets<T> {
+    fn drop(&mut self) {
+        // Every push is done (`&mut self`): the items between head and tail are written.
+        let (head, tail) = (
+            self.head.load(Ordering::Relaxed),
+            self.tail.load(Ordering::Relaxed),
+        );
+        let mut pos = head;
+        while pos != tail {
+            let slot = &self.slots[pos & self.mask];
+            // SAFETY: ticket `pos` was pushed and not popped; nothing else can reach it.
+            slot.item
+                .with_mut(|cell| unsafe { (*cell).assume_init_drop() });
+            pos = pos.wrapping_add(1);
+        }
+    }
+}
+
+/// Wait until `ready()`: spin briefly, then yield the thread. Only a sender or receiver
+/// preempted between two of its instructions makes the other side wait at all.
+#[inline]
+fn wait_for(ready: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !ready() {
         #[cfg(flowgate_loom)]
-        return self.queue.lock().unwrap().len();
+        loom::thread::yield_now();
+        #[cfg(not(flowgate_loom))]
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+        spins = spins.saturating_add(1);
+    }
+}
+
+/// `std`'s cell with loom's closure API, so the ring is written once for both.
+#[cfg(not(flowgate_loom))]
+struct UnsafeCell<V>(std::cell::UnsafeCell<V>);
+
+#[cfg(not(flowgate_loom))]
+impl<V> UnsafeCell<V> {
+    fn new(value: V) -> UnsafeCell<V> {
+        UnsafeCell(std::cell::UnsafeCell::new(value))
+    }
+
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(*const V) -> R) -> R {
+        f(self.0.get())
+    }
+
+    #[inline]
+    fn with_mut<R>(&self, f: impl FnOnce(*mut V) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+// Run under miri too (`cargo +nightly miri test --lib channel::ring`): every cell access
+// and drop of the ring, with heap items, so a read of an uninitialized cell, a double drop
+// or a leak fails.
+#[cfg(all(test, not(flowgate_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Items a test pushes: more under a plain run, fewer under miri (it is slow).
+    const ITEMS: usize = if cfg!(miri) { 40 } else { 20_000 };
+
+    #[test]
+    fn items_come_out_in_order_lap_after_lap() {
+        // Capacity 3 rounds up to 4 cells: positions wrap many times.
+        let (ring, mut popper) = Ring::<String>::new(3);
+        let mut next = 0;
+        for i in 0..ITEMS {
+            ring.push(i.to_string());
+            if ring.len() == 3 || i + 1 == ITEMS {
+                while let Some(item) = ring.pop(&mut popper) {
+                    assert_eq!(item, next.to_string());
+                    next += 1;
+                }
+                assert_eq!(ring.len(), 0);
+            }
+        }
+        assert_eq!(next, ITEMS);
+    }
+
+    #[test]
+    fn dropping_the_ring_drops_what_is_left_once() {
+        let item = Arc::new(());
+        for capacity in [4, PREALLOCATED + 1] {
+            let (ring, mut popper) = Ring::new(capacity);
+            for _ in 0..4 {
+                ring.push(item.clone());
+            }
+            drop(ring.pop(&mut popper));
+            assert_eq!(Arc::strong_count(&item), 4);
+            drop(ring);
+            assert_eq!(Arc::strong_count(&item), 1);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "another ring's popper")]
+    fn a_popper_pops_only_its_own_ring() {
+        let (ring, _) = Ring::<u8>::new(2);
+        let (_, mut other) = Ring::<u8>::new(2);
+        ring.push(1);
+        ring.pop(&mut other);
+    }
+
+    /// Senders that claim a slot on a count (as the channel's `state` does) before they
+    /// push, and a receiver that frees the slot after its pop: every item arrives once, each
+    /// sender's in order, and the count never lets a ticket find its cell taken for good.
+    #[test]
+    fn claimed_pushes_from_several_threads_arrive_once_in_order() {
+        const SENDERS: usize = 3;
+        for capacity in [1, 2, 5, PREALLOCATED + 1] {
+            let (ring, popper) = Ring::<Box<(usize, usize)>>::new(capacity);
+            let ring = Arc::new(ring);
+            let popper = Mutex::new(popper);
+            let occupied = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for sender in 0..SENDERS {
+                    let (ring, occupied) = (&ring, &occupied);
+                    s.spawn(move || {
+                        for seq in 0..ITEMS / SENDERS {
+                            while occupied
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                    (n < capacity).then_some(n + 1)
+                                })
+                                .is_err()
+                            {
+                                std::thread::yield_now();
+                            }
+                            ring.push(Box::new((sender, seq)));
+                        }
+                    });
+                }
+                let mut next = [0; SENDERS];
+                let mut got = 0;
+                while got < ITEMS / SENDERS * SENDERS {
+                    match ring.pop(&mut popper.lock().unwrap()) {
+                        Some(item) => {
+                            let (sender, seq) = *item;
+                            assert_eq!(seq, next[sender], "sender {sender} out of order");
+                            next[sender] += 1;
+                            got += 1;
+                            occupied.fetch_sub(1, Ordering::AcqRel);
+                        }
+                        None => std::thread::yield_now(),
+                    }
+                }
+            });
+            assert_eq!(ring.len(), 0);
+            assert_eq!(ring.pop(&mut popper.lock().unwrap()), None);
+        }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! # Design
 //!
-//! Items live in a lock-free ring ([`Ring`]). One atomic word, `state`, holds the number of
+//! Items live in a lock-free ring ([`Ring`]): senders push without the lock, into positions
+//! they take by ticket; receivers pop under the lock (the ring's one [`Popper`] lives in the
+//! locked state). One atomic word, `state`, holds the number of
 //! *occupied* slots (queued items, items of receivers' batches, reservations, grants, and
 //! sends under way) shifted left by two, and two flags: `CLOSED`, and `SEND_WAIT` (some
 //! sender is queued waiting for a slot). A second word, `rx`, holds `RECV_WAIT` (some
@@ -63,7 +65,7 @@ use std::sync::PoisonError;
 use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
-use crate::channel::ring::Ring;
+use crate::channel::ring::{Popper, Ring};
 use crate::channel::wait::{WaitQueue, Waiting};
 use crate::dropped::{Dropped, OnDrop};
 use crate::metrics::{Counter, Gauge, Labels};
@@ -145,7 +147,7 @@ impl BatchLen {
 /// A value on cache lines of its own (128 bytes: adjacent-line prefetch pairs lines).
 #[derive(Debug)]
 #[repr(align(128))]
-struct Line<V>(V);
+pub(crate) struct Line<V>(pub(crate) V);
 
 impl<V> std::ops::Deref for Line<V> {
     type Target = V;
@@ -167,6 +169,8 @@ struct Hot {
 }
 
 pub(crate) struct State<T> {
+    /// The right to pop from the ring: pops happen under the lock.
+    popper: Popper,
     /// Items given back by dropped receivers: older than every item in the ring.
     stash: VecDeque<T>,
     /// Every receiver's batch length, one per receiver: its length is the receiver count.
@@ -270,14 +274,16 @@ impl<T> Shared<T> {
         name: Option<String>,
     ) -> Shared<T> {
         let metrics = Metrics::new(name.as_deref());
+        let (ring, popper) = Ring::new(capacity);
         Shared {
             hot: Hot {
                 state: Line(AtomicUsize::new(0)),
                 rx: Line(AtomicUsize::new(0)),
             },
-            ring: Ring::new(capacity),
+            ring,
             depth_extra: AtomicUsize::new(0),
             state: Mutex::new(State {
+                popper,
                 stash: VecDeque::new(),
                 // `Receiver::new` adds the first receiver's.
                 batches: Vec::new(),
@@ -612,7 +618,7 @@ impl<T> Shared<T> {
                 self.depth_extra.fetch_sub(1, Ordering::Relaxed);
                 Some(item)
             }
-            None => self.ring.pop(),
+            None => self.ring.pop(&mut st.popper),
         }
     }
 
@@ -628,7 +634,7 @@ impl<T> Shared<T> {
     /// releasing the lock.
     fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>) {
         let mut left: Vec<T> = st.stash.drain(..).collect();
-        while let Some(item) = self.ring.pop() {
+        while let Some(item) = self.ring.pop(&mut st.popper) {
             left.push(item);
         }
         st.dropped += left.len() as u64;

@@ -1,7 +1,7 @@
 //! loom models of the channel's lock-free fast path (`src/channel/shared.rs`): the slot
 //! count claimed by compare-and-swap, the ring, and the flags that send the slow cases to
-//! the lock. (Under loom the ring is a loom mutex around a `VecDeque`; the atomics around
-//! it are loom's.)
+//! the lock. (Under loom the ring is the real one, `src/channel/ring.rs`, on loom's atomics
+//! and cells, so these models also explore its tickets and stamps.)
 
 use std::sync::atomic::Ordering::SeqCst;
 
@@ -109,5 +109,26 @@ fn the_last_released_slot_ends_the_stream() {
         let releaser = thread::spawn(move || drop(permit));
         assert_eq!(block_on(rx.recv()), None);
         releaser.join().unwrap();
+    });
+}
+
+/// The ring's cells are reused lap after lap: a channel of two (two cells) is full, and a
+/// sender's third item takes the first cell's next ticket while the receiver pops from it.
+/// The push waits for the pop's stamp (or finds the channel full and queues), and the items
+/// come out once each, in order. (`two_senders_one_slot` races two senders for the tickets
+/// of one cell.)
+#[test]
+fn a_ticket_reuses_a_cell_being_popped() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+        assert_eq!(tx.try_send(1), Ok(Sent::Queued));
+        assert_eq!(tx.try_send(2), Ok(Sent::Queued));
+        let sender = thread::spawn(move || block_on(tx.send(3)).unwrap());
+        let mut got = Vec::new();
+        while let Some(x) = block_on(rx.recv()) {
+            got.push(x);
+        }
+        sender.join().unwrap();
+        assert_eq!(got, [1, 2, 3]);
     });
 }

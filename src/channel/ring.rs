@@ -78,8 +78,8 @@ impl<T> Ring<T> {
         }
     }
 
-    /// Take the oldest item; `None` only when no push has begun since the last pop (a push
-    /// under way is waited for: a few instructions).
+    /// Take the oldest item; `None` when no ticket taken since the last pop is in sight yet
+    /// (a push that has taken its ticket is waited for: a few instructions).
     ///
     /// # Panics
     ///
@@ -119,9 +119,14 @@ struct Slot<T> {
 }
 
 /// A ring whose pushes take positions by ticket (`fetch_add` on `tail`) and whose pops,
-/// serialized by the channel's lock, advance `head`. Positions grow without wrapping in
-/// practice (a `usize` of them lasts centuries at a billion items a second) and index the
-/// array modulo its length, a power of two.
+/// serialized by the channel's lock, advance `head`. Positions index the array modulo its
+/// length, a power of two of at least two cells; they wrap around `usize` safely (all their
+/// arithmetic wraps, and the length divides `2^usize::BITS`).
+///
+/// A cell's stamp says which ticket it waits for (`k`), or holds (`k + 1`), and the two never
+/// coincide because there are at least two cells: a push of ticket `k + 1` cannot mistake
+/// the cell holding ticket `k` for free. So even a push without a claim (a bug in the
+/// channel) could only wait, never overwrite an item.
 pub(crate) struct Tickets<T> {
     /// The next ticket: written by every push.
     tail: Line<AtomicUsize>,
@@ -133,14 +138,17 @@ pub(crate) struct Tickets<T> {
 }
 
 // SAFETY: items move in and out whole, by value, from any thread; every access to a cell is
-// ordered by its stamp (a push writes a cell only once its stamp says it is free, a pop reads
-// it only once its stamp says it is full).
+// ordered by its stamp (a push writes a cell only once its stamp says it is free for its
+// ticket, a pop reads it only once its stamp says it holds that ticket; with two cells or
+// more the two states never share a stamp value).
 unsafe impl<T: Send> Send for Tickets<T> {}
 unsafe impl<T: Send> Sync for Tickets<T> {}
 
 impl<T> Tickets<T> {
     fn new(capacity: usize) -> Tickets<T> {
-        let len = capacity.max(1).next_power_of_two();
+        // Two cells at least: with one, "holds ticket k" and "free for ticket k + 1" would be
+        // the same stamp.
+        let len = capacity.max(2).next_power_of_two();
         let slots = (0..len)
             .map(|pos| Slot {
                 stamp: AtomicUsize::new(pos),
@@ -162,9 +170,9 @@ impl<T> Tickets<T> {
 
     /// Push into the cell of the next ticket.
     ///
-    /// The cell is free: the channel's claim means fewer than `capacity <= slots` items are
-    /// queued or on their way, so the item that had this cell a lap ago (`slots` tickets
-    /// earlier) has been popped, and its slot freed, before this sender could claim. The
+    /// The cell is free, or about to be: the channel's claim means at most `capacity <=
+    /// slots` items are queued or on their way, this one included, so the item that had this
+    /// cell a lap ago (`slots` tickets earlier) was popped before this ticket was taken. The
     /// pop's stamp may still be on its way to this core; then the push waits for it.
     #[inline]
     fn push(&self, item: T) {
@@ -210,21 +218,45 @@ impl<T> Tickets<T> {
     }
 }
 
-impl<T> Drop for Tickets<T> {
-    fn drop(&mut self) {
-        // Every push is done (`&mut self`): the items between head and tail are written.
-        let (head, tail) = (
-            self.head.load(Ordering::Relaxed),
-            self.tail.load(Ordering::Relaxed),
-        );
-        let mut pos = head;
-        while pos != tail {
+impl<T> Tickets<T> {
+    /// Drop the items between head and tail, advancing the head past each before dropping
+    /// it.
+    ///
+    /// # Safety
+    ///
+    /// No push or pop is under way, nor can start: only `Drop` calls this.
+    unsafe fn drop_rest(&self) {
+        let tail = self.tail.load(Ordering::Relaxed);
+        loop {
+            let pos = self.head.load(Ordering::Relaxed);
+            if pos == tail {
+                return;
+            }
+            self.head.store(pos.wrapping_add(1), Ordering::Relaxed);
             let slot = &self.slots[pos & self.mask];
-            // SAFETY: ticket `pos` was pushed and not popped; nothing else can reach it.
+            // SAFETY: ticket `pos` was pushed (a push cannot stop between its ticket and its
+            // stamp) and not popped, and the head is past it already: it is dropped once.
             slot.item
                 .with_mut(|cell| unsafe { (*cell).assume_init_drop() });
-            pos = pos.wrapping_add(1);
         }
+    }
+}
+
+impl<T> Drop for Tickets<T> {
+    fn drop(&mut self) {
+        /// Drops the rest if an item's drop panics, as std's collections do (a second panic
+        /// aborts).
+        struct Rest<'a, T>(&'a Tickets<T>);
+        impl<T> Drop for Rest<'_, T> {
+            fn drop(&mut self) {
+                // SAFETY: as below.
+                unsafe { self.0.drop_rest() }
+            }
+        }
+        let rest = Rest(self);
+        // SAFETY: `&mut self`: nothing else reaches the ring.
+        unsafe { rest.0.drop_rest() };
+        std::mem::forget(rest);
     }
 }
 
@@ -309,6 +341,52 @@ mod tests {
             drop(ring);
             assert_eq!(Arc::strong_count(&item), 1);
         }
+    }
+
+    /// A ring for one item still has two cells: a second push without a pop (which the
+    /// channel's claim rules out) lands in the other cell instead of overwriting the first
+    /// item, whose stamp would otherwise read as free for it.
+    #[test]
+    fn a_ring_for_one_item_never_overwrites_it() {
+        let (ring, mut popper) = Ring::<String>::new(1);
+        ring.push("a".into());
+        ring.push("b".into());
+        assert_eq!(ring.len(), 2);
+        // Before the fix the second pop waited forever for a stamp the overwrite had moved
+        // past: look for it from another thread, with a deadline.
+        let ring = Arc::new(ring);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let popping = ring.clone();
+        std::thread::spawn(move || {
+            let got = [popping.pop(&mut popper), popping.pop(&mut popper)];
+            tx.send(got).ok();
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("both items pop");
+        assert_eq!(got, [Some("a".to_string()), Some("b".to_string())]);
+    }
+
+    /// An item whose drop panics does not leak the items after it.
+    #[test]
+    fn a_panicking_item_drop_still_drops_the_rest() {
+        struct Item(Arc<AtomicUsize>, bool);
+        impl Drop for Item {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+                if self.1 {
+                    panic!("an item's drop panics");
+                }
+            }
+        }
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let (ring, _) = Ring::new(4);
+        for panics in [true, false, false] {
+            ring.push(Item(dropped.clone(), panics));
+        }
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(ring)));
+        assert!(unwound.is_err());
+        assert_eq!(dropped.load(Ordering::Relaxed), 3);
     }
 
     #[test]

@@ -560,10 +560,11 @@ impl<T> Shared<T> {
     /// [`drop_receiver`](Shared::drop_receiver)). `depth`: update the depth gauge.
     #[inline]
     fn push_claimed(&self, item: T, depth: bool) -> usize {
-        self.metrics.sent.increment(1);
         self.ring.push(item);
         fence(Ordering::SeqCst);
         let rx = self.hot.rx.load(Ordering::Relaxed);
+        // After the push: a metrics recorder that panics cannot strand the claimed slot.
+        self.metrics.sent.increment(1);
         if depth {
             self.set_depth();
         }

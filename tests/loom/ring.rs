@@ -115,8 +115,7 @@ fn the_last_released_slot_ends_the_stream() {
 /// The ring's cells are reused lap after lap: a channel of two (two cells) is full, and a
 /// sender's third item takes the first cell's next ticket while the receiver pops from it.
 /// The push waits for the pop's stamp (or finds the channel full and queues), and the items
-/// come out once each, in order. (`two_senders_one_slot` races two senders for the tickets
-/// of one cell.)
+/// come out once each, in order. (`two_senders_one_slot` races two senders for tickets.)
 #[test]
 fn a_ticket_reuses_a_cell_being_popped() {
     loom::model(|| {

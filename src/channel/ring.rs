@@ -132,6 +132,13 @@ pub(crate) struct Tickets<T> {
     tail: Line<AtomicUsize>,
     /// The next position to pop: written by the (serialized) pops, read by `len`.
     head: Line<AtomicUsize>,
+    /// The cells, on a line of their own: read by every push and pop, written by none, so
+    /// no write elsewhere in the channel evicts them.
+    cells: Line<Cells<T>>,
+}
+
+/// The array of a [`Tickets`] ring.
+struct Cells<T> {
     slots: Box<[Slot<T>]>,
     /// `slots.len() - 1`.
     mask: usize,
@@ -158,14 +165,22 @@ impl<T> Tickets<T> {
         Tickets {
             tail: Line(AtomicUsize::new(0)),
             head: Line(AtomicUsize::new(0)),
-            slots,
-            mask: len - 1,
+            cells: Line(Cells {
+                slots,
+                mask: len - 1,
+            }),
         }
+    }
+
+    /// The cell of position `pos`.
+    #[inline]
+    fn cell(&self, pos: usize) -> &Slot<T> {
+        &self.cells.slots[pos & self.cells.mask]
     }
 
     /// The address of the array, which names the ring (it does not move with the ring).
     fn address(&self) -> usize {
-        self.slots.as_ptr() as usize
+        self.cells.slots.as_ptr() as usize
     }
 
     /// Push into the cell of the next ticket.
@@ -177,7 +192,7 @@ impl<T> Tickets<T> {
     #[inline]
     fn push(&self, item: T) {
         let pos = self.tail.fetch_add(1, Ordering::Relaxed);
-        let slot = &self.slots[pos & self.mask];
+        let slot = self.cell(pos);
         wait_for(|| slot.stamp.load(Ordering::Acquire) == pos);
         // SAFETY: the stamp says the cell is free and this ticket's alone.
         slot.item.with_mut(|cell| unsafe { (*cell).write(item) });
@@ -194,17 +209,21 @@ impl<T> Tickets<T> {
     #[inline]
     unsafe fn pop(&self) -> Option<T> {
         let head = self.head.load(Ordering::Relaxed);
-        if self.tail.load(Ordering::Acquire) == head {
-            return None;
-        }
-        let slot = &self.slots[head & self.mask];
+        let slot = self.cell(head);
         let full = head.wrapping_add(1);
-        wait_for(|| slot.stamp.load(Ordering::Acquire) == full);
+        // The cell first: when it holds the item, the tail (the line every push writes) is
+        // not read at all. Otherwise the tail tells an empty ring from a push under way.
+        if slot.stamp.load(Ordering::Acquire) != full {
+            if self.tail.load(Ordering::Acquire) == head {
+                return None;
+            }
+            wait_for(|| slot.stamp.load(Ordering::Acquire) == full);
+        }
         // SAFETY: the stamp says the cell holds the item of ticket `head`, and only this
         // (serialized) pop takes it.
         let item = slot.item.with(|cell| unsafe { (*cell).assume_init_read() });
         slot.stamp
-            .store(head.wrapping_add(self.slots.len()), Ordering::Release);
+            .store(head.wrapping_add(self.cells.slots.len()), Ordering::Release);
         self.head.store(full, Ordering::Release);
         Some(item)
     }
@@ -233,7 +252,7 @@ impl<T> Tickets<T> {
                 return;
             }
             self.head.store(pos.wrapping_add(1), Ordering::Relaxed);
-            let slot = &self.slots[pos & self.mask];
+            let slot = self.cell(pos);
             // SAFETY: ticket `pos` was pushed (a push cannot stop between its ticket and its
             // stamp) and not popped, and the head is past it already: it is dropped once.
             slot.item

@@ -228,9 +228,11 @@ pub(crate) struct Shared<T> {
     hot: Hot,
     ring: Ring<T>,
     /// Items in `stash` plus slots held by receivers' batches: the depth gauge's part
-    /// besides the ring (changed by receivers only).
-    depth_extra: AtomicUsize,
-    state: Mutex<State<T>>,
+    /// besides the ring (changed by receivers only). On a line of its own, as is the locked
+    /// state: both are written by receivers and the slow paths, and the fields below them
+    /// (`capacity`, `depth_mask`, ...) are read by every send.
+    depth_extra: Line<AtomicUsize>,
+    state: Line<Mutex<State<T>>>,
     capacity: usize,
     /// Fast-path sends set the depth gauge when the occupied count is not zero and has these
     /// bits clear: every sixteenth of the capacity rounded down to a power of two (so no
@@ -281,8 +283,8 @@ impl<T> Shared<T> {
                 rx: Line(AtomicUsize::new(0)),
             },
             ring,
-            depth_extra: AtomicUsize::new(0),
-            state: Mutex::new(State {
+            depth_extra: Line(AtomicUsize::new(0)),
+            state: Line(Mutex::new(State {
                 popper,
                 stash: VecDeque::new(),
                 // `Receiver::new` adds the first receiver's.
@@ -294,7 +296,7 @@ impl<T> Shared<T> {
                 close_waiters: WaitQueue::default(),
                 received: 0,
                 dropped: 0,
-            }),
+            })),
             capacity,
             depth_mask: (1usize << (capacity / 16).max(16).ilog2()) - 1,
             overflow,

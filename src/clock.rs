@@ -29,6 +29,8 @@ use std::time::Duration;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
+use crate::limit::nanos;
+
 /// A monotonic clock reading durations since it was made: the time-stamp counter, or
 /// tokio's clock when tokio's paused time must be followed (see the [module
 /// docs](crate::clock) for which [`Clock::new`] picks).
@@ -139,8 +141,7 @@ impl Clock {
         match &self.source {
             Source::Counter { clock, start } => clock.delta_as_nanos(*start, clock.raw()),
             Source::Tokio { start } => {
-                let elapsed = start.get_or_init(tokio::time::Instant::now).elapsed();
-                u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+                nanos(start.get_or_init(tokio::time::Instant::now).elapsed())
             }
         }
     }

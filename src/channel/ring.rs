@@ -127,7 +127,7 @@ struct Slot<T> {
 /// coincide because there are at least two cells: a push of ticket `k + 1` cannot mistake
 /// the cell holding ticket `k` for free. So even a push without a claim (a bug in the
 /// channel) could only wait, never overwrite an item.
-pub(crate) struct Tickets<T> {
+struct Tickets<T> {
     /// The next ticket: written by every push.
     tail: Line<AtomicUsize>,
     /// The next position to pop: written by the (serialized) pops, read by `len`.
@@ -235,9 +235,7 @@ impl<T> Tickets<T> {
         let head = self.head.load(Ordering::Acquire);
         self.tail.load(Ordering::Acquire).wrapping_sub(head)
     }
-}
 
-impl<T> Tickets<T> {
     /// Drop the items between head and tail, advancing the head past each before dropping
     /// it.
     ///

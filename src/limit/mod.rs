@@ -35,6 +35,7 @@ mod token_bucket;
 pub use error::KeyedError;
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use keyed::Keyed;
+pub(crate) use limiter::nanos;
 pub use limiter::{Algorithm, Limiter};
 pub use sliding_log::{SlidingLog, SlidingLogState};
 pub use sliding_window::{SlidingWindow, SlidingWindowState};

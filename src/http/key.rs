@@ -296,19 +296,24 @@ impl KeyExtractor for Header {
         let (Some(value), None) = (lines.next(), lines.next()) else {
             return false;
         };
-        let bytes = value.as_bytes();
-        let usable = !bytes.is_empty()
-            && bytes.len() <= self.max_len
-            && bytes.iter().all(|&b| b == b' ' || b.is_ascii_graphic())
-            && bytes.first() != Some(&b' ')
-            && bytes.last() != Some(&b' ');
-        match value.to_str() {
-            Ok(text) if usable => {
-                key.push_str(text);
-                true
-            }
-            _ => false,
+        if value.len() > self.max_len {
+            return false;
         }
+        // `to_str` admits visible ASCII and tabs: a key also has no tab, and no space at
+        // either end.
+        let Ok(text) = value.to_str() else {
+            return false;
+        };
+        let usable = match text.as_bytes() {
+            [first, .., last] | [first @ last] => {
+                *first != b' ' && *last != b' ' && !text.as_bytes().contains(&b'\t')
+            }
+            [] => false,
+        };
+        if usable {
+            key.push_str(text);
+        }
+        usable
     }
 }
 

@@ -304,12 +304,10 @@ impl KeyExtractor for Header {
         let Ok(text) = value.to_str() else {
             return false;
         };
-        let usable = match text.as_bytes() {
-            [first, .., last] | [first @ last] => {
-                *first != b' ' && *last != b' ' && !text.as_bytes().contains(&b'\t')
-            }
-            [] => false,
-        };
+        let usable = !text.is_empty()
+            && !text.starts_with(' ')
+            && !text.ends_with(' ')
+            && !text.contains('\t');
         if usable {
             key.push_str(text);
         }

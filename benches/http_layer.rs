@@ -44,6 +44,11 @@
 //!
 //! `LAYER_ONLY="flowgate (memory)"` runs one variant (to profile it).
 //!
+//! `LAYER_THREADS=2` sends from two threads at once, each with its own clone of the router
+//! (clones share the limiter's state, as the connections of a multi-threaded server do) on
+//! a current-thread runtime of its own: what the limiter's shared state costs when two
+//! cores write it. ns/request is then the wall time over the requests of one thread.
+//!
 //! Without `--bench` (as `cargo test --benches` runs it) it runs 1 000 requests once: a
 //! smoke test.
 
@@ -93,8 +98,10 @@ fn main() {
     };
     // `LAYER_REJECT=1`: every limiter rejects all but each key's first request.
     let reject = std::env::var("LAYER_REJECT").is_ok_and(|v| v == "1");
+    // `LAYER_THREADS=n`: n threads at once, each sending `requests`.
+    let threads = env_usize("LAYER_THREADS").unwrap_or(1).max(1);
     println!(
-        "benches/http_layer: axum Router called in process, {requests} requests per variant, {rounds} rounds, {}; load average {}",
+        "benches/http_layer: axum Router called in process, {requests} requests per variant and thread, {threads} thread(s), {rounds} rounds, {}; load average {}",
         if reject {
             "quota 1/h burst 1 (all but each key's first request rejected)"
         } else {
@@ -102,10 +109,6 @@ fn main() {
         },
         support::load_average()
     );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
     let quota = if reject {
         Quota::per_hour(1).and_then(|q| q.burst(1))
     } else {
@@ -151,7 +154,7 @@ fn main() {
     // `with_state(())` turns each route's handler (and the layers over it) into a service
     // once, as `axum::serve` does for every connection; a router called without it would
     // rebuild its routes, layers included, on every request.
-    let mut apps = [
+    let apps = [
         ("no limiter", base.clone()),
         ("flowgate (memory)", flowgate(HeaderStyles::default())),
         ("flowgate (no fields)", flowgate(HeaderStyles::NONE)),
@@ -170,39 +173,34 @@ fn main() {
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut allocs: Vec<f64> = vec![f64::NAN; n];
     let mut rejected: Vec<f64> = vec![f64::NAN; n];
-    rt.block_on(async {
-        for round in 0..rounds {
-            for i in 0..n {
-                let v = (i + round) % n;
-                if only.as_deref().is_some_and(|o| o != apps[v].0) {
-                    continue;
-                }
-                let app = &mut apps[v].1;
-                let allocated = allocations();
-                let mut refused = 0usize;
-                let start = Instant::now();
-                for j in 0..requests {
-                    let req = Request::builder()
-                        .uri("/")
-                        .header("x-api-key", keys[j % keys.len()].clone())
-                        .body(axum::body::Body::empty())
-                        .expect("a valid request");
-                    let svc = <Router as ServiceExt<Request<axum::body::Body>>>::ready(app)
-                        .await
-                        .expect("the router is always ready");
-                    let res = svc.call(req).await.expect("infallible");
-                    if res.status() == http::StatusCode::TOO_MANY_REQUESTS {
-                        refused += 1;
-                    } else {
-                        assert!(res.status().is_success(), "{}", res.status());
-                    }
-                }
-                ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
-                allocs[v] = (allocations() - allocated) as f64 / requests as f64;
-                rejected[v] = refused as f64 / requests as f64;
+    for round in 0..rounds {
+        for i in 0..n {
+            let v = (i + round) % n;
+            if only.as_deref().is_some_and(|o| o != apps[v].0) {
+                continue;
             }
+            // Each thread calls its own clone of the router (clones share the limiter's
+            // state, as a multi-threaded server's connections do) on a runtime of its own.
+            let start = Instant::now();
+            let counted: Vec<(u64, usize)> = std::thread::scope(|scope| {
+                let workers: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let mut app = apps[v].1.clone();
+                        let keys = &keys;
+                        scope.spawn(move || run(&mut app, keys, requests))
+                    })
+                    .collect();
+                workers
+                    .into_iter()
+                    .map(|w| w.join().expect("a bench thread panicked"))
+                    .collect()
+            });
+            ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
+            let (allocated, refused) = counted[0];
+            allocs[v] = allocated as f64 / requests as f64;
+            rejected[v] = refused as f64 / requests as f64;
         }
-    });
+    }
     let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();
     println!(
         "  variant                  ns/request   over no limiter   allocations/request   rejected"
@@ -228,4 +226,34 @@ fn main() {
         "  A/A control, no limiter (A/A) minus no limiter: {:+.0} ns per request (the noise of the differences above in this run)",
         over(5)
     );
+}
+
+/// `requests` requests through `app` on a current-thread runtime of this thread's own: the
+/// allocations they made and how many were refused.
+fn run(app: &mut Router, keys: &[HeaderValue], requests: usize) -> (u64, usize) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    rt.block_on(async {
+        let allocated = allocations();
+        let mut refused = 0usize;
+        for j in 0..requests {
+            let req = Request::builder()
+                .uri("/")
+                .header("x-api-key", keys[j % keys.len()].clone())
+                .body(axum::body::Body::empty())
+                .expect("a valid request");
+            let svc = <Router as ServiceExt<Request<axum::body::Body>>>::ready(app)
+                .await
+                .expect("the router is always ready");
+            let res = svc.call(req).await.expect("infallible");
+            if res.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                refused += 1;
+            } else {
+                assert!(res.status().is_success(), "{}", res.status());
+            }
+        }
+        (allocations() - allocated, refused)
+    })
 }

@@ -196,9 +196,10 @@ fn main() {
                     .collect()
             });
             ns[v].push(start.elapsed().as_nanos() as f64 / requests as f64);
-            let (allocated, refused) = counted[0];
-            allocs[v] = allocated as f64 / requests as f64;
-            rejected[v] = refused as f64 / requests as f64;
+            // Allocations and refusals over every thread's requests.
+            let sent = (requests * threads) as f64;
+            allocs[v] = counted.iter().map(|&(a, _)| a as f64).sum::<f64>() / sent;
+            rejected[v] = counted.iter().map(|&(_, r)| r as f64).sum::<f64>() / sent;
         }
     }
     let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();

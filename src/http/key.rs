@@ -296,22 +296,25 @@ impl KeyExtractor for Header {
         let (Some(value), None) = (lines.next(), lines.next()) else {
             return false;
         };
-        if value.len() > self.max_len {
+        let bytes = value.as_bytes();
+        // Visible ASCII and inner spaces: no tab, no byte above `~`, no space at either end.
+        if bytes.len() > self.max_len
+            || bytes.first().is_none_or(|&b| b == b' ')
+            || bytes.last() == Some(&b' ')
+        {
             return false;
         }
-        // `to_str` admits visible ASCII and tabs: a key also has no tab, and no space at
-        // either end.
-        let Ok(text) = value.to_str() else {
-            return false;
-        };
-        let usable = !text.is_empty()
-            && !text.starts_with(' ')
-            && !text.ends_with(' ')
-            && !text.contains('\t');
-        if usable {
-            key.push_str(text);
+        // Checked and copied in one pass (a check, then `push_str`, read the value twice).
+        let start = key.len();
+        key.reserve(bytes.len());
+        for &b in bytes {
+            if !matches!(b, b' '..=b'~') {
+                key.truncate(start);
+                return false;
+            }
+            key.push(char::from(b));
         }
-        usable
+        true
     }
 }
 
@@ -433,6 +436,14 @@ pub(crate) mod tests {
         assert_eq!(get(&[b"a", b"b"]), None, "two field lines are ambiguous");
         assert_eq!(get(&[b"caf\xc3\xa9"]), None);
         assert_eq!(get(&[b"a\tb"]), None);
+        assert_eq!(get(&[b" a"]), None);
+        assert_eq!(get(&[b"a "]), None);
+        assert_eq!(get(&[b"a\xff"]), None);
+        // A value refused half-way leaves what the string held before.
+        let mut key = String::from("per-key:");
+        let req = request(None, &[("x-api-key", b"ab\tc")]);
+        assert!(!h.extract(&RequestInfo::of(&req), &mut key));
+        assert_eq!(key, "per-key:");
         assert_eq!(get(&[&[b'x'; 257]]), None);
         assert!(get(&[&[b'x'; 256]]).is_some());
         let short = h.clone().max_len(std::num::NonZeroUsize::new(2).unwrap());

@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
+use bytes::Bytes;
 use http::{Request, Response};
 use pin_project::pin_project;
 use tower::Service;
@@ -15,7 +16,7 @@ use crate::http::body::sealed::Token;
 use crate::http::body::{BodyMode, WrapBody};
 use crate::http::fields::Fields;
 use crate::http::key::RequestInfo;
-use crate::http::rate_limit::layer::{Check, Decided, Shared, Verdict};
+use crate::http::rate_limit::layer::{Check, Decided, Ruling, Shared, Slots};
 use crate::sync::Arc;
 
 /// The response future of [`RateLimit`](crate::http::RateLimit).
@@ -118,20 +119,23 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // The layer's own response, when the verdict is to answer.
+        let mut answer = None;
         loop {
-            // Each verdict is acted on where it is matched: binding it first and acting after
-            // the match copied it (144 bytes) on every request.
+            // The verdict is put in `this.fields` and `answer` where it is made; what comes
+            // back here is a byte.
+            let slots = Slots {
+                fields: this.fields,
+                answer: &mut answer,
+            };
             let fut = match this.state.as_mut().project() {
                 StateProj::Decide { req, inner } => {
                     let r = req.as_ref().expect(POLLED_AFTER_DONE);
-                    match this.shared.decide(&RequestInfo::of(r)) {
-                        Decided::Now(Verdict::Pass(fields)) => {
-                            *this.fields = fields;
-                            call(req, inner)
-                        }
-                        Decided::Now(Verdict::Answer(res)) => {
+                    match this.shared.decide(&RequestInfo::of(r), slots) {
+                        Decided::Now(Ruling::Pass) => call(req, inner),
+                        Decided::Now(Ruling::Answer) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(res.map(|b| K::own(b, Token(())))));
+                            return Poll::Ready(Ok(own::<K, ResBody>(answer)));
                         }
                         Decided::Later(check) => {
                             let (req, inner) = (req.take(), inner.take());
@@ -142,14 +146,11 @@ where
                 }
                 StateProj::Check { check, req, inner } => {
                     let (keys, decided) = ready!(check.as_mut().poll(cx));
-                    match this.shared.conclude(&keys, decided.as_deref()) {
-                        Verdict::Pass(fields) => {
-                            *this.fields = fields;
-                            call(req, inner)
-                        }
-                        Verdict::Answer(res) => {
+                    match this.shared.conclude(&keys, decided.as_deref()).put(slots) {
+                        Ruling::Pass => call(req, inner),
+                        Ruling::Answer => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(res.map(|b| K::own(b, Token(())))));
+                            return Poll::Ready(Ok(own::<K, ResBody>(answer)));
                         }
                     }
                 }
@@ -167,6 +168,14 @@ where
             this.state.set(State::Call { fut });
         }
     }
+}
+
+/// The layer's own response, in the body mode's type: what a verdict to answer put in
+/// `answer`.
+fn own<K: BodyMode<ResBody>, ResBody>(answer: Option<Response<Bytes>>) -> Response<K::Body> {
+    answer
+        .expect("a verdict to answer puts its response")
+        .map(|b| K::own(b, Token(())))
 }
 
 /// The inner service called with the request, both still in the future's state: the

@@ -557,12 +557,31 @@ impl Keys {
     }
 }
 
-/// What the layer does with a request: decided, or to be decided by the gate's future.
+/// What the layer does with a request: decided (its verdict put in the [`Slots`] given), or
+/// to be decided by the gate's future.
 pub(crate) enum Decided {
     /// Decided without I/O.
-    Now(Verdict),
+    Now(Ruling),
     /// The gate's future decides (it owns a copy of the keys).
     Later(Check),
+}
+
+/// A verdict once put in its [`Slots`]: a byte, so that what returns it through the thread's
+/// keys and the future's match copies nothing (the whole verdict, 144 bytes, was copied
+/// on each of those steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ruling {
+    /// Pass to the inner service, adding the fields put in [`Slots::fields`].
+    Pass,
+    /// Answer with the response put in [`Slots::answer`].
+    Answer,
+}
+
+/// Where a verdict goes: the response future's own places for the fields of the inner
+/// service's response and for the layer's answer.
+pub(crate) struct Slots<'a> {
+    pub(crate) fields: &'a mut Option<Fields>,
+    pub(crate) answer: &'a mut Option<Response<Bytes>>,
 }
 
 /// What the layer does with a decided request.
@@ -571,6 +590,22 @@ pub(crate) enum Verdict {
     Pass(Option<Fields>),
     /// Answer with this response (429, 503).
     Answer(Response<Bytes>),
+}
+
+impl Verdict {
+    /// Put the verdict in `slots`; what the future does next.
+    pub(crate) fn put(self, slots: Slots<'_>) -> Ruling {
+        match self {
+            Verdict::Pass(fields) => {
+                *slots.fields = fields;
+                Ruling::Pass
+            }
+            Verdict::Answer(res) => {
+                *slots.answer = Some(res);
+                Ruling::Answer
+            }
+        }
+    }
 }
 
 /// The future of a gate call that could not be decided locally; it owns the keys it
@@ -895,12 +930,13 @@ impl<G> Shared<G> {
 impl<G: Gate + 'static> Shared<G> {
     /// Decide `req`: at once when no policy applies, a key is missing, or the gate decides
     /// without I/O (no allocation on a gate that decides into the reused decisions, as
-    /// [`MemoryGate`](crate::gate::MemoryGate) does); else through the gate's future.
-    pub(crate) fn decide(self: &Arc<Self>, req: &RequestInfo<'_>) -> Decided {
+    /// [`MemoryGate`](crate::gate::MemoryGate) does), the verdict put in `slots`; else
+    /// through the gate's future.
+    pub(crate) fn decide(self: &Arc<Self>, req: &RequestInfo<'_>, slots: Slots<'_>) -> Decided {
         Keys::with(|keys| {
             let cost = match self.prepare(req, keys) {
                 ControlFlow::Continue(cost) => cost,
-                ControlFlow::Break(verdict) => return Decided::Now(verdict),
+                ControlFlow::Break(verdict) => return Decided::Now(verdict.put(slots)),
             };
             let mut decisions = std::mem::take(&mut keys.decisions);
             let decided = self.with_limits(keys, |limits| {
@@ -909,7 +945,7 @@ impl<G: Gate + 'static> Shared<G> {
             let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
             keys.decisions = decisions;
             match verdict {
-                Some(verdict) => Decided::Now(verdict),
+                Some(verdict) => Decided::Now(verdict.put(slots)),
                 // The future owns what it decides and concludes from: the keys and their
                 // spans (an allocation each; a remote decision costs a round trip anyway).
                 None => Decided::Later(self.check(

@@ -942,10 +942,14 @@ impl<G: Gate + 'static> Shared<G> {
             let decided = self.with_limits(keys, |limits| {
                 self.gate.check_all_local(limits, cost, &mut decisions)
             });
-            let verdict = decided.map(|d| self.conclude(keys, d.as_ref().map(|()| &decisions[..])));
+            // Put where it is concluded: an `Option<Verdict>` in between was one more copy.
+            let ruling = decided.map(|d| {
+                self.conclude(keys, d.as_ref().map(|()| &decisions[..]))
+                    .put(slots)
+            });
             keys.decisions = decisions;
-            match verdict {
-                Some(verdict) => Decided::Now(verdict.put(slots)),
+            match ruling {
+                Some(ruling) => Decided::Now(ruling),
                 // The future owns what it decides and concludes from: the keys and their
                 // spans (an allocation each; a remote decision costs a round trip anyway).
                 None => Decided::Later(self.check(

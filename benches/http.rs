@@ -49,7 +49,11 @@
 //!     the same header (its `HeaderValue`, cloned: a reference count, no allocation; the
 //!     cheapest key the crate allows), and the same quota: `.period(period / count)
 //!     .burst_size(burst)` (tower_governor's `.per_second(n)` means one token every `n`
-//!     seconds, not `n` per second).
+//!     seconds, not `n` per second). Each of its rejections builds a new clock
+//!     (`DefaultClock::default()`, quanta's `Clock::new()`, which reads the CPU's features
+//!     with `cpuid`): on a virtual machine that traps to the hypervisor (~26 µs a call on
+//!     a 2-vCPU KVM guest, far less on bare metal), so run B's ratios against it say as
+//!     much about the hypervisor as about the limiter.
 //!   - `tower_governor (headers)`: the same with `.use_headers()`: `x-ratelimit-limit` and
 //!     `x-ratelimit-remaining` on every response, the work flowgate's default fields do.
 //!   - `flowgate (redis)`: the flowgate layer on `RedisGate` (its defaults, timeout raised to

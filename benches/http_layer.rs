@@ -18,7 +18,8 @@
 //!   fields on every response;
 //! - `flowgate (no fields)`: the same with `HeaderStyles::NONE`;
 //! - `tower_governor`: `GovernorLayer` (default settings: no header on success) keyed by
-//!   the same header;
+//!   the same header (each of its 429s builds a new quanta clock, whose `cpuid` traps to
+//!   the hypervisor on a virtual machine: most of what its rejection path costs there);
 //! - `tower_governor (headers)`: the same with `.use_headers()` (`x-ratelimit-limit` and
 //!   `x-ratelimit-remaining` on every response: the work flowgate's default fields do);
 //! - `no limiter (A/A)`: the router alone again, the A/A control: its difference to

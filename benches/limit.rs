@@ -36,9 +36,10 @@
 //!
 //! The `limit_build` group times building (and dropping) a keyed limiter with its real
 //! clock: `MemoryGate::new` against governor's `RateLimiter::keyed`, for code that makes
-//! limiters at run time (one per tenant or per connection). On a virtual machine reading
+//! limiters at run time (one per tenant or per connection). On a virtual machine, reading
 //! the CPU's features to choose a clock traps to the hypervisor, so a clock that is not
-//! built once per process shows here.
+//! built once per process shows here (criterion runs outside any tokio runtime, so
+//! `MemoryGate::new` reads the counter clock).
 
 mod support;
 

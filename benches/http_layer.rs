@@ -23,7 +23,14 @@
 //! - `tower_governor (headers)`: the same with `.use_headers()` (`x-ratelimit-limit` and
 //!   `x-ratelimit-remaining` on every response: the work flowgate's default fields do);
 //! - `no limiter (A/A)`: the router alone again, the A/A control: its difference to
-//!   `no limiter` is what two identical variants read apart in this run.
+//!   `no limiter` is what two identical variants read apart in this run;
+//! - `clone-after-ready only`: a layer of this file ([`Deferred`]) that does the plumbing
+//!   issue 17 prescribes for flowgate's layer and nothing else: `poll_ready` delegates,
+//!   `call` swaps a clone of the ready inner service in (`mem::replace`) and the response
+//!   future calls the ready one on its first poll. Its cost over `no limiter` is the floor
+//!   any layer deciding in its response future pays; flowgate's cost over it is what its
+//!   decision costs, set beside tower_governor's (which decides in `call` and needs no
+//!   clone, so its whole cost over `no limiter` is its decision and its plumbing).
 //!
 //! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. With `LAYER_REJECT=1`,
 //! the rejection path instead (as run B of `benches/http.rs`, where 90 % is rejected): quota
@@ -57,6 +64,10 @@
 mod http_keys;
 mod support;
 
+use std::future::Future;
+use std::mem;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -65,7 +76,7 @@ use flowgate::Quota;
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{HeaderStyles, Policy, RateLimitLayer};
 use http::{HeaderValue, Request};
-use tower::{Service, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 use tower_governor::governor::GovernorConfigBuilder;
 
 use crate::http_keys::{ApiKey, api_key};
@@ -163,6 +174,7 @@ fn main() {
         ("tower_governor (headers)", governor(true)),
         // The router alone again: the A/A control (see the file's docs).
         ("no limiter (A/A)", base.clone()),
+        ("clone-after-ready only", base.clone().layer(Deferred)),
     ]
     .map(|(name, app)| (name, app.with_state(())));
     let keys: Vec<HeaderValue> = (0..16)
@@ -216,18 +228,96 @@ fn main() {
             rejected[i] * 100.0
         );
     }
-    let over = |i: usize| medians[i] - medians[0];
+    let at = |name: &str| {
+        let i = apps
+            .iter()
+            .position(|(n, _)| *n == name)
+            .expect("a variant");
+        medians[i]
+    };
+    let over = |name: &str| at(name) - at("no limiter");
     // Differences, not ratios: a layer that costs next to nothing makes a ratio of overheads
     // swing with the noise.
     println!(
         "  like for like, ns per request more than tower_governor: flowgate (memory) vs tower_governor (headers) {:+.0}; flowgate (no fields) vs tower_governor {:+.0}",
-        over(1) - over(4),
-        over(2) - over(3)
+        over("flowgate (memory)") - over("tower_governor (headers)"),
+        over("flowgate (no fields)") - over("tower_governor")
+    );
+    println!(
+        "  the decision alone: flowgate (no fields) over clone-after-ready only {:+.0} ns (the plumbing issue 17 prescribes costs {:+.0}); tower_governor's decision and plumbing over no limiter {:+.0}",
+        at("flowgate (no fields)") - at("clone-after-ready only"),
+        over("clone-after-ready only"),
+        over("tower_governor")
     );
     println!(
         "  A/A control, no limiter (A/A) minus no limiter: {:+.0} ns per request (the noise of the differences above in this run)",
-        over(5)
+        over("no limiter (A/A)")
     );
+}
+
+/// The plumbing of a layer that decides in its response future, without a decision: the
+/// `clone-after-ready only` variant (see the file's docs).
+#[derive(Clone, Copy, Debug)]
+struct Deferred;
+
+impl<S> Layer<S> for Deferred {
+    type Service = DeferredService<S>;
+
+    fn layer(&self, inner: S) -> DeferredService<S> {
+        DeferredService { inner }
+    }
+}
+
+/// The service of [`Deferred`].
+#[derive(Clone, Debug)]
+struct DeferredService<S> {
+    inner: S,
+}
+
+impl<S, R> Service<R> for DeferredService<S>
+where
+    S: Service<R> + Clone,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = DeferredFuture<S, R>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> DeferredFuture<S, R> {
+        let clone = self.inner.clone();
+        let inner = mem::replace(&mut self.inner, clone);
+        DeferredFuture::Start {
+            inner,
+            req: Some(req),
+        }
+    }
+}
+
+/// The response future of [`DeferredService`]: the ready service and the request, then the
+/// inner future.
+#[pin_project::pin_project(project = DeferredProj)]
+enum DeferredFuture<S: Service<R>, R> {
+    Start { inner: S, req: Option<R> },
+    Call(#[pin] S::Future),
+}
+
+impl<S: Service<R>, R> Future for DeferredFuture<S, R> {
+    type Output = Result<S::Response, S::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let fut = match self.as_mut().project() {
+                DeferredProj::Start { inner, req } => {
+                    inner.call(req.take().expect("polled after the call"))
+                }
+                DeferredProj::Call(fut) => return fut.poll(cx),
+            };
+            self.set(DeferredFuture::Call(fut));
+        }
+    }
 }
 
 /// `requests` requests through `app` on a current-thread runtime of this thread's own: the

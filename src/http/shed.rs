@@ -18,6 +18,7 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::{AcquireOwned, Bulkhead, OwnedBulkheadPermit, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::body::ResponseBody;
+use crate::http::fields;
 use crate::http::key::RequestInfo;
 use crate::http::problem::{self, TEMPORARY_REDUCED_CAPACITY};
 use crate::metrics::{Counter, Labels};
@@ -424,7 +425,7 @@ impl ShedLayerBuilder {
                 bulkhead: self.bulkhead,
                 classify: self.classify,
                 wait: self.wait,
-                retry_after: HeaderValue::from(secs),
+                retry_after: fields::integer_value(secs),
                 body: problem::document(
                     TEMPORARY_REDUCED_CAPACITY,
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -787,7 +787,7 @@ impl<G> Shared<G> {
                 return Verdict::Answer(problem::response(
                     StatusCode::SERVICE_UNAVAILABLE,
                     self.gate_error_body.clone(),
-                    HeaderValue::from(1u64),
+                    fields::integer_value(1),
                 ));
             }
         };
@@ -877,7 +877,7 @@ impl<G> Shared<G> {
         let mut res = problem::response(
             StatusCode::TOO_MANY_REQUESTS,
             body,
-            HeaderValue::from(retry_after),
+            fields::integer_value(retry_after),
         );
         if let Some(fields) = fields {
             fields.write(res.headers_mut());

@@ -169,7 +169,10 @@ const SMALL: u64 = 10_000;
 const SMALL_DIGITS_LEN: usize = 10 + 90 * 2 + 900 * 3 + 9_000 * 4;
 
 /// The decimal digits of 0 to 9 999, back to back (38 890 bytes).
-static SMALL_DIGITS: [u8; SMALL_DIGITS_LEN] = small_digits();
+static SMALL_DIGITS: &str = match std::str::from_utf8(&small_digits()) {
+    Ok(digits) => digits,
+    Err(_) => panic!("decimal digits are ASCII"),
+};
 
 const fn small_digits() -> [u8; SMALL_DIGITS_LEN] {
     let mut out = [0u8; SMALL_DIGITS_LEN];
@@ -218,8 +221,7 @@ pub(crate) fn integer_value(v: u64) -> HeaderValue {
         3 => 190 + (n - 100) * 3,
         _ => 2_890 + (n - 1_000) * 4,
     };
-    let digits: &'static [u8] = &SMALL_DIGITS[start..start + small_len(n)];
-    HeaderValue::from_static(std::str::from_utf8(digits).expect("ASCII digits"))
+    HeaderValue::from_static(&SMALL_DIGITS[start..start + small_len(n)])
 }
 
 /// `v` as an sf-Integer (decimal digits, clamped to the largest one): what sfv writes

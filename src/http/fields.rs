@@ -177,20 +177,29 @@ static SMALL_DIGITS: &str = match std::str::from_utf8(&small_digits()) {
 const fn small_digits() -> [u8; SMALL_DIGITS_LEN] {
     let mut out = [0u8; SMALL_DIGITS_LEN];
     let mut n = 0;
-    let mut at = 0;
     while n < SMALL as usize {
-        let len = small_len(n);
+        let at = small_start(n);
         let mut rest = n;
-        let mut i = len;
+        let mut i = small_len(n);
         while i > 0 {
             i -= 1;
             out[at + i] = b'0' + (rest % 10) as u8;
             rest /= 10;
         }
-        at += len;
         n += 1;
     }
     out
+}
+
+/// Where `n` (below 10 000) starts in [`SMALL_DIGITS`]: after every shorter number, then
+/// after the numbers of its own length below it.
+const fn small_start(n: usize) -> usize {
+    match small_len(n) {
+        1 => n,
+        2 => 10 + (n - 10) * 2,
+        3 => 190 + (n - 100) * 3,
+        _ => 2_890 + (n - 1_000) * 4,
+    }
 }
 
 /// How many digits `n` (below 10 000) has.
@@ -215,12 +224,7 @@ pub(crate) fn integer_value(v: u64) -> HeaderValue {
         return HeaderValue::from(v.min(SF_INTEGER_MAX));
     }
     let n = v as usize;
-    let start = match small_len(n) {
-        1 => n,
-        2 => 10 + (n - 10) * 2,
-        3 => 190 + (n - 100) * 3,
-        _ => 2_890 + (n - 1_000) * 4,
-    };
+    let start = small_start(n);
     HeaderValue::from_static(&SMALL_DIGITS[start..start + small_len(n)])
 }
 

@@ -368,6 +368,27 @@ async fn a_post_is_not_sent_again_after_a_timeout_or_a_500_but_the_budget_hears_
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_timed_out_post_that_is_not_sent_again_takes_a_budget_token() {
+    let hangs = service_fn(|_req: Request<String>| {
+        std::future::pending::<Result<Response<String>, Infallible>>()
+    });
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let policy = RetryPolicy::builder(backoff(5))
+        .attempt_timeout(SECOND)
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(hangs);
+    let err = client.oneshot(request(Method::POST)).await.unwrap_err();
+    assert!(
+        matches!(err, RetryError::TimedOut { attempts: 1 }),
+        "{err:?}"
+    );
+    // A failed attempt, not retried: the budget hears it as it hears a POST's 500.
+    assert_eq!(budget.tokens(), 9.0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_budget_stops_retries_and_returns_the_last_response() {
     let server = Scripted::new();
     let svc = server.service(|_| answer(502, String::new(), None));

@@ -164,9 +164,9 @@ impl Methods {
 /// An [`Outcome::Retry`] (a `500`, a transport error) and a timed-out attempt are retried
 /// only for the methods of [`retry_methods`](RetryLayer::retry_methods), by default the
 /// idempotent ones (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`): the request may
-/// have been acted on, so for the others it is final (as [`Outcome::Fatal`], the budget
-/// counting the failure; a timeout as [`Stop::TimedOut`]). A `429` or `503` is retried for
-/// every method: the server refused the request without acting on it.
+/// have been acted on, so for the others it is final (as [`Outcome::Fatal`]; a timeout as
+/// [`Stop::TimedOut`]; either way the budget counts the failure). A `429` or `503` is
+/// retried for every method: the server refused the request without acting on it.
 ///
 /// The layer, its services and their futures follow tower's rules: `poll_ready` only asks
 /// the inner service; the service that was made ready goes with the request (the layer
@@ -569,9 +569,12 @@ where
                 Some(result) => this.shared.classify.classify(result),
                 None => Outcome::BackPressure { retry_after: None },
             };
-            if outcome == Outcome::Retry && !*this.retryable {
-                // Not sent again; the downstream failed all the same.
-                outcome = Outcome::Fatal;
+            if !*this.retryable && (outcome == Outcome::Retry || result.is_none()) {
+                // Not sent again (a `Retry`, or a timeout); the downstream failed all the
+                // same.
+                if outcome == Outcome::Retry {
+                    outcome = Outcome::Fatal;
+                }
                 if let Some(budget) = policy.budget() {
                     budget.on_failure();
                 }

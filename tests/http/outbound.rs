@@ -490,6 +490,40 @@ async fn the_server_fields_reach_the_pacer_on_every_response() {
     assert!(pacer.rate().per_second_f64() <= 25.0, "{status:?}");
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_above_max_retry_after_does_not_pause_the_next_requests_longer() {
+    // A server that asks for a day with `Retry-After`, then answers.
+    let server = Scripted::new();
+    let svc = server.service(|n| match n {
+        1 => answer(429, String::new(), Some("86400")),
+        _ => answer(200, String::new(), None),
+    });
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let backoff = Backoff::builder()
+        .max_retry_after(60 * SECOND)
+        .seed(1)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(svc);
+    let res = client.clone().oneshot(request(Method::GET)).await.unwrap();
+    assert!(matches!(
+        info(&res).stop,
+        Stop::GaveUp(GiveUp::HintTooLong { .. })
+    ));
+    // The hint was refused as too long to wait for, so no later request waits for it
+    // either: the next one waits no more than `max_retry_after`.
+    let start = Instant::now();
+    let next = tokio::time::timeout(120 * SECOND, client.oneshot(request(Method::GET))).await;
+    assert!(next.is_ok(), "waited {:?} for the pacer", start.elapsed());
+    assert!(start.elapsed() <= 60 * SECOND, "{:?}", start.elapsed());
+}
+
 /// A body of one chunk that notes when it was read to its end.
 struct Watched {
     chunk: Option<Bytes>,

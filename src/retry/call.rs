@@ -34,8 +34,10 @@ pub enum Outcome {
     /// if the budget allows.
     Retry,
     /// The downstream is overloaded or limiting this client (`429`, `503`, a timeout):
-    /// the pacer slows down (and pauses until `retry_after`), then retry, if the budget
-    /// allows, after `retry_after` when the server said, else the backoff's delay.
+    /// the pacer slows down (and pauses until `retry_after`, at most the backoff's
+    /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)), then retry, if
+    /// the budget allows, after `retry_after` when the server said, else the backoff's
+    /// delay.
     BackPressure {
         /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
@@ -244,7 +246,10 @@ impl RetryPolicy {
             }
             Outcome::BackPressure { retry_after } => {
                 if let Some(pacer) = &p.pacer {
-                    pacer.on_back_pressure(retry_after);
+                    // Honoured up to the backoff's `max_retry_after`, as the schedule honours
+                    // it: a longer hint must not hold every later attempt for its length.
+                    let max = p.backoff.max_retry_after();
+                    pacer.on_back_pressure(retry_after.map(|d| d.min(max)));
                 }
             }
             Outcome::Fatal | Outcome::Retry => {}

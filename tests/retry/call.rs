@@ -138,6 +138,46 @@ async fn the_budget_stops_a_retry_storm() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_last_attempt_is_not_counted_as_a_retry_by_the_budget() {
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let backoff = Backoff::builder()
+        .max_attempts(3)
+        .jitter(Jitter::None)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let calls = AtomicU32::new(0);
+    let done = retry(&policy, classify, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(500) }
+    })
+    .await;
+    assert_eq!(done.stop, Stop::GaveUp(GiveUp::Attempts { attempts: 3 }));
+    // Three failures take three tokens, but only two retries were made.
+    assert_eq!(calls.load(Ordering::Relaxed), 3);
+    assert_eq!(budget.tokens(), 7.0);
+    assert_eq!(budget.stats().allowed, 2);
+    assert_eq!(budget.stats().refused, 0);
+
+    // Out of attempts with the budget at its threshold: the attempts ran out, the budget
+    // refused nothing (no retry could have been made).
+    let budget = RetryBudget::new(4, 0.1).unwrap();
+    let backoff = Backoff::builder().max_attempts(2).build().unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let done = retry(&policy, classify, |_| async { Ok(500) }).await;
+    // 4 → 3 (> 2: one retry), 3 → 2 on the last attempt.
+    assert_eq!(done.stop, Stop::GaveUp(GiveUp::Attempts { attempts: 2 }));
+    assert_eq!(budget.tokens(), 2.0);
+    assert_eq!((budget.stats().allowed, budget.stats().refused), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_attempt_that_hangs_is_timed_out_and_counts_as_back_pressure() {
     let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
         .build()

@@ -257,22 +257,29 @@ impl RetryPolicy {
     }
 
     /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or
-    /// why not to retry. Takes a token from the budget.
+    /// why not to retry. Takes a token from the budget; only a retry the schedule allows
+    /// is asked of it (counted as allowed or refused).
     pub(crate) fn next(
         &self,
         schedule: &mut crate::retry::Schedule,
         outcome: Outcome,
     ) -> Result<Duration, Stop> {
-        if let Some(b) = &self.inner.budget
-            && !b.try_retry()
-        {
-            return Err(Stop::Budget);
-        }
         let hint = match outcome {
             Outcome::BackPressure { retry_after } => retry_after,
             _ => None,
         };
-        schedule.next_delay(hint).map_err(Stop::GaveUp)
+        let budget = self.inner.budget.as_ref();
+        match schedule.next_delay(hint) {
+            Err(give_up) => {
+                // Not retried anyway: a failure for the budget, not a retry asked of it.
+                if let Some(b) = budget {
+                    b.on_failure();
+                }
+                Err(Stop::GaveUp(give_up))
+            }
+            Ok(_) if budget.is_some_and(|b| !b.try_retry()) => Err(Stop::Budget),
+            Ok(delay) => Ok(delay),
+        }
     }
 
     pub(crate) fn count_stop(&self, stop: &Stop) {
@@ -375,10 +382,10 @@ impl RetryPolicyBuilder {
 /// Each attempt first waits for the policy's pacer (if any), then runs `op(attempt)`
 /// (`attempt` counts from 1) under the attempt timeout (if any). Its round-trip time is
 /// that attempt's alone, never the wait before it. After a [`Outcome::Retry`] or
-/// [`Outcome::BackPressure`], the budget is asked, then the backoff's schedule: the wait
-/// is the server's `Retry-After` when it sent one, else the jittered backoff; the
-/// schedule gives up when attempts run out or the deadline would pass (at once, without
-/// waiting for a `Retry-After` past it).
+/// [`Outcome::BackPressure`], the backoff's schedule is asked, then the budget (which
+/// hears of the failure either way): the wait is the server's `Retry-After` when it sent
+/// one, else the jittered backoff; the schedule gives up when attempts run out or the
+/// deadline would pass (at once, without waiting for a `Retry-After` past it).
 ///
 /// # Cancel safety
 ///

@@ -153,7 +153,7 @@ impl Methods {
 ///    round-trip time to the policy (the budget, the pacer, the metrics): the RTT of
 ///    that attempt alone, from sending to the response, never the waits before it nor
 ///    the earlier attempts;
-/// 4. stops on success or a fatal outcome; else asks the budget and the backoff, waits
+/// 4. stops on success or a fatal outcome; else asks the backoff and the budget, waits
 ///    (the server's `Retry-After` when it sent one) and goes again, or stops.
 ///
 /// The response is the last attempt's (on giving up after `429`s, the last `429`, its

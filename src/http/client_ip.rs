@@ -597,6 +597,21 @@ mod tests {
     }
 
     #[test]
+    fn a_forwarded_element_of_empty_pairs_has_no_for() {
+        // `;` is an element (RFC 7239: `[ forwarded-pair ] *( ";" [ forwarded-pair ] )`)
+        // without a `for`, as `proto=http` is: it stops the walk. Only an element with
+        // nothing but whitespace is an empty list element, skipped.
+        let c = fwd();
+        let get =
+            |line: &[u8]| key_of(&c, &request(Some("10.0.0.1:1"), &[("forwarded", line)])).unwrap();
+        assert_eq!(get(b"for=192.0.2.1, proto=http"), "10.0.0.1");
+        assert_eq!(get(b"for=192.0.2.1, ;"), "10.0.0.1");
+        assert_eq!(get(b"for=192.0.2.1, ;;, for=10.0.0.5"), "10.0.0.5");
+        assert_eq!(get(b"for=192.0.2.1, , for=10.0.0.5"), "192.0.2.1");
+        assert_eq!(get(b"for=192.0.2.1;, for=10.0.0.5"), "192.0.2.1");
+    }
+
+    #[test]
     fn client_ip_config_errors() {
         let err = ClientIp::builder(ForwardedHeader::XForwardedFor)
             .trust("10.0.0.0/8")

@@ -319,7 +319,8 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
 /// pairs on `;` outside quoted-strings; a quoted value is unescaped (`\x` is `x`);
 /// parameter names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
 /// or whitespace (leniently: RFC 7239 needs quotes around `:` and `[`, which some proxies
-/// leave out). Empty elements are skipped.
+/// leave out). Empty elements (nothing but whitespace) are skipped; an element of bare `;`
+/// has no `for`.
 fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
     let b = line;
     let mut end = b.len();
@@ -335,11 +336,14 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
         let mut node: Option<Option<IpAddr>> = None;
         let mut repeated = false;
         let mut pairs = 0usize;
+        // Whether the element holds anything but whitespace (`;` alone is an element).
+        let mut written = false;
         loop {
             skip_ows(&mut end);
             match last(end) {
                 None | Some(b',') => break,
                 Some(b';') => {
+                    written = true;
                     end -= 1;
                     continue;
                 }
@@ -424,7 +428,7 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                 }
             }
         }
-        if pairs > 0 {
+        if pairs > 0 || written {
             out.push(if repeated { None } else { node.flatten() });
         }
         match last(end) {

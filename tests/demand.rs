@@ -900,6 +900,32 @@ async fn named_with_demand_and_prefetch_report_under_their_names() {
     );
 }
 
+/// The credit a `with_demand` stream takes for an item that never comes (the stream ended)
+/// goes back to the handle; the `flowgate_demand_outstanding` gauge must say so too.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_outstanding_gauge_follows_credit_given_back_at_the_end() {
+    use flowgate::demand::Demanded;
+    let recorder = support::TestRecorder::default();
+    let (mut credit, demand) = metrics::with_local_recorder(&recorder, || {
+        Demanded::builder(futures::stream::iter(0..2), 5)
+            .name("ends")
+            .build()
+            .unwrap()
+    });
+    assert_eq!(credit.by_ref().collect::<Vec<_>>().await, [0, 1]);
+    assert_eq!(
+        demand.outstanding(),
+        3,
+        "the unit taken for the end came back"
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_demand_outstanding{name=ends}"),
+        Some(3.0),
+        "the gauge shows the credit left"
+    );
+}
+
 #[test]
 fn prefetch_builder_validates_everything() {
     let source = || IterSource::new(0..1);

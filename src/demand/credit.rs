@@ -54,11 +54,14 @@ impl Credit {
 
     /// Give back one unit taken for an item that did not come (the stream ended).
     fn give_back(&self) {
-        let _ = self
+        if let Ok(n) = self
             .remaining
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n != UNBOUNDED).then(|| n + 1)
-            });
+            })
+        {
+            self.outstanding.set((n + 1) as f64);
+        }
     }
 }
 

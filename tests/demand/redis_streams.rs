@@ -286,6 +286,38 @@ async fn a_live_consumer_keeps_the_entries_it_holds_from_other_consumers() {
     assert_eq!(drained(&mut con).await, 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_ack_interval_lets_no_other_consumer_take_what_a_live_consumer_holds_or_acked() {
+    let (server, mut con) = with_entries(6).await;
+    // min_idle 300 ms: a's keep-alive is due every 100 ms, whatever its ack interval.
+    let src = RedisStreamSource::builder(server.connect().await, KEY, GROUP, "a")
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_millis(300))
+        .claim_every(Duration::from_millis(100))
+        .ack_interval(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let mut a = Box::pin(prefetch(src, levels(6, 0)));
+    let mut held = take(&mut a, 6).await;
+    // One is done: its ack may wait up to 2 s; the other five are still being worked on.
+    let acked = held.pop().unwrap();
+    let acked_id = acked.id.clone();
+    acked.ack.ack();
+    let mut b = Box::pin(prefetch(source(&server, "b").await, levels(5, 0)));
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(1_200) {
+        if let Some(e) = next(&mut b).await {
+            let what = if e.id == acked_id { "acked" } else { "holds" };
+            panic!("b took {} ({:?}) while a {what} it", e.id, e.origin);
+        }
+    }
+    for e in held {
+        e.ack.ack();
+    }
+    assert_eq!(drained(&mut con).await, 0);
+}
+
 #[tokio::test]
 async fn acks_after_the_source_is_dropped_still_reach_redis() {
     let (server, mut con) = with_entries(10).await;

@@ -417,14 +417,15 @@ impl Counters {
 }
 
 /// A builder with short timings; acks leave only with a fetch or `flush_acks` (the
-/// background task waits 30 s), so the tests know where each ack goes.
+/// background task waits 30 s, and its keep-alive is due every `min_idle / 3` = 30 s), so
+/// the tests know where each ack goes.
 fn lost_group_builder<C>(conn: C, consumer: &str) -> RedisStreamSourceBuilder<C>
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
 {
     RedisStreamSource::builder(conn, KEY, GROUP, consumer)
         .block(Duration::from_millis(50))
-        .min_idle(Duration::from_secs(3))
+        .min_idle(Duration::from_secs(90))
         .claim_every(Duration::from_secs(1))
         .ack_interval(Duration::from_secs(30))
 }

@@ -150,7 +150,9 @@ where
     /// (default 100 ms; at least 1 ms): with the next fetch if one starts sooner, otherwise
     /// by a background task on the tokio runtime the source was built on, which also sends
     /// the acks that come after the source is dropped. A send waits behind a blocking read
-    /// on the same multiplexed connection, so add up to `block`.
+    /// on the same multiplexed connection, so add up to `block`. The task sends them sooner
+    /// when its keep-alive is due (every [`min_idle`](Self::min_idle)` / 3`), so an entry
+    /// acknowledged but not sent yet never goes idle for another consumer to claim.
     pub fn ack_interval(mut self, interval: Duration) -> Self {
         self.ack_interval = crate::time::capped(interval);
         self

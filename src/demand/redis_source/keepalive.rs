@@ -18,7 +18,8 @@ const KEEPALIVE_CHUNK: usize = 500;
 
 /// The source's background task, on the tokio runtime it was built on:
 ///
-/// - sends the queued acks `ack_interval` after the first one since the last send;
+/// - sends the queued acks `ack_interval` after the first one since the last send, or
+///   sooner when the keep-alive is due;
 /// - every `min_idle / 3`, resets the idle time of the entries the application still holds
 ///   (`lua/stream_keepalive.lua`), so other consumers claim only entries of consumers that
 ///   stopped, or entries dropped without an ack;
@@ -52,7 +53,10 @@ pub(super) async fn keep_in_background<C: ConnectionLike>(
                 () = tokio::time::sleep_until(next_touch) => {}
             }
         } else {
-            tokio::time::sleep(cfg.ack_interval).await;
+            // Not later than the keep-alive: an entry acknowledged but not sent is no longer
+            // touched, and must not go idle and be claimed by another consumer; nor may the
+            // wait hold up the keep-alive of the entries still held.
+            tokio::time::sleep_until((Instant::now() + cfg.ack_interval).min(next_touch)).await;
             // Failed, the ids are queued again: retried after the next interval, unless
             // no handle is left to wait for.
             if queue.send(&mut conn, &cfg).await.is_err() && queue.lock().handles == 0 {

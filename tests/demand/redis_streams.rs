@@ -336,6 +336,36 @@ async fn acks_after_the_source_is_dropped_still_reach_redis() {
 }
 
 #[tokio::test]
+async fn acks_taken_by_a_fetch_in_progress_when_the_source_is_dropped_still_reach_redis() {
+    let (server, mut con) = with_entries(10).await;
+    let mut stream = Box::pin(prefetch(source(&server, "f").await, levels(5, 0)));
+    let mut acked = Vec::new();
+    for e in take(&mut stream, 5).await {
+        acked.push(e.id.clone());
+        e.ack.ack();
+    }
+    // The next fetch starts and takes the 5 queued acks along; then shutdown drops the
+    // stream before Redis answered.
+    assert!(futures::poll!(stream.next()).is_pending());
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let still: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(KEY)
+        .arg(GROUP)
+        .arg("-")
+        .arg("+")
+        .arg(100)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let still: Vec<String> = still.into_iter().map(|p| p.0).collect();
+    assert!(
+        acked.iter().all(|id| !still.contains(id)),
+        "acked {acked:?}, still pending {still:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
     let (server, _con) = with_entries(200).await;
     let mut first = Vec::new();

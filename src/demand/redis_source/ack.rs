@@ -162,6 +162,48 @@ impl AckQueue {
     }
 }
 
+/// The acks a fetch takes along in its pipeline. Dropped before Redis answered (the source
+/// dropped mid-fetch, at shutdown), it queues them again, so the background task sends
+/// them; an `XACK` that had gone out already is then answered 0 for those ids, which count
+/// as stale.
+pub(super) struct Carried {
+    queue: Arc<AckQueue>,
+    ids: Vec<String>,
+    generation: u64,
+}
+
+impl Carried {
+    /// Takes the queued acks out of `queue`.
+    pub(super) fn take(queue: &Arc<AckQueue>) -> Carried {
+        let (ids, generation) = queue.take();
+        Carried {
+            queue: queue.clone(),
+            ids,
+            generation,
+        }
+    }
+
+    /// The ids carried.
+    pub(super) fn ids(&self) -> &[String] {
+        &self.ids
+    }
+
+    /// Redis answered (or the call failed): the ids and their generation, for the caller to
+    /// count or queue again.
+    pub(super) fn landed(mut self) -> (Vec<String>, u64) {
+        (std::mem::take(&mut self.ids), self.generation)
+    }
+}
+
+impl Drop for Carried {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            self.queue
+                .requeue(std::mem::take(&mut self.ids), self.generation);
+        }
+    }
+}
+
 /// The acknowledgement handle of one entry. Call [`ack`](Ack::ack) once the entry's work is
 /// done; acks are batched into one `XACK`, sent with the next fetch or by the source's
 /// background task within

@@ -10,7 +10,7 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{FromRedisValue, RedisError, RedisResult, Value};
 use tokio::time::Instant;
 
-use super::ack::{Ack, AckQueue, xack_cmd};
+use super::ack::{Ack, AckQueue, Carried, xack_cmd};
 use super::builder::{Config, create_group, is_code, names};
 use super::entry::{Origin, StreamEntry};
 use super::keepalive::keep_in_background;
@@ -202,7 +202,7 @@ where
     fn start_fetch(&mut self, max: usize) -> BoxFuture<RedisResult<Outcome>> {
         let mut conn = self.conn.clone();
         let cfg = self.config.clone();
-        let (acks, generation) = self.acks.take();
+        let carried = Carried::take(&self.acks);
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
         let phase = self.phase.clone();
         let cursor = self.claim_cursor.clone();
@@ -214,8 +214,8 @@ where
             // Each reply on its own: an XACK that went through is not sent again because the
             // read after it failed.
             pipe.ignore_errors();
-            if !acks.is_empty() {
-                pipe.add_command(xack_cmd(&cfg, &acks));
+            if !carried.ids().is_empty() {
+                pipe.add_command(xack_cmd(&cfg, carried.ids()));
             }
             let origin = if claim {
                 pipe.cmd("XAUTOCLAIM")
@@ -249,7 +249,9 @@ where
                     Origin::New
                 }
             };
-            let mut replies: Vec<RedisResult<Value>> = match pipe.query_async(&mut conn).await {
+            let replies = pipe.query_async(&mut conn).await;
+            let (acks, generation) = carried.landed();
+            let mut replies: Vec<RedisResult<Value>> = match replies {
                 Ok(r) => r,
                 Err(e) => {
                     queue.requeue(acks, generation);
@@ -375,7 +377,9 @@ where
     ///
     /// A fetch in progress is kept across polls and finished by the next call; dropping the
     /// source mid-fetch may leave entries Redis handed out pending for this consumer: they
-    /// are recovered at its next start, or claimed after `min_idle`.
+    /// are recovered at its next start, or claimed after `min_idle`. The acks the fetch
+    /// took along are queued again for the background task (an `XACK` that had reached
+    /// Redis already is then answered 0 for them: counted as stale).
     fn poll_fetch(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -411,6 +415,10 @@ where
     /// background task. Without one (no tokio runtime at build) they stay pending and are
     /// redelivered: never lost.
     fn drop(&mut self) {
+        // A fetch in progress first: the acks it took along go back to the queue while the
+        // source still counts as a handle, so the background task is still there to send
+        // them.
+        drop(self.fetch.take());
         self.acks.release_source();
     }
 }

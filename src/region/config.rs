@@ -289,8 +289,8 @@ where
     }
 
     /// How often a region refreshes its lease and reports its demand (default a fifth of the
-    /// lease; three refreshes and two home timeouts must fit in a lease, so that another
-    /// process can take over before it ends). Shares follow demand within about two
+    /// lease; three refreshes, two home timeouts and a margin of 1 % of the lease (at least
+    /// 5 ms) must fit in a lease, so that another process can take over before it ends). Shares follow demand within about two
     /// refreshes.
     pub fn refresh_every(mut self, every: Duration) -> Self {
         self.refresh = Some(crate::time::capped(every));
@@ -330,8 +330,8 @@ where
     /// weights), `region.safe_share` (the safe shares add up to more than the capacity),
     /// `region.quota` (a period that is not whole microseconds, more than 2^25 units per
     /// period, or numbers too large for exact arithmetic in Redis), `region.lease`,
-    /// `region.refresh` (zero, or 3 × refresh + 2 × home timeout not shorter than the
-    /// lease), `region.home_timeout`
+    /// `region.refresh` (zero, or 3 × refresh + 2 × home timeout + a margin of 1 % of the
+    /// lease, at least 5 ms, not shorter than the lease), `region.home_timeout`
     /// and `region.local_timeout` (zero, or a home timeout not shorter than the refresh
     /// interval), `region.smoothing` (outside (0, 1]).
     pub fn build(self) -> Result<QuotaAllocator<C>, ConfigError> {
@@ -450,8 +450,8 @@ where
                 ConfigErrorKind::Inconsistent,
                 format!(
                     "3 × the refresh ({refresh:?}) + 2 × the home timeout ({home_timeout:?}) \
-                     must be shorter than the lease ({:?}): a lease must outlive a process \
-                     taking another's place",
+                     + a margin ({margin:?}) must be shorter than the lease ({:?}): a lease \
+                     must outlive a process taking another's place",
                     self.ttl
                 ),
             ));

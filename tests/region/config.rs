@@ -86,6 +86,28 @@ async fn bad_settings_are_typed_errors() {
         (e.field(), e.kind()),
         ("region.refresh", ConfigErrorKind::Inconsistent)
     );
+    // 3 × 200 + 2 × 195 = 990 ms is shorter than the 1 s lease, but not by the margin
+    // (1 % of the lease, at least 5 ms): the message must say what it asked for.
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .lease(Duration::from_secs(1))
+        .refresh_every(Duration::from_millis(200))
+        .home_timeout(Duration::from_millis(195))
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.refresh", ConfigErrorKind::Inconsistent)
+    );
+    assert!(e.to_string().contains("margin (10ms)"), "{e}");
+    builder(&server)
+        .await
+        .region(("us", 1))
+        .lease(Duration::from_secs(1))
+        .refresh_every(Duration::from_millis(200))
+        .home_timeout(Duration::from_millis(190))
+        .build()
+        .unwrap();
     let e = err(builder(&server)
         .await
         .region(("us", 1))

@@ -330,9 +330,9 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// Give up on an attempt that takes longer than `timeout` (the attempt alone; the
-    /// backoff's deadline bounds the whole operation). A timed-out attempt is
-    /// back-pressure.
+    /// Give up on an attempt that takes longer than `timeout` (the attempt alone). A
+    /// timed-out attempt is back-pressure. The backoff's deadline is checked only between
+    /// attempts, so this is what bounds an attempt under way.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
         self
@@ -386,6 +386,11 @@ impl RetryPolicyBuilder {
 /// hears of the failure either way): the wait is the server's `Retry-After` when it sent
 /// one, else the jittered backoff; the schedule gives up when attempts run out or the
 /// deadline would pass (at once, without waiting for a `Retry-After` past it).
+///
+/// The backoff's deadline is checked between attempts: it neither cuts an attempt short nor
+/// the wait for the pacer. To keep the whole operation within it, give the policy an
+/// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) (or bound the future returned
+/// here with `tokio::time::timeout`).
 ///
 /// # Cancel safety
 ///

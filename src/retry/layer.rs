@@ -146,7 +146,8 @@ impl Methods {
 /// 1. waits for the policy's [`AdaptivePacer`], if any;
 /// 2. sends the request (the inner service made ready first), under the policy's
 ///    [`attempt_timeout`](crate::retry::RetryPolicyBuilder::attempt_timeout) if any (a
-///    timed-out attempt is back-pressure);
+///    timed-out attempt is back-pressure; the backoff's deadline is checked only between
+///    attempts, so this is what bounds an attempt under way);
 /// 3. classifies the result; feeds the response's `RateLimit-Policy` / `RateLimit`
 ///    fields to the pacer (every response, not only refusals: the server's remaining
 ///    steers the rate before any `429`); reports the outcome and the attempt's own

@@ -41,13 +41,19 @@
 //!             break Ok(v);
 //!         }
 //!         Err(retry_after) => {
+//!             // The schedule first: a retry it will not make is a failure for the
+//!             // budget, not a retry asked of it.
+//!             let delay = match schedule.next_delay(retry_after) {
+//!                 Ok(delay) => delay,
+//!                 Err(give_up) => {
+//!                     budget.on_failure();
+//!                     break Err(give_up.to_string());
+//!                 }
+//!             };
 //!             if !budget.try_retry() {
 //!                 break Err("retry budget exhausted".to_string());
 //!             }
-//!             match schedule.next_delay(retry_after) {
-//!                 Ok(delay) => tokio::time::sleep(delay).await,
-//!                 Err(give_up) => break Err(give_up.to_string()),
-//!             }
+//!             tokio::time::sleep(delay).await;
 //!         }
 //!     }
 //! };

@@ -1272,3 +1272,26 @@ fn check_all_on_one_limit_validates_and_shares_the_merged_bucket() {
     // Bucket state is not the gate's own limit: `check` on the same key is apart.
     assert!(gate.check("k", 10).unwrap().allowed);
 }
+
+/// `check_all` promises that nothing is charged on an error. With 16 keys of room (one per
+/// shard) and 17 new keys in one request, two of them share a shard that has room for one:
+/// the request must fail with `KeyspaceFull` and leave every bucket untouched.
+#[test]
+fn check_all_charges_nothing_when_the_keyspace_fills_mid_request() {
+    let gate = MemoryGate::builder(quota(10)).max_keys(16).build().unwrap();
+    // One token an hour: a charged bucket stays empty while the test runs.
+    let q = Quota::new(Rate::per(1, Duration::from_secs(3_600)).unwrap(), 1).unwrap();
+    let keys: Vec<String> = (0..17).map(|i| format!("k{i}")).collect();
+    let limits: Vec<(&str, Quota)> = keys.iter().map(|k| (k.as_str(), q)).collect();
+    assert!(matches!(
+        gate.check_all(&limits, 1),
+        Err(GateError::KeyspaceFull { .. })
+    ));
+    // A charged key would now be rejected (its only token taken); an uncharged one is
+    // admitted, or finds its shard full.
+    let charged: Vec<&String> = keys
+        .iter()
+        .filter(|k| matches!(gate.check_all(&[(k.as_str(), q)], 1), Ok(d) if !d[0].allowed))
+        .collect();
+    assert!(charged.is_empty(), "charged by a failed request: {charged:?}");
+}

@@ -1293,5 +1293,8 @@ fn check_all_charges_nothing_when_the_keyspace_fills_mid_request() {
         .iter()
         .filter(|k| matches!(gate.check_all(&[(k.as_str(), q)], 1), Ok(d) if !d[0].allowed))
         .collect();
-    assert!(charged.is_empty(), "charged by a failed request: {charged:?}");
+    assert!(
+        charged.is_empty(),
+        "charged by a failed request: {charged:?}"
+    );
 }

@@ -26,6 +26,9 @@ pub(crate) const MAX_QUOTAS: usize = 16;
 /// validated and merged without allocating, and stays small to move.
 type Inline<T> = SmallVec<[T; 4]>;
 
+/// A token bucket's state.
+type State = <TokenBucket as Algorithm>::State;
+
 /// A bucket of a request: its key, its quota, the cost it is charged.
 pub(crate) type Bucket<'a> = (&'a str, Quota, u32);
 
@@ -204,6 +207,13 @@ impl MemoryBuckets {
         Ok(&mut self.by_quota[at].keys)
     }
 
+    /// Put `key` of `quota` back to `state` (forget it when `None`): undoes a charge.
+    fn restore(&mut self, (key, hash): (&str, u64), quota: Quota, state: Option<State>) {
+        if let Some(q) = self.by_quota.iter_mut().find(|q| q.quota == quota) {
+            q.keys.restore_hashed(hash, key, state);
+        }
+    }
+
     /// A new, empty map for `quota`; its index.
     fn add(&mut self, quota: Quota, room: &Room<'_>) -> Result<usize, GateError> {
         let keys = Keyed::with_hasher(TokenBucket::new(quota), room.per_shard, room.hasher.clone())
@@ -351,16 +361,39 @@ impl ShardedBuckets {
         }
         // Room first, then each bucket decided on a copy of its state: pure, so deciding
         // again for real below gives the same answer.
-        for ((&s, &h), &(key, quota, cost)) in shard.iter().zip(&hash).zip(&request.buckets) {
+        let mut before: [Option<State>; MAX_LIMITS] = [None; MAX_LIMITS];
+        for (((&s, &h), &(key, quota, cost)), held) in shard
+            .iter()
+            .zip(&hash)
+            .zip(&request.buckets)
+            .zip(&mut before)
+        {
             let keys = locked(&mut guards, s).room((key, h), quota, now, &room)?;
-            let mut state = keys.get_hashed(h, key).copied().unwrap_or_default();
+            *held = keys.get_hashed(h, key).copied();
+            let mut state = held.unwrap_or_default();
             out.push(keys.algorithm().check(&mut state, now, cost)?);
         }
         let buckets = shard.iter().zip(&hash).zip(&request.buckets);
         if out.iter().all(|d| d.allowed) {
-            for (d, ((&s, &h), &(key, quota, cost))) in out.iter_mut().zip(buckets) {
-                let keys = locked(&mut guards, s).room((key, h), quota, now, &room)?;
-                *d = keys.check_hashed(h, key, now, cost).map_err(keyed_error)?;
+            for (j, (d, ((&s, &h), &(key, quota, cost)))) in out.iter_mut().zip(buckets).enumerate()
+            {
+                let shard_j = locked(&mut guards, s);
+                let charged = shard_j
+                    .room((key, h), quota, now, &room)
+                    .and_then(|keys| keys.check_hashed(h, key, now, cost).map_err(keyed_error));
+                match charged {
+                    Ok(decided) => *d = decided,
+                    Err(e) => {
+                        // No room for this key after all (new keys of this request share a
+                        // shard that had room for fewer): undo the charges made so far, so
+                        // nothing is charged on an error.
+                        for (i, &(key, quota, _)) in request.buckets[..j].iter().enumerate() {
+                            let held = (key, hash[i]);
+                            locked(&mut guards, shard[i]).restore(held, quota, before[i]);
+                        }
+                        return Err(e);
+                    }
+                }
             }
         } else {
             // Not all had room: nothing is charged; the buckets that had room report a

@@ -202,6 +202,23 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             .map(|(_, state)| state)
     }
 
+    /// Put `key`, whose hash is `hash`, back to `state`, or forget it when `state` is `None`
+    /// (it was not held): undoes a decision made at the same `now`.
+    pub(crate) fn restore_hashed<Q>(&mut self, hash: u64, key: &Q, state: Option<A::State>)
+    where
+        K: Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
+        if let Ok(entry) = self.map.find_entry(hash, |(k, _)| k.borrow() == key) {
+            match state {
+                Some(state) => entry.into_mut().1 = state,
+                None => {
+                    entry.remove();
+                }
+            }
+        }
+    }
+
     /// Forget `key` (its next request starts fresh); returns its state.
     pub fn remove<Q>(&mut self, key: &Q) -> Option<A::State>
     where

@@ -224,6 +224,23 @@ fn the_memory_gate_builder_validates_and_names() {
     ));
 }
 
+/// `max_keys` is rounded up to a multiple of 16: a figure too large to round (such as
+/// `usize::MAX`, a natural way to say "no limit") is a `ConfigError`, not an overflow panic.
+#[test]
+fn a_max_keys_too_large_to_round_up_is_a_config_error() {
+    let built = std::panic::catch_unwind(|| {
+        MemoryGate::builder(per_minute(5))
+            .max_keys(usize::MAX)
+            .build()
+            .map(|gate| gate.max_keys())
+    });
+    let err = built
+        .expect("build panicked")
+        .expect_err("usize::MAX keys cannot be rounded up to 16 shards");
+    assert_eq!(err.field(), "keyed.max_keys");
+    assert_eq!(err.kind(), flowgate::ConfigErrorKind::TooLarge);
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test]
 async fn the_memory_gate_and_the_adapter_count_under_their_names() {

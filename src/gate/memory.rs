@@ -9,7 +9,7 @@ use foldhash::fast::RandomState;
 
 use crate::clock::Clock;
 use crate::decision::Decision;
-use crate::error::ConfigError;
+use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
@@ -210,12 +210,20 @@ impl MemoryGateBuilder {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `keyed.max_keys` if it is zero.
+    /// [`ConfigError`] on `keyed.max_keys` if it is zero, or too large to round up to a
+    /// multiple of 16 (within 15 of `usize::MAX`).
     pub fn build(self) -> Result<MemoryGate, ConfigError> {
         if self.max_keys == 0 {
             return Err(ConfigError::zero("keyed.max_keys"));
         }
         let per_shard = self.max_keys.div_ceil(SHARDS);
+        let Some(max_keys) = per_shard.checked_mul(SHARDS) else {
+            return Err(ConfigError::new(
+                "keyed.max_keys",
+                ConfigErrorKind::TooLarge,
+                format!("{} cannot be rounded up to {SHARDS} shards", self.max_keys),
+            ));
+        };
         let hasher = RandomState::default();
         let shards = (0..SHARDS)
             .map(|_| Shard::new(self.limit, per_shard, &hasher).map(Mutex::new))
@@ -229,7 +237,7 @@ impl MemoryGateBuilder {
                 multi: ShardedBuckets::new(SHARDS, per_shard, hasher.clone()),
                 hasher,
                 clock: self.clock.unwrap_or_default(),
-                max_keys: per_shard * SHARDS,
+                max_keys,
                 allowed: decisions("allowed"),
                 rejected: decisions("rejected"),
                 name: self.name,

@@ -303,6 +303,23 @@ async fn a_target_that_never_waits_still_ends_each_step() {
     assert!(report.steps.iter().all(|s| s.ok > 0));
 }
 
+/// `Duration::MAX` is the natural way to say "as long as it takes": a step that long runs
+/// (here until the test stops waiting) instead of panicking on `Instant + Duration::MAX`.
+#[tokio::test(start_paused = true)]
+async fn duration_max_settings_do_not_panic() {
+    let config = KneeConfig::builder()
+        .steps([1])
+        .step_duration(Duration::MAX)
+        .warmup(Duration::from_secs(1))
+        .timeout(Duration::MAX)
+        .build()
+        .unwrap();
+    let target = downstream(4, 1.3, 0.01, 0.0);
+    let searching = find_knee(&target, &config);
+    let still = tokio::time::timeout(Duration::from_secs(10), searching).await;
+    assert!(still.is_err(), "a step of Duration::MAX ended: {still:?}");
+}
+
 #[test]
 fn bad_configurations_are_refused() {
     let cases: Vec<(KneeConfigBuilder, &str, ConfigErrorKind)> = vec![

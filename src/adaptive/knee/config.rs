@@ -151,7 +151,8 @@ impl KneeConfigBuilder {
         self
     }
 
-    /// How long each step runs, warm-up included (default 5 s).
+    /// How long each step runs, warm-up included (default 5 s; longer than a century is
+    /// taken as a century, as the warm-up and the timeout are).
     pub fn step_duration(mut self, duration: Duration) -> Self {
         self.config.step_duration = duration;
         self
@@ -212,7 +213,16 @@ impl KneeConfigBuilder {
     /// `knee.warmup` (not shorter than the step), `knee.timeout` (zero), and each fraction
     /// outside its range (`knee.plateau`, `knee.max_drop`, `knee.max_latency_growth`,
     /// `knee.max_back_pressure`, `knee.recommend_fraction`).
-    pub fn build(self) -> Result<KneeConfig, ConfigError> {
+    pub fn build(mut self) -> Result<KneeConfig, ConfigError> {
+        // Longer than a century (`Duration::MAX`: "as long as it takes") is a century, so
+        // adding it to an `Instant` cannot overflow.
+        for d in [
+            &mut self.config.step_duration,
+            &mut self.config.warmup,
+            &mut self.config.timeout,
+        ] {
+            *d = crate::time::capped(*d);
+        }
         let c = &self.config;
         if let Some(steps) = &c.steps {
             if steps.is_empty() {

@@ -211,7 +211,11 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     {
         if let Ok(entry) = self.map.find_entry(hash, |(k, _)| k.borrow() == key) {
             match state {
-                Some(state) => entry.into_mut().1 = state,
+                Some(state) => {
+                    // A sweep since may have looked only at the later state.
+                    self.next_sweep = self.next_sweep.min(self.algorithm.neutral_at(&state));
+                    entry.into_mut().1 = state;
+                }
                 None => {
                     entry.remove();
                 }

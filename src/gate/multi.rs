@@ -478,6 +478,34 @@ mod tests {
     }
 
     #[test]
+    fn a_request_that_finds_no_room_for_its_second_new_quota_charges_nothing() {
+        // One shard holding 15 quotas with a key each, busy for an hour: room for one more
+        // quota, and the request brings two.
+        let buckets = sharded(1, 100);
+        let shard_of = |_: u64| 0;
+        let hourly = |n: u32| {
+            let rate = crate::rate::Rate::per(n, Duration::from_secs(3_600)).unwrap();
+            Quota::new(rate, 1).unwrap()
+        };
+        let keys: Vec<String> = (0..17).map(|i| format!("k{i}")).collect();
+        let mut out = Vec::new();
+        for (i, k) in keys[..15].iter().enumerate() {
+            let m = Merged::new(&[(k.as_str(), hourly(i as u32 + 1))], 1).unwrap();
+            buckets
+                .check_all_into(&m, shard_of, Duration::ZERO, 100, &mut out)
+                .unwrap();
+        }
+        let limits = [
+            (keys[15].as_str(), hourly(16)),
+            (keys[16].as_str(), hourly(17)),
+        ];
+        let m = Merged::new(&limits, 1).unwrap();
+        let full = buckets.check_all_into(&m, shard_of, Duration::ZERO, 100, &mut out);
+        assert!(matches!(full, Err(GateError::KeyspaceFull { .. })));
+        assert_eq!(buckets.len(), 15, "a key of the failed request was charged");
+    }
+
+    #[test]
     fn repeated_keys_merge_and_expand_in_order() {
         let limits = [
             ("a", q(5)),

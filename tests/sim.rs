@@ -264,6 +264,18 @@ async fn report_windows() {
     assert!(report.latency(Duration::ZERO, secs(4), 0.5) >= Duration::from_micros(23_750));
 }
 
+/// A run of `Duration::MAX` ("until I stop it") runs, here until the test stops waiting,
+/// instead of panicking on `Instant + Duration::MAX`.
+#[tokio::test(start_paused = true)]
+async fn a_run_of_duration_max_does_not_panic() {
+    let downstream = Scenario::steep_knee().downstream();
+    let bulkhead = Bulkhead::new(4).unwrap();
+    let load = Load::new(2, Duration::MAX).tick(Duration::MAX);
+    let running = sim::drive(&downstream, &bulkhead, &load);
+    let still = tokio::time::timeout(secs(1), running).await;
+    assert!(still.is_err(), "a run of Duration::MAX ended");
+}
+
 #[test]
 fn a_two_minute_scenario_runs_in_well_under_a_second() {
     let rt = tokio::runtime::Builder::new_current_thread()

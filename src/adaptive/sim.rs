@@ -573,12 +573,12 @@ pub struct Load {
 }
 
 impl Load {
-    /// `clients` closed-loop tasks (at least one) for `duration`, no think time, the limit
-    /// recorded every 100 ms.
+    /// `clients` closed-loop tasks (at least one) for `duration` (longer than a century: a
+    /// century), no think time, the limit recorded every 100 ms.
     pub fn new(clients: u32, duration: Duration) -> Load {
         Load {
             clients: clients.max(1),
-            duration,
+            duration: crate::time::capped(duration),
             think_time: Duration::ZERO,
             tick: Duration::from_millis(100),
         }
@@ -586,13 +586,13 @@ impl Load {
 
     /// How long each client waits between the end of a call and its next acquisition.
     pub fn think_time(mut self, think_time: Duration) -> Self {
-        self.think_time = think_time;
+        self.think_time = crate::time::capped(think_time);
         self
     }
 
-    /// How often the bulkhead's limit is recorded (at least 1 ms).
+    /// How often the bulkhead's limit is recorded (at least 1 ms, at most a century).
     pub fn tick(mut self, tick: Duration) -> Self {
-        self.tick = tick.max(Duration::from_millis(1));
+        self.tick = crate::time::capped(tick.max(Duration::from_millis(1)));
         self
     }
 

@@ -209,6 +209,46 @@ async fn the_server_policy_and_allowance_cap_the_rate() {
     assert!(a.status().paused_until.is_some());
 }
 
+/// "Never faster than the server allows": a server policy below the floor (by default 1 %
+/// of the ceiling) still caps the rate, and so does an allowance, before and after a cut.
+/// The floor is where cuts stop, not a licence to send above what the server allows.
+#[tokio::test(start_paused = true)]
+async fn the_server_policy_caps_the_rate_below_the_floor() {
+    // Ceiling 10 000/s, so the floor is 100/s; the server allows 50/s.
+    let a = AdaptivePacer::builder(Rate::per_second(10_000).unwrap())
+        .build()
+        .unwrap();
+    a.on_policy(50, SECOND);
+    let s = a.status();
+    assert!(s.rate_per_second <= 50.0 + 1e-9, "{s:?}");
+    assert!(s.ceiling_per_second <= 50.0 + 1e-9, "{s:?}");
+    assert!(a.rate().per_second_f64() <= 50.0 + 1e-9, "{:?}", a.rate());
+    a.on_back_pressure(None);
+    assert!(
+        a.status().rate_per_second <= 50.0 + 1e-9,
+        "{:?}",
+        a.status()
+    );
+    // Without a policy, an allowance of 20 within 1 s caps the rate at 20/s.
+    let b = AdaptivePacer::builder(Rate::per_second(10_000).unwrap())
+        .build()
+        .unwrap();
+    b.on_allowance(20, SECOND);
+    assert!(
+        b.status().rate_per_second <= 20.0 + 1e-9,
+        "{:?}",
+        b.status()
+    );
+    // Once the allowance's reset has passed, the floor holds again.
+    advance(2 * SECOND).await;
+    b.on_success();
+    assert!(
+        b.status().rate_per_second >= 100.0 - 1e-9,
+        "{:?}",
+        b.status()
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_unused_rate_does_not_grow() {
     let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())

@@ -50,6 +50,9 @@ const SLOW_START_BELOW: f64 = 0.5;
 const USED_SHARE: f64 = 0.8;
 /// A change of the rate smaller than this share is not passed to the pacer.
 const APPLY_SHARE: f64 = 0.001;
+/// The lowest cap the server's fields set, per second (the pacer's slowest rate, one per
+/// 1 000 s): the rate stays positive even when the server allows nothing until its reset.
+const MIN_CAP: f64 = 0.001;
 
 /// What the [`AdaptivePacer`] is doing; part of its [`AdaptiveStatus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -355,7 +358,8 @@ impl AdaptivePacer {
             let good = c.rate.min(measured.max(self.inner.config.floor));
             let cut = (c.rate * self.inner.config.decrease).min(measured);
             c.last_good = good;
-            c.rate = cut.max(self.inner.config.floor);
+            c.rate = cut;
+            self.inner.bound(&mut c, now);
             c.last_cut = now;
             c.cuts += 1;
             self.inner.cuts.increment(1);
@@ -480,7 +484,8 @@ impl Shared {
                 .is_some_and(|&(at, _)| now.saturating_duration_since(at) <= FIELDS_FRESH)
     }
 
-    /// The highest rate allowed now.
+    /// The highest rate allowed now. The floor bounds the cuts, never the server: a policy
+    /// or an allowance below the floor caps the rate below it.
     fn cap(&self, c: &Control, now: Instant) -> f64 {
         let mut cap = self.config.ceiling;
         if let Some((sustained, _, _)) = c.policy {
@@ -491,7 +496,12 @@ impl Shared {
         {
             cap = cap.min(allowed);
         }
-        cap.max(self.config.floor)
+        cap.max(MIN_CAP)
+    }
+
+    /// Keep the rate at or above the floor, then at or below the cap.
+    fn bound(&self, c: &mut Control, now: Instant) {
+        c.rate = c.rate.max(self.config.floor).min(self.cap(c, now));
     }
 
     /// Whether the caller uses the rate (so that growing it means something).
@@ -515,7 +525,7 @@ impl Shared {
                 self.probe(c, now, dt);
             }
         }
-        c.rate = c.rate.clamp(self.config.floor, self.cap(c, now));
+        self.bound(c, now);
     }
 
     /// Probing: climb (additive, accelerating; doubling while far below the last good rate).
@@ -648,7 +658,8 @@ pub struct AdaptivePacerBuilder {
 }
 
 impl AdaptivePacerBuilder {
-    /// The lowest rate a cut goes to. Default: 1 % of the ceiling.
+    /// The lowest rate a cut goes to. Default: 1 % of the ceiling. A server's policy or
+    /// allowance below it still caps the rate (the server is never sent more than it allows).
     pub fn floor(mut self, floor: Rate) -> Self {
         self.floor = Some(floor);
         self

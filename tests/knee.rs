@@ -275,6 +275,42 @@ async fn ignored_outcomes_are_counted_apart() {
     assert!((step.throughput - 75.0).abs() < 1.0, "{step:?}");
 }
 
+/// Answers after a latency set by the calls in flight when it starts (itself included):
+/// 10 ms up to 10 in flight, 5 ms up to 20, 100 ms above.
+#[derive(Debug, Default)]
+struct ByInFlight {
+    in_flight: std::sync::atomic::AtomicU32,
+}
+
+impl KneeTarget for ByInFlight {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        Box::pin(async move {
+            let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+            let ms = match n {
+                0..=10 => 10,
+                11..=20 => 5,
+                _ => 100,
+            };
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            Outcome::Ok
+        })
+    }
+}
+
+/// The report's `recommended` is documented as `⌊knee × recommend_fraction⌋` of the
+/// reported `knee`. Here the knee interpolates to 19.6 (1 000/s at 10, 4 000/s at 20, 97 %
+/// of 4 000 is 3 880), reported as 20: the recommendation is ⌊20 × 0.65⌋ = 13.
+#[tokio::test(start_paused = true)]
+async fn the_recommendation_is_the_documented_fraction_of_the_reported_knee() {
+    let config = quick().steps([10, 20, 40]).build().unwrap();
+    let report = find_knee(&ByInFlight::default(), &config).await.unwrap();
+    let throughput: Vec<f64> = report.steps.iter().map(|s| s.throughput.round()).collect();
+    assert_eq!(throughput, [1_000.0, 4_000.0, 400.0], "{report:?}");
+    assert_eq!(report.knee, Some(20));
+    assert_eq!(report.recommended, Some(20 * 65 / 100));
+}
+
 #[derive(Debug)]
 struct Slow;
 

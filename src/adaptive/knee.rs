@@ -413,10 +413,12 @@ where
     }
 
     let steps = search.sorted();
-    let knee = knee_of(&steps, config);
-    let recommended = knee.map(|k| ((k * config.recommend_fraction).floor() as u32).max(1));
+    // Rounded first: the recommendation is the fraction of the knee reported.
+    let knee = knee_of(&steps, config).map(|k| k.round() as u32);
+    let recommended =
+        knee.map(|k| ((f64::from(k) * config.recommend_fraction).floor() as u32).max(1));
     Ok(KneeReport {
-        knee: knee.map(|k| k.round() as u32),
+        knee,
         recommended,
         recommend_fraction: config.recommend_fraction,
         steps,

@@ -249,6 +249,22 @@ async fn the_server_policy_caps_the_rate_below_the_floor() {
     );
 }
 
+/// An allowance of nothing left (`r=0`) until a reset 1 s away caps the rate, but it must not
+/// hold the pacer far past the reset: the rate comes back once the reset has passed.
+#[tokio::test(start_paused = true)]
+async fn an_allowance_of_zero_holds_the_pacer_about_until_its_reset() {
+    let a = AdaptivePacer::builder(Rate::per_second(10_000).unwrap())
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    a.on_allowance(0, SECOND);
+    for _ in 0..5 {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+    }
+    assert!(start.elapsed() <= 3 * SECOND, "{:?}", start.elapsed());
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_unused_rate_does_not_grow() {
     let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())

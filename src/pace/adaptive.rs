@@ -383,8 +383,9 @@ impl AdaptivePacer {
     /// `r` and `t` of the IETF `RateLimit` field, or `X-RateLimit-Remaining` / `-Reset`).
     ///
     /// Until `reset` has elapsed the rate stays at or below `remaining / reset` (or the
-    /// policy's `q / w` when that is higher); with a policy known, the remaining steers the
-    /// rate (see [Tracking](AdaptivePacer#state-machine)).
+    /// policy's `q / w` when that is higher; a `remaining` of 0 counts as 1, so the pacer
+    /// is not held past the reset); with a policy known, the remaining steers the rate (see
+    /// [Tracking](AdaptivePacer#state-machine)).
     pub fn on_allowance(&self, remaining: u64, reset: Duration) {
         let now = Instant::now();
         let mut c = self.inner.lock();
@@ -398,7 +399,9 @@ impl AdaptivePacer {
         c.remaining.push_back((now, remaining));
         if !reset.is_zero() {
             let sustained = c.policy.map_or(0.0, |(rate, _, _)| rate);
-            let cap = (remaining as f64 / reset.as_secs_f64()).max(sustained);
+            // At least one unit within `reset`: a cap below that would hold the pacer's
+            // schedule (one unit per 1 / cap) far past the reset.
+            let cap = (remaining.max(1) as f64 / reset.as_secs_f64()).max(sustained);
             c.allowance = Some((cap, now + capped(reset)));
         }
         self.inner.step(&mut c, now);

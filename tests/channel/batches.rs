@@ -297,3 +297,27 @@ proptest! {
         run_model(cap, ops)?;
     }
 }
+
+/// `Stats`' docs: "at any moment `sent == received + dropped + len()`". A receiver's batch
+/// is counted by `len()` (not handed out yet), so it must not be counted as received too.
+#[tokio::test]
+async fn stats_add_up_with_len_while_a_receiver_holds_a_batch() {
+    let (tx, mut rx) = channel::bounded::<u32>(16).unwrap();
+    for i in 0..5 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(rx.recv().await, Some(0)); // 1 to 4 are in its batch
+    let s = tx.stats();
+    assert_eq!(tx.len(), 4);
+    assert_eq!(s.sent, 5);
+    assert_eq!(
+        s.sent,
+        s.received + s.dropped + tx.len() as u64,
+        "{s:?} with len {}",
+        tx.len()
+    );
+    assert_eq!(s.received, 1, "only one item was handed out");
+    assert_eq!(rx.try_recv(), Ok(1));
+    let s = tx.stats();
+    assert_eq!((s.sent, s.received, tx.len()), (5, 2, 3));
+}

@@ -368,11 +368,14 @@ impl<T> Shared<T> {
     }
 
     fn stats_locked(&self, st: &State<T>) -> Stats {
-        // Every accepted item is received, dropped, or still queued (a batch counts as
-        // received when it is taken): no counter on the senders' path.
+        // Every accepted item is received, dropped, or still queued (`st.received` counts a
+        // batch when it is taken): no counter on the senders' path. The items of a batch not
+        // yet handed out are in `len()`, not yet received, so `sent == received + dropped +
+        // len()`.
+        let batched: usize = st.batches.iter().map(|b| b.get()).sum();
         Stats {
             sent: st.received + st.dropped + self.queued(st) as u64,
-            received: st.received,
+            received: st.received.saturating_sub(batched as u64),
             dropped: st.dropped,
         }
     }

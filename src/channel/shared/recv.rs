@@ -51,9 +51,9 @@ impl<T> Shared<T> {
     /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
     /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
     /// channel's bound still counts them. A receiver takes at most its share of what is
-    /// queued (`len / receivers`), so none sits on items another one is idle for. `Stats` count a
-    /// batch as received when it is taken (and uncount what is given back); the
-    /// `received_total` metric, which cannot go back, counts items as they are handed out.
+    /// queued (`len / receivers`), so none sits on items another one is idle for. `st.received`
+    /// counts a batch when it is taken (and uncounts what is given back); `Stats::received`
+    /// and the `received_total` metric count items as they are handed out.
     ///
     /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
     /// stream waiters, which every new item wakes.

@@ -523,6 +523,27 @@ async fn a_caught_panic_in_the_unordered_adapter_returns_its_permit_at_once() {
 }
 
 #[tokio::test]
+async fn a_caught_panic_in_the_ordered_adapters_closure_returns_its_permit() {
+    let b = Bulkhead::new(1).unwrap();
+    // The closure itself panics (not the future it returns), after the permit was taken.
+    let mut stream = Box::pin(futures::stream::iter(0..3u32).bulkhead_map(b.clone(), |x| {
+        assert_ne!(x, 0, "boom");
+        async move { x }
+    }));
+    assert!(
+        AssertUnwindSafe(stream.next())
+            .catch_unwind()
+            .await
+            .is_err()
+    );
+    assert_eq!(b.in_flight(), 0, "no future holds the permit taken for item 0");
+    // Limit 1: with that permit still counted the stream would wait forever.
+    let rest = tokio::time::timeout(Duration::from_secs(5), stream.by_ref().collect::<Vec<_>>());
+    assert_eq!(rest.await.expect("not stuck"), [1, 2]);
+    assert_eq!(b.in_flight(), 0);
+}
+
+#[tokio::test]
 async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();
     // Normal share 3: the adapter runs three at a time, recycling its permits.

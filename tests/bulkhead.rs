@@ -536,7 +536,11 @@ async fn a_caught_panic_in_the_ordered_adapters_closure_returns_its_permit() {
             .await
             .is_err()
     );
-    assert_eq!(b.in_flight(), 0, "no future holds the permit taken for item 0");
+    assert_eq!(
+        b.in_flight(),
+        0,
+        "no future holds the permit taken for item 0"
+    );
     // Limit 1: with that permit still counted the stream would wait forever.
     let rest = tokio::time::timeout(Duration::from_secs(5), stream.by_ref().collect::<Vec<_>>());
     assert_eq!(rest.await.expect("not stuck"), [1, 2]);

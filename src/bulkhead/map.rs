@@ -150,9 +150,11 @@ where
                 let Some(item) = this.feed.as_mut().poll_start(cx, queued > 0) else {
                     break;
                 };
+                // The permit is owned before `f` runs: if `f` panics, it is returned.
+                let permit = this.feed.as_mut().into_owned();
                 let fut = Permitted {
                     fut: (this.f)(item),
-                    permit: Some(this.feed.as_mut().into_owned()),
+                    permit: Some(permit),
                 };
                 if queued == 0 {
                     this.slot.set(Some(fut));

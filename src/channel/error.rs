@@ -139,7 +139,8 @@ pub struct Stats {
     /// Items accepted by a send (queued, or dropped by the overflow policy). Items handed
     /// back in a [`SendError`] are not counted.
     pub sent: u64,
-    /// Items taken by receivers.
+    /// Items handed out by receivers (an item of a receiver's batch counts once it is
+    /// handed out: until then [`len`](crate::channel::Receiver::len) counts it).
     pub received: u64,
     /// Items dropped: by `DropNewest` / `DropOldest`, or left in the buffer (or sent through a
     /// permit) after every receiver was gone.

@@ -166,7 +166,9 @@ impl<T> Sender<T> {
         }
     }
 
-    /// Whether the channel is closed.
+    /// Whether this sender can send no more: the channel is closed, or this sender was
+    /// closed as a `Sink` (`poll_close`, which leaves the channel open for the other
+    /// senders; [`closed`](Sender::closed) still waits for the channel itself).
     pub fn is_closed(&self) -> bool {
         self.detached || self.shared.is_closed()
     }

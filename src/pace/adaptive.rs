@@ -38,7 +38,7 @@ const MAX_STEP: Duration = Duration::from_secs(1);
 const TRACK_GAIN: f64 = 2.0;
 /// Tracking: the share of its quota the server's remaining is steered to.
 const TRACK_LEVEL: f64 = 0.25;
-/// Tracking: how fast the server's remaining is steered back to half its quota (seconds).
+/// Tracking: how fast the server's remaining is steered back to its level (seconds).
 const TRACK_LEVEL_TIME: f64 = 2.0;
 /// Tracking: the largest relative error acted on.
 const MAX_ERROR: f64 = 0.5;
@@ -62,7 +62,7 @@ pub enum Phase {
     /// back-pressure (additive increase, multiplicative decrease).
     Probing,
     /// The server's `RateLimit` fields are fresh: the rate is steered so that the server's
-    /// remaining stays near half its quota.
+    /// remaining stays near a quarter of its quota.
     Tracking,
     /// Back-pressure with a `Retry-After`: nothing passes until it has elapsed.
     Paused,
@@ -145,7 +145,8 @@ pub struct AdaptiveStatus {
 /// - **Tracking** (the server sends `RateLimit` and `RateLimit-Policy`): the server's
 ///   remaining `r` is a shared bucket that every client of that server drains; its trend is
 ///   the aggregate's surplus over the sustained rate `q / w`. The rate is corrected by the
-///   same factor the aggregate is off, steering `r` toward `q / 2`: the rate drops before
+///   same factor the aggregate is off, steering `r` toward `q / 4` (headroom for bursts of the
+///   other clients, without leaving most of the quota unused): the rate drops before
 ///   any 429 when the bucket drains, and climbs when it fills.
 /// - **Never faster than the server allows**: the rate stays at or below `q / w` of the
 ///   last policy, and, until the reset `t` of an allowance, at or below `r / t` (or `q / w`

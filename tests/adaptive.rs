@@ -492,3 +492,45 @@ fn bad_config_is_an_error() {
         "vegas.probe_multiplier"
     );
 }
+
+/// Gradient2 under a steady latency above `tolerance²` × the minimum settles at
+/// `1 / (1 − g)²`, `g = tolerance² × min / short` (its docs): bounded, from above and
+/// from below.
+#[test]
+fn gradient2_settles_where_its_docs_say_under_steady_overload() {
+    let settle = |initial: u32, short_us: u64| {
+        let mut g = Gradient2::builder()
+            .initial(initial)
+            .max_limit(10_000)
+            .build()
+            .unwrap();
+        let mut now = Duration::ZERO;
+        let mut step = |g: &mut Gradient2, rtt: Duration| {
+            now += Duration::from_millis(1);
+            let in_flight = g.limit();
+            g.update(&Sample {
+                rtt,
+                in_flight,
+                outcome: Outcome::Ok,
+                now,
+            })
+        };
+        // The minimum: 10 ms (a few samples; the limit moves a little meanwhile).
+        for _ in 0..5 {
+            step(&mut g, Duration::from_millis(10));
+        }
+        let mut limit = 0;
+        for _ in 0..20_000 {
+            limit = step(&mut g, Duration::from_micros(short_us));
+        }
+        limit
+    };
+    // tolerance² × min = 22.5 ms. At 45 ms, g = 0.5: L = 4. At 24.75 ms, g = 1 / 1.1: L = 121.
+    // (The limit reported is whole, the bound approached: one below it is in reach.)
+    for initial in [2, 20, 500] {
+        let l = settle(initial, 45_000);
+        assert!((3..=4).contains(&l), "from {initial}: {l}");
+        let l = settle(initial, 24_750);
+        assert!((118..=124).contains(&l), "from {initial}: {l}");
+    }
+}

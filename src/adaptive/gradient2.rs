@@ -30,8 +30,12 @@ use crate::error::{ConfigError, ConfigErrorKind};
 ///   the short one, so under a steady overload `long ≈ short`, the gradient is capped at 1,
 ///   and `sqrt(L)` is added on every sample: the limit grows without bound. Here `long` may
 ///   not exceed `tolerance` × the minimum round-trip time of the last one to two
-///   `probe_window`s (default 60 s): a latency that stays above `tolerance²` × that minimum
-///   brings the gradient below 1 and the limit down. The minimum ages out after two windows,
+///   `probe_window`s (default 60 s): a latency `short` that stays above `tolerance²` × that
+///   minimum brings the gradient below 1, to `g = tolerance² × min / short`, and the limit
+///   settles where `sqrt(L)` balances the cut, at `L = 1 / (1 − g)²`: bounded, and the
+///   lower the further the latency is above that mark (about 120 at 1.1 ×, 4 at 2 ×; a
+///   limit above it comes down, one below it climbs to it; just above the mark the bound
+///   can exceed `max_limit`, which then holds). The minimum ages out after two windows,
 ///   so a downstream that got slower for good is learnt again without lowering the limit
 ///   to measure it (nothing is pinned).
 /// - *Growing to the maximum when every call times out* (Netflix issue 137): a timed-out

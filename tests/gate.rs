@@ -1298,3 +1298,29 @@ fn check_all_charges_nothing_when_the_keyspace_fills_mid_request() {
         "charged by a failed request: {charged:?}"
     );
 }
+
+/// `check_all` whose keys are new and fall in one shard with room for only one of them is
+/// refused (`KeyspaceFull`) and charges nothing: all or nothing holds when the keyspace is
+/// full too. The room was checked for each new key alone, so the first key was charged
+/// before the second found no room.
+#[test]
+fn check_all_refused_for_a_full_keyspace_charges_nothing() {
+    // 16 shards of one key each; the hasher is seeded at random, so try fresh gates until
+    // both keys land in one shard.
+    let q = Quota::new(Rate::per(1, Duration::from_secs(3_600)).unwrap(), 5).unwrap();
+    let mut refused = 0;
+    for _ in 0..2_000 {
+        let gate = MemoryGate::builder(quota(10)).max_keys(16).build().unwrap();
+        match gate.check_all(&[("a", q), ("b", q)], 1) {
+            Ok(d) => assert!(d.iter().all(|d| d.allowed), "{d:?}"),
+            Err(GateError::KeyspaceFull { .. }) => {
+                refused += 1;
+                let d = gate.check_all(&[("a", q)], 1).unwrap();
+                assert!(d[0].allowed);
+                assert_eq!(d[0].remaining, 4, "the refused call charged \"a\"");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(refused > 0, "never in one shard");
+}

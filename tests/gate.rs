@@ -1324,3 +1324,27 @@ fn check_all_refused_for_a_full_keyspace_charges_nothing() {
     }
     assert!(refused > 0, "never in one shard");
 }
+
+/// A Redis clock that steps back into an earlier window (a failover to a replica whose
+/// clock is behind) stays in the window already counted, as the model does: the fixed
+/// window script started the earlier window afresh, admitting past the limit then and
+/// again when the clock came back to the counted window.
+#[test]
+fn fixed_window_script_stays_in_its_window_when_the_clock_steps_back() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let script = redis::Script::new(lua::FIXED_WINDOW);
+    let rate = Rate::per(1, Duration::from_secs(1)).unwrap();
+    let mut model = Limiter::new(FixedWindow::new(rate));
+    let args = [1, 1_000_000];
+    let t0 = 1_700_000_000_500_000u64;
+    let mut admitted = 0;
+    for now_us in [t0, t0 - 600_000, t0 + 100_000] {
+        let want = model.check(Duration::from_micros(now_us), 1).unwrap();
+        let got = rt.block_on(run_script(&mut con, &script, "fw:skew", &args, now_us, 1));
+        assert_eq!(got, model_reply(&want), "at {now_us}");
+        admitted += u32::from(got.0);
+    }
+    assert_eq!(admitted, 1, "one per window");
+}

@@ -1348,3 +1348,38 @@ fn fixed_window_script_stays_in_its_window_when_the_clock_steps_back() {
     }
     assert_eq!(admitted, 1, "one per window");
 }
+
+/// A request the sliding log script admits at the time of its newest entry (the clock
+/// stepped back) is logged apart from that entry: it was logged under the member
+/// `<us>:<seq>:<cost>` with `seq` = the entries held, which repeats once an older entry
+/// expired, so the `ZADD` overwrote the newest entry and the log lost a request.
+#[test]
+fn sliding_log_script_loses_no_entry_when_the_clock_steps_back() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let script = redis::Script::new(lua::SLIDING_LOG);
+    let rate = Rate::per(2, Duration::from_secs(1)).unwrap();
+    let mut model = Limiter::new(SlidingLog::new(rate));
+    let args = [2, 1_000_000];
+    let t0 = 1_700_000_000_000_000u64;
+    let trace = [
+        (t0, 1),
+        (t0 + 500_000, 1),
+        // The first entry expires here (a rejection still removes it).
+        (t0 + 1_200_000, 2),
+        // Back before the newest entry: decided at its time.
+        (t0 + 100_000, 1),
+        (t0 + 100_000, 1),
+    ];
+    let mut admitted = 0;
+    for (now_us, cost) in trace {
+        let want = model.check(Duration::from_micros(now_us), cost).unwrap();
+        let got = rt.block_on(run_script(
+            &mut con, &script, "sl:skew", &args, now_us, cost,
+        ));
+        assert_eq!(got, model_reply(&want), "cost {cost} at {now_us}");
+        admitted += u32::from(got.0);
+    }
+    assert_eq!(admitted, 3);
+}

@@ -38,6 +38,16 @@ end
 
 if total + cost <= limit then
   local seq = redis.call('ZCARD', key)
+  -- Entries already at `now` (the clock stepped back to the newest entry's time, after older
+  -- entries expired) may hold this seq: take one past theirs, so the member is a new one.
+  for i = 1, #entries, 2 do
+    if tonumber(entries[i + 1]) == now then
+      local held = tonumber(string.match(entries[i], '^%d+:(%d+):'))
+      if held and held >= seq then
+        seq = held + 1
+      end
+    end
+  end
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
   redis.call('PEXPIRE', key, ttl_ms(window, explicit))
   return {1, limit, limit - total - cost, 0, window}

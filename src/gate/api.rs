@@ -154,6 +154,38 @@ pub trait Gate: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Whether [`check_all`](Gate::check_all) can decide buckets of these quotas, all of
+    /// them in one request. What is built over a gate asks when it is built
+    /// ([`RateLimitLayer`](crate::http::RateLimitLayer)'s `build`), so a quota the gate can
+    /// never decide is a [`ConfigError`](crate::ConfigError) then, not an error on every
+    /// request.
+    ///
+    /// The default accepts any quotas; a gate that implements `check_all` with limits of
+    /// its own says them here. [`RedisGate`](crate::gate::RedisGate) refuses a quota too
+    /// large for exact arithmetic in Redis, [`MemoryGate`](crate::gate::MemoryGate) more
+    /// distinct quotas than it holds per shard (16).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`](crate::ConfigError) naming what the gate cannot decide.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::gate::{Gate, Limit, MemoryGate};
+    /// use flowgate::Quota;
+    ///
+    /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?));
+    /// assert!(gate.check_quotas(&[Quota::per_second(2)?, Quota::per_second(1)?]).is_ok());
+    /// let many: Vec<Quota> = (1..=17).map(Quota::per_second).collect::<Result<_, _>>()?;
+    /// assert!(gate.check_quotas(&many).is_err());
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
+        let _ = quotas;
+        Ok(())
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -185,6 +217,10 @@ macro_rules! forward_gate {
                 decisions: &mut Vec<Decision>,
             ) -> Option<Result<(), GateError>> {
                 (**self).check_all_local(limits, cost, decisions)
+            }
+
+            fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
+                (**self).check_quotas(quotas)
             }
 
             fn limit(&self) -> Limit {

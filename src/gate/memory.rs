@@ -13,7 +13,7 @@ use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
-use crate::gate::multi::{Merged, ShardedBuckets};
+use crate::gate::multi::{MAX_QUOTAS, Merged, ShardedBuckets};
 use crate::limit::{FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
@@ -477,6 +477,26 @@ impl Gate for MemoryGate {
         decisions: &mut Vec<Decision>,
     ) -> Option<Result<(), GateError>> {
         Some(self.check_all_into(limits, cost, decisions))
+    }
+
+    /// At most 16 distinct quotas: what one shard holds ([`check_all`](MemoryGate::check_all)
+    /// refuses a request that needs more with [`GateError::KeyspaceFull`]).
+    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), ConfigError> {
+        let distinct = quotas
+            .iter()
+            .enumerate()
+            .filter(|&(i, q)| !quotas[..i].contains(q))
+            .count();
+        if distinct > MAX_QUOTAS {
+            return Err(ConfigError::new(
+                "gate.quotas",
+                ConfigErrorKind::TooLarge,
+                format!(
+                    "{distinct} distinct quotas: a MemoryGate decides at most {MAX_QUOTAS} together"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn limit(&self) -> Limit {

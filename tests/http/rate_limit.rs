@@ -722,6 +722,17 @@ async fn bad_configurations_are_config_errors() {
         .top_rejected(0)
         .build();
     assert!(top.is_err());
+    // A MemoryGate decides at most 16 distinct quotas together: 17 would be refused on
+    // every request (a 503) once its shards held them all; refused when built instead.
+    let distinct = |n: u32| {
+        (1..=n)
+            .map(|i| Policy::new(format!("p{i}"), quota(i, Duration::from_secs(1)), by_client))
+            .collect::<Vec<_>>()
+    };
+    assert!(build(distinct(16)).is_ok());
+    let e = build(distinct(17)).unwrap_err();
+    assert_eq!(e.field(), "rate_limit.policies");
+    assert!(e.reason().contains("17 distinct quotas"), "{e}");
 }
 
 #[tokio::test]
@@ -1013,6 +1024,37 @@ mod on_redis {
             .policy(per_client(quota(1000, Duration::from_secs(60))))
             .build()
             .unwrap()
+    }
+
+    /// A quota Redis cannot compute exactly is refused when the layer is built (before,
+    /// every request got a 503 from the gate's `InvalidQuota`).
+    #[tokio::test]
+    async fn a_quota_redis_cannot_compute_is_refused_when_built() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let gate = RedisGate::builder(conn, Limit::TokenBucket(quota(1, Duration::from_secs(1))))
+            .build()
+            .await
+            .unwrap();
+        // 100 000 a day with a burst of 100 000: burst × period in µs is far above 2^52.
+        let daily = Quota::new(
+            Rate::per(100_000, Duration::from_secs(86_400)).unwrap(),
+            100_000,
+        )
+        .unwrap();
+        let e = RateLimitLayer::builder(gate.clone())
+            .policy(per_client(quota(10, Duration::from_secs(1))))
+            .policy(Policy::new("daily", daily, by_client))
+            .build()
+            .unwrap_err();
+        assert_eq!(e.field(), "rate_limit.policies");
+        assert!(e.reason().contains("\"daily\""), "{e}");
+        assert!(
+            RateLimitLayer::builder(gate)
+                .policy(per_client(quota(10, Duration::from_secs(1))))
+                .build()
+                .is_ok()
+        );
     }
 
     #[tokio::test]

@@ -328,7 +328,10 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     ///
     /// [`ConfigError`] on `rate_limit.policies` when there is no policy, more than 32, a
     /// name that is empty, not printable ASCII or contains `:`, or two policies with one
-    /// name; on `rate_limit.header_styles` for both `X_RATELIMIT` and
+    /// name, or quotas the gate cannot decide ([`Gate::check_quotas`]: on a
+    /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
+    /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate) more than 16 distinct quotas);
+    /// on `rate_limit.header_styles` for both `X_RATELIMIT` and
     /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
     /// [`TopRejected::MAX_CAPACITY`].
     ///
@@ -375,6 +378,24 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 "X_RATELIMIT and X_RATELIMIT_EPOCH both write X-RateLimit-Reset: choose one",
             ));
         }
+        // Quotas the gate can never decide: refused now, not with a 503 on every request.
+        let gate_refuses = |policy: Option<&str>, e: ConfigError| {
+            let which = policy.map_or_else(|| "the policies".to_string(), |p| format!("{p:?}"));
+            ConfigError::new(
+                "rate_limit.policies",
+                e.kind(),
+                format!("the gate cannot decide {which}: {}", e.reason()),
+            )
+        };
+        for p in &self.policies {
+            self.gate
+                .check_quotas(&[p.quota])
+                .map_err(|e| gate_refuses(Some(&p.name), e))?;
+        }
+        let quotas: Vec<Quota> = self.policies.iter().map(|p| p.quota).collect();
+        self.gate
+            .check_quotas(&quotas)
+            .map_err(|e| gate_refuses(None, e))?;
         let top = TopRejected::new(self.top_rejected)?;
         let policies: Box<[Entry]> = self
             .policies

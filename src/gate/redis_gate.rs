@@ -152,7 +152,9 @@ pub(super) struct Inner<C> {
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
 /// `cached`, `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
-/// `flowgate_gate_failures_total` (failed calls to Redis: one per failed batch),
+/// `flowgate_gate_failures_total` (failed calls to Redis: one per failed batch, and one
+/// more per batched caller whose own deadline passed before its batch's answer reached it,
+/// as when the batch timed out at that same deadline),
 /// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`,
 /// `flowgate_gate_driver_restarts_total`.
 pub struct RedisGate<C> {

@@ -72,6 +72,11 @@
 //!
 //! Labelled by the budget's `name`: `flowgate_retry_budget_retries_total` by `outcome`
 //! (`allowed`, `refused`) and `flowgate_retry_budget_tokens`.
+//!
+//! Labelled by the [`RetryPolicy`]'s `name` ([`retry()`](retry()) and `RetryLayer`):
+//! `flowgate_retry_attempts_total`, `flowgate_retry_attempt_seconds` (each attempt's own
+//! round-trip time, a histogram) and `flowgate_retry_stopped_total` by `stop` (`success`,
+//! `fatal`, `gave_up`, `budget`, `timed_out`).
 
 mod backoff;
 mod budget;

@@ -86,11 +86,12 @@
 //!
 //! ## Features
 //!
-//! - `redis` (default): the Redis-backed gate and stream source.
+//! - `redis` (default): the Redis-backed gate and stream source, and the [`region`] module.
 //! - `metrics` (default): emit metrics through the `metrics` facade. Off, every recording
 //!   call compiles to nothing.
-//! - `http`: the tower layers of the `http` module (adds `tower`, `http`, `http-body`,
-//!   `sfv`, `ipnet`).
+//! - `http`: the tower layers of the `http` module, and on the outbound side
+//!   `retry::ServerHint` and the `retry::RetryLayer` client layer (adds `tower`, `http`,
+//!   `http-body`, `http-body-util`, `bytes`, `sfv`, `ipnet`, `httpdate`, `itoa`).
 
 #![warn(
     missing_docs,

@@ -117,8 +117,8 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_http_decisions_total` by `outcome` (`admitted`,
-/// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `missing_key`), the same counts
-/// as [`stats`](RateLimitLayer::stats). Keys are never labels.
+/// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `missing_key`, `bad_request`),
+/// the same counts as [`stats`](RateLimitLayer::stats). Keys are never labels.
 ///
 /// # Examples
 ///

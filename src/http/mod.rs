@@ -2,7 +2,8 @@
 //! proxies expect.
 //!
 //! - [`RateLimitLayer`] decides every request against one or more policies (per IP, per API
-//!   key, per tenant: each its own quota and key) on any [`Gate`](crate::gate::Gate),
+//!   key, per tenant: each its own quota and key) on any [`Gate`](crate::gate::Gate) with
+//!   a `check_all` (a `RegionGate` has none: the layer's `build` refuses it),
 //!   all-or-nothing, and writes the IETF `RateLimit-Policy` / `RateLimit` fields
 //!   (draft-ietf-httpapi-ratelimit-headers, -10/-11 syntax) on every response; a rejection
 //!   is a `429` with `Retry-After` and an RFC 9457 problem body naming the violated policies.

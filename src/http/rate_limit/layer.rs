@@ -40,7 +40,9 @@ const DECISIONS: &str = "flowgate_http_decisions_total";
 type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 
 /// A rate-limiting tower layer: decides every request against one or more [`Policy`]s on
-/// any [`Gate`], all-or-nothing, and answers `429 Too Many Requests` itself when a policy
+/// any [`Gate`] with a [`check_all`](Gate::check_all) (`build` refuses a gate whose
+/// [`check_quotas`](Gate::check_quotas) refuses the policies' quotas, such as a
+/// `RegionGate`), all-or-nothing, and answers `429 Too Many Requests` itself when a policy
 /// has no room; every response (admitted or not) carries the rate-limit header fields.
 ///
 /// # Deciding

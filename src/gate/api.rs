@@ -124,11 +124,7 @@ pub trait Gate: Send + Sync + fmt::Debug {
     ) -> GateFuture<'a, Vec<Decision>> {
         let _ = (limits, cost);
         Box::pin(std::future::ready(Err(GateError::InvalidQuota(
-            crate::ConfigError::new(
-                "gate.check_all",
-                crate::ConfigErrorKind::Inconsistent,
-                "this gate does not decide several limits all-or-nothing",
-            ),
+            no_check_all(),
         ))))
     }
 
@@ -160,10 +156,12 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// never decide is a [`ConfigError`](crate::ConfigError) then, not an error on every
     /// request.
     ///
-    /// The default accepts any quotas; a gate that implements `check_all` with limits of
-    /// its own says them here. [`RedisGate`](crate::gate::RedisGate) refuses a quota too
-    /// large for exact arithmetic in Redis, [`MemoryGate`](crate::gate::MemoryGate) more
-    /// distinct quotas than it holds per shard (16).
+    /// The default refuses every list, as the default `check_all` refuses every call: a
+    /// gate that implements `check_all` implements this too, with the limits of its own.
+    /// [`RedisGate`](crate::gate::RedisGate) refuses a quota too large for exact arithmetic
+    /// in Redis, [`MemoryGate`](crate::gate::MemoryGate) more distinct quotas than it holds
+    /// per shard (16); a `RegionGate` (feature `redis`) has no `check_all` and
+    /// refuses every list.
     ///
     /// # Errors
     ///
@@ -183,11 +181,20 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// ```
     fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
         let _ = quotas;
-        Ok(())
+        Err(no_check_all())
     }
 
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
+}
+
+/// What the defaults of [`Gate::check_all`] and [`Gate::check_quotas`] answer.
+fn no_check_all() -> crate::ConfigError {
+    crate::ConfigError::new(
+        "gate.check_all",
+        crate::ConfigErrorKind::Inconsistent,
+        "this gate does not decide several limits all-or-nothing",
+    )
 }
 
 /// `Arc<G>` and `&G` are gates: every method forwards to `G`.

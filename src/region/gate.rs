@@ -11,7 +11,6 @@ use crate::gate::backend::{CallError, key_failure};
 use crate::gate::scripts::{self, decision_from};
 use crate::gate::{FailurePolicy, Gate, GateError, GateFuture, Limit};
 use crate::metrics::Counter;
-use crate::rate::Quota;
 use crate::region::config::micros;
 use crate::region::member::Region;
 
@@ -169,17 +168,6 @@ where
     /// [`RegionGate::check`].
     fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
         Box::pin(RegionGate::check(self, key, cost))
-    }
-
-    /// Refuses every list: a region gate decides one key at a time against its region's
-    /// share and has no all-or-nothing [`check_all`](Gate::check_all).
-    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
-        let _ = quotas;
-        Err(crate::ConfigError::new(
-            "gate.check_all",
-            crate::ConfigErrorKind::Inconsistent,
-            "a RegionGate decides one key at a time (no all-or-nothing check_all)",
-        ))
     }
 
     /// The global quota as a token bucket (each region admits at its share of it).

@@ -50,6 +50,17 @@ impl Gate for Counted {
     }
 }
 
+/// A gate without a `check_all` refuses every list of quotas by default, so what is built
+/// over it (an HTTP layer's policies) is refused when built, not on every request.
+#[test]
+fn a_gate_without_check_all_refuses_quotas() {
+    let gate = Counted::new(per_minute(1), true);
+    let e = gate
+        .check_quotas(&[Quota::per_minute(1).unwrap()])
+        .unwrap_err();
+    assert_eq!(e.field(), "gate.check_all");
+}
+
 fn per_minute(n: u32) -> Limit {
     Limit::TokenBucket(Quota::per_minute(n).unwrap())
 }

@@ -445,3 +445,16 @@ fn a_fail_open_decision_writes_a_valid_ratelimit_member() {
     let d = flowgate::Decision::fail_open();
     assert_eq!(d.ratelimit_header("p"), "\"p\";r=999999999999999;t=0");
 }
+
+#[test]
+fn sliding_window_retry_after_saturates_for_the_longest_window() {
+    // A window of u64::MAX ns (the longest `Rate::per` accepts): the wait that ends at an
+    // offset into the next window is longer than u64::MAX ns, so it saturates instead of
+    // overflowing.
+    let rate = Rate::per(2, Duration::from_nanos(u64::MAX)).unwrap();
+    let mut w = Limiter::new(SlidingWindow::new(rate));
+    assert!(w.check(Duration::ZERO, 2).unwrap().allowed);
+    let d = w.check(Duration::from_nanos(1), 1).unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Duration::from_nanos(u64::MAX));
+}

@@ -150,7 +150,8 @@ impl Algorithm for SlidingWindow {
                     let e = self
                         .fits_from(state.current, 0, cost)
                         .unwrap_or(self.window);
-                    self.window - elapsed + e
+                    // Saturating: past u64::MAX ns with the longest windows.
+                    (self.window - elapsed).saturating_add(e)
                 }
             };
             Ok(Decision::reject(

@@ -939,6 +939,41 @@ async fn each_lease_keeps_its_own_expiry() {
 }
 
 #[tokio::test]
+async fn leased_tokens_spent_late_stay_within_the_bucket_bound() {
+    // Instance A leases the whole burst and spends one token; by the time Redis has refilled
+    // 9 of them, instance B takes those, then A spends the 9 it still holds. A token bucket
+    // admits at most burst + rate x span in any span: 10 and a little here, not 18.
+    let server = RedisServer::start();
+    let quota = Quota::per_second(10).unwrap();
+    let a = RedisGate::builder(server.connect().await, Limit::TokenBucket(quota))
+        .lease(10)
+        .build()
+        .await
+        .unwrap();
+    let b = RedisGate::builder(server.connect().await, Limit::TokenBucket(quota))
+        .build()
+        .await
+        .unwrap();
+    assert!(a.check("k", 1).await.unwrap().allowed);
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let first = std::time::Instant::now();
+    let mut admitted = 0u64;
+    for gate in [&b, &a] {
+        for _ in 0..10 {
+            if gate.check("k", 1).await.unwrap().allowed {
+                admitted += 1;
+            }
+        }
+    }
+    let span_us = first.elapsed().as_micros() as u64;
+    let bound = 10 + (10 * span_us).div_ceil(1_000_000);
+    assert!(
+        admitted <= bound,
+        "admitted {admitted} in {span_us} us; bound {bound} = burst + rate x span"
+    );
+}
+
+#[tokio::test]
 async fn duration_max_settings_mean_never_and_do_not_panic() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

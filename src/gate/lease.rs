@@ -5,6 +5,7 @@ use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use crate::decision::Decision;
+use crate::rate::Rate;
 use crate::sync::Mutex;
 
 /// One lease call's tokens for a key.
@@ -14,8 +15,22 @@ struct Part {
     /// When the tokens may no longer be spent.
     expires: Instant,
     /// When the bucket in Redis is full again, as Redis said when it granted them (spending
-    /// them here does not change it: they are already debited there).
+    /// them here does not change it: they are already debited there). The tokens kept hold
+    /// the last places of the bucket's schedule before it: the `i`-th from the end, the one
+    /// from `full_at − i` emission intervals.
     full_at: Instant,
+}
+
+impl Part {
+    /// Drop the tokens whose place in the schedule has begun by `now`, and return whether any
+    /// is left. Spent later, a token would count as admitted before it was, and the fleet
+    /// could pass more than `burst + rate·span` in a span.
+    fn lapse(&mut self, now: Instant, rate: Rate) -> bool {
+        let left = self.full_at.saturating_duration_since(now).as_nanos();
+        let places = left * u128::from(rate.count()) / u128::from(rate.period_nanos());
+        self.tokens = self.tokens.min(u32::try_from(places).unwrap_or(u32::MAX));
+        self.tokens > 0 && now < self.expires
+    }
 }
 
 /// The tokens leased for one key: one part per lease call (concurrent calls each take one),
@@ -27,9 +42,9 @@ struct Lease {
 }
 
 impl Lease {
-    /// Forget expired parts; the tokens left.
-    fn live(&mut self, now: Instant) -> u64 {
-        self.parts.retain(|p| now < p.expires);
+    /// Forget expired parts and lapsed tokens; the tokens left.
+    fn live(&mut self, now: Instant, rate: Rate) -> u64 {
+        self.parts.retain_mut(|p| p.lapse(now, rate));
         self.parts.iter().map(|p| u64::from(p.tokens)).sum()
     }
 
@@ -64,10 +79,12 @@ struct State {
 /// Tokens already debited in Redis, per key, waiting to be spent here.
 ///
 /// Never over-admits: every token served from a lease was taken from the global bucket
-/// first. The cost is under-admission: tokens held here are unavailable to other instances,
-/// and tokens not spent before the lease expires are lost (at most `size − 1` per key per
-/// instance and lease call in flight for it at any moment, and at most that many per `ttl`
-/// lost).
+/// first, and is spent no later than its place in the bucket's schedule begins (spent later,
+/// it would pass on top of the tokens Redis has refilled since). The cost is
+/// under-admission: tokens held here are unavailable to other instances (at most
+/// `size − 1` per key per instance and lease call in flight for it at any moment), and
+/// tokens not spent before the lease expires or they lapse are lost (at most `size − 1` per
+/// lease call).
 ///
 /// Bounded: keys holding a lease plus lease calls in flight never exceed `capacity`. A call
 /// that finds the map full (after forgetting expired leases) takes no lease: it is decided
@@ -78,6 +95,8 @@ pub(crate) struct Leases {
     state: Mutex<State>,
     pub(crate) size: u32,
     pub(crate) ttl: Duration,
+    /// The bucket's refill rate, at which kept tokens lapse.
+    rate: Rate,
     capacity: usize,
 }
 
@@ -98,11 +117,12 @@ impl Drop for Place<'_> {
 }
 
 impl Leases {
-    pub(crate) fn new(size: u32, ttl: Duration, capacity: usize) -> Leases {
+    pub(crate) fn new(size: u32, ttl: Duration, rate: Rate, capacity: usize) -> Leases {
         Leases {
             state: Mutex::new(State::default()),
             size,
             ttl,
+            rate,
             capacity,
         }
     }
@@ -120,7 +140,7 @@ impl Leases {
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
         let mut state = self.lock();
         let lease = state.leases.get_mut(key)?;
-        let held = lease.live(now);
+        let held = lease.live(now, self.rate);
         if held < u64::from(cost) {
             if held == 0 {
                 state.leases.remove(key);
@@ -144,7 +164,7 @@ impl Leases {
     pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
         let mut state = self.lock();
         if state.leases.len() + state.reserved >= self.capacity {
-            state.leases.retain(|_, l| l.live(now) > 0);
+            state.leases.retain(|_, l| l.live(now, self.rate) > 0);
             if state.leases.len() + state.reserved >= self.capacity {
                 return None;
             }
@@ -180,7 +200,8 @@ impl Leases {
         lease.parts.push_back(Part {
             tokens,
             expires: now + self.ttl,
-            full_at: now + reset_after,
+            // Less the microsecond Redis rounded `reset_after` up by, so no place is late.
+            full_at: now + reset_after.saturating_sub(Duration::from_micros(1)),
         });
     }
 }

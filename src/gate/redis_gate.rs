@@ -264,7 +264,11 @@ where
     ///
     /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key (per
     /// lease call in flight for it: concurrent calls' leases add up) that no other instance
-    /// can use, and tokens unused after `lease_ttl` are lost. Decisions served from a lease
+    /// can use, and tokens unused after `lease_ttl` are lost — or earlier: the `k`-th last
+    /// token of a lease lapses `k` emission intervals before the bucket is full again (as
+    /// Redis said when it granted them), since spent later it would pass on top of tokens
+    /// Redis has refilled meanwhile and the fleet could exceed `burst + rate·span`.
+    /// Decisions served from a lease
     /// report the lease's remaining tokens and when the bucket in Redis is full again. `0` or
     /// `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
@@ -320,14 +324,19 @@ where
         }
         let leases = match (self.lease > 1, &self.limit) {
             (false, _) => None,
-            (true, Limit::TokenBucket(_)) => {
+            (true, Limit::TokenBucket(quota)) => {
                 if self.lease_ttl.is_zero() {
                     return Err(ConfigError::zero("gate.lease_ttl"));
                 }
                 if self.lease_keys == 0 {
                     return Err(ConfigError::zero("gate.lease_keys"));
                 }
-                Some(Leases::new(self.lease, self.lease_ttl, self.lease_keys))
+                Some(Leases::new(
+                    self.lease,
+                    self.lease_ttl,
+                    quota.rate(),
+                    self.lease_keys,
+                ))
             }
             (true, _) => {
                 return Err(ConfigError::new(

@@ -974,6 +974,23 @@ async fn leased_tokens_spent_late_stay_within_the_bucket_bound() {
 }
 
 #[tokio::test]
+async fn the_largest_batch_size_builds_a_gate_instead_of_panicking() {
+    // `batch_size(usize::MAX)` ("batch as much as you can") is accepted by the builder; its
+    // queue of 4 batches must not ask tokio for more permits than a channel can hold.
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(Quota::per_second(10).unwrap()),
+    )
+    .batch_size(usize::MAX)
+    .build()
+    .await
+    .unwrap();
+    let (a, b) = futures::future::join(gate.check("a", 1), gate.check("b", 1)).await;
+    assert!(a.unwrap().allowed && b.unwrap().allowed);
+}
+
+#[tokio::test]
 async fn duration_max_settings_mean_never_and_do_not_panic() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

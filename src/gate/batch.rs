@@ -198,9 +198,11 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Start a copy of this driver on the current runtime; returns its queue, which holds
-    /// up to [`MAX_IN_FLIGHT`] batches.
+    /// up to [`MAX_IN_FLIGHT`] batches (at most the most a tokio channel can hold, which
+    /// would panic beyond, for a `batch_size` near `usize::MAX`).
     fn spawn(&self) -> mpsc::Sender<Request> {
-        let (tx, rx) = mpsc::channel(self.max_batch.saturating_mul(MAX_IN_FLIGHT).max(1));
+        let room = self.max_batch.saturating_mul(MAX_IN_FLIGHT);
+        let (tx, rx) = mpsc::channel(room.clamp(1, tokio::sync::Semaphore::MAX_PERMITS));
         tokio::spawn(self.clone().run(rx));
         tx
     }

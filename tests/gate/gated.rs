@@ -331,3 +331,67 @@ async fn the_redis_gate_decides_locally_only_what_needs_no_redis() {
     assert_eq!(stream.by_ref().count().await, 1);
     assert_eq!(stream.dropped(), 2);
 }
+
+/// A waker that records that it was woken.
+#[derive(Default)]
+struct Woken(std::sync::atomic::AtomicBool);
+
+impl std::task::Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Over an upstream that is always ready, an item dropped at the gate (rejected under
+/// policing, or refused for good under shaping: here a cost of 0) is followed at once by the
+/// next. `poll_next` must hand the executor back after a bounded number of drops, waking
+/// itself to go on, as `leaky_queue` does; otherwise it drains the whole upstream inside one
+/// poll, and over an endless upstream it never returns.
+#[tokio::test]
+async fn dropping_from_an_always_ready_upstream_yields_to_the_executor() {
+    const UPSTREAM: u64 = 100_000;
+    for drop_rejected in [true, false] {
+        let pulled = Arc::new(AtomicU64::new(0));
+        let count = pulled.clone();
+        let upstream = futures::stream::iter(0..UPSTREAM as u32).inspect(move |_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        // One per minute: after item 0, every item is rejected (policing); under shaping,
+        // every item after 0 costs 0 and can never pass.
+        let gate = MemoryGate::new(per_minute(1));
+        let mut stream = Gated::builder(upstream, gate, |_: &u32| "k")
+            .cost(move |i: &u32| u32::from(drop_rejected || *i == 0))
+            .drop_rejected(drop_rejected)
+            .build()
+            .unwrap();
+        assert_eq!(stream.next().await, Some(0));
+        let woken = Arc::new(Woken::default());
+        let waker = std::task::Waker::from(woken.clone());
+        let polled = futures::Stream::poll_next(
+            std::pin::Pin::new(&mut stream),
+            &mut std::task::Context::from_waker(&waker),
+        );
+        let pulled = pulled.load(Ordering::Relaxed);
+        assert!(
+            polled.is_pending() && pulled < 10_000,
+            "drop_rejected {drop_rejected}: one poll pulled {pulled} of {UPSTREAM} items \
+             and returned {polled:?}"
+        );
+        assert!(
+            woken.0.load(Ordering::SeqCst),
+            "drop_rejected {drop_rejected}: it wakes itself to go on"
+        );
+        assert_eq!(
+            stream.dropped(),
+            pulled - 1,
+            "drop_rejected {drop_rejected}"
+        );
+        // Polled on, it drops the rest and ends.
+        assert_eq!(stream.next().await, None);
+        assert_eq!(
+            stream.dropped(),
+            UPSTREAM - 1,
+            "drop_rejected {drop_rejected}"
+        );
+    }
+}

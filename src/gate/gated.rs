@@ -21,6 +21,11 @@ use crate::metrics::{Counter, Labels};
 /// How long `gated` waits before asking again after a transient backend error.
 const ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
+/// Items dropped per poll at most: over an upstream that is always ready, an item dropped at
+/// the gate is followed at once by the next, and that must not keep `poll_next` from
+/// returning.
+const DROP_BUDGET: usize = 128;
+
 /// The name of the adapter's metric.
 pub(crate) mod names {
     pub(crate) const DROPPED: &str = "flowgate_gated_dropped_total";
@@ -334,6 +339,7 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let mut this = self.project();
+        let mut budget = DROP_BUDGET;
         loop {
             let (outcome, key, cost) = match this.state {
                 State::Idle => {
@@ -370,12 +376,17 @@ where
                 Ok(d) if d.allowed => return Poll::Ready(this.held.item.take()),
                 Ok(d) if *this.shaping => d.retry_after,
                 Err(e) if *this.shaping && e.is_transient() => ERROR_BACKOFF,
-                Ok(d) => {
-                    this.held.drop_item(Dropped::Rejected(d));
-                    continue;
-                }
-                Err(e) => {
-                    this.held.drop_item(Dropped::GateError(e));
+                outcome => {
+                    this.held.drop_item(match outcome {
+                        Ok(d) => Dropped::Rejected(d),
+                        Err(e) => Dropped::GateError(e),
+                    });
+                    budget -= 1;
+                    if budget == 0 {
+                        // More may be ready: come back after the executor has run others.
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
                     continue;
                 }
             };

@@ -926,6 +926,46 @@ async fn the_outstanding_gauge_follows_credit_given_back_at_the_end() {
     );
 }
 
+/// `flowgate_demand_buffered` is set when a batch lands. A consumer that has drained the
+/// buffer and waits on a slow fetch, or a stream that has ended, must not keep showing the
+/// batch that landed last: whenever `poll_next` returns `Pending` or `None`, nothing is
+/// buffered.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_buffered_gauge_reads_zero_when_the_stream_starves_or_ends() {
+    let recorder = support::TestRecorder::default();
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    for i in 0..4u32 {
+        tx.unbounded_send(i).unwrap();
+    }
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        Prefetch::builder(StreamSource::new(rx), levels(4, 1))
+            .name("starved")
+            .build()
+            .unwrap()
+            .items()
+    });
+    let gauge = "flowgate_demand_buffered{name=starved}";
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        got.push(stream.next().await.unwrap());
+    }
+    assert_eq!(got, [0, 1, 2, 3]);
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "the refill waits on the source"
+    );
+    assert_eq!(Prefetch::buffered(&stream), 0);
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(0.0),
+        "starved: nothing buffered"
+    );
+    drop(tx);
+    assert_eq!(stream.next().await, None);
+    assert_eq!(recorder.gauge(gauge), Some(0.0), "ended: nothing buffered");
+}
+
 #[test]
 fn prefetch_builder_validates_everything() {
     let source = || IterSource::new(0..1);

@@ -530,13 +530,17 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                 }
             }
         }
-        // The gauge is updated when a batch lands, not per item (cheap hot path).
+        // The gauge is set when a batch lands and when the buffer is empty, not per item
+        // (cheap hot path).
         if let Some(item) = Self::pop(this.current, this.queued, this.queued_items) {
             return Poll::Ready(Some(Ok(item)));
         }
         if let Some(e) = this.error.take() {
             return Poll::Ready(Some(Err(e)));
         }
+        // Nothing is buffered when the stream waits or ends: the gauge must not keep showing
+        // the batch that landed last.
+        this.buffered.set(0.0);
         if *this.done {
             Poll::Ready(None)
         } else {

@@ -502,3 +502,57 @@ async fn a_growing_share_brings_no_tokens() {
     let v: Vec<i64> = check(2_050_000, 10).query_async(&mut con).await.unwrap();
     assert_eq!(v[0], 1, "the 10 it had: {v:?}");
 }
+
+/// The bucket script on explicit time: a region at share 0 (closed, its lease expired, or
+/// a region that joined while the others held the quota) holds no tokens, so when its share
+/// grows it starts from none, refilling at the new share; it does not get a new, full
+/// bucket (the tokens another region just spent would be spent again).
+#[tokio::test]
+async fn a_share_growing_from_zero_brings_no_tokens() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let record = |share: f64, tau: f64| {
+        [1.0f64, share, tau, 1e15]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let set = |v: Vec<u8>| {
+        let mut c = redis::cmd("SET");
+        c.arg("{z}:lease").arg(v);
+        c
+    };
+    let check = |now: u64, cost: u32| {
+        let mut c = redis::cmd("EVAL");
+        c.arg(flowgate::gate::lua::REGION_BUCKET)
+            .arg(3)
+            .arg("{z}:lease")
+            .arg("{z}:demand")
+            .arg("{z}:bucket")
+            .arg(now)
+            .arg(cost)
+            .arg(1_000_000)
+            .arg(0)
+            .arg(0)
+            .arg(1_000_000)
+            .arg(10_000);
+        c
+    };
+    // Share 0: the region's requests are rejected (they are its demand).
+    let _: () = set(record(0.0, 0.0)).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = check(1_000_000, 1).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 0);
+    // 10 ms later the share is 90 per second with a bucket of 90: the region had nothing at
+    // share 0, so it has at most the 0.9 of a token refilled since, not 90 tokens.
+    let _: () = set(record(90.0, 9e7)).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = check(1_010_000, 90).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 0, "90 tokens appeared with the share: {v:?}");
+    let v: Vec<i64> = check(1_010_000, 1).query_async(&mut con).await.unwrap();
+    assert_eq!(v[0], 0, "a token appeared with the share: {v:?}");
+    // A token refills in 1/90 s at the new share.
+    let v: Vec<i64> = check(1_010_000 + 11_200, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(v[0], 1, "the refill at the new share: {v:?}");
+}

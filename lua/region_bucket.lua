@@ -19,9 +19,10 @@
 -- tau units (the region's part of the global burst, at least one token). When the share
 -- changes, the bucket keeps the tokens it had in hand, refilled at the lower of the two
 -- shares and at most the new bucket, so a region never gains tokens by a change. A cost
--- above the bucket at the current share is rejected with retry_after = ARGV[6]. Returns {allowed, burst, remaining, retry_after_us,
+-- above the bucket at the current share is rejected with retry_after = ARGV[6]. At share 0
+-- the bucket is stored empty. Returns {allowed, burst, remaining, retry_after_us,
 -- reset_after_us}; a rejected request writes only the counter (and the bucket converted to
--- a new share).
+-- a new share, or emptied at share 0).
 
 local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
@@ -40,6 +41,11 @@ if raw then
 end
 
 if share <= 0 then
+  -- At share 0 the region holds no tokens: the bucket is stored empty (size 0), so when
+  -- the share grows it is converted like any other (from nothing) instead of starting as
+  -- a new, full bucket.
+  redis.call('SET', KEYS[3], struct.pack('<ddddd', now, 0, 1, 0, now), 'PX',
+    tonumber(ARGV[7]))
   redis.call('HINCRBY', KEYS[2], 'r', cost)
   return {0, 0, 0, tonumber(ARGV[6]), 0}
 end

@@ -23,9 +23,10 @@ use crate::region::member::Region;
 /// global burst (at least one request). The share is read from the lease record in the
 /// same script, on the local Redis clock, so every process of the region switches at the
 /// same instant, and a lease that expired gives way to the safe share at once. When the
-/// share changes, a bucket keeps the tokens it has in hand (at most its new size): no region
-/// gains tokens by a change, so the regions never hold more than the global burst (plus one
-/// request each) between them.
+/// share changes, a bucket keeps the tokens it has in hand (at most its new size; none at a
+/// share of 0, so a region whose share grows from 0 starts empty): no region gains tokens by
+/// a change, so the regions never hold more than the global burst (plus one request each)
+/// between them.
 ///
 /// A rejection while the region's share is 0 says `retry_after` = one refresh interval.
 ///

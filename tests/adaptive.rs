@@ -426,6 +426,47 @@ async fn the_bulkhead_keeps_the_algorithm_within_its_bounds() {
     assert_eq!((x.max_in_flight(), y.max_in_flight()), (18, 20));
 }
 
+/// The algorithm's limit lives within the bulkhead's bounds: above the ceiling it would not
+/// be one the bulkhead can use, and back-pressure would have to cut it down through the
+/// ceiling before `max_in_flight` moved. A bulkhead of 10 over each algorithm starting at 20
+/// (Aimd's, Vegas' and Gradient2's default), and over Aimd grown by calls that used all 10:
+/// one back-pressure sample lowers `max_in_flight` at once.
+#[tokio::test(start_paused = true)]
+async fn back_pressure_lowers_max_in_flight_at_once_below_the_ceiling() {
+    let built = [
+        Bulkhead::builder(10).adaptive(Aimd::builder().build().unwrap()),
+        Bulkhead::builder(10).adaptive(Vegas::builder().build().unwrap()),
+        Bulkhead::builder(10).adaptive(Gradient2::builder().build().unwrap()),
+        Bulkhead::builder(10).adaptive(Probe::builder().initial(20).build().unwrap()),
+    ];
+    for builder in built {
+        let b = builder.build().unwrap();
+        let algorithm = b.adaptive_stats().unwrap().algorithm;
+        assert_eq!(b.max_in_flight(), 10, "{algorithm}");
+        tokio::time::sleep(10 * MS).await;
+        b.acquire().await.unwrap().record(Outcome::BackPressure);
+        assert!(b.max_in_flight() < 10, "{algorithm}: {}", b.max_in_flight());
+    }
+    // Aimd from 5, grown by calls that each saw all 10 permits in flight.
+    let b = Bulkhead::builder(10)
+        .adaptive(Aimd::builder().initial(5).build().unwrap())
+        .build()
+        .unwrap();
+    for _ in 0..30 {
+        let permits: Vec<_> = (0..b.max_in_flight())
+            .map(|_| b.try_acquire().unwrap())
+            .collect();
+        tokio::time::sleep(10 * MS).await;
+        for p in permits {
+            p.record(Outcome::Ok);
+        }
+    }
+    assert_eq!(b.max_in_flight(), 10);
+    tokio::time::sleep(10 * MS).await;
+    b.acquire().await.unwrap().record(Outcome::BackPressure);
+    assert_eq!(b.max_in_flight(), 9, "10 × 0.9");
+}
+
 #[test]
 fn bad_config_is_an_error() {
     let field = |r: Result<(), flowgate::ConfigError>| r.unwrap_err().field();

@@ -79,6 +79,16 @@ impl Bounds {
         Ok(self)
     }
 
+    /// The bounds narrowed to `[min, max]` (`min <= max`): their meet, or the end of
+    /// `[min, max]` nearest them where they do not meet.
+    pub(crate) fn narrow(self, min: u32, max: u32) -> Bounds {
+        Bounds {
+            min: self.min.clamp(min, max),
+            max: self.max.clamp(min, max),
+            initial: self.initial.clamp(min, max),
+        }
+    }
+
     /// `limit` clamped into the bounds.
     pub(crate) fn clamp(&self, limit: f64) -> f64 {
         if limit.is_nan() {

@@ -125,6 +125,11 @@ impl AdaptiveLimit for Gradient2 {
         self.limit()
     }
 
+    fn bound(&mut self, min_limit: u32, max_limit: u32) {
+        self.bounds = self.bounds.narrow(min_limit, max_limit);
+        self.limit = self.bounds.clamp(self.limit);
+    }
+
     fn name(&self) -> &'static str {
         "gradient2"
     }

@@ -397,6 +397,15 @@ impl AdaptiveLimit for Probe {
         self.limit()
     }
 
+    fn bound(&mut self, min_limit: u32, max_limit: u32) {
+        self.bounds = self.bounds.narrow(min_limit, max_limit);
+        self.limit = self.bounds.clamp(self.limit);
+        self.base = self.bounds.clamp(self.base);
+        if self.phase == Phase::SlowStart && self.limit >= f64::from(self.bounds.max) {
+            self.hold(self.limit, self.base_rtt, 0);
+        }
+    }
+
     fn name(&self) -> &'static str {
         "probe"
     }

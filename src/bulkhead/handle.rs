@@ -392,9 +392,10 @@ impl BulkheadBuilder {
 
     /// Let `limit` set `max_in_flight` from the calls' round-trip times and outcomes.
     ///
-    /// The builder's `max_in_flight` becomes the ceiling: the bulkhead starts at the
-    /// algorithm's current limit and follows it within `[critical_reserve + 1,
-    /// max_in_flight]`. Every permit then records when it was granted; a call ends with
+    /// The builder's `max_in_flight` becomes the ceiling: the bulkhead bounds the algorithm
+    /// to `[critical_reserve + 1, max_in_flight]` (through [`AdaptiveLimit::bound`], so
+    /// its limit never runs above a level the bulkhead can use), starts at its current
+    /// limit and follows it. Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
     /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is
     /// [`Outcome::Ignored`]. The algorithm runs on the thread that ends the call, under its
@@ -454,9 +455,11 @@ impl BulkheadBuilder {
         }
         let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
         check_reserve(max, reserve)?;
-        let adaptive = self
-            .adaptive
-            .map(|f| Adaptive::new((f.make)(), reserve + 1, max, self.name.as_deref()));
+        let adaptive = self.adaptive.map(|f| {
+            let mut limit = (f.make)();
+            limit.bound(reserve + 1, max);
+            Adaptive::new(limit, reserve + 1, max, self.name.as_deref())
+        });
         Ok(Bulkhead {
             core: Arc::new(Core::new(
                 max,

@@ -575,3 +575,36 @@ fn gradient2_settles_where_its_docs_say_under_steady_overload() {
         assert!((118..=124).contains(&l), "from {initial}: {l}");
     }
 }
+
+/// Normal work cannot take the critical reserve, so it can reach `max_in_flight −
+/// critical_reserve` only; an algorithm that grows the limit only when calls reach it
+/// (Probe's slow start and trials) must be able to see normal work reach it. 300 callers
+/// of normal work, 10 ms each, over a bulkhead of at most 1000 with a reserve of 10: the
+/// limit grows from Probe's 10 (11 with the reserve) to let them through.
+#[tokio::test(start_paused = true)]
+async fn normal_work_grows_an_adaptive_limit_with_a_critical_reserve() {
+    let b = Bulkhead::builder(1000)
+        .critical_reserve(10)
+        .adaptive(Probe::default())
+        .build()
+        .unwrap();
+    let callers: Vec<_> = (0..300)
+        .map(|_| {
+            let b = b.clone();
+            tokio::spawn(async move {
+                loop {
+                    let permit = b.acquire().await.unwrap();
+                    tokio::time::sleep(10 * MS).await;
+                    permit.record(Outcome::Ok);
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (max, in_flight) = (b.max_in_flight(), b.in_flight());
+    for c in callers {
+        c.abort();
+    }
+    assert!(max >= 300, "max_in_flight {max}");
+    assert!(in_flight >= 290, "{in_flight} in flight");
+}

@@ -61,9 +61,10 @@ pub trait AdaptiveLimit: Send + fmt::Debug + 'static {
     /// Keep the limit within `[min_limit, max_limit]` from now on, as well as within the
     /// algorithm's own bounds (where the two do not meet, at the end of `[min_limit,
     /// max_limit]` nearest them). An adaptive [`Bulkhead`](crate::bulkhead::Bulkhead)
-    /// calls it once when it is built, with its own bounds, so the limit never runs past a
-    /// level the bulkhead can use and a cut shows in its `max_in_flight` at once. The
-    /// default does nothing: the bulkhead then only clamps the answers of `update`.
+    /// calls it once when it is built, with `[1, max_in_flight − critical_reserve]` (the
+    /// share of normal work), so the limit never runs past a level the bulkhead can use and
+    /// a cut shows in its `max_in_flight` at once. The default does nothing: the bulkhead
+    /// then only clamps the answers of `update`.
     fn bound(&mut self, min_limit: u32, max_limit: u32) {
         let _ = (min_limit, max_limit);
     }

@@ -49,7 +49,7 @@ struct Metrics {
 pub struct AdaptiveStats {
     /// The algorithm's [`name`](AdaptiveLimit::name).
     pub algorithm: &'static str,
-    /// The `max_in_flight` the algorithm set last (within the bulkhead's bounds).
+    /// The `max_in_flight` the algorithm set last: its limit plus the critical reserve.
     pub max_in_flight: usize,
     /// The algorithm's round-trip-time estimates.
     pub rtt: RttEstimates,
@@ -66,8 +66,9 @@ pub(crate) struct Adaptive {
     name: &'static str,
     /// `Sample::now` counts from here.
     epoch: Instant,
-    /// The bulkhead's bounds: `critical_reserve + 1` and the builder's `max_in_flight`.
-    floor: u32,
+    /// The critical reserve, kept on top of the algorithm's limit (the share of normal
+    /// work), and the builder's `max_in_flight`.
+    reserve: u32,
     ceiling: u32,
     /// The latest `max_in_flight` the algorithm asked for.
     target: AtomicU32,
@@ -80,10 +81,17 @@ impl fmt::Debug for Adaptive {
         f.debug_struct("Adaptive")
             .field("algorithm", &self.name)
             .field("target", &self.target.load(Ordering::Relaxed))
-            .field("floor", &self.floor)
+            .field("reserve", &self.reserve)
             .field("ceiling", &self.ceiling)
             .finish_non_exhaustive()
     }
+}
+
+/// The `max_in_flight` of the algorithm's `limit` in a bulkhead of at most `ceiling` with
+/// `reserve` permits for critical work: the limit is the share of normal work (which cannot
+/// take the reserve: so it can reach the limit it learns), the reserve comes on top.
+fn max_in_flight(limit: u32, reserve: u32, ceiling: u32) -> u32 {
+    limit.clamp(1, ceiling - reserve) + reserve
 }
 
 fn index(outcome: Outcome) -> usize {
@@ -95,20 +103,23 @@ fn index(outcome: Outcome) -> usize {
 }
 
 impl Adaptive {
+    /// The adaptive side of a bulkhead of at most `ceiling` permits, `reserve` of them for
+    /// critical work (`reserve < ceiling`).
     pub(crate) fn new(
-        algorithm: Box<dyn AdaptiveLimit>,
-        floor: u32,
+        mut algorithm: Box<dyn AdaptiveLimit>,
+        reserve: u32,
         ceiling: u32,
         name: Option<&str>,
     ) -> Adaptive {
         let l = Labels::new(name);
         let samples = |o: &'static str| l.counter(names::SAMPLES, &[("outcome", o)]);
-        let target = algorithm.limit().clamp(floor, ceiling);
+        algorithm.bound(1, ceiling - reserve);
+        let target = max_in_flight(algorithm.limit(), reserve, ceiling);
         let adaptive = Adaptive {
             name: algorithm.name(),
             algorithm: Mutex::new(algorithm),
             epoch: Instant::now(),
-            floor,
+            reserve,
             ceiling,
             target: AtomicU32::new(target),
             counts: Default::default(),
@@ -149,7 +160,7 @@ impl Adaptive {
                 .algorithm
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let limit = algorithm.update(&sample).clamp(self.floor, self.ceiling);
+            let limit = max_in_flight(algorithm.update(&sample), self.reserve, self.ceiling);
             // Stored under the lock: the last writer wrote the latest answer.
             self.target.store(limit, Ordering::Release);
             (limit, algorithm.rtt_estimates())

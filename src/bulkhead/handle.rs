@@ -392,10 +392,13 @@ impl BulkheadBuilder {
 
     /// Let `limit` set `max_in_flight` from the calls' round-trip times and outcomes.
     ///
-    /// The builder's `max_in_flight` becomes the ceiling: the bulkhead bounds the algorithm
-    /// to `[critical_reserve + 1, max_in_flight]` (through [`AdaptiveLimit::bound`], so
-    /// its limit never runs above a level the bulkhead can use), starts at its current
-    /// limit and follows it. Every permit then records when it was granted; a call ends with
+    /// The builder's `max_in_flight` becomes the ceiling. The algorithm's limit is the share
+    /// of normal work, and the `critical_reserve` comes on top: `max_in_flight` is the limit
+    /// plus the reserve, within `[critical_reserve + 1, max_in_flight]` (the algorithm is
+    /// bounded to `[1, max_in_flight − critical_reserve]` through
+    /// [`AdaptiveLimit::bound`], so its limit never runs above a level the bulkhead can
+    /// use). Normal work cannot take the reserve: this way it can reach the limit the
+    /// algorithm learns (an algorithm grows its limit only from calls that reached it). Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
     /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is
     /// [`Outcome::Ignored`]. The algorithm runs on the thread that ends the call, under its
@@ -455,11 +458,9 @@ impl BulkheadBuilder {
         }
         let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
         check_reserve(max, reserve)?;
-        let adaptive = self.adaptive.map(|f| {
-            let mut limit = (f.make)();
-            limit.bound(reserve + 1, max);
-            Adaptive::new(limit, reserve + 1, max, self.name.as_deref())
-        });
+        let adaptive = self
+            .adaptive
+            .map(|f| Adaptive::new((f.make)(), reserve, max, self.name.as_deref()));
         Ok(Bulkhead {
             core: Arc::new(Core::new(
                 max,

@@ -608,3 +608,29 @@ async fn normal_work_grows_an_adaptive_limit_with_a_critical_reserve() {
     assert!(max >= 300, "max_in_flight {max}");
     assert!(in_flight >= 290, "{in_flight} in flight");
 }
+
+/// `AdaptiveLimit::bound` is public: bounds that are empty or start at 0 are taken as the
+/// nearest sensible ones, never a panic (a reversed range would panic in `u32::clamp`).
+#[test]
+fn bad_bounds_given_to_an_algorithm_do_not_panic() {
+    let ok = Sample {
+        rtt: 10 * MS,
+        in_flight: 5,
+        outcome: Outcome::Ok,
+        now: Duration::from_secs(1),
+    };
+    let mut limits: Vec<Box<dyn AdaptiveLimit>> = vec![
+        Box::new(Aimd::builder().build().unwrap()),
+        Box::new(Vegas::builder().build().unwrap()),
+        Box::new(Gradient2::builder().build().unwrap()),
+        Box::new(Probe::default()),
+    ];
+    for limit in &mut limits {
+        limit.bound(10, 5);
+        assert_eq!(limit.limit(), 10, "{}", limit.name());
+        limit.bound(0, 0); // [1, 1]
+        assert_eq!(limit.limit(), 1, "{}", limit.name());
+        limit.update(&ok);
+        assert_eq!(limit.limit(), 1, "{}", limit.name());
+    }
+}

@@ -79,9 +79,11 @@ impl Bounds {
         Ok(self)
     }
 
-    /// The bounds narrowed to `[min, max]` (`min <= max`): their meet, or the end of
-    /// `[min, max]` nearest them where they do not meet.
+    /// The bounds narrowed to `[min, max]`: their meet, or the end of `[min, max]` nearest
+    /// them where they do not meet. A `min` of 0 is taken as 1, a `max` below `min` as `min`.
     pub(crate) fn narrow(self, min: u32, max: u32) -> Bounds {
+        let min = min.max(1);
+        let max = max.max(min);
         Bounds {
             min: self.min.clamp(min, max),
             max: self.max.clamp(min, max),

@@ -64,7 +64,8 @@ pub trait AdaptiveLimit: Send + fmt::Debug + 'static {
     /// calls it once when it is built, with `[1, max_in_flight − critical_reserve]` (the
     /// share of normal work), so the limit never runs past a level the bulkhead can use and
     /// a cut shows in its `max_in_flight` at once. The default does nothing: the bulkhead
-    /// then only clamps the answers of `update`.
+    /// then only clamps the answers of `update`. flowgate's algorithms take a `min_limit` of
+    /// 0 as 1 and a `max_limit` below `min_limit` as `min_limit`: bad bounds never panic.
     fn bound(&mut self, min_limit: u32, max_limit: u32) {
         let _ = (min_limit, max_limit);
     }

@@ -22,7 +22,9 @@ use crate::error::{ConfigError, ConfigErrorKind};
 ///
 /// then `L ← (1 − smoothing)·L + smoothing·new`. Defaults: `alpha` 3, `beta` 6,
 /// `smoothing` 1. [`Outcome::BackPressure`] lowers the limit by `f(L)`, once per congestion
-/// epoch. A caller using less than half its limit (app-limited) does not grow it.
+/// epoch. An `Ok` sample of a call that saw less than half the limit in flight (an
+/// app-limited caller) changes the limit neither way: only its round-trip time counts,
+/// towards the no-load time.
 ///
 /// **Probing.** Every `probe_multiplier × L` samples (default 30 × L) the no-load time is
 /// forgotten and measured again from the next sample, so a downstream that became slower for

@@ -17,14 +17,10 @@ use crate::error::ConfigError;
 use crate::gate::api::Gate;
 use crate::gate::error::GateError;
 use crate::metrics::{Counter, Labels};
+use crate::sync::POLL_BUDGET;
 
 /// How long `gated` waits before asking again after a transient backend error.
 const ERROR_BACKOFF: Duration = Duration::from_millis(100);
-
-/// Items dropped per poll at most: over an upstream that is always ready, an item dropped at
-/// the gate is followed at once by the next, and that must not keep `poll_next` from
-/// returning.
-const DROP_BUDGET: usize = 128;
 
 /// The name of the adapter's metric.
 pub(crate) mod names {
@@ -339,7 +335,8 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let mut this = self.project();
-        let mut budget = DROP_BUDGET;
+        // An item dropped at the gate is followed at once by the next: within the budget.
+        let mut budget = POLL_BUDGET;
         loop {
             let (outcome, key, cost) = match this.state {
                 State::Idle => {

@@ -17,10 +17,7 @@ use crate::overflow::Overflow;
 use crate::pace::Pacer;
 use crate::pace::paced::Paced;
 use crate::pace::pacer::names;
-
-/// Upstream items pulled per poll at most: an upstream that is always ready (with a drop
-/// policy, a full queue never stops the pulling) must not keep `poll_next` from returning.
-const DRAIN_BUDGET: usize = 128;
+use crate::sync::POLL_BUDGET;
 
 /// The queue's metrics, labelled by the queue's name (by default its pacer's).
 struct Metrics {
@@ -244,8 +241,9 @@ impl<S: Stream> Stream for LeakyQueue<S> {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let mut this = self.project();
         let queue = &mut *this.queue;
-        // Drain upstream as far as the policy allows, within the budget.
-        let mut budget = DRAIN_BUDGET;
+        // Drain upstream as far as the policy allows, within the budget (with a drop policy,
+        // a full queue never stops the pulling).
+        let mut budget = POLL_BUDGET;
         while !this.stream.is_done() {
             let full = queue.items.len() >= *this.capacity;
             if full && *this.overflow == Overflow::Backpressure {

@@ -5,7 +5,8 @@
 //!
 //! Beside them, the waiting machinery every primitive shares: [`WaiterList`] (one FIFO list
 //! of waiting tasks with O(1) cancellation) and [`Deferred`] (the wakers collected under a
-//! lock, woken after it is released); and [`with_reused`], a thread's reused buffer.
+//! lock, woken after it is released); [`with_reused`], a thread's reused buffer; and
+//! [`POLL_BUDGET`], how much an adapter does in one poll before it yields.
 
 mod deferred;
 #[cfg(flowgate_loom)]
@@ -19,6 +20,11 @@ pub(crate) use deferred::Deferred;
 #[cfg(feature = "http")]
 pub(crate) use reused::with_reused;
 pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
+
+/// The most upstream items an adapter pulls (or drops) in one poll before it wakes itself
+/// and returns `Pending`: an upstream that is always ready must not keep `poll_next` from
+/// returning (`leaky_queue` with a drop policy, `gated` / `gated_drop` dropping every item).
+pub(crate) const POLL_BUDGET: usize = 128;
 
 #[cfg(flowgate_loom)]
 pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering, fence};

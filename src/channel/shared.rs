@@ -328,9 +328,14 @@ impl<T> Shared<T> {
         st.stash.len() + self.ring.len()
     }
 
+    /// Items taken by receivers in their batches and not yet handed out.
+    fn batched(st: &State<T>) -> usize {
+        st.batches.iter().map(|b| b.get()).sum()
+    }
+
     /// Items not yet handed to a consumer: queued, or in a receiver's batch.
     fn len_locked(&self, st: &State<T>) -> usize {
-        self.queued(st) + st.batches.iter().map(|b| b.get()).sum::<usize>()
+        self.queued(st) + Self::batched(st)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -372,10 +377,9 @@ impl<T> Shared<T> {
         // batch when it is taken): no counter on the senders' path. The items of a batch not
         // yet handed out are in `len()`, not yet received, so `sent == received + dropped +
         // len()`.
-        let batched: usize = st.batches.iter().map(|b| b.get()).sum();
         Stats {
             sent: st.received + st.dropped + self.queued(st) as u64,
-            received: st.received.saturating_sub(batched as u64),
+            received: st.received.saturating_sub(Self::batched(st) as u64),
             dropped: st.dropped,
         }
     }

@@ -79,16 +79,19 @@ impl Bounds {
         Ok(self)
     }
 
-    /// The bounds narrowed to `[min, max]`: their meet, or the end of `[min, max]` nearest
-    /// them where they do not meet. A `min` of 0 is taken as 1, a `max` below `min` as `min`.
-    pub(crate) fn narrow(self, min: u32, max: u32) -> Bounds {
+    /// Narrow the bounds to `[min, max]`: their meet, or the end of `[min, max]` nearest
+    /// them where they do not meet. A `min` of 0 is taken as 1, a `max` below `min` as `min`;
+    /// `limit` is brought within the narrowed bounds: what every algorithm's
+    /// [`bound`](crate::adaptive::AdaptiveLimit::bound) does.
+    pub(crate) fn narrow(&mut self, min: u32, max: u32, limit: &mut f64) {
         let min = min.max(1);
         let max = max.max(min);
-        Bounds {
+        *self = Bounds {
             min: self.min.clamp(min, max),
             max: self.max.clamp(min, max),
             initial: self.initial.clamp(min, max),
-        }
+        };
+        *limit = self.clamp(*limit);
     }
 
     /// `limit` clamped into the bounds.

@@ -126,8 +126,7 @@ impl AdaptiveLimit for Gradient2 {
     }
 
     fn bound(&mut self, min_limit: u32, max_limit: u32) {
-        self.bounds = self.bounds.narrow(min_limit, max_limit);
-        self.limit = self.bounds.clamp(self.limit);
+        self.bounds.narrow(min_limit, max_limit, &mut self.limit);
     }
 
     fn name(&self) -> &'static str {

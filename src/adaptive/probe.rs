@@ -398,8 +398,7 @@ impl AdaptiveLimit for Probe {
     }
 
     fn bound(&mut self, min_limit: u32, max_limit: u32) {
-        self.bounds = self.bounds.narrow(min_limit, max_limit);
-        self.limit = self.bounds.clamp(self.limit);
+        self.bounds.narrow(min_limit, max_limit, &mut self.limit);
         self.base = self.bounds.clamp(self.base);
         if self.phase == Phase::SlowStart && self.limit >= f64::from(self.bounds.max) {
             self.hold(self.limit, self.base_rtt, 0);

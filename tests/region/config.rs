@@ -457,49 +457,70 @@ async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
     assert!(status.lease_left > Duration::from_millis(1500), "{status}");
 }
 
+/// A region's lease record (share, bucket size `tau`, never expiring), as the home writes it.
+fn lease_record(share: f64, tau: f64) -> Vec<u8> {
+    [1.0f64, share, tau, 1e15]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect()
+}
+
+/// `SET` the lease record of the region whose keys are tagged `{tag}`.
+fn set_lease(tag: &str, record: Vec<u8>) -> redis::Cmd {
+    let mut c = redis::cmd("SET");
+    c.arg(format!("{{{tag}}}:lease")).arg(record);
+    c
+}
+
+/// The bucket script for the region tagged `{tag}` at `now` (µs), for `cost`: a period of
+/// 1 s, the share from the lease record, a `retry_after` of 1 s, keys kept 10 s.
+fn bucket_check(tag: &str, now: u64, cost: u32) -> redis::Cmd {
+    let mut c = redis::cmd("EVAL");
+    c.arg(flowgate::gate::lua::REGION_BUCKET).arg(3);
+    for key in ["lease", "demand", "bucket"] {
+        c.arg(format!("{{{tag}}}:{key}"));
+    }
+    c.arg(now)
+        .arg(cost)
+        .arg(1_000_000)
+        .arg(0)
+        .arg(0)
+        .arg(1_000_000)
+        .arg(10_000);
+    c
+}
+
 /// The bucket script on explicit time: a region whose share grows keeps the tokens it had
 /// (at most its old bucket, refilled at the lower share), it does not gain the new bucket.
 #[tokio::test]
 async fn a_growing_share_brings_no_tokens() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let record = |share: f64, tau: f64| {
-        [1.0f64, share, tau, 1e15]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect::<Vec<u8>>()
-    };
-    let set = |v: Vec<u8>| {
-        let mut c = redis::cmd("SET");
-        c.arg("{g}:lease").arg(v);
-        c
-    };
-    let check = |now: u64, cost: u32| {
-        let mut c = redis::cmd("EVAL");
-        c.arg(flowgate::gate::lua::REGION_BUCKET)
-            .arg(3)
-            .arg("{g}:lease")
-            .arg("{g}:demand")
-            .arg("{g}:bucket")
-            .arg(now)
-            .arg(cost)
-            .arg(1_000_000)
-            .arg(0)
-            .arg(0)
-            .arg(1_000_000)
-            .arg(10_000);
-        c
-    };
     // Share 10 per second, a bucket of 10 tokens (a token is 1 000 000 units).
-    let _: () = set(record(10.0, 1e7)).query_async(&mut con).await.unwrap();
-    let v: Vec<i64> = check(1_000_000, 1).query_async(&mut con).await.unwrap();
+    let _: () = set_lease("g", lease_record(10.0, 1e7))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let v: Vec<i64> = bucket_check("g", 1_000_000, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 1);
     // 1.05 s later the share is 90 per second with a bucket of 90: the old bucket was full
     // again after 0.1 s (10 tokens), and that is all the region has.
-    let _: () = set(record(90.0, 9e7)).query_async(&mut con).await.unwrap();
-    let v: Vec<i64> = check(2_050_000, 11).query_async(&mut con).await.unwrap();
+    let _: () = set_lease("g", lease_record(90.0, 9e7))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let v: Vec<i64> = bucket_check("g", 2_050_000, 11)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 0, "11 tokens appeared with the bigger share: {v:?}");
-    let v: Vec<i64> = check(2_050_000, 10).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = bucket_check("g", 2_050_000, 10)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 1, "the 10 it had: {v:?}");
 }
 
@@ -511,46 +532,34 @@ async fn a_growing_share_brings_no_tokens() {
 async fn a_share_growing_from_zero_brings_no_tokens() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let record = |share: f64, tau: f64| {
-        [1.0f64, share, tau, 1e15]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect::<Vec<u8>>()
-    };
-    let set = |v: Vec<u8>| {
-        let mut c = redis::cmd("SET");
-        c.arg("{z}:lease").arg(v);
-        c
-    };
-    let check = |now: u64, cost: u32| {
-        let mut c = redis::cmd("EVAL");
-        c.arg(flowgate::gate::lua::REGION_BUCKET)
-            .arg(3)
-            .arg("{z}:lease")
-            .arg("{z}:demand")
-            .arg("{z}:bucket")
-            .arg(now)
-            .arg(cost)
-            .arg(1_000_000)
-            .arg(0)
-            .arg(0)
-            .arg(1_000_000)
-            .arg(10_000);
-        c
-    };
     // Share 0: the region's requests are rejected (they are its demand).
-    let _: () = set(record(0.0, 0.0)).query_async(&mut con).await.unwrap();
-    let v: Vec<i64> = check(1_000_000, 1).query_async(&mut con).await.unwrap();
+    let _: () = set_lease("z", lease_record(0.0, 0.0))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let v: Vec<i64> = bucket_check("z", 1_000_000, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 0);
     // 10 ms later the share is 90 per second with a bucket of 90: the region had nothing at
     // share 0, so it has at most the 0.9 of a token refilled since, not 90 tokens.
-    let _: () = set(record(90.0, 9e7)).query_async(&mut con).await.unwrap();
-    let v: Vec<i64> = check(1_010_000, 90).query_async(&mut con).await.unwrap();
+    let _: () = set_lease("z", lease_record(90.0, 9e7))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let v: Vec<i64> = bucket_check("z", 1_010_000, 90)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 0, "90 tokens appeared with the share: {v:?}");
-    let v: Vec<i64> = check(1_010_000, 1).query_async(&mut con).await.unwrap();
+    let v: Vec<i64> = bucket_check("z", 1_010_000, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(v[0], 0, "a token appeared with the share: {v:?}");
     // A token refills in 1/90 s at the new share.
-    let v: Vec<i64> = check(1_010_000 + 11_200, 1)
+    let v: Vec<i64> = bucket_check("z", 1_010_000 + 11_200, 1)
         .query_async(&mut con)
         .await
         .unwrap();

@@ -28,6 +28,22 @@ fn classify(r: &Result<u16, &'static str>) -> Outcome {
     }
 }
 
+/// `retry` under `backoff` and `budget` against a downstream that always answers 500: how
+/// it stopped, and how many calls it made.
+async fn always_500(backoff: Backoff, budget: &RetryBudget) -> (Stop, u32) {
+    let policy = RetryPolicy::builder(backoff)
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let calls = AtomicU32::new(0);
+    let done = retry(&policy, classify, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(500) }
+    })
+    .await;
+    (done.stop, calls.load(Ordering::Relaxed))
+}
+
 fn per_second(rate: Rate) -> f64 {
     rate.count() as f64 * 1e9 / rate.period_nanos() as f64
 }
@@ -120,19 +136,10 @@ async fn the_budget_stops_a_retry_storm() {
         .base(Duration::from_millis(1))
         .build()
         .unwrap();
-    let policy = RetryPolicy::builder(backoff)
-        .budget(budget.clone())
-        .build()
-        .unwrap();
-    let calls = AtomicU32::new(0);
-    let done = retry(&policy, classify, |_| {
-        calls.fetch_add(1, Ordering::Relaxed);
-        async { Ok(500) }
-    })
-    .await;
-    assert_eq!(done.stop, Stop::Budget);
+    let (stop, calls) = always_500(backoff, &budget).await;
+    assert_eq!(stop, Stop::Budget);
     // 10 tokens, retries need more than 5 left: 4 retries (9, 8, 7, 6), the 5th refused.
-    assert_eq!(calls.load(Ordering::Relaxed), 5);
+    assert_eq!(calls, 5);
     assert_eq!(budget.stats().allowed, 4);
     assert_eq!(budget.stats().refused, 1);
 }
@@ -145,19 +152,10 @@ async fn the_last_attempt_is_not_counted_as_a_retry_by_the_budget() {
         .jitter(Jitter::None)
         .build()
         .unwrap();
-    let policy = RetryPolicy::builder(backoff)
-        .budget(budget.clone())
-        .build()
-        .unwrap();
-    let calls = AtomicU32::new(0);
-    let done = retry(&policy, classify, |_| {
-        calls.fetch_add(1, Ordering::Relaxed);
-        async { Ok(500) }
-    })
-    .await;
-    assert_eq!(done.stop, Stop::GaveUp(GiveUp::Attempts { attempts: 3 }));
+    let (stop, calls) = always_500(backoff, &budget).await;
+    assert_eq!(stop, Stop::GaveUp(GiveUp::Attempts { attempts: 3 }));
     // Three failures take three tokens, but only two retries were made.
-    assert_eq!(calls.load(Ordering::Relaxed), 3);
+    assert_eq!(calls, 3);
     assert_eq!(budget.tokens(), 7.0);
     assert_eq!(budget.stats().allowed, 2);
     assert_eq!(budget.stats().refused, 0);
@@ -166,13 +164,9 @@ async fn the_last_attempt_is_not_counted_as_a_retry_by_the_budget() {
     // refused nothing (no retry could have been made).
     let budget = RetryBudget::new(4, 0.1).unwrap();
     let backoff = Backoff::builder().max_attempts(2).build().unwrap();
-    let policy = RetryPolicy::builder(backoff)
-        .budget(budget.clone())
-        .build()
-        .unwrap();
-    let done = retry(&policy, classify, |_| async { Ok(500) }).await;
+    let (stop, _) = always_500(backoff, &budget).await;
     // 4 → 3 (> 2: one retry), 3 → 2 on the last attempt.
-    assert_eq!(done.stop, Stop::GaveUp(GiveUp::Attempts { attempts: 2 }));
+    assert_eq!(stop, Stop::GaveUp(GiveUp::Attempts { attempts: 2 }));
     assert_eq!(budget.tokens(), 2.0);
     assert_eq!((budget.stats().allowed, budget.stats().refused), (1, 0));
 }

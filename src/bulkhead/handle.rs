@@ -398,7 +398,8 @@ impl BulkheadBuilder {
     /// bounded to `[1, max_in_flight − critical_reserve]` through
     /// [`AdaptiveLimit::bound`], so its limit never runs above a level the bulkhead can
     /// use). Normal work cannot take the reserve: this way it can reach the limit the
-    /// algorithm learns (an algorithm grows its limit only from calls that reached it). Every permit then records when it was granted; a call ends with
+    /// algorithm learns (an algorithm grows its limit only from calls that reached it).
+    /// Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
     /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is
     /// [`Outcome::Ignored`]. The algorithm runs on the thread that ends the call, under its

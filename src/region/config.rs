@@ -290,8 +290,8 @@ where
 
     /// How often a region refreshes its lease and reports its demand (default a fifth of the
     /// lease; three refreshes, two home timeouts and a margin of 1 % of the lease (at least
-    /// 5 ms) must fit in a lease, so that another process can take over before it ends). Shares follow demand within about two
-    /// refreshes.
+    /// 5 ms) must fit in a lease, so that another process can take over before it ends).
+    /// Shares follow demand within about two refreshes.
     pub fn refresh_every(mut self, every: Duration) -> Self {
         self.refresh = Some(crate::time::capped(every));
         self

@@ -174,12 +174,12 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// use flowgate::Quota;
     ///
     /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(10)?));
-    /// assert!(gate.check_quotas(&[Quota::per_second(2)?, Quota::per_second(1)?]).is_ok());
+    /// assert!(gate.validate_quotas(&[Quota::per_second(2)?, Quota::per_second(1)?]).is_ok());
     /// let many: Vec<Quota> = (1..=17).map(Quota::per_second).collect::<Result<_, _>>()?;
-    /// assert!(gate.check_quotas(&many).is_err());
+    /// assert!(gate.validate_quotas(&many).is_err());
     /// # Ok::<(), flowgate::ConfigError>(())
     /// ```
-    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
+    fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
         let _ = quotas;
         Err(no_check_all())
     }
@@ -188,7 +188,7 @@ pub trait Gate: Send + Sync + fmt::Debug {
     fn limit(&self) -> Limit;
 }
 
-/// What the defaults of [`Gate::check_all`] and [`Gate::check_quotas`] answer.
+/// What the defaults of [`Gate::check_all`] and [`Gate::validate_quotas`] answer.
 fn no_check_all() -> crate::ConfigError {
     crate::ConfigError::new(
         "gate.check_all",
@@ -226,8 +226,8 @@ macro_rules! forward_gate {
                 (**self).check_all_local(limits, cost, decisions)
             }
 
-            fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
-                (**self).check_quotas(quotas)
+            fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
+                (**self).validate_quotas(quotas)
             }
 
             fn limit(&self) -> Limit {

@@ -481,7 +481,7 @@ impl Gate for MemoryGate {
 
     /// At most 16 distinct quotas: what one shard holds ([`check_all`](MemoryGate::check_all)
     /// refuses a request that needs more with [`GateError::KeyspaceFull`]).
-    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), ConfigError> {
+    fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), ConfigError> {
         let distinct = quotas
             .iter()
             .enumerate()

@@ -657,7 +657,7 @@ where
     /// Each quota's period a whole number of microseconds, and small enough for exact
     /// arithmetic in Redis (what [`check_all`](RedisGate::check_all) refuses per call
     /// with [`GateError::InvalidQuota`]).
-    fn check_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
+    fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
         quotas
             .iter()
             .try_for_each(|&q| Limit::TokenBucket(q).redis_params().map(drop))

@@ -56,7 +56,7 @@ impl Gate for Counted {
 fn a_gate_without_check_all_refuses_quotas() {
     let gate = Counted::new(per_minute(1), true);
     let e = gate
-        .check_quotas(&[Quota::per_minute(1).unwrap()])
+        .validate_quotas(&[Quota::per_minute(1).unwrap()])
         .unwrap_err();
     assert_eq!(e.field(), "gate.check_all");
 }

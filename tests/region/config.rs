@@ -231,7 +231,7 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     // No all-or-nothing `check_all`: what is built over the gate (an HTTP layer's
     // policies) is refused when built.
     let e =
-        flowgate::gate::Gate::check_quotas(&gate, &[Quota::per_second(1).unwrap()]).unwrap_err();
+        flowgate::gate::Gate::validate_quotas(&gate, &[Quota::per_second(1).unwrap()]).unwrap_err();
     assert_eq!(e.field(), "gate.check_all");
     // The first refresh reported no demand (a share of 1); the next one sees the rejected
     // requests and grants the whole quota.

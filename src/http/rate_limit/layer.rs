@@ -41,7 +41,7 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 
 /// A rate-limiting tower layer: decides every request against one or more [`Policy`]s on
 /// any [`Gate`] with a [`check_all`](Gate::check_all) (`build` refuses a gate whose
-/// [`check_quotas`](Gate::check_quotas) refuses the policies' quotas, such as a
+/// [`validate_quotas`](Gate::validate_quotas) refuses the policies' quotas, such as a
 /// `RegionGate`), all-or-nothing, and answers `429 Too Many Requests` itself when a policy
 /// has no room; every response (admitted or not) carries the rate-limit header fields.
 ///
@@ -330,7 +330,7 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     ///
     /// [`ConfigError`] on `rate_limit.policies` when there is no policy, more than 32, a
     /// name that is empty, not printable ASCII or contains `:`, or two policies with one
-    /// name, or quotas the gate cannot decide ([`Gate::check_quotas`]: on a
+    /// name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate) more than 16 distinct quotas);
     /// on `rate_limit.header_styles` for both `X_RATELIMIT` and
@@ -391,12 +391,12 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
         };
         for p in &self.policies {
             self.gate
-                .check_quotas(&[p.quota])
+                .validate_quotas(&[p.quota])
                 .map_err(|e| gate_refuses(Some(&p.name), e))?;
         }
         let quotas: Vec<Quota> = self.policies.iter().map(|p| p.quota).collect();
         self.gate
-            .check_quotas(&quotas)
+            .validate_quotas(&quotas)
             .map_err(|e| gate_refuses(None, e))?;
         let top = TopRejected::new(self.top_rejected)?;
         let policies: Box<[Entry]> = self

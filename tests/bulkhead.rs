@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use flowgate::bulkhead::{AcquireError, Bulkhead, Priority};
 use flowgate::{ConfigErrorKind, FlowStreamExt};
-use futures::{FutureExt, StreamExt, poll};
+use futures::{FutureExt, Stream, StreamExt, poll};
 use tokio::time::{Instant, advance, sleep};
 
 /// Tracks how many holders are inside at once, and the most ever seen.
@@ -759,6 +759,25 @@ async fn closing_the_bulkhead_ends_an_adapter_after_work_in_flight() {
     b.close();
     tx.unbounded_send(2).unwrap();
     assert_eq!(stream.next().await, None);
+}
+
+/// Once the bulkhead is closed an adapter starts nothing more: its lower bound is the work
+/// in flight, not the inner stream's length.
+#[tokio::test]
+async fn an_adapters_size_hint_counts_no_input_once_the_bulkhead_is_closed() {
+    let b = Bulkhead::new(1).unwrap();
+    b.close();
+    let unordered =
+        futures::stream::iter(0..10u32).bulkhead_map_unordered(b.clone(), |x| async move { x });
+    let ordered = futures::stream::iter(0..10u32).bulkhead_map(b.clone(), |x| async move { x });
+    let spawned =
+        futures::stream::iter(0..10u32).bulkhead_spawn_map(b.clone(), |x| async move { x });
+    assert_eq!(unordered.size_hint(), (0, Some(0)));
+    assert_eq!(ordered.size_hint(), (0, Some(0)));
+    assert_eq!(spawned.size_hint(), (0, Some(0)));
+    assert_eq!(unordered.count().await, 0);
+    assert_eq!(ordered.count().await, 0);
+    assert_eq!(spawned.count().await, 0);
 }
 
 #[test]

@@ -403,6 +403,11 @@ impl Permits {
         self.closed
     }
 
+    /// Whether the bulkhead itself is closed (this adapter may not have seen it yet).
+    pub(crate) fn bulkhead_closed(&self) -> bool {
+        self.core.is_closed()
+    }
+
     /// Return the permits of work that vanished without finishing (a future that panicked,
     /// the panic caught by the caller): the adapter holds one per unit of work in flight.
     #[inline]

@@ -90,7 +90,9 @@ impl<St: Stream> Feed<St> {
     pub(crate) fn size_hint(&self, running: usize, sure: bool) -> (usize, Option<usize>) {
         // Each future in flight and the held item yield one output; then the inner stream's.
         let extra = running + usize::from(self.next.is_some());
-        let (lo, hi) = if self.permits.is_closed() {
+        // Once the bulkhead is closed no new work starts (even before the adapter has seen
+        // the refusal): nothing more comes from the inner stream.
+        let (lo, hi) = if self.permits.is_closed() || self.permits.bulkhead_closed() {
             (0, Some(0))
         } else {
             self.stream.size_hint()

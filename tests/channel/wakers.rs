@@ -298,3 +298,23 @@ async fn a_stalled_stream_consumer_does_not_starve_another() {
     assert_eq!(got, Some(7));
     stalled.abort();
 }
+
+/// A `recv()` or `recv_many()` future dropped before its first poll registered nothing, so
+/// it must leave alone the wait the receiver registered when polled as a `Stream` (or
+/// through `poll_recv`): that task is still owed a wake for the next item.
+#[test]
+fn an_unpolled_recv_dropped_keeps_the_streams_wait() {
+    let (tx, mut rx) = channel::bounded::<u32>(8).unwrap();
+    let (w, s) = counting();
+    assert!(poll_next_with(&mut rx, &w).is_pending());
+    drop(rx.recv());
+    let mut buf = Vec::new();
+    drop(rx.recv_many(&mut buf, 4));
+    tx.try_send(1).unwrap();
+    assert_eq!(
+        s.wakes.load(Ordering::SeqCst),
+        1,
+        "the stream's wait was lost"
+    );
+    assert_eq!(poll_next_with(&mut rx, &w), Poll::Ready(Some(1)));
+}

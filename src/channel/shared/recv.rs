@@ -161,9 +161,11 @@ impl<T> Shared<T> {
 
     /// A waiting receive was dropped. If it had already been woken for an item it will not
     /// take, pass the wake-up on so the item is not stranded. (Stream waiters were all woken
-    /// with the item; one waiting future is.)
+    /// with the item; one waiting future is.) A wait among the stream waiters is not the
+    /// future's: it was registered by a poll as a `Stream` (the future, dropped before its
+    /// first poll, registered nothing), and that task is still owed its wake.
     pub(crate) fn cancel_recv_wait(&self, waiting: &mut Waiting) {
-        if !waiting.is_waiting() {
+        if !waiting.is_waiting() || waiting.stream {
             return;
         }
         let mut out = Deferred::default();

@@ -396,6 +396,43 @@ async fn stream_adapters_and_run_record_ok() {
     assert_eq!(b.in_flight(), 0);
 }
 
+/// Calls an adapter had in flight when it was dropped were cancelled: each is an ignored
+/// sample, whichever adapter ran it (as a permit dropped without `record` is).
+#[tokio::test(start_paused = true)]
+async fn every_adapter_dropped_mid_flight_counts_its_calls_as_ignored() {
+    let b = Bulkhead::builder(4)
+        .adaptive(Recorder::new(4))
+        .build()
+        .unwrap();
+    let work = |_| tokio::time::sleep(5 * MS);
+    let mut ordered = Box::pin(futures::stream::iter(0..10).bulkhead_map(b.clone(), work));
+    assert!(futures::poll!(ordered.next()).is_pending());
+    drop(ordered);
+    assert_eq!(b.adaptive_stats().unwrap().ignored, 4, "bulkhead_map");
+    let mut unordered =
+        Box::pin(futures::stream::iter(0..10).bulkhead_map_unordered(b.clone(), work));
+    assert!(futures::poll!(unordered.next()).is_pending());
+    drop(unordered);
+    assert_eq!(b.in_flight(), 0);
+    assert_eq!(
+        b.adaptive_stats().unwrap().ignored,
+        8,
+        "bulkhead_map_unordered"
+    );
+    let mut spawned = Box::pin(futures::stream::iter(0..10).bulkhead_spawn_map(b.clone(), work));
+    assert!(futures::poll!(spawned.next()).is_pending());
+    drop(spawned);
+    // The aborted tasks drop their permits when the runtime next runs them.
+    tokio::task::yield_now().await;
+    assert_eq!(b.in_flight(), 0);
+    assert_eq!(
+        b.adaptive_stats().unwrap().ignored,
+        12,
+        "bulkhead_spawn_map"
+    );
+    assert_eq!(b.adaptive_stats().unwrap().ok, 0);
+}
+
 #[tokio::test]
 async fn a_fixed_bulkhead_has_no_adaptive_state() {
     let b = Bulkhead::new(3).unwrap();

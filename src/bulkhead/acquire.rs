@@ -423,10 +423,11 @@ impl Permits {
         self.core.max_in_flight() as usize
     }
 
-    /// The grant of a unit of work starting now (adaptive bulkheads only).
+    /// The grant of a unit of work starting now, with the bulkhead owed its sample (adaptive
+    /// bulkheads only).
     #[inline]
-    pub(crate) fn grant(&self) -> Option<Grant> {
-        self.core.start()
+    pub(crate) fn sample(&self) -> Option<(Grant, Arc<Core>)> {
+        self.core.start().map(|grant| (grant, self.core.clone()))
     }
 
     /// Feed the sample of a unit of work that ended now (the permit is handled apart).

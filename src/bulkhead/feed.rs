@@ -11,6 +11,8 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
 use crate::bulkhead::adaptive::Grant;
+use crate::bulkhead::core::Core;
+use crate::sync::Arc;
 
 /// The upstream, the one item pulled and waiting for a permit, and the permits held: what
 /// every bulkhead adapter needs before it can start a mapped future.
@@ -109,10 +111,11 @@ impl<St: Stream> Feed<St> {
         self.permits().into_owned()
     }
 
-    /// The grant of a unit of work starting now (adaptive bulkheads only).
+    /// The grant of a unit of work starting now, with the bulkhead owed its sample (adaptive
+    /// bulkheads only).
     #[inline]
-    pub(crate) fn start(&self) -> Option<Grant> {
-        self.permits.grant()
+    pub(crate) fn start(&self) -> Option<(Grant, Arc<Core>)> {
+        self.permits.sample()
     }
 
     /// Feed the sample of a unit of work that ended now.

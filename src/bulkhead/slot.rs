@@ -4,23 +4,28 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use pin_project::pin_project;
+use pin_project::{pin_project, pinned_drop};
 
+use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::Grant;
+use crate::bulkhead::core::Core;
+use crate::sync::Arc;
 
-/// A mapped future with its grant (adaptive bulkheads only), answered with its output, so
-/// the adapter can feed the sample when it completes.
-#[pin_project]
+/// A mapped future with its grant and its bulkhead (adaptive bulkheads only), answered with
+/// its output and grant, so the adapter can feed the sample when it completes. Dropped
+/// before it completes (the adapter dropped, or the future panicked), the call is an
+/// [`Outcome::Ignored`] sample, as a permit dropped without `record` is.
+#[pin_project(PinnedDrop)]
 #[derive(Debug)]
 pub(crate) struct Timed<Fut> {
     #[pin]
     fut: Fut,
-    grant: Option<Grant>,
+    sample: Option<(Grant, Arc<Core>)>,
 }
 
 impl<Fut> Timed<Fut> {
-    pub(crate) fn new(fut: Fut, grant: Option<Grant>) -> Timed<Fut> {
-        Timed { fut, grant }
+    pub(crate) fn new(fut: Fut, sample: Option<(Grant, Arc<Core>)>) -> Timed<Fut> {
+        Timed { fut, sample }
     }
 }
 
@@ -30,7 +35,16 @@ impl<Fut: Future> Future for Timed<Fut> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let out = ready!(this.fut.poll(cx));
-        Poll::Ready((out, this.grant.take()))
+        Poll::Ready((out, this.sample.take().map(|(grant, _)| grant)))
+    }
+}
+
+#[pinned_drop]
+impl<Fut> PinnedDrop for Timed<Fut> {
+    fn drop(self: Pin<&mut Self>) {
+        if let Some((grant, core)) = self.project().sample.take() {
+            core.record(grant, Outcome::Ignored);
+        }
     }
 }
 

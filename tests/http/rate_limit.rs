@@ -1057,6 +1057,40 @@ mod on_redis {
         );
     }
 
+    /// Under `FailurePolicy::Fallback`, the policies must be decidable by the fallback
+    /// `MemoryGate` too: 17 distinct quotas (one more than it decides together) are refused
+    /// when built. Before, the layer was built and, once Redis failed, every request got a
+    /// 503 (`KeyspaceFull` from the fallback) instead of a local decision.
+    #[tokio::test]
+    async fn quotas_the_fallback_gate_cannot_decide_are_refused_when_built() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let fallback = MemoryGate::new(Limit::TokenBucket(quota(1, Duration::from_secs(1))));
+        let gate = RedisGate::builder(conn, Limit::TokenBucket(quota(1, Duration::from_secs(1))))
+            .failure_policy(FailurePolicy::Fallback(fallback))
+            .build()
+            .await
+            .unwrap();
+        let policies = |n: u32| {
+            (0..n).map(|i| {
+                Policy::new(
+                    format!("p{i}"),
+                    quota(10 + i, Duration::from_secs(60)),
+                    by_client,
+                )
+            })
+        };
+        let build = |n: u32| {
+            policies(n)
+                .fold(RateLimitLayer::builder(gate.clone()), |b, p| b.policy(p))
+                .build()
+        };
+        assert!(build(16).is_ok());
+        let e = build(17).unwrap_err();
+        assert_eq!(e.field(), "rate_limit.policies");
+        assert!(e.reason().contains("16"), "{e}");
+    }
+
     #[tokio::test]
     async fn redis_killed_mid_run_answers_under_the_failure_policy_and_recovers() {
         let server = RedisServer::start();

@@ -159,7 +159,8 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// The default refuses every list, as the default `check_all` refuses every call: a
     /// gate that implements `check_all` implements this too, with the limits of its own.
     /// [`RedisGate`](crate::gate::RedisGate) refuses a quota too large for exact arithmetic
-    /// in Redis, [`MemoryGate`](crate::gate::MemoryGate) more distinct quotas than it holds
+    /// in Redis (and, under `FailurePolicy::Fallback`, what its `MemoryGate` refuses),
+    /// [`MemoryGate`](crate::gate::MemoryGate) more distinct quotas than it holds
     /// per shard (16); a `RegionGate` (feature `redis`) has no `check_all` and
     /// refuses every list.
     ///

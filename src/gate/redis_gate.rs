@@ -656,11 +656,16 @@ where
 
     /// Each quota's period a whole number of microseconds, and small enough for exact
     /// arithmetic in Redis (what [`check_all`](RedisGate::check_all) refuses per call
-    /// with [`GateError::InvalidQuota`]).
+    /// with [`GateError::InvalidQuota`]); under [`FailurePolicy::Fallback`], also what its
+    /// `MemoryGate` can decide, since it decides them while Redis fails.
     fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
         quotas
             .iter()
-            .try_for_each(|&q| Limit::TokenBucket(q).redis_params().map(drop))
+            .try_for_each(|&q| Limit::TokenBucket(q).redis_params().map(drop))?;
+        match &self.inner.policy {
+            FailurePolicy::Fallback(gate) => gate.validate_quotas(quotas),
+            _ => Ok(()),
+        }
     }
 
     fn limit(&self) -> Limit {

@@ -1059,7 +1059,7 @@ mod on_redis {
 
     /// Under `FailurePolicy::Fallback`, the policies must be decidable by the fallback
     /// `MemoryGate` too: 17 distinct quotas (one more than it decides together) are refused
-    /// when built. Before, the layer was built and, once Redis failed, every request got a
+    /// when built. Before, the layer was built and, once Redis failed, most requests got a
     /// 503 (`KeyspaceFull` from the fallback) instead of a local decision.
     #[tokio::test]
     async fn quotas_the_fallback_gate_cannot_decide_are_refused_when_built() {

@@ -332,7 +332,8 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// name that is empty, not printable ASCII or contains `:`, or two policies with one
     /// name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
-    /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate) more than 16 distinct quotas);
+    /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure
+    /// policy falls back to one, more than 16 distinct quotas);
     /// on `rate_limit.header_styles` for both `X_RATELIMIT` and
     /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
     /// [`TopRejected::MAX_CAPACITY`].

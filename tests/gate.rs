@@ -1435,3 +1435,33 @@ fn sliding_log_script_loses_no_entry_when_the_clock_steps_back() {
     }
     assert_eq!(admitted, 3);
 }
+
+/// A window of a few microseconds has an index of 15 digits or more at today's Redis time:
+/// stored as `tostring(index)` (14 significant digits) the next window had the same text,
+/// so the script counted several windows as one (rejecting what the model admits, with a
+/// `retry_after` at a window end that admitted nothing).
+#[test]
+fn fixed_window_script_keeps_windows_of_a_few_microseconds_apart() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let script = redis::Script::new(lua::FIXED_WINDOW);
+    let rate = Rate::per(2, Duration::from_micros(7)).unwrap();
+    let mut model = Limiter::new(FixedWindow::new(rate));
+    let args = [2, 7];
+    // A window start (1 764e12 is a multiple of 7), then the windows after it.
+    let t0 = 1_764_000_000_000_000u64;
+    for (now_us, cost) in [
+        (t0, 2),
+        (t0 + 6, 1),
+        (t0 + 7, 2),
+        (t0 + 14, 1),
+        (t0 + 20, 1),
+    ] {
+        let want = model.check(Duration::from_micros(now_us), cost).unwrap();
+        let got = rt.block_on(run_script(
+            &mut con, &script, "fw:short", &args, now_us, cost,
+        ));
+        assert_eq!(got, model_reply(&want), "cost {cost} at {now_us}");
+    }
+}

@@ -24,9 +24,10 @@ local now = clock
 
 local index = math.floor(now / window)
 local reset = (index + 1) * window - now
--- The index is compared as the text it is stored as (exact up to 14 digits; beyond, two
--- windows may share a text, which can only count more, never less).
-local w = tostring(index)
+-- The index is compared as the text it is stored as, in full ('%d': tostring keeps only 14
+-- digits, and a window of a few microseconds has 15 or more at today's clock, so windows
+-- shared a text and were counted as one).
+local w = string.format('%d', index)
 local state = redis.call('HMGET', key, 'w', 'n')
 local same = state[1] == w
 -- A clock that stepped back (a failover to a replica whose clock is behind) stays in the

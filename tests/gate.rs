@@ -1465,3 +1465,27 @@ fn fixed_window_script_keeps_windows_of_a_few_microseconds_apart() {
         assert_eq!(got, model_reply(&want), "cost {cost} at {now_us}");
     }
 }
+
+/// After a rejection at the start of a window, a Redis clock that steps back into the
+/// window before is decided in the window the script counted, as the model decides it: the
+/// model rolled its counters forward on the rejection (the script writes nothing then), and
+/// decided the request in the new window, with another `reset_after`.
+#[test]
+fn sliding_window_script_and_model_agree_when_the_clock_steps_back_after_a_rejection() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let script = redis::Script::new(lua::SLIDING_WINDOW);
+    let rate = Rate::per(2, Duration::from_secs(1)).unwrap();
+    let mut model = Limiter::new(SlidingWindow::new(rate));
+    let args = [2, 1_000_000];
+    let t0 = 1_700_000_000_000_000u64;
+    let trace = [(t0 + 500_000, 1), (t0 + 1_000_000, 2), (t0 + 999_999, 1)];
+    for (now_us, cost) in trace {
+        let want = model.check(Duration::from_micros(now_us), cost).unwrap();
+        let got = rt.block_on(run_script(
+            &mut con, &script, "sw:skew", &args, now_us, cost,
+        ));
+        assert_eq!(got, model_reply(&want), "cost {cost} at {now_us}");
+    }
+}

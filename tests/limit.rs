@@ -458,3 +458,22 @@ fn sliding_window_retry_after_saturates_for_the_longest_window() {
     assert!(!d.allowed);
     assert_eq!(d.retry_after, Duration::from_nanos(u64::MAX));
 }
+
+/// A rejected check leaves the state unchanged (the `Algorithm` contract). The sliding
+/// window rolled its counters into the next window before deciding, also when it then
+/// rejected: a clock that stepped back was then decided in the new window instead of the
+/// one counted (where the Redis script, which writes nothing on a rejection, decides it).
+#[test]
+fn a_rejected_sliding_window_check_leaves_the_state_unchanged() {
+    let mut w = Limiter::new(SlidingWindow::new(Rate::per_second(2).unwrap()));
+    let ms = Duration::from_millis;
+    assert!(w.check(ms(500), 1).unwrap().allowed);
+    let before = *w.state();
+    // The start of the next window: the estimate is still 1, so 2 more do not fit.
+    assert!(!w.check(ms(1_000), 2).unwrap().allowed);
+    assert_eq!(w.state(), &before);
+    // The clock steps back into the counted window, which ends 1 ms later.
+    let d = w.check(ms(999), 1).unwrap();
+    assert!(d.allowed);
+    assert_eq!(d.reset_after, ms(1_001));
+}

@@ -126,13 +126,17 @@ impl Algorithm for SlidingWindow {
     ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
         let now = nanos(now);
-        self.roll(state, now);
-        let elapsed = now.max(state.start) - state.start;
+        // Rolled on a copy, kept only if admitted: a rejection leaves the state unchanged
+        // (a clock that steps back after it is decided in the window counted, as in Redis).
+        let mut rolled = *state;
+        self.roll(&mut rolled, now);
+        let elapsed = now.max(rolled.start) - rolled.start;
         let limit = u64::from(self.limit);
         let w = u128::from(self.window);
-        let weighted = self.weighted(state, elapsed);
+        let weighted = self.weighted(&rolled, elapsed);
         if weighted + u128::from(cost) * w <= u128::from(self.limit) * w {
-            state.current += cost;
+            rolled.current += cost;
+            *state = rolled;
             let after = self.weighted(state, elapsed);
             let remaining = (u128::from(self.limit) * w - after) / w;
             Ok(Decision::allow(
@@ -141,6 +145,7 @@ impl Algorithm for SlidingWindow {
                 self.reset_after(state, elapsed),
             ))
         } else {
+            let state = &rolled;
             let remaining = (u128::from(self.limit) * w).saturating_sub(weighted) / w;
             // Later in this window, or else at an offset into the next one (where this
             // window's count becomes the previous one and nothing is current yet).

@@ -1489,3 +1489,49 @@ fn sliding_window_script_and_model_agree_when_the_clock_steps_back_after_a_rejec
         assert_eq!(got, model_reply(&want), "cost {cost} at {now_us}");
     }
 }
+
+/// A Redis clock that steps back behind a bucket's TAT: a rejection's `reset_after` is the
+/// time until the bucket is really full again, as the model says, in the token bucket, the
+/// all-or-nothing and the lease scripts alike. They capped it at one full bucket (`burst`
+/// emission intervals), telling the bucket full seconds before it is.
+#[test]
+fn token_bucket_scripts_report_the_real_reset_when_the_clock_steps_back() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let q = Quota::per_second(1).unwrap();
+    let mut model = Limiter::new(TokenBucket::new(q));
+    let t0 = 1_700_000_000_000_000u64;
+    let (admit_at, back_at) = (t0 + 10_000_000, t0 + 5_000_000);
+    let script = redis::Script::new(lua::TOKEN_BUCKET);
+    let args = [1, 1_000_000, 1];
+    for now_us in [admit_at, back_at] {
+        let want = model.check(Duration::from_micros(now_us), 1).unwrap();
+        let got = rt.block_on(run_script(&mut con, &script, "tb:skew", &args, now_us, 1));
+        assert_eq!(got, model_reply(&want), "at {now_us}");
+    }
+    // The bucket is full again 6 s after the step back.
+    let want = model.check(Duration::from_micros(back_at), 1).unwrap();
+    assert_eq!(want.reset_after, Duration::from_secs(6));
+    let all = redis::Script::new(lua::TOKEN_BUCKET_ALL);
+    let lease = redis::Script::new(lua::TOKEN_BUCKET_LEASE);
+    rt.block_on(async {
+        let r: Vec<i64> = all
+            .key("tb:skew")
+            .arg(back_at)
+            .arg(&[1, 1_000_000, 1, 1])
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(r, [0, 1, 0, 6_000_000, 6_000_000], "token_bucket_all.lua");
+        let r: Vec<i64> = lease
+            .key("tb:skew")
+            .arg(&[1, 1_000_000, 1])
+            .arg(back_at)
+            .arg(&[1, 1])
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(r, [0, 1, 0, 6_000_000, 6_000_000], "token_bucket_lease.lua");
+    });
+}

@@ -66,7 +66,8 @@ for _, b in ipairs(buckets) do
     if used_after > tau then
       retry = ceil_us(used_after - tau, count)
     end
-    for _, v in ipairs({0, burst, math.floor((tau - held) / period), retry, ceil_us(held, count)}) do
+    -- reset: all of `used`, which exceeds tau only if the clock stepped back.
+    for _, v in ipairs({0, burst, math.floor((tau - held) / period), retry, ceil_us(used, count)}) do
       out[#out + 1] = v
     end
   end

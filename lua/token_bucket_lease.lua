@@ -35,7 +35,8 @@ end
 local available = math.floor((tau - math.min(used, tau)) / period)
 if available < want_min then
   local used_after = used + want_min * period
-  return {0, burst, available, ceil_us(used_after - tau, count), ceil_us(math.min(used, tau), count)}
+  -- reset: all of `used`, which exceeds tau only if the clock stepped back.
+  return {0, burst, available, ceil_us(used_after - tau, count), ceil_us(used, count)}
 end
 local granted = math.min(want_max, available)
 local used_after = used + granted * period

@@ -197,12 +197,13 @@ pub fn token_bucket_reply(
         Err(_) => {
             let used = u128::from((-1 - value).unsigned_abs());
             let used_after = used + u128::from(cost) * period;
-            let held = used.min(tau);
+            // `used` exceeds `tau` only if the clock stepped back: the bucket is full again
+            // when all of it has passed, not after one full bucket.
             Decision::reject(
                 limit,
-                tokens(tau - held),
+                tokens(tau - used.min(tau)),
                 ceil_us(used_after.saturating_sub(tau)),
-                ceil_us(held),
+                ceil_us(used),
             )
         }
     }

@@ -1535,3 +1535,29 @@ fn token_bucket_scripts_report_the_real_reset_when_the_clock_steps_back() {
         assert_eq!(r, [0, 1, 0, 6_000_000, 6_000_000], "token_bucket_lease.lua");
     });
 }
+
+/// A rejection cached for cost 1 answered a later request of cost 5 with cost 1's
+/// `retry_after` (one emission interval) although five tokens take five: the caller came
+/// back 800 ms too early, to another rejection.
+#[tokio::test]
+async fn a_cached_rejection_never_tells_a_larger_cost_to_retry_too_early() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(5))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("k", 5).await.unwrap().allowed);
+    let one = gate.check("k", 1).await.unwrap();
+    assert!(!one.allowed);
+    assert_eq!(gate.cached_rejections(), 1);
+    let five = gate.check("k", 5).await.unwrap();
+    assert!(!five.allowed);
+    // Four emission intervals (800 ms) more than one token, less the time between the
+    // calls (well under 100 ms).
+    assert!(
+        five.retry_after >= one.retry_after + Duration::from_millis(700),
+        "cost 5 told to retry after {:?}, cost 1 after {:?}",
+        five.retry_after,
+        one.retry_after
+    );
+}

@@ -113,7 +113,8 @@ mod tests {
     use crate::{Quota, Rate};
 
     /// Play Redis with a model on explicit time; feed the cache its rejections; whenever the
-    /// cache rejects, the model (on a copy, consuming nothing) must reject too.
+    /// cache rejects, the model (on a copy, consuming nothing) must reject too, with a
+    /// `retry_after` no longer than the cache's.
     fn never_rejects_what_the_model_admits<A: Algorithm + Clone>(
         algorithm: A,
         trace: &[(u64, u8, u32, bool)],
@@ -121,6 +122,9 @@ mod tests {
         let origin = Instant::now();
         let cache = RejectCache::new(4);
         let mut models: Vec<Limiter<A>> = (0..6).map(|_| Limiter::new(algorithm.clone())).collect();
+        // Whether the model admitted on a key since its last rejection was cached: then the
+        // cached retry_after may be short (it holds if nothing else is admitted meanwhile).
+        let mut admitted_since = [false; 6];
         let mut t = 0u64;
         for &(gap, key, cost, ask_cache_only) in trace {
             t += gap;
@@ -142,14 +146,27 @@ mod tests {
                     name,
                     t
                 );
+                // Nor does it tell the caller to come back before the model would admit.
+                prop_assert!(
+                    admitted_since[usize::from(key)] || cached.retry_after >= truth.retry_after,
+                    "cache told cost {} on {} at {} to retry after {:?}, the model after {:?}",
+                    cost,
+                    name,
+                    t,
+                    cached.retry_after,
+                    truth.retry_after
+                );
                 continue;
             }
             if ask_cache_only {
                 continue;
             }
             let d = model.check(now, cost).unwrap();
-            if !d.allowed {
+            if d.allowed {
+                admitted_since[usize::from(key)] = true;
+            } else {
                 cache.rejected(&name, cost, at, &d);
+                admitted_since[usize::from(key)] = false;
             }
         }
         Ok(())

@@ -123,9 +123,12 @@ pub(super) struct Inner<C> {
 ///   caller that gives up before its batch is sent is left out; one that gives up after may
 ///   still consume its cost (never over-admission).
 /// - **Rejection cache**: after Redis rejects cost `c` for a key with `retry_after` T, further
-///   requests of cost ≥ `c` for that key are rejected locally until T, with no round trip.
-///   Exact: T is counted from when the request was sent, so it never rejects what Redis would
-///   admit. Bounded (`reject_cache`, default 10 000 keys).
+///   requests of cost ≥ `c` for that key are rejected locally until T, with no round trip
+///   (a larger cost with the longer `retry_after` it needs: a token bucket's one emission
+///   interval per unit more, a fixed window's the same; under the sliding algorithms only
+///   cost `c` itself, larger ones go to Redis). Exact: T is counted from when the request
+///   was sent, so it never rejects what Redis would admit. Bounded (`reject_cache`, default
+///   10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
@@ -377,7 +380,7 @@ where
             inner: Arc::new(Inner {
                 backend,
                 batcher,
-                cache: RejectCache::new(self.reject_cache),
+                cache: RejectCache::new(self.reject_cache, self.limit),
                 eval,
                 all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
                 cluster: self.cluster,

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::decision::Decision;
+use crate::gate::limit::Limit;
 use crate::sync::Mutex;
 
 #[derive(Debug, Clone, Copy)]
@@ -26,21 +27,45 @@ struct Entry {
 /// ≥ `c` for `k` before T would be rejected by Redis too — time is the only thing that
 /// makes room, and other callers only take it. T is counted from the moment the request was
 /// sent, which is no later than the script ran, so the cache never rejects something Redis
-/// would admit. When full, it stops caching (never wrong, only less useful).
+/// would admit. A larger cost waits longer than `c`: a token bucket's by one emission
+/// interval per unit more, a fixed window's not at all (every cost fits in the next
+/// window); for the sliding algorithms only Redis knows, so a larger cost goes there. When
+/// full, it stops caching (never wrong, only less useful).
 #[derive(Debug)]
 pub(crate) struct RejectCache {
     entries: Mutex<HashMap<String, Entry>>,
     /// `entries.len()`, readable without the lock: an empty cache costs one load.
     count: AtomicUsize,
     capacity: usize,
+    /// The limit Redis decides by: how much longer a larger cost waits.
+    limit: Limit,
 }
 
 impl RejectCache {
-    pub(crate) fn new(capacity: usize) -> RejectCache {
+    pub(crate) fn new(capacity: usize, limit: Limit) -> RejectCache {
         RejectCache {
             entries: Mutex::new(HashMap::new()),
             count: AtomicUsize::new(0),
             capacity,
+            limit,
+        }
+    }
+
+    /// How much longer than a rejected cost a cost `more` units above it waits under
+    /// [`limit`](RejectCache::limit), if that is known without Redis (rounded up).
+    fn longer_wait(&self, more: u32) -> Option<Duration> {
+        match self.limit {
+            // One emission interval per unit.
+            Limit::TokenBucket(q) => {
+                let rate = q.rate();
+                let ns = (u128::from(more) * u128::from(rate.period_nanos()))
+                    .div_ceil(u128::from(rate.count()));
+                Some(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
+            }
+            // Every cost fits once the window ends.
+            Limit::FixedWindow(_) => Some(Duration::ZERO),
+            // It depends on the log or the counts, which only Redis has.
+            Limit::SlidingLog(_) | Limit::SlidingWindow(_) => None,
         }
     }
 
@@ -61,9 +86,13 @@ impl RejectCache {
         if cost < entry.cost {
             return None;
         }
+        let longer = match cost - entry.cost {
+            0 => Duration::ZERO,
+            more => self.longer_wait(more)?,
+        };
         let mut d = entry.decision;
         let left = entry.until - now;
-        d.retry_after = left;
+        d.retry_after = left.saturating_add(longer);
         d.reset_after = d
             .reset_after
             .saturating_sub(entry.decision.retry_after.saturating_sub(left));
@@ -109,6 +138,7 @@ mod tests {
     use std::time::Instant;
 
     use super::RejectCache;
+    use crate::gate::Limit;
     use crate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow, TokenBucket};
     use crate::{Quota, Rate};
 
@@ -116,11 +146,12 @@ mod tests {
     /// cache rejects, the model (on a copy, consuming nothing) must reject too, with a
     /// `retry_after` no longer than the cache's.
     fn never_rejects_what_the_model_admits<A: Algorithm + Clone>(
+        limit: Limit,
         algorithm: A,
         trace: &[(u64, u8, u32, bool)],
     ) -> Result<(), TestCaseError> {
         let origin = Instant::now();
-        let cache = RejectCache::new(4);
+        let cache = RejectCache::new(4, limit);
         let mut models: Vec<Limiter<A>> = (0..6).map(|_| Limiter::new(algorithm.clone())).collect();
         // Whether the model admitted on a key since its last rejection was cached: then the
         // cached retry_after may be short (it holds if nothing else is admitted meanwhile).
@@ -187,21 +218,21 @@ mod tests {
         #[test]
         fn token_bucket(tr in trace(), n in 1u32..6, burst in 1u32..6) {
             let q = Quota::new(Rate::per(n, Duration::from_millis(100)).unwrap(), burst).unwrap();
-            never_rejects_what_the_model_admits(TokenBucket::new(q), &tr)?;
+            never_rejects_what_the_model_admits(Limit::TokenBucket(q), TokenBucket::new(q), &tr)?;
         }
 
         #[test]
         fn windows(tr in trace(), n in 3u32..8) {
             let r = Rate::per(n, Duration::from_millis(100)).unwrap();
-            never_rejects_what_the_model_admits(FixedWindow::new(r), &tr)?;
-            never_rejects_what_the_model_admits(SlidingLog::new(r), &tr)?;
-            never_rejects_what_the_model_admits(SlidingWindow::new(r), &tr)?;
+            never_rejects_what_the_model_admits(Limit::FixedWindow(r), FixedWindow::new(r), &tr)?;
+            never_rejects_what_the_model_admits(Limit::SlidingLog(r), SlidingLog::new(r), &tr)?;
+            never_rejects_what_the_model_admits(Limit::SlidingWindow(r), SlidingWindow::new(r), &tr)?;
         }
     }
 
     #[test]
     fn a_full_cache_stops_caching_instead_of_guessing() {
-        let cache = RejectCache::new(1);
+        let cache = RejectCache::new(1, Limit::TokenBucket(Quota::per_second(1).unwrap()));
         let now = Instant::now();
         let mut b = Limiter::new(TokenBucket::new(Quota::per_second(1).unwrap()));
         b.check(Duration::ZERO, 1).unwrap();

@@ -477,3 +477,40 @@ fn a_rejected_sliding_window_check_leaves_the_state_unchanged() {
     assert!(d.allowed);
     assert_eq!(d.reset_after, ms(1_001));
 }
+
+/// After the clock steps back, a window limiter decides at the time it had reached (no time
+/// has passed), but its waits are counted from the `now` it was given: checking again at
+/// `now + retry_after` is admitted, and the state is neutral at `now + reset_after`. The
+/// windows counted them from the later time, so a caller came back too early (by the
+/// step), to another rejection. The token bucket already counted from `now`.
+#[test]
+fn waits_after_the_clock_steps_back_count_from_the_earlier_now() {
+    fn waits<A: Algorithm + Clone>(algorithm: A) {
+        let ms = Duration::from_millis;
+        let mut limiter = Limiter::new(algorithm);
+        assert!(limiter.check(ms(10_500), 2).unwrap().allowed);
+        let back = ms(9_500);
+        let d = limiter.check(back, 1).unwrap();
+        assert!(!d.allowed);
+        let name = std::any::type_name::<A>();
+        assert!(
+            limiter
+                .clone()
+                .check(back + d.retry_after, 1)
+                .unwrap()
+                .allowed,
+            "{name}: rejected again after retry_after {:?}",
+            d.retry_after
+        );
+        assert!(
+            limiter.is_neutral(back + d.reset_after),
+            "{name}: not neutral after reset_after {:?}",
+            d.reset_after
+        );
+    }
+    let r = Rate::per_second(2).unwrap();
+    waits(TokenBucket::new(Quota::from(r)));
+    waits(FixedWindow::new(r));
+    waits(SlidingLog::new(r));
+    waits(SlidingWindow::new(r));
+}

@@ -31,11 +31,12 @@ local w = string.format('%d', index)
 local state = redis.call('HMGET', key, 'w', 'n')
 local same = state[1] == w
 -- A clock that stepped back (a failover to a replica whose clock is behind) stays in the
--- window already counted, as the model does, instead of starting an earlier one afresh.
+-- window already counted, as the model does, instead of starting an earlier one afresh; its
+-- end is counted from now.
 local counted = not same and tonumber(state[1])
 if counted and counted > index then
   same = true
-  reset = (counted + 1) * window - math.max(now, counted * window)
+  reset = (counted + 1) * window - now
 end
 local used = same and tonumber(state[2] or '0') or 0
 if used + cost <= limit then

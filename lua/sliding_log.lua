@@ -21,6 +21,8 @@ local function decide(key, cost)
 local now = clock
 
 -- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
+-- The waits are counted from the time given (`given`).
+local given = now
 local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 if newest[2] and tonumber(newest[2]) > now then
   now = tonumber(newest[2])
@@ -50,12 +52,12 @@ if total + cost <= limit then
   end
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
   redis.call('PEXPIRE', key, ttl_ms(window, explicit))
-  return {1, limit, limit - total - cost, 0, window}
+  return {1, limit, limit - total - cost, 0, now + window - given}
 end
 local need = total + cost - limit
 local retry = 0
 for _, e in ipairs(costs) do
-  retry = e[1] + window - now
+  retry = e[1] + window - given
   if e[2] >= need then
     break
   end
@@ -63,7 +65,7 @@ for _, e in ipairs(costs) do
 end
 local reset = 0
 if #costs > 0 then
-  reset = costs[#costs][1] + window - now
+  reset = costs[#costs][1] + window - given
 end
 return {0, limit, limit - total, retry, reset}
 end

@@ -42,13 +42,16 @@ if aligned > start then
   start = aligned
   ttl_holds = false
 end
+-- A clock that stepped back is taken as no time passing, with the waits counted from now.
+local behind = 0
 if now < start then
+  behind = start - now
   now = start
 end
 local elapsed = now - start
 
 local function reset_after(cur, prev)
-  local to_end = window - elapsed
+  local to_end = window - elapsed + behind
   if cur > 0 then
     return to_end + window
   elseif prev > 0 then
@@ -90,10 +93,10 @@ local remaining = math.floor(math.max(0, limit * window - weighted) / window)
 local retry
 local e = fits_from(previous, current)
 if e ~= nil and e < window then
-  retry = e - elapsed
+  retry = e - elapsed + behind
 else
   local e2 = fits_from(current, 0) or window
-  retry = window - elapsed + e2
+  retry = window - elapsed + e2 + behind
 end
 return {0, limit, remaining, retry, reset_after(current, previous)}
 end

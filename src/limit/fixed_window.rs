@@ -76,8 +76,8 @@ impl Algorithm for FixedWindow {
             state.start = start;
             state.count = 0;
         }
-        // `now` may be earlier than the window start if time went backwards: stay in the window.
-        let now = now.max(state.start);
+        // `now` may be earlier than the window start if time went backwards: stay in the
+        // window, and count the wait for its end from `now`.
         let reset = Duration::from_nanos(state.start.saturating_add(self.window) - now);
         let limit = u64::from(self.limit);
         // `count <= limit` always holds; compare without adding (no overflow near u32::MAX).

@@ -15,7 +15,9 @@ use crate::error::CostError;
 ///
 /// `now` is the time since an origin of the caller's choice (the same for every call on one
 /// state), with nanosecond resolution. Time must not go backwards; if it does, the earlier
-/// `now` is treated as "no time has passed", which is conservative.
+/// `now` is treated as "no time has passed", which is conservative, and the decision's
+/// `retry_after` and `reset_after` are counted from that earlier `now` (so the contract
+/// below holds for it too).
 ///
 /// Every implementation follows the same contract:
 /// - a rejected check leaves the state unchanged;

@@ -96,8 +96,9 @@ impl Algorithm for SlidingLog {
         cost: u32,
     ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
-        // Time going backwards is treated as no time passing.
-        let now = nanos(now).max(state.log.back().map_or(0, |&(at, _)| at));
+        // Time going backwards is treated as no time passing; waits count from `given`.
+        let given = nanos(now);
+        let now = given.max(state.log.back().map_or(0, |&(at, _)| at));
         self.expire(state, now);
         let limit = u64::from(self.limit);
         // `total <= limit` always holds; compare without adding (no overflow near u32::MAX).
@@ -110,14 +111,14 @@ impl Algorithm for SlidingLog {
             Ok(Decision::allow(
                 limit,
                 u64::from(self.limit - state.total),
-                self.reset_after(state, now),
+                self.reset_after(state, given),
             ))
         } else {
             // Free the oldest entries until `cost` fits; the last one freed sets the wait.
             let mut need = cost - (self.limit - state.total);
             let mut retry = 0;
             for &(at, n) in &state.log {
-                retry = at.saturating_add(self.window) - now;
+                retry = at.saturating_add(self.window) - given;
                 if n >= need {
                     break;
                 }
@@ -127,7 +128,7 @@ impl Algorithm for SlidingLog {
                 limit,
                 u64::from(self.limit - state.total),
                 Duration::from_nanos(retry),
-                self.reset_after(state, now),
+                self.reset_after(state, given),
             ))
         }
     }

@@ -91,9 +91,10 @@ impl SlidingWindow {
             + u128::from(state.current) * u128::from(self.window)
     }
 
-    /// Time from `elapsed` until the state is neutral (both counters decayed to zero).
-    fn reset_after(&self, state: &SlidingWindowState, elapsed: u64) -> Duration {
-        let to_end = self.window - elapsed;
+    /// Time from `elapsed` until the state is neutral (both counters decayed to zero), from
+    /// a `now` that is `behind` the window's start (time went backwards) or not (0).
+    fn reset_after(&self, state: &SlidingWindowState, elapsed: u64, behind: u64) -> Duration {
+        let to_end = (self.window - elapsed).saturating_add(behind);
         Duration::from_nanos(if state.current > 0 {
             to_end.saturating_add(self.window)
         } else if state.previous > 0 {
@@ -131,6 +132,8 @@ impl Algorithm for SlidingWindow {
         let mut rolled = *state;
         self.roll(&mut rolled, now);
         let elapsed = now.max(rolled.start) - rolled.start;
+        // Time going backwards is treated as no time passing; waits count from `now`.
+        let behind = rolled.start.saturating_sub(now);
         let limit = u64::from(self.limit);
         let w = u128::from(self.window);
         let weighted = self.weighted(&rolled, elapsed);
@@ -142,7 +145,7 @@ impl Algorithm for SlidingWindow {
             Ok(Decision::allow(
                 limit,
                 remaining as u64,
-                self.reset_after(state, elapsed),
+                self.reset_after(state, elapsed, behind),
             ))
         } else {
             let state = &rolled;
@@ -162,8 +165,8 @@ impl Algorithm for SlidingWindow {
             Ok(Decision::reject(
                 limit,
                 remaining as u64,
-                Duration::from_nanos(retry),
-                self.reset_after(state, elapsed),
+                Duration::from_nanos(retry.saturating_add(behind)),
+                self.reset_after(state, elapsed, behind),
             ))
         }
     }

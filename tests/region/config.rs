@@ -565,3 +565,28 @@ async fn a_share_growing_from_zero_brings_no_tokens() {
         .unwrap();
     assert_eq!(v[0], 1, "the refill at the new share: {v:?}");
 }
+
+/// The bucket script on explicit time, the local Redis clock stepping back behind the
+/// bucket's TAT: a rejection's `reset_after` is the time until the bucket is really full
+/// again (as the token bucket's is), not one full bucket.
+#[tokio::test]
+async fn the_region_bucket_reports_the_real_reset_when_the_clock_steps_back() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    // Share 1 per second, a bucket of one token.
+    let _: () = set_lease("b", lease_record(1.0, 1e6))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let v: Vec<i64> = bucket_check("b", 10_000_000, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(v, [1, 1, 0, 0, 1_000_000]);
+    // 5 s back: the bucket is full again at 11 s, 6 s from now.
+    let v: Vec<i64> = bucket_check("b", 5_000_000, 1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(v, [0, 1, 0, 6_000_000, 6_000_000]);
+}

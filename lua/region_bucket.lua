@@ -106,8 +106,9 @@ if used_after > tau then
   end
   redis.call('HINCRBY', KEYS[2], 'r', cost)
   local held = math.min(used, tau)
+  -- reset: all of `used`, which exceeds tau only if the clock stepped back.
   return {0, burst, math.floor((tau - held) / period),
-    math.ceil((used_after - tau) / share), math.ceil(held / share)}
+    math.ceil((used_after - tau) / share), math.ceil(used / share)}
 end
 write(used_after)
 redis.call('HINCRBY', KEYS[2], 'a', cost)

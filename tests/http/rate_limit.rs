@@ -1091,6 +1091,47 @@ mod on_redis {
         assert!(e.reason().contains("16"), "{e}");
     }
 
+    /// A key Redis holds a value of another type under (another tool wrote it there) is the
+    /// server's problem, not the client's: a 503 counted as `gate_error`, with nothing of
+    /// Redis in the body. Before, it was a 400 counted as `bad_request` whose detail quoted
+    /// the gate's error.
+    #[tokio::test]
+    async fn a_key_redis_cannot_read_is_a_gate_error_not_a_bad_request() {
+        let server = RedisServer::start();
+        let mut conn = manager(&server).await;
+        let limit = layer(&conn, FailurePolicy::Error, "wrong:").await;
+        let send = || {
+            let req = Request::builder().header("x-client", "w").body(()).unwrap();
+            limit.layer(tower::service_fn(ok_full)).oneshot(req)
+        };
+        assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("wrong:*")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        let _: () = redis::cmd("DEL")
+            .arg(&keys[0])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("RPUSH")
+            .arg(&keys[0])
+            .arg("not a bucket")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+
+        let res = send().await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body).to_lowercase();
+        assert!(!body.contains("redis"), "{body}");
+        let stats = limit.stats();
+        assert_eq!((stats.gate_error, stats.bad_request), (1, 0), "{stats:?}");
+    }
+
     #[tokio::test]
     async fn redis_killed_mid_run_answers_under_the_failure_policy_and_recovers() {
         let server = RedisServer::start();

@@ -67,7 +67,8 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   `application/problem+json` body of type `…#quota-exceeded` whose `violated-policies`
 ///   names the policies that blocked.
 /// - **Gate error** (a [`GateError`] the gate's failure policy passes on, such as
-///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), or a full keyspace): `503` with `Retry-After: 1` and a problem body of type
+///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), a full keyspace, or a key Redis
+///   holds a value of another type under): `503` with `Retry-After: 1` and a problem body of type
 ///   `…#temporary-reduced-capacity` with no violated policy. The layer adds no wait and no
 ///   retry of its own: the gate's timeout and failure policy apply unchanged (a fail-open
 ///   decision is admitted and counted as `fail_open`; it is left out of the fields, as it
@@ -788,10 +789,9 @@ impl<G> Shared<G> {
     ) -> Verdict {
         let decisions = match decided {
             Ok(d) if d.len() == keys.spans.len() => d,
-            // The request itself cannot be decided: a client error, not the gate's.
-            Err(
-                e @ (GateError::Cost(_) | GateError::InvalidKey(_) | GateError::UnreadableKey(_)),
-            ) => {
+            // The request itself cannot be decided: a client error, not the gate's. (A key
+            // Redis holds a value of another type under is the server's: a gate error.)
+            Err(e @ (GateError::Cost(_) | GateError::InvalidKey(_))) => {
                 self.count(Outcome::BadRequest);
                 if self.shadow {
                     return Verdict::Pass(None);

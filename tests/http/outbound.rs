@@ -637,6 +637,49 @@ async fn the_service_made_ready_goes_with_the_request() {
     );
 }
 
+/// The inner service failing to get ready for a retry ends the request with its error, and
+/// the stop is counted (`fatal`: the downstream cannot take the request) like every other
+/// way a request stops; it was not counted at all.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_failing_ready_for_a_retry_is_a_counted_stop() {
+    #[derive(Clone)]
+    struct Fails(Arc<AtomicU32>);
+    impl Service<Request<String>> for Fails {
+        type Response = Response<String>;
+        type Error = &'static str;
+        type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), &'static str>> {
+            // Ready for the first attempt only.
+            Poll::Ready(match self.0.load(Ordering::SeqCst) {
+                0 => Ok(()),
+                _ => Err("connection pool closed"),
+            })
+        }
+        fn call(&mut self, _req: Request<String>) -> Self::Future {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok(answer(503, String::new(), None)))
+        }
+    }
+    let recorder = crate::support::TestRecorder::default();
+    let policy = metrics::with_local_recorder(&recorder, || {
+        RetryPolicy::builder(backoff(3))
+            .name("ready")
+            .build()
+            .unwrap()
+    });
+    let client = RetryLayer::new(policy).layer(Fails(Arc::new(AtomicU32::new(0))));
+    let err = client.oneshot(request(Method::GET)).await.unwrap_err();
+    assert!(
+        matches!(err, RetryError::Inner("connection pool closed")),
+        "{err:?}"
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=ready,stop=fatal}"),
+        1
+    );
+}
+
 #[test]
 fn layer_types_are_clone_debug_send() {
     fn check<T: Clone + std::fmt::Debug + Send + Sync>(_: &T) {}

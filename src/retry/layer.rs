@@ -160,7 +160,9 @@ impl Methods {
 /// The response is the last attempt's (on giving up after `429`s, the last `429`, its
 /// `Retry-After` and fields intact), with a [`RetryInfo`] in its extensions. The error is
 /// the last attempt's own error, [`RetryError::Inner`], or [`RetryError::TimedOut`] when
-/// the last attempt ran past the attempt timeout.
+/// the last attempt ran past the attempt timeout. An error of the inner service's
+/// `poll_ready` before a retry ends the request with that error, counted as a
+/// [`Stop::Fatal`].
 ///
 /// An [`Outcome::Retry`] (a `500`, a transport error) and a timed-out attempt are retried
 /// only for the methods of [`retry_methods`](RetryLayer::retry_methods), by default the
@@ -513,6 +515,9 @@ where
                     if !*this.ready
                         && let Err(e) = ready!(this.service.poll_ready(cx))
                     {
+                        // The downstream cannot take the request again: a stop like a
+                        // fatal answer.
+                        policy.count_stop(&Stop::Fatal);
                         this.state.set(State::Done);
                         return Poll::Ready(Err(RetryError::Inner(e)));
                     }

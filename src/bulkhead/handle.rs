@@ -221,6 +221,12 @@ impl Bulkhead {
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped while waiting for a permit, it loses its place in the waiting room and `work`
+    /// is dropped unstarted; dropped while `work` runs, `work` is dropped where it stands
+    /// and the permit returned (an [`Outcome::Ignored`] sample on an adaptive bulkhead).
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, AcquireError> {
         self.run_with(Priority::Normal, work).await
     }
@@ -234,6 +240,10 @@ impl Bulkhead {
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`run`](Bulkhead::run).
     pub async fn run_with<F: Future>(
         &self,
         priority: Priority,

@@ -175,6 +175,11 @@ impl PauseSignal {
 
     /// Wait for the next change and return the new state. `None` once no change can come:
     /// the wrapper and every [`Ticket`] it handed out are gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a change that happens while the future is dropped is not lost; the next
+    /// call returns at once with the state then (as `tokio::sync::watch::Receiver::changed`).
     pub async fn changed(&mut self) -> Option<Flow> {
         self.rx.changed().await.ok()?;
         Some(*self.rx.borrow_and_update())

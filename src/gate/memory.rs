@@ -127,7 +127,10 @@ impl Inner {
 /// whose state is back to neutral are evicted when room is needed (see `Keyed` for the
 /// full-map policy). It gives the same decisions as [`RedisGate`](crate::gate::RedisGate)
 /// for one process — and only for one process: run several instances and each allows the
-/// full limit. Clone it to share.
+/// full limit. Clone it to share. One difference in phase: a fixed or sliding window
+/// starts at a multiple of its length since the gate was built (its clock's start), where
+/// Redis's start at multiples since the Unix epoch, so the two put their window boundaries
+/// at different instants.
 ///
 /// It decides without I/O: [`check`](MemoryGate::check) is synchronous, and as a [`Gate`]
 /// it answers in [`Gate::check_local`], so the stream adapters pass items through it

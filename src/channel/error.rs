@@ -43,7 +43,8 @@ pub enum SendError<T> {
     /// The buffer is full: under `Overflow::Reject`, or a `try_send` under
     /// `Overflow::Backpressure`.
     Full(T),
-    /// The channel is closed: every receiver is gone, or `close()` was called.
+    /// The channel is closed: every receiver is gone, or `close()` was called; or this
+    /// sender was closed as a `Sink` (`poll_close`).
     Closed(T),
 }
 
@@ -92,7 +93,7 @@ impl<T> std::error::Error for SendError<T> {}
 pub enum ReserveError {
     /// Every slot is taken by a buffered item or another permit (only from `try_reserve`).
     Full,
-    /// The channel is closed.
+    /// The channel is closed, or this sender was closed as a `Sink` (`poll_close`).
     Closed,
 }
 

@@ -113,7 +113,8 @@ use crate::error::ConfigError;
 ///
 /// # Errors
 ///
-/// [`ConfigError`] on `channel.capacity` if `capacity` is zero.
+/// [`ConfigError`] on `channel.capacity` if `capacity` is zero or absurdly large (as
+/// [`ChannelBuilder::build`]).
 pub fn bounded<T>(capacity: usize) -> Result<(Sender<T>, Receiver<T>), ConfigError> {
     builder(capacity).build()
 }

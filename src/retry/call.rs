@@ -392,6 +392,12 @@ impl RetryPolicyBuilder {
 /// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) (or bound the future returned
 /// here with `tokio::time::timeout`).
 ///
+/// # Panics
+///
+/// The waits are tokio timers (the backoff's delay, the attempt timeout, the pacer's
+/// wait): polled outside a tokio runtime with timers enabled, the future panics unless the
+/// first attempt ends the operation without a timeout or a wait.
+///
 /// # Cancel safety
 ///
 /// Dropping the future drops the attempt under way (and its result) and any wait; the

@@ -125,7 +125,7 @@ pub struct AdaptiveStatus {
 ///     │     │ no fields for 2 s                              ▲
 ///     ▼     │                                                │ back-pressure
 ///   ┌──────────┐ ────────────────────────────────────────────┘
-///   │ Tracking │  steer the server's remaining toward q/2
+///   │ Tracking │  steer the server's remaining toward q/4
 ///   └──────────┘
 /// ```
 ///

@@ -56,7 +56,7 @@
 //! | *capacity* | the most units admitted at once (a quota's burst, a window's count); for a buffer, the most items it holds | `Decision::capacity`, `Limit::capacity`, [`CostError`], `Sender::capacity` |
 //! | *limit* | a limiting rule: an algorithm with its numbers ([`gate::Limit`]); the [`limit`] module is those algorithms as pure math. Nothing else is called a limit | `gate::Limit`, `Gate::limit` |
 //! | *max_in_flight* | a bulkhead's concurrency cap | `Bulkhead::max_in_flight`, `set_max_in_flight` |
-//! | *cost* | the units one request takes, at least 1 (`leaky_cost` alone lets an item of cost 0 pass free) | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost` |
+//! | *cost* | the units one request takes, at least 1 (`leaky_cost` lets an item of cost 0 pass free, and `RateLimitLayerBuilder::cost` a request of cost 0) | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost`, `RateLimitLayerBuilder::cost` |
 //! | *reject* | a limiter, gate or buffer refuses a request and answers the caller: a `Decision` with `allowed == false`, or the item handed back ([`Overflow::Reject`]) | `Decision`, `SendError::Full` |
 //! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted by `dropped()` (a channel reads all its counters together with `stats()`) | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop` |
 //! | *shed* | a bulkhead refuses work because it is saturated: waiting room full, waited too long, no permit free, or pushed out by critical work | `bulkhead::AcquireError` |

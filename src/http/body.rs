@@ -12,7 +12,7 @@ use pin_project::pin_project;
 use crate::bulkhead::OwnedBulkheadPermit;
 
 /// The body of a response that passed through a flowgate layer: the inner service's body,
-/// or the problem document of a `429` / `503` the layer answered itself.
+/// or the problem document of a `429` / `503` / `400` the layer answered itself.
 ///
 /// Its error is the inner body's; the layer's own bodies cannot fail.
 #[pin_project(project = BodyProj)]

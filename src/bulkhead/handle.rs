@@ -45,8 +45,9 @@ use crate::sync::Arc;
 /// Labelled by `name`: `flowgate_bulkhead_in_flight` and `flowgate_bulkhead_waiting`
 /// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
 /// `flowgate_bulkhead_wait_seconds` (histogram of the acquisitions that had to wait).
-/// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the algorithm's
-/// current limit), `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the
+/// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the `max_in_flight`
+/// the algorithm set, its limit plus the critical reserve),
+/// `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the
 /// algorithm's estimates) and `flowgate_bulkhead_samples_total{outcome}` (`ok`,
 /// `back_pressure`, `ignored`).
 ///

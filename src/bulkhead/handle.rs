@@ -44,7 +44,9 @@ use crate::sync::Arc;
 ///
 /// Labelled by `name`: `flowgate_bulkhead_in_flight` and `flowgate_bulkhead_waiting`
 /// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
-/// `flowgate_bulkhead_wait_seconds` (histogram of the acquisitions that had to wait).
+/// `flowgate_bulkhead_wait_seconds` (histogram of how long the acquisitions that had to
+/// wait waited for their permit; waits that ended shed or closed, and the stream adapters'
+/// waits, are not in it).
 /// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the `max_in_flight`
 /// the algorithm set, its limit plus the critical reserve),
 /// `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the

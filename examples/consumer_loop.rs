@@ -6,7 +6,7 @@
 //! the tracker is bounded, and the source waits (`until_ready`) while it is full.
 //!
 //! - By default the source is in memory: a `BatchSource` over numbered offsets of one
-//!   partition, returning at most what `prefetch` asks for after a short poll delay.
+//!   partition, returning at once at most what `prefetch` asks for.
 //! - With `REDIS_URL` set, the source is a Redis Streams consumer group (`RedisStreamSource`)
 //!   on a fresh stream key (deleted at the end): every entry is acked when done and the entry
 //!   ids are the offsets. Consumer `c1` drops a few entries without acking them or finishing

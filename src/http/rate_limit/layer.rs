@@ -339,6 +339,11 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
     /// [`TopRejected::MAX_CAPACITY`].
     ///
+    /// The check is of this layer's policies alone: layers (or other callers of
+    /// `check_all`) that share one `MemoryGate` share its 16 quotas, so keep their distinct
+    /// quotas together within 16, or give each layer a gate of its own; past that, a
+    /// request whose new quota finds no room gets a `503` (`KeyspaceFull`).
+    ///
     /// The layer's `RateLimit-Policy` value is kept for the life of the process, shared by
     /// every layer built with the same policies (so each response copies it instead of
     /// counting a reference); past 1 024 distinct values per process (layers built over

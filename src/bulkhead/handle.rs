@@ -137,6 +137,10 @@ impl Bulkhead {
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: see [`Acquire`].
     pub fn acquire_with(&self, priority: Priority) -> Acquire<'_> {
         Acquire::new(&self.core, priority)
     }
@@ -150,6 +154,10 @@ impl Bulkhead {
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: see [`AcquireOwned`].
     pub fn acquire_owned(&self) -> AcquireOwned {
         AcquireOwned::new(self.core.clone(), Priority::Normal)
     }
@@ -163,6 +171,10 @@ impl Bulkhead {
     /// # Panics
     ///
     /// As [`acquire`](Bulkhead::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: see [`AcquireOwned`].
     pub fn acquire_owned_with(&self, priority: Priority) -> AcquireOwned {
         AcquireOwned::new(self.core.clone(), priority)
     }

@@ -588,6 +588,29 @@ async fn a_lease_decision_reports_when_the_bucket_is_full_again() {
 }
 
 #[tokio::test]
+async fn the_last_token_of_a_lease_reports_when_the_bucket_is_full_again() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, Limit::TokenBucket(per_hour(10)))
+        .lease(2)
+        .lease_ttl(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    // One token per 360 s: 2 debited in Redis are refilled 720 s after the lease, whether
+    // or not the last of them has been spent here.
+    let taken = gate.check("k", 1).await.unwrap();
+    let last = gate.check("k", 1).await.unwrap();
+    assert!(taken.allowed && last.allowed);
+    assert_eq!(last.remaining, 0, "the lease is used up");
+    for d in [taken, last] {
+        assert!(
+            d.reset_after > Duration::from_secs(710) && d.reset_after <= Duration::from_secs(720),
+            "{d:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn zero_lease_settings_are_config_errors() {
     let server = RedisServer::start();
     let conn = server.connect().await;

@@ -147,11 +147,13 @@ impl Leases {
             }
             return None;
         }
-        lease.take(cost);
-        let (left, limit) = (held - u64::from(cost), lease.limit);
+        // Before the spend: spending the last token of a part does not change when the
+        // bucket in Redis is full again.
         let reset_after = lease
             .full_at()
             .map_or(Duration::ZERO, |at| at.saturating_duration_since(now));
+        lease.take(cost);
+        let (left, limit) = (held - u64::from(cost), lease.limit);
         if left == 0 {
             state.leases.remove(key);
         }

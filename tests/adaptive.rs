@@ -671,3 +671,28 @@ fn bad_bounds_given_to_an_algorithm_do_not_panic() {
         assert_eq!(limit.limit(), 1, "{}", limit.name());
     }
 }
+
+/// `probe_interval(u32::MAX)` (hold a level, next to never try another) is a valid setting.
+/// A cut schedules a trial below for the next window (the hold starts `probe_interval`
+/// windows in); counting that window went past `u32::MAX` and panicked.
+#[test]
+fn probe_with_the_largest_probe_interval_tries_lower_after_a_cut() {
+    let mut probe = Probe::builder()
+        .initial(10)
+        .max_limit(10) // holding from the start: no slow start
+        .probe_interval(u32::MAX)
+        .build()
+        .unwrap();
+    let at = |ms: u64, outcome| Sample {
+        rtt: 10 * MS,
+        in_flight: 10,
+        outcome,
+        now: Duration::from_millis(ms),
+    };
+    assert_eq!(probe.update(&at(10, Outcome::BackPressure)), 9, "10 × 0.9");
+    // Four calls started after the cut: the window closes and decides.
+    for _ in 0..4 {
+        probe.update(&at(30, Outcome::Ok));
+    }
+    assert_eq!(probe.limit(), 8, "one step below the held 9");
+}

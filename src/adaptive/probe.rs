@@ -280,7 +280,7 @@ impl Probe {
                     }
                     None => r,
                 });
-                let windows = windows + 1;
+                let windows = windows.saturating_add(1);
                 if queueing {
                     self.trial(false);
                 } else if windows >= self.probe_interval {

@@ -348,3 +348,28 @@ fn public_types_are_send_and_sync() {
     check::<Scenario>();
     check::<Load>();
 }
+
+/// The scenarios' docs give their latency, as multiples of the base, at and above the knee
+/// (rounded as written there).
+#[tokio::test(start_paused = true)]
+async fn the_scenarios_latencies_are_as_their_docs_say() {
+    let times = |scenario: Scenario, n: u32| {
+        let d = scenario.downstream();
+        d.latency(n).as_secs_f64() / d.latency(1).as_secs_f64()
+    };
+    for (scenario, n, documented, decimals) in [
+        (Scenario::shallow_knee(), 40, 1.39, 2),
+        (Scenario::shallow_knee(), 50, 2.0, 1),
+        (Scenario::shallow_knee(), 60, 4.3, 1),
+        (Scenario::steep_knee(), 40, 1.08, 2),
+        (Scenario::steep_knee(), 50, 14.9, 1),
+    ] {
+        let name = scenario.name();
+        let got = times(scenario, n);
+        let unit = 10f64.powi(-decimals);
+        assert!(
+            (got - documented).abs() <= unit / 2.0 + 1e-9,
+            "{name} at {n} in flight: {got:.3}× base, the docs say {documented}×"
+        );
+    }
+}

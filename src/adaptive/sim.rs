@@ -477,7 +477,7 @@ impl Scenario {
     }
 
     /// Knee 40, slope 0.01, steepness 1.05, jitter ±5 %, 60 s: latency 1.39× base at the
-    /// knee, 2.0× ten calls above it, 4.3× twenty above.
+    /// knee, 2.1× ten calls above it, 3.2× twenty above.
     pub fn shallow_knee() -> Scenario {
         Scenario::new(
             "shallow knee",
@@ -487,7 +487,7 @@ impl Scenario {
     }
 
     /// Knee 40, slope 0.002, steepness 1.3, jitter ±5 %, 60 s: nearly flat up to the knee
-    /// (1.08× base), then a cliff: 14.9× base ten calls above it.
+    /// (1.08× base), then a cliff: 13.9× base ten calls above it.
     pub fn steep_knee() -> Scenario {
         Scenario::new(
             "steep knee",

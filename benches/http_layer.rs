@@ -33,6 +33,11 @@
 //!   clone, so its whole cost over `no limiter` is its decision and its plumbing). Not
 //!   printed with `LAYER_REJECT=1`, where flowgate answers without calling the inner
 //!   service.
+//! - `pass-through only`: a layer of this file ([`PassThrough`]) whose `call` calls the
+//!   inner service and returns its future: what axum charges for any layer under
+//!   `Router::layer` (the layered route is boxed once more and cloned for each request).
+//!   `clone-after-ready only` minus it is the clone after ready alone; the rest of that
+//!   variant's cost is axum's, which every layer (tower_governor's too) pays.
 //!
 //! Quota 1 000 000/s with a burst of 1 000 000: nothing is rejected. With `LAYER_REJECT=1`,
 //! the rejection path instead (as run B of `benches/http.rs`, where 90 % is rejected): quota
@@ -177,6 +182,7 @@ fn main() {
         // The router alone again: the A/A control (see the file's docs).
         ("no limiter (A/A)", base.clone()),
         ("clone-after-ready only", base.clone().layer(Deferred)),
+        ("pass-through only", base.clone().layer(PassThrough)),
     ]
     .map(|(name, app)| (name, app.with_state(())));
     let keys: Vec<HeaderValue> = (0..16)
@@ -249,10 +255,15 @@ fn main() {
     // does, its cost says nothing about its decision.
     if !reject {
         println!(
-            "  the decision alone: flowgate (no fields) over clone-after-ready only {:+.0} ns (the plumbing issue 17 prescribes costs {:+.0}); tower_governor's decision and plumbing over no limiter {:+.0}",
+            "  the decision alone: flowgate (no fields) over clone-after-ready only {:+.0} ns (a layer deciding in its response future: its plumbing alone costs {:+.0}); tower_governor's decision and plumbing over no limiter {:+.0}",
             at("flowgate (no fields)") - at("clone-after-ready only"),
             over("clone-after-ready only"),
             over("tower_governor")
+        );
+        println!(
+            "  of that plumbing: any layer under Router::layer (pass-through only) {:+.0} ns; the clone after ready on top of it {:+.0}",
+            over("pass-through only"),
+            at("clone-after-ready only") - at("pass-through only")
         );
     }
     println!(
@@ -323,6 +334,40 @@ impl<S: Service<R>, R> Future for DeferredFuture<S, R> {
             };
             self.set(DeferredFuture::Call(fut));
         }
+    }
+}
+
+/// A layer that adds nothing: `call` calls the inner service and returns its future. Its
+/// cost over `no limiter` is what axum charges for any layer under `Router::layer` (the
+/// route boxed once more, and cloned per request): the `pass-through only` variant.
+#[derive(Clone, Copy, Debug)]
+struct PassThrough;
+
+impl<S> Layer<S> for PassThrough {
+    type Service = PassThroughService<S>;
+
+    fn layer(&self, inner: S) -> PassThroughService<S> {
+        PassThroughService { inner }
+    }
+}
+
+/// The service of [`PassThrough`].
+#[derive(Clone, Debug)]
+struct PassThroughService<S> {
+    inner: S,
+}
+
+impl<S: Service<R>, R> Service<R> for PassThroughService<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> S::Future {
+        self.inner.call(req)
     }
 }
 

@@ -279,3 +279,28 @@ pub(crate) fn from_secs(s: f64) -> Duration {
         Duration::ZERO
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::WindowMin;
+
+    const W: Duration = Duration::from_secs(10);
+
+    /// A minimum is kept for one to two windows, never longer, however the samples fall:
+    /// here one lands just before the second window ends, and the intervals used to restart
+    /// at it, so the first window's minimum was still read near the end of the third.
+    #[test]
+    fn a_minimum_is_forgotten_after_two_windows_at_most() {
+        let at = |ms: u64| Duration::from_millis(ms);
+        let mut m = WindowMin::new(W);
+        m.update(at(1), Duration::ZERO);
+        m.update(at(50), at(19_900));
+        assert_eq!(m.get(), Some(at(1)), "within two windows");
+        m.update(at(50), at(20_100));
+        assert_eq!(m.get(), Some(at(50)), "two windows after it was seen");
+        m.update(at(50), at(29_000));
+        assert_eq!(m.get(), Some(at(50)));
+    }
+}

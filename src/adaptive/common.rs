@@ -215,15 +215,23 @@ impl WindowMin {
 
     pub(crate) fn update(&mut self, rtt: Duration, now: Duration) {
         let started = *self.started.get_or_insert(now);
-        if now.saturating_sub(started) >= self.window {
+        let elapsed = now.saturating_sub(started);
+        if elapsed >= self.window {
             // Two windows or more since: the previous interval is empty.
-            self.previous = if now.saturating_sub(started) >= self.window * 2 {
+            self.previous = if elapsed >= self.window.saturating_mul(2) {
                 None
             } else {
                 self.current
             };
             self.current = None;
-            self.started = Some(now);
+            // The next interval starts on a window boundary, not at this sample: a minimum
+            // is read for one to two windows, never longer.
+            let into = elapsed
+                .as_nanos()
+                .checked_rem(self.window.as_nanos())
+                .unwrap_or(0);
+            let into = Duration::from_nanos(u64::try_from(into).unwrap_or(u64::MAX));
+            self.started = Some(now.saturating_sub(into));
         }
         self.current = Some(self.current.map_or(rtt, |m| m.min(rtt)));
     }

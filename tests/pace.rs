@@ -337,6 +337,35 @@ async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
     assert!(start.elapsed() <= old + Duration::from_millis(10));
 }
 
+/// `check` never jumps the line, so while others wait it cannot pass before they have:
+/// its `retry_after` counts their units too. It was the bucket's alone, 0 here (the bucket
+/// holds a unit the waiter is about to take), which told the caller to come back at once
+/// to the same refusal.
+#[tokio::test(start_paused = true)]
+async fn check_behind_waiters_is_told_to_wait_for_them_too() {
+    let pacer = pacer(10, 1);
+    assert!(pacer.check(1).unwrap().allowed);
+    let mut waiter = pin!(pacer.until_ready(1));
+    assert!(poll!(waiter.as_mut()).is_pending());
+    // The bucket holds one unit again; the waiter's timer has not run yet.
+    tokio::time::advance(Duration::from_millis(100)).await;
+    let d = pacer.check(1).unwrap();
+    assert!(!d.allowed);
+    assert_eq!(
+        d.retry_after,
+        Duration::from_millis(100),
+        "after the waiter's unit"
+    );
+    waiter.await.unwrap();
+    let start = Instant::now();
+    pacer.until_ready(1).await.unwrap();
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(100),
+        "as it was told"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back() {
     let pacer = pacer(10, 1);

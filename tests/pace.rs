@@ -267,8 +267,8 @@ async fn check_answers_a_decision_and_never_jumps_the_line() {
     assert_eq!((d.capacity, d.remaining), (4, 0));
     assert_eq!(
         (d.retry_after, d.reset_after),
-        (Duration::ZERO, Duration::from_millis(300)),
-        "the bucket alone holds a unit now; full again in 300 ms"
+        (Duration::from_millis(300), Duration::from_millis(300)),
+        "after the waiter's three units (at 300 ms), its own at 400 ms; full again in 300 ms"
     );
     waiter.await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(300));

@@ -285,8 +285,9 @@ impl Pacer {
     /// until the bucket is full again, and when refused, `retry_after` how long until the
     /// bucket holds `cost` units. The line is FIFO: while others wait for the pacer
     /// ([`until_ready`](Pacer::until_ready), the adapters), `check` refuses (it never jumps
-    /// the line), with `remaining` 0 and the `retry_after` of the bucket alone (the waiters
-    /// ahead may take those units first).
+    /// the line), with `remaining` 0 and a `retry_after` that counts the units of the
+    /// waiters ahead too (the earliest this cost could pass, if they all pass before it;
+    /// sooner only if some leave the line).
     ///
     /// # Errors
     ///
@@ -429,14 +430,22 @@ impl Inner {
         let elapsed = self.elapsed(now);
         if st.head.is_some() {
             // Someone is ahead: never jump the line. Refuse, and report when the bucket
-            // alone would fit this cost.
-            let mut probe = st.gcra;
-            let fits = st.bucket.check(&mut probe, elapsed, cost)?;
+            // would fit this cost after the units of those waiting (each counted at most at
+            // the burst, as their turn is): no earlier can this cost pass.
+            let burst = st.bucket.quota().burst_size();
+            let ahead = st
+                .present()
+                .filter_map(|key| st.waiters.get(key))
+                .fold(u64::from(cost), |sum, w| {
+                    sum.saturating_add(u64::from(w.cost.min(burst)))
+                });
+            let ahead = u32::try_from(ahead).unwrap_or(u32::MAX);
+            let retry_after = st.bucket.ready_at(&st.gcra, ahead).saturating_sub(elapsed);
             let reset_after = st.bucket.neutral_at(&st.gcra).saturating_sub(elapsed);
             return Ok(Decision::reject(
                 st.bucket.capacity(),
                 0,
-                fits.retry_after,
+                retry_after,
                 reset_after,
             ));
         }

@@ -966,6 +966,48 @@ async fn the_buffered_gauge_reads_zero_when_the_stream_starves_or_ends() {
     assert_eq!(recorder.gauge(gauge), Some(0.0), "ended: nothing buffered");
 }
 
+/// A fetch error is yielded after the buffered items, from an empty buffer: the
+/// `flowgate_demand_buffered` gauge must not keep showing the batch that landed last while
+/// the consumer handles the error (or stops on it).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn the_buffered_gauge_reads_zero_when_a_fetch_error_is_yielded() {
+    struct Failing(u32);
+    impl BatchSource for Failing {
+        type Item = u32;
+        type Error = &'static str;
+        fn poll_fetch(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            max: usize,
+        ) -> flowgate::demand::Fetched<u32, &'static str> {
+            self.0 += 1;
+            Poll::Ready(match self.0 {
+                1 => Some(Ok(vec![7; max])),
+                _ => Some(Err("broker down")),
+            })
+        }
+    }
+    let recorder = support::TestRecorder::default();
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        Prefetch::builder(Failing(0), levels(4, 1))
+            .name("failing")
+            .build()
+            .unwrap()
+    });
+    let gauge = "flowgate_demand_buffered{name=failing}";
+    for _ in 0..4 {
+        assert_eq!(stream.next().await, Some(Ok(7)));
+    }
+    assert_eq!(stream.next().await, Some(Err("broker down")));
+    assert_eq!(Prefetch::buffered(&stream), 0);
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(0.0),
+        "the error came from an empty buffer"
+    );
+}
+
 #[test]
 fn prefetch_builder_validates_everything() {
     let source = || IterSource::new(0..1);

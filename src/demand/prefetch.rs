@@ -536,6 +536,8 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
             return Poll::Ready(Some(Ok(item)));
         }
         if let Some(e) = this.error.take() {
+            // The error comes from an empty buffer too.
+            this.buffered.set(0.0);
             return Poll::Ready(Some(Err(e)));
         }
         // Nothing is buffered when the stream waits or ends: the gauge must not keep showing

@@ -535,14 +535,12 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
         if let Some(item) = Self::pop(this.current, this.queued, this.queued_items) {
             return Poll::Ready(Some(Ok(item)));
         }
+        // Nothing is buffered when the stream yields an error, waits or ends: the gauge must
+        // not keep showing the batch that landed last.
+        this.buffered.set(0.0);
         if let Some(e) = this.error.take() {
-            // The error comes from an empty buffer too.
-            this.buffered.set(0.0);
             return Poll::Ready(Some(Err(e)));
         }
-        // Nothing is buffered when the stream waits or ends: the gauge must not keep showing
-        // the batch that landed last.
-        this.buffered.set(0.0);
         if *this.done {
             Poll::Ready(None)
         } else {

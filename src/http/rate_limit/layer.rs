@@ -388,23 +388,24 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
             ));
         }
         // Quotas the gate can never decide: refused now, not with a 503 on every request.
-        let gate_refuses = |policy: Option<&str>, e: ConfigError| {
-            let which = policy.map_or_else(|| "the policies".to_string(), |p| format!("{p:?}"));
-            ConfigError::new(
+        // Asked of all the policies together; when refused, the first policy refused alone
+        // is named (none is when only their number is too many).
+        let quotas: Vec<Quota> = self.policies.iter().map(|p| p.quota).collect();
+        if let Err(all) = self.gate.validate_quotas(&quotas) {
+            let (which, e) = self
+                .policies
+                .iter()
+                .find_map(|p| {
+                    let e = self.gate.validate_quotas(&[p.quota]).err()?;
+                    Some((format!("{:?}", p.name), e))
+                })
+                .unwrap_or_else(|| ("the policies".to_string(), all));
+            return Err(ConfigError::new(
                 "rate_limit.policies",
                 e.kind(),
                 format!("the gate cannot decide {which}: {}", e.reason()),
-            )
-        };
-        for p in &self.policies {
-            self.gate
-                .validate_quotas(&[p.quota])
-                .map_err(|e| gate_refuses(Some(&p.name), e))?;
+            ));
         }
-        let quotas: Vec<Quota> = self.policies.iter().map(|p| p.quota).collect();
-        self.gate
-            .validate_quotas(&quotas)
-            .map_err(|e| gate_refuses(None, e))?;
         let top = TopRejected::new(self.top_rejected)?;
         let policies: Box<[Entry]> = self
             .policies

@@ -407,6 +407,44 @@ async fn every_header_style_parses_as_structured_fields() {
     assert!(a.headers.get("ratelimit").is_none());
 }
 
+/// On a 429 the single-integer styles must not send a client back before `Retry-After`:
+/// with two policies blocking, the one with the lowest remaining can reset long before the
+/// other has room.
+#[tokio::test]
+async fn a_429s_single_integer_reset_is_never_before_retry_after() {
+    let layer = RateLimitLayer::builder(gate())
+        // 3 at once, full again within a second.
+        .policy(per_client(quota(3, Duration::from_secs(1))))
+        // 4 at once, one more a minute.
+        .policy(Policy::new(
+            "per-user",
+            quota(4, Duration::from_secs(240)),
+            by_user,
+        ))
+        .cost(|_: &RequestInfo<'_>| 3)
+        .header_styles(HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT)
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "c"), ("x-user", "u")];
+    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+    // per-client: 0 left (back in a second); per-user: 1 left, 2 more needed (two minutes).
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(violated(&no.body), ["per-client", "per-user"]);
+    let retry = retry_after(&no.headers) as i64;
+    assert!((119..=120).contains(&retry), "{retry}");
+    for prefix in ["ratelimit-", "x-ratelimit-"] {
+        let reset = integer(&no.headers, &format!("{prefix}reset"));
+        assert!(reset >= retry, "{prefix}reset {reset} before Retry-After {retry}");
+        // One policy's integers: the one that resets last.
+        assert_eq!(integer(&no.headers, &format!("{prefix}limit")), 4);
+        assert_eq!(integer(&no.headers, &format!("{prefix}remaining")), 1);
+    }
+}
+
 /// `HeaderStyles::NONE`: no rate-limit field on any response, one policy or several; a 429
 /// still says when to retry and names the violated policy, and the counts are the same.
 #[tokio::test]

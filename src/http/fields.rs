@@ -37,7 +37,7 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 /// | style | fields | values |
 /// |---|---|---|
 /// | [`IETF`](HeaderStyles::IETF) (default) | `RateLimit-Policy`, `RateLimit` | one list member per policy: `"per-ip";q=100;w=60`, `"per-ip";r=42;t=17` |
-/// | [`DRAFT_03`](HeaderStyles::DRAFT_03) | `RateLimit-Limit`, `-Remaining`, `-Reset` | integers of one policy (the lowest remaining); reset in seconds from now |
+/// | [`DRAFT_03`](HeaderStyles::DRAFT_03) | `RateLimit-Limit`, `-Remaining`, `-Reset` | integers of one policy (the lowest remaining; on a 429, of the policies that blocked, the one that resets last, never before `Retry-After`); reset in seconds from now |
 /// | [`X_RATELIMIT`](HeaderStyles::X_RATELIMIT) | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | the same integers |
 /// | [`X_RATELIMIT_EPOCH`](HeaderStyles::X_RATELIMIT_EPOCH) | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | the same, reset as a Unix time in seconds (GitHub's form) |
 ///
@@ -420,10 +420,13 @@ impl Fields {
     /// order); `None` when there is nothing to write (no style, or no member), so that a
     /// response future carries nothing for it. `all_policy` is the `RateLimit-Policy` value
     /// of all the layer's policies, serialized once, used when `members` are all of them.
+    /// `rejected`: the request is refused (or would be, in shadow mode), and the members
+    /// that carry a reset are the policies that blocked it.
     pub(crate) fn new<'a, I>(
         styles: HeaderStyles,
         members: I,
         all_policy: Option<&HeaderValue>,
+        rejected: bool,
     ) -> Option<Fields>
     where
         I: Iterator<Item = Member<'a>> + Clone,
@@ -445,12 +448,18 @@ impl Fields {
             || styles.contains(HeaderStyles::X_RATELIMIT)
             || styles.contains(HeaderStyles::X_RATELIMIT_EPOCH);
         if single {
-            // The member with the lowest remaining (ties: the later reset), among those
-            // that carry a reset (on a 429, the ones that blocked).
-            let chosen = members
-                .filter(|m| m.t.is_some())
-                .min_by(|a, b| a.r.cmp(&b.r).then(b.t.cmp(&a.t)))
-                .unwrap_or(first);
+            // Among the members that carry a reset: the one with the lowest remaining (ties:
+            // the later reset); on a rejection, of the policies that blocked, the one that
+            // resets last (ties: the lowest remaining). A blocked member's reset is its
+            // `retry_after` (see `reset_secs`), so that one's is `Retry-After`; the lowest
+            // remaining's can be far earlier.
+            let with_t = members.filter(|m| m.t.is_some());
+            let chosen = if rejected {
+                with_t.max_by(|a, b| a.t.cmp(&b.t).then(b.r.cmp(&a.r)))
+            } else {
+                with_t.min_by(|a, b| a.r.cmp(&b.r).then(b.t.cmp(&a.t)))
+            }
+            .unwrap_or(first);
             let t = chosen.t.unwrap_or(0);
             let values = |reset: u64| [chosen.parts.q, chosen.r, reset];
             let mut single = Single::default();
@@ -781,6 +790,7 @@ mod tests {
             HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT,
             members.iter().copied(),
             None,
+            false,
         )
         .expect("two styles and two members")
         .write(&mut h);

@@ -438,7 +438,10 @@ async fn a_429s_single_integer_reset_is_never_before_retry_after() {
     assert!((119..=120).contains(&retry), "{retry}");
     for prefix in ["ratelimit-", "x-ratelimit-"] {
         let reset = integer(&no.headers, &format!("{prefix}reset"));
-        assert!(reset >= retry, "{prefix}reset {reset} before Retry-After {retry}");
+        assert!(
+            reset >= retry,
+            "{prefix}reset {reset} before Retry-After {retry}"
+        );
         // One policy's integers: the one that resets last.
         assert_eq!(integer(&no.headers, &format!("{prefix}limit")), 4);
         assert_eq!(integer(&no.headers, &format!("{prefix}remaining")), 1);

@@ -837,6 +837,7 @@ impl<G> Shared<G> {
                 self.styles,
                 member,
                 self.all_policy.as_ref().filter(|_| all),
+                false,
             );
             self.count(Outcome::Admitted);
             return Verdict::Pass(fields);
@@ -875,6 +876,7 @@ impl<G> Shared<G> {
             self.styles,
             members,
             self.all_policy.as_ref().filter(|_| all),
+            !allowed,
         );
         if allowed {
             self.count(if fail_open {

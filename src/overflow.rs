@@ -32,7 +32,9 @@ use std::fmt;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Overflow {
-    /// Wait until there is space. The only policy under which a send can wait.
+    /// Wait until there is space. The only policy under which a send can wait (a
+    /// channel's [`reserve`](crate::channel::Sender::reserve) waits for a slot under every
+    /// policy: a reservation never drops an item).
     #[default]
     Backpressure,
     /// Refuse the new item and hand it back to the caller.
@@ -54,7 +56,8 @@ impl Overflow {
         }
     }
 
-    /// Whether a sender may wait under this policy (only [`Overflow::Backpressure`]).
+    /// Whether a send may wait under this policy (only [`Overflow::Backpressure`];
+    /// reservations wait under every policy).
     pub const fn waits(self) -> bool {
         matches!(self, Overflow::Backpressure)
     }

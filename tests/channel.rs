@@ -397,6 +397,32 @@ async fn sink_close_detaches_only_this_sender() {
     assert_eq!(rx.recv().await, None);
 }
 
+/// Closing is a property of the handle, and its clones inherit it (as a clone of a closed
+/// `PollSender` or of a disconnected `futures` sender is closed): a clone of a sender closed
+/// as a `Sink` is closed too, and does not count as a sender either.
+#[tokio::test]
+async fn a_clone_of_a_sink_closed_sender_is_closed_too() {
+    let (mut tx, mut rx) = channel::bounded::<u32>(4).unwrap();
+    let other = tx.clone();
+    SinkExt::close(&mut tx).await.unwrap();
+    let clone = tx.clone();
+    assert!(clone.is_closed());
+    assert_eq!(clone.try_send(1), Err(SendError::Closed(1)));
+    assert_eq!(clone.send(2).await, Err(SendError::Closed(2)));
+    assert_eq!(clone.try_reserve().unwrap_err(), ReserveError::Closed);
+    assert_eq!(clone.reserve().await.unwrap_err(), ReserveError::Closed);
+    let mut sink = clone.clone();
+    assert_eq!(SinkExt::send(&mut sink, 3).await, Err(SendError::Closed(3)));
+    // Only `other` keeps the channel open.
+    assert!(!other.is_closed());
+    other.send(4).await.unwrap();
+    drop(other);
+    assert_eq!(rx.recv().await, Some(4));
+    assert_eq!(rx.recv().await, None);
+    assert!(clone.is_closed());
+    drop((tx, clone, sink));
+}
+
 #[tokio::test]
 async fn sink_under_reject_hands_the_item_back() {
     let (mut tx, _rx) = channel::builder(1)

@@ -44,7 +44,7 @@ pub enum SendError<T> {
     /// `Overflow::Backpressure`.
     Full(T),
     /// The channel is closed: every receiver is gone, or `close()` was called; or this
-    /// sender was closed as a `Sink` (`poll_close`).
+    /// sender (or the sender it was cloned from) was closed as a `Sink` (`poll_close`).
     Closed(T),
 }
 
@@ -93,7 +93,8 @@ impl<T> std::error::Error for SendError<T> {}
 pub enum ReserveError {
     /// Every slot is taken by a buffered item or another permit (only from `try_reserve`).
     Full,
-    /// The channel is closed, or this sender was closed as a `Sink` (`poll_close`).
+    /// The channel is closed, or this sender (or the sender it was cloned from) was closed
+    /// as a `Sink` (`poll_close`).
     Closed,
 }
 

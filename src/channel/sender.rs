@@ -24,7 +24,8 @@ use crate::sync::Arc;
 /// `Sender` implements [`Sink`]: `poll_ready` reserves a slot (waiting for one under
 /// `Backpressure`), `start_send` fills it, and a slot reserved but never filled is released
 /// when the sender is dropped or closed as a sink. Closing it as a sink (`poll_close`) detaches
-/// this handle only; the channel closes when the last sender is gone.
+/// this handle only (and the clones made of it afterwards, which are closed too); the channel
+/// closes when the last sender is gone.
 ///
 /// When the last `Sender` is dropped, receivers still get every buffered item, then `None`.
 pub struct Sender<T> {
@@ -166,9 +167,10 @@ impl<T> Sender<T> {
         }
     }
 
-    /// Whether this sender can send no more: the channel is closed, or this sender was
-    /// closed as a `Sink` (`poll_close`, which leaves the channel open for the other
-    /// senders; [`closed`](Sender::closed) still waits for the channel itself).
+    /// Whether this sender can send no more: the channel is closed, or this sender (or the
+    /// sender it was cloned from) was closed as a `Sink` (`poll_close`, which leaves the
+    /// channel open for the other senders; [`closed`](Sender::closed) still waits for the
+    /// channel itself).
     pub fn is_closed(&self) -> bool {
         self.detached || self.shared.is_closed()
     }
@@ -213,10 +215,17 @@ impl<T> Sender<T> {
     }
 }
 
+/// A clone of a sender closed as a `Sink` is closed too: it does not count as a sender, and
+/// sends through it fail with `Closed`.
 impl<T> Clone for Sender<T> {
     fn clone(&self) -> Sender<T> {
-        self.shared.add_sender();
-        Sender::new(self.shared.clone())
+        let mut sender = Sender::new(self.shared.clone());
+        if self.detached {
+            sender.detached = true;
+        } else {
+            self.shared.add_sender();
+        }
+        sender
     }
 }
 

@@ -852,6 +852,87 @@ async fn metrics_by_name_and_reason() {
     );
 }
 
+/// A waiter shed for critical work in the same poll in which it sees its timer expire (after
+/// it looked at its place in the queue, before it left it) ends one way only: the shed took
+/// it out of the queue first, so it is refused `WaitingRoomFull`, counted once, and not also
+/// `TimedOut`. The shed runs in that window through the waiter's old waker, which the poll
+/// replaces and drops once the queue's lock is released (as another thread could shed it
+/// there).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_waiter_shed_as_its_timer_fires_is_refused_and_counted_once() {
+    use std::pin::Pin;
+    use std::sync::Mutex;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    /// A waker that, when dropped, polls a critical acquisition once (which sheds the
+    /// newest normal waiter of the full room) and keeps it.
+    struct ShedOnDrop {
+        bulkhead: Bulkhead,
+        critical: Arc<Mutex<Option<Pin<Box<flowgate::bulkhead::AcquireOwned>>>>>,
+    }
+    impl Wake for ShedOnDrop {
+        fn wake(self: Arc<Self>) {}
+    }
+    impl Drop for ShedOnDrop {
+        fn drop(&mut self) {
+            let mut critical = Box::pin(self.bulkhead.acquire_owned_with(Priority::Critical));
+            let polled = critical.poll_unpin(&mut Context::from_waker(Waker::noop()));
+            assert!(polled.is_pending());
+            *self.critical.lock().unwrap() = Some(critical);
+        }
+    }
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1)
+            .max_waiting(1)
+            .wait_timeout(Duration::from_millis(100))
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    let rejected = |r: &str| {
+        recorder.counter(&format!(
+            "flowgate_bulkhead_rejected_total{{name=race,reason={r}}}"
+        ))
+    };
+    let held = b.acquire().await.unwrap();
+    let critical = Arc::new(Mutex::new(None));
+    let shed_on_drop = Waker::from(Arc::new(ShedOnDrop {
+        bulkhead: b.clone(),
+        critical: critical.clone(),
+    }));
+    let mut waiter = Box::pin(b.acquire());
+    assert!(
+        waiter
+            .poll_unpin(&mut Context::from_waker(&shed_on_drop))
+            .is_pending()
+    );
+    drop(shed_on_drop); // the queue holds the only clone
+    assert!(critical.lock().unwrap().is_none());
+    advance(Duration::from_millis(100)).await; // the deadline, exactly
+    let Poll::Ready(outcome) = waiter.poll_unpin(&mut Context::from_waker(Waker::noop())) else {
+        panic!("the waiter was shed and its timer fired: it is done");
+    };
+    assert!(critical.lock().unwrap().is_some(), "the shed ran in the window");
+    assert_eq!(
+        (rejected("waiting_room_full"), rejected("timed_out")),
+        (1, 0)
+    );
+    assert_eq!(outcome.unwrap_err(), AcquireError::WaitingRoomFull);
+    drop(waiter);
+    // The critical acquisition got the room's place; it takes the permit released.
+    drop(held);
+    let critical = critical.lock().unwrap().take().unwrap();
+    drop(critical.await.unwrap());
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+    assert_eq!(
+        (rejected("waiting_room_full"), rejected("timed_out")),
+        (1, 0)
+    );
+}
+
 /// Issue 20: 40,000 waiting acquisitions dropped newest first (the worst order for a queue
 /// scanned from the front): each leaves in O(1) (the waiter list's unit test counts the
 /// work), the waiting count returns to 0, and the bulkhead works on.

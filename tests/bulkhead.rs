@@ -933,6 +933,114 @@ async fn a_waiter_shed_as_its_timer_fires_is_refused_and_counted_once() {
     );
 }
 
+/// As above with a close in the window: closing took the waiter out of the queue before its
+/// timer did, so it is refused `Closed` (as it is when the close comes before the poll),
+/// counted once, and not `TimedOut`.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_waiter_closed_out_as_its_timer_fires_is_refused_closed_once() {
+    use std::task::{Context, Poll, Wake, Waker};
+
+    /// A waker that closes the bulkhead when dropped.
+    struct CloseOnDrop(Bulkhead);
+    impl Wake for CloseOnDrop {
+        fn wake(self: Arc<Self>) {}
+    }
+    impl Drop for CloseOnDrop {
+        fn drop(&mut self) {
+            self.0.close();
+        }
+    }
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1)
+            .wait_timeout(Duration::from_millis(100))
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    let rejected = |r: &str| {
+        recorder.counter(&format!(
+            "flowgate_bulkhead_rejected_total{{name=race,reason={r}}}"
+        ))
+    };
+    let held = b.acquire().await.unwrap();
+    let close_on_drop = Waker::from(Arc::new(CloseOnDrop(b.clone())));
+    let mut waiter = Box::pin(b.acquire());
+    assert!(
+        waiter
+            .poll_unpin(&mut Context::from_waker(&close_on_drop))
+            .is_pending()
+    );
+    drop(close_on_drop); // the queue holds the only clone
+    assert!(!b.is_closed());
+    advance(Duration::from_millis(100)).await; // the deadline, exactly
+    let Poll::Ready(outcome) = waiter.poll_unpin(&mut Context::from_waker(Waker::noop())) else {
+        panic!("the waiter was closed out and its timer fired: it is done");
+    };
+    assert!(b.is_closed(), "the close ran in the window");
+    assert_eq!(
+        (rejected("closed"), rejected("timed_out")),
+        (1, 0)
+    );
+    assert_eq!(outcome.unwrap_err(), AcquireError::Closed);
+    drop((waiter, held));
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
+/// As above with a permit released in the window: the grant took the waiter out of the
+/// queue before its timer did, so it gets the permit, and its wait is in
+/// `flowgate_bulkhead_wait_seconds` like any wait that ended with a permit.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_permit_granted_as_the_timer_fires_wins_and_its_wait_is_recorded() {
+    use std::task::{Context, Poll, Wake, Waker};
+
+    /// A waker that holds a permit: dropping it releases the permit.
+    struct ReleaseOnDrop {
+        _permit: flowgate::bulkhead::OwnedBulkheadPermit,
+    }
+    impl Wake for ReleaseOnDrop {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1)
+            .wait_timeout(Duration::from_millis(100))
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    let held = b.try_acquire_owned().unwrap();
+    let release_on_drop = Waker::from(Arc::new(ReleaseOnDrop { _permit: held }));
+    let mut waiter = Box::pin(b.acquire());
+    assert!(
+        waiter
+            .poll_unpin(&mut Context::from_waker(&release_on_drop))
+            .is_pending()
+    );
+    drop(release_on_drop); // the queue holds the only clone
+    assert_eq!(b.in_flight(), 1);
+    advance(Duration::from_millis(100)).await; // the deadline, exactly
+    let Poll::Ready(outcome) = waiter.poll_unpin(&mut Context::from_waker(Waker::noop())) else {
+        panic!("the waiter was granted a permit and its timer fired: it is done");
+    };
+    let permit = outcome.unwrap();
+    assert_eq!(
+        recorder.counter("flowgate_bulkhead_rejected_total{name=race,reason=timed_out}"),
+        0
+    );
+    assert_eq!(
+        recorder.samples("flowgate_bulkhead_wait_seconds{name=race}"),
+        [0.1]
+    );
+    drop(permit);
+    drop(waiter);
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
 /// Issue 20: 40,000 waiting acquisitions dropped newest first (the worst order for a queue
 /// scanned from the front): each leaves in O(1) (the waiter list's unit test counts the
 /// work), the waiting count returns to 0, and the bulkhead works on.

@@ -915,7 +915,10 @@ async fn a_waiter_shed_as_its_timer_fires_is_refused_and_counted_once() {
     let Poll::Ready(outcome) = waiter.poll_unpin(&mut Context::from_waker(Waker::noop())) else {
         panic!("the waiter was shed and its timer fired: it is done");
     };
-    assert!(critical.lock().unwrap().is_some(), "the shed ran in the window");
+    assert!(
+        critical.lock().unwrap().is_some(),
+        "the shed ran in the window"
+    );
     assert_eq!(
         (rejected("waiting_room_full"), rejected("timed_out")),
         (1, 0)
@@ -980,10 +983,7 @@ async fn a_waiter_closed_out_as_its_timer_fires_is_refused_closed_once() {
         panic!("the waiter was closed out and its timer fired: it is done");
     };
     assert!(b.is_closed(), "the close ran in the window");
-    assert_eq!(
-        (rejected("closed"), rejected("timed_out")),
-        (1, 0)
-    );
+    assert_eq!((rejected("closed"), rejected("timed_out")), (1, 0));
     assert_eq!(outcome.unwrap_err(), AcquireError::Closed);
     drop((waiter, held));
     assert_eq!((b.in_flight(), b.waiting()), (0, 0));

@@ -10,7 +10,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::Grant;
-use crate::bulkhead::core::{Core, Polled, Ticket};
+use crate::bulkhead::core::{Core, Left, Polled, Ticket};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::sync::Arc;
 
@@ -68,9 +68,7 @@ impl Waiter {
         }
         match core.poll_acquire(cx, *this.priority, *this.bounded, this.ticket) {
             Polled::Acquired => {
-                if let Some(since) = this.since.take() {
-                    core.record_wait(since.elapsed());
-                }
+                record_wait(core, this.since);
                 return Poll::Ready(Ok(()));
             }
             Polled::Refused(why) => return Poll::Ready(Err(why)),
@@ -87,20 +85,35 @@ impl Waiter {
         }
         if let Some(timer) = this.timer.as_pin_mut() {
             ready!(timer.poll(cx));
-            // Timed out; a permit granted in the meantime still wins.
-            if core.leave(this.ticket) {
-                return Poll::Ready(Ok(()));
-            }
-            return Poll::Ready(Err(core.refuse(AcquireError::TimedOut)));
+            // Timed out, unless the queue decided first (a permit granted, a shed or a close
+            // since the look above, from another thread or a waker dropped after the lock):
+            // the one that took it out of the queue wins, and only it is counted.
+            return Poll::Ready(match core.leave(this.ticket) {
+                Left::Permit => {
+                    record_wait(core, this.since);
+                    Ok(())
+                }
+                Left::Shed(why) => Err(why),
+                Left::Closed => Err(core.refuse(AcquireError::Closed)),
+                Left::Removed => Err(core.refuse(AcquireError::TimedOut)),
+            });
         }
         Poll::Pending
     }
 
     /// Give up the wait; a permit already granted to it is returned.
     pub(crate) fn cancel(self: Pin<&mut Self>, core: &Core) {
-        if core.leave(self.project().ticket) {
+        if core.leave(self.project().ticket) == Left::Permit {
             core.release();
         }
+    }
+}
+
+/// A wait that ended with a permit: its length goes to the wait-time histogram (bounded
+/// waits only: `since` is set for them alone).
+fn record_wait(core: &Core, since: &mut Option<Instant>) {
+    if let Some(since) = since.take() {
+        core.record_wait(since.elapsed());
     }
 }
 

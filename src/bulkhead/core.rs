@@ -174,6 +174,20 @@ impl fmt::Debug for Core {
     }
 }
 
+/// What [`Core::leave`] found: how a waiting acquisition that gave up left the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Left {
+    /// This leave took it out of the queue (or it had no place there): the caller's own
+    /// reason (a timeout) is its outcome, and is not counted yet.
+    Removed,
+    /// A permit had been granted to it: the caller now owns that permit.
+    Permit,
+    /// It had been shed for critical work: the refusal, counted.
+    Shed(AcquireError),
+    /// Closing had taken it out of the queue: its refusal is `Closed`, not counted yet.
+    Closed,
+}
+
 /// What a poll of a waiting acquisition found.
 pub(crate) enum Polled {
     Acquired,
@@ -424,11 +438,12 @@ impl Core {
         }
     }
 
-    /// A waiting acquisition gave up (dropped or timed out). Returns true if a permit had
-    /// already been granted to it, in which case the caller now owns that permit.
-    pub(crate) fn leave(&self, ticket: &mut Ticket) -> bool {
+    /// A waiting acquisition gave up (dropped or timed out): what the queue had decided for
+    /// it, if anything, since it last looked. Under the lock, so exactly one outcome wins:
+    /// this leave, or the grant, shed or close that took it out of the queue first.
+    pub(crate) fn leave(&self, ticket: &mut Ticket) -> Left {
         let Some((priority, key)) = ticket.0.take() else {
-            return false;
+            return Left::Removed;
         };
         let mut out = Deferred::default();
         let mut w = self.lock();
@@ -436,15 +451,14 @@ impl Core {
             Cancelled::Waiting(waiter) => {
                 w.left(&waiter);
                 self.settle(&w);
-                false
+                Left::Removed
             }
+            // Shed, and gone before it polled again: still a refusal.
             Cancelled::Granted(Waiter { shed: true, .. }) => {
-                // Shed, and gone before it polled again: still a refusal.
-                self.refuse(AcquireError::WaitingRoomFull);
-                false
+                Left::Shed(self.refuse(AcquireError::WaitingRoomFull))
             }
-            Cancelled::Granted(_) => true,
-            Cancelled::Gone => false,
+            Cancelled::Granted(_) => Left::Permit,
+            Cancelled::Gone => Left::Closed,
         }
     }
 
@@ -598,7 +612,7 @@ mod tests {
         }
         let before = core.lock().normal.steps();
         for t in tickets.iter_mut().rev() {
-            assert!(!core.leave(t), "nobody was granted a permit");
+            assert_eq!(core.leave(t), Left::Removed, "nobody was granted a permit");
         }
         let per_leave = (core.lock().normal.steps() - before) as f64 / N as f64;
         assert!(per_leave <= 8.0, "{per_leave} slots visited per leave");

@@ -26,7 +26,9 @@ use crate::sync::Arc;
 ///   shed at once with [`AcquireError::WaitingRoomFull`] — load shedding, cheap and early.
 ///   A critical acquisition at a full room sheds the newest normal waiter instead.
 /// - **Wait timeout**: a wait longer than `wait_timeout` is shed with
-///   [`AcquireError::TimedOut`].
+///   [`AcquireError::TimedOut`]. A permit granted, a shed or a close that takes the waiter
+///   out of the queue before its timeout does wins, and the wait ends (and is counted) one
+///   way only.
 /// - **Critical reserve**: normal work cannot take the last `critical_reserve` permits;
 ///   [`Priority::Critical`] work can.
 /// - **Resizing**: [`set_max_in_flight`](Bulkhead::set_max_in_flight) takes effect at once

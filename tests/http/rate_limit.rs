@@ -776,6 +776,119 @@ async fn bad_configurations_are_config_errors() {
     assert!(e.reason().contains("17 distinct quotas"), "{e}");
 }
 
+/// `n` policies `p<i>` for `i` in `range`, each with a quota of its own (burst `i + 1` a
+/// minute, so nothing refills during the test), all keyed by `x-client`.
+fn distinct_policies(range: std::ops::Range<u32>) -> Vec<Policy> {
+    range
+        .map(|i| {
+            Policy::new(
+                format!("p{i}"),
+                quota(i + 1, Duration::from_secs(60)),
+                by_client,
+            )
+        })
+        .collect()
+}
+
+/// A layer over `gate` with `policies`.
+fn layer_over(
+    gate: &MemoryGate,
+    policies: Vec<Policy>,
+) -> Result<RateLimitLayer<MemoryGate>, flowgate::ConfigError> {
+    policies
+        .into_iter()
+        .fold(RateLimitLayer::builder(gate.clone()), |b, p| b.policy(p))
+        .build()
+}
+
+/// `clients` requests through each server, one per client (`x-client: c<n>`); the statuses.
+async fn one_each(servers: &[&Server], clients: usize) -> Vec<StatusCode> {
+    let client = client();
+    let mut statuses = Vec::new();
+    for n in 0..clients {
+        let c = format!("c{n}");
+        for server in servers {
+            statuses.push(get(&client, &server.url("/"), &[("x-client", &c)]).await.status);
+        }
+    }
+    statuses
+}
+
+/// Layers sharing one `MemoryGate` share its 16 distinct quotas: a layer whose quotas would
+/// take the layers' together past 16 is refused when built, naming the count. Before, each
+/// build checked its own quotas alone, so two layers of 9 were both built and then many of
+/// their requests got a 503 (`KeyspaceFull`) once the gate's shards held 18 quotas.
+/// Quotas stay registered while a clone of the layer or a service made from it lives, and
+/// are released when the last one is dropped.
+#[tokio::test]
+async fn layers_sharing_a_memory_gate_are_refused_past_its_16_quotas_together() {
+    let gate = gate();
+    let first = layer_over(&gate, distinct_policies(0..9)).unwrap();
+    match layer_over(&gate, distinct_policies(9..18)) {
+        Ok(second) => {
+            let a = Server::start(app(first.clone())).await;
+            let b = Server::start(app(second.clone())).await;
+            let statuses = one_each(&[&a, &b], 100).await;
+            let unavailable = statuses
+                .iter()
+                .filter(|&&s| s == StatusCode::SERVICE_UNAVAILABLE)
+                .count();
+            panic!(
+                "a second layer of 9 quotas was built over the gate holding 9: \
+                 {unavailable} of {} requests got 503 (first {:?}, second {:?})",
+                statuses.len(),
+                first.stats(),
+                second.stats(),
+            );
+        }
+        Err(e) => {
+            assert_eq!(e.field(), "rate_limit.policies");
+            assert!(e.reason().contains("18 distinct quotas"), "{e}");
+        }
+    }
+    // 7 more make 16 together: built, and every request through both is decided (one
+    // request per client: all admitted, none a 503).
+    let second = layer_over(&gate, distinct_policies(9..16)).unwrap();
+    // A quota both layers use counts once.
+    let shared = layer_over(&gate, distinct_policies(0..2)).unwrap();
+    {
+        let a = Server::start(app(first.clone())).await;
+        let b = Server::start(app(second.clone())).await;
+        let statuses = one_each(&[&a, &b], 100).await;
+        assert!(statuses.iter().all(|&s| s == StatusCode::OK), "{statuses:?}");
+        assert_eq!((first.stats().admitted, first.stats().gate_error), (100, 0));
+        assert_eq!((second.stats().admitted, second.stats().gate_error), (100, 0));
+    }
+    // The servers' tasks hold clones of these layers until they are aborted; what follows
+    // is on a gate of its own. A layer's quotas stay registered while a clone of it or a
+    // service made from it lives: a new quota is refused while any of them does, and
+    // while another layer uses some of the same quotas.
+    drop(shared);
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()));
+    let first = layer_over(&gate, distinct_policies(0..9)).unwrap();
+    let second = layer_over(&gate, distinct_policies(9..16)).unwrap();
+    let shared = layer_over(&gate, distinct_policies(0..2)).unwrap();
+    let clone = first.clone();
+    drop(first);
+    let service = clone.layer(tower::service_fn(ok_full));
+    drop(clone);
+    let e = layer_over(&gate, distinct_policies(16..17)).unwrap_err();
+    assert!(e.reason().contains("17 distinct quotas"), "{e}");
+    drop(service);
+    // `shared` still uses quotas 0 and 1: 7 of `first`'s are released, and 7 others fit.
+    assert!(layer_over(&gate, distinct_policies(16..24)).is_err());
+    let third = layer_over(&gate, distinct_policies(16..23)).unwrap();
+    drop((shared, third));
+    // Only `second` (7 quotas) is left: 9 others fit, again and again.
+    assert!(layer_over(&gate, distinct_policies(16..25)).is_ok());
+    assert!(layer_over(&gate, distinct_policies(30..39)).is_ok());
+    drop(second);
+    // Rebuilding over and over does not exhaust the gate.
+    for _ in 0..20 {
+        assert!(layer_over(&gate, distinct_policies(100..116)).is_ok());
+    }
+}
+
 #[tokio::test]
 async fn a_spoofed_left_most_forwarded_for_does_not_change_the_key() {
     let peer = || PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0);
@@ -1130,6 +1243,42 @@ mod on_redis {
         let e = build(17).unwrap_err();
         assert_eq!(e.field(), "rate_limit.policies");
         assert!(e.reason().contains("16"), "{e}");
+    }
+
+    /// Layers over one `RedisGate` whose failure policy falls back to a `MemoryGate` share
+    /// the fallback's 16 quotas, with the layers built over that `MemoryGate` itself: a
+    /// layer that would take them past 16 is refused when built (before, it was built, and
+    /// once Redis failed many requests got a 503). Without a fallback, Redis holds any
+    /// number of quotas: both layers are built.
+    #[tokio::test]
+    async fn layers_sharing_a_fallback_gate_are_refused_past_its_16_quotas_together() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let limit = Limit::TokenBucket(quota(1, Duration::from_secs(1)));
+        let fallback = MemoryGate::new(limit);
+        let gate = RedisGate::builder(conn.clone(), limit)
+            .failure_policy(FailurePolicy::Fallback(fallback.clone()))
+            .build()
+            .await
+            .unwrap();
+        let build = |gate, range| {
+            distinct_policies(range)
+                .into_iter()
+                .fold(RateLimitLayer::builder(gate), |b, p| b.policy(p))
+                .build()
+        };
+        let first = build(gate.clone(), 0..9).unwrap();
+        let e = build(gate.clone(), 9..18).unwrap_err();
+        assert_eq!(e.field(), "rate_limit.policies");
+        assert!(e.reason().contains("18 distinct quotas"), "{e}");
+        let on_fallback = layer_over(&fallback, distinct_policies(9..16)).unwrap();
+        assert!(build(gate.clone(), 16..17).is_err());
+        drop(on_fallback);
+        assert!(build(gate.clone(), 9..16).is_ok());
+        drop(first);
+        let plain = RedisGate::builder(conn, limit).build().await.unwrap();
+        let _first = build(plain.clone(), 0..9).unwrap();
+        assert!(build(plain, 9..18).is_ok());
     }
 
     /// A key Redis holds a value of another type under (another tool wrote it there) is the

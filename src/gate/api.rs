@@ -7,6 +7,7 @@ use std::pin::Pin;
 use crate::decision::Decision;
 use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
+use crate::gate::quotas::Registration;
 use crate::rate::Quota;
 use crate::sync::Arc;
 
@@ -185,6 +186,27 @@ pub trait Gate: Send + Sync + fmt::Debug {
         Err(no_check_all())
     }
 
+    /// [`validate_quotas`](Gate::validate_quotas), and register the quotas for what is
+    /// built over this gate and calls [`check_all`](Gate::check_all) with them while the
+    /// registration returned lives (a [`RateLimitLayer`](crate::http::RateLimitLayer),
+    /// its clones and its services). A gate that decides a bounded number of distinct
+    /// quotas together ([`MemoryGate`](crate::gate::MemoryGate), or a
+    /// [`RedisGate`](crate::gate::RedisGate) falling back to one) refuses quotas that would
+    /// take those registered past it, so layers sharing it are refused when built, not
+    /// answered `KeyspaceFull` on their requests.
+    ///
+    /// Crate-internal (its return type cannot be named outside flowgate): the default
+    /// validates and registers nothing.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`validate_quotas`](Gate::validate_quotas); [`ConfigError`](crate::ConfigError)
+    /// naming the count when the quotas registered and these together are too many.
+    #[doc(hidden)]
+    fn register_quotas(&self, quotas: &[Quota]) -> Result<Registration, crate::ConfigError> {
+        self.validate_quotas(quotas).map(|()| Registration::none())
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -229,6 +251,13 @@ macro_rules! forward_gate {
 
             fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), crate::ConfigError> {
                 (**self).validate_quotas(quotas)
+            }
+
+            fn register_quotas(
+                &self,
+                quotas: &[Quota],
+            ) -> Result<Registration, crate::ConfigError> {
+                (**self).register_quotas(quotas)
             }
 
             fn limit(&self) -> Limit {

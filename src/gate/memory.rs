@@ -14,6 +14,7 @@ use crate::gate::api::{Gate, GateFuture};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
 use crate::gate::multi::{MAX_QUOTAS, Merged, ShardedBuckets};
+use crate::gate::quotas::{QuotaRegistry, Registration};
 use crate::limit::{FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
@@ -105,6 +106,8 @@ struct Inner {
     max_keys: usize,
     /// The buckets of [`MemoryGate::check_all`].
     multi: ShardedBuckets,
+    /// The quotas the layers built over the gate use ([`Gate::register_quotas`]).
+    quotas: Arc<QuotaRegistry>,
     name: Option<String>,
     allowed: Counter,
     rejected: Counter,
@@ -238,6 +241,7 @@ impl MemoryGateBuilder {
                 limit: self.limit,
                 shards: shards.into_boxed_slice(),
                 multi: ShardedBuckets::new(SHARDS, per_shard, hasher.clone()),
+                quotas: Arc::default(),
                 hasher,
                 clock: self.clock.unwrap_or_default(),
                 max_keys,
@@ -314,6 +318,14 @@ impl MemoryGate {
     /// them all), spread over 16 shards by hash as the gate's own keys are, with at most 16
     /// distinct quotas per shard; idle ones are evicted when room is needed. A request
     /// locks only the shards of its keys.
+    ///
+    /// The [`RateLimitLayer`](crate::http::RateLimitLayer)s built over this gate (and its
+    /// clones) register their quotas on it while they live, and one that would take them
+    /// past 16 distinct quotas together is refused when built. A call here registers
+    /// nothing: quotas of your own beside the layers' must keep within those 16 too, or a
+    /// request whose new quota finds no room in its shard (none of the quotas held there
+    /// is back to full) is refused with [`GateError::KeyspaceFull`], the layers' requests
+    /// as well as yours.
     ///
     /// # Errors
     ///
@@ -500,6 +512,13 @@ impl Gate for MemoryGate {
             ));
         }
         Ok(())
+    }
+
+    /// [`validate_quotas`](Gate::validate_quotas), and at most 16 distinct quotas
+    /// registered together by every registration alive on this gate (and its clones).
+    fn register_quotas(&self, quotas: &[Quota]) -> Result<Registration, ConfigError> {
+        self.validate_quotas(quotas)?;
+        self.inner.quotas.register(quotas)
     }
 
     fn limit(&self) -> Limit {

@@ -30,6 +30,7 @@ mod lease;
 mod limit;
 mod memory;
 mod multi;
+mod quotas;
 #[cfg(feature = "redis")]
 mod redis_all;
 #[cfg(feature = "redis")]
@@ -50,6 +51,8 @@ pub use limit::Limit;
 #[cfg(feature = "redis")]
 pub(crate) use memory::names::DECISIONS;
 pub use memory::{MemoryGate, MemoryGateBuilder};
+#[cfg(feature = "http")]
+pub(crate) use quotas::Registration;
 #[cfg(feature = "redis")]
 pub use redis_gate::{FailurePolicy, RedisGate, RedisGateBuilder};
 

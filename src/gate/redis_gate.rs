@@ -17,6 +17,7 @@ use crate::gate::error::{GateError, check_key};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
+use crate::gate::quotas::Registration;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts;
 use crate::gate::scripts::{LimitScript, decision_from};
@@ -668,6 +669,18 @@ where
         match &self.inner.policy {
             FailurePolicy::Fallback(gate) => gate.validate_quotas(quotas),
             _ => Ok(()),
+        }
+    }
+
+    /// [`validate_quotas`](Gate::validate_quotas); under [`FailurePolicy::Fallback`], the
+    /// quotas are registered on its `MemoryGate` (which refuses them past its 16 distinct
+    /// quotas together with those registered on it, by layers over this gate or over it);
+    /// otherwise nothing is registered (Redis holds any number of quotas).
+    fn register_quotas(&self, quotas: &[Quota]) -> Result<Registration, crate::ConfigError> {
+        self.validate_quotas(quotas)?;
+        match &self.inner.policy {
+            FailurePolicy::Fallback(gate) => gate.register_quotas(quotas),
+            _ => Ok(Registration::none()),
         }
     }
 

@@ -808,7 +808,11 @@ async fn one_each(servers: &[&Server], clients: usize) -> Vec<StatusCode> {
     for n in 0..clients {
         let c = format!("c{n}");
         for server in servers {
-            statuses.push(get(&client, &server.url("/"), &[("x-client", &c)]).await.status);
+            statuses.push(
+                get(&client, &server.url("/"), &[("x-client", &c)])
+                    .await
+                    .status,
+            );
         }
     }
     statuses
@@ -855,9 +859,15 @@ async fn layers_sharing_a_memory_gate_are_refused_past_its_16_quotas_together() 
         let a = Server::start(app(first.clone())).await;
         let b = Server::start(app(second.clone())).await;
         let statuses = one_each(&[&a, &b], 100).await;
-        assert!(statuses.iter().all(|&s| s == StatusCode::OK), "{statuses:?}");
+        assert!(
+            statuses.iter().all(|&s| s == StatusCode::OK),
+            "{statuses:?}"
+        );
         assert_eq!((first.stats().admitted, first.stats().gate_error), (100, 0));
-        assert_eq!((second.stats().admitted, second.stats().gate_error), (100, 0));
+        assert_eq!(
+            (second.stats().admitted, second.stats().gate_error),
+            (100, 0)
+        );
     }
     // The servers' tasks hold clones of these layers until they are aborted; what follows
     // is on a gate of its own. A layer's quotas stay registered while a clone of it or a

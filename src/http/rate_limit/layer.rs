@@ -15,7 +15,7 @@ use tower::Layer;
 use crate::clock::Clock;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::{Gate, GateError};
+use crate::gate::{Gate, GateError, Registration};
 use crate::http::body::{InnerBody, WrapBody};
 use crate::http::fields::{self, Fields, HeaderStyles, Member, PolicyParts};
 use crate::http::key::{MissingKey, RequestInfo};
@@ -334,15 +334,25 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure
-    /// policy falls back to one, more than 16 distinct quotas);
+    /// policy falls back to one, more than 16 distinct quotas, this layer's alone or with
+    /// those of the other layers alive on that gate, see below);
     /// on `rate_limit.header_styles` for both `X_RATELIMIT` and
     /// `X_RATELIMIT_EPOCH`; on `top_rejected.capacity` for 0 or above
     /// [`TopRejected::MAX_CAPACITY`].
     ///
-    /// The check is of this layer's policies alone: layers (or other callers of
-    /// `check_all`) that share one `MemoryGate` share its 16 quotas, so keep their distinct
-    /// quotas together within 16, or give each layer a gate of its own; past that, a
-    /// request whose new quota finds no room gets a `503` (`KeyspaceFull`).
+    /// Layers that share one `MemoryGate` (clones of it, or a `RedisGate` falling back to
+    /// it) share its 16 quotas: each layer registers its quotas on the gate for as long as
+    /// it, a clone of it or a service made from it lives (released when the last of them
+    /// is dropped, so layers built over and over do not use the gate up), and a layer
+    /// whose quotas would take the registered ones past 16 distinct quotas is refused
+    /// with a `ConfigError` naming the count. Direct callers of
+    /// [`check_all`](crate::gate::MemoryGate::check_all) register nothing: keep their
+    /// quotas and the layers' within 16 distinct ones together, or give the layers a gate
+    /// of their own; past that, a request whose new quota finds no room gets a `503`
+    /// (`KeyspaceFull`). The same for a quota a dropped layer released: its buckets keep
+    /// their place in the gate until they are full again (at most the time the quota takes
+    /// to refill its burst), so a layer built then with other quotas may see such `503`s
+    /// for that long.
     ///
     /// The layer's `RateLimit-Policy` value is kept for the life of the process, shared by
     /// every layer built with the same policies (so each response copies it instead of
@@ -388,24 +398,29 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
             ));
         }
         // Quotas the gate can never decide: refused now, not with a 503 on every request.
-        // Asked of all the policies together; when refused, the first policy refused alone
-        // is named (none is when only their number is too many).
+        // Asked of all the policies together, and registered on the gate for as long as
+        // the layer lives, so that the layers sharing a gate are refused past what it
+        // decides together; when refused, the first policy refused alone is named (none is
+        // when only their number is too many, alone or with the other layers').
         let quotas: Vec<Quota> = self.policies.iter().map(|p| p.quota).collect();
-        if let Err(all) = self.gate.validate_quotas(&quotas) {
-            let (which, e) = self
-                .policies
-                .iter()
-                .find_map(|p| {
-                    let e = self.gate.validate_quotas(&[p.quota]).err()?;
-                    Some((format!("{:?}", p.name), e))
-                })
-                .unwrap_or_else(|| ("the policies".to_string(), all));
-            return Err(ConfigError::new(
-                "rate_limit.policies",
-                e.kind(),
-                format!("the gate cannot decide {which}: {}", e.reason()),
-            ));
-        }
+        let registration = match self.gate.register_quotas(&quotas) {
+            Ok(registration) => registration,
+            Err(all) => {
+                let (which, e) = self
+                    .policies
+                    .iter()
+                    .find_map(|p| {
+                        let e = self.gate.validate_quotas(&[p.quota]).err()?;
+                        Some((format!("{:?}", p.name), e))
+                    })
+                    .unwrap_or_else(|| ("the policies".to_string(), all));
+                return Err(ConfigError::new(
+                    "rate_limit.policies",
+                    e.kind(),
+                    format!("the gate cannot decide {which}: {}", e.reason()),
+                ));
+            }
+        };
         let top = TopRejected::new(self.top_rejected)?;
         let policies: Box<[Entry]> = self
             .policies
@@ -453,6 +468,7 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 log_clock: Clock::counter(),
                 next_log_ms: AtomicU64::new(0),
                 since_log: AtomicU64::new(0),
+                _quotas: registration,
             }),
             body: PhantomData,
         })
@@ -665,6 +681,9 @@ pub(crate) struct Shared<G> {
     next_log_ms: AtomicU64,
     /// Rejections since the last log.
     since_log: AtomicU64,
+    /// The policies' quotas, registered on the gate while the layer, a clone of it or a
+    /// service made from it lives.
+    _quotas: Registration,
 }
 
 impl<G: fmt::Debug> fmt::Debug for Shared<G> {

@@ -837,6 +837,67 @@ async fn batching_preserves_every_callers_decision() {
     }
 }
 
+/// A batched caller that gives up after its batch went to Redis is charged there; its
+/// decision is counted all the same when Redis answers, so `flowgate_gate_decisions_total`
+/// adds up to what Redis decided.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_batched_caller_dropped_after_its_batch_is_sent_is_still_counted() {
+    let recorder = support::TestRecorder::default();
+    // Current-thread runtime: the gate registers its metrics with this thread's recorder.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, quota(5))
+        .name("abandoned")
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let allowed =
+        || recorder.counter("flowgate_gate_decisions_total{name=abandoned,outcome=allowed}");
+    let answered = || {
+        recorder
+            .samples("flowgate_gate_redis_seconds{name=abandoned}")
+            .len()
+    };
+    assert!(gate.check("warm", 1).await.unwrap().allowed);
+    assert_eq!((allowed(), answered()), (1, 1));
+    server.pause();
+    // Nothing in flight: `first` calls Redis itself; `second` then joins a batch.
+    let mut first = Box::pin(gate.check("first", 1));
+    assert!(futures::poll!(first.as_mut()).is_pending());
+    let mut second = Box::pin(gate.check("second", 1));
+    assert!(futures::poll!(second.as_mut()).is_pending());
+    // The driver takes the batch and sends it (its size is recorded as it goes out).
+    let batches = || recorder.samples("flowgate_gate_batch_size{name=abandoned}");
+    for _ in 0..1_000 {
+        if !batches().is_empty() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(batches(), [1.0]);
+    drop(second);
+    server.resume();
+    assert!(first.await.unwrap().allowed);
+    // The batch's answer: its latency is recorded, and the driver replies in the same poll.
+    for _ in 0..10_000 {
+        if answered() == 3 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(answered(), 3);
+    let mut con = server.connect().await;
+    let charged: bool = redis::cmd("EXISTS")
+        .arg(gate.redis_key("second"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(charged, "redis charged the dropped caller");
+    assert_eq!(allowed(), 3, "warm, first and the dropped second");
+}
+
 #[tokio::test]
 async fn concurrent_lease_calls_lose_no_tokens_and_beat_a_cached_rejection() {
     let server = RedisServer::start();

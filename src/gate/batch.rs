@@ -29,7 +29,59 @@ pub(crate) struct Request {
     /// When the caller's timeout ends: the driver answers by then. The caller's own timer,
     /// started a little later, is only the backstop for a driver that is not polled.
     pub(crate) deadline: Instant,
-    pub(crate) reply: oneshot::Sender<Result<Decision, CallError>>,
+    pub(crate) reply: oneshot::Sender<Answer>,
+}
+
+/// The counters of what Redis decides, shared by the gate and its batch driver.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcomes {
+    pub(crate) allowed: Counter,
+    pub(crate) rejected: Counter,
+}
+
+impl Outcomes {
+    /// Count `decision` by its outcome.
+    pub(crate) fn count(&self, decision: &Decision) {
+        if decision.allowed {
+            self.allowed.increment(1);
+        } else {
+            self.rejected.increment(1);
+        }
+    }
+}
+
+/// The driver's answer to one request. A decision its caller never reads (it gave up after
+/// the batch was sent, so Redis charged it all the same) is counted when the answer is
+/// dropped: whether the send found the caller gone or the caller went away with the answer
+/// waiting for it.
+pub(crate) struct Answer {
+    result: Option<Result<Decision, CallError>>,
+    outcomes: Option<Arc<Outcomes>>,
+}
+
+impl Answer {
+    /// The answer `result`; a decision in it is counted in `outcomes` unless it is read.
+    fn new(result: Result<Decision, CallError>, outcomes: &Arc<Outcomes>) -> Answer {
+        let outcomes = result.is_ok().then(|| outcomes.clone());
+        Answer {
+            result: Some(result),
+            outcomes,
+        }
+    }
+
+    /// The result, for the caller, which counts the decision itself.
+    pub(crate) fn read(mut self) -> Result<Decision, CallError> {
+        self.outcomes = None;
+        self.result.take().expect("an answer is read once")
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if let (Some(outcomes), Some(Ok(decision))) = (&self.outcomes, &self.result) {
+            outcomes.count(decision);
+        }
+    }
 }
 
 /// The gate's side of the batch driver: its bounded queue, the script calls in flight (the
@@ -176,6 +228,8 @@ pub(crate) struct Driver<C> {
     pub(crate) eval: LimitScript,
     pub(crate) max_batch: usize,
     pub(crate) batch_size: Histogram,
+    /// Where the decisions of callers that gave up are counted.
+    pub(crate) outcomes: Arc<Outcomes>,
     /// Redis Cluster: one script call per hash slot of the batch.
     pub(crate) cluster: bool,
 }
@@ -188,6 +242,7 @@ impl<C> Clone for Driver<C> {
             eval: self.eval.clone(),
             max_batch: self.max_batch,
             batch_size: self.batch_size.clone(),
+            outcomes: self.outcomes.clone(),
             cluster: self.cluster,
         }
     }
@@ -221,7 +276,9 @@ where
                 self.backend
                     .fail(GateError::Timeout(self.backend.timeout()))
             });
-            let _ = r.reply.send(Err(error.clone()));
+            let _ = r
+                .reply
+                .send(Answer::new(Err(error.clone()), &self.outcomes));
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
@@ -231,15 +288,20 @@ where
             .eval
             .decide(&self.backend, requests, deadline - now)
             .await;
+        // A caller that gave up meanwhile was charged all the same: the answer it leaves
+        // behind counts its decision.
         match decided {
             Ok(decisions) => {
                 for (r, decision) in batch.into_iter().zip(decisions) {
-                    let _ = r.reply.send(decision.map_err(CallError::Request));
+                    let answer = Answer::new(decision.map_err(CallError::Request), &self.outcomes);
+                    let _ = r.reply.send(answer);
                 }
             }
             Err(error) => {
                 for r in batch {
-                    let _ = r.reply.send(Err(error.clone()));
+                    let _ = r
+                        .reply
+                        .send(Answer::new(Err(error.clone()), &self.outcomes));
                 }
             }
         }

@@ -12,7 +12,7 @@ use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::backend::{Backend, CallError, key_failure};
-use crate::gate::batch::{Batcher, Driver, Request};
+use crate::gate::batch::{Batcher, Driver, Outcomes, Request};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
@@ -155,7 +155,10 @@ pub(super) struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `cached`, `policy`), `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
+/// `cached`, `policy`; `allowed` and `rejected` count every decision Redis made, including
+/// that of a batched caller that gave up after its batch was sent, counted when the answer
+/// comes: one whose own timeout ended first is then counted under `policy` too),
+/// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
 /// `flowgate_gate_failures_total` (failed calls to Redis: one per failed batch, and one
 /// more per batched caller whose own deadline passed before its batch's answer reached it,
 /// as when the batch timed out at that same deadline),
@@ -366,6 +369,10 @@ where
             self.policy.as_str(),
             &labels,
         ));
+        let outcomes = Outcomes {
+            allowed: decisions("allowed"),
+            rejected: decisions("rejected"),
+        };
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
                 calls: Default::default(),
@@ -373,6 +380,7 @@ where
                 eval: eval.clone(),
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
+                outcomes: Arc::new(outcomes.clone()),
                 cluster: self.cluster,
             };
             Batcher::start(driver, labels.counter(names::DRIVER_RESTARTS, &[]))
@@ -391,8 +399,8 @@ where
                 policy: self.policy,
                 metrics: Metrics {
                     cached: decisions("cached"),
-                    allowed: decisions("allowed"),
-                    rejected: decisions("rejected"),
+                    allowed: outcomes.allowed,
+                    rejected: outcomes.rejected,
                     by_policy: decisions("policy"),
                 },
                 name: self.name,
@@ -457,7 +465,8 @@ where
     /// # Cancel safety
     ///
     /// Dropping the future before its request is sent charges nothing; after, the request
-    /// may still be charged in Redis (never over-admission). A lease taken by a dropped call
+    /// may still be charged in Redis (never over-admission); if it went in a batch, its
+    /// decision is still counted in the metrics when Redis answers. A lease taken by a dropped call
     /// is lost (under-admission only).
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let now = Instant::now();
@@ -560,7 +569,7 @@ where
         // The driver answers by the deadline (its call's timeout ends there); the timer here
         // is the backstop for a driver whose runtime is not being driven.
         match tokio::time::timeout_at((started + timeout).into(), answer).await {
-            Ok(Ok(result)) => result,
+            Ok(Ok(answer)) => answer.read(),
             // The driver went away with the request (its runtime shut down): decide it here.
             Ok(Err(_)) => self.call_one(key, cost, started).await,
             Err(_) => Err(inner.backend.fail(GateError::Timeout(timeout))),

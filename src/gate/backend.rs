@@ -301,3 +301,105 @@ where
         other => other,
     }
 }
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+
+    use metrics::{
+        Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+
+    use super::*;
+
+    /// A connection that is never used.
+    #[derive(Clone)]
+    struct NoRedis;
+
+    impl ConnectionLike for NoRedis {
+        fn req_packed_command<'a>(
+            &'a mut self,
+            _: &'a redis::Cmd,
+        ) -> redis::RedisFuture<'a, redis::Value> {
+            Box::pin(std::future::pending())
+        }
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            _: &'a redis::Pipeline,
+            _: usize,
+            _: usize,
+        ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+            Box::pin(std::future::pending())
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+    }
+
+    type Hook = Arc<dyn Fn() + Send + Sync>;
+
+    /// A gauge that calls its hook on every change.
+    struct Hooked(Hook);
+
+    impl GaugeFn for Hooked {
+        fn increment(&self, _: f64) {
+            (self.0)();
+        }
+        fn decrement(&self, _: f64) {
+            (self.0)();
+        }
+        fn set(&self, _: f64) {
+            (self.0)();
+        }
+    }
+
+    /// Hooks `flowgate_gate_degraded`; every other metric is a no-op.
+    struct HookRecorder(Hook);
+
+    impl Recorder for HookRecorder {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            if key.name() == names::DEGRADED {
+                Gauge::from_arc(Arc::new(Hooked(self.0.clone())))
+            } else {
+                Gauge::noop()
+            }
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// The degraded gauge moves while the health lock is held, with the state: a failure
+    /// and a recovery racing on two threads cannot leave it showing the state the other
+    /// one left (set after the lock, the later transition's gauge could be set first).
+    #[test]
+    fn the_degraded_gauge_moves_with_the_state_under_its_lock() {
+        let backend: Arc<OnceLock<Backend<NoRedis>>> = Arc::default();
+        // (the health lock was held, the gauge's new state) at each change of the gauge.
+        let seen: Arc<Mutex<Vec<(bool, bool)>>> = Arc::default();
+        let hook: Hook = {
+            let (backend, seen) = (backend.clone(), seen.clone());
+            Arc::new(move || {
+                let b = backend.get().expect("built");
+                let locked = matches!(b.health.try_lock(), Err(TryLockError::WouldBlock));
+                seen.lock().unwrap().push((locked, b.is_degraded()));
+            })
+        };
+        let recorder = HookRecorder(hook);
+        let second = Duration::from_secs(1);
+        let built = metrics::with_local_recorder(&recorder, || {
+            Backend::new(NoRedis, second, second, None, "error", &Labels::new(None))
+        });
+        let _ = backend.set(built);
+        let b = backend.get().unwrap();
+        let _ = b.fail(GateError::Timeout(second));
+        b.healthy();
+        assert_eq!(*seen.lock().unwrap(), [(true, true), (true, false)]);
+    }
+}

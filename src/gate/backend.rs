@@ -248,9 +248,13 @@ where
         let was_healthy = matches!(*health, Health::Healthy);
         *health = Health::Degraded { next_probe };
         self.degraded.store(true, Ordering::Release);
+        if was_healthy {
+            // With the state, under its lock: a recovery racing this failure cannot set its
+            // 0 before this 1 and leave the gauge at 1 on a healthy gate (nor the reverse).
+            self.metrics.degraded.set(1.0);
+        }
         drop(health);
         if was_healthy {
-            self.metrics.degraded.set(1.0);
             self.metrics.to_degraded.increment(1);
             tracing::warn!(
                 gate = ?self.name,
@@ -274,8 +278,9 @@ where
         if let Health::Degraded { .. } = *health {
             *health = Health::Healthy;
             self.degraded.store(false, Ordering::Release);
-            drop(health);
+            // Under the lock, as in `fail`.
             self.metrics.degraded.set(0.0);
+            drop(health);
             self.metrics.to_healthy.increment(1);
             tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
         }

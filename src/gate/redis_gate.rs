@@ -155,13 +155,15 @@ pub(super) struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `cached`, `policy`; `allowed` and `rejected` count every decision Redis made, including
-/// that of a batched caller that gave up after its batch was sent, counted when the answer
-/// comes: one whose own timeout ended first is then counted under `policy` too),
+/// `cached`, `policy`; a batched caller that gave up after its batch was sent is counted by
+/// what Redis decided for it when the answer comes, and one whose own timeout ended first
+/// is then counted under `policy` too; a caller that called Redis alone, with nothing in
+/// flight or batching off, and gave up before the answer is not counted),
 /// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
-/// `flowgate_gate_failures_total` (failed calls to Redis: one per failed batch, and one
-/// more per batched caller whose own deadline passed before its batch's answer reached it,
-/// as when the batch timed out at that same deadline),
+/// `flowgate_gate_failures_total` (failed calls to Redis, not callers: one per failed
+/// script call, which is one per batch, or on a Cluster one per hash slot the batch spans;
+/// and one more per batched caller whose own deadline passed before its batch's answer
+/// reached it, as when the batch timed out at that same deadline),
 /// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`,
 /// `flowgate_gate_driver_restarts_total`.
 pub struct RedisGate<C> {
@@ -466,7 +468,8 @@ where
     ///
     /// Dropping the future before its request is sent charges nothing; after, the request
     /// may still be charged in Redis (never over-admission); if it went in a batch, its
-    /// decision is still counted in the metrics when Redis answers. A lease taken by a dropped call
+    /// decision is still counted in the metrics when Redis answers (one that called Redis
+    /// alone, with nothing in flight, is not). A lease taken by a dropped call
     /// is lost (under-admission only).
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let now = Instant::now();

@@ -881,7 +881,7 @@ async fn a_batched_caller_dropped_after_its_batch_is_sent_is_still_counted() {
     server.resume();
     assert!(first.await.unwrap().allowed);
     // The batch's answer: its latency is recorded, and the driver replies in the same poll.
-    for _ in 0..10_000 {
+    for _ in 0..100_000 {
         if answered() == 3 {
             break;
         }

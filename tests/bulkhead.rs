@@ -5,12 +5,14 @@ mod support;
 
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use flowgate::bulkhead::{AcquireError, Bulkhead, Priority};
-use flowgate::{ConfigErrorKind, FlowStreamExt};
+use flowgate::bulkhead::{
+    AcquireError, Bulkhead, BulkheadMap, BulkheadMapUnordered, BulkheadSpawnMap, Priority,
+};
+use flowgate::{ConfigErrorKind, Dropped, FlowStreamExt};
 use futures::{FutureExt, Stream, StreamExt, poll};
 use tokio::time::{Instant, advance, sleep};
 
@@ -759,6 +761,91 @@ async fn closing_the_bulkhead_ends_an_adapter_after_work_in_flight() {
     b.close();
     tx.unbounded_send(2).unwrap();
     assert_eq!(stream.next().await, None);
+}
+
+/// What a recording drop hook saw: each item with its reason.
+type Seen = Arc<Mutex<Vec<(u32, &'static str)>>>;
+
+/// A drop hook that records each item with its reason.
+fn recorder() -> (Seen, impl Fn(u32, &Dropped) + Send + Sync + 'static) {
+    let seen = Seen::default();
+    let hook = seen.clone();
+    let record = move |item: u32, why: &Dropped| hook.lock().unwrap().push((item, why.as_str()));
+    (seen, record)
+}
+
+/// Each bulkhead adapter, holding item 0 while it waits for the one permit (held
+/// elsewhere), hands that item to `on_drop` as `Discarded` when it is dropped or its
+/// bulkhead closes; it was dropped unseen. (`into_inner` takes the adapter by value, and an
+/// adapter is `!Unpin` once polled, so it cannot be holding an item then.)
+#[tokio::test]
+async fn an_adapter_hands_the_item_waiting_for_a_permit_to_on_drop() {
+    async fn check<S>(adapter: S, b: &Bulkhead, seen: &Seen, close: bool, name: &str)
+    where
+        S: Stream<Item = u32>,
+    {
+        let mut adapter = Box::pin(adapter);
+        assert!(poll!(adapter.next()).is_pending(), "{name}: waits for a permit");
+        assert!(seen.lock().unwrap().is_empty(), "{name}");
+        if close {
+            b.close();
+            assert_eq!(adapter.next().await, None, "{name}: ends");
+        } else {
+            drop(adapter);
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [(0, "discarded")],
+            "{name}, close={close}: the held item goes to on_drop"
+        );
+    }
+    for close in [false, true] {
+        let items = || futures::stream::iter(0..3u32);
+        let f = |x: u32| async move { x };
+
+        let b = Bulkhead::new(1).unwrap();
+        let _busy = b.acquire().await.unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadMap::builder(items(), b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &b, &seen, close, "bulkhead_map").await;
+
+        let b = Bulkhead::new(1).unwrap();
+        let _busy = b.acquire().await.unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadMapUnordered::builder(items(), b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &b, &seen, close, "bulkhead_map_unordered").await;
+
+        let b = Bulkhead::new(1).unwrap();
+        let _busy = b.acquire().await.unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadSpawnMap::builder(items(), b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &b, &seen, close, "bulkhead_spawn_map").await;
+    }
+}
+
+/// An adapter that hands every item to its future, or holds none, hands nothing to
+/// `on_drop`.
+#[tokio::test]
+async fn an_adapter_with_nothing_in_hand_drops_nothing() {
+    let b = Bulkhead::new(2).unwrap();
+    let (seen, hook) = recorder();
+    let out: Vec<u32> = BulkheadMap::builder(futures::stream::iter(0..5u32), b, |x| async move { x })
+        .on_drop(hook)
+        .build()
+        .unwrap()
+        .collect()
+        .await;
+    assert_eq!(out, [0, 1, 2, 3, 4]);
+    assert!(seen.lock().unwrap().is_empty());
 }
 
 /// Once the bulkhead is closed an adapter starts nothing more: its lower bound is the work

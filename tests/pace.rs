@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
-use flowgate::pace::{LeakyQueue, Pacer};
+use flowgate::pace::{Leaky, LeakyQueue, Pacer};
 use flowgate::{ConfigErrorKind, CostError, Dropped, FlowSinkExt, FlowStreamExt, Overflow};
 use flowgate::{Quota, Rate};
 use futures::{SinkExt, StreamExt, poll};
@@ -578,6 +578,70 @@ async fn dropping_an_adapter_frees_the_shared_pacer() {
     pacer.until_ready(1).await.unwrap();
 }
 
+/// The item a `leaky` stream holds while it waits for the pacer is handed to `on_drop`, as
+/// `Discarded`, when the stream is dropped or taken apart; it was dropped unseen.
+#[tokio::test(start_paused = true)]
+async fn leaky_hands_the_item_it_holds_to_on_drop() {
+    for take_apart in [false, true] {
+        let (seen, hook) = recorder();
+        let mut s = Leaky::builder(futures::stream::iter(0..5u32), pacer(10, 1))
+            .cost(|x: &u32| u32::from(*x > 0))
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        assert_eq!(s.next().await, Some(0), "cost 0: at once");
+        assert_eq!(s.next().await, Some(1), "the first unit of the burst");
+        assert!(poll!(s.next()).is_pending(), "2 waits for the pacer");
+        assert!(seen.lock().unwrap().is_empty());
+        if take_apart {
+            let rest: Vec<u32> = s.into_inner().collect().await;
+            assert_eq!(rest, [3, 4], "the inner stream goes on after the held item");
+        } else {
+            drop(s);
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [(2, "discarded")],
+            "take_apart={take_apart}: the held item goes to on_drop"
+        );
+    }
+}
+
+/// A `leaky` stream with nothing in hand hands nothing to `on_drop`.
+#[tokio::test(start_paused = true)]
+async fn leaky_with_nothing_in_hand_drops_nothing() {
+    let (seen, hook) = recorder();
+    let s = Leaky::builder(futures::stream::iter(0..3u32), pacer(10, 1))
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    assert_eq!(s.collect::<Vec<_>>().await, [0, 1, 2]);
+    assert!(seen.lock().unwrap().is_empty());
+}
+
+/// The item a dropped `leaky` stream held is counted under its pacer's name, as the items
+/// left in a `leaky_queue` are: `flowgate_pace_dropped_total{policy="closed"}`.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn the_item_a_dropped_leaky_stream_held_is_counted_as_closed() {
+    let recorder = support::TestRecorder::default();
+    let mut s = metrics::with_local_recorder(&recorder, || {
+        let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+            .burst(1)
+            .name("gateway")
+            .build()
+            .unwrap();
+        futures::stream::iter(0..5u32).leaky_with(pacer)
+    });
+    assert_eq!(s.next().await, Some(0));
+    assert!(poll!(s.next()).is_pending());
+    drop(s);
+    assert_eq!(
+        recorder.counter("flowgate_pace_dropped_total{name=gateway,policy=closed}"),
+        1
+    );
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn metrics_count_releases_and_lateness() {
@@ -685,6 +749,7 @@ fn public_types_are_send_and_sync() {
     fn send<T: Send>() {}
     type Items = futures::stream::Iter<std::vec::IntoIter<u8>>;
     send::<flowgate::pace::Leaky<Items, fn(&u8) -> u32>>();
+    send::<flowgate::pace::LeakyBuilder<Items, fn(&u8) -> u32>>();
     send::<LeakyQueue<Items>>();
     send::<flowgate::pace::LeakyQueueBuilder<Items>>();
     is_static::<LeakyQueue<Items>>();

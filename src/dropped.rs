@@ -11,8 +11,14 @@ use std::sync::Arc;
 /// Every component that can drop items (the [`channel`](crate::channel), the enforcing
 /// [`leaky_queue`](crate::FlowStreamExt::leaky_queue), [`gated_drop`](crate::FlowStreamExt::gated_drop)
 /// and [`gated`](crate::FlowStreamExt::gated)) passes each dropped item, with this reason, to
-/// its `on_drop` hook (see [`OnDrop`]) and counts it in its `dropped` count. Nothing is
-/// dropped silently.
+/// its `on_drop` hook (see [`OnDrop`]) and counts it in its `dropped` count. The adapters
+/// that hold one item while they wait pass it to their hook too, as [`Dropped::Discarded`],
+/// when they let go of it: [`leaky`](crate::FlowStreamExt::leaky) (hook from
+/// [`Leaky::builder`](crate::pace::Leaky::builder); counted as
+/// `flowgate_pace_dropped_total{policy="closed"}`) and the bulkhead adapters (hook from
+/// [`BulkheadMap::builder`](crate::bulkhead::BulkheadMap::builder) and its siblings; the
+/// item a closed bulkhead refused is counted as its `closed` refusal). Nothing is dropped
+/// silently.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Dropped {

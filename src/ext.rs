@@ -19,7 +19,9 @@ pub trait FlowStreamExt: Stream {
     /// Map each item to a future and run at most the bulkhead's
     /// [`max_in_flight`](Bulkhead::max_in_flight) of them at once (shared with everything
     /// else using `bulkhead`); outputs in input order, like `buffered`. Waits for permits,
-    /// never sheds.
+    /// never sheds. Without a drop hook for the item it holds waiting for a permit: to see
+    /// that item when it is discarded, build it with
+    /// [`BulkheadMap::builder`]`(stream, bulkhead, f)`.
     ///
     /// See the [`bulkhead`](crate::bulkhead) module for when to use which adapter.
     ///
@@ -48,11 +50,12 @@ pub trait FlowStreamExt: Stream {
         F: FnMut(Self::Item) -> Fut,
         Fut: Future,
     {
-        BulkheadMap::new(self, &bulkhead, f)
+        BulkheadMap::new(self, &bulkhead, f, None)
     }
 
     /// As [`bulkhead_map`](FlowStreamExt::bulkhead_map), with outputs in completion order,
-    /// like `buffer_unordered`.
+    /// like `buffer_unordered`. A drop hook is set with
+    /// [`BulkheadMapUnordered::builder`]`(stream, bulkhead, f)`.
     fn bulkhead_map_unordered<F, Fut>(
         self,
         bulkhead: Bulkhead,
@@ -63,7 +66,7 @@ pub trait FlowStreamExt: Stream {
         F: FnMut(Self::Item) -> Fut,
         Fut: Future,
     {
-        BulkheadMapUnordered::new(self, &bulkhead, f)
+        BulkheadMapUnordered::new(self, &bulkhead, f, None)
     }
 
     /// As [`bulkhead_map_unordered`](FlowStreamExt::bulkhead_map_unordered), but each mapped
@@ -71,6 +74,7 @@ pub trait FlowStreamExt: Stream {
     /// permit) while the consumer is busy. At most the bulkhead's `max_in_flight` of its
     /// tasks are outstanding (running, or finished with an output not yet taken), so a slow
     /// consumer slows the intake instead of piling up outputs (see [`BulkheadSpawnMap`]).
+    /// A drop hook is set with [`BulkheadSpawnMap::builder`]`(stream, bulkhead, f)`.
     ///
     /// # Panics
     ///
@@ -82,11 +86,13 @@ pub trait FlowStreamExt: Stream {
         Fut: Future + Send + 'static,
         Fut::Output: Send + 'static,
     {
-        BulkheadSpawnMap::new(self, &bulkhead, f)
+        BulkheadSpawnMap::new(self, &bulkhead, f, None)
     }
 
     /// Release items at `rate` through a private [`Pacer`] with the default burst; the
-    /// upstream is slowed to the rate (backpressure).
+    /// upstream is slowed to the rate (backpressure). Without a drop hook for the item it
+    /// holds waiting for the pacer: to see that item when the stream is dropped, build it
+    /// with [`Leaky::builder`]`(stream, pacer)`.
     ///
     /// # Panics
     ///
@@ -121,6 +127,7 @@ pub trait FlowStreamExt: Stream {
     }
 
     /// Release items through a shared `pacer` (one rate for many streams, FIFO across them).
+    /// A drop hook is set with [`Leaky::builder`]`(stream, pacer)`.
     ///
     /// # Panics
     ///
@@ -134,7 +141,8 @@ pub trait FlowStreamExt: Stream {
     }
 
     /// Release items through `pacer`, each costing `cost(&item)` units (a cost above the
-    /// burst is paid in chunks; a cost of 0 is free).
+    /// burst is paid in chunks; a cost of 0 is free). A drop hook is set with
+    /// [`Leaky::builder`]`(stream, pacer).cost(cost)`.
     ///
     /// # Panics
     ///

@@ -5,8 +5,8 @@ mod support;
 
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flowgate::bulkhead::{
@@ -785,7 +785,10 @@ async fn an_adapter_hands_the_item_waiting_for_a_permit_to_on_drop() {
         S: Stream<Item = u32>,
     {
         let mut adapter = Box::pin(adapter);
-        assert!(poll!(adapter.next()).is_pending(), "{name}: waits for a permit");
+        assert!(
+            poll!(adapter.next()).is_pending(),
+            "{name}: waits for a permit"
+        );
         assert!(seen.lock().unwrap().is_empty(), "{name}");
         if close {
             b.close();
@@ -838,12 +841,13 @@ async fn an_adapter_hands_the_item_waiting_for_a_permit_to_on_drop() {
 async fn an_adapter_with_nothing_in_hand_drops_nothing() {
     let b = Bulkhead::new(2).unwrap();
     let (seen, hook) = recorder();
-    let out: Vec<u32> = BulkheadMap::builder(futures::stream::iter(0..5u32), b, |x| async move { x })
-        .on_drop(hook)
-        .build()
-        .unwrap()
-        .collect()
-        .await;
+    let out: Vec<u32> =
+        BulkheadMap::builder(futures::stream::iter(0..5u32), b, |x| async move { x })
+            .on_drop(hook)
+            .build()
+            .unwrap()
+            .collect()
+            .await;
     assert_eq!(out, [0, 1, 2, 3, 4]);
     assert!(seen.lock().unwrap().is_empty());
 }

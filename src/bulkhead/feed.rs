@@ -12,6 +12,7 @@ use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::Core;
+use crate::dropped::{Dropped, OnDrop};
 use crate::sync::Arc;
 
 /// The upstream, the one item pulled and waiting for a permit, and the permits held: what
@@ -21,23 +22,60 @@ use crate::sync::Arc;
 pub(crate) struct Feed<St: Stream> {
     #[pin]
     stream: Fuse<St>,
-    next: Option<St::Item>,
+    next: Held<St::Item>,
     #[pin]
     permits: Permits,
 }
 
+/// The item pulled and waiting for a permit, and the hook that sees it discarded: when the
+/// bulkhead closes, or when this is dropped (the adapter dropped or taken apart).
+struct Held<T> {
+    item: Option<T>,
+    on_drop: Option<OnDrop<T>>,
+}
+
+impl<T> Held<T> {
+    /// Discard the held item, if any: to the hook as [`Dropped::Discarded`].
+    fn discard(&mut self) {
+        if let Some(item) = self.item.take()
+            && let Some(hook) = &self.on_drop
+        {
+            hook.call(item, &Dropped::Discarded);
+        }
+    }
+}
+
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        self.discard();
+    }
+}
+
+impl<T> std::fmt::Debug for Held<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("holding", &self.item.is_some())
+            .field("on_drop", &self.on_drop.is_some())
+            .finish()
+    }
+}
+
 impl<St: Stream> Feed<St> {
-    pub(crate) fn new(stream: St, bulkhead: &Bulkhead) -> Self {
+    pub(crate) fn new(stream: St, bulkhead: &Bulkhead, on_drop: Option<OnDrop<St::Item>>) -> Self {
         Feed {
             stream: stream.fuse(),
-            next: None,
+            next: Held {
+                item: None,
+                on_drop,
+            },
             permits: Permits::new(bulkhead.core().clone()),
         }
     }
 
     /// The next input item together with a permit for it (now held), or `None` when no work
     /// can start now. `busy`: the adapter has work of its own in flight (see
-    /// [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is dropped.
+    /// [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is discarded
+    /// (to the hook, as [`Dropped::Discarded`]).
     pub(crate) fn poll_start(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -47,16 +85,17 @@ impl<St: Stream> Feed<St> {
         if this.permits.is_closed() {
             return None;
         }
-        if this.next.is_none() {
+        let next = &mut this.next.item;
+        if next.is_none() {
             match this.stream.as_mut().poll_next(cx) {
-                Poll::Ready(Some(item)) => *this.next = Some(item),
+                Poll::Ready(Some(item)) => *next = Some(item),
                 Poll::Ready(None) | Poll::Pending => return None,
             }
         }
         match this.permits.poll_for_item(cx, busy) {
-            Poll::Ready(true) => this.next.take(),
+            Poll::Ready(true) => next.take(),
             Poll::Ready(false) => {
-                *this.next = None;
+                this.next.discard();
                 None
             }
             Poll::Pending => None,
@@ -67,31 +106,32 @@ impl<St: Stream> Feed<St> {
     /// future's permit on to it).
     pub(crate) fn poll_ready_item(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<St::Item> {
         let mut this = self.project();
-        if this.next.is_none()
+        let next = &mut this.next.item;
+        if next.is_none()
             && !this.stream.is_done()
             && let Poll::Ready(Some(item)) = this.stream.as_mut().poll_next(cx)
         {
-            *this.next = Some(item);
+            *next = Some(item);
         }
-        this.next.take()
+        next.take()
     }
 
     /// Keep `item` for later (no permit for it yet).
     pub(crate) fn put_back(self: Pin<&mut Self>, item: St::Item) {
-        *self.project().next = Some(item);
+        self.project().next.item = Some(item);
     }
 
     /// Whether nothing more can start: the upstream ended (or the bulkhead closed) and no
     /// item is held.
     pub(crate) fn is_done(&self) -> bool {
-        self.next.is_none() && (self.stream.is_done() || self.permits.is_closed())
+        self.next.item.is_none() && (self.stream.is_done() || self.permits.is_closed())
     }
 
     /// Bounds on the outputs still to come, given `running` outputs in flight; `sure`:
     /// whether the running ones count for the lower bound.
     pub(crate) fn size_hint(&self, running: usize, sure: bool) -> (usize, Option<usize>) {
         // Each future in flight and the held item yield one output; then the inner stream's.
-        let extra = running + usize::from(self.next.is_some());
+        let extra = running + usize::from(self.next.item.is_some());
         // Once the bulkhead is closed no new work starts (even before the adapter has seen
         // the refusal): nothing more comes from the inner stream.
         let (lo, hi) = if self.permits.is_closed() || self.permits.bulkhead_closed() {
@@ -143,6 +183,7 @@ impl<St: Stream> Feed<St> {
         self.project().stream.get_pin_mut()
     }
 
+    /// The inner stream; the held item is discarded (to the hook).
     pub(crate) fn into_inner(self) -> St {
         self.stream.into_inner()
     }

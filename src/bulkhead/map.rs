@@ -15,6 +15,8 @@ use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
 use crate::bulkhead::slot::poll_slot;
+use crate::dropped::{Dropped, OnDrop};
+use crate::error::ConfigError;
 
 /// A mapped future that returns its permit the moment it completes (or is dropped).
 #[pin_project]
@@ -51,6 +53,10 @@ impl<Fut: Future> Future for Permitted<Fut> {
 /// polled as soon as it is made (it is then the oldest, so its output goes first): a future
 /// that is ready at once costs no allocation. Outputs of later futures that finish while the
 /// slot's future still runs wait in a small queue behind it.
+///
+/// The item it holds waiting for a permit when the bulkhead closes, or when the stream is
+/// dropped, is discarded: to the [`on_drop`](BulkheadMapBuilder::on_drop) hook, if one is
+/// set, as [`Dropped::Discarded`].
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMap<St: Stream, F, Fut: Future> {
@@ -71,9 +77,54 @@ where
     F: FnMut(St::Item) -> Fut,
     Fut: Future,
 {
-    pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
+    /// A builder for the stream of [`bulkhead_map`](crate::FlowStreamExt::bulkhead_map), to give
+    /// it an [`on_drop`](BulkheadMapBuilder::on_drop) hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use flowgate::bulkhead::{Bulkhead, BulkheadMap};
+    /// use flowgate::Dropped;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let db = Bulkhead::new(1)?;
+    /// let busy = db.acquire().await?;
+    /// let lost = Arc::new(Mutex::new(Vec::new()));
+    /// let log = lost.clone();
+    /// let items = futures::stream::iter(0..3u32);
+    /// let mut out = Box::pin(
+    ///     BulkheadMap::builder(items, db.clone(), |x| async move { x * 10 })
+    ///         .on_drop(move |item: u32, why: &Dropped| log.lock().unwrap().push((item, why.as_str())))
+    ///         .build()?,
+    /// );
+    /// assert!(futures::poll!(out.next()).is_pending()); // 0 waits for the permit `busy` holds
+    /// db.close();
+    /// assert_eq!(out.next().await, None);
+    /// assert_eq!(*lost.lock().unwrap(), [(0, "discarded")]);
+    /// drop(busy);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(stream: St, bulkhead: Bulkhead, f: F) -> BulkheadMapBuilder<St, F> {
+        BulkheadMapBuilder {
+            stream,
+            bulkhead,
+            f,
+            on_drop: None,
+        }
+    }
+
+    pub(crate) fn new(
+        stream: St,
+        bulkhead: &Bulkhead,
+        f: F,
+        on_drop: Option<OnDrop<St::Item>>,
+    ) -> Self {
         BulkheadMap {
-            feed: Feed::new(stream, bulkhead),
+            feed: Feed::new(stream, bulkhead, on_drop),
             f,
             slot: None,
             done: VecDeque::new(),
@@ -96,7 +147,9 @@ where
         self.project().feed.get_pin_mut()
     }
 
-    /// The inner stream; futures in flight are dropped and their permits returned.
+    /// The inner stream; futures in flight are dropped and their permits returned. The
+    /// stream is `!Unpin` (its wait is pinned), so only one never polled can be taken apart:
+    /// it holds no item yet.
     pub fn into_inner(self) -> St {
         self.feed.into_inner()
     }
@@ -206,6 +259,54 @@ where
         f.debug_struct("BulkheadMap")
             .field("stream", self.feed.inner())
             .field("running", &self.queued())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`BulkheadMap`]; from [`BulkheadMap::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct BulkheadMapBuilder<St: Stream, F> {
+    stream: St,
+    bulkhead: Bulkhead,
+    f: F,
+    on_drop: Option<OnDrop<St::Item>>,
+}
+
+impl<St: Stream, F> BulkheadMapBuilder<St, F> {
+    /// Call `hook` with the item the stream holds waiting for a permit when it lets go of it
+    /// ([`Dropped::Discarded`]): when the bulkhead is closed, and when the stream is dropped.
+    /// It runs in the task that polls or drops the stream.
+    pub fn on_drop(mut self, hook: impl Fn(St::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// None today: every setting is valid by its type. `Result` like every builder, so a
+    /// setting that needs checking can be added without breaking callers.
+    pub fn build<Fut>(self) -> Result<BulkheadMap<St, F, Fut>, ConfigError>
+    where
+        F: FnMut(St::Item) -> Fut,
+        Fut: Future,
+    {
+        Ok(BulkheadMap::new(
+            self.stream,
+            &self.bulkhead,
+            self.f,
+            self.on_drop,
+        ))
+    }
+}
+
+impl<St: Stream + fmt::Debug, F> fmt::Debug for BulkheadMapBuilder<St, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BulkheadMapBuilder")
+            .field("stream", &self.stream)
+            .field("bulkhead", &self.bulkhead)
+            .field("on_drop", &self.on_drop.is_some())
             .finish_non_exhaustive()
     }
 }

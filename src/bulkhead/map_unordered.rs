@@ -13,6 +13,8 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
 use crate::bulkhead::slot::{Timed, poll_slot};
+use crate::dropped::{Dropped, OnDrop};
+use crate::error::ConfigError;
 
 /// Stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered).
 ///
@@ -27,8 +29,10 @@ use crate::bulkhead::slot::{Timed, poll_slot};
 /// allocation. The slot's future is polled on every wake-up of the adapter, as in `select!`.
 ///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
-/// ends; the one item it held waiting for a permit is dropped (counted as a `closed`
-/// refusal in `flowgate_bulkhead_rejected_total`).
+/// ends; the one item it held waiting for a permit is discarded: to the
+/// [`on_drop`](BulkheadMapUnorderedBuilder::on_drop) hook, if one is set, as
+/// [`Dropped::Discarded`] (the bulkhead counts the refused wait as a `closed` refusal in
+/// `flowgate_bulkhead_rejected_total`). So is the item it holds when it is dropped.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
@@ -48,9 +52,25 @@ where
     F: FnMut(St::Item) -> Fut,
     Fut: Future,
 {
-    pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
+    /// A builder for the stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered), to give
+    /// it an [`on_drop`](BulkheadMapUnorderedBuilder::on_drop) hook.
+    pub fn builder(stream: St, bulkhead: Bulkhead, f: F) -> BulkheadMapUnorderedBuilder<St, F> {
+        BulkheadMapUnorderedBuilder {
+            stream,
+            bulkhead,
+            f,
+            on_drop: None,
+        }
+    }
+
+    pub(crate) fn new(
+        stream: St,
+        bulkhead: &Bulkhead,
+        f: F,
+        on_drop: Option<OnDrop<St::Item>>,
+    ) -> Self {
         BulkheadMapUnordered {
-            feed: Feed::new(stream, bulkhead),
+            feed: Feed::new(stream, bulkhead, on_drop),
             f,
             slot: None,
             running: FuturesUnordered::new(),
@@ -72,7 +92,9 @@ where
         self.project().feed.get_pin_mut()
     }
 
-    /// The inner stream; futures in flight are dropped and their permits returned.
+    /// The inner stream; futures in flight are dropped and their permits returned. The
+    /// stream is `!Unpin` (its wait is pinned), so only one never polled can be taken apart:
+    /// it holds no item yet.
     pub fn into_inner(self) -> St {
         self.feed.into_inner()
     }
@@ -185,6 +207,54 @@ where
         f.debug_struct("BulkheadMapUnordered")
             .field("stream", self.feed.inner())
             .field("running", &self.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`BulkheadMapUnordered`]; from [`BulkheadMapUnordered::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct BulkheadMapUnorderedBuilder<St: Stream, F> {
+    stream: St,
+    bulkhead: Bulkhead,
+    f: F,
+    on_drop: Option<OnDrop<St::Item>>,
+}
+
+impl<St: Stream, F> BulkheadMapUnorderedBuilder<St, F> {
+    /// Call `hook` with the item the stream holds waiting for a permit when it lets go of it
+    /// ([`Dropped::Discarded`]): when the bulkhead is closed, and when the stream is dropped.
+    /// It runs in the task that polls or drops the stream.
+    pub fn on_drop(mut self, hook: impl Fn(St::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// None today: every setting is valid by its type. `Result` like every builder, so a
+    /// setting that needs checking can be added without breaking callers.
+    pub fn build<Fut>(self) -> Result<BulkheadMapUnordered<St, F, Fut>, ConfigError>
+    where
+        F: FnMut(St::Item) -> Fut,
+        Fut: Future,
+    {
+        Ok(BulkheadMapUnordered::new(
+            self.stream,
+            &self.bulkhead,
+            self.f,
+            self.on_drop,
+        ))
+    }
+}
+
+impl<St: Stream + fmt::Debug, F> fmt::Debug for BulkheadMapUnorderedBuilder<St, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BulkheadMapUnorderedBuilder")
+            .field("stream", &self.stream)
+            .field("bulkhead", &self.bulkhead)
+            .field("on_drop", &self.on_drop.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -26,6 +26,16 @@
 //! the consumer. Use the in-poll adapters for cheap consumers, non-`Send` futures, or when
 //! spawning is not wanted.
 //!
+//! **Shutdown.** Each adapter pulls one item ahead and holds it while it waits for a permit.
+//! If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
+//! ends; the item it held is discarded (the bulkhead counts the refused wait as a `closed`
+//! refusal in `flowgate_bulkhead_rejected_total`). Dropped, the adapter discards the item it
+//! holds, drops the futures in flight (aborts the tasks of `bulkhead_spawn_map`) and returns
+//! their permits. A discarded item goes to the adapter's `on_drop` hook, as
+//! [`Dropped::Discarded`](crate::Dropped::Discarded), if it was built with one
+//! ([`BulkheadMap::builder`], [`BulkheadMapUnordered::builder`],
+//! [`BulkheadSpawnMap::builder`]).
+//!
 //! **Memory.** Every adapter keeps at most the bulkhead's `max_in_flight` outputs: `bulkhead_map`
 //! counts the futures in flight and the outputs waiting for their turn, `bulkhead_spawn_map`
 //! the tasks running and the finished outputs the consumer has not taken yet (a slow
@@ -53,6 +63,6 @@ pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
 pub use adaptive::AdaptiveStats;
 pub use error::{AcquireError, Priority};
 pub use handle::{Bulkhead, BulkheadBuilder};
-pub use map::BulkheadMap;
-pub use map_unordered::BulkheadMapUnordered;
-pub use spawn_map::BulkheadSpawnMap;
+pub use map::{BulkheadMap, BulkheadMapBuilder};
+pub use map_unordered::{BulkheadMapUnordered, BulkheadMapUnorderedBuilder};
+pub use spawn_map::{BulkheadSpawnMap, BulkheadSpawnMapBuilder};

@@ -13,6 +13,8 @@ use tokio::task::JoinHandle;
 use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
+use crate::dropped::{Dropped, OnDrop};
+use crate::error::ConfigError;
 
 /// A task handle that aborts the task when dropped.
 #[derive(Debug)]
@@ -39,7 +41,10 @@ impl<T> Drop for AbortOnDrop<T> {
 /// returns its permit even while the consumer of this stream is busy elsewhere. Outputs come
 /// in completion order. A panic in a mapped future is resumed in the consumer's poll (its
 /// permit was already returned when the task unwound). Dropping the stream aborts the tasks
-/// still running; their permits are returned as they stop.
+/// still running; their permits are returned as they stop. The item it holds waiting for a
+/// permit when the bulkhead closes, or when the stream is dropped, is discarded: to the
+/// [`on_drop`](BulkheadSpawnMapBuilder::on_drop) hook, if one is set, as
+/// [`Dropped::Discarded`].
 ///
 /// # Memory bound
 ///
@@ -74,9 +79,25 @@ where
     Fut: Future + Send + 'static,
     Fut::Output: Send + 'static,
 {
-    pub(crate) fn new(stream: St, bulkhead: &Bulkhead, f: F) -> Self {
+    /// A builder for the stream of [`bulkhead_spawn_map`](crate::FlowStreamExt::bulkhead_spawn_map), to give
+    /// it an [`on_drop`](BulkheadSpawnMapBuilder::on_drop) hook.
+    pub fn builder(stream: St, bulkhead: Bulkhead, f: F) -> BulkheadSpawnMapBuilder<St, F> {
+        BulkheadSpawnMapBuilder {
+            stream,
+            bulkhead,
+            f,
+            on_drop: None,
+        }
+    }
+
+    pub(crate) fn new(
+        stream: St,
+        bulkhead: &Bulkhead,
+        f: F,
+        on_drop: Option<OnDrop<St::Item>>,
+    ) -> Self {
         BulkheadSpawnMap {
-            feed: Feed::new(stream, bulkhead),
+            feed: Feed::new(stream, bulkhead, on_drop),
             f,
             running: FuturesUnordered::new(),
         }
@@ -97,7 +118,8 @@ where
         self.project().feed.get_pin_mut()
     }
 
-    /// The inner stream; tasks still running are aborted.
+    /// The inner stream; tasks still running are aborted. The stream is `!Unpin` (its wait
+    /// is pinned), so only one never polled can be taken apart: it holds no item yet.
     pub fn into_inner(self) -> St {
         self.feed.into_inner()
     }
@@ -169,6 +191,55 @@ where
         f.debug_struct("BulkheadSpawnMap")
             .field("stream", self.feed.inner())
             .field("running", &self.running.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`BulkheadSpawnMap`]; from [`BulkheadSpawnMap::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct BulkheadSpawnMapBuilder<St: Stream, F> {
+    stream: St,
+    bulkhead: Bulkhead,
+    f: F,
+    on_drop: Option<OnDrop<St::Item>>,
+}
+
+impl<St: Stream, F> BulkheadSpawnMapBuilder<St, F> {
+    /// Call `hook` with the item the stream holds waiting for a permit when it lets go of it
+    /// ([`Dropped::Discarded`]): when the bulkhead is closed, and when the stream is dropped.
+    /// It runs in the task that polls or drops the stream.
+    pub fn on_drop(mut self, hook: impl Fn(St::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// None today: every setting is valid by its type. `Result` like every builder, so a
+    /// setting that needs checking can be added without breaking callers.
+    pub fn build<Fut>(self) -> Result<BulkheadSpawnMap<St, F, Fut>, ConfigError>
+    where
+        F: FnMut(St::Item) -> Fut,
+        Fut: Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        Ok(BulkheadSpawnMap::new(
+            self.stream,
+            &self.bulkhead,
+            self.f,
+            self.on_drop,
+        ))
+    }
+}
+
+impl<St: Stream + fmt::Debug, F> fmt::Debug for BulkheadSpawnMapBuilder<St, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BulkheadSpawnMapBuilder")
+            .field("stream", &self.stream)
+            .field("bulkhead", &self.bulkhead)
+            .field("on_drop", &self.on_drop.is_some())
             .finish_non_exhaustive()
     }
 }

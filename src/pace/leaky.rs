@@ -8,8 +8,12 @@ use futures::Stream;
 use futures::stream::FusedStream;
 use pin_project::pin_project;
 
+use crate::dropped::{Dropped, OnDrop};
+use crate::error::ConfigError;
+use crate::metrics::{Counter, Labels};
 use crate::pace::Pacer;
 use crate::pace::paced::Paced;
+use crate::pace::pacer::names;
 
 /// The cost function of [`leaky`](crate::FlowStreamExt::leaky) and
 /// [`leaky_with`](crate::FlowStreamExt::leaky_with): every item costs 1.
@@ -30,18 +34,84 @@ pub(crate) fn unit_cost<T>(_: &T) -> u32 {
 /// successive chunks of at most the burst, so the rate holds in cost units; an item of cost
 /// 0 passes at once.
 ///
+/// The item waiting for the pacer when the stream is dropped or taken apart with
+/// [`into_inner`](Leaky::into_inner) is discarded: it goes to the
+/// [`on_drop`](LeakyBuilder::on_drop) hook, if one is set, as [`Dropped::Discarded`], and is
+/// counted as `flowgate_pace_dropped_total{policy="closed"}` under the pacer's name, as the
+/// items left in a [`leaky_queue`](crate::FlowStreamExt::leaky_queue) are.
+///
+/// Made by [`leaky`](crate::FlowStreamExt::leaky), [`leaky_with`](crate::FlowStreamExt::leaky_with)
+/// and [`leaky_cost`](crate::FlowStreamExt::leaky_cost), or by [`Leaky::builder`] to give
+/// it a hook.
+///
 /// # Panics
 ///
 /// An item that has to wait sleeps on a tokio timer: polled outside a tokio runtime with
 /// timers enabled, the stream panics unless the pacer admits each item at once.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use flowgate::pace::{Leaky, Pacer};
+/// use flowgate::{Dropped, Rate};
+/// use futures::StreamExt;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pacer = Pacer::builder(Rate::per_second(10)?).burst(1).build()?;
+/// let lost = Arc::new(Mutex::new(Vec::new()));
+/// let log = lost.clone();
+/// let mut paced = Leaky::builder(futures::stream::iter(0..10u32), pacer)
+///     .on_drop(move |item: u32, why: &Dropped| log.lock().unwrap().push((item, why.as_str())))
+///     .build()?;
+/// assert_eq!(paced.next().await, Some(0));
+/// assert_eq!(futures::poll!(paced.next()), std::task::Poll::Pending); // 1 waits its turn
+/// drop(paced);
+/// assert_eq!(*lost.lock().unwrap(), [(1, "discarded")]);
+/// # Ok(())
+/// # }
+/// ```
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Leaky<S: Stream, C> {
     #[pin]
     stream: S,
     cost: C,
-    item: Option<S::Item>,
+    held: Held<S::Item>,
     paced: Paced,
+}
+
+/// The item waiting for the pacer. Dropped itself (the stream dropped or taken apart), it
+/// discards that item: to the hook as [`Dropped::Discarded`], counted as `closed`.
+struct Held<T> {
+    item: Option<T>,
+    on_drop: Option<OnDrop<T>>,
+    closed: Counter,
+}
+
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.closed.increment(1);
+            if let Some(hook) = &self.on_drop {
+                hook.call(item, &Dropped::Discarded);
+            }
+        }
+    }
+}
+
+impl<S: Stream> Leaky<S, UnitCost<S::Item>> {
+    /// A builder for a stream releasing the items of `stream` through `pacer`; each item
+    /// costs 1 unless [`cost`](LeakyBuilder::cost) says otherwise, and no hook is set.
+    pub fn builder(stream: S, pacer: Pacer) -> LeakyBuilder<S, UnitCost<S::Item>> {
+        LeakyBuilder {
+            stream,
+            pacer,
+            cost: unit_cost::<S::Item>,
+            on_drop: None,
+        }
+    }
 }
 
 impl<S, C> Leaky<S, C>
@@ -50,10 +120,19 @@ where
     C: FnMut(&S::Item) -> u32,
 {
     pub(crate) fn new(stream: S, pacer: Pacer, cost: C) -> Self {
+        Leaky::with_hook(stream, pacer, cost, None)
+    }
+
+    fn with_hook(stream: S, pacer: Pacer, cost: C, on_drop: Option<OnDrop<S::Item>>) -> Self {
+        let closed = Labels::new(pacer.name()).counter(names::DROPPED, &[("policy", CLOSED)]);
         Leaky {
             stream,
             cost,
-            item: None,
+            held: Held {
+                item: None,
+                on_drop,
+                closed,
+            },
             paced: Paced::new(pacer),
         }
     }
@@ -78,7 +157,8 @@ where
         self.project().stream
     }
 
-    /// The inner stream; an item waiting for the pacer is dropped.
+    /// The inner stream; an item waiting for the pacer is discarded (passed to `on_drop`
+    /// first, as [`Dropped::Discarded`], and counted as `closed`).
     pub fn into_inner(self) -> S {
         self.stream
     }
@@ -93,20 +173,21 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let this = self.project();
-        if this.item.is_none() {
+        let held = &mut this.held.item;
+        if held.is_none() {
             match ready!(this.stream.poll_next(cx)) {
-                Some(item) => *this.item = Some(item),
+                Some(item) => *held = Some(item),
                 None => return Poll::Ready(None),
             }
         }
-        let cost = (this.cost)(this.item.as_ref().expect("an item is held"));
+        let cost = (this.cost)(held.as_ref().expect("an item is held"));
         ready!(this.paced.poll_admit(cost, cx));
-        Poll::Ready(this.item.take())
+        Poll::Ready(held.take())
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         // Pacing delays items but never drops or adds any: the inner bounds plus the held one.
-        let held = usize::from(self.item.is_some());
+        let held = usize::from(self.held.item.is_some());
         let (lo, hi) = self.stream.size_hint();
         (
             lo.saturating_add(held),
@@ -121,7 +202,7 @@ where
     C: FnMut(&S::Item) -> u32,
 {
     fn is_terminated(&self) -> bool {
-        self.item.is_none() && self.stream.is_terminated()
+        self.held.item.is_none() && self.stream.is_terminated()
     }
 }
 
@@ -133,8 +214,73 @@ where
         f.debug_struct("Leaky")
             .field("stream", &self.stream)
             .field("pacer", self.paced.pacer())
-            .field("holding", &self.item.is_some())
+            .field("holding", &self.held.item.is_some())
             .field("waiting", &self.paced.is_waiting())
             .finish()
+    }
+}
+
+/// The `policy` label of an item discarded when its holder goes away (as a `leaky_queue`'s).
+const CLOSED: &str = "closed";
+
+/// Builds a [`Leaky`] stream; from [`Leaky::builder`].
+#[must_use = "a builder does nothing until it is built"]
+pub struct LeakyBuilder<S: Stream, C> {
+    stream: S,
+    pacer: Pacer,
+    cost: C,
+    on_drop: Option<OnDrop<S::Item>>,
+}
+
+impl<S: Stream, C> LeakyBuilder<S, C> {
+    /// Each item costs `cost(&item)` units (default 1), as in
+    /// [`leaky_cost`](crate::FlowStreamExt::leaky_cost): an item above the pacer's burst
+    /// pays in chunks, an item of cost 0 passes at once.
+    pub fn cost<C2>(self, cost: C2) -> LeakyBuilder<S, C2>
+    where
+        C2: FnMut(&S::Item) -> u32,
+    {
+        LeakyBuilder {
+            stream: self.stream,
+            pacer: self.pacer,
+            cost,
+            on_drop: self.on_drop,
+        }
+    }
+
+    /// Call `hook` with the item waiting for the pacer when the stream is dropped or taken
+    /// apart with `into_inner` ([`Dropped::Discarded`]). It runs in the task that drops the
+    /// stream.
+    pub fn on_drop(mut self, hook: impl Fn(S::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
+        self
+    }
+
+    /// Build the stream.
+    ///
+    /// # Errors
+    ///
+    /// None today: every setting is valid by its type. `Result` like every builder, so a
+    /// setting that needs checking can be added without breaking callers.
+    pub fn build(self) -> Result<Leaky<S, C>, ConfigError>
+    where
+        C: FnMut(&S::Item) -> u32,
+    {
+        Ok(Leaky::with_hook(
+            self.stream,
+            self.pacer,
+            self.cost,
+            self.on_drop,
+        ))
+    }
+}
+
+impl<S: Stream + fmt::Debug, C> fmt::Debug for LeakyBuilder<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeakyBuilder")
+            .field("stream", &self.stream)
+            .field("pacer", &self.pacer)
+            .field("on_drop", &self.on_drop.is_some())
+            .finish_non_exhaustive()
     }
 }

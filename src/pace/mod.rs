@@ -9,7 +9,7 @@
 //! |---|---|
 //! | `stream.leaky(rate)` | releases items at `rate` (a private pacer); slows the upstream down |
 //! | `stream.leaky_with(pacer)` | the same through a shared pacer (fair, FIFO across streams) |
-//! | `stream.leaky_cost(pacer, \|item\| cost)` | items of different weights |
+//! | `stream.leaky_cost(pacer, \|item\| cost)` | items of different weights ([`Leaky::builder`] adds a cost and an `on_drop` hook to any of these three) |
 //! | `stream.leaky_queue(pacer, capacity, overflow)` | drains upstream into a bounded queue, releases at the rate, applies the overflow policy when full ([`LeakyQueue::builder`] adds a name and an `on_drop` hook) |
 //! | `sink.leaky_sink(rate)` | outbound calls at `rate` |
 //! | `sink.leaky_sink_with(pacer)` | the same through a shared pacer |
@@ -40,6 +40,8 @@
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
 //! queue goes away) under its own [`name`](LeakyQueueBuilder::name), by default its pacer's.
+//! A `leaky` stream dropped or taken apart with an item waiting for the pacer counts that
+//! item as `flowgate_pace_dropped_total{policy="closed"}` under its pacer's name.
 //! An [`AdaptivePacer`] adds `flowgate_pace_adaptive_rate` (gauge, per second),
 //! `flowgate_pace_adaptive_pauses_total` and `flowgate_pace_adaptive_cuts_total`.
 
@@ -53,7 +55,7 @@ mod until_ready;
 
 pub use adaptive::{AdaptivePacer, AdaptivePacerBuilder, AdaptiveStatus, Phase};
 pub(crate) use leaky::unit_cost;
-pub use leaky::{Leaky, UnitCost};
+pub use leaky::{Leaky, LeakyBuilder, UnitCost};
 pub use leaky_queue::{LeakyQueue, LeakyQueueBuilder};
 pub use leaky_sink::LeakySink;
 pub use pacer::{Pacer, PacerBuilder};

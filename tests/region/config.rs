@@ -115,6 +115,28 @@ async fn bad_settings_are_typed_errors() {
         .home_timeout(Duration::from_millis(500))
         .build());
     assert_eq!(e.field(), "region.home_timeout");
+    // The protocol counts in whole microseconds: a refresh under one would be a zero
+    // retry_after for a region without a share (a caller told to come back at once), and a
+    // home timeout under one can never be met.
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .refresh_every(Duration::from_nanos(500))
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.refresh", ConfigErrorKind::Zero)
+    );
+    let e = err(builder(&server)
+        .await
+        .region(("us", 1))
+        .refresh_every(Duration::from_millis(500))
+        .home_timeout(Duration::from_nanos(999))
+        .build());
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("region.home_timeout", ConfigErrorKind::Zero)
+    );
     // Without an explicit home timeout, it follows a short refresh interval.
     builder(&server)
         .await

@@ -330,10 +330,10 @@ where
     /// weights), `region.safe_share` (the safe shares add up to more than the capacity),
     /// `region.quota` (a period that is not whole microseconds, more than 2^25 units per
     /// period, or numbers too large for exact arithmetic in Redis), `region.lease`,
-    /// `region.refresh` (zero, or 3 × refresh + 2 × home timeout + a margin of 1 % of the
-    /// lease, at least 5 ms, not shorter than the lease), `region.home_timeout`
-    /// and `region.local_timeout` (zero, or a home timeout not shorter than the refresh
-    /// interval), `region.smoothing` (outside (0, 1]).
+    /// `region.refresh` (under a microsecond, the protocol's unit, or 3 × refresh + 2 ×
+    /// home timeout + a margin of 1 % of the lease, at least 5 ms, not shorter than the
+    /// lease), `region.home_timeout` (under a microsecond, or not shorter than the refresh
+    /// interval), `region.local_timeout` (zero), `region.smoothing` (outside (0, 1]).
     pub fn build(self) -> Result<QuotaAllocator<C>, ConfigError> {
         let field = |f| move |kind, why: &str| ConfigError::new(f, kind, why.to_string());
         let regions_err = field("region.regions");
@@ -430,16 +430,26 @@ where
         if self.ttl.is_zero() {
             return Err(ConfigError::zero("region.lease"));
         }
+        // The protocol counts in whole microseconds: below one, a duration is zero to it (a
+        // refresh is the retry_after of a region without a share).
+        let under_a_micro = |d: Duration| d < Duration::from_micros(1);
         let refresh = self.refresh.unwrap_or(self.ttl / 5);
-        if refresh.is_zero() {
-            return Err(ConfigError::zero("region.refresh"));
+        let micro_err = |field| {
+            ConfigError::new(
+                field,
+                ConfigErrorKind::Zero,
+                "must be at least 1 µs (the protocol counts whole microseconds)",
+            )
+        };
+        if under_a_micro(refresh) {
+            return Err(micro_err("region.refresh"));
         }
 
         let home_timeout = self
             .home_timeout
             .unwrap_or_else(|| Duration::from_secs(1).min(refresh * 3 / 4));
-        if home_timeout.is_zero() {
-            return Err(ConfigError::zero("region.home_timeout"));
+        if under_a_micro(home_timeout) {
+            return Err(micro_err("region.home_timeout"));
         }
         let margin = (self.ttl / 100).max(Duration::from_millis(5));
         // The lock (2 refreshes + the home timeout), then the next process's tick (one

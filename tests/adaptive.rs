@@ -696,3 +696,69 @@ fn probe_with_the_largest_probe_interval_tries_lower_after_a_cut() {
     }
     assert_eq!(probe.limit(), 8, "one step below the held 9");
 }
+
+/// A call answered from a cache, under a coarse clock or in paused time can take zero
+/// time. Zero is no measurement of Probe's minimum (`min` in its docs): taken as one, every
+/// window counted as "far above the minimum" and closed once it had `max(4, L/4)` calls,
+/// before the noise rule's count. Here calls of 8 and 12 ms in turn at a held 16: each
+/// window needs about 115 to 152 calls (821 calls to the first trial, after 8 windows);
+/// with one zero-RTT call among them, the trial came after 31.
+#[test]
+fn a_zero_rtt_call_does_not_shorten_probes_windows() {
+    let mut probe = Probe::builder()
+        .initial(16)
+        .max_limit(16) // holding from the start: no slow start
+        .build()
+        .unwrap();
+    let mut now = Duration::ZERO;
+    let mut calls = 0;
+    while probe.limit() == 16 && calls < 2_000 {
+        // Each call starts after the last one ended: every call is in the open window.
+        now += 12 * MS;
+        if calls == 8 {
+            probe.update(&Sample {
+                rtt: Duration::ZERO,
+                in_flight: 16,
+                outcome: Outcome::Ok,
+                now,
+            });
+        }
+        let rtt = if calls % 2 == 0 { 8 * MS } else { 12 * MS };
+        probe.update(&Sample {
+            rtt,
+            in_flight: 16,
+            outcome: Outcome::Ok,
+            now,
+        });
+        calls += 1;
+    }
+    assert!(calls > 600, "the trial came after {calls} calls");
+    assert_eq!(probe.limit(), 15, "the first trial goes one step lower");
+    assert_eq!(probe.rtt_estimates().min, Some(8 * MS));
+}
+
+/// The `max_rtt_ratio × min` guard still holds after a zero-RTT call: a window at 3 × the
+/// 10 ms minimum cuts the held 16 by `backoff_ratio` (to 14), as its docs say. With the
+/// zero taken as the minimum the guard was off for one to two `probe_window`s, and the
+/// window only counted as queueing (a trial one step lower, 15).
+#[test]
+fn probes_latency_guard_holds_after_a_zero_rtt_call() {
+    let mut probe = Probe::builder().initial(16).max_limit(16).build().unwrap();
+    let at = |rtt: Duration, ms: u64| Sample {
+        rtt,
+        in_flight: 16,
+        outcome: Outcome::Ok,
+        now: Duration::from_millis(ms),
+    };
+    // One window: three calls of 10 ms and one answered at once.
+    for _ in 0..3 {
+        probe.update(&at(10 * MS, 20));
+    }
+    probe.update(&at(Duration::ZERO, 20));
+    // The next window: four calls of 30 ms, started after it opened.
+    for _ in 0..4 {
+        probe.update(&at(30 * MS, 60));
+    }
+    assert_eq!(probe.limit(), 14, "16 × 0.9, rounded down");
+    assert_eq!(probe.rtt_estimates().min, Some(10 * MS));
+}

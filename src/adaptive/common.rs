@@ -194,7 +194,9 @@ impl Ewma {
 /// The minimum round-trip time over a sliding window of time: the minimum of the current
 /// and the previous interval of `window`. A minimum older than two windows ages out, so
 /// a downstream that got slower for good is learnt again without lowering the limit to
-/// measure it (nothing is pinned).
+/// measure it (nothing is pinned). A zero round trip (a cached answer, a call shorter than
+/// the clock's resolution, paused time) measures nothing and is not taken: a zero minimum
+/// would make every positive round trip look infinitely far above it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WindowMin {
     window: Duration,
@@ -214,6 +216,9 @@ impl WindowMin {
     }
 
     pub(crate) fn update(&mut self, rtt: Duration, now: Duration) {
+        if rtt.is_zero() {
+            return;
+        }
         let started = *self.started.get_or_insert(now);
         let elapsed = now.saturating_sub(started);
         if elapsed >= self.window {

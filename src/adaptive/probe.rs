@@ -20,7 +20,11 @@ use crate::error::ConfigError;
 /// are noisy: enough for its mean to tell a trial's outcome within about ±0.3 of
 /// efficiency (below; at most `16 × L` calls); a window far above the minimum (severe,
 /// below) closes as soon as it has `max(4, L/4)`. `R` is a window's mean round-trip time
-/// and `min` the lowest round-trip time of the last one to two `probe_window`s.
+/// and `min` the lowest round-trip time of the last one to two `probe_window`s. A call
+/// that took zero time (answered from a cache, shorter than the clock's resolution, paused
+/// time) counts in its window's mean but is never the minimum: against a zero minimum every
+/// window would be far above it. Until a call takes longer than zero there is no minimum,
+/// and the `max_rtt_ratio × min` guard (below) waits for one.
 ///
 /// **Efficiency** compares two levels `lo < hi` with mean round trips `R_lo`, `R_hi`: the
 /// share of their proportional throughput the calls between them bring (throughput being
@@ -231,7 +235,7 @@ impl Probe {
         let severe = self
             .min
             .get()
-            .is_some_and(|m| !m.is_zero() && r > self.max_rtt_ratio * secs(m));
+            .is_some_and(|m| r > self.max_rtt_ratio * secs(m));
         // The window's calls reached the limit: the limit, not the caller, bounded them.
         let reached = f64::from(w.most_in_flight) >= self.limit;
         match self.phase {

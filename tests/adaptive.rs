@@ -762,3 +762,47 @@ fn probes_latency_guard_holds_after_a_zero_rtt_call() {
     assert_eq!(probe.limit(), 14, "16 × 0.9, rounded down");
     assert_eq!(probe.rtt_estimates().min, Some(10 * MS));
 }
+
+/// Vegas' probe forgets the no-load time and measures it again from the next call; that
+/// call is compared with nothing (its queue estimate against itself is 0 by construction)
+/// and must not move the limit, or every probe adds `beta × f(L)`. Here a limit of 100
+/// held by calls of 11 ms over a no-load time of 10 ms (a queue estimate of 10, within
+/// `[alpha, beta] × f(L)` = [6, 12]), and the calls that measure the no-load time (the
+/// first, and the first after each probe, every `probe_multiplier × L` = 100 calls) take
+/// 10 ms: the limit stays 100 through 10 probes. It was 112 after the first call, 124,
+/// 136 and 143 after the first probes, and from then on each probe pushed it about 13
+/// above the level where the queue estimate passes `beta × f(L)` and the limit shrinks.
+#[test]
+fn vegas_probes_do_not_move_its_limit() {
+    let mut vegas = Vegas::builder()
+        .initial(100)
+        .probe_multiplier(1)
+        .build()
+        .unwrap();
+    let mut now = Duration::ZERO;
+    let mut since_probe = 0;
+    let mut call = |vegas: &mut Vegas, rtt: Duration| {
+        now += MS;
+        vegas.update(&Sample {
+            rtt,
+            in_flight: 100,
+            outcome: Outcome::Ok,
+            now,
+        })
+    };
+    let first = call(&mut vegas, 10 * MS);
+    since_probe += 1;
+    let mut after_probes = Vec::new();
+    while after_probes.len() < 10 {
+        // The documented schedule: a probe every `probe_multiplier × L` calls.
+        since_probe += 1;
+        let probe = since_probe >= vegas.limit();
+        let limit = call(&mut vegas, if probe { 10 * MS } else { 11 * MS });
+        if probe {
+            since_probe = 0;
+            after_probes.push(limit);
+        }
+    }
+    assert_eq!(after_probes, [100; 10], "the limit after each probe");
+    assert_eq!(first, 100, "the first call");
+}

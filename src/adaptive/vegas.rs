@@ -24,14 +24,21 @@ use crate::error::{ConfigError, ConfigErrorKind};
 /// `smoothing` 1. [`Outcome::BackPressure`] lowers the limit by `f(L)`, once per congestion
 /// epoch. An `Ok` sample of a call that saw less than half the limit in flight (an
 /// app-limited caller) changes the limit neither way: only its round-trip time counts,
-/// towards the no-load time.
+/// towards the no-load time. So does the first `Ok` sample, and the first after each probe
+/// (below): with no no-load time yet, its own round-trip time becomes it, and its queue
+/// estimate against itself would be 0 whatever the queue. An `Ok` sample of zero
+/// round-trip time (a cached answer, a coarse or paused clock) measures nothing and is
+/// ignored.
 ///
 /// **Probing.** Every `probe_multiplier × L` samples (default 30 × L) the no-load time is
 /// forgotten and measured again from the next sample, so a downstream that became slower for
-/// good is learnt; the limit is not lowered to measure it. Between probes a slower
-/// downstream looks like a queue and the limit shrinks: Vegas is the most cautious of the
-/// algorithms, and it settles below the knee when latency grows steadily with load (a
-/// shallow knee).
+/// good is learnt; the limit is neither lowered to measure it nor moved by the sample that
+/// measures it (as in Netflix's `VegasLimit`), so a probe leaves the limit where it is. The
+/// next samples are compared with that one's round-trip time: a probe that lands on a call
+/// slowed by a queue takes its time for the no-load time, and the limit grows until a
+/// faster call brings the no-load time down again. Between probes a slower downstream
+/// looks like a queue and the limit shrinks: Vegas is the most cautious of the algorithms,
+/// and it settles below the knee when latency grows steadily with load (a shallow knee).
 ///
 /// # Examples
 ///
@@ -41,8 +48,9 @@ use crate::error::{ConfigError, ConfigErrorKind};
 ///
 /// let mut vegas = Vegas::builder().initial(10).build()?;
 /// let at = |ms, now| Sample { rtt: Duration::from_millis(ms), in_flight: 10, outcome: Outcome::Ok, now: Duration::from_secs(now) };
-/// assert_eq!(vegas.update(&at(10, 1)), 16); // no queue: + 6 × log10(10)
-/// assert!(vegas.update(&at(40, 2)) < 16); // queue = 16 × 3/4 = 12 > 6 × log10(16)
+/// assert_eq!(vegas.update(&at(10, 1)), 10); // the no-load time: 10 ms
+/// assert_eq!(vegas.update(&at(10, 2)), 16); // no queue: + 6 × log10(10)
+/// assert!(vegas.update(&at(40, 3)) < 16); // queue = 16 × 3/4 = 12 > 6 × log10(16)
 /// # Ok::<(), flowgate::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -97,9 +105,13 @@ impl AdaptiveLimit for Vegas {
                     self.samples = 0;
                     self.no_load = None;
                 }
-                let min = *self
-                    .no_load
-                    .insert(self.no_load.map_or(sample.rtt, |m| m.min(sample.rtt)));
+                let Some(no_load) = self.no_load else {
+                    // The first call of a no-load time only measures it: its queue
+                    // estimate, against itself, would be 0 whatever the queue.
+                    self.no_load = Some(sample.rtt);
+                    return self.limit();
+                };
+                let min = *self.no_load.insert(no_load.min(sample.rtt));
                 if f64::from(sample.in_flight) * 2.0 < l {
                     return self.limit();
                 }

@@ -806,3 +806,37 @@ fn vegas_probes_do_not_move_its_limit() {
     assert_eq!(after_probes, [100; 10], "the limit after each probe");
     assert_eq!(first, 100, "the first call");
 }
+
+/// Calls refused at once (zero round trip, as in paused time or under a clock coarser than
+/// the refusal) that were all in flight together cut the limit once, as the congestion
+/// epoch promises: five permits granted at one instant and answered back-pressure at that
+/// instant lower each algorithm from 20 to 18 and no further. A call that started at the
+/// very instant of the cut counted as started after it, so each of the five cut again
+/// (Aimd, Gradient2 and Probe went to 10, Vegas to 13).
+#[tokio::test(start_paused = true)]
+async fn calls_refused_at_once_cut_the_limit_once() {
+    let built = [
+        Bulkhead::builder(1000).adaptive(Aimd::builder().build().unwrap()),
+        Bulkhead::builder(1000).adaptive(Vegas::builder().build().unwrap()),
+        Bulkhead::builder(1000).adaptive(Gradient2::builder().build().unwrap()),
+        Bulkhead::builder(1000).adaptive(Probe::builder().initial(20).build().unwrap()),
+    ];
+    let mut after = Vec::new();
+    for builder in built {
+        let b = builder.build().unwrap();
+        let algorithm = b.adaptive_stats().unwrap().algorithm;
+        tokio::time::sleep(10 * MS).await;
+        let permits: Vec<_> = (0..5).map(|_| b.try_acquire().unwrap()).collect();
+        for p in permits {
+            p.record(Outcome::BackPressure);
+        }
+        after.push((algorithm, b.max_in_flight()));
+    }
+    let once = [
+        ("aimd", 18),
+        ("vegas", 18),
+        ("gradient2", 18),
+        ("probe", 18),
+    ];
+    assert_eq!(after, once, "one cut from 20 each");
+}

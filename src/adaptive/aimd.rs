@@ -20,7 +20,8 @@ use crate::error::ConfigError;
 /// - **Decrease**: ×`backoff_ratio` (default 0.9, rounded down, at least `min_limit`) on
 ///   [`Outcome::BackPressure`] or an `Ok` sample slower than `timeout` (default 5 s). Once per
 ///   congestion epoch: the calls that were already in flight when the limit was cut do not
-///   cut it again.
+///   cut it again (a call that started at the cut's very instant counts as in flight, so
+///   calls refused at once, in zero time, cut once together).
 /// - [`Outcome::Ignored`] changes nothing.
 ///
 /// # Examples

@@ -258,11 +258,13 @@ pub(crate) struct Epoch {
 
 impl Epoch {
     /// Whether a call that took `rtt` and ended at `now` started after the last cut (and so
-    /// may cut again); if so, the cut is recorded at `now`.
+    /// may cut again); if so, the cut is recorded at `now`. A call that started at the
+    /// cut's very instant was in flight then (calls refused at once, with a zero round
+    /// trip, all end at the instant they started): it does not cut again.
     pub(crate) fn cut(&mut self, rtt: Duration, now: Duration) -> bool {
         let started = now.saturating_sub(rtt);
         match self.last_cut {
-            Some(at) if started < at => false,
+            Some(at) if started <= at => false,
             _ => {
                 self.last_cut = Some(now);
                 true

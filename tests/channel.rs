@@ -503,6 +503,52 @@ fn a_panicking_hook_leaves_the_channel_usable() {
     assert_eq!((stats.sent, stats.received, stats.dropped), (4, 2, 2));
 }
 
+/// The last receiver dropped with items buffered passes each to the hook; a hook that panics
+/// on the first must not make the rest uncounted: `stats().dropped` and the `closed` drop
+/// metric both count every buffered item (the hook's panic reaches the code that dropped
+/// the receiver, and the items after it are dropped without the hook), and a sender waiting
+/// for a slot is still woken with `Closed`.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_hook_panicking_on_the_receivers_drop_leaves_every_item_counted() {
+    let recorder = support::TestRecorder::default();
+    let calls = Arc::new(AtomicU64::new(0));
+    let seen = calls.clone();
+    let (tx, rx) = metrics::with_local_recorder(&recorder, || {
+        channel::builder::<u32>(3)
+            .name("panicky")
+            .on_drop(move |x, why: &Dropped| {
+                assert_eq!(why.as_str(), "discarded");
+                if seen.fetch_add(1, Ordering::Relaxed) == 0 {
+                    panic!("hook panics on {x}");
+                }
+            })
+            .build()
+            .unwrap()
+    });
+    for i in 0..3 {
+        assert_eq!(tx.try_send(i), Ok(Sent::Queued));
+    }
+    let mut waiting = pin!(tx.send(3));
+    assert!(poll!(waiting.as_mut()).is_pending(), "the channel is full");
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(rx)));
+    assert!(unwound.is_err(), "the hook's panic reached the caller");
+    assert_eq!(calls.load(Ordering::Relaxed), 1, "the hook saw the first item");
+    assert_eq!(waiting.await, Err(SendError::Closed(3)));
+    let stats = tx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (3, 0, 3));
+    assert_eq!(
+        recorder.counter("flowgate_channel_dropped_total{name=panicky,policy=closed}"),
+        3,
+        "every discarded item is counted, not only those the hook saw"
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_channel_depth{name=panicky}"),
+        Some(0.0)
+    );
+    assert_eq!(tx.try_send(4), Err(SendError::Closed(4)));
+}
+
 #[tokio::test]
 async fn receiver_close_takes_a_shared_reference() {
     let (tx, rx) = channel::bounded::<u32>(4).unwrap();

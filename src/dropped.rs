@@ -67,6 +67,15 @@ impl fmt::Display for Dropped {
 /// Shared components call it from whichever task dropped the item, never under a lock.
 /// Build it from a closure with `OnDrop::new`, or pass the closure to a builder's `on_drop`.
 ///
+/// # Panics
+///
+/// A hook that panics panics the operation that dropped the item (a send, a poll, the drop
+/// of a receiver or a stream), as an item's panicking `Drop` would; nothing catches it. The
+/// item is counted before the hook is called, and the component stays consistent and
+/// usable. Where several items are dropped at once (the last receiver of a channel, a
+/// `leaky_queue` dropped with items queued), all of them are counted first; the items after
+/// the one whose hook panicked are dropped without the hook.
+///
 /// # Examples
 ///
 /// ```

@@ -641,7 +641,9 @@ impl<T> Shared<T> {
     }
 
     /// Every receiver is gone: drop what is queued through `on_drop` (`Discarded`), after
-    /// releasing the lock.
+    /// releasing the lock. Every item is counted (in `stats` and the metric) before the
+    /// hook sees the first: a hook that panics leaves none uncounted (the items after it
+    /// are dropped as the panic unwinds, without the hook).
     fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>) {
         let mut left: Vec<T> = st.stash.drain(..).collect();
         while let Some(item) = self.ring.pop(&mut st.popper) {
@@ -651,8 +653,11 @@ impl<T> Shared<T> {
         self.depth_extra.store(0, Ordering::Relaxed);
         self.set_depth();
         drop(st);
-        for item in left {
-            self.dropped(item, Dropped::Discarded, &self.metrics.dropped_closed);
+        self.metrics.dropped_closed.increment(left.len() as u64);
+        if let Some(hook) = &self.on_drop {
+            for item in left {
+                hook.call(item, &Dropped::Discarded);
+            }
         }
     }
 

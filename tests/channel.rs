@@ -533,7 +533,11 @@ async fn a_hook_panicking_on_the_receivers_drop_leaves_every_item_counted() {
     assert!(poll!(waiting.as_mut()).is_pending(), "the channel is full");
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(rx)));
     assert!(unwound.is_err(), "the hook's panic reached the caller");
-    assert_eq!(calls.load(Ordering::Relaxed), 1, "the hook saw the first item");
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        1,
+        "the hook saw the first item"
+    );
     assert_eq!(waiting.await, Err(SendError::Closed(3)));
     let stats = tx.stats();
     assert_eq!((stats.sent, stats.received, stats.dropped), (3, 0, 3));

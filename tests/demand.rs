@@ -788,6 +788,99 @@ async fn until_ready_waits_for_room_in_a_full_tracker() {
     assert_eq!(tracker.committable(), Some(12));
 }
 
+/// A metrics recorder whose counters panic while `armed` is set (its gauges record nothing).
+#[cfg(feature = "metrics")]
+#[derive(Default, Clone)]
+struct PanickingRecorder {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[cfg(feature = "metrics")]
+impl metrics::CounterFn for PanickingRecorder {
+    fn increment(&self, _: u64) {
+        if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
+            panic!("the recorder panics");
+        }
+    }
+    fn absolute(&self, _: u64) {}
+}
+
+#[cfg(feature = "metrics")]
+impl metrics::Recorder for PanickingRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(Arc::new(self.clone()))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// The tracker's metrics are recorded after its state is settled and its lock released, so
+/// a recorder that panics (user code, like a hook) neither leaves an abandoned offset at the
+/// head of `pending` (committable, but not committed past) nor skips waking `until_ready`
+/// when the abandon made room: the waiter would wait for ever.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready() {
+    let recorder = PanickingRecorder::default();
+    let tracker = metrics::with_local_recorder(&recorder, || {
+        CommitTracker::builder().max_pending(1).build().unwrap()
+    });
+    let a = tracker.track(10).unwrap();
+    let mut ready = pin!(tracker.until_ready());
+    assert!(poll!(ready.as_mut()).is_pending(), "full");
+    recorder
+        .armed
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.abandon()));
+    recorder
+        .armed
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    assert!(unwound.is_err(), "the recorder's panic reached the caller");
+    assert_eq!(
+        (
+            tracker.committable(),
+            tracker.pending(),
+            tracker.abandoned()
+        ),
+        (Some(10), 0, 1)
+    );
+    assert!(
+        poll!(ready.as_mut()).is_ready(),
+        "the room the abandon made is announced"
+    );
+    tracker.track(11).unwrap().done();
+    assert_eq!(tracker.committable(), Some(11));
+}
+
 #[tokio::test]
 async fn the_size_hint_of_with_demand_holds_after_a_request_raises_the_credit() {
     let (mut stream, demand) = futures::stream::iter(0..10).with_demand(2);

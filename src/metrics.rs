@@ -207,6 +207,28 @@ impl Gauge {
 }
 
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+impl Gauge {
+    /// Move this instance's value by `delta`. Unlike [`set`](Gauge::set), changes commute:
+    /// a primitive may read a change under its lock and record it after releasing the lock,
+    /// in any order with other threads' changes, and the gauge still ends at the sum.
+    #[inline]
+    pub(crate) fn add(&self, delta: f64) {
+        #[cfg(feature = "metrics")]
+        if let Some(share) = &self.inner
+            && delta != 0.0
+        {
+            // `f` never refuses, so this is always `Ok`.
+            let _ = share
+                .value
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
+                    Some((f64::from_bits(bits) + delta).to_bits())
+                });
+            share.gauge.increment(delta);
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 impl Histogram {
     #[inline]
     pub(crate) fn record(&self, value: f64) {

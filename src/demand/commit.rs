@@ -186,8 +186,9 @@ impl CommitTracker {
         }
         st.last_tracked = Some(offset);
         st.pending.push_back((offset, Mark::InFlight));
-        self.shared.pending_gauge.set(st.pending.len() as f64);
         drop(st);
+        // The metrics recorder is user code: after the lock (see `finish`).
+        self.shared.pending_gauge.add(1.0);
         Ok(CommitToken {
             tracker: self.clone(),
             offset,
@@ -249,22 +250,22 @@ impl CommitTracker {
         self.shared.name.as_deref()
     }
 
+    /// Mark `offset` finished and commit past the finished prefix. The state is settled
+    /// under the lock; waiters are woken and the metrics recorded after it is released (both
+    /// run user code, wakers and the recorder), waiters first, so neither a panicking
+    /// recorder nor a slow one holds the lock or leaves a waiter unwoken. The pending gauge
+    /// moves by the change seen under the lock (`Gauge::add` commutes), so it stays exact
+    /// whatever order concurrent calls record in.
     fn finish(&self, offset: u64, mark: Mark) {
         let mut st = self.lock();
-        let was_full = st.pending.len() >= self.shared.max_pending;
+        let before = st.pending.len();
         // Offsets are sorted: find it by binary search.
         if let Ok(at) = st.pending.binary_search_by_key(&offset, |&(o, _)| o) {
             st.pending[at].1 = mark;
         }
         match mark {
-            Mark::Abandoned => {
-                st.abandoned += 1;
-                self.shared.abandoned_total.increment(1);
-            }
-            Mark::Dropped => {
-                st.dropped += 1;
-                self.shared.dropped_total.increment(1);
-            }
+            Mark::Abandoned => st.abandoned += 1,
+            Mark::Dropped => st.dropped += 1,
             Mark::InFlight | Mark::Done => {}
         }
         while let Some(&(o, m)) = st.pending.front()
@@ -273,13 +274,17 @@ impl CommitTracker {
             st.committable = Some(o);
             st.pending.pop_front();
         }
-        self.shared.pending_gauge.set(st.pending.len() as f64);
-        let room = was_full && st.pending.len() < self.shared.max_pending;
+        let after = st.pending.len();
         drop(st);
-        // Outside the lock: waking runs wakers.
-        if room {
+        if before >= self.shared.max_pending && after < self.shared.max_pending {
             self.shared.room.notify_waiters();
         }
+        match mark {
+            Mark::Abandoned => self.shared.abandoned_total.increment(1),
+            Mark::Dropped => self.shared.dropped_total.increment(1),
+            Mark::InFlight | Mark::Done => {}
+        }
+        self.shared.pending_gauge.add(after as f64 - before as f64);
     }
 }
 
@@ -335,6 +340,11 @@ impl CommitTrackerBuilder {
     }
 
     /// The `name` label of this tracker's metrics.
+    ///
+    /// Trackers given the same name (or none: `name="default"`) report into one series:
+    /// their counters add up, and `flowgate_demand_commit_pending` shows the sum of their
+    /// pending offsets (each tracker's share is taken back when it is dropped), not one
+    /// tracker's. Give each partition's tracker a name of its own to see it alone.
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self

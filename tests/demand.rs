@@ -1059,6 +1059,68 @@ async fn the_buffered_gauge_reads_zero_when_the_stream_starves_or_ends() {
     assert_eq!(recorder.gauge(gauge), Some(0.0), "ended: nothing buffered");
 }
 
+/// A `Prefetch` dropped with items buffered takes its share of `flowgate_demand_buffered`
+/// back (the items are gone with it), and leaves the share of another stream of the same
+/// name in place.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_dropped_prefetch_takes_its_buffered_gauge_back() {
+    let recorder = support::TestRecorder::default();
+    let build = || {
+        metrics::with_local_recorder(&recorder, || {
+            Prefetch::builder(IterSource::new(0..10u32), levels(4, 1))
+                .name("dropped")
+                .build()
+                .unwrap()
+                .items()
+        })
+    };
+    let (mut a, mut b) = (build(), build());
+    let gauge = "flowgate_demand_buffered{name=dropped}";
+    assert_eq!(a.next().await, Some(0));
+    assert_eq!(b.next().await, Some(0));
+    assert_eq!(recorder.gauge(gauge), Some(8.0), "two batches of 4 landed");
+    drop(a);
+    assert_eq!(recorder.gauge(gauge), Some(4.0), "b's batch is left");
+    let source = b.into_inner();
+    drop(source);
+    assert_eq!(recorder.gauge(gauge), Some(0.0));
+}
+
+/// Two trackers of one name report into one series: the pending gauge is the sum of their
+/// pending offsets (neither overwrites the other's), and a tracker gone takes its share back.
+#[cfg(feature = "metrics")]
+#[test]
+fn trackers_sharing_a_name_sum_their_pending_offsets() {
+    let recorder = support::TestRecorder::default();
+    let build = || {
+        metrics::with_local_recorder(&recorder, || {
+            CommitTracker::builder().name("p0").build().unwrap()
+        })
+    };
+    let (a, b) = (build(), build());
+    let gauge = "flowgate_demand_commit_pending{name=p0}";
+    let a1 = a.track(1).unwrap();
+    let a2 = a.track(2).unwrap();
+    let b1 = b.track(1).unwrap();
+    assert_eq!(recorder.gauge(gauge), Some(3.0));
+    a2.done();
+    assert_eq!(recorder.gauge(gauge), Some(3.0), "2 waits behind 1");
+    a1.done();
+    assert_eq!(recorder.gauge(gauge), Some(1.0), "b's offset is left");
+    b1.abandon();
+    assert_eq!(recorder.gauge(gauge), Some(0.0));
+    let b2 = b.track(2).unwrap();
+    drop(b);
+    assert_eq!(recorder.gauge(gauge), Some(1.0), "its token keeps b alive");
+    drop(b2);
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(0.0),
+        "b gone: its share is taken back"
+    );
+}
+
 /// A fetch error is yielded after the buffered items, from an empty buffer: the
 /// `flowgate_demand_buffered` gauge must not keep showing the batch that landed last while
 /// the consumer handles the error (or stops on it).

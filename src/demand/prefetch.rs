@@ -35,6 +35,19 @@ use crate::metrics::{Gauge, Labels};
 /// [`Infallible`]), such as [`IterSource`](crate::demand::IterSource) and
 /// [`StreamSource`](crate::demand::StreamSource): see [`items`](Prefetch::items).
 ///
+/// # Dropping
+///
+/// Items still buffered when the stream is dropped (or taken apart with
+/// [`into_inner`](Prefetch::into_inner)) are dropped with it: no hook sees them and nothing
+/// counts them ([`buffered`](Prefetch::buffered) says how many, before); the stream's share
+/// of `flowgate_demand_buffered` is taken back, so the gauge no longer counts them. A
+/// source whose items are settled only when the application finishes them loses nothing:
+/// a [`RedisStreamSource`](crate::demand::RedisStreamSource) entry dropped without its
+/// `ack` stays pending and is delivered again, and an offset never tracked by a
+/// [`CommitTracker`](crate::demand::CommitTracker) is never committed. The items of an
+/// [`IterSource`](crate::demand::IterSource) or a
+/// [`StreamSource`](crate::demand::StreamSource) are gone.
+///
 /// # Panics
 ///
 /// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled

@@ -770,3 +770,48 @@ async fn forty_thousand_waiters_dropped_newest_first() {
     p.until_ready(1).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(100));
 }
+
+/// A drop hook that panics (on the first item the full queue refuses) panics the poll, with
+/// the queue consistent: the item is counted, the depth gauge shows the items queued before
+/// the hook ran (it was set only at the end of a poll, which the panic skipped), and the
+/// stream goes on when polled again.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_panicking_drop_hook_leaves_the_leaky_queue_counted_and_usable() {
+    use futures::FutureExt;
+    let recorder = support::TestRecorder::default();
+    let calls = Arc::new(Mutex::new(0u32));
+    let seen = calls.clone();
+    let mut queue = metrics::with_local_recorder(&recorder, || {
+        LeakyQueue::builder(futures::stream::iter(0..5u32), pacer(10, 1), 2)
+            .overflow(Overflow::DropNewest)
+            .name("panicky")
+            .on_drop(move |x: u32, _: &Dropped| {
+                let mut calls = seen.lock().unwrap();
+                *calls += 1;
+                if *calls == 1 {
+                    drop(calls);
+                    panic!("hook panics on {x}");
+                }
+            })
+            .build()
+            .unwrap()
+    });
+    let unwound =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.next().now_or_never()));
+    assert!(unwound.is_err(), "the hook's panic reached the poll");
+    let depth = || recorder.gauge("flowgate_pace_queue_depth{name=panicky}");
+    let dropped =
+        || recorder.counter("flowgate_pace_dropped_total{name=panicky,policy=drop_newest}");
+    assert_eq!((queue.queued(), queue.dropped(), dropped()), (2, 1, 1));
+    assert_eq!(
+        depth(),
+        Some(2.0),
+        "the depth gauge shows the 2 queued items"
+    );
+    assert_eq!(queue.next().await, Some(0));
+    assert_eq!((queue.dropped(), dropped()), (3, 3), "3 and 4 dropped too");
+    assert_eq!(queue.collect::<Vec<_>>().await, [1]);
+    assert_eq!(*calls.lock().unwrap(), 3);
+    assert_eq!(depth(), Some(0.0));
+}

@@ -60,9 +60,12 @@ struct Queue<T> {
 
 impl<T> Queue<T> {
     /// The overflow policy drops `item`, for the reason `why` (`Newest` or `Oldest`).
+    /// Counted, and the depth gauge set (a full queue: it no longer changes in this poll),
+    /// before the hook runs: a hook that panics leaves the metrics right.
     fn drop_item(&mut self, item: T, why: &Dropped) {
         self.dropped += 1;
         self.metrics.dropped.increment(1);
+        self.metrics.depth.set(self.items.len() as f64);
         self.hook(item, why);
     }
 

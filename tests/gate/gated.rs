@@ -395,3 +395,68 @@ async fn dropping_from_an_always_ready_upstream_yields_to_the_executor() {
         );
     }
 }
+
+/// A drop hook that panics panics the poll (or the drop) that dropped the item, with the
+/// adapter consistent: the item is counted first, nothing is left at the gate, and the
+/// stream goes on. (A regression test: this held before the review.)
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_panicking_drop_hook_leaves_the_gated_stream_counted_and_usable() {
+    use futures::FutureExt;
+    let recorder = crate::support::TestRecorder::default();
+    let calls = Arc::new(AtomicU64::new(0));
+    let panicking = |calls: Arc<AtomicU64>| {
+        move |i: u32, _: &Dropped| {
+            if calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                panic!("hook panics on {i}");
+            }
+        }
+    };
+    let gate = MemoryGate::new(per_minute(2));
+    let (mut policing, shaping) = metrics::with_local_recorder(&recorder, || {
+        let policing = Gated::builder(futures::stream::iter(0..5u32), gate.clone(), |_: &u32| "p")
+            .drop_rejected(true)
+            .on_drop(panicking(calls.clone()))
+            .name("policing")
+            .build()
+            .unwrap();
+        let shaping = Gated::builder(futures::stream::iter(0..5u32), gate, |_: &u32| "s")
+            .on_drop(panicking(Arc::new(AtomicU64::new(0))))
+            .name("shaping")
+            .build()
+            .unwrap();
+        (policing, shaping)
+    });
+    let dropped = |name: &str, reason: &str| {
+        recorder.counter(&format!(
+            "flowgate_gated_dropped_total{{name={name},reason={reason}}}"
+        ))
+    };
+    assert_eq!(policing.next().await, Some(0));
+    assert_eq!(policing.next().await, Some(1));
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        policing.next().now_or_never()
+    }));
+    assert!(unwound.is_err(), "the hook's panic reached the poll");
+    assert_eq!(
+        (policing.dropped(), dropped("policing", "rejected")),
+        (1, 1)
+    );
+    assert_eq!(policing.next().await, None, "3 and 4 are rejected too");
+    assert_eq!(
+        (policing.dropped(), dropped("policing", "rejected")),
+        (3, 3)
+    );
+    assert_eq!(calls.load(Ordering::Relaxed), 3);
+    // Shaping: the third item waits at the gate; the stream dropped, the hook panics on it.
+    let mut shaping = Box::pin(shaping);
+    assert_eq!(shaping.next().await, Some(0));
+    assert_eq!(shaping.next().await, Some(1));
+    assert!(
+        shaping.next().now_or_never().is_none(),
+        "2 waits at the gate"
+    );
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(shaping)));
+    assert!(unwound.is_err(), "the hook's panic reached the drop");
+    assert_eq!(dropped("shaping", "discarded"), 1);
+}

@@ -42,8 +42,8 @@ use crate::metrics::{Gauge, Labels};
 /// counts them ([`buffered`](Prefetch::buffered) says how many, before); the stream's share
 /// of `flowgate_demand_buffered` is taken back, so the gauge no longer counts them. A
 /// source whose items are settled only when the application finishes them loses nothing:
-/// a [`RedisStreamSource`](crate::demand::RedisStreamSource) entry dropped without its
-/// `ack` stays pending and is delivered again, and an offset never tracked by a
+/// a `RedisStreamSource` entry (feature `redis`) dropped without its `ack` stays pending
+/// and is delivered again, and an offset never tracked by a
 /// [`CommitTracker`](crate::demand::CommitTracker) is never committed. The items of an
 /// [`IterSource`](crate::demand::IterSource) or a
 /// [`StreamSource`](crate::demand::StreamSource) are gone.

@@ -294,6 +294,7 @@ impl ShardedBuckets {
     /// # Errors
     ///
     /// [`GateError::KeyspaceFull`], with the gate's whole figure `max_keys`.
+    #[inline(always)]
     pub(crate) fn check_one(
         &self,
         (key, quota, cost): Bucket<'_>,

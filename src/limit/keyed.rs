@@ -107,8 +107,9 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
 
     /// [`check`](Keyed::check) with `hash`, this map's hash of `key` (its hasher's
     /// `hash_one(key)`), already computed: one hash per decision for a caller that also
-    /// shards by it.
-    #[inline]
+    /// shards by it. Always inlined: returned through memory, the decision was read back
+    /// wider than it was written (a store-forwarding stall on every call).
+    #[inline(always)]
     pub(crate) fn check_hashed<Q>(
         &mut self,
         hash: u64,

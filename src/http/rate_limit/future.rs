@@ -16,7 +16,7 @@ use crate::http::body::sealed::Token;
 use crate::http::body::{BodyMode, WrapBody};
 use crate::http::fields::Fields;
 use crate::http::key::RequestInfo;
-use crate::http::rate_limit::layer::{Check, Decided, Ruling, Shared, Slots};
+use crate::http::rate_limit::layer::{Check, Ruling, Shared, Slots};
 use crate::sync::Arc;
 
 /// The response future of [`RateLimit`](crate::http::RateLimit).
@@ -132,12 +132,12 @@ where
                 StateProj::Decide { req, inner } => {
                     let r = req.as_ref().expect(POLLED_AFTER_DONE);
                     match this.shared.decide(&RequestInfo::of(r), slots) {
-                        Decided::Now(Ruling::Pass) => call(req, inner),
-                        Decided::Now(Ruling::Answer) => {
+                        None if answer.is_none() => call(req, inner),
+                        None => {
                             this.state.set(State::Done);
                             return Poll::Ready(Ok(own::<K, ResBody>(answer)));
                         }
-                        Decided::Later(check) => {
+                        Some(check) => {
                             let (req, inner) = (req.take(), inner.take());
                             this.state.set(State::Check { check, req, inner });
                             continue;

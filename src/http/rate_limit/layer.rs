@@ -604,18 +604,9 @@ impl Keys {
     }
 }
 
-/// What the layer does with a request: decided (its verdict put in the [`Slots`] given), or
-/// to be decided by the gate's future.
-pub(crate) enum Decided {
-    /// Decided without I/O.
-    Now(Ruling),
-    /// The gate's future decides (it owns a copy of the keys).
-    Later(Check),
-}
-
-/// A verdict once put in its [`Slots`]: a byte, so that what returns it through the thread's
-/// keys and the future's match copies nothing (the whole verdict, 144 bytes, was copied
-/// on each of those steps).
+/// A verdict once put in its [`Slots`]: a byte, so that what returns it to the future's
+/// match copies nothing (the whole verdict, 144 bytes, was copied on each step). A verdict
+/// made at once ([`Shared::decide`]) returns not even that: [`Slots::answer`] tells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ruling {
     /// Pass to the inner service, adding the fields put in [`Slots::fields`].
@@ -983,35 +974,46 @@ impl<G: Gate + 'static> Shared<G> {
     /// without I/O (no allocation on a gate that decides into the reused decisions, as
     /// [`MemoryGate`](crate::gate::MemoryGate) does), the verdict put in `slots`; else
     /// through the gate's future.
-    pub(crate) fn decide(self: &Arc<Self>, req: &RequestInfo<'_>, slots: Slots<'_>) -> Decided {
+    ///
+    /// Returns the gate's future when the gate could not decide at once; `None` when the
+    /// verdict is in `slots` (an answer in [`Slots::answer`], else a pass). An `Option` of a
+    /// boxed future comes back in two registers: an enum of a verdict or the future was
+    /// returned through memory, and read back wider than written (a store-forwarding stall)
+    /// at every step up from the thread's keys.
+    pub(crate) fn decide(
+        self: &Arc<Self>,
+        req: &RequestInfo<'_>,
+        slots: Slots<'_>,
+    ) -> Option<Check> {
         Keys::with(|keys| {
             let cost = match self.prepare(req, keys) {
                 ControlFlow::Continue(cost) => cost,
-                ControlFlow::Break(verdict) => return Decided::Now(verdict.put(slots)),
+                ControlFlow::Break(verdict) => {
+                    verdict.put(slots);
+                    return None;
+                }
             };
             let mut decisions = std::mem::take(&mut keys.decisions);
             let decided = self.with_limits(keys, |limits| {
                 self.gate.check_all_local(limits, cost, &mut decisions)
             });
             // Put where it is concluded: an `Option<Verdict>` in between was one more copy.
-            let ruling = decided.map(|d| {
+            let now = decided.map(|d| {
                 self.conclude(keys, d.as_ref().map(|()| &decisions[..]))
-                    .put(slots)
+                    .put(slots);
             });
             keys.decisions = decisions;
-            match ruling {
-                Some(ruling) => Decided::Now(ruling),
-                // The future owns what it decides and concludes from: the keys and their
-                // spans (an allocation each; a remote decision costs a round trip anyway).
-                None => Decided::Later(self.check(
-                    Keys {
-                        buf: keys.buf.clone(),
-                        spans: keys.spans.clone(),
-                        ..Keys::default()
-                    },
-                    cost,
-                )),
+            if now.is_some() {
+                return None;
             }
+            // The future owns what it decides and concludes from: the keys and their spans
+            // (an allocation each; a remote decision costs a round trip anyway).
+            let keys = Keys {
+                buf: keys.buf.clone(),
+                spans: keys.spans.clone(),
+                ..Keys::default()
+            };
+            Some(self.check(keys, cost))
         })
     }
 

@@ -8,7 +8,12 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum Outcome {
     /// The call completed and the downstream served it: its round-trip time is a
-    /// measurement of the downstream's latency at this concurrency.
+    /// measurement of the downstream's latency at this concurrency. A call answered without
+    /// the downstream (a cache hit, a short-circuit) is no such measurement: report it as
+    /// [`Ignored`](Outcome::Ignored). The latency-based limits take the lowest round trip
+    /// of the last minute or two as the downstream's no-load time, and one such call of a
+    /// microsecond among 10 ms ones would make every later call look queued (measured: a
+    /// limit of 16 cut to 1–5 until that minimum ages out).
     Ok,
     /// The downstream pushed back (`429`, `503`, a timeout, a connection refused for
     /// overload): a signal to lower the limit, whatever the round-trip time says.

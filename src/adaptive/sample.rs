@@ -13,7 +13,8 @@ pub enum Outcome {
     /// [`Ignored`](Outcome::Ignored). The latency-based limits take the lowest round trip
     /// of the last minute or two as the downstream's no-load time, and one such call of a
     /// microsecond among 10 ms ones would make every later call look queued (measured: a
-    /// limit of 16 cut to 1–5 until that minimum ages out).
+    /// limit of 16 cut to 1–5 until that minimum ages out, or, for `Vegas`, is measured
+    /// again at its next probe).
     Ok,
     /// The downstream pushed back (`429`, `503`, a timeout, a connection refused for
     /// overload): a signal to lower the limit, whatever the round-trip time says.

@@ -15,3 +15,6 @@ mod rate_limit;
 
 #[path = "http/outbound.rs"]
 mod outbound;
+
+#[path = "http/contract.rs"]
+mod contract;

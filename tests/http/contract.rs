@@ -1,0 +1,443 @@
+//! tower's contract, layer by layer, under paused time: a response future dropped at each of
+//! its await points, a response body dropped early or never polled, an inner service that
+//! fails `poll_ready`, panics in `call` or returns a future that panics, `call` without
+//! `poll_ready`, clones sharing their state, and the auto traits axum and hyper ask for.
+//! After each, the bulkhead's permits, its waiting room, the layer's counts and the retry
+//! budget are exactly what they were or what was used.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use flowgate::adaptive::Aimd;
+use flowgate::bulkhead::Bulkhead;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{
+    Class, Constant, Policy, RateLimitLayer, ResponseBody, Shed, ShedFuture, ShedLayer,
+};
+use flowgate::pace::AdaptivePacer;
+use flowgate::retry::{Backoff, Jitter, RetryBudget, RetryLayer, RetryPolicy};
+use flowgate::{Quota, Rate};
+use futures::FutureExt;
+use http::{Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Empty, Full};
+use tokio::sync::Semaphore;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+type Req = Request<Empty<Bytes>>;
+
+fn req(path: &str) -> Req {
+    Request::get(path).body(Empty::new()).unwrap()
+}
+
+fn ok() -> Response<Full<Bytes>> {
+    Response::new(Full::new(Bytes::from_static(b"ok")))
+}
+
+/// A service that answers when `gate` gives a permit (one per request): the test decides
+/// when each inner future ends.
+fn gated(
+    gate: &Arc<Semaphore>,
+) -> impl Service<Req, Response = Response<Full<Bytes>>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ Sync
++ 'static {
+    let gate = gate.clone();
+    service_fn(move |_req: Req| {
+        let gate = gate.clone();
+        async move {
+            gate.acquire().await.unwrap().forget();
+            Ok::<_, Infallible>(ok())
+        }
+    })
+}
+
+/// Poll `fut` once; it must be pending.
+fn poll_once<F: Future + Unpin>(fut: &mut F) {
+    let waker = futures::task::noop_waker();
+    let mut cx = Context::from_waker(&waker);
+    assert!(Pin::new(fut).poll(&mut cx).is_pending(), "still pending");
+}
+
+// ---- ShedLayer ----
+
+#[tokio::test(start_paused = true)]
+async fn a_shed_future_dropped_at_each_await_point_holds_nothing() {
+    let bulkhead = Bulkhead::builder(1)
+        .max_waiting(1)
+        .wait_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .wait(true)
+        .build()
+        .unwrap();
+    let answer = Arc::new(Semaphore::new(0));
+    let mut svc = layer.layer(gated(&answer));
+
+    // Dropped before its first poll: nothing taken, nothing counted.
+    let fut = svc.ready().await.unwrap().call(req("/"));
+    drop(fut);
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (0, 0));
+
+    // Dropped while the inner service runs: the permit is back.
+    let mut running = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut running);
+    assert_eq!(bulkhead.in_flight(), 1);
+
+    // Dropped while waiting in the room: the place is given up.
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut waiting);
+    assert_eq!(bulkhead.waiting(), 1);
+    drop(waiting);
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (1, 0));
+    drop(running);
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (0, 0));
+
+    // A waiter granted the permit, dropped before it ran: the permit is not lost.
+    let mut first = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut first);
+    let mut second = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut second);
+    drop(first); // hands the permit to `second`
+    drop(second);
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (0, 0));
+
+    // Every permit is there: a request now runs at once.
+    answer.add_permits(1);
+    let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    drop(res);
+    assert_eq!(bulkhead.in_flight(), 0);
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.admitted(), stats.shed()),
+        (3, 0),
+        "`second` never ran"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_body_returns_its_permit_when_it_ends_or_is_dropped_unpolled() {
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let svc = ShedLayer::builder(bulkhead.clone())
+        .build()
+        .unwrap()
+        .layer(service_fn(|_req: Req| async { Ok::<_, Infallible>(ok()) }));
+
+    // Never polled, dropped: back.
+    let res = svc.clone().oneshot(req("/")).await.unwrap();
+    assert_eq!(bulkhead.in_flight(), 1);
+    drop(res);
+    assert_eq!(bulkhead.in_flight(), 0);
+
+    // Polled to its end and kept: back at the end, before the drop.
+    let res = svc.clone().oneshot(req("/")).await.unwrap();
+    let mut body = res.into_body();
+    while let Some(frame) = body.frame().await {
+        frame.unwrap();
+    }
+    assert!(body.is_end_stream());
+    assert_eq!(bulkhead.in_flight(), 0);
+    drop(body);
+    assert_eq!(bulkhead.in_flight(), 0);
+}
+
+/// A service whose `call` panics, or whose future panics, or whose `poll_ready` fails, as
+/// `mode` says.
+#[derive(Clone, Copy)]
+enum Faulty {
+    PanicInCall,
+    PanicInFuture,
+    FailReady,
+    FailFuture,
+}
+
+impl Service<Req> for Faulty {
+    type Response = Response<Full<Bytes>>;
+    type Error = &'static str;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, &'static str>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), &'static str>> {
+        Poll::Ready(match self {
+            Faulty::FailReady => Err("not ready"),
+            _ => Ok(()),
+        })
+    }
+
+    fn call(&mut self, _: Req) -> Self::Future {
+        match *self {
+            Faulty::PanicInCall => panic!("call panicked"),
+            Faulty::PanicInFuture => Box::pin(async {
+                tokio::task::yield_now().await;
+                panic!("future panicked")
+            }),
+            Faulty::FailReady => unreachable!("never ready"),
+            Faulty::FailFuture => Box::pin(async { Err("failed") }),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_faulty_inner_service_leaves_every_permit_in_the_bulkhead() {
+    let bulkhead = Bulkhead::builder(2)
+        .adaptive(Aimd::builder().build().unwrap())
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    for faulty in [Faulty::PanicInCall, Faulty::PanicInFuture] {
+        let svc = layer.layer(faulty);
+        let panicked = tokio::spawn(svc.oneshot(req("/"))).await.unwrap_err();
+        assert!(panicked.is_panic());
+        assert_eq!(bulkhead.in_flight(), 0);
+    }
+    let err = layer
+        .layer(Faulty::FailReady)
+        .oneshot(req("/"))
+        .await
+        .unwrap_err();
+    assert_eq!(err, "not ready");
+    let err = layer
+        .layer(Faulty::FailFuture)
+        .oneshot(req("/"))
+        .await
+        .unwrap_err();
+    assert_eq!(err, "failed");
+    assert_eq!(bulkhead.in_flight(), 0);
+    // Two panics (dropped permits: ignored samples), one error (back-pressure); a service
+    // that was never ready took no permit.
+    let stats = bulkhead.adaptive_stats().unwrap();
+    assert_eq!((stats.ok, stats.back_pressure, stats.ignored), (0, 1, 2));
+    assert_eq!(layer.stats().normal.admitted, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shed_service_called_without_poll_ready_panics_without_leaking_a_permit() {
+    /// Like tower's `ConcurrencyLimit`: calling it unready panics.
+    #[derive(Clone, Default)]
+    struct NeedsReady(bool);
+    impl Service<Req> for NeedsReady {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            self.0 = true;
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: Req) -> Self::Future {
+            assert!(std::mem::take(&mut self.0), "called without poll_ready");
+            std::future::ready(Ok(ok()))
+        }
+    }
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let mut svc = ShedLayer::builder(bulkhead.clone())
+        .build()
+        .unwrap()
+        .layer(NeedsReady::default());
+    let fut = svc.call(req("/")); // a contract violation: no poll_ready
+    let panicked = AssertUnwindSafe(fut).catch_unwind().await;
+    assert!(panicked.is_err());
+    assert_eq!(bulkhead.in_flight(), 0);
+    let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shed_clones_share_the_bulkhead_and_the_counts() {
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .classify(|_| Class::Sheddable)
+        .build()
+        .unwrap();
+    let a = layer
+        .clone()
+        .layer(service_fn(|_: Req| async { Ok::<_, Infallible>(ok()) }));
+    let b = a.clone();
+    let held = a.clone().oneshot(req("/")).await.unwrap();
+    let shed = b.clone().oneshot(req("/")).await.unwrap();
+    assert_eq!(shed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    drop(held);
+    assert_eq!(b.stats(), layer.stats());
+    assert_eq!((layer.stats().admitted(), layer.stats().shed()), (1, 1));
+}
+
+#[test]
+fn shed_types_have_the_auto_traits_axum_and_hyper_ask_for() {
+    fn send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+    fn send<T: Send + 'static>() {}
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync_clone::<ShedLayer>();
+    send_sync_clone::<Shed<axum::routing::Route>>();
+    send::<ShedFuture<axum::routing::Route, axum::body::Body>>();
+    send::<ResponseBody<axum::body::Body>>();
+    send_sync::<ResponseBody<Full<Bytes>>>();
+}
+
+// ---- RateLimitLayer ----
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_future_dropped_or_panicking_counts_what_it_decided() {
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()));
+    let layer = RateLimitLayer::builder(gate)
+        .policy(Policy::new(
+            "all",
+            Quota::per_second(2).unwrap(),
+            Constant::new("k"),
+        ))
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let answer = Arc::new(Semaphore::new(0));
+    let inner = {
+        let (calls, answer) = (calls.clone(), answer.clone());
+        service_fn(move |_: Req| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let answer = answer.clone();
+            async move {
+                answer.acquire().await.unwrap().forget();
+                Ok::<_, Infallible>(ok())
+            }
+        })
+    };
+    let mut svc = layer.layer(inner);
+    // Dropped before its first poll: not decided, not charged, not passed on.
+    drop(svc.ready().await.unwrap().call(req("/")));
+    assert_eq!(
+        (layer.stats().admitted, calls.load(Ordering::SeqCst)),
+        (0, 0)
+    );
+    // Dropped while the inner service runs: admitted once, charged once.
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut fut);
+    drop(fut);
+    assert_eq!(
+        (layer.stats().admitted, calls.load(Ordering::SeqCst)),
+        (1, 1)
+    );
+    // The second token of the burst is still there; the third request is refused.
+    answer.add_permits(1);
+    let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!((layer.stats().admitted, layer.stats().rejected), (2, 1));
+
+    // A panicking inner future: the decision stands, the layer stays usable.
+    let panicking = layer.layer(Faulty::PanicInFuture);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let panicked = tokio::spawn(panicking.clone().oneshot(req("/")))
+        .await
+        .unwrap_err();
+    assert!(panicked.is_panic());
+    let err = layer
+        .layer(Faulty::FailReady)
+        .oneshot(req("/"))
+        .await
+        .unwrap_err();
+    assert_eq!(err, "not ready");
+    assert_eq!(layer.stats().admitted, 3);
+}
+
+// ---- RetryLayer ----
+
+fn backoff(attempts: u32) -> Backoff {
+    Backoff::builder()
+        .jitter(Jitter::None)
+        .max_attempts(attempts)
+        .seed(1)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_future_dropped_at_each_await_point_sends_nothing_more() {
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let policy = RetryPolicy::builder(backoff(5))
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicU32::new(0));
+    let server = {
+        let calls = calls.clone();
+        service_fn(move |_: Request<String>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async {
+                let mut res = Response::new(String::new());
+                *res.status_mut() = StatusCode::BAD_GATEWAY;
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let mut client = RetryLayer::new(policy).layer(server);
+    let get = || {
+        Request::builder()
+            .method(Method::GET)
+            .body(String::new())
+            .unwrap()
+    };
+    // Polled once: the first attempt failed (one token), it waits 100 ms; dropped there.
+    let mut fut = Box::pin(client.ready().await.unwrap().call(get()));
+    poll_once(&mut fut);
+    drop(fut);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(budget.tokens(), 9.0);
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "never sent again");
+}
+
+#[test]
+fn retry_types_have_the_auto_traits_a_client_asks_for() {
+    fn send<T: Send + 'static>() {}
+    fn send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+    type Client = hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >;
+    send_sync_clone::<RetryLayer>();
+    send_sync_clone::<flowgate::retry::Retry<Client>>();
+    send::<
+        flowgate::retry::RetryFuture<
+            Client,
+            flowgate::retry::HttpClassify,
+            Full<Bytes>,
+            hyper::body::Incoming,
+        >,
+    >();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_future_dropped_while_paced_leaves_no_reservation() {
+    let pacer = AdaptivePacer::builder(Rate::per_second(1).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff(1))
+        .pacer(pacer)
+        .build()
+        .unwrap();
+    let server = service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let client = RetryLayer::new(policy).layer(server);
+    let get = || Request::get("/").body(String::new()).unwrap();
+    let start = tokio::time::Instant::now();
+    // The pacer's burst (1 + ⌈1/s × 5 ms⌉ = 2) passes at once.
+    for _ in 0..2 {
+        client.clone().oneshot(get()).await.unwrap();
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    // The next one waits for 1 s; dropped half way, it holds no turn.
+    let mut paced = Box::pin(client.clone().oneshot(get()));
+    poll_once(&mut paced);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    drop(paced);
+    client.clone().oneshot(get()).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+}

@@ -516,6 +516,15 @@ where
 /// The response future of [`Shed`]: takes a permit (or waits for one), then calls the inner
 /// service; or answers `503`.
 ///
+/// # Panics
+///
+/// When polled again after it completed. In the [`wait`](ShedLayerBuilder::wait) mode, a
+/// request that finds no free permit starts the bulkhead's tokio timer: polled outside a
+/// tokio runtime with timers enabled, it panics then (see
+/// [`Bulkhead::acquire`](crate::bulkhead::Bulkhead::acquire)). A panic of the inner
+/// service loses no permit: one in its `call` returns it as the stack unwinds, one in its
+/// future when this future is dropped (as a runtime drops a task that panicked).
+///
 /// # Cancel safety
 ///
 /// Dropping it before the permit is taken gives up its place in the waiting room; after,

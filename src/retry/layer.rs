@@ -430,6 +430,11 @@ pub struct RetryInfo {
 /// explicit enum, with one timer reset for every timeout and wait: no allocation beyond the
 /// pacer's wait.
 ///
+/// # Panics
+///
+/// When polled again after it completed; and when a wait (the pacer, a backoff, an attempt
+/// timeout) starts outside a tokio runtime with timers enabled.
+///
 /// # Cancel safety
 ///
 /// Dropping it drops the attempt under way (and its response) or the wait before the next

@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use flowgate::adaptive::Aimd;
 use flowgate::bulkhead::Bulkhead;
-use flowgate::gate::{Limit, MemoryGate};
+use flowgate::gate::{Gate, Limit, MemoryGate};
 use flowgate::http::{
     Class, Constant, Policy, RateLimitLayer, ResponseBody, Shed, ShedFuture, ShedLayer,
 };
@@ -440,4 +440,143 @@ async fn a_retry_future_dropped_while_paced_leaves_no_reservation() {
     drop(paced);
     client.clone().oneshot(get()).await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_secs(1));
+}
+
+// ---- no busy self-wake ----
+
+/// A waker that counts its wakes.
+#[derive(Default)]
+struct Wakes(AtomicU32);
+
+impl futures::task::ArcWake for Wakes {
+    fn wake_by_ref(this: &Arc<Self>) {
+        this.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Poll `fut` with a waker counting its wakes; it must be pending.
+fn poll_counted<F: Future + Unpin>(fut: &mut F, wakes: &Arc<Wakes>) {
+    let waker = futures::task::waker(wakes.clone());
+    let mut cx = Context::from_waker(&waker);
+    assert!(Pin::new(fut).poll(&mut cx).is_pending(), "still pending");
+}
+
+/// A gate that decides as a `MemoryGate` does, 1 s after it is asked (a remote gate's
+/// round trip): the rate-limit future waits on the gate's future.
+#[derive(Debug)]
+struct Remote(MemoryGate);
+
+impl Gate for Remote {
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> flowgate::gate::GateFuture<'a> {
+        Gate::check(&self.0, key, cost)
+    }
+
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        cost: u32,
+    ) -> flowgate::gate::GateFuture<'a, Vec<flowgate::Decision>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Gate::check_all(&self.0, limits, cost).await
+        })
+    }
+
+    fn validate_quotas(&self, quotas: &[Quota]) -> Result<(), flowgate::ConfigError> {
+        self.0.validate_quotas(quotas)
+    }
+
+    fn limit(&self) -> Limit {
+        Gate::limit(&self.0)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_future_is_woken_by_what_it_waits_for_never_by_itself() {
+    let answer = Arc::new(Semaphore::new(0));
+
+    // RateLimitLayer, waiting on a remote gate: woken once, when the gate answers. Dropped
+    // while it waits, nothing is charged nor passed on (the next request still finds the
+    // one token).
+    let gate = Remote(MemoryGate::new(Limit::TokenBucket(
+        Quota::per_second(1).unwrap(),
+    )));
+    let layer = RateLimitLayer::builder(gate)
+        .policy(Policy::new(
+            "all",
+            Quota::per_second(1).unwrap(),
+            Constant::new("k"),
+        ))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(gated(&answer));
+    let wakes = Arc::new(Wakes::default());
+    let mut dropped = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_counted(&mut dropped, &wakes);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    drop(dropped);
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_counted(&mut fut, &wakes);
+    tokio::time::advance(Duration::from_millis(999)).await;
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        0,
+        "woken before the gate answered"
+    );
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+    poll_counted(&mut fut, &wakes); // admitted: the inner service waits for `answer`
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+    answer.add_permits(1);
+    assert_eq!(fut.await.unwrap().status(), StatusCode::OK);
+    assert_eq!((layer.stats().admitted, layer.stats().rejected), (1, 0));
+
+    // ShedLayer, waiting in the room: woken once, when the permit frees.
+    let bulkhead = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .wait(true)
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(gated(&answer));
+    let mut running = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut running);
+    let wakes = Arc::new(Wakes::default());
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_counted(&mut waiting, &wakes);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        0,
+        "woken before a permit freed"
+    );
+    drop(running);
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+    answer.add_permits(1);
+    assert_eq!(waiting.await.unwrap().status(), StatusCode::OK);
+
+    // RetryLayer, in its backoff: woken once, when the backoff ends.
+    let policy = RetryPolicy::builder(backoff(2)).build().unwrap();
+    let server = service_fn(|_: Request<String>| async {
+        let mut res = Response::new(String::new());
+        *res.status_mut() = StatusCode::BAD_GATEWAY;
+        Ok::<_, Infallible>(res)
+    });
+    let mut client = RetryLayer::new(policy).layer(server);
+    let wakes = Arc::new(Wakes::default());
+    let get = Request::get("/").body(String::new()).unwrap();
+    let mut fut = Box::pin(client.ready().await.unwrap().call(get));
+    poll_counted(&mut fut, &wakes);
+    tokio::time::advance(Duration::from_millis(99)).await;
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        0,
+        "woken before the backoff ended"
+    );
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+    assert_eq!(fut.await.unwrap().status(), StatusCode::BAD_GATEWAY);
 }

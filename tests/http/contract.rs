@@ -212,11 +212,20 @@ async fn a_faulty_inner_service_leaves_every_permit_in_the_bulkhead() {
         .unwrap_err();
     assert_eq!(err, "failed");
     assert_eq!(bulkhead.in_flight(), 0);
-    // Two panics (dropped permits: ignored samples), one error (back-pressure); a service
-    // that was never ready took no permit.
+    // A served request: its sample is taken at the head, the body's drop adds none.
+    let res = layer
+        .layer(service_fn(|_: Req| async { Ok::<_, Infallible>(ok()) }))
+        .oneshot(req("/"))
+        .await
+        .unwrap();
+    assert_eq!(bulkhead.in_flight(), 1);
+    drop(res);
+    assert_eq!(bulkhead.in_flight(), 0);
+    // Two panics (dropped permits: ignored samples), one error (back-pressure), one served;
+    // a service that was never ready took no permit.
     let stats = bulkhead.adaptive_stats().unwrap();
-    assert_eq!((stats.ok, stats.back_pressure, stats.ignored), (0, 1, 2));
-    assert_eq!(layer.stats().normal.admitted, 3);
+    assert_eq!((stats.ok, stats.back_pressure, stats.ignored), (1, 1, 2));
+    assert_eq!(layer.stats().normal.admitted, 4);
 }
 
 #[tokio::test(start_paused = true)]
@@ -579,4 +588,30 @@ async fn a_waiting_future_is_woken_by_what_it_waits_for_never_by_itself() {
     tokio::time::advance(Duration::from_millis(1)).await;
     assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
     assert_eq!(fut.await.unwrap().status(), StatusCode::BAD_GATEWAY);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shed_waiter_past_the_timeout_is_a_503_and_leaves_the_room() {
+    let bulkhead = Bulkhead::builder(1)
+        .max_waiting(1)
+        .wait_timeout(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .wait(true)
+        .build()
+        .unwrap();
+    let answer = Arc::new(Semaphore::new(0));
+    let mut svc = layer.layer(gated(&answer));
+    let mut running = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut running);
+    let start = tokio::time::Instant::now();
+    let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::from_millis(250));
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (1, 0));
+    answer.add_permits(1);
+    assert_eq!(running.await.unwrap().status(), StatusCode::OK);
+    let stats = layer.stats();
+    assert_eq!((stats.admitted(), stats.shed()), (1, 1));
 }

@@ -1220,3 +1220,105 @@ fn public_types_are_send_and_sync() {
         send_sync::<Ack>();
     }
 }
+
+/// A source with nothing new answers at once with an empty batch (a non-blocking poll of a
+/// queue or a paged API); after `ready_at` it has one item, then ends. Counts its fetches
+/// and refuses to be spun on.
+struct EmptyUntil {
+    origin: tokio::time::Instant,
+    ready_at: Duration,
+    served: bool,
+    fetches: Arc<Mutex<u32>>,
+}
+
+impl BatchSource for EmptyUntil {
+    type Item = u32;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        _max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, std::convert::Infallible>>> {
+        let mut fetches = self.fetches.lock().unwrap();
+        *fetches += 1;
+        assert!(*fetches < 1_000, "fetched {fetches} times: spun on an empty source");
+        drop(fetches);
+        if self.served {
+            return Poll::Ready(None);
+        }
+        if self.origin.elapsed() < self.ready_at {
+            return Poll::Ready(Some(Ok(Vec::new())));
+        }
+        self.served = true;
+        Poll::Ready(Some(Ok(vec![7])))
+    }
+}
+
+/// An empty batch from a source that answered at once waits the retry backoff before the
+/// next fetch (10 ms, doubling): a loop over an idle non-blocking source does not spin (in
+/// paused time it would keep the clock from ever moving).
+#[tokio::test(start_paused = true)]
+async fn an_empty_batch_answered_at_once_backs_off_before_the_next_fetch() {
+    let fetches = Arc::new(Mutex::new(0));
+    let origin = tokio::time::Instant::now();
+    let source = EmptyUntil {
+        origin,
+        ready_at: Duration::from_millis(500),
+        served: false,
+        fetches: fetches.clone(),
+    };
+    let consumer = tokio::spawn(async move {
+        let items: Vec<u32> = prefetch(source, levels(4, 0)).items().collect().await;
+        (items, origin.elapsed())
+    });
+    let (items, at) = consumer.await.expect("the consumer spun on the empty source");
+    assert_eq!(items, [7]);
+    // Fetches at 0, 10, 30, 70, 150, 310 ms (empty), 630 ms (the item), then the end.
+    assert_eq!(at, Duration::from_millis(630));
+    assert_eq!(*fetches.lock().unwrap(), 8);
+}
+
+/// A source that waited (a blocking poll that timed out) and then answered empty is asked
+/// again at once: it paced itself.
+struct BlockingEmpty {
+    wait: Pin<Box<tokio::time::Sleep>>,
+    empty: u32,
+}
+
+impl BatchSource for BlockingEmpty {
+    type Item = u32;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        _max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, std::convert::Infallible>>> {
+        if self.empty == u32::MAX {
+            return Poll::Ready(None);
+        }
+        std::task::ready!(self.wait.as_mut().poll(cx));
+        let next = tokio::time::Instant::now() + Duration::from_millis(100);
+        self.wait.as_mut().reset(next);
+        if self.empty > 0 {
+            self.empty -= 1;
+            return Poll::Ready(Some(Ok(Vec::new())));
+        }
+        self.empty = u32::MAX;
+        Poll::Ready(Some(Ok(vec![1])))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_empty_batch_after_a_wait_is_fetched_again_at_once() {
+    let origin = tokio::time::Instant::now();
+    let source = BlockingEmpty {
+        wait: Box::pin(tokio::time::sleep(Duration::from_millis(100))),
+        empty: 5,
+    };
+    let items: Vec<u32> = prefetch(source, levels(4, 0)).items().collect().await;
+    assert_eq!(items, [1]);
+    // Five empty answers after 100 ms each, the item after the sixth wait: no backoff on top.
+    assert_eq!(origin.elapsed(), Duration::from_millis(600));
+}

@@ -1242,7 +1242,10 @@ impl BatchSource for EmptyUntil {
     ) -> Poll<Option<Result<Vec<u32>, std::convert::Infallible>>> {
         let mut fetches = self.fetches.lock().unwrap();
         *fetches += 1;
-        assert!(*fetches < 1_000, "fetched {fetches} times: spun on an empty source");
+        assert!(
+            *fetches < 1_000,
+            "fetched {fetches} times: spun on an empty source"
+        );
         drop(fetches);
         if self.served {
             return Poll::Ready(None);
@@ -1272,7 +1275,9 @@ async fn an_empty_batch_answered_at_once_backs_off_before_the_next_fetch() {
         let items: Vec<u32> = prefetch(source, levels(4, 0)).items().collect().await;
         (items, origin.elapsed())
     });
-    let (items, at) = consumer.await.expect("the consumer spun on the empty source");
+    let (items, at) = consumer
+        .await
+        .expect("the consumer spun on the empty source");
     assert_eq!(items, [7]);
     // Fetches at 0, 10, 30, 70, 150, 310 ms (empty), 630 ms (the item), then the end.
     assert_eq!(at, Duration::from_millis(630));

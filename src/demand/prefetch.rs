@@ -27,7 +27,8 @@ use crate::metrics::{Gauge, Labels};
 /// as an `Err` item (after the items buffered before it), and the next fetch waits (10 ms,
 /// doubling up to 1 s while fetches keep failing; see
 /// [`retry_backoff`](PrefetchBuilder::retry_backoff)), so a loop that logs errors and goes
-/// on does not hammer a source that is down. The stream ends when the source does and the
+/// on does not hammer a source that is down; an empty batch the source answered without
+/// waiting backs off the same way, so an idle non-blocking source is not polled in a loop. The stream ends when the source does and the
 /// buffer is empty.
 ///
 /// `Y` is what the stream yields: [`Results`] (the default), `Result<S::Item, S::Error>`;
@@ -68,6 +69,9 @@ pub struct Prefetch<S: BatchSource, Y = Results> {
     levels: Levels,
     /// The `max` of a fetch in progress.
     fetching: Option<usize>,
+    /// The fetch in progress returned `Pending` at least once: the source waited (a
+    /// blocking poll), so an empty answer needs no backoff.
+    waited: bool,
     error: Option<S::Error>,
     done: bool,
     buffered: Gauge,
@@ -187,6 +191,7 @@ impl<S: BatchSource> Prefetch<S> {
             queued_items: 0,
             levels,
             fetching: None,
+            waited: false,
             error: None,
             done: false,
             buffered: Labels::new(name.as_deref()).gauge(names::BUFFERED, &[]),
@@ -229,6 +234,7 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
             queued_items,
             levels,
             fetching,
+            waited,
             error,
             done,
             buffered,
@@ -247,6 +253,7 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
             queued_items,
             levels,
             fetching,
+            waited,
             error,
             done,
             buffered,
@@ -334,7 +341,12 @@ impl<S: BatchSource> PrefetchBuilder<S> {
 
     /// How long the fetch after a failed one waits: `min`, doubling after each further failure
     /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
-    /// `min` zero a failed fetch is retried at once. The pause is a tokio timer: inside a tokio
+    /// `min` zero a failed fetch is retried at once. An empty batch the source answered at
+    /// once (it did not wait: a non-blocking poll with nothing new), with nothing buffered,
+    /// waits the same way, so an idle source is not polled in a loop; a batch with items, or
+    /// an empty one after the source waited (a blocking poll that timed out), starts over
+    /// at `min`, and after the latter the next fetch starts at once. A source that ends its
+    /// idle periods sooner than `max` allows wants a smaller `max` (or a blocking poll). The pause is a tokio timer: inside a tokio
     /// runtime that runtime must have time enabled (as for every timed part of flowgate);
     /// polled outside any tokio runtime, the stream does not pause.
     ///
@@ -387,6 +399,18 @@ impl<S: BatchSource> PrefetchBuilder<S> {
         prefetch.retry_next = min;
         Ok(prefetch)
     }
+}
+
+/// The pause before the next fetch (after a failed one, or an empty one answered at once):
+/// `retry_next`, which doubles up to `retry_max`. None with a zero backoff, or outside a
+/// tokio runtime (nothing to sleep on: the next fetch is not delayed).
+fn backoff(retry_next: &mut Duration, retry_max: Duration) -> Option<Pin<Box<Sleep>>> {
+    let wait = *retry_next;
+    if wait.is_zero() || tokio::runtime::Handle::try_current().is_err() {
+        return None;
+    }
+    *retry_next = wait.saturating_mul(2).min(retry_max);
+    Some(Box::pin(tokio::time::sleep(wait)))
 }
 
 const DEFAULT_RETRY_MIN: Duration = Duration::from_millis(10);
@@ -511,11 +535,14 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
             let max = *this.fetching.get_or_insert(this.levels.high() - buffered);
             if let Poll::Ready(result) = this.source.as_mut().poll_fetch(cx, max) {
                 *this.fetching = None;
+                let waited = std::mem::take(this.waited);
                 match result {
                     Some(Ok(batch)) => {
                         debug_assert!(batch.len() <= max, "source returned more than max");
-                        *this.retry_next = *this.retry_min;
                         let fetched = batch.len();
+                        if fetched > 0 || waited {
+                            *this.retry_next = *this.retry_min;
+                        }
                         if this.current.len() == 0 && this.queued.is_empty() {
                             *this.current = batch.into_iter();
                         } else if fetched > 0 {
@@ -523,24 +550,34 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                             *this.queued_items += fetched;
                         }
                         this.buffered.set((buffered + fetched) as f64);
-                        // An empty batch with nothing buffered: fetch again, after yielding
-                        // to the executor (a source that is always ready and always empty
-                        // must not spin inside one poll).
+                        // An empty batch with nothing buffered. Answered at once (a
+                        // non-blocking source with nothing new): the next fetch waits the
+                        // backoff, so an idle source is not polled in a loop (nor keeps
+                        // paused time from moving). After a wait (a blocking poll that
+                        // timed out: the source paced itself), or with no backoff: fetch
+                        // again at once, after yielding to the executor (never inside one
+                        // poll).
                         if buffered + fetched == 0 {
+                            if !waited
+                                && let Some(mut pause) = backoff(this.retry_next, *this.retry_max)
+                                && pause.as_mut().poll(cx).is_pending()
+                            {
+                                // Polled once: this task is woken when it ends.
+                                *this.pause = Some(pause);
+                                return Poll::Pending;
+                            }
                             cx.waker().wake_by_ref();
                             return Poll::Pending;
                         }
                     }
                     Some(Err(e)) => {
                         *this.error = Some(e);
-                        let wait = *this.retry_next;
-                        if !wait.is_zero() && tokio::runtime::Handle::try_current().is_ok() {
-                            *this.pause = Some(Box::pin(tokio::time::sleep(wait)));
-                            *this.retry_next = wait.saturating_mul(2).min(*this.retry_max);
-                        }
+                        *this.pause = backoff(this.retry_next, *this.retry_max);
                     }
                     None => *this.done = true,
                 }
+            } else {
+                *this.waited = true;
             }
         }
         // The gauge is set when a batch lands and when the buffer is empty, not per item

@@ -54,6 +54,34 @@ where
 {
     /// A builder for the stream of [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered), to give
     /// it an [`on_drop`](BulkheadMapUnorderedBuilder::on_drop) hook.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use flowgate::bulkhead::{Bulkhead, BulkheadMapUnordered};
+    /// use flowgate::Dropped;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let db = Bulkhead::new(1)?;
+    /// let busy = db.acquire().await?;
+    /// let lost = Arc::new(Mutex::new(Vec::new()));
+    /// let log = lost.clone();
+    /// let items = futures::stream::iter(0..3u32);
+    /// let mut out = Box::pin(
+    ///     BulkheadMapUnordered::builder(items, db.clone(), |x| async move { x * 10 })
+    ///         .on_drop(move |item: u32, why: &Dropped| log.lock().unwrap().push((item, why.as_str())))
+    ///         .build()?,
+    /// );
+    /// assert!(futures::poll!(out.next()).is_pending()); // 0 waits for the permit `busy` holds
+    /// drop(out); // dropped with 0 in hand
+    /// assert_eq!(*lost.lock().unwrap(), [(0, "discarded")]);
+    /// drop(busy);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(stream: St, bulkhead: Bulkhead, f: F) -> BulkheadMapUnorderedBuilder<St, F> {
         BulkheadMapUnorderedBuilder {
             stream,

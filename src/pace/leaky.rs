@@ -104,6 +104,39 @@ impl<T> Drop for Held<T> {
 impl<S: Stream> Leaky<S, UnitCost<S::Item>> {
     /// A builder for a stream releasing the items of `stream` through `pacer`; each item
     /// costs 1 unless [`cost`](LeakyBuilder::cost) says otherwise, and no hook is set.
+    ///
+    /// # Examples
+    ///
+    /// Items of different weights, as [`leaky_cost`](crate::FlowStreamExt::leaky_cost)
+    /// releases them, with a hook for the item waiting when the stream is dropped (see also
+    /// the example on [`Leaky`]):
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::sync::Arc;
+    /// use flowgate::pace::{Leaky, Pacer};
+    /// use flowgate::{Dropped, Rate};
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pacer = Pacer::builder(Rate::per_second(100)?).burst(10).build()?;
+    /// let lost = Arc::new(AtomicU32::new(0));
+    /// let seen = lost.clone();
+    /// let batches = futures::stream::iter([vec![0u8; 10], vec![0u8; 10]]);
+    /// let mut paced = Leaky::builder(batches, pacer)
+    ///     .cost(|batch: &Vec<u8>| batch.len() as u32) // a batch of 10 costs 10
+    ///     .on_drop(move |batch: Vec<u8>, _: &Dropped| {
+    ///         seen.fetch_add(batch.len() as u32, Ordering::Relaxed);
+    ///     })
+    ///     .build()?;
+    /// assert_eq!(paced.next().await.map(|b| b.len()), Some(10)); // the burst
+    /// assert!(futures::poll!(paced.next()).is_pending()); // the next 10 wait 100 ms
+    /// drop(paced);
+    /// assert_eq!(lost.load(Ordering::Relaxed), 10);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn builder(stream: S, pacer: Pacer) -> LeakyBuilder<S, UnitCost<S::Item>> {
         LeakyBuilder {
             stream,

@@ -17,8 +17,9 @@ use std::sync::Arc;
 /// [`Leaky::builder`](crate::pace::Leaky::builder); counted as
 /// `flowgate_pace_dropped_total{policy="closed"}`) and the bulkhead adapters (hook from
 /// [`BulkheadMap::builder`](crate::bulkhead::BulkheadMap::builder) and its siblings; the
-/// item a closed bulkhead refused is counted as its `closed` refusal). Nothing is dropped
-/// silently.
+/// item a closed bulkhead refused is counted as its `closed` refusal, while the one held
+/// when the adapter is dropped is counted nowhere: only the hook sees it). Nothing is
+/// dropped silently.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Dropped {

@@ -58,7 +58,7 @@
 //! | *max_in_flight* | a bulkhead's concurrency cap | `Bulkhead::max_in_flight`, `set_max_in_flight` |
 //! | *cost* | the units one request takes, at least 1 (`leaky_cost` lets an item of cost 0 pass free, and `RateLimitLayerBuilder::cost` a request of cost 0) | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost`, `RateLimitLayerBuilder::cost` |
 //! | *reject* | a limiter, gate or buffer refuses a request and answers the caller: a `Decision` with `allowed == false`, or the item handed back ([`Overflow::Reject`]) | `Decision`, `SendError::Full` |
-//! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted by `dropped()` (a channel reads all its counters together with `stats()`) | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop` |
+//! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted by `dropped()` (a channel reads all its counters together with `stats()`); an adapter that holds one item while it waits (`leaky`, the bulkhead adapters) passes it to the hook of its builder as [`Dropped::Discarded`] when it lets go of it | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop`, `Dropped::Discarded` |
 //! | *shed* | a bulkhead refuses work because it is saturated: waiting room full, waited too long, no permit free, or pushed out by critical work | `bulkhead::AcquireError` |
 //! | *evict* | remove idle per-key state to bound memory; never items | `MemoryGate`, `Keyed` (`sweep`, `max_keys`) |
 //!

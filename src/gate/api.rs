@@ -165,6 +165,12 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// per shard (16); a `RegionGate` (feature `redis`) has no `check_all` and
     /// refuses every list.
     ///
+    /// These quotas alone: a `RateLimitLayer` built over a `MemoryGate` (or a `RedisGate`
+    /// falling back to one) is also refused when its quotas and those of the other layers
+    /// alive on that gate are more than 16 distinct ones together. flowgate's gates and
+    /// the pointers to them (`Arc<G>`, `&G`) pass that count on; a gate of your
+    /// own that wraps a `MemoryGate` cannot, so the layers over it are checked one by one.
+    ///
     /// # Errors
     ///
     /// [`ConfigError`](crate::ConfigError) naming what the gate cannot decide.

@@ -300,6 +300,34 @@ fn at_most_16_policies_are_kept_those_with_a_remaining_first() {
 }
 
 #[test]
+fn members_that_are_not_policies_do_not_use_up_the_16() {
+    // Sixteen members that are no policy (not a name, an inner list, a repeated name)
+    // before a real one: the real one is still read.
+    let p = r#""p";r=0;t=60"#;
+    for junk in ["1", r#"("x" "y")"#, "?1", r#""a";r=5;t=1"#] {
+        let field = format!("{}, {p}", vec![junk; 16].join(", "));
+        let h = parse(&[("ratelimit", &field)]);
+        assert_eq!(
+            h.policies.last(),
+            Some(&policy(Some("p"), None, None, Some(0), Some(60))),
+            "{junk}"
+        );
+        assert_eq!(h.retry_delay(), Some(60 * S), "{junk}");
+    }
+    // The same in RateLimit-Policy: the policy after the junk keeps its quota.
+    let field = format!("{}, \"p\";q=10;w=60", vec!["42;q=1"; 16].join(", "));
+    let h = parse(&[("ratelimit-policy", &field), ("ratelimit", p)]);
+    assert_eq!(
+        h.policies,
+        [policy(Some("p"), Some(10), Some(60), Some(0), Some(60))]
+    );
+    // Ten thousand repeats of one name over several lines: one policy, the first.
+    let lines = vec![("ratelimit", r#""a";r=5;t=1, "a";r=0;t=9"#); 5_000];
+    let h = parse(&lines);
+    assert_eq!(h.policies, [policy(Some("a"), None, None, Some(5), Some(1))]);
+}
+
+#[test]
 fn draft_03_fields() {
     let h = parse(&[
         ("ratelimit-limit", "10"),

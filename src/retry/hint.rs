@@ -62,7 +62,8 @@ pub struct PolicyHint {
 /// (a list with a syntax error, a negative or non-integer number) contributes nothing, and
 /// a parameter of the wrong type is as if absent. No input panics. At most
 /// [`MAX_POLICIES`](ServerHint::MAX_POLICIES) policies are kept, those with a current
-/// remaining first.
+/// remaining first: the first 16 list members of each IETF field that are policies (a
+/// member that is not a name, or repeats a name, is skipped without using up a place).
 ///
 /// The summaries ([`remaining`](ServerHint::remaining), [`reset`](ServerHint::reset),
 /// [`quota`](ServerHint::quota), [`window`](ServerHint::window),
@@ -268,23 +269,50 @@ fn non_negative(value: &BareItemFromInput<'_>) -> Option<u64> {
     }
 }
 
-/// Collects the members of a list (at most `MAX_POLICIES`; later ones are still checked
-/// for syntax, then ignored).
-struct Members<'a>(&'a mut Vec<Member>);
+/// Collects the members of a list: at most `MAX_POLICIES`; later ones are still checked
+/// for syntax, then ignored. With `named` (the IETF fields), only members that can be a
+/// policy count: a member that is not a name, or repeats an earlier member's name, gives
+/// its place back, so junk cannot crowd out the policies after it.
+struct Members<'a> {
+    out: &'a mut Vec<Member>,
+    named: bool,
+}
+
+impl Members<'_> {
+    /// Drop the last member when `named` and it cannot be a policy.
+    fn drop_unnamed(&mut self) {
+        if !self.named {
+            return;
+        }
+        let Some((last, earlier)) = self.out.split_last() else {
+            return;
+        };
+        let keep = !last.other
+            && last
+                .name
+                .as_ref()
+                .is_some_and(|name| earlier.iter().all(|m| m.name.as_ref() != Some(name)));
+        if !keep {
+            self.out.pop();
+        }
+    }
+}
 
 impl<'de> ListVisitor<'de> for Members<'_> {
     type Out = ();
     type Error = Infallible;
 
     fn entry(&mut self) -> Result<impl EntryVisitor<'de>, Self::Error> {
-        if self.0.len() >= ServerHint::MAX_POLICIES {
+        self.drop_unnamed();
+        if self.out.len() >= ServerHint::MAX_POLICIES {
             return Ok(None);
         }
-        self.0.push(Member::default());
-        Ok(self.0.last_mut().map(Entry))
+        self.out.push(Member::default());
+        Ok(self.out.last_mut().map(Entry))
     }
 
-    fn finish(self) -> Result<(), Self::Error> {
+    fn finish(mut self) -> Result<(), Self::Error> {
+        self.drop_unnamed();
         Ok(())
     }
 }
@@ -357,8 +385,9 @@ impl<'de> ParameterVisitor<'de> for Params<'_> {
 }
 
 /// Every line of the field `name` as one list (RFC 9651 §3.1: lines are joined with
-/// commas); empty when the field is absent or malformed.
-fn list(headers: &HeaderMap, name: &HeaderName) -> Vec<Member> {
+/// commas); empty when the field is absent or malformed. With `named`, only distinct
+/// names are kept (see [`Members`]).
+fn list(headers: &HeaderMap, name: &HeaderName, named: bool) -> Vec<Member> {
     let mut lines = headers.get_all(name).iter();
     let Some(first) = lines.next() else {
         return Vec::new();
@@ -377,7 +406,10 @@ fn list(headers: &HeaderMap, name: &HeaderName) -> Vec<Member> {
     };
     let mut members = Vec::new();
     if Parser::new(input)
-        .parse_list_with_visitor(Members(&mut members))
+        .parse_list_with_visitor(Members {
+            out: &mut members,
+            named,
+        })
         .is_err()
     {
         members.clear();
@@ -431,7 +463,7 @@ fn number_item_millis(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
 /// name (a `RateLimit` member without a policy is a policy of its own).
 fn ietf(headers: &HeaderMap) -> Vec<PolicyHint> {
     let mut policies: Vec<PolicyHint> = Vec::new();
-    for m in list(headers, &RATELIMIT_POLICY) {
+    for m in list(headers, &RATELIMIT_POLICY, true) {
         let Some(name) = m.name.filter(|_| !m.other) else {
             continue;
         };
@@ -447,7 +479,7 @@ fn ietf(headers: &HeaderMap) -> Vec<PolicyHint> {
         });
     }
     let mut matched = vec![false; policies.len()];
-    for m in list(headers, &RATELIMIT) {
+    for m in list(headers, &RATELIMIT, true) {
         let Some(name) = m.name.filter(|_| !m.other) else {
             continue;
         };
@@ -492,7 +524,7 @@ fn ietf(headers: &HeaderMap) -> Vec<PolicyHint> {
 /// Draft-03: `RateLimit-Limit` (`10` or `10, 10;w=1, 50;w=60`), `RateLimit-Remaining`,
 /// `RateLimit-Reset` (seconds).
 fn draft_03(headers: &HeaderMap) -> Option<PolicyHint> {
-    let limit = list(headers, &RATELIMIT_LIMIT);
+    let limit = list(headers, &RATELIMIT_LIMIT, false);
     let quota = limit.first().and_then(|m| m.int);
     // The window: `w` on the first member, else on a later member with the same quota.
     let window = limit

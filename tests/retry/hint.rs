@@ -324,7 +324,10 @@ fn members_that_are_not_policies_do_not_use_up_the_16() {
     // Ten thousand repeats of one name over several lines: one policy, the first.
     let lines = vec![("ratelimit", r#""a";r=5;t=1, "a";r=0;t=9"#); 5_000];
     let h = parse(&lines);
-    assert_eq!(h.policies, [policy(Some("a"), None, None, Some(5), Some(1))]);
+    assert_eq!(
+        h.policies,
+        [policy(Some("a"), None, None, Some(5), Some(1))]
+    );
 }
 
 #[test]

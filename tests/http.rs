@@ -18,3 +18,5 @@ mod outbound;
 
 #[path = "http/contract.rs"]
 mod contract;
+#[path = "http/client_ip.rs"]
+mod client_ip;

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use http::HeaderMap;
@@ -46,7 +47,8 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 ///    that breaks) stops the walk: the key is the nearest trusted hop to its right (the
 ///    last address known to be true). Each line is read from the right, entry by entry, so
 ///    whatever a client writes left of the entries the proxies appended (stray bytes, an
-///    unterminated quote) is never reached.
+///    unterminated quote) is never reached: nothing left of where the walk stops is parsed,
+///    and the walk allocates nothing, however many entries a header holds.
 /// 4. Every hop is trusted: the key is the left-most address (the only case the left-most
 ///    entry is used).
 ///
@@ -143,16 +145,18 @@ impl ClientIp {
                 }
             }
             ForwardedHeader::Forwarded => {
-                let mut nodes = Vec::new();
                 for line in headers.get_all(FORWARDED).iter().rev() {
-                    nodes.clear();
-                    parse_forwarded_rev(line.as_bytes(), &mut nodes);
-                    for node in &nodes {
-                        match *node {
-                            Some(ip) if self.is_trusted(ip) => nearest = ip,
-                            Some(ip) => return ip,
-                            None => return nearest,
+                    // Element by element: the walk stops parsing where it stops.
+                    let walked = parse_forwarded_rev(line.as_bytes(), |node| match node {
+                        Some(ip) if self.is_trusted(ip) => {
+                            nearest = ip;
+                            ControlFlow::Continue(())
                         }
+                        Some(ip) => ControlFlow::Break(ip),
+                        None => ControlFlow::Break(nearest),
+                    });
+                    if let ControlFlow::Break(ip) = walked {
+                        return ip;
                     }
                 }
             }
@@ -310,9 +314,10 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
 }
 
 /// The `for` node of each element of one `Forwarded` field line (RFC 7239 §4), read from
-/// the right and pushed to `out` right-most first: the address, or `None` for an element
+/// the right and handed to `visit` right-most first: the address, or `None` for an element
 /// whose `for` is missing, repeated, `unknown`, obfuscated or not an address. Where the
-/// syntax breaks, a last `None` is pushed and reading stops.
+/// syntax breaks, a last `None` is handed over and reading stops. Reading also stops, and
+/// the break is returned, as soon as `visit` breaks: elements left of it are never parsed.
 ///
 /// Reading from the right means the elements proxies appended are read whatever a client
 /// wrote to their left (an unterminated quote, stray bytes). Elements are split on `,` and
@@ -321,7 +326,10 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
 /// or whitespace (leniently: RFC 7239 needs quotes around `:` and `[`, which some proxies
 /// leave out). Empty elements (nothing but whitespace) are skipped; an element of bare `;`
 /// has no `for`.
-fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
+fn parse_forwarded_rev<B>(
+    line: &[u8],
+    mut visit: impl FnMut(Option<IpAddr>) -> ControlFlow<B>,
+) -> ControlFlow<B> {
     let b = line;
     let mut end = b.len();
     let last = |end: usize| end.checked_sub(1).map(|i| b[i]);
@@ -357,8 +365,7 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                 let mut j = close;
                 let open = loop {
                     if j == 0 {
-                        out.push(None);
-                        return;
+                        return visit(None);
                     }
                     j -= 1;
                     if b[j] == b'"' {
@@ -378,8 +385,7 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                             match bytes.next() {
                                 Some(&next) => unescaped.push(next),
                                 None => {
-                                    out.push(None);
-                                    return;
+                                    return visit(None);
                                 }
                             }
                         } else {
@@ -401,8 +407,7 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                 &b[end..stop]
             };
             if (value.is_empty() && !quoted) || last(end) != Some(b'=') {
-                out.push(None);
-                return;
+                return visit(None);
             }
             end -= 1;
             let name_end = end;
@@ -410,8 +415,7 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                 end -= 1;
             }
             if end == name_end {
-                out.push(None);
-                return;
+                return visit(None);
             }
             pairs += 1;
             if b[end..name_end].eq_ignore_ascii_case(b"for") {
@@ -423,17 +427,18 @@ fn parse_forwarded_rev(line: &[u8], out: &mut Vec<Option<IpAddr>>) {
                 Some(b';') => end -= 1,
                 None | Some(b',') => break,
                 Some(_) => {
-                    out.push(None);
-                    return;
+                    return visit(None);
                 }
             }
         }
-        if pairs > 0 || written {
-            out.push(if repeated { None } else { node.flatten() });
+        if (pairs > 0 || written)
+            && let ControlFlow::Break(b) = visit(if repeated { None } else { node.flatten() })
+        {
+            return ControlFlow::Break(b);
         }
         match last(end) {
             Some(b',') => end -= 1,
-            _ => return,
+            _ => return ControlFlow::Continue(()),
         }
     }
 }

@@ -57,7 +57,11 @@ unsafe impl GlobalAlloc for CountingAlloc {
 
 /// The key `extractor` gives a request from the trusted `10.0.0.1` with `lines` of
 /// `header`, and the allocations the extraction made.
-fn key_and_allocations(extractor: &ClientIp, header: &'static str, lines: &[&str]) -> (String, u64) {
+fn key_and_allocations(
+    extractor: &ClientIp,
+    header: &'static str,
+    lines: &[&str],
+) -> (String, u64) {
     let mut req = http::Request::new(());
     req.extensions_mut()
         .insert("10.0.0.1:40000".parse::<SocketAddr>().unwrap());

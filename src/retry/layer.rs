@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Buf;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
@@ -110,11 +110,23 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// (`RateLimit-Policy`'s `q` within `w`) and its allowance (`RateLimit`'s `r` within `t`),
 /// each when the server sent it. Call it before reporting the response's outcome, as
 /// [`AdaptivePacer`] asks.
-pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint) {
+///
+/// `max_wait` is the longest server hint honoured (the backoff's
+/// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)): an allowance
+/// slower than one unit per `max_wait` (`r=0;t=86400`) is taken as one unit per `max_wait`,
+/// so it holds no later request longer than a `Retry-After` would (a zero `max_wait` leaves
+/// the allowance as the server sent it).
+pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Duration) {
     if let Some((quota, window)) = hint.sustained_rate() {
         pacer.on_policy(quota, window);
     }
     if let Some((remaining, reset)) = hint.allowance() {
+        // `max(r, 1) / t` is the pacer's cap (see `on_allowance`): at least `1 / max_wait`.
+        let units = u32::try_from(remaining.max(1)).unwrap_or(u32::MAX);
+        let reset = match max_wait.saturating_mul(units) {
+            longest if !longest.is_zero() => reset.min(longest),
+            _ => reset,
+        };
         pacer.on_allowance(remaining, reset);
     }
 }
@@ -150,7 +162,11 @@ impl Methods {
 ///    attempts, so this is what bounds an attempt under way);
 /// 3. classifies the result; feeds the response's `RateLimit-Policy` / `RateLimit`
 ///    fields to the pacer (every response, not only refusals: the server's remaining
-///    steers the rate before any `429`); reports the outcome and the attempt's own
+///    steers the rate before any `429`; an allowance slower than one unit per the
+///    backoff's [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after), such
+///    as `r=0` with a reset of a day, is taken as one unit per `max_retry_after`, so it
+///    holds later requests no longer than a `Retry-After` would); reports the outcome and
+///    the attempt's own
 ///    round-trip time to the policy (the budget, the pacer, the metrics): the RTT of
 ///    that attempt alone, from sending to the response, never the waits before it nor
 ///    the earlier attempts;
@@ -594,6 +610,7 @@ where
                 feed_hint(
                     pacer,
                     &ServerHint::from_headers(res.headers(), SystemTime::now()),
+                    policy.backoff().max_retry_after(),
                 );
             }
             policy.record(outcome, rtt);

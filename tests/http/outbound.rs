@@ -546,8 +546,9 @@ async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests
                 tokio::time::timeout(1_200 * SECOND, client.clone().oneshot(request(Method::GET)))
                     .await;
             assert!(next.is_ok(), "{status} {i}: waited {:?}", start.elapsed());
+            // Within a tick of tokio's timer (1 ms: the pacer's deadline is a few ns past).
             assert!(
-                start.elapsed() <= 60 * SECOND,
+                start.elapsed() <= 60 * SECOND + MS,
                 "{status} {i}: {:?}",
                 start.elapsed()
             );

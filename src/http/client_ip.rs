@@ -686,7 +686,134 @@ mod tests {
             .prop_map(IpAddr::from)
     }
 
+    /// One hop of a generated chain: what it is, and how it is written.
+    #[derive(Debug, Clone)]
+    enum Hop {
+        /// An address (trusted when in 10/8 or 2001:db8:ffff::/48), written in one of the
+        /// forms proxies use: `style` picks bare, with a port, bracketed, IPv4-mapped.
+        Addr(IpAddr, u8),
+        /// `unknown`, an obfuscated name, or text that is no address.
+        Bad(&'static str),
+        /// An empty list element (skipped).
+        Empty,
+    }
+
+    fn hop() -> impl Strategy<Value = Hop> {
+        let v4 = prop_oneof![
+            any::<[u8; 3]>().prop_map(|o| IpAddr::from([10, o[0], o[1], o[2]])),
+            any::<[u8; 4]>().prop_map(IpAddr::from),
+        ];
+        let v6 = prop_oneof![
+            any::<u64>().prop_map(|lo| IpAddr::V6(Ipv6Addr::from_bits(
+                (0x2001_0db8_ffff_u128 << 80) | u128::from(lo)
+            ))),
+            any::<u128>().prop_map(|bits| IpAddr::V6(Ipv6Addr::from_bits(bits))),
+        ];
+        let addr = prop_oneof![v4, v6].prop_map(|ip| ip.to_canonical());
+        prop_oneof![
+            6 => (addr, any::<u8>()).prop_map(|(ip, style)| Hop::Addr(ip, style)),
+            1 => prop_oneof![
+                Just("unknown"),
+                Just("_hidden"),
+                Just("garbage"),
+                Just("1.2.3"),
+                Just("[::1"),
+                Just("1.2.3.4:99999x"),
+            ]
+            .prop_map(Hop::Bad),
+            1 => Just(Hop::Empty),
+        ]
+    }
+
+    /// `hop` as an `X-Forwarded-For` entry and as a `Forwarded` element.
+    fn write_hop(hop: &Hop) -> (String, String) {
+        match hop {
+            Hop::Addr(ip, style) => {
+                let port = u16::from(*style) * 257;
+                let node = match (ip, style % 4) {
+                    (_, 0) => ip.to_string(),
+                    (IpAddr::V4(v4), 1) => format!("{v4}:{port}"),
+                    (IpAddr::V4(v4), 2) => format!("[{}]:{port}", v4.to_ipv6_mapped()),
+                    (IpAddr::V4(v4), _) => v4.to_ipv6_mapped().to_string(),
+                    (IpAddr::V6(v6), 1 | 2) => format!("[{v6}]:{port}"),
+                    (IpAddr::V6(v6), _) => format!("[{v6}]"),
+                };
+                let quoted = node.contains([':', '[']) || style % 8 >= 4;
+                let element = match (quoted, style % 3) {
+                    (true, 0) => format!("for=\"{node}\";proto=https"),
+                    (true, _) => format!("by=\"_p\";For=\"{node}\""),
+                    (false, 0) => format!("for={node}"),
+                    (false, _) => format!("host=example.com;for={node}"),
+                };
+                (node, element)
+            }
+            Hop::Bad(text) => {
+                let quoted = text.contains(['[', ':']);
+                let element = if quoted {
+                    format!("for=\"{text}\"")
+                } else {
+                    format!("for={text}")
+                };
+                ((*text).to_owned(), element)
+            }
+            Hop::Empty => (" ".to_owned(), " ".to_owned()),
+        }
+    }
+
+    /// The documented rules, over the hops as generated: from the right, skipping trusted
+    /// ones; a bad hop gives the nearest trusted one; all trusted gives the left-most.
+    fn expected(c: &ClientIp, peer: IpAddr, hops: &[Hop]) -> IpAddr {
+        let mut nearest = peer;
+        for hop in hops.iter().rev() {
+            match hop {
+                Hop::Addr(ip, _) if c.is_trusted(*ip) => nearest = *ip,
+                Hop::Addr(ip, _) => return *ip,
+                Hop::Bad(_) => return nearest,
+                Hop::Empty => {}
+            }
+        }
+        nearest
+    }
+
     proptest! {
+        /// Chains of up to 600 hops in every form, split over field lines anywhere: the
+        /// key is what the documented rules give.
+        #[test]
+        fn long_chains_give_the_documented_key(
+            hops in proptest::collection::vec(hop(), 0..600),
+            cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..4),
+        ) {
+            let peer: IpAddr = "10.0.0.1".parse().unwrap();
+            let mut cuts: Vec<usize> = cuts.iter().map(|i| i.index(hops.len() + 1)).collect();
+            cuts.push(0);
+            cuts.push(hops.len());
+            cuts.sort_unstable();
+            cuts.dedup();
+            for (name, c, forwarded) in [("x-forwarded-for", xff(), false), ("forwarded", fwd(), true)] {
+                let lines: Vec<Vec<u8>> = cuts
+                    .windows(2)
+                    .map(|w| {
+                        hops[w[0]..w[1]]
+                            .iter()
+                            .map(|h| {
+                                let (node, element) = write_hop(h);
+                                if forwarded { element } else { node }
+                            })
+                            .collect::<Vec<_>>()
+                            .join(",")
+                            .into_bytes()
+                    })
+                    .collect();
+                let headers: Vec<(&str, &[u8])> = lines.iter().map(|l| (name, l.as_slice())).collect();
+                let req = request(Some("10.0.0.1:1"), &headers);
+                prop_assert_eq!(
+                    key_of(&c, &req),
+                    Some(expected(&c, peer, &hops).to_string()),
+                    "{}: {:?}", name, lines.iter().map(|l| String::from_utf8_lossy(l)).collect::<Vec<_>>()
+                );
+            }
+        }
+
         #[test]
         fn no_panic_on_any_header_bytes(
             lines in proptest::collection::vec(chainish(), 0..4),

@@ -560,6 +560,111 @@ proptest! {
     }
 }
 
+/// One `RateLimit` list member with valid syntax that may or may not be a policy: a name
+/// from a small set (so names repeat) or another type, with parameters of any type.
+fn member() -> impl Strategy<Value = String> {
+    let value = prop_oneof![
+        (0u64..=999_999_999_999_999).prop_map(|n| n.to_string()),
+        (1u64..=999_999_999_999_999).prop_map(|n| format!("-{n}")),
+        (0u64..=999_999_999_999, 0u16..1000).prop_map(|(i, f)| format!("{i}.{f}")),
+        Just("?1".to_owned()),
+        Just("\"s\"".to_owned()),
+        Just("tok".to_owned()),
+    ];
+    let item = prop_oneof![
+        4 => (0u8..6).prop_map(|n| format!("\"n{n}\"")),
+        1 => (0u8..6).prop_map(|n| format!("n{n}")),
+        1 => any::<u32>().prop_map(|n| n.to_string()),
+        1 => Just(r#"("a" "b")"#.to_owned()),
+        1 => Just("?0".to_owned()),
+    ];
+    let param = (
+        prop_oneof![Just("r"), Just("t"), Just("q"), Just("w"), Just("x")],
+        value,
+    );
+    (item, proptest::collection::vec(param, 0..4)).prop_map(|(item, params)| {
+        let mut m = item;
+        for (k, v) in params {
+            m.push_str(&format!(";{k}={v}"));
+        }
+        m
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// Up to 300 members over several lines, names repeated, values of every type: at
+    /// most 16 policies, no name twice, every number an sf-Integer; a policy with nothing
+    /// remaining after fewer than 16 other names is kept, so its reset is waited for.
+    #[test]
+    fn long_lists_keep_distinct_policies_and_the_one_that_refuses(
+        members in proptest::collection::vec(member(), 0..300),
+        at in any::<prop::sample::Index>(),
+        lines in 1usize..4,
+        t in 0u64..=999_999_999_999_999,
+    ) {
+        let mut members = members;
+        let at = at.index(members.len() + 1);
+        members.insert(at, format!("\"z\";r=0;t={t}"));
+        let per_line = members.len().div_ceil(lines);
+        let fields: Vec<String> = members.chunks(per_line).map(|c| c.join(", ")).collect();
+        let named: Vec<(&str, &str)> = fields.iter().map(|f| ("ratelimit", f.as_str())).collect();
+        let h = parse(&named);
+        prop_assert!(h.policies.len() <= ServerHint::MAX_POLICIES);
+        let mut names: Vec<&str> = h.policy_names().collect();
+        prop_assert_eq!(names.len(), h.policies.len());
+        names.sort_unstable();
+        names.dedup();
+        prop_assert_eq!(names.len(), h.policies.len(), "{:?}", h);
+        for p in &h.policies {
+            for n in [p.remaining, p.quota].into_iter().flatten() {
+                prop_assert!(n <= 999_999_999_999_999);
+            }
+            prop_assert!(p.reset.is_none_or(|r| r <= Duration::from_secs(999_999_999_999_999)));
+        }
+        // The names before `z` that are policies (a string or a token, first seen).
+        let mut before: Vec<String> = Vec::new();
+        for m in &members[..at] {
+            let name = m.split(';').next().unwrap_or("").trim_matches('"');
+            if name.starts_with('n') && !before.iter().any(|b| b == name) {
+                before.push(name.to_owned());
+            }
+        }
+        if before.len() < ServerHint::MAX_POLICIES {
+            prop_assert!(h.policy_names().any(|n| n == "z"), "{:?}", h);
+            prop_assert!(h.retry_delay() >= Some(Duration::from_secs(t)));
+        }
+    }
+
+    /// Delta-seconds of any length, with whitespace: the number, saturated at `u64::MAX`.
+    #[test]
+    fn retry_after_delta_seconds_of_any_length(
+        digits in "[0-9]{1,40}",
+        pad in "[ \t]{0,3}",
+    ) {
+        let value = format!("{pad}{digits}{pad}");
+        let expected = digits.parse::<u128>().map_or(u64::MAX, |n| u64::try_from(n).unwrap_or(u64::MAX));
+        let h = parse(&[("retry-after", &value)]);
+        prop_assert_eq!(h.retry_after, Some(Duration::from_secs(expected)));
+    }
+
+    /// Any HTTP-date from 1970 to 9999 against any `now`: the time until it, zero when past.
+    #[test]
+    fn retry_after_dates_from_1970_to_9999(
+        date in 0u64..=253_402_300_799,
+        now in 0u64..=253_402_300_799,
+    ) {
+        let date = UNIX_EPOCH + Duration::from_secs(date);
+        let now = UNIX_EPOCH + Duration::from_secs(now);
+        let h = ServerHint::from_headers(
+            &headers(&[("retry-after", &httpdate::fmt_http_date(date))]),
+            now,
+        );
+        prop_assert_eq!(h.retry_after, Some(date.duration_since(now).unwrap_or(Duration::ZERO)));
+    }
+}
+
 /// The `x-client` header as the key.
 fn by_client(req: &RequestInfo<'_>, key: &mut String) -> bool {
     match req.headers.get("x-client").and_then(|v| v.to_str().ok()) {

@@ -854,3 +854,82 @@ async fn eight_adaptive_clients_converge_on_a_real_server() {
     assert!(ratio < 0.05, "429 ratio too high: {report}");
     assert!(goodput >= 90.0, "goodput too low: {report}");
 }
+
+// ---- hostile fields, paused time ----
+
+/// A field a broken or hostile server sends, with extreme but valid (or invalid) values.
+fn hostile_field() -> impl proptest::strategy::Strategy<Value = (&'static str, String)> {
+    use proptest::prelude::*;
+    let huge = prop_oneof![
+        Just("0".to_owned()),
+        Just("1".to_owned()),
+        Just("999999999999999".to_owned()),
+        Just("18446744073709551615".to_owned()),
+        Just("99999999999999999999999999".to_owned()),
+        Just("-1".to_owned()),
+        Just("0.5".to_owned()),
+        any::<u32>().prop_map(|n| n.to_string()),
+    ];
+    prop_oneof![
+        huge.clone().prop_map(|v| ("retry-after", v)),
+        Just(("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT".to_owned())),
+        Just(("retry-after", "Thu, 01 Jan 1970 00:00:00 GMT".to_owned())),
+        (huge.clone(), huge.clone()).prop_map(|(r, t)| ("ratelimit", format!("\"p\";r={r};t={t}"))),
+        (huge.clone(), huge.clone())
+            .prop_map(|(q, w)| ("ratelimit-policy", format!("\"p\";q={q};w={w}"))),
+        huge.clone().prop_map(|v| ("x-ratelimit-remaining", v)),
+        huge.prop_map(|v| ("x-ratelimit-reset", v)),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Any of these fields on 429s, 503s and successes, through a `RetryLayer` with an
+    /// `AdaptivePacer`: nothing panics or overflows (debug build), and every request ends
+    /// within its attempts, each waiting at most the pacer's slowest unit (1 000 s) plus
+    /// `max_retry_after` (60 s) plus the backoff's cap (10 s).
+    #[test]
+    fn hostile_fields_never_panic_and_every_request_ends(
+        script in proptest::collection::vec(
+            (proptest::sample::select(vec![200u16, 429, 503]), proptest::collection::vec(hostile_field(), 0..4)),
+            1..8,
+        ),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let server = Scripted::new();
+            let script = Arc::new(script);
+            let svc = server.service(move |n| {
+                let (status, fields) = &script[(n as usize - 1) % script.len()];
+                let mut res = answer(*status, String::new(), None);
+                for (name, value) in fields {
+                    res.headers_mut().append(*name, HeaderValue::from_str(value).unwrap());
+                }
+                res
+            });
+            let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap()).build().unwrap();
+            let backoff = Backoff::builder().seed(1).build().unwrap();
+            let policy = RetryPolicy::builder(backoff).pacer(pacer.clone()).build().unwrap();
+            let client = RetryLayer::new(policy).layer(svc);
+            let attempts = Backoff::DEFAULT_MAX_ATTEMPTS;
+            let bound = (1_000 + 60 + 10) * SECOND * attempts;
+            for _ in 0..3 {
+                let start = Instant::now();
+                let res = tokio::time::timeout(bound, client.clone().oneshot(request(Method::GET)))
+                    .await
+                    .expect("a request ends within its attempts' waits")
+                    .unwrap();
+                assert!(info(&res).attempts <= attempts);
+                assert!(start.elapsed() <= bound);
+                let status = pacer.status();
+                assert!(status.rate_per_second.is_finite() && status.rate_per_second > 0.0);
+                assert!(status.ceiling_per_second.is_finite());
+            }
+        });
+    }
+}

@@ -50,7 +50,7 @@ pub struct PolicyHint {
 ///
 /// | field | parsed as |
 /// |---|---|
-/// | `Retry-After` | delta-seconds, or an HTTP-date relative to `now` (a date in the past is zero) |
+/// | `Retry-After` | delta-seconds (saturating at `u64::MAX` seconds), or an HTTP-date relative to `now` (a date in the past is zero); of several field lines, the first |
 /// | `RateLimit-Policy`, `RateLimit` | the IETF fields (draft-ietf-httpapi-ratelimit-headers -10/-11): Structured Field Lists, `"name";q=100;w=60` and `"name";r=42;t=17`, matched by name; several field lines are one list |
 /// | `RateLimit-Limit`, `-Remaining`, `-Reset` | draft-03: integers, the reset in seconds; the limit may carry `;w=` |
 /// | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | integers; a reset above 10⁹ is a Unix time in seconds (above 10¹² in milliseconds), converted with `now`; fractions allowed |

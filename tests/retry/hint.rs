@@ -439,6 +439,9 @@ fn retry_after_forms() {
     ] {
         assert_eq!(one(bad), None, "{bad:?}");
     }
+    // Several field lines (a singleton field sent twice): the first.
+    let h = parse(&[("retry-after", "5"), ("retry-after", "3600")]);
+    assert_eq!(h.retry_after, Some(5 * S));
     // Not UTF-8.
     let mut map = HeaderMap::new();
     map.insert("retry-after", HeaderValue::from_bytes(b"\xff\xfe").unwrap());

@@ -4,6 +4,9 @@
 
 mod support;
 
+#[path = "support/alloc.rs"]
+mod alloc;
+
 #[path = "http/harness.rs"]
 mod harness;
 

@@ -4,6 +4,10 @@
 
 mod support;
 
+#[cfg(feature = "http")]
+#[path = "support/alloc.rs"]
+mod alloc;
+
 #[path = "retry/backoff.rs"]
 mod backoff;
 

@@ -1,59 +1,11 @@
 //! `ClientIp` on long proxy chains: the walk reads from the right and stops where the
 //! rules say, without an allocation per request, whatever a client wrote to the left.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::net::SocketAddr;
 
 use flowgate::http::{ClientIp, ForwardedHeader, KeyExtractor, RequestInfo};
 
-/// The system allocator, counting each thread's allocations (a thread-local counter, so
-/// the other tests of this binary do not disturb a count).
-struct CountingAlloc;
-
-#[global_allocator]
-static GLOBAL: CountingAlloc = CountingAlloc;
-
-thread_local! {
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count_allocation() {
-    // `try_with`: the thread-local may be gone while a thread exits.
-    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
-}
-
-/// Allocations made so far by the calling thread.
-fn allocations() -> u64 {
-    ALLOCATIONS.with(Cell::get)
-}
-
-// SAFETY: every call is forwarded to `System` with the caller's arguments unchanged; the
-// counter is a const-initialised thread-local, which itself never allocates.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count_allocation();
-        // SAFETY: forwarded as is; the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count_allocation();
-        // SAFETY: forwarded as is.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count_allocation();
-        // SAFETY: `ptr` came from `System` through this allocator, with this `layout`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use crate::alloc::allocations;
 
 /// The key `extractor` gives a request from the trusted `10.0.0.1` with `lines` of
 /// `header`, and the allocations the extraction made.

@@ -330,6 +330,37 @@ fn members_that_are_not_policies_do_not_use_up_the_16() {
     );
 }
 
+/// The allocations `from_headers` makes for one `RateLimit` field.
+fn allocations_for(field: &str) -> u64 {
+    let map = headers(&[("ratelimit", field)]);
+    let before = crate::alloc::allocations();
+    let h = ServerHint::from_headers(&map, draft_now());
+    let made = crate::alloc::allocations() - before;
+    drop(h);
+    made
+}
+
+#[test]
+fn ten_thousand_members_allocate_no_more_than_the_16_kept() {
+    // Repeats of one name, and members that are no policy: as much as one member.
+    let one = allocations_for(r#""a";r=5;t=1"#);
+    let repeated = vec![r#""a";r=5;t=1"#; 10_000].join(", ");
+    assert_eq!(allocations_for(&repeated), one);
+    let junk = format!(
+        "\"a\";r=5;t=1, {}",
+        vec!["1;r=2, (\"x\");t=3"; 5_000].join(", ")
+    );
+    assert_eq!(allocations_for(&junk), one);
+    // Distinct names: as much as the 16 kept.
+    let names = |n: usize| {
+        (0..n)
+            .map(|i| format!("\"p{i}\";r=1;t=1"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    assert_eq!(allocations_for(&names(10_000)), allocations_for(&names(16)));
+}
+
 #[test]
 fn draft_03_fields() {
     let h = parse(&[

@@ -253,7 +253,8 @@ struct Member {
     name: Option<String>,
     /// The value when it is a non-negative Integer (draft-03 `RateLimit-Limit`).
     int: Option<u64>,
-    /// An inner list, or a value of another type.
+    /// An inner list, a value of another type, or (in a list of distinct names) a name
+    /// seen before.
     other: bool,
     q: Option<u64>,
     w: Option<u64>,
@@ -284,15 +285,8 @@ impl Members<'_> {
         if !self.named {
             return;
         }
-        let Some((last, earlier)) = self.out.split_last() else {
-            return;
-        };
-        let keep = !last.other
-            && last
-                .name
-                .as_ref()
-                .is_some_and(|name| earlier.iter().all(|m| m.name.as_ref() != Some(name)));
-        if !keep {
+        // A repeated name is `other` (see `Entry`).
+        if self.out.last().is_some_and(|m| m.other || m.name.is_none()) {
             self.out.pop();
         }
     }
@@ -308,7 +302,11 @@ impl<'de> ListVisitor<'de> for Members<'_> {
             return Ok(None);
         }
         self.out.push(Member::default());
-        Ok(self.out.last_mut().map(Entry))
+        let named = self.named;
+        Ok(self.out.split_last_mut().map(|(member, earlier)| Entry {
+            member,
+            earlier: if named { earlier } else { &[] },
+        }))
     }
 
     fn finish(mut self) -> Result<(), Self::Error> {
@@ -317,8 +315,12 @@ impl<'de> ListVisitor<'de> for Members<'_> {
     }
 }
 
-/// One member being parsed.
-struct Entry<'a>(&'a mut Member);
+/// One member being parsed, and the members before it whose names it must not repeat: a
+/// repeated name is `other`, without a copy of it (10 000 repeats allocate nothing).
+struct Entry<'a> {
+    member: &'a mut Member,
+    earlier: &'a [Member],
+}
 
 impl<'de> EntryVisitor<'de> for Entry<'_> {
     type Error = Infallible;
@@ -328,7 +330,7 @@ impl<'de> EntryVisitor<'de> for Entry<'_> {
     }
 
     fn inner_list(self) -> Result<impl InnerListVisitor<'de>, Self::Error> {
-        self.0.other = true;
+        self.member.other = true;
         Ok(Ignored)
     }
 }
@@ -341,14 +343,21 @@ impl<'de> ItemVisitor<'de> for Entry<'_> {
         self,
         value: BareItemFromInput<'de>,
     ) -> Result<impl ParameterVisitor<'de, Out = ()>, Self::Error> {
-        let member = self.0;
-        match &value {
-            BareItemFromInput::String(s) => member.name = Some(s.as_str().to_owned()),
-            BareItemFromInput::Token(t) => member.name = Some(t.as_str().to_owned()),
-            BareItemFromInput::Integer(_) => match non_negative(&value) {
+        let member = self.member;
+        let name = match &value {
+            BareItemFromInput::String(s) => Some(s.as_str()),
+            BareItemFromInput::Token(t) => Some(t.as_str()),
+            _ => None,
+        };
+        match (name, &value) {
+            (Some(name), _) if self.earlier.iter().all(|m| m.name.as_deref() != Some(name)) => {
+                member.name = Some(name.to_owned());
+            }
+            (None, BareItemFromInput::Integer(_)) => match non_negative(&value) {
                 Some(v) => member.int = Some(v),
                 None => member.other = true,
             },
+            // A repeated name, or a value of another type.
             _ => member.other = true,
         }
         Ok(Params(member))

@@ -4,8 +4,13 @@
 
 mod support;
 
-#[path = "support/alloc.rs"]
+#[path = "../benches/support/alloc.rs"]
 mod alloc;
+
+/// Counts each thread's allocations, for the tests that assert a path allocates nothing
+/// (or a bounded number of times).
+#[global_allocator]
+static GLOBAL: alloc::CountingAlloc = alloc::CountingAlloc;
 
 #[path = "http/harness.rs"]
 mod harness;
@@ -19,7 +24,7 @@ mod rate_limit;
 #[path = "http/outbound.rs"]
 mod outbound;
 
-#[path = "http/contract.rs"]
-mod contract;
 #[path = "http/client_ip.rs"]
 mod client_ip;
+#[path = "http/contract.rs"]
+mod contract;

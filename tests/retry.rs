@@ -5,8 +5,14 @@
 mod support;
 
 #[cfg(feature = "http")]
-#[path = "support/alloc.rs"]
+#[path = "../benches/support/alloc.rs"]
 mod alloc;
+
+/// Counts each thread's allocations, for the tests that assert a path allocates nothing
+/// (or a bounded number of times).
+#[cfg(feature = "http")]
+#[global_allocator]
+static GLOBAL: alloc::CountingAlloc = alloc::CountingAlloc;
 
 #[path = "retry/backoff.rs"]
 mod backoff;

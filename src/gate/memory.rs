@@ -518,7 +518,7 @@ impl Gate for MemoryGate {
     /// registered together by every registration alive on this gate (and its clones).
     fn register_quotas(&self, quotas: &[Quota]) -> Result<Registration, ConfigError> {
         self.validate_quotas(quotas)?;
-        self.inner.quotas.register(quotas)
+        QuotaRegistry::register(&self.inner.quotas, quotas)
     }
 
     fn limit(&self) -> Limit {

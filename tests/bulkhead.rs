@@ -1148,3 +1148,63 @@ fn forty_thousand_waiters_dropped_newest_first() {
     assert_eq!(bulkhead.in_flight(), 0);
     let _again = bulkhead.try_acquire().unwrap();
 }
+
+/// The item a bulkhead adapter lets go of, its stream dropped or its bulkhead closed, is
+/// counted in `flowgate_bulkhead_discarded_total` (with or without a hook): every dropped
+/// item is counted.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn an_adapter_counts_the_item_it_discards() {
+    async fn check<S: Stream<Item = u32>>(adapter: S, b: &Bulkhead, close: bool) {
+        let mut adapter = Box::pin(adapter);
+        assert!(poll!(adapter.next()).is_pending());
+        if close {
+            b.close();
+            assert_eq!(adapter.next().await, None);
+        } else {
+            drop(adapter);
+        }
+    }
+    let rec = support::TestRecorder::default();
+    let named = |name: &str| {
+        metrics::with_local_recorder(&rec, || Bulkhead::builder(1).name(name).build().unwrap())
+    };
+    let discarded =
+        |name: &str| rec.counter(&format!("flowgate_bulkhead_discarded_total{{name={name}}}"));
+    let items = || futures::stream::iter(0..3u32);
+    let f = |x: u32| async move { x };
+    for close in [false, true] {
+        let b = named(&format!("map-{close}"));
+        let _busy = b.acquire().await.unwrap();
+        check(items().bulkhead_map(b.clone(), f), &b, close).await;
+        assert_eq!(
+            discarded(&format!("map-{close}")),
+            1,
+            "bulkhead_map, close={close}"
+        );
+
+        let b = named(&format!("unordered-{close}"));
+        let _busy = b.acquire().await.unwrap();
+        check(items().bulkhead_map_unordered(b.clone(), f), &b, close).await;
+        assert_eq!(
+            discarded(&format!("unordered-{close}")),
+            1,
+            "unordered, close={close}"
+        );
+
+        let b = named(&format!("spawn-{close}"));
+        let _busy = b.acquire().await.unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadSpawnMap::builder(items(), b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &b, close).await;
+        assert_eq!(
+            discarded(&format!("spawn-{close}")),
+            1,
+            "spawn_map, close={close}"
+        );
+        assert_eq!(seen.lock().unwrap().len(), 1, "and the hook saw it");
+    }
+}

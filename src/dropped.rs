@@ -16,10 +16,9 @@ use std::sync::Arc;
 /// when they let go of it: [`leaky`](crate::FlowStreamExt::leaky) (hook from
 /// [`Leaky::builder`](crate::pace::Leaky::builder); counted as
 /// `flowgate_pace_dropped_total{policy="closed"}`) and the bulkhead adapters (hook from
-/// [`BulkheadMap::builder`](crate::bulkhead::BulkheadMap::builder) and its siblings; the
-/// item a closed bulkhead refused is counted as its `closed` refusal, while the one held
-/// when the adapter is dropped is counted nowhere: only the hook sees it). Nothing is
-/// dropped silently.
+/// [`BulkheadMap::builder`](crate::bulkhead::BulkheadMap::builder) and its siblings;
+/// counted in `flowgate_bulkhead_discarded_total`, whether the bulkhead closed or the
+/// adapter was dropped). Nothing is dropped silently.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Dropped {

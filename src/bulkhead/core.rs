@@ -40,6 +40,7 @@ pub(crate) mod names {
     pub(crate) const WAITING: &str = "flowgate_bulkhead_waiting";
     pub(crate) const REJECTED: &str = "flowgate_bulkhead_rejected_total";
     pub(crate) const WAIT_SECONDS: &str = "flowgate_bulkhead_wait_seconds";
+    pub(crate) const DISCARDED: &str = "flowgate_bulkhead_discarded_total";
 }
 
 struct Metrics {
@@ -47,6 +48,8 @@ struct Metrics {
     waiting: Gauge,
     rejected: [Counter; 4],
     wait: Histogram,
+    /// Items the stream adapters let go of unprocessed (see `Feed`).
+    discarded: Counter,
 }
 
 impl Metrics {
@@ -63,6 +66,7 @@ impl Metrics {
                 rejected(AcquireError::NoPermit),
             ],
             wait: l.histogram(names::WAIT_SECONDS, &[]),
+            discarded: l.counter(names::DISCARDED, &[]),
         }
     }
 }
@@ -485,6 +489,12 @@ impl Core {
 
     pub(crate) fn adaptive_stats(&self) -> Option<AdaptiveStats> {
         self.adaptive.as_ref().map(Adaptive::stats)
+    }
+
+    /// The counter of items the stream adapters let go of unprocessed, for an adapter to
+    /// count its own (`flowgate_bulkhead_discarded_total`).
+    pub(crate) fn discarded_counter(&self) -> Counter {
+        self.metrics.discarded.clone()
     }
 
     pub(crate) fn record_wait(&self, waited: Duration) {

@@ -13,6 +13,7 @@ use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::Core;
 use crate::dropped::{Dropped, OnDrop};
+use crate::metrics::Counter;
 use crate::sync::Arc;
 
 /// The upstream, the one item pulled and waiting for a permit, and the permits held: what
@@ -32,15 +33,18 @@ pub(crate) struct Feed<St: Stream> {
 struct Held<T> {
     item: Option<T>,
     on_drop: Option<OnDrop<T>>,
+    /// `flowgate_bulkhead_discarded_total` of the bulkhead.
+    discarded: Counter,
 }
 
 impl<T> Held<T> {
-    /// Discard the held item, if any: to the hook as [`Dropped::Discarded`].
+    /// Discard the held item, if any: counted, then to the hook as [`Dropped::Discarded`].
     fn discard(&mut self) {
-        if let Some(item) = self.item.take()
-            && let Some(hook) = &self.on_drop
-        {
-            hook.call(item, &Dropped::Discarded);
+        if let Some(item) = self.item.take() {
+            self.discarded.increment(1);
+            if let Some(hook) = &self.on_drop {
+                hook.call(item, &Dropped::Discarded);
+            }
         }
     }
 }
@@ -67,6 +71,7 @@ impl<St: Stream> Feed<St> {
             next: Held {
                 item: None,
                 on_drop,
+                discarded: bulkhead.core().discarded_counter(),
             },
             permits: Permits::new(bulkhead.core().clone()),
         }

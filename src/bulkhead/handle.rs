@@ -48,7 +48,9 @@ use crate::sync::Arc;
 /// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
 /// `flowgate_bulkhead_wait_seconds` (histogram of how long the acquisitions that had to
 /// wait waited for their permit; waits that ended shed or closed, and the stream adapters'
-/// waits, are not in it).
+/// waits, are not in it), `flowgate_bulkhead_discarded_total` (items the stream adapters
+/// let go of unprocessed: the one each holds waiting for a permit when its bulkhead closes
+/// or it is dropped).
 /// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the `max_in_flight`
 /// the algorithm set, its limit plus the critical reserve),
 /// `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the

@@ -30,8 +30,9 @@
 //! If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 //! ends; the item it held is discarded (the bulkhead counts the refused wait as a `closed`
 //! refusal in `flowgate_bulkhead_rejected_total`). Dropped, the adapter discards the item it
-//! holds (no metric counts that one), drops the futures in flight (aborts the tasks of
-//! `bulkhead_spawn_map`) and returns their permits. A discarded item goes to the adapter's `on_drop` hook, as
+//! holds, drops the futures in flight (aborts the tasks of
+//! `bulkhead_spawn_map`) and returns their permits. A discarded item, either way, is counted
+//! in `flowgate_bulkhead_discarded_total` and goes to the adapter's `on_drop` hook, as
 //! [`Dropped::Discarded`](crate::Dropped::Discarded), if it was built with one
 //! ([`BulkheadMap::builder`], [`BulkheadMapUnordered::builder`],
 //! [`BulkheadSpawnMap::builder`]).

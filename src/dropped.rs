@@ -4,6 +4,7 @@ use std::fmt;
 
 use crate::decision::Decision;
 use crate::gate::GateError;
+use crate::metrics::Counter;
 use std::sync::Arc;
 
 /// Why an item was dropped: removed without being delivered.
@@ -122,3 +123,50 @@ impl<T> fmt::Debug for OnDrop<T> {
 
 impl<T> std::panic::UnwindSafe for OnDrop<T> {}
 impl<T> std::panic::RefUnwindSafe for OnDrop<T> {}
+
+/// The one item an adapter holds while it waits (for a pacer, a permit), with what sees it
+/// discarded: let go of by [`discard`](Held::discard) or when this is dropped (the adapter
+/// dropped or taken apart), the item is counted, then handed to the hook as
+/// [`Dropped::Discarded`].
+pub(crate) struct Held<T> {
+    pub(crate) item: Option<T>,
+    on_drop: Option<OnDrop<T>>,
+    /// Where a discarded item is counted.
+    discarded: Counter,
+}
+
+impl<T> Held<T> {
+    /// Nothing held yet.
+    pub(crate) fn new(on_drop: Option<OnDrop<T>>, discarded: Counter) -> Held<T> {
+        Held {
+            item: None,
+            on_drop,
+            discarded,
+        }
+    }
+
+    /// Discard the held item, if any: counted, then to the hook.
+    pub(crate) fn discard(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.discarded.increment(1);
+            if let Some(hook) = &self.on_drop {
+                hook.call(item, &Dropped::Discarded);
+            }
+        }
+    }
+}
+
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        self.discard();
+    }
+}
+
+impl<T> fmt::Debug for Held<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Held")
+            .field("holding", &self.item.is_some())
+            .field("on_drop", &self.on_drop.is_some())
+            .finish()
+    }
+}

@@ -12,8 +12,7 @@ use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::{OwnedBulkheadPermit, Permits};
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::Core;
-use crate::dropped::{Dropped, OnDrop};
-use crate::metrics::Counter;
+use crate::dropped::{Held, OnDrop};
 use crate::sync::Arc;
 
 /// The upstream, the one item pulled and waiting for a permit, and the permits held: what
@@ -28,51 +27,11 @@ pub(crate) struct Feed<St: Stream> {
     permits: Permits,
 }
 
-/// The item pulled and waiting for a permit, and the hook that sees it discarded: when the
-/// bulkhead closes, or when this is dropped (the adapter dropped or taken apart).
-struct Held<T> {
-    item: Option<T>,
-    on_drop: Option<OnDrop<T>>,
-    /// `flowgate_bulkhead_discarded_total` of the bulkhead.
-    discarded: Counter,
-}
-
-impl<T> Held<T> {
-    /// Discard the held item, if any: counted, then to the hook as [`Dropped::Discarded`].
-    fn discard(&mut self) {
-        if let Some(item) = self.item.take() {
-            self.discarded.increment(1);
-            if let Some(hook) = &self.on_drop {
-                hook.call(item, &Dropped::Discarded);
-            }
-        }
-    }
-}
-
-impl<T> Drop for Held<T> {
-    fn drop(&mut self) {
-        self.discard();
-    }
-}
-
-impl<T> std::fmt::Debug for Held<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Held")
-            .field("holding", &self.item.is_some())
-            .field("on_drop", &self.on_drop.is_some())
-            .finish()
-    }
-}
-
 impl<St: Stream> Feed<St> {
     pub(crate) fn new(stream: St, bulkhead: &Bulkhead, on_drop: Option<OnDrop<St::Item>>) -> Self {
         Feed {
             stream: stream.fuse(),
-            next: Held {
-                item: None,
-                on_drop,
-                discarded: bulkhead.core().discarded_counter(),
-            },
+            next: Held::new(on_drop, bulkhead.core().discarded_counter()),
             permits: Permits::new(bulkhead.core().clone()),
         }
     }

@@ -8,9 +8,9 @@ use futures::Stream;
 use futures::stream::FusedStream;
 use pin_project::pin_project;
 
-use crate::dropped::{Dropped, OnDrop};
+use crate::dropped::{Dropped, Held, OnDrop};
 use crate::error::ConfigError;
-use crate::metrics::{Counter, Labels};
+use crate::metrics::Labels;
 use crate::pace::Pacer;
 use crate::pace::paced::Paced;
 use crate::pace::pacer::names;
@@ -82,25 +82,6 @@ pub struct Leaky<S: Stream, C> {
     paced: Paced,
 }
 
-/// The item waiting for the pacer. Dropped itself (the stream dropped or taken apart), it
-/// discards that item: to the hook as [`Dropped::Discarded`], counted as `closed`.
-struct Held<T> {
-    item: Option<T>,
-    on_drop: Option<OnDrop<T>>,
-    closed: Counter,
-}
-
-impl<T> Drop for Held<T> {
-    fn drop(&mut self) {
-        if let Some(item) = self.item.take() {
-            self.closed.increment(1);
-            if let Some(hook) = &self.on_drop {
-                hook.call(item, &Dropped::Discarded);
-            }
-        }
-    }
-}
-
 impl<S: Stream> Leaky<S, UnitCost<S::Item>> {
     /// A builder for a stream releasing the items of `stream` through `pacer`; each item
     /// costs 1 unless [`cost`](LeakyBuilder::cost) says otherwise, and no hook is set.
@@ -157,15 +138,14 @@ where
     }
 
     fn with_hook(stream: S, pacer: Pacer, cost: C, on_drop: Option<OnDrop<S::Item>>) -> Self {
-        let closed = Labels::new(pacer.name()).counter(names::DROPPED, &[("policy", CLOSED)]);
+        // The item held when the stream goes away: counted as `closed`, as a
+        // `leaky_queue`'s.
+        let closed =
+            Labels::new(pacer.name()).counter(names::DROPPED, &[("policy", names::CLOSED)]);
         Leaky {
             stream,
             cost,
-            held: Held {
-                item: None,
-                on_drop,
-                closed,
-            },
+            held: Held::new(on_drop, closed),
             paced: Paced::new(pacer),
         }
     }
@@ -252,9 +232,6 @@ where
             .finish()
     }
 }
-
-/// The `policy` label of an item discarded when its holder goes away (as a `leaky_queue`'s).
-const CLOSED: &str = "closed";
 
 /// Builds a [`Leaky`] stream; from [`Leaky::builder`].
 #[must_use = "a builder does nothing until it is built"]

@@ -40,13 +40,10 @@ impl Metrics {
                 Overflow::DropOldest => dropped(Overflow::DropOldest.as_str()),
                 Overflow::DropNewest | Overflow::Reject => dropped(Overflow::DropNewest.as_str()),
             },
-            closed: dropped(CLOSED),
+            closed: dropped(names::CLOSED),
         }
     }
 }
-
-/// The `policy` label of the items still queued when the queue goes away (as a channel's).
-const CLOSED: &str = "closed";
 
 /// The queue, and the accounting of what it drops. Dropped itself (the stream dropped or
 /// taken apart), it discards what is still queued: to the hook as

@@ -28,6 +28,9 @@ pub(crate) mod names {
     pub(crate) const LATENESS: &str = "flowgate_pace_lateness_seconds";
     pub(crate) const QUEUE_DEPTH: &str = "flowgate_pace_queue_depth";
     pub(crate) const DROPPED: &str = "flowgate_pace_dropped_total";
+    /// The `policy` label of `DROPPED` for items let go of when their holder goes away (a
+    /// `leaky_queue`'s queue, a `leaky`'s held item), as a channel's.
+    pub(crate) const CLOSED: &str = "closed";
 }
 
 /// A waiting acquisition (its waker is kept by the list).

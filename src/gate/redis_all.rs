@@ -108,12 +108,7 @@ where
                     return Err(e);
                 }
                 let decided: Vec<Decision> = v.chunks_exact(5).map(decision_from).collect();
-                let outcome = if decided[0].allowed {
-                    &inner.metrics.allowed
-                } else {
-                    &inner.metrics.rejected
-                };
-                outcome.increment(1);
+                inner.metrics.outcomes.count(&decided[0]);
                 Ok(request.expand(&decided))
             }
             Err(CallError::Request(e)) => Err(e),

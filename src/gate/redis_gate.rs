@@ -79,8 +79,9 @@ pub(crate) mod names {
 
 pub(super) struct Metrics {
     pub(super) cached: Counter,
-    pub(super) allowed: Counter,
-    pub(super) rejected: Counter,
+    /// `allowed` and `rejected`, shared with the batch driver (which counts the decisions
+    /// of callers that gave up).
+    pub(super) outcomes: Arc<Outcomes>,
     pub(super) by_policy: Counter,
 }
 
@@ -371,10 +372,10 @@ where
             self.policy.as_str(),
             &labels,
         ));
-        let outcomes = Outcomes {
+        let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),
             rejected: decisions("rejected"),
-        };
+        });
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
                 calls: Default::default(),
@@ -382,7 +383,7 @@ where
                 eval: eval.clone(),
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
-                outcomes: Arc::new(outcomes.clone()),
+                outcomes: Arc::clone(&outcomes),
                 cluster: self.cluster,
             };
             Batcher::start(driver, labels.counter(names::DRIVER_RESTARTS, &[]))
@@ -401,8 +402,7 @@ where
                 policy: self.policy,
                 metrics: Metrics {
                     cached: decisions("cached"),
-                    allowed: outcomes.allowed,
-                    rejected: outcomes.rejected,
+                    outcomes,
                     by_policy: decisions("policy"),
                 },
                 name: self.name,
@@ -486,10 +486,8 @@ where
         };
         match reply {
             Ok(decision) => {
-                if decision.allowed {
-                    inner.metrics.allowed.increment(1);
-                } else {
-                    inner.metrics.rejected.increment(1);
+                inner.metrics.outcomes.count(&decision);
+                if !decision.allowed {
                     inner.cache.rejected(key, cost, now, &decision);
                 }
                 Ok(decision)
@@ -519,7 +517,7 @@ where
         // Tokens leased here are already paid for: spend them before any cached rejection
         // (taken by a concurrent call) can refuse the request.
         if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
-            inner.metrics.allowed.increment(1);
+            inner.metrics.outcomes.allowed.increment(1);
             return Some(Ok(decision));
         }
         if let Some(decision) = inner.cache.check(key, cost, now) {

@@ -28,6 +28,7 @@ mod key;
 mod problem;
 mod rate_limit;
 mod shed;
+mod striped;
 mod topn;
 
 pub use body::{BodyMode, InnerBody, ResponseBody, WrapBody};

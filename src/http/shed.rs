@@ -5,7 +5,6 @@ use std::fmt;
 use std::future::Future;
 use std::mem;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -21,6 +20,7 @@ use crate::http::body::ResponseBody;
 use crate::http::fields;
 use crate::http::key::RequestInfo;
 use crate::http::problem::{self, TEMPORARY_REDUCED_CAPACITY};
+use crate::http::striped::Striped;
 use crate::metrics::{Counter, Labels};
 use crate::sync::Arc;
 
@@ -142,8 +142,8 @@ struct Shared {
     /// The problem document of every 503 (built once: shedding stays cheap under load).
     body: Bytes,
     name: Option<String>,
-    admitted: [AtomicU64; 3],
-    shed: [AtomicU64; 3],
+    /// Per [`Class`]: admitted, then shed (`3 + class`), striped by thread.
+    counts: Striped<6>,
     shed_metric: [Counter; 3],
 }
 
@@ -153,12 +153,12 @@ impl Shared {
     }
 
     fn admitted(&self, class: Class) {
-        self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
+        self.counts.add(class.index(), 1);
     }
 
     /// The `503` for a request of `class` the bulkhead refused.
     fn refused<B>(&self, class: Class) -> Response<ResponseBody<B>> {
-        self.shed[class.index()].fetch_add(1, Ordering::Relaxed);
+        self.counts.add(3 + class.index(), 1);
         self.shed_metric[class.index()].increment(1);
         problem::response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -170,8 +170,8 @@ impl Shared {
 
     fn stats(&self) -> ShedStats {
         let of = |c: Class| ClassStats {
-            admitted: self.admitted[c.index()].load(Ordering::Relaxed),
-            shed: self.shed[c.index()].load(Ordering::Relaxed),
+            admitted: self.counts.get(c.index()),
+            shed: self.counts.get(3 + c.index()),
         };
         ShedStats {
             critical: of(Class::Critical),
@@ -432,8 +432,7 @@ impl ShedLayerBuilder {
                     &[],
                 ),
                 name: self.name,
-                admitted: Default::default(),
-                shed: Default::default(),
+                counts: Striped::new(),
                 shed_metric,
             }),
         })

@@ -22,6 +22,7 @@ use crate::http::key::{MissingKey, RequestInfo};
 use crate::http::problem::{self, QUOTA_EXCEEDED, TEMPORARY_REDUCED_CAPACITY};
 use crate::http::rate_limit::policy::Policy;
 use crate::http::rate_limit::service::RateLimit;
+use crate::http::striped::Striped;
 use crate::http::topn::{RejectedKey, TopRejected};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
@@ -462,7 +463,7 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 all_policy,
                 gate_error_body,
                 top,
-                counts: Default::default(),
+                counts: Striped::new(),
                 counters,
                 name: self.name,
                 log_clock: Clock::counter(),
@@ -663,7 +664,9 @@ pub(crate) struct Shared<G> {
     all_policy: Option<HeaderValue>,
     gate_error_body: Bytes,
     top: TopRejected,
-    counts: [AtomicU64; 7],
+    /// Per [`Outcome`], striped by thread (each request counts once: one cache line all
+    /// server threads wrote was the layer's most contended write).
+    counts: Striped<7>,
     counters: [Counter; 7],
     name: Option<String>,
     /// The clock of the rejection log (real time, the cheap time-stamp counter).
@@ -694,12 +697,12 @@ impl<G: fmt::Debug> fmt::Debug for Shared<G> {
 
 impl<G> Shared<G> {
     fn count(&self, outcome: Outcome) {
-        self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.counts.add(outcome as usize, 1);
         self.counters[outcome as usize].increment(1);
     }
 
     pub(crate) fn stats(&self) -> RateLimitStats {
-        let c = |o: Outcome| self.counts[o as usize].load(Ordering::Relaxed);
+        let c = |o: Outcome| self.counts.get(o as usize);
         RateLimitStats {
             admitted: c(Outcome::Admitted),
             rejected: c(Outcome::Rejected),

@@ -620,6 +620,131 @@ mod tests {
         assert_eq!(get(b"for=192.0.2.1;, for=10.0.0.5"), "192.0.2.1");
     }
 
+    /// A dual-stack listener reports an IPv4 peer as `::ffff:a.b.c.d`: it is the IPv4
+    /// address for trust and for the key, whatever form the peer or a hop is written in.
+    #[test]
+    fn ipv4_mapped_addresses_are_their_ipv4_addresses() {
+        let get = |c: &ClientIp, peer: &str, name: &str, line: &[u8]| {
+            key_of(c, &request(Some(peer), &[(name, line)])).unwrap()
+        };
+        let (x, f) = (xff(), fwd());
+        // A proxy at 10.0.0.1 seen as ::ffff:10.0.0.1 is in 10.0.0.0/8: its header is read.
+        assert_eq!(
+            get(&x, "[::ffff:10.0.0.1]:1", "x-forwarded-for", b"203.0.113.9"),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            get(&f, "[::ffff:10.0.0.1]:1", "forwarded", b"for=203.0.113.9"),
+            "203.0.113.9"
+        );
+        // ... and so is a mapped hop in the header.
+        assert_eq!(
+            get(
+                &x,
+                "10.0.0.1:1",
+                "x-forwarded-for",
+                b"203.0.113.9, ::ffff:10.0.0.2, [::ffff:10.0.0.3]:80"
+            ),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            get(
+                &f,
+                "10.0.0.1:1",
+                "forwarded",
+                b"for=203.0.113.9, for=\"[::ffff:10.0.0.2]:80\""
+            ),
+            "203.0.113.9"
+        );
+
+        // `::/0` is every IPv6 address, never an IPv4 client of a dual-stack listener.
+        let any_v6 = |source| ClientIp::builder(source).trust("::/0").build().unwrap();
+        let (x6, f6) = (
+            any_v6(ForwardedHeader::XForwardedFor),
+            any_v6(ForwardedHeader::Forwarded),
+        );
+        for peer in ["[::ffff:192.0.2.1]:1", "192.0.2.1:1"] {
+            assert_eq!(
+                get(&x6, peer, "x-forwarded-for", b"203.0.113.9"),
+                "192.0.2.1"
+            );
+            assert_eq!(get(&f6, peer, "forwarded", b"for=203.0.113.9"), "192.0.2.1");
+        }
+        // Nor is a mapped hop an IPv6 proxy: it is the client.
+        assert_eq!(
+            get(
+                &x6,
+                "[2001:db8::1]:1",
+                "x-forwarded-for",
+                b"6.6.6.6, ::ffff:192.0.2.2"
+            ),
+            "192.0.2.2"
+        );
+        assert_eq!(
+            get(&x6, "[2001:db8::1]:1", "x-forwarded-for", b"2001:db8::2"),
+            "2001:db8::2"
+        );
+        // A prefix reaching into ::ffff:0:0/96 without being inside it still matches only
+        // IPv6 addresses.
+        let wide = ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("::ffff:0:0/95")
+            .build()
+            .unwrap();
+        assert_eq!(
+            get(
+                &wide,
+                "[::ffff:10.0.0.1]:1",
+                "x-forwarded-for",
+                b"203.0.113.9"
+            ),
+            "10.0.0.1"
+        );
+
+        // One client, one key, however it is written and whichever way it arrives.
+        let forms: [(&str, &[u8]); 4] = [
+            ("192.0.2.7:1", b""),
+            ("[::ffff:192.0.2.7]:1", b""),
+            ("10.0.0.1:1", b"::ffff:192.0.2.7"),
+            ("[::ffff:10.0.0.1]:1", b"[::ffff:192.0.2.7]:4711"),
+        ];
+        for (peer, line) in forms {
+            let headers: &[(&str, &[u8])] = if line.is_empty() {
+                &[]
+            } else {
+                &[("x-forwarded-for", line)]
+            };
+            let req = request(Some(peer), headers);
+            assert_eq!(key_of(&x, &req).as_deref(), Some("192.0.2.7"), "{peer}");
+            let per_64 = ClientIp::builder(ForwardedHeader::XForwardedFor)
+                .trust("10.0.0.0/8")
+                .ipv6_per_64(true)
+                .build()
+                .unwrap();
+            assert_eq!(key_of(&per_64, &req).as_deref(), Some("192.0.2.7"));
+            if line.is_empty() {
+                assert_eq!(key_of(&PeerIp::new(), &req).as_deref(), Some("192.0.2.7"));
+                let per_64 = PeerIp::new().ipv6_per_64(true);
+                assert_eq!(key_of(&per_64, &req).as_deref(), Some("192.0.2.7"));
+            }
+        }
+        assert_eq!(
+            get(
+                &f,
+                "[::ffff:10.0.0.1]:1",
+                "forwarded",
+                b"for=\"[::ffff:192.0.2.7]:4711\""
+            ),
+            "192.0.2.7"
+        );
+        assert_eq!(
+            x.client(&RequestInfo::of(&request(
+                Some("[::ffff:192.0.2.7]:1"),
+                &[]
+            ))),
+            Some(IpAddr::from([192, 0, 2, 7]))
+        );
+    }
+
     #[test]
     fn client_ip_config_errors() {
         let err = ClientIp::builder(ForwardedHeader::XForwardedFor)

@@ -64,3 +64,180 @@ fn long_chains_are_walked_without_an_allocation() {
         ("198.51.100.7".to_owned(), 0)
     );
 }
+
+mod dual_stack {
+    //! A real dual-stack listener (an IPv6 socket bound to `::ffff:127.0.0.1`, so only
+    //! loopback) reports its IPv4 peers as `::ffff:127.0.0.1`: trust and keys must read them
+    //! as the IPv4 addresses they are.
+
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use axum::Router;
+    use axum::extract::ConnectInfo;
+    use axum::routing::get as route_get;
+    use flowgate::gate::{Limit, MemoryGate};
+    use flowgate::http::{ClientIp, ForwardedHeader, KeyExtractor, PeerIp, Policy, RateLimitLayer};
+    use flowgate::{Quota, Rate};
+    use http::StatusCode;
+
+    use crate::harness::{Answer, client, get};
+
+    /// A server on `bind` answering each request with its peer address as the server saw
+    /// it, behind `layer`; stopped when dropped.
+    struct Server {
+        addr: SocketAddr,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    impl Server {
+        async fn start(bind: &str, layer: RateLimitLayer<MemoryGate>) -> Server {
+            let app = Router::new()
+                .route(
+                    "/",
+                    route_get(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
+                        peer.ip().to_string()
+                    }),
+                )
+                .layer(layer);
+            let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let task = tokio::spawn(async move {
+                axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .await
+                .unwrap();
+            });
+            Server { addr, task }
+        }
+
+        /// The URL to reach it over IPv4 (both listeners take IPv4 connections).
+        fn url(&self) -> String {
+            format!("http://127.0.0.1:{}/", self.addr.port())
+        }
+    }
+
+    /// A layer of one policy `name`: one request per minute per key.
+    fn one_per_minute(name: &str, key: impl KeyExtractor) -> RateLimitLayer<MemoryGate> {
+        let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()));
+        let one = Quota::new(Rate::per(1, Duration::from_secs(60)).unwrap(), 1).unwrap();
+        RateLimitLayer::builder(gate)
+            .policy(Policy::new(name.to_owned(), one, key))
+            .build()
+            .unwrap()
+    }
+
+    fn peer() -> PeerIp {
+        PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)
+    }
+
+    fn ok_from_mapped(a: &Answer) {
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(
+            a.body.as_ref(),
+            b"::ffff:127.0.0.1",
+            "the peer as the socket saw it"
+        );
+    }
+
+    /// (a) A proxy at 127.0.0.1, seen as `::ffff:127.0.0.1`, is in `127.0.0.0/8`: its
+    /// `X-Forwarded-For` is read.
+    #[tokio::test]
+    async fn a_mapped_proxy_is_in_its_ipv4_network() {
+        let client_ip = ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("127.0.0.0/8")
+            .peer(peer())
+            .build()
+            .unwrap();
+        let layer = one_per_minute("per-ip", client_ip);
+        let server = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
+        let (client, url) = (client(), server.url());
+        ok_from_mapped(&get(&client, &url, &[("x-forwarded-for", "203.0.113.7")]).await);
+        // Another client behind the same proxy has its own bucket.
+        ok_from_mapped(&get(&client, &url, &[("x-forwarded-for", "203.0.113.8")]).await);
+        let again = get(&client, &url, &[("x-forwarded-for", "203.0.113.7")]).await;
+        assert_eq!(again.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(layer.top_rejected(2)[0].key, "per-ip:203.0.113.7");
+    }
+
+    /// (b) Trusting `::/0` (every IPv6 address) does not trust an IPv4 client that reaches
+    /// a dual-stack socket: its `X-Forwarded-For` is ignored.
+    #[tokio::test]
+    async fn trusting_all_of_ipv6_does_not_trust_an_ipv4_client() {
+        let client_ip = ClientIp::builder(ForwardedHeader::XForwardedFor)
+            .trust("::/0")
+            .peer(peer())
+            .build()
+            .unwrap();
+        let layer = one_per_minute("per-ip", client_ip);
+        let server = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
+        let (client, url) = (client(), server.url());
+        ok_from_mapped(&get(&client, &url, &[("x-forwarded-for", "203.0.113.7")]).await);
+        let spoofed = get(&client, &url, &[("x-forwarded-for", "203.0.113.8")]).await;
+        assert_eq!(spoofed.status, StatusCode::TOO_MANY_REQUESTS);
+        let rejected = layer.top_rejected(2);
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(rejected[0].key, "per-ip:127.0.0.1");
+    }
+
+    /// (c) One client reaching an IPv4 listener and a dual-stack one, or written plain and
+    /// IPv4-mapped by proxies, is one key: one bucket, not two.
+    #[tokio::test]
+    async fn one_client_is_one_key_through_either_listener() {
+        let layer = one_per_minute("per-peer", peer());
+        let v4 = Server::start("127.0.0.1:0", layer.clone()).await;
+        let dual = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
+        let client = client();
+        let first = get(&client, &v4.url(), &[]).await;
+        assert_eq!(
+            (first.status, first.body.as_ref()),
+            (StatusCode::OK, &b"127.0.0.1"[..])
+        );
+        let second = get(&client, &dual.url(), &[]).await;
+        assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+        let rejected = layer.top_rejected(2);
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(rejected[0].key, "per-peer:127.0.0.1");
+
+        // Behind proxies: the same client written plain, mapped, bracketed with a port.
+        for source in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
+            let client_ip = ClientIp::builder(source)
+                .trust("127.0.0.0/8")
+                .peer(peer())
+                .build()
+                .unwrap();
+            let layer = one_per_minute("per-ip", client_ip);
+            let v4 = Server::start("127.0.0.1:0", layer.clone()).await;
+            let dual = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
+            let (name, plain, mapped) = match source {
+                ForwardedHeader::XForwardedFor => (
+                    "x-forwarded-for",
+                    "203.0.113.7",
+                    "[::ffff:203.0.113.7]:4711",
+                ),
+                _ => (
+                    "forwarded",
+                    "for=203.0.113.7",
+                    "for=\"[::ffff:203.0.113.7]:4711\"",
+                ),
+            };
+            let first = get(&client, &v4.url(), &[(name, plain)]).await;
+            assert_eq!(first.status, StatusCode::OK);
+            let second = get(&client, &dual.url(), &[(name, mapped)]).await;
+            assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS, "{source:?}");
+            let third = get(&client, &v4.url(), &[(name, mapped)]).await;
+            assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS, "{source:?}");
+            let rejected = layer.top_rejected(2);
+            assert_eq!(rejected.len(), 1, "{source:?}");
+            assert_eq!(rejected[0].key, "per-ip:203.0.113.7");
+        }
+    }
+}

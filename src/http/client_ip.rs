@@ -745,6 +745,60 @@ mod tests {
         );
     }
 
+    /// An IPv6 address with a zone id, as proxies that write the peer's socket address as
+    /// their platform prints it do for a link-local client (Go's `net/http/httputil`
+    /// proxies write `fe80::1%eth0`, Rust's `SocketAddrV6` prints `[fe80::1%2]:4711`):
+    /// the address is the client; the zone (an interface of the proxy's host) is not
+    /// part of it.
+    #[test]
+    fn an_ipv6_zone_id_is_not_part_of_the_address() {
+        let (x, f) = (xff(), fwd());
+        let get = |c: &ClientIp, name: &str, line: &[u8]| {
+            key_of(c, &request(Some("10.0.0.1:1"), &[(name, line)])).unwrap()
+        };
+        for line in [
+            &b"fe80::1%eth0"[..],
+            b"[fe80::1%2]:4711",
+            b"[fe80::1%eth0]",
+            b"6.6.6.6, fe80::1%en0, 10.0.0.2",
+        ] {
+            assert_eq!(get(&x, "x-forwarded-for", line), "fe80::1");
+        }
+        assert_eq!(
+            get(&f, "forwarded", b"for=\"[fe80::1%eth0]:4711\""),
+            "fe80::1"
+        );
+        assert_eq!(get(&f, "forwarded", b"for=\"[fe80::1%25eth0]\""), "fe80::1");
+        // A zone on a trusted hop: still the hop, and trusted.
+        assert_eq!(
+            get(&x, "x-forwarded-for", b"203.0.113.9, 2001:db8:ffff::2%3"),
+            "203.0.113.9"
+        );
+        assert_eq!(
+            get(&x, "x-forwarded-for", b"203.0.113.9, ::ffff:10.0.0.2%eth0"),
+            "203.0.113.9"
+        );
+        // Not a zone: an empty one, one on an IPv4 address, bytes outside a zone's.
+        for line in [
+            &b"fe80::1%"[..],
+            b"[fe80::1%]:80",
+            b"192.0.2.1%eth0",
+            b"192.0.2.1%eth0:80",
+            b"fe80::1%eth 0",
+            b"fe80::1%eth0]",
+            b"[fe80::1%eth0",
+            b"fe80::1%%",
+            b"fe80::1%eth0%eth1",
+        ] {
+            assert_eq!(
+                get(&x, "x-forwarded-for", line),
+                "10.0.0.1",
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
+    }
+
     #[test]
     fn client_ip_config_errors() {
         let err = ClientIp::builder(ForwardedHeader::XForwardedFor)

@@ -21,7 +21,8 @@ use crate::http::key::{KeyExtractor, PeerIp, RequestInfo, write_ip};
 #[non_exhaustive]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2` (de facto standard): comma-separated
-    /// addresses, optionally `ip:port` or `[ipv6]:port`.
+    /// addresses, optionally `ip:port`, `[ipv6]:port` or with an IPv6 zone id
+    /// (`fe80::1%eth0`).
     XForwardedFor,
     /// `Forwarded: for=192.0.2.60;proto=http, for="[2001:db8::1]:4711"` (RFC 7239): the
     /// `for` parameter of each element.
@@ -52,9 +53,22 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// 4. Every hop is trusted: the key is the left-most address (the only case the left-most
 ///    entry is used).
 ///
-/// Addresses are compared and written canonical ([`IpAddr::to_canonical`]); a trusted
-/// network given as IPv4-mapped IPv6 (`::ffff:10.0.0.0/104`) is matched as its IPv4 form.
-/// Ports are accepted and ignored. Empty list elements are skipped (RFC 9110 §5.6.1).
+/// Addresses are compared and written canonical ([`IpAddr::to_canonical`]): an IPv4
+/// address written IPv4-mapped (`::ffff:10.0.0.1`, as a dual-stack listener reports its
+/// IPv4 peers and some proxies write them) is that IPv4 address, for trust and for the key.
+/// So a proxy at `10.0.0.1` reaching a dual-stack listener is in `10.0.0.0/8`; an IPv4
+/// client is in no IPv6 network (`::/0` is every IPv6 address, not every address: trust
+/// `0.0.0.0/0` too for that); and one client has one key whichever listener it reaches
+/// and however a proxy writes it. A trusted network given as IPv4-mapped IPv6
+/// (`::ffff:10.0.0.0/104`) is matched as its IPv4 form.
+///
+/// Ports (`192.0.2.1:4711`, `[2001:db8::1]:4711`, an obfuscated `_port`) are accepted and
+/// ignored, and so is an IPv6 zone id (`fe80::1%eth0`, `[fe80::1%2]:4711`: proxies that
+/// write a link-local peer's socket address write it so; the zone names an interface of
+/// the proxy's host, not the client). Empty list elements are skipped (RFC 9110 §5.6.1).
+/// The number of hops has no limit of its own: the walk stops at the first untrusted
+/// address, so it reads no further left than the trusted proxies wrote (unless every hop
+/// is trusted), and its cost is the bytes it reads, without an allocation.
 ///
 /// A request without a peer address has no key (see [`MissingKey`](super::MissingKey)).
 ///
@@ -203,6 +217,10 @@ impl ClientIpBuilder {
     /// Trust the proxies in `cidr`: a network (`10.0.0.0/8`, `2001:db8::/32`) or one
     /// address (`192.0.2.1`). Host bits are ignored (`10.1.2.3/8` is `10.0.0.0/8`). Text
     /// that is neither fails [`build`](Self::build).
+    ///
+    /// An IPv4 network also holds its proxies when a dual-stack listener reports them
+    /// IPv4-mapped (`::ffff:10.0.0.1`); an IPv6 network never holds an IPv4 address, not
+    /// even `::/0` (see [`ClientIp`]).
     pub fn trust(mut self, cidr: impl AsRef<str>) -> ClientIpBuilder {
         let text = cidr.as_ref().trim();
         let net = text
@@ -284,8 +302,9 @@ fn canonical_net(net: IpNet) -> IpNet {
     net.trunc()
 }
 
-/// One node (`for` value or X-Forwarded-For entry): an address, optionally with a port;
-/// `None` for `unknown`, an obfuscated name or anything that does not parse.
+/// One node (`for` value or X-Forwarded-For entry): an address, optionally with a port,
+/// an IPv6 one optionally with a zone id; `None` for `unknown`, an obfuscated name or
+/// anything that does not parse.
 fn parse_node(node: &[u8]) -> Option<IpAddr> {
     let text = std::str::from_utf8(node).ok()?;
     if let Ok(ip) = text.parse::<IpAddr>() {
@@ -293,11 +312,14 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
     }
     let (host, port) = if let Some(rest) = text.strip_prefix('[') {
         let (host, after) = rest.split_once(']')?;
-        let ip = host.parse::<Ipv6Addr>().ok()?;
+        let ip = parse_ipv6(host)?;
         match after {
             "" => return Some(IpAddr::V6(ip).to_canonical()),
             after => (IpAddr::V6(ip), after.strip_prefix(':')?),
         }
+    } else if text.contains('%') {
+        // A bare IPv6 address with a zone id (a port would need brackets).
+        return parse_ipv6(text).map(|ip| IpAddr::V6(ip).to_canonical());
     } else {
         let (host, port) = text.rsplit_once(':')?;
         (IpAddr::V4(host.parse().ok()?), port)
@@ -311,6 +333,21 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
         (1..=5).contains(&port.len()) && port.bytes().all(|b| b.is_ascii_digit())
     };
     port_ok.then(|| host.to_canonical())
+}
+
+/// An IPv6 address, optionally with a zone id (`fe80::1%eth0`, RFC 4007 §11; `%25eth0` as
+/// RFC 6874 writes it in a URI), which is dropped: it names an interface of the host that
+/// wrote it, not a part of the address. A zone is one or more unreserved characters
+/// (letters, digits, `-` `.` `_` `~`).
+fn parse_ipv6(text: &str) -> Option<Ipv6Addr> {
+    let Some((addr, zone)) = text.split_once('%') else {
+        return text.parse().ok();
+    };
+    let zone_ok = !zone.is_empty()
+        && zone
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~'));
+    if zone_ok { addr.parse().ok() } else { None }
 }
 
 /// The `for` node of each element of one `Forwarded` field line (RFC 7239 §4), read from
@@ -869,7 +906,8 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Hop {
         /// An address (trusted when in 10/8 or 2001:db8:ffff::/48), written in one of the
-        /// forms proxies use: `style` picks bare, with a port, bracketed, IPv4-mapped.
+        /// forms proxies use: `style` picks bare, with a port, bracketed, IPv4-mapped, with
+        /// a zone id.
         Addr(IpAddr, u8),
         /// `unknown`, an obfuscated name, or text that is no address.
         Bad(&'static str),
@@ -898,6 +936,8 @@ mod tests {
                 Just("1.2.3"),
                 Just("[::1"),
                 Just("1.2.3.4:99999x"),
+                Just("fe80::1%"),
+                Just("1.2.3.4%eth0"),
             ]
             .prop_map(Hop::Bad),
             1 => Just(Hop::Empty),
@@ -909,13 +949,20 @@ mod tests {
         match hop {
             Hop::Addr(ip, style) => {
                 let port = u16::from(*style) * 257;
+                // A zone id on some IPv6 hops, as proxies write a link-local peer.
+                let zone = match style / 64 {
+                    3 => "%eth0",
+                    2 => "%2",
+                    _ => "",
+                };
                 let node = match (ip, style % 4) {
+                    (IpAddr::V6(v6), 0) => format!("{v6}{zone}"),
                     (_, 0) => ip.to_string(),
                     (IpAddr::V4(v4), 1) => format!("{v4}:{port}"),
-                    (IpAddr::V4(v4), 2) => format!("[{}]:{port}", v4.to_ipv6_mapped()),
+                    (IpAddr::V4(v4), 2) => format!("[{}{zone}]:{port}", v4.to_ipv6_mapped()),
                     (IpAddr::V4(v4), _) => v4.to_ipv6_mapped().to_string(),
-                    (IpAddr::V6(v6), 1 | 2) => format!("[{v6}]:{port}"),
-                    (IpAddr::V6(v6), _) => format!("[{v6}]"),
+                    (IpAddr::V6(v6), 1 | 2) => format!("[{v6}{zone}]:{port}"),
+                    (IpAddr::V6(v6), _) => format!("[{v6}{zone}]"),
                 };
                 let quoted = node.contains([':', '[']) || style % 8 >= 4;
                 let element = match (quoted, style % 3) {

@@ -99,8 +99,8 @@ pub(crate) fn write_ip(key: &mut String, ip: IpAddr, per_64: bool) {
 /// (insert it per connection with a bare hyper server), or any type the server puts there
 /// through [`from_extension`](Self::from_extension) (axum's `ConnectInfo<SocketAddr>`). The
 /// address is normalised with [`IpAddr::to_canonical`], so an IPv4 client of a dual-stack
-/// listener (`::ffff:192.0.2.1`) has the same key as on an IPv4 listener (`192.0.2.1`).
-/// With [`ipv6_per_64`](Self::ipv6_per_64), IPv6 peers are counted per `/64` network (one
+/// listener (`::ffff:192.0.2.1`) has the same key as on an IPv4 listener (`192.0.2.1`),
+/// and is never grouped as IPv6 (as `::/64`, one bucket for every IPv4 client). With [`ipv6_per_64`](Self::ipv6_per_64), IPv6 peers are counted per `/64` network (one
 /// host usually holds a whole /64, so per-address keys are easy to multiply); the key is
 /// then the network, e.g. `2001:db8:1:2::/64`.
 ///

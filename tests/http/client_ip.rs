@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use flowgate::http::{ClientIp, ForwardedHeader, KeyExtractor, RequestInfo};
+use flowgate::http::{ClientIp, ForwardedHeader, KeyExtractor, PeerIp, RequestInfo};
 
 use crate::alloc::allocations;
 
@@ -14,9 +14,19 @@ fn key_and_allocations(
     header: &'static str,
     lines: &[&str],
 ) -> (String, u64) {
+    key_and_allocations_from(extractor, "10.0.0.1:40000", header, lines)
+}
+
+/// The same from the peer `peer`.
+fn key_and_allocations_from(
+    extractor: &impl KeyExtractor,
+    peer: &str,
+    header: &'static str,
+    lines: &[&str],
+) -> (String, u64) {
     let mut req = http::Request::new(());
     req.extensions_mut()
-        .insert("10.0.0.1:40000".parse::<SocketAddr>().unwrap());
+        .insert(peer.parse::<SocketAddr>().unwrap());
     for line in lines {
         req.headers_mut()
             .append(header, http::HeaderValue::from_str(line).unwrap());
@@ -62,6 +72,105 @@ fn long_chains_are_walked_without_an_allocation() {
     assert_eq!(
         key_and_allocations(&xff, "x-forwarded-for", &[&line]),
         ("198.51.100.7".to_owned(), 0)
+    );
+}
+
+/// The forms proxies and listeners write addresses in (ports, brackets, IPv4-mapped, zone
+/// ids, per-/64 keys) cost no allocation either.
+#[test]
+fn every_written_form_is_read_without_an_allocation() {
+    let build = |source, per_64| {
+        ClientIp::builder(source)
+            .trust("10.0.0.0/8")
+            .trust("2001:db8:ffff::/48")
+            .ipv6_per_64(per_64)
+            .build()
+            .unwrap()
+    };
+    let xff = build(ForwardedHeader::XForwardedFor, false);
+    let fwd = build(ForwardedHeader::Forwarded, false);
+    let xff_64 = build(ForwardedHeader::XForwardedFor, true);
+    let cases: [(&ClientIp, &str, &'static str, &str, &str); 9] = [
+        (
+            &xff,
+            "10.0.0.1:1",
+            "x-forwarded-for",
+            "192.0.2.7:5678, 10.0.0.2:80",
+            "192.0.2.7",
+        ),
+        (
+            &xff,
+            "[::ffff:10.0.0.1]:1",
+            "x-forwarded-for",
+            "::ffff:192.0.2.7",
+            "192.0.2.7",
+        ),
+        (
+            &xff,
+            "[::ffff:10.0.0.1]:1",
+            "x-forwarded-for",
+            "[::ffff:192.0.2.7]:4711",
+            "192.0.2.7",
+        ),
+        (
+            &xff,
+            "[2001:db8:ffff::1]:1",
+            "x-forwarded-for",
+            "[2001:db8::1]:4711",
+            "2001:db8::1",
+        ),
+        (
+            &xff,
+            "10.0.0.1:1",
+            "x-forwarded-for",
+            "fe80::1%eth0, 2001:db8:ffff::2%2",
+            "fe80::1",
+        ),
+        (
+            &xff_64,
+            "10.0.0.1:1",
+            "x-forwarded-for",
+            "2001:db8:1:2:3:4:5:6",
+            "2001:db8:1:2::/64",
+        ),
+        (
+            &fwd,
+            "[::ffff:10.0.0.1]:1",
+            "forwarded",
+            "for=\"[2001:db8::1]:4711\";proto=https",
+            "2001:db8::1",
+        ),
+        (
+            &fwd,
+            "10.0.0.1:1",
+            "forwarded",
+            "for=\"[fe80::1%eth0]:4711\", for=10.0.0.2",
+            "fe80::1",
+        ),
+        (
+            &fwd,
+            "10.0.0.1:1",
+            "forwarded",
+            "for=192.0.2.1, for=unknown",
+            "10.0.0.1",
+        ),
+    ];
+    for (extractor, peer, header, line, key) in cases {
+        assert_eq!(
+            key_and_allocations_from(extractor, peer, header, &[line]),
+            (key.to_owned(), 0),
+            "{line}"
+        );
+    }
+    let peer = PeerIp::new();
+    assert_eq!(
+        key_and_allocations_from(&peer, "[::ffff:192.0.2.7]:1", "x-forwarded-for", &[]),
+        ("192.0.2.7".to_owned(), 0)
+    );
+    let peer = PeerIp::new().ipv6_per_64(true);
+    assert_eq!(
+        key_and_allocations_from(&peer, "[2001:db8:1:2::9]:1", "x-forwarded-for", &[]),
+        ("2001:db8:1:2::/64".to_owned(), 0)
     );
 }
 

@@ -1327,3 +1327,63 @@ async fn an_empty_batch_after_a_wait_is_fetched_again_at_once() {
     // Five empty answers after 100 ms each, the item after the sixth wait: no backoff on top.
     assert_eq!(origin.elapsed(), Duration::from_millis(600));
 }
+
+/// A source that keeps a fetch in progress across polls, as `RedisStreamSource` does: the
+/// batch it returns is as large as the `max` that fetch started with, whatever `max` the
+/// call that finishes it passes. It answers every other poll, yields `next..end`, then ends.
+struct KeepsItsFetch {
+    started: Option<usize>,
+    polls: u32,
+    next: u32,
+    end: u32,
+}
+
+impl BatchSource for KeepsItsFetch {
+    type Item = u32;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, std::convert::Infallible>>> {
+        if self.next == self.end {
+            return Poll::Ready(None);
+        }
+        let max = *self.started.get_or_insert(max);
+        self.polls += 1;
+        if self.polls % 2 == 1 {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        self.started = None;
+        let from = self.next;
+        self.next = (from + max as u32).min(self.end);
+        Poll::Ready(Some(Ok((from..self.next).collect())))
+    }
+}
+
+/// A source may answer with more than `max` items: one taken out of a stream with
+/// `into_inner` while a fetch was in progress (it started that fetch for the old stream's
+/// `high`) and put behind a stream of a smaller `high`. Every item is yielded, in order:
+/// none is lost with a panic, none is cut off.
+#[tokio::test]
+async fn a_batch_larger_than_asked_for_is_kept_whole() {
+    let source = KeepsItsFetch {
+        started: None,
+        polls: 0,
+        next: 0,
+        end: 20,
+    };
+    let mut wide = prefetch(source, levels(8, 0)).items();
+    assert!(poll!(wide.next()).is_pending(), "a fetch of 8 in progress");
+    let mut narrow = prefetch(wide.into_inner(), levels(2, 0)).items();
+    assert_eq!(narrow.next().await, Some(0));
+    assert_eq!(
+        Prefetch::buffered(&narrow),
+        7,
+        "the 8 fetched for the wide stream, all kept: above `high` until consumed"
+    );
+    let rest: Vec<u32> = narrow.collect().await;
+    assert_eq!(rest, (1..20).collect::<Vec<_>>());
+}

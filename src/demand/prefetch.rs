@@ -23,13 +23,15 @@ use crate::metrics::{Gauge, Labels};
 ///
 /// At most `high` items are fetched but not yet consumed. When the buffer falls to `low`,
 /// the next fetch asks for exactly `high − buffered` items — never more — so memory stays
-/// bounded and nothing is fetched that downstream has no room for. A fetch error is yielded
-/// as an `Err` item (after the items buffered before it), and the next fetch waits (10 ms,
-/// doubling up to 1 s while fetches keep failing; see
-/// [`retry_backoff`](PrefetchBuilder::retry_backoff)), so a loop that logs errors and goes
-/// on does not hammer a source that is down; an empty batch the source answered without
-/// waiting backs off the same way, so an idle non-blocking source is not polled in a loop. The stream ends when the source does and the
-/// buffer is empty.
+/// bounded and nothing is fetched that downstream has no room for. (A batch larger than
+/// asked for, from a source that breaks that contract, is kept whole: the buffer is above
+/// `high` until it drains, and no item is cut off.) A fetch error is yielded as an `Err`
+/// item (after the items buffered before it), and the next fetch waits (10 ms, doubling up
+/// to 1 s while fetches keep failing; see [`retry_backoff`](PrefetchBuilder::retry_backoff)),
+/// so a loop that logs errors and goes on does not hammer a source that is down; an empty
+/// batch the source answered without waiting backs off the same way, so an idle
+/// non-blocking source is not polled in a loop. The stream ends when the source does and
+/// the buffer is empty.
 ///
 /// `Y` is what the stream yields: [`Results`] (the default), `Result<S::Item, S::Error>`;
 /// or [`Items`], plain `S::Item`s, for a source that cannot fail (`Error =`
@@ -538,7 +540,9 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                 let waited = std::mem::take(this.waited);
                 match result {
                     Some(Ok(batch)) => {
-                        debug_assert!(batch.len() <= max, "source returned more than max");
+                        // A batch above `max` (a source that finished a fetch started with
+                        // a larger one) is kept whole: the buffer is above `high` until it
+                        // drains to `low`, and no item is cut off.
                         let fetched = batch.len();
                         if fetched > 0 || waited {
                             *this.retry_next = *this.retry_min;

@@ -15,7 +15,10 @@ pub type Fetched<T, E> = Poll<Option<Result<Vec<T>, E>>>;
 ///
 /// `poll_fetch` is poll-based like `Stream::poll_next`: once a call returns `Pending`, the
 /// caller polls again with the same `max` until it completes. A fetch returns at most `max`
-/// items (possibly none), an error, or `None` at the end of the source.
+/// items (possibly none), an error, or `None` at the end of the source. A source that does
+/// return more (one taken out of a [`Prefetch`](crate::demand::Prefetch) with `into_inner`
+/// mid-fetch finishes that fetch with the `max` it started with) loses nothing: `prefetch`
+/// buffers the whole batch, above its `high` until it drains.
 ///
 /// [`prefetch`](crate::demand::prefetch) yields a fetch error as an `Err` item. A source
 /// that cannot fail says so with `Error = `[`Infallible`](std::convert::Infallible), as

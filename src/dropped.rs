@@ -19,7 +19,10 @@ use std::sync::Arc;
 /// `flowgate_pace_dropped_total{policy="closed"}`) and the bulkhead adapters (hook from
 /// [`BulkheadMap::builder`](crate::bulkhead::BulkheadMap::builder) and its siblings;
 /// counted in `flowgate_bulkhead_discarded_total`, whether the bulkhead closed or the
-/// adapter was dropped). Nothing is dropped silently.
+/// adapter was dropped). A [`Prefetch`](crate::demand::Prefetch) does the same with every
+/// item still buffered when it is dropped or taken apart (hook from
+/// [`PrefetchBuilder::on_drop`](crate::demand::PrefetchBuilder::on_drop); counted in
+/// `flowgate_demand_discarded_total`). Nothing is dropped silently.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Dropped {
@@ -74,8 +77,9 @@ impl fmt::Display for Dropped {
 /// of a receiver or a stream), as an item's panicking `Drop` would; nothing catches it. The
 /// item is counted before the hook is called, and the component stays consistent and
 /// usable. Where several items are dropped at once (the last receiver of a channel, a
-/// `leaky_queue` dropped with items queued), all of them are counted first; the items after
-/// the one whose hook panicked are dropped without the hook.
+/// `leaky_queue` dropped with items queued, a `prefetch` stream dropped with items
+/// buffered), all of them are counted first; the items after the one whose hook panicked
+/// are dropped without the hook.
 ///
 /// # Examples
 ///

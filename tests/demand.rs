@@ -1082,7 +1082,7 @@ async fn a_dropped_prefetch_takes_its_buffered_gauge_back() {
     assert_eq!(recorder.gauge(gauge), Some(8.0), "two batches of 4 landed");
     drop(a);
     assert_eq!(recorder.gauge(gauge), Some(4.0), "b's batch is left");
-    let _ = b.into_inner(); // taken apart: its buffered items are dropped
+    let _ = b.into_inner(); // taken apart: its buffered items are discarded
     assert_eq!(recorder.gauge(gauge), Some(0.0));
 }
 
@@ -1386,4 +1386,182 @@ async fn a_batch_larger_than_asked_for_is_kept_whole() {
     );
     let rest: Vec<u32> = narrow.collect().await;
     assert_eq!(rest, (1..20).collect::<Vec<_>>());
+}
+
+/// `0, 1, 2, …` in batches of at most `chunk` items, never ending: a prefetch over it holds
+/// a batch being handed out and batches queued behind it.
+#[cfg(feature = "metrics")]
+struct Chunks {
+    next: u32,
+    chunk: usize,
+}
+
+#[cfg(feature = "metrics")]
+impl BatchSource for Chunks {
+    type Item = u32;
+    type Error = std::convert::Infallible;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, std::convert::Infallible>>> {
+        let from = self.next;
+        self.next += max.min(self.chunk) as u32;
+        Poll::Ready(Some(Ok((from..self.next).collect())))
+    }
+}
+
+/// The items a `Prefetch` lets go of, as its `on_drop` hook saw them.
+#[cfg(feature = "metrics")]
+type Seen = Arc<Mutex<Vec<(u32, &'static str)>>>;
+
+/// A prefetch over `Chunks` of 3 with levels (8, 6), named `name`, with a hook that records
+/// what it sees in `seen` (none if `seen` is `None`), built under `recorder`; two items
+/// taken: 2 is left in the current batch and 3, 4, 5 are queued behind it.
+#[cfg(feature = "metrics")]
+async fn holding_2_to_5(
+    recorder: &support::TestRecorder,
+    name: &str,
+    seen: Option<Seen>,
+) -> Prefetch<Chunks, flowgate::demand::Items> {
+    let mut stream = metrics::with_local_recorder(recorder, || {
+        let builder = Prefetch::builder(Chunks { next: 0, chunk: 3 }, levels(8, 6)).name(name);
+        match seen {
+            Some(seen) => builder.on_drop(move |item: u32, why: &flowgate::Dropped| {
+                seen.lock().unwrap().push((item, why.as_str()))
+            }),
+            None => builder,
+        }
+        .build()
+        .unwrap()
+        .items()
+    });
+    assert_eq!(stream.next().await, Some(0));
+    assert_eq!(stream.next().await, Some(1));
+    assert_eq!(Prefetch::buffered(&stream), 4, "2, then 3..6 queued");
+    stream
+}
+
+#[cfg(feature = "metrics")]
+fn discarded(item: u32) -> (u32, &'static str) {
+    (item, "discarded")
+}
+
+/// Items still buffered when a `Prefetch` is dropped go to its `on_drop` hook, every one, in
+/// the order the stream would have yielded them (the current batch, then the queued ones),
+/// and are counted in `flowgate_demand_discarded_total`; the buffered gauge reads 0.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_dropped_prefetch_passes_its_buffered_items_to_the_hook_and_counts_them() {
+    let recorder = support::TestRecorder::default();
+    let seen = Seen::default();
+    let stream = holding_2_to_5(&recorder, "dropped", Some(seen.clone())).await;
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=dropped}"),
+        0
+    );
+    drop(stream);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        (2..6).map(discarded).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=dropped}"),
+        4
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_demand_buffered{name=dropped}"),
+        Some(0.0)
+    );
+}
+
+/// `into_inner` discards the buffered items as a drop does (to the hook, counted), and hands
+/// back the source where its last fetch left it.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn into_inner_passes_the_buffered_items_to_the_hook_and_counts_them() {
+    let recorder = support::TestRecorder::default();
+    let seen = Seen::default();
+    let stream = holding_2_to_5(&recorder, "taken-apart", Some(seen.clone())).await;
+    let source = stream.into_inner();
+    assert_eq!(source.next, 6, "the source goes on after what was fetched");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        (2..6).map(discarded).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=taken-apart}"),
+        4
+    );
+}
+
+/// Without a hook the discarded items are counted all the same; a stream that held nothing
+/// counts nothing.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn items_discarded_without_a_hook_are_counted() {
+    let recorder = support::TestRecorder::default();
+    drop(holding_2_to_5(&recorder, "no-hook", None).await);
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=no-hook}"),
+        4
+    );
+    let mut drained = metrics::with_local_recorder(&recorder, || {
+        Prefetch::builder(IterSource::new(0..3u32), levels(4, 1))
+            .name("drained")
+            .build()
+            .unwrap()
+            .items()
+    });
+    assert_eq!((&mut drained).collect::<Vec<_>>().await, [0, 1, 2]);
+    drop(drained);
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=drained}"),
+        0
+    );
+}
+
+/// A hook that panics on the second item panics the drop; every item was counted before
+/// the hook saw the first, the gauge reads 0, and the items after the panic are dropped
+/// (not leaked) without the hook.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_panicking_hook_leaves_every_discarded_item_counted() {
+    let recorder = support::TestRecorder::default();
+    let alive = Arc::new(());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hook_seen = seen.clone();
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        let alive = alive.clone();
+        let source = IterSource::new((0..10u32).map(move |i| (i, alive.clone())));
+        Prefetch::builder(source, levels(6, 1))
+            .name("panicky")
+            .on_drop(move |(item, _): (u32, Arc<()>), _: &flowgate::Dropped| {
+                hook_seen.lock().unwrap().push(item);
+                assert_ne!(item, 2, "the hook panics on 2");
+            })
+            .build()
+            .unwrap()
+            .items()
+    });
+    assert_eq!(stream.next().await.map(|(i, _)| i), Some(0));
+    assert_eq!(
+        Arc::strong_count(&alive),
+        7,
+        "1..6 buffered, the source's, ours"
+    );
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(stream)));
+    assert!(unwound.is_err(), "the hook's panic reached the drop");
+    assert_eq!(*seen.lock().unwrap(), [1, 2]);
+    assert_eq!(
+        recorder.counter("flowgate_demand_discarded_total{name=panicky}"),
+        5,
+        "all 5 counted before the hook ran"
+    );
+    assert_eq!(
+        recorder.gauge("flowgate_demand_buffered{name=panicky}"),
+        Some(0.0)
+    );
+    assert_eq!(Arc::strong_count(&alive), 1, "3, 4, 5 dropped, not leaked");
 }

@@ -43,6 +43,8 @@
 //! `flowgate_demand_outstanding` (credit left), `flowgate_demand_buffered` (prefetched),
 //! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks),
 //! `flowgate_demand_commit_pending` (offsets not yet committable), all gauges;
+//! `flowgate_demand_discarded_total` (prefetched items discarded: still buffered when their
+//! stream was dropped or taken apart; see [`PrefetchBuilder::on_drop`]),
 //! `flowgate_demand_commit_abandoned_total` and `flowgate_demand_commit_dropped_total`
 //! (tokens given up, tokens dropped unfinished), `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
 //! `flowgate_demand_group_recreated_total` and `flowgate_demand_stale_acks_total` (Redis

@@ -15,8 +15,9 @@ use pin_project::pin_project;
 use tokio::time::Sleep;
 
 use crate::demand::{BatchSource, Levels};
+use crate::dropped::{Dropped, OnDrop};
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::metrics::{Gauge, Labels};
+use crate::metrics::{Counter, Gauge, Labels};
 
 /// Stream of [`prefetch`](crate::demand::prefetch): fetches from a [`BatchSource`] exactly
 /// what the buffer has room for.
@@ -41,33 +42,36 @@ use crate::metrics::{Gauge, Labels};
 /// # Dropping
 ///
 /// Items still buffered when the stream is dropped (or taken apart with
-/// [`into_inner`](Prefetch::into_inner)) are dropped with it: no hook sees them and nothing
-/// counts them ([`buffered`](Prefetch::buffered) says how many, before); the stream's share
-/// of `flowgate_demand_buffered` is taken back, so the gauge no longer counts them. A
-/// source whose items are settled only when the application finishes them loses nothing:
-/// a `RedisStreamSource` entry (feature `redis`) dropped without its `ack` stays pending
-/// and is delivered again, and an offset never tracked by a
+/// [`into_inner`](Prefetch::into_inner)) are discarded: all of them are counted in
+/// `flowgate_demand_discarded_total` (under the stream's `name`), then each goes to the
+/// [`on_drop`](PrefetchBuilder::on_drop) hook, if one is set, in the order the stream would
+/// have yielded them, as [`Dropped::Discarded`]; the stream's share of
+/// `flowgate_demand_buffered` is taken back. ([`buffered`](Prefetch::buffered) says how
+/// many there are, before; there is no count to read on the stream, which drops nothing
+/// while it lives.) A fetch error not yet yielded is dropped with them. A source whose
+/// items are settled only when the application finishes them loses nothing: a
+/// `RedisStreamSource` entry (feature `redis`) dropped without its `ack` stays pending and
+/// is delivered again, and an offset never tracked by a
 /// [`CommitTracker`](crate::demand::CommitTracker) is never committed. The items of an
 /// [`IterSource`](crate::demand::IterSource) or a
-/// [`StreamSource`](crate::demand::StreamSource) are gone.
+/// [`StreamSource`](crate::demand::StreamSource) are gone, unless the hook keeps them.
+/// Items a source holds in a fetch still in progress are the source's (see its docs).
 ///
 /// # Panics
 ///
 /// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled
 /// (unless the retry backoff is zero); see [`retry_backoff`](PrefetchBuilder::retry_backoff).
+/// Dropping the stream, or `into_inner`, panics when the `on_drop` hook does.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Prefetch<S: BatchSource, Y = Results> {
     #[pin]
     source: S,
-    /// Fetched items, batch by batch, as the fetches returned them (no copy): the batch
-    /// being handed out, and the ones behind it with their item count.
-    current: vec::IntoIter<S::Item>,
-    /// How many items of `current` the hot path may hand out unchecked: those the slow path
-    /// would hand out without starting or polling a fetch (set by `unchecked`).
+    /// Fetched items not yet handed out; what is left when the stream goes is discarded.
+    buffer: Buffer<S::Item>,
+    /// How many items of `buffer.current` the hot path may hand out unchecked: those the
+    /// slow path would hand out without starting or polling a fetch (set by `unchecked`).
     fast: usize,
-    queued: VecDeque<vec::IntoIter<S::Item>>,
-    queued_items: usize,
     levels: Levels,
     /// The `max` of a fetch in progress.
     fetching: Option<usize>,
@@ -76,7 +80,6 @@ pub struct Prefetch<S: BatchSource, Y = Results> {
     waited: bool,
     error: Option<S::Error>,
     done: bool,
-    buffered: Gauge,
     /// After a failed fetch the next one waits `retry_next`: `retry_min`, doubling after each
     /// further failure up to `retry_max`.
     retry_min: Duration,
@@ -100,8 +103,9 @@ pub enum Results {}
 pub enum Items {}
 
 /// Fetch from `source` by demand: keep at most `levels.high()` items buffered, refill when
-/// the buffer falls to `levels.low()`, asking for exactly `high − buffered`. Unnamed: to set
-/// the `name` label of its metrics or the retry backoff, use [`Prefetch::builder`].
+/// the buffer falls to `levels.low()`, asking for exactly `high − buffered`. Unnamed and
+/// without a drop hook: to set the `name` label of its metrics, the retry backoff or the
+/// [`on_drop`](PrefetchBuilder::on_drop) hook, use [`Prefetch::builder`].
 ///
 /// The stream yields `Result<S::Item, S::Error>`; over a source that cannot fail
 /// (`Error =` [`Infallible`]), [`.items()`](Prefetch::items) makes it yield plain items.
@@ -149,12 +153,12 @@ pub enum Items {}
 /// # }
 /// ```
 pub fn prefetch<S: BatchSource>(source: S, levels: Levels) -> Prefetch<S> {
-    Prefetch::new(source, levels, None)
+    Prefetch::new(source, levels, None, None)
 }
 
 impl<S: BatchSource> Prefetch<S> {
-    /// A builder, to give the stream a name and a retry backoff:
-    /// `Prefetch::builder(source, levels)` is [`prefetch`] with options.
+    /// A builder, to give the stream a name, a retry backoff and a hook for the items it
+    /// discards: `Prefetch::builder(source, levels)` is [`prefetch`] with options.
     ///
     /// # Examples
     ///
@@ -181,22 +185,33 @@ impl<S: BatchSource> Prefetch<S> {
             levels,
             retry_backoff: (DEFAULT_RETRY_MIN, DEFAULT_RETRY_MAX),
             name: None,
+            on_drop: None,
         }
     }
 
-    pub(crate) fn new(source: S, levels: Levels, name: Option<String>) -> Self {
+    pub(crate) fn new(
+        source: S,
+        levels: Levels,
+        name: Option<String>,
+        on_drop: Option<OnDrop<S::Item>>,
+    ) -> Self {
+        let labels = Labels::new(name.as_deref());
         Prefetch {
             source,
-            current: Vec::new().into_iter(),
+            buffer: Buffer {
+                current: Vec::new().into_iter(),
+                queued: VecDeque::new(),
+                queued_items: 0,
+                gauge: labels.gauge(names::BUFFERED, &[]),
+                on_drop,
+                discarded: labels.counter(names::DISCARDED, &[]),
+            },
             fast: 0,
-            queued: VecDeque::new(),
-            queued_items: 0,
             levels,
             fetching: None,
             waited: false,
             error: None,
             done: false,
-            buffered: Labels::new(name.as_deref()).gauge(names::BUFFERED, &[]),
             retry_min: DEFAULT_RETRY_MIN,
             retry_max: DEFAULT_RETRY_MAX,
             retry_next: DEFAULT_RETRY_MIN,
@@ -230,16 +245,13 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
     pub fn items(self) -> Prefetch<S, Items> {
         let Prefetch {
             source,
-            current,
+            buffer,
             fast,
-            queued,
-            queued_items,
             levels,
             fetching,
             waited,
             error,
             done,
-            buffered,
             retry_min,
             retry_max,
             retry_next,
@@ -249,16 +261,13 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
         } = self;
         Prefetch {
             source,
-            current,
+            buffer,
             fast,
-            queued,
-            queued_items,
             levels,
             fetching,
             waited,
             error,
             done,
-            buffered,
             retry_min,
             retry_max,
             retry_next,
@@ -277,7 +286,7 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
 
     /// Items fetched and not yet consumed.
     pub fn buffered(&self) -> usize {
-        self.current.len() + self.queued_items
+        self.buffer.len()
     }
 
     /// The levels: at most `high` items buffered, a fetch when the buffer falls to `low`.
@@ -300,44 +309,162 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
         self.project().source
     }
 
-    /// The next buffered item.
-    #[inline]
-    fn pop(
-        current: &mut vec::IntoIter<S::Item>,
-        queued: &mut VecDeque<vec::IntoIter<S::Item>>,
-        queued_items: &mut usize,
-    ) -> Option<S::Item> {
-        if let Some(item) = current.next() {
-            return Some(item);
-        }
-        let mut next = queued.pop_front()?;
-        *queued_items -= next.len();
-        let item = next.next();
-        *current = next;
-        item
-    }
-
-    /// The source; buffered items are dropped.
+    /// The source. The items still buffered are discarded: counted in
+    /// `flowgate_demand_discarded_total`, then passed to the
+    /// [`on_drop`](PrefetchBuilder::on_drop) hook, if one is set, in the order the stream
+    /// would have yielded them, as [`Dropped::Discarded`]. A fetch error not yet yielded is
+    /// dropped with them (it is not an item).
+    ///
+    /// A fetch in progress stays in progress in the source: a source that keeps it across
+    /// polls (as `RedisStreamSource` does) finishes it on its next
+    /// [`poll_fetch`](BatchSource::poll_fetch), with up to the `max` it was started with.
+    /// Another `Prefetch` over it keeps such a batch whole, even above its `high`.
+    ///
+    /// # Panics
+    ///
+    /// When the hook panics (after every item was counted; the items after the one it
+    /// panicked on are dropped without the hook).
     pub fn into_inner(self) -> S {
         self.source
     }
 }
 
+/// The fetched items not yet handed out, batch by batch as the fetches returned them (no
+/// copy), and the accounting of what the stream lets go of. Dropped itself (the stream
+/// dropped or taken apart with `into_inner`), it discards every item left: all are counted
+/// and the gauge is set to 0 first, then each goes to the hook, in order, as
+/// [`Dropped::Discarded`] — so a hook that panics leaves the metrics right.
+struct Buffer<T> {
+    /// The batch being handed out.
+    current: vec::IntoIter<T>,
+    /// The batches behind it, with their item count.
+    queued: VecDeque<vec::IntoIter<T>>,
+    queued_items: usize,
+    /// `flowgate_demand_buffered`: set when a batch lands and when the buffer is empty, not
+    /// per item (cheap hot path).
+    gauge: Gauge,
+    on_drop: Option<OnDrop<T>>,
+    /// `flowgate_demand_discarded_total`.
+    discarded: Counter,
+}
+
+impl<T> Buffer<T> {
+    fn len(&self) -> usize {
+        self.current.len() + self.queued_items
+    }
+
+    /// The next buffered item.
+    #[inline]
+    fn pop(&mut self) -> Option<T> {
+        if let Some(item) = self.current.next() {
+            return Some(item);
+        }
+        let mut next = self.queued.pop_front()?;
+        self.queued_items -= next.len();
+        let item = next.next();
+        self.current = next;
+        item
+    }
+
+    /// A fetched batch lands behind the items buffered.
+    fn push(&mut self, batch: Vec<T>) {
+        if self.current.len() == 0 && self.queued.is_empty() {
+            self.current = batch.into_iter();
+        } else if !batch.is_empty() {
+            self.queued_items += batch.len();
+            self.queued.push_back(batch.into_iter());
+        }
+    }
+}
+
+impl<T> Drop for Buffer<T> {
+    fn drop(&mut self) {
+        let left = self.len();
+        if left == 0 {
+            return;
+        }
+        self.discarded.increment(left as u64);
+        self.gauge.set(0.0);
+        self.queued_items = 0;
+        if let Some(hook) = &self.on_drop {
+            for item in self.current.by_ref().chain(self.queued.drain(..).flatten()) {
+                hook.call(item, &Dropped::Discarded);
+            }
+        }
+    }
+}
+
 /// Builds a [`Prefetch`] stream; from [`Prefetch::builder`].
-#[derive(Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
-pub struct PrefetchBuilder<S> {
+pub struct PrefetchBuilder<S: BatchSource> {
     source: S,
     levels: Levels,
     /// `(min, max)`, checked by `build`.
     retry_backoff: (Duration, Duration),
     name: Option<String>,
+    on_drop: Option<OnDrop<S::Item>>,
+}
+
+impl<S: BatchSource + fmt::Debug> fmt::Debug for PrefetchBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefetchBuilder")
+            .field("source", &self.source)
+            .field("levels", &self.levels)
+            .field("retry_backoff", &self.retry_backoff)
+            .field("name", &self.name)
+            .field("on_drop", &self.on_drop.is_some())
+            .finish()
+    }
 }
 
 impl<S: BatchSource> PrefetchBuilder<S> {
-    /// The `name` label of the stream's metrics (`flowgate_demand_buffered`).
+    /// The `name` label of the stream's metrics (`flowgate_demand_buffered`,
+    /// `flowgate_demand_discarded_total`).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// Call `hook` with each item still buffered when the stream is dropped or taken apart
+    /// with [`into_inner`](Prefetch::into_inner) ([`Dropped::Discarded`]), in the order the
+    /// stream would have yielded them. It runs in the task that drops the stream, under no
+    /// lock, after every one of those items was counted in
+    /// `flowgate_demand_discarded_total` (which counts them with or without a hook). A
+    /// hook that panics panics that drop; the items after the one it panicked on are
+    /// dropped without the hook, counted all the same.
+    ///
+    /// A source whose items are settled only when the application finishes them (a
+    /// `RedisStreamSource` entry without its `ack`, an offset never committed) delivers them
+    /// again; the hook is where the items of any other source can be kept, logged or handed
+    /// back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use flowgate::demand::{IterSource, Levels, Prefetch};
+    /// use flowgate::Dropped;
+    /// use futures::StreamExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let lost = Arc::new(Mutex::new(Vec::new()));
+    /// let log = lost.clone();
+    /// let mut jobs = Prefetch::builder(IterSource::new(0..10u32), Levels::new(4, 1)?)
+    ///     .on_drop(move |job: u32, why: &Dropped| log.lock().unwrap().push((job, why.as_str())))
+    ///     .build()?
+    ///     .items();
+    /// assert_eq!(jobs.next().await, Some(0)); // 0..4 were fetched
+    /// drop(jobs);
+    /// assert_eq!(
+    ///     *lost.lock().unwrap(),
+    ///     [(1, "discarded"), (2, "discarded"), (3, "discarded")]
+    /// );
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn on_drop(mut self, hook: impl Fn(S::Item, &Dropped) + Send + Sync + 'static) -> Self {
+        self.on_drop = Some(OnDrop::new(hook));
         self
     }
 
@@ -395,7 +522,7 @@ impl<S: BatchSource> PrefetchBuilder<S> {
                 format!("min {min:?} is above max {max:?}"),
             ));
         }
-        let mut prefetch = Prefetch::new(self.source, self.levels, self.name);
+        let mut prefetch = Prefetch::new(self.source, self.levels, self.name, self.on_drop);
         prefetch.retry_min = min;
         prefetch.retry_max = max;
         prefetch.retry_next = min;
@@ -421,6 +548,7 @@ const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(1);
 /// Names of the prefetch metrics.
 pub(crate) mod names {
     pub(crate) const BUFFERED: &str = "flowgate_demand_buffered";
+    pub(crate) const DISCARDED: &str = "flowgate_demand_discarded_total";
 }
 
 impl<S: BatchSource> Stream for Prefetch<S, Results> {
@@ -467,7 +595,7 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
         let this = self.as_mut().project();
         if *this.fast != 0 {
             *this.fast -= 1;
-            if let Some(item) = this.current.next() {
+            if let Some(item) = this.buffer.current.next() {
                 return Poll::Ready(Some(Ok(item)));
             }
         }
@@ -495,13 +623,13 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
     /// hot path stops there.
     fn unchecked(self: Pin<&mut Self>) {
         let this = self.project();
-        let current = this.current.len();
+        let current = this.buffer.current.len();
         *this.fast = if this.fetching.is_some() {
             0
         } else if *this.done || this.error.is_some() {
             current
         } else {
-            current.min((current + *this.queued_items).saturating_sub(this.levels.low()))
+            current.min(this.buffer.len().saturating_sub(this.levels.low()))
         };
     }
 
@@ -522,7 +650,7 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<S::Item, S::Error>>> {
         let mut this = self.project();
-        let buffered = this.current.len() + *this.queued_items;
+        let buffered = this.buffer.len();
         let mut refill = this.fetching.is_some()
             || (buffered <= this.levels.low() && !*this.done && this.error.is_none());
         // Pausing after a failed fetch?
@@ -547,13 +675,8 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                         if fetched > 0 || waited {
                             *this.retry_next = *this.retry_min;
                         }
-                        if this.current.len() == 0 && this.queued.is_empty() {
-                            *this.current = batch.into_iter();
-                        } else if fetched > 0 {
-                            this.queued.push_back(batch.into_iter());
-                            *this.queued_items += fetched;
-                        }
-                        this.buffered.set((buffered + fetched) as f64);
+                        this.buffer.push(batch);
+                        this.buffer.gauge.set((buffered + fetched) as f64);
                         // An empty batch with nothing buffered. Answered at once (a
                         // non-blocking source with nothing new): the next fetch waits the
                         // backoff, so an idle source is not polled in a loop (nor keeps
@@ -586,12 +709,12 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
         }
         // The gauge is set when a batch lands and when the buffer is empty, not per item
         // (cheap hot path).
-        if let Some(item) = Self::pop(this.current, this.queued, this.queued_items) {
+        if let Some(item) = this.buffer.pop() {
             return Poll::Ready(Some(Ok(item)));
         }
         // Nothing is buffered when the stream yields an error, waits or ends: the gauge must
         // not keep showing the batch that landed last.
-        this.buffered.set(0.0);
+        this.buffer.gauge.set(0.0);
         if let Some(e) = this.error.take() {
             return Poll::Ready(Some(Err(e)));
         }
@@ -621,6 +744,7 @@ impl<S: BatchSource + fmt::Debug, Y> fmt::Debug for Prefetch<S, Y> {
             .field("levels", &self.levels)
             .field("fetching", &self.fetching)
             .field("retry_backoff", &(self.retry_min, self.retry_max))
+            .field("on_drop", &self.buffer.on_drop.is_some())
             .finish()
     }
 }

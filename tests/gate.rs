@@ -5,6 +5,9 @@
 
 mod support;
 
+#[cfg(feature = "metrics")]
+#[path = "gate/dropped.rs"]
+mod dropped;
 #[path = "gate/failures.rs"]
 mod failures;
 #[path = "gate/gated.rs"]

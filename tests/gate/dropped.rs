@@ -1,0 +1,176 @@
+//! Callers that give up while their call to Redis is in flight: a `check` that called Redis
+//! itself (batching off, or nothing else in flight), a lease call and a `check_all`. Redis
+//! runs the script all the same; what it decided is counted, cached and kept as if the
+//! caller had stayed.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use flowgate::Quota;
+use flowgate::gate::{Limit, RedisGate};
+use redis::aio::MultiplexedConnection;
+
+use super::support::{RedisServer, TestRecorder};
+
+fn per_hour(n: u32) -> Limit {
+    Limit::TokenBucket(Quota::per_hour(n).unwrap())
+}
+
+/// The counter `flowgate_gate_decisions_total{name=<name>,outcome=<outcome>}`.
+fn decisions(recorder: &TestRecorder, name: &str, outcome: &str) -> u64 {
+    recorder.counter(&format!(
+        "flowgate_gate_decisions_total{{name={name},outcome={outcome}}}"
+    ))
+}
+
+/// Waits up to 10 s (a loaded machine's Redis can be slow) for `done`.
+async fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !done() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    done()
+}
+
+/// Sends `call` to the paused `server` and drops it there: polled once (its request goes to
+/// the connection), then the connection's task is given time to write it out before the
+/// caller gives up. The server is resumed afterwards.
+async fn give_up_mid_call<T>(server: &RedisServer, call: Pin<Box<dyn Future<Output = T> + '_>>) {
+    server.pause();
+    let mut call = call;
+    assert!(
+        futures::poll!(call.as_mut()).is_pending(),
+        "waits for redis"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(call);
+    server.resume();
+}
+
+async fn exists(con: &mut MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async(con)
+        .await
+        .unwrap()
+}
+
+/// Batching off, and batching on with nothing in flight: the caller calls Redis itself.
+/// Given up mid-call, its decision is counted all the same (admitted and rejected), and a
+/// rejection is cached, as for a caller that stayed.
+#[tokio::test]
+async fn a_caller_that_called_redis_alone_and_gave_up_is_still_counted() {
+    let recorder = TestRecorder::default();
+    // Current-thread runtime: the gates register their metrics with this thread's recorder.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    for (name, batch) in [("alone", 1), ("idle", 128)] {
+        let gate = RedisGate::builder(server.connect().await, per_hour(1))
+            .name(name)
+            .prefix(format!("{name}:"))
+            .batch_size(batch)
+            .timeout(Duration::from_secs(60))
+            .build()
+            .await
+            .unwrap();
+        let count = |outcome| decisions(&recorder, name, outcome);
+        assert!(gate.check("full", 1).await.unwrap().allowed);
+        assert_eq!(count("allowed"), 1);
+        give_up_mid_call(&server, Box::pin(gate.check("fresh", 1))).await;
+        assert!(
+            exists(&mut con, &gate.redis_key("fresh")).await,
+            "{name}: redis charged the caller that gave up"
+        );
+        assert!(
+            eventually(|| count("allowed") == 2).await,
+            "{name}: the admitted caller that gave up is counted: allowed = {}",
+            count("allowed")
+        );
+        give_up_mid_call(&server, Box::pin(gate.check("full", 1))).await;
+        assert!(
+            eventually(|| count("rejected") == 1).await,
+            "{name}: the rejected caller that gave up is counted: rejected = {}",
+            count("rejected")
+        );
+        assert_eq!(
+            gate.cached_rejections(),
+            1,
+            "{name}: and its rejection cached"
+        );
+        assert!(!gate.check("full", 1).await.unwrap().allowed);
+        assert_eq!(count("cached"), 1, "{name}: the next one rejected locally");
+    }
+}
+
+/// A lease call given up mid-call: the tokens Redis debited for it are kept in the lease
+/// and spent by the next callers, not lost.
+#[tokio::test]
+async fn a_lease_taken_by_a_caller_that_gave_up_is_kept() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_hour(100))
+        .name("lease")
+        .lease(10)
+        .lease_ttl(Duration::from_secs(600))
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let count = |outcome| decisions(&recorder, "lease", outcome);
+    let calls = || {
+        recorder
+            .samples("flowgate_gate_redis_seconds{name=lease}")
+            .len()
+    };
+    // The lease script loaded; a lease of 10 on `warm`.
+    assert!(gate.check("warm", 1).await.unwrap().allowed);
+    assert_eq!((count("allowed"), calls(), gate.leased_keys()), (1, 1, 1));
+    give_up_mid_call(&server, Box::pin(gate.check("k", 1))).await;
+    assert!(
+        eventually(|| gate.leased_keys() == 2).await,
+        "the lease taken for the caller that gave up is kept"
+    );
+    assert_eq!((count("allowed"), calls()), (2, 2));
+    // Its 9 other tokens are spent here, without Redis.
+    for _ in 0..9 {
+        assert!(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!((count("allowed"), calls()), (11, 2));
+}
+
+/// `check_all` given up mid-call: every bucket is charged in Redis, and the decision counted.
+#[tokio::test]
+async fn a_check_all_given_up_mid_call_is_still_counted() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let gate = RedisGate::builder(server.connect().await, per_hour(100))
+        .name("all")
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let count = |outcome| decisions(&recorder, "all", outcome);
+    let q = Quota::per_hour(5).unwrap();
+    // The check_all script loaded.
+    let warm = gate.check_all(&[("w1", q), ("w2", q)], 1).await.unwrap();
+    assert!(warm[0].allowed);
+    assert_eq!(count("allowed"), 1);
+    let limits = [("a", q), ("b", q)];
+    give_up_mid_call(&server, Box::pin(gate.check_all(&limits, 1))).await;
+    for key in ["a", "b"] {
+        assert!(
+            exists(&mut con, &gate.redis_key(key)).await,
+            "{key} charged"
+        );
+    }
+    assert!(
+        eventually(|| count("allowed") == 2).await,
+        "the check_all given up is counted: allowed = {}",
+        count("allowed")
+    );
+}

@@ -190,8 +190,9 @@ where
         );
     }
 
-    /// A claim on the connection for one direct call, if no call is in flight.
-    pub(crate) fn idle_call(&self) -> Option<Call<'_>> {
+    /// A claim on the connection for one direct call, if no call is in flight. It owns its
+    /// count, so a direct call finished without its caller holds it to the end.
+    pub(crate) fn idle_call(&self) -> Option<Call> {
         // Under load calls are in flight: a plain load then spares the shared line a write.
         if self.calls.load(Ordering::Relaxed) != 0 {
             return None;
@@ -199,22 +200,22 @@ where
         self.calls
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
             .ok()
-            .map(|_| Call(&self.calls))
+            .map(|_| Call(self.calls.clone()))
     }
 }
 
 /// One script call in flight, counted until dropped.
 #[derive(Debug)]
-pub(crate) struct Call<'a>(&'a AtomicUsize);
+pub(crate) struct Call(Arc<AtomicUsize>);
 
-impl<'a> Call<'a> {
-    fn start(calls: &'a AtomicUsize) -> Call<'a> {
+impl Call {
+    fn start(calls: &Arc<AtomicUsize>) -> Call {
         calls.fetch_add(1, Ordering::AcqRel);
-        Call(calls)
+        Call(calls.clone())
     }
 }
 
-impl Drop for Call<'_> {
+impl Drop for Call {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -342,7 +343,7 @@ where
     }
 
     /// One batch: a single call, or one call per hash slot on a cluster.
-    async fn dispatch(&self, mut batch: Vec<Request>, _call: Call<'_>) {
+    async fn dispatch(&self, mut batch: Vec<Request>, _call: Call) {
         if self.cluster && batch.len() > 1 {
             let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
             for r in batch.drain(..) {

@@ -24,6 +24,8 @@ pub(crate) mod backend;
 #[cfg(feature = "redis")]
 mod batch;
 mod error;
+#[cfg(feature = "redis")]
+mod finish;
 mod gated;
 #[cfg(feature = "redis")]
 mod lease;

@@ -7,6 +7,7 @@ use redis::aio::ConnectionLike;
 use crate::decision::Decision;
 use crate::gate::backend::{CallError, key_failure};
 use crate::gate::error::GateError;
+use crate::gate::finish::Finish;
 use crate::gate::limit::Limit;
 use crate::gate::multi::Merged;
 use crate::gate::redis_gate::{FailurePolicy, RedisGate};
@@ -54,8 +55,9 @@ where
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before the script runs charges nothing; after, every bucket may
-    /// be charged (never over-admission).
+    /// Dropping the future before it is first polled charges nothing; after, the script call
+    /// goes on as a task on the current runtime (bounded by the timeout): every bucket may be
+    /// charged (never over-admission), and the decision is counted when Redis answers.
     pub async fn check_all(
         &self,
         limits: &[(&str, Quota)],
@@ -90,28 +92,13 @@ where
                 .arg(quota.burst_size())
                 .arg(total);
         }
-        let started = Instant::now();
-        let reply = match inner.backend.admit(started) {
+        let reply = match inner.backend.admit(Instant::now()) {
             Err(e) => Err(e),
-            Ok(()) => {
-                let len = 5 * keys.len();
-                let within = inner.backend.timeout();
-                inner
-                    .backend
-                    .eval(&inner.all_script, &cmd, len, within)
-                    .await
-            }
+            Ok(()) => self.call_all(cmd, keys.len()).await,
         };
         match reply {
-            Ok(v) => {
-                if let Some(e) = v.chunks_exact(5).find_map(|r| key_failure(r[0])) {
-                    return Err(e);
-                }
-                let decided: Vec<Decision> = v.chunks_exact(5).map(decision_from).collect();
-                inner.metrics.outcomes.count(&decided[0]);
-                Ok(request.expand(&decided))
-            }
-            Err(CallError::Request(e)) => Err(e),
+            Ok(Ok(decided)) => Ok(request.expand(&decided)),
+            Ok(Err(e)) | Err(CallError::Request(e)) => Err(e),
             Err(CallError::Backend { error, until_probe }) => {
                 inner.metrics.by_policy.increment(1);
                 let each = |d: &dyn Fn(Quota) -> Decision| -> Vec<Decision> {
@@ -127,5 +114,33 @@ where
                 }
             }
         }
+    }
+
+    /// The script call of [`check_all`](RedisGate::check_all) (`cmd`, on `buckets` keys):
+    /// one decision per bucket, or a key's own error. The decision is counted when Redis
+    /// answers, even if the caller has given up by then (the call is then finished on the
+    /// runtime).
+    fn call_all(
+        &self,
+        cmd: redis::Cmd,
+        buckets: usize,
+    ) -> Finish<
+        impl Future<Output = Result<Result<Vec<Decision>, GateError>, CallError>> + Send + use<C>,
+    > {
+        let gate = self.clone();
+        Finish::new(async move {
+            let inner = &*gate.inner;
+            let within = inner.backend.timeout();
+            let v = inner
+                .backend
+                .eval(&inner.all_script, &cmd, 5 * buckets, within)
+                .await?;
+            if let Some(e) = v.chunks_exact(5).find_map(|r| key_failure(r[0])) {
+                return Ok(Err(e));
+            }
+            let decided: Vec<Decision> = v.chunks_exact(5).map(decision_from).collect();
+            inner.metrics.outcomes.count(&decided[0]);
+            Ok(Ok(decided))
+        })
     }
 }

@@ -12,9 +12,10 @@ use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
 use crate::gate::backend::{Backend, CallError, key_failure};
-use crate::gate::batch::{Batcher, Driver, Outcomes, Request};
+use crate::gate::batch::{Batcher, Call, Driver, Outcomes, Request};
 use crate::gate::error::{GateError, check_key};
-use crate::gate::lease::Leases;
+use crate::gate::finish::Finish;
+use crate::gate::lease::{Leases, Place};
 use crate::gate::limit::Limit;
 use crate::gate::memory::MemoryGate;
 use crate::gate::quotas::Registration;
@@ -156,10 +157,10 @@ pub(super) struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `cached`, `policy`; a batched caller that gave up after its batch was sent is counted by
-/// what Redis decided for it when the answer comes, and one whose own timeout ended first
-/// is then counted under `policy` too; a caller that called Redis alone, with nothing in
-/// flight or batching off, and gave up before the answer is not counted),
+/// `cached`, `policy`; a caller that gave up after its request went to Redis is counted by
+/// what Redis decided for it when the answer comes, batched or not (a call it made alone is
+/// finished on the runtime without it), and a batched one whose own timeout ended first is
+/// then counted under `policy` too),
 /// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
 /// `flowgate_gate_failures_total` (failed calls to Redis, not callers: one per failed
 /// script call, which is one per batch, or on a Cluster one per hash slot the batch spans;
@@ -466,11 +467,14 @@ where
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before its request is sent charges nothing; after, the request
-    /// may still be charged in Redis (never over-admission); if it went in a batch, its
-    /// decision is still counted in the metrics when Redis answers (one that called Redis
-    /// alone, with nothing in flight, is not). A lease taken by a dropped call
-    /// is lost (under-admission only).
+    /// Dropping the future before its request is on its way to Redis (never polled, or
+    /// queued for a batch not sent yet) charges nothing. After, Redis decides the request
+    /// all the same (it may be charged; never over-admission), and what follows from the
+    /// answer happens without the caller: the decision is counted, a rejection cached, a
+    /// lease kept for the next callers. A call made alone (batching off, nothing else in
+    /// flight, a lease call) goes on as a task on the current runtime, bounded by the
+    /// timeout; a batched one is answered by the batch driver. A failure is not decided by
+    /// the failure policy for a caller that is gone.
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let now = Instant::now();
         if let Some(answer) = self.check_local_at(key, cost, now) {
@@ -479,19 +483,12 @@ where
         let inner = &*self.inner;
         let reply = match inner.backend.admit(now) {
             Err(e) => Err(e),
-            Ok(()) => match &inner.leases {
-                Some(leases) => self.decide_lease(leases, key, cost, now).await,
-                None => self.decide(key, cost, now).await,
-            },
+            Ok(()) if inner.leases.is_some() => self.decide_lease(key, cost, now).await,
+            Ok(()) => self.decide(key, cost, now).await,
         };
         match reply {
-            Ok(decision) => {
-                inner.metrics.outcomes.count(&decision);
-                if !decision.allowed {
-                    inner.cache.rejected(key, cost, now, &decision);
-                }
-                Ok(decision)
-            }
+            // Counted, and a rejection cached, where Redis's answer was read (see `decided`).
+            Ok(decision) => Ok(decision),
             Err(CallError::Request(e)) => Err(e),
             Err(CallError::Backend { error, until_probe }) => {
                 self.by_policy(key, cost, until_probe, error)
@@ -527,22 +524,43 @@ where
         None
     }
 
-    /// One decision in a script call of its own, bounded by what is left of the timeout.
-    async fn call_one(
+    /// What follows from Redis deciding `decision` for `cost` on `key`, in a call sent at
+    /// `sent`: counted, and a rejection cached. Done where the answer is read, by the caller
+    /// or by what finishes its call when it has given up.
+    fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+        let inner = &*self.inner;
+        inner.metrics.outcomes.count(decision);
+        if !decision.allowed {
+            inner.cache.rejected(key, cost, sent, decision);
+        }
+    }
+
+    /// One decision in a script call of its own, bounded by what is left of the timeout, and
+    /// [`decided`](RedisGate::decided) when Redis answers, even if the caller has given up by
+    /// then (the call is then finished on the runtime). `claim`: the batcher's count of calls
+    /// in flight, held until the call ends.
+    fn call_one(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
-    ) -> Result<Decision, CallError> {
-        let inner = &*self.inner;
-        let key = self.redis_key(key);
-        let requests = std::iter::once((key.as_str(), cost));
-        let within = inner.backend.timeout().saturating_sub(started.elapsed());
-        let mut decided = inner.eval.decide(&inner.backend, requests, within).await?;
-        decided
-            .pop()
-            .expect("one decision per request")
-            .map_err(CallError::Request)
+        claim: Option<Call>,
+    ) -> Finish<impl Future<Output = Result<Decision, CallError>> + Send + use<C>> {
+        let gate = self.clone();
+        let redis_key = self.redis_key(key);
+        Finish::new(async move {
+            let _claim = claim;
+            let inner = &*gate.inner;
+            let requests = std::iter::once((redis_key.as_str(), cost));
+            let within = inner.backend.timeout().saturating_sub(started.elapsed());
+            let mut decided = inner.eval.decide(&inner.backend, requests, within).await?;
+            let decision = decided
+                .pop()
+                .expect("one decision per request")
+                .map_err(CallError::Request)?;
+            gate.decided(&redis_key[inner.prefix.len()..], cost, started, &decision);
+            Ok(decision)
+        })
     }
 
     /// One decision from Redis, batched or alone, bounded by the timeout from `started`.
@@ -552,10 +570,10 @@ where
             // Nothing in flight: call Redis from here, without the hop through the driver
             // (no added latency at low load); callers arriving meanwhile batch behind it.
             Some(batcher) => match batcher.idle_call() {
-                Some(_call) => return self.call_one(key, cost, started).await,
+                Some(claim) => return self.call_one(key, cost, started, Some(claim)).await,
                 None => batcher,
             },
-            None => return self.call_one(key, cost, started).await,
+            None => return self.call_one(key, cost, started, None).await,
         };
         // Calls in flight: join the next batch.
         let timeout = inner.backend.timeout();
@@ -569,31 +587,76 @@ where
         batcher.submit(request).await?;
         // The driver answers by the deadline (its call's timeout ends there); the timer here
         // is the backstop for a driver whose runtime is not being driven.
-        match tokio::time::timeout_at((started + timeout).into(), answer).await {
+        let reply = match tokio::time::timeout_at((started + timeout).into(), answer).await {
             Ok(Ok(answer)) => answer.read(),
             // The driver went away with the request (its runtime shut down): decide it here.
-            Ok(Err(_)) => self.call_one(key, cost, started).await,
+            Ok(Err(_)) => return self.call_one(key, cost, started, None).await,
             Err(_) => Err(inner.backend.fail(GateError::Timeout(timeout))),
+        };
+        // Read here: a caller that gives up before this point leaves its answer to count it.
+        if let Ok(decision) = &reply {
+            self.decided(key, cost, started, decision);
         }
+        reply
     }
 
     /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
     /// With the lease map full, decide `cost` alone instead.
     async fn decide_lease(
         &self,
-        leases: &Leases,
         key: &str,
         cost: u32,
         started: Instant,
     ) -> Result<Decision, CallError> {
+        match self.call_lease(key, cost, started).await {
+            Some(reply) => reply,
+            None => self.decide(key, cost, started).await,
+        }
+    }
+
+    /// The lease call of [`decide_lease`](RedisGate::decide_lease), in a script call of its
+    /// own, finished (the lease kept, the decision counted) even if the caller gives up
+    /// meanwhile. `None`, before anything is sent, when it takes no lease: the map is full.
+    fn call_lease(
+        &self,
+        key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Finish<impl Future<Output = Option<Result<Decision, CallError>>> + Send + use<C>> {
+        let gate = self.clone();
+        let redis_key = self.redis_key(key);
+        Finish::new(async move {
+            let inner = &*gate.inner;
+            let leases = inner.leases.as_ref()?;
+            // Leases are only built for token buckets.
+            let (Limit::TokenBucket(quota), Some(place)) =
+                (inner.eval.limit, leases.place(started))
+            else {
+                return None;
+            };
+            let reply = gate
+                .lease(leases, place, quota, &redis_key, cost, started)
+                .await;
+            if let Ok(decision) = &reply {
+                gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
+            }
+            Some(reply)
+        })
+    }
+
+    /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`.
+    async fn lease(
+        &self,
+        leases: &Leases,
+        place: Place<'_>,
+        quota: Quota,
+        redis_key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Result<Decision, CallError> {
         let inner = &*self.inner;
-        let (Limit::TokenBucket(quota), Some(place)) = (inner.eval.limit, leases.place(started))
-        else {
-            // Leases are only built for token buckets; a full map takes no lease.
-            return self.decide(key, cost, started).await;
-        };
         let mut cmd = scripts::evalsha(&inner.lease_script, 1);
-        cmd.arg(self.redis_key(key));
+        cmd.arg(redis_key);
         inner.eval.add_args(&mut cmd, [cost]);
         cmd.arg(leases.size.max(cost));
         let within = inner.backend.timeout().saturating_sub(started.elapsed());
@@ -610,6 +673,7 @@ where
         }
         let limit = u64::from(quota.burst_size());
         let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
+        let key = &redis_key[inner.prefix.len()..];
         leases.keep(place, key, granted - cost, limit, started, reset_after);
         Ok(decision_from(&[
             1,

@@ -174,3 +174,80 @@ async fn a_check_all_given_up_mid_call_is_still_counted() {
         count("allowed")
     );
 }
+
+/// A call that reached Redis and that nothing can finish: a batch in flight when the
+/// runtime of the batch driver shuts down, a call given up outside any runtime, a call left
+/// to finish on a runtime that then shuts down. Redis may charge each (here it does); none
+/// is lost from the counts: each is counted `abandoned`.
+#[test]
+fn a_call_nothing_can_finish_is_counted_abandoned() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let count = |outcome| decisions(&recorder, "lost", outcome);
+    let charged = |key: &str| {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let found: bool = server
+                .query_blocking(redis::cmd("EXISTS").arg(format!("flowgate:{key}")))
+                .unwrap();
+            if found || Instant::now() > until {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // The test's runtime owns the connection; the gate's batch driver runs on `other`.
+    let main = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = main.block_on(server.connect());
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let gate = other
+        .block_on(
+            RedisGate::builder(conn, per_hour(100))
+                .name("lost")
+                .timeout(Duration::from_secs(60))
+                .build(),
+        )
+        .unwrap();
+    let batches = || {
+        recorder
+            .samples("flowgate_gate_batch_size{name=lost}")
+            .len()
+    };
+    let mut alone = Box::pin(gate.check("alone", 1));
+    main.block_on(async {
+        assert!(gate.check("warm", 1).await.unwrap().allowed);
+        server.pause();
+        // Nothing in flight: `alone` calls Redis itself; `batched` then joins a batch.
+        assert!(futures::poll!(alone.as_mut()).is_pending());
+        let mut batched = Box::pin(gate.check("batched", 1));
+        assert!(futures::poll!(batched.as_mut()).is_pending());
+        assert!(eventually(|| batches() == 1).await, "the batch is sent");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    });
+    // The driver's runtime shuts down with the batch in flight (its caller gone already).
+    drop(other);
+    // Given up outside any runtime: nothing can finish it.
+    drop(alone);
+    server.resume();
+    assert!(charged("batched") && charged("alone"), "redis charged both");
+    assert_eq!((count("allowed"), count("abandoned")), (1, 2));
+    // Left to finish on a runtime that shuts down before Redis answers.
+    main.block_on(async {
+        server.pause();
+        let mut late = Box::pin(gate.check("late", 1));
+        assert!(futures::poll!(late.as_mut()).is_pending());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    });
+    server.resume();
+    drop(main);
+    assert!(charged("late"), "redis charged it");
+    assert_eq!((count("allowed"), count("abandoned")), (1, 3));
+}

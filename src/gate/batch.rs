@@ -37,6 +37,8 @@ pub(crate) struct Request {
 pub(crate) struct Outcomes {
     pub(crate) allowed: Counter,
     pub(crate) rejected: Counter,
+    /// Requests sent to Redis whose answer nothing was left to read (see [`Unread`]).
+    pub(crate) abandoned: Counter,
 }
 
 impl Outcomes {
@@ -46,6 +48,40 @@ impl Outcomes {
             self.allowed.increment(1);
         } else {
             self.rejected.increment(1);
+        }
+    }
+
+    /// `n` requests going to Redis now, unread until their call ends.
+    pub(crate) fn unread(&self, n: usize) -> Unread<'_> {
+        Unread {
+            abandoned: &self.abandoned,
+            n: n as u64,
+        }
+    }
+}
+
+/// Requests on their way to Redis, held by their call until it ends (with an answer or an
+/// error). Dropped before that, the call was dropped with nothing left to finish it: its
+/// runtime shut down, or its caller gave up outside any runtime. Redis may have decided
+/// (and charged) them all the same, but nobody will know what it decided: they are counted
+/// as `abandoned`.
+#[derive(Debug)]
+pub(crate) struct Unread<'a> {
+    abandoned: &'a Counter,
+    n: u64,
+}
+
+impl Unread<'_> {
+    /// The call ended: its answer, or its failure, is in hand.
+    pub(crate) fn read(mut self) {
+        self.n = 0;
+    }
+}
+
+impl Drop for Unread<'_> {
+    fn drop(&mut self) {
+        if self.n > 0 {
+            self.abandoned.increment(self.n);
         }
     }
 }
@@ -285,10 +321,12 @@ where
             return;
         };
         let requests = batch.iter().map(|r| (r.key.as_str(), r.cost));
+        let unread = self.outcomes.unread(batch.len());
         let decided = self
             .eval
             .decide(&self.backend, requests, deadline - now)
             .await;
+        unread.read();
         // A caller that gave up meanwhile was charged all the same: the answer it leaves
         // behind counts its decision.
         match decided {

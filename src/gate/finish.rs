@@ -12,6 +12,10 @@
 //! What is left is bounded by the call's own timeout (every call goes through
 //! [`Backend::eval`](super::backend::Backend::eval) with what is left of it), so a finished
 //! call ends within the timeout of the call it finishes.
+//!
+//! When nothing can finish a call (no runtime, or its runtime shuts down first), its
+//! requests are counted as `abandoned` by the [`Unread`](super::batch::Unread) it holds
+//! while it waits for Redis: the batch driver's calls too.
 
 use std::fmt;
 use std::future::Future;
@@ -23,7 +27,7 @@ use std::task::{Context, Poll};
 /// dropped (nothing was sent).
 ///
 /// Outside a runtime, or on one that is shutting down, nothing can finish it: it is dropped
-/// where it is.
+/// where it is (and counts itself `abandoned` through its [`Unread`](super::batch::Unread)).
 pub(crate) struct Finish<F>
 where
     F: Future + Send + 'static,

@@ -131,10 +131,13 @@ where
         Finish::new(async move {
             let inner = &*gate.inner;
             let within = inner.backend.timeout();
-            let v = inner
+            let unread = inner.metrics.outcomes.unread(1);
+            let reply = inner
                 .backend
                 .eval(&inner.all_script, &cmd, 5 * buckets, within)
-                .await?;
+                .await;
+            unread.read();
+            let v = reply?;
             if let Some(e) = v.chunks_exact(5).find_map(|r| key_failure(r[0])) {
                 return Ok(Err(e));
             }

@@ -80,8 +80,8 @@ pub(crate) mod names {
 
 pub(super) struct Metrics {
     pub(super) cached: Counter,
-    /// `allowed` and `rejected`, shared with the batch driver (which counts the decisions
-    /// of callers that gave up).
+    /// `allowed`, `rejected` and `abandoned`, shared with the batch driver (which counts the
+    /// decisions of callers that gave up).
     pub(super) outcomes: Arc<Outcomes>,
     pub(super) by_policy: Counter,
 }
@@ -157,10 +157,13 @@ pub(super) struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `cached`, `policy`; a caller that gave up after its request went to Redis is counted by
-/// what Redis decided for it when the answer comes, batched or not (a call it made alone is
-/// finished on the runtime without it), and a batched one whose own timeout ended first is
-/// then counted under `policy` too),
+/// `cached`, `policy`, `abandoned`; a caller that gave up after its request went to Redis is
+/// counted by what Redis decided for it when the answer comes, batched or not (a call it
+/// made alone is finished on the runtime without it), and a batched one whose own timeout
+/// ended first is then counted under `policy` too; `abandoned` counts the requests sent to
+/// Redis whose answer nothing was left to read, which Redis may have charged: a batch in
+/// flight when the batch driver's runtime shut down, a call given up outside any runtime or
+/// left to finish on a runtime that shut down),
 /// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
 /// `flowgate_gate_failures_total` (failed calls to Redis, not callers: one per failed
 /// script call, which is one per batch, or on a Cluster one per hash slot the batch spans;
@@ -376,6 +379,7 @@ where
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),
             rejected: decisions("rejected"),
+            abandoned: decisions("abandoned"),
         });
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
@@ -553,8 +557,10 @@ where
             let inner = &*gate.inner;
             let requests = std::iter::once((redis_key.as_str(), cost));
             let within = inner.backend.timeout().saturating_sub(started.elapsed());
-            let mut decided = inner.eval.decide(&inner.backend, requests, within).await?;
-            let decision = decided
+            let unread = inner.metrics.outcomes.unread(1);
+            let decided = inner.eval.decide(&inner.backend, requests, within).await;
+            unread.read();
+            let decision = decided?
                 .pop()
                 .expect("one decision per request")
                 .map_err(CallError::Request)?;
@@ -634,9 +640,11 @@ where
             else {
                 return None;
             };
+            let unread = inner.metrics.outcomes.unread(1);
             let reply = gate
                 .lease(leases, place, quota, &redis_key, cost, started)
                 .await;
+            unread.read();
             if let Ok(decision) = &reply {
                 gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
             }

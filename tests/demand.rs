@@ -1019,6 +1019,75 @@ async fn the_outstanding_gauge_follows_credit_given_back_at_the_end() {
     );
 }
 
+/// A `with_demand` stream waiting on its upstream has yielded nothing for the credit it is
+/// about to use: `outstanding` still counts that unit, and the stream dropped there (or taken
+/// apart by `into_inner`) leaves the credit at exactly requested − yielded.
+#[tokio::test]
+async fn credit_for_an_item_not_yet_come_stays_outstanding_when_the_stream_waits_or_goes() {
+    let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+    let (mut stream, demand) = rx.with_demand(2);
+    tx.unbounded_send(0).unwrap();
+    assert_eq!(stream.next().await, Some(0));
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "upstream has nothing yet"
+    );
+    assert_eq!(
+        demand.outstanding(),
+        1,
+        "requested 2, yielded 1, waiting on upstream"
+    );
+    drop(stream);
+    assert_eq!(demand.outstanding(), 1, "dropped while waiting on upstream");
+
+    let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+    let (mut stream, demand) = rx.with_demand(1);
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "upstream has nothing yet"
+    );
+    let mut inner = stream.into_inner();
+    tx.unbounded_send(7).unwrap();
+    assert_eq!(
+        inner.next().await,
+        Some(7),
+        "the item comes past the credit"
+    );
+    assert_eq!(
+        demand.outstanding(),
+        1,
+        "taken apart while waiting: nothing came through the credit"
+    );
+}
+
+/// The `flowgate_demand_outstanding` gauge of a `with_demand` stream dropped while it waits on
+/// its upstream shows the credit left: requested − yielded.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_outstanding_gauge_keeps_the_unit_of_a_stream_dropped_while_waiting() {
+    use flowgate::demand::Demanded;
+    let recorder = support::TestRecorder::default();
+    let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+    let (mut credit, demand) = metrics::with_local_recorder(&recorder, || {
+        Demanded::builder(rx, 3).name("waits").build().unwrap()
+    });
+    let gauge = "flowgate_demand_outstanding{name=waits}";
+    tx.unbounded_send(0).unwrap();
+    assert_eq!(credit.next().await, Some(0));
+    assert!(
+        poll!(credit.next()).is_pending(),
+        "upstream has nothing yet"
+    );
+    assert_eq!(recorder.gauge(gauge), Some(2.0), "waiting: 2 left");
+    drop(credit);
+    assert_eq!(demand.outstanding(), 2);
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(2.0),
+        "dropped while waiting: 2 left"
+    );
+}
+
 /// `flowgate_demand_buffered` is set when a batch lands. A consumer that has drained the
 /// buffer and waits on a slow fetch, or a stream that has ended, must not keep showing the
 /// batch that landed last: whenever `poll_next` returns `Pending` or `None`, nothing is

@@ -27,40 +27,22 @@ struct Credit {
 }
 
 impl Credit {
-    /// Take one unit; false when there is none.
-    fn take(&self) -> bool {
-        let mut n = self.remaining.load(Ordering::Acquire);
-        loop {
-            if n == 0 {
-                return false;
-            }
-            if n == UNBOUNDED {
-                return true;
-            }
-            match self.remaining.compare_exchange_weak(
-                n,
-                n - 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    self.outstanding.set((n - 1) as f64);
-                    return true;
-                }
-                Err(now) => n = now,
-            }
-        }
+    /// Whether a unit is left.
+    fn available(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) > 0
     }
 
-    /// Give back one unit taken for an item that did not come (the stream ended).
-    fn give_back(&self) {
+    /// Use one unit, for an item that came. Only the [`Demanded`] stream uses credit, and it
+    /// saw [`available`](Credit::available) before polling upstream; requests since then only
+    /// added to it, so the unit is still there.
+    fn take(&self) {
         if let Ok(n) = self
             .remaining
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n != UNBOUNDED).then(|| n + 1)
+                (n != UNBOUNDED && n > 0).then(|| n - 1)
             })
         {
-            self.outstanding.set((n + 1) as f64);
+            self.outstanding.set((n - 1) as f64);
         }
     }
 }
@@ -114,15 +96,16 @@ impl DemandHandle {
 /// credit remains, and never more items than were requested in total.
 ///
 /// The upstream is not polled while there is no credit, so nothing is fetched ahead of
-/// demand.
+/// demand. A unit of credit is used when its item comes: while the stream waits on its
+/// upstream the unit stays in [`DemandHandle::outstanding`], and a stream that is dropped
+/// there, taken apart by [`into_inner`](Demanded::into_inner), or whose upstream ends uses
+/// nothing. Every item uses a unit, an `Err` item of a fallible stream too.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Demanded<S> {
     #[pin]
     stream: S,
     credit: Arc<Credit>,
-    /// One unit taken and not yet matched by an item.
-    holding: bool,
     done: bool,
 }
 
@@ -171,7 +154,6 @@ impl<S: Stream> Demanded<S> {
             Demanded {
                 stream,
                 credit: credit.clone(),
-                holding: false,
                 done: false,
             },
             DemandHandle { credit },
@@ -252,37 +234,34 @@ impl<S: Stream> Stream for Demanded<S> {
         if *this.done {
             return Poll::Ready(None);
         }
-        if !*this.holding {
-            if !this.credit.take() {
-                this.credit.waker.register(cx.waker());
-                // A request may have landed between the check and the registration.
-                if !this.credit.take() {
-                    return Poll::Pending;
-                }
+        if !this.credit.available() {
+            this.credit.waker.register(cx.waker());
+            // A request may have landed between the check and the registration.
+            if !this.credit.available() {
+                return Poll::Pending;
             }
-            *this.holding = true;
         }
+        // The credit is used when the item comes, not before: a stream dropped (or taken
+        // apart) while it waits here, or whose upstream ends, leaves the credit as it was.
         let next = ready!(this.stream.poll_next(cx));
-        *this.holding = false;
-        if next.is_none() {
+        if next.is_some() {
+            this.credit.take();
+        } else {
             *this.done = true;
-            this.credit.give_back();
         }
         Poll::Ready(next)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // Credit only grows from outside (`request`), and only this stream takes it, so the
-        // credit now (plus a unit already taken) is a floor on what it will let through: the
-        // lower bound is the inner stream's, capped by it. The credit is no ceiling — any
-        // handle may raise it after this call — so the upper bound is the inner stream's.
+        // Credit only grows from outside (`request`), and only this stream uses it, so the
+        // credit now is a floor on what it will let through: the lower bound is the inner
+        // stream's, capped by it. The credit is no ceiling — any handle may raise it after
+        // this call — so the upper bound is the inner stream's.
         if self.done {
             return (0, Some(0));
         }
         let credit = self.credit.remaining.load(Ordering::Acquire);
-        let cap = usize::try_from(credit)
-            .unwrap_or(usize::MAX)
-            .saturating_add(usize::from(self.holding));
+        let cap = usize::try_from(credit).unwrap_or(usize::MAX);
         let (lo, hi) = self.stream.size_hint();
         (lo.min(cap), hi)
     }

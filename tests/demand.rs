@@ -1088,6 +1088,74 @@ async fn the_outstanding_gauge_keeps_the_unit_of_a_stream_dropped_while_waiting(
     );
 }
 
+/// Requests from two threads race each other: once both are done, the
+/// `flowgate_demand_outstanding` gauge reads the credit left, whatever the order in which
+/// the threads recorded their changes.
+#[cfg(feature = "metrics")]
+#[test]
+fn the_outstanding_gauge_ends_at_the_credit_left_after_racing_requests() {
+    use flowgate::demand::Demanded;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const ROUNDS: usize = 200_000;
+    let recorder = support::TestRecorder::default();
+    let (_stream, demand) = metrics::with_local_recorder(&recorder, || {
+        Demanded::builder(futures::stream::iter(0..1), 0)
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    // Two threads step through the rounds together, spinning (not sleeping) at each step so
+    // that their requests start as close together as they can: round r starts when `step`
+    // is 3r; each thread adds one when its request is done, and this one adds the third
+    // once it has read the gauge.
+    let step = Arc::new(AtomicUsize::new(0));
+    let wait_for = |step: &AtomicUsize, n: usize| {
+        let mut spins = 0u32;
+        while step.load(Ordering::Acquire) < n {
+            // Spin, and let the other thread run when it has no core of its own.
+            spins += 1;
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    };
+    let other = {
+        let (demand, step) = (demand.clone(), step.clone());
+        std::thread::spawn(move || {
+            for round in 0..ROUNDS {
+                wait_for(&step, 3 * round);
+                demand.request(1).unwrap();
+                step.fetch_add(1, Ordering::AcqRel);
+                wait_for(&step, 3 * round + 3);
+            }
+        })
+    };
+    let gauge = "flowgate_demand_outstanding{name=race}";
+    let mut wrong = Vec::new();
+    for round in 0..ROUNDS {
+        wait_for(&step, 3 * round);
+        demand.request(1).unwrap();
+        step.fetch_add(1, Ordering::AcqRel);
+        wait_for(&step, 3 * round + 2);
+        let (credit, shown) = (demand.outstanding(), recorder.gauge(gauge));
+        if shown != Some(credit as f64) {
+            wrong.push((round, credit, shown));
+        }
+        step.fetch_add(1, Ordering::AcqRel);
+    }
+    other.join().unwrap();
+    assert_eq!(demand.outstanding(), 2 * ROUNDS as u64);
+    assert!(
+        wrong.is_empty(),
+        "{} of {ROUNDS} rounds ended with the gauge off the credit left; the first (round, \
+         credit, gauge): {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(3)]
+    );
+}
+
 /// `flowgate_demand_buffered` is set when a batch lands. A consumer that has drained the
 /// buffer and waits on a slow fetch, or a stream that has ended, must not keep showing the
 /// batch that landed last: whenever `poll_next` returns `Pending` or `None`, nothing is

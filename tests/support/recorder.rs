@@ -27,8 +27,12 @@ impl CounterFn for Cell {
 
 impl GaugeFn for Cell {
     fn increment(&self, value: f64) {
-        let v = f64::from_bits(self.value.load(Ordering::Relaxed)) + value;
-        self.value.store(v.to_bits(), Ordering::Relaxed);
+        // One atomic step: threads that record at once must not lose each other's changes.
+        let _ = self
+            .value
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + value).to_bits())
+            });
     }
     fn decrement(&self, value: f64) {
         GaugeFn::increment(self, -value);

@@ -22,6 +22,7 @@ pub const UNBOUNDED: u64 = u64::MAX;
 struct Credit {
     remaining: AtomicU64,
     waker: AtomicWaker,
+    /// `remaining`, moved by the same amounts ([`Gauge::add`]: changes commute).
     outstanding: Gauge,
     name: Option<String>,
 }
@@ -36,13 +37,13 @@ impl Credit {
     /// saw [`available`](Credit::available) before polling upstream; requests since then only
     /// added to it, so the unit is still there.
     fn take(&self) {
-        if let Ok(n) = self
+        let used = self
             .remaining
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n != UNBOUNDED && n > 0).then(|| n - 1)
-            })
-        {
-            self.outstanding.set((n - 1) as f64);
+            });
+        if used.is_ok() {
+            self.outstanding.add(-1.0);
         }
     }
 }
@@ -73,8 +74,11 @@ impl DemandHandle {
                 Some(c.saturating_add(n))
             })
             .unwrap_or_else(|c| c);
-        let after = self.outstanding();
-        self.credit.outstanding.set(after as f64);
+        // The gauge moves by what this request added, not to a value read back: changes
+        // recorded by racing requests and the stream then add up to the credit left, in
+        // whatever order the threads record them.
+        let added = before.saturating_add(n) - before;
+        self.credit.outstanding.add(added as f64);
         if before == 0 {
             self.credit.waker.wake();
         }

@@ -85,7 +85,9 @@ impl DemandHandle {
         Ok(())
     }
 
-    /// Credit not yet used ([`UNBOUNDED`] when unlimited).
+    /// Credit not yet used: requested − yielded ([`UNBOUNDED`] when unlimited). A unit is
+    /// used when the stream yields its item, so one the stream is waiting on upstream for
+    /// still counts here.
     pub fn outstanding(&self) -> u64 {
         self.credit.remaining.load(Ordering::Acquire)
     }

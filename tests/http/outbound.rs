@@ -730,6 +730,158 @@ async fn an_inner_service_failing_ready_for_a_retry_is_a_counted_stop() {
     );
 }
 
+/// Ready for its first call only; for the next ones `poll_ready` is `Pending` for ever
+/// (`fails: false`) or an error (`fails: true`). Every call answers `503` with
+/// `Retry-After: 1`.
+#[derive(Clone)]
+struct ReadyOnce {
+    calls: Arc<AtomicU32>,
+    fails: bool,
+}
+
+impl Service<Request<String>> for ReadyOnce {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), &'static str>> {
+        match (self.calls.load(Ordering::SeqCst), self.fails) {
+            (0, _) => Poll::Ready(Ok(())),
+            (_, false) => Poll::Pending,
+            (_, true) => Poll::Ready(Err("connection pool closed")),
+        }
+    }
+    fn call(&mut self, _req: Request<String>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(answer(503, String::new(), Some("1"))))
+    }
+}
+
+/// A `RetryFuture` dropped (by the caller's own timeout, a `select!`) while it waits for a
+/// retry's `Retry-After`, while the pacer or the inner service holds the retry back, or
+/// while an attempt is under way: each drop is counted once as a `cancelled` stop; a retry
+/// the budget allowed but that was never sent is counted as abandoned (its token stays
+/// taken: the attempt before it did fail); an attempt under way was sent, so it counts.
+/// The retry the inner service refuses to get ready for is abandoned too.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_dropped_request_counts_the_drop_and_abandons_the_allowed_retry() {
+    let recorder = crate::support::TestRecorder::default();
+    let budget = metrics::with_local_recorder(&recorder, || {
+        RetryBudget::builder()
+            .name("drop")
+            .max_tokens(20)
+            .build()
+            .unwrap()
+    });
+    let policy = |name: &str, pacer: Option<AdaptivePacer>| {
+        metrics::with_local_recorder(&recorder, || {
+            let mut b = RetryPolicy::builder(backoff(5))
+                .name(name)
+                .budget(budget.clone());
+            if let Some(pacer) = pacer {
+                b = b.pacer(pacer);
+            }
+            b.build().unwrap()
+        })
+    };
+    let abandoned = || recorder.counter("flowgate_retry_budget_abandoned_total{name=drop}");
+    let cancelled = |name: &str| {
+        recorder.counter(&format!(
+            "flowgate_retry_stopped_total{{name={name},stop=cancelled}}"
+        ))
+    };
+    let attempts =
+        |name: &str| recorder.counter(&format!("flowgate_retry_attempts_total{{name={name}}}"));
+
+    // 1. Dropped half-way through the `Retry-After: 2` of a 503.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy("backoff", None))
+        .layer(server.service(|_| answer(503, String::new(), Some("2"))));
+    let dropped = tokio::time::timeout(SECOND, client.oneshot(request(Method::GET))).await;
+    assert!(dropped.is_err(), "still waiting when dropped");
+    assert_eq!(server.calls(), 1);
+    assert_eq!(abandoned(), 1, "the allowed retry was never sent");
+    assert_eq!(budget.tokens(), 19.0, "the 503 did fail");
+    assert_eq!((attempts("backoff"), cancelled("backoff")), (1, 1));
+
+    // 2. Dropped while the pacer (1/s, a burst of 2, one of them taken here) holds the
+    //    retry after `Retry-After: 0` back.
+    let pacer = AdaptivePacer::builder(Rate::per_second(1).unwrap())
+        .build()
+        .unwrap();
+    pacer.until_ready(1).await.unwrap();
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy("pace", Some(pacer)))
+        .layer(server.service(|_| answer(503, String::new(), Some("0"))));
+    let dropped = tokio::time::timeout(500 * MS, client.oneshot(request(Method::GET))).await;
+    assert!(dropped.is_err());
+    assert_eq!(server.calls(), 1);
+    assert_eq!(abandoned(), 2);
+    assert_eq!(budget.tokens(), 18.0);
+    assert_eq!((attempts("pace"), cancelled("pace")), (1, 1));
+
+    // 3. Dropped while the inner service is not ready for the retry.
+    let calls = Arc::new(AtomicU32::new(0));
+    let client = RetryLayer::new(policy("ready", None)).layer(ReadyOnce {
+        calls: calls.clone(),
+        fails: false,
+    });
+    let dropped = tokio::time::timeout(5 * SECOND, client.oneshot(request(Method::GET))).await;
+    assert!(dropped.is_err());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(abandoned(), 3);
+    assert_eq!((attempts("ready"), cancelled("ready")), (1, 1));
+
+    // 4. The inner service fails to get ready for the retry: a `fatal` stop, not a drop,
+    //    but the allowed retry was never sent either.
+    let calls = Arc::new(AtomicU32::new(0));
+    let client = RetryLayer::new(policy("ready_err", None)).layer(ReadyOnce {
+        calls: calls.clone(),
+        fails: true,
+    });
+    let err = client.oneshot(request(Method::GET)).await.unwrap_err();
+    assert!(
+        matches!(err, RetryError::Inner("connection pool closed")),
+        "{err:?}"
+    );
+    assert_eq!(abandoned(), 4);
+    assert_eq!((attempts("ready_err"), cancelled("ready_err")), (1, 0));
+    assert_eq!(budget.tokens(), 16.0);
+
+    // 5. Dropped during an attempt: it was sent; neither the budget nor the pacer hears of
+    //    an outcome, and no retry was allowed.
+    let hangs = service_fn(|_req: Request<String>| {
+        std::future::pending::<Result<Response<String>, Infallible>>()
+    });
+    let client = RetryLayer::new(policy("call", None)).layer(hangs);
+    let dropped = tokio::time::timeout(SECOND, client.oneshot(request(Method::GET))).await;
+    assert!(dropped.is_err());
+    assert_eq!((attempts("call"), cancelled("call")), (1, 1));
+    assert!(
+        recorder
+            .samples("flowgate_retry_attempt_seconds{name=call}")
+            .is_empty()
+    );
+    assert_eq!(abandoned(), 4);
+    assert_eq!(budget.tokens(), 16.0);
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_retries_total{name=drop,outcome=allowed}"),
+        4
+    );
+
+    // 6. Run to the end: nothing is counted as dropped or abandoned.
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy("done", None)).layer(server.service(|n| match n {
+        1 => answer(503, String::new(), Some("1")),
+        _ => answer(200, String::new(), None),
+    }));
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(info(&res).attempts, 2);
+    drop(res);
+    assert_eq!((attempts("done"), cancelled("done")), (2, 0));
+    assert_eq!(abandoned(), 4);
+}
+
 #[test]
 fn layer_types_are_clone_debug_send() {
     fn check<T: Clone + std::fmt::Debug + Send + Sync>(_: &T) {}

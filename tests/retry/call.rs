@@ -244,3 +244,137 @@ fn a_zero_attempt_timeout_is_a_config_error() {
         .unwrap_err();
     assert!(err.to_string().contains("attempt_timeout"), "{err}");
 }
+
+/// `retry` dropped at each point of an operation (here by an outer `tokio::time::timeout`,
+/// as a caller's own deadline or a `select!` does): while its backoff waits, while the
+/// pacer holds the retry back, and while an attempt is under way. Every drop is counted
+/// once as a `cancelled` stop; a retry the budget allowed but that was never made is
+/// counted as abandoned (its token stays taken: the attempt before it did fail); the
+/// attempt under way was sent, so it counts as an attempt (with no outcome for the budget
+/// or the pacer, and no round-trip time).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn dropping_retry_counts_the_drop_and_abandons_the_allowed_retry() {
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, policy, paced) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder().name("drop").build().unwrap();
+        let policy = RetryPolicy::builder(backoff())
+            .name("drop")
+            .budget(budget.clone())
+            .build()
+            .unwrap();
+        // A pacer at 1/s (a burst of 2, one of them taken below): the retry after the
+        // 100 ms backoff waits for it until 1 s.
+        let pacer = AdaptivePacer::builder(Rate::per_second(1).unwrap())
+            .build()
+            .unwrap();
+        let paced = RetryPolicy::builder(backoff())
+            .name("paced")
+            .budget(budget.clone())
+            .pacer(pacer)
+            .build()
+            .unwrap();
+        (budget, policy, paced)
+    });
+    paced.pacer().unwrap().until_ready(1).await.unwrap();
+    let calls = AtomicU32::new(0);
+    let failing = |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(500) }
+    };
+
+    // 1. Dropped 50 ms into the 100 ms backoff after a 500: the retry was allowed, never made.
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(50), retry(&policy, classify, failing)).await;
+    assert!(dropped.is_err(), "still waiting when dropped");
+    assert_eq!(calls.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_abandoned_total{name=drop}"),
+        1,
+        "the allowed retry was never made"
+    );
+    // The first attempt did fail: its token stays taken.
+    assert_eq!(budget.tokens(), 9.0);
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=drop}"),
+        1
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=drop,stop=cancelled}"),
+        1
+    );
+
+    // 2. Dropped while the pacer holds the allowed retry back (at 500 ms, until 1 s).
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(500), retry(&paced, classify, failing)).await;
+    assert!(dropped.is_err());
+    assert_eq!(calls.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_abandoned_total{name=drop}"),
+        2
+    );
+    assert_eq!(budget.tokens(), 8.0);
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=paced}"),
+        1
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=paced,stop=cancelled}"),
+        1
+    );
+
+    // 3. Dropped during an attempt: it was made, its outcome is unknown.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(50),
+        retry(&policy, classify, |_| {
+            std::future::pending::<Result<u16, &str>>()
+        }),
+    )
+    .await;
+    assert!(dropped.is_err());
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=drop}"),
+        2,
+        "the attempt under way was sent"
+    );
+    assert!(
+        recorder
+            .samples("flowgate_retry_attempt_seconds{name=drop}")
+            .len()
+            == 1,
+        "no round trip for the attempt dropped under way"
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=drop,stop=cancelled}"),
+        2
+    );
+    // Neither a failure nor a success for the budget, and no retry to abandon.
+    assert_eq!(budget.tokens(), 8.0);
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_abandoned_total{name=drop}"),
+        2
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_retries_total{name=drop,outcome=allowed}"),
+        2
+    );
+
+    // 4. Run to the end: no drop is counted, nothing is abandoned.
+    let done = retry(&policy, classify, |attempt| async move {
+        Ok(if attempt < 2 { 500 } else { 200 })
+    })
+    .await;
+    assert_eq!((done.attempts, done.stop), (2, Stop::Success));
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=drop,stop=cancelled}"),
+        2
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_abandoned_total{name=drop}"),
+        2
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=drop}"),
+        4
+    );
+}

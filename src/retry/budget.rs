@@ -14,6 +14,8 @@ pub(crate) mod names {
     pub(crate) const RETRIES: &str = "flowgate_retry_budget_retries_total";
     /// The tokens in a budget.
     pub(crate) const TOKENS: &str = "flowgate_retry_budget_tokens";
+    /// Retries allowed that were never made.
+    pub(crate) const ABANDONED: &str = "flowgate_retry_budget_abandoned_total";
 }
 
 /// Thousandths of a token: the budget's exact unit (gRPC's `tokenRatio` has at most three
@@ -33,7 +35,22 @@ const MILLI: u64 = 1_000;
 /// Use: after a failed attempt, ask [`try_retry`](RetryBudget::try_retry) (it records
 /// the failure and answers); after a success, call [`on_success`](RetryBudget::on_success);
 /// after a failure that will not be retried anyway (the last attempt, an error that is not
-/// retryable), call [`on_failure`](RetryBudget::on_failure).
+/// retryable), call [`on_failure`](RetryBudget::on_failure); when a retry it allowed is not
+/// made after all (the operation was dropped during its wait), call
+/// [`abandon_retry`](RetryBudget::abandon_retry).
+///
+/// # A retry allowed, then abandoned
+///
+/// The token [`try_retry`](RetryBudget::try_retry) takes pays for the attempt that failed,
+/// as in gRPC, not for the retry: it stays taken when the retry is never made (a caller's
+/// timeout or `select!` dropped the operation while it waited), exactly as for a failure
+/// that is not retried ([`on_failure`](RetryBudget::on_failure)). Giving it back would
+/// hide a real failure from the budget, and a caller that cancels and calls again on every
+/// failure would never be held back. Only the count changes:
+/// [`abandon_retry`](RetryBudget::abandon_retry) counts the retry as
+/// [`abandoned`](RetryBudgetStats::abandoned), so the retries actually made are
+/// `allowed − abandoned`. [`retry()`](crate::retry::retry()) and `RetryLayer` call it
+/// themselves when they are dropped between allowing a retry and sending it.
 ///
 /// Tokens are counted in thousandths, exactly, in one atomic word updated by
 /// compare-and-swap: clones share the budget, every call is lock-free and never waits,
@@ -42,8 +59,9 @@ const MILLI: u64 = 1_000;
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_retry_budget_retries_total` by `outcome` (`allowed`,
-/// `refused`), the same counts as [`stats`](RetryBudget::stats), and
-/// `flowgate_retry_budget_tokens` (a gauge).
+/// `refused`: every answer of [`try_retry`](RetryBudget::try_retry)),
+/// `flowgate_retry_budget_abandoned_total` (allowed retries never made), the same counts
+/// as [`stats`](RetryBudget::stats), and `flowgate_retry_budget_tokens` (a gauge).
 ///
 /// # Examples
 ///
@@ -81,8 +99,10 @@ struct Inner {
     threshold: u64,
     allowed: AtomicU64,
     refused: AtomicU64,
+    abandoned: AtomicU64,
     allowed_total: Counter,
     refused_total: Counter,
+    abandoned_total: Counter,
     tokens_gauge: Gauge,
     name: Option<String>,
 }
@@ -95,6 +115,10 @@ pub struct RetryBudgetStats {
     pub allowed: u64,
     /// Retries refused by [`try_retry`](RetryBudget::try_retry).
     pub refused: u64,
+    /// Retries allowed but never made, reported by
+    /// [`abandon_retry`](RetryBudget::abandon_retry): the retries made are
+    /// `allowed − abandoned`.
+    pub abandoned: u64,
 }
 
 impl RetryBudget {
@@ -149,6 +173,31 @@ impl RetryBudget {
         self.inner.take(MILLI);
     }
 
+    /// Record that a retry [`try_retry`](RetryBudget::try_retry) allowed will not be made
+    /// after all (the operation was dropped, or ended otherwise, before sending it): counted
+    /// as [`abandoned`](RetryBudgetStats::abandoned). The token stays taken: it paid for
+    /// the failed attempt, which did happen (see the type's docs). Call it at most once per
+    /// allowed retry. Never waits.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use flowgate::retry::RetryBudget;
+    ///
+    /// let budget = RetryBudget::new(10, 0.1)?;
+    /// assert!(budget.try_retry());
+    /// // The caller gave up on the operation during the backoff: no retry was made.
+    /// budget.abandon_retry();
+    /// let stats = budget.stats();
+    /// assert_eq!((stats.allowed, stats.abandoned), (1, 1));
+    /// assert_eq!(budget.tokens(), 9.0); // the failure still counts
+    /// # Ok::<(), flowgate::ConfigError>(())
+    /// ```
+    pub fn abandon_retry(&self) {
+        self.inner.abandoned.fetch_add(1, Ordering::Relaxed);
+        self.inner.abandoned_total.increment(1);
+    }
+
     /// Record a success: gives back `token_ratio`, up to `max_tokens`.
     pub fn on_success(&self) {
         let inner = &*self.inner;
@@ -196,11 +245,12 @@ impl RetryBudget {
         self.inner.ratio as f64 / MILLI as f64
     }
 
-    /// The retries allowed and refused so far.
+    /// The retries allowed, refused and abandoned so far.
     pub fn stats(&self) -> RetryBudgetStats {
         RetryBudgetStats {
             allowed: self.inner.allowed.load(Ordering::Relaxed),
             refused: self.inner.refused.load(Ordering::Relaxed),
+            abandoned: self.inner.abandoned.load(Ordering::Relaxed),
         }
     }
 
@@ -325,8 +375,10 @@ impl RetryBudgetBuilder {
                 threshold: max / 2,
                 allowed: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
+                abandoned: AtomicU64::new(0),
                 allowed_total: labels.counter(names::RETRIES, &[("outcome", "allowed")]),
                 refused_total: labels.counter(names::RETRIES, &[("outcome", "refused")]),
+                abandoned_total: labels.counter(names::ABANDONED, &[]),
                 tokens_gauge,
                 name: self.name,
             }),

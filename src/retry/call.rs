@@ -180,7 +180,8 @@ struct PolicyInner {
     attempt_timeout: Option<Duration>,
     name: Option<String>,
     attempts: Counter,
-    stopped: [Counter; 5],
+    /// By [`Stop`], in the order of `count_stop`, then `cancelled`.
+    stopped: [Counter; 6],
     rtt: Histogram,
 }
 
@@ -229,11 +230,15 @@ impl RetryPolicy {
         self.inner.name.as_deref()
     }
 
+    /// Count an attempt as it is sent (so that one dropped under way counts too).
+    pub(crate) fn count_attempt(&self) {
+        self.inner.attempts.increment(1);
+    }
+
     /// Record an attempt's outcome and `rtt` (the attempt alone, never its wait for the
     /// pacer or a backoff) with the budget, the pacer and the metrics.
     pub(crate) fn record(&self, outcome: Outcome, rtt: Duration) {
         let p = &*self.inner;
-        p.attempts.increment(1);
         p.rtt.record(rtt.as_secs_f64());
         match outcome {
             Outcome::Success => {
@@ -280,6 +285,31 @@ impl RetryPolicy {
             Ok(_) if budget.is_some_and(|b| !b.try_retry()) => Err(Stop::Budget),
             Ok(delay) => Ok(delay),
         }
+    }
+
+    /// A retry the budget allowed will not be sent: the operation ends before it.
+    pub(crate) fn abandon_retry(&self) {
+        if let Some(b) = &self.inner.budget {
+            b.abandon_retry();
+        }
+    }
+
+    /// The operation was dropped before it ended: a `cancelled` stop; `retry_pending` when
+    /// a retry was allowed and not sent yet (it is abandoned).
+    pub(crate) fn count_cancelled(&self, retry_pending: bool) {
+        if retry_pending {
+            self.abandon_retry();
+        }
+        self.inner.stopped[5].increment(1);
+        tracing::debug!(
+            policy = self
+                .inner
+                .name
+                .as_deref()
+                .unwrap_or(crate::metrics::DEFAULT_NAME),
+            retry_pending,
+            "retry: dropped before it ended",
+        );
     }
 
     pub(crate) fn count_stop(&self, stop: &Stop) {
@@ -364,6 +394,7 @@ impl RetryPolicyBuilder {
                     stop(Stop::GaveUp(GiveUp::Attempts { attempts: 0 })),
                     stop(Stop::Budget),
                     stop(Stop::TimedOut),
+                    labels.counter(names::STOPPED, &[("stop", "cancelled")]),
                 ],
                 rtt: labels.histogram(names::RTT, &[]),
                 backoff: self.backoff,
@@ -400,8 +431,16 @@ impl RetryPolicyBuilder {
 ///
 /// # Cancel safety
 ///
-/// Dropping the future drops the attempt under way (and its result) and any wait; the
-/// budget and the pacer have heard of every attempt that completed.
+/// Not cancel-safe in the sense that dropping the future loses the operation: it drops the
+/// attempt under way (and its result) or the wait before the next attempt, and nothing is
+/// retried afterwards. Nothing is lost unseen: the budget and the pacer have heard of every
+/// attempt that ended (an attempt dropped under way has no outcome, so neither hears of
+/// it); the drop is counted once as a `cancelled` stop
+/// (`flowgate_retry_stopped_total{stop="cancelled"}`); an attempt dropped under way was
+/// made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram);
+/// a retry the budget allowed and the drop prevented is counted as
+/// [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its token stays taken: the
+/// attempt before it failed).
 ///
 /// # Examples
 ///
@@ -437,12 +476,20 @@ where
     Fut: Future<Output = Result<T, E>>,
 {
     let mut schedule = policy.backoff().start();
+    // Counts what a drop leaves unfinished; disarmed when the operation ends.
+    let mut unfinished = Unfinished {
+        policy,
+        retry_pending: false,
+        ended: false,
+    };
     loop {
         let attempt = schedule.attempts();
         if let Some(pacer) = policy.pacer() {
             // Cost 1 never exceeds a pacer's burst (at least 1): this cannot fail.
             let _ = pacer.until_ready(1).await;
         }
+        policy.count_attempt();
+        unfinished.retry_pending = false;
         let started = Instant::now();
         let (result, outcome) = match policy.attempt_timeout() {
             Some(limit) => match tokio::time::timeout(limit, op(attempt)).await {
@@ -465,6 +512,7 @@ where
             Outcome::Retry | Outcome::BackPressure { .. } => {
                 match policy.next(&mut schedule, outcome) {
                     Ok(delay) => {
+                        unfinished.retry_pending = true;
                         tokio::time::sleep(delay).await;
                         None
                     }
@@ -474,12 +522,31 @@ where
             }
         };
         if let Some(stop) = stop {
+            unfinished.ended = true;
             policy.count_stop(&stop);
             return Retried {
                 result,
                 attempts: attempt,
                 stop,
             };
+        }
+    }
+}
+
+/// What a [`retry`] dropped before it ended leaves unfinished, counted when it drops: the
+/// `cancelled` stop, and the retry the budget allowed if it was not sent yet.
+struct Unfinished<'a> {
+    policy: &'a RetryPolicy,
+    /// A retry was allowed and is not sent yet (the backoff or the pacer is waited for).
+    retry_pending: bool,
+    /// The operation ended (its stop is counted): nothing to count on drop.
+    ended: bool,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.policy.count_cancelled(self.retry_pending);
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Buf;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body::Body;
-use pin_project::pin_project;
+use pin_project::{pin_project, pinned_drop};
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -453,10 +453,18 @@ pub struct RetryInfo {
 ///
 /// # Cancel safety
 ///
-/// Dropping it drops the attempt under way (and its response) or the wait before the next
-/// one; the request is not sent again. The budget and the pacer have heard of every
-/// attempt that completed.
-#[pin_project]
+/// Dropping it ends the request: it drops the attempt under way (and its response) or the
+/// wait before the next one (with the refused response's body being read), and the request
+/// is not sent again. Nothing is lost unseen: the budget and the pacer have heard of every
+/// attempt that ended (an attempt dropped under way has no outcome, so neither hears of
+/// it); the drop is counted once as a `cancelled` stop
+/// (`flowgate_retry_stopped_total{stop="cancelled"}`); an attempt dropped under way was
+/// sent and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram);
+/// a retry the budget allowed and the drop prevented (waiting for its `Retry-After` or
+/// backoff, for the pacer, or for the inner service to be ready) is counted as
+/// [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its token stays taken: the
+/// attempt before it failed). Dropped after it completed, it counts nothing more.
+#[pin_project(PinnedDrop)]
 #[must_use = "futures do nothing unless polled"]
 pub struct RetryFuture<S, C, B, ResB>
 where
@@ -504,6 +512,26 @@ enum State<F, ResB> {
     Done,
 }
 
+#[pinned_drop]
+impl<S, C, B, ResB> PinnedDrop for RetryFuture<S, C, B, ResB>
+where
+    S: Service<Request<B>>,
+{
+    fn drop(self: Pin<&mut Self>) {
+        let policy = &self.shared.policy;
+        match &self.state {
+            // Completed (its stop was counted), or unwinding from a classifier's panic.
+            State::Done => {}
+            // Sent: counted as an attempt already; no outcome to report.
+            State::Call { .. } => policy.count_cancelled(false),
+            // Before an attempt: after the first, a retry the budget allowed.
+            State::Pace { .. } | State::Send | State::Backoff { .. } => {
+                policy.count_cancelled(self.schedule.attempts() > 1);
+            }
+        }
+    }
+}
+
 /// Set `sleep` to end at `deadline`, creating the timer on first use.
 fn arm(mut sleep: Pin<&mut Option<Sleep>>, deadline: Instant) {
     match sleep.as_mut().as_pin_mut() {
@@ -537,7 +565,9 @@ where
                         && let Err(e) = ready!(this.service.poll_ready(cx))
                     {
                         // The downstream cannot take the request again: a stop like a
-                        // fatal answer.
+                        // fatal answer. (Only a retry makes the service ready here: the
+                        // retry the budget allowed is never sent.)
+                        policy.abandon_retry();
                         policy.count_stop(&Stop::Fatal);
                         this.state.set(State::Done);
                         return Poll::Ready(Err(RetryError::Inner(e)));
@@ -546,6 +576,7 @@ where
                     let req = this.request.clone();
                     // The round trip starts when the request is handed to the client.
                     let started = Instant::now();
+                    policy.count_attempt();
                     let fut = this.service.call(req);
                     if let Some(limit) = policy.attempt_timeout() {
                         arm(this.sleep.as_mut(), started + capped(limit));

@@ -71,12 +71,26 @@
 //! # Metrics
 //!
 //! Labelled by the budget's `name`: `flowgate_retry_budget_retries_total` by `outcome`
-//! (`allowed`, `refused`) and `flowgate_retry_budget_tokens`.
+//! (`allowed`, `refused`), `flowgate_retry_budget_abandoned_total` (retries allowed, then
+//! never made: the retries made are `allowed − abandoned`) and
+//! `flowgate_retry_budget_tokens`.
 //!
 //! Labelled by the [`RetryPolicy`]'s `name` ([`retry()`](retry()) and `RetryLayer`):
-//! `flowgate_retry_attempts_total`, `flowgate_retry_attempt_seconds` (each attempt's own
-//! round-trip time, a histogram) and `flowgate_retry_stopped_total` by `stop` (`success`,
-//! `fatal`, `gave_up`, `budget`, `timed_out`).
+//! `flowgate_retry_attempts_total` (every attempt sent, one dropped under way included),
+//! `flowgate_retry_attempt_seconds` (each attempt's own round-trip time, a histogram, for
+//! the attempts that ended: answered, failed or timed out) and
+//! `flowgate_retry_stopped_total` by `stop` (`success`, `fatal`, `gave_up`, `budget`,
+//! `timed_out`, and `cancelled` for an operation dropped before it ended): each operation
+//! counts exactly one stop.
+//!
+//! # Cancellation
+//!
+//! [`retry()`](retry()) and `RetryFuture` may be dropped at any point (a caller's timeout, a
+//! `select!`): the operation ends there, nothing is sent afterwards, and it is counted once,
+//! as a `cancelled` stop. An attempt under way was sent (it counts as an attempt, with no
+//! outcome for the budget or the pacer); a retry the budget allowed but not yet sent is
+//! counted as abandoned ([`RetryBudget::abandon_retry`]); its token stays taken, because
+//! the attempt before it did fail.
 
 mod backoff;
 mod budget;

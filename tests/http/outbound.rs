@@ -880,6 +880,9 @@ async fn a_dropped_request_counts_the_drop_and_abandons_the_allowed_retry() {
     drop(res);
     assert_eq!((attempts("done"), cancelled("done")), (2, 0));
     assert_eq!(abandoned(), 4);
+    // The budget's own counts: 5 retries allowed, 4 of them never sent.
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (5, 4));
 }
 
 #[test]

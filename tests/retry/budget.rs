@@ -210,7 +210,7 @@ fn configuration_is_checked() {
 
 #[cfg(feature = "metrics")]
 #[test]
-fn metrics_count_allowed_and_refused_retries() {
+fn metrics_count_allowed_refused_and_abandoned_retries() {
     let recorder = crate::support::TestRecorder::default();
     let budget = metrics::with_local_recorder(&recorder, || {
         RetryBudget::builder()
@@ -233,6 +233,15 @@ fn metrics_count_allowed_and_refused_retries() {
         recorder.gauge("flowgate_retry_budget_tokens{name=api}"),
         Some(0.0)
     );
+    // The allowed retry was not made after all: counted, the token stays taken.
+    budget.abandon_retry();
+    assert_eq!(
+        recorder.counter("flowgate_retry_budget_abandoned_total{name=api}"),
+        1
+    );
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.refused, stats.abandoned), (1, 3, 1));
+    assert_eq!(budget.tokens(), 0.0);
 }
 
 #[test]

@@ -377,4 +377,7 @@ async fn dropping_retry_counts_the_drop_and_abandons_the_allowed_retry() {
         recorder.counter("flowgate_retry_attempts_total{name=drop}"),
         4
     );
+    // The budget's own counts: 3 retries allowed, 2 of them never made.
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (3, 2));
 }

@@ -611,6 +611,65 @@ async fn a_refused_response_is_read_to_its_end_while_waiting() {
     assert!(!ended[1].load(Ordering::SeqCst));
 }
 
+/// A body that always has a frame ready, an empty one (or trailers), and never ends; it
+/// counts the frames read and panics past 1 000 000, as a reader that never stops.
+struct Endless {
+    frames: Arc<AtomicUsize>,
+    trailers: bool,
+}
+
+impl http_body::Body for Endless {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        let n = self.frames.fetch_add(1, Ordering::SeqCst);
+        assert!(n < 1_000_000, "the refused body is read for ever");
+        Poll::Ready(Some(Ok(if self.trailers {
+            http_body::Frame::trailers(http::HeaderMap::new())
+        } else {
+            http_body::Frame::data(Bytes::new())
+        })))
+    }
+}
+
+/// The refused response's body is read during the wait, up to 64 KiB: a body that never
+/// runs out of frames, but whose frames carry no bytes (empty data frames, trailers), must
+/// not hold the reader (and the task polling it) for ever.
+#[tokio::test(start_paused = true)]
+async fn a_refused_body_of_endless_empty_frames_is_dropped_not_read_for_ever() {
+    for trailers in [false, true] {
+        let frames = Arc::new(AtomicUsize::new(0));
+        let calls = Arc::new(AtomicU32::new(0));
+        let svc = {
+            let (frames, calls) = (frames.clone(), calls.clone());
+            service_fn(move |_req: Request<String>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                let mut res = Response::new(Endless {
+                    frames: frames.clone(),
+                    trailers,
+                });
+                if n == 0 {
+                    *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    res.headers_mut()
+                        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                }
+                async move { Ok::<_, Infallible>(res) }
+            })
+        };
+        let client = RetryLayer::new(policy(backoff(3))).layer(svc);
+        let start = Instant::now();
+        let res = client.oneshot(request(Method::GET)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(start.elapsed(), SECOND);
+        let read = frames.load(Ordering::SeqCst);
+        assert!(read <= 1024, "{read} frames read (trailers: {trailers})");
+    }
+}
+
 /// A service whose readiness belongs to one instance: `call` panics unless this very
 /// instance was polled ready since its last call. Logs every `poll_ready` and `call` with
 /// the instance's id.

@@ -24,6 +24,9 @@ use crate::time::capped;
 /// The most body bytes read from a retried response (so that its connection can be
 /// reused) before it is dropped instead.
 const DRAIN_LIMIT: usize = 64 * 1024;
+/// The most frames read from a retried response's body before it is dropped instead: a
+/// body of endless empty frames (or trailers) adds no bytes, and must not be read for ever.
+const DRAIN_FRAMES: u32 = 1024;
 
 /// The methods RFC 9110 (§9.2.2) calls idempotent: sending one twice does what sending it
 /// once does.
@@ -193,8 +196,8 @@ impl Methods {
 /// themselves. Clones share the policy (and so its budget, pacer and metrics).
 ///
 /// A retried response's body is read and dropped during the wait before the next attempt
-/// (up to 64 KiB; a longer one, or one still arriving when the wait ends, is dropped
-/// unread): hyper's client returns a connection to its pool only once its response was read,
+/// (up to 64 KiB or 1 024 frames; a longer one, or one still arriving when the wait ends,
+/// is dropped unread): hyper's client returns a connection to its pool only once its response was read,
 /// so refusals do not cost a new connection each.
 ///
 /// # Examples
@@ -506,7 +509,10 @@ enum State<F, ResB> {
     Backoff {
         #[pin]
         drain: Option<ResB>,
+        /// Bytes read from `drain`.
         drained: usize,
+        /// Frames read from `drain`.
+        frames: u32,
     },
     /// The result was given out.
     Done,
@@ -603,11 +609,15 @@ where
                         }
                     }
                 }
-                StateProj::Backoff { mut drain, drained } => {
+                StateProj::Backoff {
+                    mut drain,
+                    drained,
+                    frames,
+                } => {
                     // Read the refused response to its end while waiting: hyper's client
                     // reuses a connection only once its response was read.
                     if let Some(body) = drain.as_mut().as_pin_mut() {
-                        let done = poll_drain(body, drained, cx);
+                        let done = poll_drain(body, drained, frames, cx);
                         if done {
                             drain.set(None);
                         }
@@ -662,7 +672,11 @@ where
                                 Some(Ok(res)) => Some(res.into_body()),
                                 _ => None,
                             };
-                            this.state.set(State::Backoff { drain, drained: 0 });
+                            this.state.set(State::Backoff {
+                                drain,
+                                drained: 0,
+                                frames: 0,
+                            });
                             continue;
                         }
                         Err(_) if result.is_none() => Stop::TimedOut,
@@ -684,10 +698,11 @@ where
 }
 
 /// Read `body` without keeping it, while it has frames ready; whether it is done with (its
-/// end, an error, or more than [`DRAIN_LIMIT`] bytes read).
+/// end, an error, more than [`DRAIN_LIMIT`] bytes or [`DRAIN_FRAMES`] frames read).
 fn poll_drain<ResB: Body>(
     mut body: Pin<&mut ResB>,
     drained: &mut usize,
+    frames: &mut u32,
     cx: &mut Context<'_>,
 ) -> bool {
     loop {
@@ -696,7 +711,8 @@ fn poll_drain<ResB: Body>(
                 if let Some(data) = frame.data_ref() {
                     *drained = drained.saturating_add(data.remaining());
                 }
-                if *drained > DRAIN_LIMIT {
+                *frames += 1;
+                if *drained > DRAIN_LIMIT || *frames >= DRAIN_FRAMES {
                     return true;
                 }
             }

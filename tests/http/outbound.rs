@@ -182,6 +182,108 @@ async fn a_retry_after_past_the_deadline_gives_up_at_once() {
     ));
 }
 
+/// Every hostile `Retry-After` on a `503` ends in a clear outcome, at once or after a
+/// bounded wait, never a hang or a panic: far too large (delta-seconds past `u64::MAX`, a
+/// date in the year 9999) gives up with `HintTooLong` without waiting, and pauses the pacer
+/// no longer than `max_retry_after`; negative or malformed is ignored (the backoff's
+/// delay); a date in the past retries at once; a date 30 s ahead is waited for. With
+/// `max_retry_after(Duration::MAX)`, a deadline still gives up at once, and without one the
+/// wait is honoured as configured, capped at a century, without a panic.
+#[tokio::test(start_paused = true)]
+async fn hostile_retry_after_values_have_a_clear_outcome() {
+    let soon = httpdate::fmt_http_date(std::time::SystemTime::now() + 30 * SECOND);
+    let cases: [(String, Option<Duration>); 6] = [
+        ("99999999999999999999999999".into(), None),
+        ("Fri, 31 Dec 9999 23:59:59 GMT".into(), None),
+        ("-5".into(), Some(100 * MS)),
+        ("1e3".into(), Some(100 * MS)),
+        ("Thu, 01 Jan 1970 00:00:00 GMT".into(), Some(Duration::ZERO)),
+        (soon, Some(30 * SECOND)),
+    ];
+    for (value, waits) in cases {
+        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(backoff(3))
+            .pacer(pacer.clone())
+            .build()
+            .unwrap();
+        let server = Scripted::new();
+        let header = HeaderValue::from_str(&value).unwrap();
+        let svc = server.service(move |n| {
+            let mut res = answer(if n == 1 { 503 } else { 200 }, String::new(), None);
+            res.headers_mut().insert(RETRY_AFTER, header.clone());
+            res
+        });
+        let client = RetryLayer::new(policy).layer(svc);
+        let start = Instant::now();
+        let res = client.oneshot(request(Method::GET)).await.unwrap();
+        let elapsed = start.elapsed();
+        let stop = info(&res).stop;
+        match waits {
+            None => {
+                assert_eq!(elapsed, Duration::ZERO, "{value}");
+                assert!(
+                    matches!(stop, Stop::GaveUp(GiveUp::HintTooLong { max, .. }) if max == 60 * SECOND),
+                    "{value}: {stop:?}"
+                );
+                // The pacer pauses the next requests no longer than `max_retry_after`.
+                let until = pacer.status().paused_until.expect("paused");
+                assert!(until <= Instant::now() + 60 * SECOND, "{value}");
+            }
+            Some(wait) => {
+                assert_eq!(stop, Stop::Success, "{value}");
+                assert_eq!(server.calls(), 2, "{value}");
+                // An HTTP-date has whole seconds: up to 1 s less than asked.
+                assert!(
+                    elapsed <= wait && elapsed + SECOND > wait,
+                    "{value}: waited {elapsed:?}"
+                );
+            }
+        }
+    }
+
+    // `max_retry_after(Duration::MAX)`: the hint is honoured, bounded by a deadline...
+    let huge = "99999999999999999999999999";
+    for deadline in [Some(3600 * SECOND), None] {
+        let mut b = Backoff::builder()
+            .max_retry_after(Duration::MAX)
+            .jitter(Jitter::None);
+        if let Some(d) = deadline {
+            b = b.deadline(d);
+        }
+        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(b.build().unwrap())
+            .pacer(pacer)
+            .build()
+            .unwrap();
+        let server = Scripted::new();
+        let svc = server
+            .service(move |n| answer(if n == 1 { 503 } else { 200 }, String::new(), Some(huge)));
+        let client = RetryLayer::new(policy).layer(svc);
+        let start = Instant::now();
+        let res = client.oneshot(request(Method::GET)).await.unwrap();
+        let stop = info(&res).stop;
+        match deadline {
+            Some(_) => {
+                assert_eq!(start.elapsed(), Duration::ZERO);
+                assert!(
+                    matches!(stop, Stop::GaveUp(GiveUp::Deadline { .. })),
+                    "{stop:?}"
+                );
+            }
+            // ...and without one, waited (a century at most), as configured.
+            None => {
+                assert_eq!(stop, Stop::Success);
+                assert!(start.elapsed() >= 30 * 365 * 24 * 3600 * SECOND);
+                assert!(start.elapsed() <= 101 * 365 * 24 * 3600 * SECOND);
+            }
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn does_not_retry_a_post_on_500_by_default() {
     let always_500 = |_| answer(500, String::new(), None);

@@ -381,3 +381,46 @@ async fn dropping_retry_counts_the_drop_and_abandons_the_allowed_retry() {
     let stats = budget.stats();
     assert_eq!((stats.allowed, stats.abandoned), (3, 2));
 }
+
+/// A server hint of `Duration::MAX` (what a saturated `Retry-After` parses to): over
+/// `max_retry_after` it gives up at once; with `max_retry_after(Duration::MAX)` it is
+/// waited (tokio caps a sleep at about 30 years), without a panic or an overflow, and the
+/// pacer's pause is capped too.
+#[tokio::test(start_paused = true)]
+async fn a_hint_of_duration_max_gives_up_or_is_waited_without_a_panic() {
+    let huge = |r: &Result<u16, &str>| match r {
+        Ok(200) => Outcome::Success,
+        _ => Outcome::BackPressure {
+            retry_after: Some(Duration::MAX),
+        },
+    };
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff())
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let done = retry(&policy, huge, |_| async { Ok(503) }).await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert!(
+        matches!(done.stop, Stop::GaveUp(GiveUp::HintTooLong { .. })),
+        "{:?}",
+        done.stop
+    );
+
+    let backoff = Backoff::builder()
+        .max_retry_after(Duration::MAX)
+        .seed(1)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff).pacer(pacer).build().unwrap();
+    let start = Instant::now();
+    let done = retry(&policy, huge, |attempt| async move {
+        Ok(if attempt < 2 { 503 } else { 200 })
+    })
+    .await;
+    assert_eq!((done.attempts, done.stop), (2, Stop::Success));
+    assert!(start.elapsed() >= secs(29 * 365 * 24 * 3600));
+}

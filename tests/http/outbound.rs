@@ -284,6 +284,101 @@ async fn hostile_retry_after_values_have_a_clear_outcome() {
     }
 }
 
+/// A request body that counts its live copies (the original and every clone).
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn new(live: &Arc<AtomicUsize>) -> Counted {
+        live.fetch_add(1, Ordering::SeqCst);
+        Counted(live.clone())
+    }
+}
+
+impl Clone for Counted {
+    fn clone(&self) -> Counted {
+        Counted::new(&self.0)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Each attempt sends a clone of the request's body; none outlives its attempt, and the
+/// original goes with the future: however the request ends (an answer after retries, the
+/// attempts run out, a timed-out attempt, dropped in a backoff or under way), no copy is
+/// left. At most two copies live at once: the original and the attempt's.
+#[tokio::test(start_paused = true)]
+async fn request_bodies_cloned_for_retries_are_all_dropped() {
+    let live = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    // Answers 503 (`Retry-After: 1`) to the first `fail` calls, then 200; a call with
+    // `hang` never answers. Holds the body until it answers.
+    let server = |fail: u32, hang: bool| {
+        let (live, most) = (live.clone(), most.clone());
+        let calls = Arc::new(AtomicU32::new(0));
+        service_fn(move |req: Request<Counted>| {
+            most.fetch_max(live.load(Ordering::SeqCst), Ordering::SeqCst);
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(10 * MS).await;
+                drop(req);
+                Ok::<_, Infallible>(if n <= fail {
+                    answer(503, String::new(), Some("1"))
+                } else {
+                    answer(200, String::new(), None)
+                })
+            }
+        })
+    };
+    let req = || Request::get("/").body(Counted::new(&live)).unwrap();
+    let timed = RetryPolicy::builder(backoff(3))
+        .attempt_timeout(SECOND)
+        .build()
+        .unwrap();
+
+    let res = RetryLayer::new(policy(backoff(5)))
+        .layer(server(2, false))
+        .oneshot(req())
+        .await
+        .unwrap();
+    assert_eq!(info(&res).attempts, 3);
+    assert_eq!(live.load(Ordering::SeqCst), 0, "after retries");
+
+    let res = RetryLayer::new(policy(backoff(3)))
+        .layer(server(9, false))
+        .oneshot(req())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(live.load(Ordering::SeqCst), 0, "after giving up");
+
+    let err = RetryLayer::new(timed)
+        .layer(server(0, true))
+        .oneshot(req())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, RetryError::TimedOut { attempts: 3 }),
+        "{err:?}"
+    );
+    assert_eq!(live.load(Ordering::SeqCst), 0, "after timed-out attempts");
+
+    for (at, what) in [(500 * MS, "in a backoff"), (5 * MS, "under way")] {
+        let fut = RetryLayer::new(policy(backoff(5)))
+            .layer(server(9, false))
+            .oneshot(req());
+        assert!(tokio::time::timeout(at, fut).await.is_err());
+        assert_eq!(live.load(Ordering::SeqCst), 0, "dropped {what}");
+    }
+    assert_eq!(most.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn does_not_retry_a_post_on_500_by_default() {
     let always_500 = |_| answer(500, String::new(), None);

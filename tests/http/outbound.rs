@@ -1344,3 +1344,96 @@ proptest::proptest! {
         });
     }
 }
+
+#[cfg(feature = "metrics")]
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Any script of answers (200, 500, 503 with `Retry-After: 0`, 404, no answer within
+    /// the attempt timeout) to GETs and POSTs through a `RetryLayer` with a budget: every
+    /// request counts exactly one stop, every call the server saw one attempt; the retries
+    /// the budget allowed (less those abandoned, none here) are exactly the calls after the
+    /// first of each request; and the budget's tokens follow the reference model of its
+    /// answers (each failed attempt takes one token, retried or not; each success gives
+    /// back the ratio; a fatal `404` neither).
+    #[test]
+    fn every_attempt_retry_and_stop_is_counted_once(
+        script in proptest::collection::vec(0u8..5, 1..12),
+        methods in proptest::collection::vec(proptest::bool::ANY, 1..6),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let recorder = crate::support::TestRecorder::default();
+            let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+                let budget = RetryBudget::builder()
+                    .max_tokens(10)
+                    .token_ratio(0.5)
+                    .name("n")
+                    .build()
+                    .unwrap();
+                let policy = RetryPolicy::builder(backoff(4))
+                    .attempt_timeout(SECOND)
+                    .budget(budget.clone())
+                    .name("n")
+                    .build()
+                    .unwrap();
+                (budget, policy)
+            });
+            let kinds = Arc::new(Mutex::new(Vec::new()));
+            let svc = {
+                let (script, kinds) = (script.clone(), kinds.clone());
+                let calls = Arc::new(AtomicU32::new(0));
+                service_fn(move |_req: Request<String>| {
+                    let n = calls.fetch_add(1, Ordering::SeqCst) as usize;
+                    let kind = script[n % script.len()];
+                    kinds.lock().unwrap().push(kind);
+                    async move {
+                        let status = match kind {
+                            0 => 200,
+                            1 => 500,
+                            2 => 503,
+                            3 => 404,
+                            _ => std::future::pending().await,
+                        };
+                        Ok::<_, Infallible>(answer(status, String::new(), Some("0")))
+                    }
+                })
+            };
+            let client = RetryLayer::new(policy).layer(svc);
+            let mut attempts = 0;
+            for &post in &methods {
+                let method = if post { Method::POST } else { Method::GET };
+                attempts += match client.clone().oneshot(request(method)).await {
+                    Ok(res) => info(&res).attempts,
+                    Err(RetryError::TimedOut { attempts }) => attempts,
+                    Err(e) => panic!("{e:?}"),
+                };
+            }
+            let kinds = kinds.lock().unwrap().clone();
+            let calls = kinds.len() as u64;
+            assert_eq!(u64::from(attempts), calls);
+            assert_eq!(recorder.counter("flowgate_retry_attempts_total{name=n}"), calls);
+            let stops: u64 = ["success", "fatal", "gave_up", "budget", "timed_out", "cancelled"]
+                .iter()
+                .map(|s| recorder.counter(&format!("flowgate_retry_stopped_total{{name=n,stop={s}}}")))
+                .sum();
+            assert_eq!(stops, methods.len() as u64);
+            let stats = budget.stats();
+            assert_eq!(stats.abandoned, 0);
+            assert_eq!(stats.allowed, calls - methods.len() as u64);
+            let mut model: u64 = 10_000;
+            for kind in kinds {
+                match kind {
+                    0 => model = (model + 500).min(10_000),
+                    3 => {}
+                    _ => model = model.saturating_sub(1_000),
+                }
+            }
+            assert_eq!(budget.tokens(), model as f64 / 1000.0);
+        });
+    }
+}

@@ -190,20 +190,11 @@ mod dual_stack {
     use flowgate::{Quota, Rate};
     use http::StatusCode;
 
-    use crate::harness::{Answer, client, get};
+    use crate::harness::{self, Answer, client, get};
 
     /// A server on `bind` answering each request with its peer address as the server saw
     /// it, behind `layer`; stopped when dropped.
-    struct Server {
-        addr: SocketAddr,
-        task: tokio::task::JoinHandle<()>,
-    }
-
-    impl Drop for Server {
-        fn drop(&mut self) {
-            self.task.abort();
-        }
-    }
+    struct Server(harness::Server);
 
     impl Server {
         async fn start(bind: &str, layer: RateLimitLayer<MemoryGate>) -> Server {
@@ -215,22 +206,12 @@ mod dual_stack {
                     }),
                 )
                 .layer(layer);
-            let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let task = tokio::spawn(async move {
-                axum::serve(
-                    listener,
-                    app.into_make_service_with_connect_info::<SocketAddr>(),
-                )
-                .await
-                .unwrap();
-            });
-            Server { addr, task }
+            Server(harness::Server::start_on(bind, app).await)
         }
 
         /// The URL to reach it over IPv4 (both listeners take IPv4 connections).
         fn url(&self) -> String {
-            format!("http://127.0.0.1:{}/", self.addr.port())
+            format!("http://127.0.0.1:{}/", self.0.addr.port())
         }
     }
 

@@ -27,7 +27,13 @@ impl Drop for Server {
 
 impl Server {
     pub async fn start(app: Router) -> Server {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Server::start_on("127.0.0.1:0", app).await
+    }
+
+    /// `app` served on `bind` (a loopback address with port 0), with the peer's address in
+    /// each request's `ConnectInfo`.
+    pub async fn start_on(bind: &str, app: Router) -> Server {
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             axum::serve(

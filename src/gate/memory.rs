@@ -536,3 +536,41 @@ impl fmt::Debug for MemoryGate {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rate::Rate;
+
+    /// A burst of `n` an hour: no bucket is full again while a test runs.
+    fn hourly(n: u32) -> Quota {
+        Quota::new(Rate::per(n, Duration::from_secs(3_600)).unwrap(), n).unwrap()
+    }
+
+    /// The keys of a dropped layer's quota (its registration released) give their room to
+    /// the quotas registered after it: they held it until they were back to full, so the
+    /// new quota's keys were refused (`KeyspaceFull`) in every shard they filled.
+    #[test]
+    fn a_released_quotas_keys_give_their_room_to_a_registered_quota() {
+        // 16 shards of 4 keys.
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(64)
+            .build()
+            .unwrap();
+        let keys: Vec<String> = (0..400).map(|i| format!("k{i}")).collect();
+        let old = gate.register_quotas(&[hourly(1)]).unwrap();
+        for key in &keys {
+            let _ = gate.check_all(&[(key.as_str(), hourly(1))], 1);
+        }
+        assert_eq!(gate.inner.multi.len(), 64, "every shard full");
+        drop(old);
+        let _new = gate.register_quotas(&[hourly(2)]).unwrap();
+        // Every shard takes 4 keys of the new quota (400 keys: about 25 a shard).
+        let admitted = keys
+            .iter()
+            .filter(|key| gate.check_all(&[(key.as_str(), hourly(2))], 1).is_ok())
+            .count();
+        assert_eq!(admitted, 64, "new keys of the registered quota admitted");
+        assert_eq!(gate.inner.multi.len(), 64);
+    }
+}

@@ -899,6 +899,55 @@ async fn layers_sharing_a_memory_gate_are_refused_past_its_16_quotas_together() 
     }
 }
 
+/// A dropped layer's quotas give their room on a shared `MemoryGate` to the layers built
+/// after it. Dropping a layer released its registration, but its quotas' buckets kept
+/// their places in the gate's shards (16 quotas each, and the shard's keys) until they
+/// were back to full: the registry let a new layer of 16 quotas be built, and then its
+/// requests were refused (a 503, `KeyspaceFull`) for as long as the dropped layer's
+/// buckets stayed busy (here an hour). Layers built and dropped a thousand times, each
+/// with quotas of its own, have every request decided.
+#[tokio::test]
+async fn a_dropped_layers_quotas_make_room_for_the_layers_built_after_it() {
+    // 16 shards of 64 keys.
+    let gate = MemoryGate::builder(Limit::TokenBucket(Quota::per_second(1).unwrap()))
+        .max_keys(1_024)
+        .build()
+        .unwrap();
+    let mut refused = Vec::new();
+    for cycle in 0..1_000u64 {
+        // 16 quotas no other cycle uses, a burst an hour: no bucket is full again while
+        // the test runs.
+        let policies = (0..16u32).map(|i| {
+            let period = Duration::from_secs(3_600 + cycle);
+            let quota = Quota::new(Rate::per(i + 1, period).unwrap(), i + 1).unwrap();
+            Policy::new(format!("p{i}"), quota, by_client)
+        });
+        let layer = layer_over(&gate, policies.collect()).unwrap();
+        let mut svc = layer.layer(tower::service_fn(ok_full));
+        for client in 0..4 {
+            let req = Request::get("/")
+                .header("x-client", format!("c{client}"))
+                .body(())
+                .unwrap();
+            let res = ServiceExt::<Request<()>>::ready(&mut svc)
+                .await
+                .unwrap()
+                .call(req)
+                .await
+                .unwrap();
+            if res.status() != StatusCode::OK {
+                refused.push((cycle, client, res.status()));
+            }
+        }
+    }
+    assert!(
+        refused.is_empty(),
+        "{} of 4 000 requests refused; the first: {:?}",
+        refused.len(),
+        &refused[..refused.len().min(4)]
+    );
+}
+
 #[tokio::test]
 async fn a_spoofed_left_most_forwarded_for_does_not_change_the_key() {
     let peer = || PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0);

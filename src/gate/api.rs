@@ -199,7 +199,8 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// quotas together ([`MemoryGate`](crate::gate::MemoryGate), or a
     /// [`RedisGate`](crate::gate::RedisGate) falling back to one) refuses quotas that would
     /// take those registered past it, so layers sharing it are refused when built, not
-    /// answered `KeyspaceFull` on their requests.
+    /// answered `KeyspaceFull` on their requests; once the registration is dropped, the
+    /// buckets of the quotas no other registration holds give their room back.
     ///
     /// Crate-internal (its return type cannot be named outside flowgate): the default
     /// validates and registers nothing.

@@ -107,7 +107,7 @@ struct Inner {
     /// The buckets of [`MemoryGate::check_all`].
     multi: ShardedBuckets,
     /// The quotas the layers built over the gate use ([`Gate::register_quotas`]).
-    quotas: Arc<QuotaRegistry>,
+    quotas: QuotaRegistry,
     name: Option<String>,
     allowed: Counter,
     rejected: Counter,
@@ -241,7 +241,7 @@ impl MemoryGateBuilder {
                 limit: self.limit,
                 shards: shards.into_boxed_slice(),
                 multi: ShardedBuckets::new(SHARDS, per_shard, hasher.clone()),
-                quotas: Arc::default(),
+                quotas: QuotaRegistry::default(),
                 hasher,
                 clock: self.clock.unwrap_or_default(),
                 max_keys,
@@ -321,11 +321,16 @@ impl MemoryGate {
     ///
     /// The [`RateLimitLayer`](crate::http::RateLimitLayer)s built over this gate (and its
     /// clones) register their quotas on it while they live, and one that would take them
-    /// past 16 distinct quotas together is refused when built. A call here registers
+    /// past 16 distinct quotas together is refused when built. When the last layer using a
+    /// quota is dropped, that quota's buckets are evicted, busy or not, at the next sweep of
+    /// each shard (when it needs room for a key or a quota), so they hold no room from the
+    /// layers built after it; a layer built with the quota before then keeps them (a layer
+    /// rebuilt with the same quotas gives no client a fresh burst). A call here registers
     /// nothing: quotas of your own beside the layers' must keep within those 16 too, or a
     /// request whose new quota finds no room in its shard (none of the quotas held there
-    /// is back to full) is refused with [`GateError::KeyspaceFull`], the layers' requests
-    /// as well as yours.
+    /// is back to full or released) is refused with [`GateError::KeyspaceFull`], the
+    /// layers' requests as well as yours; a quota of your own equal to a released layer's
+    /// shares its buckets, and is evicted with them.
     ///
     /// # Errors
     ///
@@ -412,6 +417,15 @@ impl MemoryGate {
         }
         self.inner.count(decisions[0].allowed);
         Ok(())
+    }
+
+    /// End a registration of `quotas` (distinct, registered): the buckets of those no
+    /// registration holds any more are evicted at the next sweep of each shard.
+    pub(crate) fn release_quotas(&self, quotas: &[Quota]) {
+        let multi = &self.inner.multi;
+        self.inner
+            .quotas
+            .release(quotas, |q| multi.set_released(q, true));
     }
 
     /// Keys held now.
@@ -516,9 +530,16 @@ impl Gate for MemoryGate {
 
     /// [`validate_quotas`](Gate::validate_quotas), and at most 16 distinct quotas
     /// registered together by every registration alive on this gate (and its clones).
+    /// A quota no registration held before keeps the buckets it may still hold from an
+    /// earlier one (they were not evicted yet).
     fn register_quotas(&self, quotas: &[Quota]) -> Result<Registration, ConfigError> {
         self.validate_quotas(quotas)?;
-        QuotaRegistry::register(&self.inner.quotas, quotas)
+        let multi = &self.inner.multi;
+        let distinct = self
+            .inner
+            .quotas
+            .register(quotas, |q| multi.set_released(q, false))?;
+        Ok(Registration::on(self.clone(), distinct))
     }
 
     fn limit(&self) -> Limit {
@@ -572,5 +593,109 @@ mod tests {
             .count();
         assert_eq!(admitted, 64, "new keys of the registered quota admitted");
         assert_eq!(gate.inner.multi.len(), 64);
+    }
+
+    /// A released quota's buckets are kept until a shard needs the room: registered again
+    /// before (a layer dropped and built again with the same quotas), they hold what they
+    /// had spent and their room, so rebuilding a layer gives no client a fresh burst.
+    #[test]
+    fn a_quota_registered_again_before_the_room_is_needed_keeps_its_buckets() {
+        // 16 shards of one key.
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(16)
+            .build()
+            .unwrap();
+        let first = gate.register_quotas(&[hourly(3)]).unwrap();
+        assert!(gate.check_all(&[("k", hourly(3))], 3).unwrap()[0].allowed);
+        drop(first);
+        let _again = gate.register_quotas(&[hourly(3)]).unwrap();
+        // The same key under another quota: a new key in the same (full) shard, whose
+        // sweep keeps the bucket held again.
+        assert!(matches!(
+            gate.check_all(&[("k", hourly(4))], 1),
+            Err(GateError::KeyspaceFull { max_keys: 16 })
+        ));
+        let d = gate.check_all(&[("k", hourly(3))], 1).unwrap();
+        assert!(!d[0].allowed, "the bucket started afresh: {d:?}");
+    }
+
+    /// Releasing a layer's quota evicts its buckets and no other: the buckets of quotas
+    /// given to `check_all` without a registration (the caller's own) are evicted only when
+    /// full again, as before.
+    #[test]
+    fn a_release_evicts_only_the_released_quotas_buckets() {
+        // 16 shards of 4 keys.
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(64)
+            .build()
+            .unwrap();
+        let (layers, own, other) = (hourly(1), hourly(2), hourly(3));
+        let layer = gate.register_quotas(&[layers]).unwrap();
+        for i in 0..32 {
+            let _ = gate.check_all(&[(format!("a{i}").as_str(), layers)], 1);
+        }
+        let of_the_layer = gate.inner.multi.len();
+        let own_keys: Vec<String> = (0..400)
+            .map(|i| format!("b{i}"))
+            .filter(|key| gate.check_all(&[(key.as_str(), own)], 1).is_ok())
+            .collect();
+        assert_eq!(gate.inner.multi.len(), 64, "every shard full");
+        drop(layer);
+        let admitted = (0..400)
+            .filter(|i| {
+                gate.check_all(&[(format!("c{i}").as_str(), other)], 1)
+                    .is_ok()
+            })
+            .count();
+        assert_eq!(
+            admitted, of_the_layer,
+            "the released quota's room, and no more"
+        );
+        for key in &own_keys {
+            let d = gate.check_all(&[(key.as_str(), own)], 1).unwrap();
+            assert!(d[0].allowed && d[0].remaining == 0, "{key} started afresh");
+        }
+    }
+
+    /// Layers built and dropped a thousand times over one gate, each with 16 quotas of its
+    /// own and busy buckets on every shard, have every request decided, and what the gate
+    /// holds stays within its bounds: at most 16 quotas a shard, `max_keys` keys, and
+    /// nothing registered once every layer is gone.
+    #[test]
+    fn a_thousand_layers_built_and_dropped_hold_nothing_past_the_bounds() {
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(1_024)
+            .build()
+            .unwrap();
+        for cycle in 0..1_000u64 {
+            let quotas: Vec<Quota> = (0..16)
+                .map(|i| {
+                    let rate = Rate::per(i + 1, Duration::from_secs(3_600 + cycle)).unwrap();
+                    Quota::new(rate, i + 1).unwrap()
+                })
+                .collect();
+            let layer = gate.register_quotas(&quotas).unwrap();
+            // 8 clients, each with a key per quota (as a layer names them): 128 new busy
+            // buckets a cycle, on every shard.
+            for client in 0..8 {
+                let keys: Vec<String> = (0..16).map(|i| format!("p{i}:c{client}")).collect();
+                let limits: Vec<(&str, Quota)> = keys
+                    .iter()
+                    .map(String::as_str)
+                    .zip(quotas.iter().copied())
+                    .collect();
+                let d = gate
+                    .check_all(&limits, 1)
+                    .unwrap_or_else(|e| panic!("cycle {cycle}, client {client}: {e}"));
+                assert!(
+                    d.iter().all(|d| d.allowed),
+                    "cycle {cycle}, client {client}"
+                );
+            }
+            drop(layer);
+            assert!(gate.inner.multi.len() <= 1_024);
+            assert!(gate.inner.multi.most_quotas_in_a_shard() <= MAX_QUOTAS);
+        }
+        assert_eq!(gate.inner.quotas.len(), 0);
     }
 }

@@ -136,12 +136,16 @@ impl<'a> Merged<'a> {
 struct QuotaKeys {
     quota: Quota,
     keys: Keyed<String, TokenBucket, RandomState>,
+    /// No registration holds the quota any more (the last layer using it was dropped):
+    /// its buckets are evicted at the next sweep, busy or not.
+    released: bool,
 }
 
 /// One shard of the in-memory token buckets of all-or-nothing calls: one [`Keyed`] map per
 /// quota (at most [`MAX_QUOTAS`], found by a scan: cheaper than hashing a quota). The
 /// shard's room for keys (`max_keys`) is shared by all its quotas: one quota may use all of
-/// it.
+/// it. A quota whose registration was released gives its place and its keys' room back at
+/// the next sweep.
 #[derive(Debug, Default)]
 pub(crate) struct MemoryBuckets {
     by_quota: Vec<QuotaKeys>,
@@ -153,15 +157,26 @@ impl MemoryBuckets {
         self.by_quota.iter().map(|q| q.keys.len()).sum()
     }
 
-    /// Evict the keys back to neutral in every quota, and the quotas left without a key;
-    /// returns how many keys were evicted.
+    /// Evict the keys back to neutral in every quota, the quotas left without a key, and
+    /// the released quotas with all their keys; returns how many keys were evicted.
     fn sweep(&mut self, now: Duration) -> usize {
         let mut evicted = 0;
         self.by_quota.retain_mut(|q| {
+            if q.released {
+                evicted += q.keys.len();
+                return false;
+            }
             evicted += q.keys.sweep(now);
             !q.keys.is_empty()
         });
         evicted
+    }
+
+    /// Mark the buckets of `quota`, if held, as released (or held again).
+    fn set_released(&mut self, quota: Quota, released: bool) {
+        if let Some(q) = self.by_quota.iter_mut().find(|q| q.quota == quota) {
+            q.released = released;
+        }
     }
 
     /// The map of `quota`, made when it is not held (evicting the quotas with no key left
@@ -218,7 +233,11 @@ impl MemoryBuckets {
     fn add(&mut self, quota: Quota, room: &Room<'_>) -> Result<usize, GateError> {
         let keys = Keyed::with_hasher(TokenBucket::new(quota), room.per_shard, room.hasher.clone())
             .map_err(|_| room.full())?;
-        self.by_quota.push(QuotaKeys { quota, keys });
+        self.by_quota.push(QuotaKeys {
+            quota,
+            keys,
+            released: false,
+        });
         Ok(self.by_quota.len() - 1)
     }
 }
@@ -413,10 +432,30 @@ impl ShardedBuckets {
         Ok(())
     }
 
+    /// Mark the buckets of `quota` in every shard as released (no registration holds the
+    /// quota any more: they are evicted at each shard's next sweep, busy or not), or as
+    /// held again (registered before that sweep: they are kept). Called under the quota
+    /// registry's lock, so marks follow registrations in order; the shards are locked one
+    /// at a time.
+    pub(crate) fn set_released(&self, quota: Quota, released: bool) {
+        for i in 0..self.shards.len() {
+            self.lock(i).set_released(quota, released);
+        }
+    }
+
     /// Keys held over every shard and quota.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         (0..self.shards.len()).map(|i| self.lock(i).len()).sum()
+    }
+
+    /// The most quotas one shard holds buckets for.
+    #[cfg(test)]
+    pub(crate) fn most_quotas_in_a_shard(&self) -> usize {
+        (0..self.shards.len())
+            .map(|i| self.lock(i).by_quota.len())
+            .max()
+            .unwrap_or(0)
     }
 }
 

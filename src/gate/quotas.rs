@@ -1,15 +1,18 @@
 //! The quotas registered on a gate by what is built over it (a
 //! [`RateLimitLayer`](crate::http::RateLimitLayer)), so that layers sharing one
 //! [`MemoryGate`](crate::gate::MemoryGate) are refused when built past the distinct quotas
-//! it decides together, not answered with `KeyspaceFull` on their requests.
+//! it decides together, not answered with `KeyspaceFull` on their requests; and so that the
+//! buckets of a quota no layer uses any more give their room back to the layers built after
+//! (the gate marks them released, and each shard evicts them at its next sweep).
 
 use std::fmt;
 use std::sync::PoisonError;
 
 use crate::error::{ConfigError, ConfigErrorKind};
+use crate::gate::memory::MemoryGate;
 use crate::gate::multi::MAX_QUOTAS;
 use crate::rate::Quota;
-use crate::sync::{Arc, Mutex};
+use crate::sync::Mutex;
 
 /// The quotas registered on one gate, each with the number of registrations holding it: at
 /// most [`MAX_QUOTAS`] entries.
@@ -19,26 +22,26 @@ pub(crate) struct QuotaRegistry {
 }
 
 impl QuotaRegistry {
-    /// Register `quotas` (each distinct one once) until the registration returned is
-    /// dropped.
+    /// Register `quotas` (each distinct one once); returns the distinct ones, to give to
+    /// [`release`](QuotaRegistry::release) when the registration ends. `added` is called,
+    /// under the registry's lock, with each quota that no registration held before.
     ///
     /// # Errors
     ///
     /// [`ConfigError`] on `gate.quotas` (`TooLarge`) when the quotas registered and these
     /// together are more than [`MAX_QUOTAS`] distinct ones; nothing is registered then.
-    // An associated function (`this`, not `self: &Arc<Self>`): `crate::sync::Arc` is loom's
-    // under the loom models, and cannot be a receiver there.
     pub(crate) fn register(
-        this: &Arc<Self>,
+        &self,
         quotas: &[Quota],
-    ) -> Result<Registration, ConfigError> {
+        mut added: impl FnMut(Quota),
+    ) -> Result<Vec<Quota>, ConfigError> {
         let distinct: Vec<Quota> = quotas
             .iter()
             .enumerate()
             .filter(|&(i, q)| !quotas[..i].contains(q))
             .map(|(_, &q)| q)
             .collect();
-        let mut held = this.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         let new = distinct
             .iter()
             .filter(|q| !held.iter().any(|(h, _)| h == *q))
@@ -58,21 +61,25 @@ impl QuotaRegistry {
         for &q in &distinct {
             match held.iter_mut().find(|(h, _)| *h == q) {
                 Some((_, n)) => *n += 1,
-                None => held.push((q, 1)),
+                None => {
+                    held.push((q, 1));
+                    added(q);
+                }
             }
         }
-        drop(held);
-        Ok(Registration {
-            held: Some((Arc::clone(this), distinct)),
-        })
+        Ok(distinct)
     }
 
-    /// Let go of one registration of each of `quotas` (distinct, registered).
-    fn release(&self, quotas: &[Quota]) {
+    /// Let go of one registration of each of `quotas` (distinct, registered). `released` is
+    /// called, under the registry's lock, with each quota no registration holds any more.
+    pub(crate) fn release(&self, quotas: &[Quota], mut released: impl FnMut(Quota)) {
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         held.retain_mut(|(h, n)| {
             if quotas.contains(h) {
                 *n -= 1;
+                if *n == 0 {
+                    released(*h);
+                }
             }
             *n > 0
         });
@@ -80,7 +87,7 @@ impl QuotaRegistry {
 
     /// The distinct quotas registered now.
     #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -89,10 +96,12 @@ impl QuotaRegistry {
 }
 
 /// Quotas registered on a gate by what is built over it, from `Gate::register_quotas`:
-/// they stay registered until this is dropped. One from a gate that registers nothing
-/// holds nothing.
+/// they stay registered until this is dropped; then the buckets of those that no other
+/// registration holds are evicted at the next sweep of the gate's shards. One from a gate
+/// that registers nothing holds nothing.
 pub struct Registration {
-    held: Option<(Arc<QuotaRegistry>, Vec<Quota>)>,
+    /// The gate registered on, and the distinct quotas registered.
+    held: Option<(MemoryGate, Vec<Quota>)>,
 }
 
 impl Registration {
@@ -100,12 +109,19 @@ impl Registration {
     pub(crate) fn none() -> Registration {
         Registration { held: None }
     }
+
+    /// `quotas` (distinct), registered on `gate` until this is dropped.
+    pub(crate) fn on(gate: MemoryGate, quotas: Vec<Quota>) -> Registration {
+        Registration {
+            held: Some((gate, quotas)),
+        }
+    }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        if let Some((registry, quotas)) = self.held.take() {
-            registry.release(&quotas);
+        if let Some((gate, quotas)) = self.held.take() {
+            gate.release_quotas(&quotas);
         }
     }
 }
@@ -128,27 +144,42 @@ mod tests {
 
     #[test]
     fn registered_quotas_are_counted_once_and_released_with_the_last_registration() {
-        let registry = Arc::new(QuotaRegistry::default());
-        let a = QuotaRegistry::register(&registry, &quotas(0..9)).unwrap();
-        let e = QuotaRegistry::register(&registry, &quotas(9..18)).unwrap_err();
+        let registry = QuotaRegistry::default();
+        // The quotas no registration held before, and those none holds any more.
+        let mut added = Vec::new();
+        let mut released = Vec::new();
+        let a = registry.register(&quotas(0..9), |q| added.push(q)).unwrap();
+        assert_eq!(added, quotas(0..9));
+        let e = registry
+            .register(&quotas(9..18), |q| added.push(q))
+            .unwrap_err();
         assert_eq!(e.field(), "gate.quotas");
         assert!(e.reason().starts_with("18 distinct quotas"), "{e}");
         // Refused: nothing of it registered.
         assert_eq!(registry.len(), 9);
+        assert_eq!(added.len(), 9);
         // A quota listed twice, or registered already, counts once.
         let mut repeated = quotas(0..2);
         repeated.extend(quotas(0..2));
-        let b = QuotaRegistry::register(&registry, &repeated).unwrap();
-        let c = QuotaRegistry::register(&registry, &quotas(9..16)).unwrap();
+        let b = registry.register(&repeated, |q| added.push(q)).unwrap();
+        assert_eq!(b, quotas(0..2));
+        assert_eq!(added.len(), 9, "quotas 0 and 1 were held already");
+        let c = registry
+            .register(&quotas(9..16), |q| added.push(q))
+            .unwrap();
         assert_eq!(registry.len(), 16);
-        assert!(QuotaRegistry::register(&registry, &quotas(16..17)).is_err());
-        drop(a);
+        assert!(registry.register(&quotas(16..17), |_| {}).is_err());
+        registry.release(&a, |q| released.push(q));
         // `b` still holds quotas 0 and 1.
         assert_eq!(registry.len(), 9);
-        drop((b, c));
+        assert_eq!(released, quotas(2..9));
+        registry.release(&b, |q| released.push(q));
+        registry.release(&c, |q| released.push(q));
         assert_eq!(registry.len(), 0);
+        assert_eq!(released.len(), 16);
         for _ in 0..100 {
-            assert!(QuotaRegistry::register(&registry, &quotas(20..36)).is_ok());
+            let d = registry.register(&quotas(20..36), |_| {}).unwrap();
+            registry.release(&d, |_| {});
         }
         assert_eq!(registry.len(), 0);
         assert!(format!("{:?}", Registration::none()).contains("[]"));

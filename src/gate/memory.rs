@@ -187,10 +187,13 @@ pub struct MemoryGateBuilder {
 }
 
 impl MemoryGateBuilder {
-    /// Hold at most about `max_keys` keys (default 100 000), rounded up to a multiple of
-    /// 16. The keys are spread over 16 shards by hash, each holding a 16th: new keys may be
-    /// refused with [`GateError::KeyspaceFull`] while one shard is full before the whole
-    /// gate is (with a thousand keys, at about three quarters), so leave some headroom.
+    /// Hold at most `max_keys` keys (default 100 000), rounded up to a multiple of 16
+    /// ([`MemoryGate::max_keys`] reports the rounded figure). The keys are spread over 16
+    /// shards by hash, each holding at most a 16th under its own lock, so the bound is exact
+    /// however many threads insert at once; but a new key is refused with
+    /// [`GateError::KeyspaceFull`] when its shard is full, before the whole gate is (with a
+    /// thousand keys, at about three quarters), so leave some headroom. The buckets of
+    /// [`check_all`](MemoryGate::check_all) have as much room again, apart.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
         self
@@ -428,7 +431,8 @@ impl MemoryGate {
             .release(quotas, |q| multi.set_released(q, true));
     }
 
-    /// Keys held now.
+    /// Keys held now for the gate's own limit ([`check`](MemoryGate::check)); the buckets
+    /// of [`check_all`](MemoryGate::check_all) are not counted.
     pub fn len(&self) -> usize {
         self.inner
             .shards
@@ -442,7 +446,9 @@ impl MemoryGate {
         self.len() == 0
     }
 
-    /// Evict every key whose state is back to neutral; returns how many.
+    /// Evict every key of the gate's own limit whose state is back to neutral; returns how
+    /// many. The buckets of [`check_all`](MemoryGate::check_all) are swept by their shard
+    /// when it needs room.
     pub fn sweep(&self) -> usize {
         let now = self.now();
         self.inner
@@ -452,7 +458,9 @@ impl MemoryGate {
             .sum()
     }
 
-    /// The most keys held.
+    /// The most keys held: the figure given to the builder, rounded up to a multiple of 16
+    /// (16 shards of equal size). The buckets of [`check_all`](MemoryGate::check_all) have
+    /// as many again, apart.
     pub fn max_keys(&self) -> usize {
         self.inner.max_keys
     }
@@ -593,6 +601,58 @@ mod tests {
             .count();
         assert_eq!(admitted, 64, "new keys of the registered quota admitted");
         assert_eq!(gate.inner.multi.len(), 64);
+    }
+
+    /// `max_keys` is exact, rounded up to a multiple of 16: each shard holds at most a 16th
+    /// under its own lock, so inserts racing on different shards never take the gate past
+    /// it, for its own keys and for `check_all`'s buckets alike; and with every shard full
+    /// the gate holds exactly that many.
+    #[test]
+    fn max_keys_holds_exactly_under_concurrent_inserts() {
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(1_000)
+            .build()
+            .unwrap();
+        assert_eq!(gate.max_keys(), 1_008);
+        let (own, all) = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..4)
+                .map(|t| {
+                    let gate = &gate;
+                    s.spawn(move || {
+                        let (mut own, mut all) = (0, 0);
+                        for i in 0..5_000 {
+                            let key = format!("t{t}-k{i}");
+                            match gate.check(&key, 1) {
+                                Ok(_) => own += 1,
+                                Err(e) => {
+                                    assert!(matches!(
+                                        e,
+                                        GateError::KeyspaceFull { max_keys: 1_008 }
+                                    ))
+                                }
+                            }
+                            match gate.check_all(&[(key.as_str(), hourly(1))], 1) {
+                                Ok(_) => all += 1,
+                                Err(e) => {
+                                    assert!(matches!(
+                                        e,
+                                        GateError::KeyspaceFull { max_keys: 1_008 }
+                                    ))
+                                }
+                            }
+                        }
+                        (own, all)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap())
+                .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
+        });
+        // 20 000 keys: about 1 250 a shard, so every shard fills to its 63.
+        assert_eq!((own, gate.len()), (1_008, 1_008));
+        assert_eq!((all, gate.inner.multi.len()), (1_008, 1_008));
     }
 
     /// A released quota's buckets are kept until a shard needs the room: registered again

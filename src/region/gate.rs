@@ -34,7 +34,8 @@ use crate::region::member::Region;
 ///
 /// As [`RedisGate::check`](crate::gate::RedisGate::check): [`GateError::Cost`] (zero, or
 /// above the global burst), [`GateError::InvalidKey`]; a failing or slow local Redis as the
-/// gate's [`FailurePolicy`] says. [`Gate::check_all`] is not supported (it answers
+/// gate's [`FailurePolicy`] says, and a full one too (`maxmemory` reached: Redis refuses
+/// the writes of a new key and a known one alike; see the [module docs](crate::region)). [`Gate::check_all`] is not supported (it answers
 /// [`GateError::InvalidQuota`]).
 ///
 /// # Cancel safety

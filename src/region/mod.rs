@@ -68,6 +68,7 @@
 //! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
 //! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
+//! | the local Redis is full (`maxmemory` under `noeviction`) | it refuses every write, a new key's as a known one's: the gate's failure policy, as when it fails (under `Error`, a [`GateError::Backend`](crate::gate::GateError::Backend) with Redis's `OOM` first), counted under `policy`; every key is decided again at the first probe (within a refresh interval) after room frees. The refresher cannot write either: the region keeps its lease until it ends, then admits at its safe share |
 //! | a region's refreshing process stops | it gives its lock up as its last handle drops; another process of the region refreshes at its next tick |
 //! | a region's refreshing process dies, or cannot reach the home | another process takes over within three refresh intervals plus the home timeout (the lock lapses, or is given up after three failed home calls), before the lease ends |
 //! | a local Redis loses writes (restart without persistence, failover to a replica behind) | a reply in flight is not written over the older record; but a record that went back to a live older lease breaks the bound until that lease ends: run local Redis without persistence and without failover to lagging replicas, or with an append-only file synced on every write |
@@ -82,6 +83,10 @@
 //!   an append-only file synced on every write. A snapshot restored from the past holds old
 //!   leases as if they were current (the home would not start a learning phase; a local
 //!   record would admit at a lease the home has given away).
+//! - **Memory**: give each local Redis room for a bucket per key in use, and keep its
+//!   `maxmemory-policy` at `noeviction`. An evicting policy takes keys away instead of
+//!   refusing writes: a bucket it evicts comes back full (admitting past the share), and
+//!   a lease record it evicts drops the region to its safe share.
 //! - **Clocks**: Redis `TIME` must not step (keep NTP slewing, not stepping): a home clock
 //!   that jumps forward forgets leases early, a local clock that jumps back keeps them
 //!   late. Rate drift is covered by a margin of 1 % of the lease.

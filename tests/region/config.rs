@@ -363,6 +363,72 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
     );
 }
 
+/// A new key when the region's local Redis is full (`maxmemory` under `noeviction`): Redis
+/// refuses every write, a new key's as a known one's, so the gate answers as its failure
+/// policy says (a typed, transient `GateError::Backend` under `Error`, a rejection under
+/// `Closed`), counted under `policy` and in `flowgate_gate_failures_total`. Once room frees
+/// the next probe of the local Redis (a refresh interval at most) decides the new key again.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_new_key_on_a_full_local_redis_is_a_counted_typed_answer_until_room_frees() {
+    let recorder = crate::support::TestRecorder::default();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let refresh = Duration::from_millis(500);
+    let alloc = QuotaAllocator::builder(home.connect().await, Quota::per_second(50).unwrap())
+        .name("full")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(10))
+        .refresh_every(refresh)
+        .home_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", local.connect().await).await.unwrap();
+    let gate = region.gate();
+    let closed = region.gate_with(flowgate::gate::FailurePolicy::Closed);
+    assert!(gate.check("known", 1).await.unwrap().allowed);
+    let config = |name: &str, value: &str| {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("SET").arg(name).arg(value);
+        let _: () = local.query_blocking(&cmd).unwrap();
+    };
+    config("maxmemory-policy", "noeviction");
+    config("maxmemory", "1");
+    let is_backend = |r: Result<flowgate::Decision, flowgate::gate::GateError>| match r {
+        Err(e @ flowgate::gate::GateError::Backend(_)) => e.is_transient(),
+        _ => false,
+    };
+    assert!(is_backend(gate.check("new", 1).await));
+    assert!(is_backend(gate.check("known", 1).await));
+    let d = closed.check("new", 1).await.unwrap();
+    assert!(!d.allowed && d.retry_after <= refresh, "{d:?}");
+    let counter = |name: &str, labels: &str| recorder.counter(&format!("{name}{{{labels}}}"));
+    assert_eq!(
+        counter(
+            "flowgate_gate_decisions_total",
+            "name=full,outcome=policy,region=eu"
+        ),
+        3
+    );
+    assert!(counter("flowgate_gate_failures_total", "name=full,region=eu") >= 1);
+    config("maxmemory", "0");
+    let freed = std::time::Instant::now();
+    let decided = loop {
+        if let Ok(d) = gate.check("new", 1).await {
+            break d;
+        }
+        assert!(
+            freed.elapsed() < refresh * 3,
+            "still failing {:?} after room freed",
+            freed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(decided.allowed, "{decided:?}");
+}
+
 /// One process of a region refreshes at a time; when it stops it gives its lock up, and
 /// another takes over at its next refresh (200 ms here), long before the lease runs out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -106,6 +106,11 @@ impl DemandHandle {
 /// upstream the unit stays in [`DemandHandle::outstanding`], and a stream that is dropped
 /// there, taken apart by [`into_inner`](Demanded::into_inner), or whose upstream ends uses
 /// nothing. Every item uses a unit, an `Err` item of a fallible stream too.
+///
+/// Without credit and with every [`DemandHandle`] dropped, nothing can ask for more: the
+/// stream then stays pending for ever (no demand is a valid state, as in Reactive Streams;
+/// the stream cannot tell it from a slow downstream). Keep a handle while more may be asked
+/// for, or end the stream yourself.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Demanded<S> {

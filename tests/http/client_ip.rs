@@ -229,6 +229,16 @@ mod dual_stack {
         PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)
     }
 
+    /// The client IP from `source`, trusting the proxies in `cidr`, the peer from the
+    /// connection.
+    fn behind(source: ForwardedHeader, cidr: &str) -> ClientIp {
+        ClientIp::builder(source)
+            .trust(cidr)
+            .peer(peer())
+            .build()
+            .unwrap()
+    }
+
     fn ok_from_mapped(a: &Answer) {
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(
@@ -242,11 +252,7 @@ mod dual_stack {
     /// `X-Forwarded-For` is read.
     #[tokio::test]
     async fn a_mapped_proxy_is_in_its_ipv4_network() {
-        let client_ip = ClientIp::builder(ForwardedHeader::XForwardedFor)
-            .trust("127.0.0.0/8")
-            .peer(peer())
-            .build()
-            .unwrap();
+        let client_ip = behind(ForwardedHeader::XForwardedFor, "127.0.0.0/8");
         let layer = one_per_minute("per-ip", client_ip);
         let server = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
         let (client, url) = (client(), server.url());
@@ -262,11 +268,7 @@ mod dual_stack {
     /// a dual-stack socket: its `X-Forwarded-For` is ignored.
     #[tokio::test]
     async fn trusting_all_of_ipv6_does_not_trust_an_ipv4_client() {
-        let client_ip = ClientIp::builder(ForwardedHeader::XForwardedFor)
-            .trust("::/0")
-            .peer(peer())
-            .build()
-            .unwrap();
+        let client_ip = behind(ForwardedHeader::XForwardedFor, "::/0");
         let layer = one_per_minute("per-ip", client_ip);
         let server = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;
         let (client, url) = (client(), server.url());
@@ -299,11 +301,7 @@ mod dual_stack {
 
         // Behind proxies: the same client written plain, mapped, bracketed with a port.
         for source in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
-            let client_ip = ClientIp::builder(source)
-                .trust("127.0.0.0/8")
-                .peer(peer())
-                .build()
-                .unwrap();
+            let client_ip = behind(source, "127.0.0.0/8");
             let layer = one_per_minute("per-ip", client_ip);
             let v4 = Server::start("127.0.0.1:0", layer.clone()).await;
             let dual = Server::start("[::ffff:127.0.0.1]:0", layer.clone()).await;

@@ -104,6 +104,47 @@ async fn a_caller_that_called_redis_alone_and_gave_up_is_still_counted() {
     }
 }
 
+/// Batching on, with a call in flight: the caller joins a batch, which goes to Redis; the
+/// caller gives up. Its rejection is counted when the batch's answer comes, and cached, as
+/// for a caller that stayed: the next request on the key is refused without Redis.
+#[tokio::test]
+async fn a_batched_caller_that_gave_up_leaves_its_rejection_cached() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_hour(1))
+        .name("batched")
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let count = |outcome| decisions(&recorder, "batched", outcome);
+    let batches = || {
+        recorder
+            .samples("flowgate_gate_batch_size{name=batched}")
+            .len()
+    };
+    assert!(gate.check("full", 1).await.unwrap().allowed);
+    server.pause();
+    // Nothing in flight: `first` calls Redis itself; `second` then joins a batch.
+    let mut first = Box::pin(gate.check("first", 1));
+    assert!(futures::poll!(first.as_mut()).is_pending());
+    let mut second = Box::pin(gate.check("full", 1));
+    assert!(futures::poll!(second.as_mut()).is_pending());
+    assert!(eventually(|| batches() == 1).await, "the batch is sent");
+    drop(second);
+    server.resume();
+    assert!(first.await.unwrap().allowed);
+    assert!(
+        eventually(|| count("rejected") == 1).await,
+        "the rejected caller that gave up is counted: rejected = {}",
+        count("rejected")
+    );
+    assert_eq!(gate.cached_rejections(), 1, "and its rejection cached");
+    assert!(!gate.check("full", 1).await.unwrap().allowed);
+    assert_eq!(count("cached"), 1, "the next one rejected locally");
+}
+
 /// A lease call given up mid-call: the tokens Redis debited for it are kept in the lease
 /// and spent by the next callers, not lost.
 #[tokio::test]

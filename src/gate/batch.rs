@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::decision::Decision;
 use crate::gate::backend::{Backend, CallError};
 use crate::gate::error::GateError;
+use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts::LimitScript;
 use crate::gate::slot::slot;
 use crate::metrics::{Counter, Histogram};
@@ -24,24 +25,41 @@ const MAX_IN_FLIGHT: usize = 4;
 
 /// One decision waiting for its batch.
 pub(crate) struct Request {
+    /// The key in Redis: the gate's prefix, then the caller's key.
     pub(crate) key: String,
     pub(crate) cost: u32,
+    /// When the caller asked: a rejection is cached from then.
+    pub(crate) started: Instant,
     /// When the caller's timeout ends: the driver answers by then. The caller's own timer,
     /// started a little later, is only the backstop for a driver that is not polled.
     pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Answer>,
 }
 
-/// The counters of what Redis decides, shared by the gate and its batch driver.
-#[derive(Debug, Clone)]
+/// What follows from what Redis decides, shared by the gate and its batch driver: the
+/// counts, and the rejection cache.
+#[derive(Debug)]
 pub(crate) struct Outcomes {
     pub(crate) allowed: Counter,
     pub(crate) rejected: Counter,
     /// Requests sent to Redis whose answer nothing was left to read (see [`Unread`]).
     pub(crate) abandoned: Counter,
+    pub(crate) cache: RejectCache,
+    /// The length of the gate's key prefix: a [`Request`]'s key without it is the caller's.
+    pub(crate) prefix: usize,
 }
 
 impl Outcomes {
+    /// Redis decided `decision` for `cost` on the caller's `key`, in a call sent at `sent`:
+    /// counted, and a rejection cached. Done where the answer is read, by the caller or by
+    /// what is left of its call when it has given up.
+    pub(crate) fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+        self.count(decision);
+        if !decision.allowed {
+            self.cache.rejected(key, cost, sent, decision);
+        }
+    }
+
     /// Count `decision` by its outcome.
     pub(crate) fn count(&self, decision: &Decision) {
         if decision.allowed {
@@ -87,36 +105,57 @@ impl Drop for Unread<'_> {
 }
 
 /// The driver's answer to one request. A decision its caller never reads (it gave up after
-/// the batch was sent, so Redis charged it all the same) is counted when the answer is
-/// dropped: whether the send found the caller gone or the caller went away with the answer
-/// waiting for it.
+/// the batch was sent, so Redis charged it all the same) is [`decided`](Outcomes::decided)
+/// when the answer is dropped (counted, a rejection cached): whether the send found the
+/// caller gone or the caller went away with the answer waiting for it.
 pub(crate) struct Answer {
     result: Option<Result<Decision, CallError>>,
-    outcomes: Option<Arc<Outcomes>>,
+    /// For a decision: where it is decided if it is not read, and the request it answers
+    /// (its Redis key, cost and start).
+    unread: Option<(Arc<Outcomes>, String, u32, Instant)>,
 }
 
 impl Answer {
-    /// The answer `result`; a decision in it is counted in `outcomes` unless it is read.
-    fn new(result: Result<Decision, CallError>, outcomes: &Arc<Outcomes>) -> Answer {
-        let outcomes = result.is_ok().then(|| outcomes.clone());
+    /// The answer `result` to `request`'s key, cost and start; a decision in it is
+    /// [`decided`](Outcomes::decided) in `outcomes` unless it is read.
+    fn new(
+        result: Result<Decision, CallError>,
+        (key, cost, started): (String, u32, Instant),
+        outcomes: &Arc<Outcomes>,
+    ) -> Answer {
+        let unread = result
+            .is_ok()
+            .then(|| (outcomes.clone(), key, cost, started));
         Answer {
             result: Some(result),
-            outcomes,
+            unread,
         }
     }
 
-    /// The result, for the caller, which counts the decision itself.
+    /// The result, for the caller, which decides it itself.
     pub(crate) fn read(mut self) -> Result<Decision, CallError> {
-        self.outcomes = None;
+        self.unread = None;
         self.result.take().expect("an answer is read once")
     }
 }
 
 impl Drop for Answer {
     fn drop(&mut self) {
-        if let (Some(outcomes), Some(Ok(decision))) = (&self.outcomes, &self.result) {
-            outcomes.count(decision);
+        if let (Some((outcomes, key, cost, started)), Some(Ok(decision))) =
+            (&self.unread, &self.result)
+        {
+            let key = key.get(outcomes.prefix..).unwrap_or(key);
+            outcomes.decided(key, *cost, *started, decision);
         }
+    }
+}
+
+impl Request {
+    /// Answer this request with `result`.
+    fn answer(self, result: Result<Decision, CallError>, outcomes: &Arc<Outcomes>) {
+        let answer = Answer::new(result, (self.key, self.cost, self.started), outcomes);
+        // A caller gone leaves the answer to be dropped here: decided all the same.
+        let _ = self.reply.send(answer);
     }
 }
 
@@ -313,9 +352,7 @@ where
                 self.backend
                     .fail(GateError::Timeout(self.backend.timeout()))
             });
-            let _ = r
-                .reply
-                .send(Answer::new(Err(error.clone()), &self.outcomes));
+            r.answer(Err(error.clone()), &self.outcomes);
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
@@ -332,15 +369,12 @@ where
         match decided {
             Ok(decisions) => {
                 for (r, decision) in batch.into_iter().zip(decisions) {
-                    let answer = Answer::new(decision.map_err(CallError::Request), &self.outcomes);
-                    let _ = r.reply.send(answer);
+                    r.answer(decision.map_err(CallError::Request), &self.outcomes);
                 }
             }
             Err(error) => {
                 for r in batch {
-                    let _ = r
-                        .reply
-                        .send(Answer::new(Err(error.clone()), &self.outcomes));
+                    r.answer(Err(error.clone()), &self.outcomes);
                 }
             }
         }

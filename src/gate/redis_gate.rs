@@ -80,8 +80,8 @@ pub(crate) mod names {
 
 pub(super) struct Metrics {
     pub(super) cached: Counter,
-    /// `allowed`, `rejected` and `abandoned`, shared with the batch driver (which counts the
-    /// decisions of callers that gave up).
+    /// `allowed`, `rejected` and `abandoned`, and the rejection cache, shared with the batch
+    /// driver (which counts and caches the decisions of callers that gave up).
     pub(super) outcomes: Arc<Outcomes>,
     pub(super) by_policy: Counter,
 }
@@ -91,7 +91,6 @@ pub(super) struct Inner<C> {
     pub(super) backend: Arc<Backend<C>>,
     /// The batch driver's queue; `None` when batching is off.
     batcher: Option<Batcher<C>>,
-    pub(super) cache: RejectCache,
     /// The limit and its script.
     pub(super) eval: LimitScript,
     pub(super) all_script: redis::Script,
@@ -380,6 +379,8 @@ where
             allowed: decisions("allowed"),
             rejected: decisions("rejected"),
             abandoned: decisions("abandoned"),
+            cache: RejectCache::new(self.reject_cache, self.limit),
+            prefix: self.prefix.len(),
         });
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
@@ -397,7 +398,6 @@ where
             inner: Arc::new(Inner {
                 backend,
                 batcher,
-                cache: RejectCache::new(self.reject_cache, self.limit),
                 eval,
                 all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
                 cluster: self.cluster,
@@ -521,22 +521,19 @@ where
             inner.metrics.outcomes.allowed.increment(1);
             return Some(Ok(decision));
         }
-        if let Some(decision) = inner.cache.check(key, cost, now) {
+        if let Some(decision) = inner.metrics.outcomes.cache.check(key, cost, now) {
             inner.metrics.cached.increment(1);
             return Some(Ok(decision));
         }
         None
     }
 
-    /// What follows from Redis deciding `decision` for `cost` on `key`, in a call sent at
-    /// `sent`: counted, and a rejection cached. Done where the answer is read, by the caller
-    /// or by what finishes its call when it has given up.
+    /// [`Outcomes::decided`]: counted, a rejection cached.
     fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
-        let inner = &*self.inner;
-        inner.metrics.outcomes.count(decision);
-        if !decision.allowed {
-            inner.cache.rejected(key, cost, sent, decision);
-        }
+        self.inner
+            .metrics
+            .outcomes
+            .decided(key, cost, sent, decision);
     }
 
     /// One decision in a script call of its own, bounded by what is left of the timeout, and
@@ -587,6 +584,7 @@ where
         let request = Request {
             key: self.redis_key(key),
             cost,
+            started,
             deadline: started + timeout,
             reply,
         };
@@ -694,7 +692,7 @@ where
 
     /// Keys held by the local rejection cache.
     pub fn cached_rejections(&self) -> usize {
-        self.inner.cache.len()
+        self.inner.metrics.outcomes.cache.len()
     }
 
     /// Keys holding a lease now.

@@ -321,3 +321,42 @@ async fn stats_add_up_with_len_while_a_receiver_holds_a_batch() {
     let s = tx.stats();
     assert_eq!((s.sent, s.received, tx.len()), (5, 2, 3));
 }
+
+/// "Items are delivered in FIFO order": items that receivers dropped with part of a batch
+/// give back return to their place in the queue, whichever receiver is dropped first, and
+/// a batch taken from what was given back does not run past an item another receiver
+/// still holds.
+#[tokio::test]
+async fn items_given_back_by_dropped_receivers_keep_their_order() {
+    // Three receivers: each takes at most a third of what is queued.
+    let (tx, mut a) = channel::bounded::<u32>(8).unwrap();
+    let mut b = a.clone();
+    let mut c = a.clone();
+    for i in 0..8 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(a.recv().await, Some(0)); // 1 is in a's batch
+    assert_eq!(b.recv().await, Some(2)); // 3 is in b's batch
+    drop(a); // 1 goes back first
+    drop(b); // then 3, which is newer
+    drop(tx);
+    let rest: Vec<u32> = c.by_ref().collect().await;
+    assert_eq!(rest, [1, 3, 4, 5, 6, 7]);
+
+    // Four receivers; a receiver taking from what a dropped one gave back stops at an item
+    // a third one still holds.
+    let (tx, mut a) = channel::bounded::<u32>(16).unwrap();
+    let (mut b, mut c, mut d) = (a.clone(), a.clone(), a.clone());
+    for i in 0..16 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(a.recv().await, Some(0)); // 1, 2 and 3 are in a's batch
+    assert_eq!(b.recv().await, Some(4)); // 5 and 6 in b's
+    drop(a);
+    assert_eq!(c.recv().await, Some(1)); // 2 and 3; not 7: 5 and 6 come first
+    drop(b);
+    drop(c);
+    drop(tx);
+    let rest: Vec<u32> = d.by_ref().collect().await;
+    assert_eq!(rest, [2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
+}

@@ -42,6 +42,8 @@ pub struct Receiver<T> {
     held: usize,
     /// `local.len()`, published for the channel's `len()`.
     batch_len: Arc<BatchLen>,
+    /// The place in the queue after the batch's last item (see `Shared::poll_recv_batch`).
+    batch_end: u64,
     /// The short spin before waiting (see `poll_next_item`).
     spin: Spin,
 }
@@ -57,6 +59,7 @@ impl<T> Receiver<T> {
             local: VecDeque::new(),
             held: 0,
             batch_len,
+            batch_end: 0,
             spin: Spin::default(),
         }
     }
@@ -140,7 +143,8 @@ impl<T> Receiver<T> {
     /// several receivers none sits on items another one is idle for) and hands them out one
     /// by one; they keep their slots in the channel until the last of them is handed out, so
     /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if
-    /// the receiver is dropped first they go back to the front of the queue for the other
+    /// the receiver is dropped first they go back to the front of the queue, in their places
+    /// (behind items an earlier batch gave back, ahead of later ones), for the other
     /// receivers. Under [`Overflow::DropOldest`](crate::Overflow::DropOldest) a receiver takes
     /// one item at a time, so dropping the oldest item always finds the oldest one not yet
     /// handed out.
@@ -172,14 +176,13 @@ impl<T> Receiver<T> {
             self.spin
                 .before_wait(|| shared.has_ringed_item(), || shared.is_closed());
         }
-        let batch = self.shared.batch();
         let next = self.shared.poll_recv_batch(
             cx,
             &mut self.waiting,
             stream,
             &mut self.local,
             &self.batch_len,
-            batch,
+            &mut self.batch_end,
         );
         self.held = self.local.len();
         next
@@ -231,6 +234,7 @@ impl<T> Drop for Receiver<T> {
             std::mem::take(&mut self.local),
             std::mem::take(&mut self.held),
             &self.batch_len,
+            self.batch_end,
         );
     }
 }

@@ -25,8 +25,10 @@
 //!   with `SEND_WAIT` set, the count changes only under the lock.
 //! - **Receive** (under the lock, which receivers share with the slow paths; a receiver
 //!   takes a batch per lock): pop from the items given back by dropped receivers first
-//!   (`stash`, older than the ring's), then from the ring. A receiver that finds nothing
-//!   sets `RECV_WAIT`, issues a `SeqCst` fence, and looks again before it registers.
+//!   (`stash`, older than the ring's, each in its place in the queue), then from the ring;
+//!   a batch is a run of consecutive places, so a receiver dropped with part of one gives
+//!   it back to its place. A receiver that finds nothing sets `RECV_WAIT`, issues a
+//!   `SeqCst` fence, and looks again before it registers.
 //!
 //! # Invariants
 //!
@@ -171,8 +173,14 @@ struct Hot {
 pub(crate) struct State<T> {
     /// The right to pop from the ring: pops happen under the lock.
     popper: Popper,
-    /// Items given back by dropped receivers: older than every item in the ring.
-    stash: VecDeque<T>,
+    /// Items given back by dropped receivers, each with its place in the queue (its
+    /// [`ring_taken`](State::ring_taken) when it left the ring), in that order: older than
+    /// every item in the ring.
+    stash: VecDeque<(u64, T)>,
+    /// Items taken out of the ring so far: the place in the queue of the ring's oldest item.
+    /// A receiver's batch is a run of consecutive places, so what it gives back when it is
+    /// dropped goes back to its place among what others gave back.
+    ring_taken: u64,
     /// Every receiver's batch length, one per receiver: its length is the receiver count.
     batches: Vec<Arc<BatchLen>>,
     senders: usize,
@@ -287,6 +295,7 @@ impl<T> Shared<T> {
             state: Line(Mutex::new(State {
                 popper,
                 stash: VecDeque::new(),
+                ring_taken: 0,
                 // `Receiver::new` adds the first receiver's.
                 batches: Vec::new(),
                 senders: 1,
@@ -394,7 +403,7 @@ impl<T> Shared<T> {
     /// capacity, as before) by 1.2 to 1.6 times in the steady-state benches, where senders
     /// mostly wait anyway. Under `DropOldest`, 1: a drop must take the oldest item not yet
     /// handed out, and a batch is out of its reach.
-    pub(crate) fn batch(&self) -> usize {
+    fn batch(&self) -> usize {
         if self.overflow == Overflow::DropOldest {
             1
         } else {
@@ -623,13 +632,28 @@ impl<T> Shared<T> {
 
     /// The oldest queued item (under the lock).
     fn pop_oldest(&self, st: &mut State<T>) -> Option<T> {
+        self.pop_oldest_placed(st).map(|(_, item)| item)
+    }
+
+    /// The oldest queued item with its place in the queue (under the lock).
+    fn pop_oldest_placed(&self, st: &mut State<T>) -> Option<(u64, T)> {
         match st.stash.pop_front() {
-            Some(item) => {
+            Some(placed) => {
                 self.depth_extra.fetch_sub(1, Ordering::Relaxed);
-                Some(item)
+                Some(placed)
             }
-            None => self.ring.pop(&mut st.popper),
+            None => {
+                let item = self.ring.pop(&mut st.popper)?;
+                let place = st.ring_taken;
+                st.ring_taken += 1;
+                Some((place, item))
+            }
         }
+    }
+
+    /// The place in the queue of the oldest queued item (if any: else of the next one).
+    fn oldest_place(st: &State<T>) -> u64 {
+        st.stash.front().map_or(st.ring_taken, |(place, _)| *place)
     }
 
     /// Count a dropped item and pass it to the hook with `why`. Called without the lock.
@@ -645,7 +669,7 @@ impl<T> Shared<T> {
     /// hook sees the first: a hook that panics leaves none uncounted (the items after it
     /// are dropped as the panic unwinds, without the hook).
     fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>) {
-        let mut left: Vec<T> = st.stash.drain(..).collect();
+        let mut left: Vec<T> = st.stash.drain(..).map(|(_, item)| item).collect();
         while let Some(item) = self.ring.pop(&mut st.popper) {
             left.push(item);
         }

@@ -48,12 +48,16 @@ impl<T> Shared<T> {
         }
     }
 
-    /// Take up to `max` items under one lock: the first is returned, the rest go to `local`
+    /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the rest go to `local`
     /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
     /// channel's bound still counts them. A receiver takes at most its share of what is
     /// queued (`len / receivers`), so none sits on items another one is idle for. `st.received`
     /// counts a batch when it is taken (and uncounts what is given back); `Stats::received`
     /// and the `received_total` metric count items as they are handed out.
+    ///
+    /// The batch is a run of consecutive places in the queue (it stops short of a place
+    /// another receiver's batch still holds); `batch_end` is set to the place after its
+    /// last item, for [`give_back`](Shared::give_back).
     ///
     /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
     /// stream waiters, which every new item wakes.
@@ -64,16 +68,24 @@ impl<T> Shared<T> {
         stream: bool,
         local: &mut VecDeque<T>,
         batch_len: &BatchLen,
-        max: usize,
+        batch_end: &mut u64,
     ) -> Poll<Option<T>> {
         let mut out = Deferred::default();
         let mut st = self.lock();
         let queued = self.queued_or_flag(&st);
         // At most a fair share of what is queued, so other receivers find items too.
-        let n = queued.min(max.min((queued / st.batches.len().max(1)).max(1)));
-        if let Some(first) = (n > 0).then(|| self.pop_oldest(&mut st)).flatten() {
+        let n = queued.min(self.batch().min((queued / st.batches.len().max(1)).max(1)));
+        if let Some((place, first)) = (n > 0).then(|| self.pop_oldest_placed(&mut st)).flatten() {
             st.leave_receiver(waiting, &mut out);
-            local.extend(std::iter::from_fn(|| self.pop_oldest(&mut st)).take(n - 1));
+            let mut next = place + 1;
+            while local.len() + 1 < n && Self::oldest_place(&st) == next {
+                let Some((_, item)) = self.pop_oldest_placed(&mut st) else {
+                    break;
+                };
+                local.push_back(item);
+                next += 1;
+            }
+            *batch_end = next;
             let held = local.len();
             batch_len.set(held);
             self.depth_extra.fetch_add(held, Ordering::Relaxed);
@@ -104,13 +116,15 @@ impl<T> Shared<T> {
     }
 
     /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
-    /// all): the items go back to the front of the queue, in order, for other receivers.
+    /// all), the last of which had the place before `batch_end` in the queue: the items go
+    /// back to their places, ahead of every item in the ring, for other receivers.
     fn give_back(
         &self,
         st: &mut State<T>,
         items: VecDeque<T>,
         held: usize,
         batch_len: &BatchLen,
+        batch_end: u64,
         out: &mut Deferred,
     ) {
         batch_len.set(0);
@@ -119,9 +133,13 @@ impl<T> Shared<T> {
         st.received -= items.len() as u64;
         self.metrics.received.increment(freed as u64);
         self.depth_extra.fetch_sub(freed, Ordering::Relaxed);
-        for item in items.into_iter().rev() {
-            st.stash.push_front(item);
-        }
+        // Their places are consecutive, and no other given-back item has one between them
+        // (those are this batch's), so they go in as one run.
+        let first = batch_end - items.len() as u64;
+        let at = st.stash.partition_point(|(place, _)| *place < first);
+        let newer = st.stash.split_off(at);
+        st.stash.extend((first..).zip(items));
+        st.stash.extend(newer);
         self.free_locked(st, freed, out);
         self.wake_receivers(st, out);
         self.set_depth();
@@ -208,16 +226,17 @@ impl<T> Shared<T> {
 
     /// A receiver is dropped, all under one lock: it stops waiting (passing on a wake it
     /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
-    /// its batch (`items`, and `held` slots in all) to the front of the queue, and is no
-    /// longer counted. The last receiver going away drops what is buffered, through
-    /// `on_drop` (`Discarded`), counted; so does a send that pushes after it (it sees
-    /// `RX_GONE`).
+    /// its batch (`items`, and `held` slots in all; `batch_end` as `poll_recv_batch` set it)
+    /// to its place at the front of the queue, and is no longer counted. The last receiver
+    /// going away drops what is buffered, through `on_drop` (`Discarded`), counted; so does
+    /// a send that pushes after it (it sees `RX_GONE`).
     pub(crate) fn drop_receiver(
         &self,
         waiting: &mut Waiting,
         items: VecDeque<T>,
         held: usize,
         batch_len: &Arc<BatchLen>,
+        batch_end: u64,
     ) {
         let mut out = Deferred::default();
         let mut st = self.lock();
@@ -225,7 +244,7 @@ impl<T> Shared<T> {
             self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
         }
         if held > 0 || !items.is_empty() {
-            self.give_back(&mut st, items, held, batch_len, &mut out);
+            self.give_back(&mut st, items, held, batch_len, batch_end, &mut out);
         }
         st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
         if !st.batches.is_empty() {

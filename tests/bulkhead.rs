@@ -549,6 +549,37 @@ async fn a_caught_panic_in_the_ordered_adapters_closure_returns_its_permit() {
     assert_eq!(b.in_flight(), 0);
 }
 
+/// A caught panic in a mapped future of the ordered adapter that is not the oldest (it runs
+/// behind the adapter's slot, with later futures queued behind it): the outputs after it
+/// still come, in input order, and its permit is returned. (The ordered queue waited
+/// forever for the output of the future that panicked, holding back every later one.)
+#[tokio::test(start_paused = true)]
+async fn a_caught_panic_behind_the_oldest_future_of_the_ordered_adapter_loses_no_output() {
+    let b = Bulkhead::new(3).unwrap();
+    let mut stream = Box::pin(futures::stream::iter(0..6u32).bulkhead_map(
+        b.clone(),
+        |x| async move {
+            if x == 0 {
+                sleep(Duration::from_millis(10)).await; // the oldest runs longest
+            }
+            assert_ne!(x, 1, "boom");
+            x
+        },
+    ));
+    let (mut outputs, mut panics) = (Vec::new(), 0);
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(5), stream.next());
+        match AssertUnwindSafe(next).catch_unwind().await {
+            Ok(Ok(Some(x))) => outputs.push(x),
+            Ok(Ok(None)) => break,
+            Ok(Err(_)) => panic!("stuck after {outputs:?} and {panics} panics"),
+            Err(_) => panics += 1,
+        }
+    }
+    assert_eq!((outputs, panics), (vec![0, 2, 3, 4, 5], 1));
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[tokio::test]
 async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();

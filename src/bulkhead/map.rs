@@ -1,9 +1,12 @@
 //! `bulkhead_map`: map each item under a permit, yield in input order.
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 
 use futures::Stream;
@@ -41,6 +44,54 @@ impl<Fut: Future> Future for Permitted<Fut> {
     }
 }
 
+/// The panic of a mapped future that was not the oldest, kept until its turn. (In a `Mutex`
+/// only so the adapter stays `Sync`: the payload is `Send` alone.)
+struct Panic(Mutex<Box<dyn Any + Send>>);
+
+impl Panic {
+    fn resume(self) -> ! {
+        std::panic::resume_unwind(self.0.into_inner().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl fmt::Debug for Panic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Panic(..)")
+    }
+}
+
+/// A mapped future queued behind the oldest: a panic in it is caught and becomes its output,
+/// so the ordered queue does not wait for an output that will never come (holding back
+/// every later one for good). The future is dropped at once, its permit returned; the
+/// adapter resumes the panic in the poll that would have yielded its output.
+#[pin_project]
+#[derive(Debug)]
+struct Caught<Fut> {
+    #[pin]
+    fut: Fut,
+}
+
+impl<Fut: Future> Future for Caught<Fut> {
+    type Output = Result<Fut::Output, Panic>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let fut = self.project().fut;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => Poll::Ready(Err(Panic(Mutex::new(payload)))),
+        }
+    }
+}
+
+/// An output of a future behind the oldest, or its panic, resumed now.
+fn yielded<T>(out: Result<T, Panic>) -> Poll<Option<T>> {
+    match out {
+        Ok(out) => Poll::Ready(Some(out)),
+        Err(panic) => panic.resume(),
+    }
+}
+
 /// Stream of [`bulkhead_map`](crate::FlowStreamExt::bulkhead_map).
 ///
 /// As [`BulkheadMapUnordered`](crate::bulkhead::BulkheadMapUnordered), but outputs come in
@@ -54,6 +105,10 @@ impl<Fut: Future> Future for Permitted<Fut> {
 /// that is ready at once costs no allocation. Outputs of later futures that finish while the
 /// slot's future still runs wait in a small queue behind it.
 ///
+/// A mapped future that panics is dropped at once and its permit returned; the panic is
+/// resumed by the poll that would have yielded its output, in input order. If the caller
+/// catches it and polls on, the outputs after it still come.
+///
 /// The item it holds waiting for a permit when the bulkhead closes, or when the stream is
 /// dropped, is discarded: to the [`on_drop`](BulkheadMapBuilder::on_drop) hook, if one is
 /// set, as [`Dropped::Discarded`].
@@ -66,9 +121,9 @@ pub struct BulkheadMap<St: Stream, F, Fut: Future> {
     /// The oldest future in flight, polled in place (filled only when nothing else runs).
     #[pin]
     slot: Option<Permitted<Fut>>,
-    /// Outputs of `running` that finished before the slot's future, in order.
-    done: VecDeque<Fut::Output>,
-    running: FuturesOrdered<Permitted<Fut>>,
+    /// Outputs (or panics) of `running` that finished before the slot's future, in order.
+    done: VecDeque<Result<Fut::Output, Panic>>,
+    running: FuturesOrdered<Caught<Permitted<Fut>>>,
 }
 
 impl<St, F, Fut> BulkheadMap<St, F, Fut>
@@ -187,7 +242,7 @@ where
                 Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
                 Poll::Ready(None) => {
                     if let Some(out) = this.done.pop_front() {
-                        return Poll::Ready(Some(out));
+                        return yielded(out);
                     }
                 }
                 Poll::Pending => {}
@@ -214,7 +269,7 @@ where
                     fresh = true;
                     break;
                 }
-                this.running.push_back(fut);
+                this.running.push_back(Caught { fut });
             }
             if fresh {
                 continue;
@@ -224,7 +279,7 @@ where
             loop {
                 match this.running.poll_next_unpin(cx) {
                     Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
-                    Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
+                    Poll::Ready(Some(out)) => return yielded(out),
                     Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
                         return Poll::Ready(None);
                     }

@@ -974,6 +974,69 @@ async fn metrics_by_name_and_reason() {
     );
 }
 
+/// Two threads take and return permits at the same moments: once both are done, the
+/// `flowgate_bulkhead_in_flight` gauge reads the permits in flight (none), whatever the order
+/// in which the threads recorded their changes. (Each set the count it had read at its own
+/// compare-and-swap, so a thread that read 1 could record it after the other recorded 0.)
+#[cfg(feature = "metrics")]
+#[test]
+fn the_in_flight_gauge_ends_at_the_permits_in_flight_after_racing_threads() {
+    const ROUNDS: usize = 200_000;
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(2).name("race").build().unwrap()
+    });
+    // The threads step through the rounds together, spinning (not sleeping) so that their
+    // acquisitions and releases overlap as much as they can: round r starts when `step` is
+    // 3r; each thread adds one when it is done, and this one adds the third once it has read
+    // the gauge.
+    let step = Arc::new(AtomicUsize::new(0));
+    let wait_for = |step: &AtomicUsize, n: usize| {
+        let mut spins = 0u32;
+        while step.load(Ordering::Acquire) < n {
+            // Spin, and let the other thread run when it has no core of its own.
+            spins += 1;
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    };
+    let other = {
+        let (b, step) = (b.clone(), step.clone());
+        std::thread::spawn(move || {
+            for round in 0..ROUNDS {
+                wait_for(&step, 3 * round);
+                drop(b.try_acquire().unwrap());
+                step.fetch_add(1, Ordering::AcqRel);
+                wait_for(&step, 3 * round + 3);
+            }
+        })
+    };
+    let gauge = "flowgate_bulkhead_in_flight{name=race}";
+    let mut wrong = Vec::new();
+    for round in 0..ROUNDS {
+        wait_for(&step, 3 * round);
+        drop(b.try_acquire().unwrap());
+        step.fetch_add(1, Ordering::AcqRel);
+        wait_for(&step, 3 * round + 2);
+        let (in_flight, shown) = (b.in_flight(), recorder.gauge(gauge));
+        if shown != Some(in_flight as f64) {
+            wrong.push((round, in_flight, shown));
+        }
+        step.fetch_add(1, Ordering::AcqRel);
+    }
+    other.join().unwrap();
+    assert!(
+        wrong.is_empty(),
+        "{} of {ROUNDS} rounds ended with the gauge off the permits in flight; the first \
+         (round, in flight, gauge): {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(3)]
+    );
+}
+
 /// A waiter shed for critical work in the same poll in which it sees its timer expire (after
 /// it looked at its place in the queue, before it left it) ends one way only: the shed took
 /// it out of the queue first, so it is refused `WaitingRoomFull`, counted once, and not also

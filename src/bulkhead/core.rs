@@ -270,10 +270,10 @@ impl Core {
         why
     }
 
-    fn acquired(&self, s: u64) {
-        self.metrics
-            .in_flight
-            .set(f64::from(in_flight_of(s).wrapping_add(1)));
+    /// A permit was taken. The gauge moves by one rather than being set to the count this
+    /// thread saw: changes recorded by racing threads, in any order, add up to the count.
+    fn acquired(&self) {
+        self.metrics.in_flight.add(1.0);
     }
 
     /// Whether a holder (a stream adapter, normal priority) may pass its permit straight on
@@ -301,7 +301,7 @@ impl Core {
                 .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    self.acquired(s);
+                    self.acquired();
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -328,7 +328,7 @@ impl Core {
                 .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    self.acquired(s);
+                    self.acquired();
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -511,7 +511,7 @@ impl Core {
                 .compare_exchange_weak(s, s - 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    self.metrics.in_flight.set(f64::from(in_flight_of(s) - 1));
+                    self.metrics.in_flight.add(-1.0);
                     return;
                 }
                 Err(now) => s = now,
@@ -524,8 +524,8 @@ impl Core {
     fn release_slow(&self) {
         let mut out = Deferred::default();
         let mut w = self.lock();
-        let s = self.state.fetch_sub(1, Ordering::AcqRel);
-        self.metrics.in_flight.set(f64::from(in_flight_of(s) - 1));
+        self.state.fetch_sub(1, Ordering::AcqRel);
+        self.metrics.in_flight.add(-1.0);
         // One permit came back: at most one waiter can be served.
         self.grant_next(&mut w, &mut out);
         self.settle(&w);
@@ -549,7 +549,7 @@ impl Core {
                 .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                self.acquired(s);
+                self.acquired();
                 w.grant_front(priority, out);
                 return true;
             }

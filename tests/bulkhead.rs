@@ -1037,6 +1037,96 @@ fn the_in_flight_gauge_ends_at_the_permits_in_flight_after_racing_threads() {
     );
 }
 
+/// Two threads end calls on an adaptive bulkhead at the same moments, each sample moving
+/// the algorithm's limit: once both are done, the bulkhead's `max_in_flight` and its
+/// `flowgate_bulkhead_max_in_flight` gauge show the algorithm's latest answer. (Each thread
+/// applied the target it had read after releasing the algorithm's lock, so one that read the
+/// older target could apply it, and set the gauge to it, after the other applied the newer.)
+#[cfg(feature = "metrics")]
+#[test]
+fn an_adaptive_bulkhead_ends_at_the_latest_limit_after_racing_samples() {
+    use flowgate::adaptive::{AdaptiveLimit, Outcome, Sample};
+
+    /// Every sample moves the limit: 4, 5, 4, 5, ...
+    #[derive(Debug, Clone)]
+    struct Flip(u32);
+    impl AdaptiveLimit for Flip {
+        fn limit(&self) -> u32 {
+            4 + self.0 % 2
+        }
+        fn update(&mut self, _: &Sample) -> u32 {
+            self.0 += 1;
+            self.limit()
+        }
+        fn name(&self) -> &'static str {
+            "flip"
+        }
+    }
+
+    const ROUNDS: usize = 200_000;
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(10)
+            .adaptive(Flip(0))
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    // Lockstep rounds as in the in-flight gauge test above; each thread holds its permit
+    // from before the round starts, so the two samples race each other.
+    let step = Arc::new(AtomicUsize::new(0));
+    let wait_for = |step: &AtomicUsize, n: usize| {
+        let mut spins = 0u32;
+        while step.load(Ordering::Acquire) < n {
+            spins += 1;
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    };
+    let other = {
+        let (b, step) = (b.clone(), step.clone());
+        std::thread::spawn(move || {
+            for round in 0..ROUNDS {
+                let permit = b.try_acquire().unwrap();
+                wait_for(&step, 3 * round);
+                permit.record(Outcome::Ok);
+                step.fetch_add(1, Ordering::AcqRel);
+                wait_for(&step, 3 * round + 3);
+            }
+        })
+    };
+    let gauge = "flowgate_bulkhead_max_in_flight{name=race}";
+    let (mut stale_max, mut stale_gauge) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let permit = b.try_acquire().unwrap();
+        wait_for(&step, 3 * round);
+        permit.record(Outcome::Ok);
+        step.fetch_add(1, Ordering::AcqRel);
+        wait_for(&step, 3 * round + 2);
+        let latest = b.adaptive_stats().unwrap().max_in_flight;
+        if b.max_in_flight() != latest {
+            stale_max.push((round, latest, b.max_in_flight()));
+        }
+        if recorder.gauge(gauge) != Some(latest as f64) {
+            stale_gauge.push((round, latest, recorder.gauge(gauge)));
+        }
+        step.fetch_add(1, Ordering::AcqRel);
+    }
+    other.join().unwrap();
+    assert!(
+        stale_max.is_empty() && stale_gauge.is_empty(),
+        "of {ROUNDS} rounds, {} ended with max_in_flight off the latest limit, {} with the \
+         gauge off it; the first (round, latest, shown): {:?} {:?}",
+        stale_max.len(),
+        stale_gauge.len(),
+        &stale_max[..stale_max.len().min(3)],
+        &stale_gauge[..stale_gauge.len().min(3)],
+    );
+}
+
 /// A waiter shed for critical work in the same poll in which it sees its timer expire (after
 /// it looked at its place in the queue, before it left it) ends one way only: the shed took
 /// it out of the queue first, so it is refused `WaitingRoomFull`, counted once, and not also

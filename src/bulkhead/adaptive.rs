@@ -139,6 +139,11 @@ impl Adaptive {
         self.target.load(Ordering::Relaxed)
     }
 
+    /// The `max_in_flight` the algorithm asked for last, whichever sample it came from.
+    pub(crate) fn target(&self) -> u32 {
+        self.target.load(Ordering::Acquire)
+    }
+
     /// Feed the sample of a call granted at `grant` that ended now with `outcome`; answers
     /// the `max_in_flight` to apply (the latest target, whoever set it).
     pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> u32 {
@@ -147,7 +152,7 @@ impl Adaptive {
         self.metrics.samples[index(outcome)].increment(1);
         if index(outcome) == 2 {
             // Ignored: nothing to learn, and no lock to take.
-            return self.target.load(Ordering::Acquire);
+            return self.target();
         }
         let sample = Sample {
             rtt: now.saturating_duration_since(grant.at),
@@ -155,24 +160,25 @@ impl Adaptive {
             outcome,
             now: now.saturating_duration_since(self.epoch),
         };
-        let (limit, rtt) = {
+        {
             let mut algorithm = self
                 .algorithm
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             let limit = max_in_flight(algorithm.update(&sample), self.reserve, self.ceiling);
-            // Stored under the lock: the last writer wrote the latest answer.
+            // Stored, and the gauges set, under the lock: the last writer wrote the latest
+            // answer (set after the lock, an older answer could land last).
             self.target.store(limit, Ordering::Release);
-            (limit, algorithm.rtt_estimates())
-        };
-        self.metrics.max_in_flight.set(f64::from(limit));
-        if let Some(min) = rtt.min {
-            self.metrics.rtt_min.set(min.as_secs_f64());
+            self.metrics.max_in_flight.set(f64::from(limit));
+            let rtt = algorithm.rtt_estimates();
+            if let Some(min) = rtt.min {
+                self.metrics.rtt_min.set(min.as_secs_f64());
+            }
+            if let Some(smoothed) = rtt.smoothed {
+                self.metrics.rtt_smoothed.set(smoothed.as_secs_f64());
+            }
         }
-        if let Some(smoothed) = rtt.smoothed {
-            self.metrics.rtt_smoothed.set(smoothed.as_secs_f64());
-        }
-        self.target.load(Ordering::Acquire)
+        self.target()
     }
 
     pub(crate) fn stats(&self) -> AdaptiveStats {

@@ -481,9 +481,13 @@ impl Core {
         let Some(adaptive) = &self.adaptive else {
             return;
         };
-        let target = adaptive.record(grant, outcome);
-        if target != self.max_in_flight() {
+        let mut target = adaptive.record(grant, outcome);
+        // Another thread's sample may move the target between this thread's read and its
+        // set, and that thread may apply its newer target first: after each set, look again,
+        // so that whoever sets last leaves the latest target applied.
+        while target != self.max_in_flight() {
             self.set_max_in_flight(target);
+            target = adaptive.target();
         }
     }
 

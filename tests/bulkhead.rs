@@ -794,6 +794,75 @@ async fn closing_the_bulkhead_ends_an_adapter_after_work_in_flight() {
     assert_eq!(stream.next().await, None);
 }
 
+/// Once the bulkhead is closed an adapter pulls nothing more from upstream: an item that
+/// arrives after the close (here: the bulkhead closed before the first poll, and closed while
+/// the adapter waited on an empty upstream) stays there, neither pulled nor discarded.
+#[tokio::test]
+async fn an_adapter_pulls_nothing_after_its_bulkhead_closed() {
+    async fn check<S: Stream<Item = u32>>(
+        adapter: S,
+        tx: &futures::channel::mpsc::UnboundedSender<u32>,
+        b: &Bulkhead,
+        seen: &Seen,
+        close_first: bool,
+        name: &str,
+    ) {
+        let mut adapter = Box::pin(adapter);
+        if close_first {
+            b.close();
+        } else {
+            tx.unbounded_send(1).unwrap();
+            assert_eq!(adapter.next().await, Some(1), "{name}");
+            assert!(poll!(adapter.next()).is_pending(), "{name}: upstream empty");
+            b.close();
+        }
+        tx.unbounded_send(2).unwrap();
+        assert_eq!(adapter.next().await, None, "{name}: ends");
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "{name}, close_first={close_first}: pulled and discarded {:?}",
+            seen.lock().unwrap()
+        );
+    }
+    for close_first in [true, false] {
+        let f = |x: u32| async move { x };
+        let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+        let b = Bulkhead::new(1).unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadMap::builder(rx, b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &tx, &b, &seen, close_first, "bulkhead_map").await;
+
+        let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+        let b = Bulkhead::new(1).unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadMapUnordered::builder(rx, b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(
+            adapter,
+            &tx,
+            &b,
+            &seen,
+            close_first,
+            "bulkhead_map_unordered",
+        )
+        .await;
+
+        let (tx, rx) = futures::channel::mpsc::unbounded::<u32>();
+        let b = Bulkhead::new(1).unwrap();
+        let (seen, hook) = recorder();
+        let adapter = BulkheadSpawnMap::builder(rx, b.clone(), f)
+            .on_drop(hook)
+            .build()
+            .unwrap();
+        check(adapter, &tx, &b, &seen, close_first, "bulkhead_spawn_map").await;
+    }
+}
+
 /// What a recording drop hook saw: each item with its reason.
 type Seen = Arc<Mutex<Vec<(u32, &'static str)>>>;
 

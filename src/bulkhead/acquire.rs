@@ -416,6 +416,17 @@ impl Permits {
         self.closed
     }
 
+    /// Whether the bulkhead is closed, seen before or now: once it is, the adapter is
+    /// closed too (it pulls nothing more from upstream and ends after its work in flight).
+    #[inline]
+    pub(crate) fn see_closed(self: Pin<&mut Self>) -> bool {
+        let this = self.project();
+        if !*this.closed && this.core.is_closed() {
+            *this.closed = true;
+        }
+        *this.closed
+    }
+
     /// Whether the bulkhead itself is closed (this adapter may not have seen it yet).
     pub(crate) fn bulkhead_closed(&self) -> bool {
         self.core.is_closed()

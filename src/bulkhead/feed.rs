@@ -51,6 +51,10 @@ impl<St: Stream> Feed<St> {
         }
         let next = &mut this.next.item;
         if next.is_none() {
+            // Closed: pull nothing more (an item would only be discarded).
+            if this.permits.as_mut().see_closed() {
+                return None;
+            }
             match this.stream.as_mut().poll_next(cx) {
                 Poll::Ready(Some(item)) => *next = Some(item),
                 Poll::Ready(None) | Poll::Pending => return None,
@@ -67,12 +71,13 @@ impl<St: Stream> Feed<St> {
     }
 
     /// Pull the next input item if it is ready now, without a permit (to pass a finished
-    /// future's permit on to it).
+    /// future's permit on to it); nothing once the bulkhead is closed.
     pub(crate) fn poll_ready_item(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<St::Item> {
         let mut this = self.project();
         let next = &mut this.next.item;
         if next.is_none()
             && !this.stream.is_done()
+            && !this.permits.as_mut().see_closed()
             && let Poll::Ready(Some(item)) = this.stream.as_mut().poll_next(cx)
         {
             *next = Some(item);

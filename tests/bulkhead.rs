@@ -982,6 +982,29 @@ fn public_types_are_send_and_sync() {
     send_sync::<AcquireError>();
 }
 
+/// A waiter the close refused counts one `closed` refusal whether or not it looks again:
+/// one dropped unpolled after the close is counted as one that saw the refusal is (as a
+/// shed waiter is), and neither twice.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_waiter_closed_out_counts_its_refusal_even_if_dropped_unpolled() {
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1).name("closing").build().unwrap()
+    });
+    let closed =
+        || recorder.counter("flowgate_bulkhead_rejected_total{name=closing,reason=closed}");
+    let _held = b.acquire().await.unwrap();
+    let mut seen = Box::pin(b.acquire());
+    let mut unseen = Box::pin(b.acquire_owned());
+    assert!(poll!(seen.as_mut()).is_pending());
+    assert!(poll!(unseen.as_mut()).is_pending());
+    b.close();
+    assert_eq!(seen.await.unwrap_err(), AcquireError::Closed);
+    drop(unseen);
+    assert_eq!(closed(), 2, "each refused waiter counted once");
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn metrics_by_name_and_reason() {

@@ -101,10 +101,17 @@ impl Waiter {
         Poll::Pending
     }
 
-    /// Give up the wait; a permit already granted to it is returned.
+    /// Give up the wait; a permit already granted to it is returned, a refusal by the close
+    /// counted.
     pub(crate) fn cancel(self: Pin<&mut Self>, core: &Core) {
-        if core.leave(self.project().ticket) == Left::Permit {
-            core.release();
+        match core.leave(self.project().ticket) {
+            Left::Permit => core.release(),
+            // Refused by the close before it looked again: counted as if it had seen it (a
+            // shed waiter was counted when it was shed).
+            Left::Closed => {
+                core.refuse(AcquireError::Closed);
+            }
+            Left::Removed | Left::Shed(_) => {}
         }
     }
 }

@@ -68,7 +68,10 @@
 //! With the `metrics` feature, labelled by the channel's `name`:
 //! `flowgate_channel_depth` (gauge), `flowgate_channel_sent_total`,
 //! `flowgate_channel_received_total`, and `flowgate_channel_dropped_total` with a `policy`
-//! label of `drop_newest`, `drop_oldest` or `closed`.
+//! label of `drop_newest`, `drop_oldest` or `closed`. A receiver takes a few items at a
+//! time and hands them out one by one; `received_total` counts them when the last of such
+//! a batch is handed out, so it may trail [`Stats::received`](crate::channel::Stats) (exact)
+//! by a batch per receiver.
 //!
 //! # Examples
 //!

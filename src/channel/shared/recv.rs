@@ -48,12 +48,14 @@ impl<T> Shared<T> {
         }
     }
 
-    /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the rest go to `local`
-    /// and keep their slots (`held`) until [`release_held`](Shared::release_held), so the
-    /// channel's bound still counts them. A receiver takes at most its share of what is
-    /// queued (`len / receivers`), so none sits on items another one is idle for. `st.received`
-    /// counts a batch when it is taken (and uncounts what is given back); `Stats::received`
-    /// and the `received_total` metric count items as they are handed out.
+    /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the
+    /// rest go to `local` and keep their slots (`held`) until
+    /// [`release_held`](Shared::release_held), so the channel's bound still counts them. A
+    /// receiver takes at most its share of what is queued (`len / receivers`), so none sits
+    /// on items another one is idle for. `st.received` counts a batch when it is taken (and
+    /// uncounts what is given back); `Stats::received` counts items as they are handed out,
+    /// the `received_total` metric a batch's items with their slots, when the last of them
+    /// is handed out (or the rest given back).
     ///
     /// The batch is a run of consecutive places in the queue (it stops short of a place
     /// another receiver's batch still holds); `batch_end` is set to the place after its

@@ -472,8 +472,9 @@ async fn another_process_takes_over_the_refreshing() {
     assert!(status.lease_left > Duration::from_millis(1500), "{status}");
 }
 
-/// A cost above the region's part of the burst cannot pass at its share now: rejected, with
-/// the next refresh as the time to retry (not a retry_after that would pass no sooner).
+/// A cost above the region's part of the burst cannot pass at its share now, but can at a
+/// bigger share the home may grant: rejected, with the next refresh as the time to retry
+/// (not a retry_after that would pass no sooner).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
     let server = RedisServer::start();
@@ -481,23 +482,79 @@ async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
         server.connect().await,
         Quota::per_second(100).unwrap().burst(10).unwrap(),
     )
-    .name("halves")
+    .name("grows")
     .region(("a", 1))
     .region(("b", 1))
-    .policy(Allocation::Static)
     .lease(Duration::from_secs(5))
     .refresh_every(Duration::from_secs(1))
     .build()
     .unwrap();
     alloc.init_home().await.unwrap();
     let a = alloc.join("a", server.connect().await).await.unwrap();
-    assert_eq!(a.status().share, 50);
+    // No demand reported yet: a share of 1 per second, a bucket of one token.
+    assert_eq!(a.status().share, 1);
     let gate = a.gate();
     let d = gate.check("k", 8).await.unwrap();
     assert!(!d.allowed);
-    assert_eq!(d.capacity, 5, "a's part of the burst of 10");
+    assert_eq!(d.capacity, 1, "a's part of the burst at its share");
     assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
+}
+
+/// A cost above every bucket the region can ever hold (its static share's part of the
+/// burst; or, by demand, the quota less the others' safe shares) can never pass: the gate
+/// says so with a cost error (as for a cost above the global burst), instead of a
+/// `retry_after` after which it is refused again, for ever (a shaping `gated` stream would
+/// wait on that item without end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_above_every_bucket_the_region_can_hold_is_a_cost_error() {
+    use flowgate::CostError;
+    use flowgate::gate::GateError;
+
+    let server = RedisServer::start();
+    let quota = Quota::per_second(100).unwrap().burst(10).unwrap();
+    // A static split: a's share is 50 for good, its bucket 5 tokens.
+    let alloc = QuotaAllocator::builder(server.connect().await, quota)
+        .name("halves")
+        .region(("a", 1))
+        .region(("b", 1))
+        .policy(Allocation::Static)
+        .lease(Duration::from_secs(5))
+        .refresh_every(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let a = alloc.join("a", server.connect().await).await.unwrap();
+    assert_eq!(a.status().share, 50);
+    let gate = a.gate();
+    match gate.check("k", 8).await {
+        Err(GateError::Cost(CostError::ExceedsCapacity { cost, capacity })) => {
+            assert_eq!((cost, capacity), (8, 5));
+        }
+        other => panic!("a cost the static share can never hold: {other:?}"),
+    }
     assert!(gate.check("k", 5).await.unwrap().allowed);
+    // By demand, b's safe share of 60 is never a's: a's share is at most 40, a bucket of 4.
+    let alloc = QuotaAllocator::builder(server.connect().await, quota)
+        .name("reserved")
+        .region(("a", 1))
+        .region(RegionSpec::new("b", 1).safe_share(SafeShare::Units(60)))
+        .lease(Duration::from_secs(5))
+        .refresh_every(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let a = alloc.join("a", server.connect().await).await.unwrap();
+    let gate = a.gate();
+    match gate.check("k", 5).await {
+        Err(GateError::Cost(CostError::ExceedsCapacity { cost, capacity })) => {
+            assert_eq!((cost, capacity), (5, 4));
+        }
+        other => panic!("a cost no share of a can hold: {other:?}"),
+    }
+    // 4 fits a share of 40: it waits for the share to grow.
+    let d = gate.check("k", 4).await.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
 }
 
 /// A refreshing process that cannot reach the home gives its lock up after three failed

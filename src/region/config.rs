@@ -126,6 +126,23 @@ impl Plan {
         u64::try_from(part).unwrap_or(u64::MAX).max(self.period_us)
     }
 
+    /// The largest share region `i` can ever be granted: its static share under
+    /// [`Allocation::Static`], else the quota less the other regions' safe shares (the home
+    /// never grants a region what the others hold, and it always holds their safe shares).
+    pub(crate) fn max_share(&self, i: usize) -> u64 {
+        let safe_total: u64 = self.regions.iter().map(|r| r.2).sum();
+        let free = self.capacity.saturating_sub(safe_total);
+        let part = match self.policy {
+            Allocation::Static => {
+                let weights: Vec<u64> = self.regions.iter().map(|r| r.1).collect();
+                let wants = vec![0; weights.len()];
+                self.policy.divide(free, &weights, &wants)[i]
+            }
+            Allocation::FairShare | Allocation::ProportionalShare => free,
+        };
+        part + self.regions[i].2
+    }
+
     /// The reference model's view of this plan.
     pub(crate) fn model(&self) -> model::Config {
         model::Config {

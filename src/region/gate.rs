@@ -7,6 +7,7 @@ use std::time::Instant;
 use redis::aio::ConnectionLike;
 
 use crate::decision::Decision;
+use crate::error::CostError;
 use crate::gate::backend::{CallError, key_failure};
 use crate::gate::scripts::{self, decision_from};
 use crate::gate::{FailurePolicy, Gate, GateError, GateFuture, Limit};
@@ -28,12 +29,15 @@ use crate::region::member::Region;
 /// a change, so the regions never hold more than the global burst (plus one request each)
 /// between them.
 ///
-/// A rejection while the region's share is 0 says `retry_after` = one refresh interval.
+/// A rejection while the region's share is 0, or for a cost above the region's bucket at
+/// its current share, says `retry_after` = one refresh interval.
 ///
 /// # Errors
 ///
-/// As [`RedisGate::check`](crate::gate::RedisGate::check): [`GateError::Cost`] (zero, or
-/// above the global burst), [`GateError::InvalidKey`]; a failing or slow local Redis as the
+/// As [`RedisGate::check`](crate::gate::RedisGate::check): [`GateError::Cost`] (zero, above
+/// the global burst, or above the largest bucket the region can ever hold: its part of the
+/// burst at its static share under [`Allocation::Static`](crate::region::Allocation::Static),
+/// else at the quota less the other regions' safe shares), [`GateError::InvalidKey`]; a failing or slow local Redis as the
 /// gate's [`FailurePolicy`] says, and a full one too (`maxmemory` reached: Redis refuses
 /// the writes of a new key and a known one alike; see the [module docs](crate::region)). [`Gate::check_all`] is not supported (it answers
 /// [`GateError::InvalidQuota`]).
@@ -112,6 +116,13 @@ where
         let plan = &core.allocator.plan;
         let limit = Limit::TokenBucket(plan.quota);
         limit.check_cost(cost).map_err(GateError::from)?;
+        if u128::from(cost) * u128::from(plan.period_us) > u128::from(core.max_tau) {
+            // No share the home can grant this region holds it: waiting would never end.
+            return Err(GateError::Cost(CostError::ExceedsCapacity {
+                cost,
+                capacity: core.max_tau / plan.period_us,
+            }));
+        }
         let now = Instant::now();
         let reply = match core.local.admit(now) {
             Err(e) => Err(e),

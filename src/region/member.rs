@@ -66,6 +66,9 @@ pub(crate) struct Core<C> {
     pub(crate) index: usize,
     /// The bucket size of the region's safe share (computed once: every decision sends it).
     pub(crate) safe_tau: u64,
+    /// The bucket size of the largest share the region can ever be granted: a cost above it
+    /// can never pass.
+    pub(crate) max_tau: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,
@@ -182,6 +185,7 @@ where
             allocator: self.clone(),
             index,
             safe_tau: plan.tau(plan.regions[index].2),
+            max_tau: plan.tau(plan.max_share(index)),
             local,
             keys: LocalKeys {
                 record: format!("{prefix}:lease"),

@@ -514,3 +514,25 @@ fn waits_after_the_clock_steps_back_count_from_the_earlier_now() {
     waits(SlidingLog::new(r));
     waits(SlidingWindow::new(r));
 }
+
+/// A rejected sliding log check leaves the state unchanged (the `Algorithm` contract): it
+/// removed the entries expired at its `now` while the log's clock stayed at its newest
+/// entry, so after a clock that stepped back, a request was decided without entries that
+/// were still live then, and a third request passed a limit of two within one window.
+#[test]
+fn a_rejected_sliding_log_check_leaves_the_state_unchanged() {
+    let mut log = Limiter::new(SlidingLog::new(Rate::per_second(2).unwrap()));
+    let ms = Duration::from_millis;
+    assert!(log.check(ms(0), 1).unwrap().allowed);
+    assert!(log.check(ms(500), 1).unwrap().allowed);
+    let before = log.state().clone();
+    // At 1.2 s the entry from 0 has expired: one is live, two more do not fit.
+    assert!(!log.check(ms(1_200), 2).unwrap().allowed);
+    assert_eq!(log.state(), &before);
+    // The clock steps back: decided at the newest entry's time (500 ms), where both count.
+    let d = log.check(ms(100), 1).unwrap();
+    assert!(!d.allowed, "a third admitted within one window: {d:?}");
+    // Its wait counts from the `now` given: the entry from 0 expires at 1 s.
+    assert_eq!(d.retry_after, ms(900));
+    assert!(log.clone().check(ms(1_000), 1).unwrap().allowed);
+}

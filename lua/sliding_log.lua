@@ -9,8 +9,9 @@
 -- An entry admitted at t counts while now < t + window. Memory: at most `limit` members.
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing but the removal of expired entries. The key expires when
--- its newest entry does.
+-- A rejected call writes nothing (not even the removal of expired entries: a clock that
+-- steps back after it must still see them, as the model does). The key expires when its
+-- newest entry does.
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -27,8 +28,9 @@ local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 if newest[2] and tonumber(newest[2]) > now then
   now = tonumber(newest[2])
 end
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-local entries = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+-- The live entries: admitted after now - window.
+local entries = redis.call('ZRANGEBYSCORE', key, string.format('(%d', now - window), '+inf',
+  'WITHSCORES')
 local total = 0
 local costs = {}
 for i = 1, #entries, 2 do
@@ -39,6 +41,7 @@ for i = 1, #entries, 2 do
 end
 
 if total + cost <= limit then
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local seq = redis.call('ZCARD', key)
   -- Entries already at `now` (the clock stepped back to the newest entry's time, after older
   -- entries expired) may hold this seq: take one past theirs, so the member is a new one.

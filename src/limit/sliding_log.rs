@@ -69,14 +69,18 @@ impl SlidingLog {
         self.rate
     }
 
-    fn expire(&self, state: &mut SlidingLogState, now: u64) {
-        while let Some(&(at, cost)) = state.log.front() {
+    /// How many of the oldest entries have expired at `now`, and their total cost.
+    fn expired(&self, state: &SlidingLogState, now: u64) -> (usize, u32) {
+        let mut n = 0;
+        let mut cost = 0;
+        for &(at, c) in &state.log {
             if at.saturating_add(self.window) > now {
                 break;
             }
-            state.log.pop_front();
-            state.total -= cost;
+            n += 1;
+            cost += c;
         }
+        (n, cost)
     }
 
     fn reset_after(&self, state: &SlidingLogState, now: u64) -> Duration {
@@ -99,11 +103,16 @@ impl Algorithm for SlidingLog {
         // Time going backwards is treated as no time passing; waits count from `given`.
         let given = nanos(now);
         let now = given.max(state.log.back().map_or(0, |&(at, _)| at));
-        self.expire(state, now);
+        // Expired entries are dropped only when admitting: a rejection leaves the state
+        // unchanged, so a `now` that steps back after it still sees them (the log's clock
+        // stays at its newest entry).
+        let (expired, freed) = self.expired(state, now);
+        let total = state.total - freed;
         let limit = u64::from(self.limit);
         // `total <= limit` always holds; compare without adding (no overflow near u32::MAX).
-        if cost <= self.limit - state.total {
-            state.total += cost;
+        if cost <= self.limit - total {
+            state.log.drain(..expired);
+            state.total = total + cost;
             match state.log.back_mut() {
                 Some((at, n)) if *at == now => *n += cost,
                 _ => state.log.push_back((now, cost)),
@@ -115,9 +124,9 @@ impl Algorithm for SlidingLog {
             ))
         } else {
             // Free the oldest entries until `cost` fits; the last one freed sets the wait.
-            let mut need = cost - (self.limit - state.total);
+            let mut need = cost - (self.limit - total);
             let mut retry = 0;
-            for &(at, n) in &state.log {
+            for &(at, n) in state.log.iter().skip(expired) {
                 retry = at.saturating_add(self.window) - given;
                 if n >= need {
                     break;
@@ -126,7 +135,7 @@ impl Algorithm for SlidingLog {
             }
             Ok(Decision::reject(
                 limit,
-                u64::from(self.limit - state.total),
+                u64::from(self.limit - total),
                 Duration::from_nanos(retry),
                 self.reset_after(state, given),
             ))

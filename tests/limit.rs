@@ -389,6 +389,28 @@ fn keyed_rejects_zero_keys_and_reports_a_full_keyspace() {
     assert!(keyed.is_empty());
 }
 
+/// A key evicted by a sweep at `t` was back to neutral then, not before: a request on it
+/// that comes with an earlier `now` (a thread that read the clock before another one swept,
+/// as `MemoryGate`'s threads do before taking the shard's lock) is decided as of the sweep,
+/// as the key's own state would have decided it (time going backwards is no time passing),
+/// not on a fresh state at the earlier time, which would hand out its burst again.
+#[test]
+fn a_key_evicted_by_a_sweep_is_not_decided_before_the_sweep() {
+    // Burst 2, one token a second: by t = 2 s at most 2 + 2 = 4 tokens may pass.
+    let q = Quota::per_second(1).unwrap().burst(2).unwrap();
+    let mut keyed = Keyed::new(TokenBucket::new(q), 4).unwrap();
+    let at = Duration::from_secs;
+    assert!(keyed.check("a", at(0), 2).unwrap().allowed);
+    assert_eq!(keyed.sweep(at(2)), 1, "full again at 2 s: evicted");
+    // A thread that read 1 s before the sweep.
+    assert!(keyed.check("a", at(1), 2).unwrap().allowed);
+    let d = keyed.check("a", at(2), 1).unwrap();
+    assert!(
+        !d.allowed,
+        "a fifth token by 2 s: the evicted key was decided afresh at 1 s, with its burst"
+    );
+}
+
 #[test]
 fn time_going_backwards_is_conservative() {
     let q = Quota::per_second(1).unwrap();

@@ -402,8 +402,11 @@ fn a_key_evicted_by_a_sweep_is_not_decided_before_the_sweep() {
     let at = Duration::from_secs;
     assert!(keyed.check("a", at(0), 2).unwrap().allowed);
     assert_eq!(keyed.sweep(at(2)), 1, "full again at 2 s: evicted");
-    // A thread that read 1 s before the sweep.
-    assert!(keyed.check("a", at(1), 2).unwrap().allowed);
+    // A thread that read 1 s before the sweep: decided as of the sweep, its reset counted
+    // from its own time (full again at 4 s).
+    let d = keyed.check("a", at(1), 2).unwrap();
+    assert!(d.allowed);
+    assert_eq!(d.reset_after, at(3));
     let d = keyed.check("a", at(2), 1).unwrap();
     assert!(
         !d.allowed,

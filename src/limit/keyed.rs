@@ -17,7 +17,10 @@ use crate::limit::{Algorithm, KeyedError};
 /// The map holds one [`Algorithm::State`] per key (16 bytes for a token bucket) and the
 /// algorithm once. A key whose state is back to neutral (everything it consumed has been
 /// restored) behaves exactly like a new key, so it can be forgotten without changing any
-/// decision: that is how idle keys are evicted.
+/// decision: that is how idle keys are evicted. (From then on: a new key is decided no
+/// earlier than the last sweep that evicted, since its own state would have taken an
+/// earlier `now`, from a thread that read the clock before the sweep, as no time passing;
+/// its waits still count from that `now`.)
 ///
 /// # Memory bound and the full-map policy
 ///
@@ -56,6 +59,9 @@ pub struct Keyed<K, A: Algorithm, S = RandomState> {
     max_keys: usize,
     /// No sweep can free anything before this time.
     next_sweep: Duration,
+    /// The latest time a sweep evicted at: a key not held may have been evicted then, back
+    /// to neutral then and not before, so a new key is decided no earlier.
+    swept_at: Duration,
 }
 
 impl<K: Hash + Eq, A: Algorithm> Keyed<K, A> {
@@ -85,6 +91,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             algorithm,
             max_keys,
             next_sweep: Duration::ZERO,
+            swept_at: Duration::ZERO,
         })
     }
 
@@ -141,8 +148,20 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
+        // Decided no earlier than the last eviction: the key may have been one of those
+        // evicted, and its own state would have treated an earlier time as no time passing
+        // (a fresh state at that time would hand its burst out again). Its waits still
+        // count from the caller's `now`.
+        let late = self.swept_at.saturating_sub(now);
+        let now = now.max(self.swept_at);
         let mut state = A::State::default();
-        let decision = self.algorithm.check(&mut state, now, cost)?;
+        let mut decision = self.algorithm.check(&mut state, now, cost)?;
+        if !late.is_zero() {
+            decision.reset_after = decision.reset_after.saturating_add(late);
+            if !decision.retry_after.is_zero() {
+                decision.retry_after = decision.retry_after.saturating_add(late);
+            }
+        }
         if self.map.len() >= self.max_keys && self.sweep(now) == 0 {
             return Err(KeyedError::KeyspaceFull {
                 max_keys: self.max_keys,
@@ -179,7 +198,11 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             }
         });
         self.next_sweep = next;
-        before - self.map.len()
+        let evicted = before - self.map.len();
+        if evicted > 0 {
+            self.swept_at = self.swept_at.max(now);
+        }
+        evicted
     }
 
     /// The state of `key`, if it is held.

@@ -180,6 +180,57 @@ async fn cuts_never_go_below_the_floor() {
     assert_eq!(a.status().cuts, 20);
 }
 
+/// Whether `a` is faster than `b`, compared exactly.
+fn faster(a: Rate, b: Rate) -> bool {
+    u128::from(a.count()) * u128::from(b.period_nanos())
+        > u128::from(b.count()) * u128::from(a.period_nanos())
+}
+
+/// The pacer runs at most at the ceiling and at least at the floor, exactly, also at rates
+/// that are not whole thousandths per second: 1 000 a day is 0.011 574…/s, not 0.012/s
+/// (1 037 a day), and 1 an hour is not 1 per 1 000 s (3.6 an hour).
+#[tokio::test(start_paused = true)]
+async fn the_pacer_never_runs_above_the_ceiling_or_below_the_floor() {
+    let day = Duration::from_secs(86_400);
+    for ceiling in [
+        Rate::per(1_000, day).unwrap(),
+        Rate::per_hour(1).unwrap(),
+        Rate::per_minute(10).unwrap(),
+        Rate::per(2, 3 * SECOND).unwrap(),
+        Rate::per(9_000_001, 2 * SECOND).unwrap(),
+    ] {
+        let a = AdaptivePacer::builder(ceiling).build().unwrap();
+        assert!(
+            !faster(a.rate(), ceiling),
+            "{:?} above {ceiling:?}",
+            a.rate()
+        );
+        // Cut to the floor, 1 % of the ceiling by default.
+        for _ in 0..30 {
+            a.on_back_pressure(None);
+            sleep(SECOND).await;
+        }
+        let floor = Rate::per(ceiling.count(), 100 * ceiling.period()).unwrap();
+        assert!(!faster(floor, a.rate()), "{:?} below {floor:?}", a.rate());
+        assert!(
+            !faster(a.rate(), ceiling),
+            "{:?} above {ceiling:?}",
+            a.rate()
+        );
+    }
+    // A floor given as one per 3 s is not 0.333/s.
+    let floor = Rate::per(1, 3 * SECOND).unwrap();
+    let a = AdaptivePacer::builder(Rate::per_second(10).unwrap())
+        .floor(floor)
+        .build()
+        .unwrap();
+    for _ in 0..30 {
+        a.on_back_pressure(None);
+        sleep(SECOND).await;
+    }
+    assert!(!faster(floor, a.rate()), "{:?} below {floor:?}", a.rate());
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_server_policy_and_allowance_cap_the_rate() {
     let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())

@@ -50,9 +50,12 @@ const SLOW_START_BELOW: f64 = 0.5;
 const USED_SHARE: f64 = 0.8;
 /// A change of the rate smaller than this share is not passed to the pacer.
 const APPLY_SHARE: f64 = 0.001;
-/// The lowest cap the server's fields set, per second (the pacer's slowest rate, one per
-/// 1 000 s): the rate stays positive even when the server allows nothing until its reset.
+/// The lowest cap the server's fields set, per second (one per 1 000 s): the rate stays
+/// positive even when the server allows nothing until its reset, and a hostile field holds
+/// no unit longer than 1 000 s. A configured ceiling below it still caps the rate.
 const MIN_CAP: f64 = 0.001;
+/// The longest period of the rates handed to the pacer, in nanoseconds (within `u64`).
+const LONGEST_PERIOD_NS: u64 = 10_000_000_000_000_000_000;
 
 /// What the [`AdaptivePacer`] is doing; part of its [`AdaptiveStatus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -201,6 +204,9 @@ struct Shared {
 struct Config {
     ceiling: f64,
     floor: f64,
+    /// The ceiling and the floor as given (exact), handed to the pacer at those bounds.
+    ceiling_rate: Rate,
+    floor_rate: Rate,
     decrease: f64,
     increase: f64,
     cooldown: Duration,
@@ -491,16 +497,16 @@ impl Shared {
     /// The highest rate allowed now. The floor bounds the cuts, never the server: a policy
     /// or an allowance below the floor caps the rate below it.
     fn cap(&self, c: &Control, now: Instant) -> f64 {
-        let mut cap = self.config.ceiling;
+        let mut server = f64::INFINITY;
         if let Some((sustained, _, _)) = c.policy {
-            cap = cap.min(sustained);
+            server = server.min(sustained);
         }
         if let Some((allowed, until)) = c.allowance
             && now < until
         {
-            cap = cap.min(allowed);
+            server = server.min(allowed);
         }
-        cap.max(MIN_CAP)
+        self.config.ceiling.min(server.max(MIN_CAP))
     }
 
     /// Keep the rate at or above the floor, then at or below the cap.
@@ -592,7 +598,8 @@ impl Shared {
     /// over if not, so the last word is always the latest rate.
     fn hand_over(&self, mut rate: Option<f64>) {
         while let Some(r) = rate {
-            self.pacer.set_quota(Pacer::default_quota(to_rate(r)));
+            self.pacer
+                .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
             self.rate_gauge.set(r);
             let latest = self.lock().applied;
             rate = (latest != r).then_some(latest);
@@ -637,16 +644,63 @@ fn trend(samples: &VecDeque<(Instant, u64)>, now: Instant) -> Option<f64> {
     (den > 0.0).then(|| num / den)
 }
 
-/// The [`Rate`] nearest `per_second` (at least one per 1 000 s, at most `u32::MAX`/s).
-fn to_rate(per_second: f64) -> Rate {
-    let fallback = Rate::per_second(1).unwrap_or_else(|_| unreachable!("1/s is a valid rate"));
-    if per_second < 4_000_000.0 {
-        let milli = (per_second * 1_000.0).round().max(1.0) as u32;
-        Rate::per(milli, Duration::from_secs(1_000)).unwrap_or(fallback)
-    } else {
-        let count = per_second.round().min(f64::from(u32::MAX)) as u32;
-        Rate::per_second(count).unwrap_or(fallback)
+impl Config {
+    /// The [`Rate`] the pacer is given for the controller's `per_second`: the ceiling
+    /// exactly at or above it, the floor exactly when `per_second` is at or above the floor
+    /// but would round below it, and otherwise the fastest rate at or below `per_second`
+    /// ([`rate_at_most`]), so the pacer never runs faster than the controller's rate (which
+    /// the ceiling and the server's caps bound), nor slower than the floor the controller
+    /// keeps.
+    fn pacer_rate(&self, per_second: f64) -> Rate {
+        if per_second >= self.ceiling {
+            return self.ceiling_rate;
+        }
+        let rate = rate_at_most(per_second);
+        if per_second >= self.floor && faster(self.floor_rate, rate) {
+            self.floor_rate
+        } else if faster(rate, self.ceiling_rate) {
+            // Only float noise (or a ceiling slower than one per 317 years) gets here.
+            self.ceiling_rate
+        } else {
+            rate
+        }
     }
+}
+
+/// Whether `a` is faster than `b`, compared exactly.
+fn faster(a: Rate, b: Rate) -> bool {
+    u128::from(a.count()) * u128::from(b.period_nanos())
+        > u128::from(b.count()) * u128::from(a.period_nanos())
+}
+
+/// The fastest rate at or below `per_second` of the form `count` per `10^k` ns, with the
+/// longest such period (at most [`LONGEST_PERIOD_NS`]) whose count fits in a `u32`: nine
+/// significant digits or more from one per 10 s up to `u32::MAX` per ns, seven or more
+/// down to one per 1 000 s. At least one per `LONGEST_PERIOD_NS` (about 317 years).
+fn rate_at_most(per_second: f64) -> Rate {
+    let mut period_ns = LONGEST_PERIOD_NS;
+    loop {
+        let count = (per_second * period_ns as f64 / 1e9).floor();
+        if count <= f64::from(u32::MAX) || period_ns == 1 {
+            let count = count.clamp(1.0, f64::from(u32::MAX)) as u32;
+            return Rate::per(count, Duration::from_nanos(period_ns))
+                .unwrap_or_else(|_| unreachable!("a count of at least 1 per at least 1 ns"));
+        }
+        period_ns /= 10;
+    }
+}
+
+/// `rate / 100`, exactly when a count and a period can say it (else the fastest rate
+/// below it, see [`rate_at_most`]).
+fn hundredth(rate: Rate) -> Rate {
+    let (count, period_ns) = if rate.count().is_multiple_of(100) {
+        (rate.count() / 100, Some(rate.period_nanos()))
+    } else {
+        (rate.count(), rate.period_nanos().checked_mul(100))
+    };
+    period_ns
+        .and_then(|ns| Rate::per(count, Duration::from_nanos(ns)).ok())
+        .unwrap_or_else(|| rate_at_most(rate.per_second_f64() / 100.0))
 }
 
 /// Builds an [`AdaptivePacer`]; from [`AdaptivePacer::builder`].
@@ -713,19 +767,17 @@ impl AdaptivePacerBuilder {
     /// in `(0, 10]`.
     pub fn build(self) -> Result<AdaptivePacer, ConfigError> {
         let ceiling = self.ceiling.per_second_f64();
-        let floor = match self.floor {
-            Some(floor) => floor.per_second_f64(),
-            None => ceiling / 100.0,
-        };
-        if floor > ceiling {
+        let floor_rate = self.floor.unwrap_or_else(|| hundredth(self.ceiling));
+        let floor = floor_rate.per_second_f64();
+        if faster(floor_rate, self.ceiling) {
             return Err(ConfigError::new(
                 "adaptive.floor",
                 ConfigErrorKind::Inconsistent,
                 "must be at most the ceiling",
             ));
         }
-        let initial = self.initial.map_or(ceiling, |r| r.per_second_f64());
-        if !(floor..=ceiling).contains(&initial) {
+        let initial_rate = self.initial.unwrap_or(self.ceiling);
+        if faster(initial_rate, self.ceiling) || faster(floor_rate, initial_rate) {
             return Err(ConfigError::new(
                 "adaptive.initial",
                 ConfigErrorKind::Inconsistent,
@@ -746,7 +798,17 @@ impl AdaptivePacerBuilder {
                 "must be above 0 and at most 10",
             ));
         }
-        let mut builder = Pacer::builder(to_rate(initial));
+        let config = Config {
+            ceiling,
+            floor,
+            ceiling_rate: self.ceiling,
+            floor_rate,
+            decrease: self.decrease,
+            increase: self.increase,
+            cooldown: self.cooldown,
+        };
+        let initial = initial_rate.per_second_f64();
+        let mut builder = Pacer::builder(initial_rate);
         if let Some(name) = &self.name {
             builder = builder.name(name.clone());
         }
@@ -755,13 +817,7 @@ impl AdaptivePacerBuilder {
         let now = Instant::now();
         let shared = Shared {
             pacer,
-            config: Config {
-                ceiling,
-                floor,
-                decrease: self.decrease,
-                increase: self.increase,
-                cooldown: self.cooldown,
-            },
+            config,
             control: Mutex::new(Control {
                 rate: initial,
                 applied: initial,

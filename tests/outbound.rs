@@ -231,6 +231,30 @@ async fn the_pacer_never_runs_above_the_ceiling_or_below_the_floor() {
     assert!(!faster(floor, a.rate()), "{:?} below {floor:?}", a.rate());
 }
 
+/// A server cap a hair below the pacer's rate (less than the 0.1 % change the controller
+/// lets pass to avoid churn) still reaches the pacer: never faster than the server allows.
+#[tokio::test(start_paused = true)]
+async fn a_server_cap_just_below_the_rate_reaches_the_pacer() {
+    let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    // 99.95/s: 0.05 % below the rate.
+    a.on_policy(9_995, 100 * SECOND);
+    let policy = Rate::per(9_995, 100 * SECOND).unwrap();
+    assert!(!faster(a.rate(), policy), "{:?} above {policy:?}", a.rate());
+    // The same with an allowance: 9 990 within 100 s.
+    let b = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    b.on_allowance(9_990, 100 * SECOND);
+    let allowance = Rate::per(9_990, 100 * SECOND).unwrap();
+    assert!(
+        !faster(b.rate(), allowance),
+        "{:?} above {allowance:?}",
+        b.rate()
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_server_policy_and_allowance_cap_the_rate() {
     let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())

@@ -48,7 +48,8 @@ const PROBE_ACCEL_SECS: f64 = 2.0;
 const SLOW_START_BELOW: f64 = 0.5;
 /// The share of its rate a caller must use for the rate to grow (not app-limited).
 const USED_SHARE: f64 = 0.8;
-/// A change of the rate smaller than this share is not passed to the pacer.
+/// A change of the rate smaller than this share is not passed to the pacer (unless the
+/// pacer's rate is above the cap: see `apply`).
 const APPLY_SHARE: f64 = 0.001;
 /// The lowest cap the server's fields set, per second (one per 1 000 s): the rate stays
 /// positive even when the server allows nothing until its reset, and a hostile field holds
@@ -337,7 +338,7 @@ impl AdaptivePacer {
         c.successes.record(now);
         c.responses.record(now);
         self.inner.step(&mut c, now);
-        let rate = self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c, now);
         drop(c);
         self.inner.hand_over(rate);
     }
@@ -378,7 +379,7 @@ impl AdaptivePacer {
             // Still the same congestion: the epoch lasts as long as its pause.
             c.epoch_end = Some(epoch.max(end));
         }
-        let rate = self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c, now);
         drop(c);
         self.inner.hand_over(rate);
         if let Some(end) = pause_end {
@@ -412,7 +413,7 @@ impl AdaptivePacer {
             c.allowance = Some((cap, now + capped(reset)));
         }
         self.inner.step(&mut c, now);
-        let rate = self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c, now);
         drop(c);
         self.inner.hand_over(rate);
     }
@@ -429,7 +430,7 @@ impl AdaptivePacer {
         let sustained = quota as f64 / window.as_secs_f64();
         c.policy = Some((sustained, quota, window));
         self.inner.step(&mut c, now);
-        let rate = self.inner.apply(&mut c);
+        let rate = self.inner.apply(&mut c, now);
         drop(c);
         self.inner.hand_over(rate);
     }
@@ -581,11 +582,12 @@ impl Shared {
         c.rate *= (TRACK_GAIN * error * dt).exp();
     }
 
-    /// The rate to hand to the pacer, when it changed enough: give it to
-    /// [`hand_over`](Inner::hand_over) once the control lock is released (the pacer wakes
-    /// its waiters when its quota changes).
-    fn apply(&self, c: &mut Control) -> Option<f64> {
-        if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied {
+    /// The rate to hand to the pacer, when it changed enough, or when the rate the pacer
+    /// has is above the cap now (a server's cap a hair below it: never faster than the
+    /// server allows): give it to [`hand_over`](Inner::hand_over) once the control lock is
+    /// released (the pacer wakes its waiters when its quota changes).
+    fn apply(&self, c: &mut Control, now: Instant) -> Option<f64> {
+        if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied && c.applied <= self.cap(c, now) {
             return None;
         }
         c.applied = c.rate;

@@ -99,7 +99,9 @@ pub struct AdaptiveStatus {
 
 /// A [`Pacer`] whose rate follows the server's feedback: it pauses on `Retry-After`, cuts
 /// its rate on back-pressure, climbs back while it is used, and never sends faster than the
-/// server's `RateLimit` fields allow.
+/// server's `RateLimit` fields allow, down to one unit per 1 000 s (a server's cap below
+/// that, `q=1;w=3600` say, still lets one unit through every 1 000 s, so that a hostile or
+/// mistaken field cannot hold a client for years; a configured ceiling below it holds).
 ///
 /// Outbound calls go through [`pacer`](AdaptivePacer::pacer) (so `stream.leaky_with`,
 /// `sink.leaky_sink_with` and [`Pacer::until_ready`] all follow the adaptive rate), or

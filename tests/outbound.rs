@@ -166,6 +166,29 @@ async fn back_pressure_pauses_every_waiter_and_cuts_once_per_epoch() {
     assert_eq!(a.status().cuts, 4);
 }
 
+/// At a rate of a few units a second or less, what got through in the last second says
+/// little (one success more or less is the whole figure): a back-pressure then cuts the
+/// rate by `decrease`, not to the floor because the last success came 1.5 s ago.
+#[tokio::test(start_paused = true)]
+async fn a_slow_rate_is_cut_by_its_factor_not_to_what_one_second_saw() {
+    let half = Rate::per(1, 2 * SECOND).unwrap();
+    let a = AdaptivePacer::builder(half).build().unwrap();
+    for _ in 0..5 {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+        sleep(2 * SECOND).await;
+    }
+    sleep(SECOND / 2).await;
+    // The last success came 1.5 s ago: none in the last second, at 0.5/s as expected.
+    a.on_back_pressure(None);
+    let s = a.status();
+    assert_eq!(s.cuts, 1);
+    assert!(
+        (s.rate_per_second - 0.35).abs() < 1e-9,
+        "cut to 0.7 x 0.5/s, not to the floor: {s:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn cuts_never_go_below_the_floor() {
     let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())

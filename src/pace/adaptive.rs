@@ -32,6 +32,10 @@ const TREND_SAMPLES: usize = 64;
 /// One bucket of the response meter; the meter spans `METER_BUCKETS` of them.
 const METER_BUCKET: Duration = Duration::from_millis(250);
 const METER_BUCKETS: usize = 4;
+/// The rate, per second, from which what got through in the last second measures it: below,
+/// a success more or less is a quarter of the figure or more, and a cut is by `decrease`
+/// alone.
+const MEASURED_FROM: f64 = 4.0;
 /// The longest step the controller integrates at once (a long idle spell is not growth).
 const MAX_STEP: Duration = Duration::from_secs(1);
 /// Tracking: the gain of the rate's correction, per second, per unit of relative error.
@@ -139,7 +143,8 @@ pub struct AdaptiveStatus {
 ///   `Retry-After`, every waiter is held until it has elapsed ([`Pacer::pause_until`]; a
 ///   later hint extends the pause, the schedule then resumes without a burst). The rate is
 ///   cut to `β ×` itself, or to what actually got through in the last second if that is
-///   lower, never below the floor. One congestion epoch gets one cut: the responses to
+///   lower (at 4 a second or more: below, one success more or less is a large part of that
+///   figure), never below the floor. One congestion epoch gets one cut: the responses to
 ///   requests sent before the cut (the others in flight) only extend the pause. The epoch
 ///   ends when the pause does, or after the [`cooldown`](AdaptivePacerBuilder::cooldown)
 ///   when the back-pressure had no `Retry-After`.
@@ -364,7 +369,11 @@ impl AdaptivePacer {
             self.inner.pauses.increment(1);
         }
         if c.epoch_end.is_none_or(|e| now >= e) {
-            let measured = c.successes.per_second(now);
+            let measured = if c.rate >= MEASURED_FROM {
+                c.successes.per_second(now)
+            } else {
+                c.rate
+            };
             let good = c.rate.min(measured.max(self.inner.config.floor));
             let cut = (c.rate * self.inner.config.decrease).min(measured);
             c.last_good = good;

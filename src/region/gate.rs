@@ -73,10 +73,7 @@ impl<C> Clone for RegionGate<C> {
     }
 }
 
-impl<C> fmt::Debug for RegionGate<C>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+impl<C> fmt::Debug for RegionGate<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegionGate")
             .field("region", &self.region)

@@ -325,7 +325,12 @@ impl AdaptivePacer {
     /// # Errors
     ///
     /// As [`Pacer::until_ready`]: [`CostError`](crate::CostError) for a zero cost or one
-    /// above the burst.
+    /// above the burst. The burst is the pacer's default for the current rate
+    /// ([`Pacer::default_quota`]: `1 + ceil(rate × 5 ms)`), so it moves with the rate: a
+    /// cost that passed before a cut may be refused after it (and a wait already queued for
+    /// it ends with that error). Split large costs into units of 1, or pace them with
+    /// [`leaky_cost`](crate::FlowStreamExt::leaky_cost), which waits for one chunk of at
+    /// most the burst at a time.
     ///
     /// # Panics
     ///

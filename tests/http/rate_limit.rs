@@ -588,6 +588,41 @@ async fn shadow_mode_with_a_refused_key_still_decides_the_other_policies() {
     );
 }
 
+/// A request with no key for two refusing policies is refused once (one `400`, one
+/// `missing_key`); shadow mode counts it as the real mode would refuse it: once, not once per
+/// policy. (It was counted once per refusing policy: two `missing_key` for one request.)
+#[tokio::test]
+async fn shadow_mode_counts_a_request_missing_several_refused_keys_once() {
+    let build = |shadow: bool| {
+        RateLimitLayer::builder(gate())
+            .policy(per_client(quota(3, Duration::from_secs(60))).missing_key(MissingKey::Refuse))
+            .policy(
+                Policy::new("per-user", quota(3, Duration::from_secs(60)), by_user)
+                    .missing_key(MissingKey::Refuse),
+            )
+            .shadow(shadow)
+            .build()
+            .unwrap()
+    };
+    let (real, shadow) = (build(false), build(true));
+    let real_server = Server::start(app(real.clone())).await;
+    let shadow_server = Server::start(app(shadow.clone())).await;
+    let client = client();
+    for _ in 0..4 {
+        let a = get(&client, &real_server.url("/"), &[]).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST);
+        let b = get(&client, &shadow_server.url("/"), &[]).await;
+        assert_eq!(b.status, StatusCode::OK);
+    }
+    assert_eq!(real.stats().missing_key, 4);
+    assert_eq!(
+        shadow.stats().missing_key,
+        real.stats().missing_key,
+        "{:?}",
+        shadow.stats()
+    );
+}
+
 /// An extractor that replaces the whole string it is given (`*key = ..`).
 fn replacing(req: &RequestInfo<'_>, key: &mut String) -> bool {
     *key = req.uri.path().to_owned();

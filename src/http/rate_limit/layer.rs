@@ -718,6 +718,9 @@ impl<G> Shared<G> {
     /// the cost to ask the gate for, or `Break` with what to do at once when no policy
     /// applies, the request is free, or a key is missing under [`MissingKey::Refuse`].
     fn prepare(&self, req: &RequestInfo<'_>, keys: &mut Keys) -> ControlFlow<Verdict, u32> {
+        // In shadow mode: whether a key was missing under `Refuse` already (the request is
+        // counted once, as the real mode refuses it once).
+        let mut refused = false;
         for (i, entry) in self.policies.iter().enumerate() {
             let start = keys.buf.len();
             keys.buf.push_str(&entry.head);
@@ -733,8 +736,12 @@ impl<G> Shared<G> {
                     }
                     _ if self.shadow => {
                         // Shadow mode refuses nothing: count the request that would have
-                        // been refused and go on with the other policies.
-                        self.count(Outcome::MissingKey);
+                        // been refused (once, however many policies would refuse it) and go
+                        // on with the other policies.
+                        if !refused {
+                            refused = true;
+                            self.count(Outcome::MissingKey);
+                        }
                         keys.buf.truncate(start);
                         continue;
                     }

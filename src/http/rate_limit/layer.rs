@@ -108,7 +108,11 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// With [`shadow(true)`](RateLimitLayerBuilder::shadow) every request is decided and the
 /// fields are written, but nothing is refused: a request that would have been rejected
 /// passes, counted as `shadow_rejected` (and recorded in the top rejected keys). Use it to
-/// roll a new limit out. A would-be rejection charges nothing, as a real one.
+/// roll a new limit out. A would-be rejection charges nothing, as a real one. A request
+/// that a [`MissingKey::Refuse`] policy would refuse with `400` is counted once as
+/// `missing_key`, and then decided (charged, and counted) on the other policies that apply,
+/// so that their fields are written (counted `admitted` when none applies): in shadow mode
+/// such a request counts in two outcomes.
 ///
 /// # Abuse visibility
 ///
@@ -491,7 +495,8 @@ pub struct RateLimitStats {
     /// Admitted by the gate's fail-open policy (the backend could not decide).
     pub fail_open: u64,
     /// Refused with `400` because a policy with [`MissingKey::Refuse`] found no key
-    /// (passed in shadow mode).
+    /// (once per request, however many policies found none). In shadow mode the request
+    /// passes, decided on the other policies that apply, and counted by that decision too.
     pub missing_key: u64,
     /// Refused with `400` because the request itself cannot be decided: its cost is above
     /// a policy's capacity (it could never pass), or a key is not one the gate takes (empty

@@ -545,6 +545,45 @@ mod tests {
         assert_eq!(buckets.len(), 15, "a key of the failed request was charged");
     }
 
+    /// A key evicted by a sweep is decided no earlier than that sweep, as `Keyed` decides a
+    /// key it evicted, even when the sweep also dropped its quota's map (left with no key):
+    /// a caller that read the clock before the sweep would otherwise get a fresh bucket at
+    /// that earlier time, and a burst the key had not earned back yet.
+    #[test]
+    fn a_key_evicted_with_its_quotas_map_is_decided_no_earlier_than_that_sweep() {
+        // One shard of 3 keys; 1 a second, bursts of 1.
+        let buckets = sharded(1, 3);
+        let shard_of = |_: u64| 0;
+        let hourly = Quota::new(
+            crate::rate::Rate::per(1, Duration::from_secs(3_600)).unwrap(),
+            1,
+        )
+        .unwrap();
+        let ms = Duration::from_millis;
+        let mut out = Vec::new();
+        let mut decide = |key: &str, quota: Quota, now: Duration| {
+            let m = Merged::new(&[(key, quota)], 1).unwrap();
+            buckets
+                .check_all_into(&m, shard_of, now, 3, &mut out)
+                .unwrap();
+            out[0]
+        };
+        // "a" and "b" full again at 1 s; "c" busy for an hour: the shard is full.
+        assert!(decide("a", q(1), ms(0)).allowed);
+        assert!(decide("b", q(1), ms(0)).allowed);
+        assert!(decide("c", hourly, ms(0)).allowed);
+        // At 1 s a new key sweeps the shard: "a" and "b" go, and their quota's map with them.
+        assert!(decide("d", hourly, ms(1_000)).allowed);
+        // A caller that read the clock at 500 ms, before that sweep: "a" is decided as at
+        // 1 s (its bucket then full again), so its next token comes at 2 s, not at 1.5 s.
+        assert!(decide("a", q(1), ms(500)).allowed);
+        let d = decide("a", q(1), ms(1_500));
+        assert!(
+            !d.allowed,
+            "a second token within 500 ms at 1 a second, bursts of 1: {d:?}"
+        );
+    }
+
     #[test]
     fn repeated_keys_merge_and_expand_in_order() {
         let limits = [

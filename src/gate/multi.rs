@@ -149,6 +149,10 @@ struct QuotaKeys {
 #[derive(Debug, Default)]
 pub(crate) struct MemoryBuckets {
     by_quota: Vec<QuotaKeys>,
+    /// The latest time keys were evicted from a quota's map that was dropped since: every
+    /// map made afterwards decides new keys no earlier (one may be a key evicted then, its
+    /// quota's map made again), as the dropped map would have.
+    swept_at: Duration,
 }
 
 impl MemoryBuckets {
@@ -161,14 +165,25 @@ impl MemoryBuckets {
     /// the released quotas with all their keys; returns how many keys were evicted.
     fn sweep(&mut self, now: Duration) -> usize {
         let mut evicted = 0;
+        let mut swept_at = self.swept_at;
         self.by_quota.retain_mut(|q| {
             if q.released {
-                evicted += q.keys.len();
+                if !q.keys.is_empty() {
+                    evicted += q.keys.len();
+                    swept_at = swept_at.max(now);
+                }
+                swept_at = swept_at.max(q.keys.swept_at());
                 return false;
             }
             evicted += q.keys.sweep(now);
-            !q.keys.is_empty()
+            if q.keys.is_empty() {
+                // Its record of when it evicted goes with it: kept for the shard.
+                swept_at = swept_at.max(q.keys.swept_at());
+                return false;
+            }
+            true
         });
+        self.swept_at = swept_at;
         evicted
     }
 
@@ -229,10 +244,13 @@ impl MemoryBuckets {
         }
     }
 
-    /// A new, empty map for `quota`; its index.
+    /// A new, empty map for `quota`, deciding new keys no earlier than the shard's last
+    /// eviction with a dropped map; its index.
     fn add(&mut self, quota: Quota, room: &Room<'_>) -> Result<usize, GateError> {
-        let keys = Keyed::with_hasher(TokenBucket::new(quota), room.per_shard, room.hasher.clone())
-            .map_err(|_| room.full())?;
+        let mut keys =
+            Keyed::with_hasher(TokenBucket::new(quota), room.per_shard, room.hasher.clone())
+                .map_err(|_| room.full())?;
+        keys.swept_no_earlier_than(self.swept_at);
         self.by_quota.push(QuotaKeys {
             quota,
             keys,

@@ -247,6 +247,17 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         }
     }
 
+    /// The latest time a sweep of this map evicted at (zero if none has).
+    pub(crate) fn swept_at(&self) -> Duration {
+        self.swept_at
+    }
+
+    /// Decide new keys no earlier than `at`, as if this map had evicted at `at`: for a map
+    /// that replaces one whose keys were evicted then.
+    pub(crate) fn swept_no_earlier_than(&mut self, at: Duration) {
+        self.swept_at = self.swept_at.max(at);
+    }
+
     /// Forget `key` (its next request starts fresh); returns its state.
     pub fn remove<Q>(&mut self, key: &Q) -> Option<A::State>
     where

@@ -136,7 +136,7 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// in order, so a caller deciding many requests (the HTTP layer) reuses one `Vec`.
     ///
     /// The default answers `None`; [`MemoryGate`](crate::gate::MemoryGate) always decides
-    /// here, without allocating.
+    /// here, without allocating for a request on at most 4 distinct keys.
     ///
     /// # Errors
     ///

@@ -370,7 +370,8 @@ impl MemoryGate {
     }
 
     /// [`check_all`](MemoryGate::check_all) into `decisions` (cleared first): no allocation
-    /// once `decisions` has room for the limits.
+    /// once `decisions` has room for the limits, on at most 4 distinct keys (more are
+    /// merged on the heap).
     fn check_all_into(
         &self,
         limits: &[(&str, Quota)],
@@ -506,7 +507,8 @@ impl Gate for MemoryGate {
         )))
     }
 
-    /// Always `Some`: [`MemoryGate::check_all`], into `decisions` (no allocation).
+    /// Always `Some`: [`MemoryGate::check_all`], into `decisions` (no allocation on at most
+    /// 4 distinct keys).
     fn check_all_local(
         &self,
         limits: &[(&str, Quota)],

@@ -768,3 +768,35 @@ async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
     }
     assert_eq!(drained(&mut con).await, 0);
 }
+
+#[tokio::test]
+async fn a_deleted_entry_in_its_own_pending_list_is_recovered_without_fields() {
+    let (server, mut con) = with_entries(5).await;
+    let mut ids = Vec::new();
+    {
+        let mut stream = Box::pin(prefetch(source(&server, "d").await, levels(5, 0)));
+        for e in take(&mut stream, 5).await {
+            ids.push(e.id.clone());
+        }
+    } // dropped without acknowledging anything
+    // The entry is deleted (XDEL, or trimmed) while it is pending for "d".
+    let deleted: u64 = redis::cmd("XDEL")
+        .arg(KEY)
+        .arg(&ids[2])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let mut stream = Box::pin(prefetch(source(&server, "d").await, levels(5, 0)));
+    let again = take(&mut stream, 5).await;
+    let got: Vec<&str> = again.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(got, ids.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(again.iter().all(|e| e.origin == Origin::OwnPending));
+    assert!(again[2].fields.is_empty(), "{:?}", again[2].fields);
+    assert_eq!(again[1].get::<u32>("n").unwrap(), 1);
+    for e in again {
+        e.ack.ack();
+    }
+    flush(&mut stream).await;
+    assert_eq!(pending(&mut con).await, 0);
+}

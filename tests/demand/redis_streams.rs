@@ -800,3 +800,67 @@ async fn a_deleted_entry_in_its_own_pending_list_is_recovered_without_fields() {
     flush(&mut stream).await;
     assert_eq!(pending(&mut con).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loss_seen_by_a_fetch_whose_group_creation_fails_still_keeps_old_acks_out() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    // The source's own user, so that creating the group can be refused to it later.
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "src", "on", ">pw", "~*", "&*", "+@all"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let url = format!("redis://src:pw@127.0.0.1:{}/", server.port());
+    let src_conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let counters = Counters::new("create_refused");
+    let source = counters.build(lost_group_builder(src_conn, "r"));
+    produce(&mut con, 1).await;
+    let mut stream = Box::pin(prefetch(source, levels(1, 0)));
+    let held = take(&mut stream, 1).await.pop().unwrap();
+
+    // The group is lost, and the source may not create it again.
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["DESTROY", KEY, GROUP])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "src", "-xgroup"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let met = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .expect("the fetch that meets NOGROUP answers");
+    let err = met.unwrap().expect_err("creating the group was refused");
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+
+    // Someone else creates the group again from the beginning, and another consumer is
+    // handed the same id.
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", KEY, GROUP, "0"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&["GROUP", GROUP, "other", "COUNT", "1", "STREAMS", KEY, ">"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(pending(&mut con).await, 1);
+
+    // The ack of the entry of the lost group must not acknowledge the other delivery.
+    held.ack.ack();
+    assert_eq!(
+        flush(&mut stream).await,
+        0,
+        "no ack of the lost group is sent"
+    );
+    assert_eq!(pending(&mut con).await, 1, "the other consumer's delivery");
+    assert_eq!(counters.get("stale_acks").unwrap_or(1), 1);
+}

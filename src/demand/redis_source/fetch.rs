@@ -31,9 +31,9 @@ enum Phase {
 enum Outcome {
     /// Entries (possibly none).
     Batch(Batch),
-    /// Redis answered `NOGROUP`: the group was created again (`true`), or found created
-    /// again by another consumer (`false`).
-    GroupLost { created: bool },
+    /// Redis answered `NOGROUP`: the group was created again (`Ok(true)`), found created
+    /// again by another consumer (`Ok(false)`), or could not be created (`Err`).
+    GroupLost { created: RedisResult<bool> },
 }
 
 struct Batch {
@@ -83,7 +83,8 @@ struct Counters {
 /// treating `BUSYGROUP` (another consumer was first) as done; it logs a `tracing` warning,
 /// counts it in `flowgate_demand_group_recreated_total`, and reads on: that fetch returns
 /// an empty batch, not an error. If creating fails, the fetch returns that error and the
-/// next fetch tries again.
+/// next fetch tries again; the lost group is forgotten all the same (what follows holds
+/// for its entries either way).
 ///
 /// Acks of entries delivered before the loss are never sent: the lost group's pending list
 /// is gone, and in the new group the same id may be pending for another delivery (with
@@ -269,8 +270,10 @@ where
                 }
             }
             if lost {
+                // Whether or not creating it works, the group this source delivered from is
+                // gone: the caller forgets it either way.
                 let created =
-                    create_group(&mut conn, &cfg.key, &cfg.group, cfg.recreate_from).await?;
+                    create_group(&mut conn, &cfg.key, &cfg.group, cfg.recreate_from).await;
                 return Ok(Outcome::GroupLost { created });
             }
             let reply = match reply {
@@ -302,22 +305,45 @@ where
         })
     }
 
-    /// The group was lost and is there again: start over in it.
-    fn group_lost(&mut self, created: bool) {
+    /// The group was lost (`NOGROUP`): forget what belongs to it, and start over in the
+    /// group that is there again (`created`: `Ok`), or that the next fetch tries to create
+    /// again (`Err`, returned).
+    ///
+    /// The lost group is forgotten even when creating it again failed: its pending list is
+    /// gone all the same, and the group the next fetch finds may be one another consumer
+    /// created meanwhile, where an ack of an entry delivered before could acknowledge
+    /// another delivery of the same id.
+    fn group_lost(&mut self, created: RedisResult<bool>) -> RedisResult<()> {
         self.acks.new_group();
         self.phase = Phase::New;
         self.claim_cursor = "0-0".into();
         self.read_due = false;
         self.next_claim = Instant::now() + self.config.claim_every;
-        self.counters.recreated.increment(1);
-        tracing::warn!(
-            stream = %self.config.key,
-            group = %self.config.group,
-            consumer = %self.config.consumer,
-            created,
-            "redis stream consumer group was gone (NOGROUP): created it again; acks of \
-             entries delivered before are not sent"
-        );
+        match created {
+            Ok(created) => {
+                self.counters.recreated.increment(1);
+                tracing::warn!(
+                    stream = %self.config.key,
+                    group = %self.config.group,
+                    consumer = %self.config.consumer,
+                    created,
+                    "redis stream consumer group was gone (NOGROUP): created it again; acks \
+                     of entries delivered before are not sent"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(
+                    stream = %self.config.key,
+                    group = %self.config.group,
+                    consumer = %self.config.consumer,
+                    error = %e,
+                    "redis stream consumer group was gone (NOGROUP) and could not be created \
+                     again; acks of entries delivered before are not sent"
+                );
+                Err(e)
+            }
+        }
     }
 
     fn entries(&mut self, batch: Batch) -> Vec<StreamEntry> {
@@ -371,7 +397,7 @@ where
     type Error = RedisError;
 
     /// Fetches at most `min(max, max_count)` entries. A fetch that finds the group lost
-    /// creates it again and returns an empty batch.
+    /// creates it again and returns an empty batch (or the error, if creating it fails).
     ///
     /// # Cancel safety
     ///
@@ -397,12 +423,9 @@ where
                 return Poll::Pending;
             }
         };
-        Poll::Ready(Some(result.map(|outcome| match outcome {
-            Outcome::Batch(batch) => this.entries(batch),
-            Outcome::GroupLost { created } => {
-                this.group_lost(created);
-                Vec::new()
-            }
+        Poll::Ready(Some(result.and_then(|outcome| match outcome {
+            Outcome::Batch(batch) => Ok(this.entries(batch)),
+            Outcome::GroupLost { created } => this.group_lost(created).map(|()| Vec::new()),
         })))
     }
 }

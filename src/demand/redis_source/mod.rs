@@ -23,7 +23,8 @@
 //! [`recreate_from`](RedisStreamSourceBuilder::recreate_from), `$` by default; `BUSYGROUP`,
 //! another consumer was first, counts as done), logs it with `tracing::warn!`, counts it in
 //! `flowgate_demand_group_recreated_total`, and goes on reading: the fetch that met
-//! `NOGROUP` returns an empty batch, never an error.
+//! `NOGROUP` returns an empty batch, not an error (unless creating the group fails: then
+//! that error, and the next fetch tries again; the lost group is forgotten either way).
 //!
 //! The pending list of the lost group is gone with it, so there is nothing left to
 //! acknowledge for the entries delivered before: acks of such entries — queued at the time,

@@ -864,3 +864,41 @@ async fn a_loss_seen_by_a_fetch_whose_group_creation_fails_still_keeps_old_acks_
     assert_eq!(pending(&mut con).await, 1, "the other consumer's delivery");
     assert_eq!(counters.get("stale_acks").unwrap_or(1), 1);
 }
+
+#[tokio::test]
+async fn a_deleted_entry_pending_for_a_dead_consumer_is_skipped_by_the_claim() {
+    let (server, mut con) = with_entries(3).await;
+    let mut ids = Vec::new();
+    {
+        let mut dead = Box::pin(prefetch(source(&server, "dead").await, levels(3, 0)));
+        for e in take(&mut dead, 3).await {
+            ids.push(e.id.clone());
+        }
+    } // crashed: nothing acknowledged
+    let deleted: u64 = redis::cmd("XDEL")
+        .arg(KEY)
+        .arg(&ids[1])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    // min_idle 300 ms: the dead consumer's entries are idle after that.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut alive = Box::pin(prefetch(source(&server, "alive").await, levels(3, 0)));
+    let mut claimed = Vec::new();
+    while let Some(e) = next(&mut alive).await {
+        assert_eq!(e.origin, Origin::Claimed);
+        claimed.push(e);
+    }
+    let got: Vec<&str> = claimed.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(got, [ids[0].as_str(), ids[2].as_str()]);
+    for e in claimed {
+        e.ack.ack();
+    }
+    flush(&mut alive).await;
+    assert_eq!(
+        pending(&mut con).await,
+        0,
+        "the deleted one left the pending list"
+    );
+}

@@ -7,7 +7,7 @@ use crate::adaptive::{AdaptiveLimit, Outcome, Sample};
 use crate::error::ConfigError;
 
 /// Additive increase, multiplicative decrease: +1 for every successful call while the limit
-/// is used, ×`backoff_ratio` on back-pressure or a call slower than `timeout`.
+/// is used, ×`backoff_ratio` on back-pressure or a call taking `timeout` or longer.
 ///
 /// The classic loss-based rule (as in Netflix's `AIMDLimit`): it reacts only to
 /// back-pressure, never to latency, so it climbs until the downstream refuses or times out,
@@ -18,8 +18,8 @@ use crate::error::ConfigError;
 ///   flight (a caller using less than half its limit is app-limited: the limit does not grow
 ///   beyond what is used).
 /// - **Decrease**: ×`backoff_ratio` (default 0.9, rounded down, at least `min_limit`) on
-///   [`Outcome::BackPressure`] or an `Ok` sample slower than `timeout` (default 5 s). Once per
-///   congestion epoch: the calls that were already in flight when the limit was cut do not
+///   [`Outcome::BackPressure`] or an `Ok` sample taking `timeout` (default 5 s) or longer.
+///   Once per congestion epoch: the calls that were already in flight when the limit was cut do not
 ///   cut it again (a call that started at the cut's very instant counts as in flight, so
 ///   calls refused at once, in zero time, cut once together).
 /// - [`Outcome::Ignored`] changes nothing.

@@ -186,7 +186,8 @@ pub struct KneeStep {
 }
 
 impl KneeStep {
-    /// The share of the calls started in the window that were pushed back.
+    /// The share of the calls started in the window and not ignored that were pushed back:
+    /// `back_pressure / (ok + back_pressure)` (0 when there were none).
     pub fn back_pressure_ratio(&self) -> f64 {
         let total = self.ok + self.back_pressure;
         if total == 0 {

@@ -42,7 +42,7 @@ use crate::error::ConfigError;
 /// doubling the first calls to end started while the count was still rising.)
 ///
 /// ```text
-/// severe     = R > max_rtt_ratio × min (2), a call slower than timeout, or back-pressure
+/// severe     = R > max_rtt_ratio × min (2), a call taking timeout or longer, or back-pressure
 /// slow start: efficiency of the doubling < min_gain, or severe → back to the level
 ///             before it (the knee is between);                      else L × 2
 /// hold B:     severe → B × backoff_ratio (0.9), then try lower;
@@ -65,7 +65,7 @@ use crate::error::ConfigError;
 ///   throughput grows with it, so a fresh bulkhead reaches a large capacity in a few round
 ///   trips instead of one step per round trip; the first doubling that does not pay (or
 ///   meets back-pressure) is undone, and the trials take it from there.
-/// - **Timeouts are back-pressure** (Netflix issue 137): a call slower than `timeout`
+/// - **Timeouts are back-pressure** (Netflix issue 137): a call taking `timeout` or longer
 ///   (default 5 s) or an [`Outcome::BackPressure`] cuts the limit at once (by
 ///   `backoff_ratio`, or back to the last level before a doubling in slow start), once per
 ///   congestion epoch (the calls already in flight at a cut, whatever made it, do not cut
@@ -157,7 +157,7 @@ struct Window {
 impl Probe {
     /// A builder with the defaults: `min_limit` 1, `max_limit` 1000, `initial` 10,
     /// `backoff_ratio` 0.9, `deviation_scale` 1.5, `tolerance` 0.05, `max_rtt_ratio` 2,
-    /// `probe_interval` 8, `probe_window` 30 s, `timeout` 5 s.
+    /// `probe_interval` 8, `probe_window` 30 s, `timeout` 5 s, `min_gain` 0.5.
     pub fn builder() -> ProbeBuilder {
         ProbeBuilder {
             bounds: Bounds::new(1, 1000, 10),

@@ -41,8 +41,8 @@ use crate::error::{ConfigError, ConfigErrorKind};
 /// - *Growing to the maximum when every call times out* (Netflix issue 137): a timed-out
 ///   call (a sample taking `timeout`, default 5 s, or longer) or
 ///   [`Outcome::BackPressure`] is never a latency sample (it would make the timeout look
-///   normal); it cuts the limit with the
-///   gradient's floor, 0.5 (smoothed: × 0.9 by default), once per congestion epoch.
+///   normal); it cuts the limit with the gradient's floor, 0.5 (smoothed: × 0.9 by
+///   default), once per congestion epoch.
 ///
 /// # Examples
 ///

@@ -91,7 +91,8 @@
 //!   call compiles to nothing.
 //! - `http`: the tower layers of the `http` module, and on the outbound side
 //!   `retry::ServerHint` and the `retry::RetryLayer` client layer (adds `tower`, `http`,
-//!   `http-body`, `http-body-util`, `bytes`, `sfv`, `ipnet`, `httpdate`, `itoa`).
+//!   `http-body`, `http-body-util`, `bytes`, `sfv`, `ipnet`, `httpdate`, `itoa`,
+//!   `crossbeam-utils`).
 
 #![warn(
     missing_docs,

@@ -9,7 +9,7 @@
 //! - `entry` — [`StreamEntry`] and [`Origin`]: what a fetch yields;
 //! - `fetch` — [`RedisStreamSource`]: the fetch pipeline (`XACK` + `XREADGROUP` /
 //!   `XAUTOCLAIM`, `COUNT` capped at [`max_count`](RedisStreamSourceBuilder::max_count)) and
-//!   the re-creation of a lost group (`NOGROUP`);
+//!   the re-creation of a lost group (`NOGROUP`); `XAUTOCLAIM` needs Redis 6.2 or later;
 //! - `ack` — [`Ack`] and the queue it shares with the source: acknowledged ids waiting for
 //!   one `XACK`, ids still held by the application, and the group generation they belong to;
 //! - `keepalive` — the background task: sends acks within `ack_interval`, keeps held entries

@@ -93,7 +93,10 @@ impl Clock {
     ///
     /// Cheap to make: the `quanta` clock is built once per process and copied. Building one
     /// asks the CPU (`cpuid`) whether its counter can be used, which a virtual machine
-    /// traps: ~26 µs on a 2-vCPU KVM guest, where copying it takes nanoseconds.
+    /// traps: ~26 µs on a 2-vCPU KVM guest, where copying it takes nanoseconds. The first
+    /// one in a process also calibrates the counter against the OS clock: a busy loop in
+    /// `quanta` of at least 500 rounds, until the two agree, at most 200 ms. Make the first
+    /// gate, pacer or clock before serving, not in a task whose latency matters.
     pub fn counter() -> Clock {
         static COUNTER: OnceLock<quanta::Clock> = OnceLock::new();
         let clock = COUNTER.get_or_init(quanta::Clock::new).clone();

@@ -200,6 +200,44 @@ async fn an_attempt_that_hangs_is_timed_out_and_counts_as_back_pressure() {
     );
 }
 
+/// The deadline is checked between attempts, and the attempt timeout bounds each attempt
+/// on its own: an attempt started just before the deadline runs to its own timeout, past
+/// the deadline (by less than one attempt timeout). Only a timeout around the whole
+/// `retry` ends it by a given time.
+#[tokio::test(start_paused = true)]
+async fn the_attempt_timeout_bounds_each_attempt_not_the_operation_by_its_deadline() {
+    let backoff = Backoff::builder()
+        .base(secs(1))
+        .jitter(Jitter::None)
+        .max_attempts(100)
+        .deadline(secs(10))
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .attempt_timeout(secs(5))
+        .build()
+        .unwrap();
+    // Three quick 500s (waits of 1, 2, 4 s), then an attempt at 7 s that hangs.
+    let hang = |attempt: u32| async move {
+        if attempt < 4 {
+            Ok(500)
+        } else {
+            std::future::pending().await
+        }
+    };
+    let start = Instant::now();
+    let done = retry(&policy, classify, hang).await;
+    assert_eq!((done.stop, done.attempts), (Stop::TimedOut, 4));
+    // 7 s + the attempt's 5 s: 2 s past the 10 s deadline.
+    assert_eq!(start.elapsed(), secs(12));
+
+    // A timeout around the whole operation ends it at the deadline.
+    let start = Instant::now();
+    let bounded = tokio::time::timeout(secs(10), retry(&policy, classify, hang)).await;
+    assert!(bounded.is_err());
+    assert_eq!(start.elapsed(), secs(10));
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn each_attempt_s_round_trip_is_its_own() {

@@ -418,10 +418,13 @@ impl RetryPolicyBuilder {
 /// one, else the jittered backoff; the schedule gives up when attempts run out or the
 /// deadline would pass (at once, without waiting for a `Retry-After` past it).
 ///
-/// The backoff's deadline is checked between attempts: it neither cuts an attempt short nor
-/// the wait for the pacer. To keep the whole operation within it, give the policy an
-/// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) (or bound the future returned
-/// here with `tokio::time::timeout`).
+/// The backoff's deadline is checked between attempts: no attempt starts after a wait that
+/// would reach it, but it neither cuts an attempt short nor the wait for the pacer, so the
+/// operation can end past it. An
+/// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) bounds each attempt on its own:
+/// one started just before the deadline may still run that long (plus the pacer's wait
+/// before it). To end the operation by a given time, bound the future returned here with
+/// `tokio::time::timeout` (see Cancel safety for what a drop counts).
 ///
 /// # Panics
 ///

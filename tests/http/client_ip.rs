@@ -174,6 +174,39 @@ fn every_written_form_is_read_without_an_allocation() {
     );
 }
 
+/// A quoted `Forwarded` value with a backslash escape (RFC 7230's quoted-pair), in a
+/// parameter the walk does not read or in the `for` it does, costs no allocation either:
+/// the walk allocates nothing, whatever the elements it reads hold.
+#[test]
+fn escaped_forwarded_values_are_read_without_an_allocation() {
+    let fwd = ClientIp::builder(ForwardedHeader::Forwarded)
+        .trust("10.0.0.0/8")
+        .build()
+        .unwrap();
+    let cases: [(&str, &str); 4] = [
+        (r#"for=192.0.2.7;ext="a\"b""#, "192.0.2.7"),
+        (r#"for=192.0.2.7, for=10.0.0.2;by="\_p\"roxy""#, "192.0.2.7"),
+        (r#"for="\1\9\2.0.2.7:\80""#, "192.0.2.7"),
+        (
+            r#"for="[2001:db8::7]:4711", for="\1\0.0.0.2""#,
+            "2001:db8::7",
+        ),
+    ];
+    for (line, key) in cases {
+        assert_eq!(
+            key_and_allocations(&fwd, "forwarded", &[line]),
+            (key.to_owned(), 0),
+            "{line}"
+        );
+    }
+    // Ten thousand trusted elements, each with an escaped value.
+    let trusted = r#"for=10.1.1.1;ext="\"", "#.repeat(10_000) + "for=10.2.2.2";
+    assert_eq!(
+        key_and_allocations(&fwd, "forwarded", &[&trusted]),
+        ("10.1.1.1".to_owned(), 0)
+    );
+}
+
 mod dual_stack {
     //! A real dual-stack listener (an IPv6 socket bound to `::ffff:127.0.0.1`, so only
     //! loopback) reports its IPv4 peers as `::ffff:127.0.0.1`: trust and keys must read them

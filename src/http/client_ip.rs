@@ -358,8 +358,8 @@ fn parse_ipv6(text: &str) -> Option<Ipv6Addr> {
 ///
 /// Reading from the right means the elements proxies appended are read whatever a client
 /// wrote to their left (an unterminated quote, stray bytes). Elements are split on `,` and
-/// pairs on `;` outside quoted-strings; a quoted value is unescaped (`\x` is `x`);
-/// parameter names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
+/// pairs on `;` outside quoted-strings; a quoted `for` value is unescaped (`\x` is `x`,
+/// on the stack: see [`parse_escaped_node`]), other values are only checked; parameter names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
 /// or whitespace (leniently: RFC 7239 needs quotes around `:` and `[`, which some proxies
 /// leave out). Empty elements (nothing but whitespace) are skipped; an element of bare `;`
 /// has no `for`.
@@ -375,7 +375,6 @@ fn parse_forwarded_rev<B>(
             *end -= 1;
         }
     };
-    let mut unescaped = Vec::new();
     loop {
         // One element: pairs separated by ';', right to left.
         let mut node: Option<Option<IpAddr>> = None;
@@ -395,7 +394,8 @@ fn parse_forwarded_rev<B>(
                 _ => {}
             }
             let quoted = last(end) == Some(b'"');
-            let value: &[u8] = if quoted {
+            // The value as written; a quoted one is unescaped only when it is the `for`.
+            let (value, escaped): (&[u8], bool) = if quoted {
                 let close = end - 1;
                 // The opening quote: the first '"' to the left not escaped by an odd run of
                 // backslashes.
@@ -414,25 +414,12 @@ fn parse_forwarded_rev<B>(
                 };
                 end = open;
                 let raw = &b[open + 1..close];
-                if raw.contains(&b'\\') {
-                    unescaped.clear();
-                    let mut bytes = raw.iter();
-                    while let Some(&c) = bytes.next() {
-                        if c == b'\\' {
-                            match bytes.next() {
-                                Some(&next) => unescaped.push(next),
-                                None => {
-                                    return visit(None);
-                                }
-                            }
-                        } else {
-                            unescaped.push(c);
-                        }
-                    }
-                    &unescaped
-                } else {
-                    raw
+                // A backslash escapes the next byte: an odd run of them at the end has
+                // nothing left to escape (the closing quote was escaped).
+                if raw.iter().rev().take_while(|&&c| c == b'\\').count() % 2 == 1 {
+                    return visit(None);
                 }
+                (raw, raw.contains(&b'\\'))
             } else {
                 let stop = end;
                 while !matches!(
@@ -441,7 +428,7 @@ fn parse_forwarded_rev<B>(
                 ) {
                     end -= 1;
                 }
-                &b[end..stop]
+                (&b[end..stop], false)
             };
             if (value.is_empty() && !quoted) || last(end) != Some(b'=') {
                 return visit(None);
@@ -457,7 +444,11 @@ fn parse_forwarded_rev<B>(
             pairs += 1;
             if b[end..name_end].eq_ignore_ascii_case(b"for") {
                 repeated |= node.is_some();
-                node = Some(parse_forwarded_node(value));
+                node = Some(if escaped {
+                    parse_escaped_node(value)
+                } else {
+                    parse_forwarded_node(value)
+                });
             }
             skip_ows(&mut end);
             match last(end) {
@@ -486,6 +477,25 @@ fn parse_forwarded_node(value: &[u8]) -> Option<IpAddr> {
         return None;
     }
     parse_node(value)
+}
+
+/// The most bytes of an escaped `for` value, unescaped: far more than any address takes
+/// written with a port and a zone id (`[` 45 `%` zone `]:` port).
+const MAX_ESCAPED_NODE: usize = 128;
+
+/// A quoted `for` value with backslash escapes (well-formed: none at the end alone),
+/// unescaped on the stack (`\x` is `x`): one longer than [`MAX_ESCAPED_NODE`] unescaped is
+/// not an address.
+fn parse_escaped_node(raw: &[u8]) -> Option<IpAddr> {
+    let mut buf = [0u8; MAX_ESCAPED_NODE];
+    let mut len = 0;
+    let mut bytes = raw.iter();
+    while let Some(&c) = bytes.next() {
+        let c = if c == b'\\' { *bytes.next()? } else { c };
+        *buf.get_mut(len)? = c;
+        len += 1;
+    }
+    parse_forwarded_node(&buf[..len])
 }
 
 /// RFC 9110 `tchar`.
@@ -806,6 +816,10 @@ mod tests {
             "fe80::1"
         );
         assert_eq!(get(&f, "forwarded", b"for=\"[fe80::1%25eth0]\""), "fe80::1");
+        // Escaped, it is unescaped on the stack: up to 128 bytes, longer is no address.
+        let escaped = |zone: usize| format!("for=\"[fe80::1%\\{}]:80\"", "e".repeat(zone));
+        assert_eq!(get(&f, "forwarded", escaped(100).as_bytes()), "fe80::1");
+        assert_eq!(get(&f, "forwarded", escaped(200).as_bytes()), "10.0.0.1");
         // A zone on a trusted hop: still the hop, and trusted.
         assert_eq!(
             get(&x, "x-forwarded-for", b"203.0.113.9, 2001:db8:ffff::2%3"),

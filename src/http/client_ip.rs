@@ -359,7 +359,8 @@ fn parse_ipv6(text: &str) -> Option<Ipv6Addr> {
 /// Reading from the right means the elements proxies appended are read whatever a client
 /// wrote to their left (an unterminated quote, stray bytes). Elements are split on `,` and
 /// pairs on `;` outside quoted-strings; a quoted `for` value is unescaped (`\x` is `x`,
-/// on the stack: see [`parse_escaped_node`]), other values are only checked; parameter names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
+/// on the stack: see [`parse_escaped_node`]), other values are only checked; parameter
+/// names are case-insensitive; an unquoted value runs to the next `,` `;` `=` `"`
 /// or whitespace (leniently: RFC 7239 needs quotes around `:` and `[`, which some proxies
 /// leave out). Empty elements (nothing but whitespace) are skipped; an element of bare `;`
 /// has no `for`.

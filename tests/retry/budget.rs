@@ -208,6 +208,79 @@ fn configuration_is_checked() {
     );
 }
 
+/// Two threads in lockstep, one taking a token (`on_failure`) while the other gives one
+/// back (`on_success`), 200 000 rounds: after each round `flowgate_retry_budget_tokens`
+/// reads the tokens left, whatever the order in which the threads showed their changes.
+/// (Each set the count it had made at its own compare-and-swap, so a thread that made 4
+/// could show it after the other showed 5.)
+#[cfg(feature = "metrics")]
+#[test]
+fn the_tokens_gauge_ends_at_the_tokens_left_after_racing_threads() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const ROUNDS: usize = 200_000;
+    let recorder = crate::support::TestRecorder::default();
+    let budget = metrics::with_local_recorder(&recorder, || {
+        RetryBudget::builder()
+            .max_tokens(10)
+            .token_ratio(1.0)
+            .name("race")
+            .build()
+            .unwrap()
+    });
+    for _ in 0..5 {
+        budget.on_failure();
+    }
+    // Round r starts when `step` is 3r; each thread adds one when it is done, and this one
+    // the third once it has read the gauge.
+    let step = Arc::new(AtomicUsize::new(0));
+    let wait_for = |step: &AtomicUsize, n: usize| {
+        let mut spins = 0u32;
+        while step.load(Ordering::Acquire) < n {
+            spins += 1;
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    };
+    let other = {
+        let (budget, step) = (budget.clone(), step.clone());
+        std::thread::spawn(move || {
+            for round in 0..ROUNDS {
+                wait_for(&step, 3 * round);
+                budget.on_success();
+                step.fetch_add(1, Ordering::AcqRel);
+                wait_for(&step, 3 * round + 3);
+            }
+        })
+    };
+    let mut wrong = Vec::new();
+    for round in 0..ROUNDS {
+        wait_for(&step, 3 * round);
+        budget.on_failure();
+        step.fetch_add(1, Ordering::AcqRel);
+        wait_for(&step, 3 * round + 2);
+        let (tokens, shown) = (
+            budget.tokens(),
+            recorder.gauge("flowgate_retry_budget_tokens{name=race}"),
+        );
+        if shown != Some(tokens) {
+            wrong.push((round, tokens, shown));
+        }
+        step.fetch_add(1, Ordering::AcqRel);
+    }
+    other.join().unwrap();
+    assert!(
+        wrong.is_empty(),
+        "{} of {ROUNDS} rounds ended with the gauge off the tokens left; the first (round, \
+         tokens, shown): {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+}
+
 #[cfg(feature = "metrics")]
 #[test]
 fn metrics_count_allowed_refused_and_abandoned_retries() {

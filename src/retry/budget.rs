@@ -212,7 +212,7 @@ impl RetryBudget {
                 .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
             {
                 Ok(_) => {
-                    inner.tokens_gauge.set(new as f64 / MILLI as f64);
+                    inner.show(new);
                     return;
                 }
                 Err(actual) => cur = actual,
@@ -261,6 +261,20 @@ impl RetryBudget {
 }
 
 impl Inner {
+    /// Show `tokens` (thousandths) on the gauge, then look again: a thread whose change was
+    /// overtaken shows the newer count too, so when threads race the gauge ends at the
+    /// tokens left, whatever the order of their sets.
+    fn show(&self, mut tokens: u64) {
+        loop {
+            self.tokens_gauge.set(tokens as f64 / MILLI as f64);
+            let now = self.tokens.load(Ordering::Acquire);
+            if now == tokens {
+                return;
+            }
+            tokens = now;
+        }
+    }
+
     /// Take `n` thousandths (down to zero at most); the tokens left afterwards.
     fn take(&self, n: u64) -> u64 {
         let mut cur = self.tokens.load(Ordering::Relaxed);
@@ -274,7 +288,7 @@ impl Inner {
                 .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
             {
                 Ok(_) => {
-                    self.tokens_gauge.set(new as f64 / MILLI as f64);
+                    self.show(new);
                     return new;
                 }
                 Err(actual) => cur = actual,

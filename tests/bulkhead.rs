@@ -1078,48 +1078,26 @@ fn the_in_flight_gauge_ends_at_the_permits_in_flight_after_racing_threads() {
     let b = metrics::with_local_recorder(&recorder, || {
         Bulkhead::builder(2).name("race").build().unwrap()
     });
-    // The threads step through the rounds together, spinning (not sleeping) so that their
-    // acquisitions and releases overlap as much as they can: round r starts when `step` is
-    // 3r; each thread adds one when it is done, and this one adds the third once it has read
-    // the gauge.
-    let step = Arc::new(AtomicUsize::new(0));
-    let wait_for = |step: &AtomicUsize, n: usize| {
-        let mut spins = 0u32;
-        while step.load(Ordering::Acquire) < n {
-            // Spin, and let the other thread run when it has no core of its own.
-            spins += 1;
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    };
-    let other = {
-        let (b, step) = (b.clone(), step.clone());
-        std::thread::spawn(move || {
-            for round in 0..ROUNDS {
-                wait_for(&step, 3 * round);
-                drop(b.try_acquire().unwrap());
-                step.fetch_add(1, Ordering::AcqRel);
-                wait_for(&step, 3 * round + 3);
-            }
-        })
-    };
     let gauge = "flowgate_bulkhead_in_flight{name=race}";
     let mut wrong = Vec::new();
-    for round in 0..ROUNDS {
-        wait_for(&step, 3 * round);
-        drop(b.try_acquire().unwrap());
-        step.fetch_add(1, Ordering::AcqRel);
-        wait_for(&step, 3 * round + 2);
-        let (in_flight, shown) = (b.in_flight(), recorder.gauge(gauge));
-        if shown != Some(in_flight as f64) {
-            wrong.push((round, in_flight, shown));
-        }
-        step.fetch_add(1, Ordering::AcqRel);
-    }
-    other.join().unwrap();
+    let theirs = b.clone();
+    support::lockstep(
+        ROUNDS,
+        move |start| {
+            start();
+            drop(theirs.try_acquire().unwrap());
+        },
+        |start| {
+            start();
+            drop(b.try_acquire().unwrap());
+        },
+        |round| {
+            let (in_flight, shown) = (b.in_flight(), recorder.gauge(gauge));
+            if shown != Some(in_flight as f64) {
+                wrong.push((round, in_flight, shown));
+            }
+        },
+    );
     assert!(
         wrong.is_empty(),
         "{} of {ROUNDS} rounds ended with the gauge off the permits in flight; the first \
@@ -1164,50 +1142,32 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_after_racing_samples() {
             .build()
             .unwrap()
     });
-    // Lockstep rounds as in the in-flight gauge test above; each thread holds its permit
-    // from before the round starts, so the two samples race each other.
-    let step = Arc::new(AtomicUsize::new(0));
-    let wait_for = |step: &AtomicUsize, n: usize| {
-        let mut spins = 0u32;
-        while step.load(Ordering::Acquire) < n {
-            spins += 1;
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    };
-    let other = {
-        let (b, step) = (b.clone(), step.clone());
-        std::thread::spawn(move || {
-            for round in 0..ROUNDS {
-                let permit = b.try_acquire().unwrap();
-                wait_for(&step, 3 * round);
-                permit.record(Outcome::Ok);
-                step.fetch_add(1, Ordering::AcqRel);
-                wait_for(&step, 3 * round + 3);
-            }
-        })
-    };
+    // Each thread takes its permit before the round starts, so the two samples race.
     let gauge = "flowgate_bulkhead_max_in_flight{name=race}";
     let (mut stale_max, mut stale_gauge) = (Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
-        let permit = b.try_acquire().unwrap();
-        wait_for(&step, 3 * round);
-        permit.record(Outcome::Ok);
-        step.fetch_add(1, Ordering::AcqRel);
-        wait_for(&step, 3 * round + 2);
-        let latest = b.adaptive_stats().unwrap().max_in_flight;
-        if b.max_in_flight() != latest {
-            stale_max.push((round, latest, b.max_in_flight()));
-        }
-        if recorder.gauge(gauge) != Some(latest as f64) {
-            stale_gauge.push((round, latest, recorder.gauge(gauge)));
-        }
-        step.fetch_add(1, Ordering::AcqRel);
-    }
-    other.join().unwrap();
+    let theirs = b.clone();
+    support::lockstep(
+        ROUNDS,
+        move |start| {
+            let permit = theirs.try_acquire().unwrap();
+            start();
+            permit.record(Outcome::Ok);
+        },
+        |start| {
+            let permit = b.try_acquire().unwrap();
+            start();
+            permit.record(Outcome::Ok);
+        },
+        |round| {
+            let latest = b.adaptive_stats().unwrap().max_in_flight;
+            if b.max_in_flight() != latest {
+                stale_max.push((round, latest, b.max_in_flight()));
+            }
+            if recorder.gauge(gauge) != Some(latest as f64) {
+                stale_gauge.push((round, latest, recorder.gauge(gauge)));
+            }
+        },
+    );
     assert!(
         stale_max.is_empty() && stale_gauge.is_empty(),
         "of {ROUNDS} rounds, {} ended with max_in_flight off the latest limit, {} with the \

@@ -1095,7 +1095,6 @@ async fn the_outstanding_gauge_keeps_the_unit_of_a_stream_dropped_while_waiting(
 #[test]
 fn the_outstanding_gauge_ends_at_the_credit_left_after_racing_requests() {
     use flowgate::demand::Demanded;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     const ROUNDS: usize = 200_000;
     let recorder = support::TestRecorder::default();
     let (_stream, demand) = metrics::with_local_recorder(&recorder, || {
@@ -1104,48 +1103,26 @@ fn the_outstanding_gauge_ends_at_the_credit_left_after_racing_requests() {
             .build()
             .unwrap()
     });
-    // Two threads step through the rounds together, spinning (not sleeping) at each step so
-    // that their requests start as close together as they can: round r starts when `step`
-    // is 3r; each thread adds one when its request is done, and this one adds the third
-    // once it has read the gauge.
-    let step = Arc::new(AtomicUsize::new(0));
-    let wait_for = |step: &AtomicUsize, n: usize| {
-        let mut spins = 0u32;
-        while step.load(Ordering::Acquire) < n {
-            // Spin, and let the other thread run when it has no core of its own.
-            spins += 1;
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    };
-    let other = {
-        let (demand, step) = (demand.clone(), step.clone());
-        std::thread::spawn(move || {
-            for round in 0..ROUNDS {
-                wait_for(&step, 3 * round);
-                demand.request(1).unwrap();
-                step.fetch_add(1, Ordering::AcqRel);
-                wait_for(&step, 3 * round + 3);
-            }
-        })
-    };
     let gauge = "flowgate_demand_outstanding{name=race}";
     let mut wrong = Vec::new();
-    for round in 0..ROUNDS {
-        wait_for(&step, 3 * round);
-        demand.request(1).unwrap();
-        step.fetch_add(1, Ordering::AcqRel);
-        wait_for(&step, 3 * round + 2);
-        let (credit, shown) = (demand.outstanding(), recorder.gauge(gauge));
-        if shown != Some(credit as f64) {
-            wrong.push((round, credit, shown));
-        }
-        step.fetch_add(1, Ordering::AcqRel);
-    }
-    other.join().unwrap();
+    let theirs = demand.clone();
+    support::lockstep(
+        ROUNDS,
+        move |start| {
+            start();
+            theirs.request(1).unwrap();
+        },
+        |start| {
+            start();
+            demand.request(1).unwrap();
+        },
+        |round| {
+            let (credit, shown) = (demand.outstanding(), recorder.gauge(gauge));
+            if shown != Some(credit as f64) {
+                wrong.push((round, credit, shown));
+            }
+        },
+    );
     assert_eq!(demand.outstanding(), 2 * ROUNDS as u64);
     assert!(
         wrong.is_empty(),

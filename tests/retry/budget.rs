@@ -216,8 +216,6 @@ fn configuration_is_checked() {
 #[cfg(feature = "metrics")]
 #[test]
 fn the_tokens_gauge_ends_at_the_tokens_left_after_racing_threads() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     const ROUNDS: usize = 200_000;
     let recorder = crate::support::TestRecorder::default();
     let budget = metrics::with_local_recorder(&recorder, || {
@@ -231,47 +229,28 @@ fn the_tokens_gauge_ends_at_the_tokens_left_after_racing_threads() {
     for _ in 0..5 {
         budget.on_failure();
     }
-    // Round r starts when `step` is 3r; each thread adds one when it is done, and this one
-    // the third once it has read the gauge.
-    let step = Arc::new(AtomicUsize::new(0));
-    let wait_for = |step: &AtomicUsize, n: usize| {
-        let mut spins = 0u32;
-        while step.load(Ordering::Acquire) < n {
-            spins += 1;
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    };
-    let other = {
-        let (budget, step) = (budget.clone(), step.clone());
-        std::thread::spawn(move || {
-            for round in 0..ROUNDS {
-                wait_for(&step, 3 * round);
-                budget.on_success();
-                step.fetch_add(1, Ordering::AcqRel);
-                wait_for(&step, 3 * round + 3);
-            }
-        })
-    };
     let mut wrong = Vec::new();
-    for round in 0..ROUNDS {
-        wait_for(&step, 3 * round);
-        budget.on_failure();
-        step.fetch_add(1, Ordering::AcqRel);
-        wait_for(&step, 3 * round + 2);
-        let (tokens, shown) = (
-            budget.tokens(),
-            recorder.gauge("flowgate_retry_budget_tokens{name=race}"),
-        );
-        if shown != Some(tokens) {
-            wrong.push((round, tokens, shown));
-        }
-        step.fetch_add(1, Ordering::AcqRel);
-    }
-    other.join().unwrap();
+    let theirs = budget.clone();
+    crate::support::lockstep(
+        ROUNDS,
+        move |start| {
+            start();
+            theirs.on_success();
+        },
+        |start| {
+            start();
+            budget.on_failure();
+        },
+        |round| {
+            let (tokens, shown) = (
+                budget.tokens(),
+                recorder.gauge("flowgate_retry_budget_tokens{name=race}"),
+            );
+            if shown != Some(tokens) {
+                wrong.push((round, tokens, shown));
+            }
+        },
+    );
     assert!(
         wrong.is_empty(),
         "{} of {ROUNDS} rounds ended with the gauge off the tokens left; the first (round, \

@@ -8,6 +8,7 @@
 //! - [`RedisCluster`]: a private Redis Cluster built from [`RedisServer`] nodes.
 //! - [`DelayProxy`]: a loopback TCP proxy adding one-way latency, with partition controls.
 //! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
+//! - [`lockstep`]: two threads acting at the same moments, round after round.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //!
 //! Everything a helper starts is stopped when its handle is dropped, including while a
@@ -18,6 +19,7 @@
 
 mod cluster;
 mod delay_proxy;
+mod lockstep;
 #[cfg(feature = "metrics")]
 mod recorder;
 mod server;
@@ -28,6 +30,8 @@ mod tempdir;
 pub use cluster::RedisCluster;
 #[allow(unused_imports)]
 pub use delay_proxy::DelayProxy;
+#[allow(unused_imports)]
+pub use lockstep::lockstep;
 #[allow(unused_imports)]
 #[cfg(feature = "metrics")]
 pub use recorder::TestRecorder;

@@ -769,24 +769,39 @@ async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
     assert_eq!(drained(&mut con).await, 0);
 }
 
+/// `consumer` is delivered all `n` entries and goes away without acknowledging any; then
+/// entry `deleted` (an index) is removed from the stream (`XDEL`) while it is pending for
+/// it. The ids delivered, in order.
+async fn held_then_deleted(
+    server: &RedisServer,
+    con: &mut MultiplexedConnection,
+    consumer: &str,
+    n: usize,
+    deleted: usize,
+) -> Vec<String> {
+    let ids: Vec<String> = {
+        let mut stream = Box::pin(prefetch(source(server, consumer).await, levels(n, 0)));
+        take(&mut stream, n)
+            .await
+            .into_iter()
+            .map(|e| e.id)
+            .collect()
+    };
+    let removed: u64 = redis::cmd("XDEL")
+        .arg(KEY)
+        .arg(&ids[deleted])
+        .query_async(con)
+        .await
+        .unwrap();
+    assert_eq!(removed, 1);
+    ids
+}
+
 #[tokio::test]
 async fn a_deleted_entry_in_its_own_pending_list_is_recovered_without_fields() {
     let (server, mut con) = with_entries(5).await;
-    let mut ids = Vec::new();
-    {
-        let mut stream = Box::pin(prefetch(source(&server, "d").await, levels(5, 0)));
-        for e in take(&mut stream, 5).await {
-            ids.push(e.id.clone());
-        }
-    } // dropped without acknowledging anything
     // The entry is deleted (XDEL, or trimmed) while it is pending for "d".
-    let deleted: u64 = redis::cmd("XDEL")
-        .arg(KEY)
-        .arg(&ids[2])
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(deleted, 1);
+    let ids = held_then_deleted(&server, &mut con, "d", 5, 2).await;
     let mut stream = Box::pin(prefetch(source(&server, "d").await, levels(5, 0)));
     let again = take(&mut stream, 5).await;
     let got: Vec<&str> = again.iter().map(|e| e.id.as_str()).collect();
@@ -868,20 +883,8 @@ async fn a_loss_seen_by_a_fetch_whose_group_creation_fails_still_keeps_old_acks_
 #[tokio::test]
 async fn a_deleted_entry_pending_for_a_dead_consumer_is_skipped_by_the_claim() {
     let (server, mut con) = with_entries(3).await;
-    let mut ids = Vec::new();
-    {
-        let mut dead = Box::pin(prefetch(source(&server, "dead").await, levels(3, 0)));
-        for e in take(&mut dead, 3).await {
-            ids.push(e.id.clone());
-        }
-    } // crashed: nothing acknowledged
-    let deleted: u64 = redis::cmd("XDEL")
-        .arg(KEY)
-        .arg(&ids[1])
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(deleted, 1);
+    // "dead" crashed with nothing acknowledged.
+    let ids = held_then_deleted(&server, &mut con, "dead", 3, 1).await;
     // min_idle 300 ms: the dead consumer's entries are idle after that.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let mut alive = Box::pin(prefetch(source(&server, "alive").await, levels(3, 0)));

@@ -255,3 +255,17 @@ impl fmt::Display for Quota {
         write!(f, "{}, burst {}", self.rate, self.burst)
     }
 }
+
+/// Compare `qa / wa` with `qb / wb` exactly (`w` in nanoseconds, non-zero).
+pub(crate) fn cmp_rate(qa: u64, wa: u128, qb: u64, wb: u128) -> std::cmp::Ordering {
+    // Cross-multiplied: a 64-bit quota times a window of up to 2^94 ns does not fit in
+    // 128 bits, so each product is computed as (high, low) 64-bit halves of `w`:
+    // x × w = (x × hi + carry) × 2^64 + low 64 bits of x × lo.
+    let mul = |x: u64, w: u128| -> (u128, u128) {
+        let (hi, lo) = (w >> 64, w & u128::from(u64::MAX));
+        let lo_prod = u128::from(x) * lo;
+        let hi_prod = u128::from(x) * hi + (lo_prod >> 64);
+        (hi_prod, lo_prod & u128::from(u64::MAX))
+    };
+    mul(qa, wb).cmp(&mul(qb, wa))
+}

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::pace::{Pacer, UntilReady};
-use crate::rate::Rate;
+use crate::rate::{Rate, cmp_rate};
 use crate::sync::{Arc, Mutex, MutexGuard};
 use crate::time::capped;
 
@@ -687,8 +687,9 @@ impl Config {
 
 /// Whether `a` is faster than `b`, compared exactly.
 fn faster(a: Rate, b: Rate) -> bool {
-    u128::from(a.count()) * u128::from(b.period_nanos())
-        > u128::from(b.count()) * u128::from(a.period_nanos())
+    let (qa, wa) = (u64::from(a.count()), u128::from(a.period_nanos()));
+    let (qb, wb) = (u64::from(b.count()), u128::from(b.period_nanos()));
+    cmp_rate(qa, wa, qb, wb).is_gt()
 }
 
 /// The fastest rate at or below `per_second` of the form `count` per `10^k` ns, with the

@@ -15,6 +15,7 @@ use crate::http::fields::{
     RATELIMIT, RATELIMIT_LIMIT, RATELIMIT_POLICY, RATELIMIT_REMAINING, RATELIMIT_RESET,
     X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
 };
+use crate::rate::cmp_rate;
 
 /// An `X-RateLimit-Reset` above this many seconds is a Unix time, not a delay.
 const EPOCH_SECONDS_ABOVE: u64 = 1_000_000_000;
@@ -214,20 +215,6 @@ impl ServerHint {
             .min_by(|(qa, wa, _), (qb, wb, _)| cmp_rate(*qa, *wa, *qb, *wb))
             .map(|(_, _, p)| p)
     }
-}
-
-/// Compare `qa / wa` with `qb / wb` exactly (`w` in nanoseconds, non-zero).
-fn cmp_rate(qa: u64, wa: u128, qb: u64, wb: u128) -> std::cmp::Ordering {
-    // Cross-multiplied: a 64-bit quota times a window of up to 2^94 ns does not fit in
-    // 128 bits, so each product is computed as (high, low) 64-bit halves of `w`:
-    // x × w = (x × hi + carry) × 2^64 + low 64 bits of x × lo.
-    let mul = |x: u64, w: u128| -> (u128, u128) {
-        let (hi, lo) = (w >> 64, w & u128::from(u64::MAX));
-        let lo_prod = u128::from(x) * lo;
-        let hi_prod = u128::from(x) * hi + (lo_prod >> 64);
-        (hi_prod, lo_prod & u128::from(u64::MAX))
-    };
-    mul(qa, wb).cmp(&mul(qb, wa))
 }
 
 /// `Retry-After`: delta-seconds (saturating) or an HTTP-date.

@@ -460,3 +460,73 @@ async fn a_panicking_drop_hook_leaves_the_gated_stream_counted_and_usable() {
     assert!(unwound.is_err(), "the hook's panic reached the drop");
     assert_eq!(dropped("shaping", "discarded"), 1);
 }
+
+/// A key or cost function that panics on an item does not lose it: the item stays at the
+/// gate, asked again on the next poll if the caller caught the panic, and reported as
+/// discarded if the stream is dropped instead.
+#[tokio::test(start_paused = true)]
+async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
+    use futures::FutureExt;
+    for in_cost in [false, true] {
+        // Panics the first time it sees 1.
+        let seen_one = Arc::new(AtomicU64::new(0));
+        let once = move |i: &u32| {
+            if *i == 1 && seen_one.fetch_add(1, Ordering::Relaxed) == 0 {
+                panic!("panics on 1");
+            }
+        };
+        let (seen, hook) = recording();
+        let (key_once, cost_once) = (once.clone(), once);
+        let mut stream = Gated::builder(
+            futures::stream::iter(0..3u32),
+            MemoryGate::new(per_minute(10)),
+            move |i: &u32| {
+                if !in_cost {
+                    key_once(i);
+                }
+                "k"
+            },
+        )
+        .cost(move |i: &u32| {
+            if in_cost {
+                cost_once(i);
+            }
+            1
+        })
+        .on_drop(hook)
+        .build()
+        .unwrap();
+        assert_eq!(stream.next().await, Some(0));
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            stream.next().now_or_never()
+        }));
+        assert!(
+            unwound.is_err(),
+            "cost {in_cost}: the panic reached the poll"
+        );
+        let rest: Vec<u32> = (&mut stream).collect().await;
+        assert_eq!(rest, [1, 2], "cost {in_cost}: 1 is asked again, not lost");
+        assert_eq!(stream.dropped(), 0);
+        assert!(seen.lock().unwrap().is_empty());
+    }
+    // Dropped after the panic: the item is reported.
+    let (seen, hook) = recording();
+    let mut stream = Gated::builder(
+        futures::stream::iter(0..3u32),
+        MemoryGate::new(per_minute(10)),
+        |i: &u32| {
+            assert_ne!(*i, 1, "panics on 1");
+            "k"
+        },
+    )
+    .on_drop(hook)
+    .build()
+    .unwrap();
+    assert_eq!(stream.next().await, Some(0));
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        stream.next().now_or_never()
+    }));
+    assert!(unwound.is_err());
+    drop(stream);
+    assert_eq!(*seen.lock().unwrap(), [(1, "discarded".to_owned())]);
+}

@@ -1422,16 +1422,19 @@ mod on_redis {
         let conn = manager(&server).await;
         let open = layer(&conn, FailurePolicy::Open, "open:").await;
         let error = layer(&conn, FailurePolicy::Error, "error:").await;
+        let closed = layer(&conn, FailurePolicy::Closed, "closed:").await;
         let app = Router::new()
             .route("/open", route_get(|| async { "ok" }).layer(open.clone()))
-            .route("/error", route_get(|| async { "ok" }).layer(error.clone()));
+            .route("/error", route_get(|| async { "ok" }).layer(error.clone()))
+            .route("/closed", route_get(|| async { "ok" }).layer(closed.clone()));
         let http = Server::start(app).await;
         let client = client();
         let h = [("x-client", "r")];
         let (open_url, error_url) = (http.url("/open"), http.url("/error"));
+        let closed_url = http.url("/closed");
 
         // On Redis: decided, with fields.
-        for url in [&open_url, &error_url] {
+        for url in [&open_url, &error_url, &closed_url] {
             let a = get(&client, url, &h).await;
             assert_eq!(a.status, StatusCode::OK);
             assert_eq!(list(&a.headers, "ratelimit")[0].params["r"], 999);
@@ -1453,9 +1456,24 @@ mod on_redis {
             assert!(started.elapsed() < TIMEOUT + Duration::from_millis(700));
             assert_eq!(b.status, StatusCode::SERVICE_UNAVAILABLE, "policy Error");
             assert_eq!(retry_after(&b.headers), 1);
+            // Fail closed: refused because the server cannot decide, not because this
+            // client is over its quota: a 503 that says when to retry, no quota fields,
+            // and not a rejection of the client's key.
+            let started = Instant::now();
+            let c = get(&client, &closed_url, &h).await;
+            assert!(started.elapsed() < TIMEOUT + Duration::from_millis(700));
+            assert_eq!(c.status, StatusCode::SERVICE_UNAVAILABLE, "policy Closed");
+            assert_eq!(retry_after(&c.headers), 1, "the next probe, rounded up");
+            assert!(c.headers.get("ratelimit").is_none(), "no quota to show");
+            assert!(violated(&c.body).is_empty(), "no policy violated");
         }
         assert_eq!(open.stats().fail_open, 5);
         assert_eq!(error.stats().gate_error, 5);
+        assert_eq!(closed.stats().rejected, 0, "{:?}", closed.stats());
+        assert!(
+            closed.top_rejected(10).is_empty(),
+            "an outage is not abuse by every key"
+        );
 
         server.restart();
         let started = Instant::now();
@@ -1466,9 +1484,14 @@ mod on_redis {
             );
             let a = get(&client, &open_url, &h).await;
             let b = get(&client, &error_url, &h).await;
-            if a.headers.contains_key("ratelimit") && b.status == StatusCode::OK {
+            let c = get(&client, &closed_url, &h).await;
+            if a.headers.contains_key("ratelimit")
+                && b.status == StatusCode::OK
+                && c.status == StatusCode::OK
+            {
                 assert_eq!(a.status, StatusCode::OK);
                 assert!(b.headers.contains_key("ratelimit"));
+                assert!(c.headers.contains_key("ratelimit"));
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

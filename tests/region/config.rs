@@ -635,6 +635,39 @@ fn bucket_check(tag: &str, now: u64, cost: u32) -> redis::Cmd {
     c
 }
 
+/// The share script's `apply` for the region tagged `{tag}` at `now` (µs), as its refresher
+/// runs it: lease `seq` at `share` per second with a bucket of `tau` units, ending at
+/// `expires` (µs); a safe share of 0.
+fn apply_lease(tag: &str, now: u64, seq: u64, share: f64, tau: f64, expires: u64) -> redis::Cmd {
+    let mut c = redis::cmd("EVAL");
+    c.arg(flowgate::gate::lua::REGION_SHARE).arg(3);
+    for key in ["lease", "demand", "lock"] {
+        c.arg(format!("{{{tag}}}:{key}"));
+    }
+    c.arg("apply")
+        .arg(now)
+        .arg(seq)
+        .arg(share)
+        .arg(tau)
+        .arg(expires)
+        .arg("0")
+        .arg(0)
+        .arg(0)
+        .arg(0);
+    c
+}
+
+/// Run `cmds` in order on `con`, each answered by a list of integers.
+async fn run(con: &mut redis::aio::MultiplexedConnection, cmds: &[redis::Cmd]) -> Vec<Vec<i64>> {
+    let mut out = Vec::new();
+    for c in cmds {
+        out.push(c.query_async(con).await.unwrap());
+    }
+    out
+}
+
+const NEVER: u64 = 1_000_000_000_000_000;
+
 /// The bucket script on explicit time: a region whose share grows keeps the tokens it had
 /// (at most its old bucket, refilled at the lower share), it does not gain the new bucket.
 #[tokio::test]
@@ -642,7 +675,7 @@ async fn a_growing_share_brings_no_tokens() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
     // Share 10 per second, a bucket of 10 tokens (a token is 1 000 000 units).
-    let _: () = set_lease("g", lease_record(10.0, 1e7))
+    let _: Vec<i64> = apply_lease("g", 500_000, 1, 10.0, 1e7, NEVER)
         .query_async(&mut con)
         .await
         .unwrap();
@@ -653,7 +686,7 @@ async fn a_growing_share_brings_no_tokens() {
     assert_eq!(v[0], 1);
     // 1.05 s later the share is 90 per second with a bucket of 90: the old bucket was full
     // again after 0.1 s (10 tokens), and that is all the region has.
-    let _: () = set_lease("g", lease_record(90.0, 9e7))
+    let _: Vec<i64> = apply_lease("g", 2_050_000, 2, 90.0, 9e7, NEVER)
         .query_async(&mut con)
         .await
         .unwrap();
@@ -734,4 +767,74 @@ async fn the_region_bucket_reports_the_real_reset_when_the_clock_steps_back() {
         .await
         .unwrap();
     assert_eq!(v, [0, 1, 0, 6_000_000, 6_000_000]);
+}
+
+/// The bucket script on explicit time: a key first seen after the region's share grew has
+/// been full since ever at the shares the region held, so it starts from the smaller bucket
+/// and refills at the new share; it does not get a full new bucket (with many keys, each
+/// would be a bucket of tokens the region that gave the share up may have just spent).
+#[tokio::test]
+async fn a_key_first_seen_after_a_share_grew_starts_from_the_smaller_bucket() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let v = run(
+        &mut con,
+        &[
+            apply_lease("n", 1_000_000, 1, 10.0, 1e7, NEVER),
+            apply_lease("n", 2_000_000, 2, 90.0, 9e7, NEVER),
+            bucket_check("n", 2_000_000, 11),
+            bucket_check("n", 2_000_000, 10),
+            bucket_check("n", 2_000_000, 1),
+            // A second at 90 per second refills the bucket of 90.
+            bucket_check("n", 3_000_000, 90),
+        ],
+    )
+    .await;
+    assert_eq!(v[1], [1, 90], "the lease applied");
+    assert_eq!(v[2][0], 0, "11 tokens came with the bigger share: {v:?}");
+    assert_eq!(v[3][0], 1, "the 10 of the bucket before: {v:?}");
+    assert_eq!(v[4][0], 0, "a token more: {v:?}");
+    assert_eq!(v[5][0], 1, "refilled at the new share: {v:?}");
+}
+
+/// The bucket script on explicit time: a share that dipped between two checks of a key (to
+/// 0, or the lease ran out with a safe share of 0) and came back took the bucket's tokens
+/// with it, as checks during the dip would have; the bucket refills from the dip's end. It
+/// is not found full at the same share as if nothing had happened.
+#[tokio::test]
+async fn a_share_that_dipped_between_two_checks_took_the_tokens_with_it() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    // Share 90 at 1 s; a lease at 0 at 1.5 s, at 90 again at 1.6 s.
+    let granted_zero = run(
+        &mut con,
+        &[
+            apply_lease("d", 1_000_000, 1, 90.0, 9e7, NEVER),
+            bucket_check("d", 1_000_000, 1),
+            apply_lease("d", 1_500_000, 2, 0.0, 0.0, NEVER),
+            apply_lease("d", 1_600_000, 3, 90.0, 9e7, NEVER),
+            bucket_check("d", 1_700_000, 10),
+            bucket_check("d", 1_700_000, 9),
+        ],
+    )
+    .await;
+    // Share 90 at 1 s until 1.5 s; the next lease (the same share) lands at 1.6 s.
+    let ran_out = run(
+        &mut con,
+        &[
+            apply_lease("e", 1_000_000, 1, 90.0, 9e7, 1_500_000),
+            bucket_check("e", 1_000_000, 1),
+            apply_lease("e", 1_600_000, 2, 90.0, 9e7, NEVER),
+            bucket_check("e", 1_700_000, 10),
+            bucket_check("e", 1_700_000, 9),
+        ],
+    )
+    .await;
+    for (what, v) in [("granted 0", &granted_zero), ("ran out", &ran_out)] {
+        let n = v.len();
+        assert_eq!(v[1][0], 1, "{what}: {v:?}");
+        // 0.1 s at 90 per second since the dip: 9 tokens, not the 89 left before it.
+        assert_eq!(v[n - 2][0], 0, "{what}: the tokens outlived the dip: {v:?}");
+        assert_eq!(v[n - 1][0], 1, "{what}: refilled since the dip: {v:?}");
+    }
 }

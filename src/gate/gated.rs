@@ -340,12 +340,18 @@ where
         loop {
             let (outcome, key, cost) = match this.state {
                 State::Idle => {
-                    let Some(item) = ready!(this.stream.as_mut().poll_next(cx)) else {
-                        return Poll::Ready(None);
-                    };
-                    let key = this.key.key(&item);
-                    let cost = (this.cost)(&item);
-                    this.held.item = Some(item);
+                    // The item is held before the key and cost functions see it: if one
+                    // panics, the item stays at the gate (asked again on the next poll,
+                    // reported as discarded if the stream is dropped), never lost.
+                    if this.held.item.is_none() {
+                        let Some(item) = ready!(this.stream.as_mut().poll_next(cx)) else {
+                            return Poll::Ready(None);
+                        };
+                        this.held.item = Some(item);
+                    }
+                    let item = this.held.item.as_ref().expect("held above");
+                    let key = this.key.key(item);
+                    let cost = (this.cost)(item);
                     match ask(this.gate, key, cost, this.state) {
                         Some(asked) => asked,
                         None => continue,

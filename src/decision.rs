@@ -73,9 +73,33 @@ impl Decision {
         }
     }
 
-    /// A decision made by a gate without asking its backend (fail-open).
+    /// A decision made by a gate's failure policy without its backend: admitted
+    /// ([`FailurePolicy::Open`](crate::gate::FailurePolicy::Open)). No quota stands behind
+    /// it: `capacity` and `remaining` are `u64::MAX` (see [`is_fail_open`](Self::is_fail_open)).
     pub fn fail_open() -> Decision {
         Decision::allow(u64::MAX, u64::MAX, Duration::ZERO)
+    }
+
+    /// A decision made by a gate's failure policy without its backend: rejected until the
+    /// backend can be asked again, `retry_after` from now
+    /// ([`FailurePolicy::Closed`](crate::gate::FailurePolicy::Closed)). No quota stands behind
+    /// it: `capacity` is `u64::MAX`, `remaining` 0 (see [`is_fail_closed`](Self::is_fail_closed)).
+    /// The `http` feature's layer answers it `503`, not `429`: the server could not decide,
+    /// the client is not over a quota.
+    pub fn fail_closed(retry_after: Duration) -> Decision {
+        Decision::reject(u64::MAX, 0, retry_after, retry_after)
+    }
+
+    /// Whether this is a [`fail_open`](Self::fail_open) decision: admitted by a failure
+    /// policy, no quota behind it.
+    pub const fn is_fail_open(&self) -> bool {
+        self.allowed && self.capacity == u64::MAX
+    }
+
+    /// Whether this is a [`fail_closed`](Self::fail_closed) decision: rejected by a failure
+    /// policy, no quota behind it.
+    pub const fn is_fail_closed(&self) -> bool {
+        !self.allowed && self.capacity == u64::MAX
     }
 
     /// `allowed`, as a method.

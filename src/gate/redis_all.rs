@@ -106,9 +106,7 @@ where
                 };
                 match &inner.policy {
                     FailurePolicy::Open => Ok(each(&|_| Decision::fail_open())),
-                    FailurePolicy::Closed => Ok(each(&|q| {
-                        Decision::reject(u64::from(q.burst_size()), 0, until_probe, until_probe)
-                    })),
+                    FailurePolicy::Closed => Ok(each(&|_| Decision::fail_closed(until_probe))),
                     FailurePolicy::Fallback(gate) => gate.check_merged(&request),
                     _ => Err(CallError::error(error, until_probe)),
                 }

@@ -35,7 +35,8 @@ pub enum FailurePolicy {
     Error,
     /// Admit everything (availability over the limit).
     Open,
-    /// Reject everything, with `retry_after` = the time until the next probe of Redis.
+    /// Reject everything, with `retry_after` = the time until the next probe of Redis
+    /// ([`Decision::fail_closed`]: `capacity` is `u64::MAX`, as no quota stands behind it).
     Closed,
     /// Decide locally with this in-memory gate (each instance then enforces the limit on its
     /// own: the fleet may admit up to instances × limit while Redis is away).
@@ -44,10 +45,9 @@ pub enum FailurePolicy {
 
 impl FailurePolicy {
     /// The answer for `key` and `cost` while Redis is failing (`error`: what it said, if this
-    /// call asked it) and the next probe is `until_probe` away; `capacity` is the limit's.
+    /// call asked it) and the next probe is `until_probe` away.
     pub(crate) fn decide(
         &self,
-        capacity: u64,
         key: &str,
         cost: u32,
         until_probe: Duration,
@@ -56,7 +56,7 @@ impl FailurePolicy {
         match self {
             FailurePolicy::Error => Err(CallError::error(error, until_probe)),
             FailurePolicy::Open => Ok(Decision::fail_open()),
-            FailurePolicy::Closed => Ok(Decision::reject(capacity, 0, until_probe, until_probe)),
+            FailurePolicy::Closed => Ok(Decision::fail_closed(until_probe)),
             FailurePolicy::Fallback(gate) => gate.check(key, cost),
         }
     }
@@ -709,8 +709,7 @@ where
     ) -> Result<Decision, GateError> {
         let inner = &*self.inner;
         inner.metrics.by_policy.increment(1);
-        let capacity = inner.eval.limit.capacity();
-        inner.policy.decide(capacity, key, cost, until_probe, error)
+        inner.policy.decide(key, cost, until_probe, error)
     }
 }
 

@@ -165,8 +165,7 @@ where
             Err(CallError::Request(e)) => Err(e),
             Err(CallError::Backend { error, until_probe }) => {
                 self.by_policy.increment(1);
-                self.policy
-                    .decide(limit.capacity(), key, cost, until_probe, error)
+                self.policy.decide(key, cost, until_probe, error)
             }
         }
     }

@@ -197,9 +197,9 @@ fn assert_policy_decides(policy: Policy, path: Path, outcomes: &[Outcome]) {
         admitted += usize::from(allowed);
         for d in decisions {
             match policy {
-                Policy::Open => assert!(d.allowed && d.capacity == u64::MAX, "{at}: {d:?}"),
+                Policy::Open => assert!(d.is_fail_open(), "{at}: {d:?}"),
                 Policy::Closed => assert!(
-                    !d.allowed && d.retry_after > Duration::ZERO && d.retry_after <= PROBE,
+                    d.is_fail_closed() && d.retry_after > Duration::ZERO && d.retry_after <= PROBE,
                     "{at}: retry_after is not the time until the next probe: {d:?}"
                 ),
                 // The memory gate's burst (its own limit, or the quota given to check_all).

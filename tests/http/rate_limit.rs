@@ -1426,7 +1426,10 @@ mod on_redis {
         let app = Router::new()
             .route("/open", route_get(|| async { "ok" }).layer(open.clone()))
             .route("/error", route_get(|| async { "ok" }).layer(error.clone()))
-            .route("/closed", route_get(|| async { "ok" }).layer(closed.clone()));
+            .route(
+                "/closed",
+                route_get(|| async { "ok" }).layer(closed.clone()),
+            );
         let http = Server::start(app).await;
         let client = client();
         let h = [("x-client", "r")];
@@ -1469,7 +1472,8 @@ mod on_redis {
         }
         assert_eq!(open.stats().fail_open, 5);
         assert_eq!(error.stats().gate_error, 5);
-        assert_eq!(closed.stats().rejected, 0, "{:?}", closed.stats());
+        let stats = closed.stats();
+        assert_eq!((stats.fail_closed, stats.rejected), (5, 0), "{stats:?}");
         assert!(
             closed.top_rejected(10).is_empty(),
             "an outage is not abuse by every key"

@@ -314,7 +314,7 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     );
     let closed = region.gate_with(flowgate::gate::FailurePolicy::Closed);
     let d = closed.check("k", 1).await.unwrap();
-    assert!(!d.allowed);
+    assert!(d.is_fail_closed(), "{d:?}");
 }
 
 /// The region's metrics carry the allocator's name and the region, never a user key.

@@ -74,6 +74,11 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   retry of its own: the gate's timeout and failure policy apply unchanged (a fail-open
 ///   decision is admitted and counted as `fail_open`; it is left out of the fields, as it
 ///   says nothing about a quota).
+/// - **Fail closed** (a [`Decision::fail_closed`](crate::Decision::fail_closed) from
+///   [`FailurePolicy::Closed`](crate::gate::FailurePolicy::Closed): the backend could not
+///   decide): `503` as for a gate error, `Retry-After` the time until the gate asks its
+///   backend again (rounded up, at least 1), no fields; counted as `fail_closed`, not as a
+///   rejection, and no key goes to the top-N sketch (an outage is not abuse by every key).
 /// - **No key**, with [`MissingKey::Refuse`]: `400 Bad Request` with a problem body
 ///   (`about:blank`) whose `detail` names the policy; counted as `missing_key`.
 /// - **A request that can never be decided** (its cost above a policy's burst, or a key
@@ -125,7 +130,8 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_http_decisions_total` by `outcome` (`admitted`,
-/// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `missing_key`, `bad_request`),
+/// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `fail_closed`, `missing_key`,
+/// `bad_request`),
 /// the same counts as [`stats`](RateLimitLayer::stats). Keys are never labels.
 ///
 /// # Examples
@@ -494,6 +500,9 @@ pub struct RateLimitStats {
     pub gate_error: u64,
     /// Admitted by the gate's fail-open policy (the backend could not decide).
     pub fail_open: u64,
+    /// Refused by the gate's fail-closed policy (the backend could not decide): answered
+    /// `503` (passed in shadow mode).
+    pub fail_closed: u64,
     /// Refused with `400` because a policy with [`MissingKey::Refuse`] found no key
     /// (once per request, however many policies found none). In shadow mode the request
     /// passes, decided on the other policies that apply, and counted by that decision too.
@@ -512,17 +521,19 @@ enum Outcome {
     ShadowRejected,
     GateError,
     FailOpen,
+    FailClosed,
     MissingKey,
     BadRequest,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 7] = [
+    const ALL: [Outcome; 8] = [
         Outcome::Admitted,
         Outcome::Rejected,
         Outcome::ShadowRejected,
         Outcome::GateError,
         Outcome::FailOpen,
+        Outcome::FailClosed,
         Outcome::MissingKey,
         Outcome::BadRequest,
     ];
@@ -534,6 +545,7 @@ impl Outcome {
             Outcome::ShadowRejected => "shadow_rejected",
             Outcome::GateError => "gate_error",
             Outcome::FailOpen => "fail_open",
+            Outcome::FailClosed => "fail_closed",
             Outcome::MissingKey => "missing_key",
             Outcome::BadRequest => "bad_request",
         }
@@ -671,8 +683,8 @@ pub(crate) struct Shared<G> {
     top: TopRejected,
     /// Per [`Outcome`], striped by thread (each request counts once: one cache line all
     /// server threads wrote was the layer's most contended write).
-    counts: Striped<7>,
-    counters: [Counter; 7],
+    counts: Striped<{ Outcome::ALL.len() }>,
+    counters: [Counter; Outcome::ALL.len()],
     name: Option<String>,
     /// The clock of the rejection log (real time, the cheap time-stamp counter).
     log_clock: Clock,
@@ -714,6 +726,7 @@ impl<G> Shared<G> {
             shadow_rejected: c(Outcome::ShadowRejected),
             gate_error: c(Outcome::GateError),
             fail_open: c(Outcome::FailOpen),
+            fail_closed: c(Outcome::FailClosed),
             missing_key: c(Outcome::MissingKey),
             bad_request: c(Outcome::BadRequest),
         }
@@ -835,15 +848,7 @@ impl<G> Shared<G> {
                 if let Err(e) = decided {
                     tracing::debug!(layer = ?self.name, error = %e, "rate limit: gate error");
                 }
-                self.count(Outcome::GateError);
-                if self.shadow {
-                    return Verdict::Pass(None);
-                }
-                return Verdict::Answer(problem::response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    self.gate_error_body.clone(),
-                    fields::integer_value(1),
-                ));
+                return self.unavailable(Outcome::GateError, 1);
             }
         };
         // The common case, one policy that admits: nothing blocked or violated to work out,
@@ -868,10 +873,20 @@ impl<G> Shared<G> {
             return Verdict::Pass(fields);
         }
         let allowed = decisions.iter().all(|d| d.allowed);
-        let fail_open = decisions.iter().any(|d| d.capacity == u64::MAX);
+        if !allowed && decisions.iter().any(Decision::is_fail_closed) {
+            // Refused by the gate's failure policy: the server could not decide, the client
+            // is not over a quota. A 503 saying when the backend is asked again, like a gate
+            // error; no fields (no quota stands behind it), no rejected key.
+            let retry_after = decisions
+                .iter()
+                .filter(|d| d.is_fail_closed())
+                .map(|d| fields::ceil_secs(d.retry_after))
+                .fold(1, u64::max);
+            return self.unavailable(Outcome::FailClosed, retry_after);
+        }
+        let fail_open = decisions.iter().any(Decision::is_fail_open);
         // The policies that blocked: a rejection with a retry_after of its own (the others
-        // had room but were not charged). If none says so (a closed gate about to probe),
-        // all of them did.
+        // had room but were not charged). If none says so, all of them did.
         let blocked = |d: &Decision| !d.allowed && !d.retry_after.is_zero();
         let any_blocked = decisions.iter().any(blocked);
         let violated = |d: &Decision| !allowed && (blocked(d) || !any_blocked);
@@ -940,6 +955,20 @@ impl<G> Shared<G> {
             fields.write(res.headers_mut());
         }
         Verdict::Answer(res)
+    }
+
+    /// The gate could not decide (`outcome`): `503` with `Retry-After: retry_after` seconds
+    /// and the temporary-reduced-capacity problem body, no fields; passed in shadow mode.
+    fn unavailable(&self, outcome: Outcome, retry_after: u64) -> Verdict {
+        self.count(outcome);
+        if self.shadow {
+            return Verdict::Pass(None);
+        }
+        Verdict::Answer(problem::response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            self.gate_error_body.clone(),
+            fields::integer_value(retry_after),
+        ))
     }
 
     /// Record the blocked keys in the top-N sketch; log at most once a minute.

@@ -1,8 +1,8 @@
 -- flowgate region bucket: a token bucket (GCRA) whose rate is the region's current share of
--- a global quota, read from the lease record in the same script. lua/prelude.lua is put in
--- front (clock_us, corrupt).
+-- a global quota, read from the lease record in the same script. lua/prelude.lua and
+-- lua/region_lease.lua are put in front (clock_us, corrupt; the record).
 --
--- KEYS[1]  the lease record (lua/region_share.lua): <seq, share, tau, expires_us>
+-- KEYS[1]  the lease record (lua/region_lease.lua): the share, since when, and before
 -- KEYS[2]  the demand counters: HINCRBY a (admitted) or r (rejected) by the cost
 -- KEYS[3]  the bucket: <tat_us, frac, count, tau, written_us>, packed little-endian
 --          doubles; frac is in units of 1/count us; count and tau are the share and bucket
@@ -17,8 +17,11 @@
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
--- changes, the bucket keeps the tokens it had in hand, refilled at the lower of the two
--- shares and at most the new bucket, so a region never gains tokens by a change. A cost
+-- changed since the bucket was written, the bucket keeps the tokens it had in hand,
+-- refilled along the record's history: at each share the region held meanwhile, never above
+-- each one's bucket (a dip to 0 empties it), so a region never gains tokens by a change. A
+-- key with no bucket is one that has been full since ever, refilled the same way: after a
+-- share grew it starts from the smaller bucket, not a full new one. A cost
 -- above the bucket at the current share is rejected with retry_after = ARGV[6]. At share 0
 -- the bucket is stored empty. Returns {allowed, burst, remaining, retry_after_us,
 -- reset_after_us}; a rejected request writes only the counter (and the bucket converted to
@@ -28,17 +31,13 @@ local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
 local period = tonumber(ARGV[3])
 
-local share, tau = tonumber(ARGV[4]), tonumber(ARGV[5])
-local raw = redis.call('GET', KEYS[1])
-if raw then
-  local ok, _, s, t, expires = pcall(struct.unpack, '<dddd', raw)
-  if not ok or type(expires) ~= 'number' then
-    return redis.error_reply('ERR region lease record is unreadable: delete ' .. KEYS[1])
-  end
-  if now < expires then
-    share, tau = s, t
-  end
+local ok, lease = pcall(get_lease, KEYS[1])
+if not ok then
+  return redis.error_reply('ERR ' .. tostring(lease))
 end
+-- Newest first: the first is in force now.
+local segs = segments(lease, now, tonumber(ARGV[4]), tonumber(ARGV[5]))
+local share, tau = segs[1][2], segs[1][3]
 
 if share <= 0 then
   -- At share 0 the region holds no tokens: the bucket is stored empty (size 0), so when
@@ -69,7 +68,11 @@ end
 local used = 0
 local converted = false
 local state = redis.call('GET', KEYS[3])
-if state then
+if not state then
+  -- Full since ever, refilled along the history.
+  used = tau - math.min(tau, refill(segs, 0, math.huge, now))
+  converted = used > 0
+else
   local ok, tat_us, frac, count, was_tau, written = pcall(struct.unpack, '<ddddd', state)
   local function finite(x)
     return type(x) == 'number' and x == x and x > -math.huge and x < math.huge
@@ -80,19 +83,18 @@ if state then
     -- This key only: the request fails with a key error, the gate stays healthy.
     return {KEY_CORRUPT, 0, 0, 0, 0}
   end
-  if count == share and was_tau == tau then
+  if count == share and was_tau == tau and written >= segs[1][1] then
     local ahead = tat_us - now
     if ahead > 0 or (ahead == 0 and frac > 0) then
       used = ahead * count + frac
     end
   else
-    -- The share changed since the last write: the tokens in hand then (a token is `period`
-    -- units at any share), refilled since at the lower of the two shares, at most the new
-    -- bucket. A region never gains tokens by a change, so the regions together never hold
-    -- more than their buckets, which add up to the global burst (and one request each).
+    -- The share changed since the last write (maybe and back): the tokens in hand then (a token is `period`
+    -- units at any share), refilled since along the history. A region never gains tokens by
+    -- a change, so the regions together never hold more than their buckets, which add up
+    -- to the global burst (and one request each).
     local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))
-    in_hand = math.min(was_tau, in_hand + math.max(0, now - written) * math.min(count, share))
-    used = tau - math.min(tau, in_hand)
+    used = tau - math.min(tau, refill(segs, written, in_hand, now))
     converted = true
   end
 end

@@ -1,11 +1,11 @@
 -- flowgate region share: a region's lease in its local Redis, read and written by the
 -- region's refresher (one process of the region at a time: the one holding the lock).
--- lua/prelude.lua is put in front (clock_us). The gates of every process of the region read
+-- lua/prelude.lua and lua/region_lease.lua are put in front (clock_us, the record). The gates of every process of the region read
 -- the same record in lua/region_bucket.lua, so they all admit at the same share, switched
 -- at one instant by the local Redis clock.
 --
--- KEYS[1]  the lease record: <seq, share, tau, expires_us>, packed little-endian doubles;
---          expires_us is on this Redis's clock
+-- KEYS[1]  the lease record (lua/region_lease.lua): the lease, since when it applies, and
+--          the shares before it; times on this Redis's clock
 -- KEYS[2]  the demand counters: a hash {a = units admitted, r = units rejected} since the
 --          last report (written by lua/region_bucket.lua)
 -- KEYS[3]  the refresher lock
@@ -24,6 +24,9 @@
 --   unless the record holds a newer one (a larger seq): a late reply can never replace a
 --   newer lease; nor when the record went back below ARGV[10] (lost writes). A learning grant
 --   is capped at what the region admits at now (its lease if live, else its safe share).
+--   A lease at another share than the one in force starts now, the one before it (and, if it
+--   had expired, the safe share since) going to the record's history; a renewal keeps its
+--   start. The first lease a region gets reads as held since ever.
 --   {1, share written}, {0, 0} (a newer lease is there) or {0, -1} (the record went back).
 -- release: ARGV[3] this process's lock token. Deletes the lock if this process holds it
 --   (a process that stops, or cannot reach the home): {1} released, {0} not held.
@@ -31,16 +34,15 @@
 local mode = ARGV[1]
 local now = clock_us(ARGV[2])
 
+-- The lease record, read by record().
+local held
+
 local function record()
-  local raw = redis.call('GET', KEYS[1])
-  if not raw then
+  held = get_lease(KEYS[1])
+  if not held then
     return 0, 0, 0, 0
   end
-  local ok, seq, share, tau, expires = pcall(struct.unpack, '<dddd', raw)
-  if not ok or type(expires) ~= 'number' then
-    error('region lease record is unreadable: delete ' .. KEYS[1])
-  end
-  return seq, share, tau, expires
+  return held.seq, held.share, held.tau, held.expires
 end
 
 if mode == 'report' then
@@ -70,11 +72,11 @@ end
 
 local seq, share, tau, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
   tonumber(ARGV[6])
-local held, held_share, held_tau, held_expires = record()
-if seq < held then
+local held_seq, held_share, held_tau, held_expires = record()
+if seq < held_seq then
   return {0, 0}
 end
-if held < tonumber(ARGV[10]) then
+if held_seq < tonumber(ARGV[10]) then
   -- The record is older than when this refresh read it: this Redis lost writes (a restart
   -- without persistence, a failover to a replica behind). A reply in flight from before
   -- must not land on it; the next refresh starts from what is here now.
@@ -90,5 +92,18 @@ if ARGV[7] == '1' then
     share, tau = now_share, now_tau
   end
 end
-redis.call('SET', KEYS[1], struct.pack('<dddd', seq, share, tau, expires))
+local lease = held
+if not lease then
+  lease = {start = 0, past = {}}
+elseif now >= held_expires then
+  -- The lease ran out before this one came: the safe share applied since.
+  push_past(lease, lease.start, held_share, held_tau)
+  push_past(lease, held_expires, tonumber(ARGV[8]), tonumber(ARGV[9]))
+  lease.start = now
+elseif share ~= held_share or tau ~= held_tau then
+  push_past(lease, lease.start, held_share, held_tau)
+  lease.start = now
+end
+lease.seq, lease.share, lease.tau, lease.expires = seq, share, tau, expires
+set_lease(KEYS[1], lease)
 return {1, share}

@@ -9,7 +9,8 @@ use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
 
 /// Every script is `lua/prelude.lua` (the clock, TTLs under logical time, the batch loop)
-/// followed by the script; the token bucket ones also get `lua/bucket_state.lua`.
+/// followed by the script; the token bucket ones also get `lua/bucket_state.lua`, the region
+/// ones `lua/region_lease.lua` (the lease record and its history).
 macro_rules! script {
     ($($file:literal),+) => {
         concat!(include_str!("../../lua/prelude.lua"), $(include_str!(concat!("../../lua/", $file))),+)
@@ -32,9 +33,9 @@ pub const SLIDING_WINDOW: &str = script!("sliding_window.lua");
 /// `lua/region_home.lua`: the leases of a global quota in the home Redis.
 pub const REGION_HOME: &str = script!("region_home.lua");
 /// `lua/region_share.lua`: a region's lease record and demand counters, in its local Redis.
-pub const REGION_SHARE: &str = script!("region_share.lua");
+pub const REGION_SHARE: &str = script!("region_lease.lua", "region_share.lua");
 /// `lua/region_bucket.lua`: a token bucket at the region's current share.
-pub const REGION_BUCKET: &str = script!("region_bucket.lua");
+pub const REGION_BUCKET: &str = script!("region_lease.lua", "region_bucket.lua");
 
 /// `pub(crate) fn $name() -> &'static redis::Script`: `$source`, hashed once.
 macro_rules! compiled_once {

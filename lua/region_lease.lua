@@ -1,0 +1,116 @@
+-- flowgate region lease record: written by lua/region_share.lua (the refresher), read there
+-- and by lua/region_bucket.lua (every decision). Put after lua/prelude.lua.
+--
+-- The record, packed little-endian doubles:
+--   <seq, share, tau, expires_us, start_us, then up to HISTORY past segments
+--    (start_us, share, tau), newest first>
+-- The lease's share and bucket size tau apply from start_us until expires_us (this Redis's
+-- clock; after that the region admits at its safe share); a past segment applied from its
+-- start_us until the start of the segment after it. A renewal at the same share keeps
+-- start_us. The history is what a bucket left untouched for a while is refilled along
+-- (lua/region_bucket.lua): at the shares the region held meanwhile, not only at the ones
+-- it held at both ends of the gap (a share that dipped in between, to 0 even, took the
+-- region's tokens with it; a key first seen after a share grew starts from the smaller
+-- bucket, not from a full new one).
+-- A record of 4 doubles (written before there was a history) reads as start_us 0 and no
+-- history: the share held since ever, as those records were read.
+
+local HISTORY = 6
+
+-- The lease in `raw` (a table: seq, share, tau, expires, start, past), or nil when `raw`
+-- is not a record of this shape.
+local function read_lease(raw)
+  local len = #raw
+  if len ~= 32 and (len < 40 or (len - 40) % 24 ~= 0) then
+    return nil
+  end
+  local seq, share, tau, expires, pos = struct.unpack('<dddd', raw)
+  local lease = {seq = seq, share = share, tau = tau, expires = expires, start = 0, past = {}}
+  if len > 32 then
+    lease.start, pos = struct.unpack('<d', raw, pos)
+    while pos <= len do
+      local s, sh, t
+      s, sh, t, pos = struct.unpack('<ddd', raw, pos)
+      lease.past[#lease.past + 1] = {s, sh, t}
+    end
+  end
+  return lease
+end
+
+-- The lease at `key`, or nil if there is none; an unreadable record is an error naming it.
+local function get_lease(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return nil
+  end
+  local ok, lease = pcall(read_lease, raw)
+  if not ok or not lease or type(lease.expires) ~= 'number' then
+    error('region lease record is unreadable: delete ' .. key)
+  end
+  return lease
+end
+
+local function set_lease(key, lease)
+  local parts = {struct.pack('<ddddd', lease.seq, lease.share, lease.tau, lease.expires,
+    lease.start)}
+  for _, p in ipairs(lease.past) do
+    parts[#parts + 1] = struct.pack('<ddd', p[1], p[2], p[3])
+  end
+  redis.call('SET', key, table.concat(parts))
+end
+
+-- Put the segment (start, share, tau), which ended when the next one began, in front of
+-- the past ones. Past HISTORY, the two oldest become one, from the older start, at the
+-- lower share and the smaller bucket: a bucket refilled across them gains no more than it
+-- could have.
+local function push_past(lease, start, share, tau)
+  local past = lease.past
+  table.insert(past, 1, {start, share, tau})
+  if #past > HISTORY then
+    local newer, older = past[#past - 1], past[#past]
+    past[#past] = nil
+    past[#past] = {older[1], math.min(newer[2], older[2]), math.min(newer[3], older[3])}
+  end
+end
+
+-- The segments a region's bucket was refilled along, newest first, each {start, share, tau}:
+-- the lease (and after it, once it expired, the safe share), then its past. Without a
+-- record, the safe share since ever.
+local function segments(lease, now, safe, safe_tau)
+  if not lease then
+    return {{0, safe, safe_tau}}
+  end
+  local segs = {}
+  if now >= lease.expires then
+    segs[1] = {lease.expires, safe, safe_tau}
+  end
+  segs[#segs + 1] = {lease.start, lease.share, lease.tau}
+  for _, p in ipairs(lease.past) do
+    segs[#segs + 1] = p
+  end
+  return segs
+end
+
+-- What a bucket holding `held` units at `from` holds at `now`: refilled segment by segment at
+-- each one's share, never above each one's bucket (a segment of no length still caps it).
+-- Before the oldest segment the shares are unknown: a bucket from then is taken as empty at
+-- that segment's start.
+local function refill(segs, from, held, now)
+  local n = #segs
+  if from < segs[n][1] then
+    from, held = segs[n][1], 0
+  end
+  for i = n, 1, -1 do
+    local seg = segs[i]
+    local stop = now
+    if i > 1 then
+      stop = segs[i - 1][1]
+    end
+    -- A segment that ended by `from` is behind it; the lease in force now always counts.
+    if i == 1 or stop > from or seg[1] >= from then
+      local gained = math.max(0, stop - math.max(seg[1], from)) * seg[2]
+      held = math.min(seg[3], held + gained)
+    end
+  end
+  return held
+end

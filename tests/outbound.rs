@@ -8,7 +8,8 @@ mod sim;
 use std::time::Duration;
 
 use flowgate::pace::{AdaptivePacer, Pacer, Phase};
-use flowgate::{ConfigErrorKind, Quota, Rate};
+use flowgate::{ConfigErrorKind, FlowStreamExt, Quota, Rate};
+use futures::StreamExt;
 use sim::{Clients, Server, SimConfig, Strategy};
 use tokio::time::{Instant, advance, sleep};
 
@@ -380,6 +381,35 @@ async fn an_unused_rate_does_not_grow() {
         "{:?}",
         a.status()
     );
+}
+
+/// A waiter that was stepped over (first in line, its task stopped polling it, and a later
+/// caller overtook it) keeps its place in line, but it is not using the rate: while nobody
+/// else waits and 1 response a second comes back, the rate does not grow for it.
+#[tokio::test(start_paused = true)]
+async fn a_stepped_over_waiter_does_not_make_an_unused_rate_grow() {
+    let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+        .initial(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    // A stream first in line, then left alone (a `select!` loop whose other branch runs
+    // long); the caller behind it steps over it 10 ms after its turn.
+    let mut stalled = Box::pin(futures::stream::iter(0..u32::MAX).leaky_with(a.pacer().clone()));
+    while futures::poll!(stalled.next()).is_ready() {}
+    a.until_ready(1).await.unwrap();
+    assert_eq!(a.pacer().waiting(), 1, "it keeps its place in line");
+    for _ in 0..30 {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+        sleep(SECOND).await;
+    }
+    assert!(
+        a.status().rate_per_second <= 100.0 + 1e-9,
+        "{:?}",
+        a.status()
+    );
+    // Polled again, it takes its place back and is served.
+    assert!(stalled.next().await.is_some());
 }
 
 #[tokio::test(start_paused = true)]

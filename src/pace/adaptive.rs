@@ -163,7 +163,8 @@ pub struct AdaptiveStatus {
 ///   last policy, and, until the reset `t` of an allowance, at or below `r / t` (or `q / w`
 ///   when that is higher: a token bucket refills during `t`).
 /// - **Never growing unused**: the rate grows only while the caller uses at least 80 % of
-///   it (someone waits for the pacer, or that many responses came back in the last second).
+///   it (someone waits for the pacer, not counting a waiter [stepped over](Pacer#guarantees)
+///   while its task does not poll it, or that many responses came back in the last second).
 ///
 /// Everything runs on `tokio::time`, so under paused time it is deterministic.
 ///
@@ -531,9 +532,11 @@ impl Shared {
         c.rate = c.rate.max(self.config.floor).min(self.cap(c, now));
     }
 
-    /// Whether the caller uses the rate (so that growing it means something).
+    /// Whether the caller uses the rate (so that growing it means something). A waiter
+    /// stepped over does not: its task is not polling it.
     fn in_use(&self, c: &mut Control, now: Instant) -> bool {
-        self.pacer.waiting() > 0 || c.responses.per_second(now) >= USED_SHARE * c.rate
+        self.pacer.inner().has_present_waiter()
+            || c.responses.per_second(now) >= USED_SHARE * c.rate
     }
 
     /// Advance the controller to `now`.

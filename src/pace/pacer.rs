@@ -381,7 +381,9 @@ impl Pacer {
         self.inner.lock().bucket.quota()
     }
 
-    /// How many acquisitions are waiting.
+    /// How many acquisitions are waiting: every one in line, those stepped over included
+    /// (a first waiter whose task left its turn unclaimed; see guarantee (c)), as each
+    /// keeps its place until it passes or is dropped.
     pub fn waiting(&self) -> usize {
         self.inner.lock().waiters.len()
     }
@@ -417,6 +419,12 @@ impl Inner {
 
     fn elapsed(&self, now: Instant) -> Duration {
         now.saturating_duration_since(self.epoch)
+    }
+
+    /// Whether someone waits in line and claims its turn: a waiter not stepped over (the
+    /// head is the first of them). Those stepped over are not polled by their tasks.
+    pub(crate) fn has_present_waiter(&self) -> bool {
+        self.lock().head.is_some()
     }
 
     fn check(&self, cost: u32) -> Result<Decision, CostError> {

@@ -1141,6 +1141,128 @@ async fn a_dropped_request_counts_the_drop_and_abandons_the_allowed_retry() {
     assert_eq!((stats.allowed, stats.abandoned), (5, 4));
 }
 
+/// The stops a policy named `name` counted, by `stop`: those counted at least once.
+#[cfg(feature = "metrics")]
+fn stops(recorder: &crate::support::TestRecorder, name: &str) -> Vec<(&'static str, u64)> {
+    [
+        "success",
+        "fatal",
+        "gave_up",
+        "budget",
+        "timed_out",
+        "cancelled",
+    ]
+    .into_iter()
+    .map(|stop| {
+        let id = format!("flowgate_retry_stopped_total{{name={name},stop={stop}}}");
+        (stop, recorder.counter(&id))
+    })
+    .filter(|&(_, n)| n > 0)
+    .collect()
+}
+
+/// A classifier that panics ends the request with its panic, here on the second answer,
+/// after a `503` whose retry the budget allowed and that was sent. As `retry()` counts it:
+/// both attempts were sent, the operation counts one stop, `cancelled` (it ended before a
+/// stop was decided), the allowed retry is not abandoned (it was sent), and the budget
+/// heard of the `503` alone.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_panicking_classifier_counts_the_request_once_as_retry_does() {
+    use flowgate::retry::{HttpClassify, Outcome, retry};
+    use futures::FutureExt;
+    use std::panic::AssertUnwindSafe;
+
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder()
+            .name("classify")
+            .max_tokens(20)
+            .build()
+            .unwrap();
+        let policy = |name: &str| {
+            RetryPolicy::builder(backoff(5))
+                .name(name)
+                .budget(budget.clone())
+                .build()
+                .unwrap()
+        };
+        (budget.clone(), [policy("fn"), policy("layer")])
+    });
+    let [by_fn, by_layer] = policy;
+
+    // retry(): the downstream answers 503, then 200, which the classifier panics on.
+    let classify = |r: &Result<u16, Infallible>| match r {
+        Ok(200) => panic!("the classifier panics"),
+        _ => Outcome::BackPressure {
+            retry_after: Some(SECOND),
+        },
+    };
+    let op = |n: u32| async move { Ok::<_, Infallible>(if n == 1 { 503 } else { 200 }) };
+    let panicked = AssertUnwindSafe(retry(&by_fn, classify, op))
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err());
+
+    // RetryLayer: the same through a classifier of responses.
+    let server = Scripted::new();
+    let client = RetryLayer::new(by_layer)
+        .classify(|r: &Result<Response<String>, Infallible>| match r {
+            Ok(res) if res.status() == StatusCode::OK => panic!("the classifier panics"),
+            Ok(res) => HttpClassify::new().outcome(res.status(), res.headers()),
+            Err(_) => Outcome::Retry,
+        })
+        .layer(server.service(|n| match n {
+            1 => answer(503, String::new(), Some("1")),
+            _ => answer(200, String::new(), None),
+        }));
+    let panicked = AssertUnwindSafe(client.oneshot(request(Method::GET)))
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err());
+    assert_eq!(server.calls(), 2);
+
+    for name in ["fn", "layer"] {
+        let attempts = format!("flowgate_retry_attempts_total{{name={name}}}");
+        assert_eq!(recorder.counter(&attempts), 2, "{name}");
+        assert_eq!(stops(&recorder, name), [("cancelled", 1)], "{name}");
+    }
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (2, 0));
+    assert_eq!(budget.tokens(), 18.0, "one token for each 503");
+}
+
+/// A request polled outside a tokio runtime panics when its first wait starts, as
+/// documented: here the backoff after a `503`, which the budget allowed a retry for. The
+/// retry was never sent: it is abandoned, and the request counts one stop, `cancelled`.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_request_that_panics_starting_its_backoff_abandons_the_allowed_retry() {
+    use std::panic::AssertUnwindSafe;
+
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder().name("arm").build().unwrap();
+        let policy = RetryPolicy::builder(backoff(5))
+            .name("arm")
+            .budget(budget.clone())
+            .build()
+            .unwrap();
+        (budget, policy)
+    });
+    let server = Scripted::new();
+    let client =
+        RetryLayer::new(policy).layer(server.service(|_| answer(503, String::new(), None)));
+    let panicked = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        futures::executor::block_on(client.oneshot(request(Method::GET)))
+    }));
+    assert!(panicked.is_err(), "no runtime for the backoff's timer");
+    assert_eq!(server.calls(), 1);
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (1, 1));
+    assert_eq!(stops(&recorder, "arm"), [("cancelled", 1)]);
+}
+
 #[test]
 fn layer_types_are_clone_debug_send() {
     fn check<T: Clone + std::fmt::Debug + Send + Sync>(_: &T) {}

@@ -452,7 +452,8 @@ pub struct RetryInfo {
 /// # Panics
 ///
 /// When polled again after it completed; and when a wait (the pacer, a backoff, an attempt
-/// timeout) starts outside a tokio runtime with timers enabled.
+/// timeout) starts outside a tokio runtime with timers enabled. A panic there, or in the
+/// classifier, is counted as a drop is (see Cancel safety).
 ///
 /// # Cancel safety
 ///
@@ -514,6 +515,13 @@ enum State<F, ResB> {
         /// Frames read from `drain`.
         frames: u32,
     },
+    /// The attempt ended (its future is dropped): its outcome is being classified and
+    /// reported, within one poll. Seen by a drop only when that poll panicked (the
+    /// classifier, or a backoff's timer outside a runtime).
+    Ended {
+        /// The schedule's attempts when it ended: one more once a retry was allowed.
+        attempts: u32,
+    },
     /// The result was given out.
     Done,
 }
@@ -526,10 +534,15 @@ where
     fn drop(self: Pin<&mut Self>) {
         let policy = &self.shared.policy;
         match &self.state {
-            // Completed (its stop was counted), or unwinding from a classifier's panic.
+            // Completed: its stop was counted.
             State::Done => {}
             // Sent: counted as an attempt already; no outcome to report.
             State::Call { .. } => policy.count_cancelled(false),
+            // Unwinding from a panic after the attempt ended, before its stop was counted;
+            // a retry the budget allowed by then was never sent.
+            State::Ended { attempts } => {
+                policy.count_cancelled(self.schedule.attempts() > *attempts);
+            }
             // Before an attempt: after the first, a retry the budget allowed.
             State::Pace { .. } | State::Send | State::Backoff { .. } => {
                 policy.count_cancelled(self.schedule.attempts() > 1);
@@ -628,10 +641,14 @@ where
                     this.state.set(first_state(policy));
                     continue;
                 }
-                StateProj::Done => panic!("RetryFuture polled after completion"),
+                StateProj::Ended { .. } | StateProj::Done => {
+                    panic!("RetryFuture polled after completion")
+                }
             };
             // The attempt is over: drop its future (a timed-out one is cancelled).
-            this.state.set(State::Done);
+            this.state.set(State::Ended {
+                attempts: this.schedule.attempts(),
+            });
             let rtt = started.elapsed();
             let mut outcome = match &result {
                 Some(result) => this.shared.classify.classify(result),
@@ -684,6 +701,7 @@ where
                     }
                 }
             };
+            this.state.set(State::Done);
             policy.count_stop(&stop);
             return Poll::Ready(match result {
                 Some(Ok(mut res)) => {
@@ -732,6 +750,7 @@ where
             State::Send => "send",
             State::Call { .. } => "call",
             State::Backoff { .. } => "backoff",
+            State::Ended { .. } => "ended",
             State::Done => "done",
         };
         f.debug_struct("RetryFuture")

@@ -1263,6 +1263,46 @@ fn a_request_that_panics_starting_its_backoff_abandons_the_allowed_retry() {
     assert_eq!(stops(&recorder, "arm"), [("cancelled", 1)]);
 }
 
+/// An inner service whose `call` panics for a retry (after a `503` with `Retry-After: 0`)
+/// sent nothing: the retry the budget allowed is abandoned and not counted as an attempt,
+/// so the attempts stay one more than the retries made (`allowed − abandoned`), and the
+/// request counts one stop, `cancelled`.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_panicking_in_call_for_a_retry_sends_no_attempt() {
+    use futures::FutureExt;
+    use std::panic::AssertUnwindSafe;
+
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder().name("call").build().unwrap();
+        let policy = RetryPolicy::builder(backoff(5))
+            .name("call")
+            .budget(budget.clone())
+            .build()
+            .unwrap();
+        (budget, policy)
+    });
+    let server = Scripted::new();
+    let client = RetryLayer::new(policy).layer(server.service(|n| match n {
+        1 => answer(503, String::new(), Some("0")),
+        _ => panic!("call panics"),
+    }));
+    let panicked = AssertUnwindSafe(client.oneshot(request(Method::GET)))
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err());
+    assert_eq!(server.calls(), 2, "the retry's call was made, and panicked");
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (1, 1));
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=call}"),
+        1,
+        "1 + allowed - abandoned"
+    );
+    assert_eq!(stops(&recorder, "call"), [("cancelled", 1)]);
+}
+
 #[test]
 fn layer_types_are_clone_debug_send() {
     fn check<T: Clone + std::fmt::Debug + Send + Sync>(_: &T) {}

@@ -453,7 +453,8 @@ pub struct RetryInfo {
 ///
 /// When polled again after it completed; and when a wait (the pacer, a backoff, an attempt
 /// timeout) starts outside a tokio runtime with timers enabled. A panic there, or in the
-/// classifier, is counted as a drop is (see Cancel safety).
+/// classifier or the inner service, is counted as a drop is (see Cancel safety; a retry
+/// whose `call` panics was not sent).
 ///
 /// # Cancel safety
 ///
@@ -595,12 +596,15 @@ where
                     let req = this.request.clone();
                     // The round trip starts when the request is handed to the client.
                     let started = Instant::now();
-                    policy.count_attempt();
                     let fut = this.service.call(req);
+                    // Sent: counted now, so that one dropped under way counts too, and under
+                    // way (`Call`) before its timer starts, which panics outside a runtime.
+                    // A `call` that panics sent nothing: a retry then is abandoned.
+                    policy.count_attempt();
+                    this.state.set(State::Call { fut, started });
                     if let Some(limit) = policy.attempt_timeout() {
                         arm(this.sleep.as_mut(), started + capped(limit));
                     }
-                    this.state.set(State::Call { fut, started });
                     continue;
                 }
                 StateProj::Call { fut, started } => {

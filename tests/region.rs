@@ -11,5 +11,7 @@ mod config;
 mod e2e;
 #[path = "region/fleet.rs"]
 mod fleet;
+#[path = "region/history.rs"]
+mod history;
 #[path = "region/model.rs"]
 mod model;

@@ -83,14 +83,17 @@ else
     -- This key only: the request fails with a key error, the gate stays healthy.
     return {KEY_CORRUPT, 0, 0, 0, 0}
   end
-  if count == share and was_tau == tau and written >= segs[1][1] then
+  -- Written after the share in force began: nothing happened since. Written in the very
+  -- microsecond it began, the bucket may predate it and the changes of no length before it
+  -- (each caps the bucket): refilled along them, which costs nothing if it does not.
+  if count == share and was_tau == tau and written > segs[1][1] then
     local ahead = tat_us - now
     if ahead > 0 or (ahead == 0 and frac > 0) then
       used = ahead * count + frac
     end
   else
-    -- The share changed since the last write (maybe and back): the tokens in hand then (a token is `period`
-    -- units at any share), refilled since along the history. A region never gains tokens by
+    -- The share changed since the last write (maybe and back): the tokens in hand then (a
+    -- token is `period` units at any share), refilled since along the history. A region never gains tokens by
     -- a change, so the regions together never hold more than their buckets, which add up
     -- to the global burst (and one request each).
     local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))

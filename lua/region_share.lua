@@ -26,7 +26,8 @@
 --   is capped at what the region admits at now (its lease if live, else its safe share).
 --   A lease at another share than the one in force starts now, the one before it (and, if it
 --   had expired, the safe share since) going to the record's history; a renewal keeps its
---   start. The first lease a region gets reads as held since ever.
+--   start. A lease already over when it lands is written ending now. The first lease a
+--   region gets reads as held since ever.
 --   {1, share written}, {0, 0} (a newer lease is there) or {0, -1} (the record went back).
 -- release: ARGV[3] this process's lock token. Deletes the lock if this process holds it
 --   (a process that stops, or cannot reach the home): {1} released, {0} not held.
@@ -92,6 +93,9 @@ if ARGV[7] == '1' then
     share, tau = now_share, now_tau
   end
 end
+-- A lease already over when it lands ends now, not at its expires_us: the one before it
+-- was in force until now (the history must not have the safe share start before that).
+expires = math.max(expires, now)
 local lease = held
 if not lease then
   lease = {start = 0, past = {}}

@@ -459,3 +459,57 @@ fn a_dip_of_no_length_at_the_instant_a_bucket_was_written_empties_it() {
     assert_eq!(v[4][0], 0, "the tokens outlived the dip: {v:?}");
     assert_eq!(v[5][0], 1, "refilled since the dip: {v:?}");
 }
+
+/// A record of 4 doubles, as the refresher of a version without a history writes it (in a
+/// rolling deploy): `seq`, `share`, its bucket, and an `expires` that never comes.
+fn old_record(setup: &Setup, seq: u64, share: u64) -> redis::Cmd {
+    let record: Vec<u8> = [seq, share, setup.tau(share), NEVER]
+        .iter()
+        .flat_map(|&x| (x as f64).to_le_bytes())
+        .collect();
+    let mut c = redis::cmd("SET");
+    c.arg("{h}:lease").arg(record);
+    c
+}
+
+/// A record of 4 doubles does not say since when its share applies. A bucket written before
+/// the share changed to it is refilled as that version did, at the lower of its own share and
+/// the record's, at most its own size, until the share changes again; it does not take the
+/// record's share for one held since ever (a bucket of 1 token refilled at 20 per second for
+/// the whole gap).
+#[test]
+fn a_bucket_under_a_record_of_four_doubles_is_refilled_at_the_lower_share() {
+    let server = RedisServer::start();
+    let mut con = server.client().get_connection().expect("connect");
+    let setup = Setup { burst: 20, safe: 0 };
+    let _: () = old_record(&setup, 1, 1).query(&mut con).unwrap();
+    let v = answers(
+        &mut con,
+        &[
+            check_cmd(&setup, PERIOD, 0, 1),
+            check_cmd(&setup, PERIOD, 1, 1),
+        ],
+    );
+    assert_eq!((v[0][0], v[1][0]), (1, 1), "{v:?}");
+    // Some time after 1 s (when, the record does not say): share 20, 20 tokens.
+    let _: () = old_record(&setup, 2, 20).query(&mut con).unwrap();
+    let v = answers(
+        &mut con,
+        &[
+            check_cmd(&setup, 2 * PERIOD, 0, 2),
+            check_cmd(&setup, 2 * PERIOD, 0, 1),
+            // This version's refresher takes over: share 10 from 2.5 s.
+            apply_cmd(&setup, PERIOD * 5 / 2, &lease(&setup, 3, 10, NEVER), false),
+            check_cmd(&setup, PERIOD * 26 / 10, 1, 3),
+            check_cmd(&setup, PERIOD * 26 / 10, 1, 2),
+        ],
+    );
+    // The share may have changed at 1.95 s: 0.95 + 1 tokens at 2 s, not 20.
+    assert_eq!(v[0][0], 0, "refilled at 20 per second since 1 s: {v:?}");
+    assert_eq!(v[1][0], 1, "the token refilled at share 1: {v:?}");
+    // The record's share may have come just before 2.5 s: 1 token then (as above), and 1
+    // at share 10 since; not 10.
+    assert_eq!(v[2], [1, 10], "{v:?}");
+    assert_eq!(v[3][0], 0, "refilled at 20 per second until 2.5 s: {v:?}");
+    assert_eq!(v[4][0], 1, "{v:?}");
+}

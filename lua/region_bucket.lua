@@ -97,7 +97,7 @@ else
     -- a change, so the regions together never hold more than their buckets, which add up
     -- to the global burst (and one request each).
     local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))
-    used = tau - math.min(tau, refill(segs, written, in_hand, now))
+    used = tau - math.min(tau, refill(segs, written, in_hand, now, count, was_tau))
     converted = true
   end
 end

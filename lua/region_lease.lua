@@ -12,8 +12,10 @@
 -- it held at both ends of the gap (a share that dipped in between, to 0 even, took the
 -- region's tokens with it; a key first seen after a share grew starts from the smaller
 -- bucket, not from a full new one).
--- A record of 4 doubles (written before there was a history) reads as start_us 0 and no
--- history: the share held since ever, as those records were read.
+-- A record of 4 doubles (written before there was a history, by an older version's
+-- refresher in a rolling deploy) reads as start_us 0 and no history: the share held since
+-- ever for a key without a bucket, as those records were read; a bucket written before is
+-- refilled as that version did, at the lower of its own share and the record's (refill).
 
 local HISTORY = 6
 
@@ -94,8 +96,13 @@ end
 -- What a bucket holding `held` units at `from` holds at `now`: refilled segment by segment at
 -- each one's share, never above each one's bucket (a segment of no length still caps it).
 -- Before the oldest segment the shares are unknown: a bucket from then is taken as empty at
--- that segment's start.
-local function refill(segs, from, held, now)
+-- that segment's start. A bucket written at share `share_then` with size `tau_then` (nil for
+-- a key without one) is refilled in the segment it was written in at most at those: they
+-- are that segment's own, unless the record does not say when its share began (a record of
+-- 4 doubles, or one such a record became; a region's first lease, for a bucket written at
+-- the safe share before it), and then the share may have changed to it at any time since
+-- the bucket was written.
+local function refill(segs, from, held, now, share_then, tau_then)
   local n = #segs
   if from < segs[n][1] then
     from, held = segs[n][1], 0
@@ -108,8 +115,12 @@ local function refill(segs, from, held, now)
     end
     -- A segment that ended by `from` is behind it; the lease in force now always counts.
     if i == 1 or stop > from or seg[1] >= from then
-      local gained = math.max(0, stop - math.max(seg[1], from)) * seg[2]
-      held = math.min(seg[3], held + gained)
+      local share, tau = seg[2], seg[3]
+      if share_then and seg[1] < from then
+        share, tau = math.min(share, share_then), math.min(tau, tau_then)
+      end
+      local gained = math.max(0, stop - math.max(seg[1], from)) * share
+      held = math.min(tau, held + gained)
     end
   end
   return held

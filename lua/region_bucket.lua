@@ -93,9 +93,9 @@ else
     end
   else
     -- The share changed since the last write (maybe and back): the tokens in hand then (a
-    -- token is `period` units at any share), refilled since along the history. A region never gains tokens by
-    -- a change, so the regions together never hold more than their buckets, which add up
-    -- to the global burst (and one request each).
+    -- token is `period` units at any share), refilled since along the history. A region
+    -- never gains tokens by a change, so the regions together never hold more than their
+    -- buckets, which add up to the global burst (and one request each).
     local in_hand = math.max(0, was_tau - ((tat_us - written) * count + frac))
     used = tau - math.min(tau, refill(segs, written, in_hand, now, count, was_tau))
     converted = true

@@ -838,3 +838,40 @@ async fn a_share_that_dipped_between_two_checks_took_the_tokens_with_it() {
         assert_eq!(v[n - 1][0], 1, "{what}: refilled since the dip: {v:?}");
     }
 }
+
+/// A bucket is kept in the local Redis until it would be full at any share, not only at the
+/// share it was written at: a lease length plus the time a bucket takes to fill from empty
+/// (the global burst over the rate; each region's bucket is its share's part of the burst).
+/// Kept only until full at its own share plus a lease, a bucket drained just before its share
+/// grew expired before the bigger bucket had refilled, and came back full at the new size:
+/// the drained tokens spent twice.
+#[tokio::test]
+async fn a_bucket_is_kept_until_full_at_any_share() {
+    let server = RedisServer::start();
+    // 10 per second, bursts of 100: a bucket fills from empty in 10 s, at any share.
+    let alloc = QuotaAllocator::builder(
+        server.connect().await,
+        Quota::per_second(10).unwrap().burst(100).unwrap(),
+    )
+    .name("kept")
+    .region(("a", 1))
+    .lease(Duration::from_secs(5))
+    .refresh_every(Duration::from_secs(1))
+    .build()
+    .unwrap();
+    alloc.init_home().await.unwrap();
+    let a = alloc.join("a", server.connect().await).await.unwrap();
+    assert!(a.gate().check("k", 1).await.unwrap().allowed);
+    let mut con = server.connect().await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("{flowgate:region:kept:a}:bucket:k")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // At its first share (1 per second, a bucket of 10) full again in 1 s; then kept a
+    // lease (5 s) and a fill from empty (10 s).
+    assert!(
+        ttl > 15_000 && ttl <= 16_000,
+        "kept {ttl} ms, not until full at any share"
+    );
+}

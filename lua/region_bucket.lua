@@ -13,7 +13,9 @@
 -- ARGV[4]  the safe share (units per period) and ARGV[5] its tau: what the region admits at
 --          when it holds no live lease
 -- ARGV[6]  retry_after (us) to answer while the share is 0
--- ARGV[7]  how long (ms) a full bucket is kept: the lease length, at least 1000
+-- ARGV[7]  how long (ms) a full bucket is kept: the lease length and the time a bucket takes
+--          to fill from empty (burst / rate), at least 1000, so that one drained just
+--          before its share grew is kept until full at the new size too
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
@@ -59,8 +61,9 @@ end
 local function write(used)
   local ahead = math.floor(used / share)
   local frac = used - ahead * share
-  -- Kept a lease length after it is full again: a share change within that time finds it
-  -- (and converts it) instead of a new, full bucket.
+  -- Kept ARGV[7] after it is full again: a share change within that time finds it (and
+  -- converts it), and a bucket drained before a share grew is kept until full at the new
+  -- size, instead of coming back as a new, full bucket.
   redis.call('SET', KEYS[3], struct.pack('<ddddd', now + ahead, frac, share, tau, now), 'PX',
     math.floor(ahead / 1000) + tonumber(ARGV[7]))
 end

@@ -126,6 +126,15 @@ impl Plan {
         u64::try_from(part).unwrap_or(u64::MAX).max(self.period_us)
     }
 
+    /// How long a bucket takes to fill from empty at its share, in µs: the global burst over
+    /// the rate, as each region's bucket is its share's part of the burst. (A share whose
+    /// part is below one token has a bucket of one token, which takes longer: by at most
+    /// that one token, a region's `+ 1` in the bound.)
+    pub(crate) fn fill_us(&self) -> u64 {
+        let fill = u128::from(self.burst) * u128::from(self.period_us) / u128::from(self.capacity);
+        u64::try_from(fill).unwrap_or(u64::MAX)
+    }
+
     /// The largest share region `i` can ever be granted: its static share under
     /// [`Allocation::Static`], else the quota less the other regions' safe shares (the home
     /// never grants a region what the others hold, and it always holds their safe shares).

@@ -138,7 +138,7 @@ where
                     .arg(core.safe())
                     .arg(core.safe_tau)
                     .arg(micros(plan.refresh))
-                    .arg(micros(plan.ttl).div_ceil(1000).max(1000));
+                    .arg(core.keep_ms);
                 let within = plan.local_timeout.saturating_sub(now.elapsed());
                 match core
                     .local

@@ -69,6 +69,11 @@ pub(crate) struct Core<C> {
     /// The bucket size of the largest share the region can ever be granted: a cost above it
     /// can never pass.
     pub(crate) max_tau: u64,
+    /// How long (ms) a bucket is kept once full at the share it was written at: a lease,
+    /// and the time any bucket takes to fill from empty, so that one drained just before its
+    /// share grew is kept until it would be full at the new size too (gone before, it would
+    /// come back full at once). At least 1 s.
+    pub(crate) keep_ms: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,
@@ -186,6 +191,10 @@ where
             index,
             safe_tau: plan.tau(plan.regions[index].2),
             max_tau: plan.tau(plan.max_share(index)),
+            keep_ms: micros(plan.ttl)
+                .saturating_add(plan.fill_us())
+                .div_ceil(1000)
+                .max(1000),
             local,
             keys: LocalKeys {
                 record: format!("{prefix}:lease"),

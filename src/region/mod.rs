@@ -89,7 +89,8 @@
 //!   an append-only file synced on every write. A snapshot restored from the past holds old
 //!   leases as if they were current (the home would not start a learning phase; a local
 //!   record would admit at a lease the home has given away).
-//! - **Memory**: give each local Redis room for a bucket per key in use, and keep its
+//! - **Memory**: give each local Redis room for a bucket per key in use (a bucket is kept
+//!   a lease length plus `burst / rate` after it is full again), and keep its
 //!   `maxmemory-policy` at `noeviction`. An evicting policy takes keys away instead of
 //!   refusing writes: a bucket it evicts comes back full (admitting past the share), and
 //!   a lease record it evicts drops the region to its safe share.

@@ -99,3 +99,79 @@ impl fmt::Debug for Deferred {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    use super::*;
+
+    /// A waker that counts its wakes, and panics when woken if `panics`.
+    struct Count {
+        woken: AtomicUsize,
+        panics: bool,
+    }
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.woken.fetch_add(1, Ordering::SeqCst);
+            assert!(!self.panics, "a waker panics");
+        }
+    }
+
+    /// A waker whose drop panics.
+    struct Bomb;
+
+    impl Wake for Bomb {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("a waker's drop panics");
+        }
+    }
+
+    /// A waker that panics when woken, or a discarded one whose drop panics, does not keep
+    /// the wakers after it from being woken (their tasks would wait for ever), inline or
+    /// spilled; the drop then resumes the panic.
+    #[test]
+    fn a_panicking_waker_does_not_keep_the_rest_from_being_woken() {
+        for (at, woken_panics) in [
+            (0, true),
+            (INLINE - 1, true),
+            (INLINE + 1, true),
+            (1, false),
+        ] {
+            let counts: Vec<Arc<Count>> = (0..INLINE + 3)
+                .map(|i| {
+                    Arc::new(Count {
+                        woken: AtomicUsize::new(0),
+                        panics: woken_panics && i == at,
+                    })
+                })
+                .collect();
+            let mut out = Deferred::default();
+            for (i, c) in counts.iter().enumerate() {
+                if !woken_panics && i == at {
+                    out.discard(Waker::from(Arc::new(Bomb)));
+                }
+                out.wake(Waker::from(c.clone()));
+            }
+            let unwound = catch_unwind(AssertUnwindSafe(|| drop(out)));
+            assert!(unwound.is_err(), "the panic is resumed");
+            let woken: Vec<usize> = counts
+                .iter()
+                .map(|c| c.woken.load(Ordering::SeqCst))
+                .collect();
+            assert_eq!(woken, [1; INLINE + 3], "panic at {at}: every waker woken");
+            assert!(
+                counts.iter().all(|c| Arc::strong_count(c) == 1),
+                "every waker dropped"
+            );
+        }
+    }
+}

@@ -10,6 +10,7 @@
 //! only when the waker is not already stored (`will_wake`).
 
 use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
 use std::task::Waker;
 
 /// How many wakers a [`Deferred`] holds without allocating.
@@ -77,17 +78,29 @@ impl Deferred {
 }
 
 impl Drop for Deferred {
+    /// Wakes (or only drops) every waker in order. A waker that panics, woken or dropped,
+    /// does not keep the ones after it from being woken (their tasks would wait for ever):
+    /// each runs on its own, and the first panic is resumed once all have run (dropped
+    /// instead if this runs while the thread already unwinds, which a resumed panic would
+    /// abort).
     #[inline]
     fn drop(&mut self) {
-        for (w, wake) in self.inline[..self.len].iter_mut().filter_map(Option::take) {
-            if wake {
-                w.wake();
+        let mut first = None;
+        let inline = self.inline[..self.len].iter_mut().filter_map(Option::take);
+        for (w, wake) in inline.chain(self.more.drain(..)) {
+            let ran = panic::catch_unwind(AssertUnwindSafe(|| {
+                if wake {
+                    w.wake();
+                }
+            }));
+            if let Err(p) = ran {
+                first.get_or_insert(p);
             }
         }
-        for (w, wake) in self.more.drain(..) {
-            if wake {
-                w.wake();
-            }
+        if let Some(p) = first
+            && !std::thread::panicking()
+        {
+            panic::resume_unwind(p);
         }
     }
 }

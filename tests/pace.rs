@@ -815,3 +815,35 @@ async fn a_panicking_drop_hook_leaves_the_leaky_queue_counted_and_usable() {
     assert_eq!(*calls.lock().unwrap(), 3);
     assert_eq!(depth(), Some(0.0));
 }
+
+/// An upstream that panics partway through a fill panics the poll, with the depth gauge
+/// showing the items queued before it panicked, as `queued()` does (not only set at the end
+/// of a poll, which the panic skips); the stream goes on when polled again.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_upstream_panicking_mid_fill_leaves_the_leaky_queue_depth_right() {
+    use futures::FutureExt;
+    let recorder = support::TestRecorder::default();
+    let upstream = futures::stream::iter(0..5u32).map(|x| {
+        assert!(x != 3, "upstream panics on {x}");
+        x
+    });
+    let mut queue = metrics::with_local_recorder(&recorder, || {
+        LeakyQueue::builder(upstream, pacer(10, 1), 8)
+            .name("upstream")
+            .build()
+            .unwrap()
+    });
+    let unwound =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.next().now_or_never()));
+    assert!(unwound.is_err(), "the upstream's panic reached the poll");
+    let depth = || recorder.gauge("flowgate_pace_queue_depth{name=upstream}");
+    assert_eq!(queue.queued(), 3);
+    assert_eq!(
+        depth(),
+        Some(3.0),
+        "the depth gauge shows the 3 queued items"
+    );
+    assert_eq!(queue.collect::<Vec<_>>().await, [0, 1, 2, 4]);
+    assert_eq!(depth(), Some(0.0));
+}

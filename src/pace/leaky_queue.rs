@@ -57,12 +57,11 @@ struct Queue<T> {
 
 impl<T> Queue<T> {
     /// The overflow policy drops `item`, for the reason `why` (`Newest` or `Oldest`).
-    /// Counted, and the depth gauge set (a full queue: it no longer changes in this poll),
-    /// before the hook runs: a hook that panics leaves the metrics right.
+    /// Counted before the hook runs: a hook that panics leaves the count right (and the
+    /// depth gauge, which [`Filling`] sets).
     fn drop_item(&mut self, item: T, why: &Dropped) {
         self.dropped += 1;
         self.metrics.dropped.increment(1);
-        self.metrics.depth.set(self.items.len() as f64);
         self.hook(item, why);
     }
 
@@ -70,6 +69,17 @@ impl<T> Queue<T> {
         if let Some(hook) = &self.on_drop {
             hook.call(item, why);
         }
+    }
+}
+
+/// The queue while a poll fills it from upstream: the depth gauge is set when this is
+/// dropped, on every way out of the fill, so an upstream or a drop hook that panics midway
+/// leaves the gauge showing what is queued (once per poll, not per item).
+struct Filling<'a, T>(&'a mut Queue<T>);
+
+impl<T> Drop for Filling<'_, T> {
+    fn drop(&mut self) {
+        self.0.metrics.depth.set(self.0.items.len() as f64);
     }
 }
 
@@ -240,7 +250,8 @@ impl<S: Stream> Stream for LeakyQueue<S> {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
         let mut this = self.project();
-        let queue = &mut *this.queue;
+        let filling = Filling(&mut *this.queue);
+        let queue = &mut *filling.0;
         // Drain upstream as far as the policy allows, within the budget (with a drop policy,
         // a full queue never stops the pulling).
         let mut budget = POLL_BUDGET;
@@ -271,9 +282,9 @@ impl<S: Stream> Stream for LeakyQueue<S> {
                 queue.drop_item(item, &Dropped::Newest);
             }
         }
+        drop(filling);
         let depth = &this.queue.metrics.depth;
         let queue = &mut this.queue.items;
-        depth.set(queue.len() as f64);
         if queue.is_empty() {
             return if this.stream.is_done() {
                 Poll::Ready(None)

@@ -514,6 +514,32 @@ async fn a_min_hold_of_duration_max_holds_forever_without_panicking() {
     assert!(signal.is_paused());
 }
 
+/// A resume held back by `min_hold` is applied by the wrapper's timer; with the wrapper
+/// dropped (its consumer loop ended, the tickets still out) the tickets apply it: once the
+/// work in flight is down to `low` the signal says resumed, and the signal closes after the
+/// last ticket.
+#[tokio::test(start_paused = true)]
+async fn a_resume_held_back_when_the_wrapper_is_dropped_is_applied_by_the_tickets() {
+    let mut stream = Watermarks::builder(futures::stream::iter(0..10), levels(3, 1))
+        .min_hold(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut signal = stream.pause_signal();
+    let mut tickets = Vec::new();
+    for _ in 0..3 {
+        tickets.push(stream.next().await.unwrap().1);
+    }
+    assert_eq!(signal.changed().await, Some(Flow::Paused));
+    drop(stream);
+    tickets.truncate(1);
+    advance(Duration::from_millis(200)).await;
+    assert!(!signal.is_paused(), "1 in flight = low, past min_hold");
+    assert_eq!(signal.changed().await, Some(Flow::Resumed));
+    drop(tickets);
+    assert_eq!(signal.changed().await, None, "no change can come");
+    assert!(!signal.is_paused());
+}
+
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     let mut stream = pin!(futures::stream::iter(0..10).watermarks(levels(2, 0)));

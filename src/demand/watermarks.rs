@@ -34,6 +34,9 @@ struct State {
     last_change: Option<Instant>,
     /// The wrapper, waiting to resume.
     waker: Option<Waker>,
+    /// The wrapper is gone: no timer is left to apply a change held back by `min_hold`, so
+    /// every change applies as soon as it is due.
+    wrapper_gone: bool,
 }
 
 fn flow_of(paused: bool) -> Flow {
@@ -70,7 +73,9 @@ impl Shared {
         if !change {
             return Evaluated::Unchanged;
         }
-        if let Some(last) = st.last_change {
+        if !st.wrapper_gone
+            && let Some(last) = st.last_change
+        {
             let allowed = last + self.min_hold;
             if now < allowed {
                 return Evaluated::HeldUntil(allowed);
@@ -100,6 +105,23 @@ impl Shared {
                 true
             }
         });
+    }
+
+    /// The wrapper is gone (dropped, or taken apart with `into_inner`): nothing polls it
+    /// to apply a change held back by `min_hold` any more. What is due applies now, and
+    /// later what the tickets still out make due (a resume) applies when they are dropped.
+    fn wrapper_gone(&self) {
+        let mut st = self.lock();
+        st.wrapper_gone = true;
+        let evaluated = self.evaluate(&mut st, Instant::now());
+        let waker = st.waker.take();
+        drop(st);
+        // Outside the lock: sending wakes the signal's waiters, and a waker dropped may run
+        // code of its own.
+        if evaluated == Evaluated::Flipped {
+            self.publish();
+        }
+        drop(waker);
     }
 
     fn done(&self) {
@@ -135,6 +157,25 @@ enum Evaluated {
     Flipped,
     /// A change is due but `min_hold` holds it back until then.
     HeldUntil(Instant),
+}
+
+/// The wrapper's share of the state: when the wrapper goes, it tells the state (see
+/// [`Shared::wrapper_gone`]).
+#[derive(Debug)]
+struct Wrapper(Arc<Shared>);
+
+impl std::ops::Deref for Wrapper {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+impl Drop for Wrapper {
+    fn drop(&mut self) {
+        self.0.wrapper_gone();
+    }
 }
 
 /// One item's place in flight; dropping it marks the item done.
@@ -195,7 +236,10 @@ impl PauseSignal {
 /// flap. The wrapper never has more than `high` items in flight: while a pause is held back
 /// by `min_hold` it still stops pulling at `high` (and pulls again below it). The wrapper
 /// must be polled for a change held back by `min_hold` to be applied on time (a consumer
-/// loop awaiting `next()` does that).
+/// loop awaiting `next()` does that). Once the wrapper is dropped (or taken apart with
+/// [`into_inner`](Watermarks::into_inner)) with tickets still out, no timer is left to
+/// apply a held-back change, so `min_hold` no longer holds: each change applies as soon as
+/// it is due, and the signal turns resumed when the tickets bring the work down to `low`.
 ///
 /// `stream.watermarks(levels)` has no `min_hold` and no name; set them with
 /// [`Watermarks::builder`].
@@ -210,7 +254,7 @@ impl PauseSignal {
 pub struct Watermarks<S> {
     #[pin]
     stream: S,
-    shared: Arc<Shared>,
+    shared: Wrapper,
     timer: Option<Pin<Box<Sleep>>>,
 }
 
@@ -256,12 +300,13 @@ impl<S: Stream> Watermarks<S> {
         let (signal, _) = watch::channel(Flow::Resumed);
         Watermarks {
             stream,
-            shared: Arc::new(Shared {
+            shared: Wrapper(Arc::new(Shared {
                 state: Mutex::new(State {
                     in_flight: 0,
                     paused: false,
                     last_change: None,
                     waker: None,
+                    wrapper_gone: false,
                 }),
                 levels,
                 min_hold: crate::time::capped(min_hold),
@@ -270,7 +315,7 @@ impl<S: Stream> Watermarks<S> {
                 name,
                 paused: AtomicBool::new(false),
                 signal,
-            }),
+            })),
             timer: None,
         }
     }
@@ -330,7 +375,9 @@ pub struct WatermarksBuilder<S> {
 
 impl<S: Stream> WatermarksBuilder<S> {
     /// The shortest time between two changes of state (default zero; `Duration::MAX` holds
-    /// for ever): a change due earlier waits until `min_hold` after the last one.
+    /// for ever): a change due earlier waits until `min_hold` after the last one. It holds
+    /// while the wrapper lives (its timer applies the held-back change); after, each change
+    /// applies when it is due (see [`Watermarks`]).
     ///
     /// # Panics
     ///
@@ -422,7 +469,7 @@ impl<S: Stream> Stream for Watermarks<S> {
             (
                 item,
                 Ticket {
-                    shared: this.shared.clone(),
+                    shared: Arc::clone(&this.shared.0),
                 },
             )
         }))

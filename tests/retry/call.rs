@@ -420,6 +420,53 @@ async fn dropping_retry_counts_the_drop_and_abandons_the_allowed_retry() {
     assert_eq!((stats.allowed, stats.abandoned), (3, 2));
 }
 
+/// An `op` that panics for a retry (after a `500`) before returning its future sent
+/// nothing: the retry the budget allowed is abandoned and not counted as an attempt, so the
+/// attempts stay one more than the retries made (`allowed − abandoned`), and the operation
+/// counts one stop, `cancelled` (as `RetryLayer` counts an inner `call` that panics).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_op_panicking_for_a_retry_sends_no_attempt() {
+    use futures::FutureExt;
+    use std::panic::AssertUnwindSafe;
+
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder().name("op").build().unwrap();
+        let policy = RetryPolicy::builder(backoff())
+            .name("op")
+            .budget(budget.clone())
+            .build()
+            .unwrap();
+        (budget, policy)
+    });
+    let calls = AtomicU32::new(0);
+    let panicked = AssertUnwindSafe(retry(&policy, classify, |attempt| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        assert!(attempt < 2, "op panics for attempt {attempt}");
+        async { Ok(500) }
+    }))
+    .catch_unwind()
+    .await;
+    assert!(panicked.is_err());
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        2,
+        "the retry's op ran, and panicked"
+    );
+    let stats = budget.stats();
+    assert_eq!((stats.allowed, stats.abandoned), (1, 1));
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=op}"),
+        1,
+        "1 + allowed - abandoned"
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_stopped_total{name=op,stop=cancelled}"),
+        1
+    );
+}
+
 /// A server hint of `Duration::MAX` (what a saturated `Retry-After` parses to): over
 /// `max_retry_after` it gives up at once; with `max_retry_after(Duration::MAX)` it is
 /// waited (tokio caps a sleep at about 30 years), without a panic or an overflow, and the

@@ -440,8 +440,10 @@ impl RetryPolicyBuilder {
 /// attempt that ended (an attempt dropped under way has no outcome, so neither hears of
 /// it); the drop is counted once as a `cancelled` stop
 /// (`flowgate_retry_stopped_total{stop="cancelled"}`); an attempt dropped under way was
-/// made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram);
-/// a retry the budget allowed and the drop prevented is counted as
+/// made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram),
+/// once `op` returned its future (an `op` that panics before returning it made none: its
+/// panic drops the operation as a drop does); a retry the budget allowed and the drop prevented
+/// is counted as
 /// [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its token stays taken: the
 /// attempt before it failed).
 ///
@@ -491,11 +493,15 @@ where
             // Cost 1 never exceeds a pacer's burst (at least 1): this cannot fail.
             let _ = pacer.until_ready(1).await;
         }
+        let started = Instant::now();
+        let fut = op(attempt);
+        // Sent: counted now, so that one dropped under way counts too. An `op` that panics
+        // before returning its future sent nothing: a retry then is abandoned (as
+        // `RetryLayer` counts a `call` that panics).
         policy.count_attempt();
         unfinished.retry_pending = false;
-        let started = Instant::now();
         let (result, outcome) = match policy.attempt_timeout() {
-            Some(limit) => match tokio::time::timeout(limit, op(attempt)).await {
+            Some(limit) => match tokio::time::timeout(limit, fut).await {
                 Ok(result) => {
                     let outcome = classify.classify(&result);
                     (Some(result), outcome)
@@ -503,7 +509,7 @@ where
                 Err(_) => (None, Outcome::BackPressure { retry_after: None }),
             },
             None => {
-                let result = op(attempt).await;
+                let result = fut.await;
                 let outcome = classify.classify(&result);
                 (Some(result), outcome)
             }

@@ -773,8 +773,8 @@ async fn forty_thousand_waiters_dropped_newest_first() {
 
 /// A drop hook that panics (on the first item the full queue refuses) panics the poll, with
 /// the queue consistent: the item is counted, the depth gauge shows the items queued before
-/// the hook ran (it was set only at the end of a poll, which the panic skipped), and the
-/// stream goes on when polled again.
+/// the hook ran (set on every way out of a fill, not only at the end of a poll, which the
+/// panic skips), and the stream goes on when polled again.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn a_panicking_drop_hook_leaves_the_leaky_queue_counted_and_usable() {

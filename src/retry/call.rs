@@ -430,7 +430,8 @@ impl RetryPolicyBuilder {
 ///
 /// The waits are tokio timers (the backoff's delay, the attempt timeout, the pacer's
 /// wait): polled outside a tokio runtime with timers enabled, the future panics unless the
-/// first attempt ends the operation without a timeout or a wait.
+/// first attempt ends the operation without a timeout or a wait. A panic of `op` or of the
+/// classifier unwinds through the future and is counted as a drop is (see Cancel safety).
 ///
 /// # Cancel safety
 ///
@@ -442,10 +443,9 @@ impl RetryPolicyBuilder {
 /// (`flowgate_retry_stopped_total{stop="cancelled"}`); an attempt dropped under way was
 /// made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram),
 /// once `op` returned its future (an `op` that panics before returning it made none: its
-/// panic drops the operation as a drop does); a retry the budget allowed and the drop prevented
-/// is counted as
-/// [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its token stays taken: the
-/// attempt before it failed).
+/// panic drops the operation as a drop does); a retry the budget allowed and the drop
+/// prevented is counted as [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its
+/// token stays taken: the attempt before it failed).
 ///
 /// # Examples
 ///

@@ -461,12 +461,22 @@ async fn a_panicking_drop_hook_leaves_the_gated_stream_counted_and_usable() {
     assert_eq!(dropped("shaping", "discarded"), 1);
 }
 
+/// Polls `stream` for 0, then for 1, whose key or cost function panics: the panic reaches
+/// the poll, and is caught here.
+async fn pass_0_then_panic_on_1(stream: &mut (impl futures::Stream<Item = u32> + Unpin)) {
+    use futures::FutureExt;
+    assert_eq!(stream.next().await, Some(0));
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        stream.next().now_or_never()
+    }));
+    assert!(unwound.is_err(), "the panic reached the poll");
+}
+
 /// A key or cost function that panics on an item does not lose it: the item stays at the
 /// gate, asked again on the next poll if the caller caught the panic, and reported as
 /// discarded if the stream is dropped instead.
 #[tokio::test(start_paused = true)]
 async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
-    use futures::FutureExt;
     for in_cost in [false, true] {
         // Panics the first time it sees 1.
         let seen_one = Arc::new(AtomicU64::new(0));
@@ -496,14 +506,7 @@ async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
         .on_drop(hook)
         .build()
         .unwrap();
-        assert_eq!(stream.next().await, Some(0));
-        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            stream.next().now_or_never()
-        }));
-        assert!(
-            unwound.is_err(),
-            "cost {in_cost}: the panic reached the poll"
-        );
+        pass_0_then_panic_on_1(&mut stream).await;
         let rest: Vec<u32> = (&mut stream).collect().await;
         assert_eq!(rest, [1, 2], "cost {in_cost}: 1 is asked again, not lost");
         assert_eq!(stream.dropped(), 0);
@@ -522,11 +525,7 @@ async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
     .on_drop(hook)
     .build()
     .unwrap();
-    assert_eq!(stream.next().await, Some(0));
-    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        stream.next().now_or_never()
-    }));
-    assert!(unwound.is_err());
+    pass_0_then_panic_on_1(&mut stream).await;
     drop(stream);
     assert_eq!(*seen.lock().unwrap(), [(1, "discarded".to_owned())]);
 }

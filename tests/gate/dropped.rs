@@ -8,8 +8,9 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use flowgate::Quota;
-use flowgate::gate::{Limit, RedisGate};
+use flowgate::gate::{FailurePolicy, Limit, RedisGate};
 use redis::aio::MultiplexedConnection;
+use tokio::runtime::Runtime;
 
 use super::support::{RedisServer, TestRecorder};
 
@@ -46,6 +47,37 @@ async fn give_up_mid_call<T>(server: &RedisServer, call: Pin<Box<dyn Future<Outp
     tokio::time::sleep(Duration::from_millis(50)).await;
     drop(call);
     server.resume();
+}
+
+/// The test's runtime (current-thread: it owns the connection, and the callers run on it),
+/// another one, and a gate named `name` (60 s timeout) built on that other runtime, where
+/// its batch driver runs.
+fn driven_elsewhere(
+    server: &RedisServer,
+    limit: Limit,
+    name: &str,
+    policy: FailurePolicy,
+) -> (Runtime, Runtime, RedisGate<MultiplexedConnection>) {
+    let main = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = main.block_on(server.connect());
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let gate = other
+        .block_on(
+            RedisGate::builder(conn, limit)
+                .name(name)
+                .failure_policy(policy)
+                .timeout(Duration::from_secs(60))
+                .build(),
+        )
+        .unwrap();
+    (main, other, gate)
 }
 
 async fn exists(con: &mut MultiplexedConnection, key: &str) -> bool {
@@ -238,25 +270,8 @@ fn a_call_nothing_can_finish_is_counted_abandoned() {
             std::thread::sleep(Duration::from_millis(5));
         }
     };
-    // The test's runtime owns the connection; the gate's batch driver runs on `other`.
-    let main = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let conn = main.block_on(server.connect());
-    let other = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let gate = other
-        .block_on(
-            RedisGate::builder(conn, per_hour(100))
-                .name("lost")
-                .timeout(Duration::from_secs(60))
-                .build(),
-        )
-        .unwrap();
+    let (main, other, gate) =
+        driven_elsewhere(&server, per_hour(100), "lost", FailurePolicy::Error);
     let batches = || {
         recorder
             .samples("flowgate_gate_batch_size{name=lost}")
@@ -291,4 +306,47 @@ fn a_call_nothing_can_finish_is_counted_abandoned() {
     drop(main);
     assert!(charged("late"), "redis charged it");
     assert_eq!((count("allowed"), count("abandoned")), (1, 3));
+}
+
+/// A batched caller still waiting when the runtime of the batch driver shuts down with its
+/// batch in flight: Redis may have charged it (here it does), so it is answered by the
+/// failure policy (here `Open`), not asked again, which would charge it twice.
+#[test]
+fn a_batched_caller_whose_driver_stopped_mid_call_is_not_charged_twice() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let count = |outcome| decisions(&recorder, "twice", outcome);
+    let (main, other, gate) = driven_elsewhere(&server, per_hour(2), "twice", FailurePolicy::Open);
+    let batches = || {
+        recorder
+            .samples("flowgate_gate_batch_size{name=twice}")
+            .len()
+    };
+    let mut alone = Box::pin(gate.check("alone", 1));
+    let mut batched = Box::pin(gate.check("batched", 1));
+    main.block_on(async {
+        assert!(gate.check("warm", 1).await.unwrap().allowed);
+        server.pause();
+        // Nothing in flight: `alone` calls Redis itself; `batched` then joins a batch.
+        assert!(futures::poll!(alone.as_mut()).is_pending());
+        assert!(futures::poll!(batched.as_mut()).is_pending());
+        assert!(eventually(|| batches() == 1).await, "the batch is sent");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    });
+    // The driver's runtime shuts down with the batch in flight; its caller still waits.
+    drop(other);
+    server.resume();
+    main.block_on(async {
+        assert!(alone.await.unwrap().allowed);
+        let answered = batched.await.unwrap();
+        assert!(answered.is_fail_open(), "by the policy: {answered:?}");
+        // Charged once: one of the key's two tokens is left.
+        let next = gate.check("batched", 1).await.unwrap();
+        assert!(next.allowed, "charged twice: {next:?}");
+    });
+    assert_eq!(
+        (count("abandoned"), count("policy"), count("rejected")),
+        (1, 1, 0)
+    );
 }

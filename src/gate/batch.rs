@@ -104,6 +104,32 @@ impl Drop for Unread<'_> {
     }
 }
 
+/// A batch on its way to Redis, until its answer is in hand. Dropped before (the driver's
+/// runtime shut down mid-call), it answers the callers still waiting with a failure, for
+/// their gate's failure policy to decide: Redis may have charged them, so asking it again
+/// would charge them twice. (Requests dropped while queued, never sent, are asked again.)
+struct Sent<'a> {
+    batch: Vec<Request>,
+    outcomes: &'a Arc<Outcomes>,
+}
+
+impl Drop for Sent<'_> {
+    fn drop(&mut self) {
+        for r in self.batch.drain(..) {
+            let error = GateError::backend(crate::gate::error::BackendMessage(
+                "the batch driver stopped (its runtime shut down) with this request in \
+                 flight: redis may have charged it"
+                    .into(),
+            ));
+            let failed = CallError::Backend {
+                error: Some(error),
+                until_probe: std::time::Duration::ZERO,
+            };
+            r.answer(Err(failed), self.outcomes);
+        }
+    }
+}
+
 /// The driver's answer to one request. A decision its caller never reads (it gave up after
 /// the batch was sent, so Redis charged it all the same) is [`decided`](Outcomes::decided)
 /// when the answer is dropped (counted, a rejection cached): whether the send found the
@@ -357,13 +383,18 @@ where
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
         };
-        let requests = batch.iter().map(|r| (r.key.as_str(), r.cost));
         let unread = self.outcomes.unread(batch.len());
+        let mut sent = Sent {
+            batch,
+            outcomes: &self.outcomes,
+        };
+        let requests = sent.batch.iter().map(|r| (r.key.as_str(), r.cost));
         let decided = self
             .eval
             .decide(&self.backend, requests, deadline - now)
             .await;
         unread.read();
+        let batch = std::mem::take(&mut sent.batch);
         // A caller that gave up meanwhile was charged all the same: the answer it leaves
         // behind counts its decision.
         match decided {

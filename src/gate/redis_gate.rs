@@ -148,7 +148,10 @@ pub(super) struct Inner<C> {
 ///   that runtime shuts down while the gate lives on, the next caller starts the task again
 ///   on its own runtime (logged, counted in `flowgate_gate_driver_restarts_total`); the
 ///   connection must still be usable there (a `ConnectionManager` reconnects, a
-///   `MultiplexedConnection` made on the dead runtime fails like a dead Redis).
+///   `MultiplexedConnection` made on the dead runtime fails like a dead Redis). A caller
+///   whose batch was on its way to Redis when that runtime shut down is answered by the
+///   failure policy, as if Redis had failed (the gate does not degrade): Redis may have
+///   charged it, and asking again would charge it twice.
 ///
 /// Works over any redis-rs async connection that is `Clone`: `MultiplexedConnection`, or
 /// `ConnectionManager` (which reconnects by itself: use it in production).
@@ -161,7 +164,8 @@ pub(super) struct Inner<C> {
 /// made alone is finished on the runtime without it), and a batched one whose own timeout
 /// ended first is then counted under `policy` too; `abandoned` counts the requests sent to
 /// Redis whose answer nothing was left to read, which Redis may have charged: a batch in
-/// flight when the batch driver's runtime shut down, a call given up outside any runtime or
+/// flight when the batch driver's runtime shut down (its callers still waiting are then
+/// counted under `policy` too), a call given up outside any runtime or
 /// left to finish on a runtime that shut down),
 /// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
 /// `flowgate_gate_failures_total` (failed calls to Redis, not callers: one per failed
@@ -593,7 +597,8 @@ where
         // is the backstop for a driver whose runtime is not being driven.
         let reply = match tokio::time::timeout_at((started + timeout).into(), answer).await {
             Ok(Ok(answer)) => answer.read(),
-            // The driver went away with the request (its runtime shut down): decide it here.
+            // The driver went away with the request before sending it (its runtime shut
+            // down): decide it here. (One it had sent is answered with a failure instead.)
             Ok(Err(_)) => return self.call_one(key, cost, started, None).await,
             Err(_) => Err(inner.backend.fail(GateError::Timeout(timeout))),
         };

@@ -39,6 +39,9 @@ pub(crate) struct RejectCache {
     capacity: usize,
     /// The limit Redis decides by: how much longer a larger cost waits.
     limit: Limit,
+    /// Passes over every entry made to find expired ones (tests).
+    #[cfg(test)]
+    sweeps: AtomicUsize,
 }
 
 impl RejectCache {
@@ -48,6 +51,8 @@ impl RejectCache {
             count: AtomicUsize::new(0),
             capacity,
             limit,
+            #[cfg(test)]
+            sweeps: AtomicUsize::new(0),
         }
     }
 
@@ -108,6 +113,8 @@ impl RejectCache {
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         if entries.len() >= self.capacity && !entries.contains_key(key) {
             let now = Instant::now();
+            #[cfg(test)]
+            self.sweeps.fetch_add(1, Ordering::Relaxed);
             entries.retain(|_, e| e.until > now);
             self.count.store(entries.len(), Ordering::Release);
             if entries.len() >= self.capacity {
@@ -136,6 +143,8 @@ mod tests {
 
     use proptest::prelude::*;
     use std::time::Instant;
+
+    use std::sync::atomic::Ordering;
 
     use super::RejectCache;
     use crate::gate::Limit;
@@ -228,6 +237,41 @@ mod tests {
             never_rejects_what_the_model_admits(Limit::SlidingLog(r), SlidingLog::new(r), &tr)?;
             never_rejects_what_the_model_admits(Limit::SlidingWindow(r), SlidingWindow::new(r), &tr)?;
         }
+    }
+
+    /// A full cache whose entries are all live is not swept for each new key it is given
+    /// (a pass over every entry, under the lock every check takes): only once one of them
+    /// can have expired. A flood of new keys rejected at capacity (a limit per client, many
+    /// clients over it) made each of those calls a pass over the 10 000 entries.
+    #[test]
+    fn a_full_cache_of_live_entries_is_not_swept_for_each_new_key() {
+        let limit = Limit::TokenBucket(Quota::per_second(1).unwrap());
+        let cache = RejectCache::new(100, limit);
+        let mut b = Limiter::new(TokenBucket::new(Quota::per_hour(1).unwrap()));
+        b.check(Duration::ZERO, 1).unwrap();
+        let hour = b.check(Duration::ZERO, 1).unwrap();
+        let now = Instant::now();
+        for i in 0..100 {
+            cache.rejected(&format!("live{i}"), 1, now, &hour);
+        }
+        for i in 0..1_000 {
+            cache.rejected(&format!("new{i}"), 1, now, &hour);
+        }
+        assert_eq!(cache.len(), 100);
+        let sweeps = cache.sweeps.load(Ordering::Relaxed);
+        assert!(sweeps <= 1, "swept {sweeps} times with nothing to evict");
+        // An entry that has expired is still found and makes room.
+        let cache = RejectCache::new(2, limit);
+        let second_ago = now.checked_sub(Duration::from_secs(1)).unwrap();
+        let mut short = hour;
+        short.retry_after = Duration::from_millis(1);
+        cache.rejected("expired", 1, second_ago, &short);
+        cache.rejected("live", 1, now, &hour);
+        cache.rejected("new", 1, now, &hour);
+        assert!(
+            cache.check("new", 1, now).is_some(),
+            "the expired entry made room"
+        );
     }
 
     #[test]

@@ -21,6 +21,15 @@ struct Entry {
     decision: Decision,
 }
 
+/// The cached rejections, and when the first of them expires.
+#[derive(Debug, Default)]
+struct Entries {
+    map: HashMap<String, Entry>,
+    /// No entry expires before this (`None`: no entry): a full cache is not swept for
+    /// room before then.
+    next_expiry: Option<Instant>,
+}
+
 /// Rejections Redis made, per key, with bounded memory.
 ///
 /// Exact: after Redis rejects cost `c` for key `k` with `retry_after` T, any request of cost
@@ -30,10 +39,10 @@ struct Entry {
 /// would admit. A larger cost waits longer than `c`: a token bucket's by one emission
 /// interval per unit more, a fixed window's not at all (every cost fits in the next
 /// window); for the sliding algorithms only Redis knows, so a larger cost goes there. When
-/// full, it stops caching (never wrong, only less useful).
+/// full, it stops caching (never wrong, only less useful) until an entry expires.
 #[derive(Debug)]
 pub(crate) struct RejectCache {
-    entries: Mutex<HashMap<String, Entry>>,
+    entries: Mutex<Entries>,
     /// `entries.len()`, readable without the lock: an empty cache costs one load.
     count: AtomicUsize,
     capacity: usize,
@@ -47,7 +56,7 @@ pub(crate) struct RejectCache {
 impl RejectCache {
     pub(crate) fn new(capacity: usize, limit: Limit) -> RejectCache {
         RejectCache {
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Entries::default()),
             count: AtomicUsize::new(0),
             capacity,
             limit,
@@ -82,10 +91,10 @@ impl RejectCache {
             return None;
         }
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = *entries.get(key)?;
+        let entry = *entries.map.get(key)?;
         if now >= entry.until {
-            entries.remove(key);
-            self.count.store(entries.len(), Ordering::Release);
+            entries.map.remove(key);
+            self.count.store(entries.map.len(), Ordering::Release);
             return None;
         }
         if cost < entry.cost {
@@ -111,17 +120,30 @@ impl RejectCache {
         }
         let until = sent + decision.retry_after;
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-        if entries.len() >= self.capacity && !entries.contains_key(key) {
+        if entries.map.len() >= self.capacity && !entries.map.contains_key(key) {
             let now = Instant::now();
+            // None has expired yet: no pass over them all (under the lock every check
+            // takes) to find that out again for each new key.
+            if entries.next_expiry.is_some_and(|at| now < at) {
+                return;
+            }
             #[cfg(test)]
             self.sweeps.fetch_add(1, Ordering::Relaxed);
-            entries.retain(|_, e| e.until > now);
-            self.count.store(entries.len(), Ordering::Release);
-            if entries.len() >= self.capacity {
+            let mut next = None;
+            entries.map.retain(|_, e| {
+                let live = e.until > now;
+                if live {
+                    next = Some(next.map_or(e.until, |at: Instant| at.min(e.until)));
+                }
+                live
+            });
+            entries.next_expiry = next;
+            self.count.store(entries.map.len(), Ordering::Release);
+            if entries.map.len() >= self.capacity {
                 return;
             }
         }
-        entries.insert(
+        entries.map.insert(
             key.to_owned(),
             Entry {
                 cost,
@@ -129,7 +151,8 @@ impl RejectCache {
                 decision: *decision,
             },
         );
-        self.count.store(entries.len(), Ordering::Release);
+        entries.next_expiry = Some(entries.next_expiry.map_or(until, |at| at.min(until)));
+        self.count.store(entries.map.len(), Ordering::Release);
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -98,6 +98,9 @@ pub(crate) struct Leases {
     /// The bucket's refill rate, at which kept tokens lapse.
     rate: Rate,
     capacity: usize,
+    /// Passes over every lease made to find those run out (tests).
+    #[cfg(test)]
+    sweeps: std::sync::atomic::AtomicUsize,
 }
 
 /// A place in the lease map held for one lease call; given back when dropped (a call that
@@ -124,6 +127,8 @@ impl Leases {
             ttl,
             rate,
             capacity,
+            #[cfg(test)]
+            sweeps: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -166,6 +171,9 @@ impl Leases {
     pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
         let mut state = self.lock();
         if state.leases.len() + state.reserved >= self.capacity {
+            #[cfg(test)]
+            self.sweeps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             state.leases.retain(|_, l| l.live(now, self.rate) > 0);
             if state.leases.len() + state.reserved >= self.capacity {
                 return None;
@@ -205,5 +213,41 @@ impl Leases {
             // Less the microsecond Redis rounded `reset_after` up by, so no place is late.
             full_at: now + reset_after.saturating_sub(Duration::from_micros(1)),
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+
+    /// A full lease map whose leases are all live is not swept for each call that asks for
+    /// a place (a pass over every lease, under the lock every check takes to spend from
+    /// them): only once one of them can have run out, by its expiry or by its tokens
+    /// lapsing. A flood of new keys at capacity made each of their calls such a pass.
+    #[test]
+    fn a_full_map_of_live_leases_is_not_swept_for_each_new_call() {
+        let hour = Duration::from_secs(3_600);
+        // One token an hour: a kept token lapses an hour before the bucket is full again.
+        let leases = Leases::new(10, hour, Rate::per_hour(1).unwrap(), 100);
+        let now = Instant::now();
+        for i in 0..100 {
+            let place = leases.place(now).expect("room");
+            leases.keep(place, &format!("k{i}"), 5, 10, now, 10 * hour);
+        }
+        for _ in 0..1_000 {
+            assert!(leases.place(now).is_none(), "full");
+        }
+        let sweeps = leases.sweeps.load(Ordering::Relaxed);
+        assert!(sweeps <= 1, "swept {sweeps} times with nothing to evict");
+        // Past the expiry of the leases (before their tokens lapse), room is made.
+        assert!(leases.place(now + hour).is_some());
+        // A lease whose tokens have lapsed makes room too, before its expiry.
+        let leases = Leases::new(10, 10 * hour, Rate::per_hour(1).unwrap(), 1);
+        let place = leases.place(now).expect("room");
+        leases.keep(place, "k", 5, 10, now, 2 * hour);
+        assert!(leases.place(now).is_none(), "full");
+        assert!(leases.place(now + hour).is_some(), "its tokens lapsed");
     }
 }

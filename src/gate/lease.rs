@@ -19,6 +19,9 @@ struct Part {
     /// the last places of the bucket's schedule before it: the `i`-th from the end, the one
     /// from `full_at − i` emission intervals.
     full_at: Instant,
+    /// No token of it can be spent from then on (a lower bound): its expiry, or one emission
+    /// interval before `full_at`, when its last token lapses.
+    gone_at: Instant,
 }
 
 impl Part {
@@ -74,6 +77,9 @@ struct State {
     leases: HashMap<String, Lease>,
     /// Lease calls in flight for keys without a lease: each holds a place in the map.
     reserved: usize,
+    /// No lease runs out before this (`None`: no lease): a full map is not swept for room
+    /// before then.
+    next_sweep: Option<Instant>,
 }
 
 /// Tokens already debited in Redis, per key, waiting to be spent here.
@@ -171,10 +177,26 @@ impl Leases {
     pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
         let mut state = self.lock();
         if state.leases.len() + state.reserved >= self.capacity {
+            // None has run out yet: no pass over them all (under the lock every check
+            // takes) to find that out again for each call.
+            if state.next_sweep.is_some_and(|at| now < at) {
+                return None;
+            }
             #[cfg(test)]
             self.sweeps
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            state.leases.retain(|_, l| l.live(now, self.rate) > 0);
+            let mut next = None;
+            state.leases.retain(|_, l| {
+                let live = l.live(now, self.rate) > 0;
+                if live {
+                    next = next
+                        .into_iter()
+                        .chain(l.parts.iter().map(|p| p.gone_at))
+                        .min();
+                }
+                live
+            });
+            state.next_sweep = next;
             if state.leases.len() + state.reserved >= self.capacity {
                 return None;
             }
@@ -207,12 +229,20 @@ impl Leases {
             limit,
         });
         lease.limit = limit;
+        // Less the microsecond Redis rounded `reset_after` up by, so no place is late.
+        let full_in = reset_after.saturating_sub(Duration::from_micros(1));
+        // Its last token lapses once less than one emission interval (rounded up here, so
+        // no later than that) is left before `full_at`.
+        let interval = u128::from(self.rate.period_nanos()).div_ceil(u128::from(self.rate.count()));
+        let interval = Duration::from_nanos(u64::try_from(interval).unwrap_or(u64::MAX));
+        let gone_at = now + self.ttl.min(full_in.saturating_sub(interval));
         lease.parts.push_back(Part {
             tokens,
             expires: now + self.ttl,
-            // Less the microsecond Redis rounded `reset_after` up by, so no place is late.
-            full_at: now + reset_after.saturating_sub(Duration::from_micros(1)),
+            full_at: now + full_in,
+            gone_at,
         });
+        state.next_sweep = Some(state.next_sweep.map_or(gone_at, |at| at.min(gone_at)));
     }
 }
 

@@ -1,11 +1,15 @@
 //! The bounded channel: order, shutdown, policies, permits, Sink/Stream, cancel safety, and
 //! a stress test that accounts for every item. Receiver batches (`len`, `DropOldest`,
-//! `size_hint`) are tested in `channel/batches.rs`, wakers and the lock in `channel/wakers.rs`.
+//! `size_hint`) are tested in `channel/batches.rs`, wakers and the lock in `channel/wakers.rs`,
+//! a metrics recorder that panics in `channel/recorder.rs`.
 
 mod support;
 
 #[path = "channel/batches.rs"]
 mod batches;
+#[cfg(feature = "metrics")]
+#[path = "channel/recorder.rs"]
+mod recorder;
 #[path = "channel/wakers.rs"]
 mod wakers;
 

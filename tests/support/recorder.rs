@@ -1,7 +1,9 @@
-//! A `metrics` recorder for tests: remembers every counter and gauge by name and labels.
+//! A `metrics` recorder for tests: remembers every counter and gauge by name and labels, and
+//! can be told to panic when one of them is recorded to (a recorder is user code: a
+//! primitive must stay consistent when it panics).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use metrics::{
@@ -14,10 +16,21 @@ use metrics::{
 struct Cell {
     value: AtomicU64,
     samples: Mutex<Vec<f64>>,
+    /// Panic on the next change ([`TestRecorder::panic_on`]).
+    panics: AtomicBool,
+}
+
+impl Cell {
+    fn maybe_panic(&self) {
+        if self.panics.load(Ordering::Relaxed) {
+            panic!("the recorder panics");
+        }
+    }
 }
 
 impl CounterFn for Cell {
     fn increment(&self, value: u64) {
+        self.maybe_panic();
         self.value.fetch_add(value, Ordering::Relaxed);
     }
     fn absolute(&self, value: u64) {
@@ -27,6 +40,7 @@ impl CounterFn for Cell {
 
 impl GaugeFn for Cell {
     fn increment(&self, value: f64) {
+        self.maybe_panic();
         // One atomic step: threads that record at once must not lose each other's changes.
         let _ = self
             .value
@@ -99,6 +113,15 @@ impl TestRecorder {
             .unwrap()
             .get(id)
             .map_or_else(Vec::new, |c| c.samples.lock().unwrap().clone())
+    }
+
+    /// Make every change to the counter or gauge `id` (as in [`counter`](Self::counter))
+    /// panic (`true`) or record again (`false`). It may be set before the metric is
+    /// registered.
+    pub fn panic_on(&self, id: &str, panics: bool) {
+        let cells = &mut *self.cells.lock().unwrap();
+        let cell = cells.entry(id.to_string()).or_default();
+        cell.panics.store(panics, Ordering::Relaxed);
     }
 
     /// Every registered metric id, sorted.

@@ -1,0 +1,68 @@
+//! A metrics recorder is user code, like a hook or a waker: one that panics must leave the
+//! channel consistent and usable (as its docs promise of any panic). The panic reaches the
+//! caller; the slots, the wakes and the counts must not depend on the recorder returning.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::pin;
+use std::task::Poll;
+
+use flowgate::channel::{self, Receiver, Sender, Sent};
+use futures::{FutureExt, poll};
+
+use super::support::TestRecorder;
+
+const RECEIVED: &str = "flowgate_channel_received_total{name=panicky}";
+
+/// A channel named `panicky` of `capacity` items, recording into `recorder`.
+fn panicky(recorder: &TestRecorder, capacity: usize) -> (Sender<u32>, Receiver<u32>) {
+    metrics::with_local_recorder(recorder, || {
+        channel::builder(capacity).name("panicky").build().unwrap()
+    })
+}
+
+/// Run `f` while every change to the metric `id` panics; says whether `f` panicked.
+fn panicking<R>(recorder: &TestRecorder, id: &str, f: impl FnOnce() -> R) -> bool {
+    recorder.panic_on(id, true);
+    let unwound = catch_unwind(AssertUnwindSafe(f)).is_err();
+    recorder.panic_on(id, false);
+    unwound
+}
+
+/// The slot a receive frees is freed before the receive is recorded: the sender waiting
+/// for it gets it. (It stayed occupied for ever: the sender waited for ever.)
+#[tokio::test]
+async fn a_recorder_panicking_on_a_receive_still_frees_its_slot() {
+    let recorder = TestRecorder::default();
+    let (tx, mut rx) = panicky(&recorder, 1);
+    tx.try_send(1).unwrap();
+    let mut send = pin!(tx.send(2));
+    assert!(poll!(send.as_mut()).is_pending(), "full");
+    assert!(panicking(&recorder, RECEIVED, || rx.try_recv()));
+    assert_eq!(
+        poll!(send.as_mut()),
+        Poll::Ready(Ok(Sent::Queued)),
+        "the freed slot went to the waiting sender"
+    );
+    assert_eq!(rx.try_recv(), Ok(2));
+    assert_eq!(tx.try_send(3), Ok(Sent::Queued));
+}
+
+/// A receiver that takes a batch knows the slots it holds before the receive is recorded:
+/// handing the batch out frees them all. (They were never freed: the channel lost them.)
+#[tokio::test]
+async fn a_recorder_panicking_on_a_batch_leaves_its_slots_to_be_freed() {
+    let recorder = TestRecorder::default();
+    let (tx, mut rx) = panicky(&recorder, 4);
+    for i in 0..4 {
+        tx.try_send(i).unwrap();
+    }
+    // The lone receiver takes all four: 0 is handed out (the panic takes it), 1..4 are held.
+    assert!(panicking(&recorder, RECEIVED, || rx.recv().now_or_never()));
+    for i in 1..4 {
+        assert_eq!(rx.recv().await, Some(i));
+    }
+    for i in 4..8 {
+        assert_eq!(tx.try_send(i), Ok(Sent::Queued), "every slot is free again");
+    }
+    assert_eq!(tx.len(), 4);
+}

@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
+use std::ops::Range;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -38,12 +39,11 @@ pub struct Receiver<T> {
     terminated: bool,
     /// Items taken in one batch and not yet yielded (they keep their channel slots).
     local: VecDeque<T>,
-    /// Slots held for this receiver's batch, freed when the batch is used up.
-    held: usize,
     /// `local.len()`, published for the channel's `len()`.
     batch_len: Arc<BatchLen>,
-    /// The place in the queue after the batch's last item (see `Shared::poll_recv_batch`).
-    batch_end: u64,
+    /// The places in the queue of the batch's items after the first (see
+    /// `Shared::poll_recv_batch`): one slot held for each, until the batch is used up.
+    batch: Range<u64>,
     /// The short spin before waiting (see `poll_next_item`).
     spin: Spin,
 }
@@ -57,9 +57,8 @@ impl<T> Receiver<T> {
             waiting: Waiting::default(),
             terminated: false,
             local: VecDeque::new(),
-            held: 0,
             batch_len,
-            batch_end: 0,
+            batch: 0..0,
             spin: Spin::default(),
         }
     }
@@ -93,7 +92,7 @@ impl<T> Receiver<T> {
         let item = self.local.pop_front()?;
         self.batch_len.set(self.local.len());
         if self.local.is_empty() {
-            self.shared.release_held(std::mem::take(&mut self.held));
+            self.shared.release_held(std::mem::take(&mut self.batch));
         }
         Some(item)
     }
@@ -176,16 +175,14 @@ impl<T> Receiver<T> {
             self.spin
                 .before_wait(|| shared.has_ringed_item(), || shared.is_closed());
         }
-        let next = self.shared.poll_recv_batch(
+        self.shared.poll_recv_batch(
             cx,
             &mut self.waiting,
             stream,
             &mut self.local,
             &self.batch_len,
-            &mut self.batch_end,
-        );
-        self.held = self.local.len();
-        next
+            &mut self.batch,
+        )
     }
 
     /// Whether the channel is closed for new sends.
@@ -232,9 +229,8 @@ impl<T> Drop for Receiver<T> {
         self.shared.drop_receiver(
             &mut self.waiting,
             std::mem::take(&mut self.local),
-            std::mem::take(&mut self.held),
+            std::mem::take(&mut self.batch),
             &self.batch_len,
-            self.batch_end,
         );
     }
 }
@@ -342,7 +338,7 @@ impl<T> Future for RecvMany<'_, T> {
             if receiver.local.is_empty() {
                 receiver
                     .shared
-                    .release_held(std::mem::take(&mut receiver.held));
+                    .release_held(std::mem::take(&mut receiver.batch));
             }
             return Poll::Ready(n);
         }

@@ -1,6 +1,7 @@
 //! Receiving (under the lock, a batch at a time) and the handles coming and going.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::task::{Context, Poll};
 
 use super::*;
@@ -27,12 +28,14 @@ impl<T> Shared<T> {
         self.queued(st)
     }
 
-    /// An item was received: count it and free its slot.
+    /// An item was received: count it and free its slot. The metrics are recorded last,
+    /// once the state is settled: a recorder is user code, and one that panics must not
+    /// leave the slot taken.
     fn took(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
         st.received += n as u64;
-        self.metrics.received.increment(n as u64);
         self.free_locked(st, n, out);
         self.set_depth();
+        self.metrics.received.increment(n as u64);
     }
 
     pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
@@ -49,7 +52,7 @@ impl<T> Shared<T> {
     }
 
     /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the
-    /// rest go to `local` and keep their slots (`held`) until
+    /// rest go to `local` and keep their slots (held) until
     /// [`release_held`](Shared::release_held), so the channel's bound still counts them. A
     /// receiver takes at most its share of what is queued (`len / receivers`), so none sits
     /// on items another one is idle for. `st.received` counts a batch when it is taken (and
@@ -58,8 +61,9 @@ impl<T> Shared<T> {
     /// is handed out (or the rest given back).
     ///
     /// The batch is a run of consecutive places in the queue (it stops short of a place
-    /// another receiver's batch still holds); `batch_end` is set to the place after its
-    /// last item, for [`give_back`](Shared::give_back).
+    /// another receiver's batch still holds); `batch` is set to the places of the items in
+    /// `local` (its length is the slots held), before anything is recorded, for
+    /// [`release_held`](Shared::release_held) and [`give_back`](Shared::give_back).
     ///
     /// A `stream` receiver (no future whose drop could pass a wake on) waits among the
     /// stream waiters, which every new item wakes.
@@ -70,7 +74,7 @@ impl<T> Shared<T> {
         stream: bool,
         local: &mut VecDeque<T>,
         batch_len: &BatchLen,
-        batch_end: &mut u64,
+        batch: &mut Range<u64>,
     ) -> Poll<Option<T>> {
         let mut out = Deferred::default();
         let mut st = self.lock();
@@ -87,14 +91,14 @@ impl<T> Shared<T> {
                 local.push_back(item);
                 next += 1;
             }
-            *batch_end = next;
+            *batch = place + 1..next;
             let held = local.len();
             batch_len.set(held);
             self.depth_extra.fetch_add(held, Ordering::Relaxed);
             // Only the first item's slot is free now; the batch's are held.
             st.received += held as u64;
-            self.took(&mut st, 1, &mut out);
             self.sync_recv_flag(&st);
+            self.took(&mut st, 1, &mut out);
             return Poll::Ready(Some(first));
         }
         if self.finished() {
@@ -106,38 +110,38 @@ impl<T> Shared<T> {
         Poll::Pending
     }
 
-    /// A receiver used up its batch, which held `n` slots: they are free.
-    pub(crate) fn release_held(&self, n: usize) {
+    /// A receiver used up its `batch` (the places `poll_recv_batch` set): the slots it held
+    /// are free. Recorded last, as in [`took`](Shared::took).
+    pub(crate) fn release_held(&self, batch: Range<u64>) {
+        let n = held(&batch);
         if n == 0 {
             return;
         }
-        self.metrics.received.increment(n as u64);
         self.depth_extra.fetch_sub(n, Ordering::Relaxed);
-        self.set_depth();
         self.free(n);
+        self.set_depth();
+        self.metrics.received.increment(n as u64);
     }
 
-    /// A receiver is dropped with `items` of a batch not yet yielded (and `held` slots in
-    /// all), the last of which had the place before `batch_end` in the queue: the items go
-    /// back to their places, ahead of every item in the ring, for other receivers.
+    /// A receiver is dropped with `items` not yet yielded, the last of its `batch` (the
+    /// places `poll_recv_batch` set, each holding a slot): the items go back to their
+    /// places, ahead of every item in the ring, for other receivers.
     fn give_back(
         &self,
         st: &mut State<T>,
         items: VecDeque<T>,
-        held: usize,
+        batch: Range<u64>,
         batch_len: &BatchLen,
-        batch_end: u64,
         out: &mut Deferred,
     ) {
         batch_len.set(0);
         // Those handed out are received; the rest go back.
-        let freed = held - items.len();
+        let freed = held(&batch) - items.len();
         st.received -= items.len() as u64;
-        self.metrics.received.increment(freed as u64);
         self.depth_extra.fetch_sub(freed, Ordering::Relaxed);
         // Their places are consecutive, and no other given-back item has one between them
         // (those are this batch's), so they go in as one run.
-        let first = batch_end - items.len() as u64;
+        let first = batch.end - items.len() as u64;
         let at = st.stash.partition_point(|(place, _)| *place < first);
         let newer = st.stash.split_off(at);
         st.stash.extend((first..).zip(items));
@@ -145,6 +149,7 @@ impl<T> Shared<T> {
         self.free_locked(st, freed, out);
         self.wake_receivers(st, out);
         self.set_depth();
+        self.metrics.received.increment(freed as u64);
     }
 
     /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
@@ -228,25 +233,24 @@ impl<T> Shared<T> {
 
     /// A receiver is dropped, all under one lock: it stops waiting (passing on a wake it
     /// had, as [`cancel_recv_wait`](Shared::cancel_recv_wait)), gives back what is left of
-    /// its batch (`items`, and `held` slots in all; `batch_end` as `poll_recv_batch` set it)
-    /// to its place at the front of the queue, and is no longer counted. The last receiver
+    /// its batch (`items`, of the places `batch` that `poll_recv_batch` set) to its place at
+    /// the front of the queue, and is no longer counted. The last receiver
     /// going away drops what is buffered, through `on_drop` (`Discarded`), counted; so does
     /// a send that pushes after it (it sees `RX_GONE`).
     pub(crate) fn drop_receiver(
         &self,
         waiting: &mut Waiting,
         items: VecDeque<T>,
-        held: usize,
+        batch: Range<u64>,
         batch_len: &Arc<BatchLen>,
-        batch_end: u64,
     ) {
         let mut out = Deferred::default();
         let mut st = self.lock();
         if waiting.is_waiting() {
             self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
         }
-        if held > 0 || !items.is_empty() {
-            self.give_back(&mut st, items, held, batch_len, batch_end, &mut out);
+        if !batch.is_empty() || !items.is_empty() {
+            self.give_back(&mut st, items, batch, batch_len, &mut out);
         }
         st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
         if !st.batches.is_empty() {
@@ -258,4 +262,9 @@ impl<T> Shared<T> {
         fence(Ordering::SeqCst);
         self.discard_rest(st);
     }
+}
+
+/// How many slots a receiver's batch of the places `batch` holds: one per place.
+fn held(batch: &Range<u64>) -> usize {
+    (batch.end - batch.start) as usize
 }

@@ -4,14 +4,17 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::pin;
+use std::sync::atomic::Ordering;
 use std::task::Poll;
 
 use flowgate::channel::{self, Receiver, Sender, Sent};
 use futures::{FutureExt, poll};
 
 use super::support::TestRecorder;
+use super::wakers::{counting, poll_with};
 
 const RECEIVED: &str = "flowgate_channel_received_total{name=panicky}";
+const SENT: &str = "flowgate_channel_sent_total{name=panicky}";
 
 /// A channel named `panicky` of `capacity` items, recording into `recorder`.
 fn panicky(recorder: &TestRecorder, capacity: usize) -> (Sender<u32>, Receiver<u32>) {
@@ -65,4 +68,39 @@ async fn a_recorder_panicking_on_a_batch_leaves_its_slots_to_be_freed() {
         assert_eq!(tx.try_send(i), Ok(Sent::Queued), "every slot is free again");
     }
     assert_eq!(tx.len(), 4);
+}
+
+/// The receiver waiting for an item is woken before the push is recorded. (It was never
+/// woken: with no further send it waited for ever, the item in the channel.)
+#[test]
+fn a_recorder_panicking_on_a_send_still_wakes_the_waiting_receiver() {
+    let recorder = TestRecorder::default();
+    let (tx, mut rx) = panicky(&recorder, 4);
+    let (waker, state) = counting();
+    let mut recv = pin!(rx.recv());
+    assert!(poll_with(recv.as_mut(), &waker).is_pending());
+    assert!(panicking(&recorder, SENT, || tx.try_send(1)));
+    assert_eq!(
+        state.wakes.load(Ordering::SeqCst),
+        1,
+        "the receiver is woken"
+    );
+    assert_eq!(poll_with(recv.as_mut(), &waker), Poll::Ready(Some(1)));
+}
+
+/// An item sent through a permit after the last receiver went is discarded and counted
+/// before the push is recorded. (It stayed in the channel: never counted as dropped,
+/// `len()` 1 with no receiver left, dropped unseen with the channel.)
+#[test]
+fn a_recorder_panicking_on_a_permit_send_after_the_receivers_still_discards_it() {
+    let recorder = TestRecorder::default();
+    let (tx, rx) = panicky(&recorder, 2);
+    let permit = tx.try_reserve().unwrap();
+    drop(rx);
+    assert!(panicking(&recorder, SENT, || permit.send(7)));
+    assert_eq!((tx.len(), tx.stats().dropped), (0, 1), "discarded, counted");
+    assert_eq!(
+        recorder.counter("flowgate_channel_dropped_total{name=panicky,policy=closed}"),
+        1
+    );
 }

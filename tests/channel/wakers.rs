@@ -38,8 +38,8 @@ fn watchdog(what: &'static str, body: impl FnOnce() + Send + 'static) {
 
 /// A waker that counts its wakes and runs `on_drop` when its last clone is dropped.
 #[derive(Default)]
-struct TestWaker {
-    wakes: AtomicU64,
+pub(super) struct TestWaker {
+    pub(super) wakes: AtomicU64,
     on_drop: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
@@ -71,12 +71,12 @@ fn reentrant(f: impl FnOnce() + Send + 'static) -> Waker {
 }
 
 /// A waker that only counts, and its counter.
-fn counting() -> (Waker, Arc<TestWaker>) {
+pub(super) fn counting() -> (Waker, Arc<TestWaker>) {
     let state = Arc::new(TestWaker::default());
     (Waker::from(state.clone()), state)
 }
 
-fn poll_with<F: Future + ?Sized>(fut: Pin<&mut F>, waker: &Waker) -> Poll<F::Output> {
+pub(super) fn poll_with<F: Future + ?Sized>(fut: Pin<&mut F>, waker: &Waker) -> Poll<F::Output> {
     fut.poll(&mut Context::from_waker(waker))
 }
 

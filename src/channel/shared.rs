@@ -575,18 +575,23 @@ impl<T> Shared<T> {
 
     /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
     /// (the fence pairs with the one in [`queued_or_flag`](Shared::queued_or_flag) and in
-    /// [`drop_receiver`](Shared::drop_receiver)). `depth`: update the depth gauge.
+    /// [`drop_receiver`](Shared::drop_receiver)).
     #[inline]
-    fn push_claimed(&self, item: T, depth: bool) -> usize {
+    fn push_claimed(&self, item: T) -> usize {
         self.ring.push(item);
         fence(Ordering::SeqCst);
-        let rx = self.hot.rx.load(Ordering::Relaxed);
-        // After the push: a metrics recorder that panics cannot strand the claimed slot.
+        self.hot.rx.load(Ordering::Relaxed)
+    }
+
+    /// Record a push in the metrics; `depth`: update the depth gauge too. Only once the
+    /// item is settled (the receivers it concerns woken, or it discarded): a recorder is
+    /// user code, and one that panics must cost neither a wake nor the discard.
+    #[inline]
+    fn record_push(&self, depth: bool) {
         self.metrics.sent.increment(1);
         if depth {
             self.set_depth();
         }
-        rx
     }
 
     /// Whether a send that claimed the slot after `occupied` others updates the depth
@@ -601,33 +606,41 @@ impl<T> Shared<T> {
         occupied != 0 && occupied & self.depth_mask == 0
     }
 
-    /// Push an item into a slot claimed for it, without the lock.
+    /// Push an item into a slot claimed for it, without the lock. `depth`: update the depth
+    /// gauge.
     #[inline]
     fn enqueue(&self, item: T, depth: bool) {
-        let rx = self.push_claimed(item, depth);
+        let rx = self.push_claimed(item);
         if rx != 0 {
-            self.after_push(rx);
+            self.after_push(rx, depth);
+        } else {
+            self.record_push(depth);
         }
     }
 
-    /// A push found a receiver waiting, or every receiver gone.
+    /// A push found a receiver waiting, or every receiver gone: wake it, or drop what is
+    /// left (the push recorded with the discards, before the hook runs); then record it.
     #[cold]
-    fn after_push(&self, rx: usize) {
+    fn after_push(&self, rx: usize, depth: bool) {
         let mut out = Deferred::default();
         let mut st = self.lock();
         if rx & RX_GONE != 0 {
-            self.discard_rest(st);
+            self.discard_rest(st, 1);
         } else {
             self.wake_for_item(&mut st, &mut out);
+            drop(st);
+            // `out` wakes the receivers even if the recorder panics.
+            self.record_push(depth);
         }
     }
 
     /// Push an item into a slot claimed for it, under the lock (the channel is open, so
     /// receivers are not gone).
     fn enqueue_locked(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
-        if self.push_claimed(item, true) & RECV_WAIT != 0 {
+        if self.push_claimed(item) & RECV_WAIT != 0 {
             self.wake_for_item(st, out);
         }
+        self.record_push(true);
     }
 
     /// The oldest queued item (under the lock).
@@ -667,17 +680,19 @@ impl<T> Shared<T> {
     /// Every receiver is gone: drop what is queued through `on_drop` (`Discarded`), after
     /// releasing the lock. Every item is counted (in `stats` and the metric) before the
     /// hook sees the first: a hook that panics leaves none uncounted (the items after it
-    /// are dropped as the panic unwinds, without the hook).
-    fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>) {
+    /// are dropped as the panic unwinds, without the hook). `pushed`: items the caller
+    /// pushed, recorded in `sent_total` with them.
+    fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>, pushed: u64) {
         let mut left: Vec<T> = st.stash.drain(..).map(|(_, item)| item).collect();
         while let Some(item) = self.ring.pop(&mut st.popper) {
             left.push(item);
         }
         st.dropped += left.len() as u64;
         self.depth_extra.store(0, Ordering::Relaxed);
-        self.set_depth();
         drop(st);
         self.metrics.dropped_closed.increment(left.len() as u64);
+        self.metrics.sent.increment(pushed);
+        self.set_depth();
         if let Some(hook) = &self.on_drop {
             for item in left {
                 hook.call(item, &Dropped::Discarded);

@@ -260,7 +260,7 @@ impl<T> Shared<T> {
         // Pairs with the fence after a push: a push this drain misses sees `RX_GONE`.
         self.hot.rx.fetch_or(RX_GONE, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        self.discard_rest(st);
+        self.discard_rest(st, 0);
     }
 }
 

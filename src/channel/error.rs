@@ -113,7 +113,9 @@ impl std::error::Error for ReserveError {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum TryRecvError {
-    /// Nothing is buffered right now; senders remain.
+    /// Nothing is buffered right now, but more may come: a sender remains, or (once the
+    /// channel is closed) a permit is outstanding or another receiver still holds items of
+    /// a batch it may give back.
     Empty,
     /// Nothing is buffered and nothing more can come: every sender is gone or the channel
     /// was closed, and no permit is outstanding.

@@ -23,9 +23,14 @@ use crate::sync::Arc;
 ///
 /// `Sender` implements [`Sink`]: `poll_ready` reserves a slot (waiting for one under
 /// `Backpressure`), `start_send` fills it, and a slot reserved but never filled is released
-/// when the sender is dropped or closed as a sink. Closing it as a sink (`poll_close`) detaches
-/// this handle only (and the clones made of it afterwards, which are closed too); the channel
-/// closes when the last sender is gone.
+/// when the sender is dropped or closed as a sink. A `poll_ready` left waiting (a `feed` or
+/// `SinkExt::send` future dropped, by a timeout say) keeps this handle's place among the
+/// waiting senders, and the slot it is then given, until `poll_ready` is called again (which
+/// takes it), or the handle is closed as a sink or dropped: this handle's own
+/// [`send`](Sender::send), [`try_send`](Sender::try_send) and [`reserve`](Sender::reserve)
+/// do not use that slot (at capacity 1 they wait until then). Closing it as a sink
+/// (`poll_close`) detaches this handle only (and the clones made of it afterwards, which are
+/// closed too); the channel closes when the last sender is gone.
 ///
 /// When the last `Sender` is dropped, receivers still get every buffered item, then `None`.
 pub struct Sender<T> {

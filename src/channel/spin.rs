@@ -139,6 +139,15 @@ impl Spin {
     }
 }
 
+/// For the receiver's tests: whether this receiver has spun in vain since its last spin
+/// that saw an item.
+#[cfg(test)]
+impl Spin {
+    pub(crate) fn has_missed(&self) -> bool {
+        self.misses > 0 || self.skip > 0 || self.cooldown > COOLDOWN_MIN
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;

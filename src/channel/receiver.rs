@@ -162,18 +162,19 @@ impl<T> Receiver<T> {
         if let Some(item) = self.take_local() {
             return Poll::Ready(Some(item));
         }
-        // Nothing in a small ring: watch it for a moment before registering, as a push is
-        // often a few microseconds away (a thread-parking executor need not park). Never in
-        // a tokio task, nor on a current-thread runtime: see `channel::spin`. That is checked
-        // first (a thread-local read), so a task receiver never reads the ring's ends here.
+        // Nothing queued in a small channel: watch it for a moment before registering, as a
+        // push is often a few microseconds away (a thread-parking executor need not park).
+        // Never in a tokio task, nor on a current-thread runtime: see `channel::spin`. That
+        // is checked first (a thread-local read), so a task receiver never reads the ring's
+        // ends here.
         if !cfg!(flowgate_loom)
             && worth_spinning_for(self.shared.capacity())
             && may_spin_here()
-            && !self.shared.has_ringed_item()
+            && !self.shared.has_queued_item()
         {
             let shared = &self.shared;
             self.spin
-                .before_wait(|| shared.has_ringed_item(), || shared.is_closed());
+                .before_wait(|| shared.has_queued_item(), || shared.is_closed());
         }
         self.shared.poll_recv_batch(
             cx,

@@ -242,6 +242,9 @@ pub(crate) struct Shared<T> {
     depth_extra: Line<AtomicUsize>,
     state: Line<Mutex<State<T>>>,
     capacity: usize,
+    /// How many items `stash` holds, for a receiver about to spin: read without the lock,
+    /// written under it, and rarely (only items given back by dropped receivers go there).
+    stashed: AtomicUsize,
     /// Fast-path sends set the depth gauge when the occupied count is not zero and has these
     /// bits clear: every sixteenth of the capacity rounded down to a power of two (so no
     /// division), but not more often than every 16 items.
@@ -307,6 +310,7 @@ impl<T> Shared<T> {
                 dropped: 0,
             })),
             capacity,
+            stashed: AtomicUsize::new(0),
             depth_mask: (1usize << (capacity / 16).max(16).ilog2()) - 1,
             overflow,
             on_drop,
@@ -372,9 +376,10 @@ impl<T> Shared<T> {
         }
     }
 
-    /// Whether an item is in the ring (read without the lock; for a receiver's spin).
-    pub(crate) fn has_ringed_item(&self) -> bool {
-        self.ring.len() > 0
+    /// Whether an item is queued: in the ring, or given back (read without the lock; for a
+    /// receiver's spin).
+    pub(crate) fn has_queued_item(&self) -> bool {
+        self.stashed.load(Ordering::Relaxed) > 0 || self.ring.len() > 0
     }
 
     pub(crate) fn is_closed(&self) -> bool {
@@ -653,6 +658,7 @@ impl<T> Shared<T> {
         match st.stash.pop_front() {
             Some(placed) => {
                 self.depth_extra.fetch_sub(1, Ordering::Relaxed);
+                self.stashed.fetch_sub(1, Ordering::Relaxed);
                 Some(placed)
             }
             None => {
@@ -689,6 +695,7 @@ impl<T> Shared<T> {
         }
         st.dropped += left.len() as u64;
         self.depth_extra.store(0, Ordering::Relaxed);
+        self.stashed.store(0, Ordering::Relaxed);
         drop(st);
         self.metrics.dropped_closed.increment(left.len() as u64);
         self.metrics.sent.increment(pushed);

@@ -15,7 +15,8 @@
 //!   microseconds, so its receiver would otherwise park every handful of items, while a
 //!   large ring's receiver takes long batches between parks, and a spin that lets it take
 //!   items one by one as they come costs more than the park it saves;
-//! - nothing is in the ring;
+//! - nothing is queued (in the ring, or given back by a receiver dropped with part of a
+//!   batch);
 //! - the receiver is not polled inside a tokio task (spinning there would hold up a worker,
 //!   maybe the very sender, woken onto this worker's queue), nor on the thread of a tokio
 //!   current-thread runtime (a `#[tokio::test]` body: its senders run on that same thread,
@@ -27,9 +28,9 @@
 //!
 //! The cost is bounded: a receiver whose spins never pay spends at most [`MISSES`] ×
 //! [`SPIN`] of CPU per [`COOLDOWN_MAX`] waits once it has backed off. Nothing the channel
-//! promises depends on the spin: it only looks at the ring, and then the receive goes on
-//! as it would have. Under `--cfg flowgate_loom` the receiver never gets here, so the models
-//! see the channel as before.
+//! promises depends on the spin: it only looks at what is queued, and then the receive goes
+//! on as it would have. Under `--cfg flowgate_loom` the receiver never gets here, so the
+//! models see the channel as before.
 //!
 //! Until 0.2.0 a receiver spun only when a sender that had waited for room was let in since
 //! its last look. On an Intel Xeon VM the receiver was the faster side: the ring ran empty

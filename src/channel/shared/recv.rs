@@ -142,6 +142,7 @@ impl<T> Shared<T> {
         // Their places are consecutive, and no other given-back item has one between them
         // (those are this batch's), so they go in as one run.
         let first = batch.end - items.len() as u64;
+        self.stashed.fetch_add(items.len(), Ordering::Relaxed);
         let at = st.stash.partition_point(|(place, _)| *place < first);
         let newer = st.stash.split_off(at);
         st.stash.extend((first..).zip(items));

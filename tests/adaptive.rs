@@ -4,6 +4,11 @@
 #[path = "adaptive/support.rs"]
 mod support;
 
+#[cfg(feature = "metrics")]
+#[allow(dead_code)]
+#[path = "support/recorder.rs"]
+mod recorder;
+
 use std::time::Duration;
 
 use std::sync::{Arc, Mutex};
@@ -839,4 +844,41 @@ async fn calls_refused_at_once_cut_the_limit_once() {
         ("probe", 18),
     ];
     assert_eq!(after, once, "one cut from 20 each");
+}
+
+/// A metrics recorder is user code, so it runs after the algorithm's lock is released: here
+/// one that reads the bulkhead's stats whenever a gauge moves (an exporter snapshotting it,
+/// say), which takes that lock. The gauges were moved under it, so the first cut deadlocked.
+#[cfg(feature = "metrics")]
+#[test]
+fn the_gauges_are_moved_outside_the_algorithms_lock() {
+    use std::sync::mpsc::RecvTimeoutError;
+
+    let recorder = recorder::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(10)
+            .adaptive(Aimd::builder().build().unwrap())
+            .name("snapshots")
+            .build()
+            .unwrap()
+    });
+    let exporter = b.clone();
+    recorder.on_gauge(move || {
+        let _ = exporter.adaptive_stats();
+    });
+    // On a thread of its own, so a deadlock fails the test instead of hanging it.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        b.try_acquire().unwrap().record(Outcome::BackPressure);
+        let _ = done.send(b.max_in_flight());
+    });
+    match finished.recv_timeout(Duration::from_secs(10)) {
+        Ok(max) => assert_eq!(max, 9, "10 × 0.9"),
+        Err(RecvTimeoutError::Timeout) => {
+            panic!("deadlocked: a gauge moved under the algorithm's lock")
+        }
+        Err(RecvTimeoutError::Disconnected) => panic!("the sample's thread panicked"),
+    }
+    let gauge = recorder.gauge("flowgate_bulkhead_max_in_flight{name=snapshots}");
+    assert_eq!(gauge, Some(9.0));
 }

@@ -4,12 +4,15 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
 };
+
+/// Run after every move of a gauge, once set ([`TestRecorder::on_gauge`]).
+type Hook = Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>;
 
 /// One registered metric: its value (counters and gauges) or its samples (histograms).
 #[derive(Default)]
@@ -18,12 +21,19 @@ struct Cell {
     samples: Mutex<Vec<f64>>,
     /// Panic on the next change ([`TestRecorder::panic_on`]).
     panics: AtomicBool,
+    on_gauge: Hook,
 }
 
 impl Cell {
     fn maybe_panic(&self) {
         if self.panics.load(Ordering::Relaxed) {
             panic!("the recorder panics");
+        }
+    }
+
+    fn moved(&self) {
+        if let Some(hook) = self.on_gauge.get() {
+            hook();
         }
     }
 }
@@ -47,12 +57,14 @@ impl GaugeFn for Cell {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
                 Some((f64::from_bits(bits) + value).to_bits())
             });
+        self.moved();
     }
     fn decrement(&self, value: f64) {
         GaugeFn::increment(self, -value);
     }
     fn set(&self, value: f64) {
         self.value.store(value.to_bits(), Ordering::Relaxed);
+        self.moved();
     }
 }
 
@@ -67,6 +79,7 @@ impl HistogramFn for Cell {
 #[derive(Default, Clone)]
 pub struct TestRecorder {
     cells: Arc<Mutex<BTreeMap<String, Arc<Cell>>>>,
+    on_gauge: Hook,
 }
 
 fn render(key: &Key) -> String {
@@ -84,8 +97,25 @@ impl TestRecorder {
             .lock()
             .unwrap()
             .entry(render(key))
-            .or_default()
+            .or_insert_with(|| self.new_cell())
             .clone()
+    }
+
+    /// A cell that runs the [`on_gauge`](Self::on_gauge) hook.
+    fn new_cell(&self) -> Arc<Cell> {
+        Arc::new(Cell {
+            on_gauge: self.on_gauge.clone(),
+            ..Cell::default()
+        })
+    }
+
+    /// Run `hook` after every move of a gauge, as a recorder's own code runs (an exporter
+    /// reading the primitive, say); set once.
+    pub fn on_gauge(&self, hook: impl Fn() + Send + Sync + 'static) {
+        assert!(
+            self.on_gauge.set(Box::new(hook)).is_ok(),
+            "one hook per recorder"
+        );
     }
 
     /// A counter's value, by `name{label=value,...}` with labels sorted; 0 if never registered.
@@ -120,7 +150,7 @@ impl TestRecorder {
     /// registered.
     pub fn panic_on(&self, id: &str, panics: bool) {
         let cells = &mut *self.cells.lock().unwrap();
-        let cell = cells.entry(id.to_string()).or_default();
+        let cell = cells.entry(id.to_string()).or_insert_with(|| self.new_cell());
         cell.panics.store(panics, Ordering::Relaxed);
     }
 

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use crate::adaptive::{AdaptiveLimit, Outcome, RttEstimates, Sample};
 use crate::metrics::{Counter, Gauge, Labels};
-use crate::sync::Mutex;
+use crate::sync::{Mutex, MutexGuard};
 
 /// Names of the adaptive bulkhead metrics.
 pub(crate) mod names {
@@ -61,8 +61,33 @@ pub struct AdaptiveStats {
     pub ignored: u64,
 }
 
+/// The algorithm, and what its gauges were last moved to.
+struct Learner {
+    algorithm: Box<dyn AdaptiveLimit>,
+    /// `max_in_flight`, the RTT minimum and the smoothed RTT, as last published. A metrics
+    /// recorder is user code: each change to a gauge is worked out here, under the lock, and
+    /// added to the gauge after it. Added changes commute, so the gauges end at the latest
+    /// values whichever thread adds its change last.
+    published: [f64; 3],
+}
+
+impl Learner {
+    /// Publish `values` (`None`: unknown, left as it is): the change each gauge must move by.
+    fn publish(&mut self, values: [Option<f64>; 3]) -> [f64; 3] {
+        let mut changes = [0.0; 3];
+        for ((published, change), value) in self.published.iter_mut().zip(&mut changes).zip(values)
+        {
+            if let Some(value) = value {
+                *change = value - *published;
+                *published = value;
+            }
+        }
+        changes
+    }
+}
+
 pub(crate) struct Adaptive {
-    algorithm: Mutex<Box<dyn AdaptiveLimit>>,
+    learner: Mutex<Learner>,
     name: &'static str,
     /// `Sample::now` counts from here.
     epoch: Instant,
@@ -117,7 +142,10 @@ impl Adaptive {
         let target = max_in_flight(algorithm.limit(), reserve, ceiling);
         let adaptive = Adaptive {
             name: algorithm.name(),
-            algorithm: Mutex::new(algorithm),
+            learner: Mutex::new(Learner {
+                algorithm,
+                published: [f64::from(target), 0.0, 0.0],
+            }),
             epoch: Instant::now(),
             reserve,
             ceiling,
@@ -160,33 +188,40 @@ impl Adaptive {
             outcome,
             now: now.saturating_duration_since(self.epoch),
         };
-        {
-            let mut algorithm = self
-                .algorithm
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let limit = max_in_flight(algorithm.update(&sample), self.reserve, self.ceiling);
-            // Stored, and the gauges set, under the lock: the last writer wrote the latest
-            // answer (set after the lock, an older answer could land last).
+        let changes = {
+            let mut learner = self.lock();
+            let limit = max_in_flight(
+                learner.algorithm.update(&sample),
+                self.reserve,
+                self.ceiling,
+            );
+            // Stored, and the gauges' changes worked out, under the lock: the last writer wrote
+            // the latest answer (stored after the lock, an older answer could land last).
             self.target.store(limit, Ordering::Release);
-            self.metrics.max_in_flight.set(f64::from(limit));
-            let rtt = algorithm.rtt_estimates();
-            if let Some(min) = rtt.min {
-                self.metrics.rtt_min.set(min.as_secs_f64());
-            }
-            if let Some(smoothed) = rtt.smoothed {
-                self.metrics.rtt_smoothed.set(smoothed.as_secs_f64());
-            }
+            let rtt = learner.algorithm.rtt_estimates();
+            learner.publish([
+                Some(f64::from(limit)),
+                rtt.min.map(|d| d.as_secs_f64()),
+                rtt.smoothed.map(|d| d.as_secs_f64()),
+            ])
+        };
+        let gauges = [
+            &self.metrics.max_in_flight,
+            &self.metrics.rtt_min,
+            &self.metrics.rtt_smoothed,
+        ];
+        for (gauge, change) in gauges.into_iter().zip(changes) {
+            gauge.add(change);
         }
         self.target()
     }
 
+    fn lock(&self) -> MutexGuard<'_, Learner> {
+        self.learner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     pub(crate) fn stats(&self) -> AdaptiveStats {
-        let rtt = self
-            .algorithm
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .rtt_estimates();
+        let rtt = self.lock().algorithm.rtt_estimates();
         let count = |i: usize| self.counts[i].load(Ordering::Relaxed);
         AdaptiveStats {
             algorithm: self.name,

@@ -882,3 +882,75 @@ fn the_gauges_are_moved_outside_the_algorithms_lock() {
     let gauge = recorder.gauge("flowgate_bulkhead_max_in_flight{name=snapshots}");
     assert_eq!(gauge, Some(9.0));
 }
+
+/// Drive `probe` in a closed loop on the pure algorithm until `end`: each round trip, the
+/// caller's calls (`limit`, or `caller` if fewer) start together and take `base` ms ×
+/// (1 + (n − knee) / 2) above the knee, `(knee, base)` being the downstream's at that time.
+/// Answers the limit after each round trip.
+fn closed_loop(
+    mut probe: Probe,
+    caller: u32,
+    downstream: impl Fn(Duration) -> (u32, f64),
+    end: Duration,
+) -> Vec<(Duration, u32)> {
+    let mut now = Duration::ZERO;
+    let mut limits = Vec::new();
+    while now < end {
+        let n = probe.limit().min(caller);
+        let (knee, base) = downstream(now);
+        let rtt =
+            Duration::from_secs_f64(base * (1.0 + 0.5 * f64::from(n.saturating_sub(knee))) / 1e3);
+        now += rtt;
+        for _ in 0..n {
+            probe.update(&Sample {
+                rtt,
+                in_flight: n,
+                outcome: Outcome::Ok,
+                now,
+            });
+        }
+        limits.push((now, probe.limit()));
+    }
+    limits
+}
+
+/// The lowest and highest limit over `[from, to)` seconds.
+fn limit_range(limits: &[(Duration, u32)], from: u64, to: u64) -> (u32, u32) {
+    let (from, to) = (Duration::from_secs(from), Duration::from_secs(to));
+    let within = || {
+        limits
+            .iter()
+            .filter(move |(t, _)| *t >= from && *t < to)
+            .map(|&(_, l)| l)
+    };
+    (within().min().unwrap(), within().max().unwrap())
+}
+
+/// A downstream that gets slower for good, at every load (a deploy, a failover to a farther
+/// region), is not a queue the limit builds: cutting cannot bring its latency back under
+/// `max_rtt_ratio` × the old minimum. Probe's docs say such a downstream is learnt again at
+/// the current limit, never pinned low to measure it; it cut once per window down to
+/// `min_limit` and held 1 until the old minimum aged out (some 30 s here), a fortieth of
+/// the throughput. A knee at 40, every latency ×2.5 from 30 s on.
+#[test]
+fn probe_is_not_pinned_low_when_the_downstream_gets_slower_at_every_load() {
+    let slower = |now: Duration| {
+        (
+            40,
+            if now >= Duration::from_secs(30) {
+                25.0
+            } else {
+                10.0
+            },
+        )
+    };
+    let limits = closed_loop(Probe::default(), u32::MAX, slower, Duration::from_secs(90));
+    assert_eq!(
+        limit_range(&limits, 10, 30),
+        (39, 41),
+        "settled at the knee"
+    );
+    let (lowest, _) = limit_range(&limits, 30, 90);
+    assert!(lowest >= 30, "after the shift the limit fell to {lowest}");
+    assert_eq!(limit_range(&limits, 60, 90), (39, 41), "back at the knee");
+}

@@ -954,3 +954,30 @@ fn probe_is_not_pinned_low_when_the_downstream_gets_slower_at_every_load() {
     assert!(lowest >= 30, "after the shift the limit fell to {lowest}");
     assert_eq!(limit_range(&limits, 60, 90), (39, 41), "back at the knee");
 }
+
+/// The other side of the test above: a caller that uses 30 of a limit of 60 when the
+/// downstream's knee drops to 15 builds the queue itself, though the first cuts (to 54, 48,
+/// ...) stay above its calls and cannot move the latency yet. They are no sign of a slower
+/// downstream: Probe cuts on until the limit binds and the queue drains, as it did before
+/// it learnt to tell the two apart.
+#[test]
+fn probe_cuts_an_app_limited_caller_down_to_a_lower_knee() {
+    let drop = |now: Duration| {
+        (
+            if now >= Duration::from_secs(30) {
+                15
+            } else {
+                40
+            },
+            10.0,
+        )
+    };
+    let probe = Probe::builder().initial(60).max_limit(60).build().unwrap();
+    let limits = closed_loop(probe, 30, drop, Duration::from_secs(60));
+    assert_eq!(limit_range(&limits, 10, 30), (60, 60), "unused, kept");
+    let (_, highest) = limit_range(&limits, 40, 60);
+    assert!(
+        highest <= 17,
+        "a limit of {highest} after the knee dropped to 15"
+    );
+}

@@ -241,6 +241,11 @@ impl WindowMin {
         self.current = Some(self.current.map_or(rtt, |m| m.min(rtt)));
     }
 
+    /// Forget every minimum seen: the next sample starts a new interval.
+    pub(crate) fn forget(&mut self) {
+        *self = WindowMin::new(self.window);
+    }
+
     pub(crate) fn get(&self) -> Option<Duration> {
         match (self.current, self.previous) {
             (Some(a), Some(b)) => Some(a.min(b)),

@@ -76,7 +76,12 @@ use crate::error::ConfigError;
 ///   minimum, so a limit cannot ride a rising latency upwards. The minimum ages out after
 ///   one to two `probe_window`s (default 30 s), so a downstream that got slower for good
 ///   is learnt again at the current limit: the limit is never pinned low to measure it
-///   (Envoy's minRTT probing sheds load to do so).
+///   (Envoy's minRTT probing sheds load to do so). Sooner when the guard's cuts do not
+///   help: two in a row, each followed by a window whose calls reached the lower limit and
+///   whose mean round trip, still far above the minimum, is not lower by at least
+///   `tolerance`, show no queue the limit builds (the downstream is slower at every load),
+///   so the minimum is forgotten and learnt again from the next calls instead of cutting
+///   on down to `min_limit`.
 /// - **Capacity drops are followed down**: the cuts bring a much slower downstream under
 ///   the guard within a few windows, and the trials below walk the rest of the way to the
 ///   new knee; the trials above find the capacity again when it comes back.
@@ -115,6 +120,11 @@ pub struct Probe {
     up_next: bool,
     /// Slow start: the last window's `(limit, mean round-trip time, throughput)`.
     previous: Option<(f64, f64, f64)>,
+    /// The mean round-trip time of the window whose latency (far above the minimum) made
+    /// the last cut, until the next window tells whether the cut brought it down.
+    severe_rtt: Option<f64>,
+    /// How many such cuts in a row did not bring it down.
+    stalls: u32,
     backoff_ratio: f64,
     deviation_scale: f64,
     tolerance: f64,
@@ -199,6 +209,13 @@ impl Probe {
         self.epoch.mark(now);
     }
 
+    /// A cut for a window of mean round trip `r`, far above the minimum: the next window
+    /// tells whether it brought the latency down.
+    fn cut_severe(&mut self, now: Duration, r: f64) {
+        self.cut(now);
+        self.severe_rtt = Some(r);
+    }
+
     /// The trial step at `base`: 1, or a 32nd of it when larger.
     fn step(&self) -> f64 {
         (self.base / 32.0).floor().max(1.0)
@@ -232,12 +249,35 @@ impl Probe {
         let n = f64::from(w.count);
         let r = w.sum / n;
         self.srtt.update(r);
-        let severe = self
+        let mut severe = self
             .min
             .get()
             .is_some_and(|m| r > self.max_rtt_ratio * secs(m));
         // The window's calls reached the limit: the limit, not the caller, bounded them.
         let reached = f64::from(w.most_in_flight) >= self.limit;
+        if severe {
+            // A cut that bound the calls (they reached the lower limit) and did not bring
+            // the latency down.
+            let stalled = reached
+                && self
+                    .severe_rtt
+                    .is_some_and(|cut_at| r >= cut_at * (1.0 - self.tolerance));
+            self.stalls = if stalled { self.stalls + 1 } else { 0 };
+            // Two such cuts in a row (the first window after a cut may still hold calls that
+            // started before it, or before a change): this is no queue the limit builds, the
+            // downstream got slower for good. Its old minimum is forgotten (learnt again
+            // from the next calls) instead of cutting on down to `min_limit` until it ages
+            // out. (A cut the caller's own calls stay below cannot move the latency: it is
+            // no evidence either way.)
+            if self.stalls >= 2 {
+                self.min.forget();
+                severe = false;
+            }
+        }
+        if !severe {
+            self.stalls = 0;
+        }
+        self.severe_rtt = None;
         match self.phase {
             Phase::SlowStart => {
                 // Throughput from the calls' own in-flight counts (Little's law): right
@@ -247,12 +287,12 @@ impl Probe {
                 let paid = self.previous.is_none_or(|(level, _, before)| {
                     efficiency(throughput / before - 1.0, self.limit / level - 1.0) >= self.min_gain
                 });
-                if severe || !paid {
+                if severe {
+                    self.cut_severe(now, r);
+                } else if !paid {
                     let rtt = self.previous.map(|(_, rtt, _)| rtt);
                     self.cut(now);
-                    if !severe {
-                        self.base_rtt = rtt;
-                    }
+                    self.base_rtt = rtt;
                 } else if reached {
                     self.previous = Some((self.limit, r, throughput));
                     self.limit = self.bounds.clamp(self.limit * 2.0);
@@ -264,7 +304,7 @@ impl Probe {
             }
             Phase::Hold { windows } => {
                 if severe {
-                    self.cut(now);
+                    self.cut_severe(now, r);
                     return;
                 }
                 if self.base_rtt.is_some() && w.count > 1 && r > 0.0 {
@@ -312,7 +352,7 @@ impl Probe {
                     !severe && self.efficiency(self.limit, r, self.base, b) >= self.min_gain
                 };
                 if severe && !up {
-                    self.cut(now);
+                    self.cut_severe(now, r);
                 } else if higher != up {
                     // The trial lost: back to `base`, and the next trial goes the other way.
                     self.limit = self.base;
@@ -457,7 +497,9 @@ impl ProbeBuilder {
     }
 
     /// The least rise above the average, as a fraction of it, that counts as queueing
-    /// (default 0.05: 5 %), so a downstream without noise is not cut for every tiny rise.
+    /// (default 0.05: 5 %), so a downstream without noise is not cut for every tiny rise;
+    /// and the least fall the cuts for a latency far above the minimum must bring, or the
+    /// minimum is learnt again (see **No creep** in [`Probe`]).
     pub fn tolerance(mut self, tolerance: f64) -> Self {
         self.tolerance = tolerance;
         self
@@ -527,6 +569,8 @@ impl ProbeBuilder {
             },
             up_next: false,
             previous: None,
+            severe_rtt: None,
+            stalls: 0,
             probe_interval: self.probe_interval,
             min_gain: check_below_one("probe.min_gain", self.min_gain)?,
             spread: Ewma::new(0.25),

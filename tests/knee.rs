@@ -6,6 +6,7 @@
 #[path = "support/knee_http.rs"]
 mod knee_http;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -337,6 +338,51 @@ async fn a_target_that_never_waits_still_ends_each_step() {
     let report = find_knee(&target, &config).await.unwrap();
     assert_eq!(report.steps.len(), 2);
     assert!(report.steps.iter().all(|s| s.ok > 0));
+}
+
+/// A target that answers within its first poll (an in-process handler, a local breaker that
+/// refuses at once) in real time: each worker gives the runtime back after such a call, so
+/// the other workers and the runtime's other tasks run during the step. The first worker
+/// used to call on until the step's end without yielding, holding the runtime the whole
+/// step (every other task starved, the other workers never called).
+#[tokio::test]
+async fn a_target_that_answers_at_once_does_not_hold_the_runtime_through_a_step() {
+    /// Works 20 µs without waiting, and notes how often the other task ran by then.
+    struct AtOnce(Arc<AtomicU64>, std::sync::Mutex<Vec<u64>>);
+    impl KneeTarget for AtOnce {
+        fn call(&self) -> BoxFuture<'_, Outcome> {
+            std::thread::sleep(Duration::from_micros(20));
+            self.1.lock().unwrap().push(self.0.load(Ordering::SeqCst));
+            Box::pin(std::future::ready(Outcome::Ok))
+        }
+    }
+    let beats = Arc::new(AtomicU64::new(0));
+    let heart = tokio::spawn({
+        let beats = beats.clone();
+        async move {
+            loop {
+                beats.fetch_add(1, Ordering::SeqCst);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let target = AtOnce(beats, std::sync::Mutex::default());
+    let config = KneeConfig::builder()
+        .steps([4])
+        .step_duration(Duration::from_millis(100))
+        .warmup(Duration::from_millis(10))
+        .build()
+        .unwrap();
+    find_knee(&target, &config).await.unwrap();
+    heart.abort();
+    let seen = target.1.into_inner().unwrap();
+    let (first, last) = (seen[0], seen[seen.len() - 1]);
+    assert!(
+        last > first,
+        "the other task ran {} times during {} calls",
+        last - first,
+        seen.len()
+    );
 }
 
 /// `Duration::MAX` is the natural way to say "as long as it takes": a step that long runs

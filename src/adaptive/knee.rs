@@ -10,7 +10,9 @@
 //!
 //! A step runs `concurrency` closed-loop workers for [`step_duration`](KneeConfigBuilder::step_duration)
 //! in one task: each worker calls the target, waits for the answer and calls again at once
-//! (no think time), so exactly `concurrency` calls are in flight the whole time. The first
+//! (no think time), so exactly `concurrency` calls are in flight the whole time (a call
+//! that answers within its first poll, never waiting, yields to the runtime before the
+//! next, so the workers take turns and the runtime's other tasks run). The first
 //! [`warmup`](KneeConfigBuilder::warmup) of the step is not measured. Then:
 //!
 //! - **throughput** = `Ok` answers that arrive within the measured window, per second;
@@ -81,6 +83,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use futures::future::{BoxFuture, join_all};
@@ -606,9 +609,13 @@ async fn worker<T: KneeTarget + ?Sized>(
         if sent >= end {
             break;
         }
-        let outcome = tokio::time::timeout(timeout, target.call())
-            .await
-            .unwrap_or(Outcome::BackPressure);
+        let mut call = std::pin::pin!(tokio::time::timeout(timeout, target.call()));
+        // Whether the call answered within its first poll, without giving the runtime back.
+        let (answer, at_once) = match futures::poll!(call.as_mut()) {
+            Poll::Ready(answer) => (answer, true),
+            Poll::Pending => (call.await, false),
+        };
+        let outcome = answer.unwrap_or(Outcome::BackPressure);
         let answered = Instant::now();
         if sent >= from {
             match outcome {
@@ -625,6 +632,10 @@ async fn worker<T: KneeTarget + ?Sized>(
             // time) would keep this task busy forever and the clock would never reach
             // `end`: give the clock a millisecond.
             tokio::time::sleep(Duration::from_millis(1)).await;
+        } else if at_once {
+            // Nor may a call that answered at once keep the task to itself until `end`:
+            // the other workers (and the runtime's other tasks) run in between.
+            tokio::task::yield_now().await;
         }
     }
     tally

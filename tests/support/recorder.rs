@@ -150,7 +150,9 @@ impl TestRecorder {
     /// registered.
     pub fn panic_on(&self, id: &str, panics: bool) {
         let cells = &mut *self.cells.lock().unwrap();
-        let cell = cells.entry(id.to_string()).or_insert_with(|| self.new_cell());
+        let cell = cells
+            .entry(id.to_string())
+            .or_insert_with(|| self.new_cell());
         cell.panics.store(panics, Ordering::Relaxed);
     }
 

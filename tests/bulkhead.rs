@@ -1444,3 +1444,59 @@ async fn an_adapter_counts_the_item_it_discards() {
         assert_eq!(seen.lock().unwrap().len(), 1, "and the hook saw it");
     }
 }
+
+/// The three adapters, by name.
+const ADAPTERS: [&str; 3] = [
+    "bulkhead_map",
+    "bulkhead_map_unordered",
+    "bulkhead_spawn_map",
+];
+
+/// When each item started, in seconds since [`two_calls`] was called.
+type Started = Arc<Mutex<Vec<(u64, u64)>>>;
+
+/// Two items through `adapter` over `b`, consumed by a task: item 0 is a call of a minute,
+/// item 1 one that ends at once. Returns the task (it counts the outputs) and the start
+/// times, each as `(seconds of the call, seconds since now)`.
+fn two_calls(adapter: &str, b: &Bulkhead) -> (tokio::task::JoinHandle<usize>, Started) {
+    let t0 = Instant::now();
+    let started = Started::default();
+    let s = started.clone();
+    let f = move |secs: u64| {
+        s.lock().unwrap().push((secs, t0.elapsed().as_secs()));
+        async move {
+            sleep(Duration::from_secs(secs)).await;
+            secs
+        }
+    };
+    let items = futures::stream::iter([60u64, 0]);
+    let out = match adapter {
+        "bulkhead_map" => items.bulkhead_map(b.clone(), f).boxed(),
+        "bulkhead_map_unordered" => items.bulkhead_map_unordered(b.clone(), f).boxed(),
+        _ => items.bulkhead_spawn_map(b.clone(), f).boxed(),
+    };
+    (tokio::spawn(out.count()), started)
+}
+
+/// A permit freed by other work wakes an adapter that holds an item waiting for one while
+/// work of its own is in flight. The adapter took only a permit free at the moment it
+/// looked and relied on its own work to wake it: with one long call of its own out, a
+/// permit freed elsewhere sat idle until that call ended, and so did the item.
+#[tokio::test(start_paused = true)]
+async fn a_permit_freed_elsewhere_starts_the_item_an_adapter_holds() {
+    for adapter in ADAPTERS {
+        let b = Bulkhead::new(2).unwrap();
+        let elsewhere = b.acquire_owned().await.unwrap();
+        let (consumer, started) = two_calls(adapter, &b);
+        sleep(Duration::from_secs(1)).await;
+        assert_eq!(*started.lock().unwrap(), [(60, 0)], "{adapter}");
+        drop(elsewhere);
+        assert_eq!(consumer.await.unwrap(), 2);
+        assert_eq!(
+            *started.lock().unwrap(),
+            [(60, 0), (0, 1)],
+            "{adapter}: the item starts when the permit frees, not when the call ends"
+        );
+        assert_eq!(b.in_flight(), 0);
+    }
+}

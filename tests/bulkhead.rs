@@ -1500,3 +1500,37 @@ async fn a_permit_freed_elsewhere_starts_the_item_an_adapter_holds() {
         assert_eq!(b.in_flight(), 0);
     }
 }
+
+/// An adapter queued for a permit for the item it holds does not also hand that item the
+/// permit of a future of its own that just finished: the permit granted to its place in the
+/// queue would then be held for no item at all, idle while others wait.
+#[tokio::test(start_paused = true)]
+async fn a_queued_adapter_starts_its_item_on_one_permit_only() {
+    let b = Bulkhead::new(2).unwrap();
+    let elsewhere = b.acquire_owned().await.unwrap();
+    let (tx, rx) = futures::channel::mpsc::unbounded::<u64>();
+    let (finish, finished) = futures::channel::oneshot::channel::<()>();
+    let mut finished = Some(finished);
+    let mut out = pin!(rx.bulkhead_map_unordered(b.clone(), move |x| {
+        let first = finished.take();
+        async move {
+            match first {
+                Some(finished) => finished.await.unwrap(),
+                None => sleep(Duration::from_secs(60)).await,
+            }
+            x
+        }
+    }));
+    tx.unbounded_send(0).unwrap();
+    tx.unbounded_send(1).unwrap();
+    // 0 runs on the last free permit; 1 waits in the queue behind `elsewhere`.
+    assert!(poll!(out.next()).is_pending());
+    assert_eq!((b.in_flight(), b.waiting()), (2, 1));
+    // The freed permit is granted to the adapter's place; then 0 finishes too.
+    drop(elsewhere);
+    finish.send(()).unwrap();
+    assert_eq!(out.next().await, Some(0));
+    assert!(poll!(out.next()).is_pending());
+    assert_eq!(b.in_flight(), 1, "1 runs on one permit; the other is free");
+    assert!(b.try_acquire().is_ok());
+}

@@ -101,6 +101,11 @@ impl Waiter {
         Poll::Pending
     }
 
+    /// Whether it has a place in the queue (waiting, or granted and not claimed yet).
+    pub(crate) fn is_queued(&self) -> bool {
+        self.ticket.is_queued()
+    }
+
     /// Give up the wait; a permit already granted to it is returned, a refusal by the close
     /// counted.
     pub(crate) fn cancel(self: Pin<&mut Self>, core: &Core) {
@@ -373,32 +378,38 @@ impl Permits {
         }
     }
 
-    /// A permit for the adapter's next item. With work of its own in flight (`busy`) the
-    /// adapter takes only a permit that is free now and otherwise returns `Pending` without
-    /// queueing: its own futures wake it as they finish, so queueing would only wait on
-    /// itself. `Ready(false)` once the bulkhead is closed.
+    /// A permit for the adapter's next item. `own`: how many permits the adapter's own work
+    /// in flight holds for certain (a lower bound; 0: none known). When no permit is free
+    /// and every one in flight is among those, the adapter returns `Pending` without
+    /// queueing: its own work frees the next permit and wakes it as it finishes, and a
+    /// waiter of its own would only send those releases through the lock. Otherwise it
+    /// waits in the queue like any acquisition, so that a permit freed by other work
+    /// (another stream, a caller of the bulkhead) wakes it. `Ready(false)` once the
+    /// bulkhead is closed.
     #[inline]
     pub(crate) fn poll_for_item(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        busy: bool,
+        own: usize,
     ) -> Poll<bool> {
-        if !busy {
-            return self.poll_acquire(cx);
+        if own > 0 && !self.closed && !self.waiter.is_queued() {
+            let this = self.as_mut().project();
+            if this.core.try_fast(Priority::Normal) == Some(Ok(())) {
+                *this.held += 1;
+                return Poll::Ready(true);
+            }
+            if this.core.only_own_in_flight(own) {
+                return Poll::Pending;
+            }
         }
-        let this = self.project();
-        if *this.closed || this.core.try_fast(Priority::Normal) != Some(Ok(())) {
-            return Poll::Pending;
-        }
-        *this.held += 1;
-        Poll::Ready(true)
+        self.poll_acquire(cx)
     }
 
     /// Whether a held permit may go straight to the holder's next item (no waiter is owed
-    /// it): saves returning it and taking it again.
+    /// it, the holder's own included): saves returning it and taking it again.
     #[inline]
     pub(crate) fn may_keep(&self) -> bool {
-        !self.closed && self.core.may_keep()
+        !self.closed && !self.waiter.is_queued() && self.core.may_keep()
     }
 
     /// Return one held permit.

@@ -149,6 +149,13 @@ impl Waiters {
 #[derive(Debug, Default)]
 pub(crate) struct Ticket(Option<(Priority, Key)>);
 
+impl Ticket {
+    /// Whether it holds a place in the queue (waiting, or granted and not claimed yet).
+    pub(crate) fn is_queued(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
 pub(crate) struct Core {
     state: AtomicU64,
     reserve: u32,
@@ -283,6 +290,16 @@ impl Core {
     pub(crate) fn may_keep(&self) -> bool {
         let s = self.state.load(Ordering::Acquire);
         s & (WAITERS | CLOSED) == 0 && in_flight_of(s) <= self.cap(max_of(s), Priority::Normal)
+    }
+
+    /// Whether no permit is free for normal work and every one in flight is among the `own`
+    /// that a holder's work holds for certain (a lower bound: more would count permits of
+    /// others as its own): then only that work can free the next permit.
+    #[inline]
+    pub(crate) fn only_own_in_flight(&self, own: usize) -> bool {
+        let s = self.state.load(Ordering::Acquire);
+        let n = in_flight_of(s);
+        n as usize <= own && n >= self.cap(max_of(s), Priority::Normal)
     }
 
     /// One CAS when nobody waits and a permit is free; `None` means take the slow path.

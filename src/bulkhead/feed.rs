@@ -37,13 +37,13 @@ impl<St: Stream> Feed<St> {
     }
 
     /// The next input item together with a permit for it (now held), or `None` when no work
-    /// can start now. `busy`: the adapter has work of its own in flight (see
-    /// [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is discarded
+    /// can start now. `own`: how many permits the adapter's own work in flight holds for
+    /// certain (see [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is discarded
     /// (to the hook, as [`Dropped::Discarded`]).
     pub(crate) fn poll_start(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        busy: bool,
+        own: usize,
     ) -> Option<St::Item> {
         let mut this = self.project();
         if this.permits.is_closed() {
@@ -60,7 +60,7 @@ impl<St: Stream> Feed<St> {
                 Poll::Ready(None) | Poll::Pending => return None,
             }
         }
-        match this.permits.poll_for_item(cx, busy) {
+        match this.permits.poll_for_item(cx, own) {
             Poll::Ready(true) => next.take(),
             Poll::Ready(false) => {
                 this.next.discard();

@@ -255,7 +255,11 @@ where
                 if queued >= this.feed.max_in_flight() {
                     break;
                 }
-                let Some(item) = this.feed.as_mut().poll_start(cx, queued > 0) else {
+                // The permit its own work holds for certain: the slot's (pending). Those in
+                // `running` are not counted: a finished one returned its permit while its
+                // output waits there behind an older one.
+                let own = usize::from(this.slot.is_some());
+                let Some(item) = this.feed.as_mut().poll_start(cx, own) else {
                     break;
                 };
                 // The permit is owned before `f` runs: if `f` panics, it is returned.

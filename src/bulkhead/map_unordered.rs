@@ -156,8 +156,8 @@ where
             // in the free slot is polled at once.
             let was_free = this.slot.is_none();
             while let Some(item) = {
-                let busy = this.slot.is_some() || !this.running.is_empty();
-                this.feed.as_mut().poll_start(cx, busy)
+                let own = usize::from(this.slot.is_some()) + this.running.len();
+                this.feed.as_mut().poll_start(cx, own)
             } {
                 let fut = Timed::new((this.f)(item), this.feed.start());
                 if place(this.slot.as_mut(), this.running, fut) {

@@ -167,9 +167,11 @@ where
         let mut this = self.project();
         // `running` holds every task whose output the consumer has not taken, finished or
         // not: keeping it under `max_in_flight` bounds the finished outputs waiting (see the
-        // type's docs). With tasks outstanding, the next one to finish wakes this stream.
+        // type's docs). Which of them still hold their permits is not known here (a task
+        // returns its permit as its future ends): none is counted as certain, so the wait
+        // for a permit is always in the queue.
         while this.running.len() < this.feed.max_in_flight()
-            && let Some(item) = this.feed.as_mut().poll_start(cx, !this.running.is_empty())
+            && let Some(item) = this.feed.as_mut().poll_start(cx, 0)
         {
             let permit = this.feed.as_mut().into_owned();
             let fut = (this.f)(item);

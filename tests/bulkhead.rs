@@ -1534,3 +1534,31 @@ async fn a_queued_adapter_starts_its_item_on_one_permit_only() {
     assert_eq!(b.in_flight(), 1, "1 runs on one permit; the other is free");
     assert!(b.try_acquire().is_ok());
 }
+
+/// Growing `max_in_flight` starts the item an adapter holds at once, also when its own work
+/// holds every permit (here one, the other one the critical reserve) or it keeps as many
+/// outputs as the limit (`bulkhead_map`, `bulkhead_spawn_map`: here one): it waited for its
+/// own calls to end, so the grown limit reached it only then (a minute later here).
+#[tokio::test(start_paused = true)]
+async fn a_grown_limit_starts_the_item_an_adapter_holds() {
+    for adapter in ADAPTERS {
+        for reserve in [1, 0] {
+            let b = Bulkhead::builder(1 + reserve)
+                .critical_reserve(reserve)
+                .build()
+                .unwrap();
+            let (consumer, started) = two_calls(adapter, &b);
+            sleep(Duration::from_secs(1)).await;
+            assert_eq!(*started.lock().unwrap(), [(60, 0)], "{adapter}");
+            b.set_max_in_flight(2 + reserve).unwrap();
+            assert_eq!(consumer.await.unwrap(), 2);
+            assert_eq!(
+                *started.lock().unwrap(),
+                [(60, 0), (0, 1)],
+                "{adapter}, reserve {reserve}: the item starts when the limit grows, not when \
+                 the call ends"
+            );
+            assert_eq!(b.in_flight(), 0);
+        }
+    }
+}

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 
 use pin_project::{pin_project, pinned_drop};
 use tokio::time::{Instant, Sleep};
@@ -12,7 +12,7 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::{Core, Left, Polled, Ticket};
 use crate::bulkhead::error::{AcquireError, Priority};
-use crate::sync::Arc;
+use crate::sync::{Arc, Key};
 
 /// The state of one acquisition: its place in the queue and its timeout.
 #[pin_project]
@@ -344,6 +344,10 @@ pub(crate) struct Permits {
     waiter: Waiter,
     held: usize,
     closed: bool,
+    /// Its place among the parked holders (see [`Core::park`]), and the waker and epoch it
+    /// parked with.
+    parked: Option<Key>,
+    parked_as: Option<(Waker, u64)>,
 }
 
 impl Permits {
@@ -353,6 +357,8 @@ impl Permits {
             waiter: Waiter::unbounded(),
             held: 0,
             closed: false,
+            parked: None,
+            parked_as: None,
         }
     }
 
@@ -381,11 +387,11 @@ impl Permits {
     /// A permit for the adapter's next item. `own`: how many permits the adapter's own work
     /// in flight holds for certain (a lower bound; 0: none known). When no permit is free
     /// and every one in flight is among those, the adapter returns `Pending` without
-    /// queueing: its own work frees the next permit and wakes it as it finishes, and a
-    /// waiter of its own would only send those releases through the lock. Otherwise it
-    /// waits in the queue like any acquisition, so that a permit freed by other work
-    /// (another stream, a caller of the bulkhead) wakes it. `Ready(false)` once the
-    /// bulkhead is closed.
+    /// queueing: its own work frees the next permit and wakes it as it finishes (a waiter of
+    /// its own would only send those releases through the lock), and it is parked to be
+    /// woken if the limit grows or the bulkhead closes. Otherwise it waits in the queue like
+    /// any acquisition, so that a permit freed by other work (another stream, a caller of
+    /// the bulkhead) wakes it. `Ready(false)` once the bulkhead is closed.
     #[inline]
     pub(crate) fn poll_for_item(
         mut self: Pin<&mut Self>,
@@ -398,11 +404,37 @@ impl Permits {
                 *this.held += 1;
                 return Poll::Ready(true);
             }
-            if this.core.only_own_in_flight(own) {
+            if this.core.only_own_in_flight(own)
+                && self.as_mut().park(cx, |core| core.only_own_in_flight(own))
+            {
                 return Poll::Pending;
             }
         }
         self.poll_acquire(cx)
+    }
+
+    /// Park while `blocked` (see [`Core::park`]); false if it is not (or the bulkhead is
+    /// closed). Parked already, by the same task, and not woken since: nothing to do (no
+    /// lock; the caller saw it blocked).
+    pub(crate) fn park(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        blocked: impl FnOnce(&Core) -> bool,
+    ) -> bool {
+        let this = self.project();
+        if let Some((waker, epoch)) = this.parked_as
+            && *epoch == this.core.parked_epoch()
+            && waker.will_wake(cx.waker())
+        {
+            return true;
+        }
+        match this.core.park(cx, this.parked, blocked) {
+            Some(epoch) => {
+                *this.parked_as = Some((cx.waker().clone(), epoch));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether a held permit may go straight to the holder's next item (no waiter is owed
@@ -483,6 +515,7 @@ impl PinnedDrop for Permits {
     fn drop(self: Pin<&mut Self>) {
         let this = self.project();
         this.waiter.cancel(this.core);
+        this.core.unpark(this.parked);
         for _ in 0..*this.held {
             this.core.release();
         }

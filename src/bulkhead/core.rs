@@ -90,6 +90,10 @@ struct Waiters {
     normal: WaiterList<Waiter>,
     /// Queued waiters of the stream adapters (normal priority): outside the waiting room.
     unbounded: usize,
+    /// Stream adapters blocked until their own work ends (every permit in flight is theirs,
+    /// or they keep as many outputs as the limit; see [`Core::park`]): not waiters, woken
+    /// when the limit grows or the bulkhead closes.
+    parked: WaiterList<()>,
 }
 
 impl Waiters {
@@ -162,6 +166,9 @@ pub(crate) struct Core {
     max_waiting: usize,
     wait_timeout: Option<Duration>,
     waiters: Mutex<Waiters>,
+    /// Bumped (under the lock) each time the parked holders are woken: a holder that parked
+    /// since sees that its place is still there without taking the lock.
+    parked_epoch: AtomicU64,
     name: Option<String>,
     metrics: Metrics,
     /// Set when the bulkhead is adaptive: every permit then records its grant and feeds a
@@ -223,6 +230,7 @@ impl Core {
             max_waiting,
             wait_timeout,
             waiters: Mutex::new(Waiters::default()),
+            parked_epoch: AtomicU64::new(0),
             metrics: Metrics::new(name.as_deref()),
             name,
         }
@@ -300,6 +308,52 @@ impl Core {
         let s = self.state.load(Ordering::Acquire);
         let n = in_flight_of(s);
         n as usize <= own && n >= self.cap(max_of(s), Priority::Normal)
+    }
+
+    /// Park a holder that is `blocked` (checked here, under the lock) until its own work
+    /// ends, which wakes it: its waker is kept here (its place in `key`) for the two other
+    /// ways it can be unblocked, `max_in_flight` growing and the bulkhead closing. Both take
+    /// this lock, so neither slips between the check and the parking. `None` (nothing
+    /// parked) if it is not blocked, or the bulkhead is closed; else the [`parked_epoch`] it
+    /// parked in.
+    ///
+    /// [`parked_epoch`]: Core::parked_epoch
+    pub(crate) fn park(
+        &self,
+        cx: &mut Context<'_>,
+        key: &mut Option<Key>,
+        blocked: impl FnOnce(&Core) -> bool,
+    ) -> Option<u64> {
+        // Declared before the lock: a replaced waker is dropped after it is released.
+        let mut out = Deferred::default();
+        let mut w = self.lock();
+        if self.is_closed() || !blocked(self) {
+            return None;
+        }
+        w.parked.register(key, cx.waker(), || (), &mut out);
+        Some(self.parked_epoch())
+    }
+
+    /// How many times the parked holders were woken: a holder parked in the current epoch is
+    /// parked still.
+    pub(crate) fn parked_epoch(&self) -> u64 {
+        self.parked_epoch.load(Ordering::Acquire)
+    }
+
+    /// Wake every parked holder (through `out`), under the lock.
+    fn wake_parked(&self, w: &mut Waiters, out: &mut Deferred) {
+        if !w.parked.is_empty() {
+            w.parked.wake_all(out);
+            self.parked_epoch.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Leave the parked holders (a holder dropped).
+    pub(crate) fn unpark(&self, key: &mut Option<Key>) {
+        if let Some(key) = key.take() {
+            let mut out = Deferred::default();
+            self.lock().parked.cancel(key, &mut out);
+        }
     }
 
     /// One CAS when nobody waits and a permit is free; `None` means take the slow path.
@@ -585,7 +639,7 @@ impl Core {
         self.metrics.waiting.set(w.len() as f64);
     }
 
-    /// Change `max_in_flight`; a larger one wakes waiters at once.
+    /// Change `max_in_flight`; a larger one wakes waiters at once, and the parked holders.
     pub(crate) fn set_max_in_flight(&self, max: u32) {
         let mut out = Deferred::default();
         let mut w = self.lock();
@@ -602,6 +656,9 @@ impl Core {
         }
         // Hand every free permit to waiters.
         while self.grant_next(&mut w, &mut out) {}
+        if max > max_of(s) {
+            self.wake_parked(&mut w, &mut out);
+        }
         self.settle(&w);
     }
 
@@ -615,6 +672,7 @@ impl Core {
         // yet claimed stay valid: their waiters take the permits.
         w.critical.wake_all(&mut out);
         w.normal.wake_all(&mut out);
+        self.wake_parked(&mut w, &mut out);
         w.unbounded = 0;
         self.set_flag(WAITERS, false);
         self.metrics.waiting.set(0.0);

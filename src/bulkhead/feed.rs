@@ -70,6 +70,18 @@ impl<St: Stream> Feed<St> {
         }
     }
 
+    /// With `outstanding` outputs (or tasks) kept, as many as the limit: parked, so that the
+    /// limit growing wakes it (its own work ending does anyway). False if the limit grew
+    /// past `outstanding` meanwhile: more can start now.
+    pub(crate) fn park_while_full(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        outstanding: usize,
+    ) -> bool {
+        let full = |core: &Core| core.max_in_flight() as usize <= outstanding;
+        self.as_mut().permits().park(cx, full) || self.max_in_flight() <= outstanding
+    }
+
     /// Pull the next input item if it is ready now, without a permit (to pass a finished
     /// future's permit on to it); nothing once the bulkhead is closed.
     pub(crate) fn poll_ready_item(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Option<St::Item> {

@@ -253,7 +253,12 @@ where
             loop {
                 let queued = queued(&this.slot, this.done, this.running);
                 if queued >= this.feed.max_in_flight() {
-                    break;
+                    // As many outputs as the limit: its own work ending wakes it, and it is
+                    // parked for the limit growing.
+                    if this.feed.as_mut().park_while_full(cx, queued) {
+                        break;
+                    }
+                    continue;
                 }
                 // The permit its own work holds for certain: the slot's (pending). Those in
                 // `running` are not counted: a finished one returned its permit while its

@@ -170,9 +170,18 @@ where
         // type's docs). Which of them still hold their permits is not known here (a task
         // returns its permit as its future ends): none is counted as certain, so the wait
         // for a permit is always in the queue.
-        while this.running.len() < this.feed.max_in_flight()
-            && let Some(item) = this.feed.as_mut().poll_start(cx, 0)
-        {
+        loop {
+            if this.running.len() >= this.feed.max_in_flight() {
+                // Its tasks finishing wake it (their outputs are taken below), and it is
+                // parked for the limit growing.
+                if this.feed.as_mut().park_while_full(cx, this.running.len()) {
+                    break;
+                }
+                continue;
+            }
+            let Some(item) = this.feed.as_mut().poll_start(cx, 0) else {
+                break;
+            };
             let permit = this.feed.as_mut().into_owned();
             let fut = (this.f)(item);
             this.running.push(AbortOnDrop(tokio::spawn(async move {

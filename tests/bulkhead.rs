@@ -1562,3 +1562,32 @@ async fn a_grown_limit_starts_the_item_an_adapter_holds() {
         }
     }
 }
+
+/// Closing the bulkhead ends an adapter that waits on an empty upstream: it pulls nothing
+/// after the close, so it has nothing more to wait for there. It was woken only by the
+/// upstream, so it ended only when an item came (and stayed there) or the upstream ended.
+#[tokio::test(start_paused = true)]
+async fn closing_the_bulkhead_ends_an_adapter_waiting_on_its_upstream() {
+    for adapter in ADAPTERS {
+        let b = Bulkhead::new(1).unwrap();
+        let (tx, rx) = futures::channel::mpsc::unbounded::<u64>();
+        let f = |x: u64| async move { x };
+        let mut out = match adapter {
+            "bulkhead_map" => rx.bulkhead_map(b.clone(), f).boxed(),
+            "bulkhead_map_unordered" => rx.bulkhead_map_unordered(b.clone(), f).boxed(),
+            _ => rx.bulkhead_spawn_map(b.clone(), f).boxed(),
+        };
+        tx.unbounded_send(1).unwrap();
+        assert_eq!(out.next().await, Some(1), "{adapter}");
+        let ended = tokio::spawn(async move { out.next().await });
+        sleep(Duration::from_secs(1)).await;
+        b.close();
+        let ended = tokio::time::timeout(Duration::from_secs(60), ended).await;
+        assert_eq!(
+            ended.map(Result::unwrap),
+            Ok(None),
+            "{adapter}: ends at the close, the upstream still open"
+        );
+        drop(tx);
+    }
+}

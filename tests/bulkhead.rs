@@ -1591,3 +1591,33 @@ async fn closing_the_bulkhead_ends_an_adapter_waiting_on_its_upstream() {
         drop(tx);
     }
 }
+
+/// An adapter waiting on its upstream is parked for the close only: the limit growing, as an
+/// adaptive bulkhead's may with each call, does not wake it (nor each of the adapters that
+/// share the bulkhead and wait on theirs).
+#[test]
+fn an_adapter_waiting_on_its_upstream_is_not_woken_by_a_growing_limit() {
+    use std::task::{Context, Wake, Waker};
+
+    struct Woken(AtomicUsize);
+    impl Wake for Woken {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let b = Bulkhead::new(1).unwrap();
+    let (_tx, rx) = futures::channel::mpsc::unbounded::<u64>();
+    let mut out = pin!(rx.bulkhead_map_unordered(b.clone(), |x| async move { x }));
+    let woken = Arc::new(Woken(AtomicUsize::new(0)));
+    let waker = Waker::from(woken.clone());
+    assert!(
+        out.poll_next_unpin(&mut Context::from_waker(&waker))
+            .is_pending()
+    );
+    for max in 2..10 {
+        b.set_max_in_flight(max).unwrap();
+    }
+    assert_eq!(woken.0.load(Ordering::SeqCst), 0, "not woken by the limit");
+    b.close();
+    assert_eq!(woken.0.load(Ordering::SeqCst), 1, "woken by the close");
+}

@@ -344,10 +344,10 @@ pub(crate) struct Permits {
     waiter: Waiter,
     held: usize,
     closed: bool,
-    /// Its place among the parked holders (see [`Core::park`]), and the waker and epoch it
-    /// parked with.
+    /// Its place among the parked holders (see [`Core::park`]), and the waker, epoch and
+    /// `growth` it parked with.
     parked: Option<Key>,
-    parked_as: Option<(Waker, u64)>,
+    parked_as: Option<(Waker, u64, bool)>,
 }
 
 impl Permits {
@@ -405,7 +405,9 @@ impl Permits {
                 return Poll::Ready(true);
             }
             if this.core.only_own_in_flight(own)
-                && self.as_mut().park(cx, |core| core.only_own_in_flight(own))
+                && self
+                    .as_mut()
+                    .park(cx, true, |core| core.only_own_in_flight(own))
             {
                 return Poll::Pending;
             }
@@ -413,24 +415,27 @@ impl Permits {
         self.poll_acquire(cx)
     }
 
-    /// Park while `blocked` (see [`Core::park`]); false if it is not (or the bulkhead is
-    /// closed). Parked already, by the same task, and not woken since: nothing to do (no
-    /// lock; the caller saw it blocked).
+    /// Park while `blocked` (see [`Core::park`]; `growth`: woken by the limit growing too);
+    /// false if it is not blocked (or the bulkhead is closed). Parked already, the same way,
+    /// by the same task, and its place still there: nothing to do (no lock; the caller saw
+    /// it blocked).
     pub(crate) fn park(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
+        growth: bool,
         blocked: impl FnOnce(&Core) -> bool,
     ) -> bool {
         let this = self.project();
-        if let Some((waker, epoch)) = this.parked_as
+        if let Some((waker, epoch, wants)) = this.parked_as
+            && *wants == growth
             && *epoch == this.core.parked_epoch()
             && waker.will_wake(cx.waker())
         {
             return true;
         }
-        match this.core.park(cx, this.parked, blocked) {
+        match this.core.park(cx, this.parked, growth, blocked) {
             Some(epoch) => {
-                *this.parked_as = Some((cx.waker().clone(), epoch));
+                *this.parked_as = Some((cx.waker().clone(), epoch, growth));
                 true
             }
             None => false,

@@ -90,10 +90,12 @@ struct Waiters {
     normal: WaiterList<Waiter>,
     /// Queued waiters of the stream adapters (normal priority): outside the waiting room.
     unbounded: usize,
-    /// Stream adapters blocked until their own work ends (every permit in flight is theirs,
-    /// or they keep as many outputs as the limit; see [`Core::park`]): not waiters, woken
-    /// when the limit grows or the bulkhead closes.
-    parked: WaiterList<()>,
+    /// Stream adapters that wait for their own work to end (every permit in flight is
+    /// theirs, or they keep as many outputs as the limit) or for their upstream (see
+    /// [`Core::park`]): not waiters. Closing the bulkhead wakes them all (and empties the
+    /// list); the limit growing wakes those whose entry says so (`true`: the former), which
+    /// keep their places.
+    parked: WaiterList<bool>,
 }
 
 impl Waiters {
@@ -166,8 +168,9 @@ pub(crate) struct Core {
     max_waiting: usize,
     wait_timeout: Option<Duration>,
     waiters: Mutex<Waiters>,
-    /// Bumped (under the lock) each time the parked holders are woken: a holder that parked
-    /// since sees that its place is still there without taking the lock.
+    /// Bumped (under the lock) each time the parked holders are taken out of their list (at
+    /// the close): a holder that parked since sees that its place is still there without
+    /// taking the lock.
     parked_epoch: AtomicU64,
     name: Option<String>,
     metrics: Metrics,
@@ -311,17 +314,18 @@ impl Core {
     }
 
     /// Park a holder that is `blocked` (checked here, under the lock) until its own work
-    /// ends, which wakes it: its waker is kept here (its place in `key`) for the two other
-    /// ways it can be unblocked, `max_in_flight` growing and the bulkhead closing. Both take
-    /// this lock, so neither slips between the check and the parking. `None` (nothing
-    /// parked) if it is not blocked, or the bulkhead is closed; else the [`parked_epoch`] it
-    /// parked in.
+    /// ends or its upstream yields, which wake it: its waker is kept here (its place in
+    /// `key`) for the bulkhead closing, and, with `growth`, for `max_in_flight` growing too.
+    /// Both take this lock, so neither slips between the check and the parking. `None`
+    /// (nothing parked) if it is not blocked, or the bulkhead is closed; else the
+    /// [`parked_epoch`] it parked in.
     ///
     /// [`parked_epoch`]: Core::parked_epoch
     pub(crate) fn park(
         &self,
         cx: &mut Context<'_>,
         key: &mut Option<Key>,
+        growth: bool,
         blocked: impl FnOnce(&Core) -> bool,
     ) -> Option<u64> {
         // Declared before the lock: a replaced waker is dropped after it is released.
@@ -330,21 +334,26 @@ impl Core {
         if self.is_closed() || !blocked(self) {
             return None;
         }
-        w.parked.register(key, cx.waker(), || (), &mut out);
+        w.parked.register(key, cx.waker(), || growth, &mut out);
+        if let Some(wants) = key.and_then(|key| w.parked.get_mut(key)) {
+            *wants = growth;
+        }
         Some(self.parked_epoch())
     }
 
-    /// How many times the parked holders were woken: a holder parked in the current epoch is
-    /// parked still.
+    /// How many times the parked holders were taken out of their list: a holder parked in
+    /// the current epoch is parked still.
     pub(crate) fn parked_epoch(&self) -> u64 {
         self.parked_epoch.load(Ordering::Acquire)
     }
 
-    /// Wake every parked holder (through `out`), under the lock.
-    fn wake_parked(&self, w: &mut Waiters, out: &mut Deferred) {
-        if !w.parked.is_empty() {
-            w.parked.wake_all(out);
-            self.parked_epoch.fetch_add(1, Ordering::AcqRel);
+    /// Wake the parked holders that wait for the limit to grow (through `out`), under the
+    /// lock; they keep their places.
+    fn wake_parked_for_growth(&self, w: &Waiters, out: &mut Deferred) {
+        for (key, growth) in w.parked.iter() {
+            if *growth {
+                w.parked.notify(key, out);
+            }
         }
     }
 
@@ -639,7 +648,8 @@ impl Core {
         self.metrics.waiting.set(w.len() as f64);
     }
 
-    /// Change `max_in_flight`; a larger one wakes waiters at once, and the parked holders.
+    /// Change `max_in_flight`; a larger one wakes waiters at once, and the holders parked
+    /// for it.
     pub(crate) fn set_max_in_flight(&self, max: u32) {
         let mut out = Deferred::default();
         let mut w = self.lock();
@@ -657,7 +667,7 @@ impl Core {
         // Hand every free permit to waiters.
         while self.grant_next(&mut w, &mut out) {}
         if max > max_of(s) {
-            self.wake_parked(&mut w, &mut out);
+            self.wake_parked_for_growth(&w, &mut out);
         }
         self.settle(&w);
     }
@@ -672,7 +682,11 @@ impl Core {
         // yet claimed stay valid: their waiters take the permits.
         w.critical.wake_all(&mut out);
         w.normal.wake_all(&mut out);
-        self.wake_parked(&mut w, &mut out);
+        // The parked holders too, out of their list (their places go stale: a new epoch).
+        if !w.parked.is_empty() {
+            w.parked.wake_all(&mut out);
+            self.parked_epoch.fetch_add(1, Ordering::AcqRel);
+        }
         w.unbounded = 0;
         self.set_flag(WAITERS, false);
         self.metrics.waiting.set(0.0);

@@ -38,8 +38,11 @@ impl<St: Stream> Feed<St> {
 
     /// The next input item together with a permit for it (now held), or `None` when no work
     /// can start now. `own`: how many permits the adapter's own work in flight holds for
-    /// certain (see [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is discarded
-    /// (to the hook, as [`Dropped::Discarded`]).
+    /// certain (see [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is
+    /// discarded (to the hook, as [`Dropped::Discarded`]). Waiting on the upstream, the
+    /// adapter is parked too (for the close only), so that closing the bulkhead wakes it: it
+    /// then pulls nothing more and ends after its work in flight, without waiting for an
+    /// item that it would leave there.
     pub(crate) fn poll_start(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -57,7 +60,14 @@ impl<St: Stream> Feed<St> {
             }
             match this.stream.as_mut().poll_next(cx) {
                 Poll::Ready(Some(item)) => *next = Some(item),
-                Poll::Ready(None) | Poll::Pending => return None,
+                Poll::Ready(None) => return None,
+                Poll::Pending => {
+                    // Parked unless closed meanwhile (then seen now).
+                    if !this.permits.as_mut().park(cx, false, |_| true) {
+                        this.permits.as_mut().see_closed();
+                    }
+                    return None;
+                }
             }
         }
         match this.permits.poll_for_item(cx, own) {
@@ -79,7 +89,7 @@ impl<St: Stream> Feed<St> {
         outstanding: usize,
     ) -> bool {
         let full = |core: &Core| core.max_in_flight() as usize <= outstanding;
-        self.as_mut().permits().park(cx, full) || self.max_in_flight() <= outstanding
+        self.as_mut().permits().park(cx, true, full) || self.max_in_flight() <= outstanding
     }
 
     /// Pull the next input item if it is ready now, without a permit (to pass a finished

@@ -27,6 +27,10 @@ use crate::error::ConfigError;
 /// is made; only while that slot is taken do new futures go into a `FuturesUnordered`. A
 /// future that completes at once (a cache hit, an already-ready result) therefore costs no
 /// allocation. The slot's future is polled on every wake-up of the adapter, as in `select!`.
+/// One exception: when a future finishes and the next item is ready, the permit goes
+/// straight to that item's future as the finished one's output is yielded, and that future
+/// is first polled by the next poll (until the consumer polls again, it holds its permit
+/// unstarted).
 ///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 /// ends; the one item it held waiting for a permit is discarded: to the

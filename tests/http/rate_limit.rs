@@ -16,7 +16,7 @@ use axum::routing::get as route_get;
 use bytes::Bytes;
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{
-    ClientIp, ForwardedHeader, HeaderStyles, MissingKey, PeerIp, Policy, RateLimitLayer,
+    ClientIp, ForwardedHeader, Header, HeaderStyles, MissingKey, PeerIp, Policy, RateLimitLayer,
     RequestInfo,
 };
 use flowgate::{Quota, Rate};
@@ -694,6 +694,56 @@ async fn keyless_requests_share_skip_or_are_refused_as_configured() {
         "{doc}"
     );
     assert_eq!(refuse.stats().missing_key, 1);
+}
+
+/// A per-key policy that skips keyless requests (the docs' API-key pattern): a client that
+/// sends its key on two field lines is counted under the key the app reads (the first
+/// line, as `HeaderMap::get` and the typed-header extractors read it), not let through
+/// unlimited as keyless.
+#[tokio::test]
+async fn a_key_sent_on_two_field_lines_is_still_limited() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(
+            Policy::new(
+                "per-key",
+                quota(2, Duration::from_secs(60)),
+                Header::new("x-api-key").unwrap(),
+            )
+            .missing_key(MissingKey::Skip),
+        )
+        .build()
+        .unwrap();
+    // The app authenticates by the key it reads: the first line.
+    let app = Router::new()
+        .route(
+            "/",
+            route_get(|headers: HeaderMap| async move {
+                headers["x-api-key"].to_str().unwrap().to_owned()
+            }),
+        )
+        .layer(layer.clone());
+    let server = Server::start(app).await;
+    let client = client();
+    let twice = [("x-api-key", "alice"), ("x-api-key", "alice")];
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(get(&client, &server.url("/"), &twice).await.status);
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::TOO_MANY_REQUESTS
+        ],
+        "a key sent twice must be limited like the key sent once"
+    );
+    // A second line with another value does not open a fresh bucket either.
+    let other = [("x-api-key", "alice"), ("x-api-key", "mallory")];
+    let answer = get(&client, &server.url("/"), &other).await;
+    assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(layer.stats().rejected, 3);
 }
 
 /// Two policies, one skipped for keyless requests: the fields list only the policies

@@ -216,9 +216,11 @@ fn warn_no_peer(source: &'static str) {
 
 /// The key is the value of one request header: an API key, a user or tenant id.
 ///
-/// A request has no key (see [`MissingKey`]) when the header is missing, empty, present on
-/// more than one field line (ambiguous), longer than [`max_len`](Self::max_len) bytes
-/// (default 256), or holds anything but visible ASCII and inner spaces.
+/// A request has no key (see [`MissingKey`]) when the header is missing, empty, longer than
+/// [`max_len`](Self::max_len) bytes (default 256), or holds anything but visible ASCII and
+/// inner spaces. A header sent on several field lines is keyed by its first line: the
+/// value the app reads (`HeaderMap::get`, the typed-header extractors), so a client
+/// cannot shed its key (and, under [`MissingKey::Skip`], its limit) by sending it twice.
 ///
 /// The value becomes part of the gate's key (and of the top rejected keys the layer
 /// reports and logs): for a secret such as a bearer token, key by a hash of it with a
@@ -292,8 +294,8 @@ impl From<HeaderName> for Header {
 
 impl KeyExtractor for Header {
     fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool {
-        let mut lines = req.headers.get_all(&self.name).iter();
-        let (Some(value), None) = (lines.next(), lines.next()) else {
+        // The first line, as the app reads it (a repeated header is no way out of a key).
+        let Some(value) = req.headers.get(&self.name) else {
             return false;
         };
         let bytes = value.as_bytes();
@@ -433,7 +435,11 @@ pub(crate) mod tests {
         assert_eq!(get(&[b"Bearer abc"]).as_deref(), Some("Bearer abc"));
         assert_eq!(get(&[]), None);
         assert_eq!(get(&[b""]), None);
-        assert_eq!(get(&[b"a", b"b"]), None, "two field lines are ambiguous");
+        assert_eq!(
+            get(&[b"a", b"b"]).as_deref(),
+            Some("a"),
+            "the first line, as the app reads it"
+        );
         assert_eq!(get(&[b"caf\xc3\xa9"]), None);
         assert_eq!(get(&[b"a\tb"]), None);
         assert_eq!(get(&[b" a"]), None);

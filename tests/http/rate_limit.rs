@@ -448,6 +448,54 @@ async fn a_429s_single_integer_reset_is_never_before_retry_after() {
     }
 }
 
+/// Two layers stacked (a site-wide one around a stricter one on the route), both with the
+/// single-integer styles: the fields carry one policy, the same one they would if both
+/// policies were one layer's: the lower remaining on a pass, and on the inner layer's 429
+/// the policy that blocked, whose reset is never before `Retry-After`.
+#[tokio::test]
+async fn stacked_layers_single_integers_keep_the_lowest_and_the_429s_reset() {
+    let layer = |name: &str, burst: u32| {
+        RateLimitLayer::builder(gate())
+            .policy(Policy::new(
+                name,
+                quota(burst, Duration::from_secs(60)),
+                by_client,
+            ))
+            .header_styles(HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT)
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(layer("route", 1))
+        .layer(layer("site", 100));
+    let server = Server::start(app).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "c")];
+    // Passed by both: the route's policy has 0 left, the site's 99.
+    let ok = get(&client, &url, &h).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    for prefix in ["ratelimit-", "x-ratelimit-"] {
+        let values = ["limit", "remaining"].map(|f| integer(&ok.headers, &format!("{prefix}{f}")));
+        assert_eq!(values, [1, 0], "{prefix}: the lower remaining");
+    }
+    // Refused by the route's layer, passed by the site's.
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = retry_after(&no.headers) as i64;
+    assert!((59..=60).contains(&retry), "{retry}");
+    for prefix in ["ratelimit-", "x-ratelimit-"] {
+        let reset = integer(&no.headers, &format!("{prefix}reset"));
+        assert!(
+            reset >= retry,
+            "{prefix}reset {reset} before Retry-After {retry}"
+        );
+        let values = ["limit", "remaining"].map(|f| integer(&no.headers, &format!("{prefix}{f}")));
+        assert_eq!(values, [1, 0], "{prefix}: the policy that blocked");
+    }
+}
+
 /// `HeaderStyles::NONE`: no rate-limit field on any response, one policy or several; a 429
 /// still says when to retry and names the violated policy, and the counts are the same.
 #[tokio::test]

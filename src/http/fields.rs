@@ -43,6 +43,11 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 ///
 /// `X_RATELIMIT` and `X_RATELIMIT_EPOCH` exclude each other (one `X-RateLimit-Reset`).
 ///
+/// Layers stacked (a site-wide layer around a route's) add their IETF members to the one
+/// list; of the single integers, an outer layer keeps those an inner one wrote on its `429`
+/// or with a lower remaining (ties: the later reset), as one layer chooses among its
+/// policies.
+///
 /// # Examples
 ///
 /// ```
@@ -481,8 +486,12 @@ impl Fields {
     }
 
     /// Write the fields onto `headers`. The IETF list fields are appended (an inner layer's
-    /// members stay: several field lines form one list); the single-integer styles replace.
-    pub(crate) fn write(self, headers: &mut HeaderMap) {
+    /// members stay: several field lines form one list). The single-integer styles carry
+    /// one policy: where an inner layer (or the service) wrote them already, its integers
+    /// stay if it refused the request (`inner_rejected`: its `429`, whose reset is not
+    /// before its `Retry-After`) or their remaining is lower (ties: the later reset), the
+    /// rule among one layer's policies; else these replace them.
+    pub(crate) fn write(self, headers: &mut HeaderMap, inner_rejected: bool) {
         if let Some(v) = self.policy {
             headers.append(RATELIMIT_POLICY, v);
         }
@@ -492,17 +501,35 @@ impl Fields {
         let Some(single) = self.single else {
             return;
         };
-        if let Some([l, r, t]) = single.draft03 {
-            headers.insert(RATELIMIT_LIMIT, integer_value(l));
-            headers.insert(RATELIMIT_REMAINING, integer_value(r));
-            headers.insert(RATELIMIT_RESET, integer_value(t));
+        if let Some(values) = single.draft03 {
+            let names = [RATELIMIT_LIMIT, RATELIMIT_REMAINING, RATELIMIT_RESET];
+            put_single(headers, names, values, inner_rejected);
         }
-        if let Some([l, r, t]) = single.x {
-            headers.insert(X_RATELIMIT_LIMIT, integer_value(l));
-            headers.insert(X_RATELIMIT_REMAINING, integer_value(r));
-            headers.insert(X_RATELIMIT_RESET, integer_value(t));
+        if let Some(values) = single.x {
+            let names = [X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET];
+            put_single(headers, names, values, inner_rejected);
         }
     }
+}
+
+/// One policy's limit, remaining and reset as the single-integer fields `names`, unless
+/// `headers` hold integers of their own there that win (see [`Fields::write`]).
+fn put_single(
+    headers: &mut HeaderMap,
+    [limit, remaining, reset]: [HeaderName; 3],
+    [l, r, t]: [u64; 3],
+    inner_rejected: bool,
+) {
+    let int = |name: &HeaderName| headers.get(name)?.to_str().ok()?.parse::<u64>().ok();
+    if let Some(inner_r) = int(&remaining) {
+        let inner_t = int(&reset).unwrap_or(0);
+        if inner_rejected || inner_r < r || (inner_r == r && inner_t >= t) {
+            return;
+        }
+    }
+    headers.insert(limit, integer_value(l));
+    headers.insert(remaining, integer_value(r));
+    headers.insert(reset, integer_value(t));
 }
 
 #[cfg(test)]
@@ -793,7 +820,7 @@ mod tests {
             false,
         )
         .expect("two styles and two members")
-        .write(&mut h);
+        .write(&mut h, false);
         assert_eq!(h["ratelimit-limit"], "10");
         assert_eq!(h["ratelimit-remaining"], "2");
         assert_eq!(h["ratelimit-reset"], "1");

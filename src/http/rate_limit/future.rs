@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use pin_project::pin_project;
 use tower::Service;
 
@@ -159,7 +159,8 @@ where
                     this.state.set(State::Done);
                     let mut res = res?.map(|b| K::inner(b, Token(())));
                     if let Some(fields) = this.fields.take() {
-                        fields.write(res.headers_mut());
+                        let rejected = res.status() == StatusCode::TOO_MANY_REQUESTS;
+                        fields.write(res.headers_mut(), rejected);
                     }
                     return Poll::Ready(Ok(res));
                 }

@@ -952,7 +952,7 @@ impl<G> Shared<G> {
             fields::integer_value(retry_after),
         );
         if let Some(fields) = fields {
-            fields.write(res.headers_mut());
+            fields.write(res.headers_mut(), false);
         }
         Verdict::Answer(res)
     }

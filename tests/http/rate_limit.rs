@@ -496,6 +496,49 @@ async fn stacked_layers_single_integers_keep_the_lowest_and_the_429s_reset() {
     }
 }
 
+/// Two layers stacked with the IETF fields: on the inner layer's 429 the outer layer's
+/// member (which passed the request) carries no `t`, as a layer's own 429 lists its
+/// policies that did not block: their time to full can be later than `Retry-After`.
+#[tokio::test]
+async fn stacked_layers_ietf_members_on_an_inner_429_are_not_reset_after_retry_after() {
+    let layer = |name: &str, burst: u32, period: u64| {
+        RateLimitLayer::builder(gate())
+            .policy(Policy::new(
+                name,
+                quota(burst, Duration::from_secs(period)),
+                by_client,
+            ))
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        // One a minute on the route, 100 an hour (one each 36 s) on the site.
+        .layer(layer("route", 1, 60))
+        .layer(layer("site", 100, 3600));
+    let server = Server::start(app).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "c")];
+    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = retry_after(&no.headers) as i64;
+    assert!((59..=60).contains(&retry), "{retry}");
+    let members = list(&no.headers, "ratelimit");
+    let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["route", "site"]);
+    assert_eq!(
+        members[1].params["r"], 98,
+        "the site's member is still listed"
+    );
+    for m in &members {
+        if let Some(&t) = m.params.get("t") {
+            assert!(t <= retry, "{}: t={t} after Retry-After {retry}", m.name);
+        }
+    }
+}
+
 /// `HeaderStyles::NONE`: no rate-limit field on any response, one policy or several; a 429
 /// still says when to retry and names the violated policy, and the counts are the same.
 #[tokio::test]

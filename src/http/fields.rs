@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
+use std::convert::Infallible;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 use std::sync::{Mutex, OnceLock, PoisonError};
@@ -12,7 +13,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use sfv::{Integer, ItemSerializer, ListSerializer, StringRef, key_ref};
+use sfv::visitor::{
+    EntryVisitor, Ignored, InnerListVisitor, ItemVisitor, ListVisitor, ParameterVisitor,
+};
+use sfv::{
+    BareItemFromInput, Integer, ItemSerializer, KeyRef, ListSerializer, ParameterSerializer,
+    Parser, StringRef, key_ref,
+};
 
 use crate::decision::{Decision, SF_INTEGER_MAX};
 use crate::gate::Limit;
@@ -44,9 +51,10 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 /// `X_RATELIMIT` and `X_RATELIMIT_EPOCH` exclude each other (one `X-RateLimit-Reset`).
 ///
 /// Layers stacked (a site-wide layer around a route's) add their IETF members to the one
-/// list; of the single integers, an outer layer keeps those an inner one wrote on its `429`
-/// or with a lower remaining (ties: the later reset), as one layer chooses among its
-/// policies.
+/// list (an outer layer's without `t` on an inner layer's `429`, as a layer lists its own
+/// policies that did not block); of the single integers, an outer layer keeps those an
+/// inner one wrote on its `429` or with a lower remaining (ties: the later reset), as one
+/// layer chooses among its policies.
 ///
 /// # Examples
 ///
@@ -400,6 +408,80 @@ pub(crate) fn ratelimit_field<'a>(
     })
 }
 
+/// `value`, a [`ratelimit_field`], without its members' `t` (parsed and written again with
+/// sfv): what a layer that passed a request adds to an inner layer's `429`, whose
+/// `Retry-After` the time to full of a policy that did not block can be later than. `None`
+/// if it does not parse (it always does: this module wrote it).
+fn without_resets(value: &HeaderValue) -> Option<HeaderValue> {
+    /// The list being written again.
+    struct Members<'s>(&'s mut ListSerializer<String>);
+    /// One member's parameters, `t` left out.
+    struct Params<'s>(Option<ParameterSerializer<&'s mut String>>);
+
+    impl<'de> ListVisitor<'de> for Members<'_> {
+        type Out = ();
+        type Error = Infallible;
+
+        fn entry(&mut self) -> Result<impl EntryVisitor<'de>, Infallible> {
+            Ok(Members(&mut *self.0))
+        }
+
+        fn finish(self) -> Result<(), Infallible> {
+            Ok(())
+        }
+    }
+
+    impl<'de> EntryVisitor<'de> for Members<'_> {
+        type Error = Infallible;
+
+        fn item(self) -> Result<impl ItemVisitor<'de>, Infallible> {
+            Ok(self)
+        }
+
+        fn inner_list(self) -> Result<impl InnerListVisitor<'de>, Infallible> {
+            Ok(Ignored)
+        }
+    }
+
+    impl<'de> ItemVisitor<'de> for Members<'_> {
+        type Out = ();
+        type Error = Infallible;
+
+        fn bare_item(
+            self,
+            value: BareItemFromInput<'de>,
+        ) -> Result<impl ParameterVisitor<'de, Out = ()>, Infallible> {
+            Ok(Params(Some(self.0.bare_item(&value))))
+        }
+    }
+
+    impl<'de> ParameterVisitor<'de> for Params<'_> {
+        type Out = ();
+        type Error = Infallible;
+
+        fn parameter(
+            &mut self,
+            key: &'de KeyRef,
+            value: BareItemFromInput<'de>,
+        ) -> Result<(), Infallible> {
+            if key.as_str() != "t" {
+                self.0 = self.0.take().map(|p| p.parameter(key, &value));
+            }
+            Ok(())
+        }
+
+        fn finish(self) -> Result<(), Infallible> {
+            Ok(())
+        }
+    }
+
+    let mut list = ListSerializer::new();
+    Parser::new(value.as_bytes())
+        .parse_list_with_visitor(Members(&mut list))
+        .ok()?;
+    HeaderValue::from_str(&list.finish()?).ok()
+}
+
 /// The header fields of one response, computed when the request was decided and written
 /// onto the response (the inner service's or the layer's own).
 #[derive(Debug, Default)]
@@ -486,7 +568,9 @@ impl Fields {
     }
 
     /// Write the fields onto `headers`. The IETF list fields are appended (an inner layer's
-    /// members stay: several field lines form one list). The single-integer styles carry
+    /// members stay: several field lines form one list; on its `429`, `inner_rejected`,
+    /// these members carry no `t`, as a layer's own `429` lists its policies that did not
+    /// block). The single-integer styles carry
     /// one policy: where an inner layer (or the service) wrote them already, its integers
     /// stay if it refused the request (`inner_rejected`: its `429`, whose reset is not
     /// before its `Retry-After`) or their remaining is lower (ties: the later reset), the
@@ -496,6 +580,11 @@ impl Fields {
             headers.append(RATELIMIT_POLICY, v);
         }
         if let Some(v) = self.ratelimit {
+            // On an inner 429 this layer's policies did not block it: no `t`, as on its own.
+            let v = match inner_rejected {
+                true => without_resets(&v).unwrap_or(v),
+                false => v,
+            };
             headers.append(RATELIMIT, v);
         }
         let Some(single) = self.single else {
@@ -677,6 +766,29 @@ mod tests {
                 assert_eq!(list.len(), 2);
             }
         }
+    }
+
+    /// Only the `t` parameters go: names that look like one (quoted, escaped) stay whole.
+    #[test]
+    fn without_resets_leaves_everything_but_t() {
+        let (a, b) = (parts("a;t=1", 5, 7), parts("b \"x\";t=2 \\", 9, 9));
+        let members = [
+            Member {
+                parts: &a,
+                r: 3,
+                t: Some(4),
+            },
+            Member {
+                parts: &b,
+                r: 0,
+                t: None,
+            },
+        ];
+        let rl = ratelimit_field(members.iter().copied()).unwrap();
+        assert_eq!(
+            without_resets(&rl).unwrap(),
+            r#""a;t=1";r=3, "b \"x\";t=2 \\";r=0"#
+        );
     }
 
     /// Values split off the thread's chunk stay what they were written as while later ones

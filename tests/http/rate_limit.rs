@@ -448,44 +448,64 @@ async fn a_429s_single_integer_reset_is_never_before_retry_after() {
     }
 }
 
+/// A layer of one policy `name` keyed by `x-client`: `burst` at once, `burst` per `period`
+/// seconds, writing `styles`.
+fn one_policy(
+    name: &str,
+    burst: u32,
+    period: u64,
+    styles: HeaderStyles,
+) -> RateLimitLayer<MemoryGate> {
+    RateLimitLayer::builder(gate())
+        .policy(Policy::new(
+            name,
+            quota(burst, Duration::from_secs(period)),
+            by_client,
+        ))
+        .header_styles(styles)
+        .build()
+        .unwrap()
+}
+
+/// `inner` on the route and `outer` around it (one a minute on the route): a request passed
+/// by both, then one refused by `inner`, and that 429's `Retry-After`.
+async fn stacked(
+    inner: RateLimitLayer<MemoryGate>,
+    outer: RateLimitLayer<MemoryGate>,
+) -> (crate::harness::Answer, crate::harness::Answer, i64) {
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(inner)
+        .layer(outer);
+    let server = Server::start(app).await;
+    let client = client();
+    let url = server.url("/");
+    let h = [("x-client", "c")];
+    let ok = get(&client, &url, &h).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    let no = get(&client, &url, &h).await;
+    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = retry_after(&no.headers) as i64;
+    assert!((59..=60).contains(&retry), "{retry}");
+    (ok, no, retry)
+}
+
 /// Two layers stacked (a site-wide one around a stricter one on the route), both with the
 /// single-integer styles: the fields carry one policy, the same one they would if both
 /// policies were one layer's: the lower remaining on a pass, and on the inner layer's 429
 /// the policy that blocked, whose reset is never before `Retry-After`.
 #[tokio::test]
 async fn stacked_layers_single_integers_keep_the_lowest_and_the_429s_reset() {
-    let layer = |name: &str, burst: u32| {
-        RateLimitLayer::builder(gate())
-            .policy(Policy::new(
-                name,
-                quota(burst, Duration::from_secs(60)),
-                by_client,
-            ))
-            .header_styles(HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT)
-            .build()
-            .unwrap()
-    };
-    let app = Router::new()
-        .route("/", route_get(|| async { "ok" }))
-        .layer(layer("route", 1))
-        .layer(layer("site", 100));
-    let server = Server::start(app).await;
-    let client = client();
-    let url = server.url("/");
-    let h = [("x-client", "c")];
-    // Passed by both: the route's policy has 0 left, the site's 99.
-    let ok = get(&client, &url, &h).await;
-    assert_eq!(ok.status, StatusCode::OK);
+    let styles = HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT;
+    let (ok, no, retry) = stacked(
+        one_policy("route", 1, 60, styles),
+        one_policy("site", 100, 60, styles),
+    )
+    .await;
     for prefix in ["ratelimit-", "x-ratelimit-"] {
+        // The route's policy has 0 left, the site's 99.
         let values = ["limit", "remaining"].map(|f| integer(&ok.headers, &format!("{prefix}{f}")));
         assert_eq!(values, [1, 0], "{prefix}: the lower remaining");
-    }
-    // Refused by the route's layer, passed by the site's.
-    let no = get(&client, &url, &h).await;
-    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
-    let retry = retry_after(&no.headers) as i64;
-    assert!((59..=60).contains(&retry), "{retry}");
-    for prefix in ["ratelimit-", "x-ratelimit-"] {
         let reset = integer(&no.headers, &format!("{prefix}reset"));
         assert!(
             reset >= retry,
@@ -496,35 +516,36 @@ async fn stacked_layers_single_integers_keep_the_lowest_and_the_429s_reset() {
     }
 }
 
+/// An outer layer with a single-integer style around an inner one with the IETF fields only:
+/// on the inner layer's 429 the outer layer's integers (a policy that did not block it) do
+/// not say to come back before `Retry-After`.
+#[tokio::test]
+async fn an_outer_layers_single_integers_on_an_inner_429_are_not_reset_before_retry_after() {
+    let (_, no, retry) = stacked(
+        one_policy("route", 1, 60, HeaderStyles::IETF),
+        one_policy("site", 100, 60, HeaderStyles::X_RATELIMIT),
+    )
+    .await;
+    if no.headers.contains_key("x-ratelimit-reset") {
+        let reset = integer(&no.headers, "x-ratelimit-reset");
+        assert!(
+            reset >= retry,
+            "x-ratelimit-reset {reset} before Retry-After {retry}"
+        );
+    }
+}
+
 /// Two layers stacked with the IETF fields: on the inner layer's 429 the outer layer's
 /// member (which passed the request) carries no `t`, as a layer's own 429 lists its
 /// policies that did not block: their time to full can be later than `Retry-After`.
 #[tokio::test]
 async fn stacked_layers_ietf_members_on_an_inner_429_are_not_reset_after_retry_after() {
-    let layer = |name: &str, burst: u32, period: u64| {
-        RateLimitLayer::builder(gate())
-            .policy(Policy::new(
-                name,
-                quota(burst, Duration::from_secs(period)),
-                by_client,
-            ))
-            .build()
-            .unwrap()
-    };
-    let app = Router::new()
-        .route("/", route_get(|| async { "ok" }))
-        // One a minute on the route, 100 an hour (one each 36 s) on the site.
-        .layer(layer("route", 1, 60))
-        .layer(layer("site", 100, 3600));
-    let server = Server::start(app).await;
-    let client = client();
-    let url = server.url("/");
-    let h = [("x-client", "c")];
-    assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
-    let no = get(&client, &url, &h).await;
-    assert_eq!(no.status, StatusCode::TOO_MANY_REQUESTS);
-    let retry = retry_after(&no.headers) as i64;
-    assert!((59..=60).contains(&retry), "{retry}");
+    // 100 an hour (one each 36 s) on the site.
+    let (_, no, retry) = stacked(
+        one_policy("route", 1, 60, HeaderStyles::IETF),
+        one_policy("site", 100, 3600, HeaderStyles::IETF),
+    )
+    .await;
     let members = list(&no.headers, "ratelimit");
     let names: Vec<&str> = members.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["route", "site"]);

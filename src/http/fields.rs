@@ -52,9 +52,9 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 ///
 /// Layers stacked (a site-wide layer around a route's) add their IETF members to the one
 /// list (an outer layer's without `t` on an inner layer's `429`, as a layer lists its own
-/// policies that did not block); of the single integers, an outer layer keeps those an
-/// inner one wrote on its `429` or with a lower remaining (ties: the later reset), as one
-/// layer chooses among its policies.
+/// policies that did not block); of the single integers, an outer layer writes none on an
+/// inner layer's `429` (the inner one's stay), and keeps those an inner one wrote with a
+/// lower remaining (ties: the later reset), as one layer chooses among its policies.
 ///
 /// # Examples
 ///
@@ -568,13 +568,14 @@ impl Fields {
     }
 
     /// Write the fields onto `headers`. The IETF list fields are appended (an inner layer's
-    /// members stay: several field lines form one list; on its `429`, `inner_rejected`,
-    /// these members carry no `t`, as a layer's own `429` lists its policies that did not
-    /// block). The single-integer styles carry
-    /// one policy: where an inner layer (or the service) wrote them already, its integers
-    /// stay if it refused the request (`inner_rejected`: its `429`, whose reset is not
-    /// before its `Retry-After`) or their remaining is lower (ties: the later reset), the
-    /// rule among one layer's policies; else these replace them.
+    /// members stay: several field lines form one list); on an inner `429`
+    /// (`inner_rejected`) these members carry no `t`, as a layer's own `429` lists its
+    /// policies that did not block. The single-integer styles carry one policy: on an inner
+    /// `429` none of this layer's are written (those of the policy that blocked it stay, if
+    /// its layer wrote them: a passing policy's reset can be before `Retry-After`); else,
+    /// where an inner layer (or the service) wrote them already, its integers stay if their
+    /// remaining is lower (ties: the later reset), the rule among one layer's policies, and
+    /// these replace them if not.
     pub(crate) fn write(self, headers: &mut HeaderMap, inner_rejected: bool) {
         if let Some(v) = self.policy {
             headers.append(RATELIMIT_POLICY, v);
@@ -602,17 +603,22 @@ impl Fields {
 }
 
 /// One policy's limit, remaining and reset as the single-integer fields `names`, unless
-/// `headers` hold integers of their own there that win (see [`Fields::write`]).
+/// `headers` hold integers of their own there that win, or are of an inner `429` (see
+/// [`Fields::write`]).
 fn put_single(
     headers: &mut HeaderMap,
     [limit, remaining, reset]: [HeaderName; 3],
     [l, r, t]: [u64; 3],
     inner_rejected: bool,
 ) {
+    if inner_rejected {
+        // Not this policy's refusal: its reset (a time to full) can be before Retry-After.
+        return;
+    }
     let int = |name: &HeaderName| headers.get(name)?.to_str().ok()?.parse::<u64>().ok();
     if let Some(inner_r) = int(&remaining) {
         let inner_t = int(&reset).unwrap_or(0);
-        if inner_rejected || inner_r < r || (inner_r == r && inner_t >= t) {
+        if inner_r < r || (inner_r == r && inner_t >= t) {
             return;
         }
     }

@@ -335,33 +335,63 @@ async fn acks_after_the_source_is_dropped_still_reach_redis() {
     );
 }
 
-#[tokio::test]
-async fn acks_taken_by_a_fetch_in_progress_when_the_source_is_dropped_still_reach_redis() {
-    let (server, mut con) = with_entries(10).await;
-    let mut stream = Box::pin(prefetch(source(&server, "f").await, levels(5, 0)));
+/// A stream over 10 entries whose second fetch is in progress, having taken along the acks
+/// of the 5 entries the first one delivered; and their ids.
+async fn fetching_with_5_acks(
+    server: &RedisServer,
+    consumer: &str,
+) -> (Prefetched<MultiplexedConnection>, Vec<String>) {
+    let mut stream = Box::pin(prefetch(source(server, consumer).await, levels(5, 0)));
     let mut acked = Vec::new();
     for e in take(&mut stream, 5).await {
         acked.push(e.id.clone());
         e.ack.ack();
     }
-    // The next fetch starts and takes the 5 queued acks along; then shutdown drops the
-    // stream before Redis answered.
     assert!(futures::poll!(stream.next()).is_pending());
+    (stream, acked)
+}
+
+/// `XPENDING key group - + 100`: the entries still pending.
+fn pending_list() -> redis::Cmd {
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg(KEY).arg(GROUP).arg("-").arg("+").arg(100);
+    cmd
+}
+
+/// The ids of a [`pending_list`] reply.
+fn ids(list: Vec<(String, String, u64, u64)>) -> Vec<String> {
+    list.into_iter().map(|p| p.0).collect()
+}
+
+#[tokio::test]
+async fn acks_taken_by_a_fetch_in_progress_when_the_source_is_dropped_still_reach_redis() {
+    let (server, mut con) = with_entries(10).await;
+    // The next fetch takes the 5 queued acks along; then shutdown drops the stream before
+    // Redis answered.
+    let (stream, acked) = fetching_with_5_acks(&server, "f").await;
     drop(stream);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let still: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(KEY)
-        .arg(GROUP)
-        .arg("-")
-        .arg("+")
-        .arg(100)
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    let still: Vec<String> = still.into_iter().map(|p| p.0).collect();
+    let still = ids(pending_list().query_async(&mut con).await.unwrap());
     assert!(
         acked.iter().all(|id| !still.contains(id)),
         "acked {acked:?}, still pending {still:?}"
+    );
+}
+
+/// `flush_acks` returns once every ack made before it is in Redis, those a fetch in progress
+/// took along too: a consumer that stops, flushes and exits must not leave them pending
+/// (checked on a blocking connection at once, before this runtime's connection task runs
+/// again, as after an exit).
+#[tokio::test]
+async fn flush_acks_waits_for_the_acks_a_fetch_in_progress_took_along() {
+    let (server, _con) = with_entries(10).await;
+    // The next fetch takes the 5 queued acks along; the loop stops and flushes.
+    let (mut stream, acked) = fetching_with_5_acks(&server, "g").await;
+    flush(&mut stream).await;
+    let still = ids(server.query_blocking(&pending_list()).unwrap());
+    assert!(
+        acked.iter().all(|id| !still.contains(id)),
+        "flush_acks returned, but acked {acked:?} are still pending: {still:?}"
     );
 }
 

@@ -112,6 +112,8 @@ where
     phase: Phase,
     acks: Arc<AckQueue>,
     fetch: Option<BoxFuture<RedisResult<Outcome>>>,
+    /// The fetch in progress took queued acks along (its `XACK` goes first in its pipeline).
+    fetch_carries_acks: bool,
     next_claim: Instant,
     claim_cursor: String,
     /// A claim pass ended: the next fetch reads new entries whatever `claim_every` says.
@@ -165,6 +167,7 @@ where
             phase: Phase::OwnPending("0".into()),
             acks,
             fetch: None,
+            fetch_carries_acks: false,
             claim_cursor: "0-0".into(),
             read_due: false,
             counters,
@@ -172,24 +175,39 @@ where
     }
 
     /// Send the acknowledgements collected so far now. When it returns, every ack made
-    /// before the call has reached Redis, including those the background task was sending.
+    /// before the call has reached Redis, including those the background task was sending
+    /// and those a fetch in progress took along: that fetch is finished first (up to
+    /// `block` for a read of new entries), and what it brought is kept for the next
+    /// [`poll_fetch`](BatchSource::poll_fetch).
     ///
-    /// Returns how many ids Redis acknowledged (the count `XACK` answers), counted in
-    /// `flowgate_demand_acked_total`; the others sent (ids no longer pending in the group,
-    /// or every one if the group is gone and no fetch has noticed it yet) are counted in
-    /// `flowgate_demand_stale_acks_total`.
+    /// Returns how many ids Redis acknowledged in the `XACK` this call sent (the count it
+    /// answers), counted in `flowgate_demand_acked_total`; the others sent (ids no longer
+    /// pending in the group, or every one if the group is gone and no fetch has noticed it
+    /// yet) are counted in `flowgate_demand_stale_acks_total`. The acks a fetch took along
+    /// are counted the same way when it lands, not in the value returned.
     ///
     /// # Errors
     ///
-    /// The Redis error; the ids are queued again.
+    /// The Redis error; the ids are queued again. (A failed fetch that took acks along
+    /// queues them again as well, and its error is kept for the next `poll_fetch`.)
     ///
     /// # Cancel safety
     ///
-    /// Dropped while waiting for the background task's send, nothing is lost. Dropped while
-    /// its own `XACK` is in flight, the ids it took are not queued again: if the `XACK` did
-    /// not reach Redis, those entries stay pending and are claimed again once idle longer
-    /// than `min_idle` (at-least-once).
+    /// Dropped while waiting for a fetch in progress or for the background task's send,
+    /// nothing is lost (the fetch stays in progress). Dropped while its own `XACK` is in
+    /// flight, the ids it took are not queued again: if the `XACK` did not reach Redis,
+    /// those entries stay pending and are claimed again once idle longer than `min_idle`
+    /// (at-least-once).
     pub async fn flush_acks(&mut self) -> RedisResult<usize> {
+        // A fetch in progress that took acks along lands first; its outcome waits for the
+        // next `poll_fetch`.
+        if self.fetch_carries_acks
+            && let Some(fetch) = self.fetch.as_mut()
+        {
+            let outcome = fetch.await;
+            self.fetch = Some(Box::pin(std::future::ready(outcome)));
+            self.fetch_carries_acks = false;
+        }
         // Waits for a send of the background task in progress: its acks come first.
         self.acks.send(&mut self.conn, &self.config).await
     }
@@ -204,6 +222,7 @@ where
         let mut conn = self.conn.clone();
         let cfg = self.config.clone();
         let carried = Carried::take(&self.acks);
+        self.fetch_carries_acks = !carried.ids().is_empty();
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
         let phase = self.phase.clone();
         let cursor = self.claim_cursor.clone();

@@ -814,7 +814,8 @@ async fn until_ready_waits_for_room_in_a_full_tracker() {
     assert_eq!(tracker.committable(), Some(12));
 }
 
-/// A metrics recorder whose counters panic while `armed` is set (its gauges record nothing).
+/// A metrics recorder whose counters and gauges panic while `armed` is set (and record
+/// nothing otherwise).
 #[cfg(feature = "metrics")]
 #[derive(Default, Clone)]
 struct PanickingRecorder {
@@ -822,13 +823,42 @@ struct PanickingRecorder {
 }
 
 #[cfg(feature = "metrics")]
-impl metrics::CounterFn for PanickingRecorder {
-    fn increment(&self, _: u64) {
+impl PanickingRecorder {
+    fn record(&self) {
         if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
             panic!("the recorder panics");
         }
     }
+
+    /// Runs `f` while armed; returns whether it panicked.
+    fn armed_while(&self, f: impl FnOnce()) -> bool {
+        self.armed.store(true, std::sync::atomic::Ordering::Relaxed);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        self.armed
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        unwound.is_err()
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl metrics::CounterFn for PanickingRecorder {
+    fn increment(&self, _: u64) {
+        self.record();
+    }
     fn absolute(&self, _: u64) {}
+}
+
+#[cfg(feature = "metrics")]
+impl metrics::GaugeFn for PanickingRecorder {
+    fn increment(&self, _: f64) {
+        self.record();
+    }
+    fn decrement(&self, _: f64) {
+        self.record();
+    }
+    fn set(&self, _: f64) {
+        self.record();
+    }
 }
 
 #[cfg(feature = "metrics")]
@@ -858,7 +888,7 @@ impl metrics::Recorder for PanickingRecorder {
         metrics::Counter::from_arc(Arc::new(self.clone()))
     }
     fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
+        metrics::Gauge::from_arc(Arc::new(self.clone()))
     }
     fn register_histogram(
         &self,
@@ -883,14 +913,10 @@ async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready()
     let a = tracker.track(10).unwrap();
     let mut ready = pin!(tracker.until_ready());
     assert!(poll!(ready.as_mut()).is_pending(), "full");
-    recorder
-        .armed
-        .store(true, std::sync::atomic::Ordering::Relaxed);
-    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.abandon()));
-    recorder
-        .armed
-        .store(false, std::sync::atomic::Ordering::Relaxed);
-    assert!(unwound.is_err(), "the recorder's panic reached the caller");
+    assert!(
+        recorder.armed_while(|| a.abandon()),
+        "the recorder's panic reached the caller"
+    );
     assert_eq!(
         (
             tracker.committable(),
@@ -905,6 +931,31 @@ async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready()
     );
     tracker.track(11).unwrap().done();
     assert_eq!(tracker.committable(), Some(11));
+}
+
+/// The watermarks' gauges are recorded after their lock is released, and after the wrapper
+/// is woken: a recorder that panics (user code) as a ticket is dropped neither leaves the
+/// state paused with nothing in flight nor loses the wake of the wrapper waiting at `high`,
+/// which would then wait for ever.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_panicking_recorder_leaves_the_watermarks_resumed_and_wakes_the_wrapper() {
+    let recorder = PanickingRecorder::default();
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        futures::stream::iter(0..10).watermarks(levels(1, 0))
+    });
+    let signal = stream.pause_signal();
+    let (_, ticket) = stream.next().await.unwrap();
+    assert!(signal.is_paused());
+    let next = tokio::spawn(async move { stream.next().await.map(|(i, _)| i) });
+    tokio::task::yield_now().await; // the wrapper waits at high
+    assert!(
+        recorder.armed_while(|| drop(ticket)),
+        "the recorder's panic reached the caller"
+    );
+    assert_eq!(signal.get(), Flow::Resumed, "nothing in flight: resumed");
+    let next = tokio::time::timeout(Duration::from_secs(10), next).await;
+    assert_eq!(next.expect("the wrapper was never woken").unwrap(), Some(1));
 }
 
 #[tokio::test]

@@ -49,7 +49,9 @@ struct Shared {
     levels: Levels,
     min_hold: Duration,
     name: Option<String>,
-    /// Set under the lock, so they follow the state in the order it changes.
+    /// Moved after the lock is released, by each change seen under it
+    /// ([`record`](Shared::record)): the recorder is user code, and `Gauge::add` commutes,
+    /// so the gauges end at the state whatever order racing changes record in.
     in_flight_gauge: Gauge,
     paused_gauge: Gauge,
     /// `State::paused`, written under the lock, read by [`publish`](Shared::publish) after it
@@ -64,8 +66,8 @@ impl Shared {
     }
 
     /// Apply the hysteresis rule now. The caller holds the lock, so the signal is not sent
-    /// here: when the state flipped, the caller calls [`publish`](Shared::publish) once it
-    /// has released the lock.
+    /// nor the gauges moved here: the caller calls [`publish`](Shared::publish) when the
+    /// state flipped, and [`record`](Shared::record), once it has released the lock.
     fn evaluate(&self, st: &mut State, now: Instant) -> Evaluated {
         let want_pause = st.in_flight >= self.levels.high();
         let want_resume = st.in_flight <= self.levels.low();
@@ -83,9 +85,17 @@ impl Shared {
         }
         st.paused = !st.paused;
         st.last_change = Some(now);
-        self.paused_gauge.set(if st.paused { 1.0 } else { 0.0 });
         self.paused.store(st.paused, Ordering::Release);
         Evaluated::Flipped
+    }
+
+    /// Move the gauges by a change made under the lock, once it is released and whatever
+    /// had to be woken was: `in_flight` by what it added, `paused` by a flip to `paused`.
+    fn record(&self, evaluated: Evaluated, paused: bool, in_flight: f64) {
+        self.in_flight_gauge.add(in_flight);
+        if evaluated == Evaluated::Flipped {
+            self.paused_gauge.add(if paused { 1.0 } else { -1.0 });
+        }
     }
 
     /// Send the pause state to the [`PauseSignal`]s; called without the lock, because
@@ -114,6 +124,7 @@ impl Shared {
         let mut st = self.lock();
         st.wrapper_gone = true;
         let evaluated = self.evaluate(&mut st, Instant::now());
+        let paused = st.paused;
         let waker = st.waker.take();
         drop(st);
         // Outside the lock: sending wakes the signal's waiters, and a waker dropped may run
@@ -122,13 +133,14 @@ impl Shared {
             self.publish();
         }
         drop(waker);
+        self.record(evaluated, paused, 0.0);
     }
 
     fn done(&self) {
         let mut st = self.lock();
         st.in_flight -= 1;
-        self.in_flight_gauge.set(st.in_flight as f64);
         let evaluated = self.evaluate(&mut st, Instant::now());
+        let paused = st.paused;
         let blocked = matches!(evaluated, Evaluated::HeldUntil(_));
         // Wake the wrapper if it may pull again (resumed, or below `high` while a pause is
         // held back by `min_hold`) or has a held-back change to apply with its timer.
@@ -145,6 +157,8 @@ impl Shared {
         if let Some(w) = waker {
             w.wake();
         }
+        // Last: a recorder that panics has nothing left to skip.
+        self.record(evaluated, paused, -1.0);
     }
 }
 
@@ -425,6 +439,7 @@ impl<S: Stream> Stream for Watermarks<S> {
         let this = self.project();
         let mut st = this.shared.lock();
         let evaluated = this.shared.evaluate(&mut st, Instant::now());
+        let paused = st.paused;
         // At `high` the wrapper stops pulling even while the pause itself is held back by
         // `min_hold`: in flight never exceeds `high`.
         let pending = st.paused || st.in_flight >= this.shared.levels.high();
@@ -440,6 +455,7 @@ impl<S: Stream> Stream for Watermarks<S> {
             this.shared.publish();
         }
         drop(old);
+        this.shared.record(evaluated, paused, 0.0);
         if let Evaluated::HeldUntil(at) = evaluated {
             // A change is held back by `min_hold`: come back when it may happen.
             let timer = match this.timer {
@@ -460,18 +476,18 @@ impl<S: Stream> Stream for Watermarks<S> {
         Poll::Ready(item.map(|item| {
             let mut st = this.shared.lock();
             st.in_flight += 1;
-            this.shared.in_flight_gauge.set(st.in_flight as f64);
             let evaluated = this.shared.evaluate(&mut st, Instant::now());
+            let paused = st.paused;
             drop(st);
+            // The ticket first: if the recorder panics, dropping it gives the place back.
+            let ticket = Ticket {
+                shared: Arc::clone(&this.shared.0),
+            };
             if evaluated == Evaluated::Flipped {
                 this.shared.publish();
             }
-            (
-                item,
-                Ticket {
-                    shared: Arc::clone(&this.shared.0),
-                },
-            )
+            this.shared.record(evaluated, paused, 1.0);
+            (item, ticket)
         }))
     }
 

@@ -568,6 +568,15 @@ async fn recovered_once<C>(
     assert_eq!(counters.get("group_recreated").unwrap_or(1), 1);
 }
 
+/// `XGROUP DESTROY`: the group is lost.
+async fn destroy_group(con: &mut MultiplexedConnection) {
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["DESTROY", KEY, GROUP])
+        .query_async(con)
+        .await
+        .unwrap();
+}
+
 /// A source of `counters` (from `lost_group_builder`) took the 10 entries produced, acked
 /// 6 and sent them; then its group was destroyed. Returns the 4 entries it still holds.
 async fn destroyed_holding_four(
@@ -589,13 +598,7 @@ async fn destroyed_holding_four(
         e.ack.ack();
     }
     assert_eq!(flush(&mut stream).await, 6);
-    let _: () = redis::cmd("XGROUP")
-        .arg("DESTROY")
-        .arg(KEY)
-        .arg(GROUP)
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    destroy_group(&mut con).await;
     (server, con, stream, held)
 }
 
@@ -869,11 +872,7 @@ async fn a_loss_seen_by_a_fetch_whose_group_creation_fails_still_keeps_old_acks_
     let held = take(&mut stream, 1).await.pop().unwrap();
 
     // The group is lost, and the source may not create it again.
-    let _: () = redis::cmd("XGROUP")
-        .arg(&["DESTROY", KEY, GROUP])
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    destroy_group(&mut con).await;
     let _: () = redis::cmd("ACL")
         .arg(&["SETUSER", "src", "-xgroup"])
         .query_async(&mut con)
@@ -933,5 +932,55 @@ async fn a_deleted_entry_pending_for_a_dead_consumer_is_skipped_by_the_claim() {
         pending(&mut con).await,
         0,
         "the deleted one left the pending list"
+    );
+}
+
+/// `connected_clients` of the server's `INFO`, this query's own connection included.
+#[cfg(feature = "metrics")]
+fn connected_clients(server: &RedisServer) -> u64 {
+    let info: String = server
+        .query_blocking(redis::cmd("INFO").arg("clients"))
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("connected_clients in INFO")
+}
+
+/// An ack is counted after the queue's lock is released and its handle counted out: a
+/// metrics recorder that panics (user code) as a stale ack is counted must not leave the
+/// background task waiting for a handle that is gone — it would never end, and keep the
+/// source's connection open.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorder_panicking_on_a_stale_ack_lets_the_background_task_end() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let recorder = super::PanickingRecorder::default();
+    let builder = lost_group_builder(server.connect().await, "p");
+    let source = metrics::with_local_recorder(&recorder, || {
+        tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(builder.build()))
+    })
+    .unwrap();
+    produce(&mut con, 2).await;
+    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
+    let mut held = take(&mut stream, 2).await;
+    destroy_group(&mut con).await;
+    until_group_recreated(&server, &mut stream).await;
+    let open = connected_clients(&server);
+    let stale = held.pop().unwrap();
+    assert!(
+        recorder.armed_while(|| stale.ack.ack()),
+        "the recorder's panic reached the caller"
+    );
+    drop((held, stream)); // every handle gone: the task ends, the connection closes
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while connected_clients(&server) >= open && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        connected_clients(&server),
+        open - 1,
+        "the source's connection is still open: its background task never ended"
     );
 }

@@ -114,13 +114,23 @@ impl AckQueue {
     /// comes.
     pub(super) fn requeue(&self, ids: Vec<String>, generation: u64) {
         let mut st = self.lock();
-        if st.generation == generation {
+        let stale = if st.generation == generation {
             st.ids.extend(ids);
+            0
         } else {
-            self.stale.increment(ids.len() as u64);
-        }
+            ids.len()
+        };
         drop(st);
         self.wake.notify_one();
+        self.count_stale(stale);
+    }
+
+    /// Counts `n` stale acks; after the lock and after the background task was told (the
+    /// recorder is user code: one that panics must leave the queue settled).
+    fn count_stale(&self, n: usize) {
+        if n > 0 {
+            self.stale.increment(n as u64);
+        }
     }
 
     /// The group was lost and created again: the queued acks and the held ids belong to the
@@ -133,17 +143,16 @@ impl AckQueue {
         let queued = std::mem::take(&mut st.ids).len();
         st.held.clear();
         drop(st);
-        self.stale.increment(queued as u64);
+        self.count_stale(queued);
     }
 
     /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.
     fn release(&self, id: Option<(String, u64)>, acked: bool) {
         let mut st = self.lock();
+        let mut stale = 0;
         if let Some((id, generation)) = id {
             if generation != st.generation {
-                if acked {
-                    self.stale.increment(1);
-                }
+                stale = usize::from(acked);
             } else {
                 st.held.remove(&id);
                 if acked {
@@ -154,6 +163,7 @@ impl AckQueue {
         st.handles -= 1;
         drop(st);
         self.wake.notify_one();
+        self.count_stale(stale);
     }
 
     /// The source is gone.

@@ -31,8 +31,9 @@
 //! # Runtime
 //!
 //! Credit, prefetch and commits need no runtime. Timers are tokio's: a [`Watermarks`] with a
-//! non-zero `min_hold`, and a [`Prefetch`] pausing after a failed fetch, panic when polled in
-//! a tokio runtime without its time driver (see their `# Panics` sections).
+//! non-zero `min_hold`, and a [`Prefetch`] pausing after a failed fetch or an empty batch
+//! its source answered at once, panic when polled in a tokio runtime without its time
+//! driver (see their `# Panics` sections).
 //!
 //! # Metrics
 //!

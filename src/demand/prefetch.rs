@@ -59,8 +59,9 @@ use crate::metrics::{Counter, Gauge, Labels};
 ///
 /// # Panics
 ///
-/// Polling panics after a failed fetch inside a tokio runtime whose time driver is disabled
-/// (unless the retry backoff is zero); see [`retry_backoff`](PrefetchBuilder::retry_backoff).
+/// Polling panics after a failed fetch, or an empty batch the source answered at once with
+/// nothing buffered, inside a tokio runtime whose time driver is disabled (unless the retry
+/// backoff is zero); see [`retry_backoff`](PrefetchBuilder::retry_backoff).
 /// Dropping the stream, or `into_inner`, panics when the `on_drop` hook does.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
@@ -112,9 +113,10 @@ pub enum Items {}
 ///
 /// # Panics
 ///
-/// Polling the stream panics after a failed fetch if it runs inside a tokio runtime whose
-/// time driver is disabled (the pause before the next fetch is a tokio timer). Outside any
-/// tokio runtime it does not pause, and does not panic.
+/// Polling the stream panics after a failed fetch, or an empty batch the source answered at
+/// once with nothing buffered, if it runs inside a tokio runtime whose time driver is
+/// disabled (the pause before the next fetch is a tokio timer). Outside any tokio runtime it
+/// does not pause, and does not panic.
 ///
 /// # Examples
 ///
@@ -484,8 +486,9 @@ impl<S: BatchSource> PrefetchBuilder<S> {
     ///
     /// # Panics
     ///
-    /// With `min` above zero, polling the built stream panics after a failed fetch inside a
-    /// tokio runtime whose time driver is disabled.
+    /// With `min` above zero, polling the built stream panics after a failed fetch, or an
+    /// empty batch answered at once with nothing buffered, inside a tokio runtime whose time
+    /// driver is disabled.
     ///
     /// # Examples
     ///

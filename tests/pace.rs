@@ -337,6 +337,25 @@ async fn a_faster_rate_never_delays_the_next_unit_past_its_old_due_time() {
     assert!(start.elapsed() <= old + Duration::from_millis(10));
 }
 
+/// `set_quota` keeps what the bucket still holds: the next unit stays due when it was. In a
+/// pacer's first `(burst − 1) / rate` that due time was worked out by a subtraction that
+/// stopped at the pacer's creation, so the same change of quota emptied the bucket there
+/// (here 6 units left before, 0 after) that kept it an hour later.
+#[tokio::test(start_paused = true)]
+async fn set_quota_keeps_the_units_left_in_a_new_pacer() {
+    let quota = Quota::new(Rate::per_second(10).unwrap(), 10).unwrap();
+    for idle in [Duration::ZERO, Duration::from_secs(3_600)] {
+        let pacer = pacer(10, 10);
+        tokio::time::advance(idle).await;
+        for _ in 0..3 {
+            assert!(pacer.check(1).unwrap().allowed);
+        }
+        pacer.set_quota(quota);
+        let d = pacer.check(1).unwrap();
+        assert_eq!((d.allowed, d.remaining), (true, 6), "after {idle:?} idle");
+    }
+}
+
 /// `check` never jumps the line, so while others wait it cannot pass before they have:
 /// its `retry_after` counts their units too. It was the bucket's alone, 0 here (the bucket
 /// holds a unit the waiter is about to take), which told the caller to come back at once

@@ -627,13 +627,15 @@ impl Inner {
         let full_at = st.bucket.neutral_at(&st.gcra);
         // The next unit stays due when it was under the old quota (never later: the burst
         // the old quota let through early is not debt under the new one); from there the
-        // new rate and burst apply. A bucket full now stays full.
-        let next_due = full_at.saturating_sub(st.bucket.lead());
+        // new rate and burst apply. A bucket full now stays full. (The next unit may be due
+        // before the pacer's epoch, a bucket still holding units early in its life: added
+        // before subtracting, so that the schedule is not cut at the epoch.)
+        let old_lead = st.bucket.lead();
         st.bucket = TokenBucket::new(quota);
         let full_at = if full_at <= now {
             full_at
         } else {
-            next_due + st.bucket.lead()
+            (full_at + st.bucket.lead()).saturating_sub(old_lead)
         };
         st.gcra = st.bucket.state_full_at(full_at);
         st.wake_head_and_watcher(&mut out);

@@ -5,6 +5,11 @@
 #[path = "support/outbound_sim.rs"]
 mod sim;
 
+#[cfg(feature = "metrics")]
+#[allow(dead_code)]
+#[path = "support/recorder.rs"]
+mod recorder;
+
 use std::time::Duration;
 
 use flowgate::pace::{AdaptivePacer, Pacer, Phase};
@@ -165,6 +170,37 @@ async fn back_pressure_pauses_every_waiter_and_cuts_once_per_epoch() {
     sleep(300 * MS).await;
     a.on_back_pressure(None);
     assert_eq!(a.status().cuts, 4);
+}
+
+/// A metrics recorder is user code: one that panics when a pause or a cut is counted must
+/// not cost the back-pressure itself. Both were counted under the controller's lock before
+/// the cut rate and the pause were handed to the pacer, so the panic left the pacer at its
+/// old rate and unpaused (the next request went out at once) while the status said Paused.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_recorder_panicking_on_a_pause_or_a_cut_still_pauses_and_cuts_the_pacer() {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    for counter in ["pauses", "cuts"] {
+        let recorder = recorder::TestRecorder::default();
+        let a = metrics::with_local_recorder(&recorder, || {
+            AdaptivePacer::builder(Rate::per_second(100).unwrap())
+                .name("api")
+                .build()
+                .unwrap()
+        });
+        let id = format!("flowgate_pace_adaptive_{counter}_total{{name=api}}");
+        recorder.panic_on(&id, true);
+        let reported = catch_unwind(AssertUnwindSafe(|| a.on_back_pressure(Some(SECOND))));
+        assert!(reported.is_err(), "the recorder panicked");
+        recorder.panic_on(&id, false);
+        assert_eq!(a.status().phase, Phase::Paused);
+        assert!(
+            !a.pacer().check(1).unwrap().allowed,
+            "{counter}: the pacer is paused for 1 s"
+        );
+        assert!(a.rate().per_second_f64() <= 70.0 + 1e-9, "{counter}: cut");
+    }
 }
 
 /// At a rate of a few units a second or less, what got through in the last second says

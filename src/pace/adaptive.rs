@@ -372,9 +372,9 @@ impl AdaptivePacer {
                 c.paused_until = Some(end);
             }
             c.pauses += 1;
-            self.inner.pauses.increment(1);
         }
-        if c.epoch_end.is_none_or(|e| now >= e) {
+        let cut = c.epoch_end.is_none_or(|e| now >= e);
+        if cut {
             let measured = if c.rate >= MEASURED_FROM {
                 c.successes.per_second(now)
             } else {
@@ -387,7 +387,6 @@ impl AdaptivePacer {
             self.inner.bound(&mut c, now);
             c.last_cut = now;
             c.cuts += 1;
-            self.inner.cuts.increment(1);
             let epoch = pause_end
                 .unwrap_or(now)
                 .max(now + self.inner.config.cooldown);
@@ -401,6 +400,14 @@ impl AdaptivePacer {
         self.inner.hand_over(rate);
         if let Some(end) = pause_end {
             self.inner.pacer.pause_until(end);
+        }
+        // Counted once the pause and the cut are the pacer's: a metrics recorder is user
+        // code, run after the lock and unable to cost them by panicking.
+        if pause_end.is_some() {
+            self.inner.pauses.increment(1);
+        }
+        if cut {
+            self.inner.cuts.increment(1);
         }
     }
 

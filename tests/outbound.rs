@@ -203,6 +203,40 @@ async fn a_recorder_panicking_on_a_pause_or_a_cut_still_pauses_and_cuts_the_pace
     }
 }
 
+/// The fields of a `429` (`RateLimit: r=0;t=5` with `Retry-After: 5`, reported before the
+/// outcome as the docs ask and as `RetryLayer` does) cap the rate until the reset: a cap
+/// that ends there and says nothing of the rate that got through. The cut took the capped
+/// rate (0.2/s) as the last good one, so the climb after the reset aimed at it: the rate
+/// was back at 99/s 196 s after the pause, where it is 7 s without the field.
+#[tokio::test(start_paused = true)]
+async fn an_allowance_reported_with_a_429_is_not_taken_as_the_last_good_rate() {
+    let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    while start.elapsed() < 3 * SECOND {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+    }
+    a.on_allowance(0, 5 * SECOND);
+    a.on_back_pressure(Some(5 * SECOND));
+    let s = a.status();
+    assert!(
+        s.rate_per_second <= 0.2 + 1e-9,
+        "capped until the reset: {s:?}"
+    );
+    let back = Instant::now();
+    while a.status().rate_per_second < 99.0 {
+        a.until_ready(1).await.unwrap();
+        a.on_success();
+        assert!(
+            back.elapsed() < 30 * SECOND,
+            "not back at 99/s 30 s after the 429: {:?}",
+            a.status()
+        );
+    }
+}
+
 /// At a rate of a few units a second or less, what got through in the last second says
 /// little (one success more or less is the whole figure): a back-pressure then cuts the
 /// rate by `decrease`, not to the floor because the last success came 1.5 s ago.

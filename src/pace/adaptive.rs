@@ -373,14 +373,21 @@ impl AdaptivePacer {
             }
             c.pauses += 1;
         }
-        let cut = c.epoch_end.is_none_or(|e| now >= e);
-        if cut {
-            let measured = if c.rate >= MEASURED_FROM {
-                c.successes.per_second(now)
+        let new_epoch = c.epoch_end.is_none_or(|e| now >= e);
+        if new_epoch {
+            let seen = c.successes.per_second(now);
+            let measured = if c.rate.max(seen) >= MEASURED_FROM {
+                seen
             } else {
                 c.rate
             };
-            let good = c.rate.min(measured.max(self.inner.config.floor));
+            // What got through is bounded by the rate, unless a cap of the server's holds
+            // the rate below it: an allowance reported with this response (`r=0` until a
+            // reset, say) ends by itself and is no measure of the downstream, so the climb
+            // after it aims at what got through, not at the cap.
+            let capped = self.inner.cap(&c, now) < self.inner.config.ceiling;
+            let sent = if capped { c.rate.max(measured) } else { c.rate };
+            let good = sent.min(measured.max(self.inner.config.floor));
             let cut = (c.rate * self.inner.config.decrease).min(measured);
             c.last_good = good;
             c.rate = cut;
@@ -406,7 +413,7 @@ impl AdaptivePacer {
         if pause_end.is_some() {
             self.inner.pauses.increment(1);
         }
-        if cut {
+        if new_epoch {
             self.inner.cuts.increment(1);
         }
     }

@@ -685,6 +685,83 @@ async fn metrics_count_releases_and_lateness() {
     );
 }
 
+/// A metrics recorder is user code: here one that reads the pacer whenever a release is
+/// counted or a lateness recorded (an exporter taking a snapshot, say), which takes the
+/// pacer's lock. Both were recorded under it, so the first release deadlocked.
+#[cfg(feature = "metrics")]
+#[test]
+fn the_pacers_metrics_are_recorded_outside_its_lock() {
+    use std::sync::OnceLock;
+    use std::sync::mpsc::RecvTimeoutError;
+
+    use metrics::{
+        Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+        SharedString, Unit,
+    };
+
+    /// Reads the pacer on every change, once it is set.
+    struct Snapshot(Arc<OnceLock<Pacer>>);
+    impl Snapshot {
+        fn read(&self) {
+            if let Some(pacer) = self.0.get() {
+                let _ = pacer.waiting();
+            }
+        }
+    }
+    impl CounterFn for Snapshot {
+        fn increment(&self, _: u64) {
+            self.read();
+        }
+        fn absolute(&self, _: u64) {
+            self.read();
+        }
+    }
+    impl HistogramFn for Snapshot {
+        fn record(&self, _: f64) {
+            self.read();
+        }
+    }
+    struct Snapshots(Arc<OnceLock<Pacer>>);
+    impl Recorder for Snapshots {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(Arc::new(Snapshot(self.0.clone())))
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::from_arc(Arc::new(Snapshot(self.0.clone())))
+        }
+    }
+
+    let watched = Arc::new(OnceLock::new());
+    let recorder = Snapshots(watched.clone());
+    let pacer = metrics::with_local_recorder(&recorder, || pacer(10, 1));
+    assert!(watched.set(pacer.clone()).is_ok());
+    // On a thread of its own, so a deadlock fails the test instead of hanging it.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        assert!(pacer.check(1).unwrap().allowed); // counted
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(pacer.until_ready(1)).unwrap(); // waited: its lateness recorded
+        let _ = done.send(pacer.waiting());
+    });
+    match finished.recv_timeout(Duration::from_secs(10)) {
+        Ok(waiting) => assert_eq!(waiting, 0),
+        Err(RecvTimeoutError::Timeout) => {
+            panic!("deadlocked: a pacer metric recorded under the pacer's lock")
+        }
+        Err(RecvTimeoutError::Disconnected) => panic!("the releases' thread panicked"),
+    }
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn leaky_queues_sharing_a_pacer_report_their_own_depth() {

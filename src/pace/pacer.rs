@@ -432,7 +432,13 @@ impl Inner {
         let mut out = Deferred::default();
         let mut guard = self.lock();
         self.step_over_stalled(&mut guard, now, None, &mut out);
-        self.check_locked(&mut guard, now, cost)
+        let decision = self.check_locked(&mut guard, now, cost);
+        drop(guard);
+        // A metrics recorder is user code: it runs after the lock.
+        if decision.as_ref().is_ok_and(|d| d.allowed) {
+            self.released.increment(u64::from(cost));
+        }
+        decision
     }
 
     fn check_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<Decision, CostError> {
@@ -460,11 +466,7 @@ impl Inner {
                 reset_after,
             ));
         }
-        let decision = st.bucket.check(&mut st.gcra, elapsed, cost)?;
-        if decision.allowed {
-            self.released.increment(u64::from(cost));
-        }
-        Ok(decision)
+        st.bucket.check(&mut st.gcra, elapsed, cost)
     }
 
     /// When the head may claim its turn: once it is the head and its cost fits the bucket.
@@ -556,6 +558,14 @@ impl Inner {
             Ok(Admit::Queued(look_again))
         };
         drop(guard);
+        // A metrics recorder is user code: it runs after the lock.
+        if let Ok(Admit::Now) = admit {
+            if let Some(due) = ticket.due.take() {
+                self.lateness
+                    .record(now.saturating_duration_since(due).as_secs_f64());
+            }
+            self.released.increment(u64::from(cost));
+        }
         admit
     }
 
@@ -577,11 +587,7 @@ impl Inner {
                 st.waiters.cancel(key, out);
                 st.refresh(now, out);
             }
-            if let Some(due) = ticket.due.take() {
-                self.lateness
-                    .record(now.saturating_duration_since(due).as_secs_f64());
-            }
-            self.released.increment(u64::from(cost));
+            // Its lateness (`ticket.due`) and release are recorded after the lock.
             return Ok(Admit::Now);
         }
         if ticket.id.is_none() {

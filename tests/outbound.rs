@@ -237,6 +237,30 @@ async fn an_allowance_reported_with_a_429_is_not_taken_as_the_last_good_rate() {
     }
 }
 
+/// "What got through in the last second" is a measure only when something was sent: a
+/// caller idle for a while (or a pacer just built) whose first response is a `503` had
+/// nothing get through because it sent nothing. The cut took that 0 as the measure, and
+/// the rate fell from 100/s to the floor (1/s) with the last good rate there, 72 s from
+/// even 69/s again; it is cut by its factor instead.
+#[tokio::test(start_paused = true)]
+async fn a_first_back_pressure_after_an_idle_spell_is_cut_by_its_factor() {
+    let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    a.until_ready(1).await.unwrap();
+    a.on_back_pressure(None);
+    let s = a.status();
+    assert!((s.rate_per_second - 70.0).abs() < 1e-6, "just built: {s:?}");
+    sleep(10 * SECOND).await;
+    a.until_ready(1).await.unwrap();
+    a.on_back_pressure(None);
+    let s = a.status();
+    assert!(
+        (s.rate_per_second - 49.0).abs() < 1e-6,
+        "after 10 s idle: {s:?}"
+    );
+}
+
 /// At a rate of a few units a second or less, what got through in the last second says
 /// little (one success more or less is the whole figure): a back-pressure then cuts the
 /// rate by `decrease`, not to the floor because the last success came 1.5 s ago.

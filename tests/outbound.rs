@@ -63,6 +63,21 @@ async fn pause_until_holds_everything_then_resumes_without_burst() {
     assert_eq!(times, vec![at(1_000), at(1_100), at(1_200), at(1_300)]);
 }
 
+/// One unit may pass at the pause's end, exactly, whatever the rate: at 70/s (a unit of
+/// 14 285 714.28… ns) the pause was set through the burst's lead rounded up to whole
+/// nanoseconds, so the first unit was due 1 ns after it, and its timer (1 ms ticks) let it
+/// out 1 ms late.
+#[tokio::test(start_paused = true)]
+async fn pause_until_lets_a_unit_out_at_its_end_at_any_rate() {
+    for per_second in [3, 7, 70, 1_000_000] {
+        let p = Pacer::new(Rate::per_second(per_second).unwrap());
+        let start = Instant::now();
+        p.pause_until(start + SECOND);
+        let times = release_times(&p, 1, start).await;
+        assert_eq!(times, vec![SECOND], "at {per_second}/s");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn pause_until_moves_a_sleeping_waiter_at_once() {
     let p = pacer(1, 1);

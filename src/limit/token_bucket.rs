@@ -132,6 +132,15 @@ impl TokenBucket {
         state
     }
 
+    /// A state in which one token can be taken at `at` and none before (the bucket is full
+    /// again `burst − 1` emission intervals later), exact in units: the [`lead`](Self::lead)
+    /// rounded up to whole nanoseconds would make the token due a fraction of one later.
+    pub(crate) fn state_next_at(&self, at: Duration) -> TokenBucketState {
+        let mut state = TokenBucketState::default();
+        state.set(self.units(nanos(at)) + self.tau - u128::from(self.unit));
+        state
+    }
+
     fn units(&self, now_ns: u64) -> u128 {
         u128::from(now_ns) * u128::from(self.scale)
     }

@@ -618,11 +618,11 @@ impl Inner {
         let mut out = Deferred::default();
         let mut st = self.lock();
         // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`).
-        let full_at = self.elapsed(at) + st.bucket.lead();
-        if full_at <= st.bucket.neutral_at(&st.gcra) {
+        let paused = st.bucket.state_next_at(self.elapsed(at));
+        if st.bucket.neutral_at(&paused) <= st.bucket.neutral_at(&st.gcra) {
             return;
         }
-        st.gcra = st.bucket.state_full_at(full_at);
+        st.gcra = paused;
         st.wake_head_and_watcher(&mut out);
     }
 

@@ -78,6 +78,23 @@ async fn pause_until_lets_a_unit_out_at_its_end_at_any_rate() {
     }
 }
 
+/// `set_quota` keeps the next unit due when it was, exactly: carried over through the
+/// bucket's full time and leads rounded up to whole nanoseconds, at a new rate whose unit
+/// is not a whole number of them (70/s) it was due a nanosecond or two later, and its
+/// timer (1 ms ticks) let it out 1 ms late. (An `AdaptivePacer` changes its pacer's quota
+/// on every cut.)
+#[tokio::test(start_paused = true)]
+async fn set_quota_keeps_the_next_unit_due_exactly_at_any_rate() {
+    for per_second in [3, 7, 70, 1_000_000] {
+        let p = Pacer::new(Rate::per_second(100).unwrap()); // burst 2
+        let start = Instant::now();
+        p.until_ready(1).await.unwrap(); // the next unit is due now, the one after in 10 ms
+        p.set_quota(Pacer::default_quota(Rate::per_second(per_second).unwrap()));
+        let times = release_times(&p, 1, start).await;
+        assert_eq!(times, vec![Duration::ZERO], "at {per_second}/s");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn pause_until_moves_a_sleeping_waiter_at_once() {
     let p = pacer(1, 1);

@@ -111,10 +111,34 @@ impl TokenBucket {
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
 
-    /// How long before the bucket is full again ([`neutral_at`](Algorithm::neutral_at)) one
-    /// more token can be taken: `burst − 1` emission intervals (rounded up to whole ns).
-    pub(crate) fn lead(&self) -> Duration {
-        self.to_duration(self.tau - u128::from(self.unit))
+    /// `burst − 1` emission intervals, in units: how long before the bucket is full again
+    /// ([`neutral_at`](Algorithm::neutral_at)) one more token can be taken.
+    fn lead_units(&self) -> i128 {
+        // Below 2^96 (a `u32` burst of `u64` units): exact in an `i128`.
+        (self.tau - u128::from(self.unit)) as i128
+    }
+
+    /// When one more token can be taken from `state`, in nanoseconds of the timeline of
+    /// [`check`](Algorithm::check), rounded down: negative when the bucket could give one
+    /// before the timeline's origin (it holds more than one now, early in a pacer's life).
+    pub(crate) fn next_at_ns(&self, state: &TokenBucketState) -> i128 {
+        (state.get() as i128 - self.lead_units()).div_euclid(i128::from(self.scale))
+    }
+
+    /// A state in which one more token can be taken at `at_ns` (as [`next_at_ns`]
+    /// answers) and none before, exact in units, for carrying a schedule over to a new
+    /// quota or holding it until an instant. (Through the lead in whole nanoseconds, rounded
+    /// up, the token would be due a fraction of one later, and a 1 ms timer late by 1 ms.)
+    ///
+    /// [`next_at_ns`]: TokenBucket::next_at_ns
+    pub(crate) fn state_next_at(&self, at_ns: i128) -> TokenBucketState {
+        let tat = at_ns
+            .saturating_mul(i128::from(self.scale))
+            .saturating_add(self.lead_units());
+        let mut state = TokenBucketState::default();
+        // Before the origin: full at any time of the timeline.
+        state.set(u128::try_from(tat).unwrap_or(0));
+        state
     }
 
     /// When `cost` tokens can be taken from `state` (a time in the same timeline as the
@@ -129,15 +153,6 @@ impl TokenBucket {
     pub fn state_full_at(&self, at: Duration) -> TokenBucketState {
         let mut state = TokenBucketState::default();
         state.set(self.units(nanos(at)));
-        state
-    }
-
-    /// A state in which one token can be taken at `at` and none before (the bucket is full
-    /// again `burst − 1` emission intervals later), exact in units: the [`lead`](Self::lead)
-    /// rounded up to whole nanoseconds would make the token due a fraction of one later.
-    pub(crate) fn state_next_at(&self, at: Duration) -> TokenBucketState {
-        let mut state = TokenBucketState::default();
-        state.set(self.units(nanos(at)) + self.tau - u128::from(self.unit));
         state
     }
 

@@ -618,7 +618,8 @@ impl Inner {
         let mut out = Deferred::default();
         let mut st = self.lock();
         // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`).
-        let paused = st.bucket.state_next_at(self.elapsed(at));
+        let at = i128::try_from(self.elapsed(at).as_nanos()).unwrap_or(i128::MAX);
+        let paused = st.bucket.state_next_at(at);
         if st.bucket.neutral_at(&paused) <= st.bucket.neutral_at(&st.gcra) {
             return;
         }
@@ -633,17 +634,16 @@ impl Inner {
         let full_at = st.bucket.neutral_at(&st.gcra);
         // The next unit stays due when it was under the old quota (never later: the burst
         // the old quota let through early is not debt under the new one); from there the
-        // new rate and burst apply. A bucket full now stays full. (The next unit may be due
-        // before the pacer's epoch, a bucket still holding units early in its life: added
-        // before subtracting, so that the schedule is not cut at the epoch.)
-        let old_lead = st.bucket.lead();
+        // new rate and burst apply, exactly (to the nanosecond, rounded down). A bucket full
+        // now stays full. (The next unit may be due before the pacer's epoch, a bucket still
+        // holding units early in its life: the schedule is not cut at the epoch.)
+        let next_at = st.bucket.next_at_ns(&st.gcra);
         st.bucket = TokenBucket::new(quota);
-        let full_at = if full_at <= now {
-            full_at
+        st.gcra = if full_at <= now {
+            st.bucket.state_full_at(full_at)
         } else {
-            (full_at + st.bucket.lead()).saturating_sub(old_lead)
+            st.bucket.state_next_at(next_at)
         };
-        st.gcra = st.bucket.state_full_at(full_at);
         st.wake_head_and_watcher(&mut out);
     }
 }

@@ -32,10 +32,10 @@ const TREND_SAMPLES: usize = 64;
 /// One bucket of the response meter; the meter spans `METER_BUCKETS` of them.
 const METER_BUCKET: Duration = Duration::from_millis(250);
 const METER_BUCKETS: usize = 4;
-/// The rate, per second, from which what got through in the last second measures it: below,
-/// a success more or less is a quarter of the figure or more, and a cut is by `decrease`
-/// alone.
-const MEASURED_FROM: f64 = 4.0;
+/// The responses in the last second from which what got through measures the rate: with
+/// fewer, a success more or less is a quarter of the figure or more (or nothing was sent to
+/// measure: a caller idle, or a pacer just built), and a cut is by `decrease` alone.
+const MEASURED_FROM: u64 = 4;
 /// The longest step the controller integrates at once (a long idle spell is not growth).
 const MAX_STEP: Duration = Duration::from_secs(1);
 /// Tracking: the gain of the rate's correction, per second, per unit of relative error.
@@ -143,8 +143,9 @@ pub struct AdaptiveStatus {
 ///   `Retry-After`, every waiter is held until it has elapsed ([`Pacer::pause_until`]; a
 ///   later hint extends the pause, the schedule then resumes without a burst). The rate is
 ///   cut to `β ×` itself, or to what actually got through in the last second if that is
-///   lower (at 4 a second or more: below, one success more or less is a large part of that
-///   figure), never below the floor. One congestion epoch gets one cut: the responses to
+///   lower (when 4 responses or more came back in that second: with fewer, one success more
+///   or less is a large part of that figure, or nothing was sent to measure), never below
+///   the floor. One congestion epoch gets one cut: the responses to
 ///   requests sent before the cut (the others in flight) only extend the pause. The epoch
 ///   ends when the pause does, or after the [`cooldown`](AdaptivePacerBuilder::cooldown)
 ///   when the back-pressure had no `Retry-After`.
@@ -284,11 +285,17 @@ impl Meter {
         self.buckets[slot] = self.buckets[slot].saturating_add(1);
     }
 
+    /// Events over the buckets kept (at most the last second, plus the current bucket's
+    /// part).
+    fn count(&mut self, now: Instant) -> u64 {
+        self.roll(now);
+        self.buckets.iter().sum()
+    }
+
     /// Events per second over the buckets kept (at most the last second, plus the
     /// current bucket's part), or since the origin when that is shorter.
     fn per_second(&mut self, now: Instant) -> f64 {
-        self.roll(now);
-        let total: u64 = self.buckets.iter().sum();
+        let total = self.count(now);
         let since = now.saturating_duration_since(self.origin).as_nanos();
         let bucket = METER_BUCKET.as_nanos();
         let into_newest = since.saturating_sub(bucket * u128::from(self.newest));
@@ -376,7 +383,7 @@ impl AdaptivePacer {
         let new_epoch = c.epoch_end.is_none_or(|e| now >= e);
         if new_epoch {
             let seen = c.successes.per_second(now);
-            let measured = if c.rate.max(seen) >= MEASURED_FROM {
+            let measured = if c.responses.count(now) >= MEASURED_FROM {
                 seen
             } else {
                 c.rate

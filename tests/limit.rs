@@ -561,3 +561,97 @@ fn a_rejected_sliding_log_check_leaves_the_state_unchanged() {
     assert_eq!(d.retry_after, ms(900));
     assert!(log.clone().check(ms(1_000), 1).unwrap().allowed);
 }
+
+/// Rates, bursts, costs and times at the edges of their types: 1 per 10 years to
+/// `u32::MAX` per ns, bursts and costs up to `u32::MAX`, times up to 2^60 ns that now and
+/// then step back.
+fn extreme() -> impl Strategy<Value = (Rate, u32, Vec<(u64, u32)>)> {
+    const TEN_YEARS_NS: u64 = 315_360_000_000_000_000;
+    let count = prop_oneof![1u32..=20, Just(1_000_000), Just(u32::MAX), 1..=u32::MAX];
+    let period = prop_oneof![
+        Just(1u64),
+        Just(1_000),
+        Just(1_000_000_000),
+        Just(TEN_YEARS_NS),
+        1..=TEN_YEARS_NS
+    ];
+    let burst = prop_oneof![1u32..=20, Just(u32::MAX), 1..=u32::MAX];
+    let start = prop_oneof![Just(0u64), Just(1 << 60), 0..=1u64 << 60];
+    let gap = prop_oneof![0..=3_000_000u64, 0..=1u64 << 50];
+    let back = prop_oneof![4 => Just(0u64), 1 => 0..=1u64 << 40];
+    let cost = prop_oneof![1..=20u32, 1..=u32::MAX, Just(u32::MAX)];
+    let steps = prop::collection::vec((gap, back, cost), 1..100);
+    (count, period, burst, start, steps).prop_map(|(count, period, burst, start, steps)| {
+        let rate = Rate::per(count, Duration::from_nanos(period)).unwrap();
+        let mut t = start;
+        let trace = steps
+            .into_iter()
+            .map(|(gap, back, cost)| {
+                t = t.saturating_add(gap);
+                (t.saturating_sub(back), cost)
+            })
+            .collect();
+        (rate, burst, trace)
+    })
+}
+
+/// The `Algorithm` contract and `Decision`'s waits at the edges, where the token bucket
+/// leaves its 64-bit fast path for 128-bit units: a rejection leaves the state unchanged,
+/// the same request at `now + retry_after` is admitted, and the state is neutral exactly
+/// at `now + reset_after` (both checked where they fit in `u64` nanoseconds, beyond which
+/// the waits saturate).
+fn keeps_the_contract<A: Algorithm + Clone>(
+    algorithm: A,
+    trace: &[(u64, u32)],
+) -> Result<(), TestCaseError>
+where
+    A::State: PartialEq,
+{
+    let mut limiter = Limiter::new(algorithm);
+    let fits = |t: u64, d: Duration| u128::from(t) + d.as_nanos() < u128::from(u64::MAX);
+    for &(t, cost) in trace {
+        let before = limiter.state().clone();
+        let Ok(d) = limiter.check(ns(t), cost) else {
+            prop_assert!(u64::from(cost) > limiter.capacity());
+            prop_assert!(*limiter.state() == before);
+            continue;
+        };
+        if !d.allowed {
+            prop_assert!(
+                *limiter.state() == before,
+                "a rejection at {} changed the state",
+                t
+            );
+            if fits(t, d.retry_after) {
+                let mut probe = limiter.clone();
+                prop_assert!(
+                    probe.check(ns(t) + d.retry_after, cost).unwrap().allowed,
+                    "rejected again at {} + {:?}",
+                    t,
+                    d.retry_after
+                );
+            }
+        }
+        if fits(t, d.reset_after) {
+            prop_assert_eq!(
+                limiter.neutral_at(),
+                ns(t) + d.reset_after,
+                "at {} cost {}: {:?}",
+                t,
+                cost,
+                d
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #[test]
+    fn every_algorithm_keeps_its_contract_at_extreme_rates((r, burst, tr) in extreme()) {
+        keeps_the_contract(TokenBucket::new(Quota::new(r, burst).unwrap()), &tr)?;
+        keeps_the_contract(FixedWindow::new(r), &tr)?;
+        keeps_the_contract(SlidingWindow::new(r), &tr)?;
+        keeps_the_contract(SlidingLog::new(r), &tr)?;
+    }
+}

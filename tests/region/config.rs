@@ -875,3 +875,34 @@ async fn a_bucket_is_kept_until_full_at_any_share() {
         "kept {ttl} ms, not until full at any share"
     );
 }
+
+/// The home's state outlives a fleet that is idle for a while (every process stopped over a
+/// night or a weekend, a redeploy of every region that takes minutes): a home whose state
+/// expired cannot tell it from a restart that lost it, so the fleet's return would start a
+/// learning phase, one lease length in which every region is held at its safe share (by
+/// default nothing admitted anywhere), with the home Redis up all along.
+#[tokio::test]
+async fn the_homes_state_outlives_an_idle_fleet() {
+    let server = RedisServer::start();
+    let alloc = builder(&server)
+        .await
+        .name("idle")
+        .region(("eu", 1))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    assert_eq!(region.status().refreshes, 1);
+    drop(region);
+    let mut con = server.connect().await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("{flowgate:region:idle}:home")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let day = 24 * 3600 * 1000;
+    assert!(
+        ttl == -1 || ttl >= 7 * day - 60_000,
+        "the home's state expires {ttl} ms after the last refresh: an idle fleet comes back to a learning home"
+    );
+}

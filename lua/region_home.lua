@@ -41,10 +41,12 @@ for j = 1, k do
   safes[j] = tonumber(ARGV[11 + 3 * j])
 end
 
--- The state survives four lease lengths (at least a minute) without a write; by then every
--- lease it granted has expired, so losing it is harmless.
+-- The state survives a week (at least four lease lengths) without a write: only an
+-- allocator no longer in use loses it. A home without state cannot tell an expiry from a
+-- restart that lost it, so a fleet that comes back to it learns for one lease length (every
+-- region at its safe share): a fleet idle for a night or a weekend must not.
 local function keep()
-  redis.call('PEXPIRE', home, math.max(60000, math.floor(4 * ttl / 1000)))
+  redis.call('PEXPIRE', home, math.max(7 * 24 * 3600 * 1000, math.floor(4 * ttl / 1000)))
 end
 
 local meta = redis.call('HGET', home, 'meta')

@@ -67,6 +67,7 @@
 //! | the home Redis is unreachable | every region keeps its lease until it ends, then admits at its safe share |
 //! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
 //! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
+//! | no process of any region refreshes for a week (an allocator no longer in use) | the home's state expires; a fleet that comes back after that learns for one lease length, as after a restart |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
 //! | the local Redis is full (`maxmemory` under `noeviction`) | it refuses every write, a new key's as a known one's: the gate's failure policy, as when it fails (under `Error`, a [`GateError::Backend`](crate::gate::GateError::Backend) with Redis's `OOM` first), counted under `policy`; every key is decided again at the first probe (within a refresh interval) after room frees. The refresher cannot write either: the region keeps its lease until it ends, then admits at its safe share |
 //! | a region's refreshing process stops | it gives its lock up as its last handle drops; another process of the region refreshes at its next tick |

@@ -906,3 +906,60 @@ async fn the_homes_state_outlives_an_idle_fleet() {
         "the home's state expires {ttl} ms after the last refresh: an idle fleet comes back to a learning home"
     );
 }
+
+/// A process alone in its region gives the refresher lock up after three failed calls to
+/// the home, for the others to take; when none does (there is none), it refreshes again at
+/// its next tick after the others had theirs, not after a lock's length: once the home
+/// answers again, the region's lease is renewed within two refresh intervals, instead of
+/// running out (every request rejected at a safe share of 0) with the home up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_alone_in_its_region_refreshes_again_as_soon_as_the_home_answers() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let refresh = Duration::from_millis(400);
+    let alloc = builder(&home)
+        .await
+        .name("alone")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(2))
+        .refresh_every(refresh)
+        .home_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", local.connect().await).await.unwrap();
+    let config = |value: &str| {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("SET").arg("maxmemory").arg(value);
+        let _: () = home.query_blocking(&cmd).unwrap();
+    };
+    // The home refuses every refresh (a script that writes, with no room: OOM).
+    config("1");
+    let refused = std::time::Instant::now();
+    while region.status().failures < 3 {
+        assert!(
+            refused.elapsed() < Duration::from_secs(2),
+            "no failed refreshes"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The third failure gave the lock up: the home answers again.
+    config("0");
+    let back = std::time::Instant::now();
+    let granted = region.status().refreshes;
+    while region.status().refreshes == granted {
+        assert!(
+            back.elapsed() < refresh * 5 / 2,
+            "no refresh {:?} after the home answered again: {}",
+            back.elapsed(),
+            region.status()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let status = region.status();
+    println!(
+        "refreshed {:?} after the home was back: {status}",
+        back.elapsed()
+    );
+    assert!(status.leader && status.home_reachable, "{status}");
+}

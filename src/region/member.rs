@@ -117,7 +117,8 @@ impl<C> Drop for Handle<C> {
 /// stops, another takes over at its first refresh after the lock lapses, well before the
 /// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
 /// and after three failed calls to the home in a row (then it leaves the lock to the others
-/// for a lock's length), so a process of the region that can reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
+/// for a refresh interval, in which each of them comes to take it; if none does, it takes
+/// it back), so a process of the region that can reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
@@ -333,7 +334,7 @@ where
         let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
         let started = Instant::now();
         // A process that gave the lock up for failing to reach the home leaves it to the
-        // others for a lock's length.
+        // others for a refresh interval.
         let standing_down = self
             .round()
             .stand_down_until
@@ -427,10 +428,11 @@ where
                     round.home_failures
                 };
                 if failures >= 3 {
-                    // This process cannot reach the home: let another one of the region try,
-                    // and do not take the lock back for a lock's length.
-                    self.round().stand_down_until =
-                        Some(Instant::now() + Duration::from_millis(lock_ms));
+                    // This process cannot reach the home: let another one of the region try.
+                    // Every other process ticks within a refresh interval: after that, a lock
+                    // still free has no one else to take it (this process is alone, or they
+                    // stand down too), and this one tries again.
+                    self.round().stand_down_until = Some(Instant::now() + plan.refresh);
                     self.release().await;
                 }
                 return;

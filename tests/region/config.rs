@@ -963,3 +963,67 @@ async fn a_process_alone_in_its_region_refreshes_again_as_soon_as_the_home_answe
     );
     assert!(status.leader && status.home_reachable, "{status}");
 }
+
+/// A refreshing process cut off from the home hands the refreshing over in time for the
+/// process that takes it to renew the lease before it ends, with settings at the edge of
+/// what `build` accepts (3 × refresh + 2 × home timeout + the margin just under the lease):
+/// the region never falls to its safe share (0 here: every request rejected) while a process
+/// of it can reach the home. The other process ticks 200 ms after the cut-off one, so that
+/// it finds the lock still held at the tick before a third failed call would release it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_outlives_the_handover_from_a_process_cut_off_from_the_home() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(1);
+    let refresh = Duration::from_millis(290);
+    let build = |conn| {
+        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+            .name("handover")
+            .region(("eu", 1))
+            // 3 × 290 + 2 × 40 + 10 = 960 ms, within the 1 s lease.
+            .lease(lease)
+            .refresh_every(refresh)
+            .home_timeout(Duration::from_millis(40))
+            .build()
+            .unwrap()
+    };
+    let via_proxy = build(super::fleet::manager(&proxy.url()).await);
+    let direct = build(super::fleet::manager(&home.url()).await);
+    direct.init_home().await.unwrap();
+    let first = via_proxy
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = direct
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    assert!(first.status().leader && !second.status().leader);
+    // Let the lease settle, then cut the leader off.
+    tokio::time::sleep(lease).await;
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    let gate = second.gate();
+    let mut took_over = None;
+    while took_over.is_none_or(|at: Duration| cut.elapsed() < at + refresh) {
+        assert!(cut.elapsed() < lease * 3, "no takeover");
+        let d = gate.check("probe", 1).await.unwrap();
+        assert!(
+            d.capacity > 0,
+            "the region fell to its safe share {:?} after the cut (its lease ran out before the takeover): {}, {}",
+            cut.elapsed(),
+            first.status(),
+            second.status()
+        );
+        if took_over.is_none() && second.status().leader {
+            took_over = Some(cut.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    println!("took over {took_over:?} after the cut: {}", second.status());
+}

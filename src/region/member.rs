@@ -116,7 +116,7 @@ impl<C> Drop for Handle<C> {
 /// lock in the local Redis, held for two refresh intervals plus the home timeout); if it
 /// stops, another takes over at its first refresh after the lock lapses, well before the
 /// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
-/// and after three failed calls to the home in a row (then it leaves the lock to the others
+/// and after two failed calls to the home in a row (then it leaves the lock to the others
 /// for a refresh interval, in which each of them comes to take it; if none does, it takes
 /// it back), so a process of the region that can reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
@@ -427,7 +427,11 @@ where
                     round.home_failures += 1;
                     round.home_failures
                 };
-                if failures >= 3 {
+                // After two: the lease counts from the last good refresh; two refresh
+                // intervals and a home timeout later, another process's tick (within a
+                // refresh) and its home call still fit in the lease, as `build` checks (3 ×
+                // refresh + 2 × home timeout + margin). After a third they may not.
+                if failures >= 2 {
                     // This process cannot reach the home: let another one of the region try.
                     // Every other process ticks within a refresh interval: after that, a lock
                     // still free has no one else to take it (this process is alone, or they

@@ -557,37 +557,19 @@ async fn a_cost_above_every_bucket_the_region_can_hold_is_a_cost_error() {
     assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
 }
 
-/// A refreshing process that cannot reach the home gives its lock up after three failed
+/// A refreshing process that cannot reach the home gives its lock up after two failed
 /// refreshes, and a process of the region that can reach it keeps the lease alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
-    let home = RedisServer::start();
-    let local = RedisServer::start();
-    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
-    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
-        .await
-        .unwrap();
-    let build = |conn| {
-        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
-            .name("cutoff")
-            .region(("eu", 1))
-            .lease(Duration::from_secs(2))
-            .refresh_every(Duration::from_millis(200))
-            .home_timeout(Duration::from_millis(100))
-            .build()
-            .unwrap()
-    };
-    let via_proxy = build(super::fleet::manager(&proxy.url()).await);
-    let direct = build(super::fleet::manager(&home.url()).await);
-    direct.init_home().await.unwrap();
-    let first = via_proxy
-        .join("eu", super::fleet::manager(&local.url()).await)
-        .await
-        .unwrap();
-    let second = direct
-        .join("eu", super::fleet::manager(&local.url()).await)
-        .await
-        .unwrap();
+    let pair = CutOff::start(
+        "cutoff",
+        Duration::from_secs(2),
+        Duration::from_millis(200),
+        Duration::from_millis(100),
+        Duration::ZERO,
+    )
+    .await;
+    let (proxy, first, second) = (&pair.proxy, &pair.first, &pair.second);
     assert!(first.status().leader && !second.status().leader);
     proxy.cut();
     let cut = std::time::Instant::now();
@@ -600,6 +582,62 @@ async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
     println!("took over {:?} after the cut: {status}", cut.elapsed());
     assert!(status.home_reachable, "{status}");
     assert!(status.lease_left > Duration::from_millis(1500), "{status}");
+}
+
+/// Two processes of region `eu` (the only one) with their own local connections: `first`
+/// refreshes, reaching the home through `proxy` (to cut it off), `second` reaches the home
+/// directly and joins `offset` after the first (its ticks come that much later).
+struct CutOff {
+    // Dropped in this order: the processes before the servers.
+    first: flowgate::region::Region<redis::aio::ConnectionManager>,
+    second: flowgate::region::Region<redis::aio::ConnectionManager>,
+    proxy: crate::support::DelayProxy,
+    _servers: (RedisServer, RedisServer),
+}
+
+impl CutOff {
+    async fn start(
+        name: &str,
+        lease: Duration,
+        refresh: Duration,
+        home_timeout: Duration,
+        offset: Duration,
+    ) -> CutOff {
+        let home = RedisServer::start();
+        let local = RedisServer::start();
+        let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+        let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
+            .await
+            .unwrap();
+        let build = |conn| {
+            QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+                .name(name)
+                .region(("eu", 1))
+                .lease(lease)
+                .refresh_every(refresh)
+                .home_timeout(home_timeout)
+                .build()
+                .unwrap()
+        };
+        let via_proxy = build(super::fleet::manager(&proxy.url()).await);
+        let direct = build(super::fleet::manager(&home.url()).await);
+        direct.init_home().await.unwrap();
+        let first = via_proxy
+            .join("eu", super::fleet::manager(&local.url()).await)
+            .await
+            .unwrap();
+        tokio::time::sleep(offset).await;
+        let second = direct
+            .join("eu", super::fleet::manager(&local.url()).await)
+            .await
+            .unwrap();
+        CutOff {
+            first,
+            second,
+            proxy,
+            _servers: (home, local),
+        }
+    }
 }
 
 /// A region's lease record (share, bucket size `tau`, never expiring), as the home writes it.
@@ -907,7 +945,7 @@ async fn the_homes_state_outlives_an_idle_fleet() {
     );
 }
 
-/// A process alone in its region gives the refresher lock up after three failed calls to
+/// A process alone in its region gives the refresher lock up after two failed calls to
 /// the home, for the others to take; when none does (there is none), it refreshes again at
 /// its next tick after the others had theirs, not after a lock's length: once the home
 /// answers again, the region's lease is renewed within two refresh intervals, instead of
@@ -936,14 +974,14 @@ async fn a_process_alone_in_its_region_refreshes_again_as_soon_as_the_home_answe
     // The home refuses every refresh (a script that writes, with no room: OOM).
     config("1");
     let refused = std::time::Instant::now();
-    while region.status().failures < 3 {
+    while region.status().failures < 2 {
         assert!(
             refused.elapsed() < Duration::from_secs(2),
             "no failed refreshes"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // The third failure gave the lock up: the home answers again.
+    // The second failure gave the lock up: the home answers again.
     config("0");
     let back = std::time::Instant::now();
     let granted = region.status().refreshes;
@@ -969,40 +1007,21 @@ async fn a_process_alone_in_its_region_refreshes_again_as_soon_as_the_home_answe
 /// what `build` accepts (3 × refresh + 2 × home timeout + the margin just under the lease):
 /// the region never falls to its safe share (0 here: every request rejected) while a process
 /// of it can reach the home. The other process ticks 200 ms after the cut-off one, so that
-/// it finds the lock still held at the tick before a third failed call would release it.
+/// it would find the lock still held at the tick before a third failed call released it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_outlives_the_handover_from_a_process_cut_off_from_the_home() {
-    let home = RedisServer::start();
-    let local = RedisServer::start();
-    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
-    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
-        .await
-        .unwrap();
     let lease = Duration::from_secs(1);
     let refresh = Duration::from_millis(290);
-    let build = |conn| {
-        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
-            .name("handover")
-            .region(("eu", 1))
-            // 3 × 290 + 2 × 40 + 10 = 960 ms, within the 1 s lease.
-            .lease(lease)
-            .refresh_every(refresh)
-            .home_timeout(Duration::from_millis(40))
-            .build()
-            .unwrap()
-    };
-    let via_proxy = build(super::fleet::manager(&proxy.url()).await);
-    let direct = build(super::fleet::manager(&home.url()).await);
-    direct.init_home().await.unwrap();
-    let first = via_proxy
-        .join("eu", super::fleet::manager(&local.url()).await)
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = direct
-        .join("eu", super::fleet::manager(&local.url()).await)
-        .await
-        .unwrap();
+    // 3 × 290 + 2 × 40 + 10 = 960 ms, within the 1 s lease.
+    let pair = CutOff::start(
+        "handover",
+        lease,
+        refresh,
+        Duration::from_millis(40),
+        Duration::from_millis(200),
+    )
+    .await;
+    let (proxy, first, second) = (&pair.proxy, &pair.first, &pair.second);
     assert!(first.status().leader && !second.status().leader);
     // Let the lease settle, then cut the leader off.
     tokio::time::sleep(lease).await;

@@ -181,6 +181,11 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     ///
     /// Cheap when nothing can be evicted yet: the earliest time a key becomes neutral is
     /// remembered from the previous sweep.
+    ///
+    /// `now` is on the timeline of every `check`: a key created after a sweep that evicted
+    /// is decided no earlier than that sweep's `now` (it may have been one of those
+    /// evicted), so a sweep at a far-future time (`Duration::MAX`, say) makes every new key
+    /// wait until then.
     pub fn sweep(&mut self, now: Duration) -> usize {
         if now < self.next_sweep {
             return 0;

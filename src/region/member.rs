@@ -330,7 +330,8 @@ where
         let safe = self.safe();
         // Long enough for a whole refresh (two local calls, a home call) between renewals;
         // short enough that another process takes over well before the lease ends
-        // (`build` keeps the refresh at most a quarter of the lease).
+        // (`build` checks that three refreshes, two home timeouts and a margin fit in the
+        // lease).
         let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
         let started = Instant::now();
         // A process that gave the lock up for failing to reach the home leaves it to the

@@ -122,6 +122,14 @@ impl Rate {
         Duration::from_nanos(self.period_ns / self.count as u64)
     }
 
+    /// How long `units` take at this rate, rounded up to whole nanoseconds (saturating): never
+    /// earlier than the exact time.
+    #[cfg(feature = "redis")]
+    pub(crate) fn time_for(&self, units: u32) -> Duration {
+        let ns = (u128::from(units) * u128::from(self.period_ns)).div_ceil(u128::from(self.count));
+        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    }
+
     /// The rate per second as a float, for display and metrics only.
     pub fn per_second_f64(&self) -> f64 {
         self.count as f64 * NANOS_PER_SEC as f64 / self.period_ns as f64

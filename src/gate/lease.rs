@@ -233,9 +233,7 @@ impl Leases {
         let full_in = reset_after.saturating_sub(Duration::from_micros(1));
         // Its last token lapses once less than one emission interval (rounded up here, so
         // no later than that) is left before `full_at`.
-        let interval = u128::from(self.rate.period_nanos()).div_ceil(u128::from(self.rate.count()));
-        let interval = Duration::from_nanos(u64::try_from(interval).unwrap_or(u64::MAX));
-        let gone_at = now + self.ttl.min(full_in.saturating_sub(interval));
+        let gone_at = now + self.ttl.min(full_in.saturating_sub(self.rate.time_for(1)));
         lease.parts.push_back(Part {
             tokens,
             expires: now + self.ttl,

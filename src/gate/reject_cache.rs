@@ -70,12 +70,7 @@ impl RejectCache {
     fn longer_wait(&self, more: u32) -> Option<Duration> {
         match self.limit {
             // One emission interval per unit.
-            Limit::TokenBucket(q) => {
-                let rate = q.rate();
-                let ns = (u128::from(more) * u128::from(rate.period_nanos()))
-                    .div_ceil(u128::from(rate.count()));
-                Some(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
-            }
+            Limit::TokenBucket(q) => Some(q.rate().time_for(more)),
             // Every cost fits once the window ends.
             Limit::FixedWindow(_) => Some(Duration::ZERO),
             // It depends on the log or the counts, which only Redis has.

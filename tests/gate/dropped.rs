@@ -350,3 +350,43 @@ fn a_batched_caller_whose_driver_stopped_mid_call_is_not_charged_twice() {
         (1, 1, 0)
     );
 }
+
+/// A batched caller polled on a runtime that is shutting down (here: shut down already, its
+/// handle entered), after the batch driver's own runtime shut down: the driver it starts
+/// again there stops at once, like the first one. Its request never went to Redis, so the
+/// failure policy (here `Open`) answers it, as for every other failure of the driver.
+#[test]
+fn a_batched_caller_whose_restarted_driver_stops_too_is_answered_by_the_policy() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let count = |outcome| decisions(&recorder, "again", outcome);
+    let (main, other, gate) = driven_elsewhere(&server, per_hour(2), "again", FailurePolicy::Open);
+    // The driver's runtime shuts down.
+    drop(other);
+    // A call in flight (to a paused server): the next caller goes to the batch driver.
+    let mut alone = Box::pin(gate.check("alone", 1));
+    main.block_on(async {
+        assert!(gate.check("warm", 1).await.unwrap().allowed);
+        server.pause();
+        assert!(futures::poll!(alone.as_mut()).is_pending());
+    });
+    // The caller, on a runtime shut down under it.
+    let dead = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let handle = dead.handle().clone();
+    drop(dead);
+    let answered = {
+        let _in = handle.enter();
+        futures::executor::block_on(gate.check("late", 1))
+    };
+    server.resume();
+    let answered = answered.expect("the failure policy answers");
+    assert!(answered.is_fail_open(), "by the policy: {answered:?}");
+    assert_eq!(count("policy"), 1);
+    main.block_on(async {
+        assert!(alone.await.unwrap().allowed);
+    });
+}

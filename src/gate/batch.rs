@@ -230,7 +230,10 @@ where
 
     /// Queue `request` for the next batch, waiting for room in the queue until its
     /// deadline. A driver that stopped because its runtime shut down is started again on
-    /// the caller's runtime (counted, logged), and the request goes to it.
+    /// the caller's runtime (counted, logged), and the request goes to it. If the driver the
+    /// caller started stops too (the caller's own runtime is shutting down), the request,
+    /// never sent, is answered by the failure policy, as a driver's runtime that shuts down
+    /// under a batch in flight answers its callers.
     pub(crate) async fn submit(&self, request: Request) -> Result<(), CallError> {
         let mut request = request;
         if !self.moved.load(Ordering::Acquire) {
@@ -240,13 +243,18 @@ where
             };
         }
         let deadline = request.deadline;
-        for _ in 0..2 {
+        // Whether this caller started a driver: one closed after it (the caller's own
+        // runtime is shutting down) leaves the request to the failure policy.
+        let mut started = false;
+        // A driver another caller started may have stopped too: tried, then one of this
+        // caller's own.
+        for _ in 0..3 {
             let queue = self
                 .queue
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone();
-            let back = match queue.try_send(request) {
+            request = match queue.try_send(request) {
                 Ok(()) => return Ok(()),
                 Err(TrySendError::Full(r)) => {
                     let wait = queue.reserve();
@@ -265,21 +273,29 @@ where
                 }
                 Err(TrySendError::Closed(r)) => r,
             };
-            request = back;
-            self.restart(&queue);
+            if started {
+                break;
+            }
+            started = self.restart(&queue);
         }
-        Err(CallError::Request(GateError::backend(
-            crate::gate::error::BackendMessage(
-                "the batch driver stopped twice in a row (its runtime shut down)".into(),
-            ),
-        )))
+        // Never sent: decided by the policy, as for callers whose batch was in flight when
+        // the driver's runtime shut down (the gate does not degrade).
+        Err(CallError::Backend {
+            error: Some(GateError::backend(crate::gate::error::BackendMessage(
+                "the batch driver stopped again as soon as it was started (the caller's \
+                 runtime is shutting down)"
+                    .into(),
+            ))),
+            until_probe: std::time::Duration::ZERO,
+        })
     }
 
-    /// Start a new driver, unless another caller already replaced the stopped `queue`.
-    fn restart(&self, stopped: &mpsc::Sender<Request>) {
+    /// Start a new driver, unless another caller already replaced the stopped `queue`;
+    /// returns whether it started one.
+    fn restart(&self, stopped: &mpsc::Sender<Request>) -> bool {
         let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
         if !queue.same_channel(stopped) {
-            return;
+            return false;
         }
         *queue = self.driver.spawn();
         self.moved.store(true, Ordering::Release);
@@ -289,6 +305,7 @@ where
             "the gate's batch driver stopped (the tokio runtime the gate was built on shut \
              down): started it again on the caller's runtime"
         );
+        true
     }
 
     /// A claim on the connection for one direct call, if no call is in flight. It owns its

@@ -151,7 +151,9 @@ pub(super) struct Inner<C> {
 ///   `MultiplexedConnection` made on the dead runtime fails like a dead Redis). A caller
 ///   whose batch was on its way to Redis when that runtime shut down is answered by the
 ///   failure policy, as if Redis had failed (the gate does not degrade): Redis may have
-///   charged it, and asking again would charge it twice.
+///   charged it, and asking again would charge it twice. So is a batched caller whose own
+///   runtime is shutting down, where the task it starts again stops at once (its request
+///   never went to Redis).
 ///
 /// Works over any redis-rs async connection that is `Clone`: `MultiplexedConnection`, or
 /// `ConnectionManager` (which reconnects by itself: use it in production).

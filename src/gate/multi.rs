@@ -467,6 +467,20 @@ impl ShardedBuckets {
         (0..self.shards.len()).map(|i| self.lock(i).len()).sum()
     }
 
+    /// The room for keys the maps of every shard hold, used or not.
+    #[cfg(test)]
+    pub(crate) fn room_held(&self) -> usize {
+        (0..self.shards.len())
+            .map(|i| {
+                self.lock(i)
+                    .by_quota
+                    .iter()
+                    .map(|q| q.keys.capacity())
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
     /// The most quotas one shard holds buckets for.
     #[cfg(test)]
     pub(crate) fn most_quotas_in_a_shard(&self) -> usize {
@@ -599,6 +613,40 @@ mod tests {
         assert!(
             !d.allowed,
             "a second token within 500 ms at 1 a second, bursts of 1: {d:?}"
+        );
+    }
+
+    /// The room a burst of a quota's keys took in its map is given back once a sweep has
+    /// evicted them: the shard's bound on keys is over every quota together, but each
+    /// quota's map kept the room of its largest burst, so 16 quotas whose bursts each filled
+    /// the shard in turn held room for 16 shards' worth of keys.
+    #[test]
+    fn the_room_a_burst_took_is_given_back_once_its_keys_are_evicted() {
+        const ROOM: usize = 1_024;
+        let buckets = sharded(1, ROOM);
+        let shard_of = |_: u64| 0;
+        let mut out = Vec::new();
+        for i in 0..MAX_QUOTAS as u32 {
+            // 1 a second, bursts of 1 000 and more: a key charged 1 000 is busy for 1 000 s
+            // (it keeps its quota's map), one charged 1 for a second.
+            let rate = crate::rate::Rate::per_second(1).unwrap();
+            let quota = Quota::new(rate, 1_000 + i).unwrap();
+            let now = Duration::from_secs(2 * u64::from(i));
+            let busy = format!("busy{i}");
+            let keys =
+                std::iter::once((busy, 1_000)).chain((0..1_000).map(|j| (format!("q{i}-k{j}"), 1)));
+            for (key, cost) in keys {
+                let m = Merged::new(&[(key.as_str(), quota)], cost).unwrap();
+                buckets
+                    .check_all_into(&m, shard_of, now, ROOM, &mut out)
+                    .unwrap();
+                assert!(out[0].allowed, "{key} at {now:?}");
+            }
+        }
+        let room = buckets.room_held();
+        assert!(
+            room <= 2 * ROOM,
+            "room for {room} keys held, for a shard of {ROOM}"
         );
     }
 

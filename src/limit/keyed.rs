@@ -286,6 +286,12 @@ impl<K, A: Algorithm, S> Keyed<K, A, S> {
         self.map.is_empty()
     }
 
+    /// How many keys the map has room for before it grows (tests).
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.map.capacity()
+    }
+
     /// The most keys this map holds.
     pub fn max_keys(&self) -> usize {
         self.max_keys

@@ -181,6 +181,10 @@ impl MemoryBuckets {
                 swept_at = swept_at.max(q.keys.swept_at());
                 return false;
             }
+            // The shard's room is shared by its quotas: the room a burst of this quota's
+            // keys took goes back, or the maps would hold the room of each one's largest
+            // burst (up to 16 times the shard's).
+            q.keys.shrink();
             true
         });
         self.swept_at = swept_at;

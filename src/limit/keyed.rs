@@ -210,6 +210,19 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         evicted
     }
 
+    /// Give back the room of a map left mostly empty (by a sweep, after a burst of keys):
+    /// when it holds less than a quarter of its room, keep room for twice what it holds.
+    /// For a caller that holds several maps under one bound on keys, so that the room each
+    /// one grew to does not add up past that bound.
+    pub(crate) fn shrink(&mut self) {
+        let len = self.map.len();
+        if len.saturating_mul(4) < self.map.capacity() {
+            let hasher = &self.hasher;
+            self.map
+                .shrink_to(len.saturating_mul(2), |(k, _)| hasher.hash_one(k));
+        }
+    }
+
     /// The state of `key`, if it is held.
     pub fn get<Q>(&self, key: &Q) -> Option<&A::State>
     where

@@ -560,6 +560,55 @@ async fn stacked_layers_ietf_members_on_an_inner_429_are_not_reset_after_retry_a
     }
 }
 
+/// A layer around a `ShedLayer` (a site-wide limit in front of a shed service): on the
+/// shed's `503` the layer's policy passed the request and did not refuse it, so its fields
+/// say what a layer's own refusal says of a policy that did not block: no IETF `t` after
+/// `Retry-After`, no single-integer reset before it.
+#[tokio::test]
+async fn an_outer_layers_fields_on_an_inner_503_agree_with_its_retry_after() {
+    use flowgate::bulkhead::Bulkhead;
+    use flowgate::http::ShedLayer;
+
+    // 100 an hour (time to full after one: 36 s, after Retry-After), 100 a minute (one
+    // back in 0.6 s: a reset of 1 s, before Retry-After).
+    for period in [3600, 60] {
+        let bulkhead = Bulkhead::new(1).unwrap();
+        let shed = ShedLayer::builder(bulkhead.clone())
+            .retry_after(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let outer = one_policy(
+            "site",
+            100,
+            period,
+            HeaderStyles::IETF | HeaderStyles::X_RATELIMIT,
+        );
+        let svc = outer.layer(shed.layer(tower::service_fn(ok_full)));
+        let _held = bulkhead.try_acquire().unwrap();
+        let req = Request::get("/").header("x-client", "c").body(()).unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let retry = retry_after(res.headers()) as i64;
+        assert_eq!(retry, 5);
+        for m in list(res.headers(), "ratelimit") {
+            if let Some(&t) = m.params.get("t") {
+                assert!(
+                    t <= retry,
+                    "{period}: {}: t={t} after Retry-After {retry}",
+                    m.name
+                );
+            }
+        }
+        if res.headers().contains_key("x-ratelimit-reset") {
+            let reset = integer(res.headers(), "x-ratelimit-reset");
+            assert!(
+                reset >= retry,
+                "{period}: x-ratelimit-reset {reset} before Retry-After {retry}"
+            );
+        }
+    }
+}
+
 /// `HeaderStyles::NONE`: no rate-limit field on any response, one policy or several; a 429
 /// still says when to retry and names the violated policy, and the counts are the same.
 #[tokio::test]

@@ -51,10 +51,13 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 /// `X_RATELIMIT` and `X_RATELIMIT_EPOCH` exclude each other (one `X-RateLimit-Reset`).
 ///
 /// Layers stacked (a site-wide layer around a route's) add their IETF members to the one
-/// list (an outer layer's without `t` on an inner layer's `429`, as a layer lists its own
+/// list (an outer layer's without `t` on an inner refusal, as a layer lists its own
 /// policies that did not block); of the single integers, an outer layer writes none on an
-/// inner layer's `429` (the inner one's stay), and keeps those an inner one wrote with a
-/// lower remaining (ties: the later reset), as one layer chooses among its policies.
+/// inner refusal (the inner layer's stay), and keeps those an inner one wrote with a
+/// lower remaining (ties: the later reset), as one layer chooses among its policies. An
+/// inner refusal is a `429`, or a `503` with `Retry-After` (a
+/// [`ShedLayer`](crate::http::ShedLayer)'s, an inner layer's gate error): the outer
+/// layer's fields never contradict its `Retry-After`.
 ///
 /// # Examples
 ///
@@ -409,7 +412,7 @@ pub(crate) fn ratelimit_field<'a>(
 }
 
 /// `value`, a [`ratelimit_field`], without its members' `t` (parsed and written again with
-/// sfv): what a layer that passed a request adds to an inner layer's `429`, whose
+/// sfv): what a layer that passed a request adds to an inner refusal (`429`, `503`), whose
 /// `Retry-After` the time to full of a policy that did not block can be later than. `None`
 /// if it does not parse (it always does: this module wrote it).
 fn without_resets(value: &HeaderValue) -> Option<HeaderValue> {
@@ -568,20 +571,20 @@ impl Fields {
     }
 
     /// Write the fields onto `headers`. The IETF list fields are appended (an inner layer's
-    /// members stay: several field lines form one list); on an inner `429`
-    /// (`inner_rejected`) these members carry no `t`, as a layer's own `429` lists its
-    /// policies that did not block. The single-integer styles carry one policy: on an inner
-    /// `429` none of this layer's are written (those of the policy that blocked it stay, if
-    /// its layer wrote them: a passing policy's reset can be before `Retry-After`); else,
-    /// where an inner layer (or the service) wrote them already, its integers stay if their
-    /// remaining is lower (ties: the later reset), the rule among one layer's policies, and
-    /// these replace them if not.
+    /// members stay: several field lines form one list); on an inner refusal (a `429`, or a
+    /// `503` with `Retry-After`: `inner_rejected`) these members carry no `t`, as a layer's
+    /// own `429` lists its policies that did not block. The single-integer styles carry one
+    /// policy: on an inner refusal none of this layer's are written (those of the policy
+    /// that blocked it stay, if its layer wrote them: a passing policy's reset can be
+    /// before `Retry-After`); else, where an inner layer (or the service) wrote them
+    /// already, its integers stay if their remaining is lower (ties: the later reset), the
+    /// rule among one layer's policies, and these replace them if not.
     pub(crate) fn write(self, headers: &mut HeaderMap, inner_rejected: bool) {
         if let Some(v) = self.policy {
             headers.append(RATELIMIT_POLICY, v);
         }
         if let Some(v) = self.ratelimit {
-            // On an inner 429 this layer's policies did not block it: no `t`, as on its own.
+            // On an inner refusal this layer's policies did not block it: no `t`, as on its own.
             let v = match inner_rejected {
                 true => without_resets(&v).unwrap_or(v),
                 false => v,
@@ -603,7 +606,7 @@ impl Fields {
 }
 
 /// One policy's limit, remaining and reset as the single-integer fields `names`, unless
-/// `headers` hold integers of their own there that win, or are of an inner `429` (see
+/// `headers` hold integers of their own there that win, or are of an inner refusal (see
 /// [`Fields::write`]).
 fn put_single(
     headers: &mut HeaderMap,

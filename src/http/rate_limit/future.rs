@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
+use http::header::RETRY_AFTER;
 use http::{Request, Response, StatusCode};
 use pin_project::pin_project;
 use tower::Service;
@@ -159,8 +160,13 @@ where
                     this.state.set(State::Done);
                     let mut res = res?.map(|b| K::inner(b, Token(())));
                     if let Some(fields) = this.fields.take() {
-                        let rejected = res.status() == StatusCode::TOO_MANY_REQUESTS;
-                        fields.write(res.headers_mut(), rejected);
+                        // Refused further in (a 429, or a 503 saying when to come back: a
+                        // shed, an inner layer's gate error), not by this layer's policies.
+                        let status = res.status();
+                        let refused = status == StatusCode::TOO_MANY_REQUESTS
+                            || (status == StatusCode::SERVICE_UNAVAILABLE
+                                && res.headers().contains_key(RETRY_AFTER));
+                        fields.write(res.headers_mut(), refused);
                     }
                     return Poll::Ready(Ok(res));
                 }

@@ -328,9 +328,15 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     }
 
     /// A prefix for every gate key of this layer (default none): keys are
-    /// `<prefix><policy name>:<key>`. Layers sharing a gate need distinct prefixes or policy
-    /// names; on Redis Cluster, a prefix with a hash tag (`"{rl}"`) puts all the keys of
-    /// the layer in one slot, which an all-or-nothing call over several policies needs.
+    /// `<prefix><policy name>:<key>`, the prefix and the name joined as they are. Layers
+    /// sharing a gate keep their keys apart when they have the same prefix and distinct
+    /// policy names, or prefixes of which neither begins the other (`"a:"` and `"b:"`), and
+    /// not otherwise: prefix `"a"` with policy `"bc"` and prefix `"ab"` with policy `"c"`
+    /// both count under `abc:<key>`; a layer without a prefix (which begins every prefix)
+    /// with policy `"a"` counts a client whose key is `"b:k"` under `a:b:k`, where a layer
+    /// with prefix `"a:"` counts key `"k"` of its policy `"b"`. On Redis Cluster, a prefix
+    /// with a hash tag (`"{rl}"`) puts all the keys of the layer in one slot, which an
+    /// all-or-nothing call over several policies needs.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self

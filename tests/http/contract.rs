@@ -228,6 +228,39 @@ async fn a_faulty_inner_service_leaves_every_permit_in_the_bulkhead() {
     assert_eq!(layer.stats().normal.admitted, 4);
 }
 
+/// A `ShedLayer` over an adaptive bulkhead in front of an app that answers `429` to one
+/// client over its own quota (a login throttle, a rate-limit layer inside the shed one):
+/// that is the client's quota, not the server's capacity, so the limit every other client
+/// is served under stays where it was.
+#[tokio::test(start_paused = true)]
+async fn an_inner_429_does_not_cut_a_shed_layers_adaptive_limit() {
+    let bulkhead = Bulkhead::builder(100)
+        .adaptive(Aimd::builder().initial(50).build().unwrap())
+        .build()
+        .unwrap();
+    let before = bulkhead.max_in_flight();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let svc = layer.layer(service_fn(|req: Req| async move {
+        let mut res = ok();
+        if req.uri().path() == "/login" {
+            *res.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        }
+        Ok::<_, Infallible>(res)
+    }));
+    for _ in 0..20 {
+        let res = svc.clone().oneshot(req("/login")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        tokio::time::advance(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        bulkhead.max_in_flight(),
+        before,
+        "one client's 429s cut the limit of all"
+    );
+    let stats = bulkhead.adaptive_stats().unwrap();
+    assert_eq!(stats.back_pressure, 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_shed_service_called_without_poll_ready_panics_without_leaking_a_permit() {
     /// Like tower's `ConcurrencyLimit`: calling it unready panics.

@@ -239,8 +239,11 @@ impl fmt::Debug for Shared {
 /// Over a bulkhead built with [`adaptive`](crate::bulkhead::BulkheadBuilder::adaptive), each
 /// admitted request is a sample for its algorithm when the inner service answers (the
 /// round-trip time from the permit's grant to the response head; the body still holds the
-/// permit): `429`, `503`, `504` and inner errors are back-pressure, other `4xx` are ignored,
-/// the rest is a served call; a request dropped before its answer is ignored. The layer's
+/// permit): `503`, `504` and inner errors are back-pressure, `4xx` are ignored (a `429`
+/// among them: it refuses one client over its quota, as a rate-limit layer inside this one
+/// or the app's own throttle does, and says nothing of the server's capacity, so one
+/// client's excess cannot shrink the limit every client is served under), the rest is a
+/// served call; a request dropped before its answer is ignored. The layer's
 /// own `503`s never reach the algorithm. Shedding works as above, against the bulkhead's
 /// current `max_in_flight`.
 ///
@@ -602,16 +605,14 @@ where
     }
 }
 
-/// What the inner service's answer tells an adaptive bulkhead: `429`, `503`, `504` and
-/// errors (a timeout layer's among them) are back-pressure; other `4xx` say nothing about
-/// capacity (ignored); the rest is a served call.
+/// What the inner service's answer tells an adaptive bulkhead: `503`, `504` and errors (a
+/// timeout layer's among them) are back-pressure; `4xx` say nothing about the server's
+/// capacity (ignored): a `429` is one client over its own quota; the rest is a served call.
 fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
     match res {
         Err(_) => Outcome::BackPressure,
         Ok(res) => match res.status() {
-            StatusCode::TOO_MANY_REQUESTS
-            | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT => Outcome::BackPressure,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => Outcome::BackPressure,
             s if s.is_client_error() => Outcome::Ignored,
             _ => Outcome::Ok,
         },

@@ -1756,3 +1756,66 @@ async fn a_panicking_hook_leaves_every_discarded_item_counted() {
     );
     assert_eq!(Arc::strong_count(&alive), 1, "3, 4, 5 dropped, not leaked");
 }
+
+/// A source that fails at once until another task restores it (a reconnect task, say), then
+/// yields one item and ends; it gives up after 1 000 fetches so a test that spins ends.
+struct DownUntilRestored {
+    restored: Arc<std::sync::atomic::AtomicBool>,
+    fetches: u32,
+    served: bool,
+}
+
+impl BatchSource for DownUntilRestored {
+    type Item = u32;
+    type Error = &'static str;
+
+    fn poll_fetch(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        _max: usize,
+    ) -> Poll<Option<Result<Vec<u32>, &'static str>>> {
+        self.fetches += 1;
+        if self.served || self.fetches >= 1_000 {
+            return Poll::Ready(None);
+        }
+        if !self.restored.load(std::sync::atomic::Ordering::SeqCst) {
+            return Poll::Ready(Some(Err("down")));
+        }
+        self.served = true;
+        Poll::Ready(Some(Ok(vec![7])))
+    }
+}
+
+/// With a zero retry backoff a failed fetch is retried at once, but after yielding to the
+/// executor, as after an empty batch: a consumer that logs errors and goes on must let the
+/// runtime's other tasks run (here the one that restores the source).
+#[tokio::test]
+async fn a_failed_fetch_without_backoff_is_retried_after_yielding_to_the_executor() {
+    let restored = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let restorer = tokio::spawn({
+        let restored = restored.clone();
+        async move { restored.store(true, std::sync::atomic::Ordering::SeqCst) }
+    });
+    let source = DownUntilRestored {
+        restored,
+        fetches: 0,
+        served: false,
+    };
+    let mut stream = Prefetch::builder(source, levels(4, 0))
+        .retry_backoff(Duration::ZERO, Duration::ZERO)
+        .build()
+        .unwrap();
+    let (mut items, mut errors) = (Vec::new(), 0);
+    while let Some(next) = stream.next().await {
+        match next {
+            Ok(item) => items.push(item),
+            Err(_) => errors += 1,
+        }
+    }
+    restorer.await.unwrap();
+    assert_eq!(
+        (items, errors),
+        (vec![7], 1),
+        "the consumer never let the restoring task run"
+    );
+}

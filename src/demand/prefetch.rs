@@ -88,6 +88,9 @@ pub struct Prefetch<S: BatchSource, Y = Results> {
     retry_next: Duration,
     /// Boxed only when a fetch failed, so the stream stays `Unpin` when its source is.
     pause: Option<Pin<Box<Sleep>>>,
+    /// A fetch failed and no pause follows it (a zero backoff, or no tokio runtime): the
+    /// next fetch comes after yielding to the executor once, never inside one poll.
+    yield_first: bool,
     name: Option<String>,
     /// What the stream yields; `fn() -> Y` so `Y` does not change the auto traits.
     yields: PhantomData<fn() -> Y>,
@@ -218,6 +221,7 @@ impl<S: BatchSource> Prefetch<S> {
             retry_max: DEFAULT_RETRY_MAX,
             retry_next: DEFAULT_RETRY_MIN,
             pause: None,
+            yield_first: false,
             name,
             yields: PhantomData,
         }
@@ -258,6 +262,7 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
             retry_max,
             retry_next,
             pause,
+            yield_first,
             name,
             yields: _,
         } = self;
@@ -274,6 +279,7 @@ impl<S: BatchSource<Error = Infallible>> Prefetch<S> {
             retry_max,
             retry_next,
             pause,
+            yield_first,
             name,
             yields: PhantomData,
         }
@@ -472,14 +478,17 @@ impl<S: BatchSource> PrefetchBuilder<S> {
 
     /// How long the fetch after a failed one waits: `min`, doubling after each further failure
     /// up to `max`; a successful fetch starts over at `min`. The default is 10 ms to 1 s. With
-    /// `min` zero a failed fetch is retried at once. An empty batch the source answered at
+    /// `min` zero (or outside a tokio runtime) a failed fetch is retried at once, after the
+    /// stream has returned `Pending` once (waking itself): a consumer that goes on after
+    /// errors still lets its runtime run other tasks. An empty batch the source answered at
     /// once (it did not wait: a non-blocking poll with nothing new), with nothing buffered,
     /// waits the same way, so an idle source is not polled in a loop; a batch with items, or
     /// an empty one after the source waited (a blocking poll that timed out), starts over
     /// at `min`, and after the latter the next fetch starts at once. A source that ends its
-    /// idle periods sooner than `max` allows wants a smaller `max` (or a blocking poll). The pause is a tokio timer: inside a tokio
-    /// runtime that runtime must have time enabled (as for every timed part of flowgate);
-    /// polled outside any tokio runtime, the stream does not pause.
+    /// idle periods sooner than `max` allows wants a smaller `max` (or a blocking poll). The
+    /// pause is a tokio timer: inside a tokio runtime that runtime must have time enabled (as
+    /// for every timed part of flowgate); polled outside any tokio runtime, the stream does
+    /// not pause.
     ///
     /// `min` above `max` is refused by [`build`](PrefetchBuilder::build) (`ConfigError` on
     /// `prefetch.retry_backoff`).
@@ -664,6 +673,13 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                 *this.pause = None;
             }
         }
+        // A failed fetch with no pause after it: retried at once, but on the next poll, after
+        // yielding to the executor (a consumer that goes on after errors lets the runtime's
+        // other tasks run, such as one that brings the source back).
+        if refill && std::mem::take(this.yield_first) {
+            cx.waker().wake_by_ref();
+            refill = false;
+        }
         if refill {
             let max = *this.fetching.get_or_insert(this.levels.high() - buffered);
             if let Poll::Ready(result) = this.source.as_mut().poll_fetch(cx, max) {
@@ -703,6 +719,7 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
                     Some(Err(e)) => {
                         *this.error = Some(e);
                         *this.pause = backoff(this.retry_next, *this.retry_max);
+                        *this.yield_first = this.pause.is_none();
                     }
                     None => *this.done = true,
                 }

@@ -206,6 +206,16 @@ impl Gauge {
     }
 }
 
+#[cfg(all(test, feature = "metrics"))]
+impl Gauge {
+    /// This instance's value, for unit tests of the primitives that set it.
+    pub(crate) fn value(&self) -> f64 {
+        self.inner.as_ref().map_or(0.0, |share| {
+            f64::from_bits(share.value.load(Ordering::Acquire))
+        })
+    }
+}
+
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 impl Gauge {
     /// Move this instance's value by `delta`. Unlike [`set`](Gauge::set), changes commute:

@@ -371,9 +371,20 @@ impl<T> Shared<T> {
     fn set_depth(&self) {
         // Without the feature the gauge is empty: skip reading the ring.
         if cfg!(feature = "metrics") {
-            let depth = self.ring.len() + self.depth_extra.load(Ordering::Relaxed);
-            self.metrics.depth.set(depth as f64);
+            self.publish_depth(self.depth());
         }
+    }
+
+    /// What the depth gauge shows: queued items and the slots receivers' batches hold.
+    #[inline]
+    fn depth(&self) -> usize {
+        self.ring.len() + self.depth_extra.load(Ordering::Relaxed)
+    }
+
+    /// Set the depth gauge to `depth`, read by [`depth`](Shared::depth) before.
+    #[inline]
+    fn publish_depth(&self, depth: usize) {
+        self.metrics.depth.set(depth as f64);
     }
 
     /// Whether an item is queued: in the ring, or given back (read without the lock; for a
@@ -723,5 +734,32 @@ impl<T> Shared<T> {
     pub(crate) fn close(&self) {
         let mut out = Deferred::default();
         self.close_locked(&mut self.lock(), &mut out);
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use super::*;
+
+    /// A gauge update reads the depth, then sets it, without the lock (a sampled send,
+    /// a batch used up) or beside setters that hold it (receives): one preempted between
+    /// the two steps sets what it read after a receive has set the depth since. Here it
+    /// read 40 before the receives took every item, and set it after them: the gauge must
+    /// not keep showing 40 items in an empty, idle channel (nothing sets it again until
+    /// the next receive or sampled send).
+    #[test]
+    fn a_depth_read_before_a_receive_and_set_after_it_does_not_stay_on_the_gauge() {
+        let shared = Shared::<u32>::new(64, Overflow::Backpressure, None, Some("depth".into()));
+        for i in 0..40 {
+            shared.try_send(i).unwrap();
+        }
+        let stale = shared.depth();
+        assert_eq!(stale, 40);
+        for i in 0..40 {
+            assert_eq!(shared.try_recv(), Ok(i));
+        }
+        assert_eq!(shared.metrics.depth.value(), 0.0, "the receives set it");
+        shared.publish_depth(stale);
+        assert_eq!(shared.metrics.depth.value(), 0.0, "an empty channel");
     }
 }

@@ -381,10 +381,24 @@ impl<T> Shared<T> {
         self.ring.len() + self.depth_extra.load(Ordering::Relaxed)
     }
 
-    /// Set the depth gauge to `depth`, read by [`depth`](Shared::depth) before.
+    /// Set the depth gauge to `depth`, read by [`depth`](Shared::depth) before, and look
+    /// again: another update may have read and set a later depth between the read and the
+    /// set (a sender preempted there, while a receive emptied the channel), and this one's
+    /// value, set last, would stay until the next update — for good in a channel gone idle.
+    /// So the update sets again until the depth it looks at after setting is the one it
+    /// set. Whichever update sets last then sets the depth as it was after every change an
+    /// update was made for (the gauge's swap orders the sets, and each set sees the changes
+    /// before the sets ahead of it). Usually one more read of what the first one read.
     #[inline]
-    fn publish_depth(&self, depth: usize) {
-        self.metrics.depth.set(depth as f64);
+    fn publish_depth(&self, mut depth: usize) {
+        loop {
+            self.metrics.depth.set(depth as f64);
+            let now = self.depth();
+            if now == depth {
+                return;
+            }
+            depth = now;
+        }
     }
 
     /// Whether an item is queued: in the ring, or given back (read without the lock; for a

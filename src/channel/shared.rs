@@ -279,6 +279,9 @@ impl<T> fmt::Debug for Shared<T> {
     }
 }
 
+/// The most times one update sets the depth gauge (see `Shared::publish_depth`).
+const DEPTH_SETS: usize = 4;
+
 impl<T> Shared<T> {
     pub(crate) fn new(
         capacity: usize,
@@ -388,10 +391,12 @@ impl<T> Shared<T> {
     /// So the update sets again until the depth it looks at after setting is the one it
     /// set. Whichever update sets last then sets the depth as it was after every change an
     /// update was made for (the gauge's swap orders the sets, and each set sees the changes
-    /// before the sets ahead of it). Usually one more read of what the first one read.
+    /// before the sets ahead of it). Usually one more read of what the first one read. At
+    /// most [`DEPTH_SETS`] sets: a depth still moving then is a channel in use, whose next
+    /// receive or sampled send sets it again (a busy channel must not hold a sender here).
     #[inline]
     fn publish_depth(&self, mut depth: usize) {
-        loop {
+        for _ in 0..DEPTH_SETS {
             self.metrics.depth.set(depth as f64);
             let now = self.depth();
             if now == depth {

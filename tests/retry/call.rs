@@ -509,3 +509,49 @@ async fn a_hint_of_duration_max_gives_up_or_is_waited_without_a_panic() {
     assert_eq!((done.attempts, done.stop), (2, Stop::Success));
     assert!(start.elapsed() >= secs(29 * 365 * 24 * 3600));
 }
+
+/// A metrics recorder is user code: one that panics when an attempt's round-trip time is
+/// recorded must not cost the outcome's report to the budget and the pacer. The histogram
+/// was recorded first, so its panic left a `429 Retry-After: 2` unheard (the pacer neither
+/// paused nor cut: the next request went out at once) and a success unheard by the budget
+/// (its token ratio not given back).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_recorder_panicking_on_the_round_trip_still_reports_the_outcome() {
+    use futures::FutureExt;
+    use std::panic::AssertUnwindSafe;
+
+    let recorder = crate::support::TestRecorder::default();
+    let (budget, pacer, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder().name("rec").build().unwrap();
+        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(backoff())
+            .name("rec")
+            .budget(budget.clone())
+            .pacer(pacer.clone())
+            .build()
+            .unwrap();
+        (budget, pacer, policy)
+    });
+    recorder.panic_on("flowgate_retry_attempt_seconds{name=rec}", true);
+
+    budget.on_failure();
+    let panicked = AssertUnwindSafe(retry(&policy, classify, |_| async { Ok(200) }))
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err(), "the recorder panicked");
+    assert_eq!(budget.tokens(), 9.1, "the success gave back 0.1");
+
+    let panicked = AssertUnwindSafe(retry(&policy, classify, |_| async { Ok(429) }))
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err(), "the recorder panicked");
+    let status = pacer.status();
+    assert_eq!((status.pauses, status.cuts), (1, 1), "{status:?}");
+    assert!(
+        !pacer.pacer().check(1).unwrap().allowed,
+        "the pacer holds the next request for the Retry-After"
+    );
+}

@@ -70,6 +70,7 @@ impl GaugeFn for Cell {
 
 impl HistogramFn for Cell {
     fn record(&self, value: f64) {
+        self.maybe_panic();
         self.samples.lock().unwrap().push(value);
     }
 }
@@ -145,8 +146,8 @@ impl TestRecorder {
             .map_or_else(Vec::new, |c| c.samples.lock().unwrap().clone())
     }
 
-    /// Make every change to the counter or gauge `id` (as in [`counter`](Self::counter))
-    /// panic (`true`) or record again (`false`). It may be set before the metric is
+    /// Make every change to the counter, gauge or histogram `id` (as in
+    /// [`counter`](Self::counter)) panic (`true`) or record again (`false`). It may be set before the metric is
     /// registered.
     pub fn panic_on(&self, id: &str, panics: bool) {
         let cells = &mut *self.cells.lock().unwrap();

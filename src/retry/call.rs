@@ -239,7 +239,6 @@ impl RetryPolicy {
     /// pacer or a backoff) with the budget, the pacer and the metrics.
     pub(crate) fn record(&self, outcome: Outcome, rtt: Duration) {
         let p = &*self.inner;
-        p.rtt.record(rtt.as_secs_f64());
         match outcome {
             Outcome::Success => {
                 if let Some(b) = &p.budget {
@@ -259,6 +258,9 @@ impl RetryPolicy {
             }
             Outcome::Fatal | Outcome::Retry => {}
         }
+        // Last: a metrics recorder is user code, and one that panics must not keep the
+        // outcome from the budget and the pacer.
+        p.rtt.record(rtt.as_secs_f64());
     }
 
     /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or

@@ -795,3 +795,34 @@ fn public_types_are_send_sync_unpin() {
     check::<ServerHint>();
     check::<PolicyHint>();
 }
+
+/// A `Retry-After` HTTP-date before 1970 (a server whose clock reads just before the
+/// epoch, formatted in a zone behind UTC) is a date in the past: retry now, as the docs
+/// say. `httpdate` knows no year before 1970, so it was ignored as malformed, and a
+/// `RateLimit` reset then took its place: 60 s where the server said now.
+#[test]
+fn a_retry_after_date_before_1970_is_in_the_past() {
+    let now = draft_now();
+    let one = |v: &str| ServerHint::from_headers(&headers(&[("retry-after", v)]), now).retry_after;
+    for past in [
+        "Wed, 31 Dec 1969 23:59:59 GMT",
+        "Wed Dec 31 23:59:59 1969",
+        "Sat, 01 Jan 0000 00:00:00 GMT",
+        "Thu, 29 Feb 1968 12:00:00 GMT",
+    ] {
+        assert_eq!(one(past), Some(Duration::ZERO), "{past:?}");
+    }
+    // Still malformed: a wrong weekday, a day the year does not have.
+    for bad in [
+        "Thu, 31 Dec 1969 23:59:59 GMT",
+        "Thu, 29 Feb 1900 12:00:00 GMT",
+        "Wed, 31 Dec 196x 23:59:59 GMT",
+    ] {
+        assert_eq!(one(bad), None, "{bad:?}");
+    }
+    let h = parse(&[
+        ("retry-after", "Wed, 31 Dec 1969 23:59:59 GMT"),
+        ("ratelimit", r#""p";r=0;t=60"#),
+    ]);
+    assert_eq!(h.retry_delay(), Some(Duration::ZERO));
+}

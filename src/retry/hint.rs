@@ -51,7 +51,7 @@ pub struct PolicyHint {
 ///
 /// | field | parsed as |
 /// |---|---|
-/// | `Retry-After` | delta-seconds (saturating at `u64::MAX` seconds), or an HTTP-date relative to `now` (a date in the past is zero); of several field lines, the first |
+/// | `Retry-After` | delta-seconds (saturating at `u64::MAX` seconds), or an HTTP-date relative to `now` (a date in the past, one before 1970 included, is zero); of several field lines, the first |
 /// | `RateLimit-Policy`, `RateLimit` | the IETF fields (draft-ietf-httpapi-ratelimit-headers -10/-11): Structured Field Lists, `"name";q=100;w=60` and `"name";r=42;t=17`, matched by name; several field lines are one list |
 /// | `RateLimit-Limit`, `-Remaining`, `-Reset` | draft-03: integers, the reset in seconds; the limit may carry `;w=` |
 /// | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | integers; a reset above 10⁹ is a Unix time in seconds (above 10¹² in milliseconds), converted with `now`; fractions allowed |
@@ -229,8 +229,39 @@ fn retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
         });
         return Some(Duration::from_secs(secs));
     }
-    let date = httpdate::parse_http_date(std::str::from_utf8(value).ok()?).ok()?;
-    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+    match httpdate::parse_http_date(std::str::from_utf8(value).ok()?) {
+        Ok(date) => Some(date.duration_since(now).unwrap_or(Duration::ZERO)),
+        // `httpdate` knows no year before 1970: such a date is in the past all the same.
+        Err(_) => before_1970(value).then_some(Duration::ZERO),
+    }
+}
+
+/// Whether `value` is an HTTP-date of a year before 1970, which `httpdate` refuses: an
+/// IMF-fixdate or an asctime date (the forms with four-digit years; RFC 850's two digits
+/// never mean one before 1970) that `httpdate` accepts 400 years later (the Gregorian
+/// calendar repeats itself, weekdays and leap days included, every 400 years).
+fn before_1970(value: &[u8]) -> bool {
+    let digits = match value.len() {
+        29 => 12..16, // `Sun, 06 Nov 1994 08:49:37 GMT`
+        24 => 20..24, // `Sun Nov  6 08:49:37 1994`
+        _ => return false,
+    };
+    if !value[digits.clone()].iter().all(u8::is_ascii_digit) {
+        return false;
+    }
+    let year = value[digits.clone()]
+        .iter()
+        .fold(0u16, |acc, d| acc * 10 + u16::from(d - b'0'));
+    if year >= 1970 {
+        return false;
+    }
+    let mut later = year + (1970 - year).div_ceil(400) * 400;
+    let mut shifted = value.to_vec();
+    for slot in shifted[digits].iter_mut().rev() {
+        *slot = b'0' + (later % 10) as u8;
+        later /= 10;
+    }
+    std::str::from_utf8(&shifted).is_ok_and(|s| httpdate::parse_http_date(s).is_ok())
 }
 
 /// What one list member holds: its value and the parameters flowgate reads.

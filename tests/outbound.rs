@@ -683,3 +683,50 @@ fn public_types_are_send_sync_unpin() {
     check::<flowgate::pace::AdaptiveStatus>();
     check::<Phase>();
 }
+
+/// A server with two policies, one per second and one per day: `RetryLayer` feeds the
+/// pacer the slowest sustained rate (the day's, 100 000 per day ≈ 1.16/s) and the
+/// allowance of the policy closest to refusing (the second's, `r=8` of 10). Tracking
+/// steered that remaining toward a quarter of the day's quota (25 000), so it read 8 as a
+/// bucket almost empty and cut the rate every second, to the floor (0.01/s) though both
+/// policies had room: the remaining is tracked against its own policy's quota.
+#[cfg(feature = "http")]
+#[tokio::test(start_paused = true)]
+async fn a_remaining_is_tracked_against_its_own_policy() {
+    use flowgate::retry::{Backoff, RetryLayer, RetryPolicy};
+    use http::{Request, Response};
+    use tower::{Layer, ServiceExt, service_fn};
+
+    let adaptive = AdaptivePacer::builder(Rate::per_second(10).unwrap())
+        .floor(Rate::per(1, 100 * SECOND).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(Backoff::builder().seed(1).build().unwrap())
+        .pacer(adaptive.clone())
+        .build()
+        .unwrap();
+    let server = service_fn(|_req: Request<String>| async {
+        let mut res = Response::new(String::new());
+        let h = res.headers_mut();
+        h.insert(
+            "ratelimit-policy",
+            r#""sec";q=10;w=1, "day";q=100000;w=86400"#.parse().unwrap(),
+        );
+        h.insert(
+            "ratelimit",
+            r#""sec";r=8;t=1, "day";r=90000;t=50000"#.parse().unwrap(),
+        );
+        Ok::<_, std::convert::Infallible>(res)
+    });
+    let client = RetryLayer::new(policy).layer(server);
+    let start = Instant::now();
+    let mut sent = 0;
+    while start.elapsed() < 20 * SECOND {
+        let req = Request::get("/").body(String::new()).unwrap();
+        client.clone().oneshot(req).await.unwrap();
+        sent += 1;
+    }
+    let s = adaptive.status();
+    assert!(s.rate_per_second > 1.1, "{sent} sent in 20 s: {s:?}");
+    assert!(sent >= 20, "{sent} sent in 20 s");
+}

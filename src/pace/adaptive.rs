@@ -159,7 +159,10 @@ pub struct AdaptiveStatus {
 ///   the aggregate's surplus over the sustained rate `q / w`. The rate is corrected by the
 ///   same factor the aggregate is off, steering `r` toward `q / 4` (headroom for bursts of the
 ///   other clients, without leaving most of the quota unused): the rate drops before
-///   any 429 when the bucket drains, and climbs when it fills.
+///   any 429 when the bucket drains, and climbs when it fills. `r` is taken to be of the
+///   policy given to [`on_policy`](AdaptivePacer::on_policy) (`RetryLayer`, which gives
+///   it the slowest of several, steers the remaining of the one closest to refusing by
+///   that policy's own `q` and `w`).
 /// - **Never faster than the server allows**: the rate stays at or below `q / w` of the
 ///   last policy, and, until the reset `t` of an allowance, at or below `r / t` (or `q / w`
 ///   when that is higher: a token bucket refills during `t`).
@@ -240,6 +243,9 @@ struct Control {
     allowance: Option<(f64, Instant)>,
     /// The server's remaining, as reported (time, r).
     remaining: VecDeque<(Instant, u64)>,
+    /// The sustained rate (per second) and quota of the policy `remaining` belongs to,
+    /// when it was reported with it; else it is taken as `policy`'s.
+    remaining_of: Option<(f64, u64)>,
     successes: Meter,
     responses: Meter,
     cuts: u64,
@@ -431,10 +437,33 @@ impl AdaptivePacer {
     /// Until `reset` has elapsed the rate stays at or below `remaining / reset` (or the
     /// policy's `q / w` when that is higher; a `remaining` of 0 counts as 1, so the pacer
     /// is not held past the reset); with a policy known, the remaining steers the rate (see
-    /// [Tracking](AdaptivePacer#state-machine)).
+    /// [Tracking](AdaptivePacer#state-machine)): report the remaining of the policy given
+    /// to [`on_policy`](AdaptivePacer::on_policy).
     pub fn on_allowance(&self, remaining: u64, reset: Duration) {
+        self.on_allowance_of(remaining, reset, None);
+    }
+
+    /// [`on_allowance`](AdaptivePacer::on_allowance) of the policy of `quota` units per
+    /// `window`, which may not be the one given to [`on_policy`](AdaptivePacer::on_policy)
+    /// (the slowest, where the remaining is of the one closest to refusing): tracking
+    /// steers the remaining by its own policy's quota and rate. `None` (or a zero quota or
+    /// window): the policy given to `on_policy`.
+    pub(crate) fn on_allowance_of(
+        &self,
+        remaining: u64,
+        reset: Duration,
+        policy: Option<(u64, Duration)>,
+    ) {
         let now = Instant::now();
+        let of = policy
+            .filter(|&(q, w)| q > 0 && !w.is_zero())
+            .map(|(q, w)| (q as f64 / w.as_secs_f64(), q));
         let mut c = self.inner.lock();
+        if c.remaining_of != of {
+            // Another policy's remaining: the samples before are no trend of it.
+            c.remaining.clear();
+            c.remaining_of = of;
+        }
         while c.remaining.len() >= TREND_SAMPLES
             || c.remaining
                 .front()
@@ -592,7 +621,12 @@ impl Shared {
 
     /// Tracking: correct the rate by the aggregate's relative error (see the type's docs).
     fn track(&self, c: &mut Control, now: Instant, dt: f64) {
-        let Some((sustained, quota, _)) = c.policy else {
+        // The remaining's own policy, when known: steered by another's quota, a second's
+        // remaining reads as a day's bucket almost empty.
+        let Some((sustained, quota)) = c
+            .remaining_of
+            .or_else(|| c.policy.map(|(sustained, quota, _)| (sustained, quota)))
+        else {
             return;
         };
         let Some(&(_, r)) = c.remaining.back() else {
@@ -872,6 +906,7 @@ impl AdaptivePacerBuilder {
                 policy: None,
                 allowance: None,
                 remaining: VecDeque::new(),
+                remaining_of: None,
                 successes: Meter::new(now),
                 responses: Meter::new(now),
                 cuts: 0,

@@ -111,7 +111,8 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 
 /// Tell `pacer` what a response's fields say: the server's sustained rate
 /// (`RateLimit-Policy`'s `q` within `w`) and its allowance (`RateLimit`'s `r` within `t`),
-/// each when the server sent it. Call it before reporting the response's outcome, as
+/// each when the server sent it, the allowance with its own policy's `q` and `w` (which
+/// tracking steers it by). Call it before reporting the response's outcome, as
 /// [`AdaptivePacer`] asks.
 ///
 /// `max_wait` is the longest server hint honoured (the backoff's
@@ -130,7 +131,12 @@ pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Dura
             longest if !longest.is_zero() => reset.min(longest),
             _ => reset,
         };
-        pacer.on_allowance(remaining, reset);
+        // Of the policy closest to refusing, steered by its own quota (the sustained rate
+        // above may be another policy's).
+        let of = hint
+            .most_restrictive()
+            .and_then(|p| Some((p.quota?, p.window?)));
+        pacer.on_allowance_of(remaining, reset, of);
     }
 }
 

@@ -235,6 +235,41 @@ async fn a_recorder_panicking_on_a_pause_or_a_cut_still_pauses_and_cuts_the_pace
     }
 }
 
+/// Back-pressure with a `Retry-After` must pause the pacer before anyone can pass at the
+/// cut rate: `on_back_pressure` handed the cut rate to the pacer (waking its waiters) and
+/// paused it only afterwards, so a caller in between (here a metrics recorder's hook on
+/// the rate gauge, which runs in that gap, standing for another thread) got a unit
+/// through the server's `Retry-After`.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn no_unit_passes_between_a_cut_and_its_pause() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    let recorder = recorder::TestRecorder::default();
+    let a = metrics::with_local_recorder(&recorder, || {
+        AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .name("gap")
+            .build()
+            .unwrap()
+    });
+    let pacer = a.pacer().clone();
+    let passed = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&passed);
+    recorder.on_gauge(move || {
+        if pacer.check(1).unwrap().allowed {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    a.on_back_pressure(Some(SECOND));
+    assert!(a.rate().per_second_f64() <= 70.0 + 1e-9, "cut");
+    assert_eq!(
+        passed.load(Ordering::Relaxed),
+        0,
+        "units passed during the Retry-After"
+    );
+}
+
 /// The fields of a `429` (`RateLimit: r=0;t=5` with `Retry-After: 5`, reported before the
 /// outcome as the docs ask and as `RetryLayer` does) cap the rate until the reset: a cap
 /// that ends there and says nothing of the rate that got through. The cut took the capped

@@ -417,10 +417,12 @@ impl AdaptivePacer {
         }
         let rate = self.inner.apply(&mut c, now);
         drop(c);
-        self.inner.hand_over(rate);
+        // The pause first: the cut wakes the pacer's waiters, and none may pass before the
+        // `Retry-After` (a quota change keeps a pause).
         if let Some(end) = pause_end {
             self.inner.pacer.pause_until(end);
         }
+        self.inner.hand_over(rate);
         // Counted once the pause and the cut are the pacer's: a metrics recorder is user
         // code, run after the lock and unable to cost them by panicking.
         if pause_end.is_some() {

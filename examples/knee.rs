@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --example knee                                  # the simulator (knee 48)
 //! cargo run --example knee -- --knee 120                    # another simulated knee
-//! cargo run --example knee -- --url http://127.0.0.1:3000/  # an HTTP server on loopback
+//! cargo run --example knee -- --url http://127.0.0.1:3000/report  # an HTTP server on loopback
 //! cargo run --example knee -- --out docs/knee.svg           # where the plot goes
 //! ```
 //!
@@ -14,9 +14,12 @@
 //!
 //! Against the simulator the search runs under paused tokio time: minutes of simulated
 //! load take well under a second, and the answer is the same every time. Against a URL it
-//! runs in real time (5 s per step, some 20 steps): try it with
-//! `cargo run --example http_server --features http` in another terminal. Only loopback
-//! addresses are accepted: the search overloads its target on purpose.
+//! runs in real time (5 s per step, some 20 steps): try it on the `/report` route of
+//! `cargo run --example http_server --features http`, run in another terminal (a 1 s
+//! handler behind a bulkhead of 8 with 2 reserved for `/health`: the knee is 6 in flight;
+//! its `/` admits 100 requests a minute per client, so it is saturated at 1 already and the
+//! search stops there). Only loopback addresses are accepted: the search overloads its
+//! target on purpose.
 
 #[path = "../tests/support/knee_http.rs"]
 mod knee_http;

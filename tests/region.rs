@@ -15,3 +15,6 @@ mod fleet;
 mod history;
 #[path = "region/model.rs"]
 mod model;
+#[cfg(feature = "metrics")]
+#[path = "region/refresher.rs"]
+mod refresher;

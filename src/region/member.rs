@@ -500,17 +500,21 @@ where
             }
         }
         let lease = Duration::from_micros(units(g_left)).saturating_sub(plan.margin);
-        let mut round = self.round();
-        round.granted_at = Some(started);
-        round.lease_end = Some(started + lease);
-        round.status.share = g_share_u;
-        round.status.learning = learning == 1;
-        round.status.home_reachable = true;
-        round.status.refreshes += 1;
+        let utilisation = {
+            let mut round = self.round();
+            round.granted_at = Some(started);
+            round.lease_end = Some(started + lease);
+            round.status.share = g_share_u;
+            round.status.learning = learning == 1;
+            round.status.home_reachable = true;
+            round.status.refreshes += 1;
+            round.status.utilisation
+        };
+        // After the lock is released: a recorder is user code (it may read the status).
         self.metrics.granted.increment(1);
         self.metrics.share.set(g_share_u as f64);
-        self.metrics.demand.set(round.status.demand as f64);
-        self.metrics.utilisation.set(round.status.utilisation);
+        self.metrics.demand.set(report.demand as f64);
+        self.metrics.utilisation.set(utilisation);
         self.metrics.lease_age.set(0.0);
     }
 
@@ -527,22 +531,25 @@ where
     }
 
     fn failed(&self, error: Option<&crate::gate::GateError>) {
-        self.metrics.failed.increment(1);
         let mut round = self.round();
         round.status.failures += 1;
         if error.is_some() {
             round.status.home_reachable = false;
         }
-        if let Some(at) = round.granted_at {
-            self.metrics.lease_age.set(at.elapsed().as_secs_f64());
-        }
-        if round.lease_end.is_none_or(|end| end <= Instant::now()) {
-            // The lease ran out: the region admits at its safe share.
-            self.metrics.share.set(round.status.safe as f64);
-        }
-        let failures = round.status.failures;
-        // The log goes out after the lock is released (a subscriber is user code).
+        let age = round.granted_at.map(|at| at.elapsed());
+        // The lease ran out: the region admits at its safe share.
+        let ran_out = round.lease_end.is_none_or(|end| end <= Instant::now());
+        let (failures, safe) = (round.status.failures, round.status.safe);
+        // The metrics and the log go out after the lock is released (a recorder and a
+        // subscriber are user code).
         drop(round);
+        self.metrics.failed.increment(1);
+        if let Some(age) = age {
+            self.metrics.lease_age.set(age.as_secs_f64());
+        }
+        if ran_out {
+            self.metrics.share.set(safe as f64);
+        }
         if failures.is_power_of_two() {
             tracing::warn!(
                 allocator = %self.plan().name,

@@ -97,3 +97,34 @@ async fn the_refresher_records_outside_the_status_lock() {
     let share = recorder.gauge("flowgate_region_share{name=exported,region=eu}");
     assert!(share > Some(1.0), "the share follows the demand: {share:?}");
 }
+
+/// A recorder that panics as a refresh is counted: the refresher goes on at its next tick.
+/// (The panic ended its task: the process never refreshed again, and its region fell to its
+/// safe share when the lease ran out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorder_that_panics_does_not_stop_the_refresher() {
+    let recorder = TestRecorder::default();
+    let server = RedisServer::start();
+    let refresh = Duration::from_millis(100);
+    let alloc = one_region(&server, "panicky", Duration::from_secs(2), refresh).await;
+    let region = join_recorded(&alloc, &server, &recorder).await;
+    let granted = "flowgate_region_refreshes_total{name=panicky,outcome=granted,region=eu}";
+    let before = region.status().refreshes;
+    recorder.panic_on(granted, true);
+    // A refresh ran into the panic (it counts itself in the status first).
+    let start = std::time::Instant::now();
+    while region.status().refreshes == before {
+        assert!(start.elapsed() < refresh * 20, "no refresh");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    recorder.panic_on(granted, false);
+    let counted = recorder.counter(granted);
+    tokio::time::sleep(refresh * 10).await;
+    let status = region.status();
+    let after = recorder.counter(granted) - counted;
+    assert!(
+        after >= 3,
+        "{after} refreshes in the 10 intervals after the panic: {status}"
+    );
+    assert!(status.lease_left > Duration::from_secs(1), "{status}");
+}

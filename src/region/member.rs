@@ -2,10 +2,12 @@
 //! lease, and the gates that admit at it.
 
 use std::fmt;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 // Real time: leases follow the Redis clocks, which never pause.
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use redis::aio::ConnectionLike;
 use tokio::task::JoinHandle;
 
@@ -252,7 +254,9 @@ where
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        core.refresh().await;
+        // A panic in a refresh (from a metrics recorder or a log subscriber: user code) ends
+        // that refresh, not the refresher: the next tick refreshes again.
+        let _ = AssertUnwindSafe(core.refresh()).catch_unwind().await;
     }
 }
 

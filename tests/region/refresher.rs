@@ -128,3 +128,66 @@ async fn a_recorder_that_panics_does_not_stop_the_refresher() {
     );
     assert!(status.lease_left > Duration::from_secs(1), "{status}");
 }
+
+/// `flowgate_region_lease_age_seconds` is the age of the lease in use in every process of
+/// the region, also in those that do not refresh. Here the refreshing process is cut off
+/// from the home and hands the refreshing over; after that it shows the age of the lease the
+/// other one keeps fresh (under a refresh interval). (It went on showing 2.0 s, the age its
+/// own lease had reached at its last failed refresh, for as long as it lived.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_does_not_refresh_shows_the_age_of_the_lease_in_use() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
+        .await
+        .unwrap();
+    let refresh = Duration::from_secs(1);
+    let build = |conn| {
+        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+            .name("aged")
+            .region(("eu", 1))
+            .lease(Duration::from_secs(10))
+            .refresh_every(refresh)
+            .home_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap()
+    };
+    let via_proxy = build(super::fleet::manager(&proxy.url()).await);
+    let direct = build(super::fleet::manager(&home.url()).await);
+    direct.init_home().await.unwrap();
+    // Each process its own recorder, as each its own exporter.
+    let (seen_first, seen_second) = (TestRecorder::default(), TestRecorder::default());
+    let join = |alloc: &QuotaAllocator<redis::aio::ConnectionManager>, recorder| {
+        let alloc = alloc.clone();
+        let url = local.url();
+        async move {
+            let local = super::fleet::manager(&url).await;
+            let _guard = metrics::set_default_local_recorder(recorder);
+            alloc.join("eu", local).await.unwrap()
+        }
+    };
+    let first = join(&via_proxy, &seen_first).await;
+    let second = join(&direct, &seen_second).await;
+    assert!(first.status().leader && !second.status().leader);
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    while !second.status().leader {
+        assert!(cut.elapsed() < refresh * 5, "no takeover");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The first process ticks twice more, as a follower.
+    tokio::time::sleep(refresh * 2 + Duration::from_millis(100)).await;
+    let age = "flowgate_region_lease_age_seconds{name=aged,region=eu}";
+    let (status, shown) = (second.status(), seen_first.gauge(age).unwrap());
+    println!("after the handover: {status}; the first process shows a lease {shown} s old");
+    assert!(
+        status.home_reachable && status.lease_left > refresh * 8,
+        "{status}"
+    );
+    assert!(
+        shown < 1.5,
+        "the lease in use is under {refresh:?} old; the first process shows {shown} s"
+    );
+    drop((first, second));
+}

@@ -52,8 +52,11 @@ pub(crate) struct LocalKeys {
 /// What the refresher keeps between rounds.
 struct Round {
     status: RegionStatus,
-    /// When the current lease was granted, as seen here.
+    /// When the last lease this process obtained was granted, as seen here.
     granted_at: Option<Instant>,
+    /// When the lease in use was granted, as seen here: the one this process obtained, or
+    /// the one another process of the region keeps (from the lease record).
+    lease_granted: Option<Instant>,
     /// The end of the current lease, as seen here.
     lease_end: Option<Instant>,
     /// Calls to the home that failed in a row.
@@ -214,6 +217,7 @@ where
                     ..RegionStatus::default()
                 },
                 granted_at: None,
+                lease_granted: None,
                 lease_end: None,
                 home_failures: 0,
                 stand_down_until: None,
@@ -374,18 +378,32 @@ where
             unreachable!("the report has 8 values")
         };
         let units = |x: i64| u64::try_from(x).unwrap_or(0);
+        // The age of the lease in use, whoever obtained it (a lease is written to last its
+        // length less the margin; none before the first).
+        let age = (seq > 0).then(|| {
+            let length = micros(plan.ttl.saturating_sub(plan.margin));
+            Duration::from_micros(units(
+                i64::try_from(length)
+                    .unwrap_or(i64::MAX)
+                    .saturating_sub(left),
+            ))
+        });
         if leader == 0 {
-            // Another process refreshes: show the lease it keeps.
+            // Another process refreshes: show the lease it keeps, and its age.
             self.metrics.follower.increment(1);
             let effective = if left > 0 { units(share) } else { safe };
             self.metrics.share.set(effective as f64);
             // Measured by the refreshing process, not this one.
             self.metrics.demand.set(0.0);
             self.metrics.utilisation.set(0.0);
+            if let Some(age) = age {
+                self.metrics.lease_age.set(age.as_secs_f64());
+            }
             let mut round = self.round();
             round.home_failures = 0;
             round.status.leader = false;
             round.status.share = units(share);
+            round.lease_granted = age.and_then(|age| started.checked_sub(age));
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             return;
         }
@@ -393,6 +411,7 @@ where
         let report = {
             let mut round = self.round();
             round.status.leader = true;
+            round.lease_granted = age.and_then(|age| started.checked_sub(age));
             // The counters cover the time since they were last reset, by whichever process
             // (on the local Redis clock); unknown the first time.
             let elapsed = if since > 0 {
@@ -507,6 +526,7 @@ where
         let utilisation = {
             let mut round = self.round();
             round.granted_at = Some(started);
+            round.lease_granted = Some(started);
             round.lease_end = Some(started + lease);
             round.status.share = g_share_u;
             round.status.learning = learning == 1;
@@ -540,7 +560,7 @@ where
         if error.is_some() {
             round.status.home_reachable = false;
         }
-        let age = round.granted_at.map(|at| at.elapsed());
+        let age = round.lease_granted.map(|at| at.elapsed());
         // The lease ran out: the region admits at its safe share.
         let ran_out = round.lease_end.is_none_or(|end| end <= Instant::now());
         let (failures, safe) = (round.status.failures, round.status.safe);

@@ -108,7 +108,8 @@
 //! Labelled by `name` (the allocator) and `region`: `flowgate_region_share`,
 //! `flowgate_region_demand` (units per period), `flowgate_region_utilisation` (admitted ÷
 //! share over the last interval), `flowgate_region_lease_age_seconds` (age of the lease in
-//! use; grows while the home is unreachable), `flowgate_region_refreshes_total` by
+//! use, in every process of the region, refreshing or not; grows while the home is
+//! unreachable), `flowgate_region_refreshes_total` by
 //! `outcome` (`granted`, `failed`, `follower`); the gate's decisions and the Redis calls
 //! as the [`gate`](crate::gate) module's.
 

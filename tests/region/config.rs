@@ -877,6 +877,37 @@ async fn a_share_that_dipped_between_two_checks_took_the_tokens_with_it() {
     }
 }
 
+/// The bucket script on explicit time: a region whose share moves a little at every refresh
+/// (as demand-driven shares do) keeps what its past shares refilled, past the six changes the
+/// lease record holds one by one. A key first seen after 30 s at 10 or 11 per second (after a
+/// first lease at 1) has been full since ever at those shares: 100 tokens.
+#[tokio::test]
+async fn a_share_that_moves_at_every_refresh_keeps_its_refill() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    // A bucket of 10 tokens per unit of share: full from empty in 10 s at any share.
+    let mut cmds = vec![apply_lease("m", 500_000, 1, 1.0, 1e7, NEVER)];
+    for k in 0..31u64 {
+        let share = if k % 2 == 0 { 10.0 } else { 11.0 };
+        cmds.push(apply_lease(
+            "m",
+            (k + 1) * 1_000_000,
+            k + 2,
+            share,
+            share * 1e7,
+            NEVER,
+        ));
+    }
+    cmds.push(bucket_check("m", 31_500_000, 90));
+    let v = run(&mut con, &cmds).await;
+    assert_eq!(v[31], [1, 10], "the last lease applied");
+    assert_eq!(
+        v[32][0], 1,
+        "90 of the 100 tokens of a key full since ever were refused: {:?}",
+        v[32]
+    );
+}
+
 /// A bucket is kept in the local Redis until it would be full at any share, not only at the
 /// share it was written at: a lease length plus the time a bucket takes to fill from empty
 /// (the global burst over the rate; each region's bucket is its share's part of the burst).

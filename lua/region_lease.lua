@@ -62,16 +62,34 @@ local function set_lease(key, lease)
 end
 
 -- Put the segment (start, share, tau), which ended when the next one began, in front of
--- the past ones. Past HISTORY, the two oldest become one, from the older start, at the
+-- the past ones. Past HISTORY, two adjacent ones become one, from the older start, at the
 -- lower share and the smaller bucket: a bucket refilled across them gains no more than it
--- could have.
+-- could have. The two whose merge loses the least refill (the difference of their shares
+-- over the length of the higher one; the oldest such pair on a tie; the segment just put
+-- in front stays as it is), so that a share that moves a little at every refresh keeps
+-- what it refilled: merging the two oldest, a small first lease spread its share over all
+-- but the last HISTORY segments.
 local function push_past(lease, start, share, tau)
   local past = lease.past
   table.insert(past, 1, {start, share, tau})
   if #past > HISTORY then
-    local newer, older = past[#past - 1], past[#past]
-    past[#past] = nil
-    past[#past] = {older[1], math.min(newer[2], older[2]), math.min(newer[3], older[3])}
+    local at, least = #past - 1, math.huge
+    for j = 2, #past - 1 do
+      local newer, older = past[j], past[j + 1]
+      local higher
+      if newer[2] > older[2] then
+        higher = past[j - 1][1] - newer[1]
+      else
+        higher = newer[1] - older[1]
+      end
+      local loss = math.abs(newer[2] - older[2]) * math.max(0, higher)
+      if loss <= least then
+        at, least = j, loss
+      end
+    end
+    local newer, older = past[at], past[at + 1]
+    past[at] = {older[1], math.min(newer[2], older[2]), math.min(newer[3], older[3])}
+    table.remove(past, at + 1)
   end
 end
 
@@ -113,8 +131,10 @@ local function refill(segs, from, held, now, share_then, tau_then)
     if i > 1 then
       stop = segs[i - 1][1]
     end
-    -- A segment that ended by `from` is behind it; the lease in force now always counts.
-    if i == 1 or stop > from or seg[1] >= from then
+    -- A segment that ended before `from` is behind it; the lease in force now always
+    -- counts. One that ended at `from` still caps the bucket (a merged one may hold a
+    -- change of no length at `from`; else the bucket went through its cap already).
+    if i == 1 or stop >= from then
       local share, tau = seg[2], seg[3]
       if share_then and seg[1] < from then
         share, tau = math.min(share, share_then), math.min(tau, tau_then)

@@ -77,8 +77,8 @@
 //! The global burst is divided like the rate (each region's bucket holds its part of the
 //! burst, at least one request), so over any window of length `w` the regions together
 //! admit at most `rate × w + burst + regions` requests. A region never gains tokens by a
-//! change of its share: its lease record keeps the shares it held before (the last six
-//! changes; older ones merged at the lower share), and a bucket left untouched across a
+//! change of its share: its lease record keeps the shares it held before (six past
+//! segments; past that, the two adjacent ones closest in share merged at the lower), and a bucket left untouched across a
 //! change is refilled along them: a share that dipped in between (to 0, or the lease ran
 //! out to a safe share of 0) empties it, and a key first seen after a share grew starts from
 //! the smaller bucket, not a full new one. A region's first lease counts as held since ever

@@ -6,8 +6,8 @@
 //! (a lease's share from its apply until it expires, then the safe share; the region's first
 //! lease since ever), refilled at each one's share and capped at each one's bucket, a
 //! segment of no length included, and it pays for what the script admitted. The script may
-//! hold less (the record keeps six past segments, older ones merged at the lower share),
-//! never more.
+//! hold less (the record keeps six past segments; past that, two adjacent ones merged at the
+//! lower share), never more.
 
 use proptest::prelude::*;
 

@@ -21,8 +21,9 @@
 //! - `GET /stats`: what both layers counted, and the keys rejected most.
 //!
 //! Decisions are made by a `MemoryGate` in this process; with `REDIS_URL`, by a `RedisGate`
-//! shared by every instance (one limit across a fleet; if Redis fails or is slower than
-//! 50 ms, each instance falls back to its own in-memory gate until Redis answers again).
+//! shared by every instance (one limit across a fleet; Redis must answer at startup, and if
+//! it fails or is slower than 50 ms later, each instance falls back to its own in-memory
+//! gate until Redis answers again).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -174,8 +175,11 @@ async fn redis_gate(
 ) -> Result<(Arc<dyn Gate>, String), Box<dyn std::error::Error>> {
     use flowgate::gate::{FailurePolicy, RedisGate};
 
-    let client = redis::Client::open(url)?;
-    let conn = redis::aio::ConnectionManager::new(client).await?; // reconnects by itself
+    // Once running, the gate falls back by itself; at startup, say what to do instead.
+    let client = redis::Client::open(url).unwrap_or_else(|e| no_redis(url, &e));
+    let conn = redis::aio::ConnectionManager::new(client) // reconnects by itself
+        .await
+        .unwrap_or_else(|e| no_redis(url, &e));
     let gate = RedisGate::builder(conn, limit)
         .prefix("flowgate-example:")
         .timeout(Duration::from_millis(50))
@@ -183,6 +187,17 @@ async fn redis_gate(
         .build()
         .await?;
     Ok((Arc::new(gate), format!("a RedisGate at {url}")))
+}
+
+/// Redis cannot be reached at startup: say so, and what to do, and stop.
+#[cfg(feature = "redis")]
+fn no_redis(url: &str, e: &redis::RedisError) -> ! {
+    eprintln!("cannot connect to Redis at {url}: {e}");
+    eprintln!(
+        "start one: `redis-server --save \"\" --appendonly no &`, or unset REDIS_URL to run on \
+         the in-memory gate"
+    );
+    std::process::exit(1);
 }
 
 #[cfg(not(feature = "redis"))]

@@ -344,10 +344,10 @@ pub(crate) struct Permits {
     waiter: Waiter,
     held: usize,
     closed: bool,
-    /// Its place among the parked holders (see [`Core::park`]), and the waker, epoch and
-    /// `growth` it parked with.
+    /// Its place among the parked holders (see [`Core::park`]), and the waker (a clone, and
+    /// the [`WakerId`] of the one it was cloned from), epoch and `growth` it parked with.
     parked: Option<Key>,
-    parked_as: Option<(Waker, u64, bool)>,
+    parked_as: Option<(Waker, WakerId, u64, bool)>,
 }
 
 impl Permits {
@@ -419,23 +419,37 @@ impl Permits {
     /// false if it is not blocked (or the bulkhead is closed). Parked already, the same way,
     /// by the same task, and its place still there: nothing to do (no lock; the caller saw
     /// it blocked).
+    #[inline]
     pub(crate) fn park(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         growth: bool,
         blocked: impl FnOnce(&Core) -> bool,
     ) -> bool {
-        let this = self.project();
-        if let Some((waker, epoch, wants)) = this.parked_as
+        if let Some((waker, id, epoch, wants)) = &self.parked_as
             && *wants == growth
-            && *epoch == this.core.parked_epoch()
-            && waker.will_wake(cx.waker())
+            && *epoch == self.core.parked_epoch()
+            && (*id == WakerId::of(cx.waker()) || waker.will_wake(cx.waker()))
         {
             return true;
         }
+        self.park_locked(cx, growth, blocked)
+    }
+
+    /// [`park`](Permits::park) under the lock: not parked yet, or parked otherwise.
+    #[inline(never)]
+    fn park_locked(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        growth: bool,
+        blocked: impl FnOnce(&Core) -> bool,
+    ) -> bool {
+        let this = self.project();
         match this.core.park(cx, this.parked, growth, blocked) {
             Some(epoch) => {
-                *this.parked_as = Some((cx.waker().clone(), epoch, growth));
+                let waker = cx.waker().clone();
+                let id = WakerId::kept(cx.waker(), &waker);
+                *this.parked_as = Some((waker, id, epoch, growth));
                 true
             }
             None => false,
@@ -523,6 +537,33 @@ impl PinnedDrop for Permits {
         this.core.unpark(this.parked);
         for _ in 0..*this.held {
             this.core.release();
+        }
+    }
+}
+
+/// The addresses a waker is made of (its data and its vtable), to tell that a holder is
+/// polled with the very waker it parked with. `will_wake` against the stored clone cannot
+/// always say so: a clone may carry another vtable than the waker it was cloned from (the
+/// waker of tokio's `block_on` does), so that `will_wake` is false on every poll.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WakerId(usize, usize);
+
+impl WakerId {
+    fn of(waker: &Waker) -> Self {
+        WakerId(
+            waker.data().addr(),
+            std::ptr::from_ref(waker.vtable()).addr(),
+        )
+    }
+
+    /// The id to keep with `clone`, a clone of `waker`: `waker`'s when the clone shares its
+    /// data (which the clone then holds alive, so no other task's waker can take its
+    /// address), else the clone's own.
+    fn kept(waker: &Waker, clone: &Waker) -> Self {
+        if clone.data() == waker.data() {
+            WakerId::of(waker)
+        } else {
+            WakerId::of(clone)
         }
     }
 }

@@ -161,3 +161,21 @@ fn shared_handles_have_the_auto_traits_users_need() {
         shared::<flowgate::region::AllocatorStatus>();
     }
 }
+
+/// A duration that must not be zero says so in words an operator can act on, as the
+/// durations checked elsewhere do ("must be longer than zero"), not with the count
+/// message "must be at least 1" (1 what?).
+#[test]
+fn a_zero_duration_is_rejected_in_words_that_fit_a_duration() {
+    let backoff = flowgate::retry::Backoff::builder().build().unwrap();
+    let err = flowgate::retry::RetryPolicy::builder(backoff)
+        .attempt_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "retry_policy.attempt_timeout");
+    assert_eq!(err.kind(), flowgate::ConfigErrorKind::Zero);
+    assert_eq!(
+        err.to_string(),
+        "invalid retry_policy.attempt_timeout: must be longer than zero"
+    );
+}

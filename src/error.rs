@@ -51,8 +51,15 @@ impl ConfigError {
         }
     }
 
+    /// A count that is zero: "must be at least 1".
     pub(crate) fn zero(field: &'static str) -> Self {
         Self::new(field, ConfigErrorKind::Zero, "must be at least 1")
+    }
+
+    /// A duration that is zero: "must be longer than zero" (a count's "at least 1" says
+    /// no unit).
+    pub(crate) fn zero_duration(field: &'static str) -> Self {
+        Self::new(field, ConfigErrorKind::Zero, "must be longer than zero")
     }
 
     /// The configuration field that was rejected, e.g. `"quota.burst"`.

@@ -333,10 +333,10 @@ where
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
         let eval = LimitScript::new(self.limit)?;
         if self.timeout.is_zero() {
-            return Err(ConfigError::zero("gate.timeout"));
+            return Err(ConfigError::zero_duration("gate.timeout"));
         }
         if self.probe_interval.is_zero() {
-            return Err(ConfigError::zero("gate.probe_interval"));
+            return Err(ConfigError::zero_duration("gate.probe_interval"));
         }
         if self.batch_size == 0 {
             return Err(ConfigError::zero("gate.batch_size"));
@@ -345,7 +345,7 @@ where
             (false, _) => None,
             (true, Limit::TokenBucket(quota)) => {
                 if self.lease_ttl.is_zero() {
-                    return Err(ConfigError::zero("gate.lease_ttl"));
+                    return Err(ConfigError::zero_duration("gate.lease_ttl"));
                 }
                 if self.lease_keys == 0 {
                     return Err(ConfigError::zero("gate.lease_keys"));

@@ -454,7 +454,7 @@ where
             ));
         }
         if self.ttl.is_zero() {
-            return Err(ConfigError::zero("region.lease"));
+            return Err(ConfigError::zero_duration("region.lease"));
         }
         // The protocol counts in whole microseconds: below one, a duration is zero to it (a
         // refresh is the retry_after of a region without a share).
@@ -503,7 +503,7 @@ where
             ));
         }
         if self.local_timeout.is_zero() {
-            return Err(ConfigError::zero("region.local_timeout"));
+            return Err(ConfigError::zero_duration("region.local_timeout"));
         }
         if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
             return Err(ConfigError::new(

@@ -383,7 +383,7 @@ impl RetryPolicyBuilder {
     /// [`ConfigError`] on `retry_policy.attempt_timeout` when it is zero.
     pub fn build(self) -> Result<RetryPolicy, ConfigError> {
         if self.attempt_timeout.is_some_and(|t| t.is_zero()) {
-            return Err(ConfigError::zero("retry_policy.attempt_timeout"));
+            return Err(ConfigError::zero_duration("retry_policy.attempt_timeout"));
         }
         let labels = Labels::new(self.name.as_deref());
         let stop = |s: Stop| labels.counter(names::STOPPED, &[("stop", s.as_str())]);

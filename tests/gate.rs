@@ -505,6 +505,45 @@ async fn a_restarted_empty_redis_gets_the_scripts_again_within_two_seconds() {
     assert!(exists, "the script ran on the new server");
 }
 
+/// A rejection cached before Redis restarted empty is not kept once the gate is back on the
+/// new server: that server has no state for the key and admits it.
+#[tokio::test]
+async fn a_rejection_cached_before_redis_restarted_empty_is_forgotten_when_the_gate_is_back() {
+    let server = RedisServer::start();
+    let hourly = Limit::TokenBucket(Quota::per_hour(1).unwrap());
+    let gate = RedisGate::builder(manager(&server).await, hourly)
+        .failure_policy(FailurePolicy::Open)
+        .probe_interval(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    let rejected = gate.check("k", 1).await.unwrap();
+    assert!(!rejected.allowed && rejected.retry_after > Duration::from_secs(3_000));
+    assert_eq!(gate.cached_rejections(), 1);
+    server.restart(); // empty: no scripts, no keys
+    // Other traffic finds the failure, then the new server.
+    let start = std::time::Instant::now();
+    let mut i = 0;
+    loop {
+        i += 1;
+        let d = gate.check(&format!("other{i}"), 1).await.unwrap();
+        if !gate.is_degraded() && d.remaining < 1_000 {
+            break; // decided by Redis again (Open decisions report u64::MAX)
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "not back on Redis after 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let d = gate.check("k", 1).await.unwrap();
+    assert!(
+        d.allowed,
+        "the new server holds nothing for the key, yet the gate answered {d:?}"
+    );
+}
+
 #[tokio::test]
 async fn gated_shapes_and_gated_drop_polices() {
     let server = RedisServer::start();

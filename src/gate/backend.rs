@@ -119,6 +119,8 @@ pub(crate) struct Backend<C> {
     name: Option<String>,
     policy: &'static str,
     metrics: Metrics,
+    /// Run when the gate turns healthy again (outside the health lock).
+    on_recovery: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl<C> fmt::Debug for Backend<C> {
@@ -171,7 +173,15 @@ where
                 to_degraded: transitions("degraded"),
                 to_healthy: transitions("healthy"),
             },
+            on_recovery: None,
         }
+    }
+
+    /// Run `f` each time the gate turns healthy again after a failure (Redis answers after
+    /// an error or a timeout: it may have restarted without its data meanwhile).
+    pub(crate) fn on_recovery(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_recovery = Some(Box::new(f));
+        self
     }
 
     /// Whether a call may go to Redis now: always while healthy; while degraded, one call
@@ -281,6 +291,9 @@ where
             // Under the lock, as in `fail`.
             self.metrics.degraded.set(0.0);
             drop(health);
+            if let Some(recovered) = &self.on_recovery {
+                recovered();
+            }
             self.metrics.to_healthy.increment(1);
             tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
         }

@@ -129,8 +129,9 @@ pub(super) struct Inner<C> {
 ///   (a larger cost with the longer `retry_after` it needs: a token bucket's one emission
 ///   interval per unit more, a fixed window's the same; under the sliding algorithms only
 ///   cost `c` itself, larger ones go to Redis). Exact: T is counted from when the request
-///   was sent, so it never rejects what Redis would admit. Bounded (`reject_cache`, default
-///   10 000 keys).
+///   was sent, so it never rejects what Redis would admit. Forgotten when the gate is back
+///   on Redis after a failure (Redis may have restarted without its keys, or failed over to
+///   a replica that missed writes). Bounded (`reject_cache`, default 10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
@@ -373,14 +374,6 @@ where
         .await;
         let labels = Labels::new(self.name.as_deref());
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
-        let backend = Arc::new(Backend::new(
-            self.conn,
-            self.timeout,
-            self.probe_interval,
-            self.name.clone(),
-            self.policy.as_str(),
-            &labels,
-        ));
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),
             rejected: decisions("rejected"),
@@ -388,6 +381,20 @@ where
             cache: RejectCache::new(self.reject_cache, self.limit),
             prefix: self.prefix.len(),
         });
+        // Back on Redis after a failure: the rejections cached before may be of a Redis that
+        // has since lost its keys (restarted empty, failed over), which would admit them.
+        let forget = Arc::clone(&outcomes);
+        let backend = Arc::new(
+            Backend::new(
+                self.conn,
+                self.timeout,
+                self.probe_interval,
+                self.name.clone(),
+                self.policy.as_str(),
+                &labels,
+            )
+            .on_recovery(move || forget.cache.clear()),
+        );
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
                 calls: Default::default(),

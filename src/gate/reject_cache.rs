@@ -153,6 +153,15 @@ impl RejectCache {
     pub(crate) fn len(&self) -> usize {
         self.count.load(Ordering::Acquire)
     }
+
+    /// Forget every rejection: they were made by a Redis that may have lost its state since
+    /// (restarted without its data, failed over), and would reject what it now admits.
+    pub(crate) fn clear(&self) {
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        entries.map.clear();
+        entries.next_expiry = None;
+        self.count.store(0, Ordering::Release);
+    }
 }
 
 #[cfg(test)]

@@ -544,6 +544,61 @@ async fn a_rejection_cached_before_redis_restarted_empty_is_forgotten_when_the_g
     );
 }
 
+/// The same, when the gate sees no failure at all: a RESP3 `ConnectionManager` reconnects
+/// as soon as the server goes away, so after a quick restart with no call in between, the
+/// first call meets the new server (and its empty script cache) directly.
+#[tokio::test]
+async fn a_rejection_cached_before_a_restart_the_gate_never_saw_fail_is_forgotten() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(format!("{}?protocol=resp3", server.url())).unwrap();
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(200)))
+        .set_response_timeout(Some(Duration::from_millis(200)))
+        .set_max_delay(Duration::from_millis(100));
+    let conn = ConnectionManager::new_with_config(client, config)
+        .await
+        .unwrap();
+    let hourly = Limit::TokenBucket(Quota::per_hour(1).unwrap());
+    let gate = RedisGate::builder(conn, hourly)
+        .failure_policy(FailurePolicy::Open)
+        .probe_interval(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert!(!gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(gate.cached_rejections(), 1);
+    server.restart(); // empty: no scripts, no keys
+    // The manager is back on the new server by itself (a blocking query's own connection,
+    // and the manager's).
+    let start = std::time::Instant::now();
+    while connected_clients(&server) < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "the manager did not reconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let d = gate.check("other", 1).await.unwrap();
+    assert!(d.allowed && d.remaining < 1_000 && !gate.is_degraded());
+    let d = gate.check("k", 1).await.unwrap();
+    assert!(
+        d.allowed,
+        "the new server holds nothing for the key, yet the gate answered {d:?}"
+    );
+}
+
+/// `connected_clients` of the server's `INFO`, this query's own connection included.
+fn connected_clients(server: &RedisServer) -> u64 {
+    let info: String = server
+        .query_blocking(redis::cmd("INFO").arg("clients"))
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("connected_clients in INFO")
+}
+
 #[tokio::test]
 async fn gated_shapes_and_gated_drop_polices() {
     let server = RedisServer::start();

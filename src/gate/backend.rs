@@ -119,8 +119,9 @@ pub(crate) struct Backend<C> {
     name: Option<String>,
     policy: &'static str,
     metrics: Metrics,
-    /// Run when the gate turns healthy again (outside the health lock).
-    on_recovery: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Run when Redis may have lost its state (outside the health lock): see
+    /// [`on_reset`](Backend::on_reset).
+    on_reset: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl<C> fmt::Debug for Backend<C> {
@@ -173,15 +174,23 @@ where
                 to_degraded: transitions("degraded"),
                 to_healthy: transitions("healthy"),
             },
-            on_recovery: None,
+            on_reset: None,
         }
     }
 
-    /// Run `f` each time the gate turns healthy again after a failure (Redis answers after
-    /// an error or a timeout: it may have restarted without its data meanwhile).
-    pub(crate) fn on_recovery(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
-        self.on_recovery = Some(Box::new(f));
+    /// Run `f` each time Redis may have lost its state: it answers again after a failure
+    /// (it may have restarted without its data meanwhile), or it does not have a script
+    /// (`NOSCRIPT`: restarted, failed over or flushed, perhaps with no failure seen here,
+    /// as when a connection reconnects by itself).
+    pub(crate) fn on_reset(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_reset = Some(Box::new(f));
         self
+    }
+
+    fn reset(&self) {
+        if let Some(reset) = &self.on_reset {
+            reset();
+        }
     }
 
     /// Whether a call may go to Redis now: always while healthy; while degraded, one call
@@ -221,8 +230,11 @@ where
     ) -> Result<Vec<i64>, CallError> {
         let started = Instant::now();
         let mut conn = self.conn.clone();
-        let reply =
-            tokio::time::timeout(within, query::<_, Vec<i64>>(&mut conn, script, cmd)).await;
+        let reply = tokio::time::timeout(
+            within,
+            query::<_, Vec<i64>>(&mut conn, script, cmd, || self.reset()),
+        )
+        .await;
         self.metrics.latency.record(started.elapsed().as_secs_f64());
         let error = match reply {
             Ok(Ok(v)) if v.len() == len => {
@@ -291,9 +303,7 @@ where
             // Under the lock, as in `fail`.
             self.metrics.degraded.set(0.0);
             drop(health);
-            if let Some(recovered) = &self.on_recovery {
-                recovered();
-            }
+            self.reset();
             self.metrics.to_healthy.increment(1);
             tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
         }
@@ -301,11 +311,12 @@ where
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
-/// have the script (restarted or flushed), load it and send the command again.
+/// have the script (restarted or flushed), call `reset`, load it and send the command again.
 async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,
     cmd: &redis::Cmd,
+    reset: impl FnOnce(),
 ) -> redis::RedisResult<T>
 where
     C: ConnectionLike,
@@ -313,6 +324,7 @@ where
 {
     match cmd.query_async(conn).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            reset();
             script.load_async(conn).await?;
             cmd.query_async(conn).await
         }

@@ -129,9 +129,10 @@ pub(super) struct Inner<C> {
 ///   (a larger cost with the longer `retry_after` it needs: a token bucket's one emission
 ///   interval per unit more, a fixed window's the same; under the sliding algorithms only
 ///   cost `c` itself, larger ones go to Redis). Exact: T is counted from when the request
-///   was sent, so it never rejects what Redis would admit. Forgotten when the gate is back
-///   on Redis after a failure (Redis may have restarted without its keys, or failed over to
-///   a replica that missed writes). Bounded (`reject_cache`, default 10 000 keys).
+///   was sent, so it never rejects what Redis would admit. Forgotten when Redis may have
+///   lost its keys (restarted empty, failed over to a replica that missed writes): when the
+///   gate is back on Redis after a failure, and when Redis no longer has the gate's scripts.
+///   Bounded (`reject_cache`, default 10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
@@ -381,8 +382,8 @@ where
             cache: RejectCache::new(self.reject_cache, self.limit),
             prefix: self.prefix.len(),
         });
-        // Back on Redis after a failure: the rejections cached before may be of a Redis that
-        // has since lost its keys (restarted empty, failed over), which would admit them.
+        // Redis may have lost its keys (restarted empty, failed over: back after a failure,
+        // or without its scripts): the rejections cached before would refuse what it admits.
         let forget = Arc::clone(&outcomes);
         let backend = Arc::new(
             Backend::new(
@@ -393,7 +394,7 @@ where
                 self.policy.as_str(),
                 &labels,
             )
-            .on_recovery(move || forget.cache.clear()),
+            .on_reset(move || forget.cache.clear()),
         );
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {

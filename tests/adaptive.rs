@@ -981,3 +981,71 @@ fn probe_cuts_an_app_limited_caller_down_to_a_lower_knee() {
         "a limit of {highest} after the knee dropped to 15"
     );
 }
+
+/// `Sample::now` comes from the caller's clock when an algorithm is driven directly, and a
+/// clock can step back (a wall clock corrected after it jumped an hour ahead). One
+/// back-pressure sample stamped an hour ahead made its instant the last cut, so no later
+/// back-pressure sample (all of them "started before" it) cut again until the clock caught
+/// up: each algorithm ignored an overload for an hour.
+#[test]
+fn back_pressure_cuts_again_after_the_clock_stepped_back() {
+    let algorithms: Vec<Box<dyn AdaptiveLimit>> = vec![
+        Box::new(Aimd::builder().build().unwrap()),
+        Box::new(Vegas::builder().build().unwrap()),
+        Box::new(Gradient2::builder().build().unwrap()),
+        Box::new(Probe::builder().initial(20).build().unwrap()),
+    ];
+    let mut after = Vec::new();
+    for mut algorithm in algorithms {
+        let busy = |now: Duration| Sample {
+            rtt: 10 * MS,
+            in_flight: 20,
+            outcome: Outcome::BackPressure,
+            now,
+        };
+        algorithm.update(&busy(Duration::from_secs(3_600)));
+        let cut_once = algorithm.limit();
+        // Back on time: five overloads a second apart, each call started after the last cut.
+        for s in 1..=5 {
+            algorithm.update(&busy(Duration::from_secs(s)));
+        }
+        after.push((algorithm.name(), cut_once > algorithm.limit()));
+    }
+    let cut = [
+        ("aimd", true),
+        ("vegas", true),
+        ("gradient2", true),
+        ("probe", true),
+    ];
+    assert_eq!(after, cut, "each cuts again once the clock is back");
+}
+
+/// Probe's window opened at the instant of the sample that closed the last one: with that
+/// instant an hour ahead (a clock that then stepped back), every later call "started before
+/// the window opened" and was ignored, so the limit froze for an hour. Here in slow start:
+/// 4 → 8 on the window the stray sample closes, then it stayed 8 under calls that reach it.
+#[test]
+fn probe_learns_again_after_the_clock_stepped_back() {
+    let mut probe = Probe::builder().initial(4).build().unwrap();
+    let call = |in_flight: u32, now: Duration| Sample {
+        rtt: 10 * MS,
+        in_flight,
+        outcome: Outcome::Ok,
+        now,
+    };
+    for _ in 0..3 {
+        probe.update(&call(4, 10 * MS));
+    }
+    probe.update(&call(4, Duration::from_secs(3_600)));
+    assert_eq!(probe.limit(), 8, "slow start doubles");
+    // Back on time: calls that reach the limit, one window of them after another.
+    let mut now = 10 * MS;
+    for _ in 0..200 {
+        now += 10 * MS;
+        let limit = probe.limit();
+        for _ in 0..limit {
+            probe.update(&call(limit, now));
+        }
+    }
+    assert!(probe.limit() >= 64, "still {} after 2 s", probe.limit());
+}

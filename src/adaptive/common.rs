@@ -323,4 +323,21 @@ mod tests {
         m.update(at(50), at(29_000));
         assert_eq!(m.get(), Some(at(50)));
     }
+
+    /// A clock that stepped back (a sample stamped an hour ahead, then time as before) does
+    /// not pin a minimum: the interval it started an hour ahead ends at that instant, so the
+    /// minimum seen then was read until the clock caught up.
+    #[test]
+    fn a_minimum_is_forgotten_after_the_clock_stepped_back() {
+        let at = |ms: u64| Duration::from_millis(ms);
+        let mut m = WindowMin::new(W);
+        m.update(at(1), at(3_600_000));
+        m.update(at(50), at(1_000));
+        m.update(at(50), at(21_000));
+        assert_eq!(
+            m.get(),
+            Some(at(50)),
+            "two windows after the clock came back"
+        );
+    }
 }

@@ -219,8 +219,13 @@ impl WindowMin {
         if rtt.is_zero() {
             return;
         }
-        let started = *self.started.get_or_insert(now);
-        let elapsed = now.saturating_sub(started);
+        // A clock that stepped back behind the interval's start starts it again at `now`:
+        // else the interval would last until the clock caught up, pinning its minimum.
+        let started = match self.started {
+            Some(started) if started <= now => started,
+            _ => *self.started.insert(now),
+        };
+        let elapsed = now - started;
         if elapsed >= self.window {
             // Two windows or more since: the previous interval is empty.
             self.previous = if elapsed >= self.window.saturating_mul(2) {
@@ -265,11 +270,13 @@ impl Epoch {
     /// Whether a call that took `rtt` and ended at `now` started after the last cut (and so
     /// may cut again); if so, the cut is recorded at `now`. A call that started at the
     /// cut's very instant was in flight then (calls refused at once, with a zero round
-    /// trip, all end at the instant they started): it does not cut again.
+    /// trip, all end at the instant they started): it does not cut again. A call that ended
+    /// before the last cut was made shows a clock that stepped back since: it starts a new
+    /// epoch (else no call would cut until the clock caught up with the old one).
     pub(crate) fn cut(&mut self, rtt: Duration, now: Duration) -> bool {
         let started = now.saturating_sub(rtt);
         match self.last_cut {
-            Some(at) if started <= at => false,
+            Some(at) if started <= at && now >= at => false,
             _ => {
                 self.last_cut = Some(now);
                 true

@@ -415,6 +415,12 @@ impl AdaptiveLimit for Probe {
             return self.limit();
         }
         self.min.update(sample.rtt, sample.now);
+        if sample.now < self.window.opened {
+            // The clock stepped back behind the window's opening: it opens again now, or
+            // every call would count as started before it until the clock caught up.
+            self.open(sample.now);
+            return self.limit();
+        }
         let started = sample.now.saturating_sub(sample.rtt);
         if started < self.window.opened {
             // Started under an older limit: says nothing about this one.

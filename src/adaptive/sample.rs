@@ -37,6 +37,10 @@ pub struct Sample {
     pub outcome: Outcome,
     /// When it ended, as time since the limit was created (the algorithms take `now`
     /// explicitly, as the [`limit`](crate::limit) math does, so they are deterministic).
+    /// Feed samples in the order of their `now` (read the clock where the samples are
+    /// serialized, as a bulkhead does under its algorithm's lock): a `now` earlier than an
+    /// earlier sample's is taken as a clock that stepped back, the clock's new time, and
+    /// flowgate's algorithms carry on from it rather than wait for the old one.
     pub now: Duration,
 }
 

@@ -175,21 +175,24 @@ impl Adaptive {
     /// Feed the sample of a call granted at `grant` that ended now with `outcome`; answers
     /// the `max_in_flight` to apply (the latest target, whoever set it).
     pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> u32 {
-        let now = Instant::now();
         self.counts[index(outcome)].fetch_add(1, Ordering::Relaxed);
         self.metrics.samples[index(outcome)].increment(1);
         if index(outcome) == 2 {
             // Ignored: nothing to learn, and no lock to take.
             return self.target();
         }
-        let sample = Sample {
-            rtt: now.saturating_duration_since(grant.at),
-            in_flight: grant.in_flight,
-            outcome,
-            now: now.saturating_duration_since(self.epoch),
-        };
         let changes = {
             let mut learner = self.lock();
+            // The clock is read under the lock, so the algorithm sees `now` in order: a
+            // `now` earlier than the last one is a clock that stepped back (see
+            // `Sample::now`), never a sample that lost a race for the lock.
+            let now = Instant::now();
+            let sample = Sample {
+                rtt: now.saturating_duration_since(grant.at),
+                in_flight: grant.in_flight,
+                outcome,
+                now: now.saturating_duration_since(self.epoch),
+            };
             let limit = max_in_flight(
                 learner.algorithm.update(&sample),
                 self.reserve,

@@ -1005,6 +1005,70 @@ async fn a_waiter_closed_out_counts_its_refusal_even_if_dropped_unpolled() {
     assert_eq!(closed(), 2, "each refused waiter counted once");
 }
 
+/// A metrics recorder is user code: here one that reads the bulkhead's `waiting()` whenever
+/// a gauge moves (an exporter snapshotting it), which takes the waiters' lock. The
+/// `waiting` and `in_flight` gauges were moved under that lock, so the first acquisition
+/// that had to queue deadlocked (and so did a release to a waiter, a resize, a close).
+#[cfg(feature = "metrics")]
+#[test]
+fn the_gauges_are_moved_outside_the_waiters_lock() {
+    use std::sync::mpsc::RecvTimeoutError;
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1).name("snapshots").build().unwrap()
+    });
+    let exporter = b.clone();
+    recorder.on_gauge(move || {
+        let _ = exporter.waiting();
+    });
+    // On a thread of its own, so a deadlock fails the test instead of hanging it.
+    let (done, finished) = std::sync::mpsc::channel();
+    let bulkhead = b.clone();
+    let thread = std::thread::spawn(move || {
+        let b = bulkhead;
+        let held = b.try_acquire().unwrap();
+        let mut waiter = Box::pin(b.acquire());
+        let _ = done.send("queued");
+        assert!(futures::executor::block_on(async { poll!(waiter.as_mut()) }).is_pending());
+        let _ = done.send("released");
+        drop(held);
+        let permit = futures::executor::block_on(waiter).unwrap();
+        let _ = done.send("resized");
+        b.set_max_in_flight(2).unwrap();
+        drop(permit);
+        let mut waiters = vec![Box::pin(b.acquire_owned()), Box::pin(b.acquire_owned())];
+        let _held = (
+            b.try_acquire_owned().unwrap(),
+            b.try_acquire_owned().unwrap(),
+        );
+        for w in &mut waiters {
+            assert!(futures::executor::block_on(async { poll!(w.as_mut()) }).is_pending());
+        }
+        let _ = done.send("closed");
+        b.close();
+        let _ = done.send("done");
+    });
+    let mut reached = "started";
+    loop {
+        match finished.recv_timeout(Duration::from_secs(10)) {
+            Ok("done") => break,
+            Ok(step) => reached = step,
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("deadlocked once {reached}: a gauge moved under the waiters' lock")
+            }
+            Err(RecvTimeoutError::Disconnected) => panic!("the thread panicked once {reached}"),
+        }
+    }
+    thread.join().unwrap();
+    let gauge = |id: &str| recorder.gauge(&format!("flowgate_bulkhead_{id}{{name=snapshots}}"));
+    assert_eq!(
+        (gauge("waiting"), gauge("in_flight")),
+        (Some(0.0), Some(0.0))
+    );
+    assert_eq!((b.waiting(), b.in_flight()), (0, 0));
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn metrics_by_name_and_reason() {

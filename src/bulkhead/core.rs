@@ -71,6 +71,52 @@ impl Metrics {
     }
 }
 
+/// The metric changes made under the waiters' lock, recorded after it: a metrics recorder
+/// is user code (an exporter that reads the bulkhead's `waiting()` takes the lock again).
+/// Declare it before the lock's guard, so it is dropped, and records, after the guard. The
+/// `waiting` gauge moves by the change from the length last published (worked out under the
+/// lock): changes commute, so it ends at the latest length whichever thread records last.
+struct Moves<'a> {
+    metrics: &'a Metrics,
+    /// Permits taken (+) and returned (−).
+    in_flight: i64,
+    waiting: f64,
+    rejected: [u64; 4],
+}
+
+impl<'a> Moves<'a> {
+    fn new(metrics: &'a Metrics) -> Moves<'a> {
+        Moves {
+            metrics,
+            in_flight: 0,
+            waiting: 0.0,
+            rejected: [0; 4],
+        }
+    }
+
+    /// Count a refusal (after the lock).
+    fn refuse(&mut self, why: AcquireError) -> AcquireError {
+        self.rejected[why as usize] += 1;
+        why
+    }
+}
+
+impl Drop for Moves<'_> {
+    fn drop(&mut self) {
+        if self.in_flight != 0 {
+            self.metrics.in_flight.add(self.in_flight as f64);
+        }
+        if self.waiting != 0.0 {
+            self.metrics.waiting.add(self.waiting);
+        }
+        for (counter, &n) in self.metrics.rejected.iter().zip(&self.rejected) {
+            if n > 0 {
+                counter.increment(n);
+            }
+        }
+    }
+}
+
 /// A waiter's entry: what it is, and what it was granted.
 struct Waiter {
     /// A waiting-room waiter (`true`), or a stream adapter's (outside the room, never shed).
@@ -96,6 +142,8 @@ struct Waiters {
     /// list); the limit growing wakes those whose entry says so (`true`: the former), which
     /// keep their places.
     parked: WaiterList<bool>,
+    /// The length last added to the `waiting` gauge (see [`Moves`]).
+    published: usize,
 }
 
 impl Waiters {
@@ -214,6 +262,13 @@ pub(crate) enum Polled {
     Acquired,
     Refused(AcquireError),
     Pending,
+}
+
+/// The `waiting` gauge's change since it was last published, to record after the lock.
+fn publish_waiting(w: &mut Waiters, moves: &mut Moves<'_>) {
+    let len = w.len();
+    moves.waiting += len as f64 - w.published as f64;
+    w.published = len;
 }
 
 impl Core {
@@ -390,7 +445,12 @@ impl Core {
     }
 
     /// Take a permit if this priority may have one right now, respecting the queue.
-    fn try_locked(&self, w: &Waiters, priority: Priority) -> Option<Result<(), AcquireError>> {
+    fn try_locked(
+        &self,
+        w: &Waiters,
+        priority: Priority,
+        moves: &mut Moves<'_>,
+    ) -> Option<Result<(), AcquireError>> {
         let ahead = match priority {
             Priority::Critical => !w.critical.is_empty(),
             Priority::Normal => w.len() > 0,
@@ -398,7 +458,7 @@ impl Core {
         let mut s = self.state.load(Ordering::Acquire);
         loop {
             if s & CLOSED != 0 {
-                return Some(Err(self.refuse(AcquireError::Closed)));
+                return Some(Err(moves.refuse(AcquireError::Closed)));
             }
             if ahead || in_flight_of(s) >= self.cap(max_of(s), priority) {
                 return None;
@@ -408,7 +468,7 @@ impl Core {
                 .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    self.acquired();
+                    moves.in_flight += 1;
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -421,9 +481,10 @@ impl Core {
         if let Some(r) = self.try_fast(priority) {
             return r;
         }
+        let mut moves = Moves::new(&self.metrics);
         let w = self.lock();
-        self.try_locked(&w, priority)
-            .unwrap_or_else(|| Err(self.refuse(AcquireError::NoPermit)))
+        self.try_locked(&w, priority, &mut moves)
+            .unwrap_or_else(|| Err(moves.refuse(AcquireError::NoPermit)))
     }
 
     fn set_flag(&self, flag: u64, on: bool) {
@@ -445,13 +506,14 @@ impl Core {
     ) -> Polled {
         // Declared before the lock: the wakers go after it is released.
         let mut out = Deferred::default();
+        let mut moves = Moves::new(&self.metrics);
         let mut w = self.lock();
-        if let Some((queued, key)) = ticket.0 {
-            return self.poll_queued(&mut w, cx, queued, key, ticket, &mut out);
+        if let Some(queued) = ticket.0 {
+            return self.poll_queued(&mut w, cx, queued, ticket, &mut out, &mut moves);
         }
         // Flag first, so releasers that race us come through the lock and see the queue.
         self.set_flag(WAITERS, true);
-        if let Some(r) = self.try_locked(&w, priority) {
+        if let Some(r) = self.try_locked(&w, priority, &mut moves) {
             if w.len() == 0 {
                 self.set_flag(WAITERS, false);
             }
@@ -469,7 +531,7 @@ impl Core {
             if w.len() == 0 {
                 self.set_flag(WAITERS, false);
             }
-            return Polled::Refused(self.refuse(AcquireError::WaitingRoomFull));
+            return Polled::Refused(moves.refuse(AcquireError::WaitingRoomFull));
         }
         let key = w.queue(priority).push_back(
             cx.waker(),
@@ -482,7 +544,7 @@ impl Core {
             w.unbounded += 1;
         }
         ticket.0 = Some((priority, key));
-        self.metrics.waiting.set(w.len() as f64);
+        publish_waiting(&mut w, &mut moves);
         Polled::Pending
     }
 
@@ -490,10 +552,10 @@ impl Core {
         &self,
         w: &mut Waiters,
         cx: &mut Context<'_>,
-        priority: Priority,
-        key: Key,
+        (priority, key): (Priority, Key),
         ticket: &mut Ticket,
         out: &mut Deferred,
+        moves: &mut Moves<'_>,
     ) -> Polled {
         let q = w.queue(priority);
         match q.status(key) {
@@ -501,7 +563,7 @@ impl Core {
                 ticket.0 = None;
                 match q.claim(key) {
                     Some(Waiter { shed: true, .. }) => {
-                        Polled::Refused(self.refuse(AcquireError::WaitingRoomFull))
+                        Polled::Refused(moves.refuse(AcquireError::WaitingRoomFull))
                     }
                     _ => Polled::Acquired,
                 }
@@ -514,10 +576,10 @@ impl Core {
             Status::Waiting | Status::Gone => {
                 if let Cancelled::Waiting(waiter) = q.cancel(key, out) {
                     w.left(&waiter);
-                    self.settle(w);
+                    self.settle(w, moves);
                 }
                 ticket.0 = None;
-                Polled::Refused(self.refuse(AcquireError::Closed))
+                Polled::Refused(moves.refuse(AcquireError::Closed))
             }
         }
     }
@@ -530,16 +592,17 @@ impl Core {
             return Left::Removed;
         };
         let mut out = Deferred::default();
+        let mut moves = Moves::new(&self.metrics);
         let mut w = self.lock();
         match w.queue(priority).cancel(key, &mut out) {
             Cancelled::Waiting(waiter) => {
                 w.left(&waiter);
-                self.settle(&w);
+                self.settle(&mut w, &mut moves);
                 Left::Removed
             }
             // Shed, and gone before it polled again: still a refusal.
             Cancelled::Granted(Waiter { shed: true, .. }) => {
-                Left::Shed(self.refuse(AcquireError::WaitingRoomFull))
+                Left::Shed(moves.refuse(AcquireError::WaitingRoomFull))
             }
             Cancelled::Granted(_) => Left::Permit,
             Cancelled::Gone => Left::Closed,
@@ -607,17 +670,18 @@ impl Core {
     #[cold]
     fn release_slow(&self) {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(&self.metrics);
         let mut w = self.lock();
         self.state.fetch_sub(1, Ordering::AcqRel);
-        self.metrics.in_flight.add(-1.0);
+        moves.in_flight -= 1;
         // One permit came back: at most one waiter can be served.
-        self.grant_next(&mut w, &mut out);
-        self.settle(&w);
+        self.grant_next(&mut w, &mut out, &mut moves);
+        self.settle(&mut w, &mut moves);
     }
 
     /// Hand one free permit to the next waiter (critical first, then normal, FIFO within
     /// each), if there is a free permit and a waiter; false if not.
-    fn grant_next(&self, w: &mut Waiters, out: &mut Deferred) -> bool {
+    fn grant_next(&self, w: &mut Waiters, out: &mut Deferred, moves: &mut Moves<'_>) -> bool {
         loop {
             let s = self.state.load(Ordering::Acquire);
             let (n, max) = (in_flight_of(s), max_of(s));
@@ -633,7 +697,7 @@ impl Core {
                 .compare_exchange(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                self.acquired();
+                moves.in_flight += 1;
                 w.grant_front(priority, out);
                 return true;
             }
@@ -641,17 +705,18 @@ impl Core {
     }
 
     /// After the queue changed: clear the flag if nobody waits, update the gauge.
-    fn settle(&self, w: &Waiters) {
+    fn settle(&self, w: &mut Waiters, moves: &mut Moves<'_>) {
         if w.len() == 0 {
             self.set_flag(WAITERS, false);
         }
-        self.metrics.waiting.set(w.len() as f64);
+        publish_waiting(w, moves);
     }
 
     /// Change `max_in_flight`; a larger one wakes waiters at once, and the holders parked
     /// for it.
     pub(crate) fn set_max_in_flight(&self, max: u32) {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(&self.metrics);
         let mut w = self.lock();
         let mut s = self.state.load(Ordering::Acquire);
         loop {
@@ -665,17 +730,18 @@ impl Core {
             }
         }
         // Hand every free permit to waiters.
-        while self.grant_next(&mut w, &mut out) {}
+        while self.grant_next(&mut w, &mut out, &mut moves) {}
         if max > max_of(s) {
             self.wake_parked_for_growth(&w, &mut out);
         }
-        self.settle(&w);
+        self.settle(&mut w, &mut moves);
     }
 
     /// Refuse new acquisitions and wake every waiter (they fail with `Closed`). Permits in
     /// flight stay valid.
     pub(crate) fn close(&self) {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(&self.metrics);
         let mut w = self.lock();
         self.set_flag(CLOSED, true);
         // Queued waiters are removed and woken; their next poll sees `closed`. Grants not
@@ -689,7 +755,7 @@ impl Core {
         }
         w.unbounded = 0;
         self.set_flag(WAITERS, false);
-        self.metrics.waiting.set(0.0);
+        publish_waiting(&mut w, &mut moves);
     }
 }
 

@@ -1069,6 +1069,47 @@ fn the_gauges_are_moved_outside_the_waiters_lock() {
     assert_eq!((b.waiting(), b.in_flight()), (0, 0));
 }
 
+/// A metrics recorder that panics while an acquisition records its permit in
+/// `flowgate_bulkhead_in_flight` unwinds the acquisition after the permit was taken and
+/// before anyone held it: the permit was lost for good, the bulkhead one permit short
+/// (here the one normal permit: every later acquisition refused), both when the permit was
+/// free at once and when it was taken under the lock (a critical one, with a normal
+/// waiter queued).
+#[cfg(feature = "metrics")]
+#[test]
+fn a_panicking_recorder_does_not_leak_the_permit_it_records() {
+    use std::panic::catch_unwind;
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(2)
+            .critical_reserve(1)
+            .name("leaky")
+            .build()
+            .unwrap()
+    });
+    let in_flight = "flowgate_bulkhead_in_flight{name=leaky}";
+    recorder.panic_on(in_flight, true);
+    let taken = catch_unwind(AssertUnwindSafe(|| drop(b.try_acquire())));
+    assert!(taken.is_err(), "the recorder panicked");
+    recorder.panic_on(in_flight, false);
+    assert_eq!(b.in_flight(), 0, "free at once: not leaked");
+    let held = b.try_acquire().unwrap();
+    let mut waiter = Box::pin(b.acquire());
+    let polled = futures::executor::block_on(async { poll!(waiter.as_mut()) });
+    assert!(polled.is_pending());
+    recorder.panic_on(in_flight, true);
+    let taken = catch_unwind(AssertUnwindSafe(|| {
+        drop(b.try_acquire_with(Priority::Critical))
+    }));
+    assert!(taken.is_err(), "the recorder panicked");
+    recorder.panic_on(in_flight, false);
+    assert_eq!(b.in_flight(), 1, "taken under the lock: not leaked");
+    drop(held);
+    drop(futures::executor::block_on(waiter).unwrap());
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn metrics_by_name_and_reason() {

@@ -122,10 +122,11 @@ impl Waiter {
 }
 
 /// A wait that ended with a permit: its length goes to the wait-time histogram (bounded
-/// waits only: `since` is set for them alone).
+/// waits only: `since` is set for them alone). Nobody holds the permit yet: a recorder that
+/// panics gives it back.
 fn record_wait(core: &Core, since: &mut Option<Instant>) {
     if let Some(since) = since.take() {
-        core.record_wait(since.elapsed());
+        core.holding(|| core.record_wait(since.elapsed()));
     }
 }
 

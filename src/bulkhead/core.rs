@@ -8,6 +8,7 @@
 //! waiter is owed.
 
 use std::fmt;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Context;
@@ -77,20 +78,24 @@ impl Metrics {
 /// `waiting` gauge moves by the change from the length last published (worked out under the
 /// lock): changes commute, so it ends at the latest length whichever thread records last.
 struct Moves<'a> {
-    metrics: &'a Metrics,
+    core: &'a Core,
     /// Permits taken (+) and returned (−).
     in_flight: i64,
     waiting: f64,
     rejected: [u64; 4],
+    /// A permit taken for the caller, which nobody holds until this call returns: given back
+    /// if the recorder panics.
+    taken: bool,
 }
 
 impl<'a> Moves<'a> {
-    fn new(metrics: &'a Metrics) -> Moves<'a> {
+    fn new(core: &'a Core) -> Moves<'a> {
         Moves {
-            metrics,
+            core,
             in_flight: 0,
             waiting: 0.0,
             rejected: [0; 4],
+            taken: false,
         }
     }
 
@@ -101,18 +106,29 @@ impl<'a> Moves<'a> {
     }
 }
 
-impl Drop for Moves<'_> {
-    fn drop(&mut self) {
+impl Moves<'_> {
+    fn record(&self) {
+        let metrics = &self.core.metrics;
         if self.in_flight != 0 {
-            self.metrics.in_flight.add(self.in_flight as f64);
+            metrics.in_flight.add(self.in_flight as f64);
         }
         if self.waiting != 0.0 {
-            self.metrics.waiting.add(self.waiting);
+            metrics.waiting.add(self.waiting);
         }
-        for (counter, &n) in self.metrics.rejected.iter().zip(&self.rejected) {
+        for (counter, &n) in metrics.rejected.iter().zip(&self.rejected) {
             if n > 0 {
                 counter.increment(n);
             }
+        }
+    }
+}
+
+impl Drop for Moves<'_> {
+    fn drop(&mut self) {
+        if self.taken {
+            self.core.holding(|| self.record());
+        } else {
+            self.record();
         }
     }
 }
@@ -346,7 +362,17 @@ impl Core {
     /// A permit was taken. The gauge moves by one rather than being set to the count this
     /// thread saw: changes recorded by racing threads, in any order, add up to the count.
     fn acquired(&self) {
-        self.metrics.in_flight.add(1.0);
+        self.holding(|| self.metrics.in_flight.add(1.0));
+    }
+
+    /// Record metrics (user code) for a permit just taken that nobody holds yet: if the
+    /// recorder panics, the permit is given back before the panic goes on, or it would be
+    /// lost for good.
+    pub(crate) fn holding(&self, record: impl FnOnce()) {
+        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(record)) {
+            self.release();
+            std::panic::resume_unwind(panic);
+        }
     }
 
     /// Whether a holder (a stream adapter, normal priority) may pass its permit straight on
@@ -469,6 +495,7 @@ impl Core {
             {
                 Ok(_) => {
                     moves.in_flight += 1;
+                    moves.taken = true;
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -481,7 +508,7 @@ impl Core {
         if let Some(r) = self.try_fast(priority) {
             return r;
         }
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let w = self.lock();
         self.try_locked(&w, priority, &mut moves)
             .unwrap_or_else(|| Err(moves.refuse(AcquireError::NoPermit)))
@@ -506,7 +533,7 @@ impl Core {
     ) -> Polled {
         // Declared before the lock: the wakers go after it is released.
         let mut out = Deferred::default();
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let mut w = self.lock();
         if let Some(queued) = ticket.0 {
             return self.poll_queued(&mut w, cx, queued, ticket, &mut out, &mut moves);
@@ -592,7 +619,7 @@ impl Core {
             return Left::Removed;
         };
         let mut out = Deferred::default();
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let mut w = self.lock();
         match w.queue(priority).cancel(key, &mut out) {
             Cancelled::Waiting(waiter) => {
@@ -670,7 +697,7 @@ impl Core {
     #[cold]
     fn release_slow(&self) {
         let mut out = Deferred::default();
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let mut w = self.lock();
         self.state.fetch_sub(1, Ordering::AcqRel);
         moves.in_flight -= 1;
@@ -716,7 +743,7 @@ impl Core {
     /// for it.
     pub(crate) fn set_max_in_flight(&self, max: u32) {
         let mut out = Deferred::default();
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let mut w = self.lock();
         let mut s = self.state.load(Ordering::Acquire);
         loop {
@@ -741,7 +768,7 @@ impl Core {
     /// flight stay valid.
     pub(crate) fn close(&self) {
         let mut out = Deferred::default();
-        let mut moves = Moves::new(&self.metrics);
+        let mut moves = Moves::new(self);
         let mut w = self.lock();
         self.set_flag(CLOSED, true);
         // Queued waiters are removed and woken; their next poll sees `closed`. Grants not

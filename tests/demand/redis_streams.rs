@@ -984,3 +984,39 @@ async fn a_recorder_panicking_on_a_stale_ack_lets_the_background_task_end() {
         "the source's connection is still open: its background task never ended"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_consumer_reading_on_keeps_well_over_500_held_entries_from_other_consumers() {
+    const HELD: usize = 1_500;
+    let (server, mut con) = with_entries(HELD as u32).await;
+    // min_idle at its least, three times block: the keep-alive runs every 100 ms, and a
+    // read in progress holds up a command sent behind it on the connection by 100 ms.
+    let src = RedisStreamSource::builder(server.connect().await, KEY, GROUP, "a")
+        .block(Duration::from_millis(100))
+        .min_idle(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let mut a = Box::pin(prefetch(src, levels(HELD, 0)));
+    let held = take(&mut a, HELD).await;
+    // a's loop waits for more: one blocking read after another, while the work goes on.
+    let reading = tokio::spawn(async move {
+        loop {
+            if let Some(e) = a.next().await {
+                panic!("a got {:?} again", e.map(|e| e.id));
+            }
+        }
+    });
+    let mut b = Box::pin(prefetch(source(&server, "b").await, levels(HELD, 0)));
+    let mut taken = Vec::new();
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(2_000) {
+        taken.extend(next(&mut b).await);
+    }
+    reading.abort();
+    assert_eq!(taken.len(), 0, "b took entries a holds");
+    for e in held {
+        e.ack.ack();
+    }
+    assert_eq!(drained(&mut con).await, 0);
+}

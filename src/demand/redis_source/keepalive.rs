@@ -65,14 +65,36 @@ pub(super) async fn keep_in_background<C: ConnectionLike>(
         }
         if Instant::now() >= next_touch {
             let held: Vec<String> = queue.lock().held.iter().cloned().collect();
-            for ids in held.chunks(KEEPALIVE_CHUNK) {
-                let mut call = keepalive.key(&cfg.key);
-                call.arg(&cfg.group).arg(&cfg.consumer).arg(ids);
-                // A failed keep-alive is harmless: the next one comes `every` later, and at
-                // worst an entry is claimed by another consumer (at-least-once).
-                let _: RedisResult<u64> = call.invoke_async(&mut conn).await;
-            }
+            touch(&keepalive, &mut conn, &cfg, &held).await;
             next_touch = Instant::now() + every;
         }
     }
+}
+
+/// Resets the idle time of the `held` entries this consumer still owns, in one round trip:
+/// the calls of every chunk go in one pipeline, so a read the source sends meanwhile on the
+/// same connection holds up the whole keep-alive once (up to `block`), never once per chunk
+/// (which let the entries of the later chunks go idle past `min_idle` while held).
+///
+/// A failed keep-alive is harmless: the next one comes `min_idle / 3` later, and at worst
+/// an entry is claimed by another consumer (at-least-once).
+async fn touch<C: ConnectionLike>(
+    keepalive: &redis::Script,
+    conn: &mut C,
+    cfg: &Config,
+    held: &[String],
+) {
+    if held.is_empty() {
+        return;
+    }
+    let mut pipe = redis::pipe();
+    // A pipelined call does not load a script Redis lacks (restarted, `SCRIPT FLUSH`): it
+    // is loaded first, in the same round trip.
+    pipe.cmd("SCRIPT").arg("LOAD").arg(KEEPALIVE).ignore();
+    for ids in held.chunks(KEEPALIVE_CHUNK) {
+        let mut call = keepalive.key(&cfg.key);
+        call.arg(&cfg.group).arg(&cfg.consumer).arg(ids);
+        pipe.invoke_script(&call).ignore();
+    }
+    let _: RedisResult<()> = pipe.query_async(conn).await;
 }

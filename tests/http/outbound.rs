@@ -568,6 +568,59 @@ async fn a_post_is_not_sent_again_after_a_timeout_or_a_500_but_the_budget_hears_
     assert_eq!(budget.tokens(), 9.0);
 }
 
+/// A classifier that calls a transport error back-pressure (a client's own timeout, as
+/// `Outcome::BackPressure`'s docs list "a timeout"): the POST may have been acted on, as
+/// after the layer's own attempt timeout, so it is not sent again; a GET is.
+#[tokio::test(start_paused = true)]
+async fn a_post_is_not_sent_again_after_a_transport_error_classified_as_back_pressure() {
+    let classify = |r: &Result<Response<String>, Refused>| match r {
+        Ok(res) => flowgate::retry::HttpClassify::new().outcome(res.status(), res.headers()),
+        Err(_) => flowgate::retry::Outcome::BackPressure { retry_after: None },
+    };
+    let timing_out = |calls: &Arc<AtomicU32>| {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<String>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if n == 1 {
+                    Err(Refused(n))
+                } else {
+                    Ok(answer(201, String::new(), None))
+                }
+            }
+        })
+    };
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let budget = RetryBudget::new(10, 0.1).unwrap();
+    let policy = RetryPolicy::builder(backoff(3))
+        .pacer(pacer.clone())
+        .budget(budget.clone())
+        .build()
+        .unwrap();
+
+    let calls = Arc::new(AtomicU32::new(0));
+    let client = RetryLayer::new(policy.clone())
+        .classify(classify)
+        .layer(timing_out(&calls));
+    let err = client.oneshot(request(Method::POST)).await.unwrap_err();
+    assert!(matches!(err, RetryError::Inner(Refused(1))), "{err:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the POST was sent again");
+    // Back-pressure for the pacer all the same, and a failed attempt for the budget.
+    assert_eq!(pacer.status().cuts, 1);
+    assert_eq!(budget.tokens(), 9.0);
+
+    // A GET is sent again.
+    let calls = Arc::new(AtomicU32::new(0));
+    let client = RetryLayer::new(policy)
+        .classify(classify)
+        .layer(timing_out(&calls));
+    let res = client.oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_budget_stops_retries_and_returns_the_last_response() {
     let server = Scripted::new();

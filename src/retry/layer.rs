@@ -52,8 +52,10 @@ const IDEMPOTENT: [Method; 6] = [
 ///
 /// The layer retries a [`Retry`](Outcome::Retry) only for the methods it is told are safe
 /// to send twice (by default the idempotent ones; see [`RetryLayer::retry_methods`]), so a
-/// `POST` that met a `500` is not sent again. Back-pressure is retried for every method:
-/// a `429` or `503` refuses the request without acting on it.
+/// `POST` that met a `500` is not sent again. Back-pressure in a response is retried for
+/// every method: a `429` or `503` refuses the request without acting on it (a custom
+/// classifier's back-pressure for an error, such as a client's own timeout, is not: it
+/// is retried as a `Retry` is).
 ///
 /// A custom classifier is any `Fn(&Result<Response<B>, E>) -> Outcome` (see
 /// [`RetryLayer::classify`]); it can fall back to this one through
@@ -189,11 +191,13 @@ impl Methods {
 /// `poll_ready` before a retry ends the request with that error, counted as a
 /// [`Stop::Fatal`].
 ///
-/// An [`Outcome::Retry`] (a `500`, a transport error) and a timed-out attempt are retried
-/// only for the methods of [`retry_methods`](RetryLayer::retry_methods), by default the
-/// idempotent ones (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`): the request may
-/// have been acted on, so for the others it is final (as [`Outcome::Fatal`]; a timeout as
-/// [`Stop::TimedOut`]; either way the budget counts the failure). A `429` or `503` is
+/// An [`Outcome::Retry`] (a `500`, a transport error), a timed-out attempt and an
+/// [`Outcome::BackPressure`] the classifier gave an error (a client's own timeout) are
+/// retried only for the methods of [`retry_methods`](RetryLayer::retry_methods), by
+/// default the idempotent ones (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`): the
+/// request may have been acted on, so for the others it is final (as [`Outcome::Fatal`];
+/// a timeout as [`Stop::TimedOut`]; either way the budget counts the failure, and the
+/// pacer hears of back-pressure). Back-pressure in a response (a `429` or `503`) is
 /// retried for every method: the server refused the request without acting on it.
 ///
 /// The layer, its services and their futures follow tower's rules: `poll_ready` only asks
@@ -295,16 +299,19 @@ impl<C> RetryLayer<C> {
         }
     }
 
-    /// Retry an [`Outcome::Retry`] or a timed-out attempt only for these methods (by
-    /// default the idempotent ones: `GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`).
-    /// For any other method it is final. A `429` or `503` is retried whatever the method.
+    /// Retry an [`Outcome::Retry`], a timed-out attempt or back-pressure without a response
+    /// (the classifier's for an error) only for these methods (by default the idempotent
+    /// ones: `GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`). For any other method it
+    /// is final. Back-pressure in a response (a `429`, a `503`) is retried whatever the
+    /// method.
     pub fn retry_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = Methods::Only(methods.into_iter().collect());
         self
     }
 
-    /// Retry an [`Outcome::Retry`] or a timed-out attempt whatever the method (for a
-    /// server that makes every request idempotent, say with an idempotency key).
+    /// Retry an [`Outcome::Retry`], a timed-out attempt or back-pressure without a response
+    /// whatever the method (for a server that makes every request idempotent, say with an
+    /// idempotency key).
     pub fn retry_any_method(mut self) -> Self {
         self.methods = Methods::Any;
         self
@@ -664,9 +671,13 @@ where
                 Some(result) => this.shared.classify.classify(result),
                 None => Outcome::BackPressure { retry_after: None },
             };
-            if !*this.retryable && (outcome == Outcome::Retry || result.is_none()) {
-                // Not sent again (a `Retry`, or a timeout); the downstream failed all the
-                // same.
+            // Only a response can say the server refused the request without acting on
+            // it: back-pressure from a timeout or an error is not that.
+            let unanswered =
+                matches!(outcome, Outcome::BackPressure { .. }) && !matches!(result, Some(Ok(_)));
+            if !*this.retryable && (outcome == Outcome::Retry || unanswered) {
+                // Not sent again (a `Retry`, a timeout, back-pressure without an answer);
+                // the downstream failed all the same.
                 if outcome == Outcome::Retry {
                     outcome = Outcome::Fatal;
                 }
@@ -691,6 +702,8 @@ where
                 Outcome::BackPressure { .. } if result.is_none() && !*this.retryable => {
                     Stop::TimedOut
                 }
+                // Back-pressure from an error (a client's own timeout): as a `Retry` is.
+                Outcome::BackPressure { .. } if unanswered && !*this.retryable => Stop::Fatal,
                 Outcome::Retry | Outcome::BackPressure { .. } => {
                     match policy.next(this.schedule, outcome) {
                         Ok(delay) => {

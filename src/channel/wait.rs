@@ -9,7 +9,7 @@
 //! which wakes and drops them when it is dropped, after the lock is released.
 //!
 //! Cloning a waker still happens under the lock (as in tokio's `Notify` and semaphore), and
-//! only when the waker is not already stored (`will_wake`).
+//! only when the waker is not already stored (see `WaiterList::refresh`).
 
 use std::task::Waker;
 

@@ -32,7 +32,8 @@
 //! The list lives under its user's lock, so it never wakes or drops a waker itself: every
 //! waker it gives up goes to the caller's [`Deferred`], woken (grant, pop) or only dropped
 //! (replaced, cancelled) after the lock is released. A waker is cloned under the lock only
-//! when it is new (`will_wake` says the stored one is not equivalent).
+//! when it is new: neither the waker the stored clone was made from ([`WakerId`]) nor one
+//! `will_wake` says is equivalent to the stored clone.
 //!
 //! # Complexity and memory
 //!
@@ -88,12 +89,45 @@ pub(crate) enum Cancelled<T> {
     Gone,
 }
 
+/// The addresses a waker is made of (its data and its vtable), to tell that a waiter is
+/// polled with the very waker its stored one was cloned from. `will_wake` against the
+/// stored clone cannot always say so: a clone may carry another vtable than the waker it was
+/// cloned from (the waker of tokio's `block_on` does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WakerId(usize, usize);
+
+impl WakerId {
+    #[inline]
+    fn of(waker: &Waker) -> Self {
+        WakerId(
+            waker.data().addr(),
+            std::ptr::from_ref(waker.vtable()).addr(),
+        )
+    }
+
+    /// A clone of `waker` to store, and the id to keep with it: `waker`'s when the clone
+    /// shares its data (which the clone then holds alive, so no other task's waker can take
+    /// that address while it is stored), else the clone's own (as `will_wake` would).
+    #[inline]
+    fn store(waker: &Waker) -> (Waker, Self) {
+        let clone = waker.clone();
+        let id = if clone.data() == waker.data() {
+            WakerId::of(waker)
+        } else {
+            WakerId::of(&clone)
+        };
+        (clone, id)
+    }
+}
+
 enum Slot<T> {
     Free {
         next: u32,
     },
     Waiting {
         waker: Waker,
+        /// The waker `waker` was cloned from (see [`WakerId::store`]).
+        from: WakerId,
         value: T,
         prev: u32,
         next: u32,
@@ -342,8 +376,10 @@ impl<T> WaiterList<T> {
     /// Add a waiter at the back; its waker is cloned.
     pub(crate) fn push_back(&mut self, waker: &Waker, value: T) -> Key {
         let prev = self.tail;
+        let (waker, from) = WakerId::store(waker);
         let index = self.alloc(Slot::Waiting {
-            waker: waker.clone(),
+            waker,
+            from,
             value,
             prev,
             next: NIL,
@@ -385,15 +421,22 @@ impl<T> WaiterList<T> {
         Status::Waiting
     }
 
-    /// Store `waker` for a waiting entry, keeping its place: cloned only when the stored one
-    /// would not wake the same task (the old one goes to `out`, dropped after the lock).
-    /// False if `key` is not waiting.
+    /// Store `waker` for a waiting entry, keeping its place: cloned only when it is not the
+    /// waker the stored one was cloned from, nor one the stored one would wake the same task
+    /// as (the old one goes to `out`, dropped after the lock). False if `key` is not waiting.
+    ///
+    /// The first check is the one that holds under tokio's `block_on` (a current-thread
+    /// runtime, `#[tokio::main]`): its waker's clones carry another vtable than the waker
+    /// itself, so `will_wake` against the stored clone is false on every poll, and each poll
+    /// of a waiter still waiting would clone the waker under the lock and drop the old one.
     #[inline]
     pub(crate) fn refresh(&mut self, key: Key, waker: &Waker, out: &mut Deferred) -> bool {
         match self.entry_mut(key) {
-            Some(Slot::Waiting { waker: w, .. }) => {
-                if !w.will_wake(waker) {
-                    out.discard(std::mem::replace(w, waker.clone()));
+            Some(Slot::Waiting { waker: w, from, .. }) => {
+                if *from != WakerId::of(waker) && !w.will_wake(waker) {
+                    let (clone, id) = WakerId::store(waker);
+                    *from = id;
+                    out.discard(std::mem::replace(w, clone));
                 }
                 true
             }
@@ -693,6 +736,41 @@ mod tests {
         );
         assert_ne!(key, Some(k));
         assert_eq!(values(&list), [5]);
+    }
+
+    /// The waker of tokio's `block_on`, whose clones carry another vtable than itself (in
+    /// an optimized build, where its vtable, a constant, is inlined in several places): a
+    /// waiter polled again with it keeps its stored clone (nothing cloned under the lock,
+    /// nothing to drop after it), though `will_wake` between the two is false there;
+    /// another task's waker still replaces it.
+    #[test]
+    fn a_block_on_waker_polled_again_is_not_cloned_again() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut list = WaiterList::new();
+        let mut key = None;
+        let mut out = Deferred::default();
+        let stored = rt.block_on(async {
+            for _ in 0..4 {
+                let status = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(list.register(&mut key, cx.waker(), || (), &mut out))
+                })
+                .await;
+                assert_eq!(status, Status::Waiting);
+            }
+            std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await
+        });
+        assert_eq!((list.len(), out.len()), (1, 0), "the stored waker is kept");
+        // A clone of the stored one is the same task too (`will_wake`).
+        list.register(&mut key, &stored, || (), &mut out);
+        assert_eq!(out.len(), 0);
+        let (other, w) = counting();
+        list.register(&mut key, &w, || (), &mut out);
+        assert_eq!(out.len(), 1, "another task's waker replaces it");
+        list.wake_all(&mut out);
+        drop(out);
+        assert_eq!(woken(&other), 1);
     }
 
     #[test]

@@ -131,3 +131,45 @@ fn a_ticket_reuses_a_cell_being_popped() {
         assert_eq!(got, [1, 2, 3]);
     });
 }
+
+/// Lost wake through `recv_many`: a receiver waiting in `recv_many` (flag, fence, look
+/// again, under the same lock as the batch receive) races a lock-free push. It is woken or
+/// finds the item: it never hangs.
+#[test]
+fn a_push_racing_recv_many_going_to_sleep_wakes_it() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(4).unwrap();
+        let receiver = thread::spawn(move || {
+            let mut buf = Vec::new();
+            let n = block_on(rx.recv_many(&mut buf, 4));
+            (n, buf)
+        });
+        assert_eq!(tx.try_send(1), Ok(Sent::Queued));
+        assert_eq!(receiver.join().unwrap(), (1, vec![1]));
+    });
+}
+
+/// The end of the stream behind a receiver's batch: one receiver holds the slot of the
+/// second item of its batch when the channel closes, and frees it (without the lock) when
+/// it hands that item out; another receiver waiting in `recv_many` for the end is woken by
+/// that free and gets 0, whichever of the close, the free and its polls comes first.
+#[test]
+fn a_batch_used_up_after_close_ends_the_other_receivers_wait() {
+    loom::model(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+        assert_eq!(tx.try_send(1), Ok(Sent::Queued));
+        assert_eq!(tx.try_send(2), Ok(Sent::Queued));
+        // Alone, the receiver takes both items under one lock: 1 handed out, 2 held.
+        assert_eq!(block_on(rx.recv()), Some(1));
+        assert_eq!(rx.len(), 1, "2 is in its batch");
+        let mut other = rx.clone();
+        let waiter = thread::spawn(move || {
+            let mut buf = Vec::new();
+            block_on(other.recv_many(&mut buf, 4))
+        });
+        drop(tx);
+        assert_eq!(block_on(rx.recv()), Some(2));
+        assert_eq!(waiter.join().unwrap(), 0);
+        assert_eq!(block_on(rx.recv()), None);
+    });
+}

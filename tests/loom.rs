@@ -134,3 +134,54 @@ fn a_stream_that_stops_polling_does_not_keep_the_wake() {
         }
     });
 }
+
+/// A `recv` future polled once and dropped, racing a send, while another receiver waits: a
+/// send wakes one waiting future; if that was the dropped one, its drop passes the wake on,
+/// so the item reaches the other receiver (or the dropped one took it in its poll).
+#[test]
+fn a_dropped_recv_passes_its_wake_on() {
+    loom::model(|| {
+        let (tx, mut r1) = channel::bounded::<u32>(2).unwrap();
+        let mut r2 = r1.clone();
+        let consumer = thread::spawn(move || block_on(r2.recv()));
+        let sender = thread::spawn(move || {
+            tx.try_send(7).unwrap();
+            tx
+        });
+        let first = {
+            let waker = futures::task::noop_waker();
+            let mut recv = pin!(r1.recv());
+            recv.as_mut().poll(&mut Context::from_waker(&waker))
+        };
+        let tx = sender.join().unwrap();
+        if first == Poll::Ready(Some(7)) {
+            drop(tx);
+            assert_eq!(consumer.join().unwrap(), None);
+        } else {
+            assert_eq!(consumer.join().unwrap(), Some(7));
+        }
+    });
+}
+
+/// A receiver dropped with part of its batch, while another receiver waits: the items go
+/// back to the queue and wake the waiting one, which gets them in order.
+#[test]
+fn a_batch_given_back_wakes_the_waiting_receiver() {
+    loom::model(|| {
+        let (tx, mut r1) = channel::bounded::<u32>(4).unwrap();
+        for i in 1..=3 {
+            tx.try_send(i).unwrap();
+        }
+        // Alone, the receiver takes all three under one lock: 1 handed out, 2 and 3 held.
+        assert_eq!(block_on(r1.recv()), Some(1));
+        assert_eq!(r1.len(), 2);
+        let mut r2 = r1.clone();
+        let consumer = thread::spawn(move || {
+            let first = block_on(r2.recv());
+            (first, block_on(r2.recv()))
+        });
+        drop(r1);
+        assert_eq!(consumer.join().unwrap(), (Some(2), Some(3)));
+        drop(tx);
+    });
+}

@@ -172,6 +172,20 @@ impl<T> Tickets<T> {
         }
     }
 
+    /// A ring whose first ticket is `start` instead of 0, as if `start` items had passed
+    /// through it: for the tests of positions wrapping around `usize`.
+    #[cfg(all(test, not(flowgate_loom)))]
+    fn starting_at(capacity: usize, start: usize) -> Tickets<T> {
+        let ring = Tickets::new(capacity);
+        for k in 0..ring.cells.slots.len() {
+            let pos = start.wrapping_add(k);
+            ring.cell(pos).stamp.store(pos, Ordering::Relaxed);
+        }
+        ring.tail.store(start, Ordering::Relaxed);
+        ring.head.store(start, Ordering::Relaxed);
+        ring
+    }
+
     /// The cell of position `pos`.
     #[inline]
     fn cell(&self, pos: usize) -> &Slot<T> {
@@ -343,6 +357,40 @@ mod tests {
             }
         }
         assert_eq!(next, ITEMS);
+    }
+
+    /// Positions wrap around `usize`: a ring whose tickets pass `usize::MAX` (two laps on
+    /// each side of it) keeps its items in order, its length right, and drops what is left
+    /// once.
+    #[test]
+    fn tickets_wrap_around_the_end_of_usize() {
+        for capacity in [1, 3, 4] {
+            let ring = Tickets::<String>::starting_at(capacity, usize::MAX - 9);
+            let mut next = 0;
+            for i in 0..20 {
+                ring.push(i.to_string());
+                if ring.len() == capacity {
+                    // SAFETY: one thread, pops one at a time.
+                    while let Some(item) = unsafe { ring.pop() } {
+                        assert_eq!(item, next.to_string());
+                        next += 1;
+                    }
+                    assert_eq!(ring.len(), 0);
+                }
+            }
+            assert_eq!(ring.len(), 20 - next);
+            let left = Arc::new(());
+            let ring = Tickets::starting_at(capacity, usize::MAX);
+            for _ in 0..capacity {
+                ring.push(left.clone());
+            }
+            assert_eq!(
+                (ring.len(), Arc::strong_count(&left)),
+                (capacity, capacity + 1)
+            );
+            drop(ring);
+            assert_eq!(Arc::strong_count(&left), 1);
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::{Core, Left, Polled, Ticket};
 use crate::bulkhead::error::{AcquireError, Priority};
-use crate::sync::{Arc, Key};
+use crate::sync::{Arc, Key, WakerId};
 
 /// The state of one acquisition: its place in the queue and its timeout.
 #[pin_project]
@@ -346,7 +346,8 @@ pub(crate) struct Permits {
     held: usize,
     closed: bool,
     /// Its place among the parked holders (see [`Core::park`]), and the waker (a clone, and
-    /// the [`WakerId`] of the one it was cloned from), epoch and `growth` it parked with.
+    /// the [`WakerId`] of the one it was cloned from, see [`WakerId::store`]), epoch and
+    /// `growth` it parked with.
     parked: Option<Key>,
     parked_as: Option<(Waker, WakerId, u64, bool)>,
 }
@@ -448,8 +449,7 @@ impl Permits {
         let this = self.project();
         match this.core.park(cx, this.parked, growth, blocked) {
             Some(epoch) => {
-                let waker = cx.waker().clone();
-                let id = WakerId::kept(cx.waker(), &waker);
+                let (waker, id) = WakerId::store(cx.waker());
                 *this.parked_as = Some((waker, id, epoch, growth));
                 true
             }
@@ -538,33 +538,6 @@ impl PinnedDrop for Permits {
         this.core.unpark(this.parked);
         for _ in 0..*this.held {
             this.core.release();
-        }
-    }
-}
-
-/// The addresses a waker is made of (its data and its vtable), to tell that a holder is
-/// polled with the very waker it parked with. `will_wake` against the stored clone cannot
-/// always say so: a clone may carry another vtable than the waker it was cloned from (the
-/// waker of tokio's `block_on` does), so that `will_wake` is false on every poll.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WakerId(usize, usize);
-
-impl WakerId {
-    fn of(waker: &Waker) -> Self {
-        WakerId(
-            waker.data().addr(),
-            std::ptr::from_ref(waker.vtable()).addr(),
-        )
-    }
-
-    /// The id to keep with `clone`, a clone of `waker`: `waker`'s when the clone shares its
-    /// data (which the clone then holds alive, so no other task's waker can take its
-    /// address), else the clone's own.
-    fn kept(waker: &Waker, clone: &Waker) -> Self {
-        if clone.data() == waker.data() {
-            WakerId::of(waker)
-        } else {
-            WakerId::of(clone)
         }
     }
 }

@@ -19,7 +19,7 @@ mod waiters;
 pub(crate) use deferred::Deferred;
 #[cfg(feature = "http")]
 pub(crate) use reused::with_reused;
-pub(crate) use waiters::{Cancelled, Key, Status, WaiterList};
+pub(crate) use waiters::{Cancelled, Key, Status, WaiterList, WakerId};
 
 /// The most upstream items an adapter pulls (or drops) in one poll before it wakes itself
 /// and returns `Pending`: an upstream that is always ready must not keep `poll_next` from

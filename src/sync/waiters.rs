@@ -94,11 +94,11 @@ pub(crate) enum Cancelled<T> {
 /// stored clone cannot always say so: a clone may carry another vtable than the waker it was
 /// cloned from (the waker of tokio's `block_on` does).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WakerId(usize, usize);
+pub(crate) struct WakerId(usize, usize);
 
 impl WakerId {
     #[inline]
-    fn of(waker: &Waker) -> Self {
+    pub(crate) fn of(waker: &Waker) -> Self {
         WakerId(
             waker.data().addr(),
             std::ptr::from_ref(waker.vtable()).addr(),
@@ -109,7 +109,7 @@ impl WakerId {
     /// shares its data (which the clone then holds alive, so no other task's waker can take
     /// that address while it is stored), else the clone's own (as `will_wake` would).
     #[inline]
-    fn store(waker: &Waker) -> (Waker, Self) {
+    pub(crate) fn store(waker: &Waker) -> (Waker, Self) {
         let clone = waker.clone();
         let id = if clone.data() == waker.data() {
             WakerId::of(waker)

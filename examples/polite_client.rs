@@ -360,7 +360,7 @@ async fn main() -> Result<(), BoxError> {
     }
     if adaptive.refused_per_sec > 0.0 {
         println!(
-            "\nthe naive fleet drew {:.0}x the 429s of the adaptive one, with {:.0}% of its goodput",
+            "\nthe naive fleet drew {:.0}x the 429s of the adaptive one; its goodput was {:.0}% of the adaptive fleet's",
             naive.refused_per_sec / adaptive.refused_per_sec,
             100.0 * naive.ok_per_sec / adaptive.ok_per_sec.max(f64::MIN_POSITIVE)
         );

@@ -104,9 +104,7 @@ impl<'a> Moves<'a> {
         self.rejected[why as usize] += 1;
         why
     }
-}
 
-impl Moves<'_> {
     fn record(&self) {
         let metrics = &self.core.metrics;
         if self.in_flight != 0 {

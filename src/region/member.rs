@@ -388,6 +388,8 @@ where
                     .saturating_sub(left),
             ))
         });
+        // When the lease in use was granted, as seen here.
+        let granted = age.and_then(|age| started.checked_sub(age));
         if leader == 0 {
             // Another process refreshes: show the lease it keeps, and its age.
             self.metrics.follower.increment(1);
@@ -403,7 +405,7 @@ where
             round.home_failures = 0;
             round.status.leader = false;
             round.status.share = units(share);
-            round.lease_granted = age.and_then(|age| started.checked_sub(age));
+            round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             return;
         }
@@ -411,7 +413,7 @@ where
         let report = {
             let mut round = self.round();
             round.status.leader = true;
-            round.lease_granted = age.and_then(|age| started.checked_sub(age));
+            round.lease_granted = granted;
             // The counters cover the time since they were last reset, by whichever process
             // (on the local Redis clock); unknown the first time.
             let elapsed = if since > 0 {

@@ -75,6 +75,18 @@ impl Drop for Share {
     }
 }
 
+/// A gauge moved only by changes, whose owner keeps the value itself (a count it needs
+/// anyway, like a bulkhead's permits in flight) and takes back what is left when it is
+/// dropped ([`Tally::add`] with the negated remainder). Unlike [`Gauge`] it keeps no share of
+/// its own, so a change is one call into the recorder, and nothing with no recorder
+/// installed: no atomic operation on the owner's hot path. Changes commute, as
+/// [`Gauge::add`]'s do.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tally {
+    #[cfg(feature = "metrics")]
+    inner: Option<metrics::Gauge>,
+}
+
 /// A histogram handle.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Histogram {
@@ -89,6 +101,8 @@ impl std::panic::UnwindSafe for Counter {}
 impl std::panic::RefUnwindSafe for Counter {}
 impl std::panic::UnwindSafe for Gauge {}
 impl std::panic::RefUnwindSafe for Gauge {}
+impl std::panic::UnwindSafe for Tally {}
+impl std::panic::RefUnwindSafe for Tally {}
 impl std::panic::UnwindSafe for Histogram {}
 impl std::panic::RefUnwindSafe for Histogram {}
 
@@ -166,6 +180,18 @@ impl Labels {
         }
     }
 
+    /// Register a tally (see [`Tally`]).
+    pub(crate) fn tally(
+        &self,
+        metric: &'static str,
+        extra: &[(&'static str, &'static str)],
+    ) -> Tally {
+        Tally {
+            #[cfg(feature = "metrics")]
+            inner: Some(metrics::gauge!(metric, self.all(extra))),
+        }
+    }
+
     /// Register a histogram.
     pub(crate) fn histogram(
         &self,
@@ -234,6 +260,20 @@ impl Gauge {
                     Some((f64::from_bits(bits) + delta).to_bits())
                 });
             share.gauge.increment(delta);
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+impl Tally {
+    /// Move the gauge by `delta`.
+    #[inline]
+    pub(crate) fn add(&self, delta: f64) {
+        #[cfg(feature = "metrics")]
+        if let Some(gauge) = &self.inner
+            && delta != 0.0
+        {
+            gauge.increment(delta);
         }
     }
 }

@@ -1171,6 +1171,31 @@ async fn metrics_by_name_and_reason() {
     );
 }
 
+/// A permit forgotten (`mem::forget`) is never returned: the bulkhead takes it back from
+/// `flowgate_bulkhead_in_flight` when it is dropped, so the gauge that unnamed bulkheads
+/// share does not keep it for good.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_dropped_bulkhead_takes_its_forgotten_permits_back_from_the_in_flight_gauge() {
+    let recorder = support::TestRecorder::default();
+    let (a, b) = metrics::with_local_recorder(&recorder, || {
+        (
+            Bulkhead::builder(4).build().unwrap(),
+            Bulkhead::builder(4).build().unwrap(),
+        )
+    });
+    let gauge = "flowgate_bulkhead_in_flight{name=default}";
+    std::mem::forget(a.try_acquire().unwrap());
+    std::mem::forget(a.try_acquire().unwrap());
+    let held = b.try_acquire().unwrap();
+    assert_eq!(recorder.gauge(gauge), Some(3.0));
+    drop(a);
+    assert_eq!(recorder.gauge(gauge), Some(1.0), "b's permit is left");
+    drop(held);
+    drop(b);
+    assert_eq!(recorder.gauge(gauge), Some(0.0));
+}
+
 /// Two threads take and return permits at the same moments: once both are done, the
 /// `flowgate_bulkhead_in_flight` gauge reads the permits in flight (none), whatever the order
 /// in which the threads recorded their changes. (Each set the count it had read at its own

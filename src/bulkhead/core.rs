@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats, Grant};
 use crate::bulkhead::error::{AcquireError, Priority};
-use crate::metrics::{Counter, Gauge, Histogram, Labels};
+use crate::metrics::{Counter, Gauge, Histogram, Labels, Tally};
 use crate::sync::{Cancelled, Deferred, Key, Mutex, MutexGuard, Status, WaiterList};
 
 const COUNT_BITS: u32 = 31;
@@ -45,7 +45,9 @@ pub(crate) mod names {
 }
 
 struct Metrics {
-    in_flight: Gauge,
+    /// Moved by each permit taken and returned; the core takes back what is left (permits
+    /// forgotten) when it is dropped.
+    in_flight: Tally,
     waiting: Gauge,
     rejected: [Counter; 4],
     wait: Histogram,
@@ -58,7 +60,7 @@ impl Metrics {
         let l = Labels::new(name);
         let rejected = |r: AcquireError| l.counter(names::REJECTED, &[("reason", r.as_str())]);
         Metrics {
-            in_flight: l.gauge(names::IN_FLIGHT, &[]),
+            in_flight: l.tally(names::IN_FLIGHT, &[]),
             waiting: l.gauge(names::WAITING, &[]),
             rejected: [
                 rejected(AcquireError::WaitingRoomFull),
@@ -239,6 +241,17 @@ pub(crate) struct Core {
     /// Set when the bulkhead is adaptive: every permit then records its grant and feeds a
     /// sample when it ends. `None` costs one branch per permit.
     adaptive: Option<Adaptive>,
+}
+
+impl Drop for Core {
+    /// Take back from the `in_flight` gauge the permits still counted: those forgotten
+    /// (`mem::forget` of a permit), which no release will ever subtract.
+    fn drop(&mut self) {
+        let left = in_flight_of(*self.state.get_mut());
+        if left > 0 {
+            self.metrics.in_flight.add(-f64::from(left));
+        }
+    }
 }
 
 impl fmt::Debug for Core {

@@ -448,6 +448,48 @@ async fn a_429s_single_integer_reset_is_never_before_retry_after() {
     }
 }
 
+/// `X_RATELIMIT_EPOCH` writes the reset as a Unix time in whole seconds: never before the
+/// moment the relative fields name (`t`, and on a 429 `Retry-After`), which the current
+/// second rounded down plus `t` is, by the part of the second already gone. A client that
+/// sleeps until that time comes back early and meets another 429.
+#[tokio::test]
+async fn the_epoch_reset_is_never_before_t_or_retry_after() {
+    let layer = RateLimitLayer::builder(gate())
+        // One at once, one more every 30 s: nothing refills during the test.
+        .policy(per_client(quota(1, Duration::from_secs(30))))
+        .header_styles(HeaderStyles::IETF | HeaderStyles::X_RATELIMIT_EPOCH)
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer)).await;
+    let client = client();
+    let url = server.url("/");
+    let since_epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
+    for c in ["a", "b", "c"] {
+        let h = [("x-client", c)];
+        for status in [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
+            // Before the request: the server decides later than this.
+            let sent = since_epoch();
+            let a = get(&client, &url, &h).await;
+            assert_eq!(a.status, status);
+            let t = list(&a.headers, "ratelimit")[0].params["t"];
+            assert_eq!(t, 30);
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                assert_eq!(retry_after(&a.headers), 30);
+            }
+            let reset = integer(&a.headers, "x-ratelimit-reset");
+            let due = sent + Duration::from_secs(30);
+            assert!(
+                Duration::from_secs(reset as u64) >= due,
+                "{status}: X-RateLimit-Reset {reset} is before {due:?} (sent at {sent:?} + 30 s)"
+            );
+        }
+    }
+}
+
 /// A layer of one policy `name` keyed by `x-client`: `burst` at once, `burst` per `period`
 /// seconds, writing `styles`.
 fn one_policy(

@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 use std::sync::{Mutex, OnceLock, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -46,7 +46,7 @@ pub(crate) const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rate
 /// | [`IETF`](HeaderStyles::IETF) (default) | `RateLimit-Policy`, `RateLimit` | one list member per policy: `"per-ip";q=100;w=60`, `"per-ip";r=42;t=17` |
 /// | [`DRAFT_03`](HeaderStyles::DRAFT_03) | `RateLimit-Limit`, `-Remaining`, `-Reset` | integers of one policy (the lowest remaining; on a 429, of the policies that blocked, the one that resets last, never before `Retry-After`); reset in seconds from now |
 /// | [`X_RATELIMIT`](HeaderStyles::X_RATELIMIT) | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | the same integers |
-/// | [`X_RATELIMIT_EPOCH`](HeaderStyles::X_RATELIMIT_EPOCH) | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | the same, reset as a Unix time in seconds (GitHub's form) |
+/// | [`X_RATELIMIT_EPOCH`](HeaderStyles::X_RATELIMIT_EPOCH) | `X-RateLimit-Limit`, `-Remaining`, `-Reset` | the same, reset as a Unix time in seconds (GitHub's form), the current second rounded up: never before the reset in seconds from now |
 ///
 /// `X_RATELIMIT` and `X_RATELIMIT_EPOCH` exclude each other (one `X-RateLimit-Reset`).
 ///
@@ -169,6 +169,14 @@ pub(crate) fn reset_secs(d: &Decision) -> u64 {
     } else {
         d.retry_after
     })
+}
+
+/// The Unix time, in whole seconds, of a reset `t` seconds after `now` (the time since the
+/// Unix epoch): the current second rounded up, then `t`, so that it is never before
+/// `now + t`, the moment the relative fields and `Retry-After` name (rounded down, it
+/// was up to a second before it, and a client that waited until then met another `429`).
+fn epoch_reset(now: Duration, t: u64) -> u64 {
+    ceil_secs(now).saturating_add(t)
 }
 
 /// An sf-Integer, clamped to the largest one Structured Fields can carry.
@@ -561,9 +569,8 @@ impl Fields {
             } else if styles.contains(HeaderStyles::X_RATELIMIT_EPOCH) {
                 let now = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs();
-                single.x = Some(values(now.saturating_add(t)));
+                    .unwrap_or_default();
+                single.x = Some(values(epoch_reset(now, t)));
             }
             fields.single = Some(Box::new(single));
         }
@@ -669,6 +676,20 @@ mod tests {
         assert_eq!(reset_secs(&ok), 1);
         let no = Decision::reject(10, 0, Duration::from_millis(2001), secs(30));
         assert_eq!(reset_secs(&no), 3);
+    }
+
+    /// The Unix-time reset rounds the current second up: never before `now + t`.
+    #[test]
+    fn epoch_reset_rounds_the_current_second_up() {
+        let at = |s: u64, ms: u64| secs(s) + Duration::from_millis(ms);
+        assert_eq!(epoch_reset(at(100, 900), 30), 131);
+        assert_eq!(epoch_reset(at(100, 1), 0), 101);
+        assert_eq!(epoch_reset(at(100, 0), 30), 130, "on a whole second, exact");
+        assert_eq!(epoch_reset(at(100, 500), u64::MAX), u64::MAX);
+        for ms in [0, 1, 499, 999] {
+            let now = at(1_700_000_000, ms);
+            assert!(secs(epoch_reset(now, 7)) >= now + secs(7), "{now:?}");
+        }
     }
 
     fn parts(name: &str, q: u64, w: u64) -> PolicyParts {

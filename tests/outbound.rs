@@ -525,6 +525,32 @@ async fn an_allowance_of_zero_holds_the_pacer_about_until_its_reset() {
     assert!(start.elapsed() <= 3 * SECOND, "{:?}", start.elapsed());
 }
 
+/// An allowance of nothing left (`r=0`) lets no unit through before the server has one
+/// again: none before the reset, or, with a policy known, before one unit of its `q / w`
+/// (a token bucket refills during `t`). The unit counted for `r=0` is the one at that
+/// time, not one sent at once into a certain refusal, whatever the bucket held before.
+#[tokio::test(start_paused = true)]
+async fn an_allowance_of_zero_lets_nothing_through_before_the_server_has_a_unit() {
+    for policy in [None, Some((10, 10 * SECOND))] {
+        let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        let start = Instant::now();
+        a.until_ready(1).await.unwrap();
+        if let Some((q, w)) = policy {
+            a.on_policy(q, w);
+        }
+        a.on_allowance(0, 10 * SECOND);
+        a.until_ready(1).await.unwrap();
+        let next = if policy.is_some() {
+            SECOND
+        } else {
+            10 * SECOND
+        };
+        assert_eq!(start.elapsed(), next, "{policy:?}");
+    }
+}
+
 /// 30 s of one request and one success a second, far below a rate of 100/s: the rate
 /// must not grow.
 async fn one_response_a_second_leaves_the_rate_at_100(a: &AdaptivePacer) {

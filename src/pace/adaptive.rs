@@ -438,7 +438,10 @@ impl AdaptivePacer {
     ///
     /// Until `reset` has elapsed the rate stays at or below `remaining / reset` (or the
     /// policy's `q / w` when that is higher; a `remaining` of 0 counts as 1, so the pacer
-    /// is not held past the reset); with a policy known, the remaining steers the rate (see
+    /// is not held past the reset). With nothing remaining, no unit passes before the
+    /// reset, or before one unit of the policy's `q / w` when that is sooner (a token
+    /// bucket refills during `t`), whatever the pacer's burst held: that one unit is the
+    /// one the server has again. With a policy known, the remaining steers the rate (see
     /// [Tracking](AdaptivePacer#state-machine)): report the remaining of the policy given
     /// to [`on_policy`](AdaptivePacer::on_policy).
     pub fn on_allowance(&self, remaining: u64, reset: Duration) {
@@ -474,16 +477,31 @@ impl AdaptivePacer {
             c.remaining.pop_front();
         }
         c.remaining.push_back((now, remaining));
+        let mut hold = None;
         if !reset.is_zero() {
             let sustained = c.policy.map_or(0.0, |(rate, _, _)| rate);
             // At least one unit within `reset`: a cap below that would hold the pacer's
             // schedule (one unit per 1 / cap) far past the reset.
             let cap = (remaining.max(1) as f64 / reset.as_secs_f64()).max(sustained);
             c.allowance = Some((cap, now + capped(reset)));
+            if remaining == 0 {
+                // That one unit is the one the server has again: at the reset, or after
+                // one unit of the policy's `q / w` when that is sooner (rounded up), never
+                // at once, whatever the bucket held.
+                let unit = c.policy.map(|(_, q, w)| {
+                    let ns = w.as_nanos().div_ceil(u128::from(q));
+                    Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+                });
+                hold = Some(now + capped(unit.map_or(reset, |u| u.min(reset))));
+            }
         }
         self.inner.step(&mut c, now);
         let rate = self.inner.apply(&mut c, now);
         drop(c);
+        // The hold first: a new rate wakes the pacer's waiters (a quota change keeps it).
+        if let Some(at) = hold {
+            self.inner.pacer.pause_until(at);
+        }
         self.inner.hand_over(rate);
     }
 

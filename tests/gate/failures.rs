@@ -406,6 +406,58 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
     }
 }
 
+/// A bucket written before the Redis server's clock stepped back further than the
+/// bucket's exact range (2^52 units of 1/count µs: 45 s at 100 million a second, a byte
+/// rate of 100 MB/s) is decided, on every path: rejected until the clock is back where it
+/// was, at the latest, never `UnreadableKey`. Read as a TAT "further ahead than any write
+/// could have put it", it was called corrupt, and every request on the key failed until
+/// its TTL (as far ahead as the TAT) ran out.
+#[tokio::test]
+async fn a_bucket_written_before_a_long_clock_step_back_is_decided_not_unreadable() {
+    const RATE: u32 = 100_000_000;
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let quota = Quota::per_second(RATE).unwrap();
+    for path in PATHS {
+        let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(quota))
+            .prefix(format!("stepped:{path:?}:"))
+            .timeout(Duration::from_secs(2));
+        let gate = match path {
+            Path::Check | Path::All => builder.batch_size(1),
+            Path::Batched => builder,
+            Path::Lease => builder.lease(5).lease_ttl(Duration::from_secs(60)),
+        }
+        .build()
+        .await
+        .unwrap();
+        // The whole burst taken at a clock 60 s ahead of the server's now, as that write
+        // leaves the bucket (lua/bucket_state.lua): TAT one second later, expiry record
+        // 2 s after the write, the TTL running 62 s on the stepped-back clock.
+        let time: (u64, u64) = server.query_blocking(&redis::cmd("TIME")).unwrap();
+        let written_at = (time.0 * 1_000_000 + time.1) as f64 + 60e6;
+        let state = packed(written_at + 1e6, 0.0, written_at + 2e6);
+        let set = redis::cmd("SET")
+            .arg(gate.redis_key("k"))
+            .arg(state)
+            .arg("PX")
+            .arg(62_000)
+            .clone();
+        let _: () = server.query_blocking(&set).unwrap();
+        let decided = match path {
+            Path::All => gate.check_all(&[("k", quota)], 1).await.map(|ds| ds[0]),
+            _ => gate.check("k", 1).await,
+        };
+        let d = decided.unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        assert!(!d.allowed, "{path:?}: {d:?}");
+        assert!(
+            d.retry_after >= Duration::from_secs(40) && d.retry_after <= Duration::from_secs(61),
+            "{path:?}: retry after {:?}",
+            d.retry_after
+        );
+        assert!(!gate.is_degraded(), "{path:?}");
+    }
+}
+
 // ----- check_all -----
 
 /// A gate with the default settings but `prefix`, on a new connection to `server`.

@@ -27,6 +27,15 @@ local EXACT = 4503599627370496
 -- a TAT or expiry further ahead than any write could have put it) raises CORRUPT
 -- (lua/prelude.lua): that request fails alone, with a key error, instead of being decided
 -- on garbage. NaN fails every comparison, so each check is written to fail on it.
+--
+-- A write puts the expiry record after the TAT, at most SLACK_MS past it, both on the clock of
+-- that write; a state that has one is checked against it, which holds however far the clock
+-- has stepped back since. Such a state may then be further ahead of `now` than exact arithmetic
+-- reaches (2^52 units: at 100 million a second, a step back of 45 s): its fill is taken as
+-- EXACT, more than any bucket holds, so it is rejected until the clock is back where it was,
+-- with waits counted from EXACT (shorter than the real ones: asked again early, it is
+-- rejected again). A state without one (the text form, or written on logical time) must be
+-- within EXACT of `now`.
 local function bucket_read(key, now, count)
   local state = redis.call('GET', key)
   if not state then
@@ -52,14 +61,17 @@ local function bucket_read(key, now, count)
     corrupt()
   end
   local ahead = tat_us - now
-  if not ((ahead <= 0 or ahead * count + frac <= EXACT)
-      and exp_us - now <= EXACT / count + (SLACK_MS + 1) * 1000) then
+  if exp_us > 0 then
+    if not (exp_us > tat_us and exp_us - tat_us <= (SLACK_MS + 1) * 1000) then
+      corrupt()
+    end
+  elseif not (ahead <= 0 or ahead * count + frac <= EXACT) then
     corrupt()
   end
   if ahead < 0 then
     return 0, exp_us
   end
-  return ahead * count + frac, exp_us
+  return math.min(ahead * count + frac, EXACT), exp_us
 end
 
 -- Store the bucket with fill `used` at `now`. `explicit`: logical time (differential tests),

@@ -605,6 +605,28 @@ mod tests {
         assert_eq!(gate.inner.multi.len(), 64);
     }
 
+    /// A request refused because the shard of its key holds buckets of 16 quotas already,
+    /// with 16 keys held of 1 600, is not told that all 1 600 keys are in use: the message
+    /// sent users looking for a larger `max_keys`, which does not help.
+    #[test]
+    fn keyspace_full_says_what_is_full() {
+        let gate = MemoryGate::builder(Limit::TokenBucket(hourly(1)))
+            .max_keys(1_600)
+            .build()
+            .unwrap();
+        for n in 1..=16 {
+            assert!(gate.check_all(&[("k", hourly(n))], 1).unwrap()[0].allowed);
+        }
+        let e = gate.check_all(&[("k", hourly(17))], 1).unwrap_err();
+        assert!(matches!(e, GateError::KeyspaceFull { max_keys: 1_600 }));
+        assert_eq!(gate.inner.multi.len(), 16);
+        assert_eq!(
+            e.to_string(),
+            "no room for a new key: its shard of the gate (a 16th of its 1600 keys; for \
+             check_all, at most 16 distinct quotas) is full, and nothing in it is idle yet"
+        );
+    }
+
     /// `max_keys` is exact, rounded up to a multiple of 16: each shard holds at most a 16th
     /// under its own lock, so inserts racing on different shards never take the gate past
     /// it, for its own keys and for `check_all`'s buckets alike; and with every shard full

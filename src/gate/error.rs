@@ -46,9 +46,12 @@ pub enum GateError {
     /// On Redis Cluster, the keys of one all-or-nothing call do not share a hash slot; give
     /// them the same `{hash tag}`.
     CrossSlot,
-    /// The in-memory gate holds its maximum number of keys and none is idle yet.
+    /// The in-memory gate has no room for a new key: the shard the key falls in (a 16th of
+    /// `max_keys`) holds as many keys as it may, or, for `check_all`, buckets of 16
+    /// distinct quotas already, and nothing in it is idle yet. The shard can be full
+    /// before the whole gate is (see [`MemoryGateBuilder::max_keys`](crate::gate::MemoryGateBuilder::max_keys)).
     KeyspaceFull {
-        /// The configured maximum.
+        /// The gate's maximum number of keys, every shard together.
         max_keys: usize,
     },
     /// The backend (Redis) failed: connection, protocol or script error.
@@ -95,7 +98,9 @@ impl fmt::Display for GateError {
             ),
             GateError::KeyspaceFull { max_keys } => write!(
                 f,
-                "all {max_keys} keys are in use and none is idle yet: new keys are refused"
+                "no room for a new key: its shard of the gate (a 16th of its {max_keys} keys; \
+                 for check_all, at most 16 distinct quotas) is full, and nothing in it is idle \
+                 yet"
             ),
             GateError::Backend(e) => write!(f, "rate limit backend failed: {e}"),
             GateError::Timeout(d) => write!(f, "rate limit backend did not answer within {d:?}"),

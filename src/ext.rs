@@ -292,7 +292,7 @@ pub trait FlowStreamExt: Stream {
     ///     .count()
     ///     .await;
     /// assert_eq!(n, 20);
-    /// assert!(start.elapsed() >= std::time::Duration::from_millis(1_000)); // 10 at once, 10 at 10/s
+    /// assert_eq!(start.elapsed(), std::time::Duration::from_millis(1_000)); // 10 at once, 10 at 10/s
     /// # Ok(())
     /// # }
     /// ```

@@ -105,6 +105,7 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// # Examples
     ///
     /// ```
+    /// use std::time::Duration;
     /// use flowgate::gate::{Gate, Limit, MemoryGate};
     /// use flowgate::Quota;
     ///
@@ -114,7 +115,9 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// let limits = [("ip:10.0.0.1", Quota::per_second(2)?), ("user:7", Quota::per_second(1)?)];
     /// assert!(gate.check_all(&limits, 1).await?[0].allowed);
     /// let d = gate.check_all(&limits, 1).await?;
-    /// assert!(!d[0].allowed && !d[1].allowed); // the user's bucket is empty
+    /// assert!(!d[0].allowed && !d[1].allowed);
+    /// assert!(d[1].retry_after > Duration::ZERO); // the user's bucket is empty
+    /// assert_eq!(d[0].remaining, 1); // and the IP's was not charged
     /// # Ok(())
     /// # }
     /// ```

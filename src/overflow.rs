@@ -17,7 +17,7 @@ use std::fmt;
 /// | policy | full buffer, new item | caller waits? |
 /// |---|---|---|
 /// | [`Backpressure`](Overflow::Backpressure) | the sender waits for space | yes |
-/// | [`Reject`](Overflow::Reject) | the item is handed back in an error | no |
+/// | [`Reject`](Overflow::Reject) | the item is handed back in an error (a `leaky_queue`, which has no caller to hand it to, drops it as `DropNewest` does) | no |
 /// | [`DropNewest`](Overflow::DropNewest) | the incoming item is dropped | no |
 /// | [`DropOldest`](Overflow::DropOldest) | the oldest buffered item is dropped, the new one is queued | no |
 ///
@@ -37,11 +37,13 @@ pub enum Overflow {
     /// policy: a reservation never drops an item).
     #[default]
     Backpressure,
-    /// Refuse the new item and hand it back to the caller.
+    /// Refuse the new item and hand it back to the caller (a
+    /// [`leaky_queue`](crate::FlowStreamExt::leaky_queue) drops it instead: see
+    /// [`LeakyQueue`](crate::pace::LeakyQueue)).
     Reject,
     /// Drop the incoming item; the buffer keeps what it has.
     DropNewest,
-    /// Evict the oldest buffered item to make room for the incoming one.
+    /// Drop the oldest buffered item to make room for the incoming one.
     DropOldest,
 }
 

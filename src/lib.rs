@@ -54,7 +54,7 @@
 //! | *rate* | n per period: [`Rate`] | pacers, windows |
 //! | *quota* | a rate with a burst: [`Quota`] | token buckets, pacers (`Pacer::quota`, `set_quota`) |
 //! | *capacity* | the most units admitted at once (a quota's burst, a window's count); for a buffer, the most items it holds | `Decision::capacity`, `Limit::capacity`, [`CostError`], `Sender::capacity` |
-//! | *limit* | a limiting rule: an algorithm with its numbers ([`gate::Limit`]); the [`limit`] module is those algorithms as pure math. Nothing else is called a limit | `gate::Limit`, `Gate::limit` |
+//! | *limit* | a limiting rule: an algorithm with its numbers ([`gate::Limit`]); the [`limit`] module is those algorithms as pure math. One other meaning, in [`adaptive`] only: the concurrency an [`adaptive::AdaptiveLimit`] learns (within its `min_limit` and `max_limit`), which becomes a bulkhead's `max_in_flight` (plus its critical reserve). Nothing else is called a limit | `gate::Limit`, `Gate::limit`; `AdaptiveLimit`, `min_limit`, `max_limit` |
 //! | *max_in_flight* | a bulkhead's concurrency cap | `Bulkhead::max_in_flight`, `set_max_in_flight` |
 //! | *cost* | the units one request takes, at least 1 (`leaky_cost` lets an item of cost 0 pass free, and `RateLimitLayerBuilder::cost` a request of cost 0) | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost`, `RateLimitLayerBuilder::cost` |
 //! | *reject* | a limiter, gate or buffer refuses a request and answers the caller: a `Decision` with `allowed == false`, or the item handed back ([`Overflow::Reject`]) | `Decision`, `SendError::Full` |

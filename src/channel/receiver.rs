@@ -97,18 +97,18 @@ impl<T> Receiver<T> {
         Some(item)
     }
 
-    /// Wait for at least one item, then move up to `limit` buffered items into `buf` (in
+    /// Wait for at least one item, then move up to `max` buffered items into `buf` (in
     /// one lock). Returns how many were moved: 0 only when the channel is closed and
-    /// drained, or when `limit` is 0.
+    /// drained, or when `max` is 0.
     ///
     /// # Cancel safety
     ///
     /// Cancel-safe, as [`recv`](Receiver::recv).
-    pub fn recv_many<'a>(&'a mut self, buf: &'a mut Vec<T>, limit: usize) -> RecvMany<'a, T> {
+    pub fn recv_many<'a>(&'a mut self, buf: &'a mut Vec<T>, max: usize) -> RecvMany<'a, T> {
         RecvMany {
             receiver: self,
             buf,
-            limit,
+            max,
         }
     }
 
@@ -323,7 +323,7 @@ impl<T> fmt::Debug for Recv<'_, T> {
 pub struct RecvMany<'a, T> {
     receiver: &'a mut Receiver<T>,
     buf: &'a mut Vec<T>,
-    limit: usize,
+    max: usize,
 }
 
 impl<T> Future for RecvMany<'_, T> {
@@ -332,8 +332,8 @@ impl<T> Future for RecvMany<'_, T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
         let this = self.get_mut();
         let receiver = &mut *this.receiver;
-        if !receiver.local.is_empty() && this.limit > 0 {
-            let n = receiver.local.len().min(this.limit);
+        if !receiver.local.is_empty() && this.max > 0 {
+            let n = receiver.local.len().min(this.max);
             this.buf.extend(receiver.local.drain(..n));
             receiver.batch_len.set(receiver.local.len());
             if receiver.local.is_empty() {
@@ -345,7 +345,7 @@ impl<T> Future for RecvMany<'_, T> {
         }
         receiver
             .shared
-            .poll_recv_many(cx, &mut receiver.waiting, this.buf, this.limit)
+            .poll_recv_many(cx, &mut receiver.waiting, this.buf, this.max)
     }
 }
 
@@ -359,7 +359,7 @@ impl<T> Drop for RecvMany<'_, T> {
 impl<T> fmt::Debug for RecvMany<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RecvMany")
-            .field("limit", &self.limit)
+            .field("max", &self.max)
             .finish_non_exhaustive()
     }
 }

@@ -45,11 +45,11 @@
 //!
 //! | word | means | where |
 //! |---|---|---|
-//! | *check* | decide now, consuming the cost if admitted; never waits for capacity; answers a [`Decision`]. A future only where deciding needs I/O (a gate may ask Redis). | `Limiter::check`, `Keyed::check`, `Gate::check`, `MemoryGate::check` (sync), `RedisGate::check` (async), `check_all`, `Pacer::check` |
-//! | *until_ready* | wait until admitted; nothing is given back afterwards | `Pacer::until_ready`, `CommitTracker::until_ready` |
+//! | *check* | decide now, consuming the cost if admitted; never waits for capacity; answers a [`Decision`]. A future only where deciding needs I/O (a gate may ask Redis). | `Limiter::check`, `Keyed::check`, `Gate::check`, `MemoryGate::check` (sync), `RedisGate::check` and `RegionGate::check` (async), `Gate::check_local` (sync), `check_all`, `Pacer::check` |
+//! | *until_ready* | wait until admitted; nothing is given back afterwards | `Pacer::until_ready`, `AdaptivePacer::until_ready`, `CommitTracker::until_ready` |
 //! | *acquire* | wait for an RAII permit, given back when it drops | `Bulkhead::acquire`, `acquire_owned` |
 //! | *reserve* | wait for a channel slot: a permit to send one item | `Sender::reserve`, `reserve_owned` |
-//! | *try_* | the form of a waiting verb that does not wait: an error instead | `try_send`, `try_recv`, `try_reserve`, `try_acquire` |
+//! | *try_* | the form of a waiting verb that does not wait: an error instead. One exception, named as gRPC names it: `RetryBudget::try_retry` never waits either, but answers a `bool` (whether the budget allows a retry) | `try_send`, `try_recv`, `try_reserve`, `try_acquire`; `try_retry` |
 //! | *close* | stop taking new work; what is buffered still drains (`&self` everywhere) | `Sender::close`, `Receiver::close`, `Bulkhead::close` |
 //! | *rate* | n per period: [`Rate`] | pacers, windows |
 //! | *quota* | a rate with a burst: [`Quota`] | token buckets, pacers (`Pacer::quota`, `set_quota`) |
@@ -58,15 +58,17 @@
 //! | *max_in_flight* | a bulkhead's concurrency cap | `Bulkhead::max_in_flight`, `set_max_in_flight` |
 //! | *cost* | the units one request takes, at least 1 (`leaky_cost` lets an item of cost 0 pass free, and `RateLimitLayerBuilder::cost` a request of cost 0) | every `check`, `until_ready`, `leaky_cost`, `GatedBuilder::cost`, `RateLimitLayerBuilder::cost` |
 //! | *reject* | a limiter, gate or buffer refuses a request and answers the caller: a `Decision` with `allowed == false`, or the item handed back ([`Overflow::Reject`]) | `Decision`, `SendError::Full` |
-//! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted by `dropped()` (a channel reads all its counters together with `stats()`); an adapter that holds one item while it waits (`leaky`, the bulkhead adapters) passes it to the hook of its builder as [`Dropped::Discarded`] when it lets go of it, and so does `prefetch` with each item still buffered | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop`, `Dropped::Discarded` |
+//! | *drop* | an item removed without being delivered: passed to the `on_drop` hook ([`OnDrop`]) with a [`Dropped`] reason and counted: by `dropped()` where a policy drops it (`leaky_queue`, `gated_drop`; a channel reads all its counters together with `stats()`); an adapter that holds one item while it waits (`leaky`, `gated`, the bulkhead adapters) passes it to the hook of its builder as [`Dropped::Discarded`] when it lets go of it, and so does `prefetch` with each item still buffered (the adapters without a `dropped()` count these in their metrics: `flowgate_pace_dropped_total{policy="closed"}`, `flowgate_bulkhead_discarded_total`, `flowgate_demand_discarded_total`) | `Overflow::DropNewest`/`DropOldest`, `Sent::DroppedNewest`/`DroppedOldest`, `gated_drop`, `Dropped::Discarded` |
 //! | *shed* | a bulkhead refuses work because it is saturated: waiting room full, waited too long, no permit free, or pushed out by critical work | `bulkhead::AcquireError` |
 //! | *evict* | remove idle per-key state to bound memory; never items | `MemoryGate`, `Keyed` (`sweep`, `max_keys`) |
 //!
 //! Builders follow one convention: `X::builder(..) -> XBuilder`, `name(impl Into<String>)`
 //! (the `name` label of the metrics), and `build()` that validates everything and returns
-//! `Result<X, ConfigError>`. Extension methods whose inputs are valid by their types
-//! ([`NonZeroUsize`](std::num::NonZeroUsize), [`Rate`], `demand::Levels`) return the adapter
-//! itself, so chains stay chains.
+//! `Result<X, ConfigError>` (an `async` one where building talks to Redis: the
+//! `RedisGateBuilder`'s, and the `RedisStreamSourceBuilder`'s, whose `BuildError` is a
+//! `ConfigError` or the Redis error that kept it from creating its group). Extension
+//! methods whose inputs are valid by their types ([`NonZeroUsize`](std::num::NonZeroUsize),
+//! [`Rate`], `demand::Levels`) return the adapter itself, so chains stay chains.
 //!
 //! ## Example
 //!

@@ -291,6 +291,10 @@ impl<T> FusedStream for Receiver<T> {
 }
 
 /// Future of [`Receiver::recv`].
+///
+/// Dropped before it completes, it loses no item: it holds none (a batch a poll took from
+/// the channel stays with the receiver, for its next receive), and a wake-up meant for it
+/// passes to the next waiting receiver.
 #[must_use = "futures do nothing unless polled"]
 pub struct Recv<'a, T> {
     receiver: &'a mut Receiver<T>,
@@ -319,6 +323,10 @@ impl<T> fmt::Debug for Recv<'_, T> {
 }
 
 /// Future of [`Receiver::recv_many`].
+///
+/// Dropped before it completes, it loses no item: items are moved into `buf` only by the
+/// poll that returns their count, and a wake-up meant for it passes to the next waiting
+/// receiver.
 #[must_use = "futures do nothing unless polled"]
 pub struct RecvMany<'a, T> {
     receiver: &'a mut Receiver<T>,

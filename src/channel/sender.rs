@@ -303,6 +303,10 @@ impl<T> Sink<T> for Sender<T> {
 }
 
 /// Future of [`Sender::send`].
+///
+/// Dropped before it completes, it leaks no slot and loses no other item: the item it
+/// carries is dropped with it (it was never in the channel), and a slot already handed to
+/// it passes to the next waiting sender.
 #[must_use = "futures do nothing unless polled"]
 pub struct Send<'a, T> {
     shared: &'a Shared<T>,
@@ -342,6 +346,9 @@ impl<T> fmt::Debug for Send<'_, T> {
 }
 
 /// Future of [`Sender::reserve`].
+///
+/// Dropped before it completes, it holds no slot: a slot already handed to it passes to
+/// the next waiting sender.
 #[must_use = "futures do nothing unless polled"]
 pub struct Reserve<'a, T> {
     shared: &'a Shared<T>,
@@ -379,6 +386,9 @@ impl<T> fmt::Debug for Reserve<'_, T> {
 }
 
 /// Future of [`Sender::reserve_owned`].
+///
+/// Dropped before it completes, it holds no slot (a slot already handed to it passes to the
+/// next waiting sender), and the sender it owns is dropped with it.
 #[must_use = "futures do nothing unless polled"]
 pub struct ReserveOwned<T> {
     sender: Option<Sender<T>>,
@@ -424,6 +434,8 @@ impl<T> fmt::Debug for ReserveOwned<T> {
 }
 
 /// Future of [`Sender::closed`].
+///
+/// Dropped, it loses nothing: it only waits.
 #[must_use = "futures do nothing unless polled"]
 pub struct Closed<'a, T> {
     shared: &'a Shared<T>,

@@ -909,6 +909,77 @@ async fn a_loss_seen_by_a_fetch_whose_group_creation_fails_still_keeps_old_acks_
     assert_eq!(counters.get("stale_acks").unwrap_or(1), 1);
 }
 
+/// Waits (up to 5 s) until a client of `server` is blocked (a blocking read waits there).
+async fn until_blocked(server: &RedisServer) {
+    for _ in 0..500 {
+        let info: String = server
+            .query_blocking(redis::cmd("INFO").arg("clients"))
+            .unwrap();
+        if info.lines().any(|l| l.trim() == "blocked_clients:1") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no blocking read reached the server within 5 s");
+}
+
+/// `flush_acks` finishes a fetch in progress first. When that fetch met `NOGROUP` (and
+/// found the group created again by another consumer), the acks still queued belong to
+/// the lost group: sending them to the new one would acknowledge another consumer's
+/// delivery of the same id, which would then never be redelivered if it crashed.
+#[tokio::test]
+async fn flush_acks_after_a_fetch_that_met_a_lost_group_sends_no_ack_of_it() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    // Reads block for 10 s (no client-side timeout), so the group can be lost under one;
+    // the background task waits 30 s: only `flush_acks` sends acks here.
+    let source = RedisStreamSource::builder(server.connect_untimed().await, KEY, GROUP, "a")
+        .block(Duration::from_secs(10))
+        .min_idle(Duration::from_secs(90))
+        .claim_every(Duration::from_secs(60))
+        .ack_interval(Duration::from_secs(30))
+        .build()
+        .await
+        .unwrap();
+    produce(&mut con, 4).await;
+    let mut stream = Box::pin(prefetch(source, levels(4, 0)));
+    let mut held = take(&mut stream, 4).await.into_iter();
+    // The next fetch takes the first ack along and blocks in Redis.
+    held.next().unwrap().ack.ack();
+    assert!(futures::poll!(stream.next()).is_pending());
+    until_blocked(&server).await;
+    let second = held.next().unwrap();
+    let second_id = second.id.clone();
+    second.ack.ack();
+
+    // The group is lost under the read (which answers NOGROUP); another consumer creates
+    // it again from the beginning and is handed the same entries.
+    destroy_group(&mut con).await;
+    let _: () = redis::cmd("XGROUP")
+        .arg(&["CREATE", KEY, GROUP, "0"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg(&["GROUP", GROUP, "b", "COUNT", "10", "STREAMS", KEY, ">"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(pending(&mut con).await, 4);
+
+    assert_eq!(
+        flush(&mut stream).await,
+        0,
+        "no ack of the lost group is sent"
+    );
+    let still = ids(pending_list().query_async(&mut con).await.unwrap());
+    assert!(
+        still.contains(&second_id),
+        "{second_id}, acked in the lost group, acknowledged the other consumer's delivery"
+    );
+    assert_eq!(still.len(), 4);
+}
+
 #[tokio::test]
 async fn a_deleted_entry_pending_for_a_dead_consumer_is_skipped_by_the_claim() {
     let (server, mut con) = with_entries(3).await;

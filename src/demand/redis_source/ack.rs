@@ -41,8 +41,9 @@ pub(super) struct AckState {
     /// The source plus its live `Ack`s; the background task stops once all are gone and
     /// every ack is sent.
     pub(super) handles: usize,
-    /// Bumped each time the source re-creates its lost group: `ids` and `held` belong to
-    /// this generation; an `Ack` of an older one is stale.
+    /// Bumped each time a fetch of the source finds its group lost (before it creates the
+    /// group again): `ids` and `held` belong to this generation; an `Ack` of an older one
+    /// is stale.
     pub(super) generation: u64,
 }
 
@@ -133,10 +134,10 @@ impl AckQueue {
         }
     }
 
-    /// The group was lost and created again: the queued acks and the held ids belong to the
-    /// lost one, whose pending list is gone. They are not sent (not to the new group
-    /// either, where an id may be pending for another delivery); the queued ones are
-    /// counted as stale now, the held ones when their `Ack` is used.
+    /// The group was lost (and is about to be created again): the queued acks and the held
+    /// ids belong to the lost one, whose pending list is gone. They are not sent (not to
+    /// the new group either, where an id may be pending for another delivery); the queued
+    /// ones are counted as stale now, the held ones when their `Ack` is used.
     pub(super) fn new_group(&self) {
         let mut st = self.lock();
         st.generation += 1;

@@ -290,7 +290,10 @@ where
             }
             if lost {
                 // Whether or not creating it works, the group this source delivered from is
-                // gone: the caller forgets it either way.
+                // gone: its acks are forgotten now, before the group can exist again, so
+                // that no send (`flush_acks`, which finishes this fetch and sends before the
+                // outcome is read, or the background task) takes one to the new group.
+                queue.new_group();
                 let created =
                     create_group(&mut conn, &cfg.key, &cfg.group, cfg.recreate_from).await;
                 return Ok(Outcome::GroupLost { created });
@@ -324,16 +327,16 @@ where
         })
     }
 
-    /// The group was lost (`NOGROUP`): forget what belongs to it, and start over in the
-    /// group that is there again (`created`: `Ok`), or that the next fetch tries to create
-    /// again (`Err`, returned).
+    /// The group was lost (`NOGROUP`): start over in the group that is there again
+    /// (`created`: `Ok`), or that the next fetch tries to create again (`Err`, returned).
+    /// The acks and held ids of the lost group were forgotten by the fetch that met the
+    /// loss, before it created the group again.
     ///
     /// The lost group is forgotten even when creating it again failed: its pending list is
     /// gone all the same, and the group the next fetch finds may be one another consumer
     /// created meanwhile, where an ack of an entry delivered before could acknowledge
     /// another delivery of the same id.
     fn group_lost(&mut self, created: RedisResult<bool>) -> RedisResult<()> {
-        self.acks.new_group();
         self.phase = Phase::New;
         self.claim_cursor = "0-0".into();
         self.read_due = false;

@@ -1697,6 +1697,97 @@ fn token_bucket_scripts_report_the_real_reset_when_the_clock_steps_back() {
     });
 }
 
+/// A Redis clock that steps back further than `2^52 / count` microseconds behind a bucket's
+/// TAT (4.5 s for a rate of 10^9 a second, as a bandwidth limit in bytes has): the request
+/// is rejected, as the model rejects it (the step is debt the bucket owes), never reported
+/// as a key whose value cannot be read (which told the caller to delete the key, and failed
+/// every request on every key used in the last seconds until the clock caught up). The
+/// waits are a lower bound of the model's: never later than the bucket really has room.
+#[test]
+fn token_bucket_scripts_reject_when_the_clock_steps_back_past_exact_arithmetic() {
+    let server = RedisServer::start();
+    let rt = rt();
+    let mut con = rt.block_on(server.connect());
+    let q = Quota::per_second(1_000_000_000).unwrap();
+    let mut model = Limiter::new(TokenBucket::new(q));
+    let t0 = 1_700_000_000_000_000u64;
+    let back_at = t0 - 5_000_000;
+    let params = [1_000_000_000u64, 1_000_000, 1_000_000_000];
+    assert!(model.check(Duration::from_micros(t0), 1).unwrap().allowed);
+    let want = model.check(Duration::from_micros(back_at), 1).unwrap();
+    assert!(!want.allowed, "the model rejects: the step back is debt");
+    let in_bounds = |r: &[i64], what: &str| {
+        assert!(r[0] > -(1 << 53) + 1, "{what}: a key error: {r:?}");
+        let (retry, reset) = (r[3] as u64, r[4] as u64);
+        assert_eq!(
+            (r[0], r[2]),
+            (0, 0),
+            "{what}: rejected, nothing left: {r:?}"
+        );
+        assert!(
+            retry > 0 && retry <= ceil_us(want.retry_after),
+            "{what}: {r:?}"
+        );
+        assert!(
+            reset >= retry && reset <= ceil_us(want.reset_after),
+            "{what}: {r:?}"
+        );
+    };
+    let tb = redis::Script::new(lua::TOKEN_BUCKET);
+    let all = redis::Script::new(lua::TOKEN_BUCKET_ALL);
+    let lease = redis::Script::new(lua::TOKEN_BUCKET_LEASE);
+    rt.block_on(async {
+        let first: Vec<i64> = tb
+            .key("tb:far")
+            .arg(&params)
+            .arg(t0)
+            .arg(1)
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        assert!(first[0] >= 0, "admitted at t0: {first:?}");
+        let r: Vec<i64> = tb
+            .key("tb:far")
+            .arg(&params)
+            .arg(back_at)
+            .arg(1)
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        assert!(
+            r[0] > -(1 << 53) + 1,
+            "token_bucket.lua: a key error: {r:?}"
+        );
+        let d = lua::token_bucket_reply(params[0], params[1], 1_000_000_000, 1, r[0]);
+        let reply = [
+            i64::from(d.allowed),
+            0,
+            d.remaining as i64,
+            ceil_us(d.retry_after) as i64,
+            ceil_us(d.reset_after) as i64,
+        ];
+        in_bounds(&reply, "token_bucket.lua");
+        let r: Vec<i64> = all
+            .key("tb:far")
+            .arg(back_at)
+            .arg(&params)
+            .arg(1)
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        in_bounds(&r, "token_bucket_all.lua");
+        let r: Vec<i64> = lease
+            .key("tb:far")
+            .arg(&params)
+            .arg(back_at)
+            .arg(&[1, 10])
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        in_bounds(&r, "token_bucket_lease.lua");
+    });
+}
+
 /// A rejection cached for cost 1 answered a later request of cost 5 with cost 1's
 /// `retry_after` (one emission interval) although five tokens take five: the caller came
 /// back 800 ms too early, to another rejection.

@@ -110,6 +110,12 @@ pub(super) struct Inner<C> {
 ///   after a restart or failover) running the same integer math as [`limit`](crate::limit)
 ///   in microseconds; a rejected call consumes nothing.
 /// - **Server clock**: time comes from Redis `TIME`, so application clocks may disagree.
+///   If that clock steps back (a failover to a replica whose clock is behind), each
+///   algorithm decides as its model in [`limit`](crate::limit) does (a token bucket owes the
+///   step). A token bucket whose state lies further ahead of the clock than exact
+///   arithmetic reaches (`2^52 / count` µs, for a rate of `count` per period: 4.5 s at 10^9
+///   a second) rejects, with its waits counted as if the clock had stepped back only that
+///   far (never later than it has room).
 /// - **TTLs**: every key expires once its state is neutral again; idle keys vanish. A token
 ///   bucket key lives up to 1 s longer than that: its TTL is set with that slack so that most
 ///   writes can keep it (`SET .. KEEPTTL` costs Redis about half as much as `SET .. PX`).

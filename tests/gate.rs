@@ -544,6 +544,51 @@ async fn a_rejection_cached_before_redis_restarted_empty_is_forgotten_when_the_g
     );
 }
 
+/// Tokens leased before Redis restarted empty are not spent once the gate is back on the
+/// new server: they were debited in a bucket that is gone, and the new server's bucket is
+/// full, so spent on top of it they let the fleet pass more than the burst from the
+/// restart on (here 4 leased + 5 of the new bucket within one hour of a limit of 5).
+#[tokio::test]
+async fn tokens_leased_before_redis_restarted_empty_are_not_spent_on_top_of_the_new_bucket() {
+    let server = RedisServer::start();
+    let hourly = Limit::TokenBucket(Quota::per_hour(5).unwrap());
+    let gate = RedisGate::builder(manager(&server).await, hourly)
+        .failure_policy(FailurePolicy::Open)
+        .probe_interval(Duration::from_millis(100))
+        .lease(10)
+        .lease_ttl(Duration::from_secs(600))
+        .build()
+        .await
+        .unwrap();
+    // A lease of the whole bucket: one token spent, four kept here.
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(gate.leased_keys(), 1);
+    server.restart(); // empty: no scripts, no keys
+    // Other traffic finds the failure, then the new server.
+    let start = std::time::Instant::now();
+    let mut i = 0;
+    loop {
+        i += 1;
+        let d = gate.check(&format!("other{i}"), 1).await.unwrap();
+        if !gate.is_degraded() && d.remaining < 1_000 {
+            break; // decided by Redis again (Open decisions report u64::MAX)
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "not back on Redis after 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut admitted = 0;
+    for _ in 0..12 {
+        admitted += u32::from(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!(
+        admitted, 5,
+        "the new server's burst, and no token of the old one"
+    );
+}
+
 /// The same, when the gate sees no failure at all: a RESP3 `ConnectionManager` reconnects
 /// as soon as the server goes away, so after a quick restart with no call in between, the
 /// first call meets the new server (and its empty script cache) directly.

@@ -147,6 +147,16 @@ impl Leases {
         self.lock().leases.len()
     }
 
+    /// Forget every lease: Redis may have lost the buckets they were debited from (it
+    /// answers again after a failure, or lacks the gate's scripts: restarted empty, failed
+    /// over), and spent then, their tokens would pass on top of a bucket the new server
+    /// holds full. Lease calls in flight keep their places.
+    pub(crate) fn clear(&self) {
+        let mut state = self.lock();
+        state.leases.clear();
+        state.next_sweep = None;
+    }
+
     /// Spend `cost` from the lease of `key`, if it holds enough unexpired tokens.
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
         let mut state = self.lock();

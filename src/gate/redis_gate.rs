@@ -95,7 +95,8 @@ pub(super) struct Inner<C> {
     pub(super) eval: LimitScript,
     pub(super) all_script: redis::Script,
     pub(super) cluster: bool,
-    leases: Option<Leases>,
+    /// Shared with the backend's reset, which forgets them.
+    leases: Option<Arc<Leases>>,
     lease_script: redis::Script,
     prefix: String,
     pub(super) policy: FailurePolicy,
@@ -296,8 +297,10 @@ where
     /// Redis said when it granted them), since spent later it would pass on top of tokens
     /// Redis has refilled meanwhile and the fleet could exceed `burst + rate·span`.
     /// Decisions served from a lease
-    /// report the lease's remaining tokens and when the bucket in Redis is full again. `0` or
-    /// `1` turns leases off.
+    /// report the lease's remaining tokens and when the bucket in Redis is full again.
+    /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
+    /// rejection cache is forgotten: spent then, they would pass on top of a bucket the
+    /// new server holds full. `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;
         self
@@ -358,12 +361,12 @@ where
                 if self.lease_keys == 0 {
                     return Err(ConfigError::zero("gate.lease_keys"));
                 }
-                Some(Leases::new(
+                Some(Arc::new(Leases::new(
                     self.lease,
                     self.lease_ttl,
                     quota.rate(),
                     self.lease_keys,
-                ))
+                )))
             }
             (true, _) => {
                 return Err(ConfigError::new(
@@ -389,8 +392,10 @@ where
             prefix: self.prefix.len(),
         });
         // Redis may have lost its keys (restarted empty, failed over: back after a failure,
-        // or without its scripts): the rejections cached before would refuse what it admits.
+        // or without its scripts): the rejections cached before would refuse what it admits,
+        // and tokens leased before would pass on top of the buckets it holds full again.
         let forget = Arc::clone(&outcomes);
+        let forget_leases = leases.clone();
         let backend = Arc::new(
             Backend::new(
                 self.conn,
@@ -400,7 +405,12 @@ where
                 self.policy.as_str(),
                 &labels,
             )
-            .on_reset(move || forget.cache.clear()),
+            .on_reset(move || {
+                forget.cache.clear();
+                if let Some(leases) = &forget_leases {
+                    leases.clear();
+                }
+            }),
         );
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {
@@ -720,7 +730,7 @@ where
 
     /// Keys holding a lease now.
     pub fn leased_keys(&self) -> usize {
-        self.inner.leases.as_ref().map_or(0, Leases::len)
+        self.inner.leases.as_ref().map_or(0, |l| l.len())
     }
 
     pub(super) fn by_policy(

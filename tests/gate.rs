@@ -589,6 +589,31 @@ async fn tokens_leased_before_redis_restarted_empty_are_not_spent_on_top_of_the_
     );
 }
 
+/// A gate's first `check_all` finds its script already in Redis: the gate loads every
+/// script it may call when it is built. Loaded on first use instead, the `NOSCRIPT` it met
+/// read as Redis having lost its state, and the leases taken before were dropped.
+#[tokio::test]
+async fn a_first_check_all_keeps_the_leases_taken_before() {
+    let server = RedisServer::start();
+    let hourly = Limit::TokenBucket(Quota::per_hour(5).unwrap());
+    let gate = RedisGate::builder(server.connect().await, hourly)
+        .lease(10)
+        .lease_ttl(Duration::from_secs(600))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(gate.leased_keys(), 1);
+    let q = Quota::per_hour(5).unwrap();
+    assert!(gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap()[0].allowed);
+    assert_eq!(gate.leased_keys(), 1, "the lease is kept");
+    let mut admitted = 0;
+    for _ in 0..8 {
+        admitted += u32::from(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!(admitted, 4, "the four tokens leased, then nothing");
+}
+
 /// The same, when the gate sees no failure at all: a RESP3 `ConnectionManager` reconnects
 /// as soon as the server goes away, so after a quick restart with no call in between, the
 /// first call meets the new server (and its empty script cache) directly.

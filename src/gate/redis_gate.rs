@@ -327,8 +327,8 @@ where
     }
 
     /// Build the gate, start its batch driver on the current runtime, and try to load its
-    /// script (a failure to load is not an error: the script is sent again with the first
-    /// decision).
+    /// scripts (a failure to load is not an error: a script is sent again with the first
+    /// call that needs it).
     ///
     /// # Errors
     ///
@@ -376,12 +376,23 @@ where
                 ));
             }
         };
+        let all_script = redis::Script::new(scripts::TOKEN_BUCKET_ALL);
+        let lease_script = redis::Script::new(scripts::TOKEN_BUCKET_LEASE);
+        // Every script the gate may call: a first call that met NOSCRIPT would read as Redis
+        // having lost its state, and forget the rejections cached and the leases taken.
         let mut conn = self.conn.clone();
-        let _ = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(500)),
-            eval.script.prepare_invoke().load_async(&mut conn),
-        )
-        .await;
+        let load = async {
+            let lease = leases.as_ref().map(|_| &lease_script);
+            for script in [Some(&eval.script), Some(&all_script), lease]
+                .into_iter()
+                .flatten()
+            {
+                if script.load_async(&mut conn).await.is_err() {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
         let labels = Labels::new(self.name.as_deref());
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let outcomes = Arc::new(Outcomes {
@@ -429,10 +440,10 @@ where
                 backend,
                 batcher,
                 eval,
-                all_script: redis::Script::new(scripts::TOKEN_BUCKET_ALL),
+                all_script,
                 cluster: self.cluster,
                 leases,
-                lease_script: redis::Script::new(scripts::TOKEN_BUCKET_LEASE),
+                lease_script,
                 prefix: self.prefix,
                 policy: self.policy,
                 metrics: Metrics {

@@ -21,21 +21,22 @@ local SLACK_MS = 1000
 -- The largest fill a bucket can hold and still be computed exactly (2^52 units: see
 -- token_bucket.lua).
 local EXACT = 4503599627370496
+-- Times (us of the Redis clock) past this one (2^53, in the year 2255) are not exact in a
+-- double: no write puts a TAT or an expiry there.
+local LAST_US = 9007199254740992
 
 -- The bucket's fill at `now` (units of 1/count us: one token is `period` units) and exp_us.
 -- A value that is not a bucket state (the wrong length, not numbers, NaN, infinite, negative,
--- a TAT or expiry further ahead than any write could have put it) raises CORRUPT
--- (lua/prelude.lua): that request fails alone, with a key error, instead of being decided
--- on garbage. NaN fails every comparison, so each check is written to fail on it.
+-- a TAT past LAST_US, an expiry further past the TAT than any write puts it) raises CORRUPT
+-- (lua/prelude.lua): that request fails alone, with a key error, instead of being decided on
+-- garbage. NaN fails every comparison, so each check is written to fail on it.
 --
--- A write puts the expiry record after the TAT, at most SLACK_MS past it, both on the clock of
--- that write; a state that has one is checked against it, which holds however far the clock
--- has stepped back since. Such a state may then be further ahead of `now` than exact arithmetic
--- reaches (2^52 units: at 100 million a second, a step back of 45 s): its fill is taken as
--- EXACT, more than any bucket holds, so it is rejected until the clock is back where it was,
--- with waits counted from EXACT (shorter than the real ones: asked again early, it is
--- rejected again). A state without one (the text form, or written on logical time) must be
--- within EXACT of `now`.
+-- A TAT further ahead of `now` than exact arithmetic reaches (more than EXACT units) is
+-- one the Redis clock stepped back behind (a failover to a replica whose clock is behind, a
+-- clock step): the fill is then EXACT, above any bucket (tau < EXACT), so the request is
+-- rejected, as the model rejects it, with waits counted as if the clock had stepped back
+-- only that far (a lower bound: never later than the bucket has room). A rejection writes
+-- nothing.
 local function bucket_read(key, now, count)
   local state = redis.call('GET', key)
   if not state then
@@ -57,17 +58,13 @@ local function bucket_read(key, now, count)
     frac = tonumber(string.sub(state, sep + 1))
     exp_us = 0
   end
-  if not (tat_us and frac and tat_us >= 0 and frac >= 0 and frac < EXACT and exp_us >= 0) then
+  -- A write sets the expiry at most SLACK_MS after the TAT (see bucket_write), and later
+  -- writes only move the TAT on.
+  if not (tat_us and frac and tat_us >= 0 and tat_us < LAST_US and frac >= 0 and frac < EXACT
+      and exp_us >= 0 and exp_us <= tat_us + (SLACK_MS + 1) * 1000) then
     corrupt()
   end
   local ahead = tat_us - now
-  if exp_us > 0 then
-    if not (exp_us > tat_us and exp_us - tat_us <= (SLACK_MS + 1) * 1000) then
-      corrupt()
-    end
-  elseif not (ahead <= 0 or ahead * count + frac <= EXACT) then
-    corrupt()
-  end
   if ahead < 0 then
     return 0, exp_us
   end

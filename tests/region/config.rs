@@ -1077,3 +1077,81 @@ async fn a_lease_outlives_the_handover_from_a_process_cut_off_from_the_home() {
     }
     println!("took over {took_over:?} after the cut: {}", second.status());
 }
+
+/// A process alone in its region whose home calls time out twice gives the refresher lock
+/// up and leaves it to the others for a refresh interval; with none there, it refreshes
+/// as that interval ends, not a whole tick later. Settings at the edge of what `build`
+/// accepts (3 × refresh + 2 × home timeout + the margin just under the lease): once the home
+/// answers again, the lease is renewed before it ends, so the region never falls to its
+/// safe share (0 here: every request rejected) with the home up. (It skipped its next tick,
+/// as the interval had not quite passed, and refreshed one tick later: four refresh
+/// intervals after the lease was granted, after it had ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_alone_in_its_region_renews_its_lease_in_time_after_two_home_timeouts() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let home_addr = format!("127.0.0.1:{}", home.port()).parse().unwrap();
+    let proxy = crate::support::DelayProxy::start(home_addr, Duration::ZERO)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(2);
+    let refresh = Duration::from_millis(590);
+    let home_timeout = Duration::from_millis(80);
+    // 3 × 590 + 2 × 80 + 20 = 1950 ms, within the 2 s lease.
+    let build = |conn| {
+        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+            .name("alone-edge")
+            .region(("eu", 1))
+            .lease(lease)
+            .refresh_every(refresh)
+            .home_timeout(home_timeout)
+            .build()
+            .unwrap()
+    };
+    build(super::fleet::manager(&home.url()).await)
+        .init_home()
+        .await
+        .unwrap();
+    let alloc = build(super::fleet::manager(&proxy.url()).await);
+    let region = alloc
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    assert!(region.status().leader, "{}", region.status());
+    let granted = region.status().refreshes;
+    // Every home call times out (a round trip of 400 ms against a timeout of 80 ms).
+    proxy.set_delay(Duration::from_millis(200));
+    let slow = std::time::Instant::now();
+    while region.status().failures < 2 {
+        assert!(slow.elapsed() < lease, "no failed refreshes");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The second failure gave the lock up: the home answers at once again.
+    proxy.set_delay(Duration::ZERO);
+    let back = std::time::Instant::now();
+    let gate = region.gate();
+    while region.status().refreshes == granted {
+        assert!(
+            back.elapsed() < lease,
+            "no refresh {:?} after the home answered again: {}",
+            back.elapsed(),
+            region.status()
+        );
+        let d = gate.check("probe", 1).await.unwrap();
+        assert!(
+            d.capacity > 0,
+            "the region fell to its safe share {:?} after the home answered again (its \
+             lease ran out before it refreshed): {}",
+            back.elapsed(),
+            region.status()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let status = region.status();
+    println!(
+        "refreshed {:?} after the home was back: {status}",
+        back.elapsed()
+    );
+    assert!(status.leader && status.home_reachable, "{status}");
+    assert!(gate.check("probe", 1).await.unwrap().capacity > 0);
+}

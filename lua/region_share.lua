@@ -12,8 +12,8 @@
 -- ARGV[1]  mode: 'report', 'apply' or 'release'
 -- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
 --
--- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms, ARGV[5] '1'
---   not to take a free lock (a process standing down). Takes or renews the lock. The holder gets {1, now_us, seq, share, expires_us - now_us,
+-- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms. Takes or
+--   renews the lock. The holder gets {1, now_us, seq, share, expires_us - now_us,
 --   admitted, rejected, us since the counters started (-1: unknown)}, and the counters start
 --   again from 0; another process gets {0, now_us, seq, share, expires_us - now_us, 0, 0, -1}
 --   (the lease, to show in its status).
@@ -50,7 +50,7 @@ if mode == 'report' then
   local token = ARGV[3]
   local holder = redis.call('GET', KEYS[3])
   local seq, share, _, expires = record()
-  if (holder and holder ~= token) or (not holder and ARGV[5] == '1') then
+  if holder and holder ~= token then
     return {0, now, seq, share, expires - now, 0, 0, -1}
   end
   redis.call('SET', KEYS[3], token, 'PX', tonumber(ARGV[4]))

@@ -61,7 +61,7 @@ struct Round {
     lease_end: Option<Instant>,
     /// Calls to the home that failed in a row.
     home_failures: u32,
-    /// Until then this process does not take a free refresher lock (it gave it up).
+    /// Until then this process does not ask for the refresher lock (it gave it up).
     stand_down_until: Option<Instant>,
     demand: f64,
 }
@@ -123,7 +123,8 @@ impl<C> Drop for Handle<C> {
 /// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
 /// and after two failed calls to the home in a row (then it leaves the lock to the others
 /// for a refresh interval, in which each of them comes to take it; if none does, it takes
-/// it back), so a process of the region that can reach the home takes over. When the last handle drops, this process stops refreshing; the region's lease
+/// it back as that interval ends), so a process of the region that can reach the home
+/// takes over. When the last handle drops, this process stops refreshing; the region's lease
 /// then runs out unless another process refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
@@ -341,21 +342,21 @@ where
         // (`build` checks that three refreshes, two home timeouts and a margin fit in the
         // lease).
         let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
-        let started = Instant::now();
         // A process that gave the lock up for failing to reach the home leaves it to the
-        // others for a refresh interval.
-        let standing_down = self
-            .round()
-            .stand_down_until
-            .is_some_and(|until| started < until);
+        // others for a refresh interval (each of them ticks within it), then comes for it
+        // as that interval ends: skipping the tick that falls just before the end would
+        // leave a process alone in its region a whole refresh later, past the lease.
+        let stand_down_until = self.round().stand_down_until;
+        if let Some(wait) =
+            stand_down_until.and_then(|until| until.checked_duration_since(Instant::now()))
+        {
+            tokio::time::sleep(wait).await;
+        }
+        let started = Instant::now();
         let Some(r) = self
             .local_call(
                 |c| {
-                    c.arg("report")
-                        .arg("")
-                        .arg(&self.token)
-                        .arg(lock_ms)
-                        .arg(u8::from(standing_down));
+                    c.arg("report").arg("").arg(&self.token).arg(lock_ms);
                 },
                 8,
             )
@@ -459,11 +460,16 @@ where
                 // refresh + 2 × home timeout + margin). After a third they may not.
                 if failures >= 2 {
                     // This process cannot reach the home: let another one of the region try.
-                    // Every other process ticks within a refresh interval: after that, a lock
-                    // still free has no one else to take it (this process is alone, or they
-                    // stand down too), and this one tries again.
-                    self.round().stand_down_until = Some(Instant::now() + plan.refresh);
+                    // Every other process ticks within a refresh interval of the release:
+                    // after that, a lock still free has no one else to take it (this process
+                    // is alone, or they stand down too), and this one tries again, as
+                    // another would: two failed calls before it stands down again (after
+                    // one, a process alone whose home calls time out would put its next try
+                    // off by another home timeout each time, past the lease).
                     self.release().await;
+                    let mut round = self.round();
+                    round.stand_down_until = Some(Instant::now() + plan.refresh);
+                    round.home_failures = 0;
                 }
                 return;
             }

@@ -1155,3 +1155,67 @@ async fn a_process_alone_in_its_region_renews_its_lease_in_time_after_two_home_t
     assert!(status.leader && status.home_reachable, "{status}");
     assert!(gate.check("probe", 1).await.unwrap().capacity > 0);
 }
+
+/// A refreshing process whose home call fails once and that then dies (no release: a
+/// crash, a kill) renewed the refresher lock at that failed refresh, a refresh interval
+/// after the lease in use was granted. The lock must still lapse in time for another
+/// process's tick (within a refresh interval) and home call (within the home timeout) to
+/// renew the lease before it ends, with settings at the edge of what `build` accepts. (It
+/// lapsed two refresh intervals and a home timeout after that failed refresh, four refresh
+/// intervals and two home timeouts after the grant: the lease ran out first, and the region
+/// fell to its safe share, 0 here, with a process that could reach the home.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_outlives_the_death_of_a_refreshing_process_after_a_failed_refresh() {
+    let lease = Duration::from_secs(2);
+    let refresh = Duration::from_millis(590);
+    // 3 × 590 + 2 × 80 + 20 = 1950 ms, within the 2 s lease.
+    let CutOff {
+        first,
+        second,
+        proxy,
+        _servers,
+    } = CutOff::start(
+        "crash",
+        lease,
+        refresh,
+        Duration::from_millis(80),
+        Duration::ZERO,
+    )
+    .await;
+    assert!(first.status().leader && !second.status().leader);
+    // The next home call of the refreshing process times out (a 400 ms round trip).
+    proxy.set_delay(Duration::from_millis(200));
+    let slow = std::time::Instant::now();
+    while first.status().failures == 0 {
+        assert!(slow.elapsed() < lease, "no failed refresh");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // It dies at once: dropped outside any runtime, it cannot give the lock up.
+    std::thread::spawn(move || drop(first)).join().unwrap();
+    let died = std::time::Instant::now();
+    let gate = second.gate();
+    let mut took_over = None;
+    while took_over.is_none_or(|at: Duration| died.elapsed() < at + refresh) {
+        assert!(
+            died.elapsed() < lease * 2,
+            "no takeover: {}",
+            second.status()
+        );
+        let d = gate.check("probe", 1).await.unwrap();
+        assert!(
+            d.capacity > 0,
+            "the region fell to its safe share {:?} after the refreshing process died (its \
+             lease ran out before the takeover): {}",
+            died.elapsed(),
+            second.status()
+        );
+        if took_over.is_none() && second.status().refreshes > 0 {
+            took_over = Some(died.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    println!(
+        "took over {took_over:?} after the death: {}",
+        second.status()
+    );
+}

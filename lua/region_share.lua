@@ -12,8 +12,10 @@
 -- ARGV[1]  mode: 'report', 'apply' or 'release'
 -- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
 --
--- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms. Takes or
---   renews the lock. The holder gets {1, now_us, seq, share, expires_us - now_us,
+-- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms, ARGV[5] a
+--   refresh interval plus the home timeout and ARGV[6] the home timeout, in us. Takes or
+--   renews the lock: for ARGV[4], but while a lease is in force only until ARGV[5] before it
+--   ends (at least ARGV[6]). The holder gets {1, now_us, seq, share, expires_us - now_us,
 --   admitted, rejected, us since the counters started (-1: unknown)}, and the counters start
 --   again from 0; another process gets {0, now_us, seq, share, expires_us - now_us, 0, 0, -1}
 --   (the lease, to show in its status).
@@ -53,7 +55,17 @@ if mode == 'report' then
   if holder and holder ~= token then
     return {0, now, seq, share, expires - now, 0, 0, -1}
   end
-  redis.call('SET', KEYS[3], token, 'PX', tonumber(ARGV[4]))
+  -- A holder renews the lock at each refresh, also at one that gets no lease (its home call
+  -- fails, or it dies first): counted from then, a lock that lapses for another process to
+  -- take could lapse too late for that one's tick (within a refresh interval) and home call
+  -- (within the home timeout) to renew the lease in force before it ends. It lapses in
+  -- time for that, but lasts this refresh's own home call.
+  local px = tonumber(ARGV[4])
+  if expires > now then
+    local lapse = math.max(expires - tonumber(ARGV[5]), now + tonumber(ARGV[6]))
+    px = math.min(px, math.ceil((lapse - now) / 1000))
+  end
+  redis.call('SET', KEYS[3], token, 'PX', math.max(1, px))
   local counts = redis.call('HMGET', KEYS[2], 'a', 'r', 't')
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 't', now)

@@ -118,8 +118,9 @@ impl<C> Drop for Handle<C> {
 /// refreshes the region's lease every refresh interval: it reports the region's demand to
 /// the home, gets the region's share, and writes it to the local Redis, where every gate of
 /// every process of the region reads it. One process of the region refreshes at a time (a
-/// lock in the local Redis, held for two refresh intervals plus the home timeout); if it
-/// stops, another takes over at its first refresh after the lock lapses, well before the
+/// lock in the local Redis, held for two refresh intervals plus the home timeout, and no
+/// later than a refresh interval plus the home timeout before the lease in force ends); if
+/// it stops, another takes over at its first refresh after the lock lapses, before the
 /// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
 /// and after two failed calls to the home in a row (then it leaves the lock to the others
 /// for a refresh interval, in which each of them comes to take it; if none does, it takes
@@ -340,7 +341,9 @@ where
         // Long enough for a whole refresh (two local calls, a home call) between renewals;
         // short enough that another process takes over well before the lease ends
         // (`build` checks that three refreshes, two home timeouts and a margin fit in the
-        // lease).
+        // lease). Renewed at a refresh that then gets no lease, it would be counted from a
+        // refresh after the lease's: the script ends it a refresh interval and a home timeout
+        // before the lease in force ends, in time for another process to renew that.
         let lock_ms = micros(plan.refresh * 2 + plan.home_timeout).div_ceil(1000);
         // A process that gave the lock up for failing to reach the home leaves it to the
         // others for a refresh interval (each of them ticks within it), then comes for it
@@ -356,7 +359,12 @@ where
         let Some(r) = self
             .local_call(
                 |c| {
-                    c.arg("report").arg("").arg(&self.token).arg(lock_ms);
+                    c.arg("report")
+                        .arg("")
+                        .arg(&self.token)
+                        .arg(lock_ms)
+                        .arg(micros(plan.refresh + plan.home_timeout))
+                        .arg(micros(plan.home_timeout));
                 },
                 8,
             )

@@ -1219,3 +1219,28 @@ async fn a_lease_outlives_the_death_of_a_refreshing_process_after_a_failed_refre
         second.status()
     );
 }
+
+/// A process that does not refresh shows whether the region's refreshing process reaches
+/// the home (the lease in use was renewed within a refresh interval and the home timeout),
+/// not the `false` it started with: it made no call to the home of its own, and its status
+/// said "home unreachable" for as long as it followed, with the home up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_does_not_refresh_shows_whether_the_home_is_reached() {
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name("reached")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(10))
+        .refresh_every(Duration::from_secs(2))
+        .home_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let first = alloc.join("eu", server.connect().await).await.unwrap();
+    let second = alloc.join("eu", server.connect().await).await.unwrap();
+    let (lead, follow) = (first.status(), second.status());
+    assert!(lead.leader && lead.home_reachable, "{lead}");
+    assert!(!follow.leader, "{follow}");
+    assert!(follow.home_reachable, "{follow}");
+    assert!(!follow.to_string().contains("home unreachable"), "{follow}");
+}

@@ -413,6 +413,10 @@ where
             let mut round = self.round();
             round.home_failures = 0;
             round.status.leader = false;
+            // It makes no call to the home: whether the refreshing process's last one got a
+            // lease (one refresh apart, each within the home timeout).
+            round.status.home_reachable =
+                age.is_some_and(|age| age <= plan.refresh + plan.home_timeout);
             round.status.share = units(share);
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));

@@ -33,7 +33,9 @@ pub struct RegionStatus {
     pub utilisation: f64,
     /// Whether the home was in its learning phase at the last refresh.
     pub learning: bool,
-    /// Whether the last call to the home succeeded.
+    /// Whether the last call to the home succeeded; in a process that does not refresh (it
+    /// makes no calls to the home), whether the refreshing process's last one did: the
+    /// lease in use is at most a refresh interval and the home timeout old.
     pub home_reachable: bool,
     /// Refreshes that got a lease, and refreshes that failed (home or local Redis), by this
     /// process.

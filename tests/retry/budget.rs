@@ -208,6 +208,32 @@ fn configuration_is_checked() {
     );
 }
 
+/// A budget of 1 or 2 tokens could never allow a retry: the failure that asks takes a token,
+/// and even from full no more than `max_tokens / 2` are left. It is refused when built, with
+/// the bound, instead of a budget that refuses every retry of a downstream that never
+/// fails otherwise.
+#[test]
+fn a_budget_too_small_to_ever_allow_a_retry_is_refused() {
+    for max_tokens in [1, 2] {
+        let err = RetryBudget::new(max_tokens, 0.1).unwrap_err();
+        assert_eq!(
+            (err.field(), err.kind()),
+            ("retry_budget.max_tokens", ConfigErrorKind::Inconsistent),
+            "{max_tokens}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "invalid retry_budget.max_tokens: {max_tokens} is below 3: no failure would \
+                 leave more than max_tokens / 2 tokens, so every retry would be refused"
+            )
+        );
+    }
+    // 3 is the smallest that allows one: from full, a failure leaves 2, above 1.5.
+    let budget = RetryBudget::new(3, 0.1).unwrap();
+    assert!(budget.try_retry());
+}
+
 /// Two threads in lockstep, one taking a token (`on_failure`) while the other gives one
 /// back (`on_success`), 200 000 rounds: after each round `flowgate_retry_budget_tokens`
 /// reads the tokens left, whatever the order in which the threads showed their changes.

@@ -125,11 +125,16 @@ impl RetryBudget {
     /// The largest `max_tokens`: 1 000 (gRPC's bound).
     pub const MAX_TOKENS: u32 = 1_000;
 
+    /// The smallest `max_tokens` that can allow a retry: from full, a failure leaves 2 of 3
+    /// tokens, above half of them (gRPC accepts 1 and 2, and never retries with them).
+    const MIN_TOKENS: u32 = 3;
+
     /// A budget of `max_tokens` tokens, refilled by `token_ratio` per success.
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `retry_budget.max_tokens` when it is 0 or above
+    /// [`ConfigError`] on `retry_budget.max_tokens` when it is 0, 1 or 2 (no failure would
+    /// leave more than `max_tokens / 2` tokens, so no retry would ever be allowed) or above
     /// [`MAX_TOKENS`](RetryBudget::MAX_TOKENS), on `retry_budget.token_ratio` when it is
     /// not a finite number, rounds to less than 0.001 (it is kept in thousandths, rounded
     /// to the nearest), or is above `max_tokens`.
@@ -319,7 +324,9 @@ pub struct RetryBudgetBuilder {
 }
 
 impl RetryBudgetBuilder {
-    /// The tokens the budget holds at most, and to begin with (default 10; 1 to 1 000).
+    /// The tokens the budget holds at most, and to begin with (default 10; 3 to 1 000: with
+    /// 1 or 2, no failure would leave more than half of them, and no retry would ever be
+    /// allowed).
     pub fn max_tokens(mut self, max_tokens: u32) -> Self {
         self.max_tokens = max_tokens;
         self
@@ -345,6 +352,17 @@ impl RetryBudgetBuilder {
     pub fn build(self) -> Result<RetryBudget, ConfigError> {
         if self.max_tokens == 0 {
             return Err(ConfigError::zero("retry_budget.max_tokens"));
+        }
+        if self.max_tokens < RetryBudget::MIN_TOKENS {
+            return Err(ConfigError::new(
+                "retry_budget.max_tokens",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "{} is below 3: no failure would leave more than max_tokens / 2 tokens, \
+                     so every retry would be refused",
+                    self.max_tokens
+                ),
+            ));
         }
         if self.max_tokens > RetryBudget::MAX_TOKENS {
             return Err(ConfigError::new(

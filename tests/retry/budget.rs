@@ -333,7 +333,7 @@ proptest! {
     /// allowed retries never exceed max_tokens / 2 + successes × ratio.
     #[test]
     fn tokens_follow_the_reference_model(
-        max_tokens in 1u32..=50,
+        max_tokens in 3u32..=50,
         ratio_milli in 1u64..=2_000,
         ops in proptest::collection::vec(0u8..3, 0..400),
     ) {

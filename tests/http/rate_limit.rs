@@ -1064,6 +1064,54 @@ async fn bad_configurations_are_config_errors() {
     assert!(e.reason().contains("17 distinct quotas"), "{e}");
 }
 
+/// A gate key is `<key prefix><policy name>:<key>`, at most 512 bytes (longer, the gate
+/// refuses it). A prefix and name that leave no room for even a 1-byte key are refused when
+/// built, naming the bound, instead of a layer that answers every request `400` as the
+/// client's fault; one byte of room left is accepted, and a 1-byte key admitted.
+#[tokio::test]
+async fn a_key_prefix_and_policy_name_that_leave_no_room_for_a_key_are_config_errors() {
+    let build = |prefix: usize, name: &str| {
+        RateLimitLayer::builder(gate())
+            .key_prefix("x".repeat(prefix))
+            .policy(Policy::new(
+                name,
+                quota(1, Duration::from_secs(1)),
+                by_client,
+            ))
+            .inner_body()
+            .build()
+    };
+    let e = build(510, "a").unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("rate_limit.key_prefix", flowgate::ConfigErrorKind::TooLarge)
+    );
+    assert_eq!(
+        e.to_string(),
+        "invalid rate_limit.key_prefix: 510 bytes leave no room for a policy name and a key \
+         in a gate key (<prefix><policy name>:<key>, at most 512 bytes)"
+    );
+    let e = build(509, "ab").unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("rate_limit.policies", flowgate::ConfigErrorKind::TooLarge)
+    );
+    assert_eq!(
+        e.to_string(),
+        "invalid rate_limit.policies: policy name \"ab\" (2 bytes) after the key prefix \
+         (509 bytes) leaves no room for a key in a gate key (<prefix><policy name>:<key>, at \
+         most 512 bytes)"
+    );
+    let e = build(0, &"n".repeat(511)).unwrap_err();
+    assert_eq!(e.field(), "rate_limit.policies");
+    // 509 + 1 + ':' + a 1-byte key is 512 bytes: admitted.
+    let layer = build(509, "a").unwrap();
+    let mut svc = layer.layer(tower::service_fn(ok_full));
+    let req = Request::builder().header("x-client", "c").body(()).unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
 /// `n` policies `p<i>` for `i` in `range`, each with a quota of its own (burst `i + 1` a
 /// minute, so nothing refills during the test), all keyed by `x-client`.
 fn distinct_policies(range: std::ops::Range<u32>) -> Vec<Policy> {

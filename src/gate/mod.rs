@@ -46,6 +46,8 @@ mod slot;
 
 pub use api::{Gate, GateFuture};
 pub use error::GateError;
+#[cfg(feature = "http")]
+pub(crate) use error::MAX_KEY_LEN;
 #[cfg(feature = "redis")]
 pub(crate) use error::check_key;
 pub use gated::{Gated, GatedBuilder, GatedDrop, KeyFn};

@@ -15,7 +15,7 @@ use tower::Layer;
 use crate::clock::Clock;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::{Gate, GateError, Registration};
+use crate::gate::{Gate, GateError, MAX_KEY_LEN, Registration};
 use crate::http::body::{InnerBody, WrapBody};
 use crate::http::fields::{self, Fields, HeaderStyles, Member, PolicyParts};
 use crate::http::key::{MissingKey, RequestInfo};
@@ -346,9 +346,11 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `rate_limit.policies` when there is no policy, more than 32, a
-    /// name that is empty, not printable ASCII or contains `:`, or two policies with one
-    /// name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
+    /// [`ConfigError`] on `rate_limit.key_prefix` when it leaves no room for a policy name
+    /// and a key in a gate key (`<prefix><policy name>:<key>`, at most 512 bytes; longer,
+    /// the gate refuses it); on `rate_limit.policies` when there is no policy, more than
+    /// 32, a name that is empty, not printable ASCII or contains `:`, or leaves no room for
+    /// a key after the prefix, or two policies with one name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure
     /// policy falls back to one, more than 16 distinct quotas, this layer's alone or with
@@ -386,7 +388,35 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 format!("at most {MAX_POLICIES} policies (one all-or-nothing call)"),
             ));
         }
+        // A gate key is `<prefix><policy name>:<key>` and a gate refuses one longer than
+        // `MAX_KEY_LEN` bytes: with no room left for a key, every request would be a 400.
+        let room = |taken: usize| taken.saturating_add(2) <= MAX_KEY_LEN;
+        if !room(self.prefix.len().saturating_add(1)) {
+            return Err(ConfigError::new(
+                "rate_limit.key_prefix",
+                ConfigErrorKind::TooLarge,
+                format!(
+                    "{} bytes leave no room for a policy name and a key in a gate key \
+                     (<prefix><policy name>:<key>, at most {MAX_KEY_LEN} bytes)",
+                    self.prefix.len()
+                ),
+            ));
+        }
         for (i, p) in self.policies.iter().enumerate() {
+            if !room(self.prefix.len().saturating_add(p.name.len())) {
+                return Err(ConfigError::new(
+                    "rate_limit.policies",
+                    ConfigErrorKind::TooLarge,
+                    format!(
+                        "policy name {:?} ({} bytes) after the key prefix ({} bytes) leaves \
+                         no room for a key in a gate key (<prefix><policy name>:<key>, at \
+                         most {MAX_KEY_LEN} bytes)",
+                        p.name,
+                        p.name.len(),
+                        self.prefix.len()
+                    ),
+                ));
+            }
             if !fields::valid_name(&p.name) || p.name.contains(':') {
                 return Err(ConfigError::new(
                     "rate_limit.policies",

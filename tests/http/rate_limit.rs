@@ -1112,6 +1112,40 @@ async fn a_key_prefix_and_policy_name_that_leave_no_room_for_a_key_are_config_er
     assert_eq!(res.status(), StatusCode::OK);
 }
 
+/// The shared key of keyless requests ([`MissingKey::Shared`]) makes a gate key too:
+/// `<key prefix><policy name>:<shared key>`. One past 512 bytes is refused when built,
+/// instead of a layer that answers every request without a key `400`; at 512 bytes a
+/// keyless request is admitted.
+#[tokio::test]
+async fn a_shared_missing_key_too_long_for_a_gate_key_is_a_config_error() {
+    let build = |shared: usize| {
+        RateLimitLayer::builder(gate())
+            .key_prefix("pre/")
+            .policy(
+                Policy::new("a", quota(1, Duration::from_secs(1)), by_client)
+                    .missing_key(MissingKey::Shared("k".repeat(shared))),
+            )
+            .inner_body()
+            .build()
+    };
+    let e = build(507).unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("rate_limit.policies", flowgate::ConfigErrorKind::TooLarge)
+    );
+    assert_eq!(
+        e.to_string(),
+        "invalid rate_limit.policies: the shared key of policy \"a\" for requests without \
+         one (507 bytes) makes a gate key of 513 bytes (<prefix><policy name>:<key>, at most \
+         512 bytes)"
+    );
+    let layer = build(506).unwrap();
+    let mut svc = layer.layer(tower::service_fn(ok_full));
+    let req = Request::builder().body(()).unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
 /// `n` policies `p<i>` for `i` in `range`, each with a quota of its own (burst `i + 1` a
 /// minute, so nothing refills during the test), all keyed by `x-client`.
 fn distinct_policies(range: std::ops::Range<u32>) -> Vec<Policy> {

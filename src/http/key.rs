@@ -62,7 +62,9 @@ where
 #[non_exhaustive]
 pub enum MissingKey {
     /// All keyless requests share one bucket under this key (the default, `"-"`): they are
-    /// limited together, never let through unlimited.
+    /// limited together, never let through unlimited. The gate key it makes,
+    /// `<key prefix><policy name>:<key>`, must fit in 512 bytes (checked when the layer is
+    /// built).
     Shared(String),
     /// The policy does not apply to the request.
     Skip,

@@ -350,7 +350,8 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// and a key in a gate key (`<prefix><policy name>:<key>`, at most 512 bytes; longer,
     /// the gate refuses it); on `rate_limit.policies` when there is no policy, more than
     /// 32, a name that is empty, not printable ASCII or contains `:`, or leaves no room for
-    /// a key after the prefix, or two policies with one name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
+    /// a key after the prefix, a [`MissingKey::Shared`] key that makes a gate key longer
+    /// than that, or two policies with one name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure
     /// policy falls back to one, more than 16 distinct quotas, this layer's alone or with
@@ -416,6 +417,22 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                         self.prefix.len()
                     ),
                 ));
+            }
+            if let MissingKey::Shared(shared) = &p.missing {
+                let len = (self.prefix.len() + p.name.len() + 1).saturating_add(shared.len());
+                if len > MAX_KEY_LEN {
+                    return Err(ConfigError::new(
+                        "rate_limit.policies",
+                        ConfigErrorKind::TooLarge,
+                        format!(
+                            "the shared key of policy {:?} for requests without one ({} \
+                             bytes) makes a gate key of {len} bytes (<prefix><policy \
+                             name>:<key>, at most {MAX_KEY_LEN} bytes)",
+                            p.name,
+                            shared.len()
+                        ),
+                    ));
+                }
             }
             if !fields::valid_name(&p.name) || p.name.contains(':') {
                 return Err(ConfigError::new(

@@ -173,6 +173,29 @@ fn builder_refuses_bad_settings() {
     assert!((a.status().rate_per_second - 100.0).abs() < 1e-9);
 }
 
+/// The default floor (1 % of the ceiling) of a ceiling slower than one per 317 years, the
+/// slowest the controller's rates say, was rounded up to that, above the ceiling: a builder
+/// given no floor at all was refused on `adaptive.floor`. Every ceiling a `Rate` holds builds
+/// with the default floor, at most the ceiling.
+#[test]
+fn every_ceiling_builds_with_the_default_floor() {
+    let year = 365 * 24 * 3600;
+    for ceiling in [
+        Rate::per(1, Duration::from_secs(318 * year)).unwrap(),
+        Rate::per(1, Duration::from_secs(400 * year)).unwrap(),
+        Rate::per(7, Duration::from_nanos(u64::MAX)).unwrap(),
+        Rate::per(1, Duration::from_nanos(u64::MAX)).unwrap(),
+    ] {
+        let a = AdaptivePacer::builder(ceiling).build();
+        let a = a.unwrap_or_else(|e| panic!("{ceiling:?}: {e}"));
+        let status = a.status();
+        assert!(
+            status.rate_per_second <= ceiling.per_second_f64(),
+            "{ceiling:?}: {status:?}"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn back_pressure_pauses_every_waiter_and_cuts_once_per_epoch() {
     let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())

@@ -788,16 +788,24 @@ fn rate_at_most(per_second: f64) -> Rate {
 }
 
 /// `rate / 100`, exactly when a count and a period can say it (else the fastest rate
-/// below it, see [`rate_at_most`]).
+/// below it, see [`rate_at_most`]); never faster than `rate` itself: below one per 317
+/// years `rate_at_most` rounds up to that, and then the slowest rate a [`Rate`] holds (one
+/// per `u64::MAX` ns) is taken instead.
 fn hundredth(rate: Rate) -> Rate {
     let (count, period_ns) = if rate.count().is_multiple_of(100) {
         (rate.count() / 100, Some(rate.period_nanos()))
     } else {
         (rate.count(), rate.period_nanos().checked_mul(100))
     };
-    period_ns
+    let hundredth = period_ns
         .and_then(|ns| Rate::per(count, Duration::from_nanos(ns)).ok())
-        .unwrap_or_else(|| rate_at_most(rate.per_second_f64() / 100.0))
+        .unwrap_or_else(|| rate_at_most(rate.per_second_f64() / 100.0));
+    if faster(hundredth, rate) {
+        Rate::per(1, Duration::from_nanos(u64::MAX))
+            .unwrap_or_else(|_| unreachable!("a count of 1 per u64::MAX ns"))
+    } else {
+        hundredth
+    }
 }
 
 /// Builds an [`AdaptivePacer`]; from [`AdaptivePacer::builder`].
@@ -813,7 +821,8 @@ pub struct AdaptivePacerBuilder {
 }
 
 impl AdaptivePacerBuilder {
-    /// The lowest rate a cut goes to. Default: 1 % of the ceiling. A server's policy or
+    /// The lowest rate a cut goes to. Default: 1 % of the ceiling (for a ceiling slower
+    /// than one per 317 years: one per `u64::MAX` ns, the slowest [`Rate`]). A server's policy or
     /// allowance below it still caps the rate (the server is never sent more than it allows).
     pub fn floor(mut self, floor: Rate) -> Self {
         self.floor = Some(floor);

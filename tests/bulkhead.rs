@@ -580,6 +580,36 @@ async fn a_caught_panic_behind_the_oldest_future_of_the_ordered_adapter_loses_no
     assert_eq!(b.in_flight(), 0);
 }
 
+/// A caught panic in the unordered adapter's closure, called for the next item as the
+/// permit of a finished future passes straight to it: the finished future's output still
+/// comes. (It was dropped by the unwinding poll that was about to yield it: lost for good.)
+#[tokio::test(start_paused = true)]
+async fn a_caught_panic_in_the_unordered_adapters_closure_loses_no_finished_output() {
+    let b = Bulkhead::new(1).unwrap();
+    let mut stream = Box::pin(futures::stream::iter(0..3u32).bulkhead_map_unordered(
+        b.clone(),
+        |x| {
+            assert_ne!(x, 1, "boom");
+            async move {
+                sleep(Duration::from_millis(10)).await;
+                x
+            }
+        },
+    ));
+    let (mut outputs, mut panics) = (Vec::new(), 0);
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(5), stream.next());
+        match AssertUnwindSafe(next).catch_unwind().await {
+            Ok(Ok(Some(x))) => outputs.push(x),
+            Ok(Ok(None)) => break,
+            Ok(Err(_)) => panic!("stuck after {outputs:?} and {panics} panics"),
+            Err(_) => panics += 1,
+        }
+    }
+    assert_eq!((outputs, panics), (vec![0, 2], 1));
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[tokio::test]
 async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();

@@ -1,12 +1,10 @@
 //! `bulkhead_map`: map each item under a permit, yield in input order.
 
-use std::any::Any;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 
 use futures::Stream;
@@ -17,7 +15,7 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::poll_slot;
+use crate::bulkhead::slot::{Panic, poll_slot};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -44,22 +42,6 @@ impl<Fut: Future> Future for Permitted<Fut> {
     }
 }
 
-/// The panic of a mapped future that was not the oldest, kept until its turn. (In a `Mutex`
-/// only so the adapter stays `Sync`: the payload is `Send` alone.)
-struct Panic(Mutex<Box<dyn Any + Send>>);
-
-impl Panic {
-    fn resume(self) -> ! {
-        std::panic::resume_unwind(self.0.into_inner().unwrap_or_else(PoisonError::into_inner))
-    }
-}
-
-impl fmt::Debug for Panic {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Panic(..)")
-    }
-}
-
 /// A mapped future queued behind the oldest: a panic in it is caught and becomes its output,
 /// so the ordered queue does not wait for an output that will never come (holding back
 /// every later one for good). The future is dropped at once, its permit returned; the
@@ -79,7 +61,7 @@ impl<Fut: Future> Future for Caught<Fut> {
         match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
             Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
             Ok(Poll::Pending) => Poll::Pending,
-            Err(payload) => Poll::Ready(Err(Panic(Mutex::new(payload)))),
+            Err(payload) => Poll::Ready(Err(Panic::new(payload))),
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -12,7 +13,7 @@ use pin_project::pin_project;
 use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::{Timed, poll_slot};
+use crate::bulkhead::slot::{Panic, Timed, poll_slot};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -30,7 +31,8 @@ use crate::error::ConfigError;
 /// One exception: when a future finishes and the next item is ready, the permit goes
 /// straight to that item's future as the finished one's output is yielded, and that future
 /// is first polled by the next poll (until the consumer polls again, it holds its permit
-/// unstarted).
+/// unstarted). If `f` or the upstream panics there, the finished output is yielded all the
+/// same and the panic is resumed by the next poll.
 ///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 /// ends; the one item it held waiting for a permit is discarded: to the
@@ -48,6 +50,9 @@ pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
     slot: Option<Timed<Fut>>,
     /// The others.
     running: FuturesUnordered<Timed<Fut>>,
+    /// A panic of `f` or the upstream, caught while a finished output was being yielded;
+    /// resumed by the next poll.
+    panic: Option<Panic>,
 }
 
 impl<St, F, Fut> BulkheadMapUnordered<St, F, Fut>
@@ -106,6 +111,7 @@ where
             f,
             slot: None,
             running: FuturesUnordered::new(),
+            panic: None,
         }
     }
 
@@ -152,6 +158,10 @@ where
         let in_flight = self.in_flight();
         let mut this = self.as_mut().project();
         this.feed.as_mut().permits().settle(in_flight);
+        // A panic kept from the poll that yielded the output before it.
+        if let Some(panic) = this.panic.take() {
+            panic.resume();
+        }
         let (out, grant) = loop {
             if let Poll::Ready(Some(out)) = poll_slot(this.slot.as_mut(), cx) {
                 break out;
@@ -185,17 +195,24 @@ where
         }
         // The finished future's permit goes straight to the next item when that item is
         // ready and nobody else is waiting for the permit; otherwise it is returned at once.
-        match this.feed.as_mut().poll_ready_item(cx) {
-            Some(item) if this.feed.may_keep() => {
-                let fut = Timed::new((this.f)(item), this.feed.start());
-                place(this.slot.as_mut(), this.running, fut);
-            }
-            next => {
-                if let Some(item) = next {
-                    this.feed.as_mut().put_back(item);
+        // This runs user code (the upstream, `f`) with `out` in hand: a panic there is kept
+        // for the next poll, so that `out` is not lost with it.
+        let handed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            match this.feed.as_mut().poll_ready_item(cx) {
+                Some(item) if this.feed.may_keep() => {
+                    let fut = Timed::new((this.f)(item), this.feed.start());
+                    place(this.slot.as_mut(), this.running, fut);
                 }
-                this.feed.as_mut().permits().release();
+                next => {
+                    if let Some(item) = next {
+                        this.feed.as_mut().put_back(item);
+                    }
+                    this.feed.as_mut().permits().release();
+                }
             }
+        }));
+        if let Err(payload) = handed {
+            *this.panic = Some(Panic::new(payload));
         }
         Poll::Ready(Some(out))
     }
@@ -227,7 +244,7 @@ where
     Fut: Future,
 {
     fn is_terminated(&self) -> bool {
-        self.in_flight() == 0 && self.feed.is_done()
+        self.in_flight() == 0 && self.feed.is_done() && self.panic.is_none()
     }
 }
 

@@ -1,7 +1,10 @@
 //! The slot of the bulkhead stream adapters: one mapped future polled in place.
 
+use std::any::Any;
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 
 use pin_project::{pin_project, pinned_drop};
@@ -79,5 +82,27 @@ pub(crate) fn poll_slot<F: Future>(
             Poll::Ready(Some(out))
         }
         Poll::Pending => Poll::Pending,
+    }
+}
+
+/// A panic caught in an adapter, kept to be resumed by a later poll: a mapped future's that
+/// was not the oldest (the ordered adapter), or user code's that ran while an output was on
+/// its way out (the unordered adapter). (In a `Mutex` only so the adapter stays `Sync`: the
+/// payload is `Send` alone.)
+pub(crate) struct Panic(Mutex<Box<dyn Any + Send>>);
+
+impl Panic {
+    pub(crate) fn new(payload: Box<dyn Any + Send>) -> Panic {
+        Panic(Mutex::new(payload))
+    }
+
+    pub(crate) fn resume(self) -> ! {
+        std::panic::resume_unwind(self.0.into_inner().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl fmt::Debug for Panic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Panic(..)")
     }
 }

@@ -373,3 +373,29 @@ async fn the_scenarios_latencies_are_as_their_docs_say() {
         );
     }
 }
+
+/// A client whose acquisition is shed (the waiting room full, the wait timed out) starts
+/// over after its think time, as a closed-loop client does, so the run keeps its `clients`
+/// for its whole duration. (A shed client used to end: the load shrank for good with each
+/// shed call, and two clients made no more calls than one.)
+#[tokio::test(start_paused = true)]
+async fn a_shed_client_starts_over() {
+    let shedding = [
+        Bulkhead::builder(1).max_waiting(0),
+        Bulkhead::builder(1).wait_timeout(Duration::from_millis(10)),
+    ];
+    for builder in shedding {
+        let calls = async |clients| {
+            let downstream = Downstream::builder().base(25 * MS).slope(0.0).build();
+            let load = Load::new(clients, secs(1)).think_time(30 * MS);
+            let bulkhead = builder.clone().build().unwrap();
+            let report = sim::drive(&downstream.unwrap(), &bulkhead, &load).await;
+            report.calls().len()
+        };
+        let (one, two) = (calls(1).await, calls(2).await);
+        assert!(
+            two as f64 >= one as f64 * 1.3,
+            "{two} calls by two clients, {one} by one ({builder:?})"
+        );
+    }
+}

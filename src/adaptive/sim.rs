@@ -41,7 +41,10 @@
 //!
 //! [`drive`] runs `clients` closed-loop tasks for a [`Load`]'s duration: each acquires a
 //! permit from the bulkhead, calls the downstream, records the reply, gives the permit back,
-//! waits its think time (zero by default) and starts over. With more clients than the
+//! waits its think time (zero by default) and starts over. An acquisition the bulkhead sheds
+//! (its waiting room full, its wait timed out) makes no call and records nothing: the client
+//! waits its think time (at least a millisecond) and starts over. A closed bulkhead ends the
+//! clients. With more clients than the
 //! downstream's knee the offered load is above capacity and the bulkhead's limit decides
 //! the concurrency. A ticker records the bulkhead's `max_in_flight` every
 //! [`tick`](Load::tick). Each call ends with its outcome recorded on the permit, so an
@@ -77,7 +80,7 @@ use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep};
 
 use crate::adaptive::sample::{AdaptiveLimit, Outcome};
-use crate::bulkhead::Bulkhead;
+use crate::bulkhead::{AcquireError, Bulkhead};
 use crate::error::{ConfigError, ConfigErrorKind};
 
 mod report;
@@ -662,8 +665,16 @@ async fn run(downstream: &Downstream, bulkhead: &Bulkhead, load: &Load) -> Repor
         let think_time = load.think_time;
         tasks.spawn(async move {
             loop {
-                let Ok(permit) = bulkhead.acquire_owned().await else {
-                    return;
+                let permit = match bulkhead.acquire_owned().await {
+                    Ok(permit) => permit,
+                    Err(AcquireError::Closed) => return,
+                    // Shed: no call was made. The client starts over after its think time
+                    // (a millisecond at least: a client shed at once must not keep the
+                    // runtime to itself).
+                    Err(_) => {
+                        sleep(think_time.max(Duration::from_millis(1))).await;
+                        continue;
+                    }
                 };
                 let reply = downstream.call().await;
                 let end = start.elapsed();

@@ -12,6 +12,8 @@ use futures::{Stream, StreamExt, poll};
 use loom::future::block_on;
 use loom::thread;
 
+#[path = "loom/grants.rs"]
+mod grants;
 #[path = "loom/ring.rs"]
 mod ring;
 #[path = "loom/waiters.rs"]

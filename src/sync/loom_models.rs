@@ -17,19 +17,29 @@ use crate::sync::{Arc, Cancelled, Deferred, Key, Mutex, Status, WaiterList};
 
 struct Sem {
     st: Mutex<(usize, WaiterList<()>)>,
+    /// The ids of the acquisitions, in the order they joined the list, and in the order they
+    /// got their permit (for the FIFO model).
+    log: Mutex<(Vec<usize>, Vec<usize>)>,
 }
 
 impl Sem {
     fn new(permits: usize) -> Arc<Sem> {
         Arc::new(Sem {
             st: Mutex::new((permits, WaiterList::new())),
+            log: Mutex::new((Vec::new(), Vec::new())),
         })
     }
 
     fn acquire(&self) -> Acquire<'_> {
+        self.acquire_as(0)
+    }
+
+    /// An acquisition logged under `id`.
+    fn acquire_as(&self, id: usize) -> Acquire<'_> {
         Acquire {
             sem: self,
             key: None,
+            id,
         }
     }
 
@@ -51,6 +61,7 @@ impl Sem {
 struct Acquire<'a> {
     sem: &'a Sem,
     key: Option<Key>,
+    id: usize,
 }
 
 impl Future for Acquire<'_> {
@@ -65,6 +76,9 @@ impl Future for Acquire<'_> {
                 Status::Granted => {
                     list.claim(key).expect("granted");
                     self.key = None;
+                    // Logged under the lock the permit was claimed under, so the log has
+                    // the order in which the permit went round.
+                    self.sem.log.lock().unwrap().1.push(self.id);
                     Poll::Ready(())
                 }
                 _ => Poll::Pending,
@@ -72,9 +86,11 @@ impl Future for Acquire<'_> {
         }
         if *permits > 0 && list.is_empty() {
             *permits -= 1;
+            self.sem.log.lock().unwrap().1.push(self.id);
             return Poll::Ready(());
         }
         self.key = Some(list.push_back(cx.waker(), ()));
+        self.sem.log.lock().unwrap().0.push(self.id);
         Poll::Pending
     }
 }
@@ -117,23 +133,34 @@ pub fn grant_races_cancel() {
     });
 }
 
-/// Two waiters for one permit, both waiting it out, in FIFO order whatever the
-/// interleaving; the permit goes round and comes back.
+/// Two waiters for one permit that the main thread releases, both waiting it out: the
+/// permit goes to them in the order they joined the list, whatever the interleaving (a
+/// waiter that came while the permit was free and nobody waited took it at once), and
+/// comes back.
 pub fn two_waiters_share_one_permit() {
     loom::model(|| {
-        let sem = Sem::new(1);
-        let handles: Vec<_> = (0..2)
-            .map(|_| {
+        let sem = Sem::new(0);
+        let handles: Vec<_> = (1..=2)
+            .map(|id| {
                 let s = sem.clone();
                 thread::spawn(move || {
-                    block_on(s.acquire());
+                    block_on(s.acquire_as(id));
                     s.release();
                 })
             })
             .collect();
+        sem.release();
         for h in handles {
             h.join().unwrap();
         }
         assert_eq!(sem.settled(), (1, 0, 0));
+        let (queued, served) = sem.log.lock().unwrap().clone();
+        // Those that joined the list were served in its order.
+        assert_eq!(served.len(), 2);
+        let served_queued: Vec<usize> = served
+            .into_iter()
+            .filter(|id| queued.contains(id))
+            .collect();
+        assert_eq!(served_queued, queued, "served out of FIFO order");
     });
 }

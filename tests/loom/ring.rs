@@ -113,9 +113,11 @@ fn the_last_released_slot_ends_the_stream() {
 }
 
 /// The ring's cells are reused lap after lap: a channel of two (two cells) is full, and a
-/// sender's third item takes the first cell's next ticket while the receiver pops from it.
-/// The push waits for the pop's stamp (or finds the channel full and queues), and the items
-/// come out once each, in order. (`two_senders_one_slot` races two senders for tickets.)
+/// sender's third item takes the first cell's next ticket once the receiver has popped it
+/// (its claim, or its grant, comes after the free that follows the pop, so its push finds
+/// the cell free: the push's wait for a pop's stamp is modelled in
+/// `a_ticket_whose_claim_came_before_the_pop_of_its_cell_waits_for_it`), and the items come
+/// out once each, in order. (`two_senders_one_slot` races two senders for tickets.)
 #[test]
 fn a_ticket_reuses_a_cell_being_popped() {
     loom::model(|| {
@@ -171,5 +173,39 @@ fn a_batch_used_up_after_close_ends_the_other_receivers_wait() {
         assert_eq!(block_on(rx.recv()), Some(2));
         assert_eq!(waiter.join().unwrap(), 0);
         assert_eq!(block_on(rx.recv()), None);
+    });
+}
+
+/// A ticket whose claim came before the pop that freed its cell a lap ago: sender `late`
+/// claims a slot of a channel of two (two cells) and only then takes its ticket, while the
+/// other sender's two items take tickets 0 and 1, the second in the slot the receive of the
+/// first freed. `late`'s ticket 2 is cell 0's next: its claim did not see that cell's pop
+/// (the claim came first), so its push may find the old stamp and waits for the new one.
+/// Every item arrives once, each sender's in order. (With one sender, as in
+/// `a_ticket_reuses_a_cell_being_popped`, every claim comes after the free that makes room
+/// for it, and a push never waits.) Two preemptions reach the wait and keep this model of
+/// three threads to a few minutes in a debug build (three take over ten times as long), so
+/// the bound is set here, whatever `LOOM_MAX_PREEMPTIONS` says.
+#[test]
+fn a_ticket_whose_claim_came_before_the_pop_of_its_cell_waits_for_it() {
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(2);
+    model.check(|| {
+        let (tx, mut rx) = channel::bounded::<u32>(2).unwrap();
+        let late = tx.clone();
+        let late = thread::spawn(move || block_on(late.send(9)).unwrap());
+        let early = thread::spawn(move || {
+            for i in 1..=2 {
+                block_on(tx.send(i)).unwrap();
+            }
+        });
+        let mut got = Vec::new();
+        while let Some(x) = block_on(rx.recv()) {
+            got.push(x);
+        }
+        late.join().unwrap();
+        early.join().unwrap();
+        let ours: Vec<u32> = got.iter().copied().filter(|&x| x != 9).collect();
+        assert_eq!((got.len(), ours), (3, vec![1, 2]));
     });
 }

@@ -242,8 +242,10 @@ impl<T> Tickets<T> {
         Some(item)
     }
 
-    /// Tickets taken and not popped. The head is read first: a pop stores it only after
-    /// reading a tail at least that far, so the tail read after it is never behind it.
+    /// Tickets taken and not popped. The head is read first: a pop stores it (`Release`)
+    /// only after its `Acquire` load saw the stamp the push of that ticket stored after
+    /// taking the ticket, so the tail read after it is never behind it. (The pop reads the
+    /// tail only when the stamp is not there yet.)
     #[inline]
     fn len(&self) -> usize {
         let head = self.head.load(Ordering::Acquire);

@@ -372,6 +372,7 @@ impl Core {
 
     /// A permit was taken. The gauge moves by one rather than being set to the count this
     /// thread saw: changes recorded by racing threads, in any order, add up to the count.
+    #[inline]
     fn acquired(&self) {
         self.holding(|| self.metrics.in_flight.add(1.0));
     }
@@ -379,6 +380,7 @@ impl Core {
     /// Record metrics (user code) for a permit just taken that nobody holds yet: if the
     /// recorder panics, the permit is given back before the panic goes on, or it would be
     /// lost for good.
+    #[inline]
     pub(crate) fn holding(&self, record: impl FnOnce()) {
         if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(record)) {
             self.release();
@@ -515,10 +517,16 @@ impl Core {
     }
 
     /// `try_acquire`: a permit now or `NoPermit`; never waits.
+    #[inline]
     pub(crate) fn try_acquire(&self, priority: Priority) -> Result<(), AcquireError> {
-        if let Some(r) = self.try_fast(priority) {
-            return r;
+        match self.try_fast(priority) {
+            Some(r) => r,
+            None => self.try_acquire_slow(priority),
         }
+    }
+
+    #[cold]
+    fn try_acquire_slow(&self, priority: Priority) -> Result<(), AcquireError> {
         let mut moves = Moves::new(self);
         let w = self.lock();
         self.try_locked(&w, priority, &mut moves)

@@ -188,6 +188,7 @@ impl Bulkhead {
     /// # Errors
     ///
     /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    #[inline]
     pub fn try_acquire(&self) -> Result<BulkheadPermit<'_>, AcquireError> {
         self.try_acquire_with(Priority::Normal)
     }
@@ -197,6 +198,7 @@ impl Bulkhead {
     /// # Errors
     ///
     /// [`AcquireError::NoPermit`], or [`AcquireError::Closed`].
+    #[inline]
     pub fn try_acquire_with(&self, priority: Priority) -> Result<BulkheadPermit<'_>, AcquireError> {
         self.core
             .try_acquire(priority)

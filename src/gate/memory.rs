@@ -486,7 +486,9 @@ fn shard_of(hash: u64) -> usize {
 }
 
 impl Gate for MemoryGate {
-    /// [`MemoryGate::check`], as a future that is ready at once.
+    /// [`MemoryGate::check`], as a future that is ready at once: decided (and the cost
+    /// consumed if admitted) when this is called, not when the future is first polled, so a
+    /// future dropped unpolled has still decided (as the trait allows).
     fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
         Box::pin(std::future::ready(MemoryGate::check(self, key, cost)))
     }
@@ -496,7 +498,8 @@ impl Gate for MemoryGate {
         Some(MemoryGate::check(self, key, cost))
     }
 
-    /// [`MemoryGate::check_all`], as a future that is ready at once.
+    /// [`MemoryGate::check_all`], as a future that is ready at once, decided when this is
+    /// called (as [`check`](Gate::check)).
     fn check_all<'a>(
         &'a self,
         limits: &'a [(&'a str, Quota)],

@@ -561,8 +561,8 @@ pub struct RateLimitStats {
     /// passes, decided on the other policies that apply, and counted by that decision too.
     pub missing_key: u64,
     /// Refused with `400` because the request itself cannot be decided: its cost is above
-    /// a policy's capacity (it could never pass), or a key is not one the gate takes (empty
-    /// after the prefix, too long). Passed in shadow mode.
+    /// a policy's capacity (it could never pass), or a key is not one the gate takes (too
+    /// long with the prefix and the policy's name before it). Passed in shadow mode.
     pub bad_request: u64,
 }
 

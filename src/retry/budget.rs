@@ -358,9 +358,10 @@ impl RetryBudgetBuilder {
                 "retry_budget.max_tokens",
                 ConfigErrorKind::Inconsistent,
                 format!(
-                    "{} is below 3: no failure would leave more than max_tokens / 2 tokens, \
+                    "{} is below {}: no failure would leave more than max_tokens / 2 tokens, \
                      so every retry would be refused",
-                    self.max_tokens
+                    self.max_tokens,
+                    RetryBudget::MIN_TOKENS
                 ),
             ));
         }

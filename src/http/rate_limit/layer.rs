@@ -392,46 +392,47 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
         // A gate key is `<prefix><policy name>:<key>` and a gate refuses one longer than
         // `MAX_KEY_LEN` bytes: with no room left for a key, every request would be a 400.
         let room = |taken: usize| taken.saturating_add(2) <= MAX_KEY_LEN;
-        if !room(self.prefix.len().saturating_add(1)) {
-            return Err(ConfigError::new(
-                "rate_limit.key_prefix",
+        let too_long = |field, what: String| {
+            Err(ConfigError::new(
+                field,
                 ConfigErrorKind::TooLarge,
+                format!("{what} (<prefix><policy name>:<key>, at most {MAX_KEY_LEN} bytes)"),
+            ))
+        };
+        if !room(self.prefix.len().saturating_add(1)) {
+            return too_long(
+                "rate_limit.key_prefix",
                 format!(
-                    "{} bytes leave no room for a policy name and a key in a gate key \
-                     (<prefix><policy name>:<key>, at most {MAX_KEY_LEN} bytes)",
+                    "{} bytes leave no room for a policy name and a key in a gate key",
                     self.prefix.len()
                 ),
-            ));
+            );
         }
         for (i, p) in self.policies.iter().enumerate() {
             if !room(self.prefix.len().saturating_add(p.name.len())) {
-                return Err(ConfigError::new(
+                return too_long(
                     "rate_limit.policies",
-                    ConfigErrorKind::TooLarge,
                     format!(
                         "policy name {:?} ({} bytes) after the key prefix ({} bytes) leaves \
-                         no room for a key in a gate key (<prefix><policy name>:<key>, at \
-                         most {MAX_KEY_LEN} bytes)",
+                         no room for a key in a gate key",
                         p.name,
                         p.name.len(),
                         self.prefix.len()
                     ),
-                ));
+                );
             }
             if let MissingKey::Shared(shared) = &p.missing {
                 let len = (self.prefix.len() + p.name.len() + 1).saturating_add(shared.len());
                 if len > MAX_KEY_LEN {
-                    return Err(ConfigError::new(
+                    return too_long(
                         "rate_limit.policies",
-                        ConfigErrorKind::TooLarge,
                         format!(
                             "the shared key of policy {:?} for requests without one ({} \
-                             bytes) makes a gate key of {len} bytes (<prefix><policy \
-                             name>:<key>, at most {MAX_KEY_LEN} bytes)",
+                             bytes) makes a gate key of {len} bytes",
                             p.name,
                             shared.len()
                         ),
-                    ));
+                    );
                 }
             }
             if !fields::valid_name(&p.name) || p.name.contains(':') {

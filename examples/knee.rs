@@ -12,9 +12,10 @@
 //! recommendation, and writes an SVG plot of throughput and p99 against concurrency with
 //! the knee and the recommendation marked (default `target/knee.svg`).
 //!
-//! Against the simulator the search runs under paused tokio time: minutes of simulated
-//! load take well under a second, and the answer is the same every time. Against a URL it
-//! runs in real time (5 s per step, some 20 steps): try it on the `/report` route of
+//! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
+//! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
+//! prints how long they took), and the answer is the same every time. Against a URL it
+//! runs in real time (5 s per step, up to some 20 steps): try it on the `/report` route of
 //! `cargo run --example http_server --features http`, run in another terminal (a 1 s
 //! handler behind a bulkhead of 8 with 2 reserved for `/health`: the knee is 6 in flight;
 //! its `/` admits 100 requests a minute per client, so it is saturated at 1 already and the

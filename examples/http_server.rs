@@ -41,6 +41,12 @@ use flowgate::http::{
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // flowgate's own log lines on stderr: the rejection summary (at most once a minute, with
+    // the keys rejected most) and, with `REDIS_URL`, the fall back to memory and the return.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .init();
     let port: u16 = match std::env::var("PORT") {
         Ok(port) => port.parse()?,
         Err(_) => 3000,

@@ -1781,3 +1781,30 @@ fn an_adapter_waiting_on_its_upstream_is_not_woken_by_a_growing_limit() {
     b.close();
     assert_eq!(woken.0.load(Ordering::SeqCst), 1, "woken by the close");
 }
+
+/// A metrics recorder that panics on every call, while a panic unwinds through the holder
+/// of a permit: dropping the permit records its release in `flowgate_bulkhead_in_flight`,
+/// the recorder panics inside that drop, and a panic in a drop during unwinding aborted the
+/// whole process. The recorder's panic is dropped instead (the first one goes on), and the
+/// permit is back.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
+    use std::panic::catch_unwind;
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1).name("unwinding").build().unwrap()
+    });
+    let held = b.try_acquire().unwrap();
+    let in_flight = "flowgate_bulkhead_in_flight{name=unwinding}";
+    recorder.panic_on(in_flight, true);
+    let unwound = catch_unwind(AssertUnwindSafe(|| {
+        let _held = held;
+        panic!("the work failed");
+    }));
+    recorder.panic_on(in_flight, false);
+    let first = unwound.expect_err("the work panicked");
+    assert_eq!(first.downcast_ref::<&str>(), Some(&"the work failed"));
+    assert_eq!(b.in_flight(), 0, "the permit is back");
+}

@@ -1819,3 +1819,35 @@ async fn a_failed_fetch_without_backoff_is_retried_after_yielding_to_the_executo
         "the consumer never let the restoring task run"
     );
 }
+
+/// A worker that panics drops its commit token unfinished, the case the token is documented
+/// for; with a metrics recorder that panics on every call, the token's drop panicked while
+/// the worker's panic unwound, and the process aborted. The recorder's panic is dropped
+/// instead, and the offset holds the commit as documented.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_panicking_recorder_does_not_abort_a_token_dropped_by_unwinding() {
+    let recorder = support::TestRecorder::default();
+    let tracker = metrics::with_local_recorder(&recorder, || {
+        CommitTracker::builder().name("p0").build().unwrap()
+    });
+    let token = tracker.track(7).unwrap();
+    let ids = [
+        "flowgate_demand_commit_dropped_total{name=p0}",
+        "flowgate_demand_commit_pending{name=p0}",
+    ];
+    for id in ids {
+        recorder.panic_on(id, true);
+    }
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _token = token;
+        panic!("the worker failed");
+    }));
+    for id in ids {
+        recorder.panic_on(id, false);
+    }
+    let first = unwound.expect_err("the worker panicked");
+    assert_eq!(first.downcast_ref::<&str>(), Some(&"the worker failed"));
+    assert_eq!((tracker.dropped(), tracker.committable()), (1, None));
+    assert_eq!(tracker.pending(), 1);
+}

@@ -594,3 +594,49 @@ async fn a_server_answering_503_is_back_pressure() {
     let err = find_knee(&target, &http_config()).await.unwrap_err();
     assert_eq!(err, KneeError::NoSuccess { concurrency: 1 });
 }
+
+/// `servers` calls served at once, each for `service`; the others queue, first come first
+/// served: the throughput is flat from `servers` calls in flight on, only the latency grows
+/// (a queue that only grows).
+#[derive(Debug)]
+struct Servers {
+    free: tokio::sync::Semaphore,
+    service: Duration,
+}
+
+impl KneeTarget for Servers {
+    fn call(&self) -> BoxFuture<'_, Outcome> {
+        Box::pin(async move {
+            let _server = self.free.acquire().await.expect("never closed");
+            tokio::time::sleep(self.service).await;
+            Outcome::Ok
+        })
+    }
+}
+
+/// A flat plateau from 10 calls in flight on (10 servers, 10 ms a call): the ramp reaches it
+/// at 16 and saturates at 128 (p50 10× the lowest). Every plateau step is within the
+/// plateau margin of the best, and the best is wherever the noise puts it, here far up the
+/// plateau. Refining between the step below the knee (8) and the step above the best spread
+/// the refining steps over the whole plateau, none of them between 8 and 16, and the knee
+/// was interpolated between 8 and 16 (60 % off). Only the knee's bracket is refined now.
+#[tokio::test(start_paused = true)]
+async fn a_flat_plateau_refines_the_knee_not_the_plateau() {
+    let target = Servers {
+        free: tokio::sync::Semaphore::new(10),
+        service: Duration::from_millis(10),
+    };
+    let mut refined = Vec::new();
+    let report = find_knee_with_progress(&target, &quick().build().unwrap(), |p| {
+        if p.phase != KneePhase::Ramp {
+            refined.push(p.step.concurrency);
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        refined.iter().all(|&c| c < 16),
+        "refined {refined:?} in {report:?}"
+    );
+    assert_eq!(report.knee, Some(10), "{report:?}");
+}

@@ -31,6 +31,21 @@ pub const NAME_LABEL: &str = "name";
 /// The name used when a primitive was not given one.
 pub const DEFAULT_NAME: &str = "default";
 
+/// Make one call into the recorder, which is user code. Its panic goes on to the caller,
+/// as user code's does, except while the thread already unwinds from another panic: the
+/// call then comes from a drop (a permit, a token, a primitive dropped by that unwinding),
+/// where a second panic would abort the process, so it is caught and dropped and the first
+/// panic goes on.
+#[cfg(feature = "metrics")]
+#[inline]
+fn recording(call: impl FnOnce()) {
+    if std::thread::panicking() {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
+    } else {
+        call();
+    }
+}
+
 /// A counter handle (monotonic).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Counter {
@@ -70,7 +85,7 @@ impl Drop for Share {
     fn drop(&mut self) {
         let left = f64::from_bits(*self.value.get_mut());
         if left != 0.0 {
-            self.gauge.decrement(left);
+            recording(|| self.gauge.decrement(left));
         }
     }
 }
@@ -211,7 +226,7 @@ impl Counter {
     pub(crate) fn increment(&self, n: u64) {
         #[cfg(feature = "metrics")]
         if let Some(c) = &self.inner {
-            c.increment(n);
+            recording(|| c.increment(n));
         }
     }
 }
@@ -226,7 +241,7 @@ impl Gauge {
             let old = f64::from_bits(share.value.swap(value.to_bits(), Ordering::AcqRel));
             let delta = value - old;
             if delta != 0.0 {
-                share.gauge.increment(delta);
+                recording(|| share.gauge.increment(delta));
             }
         }
     }
@@ -259,7 +274,7 @@ impl Gauge {
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
                     Some((f64::from_bits(bits) + delta).to_bits())
                 });
-            share.gauge.increment(delta);
+            recording(|| share.gauge.increment(delta));
         }
     }
 }
@@ -273,7 +288,7 @@ impl Tally {
         if let Some(gauge) = &self.inner
             && delta != 0.0
         {
-            gauge.increment(delta);
+            recording(|| gauge.increment(delta));
         }
     }
 }
@@ -284,7 +299,7 @@ impl Histogram {
     pub(crate) fn record(&self, value: f64) {
         #[cfg(feature = "metrics")]
         if let Some(h) = &self.inner {
-            h.record(value);
+            recording(|| h.record(value));
         }
     }
 }

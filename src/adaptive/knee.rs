@@ -31,8 +31,11 @@
 //!    until a step is *saturated* (below), or [`max_concurrency`](KneeConfigBuilder::max_concurrency).
 //! 2. **Refine**, [`refine_rounds`](KneeConfigBuilder::refine_rounds) times: measure
 //!    [`refine_steps`](KneeConfigBuilder::refine_steps) evenly spaced concurrencies between
-//!    the step below the knee found so far and the step above the best throughput, so
-//!    both the knee and a peak that fell between two coarse steps are seen up close.
+//!    the step below the knee found so far and the first step on the plateau (below),
+//!    so the knee is seen up close. When that first step is the best throughput, up to the
+//!    step above it, so a peak that fell between two coarse steps is seen up close too. A
+//!    plateau of several steps is not refined: its best step is wherever the noise puts
+//!    it. A round with no new concurrency to measure ends the search.
 //!
 //! With an explicit list of concurrencies ([`steps`](KneeConfigBuilder::steps)) exactly
 //! those are measured, in increasing order, and nothing is refined.
@@ -486,8 +489,10 @@ fn is_saturated(step: &KneeStep, below: &[KneeStep], config: &KneeConfig) -> boo
 }
 
 /// The concurrencies of the next refining round: evenly spaced strictly between the step
-/// below the knee found so far and the step above the best throughput, without those
-/// measured already.
+/// below the knee found so far and the first step on the plateau, without those measured
+/// already. When that first step is also the best, the round reaches up to the step above
+/// it, where a higher peak may lie. On a plateau of several steps the best is wherever the
+/// noise puts it, and measuring around it would only measure more plateau.
 fn refine_points(steps: &[KneeStep], config: &KneeConfig) -> Vec<u32> {
     let Some((peak, _)) = steps
         .iter()
@@ -502,7 +507,12 @@ fn refine_points(steps: &[KneeStep], config: &KneeConfig) -> Vec<u32> {
         .position(|s| s.throughput >= level)
         .unwrap_or(0);
     let lo = steps[first.saturating_sub(1)].concurrency;
-    let hi = steps[(peak + 1).min(steps.len() - 1)].concurrency;
+    let top = if first == peak {
+        (peak + 1).min(steps.len() - 1)
+    } else {
+        first
+    };
+    let hi = steps[top].concurrency;
     let n = u64::from(config.refine_steps);
     let mut points: Vec<u32> = (1..=n)
         .map(|i| {

@@ -66,7 +66,9 @@ impl std::error::Error for AcquireError {}
 ///
 /// Critical work may use the bulkhead's reserved permits, is served before normal work when
 /// permits free up, and when the waiting room is full it sheds the newest normal waiter
-/// instead of being refused.
+/// there instead of being refused. A room with no normal waiter in it (every waiter
+/// critical, or a room of size zero) refuses critical work too, with
+/// [`AcquireError::WaitingRoomFull`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub enum Priority {
     /// Ordinary work: cannot take the critical reserve.

@@ -24,7 +24,8 @@ use crate::sync::Arc;
 ///   next waiter. Waiters are served critical first, then FIFO.
 /// - **Waiting room**: at most `max_waiting` acquisitions wait; beyond that `acquire` is
 ///   shed at once with [`AcquireError::WaitingRoomFull`] — load shedding, cheap and early.
-///   A critical acquisition at a full room sheds the newest normal waiter instead.
+///   A critical acquisition at a full room sheds the newest normal waiter instead (with no
+///   normal waiter in the room, it is refused too).
 /// - **Wait timeout**: a wait longer than `wait_timeout` is shed with
 ///   [`AcquireError::TimedOut`]. A permit granted, a shed or a close that takes the waiter
 ///   out of the queue before its timeout does wins, and the wait ends (and is counted) one

@@ -1,17 +1,22 @@
 //! A metrics recorder is user code, like a hook or a waker: one that panics must leave the
 //! channel consistent and usable (as its docs promise of any panic). The panic reaches the
 //! caller; the slots, the wakes and the counts must not depend on the recorder returning.
+//! And one that reads the channel (an exporter taking a snapshot) must not deadlock: no
+//! metric is recorded under the channel's lock.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::pin;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
+use flowgate::Overflow;
 use flowgate::channel::{self, Receiver, Sender, Sent};
+use futures::executor::block_on;
 use futures::{FutureExt, poll};
 
 use super::support::TestRecorder;
-use super::wakers::{counting, poll_with};
+use super::wakers::{counting, poll_with, watchdog};
 
 const RECEIVED: &str = "flowgate_channel_received_total{name=panicky}";
 const SENT: &str = "flowgate_channel_sent_total{name=panicky}";
@@ -103,4 +108,82 @@ fn a_recorder_panicking_on_a_permit_send_after_the_receivers_still_discards_it()
         recorder.counter("flowgate_channel_dropped_total{name=panicky,policy=closed}"),
         1
     );
+}
+
+/// A recorder that reads the channels' `len()` and `stats()` whenever a gauge moves, as an
+/// exporter taking a snapshot does: both take the channel's lock. The depth gauge was set
+/// under that lock by a send that found the channel full, one that waited or was let in,
+/// every receive that took the lock, and a receiver dropped with part of a batch; and the
+/// counters were counted there too. So the first of them deadlocked.
+#[test]
+fn a_recorder_that_reads_the_channel_does_not_deadlock() {
+    let recorder = TestRecorder::default();
+    let build = |name: &str, overflow| {
+        metrics::with_local_recorder(&recorder, || {
+            channel::builder(4)
+                .overflow(overflow)
+                .name(name)
+                .build()
+                .unwrap()
+        })
+    };
+    let (tx, mut rx) = build("snapshots", Overflow::Backpressure);
+    let (oldest, mut oldest_rx) = build("oldest", Overflow::DropOldest);
+    let read: Arc<Mutex<Vec<Sender<u32>>>> = Arc::new(Mutex::new(vec![tx.clone(), oldest.clone()]));
+    let exporter = read.clone();
+    recorder.on_gauge(move || {
+        for tx in &*exporter.lock().unwrap() {
+            let _ = (tx.len(), tx.stats());
+        }
+    });
+    // The comments say where each step moves the depth gauge (it calls the recorder only
+    // when it moves).
+    watchdog("a recorder reading the channel", move || {
+        for i in 0..4 {
+            assert_eq!(tx.try_send(i), Ok(Sent::Queued));
+        }
+        // Full: 4.
+        assert!(tx.try_send(4).unwrap_err().is_full());
+        // A receive: 3.
+        assert_eq!(rx.try_recv(), Ok(0));
+        assert_eq!(tx.try_send(4), Ok(Sent::Queued));
+        // A send waits: 4.
+        let mut send = Box::pin(tx.send(5));
+        let (waker, _) = counting();
+        assert!(poll_with(send.as_mut(), &waker).is_pending());
+        // A batch of 1 to 4, 1 handed out, its slot granted to the send: 3.
+        assert_eq!(block_on(rx.recv()), Some(1));
+        // The send is let in: 4.
+        let sent = poll_with(send.as_mut(), &waker);
+        assert_eq!(sent, Poll::Ready(Ok(Sent::Queued)));
+        assert_eq!(block_on(rx.recv()), Some(2));
+        // Dropped with 3 and 4 of its batch, which go back: 3.
+        let mut rx2 = rx.clone();
+        drop(rx);
+        // 0.
+        let mut buf = Vec::new();
+        assert_eq!(block_on(rx2.recv_many(&mut buf, 8)), 3);
+        assert_eq!(buf, [3, 4, 5]);
+        // Full, the oldest dropped: 4 (of the other channel).
+        for i in 0..5 {
+            assert!(oldest.try_send(i).unwrap().is_queued());
+        }
+        assert_eq!(oldest_rx.try_recv(), Ok(1));
+        // 2 to 4 discarded.
+        drop(oldest_rx);
+    });
+    // Dropped outside the exporter's lock: the last one takes the gauges back.
+    drop(std::mem::take(&mut *read.lock().unwrap()));
+    let id = |metric: &str, name: &str| format!("flowgate_channel_{metric}{{name={name}}}");
+    assert_eq!(recorder.gauge(&id("depth", "snapshots")), Some(0.0));
+    assert_eq!(recorder.counter(&id("sent_total", "snapshots")), 6);
+    assert_eq!(recorder.counter(&id("received_total", "snapshots")), 6);
+    assert_eq!(recorder.counter(&id("sent_total", "oldest")), 5);
+    assert_eq!(recorder.counter(&id("received_total", "oldest")), 1);
+    let dropped = |policy: &str| {
+        recorder.counter(&format!(
+            "flowgate_channel_dropped_total{{name=oldest,policy={policy}}}"
+        ))
+    };
+    assert_eq!((dropped("drop_oldest"), dropped("closed")), (1, 3));
 }

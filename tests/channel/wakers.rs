@@ -18,7 +18,7 @@ use flowgate::channel::{self, OwnedPermit, Sender};
 use futures::{FutureExt, Stream};
 
 /// Run `body` on its own thread; fail (instead of hanging) if it has not finished in 10 s.
-fn watchdog(what: &'static str, body: impl FnOnce() + Send + 'static) {
+pub(super) fn watchdog(what: &'static str, body: impl FnOnce() + Send + 'static) {
     let (done, finished) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
         body();
@@ -31,7 +31,7 @@ fn watchdog(what: &'static str, body: impl FnOnce() + Send + 'static) {
             }
         }
         Err(RecvTimeoutError::Timeout) => {
-            panic!("{what}: deadlocked (a waker dropped under the channel lock)")
+            panic!("{what}: deadlocked (user code run under the channel lock)")
         }
     }
 }

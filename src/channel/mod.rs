@@ -37,12 +37,12 @@
 //!
 //! # Locks
 //!
-//! No user code runs under the channel's lock: wakers are woken *and dropped*, and items
-//! are passed to `on_drop`, only after it is released, so a waker or hook may use the
-//! channel (a waker that owns a permit, say). The one exception is the metrics recorder
-//! (feature `metrics`), called under it on some paths, but only once the state it records
-//! is settled: a recorder that panics (the panic reaches the caller) leaves no slot taken
-//! and no wake lost.
+//! No user code runs under the channel's lock: wakers are woken *and dropped*, items are
+//! passed to `on_drop`, and the metrics recorder (feature `metrics`) is called, only after
+//! it is released, so a waker, hook or recorder may use the channel (a waker that owns a
+//! permit, a recorder that reads [`Sender::len`] or [`Sender::stats`], say). The recorder
+//! is called once the state it records is settled: a recorder that panics (the panic
+//! reaches the caller) leaves no slot taken and no wake lost.
 //!
 //! A send into a channel with a free slot and no sender waiting takes no lock: it claims the
 //! slot with one compare-and-swap and pushes the item into a lock-free ring. The lock is

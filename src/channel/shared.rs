@@ -59,7 +59,7 @@
 //!   the sender pushes, fences, reads `rx`. One of them drops the item through `on_drop`.
 //!
 //! As before, no user code runs under the lock: wakers and the `on_drop` hook run after it
-//! is released (see [`Deferred`]).
+//! is released (see [`Deferred`]), and so does the metrics recorder (see [`Moves`]).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -143,6 +143,65 @@ impl BatchLen {
 
     fn get(&self) -> usize {
         self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The metric changes made under the channel's lock, recorded after it: a metrics recorder
+/// is user code, and one that reads the channel (an exporter taking `len()` or `stats()`)
+/// takes the lock again. Declare it after the [`Deferred`] and before the lock's guard
+/// (`let mut out = ..; let mut moves = Moves::new(self); let mut st = self.lock();`): it is
+/// dropped, and records, once the guard is released and the state settled, and before the
+/// wakers run, which a recorder that panics does not keep from running (`Deferred` wakes
+/// them as the panic unwinds). Counters add up in any order; the depth gauge is read when
+/// it is set, after the lock (see [`publish_depth`](Shared::publish_depth)).
+struct Moves<'a, T> {
+    shared: &'a Shared<T>,
+    sent: u64,
+    received: u64,
+    /// Set the depth gauge.
+    depth: bool,
+}
+
+impl<'a, T> Moves<'a, T> {
+    fn new(shared: &'a Shared<T>) -> Moves<'a, T> {
+        Moves {
+            shared,
+            sent: 0,
+            received: 0,
+            depth: false,
+        }
+    }
+
+    /// An item was pushed: count it, and set the depth gauge.
+    fn pushed(&mut self) {
+        self.sent += 1;
+        self.depth = true;
+    }
+
+    /// `n` items were received (their slots freed): count them, and set the depth gauge.
+    fn received(&mut self, n: usize) {
+        self.received += n as u64;
+        self.depth = true;
+    }
+
+    /// Set the depth gauge.
+    fn depth(&mut self) {
+        self.depth = true;
+    }
+}
+
+impl<T> Drop for Moves<'_, T> {
+    fn drop(&mut self) {
+        let metrics = &self.shared.metrics;
+        if self.sent > 0 {
+            metrics.sent.increment(self.sent);
+        }
+        if self.depth {
+            self.shared.set_depth();
+        }
+        if self.received > 0 {
+            metrics.received.increment(self.received);
+        }
     }
 }
 
@@ -489,6 +548,7 @@ impl<T> Shared<T> {
         cx: &Context<'_>,
         waiting: &mut Waiting,
         out: &mut Deferred,
+        moves: &mut Moves<'_, T>,
     ) -> Poll<Result<(), ()>> {
         if waiting.is_waiting() {
             if self.is_closed() {
@@ -526,7 +586,7 @@ impl<T> Shared<T> {
             }
         }
         // Full: the gauge the fast path only samples is exact while senders wait.
-        self.set_depth();
+        moves.depth();
         st.send_waiters.register(waiting, cx.waker(), out);
         Poll::Pending
     }
@@ -671,11 +731,17 @@ impl<T> Shared<T> {
 
     /// Push an item into a slot claimed for it, under the lock (the channel is open, so
     /// receivers are not gone).
-    fn enqueue_locked(&self, st: &mut State<T>, item: T, out: &mut Deferred) {
+    fn enqueue_locked(
+        &self,
+        st: &mut State<T>,
+        item: T,
+        out: &mut Deferred,
+        moves: &mut Moves<'_, T>,
+    ) {
         if self.push_claimed(item) & RECV_WAIT != 0 {
             self.wake_for_item(st, out);
         }
-        self.record_push(true);
+        moves.pushed();
     }
 
     /// The oldest queued item (under the lock).

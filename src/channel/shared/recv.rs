@@ -28,22 +28,21 @@ impl<T> Shared<T> {
         self.queued(st)
     }
 
-    /// An item was received: count it and free its slot. The metrics are recorded last,
-    /// once the state is settled: a recorder is user code, and one that panics must not
-    /// leave the slot taken.
-    fn took(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
+    /// `n` items were received: count them and free their slots. The metrics are recorded
+    /// by `moves`, after the lock, once the state is settled.
+    fn took(&self, st: &mut State<T>, n: usize, out: &mut Deferred, moves: &mut Moves<'_, T>) {
         st.received += n as u64;
         self.free_locked(st, n, out);
-        self.set_depth();
-        self.metrics.received.increment(n as u64);
+        moves.received(n);
     }
 
     pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
         match self.pop_oldest(&mut st) {
             Some(item) => {
-                self.took(&mut st, 1, &mut out);
+                self.took(&mut st, 1, &mut out, &mut moves);
                 Ok(item)
             }
             None if self.finished() => Err(TryRecvError::Closed),
@@ -77,6 +76,7 @@ impl<T> Shared<T> {
         batch: &mut Range<u64>,
     ) -> Poll<Option<T>> {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
         let queued = self.queued_or_flag(&st);
         // At most a fair share of what is queued, so other receivers find items too.
@@ -98,7 +98,7 @@ impl<T> Shared<T> {
             // Only the first item's slot is free now; the batch's are held.
             st.received += held as u64;
             self.sync_recv_flag(&st);
-            self.took(&mut st, 1, &mut out);
+            self.took(&mut st, 1, &mut out, &mut moves);
             return Poll::Ready(Some(first));
         }
         if self.finished() {
@@ -133,6 +133,7 @@ impl<T> Shared<T> {
         batch: Range<u64>,
         batch_len: &BatchLen,
         out: &mut Deferred,
+        moves: &mut Moves<'_, T>,
     ) {
         batch_len.set(0);
         // Those handed out are received; the rest go back.
@@ -149,8 +150,7 @@ impl<T> Shared<T> {
         st.stash.extend(newer);
         self.free_locked(st, freed, out);
         self.wake_receivers(st, out);
-        self.set_depth();
-        self.metrics.received.increment(freed as u64);
+        moves.received(freed);
     }
 
     /// Move up to `limit` items into `buf` in one lock; 0 only when finished (or limit 0).
@@ -165,6 +165,7 @@ impl<T> Shared<T> {
             return Poll::Ready(0);
         }
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
         let n = self.queued_or_flag(&st).min(limit);
         let before = buf.len();
@@ -172,7 +173,7 @@ impl<T> Shared<T> {
         let n = buf.len() - before;
         if n > 0 {
             st.leave_receiver(waiting, &mut out);
-            self.took(&mut st, n, &mut out);
+            self.took(&mut st, n, &mut out, &mut moves);
             self.sync_recv_flag(&st);
             return Poll::Ready(n);
         }
@@ -246,12 +247,13 @@ impl<T> Shared<T> {
         batch_len: &Arc<BatchLen>,
     ) {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
         if waiting.is_waiting() {
             self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
         }
         if !batch.is_empty() || !items.is_empty() {
-            self.give_back(&mut st, items, batch, batch_len, &mut out);
+            self.give_back(&mut st, items, batch, batch_len, &mut out, &mut moves);
         }
         st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
         if !st.batches.is_empty() {

@@ -23,12 +23,13 @@ impl<T> Shared<T> {
     #[cold]
     fn try_send_full(&self, item: T) -> Result<Sent, SendError<T>> {
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
-        self.set_depth();
+        moves.depth();
         // A slot may have been freed since.
         match self.try_claim() {
             Ok(_) => {
-                self.enqueue_locked(&mut st, item, &mut out);
+                self.enqueue_locked(&mut st, item, &mut out, &mut moves);
                 return Ok(Sent::Queued);
             }
             Err(s) if s & CLOSED != 0 => return Err(SendError::Closed(item)),
@@ -41,8 +42,10 @@ impl<T> Shared<T> {
             Overflow::DropOldest => match self.pop_oldest(&mut st) {
                 Some(oldest) => {
                     st.dropped += 1;
-                    self.enqueue_locked(&mut st, item, &mut out);
+                    self.enqueue_locked(&mut st, item, &mut out, &mut moves);
                     drop(st);
+                    // Recorded before the hook sees the dropped item, as `drop_newest` does.
+                    drop(moves);
                     self.dropped(oldest, Dropped::Oldest, &self.metrics.dropped_oldest);
                     Ok(Sent::DroppedOldest)
                 }
@@ -87,10 +90,11 @@ impl<T> Shared<T> {
             }
         }
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
-        match self.poll_slot(&mut st, cx, waiting, &mut out) {
+        match self.poll_slot(&mut st, cx, waiting, &mut out, &mut moves) {
             Poll::Ready(Ok(())) => {
-                self.enqueue_locked(&mut st, item, &mut out);
+                self.enqueue_locked(&mut st, item, &mut out, &mut moves);
                 Poll::Ready(Ok(Sent::Queued))
             }
             Poll::Ready(Err(())) => Poll::Ready(Err(SendError::Closed(item))),
@@ -114,8 +118,9 @@ impl<T> Shared<T> {
             }
         }
         let mut out = Deferred::default();
+        let mut moves = Moves::new(self);
         let mut st = self.lock();
-        self.poll_slot(&mut st, cx, waiting, &mut out)
+        self.poll_slot(&mut st, cx, waiting, &mut out, &mut moves)
             .map_err(|()| ReserveError::Closed)
     }
 

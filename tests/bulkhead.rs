@@ -610,6 +610,48 @@ async fn a_caught_panic_in_the_unordered_adapters_closure_loses_no_finished_outp
     assert_eq!(b.in_flight(), 0);
 }
 
+/// A caught panic in the unordered adapter, of a mapped future or of its closure, returns
+/// the permit of the work that is gone before the panic leaves the poll, as the ordered
+/// adapter does: a caller of the same bulkhead gets it while the stream is not polled. (It
+/// was returned only by the stream's next poll: with a limit of 1, a caller that handles
+/// the panic by a call of its own through the bulkhead waited for ever.) The same when the
+/// closure panics as a finished future's permit passes to the next item.
+#[tokio::test(start_paused = true)]
+async fn a_caught_panic_in_the_unordered_adapter_frees_its_permit_before_the_next_poll() {
+    for panics_in in ["future", "closure", "closure after an output"] {
+        let b = Bulkhead::new(1).unwrap();
+        let boom = if panics_in == "closure after an output" {
+            1
+        } else {
+            0
+        };
+        let mut stream = Box::pin(futures::stream::iter(0..3u32).bulkhead_map_unordered(
+            b.clone(),
+            move |x| {
+                assert!(x != boom || panics_in == "future", "boom");
+                async move {
+                    assert!(x != boom || panics_in != "future", "boom");
+                    sleep(Duration::from_millis(10)).await;
+                    x
+                }
+            },
+        ));
+        if boom == 1 {
+            // 0's output comes; its permit passes to 1, whose closure panics then.
+            assert_eq!(stream.next().await, Some(0));
+        } else {
+            assert!(
+                AssertUnwindSafe(stream.next())
+                    .catch_unwind()
+                    .await
+                    .is_err()
+            );
+        }
+        assert_eq!(b.in_flight(), 0, "panic in the {panics_in}");
+        assert!(b.try_acquire().is_ok(), "panic in the {panics_in}");
+    }
+}
+
 #[tokio::test]
 async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();

@@ -21,8 +21,9 @@ use crate::error::ConfigError;
 ///
 /// Pulls one item at a time, waits for a permit for it (backpressure: it never sheds),
 /// maps it and runs the future with the permit held. The permit is returned the moment the
-/// future completes, in the same poll, and every permit is returned if the stream is dropped
-/// or a mapped future panics. Outputs come in completion order.
+/// future completes, in the same poll; if a mapped future or `f` panics, the permit of that
+/// work is returned before the panic leaves the poll; and every permit is returned if the
+/// stream is dropped. Outputs come in completion order.
 ///
 /// One mapped future at a time runs in a slot inside the adapter and is polled as soon as it
 /// is made; only while that slot is taken do new futures go into a `FuturesUnordered`. A
@@ -153,11 +154,12 @@ where
 {
     type Item = Fut::Output;
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
-        // A future that panicked (the panic caught by the caller) is gone: free its permit.
-        let in_flight = self.in_flight();
-        let mut this = self.as_mut().project();
-        this.feed.as_mut().permits().settle(in_flight);
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
+        // However the poll ends, a panic's unwinding too, the permits held match the futures
+        // in flight: the permit of work that is gone (a future or `f` that panicked) goes
+        // back before the poll ends, not on the next one.
+        let mut settled = Settled(self);
+        let mut this = settled.0.as_mut().project();
         // A panic kept from the poll that yielded the output before it.
         if let Some(panic) = this.panic.take() {
             panic.resume();
@@ -219,6 +221,18 @@ where
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         self.feed.size_hint(self.in_flight(), true)
+    }
+}
+
+/// The adapter during a poll: when dropped, as the poll ends or unwinds, it returns the
+/// permits held beyond one per future in flight (those of a future or an `f` call that
+/// panicked, or of a finished future whose permit was to pass to an item `f` panicked on).
+struct Settled<'a, St: Stream, F, Fut>(Pin<&'a mut BulkheadMapUnordered<St, F, Fut>>);
+
+impl<St: Stream, F, Fut> Drop for Settled<'_, St, F, Fut> {
+    fn drop(&mut self) {
+        let in_flight = self.0.in_flight();
+        self.0.as_mut().project().feed.permits().settle(in_flight);
     }
 }
 

@@ -652,6 +652,51 @@ async fn a_caught_panic_in_the_unordered_adapter_frees_its_permit_before_the_nex
     }
 }
 
+/// Dropping a bulkhead adapter drops its futures in flight before it returns their
+/// permits, so a future's own drop (its cleanup: a connection closed, a transaction rolled
+/// back) still runs under its permit, as it does for the ordered and the spawning adapters.
+/// (The unordered adapter returned the permits first: another caller could take one, and
+/// on another thread start its call, while that cleanup was still running.)
+#[tokio::test]
+async fn every_adapter_returns_a_permit_only_after_its_future_is_dropped() {
+    /// Notes, when dropped, whether a permit of its bulkhead was free then.
+    struct Cleanup(Bulkhead, Arc<Mutex<Vec<bool>>>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let free = self.0.try_acquire().is_ok();
+            self.1.lock().unwrap().push(free);
+        }
+    }
+    for adapter in ["ordered", "unordered", "spawning"] {
+        let b = Bulkhead::new(1).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (b2, seen2) = (b.clone(), seen.clone());
+        let f = move |x: u32| {
+            let cleanup = Cleanup(b2.clone(), seen2.clone());
+            async move {
+                let _cleanup = cleanup;
+                std::future::pending::<()>().await;
+                x
+            }
+        };
+        let items = futures::stream::iter(0..3u32);
+        let mut stream: std::pin::Pin<Box<dyn Stream<Item = u32> + Send>> = match adapter {
+            "ordered" => Box::pin(items.bulkhead_map(b.clone(), f)),
+            "unordered" => Box::pin(items.bulkhead_map_unordered(b.clone(), f)),
+            _ => Box::pin(items.bulkhead_spawn_map(b.clone(), f)),
+        };
+        assert!(poll!(stream.next()).is_pending());
+        tokio::task::yield_now().await; // the spawned task starts
+        assert_eq!(b.in_flight(), 1, "{adapter}");
+        drop(stream);
+        for _ in 0..10 {
+            tokio::task::yield_now().await; // the aborted task stops
+        }
+        assert_eq!(*seen.lock().unwrap(), [false], "{adapter}");
+        assert_eq!(b.in_flight(), 0, "{adapter}");
+    }
+}
+
 #[tokio::test]
 async fn an_adapter_gives_back_the_critical_reserve_after_max_in_flight_shrinks() {
     let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();

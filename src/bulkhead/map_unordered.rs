@@ -43,14 +43,16 @@ use crate::error::ConfigError;
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
-    #[pin]
-    feed: Feed<St>,
-    f: F,
+    // Fields drop in this order: the futures in flight before `feed`, which holds their
+    // permits, so a future's own drop still runs under its permit.
     /// The first future in flight, polled in place.
     #[pin]
     slot: Option<Timed<Fut>>,
     /// The others.
     running: FuturesUnordered<Timed<Fut>>,
+    #[pin]
+    feed: Feed<St>,
+    f: F,
     /// A panic of `f` or the upstream, caught while a finished output was being yielded;
     /// resumed by the next poll.
     panic: Option<Panic>,
@@ -108,10 +110,10 @@ where
         on_drop: Option<OnDrop<St::Item>>,
     ) -> Self {
         BulkheadMapUnordered {
-            feed: Feed::new(stream, bulkhead, on_drop),
-            f,
             slot: None,
             running: FuturesUnordered::new(),
+            feed: Feed::new(stream, bulkhead, on_drop),
+            f,
             panic: None,
         }
     }

@@ -30,8 +30,10 @@
 //! If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 //! ends; the item it held is discarded (the bulkhead counts the refused wait as a `closed`
 //! refusal in `flowgate_bulkhead_rejected_total`). Dropped, the adapter discards the item it
-//! holds, drops the futures in flight (aborts the tasks of
-//! `bulkhead_spawn_map`) and returns their permits. A discarded item, either way, is counted
+//! holds, drops the futures in flight (aborts the tasks of `bulkhead_spawn_map`), then
+//! returns their permits. Outputs finished and not yet yielded are dropped with it,
+//! uncounted (their work was done): those of `bulkhead_map` waiting behind an older future,
+//! those of `bulkhead_spawn_map`'s finished tasks. A discarded item, either way, is counted
 //! in `flowgate_bulkhead_discarded_total` and goes to the adapter's `on_drop` hook, as
 //! [`Dropped::Discarded`](crate::Dropped::Discarded), if it was built with one
 //! ([`BulkheadMap::builder`], [`BulkheadMapUnordered::builder`],
@@ -44,6 +46,12 @@
 //! `bulkhead_map_unordered` yields each output in the poll in which its future completes.
 //!
 //! # Panics
+//!
+//! A panic of `f` (the closure that maps an item) leaves the adapter's poll (in
+//! `bulkhead_map_unordered`, one that strikes as an output is on its way out leaves the
+//! next poll: see there). The item went to `f` and is gone with it; the permit taken for
+//! it is back in the bulkhead by then. A caller that catches the panic may poll on: the
+//! items after it still come. (A panic of a mapped future: see each adapter.)
 //!
 //! `bulkhead_spawn_map` spawns tokio tasks, and an acquisition with a
 //! [`wait_timeout`](BulkheadBuilder::wait_timeout) starts a tokio timer when it has to

@@ -109,6 +109,10 @@ enum State<Key> {
 /// # Panics
 ///
 /// When it has to wait (shaping) outside a tokio runtime with its time driver enabled.
+///
+/// A key or cost function that panics panics the poll. The item stays at the gate, asked
+/// for nothing yet: the next poll calls the functions again, and a stream dropped instead
+/// reports it as [`Dropped::Discarded`].
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K: KeyFn<S::Item>, C = UnitCost<<S as Stream>::Item>> {

@@ -18,3 +18,5 @@ mod model;
 #[cfg(feature = "metrics")]
 #[path = "region/refresher.rs"]
 mod refresher;
+#[path = "region/status.rs"]
+mod status;

@@ -1,0 +1,63 @@
+//! What a process's [`RegionStatus`](flowgate::region::RegionStatus) says: whether the home
+//! was reached, and what the refreshing process measured.
+
+use std::time::Duration;
+
+use flowgate::Quota;
+use flowgate::region::QuotaAllocator;
+
+use crate::support::{DelayProxy, RedisServer};
+
+/// A refresh that got a lease from the home but could not write it to the local Redis (its
+/// lease record went back meanwhile: a restart that lost writes) did reach the home, and
+/// the status says so. (It kept the "home unreachable" of the failed refresh before, with
+/// the home answering.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_that_reached_the_home_shows_it_though_the_local_write_failed() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let proxy = DelayProxy::start(
+        format!("127.0.0.1:{}", home.port()).parse().unwrap(),
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    let build = |conn| {
+        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
+            .name("written")
+            .region(("eu", 1))
+            .lease(Duration::from_secs(30))
+            .refresh_every(Duration::from_secs(5))
+            .home_timeout(Duration::from_millis(500))
+            .build()
+            .unwrap()
+    };
+    build(super::fleet::manager(&home.url()).await)
+        .init_home()
+        .await
+        .unwrap();
+    let alloc = build(super::fleet::manager(&proxy.url()).await);
+    let region = alloc
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    assert!(region.status().home_reachable, "{}", region.status());
+    // The home call times out (a round trip of 800 ms against a timeout of 500 ms).
+    proxy.set_delay(Duration::from_millis(400));
+    region.refresh_now().await;
+    assert!(!region.status().home_reachable, "{}", region.status());
+    // The home answers again, in 200 ms; meanwhile the local Redis loses the lease record.
+    proxy.set_delay(Duration::from_millis(100));
+    let refreshing = tokio::spawn({
+        let region = region.clone();
+        async move { region.refresh_now().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _: i64 = local
+        .query_blocking(redis::cmd("DEL").arg("{flowgate:region:written:eu}:lease"))
+        .unwrap();
+    refreshing.await.unwrap();
+    let status = region.status();
+    assert_eq!(status.failures, 2, "the lease was not written: {status}");
+    assert!(status.home_reachable, "the home answered: {status}");
+}

@@ -456,7 +456,10 @@ where
         let cmd = plan.home_cmd("refresh", self.index, &report);
         let grant = match self.allocator.call_home(&cmd, 5).await {
             Ok(g) => {
-                self.round().home_failures = 0;
+                let mut round = self.round();
+                round.home_failures = 0;
+                // Whatever becomes of the lease here (the local Redis may not take it).
+                round.status.home_reachable = true;
                 g
             }
             Err(e) => {
@@ -550,7 +553,6 @@ where
             round.lease_end = Some(started + lease);
             round.status.share = g_share_u;
             round.status.learning = learning == 1;
-            round.status.home_reachable = true;
             round.status.refreshes += 1;
             round.status.utilisation
         };

@@ -61,3 +61,44 @@ async fn a_refresh_that_reached_the_home_shows_it_though_the_local_write_failed(
     assert_eq!(status.failures, 2, "the lease was not written: {status}");
     assert!(status.home_reachable, "the home answered: {status}");
 }
+
+/// A process that refreshed, then lost the refresher lock to another process (it lapsed:
+/// the process stalled, say), shows no demand and no utilisation, as a process that never
+/// refreshed and as its metrics: both are measured by the refreshing process. (It went on
+/// showing what it had measured as the refreshing process, however long ago.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_no_longer_refreshes_shows_no_demand_of_its_own() {
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name("former")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(30))
+        .refresh_every(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let first = alloc.join("eu", server.connect().await).await.unwrap();
+    let second = alloc.join("eu", server.connect().await).await.unwrap();
+    let gate = first.gate();
+    for _ in 0..20 {
+        gate.check("api", 1).await.unwrap();
+    }
+    first.refresh_now().await;
+    let lead = first.status();
+    assert!(lead.leader && lead.demand > 0, "{lead}");
+    assert!(lead.utilisation > 0.0, "{lead}");
+    // The lock lapses, and the other process takes it.
+    let _: i64 = server
+        .query_blocking(redis::cmd("DEL").arg("{flowgate:region:former:eu}:lock"))
+        .unwrap();
+    second.refresh_now().await;
+    assert!(second.status().leader, "{}", second.status());
+    first.refresh_now().await;
+    let former = first.status();
+    assert!(!former.leader, "{former}");
+    assert_eq!(
+        (former.demand, former.utilisation),
+        (0, 0.0),
+        "measured by the refreshing process, not this one: {former}"
+    );
+}

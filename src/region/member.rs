@@ -418,6 +418,9 @@ where
             round.status.home_reachable =
                 age.is_some_and(|age| age <= plan.refresh + plan.home_timeout);
             round.status.share = units(share);
+            // As the metrics: not what this process measured when it last refreshed.
+            round.status.demand = 0;
+            round.status.utilisation = 0.0;
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             return;

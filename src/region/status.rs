@@ -25,11 +25,11 @@ pub struct RegionStatus {
     pub lease_left: Duration,
     /// Time since the last lease this process obtained was granted (`None`: none yet).
     pub lease_age: Option<Duration>,
-    /// The region's smoothed demand (admitted plus rejected) as last reported (by this
-    /// process, if it refreshes).
+    /// The region's smoothed demand (admitted plus rejected) as this process last reported
+    /// it; 0 in a process that does not refresh (the refreshing process measures it).
     pub demand: u64,
     /// Admitted units per period over the last refresh interval ÷ the share it had (0 with
-    /// a share of 0; measured by the refreshing process).
+    /// a share of 0; measured by the refreshing process: 0 in the others).
     pub utilisation: f64,
     /// Whether the home was in its learning phase at the last refresh.
     pub learning: bool,

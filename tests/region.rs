@@ -11,6 +11,8 @@ mod config;
 mod e2e;
 #[path = "region/fleet.rs"]
 mod fleet;
+#[path = "region/handover.rs"]
+mod handover;
 #[path = "region/history.rs"]
 mod history;
 #[path = "region/model.rs"]

@@ -94,19 +94,26 @@ type Release = Box<dyn FnOnce() -> futures::future::BoxFuture<'static, ()> + Sen
 
 struct Handle<C> {
     core: Arc<Core<C>>,
-    task: JoinHandle<()>,
+    task: Option<JoinHandle<()>>,
     release: Option<Release>,
 }
 
 impl<C> Drop for Handle<C> {
     fn drop(&mut self) {
-        self.task.abort();
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        task.abort();
         // Let another process of the region take over at once rather than when the lock
-        // lapses (best effort: only inside a runtime).
+        // lapses (best effort: only inside a runtime). Once the refresher has stopped: a
+        // refresh running on another thread may renew the lock after a release sent now.
         if let (Some(release), Ok(runtime)) =
             (self.release.take(), tokio::runtime::Handle::try_current())
         {
-            runtime.spawn(release());
+            runtime.spawn(async move {
+                let _ = task.await;
+                release().await;
+            });
         }
     }
 }
@@ -243,7 +250,7 @@ where
         Ok(Region {
             handle: Arc::new(Handle {
                 core,
-                task,
+                task: Some(task),
                 release: Some(release),
             }),
         })

@@ -587,16 +587,17 @@ async fn a_process_cut_off_from_the_home_hands_the_refreshing_over() {
 /// Two processes of region `eu` (the only one) with their own local connections: `first`
 /// refreshes, reaching the home through `proxy` (to cut it off), `second` reaches the home
 /// directly and joins `offset` after the first (its ticks come that much later).
-struct CutOff {
+pub(super) struct CutOff {
     // Dropped in this order: the processes before the servers.
-    first: flowgate::region::Region<redis::aio::ConnectionManager>,
-    second: flowgate::region::Region<redis::aio::ConnectionManager>,
-    proxy: crate::support::DelayProxy,
-    _servers: (RedisServer, RedisServer),
+    pub(super) first: flowgate::region::Region<redis::aio::ConnectionManager>,
+    pub(super) second: flowgate::region::Region<redis::aio::ConnectionManager>,
+    pub(super) proxy: crate::support::DelayProxy,
+    /// The home and the local Redis.
+    pub(super) servers: (RedisServer, RedisServer),
 }
 
 impl CutOff {
-    async fn start(
+    pub(super) async fn start(
         name: &str,
         lease: Duration,
         refresh: Duration,
@@ -638,7 +639,7 @@ impl CutOff {
             first,
             second,
             proxy,
-            _servers: (home, local),
+            servers: (home, local),
         }
     }
 }
@@ -1178,7 +1179,7 @@ async fn a_lease_outlives_the_death_of_a_refreshing_process_after_a_failed_refre
         first,
         second,
         proxy,
-        _servers,
+        servers: _servers,
     } = CutOff::start(
         "crash",
         lease,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use flowgate::Quota;
 use flowgate::region::QuotaAllocator;
 
-use crate::support::{DelayProxy, RedisServer};
+use crate::support::RedisServer;
 
 /// A refresh that got a lease from the home but could not write it to the local Redis (its
 /// lease record went back meanwhile: a restart that lost writes) did reach the home, and
@@ -14,33 +14,16 @@ use crate::support::{DelayProxy, RedisServer};
 /// the home answering.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refresh_that_reached_the_home_shows_it_though_the_local_write_failed() {
-    let home = RedisServer::start();
-    let local = RedisServer::start();
-    let proxy = DelayProxy::start(
-        format!("127.0.0.1:{}", home.port()).parse().unwrap(),
+    // `first` refreshes, reaching the home through `proxy`.
+    let pair = super::config::CutOff::start(
+        "written",
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+        Duration::from_millis(500),
         Duration::ZERO,
     )
-    .await
-    .unwrap();
-    let build = |conn| {
-        QuotaAllocator::builder(conn, Quota::per_second(50).unwrap())
-            .name("written")
-            .region(("eu", 1))
-            .lease(Duration::from_secs(30))
-            .refresh_every(Duration::from_secs(5))
-            .home_timeout(Duration::from_millis(500))
-            .build()
-            .unwrap()
-    };
-    build(super::fleet::manager(&home.url()).await)
-        .init_home()
-        .await
-        .unwrap();
-    let alloc = build(super::fleet::manager(&proxy.url()).await);
-    let region = alloc
-        .join("eu", super::fleet::manager(&local.url()).await)
-        .await
-        .unwrap();
+    .await;
+    let (proxy, region, local) = (&pair.proxy, &pair.first, &pair.servers.1);
     assert!(region.status().home_reachable, "{}", region.status());
     // The home call times out (a round trip of 800 ms against a timeout of 500 ms).
     proxy.set_delay(Duration::from_millis(400));

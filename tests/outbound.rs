@@ -574,6 +574,44 @@ async fn an_allowance_of_zero_lets_nothing_through_before_the_server_has_a_unit(
     }
 }
 
+/// An allowance of `r` units within `t` lets no more through before the reset than the
+/// server has: `r`, plus what a known policy refills by then, at any instant; never the
+/// pacer's burst on top (a full bucket after an idle spell sent `burst + r − 1` before
+/// the reset: 2 for `r=1`, 4 for `r=3`, and 6 at once at 1 000/s for `r=2`).
+#[tokio::test(start_paused = true)]
+async fn an_allowance_lets_no_more_than_the_server_has_through_before_its_reset() {
+    for (r, t, policy) in [
+        (1, 10 * SECOND, None),
+        (3, 10 * SECOND, None),
+        (2, SECOND, Some((1_000, SECOND))),
+    ] {
+        let a = AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+            .build()
+            .unwrap();
+        advance(SECOND).await; // idle: the bucket is full
+        if let Some((q, w)) = policy {
+            a.on_policy(q, w);
+        }
+        let start = Instant::now();
+        a.on_allowance(r, t);
+        let refill = policy.map_or(0.0, |(q, w): (u64, Duration)| q as f64 / w.as_secs_f64());
+        let mut sent = 0;
+        loop {
+            a.until_ready(1).await.unwrap();
+            let at = start.elapsed();
+            if at >= t {
+                break;
+            }
+            sent += 1;
+            let has = r + (at.as_secs_f64() * refill + 1e-9).floor() as u64;
+            assert!(
+                sent <= has,
+                "r={r} {policy:?}: unit {sent} at {at:?}, the server had {has}"
+            );
+        }
+    }
+}
+
 /// 30 s of one request and one success a second, far below a rate of 100/s: the rate
 /// must not grow.
 async fn one_response_a_second_leaves_the_rate_at_100(a: &AdaptivePacer) {

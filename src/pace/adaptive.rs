@@ -165,7 +165,8 @@ pub struct AdaptiveStatus {
 ///   that policy's own `q` and `w`).
 /// - **Never faster than the server allows**: the rate stays at or below `q / w` of the
 ///   last policy, and, until the reset `t` of an allowance, at or below `r / t` (or `q / w`
-///   when that is higher: a token bucket refills during `t`).
+///   when that is higher: a token bucket refills during `t`); the burst never sends more
+///   than the `r` the server has (plus what `q / w` refills before `t`).
 /// - **Never growing unused**: the rate grows only while the caller uses at least 80 % of
 ///   it (someone waits for the pacer, not counting a waiter [stepped over](Pacer#guarantees)
 ///   while its task does not poll it, or that many responses came back in the last second).
@@ -438,10 +439,14 @@ impl AdaptivePacer {
     ///
     /// Until `reset` has elapsed the rate stays at or below `remaining / reset` (or the
     /// policy's `q / w` when that is higher; a `remaining` of 0 counts as 1, so the pacer
-    /// is not held past the reset). With nothing remaining, no unit passes before the
-    /// reset, or before one unit of the policy's `q / w` when that is sooner (a token
-    /// bucket refills during `t`), whatever the pacer's burst held: that one unit is the
-    /// one the server has again. With a policy known, the remaining steers the rate (see
+    /// is not held past the reset). Whatever the pacer's burst held, no more units pass
+    /// than the server has: at most `remaining` at once, and before the reset at most
+    /// `remaining` plus the units the policy's `q / w` refills by then (a token bucket
+    /// refills during `t`; none without a policy). With nothing remaining, no unit passes
+    /// before the reset, or before one unit of the policy's `q / w` when that is sooner:
+    /// that one unit is the one the server has again. The burst's timer tolerance is kept
+    /// from then on (a late wake-up still catches up, up to what the server allows).
+    /// With a policy known, the remaining steers the rate (see
     /// [Tracking](AdaptivePacer#state-machine)): report the remaining of the policy given
     /// to [`on_policy`](AdaptivePacer::on_policy).
     pub fn on_allowance(&self, remaining: u64, reset: Duration) {
@@ -451,8 +456,9 @@ impl AdaptivePacer {
     /// [`on_allowance`](AdaptivePacer::on_allowance) of the policy of `quota` units per
     /// `window`, which may not be the one given to [`on_policy`](AdaptivePacer::on_policy)
     /// (the slowest, where the remaining is of the one closest to refusing): tracking
-    /// steers the remaining by its own policy's quota and rate. `None` (or a zero quota or
-    /// window): the policy given to `on_policy`.
+    /// steers the remaining by its own policy's quota and rate, and that policy refills
+    /// it before the reset. `None` (or a zero quota or window): the policy given to
+    /// `on_policy`.
     pub(crate) fn on_allowance_of(
         &self,
         remaining: u64,
@@ -460,9 +466,8 @@ impl AdaptivePacer {
         policy: Option<(u64, Duration)>,
     ) {
         let now = Instant::now();
-        let of = policy
-            .filter(|&(q, w)| q > 0 && !w.is_zero())
-            .map(|(q, w)| (q as f64 / w.as_secs_f64(), q));
+        let own = policy.filter(|&(q, w)| q > 0 && !w.is_zero());
+        let of = own.map(|(q, w)| (q as f64 / w.as_secs_f64(), q));
         let mut c = self.inner.lock();
         if c.remaining_of != of {
             // Another policy's remaining: the samples before are no trend of it.
@@ -479,21 +484,16 @@ impl AdaptivePacer {
         c.remaining.push_back((now, remaining));
         let mut hold = None;
         if !reset.is_zero() {
-            let sustained = c.policy.map_or(0.0, |(rate, _, _)| rate);
+            // What refills the remaining before the reset: its own policy, else the
+            // slowest (which refills no faster).
+            let refill = own.or_else(|| c.policy.map(|(_, q, w)| (q, w)));
+            let sustained = refill.map_or(0.0, |(q, w)| q as f64 / w.as_secs_f64());
             // At least one unit within `reset`: a cap below that would hold the pacer's
             // schedule (one unit per 1 / cap) far past the reset.
             let cap = (remaining.max(1) as f64 / reset.as_secs_f64()).max(sustained);
-            c.allowance = Some((cap, now + capped(reset)));
-            if remaining == 0 {
-                // That one unit is the one the server has again: at the reset, or after
-                // one unit of the policy's `q / w` when that is sooner (rounded up), never
-                // at once, whatever the bucket held.
-                let unit = c.policy.map(|(_, q, w)| {
-                    let ns = w.as_nanos().div_ceil(u128::from(q));
-                    Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
-                });
-                hold = Some(now + capped(unit.map_or(reset, |u| u.min(reset))));
-            }
+            let reset = capped(reset);
+            c.allowance = Some((cap, now + reset));
+            hold = allowance_hold(now, remaining, reset, refill);
         }
         self.inner.step(&mut c, now);
         let rate = self.inner.apply(&mut c, now);
@@ -701,6 +701,37 @@ impl Shared {
             rate = (latest != r).then_some(latest);
         }
     }
+}
+
+/// The earliest the pacer's next unit may be due once the server reported `remaining`
+/// units within `reset`, refilled before it by `refill` (`q` per `w`; none: nothing comes
+/// back before the reset), so that no more pass than the server has, whatever the
+/// bucket held. Until the reset the pacer runs at most at the allowance's cap, one unit
+/// per `p = min(reset / max(r, 1), w / q)`; the next unit is due no earlier than
+/// `now − x·p`, with `x = min(r, max(1, ⌈reset · q / w⌉)) − 1`: at most `r` units at once,
+/// and before the reset no more than `r` plus the units refilled by then (at a cap of
+/// `r / reset`, above the refill, only the refilled units may run ahead). With nothing
+/// remaining, `x = −1`: `now + p`, when the server has one unit again. `None` when that
+/// instant is before any this clock can tell (the bucket cannot hold that many units).
+fn allowance_hold(
+    now: Instant,
+    remaining: u64,
+    reset: Duration,
+    refill: Option<(u64, Duration)>,
+) -> Option<Instant> {
+    let (r, t) = (u128::from(remaining), reset.as_nanos());
+    // In `u128`: `reset` is at most a century (`capped`), under 2^62 ns.
+    let refilled = refill.map_or(0, |(q, w)| (t * u128::from(q)).div_ceil(w.as_nanos()));
+    let Some(x) = r.min(refilled.max(1)).checked_sub(1) else {
+        // Nothing remaining: one period, rounded up (never sooner than the server).
+        let p = refill.map_or(t, |(q, w)| t.min(w.as_nanos().div_ceil(u128::from(q))));
+        return Some(now + Duration::from_nanos(u64::try_from(p).unwrap_or(u64::MAX)));
+    };
+    // `x` periods, rounded down (never more units than the server has); `x·w < t·q`.
+    let lead = refill.map_or(x * t / r, |(q, w)| {
+        (x * t / r).min(x * w.as_nanos() / u128::from(q))
+    });
+    now.checked_sub(Duration::from_nanos(u64::try_from(lead).ok()?))
 }
 
 /// The least-squares slope of the server's remaining over the last `TREND_SPAN`, in units

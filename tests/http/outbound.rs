@@ -18,7 +18,8 @@ use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{Constant, Policy, RateLimitLayer};
 use flowgate::pace::AdaptivePacer;
 use flowgate::retry::{
-    Backoff, GiveUp, Jitter, RetryBudget, RetryError, RetryInfo, RetryLayer, RetryPolicy, Stop,
+    Backoff, GiveUp, HttpClassify, Jitter, Retry, RetryBudget, RetryError, RetryInfo, RetryLayer,
+    RetryPolicy, Stop,
 };
 use flowgate::{Quota, Rate};
 use http::header::RETRY_AFTER;
@@ -65,6 +66,19 @@ fn request(method: Method) -> Request<String> {
         .uri("/")
         .body(String::new())
         .unwrap()
+}
+
+/// `svc` behind a `RetryLayer` (3 attempts) with an adaptive pacer of `per_second`, which
+/// it feeds the server's fields; the client and the pacer.
+fn paced<S>(per_second: u32, svc: S) -> (Retry<S, HttpClassify>, AdaptivePacer) {
+    let pacer = AdaptivePacer::builder(Rate::per_second(per_second).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff(3))
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    (RetryLayer::new(policy).layer(svc), pacer)
 }
 
 fn info<B>(res: &Response<B>) -> RetryInfo {
@@ -201,13 +215,6 @@ async fn hostile_retry_after_values_have_a_clear_outcome() {
         (soon, Some(30 * SECOND)),
     ];
     for (value, waits) in cases {
-        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
-            .build()
-            .unwrap();
-        let policy = RetryPolicy::builder(backoff(3))
-            .pacer(pacer.clone())
-            .build()
-            .unwrap();
         let server = Scripted::new();
         let header = HeaderValue::from_str(&value).unwrap();
         let svc = server.service(move |n| {
@@ -215,7 +222,7 @@ async fn hostile_retry_after_values_have_a_clear_outcome() {
             res.headers_mut().insert(RETRY_AFTER, header.clone());
             res
         });
-        let client = RetryLayer::new(policy).layer(svc);
+        let (client, pacer) = paced(100, svc);
         let start = Instant::now();
         let res = client.oneshot(request(Method::GET)).await.unwrap();
         let elapsed = start.elapsed();
@@ -706,14 +713,7 @@ async fn the_server_fields_reach_the_pacer_on_every_response() {
         h.insert("ratelimit", HeaderValue::from_static(r#""global";r=7;t=1"#));
         res
     });
-    let pacer = AdaptivePacer::builder(Rate::per_second(1000).unwrap())
-        .build()
-        .unwrap();
-    let policy = RetryPolicy::builder(backoff(3))
-        .pacer(pacer.clone())
-        .build()
-        .unwrap();
-    let client = RetryLayer::new(policy).layer(svc);
+    let (client, pacer) = paced(1000, svc);
     client.oneshot(request(Method::GET)).await.unwrap();
     let status = pacer.status();
     assert_eq!(status.server_policy, Some((50, 2 * SECOND)));
@@ -721,6 +721,47 @@ async fn the_server_fields_reach_the_pacer_on_every_response() {
     // Never faster than the server's sustained 25/s.
     assert!(status.ceiling_per_second <= 25.0, "{status:?}");
     assert!(pacer.rate().per_second_f64() <= 25.0, "{status:?}");
+}
+
+/// A policy of zero quota (`q=0`: nothing may be sent until its reset) beside another
+/// policy: the other policy still caps the rate (the slowest was the zero one, which the
+/// pacer ignored, so no policy reached it), and the next request waits for the zero
+/// policy's reset (its `t`, else its window), not one unit of the other policy.
+#[tokio::test(start_paused = true)]
+async fn a_zero_quota_policy_holds_the_pacer_and_keeps_the_other_policies_caps() {
+    for (ratelimit, hold) in [
+        (None, 60 * SECOND),
+        (Some(r#""closed";r=0;t=30"#), 30 * SECOND),
+    ] {
+        let server = Scripted::new();
+        let svc = server.service(move |_| {
+            let mut res = answer(200, String::new(), None);
+            let h = res.headers_mut();
+            h.insert(
+                "ratelimit-policy",
+                HeaderValue::from_static(r#""closed";q=0;w=60, "sec";q=10;w=1"#),
+            );
+            if let Some(field) = ratelimit {
+                h.insert("ratelimit", HeaderValue::from_static(field));
+            }
+            res
+        });
+        let (client, pacer) = paced(1000, svc);
+        client.clone().oneshot(request(Method::GET)).await.unwrap();
+        let status = pacer.status();
+        assert_eq!(status.server_policy, Some((10, SECOND)), "{ratelimit:?}");
+        assert!(
+            status.ceiling_per_second <= 10.0,
+            "{ratelimit:?}: {status:?}"
+        );
+        client.oneshot(request(Method::GET)).await.unwrap();
+        let times = server.times();
+        let waited = times[1] - times[0];
+        assert!(
+            (hold..hold + SECOND).contains(&waited),
+            "{ratelimit:?}: the second request after {waited:?}"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -456,9 +456,9 @@ impl AdaptivePacer {
     /// [`on_allowance`](AdaptivePacer::on_allowance) of the policy of `quota` units per
     /// `window`, which may not be the one given to [`on_policy`](AdaptivePacer::on_policy)
     /// (the slowest, where the remaining is of the one closest to refusing): tracking
-    /// steers the remaining by its own policy's quota and rate, and that policy refills
-    /// it before the reset. `None` (or a zero quota or window): the policy given to
-    /// `on_policy`.
+    /// steers the remaining by its own policy's quota and rate, and only that policy
+    /// refills it before the reset (a zero quota, whatever the window: nothing does).
+    /// `None` (or a zero window): the policy given to `on_policy`.
     pub(crate) fn on_allowance_of(
         &self,
         remaining: u64,
@@ -466,8 +466,13 @@ impl AdaptivePacer {
         policy: Option<(u64, Duration)>,
     ) {
         let now = Instant::now();
-        let own = policy.filter(|&(q, w)| q > 0 && !w.is_zero());
-        let of = own.map(|(q, w)| (q as f64 / w.as_secs_f64(), q));
+        // `Some(None)`: a policy of zero quota, which refills nothing.
+        let own = match policy {
+            Some((0, _)) => Some(None),
+            Some((q, w)) if !w.is_zero() => Some(Some((q, w))),
+            _ => None,
+        };
+        let of = own.flatten().map(|(q, w)| (q as f64 / w.as_secs_f64(), q));
         let mut c = self.inner.lock();
         if c.remaining_of != of {
             // Another policy's remaining: the samples before are no trend of it.
@@ -486,7 +491,7 @@ impl AdaptivePacer {
         if !reset.is_zero() {
             // What refills the remaining before the reset: its own policy, else the
             // slowest (which refills no faster).
-            let refill = own.or_else(|| c.policy.map(|(_, q, w)| (q, w)));
+            let refill = own.unwrap_or_else(|| c.policy.map(|(_, q, w)| (q, w)));
             let sustained = refill.map_or(0.0, |(q, w)| q as f64 / w.as_secs_f64());
             // At least one unit within `reset`: a cap below that would hold the pacer's
             // schedule (one unit per 1 / cap) far past the reset.

@@ -149,7 +149,7 @@ impl ServerHint {
             .min_by(|(ra, a), (rb, b)| ra.cmp(rb).then(b.reset.cmp(&a.reset)))
             .map(|(_, p)| p);
         by_remaining
-            .or_else(|| self.slowest())
+            .or_else(|| self.slowest(0))
             .or_else(|| self.policies.first())
     }
 
@@ -186,7 +186,15 @@ impl ServerHint {
     /// own server layer, a token bucket's `q` is its burst and `w` the time to refill it,
     /// so `q / w` is its rate.
     pub fn sustained_rate(&self) -> Option<(u64, Duration)> {
-        let p = self.slowest()?;
+        let p = self.slowest(0)?;
+        Some((p.quota?, p.window?))
+    }
+
+    /// [`sustained_rate`](ServerHint::sustained_rate) among the policies that allow
+    /// something (a quota above zero): a zero quota is no rate but a refusal until its
+    /// reset.
+    pub(crate) fn sustained_rate_allowing(&self) -> Option<(u64, Duration)> {
+        let p = self.slowest(1)?;
         Some((p.quota?, p.window?))
     }
 
@@ -203,12 +211,12 @@ impl ServerHint {
         })
     }
 
-    /// The policy with the lowest `quota / window`.
-    fn slowest(&self) -> Option<&PolicyHint> {
+    /// The policy with the lowest `quota / window`, among those of `min_quota` or more.
+    fn slowest(&self, min_quota: u64) -> Option<&PolicyHint> {
         self.policies
             .iter()
             .filter_map(|p| match (p.quota, p.window) {
-                (Some(q), Some(w)) if !w.is_zero() => Some((q, w.as_nanos(), p)),
+                (Some(q), Some(w)) if q >= min_quota && !w.is_zero() => Some((q, w.as_nanos(), p)),
                 _ => None,
             })
             // q1 / w1 < q2 / w2  ⇔  q1 × w2 < q2 × w1, compared exactly.

@@ -1,6 +1,7 @@
 //! `RetryLayer`: a tower client layer that retries HTTP requests with a [`RetryPolicy`]
 //! (backoff, retry budget, adaptive pacer) and listens to the server's fields.
 
+use std::cmp::Reverse;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -17,7 +18,7 @@ use tower::{Layer, Service};
 use crate::pace::{AdaptivePacer, UntilReady};
 use crate::retry::backoff::Schedule;
 use crate::retry::call::{Classify, Outcome, RetryError, RetryPolicy, Stop};
-use crate::retry::hint::ServerHint;
+use crate::retry::hint::{PolicyHint, ServerHint};
 use crate::sync::Arc;
 use crate::time::capped;
 
@@ -112,10 +113,13 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 }
 
 /// Tell `pacer` what a response's fields say: the server's sustained rate
-/// (`RateLimit-Policy`'s `q` within `w`) and its allowance (`RateLimit`'s `r` within `t`),
-/// each when the server sent it, the allowance with its own policy's `q` and `w` (which
-/// tracking steers it by). Call it before reporting the response's outcome, as
-/// [`AdaptivePacer`] asks.
+/// (`RateLimit-Policy`'s `q` within `w`, the slowest of the policies that allow anything)
+/// and its allowance (`RateLimit`'s `r` within `t`), each when the server sent it, the
+/// allowance with its own policy's `q` and `w` (which tracking steers it by). A policy of
+/// zero quota allows nothing until its reset (its `t`, else its window `w`): an allowance
+/// of nothing, which wins over the reported one unless that has nothing left for longer
+/// (the rule of [`most_restrictive`](ServerHint::most_restrictive)). Call it before
+/// reporting the response's outcome, as [`AdaptivePacer`] asks.
 ///
 /// `max_wait` is the longest server hint honoured (the backoff's
 /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)): an allowance
@@ -123,21 +127,37 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// so it holds no later request longer than a `Retry-After` would (a zero `max_wait` leaves
 /// the allowance as the server sent it).
 pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Duration) {
-    if let Some((quota, window)) = hint.sustained_rate() {
+    if let Some((quota, window)) = hint.sustained_rate_allowing() {
         pacer.on_policy(quota, window);
     }
-    if let Some((remaining, reset)) = hint.allowance() {
+    // Of the policy closest to refusing, steered by its own quota (the sustained rate
+    // above may be another policy's); a zero quota refills nothing, whatever its window.
+    let own = |p: &PolicyHint| match (p.quota, p.window) {
+        (Some(0), _) => Some((0, Duration::ZERO)),
+        (Some(q), Some(w)) => Some((q, w)),
+        _ => None,
+    };
+    let reported = hint
+        .most_restrictive()
+        .and_then(|p| Some((p.remaining?, p.reset?, own(p))));
+    let closed = hint
+        .policies
+        .iter()
+        .filter(|p| p.quota == Some(0))
+        .filter_map(|p| p.reset.or(p.window))
+        .max()
+        .map(|reset| (0, reset, Some((0, Duration::ZERO))));
+    let allowance = reported
+        .into_iter()
+        .chain(closed)
+        .min_by_key(|&(remaining, reset, _)| (remaining, Reverse(reset)));
+    if let Some((remaining, reset, of)) = allowance {
         // `max(r, 1) / t` is the pacer's cap (see `on_allowance`): at least `1 / max_wait`.
         let units = u32::try_from(remaining.max(1)).unwrap_or(u32::MAX);
         let reset = match max_wait.saturating_mul(units) {
             longest if !longest.is_zero() => reset.min(longest),
             _ => reset,
         };
-        // Of the policy closest to refusing, steered by its own quota (the sustained rate
-        // above may be another policy's).
-        let of = hint
-            .most_restrictive()
-            .and_then(|p| Some((p.quota?, p.window?)));
         pacer.on_allowance_of(remaining, reset, of);
     }
 }
@@ -176,7 +196,9 @@ impl Methods {
 ///    steers the rate before any `429`; an allowance slower than one unit per the
 ///    backoff's [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after), such
 ///    as `r=0` with a reset of a day, is taken as one unit per `max_retry_after`, so it
-///    holds later requests no longer than a `Retry-After` would); reports the outcome and
+///    holds later requests no longer than a `Retry-After` would; a policy of zero quota,
+///    `q=0`, holds them until its reset, its `t` or else its window, bounded the same
+///    way, while the other policies still cap the rate); reports the outcome and
 ///    the attempt's own
 ///    round-trip time to the policy (the budget, the pacer, the metrics): the RTT of
 ///    that attempt alone, from sending to the response, never the waits before it nor

@@ -147,8 +147,9 @@ pub struct AdaptiveStatus {
 ///   or less is a large part of that figure, or nothing was sent to measure), never below
 ///   the floor. One congestion epoch gets one cut: the responses to
 ///   requests sent before the cut (the others in flight) only extend the pause. The epoch
-///   ends when the pause does, or after the [`cooldown`](AdaptivePacerBuilder::cooldown)
-///   when the back-pressure had no `Retry-After`.
+///   ends when the pause does, but never before the
+///   [`cooldown`](AdaptivePacerBuilder::cooldown) has passed since the cut (so after a
+///   `Retry-After` shorter than it, or none, it ends with the cooldown).
 /// - **Probing** (no fields): the rate climbs by `increase ×` the last good rate per
 ///   second, a step that grows the longer no cut came (so a server that raised its limit
 ///   is found in seconds), and doubles every second while below half the last good rate
@@ -885,9 +886,10 @@ impl AdaptivePacerBuilder {
         self
     }
 
-    /// How long a congestion epoch lasts after back-pressure without a `Retry-After` (a
-    /// 503 or a timeout): more such responses within it do not cut again. Set it near the
-    /// round-trip time. Default: 200 ms.
+    /// How long a congestion epoch lasts at least: after back-pressure without a
+    /// `Retry-After` (a 503 or a timeout), or with one shorter than it, more back-pressure
+    /// within it does not cut again (a longer `Retry-After` makes the epoch last as long).
+    /// Set it near the round-trip time. Default: 200 ms.
     pub fn cooldown(mut self, cooldown: Duration) -> Self {
         self.cooldown = capped(cooldown);
         self

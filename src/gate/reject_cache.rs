@@ -223,6 +223,20 @@ mod tests {
                     cached.retry_after,
                     truth.retry_after
                 );
+                // Its `remaining` is of now too: what the model has, to the unit the rounded
+                // `reset_after` it has to go by allows, where time alone refills (a token
+                // bucket; a fixed window, whose entry ends with its window); never more.
+                let refill_known = matches!(limit, Limit::TokenBucket(_) | Limit::FixedWindow(_));
+                prop_assert!(
+                    admitted_since[usize::from(key)]
+                        || (cached.remaining <= truth.remaining
+                            && (!refill_known || cached.remaining + 1 >= truth.remaining)),
+                    "cache said {} remain on {} at {}, the model {}",
+                    cached.remaining,
+                    name,
+                    t,
+                    truth.remaining
+                );
                 continue;
             }
             if ask_cache_only {

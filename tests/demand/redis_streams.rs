@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flowgate::demand::{
-    Origin, Prefetch, RedisStreamSource, RedisStreamSourceBuilder, StreamEntry, prefetch,
+    Origin, Prefetch, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry, prefetch,
 };
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
@@ -1090,4 +1090,164 @@ async fn a_live_consumer_reading_on_keeps_well_over_500_held_entries_from_other_
         e.ack.ack();
     }
     assert_eq!(drained(&mut con).await, 0);
+}
+
+/// A connection to Redis on which the source's background task is held up: its `XACK`s
+/// (single commands; a fetch sends its acks in its pipeline) wait while the test holds them,
+/// so that one is in flight at a chosen moment; and its `XACK`s and keep-alives (the
+/// pipelines that start with `SCRIPT LOAD`) each take `behind` longer, as behind a blocking
+/// read of the source. Everything else goes to Redis at once.
+#[derive(Clone)]
+struct Interposed {
+    conn: MultiplexedConnection,
+    /// `true` while `XACK`s are held.
+    hold: Arc<tokio::sync::watch::Sender<bool>>,
+    /// `XACK`s held now.
+    waiting: Arc<AtomicUsize>,
+    /// `XACK`s Redis has answered.
+    answered: Arc<AtomicUsize>,
+    behind: Duration,
+}
+
+impl Interposed {
+    fn new(conn: MultiplexedConnection, behind: Duration) -> Self {
+        Interposed {
+            conn,
+            hold: Arc::new(tokio::sync::watch::Sender::new(false)),
+            waiting: Arc::new(AtomicUsize::new(0)),
+            answered: Arc::new(AtomicUsize::new(0)),
+            behind,
+        }
+    }
+
+    fn hold(&self, hold: bool) {
+        self.hold.send_replace(hold);
+    }
+
+    /// Waits (up to 5 s) until an `XACK` is held.
+    async fn until_one_held(&self) {
+        for _ in 0..500 {
+            if self.waiting.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no XACK was sent within 5 s");
+    }
+
+    /// Lets the `XACK`s held go, and waits (up to 5 s) until Redis has answered them.
+    async fn release(&self) {
+        let answered = self.answered.load(Ordering::SeqCst) + self.waiting.load(Ordering::SeqCst);
+        self.hold(false);
+        for _ in 0..500 {
+            if self.answered.load(Ordering::SeqCst) >= answered {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the XACKs let go were not answered within 5 s");
+    }
+}
+
+/// Whether `cmd` is the command `name`.
+fn is_cmd(cmd: &redis::Cmd, name: &str) -> bool {
+    matches!(
+        cmd.args_iter().next(),
+        Some(redis::Arg::Simple(n)) if n.eq_ignore_ascii_case(name.as_bytes())
+    )
+}
+
+impl redis::aio::ConnectionLike for Interposed {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            if is_cmd(cmd, "XACK") {
+                let mut held = self.hold.subscribe();
+                self.waiting.fetch_add(1, Ordering::SeqCst);
+                let _ = held.wait_for(|hold| !hold).await;
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                tokio::time::sleep(self.behind).await;
+                let reply = self.conn.req_packed_command(cmd).await;
+                self.answered.fetch_add(1, Ordering::SeqCst);
+                return reply;
+            }
+            self.conn.req_packed_command(cmd).await
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            if pipeline
+                .cmd_iter()
+                .next()
+                .is_some_and(|c| is_cmd(c, "SCRIPT"))
+            {
+                tokio::time::sleep(self.behind).await;
+            }
+            self.conn.req_packed_commands(pipeline, offset, count).await
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.conn.get_db()
+    }
+}
+
+/// The background task took an ack of the group before it was lost, and its `XACK` is
+/// still on its way when a fetch meets `NOGROUP`: the group must not be created again
+/// before that `XACK` is done, or it acknowledges the new group's delivery of the same id
+/// (here to this very consumer, with `recreate_from(Beginning)`), which then is never
+/// delivered again if its consumer crashes before it is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_on_its_way_when_the_group_is_lost_does_not_reach_the_group_created_again() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let conn = Interposed::new(server.connect().await, Duration::ZERO);
+    // The background task sends each ack within 1 ms; no keep-alive for 30 s.
+    let source = RedisStreamSource::builder(conn.clone(), KEY, GROUP, "a")
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_secs(90))
+        .claim_every(Duration::from_secs(60))
+        .ack_interval(Duration::from_millis(1))
+        .recreate_from(StartFrom::Beginning)
+        .build()
+        .await
+        .unwrap();
+    produce(&mut con, 2).await;
+    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
+    let mut held = take(&mut stream, 2).await.into_iter();
+    conn.hold(true);
+    held.next().unwrap().ack.ack();
+    conn.until_one_held().await;
+
+    // The group is lost; the next fetch meets NOGROUP.
+    destroy_group(&mut con).await;
+    let fetching = tokio::spawn(async move {
+        let e = next(&mut stream).await;
+        (stream, e)
+    });
+    // Give a group created again the time to deliver the entries anew.
+    for _ in 0..50 {
+        if group_exists(&server) && pending(&mut con).await == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    conn.release().await;
+    let (_stream, again) = fetching.await.unwrap();
+    let again = again.expect("the new group delivers the entries again");
+    // Both entries are pending in the new group until acked.
+    assert_eq!(
+        pending(&mut con).await,
+        2,
+        "the XACK of the lost group acknowledged a delivery of the new one"
+    );
+    drop(again);
 }

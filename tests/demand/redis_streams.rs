@@ -1251,3 +1251,51 @@ async fn an_ack_on_its_way_when_the_group_is_lost_does_not_reach_the_group_creat
     );
     drop(again);
 }
+
+/// `min_idle` at its least, three times `block`: when the keep-alive is due with acks
+/// queued, the background task sends the `XACK` first, and each of the two can wait a whole
+/// `block` behind a read of the source on the same connection. Held entries must still be
+/// touched before they are `min_idle` idle, for another consumer to claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_entries_never_go_min_idle_idle_when_acks_and_keep_alives_each_wait_a_block() {
+    const HELD: u32 = 60;
+    let (server, mut con) = with_entries(HELD).await;
+    let block = Duration::from_millis(100);
+    let min_idle = block * 3;
+    let conn = Interposed::new(server.connect().await, block);
+    // Acks leave only when the keep-alive is due.
+    let src = RedisStreamSource::builder(conn, KEY, GROUP, "a")
+        .block(block)
+        .min_idle(min_idle)
+        .ack_interval(Duration::from_secs(10))
+        .build()
+        .await
+        .unwrap();
+    let mut a = Box::pin(prefetch(src, levels(HELD as usize, 0)));
+    let mut held = take(&mut a, HELD as usize).await;
+    // One entry done every 25 ms: acks are always queued when the keep-alive is due.
+    let acking = tokio::spawn(async move {
+        while let Some(e) = held.pop() {
+            e.ack.ack();
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    });
+    // What another consumer's XAUTOCLAIM with this min_idle would take from a.
+    let mut idle = redis::cmd("XPENDING");
+    idle.arg(KEY)
+        .arg(GROUP)
+        .arg("IDLE")
+        .arg(min_idle.as_millis() as u64)
+        .arg("-")
+        .arg("+")
+        .arg(10)
+        .arg("a");
+    while !acking.is_finished() {
+        let claimable = ids(idle.query_async(&mut con).await.unwrap());
+        assert!(
+            claimable.is_empty(),
+            "{claimable:?} went {min_idle:?} idle while a held them"
+        );
+    }
+    acking.await.unwrap();
+}

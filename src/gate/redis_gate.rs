@@ -136,7 +136,10 @@ pub(super) struct Inner<C> {
 ///   (a larger cost with the longer `retry_after` it needs: a token bucket's one emission
 ///   interval per unit more, a fixed window's the same; under the sliding algorithms only
 ///   cost `c` itself, larger ones go to Redis). Exact: T is counted from when the request
-///   was sent, so it never rejects what Redis would admit. Forgotten when Redis may have
+///   was sent, so it never rejects what Redis would admit. A cached answer is of the time
+///   it is given: `retry_after` and `reset_after` count down, and a token bucket's
+///   `remaining` counts the units refilled since (as if no other instance took any
+///   meanwhile, as `retry_after` does). Forgotten when Redis may have
 ///   lost its keys (restarted empty, failed over to a replica that missed writes): when the
 ///   gate is back on Redis after a failure, and when Redis no longer has the gate's scripts.
 ///   Bounded (`reject_cache`, default 10 000 keys).

@@ -40,6 +40,10 @@ struct Entries {
 /// interval per unit more, a fixed window's not at all (every cost fits in the next
 /// window); for the sliding algorithms only Redis knows, so a larger cost goes there. When
 /// full, it stops caching (never wrong, only less useful) until an entry expires.
+///
+/// A cached answer is of the moment it is given, as if nothing had been admitted on the key
+/// since (others only take): `retry_after` and `reset_after` count down, and a token
+/// bucket's `remaining` counts the units refilled since the rejection.
 #[derive(Debug)]
 pub(crate) struct RejectCache {
     entries: Mutex<Entries>,
@@ -105,7 +109,29 @@ impl RejectCache {
         d.reset_after = d
             .reset_after
             .saturating_sub(entry.decision.retry_after.saturating_sub(left));
+        d.remaining = self.remaining(&entry, d.reset_after);
         Some(d)
+    }
+
+    /// The units `entry`'s key holds when it is `reset_after` from its neutral state, as far
+    /// as the cache can tell: a token bucket's refill since the rejection (fewer than the
+    /// cost rejected: it is still rejected); otherwise what Redis said then (a fixed window
+    /// refills only when its window, and with it the entry, ends; the sliding algorithms'
+    /// refill only Redis knows).
+    fn remaining(&self, entry: &Entry, reset_after: Duration) -> u64 {
+        let then = entry.decision.remaining;
+        let Limit::TokenBucket(q) = self.limit else {
+            return then;
+        };
+        // Each unit missing from a full bucket is one emission interval of `reset_after`,
+        // a part of one a whole unit.
+        let rate = q.rate();
+        let missing = (reset_after.as_nanos() * u128::from(rate.count()))
+            .div_ceil(u128::from(rate.period_nanos()));
+        let now = u64::from(q.burst_size())
+            .saturating_sub(u64::try_from(missing).unwrap_or(u64::MAX))
+            .min(u64::from(entry.cost).saturating_sub(1));
+        now.max(then)
     }
 
     /// Remember that Redis rejected `cost` on `key` for a request sent at `sent`.

@@ -21,7 +21,8 @@ pub(super) struct AckQueue {
     /// Wakes the background task: an ack, or a handle gone.
     pub(super) wake: Notify,
     /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
-    /// `flush_acks` returns only once acks the task took before it are in Redis too.
+    /// `flush_acks` returns only once acks the task took before it are in Redis too; and
+    /// by a fetch creating its lost group again (see [`new_group`](Self::new_group)).
     pub(super) sending: tokio::sync::Mutex<()>,
     /// Acks Redis acknowledged: the count each `XACK` answers.
     acked: Counter,
@@ -138,13 +139,20 @@ impl AckQueue {
     /// ids belong to the lost one, whose pending list is gone. They are not sent (not to
     /// the new group either, where an id may be pending for another delivery); the queued
     /// ones are counted as stale now, the held ones when their `Ack` is used.
-    pub(super) fn new_group(&self) {
+    ///
+    /// Waits for a send in progress first (its `XACK`, of acks taken before the loss, then
+    /// reaches no group) and returns holding off the next: create the group again before
+    /// letting go of the guard, or a send of acks taken before the loss, on its way on
+    /// another thread, could acknowledge the new group's delivery of the same id.
+    pub(super) async fn new_group(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        let no_send = self.sending.lock().await;
         let mut st = self.lock();
         st.generation += 1;
         let queued = std::mem::take(&mut st.ids).len();
         st.held.clear();
         drop(st);
         self.count_stale(queued);
+        no_send
     }
 
     /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.

@@ -6,7 +6,8 @@
 -- KEYS[1]  the stream
 -- ARGV[1]  the group
 -- ARGV[2]  this consumer
--- ARGV[3…] ids this consumer handed out and the application still holds
+-- ARGV[3…] ids this consumer handed out and the application still holds, or acknowledged
+--          with their XACK not sent yet
 --
 -- An entry is touched only while this consumer still owns it: one another consumer claimed
 -- meanwhile (this one stalled past min_idle) is left alone, so the keep-alive never steals.

@@ -129,10 +129,13 @@ where
     /// consumer received and dropped without acknowledging.
     ///
     /// While a source lives, its background task resets the idle time of the entries the
-    /// application still holds every `min_idle / 3` (only while this consumer still owns
-    /// them), so other consumers do not take them however long they wait in the `prefetch`
-    /// buffer or take to process. A consumer whose runtime stalls for longer than
-    /// `min_idle` may lose them to another (processed twice: at-least-once still holds).
+    /// application still holds, and of those acknowledged whose `XACK` is not sent yet,
+    /// every `min_idle / 3` (more often when `block` is above a sixth of `min_idle`: an ack
+    /// and the keep-alive after it can each wait a `block` behind a read; only while this
+    /// consumer still owns them), so other consumers do not take them however long they
+    /// wait in the `prefetch` buffer or take to process. A consumer whose runtime stalls
+    /// for longer than `min_idle` may lose them to another (processed twice: at-least-once
+    /// still holds).
     pub fn min_idle(mut self, min_idle: Duration) -> Self {
         self.min_idle = crate::time::capped(min_idle);
         self
@@ -151,8 +154,9 @@ where
     /// by a background task on the tokio runtime the source was built on, which also sends
     /// the acks that come after the source is dropped. A send waits behind a blocking read
     /// on the same multiplexed connection, so add up to `block`. The task sends them sooner
-    /// when its keep-alive is due (every [`min_idle`](Self::min_idle)` / 3`), so an entry
-    /// acknowledged but not sent yet never goes idle for another consumer to claim.
+    /// when its keep-alive is due (see [`min_idle`](Self::min_idle)), which keeps an entry
+    /// acknowledged but not sent yet from going idle for another consumer to claim, as it
+    /// does the entries still held.
     pub fn ack_interval(mut self, interval: Duration) -> Self {
         self.ack_interval = crate::time::capped(interval);
         self

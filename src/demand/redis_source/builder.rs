@@ -136,6 +136,15 @@ where
     /// wait in the `prefetch` buffer or take to process. A consumer whose runtime stalls
     /// for longer than `min_idle` may lose them to another (processed twice: at-least-once
     /// still holds).
+    ///
+    /// An entry is kept alive from when the source hands it out, which is when the fetch
+    /// that brought it is polled after Redis answered: `prefetch` polls a fetch in progress
+    /// only when the stream itself is polled. With a `low` watermark above 0 a fetch starts
+    /// while the application still works through the buffer; if the application then goes
+    /// longer than `min_idle` without polling the stream (one item at a time, each taking
+    /// that long), the entries of that fetch may be claimed by another consumer and
+    /// processed twice. Poll the stream while the work goes on (process items concurrently),
+    /// or use a `low` of 0, so that a fetch starts only when the stream is waited on.
     pub fn min_idle(mut self, min_idle: Duration) -> Self {
         self.min_idle = crate::time::capped(min_idle);
         self

@@ -60,8 +60,9 @@ struct Counters {
 ///   `min_idle` — those of consumers that stopped, and its own that the application dropped
 ///   without acknowledging — yielding them as [`Origin::Claimed`]. Entries a live consumer
 ///   handed out and the application still holds are kept from going idle (a keep-alive
-///   script, see [`min_idle`](super::RedisStreamSourceBuilder::min_idle)), and are never
-///   delivered twice by their own consumer. After a full pass over the pending list, the
+///   script, see [`min_idle`](super::RedisStreamSourceBuilder::min_idle), which also says
+///   what is not kept alive: the entries of a fetch the stream has not been polled for since
+///   Redis answered), and are never delivered twice by their own consumer. After a full pass over the pending list, the
 ///   next fetch always reads new entries.
 /// - Each entry carries an [`Ack`]; acknowledged ids are sent in one `XACK`, pipelined with
 ///   the next fetch or by a background task within

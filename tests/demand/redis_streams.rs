@@ -1258,9 +1258,11 @@ async fn an_ack_on_its_way_when_the_group_is_lost_does_not_reach_the_group_creat
 /// touched before they are `min_idle` idle, for another consumer to claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_entries_never_go_min_idle_idle_when_acks_and_keep_alives_each_wait_a_block() {
-    const HELD: u32 = 60;
+    const HELD: u32 = 100;
     let (server, mut con) = with_entries(HELD).await;
-    let block = Duration::from_millis(100);
+    // Long enough that the margin the keep-alive keeps (block / 2) covers the scheduling
+    // delays of a loaded machine.
+    let block = Duration::from_millis(300);
     let min_idle = block * 3;
     let conn = Interposed::new(server.connect().await, block);
     // Acks leave only when the keep-alive is due.

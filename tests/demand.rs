@@ -958,6 +958,31 @@ async fn a_panicking_recorder_leaves_the_watermarks_resumed_and_wakes_the_wrappe
     assert_eq!(next.expect("the wrapper was never woken").unwrap(), Some(1));
 }
 
+/// A `with_demand` stream waiting for credit is woken by the request that gives it some
+/// before the `flowgate_demand_outstanding` gauge is moved: a recorder that panics (user
+/// code) as a request is recorded must not lose the wake. Lost, the stream would wait for
+/// ever with credit to spend, since only a request that finds no credit left wakes it.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_panicking_recorder_on_a_request_still_wakes_the_stream_waiting_for_credit() {
+    let recorder = PanickingRecorder::default();
+    let (mut stream, demand) =
+        metrics::with_local_recorder(&recorder, || futures::stream::iter(0..10).with_demand(0));
+    let next = tokio::spawn(async move { stream.next().await });
+    tokio::task::yield_now().await; // the stream waits for credit
+    assert!(
+        recorder.armed_while(|| demand.request(1).unwrap()),
+        "the recorder's panic reached the caller"
+    );
+    assert_eq!(demand.outstanding(), 1, "the credit was added");
+    let next = tokio::time::timeout(Duration::from_secs(10), next).await;
+    assert_eq!(
+        next.expect("the stream was never woken for its credit")
+            .unwrap(),
+        Some(0)
+    );
+}
+
 #[tokio::test]
 async fn the_size_hint_of_with_demand_holds_after_a_request_raises_the_credit() {
     let (mut stream, demand) = futures::stream::iter(0..10).with_demand(2);

@@ -74,14 +74,16 @@ impl DemandHandle {
                 Some(c.saturating_add(n))
             })
             .unwrap_or_else(|c| c);
+        // Woken first: the metrics recorder is user code, and a panic there must not lose
+        // the wake (only a request that finds no credit left wakes the stream).
+        if before == 0 {
+            self.credit.waker.wake();
+        }
         // The gauge moves by what this request added, not to a value read back: changes
         // recorded by racing requests and the stream then add up to the credit left, in
         // whatever order the threads record them.
         let added = before.saturating_add(n) - before;
         self.credit.outstanding.add(added as f64);
-        if before == 0 {
-            self.credit.waker.wake();
-        }
         Ok(())
     }
 

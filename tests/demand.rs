@@ -933,6 +933,28 @@ async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready()
     assert_eq!(tracker.committable(), Some(11));
 }
 
+/// A recorder that panics (user code) as `track` records the new offset in
+/// `flowgate_demand_commit_pending` leaves the offset tracked with no token to finish it: it
+/// holds the commits for good, as a token dropped unfinished does, and must be counted as
+/// one, so that `dropped()` tells why the commits stopped.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_panicking_recorder_in_track_counts_the_offset_it_holds_as_dropped() {
+    let recorder = PanickingRecorder::default();
+    let tracker = metrics::with_local_recorder(&recorder, CommitTracker::new);
+    tracker.track(9).unwrap().done();
+    assert!(
+        recorder.armed_while(|| drop(tracker.track(10))),
+        "the recorder's panic reached the caller"
+    );
+    tracker.track(11).unwrap().done();
+    assert_eq!(
+        (tracker.committable(), tracker.pending(), tracker.dropped()),
+        (Some(9), 2, 1),
+        "offset 10 holds the commits, counted as a token dropped unfinished"
+    );
+}
+
 /// The watermarks' gauges are recorded after their lock is released, and after the wrapper
 /// is woken: a recorder that panics (user code) as a ticket is dropped neither leaves the
 /// state paused with nothing in flight nor loses the wake of the wrapper waiting at `high`,

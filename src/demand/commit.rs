@@ -187,13 +187,16 @@ impl CommitTracker {
         st.last_tracked = Some(offset);
         st.pending.push_back((offset, Mark::InFlight));
         drop(st);
-        // The metrics recorder is user code: after the lock (see `finish`).
-        self.shared.pending_gauge.add(1.0);
-        Ok(CommitToken {
+        let token = CommitToken {
             tracker: self.clone(),
             offset,
             finished: false,
-        })
+        };
+        // The metrics recorder is user code: after the lock (see `finish`). If it panics,
+        // the token is dropped unfinished on the way out, and so the offset is finished as
+        // any such token's is (it holds the commits, counted in `dropped`).
+        self.shared.pending_gauge.add(1.0);
+        Ok(token)
     }
 
     /// Wait until [`track`](CommitTracker::track) has room: fewer than

@@ -80,7 +80,9 @@ pub trait AdaptiveLimit: Send + fmt::Debug + 'static {
         let _ = (min_limit, max_limit);
     }
 
-    /// A short name for reports and metrics labels (`"aimd"`, `"gradient2"`, ...).
+    /// A short name for reports (`"aimd"`, `"gradient2"`, ...): a bulkhead shows it as
+    /// [`AdaptiveStats::algorithm`](crate::bulkhead::AdaptiveStats::algorithm) and in its
+    /// `Debug` output. It is not a metrics label: the bulkhead's metrics carry its `name` only.
     fn name(&self) -> &'static str;
 
     /// The algorithm's round-trip-time estimates, for metrics and reports (the

@@ -1143,6 +1143,46 @@ async fn the_outstanding_gauge_follows_credit_given_back_at_the_end() {
     );
 }
 
+/// Unlimited credit is no count: a stream with [`UNBOUNDED`] credit (from the start or from a
+/// request) must leave the `flowgate_demand_outstanding` series it shares with other
+/// streams exact. It added `u64::MAX` to it, in which an `f64` cannot hold the others'
+/// few units, and took it back when dropped: the series read 0 with 4 units left.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn unbounded_credit_leaves_a_shared_outstanding_gauge_exact() {
+    use flowgate::demand::{Demanded, UNBOUNDED};
+    let recorder = support::TestRecorder::default();
+    let ((mut limited, _demand), (unlimited, _), (lifted, lift)) =
+        metrics::with_local_recorder(&recorder, || {
+            let stream = || futures::stream::iter(0..10);
+            (
+                Demanded::builder(stream(), 5).build().unwrap(),
+                Demanded::builder(stream(), UNBOUNDED).build().unwrap(),
+                Demanded::builder(stream(), 2).build().unwrap(),
+            )
+        });
+    let gauge = "flowgate_demand_outstanding{name=default}";
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(7.0),
+        "5 + 2, the unbounded none"
+    );
+    lift.request(UNBOUNDED).unwrap();
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(5.0),
+        "the lifted stream's 2 left it"
+    );
+    assert_eq!(limited.next().await, Some(0));
+    assert_eq!(recorder.gauge(gauge), Some(4.0));
+    drop((unlimited, lifted));
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(4.0),
+        "the limited stream's credit"
+    );
+}
+
 /// A `with_demand` stream waiting on its upstream has yielded nothing for the credit it is
 /// about to use: `outstanding` still counts that unit, and the stream dropped there (or taken
 /// apart by `into_inner`) leaves the credit at exactly requested − yielded.

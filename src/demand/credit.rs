@@ -27,6 +27,13 @@ struct Credit {
     name: Option<String>,
 }
 
+/// What credit `n` counts for in the `flowgate_demand_outstanding` gauge: unlimited credit
+/// ([`UNBOUNDED`]) is no count and counts 0 (as `u64::MAX`, it would leave an `f64` sum with
+/// other streams' credit no room for their units).
+fn counted(n: u64) -> u64 {
+    if n == UNBOUNDED { 0 } else { n }
+}
+
 impl Credit {
     /// Whether a unit is left.
     fn available(&self) -> bool {
@@ -79,11 +86,13 @@ impl DemandHandle {
         if before == 0 {
             self.credit.waker.wake();
         }
-        // The gauge moves by what this request added, not to a value read back: changes
+        // The gauge moves by what this request changed, not to a value read back: changes
         // recorded by racing requests and the stream then add up to the credit left, in
         // whatever order the threads record them.
-        let added = before.saturating_add(n) - before;
-        self.credit.outstanding.add(added as f64);
+        let after = before.saturating_add(n);
+        self.credit
+            .outstanding
+            .add(counted(after) as f64 - counted(before) as f64);
         Ok(())
     }
 
@@ -156,7 +165,7 @@ impl<S: Stream> Demanded<S> {
         name: Option<String>,
     ) -> (Demanded<S>, DemandHandle) {
         let outstanding = Labels::new(name.as_deref()).gauge(names::OUTSTANDING, &[]);
-        outstanding.set(initial as f64);
+        outstanding.set(counted(initial) as f64);
         let credit = Arc::new(Credit {
             remaining: AtomicU64::new(initial),
             waker: AtomicWaker::new(),

@@ -394,6 +394,9 @@ async fn sink_close_detaches_only_this_sender() {
     SinkExt::close(&mut tx).await.unwrap();
     assert!(tx.is_closed());
     assert!(!tx2.is_closed());
+    // `Debug` says which handle is closed: the channel itself is not.
+    assert!(format!("{tx:?}").contains("detached: true"), "{tx:?}");
+    assert!(format!("{tx2:?}").contains("detached: false"), "{tx2:?}");
     tx2.send(2).await.unwrap();
     drop(tx2);
     assert_eq!(rx.recv().await, Some(1));

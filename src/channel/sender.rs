@@ -248,6 +248,7 @@ impl<T> fmt::Debug for Sender<T> {
         f.debug_struct("Sender")
             .field("channel", &*self.shared)
             .field("sink_reserved", &self.sink_reserved)
+            .field("detached", &self.detached)
             .finish()
     }
 }

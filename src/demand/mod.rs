@@ -41,11 +41,11 @@
 //! [`Prefetch::builder`], [`Watermarks::builder`], [`CommitTracker::builder`];
 //! `with_demand`, `prefetch` and `watermarks` are the unnamed shorthands.
 //!
-//! `flowgate_demand_outstanding` (credit left; [`UNBOUNDED`] credit counts 0), `flowgate_demand_buffered` (prefetched: set
-//! when a batch lands, to what the buffer holds with it, and to 0 when a poll finds the
-//! buffer empty; not per item handed out, which keeps the hot path free of it, so in between
-//! it reads above [`Prefetch::buffered`] by the items handed out since the last batch
-//! landed),
+//! `flowgate_demand_outstanding` (credit left; [`UNBOUNDED`] credit counts 0),
+//! `flowgate_demand_buffered` (prefetched: set when a batch lands, to what the buffer holds
+//! with it, and to 0 when a poll finds the buffer empty; not per item handed out, which
+//! keeps the hot path free of it, so in between it reads above [`Prefetch::buffered`] by the
+//! items handed out since the last batch landed),
 //! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks),
 //! `flowgate_demand_commit_pending` (offsets not yet committable), all gauges;
 //! `flowgate_demand_discarded_total` (prefetched items discarded: still buffered when their

@@ -900,7 +900,11 @@ impl<G> Shared<G> {
             // errs.
             Ok(_) | Err(_) => {
                 if let Err(e) = decided {
-                    tracing::debug!(layer = ?self.name, error = %e, "rate limit: gate error");
+                    tracing::debug!(
+                        layer = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
+                        error = %e,
+                        "rate limit: gate error",
+                    );
                 }
                 return self.unavailable(Outcome::GateError, 1);
             }

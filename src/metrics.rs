@@ -11,6 +11,11 @@
 //!
 //! Each metric is documented with its component.
 //!
+//! The recorder is user code: a panic in it reaches the caller, as user code's does, except
+//! while the thread already unwinds from another panic (a permit or token dropped by that
+//! unwinding records its change): there it is caught and dropped, since a second panic in a
+//! destructor would abort the process.
+//!
 //! # Unnamed primitives
 //!
 //! Primitives not given a name share the label `name="default"`. Their counters and

@@ -5,8 +5,9 @@
 //! grows with the number of calls it has in flight, and [`drive`] runs many client tasks
 //! against it through a [`Bulkhead`]. Everything runs on tokio's clock, so under paused
 //! time (`#[tokio::test(start_paused = true)]`, or a current-thread runtime built with
-//! `start_paused(true)`) a two-minute scenario takes milliseconds of real time and, with the
-//! same seed, answers exactly the same every time.
+//! `start_paused(true)`) a two-minute scenario (100 000-odd calls) takes about half a second
+//! of real time optimised (ten times that unoptimised) and, with the same seed, answers
+//! exactly the same every time.
 //!
 //! # The latency model
 //!

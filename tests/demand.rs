@@ -1183,6 +1183,31 @@ async fn unbounded_credit_leaves_a_shared_outstanding_gauge_exact() {
     );
 }
 
+/// Credit finite but too large for an `f64` sum to hold beside a few units (`i64::MAX`, the
+/// Reactive Streams "effectively unbounded") counts at most 2^32 in the shared
+/// `flowgate_demand_outstanding` series, which stays exact: it read 9.2e18 for 7 + 2^63 − 1
+/// and 0 with 7 units left once the large stream dropped.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn huge_finite_credit_leaves_a_shared_outstanding_gauge_exact() {
+    use flowgate::demand::Demanded;
+    let recorder = support::TestRecorder::default();
+    let ((_small, _), (mut huge, _)) = metrics::with_local_recorder(&recorder, || {
+        let stream = || futures::stream::iter(0..10);
+        (
+            Demanded::builder(stream(), 7).build().unwrap(),
+            Demanded::builder(stream(), i64::MAX as u64).build().unwrap(),
+        )
+    });
+    let gauge = "flowgate_demand_outstanding{name=default}";
+    let cap = (1u64 << 32) as f64;
+    assert_eq!(recorder.gauge(gauge), Some(7.0 + cap));
+    assert_eq!(huge.next().await, Some(0), "a unit of the huge credit");
+    assert_eq!(recorder.gauge(gauge), Some(7.0 + cap), "still over the cap");
+    drop(huge);
+    assert_eq!(recorder.gauge(gauge), Some(7.0), "the small stream's credit");
+}
+
 /// A `with_demand` stream waiting on its upstream has yielded nothing for the credit it is
 /// about to use: `outstanding` still counts that unit, and the stream dropped there (or taken
 /// apart by `into_inner`) leaves the credit at exactly requested − yielded.

@@ -1196,7 +1196,9 @@ async fn huge_finite_credit_leaves_a_shared_outstanding_gauge_exact() {
         let stream = || futures::stream::iter(0..10);
         (
             Demanded::builder(stream(), 7).build().unwrap(),
-            Demanded::builder(stream(), i64::MAX as u64).build().unwrap(),
+            Demanded::builder(stream(), i64::MAX as u64)
+                .build()
+                .unwrap(),
         )
     });
     let gauge = "flowgate_demand_outstanding{name=default}";
@@ -1205,7 +1207,11 @@ async fn huge_finite_credit_leaves_a_shared_outstanding_gauge_exact() {
     assert_eq!(huge.next().await, Some(0), "a unit of the huge credit");
     assert_eq!(recorder.gauge(gauge), Some(7.0 + cap), "still over the cap");
     drop(huge);
-    assert_eq!(recorder.gauge(gauge), Some(7.0), "the small stream's credit");
+    assert_eq!(
+        recorder.gauge(gauge),
+        Some(7.0),
+        "the small stream's credit"
+    );
 }
 
 /// A `with_demand` stream waiting on its upstream has yielded nothing for the credit it is

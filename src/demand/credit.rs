@@ -27,11 +27,20 @@ struct Credit {
     name: Option<String>,
 }
 
+/// The most credit a stream counts for in the `flowgate_demand_outstanding` gauge: 2^32,
+/// so that an `f64` sum of a million streams' credit stays exact to the unit.
+const COUNTED_MAX: u64 = 1 << 32;
+
 /// What credit `n` counts for in the `flowgate_demand_outstanding` gauge: unlimited credit
-/// ([`UNBOUNDED`]) is no count and counts 0 (as `u64::MAX`, it would leave an `f64` sum with
-/// other streams' credit no room for their units).
+/// ([`UNBOUNDED`]) is no count and counts 0, and finite credit counts at most
+/// [`COUNTED_MAX`] (as `u64::MAX` or `i64::MAX`, it would leave an `f64` sum with other
+/// streams' credit no room for their units).
 fn counted(n: u64) -> u64 {
-    if n == UNBOUNDED { 0 } else { n }
+    if n == UNBOUNDED {
+        0
+    } else {
+        n.min(COUNTED_MAX)
+    }
 }
 
 impl Credit {
@@ -49,8 +58,9 @@ impl Credit {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n != UNBOUNDED && n > 0).then(|| n - 1)
             });
-        if used.is_ok() {
-            self.outstanding.add(-1.0);
+        if let Ok(n) = used {
+            self.outstanding
+                .add(counted(n - 1) as f64 - counted(n) as f64);
         }
     }
 }

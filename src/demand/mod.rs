@@ -41,7 +41,7 @@
 //! [`Prefetch::builder`], [`Watermarks::builder`], [`CommitTracker::builder`];
 //! `with_demand`, `prefetch` and `watermarks` are the unnamed shorthands.
 //!
-//! `flowgate_demand_outstanding` (credit left; [`UNBOUNDED`] credit counts 0),
+//! `flowgate_demand_outstanding` (credit left, at most 2^32 a stream; [`UNBOUNDED`] counts 0),
 //! `flowgate_demand_buffered` (prefetched: set when a batch lands, to what the buffer holds
 //! with it, and to 0 when a poll finds the buffer empty; not per item handed out, which
 //! keeps the hot path free of it, so in between it reads above [`Prefetch::buffered`] by the

@@ -1200,6 +1200,36 @@ impl redis::aio::ConnectionLike for Interposed {
     }
 }
 
+/// A source on an [`Interposed`] connection (its background task sends each ack within
+/// 1 ms; no keep-alive for 30 s) that creates its group again from `recreate_from`, behind
+/// `prefetch` and handed the 2 entries produced; the first is acked and its `XACK` held on
+/// its way, then the group is lost. Returns the connection, the stream, and the entry
+/// still held.
+async fn lost_with_an_ack_on_its_way(
+    server: &RedisServer,
+    con: &mut MultiplexedConnection,
+    recreate_from: StartFrom,
+) -> (Interposed, Prefetched<Interposed>, StreamEntry) {
+    let conn = Interposed::new(server.connect().await, Duration::ZERO);
+    let source = RedisStreamSource::builder(conn.clone(), KEY, GROUP, "a")
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_secs(90))
+        .claim_every(Duration::from_secs(60))
+        .ack_interval(Duration::from_millis(1))
+        .recreate_from(recreate_from)
+        .build()
+        .await
+        .unwrap();
+    produce(con, 2).await;
+    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
+    let mut held = take(&mut stream, 2).await.into_iter();
+    conn.hold(true);
+    held.next().unwrap().ack.ack();
+    conn.until_one_held().await;
+    destroy_group(con).await;
+    (conn, stream, held.next().unwrap())
+}
+
 /// The background task took an ack of the group before it was lost, and its `XACK` is
 /// still on its way when a fetch meets `NOGROUP`: the group must not be created again
 /// before that `XACK` is done, or it acknowledges the new group's delivery of the same id
@@ -1209,26 +1239,9 @@ impl redis::aio::ConnectionLike for Interposed {
 async fn an_ack_on_its_way_when_the_group_is_lost_does_not_reach_the_group_created_again() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let conn = Interposed::new(server.connect().await, Duration::ZERO);
-    // The background task sends each ack within 1 ms; no keep-alive for 30 s.
-    let source = RedisStreamSource::builder(conn.clone(), KEY, GROUP, "a")
-        .block(Duration::from_millis(50))
-        .min_idle(Duration::from_secs(90))
-        .claim_every(Duration::from_secs(60))
-        .ack_interval(Duration::from_millis(1))
-        .recreate_from(StartFrom::Beginning)
-        .build()
-        .await
-        .unwrap();
-    produce(&mut con, 2).await;
-    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
-    let mut held = take(&mut stream, 2).await.into_iter();
-    conn.hold(true);
-    held.next().unwrap().ack.ack();
-    conn.until_one_held().await;
-
-    // The group is lost; the next fetch meets NOGROUP.
-    destroy_group(&mut con).await;
+    let (conn, mut stream, _held) =
+        lost_with_an_ack_on_its_way(&server, &mut con, StartFrom::Beginning).await;
+    // The next fetch meets NOGROUP.
     let fetching = tokio::spawn(async move {
         let e = next(&mut stream).await;
         (stream, e)
@@ -1300,4 +1313,31 @@ async fn held_entries_never_go_min_idle_idle_when_acks_and_keep_alives_each_wait
         );
     }
     acking.await.unwrap();
+}
+
+/// A fetch that meets `NOGROUP` while the background task's `XACK` is on its way waits for
+/// that send before it creates the group again. If the stream is then not polled (the
+/// application works on what it holds, or stops and flushes), `flush_acks` must still
+/// return: it cannot wait behind a fetch that nobody polls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_acks_returns_while_a_fetch_that_met_a_lost_group_is_not_polled() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let (conn, mut stream, _held) =
+        lost_with_an_ack_on_its_way(&server, &mut con, StartFrom::New).await;
+    // The next fetch meets NOGROUP and waits for that XACK; then the stream is not polled.
+    let polled = tokio::time::timeout(Duration::from_millis(300), stream.next()).await;
+    assert!(polled.is_err(), "the fetch waits for the XACK on its way");
+    conn.release().await;
+    let flushed = tokio::time::timeout(
+        Duration::from_secs(5),
+        stream.as_mut().get_mut().get_mut().flush_acks(),
+    )
+    .await;
+    assert!(
+        flushed.is_ok(),
+        "flush_acks waited for the fetch in progress, which nobody polls"
+    );
+    // Polled again, the fetch creates the group again.
+    until_group_recreated(&server, &mut stream).await;
 }

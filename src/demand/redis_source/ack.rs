@@ -21,9 +21,10 @@ pub(super) struct AckQueue {
     /// Wakes the background task: an ack, or a handle gone.
     pub(super) wake: Notify,
     /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
-    /// `flush_acks` returns only once acks the task took before it are in Redis too; and
-    /// by a fetch creating its lost group again (see [`new_group`](Self::new_group)).
-    pub(super) sending: tokio::sync::Mutex<()>,
+    /// `flush_acks` returns only once acks the task took before it are in Redis too.
+    sending: tokio::sync::Mutex<()>,
+    /// Told when a send lets go of `sending` (see [`new_group`](Self::new_group)).
+    released: Notify,
     /// Acks Redis acknowledged: the count each `XACK` answers.
     acked: Counter,
     /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)), and
@@ -59,6 +60,7 @@ impl AckQueue {
             }),
             wake: Notify::new(),
             sending: tokio::sync::Mutex::new(()),
+            released: Notify::new(),
             acked,
             stale,
         }
@@ -85,7 +87,10 @@ impl AckQueue {
         conn: &mut C,
         cfg: &Config,
     ) -> RedisResult<usize> {
-        let _sending = self.sending.lock().await;
+        let _sending = Sending {
+            guard: Some(self.sending.lock().await),
+            released: &self.released,
+        };
         let (ids, generation) = self.take();
         if ids.is_empty() {
             return Ok(0);
@@ -140,19 +145,30 @@ impl AckQueue {
     /// the new group either, where an id may be pending for another delivery); the queued
     /// ones are counted as stale now, the held ones when their `Ack` is used.
     ///
-    /// Waits for a send in progress first (its `XACK`, of acks taken before the loss, then
-    /// reaches no group) and returns holding off the next: create the group again before
-    /// letting go of the guard, or a send of acks taken before the loss, on its way on
-    /// another thread, could acknowledge the new group's delivery of the same id.
-    pub(super) async fn new_group(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        let no_send = self.sending.lock().await;
-        let mut st = self.lock();
-        st.generation += 1;
-        let queued = std::mem::take(&mut st.ids).len();
-        st.held.clear();
-        drop(st);
-        self.count_stale(queued);
-        no_send
+    /// Waits for a send in progress first: its `XACK`, of acks taken before the loss, then
+    /// reaches no group, never the group created again after this returns (a send after it
+    /// takes only ids of the new group). The wait holds nothing: the fetch that waits may
+    /// not be polled again for long (the application works on what it holds), and a send
+    /// (`flush_acks`, the background task) must not wait for it meanwhile.
+    pub(super) async fn new_group(&self) {
+        loop {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            // Told of a send ending from here on: none is missed between the check and
+            // the wait.
+            released.as_mut().enable();
+            if let Ok(no_send) = self.sending.try_lock() {
+                let mut st = self.lock();
+                st.generation += 1;
+                let queued = std::mem::take(&mut st.ids).len();
+                st.held.clear();
+                drop(st);
+                drop(no_send);
+                self.count_stale(queued);
+                return;
+            }
+            released.await;
+        }
     }
 
     /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.
@@ -178,6 +194,21 @@ impl AckQueue {
     /// The source is gone.
     pub(super) fn release_source(&self) {
         self.release(None, false);
+    }
+}
+
+/// The `sending` lock of a send: once let go of, also by a send dropped on the way, a fetch
+/// waiting to forget its lost group ([`AckQueue::new_group`]) is told.
+struct Sending<'a> {
+    guard: Option<tokio::sync::MutexGuard<'a, ()>>,
+    released: &'a Notify,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        // Let go of first: the fetch told tries the lock at once.
+        drop(self.guard.take());
+        self.released.notify_waiters();
     }
 }
 

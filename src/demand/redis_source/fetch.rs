@@ -293,9 +293,9 @@ where
                 // Whether or not creating it works, the group this source delivered from is
                 // gone: its acks are forgotten now, before the group can exist again, so
                 // that no send (`flush_acks`, which finishes this fetch and sends before the
-                // outcome is read, or the background task) takes one to the new group; and
-                // no send is on its way while it is created.
-                let _no_send = queue.new_group().await;
+                // outcome is read, or the background task) takes one to the new group; once
+                // no send of them is on its way.
+                queue.new_group().await;
                 let created =
                     create_group(&mut conn, &cfg.key, &cfg.group, cfg.recreate_from).await;
                 return Ok(Outcome::GroupLost { created });

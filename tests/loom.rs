@@ -1,4 +1,5 @@
-//! loom models of the channel core: every interleaving of two or three threads.
+//! loom models of the channel core and the bulkhead's queue: every interleaving of two or
+//! three threads.
 //!
 //! Run with `RUSTFLAGS="--cfg flowgate_loom" cargo test --release --no-default-features --test loom`.
 #![cfg(flowgate_loom)]
@@ -12,6 +13,8 @@ use futures::{Stream, StreamExt, poll};
 use loom::future::block_on;
 use loom::thread;
 
+#[path = "loom/bulkhead.rs"]
+mod bulkhead;
 #[path = "loom/grants.rs"]
 mod grants;
 #[path = "loom/ring.rs"]

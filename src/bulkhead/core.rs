@@ -6,11 +6,15 @@
 //! freed permits are *granted* to waiters in priority-then-FIFO order (the permit is counted
 //! in flight in the waiter's name before it is woken), so a newcomer never takes a permit a
 //! waiter is owed.
+//!
+//! A waiter learns what the queue decided for it (a permit, or a refusal for critical work)
+//! from its [`Verdict`], written under the lock as its entry leaves the queue and read
+//! without it: a woken waiter takes its permit without the lock. A contended acquisition
+//! takes the lock twice, as tokio's semaphore does: to queue, and (the releaser) to grant.
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Context;
 use std::time::Duration;
 
@@ -18,7 +22,10 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats, Grant};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::metrics::{Counter, Gauge, Histogram, Labels, Tally};
-use crate::sync::{Cancelled, Deferred, Key, Mutex, MutexGuard, Status, WaiterList};
+use crate::sync::{
+    Arc, AtomicU64, AtomicUsize, Cancelled, Deferred, Key, Mutex, MutexGuard, Ordering, Status,
+    WaiterList,
+};
 
 const COUNT_BITS: u32 = 31;
 /// The largest `max_in_flight` a bulkhead accepts.
@@ -133,19 +140,41 @@ impl Drop for Moves<'_> {
     }
 }
 
-/// A waiter's entry: what it is, and what it was granted.
+/// A waiter's entry: what it is, and where its verdict goes.
 struct Waiter {
     /// A waiting-room waiter (`true`), or a stream adapter's (outside the room, never shed).
     bounded: bool,
-    /// Taken out of the queue for a critical waiter: granted a refusal, not a permit.
-    shed: bool,
+    verdict: Arc<Verdict>,
+}
+
+/// What the queue decided for a waiter, shared by its entry and its [`Ticket`]: written
+/// under the lock as the entry leaves the queue, before the waiter is woken; read by the
+/// waiter without the lock (a verdict, once written, never changes). An entry that left
+/// the queue with its verdict still undecided was taken out by the close.
+#[derive(Debug, Default)]
+pub(crate) struct Verdict(AtomicUsize);
+
+const UNDECIDED: usize = 0;
+/// A permit, counted in flight in the waiter's name: the waiter owns it.
+const PERMIT: usize = 1;
+/// Shed for critical work: a refusal, counted when the waiter sees it.
+const SHED: usize = 2;
+
+impl Verdict {
+    fn set(&self, verdict: usize) {
+        self.0.store(verdict, Ordering::Release);
+    }
+
+    fn get(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 /// The queues, one [`WaiterList`] per priority. A permit freed goes to the front of the
 /// critical queue, else of the normal one; it is counted in flight in the waiter's name and
-/// the waiter is *granted* (out of the queue, woken, its entry kept until it claims the
-/// permit). A shed waiter is granted a refusal the same way. Every operation on one waiter
-/// is O(1), by its key.
+/// the waiter is *granted*: taken out of the queue, its verdict set to a permit, woken. A
+/// shed waiter is taken out the same way with a refusal. Every operation on one waiter is
+/// O(1), by its key.
 #[derive(Default)]
 struct Waiters {
     critical: WaiterList<Waiter>,
@@ -193,10 +222,13 @@ impl Waiters {
         let mut at = self.normal.back();
         while let Some(key) = at {
             if self.normal.get(key).is_some_and(|w| w.bounded) {
-                if let Some(w) = self.normal.get_mut(key) {
-                    w.shed = true;
-                }
-                return self.normal.grant(key, out);
+                return match self.normal.wake(key, out) {
+                    Some(waiter) => {
+                        waiter.verdict.set(SHED);
+                        true
+                    }
+                    None => false,
+                };
             }
             at = self.normal.prev(key);
         }
@@ -205,24 +237,34 @@ impl Waiters {
 
     /// Grant the front of `priority`'s queue.
     fn grant_front(&mut self, priority: Priority, out: &mut Deferred) {
-        let q = self.queue(priority);
-        let Some(key) = q.grant_front(out) else {
+        let Some((_, waiter)) = self.queue(priority).wake_front(out) else {
             return;
         };
-        if q.get(key).is_some_and(|w| !w.bounded) {
-            self.unbounded -= 1;
-        }
+        waiter.verdict.set(PERMIT);
+        self.left(&waiter);
     }
 }
 
-/// A waiting acquisition's place in the queue: its priority's list and its key there.
+/// A waiting acquisition's place in the queue: its priority's list, its key there, and its
+/// verdict. Kept until the acquisition has seen its verdict (or left the queue).
 #[derive(Debug, Default)]
-pub(crate) struct Ticket(Option<(Priority, Key)>);
+pub(crate) struct Ticket(Option<(Priority, Key, Arc<Verdict>)>);
 
 impl Ticket {
     /// Whether it holds a place in the queue (waiting, or granted and not claimed yet).
     pub(crate) fn is_queued(&self) -> bool {
         self.0.is_some()
+    }
+
+    /// The verdict, if the queue decided one (read without the lock); the ticket is then
+    /// spent.
+    fn decided(&mut self) -> Option<usize> {
+        let verdict = self.0.as_ref()?.2.get();
+        if verdict == UNDECIDED {
+            return None;
+        }
+        self.0 = None;
+        Some(verdict)
     }
 }
 
@@ -247,7 +289,7 @@ impl Drop for Core {
     /// Take back from the `in_flight` gauge the permits still counted: those forgotten
     /// (`mem::forget` of a permit), which no release will ever subtract.
     fn drop(&mut self) {
-        let left = in_flight_of(*self.state.get_mut());
+        let left = in_flight_of(self.state.load(Ordering::Relaxed));
         if left > 0 {
             self.metrics.in_flight.add(-f64::from(left));
         }
@@ -550,12 +592,16 @@ impl Core {
         bounded: bool,
         ticket: &mut Ticket,
     ) -> Polled {
+        // Decided since it last looked: no lock to take.
+        if let Some(verdict) = ticket.decided() {
+            return self.polled(verdict);
+        }
         // Declared before the lock: the wakers go after it is released.
         let mut out = Deferred::default();
         let mut moves = Moves::new(self);
         let mut w = self.lock();
-        if let Some(queued) = ticket.0 {
-            return self.poll_queued(&mut w, cx, queued, ticket, &mut out, &mut moves);
+        if let Some((priority, key, _)) = ticket.0 {
+            return self.poll_queued(&mut w, cx, (priority, key), ticket, &mut out, &mut moves);
         }
         // Flag first, so releasers that race us come through the lock and see the queue.
         self.set_flag(WAITERS, true);
@@ -579,17 +625,18 @@ impl Core {
             }
             return Polled::Refused(moves.refuse(AcquireError::WaitingRoomFull));
         }
+        let verdict = Arc::new(Verdict::default());
         let key = w.queue(priority).push_back(
             cx.waker(),
             Waiter {
                 bounded,
-                shed: false,
+                verdict: verdict.clone(),
             },
         );
         if !bounded {
             w.unbounded += 1;
         }
-        ticket.0 = Some((priority, key));
+        ticket.0 = Some((priority, key, verdict));
         publish_waiting(&mut w, &mut moves);
         Polled::Pending
     }
@@ -605,28 +652,36 @@ impl Core {
     ) -> Polled {
         let q = w.queue(priority);
         match q.status(key) {
-            Status::Granted => {
-                ticket.0 = None;
-                match q.claim(key) {
-                    Some(Waiter { shed: true, .. }) => {
-                        Polled::Refused(moves.refuse(AcquireError::WaitingRoomFull))
-                    }
-                    _ => Polled::Acquired,
-                }
-            }
             Status::Waiting if !self.is_closed() => {
                 q.refresh(key, cx.waker(), out);
-                Polled::Pending
+                return Polled::Pending;
             }
-            // Closing removes every queued waiter; its next poll is refused.
-            Status::Waiting | Status::Gone => {
+            Status::Waiting => {
+                // Closed, and not taken out yet: out now, refused below.
                 if let Cancelled::Waiting(waiter) = q.cancel(key, out) {
                     w.left(&waiter);
                     self.settle(w, moves);
                 }
+            }
+            // Out of the queue: decided between the look before the lock and the lock
+            // (read again below), or taken out by the close.
+            Status::Granted | Status::Gone => {}
+        }
+        match ticket.decided() {
+            Some(verdict) => self.polled(verdict),
+            None => {
+                // Closing removes every queued waiter; its next poll is refused.
                 ticket.0 = None;
                 Polled::Refused(moves.refuse(AcquireError::Closed))
             }
+        }
+    }
+
+    /// What a waiter's verdict means to its poll (a refusal counted now).
+    fn polled(&self, verdict: usize) -> Polled {
+        match verdict {
+            PERMIT => Polled::Acquired,
+            _ => Polled::Refused(self.refuse(AcquireError::WaitingRoomFull)),
         }
     }
 
@@ -634,24 +689,31 @@ impl Core {
     /// it, if anything, since it last looked. Under the lock, so exactly one outcome wins:
     /// this leave, or the grant, shed or close that took it out of the queue first.
     pub(crate) fn leave(&self, ticket: &mut Ticket) -> Left {
-        let Some((priority, key)) = ticket.0.take() else {
+        let Some((priority, key, verdict)) = ticket.0.take() else {
             return Left::Removed;
         };
+        // Decided already: no lock to take.
+        let left = |verdict| match verdict {
+            PERMIT => Left::Permit,
+            // Shed, and gone before it polled again: still a refusal.
+            _ => Left::Shed(self.refuse(AcquireError::WaitingRoomFull)),
+        };
+        match verdict.get() {
+            UNDECIDED => {}
+            decided => return left(decided),
+        }
         let mut out = Deferred::default();
         let mut moves = Moves::new(self);
         let mut w = self.lock();
-        match w.queue(priority).cancel(key, &mut out) {
-            Cancelled::Waiting(waiter) => {
-                w.left(&waiter);
-                self.settle(&mut w, &mut moves);
-                Left::Removed
-            }
-            // Shed, and gone before it polled again: still a refusal.
-            Cancelled::Granted(Waiter { shed: true, .. }) => {
-                Left::Shed(moves.refuse(AcquireError::WaitingRoomFull))
-            }
-            Cancelled::Granted(_) => Left::Permit,
-            Cancelled::Gone => Left::Closed,
+        if let Cancelled::Waiting(waiter) = w.queue(priority).cancel(key, &mut out) {
+            w.left(&waiter);
+            self.settle(&mut w, &mut moves);
+            return Left::Removed;
+        }
+        // Out of the queue before this lock: decided since the look above, or closed.
+        match verdict.get() {
+            UNDECIDED => Left::Closed,
+            decided => left(decided),
         }
     }
 

@@ -27,10 +27,10 @@ pub(crate) use waiters::{Cancelled, Key, Status, WaiterList, WakerId};
 pub(crate) const POLL_BUDGET: usize = 128;
 
 #[cfg(flowgate_loom)]
-pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering, fence};
+pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(flowgate_loom)]
 pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
 #[cfg(not(flowgate_loom))]
-pub(crate) use std::sync::atomic::{AtomicUsize, Ordering, fence};
+pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(flowgate_loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};

@@ -495,22 +495,29 @@ impl<T> WaiterList<T> {
         }
     }
 
-    /// Take the first waiter out and free it, returning its waker (for the caller to wake
-    /// after the lock, or to drop) and value. Its key goes stale.
-    pub(crate) fn pop_front(&mut self) -> Option<(Key, Waker, T)> {
+    /// Take the first waiter out and free it (its key goes stale), waking it (through
+    /// `out`); its key and value.
+    pub(crate) fn wake_front(&mut self, out: &mut Deferred) -> Option<(Key, T)> {
         let key = self.front()?;
-        self.unlink(key.index);
-        match self.release(key.index) {
-            Slot::Waiting { waker, value, .. } => Some((key, waker, value)),
-            _ => unreachable!("the front is waiting"),
-        }
+        self.wake(key, out).map(|value| (key, value))
     }
 
-    /// Pop the first waiter (see [`pop_front`](Self::pop_front)) and wake it (through `out`).
-    pub(crate) fn wake_front(&mut self, out: &mut Deferred) -> Option<(Key, T)> {
-        let (key, waker, value) = self.pop_front()?;
-        out.wake(waker);
-        Some((key, value))
+    /// Take a waiting entry out of the list and free it (its key goes stale), waking it
+    /// (through `out`); its value. `None` if `key` is not waiting. For a user that tells the
+    /// waiter what it was woken for by other means than a granted entry (the bulkhead's
+    /// verdicts), so that the waiter need not take the lock again to claim it.
+    pub(crate) fn wake(&mut self, key: Key, out: &mut Deferred) -> Option<T> {
+        if self.status(key) != Status::Waiting {
+            return None;
+        }
+        self.unlink(key.index);
+        match self.release(key.index) {
+            Slot::Waiting { waker, value, .. } => {
+                out.wake(waker);
+                Some(value)
+            }
+            _ => unreachable!("checked waiting"),
+        }
     }
 
     /// Pop and wake every waiter (through `out`); granted entries stay granted.

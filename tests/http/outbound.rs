@@ -848,6 +848,38 @@ async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests
     }
 }
 
+/// A refusal with both `Retry-After` and a `RateLimit` reset further out (a sliding window
+/// says when its quota is full again in `t`, and when this request fits in `Retry-After`):
+/// `Retry-After` takes precedence, as the draft requires and `ServerHint::retry_delay`
+/// says, so the retry goes after `Retry-After`, not after `t`.
+#[tokio::test(start_paused = true)]
+async fn retry_after_takes_precedence_over_a_later_ratelimit_reset() {
+    for status in [429, 503] {
+        let server = Scripted::new();
+        let svc = server.service(move |n| {
+            if n > 1 {
+                return answer(200, String::new(), None);
+            }
+            let mut res = answer(status, String::new(), Some("1"));
+            res.headers_mut().insert(
+                "ratelimit",
+                HeaderValue::from_static(r#""window";r=0;t=30"#),
+            );
+            res
+        });
+        let (client, _pacer) = paced(100, svc);
+        let res = client.oneshot(request(Method::GET)).await.unwrap();
+        assert_eq!(info(&res).stop, Stop::Success, "{status}");
+        let times = server.times();
+        let waited = times[1] - times[0];
+        // Within a tick of tokio's timer past `Retry-After: 1`.
+        assert!(
+            waited >= SECOND && waited <= SECOND + MS,
+            "{status}: the retry after {waited:?}"
+        );
+    }
+}
+
 /// A body of one chunk that notes when it was read to its end.
 struct Watched {
     chunk: Option<Bytes>,

@@ -118,8 +118,9 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// allowance with its own policy's `q` and `w` (which tracking steers it by). A policy of
 /// zero quota allows nothing until its reset (its `t`, else its window `w`): an allowance
 /// of nothing, which wins over the reported one unless that has nothing left for longer
-/// (the rule of [`most_restrictive`](ServerHint::most_restrictive)). Call it before
-/// reporting the response's outcome, as [`AdaptivePacer`] asks.
+/// (the rule of [`most_restrictive`](ServerHint::most_restrictive)). A `Retry-After` in the
+/// same response takes precedence over the reset, as the draft requires: the allowance ends
+/// no later. Call it before reporting the response's outcome, as [`AdaptivePacer`] asks.
 ///
 /// `max_wait` is the longest server hint honoured (the backoff's
 /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)): an allowance
@@ -152,6 +153,9 @@ pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Dura
         .chain(closed)
         .min_by_key(|&(remaining, reset, _)| (remaining, Reverse(reset)));
     if let Some((remaining, reset, of)) = allowance {
+        // `Retry-After` takes precedence over a reset (the draft): a sliding window's `t`
+        // is when it is full again, its `Retry-After` when the next request fits.
+        let reset = hint.retry_after.map_or(reset, |after| reset.min(after));
         // `max(r, 1) / t` is the pacer's cap (see `on_allowance`): at least `1 / max_wait`.
         let units = u32::try_from(remaining.max(1)).unwrap_or(u32::MAX);
         let reset = match max_wait.saturating_mul(units) {
@@ -198,7 +202,9 @@ impl Methods {
 ///    as `r=0` with a reset of a day, is taken as one unit per `max_retry_after`, so it
 ///    holds later requests no longer than a `Retry-After` would; a policy of zero quota,
 ///    `q=0`, holds them until its reset, its `t` or else its window, bounded the same
-///    way, while the other policies still cap the rate); reports the outcome and
+///    way, while the other policies still cap the rate; a `Retry-After` in the same
+///    response takes precedence over the reset, as the draft requires, so a refusal is
+///    retried after its `Retry-After` even when a `t` is later); reports the outcome and
 ///    the attempt's own
 ///    round-trip time to the policy (the budget, the pacer, the metrics): the RTT of
 ///    that attempt alone, from sending to the response, never the waits before it nor

@@ -848,6 +848,55 @@ async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests
     }
 }
 
+/// `max_retry_after(Duration::ZERO)` honours no server hint (a `Retry-After` of a day gives
+/// up at once and pauses nothing): a `RateLimit` allowance of nothing for a day, on a `429`
+/// or a success, holds the next requests no longer either (it held them for the day).
+#[tokio::test(start_paused = true)]
+async fn a_zero_max_retry_after_holds_no_request_for_a_ratelimit_reset() {
+    for status in [429, 200] {
+        let server = Scripted::new();
+        let svc = server.service(move |n| {
+            let mut res = answer(200, String::new(), None);
+            if n == 1 {
+                *res.status_mut() = StatusCode::from_u16(status).unwrap();
+                res.headers_mut().insert(
+                    "ratelimit",
+                    HeaderValue::from_static(r#""day";r=0;t=86400"#),
+                );
+            }
+            res
+        });
+        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        let backoff = Backoff::builder()
+            .max_retry_after(Duration::ZERO)
+            .seed(1)
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(backoff)
+            .pacer(pacer.clone())
+            .build()
+            .unwrap();
+        let client = RetryLayer::new(policy).layer(svc);
+        client.clone().oneshot(request(Method::GET)).await.unwrap();
+        for i in 0..3 {
+            let start = Instant::now();
+            let next =
+                tokio::time::timeout(1_200 * SECOND, client.clone().oneshot(request(Method::GET)))
+                    .await;
+            assert!(next.is_ok(), "{status} {i}: waited {:?}", start.elapsed());
+            // A unit or two of the pacer's rate (100/s, cut once by the 429): not held.
+            assert!(
+                start.elapsed() <= SECOND,
+                "{status} {i}: {:?}",
+                start.elapsed()
+            );
+        }
+        assert_eq!(server.calls(), 4);
+    }
+}
+
 /// A refusal with both `Retry-After` and a `RateLimit` reset further out (a sliding window
 /// says when its quota is full again in `t`, and when this request fits in `Retry-After`):
 /// `Retry-After` takes precedence, as the draft requires and `ServerHint::retry_delay`

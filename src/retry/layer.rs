@@ -125,8 +125,8 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// `max_wait` is the longest server hint honoured (the backoff's
 /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)): an allowance
 /// slower than one unit per `max_wait` (`r=0;t=86400`) is taken as one unit per `max_wait`,
-/// so it holds no later request longer than a `Retry-After` would (a zero `max_wait` leaves
-/// the allowance as the server sent it).
+/// so it holds no later request longer than a `Retry-After` would (a zero `max_wait`, which
+/// honours no hint, holds none: the allowance's remaining is still reported).
 pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Duration) {
     if let Some((quota, window)) = hint.sustained_rate_allowing() {
         pacer.on_policy(quota, window);
@@ -157,11 +157,9 @@ pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Dura
         // is when it is full again, its `Retry-After` when the next request fits.
         let reset = hint.retry_after.map_or(reset, |after| reset.min(after));
         // `max(r, 1) / t` is the pacer's cap (see `on_allowance`): at least `1 / max_wait`.
+        // A zero `max_wait` honours no hint: a zero reset, which holds nothing.
         let units = u32::try_from(remaining.max(1)).unwrap_or(u32::MAX);
-        let reset = match max_wait.saturating_mul(units) {
-            longest if !longest.is_zero() => reset.min(longest),
-            _ => reset,
-        };
+        let reset = reset.min(max_wait.saturating_mul(units));
         pacer.on_allowance_of(remaining, reset, of);
     }
 }

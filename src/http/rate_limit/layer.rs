@@ -1130,3 +1130,6 @@ impl<G: Gate + 'static> Shared<G> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

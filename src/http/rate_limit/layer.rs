@@ -125,7 +125,9 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// blocked in a bounded space-saving sketch ([`TopRejected`]), read with
 /// [`top_rejected`](RateLimitLayer::top_rejected), and logged with `tracing` (warn) at most
 /// once a minute while rejections happen, with the count since the last log and the top
-/// five keys. No background task.
+/// five keys as `top_rejected` gives them: each with its `count` and its `error` (when
+/// keys rotate, a key rejected once can show a count of thousands, nearly all error: its
+/// rejections are at least `count - error`). No background task.
 ///
 /// # Metrics
 ///
@@ -1054,12 +1056,8 @@ impl<G> Shared<G> {
                 .is_ok()
         {
             let since = self.since_log.swap(0, Ordering::Relaxed);
-            let top: Vec<(String, u64)> = self
-                .top
-                .top(5)
-                .into_iter()
-                .map(|k| (k.key, k.count))
-                .collect();
+            // With their error bounds: when keys rotate, a count can be nearly all error.
+            let top = self.top.top(5);
             tracing::warn!(
                 layer = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
                 rejected = since,

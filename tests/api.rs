@@ -179,3 +179,43 @@ fn a_zero_duration_is_rejected_in_words_that_fit_a_duration() {
         "invalid retry_policy.attempt_timeout: must be longer than zero"
     );
 }
+
+/// A builder's `Debug` says no more about its Redis connection than the value it builds:
+/// `RedisGate`, `QuotaAllocator` and `RedisStreamSource` leave the connection out, so that
+/// a builder logged with `?` does not print where Redis is and who logs in (a
+/// `ConnectionManager` prints its client: host, port and user name).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn builders_do_not_print_the_redis_connection() {
+    let client =
+        redis::Client::open("redis://ops-user:hunter2@redis-7.internal.example:6390/").unwrap();
+    let conn = redis::aio::ConnectionManager::new_lazy_with_config(
+        client,
+        redis::aio::ConnectionManagerConfig::new(),
+    )
+    .unwrap();
+    assert!(
+        format!("{conn:?}").contains("redis-7.internal.example"),
+        "the connection itself names its server"
+    );
+    let quota = Quota::per_second(10).unwrap();
+    let printed = [
+        format!(
+            "{:?}",
+            RedisGate::builder(conn.clone(), Limit::TokenBucket(quota))
+        ),
+        format!(
+            "{:?}",
+            flowgate::region::QuotaAllocator::builder(conn.clone(), quota)
+        ),
+        format!(
+            "{:?}",
+            flowgate::demand::RedisStreamSource::builder(conn, "orders", "billing", "worker-1")
+        ),
+    ];
+    for debug in printed {
+        for secret in ["redis-7.internal.example", "6390", "ops-user", "hunter2"] {
+            assert!(!debug.contains(secret), "{secret:?} in {debug}");
+        }
+    }
+}

@@ -214,7 +214,6 @@ impl<C> fmt::Debug for RedisGate<C> {
 }
 
 /// Builds a [`RedisGate`]; from [`RedisGate::builder`].
-#[derive(Debug)]
 pub struct RedisGateBuilder<C> {
     conn: C,
     limit: Limit,
@@ -229,6 +228,27 @@ pub struct RedisGateBuilder<C> {
     policy: FailurePolicy,
     probe_interval: Duration,
     name: Option<String>,
+}
+
+/// Leaves the connection out, as [`RedisGate`]'s `Debug` does: a connection may print
+/// where Redis is and who logs in.
+impl<C> fmt::Debug for RedisGateBuilder<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisGateBuilder")
+            .field("name", &self.name)
+            .field("limit", &self.limit)
+            .field("prefix", &self.prefix)
+            .field("batch_size", &self.batch_size)
+            .field("reject_cache", &self.reject_cache)
+            .field("cluster", &self.cluster)
+            .field("lease", &self.lease)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("lease_keys", &self.lease_keys)
+            .field("timeout", &self.timeout)
+            .field("policy", &self.policy)
+            .field("probe_interval", &self.probe_interval)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<C> RedisGateBuilder<C>

@@ -261,7 +261,6 @@ impl<C> fmt::Debug for QuotaAllocator<C> {
 }
 
 /// Builds a [`QuotaAllocator`]; from [`QuotaAllocator::builder`].
-#[derive(Debug)]
 pub struct QuotaAllocatorBuilder<C> {
     home: C,
     quota: Quota,
@@ -274,6 +273,25 @@ pub struct QuotaAllocatorBuilder<C> {
     home_timeout: Option<Duration>,
     local_timeout: Duration,
     smoothing: f64,
+}
+
+/// Leaves the home connection out, as [`QuotaAllocator`]'s `Debug` does: a connection may
+/// print where Redis is and who logs in.
+impl<C> fmt::Debug for QuotaAllocatorBuilder<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaAllocatorBuilder")
+            .field("name", &self.name)
+            .field("quota", &self.quota)
+            .field("regions", &self.regions)
+            .field("policy", &self.policy)
+            .field("safe", &self.safe)
+            .field("ttl", &self.ttl)
+            .field("refresh", &self.refresh)
+            .field("home_timeout", &self.home_timeout)
+            .field("local_timeout", &self.local_timeout)
+            .field("smoothing", &self.smoothing)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<C> QuotaAllocatorBuilder<C>

@@ -1,6 +1,7 @@
 //! [`RedisStreamSourceBuilder`]: the settings of a [`RedisStreamSource`], their validation,
 //! and the creation of its consumer group.
 
+use std::fmt;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -63,7 +64,7 @@ pub(super) struct Config {
 ///
 /// Every setting is checked by [`build`](Self::build), which returns a [`ConfigError`]
 /// (inside [`BuildError::Config`]) naming the field, before anything is sent to Redis.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisStreamSourceBuilder<C> {
     conn: C,
     key: String,
@@ -77,6 +78,26 @@ pub struct RedisStreamSourceBuilder<C> {
     start: StartFrom,
     recreate_from: StartFrom,
     name: Option<String>,
+}
+
+/// Leaves the connection out, as [`RedisStreamSource`]'s `Debug` does: a connection may
+/// print where Redis is and who logs in.
+impl<C> fmt::Debug for RedisStreamSourceBuilder<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamSourceBuilder")
+            .field("key", &self.key)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("block", &self.block)
+            .field("min_idle", &self.min_idle)
+            .field("claim_every", &self.claim_every)
+            .field("ack_interval", &self.ack_interval)
+            .field("max_count", &self.max_count)
+            .field("start", &self.start)
+            .field("recreate_from", &self.recreate_from)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<C> RedisStreamSource<C>

@@ -225,8 +225,13 @@ fn warn_no_peer(source: &'static str) {
 /// cannot shed its key (and, under [`MissingKey::Skip`], its limit) by sending it twice.
 ///
 /// The value becomes part of the gate's key (and of the top rejected keys the layer
-/// reports and logs): for a secret such as a bearer token, key by a hash of it with a
-/// closure instead. Clients choose these values, so each new value is a new entry in the
+/// reports and logs): for a secret such as an API key or a bearer token, key by a digest
+/// of it with a closure instead. Every instance sharing a Redis gate must compute the same
+/// digest, in this release and the next: take a cryptographic one (SHA-256, or an HMAC
+/// with a key the fleet shares), not `std`'s `DefaultHasher` (its output may change
+/// between Rust releases) nor a fast non-cryptographic hash (a client could find a value
+/// whose digest is another client's key, and spend that client's quota). Clients choose
+/// these values, so each new value is a new entry in the
 /// gate: bound the gate's keys (`MemoryGate`'s `max_keys`, Redis expiry) accordingly.
 ///
 /// # Examples

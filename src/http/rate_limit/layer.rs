@@ -127,7 +127,15 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// once a minute while rejections happen, with the count since the last log and the top
 /// five keys as `top_rejected` gives them: each with its `count` and its `error` (when
 /// keys rotate, a key rejected once can show a count of thousands, nearly all error: its
-/// rejections are at least `count - error`). No background task.
+/// rejections are at least `count - error`). The sketch counts from when the layer was
+/// built, never reset: the keys logged are the most rejected since then, not in the last
+/// minute. No background task.
+///
+/// Keys are kept and logged as the policies' [`KeyExtractor`](crate::http::KeyExtractor)s
+/// wrote them: client addresses (personal data in many jurisdictions), and, for a policy
+/// keyed by a secret (an API key, a bearer token), that secret, in the logs, in
+/// `top_rejected` and in the gate (on Redis, in key names that `SCAN` or `MONITOR` show).
+/// Key such a policy by a digest of the secret (see [`Header`](crate::http::Header)).
 ///
 /// # Metrics
 ///

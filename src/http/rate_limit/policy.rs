@@ -23,6 +23,8 @@ use crate::sync::Arc;
 /// use flowgate::Quota;
 ///
 /// // Per API key, 100 per minute; requests without one are not limited by this policy.
+/// // (The key is kept, logged and sent to the gate as it is: for keys that are secrets,
+/// // push a digest instead, see `Header`.)
 /// let per_key = Policy::new("per-key", Quota::per_minute(100)?, |req: &RequestInfo<'_>, key: &mut String| {
 ///     match req.headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
 ///         Some(k) => { key.push_str(k); true }

@@ -529,3 +529,54 @@ async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
     drop(stream);
     assert_eq!(*seen.lock().unwrap(), [(1, "discarded".to_owned())]);
 }
+
+/// A gate of one's own that rejects with a `retry_after` of zero (ask again now:
+/// `Decision::fail_closed(Duration::ZERO)`), then admits on its `admit_on`-th ask.
+#[derive(Debug, Clone)]
+struct RetryNow {
+    asked: Arc<AtomicU64>,
+    admit_on: u64,
+}
+
+impl Gate for RetryNow {
+    fn check<'a>(&'a self, _key: &'a str, _cost: u32) -> GateFuture<'a> {
+        let n = self.asked.fetch_add(1, Ordering::Relaxed) + 1;
+        let decision = if n >= self.admit_on {
+            Decision::fail_open()
+        } else {
+            Decision::fail_closed(Duration::ZERO)
+        };
+        Box::pin(std::future::ready(Ok(decision)))
+    }
+
+    fn limit(&self) -> Limit {
+        per_minute(1)
+    }
+}
+
+/// A rejection that says to wait nothing is asked again after a timer tick (1 ms), not in
+/// a loop inside one poll: a gate that kept answering so (a breaker of one's own failing
+/// closed with no wait) spun `gated` for ever without returning, and under paused time no
+/// timeout could fire. Here the gate admits on its 5th ask, so the old loop shows as a first
+/// poll that asked 5 times and passed at once (fails: Ready after 5 asks) rather than as a
+/// hang.
+#[tokio::test(start_paused = true)]
+async fn a_rejection_without_a_wait_is_asked_again_a_tick_later() {
+    let asked = Arc::new(AtomicU64::new(0));
+    let gate = RetryNow {
+        asked: asked.clone(),
+        admit_on: 5,
+    };
+    let start = tokio::time::Instant::now();
+    let mut stream = futures::stream::iter([7]).gated(gate, |_: &i32| "k");
+    let first = futures::poll!(stream.next());
+    assert!(
+        first.is_pending(),
+        "{first:?} after {} asks",
+        asked.load(Ordering::Relaxed)
+    );
+    assert_eq!(asked.load(Ordering::Relaxed), 1);
+    assert_eq!(stream.next().await, Some(7));
+    assert_eq!(asked.load(Ordering::Relaxed), 5);
+    assert_eq!(start.elapsed(), Duration::from_millis(4));
+}

@@ -22,6 +22,11 @@ use crate::sync::POLL_BUDGET;
 /// How long `gated` waits before asking again after a transient backend error.
 const ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
+/// How long `gated` waits before asking again after a rejection with a `retry_after` of
+/// zero (a gate of one's own that says "ask again now"): a timer's tick. Asked again at
+/// once, it would be asked in a loop inside one poll for as long as it answers so.
+const NO_WAIT_BACKOFF: Duration = Duration::from_millis(1);
+
 /// The name of the adapter's metric.
 pub(crate) mod names {
     pub(crate) const DROPPED: &str = "flowgate_gated_dropped_total";
@@ -84,8 +89,9 @@ enum State<Key> {
 /// Each item is checked at the gate under its key, for its cost (1 unless the builder's
 /// [`cost`](GatedBuilder::cost) says otherwise).
 /// - `gated` (shaping): a rejected item waits `retry_after` and asks again, so items leave at
-///   the rate the gate allows; a transient error (backend, or a full in-memory keyspace)
-///   waits 100 ms and asks again.
+///   the rate the gate allows (a rejection with a `retry_after` of zero, which flowgate's
+///   gates never give, waits 1 ms, a timer's tick, rather than being asked again in a loop);
+///   a transient error (backend, or a full in-memory keyspace) waits 100 ms and asks again.
 /// - `gated_drop` (policing, or [`drop_rejected`](GatedBuilder::drop_rejected)): a rejected
 ///   item is dropped at once.
 ///
@@ -381,6 +387,7 @@ where
             };
             let wait = match outcome {
                 Ok(d) if d.allowed => return Poll::Ready(this.held.item.take()),
+                Ok(d) if *this.shaping && d.retry_after.is_zero() => NO_WAIT_BACKOFF,
                 Ok(d) if *this.shaping => d.retry_after,
                 Err(e) if *this.shaping && e.is_transient() => ERROR_BACKOFF,
                 outcome => {

@@ -948,6 +948,108 @@ fn fleet(lease: u32) -> (u64, u64) {
     (total, bound)
 }
 
+// ----- a host that sleeps -----
+
+/// The file the sleeping host's wall clock reads its offset from (libfaketime's
+/// `FAKETIME_TIMESTAMP_FILE`), for `host_sleep_worker`.
+const SLEEP_RC: &str = "FLOWGATE_SLEEP_RC";
+
+/// A process whose host sleeps for an hour mid-run: its wall clock jumps an hour ahead
+/// while its monotonic clock (`Instant`) does not move, as across a laptop's suspend or a
+/// paused VM, and Redis's bucket, refilled meanwhile, has expired. Prints how many requests
+/// were admitted right after it woke. Run by
+/// `leased_tokens_are_not_spent_after_the_host_slept`, not on its own.
+#[test]
+#[ignore = "a subprocess entry point of the host sleep test, run by it"]
+fn host_sleep_worker() {
+    let (Ok(rc), Ok(url)) = (std::env::var(SLEEP_RC), std::env::var(FLEET_URL)) else {
+        return;
+    };
+    let admitted = rt().block_on(async {
+        let client = redis::Client::open(url).unwrap();
+        let mut con = client.get_multiplexed_async_connection().await.unwrap();
+        let quota = Quota::per_second(1).unwrap().burst(10).unwrap();
+        let gate = RedisGate::builder(con.clone(), Limit::TokenBucket(quota))
+            .lease(10)
+            .lease_ttl(Duration::from_secs(60))
+            .timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .unwrap();
+        // A lease of the whole burst: one token spent, 9 kept here.
+        assert!(gate.check("k", 1).await.unwrap().allowed);
+        // The host sleeps for an hour: the wall clock runs on, the monotonic clock does
+        // not, and Redis's bucket is full again (its key expired, as after an hour).
+        std::fs::write(&rc, "+3600").unwrap();
+        let _: () = redis::cmd("FLUSHDB").query_async(&mut con).await.unwrap();
+        let mut admitted = 0;
+        for _ in 0..30 {
+            if gate.check("k", 1).await.unwrap().allowed {
+                admitted += 1;
+            }
+        }
+        admitted
+    });
+    println!("ADMITTED {admitted}");
+}
+
+/// The path of libfaketime, as the `faketime` wrapper preloads it.
+fn libfaketime() -> String {
+    let out = Command::new(faketime())
+        .args(["-f", "+0", "sh", "-c", "printf %s \"$LD_PRELOAD\""])
+        .output()
+        .unwrap();
+    let lib = String::from_utf8(out.stdout).unwrap();
+    assert!(lib.contains("faketime"), "faketime preloads {lib:?}");
+    lib
+}
+
+#[test]
+fn leased_tokens_are_not_spent_after_the_host_slept() {
+    // Leased tokens are spent here no later than their place in the bucket's schedule, by
+    // the monotonic clock, which stops while the host sleeps; Redis's clock does not, and
+    // its bucket is full again on waking. The 9 tokens kept from before the sleep, spent
+    // on top of that, passed 19 at once: a token bucket admits at most burst + rate x span,
+    // 10 (and 1 for the milliseconds the requests take).
+    let server = RedisServer::start();
+    let dir = support::TempDir::new("flowgate-sleep");
+    let rc = dir.path().join("faketime.rc");
+    std::fs::write(&rc, "+0").unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "host_sleep_worker",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LD_PRELOAD", libfaketime())
+        .env("FAKETIME_TIMESTAMP_FILE", &rc)
+        .env("FAKETIME_NO_CACHE", "1")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .env(SLEEP_RC, &rc)
+        .env(FLEET_URL, server.url())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let admitted: u64 = text
+        .lines()
+        .find_map(|l| l.split("ADMITTED ").nth(1))
+        .unwrap_or_else(|| {
+            panic!(
+                "worker printed no count: {text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        admitted <= 11,
+        "admitted {admitted} right after the host woke; bound 11 = burst + rate x span"
+    );
+}
+
 trait OutputAsync {
     fn output_async(&mut self) -> std::process::Child;
 }

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::PoisonError;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::decision::Decision;
 use crate::rate::Rate;
@@ -72,6 +72,37 @@ impl Lease {
     }
 }
 
+/// The clock leases are measured on: `Instant`, moved on by the time the host slept.
+///
+/// `Instant` (`CLOCK_MONOTONIC` on Linux) stops while the host sleeps (a laptop suspended,
+/// a VM paused); Redis's clock does not, and refills the bucket meanwhile, so a token kept
+/// across the sleep would be spent long after its place in the bucket's schedule, on top
+/// of the refill. The wall clock runs on through a sleep: whatever it has run ahead of
+/// `Instant` since the first reading is taken as slept. (A wall clock stepped forward is
+/// taken as sleep too: leases then lapse early, never late; one stepped back changes
+/// nothing.)
+#[derive(Debug, Default)]
+struct Awake {
+    /// The first reading of both clocks.
+    origin: Option<(Instant, SystemTime)>,
+    /// The most the wall clock has run ahead of `Instant` since `origin`.
+    slept: Duration,
+}
+
+impl Awake {
+    /// `now`, read from `Instant`, on the lease clock.
+    fn at(&mut self, now: Instant) -> Instant {
+        let (mono, wall) = (Instant::now(), SystemTime::now());
+        let (mono0, wall0) = *self.origin.get_or_insert((mono, wall));
+        let ahead = wall
+            .duration_since(wall0)
+            .unwrap_or_default()
+            .saturating_sub(mono.saturating_duration_since(mono0));
+        self.slept = self.slept.max(ahead);
+        now + self.slept
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     leases: HashMap<String, Lease>,
@@ -80,6 +111,8 @@ struct State {
     /// No lease runs out before this (`None`: no lease): a full map is not swept for room
     /// before then.
     next_sweep: Option<Instant>,
+    /// Every instant here is on this clock.
+    awake: Awake,
 }
 
 /// Tokens already debited in Redis, per key, waiting to be spent here.
@@ -115,6 +148,8 @@ pub(crate) struct Leases {
 pub(crate) struct Place<'a> {
     /// `None` once given back.
     leases: Option<&'a Leases>,
+    /// When the lease call started, on the lease clock.
+    at: Instant,
 }
 
 impl Drop for Place<'_> {
@@ -160,7 +195,9 @@ impl Leases {
     /// Spend `cost` from the lease of `key`, if it holds enough unexpired tokens.
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
         let mut state = self.lock();
+        let state = &mut *state;
         let lease = state.leases.get_mut(key)?;
+        let now = state.awake.at(now);
         let held = lease.live(now, self.rate);
         if held < u64::from(cost) {
             if held == 0 {
@@ -186,6 +223,7 @@ impl Leases {
     /// calls in flight never exceed the capacity.
     pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
         let mut state = self.lock();
+        let now = state.awake.at(now);
         if state.leases.len() + state.reserved >= self.capacity {
             // None has run out yet: no pass over them all (under the lock every check
             // takes) to find that out again for each call.
@@ -212,24 +250,28 @@ impl Leases {
             }
         }
         state.reserved += 1;
-        Some(Place { leases: Some(self) })
+        Some(Place {
+            leases: Some(self),
+            at: now,
+        })
     }
 
-    /// Keep `tokens` granted for `key` at `now` in the place taken for it, until
-    /// `now + ttl`; the bucket in Redis is full again `reset_after` after `now`. Leases taken
-    /// by concurrent calls add up, each keeping its own expiry: none replaces another.
+    /// Keep `tokens` granted for `key` in the place taken for it, from when the place was
+    /// taken (the lease call's start), `now`, until `now + ttl`; the bucket in Redis is full
+    /// again `reset_after` after `now`. Leases taken by concurrent calls add up, each
+    /// keeping its own expiry: none replaces another.
     pub(crate) fn keep(
         &self,
         mut place: Place<'_>,
         key: &str,
         tokens: u32,
         limit: u64,
-        now: Instant,
         reset_after: Duration,
     ) {
         if tokens == 0 {
             return;
         }
+        let now = place.at;
         let mut state = self.lock();
         // The place becomes the key's entry (or goes, if the key has one already).
         state.reserved -= 1;
@@ -272,7 +314,7 @@ mod tests {
         let now = Instant::now();
         for i in 0..100 {
             let place = leases.place(now).expect("room");
-            leases.keep(place, &format!("k{i}"), 5, 10, now, 10 * hour);
+            leases.keep(place, &format!("k{i}"), 5, 10, 10 * hour);
         }
         for _ in 0..1_000 {
             assert!(leases.place(now).is_none(), "full");
@@ -284,7 +326,7 @@ mod tests {
         // A lease whose tokens have lapsed makes room too, before its expiry.
         let leases = Leases::new(10, 10 * hour, Rate::per_hour(1).unwrap(), 1);
         let place = leases.place(now).expect("room");
-        leases.keep(place, "k", 5, 10, now, 2 * hour);
+        leases.keep(place, "k", 5, 10, 2 * hour);
         assert!(leases.place(now).is_none(), "full");
         assert!(leases.place(now + hour).is_some(), "its tokens lapsed");
     }

@@ -318,7 +318,11 @@ where
     /// can use, and tokens unused after `lease_ttl` are lost — or earlier: the `k`-th last
     /// token of a lease lapses `k` emission intervals before the bucket is full again (as
     /// Redis said when it granted them), since spent later it would pass on top of tokens
-    /// Redis has refilled meanwhile and the fleet could exceed `burst + rate·span`.
+    /// Redis has refilled meanwhile and the fleet could exceed `burst + rate·span`. That
+    /// schedule is timed by the monotonic clock moved on by any time the host slept (the
+    /// wall clock running ahead of it: a laptop suspended, a VM paused), so tokens kept
+    /// across a sleep lapse as they would have, instead of passing on top of the bucket
+    /// Redis refilled meanwhile.
     /// Decisions served from a lease
     /// report the lease's remaining tokens and when the bucket in Redis is full again.
     /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
@@ -747,7 +751,7 @@ where
         let limit = u64::from(quota.burst_size());
         let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
         let key = &redis_key[inner.prefix.len()..];
-        leases.keep(place, key, granted - cost, limit, started, reset_after);
+        leases.keep(place, key, granted - cost, limit, reset_after);
         Ok(decision_from(&[
             1,
             r[1],

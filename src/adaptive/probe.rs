@@ -594,3 +594,39 @@ impl ProbeBuilder {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A window that has counted `u32::MAX` calls (one of a limit above 2^28 needs up to
+    /// 16 × the limit) counts the next one too: no overflow (a panic in a debug build, a
+    /// window that restarts its count in release).
+    #[test]
+    fn a_window_counts_past_u32_max_calls() {
+        let mut p = Probe::builder().build().unwrap();
+        let at = Duration::from_secs(1);
+        p.update(&Sample {
+            rtt: Duration::from_millis(1),
+            in_flight: 1,
+            outcome: Outcome::Ok,
+            now: at,
+        });
+        p.window.opened = Duration::ZERO;
+        p.window.count = u32::MAX.into();
+        let before = p.window.count;
+        p.limit = 1e9;
+        p.update(&Sample {
+            rtt: Duration::from_millis(1),
+            in_flight: 1,
+            outcome: Outcome::Ok,
+            now: at + Duration::from_millis(10),
+        });
+        assert!(
+            p.window.count > before || p.window.count == 0,
+            "counted, or the window closed and a new one opened"
+        );
+    }
+}

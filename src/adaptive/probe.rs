@@ -156,7 +156,8 @@ enum Phase {
 #[derive(Debug, Clone, Copy, Default)]
 struct Window {
     opened: Duration,
-    count: u32,
+    /// Calls counted: up to 16 × the limit (above `u32::MAX` for a limit above 2^28).
+    count: u64,
     sum: f64,
     sum_squares: f64,
     /// The sum of the calls' in-flight counts.
@@ -246,7 +247,7 @@ impl Probe {
     fn decide(&mut self, now: Duration) {
         let w = self.window;
         self.open(now);
-        let n = f64::from(w.count);
+        let n = w.count as f64;
         let r = w.sum / n;
         self.srtt.update(r);
         let mut severe = self
@@ -432,7 +433,8 @@ impl AdaptiveLimit for Probe {
         w.sum_squares += secs(sample.rtt).powi(2);
         w.in_flight += f64::from(sample.in_flight);
         w.most_in_flight = w.most_in_flight.max(sample.in_flight);
-        let (count, mean) = (f64::from(w.count), w.sum / f64::from(w.count));
+        let count = w.count as f64;
+        let mean = w.sum / count;
         let lasted = sample.now.saturating_sub(w.opened);
         let round_trip = self.srtt.get().map_or(Duration::ZERO, from_secs);
         // A window far above the minimum closes early: no need to measure a queue precisely.

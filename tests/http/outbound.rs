@@ -798,53 +798,60 @@ async fn a_retry_after_above_max_retry_after_does_not_pause_the_next_requests_lo
     assert!(start.elapsed() <= 60 * SECOND, "{:?}", start.elapsed());
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests_longer() {
-    // A server that says nothing remains for a day (`RateLimit`'s `r=0;t=86400`), on a 429
-    // (its `retry_delay`, refused as too long) and on a success, then answers without fields.
-    for status in [429, 200] {
-        let server = Scripted::new();
-        let svc = server.service(move |n| {
-            let mut res = answer(200, String::new(), None);
-            if n == 1 {
-                *res.status_mut() = StatusCode::from_u16(status).unwrap();
-                res.headers_mut().insert(
-                    "ratelimit",
-                    HeaderValue::from_static(r#""day";r=0;t=86400"#),
-                );
-            }
-            res
-        });
-        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
-            .build()
-            .unwrap();
-        let backoff = Backoff::builder()
-            .max_retry_after(60 * SECOND)
-            .seed(1)
-            .build()
-            .unwrap();
-        let policy = RetryPolicy::builder(backoff)
-            .pacer(pacer.clone())
-            .build()
-            .unwrap();
-        let client = RetryLayer::new(policy).layer(svc);
-        client.clone().oneshot(request(Method::GET)).await.unwrap();
-        // No later request waits longer than `max_retry_after` for the pacer, as for a
-        // `Retry-After` of a day (before: one request per 1 000 s for the whole day).
-        for i in 0..3 {
-            let start = Instant::now();
-            let next =
-                tokio::time::timeout(1_200 * SECOND, client.clone().oneshot(request(Method::GET)))
-                    .await;
-            assert!(next.is_ok(), "{status} {i}: waited {:?}", start.elapsed());
-            // Within a tick of tokio's timer (1 ms: the pacer's deadline is a few ns past).
-            assert!(
-                start.elapsed() <= 60 * SECOND + MS,
-                "{status} {i}: {:?}",
-                start.elapsed()
+/// A client over a server that says nothing remains for a day (`RateLimit`'s
+/// `r=0;t=86400`) on its first answer, with `status` (`429`: its `retry_delay` is refused as
+/// too long; or a success), then answers without fields; its backoff honours server hints
+/// up to `max_retry_after`. After that first request, the next three each wait at most
+/// `longest` for the pacer.
+async fn a_day_with_nothing_left(status: u16, max_retry_after: Duration, longest: Duration) {
+    let server = Scripted::new();
+    let svc = server.service(move |n| {
+        let mut res = answer(200, String::new(), None);
+        if n == 1 {
+            *res.status_mut() = StatusCode::from_u16(status).unwrap();
+            res.headers_mut().insert(
+                "ratelimit",
+                HeaderValue::from_static(r#""day";r=0;t=86400"#),
             );
         }
-        assert_eq!(server.calls(), 4);
+        res
+    });
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let backoff = Backoff::builder()
+        .max_retry_after(max_retry_after)
+        .seed(1)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(svc);
+    client.clone().oneshot(request(Method::GET)).await.unwrap();
+    for i in 0..3 {
+        let start = Instant::now();
+        let next =
+            tokio::time::timeout(1_200 * SECOND, client.clone().oneshot(request(Method::GET)))
+                .await;
+        assert!(next.is_ok(), "{status} {i}: waited {:?}", start.elapsed());
+        assert!(
+            start.elapsed() <= longest,
+            "{status} {i}: {:?}",
+            start.elapsed()
+        );
+    }
+    assert_eq!(server.calls(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests_longer() {
+    // No later request waits longer than `max_retry_after` for the pacer, as for a
+    // `Retry-After` of a day (before: one request per 1 000 s for the whole day); within a
+    // tick of tokio's timer (1 ms: the pacer's deadline is a few ns past).
+    for status in [429, 200] {
+        a_day_with_nothing_left(status, 60 * SECOND, 60 * SECOND + MS).await;
     }
 }
 
@@ -853,47 +860,9 @@ async fn a_ratelimit_reset_above_max_retry_after_does_not_hold_the_next_requests
 /// or a success, holds the next requests no longer either (it held them for the day).
 #[tokio::test(start_paused = true)]
 async fn a_zero_max_retry_after_holds_no_request_for_a_ratelimit_reset() {
+    // A unit or two of the pacer's rate (100/s, cut once by the 429): not held.
     for status in [429, 200] {
-        let server = Scripted::new();
-        let svc = server.service(move |n| {
-            let mut res = answer(200, String::new(), None);
-            if n == 1 {
-                *res.status_mut() = StatusCode::from_u16(status).unwrap();
-                res.headers_mut().insert(
-                    "ratelimit",
-                    HeaderValue::from_static(r#""day";r=0;t=86400"#),
-                );
-            }
-            res
-        });
-        let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
-            .build()
-            .unwrap();
-        let backoff = Backoff::builder()
-            .max_retry_after(Duration::ZERO)
-            .seed(1)
-            .build()
-            .unwrap();
-        let policy = RetryPolicy::builder(backoff)
-            .pacer(pacer.clone())
-            .build()
-            .unwrap();
-        let client = RetryLayer::new(policy).layer(svc);
-        client.clone().oneshot(request(Method::GET)).await.unwrap();
-        for i in 0..3 {
-            let start = Instant::now();
-            let next =
-                tokio::time::timeout(1_200 * SECOND, client.clone().oneshot(request(Method::GET)))
-                    .await;
-            assert!(next.is_ok(), "{status} {i}: waited {:?}", start.elapsed());
-            // A unit or two of the pacer's rate (100/s, cut once by the 429): not held.
-            assert!(
-                start.elapsed() <= SECOND,
-                "{status} {i}: {:?}",
-                start.elapsed()
-            );
-        }
-        assert_eq!(server.calls(), 4);
+        a_day_with_nothing_left(status, Duration::ZERO, SECOND).await;
     }
 }
 

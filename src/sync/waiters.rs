@@ -497,9 +497,10 @@ impl<T> WaiterList<T> {
 
     /// Take the first waiter out and free it (its key goes stale), waking it (through
     /// `out`); its key and value.
+    #[inline]
     pub(crate) fn wake_front(&mut self, out: &mut Deferred) -> Option<(Key, T)> {
         let key = self.front()?;
-        self.wake(key, out).map(|value| (key, value))
+        Some((key, self.take_waking(key.index, out)))
     }
 
     /// Take a waiting entry out of the list and free it (its key goes stale), waking it
@@ -507,16 +508,19 @@ impl<T> WaiterList<T> {
     /// waiter what it was woken for by other means than a granted entry (the bulkhead's
     /// verdicts), so that the waiter need not take the lock again to claim it.
     pub(crate) fn wake(&mut self, key: Key, out: &mut Deferred) -> Option<T> {
-        if self.status(key) != Status::Waiting {
-            return None;
-        }
-        self.unlink(key.index);
-        match self.release(key.index) {
+        (self.status(key) == Status::Waiting).then(|| self.take_waking(key.index, out))
+    }
+
+    /// Unlink and free the waiting entry `index`, waking it (through `out`); its value.
+    #[inline]
+    fn take_waking(&mut self, index: u32, out: &mut Deferred) -> T {
+        self.unlink(index);
+        match self.release(index) {
             Slot::Waiting { waker, value, .. } => {
                 out.wake(waker);
-                Some(value)
+                value
             }
-            _ => unreachable!("checked waiting"),
+            _ => unreachable!("only waiting entries are linked"),
         }
     }
 

@@ -101,7 +101,7 @@ impl Waiter {
         Poll::Pending
     }
 
-    /// Whether it has a place in the queue (waiting, or granted and not claimed yet).
+    /// Whether it has a place in the queue (waiting, or decided and not seen yet).
     pub(crate) fn is_queued(&self) -> bool {
         self.ticket.is_queued()
     }

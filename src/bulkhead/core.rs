@@ -154,19 +154,26 @@ struct Waiter {
 #[derive(Debug, Default)]
 pub(crate) struct Verdict(AtomicUsize);
 
-const UNDECIDED: usize = 0;
-/// A permit, counted in flight in the waiter's name: the waiter owns it.
-const PERMIT: usize = 1;
-/// Shed for critical work: a refusal, counted when the waiter sees it.
-const SHED: usize = 2;
+/// A verdict decided (undecided is 0 in a [`Verdict`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Decided {
+    /// A permit, counted in flight in the waiter's name: the waiter owns it.
+    Permit = 1,
+    /// Shed for critical work: a refusal, counted when the waiter sees it.
+    Shed = 2,
+}
 
 impl Verdict {
-    fn set(&self, verdict: usize) {
-        self.0.store(verdict, Ordering::Release);
+    fn set(&self, decided: Decided) {
+        self.0.store(decided as usize, Ordering::Release);
     }
 
-    fn get(&self) -> usize {
-        self.0.load(Ordering::Acquire)
+    fn get(&self) -> Option<Decided> {
+        match self.0.load(Ordering::Acquire) {
+            1 => Some(Decided::Permit),
+            2 => Some(Decided::Shed),
+            _ => None,
+        }
     }
 }
 
@@ -224,7 +231,7 @@ impl Waiters {
             if self.normal.get(key).is_some_and(|w| w.bounded) {
                 return match self.normal.wake(key, out) {
                     Some(waiter) => {
-                        waiter.verdict.set(SHED);
+                        waiter.verdict.set(Decided::Shed);
                         true
                     }
                     None => false,
@@ -240,7 +247,7 @@ impl Waiters {
         let Some((_, waiter)) = self.queue(priority).wake_front(out) else {
             return;
         };
-        waiter.verdict.set(PERMIT);
+        waiter.verdict.set(Decided::Permit);
         self.left(&waiter);
     }
 }
@@ -251,20 +258,17 @@ impl Waiters {
 pub(crate) struct Ticket(Option<(Priority, Key, Arc<Verdict>)>);
 
 impl Ticket {
-    /// Whether it holds a place in the queue (waiting, or granted and not claimed yet).
+    /// Whether it holds a place in the queue (waiting, or decided and not seen yet).
     pub(crate) fn is_queued(&self) -> bool {
         self.0.is_some()
     }
 
     /// The verdict, if the queue decided one (read without the lock); the ticket is then
     /// spent.
-    fn decided(&mut self) -> Option<usize> {
-        let verdict = self.0.as_ref()?.2.get();
-        if verdict == UNDECIDED {
-            return None;
-        }
+    fn decided(&mut self) -> Option<Decided> {
+        let decided = self.0.as_ref()?.2.get()?;
         self.0 = None;
-        Some(verdict)
+        Some(decided)
     }
 }
 
@@ -678,10 +682,10 @@ impl Core {
     }
 
     /// What a waiter's verdict means to its poll (a refusal counted now).
-    fn polled(&self, verdict: usize) -> Polled {
-        match verdict {
-            PERMIT => Polled::Acquired,
-            _ => Polled::Refused(self.refuse(AcquireError::WaitingRoomFull)),
+    fn polled(&self, decided: Decided) -> Polled {
+        match decided {
+            Decided::Permit => Polled::Acquired,
+            Decided::Shed => Polled::Refused(self.refuse(AcquireError::WaitingRoomFull)),
         }
     }
 
@@ -692,15 +696,14 @@ impl Core {
         let Some((priority, key, verdict)) = ticket.0.take() else {
             return Left::Removed;
         };
-        // Decided already: no lock to take.
-        let left = |verdict| match verdict {
-            PERMIT => Left::Permit,
+        let left = |decided| match decided {
+            Decided::Permit => Left::Permit,
             // Shed, and gone before it polled again: still a refusal.
-            _ => Left::Shed(self.refuse(AcquireError::WaitingRoomFull)),
+            Decided::Shed => Left::Shed(self.refuse(AcquireError::WaitingRoomFull)),
         };
-        match verdict.get() {
-            UNDECIDED => {}
-            decided => return left(decided),
+        // Decided already: no lock to take.
+        if let Some(decided) = verdict.get() {
+            return left(decided);
         }
         let mut out = Deferred::default();
         let mut moves = Moves::new(self);
@@ -711,10 +714,7 @@ impl Core {
             return Left::Removed;
         }
         // Out of the queue before this lock: decided since the look above, or closed.
-        match verdict.get() {
-            UNDECIDED => Left::Closed,
-            decided => left(decided),
-        }
+        verdict.get().map_or(Left::Closed, left)
     }
 
     /// The grant of a permit taken now: `Some` only when the bulkhead is adaptive.

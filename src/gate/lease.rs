@@ -90,10 +90,15 @@ struct Awake {
 }
 
 impl Awake {
-    /// `now`, read from `Instant`, on the lease clock.
-    fn at(&mut self, now: Instant) -> Instant {
-        let (mono, wall) = (Instant::now(), SystemTime::now());
-        let (mono0, wall0) = *self.origin.get_or_insert((mono, wall));
+    /// Both clocks (read before the lock where that costs nothing more).
+    fn read() -> (Instant, SystemTime) {
+        (Instant::now(), SystemTime::now())
+    }
+
+    /// `now`, read from `Instant`, on the lease clock, given both clocks' `reading`.
+    fn at(&mut self, now: Instant, reading: (Instant, SystemTime)) -> Instant {
+        let (mono, wall) = reading;
+        let (mono0, wall0) = *self.origin.get_or_insert(reading);
         let ahead = wall
             .duration_since(wall0)
             .unwrap_or_default()
@@ -197,7 +202,9 @@ impl Leases {
         let mut state = self.lock();
         let state = &mut *state;
         let lease = state.leases.get_mut(key)?;
-        let now = state.awake.at(now);
+        // Read only once a lease is found (under the lock): a key without one (a cached
+        // rejection's, next) pays no clock reads here.
+        let now = state.awake.at(now, Awake::read());
         let held = lease.live(now, self.rate);
         if held < u64::from(cost) {
             if held == 0 {
@@ -222,8 +229,9 @@ impl Leases {
     /// Every call holds one (whether or not its key has a lease), so keys with a lease plus
     /// calls in flight never exceed the capacity.
     pub(crate) fn place(&self, now: Instant) -> Option<Place<'_>> {
+        let reading = Awake::read();
         let mut state = self.lock();
-        let now = state.awake.at(now);
+        let now = state.awake.at(now, reading);
         if state.leases.len() + state.reserved >= self.capacity {
             // None has run out yet: no pass over them all (under the lock every check
             // takes) to find that out again for each call.

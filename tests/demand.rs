@@ -4,6 +4,7 @@ mod support;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
@@ -263,6 +264,101 @@ async fn a_stream_source_does_not_poll_its_stream_after_the_end() {
         .collect()
         .await;
     assert_eq!(items, [0, 1, 2]);
+}
+
+/// The most items one fetch of an `IterSource` or a `StreamSource` takes, as their docs say.
+const ONE_FETCH: usize = 1024;
+
+/// `0..n` handing out its items one by one, counting them in `pulled`; it panics if asked
+/// again after its end.
+fn counted(n: u64, pulled: &Arc<AtomicU64>) -> impl Iterator<Item = u64> + use<> {
+    let pulled = Arc::clone(pulled);
+    let mut ended = false;
+    std::iter::from_fn(move || {
+        assert!(!ended, "asked again after its end");
+        let i = pulled.fetch_add(1, Ordering::Relaxed);
+        ended = i >= n;
+        (!ended).then_some(i)
+    })
+}
+
+/// The first item of `prefetch(source, high = usize::MAX)`, and how many items the source
+/// had handed out by then.
+async fn first_of_unbounded<S>(source: S, pulled: &AtomicU64) -> (Option<u64>, u64)
+where
+    S: BatchSource<Item = u64, Error = std::convert::Infallible>,
+{
+    let mut items = pin!(prefetch(source, levels(usize::MAX, 0)).items());
+    let first = items.next().await;
+    (first, pulled.load(Ordering::Relaxed))
+}
+
+#[tokio::test]
+async fn one_fetch_of_an_in_memory_source_is_bounded_whatever_high_is() {
+    // `high` of `usize::MAX` over a million ready items: the first item comes after one
+    // bounded fetch, not after the whole source was read into one batch (over an endless
+    // source, never: one poll that does not return, memory without a bound).
+    const N: u64 = 1_000_000;
+    let pulled = Arc::new(AtomicU64::new(0));
+    let first = first_of_unbounded(IterSource::new(counted(N, &pulled)), &pulled).await;
+    assert_eq!(first, (Some(0), ONE_FETCH as u64), "IterSource");
+    let pulled = Arc::new(AtomicU64::new(0));
+    let stream = futures::stream::iter(counted(N, &pulled));
+    let first = first_of_unbounded(StreamSource::new(stream), &pulled).await;
+    assert_eq!(first, (Some(0), ONE_FETCH as u64), "StreamSource");
+}
+
+#[tokio::test]
+async fn in_memory_sources_in_bounded_fetches_deliver_everything_and_end_once() {
+    // Around the fetch size: one short, exact, one over, several fetches and an exact
+    // multiple (the fetch after the last full one takes nothing and ends the source).
+    let one = ONE_FETCH as u64;
+    for n in [0, 1, one - 1, one, one + 1, 2 * one, 3 * one + 7] {
+        for high in [usize::MAX, 3 * ONE_FETCH, 1500, 7] {
+            let pulled = Arc::new(AtomicU64::new(0));
+            let items: Vec<u64> = prefetch(IterSource::new(counted(n, &pulled)), levels(high, 0))
+                .items()
+                .collect()
+                .await;
+            assert_eq!(
+                items,
+                (0..n).collect::<Vec<_>>(),
+                "IterSource, n {n}, high {high}"
+            );
+            let pulled = Arc::new(AtomicU64::new(0));
+            let stream = futures::stream::iter(counted(n, &pulled));
+            let items: Vec<u64> = prefetch(StreamSource::new(stream), levels(high, 0))
+                .items()
+                .collect()
+                .await;
+            assert_eq!(
+                items,
+                (0..n).collect::<Vec<_>>(),
+                "StreamSource, n {n}, high {high}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_fetch_asked_for_more_than_it_takes_returns_what_it_took() {
+    // Straight through `poll_fetch`: asked for `usize::MAX`, a fetch returns `ONE_FETCH`
+    // items; asked for fewer, exactly those.
+    let cx = &mut Context::from_waker(Waker::noop());
+    let mut source = IterSource::new(0..5_000u32);
+    let Poll::Ready(Some(Ok(batch))) = Pin::new(&mut source).poll_fetch(cx, usize::MAX) else {
+        panic!("an IterSource is always ready");
+    };
+    assert_eq!((batch.len(), batch.last()), (ONE_FETCH, Some(&1023)));
+    let Poll::Ready(Some(Ok(batch))) = Pin::new(&mut source).poll_fetch(cx, 3) else {
+        panic!("an IterSource is always ready");
+    };
+    assert_eq!(batch, [1024, 1025, 1026]);
+    let mut source = StreamSource::new(futures::stream::iter(0..5_000u32));
+    let Poll::Ready(Some(Ok(batch))) = Pin::new(&mut source).poll_fetch(cx, usize::MAX) else {
+        panic!("a ready stream's fetch is ready");
+    };
+    assert_eq!(batch.len(), ONE_FETCH);
 }
 
 #[tokio::test]

@@ -953,31 +953,51 @@ fn fleet(lease: u32) -> (u64, u64) {
 /// The file the sleeping host's wall clock reads its offset from (libfaketime's
 /// `FAKETIME_TIMESTAMP_FILE`), for `host_sleep_worker`.
 const SLEEP_RC: &str = "FLOWGATE_SLEEP_RC";
+/// What `host_sleep_worker` holds when the host sleeps: `lease` (tokens leased, not spent
+/// yet) or `rejection` (a rejection in the local cache).
+const SLEEP_HOLDS: &str = "FLOWGATE_SLEEP_HOLDS";
 
 /// A process whose host sleeps for an hour mid-run: its wall clock jumps an hour ahead
 /// while its monotonic clock (`Instant`) does not move, as across a laptop's suspend or a
 /// paused VM, and Redis's bucket, refilled meanwhile, has expired. Prints how many requests
-/// were admitted right after it woke. Run by
-/// `leased_tokens_are_not_spent_after_the_host_slept`, not on its own.
+/// were admitted right after it woke. Run by [`admitted_after_the_host_slept`], not on its
+/// own.
 #[test]
 #[ignore = "a subprocess entry point of the host sleep test, run by it"]
 fn host_sleep_worker() {
-    let (Ok(rc), Ok(url)) = (std::env::var(SLEEP_RC), std::env::var(FLEET_URL)) else {
+    let (Ok(rc), Ok(url), Ok(holds)) = (
+        std::env::var(SLEEP_RC),
+        std::env::var(FLEET_URL),
+        std::env::var(SLEEP_HOLDS),
+    ) else {
         return;
     };
     let admitted = rt().block_on(async {
         let client = redis::Client::open(url).unwrap();
         let mut con = client.get_multiplexed_async_connection().await.unwrap();
         let quota = Quota::per_second(1).unwrap().burst(10).unwrap();
-        let gate = RedisGate::builder(con.clone(), Limit::TokenBucket(quota))
-            .lease(10)
-            .lease_ttl(Duration::from_secs(60))
-            .timeout(Duration::from_secs(2))
-            .build()
-            .await
-            .unwrap();
-        // A lease of the whole burst: one token spent, 9 kept here.
-        assert!(gate.check("k", 1).await.unwrap().allowed);
+        let builder = RedisGate::builder(con.clone(), Limit::TokenBucket(quota))
+            .timeout(Duration::from_secs(2));
+        let gate = if holds == "lease" {
+            let gate = builder
+                .lease(10)
+                .lease_ttl(Duration::from_secs(60))
+                .build()
+                .await
+                .unwrap();
+            // A lease of the whole burst: one token spent, 9 kept here.
+            assert!(gate.check("k", 1).await.unwrap().allowed);
+            gate
+        } else {
+            let gate = builder.build().await.unwrap();
+            // The burst spent, then a rejection for a second, cached here.
+            for _ in 0..10 {
+                assert!(gate.check("k", 1).await.unwrap().allowed);
+            }
+            assert!(!gate.check("k", 1).await.unwrap().allowed);
+            assert_eq!(gate.cached_rejections(), 1);
+            gate
+        };
         // The host sleeps for an hour: the wall clock runs on, the monotonic clock does
         // not, and Redis's bucket is full again (its key expired, as after an hour).
         std::fs::write(&rc, "+3600").unwrap();
@@ -1004,13 +1024,9 @@ fn libfaketime() -> String {
     lib
 }
 
-#[test]
-fn leased_tokens_are_not_spent_after_the_host_slept() {
-    // Leased tokens are spent here no later than their place in the bucket's schedule, by
-    // the monotonic clock, which stops while the host sleeps; Redis's clock does not, and
-    // its bucket is full again on waking. The 9 tokens kept from before the sleep, spent
-    // on top of that, passed 19 at once: a token bucket admits at most burst + rate x span,
-    // 10 (and 1 for the milliseconds the requests take).
+/// Runs [`host_sleep_worker`] holding `holds` under libfaketime, whose wall clock jumps an
+/// hour ahead mid-run; returns how many requests it admitted right after it woke.
+fn admitted_after_the_host_slept(holds: &str) -> u64 {
     let server = RedisServer::start();
     let dir = support::TempDir::new("flowgate-sleep");
     let rc = dir.path().join("faketime.rc");
@@ -1028,12 +1044,12 @@ fn leased_tokens_are_not_spent_after_the_host_slept() {
         .env("FAKETIME_NO_CACHE", "1")
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
         .env(SLEEP_RC, &rc)
+        .env(SLEEP_HOLDS, holds)
         .env(FLEET_URL, server.url())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let admitted: u64 = text
-        .lines()
+    text.lines()
         .find_map(|l| l.split("ADMITTED ").nth(1))
         .unwrap_or_else(|| {
             panic!(
@@ -1043,10 +1059,33 @@ fn leased_tokens_are_not_spent_after_the_host_slept() {
         })
         .trim()
         .parse()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn leased_tokens_are_not_spent_after_the_host_slept() {
+    // Leased tokens are spent here no later than their place in the bucket's schedule, by
+    // the monotonic clock, which stops while the host sleeps; Redis's clock does not, and
+    // its bucket is full again on waking. The 9 tokens kept from before the sleep, spent
+    // on top of that, passed 19 at once: a token bucket admits at most burst + rate x span,
+    // 10 (and 1 for the milliseconds the requests take).
+    let admitted = admitted_after_the_host_slept("lease");
     assert!(
         admitted <= 11,
         "admitted {admitted} right after the host woke; bound 11 = burst + rate x span"
+    );
+}
+
+#[test]
+fn a_cached_rejection_ends_when_the_host_slept_through_it() {
+    // A rejection cached for a second, then the host sleeps an hour: on waking Redis's
+    // bucket is full again (burst 10), but `Instant` had not moved, and the cache refused
+    // every request for the second it still had to run: 0 admitted of 30.
+    let admitted = admitted_after_the_host_slept("rejection");
+    assert!(
+        (10..=11).contains(&admitted),
+        "admitted {admitted} right after the host woke; Redis admits its burst, 10 (11 with \
+         the milliseconds the requests take)"
     );
 }
 

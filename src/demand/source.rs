@@ -52,9 +52,14 @@ impl<S: BatchSource + Unpin + ?Sized> BatchSource for &mut S {
     }
 }
 
+/// The most items one fetch of an in-memory source takes, whatever `max` is: each poll of a
+/// [`prefetch`](crate::demand::prefetch) over an always-ready source does bounded work (with
+/// `high` of `usize::MAX` and an endless source, one unbounded fetch would never return).
+const ONE_FETCH: usize = 1024;
+
 /// Any [`Stream`] as a [`BatchSource`] (for tests and simple sources): a fetch takes up to
-/// `max` items that are ready, waiting only for the first. Once the stream returns `None` it
-/// is not polled again (a stream need not be fused).
+/// `max` items that are ready, and at most 1024, waiting only for the first. Once the
+/// stream returns `None` it is not polled again (a stream need not be fused).
 #[pin_project]
 #[derive(Debug)]
 pub struct StreamSource<S> {
@@ -93,7 +98,8 @@ impl<S: Stream> BatchSource for StreamSource<S> {
             return Poll::Ready(None);
         }
         let mut stream = this.stream;
-        let mut batch = Vec::with_capacity(max.min(1024));
+        let max = max.min(ONE_FETCH);
+        let mut batch = Vec::with_capacity(max);
         while batch.len() < max {
             match stream.as_mut().poll_next(cx) {
                 Poll::Ready(Some(item)) => batch.push(item),
@@ -113,8 +119,9 @@ impl<S: Stream> BatchSource for StreamSource<S> {
 }
 
 /// Any [`Iterator`] as a [`BatchSource`]: an in-memory source (a `Vec` of jobs, a range of
-/// offsets, a decoder over bytes already read). A fetch takes up to `max` items at once; the
-/// source is always ready, never fails, and ends the first time the iterator returns `None`
+/// offsets, a decoder over bytes already read). A fetch takes up to `max` items at once, and
+/// at most 1024 (so that one poll does bounded work, however large `max` is); the source is
+/// always ready, never fails, and ends the first time the iterator returns `None`
 /// (it is not called again). `next` runs inside `poll`, so it must not block: an iterator
 /// that does I/O belongs behind a real source.
 ///
@@ -171,8 +178,9 @@ impl<I: Iterator> BatchSource for IterSource<I> {
         if *this.ended {
             return Poll::Ready(None);
         }
+        let max = max.min(ONE_FETCH);
         let batch: Vec<I::Item> = this.iter.by_ref().take(max).collect();
-        // Fewer than `max`: the iterator returned `None`.
+        // Fewer than asked: the iterator returned `None`.
         *this.ended = batch.len() < max;
         if batch.is_empty() {
             Poll::Ready(None)

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -56,7 +56,8 @@ impl Outcomes {
     pub(crate) fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
         self.count(decision);
         if !decision.allowed {
-            self.cache.rejected(key, cost, sent, decision);
+            let now = (Instant::now(), SystemTime::now());
+            self.cache.rejected(key, cost, sent, decision, now);
         }
     }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 // Real time, not tokio's (pausable) clock: the cache, leases and probes follow Redis, whose
 // clock never pauses.
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use redis::aio::ConnectionLike;
 use tokio::sync::oneshot;
@@ -136,7 +136,10 @@ pub(super) struct Inner<C> {
 ///   (a larger cost with the longer `retry_after` it needs: a token bucket's one emission
 ///   interval per unit more, a fixed window's the same; under the sliding algorithms only
 ///   cost `c` itself, larger ones go to Redis). Exact: T is counted from when the request
-///   was sent, so it never rejects what Redis would admit. A cached answer is of the time
+///   was sent, so it never rejects what Redis would admit; it runs on the monotonic clock
+///   and the wall clock both, whichever ends it first, so a host that slept (a laptop
+///   suspended, a VM paused: `Instant` stops, Redis's clock does not) does not keep
+///   refusing on waking. A cached answer is of the time
 ///   it is given: `retry_after` and `reset_after` count down, and a token bucket's
 ///   `remaining` counts the units refilled since (as if no other instance took any
 ///   meanwhile, as `retry_after` does). Forgotten when Redis may have
@@ -591,7 +594,12 @@ where
             inner.metrics.outcomes.allowed.increment(1);
             return Some(Ok(decision));
         }
-        if let Some(decision) = inner.metrics.outcomes.cache.check(key, cost, now) {
+        if let Some(decision) = inner
+            .metrics
+            .outcomes
+            .cache
+            .check(key, cost, now, SystemTime::now)
+        {
             inner.metrics.cached.increment(1);
             return Some(Ok(decision));
         }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::decision::Decision;
 use crate::gate::limit::Limit;
@@ -15,8 +15,11 @@ struct Entry {
     /// The smallest cost Redis rejected for this key...
     cost: u32,
     /// ...until this instant (measured from when the request was sent, so never later than
-    /// the server would admit it).
+    /// the server would admit it)...
     until: Instant,
+    /// ...or this time of the wall clock, whichever comes first: `until` on the clock that
+    /// runs on while the host sleeps (`Instant` stops; Redis's clock does not).
+    wall_until: SystemTime,
     /// The rejection, for the fields of cached answers.
     decision: Decision,
 }
@@ -44,6 +47,13 @@ struct Entries {
 /// A cached answer is of the moment it is given, as if nothing had been admitted on the key
 /// since (others only take): `retry_after` and `reset_after` count down, and a token
 /// bucket's `remaining` counts the units refilled since the rejection.
+///
+/// Time runs on both clocks: `Instant` (`CLOCK_MONOTONIC`) stops while the host sleeps (a
+/// laptop suspended, a VM paused) where Redis's clock does not, so an entry also expires
+/// when the wall clock reaches its end (a wall clock stepped forward ends entries early:
+/// those requests go to Redis; one stepped back changes nothing). What is left for the
+/// wall clock is taken when the rejection is recorded: a host that slept while the request
+/// was in flight may keep it up to that sleep longer (bounded by the `retry_after`).
 #[derive(Debug)]
 pub(crate) struct RejectCache {
     entries: Mutex<Entries>,
@@ -82,8 +92,15 @@ impl RejectCache {
         }
     }
 
-    /// A cached rejection for `cost` on `key` at `now`, if one applies.
-    pub(crate) fn check(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
+    /// A cached rejection for `cost` on `key` at `now`, if one applies. `wall` reads the
+    /// wall clock, only for a key with an entry (`SystemTime::now`; tests pass their own).
+    pub(crate) fn check(
+        &self,
+        key: &str,
+        cost: u32,
+        now: Instant,
+        wall: impl FnOnce() -> SystemTime,
+    ) -> Option<Decision> {
         // A rejection being recorded concurrently may be missed: the request then goes to
         // Redis, which is never wrong.
         if self.count.load(Ordering::Acquire) == 0 {
@@ -91,11 +108,20 @@ impl RejectCache {
         }
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = *entries.map.get(key)?;
-        if now >= entry.until {
+        // What is left on each clock; nothing on either: expired.
+        let left = entry
+            .until
+            .checked_duration_since(now)
+            .filter(|left| !left.is_zero())
+            .and_then(|left| match entry.wall_until.duration_since(wall()) {
+                Ok(wall_left) if !wall_left.is_zero() => Some(left.min(wall_left)),
+                _ => None,
+            });
+        let Some(left) = left else {
             entries.map.remove(key);
             self.count.store(entries.map.len(), Ordering::Release);
             return None;
-        }
+        };
         if cost < entry.cost {
             return None;
         }
@@ -104,7 +130,6 @@ impl RejectCache {
             more => self.longer_wait(more)?,
         };
         let mut d = entry.decision;
-        let left = entry.until - now;
         d.retry_after = left.saturating_add(longer);
         d.reset_after = d
             .reset_after
@@ -134,15 +159,27 @@ impl RejectCache {
         now.max(then)
     }
 
-    /// Remember that Redis rejected `cost` on `key` for a request sent at `sent`.
-    pub(crate) fn rejected(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+    /// Remember that Redis rejected `cost` on `key` for a request sent at `sent`; `read`:
+    /// both clocks now (`(Instant::now(), SystemTime::now())`; tests pass their own).
+    pub(crate) fn rejected(
+        &self,
+        key: &str,
+        cost: u32,
+        sent: Instant,
+        decision: &Decision,
+        read: (Instant, SystemTime),
+    ) {
         if self.capacity == 0 || decision.retry_after == Duration::ZERO {
             return;
         }
         let until = sent + decision.retry_after;
+        let (now, wall) = read;
+        // (Beyond what `SystemTime` holds: not cached, never wrong.)
+        let Some(wall_until) = wall.checked_add(until.saturating_duration_since(now)) else {
+            return;
+        };
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
         if entries.map.len() >= self.capacity && !entries.map.contains_key(key) {
-            let now = Instant::now();
             // None has expired yet: no pass over them all (under the lock every check
             // takes) to find that out again for each new key.
             if entries.next_expiry.is_some_and(|at| now < at) {
@@ -152,7 +189,7 @@ impl RejectCache {
             self.sweeps.fetch_add(1, Ordering::Relaxed);
             let mut next = None;
             entries.map.retain(|_, e| {
-                let live = e.until > now;
+                let live = e.until > now && e.wall_until > wall;
                 if live {
                     next = Some(next.map_or(e.until, |at: Instant| at.min(e.until)));
                 }
@@ -169,6 +206,7 @@ impl RejectCache {
             Entry {
                 cost,
                 until,
+                wall_until,
                 decision: *decision,
             },
         );
@@ -192,10 +230,9 @@ impl RejectCache {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::time::{Duration, Instant, SystemTime};
 
     use proptest::prelude::*;
-    use std::time::Instant;
 
     use std::sync::atomic::Ordering;
 
@@ -213,6 +250,7 @@ mod tests {
         trace: &[(u64, u8, u32, bool)],
     ) -> Result<(), TestCaseError> {
         let origin = Instant::now();
+        let wall0 = SystemTime::now();
         let cache = RejectCache::new(4, limit);
         let mut models: Vec<Limiter<A>> = (0..6).map(|_| Limiter::new(algorithm.clone())).collect();
         // Whether the model admitted on a key since its last rejection was cached: then the
@@ -228,7 +266,8 @@ mod tests {
             if cost as u64 > model.capacity() {
                 continue;
             }
-            if let Some(cached) = cache.check(&name, cost, at) {
+            let wall = wall0 + now;
+            if let Some(cached) = cache.check(&name, cost, at, || wall) {
                 prop_assert!(!cached.allowed);
                 let mut probe = model.clone();
                 let truth = probe.check(now, cost).unwrap();
@@ -272,7 +311,7 @@ mod tests {
             if d.allowed {
                 admitted_since[usize::from(key)] = true;
             } else {
-                cache.rejected(&name, cost, at, &d);
+                cache.rejected(&name, cost, at, &d, (at, wall));
                 admitted_since[usize::from(key)] = false;
             }
         }
@@ -318,11 +357,12 @@ mod tests {
         b.check(Duration::ZERO, 1).unwrap();
         let hour = b.check(Duration::ZERO, 1).unwrap();
         let now = Instant::now();
+        let read = (now, SystemTime::now());
         for i in 0..100 {
-            cache.rejected(&format!("live{i}"), 1, now, &hour);
+            cache.rejected(&format!("live{i}"), 1, now, &hour, read);
         }
         for i in 0..1_000 {
-            cache.rejected(&format!("new{i}"), 1, now, &hour);
+            cache.rejected(&format!("new{i}"), 1, now, &hour, read);
         }
         assert_eq!(cache.len(), 100);
         let sweeps = cache.sweeps.load(Ordering::Relaxed);
@@ -332,11 +372,11 @@ mod tests {
         let second_ago = now.checked_sub(Duration::from_secs(1)).unwrap();
         let mut short = hour;
         short.retry_after = Duration::from_millis(1);
-        cache.rejected("expired", 1, second_ago, &short);
-        cache.rejected("live", 1, now, &hour);
-        cache.rejected("new", 1, now, &hour);
+        cache.rejected("expired", 1, second_ago, &short, read);
+        cache.rejected("live", 1, now, &hour, read);
+        cache.rejected("new", 1, now, &hour, read);
         assert!(
-            cache.check("new", 1, now).is_some(),
+            cache.check("new", 1, now, || read.1).is_some(),
             "the expired entry made room"
         );
     }
@@ -344,18 +384,54 @@ mod tests {
     #[test]
     fn a_full_cache_stops_caching_instead_of_guessing() {
         let cache = RejectCache::new(1, Limit::TokenBucket(Quota::per_second(1).unwrap()));
-        let now = Instant::now();
+        let (now, wall) = (Instant::now(), SystemTime::now());
         let mut b = Limiter::new(TokenBucket::new(Quota::per_second(1).unwrap()));
         b.check(Duration::ZERO, 1).unwrap();
         let d = b.check(Duration::ZERO, 1).unwrap();
-        cache.rejected("a", 1, now, &d);
-        cache.rejected("b", 1, now, &d);
+        cache.rejected("a", 1, now, &d, (now, wall));
+        cache.rejected("b", 1, now, &d, (now, wall));
         assert_eq!(cache.len(), 1);
-        assert!(cache.check("b", 1, now).is_none());
-        assert!(cache.check("a", 1, now).is_some());
+        assert!(cache.check("b", 1, now, || wall).is_none());
+        assert!(cache.check("a", 1, now, || wall).is_some());
+        let second = Duration::from_secs(1);
         assert!(
-            cache.check("a", 1, now + Duration::from_secs(1)).is_none(),
+            cache
+                .check("a", 1, now + second, || wall + second)
+                .is_none(),
             "expired"
         );
+    }
+
+    /// `Instant` stops while the host sleeps; Redis's clock, and the wall clock, do not. A
+    /// rejection cached for an hour before the host slept for that hour refused, after it
+    /// woke, what Redis admitted, for the hour more `Instant` had to run.
+    #[test]
+    fn a_rejection_ends_by_the_wall_clock_too() {
+        let limit = Limit::TokenBucket(Quota::per_hour(1).unwrap());
+        let cache = RejectCache::new(4, limit);
+        let mut b = Limiter::new(TokenBucket::new(Quota::per_hour(1).unwrap()));
+        b.check(Duration::ZERO, 1).unwrap();
+        let hour = b.check(Duration::ZERO, 1).unwrap();
+        assert_eq!(hour.retry_after, Duration::from_secs(3600));
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let ms = Duration::from_millis(1);
+        // Sent 1 ms before it was recorded: an hour from the sending, on both clocks.
+        cache.rejected("k", 1, now, &hour, (now + ms, wall + ms));
+        let left = |mono: Duration, wall_ran: Duration| {
+            cache
+                .check("k", 1, now + mono, || wall + wall_ran)
+                .map(|d| d.retry_after)
+        };
+        let quarter = Duration::from_secs(900);
+        // Awake: both clocks agree.
+        assert_eq!(left(quarter, quarter), Some(3 * quarter));
+        // The host slept half an hour (the wall clock ran on, `Instant` did not): half an
+        // hour less to wait, as Redis counts.
+        assert_eq!(left(quarter, 3 * quarter), Some(quarter));
+        // A wall clock stepped back changes nothing.
+        assert_eq!(left(quarter, Duration::ZERO), Some(3 * quarter));
+        // Slept the rest of the hour: gone, the request goes to Redis.
+        assert_eq!(left(quarter, 4 * quarter), None);
+        assert_eq!(cache.len(), 0);
     }
 }

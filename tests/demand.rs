@@ -293,6 +293,15 @@ where
     (first, pulled.load(Ordering::Relaxed))
 }
 
+/// Checks that `prefetch(source, high)` yields exactly `0..n`.
+async fn all_of<S>(source: S, n: u64, high: usize)
+where
+    S: BatchSource<Item = u64, Error = std::convert::Infallible>,
+{
+    let items: Vec<u64> = prefetch(source, levels(high, 0)).items().collect().await;
+    assert_eq!(items, (0..n).collect::<Vec<_>>(), "n {n}, high {high}");
+}
+
 #[tokio::test]
 async fn one_fetch_of_an_in_memory_source_is_bounded_whatever_high_is() {
     // `high` of `usize::MAX` over a million ready items: the first item comes after one
@@ -316,26 +325,10 @@ async fn in_memory_sources_in_bounded_fetches_deliver_everything_and_end_once() 
     for n in [0, 1, one - 1, one, one + 1, 2 * one, 3 * one + 7] {
         for high in [usize::MAX, 3 * ONE_FETCH, 1500, 7] {
             let pulled = Arc::new(AtomicU64::new(0));
-            let items: Vec<u64> = prefetch(IterSource::new(counted(n, &pulled)), levels(high, 0))
-                .items()
-                .collect()
-                .await;
-            assert_eq!(
-                items,
-                (0..n).collect::<Vec<_>>(),
-                "IterSource, n {n}, high {high}"
-            );
+            all_of(IterSource::new(counted(n, &pulled)), n, high).await;
             let pulled = Arc::new(AtomicU64::new(0));
             let stream = futures::stream::iter(counted(n, &pulled));
-            let items: Vec<u64> = prefetch(StreamSource::new(stream), levels(high, 0))
-                .items()
-                .collect()
-                .await;
-            assert_eq!(
-                items,
-                (0..n).collect::<Vec<_>>(),
-                "StreamSource, n {n}, high {high}"
-            );
+            all_of(StreamSource::new(stream), n, high).await;
         }
     }
 }

@@ -262,6 +262,34 @@ async fn a_target_saturated_at_the_first_step_is_an_error() {
     );
 }
 
+/// Pushed back with one call in flight, the target limits its rate (or is overloaded):
+/// there is no lower concurrency to try, so the error says so and points at pacing instead
+/// of saying "the knee is lower". Saturated at a higher first step, it says how to start
+/// lower.
+#[tokio::test(start_paused = true)]
+async fn saturated_at_one_call_says_the_target_limits_its_rate_and_what_to_do() {
+    let target = Scripted::new(Duration::from_millis(5), 5, Outcome::BackPressure);
+    let err = find_knee(&target, &quick().build().unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, KneeError::SaturatedAtStart { concurrency: 1, .. }),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(!msg.contains("knee is lower"), "{msg}");
+    assert!(msg.contains("limits its rate"), "{msg}");
+    assert!(msg.contains("pace"), "{msg}");
+
+    let target = Scripted::new(Duration::from_millis(5), 5, Outcome::BackPressure);
+    let err = find_knee(&target, &quick().start(4).build().unwrap())
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("the knee is lower"), "{msg}");
+    assert!(msg.contains("KneeConfigBuilder::start"), "{msg}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn ignored_outcomes_are_counted_apart() {
     let target = Scripted::new(Duration::from_millis(10), 4, Outcome::Ignored);

@@ -268,7 +268,10 @@ pub enum KneeError {
         concurrency: u32,
     },
     /// The lowest concurrency measured is already saturated (pushed back beyond
-    /// `max_back_pressure`): the knee is below it.
+    /// `max_back_pressure`): the knee is below it. At a concurrency of 1 there is nothing
+    /// below: a target that pushes back calls sent one at a time limits its rate, not its
+    /// concurrency (or is overloaded), and wants pacing ([`pace`](crate::pace)), not a
+    /// concurrency limit.
     SaturatedAtStart {
         /// The lowest concurrency measured.
         concurrency: u32,
@@ -285,11 +288,19 @@ impl fmt::Display for KneeError {
                 "no call succeeded at concurrency {concurrency}: the target is down or refuses every call"
             ),
             KneeError::SaturatedAtStart {
+                concurrency: 1,
+                back_pressure_ratio,
+            } => write!(
+                f,
+                "the target pushes back {:.1} % of calls sent one at a time: it limits its rate, not its concurrency (or is overloaded now), so there is no concurrency knee to find; pace the calls to its rate (flowgate::pace), or measure again once it serves one call at a time",
+                back_pressure_ratio * 100.0
+            ),
+            KneeError::SaturatedAtStart {
                 concurrency,
                 back_pressure_ratio,
             } => write!(
                 f,
-                "the target is saturated at concurrency {concurrency} already ({:.1} % of calls pushed back): the knee is lower",
+                "the target is saturated at concurrency {concurrency} already ({:.1} % of calls pushed back): the knee is lower; start the ramp lower (KneeConfigBuilder::start) or list lower concurrencies (KneeConfigBuilder::steps)",
                 back_pressure_ratio * 100.0
             ),
         }

@@ -290,6 +290,34 @@ async fn saturated_at_one_call_says_the_target_limits_its_rate_and_what_to_do() 
     assert!(msg.contains("KneeConfigBuilder::start"), "{msg}");
 }
 
+/// A target whose every answer is `Ignored` (a wrong path answering `404`, say) is neither
+/// down nor refusing calls, and neither is one whose calls all outlast the step: the error
+/// tells these apart from a target that pushes back, and says what to look at.
+#[tokio::test(start_paused = true)]
+async fn a_first_step_that_measured_nothing_is_not_called_a_refusing_target() {
+    let ignored = Scripted::new(Duration::from_millis(10), 1, Outcome::Ignored);
+    let err = find_knee(&ignored, &quick().build().unwrap())
+        .await
+        .unwrap_err();
+    assert!(!matches!(err, KneeError::NoSuccess { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(!msg.contains("refuses"), "{msg}");
+    assert!(
+        msg.contains("250 calls") && msg.contains("Ignored"),
+        "{msg}"
+    );
+
+    // Calls of 5 s against steps of 3 s: none started after the warm-up ends in the step.
+    let slow = Scripted::new(Duration::from_secs(5), 0, Outcome::Ok);
+    let err = find_knee(&slow, &quick().build().unwrap())
+        .await
+        .unwrap_err();
+    assert!(!matches!(err, KneeError::NoSuccess { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(!msg.contains("refuses"), "{msg}");
+    assert!(msg.contains("step_duration"), "{msg}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn ignored_outcomes_are_counted_apart() {
     let target = Scripted::new(Duration::from_millis(10), 4, Outcome::Ignored);

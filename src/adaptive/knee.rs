@@ -262,10 +262,22 @@ impl KneeReport {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum KneeError {
-    /// No call succeeded at the lowest concurrency: the target is down or refuses all.
+    /// No call succeeded at the lowest concurrency, and some were pushed back or timed out:
+    /// the target is down or refuses all.
     NoSuccess {
         /// The lowest concurrency measured.
         concurrency: u32,
+    },
+    /// Nothing at the lowest concurrency measured the target's capacity, and nothing says
+    /// it refuses: every call started after the warm-up ended
+    /// [`Ignored`](Outcome::Ignored) (its answers say nothing about capacity: a wrong path
+    /// answering `404`, a request the target cannot serve), or none of them ended within
+    /// the step (calls longer than the step's measured part).
+    NothingMeasured {
+        /// The lowest concurrency measured.
+        concurrency: u32,
+        /// Its calls started after the warm-up that ended `Ignored`.
+        ignored: u64,
     },
     /// The lowest concurrency measured is already saturated (pushed back beyond
     /// `max_back_pressure`): the knee is below it. At a concurrency of 1 there is nothing
@@ -286,6 +298,20 @@ impl fmt::Display for KneeError {
             KneeError::NoSuccess { concurrency } => write!(
                 f,
                 "no call succeeded at concurrency {concurrency}: the target is down or refuses every call"
+            ),
+            KneeError::NothingMeasured {
+                concurrency,
+                ignored: 0,
+            } => write!(
+                f,
+                "no call started at concurrency {concurrency} after the warm-up ended within the step: the calls take longer than step_duration minus warmup; lengthen KneeConfigBuilder::step_duration (and KneeConfigBuilder::timeout, if they take longer than it)"
+            ),
+            KneeError::NothingMeasured {
+                concurrency,
+                ignored,
+            } => write!(
+                f,
+                "every call measured at concurrency {concurrency} ended Ignored ({ignored} calls): the target's answers say nothing about its capacity; check what the calls send (the URL, the request) and how KneeTarget::call classifies the answers"
             ),
             KneeError::SaturatedAtStart {
                 concurrency: 1,
@@ -315,6 +341,7 @@ impl std::error::Error for KneeError {}
 /// # Errors
 ///
 /// [`KneeError::NoSuccess`] when no call succeeds at the lowest concurrency,
+/// [`KneeError::NothingMeasured`] when none of its calls said anything about capacity,
 /// [`KneeError::SaturatedAtStart`] when it is saturated already.
 ///
 /// # Cancel safety
@@ -471,6 +498,12 @@ impl<F: FnMut(&KneeProgress<'_>)> Search<'_, F> {
 }
 
 fn check_first(step: &KneeStep, config: &KneeConfig) -> Result<(), KneeError> {
+    if step.ok == 0 && step.back_pressure == 0 {
+        return Err(KneeError::NothingMeasured {
+            concurrency: step.concurrency,
+            ignored: step.ignored,
+        });
+    }
     if step.ok == 0 {
         return Err(KneeError::NoSuccess {
             concurrency: step.concurrency,

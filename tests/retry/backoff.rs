@@ -235,9 +235,10 @@ fn a_hint_above_max_retry_after_gives_up() {
             max: Duration::from_secs(30)
         }
     );
+    // The message names the setting that allows more, for a caller who wants to wait.
     assert_eq!(
         err.to_string(),
-        "gave up: the server asked to wait 31s, longer than the 30s allowed"
+        "gave up: the server asked to wait 31s, longer than the 30s allowed by BackoffBuilder::max_retry_after"
     );
     assert_eq!(s.attempts(), 2, "giving up counts no attempt");
 }

@@ -114,7 +114,7 @@ impl fmt::Display for GiveUp {
             ),
             GiveUp::HintTooLong { hint, max } => write!(
                 f,
-                "gave up: the server asked to wait {hint:?}, longer than the {max:?} allowed"
+                "gave up: the server asked to wait {hint:?}, longer than the {max:?} allowed by BackoffBuilder::max_retry_after"
             ),
         }
     }

@@ -188,7 +188,10 @@ impl Methods {
 /// streaming body cannot be retried). Each attempt sends a clone of the request; for each
 /// one [`Retry`]'s future:
 ///
-/// 1. waits for the policy's [`AdaptivePacer`], if any;
+/// 1. waits for the policy's [`AdaptivePacer`], if any (as long as it takes: after a
+///    `Retry-After` it pauses every request until then, up to the backoff's
+///    [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after), whatever the
+///    backoff's deadline; a tower `TimeoutLayer` around this layer bounds the whole);
 /// 2. sends the request (the inner service made ready first), under the policy's
 ///    [`attempt_timeout`](crate::retry::RetryPolicyBuilder::attempt_timeout) if any (a
 ///    timed-out attempt is back-pressure; the backoff's deadline is checked only between

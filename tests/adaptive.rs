@@ -677,6 +677,58 @@ fn bad_bounds_given_to_an_algorithm_do_not_panic() {
     }
 }
 
+/// A bulkhead of 10 000 bounds its algorithm to 10 000: an algorithm whose `max_limit` was
+/// left at its default (1000, for one used on its own) grows up to the bulkhead's bound,
+/// not to 1000; one given a `max_limit` keeps it. `Bulkhead::builder(10_000)
+/// .adaptive(Aimd::default())` never went above 1000 in flight.
+#[test]
+fn a_default_max_limit_gives_way_to_the_bulkheads_bound() {
+    let busy = Sample {
+        rtt: 10 * MS,
+        in_flight: 10_000,
+        outcome: Outcome::Ok,
+        now: Duration::from_secs(1),
+    };
+    let grown = |mut limit: Aimd| {
+        limit.bound(1, 10_000);
+        for _ in 0..2_000 {
+            limit.update(&busy);
+        }
+        limit.limit()
+    };
+    // From 20, one more for each of 2 000 busy successes.
+    assert_eq!(grown(Aimd::builder().build().unwrap()), 2_020);
+    assert_eq!(grown(Aimd::builder().max_limit(500).build().unwrap()), 500);
+    // Through a bulkhead: the same bound, `max_in_flight` follows.
+    let bulkhead = Bulkhead::builder(10_000)
+        .adaptive(Aimd::builder().initial(999).build().unwrap())
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for _ in 0..10 {
+            let permits: Vec<_> = futures::future::join_all(
+                (0..bulkhead.max_in_flight()).map(|_| bulkhead.acquire()),
+            )
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+            for permit in permits {
+                permit.record(Outcome::Ok);
+            }
+        }
+    });
+    assert!(
+        bulkhead.max_in_flight() > 1_000,
+        "max_in_flight {}",
+        bulkhead.max_in_flight()
+    );
+}
+
 /// `probe_interval(u32::MAX)` (hold a level, next to never try another) is a valid setting.
 /// A cut schedules a trial below for the next window (the hold starts `probe_interval`
 /// windows in); counting that window went past `u32::MAX` and panicked.

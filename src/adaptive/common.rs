@@ -18,9 +18,12 @@ macro_rules! bounds_setters {
             self
         }
 
-        /// The highest limit (default 1000).
+        /// The highest limit (default 1000). Left at its default, it gives way to the
+        /// bound an adaptive [`Bulkhead`](crate::bulkhead::Bulkhead) sets (its share of
+        /// normal work; see [`AdaptiveLimit::bound`](crate::adaptive::AdaptiveLimit::bound)).
         pub fn max_limit(mut self, n: u32) -> Self {
             self.bounds.max = n;
+            self.bounds.max_given = true;
             self
         }
 
@@ -39,11 +42,20 @@ pub(crate) struct Bounds {
     pub(crate) min: u32,
     pub(crate) max: u32,
     pub(crate) initial: u32,
+    /// Whether `max` was set by the user (or by a [`narrow`](Bounds::narrow)), not left at
+    /// the builder's default.
+    pub(crate) max_given: bool,
 }
 
 impl Bounds {
+    /// The builder's defaults.
     pub(crate) const fn new(min: u32, max: u32, initial: u32) -> Bounds {
-        Bounds { min, max, initial }
+        Bounds {
+            min,
+            max,
+            initial,
+            max_given: false,
+        }
     }
 
     /// Validate; `fields` names `[min_limit, max_limit, initial]` for the error.
@@ -80,16 +92,23 @@ impl Bounds {
     }
 
     /// Narrow the bounds to `[min, max]`: their meet, or the end of `[min, max]` nearest
-    /// them where they do not meet. A `min` of 0 is taken as 1, a `max` below `min` as `min`;
-    /// `limit` is brought within the narrowed bounds: what every algorithm's
+    /// them where they do not meet; a `max` left at the builder's default is replaced by
+    /// `max` (up to the largest limit). A `min` of 0 is taken as 1, a `max` below `min` as
+    /// `min`; `limit` is brought within the narrowed bounds: what every algorithm's
     /// [`bound`](crate::adaptive::AdaptiveLimit::bound) does.
     pub(crate) fn narrow(&mut self, min: u32, max: u32, limit: &mut f64) {
         let min = min.max(1);
         let max = max.max(min);
+        let own_max = if self.max_given {
+            self.max
+        } else {
+            max.min(MAX_LIMIT)
+        };
         *self = Bounds {
             min: self.min.clamp(min, max),
-            max: self.max.clamp(min, max),
+            max: own_max.clamp(min, max),
             initial: self.initial.clamp(min, max),
+            max_given: true,
         };
         *limit = self.clamp(*limit);
     }

@@ -429,7 +429,8 @@ impl BulkheadBuilder {
     /// plus the reserve, within `[critical_reserve + 1, max_in_flight]` (the algorithm is
     /// bounded to `[1, max_in_flight − critical_reserve]` through
     /// [`AdaptiveLimit::bound`], so its limit never runs above a level the bulkhead can
-    /// use). Normal work cannot take the reserve: this way it can reach the limit the
+    /// use; an algorithm's `max_limit` left at its default, 1000, gives way to that bound,
+    /// so a bulkhead of 10 000 can use them all). Normal work cannot take the reserve: this way it can reach the limit the
     /// algorithm learns (an algorithm grows its limit only from calls that reached it).
     /// Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future

@@ -1609,6 +1609,55 @@ mod on_redis {
             .unwrap()
     }
 
+    /// Two layers on one `RedisGate` with a policy of one name (and one key prefix) but two
+    /// quotas, as a `/login` layer of 3 a minute and an `/api` layer of 100 a minute both
+    /// called "per-client": their keys are the same Redis keys, one bucket measured in two
+    /// units (on a `MemoryGate` the two are apart, each quota its own buckets). Before,
+    /// both were built, and after 10 `/api` requests a client had 2 logins left, not 3,
+    /// and `/api` showed 22 left of 100 after one more login: the second layer is refused
+    /// when built, naming the fix. The same quota shares its buckets, as documented; a key
+    /// prefix keeps the two apart; a dropped layer's names are free again.
+    #[tokio::test]
+    async fn layers_on_one_redis_gate_with_one_policy_name_and_two_quotas_are_refused_when_built() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let gate = RedisGate::builder(conn, Limit::TokenBucket(quota(1, Duration::from_secs(1))))
+            .build()
+            .await
+            .unwrap();
+        let over = |gate: &RedisGate<ConnectionManager>, burst: u32, prefix: &str| {
+            RateLimitLayer::builder(gate.clone())
+                .key_prefix(prefix)
+                .policy(per_client(quota(burst, Duration::from_secs(60))))
+                .build()
+        };
+        let login = over(&gate, 3, "").unwrap();
+        let e = over(&gate, 100, "").unwrap_err();
+        assert_eq!(e.field(), "rate_limit.policies");
+        assert_eq!(e.kind(), flowgate::ConfigErrorKind::Inconsistent);
+        assert!(
+            e.reason().contains("\"per-client\"") && e.reason().contains("key_prefix"),
+            "{e}"
+        );
+        // A clone of the gate is the same key space.
+        let clone: std::sync::Arc<RedisGate<ConnectionManager>> = std::sync::Arc::new(gate.clone());
+        assert!(
+            RateLimitLayer::builder(clone)
+                .policy(per_client(quota(100, Duration::from_secs(60))))
+                .build()
+                .is_err()
+        );
+        let shared = over(&gate, 3, "").expect("the same quota shares its buckets");
+        let apart = over(&gate, 100, "api:").expect("a key prefix keeps them apart");
+        drop((login, apart));
+        assert!(
+            over(&gate, 100, "").is_err(),
+            "the other layer of 3 still holds the name"
+        );
+        drop(shared);
+        assert!(over(&gate, 100, "").is_ok(), "free once no layer holds it");
+    }
+
     /// A quota Redis cannot compute exactly is refused when the layer is built (before,
     /// every request got a 503 from the gate's `InvalidQuota`).
     #[tokio::test]

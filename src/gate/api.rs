@@ -217,6 +217,19 @@ pub trait Gate: Send + Sync + fmt::Debug {
         self.validate_quotas(quotas).map(|()| Registration::none())
     }
 
+    /// Where one gate key is one bucket whatever the quota it is decided with (Redis: a
+    /// key holds one state), an identity of the gate's keys, shared by its clones; `None`
+    /// where each quota keeps buckets of its own ([`MemoryGate`](crate::gate::MemoryGate)).
+    /// A [`RateLimitLayer`](crate::http::RateLimitLayer)'s `build` refuses a policy whose
+    /// gate keys a layer alive over the same keys counts with another quota (one bucket
+    /// in two units).
+    ///
+    /// Crate-internal: the default answers `None`.
+    #[doc(hidden)]
+    fn key_space(&self) -> Option<usize> {
+        None
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -268,6 +281,10 @@ macro_rules! forward_gate {
                 quotas: &[Quota],
             ) -> Result<Registration, crate::ConfigError> {
                 (**self).register_quotas(quotas)
+            }
+
+            fn key_space(&self) -> Option<usize> {
+                (**self).key_space()
             }
 
             fn limit(&self) -> Limit {

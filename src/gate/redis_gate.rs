@@ -842,6 +842,12 @@ where
         }
     }
 
+    /// One Redis key is one bucket whatever the quota: the gate's state, shared by its
+    /// clones, names its keys.
+    fn key_space(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.inner).addr())
+    }
+
     fn limit(&self) -> Limit {
         self.inner.eval.limit
     }

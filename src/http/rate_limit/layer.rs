@@ -6,6 +6,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::ops::ControlFlow;
 use std::pin::Pin;
+use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
@@ -344,7 +345,13 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// not otherwise: prefix `"a"` with policy `"bc"` and prefix `"ab"` with policy `"c"`
     /// both count under `abc:<key>`; a layer without a prefix (which begins every prefix)
     /// with policy `"a"` counts a client whose key is `"b:k"` under `a:b:k`, where a layer
-    /// with prefix `"a:"` counts key `"k"` of its policy `"b"`. On Redis Cluster, a prefix
+    /// with prefix `"a:"` counts key `"k"` of its policy `"b"`. Layers whose keys meet share
+    /// buckets when their quotas are the same; on a [`MemoryGate`](crate::gate::MemoryGate)
+    /// each quota has buckets of its own, but on a [`RedisGate`](crate::gate::RedisGate) a
+    /// key is one bucket, so `build` refuses a policy whose `<prefix><policy name>:` a layer
+    /// alive on the same gate (or a clone of it) counts with another quota (a `/login`
+    /// layer and an `/api` layer both with a policy `"per-ip"`: give them prefixes such as
+    /// `"login:"` and `"api:"`). On Redis Cluster, a prefix
     /// with a hash tag (`"{rl}"`) puts all the keys of the layer in one slot, which an
     /// all-or-nothing call over several policies needs.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -361,7 +368,9 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// the gate refuses it); on `rate_limit.policies` when there is no policy, more than
     /// 32, a name that is empty, not printable ASCII or contains `:`, or leaves no room for
     /// a key after the prefix, a [`MissingKey::Shared`] key that makes a gate key longer
-    /// than that, or two policies with one name, or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
+    /// than that, two policies with one name, a policy whose gate keys a layer alive on
+    /// the same [`RedisGate`](crate::gate::RedisGate) counts with another quota (see
+    /// [`key_prefix`](Self::key_prefix)), or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure
     /// policy falls back to one, more than 16 distinct quotas, this layer's alone or with
@@ -496,6 +505,17 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 ));
             }
         };
+        // One gate key is one bucket on a gate such as Redis: a policy counting under the
+        // keys another live layer counts with another quota would share its buckets.
+        let heads = match self.gate.key_space() {
+            Some(space) => Some(HeadClaim::new(
+                space,
+                self.policies
+                    .iter()
+                    .map(|p| (format!("{}{}:", self.prefix, p.name), p.quota, &*p.name)),
+            )?),
+            None => None,
+        };
         let top = TopRejected::new(self.top_rejected)?;
         let policies: Box<[Entry]> = self
             .policies
@@ -528,6 +548,7 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
         );
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
+                _heads: heads,
                 gate: self.gate,
                 policies,
                 cost: self.cost,
@@ -735,6 +756,10 @@ pub(crate) type Check =
 
 /// The state every clone of a layer and its services shares.
 pub(crate) struct Shared<G> {
+    /// The heads of the policies' gate keys, on a gate whose key is one bucket whatever
+    /// the quota, held while the layer, a clone of it or a service made from it lives
+    /// (first: given back before the gate, whose address names them, can go).
+    _heads: Option<HeadClaim>,
     gate: G,
     policies: Box<[Entry]>,
     cost: Option<Arc<CostFn>>,
@@ -759,6 +784,89 @@ pub(crate) struct Shared<G> {
     /// The policies' quotas, registered on the gate while the layer, a clone of it or a
     /// service made from it lives.
     _quotas: Registration,
+}
+
+/// One head of gate keys (`<key prefix><policy name>:`) of the layers alive over a gate
+/// whose key is one bucket whatever the quota ([`Gate::key_space`]): the quota they count
+/// it with, and how many layers hold it.
+struct Head {
+    space: usize,
+    head: String,
+    quota: Quota,
+    layers: usize,
+}
+
+/// Every [`Head`] held, in the process.
+static HEADS: std::sync::Mutex<Vec<Head>> = std::sync::Mutex::new(Vec::new());
+
+/// The heads of one layer's gate keys in [`HEADS`], given back when it is dropped.
+struct HeadClaim {
+    space: usize,
+    heads: Vec<String>,
+}
+
+impl HeadClaim {
+    /// Hold `heads` (each with its quota and its policy's name) in the gate keys `space`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] on `rate_limit.policies` when a layer alive over `space` holds one
+    /// of the heads with another quota; nothing is held then.
+    fn new<'a>(
+        space: usize,
+        heads: impl Iterator<Item = (String, Quota, &'a str)>,
+    ) -> Result<HeadClaim, ConfigError> {
+        let heads: Vec<(String, Quota, &str)> = heads.collect();
+        let mut held = HEADS.lock().unwrap_or_else(PoisonError::into_inner);
+        for (head, quota, name) in &heads {
+            if let Some(other) = held
+                .iter()
+                .find(|h| h.space == space && h.head == *head && h.quota != *quota)
+            {
+                return Err(ConfigError::new(
+                    "rate_limit.policies",
+                    ConfigErrorKind::Inconsistent,
+                    format!(
+                        "policy {name:?} ({quota}) counts under the gate keys {head:?}<key> \
+                         that a layer alive on this gate counts with another quota \
+                         ({}): one key holds one bucket on this gate; give one of the \
+                         layers a key_prefix, or the policy another name",
+                        other.quota
+                    ),
+                ));
+            }
+        }
+        for (head, quota, _) in &heads {
+            match held
+                .iter_mut()
+                .find(|h| h.space == space && h.head == *head)
+            {
+                Some(h) => h.layers += 1,
+                None => held.push(Head {
+                    space,
+                    head: head.clone(),
+                    quota: *quota,
+                    layers: 1,
+                }),
+            }
+        }
+        Ok(HeadClaim {
+            space,
+            heads: heads.into_iter().map(|(head, _, _)| head).collect(),
+        })
+    }
+}
+
+impl Drop for HeadClaim {
+    fn drop(&mut self) {
+        let mut held = HEADS.lock().unwrap_or_else(PoisonError::into_inner);
+        held.retain_mut(|h| {
+            if h.space == self.space && self.heads.contains(&h.head) {
+                h.layers -= 1;
+            }
+            h.layers > 0
+        });
+    }
 }
 
 impl<G: fmt::Debug> fmt::Debug for Shared<G> {

@@ -430,6 +430,69 @@ pub(crate) mod tests {
         assert!(format!("{peer:?}").contains("ConnectInfo"));
     }
 
+    /// Every warning logged while `f` runs, as its message and fields print.
+    fn warnings(f: impl FnOnce()) -> Vec<String> {
+        use std::sync::Mutex;
+        use tracing_subscriber::layer::SubscriberExt;
+
+        #[derive(Clone, Default)]
+        struct Warnings(Arc<Mutex<Vec<String>>>);
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+            fn on_event(
+                &self,
+                event: &tracing::Event<'_>,
+                _: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                struct Text(String);
+                impl tracing::field::Visit for Text {
+                    fn record_debug(
+                        &mut self,
+                        field: &tracing::field::Field,
+                        value: &dyn fmt::Debug,
+                    ) {
+                        let _ = write!(self.0, "{}={value:?} ", field.name());
+                    }
+                }
+                if *event.metadata().level() == tracing::Level::WARN {
+                    let mut text = Text(String::new());
+                    event.record(&mut text);
+                    self.0.lock().unwrap().push(text.0);
+                }
+            }
+        }
+        let seen = Warnings::default();
+        let subscriber = tracing_subscriber::registry().with(seen.clone());
+        tracing::subscriber::with_default(subscriber, f);
+        seen.0.lock().unwrap().clone()
+    }
+
+    /// Under axum, served with `into_make_service_with_connect_info::<SocketAddr>()` as the
+    /// warning asked, the address is in a `ConnectInfo<SocketAddr>`, which `PeerIp::new()`
+    /// (a bare `SocketAddr`) does not read: every request falls to the policy's
+    /// `MissingKey` (by default one bucket for the whole site). The warning says how to
+    /// read it, once per extractor (before: once per process, asking for the connect info
+    /// the server already had, and naming no `from_extension`).
+    #[test]
+    fn a_peer_ip_that_finds_no_address_says_how_to_read_axums_connect_info() {
+        #[derive(Clone)]
+        struct ConnectInfo<T>(T);
+        let mut req = request(None, &[]);
+        req.extensions_mut()
+            .insert(ConnectInfo("192.0.2.9:80".parse::<SocketAddr>().unwrap()));
+        let peer = PeerIp::new();
+        let logged = warnings(|| {
+            assert_eq!(key_of(&peer, &req), None);
+            assert_eq!(key_of(&peer.clone(), &req), None);
+        });
+        assert_eq!(logged.len(), 1, "once per extractor: {logged:?}");
+        assert!(
+            logged[0].contains("PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)"),
+            "{logged:?}"
+        );
+        let logged = warnings(|| assert_eq!(key_of(&PeerIp::new(), &req), None));
+        assert_eq!(logged.len(), 1, "a new extractor says it again: {logged:?}");
+    }
+
     #[test]
     fn header_values() {
         let h = Header::new("X-Api-Key").unwrap();

@@ -3,6 +3,7 @@
 use std::fmt::{self, Write as _};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::header::HeaderName;
 use http::{Extensions, HeaderMap, Method, Uri};
@@ -132,6 +133,8 @@ pub struct PeerIp {
     read: ReadPeer,
     source: &'static str,
     ipv6_per_64: bool,
+    /// Whether this extractor (or a clone of it) has said it found no address.
+    warned: Arc<AtomicBool>,
 }
 
 impl PeerIp {
@@ -150,6 +153,7 @@ impl PeerIp {
             read: Arc::new(move |ext: &Extensions| ext.get::<T>().map(get)),
             source: std::any::type_name::<T>(),
             ipv6_per_64: false,
+            warned: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -161,12 +165,13 @@ impl PeerIp {
     }
 
     /// The peer's address, canonical (`::ffff:a.b.c.d` becomes `a.b.c.d`); `None` without
-    /// the extension (the first time, a warning is logged: the server is not recording
-    /// the connection's address, so such requests fall to the policy's [`MissingKey`]).
+    /// the extension (the first time for this extractor and its clones, a warning is
+    /// logged: the server is not recording the connection's address where this extractor
+    /// reads it, so such requests fall to the policy's [`MissingKey`]).
     #[must_use]
     pub fn peer(&self, req: &RequestInfo<'_>) -> Option<IpAddr> {
         let peer = (self.read)(req.extensions).map(|addr| addr.ip().to_canonical());
-        if peer.is_none() {
+        if peer.is_none() && !self.warned.swap(true, Ordering::Relaxed) {
             warn_no_peer(self.source);
         }
         peer
@@ -200,20 +205,21 @@ impl KeyExtractor for PeerIp {
     }
 }
 
-/// Say once per process that a request came without the connection's address: the server
-/// was not set up to record it (axum: `into_make_service_with_connect_info::<SocketAddr>()`),
-/// so every request falls to the policy's [`MissingKey`] choice (by default one shared
-/// bucket for the whole site).
+/// Say that a request came without the connection's address where the extractor reads it
+/// (an extension of type `source`): the server was not set up to record it there, so every
+/// request falls to the policy's [`MissingKey`] choice (by default one bucket for the
+/// whole site). Under axum, served with the connect info, the address is in a
+/// `ConnectInfo<SocketAddr>`, which only `PeerIp::from_extension` reads.
 fn warn_no_peer(source: &'static str) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        tracing::warn!(
-            extension = source,
-            "rate limit key: a request has no peer address extension; requests without one \
-             fall to the policy's MissingKey choice (serve with the connection's address, \
-             e.g. axum's into_make_service_with_connect_info::<SocketAddr>())"
-        );
-    }
+    tracing::warn!(
+        extension = source,
+        "rate limit key: a request has no peer address in the extension the key is read \
+         from; requests without one fall to the policy's MissingKey choice (under axum, \
+         serve with into_make_service_with_connect_info::<SocketAddr>() and read the \
+         address with PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0), also as \
+         ClientIp's peer; on a bare hyper server, insert the connection's SocketAddr in \
+         each request's extensions)"
+    );
 }
 
 /// The key is the value of one request header: an API key, a user or tenant id.

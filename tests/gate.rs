@@ -1603,6 +1603,45 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     eprintln!("cluster: back on Redis {back:?} after the master was killed");
 }
 
+/// A gate built over a `ClusterConnection` without `.cluster(true)` (the README's one
+/// line a user can miss) works on a lone call, but its batches mix hash slots: under load
+/// Redis refused them with `CROSSSLOT`, the gate degraded and nearly every caller got the
+/// failure policy, and `check_all` over keys of two slots degraded it too instead of
+/// answering `CrossSlot`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_over_a_cluster_connection_splits_its_batches_per_slot_without_being_told() {
+    let cluster = support::RedisCluster::start(3, 0);
+    let client = redis::cluster::ClusterClient::builder(cluster.seed_urls())
+        .build()
+        .unwrap();
+    let con = client.get_async_connection().await.unwrap();
+    let gate = RedisGate::builder(con, Limit::TokenBucket(Quota::per_hour(5).unwrap()))
+        .timeout(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..50).map(|i| format!("key{i}")).collect();
+    let decisions = futures::future::join_all(keys.iter().map(|k| gate.check(k, 1))).await;
+    let failed: Vec<String> = decisions
+        .iter()
+        .filter_map(|d| d.as_ref().err().map(ToString::to_string))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 50 failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert!(decisions.iter().all(|d| d.as_ref().unwrap().allowed));
+    assert!(!gate.is_degraded());
+    let q = Quota::per_hour(2).unwrap();
+    assert!(matches!(
+        gate.check_all(&[("a", q), ("b", q)], 1).await,
+        Err(GateError::CrossSlot)
+    ));
+    assert!(!gate.is_degraded());
+}
+
 #[test]
 fn public_types_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}

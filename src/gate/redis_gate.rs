@@ -301,9 +301,11 @@ where
         self
     }
 
-    /// The connection is a Redis Cluster connection
-    /// (`redis::cluster_async::ClusterConnection`): batches are split per hash slot, one
-    /// script call per slot, and `check_all` checks that its keys share a slot.
+    /// The connection is a Redis Cluster connection: batches are split per hash slot, one
+    /// script call per slot, and `check_all` checks that its keys share a slot. Set by
+    /// itself for a `redis::cluster_async::ClusterConnection` (`false` does not turn it off
+    /// there: one script call over keys of several slots is refused with `CROSSSLOT`); set it
+    /// for a connection of your own type that talks to a Cluster.
     ///
     /// Name keys so that what must be decided together shares a slot, with a hash tag:
     /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
@@ -373,6 +375,8 @@ where
     /// Outside a tokio runtime (it spawns the batch driver).
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
         let eval = LimitScript::new(self.limit)?;
+        // A batch over a cluster connection mixes slots unless split: refused as a whole.
+        let cluster = self.cluster || is_cluster_connection::<C>();
         if self.timeout.is_zero() {
             return Err(ConfigError::zero_duration("gate.timeout"));
         }
@@ -461,7 +465,7 @@ where
                 max_batch: self.batch_size,
                 batch_size: labels.histogram(names::BATCH_SIZE, &[]),
                 outcomes: Arc::clone(&outcomes),
-                cluster: self.cluster,
+                cluster,
             };
             Batcher::start(driver, labels.counter(names::DRIVER_RESTARTS, &[]))
         });
@@ -471,7 +475,7 @@ where
                 batcher,
                 eval,
                 all_script,
-                cluster: self.cluster,
+                cluster,
                 leases,
                 lease_script,
                 prefix: self.prefix,
@@ -485,6 +489,12 @@ where
             }),
         })
     }
+}
+
+/// Whether `C` is redis-rs's async Cluster connection, whose calls must each stay within one
+/// hash slot.
+fn is_cluster_connection<C: 'static>() -> bool {
+    std::any::TypeId::of::<C>() == std::any::TypeId::of::<redis::cluster_async::ClusterConnection>()
 }
 
 impl<C> RedisGate<C>

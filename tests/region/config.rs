@@ -500,6 +500,49 @@ async fn a_cost_above_the_regions_bucket_waits_for_a_bigger_share() {
     assert_eq!(d.retry_after, Duration::from_secs(1), "{d:?}");
 }
 
+/// A region whose callers wait the `retry_after` they are given (a shaping `gated` stream,
+/// an HTTP client honouring `Retry-After`) gets the share its demand needs. Told to wait
+/// until the next token at its share of 1 per second (1 s, longer than the refresh
+/// interval), such a caller showed up in one refresh of five: the others measured a demand
+/// of nothing, which replaced the average, and the share fell back to 1 before the caller
+/// came back; the region admitted 1 per second for good with 99 of the quota unused
+/// (with a quota per minute or per hour, a wait of a minute or an hour at a share of 1, the
+/// same at the default settings).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_of_callers_that_wait_their_retry_after_gets_the_share_they_need() {
+    use flowgate::FlowStreamExt;
+    use futures::StreamExt;
+
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(
+        server.connect().await,
+        Quota::per_second(100).unwrap().burst(10).unwrap(),
+    )
+    .name("polite")
+    .region(("a", 1))
+    .region(("b", 1))
+    .lease(Duration::from_secs(1))
+    .refresh_every(Duration::from_millis(200))
+    .home_timeout(Duration::from_millis(150))
+    .build()
+    .unwrap();
+    alloc.init_home().await.unwrap();
+    let a = alloc.join("a", server.connect().await).await.unwrap();
+    let _b = alloc.join("b", server.connect().await).await.unwrap();
+    // No demand reported yet: a share of 1 per second.
+    assert_eq!(a.status().share, 1);
+    let items = futures::stream::iter(0u64..).gated(a.gate(), |_: &u64| "partner-api");
+    let run = Duration::from_secs(4);
+    let admitted = items.take_until(tokio::time::sleep(run)).count().await;
+    // Growing by an eighth and more per refresh, the share reaches the quota within about
+    // 1.5 s: at least a quarter of the 100 per second over the run.
+    assert!(
+        admitted >= 100,
+        "admitted {admitted} in {run:?}: {}",
+        a.status()
+    );
+}
+
 /// A cost above every bucket the region can ever hold (its static share's part of the
 /// burst; or, by demand, the quota less the others' safe shares) can never pass: the gate
 /// says so with a cost error (as for a cost above the global burst), instead of a

@@ -30,7 +30,11 @@ use crate::region::member::Region;
 /// between them.
 ///
 /// A rejection while the region's share is 0, or for a cost above the region's bucket at
-/// its current share, says `retry_after` = one refresh interval.
+/// its current share, says `retry_after` = one refresh interval. Under the demand-driven
+/// policies every rejection says at most that: the share may grow at the next refresh, and a
+/// caller that waits its `retry_after` (a shaping [`gated`](crate::FlowStreamExt::gated)
+/// stream, an HTTP client honouring `Retry-After`) must come back within a refresh to be
+/// counted in the region's demand. (Its `reset_after` is not shortened.)
 ///
 /// # Errors
 ///
@@ -147,7 +151,7 @@ where
                 {
                     Ok(v) => match key_failure(v[0]) {
                         Some(e) => Err(CallError::Request(e)),
-                        None => Ok(decision_from(&v)),
+                        None => Ok(self.wait_for_refresh(decision_from(&v))),
                     },
                     Err(e) => Err(e),
                 }
@@ -168,6 +172,22 @@ where
                 self.policy.decide(key, cost, until_probe, error)
             }
         }
+    }
+}
+
+impl<C> RegionGate<C> {
+    /// A rejection by demand ([`Allocation::FairShare`](crate::region::Allocation::FairShare),
+    /// [`Allocation::ProportionalShare`](crate::region::Allocation::ProportionalShare)) waits
+    /// at most one refresh interval: the share may grow then. A caller told to wait longer
+    /// (the next token at a small share: a second at 1 per second, an hour at 1 per hour)
+    /// would be missing from the refreshes meanwhile, which then measure no demand, and the
+    /// share would fall back before it returns.
+    fn wait_for_refresh(&self, mut decision: Decision) -> Decision {
+        let plan = &self.region.core().allocator.plan;
+        if !decision.allowed && plan.policy != crate::region::Allocation::Static {
+            decision.retry_after = decision.retry_after.min(plan.refresh);
+        }
+        decision
     }
 }
 

@@ -539,6 +539,31 @@ async fn check_all_keys_get_the_gate_prefix() {
     assert!(!exists("k"), "not without it");
 }
 
+/// On a gate whose own limit is not a token bucket, `check` and `check_all` on one key
+/// meet in one Redis key (a `MemoryGate` keeps them apart, so this works in development):
+/// the second is refused with `UnreadableKey`, whose hint sent the user looking for another
+/// gate sharing the prefix, where there is none: it is this gate's `check_all`.
+#[tokio::test]
+async fn a_key_shared_by_check_and_check_all_of_one_gate_is_named_in_the_error() {
+    let server = RedisServer::start();
+    let limit = Limit::FixedWindow(flowgate::Rate::per_hour(5).unwrap());
+    let gate = RedisGate::builder(server.connect().await, limit)
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("user:7", 1).await.unwrap().allowed);
+    let memory = MemoryGate::new(limit);
+    assert!(memory.check("user:7", 1).unwrap().allowed);
+    assert!(memory.check_all(&[("user:7", per_hour(5))], 1).unwrap()[0].allowed);
+    match gate.check_all(&[("user:7", per_hour(5))], 1).await {
+        Err(e @ GateError::UnreadableKey(_)) => {
+            let hint = e.to_string();
+            assert!(hint.contains("check_all"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn check_all_under_fallback_decides_all_or_nothing_in_memory() {
     let server = RedisServer::start();

@@ -52,8 +52,10 @@ pub(crate) const KEY_CORRUPT: i64 = -(1 << 53) + 1;
 pub(crate) fn key_failure(marker: i64) -> Option<GateError> {
     match marker {
         KEY_WRONGTYPE => Some(GateError::UnreadableKey(
-            "it holds a value of another type (shared with a gate of another algorithm? give \
-             each gate its own prefix)",
+            "it holds a value of another type (shared with a gate of another algorithm, or, \
+             on a gate whose own limit is not a token bucket, by its check and its check_all, \
+             which keeps token buckets: give each gate its own prefix, and the keys of \
+             check_all names of their own)",
         )),
         KEY_CORRUPT => Some(GateError::UnreadableKey(
             "its value is not a state this gate can read (written by something else, or \

@@ -20,9 +20,11 @@ pub enum GateError {
     /// The key is empty or too long.
     InvalidKey(&'static str),
     /// Redis holds a value under this key that the gate cannot decide on: a value of another
-    /// type (`WRONGTYPE`: the key is shared with a gate of another algorithm), or one that is
-    /// not a state the gate's script can read (written by something else, or corrupt). Only
-    /// the requests on this key fail; the gate stays healthy.
+    /// type (`WRONGTYPE`: the key is shared with a gate of another algorithm, or, on a gate
+    /// whose own limit is not a token bucket, by its `check` and its `check_all`, which
+    /// keeps token buckets), or one that is not a state the gate's script can read (written
+    /// by something else, or corrupt). Only the requests on this key fail; the gate stays
+    /// healthy.
     UnreadableKey(&'static str),
     /// [`check_all`](crate::gate::RedisGate::check_all) was given no limits.
     NoLimits,

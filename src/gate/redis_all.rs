@@ -27,8 +27,12 @@ where
     ///
     /// - **Keys** get the gate's prefix, as in [`check`](RedisGate::check): give the keys of
     ///   each layer a name of its own (`ip:10.0.0.1`, `user:7`), since one key is one bucket
-    ///   and the gate's own limit may differ from the quotas given here. A key listed `n`
-    ///   times is one bucket charged `n × cost`.
+    ///   and the gate's own limit may differ from the quotas given here. (A key given to
+    ///   both `check` and `check_all` is one Redis key here, where a
+    ///   [`MemoryGate`](crate::gate::MemoryGate) keeps two buckets; on a gate whose own limit
+    ///   is not a token bucket, the second of them to use it is refused with
+    ///   [`GateError::UnreadableKey`].) A key listed `n` times is one bucket charged
+    ///   `n × cost`.
     /// - **Failure policy**: as for `check` (same timeout, probing and classification):
     ///   `Open` admits every limit, `Closed` rejects every limit until the next probe,
     ///   `Fallback` decides all-or-nothing in its [`MemoryGate`](crate::gate::MemoryGate)

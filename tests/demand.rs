@@ -480,6 +480,58 @@ async fn unbounded_demand_yields_everything() {
     assert_eq!(s.count().await, 1000);
 }
 
+/// Credit used up by the last items of a source that has ended (a prefetch drained to the
+/// end, an iterator: their `size_hint` says no item is left) ends the stream: the end needs
+/// no demand (Reactive Streams §2.9: completion comes with or without a request), and
+/// `collect` over exactly the credit's worth of items returns instead of waiting for ever.
+#[tokio::test(start_paused = true)]
+async fn credit_used_up_by_the_last_items_of_an_ended_source_ends_the_stream() {
+    let (stream, demand) = futures::stream::iter(0..3).with_demand(3);
+    let all = tokio::time::timeout(Duration::from_secs(5), stream.collect::<Vec<_>>()).await;
+    assert_eq!(all.ok(), Some(vec![0, 1, 2]), "the stream ended");
+    assert_eq!(demand.outstanding(), 0);
+
+    let source = prefetch(IterSource::new(0..4u32), levels(8, 2)).items();
+    let (mut stream, demand) = source.with_demand(4);
+    for i in 0..4 {
+        assert_eq!(stream.next().await, Some(i));
+    }
+    assert_eq!(poll!(stream.next()), Poll::Ready(None));
+    assert!(futures::stream::FusedStream::is_terminated(&stream));
+    assert_eq!(demand.outstanding(), 0);
+
+    // A source that may have more (no upper bound) is not polled without credit.
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let (mut stream, demand) = rx.with_demand(1);
+    assert_eq!(stream.next().await, Some(1));
+    tx.try_send(2).unwrap();
+    assert!(poll!(stream.next()).is_pending(), "no credit for 2");
+    assert_eq!(tx.len(), 1, "2 was not taken");
+    demand.request(1).unwrap();
+    assert_eq!(stream.next().await, Some(2));
+
+    // An upstream whose `size_hint` says none is left but yields one anyway: the item waits
+    // for credit, never more items than requested.
+    struct Wrong(u32);
+    impl futures::Stream for Wrong {
+        type Item = u32;
+        fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<u32>> {
+            self.0 += 1;
+            Poll::Ready((self.0 <= 2).then_some(self.0))
+        }
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            (0, Some(0))
+        }
+    }
+    let (mut stream, demand) = Wrong(0).with_demand(0);
+    assert!(poll!(stream.next()).is_pending(), "no credit");
+    assert_eq!(futures::Stream::size_hint(&stream), (0, Some(1)));
+    demand.request(5).unwrap();
+    assert_eq!(stream.collect::<Vec<_>>().await, [1, 2]);
+    assert_eq!(demand.outstanding(), 3);
+}
+
 #[tokio::test]
 async fn a_request_from_another_task_wakes_the_stream() {
     let (mut s, demand) = futures::stream::iter(0..10).with_demand(0);

@@ -122,11 +122,21 @@ impl DemandHandle {
 /// Stream of [`with_demand`](crate::FlowStreamExt::with_demand): yields an item only while
 /// credit remains, and never more items than were requested in total.
 ///
-/// The upstream is not polled while there is no credit, so nothing is fetched ahead of
-/// demand. A unit of credit is used when its item comes: while the stream waits on its
-/// upstream the unit stays in [`DemandHandle::outstanding`], and a stream that is dropped
-/// there, taken apart by [`into_inner`](Demanded::into_inner), or whose upstream ends uses
-/// nothing. Every item uses a unit, an `Err` item of a fallible stream too.
+/// The upstream is not polled while there is no credit (except for its end, below), so
+/// nothing is fetched ahead of demand. A unit of credit is used when its item comes: while
+/// the stream waits on its upstream the unit stays in [`DemandHandle::outstanding`], and a
+/// stream that is dropped there, taken apart by [`into_inner`](Demanded::into_inner), or
+/// whose upstream ends uses nothing. Every item uses a unit, an `Err` item of a fallible
+/// stream too.
+///
+/// The end of the upstream needs no credit (Reactive Streams §2.9): without credit, an
+/// upstream whose [`size_hint`](Stream::size_hint) says no item is left (an iterator; a
+/// [`Prefetch`](crate::demand::Prefetch) whose source has answered its end, with nothing
+/// buffered) is polled for its end, so credit used up by the last items ends the stream
+/// instead of leaving it pending. Any other upstream is not polled without credit: its end
+/// is seen with the next unit of credit. (A `Prefetch` learns the end from a fetch, which
+/// it starts when its buffer falls to `low`: with a `low` of 0, not before its last item
+/// was taken.)
 ///
 /// Without credit and with every [`DemandHandle`] dropped, nothing can ask for more: the
 /// stream then stays pending for ever (no demand is a valid state, as in Reactive Streams;
@@ -134,11 +144,14 @@ impl DemandHandle {
 /// for, or end the stream yourself.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
-pub struct Demanded<S> {
+pub struct Demanded<S: Stream> {
     #[pin]
     stream: S,
     credit: Arc<Credit>,
     done: bool,
+    /// An item the upstream yielded without credit, polled for its end because its
+    /// `size_hint` said no item was left: it waits here for credit.
+    early: Option<S::Item>,
 }
 
 impl<S: Stream> Demanded<S> {
@@ -187,6 +200,7 @@ impl<S: Stream> Demanded<S> {
                 stream,
                 credit: credit.clone(),
                 done: false,
+                early: None,
             },
             DemandHandle { credit },
         )
@@ -219,7 +233,8 @@ impl<S: Stream> Demanded<S> {
         self.project().stream
     }
 
-    /// The inner stream.
+    /// The inner stream. An item it yielded without credit although its `size_hint` said
+    /// none was left (see [`Demanded`]), held for credit, is dropped.
     pub fn into_inner(self) -> S {
         self.stream
     }
@@ -270,8 +285,27 @@ impl<S: Stream> Stream for Demanded<S> {
             this.credit.waker.register(cx.waker());
             // A request may have landed between the check and the registration.
             if !this.credit.available() {
+                // The end needs no credit (Reactive Streams §2.9): an upstream that says no
+                // item is left (`size_hint` bounded by 0, as an iterator or a prefetch
+                // that saw its source's end) is polled for it, so that credit used up by
+                // the last items does not leave the stream pending for ever. An item it
+                // yields all the same (a wrong `size_hint`) waits for credit here.
+                if this.early.is_none() && this.stream.size_hint().1 == Some(0) {
+                    match this.stream.poll_next(cx) {
+                        Poll::Ready(None) => {
+                            *this.done = true;
+                            return Poll::Ready(None);
+                        }
+                        Poll::Ready(Some(item)) => *this.early = Some(item),
+                        Poll::Pending => {}
+                    }
+                }
                 return Poll::Pending;
             }
+        }
+        if let Some(item) = this.early.take() {
+            this.credit.take();
+            return Poll::Ready(Some(item));
         }
         // The credit is used when the item comes, not before: a stream dropped (or taken
         // apart) while it waits here, or whose upstream ends, leaves the credit as it was.
@@ -294,8 +328,13 @@ impl<S: Stream> Stream for Demanded<S> {
         }
         let credit = self.credit.remaining.load(Ordering::Acquire);
         let cap = usize::try_from(credit).unwrap_or(usize::MAX);
+        // An item held for credit (see `early`) comes before the inner stream's.
+        let early = usize::from(self.early.is_some());
         let (lo, hi) = self.stream.size_hint();
-        (lo.min(cap), hi)
+        (
+            lo.saturating_add(early).min(cap),
+            hi.and_then(|hi| hi.checked_add(early)),
+        )
     }
 }
 
@@ -305,7 +344,7 @@ impl<S: Stream> FusedStream for Demanded<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for Demanded<S> {
+impl<S: Stream + fmt::Debug> fmt::Debug for Demanded<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Demanded")
             .field("stream", &self.stream)

@@ -681,6 +681,49 @@ async fn a_resume_held_back_when_the_wrapper_is_dropped_is_applied_by_the_ticket
     assert!(!signal.is_paused());
 }
 
+/// A source that ends with `high` items in flight ends the stream: the wrapper, paused at
+/// `high`, polls an upstream whose `size_hint` says no item is left for its end, so a
+/// consumer that keeps its tickets until the end (`collect`) gets it instead of waiting for
+/// ever; an upstream that may have more is not polled.
+#[tokio::test(start_paused = true)]
+async fn a_source_that_ends_with_high_items_in_flight_ends_the_stream() {
+    let stream = futures::stream::iter(0..2).watermarks(levels(2, 0));
+    let all = tokio::time::timeout(Duration::from_secs(5), stream.collect::<Vec<_>>()).await;
+    assert_eq!(all.map(|v| v.len()).ok(), Some(2), "the stream ended");
+
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let mut stream = rx.watermarks(levels(1, 0));
+    let (_, ticket) = stream.next().await.unwrap();
+    tx.try_send(2).unwrap();
+    assert!(poll!(stream.next()).is_pending(), "paused at high");
+    assert_eq!(tx.len(), 1, "2 was not taken");
+    drop(ticket);
+    assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+
+    // An upstream whose `size_hint` says none is left but yields one anyway: the item waits
+    // for room, never more than `high` in flight.
+    struct Wrong(u32);
+    impl futures::Stream for Wrong {
+        type Item = u32;
+        fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<u32>> {
+            self.0 += 1;
+            Poll::Ready((self.0 <= 2).then_some(self.0))
+        }
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            (0, Some(0))
+        }
+    }
+    let mut stream = Wrong(0).watermarks(levels(1, 0));
+    let (first, ticket) = stream.next().await.unwrap();
+    assert_eq!(first, 1);
+    assert!(poll!(stream.next()).is_pending(), "paused at high");
+    assert_eq!(stream.in_flight(), 1);
+    assert_eq!(futures::Stream::size_hint(&stream), (1, Some(1)));
+    drop(ticket);
+    assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+}
+
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     let mut stream = pin!(futures::stream::iter(0..10).watermarks(levels(2, 0)));

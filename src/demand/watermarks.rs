@@ -255,6 +255,13 @@ impl PauseSignal {
 /// apply a held-back change, so `min_hold` no longer holds: each change applies as soon as
 /// it is due, and the signal turns resumed when the tickets bring the work down to `low`.
 ///
+/// The end of the upstream needs no room: paused, the wrapper polls an upstream whose
+/// [`size_hint`](Stream::size_hint) says no item is left (an iterator; a
+/// [`Prefetch`](crate::demand::Prefetch) whose source has answered its end, with nothing
+/// buffered) for its end, so a source that ends with `high` items in flight ends the
+/// stream (a consumer that keeps its tickets until the end gets it). Any other upstream is
+/// not polled while paused.
+///
 /// `stream.watermarks(levels)` has no `min_hold` and no name; set them with
 /// [`Watermarks::builder`].
 ///
@@ -265,11 +272,14 @@ impl PauseSignal {
 /// default `min_hold` of zero no timer is ever set.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
-pub struct Watermarks<S> {
+pub struct Watermarks<S: Stream> {
     #[pin]
     stream: S,
     shared: Wrapper,
     timer: Option<Pin<Box<Sleep>>>,
+    /// An item the upstream yielded while the wrapper was paused, polled for its end
+    /// because its `size_hint` said no item was left: it waits here for room.
+    early: Option<S::Item>,
 }
 
 impl<S: Stream> Watermarks<S> {
@@ -331,6 +341,7 @@ impl<S: Stream> Watermarks<S> {
                 signal,
             })),
             timer: None,
+            early: None,
         }
     }
 
@@ -371,7 +382,8 @@ impl<S: Stream> Watermarks<S> {
         self.project().stream
     }
 
-    /// The inner stream.
+    /// The inner stream. An item it yielded while the wrapper was paused although its
+    /// `size_hint` said none was left (see [`Watermarks`]), held for room, is dropped.
     pub fn into_inner(self) -> S {
         self.stream
     }
@@ -470,9 +482,23 @@ impl<S: Stream> Stream for Watermarks<S> {
             }
         }
         if pending {
+            // The end needs no room: an upstream that says no item is left (`size_hint`
+            // bounded by 0, as an iterator or a prefetch that saw its source's end) is
+            // polled for it, so a source that ends with `high` items in flight ends the
+            // stream. An item it yields all the same (a wrong `size_hint`) waits for room.
+            if this.early.is_none() && this.stream.size_hint().1 == Some(0) {
+                match this.stream.poll_next(cx) {
+                    Poll::Ready(None) => return Poll::Ready(None),
+                    Poll::Ready(Some(item)) => *this.early = Some(item),
+                    Poll::Pending => {}
+                }
+            }
             return Poll::Pending;
         }
-        let item = ready!(this.stream.poll_next(cx));
+        let item = match this.early.take() {
+            Some(item) => Some(item),
+            None => ready!(this.stream.poll_next(cx)),
+        };
         Poll::Ready(item.map(|item| {
             let mut st = this.shared.lock();
             st.in_flight += 1;
@@ -492,18 +518,23 @@ impl<S: Stream> Stream for Watermarks<S> {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        // One output per inner item.
-        self.stream.size_hint()
+        // One output per inner item, and one for an item held for room (see `early`).
+        let early = usize::from(self.early.is_some());
+        let (lo, hi) = self.stream.size_hint();
+        (
+            lo.saturating_add(early),
+            hi.and_then(|hi| hi.checked_add(early)),
+        )
     }
 }
 
 impl<S: FusedStream> FusedStream for Watermarks<S> {
     fn is_terminated(&self) -> bool {
-        self.stream.is_terminated()
+        self.early.is_none() && self.stream.is_terminated()
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for Watermarks<S> {
+impl<S: Stream + fmt::Debug> fmt::Debug for Watermarks<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Watermarks")
             .field("stream", &self.stream)

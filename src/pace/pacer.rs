@@ -172,8 +172,10 @@ pub(crate) enum Admit {
 /// give a larger burst). Above 1 000/s units leave in small on-time batches, one batch per
 /// timer tick. With a backlog, units run up to `(burst − 1) / rate` ahead of the `T0 + i/rate`
 /// schedule (guarantee (b)). With `burst(1)` spacing is strict but each wait loses its
-/// timer's lateness (typically under 1 ms), so the long-run rate falls short by about
-/// `lateness × rate` (≈0.1% at 1/s).
+/// timer's lateness (a tokio timer ends on its next 1 ms tick, so up to 1 ms), so the
+/// long-run rate falls short by about `lateness × rate`: ≈0.1% at 1/s, up to 10% at
+/// 100/s, and at most one unit per tick above that: 800/s runs at about 500/s, 1M/s at
+/// about 1000/s. Strict spacing is for slow rates; above ~10/s keep a burst of at least 2.
 ///
 /// # Examples
 ///
@@ -657,8 +659,10 @@ pub struct PacerBuilder {
 }
 
 impl PacerBuilder {
-    /// How many units may leave at once after an idle spell; 1 is strict spacing. Default:
-    /// `1 + ceil(rate × 5 ms)` (see [`Pacer`]).
+    /// How many units may leave at once after an idle spell; 1 is strict spacing, which
+    /// holds the rate only where the timer's 1 ms lateness is small against the spacing
+    /// (at 800/s it runs at about 500/s: see [`Pacer`]'s "Burst and precision"). Default:
+    /// `1 + ceil(rate × 5 ms)`.
     pub fn burst(mut self, burst: u32) -> Self {
         self.burst = Some(burst);
         self

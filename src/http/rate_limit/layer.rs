@@ -53,8 +53,11 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// the gate key is `<key prefix><policy name>:<key>`. All the policies that apply are
 /// decided in one [`Gate::check_all`] call with the request's cost (1, or the
 /// [`cost`](RateLimitLayerBuilder::cost) closure's): the request is admitted only when every
-/// policy has room, and then charged on all of them; a rejected request is charged nowhere.
-/// On a [`MemoryGate`](crate::gate::MemoryGate) this is a synchronous call in the response
+/// policy has room, and then charged on all of them; a rejected request is charged nowhere
+/// by this layer. (Layers stacked one in another decide one after the other: a request the
+/// outer one admitted is charged there even when an inner layer, or a
+/// [`ShedLayer`](crate::http::ShedLayer), then refuses it. Policies that must be decided
+/// together belong in one layer.) On a [`MemoryGate`](crate::gate::MemoryGate) this is a synchronous call in the response
 /// future ([`Gate::check_all_local`]): no future is allocated. On a
 /// [`RedisGate`](crate::gate::RedisGate) it is one atomic script; on Redis Cluster the keys
 /// of one request must share a hash slot: give a [`key_prefix`](RateLimitLayerBuilder::key_prefix)

@@ -425,11 +425,16 @@ async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
 
 #[tokio::test]
 async fn a_paused_redis_never_hangs_a_caller() {
+    // Real time, with margins a loaded 2-core machine keeps: each caller is answered
+    // within the timeout (plus scheduling slack), and `check_all` in under half of it (it
+    // does not wait on Redis at all).
+    const TIMEOUT: Duration = Duration::from_millis(300);
+    const PROBE: Duration = Duration::from_secs(3);
     let server = RedisServer::start();
     let gate = RedisGate::builder(server.connect().await, quota(100))
         .failure_policy(FailurePolicy::Closed)
-        .timeout(Duration::from_millis(50))
-        .probe_interval(Duration::from_millis(200))
+        .timeout(TIMEOUT)
+        .probe_interval(PROBE)
         .build()
         .await
         .unwrap();
@@ -446,22 +451,18 @@ async fn a_paused_redis_never_hangs_a_caller() {
     }
     for t in tasks {
         let (took, allowed) = t.await.unwrap();
-        assert!(took <= Duration::from_millis(60), "took {took:?}");
+        assert!(took <= TIMEOUT + TIMEOUT / 2, "took {took:?}");
         assert!(!allowed);
     }
     // check_all keeps to the probe interval too: it does not wait on the paused Redis.
     let q = Quota::per_hour(5).unwrap();
     let start = std::time::Instant::now();
     let all = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
-    assert!(
-        start.elapsed() < Duration::from_millis(20),
-        "took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < TIMEOUT / 2, "took {:?}", start.elapsed());
     assert!(all.iter().all(|d| !d.allowed), "Closed rejects");
     server.resume();
     // Back on Redis after the next probe.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(PROBE + Duration::from_millis(100)).await;
     let mut back = false;
     for _ in 0..20 {
         if gate.check("k", 1).await.unwrap().allowed && !gate.is_degraded() {

@@ -681,6 +681,30 @@ async fn a_resume_held_back_when_the_wrapper_is_dropped_is_applied_by_the_ticket
     assert!(!signal.is_paused());
 }
 
+/// A prefetch knows its source has nothing left when the source says so (`BatchSource::
+/// size_hint`: an `IterSource` over a range, a `StreamSource` over a stream that knows its
+/// length), before the fetch after its last item: with `low` 0 it starts that fetch only
+/// once the buffer is empty, so `with_demand` and `watermarks` over it, with credit or room
+/// used up exactly by the last items, waited for one more unit that nothing would give.
+#[tokio::test(start_paused = true)]
+async fn a_prefetch_over_a_source_that_says_it_is_done_ends_what_is_built_on_it() {
+    let five = Duration::from_secs(5);
+    let items = prefetch(IterSource::new(0..3u32), levels(3, 0)).items();
+    let (stream, _demand) = items.with_demand(3);
+    let all = tokio::time::timeout(five, stream.collect::<Vec<_>>()).await;
+    assert_eq!(all.ok(), Some(vec![0, 1, 2]), "with_demand ended");
+
+    let stream = futures::stream::iter(0..3u32);
+    let items = prefetch(StreamSource::new(stream), levels(3, 0)).items();
+    let all = tokio::time::timeout(five, items.watermarks(levels(3, 0)).collect::<Vec<_>>());
+    assert_eq!(all.await.map(|v| v.len()).ok(), Some(3), "watermarks ended");
+
+    // The hint: what is buffered, and at most what the source may still give.
+    let mut items = prefetch(IterSource::new(0..10u32), levels(4, 1)).items();
+    assert_eq!(items.next().await, Some(0));
+    assert_eq!(futures::Stream::size_hint(&items), (3, Some(9)));
+}
+
 /// A source that ends with `high` items in flight ends the stream: the wrapper, paused at
 /// `high`, polls an upstream whose `size_hint` says no item is left for its end, so a
 /// consumer that keeps its tickets until the end (`collect`) gets it instead of waiting for

@@ -616,16 +616,16 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
 
     /// `size_hint` of either stream.
     fn hint(&self) -> (usize, Option<usize>) {
-        // The buffer is certain; the source's size is unknown.
+        // The buffer is certain; the source says at most how many more it may give (an
+        // upper bound of 0 shows the end before the fetch that would find it).
         let lo = self.buffered();
-        (
-            lo,
-            if self.done {
-                Some(lo + usize::from(self.error.is_some()))
-            } else {
-                None
-            },
-        )
+        let known = lo + usize::from(self.error.is_some());
+        let more = if self.done {
+            Some(0)
+        } else {
+            self.source.size_hint().1
+        };
+        (lo, more.and_then(|more| known.checked_add(more)))
     }
 
     /// Sets `fast`: the items `poll_next` may take from `current` before `poll_fetching` has

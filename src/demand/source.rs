@@ -37,6 +37,15 @@ pub trait BatchSource {
         cx: &mut Context<'_>,
         max: usize,
     ) -> Fetched<Self::Item, Self::Error>;
+
+    /// Bounds on the items the source has yet to give, as [`Stream::size_hint`]: a
+    /// [`Prefetch`](crate::demand::Prefetch) adds its buffer to them, and an upper bound of
+    /// 0 lets what is built on it (`with_demand`, `watermarks`, which poll an upstream
+    /// without credit or room only for its end) see the end without one more unit. The
+    /// default, `(0, None)`, knows nothing.
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, None)
+    }
 }
 
 impl<S: BatchSource + Unpin + ?Sized> BatchSource for &mut S {
@@ -49,6 +58,10 @@ impl<S: BatchSource + Unpin + ?Sized> BatchSource for &mut S {
         max: usize,
     ) -> Fetched<S::Item, S::Error> {
         S::poll_fetch(Pin::new(&mut **self), cx, max)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        S::size_hint(&**self)
     }
 }
 
@@ -115,6 +128,15 @@ impl<S: Stream> BatchSource for StreamSource<S> {
             }
         }
         Poll::Ready(Some(Ok(batch)))
+    }
+
+    /// The stream's own, until it ended.
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        if self.ended {
+            (0, Some(0))
+        } else {
+            self.stream.size_hint()
+        }
     }
 }
 
@@ -186,6 +208,15 @@ impl<I: Iterator> BatchSource for IterSource<I> {
             Poll::Ready(None)
         } else {
             Poll::Ready(Some(Ok(batch)))
+        }
+    }
+
+    /// The iterator's own, until it ended.
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        if self.ended {
+            (0, Some(0))
+        } else {
+            self.iter.size_hint()
         }
     }
 }

@@ -405,3 +405,36 @@ pub trait FlowSinkExt<Item>: Sink<Item> {
 }
 
 impl<Item, S: Sink<Item> + ?Sized> FlowSinkExt<Item> for S {}
+
+/// The body of `impl Sink<$item> for Adapter<..>` on a stream adapter whose inner stream
+/// (the pinned field `$field`) is also a sink: every call goes to it, so an adapter over a
+/// duplex (a framed socket, a websocket) keeps its write half. Write `type Error` beside it.
+macro_rules! delegate_sink {
+    ($field:ident, $item:ty) => {
+        fn poll_ready(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            self.project().$field.poll_ready(cx)
+        }
+
+        fn start_send(self: std::pin::Pin<&mut Self>, item: $item) -> Result<(), Self::Error> {
+            self.project().$field.start_send(item)
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            self.project().$field.poll_flush(cx)
+        }
+
+        fn poll_close(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            self.project().$field.poll_close(cx)
+        }
+    };
+}
+pub(crate) use delegate_sink;

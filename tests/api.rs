@@ -11,11 +11,12 @@ use flowgate::prelude::*;
 use futures::{Sink, SinkExt, Stream, StreamExt};
 
 /// Both a `Stream` and a `Sink`: yields 1, 2, 3, ... up to `end`; records what it is sent.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Duplex {
     next: u32,
     end: u32,
     sent: Vec<u32>,
+    closed: bool,
 }
 
 impl Duplex {
@@ -55,7 +56,8 @@ impl Sink<u32> for Duplex {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+    fn poll_close(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.closed = true;
         Poll::Ready(Ok(()))
     }
 }
@@ -218,4 +220,53 @@ async fn builders_do_not_print_the_redis_connection() {
             assert!(!debug.contains(secret), "{secret:?} in {debug}");
         }
     }
+}
+
+/// Writes through `adapter` and closes it, then reads it to its end; the inner duplex got
+/// the writes and the close, and the reads came through.
+async fn write_then_read<A>(mut adapter: A, inner: impl Fn(&A) -> &Duplex) -> Vec<u32>
+where
+    A: Sink<u32, Error = std::convert::Infallible> + Stream<Item = u32> + Unpin,
+{
+    adapter.send(7).await.unwrap();
+    adapter.send(8).await.unwrap();
+    adapter.close().await.unwrap();
+    assert_eq!(inner(&adapter).sent, [7, 8]);
+    assert!(inner(&adapter).closed);
+    let mut read = Vec::new();
+    while let Some(item) = adapter.next().await {
+        read.push(item);
+    }
+    read
+}
+
+/// The stream adapters over a duplex keep its write half (and `leaky_sink` its read half):
+/// pacing, gating or counting the reads of a socket does not take away writing to it.
+#[tokio::test(start_paused = true)]
+async fn adapters_over_a_duplex_keep_its_other_half() {
+    let rate = Rate::per_second(1_000).unwrap();
+    let read = |items: Vec<u32>| items == [1, 2, 3];
+    let leaky = Duplex::upto(3).leaky(rate);
+    assert!(read(write_then_read(leaky, |a| a.get_ref()).await));
+    let capacity = std::num::NonZeroUsize::new(4).unwrap();
+    let queue = Duplex::upto(3).leaky_queue(Pacer::new(rate), capacity, Overflow::Backpressure);
+    assert!(read(write_then_read(queue, |a| a.get_ref()).await));
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(100).unwrap()));
+    let gated = Duplex::upto(3).gated(gate, |_: &u32| "k");
+    assert!(read(write_then_read(gated, |a| a.get_ref()).await));
+    // Credit for the 3 items and for the end (the duplex does not say it has no more).
+    let (demanded, _demand) = Duplex::upto(3).with_demand(4);
+    assert!(read(write_then_read(demanded, |a| a.get_ref()).await));
+    let sink = Duplex::upto(3).leaky_sink(rate);
+    assert!(read(write_then_read(sink, |a| a.get_ref()).await));
+    // `watermarks` yields each item with its ticket: written to, then read.
+    let mut marks = Duplex::upto(3).watermarks(flowgate::demand::Levels::new(8, 0).unwrap());
+    marks.send(7).await.unwrap();
+    marks.close().await.unwrap();
+    assert_eq!(
+        (&marks.get_ref().sent[..], marks.get_ref().closed),
+        (&[7][..], true)
+    );
+    let read: Vec<u32> = marks.map(|(item, _ticket)| item).collect().await;
+    assert_eq!(read, [1, 2, 3]);
 }

@@ -338,6 +338,15 @@ impl<S: Stream> Stream for Demanded<S> {
     }
 }
 
+/// The inner stream's write half, untouched (only reading takes credit).
+impl<S, Item> futures::Sink<Item> for Demanded<S>
+where
+    S: Stream + futures::Sink<Item>,
+{
+    type Error = S::Error;
+    crate::ext::delegate_sink!(stream, Item);
+}
+
 impl<S: Stream> FusedStream for Demanded<S> {
     fn is_terminated(&self) -> bool {
         self.done

@@ -528,6 +528,15 @@ impl<S: Stream> Stream for Watermarks<S> {
     }
 }
 
+/// The inner stream's write half, untouched (only reading is counted).
+impl<S, Item> futures::Sink<Item> for Watermarks<S>
+where
+    S: Stream + futures::Sink<Item>,
+{
+    type Error = S::Error;
+    crate::ext::delegate_sink!(stream, Item);
+}
+
 impl<S: FusedStream> FusedStream for Watermarks<S> {
     fn is_terminated(&self) -> bool {
         self.early.is_none() && self.stream.is_terminated()

@@ -422,6 +422,16 @@ where
     }
 }
 
+/// The inner stream's write half, untouched (only reading is gated).
+impl<S, G, K, C, Item> futures::Sink<Item> for Gated<S, G, K, C>
+where
+    S: Stream + futures::Sink<Item>,
+    K: KeyFn<S::Item>,
+{
+    type Error = S::Error;
+    crate::ext::delegate_sink!(stream, Item);
+}
+
 impl<S, G, K, C> FusedStream for Gated<S, G, K, C>
 where
     S: Stream,

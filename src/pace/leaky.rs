@@ -209,6 +209,15 @@ where
     }
 }
 
+/// The inner stream's write half, untouched (only reading is paced).
+impl<S, C, Item> futures::Sink<Item> for Leaky<S, C>
+where
+    S: Stream + futures::Sink<Item>,
+{
+    type Error = S::Error;
+    crate::ext::delegate_sink!(stream, Item);
+}
+
 impl<S, C> FusedStream for Leaky<S, C>
 where
     S: FusedStream,

@@ -311,6 +311,15 @@ impl<S: Stream> Stream for LeakyQueue<S> {
     }
 }
 
+/// The inner stream's write half, untouched (only reading is paced).
+impl<S, Item> futures::Sink<Item> for LeakyQueue<S>
+where
+    S: Stream + futures::Sink<Item>,
+{
+    type Error = S::Error;
+    crate::ext::delegate_sink!(stream, Item);
+}
+
 impl<S: Stream> FusedStream for LeakyQueue<S> {
     fn is_terminated(&self) -> bool {
         self.queue.items.is_empty() && self.stream.is_done()

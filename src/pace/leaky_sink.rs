@@ -92,6 +92,25 @@ impl<Si: Sink<Item>, Item> Sink<Item> for LeakySink<Si> {
     }
 }
 
+/// The inner sink's read half, untouched (only writing is paced).
+impl<Si: futures::Stream> futures::Stream for LeakySink<Si> {
+    type Item = Si::Item;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Si::Item>> {
+        self.project().sink.poll_next(cx)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.sink.size_hint()
+    }
+}
+
+impl<Si: futures::stream::FusedStream> futures::stream::FusedStream for LeakySink<Si> {
+    fn is_terminated(&self) -> bool {
+        self.sink.is_terminated()
+    }
+}
+
 impl<Si: fmt::Debug> fmt::Debug for LeakySink<Si> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LeakySink")

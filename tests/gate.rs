@@ -709,6 +709,54 @@ async fn gated_shapes_and_gated_drop_polices() {
     assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 5);
 }
 
+/// A request the in-memory gate refuses because its keyspace is full (every key busy: a
+/// flood of distinct keys) is counted, under `outcome="keyspace_full"`: it is neither
+/// admitted nor rejected by its quota, and an operator needs to see that the gate's memory
+/// bound is what refuses traffic. Each path counts it: `check`, `check_all` on one limit and
+/// on several.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_request_refused_by_a_full_keyspace_is_counted() {
+    let recorder = support::TestRecorder::default();
+    let gate = metrics::with_local_recorder(&recorder, || {
+        // One token an hour: a key once charged stays busy (never evicted) for the test.
+        MemoryGate::builder(Limit::TokenBucket(Quota::per_hour(1).unwrap()))
+            .name("full")
+            .max_keys(16)
+            .build()
+            .unwrap()
+    });
+    let count = |outcome: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=full,outcome={outcome}}}"
+        ))
+    };
+    let refused = (0..40)
+        .map(|i| gate.check(&format!("fill{i}"), 1))
+        .filter(|r| matches!(r, Err(GateError::KeyspaceFull { .. })))
+        .count() as u64;
+    assert!(refused > 0, "16 keys cannot hold 40 busy ones");
+    assert_eq!(count("allowed") + refused, 40, "{:?}", recorder.ids());
+    assert_eq!(count("keyspace_full"), refused, "every refusal counted");
+
+    let q = Quota::per_hour(1).unwrap();
+    let mut refused_all = 0;
+    for i in 0..40 {
+        let one = format!("one{i}");
+        let (a, b) = (format!("a{i}"), format!("b{i}"));
+        for limits in [
+            vec![(one.as_str(), q)],
+            vec![(a.as_str(), q), (b.as_str(), q)],
+        ] {
+            if let Err(GateError::KeyspaceFull { .. }) = gate.check_all(&limits, 1) {
+                refused_all += 1;
+            }
+        }
+    }
+    assert!(refused_all > 0, "check_all's buckets fill up too");
+    assert_eq!(count("keyspace_full"), refused + refused_all);
+}
+
 #[tokio::test]
 async fn shaping_waits_out_a_full_keyspace_and_drops_nothing() {
     use std::sync::atomic::{AtomicUsize, Ordering};

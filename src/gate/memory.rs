@@ -111,6 +111,8 @@ struct Inner {
     name: Option<String>,
     allowed: Counter,
     rejected: Counter,
+    /// Requests refused because the keyspace is full.
+    keyspace_full: Counter,
 }
 
 impl Inner {
@@ -121,6 +123,14 @@ impl Inner {
         } else {
             self.rejected.increment(1);
         }
+    }
+
+    /// Count `result`'s refusal for a full keyspace, if it is one, and pass it on.
+    fn counted<T>(&self, result: Result<T, GateError>) -> Result<T, GateError> {
+        if let Err(GateError::KeyspaceFull { .. }) = result {
+            self.keyspace_full.increment(1);
+        }
+        result
     }
 }
 
@@ -142,7 +152,8 @@ impl Inner {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`,
-/// `rejected`).
+/// `rejected`, and `keyspace_full`: requests refused with [`GateError::KeyspaceFull`]
+/// because every key the gate can hold is busy, a flood of distinct keys, say).
 ///
 /// # Examples
 ///
@@ -250,6 +261,7 @@ impl MemoryGateBuilder {
                 max_keys,
                 allowed: decisions("allowed"),
                 rejected: decisions("rejected"),
+                keyspace_full: decisions("keyspace_full"),
                 name: self.name,
             }),
         })
@@ -300,9 +312,12 @@ impl MemoryGate {
                 Ok(d)
             }
             // A shard reports its own share of the keyspace: report the gate's.
-            Err(KeyedError::KeyspaceFull { .. }) => Err(GateError::KeyspaceFull {
-                max_keys: self.inner.max_keys,
-            }),
+            Err(KeyedError::KeyspaceFull { .. }) => {
+                self.inner.keyspace_full.increment(1);
+                Err(GateError::KeyspaceFull {
+                    max_keys: self.inner.max_keys,
+                })
+            }
             Err(KeyedError::Cost(e)) => Err(GateError::Cost(e)),
         }
     }
@@ -384,10 +399,12 @@ impl MemoryGate {
             // merged request and expanding its decision cost ~25 ns of a ~60 ns decision.
             let bucket = Merged::one(key, quota, cost)?;
             let now = self.now();
-            let decided = self
-                .inner
-                .multi
-                .check_one(bucket, shard_of, now, self.inner.max_keys)?;
+            let decided = self.inner.counted(self.inner.multi.check_one(
+                bucket,
+                shard_of,
+                now,
+                self.inner.max_keys,
+            ))?;
             self.inner.count(decided.allowed);
             decisions.push(decided);
             return Ok(());
@@ -415,7 +432,7 @@ impl MemoryGate {
             self.inner
                 .multi
                 .check_all_into(request, shard_of, now, self.inner.max_keys, decisions);
-        if let Err(e) = decided {
+        if let Err(e) = self.inner.counted(decided) {
             decisions.clear();
             return Err(e);
         }

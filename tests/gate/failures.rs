@@ -739,3 +739,74 @@ fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
     assert_eq!(admitted, vec![KEY_BURST; KEYS], "exactly the burst per key");
     assert!(!gate.is_degraded());
 }
+
+/// The warnings logged by `flowgate::gate::batch`, each with its `gate` field.
+#[derive(Clone, Default)]
+struct BatchWarnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for BatchWarnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Gate(String);
+        impl tracing::field::Visit for Gate {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "gate" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let meta = event.metadata();
+        if *meta.level() == tracing::Level::WARN && meta.target() == "flowgate::gate::batch" {
+            let mut gate = Gate(String::new());
+            event.record(&mut gate);
+            self.0.lock().unwrap().push(gate.0);
+        }
+    }
+}
+
+/// A batch driver started again (its runtime shut down) is logged once, naming the gate,
+/// as the gate's degraded and healthy transitions are: with several gates in a process, an
+/// operator must tell which one lost its driver.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_restarted_batch_driver_is_logged_once_with_the_gates_name() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let warnings = BatchWarnings::default();
+    let _logs =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(warnings.clone()));
+    let recorder = super::support::TestRecorder::default();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    // The callers run on this thread (`block_on`); the connection on the workers.
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = main.block_on(server.connect());
+    let other = super::rt();
+    let gate = other
+        .block_on(
+            RedisGate::builder(conn, Limit::TokenBucket(per_hour(1_000)))
+                .name("orders")
+                .timeout(Duration::from_secs(2))
+                .build(),
+        )
+        .unwrap();
+    drop(other);
+    // Concurrent calls: all but one go through the batch driver.
+    for _ in 0..3 {
+        let calls = (0..20).map(|_| gate.check("k", 1));
+        let outcomes = main.block_on(bounded(20, "20 calls", join_all(calls)));
+        assert!(outcomes.iter().all(|o| o.as_ref().is_ok_and(|d| d.allowed)));
+    }
+    assert_eq!(
+        recorder.counter("flowgate_gate_driver_restarts_total{name=orders}"),
+        1
+    );
+    let warnings = warnings.0.lock().unwrap().clone();
+    assert_eq!(warnings.len(), 1, "logged once: {warnings:?}");
+    assert!(
+        warnings[0].contains("orders"),
+        "names the gate: {warnings:?}"
+    );
+}

@@ -142,6 +142,11 @@ impl<C> Backend<C> {
         self.timeout
     }
 
+    /// The gate's name, for logs.
+    pub(crate) fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
     /// Whether the gate is deciding by its failure policy.
     pub(crate) fn is_degraded(&self) -> bool {
         self.degraded.load(Ordering::Acquire)

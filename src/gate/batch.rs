@@ -303,6 +303,7 @@ where
         drop(queue);
         self.restarts.increment(1);
         tracing::warn!(
+            gate = ?self.driver.backend.name(),
             "the gate's batch driver stopped (the tokio runtime the gate was built on shut \
              down): started it again on the caller's runtime"
         );

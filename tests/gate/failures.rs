@@ -810,3 +810,70 @@ fn a_restarted_batch_driver_is_logged_once_with_the_gates_name() {
         "names the gate: {warnings:?}"
     );
 }
+
+/// A request refused with `UnreadableKey` (its key holds a value of another type, or one the
+/// script cannot read) is counted under `outcome="unreadable_key"` on every path: it is
+/// neither admitted nor rejected by its quota, and Redis did not fail, so no other count
+/// shows that a key refuses every request made on it.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_request_refused_for_an_unreadable_key_is_counted_on_every_path() {
+    let recorder = super::support::TestRecorder::default();
+    // Current-thread runtime: the gates register their metrics with this thread's recorder.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    for path in PATHS {
+        let name = format!("unreadable-{path:?}");
+        let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(per_hour(BURST)))
+            .prefix(format!("unreadable:{path:?}:"))
+            .name(name.clone())
+            .timeout(Duration::from_secs(2));
+        let gate = match path {
+            Path::Check | Path::All => builder.batch_size(1),
+            Path::Batched => builder,
+            Path::Lease => builder.lease(3).lease_ttl(Duration::from_secs(60)),
+        }
+        .build()
+        .await
+        .unwrap();
+        // One key of another type (WRONGTYPE), one holding garbage.
+        let hash = redis::cmd("HSET")
+            .arg(gate.redis_key("hash"))
+            .arg("f")
+            .arg("v")
+            .clone();
+        let _: () = server.query_blocking(&hash).unwrap();
+        let garbage = redis::cmd("SET")
+            .arg(gate.redis_key("garbage"))
+            .arg("garbage")
+            .clone();
+        let _: () = server.query_blocking(&garbage).unwrap();
+        let one = |key: &'static str| {
+            let gate = gate.clone();
+            async move {
+                match path {
+                    Path::All => gate
+                        .check_all(&[(key, per_hour(BURST))], 1)
+                        .await
+                        .map(|ds| ds[0]),
+                    _ => gate.check(key, 1).await,
+                }
+            }
+        };
+        let calls = ["hash", "garbage", "good"].into_iter().cycle().take(12);
+        let outcomes = bounded(10, &name, join_all(calls.map(one))).await;
+        let unreadable = outcomes
+            .iter()
+            .filter(|o| matches!(o, Err(GateError::UnreadableKey(_))))
+            .count() as u64;
+        assert_eq!(unreadable, 8, "{path:?}: {outcomes:?}");
+        let count = |outcome: &str| {
+            recorder.counter(&format!(
+                "flowgate_gate_decisions_total{{name={name},outcome={outcome}}}"
+            ))
+        };
+        assert_eq!(count("unreadable_key"), unreadable, "{path:?}");
+        assert_eq!(count("allowed"), 4, "{path:?}: the good key's calls");
+    }
+}

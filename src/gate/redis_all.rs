@@ -102,7 +102,7 @@ where
         };
         match reply {
             Ok(Ok(decided)) => Ok(request.expand(&decided)),
-            Ok(Err(e)) | Err(CallError::Request(e)) => Err(e),
+            Ok(Err(e)) | Err(CallError::Request(e)) => inner.metrics.counted(Err(e)),
             Err(CallError::Backend { error, until_probe }) => {
                 inner.metrics.by_policy.increment(1);
                 let each = |d: &dyn Fn(Quota) -> Decision| -> Vec<Decision> {

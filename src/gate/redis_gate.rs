@@ -84,6 +84,18 @@ pub(super) struct Metrics {
     /// driver (which counts and caches the decisions of callers that gave up).
     pub(super) outcomes: Arc<Outcomes>,
     pub(super) by_policy: Counter,
+    /// Requests refused with [`GateError::UnreadableKey`].
+    pub(super) unreadable: Counter,
+}
+
+impl Metrics {
+    /// Count `result`'s refusal for an unreadable key, if it is one, and pass it on.
+    pub(super) fn counted<T>(&self, result: Result<T, GateError>) -> Result<T, GateError> {
+        if let Err(GateError::UnreadableKey(_)) = result {
+            self.unreadable.increment(1);
+        }
+        result
+    }
 }
 
 pub(super) struct Inner<C> {
@@ -176,8 +188,9 @@ pub(super) struct Inner<C> {
 /// # Metrics
 ///
 /// Labelled by `name`: `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`,
-/// `cached`, `policy`, `abandoned`; a caller that gave up after its request went to Redis is
-/// counted by what Redis decided for it when the answer comes, batched or not (a call it
+/// `cached`, `policy`, `abandoned`, and `unreadable_key`: requests refused with
+/// [`GateError::UnreadableKey`], counted as their caller gets the error; a caller that gave
+/// up after its request went to Redis is counted by what Redis decided for it when the answer comes, batched or not (a call it
 /// made alone is finished on the runtime without it), and a batched one whose own timeout
 /// ended first is then counted under `policy` too; `abandoned` counts the requests sent to
 /// Redis whose answer nothing was left to read, which Redis may have charged: a batch in
@@ -484,6 +497,7 @@ where
                     cached: decisions("cached"),
                     outcomes,
                     by_policy: decisions("policy"),
+                    unreadable: decisions("unreadable_key"),
                 },
                 name: self.name,
             }),
@@ -576,7 +590,7 @@ where
         match reply {
             // Counted, and a rejection cached, where Redis's answer was read (see `decided`).
             Ok(decision) => Ok(decision),
-            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Request(e)) => inner.metrics.counted(Err(e)),
             Err(CallError::Backend { error, until_probe }) => {
                 self.by_policy(key, cost, until_probe, error)
             }

@@ -741,9 +741,11 @@ fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
 }
 
 /// The warnings logged by `flowgate::gate::batch`, each with its `gate` field.
+#[cfg(feature = "metrics")]
 #[derive(Clone, Default)]
 struct BatchWarnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
 
+#[cfg(feature = "metrics")]
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for BatchWarnings {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
         struct Gate(String);

@@ -35,7 +35,8 @@
 //!
 //! # Metrics
 //!
-//! Labelled by the pacer's `name`: `flowgate_pace_released_total`,
+//! Labelled by the pacer's `name`: `flowgate_pace_released_total` (units of cost released:
+//! items under a unit cost, the costs summed under `leaky_cost`),
 //! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram).
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the

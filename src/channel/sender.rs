@@ -156,6 +156,11 @@ impl<T> Sender<T> {
 
     /// Close the channel for every sender: further sends fail, waiting senders fail, and
     /// receivers drain what is buffered, then get `None`.
+    ///
+    /// This inherent method takes the place of [`SinkExt::close`](futures::SinkExt::close)
+    /// in method calls (`tx.close()` closes the channel, for every sender, at once). To
+    /// close only this handle as a `Sink` (the channel stays open while other senders
+    /// live), write `SinkExt::close(&mut tx).await`, or drop it.
     pub fn close(&self) {
         self.shared.close();
     }

@@ -286,7 +286,7 @@ where
         if was_healthy {
             self.metrics.to_degraded.increment(1);
             tracing::warn!(
-                gate = ?self.name,
+                gate = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
                 policy = self.policy,
                 %error,
                 "redis failed: deciding by the failure policy, probing every {:?}",
@@ -312,7 +312,10 @@ where
             drop(health);
             self.reset();
             self.metrics.to_healthy.increment(1);
-            tracing::info!(gate = ?self.name, "redis answers again: the gate is back on redis");
+            tracing::info!(
+                gate = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
+                "redis answers again: the gate is back on redis"
+            );
         }
     }
 }

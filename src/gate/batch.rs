@@ -303,7 +303,11 @@ where
         drop(queue);
         self.restarts.increment(1);
         tracing::warn!(
-            gate = ?self.driver.backend.name(),
+            gate = self
+                .driver
+                .backend
+                .name()
+                .unwrap_or(crate::metrics::DEFAULT_NAME),
             "the gate's batch driver stopped (the tokio runtime the gate was built on shut \
              down): started it again on the caller's runtime"
         );

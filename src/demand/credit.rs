@@ -10,6 +10,7 @@ use futures::stream::FusedStream;
 use futures::task::AtomicWaker;
 use pin_project::pin_project;
 
+use crate::demand::early::Early;
 use crate::demand::error::RequestError;
 use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
@@ -151,7 +152,7 @@ pub struct Demanded<S: Stream> {
     done: bool,
     /// An item the upstream yielded without credit, polled for its end because its
     /// `size_hint` said no item was left: it waits here for credit.
-    early: Option<S::Item>,
+    early: Early<S::Item>,
 }
 
 impl<S: Stream> Demanded<S> {
@@ -200,7 +201,7 @@ impl<S: Stream> Demanded<S> {
                 stream,
                 credit: credit.clone(),
                 done: false,
-                early: None,
+                early: Early::default(),
             },
             DemandHandle { credit },
         )
@@ -277,7 +278,7 @@ impl<S: Stream> Stream for Demanded<S> {
     type Item = S::Item;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
-        let this = self.project();
+        let mut this = self.project();
         if *this.done {
             return Poll::Ready(None);
         }
@@ -285,20 +286,10 @@ impl<S: Stream> Stream for Demanded<S> {
             this.credit.waker.register(cx.waker());
             // A request may have landed between the check and the registration.
             if !this.credit.available() {
-                // The end needs no credit (Reactive Streams §2.9): an upstream that says no
-                // item is left (`size_hint` bounded by 0, as an iterator or a prefetch
-                // that saw its source's end) is polled for it, so that credit used up by
-                // the last items does not leave the stream pending for ever. An item it
-                // yields all the same (a wrong `size_hint`) waits for credit here.
-                if this.early.is_none() && this.stream.size_hint().1 == Some(0) {
-                    match this.stream.poll_next(cx) {
-                        Poll::Ready(None) => {
-                            *this.done = true;
-                            return Poll::Ready(None);
-                        }
-                        Poll::Ready(Some(item)) => *this.early = Some(item),
-                        Poll::Pending => {}
-                    }
+                // The end needs no credit (see `Early`).
+                if this.early.poll_end(this.stream.as_mut(), cx) {
+                    *this.done = true;
+                    return Poll::Ready(None);
                 }
                 return Poll::Pending;
             }
@@ -329,12 +320,8 @@ impl<S: Stream> Stream for Demanded<S> {
         let credit = self.credit.remaining.load(Ordering::Acquire);
         let cap = usize::try_from(credit).unwrap_or(usize::MAX);
         // An item held for credit (see `early`) comes before the inner stream's.
-        let early = usize::from(self.early.is_some());
-        let (lo, hi) = self.stream.size_hint();
-        (
-            lo.saturating_add(early).min(cap),
-            hi.and_then(|hi| hi.checked_add(early)),
-        )
+        let (lo, hi) = self.early.size_hint(self.stream.size_hint());
+        (lo.min(cap), hi)
     }
 }
 

@@ -57,6 +57,7 @@
 
 mod commit;
 mod credit;
+mod early;
 mod error;
 mod levels;
 mod prefetch;

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use crate::demand::Levels;
+use crate::demand::early::Early;
 use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
 use crate::sync::{Arc, Mutex, MutexGuard};
@@ -279,7 +280,7 @@ pub struct Watermarks<S: Stream> {
     timer: Option<Pin<Box<Sleep>>>,
     /// An item the upstream yielded while the wrapper was paused, polled for its end
     /// because its `size_hint` said no item was left: it waits here for room.
-    early: Option<S::Item>,
+    early: Early<S::Item>,
 }
 
 impl<S: Stream> Watermarks<S> {
@@ -341,7 +342,7 @@ impl<S: Stream> Watermarks<S> {
                 signal,
             })),
             timer: None,
-            early: None,
+            early: Early::default(),
         }
     }
 
@@ -448,7 +449,7 @@ impl<S: Stream> Stream for Watermarks<S> {
     type Item = (S::Item, Ticket);
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.project();
+        let mut this = self.project();
         let mut st = this.shared.lock();
         let evaluated = this.shared.evaluate(&mut st, Instant::now());
         let paused = st.paused;
@@ -482,16 +483,10 @@ impl<S: Stream> Stream for Watermarks<S> {
             }
         }
         if pending {
-            // The end needs no room: an upstream that says no item is left (`size_hint`
-            // bounded by 0, as an iterator or a prefetch that saw its source's end) is
-            // polled for it, so a source that ends with `high` items in flight ends the
-            // stream. An item it yields all the same (a wrong `size_hint`) waits for room.
-            if this.early.is_none() && this.stream.size_hint().1 == Some(0) {
-                match this.stream.poll_next(cx) {
-                    Poll::Ready(None) => return Poll::Ready(None),
-                    Poll::Ready(Some(item)) => *this.early = Some(item),
-                    Poll::Pending => {}
-                }
+            // The end needs no room (see `Early`): a source that ends with `high` items
+            // in flight ends the stream.
+            if this.early.poll_end(this.stream.as_mut(), cx) {
+                return Poll::Ready(None);
             }
             return Poll::Pending;
         }
@@ -519,12 +514,7 @@ impl<S: Stream> Stream for Watermarks<S> {
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         // One output per inner item, and one for an item held for room (see `early`).
-        let early = usize::from(self.early.is_some());
-        let (lo, hi) = self.stream.size_hint();
-        (
-            lo.saturating_add(early),
-            hi.and_then(|hi| hi.checked_add(early)),
-        )
+        self.early.size_hint(self.stream.size_hint())
     }
 }
 
@@ -539,7 +529,7 @@ where
 
 impl<S: FusedStream> FusedStream for Watermarks<S> {
     fn is_terminated(&self) -> bool {
-        self.early.is_none() && self.stream.is_terminated()
+        !self.early.is_held() && self.stream.is_terminated()
     }
 }
 

@@ -1,0 +1,64 @@
+//! `Early`: what `with_demand` and `watermarks` share to see their upstream's end while
+//! they may not take an item (no credit, no room).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::Stream;
+
+/// An item the upstream yielded while the adapter could not take one, held until it can.
+///
+/// The end of a stream needs no demand (Reactive Streams §2.9): while the adapter may not
+/// take an item, an upstream whose `size_hint` says none is left (an iterator; a prefetch
+/// that saw its source's end) is polled for its end, so an adapter whose credit or room was
+/// used up by the last items ends instead of waiting for ever. An item such an upstream
+/// yields all the same (a wrong `size_hint`) is held here until the adapter may take it.
+#[derive(Debug)]
+pub(crate) struct Early<T>(Option<T>);
+
+impl<T> Default for Early<T> {
+    fn default() -> Self {
+        Early(None)
+    }
+}
+
+impl<T> Early<T> {
+    /// While no item may be taken: polls `stream` for its end if it says none is left (and
+    /// nothing is held yet); whether it ended.
+    pub(crate) fn poll_end<S: Stream<Item = T>>(
+        &mut self,
+        stream: Pin<&mut S>,
+        cx: &mut Context<'_>,
+    ) -> bool {
+        if self.0.is_some() || stream.size_hint().1 != Some(0) {
+            return false;
+        }
+        match stream.poll_next(cx) {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(item)) => {
+                self.0 = Some(item);
+                false
+            }
+            Poll::Pending => false,
+        }
+    }
+
+    /// The held item, to be yielded before the upstream's next.
+    pub(crate) fn take(&mut self) -> Option<T> {
+        self.0.take()
+    }
+
+    /// Whether an item is held.
+    pub(crate) fn is_held(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The upstream's `size_hint` with the held item added.
+    pub(crate) fn size_hint(&self, (lo, hi): (usize, Option<usize>)) -> (usize, Option<usize>) {
+        let held = usize::from(self.is_held());
+        (
+            lo.saturating_add(held),
+            hi.and_then(|hi| hi.checked_add(held)),
+        )
+    }
+}

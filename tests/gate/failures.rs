@@ -704,28 +704,40 @@ async fn zero_lease_settings_are_config_errors() {
 
 // ----- runtime loss -----
 
-#[test]
-fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
-    const KEYS: usize = 16;
-    const KEY_BURST: u32 = 40;
-    let server = RedisServer::start();
-    // The test's runtime: it owns the connection (and drives it while the other builds).
+/// The test's runtime, which owns the connection (and drives it while the other builds),
+/// and a gate built by `build` on another runtime that then shuts down (with it the gate's
+/// batch driver).
+fn gate_whose_runtime_shut_down(
+    server: &RedisServer,
+    build: impl FnOnce(
+        redis::aio::MultiplexedConnection,
+    ) -> flowgate::gate::RedisGateBuilder<redis::aio::MultiplexedConnection>,
+) -> (
+    tokio::runtime::Runtime,
+    RedisGate<redis::aio::MultiplexedConnection>,
+) {
     let main = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let conn = main.block_on(server.connect());
-    // The gate, and so its batch driver, on a runtime that then shuts down.
     let other = super::rt();
     let gate = other
-        .block_on(
-            RedisGate::builder(conn, Limit::TokenBucket(per_hour(KEY_BURST)))
-                .timeout(Duration::from_secs(2))
-                .build(),
-        )
+        .block_on(build(conn).timeout(Duration::from_secs(2)).build())
         .unwrap();
     drop(other);
+    (main, gate)
+}
+
+#[test]
+fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
+    const KEYS: usize = 16;
+    const KEY_BURST: u32 = 40;
+    let server = RedisServer::start();
+    let (main, gate) = gate_whose_runtime_shut_down(&server, |conn| {
+        RedisGate::builder(conn, Limit::TokenBucket(per_hour(KEY_BURST)))
+    });
     let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
     let calls = keys.iter().cycle().take(1_600).map(|k| gate.check(k, 1));
     let outcomes = main.block_on(bounded(20, "1600 calls", join_all(calls)));
@@ -779,22 +791,9 @@ fn a_restarted_batch_driver_is_logged_once_with_the_gates_name() {
     let _metrics = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
     // The callers run on this thread (`block_on`); the connection on the workers.
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let conn = main.block_on(server.connect());
-    let other = super::rt();
-    let gate = other
-        .block_on(
-            RedisGate::builder(conn, Limit::TokenBucket(per_hour(1_000)))
-                .name("orders")
-                .timeout(Duration::from_secs(2))
-                .build(),
-        )
-        .unwrap();
-    drop(other);
+    let (main, gate) = gate_whose_runtime_shut_down(&server, |conn| {
+        RedisGate::builder(conn, Limit::TokenBucket(per_hour(1_000))).name("orders")
+    });
     // Concurrent calls: all but one go through the batch driver.
     for _ in 0..3 {
         let calls = (0..20).map(|_| gate.check("k", 1));

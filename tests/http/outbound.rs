@@ -196,6 +196,61 @@ async fn a_retry_after_past_the_deadline_gives_up_at_once() {
     ));
 }
 
+/// The pacer's wait counts against the backoff's deadline, as the backoff's delay does. A
+/// pacer that another request's `Retry-After: 30` paused holds a new request with a 10 s
+/// deadline: it ends at once, sending nothing (`RetryError::NotSent`); and a retry the
+/// pacer would hold past the deadline is not waited for: the last answer is returned at
+/// once. Both waited the pacer out, 30 s, and sent their requests 20 s past the deadline.
+#[tokio::test(start_paused = true)]
+async fn the_pacer_s_wait_counts_against_the_deadline() {
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let server = Scripted::new();
+    // While the first request's attempt is under way, another request's
+    // `Retry-After: 30` pauses the pacer.
+    let other = pacer.clone();
+    let svc = server.service(move |n| match n {
+        1 => {
+            other.on_back_pressure(Some(30 * SECOND));
+            answer(500, "oops".into(), None)
+        }
+        _ => answer(200, format!("answer {n}"), None),
+    });
+    let backoff = Backoff::builder()
+        .jitter(Jitter::None)
+        .max_attempts(5)
+        .deadline(10 * SECOND)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(svc);
+
+    // A retry the paused pacer would hold past the deadline.
+    let start = Instant::now();
+    let res = client.clone().oneshot(request(Method::GET)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(server.calls(), 1);
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let stop = info(&res).stop;
+    assert!(
+        matches!(stop, Stop::GaveUp(GiveUp::Deadline { delay, .. }) if delay >= 30 * SECOND),
+        "{stop:?}"
+    );
+
+    // A first attempt the paused pacer would hold past the deadline: none is sent.
+    let err = client.oneshot(request(Method::GET)).await.unwrap_err();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(server.calls(), 1);
+    assert!(
+        err.to_string().starts_with("no attempt was sent: "),
+        "{err}"
+    );
+}
+
 /// Every hostile `Retry-After` on a `503` ends in a clear outcome, at once or after a
 /// bounded wait, never a hang or a panic: far too large (delta-seconds past `u64::MAX`, a
 /// date in the year 9999) gives up with `HintTooLong` without waiting, and pauses the pacer

@@ -128,6 +128,74 @@ async fn a_retry_after_past_the_deadline_gives_up_at_once() {
     assert_eq!(done.result, Some(Ok(503)));
 }
 
+/// The pacer's wait counts against the deadline, as the backoff's delay does: a first
+/// attempt that a pacer paused by another caller's `Retry-After: 30` would hold past a 10 s
+/// deadline is not made (the operation ends at once, `RetryError::NotSent`), and a retry
+/// it would hold past it is not waited for (the last result stands). Both waited the pacer
+/// out and attempted 20 s past the deadline.
+#[tokio::test(start_paused = true)]
+async fn the_pacer_s_wait_counts_against_the_deadline() {
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let backoff = Backoff::builder()
+        .base(Duration::from_millis(100))
+        .jitter(Jitter::None)
+        .max_attempts(5)
+        .deadline(secs(10))
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let calls = AtomicU32::new(0);
+    let start = Instant::now();
+
+    // A retry: while the first attempt is under way, another caller's `Retry-After: 30`
+    // pauses the pacer.
+    let done = retry(&policy, classify, |attempt| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        if attempt == 1 {
+            pacer.on_back_pressure(Some(secs(30)));
+        }
+        async move { Ok(if attempt == 1 { 500 } else { 200 }) }
+    })
+    .await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!((done.attempts, calls.load(Ordering::Relaxed)), (1, 1));
+    assert!(
+        matches!(done.stop, Stop::GaveUp(GiveUp::Deadline { delay, .. }) if delay >= secs(30)),
+        "{:?}",
+        done.stop
+    );
+    assert_eq!(done.result, Some(Ok(500)));
+
+    // A first attempt: none is made.
+    let done = retry(&policy, classify, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        async { Ok(200) }
+    })
+    .await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!((done.attempts, calls.load(Ordering::Relaxed)), (0, 1));
+    assert!(done.result.is_none());
+    let err = done.into_result().unwrap_err();
+    assert!(
+        err.to_string().starts_with("no attempt was sent: "),
+        "{err}"
+    );
+
+    // Without a deadline the pacer is waited for, as before.
+    let policy = RetryPolicy::builder(Backoff::builder().build().unwrap())
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let done = retry(&policy, classify, |_| async { Ok(200) }).await;
+    assert_eq!((done.attempts, done.stop), (1, Stop::Success));
+    assert!(start.elapsed() >= secs(30), "{:?}", start.elapsed());
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_budget_stops_a_retry_storm() {
     let budget = RetryBudget::new(10, 0.1).unwrap();

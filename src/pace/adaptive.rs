@@ -359,6 +359,12 @@ impl AdaptivePacer {
         self.inner.pacer.until_ready(cost)
     }
 
+    /// How long one unit would wait for the pacer if it joined the line now (see
+    /// `Inner::wait_estimate`); takes nothing.
+    pub(crate) fn wait_estimate(&self) -> Duration {
+        self.inner.pacer.inner().wait_estimate(1)
+    }
+
     /// A request succeeded: the rate may climb (see the type's docs).
     pub fn on_success(&self) {
         let now = Instant::now();

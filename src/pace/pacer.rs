@@ -443,6 +443,36 @@ impl Inner {
         decision
     }
 
+    /// How long `cost` units would wait if they joined the line now, if everyone ahead
+    /// passes before them (sooner only if some leave the line); takes nothing, and a cost
+    /// that can never pass waits for ever (`Duration::MAX`).
+    pub(crate) fn wait_estimate(&self, cost: u32) -> Duration {
+        let now = Instant::now();
+        let mut out = Deferred::default();
+        let mut guard = self.lock();
+        self.step_over_stalled(&mut guard, now, None, &mut out);
+        let st = &*guard;
+        if Self::validate(st, cost).is_err() {
+            return Duration::MAX;
+        }
+        st.bucket
+            .ready_at(&st.gcra, Self::with_those_ahead(st, cost))
+            .saturating_sub(self.elapsed(now))
+    }
+
+    /// `cost` plus the units of those waiting in line (each counted at most at the burst,
+    /// as their turn is): what must fit the bucket before `cost` passes, saturating.
+    fn with_those_ahead(st: &State, cost: u32) -> u32 {
+        let burst = st.bucket.quota().burst_size();
+        let ahead = st
+            .present()
+            .filter_map(|key| st.waiters.get(key))
+            .fold(u64::from(cost), |sum, w| {
+                sum.saturating_add(u64::from(w.cost.min(burst)))
+            });
+        u32::try_from(ahead).unwrap_or(u32::MAX)
+    }
+
     fn check_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<Decision, CostError> {
         // The one place that refuses a cost that can never pass (as `admit` does).
         Self::validate(st, cost)?;
@@ -451,15 +481,10 @@ impl Inner {
             // Someone is ahead: never jump the line. Refuse, and report when the bucket
             // would fit this cost after the units of those waiting (each counted at most at
             // the burst, as their turn is): no earlier can this cost pass.
-            let burst = st.bucket.quota().burst_size();
-            let ahead = st
-                .present()
-                .filter_map(|key| st.waiters.get(key))
-                .fold(u64::from(cost), |sum, w| {
-                    sum.saturating_add(u64::from(w.cost.min(burst)))
-                });
-            let ahead = u32::try_from(ahead).unwrap_or(u32::MAX);
-            let retry_after = st.bucket.ready_at(&st.gcra, ahead).saturating_sub(elapsed);
+            let retry_after = st
+                .bucket
+                .ready_at(&st.gcra, Self::with_those_ahead(st, cost))
+                .saturating_sub(elapsed);
             let reset_after = st.bucket.neutral_at(&st.gcra).saturating_sub(elapsed);
             return Ok(Decision::reject(
                 st.bucket.capacity(),

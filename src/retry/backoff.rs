@@ -87,7 +87,9 @@ pub enum GiveUp {
         elapsed: Duration,
         /// The deadline ([`BackoffBuilder::deadline`]).
         deadline: Duration,
-        /// The delay that would have been waited (the server's hint, or the computed one).
+        /// The delay that would have been waited: the server's hint or the computed one,
+        /// or, under a [`RetryPolicy`](crate::retry::RetryPolicy) with a pacer, the
+        /// pacer's wait when it is longer.
         delay: Duration,
     },
     /// The server asked to wait longer than [`max_retry_after`](BackoffBuilder::max_retry_after).
@@ -475,6 +477,17 @@ impl Schedule {
     /// # }
     /// ```
     pub fn next_delay(&mut self, hint: Option<Duration>) -> Result<Duration, GiveUp> {
+        self.next_delay_paced(hint, Duration::ZERO)
+    }
+
+    /// [`next_delay`](Schedule::next_delay) for an attempt that also waits `paced` for a
+    /// pacer (from now, overlapping the delay): the deadline is checked against the longer
+    /// of the two waits, and a [`GiveUp::Deadline`] gives that one.
+    pub(crate) fn next_delay_paced(
+        &mut self,
+        hint: Option<Duration>,
+        paced: Duration,
+    ) -> Result<Duration, GiveUp> {
         let backoff = &self.backoff;
         if self.attempts >= backoff.max_attempts {
             return Err(GiveUp::Attempts {
@@ -494,20 +507,25 @@ impl Schedule {
         let mut rng = self.rng.clone();
         let computed = draw(backoff, &mut rng, self.attempts - 1, self.prev);
         let delay = hint.unwrap_or(Duration::from_nanos(computed));
-        if let Some(deadline) = backoff.deadline {
-            let elapsed = self.start.elapsed();
-            if elapsed.saturating_add(delay) >= deadline {
-                return Err(GiveUp::Deadline {
-                    elapsed,
-                    deadline,
-                    delay,
-                });
-            }
+        if let Some(give_up) = self.past_deadline(delay.max(paced)) {
+            return Err(give_up);
         }
         self.rng = rng;
         self.prev = computed;
         self.attempts += 1;
         Ok(delay)
+    }
+
+    /// Whether an attempt after waiting `wait` from now would start at or after the
+    /// deadline: the [`GiveUp::Deadline`] to give if so.
+    pub(crate) fn past_deadline(&self, wait: Duration) -> Option<GiveUp> {
+        let deadline = self.backoff.deadline?;
+        let elapsed = self.start.elapsed();
+        (elapsed.saturating_add(wait) >= deadline).then_some(GiveUp::Deadline {
+            elapsed,
+            deadline,
+            delay: wait,
+        })
     }
 
     /// The attempts made or under way, the first included: 1 after

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::error::ConfigError;
 use crate::metrics::{Counter, Histogram, Labels};
 use crate::pace::AdaptivePacer;
-use crate::retry::backoff::{Backoff, GiveUp};
+use crate::retry::backoff::{Backoff, GiveUp, Schedule};
 use crate::retry::budget::RetryBudget;
 use crate::sync::Arc;
 
@@ -101,7 +101,8 @@ impl Stop {
 #[non_exhaustive]
 pub struct Retried<T, E> {
     /// The last attempt's result; `None` only when the last attempt timed out
-    /// ([`Stop::TimedOut`]).
+    /// ([`Stop::TimedOut`]), or when no attempt was made (`attempts` 0: the policy's pacer
+    /// would have held the first one past the backoff's deadline, [`GiveUp::Deadline`]).
     pub result: Option<Result<T, E>>,
     /// Attempts made, the first included.
     pub attempts: u32,
@@ -119,13 +120,17 @@ impl<T, E> Retried<T, E> {
     ///
     /// # Errors
     ///
-    /// [`RetryError::Inner`] with the last attempt's error, or [`RetryError::TimedOut`]
-    /// when the last attempt timed out.
+    /// [`RetryError::Inner`] with the last attempt's error, [`RetryError::TimedOut`]
+    /// when the last attempt timed out, or [`RetryError::NotSent`] when no attempt was
+    /// made.
     pub fn into_result(self) -> Result<T, RetryError<E>> {
-        match self.result {
-            Some(Ok(v)) => Ok(v),
-            Some(Err(e)) => Err(RetryError::Inner(e)),
-            None => Err(RetryError::TimedOut {
+        match (self.result, self.stop) {
+            (Some(Ok(v)), _) => Ok(v),
+            (Some(Err(e)), _) => Err(RetryError::Inner(e)),
+            (None, Stop::GaveUp(give_up)) if self.attempts == 0 => {
+                Err(RetryError::NotSent(give_up))
+            }
+            (None, _) => Err(RetryError::TimedOut {
                 attempts: self.attempts,
             }),
         }
@@ -143,6 +148,10 @@ pub enum RetryError<E> {
         /// Attempts made.
         attempts: u32,
     },
+    /// No attempt was sent: the policy's pacer would have held the first one until the
+    /// backoff's deadline or past it ([`GiveUp::Deadline`], whose `delay` is the pacer's
+    /// wait), so the operation ended at once.
+    NotSent(GiveUp),
 }
 
 impl<E: fmt::Display> fmt::Display for RetryError<E> {
@@ -152,6 +161,7 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
             RetryError::TimedOut { attempts } => {
                 write!(f, "the last of {attempts} attempts timed out")
             }
+            RetryError::NotSent(give_up) => write!(f, "no attempt was sent: {give_up}"),
         }
     }
 }
@@ -161,6 +171,7 @@ impl<E: std::error::Error + 'static> std::error::Error for RetryError<E> {
         match self {
             RetryError::Inner(e) => Some(e),
             RetryError::TimedOut { .. } => None,
+            RetryError::NotSent(give_up) => Some(give_up),
         }
     }
 }
@@ -266,17 +277,13 @@ impl RetryPolicy {
     /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or
     /// why not to retry. Takes a token from the budget; only a retry the schedule allows
     /// is asked of it (counted as allowed or refused).
-    pub(crate) fn next(
-        &self,
-        schedule: &mut crate::retry::Schedule,
-        outcome: Outcome,
-    ) -> Result<Duration, Stop> {
+    pub(crate) fn next(&self, schedule: &mut Schedule, outcome: Outcome) -> Result<Duration, Stop> {
         let hint = match outcome {
             Outcome::BackPressure { retry_after } => retry_after,
             _ => None,
         };
         let budget = self.inner.budget.as_ref();
-        match schedule.next_delay(hint) {
+        match schedule.next_delay_paced(hint, self.paced()) {
             Err(give_up) => {
                 // Not retried anyway: a failure for the budget, not a retry asked of it.
                 if let Some(b) = budget {
@@ -287,6 +294,22 @@ impl RetryPolicy {
             Ok(_) if budget.is_some_and(|b| !b.try_retry()) => Err(Stop::Budget),
             Ok(delay) => Ok(delay),
         }
+    }
+
+    /// How long the pacer would hold an attempt that joined it now, when a deadline makes
+    /// it matter (it counts against the deadline as the backoff's delay does); else zero.
+    fn paced(&self) -> Duration {
+        match &self.inner.pacer {
+            Some(pacer) if self.inner.backoff.deadline().is_some() => pacer.wait_estimate(),
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// Before the first attempt: whether the pacer would hold it until the deadline or
+    /// past it (then no attempt is made).
+    pub(crate) fn first_past_deadline(&self, schedule: &Schedule) -> Option<GiveUp> {
+        self.inner.pacer.as_ref()?;
+        schedule.past_deadline(self.paced())
     }
 
     /// A retry the budget allowed will not be sent: the operation ends before it.
@@ -420,13 +443,16 @@ impl RetryPolicyBuilder {
 /// one, else the jittered backoff; the schedule gives up when attempts run out or the
 /// deadline would pass (at once, without waiting for a `Retry-After` past it).
 ///
-/// The backoff's deadline is checked between attempts: no attempt starts after a wait that
-/// would reach it, but it neither cuts an attempt short nor the wait for the pacer, so the
-/// operation can end past it. An
-/// [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) bounds each attempt on its own:
-/// one started just before the deadline may still run that long (plus the pacer's wait
-/// before it). To end the operation by a given time, bound the future returned here with
-/// `tokio::time::timeout` (see Cancel safety for what a drop counts).
+/// The backoff's deadline is checked before each wait: no attempt starts after a wait that
+/// would reach it, the pacer's wait counted (the longer of the backoff's delay and the
+/// pacer's wait; a first attempt the pacer would hold that long is not made:
+/// [`RetryError::NotSent`]). It does not cut an attempt short, so the operation can end
+/// past it; and a pacer shared with other callers may hold an attempt longer than it said
+/// when the wait began (its line grew, a `Retry-After` paused it), which is not cut short
+/// either. An [`attempt_timeout`](RetryPolicyBuilder::attempt_timeout) bounds each attempt
+/// on its own: one started just before the deadline may still run that long. To end the
+/// operation by a given time, bound the future returned here with `tokio::time::timeout`
+/// (see Cancel safety for what a drop counts).
 ///
 /// # Panics
 ///
@@ -489,6 +515,16 @@ where
         retry_pending: false,
         ended: false,
     };
+    if let Some(give_up) = policy.first_past_deadline(&schedule) {
+        let stop = Stop::GaveUp(give_up);
+        unfinished.ended = true;
+        policy.count_stop(&stop);
+        return Retried {
+            result: None,
+            attempts: 0,
+            stop,
+        };
+    }
     loop {
         let attempt = schedule.attempts();
         if let Some(pacer) = policy.pacer() {

@@ -16,7 +16,7 @@ use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
 use crate::pace::{AdaptivePacer, UntilReady};
-use crate::retry::backoff::Schedule;
+use crate::retry::backoff::{GiveUp, Schedule};
 use crate::retry::call::{Classify, Outcome, RetryError, RetryPolicy, Stop};
 use crate::retry::hint::{PolicyHint, ServerHint};
 use crate::sync::Arc;
@@ -188,10 +188,15 @@ impl Methods {
 /// streaming body cannot be retried). Each attempt sends a clone of the request; for each
 /// one [`Retry`]'s future:
 ///
-/// 1. waits for the policy's [`AdaptivePacer`], if any (as long as it takes: after a
-///    `Retry-After` it pauses every request until then, up to the backoff's
-///    [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after), whatever the
-///    backoff's deadline; a tower `TimeoutLayer` around this layer bounds the whole);
+/// 1. waits for the policy's [`AdaptivePacer`], if any (after a `Retry-After` it pauses
+///    every request until then, up to the backoff's
+///    [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)); with a backoff
+///    [`deadline`](crate::retry::BackoffBuilder::deadline) the pacer's wait counts
+///    against it: a retry the pacer would hold until the deadline is not made (the last
+///    response is the answer), nor a first attempt ([`RetryError::NotSent`], at once). A
+///    pacer shared with other requests may hold one longer than it said when the wait
+///    began, which the deadline does not cut: a tower `TimeoutLayer` around this layer
+///    bounds the whole;
 /// 2. sends the request (the inner service made ready first), under the policy's
 ///    [`attempt_timeout`](crate::retry::RetryPolicyBuilder::attempt_timeout) if any (a
 ///    timed-out attempt is back-pressure; the backoff's deadline is checked only between
@@ -215,8 +220,9 @@ impl Methods {
 ///
 /// The response is the last attempt's (on giving up after `429`s, the last `429`, its
 /// `Retry-After` and fields intact), with a [`RetryInfo`] in its extensions. The error is
-/// the last attempt's own error, [`RetryError::Inner`], or [`RetryError::TimedOut`] when
-/// the last attempt ran past the attempt timeout. An error of the inner service's
+/// the last attempt's own error, [`RetryError::Inner`], [`RetryError::TimedOut`] when
+/// the last attempt ran past the attempt timeout, or [`RetryError::NotSent`] when none was
+/// sent. An error of the inner service's
 /// `poll_ready` before a retry ends the request with that error, counted as a
 /// [`Stop::Fatal`].
 ///
@@ -446,7 +452,10 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
         let retryable = self.shared.methods.allows(req.method());
         let schedule = self.shared.policy.backoff().start();
-        let state = first_state(&self.shared.policy);
+        let state = match self.shared.policy.first_past_deadline(&schedule) {
+            Some(give_up) => State::NotSent(give_up),
+            None => first_state(&self.shared.policy),
+        };
         RetryFuture {
             shared: self.shared.clone(),
             service,
@@ -536,6 +545,8 @@ where
 
 #[pin_project(project = StateProj)]
 enum State<F, ResB> {
+    /// The pacer would hold the first attempt past the backoff's deadline: none is sent.
+    NotSent(GiveUp),
     /// Waiting for the adaptive pacer before an attempt.
     Pace {
         #[pin]
@@ -579,8 +590,8 @@ where
         match &self.state {
             // Completed: its stop was counted.
             State::Done => {}
-            // Sent: counted as an attempt already; no outcome to report.
-            State::Call { .. } => policy.count_cancelled(false),
+            // Sent: counted as an attempt already; no outcome to report. (Or none was sent.)
+            State::Call { .. } | State::NotSent(_) => policy.count_cancelled(false),
             // Unwinding from a panic after the attempt ended, before its stop was counted;
             // a retry the budget allowed by then was never sent.
             State::Ended { attempts } => {
@@ -616,6 +627,12 @@ where
         let policy = &this.shared.policy;
         loop {
             let (result, started) = match this.state.as_mut().project() {
+                StateProj::NotSent(give_up) => {
+                    let give_up = *give_up;
+                    this.state.set(State::Done);
+                    policy.count_stop(&Stop::GaveUp(give_up));
+                    return Poll::Ready(Err(RetryError::NotSent(give_up)));
+                }
                 StateProj::Pace { wait } => {
                     // Cost 1 never exceeds a pacer's burst (at least 1): this cannot fail.
                     let _ = ready!(wait.poll(cx));
@@ -798,6 +815,7 @@ where
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
+            State::NotSent(_) => "not_sent",
             State::Pace { .. } => "pace",
             State::Send => "send",
             State::Call { .. } => "call",

@@ -145,11 +145,12 @@ impl std::error::Error for GiveUp {}
 ///
 /// The [`deadline`](BackoffBuilder::deadline) spans the whole operation: every attempt and
 /// every wait, from [`start`](Backoff::start). A schedule never hands out a delay after
-/// which the next attempt would start at or after the deadline; it gives up instead. An
-/// attempt in progress, and a pacer's wait before one ([`retry`](crate::retry::retry),
-/// `RetryLayer`), are not interrupted by the schedule: bound them with
-/// [`Schedule::remaining`] (e.g. `tokio::time::timeout`) to keep the whole operation within
-/// the deadline. Time is `tokio::time`, so tests run with paused time.
+/// which the next attempt would start at or after the deadline; it gives up instead
+/// ([`retry`](crate::retry::retry) and `RetryLayer` count their pacer's wait as it stood
+/// then). An attempt in progress is not interrupted by the schedule, nor a shared pacer's
+/// wait that grew after it began: bound them with [`Schedule::remaining`] (e.g.
+/// `tokio::time::timeout`) to keep the whole operation within the deadline. Time is
+/// `tokio::time`, so tests run with paused time.
 ///
 /// # Examples
 ///

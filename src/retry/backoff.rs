@@ -139,7 +139,9 @@ impl std::error::Error for GiveUp {}
 /// when it is shorter: the server knows when it will take the request. It is still bounded:
 /// a hint above [`max_retry_after`](BackoffBuilder::max_retry_after) gives up
 /// ([`GiveUp::HintTooLong`]), and so does a hint that reaches the deadline
-/// ([`GiveUp::Deadline`]), at once, without waiting for it.
+/// ([`GiveUp::Deadline`]), at once, without waiting for it. Clients refused together are
+/// told the same hint: [`retry_after_jitter`](BackoffBuilder::retry_after_jitter) adds a
+/// random extra to it so that they do not all come back at the same instant.
 ///
 /// # Deadline
 ///
@@ -194,6 +196,9 @@ pub struct Backoff {
     max_attempts: u32,
     deadline: Option<Duration>,
     max_retry_after: Duration,
+    /// The most added to a server's hint, in nanoseconds (see
+    /// [`BackoffBuilder::retry_after_jitter`]).
+    retry_after_jitter: u64,
     seed: Option<u64>,
     /// How many schedules this backoff (and its clones) started: mixed into the seed.
     started: Arc<AtomicU64>,
@@ -210,7 +215,7 @@ impl Backoff {
     pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
     /// A builder with the defaults: base 100 ms, cap 10 s, [`Jitter::Full`], 5 attempts,
-    /// no deadline, hints up to 60 s, seeded from entropy.
+    /// no deadline, hints up to 60 s waited exactly (no extra), seeded from entropy.
     pub fn builder() -> BackoffBuilder {
         BackoffBuilder {
             base: Backoff::DEFAULT_BASE,
@@ -219,6 +224,7 @@ impl Backoff {
             max_attempts: Backoff::DEFAULT_MAX_ATTEMPTS,
             deadline: None,
             max_retry_after: Backoff::DEFAULT_MAX_RETRY_AFTER,
+            retry_after_jitter: Duration::ZERO,
             seed: None,
         }
     }
@@ -276,6 +282,12 @@ impl Backoff {
         self.max_retry_after
     }
 
+    /// The most added to a server's hint at random
+    /// ([`BackoffBuilder::retry_after_jitter`]).
+    pub fn retry_after_jitter(&self) -> Duration {
+        Duration::from_nanos(self.retry_after_jitter)
+    }
+
     /// The `exp` of the `k`-th retry: `min(cap, base × 2^k)`, saturating.
     fn exp(&self, k: u32) -> u64 {
         if k >= 64 || self.base.leading_zeros() < k {
@@ -303,6 +315,7 @@ pub struct BackoffBuilder {
     max_attempts: u32,
     deadline: Option<Duration>,
     max_retry_after: Duration,
+    retry_after_jitter: Duration,
     seed: Option<u64>,
 }
 
@@ -347,6 +360,20 @@ impl BackoffBuilder {
         self
     }
 
+    /// Wait a server's hint plus a random extra of up to `max_extra`, drawn uniformly
+    /// (default zero: the hint exactly).
+    ///
+    /// A server tells every client it refused in one moment the same `Retry-After`; waited
+    /// exactly, they all come back at the same instant, the burst the refusal was there to
+    /// avoid. An extra spreads them over `max_extra` (a second or two for hints of
+    /// seconds). It only ever adds: no retry comes before the server's hint. The deadline
+    /// counts the hint with its extra; [`max_retry_after`](BackoffBuilder::max_retry_after)
+    /// bounds the hint alone.
+    pub fn retry_after_jitter(mut self, max_extra: Duration) -> Self {
+        self.retry_after_jitter = max_extra;
+        self
+    }
+
     /// Seed the random draws, for reproducible delays (tests, simulations). Without a
     /// seed each schedule is seeded from entropy.
     pub fn seed(mut self, seed: u64) -> Self {
@@ -360,8 +387,9 @@ impl BackoffBuilder {
     ///
     /// [`ConfigError`] on `backoff.base` when it is zero or above `u64::MAX` nanoseconds
     /// (about 584 years), on `backoff.cap` when it is below the base or above `u64::MAX`
-    /// nanoseconds, on `backoff.max_attempts` when it is zero, and on `backoff.deadline`
-    /// when it is zero.
+    /// nanoseconds, on `backoff.max_attempts` when it is zero, on `backoff.deadline`
+    /// when it is zero, and on `backoff.retry_after_jitter` when it is above `u64::MAX`
+    /// nanoseconds.
     pub fn build(self) -> Result<Backoff, ConfigError> {
         let base = nanos(self.base, "backoff.base")?;
         if base == 0 {
@@ -382,6 +410,7 @@ impl BackoffBuilder {
         if self.max_attempts == 0 {
             return Err(ConfigError::zero("backoff.max_attempts"));
         }
+        nanos(self.retry_after_jitter, "backoff.retry_after_jitter")?;
         if self.deadline == Some(Duration::ZERO) {
             return Err(ConfigError::new(
                 "backoff.deadline",
@@ -400,6 +429,8 @@ impl BackoffBuilder {
             max_attempts: self.max_attempts,
             deadline: self.deadline,
             max_retry_after: self.max_retry_after,
+            retry_after_jitter: u64::try_from(self.retry_after_jitter.as_nanos())
+                .unwrap_or(u64::MAX),
             seed: self.seed,
             started: Arc::new(AtomicU64::new(0)),
         }
@@ -446,7 +477,9 @@ impl Schedule {
     /// server's `Retry-After`, if it sent one.
     ///
     /// The delay is the hint when there is one (it replaces the computed delay, even a
-    /// longer one: see [`Backoff`]), else the backoff's jittered delay for this retry. On
+    /// longer one: see [`Backoff`]; plus a random extra with
+    /// [`retry_after_jitter`](BackoffBuilder::retry_after_jitter)), else the backoff's
+    /// jittered delay for this retry. On
     /// `Ok` the next attempt is counted as under way ([`attempts`](Schedule::attempts)
     /// grows by one).
     ///
@@ -507,7 +540,15 @@ impl Schedule {
         // decorrelated jitter's progression) does not depend on the hints.
         let mut rng = self.rng.clone();
         let computed = draw(backoff, &mut rng, self.attempts - 1, self.prev);
-        let delay = hint.unwrap_or(Duration::from_nanos(computed));
+        // The hint's extra, drawn with or without a hint for the same reason.
+        let extra = match backoff.retry_after_jitter {
+            0 => 0,
+            most => rng.u64(0..=most),
+        };
+        let delay = match hint {
+            Some(hint) => hint.saturating_add(Duration::from_nanos(extra)),
+            None => Duration::from_nanos(computed),
+        };
         if let Some(give_up) = self.past_deadline(delay.max(paced)) {
             return Err(give_up);
         }

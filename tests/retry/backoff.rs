@@ -216,6 +216,93 @@ fn a_hint_replaces_the_computed_delay() {
     assert_eq!(s.next_delay(None), Ok(Duration::from_secs(8)));
 }
 
+/// Clients refused together are told one `Retry-After`: with `retry_after_jitter` they
+/// come back spread over the extra, never before the hint; without, all at once. The
+/// draws do not depend on the hints (a schedule given hints and one given none draw the
+/// same computed delays), and the extra counts against the deadline and not against
+/// `max_retry_after`.
+#[tokio::test(start_paused = true)]
+async fn retry_after_jitter_spreads_clients_over_the_extra_never_before_the_hint() {
+    let hint = Duration::from_secs(2);
+    let spread = |extra: Duration| {
+        let b = Backoff::builder()
+            .retry_after_jitter(extra)
+            .max_retry_after(hint)
+            .seed(11)
+            .build()
+            .unwrap();
+        assert_eq!(b.retry_after_jitter(), extra);
+        (0..1000)
+            .map(|_| b.start().next_delay(Some(hint)).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert!(spread(Duration::ZERO).iter().all(|&d| d == hint));
+    let spread_out = spread(Duration::from_secs(1));
+    assert!(
+        spread_out
+            .iter()
+            .all(|&d| d >= hint && d <= hint + Duration::from_secs(1))
+    );
+    // Spread over the second: every tenth of it has some of the 1000 clients.
+    for tenth in 0..10u32 {
+        let from = hint + Duration::from_millis(100) * tenth;
+        let count = spread_out
+            .iter()
+            .filter(|&&d| d >= from && d < from + Duration::from_millis(100))
+            .count();
+        assert!((50..=150).contains(&count), "{tenth}: {count}");
+    }
+
+    // The computed delays do not depend on hints being given in between: the first
+    // schedules of two backoffs of one seed, one given hints and the other none.
+    let seeded = || {
+        Backoff::builder()
+            .retry_after_jitter(Duration::from_secs(1))
+            .max_attempts(u32::MAX)
+            .max_retry_after(hint)
+            .seed(5)
+            .build()
+            .unwrap()
+    };
+    let (mut hinted, mut plain) = (seeded().start(), seeded().start());
+    for _ in 0..20 {
+        hinted.next_delay(Some(hint)).unwrap();
+        plain.next_delay(None).unwrap();
+    }
+    assert_eq!(delays(&mut hinted, 10), delays(&mut plain, 10));
+
+    // The deadline counts the extra: 2 s with up to 1 s more, a deadline at 2.5 s.
+    let b = Backoff::builder()
+        .retry_after_jitter(Duration::from_secs(1))
+        .deadline(Duration::from_millis(2500))
+        .seed(3)
+        .build()
+        .unwrap();
+    let (mut waited, mut gave_up) = (0, 0);
+    for _ in 0..200 {
+        match b.start().next_delay(Some(hint)) {
+            Ok(d) => {
+                assert!(d < Duration::from_millis(2500), "{d:?}");
+                waited += 1;
+            }
+            Err(GiveUp::Deadline { delay, .. }) => {
+                assert!(delay >= Duration::from_millis(2500), "{delay:?}");
+                gave_up += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(waited > 50 && gave_up > 50, "{waited} / {gave_up}");
+
+    // An extra past u64::MAX nanoseconds is refused.
+    let err = Backoff::builder()
+        .retry_after_jitter(Duration::MAX)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "backoff.retry_after_jitter");
+    assert_eq!(err.kind(), ConfigErrorKind::TooLarge);
+}
+
 #[test]
 fn a_hint_above_max_retry_after_gives_up() {
     let b = Backoff::builder()

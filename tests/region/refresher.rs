@@ -7,7 +7,7 @@ use std::time::Duration;
 use flowgate::Quota;
 use flowgate::region::{QuotaAllocator, Region};
 
-use crate::support::{RedisServer, TestRecorder};
+use crate::support::{Logs, RedisServer, TestRecorder};
 
 type Conn = redis::aio::MultiplexedConnection;
 
@@ -190,4 +190,54 @@ async fn a_process_that_does_not_refresh_shows_the_age_of_the_lease_in_use() {
         "the lease in use is under {refresh:?} old; the first process shows {shown} s"
     );
     drop((first, second));
+}
+
+/// An outage of the local Redis logs a warning at the 1st, 2nd, 4th … failed refresh in a
+/// row, and the first refresh that works again says so, once; a later outage counts from
+/// one again. The count was the process's failures in all, so the first failure of a
+/// second outage (the 6th in all) went unlogged, and no line said the refreshes worked
+/// again: an operator saw a warning and never its end.
+#[tokio::test]
+async fn refresh_failures_are_logged_by_their_count_in_a_row_and_the_recovery_once() {
+    let (logs, _guard) = Logs::capture();
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(home.connect().await, Quota::per_second(50).unwrap())
+        .name("logs")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(3600))
+        .refresh_every(Duration::from_secs(600))
+        .local_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", local.connect().await).await.unwrap();
+    region.refresh_now().await;
+    let warnings = || logs.containing("lease refresh failed");
+    let recoveries = || logs.containing("lease refresh works again");
+    assert!(warnings().is_empty(), "{:?}", logs.events());
+
+    local.pause();
+    for _ in 0..5 {
+        region.refresh_now().await;
+    }
+    local.resume();
+    let counts = |w: Vec<crate::support::Logged>| {
+        w.iter()
+            .map(|e| e.field("failures").unwrap_or("?").to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(counts(warnings()), ["1", "2", "4"]);
+    assert!(recoveries().is_empty());
+    region.refresh_now().await;
+    let back = recoveries();
+    assert_eq!(back.len(), 1, "{:?}", logs.events());
+    assert_eq!(back[0].level, tracing::Level::INFO);
+    assert_eq!(back[0].field("failed"), Some("5"));
+
+    // A second outage counts from one again.
+    local.pause();
+    region.refresh_now().await;
+    local.resume();
+    assert_eq!(counts(warnings()), ["1", "2", "4", "1"]);
 }

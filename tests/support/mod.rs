@@ -9,6 +9,7 @@
 //! - [`DelayProxy`]: a loopback TCP proxy adding one-way latency, with partition controls.
 //! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
 //! - [`lockstep`]: two threads acting at the same moments, round after round.
+//! - [`Logs`]: the `tracing` events of a test, with their levels, messages and fields.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //!
 //! Everything a helper starts is stopped when its handle is dropped, including while a
@@ -20,6 +21,7 @@
 mod cluster;
 mod delay_proxy;
 mod lockstep;
+mod logs;
 #[cfg(feature = "metrics")]
 mod recorder;
 mod server;
@@ -32,6 +34,8 @@ pub use cluster::RedisCluster;
 pub use delay_proxy::DelayProxy;
 #[allow(unused_imports)]
 pub use lockstep::lockstep;
+#[allow(unused_imports)]
+pub use logs::{Logged, Logs};
 #[allow(unused_imports)]
 #[cfg(feature = "metrics")]
 pub use recorder::TestRecorder;

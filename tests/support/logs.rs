@@ -1,0 +1,91 @@
+//! [`Logs`]: the `tracing` events of a test, captured on its thread, each with its level,
+//! message and fields as text.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use tracing::Level;
+use tracing::field::{Field, Visit};
+use tracing::subscriber::DefaultGuard;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+/// One event: its level, its message and its other fields (strings without quotes, the
+/// rest as `Debug`, `%` fields as `Display`).
+#[derive(Debug, Clone)]
+pub struct Logged {
+    pub level: Level,
+    pub message: String,
+    pub fields: Vec<(&'static str, String)>,
+}
+
+impl Logged {
+    /// The field `name`, as text.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// The events captured so far; clones share them.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<Logged>>>);
+
+impl Logs {
+    /// Capture the events of this thread (every task of a current-thread runtime) until
+    /// the guard drops.
+    pub fn capture() -> (Logs, DefaultGuard) {
+        let logs = Logs::default();
+        let guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(logs.clone()));
+        (logs, guard)
+    }
+
+    /// Every event so far, in order.
+    pub fn events(&self) -> Vec<Logged> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// The events whose message contains `part`.
+    pub fn containing(&self, part: &str) -> Vec<Logged> {
+        self.events()
+            .into_iter()
+            .filter(|e| e.message.contains(part))
+            .collect()
+    }
+}
+
+struct Fields<'a>(&'a mut Logged);
+
+impl Visit for Fields<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.record(field, value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.record(field, format!("{value:?}"));
+    }
+}
+
+impl Fields<'_> {
+    fn record(&mut self, field: &Field, value: String) {
+        if field.name() == "message" {
+            self.0.message = value;
+        } else {
+            self.0.fields.push((field.name(), value));
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let mut logged = Logged {
+            level: *event.metadata().level(),
+            message: String::new(),
+            fields: Vec::new(),
+        };
+        event.record(&mut Fields(&mut logged));
+        self.0.lock().unwrap().push(logged);
+    }
+}

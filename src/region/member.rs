@@ -61,6 +61,8 @@ struct Round {
     lease_end: Option<Instant>,
     /// Calls to the home that failed in a row.
     home_failures: u32,
+    /// Refreshes that failed in a row (any call: local or home), for the logs.
+    failing: u32,
     /// Until then this process does not ask for the refresher lock (it gave it up).
     stand_down_until: Option<Instant>,
     demand: f64,
@@ -229,6 +231,7 @@ where
                 lease_granted: None,
                 lease_end: None,
                 home_failures: 0,
+                failing: 0,
                 stand_down_until: None,
                 demand: 0.0,
             }),
@@ -419,6 +422,7 @@ where
             }
             let mut round = self.round();
             round.home_failures = 0;
+            let recovered = std::mem::take(&mut round.failing);
             round.status.leader = false;
             // It makes no call to the home: whether the refreshing process's last one got a
             // lease (one refresh apart, each within the home timeout).
@@ -430,6 +434,8 @@ where
             round.status.utilisation = 0.0;
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
+            drop(round);
+            self.recovered(recovered);
             return;
         }
         let enforced = if left > 0 { units(share) } else { safe };
@@ -556,7 +562,7 @@ where
             }
         }
         let lease = Duration::from_micros(units(g_left)).saturating_sub(plan.margin);
-        let utilisation = {
+        let (utilisation, recovered) = {
             let mut round = self.round();
             round.granted_at = Some(started);
             round.lease_granted = Some(started);
@@ -564,7 +570,7 @@ where
             round.status.share = g_share_u;
             round.status.learning = learning == 1;
             round.status.refreshes += 1;
-            round.status.utilisation
+            (round.status.utilisation, std::mem::take(&mut round.failing))
         };
         // After the lock is released: a recorder is user code (it may read the status).
         self.metrics.granted.increment(1);
@@ -572,6 +578,20 @@ where
         self.metrics.demand.set(report.demand as f64);
         self.metrics.utilisation.set(utilisation);
         self.metrics.lease_age.set(0.0);
+        self.recovered(recovered);
+    }
+
+    /// A refresh succeeded after `failed` in a row failed: say so once, where their warnings
+    /// were read.
+    fn recovered(&self, failed: u32) {
+        if failed > 0 {
+            tracing::info!(
+                allocator = %self.plan().name,
+                region = %self.region(),
+                failed,
+                "region: lease refresh works again",
+            );
+        }
     }
 
     /// Give the refresher lock up if this process holds it.
@@ -589,13 +609,14 @@ where
     fn failed(&self, error: Option<&crate::gate::GateError>) {
         let mut round = self.round();
         round.status.failures += 1;
+        round.failing += 1;
         if error.is_some() {
             round.status.home_reachable = false;
         }
         let age = round.lease_granted.map(|at| at.elapsed());
         // The lease ran out: the region admits at its safe share.
         let ran_out = round.lease_end.is_none_or(|end| end <= Instant::now());
-        let (failures, safe) = (round.status.failures, round.status.safe);
+        let (failures, safe) = (round.failing, round.status.safe);
         // The metrics and the log go out after the lock is released (a recorder and a
         // subscriber are user code).
         drop(round);

@@ -112,6 +112,13 @@
 //! unreachable), `flowgate_region_refreshes_total` by
 //! `outcome` (`granted`, `failed`, `follower`); the gate's decisions and the Redis calls
 //! as the [`gate`](crate::gate) module's.
+//!
+//! # Logs
+//!
+//! A failed refresh is a warning (fields `allocator`, `region`, `failures` — in a row —
+//! and `error`) at the 1st, 2nd, 4th, 8th … failure in a row, so an outage logs a few
+//! lines, not one per interval; the first refresh that works after them says so at info
+//! (`failed`: how many in a row it ends).
 
 mod config;
 mod gate;

@@ -24,6 +24,14 @@ use crate::error::{ConfigError, ConfigErrorKind};
 /// 5 % per sample so it catches up. A caller using less than half its limit (app-limited)
 /// does not change it. [`Outcome::Ignored`] changes nothing.
 ///
+/// **Coming from Netflix.** The queue allowed is `sqrt(L)`, as in Netflix's `GradientLimit`
+/// (or a `Gradient2Limit` given a square-root `queueSize` function); `Gradient2Limit`'s own
+/// default is a fixed queue of 4, which flowgate does not offer. Above a limit of 16 this
+/// grows faster than Netflix's defaults: at `L` = 100, `+2` per sample instead of `+0.8`
+/// (after smoothing), at `L` = 400, `+4` instead of `+0.8`. Netflix's other defaults
+/// differ too: its `minLimit` is 20 and its `maxConcurrency` 200 (here 1 and 1000, or the
+/// bulkhead's bounds).
+///
 /// **The fixes.**
 ///
 /// - *Creeping up under modest overload* (Netflix issue 134): the long-term average follows

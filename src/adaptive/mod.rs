@@ -28,7 +28,7 @@
 //! |---|---|---|---|
 //! | [`Probe`] (the default) | throughput (calls in flight / mean RTT per window) of the held level against one step above or below; the RTT's recent minimum; back-pressure | ×2 per window in slow start, then holds a level and tries ±1 step (a 32nd above 32) every 8 windows, keeping the step when it pays; ×0.9 on back-pressure or an RTT far above the minimum | in doubt |
 //! | [`Aimd`] | back-pressure and timeouts only | +1 per call, ×0.9 | the downstream says clearly when it is full (429/503) and latency says little |
-//! | [`Gradient2`] | long-term against short-term RTT | per call, smoothed | Netflix's behaviour is wanted (with its creep and timeout failures fixed) |
+//! | [`Gradient2`] | long-term against short-term RTT | per call, smoothed | Netflix's behaviour is wanted (with its creep and timeout failures fixed; the queue it allows is `sqrt(L)`, where Netflix's default is 4) |
 //! | [`Vegas`] | queue estimate from the no-load RTT | per call, log10 steps | low latency matters more than the last bit of throughput |
 //!
 //! [`sim`] is a deterministic simulated downstream (paused tokio time) to try them on.

@@ -54,7 +54,11 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// decided in one [`Gate::check_all`] call with the request's cost (1, or the
 /// [`cost`](RateLimitLayerBuilder::cost) closure's): the request is admitted only when every
 /// policy has room, and then charged on all of them; a rejected request is charged nowhere
-/// by this layer. (Layers stacked one in another decide one after the other: a request the
+/// by this layer. The policies are token buckets of their own quotas: the gate's own
+/// [`Limit`](crate::gate::Limit) (what [`Gate::check`] enforces) plays no part, so a gate
+/// built with a window (`Limit::FixedWindow`, as tower's `RateLimit` counts) or with a
+/// stricter quota than the policies' does not make the layer count windows or admit less.
+/// (Layers stacked one in another decide one after the other: a request the
 /// outer one admitted is charged there even when an inner layer, or a
 /// [`ShedLayer`](crate::http::ShedLayer), then refuses it. Policies that must be decided
 /// together belong in one layer.) On a [`MemoryGate`](crate::gate::MemoryGate) this is a synchronous call in the response
@@ -155,6 +159,7 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// use flowgate::http::{HeaderStyles, Policy, RateLimitLayer, RequestInfo};
 /// use flowgate::Quota;
 ///
+/// // The gate's own limit is not the layer's: the policies' quotas decide.
 /// let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1)?));
 /// let per_tenant = |req: &RequestInfo<'_>, key: &mut String| {
 ///     match req.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
@@ -202,7 +207,9 @@ impl<G: fmt::Debug, K> fmt::Debug for RateLimitLayer<G, K> {
 }
 
 impl<G: Gate + 'static> RateLimitLayer<G> {
-    /// A builder for a layer deciding on `gate`.
+    /// A builder for a layer deciding on `gate`, by the quotas of the policies added to it
+    /// (at least one): the gate's own [`Limit`](crate::gate::Limit) is not used (see
+    /// "Deciding" in [`RateLimitLayer`]'s docs).
     pub fn builder(gate: G) -> RateLimitLayerBuilder<G> {
         RateLimitLayerBuilder {
             gate,

@@ -698,3 +698,68 @@ fn governor_remaining_burst_capacity_is_remaining() {
         }
     }
 }
+
+/// tokio drops what is buffered with the last receiver; flowgate hands it to `on_drop` and
+/// counts it, the items of the receiver's own batch included, and a permit used after that
+/// is counted too.
+#[tokio::test]
+async fn mpsc_last_receiver_dropped_with_a_batch_counts_every_item() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hook = seen.clone();
+    let (tx, mut rx) = channel::builder::<u32>(64)
+        .on_drop(move |item, _| hook.lock().unwrap().push(item))
+        .build()
+        .unwrap();
+    for i in 0..40 {
+        tx.try_send(i).unwrap();
+    }
+    let permit = tx.try_reserve().unwrap();
+    assert_eq!(rx.recv().await, Some(0));
+    drop(rx);
+    permit.send(40);
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, (1..41).collect::<Vec<_>>());
+    let stats = tx.stats();
+    assert_eq!((stats.sent, stats.received, stats.dropped), (41, 1, 40));
+}
+
+/// A user coming from tower's `RateLimit` (n per window) gives the gate a window: the
+/// layer decides by its policies' token buckets only, as its docs say, not by the gate's
+/// own limit.
+#[cfg(feature = "http")]
+#[tokio::test(start_paused = true)]
+async fn rate_limit_layer_decides_by_its_policies_not_the_gates_limit() {
+    use bytes::Bytes;
+    use flowgate::http::{Constant, Policy, RateLimitLayer};
+    use http::{Request, Response, StatusCode};
+    use http_body_util::Full;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    let gate = MemoryGate::new(Limit::FixedWindow(Rate::per_second(1).unwrap()));
+    let layer = RateLimitLayer::builder(gate)
+        .policy(Policy::new(
+            "all",
+            Quota::per_second(3).unwrap(),
+            Constant::new("x"),
+        ))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let req = Request::get("/").body(Full::default()).unwrap();
+        statuses.push(svc.clone().oneshot(req).await.unwrap().status());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+}

@@ -763,3 +763,60 @@ async fn rate_limit_layer_decides_by_its_policies_not_the_gates_limit() {
         ]
     );
 }
+
+/// leaky-bucket releases what a dropped acquisition reserved: the task behind it passes
+/// when the dropped one would have, not a turn later.
+#[tokio::test(start_paused = true)]
+async fn leaky_bucket_dropped_waiter_gives_its_turn_to_the_next() {
+    let pacer = Pacer::builder(Rate::per_second(1).unwrap())
+        .burst(1)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    pacer.until_ready(1).await.unwrap();
+    let b = {
+        let p = pacer.clone();
+        tokio::spawn(async move { p.until_ready(1).await })
+    };
+    tokio::task::yield_now().await;
+    let c = {
+        let p = pacer.clone();
+        tokio::spawn(async move {
+            p.until_ready(1).await.unwrap();
+            Instant::now()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.abort();
+    let at = c.await.unwrap();
+    assert_eq!(at - start, Duration::from_secs(1));
+}
+
+/// `tokio::time::timeout(d, semaphore.acquire())`: a bulkhead's `wait_timeout` sheds the
+/// wait at `d`, and the waiter behind it still gets the next permit.
+#[tokio::test(start_paused = true)]
+async fn bulkhead_wait_timeout_is_a_timed_semaphore_acquire() {
+    let sem = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let held = sem.try_acquire_owned().unwrap();
+    let start = Instant::now();
+    let first = {
+        let sem = sem.clone();
+        tokio::spawn(async move { (sem.acquire_owned().await.map(drop), Instant::now()) })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = {
+        let sem = sem.clone();
+        tokio::spawn(async move { (sem.acquire_owned().await.map(drop), Instant::now()) })
+    };
+    let (r, at) = first.await.unwrap();
+    assert_eq!(r, Err(AcquireError::TimedOut));
+    assert_eq!(at - start, Duration::from_millis(300));
+    drop(held);
+    let (r, at) = second.await.unwrap();
+    assert_eq!(r, Ok(()));
+    assert_eq!(at - start, Duration::from_millis(300));
+    assert_eq!(sem.in_flight(), 0);
+}

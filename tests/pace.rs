@@ -283,6 +283,26 @@ async fn check_answers_a_decision_and_never_jumps_the_line() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn check_counts_every_unit_waiting_ahead_past_u32_max() {
+    // A byte pacer at u32::MAX a second with a burst of as much: two waiters ahead ask for a
+    // whole burst each, more than a `u32` between them.
+    let pacer = Pacer::builder(Rate::per_second(u32::MAX).unwrap())
+        .burst(u32::MAX)
+        .build()
+        .unwrap();
+    assert!(pacer.check(u32::MAX).unwrap().allowed); // empty; full again in 1 s
+    let mut first = pin!(pacer.until_ready(u32::MAX)); // due at 1 s
+    let mut second = pin!(pacer.until_ready(u32::MAX)); // due at 2 s
+    assert!(poll!(first.as_mut()).is_pending());
+    assert!(poll!(second.as_mut()).is_pending());
+    let d = pacer.check(1).unwrap();
+    assert!(!d.allowed);
+    // After both waiters' units, one more: (2 × (2^32 − 1) + 1) / (2^32 − 1) s, rounded up
+    // to the nanosecond. Never earlier than that.
+    assert_eq!(d.retry_after, Duration::from_nanos(2_000_000_001));
+}
+
+#[tokio::test(start_paused = true)]
 async fn set_quota_applies_to_waiters_at_once() {
     let pacer = pacer(1, 1);
     pacer.until_ready(1).await.unwrap();

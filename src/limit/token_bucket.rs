@@ -142,10 +142,12 @@ impl TokenBucket {
     }
 
     /// When `cost` tokens can be taken from `state` (a time in the same timeline as the
-    /// `now` of [`check`](Algorithm::check)); at or before `now` if they can be now.
-    pub(crate) fn ready_at(&self, state: &TokenBucketState, cost: u32) -> Duration {
+    /// `now` of [`check`](Algorithm::check)); at or before `now` if they can be now. The
+    /// cost may be above the burst (the units of a line of waiters, taken one burst after
+    /// another): then when the last of them can be.
+    pub(crate) fn ready_at(&self, state: &TokenBucketState, cost: u64) -> Duration {
         let needed = u128::from(cost) * u128::from(self.unit);
-        self.to_duration((state.get() + needed).saturating_sub(self.tau))
+        self.to_duration(state.get().saturating_add(needed).saturating_sub(self.tau))
     }
 
     /// A state whose bucket is full again at `at` (its [`neutral_at`](Algorithm::neutral_at)),

@@ -461,16 +461,15 @@ impl Inner {
     }
 
     /// `cost` plus the units of those waiting in line (each counted at most at the burst,
-    /// as their turn is): what must fit the bucket before `cost` passes, saturating.
-    fn with_those_ahead(st: &State, cost: u32) -> u32 {
+    /// as their turn is): what must fit the bucket before `cost` passes. Summed in a `u64`:
+    /// the units of a few whole-burst waiters pass `u32::MAX`.
+    fn with_those_ahead(st: &State, cost: u32) -> u64 {
         let burst = st.bucket.quota().burst_size();
-        let ahead = st
-            .present()
+        st.present()
             .filter_map(|key| st.waiters.get(key))
             .fold(u64::from(cost), |sum, w| {
                 sum.saturating_add(u64::from(w.cost.min(burst)))
-            });
-        u32::try_from(ahead).unwrap_or(u32::MAX)
+            })
     }
 
     fn check_locked(&self, st: &mut State, now: Instant, cost: u32) -> Result<Decision, CostError> {
@@ -503,7 +502,7 @@ impl Inner {
         let (key, since) = st.head?;
         let burst = st.bucket.quota().burst_size();
         let cost = st.waiters.get(key)?.cost.min(burst);
-        Some(since.max(self.epoch + st.bucket.ready_at(&st.gcra, cost)))
+        Some(since.max(self.epoch + st.bucket.ready_at(&st.gcra, u64::from(cost))))
     }
 
     /// Steps over a head (other than `caller`) that has left its turn unclaimed for

@@ -1781,6 +1781,23 @@ fn check_all_on_one_limit_validates_and_shares_the_merged_bucket() {
     assert!(gate.check("k", 10).unwrap().allowed);
 }
 
+/// A key listed twice is one bucket charged twice the cost; a total past `u32::MAX` is past
+/// every burst, `u32::MAX` included: refused as a cost that can never pass, never admitted
+/// for less than it asked.
+#[test]
+fn check_all_refuses_a_merged_cost_past_u32_max() {
+    let gate = MemoryGate::new(quota(10));
+    let q = Quota::new(Rate::per(1, Duration::from_secs(3_600)).unwrap(), u32::MAX).unwrap();
+    let half = 1 << 31; // twice: 2^32, one more than the burst
+    assert!(matches!(
+        gate.check_all(&[("k", q), ("k", q)], half),
+        Err(GateError::Cost(CostError::ExceedsCapacity { .. }))
+    ));
+    // Nothing was charged: the whole burst is still there.
+    let d = gate.check_all(&[("k", q)], u32::MAX).unwrap();
+    assert!(d[0].allowed, "{d:?}");
+}
+
 /// `check_all` promises that nothing is charged on an error. With 16 keys of room (one per
 /// shard) and 17 new keys in one request, two of them share a shard that has room for one:
 /// the request must fail with `KeyspaceFull` and leave every bucket untouched.

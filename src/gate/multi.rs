@@ -74,8 +74,13 @@ impl<'a> Merged<'a> {
                     });
                 }
                 Some(i) => {
-                    // Saturates: a total past u32::MAX is past every burst anyway.
-                    buckets[i].2 = buckets[i].2.saturating_add(cost);
+                    // A total past u32::MAX is past every burst, u32::MAX included: refused
+                    // as a cost that can never pass (reported saturated, as `u32::MAX`).
+                    let past = CostError::ExceedsCapacity {
+                        cost: u32::MAX,
+                        capacity: u64::from(quota.burst_size()),
+                    };
+                    buckets[i].2 = buckets[i].2.checked_add(cost).ok_or(past)?;
                     of.push(i as u8);
                 }
                 None => {

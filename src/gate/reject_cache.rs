@@ -434,4 +434,31 @@ mod tests {
         assert_eq!(left(quarter, 4 * quarter), None);
         assert_eq!(cache.len(), 0);
     }
+
+    /// A full cache whose entries the wall clock ended while the host slept (`Instant`
+    /// stood still) makes room for a new rejection: the sweep finds them expired. (Before,
+    /// the sweep was skipped until `Instant` reached the first entry's end, so after a sleep
+    /// no new key's rejection was cached, each went to Redis, for up to the longest
+    /// `retry_after`: an hour on a quota per hour.)
+    #[test]
+    fn a_full_cache_makes_room_from_entries_the_wall_clock_ended() {
+        let quota = Quota::per_hour(1).unwrap();
+        let cache = RejectCache::new(2, Limit::TokenBucket(quota));
+        let mut b = Limiter::new(TokenBucket::new(quota));
+        b.check(Duration::ZERO, 1).unwrap();
+        let hour = b.check(Duration::ZERO, 1).unwrap();
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        cache.rejected("a", 1, now, &hour, (now, wall));
+        cache.rejected("b", 1, now, &hour, (now, wall));
+        assert_eq!(cache.len(), 2);
+        // The host slept two hours: the wall clock ran on, `Instant` did not.
+        let later = now + Duration::from_millis(1);
+        let woke = wall + Duration::from_secs(7200);
+        cache.rejected("c", 1, later, &hour, (later, woke));
+        assert!(
+            cache.check("c", 1, later, || woke).is_some(),
+            "the new rejection is cached"
+        );
+        assert_eq!(cache.len(), 1, "the entries the wall clock ended are gone");
+    }
 }

@@ -28,9 +28,16 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Entries {
     map: HashMap<String, Entry>,
-    /// No entry expires before this (`None`: no entry): a full cache is not swept for
-    /// room before then.
-    next_expiry: Option<Instant>,
+    /// No entry expires before both of these, on `Instant` and on the wall clock (`None`:
+    /// no entry): a full cache is not swept for room before one of them is reached.
+    next_expiry: Option<(Instant, SystemTime)>,
+}
+
+/// The first ends among `next`'s and `entry`'s, each on its clock.
+fn earliest(next: Option<(Instant, SystemTime)>, entry: &Entry) -> (Instant, SystemTime) {
+    next.map_or((entry.until, entry.wall_until), |(at, wall_at)| {
+        (at.min(entry.until), wall_at.min(entry.wall_until))
+    })
 }
 
 /// Rejections Redis made, per key, with bounded memory.
@@ -182,7 +189,10 @@ impl RejectCache {
         if entries.map.len() >= self.capacity && !entries.map.contains_key(key) {
             // None has expired yet: no pass over them all (under the lock every check
             // takes) to find that out again for each new key.
-            if entries.next_expiry.is_some_and(|at| now < at) {
+            if entries
+                .next_expiry
+                .is_some_and(|(at, wall_at)| now < at && wall < wall_at)
+            {
                 return;
             }
             #[cfg(test)]
@@ -191,7 +201,7 @@ impl RejectCache {
             entries.map.retain(|_, e| {
                 let live = e.until > now && e.wall_until > wall;
                 if live {
-                    next = Some(next.map_or(e.until, |at: Instant| at.min(e.until)));
+                    next = Some(earliest(next, e));
                 }
                 live
             });
@@ -201,16 +211,14 @@ impl RejectCache {
                 return;
             }
         }
-        entries.map.insert(
-            key.to_owned(),
-            Entry {
-                cost,
-                until,
-                wall_until,
-                decision: *decision,
-            },
-        );
-        entries.next_expiry = Some(entries.next_expiry.map_or(until, |at| at.min(until)));
+        let entry = Entry {
+            cost,
+            until,
+            wall_until,
+            decision: *decision,
+        };
+        entries.next_expiry = Some(earliest(entries.next_expiry, &entry));
+        entries.map.insert(key.to_owned(), entry);
         self.count.store(entries.map.len(), Ordering::Release);
     }
 

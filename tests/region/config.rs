@@ -363,6 +363,59 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
     );
 }
 
+/// A request a region's gate refuses with `UnreadableKey` (its bucket key holds a value the
+/// script cannot read) is counted under `outcome="unreadable_key"`, as a `RedisGate` counts
+/// it: it is neither admitted nor rejected by the share, and Redis did not fail, so no
+/// other count shows that a key refuses every request made on it (before: counted nowhere).
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_request_refused_for_an_unreadable_key_is_counted() {
+    let recorder = crate::support::TestRecorder::default();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name("unreadable")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(5))
+        .refresh_every(Duration::from_secs(1))
+        .home_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    let gate = region.gate();
+    let hash = redis::cmd("HSET")
+        .arg("{flowgate:region:unreadable:eu}:bucket:hash")
+        .arg("f")
+        .arg("v")
+        .clone();
+    let _: () = server.query_blocking(&hash).unwrap();
+    let garbage = redis::cmd("SET")
+        .arg("{flowgate:region:unreadable:eu}:bucket:garbage")
+        .arg("not a bucket")
+        .clone();
+    let _: () = server.query_blocking(&garbage).unwrap();
+    for key in ["hash", "garbage", "good"] {
+        let r = gate.check(key, 1).await;
+        if key == "good" {
+            assert!(r.is_ok(), "{r:?}");
+        } else {
+            assert!(
+                matches!(r, Err(flowgate::gate::GateError::UnreadableKey(_))),
+                "{key}: {r:?}"
+            );
+        }
+    }
+    let decisions = |o: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=unreadable,outcome={o},region=eu}}"
+        ))
+    };
+    assert_eq!(decisions("unreadable_key"), 2);
+    assert_eq!(decisions("allowed") + decisions("rejected"), 1);
+    assert_eq!(decisions("policy"), 0);
+}
+
 /// A new key when the region's local Redis is full (`maxmemory` under `noeviction`): Redis
 /// refuses every write, a new key's as a known one's, so the gate answers as its failure
 /// policy says (a typed, transient `GateError::Backend` under `Error`, a rejection under

@@ -54,8 +54,9 @@ use crate::region::member::Region;
 ///
 /// # Metrics
 ///
-/// `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`, `policy`), labelled
-/// with the allocator's `name` and the `region`; the local Redis's latency and failures as
+/// `flowgate_gate_decisions_total` by `outcome` (`allowed`, `rejected`, `policy`, and
+/// `unreadable_key`: requests refused with [`GateError::UnreadableKey`]), labelled with the
+/// allocator's `name` and the `region`; the local Redis's latency and failures as
 /// a [`RedisGate`](crate::gate::RedisGate)'s.
 pub struct RegionGate<C> {
     region: Region<C>,
@@ -63,6 +64,7 @@ pub struct RegionGate<C> {
     allowed: Counter,
     rejected: Counter,
     by_policy: Counter,
+    unreadable: Counter,
 }
 
 impl<C> Clone for RegionGate<C> {
@@ -73,6 +75,7 @@ impl<C> Clone for RegionGate<C> {
             allowed: self.allowed.clone(),
             rejected: self.rejected.clone(),
             by_policy: self.by_policy.clone(),
+            unreadable: self.unreadable.clone(),
         }
     }
 }
@@ -97,6 +100,7 @@ where
             allowed: decisions("allowed"),
             rejected: decisions("rejected"),
             by_policy: decisions("policy"),
+            unreadable: decisions("unreadable_key"),
             region,
             policy,
         }
@@ -166,7 +170,12 @@ where
                 }
                 Ok(d)
             }
-            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Request(e)) => {
+                if let GateError::UnreadableKey(_) = e {
+                    self.unreadable.increment(1);
+                }
+                Err(e)
+            }
             Err(CallError::Backend { error, until_probe }) => {
                 self.by_policy.increment(1);
                 self.policy.decide(key, cost, until_probe, error)

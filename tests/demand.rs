@@ -749,6 +749,49 @@ async fn a_source_that_ends_with_high_items_in_flight_ends_the_stream() {
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
 }
 
+/// A channel closed for sends (every sender dropped, or `Sender::close`) knows the most
+/// items still to come: its `size_hint` says so, so `with_demand` and `watermarks` over it
+/// see its end when the credit or the room was used up by its last items. Before, its
+/// upper bound stayed unknown, and the stream waited for ever: `collect` over a channel
+/// whose producers finished, with exactly the credit's (or `high`'s) worth of items, never
+/// returned, as it did for an iterator before the end needed no demand.
+#[tokio::test(start_paused = true)]
+async fn a_closed_channel_ends_what_is_built_on_it_without_more_credit_or_room() {
+    let five = Duration::from_secs(5);
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    for i in 0..3 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(futures::Stream::size_hint(&rx), (3, None), "senders remain");
+    drop(tx);
+    assert_eq!(futures::Stream::size_hint(&rx), (3, Some(3)), "closed");
+    let (stream, _demand) = rx.with_demand(3);
+    let all = tokio::time::timeout(five, stream.collect::<Vec<_>>()).await;
+    assert_eq!(all.ok(), Some(vec![0, 1, 2]), "with_demand ended");
+
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    tx.try_send(2).unwrap();
+    tx.close();
+    let all = tokio::time::timeout(five, rx.watermarks(levels(2, 0)).collect::<Vec<_>>());
+    assert_eq!(all.await.map(|v| v.len()).ok(), Some(2), "watermarks ended");
+
+    // A permit reserved before the close can still send: it counts as to come.
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let permit = tx.reserve().await.unwrap();
+    tx.close();
+    assert_eq!(futures::Stream::size_hint(&rx), (1, Some(2)));
+    let (mut stream, _demand) = rx.with_demand(1);
+    assert_eq!(stream.next().await, Some(1));
+    assert!(
+        poll!(stream.next()).is_pending(),
+        "the permit may still send"
+    );
+    drop(permit);
+    assert_eq!(stream.next().await, None);
+}
+
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     let mut stream = pin!(futures::stream::iter(0..10).watermarks(levels(2, 0)));

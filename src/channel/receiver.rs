@@ -271,16 +271,22 @@ impl<T> Stream for Receiver<T> {
     /// Lower bound: this receiver's own batch, plus the queue if it is the only receiver
     /// (other receivers may take all of the queue; dropping the oldest replaces a queued item,
     /// so the queue never shrinks but by a receive). A receiver cloned later shares the queue
-    /// from then on. Upper bound: none while senders remain.
+    /// from then on. Upper bound: none while the channel is open; once it is closed for
+    /// sends (every sender dropped, or [`Sender::close`](crate::channel::Sender::close)),
+    /// the items still to come (queued, in batches, and those reserved permits or sends
+    /// under way may still bring), so an adapter that may not take an item
+    /// ([`with_demand`](crate::FlowStreamExt::with_demand) without credit,
+    /// [`watermarks`](crate::FlowStreamExt::watermarks) at `high`) sees the end when none
+    /// is left.
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
-            (0, Some(0))
-        } else {
-            (
-                self.local.len() + self.shared.queued_for_sole_receiver(),
-                None,
-            )
+            return (0, Some(0));
         }
+        let lo = self.local.len() + self.shared.queued_for_sole_receiver();
+        // Once closed, the count only falls, as items are handed out or permits and sends
+        // given up; this receiver's batch and (alone) the queue stay in it until then.
+        let hi = self.shared.most_to_come().map(|hi| hi.max(lo));
+        (lo, hi)
     }
 }
 

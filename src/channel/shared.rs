@@ -428,6 +428,14 @@ impl<T> Shared<T> {
         }
     }
 
+    /// What a receiver's `size_hint` may take as its upper bound: once the channel is closed
+    /// for sends, every item still to come holds a slot (queued, in a batch, reserved,
+    /// granted or on its way), so the occupied slots; `None` while it is open.
+    pub(crate) fn most_to_come(&self) -> Option<usize> {
+        let s = self.hot.state.load(Ordering::SeqCst);
+        (s & CLOSED != 0).then(|| occupied(s))
+    }
+
     /// The depth gauge: queued items and the slots receivers' batches hold.
     #[inline]
     fn set_depth(&self) {

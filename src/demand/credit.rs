@@ -133,7 +133,8 @@ impl DemandHandle {
 /// The end of the upstream needs no credit (Reactive Streams §2.9): without credit, an
 /// upstream whose [`size_hint`](Stream::size_hint) says no item is left (an iterator; a
 /// [`Prefetch`](crate::demand::Prefetch) whose source has answered its end, with nothing
-/// buffered) is polled for its end, so credit used up by the last items ends the stream
+/// buffered; a channel [`Receiver`](crate::channel::Receiver) closed for sends, with
+/// nothing left to come) is polled for its end, so credit used up by the last items ends the stream
 /// instead of leaving it pending. Any other upstream is not polled without credit: its end
 /// is seen with the next unit of credit. (A `Prefetch` learns the end from a fetch, which
 /// it starts when its buffer falls to `low`: with a `low` of 0, not before its last item

@@ -259,7 +259,8 @@ impl PauseSignal {
 /// The end of the upstream needs no room: paused, the wrapper polls an upstream whose
 /// [`size_hint`](Stream::size_hint) says no item is left (an iterator; a
 /// [`Prefetch`](crate::demand::Prefetch) whose source has answered its end, with nothing
-/// buffered) for its end, so a source that ends with `high` items in flight ends the
+/// buffered; a channel [`Receiver`](crate::channel::Receiver) closed for sends, with
+/// nothing left to come) for its end, so a source that ends with `high` items in flight ends the
 /// stream (a consumer that keeps its tickets until the end gets it). Any other upstream is
 /// not polled while paused.
 ///

@@ -1895,3 +1895,61 @@ fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
     assert_eq!(first.downcast_ref::<&str>(), Some(&"the work failed"));
     assert_eq!(b.in_flight(), 0, "the permit is back");
 }
+
+/// The bulkhead module's "Shutdown": when the bulkhead is closed, an adapter "yields what is
+/// in flight, then ends; the item it held is discarded (the bulkhead counts the refused
+/// wait as a `closed` refusal in `flowgate_bulkhead_rejected_total`)". Here every permit
+/// in flight is the adapter's own, so an adapter that holds its next item holds it parked,
+/// without queueing for a permit: its refusal is counted all the same.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn an_adapter_whose_own_work_holds_every_permit_counts_its_closed_refusal() {
+    let rec = support::TestRecorder::default();
+    for adapter in ADAPTERS {
+        let b = metrics::with_local_recorder(&rec, || {
+            Bulkhead::builder(2).name(adapter).build().unwrap()
+        });
+        let gates: Vec<_> = (0..2)
+            .map(|_| tokio::sync::oneshot::channel::<()>())
+            .collect();
+        let (txs, rxs): (Vec<_>, Vec<_>) = gates.into_iter().unzip();
+        let rxs = Arc::new(Mutex::new(rxs));
+        let f = move |x: u32| {
+            let rx = rxs.lock().unwrap().pop();
+            async move {
+                if let Some(rx) = rx {
+                    let _ = rx.await;
+                }
+                x
+            }
+        };
+        let items = futures::stream::iter(0..4u32);
+        let mut s: std::pin::Pin<Box<dyn Stream<Item = u32> + Send>> = match adapter {
+            "bulkhead_map" => Box::pin(items.bulkhead_map(b.clone(), f)),
+            "bulkhead_map_unordered" => Box::pin(items.bulkhead_map_unordered(b.clone(), f)),
+            _ => Box::pin(items.bulkhead_spawn_map(b.clone(), f)),
+        };
+        assert!(poll!(s.next()).is_pending(), "{adapter}: 0 and 1 run");
+        tokio::task::yield_now().await;
+        assert!(poll!(s.next()).is_pending(), "{adapter}: 0 and 1 run");
+        assert_eq!(b.in_flight(), 2, "{adapter}");
+        b.close();
+        for tx in txs {
+            tx.send(()).unwrap();
+        }
+        let mut out: Vec<u32> = s.collect().await;
+        out.sort_unstable();
+        assert_eq!(out, [0, 1], "{adapter}: what was in flight, then the end");
+        let closed = rec.counter(&format!(
+            "flowgate_bulkhead_rejected_total{{name={adapter},reason=closed}}"
+        ));
+        let discarded = rec.counter(&format!(
+            "flowgate_bulkhead_discarded_total{{name={adapter}}}"
+        ));
+        // The in-poll ordered adapter and the spawning one keep at most `max_in_flight`
+        // outputs: with both permits their own, they hold no item. The unordered one holds
+        // item 2, discarded as the bulkhead closes, its refused wait counted.
+        let held = u64::from(adapter == "bulkhead_map_unordered");
+        assert_eq!((closed, discarded), (held, held), "{adapter}");
+    }
+}

@@ -883,3 +883,183 @@ async fn a_receiver_never_sees_the_end_while_another_holds_items_of_a_batch() {
     assert_eq!(r1.recv().await, Some(1));
     assert_eq!(end.await, None, "woken when the batch was used up");
 }
+
+/// A waker that counts its wakes.
+fn counting_waker() -> (std::task::Waker, Arc<AtomicU64>) {
+    struct Count(Arc<AtomicU64>);
+    impl std::task::Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let n = Arc::new(AtomicU64::new(0));
+    (Arc::new(Count(n.clone())).into(), n)
+}
+
+/// The module docs: "Receivers waiting in `recv` or `recv_many` are woken in FIFO order,
+/// one per item".
+#[test]
+fn waiting_recv_futures_are_woken_fifo_one_per_item() {
+    let (tx, mut a) = channel::bounded::<u32>(4).unwrap();
+    let mut b = a.clone();
+    let mut c = a.clone();
+    let (wa, na) = counting_waker();
+    let (wb, nb) = counting_waker();
+    let (wc, nc) = counting_waker();
+    let mut buf = Vec::new();
+    let mut fa = Box::pin(a.recv());
+    let mut fb = Box::pin(b.recv_many(&mut buf, 4));
+    let mut fc = Box::pin(c.recv());
+    use std::future::Future;
+    use std::task::Context;
+    assert!(fa.as_mut().poll(&mut Context::from_waker(&wa)).is_pending());
+    assert!(fb.as_mut().poll(&mut Context::from_waker(&wb)).is_pending());
+    assert!(fc.as_mut().poll(&mut Context::from_waker(&wc)).is_pending());
+    tx.try_send(1).unwrap();
+    let woken = |n: &Arc<AtomicU64>| n.load(Ordering::SeqCst);
+    assert_eq!(
+        (woken(&na), woken(&nb), woken(&nc)),
+        (1, 0, 0),
+        "the first waiter only"
+    );
+    tx.try_send(2).unwrap();
+    assert_eq!(
+        (woken(&na), woken(&nb), woken(&nc)),
+        (1, 1, 0),
+        "then the second"
+    );
+    tx.try_send(3).unwrap();
+    assert_eq!(
+        (woken(&na), woken(&nb), woken(&nc)),
+        (1, 1, 1),
+        "then the third"
+    );
+}
+
+/// `Stats::sent`: "Items handed back in a [`SendError`] are not counted", and
+/// `sent == received + dropped + len()` at any moment.
+#[tokio::test]
+async fn items_handed_back_are_not_counted_as_sent() {
+    let (tx, mut rx) = channel::builder(1)
+        .overflow(Overflow::Reject)
+        .build()
+        .unwrap();
+    tx.try_send(1u32).unwrap();
+    assert_eq!(tx.try_send(2), Err(SendError::Full(2)));
+    assert_eq!(tx.send(3).await, Err(SendError::Full(3)));
+    let s = tx.stats();
+    assert_eq!((s.sent, s.received, s.dropped, tx.len()), (1, 0, 0, 1));
+    rx.close();
+    assert_eq!(tx.try_send(4), Err(SendError::Closed(4)));
+    assert_eq!(rx.recv().await, Some(1));
+    let s = tx.stats();
+    assert_eq!((s.sent, s.received, s.dropped, tx.len()), (1, 1, 0, 0));
+}
+
+/// `Sender::reserve`: "Reservations wait for a free slot under every policy (they never drop
+/// an item)"; `ReserveError::Full` comes only from `try_reserve`.
+#[tokio::test]
+async fn reserve_waits_for_a_slot_under_every_policy() {
+    for policy in [
+        Overflow::Backpressure,
+        Overflow::Reject,
+        Overflow::DropNewest,
+        Overflow::DropOldest,
+    ] {
+        let (tx, mut rx) = channel::builder(1).overflow(policy).build().unwrap();
+        tx.try_send(1u32).unwrap();
+        assert_eq!(
+            tx.try_reserve().unwrap_err(),
+            ReserveError::Full,
+            "{policy}"
+        );
+        let mut reserve = pin!(tx.reserve());
+        assert!(poll!(reserve.as_mut()).is_pending(), "{policy}");
+        assert_eq!(rx.recv().await, Some(1));
+        let permit = reserve.await.unwrap();
+        permit.send(2);
+        assert_eq!(rx.recv().await, Some(2), "{policy}");
+        assert_eq!(tx.stats().dropped, 0, "{policy}");
+    }
+}
+
+/// `Sender::closed`: "Wait until the channel is closed (by `close()` or because every
+/// receiver is gone)": the `close()` half.
+#[tokio::test]
+async fn closed_resolves_when_any_handle_closes_the_channel() {
+    let (tx, rx) = channel::bounded::<u8>(1).unwrap();
+    let tx2 = tx.clone();
+    let mut closed = pin!(tx.closed());
+    assert_eq!(poll!(closed.as_mut()), Poll::Pending);
+    rx.close();
+    closed.await;
+    let mut closed = pin!(tx2.closed());
+    assert_eq!(poll!(closed.as_mut()), Poll::Ready(()));
+}
+
+/// `Sender`'s docs: a `poll_ready` left waiting (a `feed` future dropped) keeps this handle's
+/// place, and the slot it is then given, until `poll_ready` is called again; this handle's
+/// own `try_send` does not use that slot, nor does any other sender; dropping the handle
+/// gives it back.
+#[tokio::test]
+async fn a_sink_slot_granted_to_an_abandoned_poll_ready_waits_for_its_handle() {
+    let (mut tx, mut rx) = channel::bounded::<u32>(1).unwrap();
+    let tx2 = tx.clone();
+    tx2.try_send(0).unwrap();
+    {
+        let mut feed = pin!(SinkExt::feed(&mut tx, 1));
+        assert!(poll!(feed.as_mut()).is_pending());
+    }
+    assert_eq!(rx.recv().await, Some(0)); // the freed slot goes to tx's sink wait
+    assert_eq!(tx2.try_send(9), Err(SendError::Full(9)), "another sender");
+    assert_eq!(
+        tx.try_send(9),
+        Err(SendError::Full(9)),
+        "this handle's try_send"
+    );
+    SinkExt::send(&mut tx, 1).await.unwrap();
+    assert_eq!(rx.recv().await, Some(1));
+    // Once more, and this time the handle is dropped: the slot comes back.
+    tx2.try_send(2).unwrap();
+    {
+        let mut feed = pin!(SinkExt::feed(&mut tx, 3));
+        assert!(poll!(feed.as_mut()).is_pending());
+    }
+    assert_eq!(rx.recv().await, Some(2));
+    assert_eq!(tx2.try_send(9), Err(SendError::Full(9)));
+    drop(tx);
+    assert_eq!(tx2.try_send(4), Ok(Sent::Queued));
+    assert_eq!(rx.recv().await, Some(4));
+}
+
+/// The module's "Shutdown": "When every Receiver is gone, sends fail and hand the item
+/// back" — under every policy, a full buffer included (a drop policy must not report
+/// the item dropped, nor a reservation succeed).
+#[tokio::test]
+async fn with_every_receiver_gone_sends_hand_the_item_back_under_every_policy() {
+    for policy in [
+        Overflow::Backpressure,
+        Overflow::Reject,
+        Overflow::DropNewest,
+        Overflow::DropOldest,
+    ] {
+        for fill in [0, 1] {
+            let (mut tx, rx) = channel::builder(1).overflow(policy).build().unwrap();
+            for i in 0..fill {
+                tx.try_send(i).unwrap();
+            }
+            drop(rx);
+            assert_eq!(tx.try_send(7), Err(SendError::Closed(7)), "{policy} {fill}");
+            assert_eq!(
+                tx.send(8).await,
+                Err(SendError::Closed(8)),
+                "{policy} {fill}"
+            );
+            assert_eq!(tx.reserve().await.unwrap_err(), ReserveError::Closed);
+            assert_eq!(tx.try_reserve().unwrap_err(), ReserveError::Closed);
+            assert_eq!(SinkExt::send(&mut tx, 9).await, Err(SendError::Closed(9)));
+            let s = tx.stats();
+            assert_eq!((s.sent, s.dropped), (fill, fill), "{policy} {fill}");
+        }
+    }
+}

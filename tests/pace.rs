@@ -963,3 +963,71 @@ async fn an_upstream_panicking_mid_fill_leaves_the_leaky_queue_depth_right() {
     assert_eq!(queue.collect::<Vec<_>>().await, [0, 1, 2, 4]);
     assert_eq!(depth(), Some(0.0));
 }
+
+/// `Pacer::until_ready`'s `# Errors`: `ExceedsCapacity` "also if `set_quota` lowers the
+/// burst below `cost` while it waits (the future then leaves the line)".
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_cost_the_burst_no_longer_fits_fails_and_leaves_the_line() {
+    let pacer = pacer(10, 4);
+    pacer.until_ready(4).await.unwrap();
+    let mut big = pin!(pacer.until_ready(3));
+    assert!(poll!(big.as_mut()).is_pending());
+    let mut behind = pin!(pacer.until_ready(1));
+    assert!(poll!(behind.as_mut()).is_pending());
+    assert_eq!(pacer.waiting(), 2);
+    pacer.set_quota(Quota::new(Rate::per_second(10).unwrap(), 2).unwrap());
+    assert_eq!(
+        big.await,
+        Err(CostError::ExceedsCapacity {
+            cost: 3,
+            capacity: 2
+        })
+    );
+    assert_eq!(pacer.waiting(), 1, "it left the line");
+    behind.await.unwrap();
+    assert_eq!(pacer.waiting(), 0);
+}
+
+/// The pace module's metrics: `flowgate_pace_released_total` counts units of cost ("the
+/// costs summed under `leaky_cost`"), an item above the burst included (paid in chunks).
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn released_total_counts_units_of_cost_for_items_paid_in_chunks() {
+    let recorder = support::TestRecorder::default();
+    let pacer = metrics::with_local_recorder(&recorder, || {
+        Pacer::builder(Rate::per_second(10).unwrap())
+            .burst(2)
+            .name("chunks")
+            .build()
+            .unwrap()
+    });
+    let n = futures::stream::iter([5u32, 0, 1])
+        .leaky_cost(pacer, |c| *c)
+        .count()
+        .await;
+    assert_eq!(n, 3);
+    assert_eq!(
+        recorder.counter("flowgate_pace_released_total{name=chunks}"),
+        6
+    );
+}
+
+/// `Pacer::waiting`: "every one in line, those stepped over included".
+#[tokio::test(start_paused = true)]
+async fn waiting_counts_a_waiter_that_was_stepped_over() {
+    let pacer = pacer(10, 1);
+    pacer.until_ready(1).await.unwrap();
+    let mut stalled = pin!(pacer.until_ready(1));
+    assert!(poll!(stalled.as_mut()).is_pending());
+    let behind = tokio::spawn({
+        let pacer = pacer.clone();
+        async move { pacer.until_ready(1).await }
+    });
+    tokio::task::yield_now().await;
+    assert_eq!(pacer.waiting(), 2);
+    // The first waiter's turn comes at 100 ms; unclaimed for 10 ms, it is stepped over.
+    behind.await.unwrap().unwrap();
+    assert_eq!(pacer.waiting(), 1, "the stalled waiter keeps its place");
+    stalled.await.unwrap();
+    assert_eq!(pacer.waiting(), 0);
+}

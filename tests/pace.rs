@@ -1031,3 +1031,33 @@ async fn waiting_counts_a_waiter_that_was_stepped_over() {
     stalled.await.unwrap();
     assert_eq!(pacer.waiting(), 0);
 }
+
+/// `flowgate_pace_lateness_seconds` is "how late waiting items were released". A waiter that
+/// comes to the head of the line with its turn already past (its task polled it late) is
+/// released at once, without sleeping on a timer first: it was not recorded at all, so
+/// the histogram missed the lateness of a busy executor, the very thing it is there for.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_waiter_polled_after_its_turn_records_its_lateness() {
+    let recorder = support::TestRecorder::default();
+    let pacer = metrics::with_local_recorder(&recorder, || {
+        Pacer::builder(Rate::per_second(10).unwrap())
+            .burst(1)
+            .name("late")
+            .build()
+            .unwrap()
+    });
+    pacer.until_ready(1).await.unwrap(); // t = 0, at once: no wait, no sample
+    let mut first = pin!(pacer.until_ready(1)); // due at 100 ms
+    let mut second = pin!(pacer.until_ready(1)); // behind it: due at 200 ms
+    assert!(poll!(first.as_mut()).is_pending());
+    assert!(poll!(second.as_mut()).is_pending());
+    first.await.unwrap(); // released at 100 ms, on time
+    // The second one's task is busy until 250 ms: released then, 50 ms late.
+    tokio::time::advance(Duration::from_millis(150)).await;
+    assert_eq!(poll!(second.as_mut()), Poll::Ready(Ok(())));
+    assert_eq!(
+        recorder.samples("flowgate_pace_lateness_seconds{name=late}"),
+        [0.0, 0.05]
+    );
+}

@@ -605,8 +605,14 @@ impl Inner {
         cx: &mut Context<'_>,
         out: &mut Deferred,
     ) -> Result<Admit, CostError> {
+        // A waiter's turn, before the check takes the cost: its due time if it passes now
+        // without having slept for it (it came to the head with its turn already past).
+        let turn = ticket.id.and_then(|_| self.turn_of_head(st));
         let decision = st.bucket.check(&mut st.gcra, self.elapsed(now), cost)?;
         if decision.allowed {
+            if ticket.due.is_none() {
+                ticket.due = turn;
+            }
             if let Some(key) = ticket.id.take() {
                 // The head is at the front, or behind a few waiters that were stepped over:
                 // out of the line in O(1) either way.

@@ -1101,3 +1101,34 @@ fn probe_learns_again_after_the_clock_stepped_back() {
     }
     assert!(probe.limit() >= 64, "still {} after 2 s", probe.limit());
 }
+
+/// A `max_limit` left at its default (1000) gives way to a bulkhead's bound, and so to an
+/// `initial` or `min_limit` set above it: `Aimd::builder().initial(2_000)` for a bulkhead
+/// of 10 000 was refused at build ("outside [min_limit, max_limit]") unless a max was named
+/// too. One given explicitly is still checked against them.
+#[test]
+fn a_default_max_limit_gives_way_to_initial_and_min_limit() {
+    fn started(limit: Result<impl AdaptiveLimit, flowgate::ConfigError>) -> u32 {
+        limit.unwrap().limit()
+    }
+    assert_eq!(started(Aimd::builder().initial(2_000).build()), 2_000);
+    assert_eq!(started(Gradient2::builder().initial(2_000).build()), 2_000);
+    assert_eq!(started(Vegas::builder().initial(2_000).build()), 2_000);
+    assert_eq!(started(Probe::builder().initial(2_000).build()), 2_000);
+    assert_eq!(
+        started(Aimd::builder().min_limit(1_500).initial(1_500).build()),
+        1_500
+    );
+    let err = Aimd::builder()
+        .max_limit(1_000)
+        .initial(2_000)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "aimd.initial");
+
+    let bulkhead = Bulkhead::builder(10_000)
+        .adaptive(Aimd::builder().initial(2_000).build().unwrap())
+        .build()
+        .unwrap();
+    assert_eq!(bulkhead.max_in_flight(), 2_000);
+}

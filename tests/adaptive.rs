@@ -527,7 +527,18 @@ fn bad_config_is_an_error() {
         "probe.min_limit"
     );
     assert_eq!(
-        field(Probe::builder().initial(5000).build().map(drop)),
+        field(
+            Probe::builder()
+                .max_limit(1000)
+                .initial(5000)
+                .build()
+                .map(drop)
+        ),
+        "probe.initial"
+    );
+    // Past the largest limit, with no max given: the initial is named, not the max.
+    assert_eq!(
+        field(Probe::builder().initial(u32::MAX).build().map(drop)),
         "probe.initial"
     );
     assert_eq!(

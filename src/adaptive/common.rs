@@ -20,7 +20,8 @@ macro_rules! bounds_setters {
 
         /// The highest limit (default 1000). Left at its default, it gives way to the
         /// bound an adaptive [`Bulkhead`](crate::bulkhead::Bulkhead) sets (its share of
-        /// normal work; see [`AdaptiveLimit::bound`](crate::adaptive::AdaptiveLimit::bound)).
+        /// normal work; see [`AdaptiveLimit::bound`](crate::adaptive::AdaptiveLimit::bound)),
+        /// and rises to a `min_limit` or `initial` set above it.
         pub fn max_limit(mut self, n: u32) -> Self {
             self.bounds.max = n;
             self.bounds.max_given = true;
@@ -59,8 +60,12 @@ impl Bounds {
     }
 
     /// Validate; `fields` names `[min_limit, max_limit, initial]` for the error.
-    pub(crate) fn check(self, fields: [&'static str; 3]) -> Result<Bounds, ConfigError> {
+    pub(crate) fn check(mut self, fields: [&'static str; 3]) -> Result<Bounds, ConfigError> {
         let [min_f, max_f, initial_f] = fields;
+        if !self.max_given {
+            // A default max gives way to the bounds given (as to a bulkhead's bound).
+            self.max = self.max.max(self.min).max(self.initial).min(MAX_LIMIT);
+        }
         if self.min == 0 {
             return Err(ConfigError::zero(min_f));
         }

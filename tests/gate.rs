@@ -12,6 +12,8 @@ mod dropped;
 mod failures;
 #[path = "gate/gated.rs"]
 mod gated;
+#[path = "gate/ops.rs"]
+mod ops;
 
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

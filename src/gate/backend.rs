@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | no answer within the timeout | Redis failure | counted, the gate degrades, the policy decides |
 //! | a transport error (refused, reset, closed) | Redis failure | as above |
+//! | the connection closed under a call made while healthy (an idle `timeout`, `CLIENT KILL`) | Redis failure | as above, but the next call is the probe, at once (a reconnecting connection has a new one on the way) |
 //! | `OOM`, `READONLY`, `NOREPLICAS`, `BUSY`, `LOADING`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, `MISCONF` (the server refuses writes or is not serving) | Redis failure | as above |
 //! | any other error reply (a script error, `CROSSSLOT`, a reply of the wrong shape) | Redis failure | as above |
 //! | `WRONGTYPE` on one key (it holds another type of value) | that key's error | [`GateError::UnreadableKey`] for that request only; the gate stays healthy |
@@ -236,6 +237,8 @@ where
         within: Duration,
     ) -> Result<Vec<i64>, CallError> {
         let started = Instant::now();
+        // Healthy at the start: not the probe of a degraded gate.
+        let regular = !self.degraded.load(Ordering::Acquire);
         let mut conn = self.conn.clone();
         let reply = tokio::time::timeout(
             within,
@@ -261,6 +264,14 @@ where
                         key_failure(KEY_WRONGTYPE).expect("a key failure"),
                     ));
                 }
+                // The connection was closed under a call made while healthy (an idle
+                // `timeout`, `CLIENT KILL`, a load balancer, or Redis going down): a
+                // reconnecting connection has a new one on the way, so the next call is
+                // the probe, at once. If Redis is down that probe fails too, and the gate
+                // waits a probe interval as after any failure.
+                _ if regular && e.is_connection_dropped() => {
+                    return Err(self.fail_probing(GateError::backend(e), Duration::ZERO));
+                }
                 _ => GateError::backend(e),
             },
             Err(_) => GateError::Timeout(self.timeout),
@@ -271,9 +282,14 @@ where
     /// Record a failure of Redis (`error`): counted; the gate degrades and probes every
     /// probe interval.
     pub(crate) fn fail(&self, error: GateError) -> CallError {
+        self.fail_probing(error, self.probe_interval)
+    }
+
+    /// [`fail`](Backend::fail), with the next probe `until_probe` from now.
+    fn fail_probing(&self, error: GateError, until_probe: Duration) -> CallError {
         self.metrics.failures.increment(1);
         let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
-        let next_probe = Instant::now() + self.probe_interval;
+        let next_probe = Instant::now() + until_probe;
         let was_healthy = matches!(*health, Health::Healthy);
         *health = Health::Degraded { next_probe };
         self.degraded.store(true, Ordering::Release);
@@ -289,13 +305,14 @@ where
                 gate = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
                 policy = self.policy,
                 %error,
-                "redis failed: deciding by the failure policy, probing every {:?}",
+                "redis failed: deciding by the failure policy, probing in {until_probe:?}, \
+                 then every {:?}",
                 self.probe_interval
             );
         }
         CallError::Backend {
             error: Some(error),
-            until_probe: self.probe_interval,
+            until_probe,
         }
     }
 

@@ -168,6 +168,7 @@ pub(super) struct Inner<C> {
 ///   | what Redis answers | what the caller gets |
 ///   |---|---|
 ///   | no answer within `timeout`; a transport error | Redis failure: the policy decides, the gate degrades and probes |
+///   | the connection closed under a call made while healthy (an idle `timeout` of the server or of a load balancer, `CLIENT KILL`) | Redis failure for that call; the next call is the probe, at once, over the connection a `ConnectionManager` makes again (if Redis is down, that probe fails and the gate probes every `probe_interval`) |
 ///   | `OOM`, `READONLY`, `NOREPLICAS`, `BUSY`, `LOADING`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, `MISCONF` (it refuses writes or is not serving) | Redis failure, as above |
 ///   | any other error (a script error, `CROSSSLOT`, a reply of the wrong shape) | Redis failure, as above |
 ///   | `WRONGTYPE` on one key, or a value that is not a state the script can read (short, not numbers, NaN, infinite, out of range) | [`GateError::UnreadableKey`] for the requests on that key only; the gate stays healthy |

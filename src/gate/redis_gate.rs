@@ -133,6 +133,12 @@ pub(super) struct Inner<C> {
 ///   bucket key lives up to 1 s longer than that: its TTL is set with that slack so that most
 ///   writes can keep it (`SET .. KEEPTTL` costs Redis about half as much as `SET .. PX`).
 /// - **Redis version**: 6.0 or later (`SET .. KEEPTTL`).
+/// - **Memory**: keep the server's `maxmemory-policy` at `noeviction` (or give the gate a
+///   Redis of its own). An evicting policy takes a bucket away instead of refusing the
+///   write, and a bucket evicted comes back full: its key admits a whole burst again, with
+///   no error, no log and no metric. Every gate key has a TTL, so the `volatile-*` policies
+///   evict the gate's keys before any key without one. Under `noeviction` a full Redis
+///   refuses writes (`OOM`): a Redis failure, decided by the failure policy (below).
 /// - **State format**: a token bucket key holds 25 packed bytes; the text form
 ///   `"<tat_us> <frac>"` of earlier development builds is still read (and rewritten packed),
 ///   but those builds cannot read the packed form: do not share a prefix with them.

@@ -70,3 +70,52 @@ async fn a_killed_client_connection_does_not_degrade_the_gate_for_a_probe_interv
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_back_at_once(&gate, "CLIENT KILL").await;
 }
+
+/// A batch of requests on one sliding-log key reads the key's log once, not once per
+/// request: 128 concurrent callers on a key holding 3 000 live entries are decided by
+/// Redis within the gate's timeout. Read once per request, the batch kept Redis's
+/// one thread busy for over a second (20 s at 30 000 entries: every other client of the
+/// server was answered `BUSY`), and the healthy Redis read as failing.
+#[tokio::test]
+async fn a_batch_on_one_sliding_log_key_reads_its_log_once() {
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let gate = RedisGate::builder(
+        conn.clone(),
+        Limit::SlidingLog(flowgate::Rate::per_minute(100_000).unwrap()),
+    )
+    // Room for a loaded machine: the batch takes a few ms read once, seconds read per
+    // request.
+    .timeout(Duration::from_millis(500))
+    .build()
+    .await
+    .unwrap();
+    // 3 000 entries admitted over the last 30 s, as the script writes them.
+    let mut con = conn;
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    let now_us = secs * 1_000_000;
+    let mut add = redis::cmd("ZADD");
+    add.arg(gate.redis_key("hot"));
+    for i in 0..3_000u64 {
+        let t = now_us - 30_000_000 + i * 10_000;
+        add.arg(t).arg(format!("{t}:{i}:1"));
+    }
+    let _: u64 = add.query_async(&mut con).await.unwrap();
+    let calls = (0..128).map(|_| gate.check("hot", 1));
+    let decided = futures::future::join_all(calls).await;
+    let failed: Vec<_> = decided.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty() && !gate.is_degraded(),
+        "{} of 128 calls failed, the first: {:?}",
+        failed.len(),
+        failed.first().map(|e| e.to_string())
+    );
+    let remaining: Vec<u64> = decided
+        .iter()
+        .map(|r| r.as_ref().unwrap().remaining)
+        .collect();
+    let mut sorted = remaining.clone();
+    sorted.sort_unstable();
+    let expected: Vec<u64> = (100_000 - 3_000 - 128..100_000 - 3_000).collect();
+    assert_eq!(sorted, expected, "each caller was charged once");
+}

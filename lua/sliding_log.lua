@@ -18,43 +18,67 @@ local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
 local clock, explicit = clock_us(ARGV[3])
 
-local function decide(key, cost)
-local now = clock
+-- The live log of each key read in this call: read once, then kept as the requests admitted
+-- here add to it, so a batch of n requests on one key reads its log once, not n times. The
+-- clock is read once per call, so a key's `now` (and with it which entries are live) is the
+-- same for every request on it. A failed read (another type, a member that is not ours) is
+-- not kept: each request on the key fails alike.
+local logs = {}
 
--- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
--- The waits are counted from the time given (`given`).
-local given = now
-local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-if newest[2] and tonumber(newest[2]) > now then
-  now = tonumber(newest[2])
+local function read_log(key)
+  -- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
+  local now = clock
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if newest[2] and tonumber(newest[2]) > now then
+    now = tonumber(newest[2])
+  end
+  -- The live entries, oldest first: admitted after now - window. Each as {time, cost}.
+  local raw = redis.call('ZRANGEBYSCORE', key, string.format('(%d', now - window), '+inf',
+    'WITHSCORES')
+  local entries = {}
+  local total = 0
+  -- The largest seq of the entries at `now` (the clock stepped back to the newest entry's
+  -- time, after older entries expired): a new entry takes one past it, so its member is new.
+  local top_seq = -1
+  for i = 1, #raw, 2 do
+    local member = raw[i]
+    local t = tonumber(raw[i + 1])
+    local c = tonumber(string.match(member, ':(%d+)$'))
+    entries[#entries + 1] = {t, c}
+    total = total + c
+    if t == now then
+      local held = tonumber(string.match(member, '^%d+:(%d+):'))
+      if held and held > top_seq then
+        top_seq = held
+      end
+    end
+  end
+  return {now = now, entries = entries, total = total, top_seq = top_seq}
 end
--- The live entries: admitted after now - window.
-local entries = redis.call('ZRANGEBYSCORE', key, string.format('(%d', now - window), '+inf',
-  'WITHSCORES')
-local total = 0
-local costs = {}
-for i = 1, #entries, 2 do
-  local member = entries[i]
-  local c = tonumber(string.match(member, ':(%d+)$'))
-  costs[#costs + 1] = {tonumber(entries[i + 1]), c}
-  total = total + c
+
+local function decide(key, cost)
+local log = logs[key]
+if log == nil then
+  log = read_log(key)
+  logs[key] = log
 end
+local now = log.now
+-- The waits are counted from the time given.
+local given = clock
+local total = log.total
+local costs = log.entries
 
 if total + cost <= limit then
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local seq = redis.call('ZCARD', key)
-  -- Entries already at `now` (the clock stepped back to the newest entry's time, after older
-  -- entries expired) may hold this seq: take one past theirs, so the member is a new one.
-  for i = 1, #entries, 2 do
-    if tonumber(entries[i + 1]) == now then
-      local held = tonumber(string.match(entries[i], '^%d+:(%d+):'))
-      if held and held >= seq then
-        seq = held + 1
-      end
-    end
+  if log.top_seq >= seq then
+    seq = log.top_seq + 1
   end
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
   redis.call('PEXPIRE', key, ttl_ms(window, explicit))
+  costs[#costs + 1] = {now, cost}
+  log.total = total + cost
+  log.top_seq = seq
   return {1, limit, limit - total - cost, 0, now + window - given}
 end
 local need = total + cost - limit

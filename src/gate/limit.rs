@@ -18,6 +18,14 @@ pub enum Limit {
     /// [`FixedWindow`](crate::limit::FixedWindow): `count` per aligned `period`.
     FixedWindow(Rate),
     /// [`SlidingLog`](crate::limit::SlidingLog): `count` in any interval of `period`.
+    ///
+    /// On Redis, a script call reads the whole live log of each key it decides (up to
+    /// `count` entries; once per key, however many requests of the batch are on it), in
+    /// Redis's single thread: about 0.5 µs an entry, so 14 ms at 30 000 entries, during
+    /// which Redis serves no one else. Past the gate's `timeout` (50 ms by default) a
+    /// healthy Redis reads as failing and the gate decides by its failure policy. For
+    /// limits of tens of thousands per window, use [`SlidingWindow`](Limit::SlidingWindow)
+    /// (a constant cost per decision).
     SlidingLog(Rate),
     /// [`SlidingWindow`](crate::limit::SlidingWindow): the weighted two-window counter.
     SlidingWindow(Rate),

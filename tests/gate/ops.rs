@@ -119,3 +119,55 @@ async fn a_batch_on_one_sliding_log_key_reads_its_log_once() {
     let expected: Vec<u64> = (100_000 - 3_000 - 128..100_000 - 3_000).collect();
     assert_eq!(sorted, expected, "each caller was charged once");
 }
+
+/// The sliding log decides a batch with repeated keys and mixed costs as the model decides
+/// the same requests one after another, at one time and across expiries (the log of each key
+/// is read once per call and kept up to date as the call admits).
+#[tokio::test]
+async fn a_sliding_log_batch_with_repeated_keys_matches_the_model_request_by_request() {
+    use flowgate::limit::{Limiter, SlidingLog};
+
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let script = redis::Script::new(flowgate::gate::lua::SLIDING_LOG);
+    let rate = flowgate::Rate::per_second(7).unwrap();
+    let mut models: Vec<_> = (0..4)
+        .map(|_| Limiter::new(SlidingLog::new(rate)))
+        .collect();
+    let mut x = 987_654_321u64;
+    for now_ms in [10_000u64, 10_000, 10_400, 10_999, 11_000, 11_700, 13_000] {
+        let trace: Vec<(usize, u32)> = (0..40)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x % 4) as usize, (x % 3) as u32 + 1)
+            })
+            .collect();
+        let mut inv = script.prepare_invoke();
+        for (k, _) in &trace {
+            inv.key(format!("log{k}"));
+        }
+        inv.arg(7).arg(1_000_000).arg(now_ms * 1_000);
+        for (_, c) in &trace {
+            inv.arg(*c);
+        }
+        let r: Vec<i64> = inv.invoke_async(&mut con).await.unwrap();
+        for (i, (k, c)) in trace.iter().enumerate() {
+            let want = models[*k].check(Duration::from_millis(now_ms), *c).unwrap();
+            let got = &r[i * 5..i * 5 + 5];
+            let got = (
+                got[0] == 1,
+                got[1] as u64,
+                got[2] as u64,
+                got[3] as u64,
+                got[4] as u64,
+            );
+            assert_eq!(
+                got,
+                super::model_reply(&want),
+                "at {now_ms} ms, request {i}"
+            );
+        }
+    }
+}

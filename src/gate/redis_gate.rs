@@ -178,6 +178,14 @@ pub(super) struct Inner<C> {
 ///   | `OOM`, `READONLY`, `NOREPLICAS`, `BUSY`, `LOADING`, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`, `MISCONF` (it refuses writes or is not serving) | Redis failure, as above |
 ///   | any other error (a script error, `CROSSSLOT`, a reply of the wrong shape) | Redis failure, as above |
 ///   | `WRONGTYPE` on one key, or a value that is not a state the script can read (short, not numbers, NaN, infinite, out of range) | [`GateError::UnreadableKey`] for the requests on that key only; the gate stays healthy |
+///
+///   A gate is back on Redis when a probe over its connection succeeds, so a connection
+///   that keeps reaching a server that refuses keeps it degraded. After a failover, a
+///   primary demoted to replica keeps its clients and answers them `READONLY`, and a
+///   `ConnectionManager` does not reconnect on `READONLY`: behind a name that moves to the
+///   new primary (a DNS endpoint), the gate decides by its policy until that connection
+///   closes. Sentinel closes the clients of the instance it demotes; elsewhere close them
+///   (`CLIENT KILL TYPE normal` on the old primary), or connect through Sentinel or Cluster.
 /// - **Runtime**: batches are sent by a task spawned on the runtime that built the gate. If
 ///   that runtime shuts down while the gate lives on, the next caller starts the task again
 ///   on its own runtime (logged, counted in `flowgate_gate_driver_restarts_total`); the

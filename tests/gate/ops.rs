@@ -20,11 +20,13 @@ fn run(server: &RedisServer, args: &[&str]) {
 }
 
 /// A gate failing closed, over a `ConnectionManager` with the library's defaults, that
-/// would stay degraded for a minute after a failure.
+/// would stay degraded for a minute after a failure. Its timeout leaves a loaded machine
+/// room to reconnect within one call.
 async fn closed_gate(server: &RedisServer) -> RedisGate<ConnectionManager> {
     let conn = ConnectionManager::new(server.client()).await.unwrap();
     RedisGate::builder(conn, Limit::TokenBucket(Quota::per_hour(100).unwrap()))
         .failure_policy(FailurePolicy::Closed)
+        .timeout(Duration::from_secs(1))
         .probe_interval(Duration::from_secs(60))
         .build()
         .await

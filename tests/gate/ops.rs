@@ -1,5 +1,6 @@
 //! The gate under what operators do to a running Redis: connections the server closes
-//! (an idle `timeout`, `CLIENT KILL`), `SCRIPT FLUSH`, ACLs that deny, a busy script.
+//! (an idle `timeout`, `CLIENT KILL`), `SCRIPT FLUSH`, ACLs that deny, a busy script; and
+//! the sliding log's own script kept short.
 
 use std::time::Duration;
 
@@ -172,4 +173,77 @@ async fn a_sliding_log_batch_with_repeated_keys_matches_the_model_request_by_req
             );
         }
     }
+}
+
+/// `SCRIPT FLUSH` while the gate runs: every path (alone, batched, leased, `check_all`)
+/// loads its script again and is decided by Redis, charged once, and the gate never
+/// degrades.
+#[tokio::test]
+async fn a_script_flush_is_recovered_on_every_path_without_degrading() {
+    let server = RedisServer::start();
+    for lease in [0, 5] {
+        let conn = ConnectionManager::new(server.client()).await.unwrap();
+        let gate = RedisGate::builder(conn, Limit::TokenBucket(Quota::per_hour(100).unwrap()))
+            .prefix(format!("lease{lease}:"))
+            .lease(lease)
+            .build()
+            .await
+            .unwrap();
+        run(&server, &["SCRIPT", "FLUSH"]);
+        assert!(gate.check("alone", 1).await.unwrap().allowed);
+        run(&server, &["SCRIPT", "FLUSH"]);
+        let batch = futures::future::join_all((0..20).map(|_| gate.check("batched", 1))).await;
+        assert!(batch.iter().all(|d| d.as_ref().unwrap().allowed));
+        run(&server, &["SCRIPT", "FLUSH"]);
+        let q = Quota::per_hour(5).unwrap();
+        let all = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
+        assert!(all.iter().all(|d| d.allowed));
+        assert!(!gate.is_degraded(), "lease {lease}");
+    }
+}
+
+/// An ACL that denies the script, and a script of someone else's that keeps Redis busy:
+/// Redis failures whose error carries the server's words, decided by the policy, and the
+/// gate is back on Redis by itself once the cause is gone.
+#[tokio::test]
+async fn denied_and_busy_are_redis_failures_that_say_so_and_recover() {
+    let server = RedisServer::start();
+    let conn = ConnectionManager::new(server.client()).await.unwrap();
+    let gate = RedisGate::builder(conn, Limit::TokenBucket(Quota::per_hour(100).unwrap()))
+        .probe_interval(Duration::from_millis(100))
+        .timeout(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let back = || async {
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if gate.check("k", 1).await.is_ok() && !gate.is_degraded() {
+                return;
+            }
+        }
+        panic!("not back on Redis");
+    };
+    run(&server, &["ACL", "SETUSER", "default", "-evalsha"]);
+    let e = gate.check("k", 1).await.unwrap_err().to_string();
+    assert!(e.contains("evalsha") && gate.is_degraded(), "{e}");
+    run(&server, &["ACL", "SETUSER", "default", "+evalsha"]);
+    back().await;
+
+    run(&server, &["CONFIG", "SET", "busy-reply-threshold", "50"]);
+    let client = server.client();
+    let busy = std::thread::spawn(move || {
+        let mut c = client.get_connection().unwrap();
+        let _: redis::RedisResult<redis::Value> = redis::cmd("EVAL")
+            .arg("while true do end")
+            .arg(0)
+            .query(&mut c);
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = gate.check("k", 1).await.unwrap_err().to_string();
+    assert!(e.contains("BUSY") && gate.is_degraded(), "{e}");
+    let mut c = server.client().get_connection().unwrap();
+    let _: redis::Value = redis::cmd("SCRIPT").arg("KILL").query(&mut c).unwrap();
+    busy.join().unwrap();
+    back().await;
 }

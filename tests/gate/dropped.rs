@@ -390,3 +390,57 @@ fn a_batched_caller_whose_restarted_driver_stops_too_is_answered_by_the_policy()
         assert!(alone.await.unwrap().allowed);
     });
 }
+
+/// A metrics recorder that panics as the batch driver counts the decision of a caller that
+/// gave up (its answer, dropped unread, counts it): the callers after it in the same batch
+/// still get the decision Redis made for them. They were not answered: asked again alone,
+/// each was charged twice, and one Redis had admitted was refused (its token spent for
+/// nothing).
+#[tokio::test]
+async fn a_recorder_panic_on_a_gone_callers_decision_charges_no_batched_caller_twice() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_hour(1))
+        .name("answered")
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let batches = || {
+        recorder
+            .samples("flowgate_gate_batch_size{name=answered}")
+            .len()
+    };
+    let calls = || {
+        recorder
+            .samples("flowgate_gate_redis_seconds{name=answered}")
+            .len()
+    };
+    assert!(gate.check("full", 1).await.unwrap().allowed);
+    assert_eq!(calls(), 1);
+    server.pause();
+    // Nothing in flight: `first` calls Redis itself; `gone` and `stays` then join a batch.
+    let mut first = Box::pin(gate.check("first", 1));
+    assert!(futures::poll!(first.as_mut()).is_pending());
+    let mut gone = Box::pin(gate.check("full", 1));
+    assert!(futures::poll!(gone.as_mut()).is_pending());
+    let mut stays = Box::pin(gate.check("fresh", 1));
+    assert!(futures::poll!(stays.as_mut()).is_pending());
+    assert!(eventually(|| batches() == 1).await, "the batch is sent");
+    drop(gone);
+    // Counting `gone`'s rejection panics (in the driver, which answers the batch).
+    let rejected = "flowgate_gate_decisions_total{name=answered,outcome=rejected}";
+    recorder.panic_on(rejected, true);
+    server.resume();
+    // The batch's answer is in (its round trip recorded): the driver has answered it.
+    assert!(eventually(|| calls() == 2).await, "the batch is answered");
+    recorder.panic_on(rejected, false);
+    assert!(first.await.unwrap().allowed);
+    let answered = stays.await.unwrap();
+    assert!(
+        answered.allowed,
+        "the decision Redis made for it (allowed), not a second charge: {answered:?}"
+    );
+    assert_eq!(calls(), 3, "no call of its own for `stays`");
+}

@@ -178,11 +178,16 @@ impl Drop for Answer {
 }
 
 impl Request {
-    /// Answer this request with `result`.
-    fn answer(self, result: Result<Decision, CallError>, outcomes: &Arc<Outcomes>) {
+    /// Answer this request with `result`; the answer comes back if its caller is gone. Its
+    /// decision is then [`decided`](Outcomes::decided) when it is dropped, which runs the
+    /// metrics recorder (user code): drop it once every other caller is answered.
+    fn answer(
+        self,
+        result: Result<Decision, CallError>,
+        outcomes: &Arc<Outcomes>,
+    ) -> Option<Answer> {
         let answer = Answer::new(result, (self.key, self.cost, self.started), outcomes);
-        // A caller gone leaves the answer to be dropped here: decided all the same.
-        let _ = self.reply.send(answer);
+        self.reply.send(answer).err()
     }
 }
 
@@ -422,9 +427,17 @@ where
         // behind counts its decision.
         match decided {
             Ok(decisions) => {
-                for (r, decision) in batch.into_iter().zip(decisions) {
-                    r.answer(decision.map_err(CallError::Request), &self.outcomes);
-                }
+                // Every caller is answered before the decisions of those gone are counted: a
+                // recorder that panics there must not leave the callers after them
+                // unanswered (each would ask Redis again alone, and be charged twice).
+                let unread: Vec<Answer> = batch
+                    .into_iter()
+                    .zip(decisions)
+                    .filter_map(|(r, decision)| {
+                        r.answer(decision.map_err(CallError::Request), &self.outcomes)
+                    })
+                    .collect();
+                drop(unread);
             }
             Err(error) => {
                 for r in batch {

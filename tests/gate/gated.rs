@@ -530,6 +530,74 @@ async fn an_item_whose_key_or_cost_function_panics_is_kept_at_the_gate() {
     assert_eq!(*seen.lock().unwrap(), [(1, "discarded".to_owned())]);
 }
 
+/// A gate whose decision (its future) panics on its first ask, as a metrics recorder that
+/// panics while a `RedisGate` counts a decision makes it, then decides as a `MemoryGate`.
+#[derive(Debug, Clone)]
+struct PanicsOnce {
+    inner: MemoryGate,
+    asked: Arc<AtomicU64>,
+}
+
+impl Gate for PanicsOnce {
+    fn check<'a>(&'a self, key: &'a str, cost: u32) -> GateFuture<'a> {
+        let first = self.asked.fetch_add(1, Ordering::Relaxed) == 0;
+        Box::pin(async move {
+            assert!(!first, "the gate panics");
+            Gate::check(&self.inner, key, cost).await
+        })
+    }
+
+    fn limit(&self) -> Limit {
+        self.inner.limit()
+    }
+}
+
+/// A gate whose decision panics leaves the stream usable, as a key or cost function that
+/// panics does: the item stays at the gate and is asked again on the next poll (if the
+/// caller caught the panic), or reported as discarded if the stream is dropped. The
+/// decision that panicked was polled again instead, and every later poll panicked
+/// (`async fn` resumed after panicking): the item never passed, nothing after it either.
+#[tokio::test(start_paused = true)]
+async fn an_item_whose_gate_decision_panics_is_kept_at_the_gate() {
+    use futures::FutureExt;
+    let (seen, hook) = recording();
+    let gate = PanicsOnce {
+        inner: MemoryGate::new(per_minute(10)),
+        asked: Arc::default(),
+    };
+    let mut stream = Gated::builder(futures::stream::iter(0..3u32), gate.clone(), |_: &u32| "k")
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    let unwound = std::panic::AssertUnwindSafe(stream.next())
+        .catch_unwind()
+        .await;
+    assert!(unwound.is_err(), "the panic reached the poll");
+    let rest = std::panic::AssertUnwindSafe((&mut stream).collect::<Vec<u32>>())
+        .catch_unwind()
+        .await;
+    assert_eq!(rest.ok(), Some(vec![0, 1, 2]), "0 is asked again, not lost");
+    assert_eq!(gate.asked.load(Ordering::Relaxed), 4);
+    assert_eq!(stream.dropped(), 0);
+    assert!(seen.lock().unwrap().is_empty());
+    // Dropped after the panic: the item is reported.
+    let (seen, hook) = recording();
+    let gate = PanicsOnce {
+        inner: MemoryGate::new(per_minute(10)),
+        asked: Arc::default(),
+    };
+    let mut stream = Gated::builder(futures::stream::iter(0..3u32), gate, |_: &u32| "k")
+        .on_drop(hook)
+        .build()
+        .unwrap();
+    let unwound = std::panic::AssertUnwindSafe(stream.next())
+        .catch_unwind()
+        .await;
+    assert!(unwound.is_err(), "the panic reached the poll");
+    drop(stream);
+    assert_eq!(*seen.lock().unwrap(), [(0, "discarded".to_owned())]);
+}
+
 /// A gate of one's own that rejects with a `retry_after` of zero (ask again now:
 /// `Decision::fail_closed(Duration::ZERO)`), then admits on its `admit_on`-th ask.
 #[derive(Debug, Clone)]

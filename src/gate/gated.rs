@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -116,9 +117,9 @@ enum State<Key> {
 ///
 /// When it has to wait (shaping) outside a tokio runtime with its time driver enabled.
 ///
-/// A key or cost function that panics panics the poll. The item stays at the gate, asked
-/// for nothing yet: the next poll calls the functions again, and a stream dropped instead
-/// reports it as [`Dropped::Discarded`].
+/// A key or cost function that panics panics the poll, and so does a gate whose decision
+/// panics. The item stays at the gate: the next poll calls the functions again and asks the
+/// gate again, and a stream dropped instead reports it as [`Dropped::Discarded`].
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K: KeyFn<S::Item>, C = UnitCost<<S as Stream>::Item>> {
@@ -368,7 +369,17 @@ where
                     }
                 }
                 State::Deciding(decide) => {
-                    let asked = ready!(decide.as_mut().poll(cx));
+                    // A decision that panics is spent: the item stays at the gate, asked
+                    // again on the next poll, as when the key or cost function panics.
+                    let polled =
+                        std::panic::catch_unwind(AssertUnwindSafe(|| decide.as_mut().poll(cx)));
+                    let asked = match polled {
+                        Ok(polled) => ready!(polled),
+                        Err(panic) => {
+                            *this.state = State::Idle;
+                            std::panic::resume_unwind(panic);
+                        }
+                    };
                     *this.state = State::Idle;
                     asked
                 }

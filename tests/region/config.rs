@@ -363,6 +363,67 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
     );
 }
 
+/// A region gate's check given up while its script call is in flight: the local Redis
+/// decides (and charges) it all the same, and the decision is counted in
+/// `flowgate_gate_decisions_total` when Redis answers, as a `RedisGate` counts the
+/// decision of a caller that gave up. It was counted under no outcome at all.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_region_check_given_up_mid_call_is_still_counted() {
+    let recorder = crate::support::TestRecorder::default();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(home.connect().await, Quota::per_second(50).unwrap())
+        .name("gaveup")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(5))
+        .refresh_every(Duration::from_secs(1))
+        .home_timeout(Duration::from_millis(500))
+        .local_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", local.connect().await).await.unwrap();
+    let gate = region.gate();
+    let decisions = |o: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=gaveup,outcome={o},region=eu}}"
+        ))
+    };
+    assert!(gate.check("warm", 1).await.unwrap().allowed);
+    assert_eq!(decisions("allowed"), 1);
+    local.pause();
+    let mut call = Box::pin(gate.check("k", 1));
+    assert!(
+        futures::poll!(call.as_mut()).is_pending(),
+        "waits for redis"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(call);
+    local.resume();
+    let mut con = local.connect().await;
+    let charged: u64 = redis::cmd("EVAL")
+        .arg("local n = 0 for _, k in ipairs(redis.call('KEYS', '*')) do if string.find(k, ':k', 1, true) then n = n + 1 end end return n")
+        .arg(0)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(
+        charged, 1,
+        "the local redis charged the caller that gave up"
+    );
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while decisions("allowed") < 2 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        decisions("allowed") + decisions("rejected"),
+        2,
+        "the decision of the caller that gave up is counted"
+    );
+}
+
 /// A request a region's gate refuses with `UnreadableKey` (its bucket key holds a value the
 /// script cannot read) is counted under `outcome="unreadable_key"`, as a `RedisGate` counts
 /// it: it is neither admitted nor rejected by the share, and Redis did not fail, so no

@@ -25,7 +25,7 @@ pub(crate) mod backend;
 mod batch;
 mod error;
 #[cfg(feature = "redis")]
-mod finish;
+pub(crate) mod finish;
 mod gated;
 #[cfg(feature = "redis")]
 mod lease;

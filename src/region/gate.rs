@@ -9,6 +9,7 @@ use redis::aio::ConnectionLike;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::gate::backend::{CallError, key_failure};
+use crate::gate::finish::Finish;
 use crate::gate::scripts::{self, decision_from};
 use crate::gate::{FailurePolicy, Gate, GateError, GateFuture, Limit};
 use crate::metrics::Counter;
@@ -50,7 +51,8 @@ use crate::region::member::Region;
 /// # Cancel safety
 ///
 /// Dropping the future after the call was sent may still charge the cost (never over
-/// admission).
+/// admission): the call then goes on as a task on the current runtime (bounded by the local
+/// timeout), and its decision is counted when the local Redis answers.
 ///
 /// # Metrics
 ///
@@ -148,34 +150,34 @@ where
                     .arg(micros(plan.refresh))
                     .arg(core.keep_ms);
                 let within = plan.local_timeout.saturating_sub(now.elapsed());
-                match core
-                    .local
-                    .eval(scripts::region_bucket(), &cmd, 5, within)
-                    .await
-                {
-                    Ok(v) => match key_failure(v[0]) {
-                        Some(e) => Err(CallError::Request(e)),
-                        None => Ok(self.wait_for_refresh(decision_from(&v))),
-                    },
-                    Err(e) => Err(e),
-                }
+                // Finished (and its decision counted) even if the caller gives up once it is
+                // sent: the local Redis charges it all the same.
+                let gate = self.clone();
+                Finish::new(async move {
+                    let local = &gate.region.core().local;
+                    let v = local
+                        .eval(scripts::region_bucket(), &cmd, 5, within)
+                        .await?;
+                    if let Some(e) = key_failure(v[0]) {
+                        if let GateError::UnreadableKey(_) = e {
+                            gate.unreadable.increment(1);
+                        }
+                        return Err(CallError::Request(e));
+                    }
+                    let d = gate.wait_for_refresh(decision_from(&v));
+                    if d.allowed {
+                        gate.allowed.increment(1);
+                    } else {
+                        gate.rejected.increment(1);
+                    }
+                    Ok(d)
+                })
+                .await
             }
         };
         match reply {
-            Ok(d) => {
-                if d.allowed {
-                    self.allowed.increment(1);
-                } else {
-                    self.rejected.increment(1);
-                }
-                Ok(d)
-            }
-            Err(CallError::Request(e)) => {
-                if let GateError::UnreadableKey(_) = e {
-                    self.unreadable.increment(1);
-                }
-                Err(e)
-            }
+            Ok(d) => Ok(d),
+            Err(CallError::Request(e)) => Err(e),
             Err(CallError::Backend { error, until_probe }) => {
                 self.by_policy.increment(1);
                 self.policy.decide(key, cost, until_probe, error)

@@ -444,3 +444,48 @@ async fn a_recorder_panic_on_a_gone_callers_decision_charges_no_batched_caller_t
     );
     assert_eq!(calls(), 3, "no call of its own for `stays`");
 }
+
+/// A call that panics in its caller's poll (here a metrics recorder that panics as the
+/// caller counts its decision) has ended: the caller unwinds, and nothing of the call is
+/// left to finish. It was handed to the runtime as a call given up mid-way, and its spent
+/// future, polled there, panicked a second time (`async fn` resumed after panicking).
+#[tokio::test]
+async fn a_call_that_panicked_in_its_callers_poll_is_not_finished_on_the_runtime() {
+    let panics = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = panics.clone();
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        quiet(info);
+    }));
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_hour(10))
+        .name("spent")
+        .batch_size(1)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    assert!(gate.check("warm", 1).await.unwrap().allowed);
+    let allowed = "flowgate_gate_decisions_total{name=spent,outcome=allowed}";
+    recorder.panic_on(allowed, true);
+    let unwound =
+        futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(gate.check("k", 1))).await;
+    recorder.panic_on(allowed, false);
+    assert!(unwound.is_err(), "the recorder's panic reached the caller");
+    // Time for a task spawned with what is left of the call to run.
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        panics.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one panic: the recorder's"
+    );
+    assert!(
+        gate.check("k", 1).await.unwrap().allowed,
+        "the gate is usable"
+    );
+}

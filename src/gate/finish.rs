@@ -19,6 +19,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -80,7 +81,16 @@ where
             .as_mut()
             .expect("a Finish is not polled after it has ended");
         this.started = true;
-        let output = std::task::ready!(call.as_mut().poll(cx));
+        // A call that panics here has ended (the panic goes to its caller): nothing is left
+        // to finish on the runtime, where its spent future would panic again.
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx)));
+        let output = match polled {
+            Ok(polled) => std::task::ready!(polled),
+            Err(panic) => {
+                this.call = None;
+                std::panic::resume_unwind(panic);
+            }
+        };
         this.call = None;
         Poll::Ready(output)
     }

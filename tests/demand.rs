@@ -1232,6 +1232,37 @@ async fn a_panicking_recorder_leaves_the_watermarks_resumed_and_wakes_the_wrappe
     assert_eq!(next.expect("the wrapper was never woken").unwrap(), Some(1));
 }
 
+/// A recorder that panics (user code) as the watermarks count an item going out (its
+/// ticket made, `flowgate_demand_in_flight` moved) loses no item: it stays with the
+/// wrapper, whose next poll yields it (the ticket the panic dropped gave its place back).
+/// The item, already taken from upstream, was dropped with the panic, counted nowhere.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_panicking_recorder_as_an_item_leaves_the_watermarks_loses_no_item() {
+    use futures::FutureExt;
+    let recorder = PanickingRecorder::default();
+    let mut stream = metrics::with_local_recorder(&recorder, || {
+        futures::stream::iter(0..3).watermarks(levels(2, 0))
+    });
+    assert!(
+        recorder.armed_while(|| {
+            let _ = stream.next().now_or_never();
+        }),
+        "the recorder's panic reached the caller"
+    );
+    assert_eq!(
+        stream.in_flight(),
+        0,
+        "the ticket the panic dropped gave its place back"
+    );
+    let (first, ticket) = stream.next().await.unwrap();
+    assert_eq!(first, 0, "0 was not lost");
+    assert_eq!(stream.in_flight(), 1);
+    drop(ticket);
+    let rest: Vec<i32> = stream.map(|(i, _)| i).collect().await;
+    assert_eq!(rest, [1, 2]);
+}
+
 /// A `with_demand` stream waiting for credit is woken by the request that gives it some
 /// before the `flowgate_demand_outstanding` gauge is moved: a recorder that panics (user
 /// code) as a request is recorded must not lose the wake. Lost, the stream would wait for

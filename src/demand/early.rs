@@ -43,6 +43,14 @@ impl<T> Early<T> {
         }
     }
 
+    /// Hold `item` (nothing is held): an item taken from upstream stays here until the
+    /// adapter hands it out, so that a panic on the way (user code: a metrics recorder)
+    /// does not lose it.
+    pub(crate) fn hold(&mut self, item: T) {
+        debug_assert!(self.0.is_none(), "one item held at a time");
+        self.0 = Some(item);
+    }
+
     /// The held item, to be yielded before the upstream's next.
     pub(crate) fn take(&mut self) -> Option<T> {
         self.0.take()

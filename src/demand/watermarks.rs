@@ -491,26 +491,28 @@ impl<S: Stream> Stream for Watermarks<S> {
             }
             return Poll::Pending;
         }
-        let item = match this.early.take() {
-            Some(item) => Some(item),
-            None => ready!(this.stream.poll_next(cx)),
-        };
-        Poll::Ready(item.map(|item| {
-            let mut st = this.shared.lock();
-            st.in_flight += 1;
-            let evaluated = this.shared.evaluate(&mut st, Instant::now());
-            let paused = st.paused;
-            drop(st);
-            // The ticket first: if the recorder panics, dropping it gives the place back.
-            let ticket = Ticket {
-                shared: Arc::clone(&this.shared.0),
-            };
-            if evaluated == Evaluated::Flipped {
-                this.shared.publish();
+        if !this.early.is_held() {
+            match ready!(this.stream.poll_next(cx)) {
+                Some(item) => this.early.hold(item),
+                None => return Poll::Ready(None),
             }
-            this.shared.record(evaluated, paused, 1.0);
-            (item, ticket)
-        }))
+        }
+        // The item stays held until it goes out with its ticket, and the ticket comes
+        // first: if the recorder panics, dropping the ticket gives the place back, and the
+        // next poll yields the item.
+        let mut st = this.shared.lock();
+        st.in_flight += 1;
+        let evaluated = this.shared.evaluate(&mut st, Instant::now());
+        let paused = st.paused;
+        drop(st);
+        let ticket = Ticket {
+            shared: Arc::clone(&this.shared.0),
+        };
+        if evaluated == Evaluated::Flipped {
+            this.shared.publish();
+        }
+        this.shared.record(evaluated, paused, 1.0);
+        Poll::Ready(this.early.take().map(|item| (item, ticket)))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

@@ -1263,6 +1263,29 @@ async fn a_panicking_recorder_as_an_item_leaves_the_watermarks_loses_no_item() {
     assert_eq!(rest, [1, 2]);
 }
 
+/// A recorder that panics (user code) as a `with_demand` stream uses a unit of credit for
+/// an item (`flowgate_demand_outstanding` moved) loses no item: it stays with the stream,
+/// paid for, and the next poll yields it without using another unit. The item, already
+/// taken from upstream, was dropped with the panic, counted nowhere.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn a_panicking_recorder_as_credit_is_used_loses_no_item() {
+    use futures::FutureExt;
+    let recorder = PanickingRecorder::default();
+    let (mut stream, demand) =
+        metrics::with_local_recorder(&recorder, || futures::stream::iter(0..3).with_demand(2));
+    assert!(
+        recorder.armed_while(|| {
+            let _ = stream.next().now_or_never();
+        }),
+        "the recorder's panic reached the caller"
+    );
+    assert_eq!(stream.next().await, Some(0), "0 was not lost");
+    assert_eq!(stream.next().await, Some(1));
+    assert_eq!(demand.outstanding(), 0, "one unit of credit for each item");
+    assert_eq!(stream.next().now_or_never(), None, "no credit left for 2");
+}
+
 /// A `with_demand` stream waiting for credit is woken by the request that gives it some
 /// before the `flowgate_demand_outstanding` gauge is moved: a recorder that panics (user
 /// code) as a request is recorded must not lose the wake. Lost, the stream would wait for

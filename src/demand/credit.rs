@@ -151,8 +151,11 @@ pub struct Demanded<S: Stream> {
     stream: S,
     credit: Arc<Credit>,
     done: bool,
+    /// The held item's unit of credit is used already (its recording panicked).
+    paid: bool,
     /// An item the upstream yielded without credit, polled for its end because its
-    /// `size_hint` said no item was left: it waits here for credit.
+    /// `size_hint` said no item was left: it waits here for credit. (Any item taken from
+    /// upstream is held here until its unit of credit is used.)
     early: Early<S::Item>,
 }
 
@@ -202,6 +205,7 @@ impl<S: Stream> Demanded<S> {
                 stream,
                 credit: credit.clone(),
                 done: false,
+                paid: false,
                 early: Early::default(),
             },
             DemandHandle { credit },
@@ -283,7 +287,7 @@ impl<S: Stream> Stream for Demanded<S> {
         if *this.done {
             return Poll::Ready(None);
         }
-        if !this.credit.available() {
+        if !*this.paid && !this.credit.available() {
             this.credit.waker.register(cx.waker());
             // A request may have landed between the check and the registration.
             if !this.credit.available() {
@@ -295,19 +299,25 @@ impl<S: Stream> Stream for Demanded<S> {
                 return Poll::Pending;
             }
         }
-        if let Some(item) = this.early.take() {
-            this.credit.take();
-            return Poll::Ready(Some(item));
-        }
         // The credit is used when the item comes, not before: a stream dropped (or taken
         // apart) while it waits here, or whose upstream ends, leaves the credit as it was.
-        let next = ready!(this.stream.poll_next(cx));
-        if next.is_some() {
-            this.credit.take();
-        } else {
-            *this.done = true;
+        if !this.early.is_held() {
+            match ready!(this.stream.poll_next(cx)) {
+                Some(item) => this.early.hold(item),
+                None => {
+                    *this.done = true;
+                    return Poll::Ready(None);
+                }
+            }
         }
-        Poll::Ready(next)
+        // The item stays held until its unit of credit is used: if the recorder panics
+        // there, the next poll yields it, paid for already.
+        if !*this.paid {
+            *this.paid = true;
+            this.credit.take();
+        }
+        *this.paid = false;
+        Poll::Ready(this.early.take())
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

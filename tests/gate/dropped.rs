@@ -489,3 +489,53 @@ async fn a_call_that_panicked_in_its_callers_poll_is_not_finished_on_the_runtime
         "the gate is usable"
     );
 }
+
+/// A metrics recorder that panics in the batch driver (here as it records the size of a
+/// new batch) costs that batch alone, never sent (its callers ask Redis alone): the batches
+/// already in flight are still answered with what Redis decided, and the driver goes on.
+/// The panic ended the driver's task: the batch in flight was answered by the failure
+/// policy (here an error) though Redis decided it, and the driver was started again.
+#[tokio::test]
+async fn a_recorder_panic_in_the_batch_driver_fails_no_batch_in_flight() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(server.connect().await, per_hour(10))
+        .name("driver")
+        .failure_policy(FailurePolicy::Error)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let sizes = "flowgate_gate_batch_size{name=driver}";
+    let batches = || recorder.samples(sizes).len();
+    assert!(gate.check("warm", 1).await.unwrap().allowed);
+    server.pause();
+    // Nothing in flight: `first` calls Redis itself; `a` then joins a batch, sent.
+    let mut first = Box::pin(gate.check("first", 1));
+    assert!(futures::poll!(first.as_mut()).is_pending());
+    let mut a = Box::pin(gate.check("a", 1));
+    assert!(futures::poll!(a.as_mut()).is_pending());
+    assert!(eventually(|| batches() == 1).await, "a's batch is sent");
+    // The next batch's size panics as it is recorded.
+    recorder.panic_on(sizes, true);
+    let mut b = Box::pin(gate.check("b", 1));
+    assert!(futures::poll!(b.as_mut()).is_pending());
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    recorder.panic_on(sizes, false);
+    server.resume();
+    assert!(first.await.unwrap().allowed);
+    let answered = a.await;
+    assert!(
+        answered.as_ref().is_ok_and(|d| d.allowed),
+        "a's batch in flight is answered by Redis: {answered:?}"
+    );
+    assert!(b.await.unwrap().allowed, "b, never sent, asks again");
+    assert_eq!(
+        recorder.counter("flowgate_gate_driver_restarts_total{name=driver}"),
+        0,
+        "the driver goes on"
+    );
+}

@@ -1,12 +1,13 @@
 //! Natural batching: concurrent decisions share one script call.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Instant, SystemTime};
 
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use redis::aio::ConnectionLike;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
@@ -472,8 +473,10 @@ where
                     if batch.is_empty() {
                         continue;
                     }
-                    self.batch_size.record(batch.len() as f64);
-                    in_flight.push(self.dispatch(batch, Call::start(&self.calls)));
+                    // A panic in a batch (from a metrics recorder: user code) ends that batch,
+                    // not the driver with every other batch in flight.
+                    let batch = self.dispatch(batch, Call::start(&self.calls));
+                    in_flight.push(AssertUnwindSafe(batch).catch_unwind().map(drop));
                 }
                 else => break,
             }
@@ -483,6 +486,9 @@ where
 
     /// One batch: a single call, or one call per hash slot on a cluster.
     async fn dispatch(&self, mut batch: Vec<Request>, _call: Call) {
+        // Recorded here, where a recorder that panics costs this batch alone (never sent:
+        // its callers ask Redis again alone).
+        self.batch_size.record(batch.len() as f64);
         if self.cluster && batch.len() > 1 {
             let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
             for r in batch.drain(..) {

@@ -123,6 +123,11 @@ impl<T> Drop for Queue<T> {
 /// An item that has to wait for the pacer sleeps on a tokio timer: polled outside a tokio
 /// runtime with timers enabled, the stream panics unless the pacer admits each item at once.
 ///
+/// A panic of the `on_drop` hook reaches the poll that dropped the item (the overflow
+/// policy's), or the drop or `into_inner` that discards what is queued. Every item is
+/// counted before the hook sees it; of those queued, the ones after the item the hook
+/// panicked on are dropped without the hook.
+///
 /// # Examples
 ///
 /// ```

@@ -155,22 +155,24 @@ where
                 let gate = self.clone();
                 Finish::new(async move {
                     let local = &gate.region.core().local;
-                    let v = local
-                        .eval(scripts::region_bucket(), &cmd, 5, within)
-                        .await?;
-                    if let Some(e) = key_failure(v[0]) {
-                        if let GateError::UnreadableKey(_) = e {
+                    let decided = match local.eval(scripts::region_bucket(), &cmd, 5, within).await
+                    {
+                        Ok(v) => match key_failure(v[0]) {
+                            Some(e) => Err(CallError::Request(e)),
+                            None => Ok(gate.wait_for_refresh(decision_from(&v))),
+                        },
+                        Err(e) => Err(e),
+                    };
+                    match &decided {
+                        Ok(d) if d.allowed => gate.allowed.increment(1),
+                        Ok(_) => gate.rejected.increment(1),
+                        // A key refusing every request (its value unreadable, `WRONGTYPE`).
+                        Err(CallError::Request(GateError::UnreadableKey(_))) => {
                             gate.unreadable.increment(1);
                         }
-                        return Err(CallError::Request(e));
+                        Err(_) => {}
                     }
-                    let d = gate.wait_for_refresh(decision_from(&v));
-                    if d.allowed {
-                        gate.allowed.increment(1);
-                    } else {
-                        gate.rejected.increment(1);
-                    }
-                    Ok(d)
+                    decided
                 })
                 .await
             }

@@ -284,39 +284,11 @@ async fn inner_body_answers_400_in_the_inner_body_type() {
     );
 }
 
-/// Counts the layer's "requests rejected" warnings and the `rejected` count each carries.
-#[derive(Clone, Default)]
-struct RejectionLogs(std::sync::Arc<std::sync::Mutex<Vec<u64>>>);
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for RejectionLogs {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Rejected(Option<u64>);
-        impl tracing::field::Visit for Rejected {
-            fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
-                if field.name() == "rejected" {
-                    self.0 = Some(value);
-                }
-            }
-            fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
-        }
-        if *event.metadata().level() == tracing::Level::WARN {
-            let mut rejected = Rejected(None);
-            event.record(&mut rejected);
-            if let Some(n) = rejected.0 {
-                self.0.lock().unwrap().push(n);
-            }
-        }
-    }
-}
-
 /// The first rejection is logged at once; the next ones within the minute are counted for
 /// the next log, not logged.
 #[tokio::test]
 async fn rejections_are_logged_at_most_once_a_minute_with_their_count() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let logs = RejectionLogs::default();
-    let _guard =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(logs.clone()));
+    let (logs, _guard) = crate::support::Logs::capture();
     let layer = RateLimitLayer::builder(gate())
         .policy(per_client(quota(1, Duration::from_secs(30))))
         .build()
@@ -332,11 +304,14 @@ async fn rejections_are_logged_at_most_once_a_minute_with_their_count() {
     }
     assert_eq!(statuses.iter().filter(|s| **s == StatusCode::OK).count(), 1);
     assert_eq!(layer.stats().rejected, 4);
-    assert_eq!(
-        *logs.0.lock().unwrap(),
-        [1],
-        "one log, for the first rejection"
-    );
+    // The warnings with the count of rejections each carries.
+    let counted: Vec<_> = logs
+        .events()
+        .into_iter()
+        .filter(|e| e.level == tracing::Level::WARN)
+        .filter_map(|e| e.field("rejected").map(str::to_owned))
+        .collect();
+    assert_eq!(counted, ["1"], "one log, for the first rejection");
 }
 
 #[tokio::test]

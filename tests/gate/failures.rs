@@ -752,41 +752,13 @@ fn a_gate_whose_runtime_shut_down_still_decides_every_call() {
     assert!(!gate.is_degraded());
 }
 
-/// The warnings logged by `flowgate::gate::batch`, each with its `gate` field.
-#[cfg(feature = "metrics")]
-#[derive(Clone, Default)]
-struct BatchWarnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-#[cfg(feature = "metrics")]
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for BatchWarnings {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Gate(String);
-        impl tracing::field::Visit for Gate {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                if field.name() == "gate" {
-                    self.0 = format!("{value:?}");
-                }
-            }
-        }
-        let meta = event.metadata();
-        if *meta.level() == tracing::Level::WARN && meta.target() == "flowgate::gate::batch" {
-            let mut gate = Gate(String::new());
-            event.record(&mut gate);
-            self.0.lock().unwrap().push(gate.0);
-        }
-    }
-}
-
 /// A batch driver started again (its runtime shut down) is logged once, naming the gate,
 /// as the gate's degraded and healthy transitions are: with several gates in a process, an
 /// operator must tell which one lost its driver.
 #[cfg(feature = "metrics")]
 #[test]
 fn a_restarted_batch_driver_is_logged_once_with_the_gates_name() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let warnings = BatchWarnings::default();
-    let _logs =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(warnings.clone()));
+    let (logs, _guard) = super::support::Logs::capture();
     let recorder = super::support::TestRecorder::default();
     let _metrics = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
@@ -804,7 +776,13 @@ fn a_restarted_batch_driver_is_logged_once_with_the_gates_name() {
         recorder.counter("flowgate_gate_driver_restarts_total{name=orders}"),
         1
     );
-    let warnings = warnings.0.lock().unwrap().clone();
+    // The warnings of the batch driver, each with its `gate` field.
+    let warnings: Vec<_> = logs
+        .events()
+        .into_iter()
+        .filter(|e| e.level == tracing::Level::WARN && e.target == "flowgate::gate::batch")
+        .map(|e| e.field("gate").unwrap_or_default().to_owned())
+        .collect();
     assert_eq!(warnings.len(), 1, "logged once: {warnings:?}");
     assert!(
         warnings[0].contains("orders"),

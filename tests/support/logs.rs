@@ -9,11 +9,13 @@ use tracing::field::{Field, Visit};
 use tracing::subscriber::DefaultGuard;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
-/// One event: its level, its message and its other fields (strings without quotes, the
+/// One event: its level, where from, its message and its other fields (strings without quotes, the
 /// rest as `Debug`, `%` fields as `Display`).
 #[derive(Debug, Clone)]
 pub struct Logged {
     pub level: Level,
+    /// The module that logged it (`flowgate::gate::batch`).
+    pub target: &'static str,
     pub message: String,
     pub fields: Vec<(&'static str, String)>,
 }
@@ -82,6 +84,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
     fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
         let mut logged = Logged {
             level: *event.metadata().level(),
+            target: event.metadata().target(),
             message: String::new(),
             fields: Vec::new(),
         };

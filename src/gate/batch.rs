@@ -107,7 +107,7 @@ impl Drop for Unread<'_> {
 }
 
 /// A batch on its way to Redis, until its answer is in hand. Dropped before (the driver's
-/// runtime shut down mid-call), it answers the callers still waiting with a failure, for
+/// runtime shut down mid-call, or user code it ran panicked: a metrics recorder), it answers the callers still waiting with a failure, for
 /// their gate's failure policy to decide: Redis may have charged them, so asking it again
 /// would charge them twice. (Requests dropped while queued, never sent, are asked again.)
 struct Sent<'a> {
@@ -119,8 +119,8 @@ impl Drop for Sent<'_> {
     fn drop(&mut self) {
         for r in self.batch.drain(..) {
             let error = GateError::backend(crate::gate::error::BackendMessage(
-                "the batch driver stopped (its runtime shut down) with this request in \
-                 flight: redis may have charged it"
+                "the batch driver gave this request up in flight (its runtime shut down, \
+                 or a metrics recorder panicked in it): redis may have charged it"
                     .into(),
             ));
             let failed = CallError::Backend {

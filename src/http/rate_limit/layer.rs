@@ -361,7 +361,10 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// key is one bucket, so `build` refuses a policy whose `<prefix><policy name>:` a layer
     /// alive on the same gate (or a clone of it) counts with another quota (a `/login`
     /// layer and an `/api` layer both with a policy `"per-ip"`: give them prefixes such as
-    /// `"login:"` and `"api:"`). On Redis Cluster, a prefix
+    /// `"login:"` and `"api:"`). The same holds for a layer rebuilt with a new quota while
+    /// the old one is alive (a configuration reload): drop the old layer, its services and
+    /// their response futures first, or build the new one under another prefix (its
+    /// buckets start full). On Redis Cluster, a prefix
     /// with a hash tag (`"{rl}"`) puts all the keys of the layer in one slot, which an
     /// all-or-nothing call over several policies needs.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -840,7 +843,9 @@ impl HeadClaim {
                         "policy {name:?} ({quota}) counts under the gate keys {head:?}<key> \
                          that a layer alive on this gate counts with another quota \
                          ({}): one key holds one bucket on this gate; give one of the \
-                         layers a key_prefix, or the policy another name",
+                         layers a key_prefix, or the policy another name (to change a \
+                         policy's quota at run time, drop every layer, service and \
+                         response future of the old one first)",
                         other.quota
                     ),
                 ));

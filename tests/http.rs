@@ -28,3 +28,6 @@ mod outbound;
 mod client_ip;
 #[path = "http/contract.rs"]
 mod contract;
+
+#[path = "http/h2.rs"]
+mod h2;

@@ -21,7 +21,8 @@ pub enum ResponseBody<B> {
     /// The inner service's body, passed through.
     Inner(#[pin] B),
     /// The inner service's body, holding a bulkhead permit until it ends or is dropped
-    /// (a streamed response counts as in flight until it is sent).
+    /// (a streamed response counts as in flight until the server took its last frame; a
+    /// body of one frame, once the server took that frame, however slowly the client reads).
     Held(#[pin] B, Option<OwnedBulkheadPermit>),
     /// A response written by the layer (a problem document).
     Own(#[pin] Full<Bytes>),

@@ -198,6 +198,12 @@ impl fmt::Debug for Shared {
 /// a request the saturated bulkhead refuses is answered `503 Service Unavailable` with
 /// `Retry-After` and an RFC 9457 problem body, without reaching the inner service.
 ///
+/// "Sent" is when the server took the body's last frame: hyper queues a frame whole (over
+/// HTTP/2 past the client's flow-control window), so a body of one frame (`Full`, a `Vec`,
+/// a `String`) gives its permit back at once, however slowly the client reads it; a body
+/// streamed in frames holds it until the last one is taken, and a client that stops
+/// reading holds it until the stream or connection is closed (a reset, a timeout).
+///
 /// A classifier gives each request a [`Class`]: `Critical` requests may take the bulkhead's
 /// critical reserve, so health checks and the core path keep a share when everything else is
 /// shed; `Sheddable` requests never wait; `Normal` requests wait or not as the layer's

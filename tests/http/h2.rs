@@ -215,10 +215,26 @@ async fn h2_a_stream_reset_mid_body_returns_the_permit_on_a_live_connection() {
                 ))
             }),
         )
+        .route("/one", get(|| async { vec![b'x'; 4 << 20] }))
         .route("/fast", get(|| async { "fast" }))
         .layer(layer.clone());
     let server = Server::start(app).await;
     let mut conn = connect(server.addr).await;
+
+    // A body of one frame: taken whole by the server, its permit is back though the client
+    // has read nothing (as `ShedLayer` documents).
+    conn.ready().await.unwrap();
+    let unread = conn
+        .send_request(request(server.addr, Method::GET, "/one"))
+        .await
+        .unwrap();
+    eventually(
+        "permit back once the frame is taken",
+        Duration::from_secs(5),
+        || bulkhead.in_flight() == 0,
+    )
+    .await;
+    drop(unread);
 
     let (tx, rx) = mpsc::channel(4);
     next.lock().unwrap().replace(rx);
@@ -274,10 +290,26 @@ async fn h2_inner_errors_and_panics_lose_no_permit() {
                 "never"
             }),
         )
+        .route("/one", get(|| async { vec![b'x'; 4 << 20] }))
         .route("/fast", get(|| async { "fast" }))
         .layer(layer.clone());
     let server = Server::start(app).await;
     let mut conn = connect(server.addr).await;
+
+    // A body of one frame: taken whole by the server, its permit is back though the client
+    // has read nothing (as `ShedLayer` documents).
+    conn.ready().await.unwrap();
+    let unread = conn
+        .send_request(request(server.addr, Method::GET, "/one"))
+        .await
+        .unwrap();
+    eventually(
+        "permit back once the frame is taken",
+        Duration::from_secs(5),
+        || bulkhead.in_flight() == 0,
+    )
+    .await;
+    drop(unread);
     for _ in 0..3 {
         conn.ready().await.unwrap();
         let res = conn

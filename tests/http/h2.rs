@@ -524,3 +524,59 @@ async fn h2_a_waiter_past_the_timeout_is_shed_and_head_gets_no_body() {
     assert_eq!((stats.normal.admitted, stats.normal.shed), (1, 1));
     assert_eq!(bulkhead.waiting(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_proxy_header_lines_are_walked_from_the_last() {
+    use flowgate::http::{ClientIp, ForwardedHeader};
+    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()));
+    let mut layers = Vec::new();
+    for (source, name) in [
+        (ForwardedHeader::XForwardedFor, "x-forwarded-for"),
+        (ForwardedHeader::Forwarded, "forwarded"),
+    ] {
+        let ip = ClientIp::builder(source)
+            .peer(PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0))
+            .trust("127.0.0.0/8")
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder(gate.clone())
+            .policy(Policy::new(
+                name,
+                Quota::per_minute(1).unwrap().burst(1).unwrap(),
+                ip,
+            ))
+            .top_rejected(8)
+            .inner_body()
+            .build()
+            .unwrap();
+        layers.push((layer, name));
+    }
+    for (layer, name) in layers {
+        let server = Server::start(
+            Router::new()
+                .route("/", get(|| async { "hi" }))
+                .layer(layer.clone()),
+        )
+        .await;
+        let mut conn = connect(server.addr).await;
+        let lines: &[&str] = if name == "forwarded" {
+            &[
+                "for=6.6.6.6",
+                "for=\"[2001:db8::7%25eth0]:4711\";proto=http, for=127.0.0.9",
+            ]
+        } else {
+            &["6.6.6.6", "[2001:db8::7%eth0]:4711, 127.0.0.9"]
+        };
+        for _ in 0..2 {
+            let mut req = request(server.addr, Method::GET, "/");
+            for l in lines {
+                req.headers_mut().append(name, l.parse().unwrap());
+            }
+            conn.ready().await.unwrap();
+            conn.send_request(req).await.unwrap();
+        }
+        let top = layer.top_rejected(4);
+        assert_eq!(top.len(), 1, "{name}: {top:?}");
+        assert_eq!(top[0].key, format!("{name}:2001:db8::7"), "{top:?}");
+    }
+}

@@ -580,3 +580,62 @@ async fn h2_proxy_header_lines_are_walked_from_the_last() {
         assert_eq!(top[0].key, format!("{name}:2001:db8::7"), "{top:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn h2_a_burst_of_streams_in_wait_mode_is_each_admitted_or_shed_once() {
+    use flowgate::http::Class;
+    let bulkhead = Bulkhead::builder(2)
+        .critical_reserve(1)
+        .max_waiting(3)
+        .wait_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .classify(|req| match req.uri.query() {
+            Some("c") => Class::Critical,
+            Some("s") => Class::Sheddable,
+            _ => Class::Normal,
+        })
+        .wait(true)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/work",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                "done"
+            }),
+        )
+        .layer(layer.clone());
+    let server = Server::start(app).await;
+    let conn = connect(server.addr).await;
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let mut c = conn.clone();
+        let q = ["c", "n", "s"][i % 3];
+        let req = request(server.addr, Method::GET, &format!("/work?{q}"));
+        tasks.push(tokio::spawn(async move {
+            c.ready().await.unwrap();
+            let res = c.send_request(req).await.unwrap();
+            let s = res.status();
+            res.into_body().collect().await.unwrap();
+            s
+        }));
+    }
+    let (mut ok, mut shed) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::SERVICE_UNAVAILABLE => shed += 1,
+            s => panic!("{s}"),
+        }
+    }
+    let stats = layer.stats();
+    assert_eq!((stats.admitted(), stats.shed()), (ok, shed));
+    assert_eq!(ok + shed, 60);
+    eventually("all back", Duration::from_secs(5), || {
+        bulkhead.in_flight() == 0 && bulkhead.waiting() == 0
+    })
+    .await;
+}

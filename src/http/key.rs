@@ -229,6 +229,9 @@ fn warn_no_peer(source: &'static str) {
 /// inner spaces. A header sent on several field lines is keyed by its first line: the
 /// value the app reads (`HeaderMap::get`, the typed-header extractors), so a client
 /// cannot shed its key (and, under [`MissingKey::Skip`], its limit) by sending it twice.
+/// Over HTTP/2 a request has no `Host` field (hyper leaves the authority in the URI), so
+/// `Header::new("host")` finds no key there: key a virtual host with a closure reading
+/// `req.uri.authority()` (then the `Host` field, for HTTP/1).
 ///
 /// The value becomes part of the gate's key (and of the top rejected keys the layer
 /// reports and logs): for a secret such as an API key or a bearer token, key by a digest

@@ -118,10 +118,27 @@ fn run() -> Result<(), Box<dyn Error>> {
             "\nknee: {knee} in flight; recommended max_in_flight: {recommended} ({:.0} % of the knee)",
             report.recommend_fraction * 100.0
         ),
-        _ => println!(
-            "\nno knee found up to {} in flight: the target still scales; raise max_concurrency",
-            report.steps.last().map_or(0, |s| s.concurrency)
-        ),
+        _ => {
+            let top = report.steps.last();
+            let up_to = top.map_or(0, |s| s.concurrency);
+            // Flat: half the calls in flight already brought (nearly) the same throughput
+            // as the top step. No step saturated all the same: a queue that only grows
+            // saturates at 10x the lowest p50, about 10x the knee in flight.
+            let flat = top.is_some_and(|top| {
+                report.steps.iter().any(|s| {
+                    s.concurrency * 2 <= top.concurrency && s.throughput >= top.throughput * 0.97
+                })
+            });
+            if flat {
+                println!(
+                    "\nno knee found up to {up_to} in flight: the throughput is flat, but no step saturated yet (p50 below 10x the lowest); raise max_concurrency (to about 10x where the throughput flattens) or lower max_latency_growth"
+                )
+            } else {
+                println!(
+                    "\nno knee found up to {up_to} in flight: the target still scales; raise max_concurrency"
+                )
+            }
+        }
     }
     if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;

@@ -696,3 +696,29 @@ async fn a_flat_plateau_refines_the_knee_not_the_plateau() {
     );
     assert_eq!(report.knee, Some(10), "{report:?}");
 }
+
+/// A queue that only grows (200 servers, as a server of 200 threads) saturates only where
+/// the p50 reaches `max_latency_growth` (10×) the lowest: at about 10× the knee in flight.
+/// Ramped to the default 1,024 its throughput is flat from 256 on and yet no knee is found
+/// (the docs say so and say what to change); ramped to 2,048 the knee is found.
+#[tokio::test(start_paused = true)]
+async fn a_flat_plateau_needs_ten_times_the_knee_to_saturate() {
+    let servers = || Servers {
+        free: tokio::sync::Semaphore::new(200),
+        service: Duration::from_millis(10),
+    };
+    let report = find_knee(&servers(), &quick().refine_rounds(0).build().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(report.knee, None, "{report:?}");
+    let top = report.steps.last().unwrap();
+    assert_eq!(top.concurrency, 1_024);
+    let half = report.steps.iter().find(|s| s.concurrency == 512).unwrap();
+    assert!(top.throughput <= half.throughput * 1.03, "flat: {report:?}");
+
+    let config = quick().max_concurrency(2_048).build().unwrap();
+    let report = find_knee(&servers(), &config).await.unwrap();
+    // The lowest concurrency with 97 % of the best throughput: 194.
+    let knee = report.knee.expect("saturated at 2,048");
+    assert!((190..=200).contains(&knee), "{report:?}");
+}

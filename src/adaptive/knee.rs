@@ -59,8 +59,15 @@
 //! flat (a queue that only grows).
 //!
 //! The knee counts as found only if some measured step above it is saturated: a ramp that
-//! reaches `max_concurrency` while the throughput still grows finds no knee
-//! ([`KneeReport::knee`] is `None`).
+//! reaches `max_concurrency` before a step saturates finds no knee ([`KneeReport::knee`] is
+//! `None`). That is a target whose throughput still grows, and also one whose throughput is
+//! flat but whose latency has not grown enough yet: on a queue that only grows (`N` workers,
+//! the rest wait) nothing is pushed back and the throughput does not fall, so the first
+//! saturated step is the one whose p50 reaches
+//! [`max_latency_growth`](KneeConfigBuilder::max_latency_growth) times the lowest, at about
+//! that many times the knee in flight (10× by default: a server of 200 threads needs a
+//! `max_concurrency` of 2,048, or a lower `max_latency_growth`). When the last steps'
+//! throughput is flat and the knee is `None`, raise one or lower the other.
 //!
 //! The **recommendation** is `⌊knee × `[`recommend_fraction`](KneeConfigBuilder::recommend_fraction)`⌋`
 //! (default 0.65), at least 1: headroom for a slower day, a noisy neighbour, a deploy.

@@ -387,6 +387,18 @@ async fn a_call_slower_than_the_timeout_is_back_pressure() {
     assert_eq!(err, KneeError::NoSuccess { concurrency: 1 });
 }
 
+/// A target whose every call outlasts the timeout (a slow report endpoint, a 60 s batch
+/// call) is neither down nor refusing: the error used to say only "the target is down or
+/// refuses every call", sending the user to look for an outage. It names the timeout and
+/// the setting to raise too.
+#[tokio::test(start_paused = true)]
+async fn no_success_names_the_timeout_a_slow_target_ran_into() {
+    let config = quick().timeout(Duration::from_millis(100)).build().unwrap();
+    let msg = find_knee(&Slow, &config).await.unwrap_err().to_string();
+    assert!(msg.contains("timeout"), "{msg}");
+    assert!(msg.contains("KneeConfigBuilder::timeout"), "{msg}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_target_that_never_waits_still_ends_each_step() {
     let target = Scripted::new(Duration::ZERO, 0, Outcome::Ok);

@@ -270,7 +270,8 @@ impl KneeReport {
 #[non_exhaustive]
 pub enum KneeError {
     /// No call succeeded at the lowest concurrency, and some were pushed back or timed out:
-    /// the target is down or refuses all.
+    /// the target is down, refuses all, or is slower than the
+    /// [`timeout`](KneeConfigBuilder::timeout).
     NoSuccess {
         /// The lowest concurrency measured.
         concurrency: u32,
@@ -304,7 +305,7 @@ impl fmt::Display for KneeError {
         match self {
             KneeError::NoSuccess { concurrency } => write!(
                 f,
-                "no call succeeded at concurrency {concurrency}: the target is down or refuses every call"
+                "no call succeeded at concurrency {concurrency}: every call was pushed back or ran past the timeout; the target is down, refuses every call, or answers slower than the timeout (raise KneeConfigBuilder::timeout, and KneeConfigBuilder::step_duration with it, if its calls take that long)"
             ),
             KneeError::NothingMeasured {
                 concurrency,

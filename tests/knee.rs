@@ -734,3 +734,22 @@ async fn a_flat_plateau_needs_ten_times_the_knee_to_saturate() {
     let knee = report.knee.expect("saturated at 2,048");
     assert!((190..=200).contains(&knee), "{report:?}");
 }
+
+/// A ramp started above the knee (`start(64)` against 10 servers) has nothing below its
+/// first step: that step is already on the plateau, and the knee is somewhere at or below
+/// it. The report used to give the first step as the knee (64, 6.4× the true 10) and
+/// recommend 41 in flight without a word; it is an error that says to start lower.
+#[tokio::test(start_paused = true)]
+async fn a_first_step_already_on_the_plateau_is_not_reported_as_the_knee() {
+    let target = Servers {
+        free: tokio::sync::Semaphore::new(10),
+        service: Duration::from_millis(10),
+    };
+    let config = quick().start(64).refine_rounds(0).build().unwrap();
+    let result = find_knee(&target, &config).await;
+    let err = result.expect_err("the knee is below the first step");
+    assert!(
+        err.to_string().contains("KneeConfigBuilder::start"),
+        "{err}"
+    );
+}

@@ -748,6 +748,7 @@ async fn a_first_step_already_on_the_plateau_is_not_reported_as_the_knee() {
     let config = quick().start(64).refine_rounds(0).build().unwrap();
     let result = find_knee(&target, &config).await;
     let err = result.expect_err("the knee is below the first step");
+    assert_eq!(err, KneeError::PlateauAtStart { concurrency: 64 });
     assert!(
         err.to_string().contains("KneeConfigBuilder::start"),
         "{err}"

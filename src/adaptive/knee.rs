@@ -58,6 +58,11 @@
 //! throughput peaks and falls (a queue that collapses) and on one whose throughput stays
 //! flat (a queue that only grows).
 //!
+//! The lowest step measured reaching the plateau is the knee only at a concurrency of 1:
+//! a ramp started higher ([`start`](KneeConfigBuilder::start), or a list of
+//! [`steps`](KneeConfigBuilder::steps)) whose first step is already on the plateau has the
+//! knee at or below it, and ends with [`KneeError::PlateauAtStart`].
+//!
 //! The knee counts as found only if some measured step above it is saturated: a ramp that
 //! reaches `max_concurrency` before a step saturates finds no knee ([`KneeReport::knee`] is
 //! `None`). That is a target whose throughput still grows, and also one whose throughput is
@@ -298,6 +303,14 @@ pub enum KneeError {
         /// The share of its calls pushed back.
         back_pressure_ratio: f64,
     },
+    /// The lowest concurrency measured, above 1, already reaches the plateau (its
+    /// throughput is within [`plateau`](KneeConfigBuilder::plateau) of the best) and a step
+    /// above it is saturated: the knee is at or below it, and nothing below was measured to
+    /// tell where.
+    PlateauAtStart {
+        /// The lowest concurrency measured.
+        concurrency: u32,
+    },
 }
 
 impl fmt::Display for KneeError {
@@ -337,6 +350,10 @@ impl fmt::Display for KneeError {
                 "the target is saturated at concurrency {concurrency} already ({:.1} % of calls pushed back): the knee is lower; start the ramp lower (KneeConfigBuilder::start) or list lower concurrencies (KneeConfigBuilder::steps)",
                 back_pressure_ratio * 100.0
             ),
+            KneeError::PlateauAtStart { concurrency } => write!(
+                f,
+                "the throughput at concurrency {concurrency}, the lowest measured, is already the plateau's: the knee is at or below it; start the ramp lower (KneeConfigBuilder::start) or list lower concurrencies (KneeConfigBuilder::steps)"
+            ),
         }
     }
 }
@@ -350,7 +367,9 @@ impl std::error::Error for KneeError {}
 ///
 /// [`KneeError::NoSuccess`] when no call succeeds at the lowest concurrency,
 /// [`KneeError::NothingMeasured`] when none of its calls said anything about capacity,
-/// [`KneeError::SaturatedAtStart`] when it is saturated already.
+/// [`KneeError::SaturatedAtStart`] when it is saturated already,
+/// [`KneeError::PlateauAtStart`] when it is above 1 and already on the plateau (the knee
+/// is at or below it).
 ///
 /// # Cancel safety
 ///
@@ -467,8 +486,18 @@ where
     }
 
     let steps = search.sorted();
+    let knee = knee_of(&steps, config);
+    // A knee at the lowest step measured is the knee only at 1: above, it is at or below.
+    if let (Some(k), Some(first)) = (knee, steps.first())
+        && first.concurrency > 1
+        && k <= f64::from(first.concurrency)
+    {
+        return Err(KneeError::PlateauAtStart {
+            concurrency: first.concurrency,
+        });
+    }
     // Rounded first: the recommendation is the fraction of the knee reported.
-    let knee = knee_of(&steps, config).map(|k| k.round() as u32);
+    let knee = knee.map(|k| k.round() as u32);
     let recommended =
         knee.map(|k| ((f64::from(k) * config.recommend_fraction).floor() as u32).max(1));
     Ok(KneeReport {

@@ -217,7 +217,8 @@ pub(super) struct Inner<C> {
 /// script call, which is one per batch, or on a Cluster one per hash slot the batch spans;
 /// and one more per batched caller whose own deadline passed before its batch's answer
 /// reached it, as when the batch timed out at that same deadline),
-/// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`,
+/// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`
+/// (`degraded`: Redis failed and the failure policy decides; `healthy`: a probe answered),
 /// `flowgate_gate_driver_restarts_total`.
 pub struct RedisGate<C> {
     pub(super) inner: Arc<Inner<C>>,

@@ -296,7 +296,9 @@ impl fmt::Debug for Shared {
 /// ```
 ///
 /// With axum, `Router::layer(layer)` sheds every route and `Router::route_layer(layer)` the
-/// matched routes only.
+/// matched routes only: an unknown path's 404 passes by it, but a known path asked with a
+/// method it does not serve (a 405) goes through it, as axum wraps a path's whole method
+/// router. The same holds for [`RateLimitLayer`](crate::http::RateLimitLayer).
 #[derive(Clone, Debug)]
 pub struct ShedLayer {
     shared: Arc<Shared>,

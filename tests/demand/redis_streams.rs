@@ -1346,3 +1346,53 @@ async fn flush_acks_returns_while_a_fetch_that_met_a_lost_group_is_not_polled() 
     // Polled again, the fetch creates the group again.
     until_group_recreated(&server, &mut stream).await;
 }
+
+/// A claim that fails for good (`XAUTOCLAIM` refused: a server older than 6.2, an ACL
+/// without it) is the fetch's error, and reads of new entries go on between claims: the
+/// consumer keeps consuming. (It tried the claim again on every fetch: once `claim_every`
+/// had passed, no new entry was read again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_keeps_failing_lets_reads_of_new_entries_go_on() {
+    let (server, mut con) = with_entries(0).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "default", "-xautoclaim"])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // A claim every 100 ms.
+    let mut stream = Box::pin(prefetch(source(&server, "c").await, levels(5, 0)));
+    let mut errors = 0;
+    let started = tokio::time::Instant::now();
+    for round in 0..8 {
+        // Past `claim_every`: a claim is due before the next read.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        produce(&mut con, 2).await;
+        let mut taken = 0;
+        while taken < 2 {
+            match tokio::time::timeout(Duration::from_secs(2), stream.next()).await {
+                Ok(Some(Ok(e))) => {
+                    e.ack.ack();
+                    taken += 1;
+                }
+                Ok(Some(Err(e))) => {
+                    assert_eq!(e.code(), Some("NOPERM"), "{e}");
+                    errors += 1;
+                    assert!(
+                        errors <= 20,
+                        "round {round}: {errors} failed claims and no new entry read"
+                    );
+                }
+                _ => panic!(
+                    "round {round}: no new entry read in 2 s while claims fail ({errors} errors)"
+                ),
+            }
+        }
+    }
+    assert!(errors >= 1, "the failed claim is the fetch's error");
+    // One failed claim per `claim_every` at most, not one per fetch.
+    let passes = started.elapsed().as_millis() / 100 + 1;
+    assert!(
+        errors as u128 <= passes,
+        "{errors} errors in {passes} claim periods"
+    );
+}

@@ -173,7 +173,9 @@ where
 
     /// How often to look for entries to claim (default 5 s; at least 1 ms). Between two
     /// passes over the pending list there is always at least one read of new entries, so
-    /// claims never starve them.
+    /// claims never starve them. A claim that fails (its error is the fetch's: a Redis
+    /// older than 6.2 has no `XAUTOCLAIM`, an ACL may refuse it) is tried again this long
+    /// after, where the pass stopped, with reads of new entries in between.
     pub fn claim_every(mut self, every: Duration) -> Self {
         self.claim_every = crate::time::capped(every);
         self

@@ -58,7 +58,9 @@ struct Counters {
 ///   waiting up to `block` for them.
 /// - Every `claim_every` it runs `XAUTOCLAIM` and takes over entries idle longer than
 ///   `min_idle` — those of consumers that stopped, and its own that the application dropped
-///   without acknowledging — yielding them as [`Origin::Claimed`]. Entries a live consumer
+///   without acknowledging — yielding them as [`Origin::Claimed`]. (`XAUTOCLAIM` needs Redis
+///   6.2 or later. A claim that fails is that fetch's error; the next is tried
+///   `claim_every` later, and new entries are read meanwhile.) Entries a live consumer
 ///   handed out and the application still holds are kept from going idle (a keep-alive
 ///   script, see [`min_idle`](super::RedisStreamSourceBuilder::min_idle), which also says
 ///   what is not kept alive: the entries of a fetch the stream has not been polled for since
@@ -115,6 +117,8 @@ where
     fetch: Option<BoxFuture<RedisResult<Outcome>>>,
     /// The fetch in progress took queued acks along (its `XACK` goes first in its pipeline).
     fetch_carries_acks: bool,
+    /// The fetch in progress is a claim (`XAUTOCLAIM`).
+    fetch_claims: bool,
     next_claim: Instant,
     claim_cursor: String,
     /// A claim pass ended: the next fetch reads new entries whatever `claim_every` says.
@@ -169,6 +173,7 @@ where
             acks,
             fetch: None,
             fetch_carries_acks: false,
+            fetch_claims: false,
             claim_cursor: "0-0".into(),
             read_due: false,
             counters,
@@ -225,6 +230,7 @@ where
         let carried = Carried::take(&self.acks);
         self.fetch_carries_acks = !carried.ids().is_empty();
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
+        self.fetch_claims = claim;
         let phase = self.phase.clone();
         let cursor = self.claim_cursor.clone();
         let queue = self.acks.clone();
@@ -447,6 +453,12 @@ where
                 return Poll::Pending;
             }
         };
+        if result.is_err() && this.fetch_claims {
+            // A failed claim waits `claim_every`, and new entries are read meanwhile: one
+            // that keeps failing (`XAUTOCLAIM` refused) must not stop the reads.
+            this.read_due = true;
+            this.next_claim = Instant::now() + this.config.claim_every;
+        }
         Poll::Ready(Some(result.and_then(|outcome| match outcome {
             Outcome::Batch(batch) => Ok(this.entries(batch)),
             Outcome::GroupLost { created } => this.group_lost(created).map(|()| Vec::new()),

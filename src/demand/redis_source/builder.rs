@@ -104,7 +104,9 @@ impl<C> RedisStreamSource<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// A builder for consumer `consumer` of group `group` on stream `key`.
+    /// A builder for consumer `consumer` of group `group` on stream `key`. One live source
+    /// per consumer name: a source built under the name of another that still holds entries
+    /// recovers those entries too, and both process them (see [`RedisStreamSource`]).
     pub fn builder(
         conn: C,
         key: impl Into<String>,

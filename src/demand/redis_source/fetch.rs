@@ -106,6 +106,20 @@ struct Counters {
 ///
 /// Ids of claimed entries are older than the new ones already seen: track them apart (or
 /// ack them directly) rather than in the same [`CommitTracker`](crate::demand::CommitTracker).
+///
+/// # One live source per consumer name
+///
+/// Redis knows a consumer by its name alone, and a source knows only the entries it handed
+/// out itself. At start a source recovers every entry pending for its name: those of a run
+/// that crashed, but also those another live source of the same name still works on — in
+/// this process (the consumer loop built again after an error while its workers still
+/// hold entries of the old source) or in another (a new instance started under the name of
+/// one still finishing its work). Both then process those entries at once, with no
+/// `min_idle` in between. Give each live source a name of its own, and build a source under
+/// a name again only once every entry of the one before is acknowledged or dropped (or use
+/// a new name: what stays pending under the old one is claimed once idle longer than
+/// `min_idle`). A fetch error needs no new source: `prefetch` yields it and the next fetch
+/// tries again (after a server restart too, over a `ConnectionManager`).
 pub struct RedisStreamSource<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,

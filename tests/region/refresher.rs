@@ -208,36 +208,54 @@ async fn refresh_failures_are_logged_by_their_count_in_a_row_and_the_recovery_on
         .lease(Duration::from_secs(3600))
         .refresh_every(Duration::from_secs(600))
         .local_timeout(Duration::from_millis(100))
+        // Generous: on a loaded host a slow home call would be one more failure in a row.
+        .home_timeout(Duration::from_secs(2))
         .build()
         .unwrap();
     alloc.init_home().await.unwrap();
     let region = alloc.join("eu", local.connect().await).await.unwrap();
-    region.refresh_now().await;
     let warnings = || logs.containing("lease refresh failed");
     let recoveries = || logs.containing("lease refresh works again");
-    assert!(warnings().is_empty(), "{:?}", logs.events());
+    let counts = |w: Vec<crate::support::Logged>| {
+        w.iter()
+            .map(|e| e.field("failures").unwrap_or("?").to_owned())
+            .collect::<Vec<_>>()
+    };
+    // Refreshed until one works (on a loaded host a refresh may fail by itself).
+    let refreshed = || async {
+        for _ in 0..20 {
+            let before = region.status().refreshes;
+            region.refresh_now().await;
+            if region.status().refreshes > before {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("no refresh worked: {:?}", logs.events());
+    };
+    refreshed().await;
+    let (warned, recovered) = (warnings().len(), recoveries().len());
 
     local.pause();
     for _ in 0..5 {
         region.refresh_now().await;
     }
     local.resume();
-    let counts = |w: Vec<crate::support::Logged>| {
-        w.iter()
-            .map(|e| e.field("failures").unwrap_or("?").to_owned())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(counts(warnings()), ["1", "2", "4"]);
-    assert!(recoveries().is_empty());
-    region.refresh_now().await;
-    let back = recoveries();
+    let outage = counts(warnings()).split_off(warned);
+    assert_eq!(outage, ["1", "2", "4"], "{:?}", logs.events());
+    assert_eq!(recoveries().len(), recovered);
+    refreshed().await;
+    let back = recoveries().split_off(recovered);
     assert_eq!(back.len(), 1, "{:?}", logs.events());
     assert_eq!(back[0].level, tracing::Level::INFO);
-    assert_eq!(back[0].field("failed"), Some("5"));
+    // The five of the outage (and any refresh after it that failed by itself).
+    let failed: u32 = back[0].field("failed").unwrap().parse().unwrap();
+    assert!(failed >= 5, "{failed}");
 
     // A second outage counts from one again.
+    let warned = warnings().len();
     local.pause();
     region.refresh_now().await;
     local.resume();
-    assert_eq!(counts(warnings()), ["1", "2", "4", "1"]);
+    assert_eq!(counts(warnings()).split_off(warned), ["1"]);
 }

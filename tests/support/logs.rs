@@ -92,3 +92,37 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
         self.0.lock().unwrap().push(logged);
     }
 }
+
+/// What [`Logs::global`] keeps: events of `flowgate::region::member` at info or above.
+struct RegionLogs(Logs);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for RegionLogs {
+    fn enabled(&self, meta: &tracing::Metadata<'_>, _: Context<'_, S>) -> bool {
+        meta.target() == "flowgate::region::member" && *meta.level() <= Level::INFO
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, cx: Context<'_, S>) {
+        self.0.on_event(event, cx);
+    }
+}
+
+impl Logs {
+    /// The region refresher's events at info or above, of every thread, captured by a
+    /// subscriber installed for the whole test process on first use. A thread's own
+    /// subscriber ([`capture`](Logs::capture)) missed events in test binaries whose tests
+    /// share threads under `cargo test`: filter these by a field of your own (the
+    /// allocator's name).
+    pub fn global() -> Logs {
+        static GLOBAL: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        GLOBAL
+            .get_or_init(|| {
+                let logs = Logs::default();
+                tracing::subscriber::set_global_default(
+                    tracing_subscriber::registry().with(RegionLogs(logs.clone())),
+                )
+                .expect("no other global subscriber in this test binary");
+                logs
+            })
+            .clone()
+    }
+}

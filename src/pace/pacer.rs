@@ -607,10 +607,14 @@ impl Inner {
     ) -> Result<Admit, CostError> {
         // A waiter's turn, before the check takes the cost: its due time if it passes now
         // without having slept for it (it came to the head with its turn already past).
-        let turn = ticket.id.and_then(|_| self.turn_of_head(st));
+        // Only a waiter that holds no due time yet needs it.
+        let turn = ticket
+            .id
+            .filter(|_| ticket.due.is_none())
+            .and_then(|_| self.turn_of_head(st));
         let decision = st.bucket.check(&mut st.gcra, self.elapsed(now), cost)?;
         if decision.allowed {
-            if ticket.due.is_none() {
+            if turn.is_some() {
                 ticket.due = turn;
             }
             if let Some(key) = ticket.id.take() {

@@ -531,6 +531,13 @@ async fn credit_used_up_by_the_last_items_of_an_ended_source_ends_the_stream() {
     demand.request(5).unwrap();
     assert_eq!(stream.collect::<Vec<_>>().await, [1, 2]);
     assert_eq!(demand.outstanding(), 3);
+
+    // Unwrapped while it holds one, the item is given back with the stream.
+    let (mut stream, _demand) = Wrong(0).with_demand(0);
+    assert!(poll!(stream.next()).is_pending(), "no credit");
+    let (rest, held) = stream.into_parts();
+    assert_eq!(held, Some(1), "the held item comes back");
+    assert_eq!(rest.0, 1);
 }
 
 #[tokio::test]
@@ -747,6 +754,15 @@ async fn a_source_that_ends_with_high_items_in_flight_ends_the_stream() {
     assert_eq!(futures::Stream::size_hint(&stream), (1, Some(1)));
     drop(ticket);
     assert_eq!(stream.next().await.map(|(i, _)| i), Some(2));
+
+    // Unwrapped while it holds one, the item is given back with the stream.
+    let mut stream = Wrong(0).watermarks(levels(1, 0));
+    let (_, ticket) = stream.next().await.unwrap();
+    assert!(poll!(stream.next()).is_pending(), "paused at high");
+    drop(ticket);
+    let (rest, held) = stream.into_parts();
+    assert_eq!(held, Some(2), "the held item comes back");
+    assert_eq!(rest.0, 2);
 }
 
 /// A channel closed for sends (every sender dropped, or `Sender::close`) knows the most

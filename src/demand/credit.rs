@@ -241,8 +241,17 @@ impl<S: Stream> Demanded<S> {
 
     /// The inner stream. An item it yielded without credit although its `size_hint` said
     /// none was left (see [`Demanded`]), held for credit, is dropped.
+    /// [`into_parts`](Demanded::into_parts) gives it back.
     pub fn into_inner(self) -> S {
         self.stream
+    }
+
+    /// The inner stream and the item the wrapper holds for it, if any: one the upstream
+    /// yielded although its `size_hint` said none was left (see [`Demanded`]), held for credit, which
+    /// comes before the stream's next.
+    pub fn into_parts(self) -> (S, Option<S::Item>) {
+        let mut early = self.early;
+        (self.stream, early.take())
     }
 }
 

@@ -386,8 +386,17 @@ impl<S: Stream> Watermarks<S> {
 
     /// The inner stream. An item it yielded while the wrapper was paused although its
     /// `size_hint` said none was left (see [`Watermarks`]), held for room, is dropped.
+    /// [`into_parts`](Watermarks::into_parts) gives it back.
     pub fn into_inner(self) -> S {
         self.stream
+    }
+
+    /// The inner stream and the item the wrapper holds for it, if any: one the upstream
+    /// yielded although its `size_hint` said none was left (see [`Watermarks`]), held for room, which
+    /// comes before the stream's next.
+    pub fn into_parts(self) -> (S, Option<S::Item>) {
+        let mut early = self.early;
+        (self.stream, early.take())
     }
 }
 

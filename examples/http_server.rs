@@ -47,8 +47,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
         .init();
+    // A bad `PORT` or a port already taken: say which and what to do, then stop.
     let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port.parse()?,
+        Ok(port) => port.trim().parse().unwrap_or_else(|_| {
+            eprintln!(
+                "PORT={port:?} is not a port number: give one from 0 to 65535 (0: any free port)"
+            );
+            std::process::exit(2);
+        }),
         Err(_) => 3000,
     };
 
@@ -111,7 +117,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/stats", get(stats));
 
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .unwrap_or_else(|e| {
+            eprintln!("cannot listen on {addr}: {e}");
+            eprintln!("set PORT to another port (PORT=0: any free port)");
+            std::process::exit(1);
+        });
     let base = format!("http://{}", listener.local_addr()?);
     println!("flowgate http_server on {base} (decisions by {backend}); Ctrl-C stops it\n");
     println!("try:");
@@ -188,6 +200,7 @@ async fn redis_gate(
         .unwrap_or_else(|e| no_redis(url, &e));
     let gate = RedisGate::builder(conn, limit)
         .prefix("flowgate-example:")
+        .name("example")
         .timeout(Duration::from_millis(50))
         .failure_policy(FailurePolicy::Fallback(fallback))
         .build()

@@ -161,9 +161,18 @@ fn id_of(offset: Option<u64>) -> String {
 
 async fn redis_streams(url: &str) -> Result<(), Error> {
     const ENTRIES: u64 = 1_000;
-    let mut con = redis::Client::open(url)?
-        .get_multiplexed_async_connection()
-        .await?;
+    let connected = match redis::Client::open(url) {
+        Ok(client) => client.get_multiplexed_async_connection().await,
+        Err(e) => Err(e),
+    };
+    let mut con = connected.unwrap_or_else(|e| {
+        eprintln!("cannot connect to Redis at REDIS_URL={url}: {e}");
+        eprintln!(
+            "start one: `redis-server --save \"\" --appendonly no &`, or unset REDIS_URL to \
+             run on the in-memory source"
+        );
+        std::process::exit(1);
+    });
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
     let key = format!(
         "flowgate:consumer_loop:{}:{}",

@@ -41,11 +41,11 @@ fn epoch_us() -> u64 {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let client = redis::Client::open(url.as_str())?;
-    let con = match client.get_multiplexed_async_connection().await {
-        Ok(con) => con,
-        Err(e) => no_redis(&url, &e),
+    let connected = match redis::Client::open(url.as_str()) {
+        Ok(client) => client.get_multiplexed_async_connection().await,
+        Err(e) => Err(e),
     };
+    let con = connected.unwrap_or_else(|e| no_redis(&url, &e));
     if let [mode, prefix, start_ms] = args.as_slice()
         && mode == "worker"
     {

@@ -69,9 +69,27 @@ fn args() -> Result<Args, BoxError> {
     while let Some(arg) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
         match arg.as_str() {
-            "--secs" => args.secs = value()?.parse()?,
-            "--clients" => args.clients = value()?.parse()?,
-            "--url" => args.url = Some(value()?),
+            "--secs" | "--clients" => {
+                let v = value()?;
+                let n = v
+                    .parse()
+                    .map_err(|_| format!("{arg} {v:?}: give a whole number, at least 1"))?;
+                if arg == "--secs" {
+                    args.secs = n;
+                } else {
+                    args.clients = n as usize;
+                }
+            }
+            "--url" => {
+                let v = value()?;
+                // The clients speak plain HTTP (hyper-util's `build_http`): refuse the rest now,
+                // not once per attempt during the run.
+                match v.parse::<http::Uri>() {
+                    Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {}
+                    _ => return Err(format!("--url {v:?}: give an http:// URL").into()),
+                }
+                args.url = Some(v);
+            }
             "-h" | "--help" => {
                 println!("polite_client [--secs N] [--clients N] [--url http://host:port/path]");
                 std::process::exit(0);
@@ -92,7 +110,7 @@ struct Second {
     ok: u64,
     /// Attempts answered 429.
     refused: u64,
-    /// Attempts answered otherwise, or failed.
+    /// Attempts answered otherwise, or failed (no answer at all).
     other: u64,
     /// Retries of the jobs that finished this second.
     retries: u64,
@@ -105,6 +123,8 @@ struct Tally {
     start: Instant,
     seconds: Mutex<Vec<Second>>,
     job_times: Mutex<Vec<Duration>>,
+    /// The first attempt that failed or was answered other than 2xx / 429, as text.
+    first_other: Mutex<Option<String>>,
 }
 
 impl Tally {
@@ -113,6 +133,7 @@ impl Tally {
             start: Instant::now(),
             seconds: Mutex::new(vec![Second::default(); secs as usize]),
             job_times: Mutex::new(Vec::new()),
+            first_other: Mutex::new(None),
         }
     }
 
@@ -123,12 +144,33 @@ impl Tally {
         }
     }
 
-    fn attempt(&self, status: Option<StatusCode>) {
-        self.with_second(|s| match status {
-            Some(st) if st.is_success() => s.ok += 1,
-            Some(StatusCode::TOO_MANY_REQUESTS) => s.refused += 1,
-            _ => s.other += 1,
+    fn attempt<E: std::error::Error>(&self, result: &Result<Response<Incoming>, E>) {
+        let other = match result {
+            Ok(res)
+                if res.status().is_success() || res.status() == StatusCode::TOO_MANY_REQUESTS =>
+            {
+                None
+            }
+            Ok(res) => Some(format!("answered {}", res.status())),
+            Err(e) => {
+                // The cause is at the end of the chain ("client error (Connect)" says little).
+                let mut why = e.to_string();
+                let mut source = e.source();
+                while let Some(cause) = source {
+                    why = format!("{why}: {cause}");
+                    source = cause.source();
+                }
+                Some(why)
+            }
+        };
+        self.with_second(|s| match (result, &other) {
+            (Ok(res), None) if res.status().is_success() => s.ok += 1,
+            (_, None) => s.refused += 1,
+            (_, Some(_)) => s.other += 1,
         });
+        if let Some(why) = other {
+            self.first_other.lock().unwrap().get_or_insert(why);
+        }
     }
 
     fn job(&self, attempts: u32, took: Duration) {
@@ -216,7 +258,7 @@ async fn client(
             let (hyper, tally) = (hyper.clone(), tally.clone());
             async move {
                 let res = hyper.request(req).await;
-                tally.attempt(res.as_ref().ok().map(|r| r.status()));
+                tally.attempt(&res);
                 res
             }
         })
@@ -252,6 +294,9 @@ async fn client(
 struct Summary {
     ok_per_sec: f64,
     refused_per_sec: f64,
+    /// Attempts that failed or were answered other than 2xx / 429, and the first of them.
+    other: u64,
+    first_other: Option<String>,
     refused_ratio: f64,
     retries_per_sec: f64,
     p99: Duration,
@@ -264,7 +309,7 @@ async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxE
         args.clients,
         args.secs
     );
-    println!("  second    2xx/s    429/s  retries/s");
+    println!("  second    2xx/s    429/s  other/s  retries/s");
     let tally = Arc::new(Tally::new(args.secs));
     let end = tally.start + Duration::from_secs(args.secs);
     let tasks: Vec<_> = (0..args.clients)
@@ -275,10 +320,11 @@ async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxE
         tokio::time::sleep_until(tally.start + Duration::from_secs(second + 1)).await;
         let s = tally.seconds.lock().unwrap()[second as usize];
         println!(
-            "  {:>6} {:>8} {:>8} {:>10}",
+            "  {:>6} {:>8} {:>8} {:>8} {:>10}",
             second + 1,
             s.ok,
             s.refused,
+            s.other,
             s.retries
         );
     }
@@ -298,6 +344,8 @@ async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxE
     Ok(Summary {
         ok_per_sec: sum(|s| s.ok) / secs,
         refused_per_sec: sum(|s| s.refused) / secs,
+        other: sum(|s| s.other) as u64,
+        first_other: tally.first_other.lock().unwrap().clone(),
         refused_ratio: sum(|s| s.refused) / attempts.max(1.0),
         retries_per_sec: sum(|s| s.retries) / secs,
         p99,
@@ -326,7 +374,17 @@ async fn serve() -> Result<String, BoxError> {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), BoxError> {
+async fn main() -> std::process::ExitCode {
+    match run_all().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+async fn run_all() -> Result<(), BoxError> {
     let args = args()?;
     let url = match &args.url {
         Some(url) => url.clone(),
@@ -357,6 +415,18 @@ async fn main() -> Result<(), BoxError> {
             s.retries_per_sec,
             format!("{:.0?}", s.p99)
         );
+    }
+    for (strategy, s) in [(Strategy::Naive, &naive), (Strategy::Flowgate, &adaptive)] {
+        if let Some(first) = &s.first_other {
+            println!(
+                "  {}: {} attempts failed or were answered other than 2xx / 429 (the first: {first})",
+                strategy.label(),
+                s.other
+            );
+        }
+    }
+    if naive.ok_per_sec == 0.0 && adaptive.ok_per_sec == 0.0 {
+        return Err(format!("no request to {url} succeeded: is the server running?").into());
     }
     if adaptive.refused_per_sec > 0.0 {
         println!(

@@ -53,7 +53,12 @@ fn args() -> Result<Args, Box<dyn Error>> {
         let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
         match arg.as_str() {
             "--url" => args.url = Some(value()?),
-            "--knee" => args.knee = value()?.parse()?,
+            "--knee" => {
+                let v = value()?;
+                args.knee = v
+                    .parse()
+                    .map_err(|_| format!("--knee {v:?}: give a whole number of calls in flight"))?;
+            }
             "--out" => args.out = PathBuf::from(value()?),
             "-h" | "--help" => {
                 println!("usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--out FILE.svg]");

@@ -128,15 +128,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("pace: {n} items at 100/s took {:?}", start.elapsed());
 
     // 9. A keyed gate (the embedded default; RedisGate holds the same limit fleet-wide).
+    //    `gated_drop` drops what the gate rejects, and counts it.
     let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(5)?));
-    let passed = futures::stream::iter(0..12)
-        .gated_drop(
-            gate,
-            |i: &u32| if i.is_multiple_of(2) { "even" } else { "odd" },
-        )
-        .count()
-        .await;
-    println!("gate: 12 requests over 2 keys of 5/s each, {passed} passed at once");
+    let mut gated = futures::stream::iter(0..12).gated_drop(gate, |i: &u32| {
+        if i.is_multiple_of(2) { "even" } else { "odd" }
+    });
+    let passed = gated.by_ref().count().await;
+    println!(
+        "gate: 12 requests over 2 keys of 5/s each, {passed} passed at once, {} dropped",
+        gated.dropped()
+    );
     Ok(())
 }
 

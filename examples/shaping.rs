@@ -10,8 +10,9 @@
 //! of identical rows are folded into one `⋮` line. After a silence the pacer lets its small
 //! burst (2 items at 200/s) go at once, never more: idle time is not saved up.
 //!
-//! Time is paused and auto-advanced by tokio, so the 17 s of virtual time take a few
-//! milliseconds and the output is the same on every run:
+//! Time is paused and auto-advanced by tokio, so the 17 s of virtual time take a fraction of
+//! a second (some 100 ms in the debug build `cargo run` makes) and the output is the same on
+//! every run:
 //!
 //! ```text
 //! cargo run --example shaping

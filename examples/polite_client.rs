@@ -24,8 +24,10 @@
 //!   at 1 000/s, which pauses on `Retry-After`, cuts on `429` and follows the server's
 //!   `RateLimit` fields.
 //!
-//! Every second it prints what the server answered (2xx/s, 429/s) and the retries of the
-//! jobs finished that second, then a table of both runs side by side.
+//! Every second it prints what the server answered (2xx/s, 429/s, and other/s: any other
+//! status, or no answer) and the retries of the jobs finished that second, then a table of
+//! both runs side by side, and the first failure of a run that had any. It exits with an
+//! error when no request succeeded (no server at `--url`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

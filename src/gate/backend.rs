@@ -301,12 +301,16 @@ where
         drop(health);
         if was_healthy {
             self.metrics.to_degraded.increment(1);
+            // A dropped idle connection is probed at once: not "probing in 0ns".
+            let first = match until_probe.is_zero() {
+                true => "at once".to_owned(),
+                false => format!("in {until_probe:?}"),
+            };
             tracing::warn!(
                 gate = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
                 policy = self.policy,
                 %error,
-                "redis failed: deciding by the failure policy, probing in {until_probe:?}, \
-                 then every {:?}",
+                "redis failed: deciding by the failure policy, probing {first}, then every {:?}",
                 self.probe_interval
             );
         }

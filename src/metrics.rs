@@ -16,6 +16,17 @@
 //! unwinding records its change): there it is caught and dropped, since a second panic in a
 //! destructor would abort the process.
 //!
+//! # Install the recorder first
+//!
+//! A primitive registers its metrics with the recorder in place when it is built (the
+//! global one, or the one of a [`metrics::with_local_recorder`](https://docs.rs/metrics/0.24/metrics/fn.with_local_recorder.html)
+//! around the build) and records into those handles for its whole life. One built before
+//! any recorder was installed records nothing, ever, not even after a recorder is
+//! installed: its series never appear. Install the exporter at the start of `main`, before
+//! building the channels, bulkheads, pacers, gates and layers it should see (a primitive
+//! in a `static` or `LazyLock` is built when first used: after the install, if the install
+//! comes first).
+//!
 //! # Unnamed primitives
 //!
 //! Primitives not given a name share the label `name="default"`. Their counters and

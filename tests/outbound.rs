@@ -852,3 +852,41 @@ async fn a_remaining_is_tracked_against_its_own_policy() {
     assert!(s.rate_per_second > 1.1, "{sent} sent in 20 s: {s:?}");
     assert!(sent >= 20, "{sent} sent in 20 s");
 }
+
+/// What an operator reads from an `AdaptivePacer`'s metrics agrees with its status: the
+/// pauses and cuts counted as [`AdaptivePacer::status`] counts them (a `Retry-After` within
+/// the same congestion epoch pauses again without cutting again), the rate gauge at the
+/// rate, and the gauge back at 0 once the pacer and its clones are dropped. (Coverage.)
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn the_adaptive_pacer_metrics_agree_with_its_status_and_end_at_zero() {
+    let recorder = recorder::TestRecorder::default();
+    let a = metrics::with_local_recorder(&recorder, || {
+        AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .name("status")
+            .build()
+            .unwrap()
+    });
+    let clone = a.clone();
+    for _ in 0..10 {
+        clone.until_ready(1).await.unwrap();
+        clone.on_success();
+    }
+    a.on_back_pressure(Some(SECOND));
+    a.on_back_pressure(Some(2 * SECOND)); // the same epoch: a pause, no cut
+    advance(3 * SECOND).await;
+    a.on_back_pressure(None); // a new epoch: a cut, no pause
+    for _ in 0..10 {
+        clone.until_ready(1).await.unwrap();
+        clone.on_success();
+        advance(Duration::from_millis(100)).await;
+    }
+    let id = |m: &str| format!("flowgate_pace_adaptive_{m}{{name=status}}");
+    let status = a.status();
+    assert_eq!((status.pauses, status.cuts), (2, 2));
+    assert_eq!(recorder.counter(&id("pauses_total")), status.pauses);
+    assert_eq!(recorder.counter(&id("cuts_total")), status.cuts);
+    assert_eq!(recorder.gauge(&id("rate")), Some(status.rate_per_second));
+    drop((a, clone));
+    assert_eq!(recorder.gauge(&id("rate")), Some(0.0));
+}

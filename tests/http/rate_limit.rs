@@ -1925,3 +1925,91 @@ async fn an_extractor_deciding_another_request_on_the_same_thread_is_decided_too
     assert_eq!((inner.admitted, inner.rejected), (1, 2));
     assert_eq!((outer.admitted, outer.rejected), (2, 1));
 }
+
+/// What an operator reads from `flowgate_http_decisions_total{outcome}` agrees with
+/// [`RateLimitLayer::stats`] (read through a clone: clones share the counts), for every
+/// outcome a `MemoryGate` can give, in the real and the shadow mode: each request counted
+/// once, but a shadow request with no key for a `Refuse` policy, which counts `missing_key`
+/// and then as the other policies decide it. (Coverage: the metric had no test.)
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn the_decisions_metric_agrees_with_stats() {
+    for shadow in [false, true] {
+        let recorder = crate::support::TestRecorder::default();
+        let name = if shadow { "shadow" } else { "real" };
+        let layer = metrics::with_local_recorder(&recorder, || {
+            RateLimitLayer::builder(gate())
+                .policy(
+                    per_client(quota(2, Duration::from_secs(30))).missing_key(MissingKey::Refuse),
+                )
+                .policy(Policy::new(
+                    "per-user",
+                    quota(5, Duration::from_secs(30)),
+                    by_user,
+                ))
+                .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/big" { 3 } else { 1 })
+                .shadow(shadow)
+                .name(name)
+                .build()
+                .unwrap()
+        });
+        let stats_of = layer.clone();
+        let mut svc = layer.layer(tower::service_fn(ok_full));
+        let requests = [
+            ("/", Some("a"), None),      // admitted
+            ("/", Some("a"), None),      // admitted
+            ("/", Some("a"), None),      // rejected (shadow: shadow_rejected)
+            ("/", None, None),           // missing_key (shadow: and admitted)
+            ("/", None, Some("u")),      // missing_key (shadow: and admitted on per-user)
+            ("/big", Some("b"), None),   // bad_request: above the burst of 2
+            ("/", Some("c"), Some("u")), // admitted on both
+        ];
+        for (path, client, user) in requests {
+            let mut req = Request::builder().uri(path);
+            if let Some(c) = client {
+                req = req.header("x-client", c);
+            }
+            if let Some(u) = user {
+                req = req.header("x-user", u);
+            }
+            let req = req.body(()).unwrap();
+            svc.ready().await.unwrap().call(req).await.unwrap();
+        }
+        let stats = stats_of.stats();
+        let metric = |o: &str| {
+            recorder.counter(&format!(
+                "flowgate_http_decisions_total{{name={name},outcome={o}}}"
+            ))
+        };
+        let expected = if shadow {
+            // admitted, rejected, shadow_rejected, missing_key, bad_request
+            (5, 0, 1, 2, 1)
+        } else {
+            (3, 1, 0, 2, 1)
+        };
+        assert_eq!(
+            (
+                stats.admitted,
+                stats.rejected,
+                stats.shadow_rejected,
+                stats.missing_key,
+                stats.bad_request
+            ),
+            expected,
+            "{name}: {stats:?}"
+        );
+        let pairs = [
+            ("admitted", stats.admitted),
+            ("rejected", stats.rejected),
+            ("shadow_rejected", stats.shadow_rejected),
+            ("gate_error", stats.gate_error),
+            ("fail_open", stats.fail_open),
+            ("fail_closed", stats.fail_closed),
+            ("missing_key", stats.missing_key),
+            ("bad_request", stats.bad_request),
+        ];
+        for (outcome, counted) in pairs {
+            assert_eq!(metric(outcome), counted, "{name}: {outcome}");
+        }
+    }
+}

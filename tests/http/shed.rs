@@ -516,3 +516,42 @@ async fn shed_requests_are_counted_by_class() {
     let stats = layer.stats();
     assert_eq!((stats.critical.admitted, stats.shed()), (1, 3));
 }
+
+/// A request that ends before it got a permit or a `503` (its client went away while it
+/// waited in the bulkhead's waiting room, or before its future was polled) is counted as
+/// `cancelled` in its class: `admitted + shed + cancelled` is every request the layer was
+/// called with. It was counted nowhere, so an operator comparing the layer's counts with
+/// the requests served could not tell the requests given up from lost ones. A request
+/// admitted and then dropped is not cancelled: it counts as admitted.
+#[tokio::test(start_paused = true)]
+async fn requests_given_up_before_a_permit_are_counted_cancelled() {
+    let bulkhead = Bulkhead::builder(2)
+        .critical_reserve(1)
+        .wait_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let layer = layer(&bulkhead).wait(true).build().unwrap();
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| {
+        std::future::pending::<Result<Response<Full<Bytes>>, Infallible>>()
+    }));
+    let req = |path: &str| Request::get(path).body(Empty::new()).unwrap();
+    // Admitted, then dropped while the inner service runs: admitted, not cancelled.
+    let mut admitted = Box::pin(svc.ready().await.unwrap().call(req("/fast")));
+    assert!(futures::poll!(admitted.as_mut()).is_pending());
+    drop(admitted);
+    let _held = bulkhead.try_acquire_owned().unwrap(); // the normal share is taken
+    // Waits in the room, then given up.
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/fast")));
+    assert!(futures::poll!(waiting.as_mut()).is_pending());
+    assert_eq!(bulkhead.waiting(), 1);
+    drop(waiting);
+    // Never polled.
+    drop(svc.ready().await.unwrap().call(req("/fast")));
+    drop(svc.ready().await.unwrap().call(req("/report")));
+    let stats = layer.stats();
+    let counts = |c: flowgate::http::ClassStats| (c.admitted, c.shed, c.cancelled);
+    assert_eq!(counts(stats.normal), (1, 0, 2), "{stats:?}");
+    assert_eq!(counts(stats.sheddable), (0, 0, 1), "{stats:?}");
+    assert_eq!(counts(stats.critical), (0, 0, 0), "{stats:?}");
+    assert_eq!(stats.cancelled(), 3);
+}

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode};
-use pin_project::pin_project;
+use pin_project::{pin_project, pinned_drop};
 use tower::{Layer, Service};
 
 use crate::adaptive::Outcome;
@@ -95,6 +95,12 @@ pub struct ClassStats {
     /// closed bulkhead. The bulkhead's `flowgate_bulkhead_rejected_total{reason}` tells the
     /// reasons apart.
     pub shed: u64,
+    /// Requests that ended with neither: their response future was dropped before it got a
+    /// permit or was refused (the client went away while the request waited in the
+    /// waiting room, or before its future was first polled). A request dropped once
+    /// admitted counts as admitted. `admitted + shed + cancelled` is every request the
+    /// layer's services were called with (and whose future has ended).
+    pub cancelled: u64,
 }
 
 /// Counts of a [`ShedLayer`] (and every service it made) since it was built; from
@@ -129,6 +135,11 @@ impl ShedStats {
     pub fn shed(&self) -> u64 {
         self.critical.shed + self.normal.shed + self.sheddable.shed
     }
+
+    /// Requests given up before a permit or a `503`, all classes together.
+    pub fn cancelled(&self) -> u64 {
+        self.critical.cancelled + self.normal.cancelled + self.sheddable.cancelled
+    }
 }
 
 type Classifier = dyn Fn(&RequestInfo<'_>) -> Class + Send + Sync;
@@ -142,8 +153,9 @@ struct Shared {
     /// The problem document of every 503 (built once: shedding stays cheap under load).
     body: Bytes,
     name: Option<String>,
-    /// Per [`Class`]: admitted, then shed (`3 + class`), striped by thread.
-    counts: Striped<6>,
+    /// Per [`Class`]: admitted, then shed (`3 + class`), then cancelled (`6 + class`),
+    /// striped by thread.
+    counts: Striped<9>,
     shed_metric: [Counter; 3],
 }
 
@@ -154,6 +166,11 @@ impl Shared {
 
     fn admitted(&self, class: Class) {
         self.counts.add(class.index(), 1);
+    }
+
+    /// A request of `class` given up before a permit or a `503`.
+    fn cancelled(&self, class: Class) {
+        self.counts.add(6 + class.index(), 1);
     }
 
     /// The `503` for a request of `class` the bulkhead refused.
@@ -172,6 +189,7 @@ impl Shared {
         let of = |c: Class| ClassStats {
             admitted: self.counts.get(c.index()),
             shed: self.counts.get(3 + c.index()),
+            cancelled: self.counts.get(6 + c.index()),
         };
         ShedStats {
             critical: of(Class::Critical),
@@ -232,7 +250,8 @@ impl fmt::Debug for Shared {
 /// (`mem::replace`), and a refused request drops its ready clone without calling it. The
 /// layer and its services are `Clone` and share the bulkhead and the counts. A waiting
 /// request is woken by the bulkhead when a permit frees or its timeout fires; nothing polls
-/// in a loop. Dropping the response future gives up the wait or returns the permit.
+/// in a loop. Dropping the response future gives up the wait (the request counts in
+/// [`ClassStats::cancelled`]) or returns the permit.
 ///
 /// # Metrics
 ///
@@ -537,10 +556,11 @@ where
 ///
 /// # Cancel safety
 ///
-/// Dropping it before the permit is taken gives up its place in the waiting room; after,
-/// the permit is returned and the inner service's future is dropped with it. Once the
+/// Dropping it before the permit is taken gives up its place in the waiting room (and
+/// counts the request in [`ClassStats::cancelled`]); after, the permit is returned and the
+/// inner service's future is dropped with it. Once the
 /// response is out, the permit travels in its body ([`ResponseBody::Held`]).
-#[pin_project]
+#[pin_project(PinnedDrop)]
 #[must_use = "futures do nothing unless polled"]
 pub struct ShedFuture<S, ReqBody>
 where
@@ -599,6 +619,9 @@ where
                 Ok(permit) => {
                     let (mut inner, req) = this.pending.take().expect("pending until acquired");
                     this.shared.admitted(class);
+                    // Counted: out of `Wait`, so that a `call` that panics is not counted
+                    // as cancelled too when this future is dropped.
+                    this.state.set(State::Done);
                     let fut = inner.call(req);
                     this.state.set(State::Call(fut, Some(permit)));
                 }
@@ -609,6 +632,20 @@ where
                     return Poll::Ready(Ok(this.shared.refused(class)));
                 }
             }
+        }
+    }
+}
+
+#[pinned_drop]
+impl<S, ReqBody> PinnedDrop for ShedFuture<S, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    fn drop(self: Pin<&mut Self>) {
+        // Neither admitted nor refused yet: given up. (The acquisition, dropped with the
+        // state after this, leaves the waiting room.)
+        if matches!(self.state, State::Try | State::Wait(_)) {
+            self.shared.cancelled(self.class);
         }
     }
 }

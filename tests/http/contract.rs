@@ -280,14 +280,15 @@ async fn a_shed_service_called_without_poll_ready_panics_without_leaking_a_permi
         }
     }
     let bulkhead = Bulkhead::new(1).unwrap();
-    let mut svc = ShedLayer::builder(bulkhead.clone())
-        .build()
-        .unwrap()
-        .layer(NeedsReady::default());
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let mut svc = layer.layer(NeedsReady::default());
     let fut = svc.call(req("/")); // a contract violation: no poll_ready
     let panicked = AssertUnwindSafe(fut).catch_unwind().await;
     assert!(panicked.is_err());
     assert_eq!(bulkhead.in_flight(), 0);
+    // Admitted before the call panicked: counted once, not also as cancelled.
+    let normal = layer.stats().normal;
+    assert_eq!((normal.admitted, normal.cancelled), (1, 0));
     let res = svc.ready().await.unwrap().call(req("/")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
 }

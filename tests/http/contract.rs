@@ -649,3 +649,53 @@ async fn a_shed_waiter_past_the_timeout_is_a_503_and_leaves_the_room() {
     let stats = layer.stats();
     assert_eq!((stats.admitted(), stats.shed()), (1, 1));
 }
+
+/// A request whose rate-limit future is dropped before the gate answered (the client went
+/// away during a remote gate's round trip, or before the future was polled) is counted as
+/// `cancelled`, in `stats` and in `flowgate_http_decisions_total{outcome="cancelled"}`:
+/// every request the layer's services were called with is counted under one outcome. It
+/// was counted nowhere, so the outcomes fell short of the requests, and an operator could
+/// not tell requests given up from lost ones. A request passed on and then dropped counts
+/// as admitted only.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_request_dropped_before_the_gate_answered_counts_cancelled() {
+    let recorder = crate::support::TestRecorder::default();
+    let gate = Remote(MemoryGate::new(Limit::TokenBucket(
+        Quota::per_second(1).unwrap(),
+    )));
+    let layer = metrics::with_local_recorder(&recorder, || {
+        RateLimitLayer::builder(gate)
+            .policy(Policy::new(
+                "all",
+                Quota::per_second(5).unwrap(),
+                Constant::new("k"),
+            ))
+            .name("cancels")
+            .build()
+            .unwrap()
+    });
+    let answer = Arc::new(Semaphore::new(0));
+    let mut svc = layer.layer(gated(&answer));
+    // Waiting for the gate, then dropped.
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut waiting);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    drop(waiting);
+    // Never polled.
+    drop(svc.ready().await.unwrap().call(req("/")));
+    // Admitted, then dropped while the inner service runs: admitted only.
+    let mut admitted = Box::pin(svc.ready().await.unwrap().call(req("/")));
+    poll_once(&mut admitted);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    poll_once(&mut admitted);
+    drop(admitted);
+    let stats = layer.stats();
+    assert_eq!((stats.admitted, stats.cancelled), (1, 2), "{stats:?}");
+    let metric = |o: &str| {
+        recorder.counter(&format!(
+            "flowgate_http_decisions_total{{name=cancels,outcome={o}}}"
+        ))
+    };
+    assert_eq!((metric("admitted"), metric("cancelled")), (1, 2));
+}

@@ -9,7 +9,7 @@ use std::task::{Context, Poll, ready};
 use bytes::Bytes;
 use http::header::RETRY_AFTER;
 use http::{Request, Response, StatusCode};
-use pin_project::pin_project;
+use pin_project::{pin_project, pinned_drop};
 use tower::Service;
 
 use crate::gate::Gate;
@@ -29,12 +29,13 @@ use crate::sync::Arc;
 /// `400` itself.
 ///
 /// Dropped before the gate answered, the request is not passed on; its cost may already be
-/// charged (as the gate documents for a dropped `check_all`).
+/// charged (as the gate documents for a dropped `check_all`). It is counted as
+/// [`cancelled`](crate::http::RateLimitStats::cancelled).
 ///
 /// # Panics
 ///
 /// When polled again after it completed.
-#[pin_project]
+#[pin_project(PinnedDrop)]
 #[must_use = "futures do nothing unless polled"]
 pub struct RateLimitFuture<S, G, B, K = WrapBody>
 where
@@ -105,6 +106,24 @@ where
         f.debug_struct("RateLimitFuture")
             .field("state", &state)
             .finish_non_exhaustive()
+    }
+}
+
+#[pinned_drop]
+impl<S, G, B, K> PinnedDrop for RateLimitFuture<S, G, B, K>
+where
+    S: Service<Request<B>>,
+{
+    fn drop(self: Pin<&mut Self>) {
+        // Still holding the request: not decided (a decision either answers, and the state
+        // is `Done`, or passes the request on, taking it out). Counted as given up.
+        let undecided = match &self.state {
+            State::Decide { req, .. } | State::Check { req, .. } => req.is_some(),
+            State::Call { .. } | State::Done => false,
+        };
+        if undecided {
+            self.shared.cancelled();
+        }
     }
 }
 

@@ -149,7 +149,7 @@ type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///
 /// Labelled by `name`: `flowgate_http_decisions_total` by `outcome` (`admitted`,
 /// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `fail_closed`, `missing_key`,
-/// `bad_request`),
+/// `bad_request`, and `cancelled`: dropped before the gate answered),
 /// the same counts as [`stats`](RateLimitLayer::stats). Keys are never labels.
 ///
 /// # Examples
@@ -609,6 +609,12 @@ pub struct RateLimitStats {
     /// a policy's capacity (it could never pass), or a key is not one the gate takes (too
     /// long with the prefix and the policy's name before it). Passed in shadow mode.
     pub bad_request: u64,
+    /// Given up before it was decided: its response future was dropped before the gate
+    /// answered (the client went away during a remote gate's round trip, or before the
+    /// future was first polled). Its cost may be charged all the same (see
+    /// [`RateLimitFuture`](crate::http::RateLimitFuture)). A request dropped once passed
+    /// on counts as decided (`admitted`, say).
+    pub cancelled: u64,
 }
 
 /// The outcome of one request.
@@ -622,10 +628,11 @@ enum Outcome {
     FailClosed,
     MissingKey,
     BadRequest,
+    Cancelled,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 8] = [
+    const ALL: [Outcome; 9] = [
         Outcome::Admitted,
         Outcome::Rejected,
         Outcome::ShadowRejected,
@@ -634,6 +641,7 @@ impl Outcome {
         Outcome::FailClosed,
         Outcome::MissingKey,
         Outcome::BadRequest,
+        Outcome::Cancelled,
     ];
 
     fn as_str(self) -> &'static str {
@@ -646,6 +654,7 @@ impl Outcome {
             Outcome::FailClosed => "fail_closed",
             Outcome::MissingKey => "missing_key",
             Outcome::BadRequest => "bad_request",
+            Outcome::Cancelled => "cancelled",
         }
     }
 }
@@ -916,7 +925,13 @@ impl<G> Shared<G> {
             fail_closed: c(Outcome::FailClosed),
             missing_key: c(Outcome::MissingKey),
             bad_request: c(Outcome::BadRequest),
+            cancelled: c(Outcome::Cancelled),
         }
+    }
+
+    /// A request dropped before it was decided.
+    pub(crate) fn cancelled(&self) {
+        self.count(Outcome::Cancelled);
     }
 
     /// Take the request's keys (into `keys`, which [`Keys::with`] cleared): `Continue` with

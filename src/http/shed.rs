@@ -558,8 +558,8 @@ where
 ///
 /// Dropping it before the permit is taken gives up its place in the waiting room (and
 /// counts the request in [`ClassStats::cancelled`]); after, the permit is returned and the
-/// inner service's future is dropped with it. Once the
-/// response is out, the permit travels in its body ([`ResponseBody::Held`]).
+/// inner service's future is dropped with it. Once the response is out, the permit travels
+/// in its body ([`ResponseBody::Held`]).
 #[pin_project(PinnedDrop)]
 #[must_use = "futures do nothing unless polled"]
 pub struct ShedFuture<S, ReqBody>

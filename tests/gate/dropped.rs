@@ -500,7 +500,10 @@ async fn a_recorder_panic_in_the_batch_driver_fails_no_batch_in_flight() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, per_hour(10))
+    // No client-side response timeout (redis-rs's is 500 ms): the calls sent while the
+    // server is paused wait on it for as long as the test takes under load, bounded by the
+    // gate's own timeout. (With it, `first` timed out when the pause lasted past 500 ms.)
+    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(10))
         .name("driver")
         .failure_policy(FailurePolicy::Error)
         .timeout(Duration::from_secs(60))

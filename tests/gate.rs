@@ -14,6 +14,8 @@ mod failures;
 mod gated;
 #[path = "gate/ops.rs"]
 mod ops;
+#[path = "gate/shutdown.rs"]
+mod shutdown;
 
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

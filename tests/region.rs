@@ -20,5 +20,7 @@ mod model;
 #[cfg(feature = "metrics")]
 #[path = "region/refresher.rs"]
 mod refresher;
+#[path = "region/shutdown.rs"]
+mod shutdown;
 #[path = "region/status.rs"]
 mod status;

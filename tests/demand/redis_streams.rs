@@ -395,6 +395,59 @@ async fn flush_acks_waits_for_the_acks_a_fetch_in_progress_took_along() {
     );
 }
 
+/// The background task of a source ends once the source and every `Ack` are gone and the
+/// acks are sent, with none left to send and with some (sent first); a source dropped
+/// where there is no runtime (its own gone) does not panic.
+#[test]
+fn the_background_task_ends_with_the_last_handle_and_a_source_drops_outside_any_runtime() {
+    let server = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let held = rt.block_on(async {
+        let mut con = server.connect().await;
+        drop(source(&server, "setup").await);
+        produce(&mut con, 20).await;
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let before = metrics.num_alive_tasks();
+        let alive_until = |n: usize| {
+            let metrics = metrics.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while metrics.num_alive_tasks() != n && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                metrics.num_alive_tasks()
+            }
+        };
+        for acked in [false, true] {
+            let src = source(&server, if acked { "t1" } else { "t0" }).await;
+            let mut stream = Box::pin(prefetch(src, levels(5, 0)));
+            let entries = take(&mut stream, 5).await;
+            drop(stream);
+            for e in entries {
+                if acked {
+                    e.ack.ack();
+                }
+            }
+            // The source's connection task and its background task, until both end.
+            assert_eq!(alive_until(before).await, before, "acked: {acked}");
+        }
+        assert_eq!(
+            pending(&mut con).await,
+            5,
+            "the 5 acked are sent, not the others"
+        );
+        let mut stream = Box::pin(prefetch(source(&server, "u").await, levels(5, 0)));
+        let held = take(&mut stream, 5).await;
+        (stream, held)
+    });
+    drop(rt);
+    drop(held);
+}
+
 #[tokio::test]
 async fn a_restarted_consumer_recovers_its_own_pending_entries_first() {
     let (server, _con) = with_entries(200).await;

@@ -395,6 +395,36 @@ async fn flush_acks_waits_for_the_acks_a_fetch_in_progress_took_along() {
     );
 }
 
+/// A consumer loop that stops and builds its source again at once under the same name (after
+/// an error, or a restart of the loop within the process), every entry of the old source
+/// acknowledged first, as the docs ask: the new source must not deliver again what was
+/// acknowledged, only because the old source's background task had not sent the `XACK` yet
+/// (it waits up to `ack_interval`, 30 s here).
+#[tokio::test]
+async fn a_source_built_again_at_once_under_the_same_name_does_not_redeliver_what_was_acked() {
+    let (server, _con) = with_entries(10).await;
+    let build = || async {
+        RedisStreamSource::builder(server.connect().await, KEY, GROUP, "again")
+            .block(Duration::from_millis(50))
+            .ack_interval(Duration::from_secs(30))
+            .build()
+            .await
+            .unwrap()
+    };
+    let mut stream = Box::pin(prefetch(build().await, levels(5, 0)));
+    for e in take(&mut stream, 5).await {
+        e.ack.ack();
+    }
+    drop(stream);
+    let mut stream = Box::pin(prefetch(build().await, levels(5, 0)));
+    let e = next(&mut stream).await.expect("the next entry");
+    assert_eq!(
+        (e.origin, e.get::<u32>("n").unwrap()),
+        (Origin::New, 5),
+        "an entry acknowledged through the source before was delivered again"
+    );
+}
+
 /// The background task of a source ends once the source and every `Ack` are gone and the
 /// acks are sent, with none left to send and with some (sent first); a source dropped
 /// where there is no runtime (its own gone) does not panic.

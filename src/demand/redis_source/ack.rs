@@ -23,6 +23,8 @@ pub(super) struct AckQueue {
     /// Held by whoever is sending queued acks (the background task, `flush_acks`), so that
     /// `flush_acks` returns only once acks the task took before it are in Redis too.
     sending: tokio::sync::Mutex<()>,
+    /// Sends the queued acks over the source's own connection (see [`flush`](Self::flush)).
+    flusher: std::sync::OnceLock<Flusher>,
     /// Told when a send lets go of `sending` (see [`new_group`](Self::new_group)).
     released: Notify,
     /// Acks Redis acknowledged: the count each `XACK` answers.
@@ -60,6 +62,7 @@ impl AckQueue {
             }),
             wake: Notify::new(),
             sending: tokio::sync::Mutex::new(()),
+            flusher: std::sync::OnceLock::new(),
             released: Notify::new(),
             acked,
             stale,
@@ -68,6 +71,32 @@ impl AckQueue {
 
     pub(super) fn lock(&self) -> MutexGuard<'_, AckState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Gives the queue the connection and settings of its source, for [`flush`](Self::flush).
+    pub(super) fn set_flusher<C>(self: &Arc<Self>, conn: C, cfg: Arc<Config>)
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        // Weak: the queue owns the flusher.
+        let queue = Arc::downgrade(self);
+        let flusher = Flusher(Box::new(move || {
+            let (queue, mut conn, cfg) = (queue.clone(), conn.clone(), cfg.clone());
+            Box::pin(async move {
+                if let Some(queue) = queue.upgrade() {
+                    let _ = queue.send(&mut conn, &cfg).await;
+                }
+            })
+        }));
+        let _ = self.flusher.set(flusher);
+    }
+
+    /// Sends the queued acks now, over the source's own connection, after a send in
+    /// progress; on a failure they stay queued.
+    pub(super) async fn flush(&self) {
+        if let Some(flush) = self.flusher.get() {
+            (flush.0)().await;
+        }
     }
 
     /// The queued acks, and the generation they belong to.
@@ -195,6 +224,51 @@ impl AckQueue {
     pub(super) fn release_source(&self) {
         self.release(None, false);
     }
+}
+
+/// What [`AckQueue::flush`] runs.
+struct Flusher(
+    Box<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>,
+);
+
+impl fmt::Debug for Flusher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Flusher")
+    }
+}
+
+/// The stream key, group and consumer name of a source: who Redis knows it as.
+type Name = (String, String, String);
+
+/// The queues of the sources built in this process, by [`Name`]: a source built again under
+/// a name sends what the one before it left queued (see [`previous`]).
+static BUILT: std::sync::Mutex<Vec<(Name, std::sync::Weak<AckQueue>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Whether `name` is the name `cfg` gives its source.
+fn named(name: &Name, cfg: &Config) -> bool {
+    name.0 == cfg.key && name.1 == cfg.group && name.2 == cfg.consumer
+}
+
+/// Remembers `queue` as the queue of the source named by `cfg` (forgetting the one before
+/// it, and those whose source and acks are all gone).
+pub(super) fn register(cfg: &Config, queue: &Arc<AckQueue>) {
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    built.retain(|(name, q)| q.strong_count() > 0 && !named(name, cfg));
+    built.push((
+        (cfg.key.clone(), cfg.group.clone(), cfg.consumer.clone()),
+        Arc::downgrade(queue),
+    ));
+}
+
+/// The queue of the last source built in this process under the name of `cfg`, if it (or
+/// one of its [`Ack`]s, or its background task) is still there.
+pub(super) fn previous(cfg: &Config) -> Option<Arc<AckQueue>> {
+    let built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    built
+        .iter()
+        .find(|(name, _)| named(name, cfg))
+        .and_then(|(_, q)| q.upgrade())
 }
 
 /// The `sending` lock of a send: once let go of, also by a send dropped on the way, a fetch

@@ -235,6 +235,13 @@ where
     /// Check every setting, create the group if needed (`XGROUP CREATE … MKSTREAM` from
     /// [`start_from`](Self::start_from)), and build the source.
     ///
+    /// If this process built a source under the same stream, group and consumer name before
+    /// (a consumer loop built again), the acks it queued and has not sent yet (its
+    /// background task sends them up to `ack_interval` later) are sent first, over that
+    /// source's connection: the new source recovers the entries still pending for the
+    /// name, and would deliver those again. (A send that fails leaves them to that
+    /// recovery: at-least-once.)
+    ///
     /// # Errors
     ///
     /// - [`BuildError::Config`], before anything is sent to Redis, with the field:
@@ -247,6 +254,15 @@ where
     pub async fn build(mut self) -> Result<RedisStreamSource<C>, BuildError> {
         let config = self.validate()?;
         create_group(&mut self.conn, &config.key, &config.group, self.start).await?;
+        // The source built before under this name in this process (a consumer loop built
+        // again after an error) may have acks queued that its background task sends only up
+        // to `ack_interval` later: this one would recover their entries with the others
+        // pending for the name, and deliver them again. Sent first (after a send of that
+        // task in progress), over its own connection: a source of the same names on another
+        // server sends them there. If that fails, they are recovered: at-least-once.
+        if let Some(before) = super::ack::previous(&config) {
+            before.flush().await;
+        }
         Ok(RedisStreamSource::new(
             self.conn,
             config,

@@ -118,7 +118,10 @@ struct Counters {
 /// `min_idle` in between. Give each live source a name of its own, and build a source under
 /// a name again only once every entry of the one before is acknowledged or dropped (or use
 /// a new name: what stays pending under the old one is claimed once idle longer than
-/// `min_idle`). A fetch error needs no new source: `prefetch` yields it and the next fetch
+/// `min_idle`). Acknowledged is enough: the acks the source before (built in this process)
+/// queued and its background task has not sent yet are sent by
+/// [`build`](super::RedisStreamSourceBuilder::build) before the new source recovers
+/// anything. A fetch error needs no new source: `prefetch` yields it and the next fetch
 /// tries again (after a server restart too, over a `ConnectionManager`).
 pub struct RedisStreamSource<C>
 where
@@ -170,6 +173,8 @@ where
             labels.counter(names::ACKED, &[]),
             labels.counter(names::STALE_ACKS, &[]),
         ));
+        acks.set_flusher(conn.clone(), config.clone());
+        super::ack::register(&config, &acks);
         // Without a tokio runtime there is no background task: acks travel with fetches and
         // `flush_acks` only.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {

@@ -49,6 +49,31 @@ async fn alive_until(n: usize) -> usize {
     metrics.num_alive_tasks()
 }
 
+/// A process that stops (a redeploy: the application drops its region, `main` returns, the
+/// runtime shuts down) gives the refresher lock up before it exits, so that another process
+/// of the region refreshes at its next tick instead of after the lock lapses. Dropping the
+/// last handle sends the release on a task the runtime's shutdown cancels before it runs;
+/// `leave` sends it and waits for it.
+#[test]
+fn a_process_that_leaves_its_region_then_exits_gives_the_lock_up() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    rt.block_on(async {
+        let alloc = allocator(&server, "exit").await;
+        let region = alloc.join("eu", server.connect().await).await.unwrap();
+        assert!(region.status().leader);
+        let gate = region.gate();
+        assert!(!region.clone().leave().await, "a clone and a gate are left");
+        drop(gate);
+        assert!(region.leave().await, "the last handle");
+    });
+    drop(rt); // the process exits
+    assert!(
+        !lock_held(&server, "exit"),
+        "the process exited holding the refresher lock"
+    );
+}
+
 /// The refresher, and the task that gives the lock up after it, end with the last handle;
 /// the region joined again in the same process refreshes again.
 #[test]

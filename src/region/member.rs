@@ -130,8 +130,10 @@ impl<C> Drop for Handle<C> {
 /// lock in the local Redis, held for two refresh intervals plus the home timeout, and no
 /// later than a refresh interval plus the home timeout before the lease in force ends); if
 /// it stops, another takes over at its first refresh after the lock lapses, before the
-/// lease ends. A process gives the lock up when its last handle drops (inside a runtime)
-/// and after two failed calls to the home in a row (then it leaves the lock to the others
+/// lease ends. A process gives the lock up when it [leaves](Region::leave) the region, or
+/// in the background when its last handle drops (inside a runtime, which must then run on
+/// for a moment: a runtime shut down at once cancels the release), and after two failed
+/// calls to the home in a row (then it leaves the lock to the others
 /// for a refresh interval, in which each of them comes to take it; if none does, it takes
 /// it back as that interval ends), so a process of the region that can reach the home
 /// takes over. When the last handle drops, this process stops refreshing; the region's lease
@@ -661,6 +663,42 @@ where
     /// every interval).
     pub async fn refresh_now(&self) {
         self.handle.core.refresh().await;
+    }
+
+    /// Leave the region, if this is this process's last handle on it (no clone of it and no
+    /// [`RegionGate`] made from it left, nor a gate's call still finishing): stop the
+    /// refresher, give the refresher lock up (one call to the local Redis, bounded by the
+    /// local timeout, at least 500 ms), and return `true` once both are done, so that
+    /// another process of the region refreshes at its next tick. Otherwise only this handle is dropped, and
+    /// `false` returned.
+    ///
+    /// Dropping the last handle does the same in the background, on a task of the current
+    /// runtime: a runtime that shuts down right after (an application returning from
+    /// `main`) cancels that task before it gives the lock up, and the region's other
+    /// processes wait for the lock to lapse (up to two refresh intervals and the home
+    /// timeout) before one of them refreshes. Call `leave` on the way out instead.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before the refresher has stopped, the refresher is stopped all the same, and
+    /// the lock given up in the background (inside a runtime), as when the last handle
+    /// drops. Dropped while it gives the lock up, the lock may stay until it lapses.
+    pub async fn leave(self) -> bool {
+        let Ok(mut handle) = Arc::try_unwrap(self.handle) else {
+            return false;
+        };
+        let Some(task) = handle.task.as_mut() else {
+            return false;
+        };
+        task.abort();
+        // Dropped meanwhile, `handle` still holds the task: it gives the lock up in the
+        // background once the refresher has stopped, as when the last handle drops.
+        let _ = task.await;
+        handle.task = None;
+        if let Some(release) = handle.release.take() {
+            release().await;
+        }
+        true
     }
 }
 

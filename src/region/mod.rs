@@ -70,7 +70,7 @@
 //! | no process of any region refreshes for a week (an allocator no longer in use) | the home's state expires; a fleet that comes back after that learns for one lease length, as after a restart |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
 //! | the local Redis is full (`maxmemory` under `noeviction`) | it refuses every write, a new key's as a known one's: the gate's failure policy, as when it fails (under `Error`, a [`GateError::Backend`](crate::gate::GateError::Backend) with Redis's `OOM` first), counted under `policy`; every key is decided again at the first probe (within a refresh interval) after room frees. The refresher cannot write either: the region keeps its lease until it ends, then admits at its safe share |
-//! | a region's refreshing process stops | it gives its lock up as its last handle drops; another process of the region refreshes at its next tick |
+//! | a region's refreshing process stops | it gives its lock up as it [leaves](Region::leave) the region (or in the background as its last handle drops, unless its runtime shuts down first); another process of the region refreshes at its next tick |
 //! | a region's refreshing process dies, or cannot reach the home | another process takes over within three refresh intervals plus the home timeout (the lock lapses, at the latest a refresh interval and a home timeout before the lease in force ends, or is given up after two failed home calls), before the lease ends |
 //! | a local Redis loses writes (restart without persistence, failover to a replica behind) | a reply in flight is not written over the older record; but a record that went back to a live older lease breaks the bound until that lease ends: run local Redis without persistence and without failover to lagging replicas, or with an append-only file synced on every write |
 //!
@@ -102,6 +102,20 @@
 //!   lease length. A lease length may change in a rolling deploy while the home keeps its
 //!   state (the proptest runs processes on a shorter lease); a home that restarts meanwhile
 //!   learns for the lease length of the first process that calls it.
+//!
+//! # Shutdown
+//!
+//! [`QuotaAllocator::join`] spawns the region's refresher on the current runtime; it runs
+//! while any handle of the [`Region`] lives (a clone, a [`RegionGate`], a gate's call
+//! finishing in the background), and is aborted when the last one drops. A process on its
+//! way out calls [`Region::leave`]: it stops the refresher and gives the refresher lock up
+//! before it returns, so another process of the region refreshes at its next tick. Dropping
+//! the last handle gives the lock up too, but on a task of its own, which a runtime shut
+//! down right after cancels (dropped outside any runtime, it cannot give it up at all):
+//! the lock then lapses, within two refresh intervals and the home timeout, before the
+//! lease ends. The lease record and buckets stay in the local Redis for the region's other
+//! processes; a process that joins again (a restart, the same region joined again in this
+//! process) follows the one refreshing, or takes the lock once it is free.
 //!
 //! # Metrics
 //!

@@ -35,6 +35,25 @@
 //! its source answered at once, panic when polled in a tokio runtime without its time
 //! driver (see their `# Panics` sections).
 //!
+//! # Shutdown
+//!
+//! Credit, prefetch, watermarks and commits spawn nothing. Dropped, a [`Prefetch`] hands its
+//! buffered items to its `on_drop` hook ([`PrefetchBuilder::on_drop`]) and counts them as
+//! discarded; a [`CommitToken`] dropped unfinished holds the commit back, so its offset is
+//! delivered again after a restart.
+//!
+//! A `RedisStreamSource` spawns one background task on the runtime that builds it (none
+//! outside a runtime): it sends the acks made within `ack_interval`, also those made after
+//! the source itself is dropped, and keeps the entries still held from going idle. It ends
+//! once the source and every `Ack` are gone and the acks are sent. An entry is never lost:
+//! one dropped unacknowledged, or acknowledged when the runtime shuts down before its `XACK`
+//! is sent, stays pending and is delivered again (at the source's next start under the same
+//! consumer name, or claimed after `min_idle`). To stop without delivering again what was
+//! done: stop polling the stream, let the work in flight finish and acknowledge, then call
+//! `flush_acks` (through [`Prefetch::get_mut`]) before the runtime shuts down. A source
+//! built again under the same name in the same process first sends what the one before
+//! left queued.
+//!
 //! # Metrics
 //!
 //! Each piece can be named (the `name` label) by its builder: [`Demanded::builder`],

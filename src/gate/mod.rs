@@ -17,6 +17,24 @@
 //! drop hook and a name.
 //!
 //! The Lua scripts are in the crate's `lua/` folder, one per algorithm.
+//!
+//! # Shutdown
+//!
+//! A [`MemoryGate`] spawns nothing: dropping its last clone frees it, anywhere. A
+//! [`RedisGate`] spawns one task, its batch driver (unless batching is off), on the runtime
+//! that builds it (so `build` panics outside a runtime); the driver ends when the gate's
+//! last clone is dropped and the batches it sent are answered. A caller that gives up after its request went to
+//! Redis leaves the call to finish on its runtime (bounded by the gate's `timeout`, the
+//! gate kept alive until then), so that what Redis decided is still counted, a rejection
+//! still cached, a lease still kept. Dropping a gate needs no runtime (after its own runtime
+//! shut down too), and nothing panics when a runtime shuts down under a gate: requests that
+//! went to Redis and whose answer nothing was left to read are counted as `abandoned`
+//! (Redis may have charged them), and callers still waiting are answered by the failure
+//! policy; a gate whose runtime shut down starts its driver again on the next caller's
+//! runtime ([`RedisGate`], *Runtime*). The limits outlive the application: they live in
+//! Redis, and a gate built again over the same prefix (in this process or a new one) goes
+//! on from them. Only the rejection cache and leased tokens are the gate's own: tokens it
+//! leased and did not spend are lost with it (under-admission, never over-admission).
 
 mod api;
 #[cfg(feature = "redis")]

@@ -425,6 +425,34 @@ async fn a_source_built_again_at_once_under_the_same_name_does_not_redeliver_wha
     );
 }
 
+/// Two sources of the same stream, group and consumer name on two servers (one process
+/// consuming two shards): building the second sends the first's queued acks to the first
+/// server, over its own connection, not to the second.
+#[tokio::test]
+async fn acks_left_queued_go_to_their_own_server_when_a_source_of_the_same_name_is_built() {
+    let (first, mut con) = with_entries(10).await;
+    let (second, _con) = with_entries(10).await;
+    let build = |conn| async move {
+        RedisStreamSource::builder(conn, KEY, GROUP, "shard")
+            .block(Duration::from_millis(50))
+            .ack_interval(Duration::from_secs(30))
+            .build()
+            .await
+            .unwrap()
+    };
+    let mut stream = Box::pin(prefetch(build(first.connect().await).await, levels(5, 0)));
+    for e in take(&mut stream, 5).await {
+        e.ack.ack();
+    }
+    let other = build(second.connect().await).await;
+    assert_eq!(
+        pending(&mut con).await,
+        0,
+        "the acks reached the first server"
+    );
+    drop((stream, other));
+}
+
 /// The background task of a source ends once the source and every `Ack` are gone and the
 /// acks are sent, with none left to send and with some (sent first); a source dropped
 /// where there is no runtime (its own gone) does not panic.

@@ -31,3 +31,6 @@ mod contract;
 
 #[path = "http/h2.rs"]
 mod h2;
+
+#[path = "http/downstreams.rs"]
+mod downstreams;

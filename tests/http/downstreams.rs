@@ -1,0 +1,447 @@
+//! Misbehaving downstreams as real servers on 127.0.0.1:0 (raw HTTP/1.1 over TCP, so they can
+//! reset a connection mid-body or never answer), called by hyper's pooled client behind a
+//! `RetryLayer`. Real time: only counts and lower bounds (a wait never ends early) are
+//! asserted, and upper bounds as generous timeouts.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use flowgate::retry::{
+    Backoff, GiveUp, HttpClassify, Jitter, Retry, RetryError, RetryInfo, RetryLayer, RetryPolicy,
+    Stop,
+};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt};
+
+const SECOND: Duration = Duration::from_secs(1);
+const MS: Duration = Duration::from_millis(1);
+
+/// What the server does with one request.
+#[derive(Debug, Clone)]
+enum Act {
+    /// Answer `status` with these fields and `body` (keep-alive).
+    Answer {
+        status: u16,
+        fields: Vec<(&'static str, String)>,
+        body: &'static str,
+    },
+    /// Send the head of `status` with a `Content-Length` of 1 000, ten bytes of the body,
+    /// then reset the connection.
+    ResetMidBody { status: u16 },
+    /// Reset the connection without answering.
+    Reset,
+    /// Never answer (the connection stays open).
+    Hang,
+}
+
+fn ok() -> Act {
+    Act::Answer {
+        status: 200,
+        fields: Vec::new(),
+        body: "ok",
+    }
+}
+
+fn refuse(status: u16, retry_after: impl Into<String>) -> Act {
+    Act::Answer {
+        status,
+        fields: vec![("retry-after", retry_after.into())],
+        body: "busy",
+    }
+}
+
+/// One request as the server read it: its method and when it came.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    at: Instant,
+}
+
+/// A raw HTTP/1.1 server on 127.0.0.1:0 acting `script(n)` on its n-th request (from 1);
+/// stopped when dropped.
+struct RawServer {
+    addr: std::net::SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RawServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawServer {
+    async fn start(script: impl Fn(u32) -> Act + Send + Sync + 'static) -> RawServer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(AtomicU32::new(0));
+        let script = Arc::new(script);
+        let task = {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                loop {
+                    let (stream, _) = listener.accept().await.unwrap();
+                    let (seen, calls, script) = (seen.clone(), calls.clone(), script.clone());
+                    tokio::spawn(serve(stream, seen, calls, script));
+                }
+            })
+        };
+        RawServer { addr, seen, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/", self.addr)
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn calls(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// The time between the arrivals of the `i`-th and the next request (from 0).
+    fn gap(&self, i: usize) -> Duration {
+        let seen = self.seen();
+        seen[i + 1].at - seen[i].at
+    }
+}
+
+/// One connection: read each request (head, and a body of its `Content-Length`), act.
+async fn serve(
+    mut stream: TcpStream,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    calls: Arc<AtomicU32>,
+    script: Arc<impl Fn(u32) -> Act + Send + Sync + 'static>,
+) {
+    let mut buf = Vec::new();
+    loop {
+        // The head.
+        let end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+        let method = head.split(' ').next().unwrap_or_default().to_owned();
+        let length = head
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        while buf.len() < end + length {
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        buf.drain(..end + length);
+        seen.lock().unwrap().push(Seen {
+            method,
+            at: Instant::now(),
+        });
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        match script(n) {
+            Act::Answer {
+                status,
+                fields,
+                body,
+            } => {
+                let mut out = format!(
+                    "HTTP/1.1 {status} {}\r\ncontent-length: {}\r\n",
+                    StatusCode::from_u16(status)
+                        .unwrap()
+                        .canonical_reason()
+                        .unwrap_or("Whatever"),
+                    body.len()
+                );
+                for (k, v) in fields {
+                    out.push_str(&format!("{k}: {v}\r\n"));
+                }
+                out.push_str("\r\n");
+                out.push_str(body);
+                if stream.write_all(out.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+            Act::ResetMidBody { status } => {
+                let out =
+                    format!("HTTP/1.1 {status} Whatever\r\ncontent-length: 1000\r\n\r\n0123456789");
+                let _ = stream.write_all(out.as_bytes()).await;
+                let _ = stream.flush().await;
+                // Let the client read the head before the reset.
+                tokio::time::sleep(50 * MS).await;
+                let _ = stream.set_zero_linger();
+                return;
+            }
+            Act::Reset => {
+                let _ = stream.set_zero_linger();
+                return;
+            }
+            Act::Hang => {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+type Hyper = Client<HttpConnector, Full<Bytes>>;
+
+fn hyper() -> Hyper {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn request(method: Method, url: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(url)
+        .body(Full::new(Bytes::from_static(b"payload")))
+        .unwrap()
+}
+
+/// A backoff without jitter (100 ms, 200 ms, ...), `attempts` at most, hints up to 60 s.
+fn backoff(attempts: u32) -> Backoff {
+    Backoff::builder()
+        .jitter(Jitter::None)
+        .max_attempts(attempts)
+        .seed(1)
+        .build()
+        .unwrap()
+}
+
+fn client(backoff: Backoff) -> Retry<Hyper, HttpClassify> {
+    RetryLayer::new(RetryPolicy::builder(backoff).build().unwrap()).layer(hyper())
+}
+
+fn info(res: &Response<Incoming>) -> RetryInfo {
+    res.extensions().get::<RetryInfo>().cloned().unwrap()
+}
+
+/// Writes a `Retry-After` HTTP-date when the refusal is sent.
+type DateFn = Box<dyn Fn() -> String + Send + Sync>;
+
+/// A generous bound on one request: none of these scenarios takes more than a few seconds.
+async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(30 * SECOND, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still running after 30 s"))
+}
+
+// ---- Retry-After, as delta-seconds and as HTTP-dates ----
+
+/// `503` and `429` with `Retry-After: 1`: each retry comes no sooner than the server asked
+/// (a wait never ends early, so the lower bound is exact), and the answer is the `200`.
+#[tokio::test]
+async fn retry_after_seconds_are_waited_for_between_real_requests() {
+    let server = RawServer::start(|n| match n {
+        1 => refuse(503, "1"),
+        2 => refuse(429, "1"),
+        _ => ok(),
+    })
+    .await;
+    let res = within(
+        "get",
+        client(backoff(5)).oneshot(request(Method::GET, &server.url())),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(info(&res).attempts, 3);
+    assert_eq!(info(&res).stop, Stop::Success);
+    assert_eq!(server.calls(), 3);
+    assert!(server.gap(0) >= SECOND, "{:?}", server.gap(0));
+    assert!(server.gap(1) >= SECOND, "{:?}", server.gap(1));
+}
+
+/// `Retry-After` as an HTTP-date: one in the past retries at once, one 2 s ahead is waited
+/// for (an HTTP-date has whole seconds: at least 1 s), a malformed one is ignored (the
+/// backoff's 100 ms), and one ten years ahead gives up at once with `HintTooLong`, the
+/// `429` as the answer.
+#[tokio::test]
+async fn retry_after_dates_past_future_malformed_and_absurd() {
+    let year = 365 * 24 * 3600 * SECOND;
+    let cases: Vec<(&str, DateFn, Option<Duration>)> = vec![
+        (
+            "past",
+            Box::new(|| httpdate::fmt_http_date(SystemTime::now() - 3600 * SECOND)),
+            Some(Duration::ZERO),
+        ),
+        (
+            "2 s ahead",
+            Box::new(|| httpdate::fmt_http_date(SystemTime::now() + 2 * SECOND)),
+            Some(SECOND),
+        ),
+        (
+            "malformed",
+            Box::new(|| "Sun, 32 Foo 2026 25:61:61 GMT".to_owned()),
+            Some(100 * MS),
+        ),
+        (
+            "ten years ahead",
+            Box::new(move || httpdate::fmt_http_date(SystemTime::now() + 10 * year)),
+            None,
+        ),
+    ];
+    for (what, date, waits) in cases {
+        let date = Arc::new(date);
+        let server = RawServer::start(move |n| match n {
+            1 => refuse(429, date()),
+            _ => ok(),
+        })
+        .await;
+        let res = within(
+            what,
+            client(backoff(3)).oneshot(request(Method::GET, &server.url())),
+        )
+        .await
+        .unwrap();
+        match waits {
+            Some(at_least) => {
+                assert_eq!(res.status(), StatusCode::OK, "{what}");
+                assert_eq!(server.calls(), 2, "{what}");
+                assert!(server.gap(0) >= at_least, "{what}: {:?}", server.gap(0));
+            }
+            None => {
+                assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{what}");
+                assert_eq!(server.calls(), 1, "{what}");
+                let stop = info(&res).stop;
+                assert!(
+                    matches!(stop, Stop::GaveUp(GiveUp::HintTooLong { hint, max })
+                        if hint > 9 * year && max == 60 * SECOND),
+                    "{what}: {stop:?}"
+                );
+            }
+        }
+    }
+}
+
+/// A `Retry-After` that reaches the deadline gives up at once, without waiting for it.
+#[tokio::test]
+async fn a_retry_after_past_the_deadline_gives_up_at_once_on_a_real_server() {
+    let server = RawServer::start(|n| match n {
+        1 => refuse(503, "10"),
+        _ => ok(),
+    })
+    .await;
+    let backoff = Backoff::builder()
+        .deadline(5 * SECOND)
+        .seed(1)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let res = within(
+        "get",
+        client(backoff).oneshot(request(Method::GET, &server.url())),
+    )
+    .await
+    .unwrap();
+    assert!(start.elapsed() < 5 * SECOND, "{:?}", start.elapsed());
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(matches!(
+        info(&res).stop,
+        Stop::GaveUp(GiveUp::Deadline { delay, .. }) if delay == 10 * SECOND
+    ));
+    assert_eq!(server.calls(), 1);
+}
+
+// ---- resets and silence ----
+
+/// A connection reset before any answer: a `GET` is retried (up to its attempts), a `POST`
+/// is not (it may have been acted on), and either way the error is the client's own.
+#[tokio::test]
+async fn a_reset_is_retried_for_a_get_and_not_for_a_post() {
+    for (method, calls) in [(Method::GET, 3), (Method::PUT, 3), (Method::POST, 1)] {
+        let server = RawServer::start(|_| Act::Reset).await;
+        let err = within(
+            method.as_str(),
+            client(backoff(3)).oneshot(request(method.clone(), &server.url())),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, RetryError::Inner(_)), "{method}: {err:?}");
+        assert_eq!(server.calls(), calls, "{method}");
+        assert!(server.seen().iter().all(|s| s.method == method.as_str()));
+    }
+}
+
+/// A `503` whose body is cut by a reset is still a refusal: retried after its wait; the
+/// reset body is dropped, not an error.
+#[tokio::test]
+async fn a_refusal_reset_mid_body_is_retried() {
+    let server = RawServer::start(|n| match n {
+        1 => Act::ResetMidBody { status: 503 },
+        _ => ok(),
+    })
+    .await;
+    let res = within(
+        "get",
+        client(backoff(3)).oneshot(request(Method::GET, &server.url())),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(info(&res).attempts, 2);
+    assert_eq!(server.calls(), 2);
+}
+
+/// A `200` whose body is cut by a reset: the response was classified when its head came,
+/// so it is the answer (one attempt), and the reset is the error its body gives.
+#[tokio::test]
+async fn a_success_reset_mid_body_is_the_answer_and_its_body_the_error() {
+    let server = RawServer::start(|_| Act::ResetMidBody { status: 200 }).await;
+    let res = within(
+        "get",
+        client(backoff(3)).oneshot(request(Method::GET, &server.url())),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(info(&res).attempts, 1);
+    assert!(res.into_body().collect().await.is_err());
+    assert_eq!(server.calls(), 1);
+}
+
+/// A server that never answers: with an attempt timeout, a `GET` is tried its attempts,
+/// each timed out, and ends with `TimedOut`; a `POST` is tried once.
+#[tokio::test]
+async fn a_server_that_never_answers_ends_in_timed_out() {
+    for (method, attempts) in [(Method::GET, 3), (Method::POST, 1)] {
+        let server = RawServer::start(|_| Act::Hang).await;
+        let policy = RetryPolicy::builder(backoff(3))
+            .attempt_timeout(200 * MS)
+            .build()
+            .unwrap();
+        let client = RetryLayer::new(policy).layer(hyper());
+        let err = within(
+            method.as_str(),
+            client.oneshot(request(method.clone(), &server.url())),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, RetryError::TimedOut { attempts: a } if a == attempts),
+            "{method}: {err:?}"
+        );
+        assert_eq!(server.calls(), attempts as usize, "{method}");
+    }
+}

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use flowgate::Rate;
+use flowgate::pace::AdaptivePacer;
 use flowgate::retry::{
     Backoff, GiveUp, HttpClassify, Jitter, Retry, RetryError, RetryInfo, RetryLayer, RetryPolicy,
     Stop,
@@ -444,4 +446,47 @@ async fn a_server_that_never_answers_ends_in_timed_out() {
         );
         assert_eq!(server.calls(), attempts as usize, "{method}");
     }
+}
+
+// ---- RateLimit fields that lie ----
+
+/// A server that sends its policy's window in milliseconds by mistake (`w=60000` meaning a
+/// minute): to the client, 100 requests per 60 000 s, one per 600 s. Like an allowance
+/// slower than one unit per `max_retry_after`, it holds no later request longer than a
+/// `Retry-After` would (here 1 s), and the requests go on.
+#[tokio::test]
+async fn a_policy_slower_than_max_retry_after_holds_no_request_longer() {
+    let server = RawServer::start(|_| Act::Answer {
+        status: 200,
+        fields: vec![("ratelimit-policy", r#""min";q=100;w=60000"#.to_owned())],
+        body: "ok",
+    })
+    .await;
+    let pacer = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let backoff = Backoff::builder()
+        .max_retry_after(SECOND)
+        .seed(1)
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(backoff)
+        .pacer(pacer.clone())
+        .build()
+        .unwrap();
+    let client = RetryLayer::new(policy).layer(hyper());
+    for i in 0..4 {
+        let res = within(
+            &format!("request {i}"),
+            client.clone().oneshot(request(Method::GET, &server.url())),
+        )
+        .await
+        .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let _ = res.into_body().collect().await;
+    }
+    assert_eq!(server.calls(), 4);
+    // One unit per `max_retry_after` at the slowest, not one per 600 s.
+    let status = pacer.status();
+    assert!(status.ceiling_per_second >= 0.999, "{status:?}");
 }

@@ -126,10 +126,16 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)): an allowance
 /// slower than one unit per `max_wait` (`r=0;t=86400`) is taken as one unit per `max_wait`,
 /// so it holds no later request longer than a `Retry-After` would (a zero `max_wait`, which
-/// honours no hint, holds none: the allowance's remaining is still reported).
+/// honours no hint, holds none: the allowance's remaining is still reported). So is a
+/// policy slower than that (`q=1;w=86400`, or a window sent in milliseconds by mistake,
+/// `q=100;w=60000`): its window is shortened to `q × max_wait`, its quota kept (a zero
+/// `max_wait` gives the pacer no policy).
 pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Duration) {
     if let Some((quota, window)) = hint.sustained_rate_allowing() {
-        pacer.on_policy(quota, window);
+        // One unit per `max_wait` at the slowest: the pacer keeps a policy until another
+        // one comes, so a slower one would hold every later request past any hint honoured.
+        let units = u32::try_from(quota).unwrap_or(u32::MAX);
+        pacer.on_policy(quota, window.min(max_wait.saturating_mul(units)));
     }
     // Of the policy closest to refusing, steered by its own quota (the sustained rate
     // above may be another policy's); a zero quota refills nothing, whatever its window.
@@ -206,7 +212,9 @@ impl Methods {
 ///    steers the rate before any `429`; an allowance slower than one unit per the
 ///    backoff's [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after), such
 ///    as `r=0` with a reset of a day, is taken as one unit per `max_retry_after`, so it
-///    holds later requests no longer than a `Retry-After` would; a policy of zero quota,
+///    holds later requests no longer than a `Retry-After` would, and so is a policy
+///    slower than that, such as `q=100;w=60000` (a window in milliseconds by mistake),
+///    which the pacer would keep until another one came; a policy of zero quota,
 ///    `q=0`, holds them until its reset, its `t` or else its window, bounded the same
 ///    way, while the other policies still cap the rate; a `Retry-After` in the same
 ///    response takes precedence over the reset, as the draft requires, so a refusal is

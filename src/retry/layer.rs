@@ -232,7 +232,16 @@ impl Methods {
 /// the last attempt ran past the attempt timeout, or [`RetryError::NotSent`] when none was
 /// sent. An error of the inner service's
 /// `poll_ready` before a retry ends the request with that error, counted as a
-/// [`Stop::Fatal`].
+/// [`Stop::Fatal`]. An error carries no [`RetryInfo`]: why the retries stopped (the
+/// attempts ran out, the deadline, the budget, or a method not sent twice, which counts
+/// as `fatal`) shows only in the `flowgate_retry_stopped_total` metric by `stop` (and a
+/// `debug` event for `gave_up`, `budget` and `timed_out`).
+///
+/// A response is classified by its head, and given out as soon as it is a success or
+/// final: its body is the caller's to read, and a failure there (a connection reset
+/// mid-body, a body cut short) is the error the body gives, never retried. To retry those
+/// too, read the body inside the inner service (a `service_fn` that collects it) so that
+/// the failure is the attempt's own error.
 ///
 /// An [`Outcome::Retry`] (a `500`, a transport error), a timed-out attempt and an
 /// [`Outcome::BackPressure`] the classifier gave an error (a client's own timeout) are

@@ -438,6 +438,23 @@ async fn every_adapter_dropped_mid_flight_counts_its_calls_as_ignored() {
     assert_eq!(b.adaptive_stats().unwrap().ok, 0);
 }
 
+/// AIMD's app-limited rule, as its docs say: the limit grows while a call sees at least half
+/// of it in flight, so up to one more than twice the calls in flight, and no further.
+#[test]
+fn aimd_grows_up_to_twice_the_calls_in_flight() {
+    let mut aimd = Aimd::builder().initial(10).build().unwrap();
+    let mut limit = 0;
+    for i in 0..1_000 {
+        limit = aimd.update(&Sample {
+            rtt: Duration::from_millis(5),
+            in_flight: 24,
+            outcome: Outcome::Ok,
+            now: Duration::from_millis(i),
+        });
+    }
+    assert_eq!(limit, 49);
+}
+
 #[tokio::test]
 async fn a_fixed_bulkhead_has_no_adaptive_state() {
     let b = Bulkhead::new(3).unwrap();

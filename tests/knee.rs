@@ -754,3 +754,47 @@ async fn a_first_step_already_on_the_plateau_is_not_reported_as_the_knee() {
         "{err}"
     );
 }
+
+/// One noisy step does not end the ramp: a spell of calls ten times slower during the
+/// step at 8 (a garbage-collection pause, a neighbour's backup) made that step look
+/// saturated, and the search reported a knee of 7 for a target whose knee is 32, with no
+/// error. A step that looks saturated is measured again before the ramp ends on it.
+#[tokio::test(start_paused = true)]
+async fn one_noisy_step_does_not_end_the_ramp() {
+    /// The simulator, with every call slowed by 250 ms (10× its base) for the 3 s after
+    /// the first moment 8 calls are in flight.
+    struct Spell {
+        inner: Downstream,
+        in_flight: AtomicU64,
+        spell: std::sync::Mutex<Option<tokio::time::Instant>>,
+    }
+    impl KneeTarget for Spell {
+        fn call(&self) -> BoxFuture<'_, Outcome> {
+            Box::pin(async move {
+                let now = tokio::time::Instant::now();
+                let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                let slow = {
+                    let mut spell = self.spell.lock().unwrap();
+                    if n >= 8 && spell.is_none() {
+                        *spell = Some(now);
+                    }
+                    spell.is_some_and(|at| now < at + Duration::from_secs(3))
+                };
+                if slow {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                let outcome = KneeTarget::call(&self.inner).await;
+                self.in_flight.fetch_sub(1, Ordering::SeqCst);
+                outcome
+            })
+        }
+    }
+    let target = Spell {
+        inner: downstream(32, 1.1, 0.005, 0.1),
+        in_flight: AtomicU64::new(0),
+        spell: std::sync::Mutex::default(),
+    };
+    let report = find_knee(&target, &quick().build().unwrap()).await.unwrap();
+    assert!(target.spell.lock().unwrap().is_some(), "the spell happened");
+    assert_knee(&report, 32, "a spell of slow calls at 8");
+}

@@ -46,6 +46,10 @@
 //! p50 is [`max_latency_growth`](KneeConfigBuilder::max_latency_growth) times (default 10×)
 //! the lowest p50 seen, or more than [`max_back_pressure`](KneeConfigBuilder::max_back_pressure)
 //! (default 5 %) of its calls were pushed back.
+//! A ramp step that looks saturated is measured once more
+//! ([`recheck_saturation`](KneeConfigBuilder::recheck_saturation), on by default), and ends
+//! the ramp only if it is saturated again: one noisy step (a spell of slow calls) does not
+//! stop the search far below the knee.
 //!
 //! # The knee rule
 //!
@@ -451,11 +455,23 @@ where
         // The ramp: double until a step saturates or the maximum is reached.
         let mut c = config.start;
         loop {
-            let step = measure(target, c, config).await;
+            let mut step = measure(target, c, config).await;
             if search.steps.is_empty() {
                 check_first(&step, config)?;
             }
-            let ends = c >= config.max_concurrency || is_saturated(&step, &search.steps, config);
+            let mut ends = c >= config.max_concurrency;
+            if !ends && is_saturated(&step, &search.steps, config) {
+                ends = true;
+                if config.recheck {
+                    // One noisy step must not end the ramp: measured again, it ends it
+                    // only if it is saturated again.
+                    let again = measure(target, c, config).await;
+                    if !is_saturated(&again, &search.steps, config) {
+                        step = again;
+                        ends = false;
+                    }
+                }
+            }
             // This step, the doubling steps after it, every refining round.
             let left = if ends {
                 1

@@ -36,6 +36,7 @@ pub struct KneeConfig {
     pub(super) max_latency_growth: f64,
     pub(super) max_back_pressure: f64,
     pub(super) recommend_fraction: f64,
+    pub(super) recheck: bool,
 }
 
 /// The most concurrency a step may have (each worker is a future in one task).
@@ -61,6 +62,7 @@ impl KneeConfig {
                 max_latency_growth: 10.0,
                 max_back_pressure: 0.05,
                 recommend_fraction: 0.65,
+                recheck: true,
             },
         }
     }
@@ -194,6 +196,16 @@ impl KneeConfigBuilder {
     /// (default 0.05); in `[0, 1)`.
     pub fn max_back_pressure(mut self, fraction: f64) -> Self {
         self.config.max_back_pressure = fraction;
+        self
+    }
+
+    /// Whether a ramp step that looks saturated is measured once more before the ramp ends
+    /// on it (default `true`): one noisy step (a spell of slow calls, a pause on the
+    /// target's host) then does not end the ramp far below the knee. The second measurement
+    /// is the one kept when it is not saturated; otherwise the first is, and the ramp ends.
+    /// Costs one step more per search.
+    pub fn recheck_saturation(mut self, recheck: bool) -> Self {
+        self.config.recheck = recheck;
         self
     }
 

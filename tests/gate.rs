@@ -12,6 +12,8 @@ mod dropped;
 mod failures;
 #[path = "gate/gated.rs"]
 mod gated;
+#[path = "gate/journeys.rs"]
+mod journeys;
 #[path = "gate/ops.rs"]
 mod ops;
 #[path = "gate/shutdown.rs"]

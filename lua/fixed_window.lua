@@ -37,6 +37,16 @@ local counted = not same and tonumber(state[1])
 if counted and counted > index then
   same = true
   reset = (counted + 1) * window - now
+  -- The count lasts no longer than its key, which expires when that window ends: as said
+  -- above after a step back, but a window counted by a gate of another period (a rolling
+  -- deploy that made the window longer, over the same prefix) has an index of another
+  -- scale, and the end it gives lies ages away. What the key has left bounds it.
+  if not explicit then
+    local left = redis.call('PTTL', key)
+    if left >= 0 and left * 1000 < reset then
+      reset = left * 1000
+    end
+  end
 end
 local used = same and tonumber(state[2] or '0') or 0
 if used + cost <= limit then

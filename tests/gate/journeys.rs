@@ -73,3 +73,36 @@ async fn a_fixed_window_made_longer_in_a_rolling_deploy_waits_only_for_the_old_w
         new.cached_rejections()
     );
 }
+
+/// Redis restarts empty under an instance whose only traffic is one key it holds a
+/// rejection for (a global limit, an hourly one here), so that it never calls Redis: no
+/// failure and no missing script tell it that the new server holds nothing for the key.
+/// It must still find out by itself, within about a probe interval (not an hour), and
+/// admit what Redis admits.
+#[tokio::test]
+async fn an_instance_answering_a_key_from_its_cache_finds_out_that_redis_restarted_empty() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.fast_failing_manager().await,
+        Limit::TokenBucket(flowgate::Quota::per_hour(1).unwrap()),
+    )
+    .timeout(Duration::from_secs(2))
+    .probe_interval(Duration::from_millis(200))
+    .build()
+    .await
+    .unwrap();
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    let d = gate.check("k", 1).await.unwrap();
+    assert!(
+        !d.allowed && d.retry_after > Duration::from_secs(3_000),
+        "{d:?}"
+    );
+    assert_eq!(gate.cached_rejections(), 1);
+    server.restart(); // empty: no scripts, no keys
+    assert!(
+        eventually(|| async { gate.check("k", 1).await.is_ok_and(|d| d.allowed) }).await,
+        "the instance still refuses the key from its cache 10 s after Redis restarted empty \
+         (cached rejections: {})",
+        gate.cached_rejections()
+    );
+}

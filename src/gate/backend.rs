@@ -24,7 +24,7 @@
 
 use std::fmt;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 // Real time: probes follow Redis, whose clock never pauses.
 use std::time::{Duration, Instant};
 
@@ -118,6 +118,9 @@ pub(crate) struct Backend<C> {
     health: Mutex<Health>,
     /// Whether `health` is `Degraded`: lets the healthy path skip the lock.
     degraded: AtomicBool,
+    /// When Redis last answered a call: nanoseconds since `created`.
+    answered: AtomicU64,
+    created: Instant,
     /// For logs: the gate's name and failure policy.
     name: Option<String>,
     policy: &'static str,
@@ -173,6 +176,8 @@ where
             probe_interval,
             health: Mutex::new(Health::Healthy),
             degraded: AtomicBool::new(false),
+            answered: AtomicU64::new(0),
+            created: Instant::now(),
             name,
             policy,
             metrics: Metrics {
@@ -248,6 +253,7 @@ where
         self.metrics.latency.record(started.elapsed().as_secs_f64());
         let error = match reply {
             Ok(Ok(v)) if v.len() == len => {
+                self.answered();
                 self.healthy();
                 return Ok(v);
             }
@@ -259,6 +265,7 @@ where
                 // Only a call on one key can get this at the top level (every script
                 // decides each key under pcall): that key's error.
                 Some("WRONGTYPE") => {
+                    self.answered();
                     self.healthy();
                     return Err(CallError::Request(
                         key_failure(KEY_WRONGTYPE).expect("a key failure"),
@@ -277,6 +284,30 @@ where
             Err(_) => GateError::Timeout(self.timeout),
         };
         Err(self.fail(error))
+    }
+
+    fn answered(&self) {
+        let since = u64::try_from(self.created.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.answered.store(since, Ordering::Relaxed);
+    }
+
+    /// Whether what the gate keeps on Redis's word (rejections cached) is to be checked
+    /// there at `now`: Redis may have lost its keys (restarted empty) with no call of the
+    /// gate to see it fail or miss a script. So when a healthy gate has had no answer from
+    /// Redis for a probe interval, or a probe of a degraded one is due.
+    pub(crate) fn silent(&self, now: Instant) -> bool {
+        if self.is_degraded() {
+            let health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+            return match *health {
+                Health::Degraded { next_probe } => now >= next_probe,
+                Health::Healthy => false,
+            };
+        }
+        let last = self
+            .created
+            .checked_add(Duration::from_nanos(self.answered.load(Ordering::Relaxed)))
+            .unwrap_or(self.created);
+        now.saturating_duration_since(last) >= self.probe_interval
     }
 
     /// Record a failure of Redis (`error`): counted; the gate degrades and probes every

@@ -163,7 +163,10 @@ pub(super) struct Inner<C> {
 ///   meanwhile, as `retry_after` does). Forgotten when Redis may have
 ///   lost its keys (restarted empty, failed over to a replica that missed writes): when the
 ///   gate is back on Redis after a failure, and when Redis no longer has the gate's scripts.
-///   Bounded (`reject_cache`, default 10 000 keys).
+///   A gate sees neither without calling Redis: one that has had no answer from Redis for a
+///   `probe_interval` (all its traffic answered from the cache, a hot key over an hourly
+///   limit, say) sends the next request on a cached key to Redis, and keeps the rejection
+///   if Redis cannot answer. Bounded (`reject_cache`, default 10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
 ///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
@@ -308,7 +311,9 @@ where
         self
     }
 
-    /// How often to try Redis again after a failure (default 1 s).
+    /// How often to try Redis again after a failure (default 1 s); also how long a gate
+    /// answers from its rejection cache alone before it asks Redis again (it may have lost
+    /// its keys unseen).
     pub fn probe_interval(mut self, every: Duration) -> Self {
         self.probe_interval = crate::time::capped(every);
         self
@@ -521,6 +526,16 @@ where
     }
 }
 
+/// What a request gets without Redis.
+enum Local {
+    /// Its answer: a malformed request, a leased token, a cached rejection.
+    Answer(Result<Decision, GateError>),
+    /// Only Redis can decide it. `cached`: a cached rejection applies, but the gate has
+    /// heard nothing from Redis for a while (it may have lost its keys): Redis is asked,
+    /// and the rejection stands if it cannot answer.
+    Ask { cached: bool },
+}
+
 /// Whether `C` is redis-rs's async Cluster connection, whose calls must each stay within one
 /// hash slot.
 fn is_cluster_connection<C: 'static>() -> bool {
@@ -594,9 +609,10 @@ where
     /// the failure policy for a caller that is gone.
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let now = Instant::now();
-        if let Some(answer) = self.check_local_at(key, cost, now) {
-            return answer;
-        }
+        let checking_cached = match self.check_local_at(key, cost, now) {
+            Local::Answer(answer) => return answer,
+            Local::Ask { cached } => cached,
+        };
         let inner = &*self.inner;
         let reply = match inner.backend.admit(now) {
             Err(e) => Err(e),
@@ -608,42 +624,60 @@ where
             Ok(decision) => Ok(decision),
             Err(CallError::Request(e)) => inner.metrics.counted(Err(e)),
             Err(CallError::Backend { error, until_probe }) => {
+                // Sent to see whether a cached rejection still holds, and Redis could not
+                // say: the rejection stands (unless Redis was found to have lost its keys).
+                if checking_cached && let Some(cached) = self.cached(key, cost, Instant::now()) {
+                    return Ok(cached);
+                }
                 self.by_policy(key, cost, until_probe, error)
             }
         }
     }
 
+    /// The cached rejection of `cost` on `key` at `now`, counted.
+    fn cached(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
+        let inner = &*self.inner;
+        let decision = inner
+            .metrics
+            .outcomes
+            .cache
+            .check(key, cost, now, SystemTime::now)?;
+        inner.metrics.cached.increment(1);
+        Some(decision)
+    }
+
     /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
-    /// leased token, a cached rejection. `None`: only Redis can decide.
-    fn check_local_at(
-        &self,
-        key: &str,
-        cost: u32,
-        now: Instant,
-    ) -> Option<Result<Decision, GateError>> {
+    /// leased token, a cached rejection. [`Local::Ask`]: only Redis can decide.
+    fn check_local_at(&self, key: &str, cost: u32, now: Instant) -> Local {
         if let Err(e) = check_key(key) {
-            return Some(Err(e));
+            return Local::Answer(Err(e));
         }
         if let Err(e) = self.inner.eval.limit.check_cost(cost) {
-            return Some(Err(e.into()));
+            return Local::Answer(Err(e.into()));
         }
         let inner = &*self.inner;
         // Tokens leased here are already paid for: spend them before any cached rejection
         // (taken by a concurrent call) can refuse the request.
         if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
             inner.metrics.outcomes.allowed.increment(1);
-            return Some(Ok(decision));
+            return Local::Answer(Ok(decision));
         }
-        if let Some(decision) = inner
+        let Some(decision) = inner
             .metrics
             .outcomes
             .cache
             .check(key, cost, now, SystemTime::now)
-        {
-            inner.metrics.cached.increment(1);
-            return Some(Ok(decision));
+        else {
+            return Local::Ask { cached: false };
+        };
+        // Redis may have lost its keys (restarted empty) with no call of this gate to see
+        // it, when all its traffic is answered here: once it has heard nothing from Redis
+        // for a probe interval (or a probe is due), a cached rejection is checked there.
+        if inner.backend.silent(now) {
+            return Local::Ask { cached: true };
         }
-        None
+        inner.metrics.cached.increment(1);
+        Local::Answer(Ok(decision))
     }
 
     /// [`Outcomes::decided`]: counted, a rejection cached.
@@ -844,7 +878,10 @@ where
     /// What [`RedisGate::check`] decides without Redis: a malformed request, a leased
     /// token, a cached rejection.
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
-        self.check_local_at(key, cost, Instant::now())
+        match self.check_local_at(key, cost, Instant::now()) {
+            Local::Answer(answer) => Some(answer),
+            Local::Ask { .. } => None,
+        }
     }
 
     /// [`RedisGate::check_all`].

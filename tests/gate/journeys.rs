@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use flowgate::Rate;
-use flowgate::gate::{Limit, RedisGate};
+use flowgate::gate::{FailurePolicy, GateError, Limit, RedisGate};
 
 use super::support::RedisServer;
 
@@ -105,4 +105,177 @@ async fn an_instance_answering_a_key_from_its_cache_finds_out_that_redis_restart
          (cached rejections: {})",
         gate.cached_rejections()
     );
+}
+
+/// A rolling deploy moves a limit from a token bucket to a sliding window over the same
+/// prefix. The two keep different states under one key: while both run, each refuses with
+/// [`GateError::UnreadableKey`] the keys the other wrote (whatever its failure policy), and
+/// neither degrades; once the old instances are gone, the new ones decide every key again
+/// when the old state expires, with no restart.
+#[tokio::test]
+async fn an_algorithm_changed_over_the_same_prefix_refuses_the_other_ones_keys_until_they_expire() {
+    let server = RedisServer::start();
+    let old = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(flowgate::Quota::per_second(10).unwrap()),
+    )
+    .prefix("roll:")
+    .failure_policy(FailurePolicy::Open)
+    .timeout(Duration::from_secs(2))
+    .build()
+    .await
+    .unwrap();
+    let new = RedisGate::builder(
+        server.connect().await,
+        Limit::SlidingWindow(Rate::per_second(10).unwrap()),
+    )
+    .prefix("roll:")
+    .failure_policy(FailurePolicy::Open)
+    .timeout(Duration::from_secs(2))
+    .build()
+    .await
+    .unwrap();
+    assert!(old.check("a", 1).await.unwrap().allowed);
+    assert!(new.check("b", 1).await.unwrap().allowed);
+    assert!(
+        matches!(new.check("a", 1).await, Err(GateError::UnreadableKey(_))),
+        "the new instance cannot read the old one's bucket"
+    );
+    assert!(
+        matches!(old.check("b", 1).await, Err(GateError::UnreadableKey(_))),
+        "nor the old one the new one's window"
+    );
+    assert!(!old.is_degraded() && !new.is_degraded());
+    // The old instances are gone: the bucket they left expires (full again, plus a second).
+    assert!(
+        eventually(|| async { new.check("a", 1).await.is_ok_and(|d| d.allowed) }).await,
+        "the new instance still cannot decide the old key"
+    );
+}
+
+/// Redis stops answering (SIGSTOP) for several probe intervals under three instances that
+/// keep calling it, then answers again. Each instance logs the outage once when it starts
+/// and once when it ends, whatever the number of requests meanwhile; counts one transition
+/// each way; counts failed calls to Redis (its probes), not the requests the policy
+/// decided; and is back on Redis by itself.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn an_outage_is_logged_and_counted_once_per_instance_and_each_recovers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    // Every thread's events (the callers run here, but a test binary run by `cargo test`
+    // shares threads between tests), filtered by the gates' names below.
+    let logs = super::support::Logs::global();
+    let recorder = super::support::TestRecorder::default();
+    // Current-thread runtime: the gates register their metrics with this thread's recorder.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    const PROBE: Duration = Duration::from_millis(200);
+    let mut gates = Vec::new();
+    for name in ["journey-a", "journey-b", "journey-c"] {
+        let gate = RedisGate::builder(
+            server.fast_failing_manager().await,
+            Limit::TokenBucket(flowgate::Quota::per_second(100_000).unwrap()),
+        )
+        .name(name)
+        .failure_policy(FailurePolicy::Closed)
+        .timeout(Duration::from_millis(100))
+        .probe_interval(PROBE)
+        .build()
+        .await
+        .unwrap();
+        assert!(gate.check("k", 1).await.unwrap().allowed);
+        gates.push(gate);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for gate in &gates {
+        for _ in 0..4 {
+            let (gate, stop) = (gate.clone(), stop.clone());
+            callers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = gate.check("k", 1).await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.pause();
+    // Several probe intervals without an answer.
+    tokio::time::sleep(PROBE * 6).await;
+    assert!(
+        gates.iter().all(|g| g.is_degraded()),
+        "every instance saw it"
+    );
+    server.resume();
+    for gate in &gates {
+        assert!(
+            eventually(|| async {
+                gate.check("k", 1).await.unwrap().allowed && !gate.is_degraded()
+            })
+            .await,
+            "{:?} is not back on Redis",
+            gate.name()
+        );
+    }
+    tokio::time::sleep(PROBE * 2).await;
+    stop.store(true, Ordering::Relaxed);
+    for c in callers {
+        c.await.unwrap();
+    }
+    let events = logs.events();
+    for name in ["journey-a", "journey-b", "journey-c"] {
+        let of = |level, part: &str| {
+            events
+                .iter()
+                .filter(|e| {
+                    e.level == level
+                        && e.target == "flowgate::gate::backend"
+                        && e.field("gate") == Some(name)
+                        && e.message.contains(part)
+                })
+                .count()
+        };
+        assert_eq!(
+            of(tracing::Level::WARN, "redis failed"),
+            1,
+            "{name}: {events:?}"
+        );
+        assert_eq!(
+            of(tracing::Level::INFO, "back on redis"),
+            1,
+            "{name}: {events:?}"
+        );
+        let counter = |id: &str| recorder.counter(&format!("{id}{{name={name}}}"));
+        let transitions = |to: &str| {
+            recorder.counter(&format!(
+                "flowgate_gate_transitions_total{{name={name},to={to}}}"
+            ))
+        };
+        assert_eq!(
+            (transitions("degraded"), transitions("healthy")),
+            (1, 1),
+            "{name}"
+        );
+        assert_eq!(
+            recorder.gauge(&format!("flowgate_gate_degraded{{name={name}}}")),
+            Some(0.0),
+            "{name}"
+        );
+        let failures = counter("flowgate_gate_failures_total");
+        let by_policy = recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name={name},outcome=policy}}"
+        ));
+        // The calls in flight when Redis stopped (4 callers), then one probe an interval.
+        assert!(
+            failures <= 4 + 2 * 8,
+            "{name}: {failures} failed calls counted for {by_policy} requests decided by the policy"
+        );
+        assert!(
+            by_policy > failures,
+            "{name}: {by_policy} decided by the policy"
+        );
+    }
 }

@@ -93,12 +93,16 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
     }
 }
 
-/// What [`Logs::global`] keeps: events of `flowgate::region::member` at info or above.
+/// What [`Logs::global`] keeps: events of `flowgate::region::member` (the refresher) and
+/// `flowgate::gate::backend` (a gate's transitions) at info or above.
 struct RegionLogs(Logs);
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for RegionLogs {
     fn enabled(&self, meta: &tracing::Metadata<'_>, _: Context<'_, S>) -> bool {
-        meta.target() == "flowgate::region::member" && *meta.level() <= Level::INFO
+        matches!(
+            meta.target(),
+            "flowgate::region::member" | "flowgate::gate::backend"
+        ) && *meta.level() <= Level::INFO
     }
 
     fn on_event(&self, event: &tracing::Event<'_>, cx: Context<'_, S>) {
@@ -107,11 +111,11 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for RegionLogs {
 }
 
 impl Logs {
-    /// The region refresher's events at info or above, of every thread, captured by a
-    /// subscriber installed for the whole test process on first use. A thread's own
-    /// subscriber ([`capture`](Logs::capture)) missed events in test binaries whose tests
-    /// share threads under `cargo test`: filter these by a field of your own (the
-    /// allocator's name).
+    /// The region refresher's and the gate backend's events at info or above, of every
+    /// thread, captured by a subscriber installed for the whole test process on first use.
+    /// A thread's own subscriber ([`capture`](Logs::capture)) missed events in test
+    /// binaries whose tests share threads under `cargo test`: filter these by a field of
+    /// your own (the allocator's or the gate's name).
     pub fn global() -> Logs {
         static GLOBAL: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
         GLOBAL

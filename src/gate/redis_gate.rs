@@ -143,7 +143,20 @@ pub(super) struct Inner<C> {
 ///   `"<tat_us> <frac>"` of earlier development builds is still read (and rewritten packed),
 ///   but those builds cannot read the packed form: do not share a prefix with them.
 /// - **Runtime limits**: the parameters travel with every call; change them by building a new
-///   gate over the same prefix.
+///   gate over the same prefix. While old and new gates both run (a rolling deploy), each
+///   decides by its own parameters on the same state: a token bucket's state is when its
+///   debt is paid off, and each admits against it by its own rate and burst; a fixed
+///   window's count holds until its key expires (when the window that counted it ends,
+///   whatever the period of the gate that reads it); the sliding algorithms' counts and logs
+///   carry over. The algorithm cannot change over a prefix: each gate refuses the keys the
+///   other wrote with [`GateError::UnreadableKey`] (under every failure policy) until they
+///   expire, and a key the old gates keep using stays. Give a new algorithm a new prefix;
+///   until the old gates are gone the fleet then enforces the two limits apart, and may
+///   admit up to both together, as it does when only the prefix changes.
+/// - **Redis restarted empty** (no persistence, or flushed): every key's state is gone, so
+///   each key admits a whole burst again, on top of what it admitted before. The gate
+///   loads its scripts again by itself (on `NOSCRIPT`), and forgets the rejections it
+///   cached and the tokens it leased on the old server's word (below).
 /// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default
 ///   128): while one call is in flight the next batch fills, so there is no added latency at
 ///   low load. Each caller gets exactly the decision it would get alone, in arrival order. A

@@ -15,6 +15,8 @@ mod fleet;
 mod handover;
 #[path = "region/history.rs"]
 mod history;
+#[path = "region/journeys.rs"]
+mod journeys;
 #[path = "region/model.rs"]
 mod model;
 #[cfg(feature = "metrics")]

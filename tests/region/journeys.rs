@@ -1,0 +1,68 @@
+//! Operator journeys of a region: its local Redis restarted empty (run without
+//! persistence, as the module docs advise).
+
+use std::time::{Duration, Instant};
+
+use flowgate::Quota;
+use flowgate::gate::FailurePolicy;
+use flowgate::region::{QuotaAllocator, Region};
+use redis::aio::ConnectionManager;
+
+use crate::support::RedisServer;
+
+/// Sends requests and refreshes until the region's share is `share` and a request is
+/// admitted, for up to 10 s of real time (a generous wait, never an assertion on how long
+/// it took).
+async fn until_at_share(region: &Region<ConnectionManager>, share: u64) -> bool {
+    let gate = region.gate_with(FailurePolicy::Closed);
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        let mut admitted = false;
+        for _ in 0..20 {
+            admitted |= gate.check("k", 1).await.is_ok_and(|d| d.allowed);
+        }
+        if admitted && region.status().share == share {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// The local Redis of a region restarts empty: the lease record, the refresher's lock, the
+/// demand counters and the buckets are gone. The region admits at its safe share (nothing,
+/// here) until its refresher writes a lease again, then at its share, with no restart of
+/// its processes.
+#[tokio::test]
+async fn a_region_whose_local_redis_restarted_empty_is_back_at_its_share_by_itself() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(
+        home.fast_failing_manager().await,
+        Quota::per_second(100).unwrap().burst(10).unwrap(),
+    )
+    .name("restarted")
+    .region(("only", 1))
+    .lease(Duration::from_secs(2))
+    .refresh_every(Duration::from_millis(300))
+    .home_timeout(Duration::from_millis(200))
+    .local_timeout(Duration::from_millis(300))
+    .build()
+    .unwrap();
+    assert!(alloc.init_home().await.unwrap());
+    let region = alloc
+        .join("only", local.fast_failing_manager().await)
+        .await
+        .unwrap();
+    assert!(
+        until_at_share(&region, 100).await,
+        "never at the whole quota: {}",
+        region.status()
+    );
+    local.restart(); // empty
+    assert!(
+        until_at_share(&region, 100).await,
+        "not back at its share after the local Redis restarted: {}",
+        region.status()
+    );
+}

@@ -72,6 +72,7 @@
 //! | the local Redis is full (`maxmemory` under `noeviction`) | it refuses every write, a new key's as a known one's: the gate's failure policy, as when it fails (under `Error`, a [`GateError::Backend`](crate::gate::GateError::Backend) with Redis's `OOM` first), counted under `policy`; every key is decided again at the first probe (within a refresh interval) after room frees. The refresher cannot write either: the region keeps its lease until it ends, then admits at its safe share |
 //! | a region's refreshing process stops | it gives its lock up as it [leaves](Region::leave) the region (or in the background as its last handle drops, unless its runtime shuts down first); another process of the region refreshes at its next tick |
 //! | a region's refreshing process dies, or cannot reach the home | another process takes over within three refresh intervals plus the home timeout (the lock lapses, at the latest a refresh interval and a home timeout before the lease in force ends, or is given up after two failed home calls), before the lease ends |
+//! | a local Redis restarts empty (run without persistence) | the region admits at its safe share until its refresher writes the lease again, at its next refresh (the home grants the lease the region held, or a new one), with no restart of its processes; a key not used meanwhile starts with a full bucket, as on a first deployment: the region's part of the burst once more |
 //! | a local Redis loses writes (restart without persistence, failover to a replica behind) | a reply in flight is not written over the older record; but a record that went back to a live older lease breaks the bound until that lease ends: run local Redis without persistence and without failover to lagging replicas, or with an append-only file synced on every write |
 //!
 //! The global burst is divided like the rate (each region's bucket holds its part of the
@@ -102,6 +103,15 @@
 //!   lease length. A lease length may change in a rolling deploy while the home keeps its
 //!   state (the proptest runs processes on a shorter lease); a home that restarts meanwhile
 //!   learns for the lease length of the first process that calls it.
+//! - **Adding or removing a region**: the home counts the leases and safe shares of the
+//!   regions the calling process lists, and no others: a process that does not list a
+//!   region holding a lease grants that region's share to the others, and the bound breaks.
+//!   So a region changes in steps. To add one, list it in every process first (a region no
+//!   process has joined holds nothing), wait a lease length (a lease granted before may
+//!   still hold the safe share it reserves), then start its processes. To remove one, stop
+//!   its processes first, then take it off every list (a process of it still running, cut
+//!   off from the home even, admits at its safe share, which only the processes that list
+//!   the region keep reserved).
 //!
 //! # Shutdown
 //!

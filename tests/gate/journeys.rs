@@ -107,6 +107,44 @@ async fn an_instance_answering_a_key_from_its_cache_finds_out_that_redis_restart
     );
 }
 
+/// The same for leased tokens: Redis restarts empty under an instance whose only traffic is
+/// a key it holds leased tokens for (4 of a burst of 5, to spend within 10 minutes), so
+/// that it does not call Redis. Those tokens were debited in a bucket that is gone: spent on
+/// top of the new server's full bucket, the key passes 9 within the hour. The instance
+/// must find out by itself, within about a probe interval, and admit what the new server
+/// admits (5, and at most one leased token spent while Redis could not answer).
+#[tokio::test]
+async fn an_instance_spending_a_lease_finds_out_that_redis_restarted_empty() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.fast_failing_manager().await,
+        Limit::TokenBucket(flowgate::Quota::per_hour(5).unwrap()),
+    )
+    .failure_policy(FailurePolicy::Closed)
+    .timeout(Duration::from_secs(2))
+    .probe_interval(Duration::from_millis(200))
+    .lease(10)
+    .lease_ttl(Duration::from_secs(600))
+    .build()
+    .await
+    .unwrap();
+    // A lease of the whole bucket: one token spent, four kept here.
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(gate.leased_keys(), 1);
+    server.restart(); // empty: no scripts, no keys
+    // Quiet for more than a probe interval.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut admitted = 0;
+    for _ in 0..12 {
+        admitted += u32::from(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert!(
+        admitted <= 6,
+        "admitted {admitted} after the restart: the new server's burst of 5, with the leased \
+         tokens of the old one on top"
+    );
+}
+
 /// A rolling deploy moves a limit from a token bucket to a sliding window over the same
 /// prefix. The two keep different states under one key: while both run, each refuses with
 /// [`GateError::UnreadableKey`] the keys the other wrote (whatever its failure policy), and

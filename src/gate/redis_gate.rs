@@ -325,8 +325,8 @@ where
     }
 
     /// How often to try Redis again after a failure (default 1 s); also how long a gate
-    /// answers from its rejection cache alone before it asks Redis again (it may have lost
-    /// its keys unseen).
+    /// answers from its leases and rejection cache alone before it asks Redis again (it may
+    /// have lost its keys unseen).
     pub fn probe_interval(mut self, every: Duration) -> Self {
         self.probe_interval = crate::time::capped(every);
         self
@@ -379,7 +379,10 @@ where
     /// report the lease's remaining tokens and when the bucket in Redis is full again.
     /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
     /// rejection cache is forgotten: spent then, they would pass on top of a bucket the
-    /// new server holds full. `0` or `1` turns leases off.
+    /// new server holds full. A gate sees that only when it calls Redis: one that has had
+    /// no answer from Redis for a `probe_interval` (all its traffic spent from leases) asks
+    /// it before it spends another leased token, and spends it only if Redis cannot answer.
+    /// `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;
         self
@@ -543,10 +546,10 @@ where
 enum Local {
     /// Its answer: a malformed request, a leased token, a cached rejection.
     Answer(Result<Decision, GateError>),
-    /// Only Redis can decide it. `cached`: a cached rejection applies, but the gate has
-    /// heard nothing from Redis for a while (it may have lost its keys): Redis is asked,
-    /// and the rejection stands if it cannot answer.
-    Ask { cached: bool },
+    /// Only Redis can decide it. `silent`: the gate has heard nothing from Redis for a
+    /// probe interval (it may have lost its keys unseen), so Redis is asked before any
+    /// leased token or cached rejection is used; they answer if Redis cannot.
+    Ask { silent: bool },
 }
 
 /// Whether `C` is redis-rs's async Cluster connection, whose calls must each stay within one
@@ -622,9 +625,9 @@ where
     /// the failure policy for a caller that is gone.
     pub async fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
         let now = Instant::now();
-        let checking_cached = match self.check_local_at(key, cost, now) {
+        let silent = match self.check_local_at(key, cost, now) {
             Local::Answer(answer) => return answer,
-            Local::Ask { cached } => cached,
+            Local::Ask { silent } => silent,
         };
         let inner = &*self.inner;
         let reply = match inner.backend.admit(now) {
@@ -637,19 +640,23 @@ where
             Ok(decision) => Ok(decision),
             Err(CallError::Request(e)) => inner.metrics.counted(Err(e)),
             Err(CallError::Backend { error, until_probe }) => {
-                // Sent to see whether a cached rejection still holds, and Redis could not
-                // say: the rejection stands (unless Redis was found to have lost its keys).
-                if checking_cached && let Some(cached) = self.cached(key, cost, Instant::now()) {
-                    return Ok(cached);
+                // Sent to see whether what is held here still holds, and Redis could not say:
+                // it stands (unless Redis was found to have lost its keys meanwhile).
+                if silent && let Some(held) = self.held(key, cost, Instant::now()) {
+                    return Ok(held);
                 }
                 self.by_policy(key, cost, until_probe, error)
             }
         }
     }
 
-    /// The cached rejection of `cost` on `key` at `now`, counted.
-    fn cached(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
+    /// A leased token or else a cached rejection for `cost` on `key` at `now`, counted.
+    fn held(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
         let inner = &*self.inner;
+        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
+            inner.metrics.outcomes.allowed.increment(1);
+            return Some(decision);
+        }
         let decision = inner
             .metrics
             .outcomes
@@ -669,11 +676,20 @@ where
             return Local::Answer(Err(e.into()));
         }
         let inner = &*self.inner;
-        // Tokens leased here are already paid for: spend them before any cached rejection
-        // (taken by a concurrent call) can refuse the request.
-        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
-            inner.metrics.outcomes.allowed.increment(1);
-            return Local::Answer(Ok(decision));
+        // Redis may have lost its keys (restarted empty) with no call of this gate to see
+        // it, when all its traffic is answered here (leased tokens, cached rejections):
+        // once it has heard nothing from Redis for a probe interval (or a probe is due),
+        // the request goes there first.
+        if let Some(leases) = &inner.leases {
+            if inner.backend.silent(now) {
+                return Local::Ask { silent: true };
+            }
+            // Tokens leased here are already paid for: spend them before any cached
+            // rejection (taken by a concurrent call) can refuse the request.
+            if let Some(decision) = leases.spend(key, cost, now) {
+                inner.metrics.outcomes.allowed.increment(1);
+                return Local::Answer(Ok(decision));
+            }
         }
         let Some(decision) = inner
             .metrics
@@ -681,13 +697,10 @@ where
             .cache
             .check(key, cost, now, SystemTime::now)
         else {
-            return Local::Ask { cached: false };
+            return Local::Ask { silent: false };
         };
-        // Redis may have lost its keys (restarted empty) with no call of this gate to see
-        // it, when all its traffic is answered here: once it has heard nothing from Redis
-        // for a probe interval (or a probe is due), a cached rejection is checked there.
         if inner.backend.silent(now) {
-            return Local::Ask { cached: true };
+            return Local::Ask { silent: true };
         }
         inner.metrics.cached.increment(1);
         Local::Answer(Ok(decision))

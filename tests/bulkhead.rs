@@ -3,6 +3,9 @@
 
 mod support;
 
+#[path = "bulkhead/claims.rs"]
+mod claims;
+
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -7,6 +7,8 @@ mod support;
 
 #[path = "channel/batches.rs"]
 mod batches;
+#[path = "channel/claims.rs"]
+mod claims;
 #[cfg(feature = "metrics")]
 #[path = "channel/recorder.rs"]
 mod recorder;

@@ -3,6 +3,9 @@
 
 mod support;
 
+#[path = "pace/claims.rs"]
+mod claims;
+
 use std::num::NonZeroUsize;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};

@@ -1,0 +1,150 @@
+//! The promises of the bulkhead docs, checked at their edge values: a `wait_timeout` of
+//! `Duration::MAX`, the largest `max_in_flight`, a waiting room of 0 for critical work,
+//! `run` dropped at each of its waits, and the adapters' `size_hint` and `FusedStream`
+//! over an upstream that ends while a permit is held.
+
+use std::task::Poll;
+
+use futures::stream::FusedStream;
+
+use super::*;
+
+/// Drives `s` to its end, checking before every poll that what is still to come lies
+/// within its `size_hint`; a poll that waits is followed by 1 ms of (paused) time.
+async fn drain_checking_hints<S: Stream + Unpin>(mut s: S) -> Vec<S::Item> {
+    let mut hints = Vec::new();
+    let mut out = Vec::new();
+    loop {
+        hints.push((out.len(), s.size_hint()));
+        match poll!(s.next()) {
+            Poll::Ready(Some(x)) => out.push(x),
+            Poll::Ready(None) => break,
+            Poll::Pending => sleep(Duration::from_millis(1)).await,
+        }
+    }
+    for (seen, (lo, hi)) in hints {
+        let left = out.len() - seen;
+        assert!(
+            lo <= left,
+            "after {seen} items: lower bound {lo}, {left} came"
+        );
+        if let Some(hi) = hi {
+            assert!(
+                left <= hi,
+                "after {seen} items: upper bound {hi}, {left} came"
+            );
+        }
+    }
+    out
+}
+
+/// The longest `wait_timeout` (`Duration::MAX`) is a wait, not an overflow: the waiter
+/// waits, and gets the permit when it comes back.
+#[tokio::test(start_paused = true)]
+async fn a_wait_timeout_of_duration_max_waits() {
+    let b = Bulkhead::builder(1)
+        .wait_timeout(Duration::MAX)
+        .build()
+        .unwrap();
+    let held = b.acquire().await.unwrap();
+    let mut waiting = Box::pin(b.acquire());
+    assert!(poll!(waiting.as_mut()).is_pending());
+    sleep(Duration::from_secs(3_600)).await;
+    assert!(poll!(waiting.as_mut()).is_pending());
+    drop(held);
+    assert!(waiting.await.is_ok());
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
+/// The largest `max_in_flight` (2³¹ − 1) is accepted by `new` and `set_max_in_flight`;
+/// one more is `TooLarge` for both, and leaves the limit as it was.
+#[tokio::test]
+async fn the_largest_max_in_flight_is_accepted_and_one_more_refused() {
+    let max = (1usize << 31) - 1;
+    let b = Bulkhead::new(max).unwrap();
+    assert_eq!(b.max_in_flight(), max);
+    let p = b.try_acquire().unwrap();
+    let q = b.acquire_with(Priority::Critical).await.unwrap();
+    assert_eq!(b.in_flight(), 2);
+    let e = b.set_max_in_flight(max + 1).unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("bulkhead.max_in_flight", ConfigErrorKind::TooLarge)
+    );
+    assert_eq!(b.max_in_flight(), max);
+    b.set_max_in_flight(1).unwrap();
+    assert_eq!(b.try_acquire().unwrap_err(), AcquireError::NoPermit);
+    b.set_max_in_flight(max).unwrap();
+    drop((p, q));
+    assert_eq!(b.in_flight(), 0);
+}
+
+/// "A room with no normal waiter in it (every waiter critical, or a room of size zero)
+/// refuses critical work too": at once, and `try_acquire_with` finds no permit.
+#[tokio::test]
+async fn a_waiting_room_of_zero_refuses_critical_work_at_once() {
+    let b = Bulkhead::builder(1).max_waiting(0).build().unwrap();
+    let _held = b.acquire().await.unwrap();
+    assert_eq!(
+        b.acquire_with(Priority::Critical).await.unwrap_err(),
+        AcquireError::WaitingRoomFull
+    );
+    assert_eq!(
+        b.try_acquire_with(Priority::Critical).unwrap_err(),
+        AcquireError::NoPermit
+    );
+    assert_eq!(b.waiting(), 0);
+}
+
+/// `run`'s cancel safety: dropped while waiting, it leaves the room and `work` never
+/// starts; dropped while `work` runs, the permit comes back.
+#[tokio::test]
+async fn run_dropped_at_each_wait_holds_nothing() {
+    let b = Bulkhead::new(1).unwrap();
+    let started = Arc::new(AtomicUsize::new(0));
+    let held = b.acquire().await.unwrap();
+    {
+        let s = started.clone();
+        let mut run = Box::pin(b.run(async move {
+            s.fetch_add(1, Ordering::SeqCst);
+        }));
+        assert!(poll!(run.as_mut()).is_pending());
+        assert_eq!(b.waiting(), 1);
+    }
+    assert_eq!(b.waiting(), 0);
+    drop(held);
+    assert_eq!(started.load(Ordering::SeqCst), 0, "work not started");
+    {
+        let mut run = Box::pin(b.run(std::future::pending::<()>()));
+        assert!(poll!(run.as_mut()).is_pending());
+        assert_eq!(b.in_flight(), 1);
+    }
+    assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+}
+
+/// Every adapter, over an upstream that ends while the last item's future holds the only
+/// permit: what comes lies within the bounds at every poll, every item comes, the adapter
+/// fuses, and the permits are all back.
+#[tokio::test(start_paused = true)]
+async fn adapters_bounds_hold_and_they_fuse_when_the_upstream_ends_under_a_permit() {
+    let work = |x: u32| async move {
+        sleep(Duration::from_millis(10)).await;
+        x
+    };
+    let b = Bulkhead::new(1).unwrap();
+    let mut s = Box::pin(futures::stream::iter(0..5u32).bulkhead_map(b.clone(), work));
+    assert_eq!(drain_checking_hints(&mut s).await, [0, 1, 2, 3, 4]);
+    assert!(s.is_terminated(), "bulkhead_map");
+    assert_eq!(b.in_flight(), 0);
+
+    let mut s = Box::pin(futures::stream::iter(0..5u32).bulkhead_map_unordered(b.clone(), work));
+    assert_eq!(drain_checking_hints(&mut s).await, [0, 1, 2, 3, 4]);
+    assert!(s.is_terminated(), "bulkhead_map_unordered");
+    assert_eq!(b.in_flight(), 0);
+
+    let mut s = Box::pin(futures::stream::iter(0..5u32).bulkhead_spawn_map(b.clone(), work));
+    assert_eq!(drain_checking_hints(&mut s).await, [0, 1, 2, 3, 4]);
+    assert!(s.is_terminated(), "bulkhead_spawn_map");
+    sleep(Duration::from_millis(1)).await;
+    assert_eq!(b.in_flight(), 0);
+}

@@ -1,0 +1,200 @@
+//! The promises of the pacing docs, checked at their edge values: no runtime needed when
+//! nothing waits, the exact rate at 1/s, the longest period, `size_hint` and
+//! `FusedStream` of the adapters, a queue of one item, a sink's admission taken before
+//! the inner sink's room, the feedback of an `AdaptivePacer` without a runtime.
+
+use super::*;
+
+use futures::Stream;
+use futures::stream::FusedStream;
+
+/// Drives `s` to its end, checking before every poll that what is still to come lies
+/// within its `size_hint`; a poll that waits is followed by 1 ms of (paused) time.
+async fn drain_checking_hints<S: futures::Stream + Unpin>(mut s: S) -> Vec<S::Item> {
+    let mut hints = Vec::new();
+    let mut out = Vec::new();
+    loop {
+        hints.push((out.len(), s.size_hint()));
+        match poll!(s.next()) {
+            Poll::Ready(Some(x)) => out.push(x),
+            Poll::Ready(None) => break,
+            Poll::Pending => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+    for (seen, (lo, hi)) in hints {
+        let left = out.len() - seen;
+        assert!(
+            lo <= left,
+            "after {seen} items: lower bound {lo}, {left} came"
+        );
+        if let Some(hi) = hi {
+            assert!(
+                left <= hi,
+                "after {seen} items: upper bound {hi}, {left} came"
+            );
+        }
+    }
+    out
+}
+
+/// `Pacer::check` "never waits and needs no runtime"; `until_ready` and a `leaky` stream
+/// need one only when they have to wait.
+#[test]
+fn nothing_needs_a_runtime_until_something_waits() {
+    let pacer = Pacer::new(Rate::per_second(1).unwrap()); // burst 2
+    assert!(pacer.check(1).unwrap().allowed);
+    futures::executor::block_on(pacer.until_ready(1)).unwrap();
+    let refused = pacer.check(1).unwrap();
+    assert!(!refused.allowed);
+    assert!(refused.retry_after <= Duration::from_secs(1));
+
+    let fresh = Pacer::new(Rate::per_second(1).unwrap());
+    let out: Vec<u32> =
+        futures::executor::block_on(futures::stream::iter(0..2).leaky_with(fresh).collect());
+    assert_eq!(out, [0, 1], "the burst passes at once");
+}
+
+/// "the long-run rate is exact from 1/s": with the default burst (2) at 1/s, two leave
+/// at once, then one each second, to the nanosecond.
+#[tokio::test(start_paused = true)]
+async fn one_per_second_is_exact_with_the_default_burst() {
+    let pacer = Pacer::new(Rate::per_second(1).unwrap());
+    assert_eq!(pacer.quota().burst_size(), 2);
+    let rel = releases(pacer, vec![1; 62]).await;
+    let at: Vec<u64> = rel.iter().map(|r| r.0).collect();
+    assert_eq!(at[..4], [0, 0, 1_000_000_000, 2_000_000_000]);
+    assert_eq!(at[61], 60_000_000_000);
+}
+
+/// The longest period a `Rate` takes (`u64::MAX` ns, about 584 years): the burst passes,
+/// the next unit is refused for the whole period, and a wait for it waits (no overflow).
+#[tokio::test(start_paused = true)]
+async fn the_longest_period_waits_without_overflow() {
+    let rate = Rate::per(1, Duration::from_nanos(u64::MAX)).unwrap();
+    let pacer = Pacer::new(rate);
+    assert_eq!(pacer.quota().burst_size(), 2);
+    assert!(pacer.check(2).unwrap().allowed);
+    let refused = pacer.check(1).unwrap();
+    assert!(!refused.allowed);
+    assert_eq!(refused.retry_after, Duration::from_nanos(u64::MAX));
+    let mut wait = Box::pin(pacer.until_ready(1));
+    assert!(poll!(wait.as_mut()).is_pending());
+    assert_eq!(pacer.waiting(), 1);
+    drop(wait);
+    assert_eq!(pacer.waiting(), 0);
+}
+
+/// `Leaky`: the bounds count the item held for the pacer; the stream ends while an item
+/// waits (the item still comes); `FusedStream` once the inner one ended and nothing is held.
+#[tokio::test(start_paused = true)]
+async fn leaky_bounds_count_the_held_item_and_it_fuses() {
+    let mut s = futures::stream::iter(0..3u32)
+        .fuse()
+        .leaky_with(pacer(10, 1));
+    assert_eq!(s.size_hint(), (3, Some(3)));
+    assert_eq!(s.next().await, Some(0));
+    assert!(poll!(s.next()).is_pending(), "1 waits for the pacer");
+    assert_eq!(s.size_hint(), (2, Some(2)), "the held item and one more");
+    assert!(!s.is_terminated());
+    let rest = drain_checking_hints(&mut s).await;
+    assert_eq!(rest, [1, 2]);
+    assert!(s.is_terminated());
+    assert_eq!(s.size_hint(), (0, Some(0)));
+}
+
+/// `LeakyQueue`: under every policy and at a capacity of 1, what comes lies within the
+/// bounds at every poll, and the queue fuses at the end.
+#[tokio::test(start_paused = true)]
+async fn leaky_queue_bounds_hold_under_every_policy() {
+    for policy in [
+        Overflow::Backpressure,
+        Overflow::DropNewest,
+        Overflow::DropOldest,
+        Overflow::Reject,
+    ] {
+        for capacity in [1, 3] {
+            let upstream = futures::stream::iter(0..8u32);
+            let mut queue = upstream.leaky_queue(pacer(100, 1), nz(capacity), policy);
+            let out = drain_checking_hints(&mut queue).await;
+            let dropped = usize::try_from(queue.dropped()).unwrap();
+            assert_eq!(
+                out.len() + dropped,
+                8,
+                "{policy} at {capacity}: nothing lost"
+            );
+            assert!(queue.is_terminated(), "{policy} at {capacity}");
+        }
+    }
+}
+
+/// A queue of one item under `DropOldest` keeps the newest: a burst of ten leaves only its
+/// last item, nine are dropped (and counted).
+#[tokio::test(start_paused = true)]
+async fn a_queue_of_one_under_drop_oldest_keeps_the_newest() {
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    for i in 0..10u32 {
+        tx.unbounded_send(i).unwrap();
+    }
+    drop(tx);
+    let mut queue = rx.leaky_queue(pacer(10, 1), nz(1), Overflow::DropOldest);
+    assert_eq!(queue.next().await, Some(9));
+    assert_eq!(queue.next().await, None);
+    assert_eq!(queue.dropped(), 9);
+}
+
+/// `LeakySink`: the item waits for the pacer in `poll_ready` before the inner sink is asked
+/// for room, and an admission not used before the sink is dropped is spent, not given back.
+#[tokio::test(start_paused = true)]
+async fn a_sinks_admission_comes_first_and_is_spent_when_unused() {
+    let pacer = pacer(10, 1);
+    let (tx, mut rx) = flowgate::channel::bounded::<u32>(1).unwrap();
+    tx.try_send(0).unwrap(); // the inner sink is full
+    let mut sink = tx.clone().leaky_sink_with(pacer.clone());
+    let mut ready = pin!(std::future::poll_fn(|cx| sink.poll_ready_unpin(cx)));
+    assert!(
+        poll!(ready.as_mut()).is_pending(),
+        "the inner sink has no room"
+    );
+    assert!(
+        !pacer.check(1).unwrap().allowed,
+        "the unit went to the sink"
+    );
+    drop(sink);
+    let refused = pacer.check(1).unwrap();
+    assert!(!refused.allowed, "an admission is not given back");
+    assert_eq!(refused.retry_after, Duration::from_millis(100));
+    assert_eq!(rx.recv().await, Some(0), "no item is lost");
+}
+
+/// The feedback calls of an `AdaptivePacer` "never wait, and need no runtime", at their
+/// edge values: a `Retry-After` of `Duration::MAX` (taken as a century), an allowance of
+/// nothing until `Duration::MAX`, a policy of `u64::MAX` per nanosecond and one of 1 per
+/// `u64::MAX` seconds.
+#[test]
+fn adaptive_feedback_needs_no_runtime_at_edge_values() {
+    use flowgate::pace::AdaptivePacer;
+
+    let adaptive = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    adaptive.on_success();
+    adaptive.on_policy(u64::MAX, Duration::from_nanos(1));
+    adaptive.on_policy(1, Duration::from_secs(u64::MAX));
+    adaptive.on_allowance(u64::MAX, Duration::from_nanos(1));
+    adaptive.on_allowance(0, Duration::MAX);
+    adaptive.on_back_pressure(Some(Duration::MAX));
+    adaptive.on_back_pressure(None);
+    let status = adaptive.status();
+    let century = Duration::from_secs(100 * 365 * 24 * 3_600);
+    let paused = status.paused_until.expect("paused");
+    let left = paused.saturating_duration_since(Instant::now());
+    assert!(
+        left <= century + Duration::from_secs(30 * 24 * 3_600),
+        "{left:?}"
+    );
+    assert!(
+        left >= century - Duration::from_secs(30 * 24 * 3_600),
+        "{left:?}"
+    );
+    assert!(!adaptive.pacer().check(1).unwrap().allowed, "paused");
+}

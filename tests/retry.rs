@@ -20,6 +20,9 @@ mod backoff;
 #[path = "retry/budget.rs"]
 mod budget;
 
+#[path = "retry/claims.rs"]
+mod claims;
+
 #[cfg(feature = "http")]
 #[path = "retry/hint.rs"]
 mod hint;

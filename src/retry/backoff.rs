@@ -22,9 +22,9 @@ use crate::error::{ConfigError, ConfigErrorKind};
 /// | [`Equal`](Jitter::Equal) | `exp/2 + uniform(0, exp/2)` | `[exp/2, exp]` |
 /// | [`Decorrelated`](Jitter::Decorrelated) | `min(cap, uniform(base, 3 × previous))` | `[base, cap]`; the first previous is `base` |
 ///
-/// Every draw is made in whole nanoseconds, inclusive at both ends, with saturating
-/// arithmetic: an attempt number as large as you like never overflows, the delay just
-/// stays at `cap`.
+/// Every draw is made in whole nanoseconds, inclusive at both ends (`exp/2` rounded up
+/// where it is a lower end), with saturating arithmetic: an attempt number as large as you
+/// like never overflows, the delay just stays at `cap`.
 ///
 /// # Examples
 ///
@@ -601,8 +601,12 @@ fn draw(backoff: &Backoff, rng: &mut fastrand::Rng, k: u32, prev: u64) -> u64 {
         Jitter::None => backoff.exp(k),
         Jitter::Full => rng.u64(0..=backoff.exp(k)),
         Jitter::Equal => {
-            let half = backoff.exp(k) / 2;
-            half + rng.u64(0..=half)
+            // `exp − ⌊exp/2⌋` is `exp/2` rounded up: the draw then spans `[exp/2, exp]`
+            // whole, `exp` included when it is odd (from `⌊exp/2⌋` it never reached `exp`,
+            // and an `exp` of 1 ns always drew 0).
+            let exp = backoff.exp(k);
+            let half = exp / 2;
+            (exp - half) + rng.u64(0..=half)
         }
         Jitter::Decorrelated => {
             let upper = prev.saturating_mul(3).max(backoff.base);

@@ -433,7 +433,7 @@ async fn a_first_waiter_left_unpolled_is_stepped_over_and_takes_its_place_back()
 
 #[tokio::test(start_paused = true)]
 async fn a_stalled_item_above_the_burst_is_stepped_over_after_the_grace() {
-    // 10/s, burst 2: an item of cost 20 pays in chunks of 2.
+    // 10/s, burst 2: an item of cost 20 pays in chunks of 1 (half the burst).
     let pacer = pacer(10, 2);
     let start = Instant::now();
     pacer.until_ready(2).await.unwrap(); // the bucket is empty: the next unit is due at 100 ms
@@ -444,18 +444,19 @@ async fn a_stalled_item_above_the_burst_is_stepped_over_after_the_grace() {
     assert!(poll!(heavy.next()).is_pending());
     head.await.unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(100));
-    // `heavy` is first in line now; its first chunk of 2 is due at 300 ms. Unclaimed, it is
+    // `heavy` is first in line now; its first chunk of 1 is due at 200 ms. Unclaimed, it is
     // stepped over 10 ms later, not after the (20 - 2) / 10 s its whole cost would take.
     pacer.until_ready(1).await.unwrap();
     assert_eq!(
         start.elapsed(),
-        Duration::from_millis(310),
+        Duration::from_millis(210),
         "the other user of the pacer waited for the stalled heavy item"
     );
-    // Polled again, `heavy` takes its place back and pays its 20 units at the rate: ten
-    // chunks of 2, 200 ms apart, the first due at 410 ms (after the unit taken at 310 ms).
+    // Polled again, `heavy` takes its place back and pays its 20 units at the rate: twenty
+    // chunks of 1, 100 ms apart on the schedule, the first due at 300 ms (the burst's
+    // second unit), the last at 2 200 ms.
     assert_eq!(heavy.next().await, Some(20));
-    assert_eq!(start.elapsed(), Duration::from_millis(2_210));
+    assert_eq!(start.elapsed(), Duration::from_millis(2_200));
 }
 
 #[tokio::test(start_paused = true)]

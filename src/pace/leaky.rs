@@ -31,8 +31,8 @@ pub(crate) fn unit_cost<T>(_: &T) -> u32 {
 /// item; upstream is not polled while that item waits, so a fast upstream is slowed down
 /// (backpressure). See [`leaky_queue`](crate::FlowStreamExt::leaky_queue) to drain a bursty
 /// upstream eagerly instead. An item whose cost is above the pacer's burst pays it in
-/// successive chunks of at most the burst, so the rate holds in cost units; an item of cost
-/// 0 passes at once.
+/// successive chunks of half the burst (rounded up), so the rate holds in cost units, late
+/// timers included; an item of cost 0 passes at once.
 ///
 /// The item waiting for the pacer when the stream is dropped or taken apart with
 /// [`into_inner`](Leaky::into_inner) is discarded: it goes to the

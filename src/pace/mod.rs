@@ -31,7 +31,9 @@
 //! A wait for the pacer sleeps on a tokio timer, so [`Pacer::until_ready`] and the adapters
 //! must be polled inside a tokio runtime with timers enabled whenever they have to wait
 //! (they panic otherwise). [`Pacer::check`] never waits and needs no runtime. Under
-//! `tokio::time::pause()` every wait is exact.
+//! `tokio::time::pause()` time is virtual and every schedule deterministic, but a wait
+//! still ends on the timer's next 1 ms tick, as in real time: a unit due at 333.3 ms
+//! leaves at 334 ms (the schedule itself stays exact, so the next is due at 666.7 ms).
 //!
 //! # Metrics
 //!

@@ -176,6 +176,10 @@ pub(crate) enum Admit {
 /// long-run rate falls short by about `lateness × rate`: ≈0.1% at 1/s, up to 10% at
 /// 100/s, and at most one unit per tick above that: 800/s runs at about 500/s, 1M/s at
 /// about 1000/s. Strict spacing is for slow rates; above ~10/s keep a burst of at least 2.
+/// The same holds for waits of the whole burst at any burst (`until_ready(burst)` in a
+/// loop): each needs a full bucket, and what the timer's lateness would have added is lost.
+/// Ask for less than the burst at a time (an item above the burst under
+/// [`leaky_cost`](crate::FlowStreamExt::leaky_cost) pays in chunks of half of it).
 ///
 /// # Examples
 ///

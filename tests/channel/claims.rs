@@ -126,3 +126,34 @@ async fn stats_add_up_at_capacity_one_under_every_policy() {
         check(&rx, "the end");
     }
 }
+
+/// The bound is exact on both sides of the ring's switch from a preallocated array
+/// (capacities up to 4 096) to linked blocks (above): full at exactly `capacity` items,
+/// FIFO, and under `DropOldest` the oldest goes, at 4 096 and 4 097.
+#[tokio::test]
+async fn the_bound_is_exact_on_both_sides_of_the_ring_switch() {
+    for capacity in [4_096usize, 4_097] {
+        let (tx, mut rx) = channel::bounded::<usize>(capacity).unwrap();
+        for i in 0..capacity {
+            assert_eq!(tx.try_send(i), Ok(Sent::Queued), "{capacity}: item {i}");
+        }
+        assert!(tx.try_send(capacity).unwrap_err().is_full(), "{capacity}");
+        assert_eq!(rx.len(), capacity);
+        let mut buf = Vec::new();
+        while buf.len() < capacity {
+            rx.recv_many(&mut buf, capacity).await;
+        }
+        assert_eq!(buf, (0..capacity).collect::<Vec<_>>(), "{capacity}");
+
+        let (tx, mut rx) = channel::builder::<usize>(capacity)
+            .overflow(Overflow::DropOldest)
+            .build()
+            .unwrap();
+        for i in 0..capacity + 2 {
+            tx.try_send(i).unwrap();
+        }
+        assert_eq!(rx.len(), capacity);
+        assert_eq!(rx.stats().dropped, 2);
+        assert_eq!(rx.recv().await, Some(2), "{capacity}: 0 and 1 dropped");
+    }
+}

@@ -148,3 +148,24 @@ async fn adapters_bounds_hold_and_they_fuse_when_the_upstream_ends_under_a_permi
     sleep(Duration::from_millis(1)).await;
     assert_eq!(b.in_flight(), 0);
 }
+
+/// A `critical_reserve` beyond `u32` is refused on `bulkhead.critical_reserve`, and the
+/// message names the reserve asked for (it named `u32::MAX`, a number never given).
+#[test]
+fn a_reserve_beyond_u32_is_refused_with_the_number_asked_for() {
+    let asked = (1usize << 40) + 7;
+    let e = Bulkhead::builder(4)
+        .critical_reserve(asked)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (e.field(), e.kind()),
+        ("bulkhead.critical_reserve", ConfigErrorKind::Inconsistent)
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "invalid bulkhead.critical_reserve: a reserve of {asked} out of 4 permits leaves none for normal work"
+        )
+    );
+}

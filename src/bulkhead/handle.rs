@@ -287,7 +287,7 @@ impl Bulkhead {
     /// `bulkhead.critical_reserve` if it is not above the critical reserve.
     pub fn set_max_in_flight(&self, max_in_flight: usize) -> Result<(), ConfigError> {
         let max = check_max_in_flight(max_in_flight)?;
-        check_reserve(max, self.core.reserve())?;
+        check_reserve(max, self.core.reserve() as usize)?;
         self.core.set_max_in_flight(max);
         Ok(())
     }
@@ -357,8 +357,9 @@ fn check_max_in_flight(n: usize) -> Result<u32, ConfigError> {
         })
 }
 
-fn check_reserve(max: u32, reserve: u32) -> Result<(), ConfigError> {
-    if reserve >= max {
+/// `reserve` as it was asked for (a `usize`): the message names that number.
+fn check_reserve(max: u32, reserve: usize) -> Result<(), ConfigError> {
+    if reserve >= max as usize {
         return Err(ConfigError::new(
             "bulkhead.critical_reserve",
             ConfigErrorKind::Inconsistent,
@@ -490,8 +491,9 @@ impl BulkheadBuilder {
                 "must be positive; use max_waiting(0) to never wait",
             ));
         }
+        check_reserve(max, self.critical_reserve)?;
+        // Below `max`, so within `u32`.
         let reserve = u32::try_from(self.critical_reserve).unwrap_or(u32::MAX);
-        check_reserve(max, reserve)?;
         let adaptive = self
             .adaptive
             .map(|f| Adaptive::new((f.make)(), reserve, max, self.name.as_deref()));

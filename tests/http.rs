@@ -34,3 +34,6 @@ mod h2;
 
 #[path = "http/downstreams.rs"]
 mod downstreams;
+
+#[path = "http/why.rs"]
+mod why;

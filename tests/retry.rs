@@ -29,3 +29,6 @@ mod hint;
 
 #[path = "retry/call.rs"]
 mod call;
+
+#[path = "retry/why.rs"]
+mod why;

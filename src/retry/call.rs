@@ -62,8 +62,12 @@ where
     }
 }
 
-/// Why [`retry`] stopped.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why [`retry`] (or `RetryLayer`) stopped: in [`Retried`], in `RetryInfo`, and in every
+/// [`RetryError`] ([`RetryError::stop`]). The `stop` label of
+/// `flowgate_retry_stopped_total` names the same reasons.
+///
+/// Its `Display` names the reason in lowercase, without a trailing period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Stop {
     /// The last attempt was a [`Outcome::Success`].
@@ -81,6 +85,11 @@ pub enum Stop {
     /// backoff gave up, the budget refused, or the request may not be sent twice): there
     /// is no result.
     TimedOut,
+    /// The attempt failed in a way worth retrying ([`Outcome::Retry`], or back-pressure
+    /// without a response), but the request may not be sent twice: `RetryLayer` resends
+    /// only the methods of its `retry_methods` (by default the idempotent ones), so a
+    /// `POST` that met a `500` or a reset connection stops here. [`retry`] never stops so.
+    NotRetryable,
 }
 
 impl Stop {
@@ -91,6 +100,20 @@ impl Stop {
             Stop::GaveUp(_) => "gave_up",
             Stop::Budget => "budget",
             Stop::TimedOut => "timed_out",
+            Stop::NotRetryable => "not_retryable",
+        }
+    }
+}
+
+impl fmt::Display for Stop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Stop::Success => f.write_str("succeeded"),
+            Stop::Fatal => f.write_str("fatal, not retried"),
+            Stop::GaveUp(give_up) => give_up.fmt(f),
+            Stop::Budget => f.write_str("retry budget exhausted"),
+            Stop::TimedOut => f.write_str("the last attempt timed out"),
+            Stop::NotRetryable => f.write_str("not retried, the request may not be sent twice"),
         }
     }
 }
@@ -120,13 +143,18 @@ impl<T, E> Retried<T, E> {
     ///
     /// # Errors
     ///
-    /// [`RetryError::Inner`] with the last attempt's error, [`RetryError::TimedOut`]
+    /// [`RetryError::Inner`] with the last attempt's error (and why it was not retried),
+    /// [`RetryError::TimedOut`]
     /// when the last attempt timed out, or [`RetryError::NotSent`] when no attempt was
     /// made.
     pub fn into_result(self) -> Result<T, RetryError<E>> {
         match (self.result, self.stop) {
             (Some(Ok(v)), _) => Ok(v),
-            (Some(Err(e)), _) => Err(RetryError::Inner(e)),
+            (Some(Err(error)), stop) => Err(RetryError::Inner {
+                error,
+                stop,
+                attempts: self.attempts,
+            }),
             (None, Stop::GaveUp(give_up)) if self.attempts == 0 => {
                 Err(RetryError::NotSent(give_up))
             }
@@ -137,13 +165,46 @@ impl<T, E> Retried<T, E> {
     }
 }
 
-/// The error of [`Retried::into_result`].
+/// The error of [`Retried::into_result`] and of `RetryLayer`'s service: the last
+/// attempt's error (or none), why the retries stopped ([`stop`](RetryError::stop)) and the
+/// attempts made ([`attempts`](RetryError::attempts)).
+///
+/// Its `Display` names the reason in lowercase, without a trailing period, then the
+/// attempts and the last attempt's error: `gave up after 5 attempts: connection reset`,
+/// `retry budget exhausted (2 attempts): connection reset`.
+///
+/// # Examples
+///
+/// ```
+/// use flowgate::retry::{retry, Backoff, GiveUp, Outcome, RetryPolicy, Stop};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let policy = RetryPolicy::builder(Backoff::builder().max_attempts(3).build()?).build()?;
+/// let classify = |_: &Result<(), &str>| Outcome::Retry;
+/// let done = retry(&policy, classify, |_| async { Err("connection reset") }).await;
+/// let err = done.into_result().unwrap_err();
+/// assert_eq!(err.stop(), Stop::GaveUp(GiveUp::Attempts { attempts: 3 }));
+/// assert_eq!(err.attempts(), 3);
+/// assert_eq!(err.to_string(), "gave up after 3 attempts: connection reset");
+/// assert_eq!(err.into_inner(), Some("connection reset"));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum RetryError<E> {
     /// The last attempt's own error.
-    Inner(E),
-    /// The last attempt ran past the attempt timeout.
+    Inner {
+        /// The error.
+        error: E,
+        /// Why it was not retried: never [`Stop::TimedOut`].
+        stop: Stop,
+        /// Attempts made, the first included (0 when `RetryLayer`'s inner service failed
+        /// to become ready for the first one).
+        attempts: u32,
+    },
+    /// The last attempt ran past the attempt timeout ([`Stop::TimedOut`]).
     TimedOut {
         /// Attempts made.
         attempts: u32,
@@ -154,10 +215,62 @@ pub enum RetryError<E> {
     NotSent(GiveUp),
 }
 
+impl<E> RetryError<E> {
+    /// Why the retries stopped: [`Stop::TimedOut`] for [`RetryError::TimedOut`],
+    /// [`Stop::GaveUp`] for [`RetryError::NotSent`].
+    pub fn stop(&self) -> Stop {
+        match self {
+            RetryError::Inner { stop, .. } => *stop,
+            RetryError::TimedOut { .. } => Stop::TimedOut,
+            RetryError::NotSent(give_up) => Stop::GaveUp(*give_up),
+        }
+    }
+
+    /// The attempts made, the first included (0 when none was sent).
+    pub fn attempts(&self) -> u32 {
+        match self {
+            RetryError::Inner { attempts, .. } | RetryError::TimedOut { attempts } => *attempts,
+            RetryError::NotSent(_) => 0,
+        }
+    }
+
+    /// The last attempt's own error, if it ended with one.
+    pub fn inner(&self) -> Option<&E> {
+        match self {
+            RetryError::Inner { error, .. } => Some(error),
+            RetryError::TimedOut { .. } | RetryError::NotSent(_) => None,
+        }
+    }
+
+    /// The last attempt's own error, if it ended with one.
+    pub fn into_inner(self) -> Option<E> {
+        match self {
+            RetryError::Inner { error, .. } => Some(error),
+            RetryError::TimedOut { .. } | RetryError::NotSent(_) => None,
+        }
+    }
+}
+
 impl<E: fmt::Display> fmt::Display for RetryError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RetryError::Inner(e) => write!(f, "{e}"),
+            // The reason says the attempts already.
+            RetryError::Inner {
+                error,
+                stop: stop @ Stop::GaveUp(GiveUp::Attempts { .. }),
+                ..
+            } => write!(f, "{stop}: {error}"),
+            RetryError::Inner {
+                error,
+                stop,
+                attempts: 1,
+            } => write!(f, "{stop} (1 attempt): {error}"),
+            RetryError::Inner {
+                error,
+                stop,
+                attempts,
+            } => write!(f, "{stop} ({attempts} attempts): {error}"),
+            RetryError::TimedOut { attempts: 1 } => f.write_str("the only attempt timed out"),
             RetryError::TimedOut { attempts } => {
                 write!(f, "the last of {attempts} attempts timed out")
             }
@@ -169,7 +282,7 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
 impl<E: std::error::Error + 'static> std::error::Error for RetryError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RetryError::Inner(e) => Some(e),
+            RetryError::Inner { error, .. } => Some(error),
             RetryError::TimedOut { .. } => None,
             RetryError::NotSent(give_up) => Some(give_up),
         }
@@ -192,7 +305,7 @@ struct PolicyInner {
     name: Option<String>,
     attempts: Counter,
     /// By [`Stop`], in the order of `count_stop`, then `cancelled`.
-    stopped: [Counter; 6],
+    stopped: [Counter; 7],
     rtt: Histogram,
 }
 
@@ -325,7 +438,7 @@ impl RetryPolicy {
         if retry_pending {
             self.abandon_retry();
         }
-        self.inner.stopped[5].increment(1);
+        self.inner.stopped[6].increment(1);
         tracing::debug!(
             policy = self
                 .inner
@@ -344,6 +457,7 @@ impl RetryPolicy {
             Stop::GaveUp(_) => 2,
             Stop::Budget => 3,
             Stop::TimedOut => 4,
+            Stop::NotRetryable => 5,
         };
         self.inner.stopped[i].increment(1);
         if !matches!(stop, Stop::Success | Stop::Fatal) {
@@ -419,6 +533,7 @@ impl RetryPolicyBuilder {
                     stop(Stop::GaveUp(GiveUp::Attempts { attempts: 0 })),
                     stop(Stop::Budget),
                     stop(Stop::TimedOut),
+                    stop(Stop::NotRetryable),
                     labels.counter(names::STOPPED, &[("stop", "cancelled")]),
                 ],
                 rtt: labels.histogram(names::RTT, &[]),

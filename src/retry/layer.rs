@@ -231,11 +231,12 @@ impl Methods {
 /// the last attempt's own error, [`RetryError::Inner`], [`RetryError::TimedOut`] when
 /// the last attempt ran past the attempt timeout, or [`RetryError::NotSent`] when none was
 /// sent. An error of the inner service's
-/// `poll_ready` before a retry ends the request with that error, counted as a
-/// [`Stop::Fatal`]. An error carries no [`RetryInfo`]: why the retries stopped (the
-/// attempts ran out, the deadline, the budget, or a method not sent twice, which counts
-/// as `fatal`) shows only in the `flowgate_retry_stopped_total` metric by `stop` (and a
-/// `debug` event for `gave_up`, `budget` and `timed_out`).
+/// `poll_ready` before a retry ends the request with that error, a [`Stop::Fatal`]. Every
+/// error says why the retries stopped and after how many attempts, as a [`RetryInfo`]
+/// does for a response: [`RetryError::stop`] (the attempts ran out or the deadline,
+/// [`Stop::GaveUp`]; the budget, [`Stop::Budget`]; a method not sent twice,
+/// [`Stop::NotRetryable`]; a fatal error, [`Stop::Fatal`]) and [`RetryError::attempts`];
+/// the `flowgate_retry_stopped_total` metric counts the same by `stop`.
 ///
 /// A response is classified by its head, and given out as soon as it is a success or
 /// final: its body is the caller's to read, and a failure there (a connection reset
@@ -247,8 +248,8 @@ impl Methods {
 /// [`Outcome::BackPressure`] the classifier gave an error (a client's own timeout) are
 /// retried only for the methods of [`retry_methods`](RetryLayer::retry_methods), by
 /// default the idempotent ones (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`): the
-/// request may have been acted on, so for the others it is final (as [`Outcome::Fatal`];
-/// a timeout as [`Stop::TimedOut`]; either way the budget counts the failure, and the
+/// request may have been acted on, so for the others it is final ([`Stop::NotRetryable`];
+/// a timeout [`Stop::TimedOut`]; either way the budget counts the failure, and the
 /// pacer hears of back-pressure). Back-pressure in a response (a `429` or `503`) is
 /// retried for every method: the server refused the request without acting on it.
 ///
@@ -460,7 +461,14 @@ where
     type Future = RetryFuture<S, C, B, ResB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(RetryError::Inner)
+        // Before any attempt: the request cannot be sent at all, a stop like a fatal answer.
+        self.inner
+            .poll_ready(cx)
+            .map_err(|error| RetryError::Inner {
+                error,
+                stop: Stop::Fatal,
+                attempts: 0,
+            })
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
@@ -666,7 +674,11 @@ where
                         policy.abandon_retry();
                         policy.count_stop(&Stop::Fatal);
                         this.state.set(State::Done);
-                        return Poll::Ready(Err(RetryError::Inner(e)));
+                        return Poll::Ready(Err(RetryError::Inner {
+                            error: e,
+                            stop: Stop::Fatal,
+                            attempts: this.schedule.attempts() - 1,
+                        }));
                     }
                     *this.ready = false;
                     let req = this.request.clone();
@@ -730,7 +742,7 @@ where
                 attempts: this.schedule.attempts(),
             });
             let rtt = started.elapsed();
-            let mut outcome = match &result {
+            let outcome = match &result {
                 Some(result) => this.shared.classify.classify(result),
                 None => Outcome::BackPressure { retry_after: None },
             };
@@ -738,12 +750,10 @@ where
             // it: back-pressure from a timeout or an error is not that.
             let unanswered =
                 matches!(outcome, Outcome::BackPressure { .. }) && !matches!(result, Some(Ok(_)));
-            if !*this.retryable && (outcome == Outcome::Retry || unanswered) {
+            let not_resent = !*this.retryable && (outcome == Outcome::Retry || unanswered);
+            if not_resent {
                 // Not sent again (a `Retry`, a timeout, back-pressure without an answer);
                 // the downstream failed all the same.
-                if outcome == Outcome::Retry {
-                    outcome = Outcome::Fatal;
-                }
                 if let Some(budget) = policy.budget() {
                     budget.on_failure();
                 }
@@ -765,8 +775,9 @@ where
                 Outcome::BackPressure { .. } if result.is_none() && !*this.retryable => {
                     Stop::TimedOut
                 }
-                // Back-pressure from an error (a client's own timeout): as a `Retry` is.
-                Outcome::BackPressure { .. } if unanswered && !*this.retryable => Stop::Fatal,
+                // A `Retry`, or back-pressure from an error (a client's own timeout): not
+                // sent twice.
+                Outcome::Retry | Outcome::BackPressure { .. } if not_resent => Stop::NotRetryable,
                 Outcome::Retry | Outcome::BackPressure { .. } => {
                     match policy.next(this.schedule, outcome) {
                         Ok(delay) => {
@@ -794,7 +805,11 @@ where
                     res.extensions_mut().insert(RetryInfo { attempts, stop });
                     Ok(res)
                 }
-                Some(Err(e)) => Err(RetryError::Inner(e)),
+                Some(Err(error)) => Err(RetryError::Inner {
+                    error,
+                    stop,
+                    attempts,
+                }),
                 None => Err(RetryError::TimedOut { attempts }),
             });
         }

@@ -8,7 +8,7 @@
 //! | piece | what it does |
 //! |---|---|
 //! | [`Backoff`] → [`Schedule`] | exponential backoff with the AWS jitters ([`Jitter`]), max attempts and a deadline over the whole operation; the server's `Retry-After` wins, bounded; gives up with a typed [`GiveUp`] |
-//! | [`retry()`](retry()) with a [`RetryPolicy`] | the whole loop: waits for the policy's [`AdaptivePacer`](crate::pace::AdaptivePacer), runs the attempt (with a timeout), asks your [`Classify`] what the result means ([`Outcome`]: success, fatal, retry, back-pressure), tells the budget and the pacer, waits the backoff or the server's `Retry-After`; the round-trip time is each attempt's own |
+//! | [`retry()`](retry()) with a [`RetryPolicy`] | the whole loop: waits for the policy's [`AdaptivePacer`](crate::pace::AdaptivePacer), runs the attempt (with a timeout), asks your [`Classify`] what the result means ([`Outcome`]: success, fatal, retry, back-pressure), tells the budget and the pacer, waits the backoff or the server's `Retry-After`; the round-trip time is each attempt's own; a [`RetryError`] says why it stopped ([`Stop`]) and after how many attempts |
 //! | [`RetryBudget`] | gRPC's `retryThrottling`: retries only while the downstream mostly succeeds, shared by every clone, so a struggling downstream sees no retry storm |
 //! | `RetryLayer` (feature `http`) | a tower client layer (hyper-util's client, any `Service<Request<B: Clone>>`): retry + backoff + budget + adaptive pacer, statuses classified by `HttpClassify`, the server's fields fed to the pacer on every response |
 //! | `ServerHint`, `PolicyHint` (feature `http`) | parse a response's `Retry-After`, IETF `RateLimit` / `RateLimit-Policy`, draft-03 `RateLimit-*` and `X-RateLimit-*` into one value; malformed fields are ignored, no input panics |
@@ -80,8 +80,10 @@
 //! `flowgate_retry_attempt_seconds` (each attempt's own round-trip time, a histogram, for
 //! the attempts that ended: answered, failed or timed out) and
 //! `flowgate_retry_stopped_total` by `stop` (`success`, `fatal`, `gave_up`, `budget`,
-//! `timed_out`, and `cancelled` for an operation dropped before it ended): each operation
-//! counts exactly one stop.
+//! `timed_out`, `not_retryable`, and `cancelled` for an operation dropped before it
+//! ended): each operation counts exactly one stop. The same reason is in what the caller
+//! gets, with or without the `metrics` feature: [`Retried::stop`], `RetryInfo::stop` on a
+//! response, [`RetryError::stop`] on an error.
 //!
 //! # Cancellation
 //!

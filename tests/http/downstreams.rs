@@ -380,7 +380,16 @@ async fn a_reset_is_retried_for_a_get_and_not_for_a_post() {
         )
         .await
         .unwrap_err();
-        assert!(matches!(err, RetryError::Inner(_)), "{method}: {err:?}");
+        assert!(matches!(err, RetryError::Inner { .. }), "{method}: {err:?}");
+        let stop = match calls {
+            1 => Stop::NotRetryable,
+            _ => Stop::GaveUp(GiveUp::Attempts { attempts: 3 }),
+        };
+        assert_eq!(
+            (err.stop(), err.attempts() as usize),
+            (stop, calls),
+            "{method}"
+        );
         assert_eq!(server.calls(), calls, "{method}");
         assert!(server.seen().iter().all(|s| s.method == method.as_str()));
     }

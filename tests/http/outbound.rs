@@ -455,7 +455,7 @@ async fn does_not_retry_a_post_on_500_by_default() {
     let res = client.oneshot(request(Method::POST)).await.unwrap();
     assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(server.calls(), 1);
-    assert_eq!(info(&res).stop, Stop::Fatal);
+    assert_eq!(info(&res).stop, Stop::NotRetryable);
 
     // GET, idempotent: retried until the attempts run out.
     let server = Scripted::new();
@@ -559,8 +559,21 @@ async fn transport_errors_are_retried_and_the_last_one_returned() {
     };
     let client = RetryLayer::new(policy(backoff(4))).layer(down);
     let err = client.oneshot(request(Method::GET)).await.unwrap_err();
-    assert!(matches!(err, RetryError::Inner(Refused(4))), "{err:?}");
-    assert_eq!(err.to_string(), "connection refused (4)");
+    assert!(
+        matches!(
+            err,
+            RetryError::Inner {
+                error: Refused(4),
+                stop: Stop::GaveUp(GiveUp::Attempts { attempts: 4 }),
+                attempts: 4,
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "gave up after 4 attempts: connection refused (4)"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -671,7 +684,17 @@ async fn a_post_is_not_sent_again_after_a_transport_error_classified_as_back_pre
         .classify(classify)
         .layer(timing_out(&calls));
     let err = client.oneshot(request(Method::POST)).await.unwrap_err();
-    assert!(matches!(err, RetryError::Inner(Refused(1))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            RetryError::Inner {
+                error: Refused(1),
+                stop: Stop::NotRetryable,
+                attempts: 1,
+            }
+        ),
+        "{err:?}"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the POST was sent again");
     // Back-pressure for the pacer all the same, and a failed attempt for the budget.
     assert_eq!(pacer.status().cuts, 1);
@@ -1180,7 +1203,14 @@ async fn an_inner_service_failing_ready_for_a_retry_is_a_counted_stop() {
     let client = RetryLayer::new(policy).layer(Fails(Arc::new(AtomicU32::new(0))));
     let err = client.oneshot(request(Method::GET)).await.unwrap_err();
     assert!(
-        matches!(err, RetryError::Inner("connection pool closed")),
+        matches!(
+            err,
+            RetryError::Inner {
+                error: "connection pool closed",
+                stop: Stop::Fatal,
+                attempts: 1,
+            }
+        ),
         "{err:?}"
     );
     assert_eq!(
@@ -1300,7 +1330,14 @@ async fn a_dropped_request_counts_the_drop_and_abandons_the_allowed_retry() {
     });
     let err = client.oneshot(request(Method::GET)).await.unwrap_err();
     assert!(
-        matches!(err, RetryError::Inner("connection pool closed")),
+        matches!(
+            err,
+            RetryError::Inner {
+                error: "connection pool closed",
+                stop: Stop::Fatal,
+                attempts: 1,
+            }
+        ),
         "{err:?}"
     );
     assert_eq!(abandoned(), 4);
@@ -1353,6 +1390,7 @@ fn stops(recorder: &crate::support::TestRecorder, name: &str) -> Vec<(&'static s
         "gave_up",
         "budget",
         "timed_out",
+        "not_retryable",
         "cancelled",
     ]
     .into_iter()
@@ -1801,7 +1839,7 @@ proptest::proptest! {
             let calls = kinds.len() as u64;
             assert_eq!(u64::from(attempts), calls);
             assert_eq!(recorder.counter("flowgate_retry_attempts_total{name=n}"), calls);
-            let stops: u64 = ["success", "fatal", "gave_up", "budget", "timed_out", "cancelled"]
+            let stops: u64 = ["success", "fatal", "gave_up", "budget", "timed_out", "not_retryable", "cancelled"]
                 .iter()
                 .map(|s| recorder.counter(&format!("flowgate_retry_stopped_total{{name=n,stop={s}}}")))
                 .sum();

@@ -106,7 +106,11 @@ async fn attempts_run_out_with_the_last_result() {
     ));
     assert!(matches!(
         done.into_result(),
-        Err(RetryError::Inner("reset"))
+        Err(RetryError::Inner {
+            error: "reset",
+            stop: Stop::GaveUp(GiveUp::Attempts { attempts: 5 }),
+            attempts: 5,
+        })
     ));
 }
 

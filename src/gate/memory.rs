@@ -155,6 +155,13 @@ impl Inner {
 /// `rejected`, and `keyspace_full`: requests refused with [`GateError::KeyspaceFull`]
 /// because every key the gate can hold is busy, a flood of distinct keys, say).
 ///
+/// A request refused for what it asks ([`GateError::Cost`], [`GateError::InvalidKey`], and
+/// the malformed lists of [`check_all`](MemoryGate::check_all)) is not a decision and is not
+/// counted here: nothing was charged, and its caller has the error (a
+/// [`Gated`](crate::gate::Gated) stream counts its item in
+/// `flowgate_gated_dropped_total{reason="gate_error"}`, the HTTP rate-limit layer counts the
+/// request as `bad_request`). The three gates count alike.
+///
 /// # Examples
 ///
 /// ```

@@ -236,6 +236,13 @@ pub(super) struct Inner<C> {
 /// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`
 /// (`degraded`: Redis failed and the failure policy decides; `healthy`: a probe answered),
 /// `flowgate_gate_driver_restarts_total`.
+///
+/// A request refused for what it asks ([`GateError::Cost`], [`GateError::InvalidKey`], and
+/// the malformed lists of [`check_all`](RedisGate::check_all)) is not a decision and is not
+/// counted here: Redis was not asked, nothing was charged, and its caller has the error (a
+/// [`Gated`](crate::gate::Gated) stream counts its item in
+/// `flowgate_gated_dropped_total{reason="gate_error"}`, the HTTP rate-limit layer counts the
+/// request as `bad_request`). The three gates count alike.
 pub struct RedisGate<C> {
     pub(super) inner: Arc<Inner<C>>,
 }

@@ -60,6 +60,12 @@ use crate::region::member::Region;
 /// `unreadable_key`: requests refused with [`GateError::UnreadableKey`]), labelled with the
 /// allocator's `name` and the `region`; the local Redis's latency and failures as
 /// a [`RedisGate`](crate::gate::RedisGate)'s.
+///
+/// A request refused for what it asks ([`GateError::Cost`], [`GateError::InvalidKey`])
+/// is not a decision and is not counted here: nothing was charged, and its caller has the
+/// error (a [`Gated`](crate::gate::Gated) stream counts its item in
+/// `flowgate_gated_dropped_total{reason="gate_error"}`, the HTTP rate-limit layer counts
+/// the request as `bad_request`). The three gates count alike.
 pub struct RegionGate<C> {
     region: Region<C>,
     policy: FailurePolicy,

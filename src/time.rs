@@ -1,6 +1,7 @@
-//! Durations from builders: anything longer than [`FOREVER`] (such as `Duration::MAX`, the
-//! natural way to say "never") is taken as `FOREVER`, so adding it to an `Instant` cannot
-//! overflow and panic.
+//! Durations from builders, and waits computed from limits (a pacer's at a rate of one per
+//! `u64::MAX` ns, a gate's `retry_after`): anything longer than [`FOREVER`] (such as
+//! `Duration::MAX`, the natural way to say "never") is taken as `FOREVER`, so adding it to
+//! an `Instant` cannot overflow and panic.
 
 use std::time::Duration;
 

@@ -14,6 +14,7 @@ use crate::metrics::{Counter, Histogram, Labels};
 use crate::pace::until_ready::UntilReady;
 use crate::rate::{Quota, Rate};
 use crate::sync::{Arc, Deferred, Key, Mutex, MutexGuard, WaiterList};
+use crate::time::capped;
 
 /// The timer lateness the default burst absorbs.
 const DEFAULT_TOLERANCE: Duration = Duration::from_millis(5);
@@ -506,7 +507,8 @@ impl Inner {
         let (key, since) = st.head?;
         let burst = st.bucket.quota().burst_size();
         let cost = st.waiters.get(key)?.cost.min(burst);
-        Some(since.max(self.epoch + st.bucket.ready_at(&st.gcra, u64::from(cost))))
+        let ready_at = capped(st.bucket.ready_at(&st.gcra, u64::from(cost)));
+        Some(since.max(self.epoch + ready_at))
     }
 
     /// Steps over a head (other than `caller`) that has left its turn unclaimed for
@@ -638,7 +640,7 @@ impl Inner {
             st.head = Some((key, now));
             st.watcher = None;
         }
-        let due = now + decision.retry_after;
+        let due = now + capped(decision.retry_after);
         ticket.due = Some(due);
         Ok(Admit::At(due))
     }

@@ -1016,6 +1016,41 @@ async fn released_total_counts_units_of_cost_for_items_paid_in_chunks() {
     );
 }
 
+/// A `leaky_cost` stream dropped partway through paying for an item above the burst: the
+/// chunks it paid stay counted as released ("a unit counts when the pacer lets it through,
+/// taking it from the bucket"), they are not given back (the pacer's next user waits
+/// behind them), and the item itself is counted as dropped, `policy="closed"`.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_item_dropped_partway_through_its_chunks_keeps_them_released() {
+    let recorder = support::TestRecorder::default();
+    // Cost 5 over a burst of 2: chunks of 1. The full bucket pays two at once, the third
+    // is due 100 ms later.
+    let (pacer, mut s) = metrics::with_local_recorder(&recorder, || {
+        let pacer = Pacer::builder(Rate::per_second(10).unwrap())
+            .burst(2)
+            .name("partial")
+            .build()
+            .unwrap();
+        let s = futures::stream::iter([5u32]).leaky_cost(pacer.clone(), |c| *c);
+        (pacer, s)
+    });
+    assert!(poll!(s.next()).is_pending());
+    drop(s);
+    assert_eq!(
+        recorder.counter("flowgate_pace_released_total{name=partial}"),
+        2
+    );
+    assert_eq!(
+        recorder.counter("flowgate_pace_dropped_total{name=partial,policy=closed}"),
+        1
+    );
+    // The two units were spent: the next one is due when the schedule says, not at once.
+    let d = pacer.check(1).unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Duration::from_millis(100));
+}
+
 /// `Pacer::waiting`: "every one in line, those stepped over included".
 #[tokio::test(start_paused = true)]
 async fn waiting_counts_a_waiter_that_was_stepped_over() {

@@ -38,7 +38,9 @@ pub(crate) fn unit_cost<T>(_: &T) -> u32 {
 /// [`into_inner`](Leaky::into_inner) is discarded: it goes to the
 /// [`on_drop`](LeakyBuilder::on_drop) hook, if one is set, as [`Dropped::Discarded`], and is
 /// counted as `flowgate_pace_dropped_total{policy="closed"}` under the pacer's name, as the
-/// items left in a [`leaky_queue`](crate::FlowStreamExt::leaky_queue) are.
+/// items left in a [`leaky_queue`](crate::FlowStreamExt::leaky_queue) are. An item dropped
+/// partway through paying in chunks keeps the chunks it paid: taken from the bucket, they
+/// are not given back, and stay counted in `flowgate_pace_released_total`.
 ///
 /// Made by [`leaky`](crate::FlowStreamExt::leaky), [`leaky_with`](crate::FlowStreamExt::leaky_with)
 /// and [`leaky_cost`](crate::FlowStreamExt::leaky_cost), or by [`Leaky::builder`] to give

@@ -38,13 +38,19 @@
 //! # Metrics
 //!
 //! Labelled by the pacer's `name`: `flowgate_pace_released_total` (units of cost released:
-//! items under a unit cost, the costs summed under `leaky_cost`),
+//! items under a unit cost, the costs summed under `leaky_cost`; a unit counts when the
+//! pacer lets it through, taking it from the bucket, so an item above the burst counts
+//! chunk by chunk as it pays),
 //! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram).
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
 //! queue goes away) under its own [`name`](LeakyQueueBuilder::name), by default its pacer's.
 //! A `leaky` stream dropped or taken apart with an item waiting for the pacer counts that
-//! item as `flowgate_pace_dropped_total{policy="closed"}` under its pacer's name.
+//! item as `flowgate_pace_dropped_total{policy="closed"}` under its pacer's name. If the
+//! item was partway through paying in chunks, the chunks it paid stay counted as released:
+//! the bucket spent them (the pacer gives no units back, so they hold the rate for the
+//! pacer's other users as any release does), though the item never left; the dropped count
+//! is in items, the released one in units.
 //! An [`AdaptivePacer`] adds `flowgate_pace_adaptive_rate` (gauge, per second),
 //! `flowgate_pace_adaptive_pauses_total` and `flowgate_pace_adaptive_cuts_total`.
 

@@ -1051,6 +1051,24 @@ async fn an_item_dropped_partway_through_its_chunks_keeps_them_released() {
     assert_eq!(d.retry_after, Duration::from_millis(100));
 }
 
+/// The slowest rate a pacer takes, one unit per `u64::MAX` ns (about 584 years): the waits
+/// it computes are taken as a century before they are added to an `Instant`, so a waiter
+/// (and the one watching it from behind) waits without panicking on any platform.
+#[tokio::test(start_paused = true)]
+async fn a_wait_of_584_years_waits_without_overflow() {
+    let rate = Rate::per(1, Duration::from_nanos(u64::MAX)).unwrap();
+    let pacer = Pacer::builder(rate).burst(1).build().unwrap();
+    pacer.until_ready(1).await.unwrap();
+    let mut head = pin!(pacer.until_ready(1));
+    let mut behind = pin!(pacer.until_ready(1));
+    assert!(poll!(head.as_mut()).is_pending());
+    assert!(poll!(behind.as_mut()).is_pending());
+    tokio::time::advance(Duration::from_secs(365 * 24 * 60 * 60)).await;
+    assert!(poll!(head.as_mut()).is_pending());
+    assert!(poll!(behind.as_mut()).is_pending());
+    assert_eq!(pacer.waiting(), 2);
+}
+
 /// `Pacer::waiting`: "every one in line, those stepped over included".
 #[tokio::test(start_paused = true)]
 async fn waiting_counts_a_waiter_that_was_stepped_over() {

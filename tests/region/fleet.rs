@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flowgate::Quota;
+use flowgate::gate::GateError;
 use flowgate::region::{Allocation, QuotaAllocator, Region, RegionSpec, SafeShare};
 use redis::aio::ConnectionManager;
 use tokio::task::JoinHandle;
@@ -19,6 +20,8 @@ pub const WEIGHTS: [u64; 3] = [50, 30, 20];
 /// The global quota: 300 per second, bursts of 30.
 pub const RATE: u64 = 300;
 pub const BURST: u64 = 30;
+/// A request sent this long after its turn was delayed by the machine, not the schedule.
+pub const LATE: Duration = Duration::from_millis(10);
 
 /// How a fleet is set up.
 #[derive(Clone, Debug)]
@@ -97,6 +100,17 @@ pub struct Fleet {
     pub admitted: Arc<Mutex<Vec<(Instant, Instant, usize)>>>,
     /// Decision latencies in µs, per region.
     pub latencies: Arc<Mutex<Vec<Vec<u64>>>>,
+    /// Every request sent: when, which region.
+    pub sent: Arc<Mutex<Vec<(Instant, usize)>>>,
+    /// The requests sent more than [`LATE`] after their turn in the offered schedule (the
+    /// load task starved of CPU; it catches up in a burst): when, which region.
+    pub late: Arc<Mutex<Vec<(Instant, usize)>>>,
+
+    /// Requests the machine's load failed, not the gate: the local Redis or its connection
+    /// timed out (a starved process or server), or the gate refused while it waited for its
+    /// probe after such a failure. When each was sent, which region.
+    pub starved: Arc<Mutex<Vec<(Instant, usize)>>>,
+    /// Every other failure.
     pub errors: Arc<AtomicU64>,
     /// The load tasks, with their region.
     load: Vec<(usize, JoinHandle<()>)>,
@@ -145,6 +159,9 @@ impl Fleet {
                 .collect(),
             admitted: Arc::new(Mutex::new(Vec::new())),
             latencies: Arc::new(Mutex::new(vec![Vec::new(); REGIONS.len()])),
+            sent: Arc::new(Mutex::new(Vec::new())),
+            late: Arc::new(Mutex::new(Vec::new())),
+            starved: Arc::new(Mutex::new(Vec::new())),
             errors: Arc::new(AtomicU64::new(0)),
             load: Vec::new(),
             started: Instant::now(),
@@ -163,6 +180,9 @@ impl Fleet {
                 let admitted = self.admitted.clone();
                 let latencies = self.latencies.clone();
                 let errors = self.errors.clone();
+                let sent_log = self.sent.clone();
+                let late = self.late.clone();
+                let starved = self.starved.clone();
                 self.load.push((
                     r,
                     tokio::spawn(async move {
@@ -177,6 +197,10 @@ impl Fleet {
                             next += Duration::from_nanos(1_000_000_000 / rate);
                             tokio::time::sleep_until(next).await;
                             let sent = Instant::now();
+                            sent_log.lock().unwrap().push((sent, r));
+                            if tokio::time::Instant::now() > next + LATE {
+                                late.lock().unwrap().push((sent, r));
+                            }
                             match gate.check("api", 1).await {
                                 Ok(d) => {
                                     let done = Instant::now();
@@ -186,7 +210,11 @@ impl Fleet {
                                         admitted.lock().unwrap().push((sent, done, r));
                                     }
                                 }
-                                Err(_) => {
+                                Err(e) if starvation(&e) => {
+                                    starved.lock().unwrap().push((sent, r));
+                                }
+                                Err(e) => {
+                                    eprintln!("region {r}: {e}");
                                     errors.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
@@ -227,6 +255,34 @@ impl Fleet {
             }
         }
         out
+    }
+
+    /// Requests sent per region in [from, to) (offsets from the start of the load).
+    pub fn sent_between(&self, from: Duration, to: Duration) -> [u64; 3] {
+        count_between(
+            &self.sent.lock().unwrap(),
+            self.started + from,
+            self.started + to,
+        )
+    }
+
+    /// Requests sent late (see [`Fleet::late`]) per region in [from, to).
+    pub fn late_between(&self, from: Duration, to: Duration) -> [u64; 3] {
+        count_between(
+            &self.late.lock().unwrap(),
+            self.started + from,
+            self.started + to,
+        )
+    }
+
+    /// Requests the machine's load failed (see [`Fleet::starved`]) per region, sent in
+    /// [from, to) (offsets from the start of the load).
+    pub fn starved_between(&self, from: Duration, to: Duration) -> [u64; 3] {
+        count_between(
+            &self.starved.lock().unwrap(),
+            self.started + from,
+            self.started + to,
+        )
     }
 
     /// The most admitted (all regions together) in any window of length `w`, counting only
@@ -297,6 +353,32 @@ impl Drop for Fleet {
     fn drop(&mut self) {
         self.stop_load();
     }
+}
+
+/// Whether `e` is a failure of the machine's load rather than of the gate: a timeout (the
+/// gate's own, or the connection's response timeout: a process or server starved of CPU),
+/// or a refusal while the gate waits for its next probe after a failure. (That failure was
+/// counted by itself: one that is not a timeout is in [`Fleet::errors`].)
+fn starvation(e: &GateError) -> bool {
+    match e {
+        GateError::Timeout(_) => true,
+        GateError::Backend(b) => {
+            b.downcast_ref::<redis::RedisError>()
+                .is_some_and(redis::RedisError::is_timeout)
+                || b.to_string().starts_with("redis is failing")
+        }
+        _ => false,
+    }
+}
+
+fn count_between(log: &[(Instant, usize)], a: Instant, b: Instant) -> [u64; 3] {
+    let mut out = [0; 3];
+    for &(t, r) in log {
+        if t >= a && t < b {
+            out[r] += 1;
+        }
+    }
+    out
 }
 
 /// The p-th percentile (0..=100) of `v`, by nearest rank.

@@ -1210,7 +1210,9 @@ async fn a_batched_caller_dropped_after_its_batch_is_sent_is_still_counted() {
     // Current-thread runtime: the gate registers its metrics with this thread's recorder.
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, quota(5))
+    // No client-side response timeout (redis-rs's is 500 ms): `first` waits on the paused
+    // server for as long as the test takes under load, bounded by the gate's own timeout.
+    let gate = RedisGate::builder(server.connect_untimed().await, quota(5))
         .name("abandoned")
         .timeout(Duration::from_secs(60))
         .build()

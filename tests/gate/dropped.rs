@@ -36,7 +36,9 @@ async fn eventually(mut done: impl FnMut() -> bool) -> bool {
 
 /// Sends `call` to the paused `server` and drops it there: polled once (its request goes to
 /// the connection), then the connection's task is given time to write it out before the
-/// caller gives up. The server is resumed afterwards.
+/// caller gives up. The server is resumed afterwards. (The gate's connection must have no
+/// client-side response timeout, `connect_untimed`: the pause may last past redis-rs's
+/// 500 ms under load, and the call finished after the caller gave up would time out there.)
 async fn give_up_mid_call<T>(server: &RedisServer, call: Pin<Box<dyn Future<Output = T> + '_>>) {
     server.pause();
     let mut call = call;
@@ -99,7 +101,7 @@ async fn a_caller_that_called_redis_alone_and_gave_up_is_still_counted() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
     for (name, batch) in [("alone", 1), ("idle", 128)] {
-        let gate = RedisGate::builder(server.connect().await, per_hour(1))
+        let gate = RedisGate::builder(server.connect_untimed().await, per_hour(1))
             .name(name)
             .prefix(format!("{name}:"))
             .batch_size(batch)
@@ -144,7 +146,7 @@ async fn a_batched_caller_that_gave_up_leaves_its_rejection_cached() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, per_hour(1))
+    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(1))
         .name("batched")
         .timeout(Duration::from_secs(60))
         .build()
@@ -184,7 +186,7 @@ async fn a_lease_taken_by_a_caller_that_gave_up_is_kept() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, per_hour(100))
+    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(100))
         .name("lease")
         .lease(10)
         .lease_ttl(Duration::from_secs(600))
@@ -221,7 +223,7 @@ async fn a_check_all_given_up_mid_call_is_still_counted() {
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let gate = RedisGate::builder(server.connect().await, per_hour(100))
+    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(100))
         .name("all")
         .timeout(Duration::from_secs(60))
         .build()
@@ -401,7 +403,7 @@ async fn a_recorder_panic_on_a_gone_callers_decision_charges_no_batched_caller_t
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, per_hour(1))
+    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(1))
         .name("answered")
         .timeout(Duration::from_secs(60))
         .build()

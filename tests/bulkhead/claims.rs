@@ -3,40 +3,10 @@
 //! `run` dropped at each of its waits, and the adapters' `size_hint` and `FusedStream`
 //! over an upstream that ends while a permit is held.
 
-use std::task::Poll;
-
 use futures::stream::FusedStream;
 
 use super::*;
-
-/// Drives `s` to its end, checking before every poll that what is still to come lies
-/// within its `size_hint`; a poll that waits is followed by 1 ms of (paused) time.
-async fn drain_checking_hints<S: Stream + Unpin>(mut s: S) -> Vec<S::Item> {
-    let mut hints = Vec::new();
-    let mut out = Vec::new();
-    loop {
-        hints.push((out.len(), s.size_hint()));
-        match poll!(s.next()) {
-            Poll::Ready(Some(x)) => out.push(x),
-            Poll::Ready(None) => break,
-            Poll::Pending => sleep(Duration::from_millis(1)).await,
-        }
-    }
-    for (seen, (lo, hi)) in hints {
-        let left = out.len() - seen;
-        assert!(
-            lo <= left,
-            "after {seen} items: lower bound {lo}, {left} came"
-        );
-        if let Some(hi) = hi {
-            assert!(
-                left <= hi,
-                "after {seen} items: upper bound {hi}, {left} came"
-            );
-        }
-    }
-    out
-}
+use crate::support::drain_checking_hints;
 
 /// The longest `wait_timeout` (`Duration::MAX`) is a wait, not an overflow: the waiter
 /// waits, and gets the permit when it comes back.

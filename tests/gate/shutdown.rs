@@ -9,7 +9,7 @@ use flowgate::gate::{Limit, RedisGate};
 use redis::aio::MultiplexedConnection;
 use tokio::runtime::Runtime;
 
-use super::support::RedisServer;
+use super::support::{RedisServer, alive_until};
 
 /// A burst of `n`, refilled one an hour: what is spent stays spent for the test.
 fn per_hour(n: u32) -> Limit {
@@ -37,16 +37,6 @@ async fn gate(conn: MultiplexedConnection, leases: u32) -> RedisGate<Multiplexed
         .build()
         .await
         .unwrap()
-}
-
-/// Waits (yielding, up to 10 s) until the runtime runs `n` tasks; returns how many it runs.
-async fn alive_until(n: usize) -> usize {
-    let metrics = tokio::runtime::Handle::current().metrics();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while metrics.num_alive_tasks() != n && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    metrics.num_alive_tasks()
 }
 
 /// The batch driver and the calls left to finish by callers that gave up end with the last

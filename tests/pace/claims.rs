@@ -4,38 +4,10 @@
 //! the inner sink's room, the feedback of an `AdaptivePacer` without a runtime.
 
 use super::*;
+use crate::support::drain_checking_hints;
 
 use futures::Stream;
 use futures::stream::FusedStream;
-
-/// Drives `s` to its end, checking before every poll that what is still to come lies
-/// within its `size_hint`; a poll that waits is followed by 1 ms of (paused) time.
-async fn drain_checking_hints<S: futures::Stream + Unpin>(mut s: S) -> Vec<S::Item> {
-    let mut hints = Vec::new();
-    let mut out = Vec::new();
-    loop {
-        hints.push((out.len(), s.size_hint()));
-        match poll!(s.next()) {
-            Poll::Ready(Some(x)) => out.push(x),
-            Poll::Ready(None) => break,
-            Poll::Pending => tokio::time::sleep(Duration::from_millis(1)).await,
-        }
-    }
-    for (seen, (lo, hi)) in hints {
-        let left = out.len() - seen;
-        assert!(
-            lo <= left,
-            "after {seen} items: lower bound {lo}, {left} came"
-        );
-        if let Some(hi) = hi {
-            assert!(
-                left <= hi,
-                "after {seen} items: upper bound {hi}, {left} came"
-            );
-        }
-    }
-    out
-}
 
 /// `Pacer::check` "never waits and needs no runtime"; `until_ready` and a `leaky` stream
 /// need one only when they have to wait.

@@ -8,7 +8,7 @@ use flowgate::region::QuotaAllocator;
 use redis::aio::MultiplexedConnection;
 use tokio::runtime::Runtime;
 
-use crate::support::RedisServer;
+use crate::support::{RedisServer, alive_until};
 
 fn runtime() -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -37,16 +37,6 @@ fn lock_held(server: &RedisServer, name: &str) -> bool {
     server
         .query_blocking(redis::cmd("EXISTS").arg(format!("{{flowgate:region:{name}:eu}}:lock")))
         .unwrap()
-}
-
-/// Waits (up to 10 s) until the runtime runs `n` tasks; returns how many it runs.
-async fn alive_until(n: usize) -> usize {
-    let metrics = tokio::runtime::Handle::current().metrics();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while metrics.num_alive_tasks() != n && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    metrics.num_alive_tasks()
 }
 
 /// A process that stops (a redeploy: the application drops its region, `main` returns, the

@@ -9,6 +9,8 @@
 //! - [`DelayProxy`]: a loopback TCP proxy adding one-way latency, with partition controls.
 //! - [`TempDir`]: a unique directory under `std::env::temp_dir()`, removed on drop.
 //! - [`lockstep`]: two threads acting at the same moments, round after round.
+//! - [`drain_checking_hints`], [`alive_until`]: drive a stream to its end checking its
+//!   `size_hint`; wait for the runtime's task count.
 //! - [`Logs`]: the `tracing` events of a test, with their levels, messages and fields.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //!
@@ -20,6 +22,7 @@
 
 mod cluster;
 mod delay_proxy;
+mod drain;
 mod lockstep;
 mod logs;
 #[cfg(feature = "metrics")]
@@ -32,6 +35,8 @@ mod tempdir;
 pub use cluster::RedisCluster;
 #[allow(unused_imports)]
 pub use delay_proxy::DelayProxy;
+#[allow(unused_imports)]
+pub use drain::{alive_until, drain_checking_hints};
 #[allow(unused_imports)]
 pub use lockstep::lockstep;
 #[allow(unused_imports)]

@@ -559,6 +559,14 @@ enum Local {
     Ask { silent: bool },
 }
 
+/// What a request finds held here.
+enum Held {
+    /// A leased token, spent.
+    Leased(Decision),
+    /// A cached rejection.
+    Cached(Decision),
+}
+
 /// Whether `C` is redis-rs's async Cluster connection, whose calls must each stay within one
 /// hash slot.
 fn is_cluster_connection<C: 'static>() -> bool {
@@ -650,27 +658,43 @@ where
                 // Sent to see whether what is held here still holds, and Redis could not say:
                 // it stands (unless Redis was found to have lost its keys meanwhile).
                 if silent && let Some(held) = self.held(key, cost, Instant::now()) {
-                    return Ok(held);
+                    return Ok(self.answer_held(held));
                 }
                 self.by_policy(key, cost, until_probe, error)
             }
         }
     }
 
-    /// A leased token or else a cached rejection for `cost` on `key` at `now`, counted.
-    fn held(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
+    /// A leased token (spent) or else a cached rejection for `cost` on `key` at `now`, not
+    /// counted yet (see [`answer_held`](Self::answer_held)).
+    fn held(&self, key: &str, cost: u32, now: Instant) -> Option<Held> {
         let inner = &*self.inner;
+        // Tokens leased here are already paid for: spend them before any cached rejection
+        // (taken by a concurrent call) can refuse the request.
         if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
-            inner.metrics.outcomes.allowed.increment(1);
-            return Some(decision);
+            return Some(Held::Leased(decision));
         }
         let decision = inner
             .metrics
             .outcomes
             .cache
             .check(key, cost, now, SystemTime::now)?;
-        inner.metrics.cached.increment(1);
-        Some(decision)
+        Some(Held::Cached(decision))
+    }
+
+    /// What `held` found, counted: the request's decision.
+    fn answer_held(&self, held: Held) -> Decision {
+        let metrics = &self.inner.metrics;
+        match held {
+            Held::Leased(decision) => {
+                metrics.outcomes.allowed.increment(1);
+                decision
+            }
+            Held::Cached(decision) => {
+                metrics.cached.increment(1);
+                decision
+            }
+        }
     }
 
     /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
@@ -682,35 +706,20 @@ where
         if let Err(e) = self.inner.eval.limit.check_cost(cost) {
             return Local::Answer(Err(e.into()));
         }
-        let inner = &*self.inner;
+        let backend = &self.inner.backend;
         // Redis may have lost its keys (restarted empty) with no call of this gate to see
         // it, when all its traffic is answered here (leased tokens, cached rejections):
         // once it has heard nothing from Redis for a probe interval (or a probe is due),
-        // the request goes there first.
-        if let Some(leases) = &inner.leases {
-            if inner.backend.silent(now) {
-                return Local::Ask { silent: true };
-            }
-            // Tokens leased here are already paid for: spend them before any cached
-            // rejection (taken by a concurrent call) can refuse the request.
-            if let Some(decision) = leases.spend(key, cost, now) {
-                inner.metrics.outcomes.allowed.increment(1);
-                return Local::Answer(Ok(decision));
-            }
-        }
-        let Some(decision) = inner
-            .metrics
-            .outcomes
-            .cache
-            .check(key, cost, now, SystemTime::now)
-        else {
-            return Local::Ask { silent: false };
-        };
-        if inner.backend.silent(now) {
+        // the request goes there first. (A cached rejection is looked up first: most
+        // requests have none, and need not read the gate's health.)
+        if self.inner.leases.is_some() && backend.silent(now) {
             return Local::Ask { silent: true };
         }
-        inner.metrics.cached.increment(1);
-        Local::Answer(Ok(decision))
+        match self.held(key, cost, now) {
+            None => Local::Ask { silent: false },
+            Some(Held::Cached(_)) if backend.silent(now) => Local::Ask { silent: true },
+            Some(held) => Local::Answer(Ok(self.answer_held(held))),
+        }
     }
 
     /// [`Outcomes::decided`]: counted, a rejection cached.

@@ -2291,3 +2291,86 @@ fn a_panicking_recorder_does_not_abort_a_token_dropped_by_unwinding() {
     assert_eq!((tracker.dropped(), tracker.committable()), (1, None));
     assert_eq!(tracker.pending(), 1);
 }
+
+/// An upstream whose `size_hint` says no item is left, but which yields two anyway: polled
+/// for its end by `with_demand` without credit, or by `watermarks` when paused, its item is
+/// held for credit or room.
+#[cfg(feature = "metrics")]
+struct WrongHint(u32);
+
+#[cfg(feature = "metrics")]
+impl futures::Stream for WrongHint {
+    type Item = u32;
+    fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<u32>> {
+        self.0 += 1;
+        Poll::Ready((self.0 <= 2).then_some(self.0))
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, Some(0))
+    }
+}
+
+/// "Nothing is dropped silently": the item `with_demand` holds for credit, or `watermarks`
+/// for room (one a wrong `size_hint` let through), is counted in
+/// `flowgate_demand_discarded_total` when the stream lets go of it (dropped, or taken apart
+/// with `into_inner`), as `Prefetch` counts its buffered items; one `into_parts` hands back
+/// is not. It was dropped without a trace.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn an_item_held_for_credit_or_room_is_counted_when_let_go_of() {
+    let recorder = support::TestRecorder::default();
+    let count =
+        |name: &str| recorder.counter(&format!("flowgate_demand_discarded_total{{name={name}}}"));
+    let demanded = |name: &'static str| {
+        metrics::with_local_recorder(&recorder, || {
+            flowgate::demand::Demanded::builder(WrongHint(0), 0)
+                .name(name)
+                .build()
+                .unwrap()
+        })
+    };
+    for (name, end) in [("dropped", 0), ("into-inner", 1), ("into-parts", 2)] {
+        let (mut stream, _demand) = demanded(name);
+        assert!(poll!(stream.next()).is_pending(), "no credit");
+        assert_eq!(
+            futures::Stream::size_hint(&stream),
+            (0, Some(1)),
+            "one held"
+        );
+        match end {
+            0 => drop(stream),
+            1 => assert_eq!(stream.into_inner().0, 1),
+            _ => assert_eq!(stream.into_parts().1, Some(1), "handed back"),
+        }
+        assert_eq!(count(name), u64::from(end < 2), "with_demand, {name}");
+    }
+    let paused = |name: &'static str| {
+        metrics::with_local_recorder(&recorder, || {
+            Watermarks::builder(WrongHint(0), levels(1, 0))
+                .name(format!("room-{name}"))
+                .build()
+                .unwrap()
+        })
+    };
+    for (name, end) in [("dropped", 0), ("into-inner", 1), ("into-parts", 2)] {
+        let mut stream = paused(name);
+        let (first, _ticket) = stream.next().await.unwrap();
+        assert_eq!(first, 1);
+        assert!(poll!(stream.next()).is_pending(), "paused at high");
+        assert_eq!(
+            futures::Stream::size_hint(&stream),
+            (1, Some(1)),
+            "one held"
+        );
+        match end {
+            0 => drop(stream),
+            1 => assert_eq!(stream.into_inner().0, 2),
+            _ => assert_eq!(stream.into_parts().1, Some(2), "handed back"),
+        }
+        assert_eq!(
+            count(&format!("room-{name}")),
+            u64::from(end < 2),
+            "watermarks, {name}"
+        );
+    }
+}

@@ -544,3 +544,52 @@ async fn a_recorder_panic_in_the_batch_driver_fails_no_batch_in_flight() {
         "the driver goes on"
     );
 }
+
+/// "Tokens are never lost": tokens leased from Redis (debited there: the fleet goes without
+/// them) and never spent here are counted in `flowgate_gate_lease_unspent_total` when the
+/// gate lets go of them: a lease that expired (or whose tokens lapsed), the leases the
+/// gate forgets because Redis may have lost its keys (here its scripts were flushed), and
+/// those held when the gate goes away. Every token leased is spent or counted. They went
+/// uncounted: a lease size that throws most of its tokens away could not be told apart from
+/// one that spends them all.
+#[tokio::test]
+async fn leased_tokens_never_spent_are_counted() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let gate = RedisGate::builder(server.connect().await, per_hour(1_000))
+        .name("unspent")
+        .lease(10)
+        .lease_ttl(Duration::from_millis(50))
+        .build()
+        .await
+        .unwrap();
+    let unspent = || recorder.counter("flowgate_gate_lease_unspent_total{name=unspent}");
+    // A lease of 10 on `k`: one token spent, then three more here; six kept.
+    for _ in 0..4 {
+        assert!(gate.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!((gate.leased_keys(), unspent()), (1, 0));
+    // The lease expires with six left: the next call finds it so, and takes another.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(unspent(), 6, "the expired lease's tokens");
+    // Redis loses the gate's scripts: the call that finds it so (a lease call on `j`) makes
+    // the gate forget the leases it holds, `k`'s nine.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(gate.check("j", 1).await.unwrap().allowed);
+    assert_eq!(unspent(), 15, "the forgotten lease's tokens");
+    assert_eq!(gate.leased_keys(), 1, "`j`'s lease, taken after");
+    // The gate goes away holding `j`'s nine.
+    drop(gate);
+    assert!(
+        eventually(|| unspent() == 24).await,
+        "the tokens held by the gate dropped: unspent = {}",
+        unspent()
+    );
+}

@@ -22,7 +22,10 @@ use std::sync::Arc;
 /// adapter was dropped). A [`Prefetch`](crate::demand::Prefetch) does the same with every
 /// item still buffered when it is dropped or taken apart (hook from
 /// [`PrefetchBuilder::on_drop`](crate::demand::PrefetchBuilder::on_drop); counted in
-/// `flowgate_demand_discarded_total`). Nothing is dropped silently.
+/// `flowgate_demand_discarded_total`); [`Demanded`](crate::demand::Demanded) and
+/// [`Watermarks`](crate::demand::Watermarks), which have no hook, count in it the item they
+/// hold for credit or room (from an upstream whose `size_hint` was wrong) when they let go
+/// of it, and `into_parts` hands it back. Nothing is dropped silently.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Dropped {

@@ -138,7 +138,9 @@ impl DemandHandle {
 /// instead of leaving it pending. Any other upstream is not polled without credit: its end
 /// is seen with the next unit of credit. (A `Prefetch` learns the end from a fetch, which
 /// it starts when its buffer falls to `low`: with a `low` of 0, not before its last item
-/// was taken.)
+/// was taken.) An item such an upstream yields all the same (a wrong `size_hint`) is held
+/// for credit; dropped (or taken apart with [`into_inner`](Demanded::into_inner)) while it
+/// holds it, the stream discards it, counted in `flowgate_demand_discarded_total`.
 ///
 /// Without credit and with every [`DemandHandle`] dropped, nothing can ask for more: the
 /// stream then stays pending for ever (no demand is a valid state, as in Reactive Streams;
@@ -192,7 +194,9 @@ impl<S: Stream> Demanded<S> {
         initial: u64,
         name: Option<String>,
     ) -> (Demanded<S>, DemandHandle) {
-        let outstanding = Labels::new(name.as_deref()).gauge(names::OUTSTANDING, &[]);
+        let labels = Labels::new(name.as_deref());
+        let outstanding = labels.gauge(names::OUTSTANDING, &[]);
+        let discarded = labels.counter(crate::demand::prefetch::names::DISCARDED, &[]);
         outstanding.set(counted(initial) as f64);
         let credit = Arc::new(Credit {
             remaining: AtomicU64::new(initial),
@@ -206,7 +210,7 @@ impl<S: Stream> Demanded<S> {
                 credit: credit.clone(),
                 done: false,
                 paid: false,
-                early: Early::default(),
+                early: Early::new(discarded),
             },
             DemandHandle { credit },
         )
@@ -240,8 +244,9 @@ impl<S: Stream> Demanded<S> {
     }
 
     /// The inner stream. An item it yielded without credit although its `size_hint` said
-    /// none was left (see [`Demanded`]), held for credit, is dropped.
-    /// [`into_parts`](Demanded::into_parts) gives it back.
+    /// none was left (see [`Demanded`]), held for credit, is discarded (counted in
+    /// `flowgate_demand_discarded_total`); [`into_parts`](Demanded::into_parts) gives it
+    /// back.
     pub fn into_inner(self) -> S {
         self.stream
     }

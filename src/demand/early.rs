@@ -6,6 +6,8 @@ use std::task::{Context, Poll};
 
 use futures::Stream;
 
+use crate::metrics::Counter;
+
 /// An item the upstream yielded while the adapter could not take one, held until it can.
 ///
 /// The end of a stream needs no demand (Reactive Streams §2.9): while the adapter may not
@@ -13,16 +15,35 @@ use futures::Stream;
 /// that saw its source's end) is polled for its end, so an adapter whose credit or room was
 /// used up by the last items ends instead of waiting for ever. An item such an upstream
 /// yields all the same (a wrong `size_hint`) is held here until the adapter may take it.
+///
+/// Dropped while it holds one (the adapter dropped, or taken apart with `into_inner`), the
+/// item is discarded: counted in `flowgate_demand_discarded_total` (the adapter's
+/// `discarded`), then dropped.
 #[derive(Debug)]
-pub(crate) struct Early<T>(Option<T>);
+pub(crate) struct Early<T> {
+    item: Option<T>,
+    discarded: Counter,
+}
 
-impl<T> Default for Early<T> {
-    fn default() -> Self {
-        Early(None)
+impl<T> Drop for Early<T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            // Counted first: an item whose own drop panics is counted all the same.
+            self.discarded.increment(1);
+            drop(item);
+        }
     }
 }
 
 impl<T> Early<T> {
+    /// Nothing held; an item let go of is counted in `discarded`.
+    pub(crate) fn new(discarded: Counter) -> Self {
+        Early {
+            item: None,
+            discarded,
+        }
+    }
+
     /// While no item may be taken: polls `stream` for its end if it says none is left (and
     /// nothing is held yet); whether it ended.
     pub(crate) fn poll_end<S: Stream<Item = T>>(
@@ -30,13 +51,13 @@ impl<T> Early<T> {
         stream: Pin<&mut S>,
         cx: &mut Context<'_>,
     ) -> bool {
-        if self.0.is_some() || stream.size_hint().1 != Some(0) {
+        if self.item.is_some() || stream.size_hint().1 != Some(0) {
             return false;
         }
         match stream.poll_next(cx) {
             Poll::Ready(None) => true,
             Poll::Ready(Some(item)) => {
-                self.0 = Some(item);
+                self.item = Some(item);
                 false
             }
             Poll::Pending => false,
@@ -47,18 +68,18 @@ impl<T> Early<T> {
     /// adapter hands it out, so that a panic on the way (user code: a metrics recorder)
     /// does not lose it.
     pub(crate) fn hold(&mut self, item: T) {
-        debug_assert!(self.0.is_none(), "one item held at a time");
-        self.0 = Some(item);
+        debug_assert!(self.item.is_none(), "one item held at a time");
+        self.item = Some(item);
     }
 
     /// The held item, to be yielded before the upstream's next.
     pub(crate) fn take(&mut self) -> Option<T> {
-        self.0.take()
+        self.item.take()
     }
 
     /// Whether an item is held.
     pub(crate) fn is_held(&self) -> bool {
-        self.0.is_some()
+        self.item.is_some()
     }
 
     /// The upstream's `size_hint` with the held item added.

@@ -68,7 +68,9 @@
 //! `flowgate_demand_in_flight` and `flowgate_demand_paused` (watermarks),
 //! `flowgate_demand_commit_pending` (offsets not yet committable), all gauges;
 //! `flowgate_demand_discarded_total` (prefetched items discarded: still buffered when their
-//! stream was dropped or taken apart; see [`PrefetchBuilder::on_drop`]),
+//! stream was dropped or taken apart, see [`PrefetchBuilder::on_drop`]; and the item a
+//! [`Demanded`] or [`Watermarks`] holds for credit or room, from an upstream whose
+//! `size_hint` was wrong, when it is dropped or taken apart with `into_inner`),
 //! `flowgate_demand_commit_abandoned_total` and `flowgate_demand_commit_dropped_total`
 //! (tokens given up, tokens dropped unfinished), `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
 //! `flowgate_demand_group_recreated_total` and `flowgate_demand_stale_acks_total` (Redis

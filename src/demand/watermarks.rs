@@ -262,7 +262,10 @@ impl PauseSignal {
 /// buffered; a channel [`Receiver`](crate::channel::Receiver) closed for sends, with
 /// nothing left to come) for its end, so a source that ends with `high` items in flight ends the
 /// stream (a consumer that keeps its tickets until the end gets it). Any other upstream is
-/// not polled while paused.
+/// not polled while paused. An item such an upstream yields all the same (a wrong
+/// `size_hint`) is held for room; dropped (or taken apart with
+/// [`into_inner`](Watermarks::into_inner)) while it holds it, the wrapper discards it,
+/// counted in `flowgate_demand_discarded_total`.
 ///
 /// `stream.watermarks(levels)` has no `min_hold` and no name; set them with
 /// [`Watermarks::builder`].
@@ -343,7 +346,7 @@ impl<S: Stream> Watermarks<S> {
                 signal,
             })),
             timer: None,
-            early: Early::default(),
+            early: Early::new(labels.counter(crate::demand::prefetch::names::DISCARDED, &[])),
         }
     }
 
@@ -385,8 +388,9 @@ impl<S: Stream> Watermarks<S> {
     }
 
     /// The inner stream. An item it yielded while the wrapper was paused although its
-    /// `size_hint` said none was left (see [`Watermarks`]), held for room, is dropped.
-    /// [`into_parts`](Watermarks::into_parts) gives it back.
+    /// `size_hint` said none was left (see [`Watermarks`]), held for room, is discarded
+    /// (counted in `flowgate_demand_discarded_total`); [`into_parts`](Watermarks::into_parts)
+    /// gives it back.
     pub fn into_inner(self) -> S {
         self.stream
     }

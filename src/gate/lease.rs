@@ -5,6 +5,7 @@ use std::sync::PoisonError;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::decision::Decision;
+use crate::metrics::Counter;
 use crate::rate::Rate;
 use crate::sync::Mutex;
 
@@ -45,9 +46,24 @@ struct Lease {
 }
 
 impl Lease {
-    /// Forget expired parts and lapsed tokens; the tokens left.
-    fn live(&mut self, now: Instant, rate: Rate) -> u64 {
-        self.parts.retain_mut(|p| p.lapse(now, rate));
+    /// Forget expired parts and lapsed tokens; the tokens left, and those forgotten (never
+    /// spent).
+    fn live(&mut self, now: Instant, rate: Rate) -> (u64, u64) {
+        let mut unspent = 0;
+        self.parts.retain_mut(|p| {
+            let before = p.tokens;
+            let live = p.lapse(now, rate);
+            unspent += u64::from(if live { before - p.tokens } else { before });
+            live
+        });
+        (
+            self.parts.iter().map(|p| u64::from(p.tokens)).sum(),
+            unspent,
+        )
+    }
+
+    /// Every token held, spendable or not.
+    fn held(&self) -> u64 {
         self.parts.iter().map(|p| u64::from(p.tokens)).sum()
     }
 
@@ -134,9 +150,15 @@ struct State {
 /// that finds the map full (after forgetting expired leases) takes no lease: it is decided
 /// alone, for its own cost — so a full map never throws away tokens already debited in
 /// Redis.
+///
+/// Counted: every token kept is spent, or counted in `unspent` when it is let go of (its
+/// lease expired, it lapsed, the leases were [`clear`](Leases::clear)ed, or the map itself
+/// is dropped); after the lock is released (the recorder is user code).
 #[derive(Debug)]
 pub(crate) struct Leases {
     state: Mutex<State>,
+    /// `flowgate_gate_lease_unspent_total`.
+    unspent: Counter,
     pub(crate) size: u32,
     pub(crate) ttl: Duration,
     /// The bucket's refill rate, at which kept tokens lapse.
@@ -166,9 +188,16 @@ impl Drop for Place<'_> {
 }
 
 impl Leases {
-    pub(crate) fn new(size: u32, ttl: Duration, rate: Rate, capacity: usize) -> Leases {
+    pub(crate) fn new(
+        size: u32,
+        ttl: Duration,
+        rate: Rate,
+        capacity: usize,
+        unspent: Counter,
+    ) -> Leases {
         Leases {
             state: Mutex::new(State::default()),
+            unspent,
             size,
             ttl,
             rate,
@@ -193,23 +222,34 @@ impl Leases {
     /// holds full. Lease calls in flight keep their places.
     pub(crate) fn clear(&self) {
         let mut state = self.lock();
-        state.leases.clear();
+        let unspent = state.leases.drain().map(|(_, l)| l.held()).sum();
         state.next_sweep = None;
+        drop(state);
+        self.count_unspent(unspent);
+    }
+
+    /// Count `n` tokens let go of unspent; call without the lock.
+    fn count_unspent(&self, n: u64) {
+        if n > 0 {
+            self.unspent.increment(n);
+        }
     }
 
     /// Spend `cost` from the lease of `key`, if it holds enough unexpired tokens.
     pub(crate) fn spend(&self, key: &str, cost: u32, now: Instant) -> Option<Decision> {
-        let mut state = self.lock();
-        let state = &mut *state;
+        let mut guard = self.lock();
+        let state = &mut *guard;
         let lease = state.leases.get_mut(key)?;
         // Read only once a lease is found (under the lock): a key without one (a cached
         // rejection's, next) pays no clock reads here.
         let now = state.awake.at(now, Awake::read());
-        let held = lease.live(now, self.rate);
+        let (held, unspent) = lease.live(now, self.rate);
         if held < u64::from(cost) {
             if held == 0 {
                 state.leases.remove(key);
             }
+            drop(guard);
+            self.count_unspent(unspent);
             return None;
         }
         // Before the spend: spending the last token of a part does not change when the
@@ -222,6 +262,8 @@ impl Leases {
         if left == 0 {
             state.leases.remove(key);
         }
+        drop(guard);
+        self.count_unspent(unspent);
         Some(Decision::allow(limit, left, reset_after))
     }
 
@@ -232,6 +274,7 @@ impl Leases {
         let reading = Awake::read();
         let mut state = self.lock();
         let now = state.awake.at(now, reading);
+        let mut unspent = 0;
         if state.leases.len() + state.reserved >= self.capacity {
             // None has run out yet: no pass over them all (under the lock every check
             // takes) to find that out again for each call.
@@ -243,21 +286,26 @@ impl Leases {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut next = None;
             state.leases.retain(|_, l| {
-                let live = l.live(now, self.rate) > 0;
-                if live {
+                let (held, lost) = l.live(now, self.rate);
+                unspent += lost;
+                if held > 0 {
                     next = next
                         .into_iter()
                         .chain(l.parts.iter().map(|p| p.gone_at))
                         .min();
                 }
-                live
+                held > 0
             });
             state.next_sweep = next;
             if state.leases.len() + state.reserved >= self.capacity {
+                drop(state);
+                self.count_unspent(unspent);
                 return None;
             }
         }
         state.reserved += 1;
+        drop(state);
+        self.count_unspent(unspent);
         Some(Place {
             leases: Some(self),
             at: now,
@@ -304,6 +352,14 @@ impl Leases {
     }
 }
 
+impl Drop for Leases {
+    /// The tokens still held go with the map: counted as unspent.
+    fn drop(&mut self) {
+        let unspent = self.lock().leases.values().map(Lease::held).sum();
+        self.count_unspent(unspent);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::Ordering;
@@ -318,7 +374,13 @@ mod tests {
     fn a_full_map_of_live_leases_is_not_swept_for_each_new_call() {
         let hour = Duration::from_secs(3_600);
         // One token an hour: a kept token lapses an hour before the bucket is full again.
-        let leases = Leases::new(10, hour, Rate::per_hour(1).unwrap(), 100);
+        let leases = Leases::new(
+            10,
+            hour,
+            Rate::per_hour(1).unwrap(),
+            100,
+            Counter::default(),
+        );
         let now = Instant::now();
         for i in 0..100 {
             let place = leases.place(now).expect("room");
@@ -332,7 +394,13 @@ mod tests {
         // Past the expiry of the leases (before their tokens lapse), room is made.
         assert!(leases.place(now + hour).is_some());
         // A lease whose tokens have lapsed makes room too, before its expiry.
-        let leases = Leases::new(10, 10 * hour, Rate::per_hour(1).unwrap(), 1);
+        let leases = Leases::new(
+            10,
+            10 * hour,
+            Rate::per_hour(1).unwrap(),
+            1,
+            Counter::default(),
+        );
         let place = leases.place(now).expect("room");
         leases.keep(place, "k", 5, 10, 2 * hour);
         assert!(leases.place(now).is_none(), "full");

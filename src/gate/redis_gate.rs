@@ -76,6 +76,7 @@ pub(crate) mod names {
     pub(crate) use crate::gate::memory::names::DECISIONS;
     pub(crate) const BATCH_SIZE: &str = "flowgate_gate_batch_size";
     pub(crate) const DRIVER_RESTARTS: &str = "flowgate_gate_driver_restarts_total";
+    pub(crate) const LEASE_UNSPENT: &str = "flowgate_gate_lease_unspent_total";
 }
 
 pub(super) struct Metrics {
@@ -235,7 +236,10 @@ pub(super) struct Inner<C> {
 /// reached it, as when the batch timed out at that same deadline),
 /// `flowgate_gate_degraded` (1 while degraded), `flowgate_gate_transitions_total` by `to`
 /// (`degraded`: Redis failed and the failure policy decides; `healthy`: a probe answered),
-/// `flowgate_gate_driver_restarts_total`.
+/// `flowgate_gate_driver_restarts_total`, and with [leases](RedisGateBuilder::lease)
+/// `flowgate_gate_lease_unspent_total` (leased tokens, debited in Redis, never spent here:
+/// their lease expired or they lapsed, the gate forgot its leases because Redis may have
+/// lost its keys, or the gate was dropped holding them).
 ///
 /// A request refused for what it asks ([`GateError::Cost`], [`GateError::InvalidKey`], and
 /// the malformed lists of [`check_all`](RedisGate::check_all)) is not a decision and is not
@@ -386,7 +390,10 @@ where
     /// report the lease's remaining tokens and when the bucket in Redis is full again.
     /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
     /// rejection cache is forgotten: spent then, they would pass on top of a bucket the
-    /// new server holds full. A gate sees that only when it calls Redis: one that has had
+    /// new server holds full. Every leased token is spent here or counted in
+    /// `flowgate_gate_lease_unspent_total` when the gate lets go of it (expired, lapsed,
+    /// dropped for a Redis that may have lost its keys, or held when the gate is dropped):
+    /// the under-admission the leases cost. A gate sees that only when it calls Redis: one that has had
     /// no answer from Redis for a `probe_interval` (all its traffic spent from leases) asks
     /// it before it spends another leased token, and spends it only if Redis cannot answer.
     /// `0` or `1` turns leases off.
@@ -443,6 +450,7 @@ where
         if self.batch_size == 0 {
             return Err(ConfigError::zero("gate.batch_size"));
         }
+        let labels = Labels::new(self.name.as_deref());
         let leases = match (self.lease > 1, &self.limit) {
             (false, _) => None,
             (true, Limit::TokenBucket(quota)) => {
@@ -457,6 +465,7 @@ where
                     self.lease_ttl,
                     quota.rate(),
                     self.lease_keys,
+                    labels.counter(names::LEASE_UNSPENT, &[]),
                 )))
             }
             (true, _) => {
@@ -484,7 +493,6 @@ where
             }
         };
         let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
-        let labels = Labels::new(self.name.as_deref());
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),

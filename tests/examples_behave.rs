@@ -1,0 +1,208 @@
+//! The examples as a new user meets them when things go wrong: a bad argument, a server
+//! that is not there, Redis going away. Each test builds one example (`cargo build
+//! --example`, into this test's own target directory, with this build's features, so
+//! nothing else is rebuilt) and runs its binary, checking what it says, that it stops
+//! early when it should, and that it waits instead of spinning on failures.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The command running example `name`, built first (with the features of this test
+/// binary, into the target directory holding it: `<target>/debug/deps/<this test>`).
+fn example(name: &str) -> Command {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe.ancestors().nth(2).expect("<target>/<profile>");
+    let target_dir = profile_dir.parent().expect("<target>");
+    let features: Vec<&str> = [
+        ("redis", cfg!(feature = "redis")),
+        ("metrics", cfg!(feature = "metrics")),
+        ("http", cfg!(feature = "http")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect();
+    let status = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--quiet",
+            "--example",
+            name,
+            "--no-default-features",
+        ])
+        .args(["--features", &features.join(",")])
+        .arg("--manifest-path")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(target_dir)
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "cargo build --example {name} failed");
+    Command::new(profile_dir.join("examples").join(name))
+}
+
+/// Stdout and stderr as text.
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A TCP port of 127.0.0.1 nothing listens on (it was free a moment ago).
+#[cfg(feature = "http")]
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// A path no file can be written to: below a regular file.
+fn unwritable(dir: &support::TempDir) -> PathBuf {
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").expect("a file in the temp dir");
+    file.join("plot.svg")
+}
+
+#[test]
+fn knee_refuses_an_unwritable_out_before_it_measures() {
+    let dir = support::TempDir::new("knee-out");
+    let out = example("knee")
+        .arg("--out")
+        .arg(unwritable(&dir))
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("measuring"), "measured first:\n{stdout}");
+    assert!(
+        stderr.contains("cannot write the plot to") && stderr.contains("a-file/plot.svg"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn knee_writes_its_plot_where_it_says_wherever_it_runs_from() {
+    let cwd = support::TempDir::new("knee-cwd");
+    let out = example("knee")
+        .current_dir(cwd.path())
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/knee.svg");
+    let said = format!("plot written to {}", default.display());
+    assert!(stdout.contains(&said), "expected {said:?} in:\n{stdout}");
+    assert!(default.is_file());
+    let left: Vec<_> = std::fs::read_dir(cwd.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "wrote into the current directory: {left:?}"
+    );
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn regions_refuses_an_unwritable_svg_before_it_starts() {
+    let dir = support::TempDir::new("regions-svg");
+    let out = example("regions")
+        .args(["--secs", "3", "--svg"])
+        .arg(unwritable(&dir))
+        .output()
+        .expect("regions runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("home redis"), "ran first:\n{stdout}");
+    assert!(
+        stderr.contains("--svg") && stderr.contains("a-file/plot.svg"),
+        "{stderr}"
+    );
+}
+
+/// With Redis killed once the 3 s run has begun, every decision after fails at once: each
+/// of the 8 tasks of a worker waits after a failure (10 ms, doubling up to 1 s), so it
+/// fails at most 9 times in the run (the 10th failure would come 3.27 s after the first:
+/// 10 + 20 + ... + 640 ms, then 1 s twice), never spins; the run goes on, and each worker
+/// reports its errors.
+#[cfg(feature = "redis")]
+#[test]
+fn distributed_backs_off_while_redis_is_down_and_keeps_counting() {
+    let redis = support::RedisServer::start();
+    let mut cmd = example("distributed");
+    let child = cmd
+        .env("REDIS_URL", redis.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("distributed runs");
+    // Kill Redis once the 4 workers are connected (with the parent, and the connection
+    // asking) and the run has begun (the key is written).
+    let begun = || {
+        let info: String = redis
+            .query_blocking(redis::cmd("INFO").arg("clients"))
+            .ok()?;
+        let clients: u64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("connected_clients:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        let keys: u64 = redis.query_blocking(&redis::cmd("DBSIZE")).ok()?;
+        Some(clients >= 6 && keys > 0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while begun() != Some(true) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run did not begin"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    redis.kill();
+    let out = child.wait_with_output().expect("distributed ends");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let workers: Vec<&str> = stdout.lines().filter(|l| l.contains("  worker ")).collect();
+    assert_eq!(workers.len(), 4, "{stdout}");
+    for line in workers {
+        let errors: u64 = line
+            .split(", ")
+            .nth(1)
+            .and_then(|e| e.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no error count in {line:?}"));
+        assert!((1..=8 * 9).contains(&errors), "{line}");
+        assert!(line.contains("(one of them: rate limit backend"), "{line}");
+    }
+}
+
+/// Against a dead server the adaptive client's retry budget empties in its first job (10
+/// tokens: 4 retries, 5 attempts); each later job is one attempt, refused a retry, after
+/// which the client pauses, and it stops after 10 such pauses: at most 5 + 9 attempts a
+/// client, where it used to go on at its pacer's 1 000/s.
+#[cfg(feature = "http")]
+#[test]
+fn polite_client_backs_off_a_dead_server_once_its_budget_is_empty() {
+    let url = format!("http://127.0.0.1:{}/", closed_port());
+    let out = example("polite_client")
+        .args(["--secs", "2", "--clients", "2", "--url", &url])
+        .output()
+        .expect("polite_client runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("succeeded: is the server running?"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("retry budget empty"), "{stdout}");
+    let failed: u64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("  flowgate adaptive client: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of failed attempts:\n{stdout}"));
+    assert!(
+        (2..=2 * 14).contains(&failed),
+        "{failed} attempts:\n{stdout}"
+    );
+}

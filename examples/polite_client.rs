@@ -22,7 +22,9 @@
 //! - **flowgate**: `RetryLayer` with full-jitter backoff (the server's `Retry-After` wins),
 //!   a `RetryBudget` (10 tokens, 0.1 per success) and an `AdaptivePacer` per client starting
 //!   at 1 000/s, which pauses on `Retry-After`, cuts on `429` and follows the server's
-//!   `RateLimit` fields.
+//!   `RateLimit` fields. A job the budget ended (the server fails most attempts: down, or
+//!   refusing) is followed by a pause of its client, backing off as a retry would, up to
+//!   10 s; the client stops when that backoff gives up.
 //!
 //! Every second it prints what the server answered (2xx/s, 429/s, and other/s: any other
 //! status, or no answer) and the retries of the jobs finished that second, then a table of
@@ -41,7 +43,7 @@ use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{Constant, Policy, RateLimitLayer};
 use flowgate::pace::AdaptivePacer;
 use flowgate::retry::{
-    Backoff, HttpClassify, Jitter, Outcome, RetryBudget, RetryInfo, RetryLayer, RetryPolicy,
+    Backoff, HttpClassify, Jitter, Outcome, RetryBudget, RetryInfo, RetryLayer, RetryPolicy, Stop,
 };
 use flowgate::{Quota, Rate};
 use http::{Request, Response, StatusCode};
@@ -127,6 +129,8 @@ struct Tally {
     job_times: Mutex<Vec<Duration>>,
     /// The first attempt that failed or was answered other than 2xx / 429, as text.
     first_other: Mutex<Option<String>>,
+    /// Jobs the retry budget ended, each followed by a pause of its client.
+    budget_pauses: Mutex<u64>,
 }
 
 impl Tally {
@@ -136,6 +140,7 @@ impl Tally {
             seconds: Mutex::new(vec![Second::default(); secs as usize]),
             job_times: Mutex::new(Vec::new()),
             first_other: Mutex::new(None),
+            budget_pauses: Mutex::new(0),
         }
     }
 
@@ -173,6 +178,19 @@ impl Tally {
         if let Some(why) = other {
             self.first_other.lock().unwrap().get_or_insert(why);
         }
+    }
+
+    /// A client pauses after a job its empty retry budget ended: said once per run.
+    fn budget_pause(&self, client: usize, backoff: &Backoff) {
+        let mut pauses = self.budget_pauses.lock().unwrap();
+        if *pauses == 0 {
+            println!(
+                "  client {client}: retry budget empty (the server fails most attempts): \
+                 the clients pause before their next job, up to {:?}, until one succeeds",
+                backoff.cap()
+            );
+        }
+        *pauses += 1;
     }
 
     fn job(&self, attempts: u32, took: Duration) {
@@ -265,29 +283,48 @@ async fn client(
             }
         })
     };
-    let layer = RetryLayer::new(strategy.policy(index)?);
+    let policy = strategy.policy(index)?;
+    let backoff = policy.backoff().clone();
+    let layer = RetryLayer::new(policy);
     let mut svc = match strategy {
         Strategy::Naive => tower::util::BoxCloneService::new(layer.classify(deaf).layer(counted)),
         Strategy::Flowgate => tower::util::BoxCloneService::new(layer.layer(counted)),
     };
+    // The pauses between jobs the retry budget ended (see below), one schedule per streak.
+    let mut pauses = backoff.start();
     while Instant::now() < end {
         let req = Request::get(url.as_str()).body(Empty::new())?;
         let started = Instant::now();
         let res = tokio::time::timeout_at(end, svc.ready().await?.call(req)).await;
         let Ok(res) = res else { break }; // the run is over
-        let attempts = match res {
+        let (attempts, stop) = match res {
             Ok(res) => {
-                let attempts = res
-                    .extensions()
-                    .get::<RetryInfo>()
-                    .map_or(1, |i| i.attempts);
+                let info = res.extensions().get::<RetryInfo>().cloned();
                 // Read the body: the connection goes back to the pool.
                 let _ = res.into_body().collect().await;
-                attempts
+                info.map_or((1, Stop::Success), |i| (i.attempts, i.stop))
             }
-            Err(_) => 1,
+            Err(e) => (e.attempts(), e.stop()),
         };
         tally.job(attempts, started.elapsed());
+        if stop != Stop::Budget {
+            pauses = backoff.start();
+            continue;
+        }
+        // The budget refused a retry: the server fails most attempts, and the budget stays
+        // empty until one succeeds. A new job at once would hammer it all the same (a dead
+        // server refuses each connection at once), so the client pauses first, as long as
+        // a retry would wait, and stops when that backoff gives up.
+        match pauses.next_delay(None) {
+            Ok(delay) => {
+                tally.budget_pause(index, &backoff);
+                tokio::time::sleep_until(end.min(Instant::now() + delay)).await;
+            }
+            Err(give_up) => {
+                println!("  client {index} stops: its retry budget stays empty ({give_up})");
+                break;
+            }
+        }
     }
     Ok(())
 }
@@ -302,6 +339,8 @@ struct Summary {
     refused_ratio: f64,
     retries_per_sec: f64,
     p99: Duration,
+    /// Jobs the retry budget ended (a pause of their client followed each).
+    budget_pauses: u64,
 }
 
 async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxError> {
@@ -351,6 +390,7 @@ async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxE
         refused_ratio: sum(|s| s.refused) / attempts.max(1.0),
         retries_per_sec: sum(|s| s.retries) / secs,
         p99,
+        budget_pauses: *tally.budget_pauses.lock().unwrap(),
     })
 }
 
@@ -424,6 +464,13 @@ async fn run_all() -> Result<(), BoxError> {
                 "  {}: {} attempts failed or were answered other than 2xx / 429 (the first: {first})",
                 strategy.label(),
                 s.other
+            );
+        }
+        if s.budget_pauses > 0 {
+            println!(
+                "  {}: the empty retry budget ended {} jobs; each client paused after them",
+                strategy.label(),
+                s.budget_pauses
             );
         }
     }

@@ -10,7 +10,9 @@
 //! It ramps the concurrency (1, 2, 4, ... then finer steps around the knee), shows a
 //! progress bar, prints a table (concurrency, throughput, p50, p99), the knee and the
 //! recommendation, and writes an SVG plot of throughput and p99 against concurrency with
-//! the knee and the recommendation marked (default `target/knee.svg`).
+//! the knee and the recommendation marked: to `--out` (relative to the current directory),
+//! by default to `target/knee.svg` in this crate's directory, wherever cargo runs from. It
+//! prints where, and checks that it can write there before the search starts.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
 //! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
@@ -26,7 +28,7 @@
 mod knee_http;
 
 use std::error::Error;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use flowgate::adaptive::knee::{
@@ -46,7 +48,7 @@ fn args() -> Result<Args, Box<dyn Error>> {
     let mut args = Args {
         url: None,
         knee: 48,
-        out: PathBuf::from("target/knee.svg"),
+        out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/knee.svg")),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -79,6 +81,8 @@ fn main() {
 
 fn run() -> Result<(), Box<dyn Error>> {
     let args = args()?;
+    let out = writable(&args.out)?;
+    println!("the plot goes to {}", out.display());
     let config = KneeConfig::builder().build()?;
     let (report, what) = match &args.url {
         Some(url) => {
@@ -145,12 +149,32 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
         }
     }
-    if let Some(dir) = args.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    plot(&report, &what, &args.out)?;
-    println!("plot written to {}", args.out.display());
+    plot(&report, &what, &out).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    println!("plot written to {}", out.display());
     Ok(())
+}
+
+/// `path` made absolute, once a file could be opened there for writing (its directory
+/// created, an existing file left as it is): a bad path is an error now, not after the run.
+fn writable(path: &Path) -> Result<PathBuf, String> {
+    let path = std::path::absolute(path).map_err(|e| format!("--out {path:?}: {e}"))?;
+    let cannot = |e: std::io::Error| {
+        let path = path.display();
+        format!("cannot write the plot to {path}: {e} (give another with --out FILE.svg)")
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(cannot)?;
+    }
+    let existed = path.exists();
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(&path);
+    file.map_err(cannot)?;
+    if !existed {
+        let _ = std::fs::remove_file(&path);
+    }
+    Ok(path)
 }
 
 async fn search<T: KneeTarget + ?Sized>(
@@ -210,7 +234,7 @@ fn print_table(report: &KneeReport) {
 
 /// Throughput (left axis) and p99 (right axis) against concurrency, the knee and the
 /// recommendation as vertical lines.
-fn plot(report: &KneeReport, what: &str, out: &PathBuf) -> Result<(), Box<dyn Error>> {
+fn plot(report: &KneeReport, what: &str, out: &Path) -> Result<(), Box<dyn Error>> {
     let steps: Vec<_> = report.steps.iter().filter(|s| s.ok > 0).collect();
     let max_c = report.steps.last().map_or(1, |s| s.concurrency) as f64;
     let max_x = steps.iter().map(|s| s.throughput).fold(1.0, f64::max) * 1.1;

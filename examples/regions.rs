@@ -22,7 +22,7 @@
 //! what it admitted in that second, next to the global bound; at the end, the most admitted
 //! in any 1 s window against `rate × 1 s + burst + one request per region` (plus 20 ms for
 //! measuring at the client), and what the home holds. With `--svg PATH` it also plots the
-//! shares and admitted rates over time.
+//! shares and admitted rates over time (it checks it can write `PATH` before it starts).
 //!
 //! Ctrl-C ends the run early (with the summary); the servers are killed either way.
 
@@ -127,13 +127,23 @@ fn parse_args() -> Result<Args, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match parse_args() {
+    let mut args = match parse_args() {
         Ok(args) => args,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
+    // A plot that cannot be written is said now, not after the whole run.
+    if let Some(path) = &args.svg {
+        match writable(path) {
+            Ok(path) => args.svg = Some(path),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let found = Command::new("redis-server")
         .arg("--version")
         .stdout(Stdio::null())
@@ -153,6 +163,26 @@ async fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `path` made absolute, once a file could be opened there for writing (its directory
+/// created, an existing file left as it is).
+fn writable(path: &Path) -> Result<PathBuf, String> {
+    let path = std::path::absolute(path).map_err(|e| format!("--svg {path:?}: {e}"))?;
+    let cannot = |e: std::io::Error| format!("--svg: cannot write {}: {e}", path.display());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(cannot)?;
+    }
+    let existed = path.exists();
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(&path);
+    file.map_err(cannot)?;
+    if !existed {
+        let _ = std::fs::remove_file(&path);
+    }
+    Ok(path)
 }
 
 /// A private `redis-server`, killed when dropped.
@@ -515,7 +545,8 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     }
 
     if let Some(path) = &args.svg {
-        plot(&samples, args.policy, path)?;
+        plot(&samples, args.policy, path)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         let size = std::fs::metadata(path)?.len();
         println!("plot written to {} ({size} bytes)", path.display());
     }
@@ -549,9 +580,6 @@ fn max_in_window(admitted: &[(Instant, usize)], started: Instant, w: Duration) -
 /// Each region's share (dashed) and admitted rate (solid), the total admitted and the
 /// global bound, against time.
 fn plot(samples: &[Sample], policy: Allocation, out: &Path) -> Result<(), Box<dyn Error>> {
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
     let end = samples.last().map_or(1, |s| s.t) as f64;
     let top = f64::from(RATE) * 1.7;
     let root = SVGBackend::new(out, (960, 540)).into_drawing_area();

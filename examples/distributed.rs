@@ -16,6 +16,11 @@
 //! another host allow for the clock difference). An in-memory limiter in each process would
 //! have let each of them through up to that much on its own. (Most rejections never reach
 //! Redis: the gate's local rejection cache answers them until the `retry_after` Redis gave.)
+//!
+//! A decision that fails (Redis went away, or answered slower than the gate's 1 s timeout)
+//! admits nothing: the task waits before asking again (10 ms, doubling up to 1 s, until a
+//! decision succeeds) and the run goes on; each worker reports its errors and one of
+//! them.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -29,6 +34,8 @@ const RATE: u32 = 200;
 const BURST: u32 = 50;
 const RUN: Duration = Duration::from_secs(3);
 const KEY: &str = "shared";
+/// The first and the longest wait of a task after a failed decision.
+const PAUSE: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
 
 fn epoch_us() -> u64 {
     let since = SystemTime::now()
@@ -67,13 +74,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .spawn()
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let (mut total, mut first, mut last) = (0, u64::MAX, 0);
+    let (mut total, mut first, mut last, mut failed) = (0, u64::MAX, 0, 0);
     for (i, child) in children.into_iter().enumerate() {
         let out = child.wait_with_output()?;
         let text = String::from_utf8_lossy(&out.stdout);
         let Some(line) = text.lines().find_map(|l| l.strip_prefix("ADMITTED ")) else {
             return Err(format!("worker {i} printed no count ({}): {text}", out.status).into());
         };
+        let first_error = text.lines().find_map(|l| l.strip_prefix("FIRST_ERROR "));
         let fields: Vec<u64> = line
             .split_whitespace()
             .map(str::parse)
@@ -82,9 +90,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("worker {i}: unexpected line {line:?}").into());
         };
         println!(
-            "  worker {i} (pid {pid}): admitted {n:>4} of {decisions:>6} decisions, {errors} errors"
+            "  worker {i} (pid {pid}): admitted {n:>4} of {decisions:>6} decisions, {errors} errors{}",
+            first_error.map_or(String::new(), |e| format!(" (one of them: {e})"))
         );
-        (total, first, last) = (total + n, first.min(f), last.max(l));
+        (total, first, last, failed) = (total + n, first.min(f), last.max(l), failed + errors);
+    }
+    if failed > 0 {
+        println!("{failed} decisions failed (Redis away, or slower than 1 s): none admitted");
     }
     let span_us = last.saturating_sub(first);
     let bound = u64::from(BURST) + (u64::from(RATE) * span_us).div_ceil(1_000_000);
@@ -131,28 +143,47 @@ async fn worker(
                 // Admitted, decisions, errors, and the wall-clock span holding the admissions.
                 let (mut n, mut decisions, mut errors, mut first, mut last) =
                     (0, 0, 0, u64::MAX, 0);
+                let (mut pause, mut first_error) = (Duration::ZERO, None);
                 while tokio::time::Instant::now() < deadline {
                     let before = epoch_us();
                     decisions += 1;
                     match gate.check(KEY, 1).await {
-                        Ok(d) if d.allowed => {
-                            (n, first, last) = (n + 1, first.min(before), epoch_us())
+                        Ok(d) => {
+                            pause = Duration::ZERO;
+                            if d.allowed {
+                                (n, first, last) = (n + 1, first.min(before), epoch_us());
+                            } else {
+                                // Rejections the gate answers from its local cache complete
+                                // at once: yield.
+                                tokio::task::yield_now().await;
+                            }
                         }
-                        // Rejections the gate answers from its local cache complete at once: yield.
-                        Ok(_) => tokio::task::yield_now().await,
-                        Err(_) => errors += 1,
+                        // Redis is away: its failures come at once (the gate answers them
+                        // itself until it probes Redis again), so asking again at once would
+                        // spin. Wait, longer each time.
+                        Err(e) => {
+                            errors += 1;
+                            first_error.get_or_insert(e.to_string());
+                            pause = (pause * 2).clamp(PAUSE.0, PAUSE.1);
+                            let until = deadline.min(tokio::time::Instant::now() + pause);
+                            tokio::time::sleep_until(until).await;
+                        }
                     }
                 }
-                (n, decisions, errors, first, last)
+                (n, decisions, errors, first, last, first_error)
             })
         })
         .collect();
-    let mut sum = (0u64, 0u64, 0u64, u64::MAX, 0u64);
+    let (mut sum, mut first_error) = ((0u64, 0u64, 0u64, u64::MAX, 0u64), None);
     for task in tasks {
-        let (n, d, e, f, l) = task.await?;
+        let (n, d, e, f, l, error) = task.await?;
         sum = (sum.0 + n, sum.1 + d, sum.2 + e, sum.3.min(f), sum.4.max(l));
+        first_error = first_error.or(error);
     }
     let (n, d, e, f, l) = sum;
+    if let Some(error) = first_error {
+        println!("FIRST_ERROR {error}");
+    }
     println!("ADMITTED {} {n} {d} {e} {f} {l}", std::process::id());
     Ok(())
 }

@@ -206,3 +206,55 @@ fn polite_client_backs_off_a_dead_server_once_its_budget_is_empty() {
         "{failed} attempts:\n{stdout}"
     );
 }
+
+/// Arguments out of range are refused at once, with what to give instead: a run of 10^11
+/// seconds aborted allocating its per-second counts, a million clients never got going.
+#[cfg(feature = "http")]
+#[test]
+fn polite_client_refuses_runs_it_cannot_make() {
+    let url = format!("http://127.0.0.1:{}/", closed_port());
+    for (arg, value) in [("--secs", "100000000000"), ("--clients", "1000000")] {
+        let out = example("polite_client")
+            .args([arg, value, "--url", &url])
+            .output()
+            .expect("polite_client runs");
+        let (stdout, stderr) = text(&out);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{arg} {value}: {stdout}\n{stderr}"
+        );
+        assert!(stdout.is_empty(), "{arg} {value}: ran:\n{stdout}");
+        assert!(
+            stderr.contains(&format!("{arg} \"{value}\": give")),
+            "{stderr}"
+        );
+    }
+}
+
+/// `--knee 0` is refused, not quietly simulated as a knee of 1.
+#[test]
+fn knee_refuses_a_knee_of_zero() {
+    let out = example("knee")
+        .args(["--knee", "0"])
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(stderr.contains("--knee \"0\""), "{stderr}");
+}
+
+/// An argument (`--help`, a typo) is refused with a usage line before Redis is asked; it
+/// used to be ignored, the whole run made against the default Redis.
+#[cfg(feature = "redis")]
+#[test]
+fn distributed_refuses_arguments_before_it_connects() {
+    let out = example("distributed")
+        .arg("--help")
+        .env("REDIS_URL", "redis://127.0.0.1:1/")
+        .output()
+        .expect("distributed runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(stderr.starts_with("usage: distributed"), "{stderr}");
+}

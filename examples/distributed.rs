@@ -48,15 +48,21 @@ fn epoch_us() -> u64 {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let worker_of = match args.as_slice() {
+        [] => None,
+        [mode, prefix, start_ms] if mode == "worker" => Some((prefix, start_ms.parse()?)),
+        _ => {
+            eprintln!("usage: distributed (no arguments; REDIS_URL names the Redis to share)");
+            std::process::exit(2);
+        }
+    };
     let connected = match redis::Client::open(url.as_str()) {
         Ok(client) => client.get_multiplexed_async_connection().await,
         Err(e) => Err(e),
     };
     let con = connected.unwrap_or_else(|e| no_redis(&url, &e));
-    if let [mode, prefix, start_ms] = args.as_slice()
-        && mode == "worker"
-    {
-        return worker(con, prefix, start_ms.parse()?).await;
+    if let Some((prefix, start_ms)) = worker_of {
+        return worker(con, prefix, start_ms).await;
     }
 
     // A fresh prefix: earlier runs (or other users of this Redis) do not interfere.

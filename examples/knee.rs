@@ -57,9 +57,12 @@ fn args() -> Result<Args, Box<dyn Error>> {
             "--url" => args.url = Some(value()?),
             "--knee" => {
                 let v = value()?;
-                args.knee = v
-                    .parse()
-                    .map_err(|_| format!("--knee {v:?}: give a whole number of calls in flight"))?;
+                args.knee = match v.parse() {
+                    Ok(n @ 1..) => n,
+                    _ => {
+                        return Err(format!("--knee {v:?}: give a number of calls in flight").into());
+                    }
+                };
             }
             "--out" => args.out = PathBuf::from(value()?),
             "-h" | "--help" => {
@@ -97,7 +100,7 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .enable_all()
                 .start_paused(true)
                 .build()?;
-            let knee = args.knee.max(1);
+            let knee = args.knee;
             let target = runtime.block_on(async {
                 Downstream::builder()
                     .knee(knee)

@@ -60,7 +60,9 @@ fn args() -> Result<Args, Box<dyn Error>> {
                 args.knee = match v.parse() {
                     Ok(n @ 1..) => n,
                     _ => {
-                        return Err(format!("--knee {v:?}: give a number of calls in flight").into());
+                        return Err(
+                            format!("--knee {v:?}: give a number of calls in flight").into()
+                        );
                     }
                 };
             }

@@ -258,3 +258,27 @@ fn distributed_refuses_arguments_before_it_connects() {
     assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
     assert!(stderr.starts_with("usage: distributed"), "{stderr}");
 }
+
+/// A run that fails on Redis says why, even when deleting its stream fails too: here
+/// Redis knows neither `XAUTOCLAIM` (the second consumer's claim fails) nor `DEL`. The
+/// error of the `DEL` used to be the only one reported.
+#[cfg(feature = "redis")]
+#[test]
+fn consumer_loop_reports_the_failure_of_its_run_before_its_cleanup() {
+    let redis = support::RedisServer::start_with_args(&[
+        "--rename-command",
+        "XAUTOCLAIM",
+        "",
+        "--rename-command",
+        "DEL",
+        "",
+    ]);
+    let out = example("consumer_loop")
+        .env("REDIS_URL", redis.url())
+        .output()
+        .expect("consumer_loop runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("unknown command 'XAUTOCLAIM'"), "{stderr}");
+    assert!(stderr.contains("could not delete stream"), "{stderr}");
+}

@@ -180,8 +180,15 @@ async fn redis_streams(url: &str) -> Result<(), Error> {
         now.as_nanos()
     );
     let result = consume(&mut con, &key, ENTRIES).await;
-    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut con).await?;
-    println!("deleted stream {key}");
+    // Delete the stream whatever happened; a failed run's own error is the one to report.
+    match redis::cmd("DEL")
+        .arg(&key)
+        .query_async::<()>(&mut con)
+        .await
+    {
+        Ok(()) => println!("deleted stream {key}"),
+        Err(e) => eprintln!("could not delete stream {key}: {e}"),
+    }
     result
 }
 
@@ -306,12 +313,16 @@ async fn consume(
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Error> {
+async fn main() -> std::process::ExitCode {
     let start = Instant::now();
-    match std::env::var("REDIS_URL") {
-        Ok(url) => redis_streams(&url).await?,
-        Err(_) => in_memory().await?,
+    let result = match std::env::var("REDIS_URL") {
+        Ok(url) => redis_streams(&url).await,
+        Err(_) => in_memory().await,
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::FAILURE;
     }
     println!("done in {:.2?}", start.elapsed());
-    Ok(())
+    std::process::ExitCode::SUCCESS
 }

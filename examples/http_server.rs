@@ -193,9 +193,13 @@ async fn redis_gate(
 ) -> Result<(Arc<dyn Gate>, String), Box<dyn std::error::Error>> {
     use flowgate::gate::{FailurePolicy, RedisGate};
 
-    // Once running, the gate falls back by itself; at startup, say what to do instead.
+    // Once running, the gate falls back by itself; at startup, say what to do instead, in a
+    // second or so (the manager's default retries take some 10 s to give up).
     let client = redis::Client::open(url).unwrap_or_else(|e| no_redis(url, &e));
-    let conn = redis::aio::ConnectionManager::new(client) // reconnects by itself
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(2);
+    let conn = redis::aio::ConnectionManager::new_with_config(client, config) // reconnects by itself
         .await
         .unwrap_or_else(|e| no_redis(url, &e));
     let gate = RedisGate::builder(conn, limit)

@@ -282,3 +282,19 @@ fn consumer_loop_reports_the_failure_of_its_run_before_its_cleanup() {
     assert!(stderr.contains("unknown command 'XAUTOCLAIM'"), "{stderr}");
     assert!(stderr.contains("could not delete stream"), "{stderr}");
 }
+
+/// `--url` at a closed port is refused before the search: its first step used to call it
+/// back to back for its 5 s (every connection refused at once), then report no success.
+#[cfg(feature = "http")]
+#[test]
+fn knee_refuses_a_url_nothing_listens_at() {
+    let url = format!("http://127.0.0.1:{}/", closed_port());
+    let out = example("knee")
+        .args(["--url", &url])
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("measuring"), "measured first:\n{stdout}");
+    assert!(stderr.contains("nothing listens at"), "{stderr}");
+}

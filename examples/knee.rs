@@ -93,6 +93,16 @@ fn run() -> Result<(), Box<dyn Error>> {
         Some(url) => {
             let target = knee_http::HttpTarget::new(url)?;
             let runtime = tokio::runtime::Runtime::new()?;
+            // A closed port refuses every call at once: say so now, not after a first step
+            // of 5 s spent calling it back to back.
+            let uri = target.uri();
+            let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+            let port = uri.port_u16().unwrap_or(80);
+            if let Err(e) = runtime.block_on(tokio::net::TcpStream::connect((host, port))) {
+                return Err(
+                    format!("nothing listens at {uri}: {e} (start the server first)").into(),
+                );
+            }
             let what = format!("GET {} (real time)", target.uri());
             println!("measuring {what}");
             (runtime.block_on(search(&target, &config))?, what)

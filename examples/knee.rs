@@ -60,9 +60,7 @@ fn args() -> Result<Args, Box<dyn Error>> {
                 args.knee = match v.parse() {
                     Ok(n @ 1..) => n,
                     _ => {
-                        return Err(
-                            format!("--knee {v:?}: give a number of calls in flight").into()
-                        );
+                        return Err(format!("--knee {v:?}: give calls in flight, 1 or more").into());
                     }
                 };
             }
@@ -99,9 +97,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
             let port = uri.port_u16().unwrap_or(80);
             if let Err(e) = runtime.block_on(tokio::net::TcpStream::connect((host, port))) {
-                return Err(
-                    format!("nothing listens at {uri}: {e} (start the server first)").into(),
-                );
+                return Err(format!("nothing listens at {uri}: {e} (start it first)").into());
             }
             let what = format!("GET {} (real time)", target.uri());
             println!("measuring {what}");

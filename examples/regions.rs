@@ -114,7 +114,8 @@ fn parse_args() -> Result<Args, String> {
                     _ => return Err(format!("--policy {v:?}: one of static, fair, proportional")),
                 };
             }
-            "--svg" => args.svg = Some(PathBuf::from(value()?)),
+            // A plot that cannot be written is said now, not after the whole run.
+            "--svg" => args.svg = Some(writable(Path::new(&value()?))?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -127,23 +128,13 @@ fn parse_args() -> Result<Args, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let mut args = match parse_args() {
+    let args = match parse_args() {
         Ok(args) => args,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    // A plot that cannot be written is said now, not after the whole run.
-    if let Some(path) = &args.svg {
-        match writable(path) {
-            Ok(path) => args.svg = Some(path),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-        }
-    }
     let found = Command::new("redis-server")
         .arg("--version")
         .stdout(Stdio::null())

@@ -318,8 +318,11 @@ async fn client(
                 tally.budget_pause(index, &backoff);
                 tokio::time::sleep_until(end.min(Instant::now() + delay)).await;
             }
-            Err(give_up) => {
-                println!("  client {index} stops: its retry budget stays empty ({give_up})");
+            Err(_) => {
+                let (jobs, over) = (pauses.attempts(), pauses.elapsed());
+                println!(
+                    "  client {index} stops: its retry budget ended {jobs} jobs in a row, over {over:.0?}"
+                );
                 break;
             }
         }

@@ -60,11 +60,16 @@
 //!
 //! As before, no user code runs under the lock: wakers and the `on_drop` hook run after it
 //! is released (see [`Deferred`]), and so does the metrics recorder (see [`Moves`]).
+//!
+//! # Files
+//!
+//! This file holds the state and what reads it; `slots` claims and frees slots (and
+//! closes), `items` pushes and pops items, `wake` wakes waiting receivers, `metrics`
+//! records the metrics, and `send` and `recv` are the two sides' operations.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::PoisonError;
-use std::task::{Context, Poll};
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 use crate::channel::ring::{Popper, Ring};
@@ -74,8 +79,14 @@ use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
 use crate::sync::{Arc, AtomicUsize, Deferred, Mutex, MutexGuard, Ordering, fence};
 
+mod items;
+mod metrics;
 mod recv;
 mod send;
+mod slots;
+mod wake;
+
+use metrics::Moves;
 
 /// `state`: closed for new sends.
 const CLOSED: usize = 1;
@@ -146,65 +157,6 @@ impl BatchLen {
     }
 }
 
-/// The metric changes made under the channel's lock, recorded after it: a metrics recorder
-/// is user code, and one that reads the channel (an exporter taking `len()` or `stats()`)
-/// takes the lock again. Declare it after the [`Deferred`] and before the lock's guard
-/// (`let mut out = ..; let mut moves = Moves::new(self); let mut st = self.lock();`): it is
-/// dropped, and records, once the guard is released and the state settled, and before the
-/// wakers run, which a recorder that panics does not keep from running (`Deferred` wakes
-/// them as the panic unwinds). Counters add up in any order; the depth gauge is read when
-/// it is set, after the lock (see [`publish_depth`](Shared::publish_depth)).
-struct Moves<'a, T> {
-    shared: &'a Shared<T>,
-    sent: u64,
-    received: u64,
-    /// Set the depth gauge.
-    depth: bool,
-}
-
-impl<'a, T> Moves<'a, T> {
-    fn new(shared: &'a Shared<T>) -> Moves<'a, T> {
-        Moves {
-            shared,
-            sent: 0,
-            received: 0,
-            depth: false,
-        }
-    }
-
-    /// An item was pushed: count it, and set the depth gauge.
-    fn pushed(&mut self) {
-        self.sent += 1;
-        self.depth = true;
-    }
-
-    /// `n` items were received (their slots freed): count them, and set the depth gauge.
-    fn received(&mut self, n: usize) {
-        self.received += n as u64;
-        self.depth = true;
-    }
-
-    /// Set the depth gauge.
-    fn depth(&mut self) {
-        self.depth = true;
-    }
-}
-
-impl<T> Drop for Moves<'_, T> {
-    fn drop(&mut self) {
-        let metrics = &self.shared.metrics;
-        if self.sent > 0 {
-            metrics.sent.increment(self.sent);
-        }
-        if self.depth {
-            self.shared.set_depth();
-        }
-        if self.received > 0 {
-            metrics.received.increment(self.received);
-        }
-    }
-}
-
 /// A value on cache lines of its own (128 bytes: adjacent-line prefetch pairs lines).
 #[derive(Debug)]
 #[repr(align(128))]
@@ -257,40 +209,6 @@ pub(crate) struct State<T> {
     dropped: u64,
 }
 
-impl<T> State<T> {
-    /// The receiver queue of one kind: stream waiters or future waiters.
-    fn receiver_queue(&mut self, stream: bool) -> &mut WaitQueue {
-        if stream {
-            &mut self.stream_waiters
-        } else {
-            &mut self.recv_waiters
-        }
-    }
-
-    /// Register a receiver in the queue of its kind. A receiver waits in one queue at a
-    /// time, the one `waiting.stream` names: if it waited in the other, it leaves it.
-    fn register_receiver(
-        &mut self,
-        waiting: &mut Waiting,
-        stream: bool,
-        cx: &Context<'_>,
-        out: &mut Deferred,
-    ) {
-        if waiting.stream != stream {
-            self.leave_receiver(waiting, out);
-            waiting.stream = stream;
-        }
-        self.receiver_queue(stream)
-            .register(waiting, cx.waker(), out);
-    }
-
-    /// Stop waiting as a receiver; true if it was still registered (not woken).
-    fn leave_receiver(&mut self, waiting: &mut Waiting, out: &mut Deferred) -> bool {
-        let stream = waiting.stream;
-        self.receiver_queue(stream).leave(waiting, out)
-    }
-}
-
 pub(crate) struct Shared<T> {
     hot: Hot,
     ring: Ring<T>,
@@ -337,9 +255,6 @@ impl<T> fmt::Debug for Shared<T> {
             .finish()
     }
 }
-
-/// The most times one update sets the depth gauge (see `Shared::publish_depth`).
-const DEPTH_SETS: usize = 4;
 
 impl<T> Shared<T> {
     pub(crate) fn new(
@@ -436,43 +351,6 @@ impl<T> Shared<T> {
         (s & CLOSED != 0).then(|| occupied(s))
     }
 
-    /// The depth gauge: queued items and the slots receivers' batches hold.
-    #[inline]
-    fn set_depth(&self) {
-        // Without the feature the gauge is empty: skip reading the ring.
-        if cfg!(feature = "metrics") {
-            self.publish_depth(self.depth());
-        }
-    }
-
-    /// What the depth gauge shows: queued items and the slots receivers' batches hold.
-    #[inline]
-    fn depth(&self) -> usize {
-        self.ring.len() + self.depth_extra.load(Ordering::Relaxed)
-    }
-
-    /// Set the depth gauge to `depth`, read by [`depth`](Shared::depth) before, and look
-    /// again: another update may have read and set a later depth between the read and the
-    /// set (a sender preempted there, while a receive emptied the channel), and this one's
-    /// value, set last, would stay until the next update — for good in a channel gone idle.
-    /// So the update sets again until the depth it looks at after setting is the one it
-    /// set. Whichever update sets last then sets the depth as it was after every change an
-    /// update was made for (the gauge's swap orders the sets, and each set sees the changes
-    /// before the sets ahead of it). Usually one more read of what the first one read. At
-    /// most [`DEPTH_SETS`] sets: a depth still moving then is a channel in use, whose next
-    /// receive or sampled send sets it again (a busy channel must not hold a sender here).
-    #[inline]
-    fn publish_depth(&self, mut depth: usize) {
-        for _ in 0..DEPTH_SETS {
-            self.metrics.depth.set(depth as f64);
-            let now = self.depth();
-            if now == depth {
-                return;
-            }
-            depth = now;
-        }
-    }
-
     /// Whether an item is queued: in the ring, or given back (read without the lock; for a
     /// receiver's spin).
     pub(crate) fn has_queued_item(&self) -> bool {
@@ -511,348 +389,5 @@ impl<T> Shared<T> {
         } else {
             self.capacity.clamp(1, 32)
         }
-    }
-
-    /// Change `state` by `f`; returns the word it replaced.
-    #[inline]
-    fn update(&self, mut f: impl FnMut(usize) -> usize) -> usize {
-        // `f` never refuses, so this is always `Ok`.
-        self.hot
-            .state
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| Some(f(s)))
-            .unwrap_or_else(|prev| prev)
-    }
-
-    // ----- slots -----
-
-    /// Claim a free slot without the lock: only while the channel is open, no sender is
-    /// queued (no barging) and a slot is free. Returns how many slots were occupied before;
-    /// on failure, the `state` word that refused.
-    #[inline]
-    fn try_claim(&self) -> Result<usize, usize> {
-        let mut s = self.hot.state.load(Ordering::Relaxed);
-        loop {
-            if s & (CLOSED | SEND_WAIT) != 0 || occupied(s) >= self.capacity {
-                return Err(s);
-            }
-            match self.hot.state.compare_exchange_weak(
-                s,
-                s + ONE,
-                Ordering::SeqCst,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Ok(occupied(s)),
-                Err(now) => s = now,
-            }
-        }
-    }
-
-    /// Under the lock: claim a slot, or queue as a waiting sender (setting `SEND_WAIT`
-    /// on the full count it found, so every later free sees it). A sender already queued
-    /// takes its grant if it has one. `Ready(Err(()))`: closed.
-    fn poll_slot(
-        &self,
-        st: &mut State<T>,
-        cx: &Context<'_>,
-        waiting: &mut Waiting,
-        out: &mut Deferred,
-        moves: &mut Moves<'_, T>,
-    ) -> Poll<Result<(), ()>> {
-        if waiting.is_waiting() {
-            if self.is_closed() {
-                // A grant not yet claimed was void from the close on.
-                st.send_waiters.leave(waiting, out);
-                return Poll::Ready(Err(()));
-            }
-            if st.send_waiters.claim(waiting) {
-                // The granted slot is the caller's.
-                return Poll::Ready(Ok(()));
-            }
-            st.send_waiters.register(waiting, cx.waker(), out);
-            return Poll::Pending;
-        }
-        let mut s = self.hot.state.load(Ordering::SeqCst);
-        loop {
-            let next = if s & CLOSED != 0 {
-                return Poll::Ready(Err(()));
-            } else if s & SEND_WAIT != 0 {
-                // Behind the senders already waiting.
-                break;
-            } else if occupied(s) < self.capacity {
-                s + ONE
-            } else {
-                s | SEND_WAIT
-            };
-            match self
-                .hot
-                .state
-                .compare_exchange_weak(s, next, Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(_) if next & SEND_WAIT == 0 => return Poll::Ready(Ok(())),
-                Ok(_) => break,
-                Err(now) => s = now,
-            }
-        }
-        // Full: the gauge the fast path only samples is exact while senders wait.
-        moves.depth();
-        st.send_waiters.register(waiting, cx.waker(), out);
-        Poll::Pending
-    }
-
-    /// `n` slots are free (items taken, a reservation or a batch given up): to queued
-    /// senders first. Without the lock unless a sender is queued.
-    fn free(&self, n: usize) {
-        let mut s = self.hot.state.load(Ordering::Relaxed);
-        loop {
-            if s & SEND_WAIT != 0 {
-                let mut out = Deferred::default();
-                let mut st = self.lock();
-                self.free_locked(&mut st, n, &mut out);
-                return;
-            }
-            match self.hot.state.compare_exchange_weak(
-                s,
-                s - n * ONE,
-                Ordering::SeqCst,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(now) => s = now,
-            }
-        }
-        if s & CLOSED != 0 && occupied(s) == n {
-            // The end of the stream: receivers may be waiting for these slots only.
-            let mut out = Deferred::default();
-            let mut st = self.lock();
-            self.wake_receivers(&mut st, &mut out);
-        }
-    }
-
-    /// As [`free`](Shared::free), under the lock: grant the slots to queued senders (FIFO),
-    /// clear `SEND_WAIT` when none is left, and free the rest.
-    fn free_locked(&self, st: &mut State<T>, n: usize, out: &mut Deferred) {
-        let mut left = n;
-        while left > 0 && st.send_waiters.grant_one(out) {
-            left -= 1;
-        }
-        let clear = if st.send_waiters.is_empty() {
-            SEND_WAIT
-        } else {
-            0
-        };
-        if left == 0 && self.hot.state.load(Ordering::Relaxed) & clear == 0 {
-            return;
-        }
-        let prev = self.update(|s| (s & !clear) - left * ONE);
-        if prev & CLOSED != 0 && occupied(prev) == left {
-            self.wake_receivers(st, out);
-        }
-    }
-
-    // ----- waking receivers -----
-
-    /// Clear `RECV_WAIT` if no receiver is registered any more (under the lock).
-    fn sync_recv_flag(&self, st: &State<T>) {
-        if st.recv_waiters.is_empty()
-            && st.stream_waiters.is_empty()
-            && self.hot.rx.load(Ordering::Relaxed) & RECV_WAIT != 0
-        {
-            self.hot.rx.fetch_and(!RECV_WAIT, Ordering::SeqCst);
-        }
-    }
-
-    /// A new item is queued: wake one waiting future and every waiting stream.
-    fn wake_for_item(&self, st: &mut State<T>, out: &mut Deferred) {
-        st.recv_waiters.wake_one(out);
-        st.stream_waiters.wake_all(out);
-        self.sync_recv_flag(st);
-    }
-
-    fn wake_receivers(&self, st: &mut State<T>, out: &mut Deferred) {
-        st.recv_waiters.wake_all(out);
-        st.stream_waiters.wake_all(out);
-        self.sync_recv_flag(st);
-    }
-
-    // ----- items -----
-
-    /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
-    /// (the fence pairs with the one in [`queued_or_flag`](Shared::queued_or_flag) and in
-    /// [`drop_receiver`](Shared::drop_receiver)).
-    #[inline]
-    fn push_claimed(&self, item: T) -> usize {
-        self.ring.push(item);
-        fence(Ordering::SeqCst);
-        self.hot.rx.load(Ordering::Relaxed)
-    }
-
-    /// Record a push in the metrics; `depth`: update the depth gauge too. Only once the
-    /// item is settled (the receivers it concerns woken, or it discarded): a recorder is
-    /// user code, and one that panics must cost neither a wake nor the discard.
-    #[inline]
-    fn record_push(&self, depth: bool) {
-        self.metrics.sent.increment(1);
-        if depth {
-            self.set_depth();
-        }
-    }
-
-    /// Whether a send that claimed the slot after `occupied` others updates the depth
-    /// gauge. The fast path samples it at every sixteenth of the capacity, and not more
-    /// often than every 16 items (`depth_mask`): a gauge update reads the ring's two ends
-    /// and swaps the gauge's word, cache lines every sender and receiver would contend on.
-    /// Not when the channel was empty: the receiver that emptied it set the gauge. Receives
-    /// and sends that find the channel full set it exactly, so the gauge lags the truth by
-    /// less than one sampling step.
-    #[inline]
-    fn samples_depth(&self, occupied: usize) -> bool {
-        occupied != 0 && occupied & self.depth_mask == 0
-    }
-
-    /// Push an item into a slot claimed for it, without the lock. `depth`: update the depth
-    /// gauge.
-    #[inline]
-    fn enqueue(&self, item: T, depth: bool) {
-        let rx = self.push_claimed(item);
-        if rx != 0 {
-            self.after_push(rx, depth);
-        } else {
-            self.record_push(depth);
-        }
-    }
-
-    /// A push found a receiver waiting, or every receiver gone: wake it, or drop what is
-    /// left (the push recorded with the discards, before the hook runs); then record it.
-    #[cold]
-    fn after_push(&self, rx: usize, depth: bool) {
-        let mut out = Deferred::default();
-        let mut st = self.lock();
-        if rx & RX_GONE != 0 {
-            self.discard_rest(st, 1);
-        } else {
-            self.wake_for_item(&mut st, &mut out);
-            drop(st);
-            // `out` wakes the receivers even if the recorder panics.
-            self.record_push(depth);
-        }
-    }
-
-    /// Push an item into a slot claimed for it, under the lock (the channel is open, so
-    /// receivers are not gone).
-    fn enqueue_locked(
-        &self,
-        st: &mut State<T>,
-        item: T,
-        out: &mut Deferred,
-        moves: &mut Moves<'_, T>,
-    ) {
-        if self.push_claimed(item) & RECV_WAIT != 0 {
-            self.wake_for_item(st, out);
-        }
-        moves.pushed();
-    }
-
-    /// The oldest queued item (under the lock).
-    fn pop_oldest(&self, st: &mut State<T>) -> Option<T> {
-        self.pop_oldest_placed(st).map(|(_, item)| item)
-    }
-
-    /// The oldest queued item with its place in the queue (under the lock).
-    fn pop_oldest_placed(&self, st: &mut State<T>) -> Option<(u64, T)> {
-        match st.stash.pop_front() {
-            Some(placed) => {
-                self.depth_extra.fetch_sub(1, Ordering::Relaxed);
-                self.stashed.fetch_sub(1, Ordering::Relaxed);
-                Some(placed)
-            }
-            None => {
-                let item = self.ring.pop(&mut st.popper)?;
-                let place = st.ring_taken;
-                st.ring_taken += 1;
-                Some((place, item))
-            }
-        }
-    }
-
-    /// The place in the queue of the oldest queued item (if any: else of the next one).
-    fn oldest_place(st: &State<T>) -> u64 {
-        st.stash.front().map_or(st.ring_taken, |(place, _)| *place)
-    }
-
-    /// Count a dropped item and pass it to the hook with `why`. Called without the lock.
-    fn dropped(&self, item: T, why: Dropped, counter: &Counter) {
-        counter.increment(1);
-        if let Some(hook) = &self.on_drop {
-            hook.call(item, &why);
-        }
-    }
-
-    /// Every receiver is gone: drop what is queued through `on_drop` (`Discarded`), after
-    /// releasing the lock. Every item is counted (in `stats` and the metric) before the
-    /// hook sees the first: a hook that panics leaves none uncounted (the items after it
-    /// are dropped as the panic unwinds, without the hook). `pushed`: items the caller
-    /// pushed, recorded in `sent_total` with them.
-    fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>, pushed: u64) {
-        let mut left: Vec<T> = st.stash.drain(..).map(|(_, item)| item).collect();
-        while let Some(item) = self.ring.pop(&mut st.popper) {
-            left.push(item);
-        }
-        st.dropped += left.len() as u64;
-        self.depth_extra.store(0, Ordering::Relaxed);
-        self.stashed.store(0, Ordering::Relaxed);
-        drop(st);
-        self.metrics.dropped_closed.increment(left.len() as u64);
-        self.metrics.sent.increment(pushed);
-        self.set_depth();
-        if let Some(hook) = &self.on_drop {
-            for item in left {
-                hook.call(item, &Dropped::Discarded);
-            }
-        }
-    }
-
-    /// Close for new sends and collect every waiter to wake.
-    fn close_locked(&self, st: &mut State<T>, out: &mut Deferred) {
-        if !self.is_closed() {
-            // Grants not yet claimed are void: their senders will see `closed`. No sender
-            // can queue any more, so `SEND_WAIT` goes too.
-            let void = st.send_waiters.granted();
-            self.update(|s| ((s | CLOSED) & !SEND_WAIT) - void * ONE);
-        }
-        st.send_waiters.wake_all(out);
-        self.wake_receivers(st, out);
-        st.close_waiters.wake_all(out);
-    }
-
-    pub(crate) fn close(&self) {
-        let mut out = Deferred::default();
-        self.close_locked(&mut self.lock(), &mut out);
-    }
-}
-
-#[cfg(all(test, feature = "metrics"))]
-mod tests {
-    use super::*;
-
-    /// A gauge update reads the depth, then sets it, without the lock (a sampled send,
-    /// a batch used up) or beside setters that hold it (receives): one preempted between
-    /// the two steps sets what it read after a receive has set the depth since. Here it
-    /// read 40 before the receives took every item, and set it after them: the gauge must
-    /// not keep showing 40 items in an empty, idle channel (nothing sets it again until
-    /// the next receive or sampled send).
-    #[test]
-    fn a_depth_read_before_a_receive_and_set_after_it_does_not_stay_on_the_gauge() {
-        let shared = Shared::<u32>::new(64, Overflow::Backpressure, None, Some("depth".into()));
-        for i in 0..40 {
-            shared.try_send(i).unwrap();
-        }
-        let stale = shared.depth();
-        assert_eq!(stale, 40);
-        for i in 0..40 {
-            assert_eq!(shared.try_recv(), Ok(i));
-        }
-        assert_eq!(shared.metrics.depth.value(), 0.0, "the receives set it");
-        shared.publish_depth(stale);
-        assert_eq!(shared.metrics.depth.value(), 0.0, "an empty channel");
     }
 }

@@ -1,18 +1,30 @@
 //! `AdaptivePacer`: a [`Pacer`] whose rate follows the server's feedback.
+//!
+//! This file holds the public types, the controller's constants and the feedback calls;
+//! `control` is the controller (its phase, the server's caps, probing, tracking), `meter`
+//! counts responses, `rates` makes exact [`Rate`]s of the controller's rates, and
+//! `builder` builds the pacer.
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::PoisonError;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::error::{ConfigError, ConfigErrorKind};
-use crate::metrics::{Counter, Gauge, Labels};
+use crate::metrics::{Counter, Gauge};
 use crate::pace::{Pacer, UntilReady};
-use crate::rate::{Rate, cmp_rate};
-use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::rate::Rate;
+use crate::sync::{Arc, Mutex};
 use crate::time::capped;
+
+mod builder;
+mod control;
+mod meter;
+mod rates;
+
+pub use builder::AdaptivePacerBuilder;
+use control::allowance_hold;
+use meter::Meter;
 
 /// Names of the adaptive pacing metrics.
 pub(crate) mod names {
@@ -29,9 +41,6 @@ const TREND_SPAN: Duration = Duration::from_millis(500);
 const TREND_MIN_SPAN: Duration = Duration::from_millis(150);
 /// The most samples of the server's remaining kept for the trend.
 const TREND_SAMPLES: usize = 64;
-/// One bucket of the response meter; the meter spans `METER_BUCKETS` of them.
-const METER_BUCKET: Duration = Duration::from_millis(250);
-const METER_BUCKETS: usize = 4;
 /// The responses in the last second from which what got through measures the rate: with
 /// fewer, a success more or less is a quarter of the figure or more (or nothing was sent to
 /// measure: a caller idle, or a pacer just built), and a cut is by `decrease` alone.
@@ -59,8 +68,6 @@ const APPLY_SHARE: f64 = 0.001;
 /// positive even when the server allows nothing until its reset, and a hostile field holds
 /// no unit longer than 1 000 s. A configured ceiling below it still caps the rate.
 const MIN_CAP: f64 = 0.001;
-/// The longest period of the rates handed to the pacer, in nanoseconds (within `u64`).
-const LONGEST_PERIOD_NS: u64 = 10_000_000_000_000_000_000;
 
 /// What the [`AdaptivePacer`] is doing; part of its [`AdaptiveStatus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -254,79 +261,10 @@ struct Control {
     pauses: u64,
 }
 
-/// Counts events over the last second, in four buckets of 250 ms.
-#[derive(Debug)]
-struct Meter {
-    origin: Instant,
-    /// The index (since `origin`) of the newest bucket.
-    newest: u64,
-    buckets: [u64; METER_BUCKETS],
-}
-
-impl Meter {
-    fn new(origin: Instant) -> Meter {
-        Meter {
-            origin,
-            newest: 0,
-            buckets: [0; METER_BUCKETS],
-        }
-    }
-
-    fn index(&self, now: Instant) -> u64 {
-        let since = now.saturating_duration_since(self.origin).as_nanos();
-        u64::try_from(since / METER_BUCKET.as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    fn roll(&mut self, now: Instant) {
-        let index = self.index(now);
-        let stale = index.saturating_sub(self.newest);
-        for k in 1..=stale.min(METER_BUCKETS as u64) {
-            let slot = (self.newest.wrapping_add(k) % METER_BUCKETS as u64) as usize;
-            self.buckets[slot] = 0;
-        }
-        self.newest = self.newest.max(index);
-    }
-
-    fn record(&mut self, now: Instant) {
-        self.roll(now);
-        let slot = (self.newest % METER_BUCKETS as u64) as usize;
-        self.buckets[slot] = self.buckets[slot].saturating_add(1);
-    }
-
-    /// Events over the buckets kept (at most the last second, plus the current bucket's
-    /// part).
-    fn count(&mut self, now: Instant) -> u64 {
-        self.roll(now);
-        self.buckets.iter().sum()
-    }
-
-    /// Events per second over the buckets kept (at most the last second, plus the
-    /// current bucket's part), or since the origin when that is shorter.
-    fn per_second(&mut self, now: Instant) -> f64 {
-        let total = self.count(now);
-        let since = now.saturating_duration_since(self.origin).as_nanos();
-        let bucket = METER_BUCKET.as_nanos();
-        let into_newest = since.saturating_sub(bucket * u128::from(self.newest));
-        let span = (bucket * (METER_BUCKETS as u128 - 1) + into_newest).min(since);
-        if span == 0 {
-            return 0.0;
-        }
-        total as f64 * 1e9 / span as f64
-    }
-}
-
 impl AdaptivePacer {
     /// A builder for an adaptive pacer that never sends faster than `ceiling`.
     pub fn builder(ceiling: Rate) -> AdaptivePacerBuilder {
-        AdaptivePacerBuilder {
-            ceiling,
-            floor: None,
-            initial: None,
-            decrease: 0.7,
-            increase: 0.05,
-            cooldown: Duration::from_millis(200),
-            name: None,
-        }
+        AdaptivePacerBuilder::new(ceiling)
     }
 
     /// The pacer whose rate this one steers: give it to `stream.leaky_with`,
@@ -569,429 +507,5 @@ impl fmt::Debug for AdaptivePacer {
             .field("name", &self.name())
             .field("status", &self.status())
             .finish()
-    }
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Control> {
-        self.control.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn phase(&self, c: &Control, now: Instant) -> Phase {
-        if c.paused_until.is_some_and(|p| p > now) {
-            Phase::Paused
-        } else if self.tracking(c, now) {
-            Phase::Tracking
-        } else {
-            Phase::Probing
-        }
-    }
-
-    fn tracking(&self, c: &Control, now: Instant) -> bool {
-        c.policy.is_some()
-            && c.remaining
-                .back()
-                .is_some_and(|&(at, _)| now.saturating_duration_since(at) <= FIELDS_FRESH)
-    }
-
-    /// The highest rate allowed now. The floor bounds the cuts, never the server: a policy
-    /// or an allowance below the floor caps the rate below it.
-    fn cap(&self, c: &Control, now: Instant) -> f64 {
-        let mut server = f64::INFINITY;
-        if let Some((sustained, _, _)) = c.policy {
-            server = server.min(sustained);
-        }
-        if let Some((allowed, until)) = c.allowance
-            && now < until
-        {
-            server = server.min(allowed);
-        }
-        self.config.ceiling.min(server.max(MIN_CAP))
-    }
-
-    /// Keep the rate at or above the floor, then at or below the cap.
-    fn bound(&self, c: &mut Control, now: Instant) {
-        c.rate = c.rate.max(self.config.floor).min(self.cap(c, now));
-    }
-
-    /// Whether the caller uses the rate (so that growing it means something). A waiter
-    /// stepped over does not: its task is not polling it.
-    fn in_use(&self, c: &mut Control, now: Instant) -> bool {
-        self.pacer.inner().has_present_waiter()
-            || c.responses.per_second(now) >= USED_SHARE * c.rate
-    }
-
-    /// Advance the controller to `now`.
-    fn step(&self, c: &mut Control, now: Instant) {
-        let dt = now.saturating_duration_since(c.last_update).min(MAX_STEP);
-        c.last_update = now;
-        let paused = c.paused_until.is_some_and(|p| p > now);
-        if !paused {
-            c.paused_until = None;
-        }
-        let dt = dt.as_secs_f64();
-        if !paused && dt > 0.0 {
-            if self.tracking(c, now) {
-                self.track(c, now, dt);
-            } else if self.in_use(c, now) {
-                self.probe(c, now, dt);
-            }
-        }
-        self.bound(c, now);
-    }
-
-    /// Probing: climb (additive, accelerating; doubling while far below the last good rate).
-    fn probe(&self, c: &mut Control, now: Instant, dt: f64) {
-        if c.rate < SLOW_START_BELOW * c.last_good {
-            c.rate = (c.rate * dt.exp2()).min(SLOW_START_BELOW * c.last_good);
-        } else {
-            let quiet = now.saturating_duration_since(c.last_cut).as_secs_f64();
-            let step = self.config.increase * c.last_good * (1.0 + quiet / PROBE_ACCEL_SECS);
-            c.rate += step * dt;
-        }
-    }
-
-    /// Tracking: correct the rate by the aggregate's relative error (see the type's docs).
-    fn track(&self, c: &mut Control, now: Instant, dt: f64) {
-        // The remaining's own policy, when known: steered by another's quota, a second's
-        // remaining reads as a day's bucket almost empty.
-        let Some((sustained, quota)) = c
-            .remaining_of
-            .or_else(|| c.policy.map(|(sustained, quota, _)| (sustained, quota)))
-        else {
-            return;
-        };
-        let Some(&(_, r)) = c.remaining.back() else {
-            return;
-        };
-        let q = quota as f64;
-        let r = (r as f64).min(q);
-        let target = sustained + (r - TRACK_LEVEL * q) / TRACK_LEVEL_TIME;
-        // The bucket's trend is the aggregate's shortfall (it cannot show one when full or
-        // empty: then only the level speaks).
-        let full = r >= q - (q / 50.0).max(1.0);
-        let trend = if full || r < 1.0 {
-            0.0
-        } else {
-            trend(&c.remaining, now).unwrap_or(0.0)
-        };
-        let aggregate = sustained - trend;
-        let error = if full {
-            // Below the sustained rate by an unknown amount: climb at the fastest pace.
-            MAX_ERROR
-        } else {
-            ((target - aggregate) / sustained).clamp(-MAX_ERROR, MAX_ERROR)
-        };
-        if error > 0.0 && !self.in_use(c, now) {
-            return;
-        }
-        c.rate *= (TRACK_GAIN * error * dt).exp();
-    }
-
-    /// The rate to hand to the pacer, when it changed enough, or when the rate the pacer
-    /// has is above the cap now (a server's cap a hair below it: never faster than the
-    /// server allows): give it to [`hand_over`](Inner::hand_over) once the control lock is
-    /// released (the pacer wakes its waiters when its quota changes).
-    fn apply(&self, c: &mut Control, now: Instant) -> Option<f64> {
-        if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied && c.applied <= self.cap(c, now) {
-            return None;
-        }
-        c.applied = c.rate;
-        Some(c.rate)
-    }
-
-    /// Hand a rate from [`apply`](Inner::apply) to the pacer and the gauge; call without the
-    /// control lock. Two callers may hand over in the opposite order to the one they applied
-    /// in: each checks afterwards that the pacer has the latest applied rate, and hands that
-    /// over if not, so the last word is always the latest rate.
-    fn hand_over(&self, mut rate: Option<f64>) {
-        while let Some(r) = rate {
-            self.pacer
-                .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
-            self.rate_gauge.set(r);
-            let latest = self.lock().applied;
-            rate = (latest != r).then_some(latest);
-        }
-    }
-}
-
-/// The earliest the pacer's next unit may be due once the server reported `remaining`
-/// units within `reset`, refilled before it by `refill` (`q` per `w`; none: nothing comes
-/// back before the reset), so that no more pass than the server has, whatever the
-/// bucket held. Until the reset the pacer runs at most at the allowance's cap, one unit
-/// per `p = min(reset / max(r, 1), w / q)`; the next unit is due no earlier than
-/// `now − x·p`, with `x = min(r, max(1, ⌈reset · q / w⌉)) − 1`: at most `r` units at once,
-/// and before the reset no more than `r` plus the units refilled by then (at a cap of
-/// `r / reset`, above the refill, only the refilled units may run ahead). With nothing
-/// remaining, `x = −1`: `now + p`, when the server has one unit again. `None` when that
-/// instant is before any this clock can tell (the bucket cannot hold that many units).
-fn allowance_hold(
-    now: Instant,
-    remaining: u64,
-    reset: Duration,
-    refill: Option<(u64, Duration)>,
-) -> Option<Instant> {
-    let (r, t) = (u128::from(remaining), reset.as_nanos());
-    // In `u128`: `reset` is at most a century (`capped`), under 2^62 ns.
-    let refilled = refill.map_or(0, |(q, w)| (t * u128::from(q)).div_ceil(w.as_nanos()));
-    let Some(x) = r.min(refilled.max(1)).checked_sub(1) else {
-        // Nothing remaining: one period, rounded up (never sooner than the server).
-        let p = refill.map_or(t, |(q, w)| t.min(w.as_nanos().div_ceil(u128::from(q))));
-        return Some(now + Duration::from_nanos(u64::try_from(p).unwrap_or(u64::MAX)));
-    };
-    // `x` periods, rounded down (never more units than the server has); `x·w < t·q`.
-    let lead = refill.map_or(x * t / r, |(q, w)| {
-        (x * t / r).min(x * w.as_nanos() / u128::from(q))
-    });
-    now.checked_sub(Duration::from_nanos(u64::try_from(lead).ok()?))
-}
-
-/// The least-squares slope of the server's remaining over the last `TREND_SPAN`, in units
-/// per second; `None` with too few samples or too short a span.
-fn trend(samples: &VecDeque<(Instant, u64)>, now: Instant) -> Option<f64> {
-    let first = samples.front()?.0;
-    // Read in place (it runs on every response): two passes over the recent samples.
-    let points = || {
-        samples
-            .iter()
-            .filter(move |&&(at, _)| now.saturating_duration_since(at) <= TREND_SPAN)
-            .map(move |&(at, r)| (at.saturating_duration_since(first).as_secs_f64(), r as f64))
-    };
-    let (mut count, mut sum_t, mut sum_r) = (0usize, 0.0, 0.0);
-    let (mut first_t, mut last_t) = (None, 0.0);
-    for (t, r) in points() {
-        count += 1;
-        sum_t += t;
-        sum_r += r;
-        first_t.get_or_insert(t);
-        last_t = t;
-    }
-    if count < 3 {
-        return None;
-    }
-    let span = last_t - first_t.unwrap_or(last_t);
-    if span < TREND_MIN_SPAN.as_secs_f64() {
-        return None;
-    }
-    let n = count as f64;
-    let (mean_t, mean_r) = (sum_t / n, sum_r / n);
-    let (mut num, mut den) = (0.0, 0.0);
-    for (t, r) in points() {
-        num += (t - mean_t) * (r - mean_r);
-        den += (t - mean_t) * (t - mean_t);
-    }
-    (den > 0.0).then(|| num / den)
-}
-
-impl Config {
-    /// The [`Rate`] the pacer is given for the controller's `per_second`: the ceiling
-    /// exactly at or above it, the floor exactly when `per_second` is at or above the floor
-    /// but would round below it, and otherwise the fastest rate at or below `per_second`
-    /// ([`rate_at_most`]), so the pacer never runs faster than the controller's rate (which
-    /// the ceiling and the server's caps bound), nor slower than the floor the controller
-    /// keeps.
-    fn pacer_rate(&self, per_second: f64) -> Rate {
-        if per_second >= self.ceiling {
-            return self.ceiling_rate;
-        }
-        let rate = rate_at_most(per_second);
-        if per_second >= self.floor && faster(self.floor_rate, rate) {
-            self.floor_rate
-        } else if faster(rate, self.ceiling_rate) {
-            // Only float noise (or a ceiling slower than one per 317 years) gets here.
-            self.ceiling_rate
-        } else {
-            rate
-        }
-    }
-}
-
-/// Whether `a` is faster than `b`, compared exactly.
-fn faster(a: Rate, b: Rate) -> bool {
-    let (qa, wa) = (u64::from(a.count()), u128::from(a.period_nanos()));
-    let (qb, wb) = (u64::from(b.count()), u128::from(b.period_nanos()));
-    cmp_rate(qa, wa, qb, wb).is_gt()
-}
-
-/// The fastest rate at or below `per_second` of the form `count` per `10^k` ns, with the
-/// longest such period (at most [`LONGEST_PERIOD_NS`]) whose count fits in a `u32`: nine
-/// significant digits or more from one per 10 s up to `u32::MAX` per ns, seven or more
-/// down to one per 1 000 s. At least one per `LONGEST_PERIOD_NS` (about 317 years).
-fn rate_at_most(per_second: f64) -> Rate {
-    let mut period_ns = LONGEST_PERIOD_NS;
-    loop {
-        let count = (per_second * period_ns as f64 / 1e9).floor();
-        if count <= f64::from(u32::MAX) || period_ns == 1 {
-            let count = count.clamp(1.0, f64::from(u32::MAX)) as u32;
-            return Rate::per(count, Duration::from_nanos(period_ns))
-                .unwrap_or_else(|_| unreachable!("a count of at least 1 per at least 1 ns"));
-        }
-        period_ns /= 10;
-    }
-}
-
-/// `rate / 100`, exactly when a count and a period can say it (else the fastest rate
-/// below it, see [`rate_at_most`]); never faster than `rate` itself: below one per 317
-/// years `rate_at_most` rounds up to that, and then the slowest rate a [`Rate`] holds (one
-/// per `u64::MAX` ns) is taken instead.
-fn hundredth(rate: Rate) -> Rate {
-    let (count, period_ns) = if rate.count().is_multiple_of(100) {
-        (rate.count() / 100, Some(rate.period_nanos()))
-    } else {
-        (rate.count(), rate.period_nanos().checked_mul(100))
-    };
-    let hundredth = period_ns
-        .and_then(|ns| Rate::per(count, Duration::from_nanos(ns)).ok())
-        .unwrap_or_else(|| rate_at_most(rate.per_second_f64() / 100.0));
-    if faster(hundredth, rate) {
-        Rate::per(1, Duration::from_nanos(u64::MAX))
-            .unwrap_or_else(|_| unreachable!("a count of 1 per u64::MAX ns"))
-    } else {
-        hundredth
-    }
-}
-
-/// Builds an [`AdaptivePacer`]; from [`AdaptivePacer::builder`].
-#[derive(Debug, Clone)]
-pub struct AdaptivePacerBuilder {
-    ceiling: Rate,
-    floor: Option<Rate>,
-    initial: Option<Rate>,
-    decrease: f64,
-    increase: f64,
-    cooldown: Duration,
-    name: Option<String>,
-}
-
-impl AdaptivePacerBuilder {
-    /// The lowest rate a cut goes to. Default: 1 % of the ceiling (for a ceiling slower
-    /// than one per 317 years: one per `u64::MAX` ns, the slowest [`Rate`]). A server's policy or
-    /// allowance below it still caps the rate (the server is never sent more than it allows).
-    pub fn floor(mut self, floor: Rate) -> Self {
-        self.floor = Some(floor);
-        self
-    }
-
-    /// The rate to start at. Default: the ceiling.
-    pub fn initial(mut self, initial: Rate) -> Self {
-        self.initial = Some(initial);
-        self
-    }
-
-    /// The factor `β` a cut multiplies the rate by, in `(0, 1)`. Default: 0.7.
-    pub fn decrease(mut self, beta: f64) -> Self {
-        self.decrease = beta;
-        self
-    }
-
-    /// How fast the rate climbs while probing: this share of the last good rate per
-    /// second, a step that grows by itself every 2 s without a cut. In `(0, 10]`.
-    /// Default: 0.05.
-    pub fn increase(mut self, share_per_second: f64) -> Self {
-        self.increase = share_per_second;
-        self
-    }
-
-    /// How long a congestion epoch lasts at least: after back-pressure without a
-    /// `Retry-After` (a 503 or a timeout), or with one shorter than it, more back-pressure
-    /// within it does not cut again (a longer `Retry-After` makes the epoch last as long).
-    /// Set it near the round-trip time. Default: 200 ms.
-    pub fn cooldown(mut self, cooldown: Duration) -> Self {
-        self.cooldown = capped(cooldown);
-        self
-    }
-
-    /// The `name` label of the metrics (of the adaptive pacer and of its pacer).
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
-        self
-    }
-
-    /// Build the adaptive pacer.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError`] on `adaptive.floor` if the floor is above the ceiling, on
-    /// `adaptive.initial` if the initial rate is outside `[floor, ceiling]`, on
-    /// `adaptive.decrease` if `β` is not in `(0, 1)`, on `adaptive.increase` if it is not
-    /// in `(0, 10]`.
-    pub fn build(self) -> Result<AdaptivePacer, ConfigError> {
-        let ceiling = self.ceiling.per_second_f64();
-        let floor_rate = self.floor.unwrap_or_else(|| hundredth(self.ceiling));
-        let floor = floor_rate.per_second_f64();
-        if faster(floor_rate, self.ceiling) {
-            return Err(ConfigError::new(
-                "adaptive.floor",
-                ConfigErrorKind::Inconsistent,
-                "must be at most the ceiling",
-            ));
-        }
-        let initial_rate = self.initial.unwrap_or(self.ceiling);
-        if faster(initial_rate, self.ceiling) || faster(floor_rate, initial_rate) {
-            return Err(ConfigError::new(
-                "adaptive.initial",
-                ConfigErrorKind::Inconsistent,
-                "must be between the floor and the ceiling",
-            ));
-        }
-        if !(self.decrease > 0.0 && self.decrease < 1.0) {
-            return Err(ConfigError::new(
-                "adaptive.decrease",
-                ConfigErrorKind::Inconsistent,
-                "must be above 0 and below 1",
-            ));
-        }
-        if !(self.increase > 0.0 && self.increase <= 10.0) {
-            return Err(ConfigError::new(
-                "adaptive.increase",
-                ConfigErrorKind::Inconsistent,
-                "must be above 0 and at most 10",
-            ));
-        }
-        let config = Config {
-            ceiling,
-            floor,
-            ceiling_rate: self.ceiling,
-            floor_rate,
-            decrease: self.decrease,
-            increase: self.increase,
-            cooldown: self.cooldown,
-        };
-        let initial = initial_rate.per_second_f64();
-        let mut builder = Pacer::builder(initial_rate);
-        if let Some(name) = &self.name {
-            builder = builder.name(name.clone());
-        }
-        let pacer = builder.build()?;
-        let labels = Labels::new(self.name.as_deref());
-        let now = Instant::now();
-        let shared = Shared {
-            pacer,
-            config,
-            control: Mutex::new(Control {
-                rate: initial,
-                applied: initial,
-                last_good: initial,
-                last_update: now,
-                last_cut: now,
-                epoch_end: None,
-                paused_until: None,
-                policy: None,
-                allowance: None,
-                remaining: VecDeque::new(),
-                remaining_of: None,
-                successes: Meter::new(now),
-                responses: Meter::new(now),
-                cuts: 0,
-                pauses: 0,
-            }),
-            rate_gauge: labels.gauge(names::RATE, &[]),
-            pauses: labels.counter(names::PAUSES, &[]),
-            cuts: labels.counter(names::CUTS, &[]),
-        };
-        shared.rate_gauge.set(initial);
-        Ok(AdaptivePacer {
-            inner: Arc::new(shared),
-        })
     }
 }

@@ -899,7 +899,6 @@ async fn the_adaptive_pacer_metrics_agree_with_its_status_and_end_at_zero() {
 /// unit per 1 000 s for the life of the process (through `RetryLayer`, at one per
 /// `max_retry_after`: a minute by default), however long the server answered without it.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: AdaptivePacer keeps the last RateLimit-Policy for ever (src/pace/adaptive.rs is being split: fix it there)"]
 async fn a_policy_not_seen_again_for_its_window_no_longer_caps_the_rate() {
     let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
         .build()

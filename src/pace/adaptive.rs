@@ -100,7 +100,8 @@ pub struct AdaptiveStatus {
     pub paused_until: Option<Instant>,
     /// The server's last remaining (`r`), if it sends one.
     pub server_remaining: Option<u64>,
-    /// The server's last policy (`q` within `w`), if it sends one.
+    /// The server's last policy (`q` within `w`), if it sends one (`None` once it was not
+    /// sent again for longer than its window).
     pub server_policy: Option<(u64, Duration)>,
     /// How many times back-pressure cut the rate.
     pub cuts: u64,
@@ -246,8 +247,9 @@ struct Control {
     /// No cut before this instant (the current congestion epoch).
     epoch_end: Option<Instant>,
     paused_until: Option<Instant>,
-    /// The server's sustained rate (`q / w`, per second), its quota `q` and window `w`.
-    policy: Option<(f64, u64, Duration)>,
+    /// The server's sustained rate (`q / w`, per second), its quota `q` and window `w`,
+    /// and when it was last given (it lapses a window later: see [`Control::policy`]).
+    policy: Option<(f64, u64, Duration, Instant)>,
     /// A cap from the server's allowance, per second, and until when it holds.
     allowance: Option<(f64, Instant)>,
     /// The server's remaining, as reported (time, r).
@@ -259,6 +261,17 @@ struct Control {
     responses: Meter,
     cuts: u64,
     pauses: u64,
+}
+
+impl Control {
+    /// The server's policy (sustained rate, `q`, `w`), unless it lapsed: not given again for
+    /// longer than its window (a server that stopped sending it, or a proxy's page that
+    /// carried it once, caps nothing after that).
+    fn policy(&self, now: Instant) -> Option<(f64, u64, Duration)> {
+        self.policy
+            .filter(|&(_, _, window, seen)| now.saturating_duration_since(seen) <= window)
+            .map(|(sustained, quota, window, _)| (sustained, quota, window))
+    }
 }
 
 impl AdaptivePacer {
@@ -436,7 +449,7 @@ impl AdaptivePacer {
         if !reset.is_zero() {
             // What refills the remaining before the reset: its own policy, else the
             // slowest (which refills no faster).
-            let refill = own.unwrap_or_else(|| c.policy.map(|(_, q, w)| (q, w)));
+            let refill = own.unwrap_or_else(|| c.policy(now).map(|(_, q, w)| (q, w)));
             let sustained = refill.map_or(0.0, |(q, w)| q as f64 / w.as_secs_f64());
             // At least one unit within `reset`: a cap below that would hold the pacer's
             // schedule (one unit per 1 / cap) far past the reset.
@@ -457,7 +470,8 @@ impl AdaptivePacer {
 
     /// The server's policy: `quota` units per `window` (the `q` and `w` of the IETF
     /// `RateLimit-Policy` field): the rate stays at or below `quota / window`. A zero quota
-    /// or window is ignored.
+    /// or window is ignored. A policy not given again for longer than its window lapses
+    /// (the server stopped sending it): it caps nothing after that.
     pub fn on_policy(&self, quota: u64, window: Duration) {
         if quota == 0 || window.is_zero() {
             return;
@@ -465,7 +479,7 @@ impl AdaptivePacer {
         let now = Instant::now();
         let mut c = self.inner.lock();
         let sustained = quota as f64 / window.as_secs_f64();
-        c.policy = Some((sustained, quota, window));
+        c.policy = Some((sustained, quota, window, now));
         self.inner.step(&mut c, now);
         let rate = self.inner.apply(&mut c, now);
         drop(c);
@@ -489,7 +503,7 @@ impl AdaptivePacer {
             last_good_per_second: c.last_good,
             paused_until: c.paused_until.filter(|&p| p > now),
             server_remaining: c.remaining.back().map(|&(_, r)| r),
-            server_policy: c.policy.map(|(_, q, w)| (q, w)),
+            server_policy: c.policy(now).map(|(_, q, w)| (q, w)),
             cuts: c.cuts,
             pauses: c.pauses,
         }

@@ -28,7 +28,7 @@ impl Shared {
     }
 
     fn tracking(&self, c: &Control, now: Instant) -> bool {
-        c.policy.is_some()
+        c.policy(now).is_some()
             && c.remaining
                 .back()
                 .is_some_and(|&(at, _)| now.saturating_duration_since(at) <= FIELDS_FRESH)
@@ -38,7 +38,7 @@ impl Shared {
     /// or an allowance below the floor caps the rate below it.
     pub(super) fn cap(&self, c: &Control, now: Instant) -> f64 {
         let mut server = f64::INFINITY;
-        if let Some((sustained, _, _)) = c.policy {
+        if let Some((sustained, _, _)) = c.policy(now) {
             server = server.min(sustained);
         }
         if let Some((allowed, until)) = c.allowance
@@ -95,10 +95,10 @@ impl Shared {
     fn track(&self, c: &mut Control, now: Instant, dt: f64) {
         // The remaining's own policy, when known: steered by another's quota, a second's
         // remaining reads as a day's bucket almost empty.
-        let Some((sustained, quota)) = c
-            .remaining_of
-            .or_else(|| c.policy.map(|(sustained, quota, _)| (sustained, quota)))
-        else {
+        let Some((sustained, quota)) = c.remaining_of.or_else(|| {
+            c.policy(now)
+                .map(|(sustained, quota, _)| (sustained, quota))
+        }) else {
             return;
         };
         let Some(&(_, r)) = c.remaining.back() else {

@@ -1,0 +1,113 @@
+//! The bulkhead's metrics, and the changes to them worked out under the waiters' lock and
+//! recorded after it.
+
+use crate::bulkhead::error::AcquireError;
+use crate::metrics::{Counter, Gauge, Histogram, Labels, Tally};
+
+use super::Core;
+use super::queue::Waiters;
+
+/// Names of the bulkhead metrics.
+pub(crate) mod names {
+    pub(crate) const IN_FLIGHT: &str = "flowgate_bulkhead_in_flight";
+    pub(crate) const WAITING: &str = "flowgate_bulkhead_waiting";
+    pub(crate) const REJECTED: &str = "flowgate_bulkhead_rejected_total";
+    pub(crate) const WAIT_SECONDS: &str = "flowgate_bulkhead_wait_seconds";
+    pub(crate) const DISCARDED: &str = "flowgate_bulkhead_discarded_total";
+}
+
+pub(super) struct Metrics {
+    /// Moved by each permit taken and returned; the core takes back what is left (permits
+    /// forgotten) when it is dropped.
+    pub(super) in_flight: Tally,
+    pub(super) waiting: Gauge,
+    pub(super) rejected: [Counter; 4],
+    pub(super) wait: Histogram,
+    /// Items the stream adapters let go of unprocessed (see `Feed`).
+    pub(super) discarded: Counter,
+}
+
+impl Metrics {
+    pub(super) fn new(name: Option<&str>) -> Metrics {
+        let l = Labels::new(name);
+        let rejected = |r: AcquireError| l.counter(names::REJECTED, &[("reason", r.as_str())]);
+        Metrics {
+            in_flight: l.tally(names::IN_FLIGHT, &[]),
+            waiting: l.gauge(names::WAITING, &[]),
+            rejected: [
+                rejected(AcquireError::WaitingRoomFull),
+                rejected(AcquireError::TimedOut),
+                rejected(AcquireError::Closed),
+                rejected(AcquireError::NoPermit),
+            ],
+            wait: l.histogram(names::WAIT_SECONDS, &[]),
+            discarded: l.counter(names::DISCARDED, &[]),
+        }
+    }
+}
+
+/// The metric changes made under the waiters' lock, recorded after it: a metrics recorder
+/// is user code (an exporter that reads the bulkhead's `waiting()` takes the lock again).
+/// Declare it before the lock's guard, so it is dropped, and records, after the guard. The
+/// `waiting` gauge moves by the change from the length last published (worked out under the
+/// lock): changes commute, so it ends at the latest length whichever thread records last.
+pub(super) struct Moves<'a> {
+    core: &'a Core,
+    /// Permits taken (+) and returned (−).
+    pub(super) in_flight: i64,
+    pub(super) waiting: f64,
+    pub(super) rejected: [u64; 4],
+    /// A permit taken for the caller, which nobody holds until this call returns: given back
+    /// if the recorder panics.
+    pub(super) taken: bool,
+}
+
+impl<'a> Moves<'a> {
+    pub(super) fn new(core: &'a Core) -> Moves<'a> {
+        Moves {
+            core,
+            in_flight: 0,
+            waiting: 0.0,
+            rejected: [0; 4],
+            taken: false,
+        }
+    }
+
+    /// Count a refusal (after the lock).
+    pub(super) fn refuse(&mut self, why: AcquireError) -> AcquireError {
+        self.rejected[why as usize] += 1;
+        why
+    }
+
+    fn record(&self) {
+        let metrics = &self.core.metrics;
+        if self.in_flight != 0 {
+            metrics.in_flight.add(self.in_flight as f64);
+        }
+        if self.waiting != 0.0 {
+            metrics.waiting.add(self.waiting);
+        }
+        for (counter, &n) in metrics.rejected.iter().zip(&self.rejected) {
+            if n > 0 {
+                counter.increment(n);
+            }
+        }
+    }
+}
+
+impl Drop for Moves<'_> {
+    fn drop(&mut self) {
+        if self.taken {
+            self.core.holding(|| self.record());
+        } else {
+            self.record();
+        }
+    }
+}
+
+/// The `waiting` gauge's change since it was last published, to record after the lock.
+pub(super) fn publish_waiting(w: &mut Waiters, moves: &mut Moves<'_>) {
+    let len = w.len();
+    moves.waiting += len as f64 - w.published as f64;
+    w.published = len;
+}

@@ -5,6 +5,8 @@ mod support;
 
 #[path = "bulkhead/claims.rs"]
 mod claims;
+#[path = "bulkhead/stats.rs"]
+mod stats;
 
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;

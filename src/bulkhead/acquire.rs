@@ -67,8 +67,10 @@ impl Waiter {
             return Poll::Ready(done);
         }
         match core.poll_acquire(cx, *this.priority, *this.bounded, this.ticket) {
-            Polled::Acquired => {
+            Polled::Acquired => return Poll::Ready(Ok(())),
+            Polled::Granted { reserve } => {
                 record_wait(core, this.since);
+                core.counts().waited(reserve);
                 return Poll::Ready(Ok(()));
             }
             Polled::Refused(why) => return Poll::Ready(Err(why)),
@@ -89,13 +91,14 @@ impl Waiter {
             // since the look above, from another thread or a waker dropped after the lock):
             // the one that took it out of the queue wins, and only it is counted.
             return Poll::Ready(match core.leave(this.ticket) {
-                Left::Permit => {
+                Left::Permit { reserve } => {
                     record_wait(core, this.since);
+                    core.counts().waited(reserve);
                     Ok(())
                 }
                 Left::Shed(why) => Err(why),
                 Left::Closed => Err(core.refuse(AcquireError::Closed)),
-                Left::Removed => Err(core.refuse(AcquireError::TimedOut)),
+                Left::Removed | Left::Unqueued => Err(core.refuse(AcquireError::TimedOut)),
             });
         }
         Poll::Pending
@@ -107,16 +110,20 @@ impl Waiter {
     }
 
     /// Give up the wait; a permit already granted to it is returned, a refusal by the close
-    /// counted.
+    /// counted. A wait given up (with a permit granted to it or not) counts as cancelled.
     pub(crate) fn cancel(self: Pin<&mut Self>, core: &Core) {
         match core.leave(self.project().ticket) {
-            Left::Permit => core.release(),
+            Left::Permit { .. } => {
+                core.counts().cancelled();
+                core.release();
+            }
+            Left::Removed => core.counts().cancelled(),
             // Refused by the close before it looked again: counted as if it had seen it (a
             // shed waiter was counted when it was shed).
             Left::Closed => {
                 core.refuse(AcquireError::Closed);
             }
-            Left::Removed | Left::Shed(_) => {}
+            Left::Shed(_) | Left::Unqueued => {}
         }
     }
 }

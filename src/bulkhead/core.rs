@@ -31,6 +31,7 @@ use std::time::Duration;
 use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats, Grant};
 use crate::bulkhead::error::{AcquireError, Priority};
+use crate::bulkhead::stats::{BulkheadStats, Counts};
 use crate::metrics::Counter;
 use crate::sync::{AtomicU64, Deferred, Mutex, MutexGuard, Ordering};
 
@@ -53,8 +54,14 @@ fn max_of(s: u64) -> u32 {
     ((s >> COUNT_BITS) & COUNT_MASK) as u32
 }
 
+/// `repr(C)` and aligned to a cache line: `state` and the first seven of `counts` (the
+/// count of acquisitions admitted at once among them) share one, so that the fast path's
+/// count adds to the line its compare-and-swap has just taken.
+#[repr(C, align(64))]
 pub(crate) struct Core {
     state: AtomicU64,
+    /// How the acquisitions ended ([`BulkheadStats`]).
+    counts: Counts,
     reserve: u32,
     max_waiting: usize,
     wait_timeout: Option<Duration>,
@@ -100,11 +107,15 @@ impl fmt::Debug for Core {
 /// What [`Core::leave`] found: how a waiting acquisition that gave up left the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Left {
-    /// This leave took it out of the queue (or it had no place there): the caller's own
-    /// reason (a timeout) is its outcome, and is not counted yet.
+    /// This leave took it out of the queue: the caller's own reason (a timeout, a drop) is
+    /// its outcome, and is not counted yet.
     Removed,
-    /// A permit had been granted to it: the caller now owns that permit.
-    Permit,
+    /// It had no place in the queue: never queued, or its outcome seen already (and
+    /// counted).
+    Unqueued,
+    /// A permit had been granted to it (`reserve`: one of the critical reserve): the caller
+    /// now owns that permit; its outcome is not counted yet.
+    Permit { reserve: bool },
     /// It had been shed for critical work: the refusal, counted.
     Shed(AcquireError),
     /// Closing had taken it out of the queue: its refusal is `Closed`, not counted yet.
@@ -113,7 +124,14 @@ pub(crate) enum Left {
 
 /// What a poll of a waiting acquisition found.
 pub(crate) enum Polled {
+    /// A permit free at once (counted).
     Acquired,
+    /// The permit it waited for (`reserve`: one of the critical reserve); the waiter counts
+    /// it once it recorded its wait.
+    Granted {
+        reserve: bool,
+    },
+    /// Refused (counted).
     Refused(AcquireError),
     Pending,
 }
@@ -131,6 +149,7 @@ impl Core {
         Core {
             adaptive,
             state: AtomicU64::new(u64::from(max_in_flight) << COUNT_BITS),
+            counts: Counts::default(),
             reserve,
             max_waiting,
             wait_timeout,
@@ -185,9 +204,36 @@ impl Core {
         }
     }
 
+    /// Count a refusal (in the stats and the metric).
     pub(crate) fn refuse(&self, why: AcquireError) -> AcquireError {
+        self.counts.refused(why);
         self.metrics.rejected[why as usize].increment(1);
         why
+    }
+
+    /// Whether a permit `priority` takes in state `s` (before it is taken) is one of the
+    /// critical reserve: one normal work could not have taken.
+    #[inline]
+    fn of_reserve(&self, s: u64, priority: Priority) -> bool {
+        priority == Priority::Critical && in_flight_of(s) >= self.cap(max_of(s), Priority::Normal)
+    }
+
+    /// The counters of the stats: how the acquisitions ended.
+    pub(crate) fn counts(&self) -> &Counts {
+        &self.counts
+    }
+
+    /// The counts so far, with what the bulkhead holds now (its waiters are counted under
+    /// the lock).
+    pub(crate) fn stats(&self) -> BulkheadStats {
+        let waiting = self.waiting();
+        let s = self.state.load(Ordering::Acquire);
+        let in_flight = in_flight_of(s);
+        let reserve = in_flight
+            .saturating_sub(self.cap(max_of(s), Priority::Normal))
+            .min(self.reserve);
+        self.counts
+            .stats(in_flight as usize, waiting, reserve as usize)
     }
 
     /// A permit was taken. The gauge moves by one rather than being set to the count this
@@ -225,6 +271,7 @@ impl Core {
             {
                 Ok(_) => {
                     self.acquired();
+                    self.counts.at_once(self.of_reserve(s, priority));
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -257,7 +304,7 @@ impl Core {
             {
                 Ok(_) => {
                     moves.in_flight += 1;
-                    moves.taken = true;
+                    moves.taken = Some(self.of_reserve(s, priority));
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,
@@ -379,7 +426,7 @@ impl Core {
                 .is_ok()
             {
                 moves.in_flight += 1;
-                w.grant_front(priority, out);
+                w.grant_front(priority, self.of_reserve(s, priority), out);
                 return true;
             }
         }

@@ -9,6 +9,7 @@ use crate::bulkhead::acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkh
 use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats};
 use crate::bulkhead::core::{Core, MAX_PERMITS};
 use crate::bulkhead::error::{AcquireError, Priority};
+use crate::bulkhead::stats::BulkheadStats;
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::sync::Arc;
 
@@ -57,6 +58,8 @@ use crate::sync::Arc;
 /// `flowgate_bulkhead_rtt_seconds{kind = "min" | "smoothed"}` (gauges: the
 /// algorithm's estimates) and `flowgate_bulkhead_samples_total{outcome}` (`ok`,
 /// `back_pressure`, `ignored`).
+///
+/// The same counts, without a metrics recorder: [`stats`](Bulkhead::stats).
 ///
 /// # Examples
 ///
@@ -321,6 +324,13 @@ impl Bulkhead {
     /// Whether [`close`](Bulkhead::close) was called.
     pub fn is_closed(&self) -> bool {
         self.core.is_closed()
+    }
+
+    /// How the acquisitions ended so far (admitted, shed by reason, refused by the close,
+    /// cancelled), and what the bulkhead holds now; shared by every clone. See
+    /// [`BulkheadStats`].
+    pub fn stats(&self) -> BulkheadStats {
+        self.core.stats()
     }
 
     /// The bulkhead's name, if it was given one.

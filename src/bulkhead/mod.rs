@@ -67,6 +67,7 @@ mod map;
 mod map_unordered;
 mod slot;
 mod spawn_map;
+mod stats;
 
 pub use acquire::{Acquire, AcquireOwned, BulkheadPermit, OwnedBulkheadPermit};
 pub use adaptive::AdaptiveStats;
@@ -75,3 +76,4 @@ pub use handle::{Bulkhead, BulkheadBuilder};
 pub use map::{BulkheadMap, BulkheadMapBuilder};
 pub use map_unordered::{BulkheadMapUnordered, BulkheadMapUnorderedBuilder};
 pub use spawn_map::{BulkheadSpawnMap, BulkheadSpawnMapBuilder};
+pub use stats::BulkheadStats;

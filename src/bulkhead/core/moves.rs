@@ -57,9 +57,10 @@ pub(super) struct Moves<'a> {
     pub(super) in_flight: i64,
     pub(super) waiting: f64,
     pub(super) rejected: [u64; 4],
-    /// A permit taken for the caller, which nobody holds until this call returns: given back
-    /// if the recorder panics.
-    pub(super) taken: bool,
+    /// A permit taken for the caller at once, which nobody holds until this call returns:
+    /// given back if the recorder panics, else counted admitted (`Some(true)`: a permit of
+    /// the critical reserve).
+    pub(super) taken: Option<bool>,
 }
 
 impl<'a> Moves<'a> {
@@ -69,12 +70,13 @@ impl<'a> Moves<'a> {
             in_flight: 0,
             waiting: 0.0,
             rejected: [0; 4],
-            taken: false,
+            taken: None,
         }
     }
 
-    /// Count a refusal (after the lock).
+    /// Count a refusal (in the stats now; in the metric after the lock).
     pub(super) fn refuse(&mut self, why: AcquireError) -> AcquireError {
+        self.core.counts().refused(why);
         self.rejected[why as usize] += 1;
         why
     }
@@ -97,8 +99,9 @@ impl<'a> Moves<'a> {
 
 impl Drop for Moves<'_> {
     fn drop(&mut self) {
-        if self.taken {
+        if let Some(reserve) = self.taken {
             self.core.holding(|| self.record());
+            self.core.counts().at_once(reserve);
         } else {
             self.record();
         }

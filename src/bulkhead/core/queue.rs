@@ -25,6 +25,9 @@ pub(super) enum Decided {
     Permit = 1,
     /// Shed for critical work: a refusal, counted when the waiter sees it.
     Shed = 2,
+    /// A permit of the critical reserve (one normal work could not have taken): a
+    /// `Permit`, counted in the stats' `admitted_from_reserve` too.
+    ReservePermit = 3,
 }
 
 impl Verdict {
@@ -36,6 +39,7 @@ impl Verdict {
         match self.0.load(Ordering::Acquire) {
             1 => Some(Decided::Permit),
             2 => Some(Decided::Shed),
+            3 => Some(Decided::ReservePermit),
             _ => None,
         }
     }
@@ -106,12 +110,16 @@ impl Waiters {
         false
     }
 
-    /// Grant the front of `priority`'s queue.
-    pub(super) fn grant_front(&mut self, priority: Priority, out: &mut Deferred) {
+    /// Grant the front of `priority`'s queue (`reserve`: a permit of the critical reserve).
+    pub(super) fn grant_front(&mut self, priority: Priority, reserve: bool, out: &mut Deferred) {
         let Some((_, waiter)) = self.queue(priority).wake_front(out) else {
             return;
         };
-        waiter.verdict.set(Decided::Permit);
+        waiter.verdict.set(if reserve {
+            Decided::ReservePermit
+        } else {
+            Decided::Permit
+        });
         self.left(&waiter);
     }
 }

@@ -105,10 +105,12 @@ impl Core {
         }
     }
 
-    /// What a waiter's verdict means to its poll (a refusal counted now).
+    /// What a waiter's verdict means to its poll (a refusal counted now; a permit by the
+    /// waiter, once it recorded its wait).
     fn polled(&self, decided: Decided) -> Polled {
         match decided {
-            Decided::Permit => Polled::Acquired,
+            Decided::Permit => Polled::Granted { reserve: false },
+            Decided::ReservePermit => Polled::Granted { reserve: true },
             Decided::Shed => Polled::Refused(self.refuse(AcquireError::WaitingRoomFull)),
         }
     }
@@ -118,10 +120,11 @@ impl Core {
     /// this leave, or the grant, shed or close that took it out of the queue first.
     pub(crate) fn leave(&self, ticket: &mut Ticket) -> Left {
         let Some((priority, key, verdict)) = ticket.0.take() else {
-            return Left::Removed;
+            return Left::Unqueued;
         };
         let left = |decided| match decided {
-            Decided::Permit => Left::Permit,
+            Decided::Permit => Left::Permit { reserve: false },
+            Decided::ReservePermit => Left::Permit { reserve: true },
             // Shed, and gone before it polled again: still a refusal.
             Decided::Shed => Left::Shed(self.refuse(AcquireError::WaitingRoomFull)),
         };

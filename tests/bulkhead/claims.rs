@@ -139,3 +139,97 @@ fn a_reserve_beyond_u32_is_refused_with_the_number_asked_for() {
         )
     );
 }
+
+/// A waker that counts its wakes.
+fn counting_waker() -> (std::task::Waker, Arc<AtomicUsize>) {
+    struct W(Arc<AtomicUsize>);
+    impl std::task::Wake for W {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let n = Arc::new(AtomicUsize::new(0));
+    (Arc::new(W(n.clone())).into(), n)
+}
+
+/// "Normal work cannot take the last `critical_reserve` permits", so a reserve permit coming
+/// back must not wake a normal waiter (it would only look and wait again): the waiter is
+/// woken once, by the permit it may take.
+#[test]
+fn a_normal_waiter_is_not_woken_by_a_reserve_permit_coming_back() {
+    use std::future::Future;
+    let b = Bulkhead::builder(2).critical_reserve(1).build().unwrap();
+    let normal = b.try_acquire().unwrap();
+    let critical = b.try_acquire_with(Priority::Critical).unwrap();
+    let (waker, wakes) = counting_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut w = Box::pin(b.acquire());
+    assert!(w.as_mut().poll(&mut cx).is_pending());
+    drop(critical);
+    assert_eq!(
+        wakes.load(Ordering::SeqCst),
+        0,
+        "woken for a permit it may not take"
+    );
+    let mut c2 = Box::pin(b.acquire_with(Priority::Critical));
+    assert!(c2.as_mut().poll(&mut cx).is_ready());
+    drop(normal);
+    assert_eq!(wakes.load(Ordering::SeqCst), 1);
+    assert!(w.as_mut().poll(&mut cx).is_ready());
+}
+
+/// Critical work pushing normal waiters out of a full room keeps it at its size: two
+/// critical acquisitions take the places of the two normal waiters, the third is refused,
+/// and the room never holds more than `max_waiting`.
+#[tokio::test]
+async fn critical_work_pushing_waiters_out_keeps_the_room_at_its_size() {
+    let b = Bulkhead::builder(1).max_waiting(2).build().unwrap();
+    let _held = b.try_acquire().unwrap();
+    let mut n: Vec<_> = (0..2).map(|_| Box::pin(b.acquire())).collect();
+    for w in &mut n {
+        assert!(poll!(w.as_mut()).is_pending());
+    }
+    let mut c: Vec<_> = (0..3)
+        .map(|_| Box::pin(b.acquire_with(Priority::Critical)))
+        .collect();
+    let mut refused = 0;
+    for w in &mut c {
+        if let std::task::Poll::Ready(r) = poll!(w.as_mut()) {
+            assert_eq!(r.unwrap_err(), AcquireError::WaitingRoomFull);
+            refused += 1;
+        }
+        assert!(b.waiting() <= 2, "{}", b.waiting());
+    }
+    assert_eq!(refused, 1);
+}
+
+/// The stream adapters are normal work: however they pass permits from a finished item to
+/// the next, they never hold the critical reserve (at most 2 of 3 mapped futures at once).
+#[tokio::test(start_paused = true)]
+async fn the_adapters_never_take_the_critical_reserve() {
+    for adapter in ["map", "unordered", "spawn"] {
+        let b = Bulkhead::builder(3).critical_reserve(1).build().unwrap();
+        let gauge = Gauge::default();
+        let g = gauge.clone();
+        let f = move |i: u32| {
+            let g = g.clone();
+            async move {
+                let _in = g.inside();
+                sleep(Duration::from_millis(u64::from(i % 3) + 1)).await;
+                i
+            }
+        };
+        let items = futures::stream::iter(0..50u32);
+        let n = match adapter {
+            "map" => items.bulkhead_map(b.clone(), f).count().await,
+            "unordered" => items.bulkhead_map_unordered(b.clone(), f).count().await,
+            _ => items.bulkhead_spawn_map(b.clone(), f).count().await,
+        };
+        assert_eq!(n, 50);
+        assert!(gauge.max() <= 2, "{adapter}: {}", gauge.max());
+        assert_eq!(b.in_flight(), 0);
+    }
+}

@@ -1,7 +1,10 @@
 //! The promises of the bulkhead docs, checked at their edge values: a `wait_timeout` of
 //! `Duration::MAX`, the largest `max_in_flight`, a waiting room of 0 for critical work,
 //! `run` dropped at each of its waits, and the adapters' `size_hint` and `FusedStream`
-//! over an upstream that ends while a permit is held.
+//! over an upstream that ends while a permit is held. Then the review's checks: the
+//! critical reserve against the adapters and against waking normal waiters, the room's
+//! size under critical work, and random steps in which no waiter sleeps while a permit it
+//! may take is free.
 
 use futures::stream::FusedStream;
 
@@ -232,4 +235,116 @@ async fn the_adapters_never_take_the_critical_reserve() {
         assert!(gauge.max() <= 2, "{adapter}: {}", gauge.max());
         assert_eq!(b.in_flight(), 0);
     }
+}
+
+/// Random acquisitions, releases, give-ups and resizes, one step at a time, each waiter
+/// polled only when its own waker was woken: after every step, the permits in flight are
+/// those held, the waiters those pending, the room within its size, and no waiter sleeps
+/// while a permit it may take is free (a lost wakeup would leave one asleep with the
+/// permit free; a permit lost on a give-up would show in `in_flight`).
+#[test]
+fn no_waiter_sleeps_while_a_permit_it_may_take_is_free() {
+    use std::future::Future;
+    use std::task::Poll;
+
+    // Waits that ended with a permit, and with a refusal (pushed out by critical work).
+    let (mut granted, mut shed) = (0, 0);
+    for seed in 1..=40u64 {
+        let b = Bulkhead::builder(3)
+            .critical_reserve(1)
+            .max_waiting(4)
+            .build()
+            .unwrap();
+        let mut rng = Rng(seed);
+        let mut held = Vec::new();
+        // (the acquisition, its priority, its waker's wakes, the wakes it has seen)
+        let mut waiters = Vec::new();
+        for step in 0..400 {
+            let priority = if rng.next().is_multiple_of(3) {
+                Priority::Critical
+            } else {
+                Priority::Normal
+            };
+            match rng.next() % 6 {
+                0 => held.extend(b.try_acquire_with(priority).ok()),
+                1 | 2 => {
+                    let (waker, wakes) = counting_waker();
+                    let mut acquire = Box::pin(b.acquire_with(priority));
+                    match acquire
+                        .as_mut()
+                        .poll(&mut std::task::Context::from_waker(&waker))
+                    {
+                        Poll::Ready(Ok(p)) => held.push(p),
+                        Poll::Ready(Err(_)) => {}
+                        Poll::Pending => waiters.push((acquire, priority, wakes, 0, waker)),
+                    }
+                }
+                3 if !held.is_empty() => {
+                    let i = rng.next() as usize % held.len();
+                    drop(held.swap_remove(i));
+                }
+                4 if !waiters.is_empty() => {
+                    let i = rng.next() as usize % waiters.len();
+                    drop(waiters.swap_remove(i));
+                }
+                5 => b.set_max_in_flight(2 + rng.next() as usize % 3).unwrap(),
+                _ => {}
+            }
+            // Poll the woken ones until nothing more happens.
+            loop {
+                let mut changed = false;
+                let mut i = 0;
+                while i < waiters.len() {
+                    let (acquire, _, wakes, seen, waker) = &mut waiters[i];
+                    let now = wakes.load(Ordering::SeqCst);
+                    if now == *seen {
+                        i += 1;
+                        continue;
+                    }
+                    *seen = now;
+                    changed = true;
+                    match acquire
+                        .as_mut()
+                        .poll(&mut std::task::Context::from_waker(waker))
+                    {
+                        Poll::Ready(Ok(p)) => {
+                            held.push(p);
+                            drop(waiters.swap_remove(i));
+                            granted += 1;
+                        }
+                        Poll::Ready(Err(why)) => {
+                            assert_eq!(why, AcquireError::WaitingRoomFull, "seed {seed}");
+                            drop(waiters.swap_remove(i));
+                            shed += 1;
+                        }
+                        Poll::Pending => i += 1,
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+            let at = format!("seed {seed}, step {step}");
+            assert_eq!(b.in_flight(), held.len(), "{at}");
+            assert_eq!(b.waiting(), waiters.len(), "{at}");
+            assert!(waiters.len() <= 4, "{at}");
+            let max = b.max_in_flight();
+            for (_, priority, ..) in &waiters {
+                let cap = if *priority == Priority::Critical {
+                    max
+                } else {
+                    max - 1
+                };
+                assert!(
+                    held.len() >= cap,
+                    "{at}: a {priority:?} waiter sleeps, {} of {max} held",
+                    held.len()
+                );
+            }
+        }
+    }
+    assert!(
+        granted > 1000 && shed > 100,
+        "{granted} granted, {shed} shed"
+    );
 }

@@ -46,10 +46,44 @@
 //! p50 is [`max_latency_growth`](KneeConfigBuilder::max_latency_growth) times (default 10×)
 //! the lowest p50 seen, or more than [`max_back_pressure`](KneeConfigBuilder::max_back_pressure)
 //! (default 5 %) of its calls were pushed back.
-//! A ramp step that looks saturated is measured once more
-//! ([`recheck_saturation`](KneeConfigBuilder::recheck_saturation), on by default), and ends
-//! the ramp only if it is saturated again: one noisy step (a spell of slow calls) does not
-//! stop the search far below the knee.
+//!
+//! # Noise: confirming a saturation
+//!
+//! A step can look saturated only because something else slowed the target while it was
+//! measured (a spell of slow calls, a garbage-collection pause, a loaded machine), and the
+//! spell can last several steps. So a step that looks saturated (in the ramp, the ramp's
+//! last step included, or the first one of an explicit list) is *confirmed*
+//! ([`recheck_saturation`](KneeConfigBuilder::recheck_saturation), on by default):
+//!
+//! 1. the step below it is measured again, the **control**: if it is saturated compared
+//!    with the steps measured at or below it, its own first measurement included (slower
+//!    than the target was), the noise is still on, and the control is measured again, up
+//!    to 3 times; three disturbed controls in a row end the search with
+//!    [`KneeError::Unsteady`]: it could not tell a saturation from noise;
+//! 2. once a control shows the target as it was, the step is measured again, and only if
+//!    it is saturated again does it end the ramp (or count as the list's saturation).
+//!    This second measurement is the one reported, saturated or not.
+//!
+//! A spell that slows every call by the same factor and lasts from one measurement of a
+//! step to the other slows the control between them too, and a factor that makes a step
+//! whose throughput rose look saturated makes the control look disturbed (it takes more
+//! than 20 % off both; the other sign, a p50 10× the lowest at the step and not at the
+//! control, needs a step queueing 8× already). So however many steps in a row it lasts, a
+//! spell neither ends the ramp below the knee nor makes up a saturation: the search goes on
+//! as without it, or ends with `Unsteady`. A spell on the refining steps can still move the
+//! knee within their spacing. What it cannot tell: two separate spells, one on each
+//! measurement of the step and none on the control between them. A confirmation costs two
+//! steps (more while the noise lasts), and the controls are not reported. The knee counts
+//! as found only on a confirmed saturation: a refining step that looks saturated is none.
+//!
+//! Noise that slows a step without making it look saturated bends the curve instead: a
+//! spell over the ramp's step at the knee hides the peak, and the knee read against a lower
+//! best comes out low (1.5× slower calls on the step at 32 of a target whose knee is 32: a
+//! knee of 27). So before each refining round and after the last, a step whose throughput
+//! is more than [`max_drop`](KneeConfigBuilder::max_drop) below both the best step below it
+//! and the best above it (a hole: a throughput curve rises to its peak, then falls) is
+//! measured again, and the new measurement replaces it. A noise that takes less than
+//! `max_drop` off a step can still move the knee by about that share.
 //!
 //! # The knee rule
 //!
@@ -67,9 +101,12 @@
 //! [`steps`](KneeConfigBuilder::steps)) whose first step is already on the plateau has the
 //! knee at or below it, and ends with [`KneeError::PlateauAtStart`].
 //!
-//! The knee counts as found only if some measured step above it is saturated: a ramp that
-//! reaches `max_concurrency` before a step saturates finds no knee ([`KneeReport::knee`] is
-//! `None`). That is a target whose throughput still grows, and also one whose throughput is
+//! The knee counts as found only if the step that ended the ramp (or the first saturated
+//! step of a list) is above it and its saturation was confirmed (see
+//! [Noise](self#noise-confirming-a-saturation); with
+//! [`recheck_saturation`](KneeConfigBuilder::recheck_saturation) off, any saturated step
+//! measured above it counts): a ramp that reaches `max_concurrency` before a step saturates
+//! finds no knee ([`KneeReport::knee`] is `None`). That is a target whose throughput still grows, and also one whose throughput is
 //! flat but whose latency has not grown enough yet: on a queue that only grows (`N` workers,
 //! the rest wait) nothing is pushed back and the throughput does not fall, so the first
 //! saturated step is the one whose p50 reaches
@@ -255,7 +292,8 @@ pub struct KneeReport {
     /// Every step measured, by increasing concurrency.
     pub steps: Vec<KneeStep>,
     /// The knee (see the [rule](self#the-knee-rule)), rounded to the nearest call; `None`
-    /// when no step above it saturated.
+    /// when no step above it saturated (with a confirmed saturation: see
+    /// [Noise](self#noise-confirming-a-saturation)).
     pub knee: Option<u32>,
     /// The recommended `max_in_flight`: `⌊knee × recommend_fraction⌋`, at least 1.
     pub recommended: Option<u32>,
@@ -315,6 +353,19 @@ pub enum KneeError {
         /// The lowest concurrency measured.
         concurrency: u32,
     },
+    /// The target did not hold still long enough to tell a saturation from noise: a step
+    /// looked saturated, and the step below it, measured again to confirm it, showed the
+    /// target slower than it had been each of the `attempts` times (a spell of slow calls,
+    /// another load on the target or on this machine). No knee is reported rather than one
+    /// read from a curve the noise bent.
+    Unsteady {
+        /// The concurrency that looked saturated.
+        concurrency: u32,
+        /// The step below it, measured again as the control.
+        control: u32,
+        /// How many times the control was measured, each time slower than before.
+        attempts: u32,
+    },
 }
 
 impl fmt::Display for KneeError {
@@ -358,6 +409,14 @@ impl fmt::Display for KneeError {
                 f,
                 "the throughput at concurrency {concurrency}, the lowest measured, is already the plateau's: the knee is at or below it; start the ramp lower (KneeConfigBuilder::start) or list lower concurrencies (KneeConfigBuilder::steps)"
             ),
+            KneeError::Unsteady {
+                concurrency,
+                control,
+                attempts,
+            } => write!(
+                f,
+                "the measurements could not tell a saturation from noise: concurrency {concurrency} looked saturated, and concurrency {control}, measured again {attempts} times to confirm it, was slower than before each time (another load on the target or on this machine); measure again when both are quiet, or with longer steps (KneeConfigBuilder::step_duration)"
+            ),
         }
     }
 }
@@ -373,7 +432,9 @@ impl std::error::Error for KneeError {}
 /// [`KneeError::NothingMeasured`] when none of its calls said anything about capacity,
 /// [`KneeError::SaturatedAtStart`] when it is saturated already,
 /// [`KneeError::PlateauAtStart`] when it is above 1 and already on the plateau (the knee
-/// is at or below it).
+/// is at or below it), [`KneeError::Unsteady`] when a saturation could not be confirmed
+/// because the target kept getting slower (see
+/// [Noise](self#noise-confirming-a-saturation)).
 ///
 /// # Cancel safety
 ///
@@ -443,11 +504,23 @@ where
         progress: &mut progress,
     };
 
+    // The step whose saturation the knee stands on: confirmed when `recheck` is on.
+    let mut saturated_at = None;
     if let Some(list) = &config.steps {
         for (i, &c) in list.iter().enumerate() {
-            let step = measure(target, c, config).await;
+            let mut step = measure(target, c, config).await;
             if i == 0 {
                 check_first(&step, config)?;
+            }
+            if config.recheck
+                && saturated_at.is_none()
+                && is_saturated(&step, &search.steps, config)
+            {
+                let (kept, saturated) = confirm(target, c, &search.steps, config).await?;
+                step = kept;
+                if saturated {
+                    saturated_at = Some(c);
+                }
             }
             search.record(KneePhase::List, step, list.len());
         }
@@ -460,16 +533,19 @@ where
                 check_first(&step, config)?;
             }
             let mut ends = c >= config.max_concurrency;
-            if !ends && is_saturated(&step, &search.steps, config) {
-                ends = true;
-                if config.recheck {
-                    // One noisy step must not end the ramp: measured again, it ends it
-                    // only if it is saturated again.
-                    let again = measure(target, c, config).await;
-                    if !is_saturated(&again, &search.steps, config) {
-                        step = again;
-                        ends = false;
-                    }
+            if is_saturated(&step, &search.steps, config) {
+                // A step that looks saturated ends the ramp only once confirmed (the step
+                // at `max_concurrency` too: else one noisy measurement of it is the
+                // saturation that makes a knee).
+                let (kept, saturated) = if config.recheck {
+                    confirm(target, c, &search.steps, config).await?
+                } else {
+                    (step, true)
+                };
+                step = kept;
+                if saturated {
+                    ends = true;
+                    saturated_at = Some(c);
                 }
             }
             // This step, the doubling steps after it, every refining round.
@@ -485,8 +561,12 @@ where
             }
             c = c.saturating_mul(2).min(config.max_concurrency);
         }
-        // Refining rounds: between the step below the knee and the step above the peak.
+        // Refining rounds: between the step below the knee and the step above the peak,
+        // each on a curve without holes (a hidden peak would misplace the round).
         for round in 1..=config.refine_rounds {
+            if config.recheck {
+                fill_holes(target, &mut search.steps, config).await;
+            }
             let between = refine_points(&search.sorted(), config);
             if between.is_empty() {
                 break;
@@ -499,10 +579,22 @@ where
                 search.record(KneePhase::Refine(round), step, planned);
             }
         }
+        if config.recheck {
+            fill_holes(target, &mut search.steps, config).await;
+        }
     }
 
     let steps = search.sorted();
-    let knee = knee_of(&steps, config);
+    if !config.recheck {
+        // Unconfirmed, any saturated step counts: the highest.
+        saturated_at = steps
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| is_saturated(s, &steps[..*i], config))
+            .map(|(_, s)| s.concurrency)
+            .max();
+    }
+    let knee = knee_of(&steps, saturated_at, config);
     // A knee at the lowest step measured is the knee only at 1: above, it is at or below.
     if let (Some(k), Some(first)) = (knee, steps.first())
         && first.concurrency > 1
@@ -573,17 +665,113 @@ fn check_first(step: &KneeStep, config: &KneeConfig) -> Result<(), KneeError> {
 
 /// Saturated compared with the steps measured below it (see the module docs).
 fn is_saturated(step: &KneeStep, below: &[KneeStep], config: &KneeConfig) -> bool {
+    saturated_against(
+        step,
+        below.iter().filter(|s| s.concurrency < step.concurrency),
+        config,
+    )
+}
+
+/// A control (a step measured again) that shows the target slower than it was: saturated
+/// compared with every step measured at its concurrency or below, its first measurement
+/// included.
+fn is_disturbed(control: &KneeStep, measured: &[KneeStep], config: &KneeConfig) -> bool {
+    saturated_against(
+        control,
+        measured
+            .iter()
+            .filter(|s| s.concurrency <= control.concurrency),
+        config,
+    )
+}
+
+/// Saturated compared with `refs`: pushed back beyond `max_back_pressure`, no `Ok` call,
+/// a throughput more than `max_drop` below the best of `refs`, or a p50
+/// `max_latency_growth` times their lowest.
+fn saturated_against<'a>(
+    step: &KneeStep,
+    refs: impl Iterator<Item = &'a KneeStep> + Clone,
+    config: &KneeConfig,
+) -> bool {
     if step.back_pressure_ratio() > config.max_back_pressure || step.ok == 0 {
         return true;
     }
-    let below = || below.iter().filter(|s| s.concurrency < step.concurrency);
-    let best = below().map(|s| s.throughput).fold(0.0_f64, f64::max);
-    let min_p50 = below().filter(|s| s.ok > 0).map(|s| s.p50).min();
+    let best = refs.clone().map(|s| s.throughput).fold(0.0_f64, f64::max);
+    let min_p50 = refs.filter(|s| s.ok > 0).map(|s| s.p50).min();
     let dropped = step.throughput < best * (1.0 - config.max_drop);
     let slow = min_p50.is_some_and(|min| {
         !min.is_zero() && step.p50.as_secs_f64() >= min.as_secs_f64() * config.max_latency_growth
     });
     dropped || slow
+}
+
+/// Measure again, once each, the steps whose throughput is more than `max_drop` below both
+/// the best step measured below them and the best measured above: a throughput curve rises
+/// to its peak and then falls, so such a hole is noise (a spell of slow calls hid the step,
+/// perhaps the peak, and the knee would be read against a lower best). The new measurement
+/// replaces the old one.
+async fn fill_holes<T: KneeTarget + ?Sized>(
+    target: &T,
+    steps: &mut [KneeStep],
+    config: &KneeConfig,
+) {
+    let holes: Vec<u32> = {
+        let mut sorted: Vec<&KneeStep> = steps.iter().collect();
+        sorted.sort_by_key(|s| s.concurrency);
+        let best = |steps: &[&KneeStep]| steps.iter().map(|s| s.throughput).fold(0.0, f64::max);
+        (1..sorted.len().saturating_sub(1))
+            .filter(|&i| {
+                let around = best(&sorted[..i]).min(best(&sorted[i + 1..]));
+                sorted[i].throughput < around * (1.0 - config.max_drop)
+            })
+            .map(|i| sorted[i].concurrency)
+            .collect()
+    };
+    for c in holes {
+        let again = measure(target, c, config).await;
+        if let Some(step) = steps.iter_mut().find(|s| s.concurrency == c) {
+            *step = again;
+        }
+    }
+}
+
+/// How many times [`confirm`] measures the step below before it gives up
+/// ([`KneeError::Unsteady`]).
+const MAX_CONTROLS: u32 = 3;
+
+/// Confirm the step at `c`, which looks saturated: measure the step below it again (the control)
+/// until it shows the target as it was, at most [`MAX_CONTROLS`] times, then the step
+/// itself again. Answers that second measurement of the step (the one kept) and whether it
+/// is saturated too. A noise that slowed the target during the first measurement and lasts
+/// into the second slows the control between them too, so only a target that stayed as it
+/// was confirms a saturation.
+async fn confirm<T: KneeTarget + ?Sized>(
+    target: &T,
+    c: u32,
+    below: &[KneeStep],
+    config: &KneeConfig,
+) -> Result<(KneeStep, bool), KneeError> {
+    let control = below.iter().map(|s| s.concurrency).filter(|&b| b < c).max();
+    if let Some(control) = control {
+        let mut attempts = 0;
+        loop {
+            let measured = measure(target, control, config).await;
+            if !is_disturbed(&measured, below, config) {
+                break;
+            }
+            attempts += 1;
+            if attempts >= MAX_CONTROLS {
+                return Err(KneeError::Unsteady {
+                    concurrency: c,
+                    control,
+                    attempts,
+                });
+            }
+        }
+    }
+    let again = measure(target, c, config).await;
+    let saturated = is_saturated(&again, below, config);
+    Ok((again, saturated))
 }
 
 /// The concurrencies of the next refining round: evenly spaced strictly between the step
@@ -625,8 +813,9 @@ fn refine_points(steps: &[KneeStep], config: &KneeConfig) -> Vec<u32> {
     points
 }
 
-/// The knee as a fractional concurrency, or `None` if no step above it saturated.
-fn knee_of(steps: &[KneeStep], config: &KneeConfig) -> Option<f64> {
+/// The knee as a fractional concurrency, or `None` if the saturated step (`saturated_at`)
+/// is not above it, or there is none.
+fn knee_of(steps: &[KneeStep], saturated_at: Option<u32>, config: &KneeConfig) -> Option<f64> {
     let best = steps.iter().map(|s| s.throughput).fold(0.0_f64, f64::max);
     if best <= 0.0 {
         return None;
@@ -645,11 +834,9 @@ fn knee_of(steps: &[KneeStep], config: &KneeConfig) -> Option<f64> {
             cb
         }
     };
-    let saturated_above = steps
-        .iter()
-        .enumerate()
-        .any(|(i, s)| f64::from(s.concurrency) > knee && is_saturated(s, &steps[..i], config));
-    saturated_above.then_some(knee)
+    saturated_at
+        .is_some_and(|c| f64::from(c) > knee)
+        .then_some(knee)
 }
 
 /// One worker's tally for a step.

@@ -199,11 +199,20 @@ impl KneeConfigBuilder {
         self
     }
 
-    /// Whether a ramp step that looks saturated is measured once more before the ramp ends
-    /// on it (default `true`): one noisy step (a spell of slow calls, a pause on the
-    /// target's host) then does not end the ramp far below the knee. The second measurement
-    /// is the one kept when it is not saturated; otherwise the first is, and the ramp ends.
-    /// Costs one step more per search.
+    /// Whether a step that looks saturated is confirmed before the ramp ends on it (or an
+    /// explicit list counts it as its saturation): the step below it is measured again
+    /// until it shows the target as it was (at most 3 times, else
+    /// [`KneeError::Unsteady`](super::KneeError::Unsteady)), then the step itself, which
+    /// must be saturated again; that second measurement is the one kept (default `true`).
+    /// Noisy steps (a spell of slow calls, a pause on the target's host, however many steps
+    /// in a row) then do not end the ramp far below the knee, nor make up a knee above a
+    /// target's `max_concurrency`. Costs two steps more per search, more while a noise
+    /// lasts. On, a step whose throughput is a hole in the curve (more than `max_drop`
+    /// below the best steps on both sides of it) is also measured again before each
+    /// refining round and after the last. See [Noise](super#noise-confirming-a-saturation).
+    ///
+    /// Off, a step that looks saturated ends the ramp at once, and any saturated step
+    /// measured above the knee counts.
     pub fn recheck_saturation(mut self, recheck: bool) -> Self {
         self.config.recheck = recheck;
         self

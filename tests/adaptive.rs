@@ -1220,3 +1220,104 @@ async fn the_adaptive_metrics_agree_with_adaptive_stats_and_end_at_zero() {
         assert_eq!(recorder.gauge(&gauge), Some(0.0), "{gauge}");
     }
 }
+
+/// One step of a random history: a finished call, or new bounds from a bulkhead.
+#[derive(Debug, Clone)]
+enum Step {
+    /// A call of this round trip, calls in flight and outcome, ending when `Clock` says.
+    Call(Duration, u32, Outcome, Clock),
+    Bound(u32, u32),
+}
+
+/// When a call ends.
+#[derive(Debug, Clone, Copy)]
+enum Clock {
+    /// This long after the last one.
+    Forwards(Duration),
+    /// At this time, whatever the last one was (a clock that stepped back, or ahead).
+    At(Duration),
+}
+
+fn any_step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let rtt = prop_oneof![
+        3 => Just(Duration::ZERO),
+        10 => (1u64..2_000_000_000).prop_map(Duration::from_nanos),
+        1 => Just(Duration::from_secs(3_600)),
+        1 => Just(Duration::MAX),
+    ];
+    let in_flight = prop_oneof![8 => 0u32..200, 1 => Just(u32::MAX)];
+    let outcome = prop_oneof![
+        6 => Just(Outcome::Ok),
+        2 => Just(Outcome::BackPressure),
+        2 => Just(Outcome::Ignored),
+    ];
+    let clock = prop_oneof![
+        12 => (0u64..2_000).prop_map(|ms| Clock::Forwards(Duration::from_millis(ms))),
+        1 => (0u64..600_000).prop_map(|ms| Clock::At(Duration::from_millis(ms))),
+        1 => Just(Clock::At(Duration::MAX)),
+    ];
+    prop_oneof![
+        30 => (rtt, in_flight, outcome, clock).prop_map(|(r, n, o, c)| Step::Call(r, n, o, c)),
+        1 => (0u32..2_000, 0u32..2_000).prop_map(|(a, b)| Step::Bound(a, b)),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// Whatever calls end and however the clock moves (zero and century-long round trips,
+    /// no call or `u32::MAX` in flight, a clock that steps back or jumps to the end of
+    /// time), every algorithm answers a limit of at least 1, within the last bounds it was
+    /// given, without panicking; a zero round trip is never its minimum; and a call that
+    /// says nothing about capacity (`Ignored`: cancelled, dropped, a client error) changes
+    /// nothing in its state.
+    #[test]
+    fn the_algorithms_stay_within_their_bounds_and_ignore_ignored_calls(
+        steps in proptest::collection::vec(any_step(), 1..200),
+    ) {
+        let algorithms: Vec<Box<dyn AdaptiveLimit>> = vec![
+            Box::new(Aimd::builder().build().unwrap()),
+            Box::new(Vegas::builder().build().unwrap()),
+            Box::new(Gradient2::builder().build().unwrap()),
+            Box::new(Probe::default()),
+            Box::new(Probe::builder().initial(1).max_limit(4).build().unwrap()),
+        ];
+        for mut algorithm in algorithms {
+            let (mut lo, mut hi) = (1, (1u32 << 31) - 1);
+            let mut now = Duration::ZERO;
+            for step in &steps {
+                match *step {
+                    Step::Bound(min, max) => {
+                        algorithm.bound(min, max);
+                        lo = min.max(1);
+                        hi = max.max(lo);
+                    }
+                    Step::Call(rtt, in_flight, outcome, clock) => {
+                        now = match clock {
+                            Clock::Forwards(d) => now.saturating_add(d),
+                            Clock::At(at) => at,
+                        };
+                        let sample = Sample { rtt, in_flight, outcome, now };
+                        let before = format!("{algorithm:?}");
+                        let limit = algorithm.update(&sample);
+                        proptest::prop_assert_eq!(limit, algorithm.limit());
+                        if outcome == Outcome::Ignored {
+                            proptest::prop_assert_eq!(before, format!("{algorithm:?}"));
+                        }
+                    }
+                }
+                let limit = algorithm.limit();
+                proptest::prop_assert!(
+                    (lo..=hi).contains(&limit),
+                    "{}: {} outside [{}, {}]",
+                    algorithm.name(),
+                    limit,
+                    lo,
+                    hi
+                );
+                proptest::prop_assert_ne!(algorithm.rtt_estimates().min, Some(Duration::ZERO));
+            }
+        }
+    }
+}

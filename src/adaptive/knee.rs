@@ -140,19 +140,22 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
-use futures::future::{BoxFuture, join_all};
+use futures::future::BoxFuture;
 use tokio::time::Instant;
 
 use super::sample::Outcome;
 use super::sim::Downstream;
 
 mod config;
+mod measure;
+mod saturation;
 
 use config::ramp_len;
 pub use config::{KneeConfig, KneeConfigBuilder};
+use measure::measure;
+use saturation::{confirm, fill_holes, is_saturated};
 
 /// Something the knee finder can load: it answers one call at a time, many concurrently.
 ///
@@ -663,117 +666,6 @@ fn check_first(step: &KneeStep, config: &KneeConfig) -> Result<(), KneeError> {
     Ok(())
 }
 
-/// Saturated compared with the steps measured below it (see the module docs).
-fn is_saturated(step: &KneeStep, below: &[KneeStep], config: &KneeConfig) -> bool {
-    saturated_against(
-        step,
-        below.iter().filter(|s| s.concurrency < step.concurrency),
-        config,
-    )
-}
-
-/// A control (a step measured again) that shows the target slower than it was: saturated
-/// compared with every step measured at its concurrency or below, its first measurement
-/// included.
-fn is_disturbed(control: &KneeStep, measured: &[KneeStep], config: &KneeConfig) -> bool {
-    saturated_against(
-        control,
-        measured
-            .iter()
-            .filter(|s| s.concurrency <= control.concurrency),
-        config,
-    )
-}
-
-/// Saturated compared with `refs`: pushed back beyond `max_back_pressure`, no `Ok` call,
-/// a throughput more than `max_drop` below the best of `refs`, or a p50
-/// `max_latency_growth` times their lowest.
-fn saturated_against<'a>(
-    step: &KneeStep,
-    refs: impl Iterator<Item = &'a KneeStep> + Clone,
-    config: &KneeConfig,
-) -> bool {
-    if step.back_pressure_ratio() > config.max_back_pressure || step.ok == 0 {
-        return true;
-    }
-    let best = refs.clone().map(|s| s.throughput).fold(0.0_f64, f64::max);
-    let min_p50 = refs.filter(|s| s.ok > 0).map(|s| s.p50).min();
-    let dropped = step.throughput < best * (1.0 - config.max_drop);
-    let slow = min_p50.is_some_and(|min| {
-        !min.is_zero() && step.p50.as_secs_f64() >= min.as_secs_f64() * config.max_latency_growth
-    });
-    dropped || slow
-}
-
-/// Measure again, once each, the steps whose throughput is more than `max_drop` below both
-/// the best step measured below them and the best measured above: a throughput curve rises
-/// to its peak and then falls, so such a hole is noise (a spell of slow calls hid the step,
-/// perhaps the peak, and the knee would be read against a lower best). The new measurement
-/// replaces the old one.
-async fn fill_holes<T: KneeTarget + ?Sized>(
-    target: &T,
-    steps: &mut [KneeStep],
-    config: &KneeConfig,
-) {
-    let holes: Vec<u32> = {
-        let mut sorted: Vec<&KneeStep> = steps.iter().collect();
-        sorted.sort_by_key(|s| s.concurrency);
-        let best = |steps: &[&KneeStep]| steps.iter().map(|s| s.throughput).fold(0.0, f64::max);
-        (1..sorted.len().saturating_sub(1))
-            .filter(|&i| {
-                let around = best(&sorted[..i]).min(best(&sorted[i + 1..]));
-                sorted[i].throughput < around * (1.0 - config.max_drop)
-            })
-            .map(|i| sorted[i].concurrency)
-            .collect()
-    };
-    for c in holes {
-        let again = measure(target, c, config).await;
-        if let Some(step) = steps.iter_mut().find(|s| s.concurrency == c) {
-            *step = again;
-        }
-    }
-}
-
-/// How many times [`confirm`] measures the step below before it gives up
-/// ([`KneeError::Unsteady`]).
-const MAX_CONTROLS: u32 = 3;
-
-/// Confirm the step at `c`, which looks saturated: measure the step below it again (the control)
-/// until it shows the target as it was, at most [`MAX_CONTROLS`] times, then the step
-/// itself again. Answers that second measurement of the step (the one kept) and whether it
-/// is saturated too. A noise that slowed the target during the first measurement and lasts
-/// into the second slows the control between them too, so only a target that stayed as it
-/// was confirms a saturation.
-async fn confirm<T: KneeTarget + ?Sized>(
-    target: &T,
-    c: u32,
-    below: &[KneeStep],
-    config: &KneeConfig,
-) -> Result<(KneeStep, bool), KneeError> {
-    let control = below.iter().map(|s| s.concurrency).filter(|&b| b < c).max();
-    if let Some(control) = control {
-        let mut attempts = 0;
-        loop {
-            let measured = measure(target, control, config).await;
-            if !is_disturbed(&measured, below, config) {
-                break;
-            }
-            attempts += 1;
-            if attempts >= MAX_CONTROLS {
-                return Err(KneeError::Unsteady {
-                    concurrency: c,
-                    control,
-                    attempts,
-                });
-            }
-        }
-    }
-    let again = measure(target, c, config).await;
-    let saturated = is_saturated(&again, below, config);
-    Ok((again, saturated))
-}
-
 /// The concurrencies of the next refining round: evenly spaced strictly between the step
 /// below the knee found so far and the first step on the plateau, without those measured
 /// already. When that first step is also the best, the round reaches up to the step above
@@ -837,101 +729,4 @@ fn knee_of(steps: &[KneeStep], saturated_at: Option<u32>, config: &KneeConfig) -
     saturated_at
         .is_some_and(|c| f64::from(c) > knee)
         .then_some(knee)
-}
-
-/// One worker's tally for a step.
-#[derive(Default)]
-struct Tally {
-    /// Round-trip times of the `Ok` calls started in the window.
-    rtts: Vec<Duration>,
-    /// `Ok` answers that arrived in the window.
-    arrived: u64,
-    back_pressure: u64,
-    ignored: u64,
-}
-
-async fn measure<T: KneeTarget + ?Sized>(
-    target: &T,
-    concurrency: u32,
-    config: &KneeConfig,
-) -> KneeStep {
-    let start = Instant::now();
-    let from = start + config.warmup;
-    let end = start + config.step_duration;
-    let workers = (0..concurrency).map(|_| worker(target, from, end, config.timeout));
-    let tallies = join_all(workers).await;
-
-    let mut rtts = Vec::new();
-    let (mut arrived, mut back_pressure, mut ignored) = (0, 0, 0);
-    for tally in tallies {
-        rtts.extend(tally.rtts);
-        arrived += tally.arrived;
-        back_pressure += tally.back_pressure;
-        ignored += tally.ignored;
-    }
-    rtts.sort_unstable();
-    let window = (end - from).as_secs_f64();
-    KneeStep {
-        concurrency,
-        throughput: arrived as f64 / window,
-        p50: percentile(&rtts, 0.50),
-        p99: percentile(&rtts, 0.99),
-        ok: rtts.len() as u64,
-        back_pressure,
-        ignored,
-    }
-}
-
-/// Nearest-rank percentile of sorted values (zero when empty).
-fn percentile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-/// One closed-loop worker: call, wait for the answer, call again, until `end`.
-async fn worker<T: KneeTarget + ?Sized>(
-    target: &T,
-    from: Instant,
-    end: Instant,
-    timeout: Duration,
-) -> Tally {
-    let mut tally = Tally::default();
-    loop {
-        let sent = Instant::now();
-        if sent >= end {
-            break;
-        }
-        let mut call = std::pin::pin!(tokio::time::timeout(timeout, target.call()));
-        // Whether the call answered within its first poll, without giving the runtime back.
-        let (answer, at_once) = match futures::poll!(call.as_mut()) {
-            Poll::Ready(answer) => (answer, true),
-            Poll::Pending => (call.await, false),
-        };
-        let outcome = answer.unwrap_or(Outcome::BackPressure);
-        let answered = Instant::now();
-        if sent >= from {
-            match outcome {
-                Outcome::Ok => tally.rtts.push(answered - sent),
-                Outcome::BackPressure => tally.back_pressure += 1,
-                _ => tally.ignored += 1,
-            }
-        }
-        if outcome == Outcome::Ok && answered > from && answered <= end {
-            tally.arrived += 1;
-        }
-        if answered == sent {
-            // A call that took no time at all (a target that never waits, under paused
-            // time) would keep this task busy forever and the clock would never reach
-            // `end`: give the clock a millisecond.
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        } else if at_once {
-            // Nor may a call that answered at once keep the task to itself until `end`:
-            // the other workers (and the runtime's other tasks) run in between.
-            tokio::task::yield_now().await;
-        }
-    }
-    tally
 }

@@ -292,7 +292,11 @@ pub struct KneeProgress<'a> {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct KneeReport {
-    /// Every step measured, by increasing concurrency.
+    /// Every step measured, by increasing concurrency, one per concurrency: a step measured
+    /// again (to confirm a saturation, or a hole in the curve) by its last measurement;
+    /// the controls measured to confirm a saturation are not here (nor in the progress
+    /// callback's `done`), though [`elapsed`](KneeReport::elapsed) includes them. See
+    /// [Noise](self#noise-confirming-a-saturation).
     pub steps: Vec<KneeStep>,
     /// The knee (see the [rule](self#the-knee-rule)), rounded to the nearest call; `None`
     /// when no step above it saturated (with a confirmed saturation: see

@@ -436,13 +436,18 @@ async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
 
 #[tokio::test]
 async fn a_paused_redis_never_hangs_a_caller() {
-    // Real time, with margins a loaded 2-core machine keeps: each caller is answered
-    // within the timeout (plus scheduling slack), and `check_all` in under half of it (it
-    // does not wait on Redis at all).
-    const TIMEOUT: Duration = Duration::from_millis(300);
+    // While Redis is paused, the test runs on tokio's paused clock, which moves only when
+    // every task waits, and then straight to the next timer: a caller's wait is what the
+    // gate's timers make it, exactly, however late a loaded machine runs the test. (On the
+    // real clock with scheduling slack, a test thread descheduled for longer than the slack
+    // failed it.) The timeout is long for the same reason: it costs no real time while the
+    // clock is paused, and the probe after the resume, on the real clock, has all of it.
+    const TIMEOUT: Duration = Duration::from_secs(5);
     const PROBE: Duration = Duration::from_secs(3);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect().await, quota(100))
+    // No client-side response timeout (redis-rs's is 500 ms): the gate's own ends the call
+    // to the paused server.
+    let gate = RedisGate::builder(server.connect_untimed().await, quota(100))
         .failure_policy(FailurePolicy::Closed)
         .timeout(TIMEOUT)
         .probe_interval(PROBE)
@@ -451,26 +456,29 @@ async fn a_paused_redis_never_hangs_a_caller() {
         .unwrap();
     assert!(gate.check("k", 1).await.unwrap().allowed);
     server.pause();
+    tokio::time::pause();
     let mut tasks = Vec::new();
     for i in 0..16 {
         let gate = gate.clone();
         tasks.push(tokio::spawn(async move {
-            let start = std::time::Instant::now();
+            let start = tokio::time::Instant::now();
             let d = gate.check(&format!("k{i}"), 1).await.unwrap();
             (start.elapsed(), d.allowed)
         }));
     }
     for t in tasks {
         let (took, allowed) = t.await.unwrap();
-        assert!(took <= TIMEOUT + TIMEOUT / 2, "took {took:?}");
+        // The timeout's timer fires on the next whole millisecond (tokio's granularity).
+        assert!(took <= TIMEOUT + Duration::from_millis(1), "took {took:?}");
         assert!(!allowed);
     }
     // check_all keeps to the probe interval too: it does not wait on the paused Redis.
     let q = Quota::per_hour(5).unwrap();
-    let start = std::time::Instant::now();
+    let start = tokio::time::Instant::now();
     let all = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
-    assert!(start.elapsed() < TIMEOUT / 2, "took {:?}", start.elapsed());
+    assert_eq!(start.elapsed(), Duration::ZERO, "check_all waited");
     assert!(all.iter().all(|d| !d.allowed), "Closed rejects");
+    tokio::time::resume();
     server.resume();
     // Back on Redis after the next probe.
     tokio::time::sleep(PROBE + Duration::from_millis(100)).await;

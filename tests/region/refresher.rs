@@ -101,8 +101,13 @@ async fn the_refresher_records_outside_the_status_lock() {
 /// A recorder that panics as a refresh is counted: the refresher goes on at its next tick.
 /// (The panic ended its task: the process never refreshed again, and its region fell to its
 /// safe share when the lease ran out.)
+///
+/// Counted, not timed: a refresh's home call has half a refresh interval (50 ms), which a
+/// loaded machine may exceed, so a refresh may fail by itself and the refreshes come later.
+/// A refresher whose task ended never refreshes again, and the generous deadline fails it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recorder_that_panics_does_not_stop_the_refresher() {
+    const DEADLINE: Duration = Duration::from_secs(60);
     let recorder = TestRecorder::default();
     let server = RedisServer::start();
     let refresh = Duration::from_millis(100);
@@ -114,18 +119,23 @@ async fn a_recorder_that_panics_does_not_stop_the_refresher() {
     // A refresh ran into the panic (it counts itself in the status first).
     let start = std::time::Instant::now();
     while region.status().refreshes == before {
-        assert!(start.elapsed() < refresh * 20, "no refresh");
+        assert!(start.elapsed() < DEADLINE, "no refresh");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     recorder.panic_on(granted, false);
     let counted = recorder.counter(granted);
-    tokio::time::sleep(refresh * 10).await;
+    // Three more refreshes, each granted a fresh lease.
+    let start = std::time::Instant::now();
+    while recorder.counter(granted) - counted < 3 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{} refreshes in {DEADLINE:?} after the panic: {}",
+            recorder.counter(granted) - counted,
+            region.status()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let status = region.status();
-    let after = recorder.counter(granted) - counted;
-    assert!(
-        after >= 3,
-        "{after} refreshes in the 10 intervals after the panic: {status}"
-    );
     assert!(status.lease_left > Duration::from_secs(1), "{status}");
 }
 

@@ -126,10 +126,16 @@ impl Delivered {
     /// CPU) sends in bursts that overflow the buckets, and starved refreshers keep shares
     /// from following demand. When the machine keeps up, this is the quota.
     fn quota(&self) -> f64 {
+        self.of(RATE as f64)
+    }
+
+    /// As [`quota`](Delivered::quota), for a fleet that may admit at most `cap` per second
+    /// (the sum of the safe shares, say).
+    fn of(&self, cap: f64) -> f64 {
         if self.sent == 0.0 {
             return 0.0;
         }
-        self.sent.min(RATE as f64) * (self.sent - self.late) / self.sent
+        self.sent.min(cap) * (self.sent - self.late) / self.sent
     }
 }
 
@@ -252,32 +258,35 @@ async fn without_the_home_regions_keep_their_lease_then_fall_to_the_safe_share()
     fleet.stop_load();
     let rate = |from: Duration, len: f64| {
         let got = fleet.admitted_between(from, from + secs(len));
-        (got, got.iter().sum::<u64>() as f64 / len)
+        let load = Delivered::between(&fleet, from, len);
+        (got, got.iter().sum::<u64>() as f64 / len, load)
     };
-    let (before, before_rate) = rate(cut - secs(1.5), 1.5);
+    let (before, before_rate, _) = rate(cut - secs(1.5), 1.5);
     // The lease runs out 2 s after its last refresh, which was at most 0.4 s before the cut.
-    let (during_lease, lease_rate) = rate(cut, 1.5);
-    let (on_safe, safe_rate) = rate(cut + secs(2.5), 2.5);
-    let (after, after_rate) = rate(healed + secs(2.0), 2.0);
+    let (during_lease, lease_rate, lease_load) = rate(cut, 1.5);
+    let (on_safe, safe_rate, safe_load) = rate(cut + secs(2.5), 2.5);
+    let (after, after_rate, after_load) = rate(healed + secs(2.0), 2.0);
     println!(
-        "before the cut {before:?} = {before_rate:.0}/s; first 1.5 s without the home {during_lease:?} = {lease_rate:.0}/s; on the safe shares {on_safe:?} = {safe_rate:.0}/s; after healing {after:?} = {after_rate:.0}/s"
+        "before the cut {before:?} = {before_rate:.0}/s; first 1.5 s without the home {during_lease:?} = {lease_rate:.0}/s ({lease_load}); on the safe shares {on_safe:?} = {safe_rate:.0}/s ({safe_load}); after healing {after:?} = {after_rate:.0}/s ({after_load})"
     );
+    // The floors against what the machine delivered of the load (see `Delivered`).
     assert!(
-        lease_rate >= 0.8 * RATE as f64,
-        "the leases should hold: {lease_rate:.0}/s"
+        lease_rate + lease_load.starved >= 0.8 * lease_load.quota(),
+        "the leases should hold: {lease_rate:.0}/s ({lease_load})"
     );
     // 3 × 20/s, plus each region's burst (its part of 30) spread over 2.5 s.
     assert!(
         safe_rate <= 60.0 + BURST as f64 / 2.5 + 3.0,
         "{safe_rate:.0}/s on safe shares"
     );
+    // 40/s of the 60/s the safe shares allow.
     assert!(
-        safe_rate >= 40.0,
-        "the safe shares should still admit: {safe_rate:.0}/s"
+        safe_rate + safe_load.starved >= 40.0 / 60.0 * safe_load.of(60.0),
+        "the safe shares should still admit: {safe_rate:.0}/s ({safe_load})"
     );
     assert!(
-        after_rate >= 0.8 * RATE as f64,
-        "shares should grow back: {after_rate:.0}/s"
+        after_rate + after_load.starved >= 0.8 * after_load.quota(),
+        "shares should grow back: {after_rate:.0}/s ({after_load})"
     );
     assert_bound(&fleet, "home unreachable");
 }
@@ -316,15 +325,20 @@ async fn a_dead_regions_share_goes_to_the_others() {
     assert_eq!(ap.held, 0, "ap's lease should have ended: {ap:?}");
     let got = fleet.admitted_between(killed + secs(3.2), killed + secs(5.2));
     let per_s = (got[0] + got[1]) as f64 / 2.0;
+    // ap's load was stopped with it: what was sent is us's and eu's.
+    let load = Delivered::between(&fleet, killed + secs(3.2), 2.0);
     println!(
-        "shares before {before:?}, 3.2 s after ap died {after:?}; us + eu then admit {per_s:.0}/s"
+        "shares before {before:?}, 3.2 s after ap died {after:?}; us + eu then admit {per_s:.0}/s ({load})"
     );
     assert!(before[2] >= 80, "ap held its part before: {before:?}");
     assert!(
         after[0] + after[1] >= RATE - 10,
         "us + eu should hold the quota: {after:?}"
     );
-    assert!(per_s >= 0.85 * RATE as f64, "us + eu admitted {per_s:.0}/s");
+    assert!(
+        per_s + load.starved >= 0.85 * load.quota(),
+        "us + eu admitted {per_s:.0}/s ({load})"
+    );
     assert_bound(&fleet, "dead region");
 }
 

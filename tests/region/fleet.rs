@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use flowgate::Quota;
 use flowgate::gate::GateError;
-use flowgate::region::{Allocation, QuotaAllocator, Region, RegionSpec, SafeShare};
+use flowgate::region::{Allocation, QuotaAllocator, Region, RegionSpec, RegionStatus, SafeShare};
 use redis::aio::ConnectionManager;
 use tokio::task::JoinHandle;
 
@@ -322,24 +322,20 @@ impl Fleet {
 
     /// The share each region's leader last got.
     pub fn shares(&self) -> [u64; 3] {
-        let mut out = [0; 3];
-        for (r, procs) in self.members.iter().enumerate() {
-            out[r] = procs
-                .iter()
-                .flatten()
-                .map(|m| m.status())
-                .filter(|s| s.leader)
-                .map(|s| {
-                    if s.lease_left > Duration::ZERO {
-                        s.share
-                    } else {
-                        s.safe
-                    }
-                })
-                .max()
-                .unwrap_or(0);
-        }
-        out
+        shares_of(&self.statuses())
+    }
+
+    /// Every process's status (`None`: a process stopped), per region.
+    pub fn statuses(&self) -> Vec<Vec<Option<RegionStatus>>> {
+        self.members
+            .iter()
+            .map(|procs| {
+                procs
+                    .iter()
+                    .map(|m| m.as_ref().map(Region::status))
+                    .collect()
+            })
+            .collect()
     }
 
     pub fn stop_load(&mut self) {
@@ -369,6 +365,27 @@ fn starvation(e: &GateError) -> bool {
         }
         _ => false,
     }
+}
+
+/// The share each region's leader last got, in `statuses` (see [`Fleet::statuses`]).
+pub fn shares_of(statuses: &[Vec<Option<RegionStatus>>]) -> [u64; 3] {
+    let mut out = [0; 3];
+    for (r, procs) in statuses.iter().enumerate() {
+        out[r] = procs
+            .iter()
+            .flatten()
+            .filter(|s| s.leader)
+            .map(|s| {
+                if s.lease_left > Duration::ZERO {
+                    s.share
+                } else {
+                    s.safe
+                }
+            })
+            .max()
+            .unwrap_or(0);
+    }
+    out
 }
 
 fn count_between(log: &[(Instant, usize)], a: Instant, b: Instant) -> [u64; 3] {

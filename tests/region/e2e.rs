@@ -481,6 +481,11 @@ async fn a_home_restarted_empty_learns_for_one_lease_and_the_bound_holds() {
 
 /// Decisions stay local: with 50 ms one way (100 ms round trip) between each region and
 /// the home, the p99 of a region's decision is the local Redis's latency, not the home's.
+///
+/// The local Redis's latency is measured at the same time, on the same runtime, by PINGs
+/// on the same kind of connection: a loaded machine delays both alike (a task that waits
+/// for its turn, a starved server), while a decision that waited for the home would take a
+/// round trip (100 ms: the proxy's delay, which no load shortens) more than the PINGs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_stay_at_local_latency() {
     let _serial = SERIAL.lock().await;
@@ -489,18 +494,17 @@ async fn decisions_stay_at_local_latency() {
         ..Setup::default()
     })
     .await;
-    // The local Redis alone, as a baseline: a PING on the same kind of connection.
-    let mut baseline = Vec::new();
     let mut con = manager(&fleet.locals[0].url()).await;
-    for _ in 0..400 {
+    fleet.offer([150, 90, 60]);
+    fleet.start_load();
+    let end = std::time::Instant::now() + secs(4.0);
+    let mut baseline = Vec::new();
+    while std::time::Instant::now() < end {
         let t = std::time::Instant::now();
         let _: String = redis::cmd("PING").query_async(&mut con).await.unwrap();
         baseline.push(t.elapsed().as_micros() as u64);
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    fleet.offer([150, 90, 60]);
-    fleet.start_load();
-    tokio::time::sleep(secs(4.0)).await;
     fleet.stop_load();
     let mut all: Vec<u64> = fleet.latencies.lock().unwrap().concat();
     let p99 = percentile(&mut all, 99.0);
@@ -508,10 +512,14 @@ async fn decisions_stay_at_local_latency() {
     let base99 = percentile(&mut baseline, 99.0);
     let base50 = percentile(&mut baseline, 50.0);
     println!(
-        "decision latency over {} decisions: p50 {p50} µs, p99 {p99} µs; local Redis PING: p50 {base50} µs, p99 {base99} µs; home round trip 100 ms",
-        all.len()
+        "decision latency over {} decisions: p50 {p50} µs, p99 {p99} µs; local Redis PING meanwhile ({} PINGs): p50 {base50} µs, p99 {base99} µs; home round trip 100 ms",
+        all.len(),
+        baseline.len()
     );
     assert!(all.len() > 500);
-    // Below one one-way trip to the home (a round trip is 100 ms).
-    assert!(p99 < 50_000, "p99 {p99} µs: decisions wait for the home?");
+    // Within half a round trip to the home of the local Redis's own latency.
+    assert!(
+        p99 < base99 + 50_000,
+        "p99 {p99} µs, the local Redis's {base99} µs: decisions wait for the home?"
+    );
 }

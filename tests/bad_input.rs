@@ -18,7 +18,9 @@ use flowgate::bulkhead::{AcquireError, Bulkhead};
 use flowgate::channel;
 use flowgate::demand::{CommitTracker, Demanded, IterSource, Levels, Prefetch, TrackError};
 use flowgate::gate::{GateError, Limit, MemoryGate};
-use flowgate::limit::{Algorithm, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket};
+use flowgate::limit::{
+    Algorithm, FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket,
+};
 use flowgate::pace::{AdaptivePacer, Pacer};
 use flowgate::retry::{Backoff, GiveUp, Jitter, RetryBudget};
 use flowgate::{ConfigError, ConfigErrorKind, CostError, Decision, Overflow, Quota, Rate};
@@ -315,6 +317,11 @@ proptest! {
     }
 
     #[test]
+    fn fixed_window_at_the_extremes(rate in any_rate(), steps in steps()) {
+        check_algorithm(&FixedWindow::new(rate), &steps);
+    }
+
+    #[test]
     fn sliding_log_at_the_extremes(rate in any_rate(), steps in steps()) {
         check_algorithm(&SlidingLog::new(rate), &steps);
     }
@@ -385,6 +392,7 @@ fn every_algorithm_on_a_grid_of_extremes() {
         for period in [1, 2, u64::MAX] {
             let rate = Rate::per(count, Duration::from_nanos(period)).unwrap();
             for trace in &traces {
+                check_algorithm(&FixedWindow::new(rate), trace);
                 check_algorithm(&SlidingLog::new(rate), trace);
                 check_algorithm(&SlidingWindow::new(rate), trace);
                 for burst in [1, 2, u32::MAX] {
@@ -394,6 +402,23 @@ fn every_algorithm_on_a_grid_of_extremes() {
             }
         }
     }
+}
+
+/// A fixed window whose end is past the timeline (`now` saturates at `u64::MAX` ns) still
+/// answers a rejection with a wait: a caller that sleeps `retry_after` and asks again does
+/// not spin.
+#[test]
+fn a_fixed_window_at_the_end_of_the_timeline_rejects_with_a_wait() {
+    let window = FixedWindow::new(Rate::per(1, Duration::from_nanos(10)).unwrap());
+    let mut state = Default::default();
+    let end = Duration::from_nanos(u64::MAX);
+    assert!(window.check(&mut state, end, 1).unwrap().allowed);
+    let d = window.check(&mut state, end, 1).unwrap();
+    assert!(!d.allowed);
+    // The window holding u64::MAX starts at u64::MAX - 5 (a multiple of 10) and ends
+    // 5 ns past it.
+    assert_eq!(d.retry_after, Duration::from_nanos(5));
+    assert_eq!(d.reset_after, Duration::from_nanos(5));
 }
 
 // ---------------------------------------------------------------------------------------

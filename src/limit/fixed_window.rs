@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::limit::Algorithm;
-use crate::limit::limiter::nanos;
+use crate::limit::limiter::{from_nanos, nanos};
 use crate::rate::Rate;
 
 /// At most `limit` units per aligned window of length `window`.
@@ -77,8 +77,10 @@ impl Algorithm for FixedWindow {
             state.count = 0;
         }
         // `now` may be earlier than the window start if time went backwards: stay in the
-        // window, and count the wait for its end from `now`.
-        let reset = Duration::from_nanos(state.start.saturating_add(self.window) - now);
+        // window, and count the wait for its end from `now`. In 128 bits: the window holding
+        // the last nanosecond of the timeline ends past it, where a saturated end would
+        // make the wait 0 (a rejection to retry at once).
+        let reset = from_nanos(u128::from(state.start) + u128::from(self.window) - u128::from(now));
         let limit = u64::from(self.limit);
         // `count <= limit` always holds; compare without adding (no overflow near u32::MAX).
         if cost <= self.limit - state.count {

@@ -7,7 +7,10 @@
 //! global rate. It also runs the same traces through the Lua script and compares every grant.
 //!
 //! Times are microseconds of the home's clock; shares are whole units of the global quota's
-//! period. See the [module docs](super) for the protocol in prose.
+//! period. See the [module docs](super) for the protocol in prose. Any numbers are taken:
+//! a lease or learning phase that would end past the end of the clock ends at its end
+//! (`u64::MAX`), and sums of shares past `u64::MAX` saturate (the Lua script computes in
+//! doubles, which do not wrap either).
 
 use crate::region::policy::{Allocation, want};
 
@@ -110,7 +113,11 @@ impl Home {
 
     fn start(&mut self, cfg: &Config, now_us: u64, learn: bool) {
         self.started = true;
-        self.learn_until_us = if learn { now_us + cfg.ttl_us } else { 0 };
+        self.learn_until_us = if learn {
+            now_us.saturating_add(cfg.ttl_us)
+        } else {
+            0
+        };
         self.last_seq = 0;
         self.regions = vec![Held::default(); cfg.regions.len()];
     }
@@ -134,6 +141,10 @@ impl Home {
 
     /// The most region `j` may admit at from now on, as far as the home knows: its safe
     /// share, or a live grant it may still be using, whichever is larger.
+    ///
+    /// # Panics
+    ///
+    /// If `j` is not the index of a region of `cfg`.
     pub fn held(&self, cfg: &Config, j: usize) -> u64 {
         let share = |g: Option<Grant>| g.map_or(0, |g| g.share);
         let safe = cfg.regions[j].safe;
@@ -157,6 +168,11 @@ impl Home {
 
     /// Region `i` says it now holds the lease `seq` (after applying a smaller share), so
     /// the rate it gave up is free for the others at once.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not the index of a region of `cfg`, or of the home (a home started with
+    /// a `cfg` of fewer regions).
     pub fn ack(&mut self, cfg: &Config, now_us: u64, i: usize, report: &Report) {
         if !self.started {
             self.start(cfg, now_us, true);
@@ -168,7 +184,10 @@ impl Home {
     /// The share each region should have now: `policy` over the rate left after the
     /// safe shares, on top of each region's safe share.
     pub fn targets(&self, cfg: &Config, now_us: u64) -> Vec<u64> {
-        let safe: u64 = cfg.regions.iter().map(|s| s.safe).sum();
+        let safe = cfg
+            .regions
+            .iter()
+            .fold(0u64, |sum, s| sum.saturating_add(s.safe));
         let free = cfg.rate.saturating_sub(safe);
         let weights: Vec<u64> = cfg.regions.iter().map(|s| s.weight).collect();
         let wants: Vec<u64> = self
@@ -188,7 +207,7 @@ impl Home {
             .divide(free, &weights, &wants)
             .into_iter()
             .zip(&cfg.regions)
-            .map(|(part, s)| part + s.safe)
+            .map(|(part, s)| part.saturating_add(s.safe))
             .collect()
     }
 
@@ -205,6 +224,11 @@ impl Home {
     ///    what it reports admitting at. A grant made while learning is marked so: the region
     ///    takes at most what it admits at when the grant arrives (a report can be older than
     ///    a shrink the region made and the home before the restart gave away).
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not the index of a region of `cfg`, or of the home (a home started with
+    /// a `cfg` of fewer regions).
     pub fn refresh(&mut self, cfg: &Config, now_us: u64, i: usize, report: &Report) -> Grant {
         if !self.started {
             self.start(cfg, now_us, true);
@@ -217,10 +241,9 @@ impl Home {
                 ..last
             };
         }
-        let others: u64 = (0..cfg.regions.len())
+        let others = (0..cfg.regions.len())
             .filter(|&j| j != i)
-            .map(|j| self.held(cfg, j))
-            .sum();
+            .fold(0u64, |sum, j| sum.saturating_add(self.held(cfg, j)));
         let mut share = self.targets(cfg, now_us)[i].min(cfg.rate.saturating_sub(others));
         let learning = self.learning(now_us);
         if learning {
@@ -236,7 +259,7 @@ impl Home {
         let grant = Grant {
             seq,
             share,
-            until_us: now_us + cfg.ttl_us,
+            until_us: now_us.saturating_add(cfg.ttl_us),
             learning,
         };
         let r = &mut self.regions[i];

@@ -1531,9 +1531,17 @@ mod redis_input {
         let server = RedisServer::start();
         let (mut built_n, mut refused_n) = (0, 0);
         for (i, limit) in limits().into_iter().enumerate() {
+            // Token buckets also with leases larger than any burst.
+            let lease = if i % 2 == 0 { u32::MAX } else { 0 };
             let built = RedisGate::builder(server.connect().await, limit)
                 .prefix(format!("bad{i}:"))
                 .timeout(Duration::from_secs(30))
+                .lease(if matches!(limit, Limit::TokenBucket(_)) {
+                    lease
+                } else {
+                    0
+                })
+                .lease_ttl(Duration::MAX)
                 .build()
                 .await;
             let gate = match built {
@@ -1547,7 +1555,7 @@ mod redis_input {
             built_n += 1;
             let capacity = limit.capacity();
             let top = u32::try_from(capacity).unwrap_or(u32::MAX);
-            for cost in [0, 1, top, top.saturating_add(1), u32::MAX] {
+            for cost in [0, 1, top, top.saturating_add(1), u32::MAX, 1, 1] {
                 match gate.check("k", cost).await {
                     Ok(d) => {
                         assert!(cost > 0 && u64::from(cost) <= capacity, "{limit:?} {cost}");

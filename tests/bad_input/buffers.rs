@@ -1,0 +1,168 @@
+//! Channel, bulkhead and demand bounds.
+
+use super::*;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn channel_refuses_zero_and_huge_capacities(capacity in any_usize(), overflow in any_overflow()) {
+        match channel::builder::<u32>(capacity).overflow(overflow).build() {
+            Ok((tx, mut rx)) => {
+                prop_assert!(capacity > 0 && capacity <= usize::MAX >> 2);
+                prop_assert_eq!(tx.capacity(), capacity);
+                for i in 0..3 {
+                    let _ = tx.try_send(i);
+                }
+                prop_assert!(tx.len() <= capacity);
+                prop_assert!(rx.try_recv().is_ok());
+            }
+            Err(e) => {
+                sane_config_error(&e);
+                prop_assert_eq!(e.field(), "channel.capacity");
+                prop_assert!(capacity == 0 || capacity > usize::MAX >> 2);
+            }
+        }
+    }
+
+    #[test]
+    fn bulkhead_refuses_bad_bounds(
+        max_in_flight in any_usize(),
+        max_waiting in any_usize(),
+        reserve in any_usize(),
+        timeout in prop::option::of(any_duration()),
+        resize in any_usize(),
+    ) {
+        paused().block_on(async {
+            let mut builder = Bulkhead::builder(max_in_flight)
+                .max_waiting(max_waiting)
+                .critical_reserve(reserve);
+            if let Some(t) = timeout {
+                builder = builder.wait_timeout(t);
+            }
+            let bulkhead = match builder.build() {
+                Ok(b) => b,
+                Err(e) => {
+                    sane_config_error(&e);
+                    return;
+                }
+            };
+            assert!(bulkhead.max_in_flight() >= 1);
+            let held: Vec<_> = (0..3).filter_map(|_| bulkhead.try_acquire().ok()).collect();
+            assert!(held.len() <= bulkhead.max_in_flight());
+            // A wait of any length is a timer, not an overflow.
+            let waited =
+                tokio::time::timeout(Duration::from_secs(1), bulkhead.acquire()).await;
+            if let Ok(Err(e)) = &waited {
+                assert!(matches!(
+                    e,
+                    AcquireError::TimedOut | AcquireError::WaitingRoomFull
+                ), "{e:?}");
+            }
+            drop(waited);
+            if let Err(e) = bulkhead.set_max_in_flight(resize) {
+                sane_config_error(&e);
+            }
+            drop(held);
+            assert!(bulkhead.in_flight() <= bulkhead.max_in_flight());
+        });
+    }
+
+    #[test]
+    fn demand_refuses_bad_levels_and_counts(
+        (high, low) in (any_usize(), any_usize()),
+        initial in any_u64(),
+        requests in prop::collection::vec(any_u64(), 0..5),
+        max_pending in any_usize(),
+        offsets in prop::collection::vec(any_u64(), 0..10),
+        (min, max) in (any_duration(), any_duration()),
+    ) {
+        match Levels::new(high, low) {
+            Ok(l) => prop_assert!(l.high() > l.low()),
+            Err(e) => {
+                sane_config_error(&e);
+                prop_assert!(high == 0 || low >= high);
+            }
+        }
+        let (_stream, handle) = Demanded::builder(futures::stream::iter(0..3), initial)
+            .build()
+            .unwrap();
+        for n in requests {
+            let before = handle.outstanding();
+            match handle.request(n) {
+                Ok(()) => prop_assert!(handle.outstanding() >= before),
+                Err(_) => prop_assert_eq!(n, 0),
+            }
+        }
+        match CommitTracker::builder().max_pending(max_pending).build() {
+            Ok(tracker) => {
+                let mut last = None;
+                let mut tokens = Vec::new();
+                for o in offsets {
+                    match tracker.track(o) {
+                        Ok(t) => {
+                            prop_assert!(last.is_none_or(|l| o > l));
+                            last = Some(o);
+                            tokens.push(t);
+                        }
+                        Err(TrackError::OutOfOrder { .. }) => {
+                            prop_assert!(last.is_some_and(|l| o <= l))
+                        }
+                        Err(TrackError::PendingFull { .. }) => {
+                            prop_assert!(tracker.pending() >= max_pending)
+                        }
+                        Err(e) => panic!("undocumented error {e:?}"),
+                    }
+                    prop_assert!(tracker.pending() <= max_pending);
+                }
+                for t in tokens {
+                    t.done();
+                }
+                prop_assert_eq!(tracker.committable(), last);
+            }
+            Err(e) => {
+                sane_config_error(&e);
+                prop_assert_eq!(max_pending, 0);
+            }
+        }
+        let levels = Levels::new(4, 1).unwrap();
+        let built = Prefetch::builder(IterSource::new(0..10), levels)
+            .retry_backoff(min, max)
+            .build();
+        match built {
+            Ok(p) => {
+                prop_assert!(min <= max);
+                let items: Vec<_> = paused().block_on(p.items().collect());
+                prop_assert_eq!(items, (0..10).collect::<Vec<_>>());
+            }
+            Err(e) => {
+                sane_config_error(&e);
+                prop_assert!(min > max);
+            }
+        }
+        let _ = NonZeroUsize::new(1);
+    }
+}
+
+/// The kinds of `ConfigError` are the three documented ones.
+#[test]
+fn config_error_kinds_are_the_documented_ones() {
+    let kinds = [
+        Rate::per_second(0).unwrap_err().kind(),
+        Rate::per(1, Duration::MAX).unwrap_err().kind(),
+        Levels::new(2, 2).unwrap_err().kind(),
+    ];
+    assert_eq!(
+        kinds,
+        [
+            ConfigErrorKind::Zero,
+            ConfigErrorKind::TooLarge,
+            ConfigErrorKind::Inconsistent
+        ]
+    );
+    let _ = Decision::fail_closed(Duration::MAX).ratelimit_header("p");
+    assert_eq!(
+        Decision::fail_closed(Duration::MAX).retry_after_secs(),
+        Some(u64::MAX)
+    );
+}

@@ -1,0 +1,240 @@
+//! Rate, Quota and the limiter algorithms at the extremes of count, period, burst, cost
+//! and time (backwards, and past the end of the u64-nanosecond timeline).
+
+use super::*;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn rate_and_quota_refuse_only_zero_and_too_long(
+        count in any_u32(),
+        period in any_duration(),
+        burst in any_u32(),
+    ) {
+        let fits = period.as_nanos() <= u128::from(u64::MAX);
+        match Rate::per(count, period) {
+            Ok(r) => {
+                prop_assert!(count > 0 && !period.is_zero() && fits);
+                prop_assert_eq!(r.count(), count);
+                prop_assert_eq!(r.period(), period);
+                prop_assert!(r.interval() <= period);
+                let per_second = r.per_second_f64();
+                prop_assert!(per_second.is_finite() && per_second > 0.0);
+                let _ = (r.to_string(), format!("{r:?}"));
+                match Quota::new(r, burst) {
+                    Ok(q) => {
+                        prop_assert!(burst > 0);
+                        prop_assert_eq!(q.burst_size(), burst);
+                        let _ = (q.to_string(), format!("{q:?}"));
+                    }
+                    Err(e) => {
+                        prop_assert_eq!(burst, 0);
+                        prop_assert_eq!(e.field(), "quota.burst");
+                        sane_config_error(&e);
+                    }
+                }
+            }
+            Err(e) => {
+                sane_config_error(&e);
+                match e.field() {
+                    "rate.count" => prop_assert_eq!(count, 0),
+                    "rate.period" => prop_assert!(period.is_zero() || !fits),
+                    other => panic!("undocumented field {other}"),
+                }
+            }
+        }
+        for make in [Rate::per_second, Rate::per_minute, Rate::per_hour] {
+            prop_assert_eq!(make(count).is_ok(), count > 0);
+        }
+        for make in [Quota::per_second, Quota::per_minute, Quota::per_hour] {
+            prop_assert_eq!(make(count).is_ok(), count > 0);
+        }
+        prop_assert_eq!(Quota::per(count, period).is_ok(), Rate::per(count, period).is_ok());
+    }
+}
+
+/// One step of a trace: a time and a cost.
+fn steps() -> impl Strategy<Value = Vec<(Duration, u32)>> {
+    prop::collection::vec((any_duration(), any_u32()), 1..40)
+}
+
+/// Check `algorithm` on `steps` (times in any order): cost errors exactly as documented,
+/// decisions within the capacity, a rejection unchanged state, and a rejected cost admitted
+/// again at `now + retry_after` on the state it was rejected on.
+fn check_algorithm<A: Algorithm>(algorithm: &A, steps: &[(Duration, u32)]) {
+    let capacity = algorithm.capacity();
+    let mut state = A::State::default();
+    let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    for &(now, cost) in steps {
+        let before = state.clone();
+        let decided = algorithm.check(&mut state, now, cost);
+        // Same answer from the nanosecond entry point, on the state before.
+        let mut again = before.clone();
+        assert_eq!(
+            algorithm.check_nanos(&mut again, nanos(now), cost),
+            decided,
+            "check_nanos differs at {now:?}, cost {cost}"
+        );
+        let d = match decided {
+            Err(CostError::Zero) => {
+                assert_eq!(cost, 0);
+                continue;
+            }
+            Err(CostError::ExceedsCapacity {
+                cost: c,
+                capacity: k,
+            }) => {
+                assert_eq!((c, k), (cost, capacity));
+                assert!(u64::from(cost) > capacity);
+                continue;
+            }
+            Err(e) => panic!("undocumented cost error {e:?}"),
+            Ok(d) => d,
+        };
+        assert!(cost > 0 && u64::from(cost) <= capacity);
+        assert_eq!(d.capacity, capacity);
+        assert!(d.remaining <= capacity, "{d:?}");
+        if d.allowed {
+            assert!(d.retry_after.is_zero());
+        } else {
+            assert!(
+                !d.retry_after.is_zero(),
+                "rejected with no wait: {d:?} at {now:?}"
+            );
+            // Only if `now + retry_after` is a time the limiter can be told: the timeline
+            // ends at `u64::MAX` ns, where a wait past it saturates.
+            if let Some(at) = now.checked_add(d.retry_after)
+                && at.as_nanos() < u128::from(u64::MAX)
+            {
+                let mut retried = before.clone();
+                let d2 = algorithm.check(&mut retried, at, cost).unwrap();
+                assert!(
+                    d2.allowed,
+                    "rejected at {now:?} with retry_after {:?}, rejected again at {at:?}: {d2:?}",
+                    d.retry_after
+                );
+            }
+        }
+        let _ = algorithm.neutral_at(&state);
+        let _ = algorithm.is_neutral(&state, now);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn token_bucket_at_the_extremes(quota in any_quota(), steps in steps()) {
+        let bucket = TokenBucket::new(quota);
+        check_algorithm(&bucket, &steps);
+        let full = bucket.state_full_at(Duration::MAX);
+        let _ = bucket.available(&full, Duration::MAX);
+        let _ = bucket.available(&full, Duration::ZERO);
+        let _ = bucket.neutral_at(&full);
+    }
+
+    #[test]
+    fn fixed_window_at_the_extremes(rate in any_rate(), steps in steps()) {
+        check_algorithm(&FixedWindow::new(rate), &steps);
+    }
+
+    #[test]
+    fn sliding_log_at_the_extremes(rate in any_rate(), steps in steps()) {
+        check_algorithm(&SlidingLog::new(rate), &steps);
+    }
+
+    #[test]
+    fn sliding_window_at_the_extremes(rate in any_rate(), steps in steps()) {
+        check_algorithm(&SlidingWindow::new(rate), &steps);
+    }
+
+    #[test]
+    fn keyed_takes_any_bound_and_any_key(
+        quota in any_quota(),
+        max_keys in any_usize(),
+        calls in prop::collection::vec((any_key(), any_duration(), any_u32()), 1..30),
+    ) {
+        let keyed = Keyed::<String, _>::new(TokenBucket::new(quota), max_keys);
+        let mut keyed = match keyed {
+            Ok(k) => k,
+            Err(e) => {
+                prop_assert_eq!(max_keys, 0);
+                prop_assert_eq!(e.field(), "keyed.max_keys");
+                return Ok(());
+            }
+        };
+        for (key, now, cost) in &calls {
+            match keyed.check(key.as_str(), *now, *cost) {
+                Ok(d) => prop_assert!(d.remaining <= d.capacity),
+                Err(KeyedError::Cost(_)) => {
+                    prop_assert!(*cost == 0 || u64::from(*cost) > u64::from(quota.burst_size()))
+                }
+                Err(KeyedError::KeyspaceFull { max_keys: m }) => {
+                    prop_assert_eq!(m, max_keys);
+                    prop_assert!(keyed.len() >= max_keys);
+                }
+                Err(e) => panic!("undocumented error {e:?}"),
+            }
+            prop_assert!(keyed.len() <= max_keys);
+        }
+        keyed.sweep(Duration::MAX);
+        prop_assert_eq!(keyed.len(), 0, "everything is neutral at the end of time");
+    }
+}
+
+/// Every algorithm on a grid of extremes: rates of 1, 2 and `u32::MAX` per 1 ns, 2 ns and
+/// `u64::MAX` ns; bursts of 1, 2 and `u32::MAX`; every pair of times among 0, 1 ns, the
+/// last nanoseconds of the timeline and past it; costs of 1, 2 and `u32::MAX`.
+#[test]
+fn every_algorithm_on_a_grid_of_extremes() {
+    let times = [
+        Duration::ZERO,
+        Duration::from_nanos(1),
+        Duration::from_nanos(u64::MAX - 1),
+        Duration::from_nanos(u64::MAX),
+        Duration::MAX,
+    ];
+    let costs = [1, 2, u32::MAX];
+    let mut traces = Vec::new();
+    for &t1 in &times {
+        for &t2 in &times {
+            for &c1 in &costs {
+                for &c2 in &costs {
+                    traces.push([(t1, c1), (t2, c2), (t2, c2)]);
+                }
+            }
+        }
+    }
+    for count in [1, 2, u32::MAX] {
+        for period in [1, 2, u64::MAX] {
+            let rate = Rate::per(count, Duration::from_nanos(period)).unwrap();
+            for trace in &traces {
+                check_algorithm(&FixedWindow::new(rate), trace);
+                check_algorithm(&SlidingLog::new(rate), trace);
+                check_algorithm(&SlidingWindow::new(rate), trace);
+                for burst in [1, 2, u32::MAX] {
+                    let quota = Quota::new(rate, burst).unwrap();
+                    check_algorithm(&TokenBucket::new(quota), trace);
+                }
+            }
+        }
+    }
+}
+
+/// A fixed window whose end is past the timeline (`now` saturates at `u64::MAX` ns) still
+/// answers a rejection with a wait: a caller that sleeps `retry_after` and asks again does
+/// not spin.
+#[test]
+fn a_fixed_window_at_the_end_of_the_timeline_rejects_with_a_wait() {
+    let window = FixedWindow::new(Rate::per(1, Duration::from_nanos(10)).unwrap());
+    let mut state = Default::default();
+    let end = Duration::from_nanos(u64::MAX);
+    assert!(window.check(&mut state, end, 1).unwrap().allowed);
+    let d = window.check(&mut state, end, 1).unwrap();
+    assert!(!d.allowed);
+    // The window holding u64::MAX starts at u64::MAX - 5 (a multiple of 10) and ends
+    // 5 ns past it.
+    assert_eq!(d.retry_after, Duration::from_nanos(5));
+    assert_eq!(d.reset_after, Duration::from_nanos(5));
+}

@@ -166,3 +166,58 @@ fn config_error_kinds_are_the_documented_ones() {
         Some(u64::MAX)
     );
 }
+
+/// An adaptive limit of the user's own that ignores its bounds and answers anything.
+#[derive(Debug, Clone)]
+struct Wild {
+    answers: Vec<u32>,
+    at: usize,
+}
+
+impl AdaptiveLimit for Wild {
+    fn limit(&self) -> u32 {
+        self.answers[self.at % self.answers.len()]
+    }
+
+    fn update(&mut self, _sample: &Sample) -> u32 {
+        self.at += 1;
+        self.limit()
+    }
+
+    fn name(&self) -> &'static str {
+        "wild"
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// A bulkhead driven by an algorithm that answers 0, `u32::MAX` or anything keeps its
+    /// cap within `[reserve + 1, max_in_flight]`, and permits keep flowing.
+    #[test]
+    fn an_adaptive_bulkhead_bounds_any_answer(
+        max_in_flight in prop_oneof![1..10usize, Just(i32::MAX as usize)],
+        reserve in 0..3usize,
+        answers in prop::collection::vec(any_u32(), 1..6),
+    ) {
+        let built = Bulkhead::builder(max_in_flight)
+            .critical_reserve(reserve)
+            .adaptive(Wild { answers, at: 0 })
+            .build();
+        let Ok(bulkhead) = built else {
+            prop_assert!(reserve >= max_in_flight);
+            return Ok(());
+        };
+        paused().block_on(async {
+            for _ in 0..8 {
+                let cap = bulkhead.max_in_flight();
+                assert!((reserve + 1..=max_in_flight).contains(&cap), "{cap}");
+                let permit = tokio::time::timeout(Duration::from_secs(1), bulkhead.acquire())
+                    .await
+                    .expect("a permit of a bulkhead with none in flight")
+                    .unwrap();
+                permit.record(Outcome::Ok);
+            }
+        });
+    }
+}

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use flowgate::bulkhead::Bulkhead;
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{
-    ClientIp, Constant, ForwardedHeader, Header, Policy, RateLimitLayer, RequestInfo, ShedLayer,
-    TopRejected,
+    ClientIp, Constant, ForwardedHeader, Header, HeaderStyles, Policy, RateLimitLayer, RequestInfo,
+    ShedLayer, TopRejected,
 };
 use flowgate::retry::ServerHint;
 use flowgate::{Decision, Quota};
@@ -137,6 +137,13 @@ proptest! {
         top in any_usize(),
         key in any_key(),
         cost in any_u32(),
+        styles in prop_oneof![
+            Just(HeaderStyles::IETF),
+            Just(HeaderStyles::NONE),
+            Just(HeaderStyles::IETF | HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT),
+            Just(HeaderStyles::X_RATELIMIT_EPOCH),
+        ],
+        twice in any::<bool>(),
     ) {
         let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()));
         let built = RateLimitLayer::builder(gate)
@@ -144,6 +151,7 @@ proptest! {
             .cost(move |_: &RequestInfo<'_>| cost)
             .key_prefix(prefix.clone())
             .top_rejected(top)
+            .header_styles(styles)
             .build();
         let layer = match built {
             Ok(l) => l,
@@ -156,10 +164,23 @@ proptest! {
             let svc = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
                 Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
             }));
-            svc.oneshot(Request::get("/").body(Full::default()).unwrap())
+            // Twice: the second request of a full bucket is rejected, with its fields (a
+            // window of up to 584 years, a reset as far).
+            let first = svc
+                .clone()
+                .oneshot(Request::get("/").body(Full::default()).unwrap())
                 .await
                 .unwrap()
-                .status()
+                .status();
+            if twice {
+                let again = svc
+                    .oneshot(Request::get("/").body(Full::default()).unwrap())
+                    .await
+                    .unwrap()
+                    .status();
+                assert!(again.is_success() || again.is_client_error(), "{again}");
+            }
+            first
         });
         // The gate key is `<prefix><policy>:<key>`: a request whose gate key is too
         // long, or whose cost is above the burst, can never be decided (400); a cost

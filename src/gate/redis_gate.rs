@@ -1,75 +1,38 @@
 //! `RedisGate`: one limit across a fleet, decided atomically in Redis.
+//!
+//! Here the gate and its core path to Redis; its builder is in `builder`, its failure policy
+//! in `policy`, and what it answers without Redis (leased tokens, cached rejections), with
+//! the lease path, in `local`.
+
+mod builder;
+mod local;
+mod policy;
 
 use std::fmt;
 // Real time, not tokio's (pausable) clock: the cache, leases and probes follow Redis, whose
 // clock never pauses.
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use tokio::sync::oneshot;
 
 use crate::decision::Decision;
-use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::api::{Gate, GateFuture};
-use crate::gate::backend::{Backend, CallError, key_failure};
-use crate::gate::batch::{Batcher, Call, Driver, Outcomes, Request};
-use crate::gate::error::{GateError, check_key};
+use crate::gate::backend::{Backend, CallError};
+use crate::gate::batch::{Batcher, Call, Outcomes, Request};
+use crate::gate::error::GateError;
 use crate::gate::finish::Finish;
-use crate::gate::lease::{Leases, Place};
+use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
-use crate::gate::memory::MemoryGate;
 use crate::gate::quotas::Registration;
-use crate::gate::reject_cache::RejectCache;
-use crate::gate::scripts;
-use crate::gate::scripts::{LimitScript, decision_from};
-use crate::metrics::{Counter, Labels};
+use crate::gate::scripts::LimitScript;
+use crate::metrics::Counter;
 use crate::rate::Quota;
 use crate::sync::Arc;
 
-/// What a [`RedisGate`] does when Redis fails or does not answer within the timeout.
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub enum FailurePolicy {
-    /// Return the error ([`GateError::Backend`] or [`GateError::Timeout`]) to the caller.
-    #[default]
-    Error,
-    /// Admit everything (availability over the limit).
-    Open,
-    /// Reject everything, with `retry_after` = the time until the next probe of Redis
-    /// ([`Decision::fail_closed`]: `capacity` is `u64::MAX`, as no quota stands behind it).
-    Closed,
-    /// Decide locally with this in-memory gate (each instance then enforces the limit on its
-    /// own: the fleet may admit up to instances × limit while Redis is away).
-    Fallback(MemoryGate),
-}
-
-impl FailurePolicy {
-    /// The answer for `key` and `cost` while Redis is failing (`error`: what it said, if this
-    /// call asked it) and the next probe is `until_probe` away.
-    pub(crate) fn decide(
-        &self,
-        key: &str,
-        cost: u32,
-        until_probe: Duration,
-        error: Option<GateError>,
-    ) -> Result<Decision, GateError> {
-        match self {
-            FailurePolicy::Error => Err(CallError::error(error, until_probe)),
-            FailurePolicy::Open => Ok(Decision::fail_open()),
-            FailurePolicy::Closed => Ok(Decision::fail_closed(until_probe)),
-            FailurePolicy::Fallback(gate) => gate.check(key, cost),
-        }
-    }
-
-    pub(crate) fn as_str(&self) -> &'static str {
-        match self {
-            FailurePolicy::Error => "error",
-            FailurePolicy::Open => "open",
-            FailurePolicy::Closed => "closed",
-            FailurePolicy::Fallback(_) => "fallback",
-        }
-    }
-}
+pub use builder::RedisGateBuilder;
+use local::Local;
+pub use policy::FailurePolicy;
 
 /// Names of the gate metrics (the backend's are in `backend::names`).
 pub(crate) mod names {
@@ -272,336 +235,13 @@ impl<C> fmt::Debug for RedisGate<C> {
     }
 }
 
-/// Builds a [`RedisGate`]; from [`RedisGate::builder`].
-pub struct RedisGateBuilder<C> {
-    conn: C,
-    limit: Limit,
-    batch_size: usize,
-    reject_cache: usize,
-    cluster: bool,
-    lease: u32,
-    lease_ttl: Duration,
-    lease_keys: usize,
-    prefix: String,
-    timeout: Duration,
-    policy: FailurePolicy,
-    probe_interval: Duration,
-    name: Option<String>,
-}
-
-/// Leaves the connection out, as [`RedisGate`]'s `Debug` does: a connection may print
-/// where Redis is and who logs in.
-impl<C> fmt::Debug for RedisGateBuilder<C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisGateBuilder")
-            .field("name", &self.name)
-            .field("limit", &self.limit)
-            .field("prefix", &self.prefix)
-            .field("batch_size", &self.batch_size)
-            .field("reject_cache", &self.reject_cache)
-            .field("cluster", &self.cluster)
-            .field("lease", &self.lease)
-            .field("lease_ttl", &self.lease_ttl)
-            .field("lease_keys", &self.lease_keys)
-            .field("timeout", &self.timeout)
-            .field("policy", &self.policy)
-            .field("probe_interval", &self.probe_interval)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<C> RedisGateBuilder<C>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    /// The prefix of every key (default `"flowgate:"`), for [`check`](RedisGate::check) and
-    /// [`check_all`](RedisGate::check_all) alike.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// The longest a decision may take before the failure policy applies (default 50 ms).
-    /// `Duration::MAX` means no limit (as for every duration setting, anything above a
-    /// century is taken as a century).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = crate::time::capped(timeout);
-        self
-    }
-
-    /// What to do when Redis fails or times out (default [`FailurePolicy::Error`]).
-    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
-        self.policy = policy;
-        self
-    }
-
-    /// How often to try Redis again after a failure (default 1 s); also how long a gate
-    /// answers from its leases and rejection cache alone before it asks Redis again (it may
-    /// have lost its keys unseen).
-    pub fn probe_interval(mut self, every: Duration) -> Self {
-        self.probe_interval = crate::time::capped(every);
-        self
-    }
-
-    /// The `name` label of this gate's metrics.
-    pub fn name(mut self, name: impl Into<String>) -> Self {
-        self.name = Some(name.into());
-        self
-    }
-
-    /// The most decisions sent in one script call (default 128). Concurrent decisions are
-    /// batched naturally: while one call is in flight the next batch fills, so there is no
-    /// added latency at low load. `1` turns batching off (one call per decision). The queue
-    /// in front of the batches holds 4 batches; a caller that finds it full waits for room
-    /// within its timeout.
-    pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n;
-        self
-    }
-
-    /// The connection is a Redis Cluster connection: batches are split per hash slot, one
-    /// script call per slot, and `check_all` checks that its keys share a slot. Set by
-    /// itself for a `redis::cluster_async::ClusterConnection` (`false` does not turn it off
-    /// there: one script call over keys of several slots is refused with `CROSSSLOT`); set it
-    /// for a connection of your own type that talks to a Cluster.
-    ///
-    /// Name keys so that what must be decided together shares a slot, with a hash tag:
-    /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
-    pub fn cluster(mut self, cluster: bool) -> Self {
-        self.cluster = cluster;
-        self
-    }
-
-    /// Token leases (token bucket only; off by default): when a key has no local tokens, take
-    /// up to `n` from Redis in one call — debited there before any is used, so the fleet can
-    /// never over-admit — and serve the next requests for that key locally.
-    ///
-    /// Worst-case under-admission: each instance may hold up to `n − 1` tokens per key (per
-    /// lease call in flight for it: concurrent calls' leases add up) that no other instance
-    /// can use, and tokens unused after `lease_ttl` are lost — or earlier: the `k`-th last
-    /// token of a lease lapses `k` emission intervals before the bucket is full again (as
-    /// Redis said when it granted them), since spent later it would pass on top of tokens
-    /// Redis has refilled meanwhile and the fleet could exceed `burst + rate·span`. That
-    /// schedule is timed by the monotonic clock moved on by any time the host slept (the
-    /// wall clock running ahead of it: a laptop suspended, a VM paused), so tokens kept
-    /// across a sleep lapse as they would have, instead of passing on top of the bucket
-    /// Redis refilled meanwhile.
-    /// Decisions served from a lease
-    /// report the lease's remaining tokens and when the bucket in Redis is full again.
-    /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
-    /// rejection cache is forgotten: spent then, they would pass on top of a bucket the
-    /// new server holds full. Every leased token is spent here or counted in
-    /// `flowgate_gate_lease_unspent_total` when the gate lets go of it (expired, lapsed,
-    /// dropped for a Redis that may have lost its keys, or held when the gate is dropped):
-    /// the under-admission the leases cost. A gate sees that only when it calls Redis: one that has had
-    /// no answer from Redis for a `probe_interval` (all its traffic spent from leases) asks
-    /// it before it spends another leased token, and spends it only if Redis cannot answer.
-    /// `0` or `1` turns leases off.
-    pub fn lease(mut self, n: u32) -> Self {
-        self.lease = n;
-        self
-    }
-
-    /// How long leased tokens may be spent locally (default 1 s; must not be zero).
-    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = crate::time::capped(ttl);
-        self
-    }
-
-    /// How many keys may hold a lease at once, lease calls in flight included (default
-    /// 10 000). A call that finds the map full takes no lease: it is decided by Redis for
-    /// its own cost alone, so no token already debited in Redis is ever thrown away.
-    pub fn lease_keys(mut self, keys: usize) -> Self {
-        self.lease_keys = keys;
-        self
-    }
-
-    /// How many keys the local rejection cache holds (default 10 000; `0` turns it off).
-    pub fn reject_cache(mut self, keys: usize) -> Self {
-        self.reject_cache = keys;
-        self
-    }
-
-    /// Build the gate, start its batch driver on the current runtime, and try to load its
-    /// scripts (a failure to load is not an error: a script is sent again with the first
-    /// call that needs it).
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError`] on `gate.limit` when the limit cannot be computed exactly in Redis
-    /// (a period that is not whole microseconds, or numbers too large); on `gate.timeout`,
-    /// `gate.probe_interval`, `gate.batch_size`, `gate.lease_ttl` or `gate.lease_keys` when
-    /// zero (the last two only with leases on); on `gate.lease` when leases are asked of a
-    /// limit that is not a token bucket.
-    ///
-    /// # Panics
-    ///
-    /// Outside a tokio runtime (it spawns the batch driver).
-    pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
-        let eval = LimitScript::new(self.limit)?;
-        // A batch over a cluster connection mixes slots unless split: refused as a whole.
-        let cluster = self.cluster || is_cluster_connection::<C>();
-        if self.timeout.is_zero() {
-            return Err(ConfigError::zero_duration("gate.timeout"));
-        }
-        if self.probe_interval.is_zero() {
-            return Err(ConfigError::zero_duration("gate.probe_interval"));
-        }
-        if self.batch_size == 0 {
-            return Err(ConfigError::zero("gate.batch_size"));
-        }
-        let labels = Labels::new(self.name.as_deref());
-        let leases = match (self.lease > 1, &self.limit) {
-            (false, _) => None,
-            (true, Limit::TokenBucket(quota)) => {
-                if self.lease_ttl.is_zero() {
-                    return Err(ConfigError::zero_duration("gate.lease_ttl"));
-                }
-                if self.lease_keys == 0 {
-                    return Err(ConfigError::zero("gate.lease_keys"));
-                }
-                Some(Arc::new(Leases::new(
-                    self.lease,
-                    self.lease_ttl,
-                    quota.rate(),
-                    self.lease_keys,
-                    labels.counter(names::LEASE_UNSPENT, &[]),
-                )))
-            }
-            (true, _) => {
-                return Err(ConfigError::new(
-                    "gate.lease",
-                    ConfigErrorKind::Inconsistent,
-                    "token leases need a token bucket limit",
-                ));
-            }
-        };
-        let all_script = redis::Script::new(scripts::TOKEN_BUCKET_ALL);
-        let lease_script = redis::Script::new(scripts::TOKEN_BUCKET_LEASE);
-        // Every script the gate may call: a first call that met NOSCRIPT would read as Redis
-        // having lost its state, and forget the rejections cached and the leases taken.
-        let mut conn = self.conn.clone();
-        let load = async {
-            let lease = leases.as_ref().map(|_| &lease_script);
-            for script in [Some(&eval.script), Some(&all_script), lease]
-                .into_iter()
-                .flatten()
-            {
-                if script.load_async(&mut conn).await.is_err() {
-                    break;
-                }
-            }
-        };
-        let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
-        let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
-        let outcomes = Arc::new(Outcomes {
-            allowed: decisions("allowed"),
-            rejected: decisions("rejected"),
-            abandoned: decisions("abandoned"),
-            cache: RejectCache::new(self.reject_cache, self.limit),
-            prefix: self.prefix.len(),
-        });
-        // Redis may have lost its keys (restarted empty, failed over: back after a failure,
-        // or without its scripts): the rejections cached before would refuse what it admits,
-        // and tokens leased before would pass on top of the buckets it holds full again.
-        let forget = Arc::clone(&outcomes);
-        let forget_leases = leases.clone();
-        let backend = Arc::new(
-            Backend::new(
-                self.conn,
-                self.timeout,
-                self.probe_interval,
-                self.name.clone(),
-                self.policy.as_str(),
-                &labels,
-            )
-            .on_reset(move || {
-                forget.cache.clear();
-                if let Some(leases) = &forget_leases {
-                    leases.clear();
-                }
-            }),
-        );
-        let batcher = (self.batch_size > 1).then(|| {
-            let driver = Driver {
-                calls: Default::default(),
-                backend: backend.clone(),
-                eval: eval.clone(),
-                max_batch: self.batch_size,
-                batch_size: labels.histogram(names::BATCH_SIZE, &[]),
-                outcomes: Arc::clone(&outcomes),
-                cluster,
-            };
-            Batcher::start(driver, labels.counter(names::DRIVER_RESTARTS, &[]))
-        });
-        Ok(RedisGate {
-            inner: Arc::new(Inner {
-                backend,
-                batcher,
-                eval,
-                all_script,
-                cluster,
-                leases,
-                lease_script,
-                prefix: self.prefix,
-                policy: self.policy,
-                metrics: Metrics {
-                    cached: decisions("cached"),
-                    outcomes,
-                    by_policy: decisions("policy"),
-                    unreadable: decisions("unreadable_key"),
-                },
-                name: self.name,
-            }),
-        })
-    }
-}
-
-/// What a request gets without Redis.
-enum Local {
-    /// Its answer: a malformed request, a leased token, a cached rejection.
-    Answer(Result<Decision, GateError>),
-    /// Only Redis can decide it. `silent`: the gate has heard nothing from Redis for a
-    /// probe interval (it may have lost its keys unseen), so Redis is asked before any
-    /// leased token or cached rejection is used; they answer if Redis cannot.
-    Ask { silent: bool },
-}
-
-/// What a request finds held here.
-enum Held {
-    /// A leased token, spent.
-    Leased(Decision),
-    /// A cached rejection.
-    Cached(Decision),
-}
-
-/// Whether `C` is redis-rs's async Cluster connection, whose calls must each stay within one
-/// hash slot.
-fn is_cluster_connection<C: 'static>() -> bool {
-    std::any::TypeId::of::<C>() == std::any::TypeId::of::<redis::cluster_async::ClusterConnection>()
-}
-
 impl<C> RedisGate<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// A builder for a gate enforcing `limit` per key through `conn`.
     pub fn builder(conn: C, limit: Limit) -> RedisGateBuilder<C> {
-        RedisGateBuilder {
-            conn,
-            limit,
-            batch_size: 128,
-            reject_cache: 10_000,
-            cluster: false,
-            lease: 0,
-            lease_ttl: Duration::from_secs(1),
-            lease_keys: 10_000,
-            prefix: "flowgate:".into(),
-            timeout: Duration::from_millis(50),
-            policy: FailurePolicy::Error,
-            probe_interval: Duration::from_secs(1),
-            name: None,
-        }
+        RedisGateBuilder::new(conn, limit)
     }
 
     /// The `name` label of this gate's metrics, if it was given one.
@@ -673,71 +313,6 @@ where
         }
     }
 
-    /// A leased token (spent) or else a cached rejection for `cost` on `key` at `now`, not
-    /// counted yet (see [`answer_held`](Self::answer_held)).
-    fn held(&self, key: &str, cost: u32, now: Instant) -> Option<Held> {
-        let inner = &*self.inner;
-        // Tokens leased here are already paid for: spend them before any cached rejection
-        // (taken by a concurrent call) can refuse the request.
-        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
-            return Some(Held::Leased(decision));
-        }
-        let decision = inner
-            .metrics
-            .outcomes
-            .cache
-            .check(key, cost, now, SystemTime::now)?;
-        Some(Held::Cached(decision))
-    }
-
-    /// What `held` found, counted: the request's decision.
-    fn answer_held(&self, held: Held) -> Decision {
-        let metrics = &self.inner.metrics;
-        match held {
-            Held::Leased(decision) => {
-                metrics.outcomes.allowed.increment(1);
-                decision
-            }
-            Held::Cached(decision) => {
-                metrics.cached.increment(1);
-                decision
-            }
-        }
-    }
-
-    /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
-    /// leased token, a cached rejection. [`Local::Ask`]: only Redis can decide.
-    fn check_local_at(&self, key: &str, cost: u32, now: Instant) -> Local {
-        if let Err(e) = check_key(key) {
-            return Local::Answer(Err(e));
-        }
-        if let Err(e) = self.inner.eval.limit.check_cost(cost) {
-            return Local::Answer(Err(e.into()));
-        }
-        let backend = &self.inner.backend;
-        // Redis may have lost its keys (restarted empty) with no call of this gate to see
-        // it, when all its traffic is answered here (leased tokens, cached rejections):
-        // once it has heard nothing from Redis for a probe interval (or a probe is due),
-        // the request goes there first. (A cached rejection is looked up first: most
-        // requests have none, and need not read the gate's health.)
-        if self.inner.leases.is_some() && backend.silent(now) {
-            return Local::Ask { silent: true };
-        }
-        match self.held(key, cost, now) {
-            None => Local::Ask { silent: false },
-            Some(Held::Cached(_)) if backend.silent(now) => Local::Ask { silent: true },
-            Some(held) => Local::Answer(Ok(self.answer_held(held))),
-        }
-    }
-
-    /// [`Outcomes::decided`]: counted, a rejection cached.
-    fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
-        self.inner
-            .metrics
-            .outcomes
-            .decided(key, cost, sent, decision);
-    }
-
     /// One decision in a script call of its own, bounded by what is left of the timeout, and
     /// [`decided`](RedisGate::decided) when Redis answers, even if the caller has given up by
     /// then (the call is then finished on the runtime). `claim`: the batcher's count of calls
@@ -805,92 +380,6 @@ where
             self.decided(key, cost, started, decision);
         }
         reply
-    }
-
-    /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
-    /// With the lease map full, decide `cost` alone instead.
-    async fn decide_lease(
-        &self,
-        key: &str,
-        cost: u32,
-        started: Instant,
-    ) -> Result<Decision, CallError> {
-        match self.call_lease(key, cost, started).await {
-            Some(reply) => reply,
-            None => self.decide(key, cost, started).await,
-        }
-    }
-
-    /// The lease call of [`decide_lease`](RedisGate::decide_lease), in a script call of its
-    /// own, finished (the lease kept, the decision counted) even if the caller gives up
-    /// meanwhile. `None`, before anything is sent, when it takes no lease: the map is full.
-    fn call_lease(
-        &self,
-        key: &str,
-        cost: u32,
-        started: Instant,
-    ) -> Finish<impl Future<Output = Option<Result<Decision, CallError>>> + Send + use<C>> {
-        let gate = self.clone();
-        let redis_key = self.redis_key(key);
-        Finish::new(async move {
-            let inner = &*gate.inner;
-            let leases = inner.leases.as_ref()?;
-            // Leases are only built for token buckets.
-            let (Limit::TokenBucket(quota), Some(place)) =
-                (inner.eval.limit, leases.place(started))
-            else {
-                return None;
-            };
-            let unread = inner.metrics.outcomes.unread(1);
-            let reply = gate
-                .lease(leases, place, quota, &redis_key, cost, started)
-                .await;
-            unread.read();
-            if let Ok(decision) = &reply {
-                gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
-            }
-            Some(reply)
-        })
-    }
-
-    /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`.
-    async fn lease(
-        &self,
-        leases: &Leases,
-        place: Place<'_>,
-        quota: Quota,
-        redis_key: &str,
-        cost: u32,
-        started: Instant,
-    ) -> Result<Decision, CallError> {
-        let inner = &*self.inner;
-        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
-        cmd.arg(redis_key);
-        inner.eval.add_args(&mut cmd, [cost]);
-        cmd.arg(leases.size.max(cost));
-        let within = inner.backend.timeout().saturating_sub(started.elapsed());
-        let r = inner
-            .backend
-            .eval(&inner.lease_script, &cmd, 5, within)
-            .await?;
-        if let Some(e) = key_failure(r[0]) {
-            return Err(CallError::Request(e));
-        }
-        let granted = u32::try_from(r[0]).unwrap_or(0);
-        if granted < cost {
-            return Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]));
-        }
-        let limit = u64::from(quota.burst_size());
-        let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
-        let key = &redis_key[inner.prefix.len()..];
-        leases.keep(place, key, granted - cost, limit, reset_after);
-        Ok(decision_from(&[
-            1,
-            r[1],
-            r[2] + i64::from(granted - cost),
-            0,
-            r[4],
-        ]))
     }
 
     /// Keys held by the local rejection cache.

@@ -1,0 +1,194 @@
+//! What a `RedisGate` answers without Redis (leased tokens, cached rejections), and the
+//! lease path that fills its leases.
+
+// Real time, not tokio's (pausable) clock: the cache, leases and probes follow Redis, whose
+// clock never pauses.
+use std::time::{Duration, Instant, SystemTime};
+
+use redis::aio::ConnectionLike;
+
+use crate::decision::Decision;
+use crate::gate::backend::{CallError, key_failure};
+use crate::gate::error::{GateError, check_key};
+use crate::gate::finish::Finish;
+use crate::gate::lease::{Leases, Place};
+use crate::gate::limit::Limit;
+use crate::gate::scripts;
+use crate::gate::scripts::decision_from;
+use crate::rate::Quota;
+
+use super::RedisGate;
+
+/// What a request gets without Redis.
+pub(super) enum Local {
+    /// Its answer: a malformed request, a leased token, a cached rejection.
+    Answer(Result<Decision, GateError>),
+    /// Only Redis can decide it. `silent`: the gate has heard nothing from Redis for a
+    /// probe interval (it may have lost its keys unseen), so Redis is asked before any
+    /// leased token or cached rejection is used; they answer if Redis cannot.
+    Ask { silent: bool },
+}
+
+/// What a request finds held here.
+pub(super) enum Held {
+    /// A leased token, spent.
+    Leased(Decision),
+    /// A cached rejection.
+    Cached(Decision),
+}
+
+impl<C> RedisGate<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A leased token (spent) or else a cached rejection for `cost` on `key` at `now`, not
+    /// counted yet (see [`answer_held`](Self::answer_held)).
+    pub(super) fn held(&self, key: &str, cost: u32, now: Instant) -> Option<Held> {
+        let inner = &*self.inner;
+        // Tokens leased here are already paid for: spend them before any cached rejection
+        // (taken by a concurrent call) can refuse the request.
+        if let Some(decision) = inner.leases.as_ref().and_then(|l| l.spend(key, cost, now)) {
+            return Some(Held::Leased(decision));
+        }
+        let decision = inner
+            .metrics
+            .outcomes
+            .cache
+            .check(key, cost, now, SystemTime::now)?;
+        Some(Held::Cached(decision))
+    }
+
+    /// What `held` found, counted: the request's decision.
+    pub(super) fn answer_held(&self, held: Held) -> Decision {
+        let metrics = &self.inner.metrics;
+        match held {
+            Held::Leased(decision) => {
+                metrics.outcomes.allowed.increment(1);
+                decision
+            }
+            Held::Cached(decision) => {
+                metrics.cached.increment(1);
+                decision
+            }
+        }
+    }
+
+    /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
+    /// leased token, a cached rejection. [`Local::Ask`]: only Redis can decide.
+    pub(super) fn check_local_at(&self, key: &str, cost: u32, now: Instant) -> Local {
+        if let Err(e) = check_key(key) {
+            return Local::Answer(Err(e));
+        }
+        if let Err(e) = self.inner.eval.limit.check_cost(cost) {
+            return Local::Answer(Err(e.into()));
+        }
+        let backend = &self.inner.backend;
+        // Redis may have lost its keys (restarted empty) with no call of this gate to see
+        // it, when all its traffic is answered here (leased tokens, cached rejections):
+        // once it has heard nothing from Redis for a probe interval (or a probe is due),
+        // the request goes there first. (A cached rejection is looked up first: most
+        // requests have none, and need not read the gate's health.)
+        if self.inner.leases.is_some() && backend.silent(now) {
+            return Local::Ask { silent: true };
+        }
+        match self.held(key, cost, now) {
+            None => Local::Ask { silent: false },
+            Some(Held::Cached(_)) if backend.silent(now) => Local::Ask { silent: true },
+            Some(held) => Local::Answer(Ok(self.answer_held(held))),
+        }
+    }
+
+    /// [`Outcomes::decided`](crate::gate::batch::Outcomes::decided): counted, a rejection cached.
+    pub(super) fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+        self.inner
+            .metrics
+            .outcomes
+            .decided(key, cost, sent, decision);
+    }
+
+    /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
+    /// With the lease map full, decide `cost` alone instead.
+    pub(super) async fn decide_lease(
+        &self,
+        key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Result<Decision, CallError> {
+        match self.call_lease(key, cost, started).await {
+            Some(reply) => reply,
+            None => self.decide(key, cost, started).await,
+        }
+    }
+
+    /// The lease call of [`decide_lease`](RedisGate::decide_lease), in a script call of its
+    /// own, finished (the lease kept, the decision counted) even if the caller gives up
+    /// meanwhile. `None`, before anything is sent, when it takes no lease: the map is full.
+    fn call_lease(
+        &self,
+        key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Finish<impl Future<Output = Option<Result<Decision, CallError>>> + Send + use<C>> {
+        let gate = self.clone();
+        let redis_key = self.redis_key(key);
+        Finish::new(async move {
+            let inner = &*gate.inner;
+            let leases = inner.leases.as_ref()?;
+            // Leases are only built for token buckets.
+            let (Limit::TokenBucket(quota), Some(place)) =
+                (inner.eval.limit, leases.place(started))
+            else {
+                return None;
+            };
+            let unread = inner.metrics.outcomes.unread(1);
+            let reply = gate
+                .lease(leases, place, quota, &redis_key, cost, started)
+                .await;
+            unread.read();
+            if let Ok(decision) = &reply {
+                gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
+            }
+            Some(reply)
+        })
+    }
+
+    /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`.
+    async fn lease(
+        &self,
+        leases: &Leases,
+        place: Place<'_>,
+        quota: Quota,
+        redis_key: &str,
+        cost: u32,
+        started: Instant,
+    ) -> Result<Decision, CallError> {
+        let inner = &*self.inner;
+        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
+        cmd.arg(redis_key);
+        inner.eval.add_args(&mut cmd, [cost]);
+        cmd.arg(leases.size.max(cost));
+        let within = inner.backend.timeout().saturating_sub(started.elapsed());
+        let r = inner
+            .backend
+            .eval(&inner.lease_script, &cmd, 5, within)
+            .await?;
+        if let Some(e) = key_failure(r[0]) {
+            return Err(CallError::Request(e));
+        }
+        let granted = u32::try_from(r[0]).unwrap_or(0);
+        if granted < cost {
+            return Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]));
+        }
+        let limit = u64::from(quota.burst_size());
+        let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
+        let key = &redis_key[inner.prefix.len()..];
+        leases.keep(place, key, granted - cost, limit, reset_after);
+        Ok(decision_from(&[
+            1,
+            r[1],
+            r[2] + i64::from(granted - cost),
+            0,
+            r[4],
+        ]))
+    }
+}

@@ -474,7 +474,8 @@ fn the_background_task_ends_with_the_last_handle_and_a_source_drops_outside_any_
             let metrics = metrics.clone();
             async move {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-                while metrics.num_alive_tasks() != n && tokio::time::Instant::now() < deadline {
+                // At most `n`: a task alive before (a connection's driver) may end meanwhile.
+                while metrics.num_alive_tasks() > n && tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 metrics.num_alive_tasks()
@@ -491,7 +492,11 @@ fn the_background_task_ends_with_the_last_handle_and_a_source_drops_outside_any_
                 }
             }
             // The source's connection task and its background task, until both end.
-            assert_eq!(alive_until(before).await, before, "acked: {acked}");
+            let alive = alive_until(before).await;
+            assert!(
+                alive <= before,
+                "acked: {acked}: {alive} tasks alive, {before} before"
+            );
         }
         assert_eq!(
             pending(&mut con).await,

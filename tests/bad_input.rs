@@ -7,7 +7,6 @@
 //! without a bound. Each property calls a constructor, setter or entry point with arbitrary
 //! values and checks that it either answers sanely or refuses with the documented error.
 
-use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use flowgate::adaptive::{

@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// The largest `max_in_flight` a bulkhead takes, as its docs say: 2³¹ − 1.
+const MAX_IN_FLIGHT: usize = (1 << 31) - 1;
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -40,14 +43,29 @@ proptest! {
             if let Some(t) = timeout {
                 builder = builder.wait_timeout(t);
             }
+            // What `build` documents it refuses: each refusal names the field at fault, and
+            // anything else builds, with the bounds as given.
+            let max_ok = (1..=MAX_IN_FLIGHT).contains(&max_in_flight);
             let bulkhead = match builder.build() {
                 Ok(b) => b,
                 Err(e) => {
                     sane_config_error(&e);
+                    match e.field() {
+                        "bulkhead.max_in_flight" => assert!(!max_ok, "{e}"),
+                        "bulkhead.wait_timeout" => {
+                            assert!(max_ok && timeout == Some(Duration::ZERO), "{e}")
+                        }
+                        "bulkhead.critical_reserve" => {
+                            assert!(max_ok && reserve >= max_in_flight, "{e}")
+                        }
+                        other => panic!("refused on {other}: {e}"),
+                    }
                     return;
                 }
             };
-            assert!(bulkhead.max_in_flight() >= 1);
+            assert!(max_ok && timeout != Some(Duration::ZERO) && reserve < max_in_flight);
+            assert_eq!(bulkhead.max_in_flight(), max_in_flight);
+            assert_eq!(bulkhead.max_waiting(), max_waiting);
             let held: Vec<_> = (0..3).filter_map(|_| bulkhead.try_acquire().ok()).collect();
             assert!(held.len() <= bulkhead.max_in_flight());
             // A wait of any length is a timer, not an overflow.
@@ -60,8 +78,17 @@ proptest! {
                 ), "{e:?}");
             }
             drop(waited);
-            if let Err(e) = bulkhead.set_max_in_flight(resize) {
-                sane_config_error(&e);
+            match bulkhead.set_max_in_flight(resize) {
+                Ok(()) => assert_eq!(bulkhead.max_in_flight(), resize),
+                Err(e) => {
+                    sane_config_error(&e);
+                    if (1..=MAX_IN_FLIGHT).contains(&resize) {
+                        assert_eq!(e.field(), "bulkhead.critical_reserve", "{e}");
+                        assert!(reserve >= resize, "{e}");
+                    } else {
+                        assert_eq!(e.field(), "bulkhead.max_in_flight", "{e}");
+                    }
+                }
             }
             drop(held);
             assert!(bulkhead.in_flight() <= bulkhead.max_in_flight());
@@ -140,7 +167,6 @@ proptest! {
                 prop_assert!(min > max);
             }
         }
-        let _ = NonZeroUsize::new(1);
     }
 }
 

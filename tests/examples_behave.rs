@@ -84,13 +84,13 @@ fn knee_refuses_an_unwritable_out_before_it_measures() {
 #[test]
 fn knee_writes_its_plot_where_it_says_wherever_it_runs_from() {
     let cwd = support::TempDir::new("knee-cwd");
-    let out = example("knee")
-        .current_dir(cwd.path())
-        .output()
-        .expect("knee runs");
+    let mut knee = example("knee");
+    // A plot left by an earlier run would show none written by this one.
+    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/knee.svg");
+    let _ = std::fs::remove_file(&default);
+    let out = knee.current_dir(cwd.path()).output().expect("knee runs");
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/knee.svg");
     let said = format!("plot written to {}", default.display());
     assert!(stdout.contains(&said), "expected {said:?} in:\n{stdout}");
     assert!(default.is_file());

@@ -26,6 +26,8 @@
 
 #[path = "../tests/support/knee_http.rs"]
 mod knee_http;
+#[path = "support/plot_file.rs"]
+mod plot_file;
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -84,7 +86,7 @@ fn main() {
 
 fn run() -> Result<(), Box<dyn Error>> {
     let args = args()?;
-    let out = writable(&args.out)?;
+    let out = plot_file::writable(&args.out, "--out")?;
     println!("the plot goes to {}", out.display());
     let config = KneeConfig::builder().build()?;
     let (report, what) = match &args.url {
@@ -163,29 +165,6 @@ fn run() -> Result<(), Box<dyn Error>> {
     plot(&report, &what, &out).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     println!("plot written to {}", out.display());
     Ok(())
-}
-
-/// `path` made absolute, once a file could be opened there for writing (its directory
-/// created, an existing file left as it is): a bad path is an error now, not after the run.
-fn writable(path: &Path) -> Result<PathBuf, String> {
-    let path = std::path::absolute(path).map_err(|e| format!("--out {path:?}: {e}"))?;
-    let cannot = |e: std::io::Error| {
-        let path = path.display();
-        format!("cannot write the plot to {path}: {e} (give another with --out FILE.svg)")
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(cannot)?;
-    }
-    let existed = path.exists();
-    let file = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(&path);
-    file.map_err(cannot)?;
-    if !existed {
-        let _ = std::fs::remove_file(&path);
-    }
-    Ok(path)
 }
 
 async fn search<T: KneeTarget + ?Sized>(

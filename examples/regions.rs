@@ -28,6 +28,8 @@
 
 #[path = "../tests/support/delay_proxy.rs"]
 mod delay_proxy;
+#[path = "support/plot_file.rs"]
+mod plot_file;
 
 use std::error::Error;
 use std::net::{SocketAddr, TcpListener};
@@ -115,7 +117,7 @@ fn parse_args() -> Result<Args, String> {
                 };
             }
             // A plot that cannot be written is said now, not after the whole run.
-            "--svg" => args.svg = Some(writable(Path::new(&value()?))?),
+            "--svg" => args.svg = Some(plot_file::writable(Path::new(&value()?), "--svg")?),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -154,26 +156,6 @@ async fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// `path` made absolute, once a file could be opened there for writing (its directory
-/// created, an existing file left as it is).
-fn writable(path: &Path) -> Result<PathBuf, String> {
-    let path = std::path::absolute(path).map_err(|e| format!("--svg {path:?}: {e}"))?;
-    let cannot = |e: std::io::Error| format!("--svg: cannot write {}: {e}", path.display());
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(cannot)?;
-    }
-    let existed = path.exists();
-    let file = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(&path);
-    file.map_err(cannot)?;
-    if !existed {
-        let _ = std::fs::remove_file(&path);
-    }
-    Ok(path)
 }
 
 /// A private `redis-server`, killed when dropped.

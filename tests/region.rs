@@ -7,6 +7,8 @@ mod support;
 
 #[path = "region/config.rs"]
 mod config;
+#[path = "region/deploy.rs"]
+mod deploy;
 #[path = "region/e2e.rs"]
 mod e2e;
 #[path = "region/fleet.rs"]

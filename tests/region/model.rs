@@ -538,3 +538,68 @@ fn a_live_lease_is_counted_after_a_shorter_one_expired() {
     let b = home.refresh(&long, 210, 1, &hungry(0, 0));
     assert_eq!(b.share, 0, "g1 ({}) is still live", g1.share);
 }
+
+/// Three regions (`r0`, `r1`, `r2`) as a process that lists all of them calls the home, and
+/// the first two as one that lists only those (a process not yet deployed with `r2` added,
+/// or already deployed with it removed).
+fn listing_two() -> (Config, Config) {
+    let all = equal_regions();
+    let two = Config {
+        regions: all.regions[..2].to_vec(),
+        ..all.clone()
+    };
+    (all, two)
+}
+
+/// Found in review ("the held sum counts only the listed regions"): a process that does
+/// not list a region holding a lease (a rolling deploy that adds or removes it) gave that
+/// lease's share to its own region too, and the regions admitted at twice the capacity.
+#[test]
+fn a_lease_of_a_region_the_caller_does_not_list_is_counted() {
+    let server = RedisServer::start();
+    let mut con = server.client().get_connection().expect("connect");
+    let (all, two) = listing_two();
+    assert_eq!(
+        lua_call(&mut con, &all, "init", 1, 0, &Report::default()),
+        vec![1]
+    );
+    let g2 = lua_call(&mut con, &all, "refresh", 10, 2, &hungry(0, 0));
+    assert_eq!(g2[1], CAPACITY as i64, "r2 gets the whole capacity");
+    let g0 = lua_call(&mut con, &two, "refresh", 20, 0, &hungry(0, 0));
+    assert_eq!(g0[1], 0, "r2's lease ({} µs left) holds it all", g2[2] - 10);
+    // Once r2's lease has ended, r0 gets the capacity.
+    let g0 = lua_call(
+        &mut con,
+        &two,
+        "refresh",
+        10 + TTL,
+        0,
+        &hungry(g0[0] as u64, 0),
+    );
+    assert_eq!(g0[1], CAPACITY as i64);
+}
+
+/// Found in review: the home's hash kept a record for every region name ever used (renamed,
+/// removed), read by no one, for as long as the allocator is in use. A region no process
+/// lists any more is forgotten once its leases have ended and its demand is stale.
+#[test]
+fn the_home_forgets_a_region_no_one_lists_once_its_leases_ended() {
+    let server = RedisServer::start();
+    let mut con = server.client().get_connection().expect("connect");
+    let (all, two) = listing_two();
+    let _ = lua_call(&mut con, &all, "init", 1, 0, &Report::default());
+    let _ = lua_call(&mut con, &all, "refresh", 10, 2, &hungry(0, 0));
+    let fields = |con: &mut redis::Connection| -> Vec<String> {
+        let mut f: Vec<String> = redis::cmd("HKEYS").arg("{model}:home").query(con).unwrap();
+        f.sort();
+        f
+    };
+    // Before its lease ends, it is kept (and counted).
+    let _ = lua_call(&mut con, &two, "refresh", 9 + TTL, 0, &hungry(0, 0));
+    assert_eq!(fields(&mut con), ["meta", "r:r0", "r:r2"]);
+    let _ = lua_call(&mut con, &two, "refresh", 10 + TTL, 1, &hungry(0, 0));
+    assert_eq!(fields(&mut con), ["meta", "r:r0", "r:r1"]);
+    // The records of the regions the caller lists stay, stale or not (its list bounds them).
+    let _ = lua_call(&mut con, &all, "refresh", 20 + 3 * TTL, 0, &hungry(0, 0));
+    assert_eq!(fields(&mut con), ["meta", "r:r0", "r:r1"]);
+}

@@ -6,7 +6,9 @@
 -- KEYS[1]   the hash: field 'meta' = <learn_until_us, last_seq> and one field per region,
 --           'r:<name>' = <prev_seq, prev_share, prev_until, last_seq, last_share, last_until,
 --           demand, seen_us>, packed little-endian doubles (every value an integer < 2^53);
---           a seq of 0 means no grant
+--           a seq of 0 means no grant. The live grants of regions the caller does not list
+--           count as held too; their records are dropped once they hold none and their
+--           demand is stale
 -- ARGV[1]   mode: 'refresh', 'ack', 'init' or 'status'
 -- ARGV[2]   now in us, for the model tests only; empty in production: Redis TIME is used
 -- ARGV[3]   the index of the calling region (1-based; any for 'init' and 'status')
@@ -49,6 +51,7 @@ local function keep()
   redis.call('PEXPIRE', home, math.max(7 * 24 * 3600 * 1000, math.floor(4 * ttl / 1000)))
 end
 
+local unreadable = 'ERR region home state is unreadable: delete ' .. home
 local meta = redis.call('HGET', home, 'meta')
 local learn_until, last_seq
 if not meta and mode == 'status' then
@@ -65,7 +68,7 @@ if meta then
   local _
   _, learn_until, last_seq = pcall(struct.unpack, '<dd', meta)
   if type(learn_until) ~= 'number' or type(last_seq) ~= 'number' then
-    return redis.error_reply('ERR region home state is unreadable: delete ' .. home)
+    return redis.error_reply(unreadable)
   end
 else
   -- No state: a first start or a restart that lost it. Unless told this is a first start,
@@ -83,15 +86,13 @@ if mode == 'init' then
 end
 local learning = now < learn_until
 
--- Every region's record, with expired grants forgotten.
-local raw = redis.call('HMGET', home, unpack(names))
-local rs = {}
-for j = 1, k do
+-- A region's record (nil: none yet) with expired grants forgotten; nil if unreadable.
+local function read_region(raw)
   local r = {ps = 0, pn = 0, pu = 0, ls = 0, ln = 0, lu = 0, demand = 0, seen = 0}
-  if raw[j] then
-    local ok, a, b, c, d, e, f, g, h = pcall(struct.unpack, '<dddddddd', raw[j])
+  if raw then
+    local ok, a, b, c, d, e, f, g, h = pcall(struct.unpack, '<dddddddd', raw)
     if not ok or type(h) ~= 'number' then
-      return redis.error_reply('ERR region home state is unreadable: delete ' .. home)
+      return nil
     end
     r = {ps = a, pn = b, pu = c, ls = d, ln = e, lu = f, demand = g, seen = h}
   end
@@ -101,7 +102,49 @@ for j = 1, k do
   if r.ls > 0 and r.lu <= now then
     r.ls, r.ln, r.lu = 0, 0, 0
   end
-  rs[j] = r
+  return r
+end
+
+-- Every region's record: the caller's list, and the regions in the hash it does not list
+-- (a deploy that adds or removes a region runs processes with both lists). Their live
+-- grants count as held (`unlisted`): granting them to the listed regions would break the
+-- bound. One the caller does not list whose grants have ended and whose demand is stale
+-- is forgotten, so the hash keeps only the regions in use. (Only the listed ones' safe
+-- shares are known: see the module docs on adding and removing a region.)
+local listed = {}
+for j = 1, k do
+  listed[names[j]] = j
+end
+local all = redis.call('HGETALL', home)
+local raw, unlisted, forget = {}, 0, {}
+for n = 1, #all, 2 do
+  local field = all[n]
+  local j = listed[field]
+  if j then
+    raw[j] = all[n + 1]
+  elseif string.sub(field, 1, 2) == 'r:' then
+    local r = read_region(all[n + 1])
+    if not r then
+      return redis.error_reply(unreadable)
+    end
+    if r.ps == 0 and r.ls == 0 and not (now < r.seen + stale) then
+      forget[#forget + 1] = field
+    else
+      unlisted = unlisted + math.max(r.pn, r.ln)
+    end
+  end
+end
+local rs = {}
+for j = 1, k do
+  rs[j] = read_region(raw[j])
+  if not rs[j] then
+    return redis.error_reply(unreadable)
+  end
+end
+if mode ~= 'status' then
+  for _, field in ipairs(forget) do
+    redis.call('HDEL', home, field)
+  end
 end
 
 local function held(j)
@@ -211,7 +254,7 @@ else
   end
 end
 
-local others = 0
+local others = unlisted
 for j = 1, k do
   if j ~= i then
     others = others + held(j)

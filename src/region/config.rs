@@ -306,7 +306,8 @@ where
     }
 
     /// Add a region: `("us", 50)` or a [`RegionSpec`]. Every process must list the same
-    /// regions in the same order.
+    /// regions in the same order (to add or remove one, see the
+    /// [module docs](crate::region)).
     pub fn region(mut self, region: impl Into<RegionSpec>) -> Self {
         self.regions.push(region.into());
         self

@@ -99,19 +99,24 @@
 //! - **Clocks**: Redis `TIME` must not step (keep NTP slewing, not stepping): a home clock
 //!   that jumps forward forgets leases early, a local clock that jumps back keeps them
 //!   late. Rate drift is covered by a margin of 1 % of the lease.
-//! - **One configuration**: every process lists the same regions, capacity, safe shares and
-//!   lease length. A lease length may change in a rolling deploy while the home keeps its
+//! - **One configuration**: every process lists the same regions (but while one is added
+//!   or removed, below), capacity, safe shares and lease length. A lease length may change in a rolling deploy while the home keeps its
 //!   state (the proptest runs processes on a shorter lease); a home that restarts meanwhile
 //!   learns for the lease length of the first process that calls it.
-//! - **Adding or removing a region**: the home counts the leases and safe shares of the
-//!   regions the calling process lists, and no others: a process that does not list a
-//!   region holding a lease grants that region's share to the others, and the bound breaks.
-//!   So a region changes in steps. To add one, list it in every process first (a region no
-//!   process has joined holds nothing), wait a lease length (a lease granted before may
-//!   still hold the safe share it reserves), then start its processes. To remove one, stop
-//!   its processes first, then take it off every list (a process of it still running, cut
-//!   off from the home even, admits at its safe share, which only the processes that list
-//!   the region keep reserved).
+//! - **Adding or removing a region**: the home counts the live leases of every region in
+//!   its state, whether the calling process lists it or not (a deploy runs processes with
+//!   both lists; a region no process lists is forgotten once its leases have ended and its
+//!   demand is stale), but it reserves the safe shares of the regions the calling process
+//!   lists and no others. A region with a safe share of 0 ([`SafeShare::Closed`], the
+//!   default) is therefore added or removed in one rolling deploy, provided the other
+//!   regions' safe shares stay as they are (a [`SafeShare::StaticWeight`] changes with the
+//!   total weight). A region with a safe share changes in steps, as a process that does not
+//!   list it may grant what the region admits at without a lease: to add one, list it in
+//!   every process first (a region no process has joined holds nothing), wait a lease
+//!   length (a lease granted before may still hold the safe share it reserves), then start
+//!   its processes. To remove one, stop its processes first, then take it off every list (a
+//!   process of it still running, cut off from the home even, admits at its safe share,
+//!   which only the processes that list the region keep reserved).
 //!
 //! # Shutdown
 //!

@@ -11,6 +11,11 @@
 //! a lease or learning phase that would end past the end of the clock ends at its end
 //! (`u64::MAX`), and sums of shares past `u64::MAX` saturate (the Lua script computes in
 //! doubles, which do not wrap either).
+//!
+//! The model knows the regions of one configuration. The script also counts the live
+//! grants of regions in its state that the calling process does not list (a deploy that
+//! adds or removes a region), and forgets those once their grants have ended and their
+//! demand is stale; `tests/region/model.rs` checks that against Redis.
 
 use crate::region::policy::{Allocation, want};
 

@@ -132,9 +132,52 @@ fn schedule(refreshes: &[Refresh], restarts: &[u64]) -> Vec<(u64, usize, Step)> 
     steps.into_iter().map(|(t, _, n, s)| (t, n, s)).collect()
 }
 
-/// Run the protocol; check the invariant at every step and at every lease's end.
+/// The home a simulation runs against: the model, or the Lua script in a Redis. `n` is
+/// the number of the refresh a call belongs to.
+trait HomeUnderTest {
+    fn refresh(&mut self, cfg: &Config, now: u64, n: usize, i: usize, report: &Report) -> Grant;
+    fn ack(&mut self, cfg: &Config, now: u64, n: usize, i: usize, report: &Report);
+    fn restart(&mut self);
+    /// What the home holds for all the regions of `cfg` (None: it has no state).
+    fn held(&mut self, cfg: &Config, now: u64) -> Option<u64>;
+}
+
+impl HomeUnderTest for Home {
+    fn refresh(&mut self, cfg: &Config, now: u64, _: usize, i: usize, report: &Report) -> Grant {
+        Home::refresh(self, cfg, now, i, report)
+    }
+
+    fn ack(&mut self, cfg: &Config, now: u64, _: usize, i: usize, report: &Report) {
+        Home::ack(self, cfg, now, i, report);
+    }
+
+    fn restart(&mut self) {
+        *self = Home::empty();
+    }
+
+    fn held(&mut self, cfg: &Config, _: u64) -> Option<u64> {
+        self.started.then(|| {
+            (0..cfg.regions.len())
+                .map(|j| Home::held(self, cfg, j))
+                .sum()
+        })
+    }
+}
+
+/// Run the protocol against the model; check the invariant at every step and at every
+/// lease's end.
 fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64, String> {
-    let mut home = Home::empty();
+    simulate_on(&mut Home::empty(), cfg, refreshes, restarts)
+}
+
+/// Run the protocol against `home`; check the invariant at every step and at every lease's
+/// end.
+fn simulate_on(
+    home: &mut impl HomeUnderTest,
+    cfg: &Config,
+    refreshes: &[Refresh],
+    restarts: &[u64],
+) -> Result<u64, String> {
     let mut records = [Record::default(); 3];
     // Per refresh: (t0, report, grant) as it goes.
     let mut state: Vec<(u64, Option<Report>, Option<Grant>, bool)> =
@@ -165,7 +208,7 @@ fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64
         }
         checked_until = t;
         match step {
-            Step::Restart => home = Home::empty(),
+            Step::Restart => home.restart(),
             Step::Report => {
                 let r = &refreshes[n];
                 let rec = records[r.region];
@@ -184,7 +227,7 @@ fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64
                         ..cfg.clone()
                     };
                     let cfg = if r.short_lease { &short } else { cfg };
-                    state[n].2 = Some(home.refresh(cfg, t, r.region, &report));
+                    state[n].2 = Some(home.refresh(cfg, t, n, r.region, &report));
                 }
             }
             Step::Apply => {
@@ -220,16 +263,15 @@ fn simulate(cfg: &Config, refreshes: &[Refresh], restarts: &[u64]) -> Result<u64
                         share: grant.share,
                         demand: report.demand,
                     };
-                    home.ack(cfg, t, r.region, &ack);
+                    home.ack(cfg, t, n, r.region, &ack);
                 }
             }
         }
         check(&records, t)?;
-        if home.started {
-            let held: u64 = (0..3).map(|j| home.held(cfg, j)).sum();
-            if held > cfg.rate {
-                return Err(format!("at {t} µs the home holds {held} > {}", cfg.rate));
-            }
+        if let Some(held) = home.held(cfg, t)
+            && held > cfg.rate
+        {
+            return Err(format!("at {t} µs the home holds {held} > {}", cfg.rate));
         }
     }
     Ok(granted)
@@ -602,4 +644,90 @@ fn the_home_forgets_a_region_no_one_lists_once_its_leases_ended() {
     // The records of the regions the caller lists stay, stale or not (its list bounds them).
     let _ = lua_call(&mut con, &all, "refresh", 20 + 3 * TTL, 0, &hungry(0, 0));
     assert_eq!(fields(&mut con), ["meta", "r:r0", "r:r1"]);
+}
+
+/// The Lua script as the home, called by processes of `r0` and `r1` that list all three
+/// regions or (where `lists_two` says so, per refresh) only those two.
+struct ScriptHome<'a> {
+    con: &'a mut redis::Connection,
+    lists_two: Vec<bool>,
+}
+
+impl ScriptHome<'_> {
+    /// The configuration the process making refresh `n` of region `i` has.
+    fn listing(&self, cfg: &Config, n: usize, i: usize) -> Config {
+        let mut cfg = cfg.clone();
+        if i < 2 && self.lists_two[n] {
+            cfg.regions.truncate(2);
+        }
+        cfg
+    }
+}
+
+impl HomeUnderTest for ScriptHome<'_> {
+    fn refresh(&mut self, cfg: &Config, now: u64, n: usize, i: usize, report: &Report) -> Grant {
+        let cfg = self.listing(cfg, n, i);
+        let v = lua_call(self.con, &cfg, "refresh", now, i, report);
+        Grant {
+            seq: v[0] as u64,
+            share: v[1] as u64,
+            until_us: now + v[2] as u64,
+            learning: v[3] == 1,
+        }
+    }
+
+    fn ack(&mut self, cfg: &Config, now: u64, n: usize, i: usize, report: &Report) {
+        let cfg = self.listing(cfg, n, i);
+        let _ = lua_call(self.con, &cfg, "ack", now, i, report);
+    }
+
+    fn restart(&mut self) {
+        let _: () = redis::cmd("DEL")
+            .arg("{model}:home")
+            .query(self.con)
+            .unwrap();
+    }
+
+    fn held(&mut self, cfg: &Config, now: u64) -> Option<u64> {
+        let v = lua_call(self.con, cfg, "status", now, 0, &Report::default());
+        Some((0..cfg.regions.len()).map(|j| v[2 + 6 * j] as u64).sum())
+    }
+}
+
+/// The invariant over random interleavings (as the model's proptest) with the Lua script as
+/// the home, while a deploy adds or removes `r2` (with a safe share of 0, which is what
+/// makes that one step): each refresh of `r0` or `r1` comes from a process that lists all
+/// three regions or only those two.
+#[test]
+fn the_home_script_keeps_the_bound_while_processes_list_different_regions() {
+    let server = RedisServer::start();
+    let con = std::cell::RefCell::new(server.client().get_connection().expect("connect"));
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(120));
+    let cases = (
+        config(),
+        refreshes(),
+        prop::collection::vec(0u64..12_000, 0..3),
+        prop::collection::vec(prop::bool::ANY, 160),
+    );
+    runner
+        .run(&cases, |(mut cfg, mut refreshes, restarts, lists_two)| {
+            cfg.regions[2].safe = 0;
+            if !restarts.is_empty() {
+                for r in &mut refreshes {
+                    r.short_lease = false;
+                }
+            }
+            let mut con = con.borrow_mut();
+            let _: () = redis::cmd("DEL")
+                .arg("{model}:home")
+                .query(&mut *con)
+                .unwrap();
+            let mut home = ScriptHome {
+                con: &mut con,
+                lists_two,
+            };
+            simulate_on(&mut home, &cfg, &refreshes, &restarts).map_err(TestCaseError::fail)?;
+            Ok(())
+        })
+        .unwrap();
 }

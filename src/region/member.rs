@@ -611,7 +611,7 @@ where
     fn failed(&self, error: Option<&crate::gate::GateError>) {
         let mut round = self.round();
         round.status.failures += 1;
-        round.failing += 1;
+        round.failing = round.failing.saturating_add(1);
         if error.is_some() {
             round.status.home_reachable = false;
         }

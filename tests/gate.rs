@@ -382,6 +382,22 @@ async fn manager(server: &RedisServer) -> ConnectionManager {
     server.fast_failing_manager().await
 }
 
+/// `fut`'s output if it is ready before a timer of `limit` started with it fires, polled
+/// first in the same task: both wait on this runtime's timers, so a starved machine (a
+/// descheduled test thread) delays them alike, and only a call that really waits longer
+/// than `limit` (not one that waited `limit` of the gate's timeout and then for the CPU)
+/// loses.
+async fn within<T>(limit: Duration, fut: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        out = fut => Some(out),
+        () = tokio::time::sleep(limit) => None,
+    }
+}
+
+/// The gate's timeout is 50 ms; each call must end before a 300 ms timer started with it
+/// (on the same task: see [`within`]) fires: the connection's own timeouts (200 ms, one
+/// retry) would take longer.
 #[tokio::test]
 async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
     let server = RedisServer::start();
@@ -404,19 +420,31 @@ async fn each_failure_policy_applies_within_the_timeout_when_redis_is_killed() {
                 .unwrap(),
         );
     }
+    // Each gate answered by Redis before it dies. Under load a call can outlast the 50 ms
+    // timeout (Redis round trips of 40-80 ms were seen) and the policy decides it, which is
+    // not what this test is about before the kill: again until Redis answers, on a key of
+    // its own (the fallback's `k` stays untouched).
+    let until = std::time::Instant::now() + Duration::from_secs(60);
     for g in &gates {
-        assert!(g.check("k", 1).await.unwrap().allowed);
+        loop {
+            let admitted = matches!(g.check("warm", 1).await, Ok(d) if d.allowed);
+            if admitted && !g.is_degraded() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "Redis never answered within 50 ms in 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
     server.kill();
     let mut outcomes = Vec::new();
     for g in &gates {
         let start = std::time::Instant::now();
-        let r = g.check("k", 1).await;
-        assert!(
-            start.elapsed() < Duration::from_millis(300),
-            "took {:?}",
-            start.elapsed()
-        );
+        let r = within(Duration::from_millis(300), g.check("k", 1))
+            .await
+            .unwrap_or_else(|| panic!("outlasted a 300 ms timer ({:?})", start.elapsed()));
         assert!(g.is_degraded());
         outcomes.push(r);
     }

@@ -21,7 +21,7 @@ use flowgate::limit::{
     Algorithm, FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket,
 };
 use flowgate::pace::{AdaptivePacer, Pacer};
-use flowgate::retry::{Backoff, GiveUp, Jitter, RetryBudget};
+use flowgate::retry::{Backoff, GiveUp, RetryBudget};
 use flowgate::{ConfigError, ConfigErrorKind, CostError, Decision, Overflow, Quota, Rate};
 use futures::StreamExt;
 use proptest::prelude::*;

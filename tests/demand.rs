@@ -2329,21 +2329,6 @@ async fn an_item_held_for_credit_or_room_is_counted_when_let_go_of() {
                 .unwrap()
         })
     };
-    for (name, end) in [("dropped", 0), ("into-inner", 1), ("into-parts", 2)] {
-        let (mut stream, _demand) = demanded(name);
-        assert!(poll!(stream.next()).is_pending(), "no credit");
-        assert_eq!(
-            futures::Stream::size_hint(&stream),
-            (0, Some(1)),
-            "one held"
-        );
-        match end {
-            0 => drop(stream),
-            1 => assert_eq!(stream.into_inner().0, 1),
-            _ => assert_eq!(stream.into_parts().1, Some(1), "handed back"),
-        }
-        assert_eq!(count(name), u64::from(end < 2), "with_demand, {name}");
-    }
     let paused = |name: &'static str| {
         metrics::with_local_recorder(&recorder, || {
             Watermarks::builder(WrongHint(0), levels(1, 0))
@@ -2352,24 +2337,37 @@ async fn an_item_held_for_credit_or_room_is_counted_when_let_go_of() {
                 .unwrap()
         })
     };
+    // Each way of letting go, for both: dropped, `into_inner` (counted), `into_parts` (the
+    // item handed back, not counted).
     for (name, end) in [("dropped", 0), ("into-inner", 1), ("into-parts", 2)] {
-        let mut stream = paused(name);
-        let (first, _ticket) = stream.next().await.unwrap();
+        let (mut credit, _demand) = demanded(name);
+        assert!(poll!(credit.next()).is_pending(), "no credit");
+        let mut room = paused(name);
+        let (first, _ticket) = room.next().await.unwrap();
         assert_eq!(first, 1);
-        assert!(poll!(stream.next()).is_pending(), "paused at high");
+        assert!(poll!(room.next()).is_pending(), "paused at high");
         assert_eq!(
-            futures::Stream::size_hint(&stream),
-            (1, Some(1)),
-            "one held"
+            [
+                futures::Stream::size_hint(&credit),
+                futures::Stream::size_hint(&room)
+            ],
+            [(0, Some(1)), (1, Some(1))],
+            "one held each"
         );
         match end {
-            0 => drop(stream),
-            1 => assert_eq!(stream.into_inner().0, 2),
-            _ => assert_eq!(stream.into_parts().1, Some(2), "handed back"),
+            0 => drop((credit, room)),
+            1 => assert_eq!((credit.into_inner().0, room.into_inner().0), (1, 2)),
+            _ => assert_eq!(
+                (credit.into_parts().1, room.into_parts().1),
+                (Some(1), Some(2)),
+                "handed back"
+            ),
         }
+        let counted = u64::from(end < 2);
+        assert_eq!(count(name), counted, "with_demand, {name}");
         assert_eq!(
             count(&format!("room-{name}")),
-            u64::from(end < 2),
+            counted,
             "watermarks, {name}"
         );
     }

@@ -2,15 +2,6 @@
 
 use super::*;
 
-fn any_jitter() -> impl Strategy<Value = Jitter> {
-    prop_oneof![
-        Just(Jitter::None),
-        Just(Jitter::Full),
-        Just(Jitter::Equal),
-        Just(Jitter::Decorrelated),
-    ]
-}
-
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -18,7 +9,7 @@ proptest! {
     fn backoff_takes_any_durations_and_hints(
         base in any_duration(),
         cap in any_duration(),
-        jitter in any_jitter(),
+        jitter in crate::support::jitters(),
         max_attempts in any_u32(),
         deadline in prop::option::of(any_duration()),
         max_retry_after in any_duration(),

@@ -477,15 +477,6 @@ fn public_types_are_send_sync_unpin() {
     check::<Jitter>();
 }
 
-fn jitters() -> impl Strategy<Value = Jitter> {
-    prop_oneof![
-        Just(Jitter::None),
-        Just(Jitter::Full),
-        Just(Jitter::Equal),
-        Just(Jitter::Decorrelated),
-    ]
-}
-
 proptest! {
     /// Over any parameters: every delay is within its formula's bounds, and the same seed
     /// draws the same sequence.
@@ -493,7 +484,7 @@ proptest! {
     fn delays_stay_within_their_formula(
         base_ns in 1u64..=10_000_000_000,
         cap_factor in 1u64..=1_000_000,
-        jitter in jitters(),
+        jitter in crate::support::jitters(),
         seed in any::<u64>(),
         retries in 1usize..80,
     ) {

@@ -13,6 +13,7 @@
 //!   `size_hint`; wait for the runtime's task count.
 //! - [`Logs`]: the `tracing` events of a test, with their levels, messages and fields.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
+//! - [`jitters`]: a proptest strategy over every backoff `Jitter`.
 //!
 //! Everything a helper starts is stopped when its handle is dropped, including while a
 //! test unwinds from a panic. A missing `redis-server` (or `redis-cli`, for clusters) is
@@ -64,4 +65,16 @@ pub fn queue_waiters<F: std::future::Future>(
             f
         })
         .collect()
+}
+
+/// Every backoff [`Jitter`](flowgate::retry::Jitter), for property tests.
+pub fn jitters() -> impl proptest::strategy::Strategy<Value = flowgate::retry::Jitter> {
+    use flowgate::retry::Jitter;
+    use proptest::prelude::Just;
+    proptest::prop_oneof![
+        Just(Jitter::None),
+        Just(Jitter::Full),
+        Just(Jitter::Equal),
+        Just(Jitter::Decorrelated),
+    ]
 }

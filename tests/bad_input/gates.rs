@@ -93,6 +93,15 @@ proptest! {
         )
         .unwrap();
         let n = items.len();
+        // The longest a right gate makes them wait, one after the other: each item's cost
+        // at the rate (a cost above the burst is dropped at once), a second more each for
+        // the timer. A century was too short: 3 153 600 002 at 1/s is two seconds more.
+        let longest = Duration::from_secs(
+            items
+                .iter()
+                .map(|(_, cost)| u64::from(*cost).div_ceil(u64::from(quota.rate().count())) + 1)
+                .sum(),
+        );
         let hooked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let out = paused().block_on(async {
             let gate = MemoryGate::builder(Limit::TokenBucket(quota))
@@ -111,9 +120,9 @@ proptest! {
             })
             .build()
             .unwrap();
-            tokio::time::timeout(CENTURY, gated.collect::<Vec<_>>()).await
+            tokio::time::timeout(longest, gated.collect::<Vec<_>>()).await
         });
-        let out = out.expect("every item decided within a century");
+        let out = out.expect("every item decided within the longest wait its cost allows");
         prop_assert_eq!(out.len() + hooked.load(std::sync::atomic::Ordering::Relaxed), n);
     }
 }

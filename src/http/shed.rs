@@ -722,6 +722,17 @@ mod tests {
     }
 
     #[test]
+    fn debug_shows_the_layer_once() {
+        let layer = ShedLayer::builder(bulkhead()).name("api").build().unwrap();
+        let shown = format!("{layer:?}");
+        assert!(
+            shown.starts_with("ShedLayer { name: Some(\"api\")"),
+            "{shown}"
+        );
+        assert_eq!(shown.matches("ShedLayer").count(), 1, "{shown}");
+    }
+
+    #[test]
     fn public_types_are_send_sync() {
         fn send_sync<T: Send + Sync>() {}
         send_sync::<ShedLayer>();

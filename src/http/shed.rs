@@ -318,9 +318,15 @@ impl fmt::Debug for Shared {
 /// matched routes only: an unknown path's 404 passes by it, but a known path asked with a
 /// method it does not serve (a 405) goes through it, as axum wraps a path's whole method
 /// router. The same holds for [`RateLimitLayer`](crate::http::RateLimitLayer).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ShedLayer {
     shared: Arc<Shared>,
+}
+
+impl fmt::Debug for ShedLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
 }
 
 impl ShedLayer {

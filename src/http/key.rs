@@ -41,7 +41,8 @@ impl<'a> RequestInfo<'a> {
 /// `extract` appends the key to `key` (which the layer reuses between requests, so a key
 /// costs no allocation) and returns `false` when the request has no key for this policy
 /// (no peer address, a missing header); what such a request gets is the policy's
-/// [`MissingKey`] choice.
+/// [`MissingKey`] choice. An empty key is no key: a request for which `extract` returns
+/// `true` without writing anything gets the `MissingKey` choice too.
 ///
 /// Any `Fn(&RequestInfo<'_>, &mut String) -> bool + Send + Sync + 'static` is an extractor.
 pub trait KeyExtractor: Send + Sync + 'static {
@@ -337,6 +338,10 @@ impl KeyExtractor for Header {
 }
 
 /// The same key for every request: one limit shared by all (a global limit).
+///
+/// The key should not be empty: an empty key is no key (see [`KeyExtractor`]), so
+/// `Constant::new("")` leaves every request to the policy's [`MissingKey`] choice (under
+/// [`MissingKey::Skip`], no limit at all).
 ///
 /// # Examples
 ///

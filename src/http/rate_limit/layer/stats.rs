@@ -7,7 +7,7 @@ use crate::http::rate_limit::layer::Shared;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RateLimitStats {
-    /// Admitted by every policy that applied (or by none applying).
+    /// Admitted by every policy that applied (or by none applying), or free (a cost of zero).
     pub admitted: u64,
     /// Refused with `429`.
     pub rejected: u64,

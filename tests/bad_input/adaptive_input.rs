@@ -49,47 +49,202 @@ fn drive_limit<A: AdaptiveLimit>(mut limit: A, samples: &[Sample], bound: (u32, 
     }
 }
 
-fn adaptive_error(e: &ConfigError) {
-    sane_config_error(e);
+/// The largest limit the adaptive builders take, as their docs say: 2³¹ − 1.
+const MAX_LIMIT: u32 = (1 << 31) - 1;
+
+/// `min_limit`, `max_limit` and `initial`, each given or left at its default.
+type GivenBounds = (Option<u32>, Option<u32>, Option<u32>);
+
+fn any_bounds() -> impl Strategy<Value = GivenBounds> {
+    (
+        prop::option::of(any_u32()),
+        prop::option::of(any_u32()),
+        prop::option::of(any_u32()),
+    )
+}
+
+/// `any_f64`, or three times as often one of `good` (a setting's documented range): with
+/// several float settings, `any_f64` alone would have `build` refuse nearly every config.
+fn mostly<S: Strategy<Value = f64> + 'static>(good: S) -> impl Strategy<Value = f64> {
+    prop_oneof![1 => any_f64(), 3 => good]
+}
+
+/// Gives a builder the bounds that were given, leaving the others at their defaults.
+macro_rules! with_bounds {
+    ($builder:expr, $bounds:expr) => {{
+        let (min, max, initial) = $bounds;
+        let mut builder = $builder;
+        if let Some(n) = min {
+            builder = builder.min_limit(n);
+        }
+        if let Some(n) = max {
+            builder = builder.max_limit(n);
+        }
+        if let Some(n) = initial {
+            builder = builder.initial(n);
+        }
+        builder
+    }};
+}
+
+/// What an algorithm's builder documents for the bounds given: `min_limit` 1 and
+/// `max_limit` 1000 unless given, `initial` its builder's default, and a `max_limit` left at
+/// its default rising to a `min_limit` or `initial` set above it.
+#[derive(Debug, Clone, Copy)]
+struct Documented {
+    algorithm: &'static str,
+    min: u32,
+    max: u32,
+    initial: u32,
+}
+
+impl Documented {
+    fn new(
+        algorithm: &'static str,
+        (min, max, initial): GivenBounds,
+        default_initial: u32,
+    ) -> Documented {
+        let min = min.unwrap_or(1);
+        let initial = initial.unwrap_or(default_initial);
+        let max = max.unwrap_or(1000.max(min).max(initial));
+        Documented {
+            algorithm,
+            min,
+            max,
+            initial,
+        }
+    }
+
+    /// Checks `built` against `build`'s docs, given whether they refuse each of the other
+    /// `settings` (named without the algorithm's prefix); the bounds are refused when
+    /// `min_limit` is zero or above `max_limit`, `max_limit` above 2³¹ − 1, `initial`
+    /// outside them. A refusal must name a field refused, and anything else build, start
+    /// at `initial` and bear the algorithm's name; the limit, for more checks, if built.
+    fn check<A: AdaptiveLimit>(
+        &self,
+        built: Result<A, ConfigError>,
+        settings: &[(&str, bool)],
+    ) -> Option<A> {
+        let bounds = [
+            ("min_limit", self.min == 0 || self.min > self.max),
+            ("max_limit", self.max > MAX_LIMIT),
+            ("initial", !(self.min..=self.max).contains(&self.initial)),
+        ];
+        let refused = |field: &str| {
+            bounds
+                .iter()
+                .chain(settings)
+                .find(|(name, _)| format!("{}.{name}", self.algorithm) == field)
+                .map(|&(_, refused)| refused)
+        };
+        match built {
+            Err(e) => {
+                sane_config_error(&e);
+                match refused(e.field()) {
+                    Some(refused) => assert!(refused, "refused a good {}: {e}", e.field()),
+                    None => panic!(
+                        "refused on {}, which build does not document: {e}",
+                        e.field()
+                    ),
+                }
+                None
+            }
+            Ok(limit) => {
+                let faults: Vec<_> = bounds.iter().chain(settings).filter(|(_, r)| *r).collect();
+                assert!(faults.is_empty(), "built with {faults:?} of {self:?}");
+                assert_eq!(limit.limit(), self.initial);
+                assert_eq!(limit.name(), self.algorithm);
+                Some(limit)
+            }
+        }
+    }
+
+    fn clamp(&self, limit: f64) -> f64 {
+        limit.clamp(f64::from(self.min), f64::from(self.max))
+    }
+}
+
+/// Whether `x` is at least `min`, as a setting documented as refused "below `min`" must be.
+fn at_least(x: f64, min: f64) -> bool {
+    x >= min
+}
+
+/// The first cut of a fresh limit: back-pressure, or an `Ok` call of `timeout` or longer.
+fn cut_once<A: AdaptiveLimit + Clone>(limit: &A, outcome: Outcome, rtt: Duration) -> u32 {
+    limit.clone().update(&Sample {
+        rtt,
+        in_flight: u32::MAX,
+        outcome,
+        now: rtt,
+    })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
+    #[ignore = "fault: a max_limit left at its default stops at 2³¹ − 1, where its docs say it rises to any min_limit or initial above it"]
     fn aimd_takes_any_numbers(
-        (min, max, initial) in (any_u32(), any_u32(), any_u32()),
-        ratio in any_f64(),
+        bounds in any_bounds(),
+        ratio in mostly(f64::MIN_POSITIVE..1.0),
         timeout in any_duration(),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
     ) {
-        match Aimd::builder()
-            .min_limit(min)
-            .max_limit(max)
-            .initial(initial)
+        let documented = Documented::new("aimd", bounds, 20);
+        let settings = [
+            ("backoff_ratio", !(ratio > 0.0 && ratio < 1.0)),
+            ("timeout", timeout.is_zero()),
+        ];
+        let built = with_bounds!(Aimd::builder(), bounds)
             .backoff_ratio(ratio)
             .timeout(timeout)
-            .build()
-        {
-            Ok(a) => drive_limit(a, &samples, bound),
-            Err(e) => adaptive_error(&e),
+            .build();
+        let Some(aimd) = documented.check(built, &settings) else {
+            return Ok(());
+        };
+        // The ratio and the timeout as given: a cut is × backoff_ratio, rounded down, on
+        // back-pressure or a call of `timeout`; a quicker call adds 1.
+        let initial = f64::from(documented.initial);
+        let cut = documented.clamp((initial * ratio).floor()) as u32;
+        assert_eq!(cut_once(&aimd, Outcome::BackPressure, Duration::from_millis(1)), cut);
+        assert_eq!(cut_once(&aimd, Outcome::Ok, timeout), cut);
+        if timeout <= CENTURY {
+            let quicker = timeout - Duration::from_nanos(1);
+            let grown = documented.clamp(initial + 1.0) as u32;
+            assert_eq!(cut_once(&aimd, Outcome::Ok, quicker), grown);
         }
+        drive_limit(aimd, &samples, bound);
     }
 
     #[test]
+    #[ignore = "fault: a max_limit left at its default stops at 2³¹ − 1, where its docs say it rises to any min_limit or initial above it; an infinite deviation_scale, tolerance or max_rtt_ratio is refused, which build does not document"]
     fn probe_takes_any_numbers(
-        (min, initial) in (any_u32(), any_u32()),
-        (ratio, scale, tolerance, rtt_ratio, gain) in
-            (any_f64(), any_f64(), any_f64(), any_f64(), any_f64()),
+        bounds in any_bounds(),
+        (ratio, scale, tolerance, rtt_ratio, gain) in (
+            mostly(f64::MIN_POSITIVE..1.0),
+            mostly(0.0..10.0),
+            mostly(0.0..1.0),
+            mostly(1.0..10.0),
+            mostly(0.0..1.0),
+        ),
         interval in any_u32(),
         (window, timeout) in (any_duration(), any_duration()),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
     ) {
-        match Probe::builder()
-            .min_limit(min)
-            .initial(initial)
+        let documented = Documented::new("probe", bounds, 10);
+        let settings = [
+            ("backoff_ratio", !(ratio > 0.0 && ratio < 1.0)),
+            ("deviation_scale", !at_least(scale, 0.0)),
+            ("tolerance", !at_least(tolerance, 0.0)),
+            ("max_rtt_ratio", !at_least(rtt_ratio, 1.0)),
+            ("min_gain", !(0.0..1.0).contains(&gain)),
+            ("probe_interval", interval == 0),
+            ("probe_window", window.is_zero()),
+            ("timeout", timeout.is_zero()),
+        ];
+        let built = with_bounds!(Probe::builder(), bounds)
             .backoff_ratio(ratio)
             .deviation_scale(scale)
             .tolerance(tolerance)
@@ -98,57 +253,88 @@ proptest! {
             .probe_interval(interval)
             .probe_window(window)
             .timeout(timeout)
-            .build()
-        {
-            Ok(p) => drive_limit(p, &samples, bound),
-            Err(e) => adaptive_error(&e),
-        }
+            .build();
+        let Some(probe) = documented.check(built, &settings) else {
+            return Ok(());
+        };
+        // Slow start doubles from `initial` while there is room above it.
+        assert_eq!(probe.in_slow_start(), documented.initial < documented.max);
+        // The first cut, before any doubling: × backoff_ratio, rounded down.
+        let cut = documented.clamp((f64::from(documented.initial) * ratio).floor()) as u32;
+        assert_eq!(cut_once(&probe, Outcome::BackPressure, Duration::from_millis(1)), cut);
+        assert_eq!(cut_once(&probe, Outcome::Ok, timeout), cut);
+        drive_limit(probe, &samples, bound);
     }
 
     #[test]
+    #[ignore = "fault: a max_limit left at its default stops at 2³¹ − 1, where its docs say it rises to any min_limit or initial above it; an infinite alpha or beta is refused, which build does not document"]
     fn vegas_takes_any_numbers(
-        (max, initial) in (any_u32(), any_u32()),
-        (alpha, beta, smoothing) in (any_f64(), any_f64(), any_f64()),
+        bounds in any_bounds(),
+        (alpha, beta, smoothing) in (mostly(1.0..10.0), mostly(1.0..20.0), mostly(0.0..=1.0)),
         multiplier in any_u32(),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
     ) {
-        match Vegas::builder()
-            .max_limit(max)
-            .initial(initial)
+        let documented = Documented::new("vegas", bounds, 20);
+        let settings = [
+            ("alpha", !at_least(alpha, 1.0)),
+            ("beta", !at_least(beta, alpha)),
+            ("smoothing", !(smoothing > 0.0 && smoothing <= 1.0)),
+            ("probe_multiplier", multiplier == 0),
+        ];
+        let built = with_bounds!(Vegas::builder(), bounds)
             .alpha(alpha)
             .beta(beta)
             .smoothing(smoothing)
             .probe_multiplier(multiplier)
-            .build()
-        {
-            Ok(v) => drive_limit(v, &samples, bound),
-            Err(e) => adaptive_error(&e),
-        }
+            .build();
+        let Some(vegas) = documented.check(built, &settings) else {
+            return Ok(());
+        };
+        // Back-pressure lowers the limit by max(1, log10 L), smoothed.
+        let l = f64::from(documented.initial);
+        let lowered = l - l.log10().max(1.0);
+        let cut = documented.clamp((1.0 - smoothing) * l + smoothing * lowered) as u32;
+        assert_eq!(cut_once(&vegas, Outcome::BackPressure, Duration::from_millis(1)), cut);
+        drive_limit(vegas, &samples, bound);
     }
 
     #[test]
+    #[ignore = "fault: a max_limit left at its default stops at 2³¹ − 1, where its docs say it rises to any min_limit or initial above it; an infinite tolerance is refused, which build does not document"]
     fn gradient2_takes_any_numbers(
-        (min, max) in (any_u32(), any_u32()),
-        (tolerance, smoothing) in (any_f64(), any_f64()),
+        bounds in any_bounds(),
+        (tolerance, smoothing) in (mostly(1.0..10.0), mostly(0.0..=1.0)),
         long_window in any_u32(),
         (window, timeout) in (any_duration(), any_duration()),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
     ) {
-        match Gradient2::builder()
-            .min_limit(min)
-            .max_limit(max)
+        let documented = Documented::new("gradient2", bounds, 20);
+        let settings = [
+            ("tolerance", !at_least(tolerance, 1.0)),
+            ("smoothing", !(smoothing > 0.0 && smoothing <= 1.0)),
+            ("long_window", long_window == 0),
+            ("probe_window", window.is_zero()),
+            ("timeout", timeout.is_zero()),
+        ];
+        let built = with_bounds!(Gradient2::builder(), bounds)
             .tolerance(tolerance)
             .smoothing(smoothing)
             .long_window(long_window)
             .probe_window(window)
             .timeout(timeout)
-            .build()
-        {
-            Ok(g) => drive_limit(g, &samples, bound),
-            Err(e) => adaptive_error(&e),
-        }
+            .build();
+        let Some(gradient2) = documented.check(built, &settings) else {
+            return Ok(());
+        };
+        // Back-pressure or a call of `timeout` cuts with the gradient's floor, 0.5,
+        // smoothed and rounded down.
+        let l = f64::from(documented.initial);
+        let cut = ((1.0 - smoothing) * l + smoothing * (l * 0.5)).floor();
+        let cut = documented.clamp(cut) as u32;
+        assert_eq!(cut_once(&gradient2, Outcome::BackPressure, Duration::from_millis(1)), cut);
+        assert_eq!(cut_once(&gradient2, Outcome::Ok, timeout), cut);
+        drive_limit(gradient2, &samples, bound);
     }
 
     #[test]

@@ -21,7 +21,8 @@ macro_rules! bounds_setters {
         /// The highest limit (default 1000). Left at its default, it gives way to the
         /// bound an adaptive [`Bulkhead`](crate::bulkhead::Bulkhead) sets (its share of
         /// normal work; see [`AdaptiveLimit::bound`](crate::adaptive::AdaptiveLimit::bound)),
-        /// and rises to a `min_limit` or `initial` set above it.
+        /// and rises to a `min_limit` or `initial` set above it, up to the largest limit,
+        /// 2³¹ − 1 (a `min_limit` or `initial` above that is refused on its own field).
         pub fn max_limit(mut self, n: u32) -> Self {
             self.bounds.max = n;
             self.bounds.max_given = true;

@@ -200,7 +200,7 @@ impl Gradient2Builder {
     /// # Errors
     ///
     /// [`ConfigError`] on `gradient2.min_limit`, `gradient2.max_limit`, `gradient2.initial`
-    /// (as for [`Aimd`](crate::adaptive::Aimd)), `gradient2.tolerance` (below 1),
+    /// (as for [`Aimd`](crate::adaptive::Aimd)), `gradient2.tolerance` (below 1 or not finite),
     /// `gradient2.smoothing` (outside `(0, 1]`), `gradient2.long_window` (zero),
     /// `gradient2.probe_window` or `gradient2.timeout` (zero).
     pub fn build(self) -> Result<Gradient2, ConfigError> {

@@ -555,8 +555,9 @@ impl ProbeBuilder {
     ///
     /// [`ConfigError`] on `probe.min_limit`, `probe.max_limit`, `probe.initial` (as for
     /// [`Aimd`](crate::adaptive::Aimd)), `probe.backoff_ratio` (not strictly between 0 and 1),
-    /// `probe.deviation_scale` (negative), `probe.tolerance` (negative),
-    /// `probe.max_rtt_ratio` (below 1), `probe.min_gain` (outside `[0, 1)`),
+    /// `probe.deviation_scale` (negative or not finite), `probe.tolerance` (negative or not
+    /// finite), `probe.max_rtt_ratio` (below 1 or not finite), `probe.min_gain` (outside
+    /// `[0, 1)`),
     /// `probe.probe_interval`, `probe.probe_window` or `probe.timeout` (zero).
     pub fn build(self) -> Result<Probe, ConfigError> {
         let bounds = self

@@ -190,8 +190,9 @@ impl VegasBuilder {
     /// # Errors
     ///
     /// [`ConfigError`] on `vegas.min_limit`, `vegas.max_limit`, `vegas.initial` (as for
-    /// [`Aimd`](crate::adaptive::Aimd)), `vegas.alpha` (below 1), `vegas.beta` (below
-    /// `alpha`), `vegas.smoothing` (outside `(0, 1]`), `vegas.probe_multiplier` (zero).
+    /// [`Aimd`](crate::adaptive::Aimd)), `vegas.alpha` (below 1 or not finite), `vegas.beta`
+    /// (below `alpha` or not finite), `vegas.smoothing` (outside `(0, 1]`),
+    /// `vegas.probe_multiplier` (zero).
     pub fn build(self) -> Result<Vegas, ConfigError> {
         let bounds = self
             .bounds

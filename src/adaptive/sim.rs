@@ -236,7 +236,8 @@ impl Downstream {
     }
 
     /// The model's latency, without jitter, for a call starting with `n` in flight (itself
-    /// included) under the knee in force now. Capacity and timeout do not apply.
+    /// included) under the knee in force now, at most an hour. Capacity and timeout do not
+    /// apply.
     pub fn latency(&self, n: u32) -> Duration {
         let model = &self.inner.model;
         let factor = model.factor(n.max(1), model.knee_at(self.elapsed()));
@@ -332,7 +333,8 @@ pub struct DownstreamBuilder {
 }
 
 impl DownstreamBuilder {
-    /// The latency of a lone call (default 25 ms).
+    /// The latency of a lone call (default 25 ms). The model answers no latency above an
+    /// hour: a `base` longer than that has a lone call take an hour.
     pub fn base(mut self, base: Duration) -> Self {
         self.model.base = base;
         self

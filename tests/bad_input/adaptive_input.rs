@@ -1,6 +1,8 @@
 //! The adaptive limits, the simulator and the knee config with any float, bound and
 //! sample.
 
+use std::fmt;
+
 use super::*;
 
 fn any_sample() -> impl Strategy<Value = Sample> {
@@ -63,10 +65,18 @@ fn any_bounds() -> impl Strategy<Value = GivenBounds> {
     )
 }
 
-/// `any_f64`, or three times as often one of `good` (a setting's documented range): with
-/// several float settings, `any_f64` alone would have `build` refuse nearly every config.
-fn mostly<S: Strategy<Value = f64> + 'static>(good: S) -> impl Strategy<Value = f64> {
-    prop_oneof![1 => any_f64(), 3 => good]
+/// A value of `any`, or three times as often one of `good` (a setting's documented range):
+/// with several settings, `any` alone would have `build` refuse nearly every config.
+fn mostly<T: fmt::Debug>(
+    any: impl Strategy<Value = T> + 'static,
+    good: impl Strategy<Value = T> + 'static,
+) -> impl Strategy<Value = T> {
+    prop_oneof![1 => any, 3 => good]
+}
+
+/// Mostly a float in `good`.
+fn mostly_f64(good: impl Strategy<Value = f64> + 'static) -> impl Strategy<Value = f64> {
+    mostly(any_f64(), good)
 }
 
 /// Gives a builder the bounds that were given, leaving the others at their defaults.
@@ -115,11 +125,11 @@ impl Documented {
         }
     }
 
-    /// Checks `built` against `build`'s docs, given whether they refuse each of the other
+    /// [`built_as_documented`], given whether `build`'s docs refuse each of the other
     /// `settings` (named without the algorithm's prefix); the bounds are refused when
     /// `min_limit` is zero or above `max_limit`, `max_limit` above 2³¹ − 1, `initial`
-    /// outside them. A refusal must name a field refused, and anything else build, start
-    /// at `initial` and bear the algorithm's name; the limit, for more checks, if built.
+    /// outside them. What was built must also start at `initial` and bear the algorithm's
+    /// name.
     fn check<A: AdaptiveLimit>(
         &self,
         built: Result<A, ConfigError>,
@@ -130,37 +140,45 @@ impl Documented {
             ("max_limit", self.max > MAX_LIMIT),
             ("initial", !(self.min..=self.max).contains(&self.initial)),
         ];
-        let refused = |field: &str| {
-            bounds
-                .iter()
-                .chain(settings)
-                .find(|(name, _)| format!("{}.{name}", self.algorithm) == field)
-                .map(|&(_, refused)| refused)
-        };
-        match built {
-            Err(e) => {
-                sane_config_error(&e);
-                match refused(e.field()) {
-                    Some(refused) => assert!(refused, "refused a good {}: {e}", e.field()),
-                    None => panic!(
-                        "refused on {}, which build does not document: {e}",
-                        e.field()
-                    ),
-                }
-                None
-            }
-            Ok(limit) => {
-                let faults: Vec<_> = bounds.iter().chain(settings).filter(|(_, r)| *r).collect();
-                assert!(faults.is_empty(), "built with {faults:?} of {self:?}");
-                assert_eq!(limit.limit(), self.initial);
-                assert_eq!(limit.name(), self.algorithm);
-                Some(limit)
-            }
-        }
+        let faults: Vec<_> = bounds
+            .iter()
+            .chain(settings)
+            .map(|&(name, refused)| (format!("{}.{name}", self.algorithm), refused))
+            .collect();
+        let limit = built_as_documented(built, &faults)?;
+        assert_eq!(limit.limit(), self.initial);
+        assert_eq!(limit.name(), self.algorithm);
+        Some(limit)
     }
 
     fn clamp(&self, limit: f64) -> f64 {
         limit.clamp(f64::from(self.min), f64::from(self.max))
+    }
+}
+
+/// Checks `built` against `build`'s docs, given each field and whether they refuse it: a
+/// refusal must name a field refused, and anything else build; what was built, if it was.
+fn built_as_documented<T, F: AsRef<str> + fmt::Debug>(
+    built: Result<T, ConfigError>,
+    faults: &[(F, bool)],
+) -> Option<T> {
+    match built {
+        Ok(built) => {
+            let faults: Vec<_> = faults.iter().filter(|(_, refused)| *refused).collect();
+            assert!(faults.is_empty(), "built with {faults:?}");
+            Some(built)
+        }
+        Err(e) => {
+            sane_config_error(&e);
+            match faults.iter().find(|(field, _)| field.as_ref() == e.field()) {
+                Some((_, refused)) => assert!(refused, "refused a good {}: {e}", e.field()),
+                None => panic!(
+                    "refused on {}, which build does not document: {e}",
+                    e.field()
+                ),
+            }
+            None
+        }
     }
 }
 
@@ -186,7 +204,7 @@ proptest! {
     #[test]
     fn aimd_takes_any_numbers(
         bounds in any_bounds(),
-        ratio in mostly(f64::MIN_POSITIVE..1.0),
+        ratio in mostly_f64(f64::MIN_POSITIVE..1.0),
         timeout in any_duration(),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
@@ -221,11 +239,11 @@ proptest! {
     fn probe_takes_any_numbers(
         bounds in any_bounds(),
         (ratio, scale, tolerance, rtt_ratio, gain) in (
-            mostly(f64::MIN_POSITIVE..1.0),
-            mostly(0.0..10.0),
-            mostly(0.0..1.0),
-            mostly(1.0..10.0),
-            mostly(0.0..1.0),
+            mostly_f64(f64::MIN_POSITIVE..1.0),
+            mostly_f64(0.0..10.0),
+            mostly_f64(0.0..1.0),
+            mostly_f64(1.0..10.0),
+            mostly_f64(0.0..1.0),
         ),
         interval in any_u32(),
         (window, timeout) in (any_duration(), any_duration()),
@@ -268,7 +286,8 @@ proptest! {
     #[test]
     fn vegas_takes_any_numbers(
         bounds in any_bounds(),
-        (alpha, beta, smoothing) in (mostly(1.0..10.0), mostly(1.0..20.0), mostly(0.0..=1.0)),
+        (alpha, beta, smoothing) in
+            (mostly_f64(1.0..10.0), mostly_f64(1.0..20.0), mostly_f64(0.0..=1.0)),
         multiplier in any_u32(),
         samples in prop::collection::vec(any_sample(), 0..30),
         bound in (any_u32(), any_u32()),
@@ -300,7 +319,7 @@ proptest! {
     #[test]
     fn gradient2_takes_any_numbers(
         bounds in any_bounds(),
-        (tolerance, smoothing) in (mostly(1.0..10.0), mostly(0.0..=1.0)),
+        (tolerance, smoothing) in (mostly_f64(1.0..10.0), mostly_f64(0.0..=1.0)),
         long_window in any_u32(),
         (window, timeout) in (any_duration(), any_duration()),
         samples in prop::collection::vec(any_sample(), 0..30),
@@ -337,7 +356,8 @@ proptest! {
     #[test]
     fn simulated_downstream_takes_any_numbers(
         base in any_duration(),
-        (slope, steepness, jitter) in (mostly(0.0..1.0), mostly(1.0..2.0), mostly(0.0..1.0)),
+        (slope, steepness, jitter) in
+            (mostly_f64(0.0..1.0), mostly_f64(1.0..2.0), mostly_f64(0.0..1.0)),
         knee in any_u32(),
         (capacity, timeout) in (prop::option::of(any_u32()), prop::option::of(any_duration())),
         changes in prop::collection::vec((any_duration(), any_u32()), 0..3),
@@ -369,19 +389,9 @@ proptest! {
             ("sim.steepness", !finite_at_least(steepness, 1.0)),
             ("sim.jitter", !(0.0..1.0).contains(&jitter)),
         ];
-        let d = match builder.build() {
-            Ok(d) => d,
-            Err(e) => {
-                sane_config_error(&e);
-                match faults.iter().find(|(field, _)| *field == e.field()) {
-                    Some(&(_, refused)) => assert!(refused, "refused a good {}: {e}", e.field()),
-                    None => panic!("refused on {}, which build does not document: {e}", e.field()),
-                }
-                return Ok(());
-            }
+        let Some(d) = built_as_documented(builder.build(), &faults) else {
+            return Ok(());
         };
-        let faults: Vec<_> = faults.iter().filter(|(_, refused)| *refused).collect();
-        assert!(faults.is_empty(), "built with {faults:?}");
         // From each change's `at` its knee holds (the last one given for an instant), and
         // the first knee before them all.
         let knee_at = |t: Duration| {
@@ -404,11 +414,25 @@ proptest! {
 
     #[test]
     fn knee_config_takes_any_numbers(
-        steps in prop::option::of(prop::collection::vec(any_u32(), 0..5)),
-        (start, max, refine, rounds) in (any_u32(), any_u32(), any_u32(), any_u32()),
-        (step, warmup, timeout) in (any_duration(), any_duration(), any_duration()),
-        (plateau, drop, growth, back_pressure, fraction) in
-            (any_f64(), any_f64(), any_f64(), any_f64(), any_f64()),
+        steps in prop::option::of(prop::collection::vec(mostly(any_u32(), 1..1_000u32), 0..5)),
+        (start, max, refine, rounds) in (
+            mostly(any_u32(), 1..64u32),
+            mostly(any_u32(), 64..=65_536u32),
+            mostly(any_u32(), 0..=64u32),
+            mostly(any_u32(), 0..=8u32),
+        ),
+        (step, warmup, timeout) in (
+            mostly(any_duration(), (1..100_000u64).prop_map(Duration::from_millis)),
+            mostly(any_duration(), (0..1_000u64).prop_map(Duration::from_millis)),
+            any_duration(),
+        ),
+        (plateau, drop, growth, back_pressure, fraction) in (
+            mostly_f64(0.0..0.5),
+            mostly_f64(0.0..1.0),
+            mostly_f64(1.0..20.0),
+            mostly_f64(0.0..1.0),
+            mostly_f64(0.0..=1.0),
+        ),
     ) {
         let mut builder = KneeConfig::builder()
             .start(start)
@@ -423,15 +447,55 @@ proptest! {
             .max_latency_growth(growth)
             .max_back_pressure(back_pressure)
             .recommend_fraction(fraction);
-        if let Some(steps) = steps {
-            builder = builder.steps(steps);
+        if let Some(steps) = &steps {
+            builder = builder.steps(steps.iter().copied());
         }
-        match builder.build() {
-            Ok(c) => {
-                let _ = (c.max_steps(), c.step_duration(), c.warmup());
-                prop_assert!(c.recommend_fraction().is_finite());
-            }
-            Err(e) => sane_config_error(&e),
+        // Durations longer than a century are a century; concurrencies at most 65,536.
+        let (step, warmup) = (step.min(CENTURY), warmup.min(CENTURY));
+        let most = 65_536;
+        let faults = [
+            (
+                "knee.steps",
+                steps
+                    .as_ref()
+                    .is_some_and(|s| s.is_empty() || s.iter().any(|&c| c == 0 || c > most)),
+            ),
+            ("knee.start", start == 0),
+            ("knee.max_concurrency", max < start || max > most),
+            ("knee.refine_steps", refine > 64),
+            ("knee.refine_rounds", rounds > 8),
+            ("knee.step_duration", step.is_zero()),
+            ("knee.warmup", warmup >= step),
+            ("knee.timeout", timeout.is_zero()),
+            ("knee.plateau", !(0.0..0.5).contains(&plateau)),
+            ("knee.max_drop", !(drop > plateau && drop < 1.0)),
+            // "Above 1": an infinity is refused too (see the ignored test below).
+            ("knee.max_latency_growth", !(growth > 1.0 && growth.is_finite())),
+            ("knee.max_back_pressure", !(0.0..1.0).contains(&back_pressure)),
+            ("knee.recommend_fraction", !(fraction > 0.0 && fraction <= 1.0)),
+        ];
+        let Some(c) = built_as_documented(builder.build(), &faults) else {
+            return Ok(());
+        };
+        let mut sorted = steps;
+        if let Some(s) = &mut sorted {
+            s.sort_unstable();
+            s.dedup();
         }
+        prop_assert_eq!(c.steps(), sorted.as_deref());
+        prop_assert_eq!((c.step_duration(), c.warmup()), (step, warmup));
+        prop_assert_eq!(c.recommend_fraction(), fraction);
+        prop_assert!(c.max_steps() >= 1);
     }
+}
+
+/// `KneeConfigBuilder::max_latency_growth` documents its bound as "above 1", and `build`
+/// refuses a growth outside its range: an infinity is above 1.
+#[test]
+#[ignore = "fault: an infinite max_latency_growth is refused; its docs ask only for above 1"]
+fn knee_config_takes_an_infinite_latency_growth() {
+    let built = KneeConfig::builder()
+        .max_latency_growth(f64::INFINITY)
+        .build();
+    assert!(built.is_ok(), "{:?}", built.err());
 }

@@ -530,7 +530,6 @@ async fn back_pressure_lowers_max_in_flight_at_once_below_the_ceiling() {
 /// the default (20, Probe's 10) or a `max_limit` below it is not a reason to refuse a
 /// setting the caller never made.
 #[test]
-#[ignore = "fault: a default initial outside the bounds given is refused (Aimd::builder().min_limit(50).max_limit(100) fails on aimd.initial, 20)"]
 fn a_default_initial_is_brought_within_the_bounds_given() {
     let start = |limit: &dyn AdaptiveLimit| limit.limit();
     assert_eq!(

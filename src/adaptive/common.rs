@@ -29,9 +29,13 @@ macro_rules! bounds_setters {
             self
         }
 
-        #[doc = concat!("The limit to start from (default ", $initial, ").")]
+        #[doc = concat!(
+            "The limit to start from (default ", $initial, ", or the bound nearest it when ",
+            "`min_limit` or `max_limit` leave it outside; one given outside them is refused)."
+        )]
         pub fn initial(mut self, n: u32) -> Self {
             self.bounds.initial = n;
+            self.bounds.initial_given = true;
             self
         }
     };
@@ -47,6 +51,8 @@ pub(crate) struct Bounds {
     /// Whether `max` was set by the user (or by a [`narrow`](Bounds::narrow)), not left at
     /// the builder's default.
     pub(crate) max_given: bool,
+    /// Whether `initial` was set by the user, not left at the builder's default.
+    pub(crate) initial_given: bool,
 }
 
 impl Bounds {
@@ -57,6 +63,7 @@ impl Bounds {
             max,
             initial,
             max_given: false,
+            initial_given: false,
         }
     }
 
@@ -76,6 +83,10 @@ impl Bounds {
                 ConfigErrorKind::TooLarge,
                 format!("{} is above the maximum {MAX_LIMIT}", self.max),
             ));
+        }
+        if !self.initial_given && self.min <= self.max {
+            // A default start gives way to the bounds given.
+            self.initial = self.initial.clamp(self.min, self.max);
         }
         if self.min > self.max {
             return Err(ConfigError::new(
@@ -115,6 +126,7 @@ impl Bounds {
             max: own_max.clamp(min, max),
             initial: self.initial.clamp(min, max),
             max_given: true,
+            initial_given: self.initial_given,
         };
         *limit = self.clamp(*limit);
     }

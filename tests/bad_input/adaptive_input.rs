@@ -98,8 +98,9 @@ macro_rules! with_bounds {
 }
 
 /// What an algorithm's builder documents for the bounds given: `min_limit` 1 and
-/// `max_limit` 1000 unless given, `initial` its builder's default, and a `max_limit` left at
-/// its default rising to a `min_limit` or `initial` set above it, up to 2³¹ − 1.
+/// `max_limit` 1000 unless given, `initial` its builder's default brought within them, and a
+/// `max_limit` left at its default rising to a `min_limit` or `initial` set above it, up to
+/// 2³¹ − 1.
 #[derive(Debug, Clone, Copy)]
 struct Documented {
     algorithm: &'static str,
@@ -115,8 +116,17 @@ impl Documented {
         default_initial: u32,
     ) -> Documented {
         let min = min.unwrap_or(1);
-        let initial = initial.unwrap_or(default_initial);
-        let max = max.unwrap_or(1000.max(min).max(initial).min(MAX_LIMIT));
+        let max = max.unwrap_or(
+            1000.max(min)
+                .max(initial.unwrap_or(default_initial))
+                .min(MAX_LIMIT),
+        );
+        // A default initial gives way to the bounds (when they are not refused themselves).
+        let initial = initial.unwrap_or(if min <= max {
+            default_initial.clamp(min, max)
+        } else {
+            default_initial
+        });
         Documented {
             algorithm,
             min,

@@ -470,6 +470,17 @@ async fn duration_max_settings_do_not_panic() {
     assert!(still.is_err(), "a step of Duration::MAX ended: {still:?}");
 }
 
+/// A search can be spawned on a multi-threaded runtime: its future is `Send`, whatever a
+/// step's workers share (a `RefCell` held across their `.await`s would make it `!Send`).
+#[test]
+fn a_search_is_send() {
+    fn send<T: Send>(_: &T) {}
+    let target = downstream(8, 1.3, 0.01, 0.0);
+    let config = quick().build().unwrap();
+    send(&find_knee(&target, &config));
+    send(&find_knee_with_progress(&target, &config, |_| {}));
+}
+
 #[test]
 fn bad_configurations_are_refused() {
     let cases: Vec<(KneeConfigBuilder, &str, ConfigErrorKind)> = vec![

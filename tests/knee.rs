@@ -381,6 +381,22 @@ async fn the_recommendation_is_the_documented_fraction_of_the_reported_knee() {
     assert_eq!(report.recommended, Some(20 * 65 / 100));
 }
 
+/// `max_steps` bounds the steps a search reports (a progress bar's length), not the steps it
+/// measures: confirming the saturation at 40 measures the step below (20) and 40 again, so
+/// a list of 3 steps takes 5 steps' time.
+#[tokio::test(start_paused = true)]
+async fn confirming_a_saturation_measures_more_steps_than_max_steps() {
+    let config = quick().steps([10, 20, 40]).build().unwrap();
+    let report = find_knee(&ByInFlight::default(), &config).await.unwrap();
+    assert_eq!((config.max_steps(), report.steps.len()), (3, 3));
+    let step = config.step_duration();
+    assert!(
+        report.elapsed >= step * 5 && report.elapsed < step * 6,
+        "{:?}",
+        report.elapsed
+    );
+}
+
 #[derive(Debug)]
 struct Slow;
 

@@ -295,8 +295,9 @@ pub struct KneeProgress<'a> {
     pub step: &'a KneeStep,
     /// Steps measured so far, this one included.
     pub done: usize,
-    /// An upper bound of the steps the search will measure (it shrinks as the search
-    /// learns; never below `done`).
+    /// An upper bound of the steps the search will report (it shrinks as the search
+    /// learns; never below `done`). The steps measured again to confirm a saturation or
+    /// fill a hole are not counted (see [Noise](self#noise-confirming-a-saturation)).
     pub planned: usize,
 }
 

@@ -87,8 +87,12 @@ impl KneeConfig {
         self.recommend_fraction
     }
 
-    /// The most steps the search can take (the ramp up to `max_concurrency` and every
-    /// refining round): an upper bound for a progress bar.
+    /// The most steps the search can report (the ramp up to `max_concurrency` and every
+    /// refining round): an upper bound for a progress bar. Not of the steps it measures:
+    /// with [`recheck_saturation`](KneeConfigBuilder::recheck_saturation) on, confirming a
+    /// step that looks saturated measures the step below it (up to 3 times) and the step
+    /// again, and a hole in the curve is measured again, each for a step's duration and
+    /// not counted here (see [Noise](super#noise-confirming-a-saturation)).
     pub fn max_steps(&self) -> usize {
         match &self.steps {
             Some(steps) => steps.len(),
@@ -206,8 +210,8 @@ impl KneeConfigBuilder {
     /// must be saturated again; that second measurement is the one kept (default `true`).
     /// Noisy steps (a spell of slow calls, a pause on the target's host, however many steps
     /// in a row) then do not end the ramp far below the knee, nor make up a knee above a
-    /// target's `max_concurrency`. Costs two steps more per search, more while a noise
-    /// lasts. On, a step whose throughput is a hole in the curve (more than `max_drop`
+    /// target's `max_concurrency`. Costs two steps more for each step that looks saturated
+    /// (more while a noise lasts). On, a step whose throughput is a hole in the curve (more than `max_drop`
     /// below the best steps on both sides of it) is also measured again before each
     /// refining round and after the last. See [Noise](super#noise-confirming-a-saturation).
     ///

@@ -190,7 +190,8 @@ impl KneeConfigBuilder {
         self
     }
 
-    /// A step whose p50 is this many times the lowest p50 is saturated (default 10); above 1.
+    /// A step whose p50 is this many times the lowest p50 is saturated (default 10); above 1
+    /// and finite (an infinity, which would turn the criterion off, is refused).
     pub fn max_latency_growth(mut self, growth: f64) -> Self {
         self.config.max_latency_growth = growth;
         self

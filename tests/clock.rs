@@ -96,3 +96,43 @@ fn a_gate_given_the_tokio_clock_outside_follows_the_paused_runtime_it_runs_in() 
     });
     assert!(format!("{gate:?}").contains("tokio"));
 }
+
+/// Six centuries of paused time: past the end of the u64-nanosecond timeline (584 years).
+const SIX_CENTURIES: Duration = Duration::from_secs(600 * 365 * 24 * 60 * 60);
+
+#[tokio::test(start_paused = true)]
+async fn the_tokio_clock_reads_past_584_years() {
+    let clock = Clock::tokio();
+    tokio::time::advance(SIX_CENTURIES).await;
+    assert_eq!(clock.now(), SIX_CENTURIES);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(clock.now(), SIX_CENTURIES + Duration::from_secs(1));
+}
+
+/// A gate on tokio's clock keeps refilling past 584 years, under every algorithm.
+#[tokio::test(start_paused = true)]
+async fn a_gate_keeps_deciding_past_584_years() {
+    let rate = flowgate::Rate::per_second(1).unwrap();
+    let gates = [
+        Limit::TokenBucket(Quota::from(rate)),
+        Limit::FixedWindow(rate),
+        Limit::SlidingLog(rate),
+        Limit::SlidingWindow(rate),
+    ]
+    .map(|limit| {
+        MemoryGate::builder(limit)
+            .clock(Clock::tokio())
+            .build()
+            .unwrap()
+    });
+    tokio::time::advance(SIX_CENTURIES).await;
+    for gate in &gates {
+        for round in 0..3 {
+            let d = gate.check("k", 1).unwrap();
+            assert!(d.allowed, "{gate:?}, round {round}: {d:?}");
+            let d = gate.check("k", 1).unwrap();
+            assert!(!d.allowed && !d.retry_after.is_zero(), "{gate:?}: {d:?}");
+            tokio::time::advance(d.retry_after).await;
+        }
+    }
+}

@@ -238,3 +238,51 @@ fn a_fixed_window_at_the_end_of_the_timeline_rejects_with_a_wait() {
     assert_eq!(d.retry_after, Duration::from_nanos(5));
     assert_eq!(d.reset_after, Duration::from_nanos(5));
 }
+
+/// Six centuries: past the end of the u64-nanosecond timeline (584 years), a `now` that a
+/// `Duration` holds and tokio's paused clock reaches.
+const SIX_CENTURIES: Duration = Duration::from_secs(600 * 365 * 24 * 60 * 60);
+
+/// Every algorithm keeps deciding past 584 years: at 1/s it admits one, refuses the next
+/// with a wait, and admits again once that wait has passed (three rounds), and a state that
+/// holds units is not neutral yet.
+#[test]
+fn every_algorithm_keeps_deciding_past_584_years() {
+    let rate = Rate::per_second(1).unwrap();
+    keeps_deciding_past_584_years(&TokenBucket::new(Quota::from(rate)));
+    keeps_deciding_past_584_years(&FixedWindow::new(rate));
+    keeps_deciding_past_584_years(&SlidingLog::new(rate));
+    keeps_deciding_past_584_years(&SlidingWindow::new(rate));
+}
+
+fn keeps_deciding_past_584_years<A: Algorithm + std::fmt::Debug>(algorithm: &A) {
+    let mut state = A::State::default();
+    let mut now = SIX_CENTURIES;
+    for round in 0..3 {
+        let d = algorithm.check(&mut state, now, 1).unwrap();
+        assert!(d.allowed, "{algorithm:?}, round {round}: refused at {now:?}: {d:?}");
+        assert!(
+            algorithm.neutral_at(&state) > now,
+            "{algorithm:?}: neutral at {:?} while it holds a unit at {now:?}",
+            algorithm.neutral_at(&state)
+        );
+        let d = algorithm.check(&mut state, now, 1).unwrap();
+        assert!(!d.allowed && !d.retry_after.is_zero(), "{algorithm:?}: {d:?}");
+        now += d.retry_after;
+    }
+}
+
+/// A key that holds units past 584 years is not swept: evicting it would reset its limit.
+#[test]
+fn keyed_keeps_a_busy_key_past_584_years() {
+    let mut keyed = Keyed::<String, _>::new(TokenBucket::new(Quota::per_second(1).unwrap()), 1)
+        .unwrap();
+    let now = SIX_CENTURIES;
+    assert!(keyed.check("a", now, 1).unwrap().allowed);
+    assert_eq!(keyed.sweep(now), 0, "a busy key was evicted");
+    assert_eq!(
+        keyed.check("b", now, 1),
+        Err(KeyedError::KeyspaceFull { max_keys: 1 })
+    );
+    assert!(!keyed.check("a", now, 1).unwrap().allowed);
+}

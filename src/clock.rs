@@ -154,13 +154,21 @@ impl Clock {
         }
     }
 
-    /// The time since this clock was made (or the clock it was cloned from).
+    /// The time since this clock was made (or the clock it was cloned from); it does not
+    /// saturate (tokio's paused time reaches past the ~584 years of
+    /// [`now_nanos`](Clock::now_nanos)).
     #[inline]
     pub fn now(&self) -> Duration {
-        // A plain `from_nanos`: keeping the whole second of the last reading (so that only a
-        // subtraction was left) cost ~10 % more per decision, measured in interleaved rounds
-        // against governor (benches/limit).
-        Duration::from_nanos(self.now_nanos())
+        match &self.source {
+            // A plain `from_nanos`: keeping the whole second of the last reading (so that
+            // only a subtraction was left) cost ~10 % more per decision, measured in
+            // interleaved rounds against governor (benches/limit). (The counter keeps real
+            // time: its `u64` nanoseconds last 584 years.)
+            Source::Counter { clock, start } => {
+                Duration::from_nanos(clock.delta_as_nanos(*start, clock.raw()))
+            }
+            Source::Tokio { start } => start.get_or_init(tokio::time::Instant::now).elapsed(),
+        }
     }
 }
 

@@ -472,16 +472,21 @@ fn a_fail_open_decision_writes_a_valid_ratelimit_member() {
 }
 
 #[test]
-fn sliding_window_retry_after_saturates_for_the_longest_window() {
+fn sliding_window_retry_after_is_exact_for_the_longest_window() {
     // A window of u64::MAX ns (the longest `Rate::per` accepts): the wait that ends at an
-    // offset into the next window is longer than u64::MAX ns, so it saturates instead of
-    // overflowing.
+    // offset into the next window is longer than u64::MAX ns; it is counted in 128 bits
+    // (it saturated there, a wait too short), and the cost passes once it is over.
     let rate = Rate::per(2, Duration::from_nanos(u64::MAX)).unwrap();
     let mut w = Limiter::new(SlidingWindow::new(rate));
     assert!(w.check(Duration::ZERO, 2).unwrap().allowed);
     let d = w.check(Duration::from_nanos(1), 1).unwrap();
     assert!(!d.allowed);
-    assert_eq!(d.retry_after, Duration::from_nanos(u64::MAX));
+    // To the end of the window, then half of the next one (the two counted decay to one).
+    let window = u128::from(u64::MAX);
+    assert_eq!(d.retry_after.as_nanos(), window - 1 + window.div_ceil(2));
+    let at = Duration::from_nanos(1) + d.retry_after;
+    assert!(!w.check(at - Duration::from_nanos(1), 1).unwrap().allowed);
+    assert!(w.check(at, 1).unwrap().allowed);
 }
 
 /// A rejected check leaves the state unchanged (the `Algorithm` contract). The sliding
@@ -654,4 +659,15 @@ proptest! {
         keeps_the_contract(SlidingWindow::new(r), &tr)?;
         keeps_the_contract(SlidingLog::new(r), &tr)?;
     }
+}
+
+/// The states hold any `Duration` (up to 2^94 ns) and stay small: a key of a fixed window
+/// or a token bucket costs 16 bytes, of a sliding window 24.
+#[test]
+fn states_hold_any_time_and_stay_small() {
+    use flowgate::limit::{FixedWindowState, SlidingWindowState, TokenBucketState};
+    use std::mem::size_of;
+    assert_eq!(size_of::<TokenBucketState>(), 16);
+    assert_eq!(size_of::<FixedWindowState>(), 16);
+    assert_eq!(size_of::<SlidingWindowState>(), 24);
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::limit::Algorithm;
-use crate::limit::limiter::{from_nanos, nanos};
+use crate::limit::limiter::{from_nanos, join, split, window_start};
 use crate::rate::Rate;
 
 /// At most `limit` units per aligned window of length `window`.
@@ -40,8 +40,23 @@ pub struct FixedWindow {
 /// The state of one [`FixedWindow`] key: the current window and its count.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FixedWindowState {
-    start: u64,
+    /// The window's start in nanoseconds, in two halves (any `Duration` is below 2^94 ns),
+    /// so that a key costs 16 bytes.
+    start_lo: u64,
+    start_hi: u32,
     count: u32,
+}
+
+impl FixedWindowState {
+    #[inline]
+    fn start(&self) -> u128 {
+        join(self.start_lo, self.start_hi)
+    }
+
+    #[inline]
+    fn set_start(&mut self, start: u128) {
+        (self.start_lo, self.start_hi) = split(start);
+    }
 }
 
 impl FixedWindow {
@@ -70,17 +85,16 @@ impl Algorithm for FixedWindow {
         cost: u32,
     ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
-        let now = nanos(now);
-        let start = now - now % self.window;
-        if start > state.start {
-            state.start = start;
+        let now = now.as_nanos();
+        let start = window_start(now, self.window);
+        if start > state.start() {
+            state.set_start(start);
             state.count = 0;
         }
         // `now` may be earlier than the window start if time went backwards: stay in the
-        // window, and count the wait for its end from `now`. In 128 bits: the window holding
-        // the last nanosecond of the timeline ends past it, where a saturated end would
-        // make the wait 0 (a rejection to retry at once).
-        let reset = from_nanos(u128::from(state.start) + u128::from(self.window) - u128::from(now));
+        // window, and count the wait for its end from `now`. In 128 bits, as the window's
+        // start: past the ~584 years of `u64` nanoseconds the windows go on.
+        let reset = from_nanos(state.start() + u128::from(self.window) - now);
         let limit = u64::from(self.limit);
         // `count <= limit` always holds; compare without adding (no overflow near u32::MAX).
         if cost <= self.limit - state.count {
@@ -108,7 +122,7 @@ impl Algorithm for FixedWindow {
         if state.count == 0 {
             Duration::ZERO
         } else {
-            Duration::from_nanos(state.start.saturating_add(self.window))
+            from_nanos(state.start() + u128::from(self.window))
         }
     }
 }

@@ -17,12 +17,16 @@
 //! keys whose state is back to neutral.
 //!
 //! All arithmetic is integer (nanoseconds, scaled where a rate does not divide evenly),
-//! so decisions are exact and reproducible.
+//! so decisions are exact and reproducible. `now` may be any `Duration`: past the ~584
+//! years that `u64` nanoseconds hold (tokio's paused time gets there), the algorithms
+//! compute in 128 bits, on a branch that earlier times never take.
 //!
 //! With a real clock, read a [`Clock`](crate::clock::Clock) in whole nanoseconds and decide
 //! with [`Limiter::check_nanos`]: `limiter.check_nanos(clock.now_nanos(), cost)` decides as
 //! `limiter.check(clock.now(), cost)` without building a `Duration` (a division by 10⁹ and
-//! a multiplication back, measured at a quarter of a token-bucket decision).
+//! a multiplication back, measured at a quarter of a token-bucket decision). Its `u64`
+//! saturates after ~584 years: a clock that may run longer (tokio's, paused) is read with
+//! [`Clock::now`](crate::clock::Clock::now), which does not.
 
 mod error;
 mod fixed_window;

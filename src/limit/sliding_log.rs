@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::limit::Algorithm;
-use crate::limit::limiter::nanos;
+use crate::limit::limiter::{from_nanos, join, split};
 use crate::rate::Rate;
 
 /// At most `limit` units in *any* interval of length `window`: the exact sliding window.
@@ -42,9 +42,30 @@ pub struct SlidingLog {
 /// The state of one [`SlidingLog`] key: the live entries, oldest first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlidingLogState {
-    /// `(admitted at, cost)`, oldest first.
-    log: VecDeque<(u64, u32)>,
+    /// Oldest first.
+    log: VecDeque<Entry>,
     total: u32,
+}
+
+/// One admission time and the cost admitted then: the time in nanoseconds in two halves
+/// (any `Duration` is below 2^94 ns), so that an entry costs 16 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    at_lo: u64,
+    at_hi: u32,
+    cost: u32,
+}
+
+impl Entry {
+    fn new(at: u128, cost: u32) -> Entry {
+        let (at_lo, at_hi) = split(at);
+        Entry { at_lo, at_hi, cost }
+    }
+
+    #[inline]
+    fn at(&self) -> u128 {
+        join(self.at_lo, self.at_hi)
+    }
 }
 
 impl SlidingLogState {
@@ -70,22 +91,28 @@ impl SlidingLog {
     }
 
     /// How many of the oldest entries have expired at `now`, and their total cost.
-    fn expired(&self, state: &SlidingLogState, now: u64) -> (usize, u32) {
+    fn expired(&self, state: &SlidingLogState, now: u128) -> (usize, u32) {
         let mut n = 0;
         let mut cost = 0;
-        for &(at, c) in &state.log {
-            if at.saturating_add(self.window) > now {
+        for e in &state.log {
+            if self.end(e) > now {
                 break;
             }
             n += 1;
-            cost += c;
+            cost += e.cost;
         }
         (n, cost)
     }
 
-    fn reset_after(&self, state: &SlidingLogState, now: u64) -> Duration {
-        state.log.back().map_or(Duration::ZERO, |&(at, _)| {
-            Duration::from_nanos(at.saturating_add(self.window).saturating_sub(now))
+    /// When `e` stops counting, in nanoseconds.
+    #[inline]
+    fn end(&self, e: &Entry) -> u128 {
+        e.at() + u128::from(self.window)
+    }
+
+    fn reset_after(&self, state: &SlidingLogState, now: u128) -> Duration {
+        state.log.back().map_or(Duration::ZERO, |e| {
+            from_nanos(self.end(e).saturating_sub(now))
         })
     }
 }
@@ -101,8 +128,8 @@ impl Algorithm for SlidingLog {
     ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
         // Time going backwards is treated as no time passing; waits count from `given`.
-        let given = nanos(now);
-        let now = given.max(state.log.back().map_or(0, |&(at, _)| at));
+        let given = now.as_nanos();
+        let now = given.max(state.log.back().map_or(0, Entry::at));
         // Expired entries are dropped only when admitting: a rejection leaves the state
         // unchanged, so a `now` that steps back after it still sees them (the log's clock
         // stays at its newest entry).
@@ -114,8 +141,8 @@ impl Algorithm for SlidingLog {
             state.log.drain(..expired);
             state.total = total + cost;
             match state.log.back_mut() {
-                Some((at, n)) if *at == now => *n += cost,
-                _ => state.log.push_back((now, cost)),
+                Some(e) if e.at() == now => e.cost += cost,
+                _ => state.log.push_back(Entry::new(now, cost)),
             }
             Ok(Decision::allow(
                 limit,
@@ -126,17 +153,17 @@ impl Algorithm for SlidingLog {
             // Free the oldest entries until `cost` fits; the last one freed sets the wait.
             let mut need = cost - (self.limit - total);
             let mut retry = 0;
-            for &(at, n) in state.log.iter().skip(expired) {
-                retry = at.saturating_add(self.window) - given;
-                if n >= need {
+            for e in state.log.iter().skip(expired) {
+                retry = self.end(e) - given;
+                if e.cost >= need {
                     break;
                 }
-                need -= n;
+                need -= e.cost;
             }
             Ok(Decision::reject(
                 limit,
                 u64::from(self.limit - total),
-                Duration::from_nanos(retry),
+                from_nanos(retry),
                 self.reset_after(state, given),
             ))
         }
@@ -147,8 +174,9 @@ impl Algorithm for SlidingLog {
     }
 
     fn neutral_at(&self, state: &SlidingLogState) -> Duration {
-        state.log.back().map_or(Duration::ZERO, |&(at, _)| {
-            Duration::from_nanos(at.saturating_add(self.window))
-        })
+        state
+            .log
+            .back()
+            .map_or(Duration::ZERO, |e| from_nanos(self.end(e)))
     }
 }

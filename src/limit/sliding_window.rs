@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::limit::Algorithm;
-use crate::limit::limiter::nanos;
+use crate::limit::limiter::{from_nanos, join, split, window_start};
 use crate::rate::Rate;
 
 /// The sliding window counter: two counters, weighted, in constant memory.
@@ -51,9 +51,24 @@ pub struct SlidingWindow {
 /// The state of one [`SlidingWindow`] key: the current window and the two counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SlidingWindowState {
-    start: u64,
+    /// The current window's start in nanoseconds, in two halves (any `Duration` is below
+    /// 2^94 ns): 24 bytes a key.
+    start_lo: u64,
+    start_hi: u32,
     current: u32,
     previous: u32,
+}
+
+impl SlidingWindowState {
+    #[inline]
+    fn start(&self) -> u128 {
+        join(self.start_lo, self.start_hi)
+    }
+
+    #[inline]
+    fn set_start(&mut self, start: u128) {
+        (self.start_lo, self.start_hi) = split(start);
+    }
 }
 
 impl SlidingWindow {
@@ -71,18 +86,18 @@ impl SlidingWindow {
         self.rate
     }
 
-    fn roll(&self, state: &mut SlidingWindowState, now: u64) {
-        let start = now - now % self.window;
-        if start <= state.start {
+    fn roll(&self, state: &mut SlidingWindowState, now: u128) {
+        let start = window_start(now, self.window);
+        if start <= state.start() {
             return;
         }
-        state.previous = if start - state.start == self.window {
+        state.previous = if start - state.start() == u128::from(self.window) {
             state.current
         } else {
             0
         };
         state.current = 0;
-        state.start = start;
+        state.set_start(start);
     }
 
     /// `estimate · window` at `elapsed` into the current window.
@@ -93,10 +108,10 @@ impl SlidingWindow {
 
     /// Time from `elapsed` until the state is neutral (both counters decayed to zero), from
     /// a `now` that is `behind` the window's start (time went backwards) or not (0).
-    fn reset_after(&self, state: &SlidingWindowState, elapsed: u64, behind: u64) -> Duration {
-        let to_end = (self.window - elapsed).saturating_add(behind);
-        Duration::from_nanos(if state.current > 0 {
-            to_end.saturating_add(self.window)
+    fn reset_after(&self, state: &SlidingWindowState, elapsed: u64, behind: u128) -> Duration {
+        let to_end = u128::from(self.window - elapsed) + behind;
+        from_nanos(if state.current > 0 {
+            to_end + u128::from(self.window)
         } else if state.previous > 0 {
             to_end
         } else {
@@ -126,14 +141,15 @@ impl Algorithm for SlidingWindow {
         cost: u32,
     ) -> Result<Decision, CostError> {
         CostError::check(cost, self.capacity())?;
-        let now = nanos(now);
+        let now = now.as_nanos();
         // Rolled on a copy, kept only if admitted: a rejection leaves the state unchanged
         // (a clock that steps back after it is decided in the window counted, as in Redis).
         let mut rolled = *state;
         self.roll(&mut rolled, now);
-        let elapsed = now.max(rolled.start) - rolled.start;
+        // Below the window: `now` is in the window rolled to, or before it.
+        let elapsed = (now.max(rolled.start()) - rolled.start()) as u64;
         // Time going backwards is treated as no time passing; waits count from `now`.
-        let behind = rolled.start.saturating_sub(now);
+        let behind = rolled.start().saturating_sub(now);
         let limit = u64::from(self.limit);
         let w = u128::from(self.window);
         let weighted = self.weighted(&rolled, elapsed);
@@ -153,19 +169,19 @@ impl Algorithm for SlidingWindow {
             // Later in this window, or else at an offset into the next one (where this
             // window's count becomes the previous one and nothing is current yet).
             let retry = match self.fits_from(state.previous, state.current, cost) {
-                Some(e) if e < self.window => e - elapsed,
+                Some(e) if e < self.window => u128::from(e - elapsed),
                 _ => {
                     let e = self
                         .fits_from(state.current, 0, cost)
                         .unwrap_or(self.window);
-                    // Saturating: past u64::MAX ns with the longest windows.
-                    (self.window - elapsed).saturating_add(e)
+                    // In 128 bits: past u64::MAX ns with the longest windows.
+                    u128::from(self.window - elapsed) + u128::from(e)
                 }
             };
             Ok(Decision::reject(
                 limit,
                 remaining as u64,
-                Duration::from_nanos(retry.saturating_add(behind)),
+                from_nanos(retry + behind),
                 self.reset_after(state, elapsed, behind),
             ))
         }
@@ -176,9 +192,9 @@ impl Algorithm for SlidingWindow {
     }
 
     fn neutral_at(&self, state: &SlidingWindowState) -> Duration {
-        let end = state.start.saturating_add(self.window);
-        Duration::from_nanos(if state.current > 0 {
-            end.saturating_add(self.window)
+        let end = state.start() + u128::from(self.window);
+        from_nanos(if state.current > 0 {
+            end + u128::from(self.window)
         } else if state.previous > 0 {
             end
         } else {

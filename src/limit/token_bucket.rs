@@ -7,7 +7,7 @@ use strength_reduce::StrengthReducedU64;
 use crate::decision::Decision;
 use crate::error::CostError;
 use crate::limit::Algorithm;
-use crate::limit::limiter::{from_nanos, gcd, nanos};
+use crate::limit::limiter::{from_nanos, gcd, narrow};
 use crate::rate::Quota;
 
 /// A token bucket, implemented as GCRA (the generic cell rate algorithm) with exact integer
@@ -106,7 +106,7 @@ impl TokenBucket {
 
     /// Tokens available in `state` at `now`, without consuming any.
     pub fn available(&self, state: &TokenBucketState, now: Duration) -> u64 {
-        let now = self.units(nanos(now));
+        let now = self.units(now.as_nanos());
         let used = state.get().saturating_sub(now).min(self.tau);
         ((self.tau - used) / u128::from(self.unit)) as u64
     }
@@ -154,21 +154,24 @@ impl TokenBucket {
     /// for carrying a schedule over to a new quota.
     pub fn state_full_at(&self, at: Duration) -> TokenBucketState {
         let mut state = TokenBucketState::default();
-        state.set(self.units(nanos(at)));
+        state.set(self.units(at.as_nanos()));
         state
     }
 
-    fn units(&self, now_ns: u64) -> u128 {
-        u128::from(now_ns) * u128::from(self.scale)
+    /// `now_ns` in units: below 2^126 for any `Duration` (below 2^94 ns) at any scale (below
+    /// 2^32), so no `now` overflows.
+    fn units(&self, now_ns: u128) -> u128 {
+        now_ns * u128::from(self.scale)
     }
 
     fn to_duration(&self, units: u128) -> Duration {
         from_nanos(units.div_ceil(u128::from(self.scale)))
     }
 
-    /// Any rate, in 128-bit units: exact for every `Quota`.
+    /// Any rate and any `now` (past the ~584 years of `u64` nanoseconds too), in 128-bit
+    /// units: exact for every `Quota`.
     #[inline(never)]
-    fn check_exact(&self, state: &mut TokenBucketState, now_ns: u64, cost: u32) -> Decision {
+    fn check_exact(&self, state: &mut TokenBucketState, now_ns: u128, cost: u32) -> Decision {
         let now = self.units(now_ns);
         let limit = self.capacity();
         let tat = state.get().max(now);
@@ -246,7 +249,14 @@ impl Algorithm for TokenBucket {
         now: Duration,
         cost: u32,
     ) -> Result<Decision, CostError> {
-        self.check_nanos(state, nanos(now), cost)
+        match narrow(now) {
+            Some(now_ns) => self.check_nanos(state, now_ns, cost),
+            // Past ~584 years: only 128 bits hold `now`.
+            None => {
+                CostError::check(cost, self.capacity())?;
+                Ok(self.check_exact(state, now.as_nanos(), cost))
+            }
+        }
     }
 
     #[inline(always)]
@@ -262,7 +272,7 @@ impl Algorithm for TokenBucket {
         {
             return Ok(decision);
         }
-        Ok(self.check_exact(state, now_ns, cost))
+        Ok(self.check_exact(state, u128::from(now_ns), cost))
     }
 
     fn capacity(&self) -> u64 {

@@ -121,6 +121,34 @@ fn pacer_past_584_years() {
     });
 }
 
+/// A pacer older than a century keeps its line FIFO: the waiter behind the first one does
+/// not step over it before the first one's turn (and the 10 ms of grace after it) has come.
+#[test]
+fn pacer_past_a_century_keeps_its_line() {
+    paused().block_on(async {
+        let pacer = Pacer::builder(Rate::per_second(1).unwrap())
+            .burst(1)
+            .build()
+            .unwrap();
+        tokio::time::advance(CENTURY * 2).await;
+        pacer.until_ready(1).await.unwrap();
+        let mut first = std::pin::pin!(pacer.until_ready(1));
+        let mut second = std::pin::pin!(pacer.until_ready(1));
+        assert!(futures::poll!(&mut first).is_pending());
+        assert!(futures::poll!(&mut second).is_pending());
+        // The first one's turn is in 1 s: nobody steps over it before 1.01 s.
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(futures::poll!(&mut second).is_pending());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(
+            futures::poll!(&mut second).is_pending(),
+            "the second waiter passed before the first"
+        );
+        assert!(futures::poll!(&mut first).is_ready());
+        assert!(futures::poll!(&mut second).is_pending());
+    });
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 

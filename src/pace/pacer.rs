@@ -503,12 +503,24 @@ impl Inner {
     /// When the head may claim its turn: once it is the head and its cost fits the bucket.
     /// A cost above the burst (the burst was lowered since it queued) counts as the burst: it
     /// can never pass, and its turn must not move the stall-skip (guarantee (c)) further out.
+    /// None when there is no head, or its turn is past the last instant tokio holds (it
+    /// never comes: nobody steps over it).
     fn turn_of_head(&self, st: &State) -> Option<Instant> {
         let (key, since) = st.head?;
         let burst = st.bucket.quota().burst_size();
         let cost = st.waiters.get(key)?.cost.min(burst);
-        let ready_at = capped(st.bucket.ready_at(&st.gcra, u64::from(cost)));
-        Some(since.max(self.epoch + ready_at))
+        // Not capped: `ready_at` counts from the epoch, so a pacer older than the cap
+        // would see every head's turn as come.
+        let ready_at = self
+            .epoch
+            .checked_add(st.bucket.ready_at(&st.gcra, u64::from(cost)))?;
+        Some(since.max(ready_at))
+    }
+
+    /// When the one behind the head may step over it, if the head leaves its turn
+    /// unclaimed; None if never (see [`turn_of_head`](Inner::turn_of_head)).
+    fn stalled_at(&self, st: &State) -> Option<Instant> {
+        self.turn_of_head(st)?.checked_add(STALL_GRACE)
     }
 
     /// Steps over a head (other than `caller`) that has left its turn unclaimed for
@@ -523,9 +535,7 @@ impl Inner {
     ) {
         while let Some((head, _)) = st.head
             && Some(head) != caller
-            && self
-                .turn_of_head(st)
-                .is_some_and(|turn| now >= turn + STALL_GRACE)
+            && self.stalled_at(st).is_some_and(|at| now >= at)
         {
             if let Some(w) = st.waiters.get_mut(head) {
                 w.absent = true;
@@ -583,10 +593,7 @@ impl Inner {
                 st.refresh(now, &mut out);
             }
             let watching = st.watcher.is_some() && st.watcher == ticket.id;
-            let look_again = watching
-                .then(|| self.turn_of_head(st))
-                .flatten()
-                .map(|turn| turn + STALL_GRACE);
+            let look_again = watching.then(|| self.stalled_at(st)).flatten();
             Ok(Admit::Queued(look_again))
         };
         drop(guard);

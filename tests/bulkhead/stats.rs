@@ -186,6 +186,30 @@ async fn the_stats_agree_with_the_metrics() {
     agree(&b);
 }
 
+/// `waited` and `flowgate_bulkhead_wait_seconds` count the same waits: a stream adapter's
+/// wait in the queue (for a permit another caller holds) too, with its length; the permits
+/// it takes at once, or passes from a finished item to the next, are in neither.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_adapters_waits_are_in_the_wait_histogram_too() {
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(1).name("adapter").build().unwrap()
+    });
+    let held = b.try_acquire().unwrap();
+    let mut adapter = futures::stream::iter([1u32, 2, 3])
+        .bulkhead_map(b.clone(), |i| async move { i })
+        .boxed();
+    assert!(poll!(adapter.next()).is_pending());
+    advance(Duration::from_millis(250)).await;
+    drop(held);
+    assert_eq!(adapter.collect::<Vec<_>>().await, [1, 2, 3]);
+    let stats = b.stats();
+    let waits = recorder.samples("flowgate_bulkhead_wait_seconds{name=adapter}");
+    assert_eq!(waits.len() as u64, stats.waited, "{stats:?}, {waits:?}");
+    assert_eq!(waits, [0.25]);
+}
+
 /// The stream adapters' acquisitions are counted too: each item's permit is admitted (at
 /// once or after waiting), a wait the adapter gives up when dropped is cancelled, and one
 /// the close ends is `closed`.

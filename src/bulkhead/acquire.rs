@@ -25,7 +25,10 @@ pub(crate) struct Waiter {
     /// Past the first poll (the fast path was tried).
     started: bool,
     ticket: Ticket,
-    /// When the wait began (bounded acquisitions only: the wait-time histogram).
+    /// When the wait in the queue began, for the wait-time histogram: every acquisition
+    /// that queues, the stream adapters' too, so that the histogram's samples are the waits
+    /// `BulkheadStats::waited` counts. (Read only once it queued: the fast path and an
+    /// adapter parked behind its own work read no clock.)
     since: Option<Instant>,
     #[pin]
     timer: Option<Sleep>,
@@ -78,11 +81,11 @@ impl Waiter {
         }
         if !*this.started {
             *this.started = true;
-            if *this.bounded {
-                *this.since = Some(Instant::now());
-                if let Some(timeout) = core.wait_timeout() {
-                    this.timer.set(Some(tokio::time::sleep(timeout)));
-                }
+            *this.since = Some(Instant::now());
+            if *this.bounded
+                && let Some(timeout) = core.wait_timeout()
+            {
+                this.timer.set(Some(tokio::time::sleep(timeout)));
             }
         }
         if let Some(timer) = this.timer.as_pin_mut() {
@@ -128,9 +131,8 @@ impl Waiter {
     }
 }
 
-/// A wait that ended with a permit: its length goes to the wait-time histogram (bounded
-/// waits only: `since` is set for them alone). Nobody holds the permit yet: a recorder that
-/// panics gives it back.
+/// A wait that ended with a permit: its length goes to the wait-time histogram (as it is
+/// counted in `waited`). Nobody holds the permit yet: a recorder that panics gives it back.
 fn record_wait(core: &Core, since: &mut Option<Instant>) {
     if let Some(since) = since.take() {
         core.holding(|| core.record_wait(since.elapsed()));

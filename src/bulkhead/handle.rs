@@ -48,9 +48,10 @@ use crate::sync::Arc;
 ///
 /// Labelled by `name`: `flowgate_bulkhead_in_flight` and `flowgate_bulkhead_waiting`
 /// (gauges), `flowgate_bulkhead_rejected_total` by `reason`, and
-/// `flowgate_bulkhead_wait_seconds` (histogram of how long the acquisitions that had to
-/// wait waited for their permit; waits that ended shed or closed, and the stream adapters'
-/// waits, are not in it), `flowgate_bulkhead_discarded_total` (items the stream adapters
+/// `flowgate_bulkhead_wait_seconds` (histogram of how long the acquisitions that waited in
+/// the queue waited for their permit, the stream adapters' included: one sample for each
+/// wait [`BulkheadStats::waited`] counts; waits that ended shed, closed or given up are
+/// not in it), `flowgate_bulkhead_discarded_total` (items the stream adapters
 /// let go of unprocessed: the one each holds waiting for a permit when its bulkhead closes
 /// or it is dropped).
 /// An adaptive bulkhead adds `flowgate_bulkhead_max_in_flight` (gauge: the `max_in_flight`

@@ -21,10 +21,10 @@ use crate::bulkhead::error::AcquireError;
 ///
 /// The refusals are those of `flowgate_bulkhead_rejected_total{reason}`, counted at the same
 /// place; `in_flight` and `waiting` are what the `flowgate_bulkhead_in_flight` and
-/// `flowgate_bulkhead_waiting` gauges show; `waited` counts the waits that
-/// `flowgate_bulkhead_wait_seconds` records, and the stream adapters' waits too (which the
-/// histogram leaves out). The counts are read one after the other: under concurrent use
-/// each is exact, but they need not all be of one instant.
+/// `flowgate_bulkhead_waiting` gauges show; `waited` counts the waits whose lengths
+/// `flowgate_bulkhead_wait_seconds` records, one sample each: the waits in the queue that
+/// ended with a permit, the stream adapters' included. The counts are read one after the
+/// other: under concurrent use each is exact, but they need not all be of one instant.
 ///
 /// # Examples
 ///
@@ -62,7 +62,9 @@ pub struct BulkheadStats {
     /// Acquisitions that got a permit, at once or after waiting.
     pub admitted: u64,
     /// Of `admitted`, those that waited in the queue for their permit (the others found one
-    /// free at once).
+    /// free at once): as many as `flowgate_bulkhead_wait_seconds` has samples. A stream
+    /// adapter that waits for its own work to return a permit does so outside the queue
+    /// (the permit it then finds free is admitted at once).
     pub waited: u64,
     /// Of `admitted`, the critical ones that took a permit of the critical reserve: one that
     /// normal work could not have taken then.

@@ -531,59 +531,31 @@ async fn back_pressure_lowers_max_in_flight_at_once_below_the_ceiling() {
 /// setting the caller never made.
 #[test]
 fn a_default_initial_is_brought_within_the_bounds_given() {
-    let start = |limit: &dyn AdaptiveLimit| limit.limit();
-    assert_eq!(
-        start(
-            &Aimd::builder()
-                .min_limit(50)
-                .max_limit(100)
-                .build()
-                .unwrap()
-        ),
-        50
-    );
-    assert_eq!(
-        start(
-            &Vegas::builder()
-                .min_limit(50)
-                .max_limit(100)
-                .build()
-                .unwrap()
-        ),
-        50
-    );
-    assert_eq!(
-        start(
-            &Gradient2::builder()
-                .min_limit(50)
-                .max_limit(100)
-                .build()
-                .unwrap()
-        ),
-        50
-    );
-    assert_eq!(
-        start(
-            &Probe::builder()
-                .min_limit(50)
-                .max_limit(100)
-                .build()
-                .unwrap()
-        ),
-        50
-    );
-    assert_eq!(start(&Aimd::builder().max_limit(8).build().unwrap()), 8);
-    assert_eq!(start(&Vegas::builder().max_limit(8).build().unwrap()), 8);
-    assert_eq!(
-        start(&Gradient2::builder().max_limit(8).build().unwrap()),
-        8
-    );
-    assert_eq!(start(&Probe::builder().max_limit(8).build().unwrap()), 8);
+    // Where Aimd, Vegas, Gradient2 and Probe start with only these bounds given.
+    let starts = |min: Option<u32>, max: Option<u32>| {
+        macro_rules! start {
+            ($builder:expr) => {{
+                let mut builder = $builder;
+                if let Some(n) = min {
+                    builder = builder.min_limit(n);
+                }
+                if let Some(n) = max {
+                    builder = builder.max_limit(n);
+                }
+                builder.build().unwrap().limit()
+            }};
+        }
+        [
+            start!(Aimd::builder()),
+            start!(Vegas::builder()),
+            start!(Gradient2::builder()),
+            start!(Probe::builder()),
+        ]
+    };
+    assert_eq!(starts(Some(50), Some(100)), [50; 4]);
+    assert_eq!(starts(None, Some(8)), [8; 4]);
     // A default max rises to a min given above it, and the initial with it.
-    assert_eq!(
-        start(&Aimd::builder().min_limit(2000).build().unwrap()),
-        2000
-    );
+    assert_eq!(starts(Some(2000), None), [2000; 4]);
     // An initial given outside the bounds is still refused, naming it.
     let refused = Aimd::builder()
         .min_limit(50)

@@ -230,7 +230,7 @@ pub trait FlowStreamExt: Stream {
 
     /// Pair each item with a [`Ticket`](crate::demand::Ticket) and pause pulling while
     /// `levels.high()` tickets are alive, until they fall to `levels.low()`; see
-    /// [`Watermarks`](crate::demand::Watermarks).
+    /// [`Watermarks`].
     ///
     /// Unnamed and without `min_hold` (changes of state follow in-flight at once): to set
     /// them, build it with [`Watermarks::builder`]`(stream, levels).min_hold(..).name(..)`.

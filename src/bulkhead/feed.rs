@@ -39,7 +39,7 @@ impl<St: Stream> Feed<St> {
     /// The next input item together with a permit for it (now held), or `None` when no work
     /// can start now. `own`: how many permits the adapter's own work in flight holds for
     /// certain (see [`Permits::poll_for_item`]). If the bulkhead is closed, the held item is
-    /// discarded (to the hook, as [`Dropped::Discarded`]). Waiting on the upstream, the
+    /// discarded (to the hook, as [`Dropped::Discarded`](crate::Dropped::Discarded)). Waiting on the upstream, the
     /// adapter is parked too (for the close only), so that closing the bulkhead wakes it: it
     /// then pulls nothing more and ends after its work in flight, without waiting for an
     /// item that it would leave there.

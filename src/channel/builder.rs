@@ -13,7 +13,7 @@ use crate::sync::Arc;
 /// The largest capacity a channel accepts (`isize::MAX / 2`), far beyond any sane bound.
 const MAX_CAPACITY: usize = usize::MAX >> 2;
 
-/// Builds a bounded channel; from [`builder`](crate::channel::builder).
+/// Builds a bounded channel; from [`builder`](crate::channel::builder()).
 ///
 /// # Examples
 ///

@@ -1,4 +1,4 @@
-//! `Levels`: the validated `(high, low)` pair of [`prefetch`](super::prefetch) and
+//! `Levels`: the validated `(high, low)` pair of [`prefetch`](super::prefetch()) and
 //! [`watermarks`](crate::FlowStreamExt::watermarks).
 
 use crate::error::{ConfigError, ConfigErrorKind};
@@ -7,7 +7,7 @@ use crate::error::{ConfigError, ConfigErrorKind};
 ///
 /// The same value configures both places that take one:
 ///
-/// - [`prefetch`](super::prefetch): keep at most `high` items buffered, fetch again when the
+/// - [`prefetch`](super::prefetch()): keep at most `high` items buffered, fetch again when the
 ///   buffer falls to `low`;
 /// - [`watermarks`](crate::FlowStreamExt::watermarks): pause at `high` items in flight,
 ///   resume at `low`.

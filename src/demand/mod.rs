@@ -10,7 +10,7 @@
 //!   Streams semantics: never more items than requested).
 //! - **Levels** — [`Levels`]: the validated `(high, low)` pair that prefetch and watermarks
 //!   both take, checked once so neither can fail.
-//! - **Batch sources** — [`BatchSource`] and [`prefetch`]: buffer at most `high` fetched
+//! - **Batch sources** — [`BatchSource`] and [`prefetch()`]: buffer at most `high` fetched
 //!   items, refill at `low`, always asking for exactly `high − buffered`; [`IterSource`]
 //!   (in memory) and [`StreamSource`] turn an iterator or a stream into a batch source. A
 //!   fetch error is an `Err` item; over a source that cannot fail,

@@ -19,7 +19,7 @@ use crate::dropped::{Dropped, OnDrop};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Counter, Gauge, Labels};
 
-/// Stream of [`prefetch`](crate::demand::prefetch): fetches from a [`BatchSource`] exactly
+/// Stream of [`prefetch`](crate::demand::prefetch()): fetches from a [`BatchSource`] exactly
 /// what the buffer has room for.
 ///
 /// At most `high` items are fetched but not yet consumed. When the buffer falls to `low`,

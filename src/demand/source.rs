@@ -20,7 +20,7 @@ pub type Fetched<T, E> = Poll<Option<Result<Vec<T>, E>>>;
 /// mid-fetch finishes that fetch with the `max` it started with) loses nothing: `prefetch`
 /// buffers the whole batch, above its `high` until it drains.
 ///
-/// [`prefetch`](crate::demand::prefetch) yields a fetch error as an `Err` item. A source
+/// [`prefetch`](crate::demand::prefetch()) yields a fetch error as an `Err` item. A source
 /// that cannot fail says so with `Error = `[`Infallible`](std::convert::Infallible), as
 /// [`IterSource`] and [`StreamSource`] do; its prefetch stream then yields plain items
 /// through [`Prefetch::items`](crate::demand::Prefetch::items).
@@ -66,7 +66,7 @@ impl<S: BatchSource + Unpin + ?Sized> BatchSource for &mut S {
 }
 
 /// The most items one fetch of an in-memory source takes, whatever `max` is: each poll of a
-/// [`prefetch`](crate::demand::prefetch) over an always-ready source does bounded work (with
+/// [`prefetch`](crate::demand::prefetch()) over an always-ready source does bounded work (with
 /// `high` of `usize::MAX` and an endless source, one unbounded fetch would never return).
 const ONE_FETCH: usize = 1024;
 

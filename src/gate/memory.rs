@@ -136,7 +136,7 @@ impl Inner {
 
 /// The embedded gate: per-key limits in this process, in bounded memory.
 ///
-/// Built on [`Keyed`](crate::limit::Keyed), sharded 16 ways to keep contention low; keys
+/// Built on [`Keyed`], sharded 16 ways to keep contention low; keys
 /// whose state is back to neutral are evicted when room is needed (see `Keyed` for the
 /// full-map policy). It gives the same decisions as [`RedisGate`](crate::gate::RedisGate)
 /// for one process — and only for one process: run several instances and each allows the

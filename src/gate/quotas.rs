@@ -1,6 +1,6 @@
 //! The quotas registered on a gate by what is built over it (a
 //! [`RateLimitLayer`](crate::http::RateLimitLayer)), so that layers sharing one
-//! [`MemoryGate`](crate::gate::MemoryGate) are refused when built past the distinct quotas
+//! [`MemoryGate`] are refused when built past the distinct quotas
 //! it decides together, not answered with `KeyspaceFull` on their requests; and so that the
 //! buckets of a quota no layer uses any more give their room back to the layers built after
 //! (the gate marks them released, and each shard evicts them at its next sweep).

@@ -29,7 +29,7 @@ use crate::sync::Mutex;
 /// [`top`](Self::top) instead (unbounded label cardinality is what this avoids).
 ///
 /// [`RateLimitLayer`](crate::http::RateLimitLayer) records every rejection here as
-/// `<policy>:<key>`. The sketch is behind a [`Mutex`](std::sync::Mutex) held for one hash
+/// `<policy>:<key>`. The sketch is behind a [`Mutex`] held for one hash
 /// lookup per recorded rejection (plus a scan of the `k` entries when a new key takes the
 /// place of the smallest one); admitted requests never touch it.
 ///

@@ -16,7 +16,7 @@
 //!   A gone key is stale: every operation on it is a no-op that says so.
 //!
 //! [`cancel`](WaiterList::cancel) removes an entry in any state and says which state it was
-//! in; [`cancel_passing_on`](WaiterList::cancel_passing_on) also hands the wake on: a
+//! in; `cancel_passing_on` (tests and loom models only) also hands the wake on: a
 //! waiter that was granted (woken) and then gave up without claiming would otherwise
 //! swallow that wake, so the next waiter is granted in its place.
 //!
@@ -83,7 +83,7 @@ pub(crate) enum Cancelled<T> {
     /// It was waiting: it left the list; its waker is dropped after the lock.
     Waiting(T),
     /// It had been granted and not claimed: whatever it was granted is now the caller's to
-    /// pass on (or [`cancel_passing_on`](WaiterList::cancel_passing_on) did so).
+    /// pass on (or `cancel_passing_on` did so).
     Granted(T),
     /// Nothing: the key was stale.
     Gone,

@@ -198,7 +198,7 @@ where
 
     /// The most entries one fetch asks Redis for (default 1,000; from 1 to 100,000): the
     /// `COUNT` of `XREADGROUP` and `XAUTOCLAIM` is the demand
-    /// ([`prefetch`](crate::demand::prefetch) asks for `high − buffered`), capped at this.
+    /// ([`prefetch`](crate::demand::prefetch()) asks for `high − buffered`), capped at this.
     /// A `prefetch` window larger than this fills in several fetches.
     pub fn max_count(mut self, max: usize) -> Self {
         self.max_count = max;

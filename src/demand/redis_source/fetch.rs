@@ -75,7 +75,7 @@ struct Counters {
 /// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`; only the
 /// latter reconnects after the server restarts). Give the source a connection of its own:
 /// a blocking read holds up every other command multiplexed on the same connection for up
-/// to `block`. Use it with [`prefetch`](crate::demand::prefetch).
+/// to `block`. Use it with [`prefetch`](crate::demand::prefetch()).
 ///
 /// # A lost group
 ///

@@ -130,7 +130,7 @@ impl Shared {
 
     /// The rate to hand to the pacer, when it changed enough, or when the rate the pacer
     /// has is above the cap now (a server's cap a hair below it: never faster than the
-    /// server allows): give it to [`hand_over`](Inner::hand_over) once the control lock is
+    /// server allows): give it to [`hand_over`](Self::hand_over) once the control lock is
     /// released (the pacer wakes its waiters when its quota changes).
     pub(super) fn apply(&self, c: &mut Control, now: Instant) -> Option<f64> {
         if (c.rate - c.applied).abs() <= APPLY_SHARE * c.applied && c.applied <= self.cap(c, now) {
@@ -140,7 +140,7 @@ impl Shared {
         Some(c.rate)
     }
 
-    /// Hand a rate from [`apply`](Inner::apply) to the pacer and the gauge; call without the
+    /// Hand a rate from [`apply`](Self::apply) to the pacer and the gauge; call without the
     /// control lock. Two callers may hand over in the opposite order to the one they applied
     /// in: each checks afterwards that the pacer has the latest applied rate, and hands that
     /// over if not, so the last word is always the latest rate.

@@ -188,11 +188,7 @@ pub(crate) fn check_at_least(field: &'static str, x: f64, min: f64) -> Result<f6
 /// A positive duration, or an error on `field`.
 pub(crate) fn check_positive(field: &'static str, d: Duration) -> Result<Duration, ConfigError> {
     if d.is_zero() {
-        Err(ConfigError::new(
-            field,
-            ConfigErrorKind::Zero,
-            "must be positive",
-        ))
+        Err(ConfigError::zero_duration(field))
     } else {
         Ok(crate::time::capped(d))
     }

@@ -499,7 +499,7 @@ impl BulkheadBuilder {
             return Err(ConfigError::new(
                 "bulkhead.wait_timeout",
                 ConfigErrorKind::Zero,
-                "must be positive; use max_waiting(0) to never wait",
+                "must be longer than zero; use max_waiting(0) to never wait",
             ));
         }
         check_reserve(max, self.critical_reserve)?;

@@ -437,11 +437,7 @@ impl ShedLayerBuilder {
     /// any `503`).
     pub fn build(self) -> Result<ShedLayer, ConfigError> {
         if self.retry_after.is_zero() {
-            return Err(ConfigError::new(
-                "shed.retry_after",
-                ConfigErrorKind::Zero,
-                "must be positive",
-            ));
+            return Err(ConfigError::zero_duration("shed.retry_after"));
         }
         if self.wait && self.bulkhead.core().wait_timeout().is_none() {
             return Err(ConfigError::new(

@@ -25,8 +25,6 @@ struct Tally {
     rtts: Histogram<u64>,
     /// The longest of them, exact (the histogram rounds up to its bucket's top).
     longest: u64,
-    /// `Ok` calls started in the window.
-    ok: u64,
     /// `Ok` answers that arrived in the window.
     arrived: u64,
     back_pressure: u64,
@@ -40,7 +38,6 @@ impl Tally {
         Tally {
             rtts,
             longest: 0,
-            ok: 0,
             arrived: 0,
             back_pressure: 0,
             ignored: 0,
@@ -52,7 +49,11 @@ impl Tally {
         let ns = u64::try_from(rtt.as_nanos()).unwrap_or(u64::MAX);
         self.rtts.saturating_record(ns);
         self.longest = self.longest.max(ns);
-        self.ok += 1;
+    }
+
+    /// `Ok` calls started in the window: the round trips recorded.
+    fn ok(&self) -> u64 {
+        self.rtts.len()
     }
 
     /// The nearest-rank `q` quantile of the recorded round trips (zero when there are
@@ -83,7 +84,7 @@ pub(super) async fn measure<T: KneeTarget + ?Sized>(
         throughput: tally.arrived as f64 / window,
         p50: tally.quantile(0.50),
         p99: tally.quantile(0.99),
-        ok: tally.ok,
+        ok: tally.ok(),
         back_pressure: tally.back_pressure,
         ignored: tally.ignored,
     }
@@ -171,7 +172,7 @@ mod tests {
         let from = Instant::now();
         let end = from + Duration::from_secs(secs);
         let tally = run(&AtOnce, 64, from, end, Duration::from_secs(1)).await;
-        (tally.ok, tally.heap_bytes())
+        (tally.ok(), tally.heap_bytes())
     }
 
     /// A step holds as much memory for its round-trip times however many calls it makes:
@@ -248,7 +249,7 @@ mod tests {
         assert_eq!(tally.quantile(0.99), Duration::ZERO);
         tally.record_ok(Duration::ZERO);
         tally.record_ok(Duration::MAX);
-        assert_eq!(tally.ok, 2);
+        assert_eq!(tally.ok(), 2);
         assert_eq!(tally.quantile(0.5), Duration::ZERO);
         // The top of the histogram's last bucket: 584 years, a nanosecond short.
         assert!(tally.quantile(0.99) >= Duration::from_nanos(u64::MAX - 1));

@@ -84,16 +84,16 @@ impl Bounds {
                 format!("{} is above the maximum {MAX_LIMIT}", self.max),
             ));
         }
-        if !self.initial_given && self.min <= self.max {
-            // A default start gives way to the bounds given.
-            self.initial = self.initial.clamp(self.min, self.max);
-        }
         if self.min > self.max {
             return Err(ConfigError::new(
                 min_f,
                 ConfigErrorKind::Inconsistent,
                 format!("{} is above max_limit {}", self.min, self.max),
             ));
+        }
+        if !self.initial_given {
+            // A default start gives way to the bounds given.
+            self.initial = self.initial.clamp(self.min, self.max);
         }
         if self.initial < self.min || self.initial > self.max {
             return Err(ConfigError::new(

@@ -31,6 +31,8 @@ use http_body_util::{BodyExt, Empty, Full};
 use tokio::sync::Semaphore;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
+use crate::harness::outcomes;
+
 type Req = Request<Empty<Bytes>>;
 
 fn req(path: &str) -> Req {
@@ -504,10 +506,11 @@ fn poll_counted<F: Future + Unpin>(fut: &mut F, wakes: &Arc<Wakes>) {
     assert!(Pin::new(fut).poll(&mut cx).is_pending(), "still pending");
 }
 
-/// A gate that decides as a `MemoryGate` does, 1 s after it is asked (a remote gate's
-/// round trip): the rate-limit future waits on the gate's future.
+/// A gate that decides as a `MemoryGate` does, the given time after it is asked (a remote
+/// gate's round trip; zero: once its future is polled again): the rate-limit future waits
+/// on the gate's future.
 #[derive(Debug)]
-struct Remote(MemoryGate);
+struct Remote(MemoryGate, Duration);
 
 impl Gate for Remote {
     fn check<'a>(&'a self, key: &'a str, cost: u32) -> flowgate::gate::GateFuture<'a> {
@@ -520,7 +523,11 @@ impl Gate for Remote {
         cost: u32,
     ) -> flowgate::gate::GateFuture<'a, Vec<flowgate::Decision>> {
         Box::pin(async move {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            if self.1.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(self.1).await;
+            }
             Gate::check_all(&self.0, limits, cost).await
         })
     }
@@ -541,9 +548,10 @@ async fn a_waiting_future_is_woken_by_what_it_waits_for_never_by_itself() {
     // RateLimitLayer, waiting on a remote gate: woken once, when the gate answers. Dropped
     // while it waits, nothing is charged nor passed on (the next request still finds the
     // one token).
-    let gate = Remote(MemoryGate::new(Limit::TokenBucket(
-        Quota::per_second(1).unwrap(),
-    )));
+    let gate = Remote(
+        MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap())),
+        Duration::from_secs(1),
+    );
     let layer = RateLimitLayer::builder(gate)
         .policy(Policy::new(
             "all",
@@ -661,9 +669,10 @@ async fn a_shed_waiter_past_the_timeout_is_a_503_and_leaves_the_room() {
 #[tokio::test(start_paused = true)]
 async fn a_rate_limited_request_dropped_before_the_gate_answered_counts_cancelled() {
     let recorder = crate::support::TestRecorder::default();
-    let gate = Remote(MemoryGate::new(Limit::TokenBucket(
-        Quota::per_second(1).unwrap(),
-    )));
+    let gate = Remote(
+        MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap())),
+        Duration::from_secs(1),
+    );
     let layer = metrics::with_local_recorder(&recorder, || {
         RateLimitLayer::builder(gate)
             .policy(Policy::new(
@@ -698,4 +707,73 @@ async fn a_rate_limited_request_dropped_before_the_gate_answered_counts_cancelle
         ))
     };
     assert_eq!((metric("admitted"), metric("cancelled")), (1, 2));
+}
+
+/// Through a gate's future, on four worker threads, a quarter of the requests dropped after
+/// their first poll: each request counts under one outcome (`cancelled` exactly the ones
+/// dropped; in shadow mode a request without a key counts `missing_key` and `admitted`, as
+/// documented), and the top rejected keys add up to the rejections. (Coverage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gate_futures_requests_count_once_with_drops_on_a_multi_thread_runtime() {
+    use flowgate::http::{MissingKey, RequestInfo};
+    for shadow in [false, true] {
+        let gate = Remote(
+            MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap())),
+            Duration::ZERO,
+        );
+        let key = |req: &RequestInfo<'_>, key: &mut String| {
+            let p = req.uri.path();
+            if p.len() > 2 {
+                key.push_str(&p[1..3]);
+                true
+            } else {
+                false
+            }
+        };
+        let layer = RateLimitLayer::builder(gate)
+            .policy(
+                Policy::new("p", Quota::per_hour(3).unwrap(), key).missing_key(MissingKey::Refuse),
+            )
+            .shadow(shadow)
+            .build()
+            .unwrap();
+        let tasks: Vec<_> = (0..8)
+            .map(|t| {
+                let svc = layer.layer(service_fn(|_: Req| async { Ok::<_, Infallible>(ok()) }));
+                tokio::spawn(async move {
+                    let mut dropped = 0u64;
+                    for i in 0..200usize {
+                        let path = if i % 11 == 0 {
+                            "/".to_string()
+                        } else {
+                            format!("/k{}", (i + t) % 10)
+                        };
+                        let fut = svc.clone().oneshot(req(&path));
+                        if i % 4 == 0 {
+                            if fut.now_or_never().is_none() {
+                                dropped += 1;
+                            }
+                        } else {
+                            fut.await.unwrap();
+                        }
+                    }
+                    dropped
+                })
+            })
+            .collect();
+        let mut dropped = 0;
+        for t in tasks {
+            dropped += t.await.unwrap();
+        }
+        let s = layer.stats();
+        let sum = outcomes(&s);
+        let extra = if shadow { s.missing_key } else { 0 };
+        assert_eq!(sum - extra, 1600, "{s:?}");
+        assert_eq!(s.cancelled, dropped);
+        let top = layer.top_rejected(usize::MAX);
+        assert_eq!(
+            top.iter().map(|r| r.count).sum::<u64>(),
+            s.rejected + s.shadow_rejected
+        );
+    }
 }

@@ -95,3 +95,16 @@ pub fn field(headers: &HeaderMap, name: &str) -> Option<String> {
         .collect();
     (!lines.is_empty()).then(|| lines.join(", "))
 }
+
+/// Every outcome a `RateLimitLayer` counted, added up.
+pub fn outcomes(s: &flowgate::http::RateLimitStats) -> u64 {
+    s.admitted
+        + s.rejected
+        + s.shadow_rejected
+        + s.gate_error
+        + s.fail_open
+        + s.fail_closed
+        + s.missing_key
+        + s.bad_request
+        + s.cancelled
+}

@@ -24,7 +24,7 @@ use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty};
 use tower::{Layer, Service, ServiceExt};
 
-use crate::harness::{Server, client, field, get};
+use crate::harness::{Server, client, field, get, outcomes};
 
 fn gate() -> MemoryGate {
     MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()))
@@ -2012,4 +2012,126 @@ async fn the_decisions_metric_agrees_with_stats() {
             assert_eq!(metric(outcome), counted, "{name}: {outcome}");
         }
     }
+}
+
+/// Eight tasks on four worker threads, through clones of one layer: every request is
+/// counted under exactly the outcome it had (free, above the burst, without a key,
+/// admitted, rejected), and the top rejected keys add up to the rejections with no error
+/// (fewer keys than the sketch keeps). (Coverage: the counts were tested on one thread.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_request_counts_once_on_a_multi_thread_runtime() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(per_client(quota(5, Duration::from_secs(3600))).missing_key(MissingKey::Refuse))
+        .cost(|req: &RequestInfo<'_>| match req.uri.path() {
+            "/free" => 0,
+            "/huge" => 1000,
+            _ => 1,
+        })
+        .top_rejected(64)
+        .build()
+        .unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let mut svc = layer.layer(tower::service_fn(ok_full));
+            tokio::spawn(async move {
+                for i in 0..300usize {
+                    let path = match i % 10 {
+                        0 => "/free",
+                        1 => "/huge",
+                        _ => "/",
+                    };
+                    let mut req = Request::builder().uri(path);
+                    if i % 7 != 0 {
+                        req = req.header("x-client", format!("k{}", (i + t) % 16));
+                    }
+                    let req = req.body(()).unwrap();
+                    let _ = svc.ready().await.unwrap().call(req).await.unwrap();
+                    if i % 3 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let s = layer.stats();
+    let sum = outcomes(&s);
+    assert_eq!(sum, 8 * 300, "{s:?}");
+    let top = layer.top_rejected(usize::MAX);
+    assert_eq!(top.iter().map(|r| r.count).sum::<u64>(), s.rejected);
+    assert_eq!(top.len(), 16);
+    assert!(top.iter().all(|r| r.error == 0));
+    let (mut free, mut huge, mut keyless, mut decided) = (0, 0, 0, 0);
+    for _t in 0..8 {
+        for i in 0..300usize {
+            match (i % 7 == 0, i % 10) {
+                (true, _) => keyless += 1,
+                (false, 0) => free += 1,
+                (false, 1) => huge += 1,
+                _ => decided += 1,
+            }
+        }
+    }
+    assert_eq!(
+        (s.admitted, s.rejected, s.missing_key, s.bad_request),
+        (free + 80, decided - 80, keyless, huge)
+    );
+}
+
+/// A quota of one per 584 years (a `u64` of nanoseconds) beside a small one, and centuries
+/// of paused time between rounds: every field parses as Structured Fields, each `t` of a
+/// `429` is within its `Retry-After`, the draft-03 reset is at most `Retry-After`, and the
+/// epoch reset is not before it. (Coverage.)
+#[tokio::test(start_paused = true)]
+async fn fields_of_a_584_year_quota_and_of_centuries_of_paused_time_agree() {
+    let huge = Quota::new(Rate::per(1, Duration::from_nanos(u64::MAX)).unwrap(), 1).unwrap();
+    let layer = RateLimitLayer::builder(gate())
+        .policy(per_client(huge))
+        .policy(Policy::new(
+            "per-user",
+            quota(3, Duration::from_secs(1)),
+            by_user,
+        ))
+        .header_styles(
+            HeaderStyles::IETF | HeaderStyles::DRAFT_03 | HeaderStyles::X_RATELIMIT_EPOCH,
+        )
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(tower::service_fn(ok_full));
+    for step in 0..4 {
+        for _ in 0..3 {
+            let req = Request::builder()
+                .header("x-client", format!("c{step}"))
+                .header("x-user", "u")
+                .body(())
+                .unwrap();
+            let res = svc.ready().await.unwrap().call(req).await.unwrap();
+            let h = res.headers();
+            let rl = list(h, "ratelimit");
+            let pol = list(h, "ratelimit-policy");
+            assert_eq!(pol.len(), 2, "{h:?}");
+            if res.status() == StatusCode::TOO_MANY_REQUESTS {
+                let ra = retry_after(h) as i64;
+                for m in &rl {
+                    if let Some(t) = m.params.get("t") {
+                        assert!(*t <= ra, "{h:?}");
+                    }
+                }
+                assert!(
+                    integer(h, "ratelimit-reset") <= ra && integer(h, "ratelimit-reset") >= 1,
+                    "{h:?}"
+                );
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs() as i64;
+                assert!(integer(h, "x-ratelimit-reset") >= now + ra, "{h:?}");
+            }
+        }
+        tokio::time::advance(Duration::from_secs(200 * 365 * 86_400)).await;
+    }
+    let stats = layer.stats();
+    assert_eq!((stats.admitted, stats.rejected), (4, 8));
 }

@@ -622,3 +622,82 @@ proptest! {
         }
     }
 }
+
+/// Corners of the proxy headers as proxies and clients write them: an IPv4-mapped hop in
+/// brackets with an obfuscated port, `unknown` in any case and with a port, an obfuscated
+/// name with a port, a zone written `%25`, whitespace around `,` and `;`, quoted-strings
+/// holding `,` and brackets, a bracketed address with escapes; several `Forwarded` lines
+/// beside an `X-Forwarded-For` (each extractor reads its own header only); a trusted
+/// network given IPv4-mapped. (Coverage.)
+#[test]
+fn forwarded_corners_as_proxies_write_them() {
+    let (x, f) = (xff(), fwd());
+    let getf =
+        |line: &[u8]| key_of(&f, &request(Some("10.0.0.1:1"), &[("forwarded", line)])).unwrap();
+    let getx = |line: &[u8]| {
+        key_of(
+            &x,
+            &request(Some("10.0.0.1:1"), &[("x-forwarded-for", line)]),
+        )
+        .unwrap()
+    };
+    let cases: [(&[u8], &str); 12] = [
+        (
+            b"for=203.0.113.9, for=\"[::ffff:10.0.0.5]:_p\"",
+            "203.0.113.9",
+        ),
+        (b"for=203.0.113.9, for=[::ffff:10.0.0.5]", "203.0.113.9"),
+        (b"for=203.0.113.9, for=UNKNOWN", "10.0.0.1"),
+        (b"for=203.0.113.9, for=\"unknown:80\"", "10.0.0.1"),
+        (
+            b"for=203.0.113.9, for=\"_hidden:80\", for=10.0.0.3",
+            "10.0.0.3",
+        ),
+        (
+            b"for=203.0.113.9, for=\"[2001:db8:ffff::1%25eth0]:_p\"",
+            "203.0.113.9",
+        ),
+        (
+            b"for=203.0.113.9 , for=10.0.0.3 ; proto=https",
+            "203.0.113.9",
+        ),
+        (
+            b"for=\"203.0.113.9\";by=\"[2001:db8::1]\";host=\"a,b\"",
+            "203.0.113.9",
+        ),
+        (b"for=\"[2001:db8:cafe::1]\"", "2001:db8:cafe::1"),
+        (b"for=\"2001:db8:cafe::1\"", "2001:db8:cafe::1"),
+        (b"FOR=203.0.113.9", "203.0.113.9"),
+        (b"for=\"\\[2001:db8:cafe::1\\]:80\"", "2001:db8:cafe::1"),
+    ];
+    for (line, key) in cases {
+        assert_eq!(getf(line), key, "{}", String::from_utf8_lossy(line));
+    }
+    // Several Forwarded lines, XFF ignored.
+    let req = request(
+        Some("10.0.0.1:1"),
+        &[
+            ("forwarded", b"for=198.51.100.1"),
+            ("x-forwarded-for", b"192.0.2.99"),
+            ("forwarded", b"for=10.0.0.4, for=\"[::ffff:10.0.0.3]\""),
+        ],
+    );
+    assert_eq!(key_of(&f, &req).as_deref(), Some("198.51.100.1"));
+    assert_eq!(key_of(&x, &req).as_deref(), Some("192.0.2.99"));
+    assert_eq!(getx(b"203.0.113.9, [::ffff:10.0.0.5]:_p"), "203.0.113.9");
+    assert_eq!(getx(b"203.0.113.9,::ffff:a00:5"), "203.0.113.9");
+    // Mapped trusted net.
+    let m = ClientIp::builder(ForwardedHeader::XForwardedFor)
+        .trust("::ffff:10.0.0.0/104")
+        .build()
+        .unwrap();
+    assert_eq!(
+        key_of(
+            &m,
+            &request(Some("10.1.1.1:1"), &[("x-forwarded-for", b"203.0.113.9")])
+        )
+        .as_deref(),
+        Some("203.0.113.9")
+    );
+    assert_eq!(m.trusted()[0].to_string(), "10.0.0.0/8");
+}

@@ -102,7 +102,9 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
 
     /// The cost of a request (default 1), e.g. a route's weight. A cost of zero is free
     /// (passed without a decision); a cost above a policy's burst can never be admitted:
-    /// such a request gets `400 Bad Request` (see the layer's docs).
+    /// such a request gets `400 Bad Request` (see the layer's docs). The keys come first: a
+    /// request without a key for a [`MissingKey::Refuse`] policy gets its `400` whatever
+    /// its cost, and a request no policy applies to passes without the closure being called.
     pub fn cost<F>(mut self, cost: F) -> Self
     where
         F: Fn(&RequestInfo<'_>) -> u32 + Send + Sync + 'static,

@@ -139,7 +139,8 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// in order, so a caller deciding many requests (the HTTP layer) reuses one `Vec`.
     ///
     /// The default answers `None`; [`MemoryGate`](crate::gate::MemoryGate) always decides
-    /// here, without allocating for a request on at most 4 distinct keys.
+    /// here, without allocating for a request of at most 4 limits (a key listed twice counts
+    /// twice) on keys it holds already (a new key is copied into its map).
     ///
     /// # Errors
     ///

@@ -392,8 +392,9 @@ impl MemoryGate {
     }
 
     /// [`check_all`](MemoryGate::check_all) into `decisions` (cleared first): no allocation
-    /// once `decisions` has room for the limits, on at most 4 distinct keys (more are
-    /// merged on the heap).
+    /// once `decisions` has room for the limits, on at most 4 limits (more, even on fewer
+    /// distinct keys, are merged on the heap), but for a key new to the buckets, copied into
+    /// its map.
     fn check_all_into(
         &self,
         limits: &[(&str, Quota)],
@@ -535,7 +536,7 @@ impl Gate for MemoryGate {
     }
 
     /// Always `Some`: [`MemoryGate::check_all`], into `decisions` (no allocation on at most
-    /// 4 distinct keys).
+    /// 4 limits, but for a key new to the buckets).
     fn check_all_local(
         &self,
         limits: &[(&str, Quota)],

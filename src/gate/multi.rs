@@ -22,7 +22,7 @@ pub(crate) const MAX_LIMITS: usize = 32;
 /// The most distinct quotas the in-memory gate keeps all-or-nothing buckets for at once.
 pub(crate) const MAX_QUOTAS: usize = 16;
 
-/// A request's buckets (or limits) held inline up to 4 of them: a request on a few keys is
+/// A request's buckets (or limits) held inline up to 4 of them: a request of a few limits is
 /// validated and merged without allocating, and stays small to move.
 type Inline<T> = SmallVec<[T; 4]>;
 

@@ -5,6 +5,8 @@
 
 mod support;
 
+#[path = "gate/all_or_nothing.rs"]
+mod all_or_nothing;
 #[cfg(feature = "metrics")]
 #[path = "gate/dropped.rs"]
 mod dropped;

@@ -105,7 +105,8 @@ enum State<Key> {
 /// and are counted in [`dropped`](Gated::dropped):
 /// - [`Dropped::Rejected`]: rejected under `gated_drop`;
 /// - [`Dropped::GateError`]: refused for good (a cost of zero or above the capacity, an
-///   invalid key), or any error under `gated_drop`;
+///   invalid key, a key Redis holds a value under that the gate cannot read:
+///   [`GateError::UnreadableKey`]), or any error under `gated_drop`;
 /// - [`Dropped::Discarded`]: waiting at the gate when the stream was dropped or taken apart.
 ///
 /// # Metrics

@@ -407,3 +407,73 @@ mod tests {
         assert!(leases.place(now + hour).is_some(), "its tokens lapsed");
     }
 }
+
+#[cfg(all(test, feature = "metrics"))]
+mod accounting {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use metrics::{
+        Counter as MCounter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::metrics::Labels;
+
+    /// Every counter registered is the one total.
+    struct One(Arc<AtomicU64>);
+    impl Recorder for One {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> MCounter {
+            MCounter::from_arc(self.0.clone())
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// (op, key, n, gap ms): 0 take a place and keep n tokens, 1 spend n, 2 clear, 3 take a
+    /// place and give it up.
+    fn ops() -> impl Strategy<Value = Vec<(u8, u8, u32, u64)>> {
+        prop::collection::vec((0u8..4, 0u8..4, 1u32..6, 0u64..400), 1..100)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Tokens kept, spent, forgotten (`clear`) and run out in any order, time moving on,
+        /// places given up, a map of 1 to 3 keys often full: every token kept is spent or
+        /// counted in `unspent`, at the latest when the map is dropped.
+        #[test]
+        fn every_kept_token_is_spent_or_counted(ops in ops(), capacity in 1usize..4) {
+            let total = Arc::new(AtomicU64::new(0));
+            let counter = metrics::with_local_recorder(&One(total.clone()), || {
+                Labels::new(None).counter("unspent", &[])
+            });
+            let leases = Leases::new(5, Duration::from_secs(1), Rate::per_second(10).unwrap(), capacity, counter);
+            let mut now = Instant::now();
+            let (mut kept, mut spent) = (0u64, 0u64);
+            for (op, key, n, gap) in ops {
+                now += Duration::from_millis(gap);
+                let key = format!("k{key}");
+                match op {
+                    0 => if let Some(place) = leases.place(now) {
+                        kept += u64::from(n);
+                        leases.keep(place, &key, n, 5, Duration::from_millis(100 * u64::from(n) + gap));
+                    },
+                    1 => if leases.spend(&key, n, now).is_some() { spent += u64::from(n) },
+                    2 => leases.clear(),
+                    _ => drop(leases.place(now)),
+                }
+            }
+            drop(leases);
+            prop_assert_eq!(kept, spent + total.load(Ordering::Relaxed));
+        }
+    }
+}

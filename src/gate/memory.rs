@@ -212,6 +212,10 @@ impl MemoryGateBuilder {
     /// [`GateError::KeyspaceFull`] when its shard is full, before the whole gate is (with a
     /// thousand keys, at about three quarters), so leave some headroom. The buckets of
     /// [`check_all`](MemoryGate::check_all) have as much room again, apart.
+    ///
+    /// A key's state is a few words for every limit but `Limit::SlidingLog`, which keeps
+    /// the instant of each admission still in its window: up to the rate's `count` of them
+    /// a key, 16 bytes each (in a vector that grows by doubling, so up to twice that).
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
         self
@@ -467,7 +471,8 @@ impl MemoryGate {
             .sum()
     }
 
-    /// Whether no key is held.
+    /// Whether no key is held for the gate's own limit (as [`len`](MemoryGate::len) counts:
+    /// the buckets of [`check_all`](MemoryGate::check_all) are not counted).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -355,7 +355,6 @@ fn a_fetch_asked_for_more_than_it_takes_returns_what_it_took() {
 }
 
 #[test]
-#[ignore = "fault: a StreamSource batch of one ready item keeps room for max items"]
 fn a_stream_source_batch_keeps_no_room_for_items_that_were_not_ready() {
     // A prefetch in its steady state (a burst filled it, then items trickle in about as fast
     // as they are consumed) fetches at each poll from `low`, and each fetch takes the one item

@@ -127,6 +127,13 @@ impl<S: Stream> BatchSource for StreamSource<S> {
                 Poll::Pending => break,
             }
         }
+        // A short batch (fewer items were ready than asked for) gives back the room it did
+        // not use: a prefetch keeps each batch whole until it is drained, and up to `low + 1`
+        // of them at once, so room for `max` in each would hold up to `(low + 1) · max` slots
+        // for its `high` items.
+        if batch.len() < batch.capacity() / 2 {
+            batch.shrink_to_fit();
+        }
         Poll::Ready(Some(Ok(batch)))
     }
 

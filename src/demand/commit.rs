@@ -62,8 +62,13 @@ struct Shared {
 /// offset past an unfinished one, so a crash redelivers whatever was not finished
 /// (at-least-once).
 ///
-/// Offsets must be tracked in increasing order (gaps in numbering are fine). Tokens finish in
-/// any order, from any task, in one of three ways:
+/// Offsets must be tracked in increasing order (gaps in numbering are fine). A gap is not
+/// waited for: the tracker knows only the offsets it tracked, so a record fetched but never
+/// tracked (dropped by a filter or a failed decode before [`track`], discarded by a
+/// [`Prefetch`](crate::demand::Prefetch) whose source then goes on) is committed past once
+/// a later offset is finished. Track each record as it leaves the source, before anything
+/// can drop it, and finish the ones skipped with `done` or `abandon`. Tokens finish in any
+/// order, from any task, in one of three ways:
 ///
 /// - Processed: [`CommitToken::done`].
 /// - Given up (skip / dead-letter): [`CommitToken::abandon`]. Commits move past it as past a

@@ -51,8 +51,13 @@ use crate::metrics::{Counter, Gauge, Labels};
 /// while it lives.) A fetch error not yet yielded is dropped with them. A source whose
 /// items are settled only when the application finishes them loses nothing: a
 /// `RedisStreamSource` entry (feature `redis`) dropped without its `ack` stays pending and
-/// is delivered again, and an offset never tracked by a
-/// [`CommitTracker`](crate::demand::CommitTracker) is never committed. The items of an
+/// is delivered again. An offset never tracked by a
+/// [`CommitTracker`](crate::demand::CommitTracker) is delivered again after a restart
+/// only while no later offset is finished in that tracker: it does not wait for offsets it
+/// never saw, so a consumer that goes on reading the same source after dropping (or taking
+/// apart) the stream first seeks it back to the first offset discarded (or to
+/// `committable() + 1`, which delivers again what is in flight too), or the commits pass
+/// over the discarded ones. The items of an
 /// [`IterSource`](crate::demand::IterSource) or a
 /// [`StreamSource`](crate::demand::StreamSource) are gone, unless the hook keeps them.
 /// Items a source holds in a fetch still in progress are the source's (see its docs).
@@ -443,8 +448,8 @@ impl<S: BatchSource> PrefetchBuilder<S> {
     ///
     /// A source whose items are settled only when the application finishes them (a
     /// `RedisStreamSource` entry without its `ack`, an offset never committed) delivers them
-    /// again; the hook is where the items of any other source can be kept, logged or handed
-    /// back.
+    /// again (an offset: after a restart, or a seek back, see [`Prefetch`]'s dropping); the
+    /// hook is where the items of any other source can be kept, logged or handed back.
     ///
     /// # Examples
     ///

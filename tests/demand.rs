@@ -2462,3 +2462,31 @@ fn a_consumer_loop_across_threads_commits_everything_in_order() {
         (Some(N - 1), 0, N.div_ceil(97), true, 0, Flow::Resumed)
     );
 }
+
+/// Downstream stops asking (no credit) with a resume held back by `min_hold`: the wrapper,
+/// not polled, cannot apply it then, but nothing is stuck: asked again, the stream waits out
+/// the hold, resumes and goes on to the end, with nothing left in flight.
+#[tokio::test(start_paused = true)]
+async fn watermarks_behind_with_demand_resume_when_downstream_asks_again() {
+    let hold = Duration::from_millis(100);
+    let room = Watermarks::builder(futures::stream::iter(0..6u32), levels(2, 0))
+        .min_hold(hold)
+        .build()
+        .unwrap();
+    let signal = room.pause_signal();
+    let (mut stream, demand) = room.with_demand(2);
+    let (_, a) = stream.next().await.unwrap();
+    let (_, b) = stream.next().await.unwrap();
+    assert!(signal.is_paused());
+    assert!(poll!(stream.next()).is_pending(), "no credit");
+    drop((a, b));
+    advance(hold / 2).await;
+    assert!(signal.is_paused(), "the resume waits for min_hold");
+    demand.request(UNBOUNDED).unwrap();
+    let start = tokio::time::Instant::now();
+    let rest: Vec<u32> = (&mut stream).map(|(i, _ticket)| i).collect().await;
+    assert_eq!(rest, [2, 3, 4, 5]);
+    assert!(start.elapsed() <= hold, "waited {:?}", start.elapsed());
+    assert_eq!(stream.get_ref().in_flight(), 0);
+    assert!(!signal.is_paused());
+}

@@ -9,6 +9,8 @@ mod support;
 mod batches;
 #[path = "channel/claims.rs"]
 mod claims;
+#[path = "channel/mixed.rs"]
+mod mixed;
 #[cfg(feature = "metrics")]
 #[path = "channel/recorder.rs"]
 mod recorder;

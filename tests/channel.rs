@@ -1073,7 +1073,6 @@ async fn with_every_receiver_gone_sends_hand_the_item_back_under_every_policy() 
 /// gone does) and gives the slot up, rather than accepting it and passing it straight to
 /// `on_drop` as a permit's send must.
 #[tokio::test]
-#[ignore = "fault: a sink's start_send after the receivers went accepted the item and discarded it"]
 async fn a_sink_reservation_made_before_the_receivers_went_hands_the_item_back() {
     let log = Arc::new(Mutex::new(Vec::new()));
     let seen = log.clone();

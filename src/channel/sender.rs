@@ -283,9 +283,19 @@ impl<T> Sink<T> for Sender<T> {
         }
     }
 
+    /// Fills the slot `poll_ready` reserved, or (under the policies that never wait) sends
+    /// as [`try_send`](Sender::try_send) does. With every receiver gone the item is handed
+    /// back in [`SendError::Closed`], a reserved slot included (given up); only a send racing
+    /// the last receiver's drop may find it gone after the item is in, and then the item goes
+    /// to `on_drop` ([`Dropped::Discarded`](crate::Dropped::Discarded)), counted, as a
+    /// permit's does.
     fn start_send(self: Pin<&mut Self>, item: T) -> Result<(), Self::Error> {
         let this = self.get_mut();
         if std::mem::take(&mut this.sink_reserved) {
+            if this.shared.receivers_gone() {
+                this.shared.release();
+                return Err(SendError::Closed(item));
+            }
             this.shared.send_reserved(item);
             return Ok(());
         }

@@ -361,6 +361,12 @@ impl<T> Shared<T> {
         self.hot.state.load(Ordering::SeqCst) & CLOSED != 0
     }
 
+    /// Whether every receiver is gone (set under the lock as the last one drops, after the
+    /// close; a send racing that drop may not see it yet, and its item is then discarded).
+    pub(crate) fn receivers_gone(&self) -> bool {
+        self.hot.rx.load(Ordering::SeqCst) & RX_GONE != 0
+    }
+
     fn stats_locked(&self, st: &State<T>) -> Stats {
         // Every accepted item is received, dropped, or still queued (`st.received` counts a
         // batch when it is taken): no counter on the senders' path. The items of a batch not

@@ -30,7 +30,11 @@ use std::sync::Arc;
 #[non_exhaustive]
 pub enum Dropped {
     /// The buffer was full under [`Overflow::DropNewest`](crate::Overflow::DropNewest): the
-    /// incoming item was dropped.
+    /// incoming item was dropped. Also the reason under
+    /// [`Overflow::Reject`](crate::Overflow::Reject) in a
+    /// [`leaky_queue`](crate::FlowStreamExt::leaky_queue) (which has nobody to hand the item
+    /// back to), and under [`Overflow::DropOldest`](crate::Overflow::DropOldest) in a channel
+    /// whose every slot is reserved (no buffered item to drop instead).
     Newest,
     /// The buffer was full under [`Overflow::DropOldest`](crate::Overflow::DropOldest): the
     /// oldest buffered item was dropped to make room.

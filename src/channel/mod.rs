@@ -37,10 +37,12 @@
 //!
 //! # Locks
 //!
-//! No user code runs under the channel's lock: wakers are woken *and dropped*, items are
-//! passed to `on_drop`, and the metrics recorder (feature `metrics`) is called, only after
-//! it is released, so a waker, hook or recorder may use the channel (a waker that owns a
-//! permit, a recorder that reads [`Sender::len`] or [`Sender::stats`], say). The recorder
+//! No user code runs under the channel's lock but a waker's `clone` (made when a task
+//! starts to wait, or waits with another waker, as in tokio's channels): wakers are woken
+//! *and dropped*, items are passed to `on_drop`, and the metrics recorder (feature
+//! `metrics`) is called, only after it is released, so a waker, hook or recorder may use
+//! the channel (a waker that owns a permit, a recorder that reads [`Sender::len`] or
+//! [`Sender::stats`], say); a waker's `clone` must not. The recorder
 //! is called once the state it records is settled: a recorder that panics (the panic
 //! reaches the caller) leaves no slot taken and no wake lost.
 //!

@@ -58,8 +58,12 @@
 //! - *Send vs last receiver dropped*: the receiver sets `RX_GONE`, fences, drains the ring;
 //!   the sender pushes, fences, reads `rx`. One of them drops the item through `on_drop`.
 //!
-//! As before, no user code runs under the lock: wakers and the `on_drop` hook run after it
-//! is released (see [`Deferred`]), and so does the metrics recorder (see [`Moves`]).
+//! As before, no user code runs under the lock but a waker's `clone` (see
+//! [`WaitQueue`]): wakers and the `on_drop` hook run after it is released (see
+//! [`Deferred`]), and so does the metrics recorder (see [`Moves`]). A `clone` that panics
+//! there leaves at most a `SEND_WAIT` or `RECV_WAIT` with nobody queued behind it (the
+//! count was full, or the queue empty, anyway), cleared by the next free or push under the
+//! lock.
 //!
 //! # Files
 //!
@@ -232,9 +236,10 @@ pub(crate) struct Shared<T> {
     metrics: Metrics,
 }
 
-// Unwind-safe for every `T`, as tokio declares its channel state: no user code runs under
-// the lock (hooks and wakers run after it is released, see `Deferred`), so a panic leaves
-// the state consistent, and a poisoned lock is used as it is (`lock`). The channel only
+// Unwind-safe for every `T`, as tokio declares its channel state: no user code but a
+// waker's `clone` runs under the lock (hooks and wakers run after it is released, see
+// `Deferred`; a panicking `clone` leaves at most a flag the next free or push clears), so a
+// panic leaves the state consistent, and a poisoned lock is used as it is (`lock`). The channel only
 // moves items in and out; it never hands out a reference to one. (The metrics handles, trait
 // objects, are the only fields that are not unwind-safe by themselves.)
 impl<T> std::panic::RefUnwindSafe for Shared<T> {}

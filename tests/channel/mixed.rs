@@ -2,7 +2,8 @@
 //! sending, reserving, feeding the `Sink` and trying; consumers receiving as futures, in
 //! batches (`recv_many`) and as a `Stream`, some futures cancelled after their first poll,
 //! and receivers replaced by clones mid-batch (the old one gives its batch back). Every
-//! accepted item comes out exactly once, and the counts agree.
+//! accepted item comes out exactly once, and the counts agree; also while the consumers
+//! quit mid-flow, dropping the last receiver under the producers.
 
 use std::collections::HashSet;
 use std::pin::pin;
@@ -23,45 +24,57 @@ fn one_in(rng: &mut Rng, n: u64) -> bool {
 
 const PER_PRODUCER: u64 = 2_000;
 
-/// Whether a send was accepted (`Full` under `Reject` is not); the receivers outlive the
-/// producers, so it is never `Closed`.
-fn accepted_or_full(sent: Result<(), SendError<u64>>) -> bool {
+/// What became of one item a producer offered.
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    /// Accepted: queued, or dropped by the policy (and seen by the hook).
+    Accepted,
+    /// Handed back full (`Reject`).
+    Full,
+    /// Handed back closed: every receiver is gone.
+    Closed,
+    /// The future was dropped after its first poll: never sent.
+    Cancelled,
+}
+
+fn outcome(sent: Result<(), SendError<u64>>) -> Outcome {
     match sent {
-        Ok(()) => true,
-        Err(e) if e.is_full() => false,
-        Err(e) => panic!("the receivers outlive the producers: {e}"),
+        Ok(()) => Outcome::Accepted,
+        Err(e) if e.is_full() => Outcome::Full,
+        Err(_) => Outcome::Closed,
     }
 }
 
-/// One producer; `way` picks how it sends. Returns the items the channel accepted.
-async fn produce(mut tx: Sender<u64>, way: u64) -> Vec<u64> {
+/// One producer; `way` picks how it sends. Returns the items the channel accepted. It stops
+/// at the first item handed back closed, which only `receivers_may_go` allows.
+async fn produce(mut tx: Sender<u64>, way: u64, receivers_may_go: bool) -> Vec<u64> {
     let mut rng = Rng(way * 7919 + 11);
     let mut accepted = Vec::new();
     for i in 0..PER_PRODUCER {
         let item = way * PER_PRODUCER + i;
-        // `Some(true)`: accepted (queued, or dropped by the policy); `Some(false)`: handed
-        // back full (`Reject`); `None`: cancelled, never sent.
         let sent = match way % 4 {
             0 => {
                 let mut send = pin!(tx.send(item));
                 match poll!(send.as_mut()) {
-                    Poll::Ready(r) => Some(accepted_or_full(r.map(drop))),
-                    Poll::Pending if one_in(&mut rng, 3) => None,
-                    Poll::Pending => Some(accepted_or_full(send.await.map(drop))),
+                    Poll::Ready(r) => outcome(r.map(drop)),
+                    Poll::Pending if one_in(&mut rng, 3) => Outcome::Cancelled,
+                    Poll::Pending => outcome(send.await.map(drop)),
                 }
             }
             1 => {
                 let mut reserve = pin!(tx.reserve());
-                match poll!(reserve.as_mut()) {
-                    Poll::Ready(permit) => {
-                        permit.expect("open").send(item);
-                        Some(true)
-                    }
+                let permit = match poll!(reserve.as_mut()) {
+                    Poll::Ready(permit) => Some(permit),
                     Poll::Pending if one_in(&mut rng, 3) => None,
-                    Poll::Pending => {
-                        reserve.await.expect("open").send(item);
-                        Some(true)
+                    Poll::Pending => Some(reserve.await),
+                };
+                match permit {
+                    Some(Ok(permit)) => {
+                        permit.send(item);
+                        Outcome::Accepted
                     }
+                    Some(Err(_)) => Outcome::Closed,
+                    None => Outcome::Cancelled,
                 }
             }
             2 => {
@@ -69,21 +82,26 @@ async fn produce(mut tx: Sender<u64>, way: u64) -> Vec<u64> {
                 // takes it.
                 let mut feed = pin!(SinkExt::feed(&mut tx, item));
                 match poll!(feed.as_mut()) {
-                    Poll::Ready(r) => Some(accepted_or_full(r)),
-                    Poll::Pending if one_in(&mut rng, 3) => None,
-                    Poll::Pending => Some(accepted_or_full(feed.await)),
+                    Poll::Ready(r) => outcome(r),
+                    Poll::Pending if one_in(&mut rng, 3) => Outcome::Cancelled,
+                    Poll::Pending => outcome(feed.await),
                 }
             }
             _ => loop {
                 match tx.try_send(item) {
-                    Ok(_) => break Some(true),
+                    Ok(_) => break Outcome::Accepted,
                     Err(e) if e.is_full() => tokio::task::yield_now().await,
-                    Err(e) => panic!("the receivers outlive the producers: {e}"),
+                    Err(_) => break Outcome::Closed,
                 }
             },
         };
-        if sent == Some(true) {
-            accepted.push(item);
+        match sent {
+            Outcome::Accepted => accepted.push(item),
+            Outcome::Closed => {
+                assert!(receivers_may_go, "the receivers outlive the producers");
+                break;
+            }
+            Outcome::Full | Outcome::Cancelled => {}
         }
         if one_in(&mut rng, 8) {
             tokio::task::yield_now().await;
@@ -94,12 +112,21 @@ async fn produce(mut tx: Sender<u64>, way: u64) -> Vec<u64> {
 }
 
 /// One consumer; it receives in every way, and now and then swaps its receiver for a clone
-/// (dropping the old one with whatever batch it holds).
-async fn consume(mut rx: Receiver<u64>, seed: u64, cancelled: Arc<AtomicU64>) -> Vec<u64> {
+/// (dropping the old one with whatever batch it holds). With `quit_after`, it drops its
+/// receiver once it has received that many items.
+async fn consume(
+    mut rx: Receiver<u64>,
+    seed: u64,
+    cancelled: Arc<AtomicU64>,
+    quit_after: Option<usize>,
+) -> Vec<u64> {
     let mut rng = Rng(seed * 104_729 + 3);
     let mut got = Vec::new();
     let mut buf = Vec::new();
     loop {
+        if quit_after.is_some_and(|n| got.len() >= n) {
+            return got;
+        }
         if one_in(&mut rng, 5) {
             let next = rx.clone();
             drop(std::mem::replace(&mut rx, next));
@@ -143,19 +170,34 @@ async fn consume(mut rx: Receiver<u64>, seed: u64, cancelled: Arc<AtomicU64>) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_way_in_and_out_at_once_accounts_for_every_item() {
-    for overflow in [
-        Overflow::Backpressure,
-        Overflow::Reject,
-        Overflow::DropNewest,
-        Overflow::DropOldest,
-    ] {
+    for overflow in POLICIES {
         for capacity in [1, 3, 16, 64] {
-            run(overflow, capacity).await;
+            run(overflow, capacity, false).await;
         }
     }
 }
 
-async fn run(overflow: Overflow, capacity: usize) {
+/// The same while the consumers quit one after the other, dropping their receivers (with
+/// whatever batch each holds) in the middle of the flow: each accepted item is received or
+/// goes to the hook once, and the producers, waiting, reserving or feeding, are let go with
+/// their items handed back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receivers_going_mid_flow_lose_no_accepted_item() {
+    for overflow in POLICIES {
+        for capacity in [1, 3, 16, 64] {
+            run(overflow, capacity, true).await;
+        }
+    }
+}
+
+const POLICIES: [Overflow; 4] = [
+    Overflow::Backpressure,
+    Overflow::Reject,
+    Overflow::DropNewest,
+    Overflow::DropOldest,
+];
+
+async fn run(overflow: Overflow, capacity: usize, receivers_go: bool) {
     let dropped = Arc::new(Mutex::new(Vec::new()));
     let log = dropped.clone();
     let (tx, rx) = channel::builder::<u64>(capacity)
@@ -164,49 +206,44 @@ async fn run(overflow: Overflow, capacity: usize) {
         .build()
         .unwrap();
     let producers: Vec<_> = (0..4)
-        .map(|way| tokio::spawn(produce(tx.clone(), way)))
+        .map(|way| tokio::spawn(produce(tx.clone(), way, receivers_go)))
         .collect();
     // Kept to read the stats at the end, detached so that it does not hold the channel open.
     let mut tx = tx;
     SinkExt::close(&mut tx).await.unwrap();
     let cancelled = Arc::new(AtomicU64::new(0));
-    let consumers: Vec<_> = (0..3)
-        .map(|c| tokio::spawn(consume(rx.clone(), c, cancelled.clone())))
+    let consumers: Vec<_> = (0..3u64)
+        .map(|c| {
+            let quit_after = receivers_go.then_some(500 + 700 * c as usize);
+            tokio::spawn(consume(rx.clone(), c, cancelled.clone(), quit_after))
+        })
         .collect();
     drop(rx);
     let mut accepted = HashSet::new();
     for p in producers {
         accepted.extend(p.await.unwrap());
     }
+    let at = format!("{overflow} {capacity} (receivers go: {receivers_go})");
     let mut seen = HashSet::new();
     let mut received = 0u64;
     for c in consumers {
         for x in c.await.unwrap() {
-            assert!(
-                seen.insert(x),
-                "{overflow} {capacity}: item {x} received twice"
-            );
+            assert!(seen.insert(x), "{at}: item {x} received twice");
             received += 1;
         }
     }
     let dropped = dropped.lock().unwrap().clone();
     for x in &dropped {
-        assert!(
-            seen.insert(*x),
-            "{overflow} {capacity}: item {x} received and dropped"
-        );
+        assert!(seen.insert(*x), "{at}: item {x} received and dropped");
     }
-    assert_eq!(
-        seen, accepted,
-        "{overflow} {capacity}: every accepted item comes out once"
-    );
+    assert_eq!(seen, accepted, "{at}: every accepted item comes out once");
     let s = tx.stats();
     assert_eq!(
         (s.sent, s.received, s.dropped),
         (accepted.len() as u64, received, dropped.len() as u64),
-        "{overflow} {capacity}"
+        "{at}"
     );
-    if !overflow.drops() {
-        assert!(dropped.is_empty(), "{overflow} {capacity}");
+    if !overflow.drops() && !receivers_go {
+        assert!(dropped.is_empty(), "{at}");
     }
 }

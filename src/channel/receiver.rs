@@ -138,7 +138,8 @@ impl<T> Receiver<T> {
     /// Poll for the next item, registering the task when none is there.
     ///
     /// To save locking, a receiver takes up to 32 buffered items at once (at most the
-    /// capacity, and at most its share of the queue — `len / receivers` — so with
+    /// capacity, and at most its share of the queue — the items queued, those in receivers'
+    /// batches left out, divided by the number of receivers, and at least one — so with
     /// several receivers none sits on items another one is idle for) and hands them out one
     /// by one; they keep their slots in the channel until the last of them is handed out, so
     /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if

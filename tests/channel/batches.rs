@@ -360,3 +360,33 @@ async fn items_given_back_by_dropped_receivers_keep_their_order() {
     let rest: Vec<u32> = d.by_ref().collect().await;
     assert_eq!(rest, [2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
 }
+
+/// `poll_recv`'s docs: a receiver's share is of what is queued, divided among the receivers;
+/// the items another receiver holds in its batch are not queued, and do not make the share
+/// larger.
+#[tokio::test]
+async fn a_share_is_of_what_is_queued_not_of_what_other_batches_hold() {
+    let (tx, mut a) = channel::bounded::<u32>(16).unwrap();
+    let mut b = a.clone();
+    for i in 0..8 {
+        tx.try_send(i).unwrap();
+    }
+    assert_eq!(
+        a.recv().await,
+        Some(0),
+        "a takes 0 to 3: half of the 8 queued"
+    );
+    assert_eq!(a.len(), 7, "1 to 3 in a's batch, 4 to 7 queued");
+    assert_eq!(
+        b.recv().await,
+        Some(4),
+        "b takes half of the 4 queued: 4 and 5"
+    );
+    let from_a: Vec<u32> = std::iter::from_fn(|| a.try_recv().ok()).collect();
+    assert_eq!(
+        from_a,
+        [1, 2, 3, 6, 7],
+        "5 is in b's batch; 6 was left queued"
+    );
+    assert_eq!(b.try_recv(), Ok(5));
+}

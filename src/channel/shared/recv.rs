@@ -53,9 +53,10 @@ impl<T> Shared<T> {
     /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the
     /// rest go to `local` and keep their slots (held) until
     /// [`release_held`](Shared::release_held), so the channel's bound still counts them. A
-    /// receiver takes at most its share of what is queued (`len / receivers`), so none sits
-    /// on items another one is idle for. `st.received` counts a batch when it is taken (and
-    /// uncounts what is given back); `Stats::received` counts items as they are handed out,
+    /// receiver takes at most its share of what is queued (`queued / receivers`, at least
+    /// one; items in receivers' batches are not queued), so none sits on items another one
+    /// is idle for. `st.received` counts a batch when it is taken (and uncounts what is
+    /// given back); `Stats::received` counts items as they are handed out,
     /// the `received_total` metric a batch's items with their slots, when the last of them
     /// is handed out (or the rest given back).
     ///

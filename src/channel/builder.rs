@@ -75,7 +75,9 @@ impl<T> ChannelBuilder<T> {
     /// - [`Dropped::Oldest`]: the oldest buffered item, dropped under
     ///   [`Overflow::DropOldest`] to make room;
     /// - [`Dropped::Discarded`]: an item left over when the channel ended: still buffered
-    ///   when the last receiver was dropped, or sent through a permit after that.
+    ///   when the last receiver was dropped, or sent after that through a permit (or by a
+    ///   send, a `Sink`'s included, that took its slot before that drop and filled it as
+    ///   the drop ran).
     ///
     /// It runs on the task that caused the drop, outside the channel's lock; it should be
     /// quick and must not block.

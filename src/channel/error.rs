@@ -147,6 +147,6 @@ pub struct Stats {
     /// handed out: until then [`len`](crate::channel::Receiver::len) counts it).
     pub received: u64,
     /// Items dropped: by `DropNewest` / `DropOldest`, or left in the buffer (or sent through a
-    /// permit) after every receiver was gone.
+    /// permit, or by a send racing the last receiver's drop) after every receiver was gone.
     pub dropped: u64,
 }

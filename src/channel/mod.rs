@@ -23,7 +23,8 @@
 //!   outstanding [`Permit`], then `None`.
 //! - When every [`Receiver`] is gone, sends fail and hand the item back; items still
 //!   buffered go to `on_drop` ([`Dropped::Discarded`](crate::Dropped::Discarded)) and are
-//!   counted as dropped.
+//!   counted as dropped, as do items sent through an outstanding permit, and those of sends
+//!   that took their slot before the last receiver's drop and fill it as that drop runs.
 //!
 //! # Fairness
 //!

@@ -161,6 +161,27 @@ impl TestRecorder {
     pub fn ids(&self) -> Vec<String> {
         self.cells.lock().unwrap().keys().cloned().collect()
     }
+
+    /// A retry budget and a retry policy over `backoff` with that budget, both named
+    /// `name`, whose metrics this recorder records.
+    pub fn retry_policy(
+        &self,
+        name: &str,
+        backoff: flowgate::retry::Backoff,
+    ) -> (flowgate::retry::RetryBudget, flowgate::retry::RetryPolicy) {
+        metrics::with_local_recorder(self, || {
+            let budget = flowgate::retry::RetryBudget::builder()
+                .name(name)
+                .build()
+                .unwrap();
+            let policy = flowgate::retry::RetryPolicy::builder(backoff)
+                .name(name)
+                .budget(budget.clone())
+                .build()
+                .unwrap();
+            (budget, policy)
+        })
+    }
 }
 
 impl Recorder for TestRecorder {

@@ -359,9 +359,10 @@ impl RetryPolicy {
         self.inner.attempts.increment(1);
     }
 
-    /// Record an attempt's outcome and `rtt` (the attempt alone, never its wait for the
-    /// pacer or a backoff) with the budget, the pacer and the metrics.
-    pub(crate) fn record(&self, outcome: Outcome, rtt: Duration) {
+    /// Record an attempt's outcome with the budget (a success: a failure reaches it through
+    /// [`next`](Self::next), or as a request not sent again) and the pacer. Its round-trip
+    /// time goes to the metrics afterwards, [`record_rtt`](Self::record_rtt).
+    pub(crate) fn record(&self, outcome: Outcome) {
         let p = &*self.inner;
         match outcome {
             Outcome::Success => {
@@ -382,9 +383,14 @@ impl RetryPolicy {
             }
             Outcome::Fatal | Outcome::Retry => {}
         }
-        // Last: a metrics recorder is user code, and one that panics must not keep the
-        // outcome from the budget and the pacer.
-        p.rtt.record(rtt.as_secs_f64());
+    }
+
+    /// Record an attempt's `rtt` (the attempt alone, never its wait for the pacer or a
+    /// backoff) in the histogram: last, once the budget and the pacer heard of the attempt,
+    /// a failure included (after [`next`](Self::next)). A metrics recorder is user code,
+    /// and one that panics must not keep the outcome from them.
+    pub(crate) fn record_rtt(&self, rtt: Duration) {
+        self.inner.rtt.record(rtt.as_secs_f64());
     }
 
     /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or
@@ -667,30 +673,37 @@ where
                 (Some(result), outcome)
             }
         };
-        policy.record(outcome, started.elapsed());
-        let stop = match outcome {
-            Outcome::Success => Some(Stop::Success),
-            Outcome::Fatal => Some(Stop::Fatal),
-            Outcome::Retry | Outcome::BackPressure { .. } => {
-                match policy.next(&mut schedule, outcome) {
-                    Ok(delay) => {
-                        unfinished.retry_pending = true;
-                        tokio::time::sleep(delay).await;
-                        None
+        let rtt = started.elapsed();
+        policy.record(outcome);
+        let next = match outcome {
+            Outcome::Success => Err(Stop::Success),
+            Outcome::Fatal => Err(Stop::Fatal),
+            Outcome::Retry | Outcome::BackPressure { .. } => policy
+                .next(&mut schedule, outcome)
+                // A timed-out attempt not retried ends timed out, whatever stopped it.
+                .map_err(|stop| {
+                    if result.is_none() {
+                        Stop::TimedOut
+                    } else {
+                        stop
                     }
-                    Err(_) if result.is_none() => Some(Stop::TimedOut),
-                    Err(stop) => Some(stop),
-                }
-            }
+                }),
         };
-        if let Some(stop) = stop {
-            unfinished.ended = true;
-            policy.count_stop(&stop);
-            return Retried {
-                result,
-                attempts: attempt,
-                stop,
-            };
+        // A retry allowed is pending from here: a panic below abandons it.
+        unfinished.retry_pending = next.is_ok();
+        // After the budget heard of a failure: see `record_rtt`.
+        policy.record_rtt(rtt);
+        match next {
+            Ok(delay) => tokio::time::sleep(delay).await,
+            Err(stop) => {
+                unfinished.ended = true;
+                policy.count_stop(&stop);
+                return Retried {
+                    result,
+                    attempts: attempt,
+                    stop,
+                };
+            }
         }
     }
 }

@@ -1551,7 +1551,6 @@ async fn an_inner_service_panicking_in_call_for_a_retry_sends_no_attempt() {
 /// budget heard of the failure, so both tokens were kept.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking on the round-trip histogram keeps a failed attempt from the budget"]
 async fn a_recorder_panicking_on_the_round_trip_still_tells_the_budget_of_a_failure() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

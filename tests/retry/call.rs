@@ -640,7 +640,6 @@ async fn a_recorder_panicking_on_the_round_trip_still_reports_the_outcome() {
 /// abandoned.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking on the round-trip histogram keeps a failed attempt from the budget"]
 async fn a_recorder_panicking_on_the_round_trip_still_tells_the_budget_of_a_failure() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

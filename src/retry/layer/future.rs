@@ -301,38 +301,49 @@ where
                     policy.backoff().max_retry_after(),
                 );
             }
-            policy.record(outcome, rtt);
+            policy.record(outcome);
             let attempts = this.schedule.attempts();
-            let stop = match outcome {
-                Outcome::Success => Stop::Success,
-                Outcome::Fatal => Stop::Fatal,
+            let next = match outcome {
+                Outcome::Success => Err(Stop::Success),
+                Outcome::Fatal => Err(Stop::Fatal),
                 // A timed-out request may have been acted on: only a method safe to send
                 // twice is sent again (the pacer still heard of the back-pressure).
                 Outcome::BackPressure { .. } if result.is_none() && !*this.retryable => {
-                    Stop::TimedOut
+                    Err(Stop::TimedOut)
                 }
                 // A `Retry`, or back-pressure from an error (a client's own timeout): not
                 // sent twice.
-                Outcome::Retry | Outcome::BackPressure { .. } if not_resent => Stop::NotRetryable,
-                Outcome::Retry | Outcome::BackPressure { .. } => {
-                    match policy.next(this.schedule, outcome) {
-                        Ok(delay) => {
-                            arm(this.sleep.as_mut(), Instant::now() + capped(delay));
-                            let drain = match result {
-                                Some(Ok(res)) => Some(res.into_body()),
-                                _ => None,
-                            };
-                            this.state.set(State::Backoff {
-                                drain,
-                                drained: 0,
-                                frames: 0,
-                            });
-                            continue;
-                        }
-                        Err(_) if result.is_none() => Stop::TimedOut,
-                        Err(stop) => stop,
-                    }
+                Outcome::Retry | Outcome::BackPressure { .. } if not_resent => {
+                    Err(Stop::NotRetryable)
                 }
+                Outcome::Retry | Outcome::BackPressure { .. } => {
+                    policy.next(this.schedule, outcome).map_err(|stop| {
+                        if result.is_none() {
+                            Stop::TimedOut
+                        } else {
+                            stop
+                        }
+                    })
+                }
+            };
+            // After the budget heard of a failure (see `RetryPolicy::record_rtt`); a panic
+            // here, the state `Ended`, abandons a retry the budget allowed.
+            policy.record_rtt(rtt);
+            let stop = match next {
+                Ok(delay) => {
+                    arm(this.sleep.as_mut(), Instant::now() + capped(delay));
+                    let drain = match result {
+                        Some(Ok(res)) => Some(res.into_body()),
+                        _ => None,
+                    };
+                    this.state.set(State::Backoff {
+                        drain,
+                        drained: 0,
+                        frames: 0,
+                    });
+                    continue;
+                }
+                Err(stop) => stop,
             };
             this.state.set(State::Done);
             policy.count_stop(&stop);

@@ -620,7 +620,6 @@ fn bad_configurations_are_refused() {
 /// builder uses, "must be longer than zero" (`ConfigError::zero_duration`), not "must be
 /// above zero".
 #[test]
-#[ignore = "fault: the knee finder's and the simulator's zero durations say 'must be above zero'"]
 fn a_zero_duration_is_refused_in_the_words_of_every_other_builder() {
     let knee = |b: KneeConfigBuilder| b.build().unwrap_err();
     let sim = |b: DownstreamBuilder| b.build().unwrap_err();

@@ -402,11 +402,7 @@ impl DownstreamBuilder {
     pub fn build(self) -> Result<Downstream, ConfigError> {
         let m = &self.model;
         if m.base.is_zero() {
-            return Err(ConfigError::new(
-                "sim.base",
-                ConfigErrorKind::Zero,
-                "must be above zero",
-            ));
+            return Err(ConfigError::zero_duration("sim.base"));
         }
         if m.knee == 0 || m.changes.iter().any(|&(_, k)| k == 0) {
             return Err(ConfigError::zero("sim.knee"));
@@ -415,11 +411,7 @@ impl DownstreamBuilder {
             return Err(ConfigError::zero("sim.capacity"));
         }
         if m.timeout.is_some_and(|t| t.is_zero()) {
-            return Err(ConfigError::new(
-                "sim.timeout",
-                ConfigErrorKind::Zero,
-                "must be above zero",
-            ));
+            return Err(ConfigError::zero_duration("sim.timeout"));
         }
         if !(m.slope.is_finite() && m.slope >= 0.0) {
             return Err(ConfigError::new(

@@ -284,11 +284,7 @@ impl KneeConfigBuilder {
             return Err(too_large("knee.refine_rounds", "must be at most 8"));
         }
         if c.step_duration.is_zero() {
-            return Err(ConfigError::new(
-                "knee.step_duration",
-                ConfigErrorKind::Zero,
-                "must be above zero",
-            ));
+            return Err(ConfigError::zero_duration("knee.step_duration"));
         }
         if c.warmup >= c.step_duration {
             return Err(inconsistent(
@@ -297,11 +293,7 @@ impl KneeConfigBuilder {
             ));
         }
         if c.timeout.is_zero() {
-            return Err(ConfigError::new(
-                "knee.timeout",
-                ConfigErrorKind::Zero,
-                "must be above zero",
-            ));
+            return Err(ConfigError::zero_duration("knee.timeout"));
         }
         if !(0.0..0.5).contains(&c.plateau) {
             return Err(inconsistent("knee.plateau", "must be in [0, 0.5)"));

@@ -88,6 +88,11 @@ impl fmt::Display for Dropped {
 /// buffered), all of them are counted first; the items after the one whose hook panicked
 /// are dropped without the hook.
 ///
+/// While the thread already unwinds from another panic (a receiver, a stream or an adapter
+/// dropped from the stack of a task that panicked), a hook's panic is caught and dropped,
+/// as the metrics recorder's are: a second panic would abort the process. The first panic
+/// goes on, and every item still reaches the hook.
+///
 /// # Examples
 ///
 /// ```
@@ -115,8 +120,20 @@ impl<T> OnDrop<T> {
     }
 
     /// Call the hook with a dropped item and why it was dropped.
+    ///
+    /// # Panics
+    ///
+    /// When the hook panics, except while the thread already unwinds from another panic
+    /// (see [`OnDrop`]).
     pub fn call(&self, item: T, why: &Dropped) {
-        (self.0)(item, why)
+        if std::thread::panicking() {
+            // Dropped by an unwinding (a receiver, a stream, an adapter on the stack of a
+            // panicking task): a second panic would abort the process.
+            let hook = std::panic::AssertUnwindSafe(|| (self.0)(item, why));
+            let _ = std::panic::catch_unwind(hook);
+        } else {
+            (self.0)(item, why)
+        }
     }
 }
 

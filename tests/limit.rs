@@ -414,6 +414,45 @@ fn a_key_evicted_by_a_sweep_is_not_decided_before_the_sweep() {
     );
 }
 
+/// At `now == Duration::MAX` (the end of the time any `Duration` says, which the docs
+/// take) a busy state's `neutral_at` is past it and saturates to `Duration::MAX`, which
+/// read as "neutral now": `Keyed` forgot every new key right after admitting it, and a
+/// sweep there evicted every busy key, so each request at that time got a fresh burst,
+/// where one limiter per key refuses the second.
+#[test]
+#[ignore = "fault: at now == Duration::MAX Keyed forgets busy keys and admits them afresh"]
+fn keyed_keeps_busy_keys_at_the_end_of_time() {
+    fn keeps<A: Algorithm + Clone + std::fmt::Debug>(algorithm: A) {
+        let end = Duration::MAX;
+        let cap = algorithm.capacity() as u32;
+        let mut one = Limiter::new(algorithm.clone());
+        assert!(one.check(end, cap).unwrap().allowed);
+        assert!(!one.check(end, 1).unwrap().allowed, "one limiter refuses");
+        assert!(!one.is_neutral(end), "{algorithm:?}: busy, not neutral");
+        let mut keyed = Keyed::new(algorithm.clone(), 2).unwrap();
+        assert!(keyed.check("a", end, cap).unwrap().allowed);
+        assert!(
+            keyed.get("a").is_some(),
+            "{algorithm:?}: the busy key is kept"
+        );
+        assert_eq!(
+            keyed.sweep(end),
+            0,
+            "{algorithm:?}: nothing neutral to evict"
+        );
+        let d = keyed.check("a", end, 1).unwrap();
+        assert!(
+            !d.allowed,
+            "{algorithm:?}: a second burst at the same time: {d:?}"
+        );
+    }
+    let rate = Rate::per_second(3).unwrap();
+    keeps(TokenBucket::new(Quota::from(rate)));
+    keeps(FixedWindow::new(rate));
+    keeps(SlidingWindow::new(rate));
+    keeps(SlidingLog::new(rate));
+}
+
 #[test]
 fn time_going_backwards_is_conservative() {
     let q = Quota::per_second(1).unwrap();

@@ -10,6 +10,7 @@ use hashbrown::HashTable;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
+use crate::limit::limiter::neutral_by;
 use crate::limit::{Algorithm, KeyedError};
 
 /// Per-key limits (per user, per tenant, per IP) under one algorithm, in bounded memory.
@@ -168,7 +169,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             });
         }
         let neutral_at = self.algorithm.neutral_at(&state);
-        if neutral_at > now {
+        if !neutral_by(neutral_at, now) {
             self.next_sweep = self.next_sweep.min(neutral_at);
             let hasher = &self.hasher;
             self.map
@@ -195,7 +196,7 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         let algorithm = &self.algorithm;
         self.map.retain(|(_, state)| {
             let at = algorithm.neutral_at(state);
-            if at <= now {
+            if neutral_by(at, now) {
                 false
             } else {
                 next = next.min(at);

@@ -63,13 +63,25 @@ pub trait Algorithm {
     fn capacity(&self) -> u64;
 
     /// The earliest time at which `state` equals a fresh state again (everything consumed has
-    /// been restored). A fresh state returns `Duration::ZERO`.
+    /// been restored). A fresh state returns `Duration::ZERO`. A time past the last one a
+    /// `Duration` holds saturates at `Duration::MAX`, which [`is_neutral`](Algorithm::is_neutral)
+    /// and [`Keyed`](crate::limit::Keyed) take as never.
     fn neutral_at(&self, state: &Self::State) -> Duration;
 
-    /// Whether `state` at `now` is that of a fresh key, so it can be forgotten.
+    /// Whether `state` at `now` is that of a fresh key, so it can be forgotten: its
+    /// [`neutral_at`](Algorithm::neutral_at) is at or before `now`, and is not
+    /// `Duration::MAX` (a saturated time: a state busy at `now == Duration::MAX` would read
+    /// as neutral, and be given a fresh burst at that same time).
     fn is_neutral(&self, state: &Self::State, now: Duration) -> bool {
-        self.neutral_at(state) <= now
+        neutral_by(self.neutral_at(state), now)
     }
+}
+
+/// Whether a state neutral at `at` (a [`neutral_at`](Algorithm::neutral_at)) is neutral at
+/// `now`; `Duration::MAX` is a saturated time, never reached.
+#[inline]
+pub(crate) fn neutral_by(at: Duration, now: Duration) -> bool {
+    at <= now && at < Duration::MAX
 }
 
 /// One limiter: an [`Algorithm`] together with its state.

@@ -79,6 +79,13 @@ impl TokenBucketState {
         self.lo = tat as u64;
         self.hi = (tat >> 64) as u64;
     }
+
+    /// Whether this state's bucket is full again later than `other`'s (two states of one
+    /// bucket), compared exactly: [`neutral_at`](Algorithm::neutral_at) rounds to the
+    /// nanosecond and saturates at `Duration::MAX`.
+    pub(crate) fn full_later_than(self, other: TokenBucketState) -> bool {
+        self.get() > other.get()
+    }
 }
 
 impl TokenBucket {

@@ -669,7 +669,7 @@ impl Inner {
         // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`).
         let at = i128::try_from(self.elapsed(at).as_nanos()).unwrap_or(i128::MAX);
         let paused = st.bucket.state_next_at(at);
-        if st.bucket.neutral_at(&paused) <= st.bucket.neutral_at(&st.gcra) {
+        if !paused.full_later_than(st.gcra) {
             return;
         }
         st.gcra = paused;

@@ -113,6 +113,64 @@ proptest! {
     }
 }
 
+/// `num / den` ns, rounded up to the nanosecond and then to the timer's 1 ms tick.
+fn on_the_tick(num: u128, den: u128) -> u64 {
+    let ns = num.div_ceil(den);
+    u64::try_from(ns.div_ceil(1_000_000) * 1_000_000).unwrap()
+}
+
+/// A stream of unit-cost items pulled as fast as it yields, in a task of its own; returns
+/// when each item left (ns since `start`).
+fn saturated(pacer: Pacer, n: usize, start: Instant) -> tokio::task::JoinHandle<Vec<u64>> {
+    tokio::spawn(async move {
+        futures::stream::iter(0..n)
+            .leaky_with(pacer)
+            .map(|_| start.elapsed().as_nanos() as u64)
+            .collect()
+            .await
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Never fewer than the model admits, nor sooner: with a burst that absorbs the 1 ms
+    /// timer's lateness (the default, or more), saturated streams sharing one pacer, at
+    /// rates from 1 per 5 s to 2M/s that do and do not divide a nanosecond, release unit
+    /// `k` (counted over all of them) exactly on the first tick at or after its GCRA due
+    /// time `(k + 1 − burst) / rate`: no unit late, none lost to rounding, none early.
+    #[test]
+    fn every_unit_leaves_on_the_first_tick_after_its_due_time(
+        count in prop_oneof![1u32..=20, 1u32..=2_000_000, Just(1_000_000), Just(999_983)],
+        period_ms in prop_oneof![Just(1_000u64), Just(1), 1..5_000u64],
+        streams in 1usize..=4,
+        per_stream in 1usize..100,
+        extra in 0u32..4,
+    ) {
+        let rate = Rate::per(count, Duration::from_millis(period_ms)).unwrap();
+        let burst = Pacer::default_quota(rate).burst_size() + extra;
+        let mut released = runtime().block_on(async {
+            let pacer = Pacer::builder(rate).burst(burst).build().unwrap();
+            let start = Instant::now();
+            let tasks: Vec<_> = (0..streams)
+                .map(|_| saturated(pacer.clone(), per_stream, start))
+                .collect();
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await.unwrap());
+            }
+            all
+        });
+        released.sort_unstable();
+        prop_assert_eq!(released.len(), streams * per_stream);
+        let (n, p) = (u128::from(count), u128::from(period_ms) * 1_000_000);
+        for (k, &at) in released.iter().enumerate() {
+            let ahead = (k as u128 + 1).saturating_sub(u128::from(burst));
+            prop_assert_eq!(at, on_the_tick(ahead * p, n), "unit {} of {:?}, burst {}", k, rate, burst);
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_rate_is_exact_and_does_not_drift() {
     // 3 per second does not divide a second, and the timer rounds every wait up to a whole
@@ -1143,4 +1201,79 @@ async fn a_waiter_polled_after_its_turn_records_its_lateness() {
         recorder.samples("flowgate_pace_lateness_seconds{name=late}"),
         [0.0, 0.05]
     );
+}
+
+/// One waiter of [`line_holds_under_random_use`]: its order of arrival, its wait and
+/// cost, and whether its task polls it (else it is left alone once queued, as in a busy
+/// `select!` loop).
+struct Waiter {
+    arrived: usize,
+    wait: std::pin::Pin<Box<flowgate::pace::UntilReady>>,
+    cost: u32,
+    polled: bool,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Random use of one pacer: waiters that are polled and waiters left alone once
+    /// queued, waiters dropped from anywhere in the line, `check`s, time passing. Over
+    /// every unit taken (by `until_ready` or `check`), guarantee (a) holds, and no polled
+    /// waiter passes while one that arrived before it and is polled still waits (FIFO;
+    /// only the ones left alone are stepped over).
+    #[test]
+    fn line_holds_under_random_use(
+        ops in prop::collection::vec((0u8..6, 1u32..=4, 0u64..40), 1..120),
+        burst in 4u32..=6,
+        count in 1u32..=50,
+    ) {
+        let rate = Rate::per(count, Duration::from_millis(100)).unwrap();
+        let outcome: Result<(), String> = runtime().block_on(async move {
+            let pacer = Pacer::builder(rate).burst(burst).build().unwrap();
+            let start = Instant::now();
+            let at = || start.elapsed().as_nanos() as u64;
+            let mut line: Vec<Waiter> = Vec::new();
+            let mut taken: Vec<(u64, u32)> = Vec::new();
+            for (arrived, (op, cost, ms)) in ops.into_iter().enumerate() {
+                match op {
+                    0 | 1 => {
+                        let mut wait = Box::pin(pacer.until_ready(cost));
+                        match poll!(wait.as_mut()) {
+                            Poll::Ready(r) => {
+                                r.unwrap();
+                                taken.push((at(), cost));
+                            }
+                            Poll::Pending => line.push(Waiter { arrived, wait, cost, polled: op == 0 }),
+                        }
+                    }
+                    2 => {
+                        if pacer.check(cost).unwrap().allowed {
+                            taken.push((at(), cost));
+                        }
+                    }
+                    3 if !line.is_empty() => {
+                        line.remove(ms as usize % line.len());
+                    }
+                    _ => tokio::time::advance(Duration::from_millis(ms)).await,
+                }
+                // The polled waiters' tasks run, until none of them passes any more.
+                let mut k = 0;
+                while k < line.len() {
+                    if line[k].polled && let Poll::Ready(r) = poll!(line[k].wait.as_mut()) {
+                        r.unwrap();
+                        let w = line.remove(k);
+                        taken.push((at(), w.cost));
+                        if let Some(ahead) = line.iter().find(|o| o.polled && o.arrived < w.arrived) {
+                            return Err(format!("{} passed before {}, which came first", w.arrived, ahead.arrived));
+                        }
+                        k = 0;
+                        continue;
+                    }
+                    k += 1;
+                }
+            }
+            check_bound(rate, burst, &taken)
+        });
+        outcome.map_err(TestCaseError::fail)?;
+    }
 }

@@ -319,6 +319,71 @@ proptest! {
     }
 }
 
+/// Decides `trace` (time, key, cost, whether a sweep runs first) on a `Keyed` of
+/// `max_keys` and on one limiter per key that is never forgotten: the same decisions,
+/// except `KeyspaceFull`, which comes only when every held key is busy.
+fn keyed_as_one_limiter_per_key<A: Algorithm + Clone>(
+    algorithm: A,
+    trace: &[(u64, u8, u32, bool)],
+    max_keys: usize,
+) -> Result<(), TestCaseError> {
+    let mut keyed = Keyed::new(algorithm.clone(), max_keys).unwrap();
+    let mut reference: std::collections::HashMap<u8, Limiter<A>> = Default::default();
+    for &(t, key, cost, sweep) in trace {
+        if sweep {
+            keyed.sweep(ns(t));
+        }
+        let got = keyed.check(&key, ns(t), cost);
+        prop_assert!(keyed.len() <= max_keys);
+        if let Err(KeyedError::KeyspaceFull { .. }) = got {
+            prop_assert_eq!(keyed.len(), max_keys);
+            for (k, limiter) in &reference {
+                let held = keyed.get(k).is_some();
+                prop_assert!(
+                    !held || !limiter.is_neutral(ns(t)),
+                    "key {} idle but held",
+                    k
+                );
+            }
+            continue;
+        }
+        let want = reference
+            .entry(key)
+            .or_insert_with(|| Limiter::new(algorithm.clone()))
+            .check(ns(t), cost)
+            .map_err(KeyedError::Cost);
+        prop_assert_eq!(got, want, "key {} at {}", key, t);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Every algorithm under `Keyed`, with sweeps now and then: evicting only neutral keys
+    /// changes no decision (a busy key is never given a fresh limit).
+    #[test]
+    fn keyed_decides_like_one_limiter_per_key_under_every_algorithm(
+        r in rate(),
+        burst in 1u32..=20,
+        steps in prop::collection::vec((0u64..3_000_000, 0u8..6, 1u32..=4, any::<bool>()), 1..300),
+        max_keys in 1usize..=6,
+    ) {
+        let mut t = 0;
+        let trace: Vec<_> = steps
+            .into_iter()
+            .map(|(gap, key, cost, sweep)| {
+                t += gap;
+                (t, key, cost, sweep)
+            })
+            .collect();
+        keyed_as_one_limiter_per_key(TokenBucket::new(Quota::new(r, burst).unwrap()), &trace, max_keys)?;
+        keyed_as_one_limiter_per_key(FixedWindow::new(r), &trace, max_keys)?;
+        keyed_as_one_limiter_per_key(SlidingWindow::new(r), &trace, max_keys)?;
+        keyed_as_one_limiter_per_key(SlidingLog::new(r), &trace, max_keys)?;
+    }
+}
+
 fn rejects_bad_costs<A: Algorithm>(algorithm: A) {
     let mut l = Limiter::new(algorithm);
     {

@@ -1277,3 +1277,33 @@ proptest! {
         outcome.map_err(TestCaseError::fail)?;
     }
 }
+
+/// A first waiter whose task stopped polling it, with nobody behind it to step over it
+/// and nobody else using the pacer, leaves its turn unclaimed as one stepped over does: it
+/// must not count as use of an adaptive rate ("never growing unused") while responses to
+/// what was sent before come back. It counted, and the rate climbed from 100/s to the
+/// 1 000/s ceiling in 30 s of one response a second.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a lone unpolled first waiter counts as use and an unused adaptive rate grows"]
+async fn a_lone_stalled_waiter_does_not_make_an_adaptive_rate_grow() {
+    let adaptive = flowgate::pace::AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
+        .initial(Rate::per_second(100).unwrap())
+        .build()
+        .unwrap();
+    let pacer = adaptive.pacer().clone();
+    let mut stalled = Box::pin(futures::stream::iter(0..u32::MAX).leaky_with(pacer));
+    while poll!(stalled.next()).is_ready() {}
+    assert_eq!(
+        adaptive.pacer().waiting(),
+        1,
+        "first in line, then left alone"
+    );
+    for _ in 0..30 {
+        adaptive.on_success();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let status = adaptive.status();
+    assert!(status.rate_per_second <= 100.0 + 1e-9, "{status:?}");
+    // Polled again, it is served.
+    assert!(stalled.next().await.is_some());
+}

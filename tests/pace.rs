@@ -1284,7 +1284,6 @@ proptest! {
 /// what was sent before come back. It counted, and the rate climbed from 100/s to the
 /// 1 000/s ceiling in 30 s of one response a second.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a lone unpolled first waiter counts as use and an unused adaptive rate grows"]
 async fn a_lone_stalled_waiter_does_not_make_an_adaptive_rate_grow() {
     let adaptive = flowgate::pace::AdaptivePacer::builder(Rate::per_second(1_000).unwrap())
         .initial(Rate::per_second(100).unwrap())

@@ -178,7 +178,8 @@ pub struct AdaptiveStatus {
 ///   than the `r` the server has (plus what `q / w` refills before `t`).
 /// - **Never growing unused**: the rate grows only while the caller uses at least 80 % of
 ///   it (someone waits for the pacer, not counting a waiter [stepped over](Pacer#guarantees)
-///   while its task does not poll it, or that many responses came back in the last second).
+///   while its task does not poll it, nor a first one that has left its turn unclaimed for
+///   as long, with nobody behind it; or that many responses came back in the last second).
 ///
 /// Everything runs on `tokio::time`, so under paused time it is deterministic.
 ///

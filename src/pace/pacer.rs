@@ -429,9 +429,13 @@ impl Inner {
     }
 
     /// Whether someone waits in line and claims its turn: a waiter not stepped over (the
-    /// head is the first of them). Those stepped over are not polled by their tasks.
+    /// head is the first of them), unless that head has left its turn unclaimed for the
+    /// grace already (with nobody behind it to step over it). Those stepped over, and such
+    /// a head, are not polled by their tasks.
     pub(crate) fn has_present_waiter(&self) -> bool {
-        self.lock().head.is_some()
+        let now = Instant::now();
+        let st = self.lock();
+        st.head.is_some() && self.stalled_at(&st).is_none_or(|at| now < at)
     }
 
     fn check(&self, cost: u32) -> Result<Decision, CostError> {

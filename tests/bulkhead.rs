@@ -1239,7 +1239,6 @@ fn a_panicking_recorder_does_not_leak_the_permit_it_records() {
 /// (the wait histogram panicked).
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: an acquisition a panicking recorder unwound is counted in no outcome"]
 fn an_acquisition_a_panicking_recorder_unwound_is_counted_once() {
     use std::panic::catch_unwind;
 

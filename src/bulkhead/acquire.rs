@@ -72,8 +72,8 @@ impl Waiter {
         match core.poll_acquire(cx, *this.priority, *this.bounded, this.ticket) {
             Polled::Acquired => return Poll::Ready(Ok(())),
             Polled::Granted { reserve } => {
-                record_wait(core, this.since);
                 core.counts().waited(reserve);
+                record_wait(core, this.since);
                 return Poll::Ready(Ok(()));
             }
             Polled::Refused(why) => return Poll::Ready(Err(why)),
@@ -95,8 +95,8 @@ impl Waiter {
             // the one that took it out of the queue wins, and only it is counted.
             return Poll::Ready(match core.leave(this.ticket) {
                 Left::Permit { reserve } => {
-                    record_wait(core, this.since);
                     core.counts().waited(reserve);
+                    record_wait(core, this.since);
                     Ok(())
                 }
                 Left::Shed(why) => Err(why),
@@ -132,7 +132,8 @@ impl Waiter {
 }
 
 /// A wait that ended with a permit: its length goes to the wait-time histogram (as it is
-/// counted in `waited`). Nobody holds the permit yet: a recorder that panics gives it back.
+/// counted in `waited`, before this). Nobody holds the permit yet: a recorder that panics
+/// gives it back.
 fn record_wait(core: &Core, since: &mut Option<Instant>) {
     if let Some(since) = since.take() {
         core.holding(|| core.record_wait(since.elapsed()));

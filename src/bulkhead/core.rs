@@ -270,8 +270,10 @@ impl Core {
                 .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    self.acquired();
+                    // Counted first: a recorder that panics in `acquired` gives the
+                    // permit back, and the acquisition has ended all the same.
                     self.counts.at_once(self.of_reserve(s, priority));
+                    self.acquired();
                     return Some(Ok(()));
                 }
                 Err(now) => s = now,

@@ -58,7 +58,7 @@ pub(super) struct Moves<'a> {
     pub(super) waiting: f64,
     pub(super) rejected: [u64; 4],
     /// A permit taken for the caller at once, which nobody holds until this call returns:
-    /// given back if the recorder panics, else counted admitted (`Some(true)`: a permit of
+    /// counted admitted, then given back if the recorder panics (`Some(true)`: a permit of
     /// the critical reserve).
     pub(super) taken: Option<bool>,
 }
@@ -100,8 +100,10 @@ impl<'a> Moves<'a> {
 impl Drop for Moves<'_> {
     fn drop(&mut self) {
         if let Some(reserve) = self.taken {
-            self.core.holding(|| self.record());
+            // Counted before the recorder runs: if it panics, the permit goes back, and
+            // the acquisition was still admitted.
             self.core.counts().at_once(reserve);
+            self.core.holding(|| self.record());
         } else {
             self.record();
         }

@@ -415,7 +415,8 @@ impl ShedLayerBuilder {
     }
 
     /// The `Retry-After` of a `503` (default 1 s), sent in whole seconds rounded up
-    /// (1.2 s → `Retry-After: 2`).
+    /// (1.2 s → `Retry-After: 2`), at most 999 999 999 999 999 (the largest integer the
+    /// crate writes in a field: `Duration::MAX` is sent as that).
     pub fn retry_after(mut self, retry_after: Duration) -> Self {
         self.retry_after = retry_after;
         self
@@ -701,6 +702,11 @@ mod tests {
                 .unwrap();
             assert_eq!(layer.shared.retry_after, sent, "{given} ms");
         }
+        let longest = ShedLayer::builder(bulkhead())
+            .retry_after(Duration::MAX)
+            .build()
+            .unwrap();
+        assert_eq!(longest.shared.retry_after, "999999999999999");
     }
 
     #[test]

@@ -415,8 +415,12 @@ impl BulkheadBuilder {
     /// The longest an acquisition waits before it is shed with [`AcquireError::TimedOut`]
     /// (default: as long as it takes). The timeout is a tokio timer, so with one set, an
     /// acquisition that has to wait must be polled inside a tokio runtime with timers enabled
-    /// (see [`Bulkhead::acquire`]'s `# Panics`). The stream adapters wait untimed and are not
-    /// affected.
+    /// (see [`Bulkhead::acquire`]'s `# Panics`); it counts from the acquisition's first poll
+    /// that found no permit, and it ends on the timer's 1 ms tick: less than 1 ms after the
+    /// deadline (later if the runtime is busy), less than 2 ms after it in paused time, whose
+    /// clock jumps from a point between ticks by whole milliseconds (a timeout of 0.5 ms
+    /// begun 0.9 ms past a tick sheds after 2 ms). The stream adapters wait untimed and are
+    /// not affected.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
         self

@@ -348,3 +348,38 @@ fn no_waiter_sleeps_while_a_permit_it_may_take_is_free() {
         "{granted} granted, {shed} shed"
     );
 }
+
+/// `wait_timeout` "counts from the acquisition's first poll that found no permit, and it
+/// ends on the timer's 1 ms tick: ... less than 2 ms after it in paused time": timeouts
+/// below, at and between whole milliseconds, begun between ticks, shed no sooner than the
+/// timeout and less than 2 ms after it.
+#[tokio::test(start_paused = true)]
+async fn a_wait_timeout_sheds_less_than_two_milliseconds_after_it() {
+    let timed = |timeout| Bulkhead::builder(1).wait_timeout(timeout).build().unwrap();
+    // The docs' example first (paused time starts on a tick): 0.5 ms, begun 0.9 ms past it.
+    let b = timed(Duration::from_micros(500));
+    let held = b.try_acquire().unwrap();
+    advance(Duration::from_micros(900)).await;
+    let started = Instant::now();
+    assert_eq!(b.acquire().await.unwrap_err(), AcquireError::TimedOut);
+    assert_eq!(started.elapsed(), Duration::from_millis(2));
+    drop(held);
+    let mut rng = Rng(17);
+    for us in [1, 500, 999, 1_000, 1_001, 1_500, 2_000, 250_000, 250_001] {
+        for _ in 0..4 {
+            let timeout = Duration::from_micros(us);
+            let b = timed(timeout);
+            let _held = b.try_acquire().unwrap();
+            advance(Duration::from_micros(rng.next() % 1_000)).await;
+            let mut waiting = Box::pin(b.acquire());
+            assert!(poll!(waiting.as_mut()).is_pending());
+            let started = Instant::now();
+            assert_eq!(waiting.await.unwrap_err(), AcquireError::TimedOut);
+            let waited = started.elapsed();
+            assert!(
+                waited >= timeout && waited < timeout + Duration::from_millis(2),
+                "a timeout of {timeout:?} shed after {waited:?}"
+            );
+        }
+    }
+}

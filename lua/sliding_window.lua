@@ -10,9 +10,11 @@
 -- estimate + cost <= limit. The caller keeps limit * window below 2^52 (exact in doubles).
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing. The key expires when both counters have decayed: a write
--- sets the TTL when it opens a window's count, later writes in that window keep it (KEEPTTL,
--- Redis 6.0+).
+-- The key expires when both counters have decayed: every write sets the TTL to that, and a
+-- rejection writes nothing but a TTL that ends before it. (The TTL a key has cannot be kept
+-- on the word of its count: a gate of a shorter window, in a rolling deploy that made the
+-- window longer, set it for its own window, and the count would vanish with the key while
+-- this gate still counts it.)
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -28,9 +30,6 @@ if state then
   local a, b, c = string.match(state, '^(%d+) (%d+) (%d+)$')
   start, current, previous = tonumber(a), tonumber(b), tonumber(c)
 end
--- The TTL the key has covers this write too when it was set in this window with a count
--- in it (it runs to start + 2 windows, as the write's own would).
-local ttl_holds = current > 0 and not explicit
 local aligned = now - (now % window)
 if aligned > start then
   if aligned - start == window then
@@ -40,7 +39,6 @@ if aligned > start then
   end
   current = 0
   start = aligned
-  ttl_holds = false
 end
 -- A clock that stepped back is taken as no time passing, with the waits counted from now.
 local behind = 0
@@ -82,11 +80,7 @@ if weighted + cost * window <= limit * window then
   local after = previous * (window - elapsed) + current * window
   local reset = reset_after(current, previous)
   local value = string.format('%d %d %d', start, current, previous)
-  if ttl_holds then
-    redis.call('SET', key, value, 'KEEPTTL')
-  else
-    redis.call('SET', key, value, 'PX', ttl_ms(reset, explicit))
-  end
+  redis.call('SET', key, value, 'PX', ttl_ms(reset, explicit))
   return {1, limit, math.floor((limit * window - after) / window), 0, reset}
 end
 local remaining = math.floor(math.max(0, limit * window - weighted) / window)
@@ -98,7 +92,12 @@ else
   local e2 = fits_from(current, 0) or window
   retry = window - elapsed + e2 + behind
 end
-return {0, limit, remaining, retry, reset_after(current, previous)}
+local reset = reset_after(current, previous)
+-- A count another gate wrote may expire by its shorter window: kept while this one counts.
+if state and reset > 0 and not explicit and redis.call('PTTL', key) * 1000 < reset then
+  redis.call('PEXPIRE', key, ttl_ms(reset, explicit))
+end
+return {0, limit, remaining, retry, reset}
 end
 
 return decide_batch(decide, 3, 5)

@@ -354,7 +354,6 @@ where
 /// vanished with the key long before the new window's end and the key admitted its whole
 /// limit again.
 #[tokio::test]
-#[ignore = "fault: a sliding window written by a gate of a shorter window keeps that gate's TTL, shorter than the count lasts"]
 async fn a_sliding_window_made_longer_in_a_rolling_deploy_keeps_its_count_as_long_as_it_counts() {
     let server = RedisServer::start();
     let window = |rate| Limit::SlidingWindow(rate);

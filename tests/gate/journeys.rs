@@ -389,3 +389,29 @@ async fn a_sliding_window_made_longer_in_a_rolling_deploy_keeps_its_count_as_lon
         d.reset_after
     );
 }
+
+/// A rolling deploy makes a sliding log's window longer (10 a second to 10 a minute) over
+/// the same prefix. The log carries over: a new instance counts the entries an old one
+/// wrote for its own minute, and rejects on a log they fill. But the key kept the TTL the
+/// old instance set (its newest entry plus a second), and a rejection writes nothing: the
+/// log vanished a second later and the new instance admitted its whole limit again within
+/// its minute.
+#[tokio::test]
+#[ignore = "fault: a full sliding log written by a gate of a shorter window expires while a gate of a longer one rejects on it"]
+async fn a_sliding_log_made_longer_in_a_rolling_deploy_lasts_while_it_rejects() {
+    let server = RedisServer::start();
+    let log = |rate| Limit::SlidingLog(rate);
+    let old = gate_over(&server, log(Rate::per_second(10).unwrap()), "roll-sl:").await;
+    let new = gate_over(&server, log(Rate::per_minute(10).unwrap()), "roll-sl:").await;
+    for _ in 0..10 {
+        assert!(old.check("k", 1).await.unwrap().allowed);
+    }
+    let d = new.check("k", 1).await.unwrap();
+    assert!(!d.allowed, "{d:?}");
+    let left = lives(&server, &new, "k");
+    assert!(
+        left >= d.reset_after,
+        "the key expires in {left:?}, its log counts for {:?}",
+        d.reset_after
+    );
+}

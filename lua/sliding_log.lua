@@ -9,9 +9,11 @@
 -- An entry admitted at t counts while now < t + window. Memory: at most `limit` members.
 -- Requests are decided in order, each exactly as if it were alone. Returns, per request,
 -- {allowed (0|1), limit, remaining, retry_after_us, reset_after_us}, flattened.
--- A rejected call writes nothing (not even the removal of expired entries: a clock that
--- steps back after it must still see them, as the model does). The key expires when its
--- newest entry does.
+-- A rejected call writes no entry and removes none (not even the expired ones: a clock
+-- that steps back after it must still see them, as the model does). The key expires when
+-- its newest entry does: a write sets the TTL to that, and a rejection extends a TTL that
+-- ends before it (a log written by a gate of a shorter window, in a rolling deploy that
+-- made the window longer, would otherwise vanish while this gate still counts it full).
 -- The gate runs it with lua/prelude.lua in front (clock_us, ttl_ms, decide_batch).
 
 local limit = tonumber(ARGV[1])
@@ -93,6 +95,9 @@ end
 local reset = 0
 if #costs > 0 then
   reset = costs[#costs][1] + window - given
+  if not explicit and redis.call('PTTL', key) * 1000 < reset then
+    redis.call('PEXPIRE', key, ttl_ms(reset, explicit))
+  end
 end
 return {0, limit, limit - total, retry, reset}
 end

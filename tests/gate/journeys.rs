@@ -397,7 +397,6 @@ async fn a_sliding_window_made_longer_in_a_rolling_deploy_keeps_its_count_as_lon
 /// log vanished a second later and the new instance admitted its whole limit again within
 /// its minute.
 #[tokio::test]
-#[ignore = "fault: a full sliding log written by a gate of a shorter window expires while a gate of a longer one rejects on it"]
 async fn a_sliding_log_made_longer_in_a_rolling_deploy_lasts_while_it_rejects() {
     let server = RedisServer::start();
     let log = |rate| Limit::SlidingLog(rate);

@@ -77,7 +77,9 @@ if total + cost <= limit then
     seq = log.top_seq + 1
   end
   redis.call('ZADD', key, now, string.format('%d:%d:%d', now, seq, cost))
-  redis.call('PEXPIRE', key, ttl_ms(window, explicit))
+  -- The entry counts a window from `now`, which is ahead of the clock that expires keys
+  -- (`given`) when the clock stepped back behind the newest entry.
+  redis.call('PEXPIRE', key, ttl_ms(now + window - given, explicit))
   costs[#costs + 1] = {now, cost}
   log.total = total + cost
   log.top_seq = seq

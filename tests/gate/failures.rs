@@ -464,7 +464,6 @@ async fn a_bucket_written_before_a_long_clock_step_back_is_decided_not_unreadabl
 /// window from the clock's now, so the key went (with every entry in it) as many seconds
 /// early as the clock had stepped back, and the log admitted its whole limit again.
 #[tokio::test]
-#[ignore = "fault: a sliding log admitting after the clock stepped back expires before its newest entry"]
 async fn a_sliding_log_admitting_after_a_clock_step_back_lasts_as_long_as_its_entries() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

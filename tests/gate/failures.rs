@@ -406,6 +406,86 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
     }
 }
 
+/// The windows' and the log's values out of the range any write puts in them (a negative or
+/// infinite count, an index, start or time past 2^53, a count or cost past it) fail their
+/// own key with `UnreadableKey`, as the docs' table says, and the gate stays healthy. They
+/// were decided on garbage: a fixed window counting -5 admitted past its limit (15 in a
+/// window of 10), one with an index ahead of every window kept counting in a key without a
+/// TTL, a sliding window starting past 2^53 set its key a TTL of three million years,
+/// and a huge log entry answered a `remaining` Redis sent as `i64::MIN`.
+#[tokio::test]
+#[ignore = "fault: the window and log scripts decide on out-of-range values instead of refusing the key as unreadable"]
+async fn an_out_of_range_window_or_log_fails_only_its_key() {
+    let server = RedisServer::start();
+    let time: (u64, u64) = server.query_blocking(&redis::cmd("TIME")).unwrap();
+    let now_us = time.0 * 1_000_000 + time.1;
+    let hour_us = 3_600_000_000;
+    let index = (now_us / hour_us).to_string();
+    let start = (now_us / hour_us * hour_us).to_string();
+    let huge = "99999999999999999999";
+    let rate = Rate::per_hour(10).unwrap();
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    // (key, command, its arguments after the key)
+    let cases = [
+        (
+            Limit::FixedWindow(rate),
+            vec![
+                ("negative", "HSET", s(&["w", &index, "n", "-5"])),
+                ("infinite", "HSET", s(&["w", &index, "n", "1e400"])),
+                ("fraction", "HSET", s(&["w", &index, "n", "0.5"])),
+                ("far", "HSET", s(&["w", huge, "n", "1"])),
+            ],
+        ),
+        (
+            Limit::SlidingWindow(rate),
+            vec![
+                ("far", "SET", vec![format!("{huge} 0 0")]),
+                ("count", "SET", vec![format!("{start} {huge} 0")]),
+                ("previous", "SET", vec![format!("{start} 0 {huge}")]),
+            ],
+        ),
+        (
+            Limit::SlidingLog(rate),
+            vec![
+                ("far", "ZADD", s(&["1e300", "5:0:1"])),
+                (
+                    "fraction",
+                    "ZADD",
+                    vec![format!("{now_us}.5"), format!("{now_us}:0:1")],
+                ),
+                (
+                    "cost",
+                    "ZADD",
+                    vec![now_us.to_string(), format!("{now_us}:0:{huge}")],
+                ),
+            ],
+        ),
+    ];
+    for (limit, bad) in cases {
+        let gate = RedisGate::builder(server.connect().await, limit)
+            .prefix(format!("range:{}:", limit.name()))
+            .timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .unwrap();
+        for (key, command, args) in &bad {
+            let mut cmd = redis::cmd(command);
+            cmd.arg(gate.redis_key(key)).arg(args);
+            let _: redis::Value = server.query_blocking(&cmd).unwrap();
+            let at = format!("{}: {key}", limit.name());
+            for _ in 0..3 {
+                match gate.check(key, 1).await {
+                    Err(GateError::UnreadableKey(_)) => {}
+                    other => panic!("{at}: {other:?}"),
+                }
+            }
+            assert!(!gate.is_degraded(), "{at}");
+        }
+        let d = gate.check("good", 1).await.unwrap();
+        assert!(d.allowed && d.remaining == 9, "{}: {d:?}", limit.name());
+    }
+}
+
 /// A bucket written before the Redis server's clock stepped back further than the
 /// bucket's exact range (2^52 units of 1/count µs: 45 s at 100 million a second, a byte
 /// rate of 100 MB/s) is decided, on every path: rejected until the clock is back where it

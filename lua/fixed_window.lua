@@ -29,11 +29,16 @@ local reset = (index + 1) * window - now
 -- shared a text and were counted as one).
 local w = string.format('%d', index)
 local state = redis.call('HMGET', key, 'w', 'n')
+-- Both whole numbers when there: a count or an index out of range would be decided on
+-- garbage (a negative count admitting past the limit, an index ahead of every window
+-- keeping a key without a TTL counting for ever).
+local index_was = state[1] and whole(tonumber(state[1]))
+local count_was = state[2] and whole(tonumber(state[2])) or 0
 local same = state[1] == w
 -- A clock that stepped back (a failover to a replica whose clock is behind) stays in the
 -- window already counted, as the model does, instead of starting an earlier one afresh; its
 -- end is counted from now.
-local counted = not same and tonumber(state[1])
+local counted = not same and index_was
 if counted and counted > index then
   same = true
   reset = (counted + 1) * window - now
@@ -48,7 +53,7 @@ if counted and counted > index then
     end
   end
 end
-local used = same and tonumber(state[2] or '0') or 0
+local used = same and count_was or 0
 if used + cost <= limit then
   if same then
     redis.call('HINCRBY', key, 'n', cost)

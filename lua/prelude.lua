@@ -35,6 +35,16 @@ local function corrupt()
   error(CORRUPT)
 end
 
+-- `x`, a number read from a key, if it is a whole number a double holds exactly (0 <= x <
+-- 2^53, as every number the scripts write); else the key is corrupt (nil, NaN, infinite,
+-- negative, a fraction, too large).
+local function whole(x)
+  if not (type(x) == 'number' and x >= 0 and x < 9007199254740992 and math.floor(x) == x) then
+    corrupt()
+  end
+  return x
+end
+
 -- Error codes with which the server refuses to run a command at all (memory, replication,
 -- loading, a busy script, cluster state): a failure of Redis, never of one key.
 local REFUSED = {'OOM', 'READONLY', 'NOREPLICAS', 'BUSY', 'LOADING', 'MASTERDOWN', 'TRYAGAIN',

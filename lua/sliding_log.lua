@@ -31,7 +31,9 @@ local function read_log(key)
   -- Time never goes backwards for a log: an older `now` counts as the newest entry's time.
   local now = clock
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if newest[2] and tonumber(newest[2]) > now then
+  -- Times and costs are whole numbers below 2^53, else the key is corrupt (a time past it
+  -- would put `now` out of exact range, a cost past it make the arithmetic inexact).
+  if newest[2] and whole(tonumber(newest[2])) > now then
     now = tonumber(newest[2])
   end
   -- The live entries, oldest first: admitted after now - window. Each as {time, cost}.
@@ -44,8 +46,8 @@ local function read_log(key)
   local top_seq = -1
   for i = 1, #raw, 2 do
     local member = raw[i]
-    local t = tonumber(raw[i + 1])
-    local c = tonumber(string.match(member, ':(%d+)$'))
+    local t = whole(tonumber(raw[i + 1]))
+    local c = whole(tonumber(string.match(member, ':(%d+)$')))
     entries[#entries + 1] = {t, c}
     total = total + c
     if t == now then

@@ -28,7 +28,9 @@ local start, current, previous = 0, 0, 0
 local state = redis.call('GET', key)
 if state then
   local a, b, c = string.match(state, '^(%d+) (%d+) (%d+)$')
-  start, current, previous = tonumber(a), tonumber(b), tonumber(c)
+  -- Whole numbers below 2^53 (a start past it would set a TTL of ages, a count past it
+  -- decide on inexact arithmetic), else the key is corrupt.
+  start, current, previous = whole(tonumber(a)), whole(tonumber(b)), whole(tonumber(c))
 end
 local aligned = now - (now % window)
 if aligned > start then

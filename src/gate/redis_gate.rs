@@ -112,7 +112,12 @@ pub(super) struct Inner<C> {
 ///   debt is paid off, and each admits against it by its own rate and burst; a fixed
 ///   window's count holds until its key expires (when the window that counted it ends,
 ///   whatever the period of the gate that reads it); the sliding algorithms' counts and logs
-///   carry over. The algorithm cannot change over a prefix: each gate refuses the keys the
+///   carry over, each gate counting them for its own window (a gate that writes a key or
+///   rejects on it makes it last as long as it counts it). But a gate of the shorter window
+///   drops what lies beyond its window whenever it admits (it rolls the sliding window's
+///   counts on, trims the log) and sets the key's TTL by that window: on a key both use, a
+///   gate of the longer window may admit up to its limit again after each admission of the
+///   shorter one. The algorithm cannot change over a prefix: each gate refuses the keys the
 ///   other wrote with [`GateError::UnreadableKey`] (under every failure policy) until they
 ///   expire, and a key the old gates keep using stays. Give a new algorithm a new prefix;
 ///   until the old gates are gone the fleet then enforces the two limits apart, and may

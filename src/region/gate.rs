@@ -42,11 +42,15 @@ use crate::region::member::Region;
 /// As [`RedisGate::check`](crate::gate::RedisGate::check): [`GateError::Cost`] (zero, above
 /// the global burst, or above the largest bucket the region can ever hold: its part of the
 /// burst at its static share under [`Allocation::Static`](crate::region::Allocation::Static),
-/// else at the quota less the other regions' safe shares), [`GateError::InvalidKey`]; a
-/// failing or slow local Redis as the gate's [`FailurePolicy`] says, and a full one too
-/// (`maxmemory` reached: Redis refuses the writes of a new key and a known one alike; see
-/// the [module docs](crate::region)). [`Gate::check_all`] is not supported (it answers
-/// [`GateError::InvalidQuota`]).
+/// else at the quota less the other regions' safe shares), [`GateError::InvalidKey`];
+/// [`GateError::UnreadableKey`] for a key whose bucket in the local Redis the gate cannot
+/// read (another type, or a value that is not a bucket: that request only, the gate stays
+/// healthy; every request of the region, if the region's demand counters hold another
+/// type); a failing or slow local Redis as the gate's [`FailurePolicy`] says, and a full
+/// one too (`maxmemory` reached: Redis refuses the writes of a new key and a known one
+/// alike; see the [module docs](crate::region)), and an unreadable lease record too
+/// (written by something else: every request, until the key named in the error is
+/// deleted). [`Gate::check_all`] is not supported (it answers [`GateError::InvalidQuota`]).
 ///
 /// # Cancel safety
 ///

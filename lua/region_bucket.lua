@@ -82,7 +82,10 @@ else
   end
   if not ok or not (finite(tat_us) and finite(frac) and finite(count) and finite(was_tau)
       and finite(written)) or not (count > 0) or not (frac >= 0) or not (frac < count)
-      or not (was_tau >= 0) or not (written <= now + 60000000) or not (tat_us >= written) then
+      or not (was_tau >= 0) or not (written <= now + 60000000) or not (tat_us >= written)
+      -- Past 2^53 no write puts them, and the arithmetic is not exact.
+      or not (tat_us < 9007199254740992 and count < 9007199254740992
+        and was_tau < 9007199254740992) then
     -- This key only: the request fails with a key error, the gate stays healthy.
     return {KEY_CORRUPT, 0, 0, 0, 0}
   end

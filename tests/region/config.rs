@@ -998,7 +998,6 @@ async fn the_region_bucket_reports_the_real_reset_when_the_clock_steps_back() {
 /// the gate reads as 0, so a caller that waits its `retry_after` asked again at once, for
 /// ever.
 #[tokio::test]
-#[ignore = "fault: a region bucket with a TAT past 2^53 is decided on garbage instead of refused as unreadable"]
 async fn a_region_bucket_past_exact_range_is_unreadable() {
     let server = RedisServer::start();
     let mut con = server.connect().await;

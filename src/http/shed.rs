@@ -409,6 +409,10 @@ impl ShedLayerBuilder {
     ///   [`build`](ShedLayerBuilder::build)).
     ///
     /// `Sheddable` requests never wait, in either mode.
+    ///
+    /// A waiting request holds the inner service that was ready for it (clone-after-ready),
+    /// and with it whatever that service reserved when it was polled ready (a slot of an
+    /// inner `ConcurrencyLimit`, say), until it is served or refused: at most `wait_timeout`.
     pub fn wait(mut self, wait: bool) -> Self {
         self.wait = wait;
         self

@@ -3,6 +3,8 @@
 
 mod support;
 
+#[path = "pace/adapters.rs"]
+mod adapters;
 #[path = "pace/claims.rs"]
 mod claims;
 

@@ -195,8 +195,10 @@ where
                 None => return Poll::Ready(None),
             }
         }
-        let cost = (this.cost)(held.as_ref().expect("an item is held"));
-        ready!(this.paced.poll_admit(cost, cx));
+        let item = held.as_ref().expect("an item is held");
+        let cost = this.cost;
+        // Weighed once, when it starts to pay: not again at each poll while it waits.
+        ready!(this.paced.poll_admit(|| cost(item), cx));
         Poll::Ready(held.take())
     }
 
@@ -256,7 +258,8 @@ pub struct LeakyBuilder<S: Stream, C> {
 impl<S: Stream, C> LeakyBuilder<S, C> {
     /// Each item costs `cost(&item)` units (default 1), as in
     /// [`leaky_cost`](crate::FlowStreamExt::leaky_cost): an item above the pacer's burst
-    /// pays in chunks, an item of cost 0 passes at once.
+    /// pays in chunks, an item of cost 0 passes at once. `cost` is called once per item,
+    /// when it is pulled, however many polls it then waits.
     pub fn cost<C2>(self, cost: C2) -> LeakyBuilder<S, C2>
     where
         C2: FnMut(&S::Item) -> u32,

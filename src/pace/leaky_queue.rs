@@ -297,7 +297,7 @@ impl<S: Stream> Stream for LeakyQueue<S> {
                 Poll::Pending
             };
         }
-        ready!(this.paced.poll_admit(1, cx));
+        ready!(this.paced.poll_admit(|| 1, cx));
         let item = queue.pop_front();
         depth.set(queue.len() as f64);
         Poll::Ready(item)

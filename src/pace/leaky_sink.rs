@@ -71,7 +71,7 @@ impl<Si: Sink<Item>, Item> Sink<Item> for LeakySink<Si> {
     fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
         let this = self.project();
         if !*this.admitted {
-            ready!(this.paced.poll_admit(1, cx));
+            ready!(this.paced.poll_admit(|| 1, cx));
             *this.admitted = true;
         }
         this.sink.poll_ready(cx)

@@ -30,7 +30,8 @@ impl Paced {
         &self.pacer
     }
 
-    /// Wait until an item of `cost` units is paid for. A cost above the burst is paid in
+    /// Wait until an item of `cost()` units is paid for; `cost` is called only when the item
+    /// starts to pay (once per item, however often it is polled). A cost above the burst is paid in
     /// successive chunks of half the burst, rounded up (so the rate holds in cost units); a
     /// cost of 0 passes at once. The wait in line is for the chunk, never for the whole cost:
     /// the pacer refuses a cost above the burst before queueing it, so a stalled item is
@@ -41,8 +42,15 @@ impl Paced {
     /// that lateness lost, chunk after chunk (an item of many bursts left 12 % late at
     /// 3 000/s). A chunk of half the burst is due with the other half still free for what
     /// the lateness brings: the next chunk is due that much sooner, as the schedule says.
-    pub(crate) fn poll_admit(&mut self, cost: u32, cx: &mut Context<'_>) -> Poll<()> {
-        let (mut owed, mut chunk) = self.owed.unwrap_or((cost, cost));
+    pub(crate) fn poll_admit(
+        &mut self,
+        cost: impl FnOnce() -> u32,
+        cx: &mut Context<'_>,
+    ) -> Poll<()> {
+        let (mut owed, mut chunk) = self.owed.unwrap_or_else(|| {
+            let cost = cost();
+            (cost, cost)
+        });
         while owed > 0 {
             chunk = chunk.min(owed);
             match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {

@@ -15,7 +15,6 @@ use tokio::time::Sleep;
 /// several polls is not weighed again at each (a closure that tallies what it weighs, as
 /// a byte meter does, counts each item once).
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: the cost closure ran again at every poll while its item waited"]
 async fn a_cost_closure_runs_once_per_item() {
     let weighed = Arc::new(Mutex::new(Vec::new()));
     let tally = weighed.clone();

@@ -350,7 +350,8 @@ impl<S: Stream + ?Sized> FlowStreamExt for S {}
 /// In the [`prelude`](crate::prelude).
 pub trait FlowSinkExt<Item>: Sink<Item> {
     /// Accept items at `rate` through a private [`Pacer`] with the default burst: each
-    /// `poll_ready` waits for the pacer before asking the inner sink.
+    /// `poll_ready` asks the inner sink for room, then waits for the pacer (see
+    /// [`LeakySink`]).
     ///
     /// The sink side of [`FlowStreamExt::leaky`]; its own name, so that a type that is both a
     /// `Stream` and a `Sink` (a `Framed`, a websocket) can call either with the prelude in

@@ -11,8 +11,12 @@ use crate::pace::Pacer;
 use crate::pace::paced::Paced;
 
 /// Sink of [`leaky_sink`](crate::FlowSinkExt::leaky_sink) and
-/// [`leaky_sink_with`](crate::FlowSinkExt::leaky_sink_with): each item waits for the pacer in
-/// `poll_ready`, before the inner sink is asked for room.
+/// [`leaky_sink_with`](crate::FlowSinkExt::leaky_sink_with): `poll_ready` asks the inner
+/// sink for room, then waits for the pacer. The unit of rate is taken when the item can go
+/// at once: an inner sink that stalls (a full buffer, a slow write) holds the item back
+/// without spending the pacer's unit, so the item that waited for it does not leave with the
+/// next one on its heels; the outflow into the inner sink keeps the rate and the burst.
+/// While it waits for the pacer it holds the room the inner sink gave it.
 ///
 /// A pacer admission taken by `poll_ready` but not used before the sink is dropped is not
 /// given back (the unit of rate is spent; no item is lost).
@@ -69,12 +73,17 @@ impl<Si: Sink<Item>, Item> Sink<Item> for LeakySink<Si> {
     type Error = Si::Error;
 
     fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
-        let this = self.project();
-        if !*this.admitted {
-            ready!(this.paced.poll_admit(|| 1, cx));
-            *this.admitted = true;
+        let mut this = self.project();
+        if *this.admitted {
+            return this.sink.poll_ready(cx);
         }
-        this.sink.poll_ready(cx)
+        // Room first, then the unit: a unit taken before an inner sink that stalls would be
+        // spent while the item waits, and the next item's unit (the bucket refilled in the
+        // stall) would let it through on that one's heels, above the burst.
+        ready!(this.sink.as_mut().poll_ready(cx))?;
+        ready!(this.paced.poll_admit(|| 1, cx));
+        *this.admitted = true;
+        Poll::Ready(Ok(()))
     }
 
     fn start_send(self: Pin<&mut Self>, item: Item) -> Result<(), Si::Error> {

@@ -1,7 +1,7 @@
 //! The promises of the pacing docs, checked at their edge values: no runtime needed when
 //! nothing waits, the exact rate at 1/s, the longest period, `size_hint` and
-//! `FusedStream` of the adapters, a queue of one item, a sink's admission taken before
-//! the inner sink's room, the feedback of an `AdaptivePacer` without a runtime.
+//! `FusedStream` of the adapters, a queue of one item, a sink asking its inner sink for
+//! room before the pacer, the feedback of an `AdaptivePacer` without a runtime.
 
 use super::*;
 use crate::support::drain_checking_hints;
@@ -114,28 +114,31 @@ async fn a_queue_of_one_under_drop_oldest_keeps_the_newest() {
     assert_eq!(queue.dropped(), 9);
 }
 
-/// `LeakySink`: the item waits for the pacer in `poll_ready` before the inner sink is asked
-/// for room, and an admission not used before the sink is dropped is spent, not given back.
+/// `LeakySink`: `poll_ready` asks the inner sink for room first, so a full inner sink takes
+/// no unit from the pacer (nor a place in its line); an admission taken by `poll_ready` and
+/// not used before the sink is dropped is spent, not given back.
 #[tokio::test(start_paused = true)]
-async fn a_sinks_admission_comes_first_and_is_spent_when_unused() {
+async fn a_sink_asks_for_room_first_and_an_unused_admission_is_spent() {
     let pacer = pacer(10, 1);
     let (tx, mut rx) = flowgate::channel::bounded::<u32>(1).unwrap();
     tx.try_send(0).unwrap(); // the inner sink is full
     let mut sink = tx.clone().leaky_sink_with(pacer.clone());
-    let mut ready = pin!(std::future::poll_fn(|cx| sink.poll_ready_unpin(cx)));
     assert!(
-        poll!(ready.as_mut()).is_pending(),
+        poll!(std::future::poll_fn(|cx| sink.poll_ready_unpin(cx))).is_pending(),
         "the inner sink has no room"
     );
-    assert!(
-        !pacer.check(1).unwrap().allowed,
-        "the unit went to the sink"
-    );
+    assert_eq!(pacer.waiting(), 0, "not in the pacer's line");
+    assert_eq!(rx.recv().await, Some(0), "no item is lost");
+    // Room now, and the unit the full sink did not take (a burst of 1: had it taken one,
+    // this one would wait 100 ms).
+    assert!(matches!(
+        poll!(std::future::poll_fn(|cx| sink.poll_ready_unpin(cx))),
+        Poll::Ready(Ok(()))
+    ));
     drop(sink);
     let refused = pacer.check(1).unwrap();
     assert!(!refused.allowed, "an admission is not given back");
     assert_eq!(refused.retry_after, Duration::from_millis(100));
-    assert_eq!(rx.recv().await, Some(0), "no item is lost");
 }
 
 /// The feedback calls of an `AdaptivePacer` "never wait, and need no runtime", at their

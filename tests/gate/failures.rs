@@ -323,6 +323,27 @@ fn corrupt_values() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+/// A gate of a token bucket of `quota` over `prefix` and `path`, leasing 3 on the lease
+/// path.
+async fn bucket_on_path(
+    conn: &MultiplexedConnection,
+    quota: Quota,
+    prefix: &str,
+    path: Path,
+) -> RedisGate<MultiplexedConnection> {
+    let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(quota))
+        .prefix(format!("{prefix}:{path:?}:"))
+        .timeout(Duration::from_secs(2));
+    match path {
+        Path::Check | Path::All => builder.batch_size(1),
+        Path::Batched => builder,
+        Path::Lease => builder.lease(3).lease_ttl(Duration::from_secs(60)),
+    }
+    .build()
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_value_fails_only_its_key_on_every_path() {
     const GOOD_BURST: u32 = 5;
@@ -339,17 +360,7 @@ async fn a_corrupt_value_fails_only_its_key_on_every_path() {
         .collect();
     let tenant = per_hour(1_000);
     for path in PATHS {
-        let builder = RedisGate::builder(conn.clone(), Limit::TokenBucket(per_hour(GOOD_BURST)))
-            .prefix(format!("corrupt:{path:?}:"))
-            .timeout(Duration::from_secs(2));
-        let gate = match path {
-            Path::Check | Path::All => builder.batch_size(1),
-            Path::Batched => builder,
-            Path::Lease => builder.lease(3).lease_ttl(Duration::from_secs(60)),
-        }
-        .build()
-        .await
-        .unwrap();
+        let gate = bucket_on_path(&conn, per_hour(GOOD_BURST), "corrupt", path).await;
         for (key, value) in &bad {
             let set = redis::cmd("SET")
                 .arg(gate.redis_key(key))
@@ -533,6 +544,47 @@ async fn a_bucket_written_before_a_long_clock_step_back_is_decided_not_unreadabl
             "{path:?}: retry after {:?}",
             d.retry_after
         );
+        assert!(!gate.is_degraded(), "{path:?}");
+    }
+}
+
+/// A token bucket state holding a fraction (a TAT, a sub-microsecond part or an expiry
+/// record that is not a whole number, which no write puts there) fails its key with
+/// `UnreadableKey` on every path, as the docs' table says. It was decided as if it were a
+/// state: admitted, the fraction carried into the next write and the reply.
+#[tokio::test]
+#[ignore = "fault: a token bucket state holding a fraction is decided, not UnreadableKey"]
+async fn a_token_bucket_state_holding_a_fraction_fails_only_its_key() {
+    let server = RedisServer::start();
+    let conn = server.connect().await;
+    let quota = per_hour(5);
+    let time: (u64, u64) = server.query_blocking(&redis::cmd("TIME")).unwrap();
+    let now_us = (time.0 * 1_000_000 + time.1) as f64;
+    let values = [
+        ("tat", packed(now_us + 0.5, 0.0, 0.0)),
+        ("tat-past", packed(1_000.5, 0.0, 0.0)),
+        ("frac", packed(now_us, 0.5, 0.0)),
+        ("expiry", packed(now_us, 0.0, now_us + 0.5)),
+    ];
+    for path in PATHS {
+        let gate = bucket_on_path(&conn, quota, "fraction", path).await;
+        for (key, value) in &values {
+            let set = redis::cmd("SET")
+                .arg(gate.redis_key(key))
+                .arg(value)
+                .arg("PX")
+                .arg(60_000)
+                .clone();
+            let _: () = server.query_blocking(&set).unwrap();
+            let decided = match path {
+                Path::All => gate.check_all(&[(key, quota)], 1).await.map(|ds| ds[0]),
+                _ => gate.check(key, 1).await,
+            };
+            assert!(
+                matches!(decided, Err(GateError::UnreadableKey(_))),
+                "{path:?}, {key}: {decided:?}"
+            );
+        }
         assert!(!gate.is_degraded(), "{path:?}");
     }
 }

@@ -27,9 +27,10 @@ local LAST_US = 9007199254740992
 
 -- The bucket's fill at `now` (units of 1/count us: one token is `period` units) and exp_us.
 -- A value that is not a bucket state (the wrong length, not numbers, NaN, infinite, negative,
--- a TAT past LAST_US, an expiry further past the TAT than any write puts it) raises CORRUPT
--- (lua/prelude.lua): that request fails alone, with a key error, instead of being decided on
--- garbage. NaN fails every comparison, so each check is written to fail on it.
+-- a fraction, a TAT past LAST_US, an expiry further past the TAT than any write puts it)
+-- raises CORRUPT (lua/prelude.lua): that request fails alone, with a key error, instead of
+-- being decided on garbage. NaN fails every comparison, so each check is written to fail on
+-- it.
 --
 -- A TAT further ahead of `now` than exact arithmetic reaches (more than EXACT units) is
 -- one the Redis clock stepped back behind (a failover to a replica whose clock is behind, a
@@ -58,10 +59,13 @@ local function bucket_read(key, now, count)
     frac = tonumber(string.sub(state, sep + 1))
     exp_us = 0
   end
-  -- A write sets the expiry at most SLACK_MS after the TAT (see bucket_write), and later
-  -- writes only move the TAT on.
-  if not (tat_us and frac and tat_us >= 0 and tat_us < LAST_US and frac >= 0 and frac < EXACT
-      and exp_us >= 0 and exp_us <= tat_us + (SLACK_MS + 1) * 1000) then
+  -- Every value a write puts there is a whole number (whole(): not nil, NaN, infinite,
+  -- negative or a fraction); a write sets the expiry at most SLACK_MS after the TAT (see
+  -- bucket_write), and later writes only move the TAT on.
+  whole(tat_us)
+  whole(frac)
+  whole(exp_us)
+  if not (tat_us < LAST_US and frac < EXACT and exp_us <= tat_us + (SLACK_MS + 1) * 1000) then
     corrupt()
   end
   local ahead = tat_us - now

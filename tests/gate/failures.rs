@@ -553,7 +553,6 @@ async fn a_bucket_written_before_a_long_clock_step_back_is_decided_not_unreadabl
 /// `UnreadableKey` on every path, as the docs' table says. It was decided as if it were a
 /// state: admitted, the fraction carried into the next write and the reply.
 #[tokio::test]
-#[ignore = "fault: a token bucket state holding a fraction is decided, not UnreadableKey"]
 async fn a_token_bucket_state_holding_a_fraction_fails_only_its_key() {
     let server = RedisServer::start();
     let conn = server.connect().await;

@@ -6,7 +6,8 @@
 -- with one), then three little-endian doubles (every value is an integer below 2^53, so
 -- exact):
 --   tat_us   the theoretical arrival time (TAT), whole microseconds of the Redis clock
---   frac     the rest of the TAT, in units of 1/count us (0 <= frac < count)
+--   frac     the rest of the TAT, in units of 1/count us (0 <= frac < count), `count` the
+--            rate count of the gate that wrote it (another may read it: see bucket_read)
 --   exp_us   until this time the key is known not to expire (0: not known)
 -- The text form "<tat_us> <frac>" of earlier development builds is still read. KEEPTTL needs
 -- Redis 6.0 or later.
@@ -69,6 +70,14 @@ local function bucket_read(key, now, count)
     corrupt()
   end
   local ahead = tat_us - now
+  -- frac < count, in units of 1/count us, unless a gate of a higher rate count wrote it in
+  -- its own finer units (a rolling deploy that lowered the count): read in this gate's, it
+  -- would be up to (that count / this count) us of debt that is not there. The TAT then lies
+  -- less than 1 us after tat_us, and is taken to be there (never earlier than it is).
+  if frac >= count then
+    ahead = ahead + 1
+    frac = 0
+  end
   if ahead < 0 then
     return 0, exp_us
   end

@@ -422,7 +422,6 @@ async fn a_sliding_log_made_longer_in_a_rolling_deploy_lasts_while_it_rejects() 
 /// new instance refused the key for a quarter of an hour (and cached that refusal) where
 /// the bucket had room after 2 s.
 #[tokio::test]
-#[ignore = "fault: a token bucket's sub-microsecond TAT written at a higher rate is read as seconds of debt at a lower one"]
 async fn a_token_bucket_rate_lowered_in_a_rolling_deploy_reads_the_old_rates_state() {
     let server = RedisServer::start();
     let billion = Rate::per_second(1_000_000_000).unwrap();

@@ -66,7 +66,8 @@ for _, b in ipairs(buckets) do
     if used_after > tau then
       retry = ceil_us(used_after - tau, count)
     end
-    -- reset: all of `used`, which exceeds tau only if the clock stepped back.
+    -- reset: all of `used`, which exceeds tau only if the clock stepped back or a gate of a
+    -- larger burst wrote it (a rolling deploy that lowered the burst).
     for _, v in ipairs({0, burst, math.floor((tau - held) / period), retry, ceil_us(used, count)}) do
       out[#out + 1] = v
     end

@@ -35,7 +35,8 @@ end
 local available = math.floor((tau - math.min(used, tau)) / period)
 if available < want_min then
   local used_after = used + want_min * period
-  -- reset: all of `used`, which exceeds tau only if the clock stepped back.
+  -- reset: all of `used`, which exceeds tau only if the clock stepped back or a gate of a
+  -- larger burst wrote it (a rolling deploy that lowered the burst).
   return {0, burst, available, ceil_us(used_after - tau, count), ceil_us(used, count)}
 end
 local granted = math.min(want_max, available)

@@ -198,8 +198,9 @@ pub fn token_bucket_reply(
         Err(_) => {
             let used = u128::from((-1 - value).unsigned_abs());
             let used_after = used + u128::from(cost) * period;
-            // `used` exceeds `tau` only if the clock stepped back: the bucket is full again
-            // when all of it has passed, not after one full bucket.
+            // `used` exceeds `tau` only if the clock stepped back or a gate of a larger
+            // burst wrote the state (a rolling deploy that lowered it): the bucket is full
+            // again when all of it has passed, not after one full bucket.
             Decision::reject(
                 limit,
                 tokens(tau - used.min(tau)),

@@ -18,6 +18,11 @@
 -- ARGV[9]   lease length, us
 -- ARGV[10]  how long a reported demand counts, us
 -- ARGV[11]  k, the number of regions; then for each: name, weight, safe share
+-- ARGV[12 + 3k]  the period of the caller's quota in us (absent: not checked). The hash
+--           keeps it in field 'period': the shares and demands it holds are units of that
+--           period, so a caller whose quota has another period (the same rate written per
+--           minute instead of per second) is refused while any region holds a grant above
+--           0, and the hash takes its period once none does
 --
 -- refresh: {seq, share, until_us - now_us, learning, now_us}
 -- ack:     {learning, now_us}
@@ -35,6 +40,7 @@ local ttl = tonumber(ARGV[9])
 local stale = tonumber(ARGV[10])
 local k = tonumber(ARGV[11])
 local home = KEYS[1]
+local period = ARGV[12 + 3 * k]
 
 local names, weights, safes = {}, {}, {}
 for j = 1, k do
@@ -139,6 +145,27 @@ for j = 1, k do
   rs[j] = read_region(raw[j])
   if not rs[j] then
     return redis.error_reply(unreadable)
+  end
+end
+-- Shares are units of the period: one of another period would be read as a larger or a
+-- smaller rate than it is (300 per second read as 300 of 18 000 per minute).
+if period and mode ~= 'status' then
+  local stored = redis.call('HGET', home, 'period')
+  if stored ~= period then
+    if stored then
+      local live = unlisted > 0
+      for j = 1, k do
+        if math.max(rs[j].pn, rs[j].ln) > 0 then
+          live = true
+        end
+      end
+      if live then
+        return redis.error_reply('ERR region home holds shares per ' .. stored ..
+          ' us, this quota is per ' .. period .. ' us: it is refused until the grants ' ..
+          'of the other period have ended')
+      end
+    end
+    redis.call('HSET', home, 'period', period)
   end
 end
 if mode ~= 'status' then

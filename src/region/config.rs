@@ -188,6 +188,8 @@ impl Plan {
         for (name, weight, safe) in &self.regions {
             cmd.arg(name).arg(weight).arg(safe);
         }
+        // Checked by the home: its shares are units of one period.
+        cmd.arg(self.period_us);
         cmd
     }
 }

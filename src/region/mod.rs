@@ -103,6 +103,18 @@
 //!   or removed, below), capacity, safe shares and lease length. A lease length may change in a rolling deploy while the home keeps its
 //!   state (the proptest runs processes on a shorter lease); a home that restarts meanwhile
 //!   learns for the lease length of the first process that calls it.
+//! - **Changing the global quota**: shares are whole units of the quota's period, so keep
+//!   the period and change the count (per second 300 to per second 200): while processes
+//!   of both run, each grants at most its own capacity less what the others hold, so the
+//!   regions admit at most the larger of the two, and the new one once the leases granted
+//!   under the old have ended. The home keeps the period its shares are in and refuses a
+//!   process whose quota has another (the same 300/s written as 18 000 per minute: it would
+//!   read 300 per second as 300 per minute and grant the rest again), a failed refresh, until
+//!   no region holds a grant of the other period. A rolling deploy that changes the period
+//!   therefore leaves the deployed regions at their safe shares until the last process of
+//!   the old period has stopped and its leases have ended; and the processes of one region
+//!   share its lease record, whose share each reads in its own period: stop a region's old
+//!   processes before its new ones start.
 //! - **Adding or removing a region**: the home counts the live leases of every region in
 //!   its state, whether the calling process lists it or not (a deploy runs processes with
 //!   both lists; a region no process lists is forgotten once its leases have ended and its

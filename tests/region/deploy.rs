@@ -1,6 +1,8 @@
 //! A deploy that adds or removes a region runs processes that list different regions
 //! against one home: the bound holds across them.
 
+use std::time::Duration;
+
 use flowgate::Quota;
 use flowgate::region::{Allocation, QuotaAllocator};
 
@@ -72,7 +74,6 @@ where
 /// its 18 000 per minute, and granted eu 13 630 per minute (227/s) on top: 526/s between
 /// them.
 #[tokio::test]
-#[ignore = "fault: a rolling deploy that writes the global quota per another period breaks the bound"]
 async fn a_deploy_that_writes_the_quota_per_another_period_keeps_the_bound() {
     let server = RedisServer::start();
     let build = |conn, quota| {
@@ -80,6 +81,8 @@ async fn a_deploy_that_writes_the_quota_per_another_period_keeps_the_bound() {
             .name("period")
             .region(("us", 1))
             .region(("eu", 1))
+            .lease(Duration::from_secs(1))
+            .refresh_every(Duration::from_millis(200))
             .build()
             .unwrap()
     };
@@ -100,6 +103,19 @@ async fn a_deploy_that_writes_the_quota_per_another_period_keeps_the_bound() {
             );
         }
     }
+    // Refused by the home while us holds a grant per second: a failed refresh, shown.
+    let st = eu.status();
+    assert!(st.failures > 0 && !st.home_reachable, "{st:?}");
+    // Once the last process per second has stopped and its lease ended, the home divides
+    // per minute.
+    assert!(us.leave().await);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    want_more(&eu).await;
+    let st = eu.status();
+    assert!(
+        st.home_reachable && st.share > 0 && st.share <= 18_000,
+        "{st:?}"
+    );
 }
 
 /// A rolling deploy that lowers the global quota (300/s to 200/s, the period kept): while

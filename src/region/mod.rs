@@ -129,6 +129,12 @@
 //!   its processes. To remove one, stop its processes first, then take it off every list (a
 //!   process of it still running, cut off from the home even, admits at its safe share,
 //!   which only the processes that list the region keep reserved).
+//! - **Changing a safe share** (or the weights under [`SafeShare::StaticWeight`], which
+//!   move the safe shares with them): each process reserves the safe shares it was built
+//!   with, and a region falls to its own without asking. To raise a region's, deploy the
+//!   processes of the other regions first, wait a lease length (a lease they granted before
+//!   may still hold what the larger one reserves), then the region's own; to lower one,
+//!   the region's own processes first, then the others.
 //!
 //! # Shutdown
 //!

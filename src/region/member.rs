@@ -660,7 +660,10 @@ where
     }
 
     /// Refresh now instead of waiting for the next interval (what the background task does
-    /// every interval).
+    /// every interval). It first waits for a refresh already running in this process, and
+    /// for the end of a stand-down: a process that gave the refresher lock up after two
+    /// failed calls to the home leaves it to the others for a refresh interval, and a
+    /// `refresh_now` meanwhile refreshes as that interval ends.
     pub async fn refresh_now(&self) {
         self.handle.core.refresh().await;
     }

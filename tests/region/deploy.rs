@@ -166,3 +166,32 @@ async fn a_deploy_that_lowers_the_quota_keeps_the_larger_bound_then_the_new_one(
     let held = new.status().await.unwrap().held();
     assert!(held <= 200, "the home holds {held}");
 }
+
+/// Found in review: `QuotaAllocator::status` of a process whose quota has another period
+/// than the home's shares read them in its own ("300 of 18000 per 60s held" for 300 per
+/// second). It is refused, as that process's refreshes are.
+#[tokio::test]
+#[ignore = "fault: the allocator status reads the home's shares in another period"]
+async fn the_status_of_a_process_of_another_period_is_refused() {
+    let server = RedisServer::start();
+    let build = |conn, quota| {
+        QuotaAllocator::builder(conn, quota)
+            .name("period-status")
+            .region(("us", 1))
+            .build()
+            .unwrap()
+    };
+    let per_second = build(server.connect().await, Quota::per_second(300).unwrap());
+    let per_minute = build(server.connect().await, Quota::per_minute(18_000).unwrap());
+    assert!(per_second.init_home().await.unwrap());
+    let us = per_second.join("us", server.connect().await).await.unwrap();
+    want_more(&us).await;
+    assert!(per_second.status().await.unwrap().held() > 0);
+    let status = per_minute.status().await;
+    assert!(
+        status
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("per 1000000 us")),
+        "{status:?}"
+    );
+}

@@ -22,7 +22,7 @@
 --           keeps it in field 'period': the shares and demands it holds are units of that
 --           period, so a caller whose quota has another period (the same rate written per
 --           minute instead of per second) is refused while any region holds a grant above
---           0, and the hash takes its period once none does
+--           0 (a status, always), and the hash takes its period once none does
 --
 -- refresh: {seq, share, until_us - now_us, learning, now_us}
 -- ack:     {learning, now_us}
@@ -149,11 +149,12 @@ for j = 1, k do
 end
 -- Shares are units of the period: one of another period would be read as a larger or a
 -- smaller rate than it is (300 per second read as 300 of 18 000 per minute).
-if period and mode ~= 'status' then
+-- A status in another period would show the shares as that period's: refused too.
+if period then
   local stored = redis.call('HGET', home, 'period')
   if stored ~= period then
     if stored then
-      local live = unlisted > 0
+      local live = mode == 'status' or unlisted > 0
       for j = 1, k do
         if math.max(rs[j].pn, rs[j].ln) > 0 then
           live = true
@@ -165,7 +166,9 @@ if period and mode ~= 'status' then
           'of the other period have ended')
       end
     end
-    redis.call('HSET', home, 'period', period)
+    if mode ~= 'status' then
+      redis.call('HSET', home, 'period', period)
+    end
   end
 end
 if mode ~= 'status' then

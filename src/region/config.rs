@@ -633,7 +633,8 @@ where
     /// # Errors
     ///
     /// [`GateError`](crate::gate::GateError) when the home fails or does not answer within
-    /// the home timeout.
+    /// the home timeout, or holds its shares in units of another period than this quota's
+    /// (see the [module docs](crate::region) on changing the global quota).
     pub async fn status(&self) -> Result<AllocatorStatus, crate::gate::GateError> {
         let cmd = self.plan.home_cmd("status", 0, &model::Report::default());
         let k = self.plan.regions.len();

@@ -30,8 +30,12 @@ use crate::limit::{Algorithm, KeyedError};
 /// [`KeyedError::KeyspaceFull`] and nothing is inserted. Existing keys are always decided
 /// normally. This policy never over-admits (evicting a busy key would reset its limit). A
 /// failed sweep remembers when the first key becomes neutral, so a flood of new keys costs
-/// one hash lookup each until then, not a scan. Call [`Keyed::sweep`] from a timer to
-/// release idle keys early.
+/// one hash lookup each until then, not a scan. From then on a sweep frees the keys neutral
+/// by its `now`, and only those: when they go neutral one at a time while new keys keep
+/// coming (a steady flood of distinct keys, more than the map holds at once), nearly every
+/// new key sweeps, a scan of the whole map (in a
+/// [`MemoryGate`](crate::gate::MemoryGate), of the key's shard, under its lock). Call
+/// [`Keyed::sweep`] from a timer to release idle keys early.
 ///
 /// # Examples
 ///

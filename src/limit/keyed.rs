@@ -67,6 +67,9 @@ pub struct Keyed<K, A: Algorithm, S = RandomState> {
     /// The latest time a sweep evicted at: a key not held may have been evicted then, back
     /// to neutral then and not before, so a new key is decided no earlier.
     swept_at: Duration,
+    /// How many sweeps scanned the whole map (tests).
+    #[cfg(test)]
+    scans: usize,
 }
 
 impl<K: Hash + Eq, A: Algorithm> Keyed<K, A> {
@@ -97,6 +100,8 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             max_keys,
             next_sweep: Duration::ZERO,
             swept_at: Duration::ZERO,
+            #[cfg(test)]
+            scans: 0,
         })
     }
 
@@ -194,6 +199,10 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     pub fn sweep(&mut self, now: Duration) -> usize {
         if now < self.next_sweep {
             return 0;
+        }
+        #[cfg(test)]
+        {
+            self.scans += 1;
         }
         let before = self.map.len();
         let mut next = Duration::MAX;
@@ -328,5 +337,37 @@ impl<K, A: Algorithm + fmt::Debug, S> fmt::Debug for Keyed<K, A, S> {
             .field("keys", &self.map.len())
             .field("max_keys", &self.max_keys)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Quota;
+    use crate::limit::TokenBucket;
+
+    /// A steady flood of distinct keys at a full map, the keys going neutral one at a time
+    /// (each took the whole of its 1 s bucket, one a millisecond): each new key finds one
+    /// key neutral. Making room must not scan the whole map for each of them.
+    #[test]
+    #[ignore = "fault: under a steady flood of distinct keys nearly every new key scans the whole map"]
+    fn a_flood_of_new_keys_scans_the_map_a_bounded_number_of_times() {
+        let q = Quota::per_second(1).unwrap();
+        let max_keys = 1_000;
+        let mut keyed = Keyed::new(TokenBucket::new(q), max_keys).unwrap();
+        let ms = Duration::from_millis;
+        for i in 0..5_000u64 {
+            let d = keyed.check(&i, ms(i), 1).unwrap();
+            assert!(d.allowed, "key {i}");
+            assert!(keyed.len() <= max_keys);
+        }
+        assert_eq!(keyed.len(), max_keys);
+        // 4 000 new keys met a full map; a scan frees the keys neutral by then and finds the
+        // next ones to go: at most one scan for each eighth of the map's keys, and a few.
+        assert!(
+            keyed.scans <= 4_000 / (max_keys / 8) + 4,
+            "{} scans",
+            keyed.scans
+        );
     }
 }

@@ -332,6 +332,15 @@ fn keyed_as_one_limiter_per_key<A: Algorithm + Clone>(
     for &(t, key, cost, sweep) in trace {
         if sweep {
             keyed.sweep(ns(t));
+            // A sweep leaves no key neutral.
+            for (k, limiter) in &reference {
+                prop_assert!(
+                    keyed.get(k).is_none() || !limiter.is_neutral(ns(t)),
+                    "key {} neutral at {} but kept by a sweep",
+                    k,
+                    t
+                );
+            }
         }
         let got = keyed.check(&key, ns(t), cost);
         prop_assert!(keyed.len() <= max_keys);
@@ -357,6 +366,32 @@ fn keyed_as_one_limiter_per_key<A: Algorithm + Clone>(
     Ok(())
 }
 
+/// [`keyed_as_one_limiter_per_key`] under each algorithm at rate `r` (a token bucket of
+/// `burst`), over `steps` of (time since the last, key, cost, whether a sweep runs first).
+fn keyed_under_every_algorithm(
+    r: Rate,
+    burst: u32,
+    steps: Vec<(u64, u8, u32, bool)>,
+    max_keys: usize,
+) -> Result<(), TestCaseError> {
+    let mut t = 0;
+    let trace: Vec<_> = steps
+        .into_iter()
+        .map(|(gap, key, cost, sweep)| {
+            t += gap;
+            (t, key, cost, sweep)
+        })
+        .collect();
+    keyed_as_one_limiter_per_key(
+        TokenBucket::new(Quota::new(r, burst).unwrap()),
+        &trace,
+        max_keys,
+    )?;
+    keyed_as_one_limiter_per_key(FixedWindow::new(r), &trace, max_keys)?;
+    keyed_as_one_limiter_per_key(SlidingWindow::new(r), &trace, max_keys)?;
+    keyed_as_one_limiter_per_key(SlidingLog::new(r), &trace, max_keys)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -369,18 +404,22 @@ proptest! {
         steps in prop::collection::vec((0u64..3_000_000, 0u8..6, 1u32..=4, any::<bool>()), 1..300),
         max_keys in 1usize..=6,
     ) {
-        let mut t = 0;
-        let trace: Vec<_> = steps
-            .into_iter()
-            .map(|(gap, key, cost, sweep)| {
-                t += gap;
-                (t, key, cost, sweep)
-            })
-            .collect();
-        keyed_as_one_limiter_per_key(TokenBucket::new(Quota::new(r, burst).unwrap()), &trace, max_keys)?;
-        keyed_as_one_limiter_per_key(FixedWindow::new(r), &trace, max_keys)?;
-        keyed_as_one_limiter_per_key(SlidingWindow::new(r), &trace, max_keys)?;
-        keyed_as_one_limiter_per_key(SlidingLog::new(r), &trace, max_keys)?;
+        keyed_under_every_algorithm(r, burst, steps, max_keys)?;
+    }
+
+    /// The same over maps of up to 40 keys: a sweep that scans notes the eighth of the keys
+    /// going neutral soonest, and new keys at a full map evict those one at a time.
+    #[test]
+    fn keyed_decides_like_one_limiter_per_key_over_larger_maps(
+        r in rate(),
+        burst in 1u32..=20,
+        steps in prop::collection::vec(
+            (0u64..400_000, 0u8..48, 1u32..=4, prop::bool::weighted(0.1)),
+            1..400,
+        ),
+        max_keys in 8usize..=40,
+    ) {
+        keyed_under_every_algorithm(r, burst, steps, max_keys)?;
     }
 }
 

@@ -232,6 +232,14 @@ impl MemoryBuckets {
             }
         };
         if self.len() >= room.per_shard && self.by_quota[at].keys.get_hashed(hash, key).is_none() {
+            // A key its map found going neutral soonest, if one is due, without a scan.
+            if self
+                .by_quota
+                .iter_mut()
+                .any(|q| q.keys.evict_soonest(now) > 0)
+            {
+                return Ok(&mut self.by_quota[at].keys);
+            }
             self.sweep(now);
             // The sweep may have dropped this quota's map (empty): find or make it again.
             let at = match self.by_quota.iter().position(|q| q.quota == quota) {

@@ -1620,6 +1620,41 @@ async fn duration_max_settings_mean_never_and_do_not_panic() {
     assert!(gate.check("a", 1).await.unwrap().allowed, "from the lease");
 }
 
+/// Under tokio's paused time a timer fires as soon as the runtime has nothing else to do,
+/// before Redis can answer: a timeout of `Duration::MAX` ("no limit") armed a timer of a
+/// century, which the paused clock reached at once, so every call (alone, batched, a lease,
+/// `check_all`) was decided by the failure policy, and the gate degraded, with Redis
+/// answering.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a timeout of Duration::MAX arms a century timer, which paused time fires at once"]
+async fn a_gate_without_a_timeout_is_decided_by_redis_under_paused_time() {
+    async fn build(server: &RedisServer, lease: u32) -> RedisGate<MultiplexedConnection> {
+        let limit = Limit::TokenBucket(Quota::per_hour(10).unwrap());
+        // No client-side timeouts either: redis-rs's fire alike under paused time.
+        RedisGate::builder(server.connect_untimed().await, limit)
+            .prefix(format!("paused{lease}:"))
+            .timeout(Duration::MAX)
+            .lease(lease)
+            .build()
+            .await
+            .unwrap()
+    }
+    let server = RedisServer::start();
+    let gate = build(&server, 0).await;
+    assert!(gate.check("alone", 1).await.unwrap().allowed, "alone");
+    // Two at once: the second joins a batch.
+    let (a, b) = futures::future::join(gate.check("a", 1), gate.check("b", 1)).await;
+    assert!(a.unwrap().allowed && b.unwrap().allowed, "batched");
+    let q = Quota::per_hour(5).unwrap();
+    let all = gate.check_all(&[("x", q), ("y", q)], 1).await.unwrap();
+    assert!(all.iter().all(|d| d.allowed), "check_all");
+    assert!(!gate.is_degraded());
+    let leasing = build(&server, 5).await;
+    assert!(leasing.check("k", 1).await.unwrap().allowed, "a lease");
+    assert_eq!(leasing.leased_keys(), 1);
+    assert!(!leasing.is_degraded());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
     let server = RedisServer::start();

@@ -151,6 +151,31 @@ impl<C> Backend<C> {
         self.name.as_deref()
     }
 
+    /// Whether the gate has no timeout (`Duration::MAX`, taken as [`FOREVER`]): then it
+    /// arms no timer for a call. Under tokio's paused time a timer fires as soon as the
+    /// runtime has nothing else to do, however far away it is, before Redis can answer.
+    ///
+    /// [`FOREVER`]: crate::time::FOREVER
+    fn unbounded(&self) -> bool {
+        self.timeout >= crate::time::FOREVER
+    }
+
+    /// `fut`'s output, or `None` if `within` passes first (no timer without a timeout).
+    pub(crate) async fn within<F: Future>(&self, within: Duration, fut: F) -> Option<F::Output> {
+        if self.unbounded() {
+            return Some(fut.await);
+        }
+        tokio::time::timeout(within, fut).await.ok()
+    }
+
+    /// `fut`'s output, or `None` if `deadline` passes first (no timer without a timeout).
+    pub(crate) async fn until<F: Future>(&self, deadline: Instant, fut: F) -> Option<F::Output> {
+        if self.unbounded() {
+            return Some(fut.await);
+        }
+        tokio::time::timeout_at(deadline.into(), fut).await.ok()
+    }
+
     /// Whether the gate is deciding by its failure policy.
     pub(crate) fn is_degraded(&self) -> bool {
         self.degraded.load(Ordering::Acquire)
@@ -245,23 +270,24 @@ where
         // Healthy at the start: not the probe of a degraded gate.
         let regular = !self.degraded.load(Ordering::Acquire);
         let mut conn = self.conn.clone();
-        let reply = tokio::time::timeout(
-            within,
-            query::<_, Vec<i64>>(&mut conn, script, cmd, || self.reset()),
-        )
-        .await;
+        let reply = self
+            .within(
+                within,
+                query::<_, Vec<i64>>(&mut conn, script, cmd, || self.reset()),
+            )
+            .await;
         self.metrics.latency.record(started.elapsed().as_secs_f64());
         let error = match reply {
-            Ok(Ok(v)) if v.len() == len => {
+            Some(Ok(v)) if v.len() == len => {
                 self.answered();
                 self.healthy();
                 return Ok(v);
             }
-            Ok(Ok(v)) => GateError::backend(BackendMessage(format!(
+            Some(Ok(v)) => GateError::backend(BackendMessage(format!(
                 "unexpected reply from the gate script: {} values where {len} were expected",
                 v.len()
             ))),
-            Ok(Err(e)) => match e.code() {
+            Some(Err(e)) => match e.code() {
                 // Only a call on one key can get this at the top level (every script
                 // decides each key under pcall): that key's error.
                 Some("WRONGTYPE") => {
@@ -281,7 +307,7 @@ where
                 }
                 _ => GateError::backend(e),
             },
-            Err(_) => GateError::Timeout(self.timeout),
+            None => GateError::Timeout(self.timeout),
         };
         Err(self.fail(error))
     }

@@ -265,14 +265,14 @@ where
                 Ok(()) => return Ok(()),
                 Err(TrySendError::Full(r)) => {
                     let wait = queue.reserve();
-                    match tokio::time::timeout_at(deadline.into(), wait).await {
-                        Ok(Ok(permit)) => {
+                    match self.driver.backend.until(deadline, wait).await {
+                        Some(Ok(permit)) => {
                             permit.send(r);
                             return Ok(());
                         }
-                        Ok(Err(_)) => r,
+                        Some(Err(_)) => r,
                         // The queue stayed full for the whole timeout: Redis is too slow.
-                        Err(_) => {
+                        None => {
                             let backend = &self.driver.backend;
                             return Err(backend.fail(GateError::Timeout(backend.timeout())));
                         }

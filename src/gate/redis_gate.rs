@@ -373,12 +373,12 @@ where
         batcher.submit(request).await?;
         // The driver answers by the deadline (its call's timeout ends there); the timer here
         // is the backstop for a driver whose runtime is not being driven.
-        let reply = match tokio::time::timeout_at((started + timeout).into(), answer).await {
-            Ok(Ok(answer)) => answer.read(),
+        let reply = match inner.backend.until(started + timeout, answer).await {
+            Some(Ok(answer)) => answer.read(),
             // The driver went away with the request before sending it (its runtime shut
             // down): decide it here. (One it had sent is answered with a failure instead.)
-            Ok(Err(_)) => return self.call_one(key, cost, started, None).await,
-            Err(_) => Err(inner.backend.fail(GateError::Timeout(timeout))),
+            Some(Err(_)) => return self.call_one(key, cost, started, None).await,
+            None => Err(inner.backend.fail(GateError::Timeout(timeout))),
         };
         // Read here: a caller that gives up before this point leaves its answer to count it.
         if let Ok(decision) = &reply {

@@ -89,7 +89,14 @@ where
 
     /// The longest a decision may take before the failure policy applies (default 50 ms).
     /// `Duration::MAX` means no limit (as for every duration setting, anything above a
-    /// century is taken as a century).
+    /// century is taken as a century): no timer is armed for a call.
+    ///
+    /// The timeout runs on tokio's timers. Under tokio's paused time
+    /// (`#[tokio::test(start_paused = true)]`, `tokio::time::pause()`) a timer fires as soon
+    /// as the runtime has nothing else to do, however far away it is, without waiting for
+    /// Redis's answer: with any other timeout, every call that goes to Redis is then decided
+    /// by the failure policy. A gate tested under paused time takes `Duration::MAX`, over a
+    /// connection without client-side timeouts (redis-rs's fire alike).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = crate::time::capped(timeout);
         self
@@ -258,7 +265,12 @@ where
                 }
             }
         };
-        let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
+        // (No timer without a timeout: under tokio's paused time it would fire at once.)
+        if self.timeout >= crate::time::FOREVER {
+            load.await;
+        } else {
+            let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
+        }
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),

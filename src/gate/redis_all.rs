@@ -57,6 +57,11 @@ where
     /// the gate stays healthy); under [`FailurePolicy::Error`], [`GateError::Backend`] and
     /// [`GateError::Timeout`]; under `Fallback`, the in-memory gate's errors.
     ///
+    /// # Panics
+    ///
+    /// As [`check`](RedisGate::check): when it calls Redis outside a tokio runtime with
+    /// timers, unless the timeout is `Duration::MAX`.
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future before it is first polled charges nothing; after, the script call

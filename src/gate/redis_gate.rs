@@ -281,6 +281,14 @@ where
     /// the errors of its `MemoryGate` while it decides ([`GateError::KeyspaceFull`], or
     /// [`GateError::Cost`] for a cost above its own capacity).
     ///
+    /// # Panics
+    ///
+    /// When it calls Redis polled outside a tokio runtime with timers (`enable_time`; a
+    /// `futures::executor::block_on` on a thread of its own has none), unless the timeout is
+    /// `Duration::MAX`: the timeout runs on tokio's timers (as redis-rs's own response
+    /// timeout does). What it answers without Redis (a malformed request, a leased token, a
+    /// cached rejection) needs no runtime.
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future before its request is on its way to Redis (never polled, or

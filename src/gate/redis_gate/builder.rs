@@ -209,7 +209,8 @@ where
     ///
     /// # Panics
     ///
-    /// Outside a tokio runtime (it spawns the batch driver).
+    /// Outside a tokio runtime with timers (`enable_time`): it spawns the batch driver, and
+    /// bounds the loading of its scripts with a tokio timer.
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
         let eval = LimitScript::new(self.limit)?;
         // A batch over a cluster connection mixes slots unless split: refused as a whole.

@@ -58,8 +58,11 @@ pub struct RetryInfo {
 ///
 /// It owns everything it needs (a ready clone of the inner service, the request, the
 /// backoff schedule, a refused response's body while it is read) and keeps its states in an
-/// explicit enum, with one timer reset for every timeout and wait: no allocation beyond the
-/// pacer's wait.
+/// explicit enum, with one timer reset for every timeout and wait: its own states allocate
+/// nothing beyond the pacer's wait. What it sends and reads does: each attempt sends a
+/// clone of the request (its headers, extensions and body are cloned, which allocates for
+/// a request with any header), and a response's fields are parsed into a `ServerHint`
+/// for the pacer (with one) and by [`HttpClassify`] for a `429` or `503`.
 ///
 /// # Panics
 ///

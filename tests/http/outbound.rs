@@ -1583,7 +1583,6 @@ async fn a_recorder_panicking_on_the_round_trip_still_tells_the_budget_of_a_fail
 /// stays the retries made. `retry()` counts it so (`tests/retry/call.rs`).
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: RetryLayer counts a retry the budget refused as abandoned when a panic follows the refusal"]
 async fn a_recorder_panicking_after_the_budget_refused_abandons_no_retry() {
     use flowgate::retry::{Outcome, retry};
     use futures::FutureExt;

@@ -135,10 +135,12 @@ pub(super) enum State<F, ResB> {
     },
     /// The attempt ended (its future is dropped): its outcome is being classified and
     /// reported, within one poll. Seen by a drop only when that poll panicked (the
-    /// classifier, or a backoff's timer outside a runtime).
+    /// classifier, a metrics recorder, or a backoff's timer outside a runtime).
     Ended {
-        /// The schedule's attempts when it ended: one more once a retry was allowed.
-        attempts: u32,
+        /// Whether the budget allowed a retry (not yet sent). The schedule's attempts say
+        /// no such thing: the schedule counts a retry it allows before the budget is asked,
+        /// and the budget may refuse it.
+        retry_allowed: bool,
     },
     /// The result was given out.
     Done,
@@ -158,9 +160,7 @@ where
             State::Call { .. } | State::NotSent(_) => policy.count_cancelled(false),
             // Unwinding from a panic after the attempt ended, before its stop was counted;
             // a retry the budget allowed by then was never sent.
-            State::Ended { attempts } => {
-                policy.count_cancelled(self.schedule.attempts() > *attempts);
-            }
+            State::Ended { retry_allowed } => policy.count_cancelled(*retry_allowed),
             // Before an attempt: after the first, a retry the budget allowed.
             State::Pace { .. } | State::Send | State::Backoff { .. } => {
                 policy.count_cancelled(self.schedule.attempts() > 1);
@@ -278,7 +278,7 @@ where
             };
             // The attempt is over: drop its future (a timed-out one is cancelled).
             this.state.set(State::Ended {
-                attempts: this.schedule.attempts(),
+                retry_allowed: false,
             });
             let rtt = started.elapsed();
             let outcome = match &result {
@@ -329,6 +329,11 @@ where
                     })
                 }
             };
+            if next.is_ok()
+                && let StateProj::Ended { retry_allowed } = this.state.as_mut().project()
+            {
+                *retry_allowed = true;
+            }
             // After the budget heard of a failure (see `RetryPolicy::record_rtt`); a panic
             // here, the state `Ended`, abandons a retry the budget allowed.
             policy.record_rtt(rtt);

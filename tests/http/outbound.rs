@@ -1631,7 +1631,6 @@ async fn a_recorder_panicking_after_the_budget_refused_abandons_no_retry() {
 /// recorder call panicked too: in a task, unwinding, a panic in a drop aborts the process.)
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking on the abandoned counter for a retry the inner service is not ready for aborts the process"]
 async fn a_recorder_panicking_on_an_abandoned_retry_counts_it_once() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

@@ -133,9 +133,10 @@ pub(super) enum State<F, ResB> {
         /// Frames read from `drain`.
         frames: u32,
     },
-    /// The attempt ended (its future is dropped): its outcome is being classified and
-    /// reported, within one poll. Seen by a drop only when that poll panicked (the
-    /// classifier, a metrics recorder, or a backoff's timer outside a runtime).
+    /// The attempt ended (its future is dropped), or the inner service failed to get ready
+    /// for a retry: its outcome is being classified and reported, within one poll. Seen by
+    /// a drop only when that poll panicked (the classifier, a metrics recorder, or a
+    /// backoff's timer outside a runtime).
     Ended {
         /// Whether the budget allowed a retry (not yet sent). The schedule's attempts say
         /// no such thing: the schedule counts a retry it allows before the budget is asked,
@@ -209,7 +210,12 @@ where
                     {
                         // The downstream cannot take the request again: a stop like a
                         // fatal answer. (Only a retry makes the service ready here: the
-                        // retry the budget allowed is never sent.)
+                        // retry the budget allowed is never sent.) Ended first, with no
+                        // retry pending: a metrics recorder panicking here must not get the
+                        // retry abandoned again by the drop.
+                        this.state.set(State::Ended {
+                            retry_allowed: false,
+                        });
                         policy.abandon_retry();
                         policy.count_stop(&Stop::Fatal);
                         this.state.set(State::Done);

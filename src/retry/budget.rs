@@ -164,8 +164,10 @@ impl RetryBudget {
         let left = inner.take(MILLI);
         let allowed = left > inner.threshold;
         if allowed {
-            inner.allowed.fetch_add(1, Ordering::Relaxed);
+            // The recorder first: one that panics keeps the answer from the caller, so no
+            // retry was allowed (a count here would be neither made nor abandoned).
             inner.allowed_total.increment(1);
+            inner.allowed.fetch_add(1, Ordering::Relaxed);
         } else {
             inner.refused.fetch_add(1, Ordering::Relaxed);
             inner.refused_total.increment(1);

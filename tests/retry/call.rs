@@ -668,7 +668,6 @@ async fn a_recorder_panicking_on_the_round_trip_still_tells_the_budget_of_a_fail
 /// retries made). The failure still takes its token, as one not retried does.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking on the allowed counter leaves a retry counted allowed, never made nor abandoned"]
 async fn a_recorder_panicking_on_an_allowed_retry_leaves_no_retry_unaccounted() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

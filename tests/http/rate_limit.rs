@@ -1775,6 +1775,106 @@ mod on_redis {
         assert_eq!((stats.gate_error, stats.bad_request), (1, 0), "{stats:?}");
     }
 
+    /// On Redis Cluster the keys of one all-or-nothing call must share a hash slot. A layer
+    /// of two policies that apply to every request (no `MissingKey::Skip`), whose gate keys
+    /// (`<gate prefix><key prefix><policy name>:<key>`) carry no hash tag, has each
+    /// request's keys in two slots: the gate refuses every call (`CrossSlot`, before Redis
+    /// is asked, whatever its failure policy). Before, the layer was built and answered
+    /// every request `503`, counted as a gate error; it is refused when built, naming the
+    /// fix, and so is a policy that may skip a request beside one that never does (the two
+    /// apply together whenever the first finds a key). A hash tag in the key prefix or in
+    /// the gate's prefix, one policy, or policies that may all skip a request (by design
+    /// never two on one) build.
+    #[tokio::test]
+    #[ignore = "fault: a layer of several policies over a Redis Cluster gate without a hash tag is built and answers every request 503"]
+    async fn a_layer_whose_keys_a_cluster_cannot_decide_together_is_refused_when_built() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let gate = |prefix: &'static str| {
+            RedisGate::builder(
+                conn.clone(),
+                Limit::TokenBucket(quota(1, Duration::from_secs(1))),
+            )
+            .prefix(prefix)
+            .cluster(true)
+            .failure_policy(FailurePolicy::Open)
+            .build()
+        };
+        let user = || Policy::new("per-user", quota(10, Duration::from_secs(60)), by_user);
+        let client = || per_client(quota(10, Duration::from_secs(60)));
+        let two = |gate: RedisGate<ConnectionManager>, key_prefix: &str| {
+            RateLimitLayer::builder(gate)
+                .key_prefix(key_prefix)
+                .policy(client())
+                .policy(user())
+                .build()
+        };
+        let send = |layer: &RateLimitLayer<RedisGate<ConnectionManager>>| {
+            let req = Request::builder()
+                .header("x-client", "c")
+                .header("x-user", "u")
+                .body(())
+                .unwrap();
+            layer.layer(tower::service_fn(ok_full)).oneshot(req)
+        };
+
+        let built = two(gate("flowgate:").await.unwrap(), "");
+        if let Ok(layer) = &built {
+            // What such a layer does: a 503 for every request.
+            let status = send(layer).await.unwrap().status();
+            let stats = layer.stats();
+            panic!(
+                "built over a cluster with keys in two slots: {status}, \
+                 gate_error {}",
+                stats.gate_error
+            );
+        }
+        let e = built.unwrap_err();
+        assert_eq!(e.field(), "rate_limit.key_prefix");
+        assert!(
+            e.reason().contains("hash slot") && e.reason().contains("{rl}"),
+            "{e}"
+        );
+
+        // A hash tag in the layer's key prefix, or in the gate's prefix: one slot.
+        for (gate_prefix, key_prefix) in [("flowgate:", "{rl}"), ("{app}:", "")] {
+            let layer = two(gate(gate_prefix).await.unwrap(), key_prefix).unwrap();
+            assert_eq!(send(&layer).await.unwrap().status(), StatusCode::OK);
+            assert_eq!(layer.stats().admitted, 1);
+        }
+        // Tags of two slots are two slots.
+        let e = RateLimitLayer::builder(gate("").await.unwrap())
+            .policy(Policy::new("{a}", client().quota(), by_client))
+            .policy(Policy::new("{b}", client().quota(), by_user))
+            .build()
+            .unwrap_err();
+        assert_eq!(e.field(), "rate_limit.key_prefix");
+        // A policy that may skip a request applies with one that never does whenever it
+        // finds a key: refused too.
+        let skip = |p: Policy| p.missing_key(MissingKey::Skip);
+        let e = RateLimitLayer::builder(gate("flowgate:").await.unwrap())
+            .policy(client())
+            .policy(skip(user()))
+            .build()
+            .unwrap_err();
+        assert_eq!(e.field(), "rate_limit.key_prefix");
+        // One policy, or policies that may all skip a request (by design never two on one):
+        // built.
+        assert!(
+            RateLimitLayer::builder(gate("flowgate:").await.unwrap())
+                .policy(client())
+                .build()
+                .is_ok()
+        );
+        assert!(
+            RateLimitLayer::builder(gate("flowgate:").await.unwrap())
+                .policy(skip(client()))
+                .policy(skip(user()))
+                .build()
+                .is_ok()
+        );
+    }
+
     #[tokio::test]
     async fn redis_killed_mid_run_answers_under_the_failure_policy_and_recovers() {
         let server = RedisServer::start();

@@ -231,6 +231,25 @@ pub trait Gate: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Whether [`check_all`](Gate::check_all) can decide together keys that begin with
+    /// `heads` (one key beginning with each, whatever follows). On Redis Cluster the keys
+    /// of one call must share a hash slot, which only a hash tag in their common start can
+    /// promise; a gate that decides any keys together answers `Ok`.
+    /// A [`RateLimitLayer`](crate::http::RateLimitLayer)'s `build` asks with its policies'
+    /// `<key prefix><policy name>:`, so that a layer whose every request would be refused
+    /// (`CrossSlot`) is refused when built.
+    ///
+    /// Crate-internal: the default answers `Ok`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`](crate::ConfigError) saying why the keys cannot be decided together.
+    #[doc(hidden)]
+    fn validate_key_heads(&self, heads: &[&str]) -> Result<(), crate::ConfigError> {
+        let _ = heads;
+        Ok(())
+    }
+
     /// The limit enforced per key.
     fn limit(&self) -> Limit;
 }
@@ -286,6 +305,10 @@ macro_rules! forward_gate {
 
             fn key_space(&self) -> Option<usize> {
                 (**self).key_space()
+            }
+
+            fn validate_key_heads(&self, heads: &[&str]) -> Result<(), crate::ConfigError> {
+                (**self).validate_key_heads(heads)
             }
 
             fn limit(&self) -> Limit {

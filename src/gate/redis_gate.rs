@@ -26,6 +26,7 @@ use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::quotas::Registration;
 use crate::gate::scripts::LimitScript;
+use crate::gate::slot::fixed_slot;
 use crate::metrics::Counter;
 use crate::rate::Quota;
 use crate::sync::Arc;
@@ -475,6 +476,30 @@ where
     /// clones, names its keys.
     fn key_space(&self) -> Option<usize> {
         Some(Arc::as_ptr(&self.inner).addr())
+    }
+
+    /// On a Cluster, keys beginning with `heads` (after the gate's prefix) share a slot
+    /// whatever follows only if each start holds a whole hash tag, all of one slot: what
+    /// [`check_all`](RedisGate::check_all) needs, or it refuses the call (`CrossSlot`).
+    fn validate_key_heads(&self, heads: &[&str]) -> Result<(), crate::ConfigError> {
+        if !self.inner.cluster || heads.len() < 2 {
+            return Ok(());
+        }
+        let slot_of = |head: &str| fixed_slot(self.redis_key(head).as_bytes());
+        let first = slot_of(heads[0]);
+        if first.is_some() && heads[1..].iter().all(|h| slot_of(h) == first) {
+            return Ok(());
+        }
+        Err(crate::ConfigError::new(
+            "gate.cluster",
+            crate::ConfigErrorKind::Inconsistent,
+            format!(
+                "on Redis Cluster the keys of one check_all must share a hash slot, and keys \
+                 beginning with {heads:?} (after the gate's prefix {:?}) do not all carry a \
+                 hash tag of one slot",
+                self.inner.prefix
+            ),
+        ))
     }
 
     fn limit(&self) -> Limit {

@@ -31,9 +31,36 @@ pub(crate) fn slot(key: &[u8]) -> u16 {
     crc16(tagged) % 16_384
 }
 
+/// The hash slot of every key that begins with `head`, when `head` alone decides it: it
+/// holds a whole hash tag (its first `{`, then a `}` after at least one byte). `None` when
+/// what follows `head` can change the slot (no tag, an empty `{}`, a tag left open).
+pub(crate) fn fixed_slot(head: &[u8]) -> Option<u16> {
+    let open = head.iter().position(|&b| b == b'{')?;
+    let rest = &head[open + 1..];
+    let close = rest.iter().position(|&b| b == b'}')?;
+    (close > 0).then(|| crc16(&rest[..close]) % 16_384)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::slot;
+    use super::{fixed_slot, slot};
+
+    #[test]
+    fn a_fixed_slot_is_the_slot_of_every_key_after_the_head() {
+        for head in ["{rl}", "app:{t-1}:per-ip:", "{a}{b}"] {
+            let fixed = fixed_slot(head.as_bytes()).unwrap();
+            for rest in ["", "x", "}", "{other}", "10.0.0.1"] {
+                assert_eq!(
+                    slot(format!("{head}{rest}").as_bytes()),
+                    fixed,
+                    "{head}{rest}"
+                );
+            }
+        }
+        for head in ["", "flowgate:per-ip:", "{}", "{open", "x{}y{z}"] {
+            assert_eq!(fixed_slot(head.as_bytes()), None, "{head}");
+        }
+    }
 
     #[test]
     fn known_slots() {

@@ -1786,7 +1786,6 @@ mod on_redis {
     /// the gate's prefix, one policy, or policies that may all skip a request (by design
     /// never two on one) build.
     #[tokio::test]
-    #[ignore = "fault: a layer of several policies over a Redis Cluster gate without a hash tag is built and answers every request 503"]
     async fn a_layer_whose_keys_a_cluster_cannot_decide_together_is_refused_when_built() {
         let server = RedisServer::start();
         let conn = manager(&server).await;

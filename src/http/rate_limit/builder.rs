@@ -155,7 +155,10 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// their response futures first, or build the new one under another prefix (its
     /// buckets start full). On Redis Cluster, a prefix
     /// with a hash tag (`"{rl}"`) puts all the keys of the layer in one slot, which an
-    /// all-or-nothing call over several policies needs.
+    /// all-or-nothing call over several policies needs: without one (nor in the gate's
+    /// prefix), `build` refuses several policies, unless every one of them may skip a
+    /// request ([`MissingKey::Skip`]: a request that two of them apply to is then answered
+    /// `503`, a gate error).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -167,7 +170,10 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     ///
     /// [`ConfigError`] on `rate_limit.key_prefix` when it leaves no room for a policy name
     /// and a key in a gate key (`<prefix><policy name>:<key>`, at most 512 bytes; longer,
-    /// the gate refuses it); on `rate_limit.policies` when there is no policy, more than
+    /// the gate refuses it), or when the gate cannot decide the policies' keys together: on
+    /// Redis Cluster, two policies or more, one of them applying to every request (not
+    /// [`MissingKey::Skip`]), whose keys carry no hash tag of one slot (in the gate's
+    /// prefix, the key prefix or the names: see [`key_prefix`](Self::key_prefix)); on `rate_limit.policies` when there is no policy, more than
     /// 32, a name that is empty, not printable ASCII or contains `:`, or leaves no room for
     /// a key after the prefix, a [`MissingKey::Shared`] key that makes a gate key longer
     /// than that, two policies with one name, a policy whose gate keys a layer alive on
@@ -282,6 +288,31 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                 ConfigErrorKind::Inconsistent,
                 "X_RATELIMIT and X_RATELIMIT_EPOCH both write X-RateLimit-Reset: choose one",
             ));
+        }
+        // Keys the gate cannot decide together (Redis Cluster: two hash slots): refused now,
+        // not with a 503 on every request two policies apply to. Once a policy applies to
+        // every request (it does not skip one without a key), each other policy that finds
+        // a key applies with it; only policies that may all skip are left to the requests.
+        let always = self.policies.iter().any(|p| p.missing != MissingKey::Skip);
+        if always && self.policies.len() > 1 {
+            let heads: Vec<String> = self
+                .policies
+                .iter()
+                .map(|p| format!("{}{}:", self.prefix, p.name))
+                .collect();
+            let heads: Vec<&str> = heads.iter().map(String::as_str).collect();
+            if let Err(e) = self.gate.validate_key_heads(&heads) {
+                return Err(ConfigError::new(
+                    "rate_limit.key_prefix",
+                    e.kind(),
+                    format!(
+                        "the policies' keys cannot be decided together: {}; give the layer a \
+                         key_prefix with a hash tag, such as \"{{rl}}\" (all its keys in one \
+                         hash slot), or each policy a layer of its own",
+                        e.reason()
+                    ),
+                ));
+            }
         }
         // Quotas the gate can never decide: refused now, not with a 503 on every request.
         // Asked of all the policies together, and registered on the gate for as long as

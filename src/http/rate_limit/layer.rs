@@ -73,7 +73,7 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// [`RedisGate`](crate::gate::RedisGate) it is one atomic script; on Redis Cluster the keys
 /// of one request must share a hash slot: give a [`key_prefix`](crate::http::RateLimitLayerBuilder::key_prefix)
 /// with a hash tag (`"{rl}"`; then all the layer's keys live in one slot) or use one policy
-/// per layer.
+/// per layer (`build` refuses several policies without a tag, unless each may skip a request).
 ///
 /// # Responses
 ///

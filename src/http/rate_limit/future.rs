@@ -28,6 +28,12 @@ use crate::sync::Arc;
 /// inner service and adds the rate-limit fields to its response, or answers `429` / `503` /
 /// `400` itself.
 ///
+/// While a remote gate decides, the future holds the request and the inner service that
+/// was ready for it (clone-after-ready), and with it whatever that service reserved when it
+/// was polled ready (a slot of an inner `ConcurrencyLimit`, say): for the gate's round trip,
+/// at most a [`RedisGate`](crate::gate::RedisGate)'s timeout. A request the layer answers
+/// itself gives both back unused.
+///
 /// Dropped before the gate answered, the request is not passed on; its cost may already be
 /// charged (as the gate documents for a dropped `check_all`). It is counted as
 /// [`cancelled`](crate::http::RateLimitStats::cancelled).

@@ -548,6 +548,30 @@ async fn an_allowance_of_zero_holds_the_pacer_about_until_its_reset() {
     assert!(start.elapsed() <= 3 * SECOND, "{:?}", start.elapsed());
 }
 
+/// "A hostile field holds no unit longer than 1 000 s": the rate's cap stops at one unit
+/// per 1 000 s, and so must the hold of an allowance of nothing left. `r=0` until a reset a
+/// year away held the pacer for the whole year (a policy of one unit per hour lets one
+/// through every 1 000 s, nothing left for an hour held it for the hour).
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: an allowance of nothing left holds the pacer until its reset, however far"]
+async fn an_allowance_of_zero_holds_no_unit_longer_than_1000_s() {
+    let year = Duration::from_secs(365 * 24 * 3_600);
+    for reset in [3_600 * SECOND, year, Duration::MAX] {
+        let a = AdaptivePacer::builder(Rate::per_second(100).unwrap())
+            .build()
+            .unwrap();
+        a.until_ready(1).await.unwrap();
+        let start = Instant::now();
+        a.on_allowance(0, reset);
+        a.until_ready(1).await.unwrap();
+        let waited = start.elapsed();
+        assert!(
+            waited <= 1_000 * SECOND + 10 * MS,
+            "reset {reset:?}: held {waited:?}"
+        );
+    }
+}
+
 /// An allowance of nothing left (`r=0`) lets no unit through before the server has one
 /// again: none before the reset, or, with a policy known, before one unit of its `q / w`
 /// (a token bucket refills during `t`). The unit counted for `r=0` is the one at that

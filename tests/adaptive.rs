@@ -805,7 +805,6 @@ fn a_default_max_limit_gives_way_to_the_bulkheads_bound() {
 /// the bounds the last one had left, so bounded to `[20, 30]` and then to `[1, 1000]` an
 /// algorithm never went below 20 again (its own `min_limit` is 1), nor `Aimd` above 30.
 #[test]
-#[ignore = "fault: a second AdaptiveLimit::bound narrows within the first instead of replacing it"]
 fn new_bounds_replace_the_last_ones() {
     for limit in &mut defaults() {
         limit.bound(20, 30);

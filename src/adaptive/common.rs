@@ -53,6 +53,9 @@ pub(crate) struct Bounds {
     pub(crate) max_given: bool,
     /// Whether `initial` was set by the user, not left at the builder's default.
     pub(crate) initial_given: bool,
+    /// The algorithm's own `[min, max]` and whether that `max` was given, as built: every
+    /// [`narrow`](Bounds::narrow) starts from them, so new bounds replace the last ones.
+    own: (u32, u32, bool),
 }
 
 impl Bounds {
@@ -64,6 +67,7 @@ impl Bounds {
             initial,
             max_given: false,
             initial_given: false,
+            own: (min, max, false),
         }
     }
 
@@ -105,29 +109,29 @@ impl Bounds {
                 ),
             ));
         }
+        self.own = (self.min, self.max, self.max_given);
         Ok(self)
     }
 
-    /// Narrow the bounds to `[min, max]`: their meet, or the end of `[min, max]` nearest
-    /// them where they do not meet; a `max` left at the builder's default is replaced by
-    /// `max` (up to the largest limit). A `min` of 0 is taken as 1, a `max` below `min` as
-    /// `min`; `limit` is brought within the narrowed bounds: what every algorithm's
+    /// Narrow the algorithm's own bounds (as built, whatever an earlier call narrowed them
+    /// to) to `[min, max]`: their meet, or the end of `[min, max]` nearest them where they
+    /// do not meet; a `max` left at the builder's default is replaced by `max` (up to the
+    /// largest limit). A `min` of 0 is taken as 1, a `max` below `min` as `min`; `limit` is
+    /// brought within the narrowed bounds: what every algorithm's
     /// [`bound`](crate::adaptive::AdaptiveLimit::bound) does.
     pub(crate) fn narrow(&mut self, min: u32, max: u32, limit: &mut f64) {
         let min = min.max(1);
         let max = max.max(min);
-        let own_max = if self.max_given {
-            self.max
+        let (own_min, own_max, max_given) = self.own;
+        let own_max = if max_given {
+            own_max
         } else {
             max.min(MAX_LIMIT)
         };
-        *self = Bounds {
-            min: self.min.clamp(min, max),
-            max: own_max.clamp(min, max),
-            initial: self.initial.clamp(min, max),
-            max_given: true,
-            initial_given: self.initial_given,
-        };
+        self.min = own_min.clamp(min, max);
+        self.max = own_max.clamp(min, max);
+        self.initial = self.initial.clamp(min, max);
+        self.max_given = true;
         *limit = self.clamp(*limit);
     }
 

@@ -70,7 +70,7 @@ pub trait AdaptiveLimit: Send + fmt::Debug + 'static {
 
     /// Keep the limit within `[min_limit, max_limit]` from now on, as well as within the
     /// algorithm's own bounds (where the two do not meet, at the end of `[min_limit,
-    /// max_limit]` nearest them). flowgate's algorithms take `max_limit` as their own
+    /// max_limit]` nearest them); the bounds of an earlier call no longer hold. flowgate's algorithms take `max_limit` as their own
     /// highest limit when theirs was left at its default (1000): a bulkhead of 10 000 lets
     /// one grow past 1000 unless it was given a `max_limit` of its own. An adaptive [`Bulkhead`](crate::bulkhead::Bulkhead)
     /// calls it once when it is built, with `[1, max_in_flight − critical_reserve]` (the

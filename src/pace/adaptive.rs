@@ -68,6 +68,9 @@ const APPLY_SHARE: f64 = 0.001;
 /// positive even when the server allows nothing until its reset, and a hostile field holds
 /// no unit longer than 1 000 s. A configured ceiling below it still caps the rate.
 const MIN_CAP: f64 = 0.001;
+/// The longest an allowance of nothing left holds the pacer: one unit at [`MIN_CAP`]
+/// (a reset further away is a hostile or mistaken field, as a cap below `MIN_CAP` is).
+const LONGEST_HOLD: Duration = Duration::from_secs(1_000);
 
 /// What the [`AdaptivePacer`] is doing; part of its [`AdaptiveStatus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -403,7 +406,9 @@ impl AdaptivePacer {
     /// `remaining` plus the units the policy's `q / w` refills by then (a token bucket
     /// refills during `t`; none without a policy). With nothing remaining, no unit passes
     /// before the reset, or before one unit of the policy's `q / w` when that is sooner:
-    /// that one unit is the one the server has again. The burst's timer tolerance is kept
+    /// that one unit is the one the server has again (or 1 000 s, when that is sooner:
+    /// a hostile or mistaken field holds no unit longer, as no cap is below one unit per
+    /// 1 000 s). The burst's timer tolerance is kept
     /// from then on (a late wake-up still catches up, up to what the server allows).
     /// With a policy known, the remaining steers the rate (see
     /// [Tracking](AdaptivePacer#state-machine)): report the remaining of the policy given
@@ -457,7 +462,8 @@ impl AdaptivePacer {
             let cap = (remaining.max(1) as f64 / reset.as_secs_f64()).max(sustained);
             let reset = capped(reset);
             c.allowance = Some((cap, now + reset));
-            hold = allowance_hold(now, remaining, reset, refill);
+            hold =
+                allowance_hold(now, remaining, reset, refill).map(|at| at.min(now + LONGEST_HOLD));
         }
         self.inner.step(&mut c, now);
         let rate = self.inner.apply(&mut c, now);

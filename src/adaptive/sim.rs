@@ -219,8 +219,9 @@ impl Downstream {
         let n = state.in_flight.saturating_add(1);
         let knee = model.knee_at(elapsed);
         if model.capacity_at(elapsed).is_some_and(|cap| n > cap) {
-            // Refused at the door: it never counts as in flight.
-            return (Status::Overloaded, model.base, n);
+            // Refused at the door: it never counts as in flight. Answered after `base`, at
+            // most an hour, as every latency.
+            return (Status::Overloaded, model.base.min(MAX_LATENCY), n);
         }
         state.in_flight = n;
         let u = state.rng.f64() * 2.0 - 1.0;
@@ -333,8 +334,9 @@ pub struct DownstreamBuilder {
 }
 
 impl DownstreamBuilder {
-    /// The latency of a lone call (default 25 ms). The model answers no latency above an
-    /// hour: a `base` longer than that has a lone call take an hour.
+    /// The latency of a lone call (default 25 ms), and of a call refused above the
+    /// capacity. The model answers no latency above an hour: a `base` longer than that has
+    /// these calls take an hour.
     pub fn base(mut self, base: Duration) -> Self {
         self.model.base = base;
         self

@@ -1392,7 +1392,6 @@ async fn an_ack_on_its_way_when_the_group_is_lost_does_not_reach_the_group_creat
 /// group another consumer creates again (here with `start_from(Beginning)`, which delivers
 /// the same ids anew), where it would acknowledge that consumer's delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a source dropped while its fetch waits to forget a lost group sends that group's acks to the group created again"]
 async fn a_source_dropped_while_it_forgets_a_lost_group_sends_none_of_its_acks_to_the_next() {
     let server = RedisServer::start();
     let mut con = server.connect().await;

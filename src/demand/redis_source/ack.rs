@@ -179,7 +179,12 @@ impl AckQueue {
     /// takes only ids of the new group). The wait holds nothing: the fetch that waits may
     /// not be polled again for long (the application works on what it holds), and a send
     /// (`flush_acks`, the background task) must not wait for it meanwhile.
+    ///
+    /// Dropped while it waits (the source dropped mid-fetch), it forgets the lost group at
+    /// once all the same: no fetch of this source creates the group again then, but
+    /// another consumer may, and an ack made afterwards must not go to that group.
     pub(super) async fn new_group(&self) {
+        let mut unfinished = ForgetOnDrop(Some(self));
         loop {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -187,17 +192,25 @@ impl AckQueue {
             // the wait.
             released.as_mut().enable();
             if let Ok(no_send) = self.sending.try_lock() {
-                let mut st = self.lock();
-                st.generation += 1;
-                let queued = std::mem::take(&mut st.ids).len();
-                st.held.clear();
-                drop(st);
+                unfinished.0 = None;
+                let queued = self.forget_group();
                 drop(no_send);
                 self.count_stale(queued);
                 return;
             }
             released.await;
         }
+    }
+
+    /// Forgets the lost group: a new generation, its queued acks and held ids dropped.
+    /// Returns how many acks were queued, for the caller to count as stale once it lets go
+    /// of what it holds.
+    fn forget_group(&self) -> usize {
+        let mut st = self.lock();
+        st.generation += 1;
+        let queued = std::mem::take(&mut st.ids).len();
+        st.held.clear();
+        queued
     }
 
     /// A handle (the source or an `Ack`) is gone; `acked`: its id is done.
@@ -223,6 +236,19 @@ impl AckQueue {
     /// The source is gone.
     pub(super) fn release_source(&self) {
         self.release(None, false);
+    }
+}
+
+/// A [`new_group`](AckQueue::new_group) that has not forgotten the lost group yet: dropped
+/// so, it forgets it without waiting for the send in progress.
+struct ForgetOnDrop<'a>(Option<&'a AckQueue>);
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(queue) = self.0.take() {
+            let queued = queue.forget_group();
+            queue.count_stale(queued);
+        }
     }
 }
 

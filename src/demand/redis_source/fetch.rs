@@ -454,7 +454,10 @@ where
     /// source mid-fetch may leave entries Redis handed out pending for this consumer: they
     /// are recovered at its next start, or claimed after `min_idle`. The acks the fetch
     /// took along are queued again for the background task (an `XACK` that had reached
-    /// Redis already is then answered 0 for them: counted as stale).
+    /// Redis already is then answered 0 for them: counted as stale). A fetch that met a lost
+    /// group and still waits for a send on its way before it forgets the group forgets it
+    /// when dropped: the acks made afterwards of entries the lost group delivered are
+    /// counted as stale, not sent to a group another consumer creates again.
     fn poll_fetch(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

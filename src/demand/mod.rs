@@ -30,10 +30,12 @@
 //!
 //! # Runtime
 //!
-//! Credit, prefetch and commits need no runtime. Timers are tokio's: a [`Watermarks`] with a
-//! non-zero `min_hold`, and a [`Prefetch`] pausing after a failed fetch or an empty batch
-//! its source answered at once, panic when polled in a tokio runtime without its time
-//! driver (see their `# Panics` sections).
+//! Credit, prefetch, commits and watermarks without `min_hold` need no runtime. Timers are
+//! tokio's: a [`Watermarks`] with a non-zero `min_hold` needs a tokio runtime with its time
+//! driver, and panics when polled outside one once it holds a change back; a [`Prefetch`]
+//! pausing after a failed fetch or an empty batch its source answered at once panics when
+//! polled in a tokio runtime without its time driver (outside any tokio runtime it does
+//! not pause). See their `# Panics` sections.
 //!
 //! # Shutdown
 //!

@@ -1427,7 +1427,6 @@ async fn a_source_dropped_while_it_forgets_a_lost_group_sends_none_of_its_acks_t
 /// left the queue and were neither sent nor counted, and their entries, no longer held,
 /// went idle for another consumer to claim and process again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: flush_acks dropped with its XACK on its way loses the acks it took, uncounted"]
 async fn flush_acks_given_up_with_its_xack_on_its_way_loses_no_ack() {
     let server = RedisServer::start();
     let mut con = server.connect().await;

@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::ops::Deref;
 use std::sync::PoisonError;
 
 use redis::aio::ConnectionLike;
@@ -100,7 +101,7 @@ impl AckQueue {
     }
 
     /// The queued acks, and the generation they belong to.
-    pub(super) fn take(&self) -> (Vec<String>, u64) {
+    fn take(&self) -> (Vec<String>, u64) {
         let mut st = self.lock();
         (std::mem::take(&mut st.ids), st.generation)
     }
@@ -108,9 +109,10 @@ impl AckQueue {
     /// Sends the queued acks in one `XACK`, once a send in progress (the background task's,
     /// `flush_acks`) is done; returns how many Redis acknowledged, 0 if none were queued.
     ///
-    /// On an error the ids are queued again ([`requeue`](Self::requeue)). Dropped while its
-    /// `XACK` is in flight, the ids it took are not: if the `XACK` did not reach Redis,
-    /// those entries stay pending (at-least-once).
+    /// On an error the ids are queued again ([`requeue`](Self::requeue)), and so they are
+    /// when it is dropped while its `XACK` is on its way (before the `sending` lock is let
+    /// go of): an `XACK` that had reached Redis already is then answered 0 for them, counted
+    /// as stale.
     pub(super) async fn send<C: ConnectionLike>(
         &self,
         conn: &mut C,
@@ -120,11 +122,13 @@ impl AckQueue {
             guard: Some(self.sending.lock().await),
             released: &self.released,
         };
-        let (ids, generation) = self.take();
-        if ids.is_empty() {
+        let carried = Carried::take(self);
+        if carried.ids().is_empty() {
             return Ok(0);
         }
-        match xack_cmd(cfg, &ids).query_async(conn).await {
+        let reply = xack_cmd(cfg, carried.ids()).query_async(conn).await;
+        let (ids, generation) = carried.landed();
+        match reply {
             Ok(n) => {
                 self.sent(ids.len(), n);
                 Ok(n)
@@ -312,22 +316,24 @@ impl Drop for Sending<'_> {
     }
 }
 
-/// The acks a fetch takes along in its pipeline. Dropped before Redis answered (the source
-/// dropped mid-fetch, at shutdown), it queues them again, so the background task sends
-/// them; an `XACK` that had gone out already is then answered 0 for those ids, which count
-/// as stale.
-pub(super) struct Carried {
-    queue: Arc<AckQueue>,
+/// The acks a send takes out of the queue: those a fetch takes along in its pipeline
+/// (`Q` an `Arc`, the fetch being `'static`), or those of an `XACK` of their own
+/// ([`AckQueue::send`]). Dropped before Redis answered (the source dropped mid-fetch, at
+/// shutdown; `flush_acks` given up), it queues them again, so the background task (or the
+/// next send) sends them; an `XACK` that had gone out already is then answered 0 for those
+/// ids, which count as stale.
+pub(super) struct Carried<Q: Deref<Target = AckQueue> = Arc<AckQueue>> {
+    queue: Q,
     ids: Vec<String>,
     generation: u64,
 }
 
-impl Carried {
+impl<Q: Deref<Target = AckQueue>> Carried<Q> {
     /// Takes the queued acks out of `queue`.
-    pub(super) fn take(queue: &Arc<AckQueue>) -> Carried {
+    pub(super) fn take(queue: Q) -> Self {
         let (ids, generation) = queue.take();
         Carried {
-            queue: queue.clone(),
+            queue,
             ids,
             generation,
         }
@@ -345,7 +351,7 @@ impl Carried {
     }
 }
 
-impl Drop for Carried {
+impl<Q: Deref<Target = AckQueue>> Drop for Carried<Q> {
     fn drop(&mut self) {
         if !self.ids.is_empty() {
             self.queue

@@ -219,10 +219,10 @@ where
     /// # Cancel safety
     ///
     /// Dropped while waiting for a fetch in progress or for the background task's send,
-    /// nothing is lost (the fetch stays in progress). Dropped while its own `XACK` is in
-    /// flight, the ids it took are not queued again: if the `XACK` did not reach Redis,
-    /// those entries stay pending and are claimed again once idle longer than `min_idle`
-    /// (at-least-once).
+    /// nothing is lost (the fetch stays in progress). Dropped while its own `XACK` is on
+    /// its way, the ids it took are queued again, for the next fetch, `flush_acks` or the
+    /// background task to send (an `XACK` that had reached Redis already is then answered
+    /// 0 for them: counted as stale).
     pub async fn flush_acks(&mut self) -> RedisResult<usize> {
         // A fetch in progress that took acks along lands first; its outcome waits for the
         // next `poll_fetch`.
@@ -246,7 +246,7 @@ where
     fn start_fetch(&mut self, max: usize) -> BoxFuture<RedisResult<Outcome>> {
         let mut conn = self.conn.clone();
         let cfg = self.config.clone();
-        let carried = Carried::take(&self.acks);
+        let carried = Carried::take(self.acks.clone());
         self.fetch_carries_acks = !carried.ids().is_empty();
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
         self.fetch_claims = claim;

@@ -251,6 +251,13 @@ where
     ///   100,000).
     /// - [`BuildError::Redis`] if the group cannot be created (other than "already exists",
     ///   `BUSYGROUP`).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it returns, it builds nothing and starts no task; a group it created
+    /// stays. Acks of the source built before under the same name that it was sending are
+    /// queued again, for that source's background task (or the next `build` under the
+    /// name) to send.
     pub async fn build(mut self) -> Result<RedisStreamSource<C>, BuildError> {
         let config = self.validate()?;
         create_group(&mut self.conn, &config.key, &config.group, self.start).await?;

@@ -21,14 +21,18 @@ use crate::sync::Arc;
 /// `Reject` it hands the item back, under the drop policies it never waits and reports the
 /// drop in its [`Sent`] outcome.
 ///
-/// `Sender` implements [`Sink`]: `poll_ready` reserves a slot (waiting for one under
-/// `Backpressure`), `start_send` fills it, and a slot reserved but never filled is released
-/// when the sender is dropped or closed as a sink. A `poll_ready` left waiting (a `feed` or
-/// `SinkExt::send` future dropped, by a timeout say) keeps this handle's place among the
-/// waiting senders, and the slot it is then given, until `poll_ready` is called again (which
-/// takes it), or the handle is closed as a sink or dropped: this handle's own
-/// [`send`](Sender::send), [`try_send`](Sender::try_send) and [`reserve`](Sender::reserve)
-/// do not use that slot (at capacity 1 they wait until then). Closing it as a sink
+/// `Sender` implements [`Sink`]. Under `Backpressure`, `poll_ready` waits for a slot and
+/// reserves it, `start_send` fills it, and a slot reserved but never filled is released
+/// when the sender is dropped or closed as a sink. Under the other policies `poll_ready`
+/// reserves nothing and is ready at once, and `start_send` sends as
+/// [`try_send`](Sender::try_send) does: under `Reject` it can fail with
+/// [`SendError::Full`], handing the item back (which ends a `forward` or `send_all`). A
+/// `poll_ready` left waiting (a `feed` or `SinkExt::send` future dropped, by a timeout say)
+/// keeps this handle's place among the waiting senders, and the slot it is then given,
+/// until `poll_ready` is called again (which takes it), or the handle is closed as a sink or
+/// dropped: this handle's own [`send`](Sender::send), [`try_send`](Sender::try_send) and
+/// [`reserve`](Sender::reserve) do not use that slot (at capacity 1, `send` and `reserve`
+/// wait until then and `try_send` finds the channel full). Closing it as a sink
 /// (`poll_close`) detaches this handle only (and the clones made of it afterwards, which are
 /// closed too); the channel closes when the last sender is gone.
 ///

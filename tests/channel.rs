@@ -5,6 +5,8 @@
 
 mod support;
 
+#[path = "channel/accounting.rs"]
+mod accounting;
 #[path = "channel/batches.rs"]
 mod batches;
 #[path = "channel/claims.rs"]

@@ -4,10 +4,12 @@
 //! and dropped, senders cloned and dropped, and closes. After every step `len()` stays
 //! within the capacity and the counts add up; at the end, once the channel is closed and
 //! drained, every accepted item came out exactly once: received, or seen by `on_drop`.
+//! Before that close, a phase that polls only what was woken finds no wake lost.
 
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -242,9 +244,80 @@ fn run(overflow: Overflow, cap: usize, ops: Vec<Op>) -> Result<(), TestCaseError
             let s = tx.stats();
             prop_assert_eq!(s.sent, s.received + s.dropped + tx.len() as u64);
         }
-        // Wind down: sinks' reservations, permits, pending futures.
+        // With the permits and the sinks' slots given up, poll only what was woken (each
+        // pending future and receiver once more first, with a waker of its own): when
+        // nothing is woken any more, no wake was lost if, with the channel open, no send or
+        // reservation is left pending and no item is left in the channel.
         drop(permits);
-        drop(reserves);
+        for (k, sink) in sinks.iter_mut().enumerate() {
+            let _ = Pin::new(sink).poll_close(&mut cx);
+            sink_ready[k] = false;
+        }
+        let flag = || {
+            let woken = Arc::new(AtomicBool::new(true));
+            let waker = futures::task::waker(Arc::new(Flag(woken.clone())));
+            (woken, waker)
+        };
+        let mut sw: Vec<_> = sends.drain(..).map(|(i, f)| (i, f, flag())).collect();
+        let mut rw: Vec<_> = reserves.drain(..).map(|f| (f, flag())).collect();
+        let cw: Vec<_> = (0..rxs.len()).map(|_| flag()).collect();
+        let on = |woken: &Arc<AtomicBool>| woken.swap(false, Ordering::SeqCst);
+        loop {
+            let mut any = false;
+            for (j, r) in rxs.iter_mut().enumerate() {
+                if on(&cw[j].0) {
+                    any = true;
+                    let mut c = Context::from_waker(&cw[j].1);
+                    while let Poll::Ready(Some(x)) = Pin::new(&mut *r).poll_next(&mut c) {
+                        got.push(x);
+                    }
+                }
+            }
+            let mut keep = vec![];
+            for (item, mut f, w) in sw.drain(..) {
+                if on(&w.0) {
+                    any = true;
+                    let mut c = Context::from_waker(&w.1);
+                    match f.as_mut().poll(&mut c) {
+                        Poll::Ready(r) => {
+                            note(r, item, &mut accepted);
+                            continue;
+                        }
+                        Poll::Pending => {}
+                    }
+                }
+                keep.push((item, f, w));
+            }
+            sw = keep;
+            let mut keep = vec![];
+            for (mut f, w) in rw.drain(..) {
+                if on(&w.0) {
+                    any = true;
+                    let mut c = Context::from_waker(&w.1);
+                    if f.as_mut().poll(&mut c).is_ready() {
+                        continue;
+                    }
+                }
+                keep.push((f, w));
+            }
+            rw = keep;
+            if !any {
+                break;
+            }
+        }
+        if !tx.is_closed() {
+            prop_assert!(
+                sw.is_empty(),
+                "{} sends pending at rest, len {}",
+                sw.len(),
+                tx.len()
+            );
+            prop_assert!(rw.is_empty(), "{} reserves pending at rest", rw.len());
+            prop_assert_eq!(tx.len(), 0, "items left at rest");
+        }
+        let mut sends: Vec<_> = sw.into_iter().map(|(i, f, _)| (i, f)).collect();
+        drop(rw);
+        // Then close: every send still pending fails at once.
         tx.close();
         for (item, mut f) in sends.drain(..) {
             match f.as_mut().poll(&mut cx) {
@@ -298,5 +371,14 @@ proptest! {
     fn every_accepted_item_comes_out_once_whatever_the_steps(p in 0..4usize, cap in 1usize..40, ops in proptest::collection::vec(op(), 1..120)) {
         let overflow = [Overflow::Backpressure, Overflow::Reject, Overflow::DropNewest, Overflow::DropOldest][p];
         run(overflow, cap, ops)?;
+    }
+}
+
+/// A waker that sets its flag.
+struct Flag(Arc<AtomicBool>);
+
+impl futures::task::ArcWake for Flag {
+    fn wake_by_ref(a: &Arc<Self>) {
+        a.0.store(true, Ordering::SeqCst);
     }
 }

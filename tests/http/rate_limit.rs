@@ -1584,6 +1584,46 @@ mod on_redis {
             .unwrap()
     }
 
+    /// Under `FailurePolicy::Error` a gate that failed answers without asking Redis until its
+    /// next probe: the 503's `Retry-After` says when that is (the probe interval, here 10 s,
+    /// rounded up), as a fail-closed 503 does; it said 1 s whatever the interval, so clients
+    /// came back nine times before the gate would ask Redis again.
+    #[tokio::test]
+    #[ignore = "fault: a 503 for a gate waiting for its next probe says Retry-After: 1 whatever the probe interval"]
+    async fn a_gate_error_503_says_when_the_gate_asks_redis_again() {
+        let server = RedisServer::start();
+        let conn = manager(&server).await;
+        let gate = RedisGate::builder(conn, Limit::TokenBucket(quota(1, Duration::from_secs(1))))
+            .failure_policy(FailurePolicy::Error)
+            .timeout(TIMEOUT)
+            .probe_interval(Duration::from_secs(10))
+            .build()
+            .await
+            .unwrap();
+        let layer = RateLimitLayer::builder(gate)
+            .policy(per_client(quota(1000, Duration::from_secs(60))))
+            .build()
+            .unwrap();
+        let app = Router::new().route("/", route_get(|| async { "ok" }).layer(layer.clone()));
+        let http = Server::start(app).await;
+        let client = client();
+        let (url, h) = (http.url("/"), [("x-client", "r")]);
+        assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+
+        server.kill();
+        // The call that finds Redis gone: its own error.
+        let first = get(&client, &url, &h).await;
+        assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+        // Then, until the probe 10 s after that failure, no call asks Redis.
+        for _ in 0..3 {
+            let a = get(&client, &url, &h).await;
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+            let secs = retry_after(&a.headers);
+            assert!((9..=10).contains(&secs), "Retry-After: {secs}");
+        }
+        assert_eq!(layer.stats().gate_error, 4);
+    }
+
     /// Two layers on one `RedisGate` with a policy of one name (and one key prefix) but two
     /// quotas, as a `/login` layer of 3 a minute and an `/api` layer of 100 a minute both
     /// called "per-client": their keys are the same Redis keys, one bucket measured in two

@@ -85,10 +85,8 @@ impl CallError {
     /// The error to return for a call the policy does not decide: what Redis said, or, for a
     /// call that waited for the next probe, that Redis is failing.
     pub(crate) fn error(error: Option<GateError>, until_probe: Duration) -> GateError {
-        error.unwrap_or_else(|| {
-            GateError::backend(BackendMessage(format!(
-                "redis is failing; the next probe is in {until_probe:?}"
-            )))
+        error.unwrap_or(GateError::Degraded {
+            next_probe_in: until_probe,
         })
     }
 }

@@ -60,6 +60,16 @@ pub enum GateError {
     Backend(Arc<dyn std::error::Error + Send + Sync>),
     /// The backend did not answer within the gate's timeout.
     Timeout(Duration),
+    /// The backend failed recently and was not asked: the gate answers from its failure
+    /// policy alone until it probes the backend again, `next_probe_in` from now (a
+    /// [`RedisGate`](crate::gate::RedisGate)'s probe interval after the failure). What the
+    /// failure was, the call that met it was told ([`Backend`](GateError::Backend) or
+    /// [`Timeout`](GateError::Timeout)); [`retry_after`](GateError::retry_after) reads the
+    /// wait.
+    Degraded {
+        /// How long until the gate asks the backend again.
+        next_probe_in: Duration,
+    },
 }
 
 impl GateError {
@@ -69,8 +79,21 @@ impl GateError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            GateError::Backend(_) | GateError::Timeout(_) | GateError::KeyspaceFull { .. }
+            GateError::Backend(_)
+                | GateError::Timeout(_)
+                | GateError::Degraded { .. }
+                | GateError::KeyspaceFull { .. }
         )
+    }
+
+    /// How long the same call is sure to fail, when the error says: the time until a
+    /// [`Degraded`](GateError::Degraded) gate asks its backend again (an HTTP layer's
+    /// `Retry-After`). `None` for every other error.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            GateError::Degraded { next_probe_in } => Some(*next_probe_in),
+            _ => None,
+        }
     }
 
     #[cfg(feature = "redis")]
@@ -106,6 +129,10 @@ impl fmt::Display for GateError {
             ),
             GateError::Backend(e) => write!(f, "rate limit backend failed: {e}"),
             GateError::Timeout(d) => write!(f, "rate limit backend did not answer within {d:?}"),
+            GateError::Degraded { next_probe_in } => write!(
+                f,
+                "rate limit backend failed recently; the next probe is in {next_probe_in:?}"
+            ),
         }
     }
 }

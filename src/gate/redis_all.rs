@@ -54,8 +54,9 @@ where
     /// [`GateError::InvalidQuota`] (a quota Redis cannot compute exactly),
     /// [`GateError::CrossSlot`] (cluster keys in different slots). From Redis:
     /// [`GateError::UnreadableKey`] when a key's value cannot be read (nothing is charged;
-    /// the gate stays healthy); under [`FailurePolicy::Error`], [`GateError::Backend`] and
-    /// [`GateError::Timeout`]; under `Fallback`, the in-memory gate's errors.
+    /// the gate stays healthy); under [`FailurePolicy::Error`], [`GateError::Backend`],
+    /// [`GateError::Timeout`] or (waiting for the next probe) [`GateError::Degraded`]; under
+    /// `Fallback`, the in-memory gate's errors.
     ///
     /// # Panics
     ///

@@ -278,7 +278,9 @@ where
     /// [`GateError::InvalidKey`] for bad requests (Redis is not called);
     /// [`GateError::UnreadableKey`] for a key whose value in Redis the gate cannot read (only
     /// that request fails, the gate does not degrade); under [`FailurePolicy::Error`],
-    /// [`GateError::Backend`] and [`GateError::Timeout`]; under [`FailurePolicy::Fallback`],
+    /// [`GateError::Backend`] and [`GateError::Timeout`] from a call that asked Redis, and
+    /// [`GateError::Degraded`] from one made while the gate waits for its next probe; under
+    /// [`FailurePolicy::Fallback`],
     /// the errors of its `MemoryGate` while it decides ([`GateError::KeyspaceFull`], or
     /// [`GateError::Cost`] for a cost above its own capacity).
     ///

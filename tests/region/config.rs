@@ -535,7 +535,10 @@ async fn a_new_key_on_a_full_local_redis_is_a_counted_typed_answer_until_room_fr
     config("maxmemory-policy", "noeviction");
     config("maxmemory", "1");
     let is_backend = |r: Result<flowgate::Decision, flowgate::gate::GateError>| match r {
-        Err(e @ flowgate::gate::GateError::Backend(_)) => e.is_transient(),
+        Err(
+            e
+            @ (flowgate::gate::GateError::Backend(_) | flowgate::gate::GateError::Degraded { .. }),
+        ) => e.is_transient(),
         _ => false,
     };
     assert!(is_backend(gate.check("new", 1).await));

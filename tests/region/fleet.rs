@@ -357,12 +357,10 @@ impl Drop for Fleet {
 /// counted by itself: one that is not a timeout is in [`Fleet::errors`].)
 fn starvation(e: &GateError) -> bool {
     match e {
-        GateError::Timeout(_) => true,
-        GateError::Backend(b) => {
-            b.downcast_ref::<redis::RedisError>()
-                .is_some_and(redis::RedisError::is_timeout)
-                || b.to_string().starts_with("redis is failing")
-        }
+        GateError::Timeout(_) | GateError::Degraded { .. } => true,
+        GateError::Backend(b) => b
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(redis::RedisError::is_timeout),
         _ => false,
     }
 }

@@ -12,7 +12,9 @@ use crate::gate::memory::MemoryGate;
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub enum FailurePolicy {
-    /// Return the error ([`GateError::Backend`] or [`GateError::Timeout`]) to the caller.
+    /// Return the error to the caller: [`GateError::Backend`] or [`GateError::Timeout`] from
+    /// the call that met the failure (or a probe's), [`GateError::Degraded`] (with the time
+    /// until the next probe) from the calls made while the gate waits to probe again.
     #[default]
     Error,
     /// Admit everything (availability over the limit).

@@ -84,7 +84,9 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   names the policies that blocked.
 /// - **Gate error** (a [`GateError`] the gate's failure policy passes on, such as
 ///   [`FailurePolicy::Error`](crate::gate::FailurePolicy), a full keyspace, or a key Redis
-///   holds a value of another type under): `503` with `Retry-After: 1` and a problem body of type
+///   holds a value of another type under): `503` with `Retry-After: 1` (for a gate waiting
+///   to ask its backend again, [`GateError::Degraded`], the time until it does, rounded up)
+///   and a problem body of type
 ///   `…#temporary-reduced-capacity` with no violated policy. The layer adds no wait and no
 ///   retry of its own: the gate's timeout and failure policy apply unchanged (a fail-open
 ///   decision is admitted and counted as `fail_open`; it is left out of the fields, as it

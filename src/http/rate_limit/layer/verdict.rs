@@ -79,14 +79,19 @@ impl<G> Shared<G> {
             // A gate that answers the wrong number of decisions is as broken as one that
             // errs.
             Ok(_) | Err(_) => {
+                let mut retry_after = 1;
                 if let Err(e) = decided {
                     tracing::debug!(
                         layer = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
                         error = %e,
                         "rate limit: gate error",
                     );
+                    // A gate waiting to probe its backend says when it asks again.
+                    if let Some(wait) = e.retry_after() {
+                        retry_after = fields::ceil_secs(wait).max(1);
+                    }
                 }
-                return self.unavailable(Outcome::GateError, 1);
+                return self.unavailable(Outcome::GateError, retry_after);
             }
         };
         // The common case, one policy that admits: nothing blocked or violated to work out,

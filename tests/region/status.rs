@@ -85,3 +85,79 @@ async fn a_process_that_no_longer_refreshes_shows_no_demand_of_its_own() {
         "measured by the refreshing process, not this one: {former}"
     );
 }
+
+/// A refreshing process whose home calls fail twice in a row gives the refresher lock up
+/// and stands down, leaving the refreshing to another process of the region: its status
+/// no longer says it refreshes, and once another process has taken the lock, one process
+/// of the region says so, not two. (It kept `leader: true` until its next refresh, a
+/// refresh interval later: an operator, or anything picking the region's share from its
+/// leader's status, saw two refreshing processes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a process that gave the refresher lock up after two failed home calls still says it refreshes"]
+async fn a_process_that_stood_down_no_longer_says_it_refreshes() {
+    // No background tick within the test: `refresh_now` only.
+    let pair = super::config::CutOff::start(
+        "stood-down",
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+        Duration::from_millis(500),
+        Duration::ZERO,
+    )
+    .await;
+    let (proxy, first, second) = (&pair.proxy, &pair.first, &pair.second);
+    assert!(first.status().leader && !second.status().leader);
+    // Its home calls time out (a round trip of 800 ms against a timeout of 500 ms).
+    proxy.set_delay(Duration::from_millis(400));
+    first.refresh_now().await;
+    assert!(first.status().leader, "{}", first.status());
+    first.refresh_now().await;
+    let stood_down = first.status();
+    assert_eq!(stood_down.failures, 2, "{stood_down}");
+    assert!(
+        !stood_down.leader,
+        "the lock was given up after two failed home calls: {stood_down:?}"
+    );
+    second.refresh_now().await;
+    assert!(second.status().leader, "{}", second.status());
+    assert!(!first.status().leader, "{:?}", first.status());
+}
+
+/// A process that refreshed while the home was learning, then lost the refresher lock to
+/// another process, no longer says the home is learning once it has stopped: it shows
+/// what it knows, not the phase of a refresh long gone, as it shows no demand of its own.
+/// (It said "home learning" for as long as it followed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a process that no longer refreshes says the home is learning for good"]
+async fn a_process_that_no_longer_refreshes_does_not_show_a_learning_phase_long_over() {
+    let server = RedisServer::start();
+    let lease = Duration::from_secs(2);
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name("learnt")
+        .region(("eu", 1))
+        .lease(lease)
+        .refresh_every(Duration::from_millis(400))
+        .home_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    // No `init_home`: the home learns for a lease length from the first refresh.
+    let first = alloc.join("eu", server.connect().await).await.unwrap();
+    let second = alloc.join("eu", server.connect().await).await.unwrap();
+    assert!(
+        first.status().leader && first.status().learning,
+        "{}",
+        first.status()
+    );
+    // The lock lapses, and the other process takes it.
+    let _: i64 = server
+        .query_blocking(redis::cmd("DEL").arg("{flowgate:region:learnt:eu}:lock"))
+        .unwrap();
+    second.refresh_now().await;
+    first.refresh_now().await;
+    assert!(second.status().leader && !first.status().leader);
+    // The learning phase ends a lease after the first refresh; the refreshing process's
+    // next grants say so.
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    let (lead, former) = (second.status(), first.status());
+    assert!(lead.leader && !lead.learning, "{lead}");
+    assert!(!former.learning, "the learning phase is over: {former}");
+}

@@ -503,6 +503,9 @@ where
                     let mut round = self.round();
                     round.stand_down_until = Some(Instant::now() + plan.refresh);
                     round.home_failures = 0;
+                    // Another process of the region may take the lock now: this one no
+                    // longer refreshes (until it takes the lock again).
+                    round.status.leader = false;
                 }
                 return;
             }

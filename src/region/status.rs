@@ -12,7 +12,8 @@ pub struct RegionStatus {
     /// The region's name.
     pub region: String,
     /// Whether this process refreshes the region's lease (one process per region does; the
-    /// others only decide).
+    /// others only decide). False from when it gives the refresher lock up after two failed
+    /// calls to the home until it takes the lock again.
     pub leader: bool,
     /// The share of the region's current lease (what its gates admit at until the lease
     /// ends), as of this process's last refresh (a process that does not refresh reads the

@@ -93,7 +93,6 @@ async fn a_process_that_no_longer_refreshes_shows_no_demand_of_its_own() {
 /// refresh interval later: an operator, or anything picking the region's share from its
 /// leader's status, saw two refreshing processes.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a process that gave the refresher lock up after two failed home calls still says it refreshes"]
 async fn a_process_that_stood_down_no_longer_says_it_refreshes() {
     // No background tick within the test: `refresh_now` only.
     let pair = super::config::CutOff::start(

@@ -434,6 +434,8 @@ where
             // As the metrics: not what this process measured when it last refreshed.
             round.status.demand = 0;
             round.status.utilisation = 0.0;
+            // Nor the home's phase at that refresh: it makes no call to the home.
+            round.status.learning = false;
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             drop(round);

@@ -32,7 +32,8 @@ pub struct RegionStatus {
     /// Admitted units per period over the last refresh interval ÷ the share it had (0 with
     /// a share of 0; measured by the refreshing process: 0 in the others).
     pub utilisation: f64,
-    /// Whether the home was in its learning phase at the last refresh.
+    /// Whether the home was in its learning phase at this process's last refresh; false in
+    /// a process that does not refresh (it makes no calls to the home).
     pub learning: bool,
     /// Whether the last call to the home succeeded; in a process that does not refresh (it
     /// makes no calls to the home), whether the refreshing process's last one did: the

@@ -126,7 +126,6 @@ async fn a_process_that_stood_down_no_longer_says_it_refreshes() {
 /// what it knows, not the phase of a refresh long gone, as it shows no demand of its own.
 /// (It said "home learning" for as long as it followed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a process that no longer refreshes says the home is learning for good"]
 async fn a_process_that_no_longer_refreshes_does_not_show_a_learning_phase_long_over() {
     let server = RedisServer::start();
     let lease = Duration::from_secs(2);

@@ -100,12 +100,17 @@ pub struct AllocatorStatus {
     pub period: Duration,
     /// Whether the home is in its learning phase (it restarted without state).
     pub learning: bool,
-    /// The regions, in configuration order.
+    /// The regions of this process's configuration, in its order. (In a deploy that adds or
+    /// removes a region, the home also counts the live leases of regions this process does
+    /// not list; they are not shown.)
     pub regions: Vec<HomeRegion>,
 }
 
 impl AllocatorStatus {
-    /// The sum of what the regions hold: never above `rate` (the allocation invariant).
+    /// The sum of what the regions hold: at most `rate` while every process runs this
+    /// configuration (the allocation invariant). In a rolling deploy that lowers the global
+    /// quota it may be up to the old one, until the leases granted under that have ended
+    /// (see the [module docs](crate::region) on changing the global quota).
     pub fn held(&self) -> u64 {
         self.regions.iter().map(|r| r.held).sum()
     }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use flowgate::Quota;
-use flowgate::region::{Allocation, QuotaAllocator};
+use flowgate::region::{Allocation, QuotaAllocator, Region};
 
 use crate::support::RedisServer;
 
@@ -67,10 +67,13 @@ where
     region.refresh_now().await;
 }
 
-type Allocator = QuotaAllocator<redis::aio::MultiplexedConnection>;
+type Conn = redis::aio::MultiplexedConnection;
+type Allocator = QuotaAllocator<Conn>;
 
-/// Two allocators over one home and the same 300/s: written per second and per minute.
-async fn per_second_and_per_minute(server: &RedisServer) -> (Allocator, Allocator) {
+/// Two allocators over one fresh home and the same 300/s, written per second and per
+/// minute; the home started by the one per second, and `us` joined from it.
+async fn us_per_second() -> (RedisServer, Allocator, Allocator, Region<Conn>) {
+    let server = RedisServer::start();
     let build = |conn, quota| {
         QuotaAllocator::builder(conn, quota)
             .name("period")
@@ -83,7 +86,9 @@ async fn per_second_and_per_minute(server: &RedisServer) -> (Allocator, Allocato
     };
     let per_second = build(server.connect().await, Quota::per_second(300).unwrap());
     let per_minute = build(server.connect().await, Quota::per_minute(18_000).unwrap());
-    (per_second, per_minute)
+    assert!(per_second.init_home().await.unwrap());
+    let us = per_second.join("us", server.connect().await).await.unwrap();
+    (server, per_second, per_minute, us)
 }
 
 /// Found in review ("the home divides units of whichever period its caller has"): the
@@ -94,10 +99,7 @@ async fn per_second_and_per_minute(server: &RedisServer) -> (Allocator, Allocato
 /// them.
 #[tokio::test]
 async fn a_deploy_that_writes_the_quota_per_another_period_keeps_the_bound() {
-    let server = RedisServer::start();
-    let (per_second, per_minute) = per_second_and_per_minute(&server).await;
-    assert!(per_second.init_home().await.unwrap());
-    let us = per_second.join("us", server.connect().await).await.unwrap();
+    let (server, _per_second, per_minute, us) = us_per_second().await;
     let eu = per_minute.join("eu", server.connect().await).await.unwrap();
     for _ in 0..3 {
         for region in [&us, &eu] {
@@ -180,10 +182,7 @@ async fn a_deploy_that_lowers_the_quota_keeps_the_larger_bound_then_the_new_one(
 /// second). It is refused, as that process's refreshes are.
 #[tokio::test]
 async fn the_status_of_a_process_of_another_period_is_refused() {
-    let server = RedisServer::start();
-    let (per_second, per_minute) = per_second_and_per_minute(&server).await;
-    assert!(per_second.init_home().await.unwrap());
-    let us = per_second.join("us", server.connect().await).await.unwrap();
+    let (_server, per_second, per_minute, us) = us_per_second().await;
     want_more(&us).await;
     assert!(per_second.status().await.unwrap().held() > 0);
     let status = per_minute.status().await;

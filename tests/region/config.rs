@@ -335,15 +335,14 @@ async fn a_region_gate_checks_its_input_and_follows_its_failure_policy() {
     assert!(d.is_fail_closed(), "{d:?}");
 }
 
-/// The region's metrics carry the allocator's name and the region, never a user key.
-#[cfg(feature = "metrics")]
-#[tokio::test]
-async fn region_metrics_are_labelled_by_allocator_and_region() {
-    let recorder = crate::support::TestRecorder::default();
-    let _guard = metrics::set_default_local_recorder(&recorder);
-    let server = RedisServer::start();
+/// An allocator `name` of one region, `eu`, at 50/s (a 5 s lease refreshed every second),
+/// its home started fresh and its local Redis both on `server`, and `eu` joined.
+async fn eu_joined(
+    server: &RedisServer,
+    name: &str,
+) -> flowgate::region::Region<redis::aio::MultiplexedConnection> {
     let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
-        .name("metered")
+        .name(name)
         .region(("eu", 1))
         .lease(Duration::from_secs(5))
         .refresh_every(Duration::from_secs(1))
@@ -351,7 +350,17 @@ async fn region_metrics_are_labelled_by_allocator_and_region() {
         .build()
         .unwrap();
     alloc.init_home().await.unwrap();
-    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    alloc.join("eu", server.connect().await).await.unwrap()
+}
+
+/// The region's metrics carry the allocator's name and the region, never a user key.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn region_metrics_are_labelled_by_allocator_and_region() {
+    let recorder = crate::support::TestRecorder::default();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let region = eu_joined(&server, "metered").await;
     let gate = region.gate();
     for _ in 0..5 {
         gate.check("tenant-7", 1).await.unwrap();
@@ -458,16 +467,7 @@ async fn a_request_refused_for_an_unreadable_key_is_counted() {
     let recorder = crate::support::TestRecorder::default();
     let _guard = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
-        .name("unreadable")
-        .region(("eu", 1))
-        .lease(Duration::from_secs(5))
-        .refresh_every(Duration::from_secs(1))
-        .home_timeout(Duration::from_millis(500))
-        .build()
-        .unwrap();
-    alloc.init_home().await.unwrap();
-    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    let region = eu_joined(&server, "unreadable").await;
     let gate = region.gate();
     let hash = redis::cmd("HSET")
         .arg("{flowgate:region:unreadable:eu}:bucket:hash")
@@ -499,6 +499,37 @@ async fn a_request_refused_for_an_unreadable_key_is_counted() {
     assert_eq!(decisions("unreadable_key"), 2);
     assert_eq!(decisions("allowed") + decisions("rejected"), 1);
     assert_eq!(decisions("policy"), 0);
+}
+
+/// A lease record the scripts cannot read fails every request of the region, and the error
+/// names the key to delete, as `RegionGate`'s docs say: one of another type (a hash) as one
+/// of the wrong bytes. (Of another type, the error was Redis's `WRONGTYPE Operation against
+/// a key holding the wrong kind of value`, with no key.)
+#[tokio::test]
+#[ignore = "fault: a lease record of another type fails every request with an error that names no key"]
+async fn an_unreadable_lease_record_is_named_in_the_error() {
+    let server = RedisServer::start();
+    for what in ["bytes", "hash"] {
+        // An allocator each: the first failure degrades the gate (then the requests until
+        // its next probe fail without Redis's error).
+        let name = format!("unnamed-{what}");
+        let region = eu_joined(&server, &name).await;
+        let record = format!("{{flowgate:region:{name}:eu}}:lease");
+        let mut write = redis::cmd("DEL");
+        write.arg(&record);
+        let _: i64 = server.query_blocking(&write).unwrap();
+        let write = if what == "bytes" {
+            redis::cmd("SET").arg(&record).arg("not a lease").clone()
+        } else {
+            redis::cmd("HSET").arg(&record).arg("f").arg("v").clone()
+        };
+        let _: redis::Value = server.query_blocking(&write).unwrap();
+        let r = region.gate().check("api", 1).await;
+        assert!(
+            r.as_ref().is_err_and(|e| e.to_string().contains(&record)),
+            "a lease record of {what}: {r:?}"
+        );
+    }
 }
 
 /// A new key when the region's local Redis is full (`maxmemory` under `noeviction`): Redis

@@ -39,9 +39,13 @@ local function read_lease(raw)
   return lease
 end
 
--- The lease at `key`, or nil if there is none; an unreadable record is an error naming it.
+-- The lease at `key`, or nil if there is none; an unreadable record (of another type too:
+-- a bare WRONGTYPE would not say which key) is an error naming it.
 local function get_lease(key)
-  local raw = redis.call('GET', key)
+  local got, raw = pcall(redis.call, 'GET', key)
+  if not got then
+    error('region lease record is unreadable: delete ' .. key)
+  end
   if not raw then
     return nil
   end

@@ -506,7 +506,6 @@ async fn a_request_refused_for_an_unreadable_key_is_counted() {
 /// of the wrong bytes. (Of another type, the error was Redis's `WRONGTYPE Operation against
 /// a key holding the wrong kind of value`, with no key.)
 #[tokio::test]
-#[ignore = "fault: a lease record of another type fails every request with an error that names no key"]
 async fn an_unreadable_lease_record_is_named_in_the_error() {
     let server = RedisServer::start();
     for what in ["bytes", "hash"] {

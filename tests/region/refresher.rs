@@ -282,3 +282,41 @@ async fn refresh_failures_are_logged_by_their_count_in_a_row_and_the_recovery_on
     local.resume();
     assert_eq!(counts(warnings()).split_off(warned), ["1"]);
 }
+
+/// A refresh that fails on the local Redis says why in its warning's `error` field, as one
+/// that fails on the home does (the module docs list the field). It logged `error=None`:
+/// the local Redis's error went to a debug line only, and the warning an operator reads
+/// did not say which Redis failed, nor how.
+#[tokio::test]
+#[ignore = "fault: a refresh that fails on the local Redis warns with error=None"]
+async fn a_refresh_failed_on_the_local_redis_says_why() {
+    let all = Logs::global();
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = QuotaAllocator::builder(home.connect().await, Quota::per_second(50).unwrap())
+        .name("local-error")
+        .region(("eu", 1))
+        .lease(Duration::from_secs(3600))
+        .refresh_every(Duration::from_secs(600))
+        .home_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc.join("eu", local.connect().await).await.unwrap();
+    local.pause();
+    region.refresh_now().await;
+    local.resume();
+    let warned: Vec<_> = all
+        .events()
+        .into_iter()
+        .filter(|e| {
+            e.field("allocator") == Some("local-error") && e.message.contains("refresh failed")
+        })
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    let error = warned[0].field("error");
+    assert!(
+        error.is_some_and(|e| e != "None" && e.contains("did not answer")),
+        "{warned:?}"
+    );
+}

@@ -12,9 +12,9 @@ use redis::aio::ConnectionLike;
 use tokio::task::JoinHandle;
 
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::FailurePolicy;
 use crate::gate::backend::{Backend, CallError};
 use crate::gate::scripts;
+use crate::gate::{FailurePolicy, GateError};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::region::config::{Plan, QuotaAllocator, micros};
 use crate::region::gate::RegionGate;
@@ -317,7 +317,11 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// One call of the share script in the local Redis.
-    async fn local_call(&self, args: impl FnOnce(&mut redis::Cmd), len: usize) -> Option<Vec<i64>> {
+    async fn local_call(
+        &self,
+        args: impl FnOnce(&mut redis::Cmd),
+        len: usize,
+    ) -> Result<Vec<i64>, GateError> {
         let mut cmd = scripts::evalsha(scripts::region_share(), 3);
         cmd.arg(&self.keys.record)
             .arg(&self.keys.counters)
@@ -333,12 +337,10 @@ where
             )
             .await
         {
-            Ok(v) => Some(v),
-            Err(e) => {
-                if let CallError::Backend { error: Some(e), .. } | CallError::Request(e) = e {
-                    tracing::debug!(region = %self.region(), error = %e, "region: local redis failed");
-                }
-                None
+            Ok(v) => Ok(v),
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                Err(CallError::error(error, until_probe))
             }
         }
     }
@@ -368,7 +370,7 @@ where
             tokio::time::sleep(wait).await;
         }
         let started = Instant::now();
-        let Some(r) = self
+        let r = match self
             .local_call(
                 |c| {
                     c.arg("report")
@@ -381,9 +383,12 @@ where
                 8,
             )
             .await
-        else {
-            self.failed(None);
-            return;
+        {
+            Ok(r) => r,
+            Err(e) => {
+                self.failed(Some(&e), false);
+                return;
+            }
         };
         let [
             leader,
@@ -483,7 +488,7 @@ where
                 g
             }
             Err(e) => {
-                self.failed(Some(&e));
+                self.failed(Some(&e), true);
                 let failures = {
                     let mut round = self.round();
                     round.home_failures += 1;
@@ -536,9 +541,12 @@ where
                 2,
             )
             .await;
-        let Some(written) = written else {
-            self.failed(None);
-            return;
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                self.failed(Some(&e), false);
+                return;
+            }
         };
         if written[0] != 1 {
             if written[1] == -1 {
@@ -547,7 +555,7 @@ where
                     region = %self.region(),
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
-                self.failed(None);
+                self.failed(None, false);
             } else {
                 // A newer lease is there (another process refreshed meanwhile): this
                 // refresh changed nothing.
@@ -613,11 +621,13 @@ where
             .await;
     }
 
-    fn failed(&self, error: Option<&crate::gate::GateError>) {
+    /// A refresh failed: on the home (`home`) or the local Redis, with `error` (none: the
+    /// local lease record went back, logged already).
+    fn failed(&self, error: Option<&GateError>, home: bool) {
         let mut round = self.round();
         round.status.failures += 1;
         round.failing = round.failing.saturating_add(1);
-        if error.is_some() {
+        if home {
             round.status.home_reachable = false;
         }
         let age = round.lease_granted.map(|at| at.elapsed());
@@ -639,6 +649,7 @@ where
                 allocator = %self.plan().name,
                 region = %self.region(),
                 failures,
+                redis = if home { "home" } else { "local" },
                 error = ?error.map(ToString::to_string),
                 "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
             );

@@ -162,8 +162,9 @@
 //!
 //! # Logs
 //!
-//! A failed refresh is a warning (fields `allocator`, `region`, `failures` — in a row —
-//! and `error`) at the 1st, 2nd, 4th, 8th … failure in a row, so an outage logs a few
+//! A failed refresh is a warning (fields `allocator`, `region`, `failures` — in a row —,
+//! `redis` — `home` or `local`, the one that failed — and `error`) at the 1st, 2nd, 4th,
+//! 8th … failure in a row, so an outage logs a few
 //! lines, not one per interval; the first refresh that works after them says so at info
 //! (`failed`: how many in a row it ends).
 

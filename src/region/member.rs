@@ -177,6 +177,14 @@ where
     /// # Panics
     ///
     /// Outside a tokio runtime (it spawns the refresher).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it returns, nothing refreshes for this process. If its first refresh
+    /// had taken the refresher lock, the lock stays until it lapses (at most two refresh
+    /// intervals and the home timeout); a lease the home granted it but it did not write
+    /// stays counted at the home, at most until it ends: capacity held back, never more
+    /// admitted.
     pub async fn join(&self, region: &str, local: C) -> Result<Region<C>, ConfigError> {
         let plan = &self.plan;
         let index = plan.index(region).ok_or_else(|| {
@@ -680,6 +688,12 @@ where
     /// for the end of a stand-down: a process that gave the refresher lock up after two
     /// failed calls to the home leaves it to the others for a refresh interval, and a
     /// `refresh_now` meanwhile refreshes as that interval ends.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped midway, the refresh stops where it is: a lease the home granted but this
+    /// process did not write stays counted at the home, at most until it ends (capacity held
+    /// back, never more admitted); the background refresher goes on at its next tick.
     pub async fn refresh_now(&self) {
         self.handle.core.refresh().await;
     }

@@ -77,6 +77,12 @@ fn push_json_str(out: &mut String, s: &str) {
 
 /// A response a layer answers itself: `status`, `Retry-After: retry_after` and a problem
 /// document `body` (built once by the layer and cloned: a reference count, no copy).
+/// Marks, in its extensions, a `503` the rate-limit layer answered because its gate could
+/// not decide: the service behind it never ran, so it says nothing about that service's
+/// capacity (an outer `ShedLayer`'s adaptive limit ignores it).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Undecided;
+
 pub(crate) fn response(
     status: StatusCode,
     body: Bytes,

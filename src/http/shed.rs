@@ -268,7 +268,9 @@ impl fmt::Debug for Shared {
 /// among them: it refuses one client over its quota, as a rate-limit layer inside this one
 /// or the app's own throttle does, and says nothing of the server's capacity, so one
 /// client's excess cannot shrink the limit every client is served under), the rest is a
-/// served call; a request dropped before its answer is ignored. The layer's
+/// served call; a request dropped before its answer is ignored, and so is the `503` of a
+/// [`RateLimitLayer`](crate::http::RateLimitLayer) inside this one whose gate could not
+/// decide (Redis away: the service behind it never ran). The layer's
 /// own `503`s never reach the algorithm. Shedding works as above, against the bulkhead's
 /// current `max_in_flight`.
 ///
@@ -659,11 +661,21 @@ where
 
 /// What the inner service's answer tells an adaptive bulkhead: `503`, `504` and errors (a
 /// timeout layer's among them) are back-pressure; `4xx` say nothing about the server's
-/// capacity (ignored): a `429` is one client over its own quota; the rest is a served call.
+/// capacity (ignored): a `429` is one client over its own quota; nor does the `503` of a
+/// `RateLimitLayer` whose gate could not decide (the service behind it never ran); the
+/// rest is a served call.
 fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
     match res {
         Err(_) => Outcome::BackPressure,
         Ok(res) => match res.status() {
+            StatusCode::SERVICE_UNAVAILABLE
+                if res
+                    .extensions()
+                    .get::<super::problem::Undecided>()
+                    .is_some() =>
+            {
+                Outcome::Ignored
+            }
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => Outcome::BackPressure,
             s if s.is_client_error() => Outcome::Ignored,
             _ => Outcome::Ok,

@@ -304,7 +304,6 @@ impl Gate for Undecided {
 /// client is served under, as a `503` from the handler does. They cut it from 50 to its
 /// floor while Redis was away, to climb back for minutes once it returned.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a RateLimitLayer's own 503 cuts an outer ShedLayer's adaptive limit"]
 async fn a_rate_limit_layers_own_503_does_not_cut_a_shed_layers_adaptive_limit() {
     let bulkhead = Bulkhead::builder(100)
         .adaptive(Aimd::builder().initial(50).build().unwrap())

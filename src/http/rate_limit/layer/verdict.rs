@@ -207,11 +207,13 @@ impl<G> Shared<G> {
         if self.shadow {
             return Verdict::Pass(None);
         }
-        Verdict::Answer(problem::response(
+        let mut res = problem::response(
             StatusCode::SERVICE_UNAVAILABLE,
             self.gate_error_body.clone(),
             fields::integer_value(retry_after),
-        ))
+        );
+        res.extensions_mut().insert(problem::Undecided);
+        Verdict::Answer(res)
     }
 
     /// Record the blocked keys in the top-N sketch; log at most once a minute.

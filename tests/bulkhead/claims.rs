@@ -29,6 +29,38 @@ async fn a_wait_timeout_of_duration_max_waits() {
     assert_eq!((b.in_flight(), b.waiting()), (0, 0));
 }
 
+/// A `wait_timeout` beyond the 30 years tokio caps a `sleep` at is still the timeout: a
+/// waiter is not shed after 30 years, earlier than the timeout it was given. One of 40
+/// years sheds after 40 years; one of `Duration::MAX` (past any instant the clock can
+/// tell) never does.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a wait_timeout above 30 years sheds after 30 years (tokio's cap on sleep)"]
+async fn a_wait_timeout_beyond_thirty_years_is_not_cut_short() {
+    const YEAR: Duration = Duration::from_secs(365 * 86_400);
+    for timeout in [YEAR * 40, Duration::MAX] {
+        let b = Bulkhead::builder(1).wait_timeout(timeout).build().unwrap();
+        let held = b.acquire().await.unwrap();
+        let mut waiting = Box::pin(b.acquire());
+        assert!(poll!(waiting.as_mut()).is_pending());
+        advance(YEAR * 31).await;
+        assert!(
+            poll!(waiting.as_mut()).is_pending(),
+            "{timeout:?}: shed after 31 years"
+        );
+        if timeout == Duration::MAX {
+            advance(YEAR * 100).await;
+            assert!(poll!(waiting.as_mut()).is_pending(), "never shed");
+            drop(held);
+            assert!(waiting.await.is_ok());
+        } else {
+            advance(YEAR * 9).await;
+            assert_eq!(waiting.await.unwrap_err(), AcquireError::TimedOut);
+            drop(held);
+        }
+        assert_eq!((b.in_flight(), b.waiting()), (0, 0));
+    }
+}
+
 /// The largest `max_in_flight` (2³¹ − 1) is accepted by `new` and `set_max_in_flight`;
 /// one more is `TooLarge` for both, and leaves the limit as it was.
 #[tokio::test]

@@ -4,6 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
+use std::time::Duration;
 
 use pin_project::{pin_project, pinned_drop};
 use tokio::time::{Instant, Sleep};
@@ -81,11 +82,14 @@ impl Waiter {
         }
         if !*this.started {
             *this.started = true;
-            *this.since = Some(Instant::now());
+            let now = Instant::now();
+            *this.since = Some(now);
+            // A deadline, not `sleep(timeout)`: tokio caps a sleep at 30 years, which would
+            // shed a longer timeout early. No deadline, no timer: the wait never times out.
             if *this.bounded
-                && let Some(timeout) = core.wait_timeout()
+                && let Some(deadline) = core.wait_timeout().and_then(|t| deadline(now, t))
             {
-                this.timer.set(Some(tokio::time::sleep(timeout)));
+                this.timer.set(Some(tokio::time::sleep_until(deadline)));
             }
         }
         if let Some(timer) = this.timer.as_pin_mut() {
@@ -129,6 +133,15 @@ impl Waiter {
             Left::Shed(_) | Left::Unqueued => {}
         }
     }
+}
+
+/// When a wait begun at `since` times out after `timeout`; `None` past any instant the
+/// clock can tell (tokio rounds a deadline up to its millisecond: one it could not round is
+/// never reached either), so such a wait never times out.
+fn deadline(since: Instant, timeout: Duration) -> Option<Instant> {
+    since
+        .checked_add(timeout)
+        .filter(|d| d.checked_add(Duration::from_millis(1)).is_some())
 }
 
 /// A wait that ended with a permit: its length goes to the wait-time histogram (as it is

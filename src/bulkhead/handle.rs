@@ -419,8 +419,10 @@ impl BulkheadBuilder {
     /// that found no permit, and it ends on the timer's 1 ms tick: less than 1 ms after the
     /// deadline (later if the runtime is busy), less than 2 ms after it in paused time, whose
     /// clock jumps from a point between ticks by whole milliseconds (a timeout of 0.5 ms
-    /// begun 0.9 ms past a tick sheds after 2 ms). The stream adapters wait untimed and are
-    /// not affected.
+    /// begun 0.9 ms past a tick sheds after 2 ms). However long, the timeout is kept as
+    /// given (tokio's `sleep` would cut one above 30 years to 30); one that ends past any
+    /// instant the clock can tell, such as `Duration::MAX`, never sheds and starts no timer.
+    /// The stream adapters wait untimed and are not affected.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
         self

@@ -36,8 +36,10 @@ use crate::sync::Arc;
 /// - **Resizing**: [`set_max_in_flight`](Bulkhead::set_max_in_flight) takes effect at once
 ///   when growing (waiters are woken) and as permits come back when shrinking; work in
 ///   flight is never revoked.
-/// - **Closing**: [`close`](Bulkhead::close) fails every waiter and every later acquisition
-///   with [`AcquireError::Closed`]; permits in flight stay valid.
+/// - **Closing**: [`close`](Bulkhead::close) fails every waiter still in the queue and every
+///   later acquisition with [`AcquireError::Closed`]; permits in flight stay valid, among
+///   them one granted to a waiter before the close, which that waiter still takes (its
+///   future may not have been polled since).
 /// - **Adaptive**: built with [`adaptive`](BulkheadBuilder::adaptive), the bulkhead lets an
 ///   [`AdaptiveLimit`] algorithm set `max_in_flight` from each call's round-trip time and
 ///   outcome (see [`BulkheadPermit`]'s docs and the [`adaptive`](crate::adaptive) module).
@@ -317,7 +319,9 @@ impl Bulkhead {
         self.core.max_in_flight() as usize
     }
 
-    /// Fail every waiter and every later acquisition with [`AcquireError::Closed`].
+    /// Fail every waiter still in the queue and every later acquisition with
+    /// [`AcquireError::Closed`]. Permits in flight stay valid, a permit already granted to a
+    /// waiter too: that waiter takes it (even if it is polled only after the close).
     pub fn close(&self) {
         self.core.close();
     }

@@ -130,7 +130,8 @@ impl Bulkhead {
     ///
     /// With a [`wait_timeout`](BulkheadBuilder::wait_timeout), the future starts a tokio
     /// timer when it has to wait: it panics if it is polled outside a tokio runtime with
-    /// timers enabled and finds no free permit. Without a timeout it needs no runtime.
+    /// timers enabled and finds no free permit. Without a timeout, or with one that ends past
+    /// any instant the clock can tell (`Duration::MAX`), it starts none and needs no runtime.
     ///
     /// # Cancel safety
     ///

@@ -55,7 +55,8 @@
 //!
 //! `bulkhead_spawn_map` spawns tokio tasks, and an acquisition with a
 //! [`wait_timeout`](BulkheadBuilder::wait_timeout) starts a tokio timer when it has to
-//! wait: both panic outside a tokio runtime (with timers enabled, for the timeout).
+//! wait (none for a timeout of `Duration::MAX`, which never ends): both panic outside a
+//! tokio runtime (with timers enabled, for the timeout).
 
 mod acquire;
 mod adaptive;

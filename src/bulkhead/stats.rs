@@ -58,6 +58,10 @@ pub struct BulkheadStats {
     /// Permits of the critical reserve in flight now: the permits in flight beyond the share
     /// normal work may take (`max_in_flight` minus the reserve), at most the reserve. Always
     /// 0 without a [`critical_reserve`](crate::bulkhead::BulkheadBuilder::critical_reserve).
+    /// Worked out from the counts, not from who holds the permits: after `max_in_flight` is
+    /// lowered below the permits out, those of normal work beyond the new share count here
+    /// too (4 permits with a reserve of 1, 3 normal ones out, lowered to 2: 1), until they
+    /// come back.
     pub reserve_in_flight: usize,
     /// Acquisitions that got a permit, at once or after waiting.
     pub admitted: u64,

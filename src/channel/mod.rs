@@ -65,9 +65,12 @@
 //!
 //! # Cancel safety
 //!
-//! Every future is cancel-safe: a dropped `recv` loses no item, a dropped `send` or
-//! `reserve` leaks no slot, and a wake-up or slot handed to a future that is then dropped
-//! passes on to the next waiter.
+//! No future leaks anything when dropped: a dropped `recv` loses no item, a dropped `send`
+//! or `reserve` leaks no slot, and a wake-up or slot handed to a future that is then dropped
+//! passes on to the next waiter. A dropped `send` drops the item it carries, though (it
+//! never entered the channel, so no hook sees it and nothing counts it): where a `send`
+//! may be cancelled (`select!`, a timeout) and the item must not be lost, `reserve` first,
+//! then send through the [`Permit`], which cannot fail.
 //!
 //! # Metrics
 //!

@@ -621,6 +621,11 @@ where
     ///
     /// [`GateError`](crate::gate::GateError) when the home fails or does not answer within
     /// the home timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped after its call went to the home, the home may have started all the same
+    /// (as after a timeout); a second call then answers `false`.
     pub async fn init_home(&self) -> Result<bool, crate::gate::GateError> {
         let cmd = self.plan.home_cmd("init", 0, &model::Report::default());
         let v = self.call_home(&cmd, 1).await?;

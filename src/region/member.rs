@@ -12,9 +12,9 @@ use redis::aio::ConnectionLike;
 use tokio::task::JoinHandle;
 
 use crate::error::{ConfigError, ConfigErrorKind};
+use crate::gate::FailurePolicy;
 use crate::gate::backend::{Backend, CallError};
 use crate::gate::scripts;
-use crate::gate::{FailurePolicy, GateError};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::region::config::{Plan, QuotaAllocator, micros};
 use crate::region::gate::RegionGate;
@@ -180,11 +180,13 @@ where
     ///
     /// # Cancel safety
     ///
-    /// Dropped before it returns, nothing refreshes for this process. If its first refresh
-    /// had taken the refresher lock, the lock stays until it lapses (at most two refresh
-    /// intervals and the home timeout); a lease the home granted it but it did not write
-    /// stays counted at the home, at most until it ends: capacity held back, never more
-    /// admitted.
+    /// Dropped before it returns, it leaves no task and no handle behind, and its refresh
+    /// stops where it stands, as that of a process that dies: a refresher lock it took
+    /// lapses by itself (within two refresh intervals and the home timeout), a lease the
+    /// home granted it but that was not yet written to the local Redis is never used (the
+    /// home may count it until it ends: under-admission, never over the global bound), and
+    /// demand read from the local counters (which restarts them) but not yet sent to the
+    /// home is lost to it for that round.
     pub async fn join(&self, region: &str, local: C) -> Result<Region<C>, ConfigError> {
         let plan = &self.plan;
         let index = plan.index(region).ok_or_else(|| {
@@ -325,11 +327,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// One call of the share script in the local Redis.
-    async fn local_call(
-        &self,
-        args: impl FnOnce(&mut redis::Cmd),
-        len: usize,
-    ) -> Result<Vec<i64>, GateError> {
+    async fn local_call(&self, args: impl FnOnce(&mut redis::Cmd), len: usize) -> Option<Vec<i64>> {
         let mut cmd = scripts::evalsha(scripts::region_share(), 3);
         cmd.arg(&self.keys.record)
             .arg(&self.keys.counters)
@@ -345,10 +343,12 @@ where
             )
             .await
         {
-            Ok(v) => Ok(v),
-            Err(CallError::Request(e)) => Err(e),
-            Err(CallError::Backend { error, until_probe }) => {
-                Err(CallError::error(error, until_probe))
+            Ok(v) => Some(v),
+            Err(e) => {
+                if let CallError::Backend { error: Some(e), .. } | CallError::Request(e) = e {
+                    tracing::debug!(region = %self.region(), error = %e, "region: local redis failed");
+                }
+                None
             }
         }
     }
@@ -378,7 +378,7 @@ where
             tokio::time::sleep(wait).await;
         }
         let started = Instant::now();
-        let r = match self
+        let Some(r) = self
             .local_call(
                 |c| {
                     c.arg("report")
@@ -391,12 +391,9 @@ where
                 8,
             )
             .await
-        {
-            Ok(r) => r,
-            Err(e) => {
-                self.failed(Some(&e), false);
-                return;
-            }
+        else {
+            self.failed(None);
+            return;
         };
         let [
             leader,
@@ -447,8 +444,6 @@ where
             // As the metrics: not what this process measured when it last refreshed.
             round.status.demand = 0;
             round.status.utilisation = 0.0;
-            // Nor the home's phase at that refresh: it makes no call to the home.
-            round.status.learning = false;
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             drop(round);
@@ -496,7 +491,7 @@ where
                 g
             }
             Err(e) => {
-                self.failed(Some(&e), true);
+                self.failed(Some(&e));
                 let failures = {
                     let mut round = self.round();
                     round.home_failures += 1;
@@ -518,9 +513,6 @@ where
                     let mut round = self.round();
                     round.stand_down_until = Some(Instant::now() + plan.refresh);
                     round.home_failures = 0;
-                    // Another process of the region may take the lock now: this one no
-                    // longer refreshes (until it takes the lock again).
-                    round.status.leader = false;
                 }
                 return;
             }
@@ -549,12 +541,9 @@ where
                 2,
             )
             .await;
-        let written = match written {
-            Ok(written) => written,
-            Err(e) => {
-                self.failed(Some(&e), false);
-                return;
-            }
+        let Some(written) = written else {
+            self.failed(None);
+            return;
         };
         if written[0] != 1 {
             if written[1] == -1 {
@@ -563,7 +552,7 @@ where
                     region = %self.region(),
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
-                self.failed(None, false);
+                self.failed(None);
             } else {
                 // A newer lease is there (another process refreshed meanwhile): this
                 // refresh changed nothing.
@@ -629,13 +618,11 @@ where
             .await;
     }
 
-    /// A refresh failed: on the home (`home`) or the local Redis, with `error` (none: the
-    /// local lease record went back, logged already).
-    fn failed(&self, error: Option<&GateError>, home: bool) {
+    fn failed(&self, error: Option<&crate::gate::GateError>) {
         let mut round = self.round();
         round.status.failures += 1;
         round.failing = round.failing.saturating_add(1);
-        if home {
+        if error.is_some() {
             round.status.home_reachable = false;
         }
         let age = round.lease_granted.map(|at| at.elapsed());
@@ -657,7 +644,6 @@ where
                 allocator = %self.plan().name,
                 region = %self.region(),
                 failures,
-                redis = if home { "home" } else { "local" },
                 error = ?error.map(ToString::to_string),
                 "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
             );
@@ -691,9 +677,10 @@ where
     ///
     /// # Cancel safety
     ///
-    /// Dropped midway, the refresh stops where it is: a lease the home granted but this
-    /// process did not write stays counted at the home, at most until it ends (capacity held
-    /// back, never more admitted); the background refresher goes on at its next tick.
+    /// Dropped, the refresh stops where it stands, as [`join`](QuotaAllocator::join)'s
+    /// does (a lease granted and not yet written unused, demand read and not yet sent lost
+    /// for that round); a refresher lock this process holds stays its own, renewed by the
+    /// background refresher at its next tick.
     pub async fn refresh_now(&self) {
         self.handle.core.refresh().await;
     }

@@ -211,6 +211,11 @@ where
     ///
     /// Outside a tokio runtime with timers (`enable_time`): it spawns the batch driver, and
     /// bounds the loading of its scripts with a tokio timer.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped before it returns (while it loads its scripts), it builds nothing and starts
+    /// no task; the scripts it loaded stay in Redis's script cache, as after any load.
     pub async fn build(self) -> Result<RedisGate<C>, ConfigError> {
         let eval = LimitScript::new(self.limit)?;
         // A batch over a cluster connection mixes slots unless split: refused as a whole.

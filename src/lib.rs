@@ -50,7 +50,7 @@
 //! | *acquire* | wait for an RAII permit, given back when it drops | `Bulkhead::acquire`, `acquire_owned` |
 //! | *reserve* | wait for a channel slot: a permit to send one item | `Sender::reserve`, `reserve_owned` |
 //! | *try_* | the form of a waiting verb that does not wait: an error instead. One exception, named as gRPC names it: `RetryBudget::try_retry` never waits either, but answers a `bool` (whether the budget allows a retry) | `try_send`, `try_recv`, `try_reserve`, `try_acquire`; `try_retry` |
-//! | *close* | stop taking new work; what is buffered still drains (`&self` everywhere) | `Sender::close`, `Receiver::close`, `Bulkhead::close` |
+//! | *close* | stop taking new work; what is buffered still drains (`&self` everywhere; a bulkhead's permits in flight, and those granted to waiters before the close, stay valid) | `Sender::close`, `Receiver::close`, `Bulkhead::close` |
 //! | *rate* | n per period: [`Rate`] | pacers, windows |
 //! | *quota* | a rate with a burst: [`Quota`] | token buckets, pacers (`Pacer::quota`, `set_quota`) |
 //! | *capacity* | the most units admitted at once (a quota's burst, a window's count); for a buffer, the most items it holds | `Decision::capacity`, `Limit::capacity`, [`CostError`], `Sender::capacity` |

@@ -358,6 +358,25 @@ async fn close_fails_waiters_and_new_acquisitions_but_not_work_in_flight() {
     assert_eq!(b.in_flight(), 0);
 }
 
+/// As `close`'s docs say: a permit given back before the close went to the next waiter at
+/// once, and that waiter takes it after the close; the waiters behind it fail.
+#[tokio::test]
+async fn close_leaves_a_permit_already_granted_to_a_waiter() {
+    let b = Bulkhead::new(1).unwrap();
+    let held = b.try_acquire().unwrap();
+    let mut granted = Box::pin(b.acquire());
+    let mut behind = Box::pin(b.acquire());
+    assert!(poll!(granted.as_mut()).is_pending());
+    assert!(poll!(behind.as_mut()).is_pending());
+    drop(held);
+    b.close();
+    let permit = granted.await.expect("granted before the close");
+    assert_eq!(behind.await.unwrap_err(), AcquireError::Closed);
+    assert_eq!(b.in_flight(), 1);
+    drop(permit);
+    assert_eq!(b.in_flight(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_ordered_adapter_holds_back_outputs_that_overtake_the_oldest() {
     // Every fourth future is slow; the ones after it finish first and must wait their turn.

@@ -20,9 +20,9 @@
 //! runs in real time (5 s per step, up to some 20 steps): try it on the `/report` route of
 //! `cargo run --example http_server --features http`, run in another terminal (a 1 s
 //! handler behind a bulkhead of 8 with 2 reserved for `/health`: the knee is 6 in flight;
-//! its `/` admits 100 requests a minute per client, so it is saturated at 1 already and the
-//! search stops there). Only loopback addresses are accepted: the search overloads its
-//! target on purpose.
+//! its `/` admits 100 requests a minute per client: a rate limit, not a concurrency one, so
+//! the search stops at its first step with an error that says so, and finds no knee). Only
+//! loopback addresses are accepted: the search overloads its target on purpose.
 
 #[path = "../tests/support/knee_http.rs"]
 mod knee_http;

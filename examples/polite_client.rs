@@ -26,6 +26,10 @@
 //!   refusing) is followed by a pause of its client, backing off as a retry would, up to
 //!   10 s; the client stops when that backoff gives up.
 //!
+//! Between the runs it pauses until the server's limit is full again, as the `RateLimit`
+//! fields of its answer to one `GET` say (2 s for a server that sends none, at most 5
+//! min: a minute for the `http_server` example's `/`), so that both runs start alike.
+//!
 //! Every second it prints what the server answered (2xx/s, 429/s, and other/s: any other
 //! status, or no answer) and the retries of the jobs finished that second, then a table of
 //! both runs side by side, and the first failure of a run that had any. It exits with an
@@ -43,7 +47,8 @@ use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{Constant, Policy, RateLimitLayer};
 use flowgate::pace::AdaptivePacer;
 use flowgate::retry::{
-    Backoff, HttpClassify, Jitter, Outcome, RetryBudget, RetryInfo, RetryLayer, RetryPolicy, Stop,
+    Backoff, HttpClassify, Jitter, Outcome, RetryBudget, RetryInfo, RetryLayer, RetryPolicy,
+    ServerHint, Stop,
 };
 use flowgate::{Quota, Rate};
 use http::{Request, Response, StatusCode};
@@ -395,6 +400,33 @@ async fn run(strategy: Strategy, args: &Args, url: &str) -> Result<Summary, BoxE
     })
 }
 
+/// The pause between the runs for a server whose `RateLimit` fields do not say how long
+/// its limit takes to refill.
+const DEFAULT_PAUSE: Duration = Duration::from_secs(2);
+/// The longest pause between the runs.
+const MAX_PAUSE: Duration = Duration::from_secs(300);
+
+/// How long until the server's limits are full again, as the `RateLimit` fields of its
+/// answer to one `GET` say: for each policy, the units missing at its quota per window;
+/// `None` when no policy says all three, or no answer comes within 5 s.
+async fn refill_time(url: &str) -> Option<Duration> {
+    let hyper = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let req = Request::get(url).body(Empty::new()).ok()?;
+    let res = tokio::time::timeout(Duration::from_secs(5), hyper.request(req))
+        .await
+        .ok()?
+        .ok()?;
+    let hint = ServerHint::from_headers(res.headers(), std::time::SystemTime::now());
+    hint.policies
+        .iter()
+        .filter_map(|p| {
+            let (quota, window, remaining) = (p.quota?, p.window?, p.remaining?);
+            let missing = quota.saturating_sub(remaining);
+            Some(window.mul_f64(missing as f64 / quota.max(1) as f64))
+        })
+        .max()
+}
+
 /// The in-process server: `GET /` behind a token bucket of 100/s, bursts of 100, one key
 /// for everyone.
 async fn serve() -> Result<String, BoxError> {
@@ -439,8 +471,13 @@ async fn run_all() -> Result<(), BoxError> {
     };
 
     let naive = run(Strategy::Naive, &args, &url).await?;
-    // Let the server's bucket fill up again between the runs.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Let the server's limit fill up again between the runs, so that both start alike.
+    let pause = refill_time(&url)
+        .await
+        .unwrap_or(DEFAULT_PAUSE)
+        .min(MAX_PAUSE);
+    println!("\npausing {pause:.1?} for the server's limit to refill");
+    tokio::time::sleep(pause).await;
     let adaptive = run(Strategy::Flowgate, &args, &url).await?;
 
     println!("\nsummary ({} clients, {} s each)", args.clients, args.secs);

@@ -421,6 +421,7 @@ mod tests {
     use super::*;
     use crate::Quota;
     use crate::limit::TokenBucket;
+    use proptest::prelude::*;
 
     /// A steady flood of distinct keys at a full map, the keys going neutral one at a time
     /// (each took the whole of its 1 s bucket, one a millisecond): each new key finds one
@@ -444,5 +445,184 @@ mod tests {
             "{} scans",
             keyed.scans
         );
+    }
+
+    /// A hasher that sends keys to a few hashes only (`key % buckets`), so that keys share
+    /// their whole hash.
+    #[derive(Clone, Copy)]
+    struct FewHashes(u64);
+
+    impl BuildHasher for FewHashes {
+        type Hasher = FewHasher;
+        fn build_hasher(&self) -> FewHasher {
+            FewHasher(0, self.0)
+        }
+    }
+
+    struct FewHasher(u64, u64);
+
+    impl std::hash::Hasher for FewHasher {
+        fn finish(&self) -> u64 {
+            // Spread over the table's tag bits too, so equal hashes are equal everywhere.
+            (self.0 % self.1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        }
+        fn write(&mut self, bytes: &[u8]) {
+            for &b in bytes {
+                self.0 = self.0.wrapping_mul(31).wrapping_add(u64::from(b));
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A request of `cost` for a key, at the time so far less up to `behind` ms (a
+        /// thread that read the clock before another's sweep).
+        Check(u16, u64, u32),
+        /// A charge undone after another key was decided (a `check_all` refund, after
+        /// the room a later key needed was made).
+        Refund(u16, u16, u64, u32),
+        Sweep(u64),
+        Remove(u16),
+        /// Time passes (ms).
+        Wait(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0u16..64, 0u64..=100, 1u32..=3).prop_map(|(k, b, c)| Op::Check(k, b, c)),
+            2 => (0u16..64, 0u16..64, 0u64..=100, 1u32..=3)
+                .prop_map(|(k, o, b, c)| Op::Refund(k, o, b, c)),
+            1 => (0u64..=100).prop_map(Op::Sweep),
+            1 => (0u16..64).prop_map(Op::Remove),
+            4 => (0u64..=200).prop_map(Op::Wait),
+        ]
+    }
+
+    /// What `next_sweep` and `soonest` promise: a key goes neutral no earlier than
+    /// `next_sweep`, unless `soonest` has its hash at a time no later than it goes neutral.
+    fn bound_holds<A: Algorithm, S: BuildHasher>(keyed: &Keyed<u16, A, S>) -> Result<(), String> {
+        for (k, state) in keyed.map.iter() {
+            let at = keyed.algorithm.neutral_at(state);
+            let h = keyed.hasher.hash_one(k);
+            let noted = keyed.soonest.iter().any(|&(t, sh)| sh == h && t <= at);
+            if at < keyed.next_sweep && !noted {
+                return Err(format!(
+                    "key {k} neutral at {at:?}, before next_sweep {:?}, and not noted",
+                    keyed.next_sweep
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A `Keyed` against its promises over any interleaving of checks (times out of
+    /// order), refunds, sweeps and removals, with keys that share hashes: it never evicts a
+    /// busy key, refuses a new key only when no key is neutral, a sweep leaves no key
+    /// neutral, and what it notes to skip scans stays a lower bound, and small.
+    fn keyed_keeps_its_promises<A: Algorithm + Clone>(
+        algorithm: A,
+        ops: &[Op],
+        max_keys: usize,
+        hashes: u64,
+    ) -> Result<(), TestCaseError> {
+        let mut keyed = Keyed::with_hasher(algorithm.clone(), max_keys, FewHashes(hashes)).unwrap();
+        let ms = |t: u64| Duration::from_millis(t);
+        let mut clock = 0u64;
+        for op in ops {
+            let held: Vec<(u16, Duration)> = keyed
+                .map
+                .iter()
+                .map(|(k, s)| (*k, keyed.algorithm.neutral_at(s)))
+                .collect();
+            // The time by which a key that went may have been neutral, and the key removed.
+            let (by, removed) = match *op {
+                Op::Check(key, behind, cost) => {
+                    let t = ms(clock.saturating_sub(behind));
+                    let by = t.max(keyed.swept_at);
+                    let held_key = keyed.get(&key).is_some();
+                    let got = keyed.check(&key, t, cost);
+                    if let Err(KeyedError::KeyspaceFull { .. }) = got {
+                        prop_assert!(!held_key);
+                        prop_assert_eq!(keyed.len(), max_keys);
+                        for &(k, at) in &held {
+                            prop_assert!(
+                                !neutral_by(at, by),
+                                "key {} neutral at {:?} held, a new key refused at {:?}",
+                                k,
+                                at,
+                                by
+                            );
+                        }
+                    }
+                    (by, None)
+                }
+                Op::Refund(key, other, behind, cost) => {
+                    let t = ms(clock.saturating_sub(behind));
+                    let hash = keyed.hasher.hash_one(key);
+                    let by = t.max(keyed.swept_at);
+                    let before = keyed.get(&key).cloned();
+                    if keyed.check(&key, t, cost).is_ok() {
+                        let _ = keyed.check(&other, t, cost);
+                        keyed.restore_hashed(hash, &key, before);
+                    }
+                    (by.max(keyed.swept_at), None)
+                }
+                Op::Sweep(behind) => {
+                    let t = ms(clock.saturating_sub(behind));
+                    keyed.sweep(t);
+                    for (k, state) in keyed.map.iter() {
+                        prop_assert!(
+                            !keyed.algorithm.is_neutral(state, t),
+                            "key {} neutral at {:?} kept by a sweep",
+                            k,
+                            t
+                        );
+                    }
+                    (t, None)
+                }
+                Op::Remove(key) => {
+                    keyed.remove(&key);
+                    (Duration::ZERO, Some(key))
+                }
+                Op::Wait(gap) => {
+                    clock += gap;
+                    (Duration::ZERO, None)
+                }
+            };
+            prop_assert!(keyed.len() <= max_keys);
+            for &(k, at) in &held {
+                prop_assert!(
+                    keyed.get(&k).is_some() || Some(k) == removed || neutral_by(at, by),
+                    "key {} busy until {:?} evicted at {:?} ({:?})",
+                    k,
+                    at,
+                    by,
+                    op
+                );
+            }
+            if let Err(e) = bound_holds(&keyed) {
+                prop_assert!(false, "{} after {:?}", e, op);
+            }
+            prop_assert!(keyed.soonest.len() <= max_keys.div_ceil(8));
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn keyed_keeps_its_promises_under_any_interleaving(
+            ops in prop::collection::vec(op(), 1..300),
+            max_keys in 1usize..=40,
+            hashes in prop_oneof![Just(1u64), Just(3), Just(1 << 40)],
+        ) {
+            let q = Quota::new(crate::rate::Rate::per(2, Duration::from_millis(100)).unwrap(), 3).unwrap();
+            let r = crate::rate::Rate::per(3, Duration::from_millis(200)).unwrap();
+            keyed_keeps_its_promises(TokenBucket::new(q), &ops, max_keys, hashes)?;
+            keyed_keeps_its_promises(crate::limit::FixedWindow::new(r), &ops, max_keys, hashes)?;
+            keyed_keeps_its_promises(crate::limit::SlidingWindow::new(r), &ops, max_keys, hashes)?;
+            keyed_keeps_its_promises(crate::limit::SlidingLog::new(r), &ops, max_keys, hashes)?;
+        }
     }
 }

@@ -487,12 +487,27 @@ impl ShardedBuckets {
     /// The room for keys the maps of every shard hold, used or not.
     #[cfg(test)]
     pub(crate) fn room_held(&self) -> usize {
+        self.sum_over_maps(Keyed::capacity)
+    }
+
+    /// The room for notes of keys going neutral soonest the maps of every shard hold.
+    #[cfg(test)]
+    pub(crate) fn noted_room_held(&self) -> usize {
+        self.sum_over_maps(Keyed::noted_capacity)
+    }
+
+    /// `of` each map of every shard, summed.
+    #[cfg(test)]
+    fn sum_over_maps(
+        &self,
+        of: impl Fn(&Keyed<String, TokenBucket, RandomState>) -> usize,
+    ) -> usize {
         (0..self.shards.len())
             .map(|i| {
                 self.lock(i)
                     .by_quota
                     .iter()
-                    .map(|q| q.keys.capacity())
+                    .map(|q| of(&q.keys))
                     .sum::<usize>()
             })
             .sum()
@@ -633,26 +648,27 @@ mod tests {
         );
     }
 
-    /// The room a burst of a quota's keys took in its map is given back once a sweep has
-    /// evicted them: the shard's bound on keys is over every quota together, but each
-    /// quota's map kept the room of its largest burst, so 16 quotas whose bursts each filled
-    /// the shard in turn held room for 16 shards' worth of keys.
-    #[test]
-    fn the_room_a_burst_took_is_given_back_once_its_keys_are_evicted() {
+    /// A shard of 1 024 keys through which each of 16 quotas in turn sends a burst of
+    /// `keys` keys and one key busy for 1 000 s (which keeps its quota's map): quota `i`'s
+    /// `j`-th key (the busy one first) is charged at `at(i, j)`, for a second.
+    fn a_burst_of_each_quota_in_turn(
+        keys: usize,
+        at: impl Fn(u32, usize) -> Duration,
+    ) -> ShardedBuckets {
         const ROOM: usize = 1_024;
         let buckets = sharded(1, ROOM);
         let shard_of = |_: u64| 0;
         let mut out = Vec::new();
         for i in 0..MAX_QUOTAS as u32 {
-            // 1 a second, bursts of 1 000 and more: a key charged 1 000 is busy for 1 000 s
-            // (it keeps its quota's map), one charged 1 for a second.
+            // 1 a second, bursts of 1 000 and more: a key charged 1 000 is busy for 1 000 s,
+            // one charged 1 for a second.
             let rate = crate::rate::Rate::per_second(1).unwrap();
             let quota = Quota::new(rate, 1_000 + i).unwrap();
-            let now = Duration::from_secs(2 * u64::from(i));
             let busy = format!("busy{i}");
             let keys =
-                std::iter::once((busy, 1_000)).chain((0..1_000).map(|j| (format!("q{i}-k{j}"), 1)));
-            for (key, cost) in keys {
+                std::iter::once((busy, 1_000)).chain((0..keys).map(|j| (format!("q{i}-k{j}"), 1)));
+            for (j, (key, cost)) in keys.enumerate() {
+                let now = at(i, j);
                 let m = Merged::new(&[(key.as_str(), quota)], cost).unwrap();
                 buckets
                     .check_all_into(&m, shard_of, now, ROOM, &mut out)
@@ -660,10 +676,40 @@ mod tests {
                 assert!(out[0].allowed, "{key} at {now:?}");
             }
         }
+        buckets
+    }
+
+    /// The room a burst of a quota's keys took in its map is given back once a sweep has
+    /// evicted them: the shard's bound on keys is over every quota together, but each
+    /// quota's map kept the room of its largest burst, so 16 quotas whose bursts each filled
+    /// the shard in turn held room for 16 shards' worth of keys.
+    #[test]
+    fn the_room_a_burst_took_is_given_back_once_its_keys_are_evicted() {
+        // Each burst at once.
+        let buckets =
+            a_burst_of_each_quota_in_turn(1_000, |i, _| Duration::from_secs(2 * u64::from(i)));
         let room = buckets.room_held();
         assert!(
-            room <= 2 * ROOM,
-            "room for {room} keys held, for a shard of {ROOM}"
+            room <= 2 * 1_024,
+            "room for {room} keys held, for a shard of 1 024"
+        );
+    }
+
+    /// The notes a map keeps of the keys going neutral soonest (an eighth of those it held
+    /// at its last scan) are given back with its room: 16 quotas whose keys each filled
+    /// the shard in turn, going neutral one at a time, kept room for an eighth of the
+    /// shard's keys each, two shards' worth of notes.
+    #[test]
+    #[ignore = "fault: a map's notes of keys going neutral soonest keep the room of its largest scan, 16 quotas two shards' worth"]
+    fn the_notes_a_burst_took_are_given_back_once_its_keys_are_evicted() {
+        // A key a millisecond: they go neutral one at a time.
+        let buckets = a_burst_of_each_quota_in_turn(2_048, |i, j| {
+            Duration::from_millis(10_000 * u64::from(i) + j as u64)
+        });
+        let noted = buckets.noted_room_held();
+        assert!(
+            noted <= 2 * 1_024 / 8,
+            "room for {noted} notes held, for a shard of 1 024 keys"
         );
     }
 

@@ -395,6 +395,12 @@ impl<K, A: Algorithm, S> Keyed<K, A, S> {
         self.map.capacity()
     }
 
+    /// How many notes of keys going neutral soonest `soonest` has room for (tests).
+    #[cfg(test)]
+    pub(crate) fn noted_capacity(&self) -> usize {
+        self.soonest.capacity()
+    }
+
     /// The most keys this map holds.
     pub fn max_keys(&self) -> usize {
         self.max_keys

@@ -700,7 +700,6 @@ mod tests {
     /// the shard in turn, going neutral one at a time, kept room for an eighth of the
     /// shard's keys each, two shards' worth of notes.
     #[test]
-    #[ignore = "fault: a map's notes of keys going neutral soonest keep the room of its largest scan, 16 quotas two shards' worth"]
     fn the_notes_a_burst_took_are_given_back_once_its_keys_are_evicted() {
         // A key a millisecond: they go neutral one at a time.
         let buckets = a_burst_of_each_quota_in_turn(2_048, |i, j| {

@@ -301,7 +301,8 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
     }
 
     /// Give back the room of a map left mostly empty (by a sweep, after a burst of keys):
-    /// when it holds less than a quarter of its room, keep room for twice what it holds.
+    /// when it holds less than a quarter of its room, keep room for twice what it holds;
+    /// and the same for its notes of the keys going neutral soonest (an eighth of its keys).
     /// For a caller that holds several maps under one bound on keys, so that the room each
     /// one grew to does not add up past that bound.
     pub(crate) fn shrink(&mut self) {
@@ -310,6 +311,10 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
             let hasher = &self.hasher;
             self.map
                 .shrink_to(len.saturating_mul(2), |(k, _)| hasher.hash_one(k));
+        }
+        let noted = len.div_ceil(8).max(self.soonest.len());
+        if noted.saturating_mul(4) < self.soonest.capacity() {
+            self.soonest.shrink_to(noted.saturating_mul(2));
         }
     }
 

@@ -53,8 +53,9 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// # Errors
     ///
     /// [`GateError::Cost`] when `cost` is zero or exceeds the capacity (it could never
-    /// pass), [`GateError::InvalidKey`]; backend errors and timeouts as the gate's failure
-    /// policy says.
+    /// pass), [`GateError::InvalidKey`], [`GateError::KeyspaceFull`] (a new key at a full
+    /// in-memory gate: a [`MemoryGate`](crate::gate::MemoryGate), or a Redis gate falling
+    /// back to one); backend errors and timeouts as the gate's failure policy says.
     ///
     /// # Cancel safety
     ///
@@ -94,8 +95,9 @@ pub trait Gate: Send + Sync + fmt::Debug {
     ///
     /// As the inherent `check_all` of each gate: [`GateError::NoLimits`],
     /// [`GateError::TooManyLimits`], [`GateError::Cost`], [`GateError::InvalidKey`],
-    /// [`GateError::ConflictingQuotas`], backend errors as the failure policy says; the
-    /// default implementation [`GateError::InvalidQuota`].
+    /// [`GateError::ConflictingQuotas`], [`GateError::KeyspaceFull`] (in memory), backend
+    /// errors as the failure policy says; the default implementation
+    /// [`GateError::InvalidQuota`].
     ///
     /// # Cancel safety
     ///

@@ -352,8 +352,9 @@ impl MemoryGate {
     /// clones) register their quotas on it while they live, and one that would take them
     /// past 16 distinct quotas together is refused when built. When the last layer using a
     /// quota is dropped, that quota's buckets are evicted, busy or not, at the next sweep of
-    /// each shard (when it needs room for a key or a quota), so they hold no room from the
-    /// layers built after it; a layer built with the quota before then keeps them (a layer
+    /// each shard (when it needs room for a quota, or for a key and none of the keys its
+    /// last sweep noted going neutral soonest is idle yet), so they keep no key of the
+    /// layers built after it out; a layer built with the quota before then keeps them (a layer
     /// rebuilt with the same quotas gives no client a fresh burst). A call here registers
     /// nothing: quotas of your own beside the layers' must keep within those 16 too, or a
     /// request whose new quota finds no room in its shard (none of the quotas held there

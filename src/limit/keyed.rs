@@ -25,8 +25,9 @@ use crate::limit::{Algorithm, KeyedError};
 ///
 /// # Memory bound and the full-map policy
 ///
-/// At most `max_keys` keys are held. When a *new* key arrives at a full map, every neutral
-/// key is evicted in one sweep; if none is neutral, the request is refused with
+/// At most `max_keys` keys are held. When a *new* key arrives at a full map, a neutral key
+/// is evicted to make room (one noted by the last sweep, or else every neutral key in one
+/// sweep, as below); if none is neutral, the request is refused with
 /// [`KeyedError::KeyspaceFull`] and nothing is inserted. Existing keys are always decided
 /// normally. This policy never over-admits (evicting a busy key would reset its limit). A
 /// sweep that scans the map remembers when the keys it keeps go neutral: the eighth of them

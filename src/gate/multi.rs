@@ -758,4 +758,105 @@ mod tests {
         assert_eq!(d.len(), MAX_LIMITS);
         assert!(d.iter().all(|d| d.allowed && d.remaining == 2));
     }
+
+    /// Every bucket a shard holds, by quota and key, with its state.
+    fn snapshot(buckets: &ShardedBuckets) -> Vec<(Quota, String, State)> {
+        let shard = buckets.lock(0);
+        shard
+            .by_quota
+            .iter()
+            .flat_map(|q| {
+                q.keys
+                    .map_iter()
+                    .map(move |(k, s)| (q.quota, k.clone(), *s))
+            })
+            .collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// `check_all` on one small shard over any requests (up to 3 limits on 10 keys of
+        /// 3 quotas, times out of order): a request admitted charges every bucket, one
+        /// refused or rejected changes none, and no busy bucket is ever evicted (nothing is
+        /// released here), whatever room the request's new keys needed.
+        #[test]
+        fn check_all_is_all_or_nothing_and_never_evicts_a_busy_bucket(
+            steps in proptest::collection::vec(
+                (
+                    proptest::collection::vec((0u8..10, 0usize..3), 1..=3),
+                    1u32..=2,
+                    0u64..=300,
+                    0u64..=100,
+                ),
+                1..200,
+            ),
+            per_shard in 1usize..=8,
+        ) {
+            let quotas = [
+                Quota::new(crate::rate::Rate::per(2, Duration::from_millis(100)).unwrap(), 3).unwrap(),
+                Quota::new(crate::rate::Rate::per(1, Duration::from_millis(300)).unwrap(), 2).unwrap(),
+                Quota::new(crate::rate::Rate::per(5, Duration::from_millis(50)).unwrap(), 5).unwrap(),
+            ];
+            let buckets = sharded(1, per_shard);
+            let mut out = Vec::new();
+            let mut clock = 0u64;
+            for (limits, cost, gap, behind) in steps {
+                clock += gap;
+                let now = Duration::from_millis(clock.saturating_sub(behind));
+                let names: Vec<String> = limits.iter().map(|(k, _)| format!("k{k}")).collect();
+                let limits: Vec<(&str, Quota)> = names
+                    .iter()
+                    .zip(&limits)
+                    .map(|(n, &(k, q))| (n.as_str(), quotas[(usize::from(k) + q) % 3]))
+                    .collect();
+                let Ok(m) = Merged::new(&limits, cost) else { continue };
+                let before = snapshot(&buckets);
+                let late = {
+                    let shard = buckets.lock(0);
+                    shard.by_quota.iter().map(|q| q.keys.swept_at()).fold(shard.swept_at, Duration::max)
+                };
+                let got = buckets.check_all_into(&m, |_| 0, now, per_shard, &mut out);
+                let after = snapshot(&buckets);
+                proptest::prop_assert!(after.len() <= per_shard);
+                let tb = |q: Quota| TokenBucket::new(q);
+                let find = |set: &[(Quota, String, State)], q: Quota, k: &str| {
+                    set.iter().find(|(bq, bk, _)| *bq == q && bk == k).map(|b| b.2)
+                };
+                let admitted = matches!(got, Ok(())) && out.iter().all(|d| d.allowed);
+                for &(key, quota, _) in &m.buckets {
+                    let was = find(&before, quota, key);
+                    let is = find(&after, quota, key);
+                    if admitted {
+                        let is = is.expect("an admitted bucket is held");
+                        proptest::prop_assert!(
+                            !tb(quota).is_neutral(&is, now),
+                            "{} admitted but not charged", key
+                        );
+                    } else if let Some(was) = was {
+                        // Unchanged, or evicted as neutral.
+                        proptest::prop_assert!(
+                            is == Some(was) || (is.is_none() && tb(quota).is_neutral(&was, now.max(late))),
+                            "{} changed by a request refused ({:?}): {:?} to {:?}", key, got, was, is
+                        );
+                    } else {
+                        proptest::prop_assert!(
+                            is.is_none_or(|s| tb(quota).is_neutral(&s, now.max(late))),
+                            "{} charged by a request refused ({:?})", key, got
+                        );
+                    }
+                }
+                for (quota, key, was) in &before {
+                    if m.buckets.iter().any(|b| b.0 == key && b.1 == *quota) {
+                        continue;
+                    }
+                    let is = find(&after, *quota, key);
+                    proptest::prop_assert!(
+                        is == Some(*was) || (is.is_none() && tb(*quota).is_neutral(was, now.max(late))),
+                        "{} busy evicted, or changed, by a request on others", key
+                    );
+                }
+            }
+        }
+    }
 }

@@ -407,6 +407,12 @@ impl<K, A: Algorithm, S> Keyed<K, A, S> {
         self.soonest.capacity()
     }
 
+    /// Every key held, with its state (tests).
+    #[cfg(test)]
+    pub(crate) fn map_iter(&self) -> impl Iterator<Item = (&K, &A::State)> {
+        self.map.iter().map(|(k, s)| (k, s))
+    }
+
     /// The most keys this map holds.
     pub fn max_keys(&self) -> usize {
         self.max_keys

@@ -819,11 +819,27 @@ mod tests {
                 let got = buckets.check_all_into(&m, |_| 0, now, per_shard, &mut out);
                 let after = snapshot(&buckets);
                 proptest::prop_assert!(after.len() <= per_shard);
-                let tb = |q: Quota| TokenBucket::new(q);
                 let find = |set: &[(Quota, String, State)], q: Quota, k: &str| {
                     set.iter().find(|(bq, bk, _)| *bq == q && bk == k).map(|b| b.2)
                 };
+                let tb = |q: Quota| TokenBucket::new(q);
                 let admitted = matches!(got, Ok(())) && out.iter().all(|d| d.allowed);
+                if let Err(GateError::KeyspaceFull { .. }) = got {
+                    // Refused only when the buckets busy at `now` that the request does not
+                    // name, and all it names, are more than the shard holds.
+                    let named = |q: Quota, k: &str| m.buckets.iter().any(|b| b.0 == k && b.1 == q);
+                    let busy_others = before
+                        .iter()
+                        .filter(|(q, k, s)| !named(*q, k) && !tb(*q).is_neutral(s, now))
+                        .count();
+                    proptest::prop_assert!(
+                        busy_others + m.buckets.len() > per_shard,
+                        "refused with room: {} busy others, {} named, {} held",
+                        busy_others,
+                        m.buckets.len(),
+                        before.len()
+                    );
+                }
                 for &(key, quota, _) in &m.buckets {
                     let was = find(&before, quota, key);
                     let is = find(&after, quota, key);

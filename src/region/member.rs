@@ -12,9 +12,9 @@ use redis::aio::ConnectionLike;
 use tokio::task::JoinHandle;
 
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::FailurePolicy;
 use crate::gate::backend::{Backend, CallError};
 use crate::gate::scripts;
+use crate::gate::{FailurePolicy, GateError};
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::region::config::{Plan, QuotaAllocator, micros};
 use crate::region::gate::RegionGate;
@@ -327,7 +327,11 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// One call of the share script in the local Redis.
-    async fn local_call(&self, args: impl FnOnce(&mut redis::Cmd), len: usize) -> Option<Vec<i64>> {
+    async fn local_call(
+        &self,
+        args: impl FnOnce(&mut redis::Cmd),
+        len: usize,
+    ) -> Result<Vec<i64>, GateError> {
         let mut cmd = scripts::evalsha(scripts::region_share(), 3);
         cmd.arg(&self.keys.record)
             .arg(&self.keys.counters)
@@ -343,12 +347,10 @@ where
             )
             .await
         {
-            Ok(v) => Some(v),
-            Err(e) => {
-                if let CallError::Backend { error: Some(e), .. } | CallError::Request(e) = e {
-                    tracing::debug!(region = %self.region(), error = %e, "region: local redis failed");
-                }
-                None
+            Ok(v) => Ok(v),
+            Err(CallError::Request(e)) => Err(e),
+            Err(CallError::Backend { error, until_probe }) => {
+                Err(CallError::error(error, until_probe))
             }
         }
     }
@@ -378,7 +380,7 @@ where
             tokio::time::sleep(wait).await;
         }
         let started = Instant::now();
-        let Some(r) = self
+        let r = match self
             .local_call(
                 |c| {
                     c.arg("report")
@@ -391,9 +393,12 @@ where
                 8,
             )
             .await
-        else {
-            self.failed(None);
-            return;
+        {
+            Ok(r) => r,
+            Err(e) => {
+                self.failed(Some(&e), false);
+                return;
+            }
         };
         let [
             leader,
@@ -444,6 +449,8 @@ where
             // As the metrics: not what this process measured when it last refreshed.
             round.status.demand = 0;
             round.status.utilisation = 0.0;
+            // Nor the home's phase at that refresh: it makes no call to the home.
+            round.status.learning = false;
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             drop(round);
@@ -491,7 +498,7 @@ where
                 g
             }
             Err(e) => {
-                self.failed(Some(&e));
+                self.failed(Some(&e), true);
                 let failures = {
                     let mut round = self.round();
                     round.home_failures += 1;
@@ -513,6 +520,9 @@ where
                     let mut round = self.round();
                     round.stand_down_until = Some(Instant::now() + plan.refresh);
                     round.home_failures = 0;
+                    // Another process of the region may take the lock now: this one no
+                    // longer refreshes (until it takes the lock again).
+                    round.status.leader = false;
                 }
                 return;
             }
@@ -541,9 +551,12 @@ where
                 2,
             )
             .await;
-        let Some(written) = written else {
-            self.failed(None);
-            return;
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                self.failed(Some(&e), false);
+                return;
+            }
         };
         if written[0] != 1 {
             if written[1] == -1 {
@@ -552,7 +565,7 @@ where
                     region = %self.region(),
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
-                self.failed(None);
+                self.failed(None, false);
             } else {
                 // A newer lease is there (another process refreshed meanwhile): this
                 // refresh changed nothing.
@@ -618,11 +631,13 @@ where
             .await;
     }
 
-    fn failed(&self, error: Option<&crate::gate::GateError>) {
+    /// A refresh failed: on the home (`home`) or the local Redis, with `error` (none: the
+    /// local lease record went back, logged already).
+    fn failed(&self, error: Option<&GateError>, home: bool) {
         let mut round = self.round();
         round.status.failures += 1;
         round.failing = round.failing.saturating_add(1);
-        if error.is_some() {
+        if home {
             round.status.home_reachable = false;
         }
         let age = round.lease_granted.map(|at| at.elapsed());
@@ -644,6 +659,7 @@ where
                 allocator = %self.plan().name,
                 region = %self.region(),
                 failures,
+                redis = if home { "home" } else { "local" },
                 error = ?error.map(ToString::to_string),
                 "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
             );

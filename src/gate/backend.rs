@@ -91,6 +91,28 @@ impl CallError {
     }
 }
 
+/// Whether a gate's `timeout` setting is none (`Duration::MAX`, taken as [`FOREVER`]): then
+/// no timer is armed for its calls. Under tokio's paused time a timer fires as soon as the
+/// runtime has nothing else to do, however far away it is, before Redis can answer.
+///
+/// [`FOREVER`]: crate::time::FOREVER
+fn unbounded(timeout: Duration) -> bool {
+    timeout >= crate::time::FOREVER
+}
+
+/// `fut`'s output, or `None` if `within` passes first; without a timer when the gate's
+/// `timeout` setting is none (see [`unbounded`]).
+pub(crate) async fn within_timeout<F: Future>(
+    timeout: Duration,
+    within: Duration,
+    fut: F,
+) -> Option<F::Output> {
+    if unbounded(timeout) {
+        return Some(fut.await);
+    }
+    tokio::time::timeout(within, fut).await.ok()
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Health {
     Healthy,
@@ -149,26 +171,15 @@ impl<C> Backend<C> {
         self.name.as_deref()
     }
 
-    /// Whether the gate has no timeout (`Duration::MAX`, taken as [`FOREVER`]): then it
-    /// arms no timer for a call. Under tokio's paused time a timer fires as soon as the
-    /// runtime has nothing else to do, however far away it is, before Redis can answer.
-    ///
-    /// [`FOREVER`]: crate::time::FOREVER
-    fn unbounded(&self) -> bool {
-        self.timeout >= crate::time::FOREVER
-    }
-
-    /// `fut`'s output, or `None` if `within` passes first (no timer without a timeout).
+    /// `fut`'s output, or `None` if `within` passes first (no timer without a timeout: see
+    /// [`within_timeout`]).
     pub(crate) async fn within<F: Future>(&self, within: Duration, fut: F) -> Option<F::Output> {
-        if self.unbounded() {
-            return Some(fut.await);
-        }
-        tokio::time::timeout(within, fut).await.ok()
+        within_timeout(self.timeout, within, fut).await
     }
 
     /// `fut`'s output, or `None` if `deadline` passes first (no timer without a timeout).
     pub(crate) async fn until<F: Future>(&self, deadline: Instant, fut: F) -> Option<F::Output> {
-        if self.unbounded() {
+        if unbounded(self.timeout) {
             return Some(fut.await);
         }
         tokio::time::timeout_at(deadline.into(), fut).await.ok()

@@ -6,7 +6,7 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::backend::Backend;
+use crate::gate::backend::{Backend, within_timeout};
 use crate::gate::batch::{Batcher, Driver, Outcomes};
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
@@ -271,12 +271,12 @@ where
                 }
             }
         };
-        // (No timer without a timeout: under tokio's paused time it would fire at once.)
-        if self.timeout >= crate::time::FOREVER {
-            load.await;
-        } else {
-            let _ = tokio::time::timeout(self.timeout.max(Duration::from_millis(500)), load).await;
-        }
+        let _ = within_timeout(
+            self.timeout,
+            self.timeout.max(Duration::from_millis(500)),
+            load,
+        )
+        .await;
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),

@@ -230,18 +230,37 @@ async fn a_faulty_inner_service_leaves_every_permit_in_the_bulkhead() {
     assert_eq!(layer.stats().normal.admitted, 4);
 }
 
+/// A `ShedLayer` over an adaptive bulkhead of 100 whose AIMD limit starts at 50.
+fn adaptive_shed() -> (Bulkhead, ShedLayer) {
+    let bulkhead = Bulkhead::builder(100)
+        .adaptive(Aimd::builder().initial(50).build().unwrap())
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    (bulkhead, layer)
+}
+
+/// Twenty requests for `path` through `svc`, 10 ms apart, each answered `status`.
+async fn twenty_answered<S, B>(svc: &S, path: &str, status: StatusCode)
+where
+    S: Service<Req, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    for _ in 0..20 {
+        let res = svc.clone().oneshot(req(path)).await.unwrap();
+        assert_eq!(res.status(), status);
+        tokio::time::advance(Duration::from_millis(10)).await;
+    }
+}
+
 /// A `ShedLayer` over an adaptive bulkhead in front of an app that answers `429` to one
 /// client over its own quota (a login throttle, a rate-limit layer inside the shed one):
 /// that is the client's quota, not the server's capacity, so the limit every other client
 /// is served under stays where it was.
 #[tokio::test(start_paused = true)]
 async fn an_inner_429_does_not_cut_a_shed_layers_adaptive_limit() {
-    let bulkhead = Bulkhead::builder(100)
-        .adaptive(Aimd::builder().initial(50).build().unwrap())
-        .build()
-        .unwrap();
+    let (bulkhead, layer) = adaptive_shed();
     let before = bulkhead.max_in_flight();
-    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
     let svc = layer.layer(service_fn(|req: Req| async move {
         let mut res = ok();
         if req.uri().path() == "/login" {
@@ -249,11 +268,7 @@ async fn an_inner_429_does_not_cut_a_shed_layers_adaptive_limit() {
         }
         Ok::<_, Infallible>(res)
     }));
-    for _ in 0..20 {
-        let res = svc.clone().oneshot(req("/login")).await.unwrap();
-        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
-        tokio::time::advance(Duration::from_millis(10)).await;
-    }
+    twenty_answered(&svc, "/login", StatusCode::TOO_MANY_REQUESTS).await;
     assert_eq!(
         bulkhead.max_in_flight(),
         before,
@@ -268,13 +283,19 @@ async fn an_inner_429_does_not_cut_a_shed_layers_adaptive_limit() {
 #[derive(Debug)]
 struct Undecided;
 
-impl Gate for Undecided {
-    fn check<'a>(&'a self, _: &'a str, _: u32) -> flowgate::gate::GateFuture<'a> {
+impl Undecided {
+    fn timed_out<'a, T: Send + 'a>() -> flowgate::gate::GateFuture<'a, T> {
         Box::pin(async {
             Err(flowgate::gate::GateError::Timeout(Duration::from_millis(
                 50,
             )))
         })
+    }
+}
+
+impl Gate for Undecided {
+    fn check<'a>(&'a self, _: &'a str, _: u32) -> flowgate::gate::GateFuture<'a> {
+        Undecided::timed_out()
     }
 
     fn check_all<'a>(
@@ -282,11 +303,7 @@ impl Gate for Undecided {
         _: &'a [(&'a str, Quota)],
         _: u32,
     ) -> flowgate::gate::GateFuture<'a, Vec<flowgate::Decision>> {
-        Box::pin(async {
-            Err(flowgate::gate::GateError::Timeout(Duration::from_millis(
-                50,
-            )))
-        })
+        Undecided::timed_out()
     }
 
     fn validate_quotas(&self, _: &[Quota]) -> Result<(), flowgate::ConfigError> {
@@ -305,12 +322,8 @@ impl Gate for Undecided {
 /// floor while Redis was away, to climb back for minutes once it returned.
 #[tokio::test(start_paused = true)]
 async fn a_rate_limit_layers_own_503_does_not_cut_a_shed_layers_adaptive_limit() {
-    let bulkhead = Bulkhead::builder(100)
-        .adaptive(Aimd::builder().initial(50).build().unwrap())
-        .build()
-        .unwrap();
+    let (bulkhead, shed) = adaptive_shed();
     let before = bulkhead.max_in_flight();
-    let shed = ShedLayer::builder(bulkhead.clone()).build().unwrap();
     let limit = RateLimitLayer::builder(Undecided)
         .policy(Policy::new(
             "all",
@@ -320,11 +333,7 @@ async fn a_rate_limit_layers_own_503_does_not_cut_a_shed_layers_adaptive_limit()
         .build()
         .unwrap();
     let svc = shed.layer(limit.layer(service_fn(|_: Req| async { Ok::<_, Infallible>(ok()) })));
-    for _ in 0..20 {
-        let res = svc.clone().oneshot(req("/")).await.unwrap();
-        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-        tokio::time::advance(Duration::from_millis(10)).await;
-    }
+    twenty_answered(&svc, "/", StatusCode::SERVICE_UNAVAILABLE).await;
     assert_eq!(limit.stats().gate_error, 20);
     assert_eq!(
         bulkhead.max_in_flight(),

@@ -67,7 +67,7 @@ const APPLY_SHARE: f64 = 0.001;
 /// The lowest cap the server's fields set, per second (one per 1 000 s): the rate stays
 /// positive even when the server allows nothing until its reset, and a hostile field holds
 /// no unit longer than 1 000 s. A configured ceiling below it still caps the rate.
-const MIN_CAP: f64 = 0.001;
+const MIN_CAP: f64 = 1.0 / LONGEST_HOLD.as_secs() as f64;
 /// The longest an allowance of nothing left holds the pacer: one unit at [`MIN_CAP`]
 /// (a reset further away is a hostile or mistaken field, as a cap below `MIN_CAP` is).
 const LONGEST_HOLD: Duration = Duration::from_secs(1_000);

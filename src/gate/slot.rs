@@ -16,29 +16,26 @@ fn crc16(bytes: &[u8]) -> u16 {
     crc
 }
 
-/// The hash slot of `key`: CRC16 of the key, or of its hash tag (the part between the first
-/// `{` and the next `}`, when not empty), modulo 16384.
+/// The hash tag of `key`: the part between its first `{` and the next `}`, when not empty.
+#[inline]
+fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    let open = key.iter().position(|&b| b == b'{')?;
+    let rest = &key[open + 1..];
+    let close = rest.iter().position(|&b| b == b'}')?;
+    (close > 0).then(|| &rest[..close])
+}
+
+/// The hash slot of `key`: CRC16 of the key, or of its hash tag (see [`hash_tag`]), modulo
+/// 16384.
 pub(crate) fn slot(key: &[u8]) -> u16 {
-    let tagged = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            let close = rest.iter().position(|&b| b == b'}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(key);
-    crc16(tagged) % 16_384
+    crc16(hash_tag(key).unwrap_or(key)) % 16_384
 }
 
 /// The hash slot of every key that begins with `head`, when `head` alone decides it: it
 /// holds a whole hash tag (its first `{`, then a `}` after at least one byte). `None` when
 /// what follows `head` can change the slot (no tag, an empty `{}`, a tag left open).
 pub(crate) fn fixed_slot(head: &[u8]) -> Option<u16> {
-    let open = head.iter().position(|&b| b == b'{')?;
-    let rest = &head[open + 1..];
-    let close = rest.iter().position(|&b| b == b'}')?;
-    (close > 0).then(|| crc16(&rest[..close]) % 16_384)
+    hash_tag(head).map(|tag| crc16(tag) % 16_384)
 }
 
 #[cfg(test)]

@@ -21,6 +21,12 @@ use crate::pace::paced::Paced;
 /// A pacer admission taken by `poll_ready` but not used before the sink is dropped is not
 /// given back (the unit of rate is spent; no item is lost).
 ///
+/// The wait for the pacer lives in the sink, not in the `send` future: a `send` given up
+/// while it waits (a timeout, a `select!`) leaves the sink in the pacer's line until the
+/// sink is polled again or dropped. Others stand behind it for at most the pacer's stall
+/// grace (10 ms past its turn), then step over it; the next `poll_ready` takes its place
+/// back, and the lateness it records runs from its old due time (the caller's gap counts).
+///
 /// # Panics
 ///
 /// `poll_ready` sleeps on a tokio timer when the item has to wait: outside a tokio runtime

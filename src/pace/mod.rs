@@ -41,7 +41,10 @@
 //! items under a unit cost, the costs summed under `leaky_cost`; a unit counts when the
 //! pacer lets it through, taking it from the bucket, so an item above the burst counts
 //! chunk by chunk as it pays),
-//! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram).
+//! `flowgate_pace_lateness_seconds` (how late waiting items were released, a histogram:
+//! from the item's due time to the poll that let it through, so a waiter polled late — a
+//! busy executor, or a `LeakySink` whose send was given up and resumed later — counts that
+//! gap too).
 //! A `leaky_queue` reports `flowgate_pace_queue_depth` and `flowgate_pace_dropped_total`
 //! (`policy` = `drop_newest`, `drop_oldest`, or `closed` for the items discarded when the
 //! queue goes away) under its own [`name`](LeakyQueueBuilder::name), by default its pacer's.

@@ -66,8 +66,12 @@ impl Methods {
 ///    response is the answer), nor a first attempt ([`RetryError::NotSent`], at once). A
 ///    pacer shared with other requests may hold one longer than it said when the wait
 ///    began, which the deadline does not cut: a tower `TimeoutLayer` around this layer
-///    bounds the whole;
-/// 2. sends the request (the inner service made ready first), under the policy's
+///    bounds the whole. The pacer is waited for once the inner service is ready for the
+///    attempt (the caller made it ready for the first one; a retry makes it ready again
+///    first), so the turn it gives is used at once: a retry the service keeps waiting, or
+///    fails to get ready for, takes no turn from the other requests, and retries held up
+///    together go at the pacer's rate, not all at once;
+/// 2. sends the request, under the policy's
 ///    [`attempt_timeout`](crate::retry::RetryPolicyBuilder::attempt_timeout) if any (a
 ///    timed-out attempt is back-pressure; the backoff's deadline is checked only between
 ///    attempts, so this is what bounds an attempt under way);

@@ -1299,7 +1299,6 @@ fn steady_pacer() -> AdaptivePacer {
 /// again. The turns were taken first: four retries whose turns passed while the service
 /// was not ready were all sent in the same instant, twice the pacer's burst of 2.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a retry takes its pacer turn before the inner service is ready, so retries held by readiness are sent together, past the pacer's bound"]
 async fn retries_held_by_the_inner_service_s_readiness_keep_the_pacer_s_spacing() {
     let pacer = steady_pacer();
     let policy = RetryPolicy::builder(backoff(2))
@@ -1341,7 +1340,6 @@ async fn retries_held_by_the_inner_service_s_readiness_keep_the_pacer_s_spacing(
 /// sent, and takes no turn of the pacer from the requests after it. It took one: another
 /// request sharing the 1/s pacer waited a second for the turn of a retry never sent.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a retry takes its pacer turn before the inner service is ready, so one it fails to get ready for (or dropped meanwhile) loses the turn"]
 async fn a_retry_never_sent_takes_no_turn_of_the_pacer() {
     for fails in [true, false] {
         let pacer = steady_pacer();

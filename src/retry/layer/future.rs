@@ -30,7 +30,8 @@ const DRAIN_LIMIT: usize = 64 * 1024;
 /// body of endless empty frames (or trailers) adds no bytes, and must not be read for ever.
 const DRAIN_FRAMES: u32 = 1024;
 
-/// The state an attempt starts in: waiting for the pacer, or sending at once.
+/// The state an attempt starts in once its service is ready: waiting for the pacer, or
+/// sending at once.
 pub(super) fn first_state<F, ResB>(policy: &RetryPolicy) -> State<F, ResB> {
     match policy.pacer() {
         Some(pacer) => State::Pace {
@@ -93,8 +94,6 @@ where
     pub(super) shared: Arc<Shared<C>>,
     /// A clone of the inner service, for this request's attempts.
     pub(super) service: S,
-    /// Whether `service` is known ready (the first attempt: the caller made it ready).
-    pub(super) ready: bool,
     /// The request; each attempt sends a clone.
     pub(super) request: Request<B>,
     /// Whether an [`Outcome::Retry`] may send this request again (its method).
@@ -111,12 +110,17 @@ where
 pub(super) enum State<F, ResB> {
     /// The pacer would hold the first attempt past the backoff's deadline: none is sent.
     NotSent(GiveUp),
-    /// Waiting for the adaptive pacer before an attempt.
+    /// Making the service ready for a retry (the caller made it ready for the first
+    /// attempt), before the retry's turn of the pacer is taken: a turn is taken only for an
+    /// attempt sent at once, never lost to a service that fails to get ready, nor kept while
+    /// it is not (and then spent together with the turns of other such retries).
+    Ready,
+    /// Waiting for the adaptive pacer before an attempt, the service ready.
     Pace {
         #[pin]
         wait: UntilReady,
     },
-    /// Making the service ready (after the first attempt), then sending.
+    /// Sending: the service is ready, and the pacer's turn taken.
     Send,
     /// An attempt under way.
     Call {
@@ -163,7 +167,7 @@ where
             // a retry the budget allowed by then was never sent.
             State::Ended { retry_allowed } => policy.count_cancelled(*retry_allowed),
             // Before an attempt: after the first, a retry the budget allowed.
-            State::Pace { .. } | State::Send | State::Backoff { .. } => {
+            State::Ready | State::Pace { .. } | State::Send | State::Backoff { .. } => {
                 policy.count_cancelled(self.schedule.attempts() > 1);
             }
         }
@@ -204,10 +208,8 @@ where
                     this.state.set(State::Send);
                     continue;
                 }
-                StateProj::Send => {
-                    if !*this.ready
-                        && let Err(e) = ready!(this.service.poll_ready(cx))
-                    {
+                StateProj::Ready => {
+                    if let Err(e) = ready!(this.service.poll_ready(cx)) {
                         // The downstream cannot take the request again: a stop like a
                         // fatal answer. (Only a retry makes the service ready here: the
                         // retry the budget allowed is never sent.) Ended first, with no
@@ -225,7 +227,11 @@ where
                             attempts: this.schedule.attempts() - 1,
                         }));
                     }
-                    *this.ready = false;
+                    // Ready: now the pacer's turn, used at once when it comes.
+                    this.state.set(first_state(policy));
+                    continue;
+                }
+                StateProj::Send => {
                     let req = this.request.clone();
                     // The round trip starts when the request is handed to the client.
                     let started = Instant::now();
@@ -275,7 +281,7 @@ where
                     if let Some(timer) = this.sleep.as_mut().as_pin_mut() {
                         ready!(timer.poll(cx));
                     }
-                    this.state.set(first_state(policy));
+                    this.state.set(State::Ready);
                     continue;
                 }
                 StateProj::Ended { .. } | StateProj::Done => {
@@ -409,6 +415,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::NotSent(_) => "not_sent",
+            State::Ready => "ready",
             State::Pace { .. } => "pace",
             State::Send => "send",
             State::Call { .. } => "call",

@@ -89,7 +89,6 @@ where
         RetryFuture {
             shared: self.shared.clone(),
             service,
-            ready: true,
             request: req,
             retryable,
             schedule,

@@ -56,13 +56,18 @@ local function get_lease(key)
   return lease
 end
 
-local function set_lease(key, lease)
+-- Write `lease` at `key`, kept `px` ms (nil: for ever).
+local function set_lease(key, lease, px)
   local parts = {struct.pack('<ddddd', lease.seq, lease.share, lease.tau, lease.expires,
     lease.start)}
   for _, p in ipairs(lease.past) do
     parts[#parts + 1] = struct.pack('<ddd', p[1], p[2], p[3])
   end
-  redis.call('SET', key, table.concat(parts))
+  if px then
+    redis.call('SET', key, table.concat(parts), 'PX', px)
+  else
+    redis.call('SET', key, table.concat(parts))
+  end
 end
 
 -- Put the segment (start, share, tau), which ended when the next one began, in front of

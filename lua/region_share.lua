@@ -13,7 +13,8 @@
 -- ARGV[2]  now in us, for the model tests only; empty in production: Redis TIME is used
 --
 -- report: ARGV[3] this process's lock token, ARGV[4] the lock's length in ms, ARGV[5] a
---   refresh interval plus the home timeout and ARGV[6] the home timeout, in us. Takes or
+--   refresh interval plus the home timeout and ARGV[6] the home timeout, in us, ARGV[7] how
+--   long (ms) the record and the counters are kept (absent: for ever). Takes or
 --   renews the lock: for ARGV[4], but while a lease is in force only until ARGV[5] before it
 --   ends (at least ARGV[6]). The holder gets {1, now_us, seq, share, expires_us - now_us,
 --   admitted, rejected, us since the counters started (-1: unknown)}, and the counters start
@@ -22,7 +23,8 @@
 --   now_us is the time the lease written by 'apply' will count from.
 -- apply: ARGV[3] seq, ARGV[4] share, ARGV[5] tau, ARGV[6] expires_us (this Redis's clock),
 --   ARGV[7] '1' for a grant of the home's learning phase, ARGV[8] and ARGV[9] the safe share
---   and its tau, ARGV[10] the seq the record held when the refresh began. Writes the lease
+--   and its tau, ARGV[10] the seq the record held when the refresh began, ARGV[11] how long
+--   (ms) the record is kept (absent: for ever). Writes the lease
 --   unless the record holds a newer one (a larger seq): a late reply can never replace a
 --   newer lease; nor when the record went back below ARGV[10] (lost writes). A learning grant
 --   is capped at what the region admits at now (its lease if live, else its safe share).
@@ -33,6 +35,13 @@
 --   {1, share written}, {0, 0} (a newer lease is there) or {0, -1} (the record went back).
 -- release: ARGV[3] this process's lock token. Deletes the lock if this process holds it
 --   (a process that stops, or cannot reach the home): {1} released, {0} not held.
+--
+-- The lease record and the counters are kept for ARGV[7] (report, by the holder) or
+-- ARGV[11] (apply) from each write: a week, four lease lengths and twice as long as a
+-- bucket is kept, whichever is longest (src/region/member.rs). A region no process
+-- refreshes any more (its allocator no longer in use, or taken off the lists) leaves
+-- nothing behind, and a record outlives its lease and every bucket it converts (gone
+-- first, a bucket would be refilled as if the region had held a share meanwhile).
 
 local mode = ARGV[1]
 local now = clock_us(ARGV[2])
@@ -66,9 +75,16 @@ if mode == 'report' then
     px = math.min(px, math.ceil((lapse - now) / 1000))
   end
   redis.call('SET', KEYS[3], token, 'PX', math.max(1, px))
+  local keep = ARGV[7]
+  if keep and held then
+    redis.call('PEXPIRE', KEYS[1], keep)
+  end
   local counts = redis.call('HMGET', KEYS[2], 'a', 'r', 't')
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 't', now)
+  if keep then
+    redis.call('PEXPIRE', KEYS[2], keep)
+  end
   local since = counts[3] and (now - tonumber(counts[3])) or -1
   return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0),
     since}
@@ -121,5 +137,5 @@ elseif share ~= held_share or tau ~= held_tau then
   lease.start = now
 end
 lease.seq, lease.share, lease.tau, lease.expires = seq, share, tau, expires
-set_lease(KEYS[1], lease)
+set_lease(KEYS[1], lease, ARGV[11])
 return {1, share}

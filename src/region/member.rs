@@ -81,6 +81,13 @@ pub(crate) struct Core<C> {
     /// share grew is kept until it would be full at the new size too (gone before, it would
     /// come back full at once). At least 1 s.
     pub(crate) keep_ms: u64,
+    /// How long (ms) the lease record and the demand counters are kept after the refresher
+    /// last wrote them: a week, four lease lengths (as the home keeps its state), or twice
+    /// `keep_ms` and a period, whichever is longest. A region no process refreshes leaves
+    /// nothing behind for good, and its record outlives every bucket it converts: one
+    /// written after it (within a lease) is kept at most `keep_ms` after it is full again,
+    /// which is at most a fill or a period (a bucket of one token at a small share) away.
+    record_keep_ms: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,
@@ -214,16 +221,24 @@ where
             &labels,
         ));
         let prefix = plan.local_prefix(region);
+        let keep_ms = micros(plan.ttl)
+            .saturating_add(plan.fill_us())
+            .div_ceil(1000)
+            .max(1000);
         let refreshes = |outcome| labels.counter(names::REFRESHES, &[("outcome", outcome)]);
         let core = Arc::new(Core {
             allocator: self.clone(),
             index,
             safe_tau: plan.tau(plan.regions[index].2),
             max_tau: plan.tau(plan.max_share(index)),
-            keep_ms: micros(plan.ttl)
-                .saturating_add(plan.fill_us())
-                .div_ceil(1000)
-                .max(1000),
+            keep_ms,
+            record_keep_ms: (7 * 24 * 3600 * 1000_u64)
+                .max(micros(plan.ttl).saturating_mul(4) / 1000)
+                .max(
+                    keep_ms
+                        .saturating_mul(2)
+                        .saturating_add(plan.period_us.div_ceil(1000)),
+                ),
             local,
             keys: LocalKeys {
                 record: format!("{prefix}:lease"),
@@ -388,7 +403,8 @@ where
                         .arg(&self.token)
                         .arg(lock_ms)
                         .arg(micros(plan.refresh + plan.home_timeout))
-                        .arg(micros(plan.home_timeout));
+                        .arg(micros(plan.home_timeout))
+                        .arg(self.record_keep_ms);
                 },
                 8,
             )
@@ -546,7 +562,8 @@ where
                         .arg(learning)
                         .arg(safe)
                         .arg(self.safe_tau)
-                        .arg(seq);
+                        .arg(seq)
+                        .arg(self.record_keep_ms);
                 },
                 2,
             )

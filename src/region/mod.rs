@@ -67,7 +67,7 @@
 //! | the home Redis is unreachable | every region keeps its lease until it ends, then admits at its safe share |
 //! | a region dies | its lease ends at its TTL; the others get its share (all but its safe share) |
 //! | the home restarts empty | one lease length of learning: regions keep what they hold, nothing grows |
-//! | no process of any region refreshes for a week (an allocator no longer in use) | the home's state expires; a fleet that comes back after that learns for one lease length, as after a restart |
+//! | no process of any region refreshes for a week (an allocator no longer in use) | the home's state expires, and so do each region's lease record and demand counters in its local Redis (a week, four lease lengths, or as long as the region's buckets are kept, whichever is longest, after the region's last refresh); a fleet that comes back after that learns for one lease length, as after a restart |
 //! | the local Redis fails | the gate's [`FailurePolicy`](crate::gate::FailurePolicy) (`Error` by default; `Open` and `Fallback` admit outside the global bound) |
 //! | the local Redis is full (`maxmemory` under `noeviction`) | it refuses every write, a new key's as a known one's: the gate's failure policy, as when it fails (under `Error`, a [`GateError::Backend`](crate::gate::GateError::Backend) with Redis's `OOM` first, then [`GateError::Degraded`](crate::gate::GateError::Degraded) until the next probe), counted under `policy`; every key is decided again at the first probe (within a refresh interval) after room frees. The refresher cannot write either: the region keeps its lease until it ends, then admits at its safe share |
 //! | a region's refreshing process stops | it gives its lock up as it [leaves](Region::leave) the region (or in the background as its last handle drops, unless its runtime shuts down first); another process of the region refreshes at its next tick |
@@ -147,8 +147,10 @@
 //! down right after cancels (dropped outside any runtime, it cannot give it up at all):
 //! the lock then lapses, within two refresh intervals and the home timeout, before the
 //! lease ends. The lease record and buckets stay in the local Redis for the region's other
-//! processes; a process that joins again (a restart, the same region joined again in this
-//! process) follows the one refreshing, or takes the lock once it is free.
+//! processes (the record a week at least, as the **Failures** table says; a bucket as the
+//! **Memory** requirement above says); a process that joins again (a restart, the same
+//! region joined again in this process) follows the one refreshing, or takes the lock
+//! once it is free.
 //!
 //! # Metrics
 //!

@@ -113,7 +113,6 @@ fn a_region_dropped_outside_any_runtime_after_its_runtime_is_gone_does_not_panic
 /// would be refilled as if the region had held its share while it held none). The lease
 /// record and the demand counters had no TTL: every allocator and region ever used kept two
 /// keys in each local Redis for good.
-#[ignore = "fault: a region's lease record and demand counters never expire in the local Redis"]
 #[tokio::test]
 async fn a_regions_local_keys_expire_once_no_process_refreshes_it() {
     let server = RedisServer::start();

@@ -453,14 +453,22 @@ where
             if let Some(age) = age {
                 self.metrics.lease_age.set(age.as_secs_f64());
             }
-            let mut round = self.round();
-            round.home_failures = 0;
-            let recovered = std::mem::take(&mut round.failing);
-            round.status.leader = false;
             // It makes no call to the home: whether the refreshing process's last one got a
             // lease (one refresh apart, each within the home timeout).
-            round.status.home_reachable =
-                age.is_some_and(|age| age <= plan.refresh + plan.home_timeout);
+            let fresh = age.is_some_and(|age| age <= plan.refresh + plan.home_timeout);
+            let mut round = self.round();
+            round.home_failures = 0;
+            // The region's refreshes work again only once the refreshing process gets a
+            // lease: a process that gave the lock up in an outage and finds another holding
+            // it keeps its count of failures in a row (it would log a recovery with the
+            // home away, and each turn at the lock its first failures once more).
+            let recovered = if fresh {
+                std::mem::take(&mut round.failing)
+            } else {
+                0
+            };
+            round.status.leader = false;
+            round.status.home_reachable = fresh;
             round.status.share = units(share);
             // As the metrics: not what this process measured when it last refreshed.
             round.status.demand = 0;

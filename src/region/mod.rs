@@ -166,9 +166,11 @@
 //!
 //! A failed refresh is a warning (fields `allocator`, `region`, `failures` — in a row —,
 //! `redis` — `home` or `local`, the one that failed — and `error`) at the 1st, 2nd, 4th,
-//! 8th … failure in a row, so an outage logs a few
-//! lines, not one per interval; the first refresh that works after them says so at info
-//! (`failed`: how many in a row it ends).
+//! 8th … failure in a row, so an outage logs a few lines per process, not one per
+//! interval; the first refresh that works after them says so at info (`failed`: how many
+//! in a row it ends). A process that gave the refresher lock up and finds another holding
+//! it counts on: its refreshes work again once the lease in use is fresh (the refreshing
+//! process got a lease within a refresh interval and the home timeout).
 
 mod config;
 mod gate;

@@ -289,7 +289,6 @@ async fn refresh_failures_are_logged_by_their_count_in_a_row_and_the_recovery_on
 /// process that gave the lock up and found the other holding it took that for a refresh
 /// that worked: it said "lease refresh works again" with the home still away, and counted
 /// its failures from one again, so each turn logged its first two failures once more.
-#[ignore = "fault: a process that stands down in a home outage logs a recovery and restarts its count of failures"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_outage_logs_no_recovery_while_the_processes_take_turns_at_the_lock() {
     let all = Logs::global();

@@ -1576,3 +1576,68 @@ async fn a_claim_that_keeps_failing_lets_reads_of_new_entries_go_on() {
         "{errors} errors in {passes} claim periods"
     );
 }
+
+/// `XACK` refused for good while reads are still allowed (an ACL without `XACK`): every ack
+/// goes back to the queue, and the source must not go on reading entries whose acks can
+/// only pile up there. Once an `XACK` failed, the next fetch sends the queued acks alone
+/// first and returns Redis's refusal instead of reading; once `XACK` is allowed again, the
+/// acks go through and the reads go on. (The fetch pipeline ignored the `XACK`'s error and
+/// read on: the queue grew by every entry delivered, and the consumer never saw an error.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: XACK refused while reads are allowed grows the ack queue without bound"]
+async fn a_refused_xack_stops_the_reads_with_its_error_instead_of_queueing_acks_for_ever() {
+    const N: u32 = 500;
+    const HIGH: usize = 10;
+    let (server, mut con) = with_entries(N).await;
+    let mut stream = Box::pin(prefetch(source(&server, "c").await, levels(HIGH, 0)));
+    let acl = |rule: &'static str| redis::cmd("ACL").arg(&["SETUSER", "default", rule]).clone();
+    let _: () = acl("-xack").query_async(&mut con).await.unwrap();
+    let mut read = 0;
+    let refused = loop {
+        match tokio::time::timeout(Duration::from_secs(5), stream.next()).await {
+            Ok(Some(Ok(e))) => {
+                e.ack.ack();
+                read += 1;
+                if read == N {
+                    panic!("all {N} entries read while every XACK was refused, no error");
+                }
+            }
+            Ok(Some(Err(e))) => break e,
+            _ => panic!("no entry and no error within 5 s ({read} read)"),
+        }
+    };
+    assert_eq!(refused.code(), Some("NOPERM"), "{refused}");
+    // At most the batches read before the refusal was seen (one carrying the failed
+    // XACK, one more if the background task's send failed meanwhile).
+    assert!(
+        read <= 3 * HIGH as u32,
+        "{read} entries read while every XACK was refused"
+    );
+    // While XACK stays refused, no entry is read: each fetch is the refusal again.
+    for _ in 0..3 {
+        match tokio::time::timeout(Duration::from_secs(5), stream.next()).await {
+            Ok(Some(Err(e))) => assert_eq!(e.code(), Some("NOPERM"), "{e}"),
+            Ok(Some(Ok(e))) => panic!("entry {} read while XACK is refused", e.id),
+            _ => panic!("no error within 5 s"),
+        }
+    }
+    assert_eq!(
+        pending(&mut con).await,
+        u64::from(read),
+        "nothing was acked"
+    );
+    // XACK allowed again: the queued acks go through, and the rest is read.
+    let _: () = acl("+xack").query_async(&mut con).await.unwrap();
+    while read < N {
+        match tokio::time::timeout(Duration::from_secs(5), stream.next()).await {
+            Ok(Some(Ok(e))) => {
+                e.ack.ack();
+                read += 1;
+            }
+            Ok(Some(Err(e))) => panic!("{e} after XACK was allowed again"),
+            _ => panic!("no entry within 5 s after XACK was allowed again ({read} read)"),
+        }
+    }
+    flush(&mut stream).await;
+    assert_eq!(pending(&mut con).await, 0, "every ack went through");
+}

@@ -1584,7 +1584,6 @@ async fn a_claim_that_keeps_failing_lets_reads_of_new_entries_go_on() {
 /// acks go through and the reads go on. (The fetch pipeline ignored the `XACK`'s error and
 /// read on: the queue grew by every entry delivered, and the consumer never saw an error.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: XACK refused while reads are allowed grows the ack queue without bound"]
 async fn a_refused_xack_stops_the_reads_with_its_error_instead_of_queueing_acks_for_ever() {
     const N: u32 = 500;
     const HIGH: usize = 10;

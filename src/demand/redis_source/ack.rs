@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::ops::Deref;
 use std::sync::PoisonError;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, RedisResult};
@@ -28,6 +29,11 @@ pub(super) struct AckQueue {
     flusher: std::sync::OnceLock<Flusher>,
     /// Told when a send lets go of `sending` (see [`new_group`](Self::new_group)).
     released: Notify,
+    /// The last `XACK` answered with an error (refused: an ACL without `XACK`; or the
+    /// connection failed): the next fetch sends the queued acks alone first and reads only
+    /// if they go through (see [`refused`](Self::refused)). Cleared by an `XACK` that goes
+    /// through.
+    failing: AtomicBool,
     /// Acks Redis acknowledged: the count each `XACK` answers.
     acked: Counter,
     /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)), and
@@ -65,6 +71,7 @@ impl AckQueue {
             sending: tokio::sync::Mutex::new(()),
             flusher: std::sync::OnceLock::new(),
             released: Notify::new(),
+            failing: AtomicBool::new(false),
             acked,
             stale,
         }
@@ -126,18 +133,7 @@ impl AckQueue {
         if carried.ids().is_empty() {
             return Ok(0);
         }
-        let reply = xack_cmd(cfg, carried.ids()).query_async(conn).await;
-        let (ids, generation) = carried.landed();
-        match reply {
-            Ok(n) => {
-                self.sent(ids.len(), n);
-                Ok(n)
-            }
-            Err(e) => {
-                self.requeue(ids, generation);
-                Err(e)
-            }
-        }
+        carried.send(conn, cfg).await
     }
 
     /// One `XACK` of `ids` ids went through and Redis answered `n`: `n` are counted as
@@ -145,8 +141,24 @@ impl AckQueue {
     /// 0 when the group is missing: acks sent before the source noticed the loss reached no
     /// group.
     pub(super) fn sent(&self, ids: usize, n: usize) {
+        self.failing.store(false, Ordering::Release);
         self.acked.increment(n as u64);
         self.stale.increment(ids.saturating_sub(n) as u64);
+    }
+
+    /// An `XACK` of `ids` answered with an error: they are queued again
+    /// ([`requeue`](Self::requeue)), and until an `XACK` goes through
+    /// ([`failing`](Self::failing)) the fetches send the queued acks alone before they read.
+    /// So an `XACK` refused for good (an ACL without it) while reads are allowed stops the
+    /// reads with its error, instead of queueing the acks of every entry read after it.
+    pub(super) fn refused(&self, ids: Vec<String>, generation: u64) {
+        self.failing.store(true, Ordering::Release);
+        self.requeue(ids, generation);
+    }
+
+    /// Whether the last `XACK` answered with an error (see [`refused`](Self::refused)).
+    pub(super) fn failing(&self) -> bool {
+        self.failing.load(Ordering::Acquire)
     }
 
     /// Ids whose send failed go back in the queue, unless their group was lost meanwhile;
@@ -189,6 +201,19 @@ impl AckQueue {
     /// another consumer may, and an ack made afterwards must not go to that group.
     pub(super) async fn new_group(&self) {
         let mut unfinished = ForgetOnDrop(Some(self));
+        let no_send = self.no_send().await;
+        unfinished.0 = None;
+        let queued = self.forget_group();
+        drop(no_send);
+        self.count_stale(queued);
+    }
+
+    /// Waits until no send (the background task's, `flush_acks`) is in progress, and
+    /// returns the `sending` lock, taken once it is free, for the caller to let go of at
+    /// once: while it holds it, every ack not sent is in the queue. The wait holds nothing
+    /// (a fetch that waits may not be polled again for long, and a send must not wait for
+    /// it meanwhile).
+    async fn no_send(&self) -> tokio::sync::MutexGuard<'_, ()> {
         loop {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -196,20 +221,28 @@ impl AckQueue {
             // the wait.
             released.as_mut().enable();
             if let Ok(no_send) = self.sending.try_lock() {
-                unfinished.0 = None;
-                let queued = self.forget_group();
-                drop(no_send);
-                self.count_stale(queued);
-                return;
+                return no_send;
             }
             released.await;
         }
+    }
+
+    /// For a fetch after an `XACK` that failed ([`failing`](Self::failing)): once no send
+    /// is in progress (one may hold the acks refused), the queued acks, taken out while no
+    /// send can take them first.
+    pub(super) async fn take_unsent(queue: &Arc<Self>) -> Carried {
+        let no_send = queue.no_send().await;
+        let carried = Carried::take(queue.clone());
+        drop(no_send);
+        carried
     }
 
     /// Forgets the lost group: a new generation, its queued acks and held ids dropped.
     /// Returns how many acks were queued, for the caller to count as stale once it lets go
     /// of what it holds.
     fn forget_group(&self) -> usize {
+        // The acks an `XACK` refused, if any, are dropped with the others.
+        self.failing.store(false, Ordering::Release);
         let mut st = self.lock();
         st.generation += 1;
         let queued = std::mem::take(&mut st.ids).len();
@@ -348,6 +381,29 @@ impl<Q: Deref<Target = AckQueue>> Carried<Q> {
     /// count or queue again.
     pub(super) fn landed(mut self) -> (Vec<String>, u64) {
         (std::mem::take(&mut self.ids), self.generation)
+    }
+
+    /// Sends the ids carried (at least one) in one `XACK` of their own: counted by what
+    /// Redis answers ([`AckQueue::sent`]), or queued again on an error
+    /// ([`AckQueue::refused`]), which is returned.
+    pub(super) async fn send<C: ConnectionLike>(
+        mut self,
+        conn: &mut C,
+        cfg: &Config,
+    ) -> RedisResult<usize> {
+        let reply = xack_cmd(cfg, self.ids()).query_async(conn).await;
+        // Taken: dropped now, `self` queues nothing again.
+        let ids = std::mem::take(&mut self.ids);
+        match reply {
+            Ok(n) => {
+                self.queue.sent(ids.len(), n);
+                Ok(n)
+            }
+            Err(e) => {
+                self.queue.refused(ids, self.generation);
+                Err(e)
+            }
+        }
     }
 }
 

@@ -34,6 +34,9 @@ enum Outcome {
     /// Redis answered `NOGROUP`: the group was created again (`Ok(true)`), found created
     /// again by another consumer (`Ok(false)`), or could not be created (`Err`).
     GroupLost { created: RedisResult<bool> },
+    /// After an `XACK` that failed, the queued acks went alone first, and Redis answered
+    /// this error again: nothing was read.
+    AcksRefused(RedisError),
 }
 
 struct Batch {
@@ -70,6 +73,14 @@ struct Counters {
 ///   the next fetch or by a background task within
 ///   [`ack_interval`](super::RedisStreamSourceBuilder::ack_interval), also after the source
 ///   is dropped. Nothing is acknowledged before the application says so: at-least-once.
+/// - An `XACK` that fails (refused: an ACL without `XACK`; or the connection failed) leaves
+///   its ids queued, and **no entry is read until an `XACK` goes through**: the next fetch
+///   sends the queued acks alone first and, if Redis answers with an error again, returns
+///   that error (e.g. `NOPERM`) instead of reading, and so does every fetch after it
+///   (`prefetch` yields it and backs off). So the queue of acks stays bounded (at most the
+///   entries already delivered) when `XACK` is refused for good while reads are allowed,
+///   and the consumer sees why; once `XACK` is allowed again, the acks go and the reads go
+///   on.
 ///
 /// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
 /// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`; only the
@@ -213,8 +224,9 @@ where
     ///
     /// # Errors
     ///
-    /// The Redis error; the ids are queued again. (A failed fetch that took acks along
-    /// queues them again as well, and its error is kept for the next `poll_fetch`.)
+    /// The Redis error; the ids are queued again, and the next fetch reads nothing unless
+    /// they go through first (see [`RedisStreamSource`]). (A failed fetch that took acks
+    /// along queues them again as well, and its error is kept for the next `poll_fetch`.)
     ///
     /// # Cancel safety
     ///
@@ -246,8 +258,17 @@ where
     fn start_fetch(&mut self, max: usize) -> BoxFuture<RedisResult<Outcome>> {
         let mut conn = self.conn.clone();
         let cfg = self.config.clone();
-        let carried = Carried::take(self.acks.clone());
-        self.fetch_carries_acks = !carried.ids().is_empty();
+        // After an `XACK` that failed, the acks go alone, and nothing is read unless they
+        // go through: refused for good (an ACL without `XACK`), they would otherwise be
+        // joined in the queue by the acks of every entry read after (see
+        // `AckQueue::refused`). They are taken once no send is in progress (the background
+        // task's may hold them), so none is on its way when this fetch reads.
+        let carried = if self.acks.failing() {
+            None
+        } else {
+            Some(Carried::take(self.acks.clone()))
+        };
+        self.fetch_carries_acks = carried.as_ref().is_none_or(|c| !c.ids().is_empty());
         let claim = self.phase == Phase::New && !self.read_due && Instant::now() >= self.next_claim;
         self.fetch_claims = claim;
         let phase = self.phase.clone();
@@ -256,6 +277,19 @@ where
         // Redis refuses a COUNT above i64::MAX; a large demand fills in several fetches.
         let count = max.clamp(1, cfg.max_count);
         Box::pin(async move {
+            let carried = match carried {
+                Some(carried) => carried,
+                None => {
+                    let refused = AckQueue::take_unsent(&queue).await;
+                    if !refused.ids().is_empty()
+                        && let Err(e) = refused.send(&mut conn, &cfg).await
+                    {
+                        return Ok(Outcome::AcksRefused(e));
+                    }
+                    // Those made meanwhile go with the read.
+                    Carried::take(queue.clone())
+                }
+            };
             let mut pipe = redis::pipe();
             // Each reply on its own: an XACK that went through is not sent again because the
             // read after it failed.
@@ -311,7 +345,7 @@ where
                 // count as stale.
                 match sent.and_then(|n| usize::from_redis_value(n).map_err(RedisError::from)) {
                     Ok(n) => queue.sent(acks.len(), n),
-                    Err(_) => queue.requeue(acks, generation),
+                    Err(_) => queue.refused(acks, generation),
                 }
             }
             if lost {
@@ -447,6 +481,8 @@ where
 
     /// Fetches at most `min(max, max_count)` entries. A fetch that finds the group lost
     /// creates it again and returns an empty batch (or the error, if creating it fails).
+    /// After an `XACK` that failed, a fetch first sends the queued acks alone, and returns
+    /// the error if Redis answers with one again, having read nothing.
     ///
     /// # Cancel safety
     ///
@@ -484,6 +520,7 @@ where
         Poll::Ready(Some(result.and_then(|outcome| match outcome {
             Outcome::Batch(batch) => Ok(this.entries(batch)),
             Outcome::GroupLost { created } => this.group_lost(created).map(|()| Vec::new()),
+            Outcome::AcksRefused(e) => Err(e),
         })))
     }
 }

@@ -27,10 +27,11 @@ const KEEPALIVE_CHUNK: usize = 500;
 ///
 /// until the source and every [`Ack`](super::Ack) are gone and nothing is left to send. A
 /// failed send is retried after the next interval while any handle is alive and the group
-/// it was meant for is not lost; after that, the entries stay pending and are redelivered
-/// (at-least-once). While the group is missing, `XACK` answers 0 (those acks count as
-/// stale, not acked) and the keep-alive script fails: both are harmless, and the fetch path
-/// re-creates the group.
+/// it was meant for is not lost (and until one goes through, the source's fetches read
+/// nothing: see [`AckQueue::refused`]); after that, the entries stay pending and are
+/// redelivered (at-least-once). While the group is missing, `XACK` answers 0 (those acks
+/// count as stale, not acked) and the keep-alive script fails: both are harmless, and the
+/// fetch path re-creates the group.
 pub(super) async fn keep_in_background<C: ConnectionLike>(
     queue: Arc<AckQueue>,
     mut conn: C,

@@ -16,8 +16,8 @@ use axum::routing::get as route_get;
 use bytes::Bytes;
 use flowgate::gate::{Limit, MemoryGate};
 use flowgate::http::{
-    ClientIp, ForwardedHeader, Header, HeaderStyles, MissingKey, PeerIp, Policy, RateLimitLayer,
-    RequestInfo,
+    ClientIp, ForwardedHeader, Header, HeaderStyles, KeyExtractor, MissingKey, PeerIp, Policy,
+    RateLimitLayer, RequestInfo,
 };
 use flowgate::{Quota, Rate};
 use http::{HeaderMap, Request, Response, StatusCode, header};
@@ -734,6 +734,116 @@ async fn shadow_mode_admits_all_and_counts_the_would_be_rejections() {
         (3, 7, 0)
     );
     assert_eq!(layer.top_rejected(1)[0].count, 7);
+}
+
+/// Shadow mode over random traffic (one to three policies of random quotas, some skipping
+/// a request without their key, costs of 1 to 3, some above a burst, paused time between
+/// requests), beside the same layer in the real mode, each on a gate of its own: every
+/// request the real layer answers `429` passes in the shadow one with the same
+/// `RateLimit-Policy`, `RateLimit` and draft-03 fields, and the counts and top rejected
+/// keys agree (`shadow_rejected` is exactly `rejected`). (Coverage; passes.)
+#[tokio::test(start_paused = true)]
+async fn shadow_mode_decides_random_traffic_as_the_real_mode_does() {
+    /// xorshift: the same traffic on every run.
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+    fn header_key(name: &'static str) -> impl KeyExtractor {
+        move |req: &RequestInfo<'_>, key: &mut String| match req.headers.get(name) {
+            Some(v) => {
+                key.push_str(v.to_str().unwrap());
+                true
+            }
+            None => false,
+        }
+    }
+    let cost =
+        |req: &RequestInfo<'_>| -> u32 { req.headers["x-cost"].to_str().unwrap().parse().unwrap() };
+    let inner = || {
+        tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+        })
+    };
+    let names = ["x-k0", "x-k1", "x-k2"];
+    let mut x = 0x5555_aaaa_1234_9876_u64;
+    for scenario in 0..60 {
+        let n = 1 + (next(&mut x) % 3) as usize;
+        let policies: Vec<Policy> = (0..n)
+            .map(|i| {
+                let count = 1 + (next(&mut x) % 5) as u32;
+                let period = Duration::from_millis(300 * (1 + next(&mut x) % 20));
+                let burst = 1 + (next(&mut x) % 6) as u32;
+                let quota = Quota::new(Rate::per(count, period).unwrap(), burst).unwrap();
+                let policy = Policy::new(format!("p{i}"), quota, header_key(names[i]));
+                match next(&mut x) % 3 {
+                    0 => policy.missing_key(MissingKey::Skip),
+                    _ => policy,
+                }
+            })
+            .collect();
+        let layer = |shadow: bool| {
+            let mut b = RateLimitLayer::builder(gate())
+                .header_styles(HeaderStyles::IETF | HeaderStyles::DRAFT_03)
+                .shadow(shadow)
+                .cost(cost);
+            for p in &policies {
+                b = b.policy(p.clone());
+            }
+            b.build().unwrap()
+        };
+        let (real, shadow) = (layer(false), layer(true));
+        let (mut a, mut b) = (real.layer(inner()), shadow.layer(inner()));
+        for step in 0..30 {
+            let mut req = Request::builder().header("x-cost", 1 + next(&mut x) % 3);
+            for name in &names[..n] {
+                if !next(&mut x).is_multiple_of(5) {
+                    req = req.header(*name, next(&mut x) % 2);
+                }
+            }
+            let req = req.body(()).unwrap();
+            let copy = || {
+                let mut r = Request::new(());
+                *r.headers_mut() = req.headers().clone();
+                r
+            };
+            let real_res = a.ready().await.unwrap().call(copy()).await.unwrap();
+            let shadow_res = b.ready().await.unwrap().call(copy()).await.unwrap();
+            let at = format!("scenario {scenario} step {step}: {:?}", req.headers());
+            match real_res.status() {
+                StatusCode::OK | StatusCode::TOO_MANY_REQUESTS => {
+                    assert_eq!(shadow_res.status(), StatusCode::OK, "{at}");
+                    for name in [
+                        "ratelimit-policy",
+                        "ratelimit",
+                        "ratelimit-limit",
+                        "ratelimit-remaining",
+                        "ratelimit-reset",
+                    ] {
+                        assert_eq!(
+                            field(real_res.headers(), name),
+                            field(shadow_res.headers(), name),
+                            "{name} at {at}"
+                        );
+                    }
+                }
+                status => {
+                    assert_eq!(status, StatusCode::BAD_REQUEST, "{at}");
+                    assert_eq!(shadow_res.status(), StatusCode::OK, "{at}");
+                }
+            }
+            tokio::time::advance(Duration::from_millis(next(&mut x) % 2000)).await;
+        }
+        let (r, s) = (real.stats(), shadow.stats());
+        assert_eq!(
+            (r.admitted, r.rejected, r.bad_request),
+            (s.admitted, s.shadow_rejected, s.bad_request),
+            "scenario {scenario}"
+        );
+        assert_eq!(real.top_rejected(64), shadow.top_rejected(64));
+    }
 }
 
 #[tokio::test]

@@ -701,3 +701,94 @@ fn forwarded_corners_as_proxies_write_them() {
     );
     assert_eq!(m.trusted()[0].to_string(), "10.0.0.0/8");
 }
+
+/// A parameter value as RFC 7239 allows it: a token, or a quoted-string of any visible
+/// ASCII and spaces (`,` `;` `=` among them), `"` and `\` escaped and other bytes escaped
+/// now and then (`\x` is `x`).
+fn param_value() -> impl Strategy<Value = String> {
+    let token = proptest::collection::vec(
+        proptest::sample::select(
+            b"abcXYZ019!#$%&'*+-.^_`|~"
+                .iter()
+                .map(|&b| char::from(b))
+                .collect::<Vec<_>>(),
+        ),
+        1..8,
+    )
+    .prop_map(|v| v.into_iter().collect::<String>());
+    let quoted = proptest::collection::vec(
+        prop_oneof![
+            4 => proptest::char::range(' ', '~'),
+            1 => proptest::sample::select(vec!['"', '\\', ',', ';', '=']),
+        ],
+        0..10,
+    )
+    .prop_map(|v| {
+        let mut q = String::from("\"");
+        for c in v {
+            if matches!(c, '"' | '\\' | 'x') {
+                q.push('\\');
+            }
+            q.push(c);
+        }
+        q.push('"');
+        q
+    });
+    prop_oneof![token, quoted]
+}
+
+/// Other parameters of one element, before or after its `for`.
+fn params() -> impl Strategy<Value = Vec<String>> {
+    proptest::collection::vec(
+        (
+            proptest::sample::select(vec!["by", "host", "proto", "ext", "BY"]),
+            param_value(),
+        )
+            .prop_map(|(name, value)| format!("{name}={value}")),
+        0..3,
+    )
+}
+
+proptest! {
+    /// Well-formed `Forwarded` elements whose other parameters are quoted-strings holding
+    /// `,` `;` `=`, escaped quotes and backslashes: read from the right, each element's
+    /// `for` is found whole, so the key is the documented one (the first untrusted hop
+    /// from the right; every hop trusted: the left-most). (Coverage; passes.)
+    #[test]
+    fn forwarded_elements_with_quoted_parameters_give_the_documented_key(
+        elements in proptest::collection::vec(
+            (
+                prop_oneof![
+                    any::<[u8; 3]>().prop_map(|o| IpAddr::from([10, o[0], o[1], o[2]])),
+                    untrusted_v4(),
+                ],
+                any::<bool>(),
+                params(),
+                params(),
+            ),
+            1..6,
+        ),
+    ) {
+        let line = elements
+            .iter()
+            .map(|(ip, quoted, before, after)| {
+                let node = if *quoted { format!("for=\"{ip}\"") } else { format!("for={ip}") };
+                let mut pairs = before.clone();
+                pairs.push(node);
+                pairs.extend(after.iter().cloned());
+                pairs.join(";")
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let c = fwd();
+        let mut expected = elements[0].0;
+        for (ip, ..) in elements.iter().rev() {
+            if !c.is_trusted(*ip) {
+                expected = *ip;
+                break;
+            }
+        }
+        let req = request(Some("10.0.0.1:1"), &[("forwarded", line.as_bytes())]);
+        prop_assert_eq!(key_of(&c, &req), Some(expected.to_string()), "{}", line);
+    }
+}

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
@@ -555,12 +556,30 @@ impl Permits {
 
 #[pinned_drop]
 impl PinnedDrop for Permits {
+    /// Leave the queue and the parked holders, and return every permit held, one release
+    /// each. Each step runs even if one before it panics (user code runs in them: a metrics
+    /// recorder, a waker woken or dropped), or the permits after it would be lost for good;
+    /// the first panic is resumed once all have run (dropped if the thread already unwinds,
+    /// where a second panic would abort).
     fn drop(self: Pin<&mut Self>) {
         let this = self.project();
-        this.waiter.cancel(this.core);
-        this.core.unpark(this.parked);
-        for _ in 0..*this.held {
-            this.core.release();
+        let core = &**this.core;
+        let mut first = None;
+        let mut step = |f: &mut dyn FnMut()| {
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
+                first.get_or_insert(panic);
+            }
+        };
+        let mut waiter = this.waiter;
+        step(&mut || waiter.as_mut().cancel(core));
+        step(&mut || core.unpark(this.parked));
+        for _ in 0..std::mem::take(this.held) {
+            step(&mut || core.release());
+        }
+        if let Some(panic) = first
+            && !std::thread::panicking()
+        {
+            std::panic::resume_unwind(panic);
         }
     }
 }

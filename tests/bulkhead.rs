@@ -1967,6 +1967,15 @@ fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
     assert_eq!(b.in_flight(), 0, "the permit is back");
 }
 
+/// Drop `value` while the recorder panics on every change to `id`; the panic came.
+#[cfg(feature = "metrics")]
+fn drop_as_the_recorder_panics<T>(recorder: &support::TestRecorder, id: &str, value: T) {
+    recorder.panic_on(id, true);
+    let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(value)));
+    recorder.panic_on(id, false);
+    assert!(dropped.is_err(), "the recorder panicked");
+}
+
 /// An adapter dropped with several futures in flight returns their permits one after the
 /// other. A metrics recorder that panics as the first one comes back (it records the
 /// release in `flowgate_bulkhead_in_flight`) unwound the adapter's drop there: the releases
@@ -1975,8 +1984,6 @@ fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
 #[cfg(feature = "metrics")]
 #[test]
 fn a_panicking_recorder_does_not_lose_the_permits_of_a_dropped_adapter() {
-    use std::panic::catch_unwind;
-
     let recorder = support::TestRecorder::default();
     let b = metrics::with_local_recorder(&recorder, || {
         Bulkhead::builder(3).name("dropped").build().unwrap()
@@ -1986,14 +1993,52 @@ fn a_panicking_recorder_does_not_lose_the_permits_of_a_dropped_adapter() {
         Box::pin(items.bulkhead_map_unordered(b.clone(), |_| futures::future::pending::<u32>()));
     assert!(futures::executor::block_on(async { poll!(s.next()) }).is_pending());
     assert_eq!(b.in_flight(), 3, "three futures in flight");
-    let in_flight = "flowgate_bulkhead_in_flight{name=dropped}";
-    recorder.panic_on(in_flight, true);
-    let dropped = catch_unwind(AssertUnwindSafe(|| drop(s)));
-    recorder.panic_on(in_flight, false);
-    assert!(dropped.is_err(), "the recorder panicked");
+    drop_as_the_recorder_panics(&recorder, "flowgate_bulkhead_in_flight{name=dropped}", s);
     assert_eq!(b.in_flight(), 0, "every permit is back");
     let all: Vec<_> = (0..3).map(|_| b.try_acquire().unwrap()).collect();
     drop(all);
+}
+
+/// As above for `bulkhead_map`, whose futures in flight hold their permits: dropped with
+/// two futures queued behind the oldest (finished and yielded), it drops them one after the
+/// other from its `FuturesOrdered`. A recorder that panics as the first one's permit comes
+/// back unwinds out of that queue's drop, which then leaks the futures left in it (as
+/// `FuturesUnordered` does on a panic in a future's drop), their permits with them.
+#[cfg(feature = "metrics")]
+#[test]
+#[ignore = "fault: a panicking recorder as a dropped bulkhead_map returns its first queued permit leaks the futures (and permits) after it"]
+fn a_panicking_recorder_does_not_lose_the_permits_of_a_dropped_ordered_adapter() {
+    use std::sync::atomic::AtomicBool;
+
+    let recorder = support::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(3)
+            .name("dropped_ordered")
+            .build()
+            .unwrap()
+    });
+    let open = Arc::new(AtomicBool::new(false));
+    let gate = open.clone();
+    let items = futures::stream::iter(0..3u32);
+    let mut s = Box::pin(items.bulkhead_map(b.clone(), move |i| {
+        let gate = gate.clone();
+        futures::future::poll_fn(move |_| {
+            if i == 0 && gate.load(Ordering::SeqCst) {
+                std::task::Poll::Ready(i)
+            } else {
+                std::task::Poll::Pending
+            }
+        })
+    }));
+    let mut poll_once = || futures::executor::block_on(async { poll!(s.next()) });
+    assert!(poll_once().is_pending(), "0, 1 and 2 run");
+    assert_eq!(b.in_flight(), 3);
+    open.store(true, Ordering::SeqCst);
+    assert_eq!(poll_once(), std::task::Poll::Ready(Some(0)));
+    assert_eq!(b.in_flight(), 2, "1 and 2 run");
+    let in_flight = "flowgate_bulkhead_in_flight{name=dropped_ordered}";
+    drop_as_the_recorder_panics(&recorder, in_flight, s);
+    assert_eq!(b.in_flight(), 0, "every permit is back");
 }
 
 /// The bulkhead module's "Shutdown": when the bulkhead is closed, an adapter "yields what is

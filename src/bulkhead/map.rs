@@ -1,5 +1,7 @@
 //! `bulkhead_map`: map each item under a permit, yield in input order.
 
+use std::any::Any;
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
@@ -25,7 +27,58 @@ use crate::error::ConfigError;
 pub(crate) struct Permitted<Fut> {
     #[pin]
     fut: Fut,
-    permit: Option<OwnedBulkheadPermit>,
+    permit: Held,
+}
+
+/// The permit of a mapped future, returned when the future completes or is dropped.
+#[derive(Debug)]
+struct Held(Option<OwnedBulkheadPermit>);
+
+impl Drop for Held {
+    /// A panic while the permit is returned (a metrics recorder's, a waker's) is held back
+    /// while [`Running`] drops its queue, and resumed at once anywhere else.
+    fn drop(&mut self) {
+        let Some(permit) = self.0.take() else { return };
+        let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| drop(permit))) else {
+            return;
+        };
+        let resume = HELD_PANIC.with(|held| match &mut *held.borrow_mut() {
+            Some(first) => {
+                first.get_or_insert(payload);
+                None
+            }
+            None => Some(payload),
+        });
+        if let Some(payload) = resume {
+            std::panic::resume_unwind(payload);
+        }
+    }
+}
+
+thread_local! {
+    /// While a [`Running`] queue is dropped (`Some`): the first panic its permits' returns
+    /// raised.
+    static HELD_PANIC: RefCell<Option<Option<Box<dyn Any + Send>>>> = const { RefCell::new(None) };
+}
+
+/// The mapped futures behind the oldest. `FuturesOrdered` leaks every future still queued
+/// when the drop of one panics (on purpose), and their permits with them; so while it is
+/// dropped a permit's return holds its panic back (see [`Held`]), resumed once every permit
+/// is back (unless the thread is already unwinding).
+struct Running<Fut: Future>(FuturesOrdered<Caught<Permitted<Fut>>>);
+
+impl<Fut: Future> Drop for Running<Fut> {
+    fn drop(&mut self) {
+        let outer = HELD_PANIC.with(|held| held.borrow_mut().replace(None));
+        let queue = std::mem::take(&mut self.0);
+        let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(queue)));
+        let held = HELD_PANIC.with(|held| std::mem::replace(&mut *held.borrow_mut(), outer));
+        if let Some(payload) = dropped.err().or(held.flatten())
+            && !std::thread::panicking()
+        {
+            std::panic::resume_unwind(payload);
+        }
+    }
 }
 
 impl<Fut: Future> Future for Permitted<Fut> {
@@ -35,7 +88,7 @@ impl<Fut: Future> Future for Permitted<Fut> {
         let this = self.project();
         let out = ready!(this.fut.poll(cx));
         // Completed: an `Ok` sample on an adaptive bulkhead (dropped before: `Ignored`).
-        if let Some(permit) = this.permit.take() {
+        if let Some(permit) = this.permit.0.take() {
             permit.record(Outcome::Ok);
         }
         Poll::Ready(out)
@@ -105,7 +158,7 @@ pub struct BulkheadMap<St: Stream, F, Fut: Future> {
     slot: Option<Permitted<Fut>>,
     /// Outputs (or panics) of `running` that finished before the slot's future, in order.
     done: VecDeque<Result<Fut::Output, Panic>>,
-    running: FuturesOrdered<Caught<Permitted<Fut>>>,
+    running: Running<Fut>,
 }
 
 impl<St, F, Fut> BulkheadMap<St, F, Fut>
@@ -165,7 +218,7 @@ where
             f,
             slot: None,
             done: VecDeque::new(),
-            running: FuturesOrdered::new(),
+            running: Running(FuturesOrdered::new()),
         }
     }
 
@@ -195,7 +248,7 @@ where
 impl<St: Stream, F, Fut: Future> BulkheadMap<St, F, Fut> {
     /// Outputs in flight or waiting their turn.
     fn queued(&self) -> usize {
-        queued(&self.slot, &self.done, &self.running)
+        queued(&self.slot, &self.done, &self.running.0)
     }
 }
 
@@ -233,7 +286,7 @@ where
             // outputs in flight or waiting their turn.
             let mut fresh = false;
             loop {
-                let queued = queued(&this.slot, this.done, this.running);
+                let queued = queued(&this.slot, this.done, &this.running.0);
                 if queued >= this.feed.max_in_flight() {
                     // As many outputs as the limit: its own work ending wakes it, and it is
                     // parked for the limit growing.
@@ -253,14 +306,14 @@ where
                 let permit = this.feed.as_mut().into_owned();
                 let fut = Permitted {
                     fut: (this.f)(item),
-                    permit: Some(permit),
+                    permit: Held(Some(permit)),
                 };
                 if queued == 0 {
                     this.slot.set(Some(fut));
                     fresh = true;
                     break;
                 }
-                this.running.push_back(Caught { fut });
+                this.running.0.push_back(Caught { fut });
             }
             if fresh {
                 continue;
@@ -268,7 +321,7 @@ where
             // The slot's future (if any) was polled above and is pending: outputs that finish
             // before it wait their turn, without polling it again.
             loop {
-                match this.running.poll_next_unpin(cx) {
+                match this.running.0.poll_next_unpin(cx) {
                     Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
                     Poll::Ready(Some(out)) => return yielded(out),
                     Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {

@@ -1051,7 +1051,6 @@ fn the_gauges_are_moved_outside_the_algorithms_lock() {
 /// `max_in_flight`, though `adaptive_stats` showed the cut).
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a recorder panic on samples_total or the max_in_flight gauge keeps the back-pressure cut from the bulkhead"]
 fn a_panicking_recorder_does_not_keep_a_sample_from_the_bulkhead() {
     use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -112,6 +112,31 @@ impl fmt::Debug for Adaptive {
     }
 }
 
+/// A sample's metrics, from [`Adaptive::record`]: its count and the gauges' changes, for
+/// [`publish`](Published::publish) to record once the bulkhead applied the sample's answer.
+#[must_use = "the sample's metrics are recorded by publish"]
+pub(crate) struct Published<'a> {
+    adaptive: &'a Adaptive,
+    outcome: usize,
+    changes: [f64; 3],
+}
+
+impl Published<'_> {
+    /// Count the sample and move the gauges: user code, so with no lock held, and last.
+    pub(crate) fn publish(self) {
+        let metrics = &self.adaptive.metrics;
+        metrics.samples[self.outcome].increment(1);
+        let gauges = [
+            &metrics.max_in_flight,
+            &metrics.rtt_min,
+            &metrics.rtt_smoothed,
+        ];
+        for (gauge, change) in gauges.into_iter().zip(self.changes) {
+            gauge.add(change);
+        }
+    }
+}
+
 /// The `max_in_flight` of the algorithm's `limit` in a bulkhead of at most `ceiling` with
 /// `reserve` permits for critical work: the limit is the share of normal work (which cannot
 /// take the reserve: so it can reach the limit it learns), the reserve comes on top.
@@ -173,13 +198,21 @@ impl Adaptive {
     }
 
     /// Feed the sample of a call granted at `grant` that ended now with `outcome`; answers
-    /// the `max_in_flight` to apply (the latest target, whoever set it).
-    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> u32 {
-        self.counts[index(outcome)].fetch_add(1, Ordering::Relaxed);
-        self.metrics.samples[index(outcome)].increment(1);
-        if index(outcome) == 2 {
+    /// the `max_in_flight` to apply (the latest target, whoever set it), and the sample's
+    /// metrics, to [`publish`](Published::publish) once the bulkhead applied it: a metrics
+    /// recorder is user code, and a panic of its own must not keep the sample from the
+    /// algorithm, nor its answer from the bulkhead.
+    pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> (u32, Published<'_>) {
+        let outcome_index = index(outcome);
+        self.counts[outcome_index].fetch_add(1, Ordering::Relaxed);
+        let published = |changes| Published {
+            adaptive: self,
+            outcome: outcome_index,
+            changes,
+        };
+        if outcome_index == 2 {
             // Ignored: nothing to learn, and no lock to take.
-            return self.target();
+            return (self.target(), published([0.0; 3]));
         }
         let changes = {
             let mut learner = self.lock();
@@ -208,15 +241,7 @@ impl Adaptive {
                 rtt.smoothed.map(|d| d.as_secs_f64()),
             ])
         };
-        let gauges = [
-            &self.metrics.max_in_flight,
-            &self.metrics.rtt_min,
-            &self.metrics.rtt_smoothed,
-        ];
-        for (gauge, change) in gauges.into_iter().zip(changes) {
-            gauge.add(change);
-        }
-        self.target()
+        (self.target(), published(changes))
     }
 
     fn lock(&self) -> MutexGuard<'_, Learner> {

@@ -354,7 +354,7 @@ impl Core {
         let Some(adaptive) = &self.adaptive else {
             return;
         };
-        let mut target = adaptive.record(grant, outcome);
+        let (mut target, published) = adaptive.record(grant, outcome);
         // Another thread's sample may move the target between this thread's read and its
         // set, and that thread may apply its newer target first: after each set, look again,
         // so that whoever sets last leaves the latest target applied.
@@ -362,6 +362,8 @@ impl Core {
             self.set_max_in_flight(target);
             target = adaptive.target();
         }
+        // The metrics last: a recorder that panics cannot keep the target from the bulkhead.
+        published.publish();
     }
 
     pub(crate) fn adaptive_stats(&self) -> Option<AdaptiveStats> {

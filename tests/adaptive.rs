@@ -467,7 +467,6 @@ impl AdaptiveLimit for PanicsOnFirstOk {
 /// the upstream or `f` is, and the output is yielded all the same. It was lost with the
 /// panic: of three items, two came out.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a panic learning from a finished future loses its output in bulkhead_map_unordered"]
 async fn a_panic_learning_from_a_finished_call_keeps_its_output() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

@@ -32,8 +32,9 @@ use crate::error::ConfigError;
 /// One exception: when a future finishes and the next item is ready, the permit goes
 /// straight to that item's future as the finished one's output is yielded, and that future
 /// is first polled by the next poll (until the consumer polls again, it holds its permit
-/// unstarted). If `f` or the upstream panics there, the finished output is yielded all the
-/// same and the panic is resumed by the next poll.
+/// unstarted). If `f` or the upstream panics there, or an adaptive bulkhead's algorithm (or a
+/// metrics recorder) learning from the finished future, the finished output is yielded all
+/// the same and the panic is resumed by the next poll.
 ///
 /// If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 /// ends; the one item it held waiting for a permit is discarded: to the
@@ -53,8 +54,8 @@ pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
     #[pin]
     feed: Feed<St>,
     f: F,
-    /// A panic of `f` or the upstream, caught while a finished output was being yielded;
-    /// resumed by the next poll.
+    /// A panic of `f`, the upstream or the adaptive algorithm (or a metrics recorder), caught
+    /// while a finished output was being yielded; resumed by the next poll.
     panic: Option<Panic>,
 }
 
@@ -193,15 +194,16 @@ where
                 _ => return Poll::Pending,
             }
         };
-        // Completed: an `Ok` sample on an adaptive bulkhead.
-        if let Some(grant) = grant {
-            this.feed.record(grant, Outcome::Ok);
-        }
-        // The finished future's permit goes straight to the next item when that item is
-        // ready and nobody else is waiting for the permit; otherwise it is returned at once.
-        // This runs user code (the upstream, `f`) with `out` in hand: a panic there is kept
-        // for the next poll, so that `out` is not lost with it.
+        // Completed: an `Ok` sample on an adaptive bulkhead. Then the finished future's
+        // permit goes straight to the next item when that item is ready and nobody else is
+        // waiting for the permit; otherwise it is returned at once. Both run user code (the
+        // algorithm, a metrics recorder, the upstream, `f`) with `out` in hand: a panic there
+        // is kept for the next poll, so that `out` is not lost with it (a permit it leaves
+        // held is returned as the poll ends).
         let handed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            if let Some(grant) = grant {
+                this.feed.record(grant, Outcome::Ok);
+            }
             match this.feed.as_mut().poll_ready_item(cx) {
                 Some(item) if this.feed.may_keep() => {
                     let fut = Timed::new((this.f)(item), this.feed.start());

@@ -501,6 +501,64 @@ async fn a_panic_learning_from_a_finished_call_keeps_its_output() {
     }
 }
 
+/// As above for `bulkhead_map` and `bulkhead_spawn_map`: each learns from a finished future
+/// with its output in hand (the ordered one as its future completes, the spawning one in its
+/// task). A panic there lost the output with it: of three items, two came out.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a panic learning from a finished future loses its output in bulkhead_map and bulkhead_spawn_map"]
+async fn a_panic_learning_from_a_finished_call_keeps_its_output_in_every_adapter() {
+    use futures::FutureExt;
+    use futures::stream::BoxStream;
+    use std::panic::AssertUnwindSafe;
+
+    fn work(sleeps: bool) -> impl FnMut(u64) -> futures::future::BoxFuture<'static, u64> {
+        move |x| {
+            async move {
+                if sleeps {
+                    tokio::time::sleep(MS * (x + 1) as u32).await;
+                }
+                x
+            }
+            .boxed()
+        }
+    }
+    let adapters: [(&str, fn(Bulkhead, bool) -> BoxStream<'static, u64>); 2] = [
+        ("bulkhead_map", |b, sleeps| {
+            futures::stream::iter(0..3u64)
+                .bulkhead_map(b, work(sleeps))
+                .boxed()
+        }),
+        ("bulkhead_spawn_map", |b, sleeps| {
+            futures::stream::iter(0..3u64)
+                .bulkhead_spawn_map(b, work(sleeps))
+                .boxed()
+        }),
+    ];
+    for (adapter, make) in adapters {
+        for sleeps in [false, true] {
+            let armed = Arc::new(std::sync::atomic::AtomicBool::new(true));
+            let b = Bulkhead::builder(4)
+                .adaptive(PanicsOnFirstOk { armed })
+                .build()
+                .unwrap();
+            let mut out = make(b.clone(), sleeps);
+            let (mut got, mut panics) = (Vec::new(), 0);
+            loop {
+                match AssertUnwindSafe(out.next()).catch_unwind().await {
+                    Ok(Some(x)) => got.push(x),
+                    Ok(None) => break,
+                    Err(_) => panics += 1,
+                }
+            }
+            got.sort_unstable();
+            let case = format!("{adapter}, sleeps: {sleeps}");
+            assert_eq!((got, panics), (vec![0, 1, 2], 1), "{case}");
+            assert_eq!(b.in_flight(), 0, "{case}");
+            assert_eq!(b.adaptive_stats().unwrap().ok, 3, "{case}");
+        }
+    }
+}
+
 /// AIMD's app-limited rule, as its docs say: the limit grows while a call sees at least half
 /// of it in flight, so up to one more than twice the calls in flight, and no further.
 #[test]

@@ -34,7 +34,8 @@ pub enum Dropped {
     /// [`Overflow::Reject`](crate::Overflow::Reject) in a
     /// [`leaky_queue`](crate::FlowStreamExt::leaky_queue) (which has nobody to hand the item
     /// back to), and under [`Overflow::DropOldest`](crate::Overflow::DropOldest) in a channel
-    /// whose every slot is reserved (no buffered item to drop instead).
+    /// whose every slot is reserved or taken by a send still under way (no queued item to
+    /// drop instead).
     Newest,
     /// The buffer was full under [`Overflow::DropOldest`](crate::Overflow::DropOldest): the
     /// oldest buffered item was dropped to make room.

@@ -70,8 +70,9 @@ impl<T> ChannelBuilder<T> {
     /// Called with every item the channel drops, and why ([`Dropped`]):
     ///
     /// - [`Dropped::Newest`]: the item just sent, refused by a full buffer under
-    ///   [`Overflow::DropNewest`] (or under [`Overflow::DropOldest`] when every slot is
-    ///   reserved and there is nothing to drop instead);
+    ///   [`Overflow::DropNewest`] (or under [`Overflow::DropOldest`] when no slot holds a
+    ///   queued item to drop instead: every slot is reserved, or taken by a send still
+    ///   under way on another thread);
     /// - [`Dropped::Oldest`]: the oldest buffered item, dropped under
     ///   [`Overflow::DropOldest`] to make room;
     /// - [`Dropped::Discarded`]: an item left over when the channel ended: still buffered

@@ -20,8 +20,10 @@ pub enum Sent {
     /// The item is in the buffer.
     Queued,
     /// The buffer was full: the item just sent was dropped (`Overflow::DropNewest`, or
-    /// `DropOldest` when every slot is reserved by a permit and there is nothing to drop
-    /// instead). The hook saw it with [`Dropped::Newest`](crate::Dropped::Newest).
+    /// `DropOldest` when no slot holds a queued item to drop instead: every slot is
+    /// reserved, by a permit or for a waiting `reserve`, or taken by a send still under way
+    /// on another thread, whose item is not in the buffer yet). The hook saw it with
+    /// [`Dropped::Newest`](crate::Dropped::Newest).
     DroppedNewest,
     /// The buffer was full: its oldest item was dropped (`Overflow::DropOldest`) and the item
     /// just sent was queued. The hook saw the old item with

@@ -9,7 +9,7 @@
 //! | `Backpressure` (default) | the sender waits for a slot, FIFO | `Ok(Sent::Queued)` |
 //! | `Reject` | the item is handed back | `Err(SendError::Full(item))` |
 //! | `DropNewest` | the new item is dropped | `Ok(Sent::DroppedNewest)` |
-//! | `DropOldest` | the oldest buffered item is dropped | `Ok(Sent::DroppedOldest)` |
+//! | `DropOldest` | the oldest buffered item is dropped | `Ok(Sent::DroppedOldest)` (`Ok(Sent::DroppedNewest)` if no slot holds a queued item: all reserved, or sends under way) |
 //!
 //! Nothing disappears silently: a dropped item goes to the [`ChannelBuilder::on_drop`] hook
 //! (if set) with its [`Dropped`](crate::Dropped) reason, is counted in [`Stats::dropped`] and

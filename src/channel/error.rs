@@ -116,11 +116,13 @@ impl std::error::Error for ReserveError {}
 #[non_exhaustive]
 pub enum TryRecvError {
     /// Nothing is buffered right now, but more may come: a sender remains, or (once the
-    /// channel is closed) a permit is outstanding or another receiver still holds items of
-    /// a batch it may give back.
+    /// channel is closed) a permit (or a `Sink`'s `poll_ready` reservation) is outstanding,
+    /// a send that took its slot before the close has not put its item in yet, or another
+    /// receiver still holds items of a batch it may give back.
     Empty,
     /// Nothing is buffered and nothing more can come: every sender is gone or the channel
-    /// was closed, and no permit is outstanding.
+    /// was closed, and no slot is still taken (no permit outstanding, no send under way, no
+    /// batch held by another receiver).
     Closed,
 }
 

@@ -13,11 +13,10 @@ use futures::Stream;
 use futures::stream::{FusedStream, FuturesOrdered, StreamExt};
 use pin_project::pin_project;
 
-use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::{Panic, poll_slot};
+use crate::bulkhead::slot::{Panic, learn_ok, poll_slot};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -82,16 +81,14 @@ impl<Fut: Future> Drop for Running<Fut> {
 }
 
 impl<Fut: Future> Future for Permitted<Fut> {
-    type Output = Fut::Output;
+    type Output = Finished<Fut::Output>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Fut::Output> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let out = ready!(this.fut.poll(cx));
         // Completed: an `Ok` sample on an adaptive bulkhead (dropped before: `Ignored`).
-        if let Some(permit) = this.permit.0.take() {
-            permit.record(Outcome::Ok);
-        }
-        Poll::Ready(out)
+        let panic = this.permit.0.take().and_then(learn_ok);
+        Poll::Ready((out, panic))
     }
 }
 
@@ -119,10 +116,17 @@ impl<Fut: Future> Future for Caught<Fut> {
     }
 }
 
-/// An output of a future behind the oldest, or its panic, resumed now.
-fn yielded<T>(out: Result<T, Panic>) -> Poll<Option<T>> {
+/// A finished future's output, with a panic of learning from it (see [`learn_ok`]).
+type Finished<T> = (T, Option<Panic>);
+
+/// An output, a panic of learning from its future kept in `later` for the next poll; or the
+/// panic of a future behind the oldest, resumed now.
+fn yielded<T>(out: Result<Finished<T>, Panic>, later: &mut Option<Panic>) -> Poll<Option<T>> {
     match out {
-        Ok(out) => Poll::Ready(Some(out)),
+        Ok((out, panic)) => {
+            *later = panic;
+            Poll::Ready(Some(out))
+        }
         Err(panic) => panic.resume(),
     }
 }
@@ -142,7 +146,9 @@ fn yielded<T>(out: Result<T, Panic>) -> Poll<Option<T>> {
 ///
 /// A mapped future that panics is dropped at once and its permit returned; the panic is
 /// resumed by the poll that would have yielded its output, in input order. If the caller
-/// catches it and polls on, the outputs after it still come.
+/// catches it and polls on, the outputs after it still come. A panic of an adaptive
+/// bulkhead's algorithm (or of a metrics recorder) learning from a finished future is
+/// resumed by the poll after the one that yields that future's output.
 ///
 /// The item it holds waiting for a permit when the bulkhead closes, or when the stream is
 /// dropped, is discarded: to the [`on_drop`](BulkheadMapBuilder::on_drop) hook, if one is
@@ -157,8 +163,11 @@ pub struct BulkheadMap<St: Stream, F, Fut: Future> {
     #[pin]
     slot: Option<Permitted<Fut>>,
     /// Outputs (or panics) of `running` that finished before the slot's future, in order.
-    done: VecDeque<Result<Fut::Output, Panic>>,
+    done: VecDeque<Result<Finished<Fut::Output>, Panic>>,
     running: Running<Fut>,
+    /// A panic of the adaptive algorithm (or a metrics recorder) learning from a finished
+    /// future, caught with its output; resumed by the poll after the one that yields it.
+    panic: Option<Panic>,
 }
 
 impl<St, F, Fut> BulkheadMap<St, F, Fut>
@@ -219,6 +228,7 @@ where
             slot: None,
             done: VecDeque::new(),
             running: Running(FuturesOrdered::new()),
+            panic: None,
         }
     }
 
@@ -271,13 +281,16 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
+        if let Some(panic) = this.panic.take() {
+            panic.resume();
+        }
         loop {
             // The slot holds the oldest output to come, then `done`, then `running`.
             match poll_slot(this.slot.as_mut(), cx) {
-                Poll::Ready(Some(out)) => return Poll::Ready(Some(out)),
+                Poll::Ready(Some(out)) => return yielded(Ok(out), this.panic),
                 Poll::Ready(None) => {
                     if let Some(out) = this.done.pop_front() {
-                        return yielded(out);
+                        return yielded(out, this.panic);
                     }
                 }
                 Poll::Pending => {}
@@ -323,7 +336,7 @@ where
             loop {
                 match this.running.0.poll_next_unpin(cx) {
                     Poll::Ready(Some(out)) if this.slot.is_some() => this.done.push_back(out),
-                    Poll::Ready(Some(out)) => return yielded(out),
+                    Poll::Ready(Some(out)) => return yielded(out, this.panic),
                     Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
                         return Poll::Ready(None);
                     }
@@ -345,7 +358,7 @@ where
     Fut: Future,
 {
     fn is_terminated(&self) -> bool {
-        self.queued() == 0 && self.feed.is_done()
+        self.queued() == 0 && self.feed.is_done() && self.panic.is_none()
     }
 }
 

@@ -3,6 +3,7 @@
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
@@ -10,6 +11,7 @@ use std::task::{Context, Poll, ready};
 use pin_project::{pin_project, pinned_drop};
 
 use crate::adaptive::Outcome;
+use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::Core;
 use crate::sync::Arc;
@@ -83,6 +85,15 @@ pub(crate) fn poll_slot<F: Future>(
         }
         Poll::Pending => Poll::Pending,
     }
+}
+
+/// Record a finished call's `Ok` sample on an adaptive bulkhead with its output in hand: the
+/// algorithm and a metrics recorder are user code, so a panic there is caught (the permit is
+/// returned as it unwinds), to be resumed once the output is out.
+pub(crate) fn learn_ok(permit: OwnedBulkheadPermit) -> Option<Panic> {
+    std::panic::catch_unwind(AssertUnwindSafe(|| permit.record(Outcome::Ok)))
+        .err()
+        .map(Panic::new)
 }
 
 /// A panic caught in an adapter, kept to be resumed by a later poll: a mapped future's that

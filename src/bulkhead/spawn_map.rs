@@ -10,9 +10,9 @@ use futures::stream::{FusedStream, FuturesUnordered, StreamExt};
 use pin_project::pin_project;
 use tokio::task::JoinHandle;
 
-use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
+use crate::bulkhead::slot::{Panic, learn_ok};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -62,14 +62,20 @@ impl<T> Drop for AbortOnDrop<T> {
 ///
 /// Panics if polled outside a tokio runtime: each mapped future is spawned with
 /// [`tokio::spawn`]. A panic in a mapped future is resumed by the poll that would have
-/// yielded its output.
+/// yielded its output. A panic of an adaptive bulkhead's algorithm (or of a metrics
+/// recorder) learning from a finished future, in its task, is resumed by the poll after the
+/// one that yields that future's output.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct BulkheadSpawnMap<St: Stream, F, Fut: Future> {
     #[pin]
     feed: Feed<St>,
     f: F,
-    running: FuturesUnordered<AbortOnDrop<Fut::Output>>,
+    /// Each task's output, with a panic of learning from it (see [`learn_ok`]).
+    running: FuturesUnordered<AbortOnDrop<(Fut::Output, Option<Panic>)>>,
+    /// A panic of the adaptive algorithm (or a metrics recorder) learning from a finished
+    /// task, caught there with its output; resumed by the poll after the one that yields it.
+    panic: Option<Panic>,
 }
 
 impl<St, F, Fut> BulkheadSpawnMap<St, F, Fut>
@@ -129,6 +135,7 @@ where
             feed: Feed::new(stream, bulkhead, on_drop),
             f,
             running: FuturesUnordered::new(),
+            panic: None,
         }
     }
 
@@ -165,6 +172,10 @@ where
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Fut::Output>> {
         let mut this = self.project();
+        // A panic kept from the poll that yielded the output it was learning from.
+        if let Some(panic) = this.panic.take() {
+            panic.resume();
+        }
         // `running` holds every task whose output the consumer has not taken, finished or
         // not: keeping it under `max_in_flight` bounds the finished outputs waiting (see the
         // type's docs). Which of them still hold their permits is not known here (a task
@@ -186,13 +197,15 @@ where
             let fut = (this.f)(item);
             this.running.push(AbortOnDrop(tokio::spawn(async move {
                 let out = fut.await;
-                permit.record(Outcome::Ok);
-                out
+                (out, learn_ok(permit))
             })));
         }
         loop {
             return match this.running.poll_next_unpin(cx) {
-                Poll::Ready(Some(Ok(out))) => Poll::Ready(Some(out)),
+                Poll::Ready(Some(Ok((out, panic)))) => {
+                    *this.panic = panic;
+                    Poll::Ready(Some(out))
+                }
                 Poll::Ready(Some(Err(e))) => match e.try_into_panic() {
                     Ok(panic) => std::panic::resume_unwind(panic),
                     // Cancelled: only when the runtime shuts down.
@@ -218,7 +231,7 @@ where
     Fut::Output: Send + 'static,
 {
     fn is_terminated(&self) -> bool {
-        self.running.is_empty() && self.feed.is_done()
+        self.running.is_empty() && self.feed.is_done() && self.panic.is_none()
     }
 }
 

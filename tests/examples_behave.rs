@@ -348,3 +348,120 @@ fn polite_client_lets_the_servers_limit_refill_between_its_runs() {
         .unwrap_or_else(|| panic!("no pause between the runs:\n{stdout}"));
     assert!((9.0..=10.5).contains(&pause), "paused {pause} s:\n{stdout}");
 }
+
+/// Runs `regions` until its first second is printed, then sends it `signal` (with `kill`,
+/// to its process only, as `kill PID` or a service manager does), and returns its output and
+/// the ports of the four servers it started, which are shut down here if still up.
+#[cfg(all(feature = "redis", unix))]
+fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::time::{Duration, Instant};
+
+    let mut child = example("regions")
+        .args(["--secs", "30"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("regions runs");
+    let mut stdout = BufReader::new(child.stdout.take().expect("its stdout"));
+    let (mut head, mut line) = (String::new(), String::new());
+    while !line.starts_with("t=  1s") {
+        line.clear();
+        if stdout.read_line(&mut line).expect("its stdout") == 0 {
+            break;
+        }
+        head.push_str(&line);
+    }
+    // "home redis on :P; local redis us :P, eu :P, ap :P; ..."
+    let ports: Vec<u16> = head
+        .lines()
+        .find_map(|l| l.strip_prefix("home redis on "))
+        .map(|l| {
+            l.split(':')
+                .skip(1)
+                .filter_map(|p| p.split([';', ',']).next()?.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(ports.len(), 4, "no ports of its servers in:\n{head}");
+    let kill = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("its status").is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let status = child.wait().expect("regions ends");
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).expect("its stdout");
+    let mut stderr = Vec::new();
+    let _ = child.stderr.take().map(|mut e| e.read_to_end(&mut stderr));
+    head.push_str(&String::from_utf8_lossy(&rest));
+    // A server still up a moment later was left running: shut it down.
+    std::thread::sleep(Duration::from_millis(300));
+    let left: Vec<u16> = ports
+        .iter()
+        .copied()
+        .filter(|&port| {
+            let Ok(mut server) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                return false;
+            };
+            let _ = server.write_all(b"SHUTDOWN NOSAVE\r\n");
+            true
+        })
+        .collect();
+    let out = Output {
+        status,
+        stdout: head.into_bytes(),
+        stderr,
+    };
+    (out, ports, left)
+}
+
+/// `SIGTERM` (`kill`, a service manager) and `SIGHUP` (the terminal closed) end the run as
+/// Ctrl-C does, with its summary, and the example kills its four `redis-server`s; they used
+/// to end the example at once and leave the servers running, for good (a `redis-server`
+/// ignores `SIGHUP`).
+#[cfg(all(feature = "redis", unix))]
+#[test]
+#[ignore = "fault: regions leaves its four redis-servers running when sent SIGTERM or SIGHUP"]
+fn regions_kills_its_servers_when_terminated_or_hung_up() {
+    for signal in ["-TERM", "-HUP"] {
+        let (out, ports, left) = regions_signalled(signal);
+        let (stdout, stderr) = text(&out);
+        assert!(
+            left.is_empty(),
+            "{signal}: servers left running on {left:?} of {ports:?}:\n{stdout}\n{stderr}"
+        );
+        assert!(out.status.success(), "{signal}: {stdout}\n{stderr}");
+        assert!(
+            stdout.contains("interrupted") && stdout.contains("max admitted in any 1 s window"),
+            "{signal}: no summary:\n{stdout}"
+        );
+    }
+}
+
+/// A link to the home slower than the home timeout runs as the example's note says: every
+/// refresh fails and the regions admit at their safe share. From a one-way latency of
+/// about 250 ms on (the flag takes up to 2000) the example used to stop before the run with
+/// `error: timed out`: its connections through the link gave up during their handshake.
+#[cfg(feature = "redis")]
+#[test]
+#[ignore = "fault: regions --latency-ms 250 or more stops with `error: timed out` before the run"]
+fn regions_runs_over_a_link_slower_than_its_home_timeout() {
+    let out = example("regions")
+        .args(["--secs", "3", "--latency-ms", "400"])
+        .output()
+        .expect("regions runs");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("note: a 800 ms round trip to the home is longer than the home timeout"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("admitted 0 in "), "{stdout}");
+    assert!(stdout.contains("home unreachable"), "{stdout}");
+}

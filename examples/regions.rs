@@ -24,7 +24,8 @@
 //! measuring at the client), and what the home holds. With `--svg PATH` it also plots the
 //! shares and admitted rates over time (it checks it can write `PATH` before it starts).
 //!
-//! Ctrl-C ends the run early (with the summary); the servers are killed either way.
+//! Ctrl-C ends the run early, with the summary, and so do `SIGTERM` (`kill`) and `SIGHUP`
+//! (the terminal closed); the servers are killed however the run ends, but by `SIGKILL`.
 
 #[path = "../tests/support/delay_proxy.rs"]
 mod delay_proxy;
@@ -171,12 +172,17 @@ impl Server {
         let mut last = String::new();
         for _ in 0..3 {
             let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-            let child = Command::new("redis-server")
+            let mut command = Command::new("redis-server");
+            command
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
+                .stderr(Stdio::null());
+            // Its own process group: a Ctrl-C at the terminal reaches this program only,
+            // which prints its summary (the home still answering) and then kills the server.
+            #[cfg(unix)]
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
+            let child = command.spawn()?;
             let mut server = Server { child, port };
             match server.wait_ready().await {
                 Ok(()) => return Ok(server),
@@ -233,11 +239,14 @@ async fn ping(addr: SocketAddr) -> bool {
     )
 }
 
-/// A connection manager that gives up within the home timeout instead of hanging.
-async fn manager(url: &str) -> Result<Con, redis::RedisError> {
+/// A connection manager that gives up instead of hanging, over a link that adds `one_way`
+/// each way: its connection and each answer may take that link's round trips on top (the
+/// handshake's included), so that a slow link fails the refreshes (by the home timeout),
+/// not the connection.
+async fn manager(url: &str, one_way: Duration) -> Result<Con, redis::RedisError> {
     let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(Duration::from_millis(500)))
-        .set_response_timeout(Some(Duration::from_secs(1)))
+        .set_connection_timeout(Some(Duration::from_millis(500) + one_way * 4))
+        .set_response_timeout(Some(Duration::from_secs(1) + one_way * 2))
         .set_number_of_retries(1)
         .set_max_delay(Duration::from_millis(100));
     ConnectionManager::new_with_config(redis::Client::open(url)?, config).await
@@ -349,55 +358,66 @@ struct Sample {
     admitted: [u64; 3],
 }
 
-async fn run(args: Args) -> Result<(), Box<dyn Error>> {
-    let home = Server::start().await?;
-    let mut locals = Vec::new();
-    for _ in REGIONS {
-        locals.push(Server::start().await?);
-    }
-    let mut proxies = Vec::new();
-    for _ in REGIONS {
-        proxies.push(DelayProxy::start(home.addr(), args.one_way).await?);
-    }
-    println!(
-        "home redis on :{}; local redis us :{}, eu :{}, ap :{}; {} ms one way from each region to the home",
-        home.port,
-        locals[0].port,
-        locals[1].port,
-        locals[2].port,
-        args.one_way.as_millis()
-    );
-    if args.one_way * 2 >= HOME_TIMEOUT {
-        println!(
-            "note: a {} ms round trip to the home is longer than the home timeout ({} ms): \
-             every refresh fails, and the regions admit at their safe share (nothing)",
-            (args.one_way * 2).as_millis(),
-            HOME_TIMEOUT.as_millis()
-        );
-    }
+/// The signals that end the run early: Ctrl-C, and on Unix `SIGTERM` and `SIGHUP` too.
+/// Listened to from the start, so that whichever comes, and whenever, the servers are
+/// killed (by their `Drop`) rather than left running.
+struct Stop {
+    #[cfg(unix)]
+    signals: Vec<tokio::signal::unix::Signal>,
+}
 
-    // A first deployment: no region holds a lease yet, so the home may skip learning.
-    let direct = allocator(manager(&home.url()).await?, args.policy)?;
-    let fresh = direct.init_home().await?;
-    println!(
-        "global quota {RATE}/s (burst {BURST}), {} policy, weights us 50 / eu 30 / ap 20, \
-         lease {} s, refresh every {} ms, {PROCESSES} processes per region (home initialised: {fresh})",
-        args.policy,
-        LEASE.as_secs(),
-        REFRESH.as_millis()
-    );
-
-    let mut members: Vec<Vec<Region<Con>>> = Vec::new();
-    for (r, (name, _)) in REGIONS.iter().enumerate() {
-        let mut procs = Vec::new();
-        for _ in 0..PROCESSES {
-            // Each process builds its own allocator (its own connection to the home, through
-            // the region's link) and joins with its own connection to the local Redis.
-            let alloc = allocator(manager(&proxies[r].url()).await?, args.policy)?;
-            procs.push(alloc.join(name, manager(&locals[r].url()).await?).await?);
+impl Stop {
+    fn listen() -> std::io::Result<Stop> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let kinds = [
+                SignalKind::interrupt(),
+                SignalKind::terminate(),
+                SignalKind::hangup(),
+            ];
+            let signals = kinds.into_iter().map(signal).collect::<Result<_, _>>()?;
+            Ok(Stop { signals })
         }
-        members.push(procs);
+        #[cfg(not(unix))]
+        Ok(Stop {})
     }
+
+    /// Until one of the signals comes (at once if one came since `listen`).
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            let waits = self.signals.iter_mut().map(|s| Box::pin(s.recv()));
+            futures::future::select_all(waits).await;
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The servers (killed when dropped), the links to the home, the allocator on the home's
+/// own connection, and each region's processes.
+struct Setup {
+    home: Server,
+    locals: Vec<Server>,
+    proxies: Vec<DelayProxy>,
+    direct: QuotaAllocator<Con>,
+    members: Vec<Vec<Region<Con>>>,
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn Error>> {
+    let mut stop = Stop::listen()?;
+    // A signal during the setup drops it, and the servers it started with it.
+    let Setup {
+        home,
+        locals,
+        proxies,
+        direct,
+        members,
+    } = tokio::select! {
+        setup = setup(&args) => setup?,
+        () = stop.recv() => return Err("interrupted while starting".into()),
+    };
 
     let offered: [Arc<AtomicU64>; 3] = Default::default();
     let counts = Arc::new(Counts::default());
@@ -426,8 +446,6 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
         tokio::time::Instant::now() + Duration::from_millis(1020),
         Duration::from_secs(1),
     );
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
     let mut samples = Vec::new();
     for k in 0..args.secs {
         let now_phase = (k * 3 / args.secs) as usize;
@@ -442,7 +460,7 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
         }
         tokio::select! {
             _ = tick.tick() => {}
-            _ = &mut ctrl_c => {
+            () = stop.recv() => {
                 println!("interrupted");
                 break;
             }
@@ -530,6 +548,71 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     drop(locals);
     drop(home);
     Ok(())
+}
+
+async fn setup(args: &Args) -> Result<Setup, Box<dyn Error>> {
+    let home = Server::start().await?;
+    let mut locals = Vec::new();
+    for _ in REGIONS {
+        locals.push(Server::start().await?);
+    }
+    let mut proxies = Vec::new();
+    for _ in REGIONS {
+        proxies.push(DelayProxy::start(home.addr(), args.one_way).await?);
+    }
+    println!(
+        "home redis on :{}; local redis us :{}, eu :{}, ap :{}; {} ms one way from each region to the home",
+        home.port,
+        locals[0].port,
+        locals[1].port,
+        locals[2].port,
+        args.one_way.as_millis()
+    );
+    if args.one_way * 2 >= HOME_TIMEOUT {
+        println!(
+            "note: a {} ms round trip to the home is longer than the home timeout ({} ms): \
+             every refresh fails, and the regions admit at their safe share (nothing)",
+            (args.one_way * 2).as_millis(),
+            HOME_TIMEOUT.as_millis()
+        );
+    }
+
+    // A first deployment: no region holds a lease yet, so the home may skip learning.
+    let direct = allocator(manager(&home.url(), Duration::ZERO).await?, args.policy)?;
+    let fresh = direct.init_home().await?;
+    println!(
+        "global quota {RATE}/s (burst {BURST}), {} policy, weights us 50 / eu 30 / ap 20, \
+         lease {} s, refresh every {} ms, {PROCESSES} processes per region (home initialised: {fresh})",
+        args.policy,
+        LEASE.as_secs(),
+        REFRESH.as_millis()
+    );
+
+    let mut members: Vec<Vec<Region<Con>>> = Vec::new();
+    for (r, (name, _)) in REGIONS.iter().enumerate() {
+        let mut procs = Vec::new();
+        for _ in 0..PROCESSES {
+            // Each process builds its own allocator (its own connection to the home, through
+            // the region's link) and joins with its own connection to the local Redis.
+            let home = manager(&proxies[r].url(), args.one_way)
+                .await
+                .map_err(|e| format!("cannot connect to the home through {name}'s link: {e}"))?;
+            let alloc = allocator(home, args.policy)?;
+            procs.push(
+                alloc
+                    .join(name, manager(&locals[r].url(), Duration::ZERO).await?)
+                    .await?,
+            );
+        }
+        members.push(procs);
+    }
+    Ok(Setup {
+        home,
+        locals,
+        proxies,
+        direct,
+        members,
+    })
 }
 
 /// The most admitted in any window of length `w`, and where that window starts.

@@ -427,7 +427,6 @@ fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
 /// ignores `SIGHUP`).
 #[cfg(all(feature = "redis", unix))]
 #[test]
-#[ignore = "fault: regions leaves its four redis-servers running when sent SIGTERM or SIGHUP"]
 fn regions_kills_its_servers_when_terminated_or_hung_up() {
     for signal in ["-TERM", "-HUP"] {
         let (out, ports, left) = regions_signalled(signal);
@@ -450,7 +449,6 @@ fn regions_kills_its_servers_when_terminated_or_hung_up() {
 /// `error: timed out`: its connections through the link gave up during their handshake.
 #[cfg(feature = "redis")]
 #[test]
-#[ignore = "fault: regions --latency-ms 250 or more stops with `error: timed out` before the run"]
 fn regions_runs_over_a_link_slower_than_its_home_timeout() {
     let out = example("regions")
         .args(["--secs", "3", "--latency-ms", "400"])

@@ -148,6 +148,9 @@ pub(crate) struct Backend<C> {
     /// Run when Redis may have lost its state (outside the health lock): see
     /// [`on_reset`](Backend::on_reset).
     on_reset: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Every script the gate may call, loaded again together when Redis lacks one: see
+    /// [`with_scripts`](Backend::with_scripts).
+    scripts: Vec<redis::Script>,
 }
 
 impl<C> fmt::Debug for Backend<C> {
@@ -222,6 +225,7 @@ where
                 to_healthy: transitions("healthy"),
             },
             on_reset: None,
+            scripts: Vec::new(),
         }
     }
 
@@ -231,6 +235,16 @@ where
     /// as when a connection reconnects by itself).
     pub(crate) fn on_reset(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
         self.on_reset = Some(Box::new(f));
+        self
+    }
+
+    /// The scripts calls through this backend may use: when Redis lacks the one a call
+    /// needs (`NOSCRIPT`), all of them are loaded again with it. Loaded one at a time, on
+    /// first use, each would meet `NOSCRIPT` in turn, read as Redis having lost its state
+    /// again, and forget (see [`on_reset`](Backend::on_reset)) what the gate took from the
+    /// server since the first.
+    pub(crate) fn with_scripts(mut self, scripts: Vec<redis::Script>) -> Self {
+        self.scripts = scripts;
         self
     }
 
@@ -282,7 +296,7 @@ where
         let reply = self
             .within(
                 within,
-                query::<_, Vec<i64>>(&mut conn, script, cmd, || self.reset()),
+                query::<_, Vec<i64>>(&mut conn, script, &self.scripts, cmd, || self.reset()),
             )
             .await;
         self.metrics.latency.record(started.elapsed().as_secs_f64());
@@ -408,10 +422,12 @@ where
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
-/// have the script (restarted or flushed), call `reset`, load it and send the command again.
+/// have the script (restarted or flushed), call `reset`, load it and the `others` the gate
+/// may call (gone with it), and send the command again.
 async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,
+    others: &[redis::Script],
     cmd: &redis::Cmd,
     reset: impl FnOnce(),
 ) -> redis::RedisResult<T>
@@ -423,6 +439,9 @@ where
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             reset();
             script.load_async(conn).await?;
+            for other in others.iter().filter(|s| s.get_hash() != script.get_hash()) {
+                other.load_async(conn).await?;
+            }
             cmd.query_async(conn).await
         }
         other => other,

@@ -209,7 +209,6 @@ async fn a_script_flush_is_recovered_on_every_path_without_degrading() {
 /// keys once more, and forgot the lease and the rejection the gate had taken from the
 /// server since: four tokens debited in Redis thrown away, a rejection sent to Redis again.
 #[tokio::test]
-#[ignore = "fault: the first check_all after a script flush forgets the leases and rejections taken since"]
 async fn after_a_script_flush_the_first_check_all_keeps_what_the_gate_took_since() {
     let server = RedisServer::start();
     let q = Quota::per_hour(5).unwrap();

@@ -257,15 +257,18 @@ where
         };
         let all_script = redis::Script::new(scripts::TOKEN_BUCKET_ALL);
         let lease_script = redis::Script::new(scripts::TOKEN_BUCKET_LEASE);
-        // Every script the gate may call: a first call that met NOSCRIPT would read as Redis
-        // having lost its state, and forget the rejections cached and the leases taken.
+        // Every script the gate may call, now and whenever Redis lacks one (`NOSCRIPT`): a
+        // first call that met NOSCRIPT would read as Redis having lost its state, and forget
+        // the rejections cached and the leases taken.
+        let lease = leases.as_ref().map(|_| &lease_script);
+        let scripts: Vec<redis::Script> = [Some(&eval.script), Some(&all_script), lease]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
         let mut conn = self.conn.clone();
         let load = async {
-            let lease = leases.as_ref().map(|_| &lease_script);
-            for script in [Some(&eval.script), Some(&all_script), lease]
-                .into_iter()
-                .flatten()
-            {
+            for script in &scripts {
                 if script.load_async(&mut conn).await.is_err() {
                     break;
                 }
@@ -304,7 +307,8 @@ where
                 if let Some(leases) = &forget_leases {
                     leases.clear();
                 }
-            }),
+            })
+            .with_scripts(scripts),
         );
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {

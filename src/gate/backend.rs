@@ -231,8 +231,8 @@ where
 
     /// Run `f` each time Redis may have lost its state: it answers again after a failure
     /// (it may have restarted without its data meanwhile), or it does not have a script
-    /// (`NOSCRIPT`: restarted, failed over or flushed, perhaps with no failure seen here,
-    /// as when a connection reconnects by itself).
+    /// (`NOSCRIPT`: restarted, failed over or `SCRIPT FLUSH`, perhaps with no failure seen
+    /// here, as when a connection reconnects by itself).
     pub(crate) fn on_reset(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
         self.on_reset = Some(Box::new(f));
         self
@@ -422,8 +422,8 @@ where
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
-/// have the script (restarted or flushed), call `reset`, load it and the `others` the gate
-/// may call (gone with it), and send the command again.
+/// have the script (restarted, or `SCRIPT FLUSH`), call `reset`, load it and the `others`
+/// the gate may call (gone with it), and send the command again.
 async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,

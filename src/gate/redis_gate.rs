@@ -123,10 +123,16 @@ pub(super) struct Inner<C> {
 ///   expire, and a key the old gates keep using stays. Give a new algorithm a new prefix;
 ///   until the old gates are gone the fleet then enforces the two limits apart, and may
 ///   admit up to both together, as it does when only the prefix changes.
-/// - **Redis restarted empty** (no persistence, or flushed): every key's state is gone, so
-///   each key admits a whole burst again, on top of what it admitted before. The gate
-///   loads its scripts again by itself (on `NOSCRIPT`), and forgets the rejections it
-///   cached and the tokens it leased on the old server's word (below).
+/// - **Redis restarted empty** (no persistence), or flushed: every key's state is gone, so
+///   each key admits a whole burst again, on top of what it admitted before. After a
+///   restart the gate loads its scripts again by itself (on `NOSCRIPT`), and forgets the
+///   rejections it cached and the tokens it leased on the old server's word (below).
+///   `FLUSHALL` and `FLUSHDB` leave the script cache in place, so the gate cannot tell:
+///   its cached rejections stand until their `retry_after` (refusing what Redis would
+///   admit), and its leased tokens are spent until they expire or lapse, on top of the
+///   emptied buckets (what an instance holds: up to `n − 1` per key and lease call, for at
+///   most a `lease_ttl`). Run `SCRIPT FLUSH` with them: each gate then forgets both at its
+///   next call to Redis (within a `probe_interval`), as after a restart.
 /// - **Batching**: concurrent decisions share one script call (up to `batch_size`, default
 ///   128): while one call is in flight the next batch fills, so there is no added latency at
 ///   low load. Each caller gets exactly the decision it would get alone, in arrival order. A

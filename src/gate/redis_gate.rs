@@ -404,12 +404,15 @@ where
         reply
     }
 
-    /// Keys held by the local rejection cache.
+    /// Keys held by the local rejection cache: a rejection whose `retry_after` has passed
+    /// counts until the gate next looks at its key (a request on it, or room made in a full
+    /// cache).
     pub fn cached_rejections(&self) -> usize {
         self.inner.metrics.outcomes.cache.len()
     }
 
-    /// Keys holding a lease now.
+    /// Keys holding a lease: a lease that has run out (expired, or its tokens lapsed) counts
+    /// until the gate next looks at its key (a request on it, or room made in a full map).
     pub fn leased_keys(&self) -> usize {
         self.inner.leases.as_ref().map_or(0, |l| l.len())
     }

@@ -254,6 +254,35 @@ where
         }
     }
 
+    /// Redis lacks `script`: load the other scripts of [`with_scripts`](Backend::with_scripts)
+    /// too (gone with it), on a task of the current runtime, bounded by the timeout, while
+    /// the call that found it missing loads its own and goes on (so it waits no longer than
+    /// before). Without a runtime, or if a load fails, the first call that needs a script
+    /// loads it.
+    fn load_others(&self, script: &redis::Script) {
+        let others: Vec<redis::Script> = self
+            .scripts
+            .iter()
+            .filter(|s| s.get_hash() != script.get_hash())
+            .cloned()
+            .collect();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if others.is_empty() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let timeout = self.timeout;
+        drop(runtime.spawn(within_timeout(timeout, timeout, async move {
+            for other in &others {
+                if other.load_async(&mut conn).await.is_err() {
+                    break;
+                }
+            }
+        })));
+    }
+
     /// Whether a call may go to Redis now: always while healthy; while degraded, one call
     /// per probe interval (the probe). The others get the [`CallError::Backend`] to decide
     /// by the policy with.
@@ -296,7 +325,10 @@ where
         let reply = self
             .within(
                 within,
-                query::<_, Vec<i64>>(&mut conn, script, &self.scripts, cmd, || self.reset()),
+                query::<_, Vec<i64>>(&mut conn, script, cmd, || {
+                    self.reset();
+                    self.load_others(script);
+                }),
             )
             .await;
         self.metrics.latency.record(started.elapsed().as_secs_f64());
@@ -422,12 +454,11 @@ where
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
-/// have the script (restarted, or `SCRIPT FLUSH`), call `reset`, load it and the `others`
-/// the gate may call (gone with it), and send the command again.
+/// have the script (restarted, or `SCRIPT FLUSH`), call `reset`, load it and send the command
+/// again.
 async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,
-    others: &[redis::Script],
     cmd: &redis::Cmd,
     reset: impl FnOnce(),
 ) -> redis::RedisResult<T>
@@ -439,9 +470,6 @@ where
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             reset();
             script.load_async(conn).await?;
-            for other in others.iter().filter(|s| s.get_hash() != script.get_hash()) {
-                other.load_async(conn).await?;
-            }
             cmd.query_async(conn).await
         }
         other => other,

@@ -9,7 +9,8 @@
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example http_server --features http
 //! ```
 //!
-//! It prints the `curl` lines to try and runs until stopped (Ctrl-C).
+//! It prints the `curl` lines to try and runs until stopped (Ctrl-C, or `SIGTERM`): it then
+//! stops accepting and finishes the requests in flight.
 //!
 //! - `GET /`: two policies, decided together (all-or-nothing): `per-ip`, 100 per minute
 //!   with bursts of 100, keyed by the peer address; `per-key`, 20 per 10 s with bursts of 20,
@@ -141,11 +142,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
+    .with_graceful_shutdown(stopped())
     .await?;
     Ok(())
+}
+
+/// Until Ctrl-C, or on Unix `SIGTERM` (`kill`, a container's stop): the server then stops
+/// accepting and finishes the requests in flight.
+async fn stopped() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 async fn hello(ConnectInfo(peer): ConnectInfo<SocketAddr>) -> String {

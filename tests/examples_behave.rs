@@ -469,7 +469,6 @@ fn regions_runs_over_a_link_slower_than_its_home_timeout() {
 /// cleanly. `SIGTERM` used to end it at once, cutting off a `/report` under way.
 #[cfg(all(feature = "http", unix))]
 #[test]
-#[ignore = "fault: http_server ends at once on SIGTERM, cutting off the requests in flight"]
 fn http_server_finishes_what_is_in_flight_when_terminated() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::time::{Duration, Instant};

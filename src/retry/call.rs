@@ -362,15 +362,20 @@ impl RetryPolicy {
     /// Record an attempt's outcome with the budget (a success: a failure reaches it through
     /// [`next`](Self::next), or as a request not sent again) and the pacer. Its round-trip
     /// time goes to the metrics afterwards, [`record_rtt`](Self::record_rtt).
-    pub(crate) fn record(&self, outcome: Outcome) {
+    ///
+    /// Both run metrics recorders (user code): a panic there is caught and handed back, to
+    /// be resumed once the other, and the budget through [`next`](Self::next), heard of the
+    /// attempt.
+    pub(crate) fn record(&self, outcome: Outcome) -> Unheard {
         let p = &*self.inner;
+        let mut unheard = Unheard(None);
         match outcome {
             Outcome::Success => {
                 if let Some(b) = &p.budget {
-                    b.on_success();
+                    unheard.run(|| b.on_success());
                 }
                 if let Some(pacer) = &p.pacer {
-                    pacer.on_success();
+                    unheard.run(|| pacer.on_success());
                 }
             }
             Outcome::BackPressure { retry_after } => {
@@ -378,11 +383,12 @@ impl RetryPolicy {
                     // Honoured up to the backoff's `max_retry_after`, as the schedule honours
                     // it: a longer hint must not hold every later attempt for its length.
                     let max = p.backoff.max_retry_after();
-                    pacer.on_back_pressure(retry_after.map(|d| d.min(max)));
+                    unheard.run(|| pacer.on_back_pressure(retry_after.map(|d| d.min(max))));
                 }
             }
             Outcome::Fatal | Outcome::Retry => {}
         }
+        unheard
     }
 
     /// Record an attempt's `rtt` (the attempt alone, never its wait for the pacer or a
@@ -674,7 +680,7 @@ where
             }
         };
         let rtt = started.elapsed();
-        policy.record(outcome);
+        let unheard = policy.record(outcome);
         let next = match outcome {
             Outcome::Success => Err(Stop::Success),
             Outcome::Fatal => Err(Stop::Fatal),
@@ -691,8 +697,10 @@ where
         };
         // A retry allowed is pending from here: a panic below abandons it.
         unfinished.retry_pending = next.is_ok();
-        // After the budget heard of a failure: see `record_rtt`.
+        // After the budget heard of a failure: see `record_rtt`. A panic of the budget's or
+        // the pacer's recorder goes on from here, the retry allowed pending (abandoned).
         policy.record_rtt(rtt);
+        unheard.resume();
         match next {
             Ok(delay) => tokio::time::sleep(delay).await,
             Err(stop) => {
@@ -722,6 +730,27 @@ impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
         if !self.ended {
             self.policy.count_cancelled(self.retry_pending);
+        }
+    }
+}
+
+/// A panic caught while the budget or the pacer heard of an attempt (their metrics recorders
+/// are user code), kept so that the rest of the attempt's report still runs; resumed after.
+#[must_use = "a caught panic is resumed once the attempt is reported"]
+pub(crate) struct Unheard(Option<Box<dyn std::any::Any + Send>>);
+
+impl Unheard {
+    /// Run `f`, keeping its panic (the first one) for [`resume`](Self::resume).
+    fn run(&mut self, f: impl FnOnce()) {
+        if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            self.0.get_or_insert(payload);
+        }
+    }
+
+    /// Resume the panic caught, if any.
+    pub(crate) fn resume(self) {
+        if let Some(payload) = self.0 {
+            std::panic::resume_unwind(payload);
         }
     }
 }

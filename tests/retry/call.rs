@@ -669,7 +669,6 @@ async fn a_recorder_panicking_on_the_round_trip_still_tells_the_budget_of_a_fail
 /// never sent, is counted abandoned.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking on the pacer's cut keeps a 429 from the retry budget"]
 async fn a_recorder_panicking_on_the_pacers_cut_still_tells_the_budget_of_a_failure() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

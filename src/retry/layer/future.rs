@@ -316,7 +316,7 @@ where
                     policy.backoff().max_retry_after(),
                 );
             }
-            policy.record(outcome);
+            let unheard = policy.record(outcome);
             let attempts = this.schedule.attempts();
             let next = match outcome {
                 Outcome::Success => Err(Stop::Success),
@@ -347,8 +347,10 @@ where
                 *retry_allowed = true;
             }
             // After the budget heard of a failure (see `RetryPolicy::record_rtt`); a panic
-            // here, the state `Ended`, abandons a retry the budget allowed.
+            // here, the state `Ended`, abandons a retry the budget allowed. So does one of
+            // the budget's or the pacer's recorder, caught and resumed here.
             policy.record_rtt(rtt);
+            unheard.resume();
             let stop = match next {
                 Ok(delay) => {
                     arm(this.sleep.as_mut(), Instant::now() + capped(delay));

@@ -73,14 +73,24 @@ struct Counters {
 ///   the next fetch or by a background task within
 ///   [`ack_interval`](super::RedisStreamSourceBuilder::ack_interval), also after the source
 ///   is dropped. Nothing is acknowledged before the application says so: at-least-once.
-/// - An `XACK` that fails (refused: an ACL without `XACK`; or the connection failed) leaves
-///   its ids queued, and **no entry is read until an `XACK` goes through**: the next fetch
+/// - An `XACK` that fails (refused: an ACL without `XACK`; or, sent on its own by
+///   `flush_acks` or the background task, the connection failed) leaves its ids queued,
+///   and from then on **no entry is read until an `XACK` goes through**: the next fetch
 ///   sends the queued acks alone first and, if Redis answers with an error again, returns
 ///   that error (e.g. `NOPERM`) instead of reading, and so does every fetch after it
 ///   (`prefetch` yields it and backs off). So the queue of acks stays bounded (at most the
 ///   entries already delivered) when `XACK` is refused for good while reads are allowed,
 ///   and the consumer sees why; once `XACK` is allowed again, the acks go and the reads go
-///   on.
+///   on. The fetch whose own pipelined `XACK` is the one refused still delivers the
+///   entries its read brought (Redis ran the read): one batch, handed out once and held
+///   as any other, none lost, its acks queued behind the refused ones; the next fetch
+///   sends the queued acks alone first, as above. A fetch whose whole round trip failed
+///   (the connection broke, or its response timed out) hands out nothing and returns that
+///   error; its acks are queued again, to go with the next fetch's read as before. What
+///   Redis ran of it is as for a source dropped mid-fetch: entries its read handed out
+///   stay pending for this consumer (claimed after `min_idle`, or recovered at its next
+///   start), and acks that reached Redis are answered 0 when sent again (counted as
+///   stale).
 ///
 /// The group is created (with `MKSTREAM`) if it does not exist. Works over any redis-rs
 /// async connection that is `Clone` (`MultiplexedConnection`, `ConnectionManager`; only the

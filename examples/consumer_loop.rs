@@ -162,10 +162,13 @@ fn id_of(offset: Option<u64>) -> String {
 async fn redis_streams(url: &str) -> Result<(), Error> {
     const ENTRIES: u64 = 1_000;
     let connected = match redis::Client::open(url) {
-        Ok(client) => client.get_multiplexed_async_connection().await,
+        Ok(client) => client
+            .get_multiplexed_async_connection()
+            .await
+            .map(|con| (client, con)),
         Err(e) => Err(e),
     };
-    let mut con = connected.unwrap_or_else(|e| {
+    let (client, mut con) = connected.unwrap_or_else(|e| {
         eprintln!("cannot connect to Redis at REDIS_URL={url}: {e}");
         eprintln!(
             "start one: `redis-server --save \"\" --appendonly no &`, or unset REDIS_URL to \
@@ -179,7 +182,7 @@ async fn redis_streams(url: &str) -> Result<(), Error> {
         std::process::id(),
         now.as_nanos()
     );
-    let result = consume(&mut con, &key, ENTRIES).await;
+    let result = consume(&client, &mut con, &key, ENTRIES).await;
     // Delete the stream whatever happened; a failed run's own error is the one to report.
     match redis::cmd("DEL")
         .arg(&key)
@@ -192,13 +195,20 @@ async fn redis_streams(url: &str) -> Result<(), Error> {
     result
 }
 
+/// Each source reads over a connection of its own (a clone of a `MultiplexedConnection`
+/// shares its socket): a blocking read holds up every command behind it on its connection
+/// for up to `block`, so the producer's `XADD`s and the final `XPENDING` on `con` never wait
+/// behind one. A source's own acks and keep-alives do share its connection (see
+/// `RedisStreamSourceBuilder::ack_interval`).
 async fn consume(
+    client: &redis::Client,
     con: &mut redis::aio::MultiplexedConnection,
     key: &str,
     entries: u64,
 ) -> Result<(), Error> {
     const GROUP: &str = "consumer-loop";
-    let c1 = RedisStreamSource::builder(con.clone(), key, GROUP, "c1")
+    let own = client.get_multiplexed_async_connection().await?;
+    let c1 = RedisStreamSource::builder(own, key, GROUP, "c1")
         .block(Duration::from_millis(100))
         .build()
         .await?;
@@ -274,7 +284,8 @@ async fn consume(
     );
 
     // A second consumer claims what c1 left pending once it has been idle for 200 ms.
-    let c2 = RedisStreamSource::builder(con.clone(), key, GROUP, "c2")
+    let own = client.get_multiplexed_async_connection().await?;
+    let c2 = RedisStreamSource::builder(own, key, GROUP, "c2")
         .block(Duration::from_millis(50))
         .min_idle(Duration::from_millis(200))
         .claim_every(Duration::from_millis(50))

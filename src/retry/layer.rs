@@ -104,7 +104,12 @@ impl Methods {
 /// does for a response: [`RetryError::stop`] (the attempts ran out or the deadline,
 /// [`Stop::GaveUp`]; the budget, [`Stop::Budget`]; a method not sent twice,
 /// [`Stop::NotRetryable`]; a fatal error, [`Stop::Fatal`]) and [`RetryError::attempts`];
-/// the `flowgate_retry_stopped_total` metric counts the same by `stop`.
+/// the `flowgate_retry_stopped_total` metric counts the same by `stop`, once per request
+/// given to [`call`](tower::Service::call). An error of [`Retry`]'s own `poll_ready`
+/// (the inner service's, before any request was given) is a [`RetryError::Inner`] with
+/// [`Stop::Fatal`] and `attempts` 0 as well, but no request began: no metric counts it,
+/// and the budget and the pacer do not hear of it (a caller that polls readiness again
+/// after it would otherwise be counted once per poll).
 ///
 /// A response is classified by its head, and given out as soon as it is a success or
 /// final: its body is the caller's to read, and a failure there (a connection reset

@@ -81,9 +81,11 @@
 //! the attempts that ended: answered, failed or timed out) and
 //! `flowgate_retry_stopped_total` by `stop` (`success`, `fatal`, `gave_up`, `budget`,
 //! `timed_out`, `not_retryable`, and `cancelled` for an operation dropped before it
-//! ended): each operation counts exactly one stop. The same reason is in what the caller
-//! gets, with or without the `metrics` feature: [`Retried::stop`], `RetryInfo::stop` on a
-//! response, [`RetryError::stop`] on an error.
+//! ended): each operation counts exactly one stop (an operation is a call of
+//! [`retry()`](retry()) or a request given to `Retry::call`; an error of `Retry`'s own
+//! `poll_ready`, before any request, is returned as a `fatal` stop and counted nowhere).
+//! The same reason is in what the caller gets, with or without the `metrics` feature:
+//! [`Retried::stop`], `RetryInfo::stop` on a response, [`RetryError::stop`] on an error.
 //!
 //! # Cancellation
 //!

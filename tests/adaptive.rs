@@ -401,6 +401,54 @@ async fn stream_adapters_and_run_record_ok() {
     assert_eq!(b.in_flight(), 0);
 }
 
+/// What the `adaptive` module docs say of the stream adapters' round trips: the in-poll
+/// adapters see a call finish at the poll that finds its future done, so a consumer busy
+/// for 50 ms per item adds that time to calls of 5 ms in flight meanwhile;
+/// `bulkhead_spawn_map` runs each call on its own task and measures the call alone.
+#[tokio::test(start_paused = true)]
+async fn in_poll_adapters_count_the_consumers_time_in_the_round_trip_spawn_map_does_not() {
+    let work = |_| async {
+        tokio::time::sleep(5 * MS).await;
+    };
+    let busy = |_| async {
+        tokio::time::sleep(50 * MS).await;
+    };
+    let adaptive = |recorder: &Recorder| {
+        Bulkhead::builder(2)
+            .adaptive(recorder.clone())
+            .build()
+            .unwrap()
+    };
+    let (ordered, unordered, spawned) = (Recorder::new(2), Recorder::new(2), Recorder::new(2));
+    let items = || futures::stream::iter(0..6);
+    let n = items()
+        .bulkhead_map(adaptive(&ordered), work)
+        .then(busy)
+        .count()
+        .await;
+    let m = items()
+        .bulkhead_map_unordered(adaptive(&unordered), work)
+        .then(busy)
+        .count()
+        .await;
+    let k = items()
+        .bulkhead_spawn_map(adaptive(&spawned), work)
+        .then(busy)
+        .count()
+        .await;
+    assert_eq!((n, m, k), (6, 6, 6));
+    for (adapter, recorder) in [("bulkhead_map", &ordered), ("unordered", &unordered)] {
+        let rtts: Vec<Duration> = recorder.samples().iter().map(|s| s.rtt).collect();
+        assert_eq!(rtts.len(), 6, "{adapter}");
+        assert!(
+            rtts.iter().any(|&rtt| rtt >= 50 * MS),
+            "{adapter}: {rtts:?}"
+        );
+    }
+    let rtts: Vec<Duration> = spawned.samples().iter().map(|s| s.rtt).collect();
+    assert_eq!(rtts, [5 * MS; 6]);
+}
+
 /// Calls an adapter had in flight when it was dropped were cancelled: each is an ignored
 /// sample, whichever adapter ran it (as a permit dropped without `record` is).
 #[tokio::test(start_paused = true)]

@@ -24,6 +24,17 @@
 //! completes in [`Bulkhead::run`](crate::bulkhead::Bulkhead::run), a stream adapter, or the
 //! HTTP `ShedLayer`), and a permit dropped without an outcome is ignored.
 //!
+//! A call ends when the code that awaits it sees it finish. The in-poll stream adapters
+//! ([`bulkhead_map`](crate::FlowStreamExt::bulkhead_map),
+//! [`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered)) drive their
+//! futures only while the consumer polls the stream, so a call's round trip there runs
+//! from the grant to the poll that finds its future finished: time the consumer spent
+//! elsewhere (its own work between items) counts in, and a latency-based limit
+//! ([`Probe`], [`Gradient2`], [`Vegas`]) may read it as a slower downstream and lower
+//! the limit. [`bulkhead_spawn_map`](crate::FlowStreamExt::bulkhead_spawn_map) runs each
+//! future on its own task and measures the call alone: use it (or keep the consumer's
+//! work between polls short) with a latency-based limit.
+//!
 //! | algorithm | signal | moves | use it when |
 //! |---|---|---|---|
 //! | [`Probe`] (the default) | throughput (calls in flight / mean RTT per window) of the held level against one step above or below; the RTT's recent minimum; back-pressure | ×2 per window in slow start, then holds a level and tries ±1 step (a 32nd above 32) every 8 windows, keeping the step when it pays; ×0.9 on back-pressure or an RTT far above the minimum | in doubt |

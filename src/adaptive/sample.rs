@@ -29,7 +29,9 @@ pub enum Outcome {
 /// calls were in flight when it started (itself included), and how it ended.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Sample {
-    /// The call's own round-trip time, from the permit's grant to the call's end.
+    /// The call's own round-trip time, from the permit's grant to the call's end (as the
+    /// code that awaits the call sees it: for the in-poll bulkhead stream adapters, the
+    /// poll that finds it finished; see the [module docs](crate::adaptive)).
     pub rtt: Duration,
     /// Calls in flight when this one started, itself included.
     pub in_flight: u32,

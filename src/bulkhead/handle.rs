@@ -458,7 +458,11 @@ impl BulkheadBuilder {
     /// Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
     /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is
-    /// [`Outcome::Ignored`]. The algorithm runs on the thread that ends the call, under its
+    /// [`Outcome::Ignored`]. The round trip ends when the call is seen to finish: in
+    /// `bulkhead_map` and `bulkhead_map_unordered`, at the poll of the stream that finds
+    /// the future finished, so time the consumer does not poll counts in (see the
+    /// [`adaptive`](crate::adaptive) module; `bulkhead_spawn_map` measures the call
+    /// alone). The algorithm runs on the thread that ends the call, under its
     /// own lock (never the bulkhead's waiters' lock). Each bulkhead built gets its own copy
     /// of `limit`.
     ///

@@ -1219,6 +1219,54 @@ async fn an_inner_service_failing_ready_for_a_retry_is_a_counted_stop() {
     );
 }
 
+/// What the layer's docs say of `Retry::poll_ready`: the inner service failing to get
+/// ready before any request is the caller's error (`fatal`, 0 attempts), and no request
+/// began, so no stop or attempt is counted and the budget keeps its tokens.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_failing_ready_before_any_request_is_counted_nowhere() {
+    #[derive(Clone)]
+    struct Closed;
+    impl Service<Request<String>> for Closed {
+        type Response = Response<String>;
+        type Error = &'static str;
+        type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), &'static str>> {
+            Poll::Ready(Err("connection pool closed"))
+        }
+        fn call(&mut self, _req: Request<String>) -> Self::Future {
+            unreachable!("never ready")
+        }
+    }
+    let recorder = crate::support::TestRecorder::default();
+    let (policy, budget) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::new(10, 0.1).unwrap();
+        let policy = RetryPolicy::builder(backoff(3))
+            .budget(budget.clone())
+            .name("closed")
+            .build()
+            .unwrap();
+        (policy, budget)
+    });
+    let mut client = RetryLayer::new(policy).layer(Closed);
+    for _ in 0..2 {
+        let err = client.ready().await.err().unwrap();
+        assert_eq!(
+            (err.stop(), err.attempts(), err.inner()),
+            (Stop::Fatal, 0, Some(&"connection pool closed"))
+        );
+    }
+    for stop in ["success", "fatal", "gave_up", "budget", "cancelled"] {
+        let id = format!("flowgate_retry_stopped_total{{name=closed,stop={stop}}}");
+        assert_eq!(recorder.counter(&id), 0, "{id}");
+    }
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=closed}"),
+        0
+    );
+    assert_eq!(budget.tokens(), 10.0);
+}
+
 /// A downstream whose readiness is shared by every clone: ready for its first `ready_for`
 /// `poll_ready`s, then not ready (`poll_ready` is `Pending`, or `Err` with `fails`) until
 /// [`open`](Stalls::open). Every call answers `500`; when each came is logged.

@@ -24,7 +24,7 @@
 
 use std::fmt;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 // Real time: probes follow Redis, whose clock never pauses.
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,7 @@ use redis::aio::ConnectionLike;
 
 use crate::gate::error::{BackendMessage, GateError};
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
-use crate::sync::Mutex;
+use crate::sync::{Arc, Mutex};
 
 /// Names of the backend's metrics.
 pub(crate) mod names {
@@ -151,6 +151,49 @@ pub(crate) struct Backend<C> {
     /// Every script the gate may call, loaded again together when Redis lacks one: see
     /// [`with_scripts`](Backend::with_scripts).
     scripts: Vec<redis::Script>,
+    /// Whether that load is running (and asked for again meanwhile): one at a time.
+    reloading: Arc<AtomicU8>,
+}
+
+/// [`Backend::reloading`]: no load of the scripts is running...
+const IDLE: u8 = 0;
+/// ...one is...
+const LOADING: u8 = 1;
+/// ...and another call met `NOSCRIPT` meanwhile (Redis may have lost them again since the
+/// load began): it loads them all once more when it ends.
+const AGAIN: u8 = 2;
+
+/// The running load of the scripts: [`IDLE`] again when it ends, however it ends (its
+/// runtime may drop it midway).
+struct Reloading {
+    state: Arc<AtomicU8>,
+    /// Set [`IDLE`] by [`again`](Reloading::again): a load started since is another's.
+    ended: bool,
+}
+
+impl Reloading {
+    /// Whether the load is to run once more (a call met `NOSCRIPT` while it ran); if not,
+    /// it has ended.
+    fn again(&mut self) -> bool {
+        let ended = self
+            .state
+            .compare_exchange(LOADING, IDLE, Ordering::AcqRel, Ordering::Acquire);
+        if ended.is_ok() {
+            self.ended = true;
+            return false;
+        }
+        // AGAIN: only this task sets the state back.
+        self.state.store(LOADING, Ordering::Release);
+        true
+    }
+}
+
+impl Drop for Reloading {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.state.store(IDLE, Ordering::Release);
+        }
+    }
 }
 
 impl<C> fmt::Debug for Backend<C> {
@@ -226,6 +269,7 @@ where
             },
             on_reset: None,
             scripts: Vec::new(),
+            reloading: Arc::new(AtomicU8::new(IDLE)),
         }
     }
 
@@ -257,30 +301,60 @@ where
     /// Redis lacks `script`: load the other scripts of [`with_scripts`](Backend::with_scripts)
     /// too (gone with it), on a task of the current runtime, bounded by the timeout, while
     /// the call that found it missing loads its own and goes on (so it waits no longer than
-    /// before). Without a runtime, or if a load fails, the first call that needs a script
-    /// loads it.
+    /// before). One such task at a time, however many calls meet `NOSCRIPT` together (all
+    /// those in flight when Redis lost its scripts): one that meets it while the task runs
+    /// has it load every script once more when it ends, as Redis may have lost them again
+    /// since it began. Without a runtime, or if a load fails, the first call that needs a
+    /// script loads it.
     fn load_others(&self, script: &redis::Script) {
-        let others: Vec<redis::Script> = self
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self
+            .scripts
+            .iter()
+            .all(|s| s.get_hash() == script.get_hash())
+        {
+            return;
+        }
+        let started = self
+            .reloading
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |state| match state {
+                IDLE => Some(LOADING),
+                _ => Some(AGAIN),
+            });
+        if started != Ok(IDLE) {
+            return;
+        }
+        let mut reloading = Reloading {
+            state: self.reloading.clone(),
+            ended: false,
+        };
+        let mut load: Vec<redis::Script> = self
             .scripts
             .iter()
             .filter(|s| s.get_hash() != script.get_hash())
             .cloned()
             .collect();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if others.is_empty() {
-            return;
-        }
+        let every = self.scripts.clone();
         let mut conn = self.conn.clone();
         let timeout = self.timeout;
-        drop(runtime.spawn(within_timeout(timeout, timeout, async move {
-            for other in &others {
-                if other.load_async(&mut conn).await.is_err() {
+        drop(runtime.spawn(async move {
+            loop {
+                let pass = async {
+                    for script in &load {
+                        if script.load_async(&mut conn).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let _ = within_timeout(timeout, timeout, pass).await;
+                if !reloading.again() {
                     break;
                 }
+                load.clone_from(&every);
             }
-        })));
+        }));
     }
 
     /// Whether a call may go to Redis now: always while healthy; while degraded, one call

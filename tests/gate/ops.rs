@@ -318,7 +318,6 @@ fn script_loads(server: &RedisServer) -> u64 {
 /// at once, 200 tasks and 200 more `SCRIPT LOAD`s of a script of several kilobytes, on a
 /// Redis just restarted or flushed.
 #[tokio::test]
-#[ignore = "fault: every call that meets NOSCRIPT spawns its own reload of the other scripts"]
 async fn calls_meeting_noscript_at_once_load_the_other_scripts_again_once() {
     const CALLS: u64 = 200;
     let server = RedisServer::start();

@@ -627,6 +627,63 @@ async fn a_sliding_log_admitting_after_a_clock_step_back_lasts_as_long_as_its_en
     );
 }
 
+/// A fixed window counted ahead of the Redis clock (before the clock stepped back, or by a
+/// gate of a longer window over the same prefix) rejects until its key expires, and says
+/// so in `retry_after`. In the key's last millisecond (`PTTL` 0) that was zero: a client
+/// told to retry after nothing asked again at once, and was rejected again, for as long
+/// as that millisecond lasted.
+#[tokio::test]
+#[ignore = "fault: a fixed window counted ahead of the clock rejects with retry_after 0 in its key's last ms"]
+async fn a_fixed_window_counted_ahead_of_the_clock_never_rejects_with_a_zero_wait() {
+    const LIMIT: u64 = 2;
+    const HOUR_US: u64 = 3_600_000_000;
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let gate = RedisGate::builder(
+        con.clone(),
+        Limit::FixedWindow(Rate::per_hour(LIMIT as u32).unwrap()),
+    )
+    .prefix("stepped-window:")
+    // Every call to Redis, one request each.
+    .batch_size(1)
+    .reject_cache(0)
+    .timeout(Duration::from_secs(2))
+    .build()
+    .await
+    .unwrap();
+    let mut waits = Vec::new();
+    for attempt in 0..20 {
+        let key = format!("k{attempt}");
+        let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+        // The whole count, in the window after the clock's, for 2 ms more.
+        let ahead = (secs * 1_000_000 + micros) / HOUR_US + 1;
+        let redis_key = gate.redis_key(&key);
+        let _: () = redis::pipe()
+            .hset_multiple(&redis_key, &[("w", ahead), ("n", LIMIT)])
+            .ignore()
+            .pexpire(&redis_key, 2)
+            .ignore()
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        // Asked again and again until the key is gone.
+        for _ in 0..10_000 {
+            let d = gate.check(&key, 1).await.unwrap();
+            if d.allowed {
+                break;
+            }
+            waits.push(d.retry_after);
+        }
+    }
+    assert!(!waits.is_empty(), "nothing was rejected");
+    assert!(
+        waits
+            .iter()
+            .all(|w| !w.is_zero() && *w <= Duration::from_millis(3)),
+        "every rejection waits until the key is gone, 3 ms at most: {waits:?}"
+    );
+}
+
 // ----- check_all -----
 
 /// A gate with the default settings but `prefix`, on a new connection to `server`.

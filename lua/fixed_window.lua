@@ -45,11 +45,15 @@ if counted and counted > index then
   -- The count lasts no longer than its key, which expires when that window ends: as said
   -- above after a step back, but a window counted by a gate of another period (a rolling
   -- deploy that made the window longer, over the same prefix) has an index of another
-  -- scale, and the end it gives lies ages away. What the key has left bounds it.
+  -- scale, and the end it gives lies ages away. What the key has left bounds it: PTTL
+  -- counts whole ms, and the key lasts to the end of its last one (it expires once the
+  -- clock's ms is past it), so never 0 (a client told to retry after nothing asks again
+  -- at once, and is rejected again until that ms ends).
   if not explicit then
     local left = redis.call('PTTL', key)
-    if left >= 0 and left * 1000 < reset then
-      reset = left * 1000
+    local gone = (left + 1) * 1000 - now % 1000
+    if left >= 0 and gone < reset then
+      reset = gone
     end
   end
 end

@@ -135,7 +135,8 @@ pub(crate) struct Backend<C> {
     conn: C,
     timeout: Duration,
     probe_interval: Duration,
-    health: Mutex<Health>,
+    /// Shared with the [`Probe`]s taken, which give theirs back if dropped unsent.
+    health: Arc<Mutex<Health>>,
     /// Whether `health` is `Degraded`: lets the healthy path skip the lock.
     degraded: AtomicBool,
     /// When Redis last answered a call: nanoseconds since `created`.
@@ -193,6 +194,50 @@ impl Drop for Reloading {
         if !self.ended {
             self.state.store(IDLE, Ordering::Release);
         }
+    }
+}
+
+/// The probe of a degraded gate, taken by a call ([`Backend::admit_probe`]) whose request may
+/// wait before it goes to Redis (queued for a batch). Dropped before it is
+/// [`sent`](Probe::sent) (its caller gave up first), it is given back: the next call
+/// probes, as if this one had not come. Spent, nothing was sent, and every call was
+/// refused for one more probe interval.
+pub(crate) struct Probe {
+    /// `None` once sent.
+    health: Option<Arc<Mutex<Health>>>,
+    /// The next probe this one set...
+    taken: Instant,
+    /// ...and the one it took, due when it was taken.
+    due: Instant,
+}
+
+impl Probe {
+    /// The probe's request is on its way to Redis: its answer decides the gate's health.
+    pub(crate) fn sent(mut self) {
+        self.health = None;
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let Some(health) = self.health.take() else {
+            return;
+        };
+        let mut health = health.lock().unwrap_or_else(PoisonError::into_inner);
+        // Unless the gate has moved on since (healthy again, or failed anew).
+        if let Health::Degraded { next_probe } = &mut *health
+            && *next_probe == self.taken
+        {
+            *next_probe = self.due;
+        }
+    }
+}
+
+impl fmt::Debug for Probe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Probe")
+            .field("sent", &self.health.is_none())
+            .finish_non_exhaustive()
     }
 }
 
@@ -254,7 +299,7 @@ where
             conn,
             timeout,
             probe_interval,
-            health: Mutex::new(Health::Healthy),
+            health: Arc::new(Mutex::new(Health::Healthy)),
             degraded: AtomicBool::new(false),
             answered: AtomicU64::new(0),
             created: Instant::now(),
@@ -359,26 +404,38 @@ where
 
     /// Whether a call may go to Redis now: always while healthy; while degraded, one call
     /// per probe interval (the probe). The others get the [`CallError::Backend`] to decide
-    /// by the policy with.
+    /// by the policy with. For a call that goes to Redis at once (see
+    /// [`admit_probe`](Backend::admit_probe) for one that may not).
     pub(crate) fn admit(&self, now: Instant) -> Result<(), CallError> {
+        self.admit_probe(now)
+            .map(|probe| probe.map_or((), Probe::sent))
+    }
+
+    /// [`admit`](Backend::admit), with the [`Probe`] taken if this call is the probe: given
+    /// back if it is dropped before it is [`sent`](Probe::sent).
+    pub(crate) fn admit_probe(&self, now: Instant) -> Result<Option<Probe>, CallError> {
         if !self.degraded.load(Ordering::Acquire) {
-            return Ok(());
+            return Ok(None);
         }
         let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Health::Degraded { next_probe } = *health {
-            if now < next_probe {
-                let until_probe = next_probe - now;
-                return Err(CallError::Backend {
-                    error: None,
-                    until_probe,
-                });
-            }
-            // This call is the probe; others keep using the policy meanwhile.
-            *health = Health::Degraded {
-                next_probe: now + self.probe_interval,
-            };
+        let Health::Degraded { next_probe } = *health else {
+            return Ok(None);
+        };
+        if now < next_probe {
+            let until_probe = next_probe - now;
+            return Err(CallError::Backend {
+                error: None,
+                until_probe,
+            });
         }
-        Ok(())
+        // This call is the probe; others keep using the policy meanwhile.
+        let taken = now + self.probe_interval;
+        *health = Health::Degraded { next_probe: taken };
+        Ok(Some(Probe {
+            health: Some(self.health.clone()),
+            taken,
+            due: next_probe,
+        }))
     }
 
     /// Send `cmd` (made by [`scripts::evalsha`](crate::gate::scripts::evalsha) for `script`)

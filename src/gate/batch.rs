@@ -13,7 +13,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::Decision;
-use crate::gate::backend::{Backend, CallError};
+use crate::gate::backend::{Backend, CallError, Probe};
 use crate::gate::error::GateError;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts::LimitScript;
@@ -35,6 +35,9 @@ pub(crate) struct Request {
     /// started a little later, is only the backstop for a driver that is not polled.
     pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Answer>,
+    /// The probe of a degraded gate this request is: sent with its batch, given back if
+    /// the request is dropped before (its caller gave up first).
+    pub(crate) probe: Option<Probe>,
 }
 
 /// What follows from what Redis decides, shared by the gate and its batch driver: the
@@ -412,6 +415,9 @@ where
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
         };
+        for probe in batch.iter_mut().filter_map(|r| r.probe.take()) {
+            probe.sent();
+        }
         let unread = self.outcomes.unread(batch.len());
         let mut sent = Sent {
             batch,

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::decision::Decision;
 use crate::gate::api::{Gate, GateFuture};
-use crate::gate::backend::{Backend, CallError};
+use crate::gate::backend::{Backend, CallError, Probe};
 use crate::gate::batch::{Batcher, Call, Outcomes, Request};
 use crate::gate::error::GateError;
 use crate::gate::finish::Finish;
@@ -301,7 +301,8 @@ where
     /// # Cancel safety
     ///
     /// Dropping the future before its request is on its way to Redis (never polled, or
-    /// queued for a batch not sent yet) charges nothing. After, Redis decides the request
+    /// queued for a batch not sent yet) charges nothing, and the probe of a degraded gate
+    /// it was to make is left to the next call. After, Redis decides the request
     /// all the same (it may be charged; never over-admission), and what follows from the
     /// answer happens without the caller: the decision is counted, a rejection cached, a
     /// lease kept for the next callers. A call made alone (batching off, nothing else in
@@ -315,10 +316,10 @@ where
             Local::Ask { silent } => silent,
         };
         let inner = &*self.inner;
-        let reply = match inner.backend.admit(now) {
+        let reply = match inner.backend.admit_probe(now) {
             Err(e) => Err(e),
-            Ok(()) if inner.leases.is_some() => self.decide_lease(key, cost, now).await,
-            Ok(()) => self.decide(key, cost, now).await,
+            Ok(probe) if inner.leases.is_some() => self.decide_lease(key, cost, now, probe).await,
+            Ok(probe) => self.decide(key, cost, now, probe).await,
         };
         match reply {
             // Counted, and a rejection cached, where Redis's answer was read (see `decided`).
@@ -338,18 +339,23 @@ where
     /// One decision in a script call of its own, bounded by what is left of the timeout, and
     /// [`decided`](RedisGate::decided) when Redis answers, even if the caller has given up by
     /// then (the call is then finished on the runtime). `claim`: the batcher's count of calls
-    /// in flight, held until the call ends.
+    /// in flight, held until the call ends; `probe`: the probe this call is, sent once the
+    /// call is polled.
     fn call_one(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
         claim: Option<Call>,
+        probe: Option<Probe>,
     ) -> Finish<impl Future<Output = Result<Decision, CallError>> + Send + use<C>> {
         let gate = self.clone();
         let redis_key = self.redis_key(key);
         Finish::new(async move {
             let _claim = claim;
+            if let Some(probe) = probe {
+                probe.sent();
+            }
             let inner = &*gate.inner;
             let requests = std::iter::once((redis_key.as_str(), cost));
             let within = inner.backend.timeout().saturating_sub(started.elapsed());
@@ -366,16 +372,24 @@ where
     }
 
     /// One decision from Redis, batched or alone, bounded by the timeout from `started`.
-    async fn decide(&self, key: &str, cost: u32, started: Instant) -> Result<Decision, CallError> {
+    /// `probe`: the probe of a degraded gate this call is, given back if the caller gives up
+    /// before its request is sent.
+    async fn decide(
+        &self,
+        key: &str,
+        cost: u32,
+        started: Instant,
+        probe: Option<Probe>,
+    ) -> Result<Decision, CallError> {
         let inner = &*self.inner;
         let batcher = match inner.batcher.as_ref() {
             // Nothing in flight: call Redis from here, without the hop through the driver
             // (no added latency at low load); callers arriving meanwhile batch behind it.
             Some(batcher) => match batcher.idle_call() {
-                Some(claim) => return self.call_one(key, cost, started, Some(claim)).await,
+                Some(claim) => return self.call_one(key, cost, started, Some(claim), probe).await,
                 None => batcher,
             },
-            None => return self.call_one(key, cost, started, None).await,
+            None => return self.call_one(key, cost, started, None, probe).await,
         };
         // Calls in flight: join the next batch.
         let timeout = inner.backend.timeout();
@@ -386,6 +400,7 @@ where
             started,
             deadline: started + timeout,
             reply,
+            probe,
         };
         batcher.submit(request).await?;
         // The driver answers by the deadline (its call's timeout ends there); the timer here
@@ -394,7 +409,7 @@ where
             Some(Ok(answer)) => answer.read(),
             // The driver went away with the request before sending it (its runtime shut
             // down): decide it here. (One it had sent is answered with a failure instead.)
-            Some(Err(_)) => return self.call_one(key, cost, started, None).await,
+            Some(Err(_)) => return self.call_one(key, cost, started, None, None).await,
             None => Err(inner.backend.fail(GateError::Timeout(timeout))),
         };
         // Read here: a caller that gives up before this point leaves its answer to count it.

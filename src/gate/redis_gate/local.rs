@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use redis::aio::ConnectionLike;
 
 use crate::decision::Decision;
-use crate::gate::backend::{CallError, key_failure};
+use crate::gate::backend::{CallError, Probe, key_failure};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::finish::Finish;
 use crate::gate::lease::{Leases, Place};
@@ -107,39 +107,49 @@ where
     }
 
     /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
-    /// With the lease map full, decide `cost` alone instead.
+    /// With the lease map full, decide `cost` alone instead. `probe`: the probe of a
+    /// degraded gate this call is (see [`decide`](RedisGate::decide)).
     pub(super) async fn decide_lease(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
+        probe: Option<Probe>,
     ) -> Result<Decision, CallError> {
-        match self.call_lease(key, cost, started).await {
-            Some(reply) => reply,
-            None => self.decide(key, cost, started).await,
+        match self.call_lease(key, cost, started, probe).await {
+            Ok(reply) => reply,
+            Err(probe) => self.decide(key, cost, started, probe).await,
         }
     }
 
     /// The lease call of [`decide_lease`](RedisGate::decide_lease), in a script call of its
     /// own, finished (the lease kept, the decision counted) even if the caller gives up
-    /// meanwhile. `None`, before anything is sent, when it takes no lease: the map is full.
+    /// meanwhile. `Err`, before anything is sent, when it takes no lease (the map is full),
+    /// with `probe` (the probe this call is) to send with the call made instead.
     fn call_lease(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
-    ) -> Finish<impl Future<Output = Option<Result<Decision, CallError>>> + Send + use<C>> {
+        probe: Option<Probe>,
+    ) -> Finish<
+        impl Future<Output = Result<Result<Decision, CallError>, Option<Probe>>> + Send + use<C>,
+    > {
         let gate = self.clone();
         let redis_key = self.redis_key(key);
         Finish::new(async move {
             let inner = &*gate.inner;
-            let leases = inner.leases.as_ref()?;
             // Leases are only built for token buckets.
-            let (Limit::TokenBucket(quota), Some(place)) =
-                (inner.eval.limit, leases.place(started))
+            let (Some(leases), Limit::TokenBucket(quota)) = (&inner.leases, inner.eval.limit)
             else {
-                return None;
+                return Err(probe);
             };
+            let Some(place) = leases.place(started) else {
+                return Err(probe);
+            };
+            if let Some(probe) = probe {
+                probe.sent();
+            }
             let unread = inner.metrics.outcomes.unread(1);
             let reply = gate
                 .lease(leases, place, quota, &redis_key, cost, started)
@@ -148,7 +158,7 @@ where
             if let Ok(decision) = &reply {
                 gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
             }
-            Some(reply)
+            Ok(reply)
         })
     }
 

@@ -126,7 +126,9 @@ where
     /// batched naturally: while one call is in flight the next batch fills, so there is no
     /// added latency at low load. `1` turns batching off (one call per decision). The queue
     /// in front of the batches holds 4 batches; a caller that finds it full waits for room
-    /// within its timeout.
+    /// within its timeout. One that finds none by then is answered as a call Redis did not
+    /// answer in time (Redis is too slow for the load): by the failure policy, counted in
+    /// `flowgate_gate_failures_total`, and the gate degrades.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
         self

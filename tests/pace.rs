@@ -439,6 +439,40 @@ async fn set_quota_keeps_the_units_left_in_a_new_pacer() {
     }
 }
 
+/// `set_quota` never brings the next unit forward, not even by a fraction of a nanosecond:
+/// it carried the schedule over in whole nanoseconds rounded down, so at a rate whose unit
+/// is not a whole number of them the next unit came early. At 3/s with strict spacing the
+/// unit due at 333 333 333⅓ ns passed at 333 333 333 ns; above 10^9/s (several units a
+/// nanosecond) a `set_quota` of the same quota handed out again a unit the burst had just
+/// taken: 3 units at 0 ns with a burst of 2.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: set_quota rounds the next unit's due time down to the nanosecond"]
+async fn set_quota_never_brings_the_next_unit_forward() {
+    // 3 units a nanosecond, burst 2: empty at 0 ns, the next unit due at ⅓ ns.
+    let quota = Quota::new(Rate::per(3, Duration::from_nanos(1)).unwrap(), 2).unwrap();
+    let p = Pacer::builder(quota.rate()).burst(2).build().unwrap();
+    assert!(p.check(2).unwrap().allowed);
+    assert!(!p.check(1).unwrap().allowed);
+    p.set_quota(quota);
+    assert!(!p.check(1).unwrap().allowed, "a third unit at 0 ns");
+    // 3/s, strict spacing: the second unit is due at 333 333 333⅓ ns.
+    let quota = Quota::new(Rate::per_second(3).unwrap(), 1).unwrap();
+    let p = Pacer::builder(quota.rate()).burst(1).build().unwrap();
+    assert!(p.check(1).unwrap().allowed);
+    tokio::time::advance(Duration::from_nanos(333_333_333)).await;
+    assert!(!p.check(1).unwrap().allowed);
+    p.set_quota(quota);
+    assert!(!p.check(1).unwrap().allowed, "the second unit ⅓ ns early");
+    tokio::time::advance(Duration::from_nanos(1)).await;
+    assert!(p.check(1).unwrap().allowed);
+    // Through a quota of another scale (7/s) and back, it is due no earlier either.
+    p.set_quota(Quota::new(Rate::per_second(7).unwrap(), 1).unwrap());
+    p.set_quota(quota);
+    let d = p.check(1).unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Duration::from_nanos(333_333_334));
+}
+
 /// `check` never jumps the line, so while others wait it cannot pass before they have:
 /// its `retry_after` counts their units too. It was the bucket's alone, 0 here (the bucket
 /// holds a unit the waiter is about to take), which told the caller to come back at once

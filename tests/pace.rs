@@ -446,7 +446,6 @@ async fn set_quota_keeps_the_units_left_in_a_new_pacer() {
 /// nanosecond) a `set_quota` of the same quota handed out again a unit the burst had just
 /// taken: 3 units at 0 ns with a burst of 2.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: set_quota rounds the next unit's due time down to the nanosecond"]
 async fn set_quota_never_brings_the_next_unit_forward() {
     // 3 units a nanosecond, burst 2: empty at 0 ns, the next unit due at ⅓ ns.
     let quota = Quota::new(Rate::per(3, Duration::from_nanos(1)).unwrap(), 2).unwrap();

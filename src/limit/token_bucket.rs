@@ -125,19 +125,10 @@ impl TokenBucket {
         (self.tau - u128::from(self.unit)) as i128
     }
 
-    /// When one more token can be taken from `state`, in nanoseconds of the timeline of
-    /// [`check`](Algorithm::check), rounded down: negative when the bucket could give one
-    /// before the timeline's origin (it holds more than one now, early in a pacer's life).
-    pub(crate) fn next_at_ns(&self, state: &TokenBucketState) -> i128 {
-        (state.get() as i128 - self.lead_units()).div_euclid(i128::from(self.scale))
-    }
-
-    /// A state in which one more token can be taken at `at_ns` (as [`next_at_ns`]
-    /// answers) and none before, exact in units, for carrying a schedule over to a new
-    /// quota or holding it until an instant. (Through the lead in whole nanoseconds, rounded
-    /// up, the token would be due a fraction of one later, and a 1 ms timer late by 1 ms.)
-    ///
-    /// [`next_at_ns`]: TokenBucket::next_at_ns
+    /// A state in which one more token can be taken at `at_ns` and none before, exact in
+    /// units, for holding a schedule until an instant. (Through the lead in whole
+    /// nanoseconds, rounded up, the token would be due a fraction of one later, and a 1 ms
+    /// timer late by 1 ms.)
     pub(crate) fn state_next_at(&self, at_ns: i128) -> TokenBucketState {
         let tat = at_ns
             .saturating_mul(i128::from(self.scale))
@@ -146,6 +137,32 @@ impl TokenBucket {
         // Before the origin: full at any time of the timeline.
         state.set(u128::try_from(tat).unwrap_or(0));
         state
+    }
+
+    /// A state of this bucket in which one more token can be taken when it could from
+    /// `state` of `from` (the bucket of the quota before a change), and none before: the
+    /// schedule carried over to a new quota. Exact where this bucket's units can tell that
+    /// instant (always under the same rate); else the first instant after it they can,
+    /// never one before (at 3/s, a unit due at 333 333 333⅓ ns is not due at 333 333 333).
+    pub(crate) fn state_carried(
+        &self,
+        from: &TokenBucket,
+        state: &TokenBucketState,
+    ) -> TokenBucketState {
+        // When one more token can be taken from `state`, in `from`'s units: negative before
+        // the timeline's origin (a bucket holding more than one, early in a pacer's life).
+        // A state fits an `i128`: a time below 2^94 ns, in units below 2^32 a nanosecond.
+        let next = i128::try_from(state.get()).unwrap_or(i128::MAX) - from.lead_units();
+        let (to, from_scale) = (i128::from(self.scale), i128::from(from.scale));
+        let at = match next.checked_mul(to) {
+            Some(units) => div_ceil(units, from_scale),
+            // A time near the end of the timeline: through whole nanoseconds, rounded up.
+            None => div_ceil(next, from_scale).saturating_mul(to),
+        };
+        let mut carried = TokenBucketState::default();
+        // Before the origin: full at any time of the timeline.
+        carried.set(u128::try_from(at.saturating_add(self.lead_units())).unwrap_or(0));
+        carried
     }
 
     /// When `cost` tokens can be taken from `state` (a time in the same timeline as the
@@ -244,6 +261,11 @@ impl TokenBucket {
             ))
         }
     }
+}
+
+/// `n / d` rounded up, for a positive `d`.
+fn div_ceil(n: i128, d: i128) -> i128 {
+    n.div_euclid(d) + i128::from(n.rem_euclid(d) != 0)
 }
 
 impl Algorithm for TokenBucket {

@@ -687,15 +687,15 @@ impl Inner {
         let full_at = st.bucket.neutral_at(&st.gcra);
         // The next unit stays due when it was under the old quota (never later: the burst
         // the old quota let through early is not debt under the new one); from there the
-        // new rate and burst apply, exactly (to the nanosecond, rounded down). A bucket full
-        // now stays full. (The next unit may be due before the pacer's epoch, a bucket still
+        // new rate and burst apply, exactly (where the new quota's units cannot tell that
+        // instant, the first one after it that they can: never earlier). A bucket full now
+        // stays full. (The next unit may be due before the pacer's epoch, a bucket still
         // holding units early in its life: the schedule is not cut at the epoch.)
-        let next_at = st.bucket.next_at_ns(&st.gcra);
-        st.bucket = TokenBucket::new(quota);
+        let old = std::mem::replace(&mut st.bucket, TokenBucket::new(quota));
         st.gcra = if full_at <= now {
             st.bucket.state_full_at(full_at)
         } else {
-            st.bucket.state_next_at(next_at)
+            st.bucket.state_carried(&old, &st.gcra)
         };
         st.wake_head_and_watcher(&mut out);
     }

@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --example knee                                  # the simulator (knee 48)
 //! cargo run --example knee -- --knee 120                    # another simulated knee
+//! cargo run --example knee -- --knee 1500 --max-concurrency 2048  # above the default top, 1,024
 //! cargo run --example knee -- --url http://127.0.0.1:3000/report  # an HTTP server on loopback
 //! cargo run --example knee -- --out docs/knee.svg           # where the plot goes
 //! ```
@@ -12,7 +13,9 @@
 //! recommendation, and writes an SVG plot of throughput and p99 against concurrency with
 //! the knee and the recommendation marked: to `--out` (relative to the current directory),
 //! by default to `target/knee.svg` in this crate's directory, wherever cargo runs from. It
-//! prints where, and checks that it can write there before the search starts.
+//! prints where, and checks that it can write there before the search starts. The ramp
+//! stops at `--max-concurrency` (1,024 unless given, at most 65,536) if nothing saturates
+//! before: a simulated `--knee` above it is refused, as the search could not find it.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
 //! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
@@ -43,13 +46,24 @@ use plotters::prelude::*;
 struct Args {
     url: Option<String>,
     knee: u32,
+    /// Where the ramp stops if nothing saturates before (the finder's default unless given).
+    max_concurrency: Option<u32>,
     out: PathBuf,
+}
+
+/// A count of calls in flight: 1 or more.
+fn in_flight(flag: &str, v: &str) -> Result<u32, String> {
+    match v.parse() {
+        Ok(n @ 1..) => Ok(n),
+        _ => Err(format!("{flag} {v:?}: give calls in flight, 1 or more")),
+    }
 }
 
 fn args() -> Result<Args, Box<dyn Error>> {
     let mut args = Args {
         url: None,
         knee: 48,
+        max_concurrency: None,
         out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/knee.svg")),
     };
     let mut it = std::env::args().skip(1);
@@ -57,18 +71,15 @@ fn args() -> Result<Args, Box<dyn Error>> {
         let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
         match arg.as_str() {
             "--url" => args.url = Some(value()?),
-            "--knee" => {
-                let v = value()?;
-                args.knee = match v.parse() {
-                    Ok(n @ 1..) => n,
-                    _ => {
-                        return Err(format!("--knee {v:?}: give calls in flight, 1 or more").into());
-                    }
-                };
+            "--knee" => args.knee = in_flight("--knee", &value()?)?,
+            "--max-concurrency" => {
+                args.max_concurrency = Some(in_flight("--max-concurrency", &value()?)?);
             }
             "--out" => args.out = PathBuf::from(value()?),
             "-h" | "--help" => {
-                println!("usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--out FILE.svg]");
+                println!(
+                    "usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)").into()),
@@ -86,9 +97,30 @@ fn main() {
 
 fn run() -> Result<(), Box<dyn Error>> {
     let args = args()?;
+    let mut config = KneeConfig::builder();
+    if let Some(max) = args.max_concurrency {
+        config = config.max_concurrency(max);
+    }
+    // Every other setting is the default: only the top can be refused.
+    let config = config
+        .build()
+        .map_err(|e| format!("--max-concurrency: {e}"))?;
+    // The ramp stops at `max_concurrency`: a simulated knee above it cannot be found.
+    let max = config.max_concurrency();
+    if args.url.is_none() && args.knee > max {
+        let knee = args.knee;
+        let fix = if knee <= 65_536 {
+            format!("give --max-concurrency {knee} or more")
+        } else {
+            "the search goes up to 65536 at most".to_owned()
+        };
+        return Err(format!(
+            "--knee {knee} is above --max-concurrency {max}, where the search stops: it cannot find it ({fix})"
+        )
+        .into());
+    }
     let out = plot_file::writable(&args.out, "--out")?;
     println!("the plot goes to {}", out.display());
-    let config = KneeConfig::builder().build()?;
     let (report, what) = match &args.url {
         Some(url) => {
             let target = knee_http::HttpTarget::new(url)?;
@@ -153,11 +185,11 @@ fn run() -> Result<(), Box<dyn Error>> {
             });
             if flat {
                 println!(
-                    "\nno knee found up to {up_to} in flight: the throughput is flat, but no step saturated yet (p50 below 10x the lowest); raise max_concurrency (to about 10x where the throughput flattens) or lower max_latency_growth"
+                    "\nno knee found up to {up_to} in flight: the throughput is flat, but no step saturated yet (p50 below 10x the lowest); raise --max-concurrency (to about 10x where the throughput flattens; or, in code, lower max_latency_growth)"
                 )
             } else {
                 println!(
-                    "\nno knee found up to {up_to} in flight: the target still scales; raise max_concurrency"
+                    "\nno knee found up to {up_to} in flight: the target still scales; raise --max-concurrency"
                 )
             }
         }

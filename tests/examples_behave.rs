@@ -249,7 +249,6 @@ fn knee_refuses_a_knee_of_zero() {
 /// the whole search, then tell to "raise max_concurrency", which no flag could. A top the
 /// finder refuses (above 65,536) or no top at all is refused with what to give.
 #[test]
-#[ignore = "fault: knee --knee 2000 searches up to 1024 and finds nothing; no --max-concurrency flag"]
 fn knee_refuses_a_knee_above_its_max_concurrency() {
     for args in [
         &["--knee", "2000"][..],
@@ -276,7 +275,6 @@ fn knee_refuses_a_knee_above_its_max_concurrency() {
 
 /// `--max-concurrency` is where the ramp stops: a simulated knee of 8 searched up to 16.
 #[test]
-#[ignore = "fault: knee has no --max-concurrency flag"]
 fn knee_ramps_up_to_its_max_concurrency() {
     let dir = support::TempDir::new("knee-max");
     let svg = dir.path().join("knee.svg");

@@ -72,6 +72,11 @@ impl KneeConfig {
         self.steps.as_deref()
     }
 
+    /// Where the ramp stops if nothing saturates before: no knee above it can be found.
+    pub fn max_concurrency(&self) -> u32 {
+        self.max_concurrency
+    }
+
     /// How long each step runs, warm-up included.
     pub fn step_duration(&self) -> Duration {
         self.step_duration

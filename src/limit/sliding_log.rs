@@ -16,6 +16,18 @@ use crate::rate::Rate;
 /// entries' costs sum to at most `limit`, so there are at most `limit` entries (fewer when
 /// requests cost more than 1 or share a timestamp).
 ///
+/// # Cost
+///
+/// A check reads the log from its oldest entry, as far as it must, whatever its length. An
+/// admitted check reads the entries that have stopped counting, drops them, and reads one
+/// more: each entry is read and dropped once, though the first check after a quiet spell
+/// drops every entry of it (up to `limit`). A rejected check drops nothing (its state stays
+/// as it was) and reads at most `2 × cost` entries: those that have stopped counting
+/// weigh less than `cost` (else it would be admitted), and those it reads to find the
+/// `retry_after` weigh at most `cost`. With costs of 1, a rejected check reads two entries
+/// however long the log is. A key keeps the room its log grew to: at most `limit` entries
+/// of 16 bytes, rounded up to a power of two.
+///
 /// # Examples
 ///
 /// ```

@@ -115,6 +115,58 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// `set_quota` with the quota a pacer already has changes nothing, at any rate, units of
+    /// a fraction of a nanosecond included: the pacer answers every later `check` as its
+    /// twin that was not given it does. A round trip through another quota may delay the
+    /// next unit by less than a nanosecond (where the other quota's units cannot tell its
+    /// due time), never bring it forward.
+    #[test]
+    fn set_quota_of_the_same_quota_changes_nothing(
+        count in prop_oneof![1u32..=10, Just(1_000_000), Just(3_000_000_000), Just(u32::MAX)],
+        period_ns in prop_oneof![Just(1u64), Just(7), Just(1_000_000_000), 1..10_000_000_000u64],
+        burst in 1u32..=5,
+        taken in 1u32..=5,
+        other in 1u32..=1_000,
+        steps in prop::collection::vec(0u64..2_000_000_000, 1..6),
+    ) {
+        let rate = Rate::per(count, Duration::from_nanos(period_ns)).unwrap();
+        let quota = Quota::new(rate, burst).unwrap();
+        let other = Quota::new(Rate::per_second(other).unwrap(), burst).unwrap();
+        runtime().block_on(async {
+            let pacers: Vec<Pacer> = (0..3)
+                .map(|_| Pacer::builder(rate).burst(burst).build().unwrap())
+                .collect();
+            for p in &pacers {
+                assert!(p.check(taken.min(burst)).unwrap().allowed);
+            }
+            pacers[1].set_quota(quota);
+            pacers[2].set_quota(other);
+            pacers[2].set_quota(quota);
+            // Whether the round trip's pacer still has the twins' schedule to compare with
+            // (until it refuses a unit they take, its due time a fraction of a ns later).
+            let mut together = true;
+            for step in steps {
+                tokio::time::advance(Duration::from_nanos(step)).await;
+                let d: Vec<_> = pacers.iter().map(|p| p.check(1).unwrap()).collect();
+                assert_eq!(d[1], d[0], "after a set_quota of the same quota");
+                if !together {
+                    continue;
+                }
+                if d[0].allowed {
+                    together = d[2].allowed;
+                    continue;
+                }
+                assert!(!d[2].allowed, "a unit early after a round trip: {:?}", d[2]);
+                let late = d[2].retry_after.checked_sub(d[0].retry_after);
+                assert!(late.is_some_and(|l| l <= Duration::from_nanos(1)), "{d:?}");
+            }
+        });
+    }
+}
+
 /// `num / den` ns, rounded up to the nanosecond and then to the timer's 1 ms tick.
 fn on_the_tick(num: u128, den: u128) -> u64 {
     let ns = num.div_ceil(den);

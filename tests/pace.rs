@@ -1248,7 +1248,6 @@ async fn a_pause_past_the_next_unit_holds_with_the_longest_burst() {
 /// that had ended 200 ms before. (`AdaptivePacer` pauses until such instants: a server's
 /// allowance of `r` units is a pause that ended `r − 1` units ago.)
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: pause_until an instant before the pacer's creation takes it as the creation"]
 async fn a_pause_that_ended_before_the_pacer_was_built_counts_from_its_end() {
     let ms = Duration::from_millis;
     tokio::time::advance(Duration::from_secs(10)).await;

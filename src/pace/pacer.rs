@@ -670,8 +670,13 @@ impl Inner {
     fn pause_until(&self, at: Instant) {
         let mut out = Deferred::default();
         let mut st = self.lock();
-        // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`).
-        let at = i128::try_from(self.elapsed(at).as_nanos()).unwrap_or(i128::MAX);
+        // Full again at `at + lead`: exactly one unit fits at `at` (see `set_quota`). An
+        // instant before the epoch counts back from it: the schedule is not cut there.
+        // (Any `Duration` is below 2^94 ns: both fit an `i128`.)
+        let at = match at.checked_duration_since(self.epoch) {
+            Some(after) => after.as_nanos() as i128,
+            None => -(self.epoch.duration_since(at).as_nanos() as i128),
+        };
         let paused = st.bucket.state_next_at(at);
         if !paused.full_later_than(st.gcra) {
             return;

@@ -1670,6 +1670,17 @@ mod on_redis {
         server.fast_failing_manager().await
     }
 
+    /// A gate with the default failure policy on `server` (the layers' policies decide).
+    async fn plain_gate(server: &RedisServer) -> RedisGate<ConnectionManager> {
+        RedisGate::builder(
+            manager(server).await,
+            Limit::TokenBucket(quota(1, Duration::from_secs(1))),
+        )
+        .build()
+        .await
+        .unwrap()
+    }
+
     const TIMEOUT: Duration = Duration::from_millis(300);
 
     async fn layer(
@@ -1752,11 +1763,7 @@ mod on_redis {
     #[tokio::test]
     async fn layers_on_one_redis_gate_with_one_policy_name_and_two_quotas_are_refused_when_built() {
         let server = RedisServer::start();
-        let conn = manager(&server).await;
-        let gate = RedisGate::builder(conn, Limit::TokenBucket(quota(1, Duration::from_secs(1))))
-            .build()
-            .await
-            .unwrap();
+        let gate = plain_gate(&server).await;
         let over = |gate: &RedisGate<ConnectionManager>, burst: u32, prefix: &str| {
             RateLimitLayer::builder(gate.clone())
                 .key_prefix(prefix)
@@ -1788,6 +1795,60 @@ mod on_redis {
         );
         drop(shared);
         assert!(over(&gate, 100, "").is_ok(), "free once no layer holds it");
+    }
+
+    /// A layer without a key prefix whose policy `"a"` is keyed by what the client sends,
+    /// and a layer with the prefix `"a:"` whose policy `"b"` is keyed the same way, on one
+    /// `RedisGate`: a client keyed `"b:victim"` on the first counts under `a:b:victim`, the
+    /// Redis key of `"victim"` on the second, and spends its bucket (one Redis key, one
+    /// bucket, whatever the two quotas). Before, both were built (only one head held
+    /// exactly with another quota was refused); now the second is refused when built,
+    /// and built once the first is gone.
+    #[tokio::test]
+    #[ignore = "fault: layers whose gate keys begin one another share Redis buckets silently"]
+    async fn layers_whose_key_heads_begin_one_another_are_refused_when_built() {
+        let server = RedisServer::start();
+        let gate = plain_gate(&server).await;
+        let minute = Duration::from_secs(60);
+        let outer = RateLimitLayer::builder(gate.clone())
+            .policy(Policy::new("a", quota(100, minute), by_client))
+            .build()
+            .unwrap();
+        let inner = || {
+            RateLimitLayer::builder(gate.clone())
+                .key_prefix("a:")
+                .policy(Policy::new("b", quota(1, minute), by_client))
+                .build()
+        };
+        let send = |layer: &RateLimitLayer<RedisGate<ConnectionManager>>, client: &str| {
+            let req = Request::builder()
+                .header("x-client", client)
+                .body(())
+                .unwrap();
+            layer.layer(tower::service_fn(ok_full)).oneshot(req)
+        };
+        let built = inner();
+        if let Ok(inner) = &built {
+            // What the two layers do: another client spends the victim's one request.
+            assert_eq!(
+                send(&outer, "b:victim").await.unwrap().status(),
+                StatusCode::OK
+            );
+            let status = send(inner, "victim").await.unwrap().status();
+            panic!("both built: the victim's first request got {status}");
+        }
+        let e = built.unwrap_err();
+        assert_eq!(e.field(), "rate_limit.policies");
+        assert!(
+            e.reason().contains("\"a:\"") && e.reason().contains("\"a:b:\""),
+            "{e}"
+        );
+        drop(outer);
+        let inner = inner().expect("free once the other layer is gone");
+        assert_eq!(
+            send(&inner, "victim").await.unwrap().status(),
+            StatusCode::OK
+        );
     }
 
     /// A quota Redis cannot compute exactly is refused when the layer is built (before,

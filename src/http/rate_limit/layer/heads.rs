@@ -90,3 +90,63 @@ impl Drop for HeadClaim {
         });
     }
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(
+        space: usize,
+        head: &str,
+        per_minute: u32,
+        name: &str,
+    ) -> Result<HeadClaim, ConfigError> {
+        let quota = Quota::per_minute(per_minute).unwrap();
+        HeadClaim::new(space, std::iter::once((head.to_owned(), quota, name)))
+    }
+
+    /// Heads of which one begins the other hold the same keys: a layer without a prefix with
+    /// a policy "a" counts the client whose key is "b:k" under `a:b:k`, where a layer with
+    /// the prefix "a:" counts key "k" of its policy "b". On a gate whose key is one bucket,
+    /// the client spends the other layer's bucket of "k" (whatever the two quotas: both
+    /// count on one Redis key). Before, only a head held exactly, with another quota, was
+    /// refused; now heads that meet are refused too, and so is one head reached from
+    /// another prefix and policy name (prefix "a" with "bc", prefix "ab" with "c").
+    #[test]
+    #[ignore = "fault: heads of gate keys that begin one another share buckets silently"]
+    fn heads_that_begin_one_another_are_refused() {
+        // Spaces no gate has (a gate's is the address of its state): the test's own.
+        let space = 1;
+        let outer = claim(space, "a:", 3, "a").unwrap();
+        for (head, per_minute, name) in [("a:b:", 100, "b"), ("a:b:", 3, "b")] {
+            let e = claim(space, head, per_minute, name).err().expect(head);
+            assert_eq!(e.field(), "rate_limit.policies");
+            assert!(
+                e.reason().contains("\"a:\"") && e.reason().contains("\"a:b:\""),
+                "{e}"
+            );
+        }
+        assert!(
+            claim(space, "ab:", 100, "ab").is_ok(),
+            "neither begins the other"
+        );
+        assert!(
+            claim(space, "a:", 3, "a").is_ok(),
+            "the same head, name and quota"
+        );
+        assert!(claim(2, "a:b:", 100, "b").is_ok(), "another gate's keys");
+        drop(outer);
+        let inner = claim(space, "a:b:", 100, "b").unwrap();
+        assert!(claim(space, "a:", 3, "a").is_err(), "the other way round");
+        drop(inner);
+
+        let space = 3;
+        let _bc = claim(space, "abc:", 3, "bc").unwrap();
+        let e = claim(space, "abc:", 3, "c")
+            .err()
+            .expect("another policy, one head");
+        assert!(
+            e.reason().contains("\"bc\"") && e.reason().contains("\"c\""),
+            "{e}"
+        );
+    }
+}

@@ -544,6 +544,37 @@ pub(crate) mod tests {
         assert_eq!(Header::new("bad name").unwrap_err().field(), "header.name");
     }
 
+    /// A bearer token (a JWT is often 800 bytes and more) is longer than the default
+    /// `max_len` of 256: the request has no key, and under the default
+    /// `MissingKey::Shared` every such client shares one bucket with the keyless ones.
+    /// Before, nothing said so; now the first such value (for this extractor and its
+    /// clones) logs a warning naming the header, the length, the limit and the remedy.
+    #[test]
+    #[ignore = "fault: a header value longer than max_len silently falls to the MissingKey choice"]
+    fn a_header_value_longer_than_max_len_says_so_once() {
+        let h = Header::new("Authorization").unwrap();
+        let jwt = format!("Bearer {}", "x".repeat(850));
+        let req = request(None, &[("authorization", jwt.as_bytes())]);
+        let logged = warnings(|| {
+            assert_eq!(key_of(&h, &req), None);
+            assert_eq!(key_of(&h.clone(), &req), None);
+            assert_eq!(
+                key_of(&h, &request(None, &[("authorization", b"short")])).as_deref(),
+                Some("short")
+            );
+        });
+        assert_eq!(logged.len(), 1, "once per extractor: {logged:?}");
+        for part in ["authorization", "857", "256", "MissingKey", "digest"] {
+            assert!(logged[0].contains(part), "{part}: {logged:?}");
+        }
+        // A value refused for its bytes is not too long: no warning.
+        let logged = warnings(|| {
+            let h = Header::new("x-api-key").unwrap();
+            assert_eq!(key_of(&h, &request(None, &[("x-api-key", b"a\tb")])), None);
+        });
+        assert!(logged.is_empty(), "{logged:?}");
+    }
+
     #[test]
     fn constant_and_closure() {
         let req = request(None, &[]);

@@ -145,12 +145,17 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// both count under `abc:<key>`; a layer without a prefix (which begins every prefix)
     /// with policy `"a"` counts a client whose key is `"b:k"` under `a:b:k`, where a layer
     /// with prefix `"a:"` counts key `"k"` of its policy `"b"`. Layers whose keys meet share
-    /// buckets when their quotas are the same; on a [`MemoryGate`](crate::gate::MemoryGate)
-    /// each quota has buckets of its own, but on a [`RedisGate`](crate::gate::RedisGate) a
-    /// key is one bucket, so `build` refuses a policy whose `<prefix><policy name>:` a layer
-    /// alive on the same gate (or a clone of it) counts with another quota (a `/login`
-    /// layer and an `/api` layer both with a policy `"per-ip"`: give them prefixes such as
-    /// `"login:"` and `"api:"`). The same holds for a layer rebuilt with a new quota while
+    /// buckets when their quotas are the same. On a [`MemoryGate`](crate::gate::MemoryGate)
+    /// each quota has buckets of its own, and nothing is refused: keep the layers sharing
+    /// one apart yourself. On a [`RedisGate`](crate::gate::RedisGate) a key is one bucket,
+    /// so `build` refuses a policy whose `<prefix><policy name>:` a layer alive on the same
+    /// gate (or a clone of it) counts with another quota (a `/login` layer and an `/api`
+    /// layer both with a policy `"per-ip"`: give them prefixes such as `"login:"` and
+    /// `"api:"`), and one whose keys meet a live layer's in another way, whatever the
+    /// quotas: its `<prefix><policy name>:` begins the other's or is begun by it (the layer
+    /// without a prefix and the one with `"a:"` above: a client keyed `"b:k"` would spend
+    /// the other's bucket of `"k"`), or is the other's from another policy name (`"a"` with
+    /// `"bc"` and `"ab"` with `"c"`). The same holds for a layer rebuilt with a new quota while
     /// the old one is alive (a configuration reload): drop the old layer, its services and
     /// their response futures first, or build the new one under another prefix (its
     /// buckets start full). On Redis Cluster, a prefix
@@ -177,7 +182,8 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// 32, a name that is empty, not printable ASCII or contains `:`, or leaves no room for
     /// a key after the prefix, a [`MissingKey::Shared`] key that makes a gate key longer
     /// than that, two policies with one name, a policy whose gate keys a layer alive on
-    /// the same [`RedisGate`](crate::gate::RedisGate) counts with another quota (see
+    /// the same [`RedisGate`](crate::gate::RedisGate) counts with another quota, or meet
+    /// the keys of a policy of such a layer in another way (see
     /// [`key_prefix`](Self::key_prefix)), or quotas the gate cannot decide ([`Gate::validate_quotas`]: on a
     /// [`RedisGate`](crate::gate::RedisGate) a quota too large for exact arithmetic in
     /// Redis, on a [`MemoryGate`](crate::gate::MemoryGate), or a `RedisGate` whose failure

@@ -2461,7 +2461,6 @@ async fn fields_of_a_584_year_quota_and_of_centuries_of_paused_time_agree() {
 /// nothing either.
 #[cfg(feature = "metrics")]
 #[tokio::test]
-#[ignore = "fault: a recorder panicking on a decision counts the request in two outcomes"]
 async fn a_recorder_that_panics_counting_a_decision_counts_the_request_once() {
     use futures::FutureExt;
     let recorder = crate::support::TestRecorder::default();

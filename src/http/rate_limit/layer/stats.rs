@@ -30,7 +30,9 @@ pub struct RateLimitStats {
     pub bad_request: u64,
     /// Given up before it was decided: its response future was dropped before the gate
     /// answered (the client went away during a remote gate's round trip, or before the
-    /// future was first polled). Its cost may be charged all the same (see
+    /// future was first polled), or dropped after a metrics recorder panicked as its
+    /// outcome was counted (the panic went to the caller, the request was not passed on).
+    /// Its cost may be charged all the same (see
     /// [`RateLimitFuture`](crate::http::RateLimitFuture)). A request dropped once passed
     /// on counts as decided (`admitted`, say).
     pub cancelled: u64,
@@ -80,8 +82,10 @@ impl Outcome {
 
 impl<G> Shared<G> {
     pub(super) fn count(&self, outcome: Outcome) {
-        self.counts.add(outcome as usize, 1);
+        // The recorder (user code) first: if it panics, the request is not counted here,
+        // and its response future, dropped still holding it, counts it as cancelled (once).
         self.counters[outcome as usize].increment(1);
+        self.counts.add(outcome as usize, 1);
     }
 
     pub(crate) fn stats(&self) -> RateLimitStats {
@@ -99,8 +103,13 @@ impl<G> Shared<G> {
         }
     }
 
-    /// A request dropped before it was decided.
+    /// A request dropped before it was decided (or before its outcome was counted: a
+    /// metrics recorder that panicked counting it).
     pub(crate) fn cancelled(&self) {
-        self.count(Outcome::Cancelled);
+        // The request's last count: kept first, so that a recorder that panics (in a drop)
+        // cannot lose it.
+        let cancelled = Outcome::Cancelled as usize;
+        self.counts.add(cancelled, 1);
+        self.counters[cancelled].increment(1);
     }
 }

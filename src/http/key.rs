@@ -485,7 +485,7 @@ pub(crate) mod tests {
     }
 
     /// Every warning logged while `f` runs, as its message and fields print.
-    fn warnings(f: impl FnOnce()) -> Vec<String> {
+    pub(crate) fn warnings(f: impl FnOnce()) -> Vec<String> {
         use std::sync::Mutex;
         use tracing_subscriber::layer::SubscriberExt;
 

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::http::key::Header;
-use crate::http::key::tests::{key_of, request};
+use crate::http::key::tests::{key_of, request, warnings};
 
 fn xff() -> ClientIp {
     ClientIp::builder(ForwardedHeader::XForwardedFor)
@@ -21,6 +21,35 @@ fn fwd() -> ClientIp {
         .trust("2001:db8:ffff::/48")
         .build()
         .unwrap()
+}
+
+/// A trusted proxy whose requests come without the header the extractor reads (it writes
+/// the other one, or none) makes every client behind it one key: the proxy's own address,
+/// one bucket for the whole site. Before, nothing said so; now the first such request (for
+/// this extractor and its clones) logs a warning naming the header and the proxy.
+#[test]
+#[ignore = "fault: a trusted proxy sending no chain header silently makes all its clients one key"]
+fn a_trusted_peer_without_the_header_is_logged_once() {
+    let c = fwd();
+    let xff_only = request(Some("10.0.0.1:1"), &[("x-forwarded-for", b"203.0.113.9")]);
+    let logged = warnings(|| {
+        assert_eq!(key_of(&c, &xff_only).as_deref(), Some("10.0.0.1"));
+        assert_eq!(key_of(&c.clone(), &xff_only).as_deref(), Some("10.0.0.1"));
+    });
+    assert_eq!(logged.len(), 1, "once per extractor: {logged:?}");
+    for part in ["\"Forwarded\"", "10.0.0.1", "X-Forwarded-For"] {
+        assert!(logged[0].contains(part), "{part}: {logged:?}");
+    }
+    // An untrusted peer (the header is not read), or a trusted one with the header.
+    let logged = warnings(|| {
+        let c = xff();
+        assert_eq!(
+            key_of(&c, &request(Some("198.51.100.1:1"), &[])).as_deref(),
+            Some("198.51.100.1")
+        );
+        assert_eq!(key_of(&c, &xff_only).as_deref(), Some("203.0.113.9"));
+    });
+    assert!(logged.is_empty(), "{logged:?}");
 }
 
 #[test]

@@ -5,6 +5,7 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::HeaderMap;
 use http::header::{FORWARDED, HeaderName};
@@ -51,7 +52,11 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 ///    unterminated quote) is never reached: nothing left of where the walk stops is parsed,
 ///    and the walk allocates nothing, however many entries a header holds.
 /// 4. Every hop is trusted: the key is the left-most address (the only case the left-most
-///    entry is used).
+///    entry is used). A trusted peer that sends no such header at all is the client: its
+///    own address is the key. The first such request this extractor (or a clone of it)
+///    meets is logged (a `tracing` warning): when it is every request, the proxy writes the
+///    other header, or none, and all its clients share one key (the proxy's own requests,
+///    such as health checks, come without one too).
 ///
 /// Addresses are compared and written canonical ([`IpAddr::to_canonical`]): an IPv4
 /// address written IPv4-mapped (`::ffff:10.0.0.1`, as a dual-stack listener reports its
@@ -97,6 +102,8 @@ pub struct ClientIp {
     trusted: Arc<[IpNet]>,
     source: ForwardedHeader,
     ipv6_per_64: bool,
+    /// Whether this extractor (or a clone of it) has said a trusted peer sent no header.
+    warned: Arc<AtomicBool>,
 }
 
 impl ClientIp {
@@ -142,9 +149,12 @@ impl ClientIp {
         }
         // The nearest hop known to be true: where a bad entry stops the walk.
         let mut nearest = peer;
+        // Whether the header was there (a local: no second look-up for it).
+        let mut sent = false;
         match self.source {
             ForwardedHeader::XForwardedFor => {
                 for line in headers.get_all(&X_FORWARDED_FOR).iter().rev() {
+                    sent = true;
                     for entry in line.as_bytes().rsplit(|&b| b == b',') {
                         let entry = entry.trim_ascii();
                         if entry.is_empty() {
@@ -160,6 +170,7 @@ impl ClientIp {
             }
             ForwardedHeader::Forwarded => {
                 for line in headers.get_all(FORWARDED).iter().rev() {
+                    sent = true;
                     // Element by element: the walk stops parsing where it stops.
                     let walked = parse_forwarded_rev(line.as_bytes(), |node| match node {
                         Some(ip) if self.is_trusted(ip) => {
@@ -175,8 +186,33 @@ impl ClientIp {
                 }
             }
         }
+        // Read before it is swapped: a flood of such requests writes no shared line.
+        if !sent
+            && !self.warned.load(Ordering::Relaxed)
+            && !self.warned.swap(true, Ordering::Relaxed)
+        {
+            warn_no_header(self.source, peer);
+        }
         nearest
     }
+}
+
+/// Say that the trusted proxy `peer` sent a request without the `source` header: its key is
+/// the proxy's own address.
+fn warn_no_header(source: ForwardedHeader, peer: IpAddr) {
+    let (header, other) = match source {
+        ForwardedHeader::XForwardedFor => ("X-Forwarded-For", "Forwarded"),
+        ForwardedHeader::Forwarded => ("Forwarded", "X-Forwarded-For"),
+    };
+    tracing::warn!(
+        header,
+        %peer,
+        "rate limit key: a request from a trusted proxy has no {header} field, so its key \
+         is the proxy's own address; if the proxy's requests all come so, it writes \
+         another header ({other}?) or none, and every client behind it shares one key: \
+         read the header it writes (ClientIp::builder), or have it write {header} (its own \
+         requests, such as health checks, come without one too)"
+    );
 }
 
 impl fmt::Debug for ClientIp {
@@ -285,6 +321,7 @@ impl ClientIpBuilder {
             trusted: self.trusted.into(),
             source: self.source,
             ipv6_per_64: self.ipv6_per_64,
+            warned: Arc::new(AtomicBool::new(false)),
         })
     }
 }

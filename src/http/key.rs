@@ -338,8 +338,9 @@ impl KeyExtractor for Header {
         };
         let bytes = value.as_bytes();
         if bytes.len() > self.max_len {
-            // Once per extractor: the flood of such requests is the usual case.
-            if !self.warned.swap(true, Ordering::Relaxed) {
+            // Once per extractor (read before it is swapped: a flood of such requests, the
+            // usual case, writes no shared line).
+            if !self.warned.load(Ordering::Relaxed) && !self.warned.swap(true, Ordering::Relaxed) {
                 warn_too_long(&self.name, bytes.len(), self.max_len);
             }
             return false;

@@ -493,7 +493,10 @@ where
                 }
                 _ => GateError::backend(e),
             },
-            None => GateError::Timeout(self.timeout),
+            // How long it waited: the gate's timeout, or the longer wait this call was given
+            // (a region's refresh waits at least 500 ms); a call given what was left of the
+            // timeout names the whole timeout.
+            None => GateError::Timeout(within.max(self.timeout)),
         };
         Err(self.fail(error))
     }

@@ -58,7 +58,8 @@ pub enum GateError {
     },
     /// The backend (Redis) failed: connection, protocol or script error.
     Backend(Arc<dyn std::error::Error + Send + Sync>),
-    /// The backend did not answer within the gate's timeout.
+    /// The backend did not answer within this long: the gate's timeout (a region's
+    /// refresher gives its calls to the local Redis at least 500 ms).
     Timeout(Duration),
     /// The backend failed recently and was not asked: the gate answers from its failure
     /// policy alone until it probes the backend again, `next_probe_in` from now (a

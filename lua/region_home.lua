@@ -27,7 +27,8 @@
 -- refresh: {seq, share, until_us - now_us, learning, now_us}
 -- ack:     {learning, now_us}
 -- init:    {1 if the home started now without a learning phase, 0 if it had state}
--- status:  {learning, now_us, then per region: held, prev_share, last_share,
+-- status:  {learning (1 for a home without state: its first refresh starts the phase),
+--           now_us, then per region: held, prev_share, last_share,
 --           last_until_us - now_us (0: none), demand, now_us - seen_us (-1: never)}
 
 local mode = ARGV[1]
@@ -61,8 +62,9 @@ local unreadable = 'ERR region home state is unreadable: delete ' .. home
 local meta = redis.call('HGET', home, 'meta')
 local learn_until, last_seq
 if not meta and mode == 'status' then
-  -- No state: nothing is known but the safe shares; reading changes nothing.
-  local out = {0, now}
+  -- No state: nothing is known but the safe shares; reading changes nothing. Learning: the
+  -- first refresh starts the phase (only 'init' starts a home without it).
+  local out = {1, now}
   for j = 1, k do
     for _, v in ipairs({safes[j], 0, 0, 0, 0, -1}) do
       out[#out + 1] = v

@@ -127,9 +127,10 @@ impl Home {
         self.regions = vec![Held::default(); cfg.regions.len()];
     }
 
-    /// Whether the home is in its learning phase at `now_us`.
+    /// Whether the home is in its learning phase at `now_us`. A home without state is: its
+    /// first refresh starts the phase (only [`init`](Home::init) starts one without).
     pub fn learning(&self, now_us: u64) -> bool {
-        now_us < self.learn_until_us
+        !self.started || now_us < self.learn_until_us
     }
 
     /// Forget grants that expired by `now_us`.

@@ -98,7 +98,10 @@ pub struct AllocatorStatus {
     pub rate: u64,
     /// The period of the global quota.
     pub period: Duration,
-    /// Whether the home is in its learning phase (it restarted without state).
+    /// Whether the home is in its learning phase (it restarted without state). A home
+    /// without state yet (a first start, or a restart that lost it) is: its first refresh
+    /// starts the phase, unless [`QuotaAllocator::init_home`](crate::region::QuotaAllocator::init_home)
+    /// starts the home without it.
     pub learning: bool,
     /// The regions of this process's configuration, in its order. (In a deploy that adds or
     /// removes a region, the home also counts the live leases of regions this process does

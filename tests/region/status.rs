@@ -166,7 +166,6 @@ async fn a_process_that_no_longer_refreshes_does_not_show_a_learning_phase_long_
 /// state). It said `learning: false` until a refresh came, then `true`: an operator who
 /// read the home after a restart saw one that had kept its state.
 #[tokio::test]
-#[ignore = "fault: the status of a home without state says it is not learning"]
 async fn a_home_without_state_says_it_learns() {
     let server = RedisServer::start();
     let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())

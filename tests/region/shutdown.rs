@@ -179,3 +179,55 @@ async fn a_regions_local_keys_expire_once_no_process_refreshes_it() {
         );
     }
 }
+
+/// The demand counters a decision makes again (its local Redis restarted empty: the
+/// refresher had not started them yet) expire as the refresher's do, a week or more after:
+/// a region whose refresher never reports again (its processes stopped meanwhile) leaves
+/// nothing behind for good. They never expired: the decision's `HINCRBY` made them without
+/// a TTL, and only the refresher's next report gave them one.
+#[tokio::test]
+#[ignore = "fault: demand counters a decision makes again after a local restart never expire"]
+async fn demand_counters_a_decision_makes_again_expire() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    // No background refresh within the test.
+    let alloc = QuotaAllocator::builder(
+        home.fast_failing_manager().await,
+        Quota::per_second(100).unwrap(),
+    )
+    .name("recounted")
+    .region(("eu", 1))
+    .lease(Duration::from_secs(60))
+    .refresh_every(Duration::from_secs(10))
+    .build()
+    .unwrap();
+    alloc.init_home().await.unwrap();
+    let region = alloc
+        .join("eu", local.fast_failing_manager().await)
+        .await
+        .unwrap();
+    let gate = region.gate();
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    local.restart(); // empty
+    // Decided once the connection is back (rejected: the lease record is gone too).
+    let mut decided = false;
+    for _ in 0..50 {
+        if gate.check("k", 1).await.is_ok() {
+            decided = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(decided, "no decision after the restart");
+    let key = "{flowgate:region:recounted:eu}:demand";
+    let counted: Vec<Option<i64>> = local
+        .query_blocking(redis::cmd("HMGET").arg(key).arg("a").arg("r"))
+        .unwrap();
+    assert_ne!(counted, [None, None], "the decision is counted");
+    let kept: i64 = local.query_blocking(redis::cmd("PTTL").arg(key)).unwrap();
+    let day = 24 * 3600 * 1000;
+    assert!(
+        (7 * day - 60_000..=7 * day).contains(&kept),
+        "the counters are kept {kept} ms (-1: for ever), not a week"
+    );
+}

@@ -16,6 +16,8 @@
 -- ARGV[7]  how long (ms) a full bucket is kept: the lease length and the time a bucket takes
 --          to fill from empty (burst / rate), at least 1000, so that one drained just
 --          before its share grew is kept until full at the new size too
+-- ARGV[8]  how long (ms) the demand counters are kept when a decision makes them (absent:
+--          for ever): as the refresher keeps them (lua/region_share.lua)
 --
 -- Time is measured in units of 1/share us: one token is `period` units, and the bucket holds
 -- tau units (the region's part of the global burst, at least one token). When the share
@@ -33,6 +35,18 @@ local now = clock_us(ARGV[1])
 local cost = tonumber(ARGV[2])
 local period = tonumber(ARGV[3])
 
+-- Count the request in the demand counters (`field`: a admitted, r rejected). The refresher
+-- starts them and keeps them for ARGV[8]; counters this makes (the refresher has not
+-- started them since this Redis restarted empty, or since they expired) are kept as long,
+-- so a region whose refresher never reports again leaves nothing behind. Only the first
+-- count of a field since the counters started can be on a key without a TTL.
+local function count(field)
+  if redis.call('HINCRBY', KEYS[2], field, cost) == cost and ARGV[8]
+      and redis.call('PTTL', KEYS[2]) == -1 then
+    redis.call('PEXPIRE', KEYS[2], ARGV[8])
+  end
+end
+
 local ok, lease = pcall(get_lease, KEYS[1])
 if not ok then
   return redis.error_reply('ERR ' .. tostring(lease))
@@ -47,13 +61,13 @@ if share <= 0 then
   -- a new, full bucket.
   redis.call('SET', KEYS[3], struct.pack('<ddddd', now, 0, 1, 0, now), 'PX',
     tonumber(ARGV[7]))
-  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  count('r')
   return {0, 0, 0, tonumber(ARGV[6]), 0}
 end
 
 if cost * period > tau then
   -- More than the region's bucket holds at its share now: not before the share grows.
-  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  count('r')
   return {0, math.floor(tau / period), 0, tonumber(ARGV[6]), 0}
 end
 
@@ -115,12 +129,12 @@ if used_after > tau then
     -- Refill at the new share from now on, admitted or not.
     write(used)
   end
-  redis.call('HINCRBY', KEYS[2], 'r', cost)
+  count('r')
   local held = math.min(used, tau)
   -- reset: all of `used`, which exceeds tau only if the clock stepped back.
   return {0, burst, math.floor((tau - held) / period),
     math.ceil((used_after - tau) / share), math.ceil(used / share)}
 end
 write(used_after)
-redis.call('HINCRBY', KEYS[2], 'a', cost)
+count('a')
 return {1, burst, math.floor((tau - used_after) / period), 0, math.ceil(used_after / share)}

@@ -38,7 +38,8 @@
 --
 -- The lease record and the counters are kept for ARGV[7] (report, by the holder) or
 -- ARGV[11] (apply) from each write: a week, four lease lengths and twice as long as a
--- bucket is kept, whichever is longest (src/region/member.rs). A region no process
+-- bucket is kept, whichever is longest (src/region/member.rs); counters a decision makes
+-- (this Redis lost them) as long from then (lua/region_bucket.lua). A region no process
 -- refreshes any more (its allocator no longer in use, or taken off the lists) leaves
 -- nothing behind, and a record outlives its lease and every bucket it converts (gone
 -- first, a bucket would be refilled as if the region had held a share meanwhile).

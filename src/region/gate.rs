@@ -158,7 +158,8 @@ where
                     .arg(core.safe())
                     .arg(core.safe_tau)
                     .arg(micros(plan.refresh))
-                    .arg(core.keep_ms);
+                    .arg(core.keep_ms)
+                    .arg(core.record_keep_ms);
                 let within = plan.local_timeout.saturating_sub(now.elapsed());
                 // Finished (and its decision counted) even if the caller gives up once it is
                 // sent: the local Redis charges it all the same.

@@ -82,12 +82,13 @@ pub(crate) struct Core<C> {
     /// come back full at once). At least 1 s.
     pub(crate) keep_ms: u64,
     /// How long (ms) the lease record and the demand counters are kept after the refresher
-    /// last wrote them: a week, four lease lengths (as the home keeps its state), or twice
+    /// last wrote them (counters a decision makes again, after a restart that lost them, as
+    /// long from that decision): a week, four lease lengths (as the home keeps its state), or twice
     /// `keep_ms` and a period, whichever is longest. A region no process refreshes leaves
     /// nothing behind for good, and its record outlives every bucket it converts: one
     /// written after it (within a lease) is kept at most `keep_ms` after it is full again,
     /// which is at most a fill or a period (a bucket of one token at a small share) away.
-    record_keep_ms: u64,
+    pub(crate) record_keep_ms: u64,
     pub(crate) local: Arc<Backend<C>>,
     pub(crate) keys: LocalKeys,
     pub(crate) labels: Labels,

@@ -186,7 +186,6 @@ async fn a_regions_local_keys_expire_once_no_process_refreshes_it() {
 /// nothing behind for good. They never expired: the decision's `HINCRBY` made them without
 /// a TTL, and only the refresher's next report gave them one.
 #[tokio::test]
-#[ignore = "fault: demand counters a decision makes again after a local restart never expire"]
 async fn demand_counters_a_decision_makes_again_expire() {
     let home = RedisServer::start();
     let local = RedisServer::start();

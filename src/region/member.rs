@@ -68,6 +68,19 @@ struct Round {
     demand: f64,
 }
 
+/// A failed refresh, counted; what its metrics and log tell.
+struct Failed {
+    /// Refreshes that failed in a row, this one too.
+    failures: u32,
+    /// On the home (else on the local Redis).
+    home: bool,
+    /// The age of the lease in use.
+    age: Option<Duration>,
+    /// Whether the lease in use has ended (the region admits at its safe share).
+    ran_out: bool,
+    safe: u64,
+}
+
 pub(crate) struct Core<C> {
     pub(crate) allocator: QuotaAllocator<C>,
     pub(crate) index: usize,
@@ -375,6 +388,10 @@ where
     /// at once when the share shrank, so the others can have it). One at a time per
     /// process (the background task and [`Region::refresh_now`] may meet).
     pub(crate) async fn refresh(&self) {
+        // Held to the end, over the metrics and the logs too (user code): the gauges of two
+        // refreshes go out in their order. Each path brings the round up to date first, so
+        // a recorder or a subscriber that panics loses nothing (nor poisons this lock: the
+        // guard drops as the panic unwinds).
         let _one_at_a_time = self.refreshing.lock().await;
         let plan = self.plan();
         let safe = self.safe();
@@ -413,7 +430,8 @@ where
         {
             Ok(r) => r,
             Err(e) => {
-                self.failed(Some(&e), false);
+                let failed = self.fail(false);
+                self.tell_failed(&failed, Some(&e));
                 return;
             }
         };
@@ -445,15 +463,6 @@ where
         let granted = age.and_then(|age| started.checked_sub(age));
         if leader == 0 {
             // Another process refreshes: show the lease it keeps, and its age.
-            self.metrics.follower.increment(1);
-            let effective = if left > 0 { units(share) } else { safe };
-            self.metrics.share.set(effective as f64);
-            // Measured by the refreshing process, not this one.
-            self.metrics.demand.set(0.0);
-            self.metrics.utilisation.set(0.0);
-            if let Some(age) = age {
-                self.metrics.lease_age.set(age.as_secs_f64());
-            }
             // It makes no call to the home: whether the refreshing process's last one got a
             // lease (one refresh apart, each within the home timeout).
             let fresh = age.is_some_and(|age| age <= plan.refresh + plan.home_timeout);
@@ -479,6 +488,16 @@ where
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             drop(round);
+            // User code, once the round is up to date (a recorder may panic).
+            self.metrics.follower.increment(1);
+            let effective = if left > 0 { units(share) } else { safe };
+            self.metrics.share.set(effective as f64);
+            // Measured by the refreshing process, not this one.
+            self.metrics.demand.set(0.0);
+            self.metrics.utilisation.set(0.0);
+            if let Some(age) = age {
+                self.metrics.lease_age.set(age.as_secs_f64());
+            }
             self.recovered(recovered);
             return;
         }
@@ -523,7 +542,7 @@ where
                 g
             }
             Err(e) => {
-                self.failed(Some(&e), true);
+                let failed = self.fail(true);
                 let failures = {
                     let mut round = self.round();
                     round.home_failures += 1;
@@ -549,6 +568,10 @@ where
                     // longer refreshes (until it takes the lock again).
                     round.status.leader = false;
                 }
+                // Counted, and the lock given up, before any user code runs: a recorder
+                // that panics here must not keep the lock from a process that reaches the
+                // home.
+                self.tell_failed(&failed, Some(&e));
                 return;
             }
         };
@@ -580,18 +603,20 @@ where
         let written = match written {
             Ok(written) => written,
             Err(e) => {
-                self.failed(Some(&e), false);
+                let failed = self.fail(false);
+                self.tell_failed(&failed, Some(&e));
                 return;
             }
         };
         if written[0] != 1 {
             if written[1] == -1 {
+                let failed = self.fail(false);
                 tracing::warn!(
                     allocator = %plan.name,
                     region = %self.region(),
                     "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
                 );
-                self.failed(None, false);
+                self.tell_failed(&failed, None);
             } else {
                 // A newer lease is there (another process refreshed meanwhile): this
                 // refresh changed nothing.
@@ -601,17 +626,6 @@ where
         }
         // What the record holds now (a learning grant may have been capped).
         let g_share_u = units(written[1]);
-        if g_share_u < enforced {
-            let ack = Report {
-                seq: units(g_seq),
-                share: g_share_u,
-                demand: report.demand,
-            };
-            let cmd = plan.home_cmd("ack", self.index, &ack);
-            if let Err(e) = self.allocator.call_home(&cmd, 2).await {
-                tracing::debug!(error = %e, "region: the home did not take the ack (the next refresh carries it)");
-            }
-        }
         let lease = Duration::from_micros(units(g_left)).saturating_sub(plan.margin);
         let (utilisation, recovered) = {
             let mut round = self.round();
@@ -623,7 +637,22 @@ where
             round.status.refreshes += 1;
             (round.status.utilisation, std::mem::take(&mut round.failing))
         };
-        // After the lock is released: a recorder is user code (it may read the status).
+        let acked = if g_share_u < enforced {
+            let ack = Report {
+                seq: units(g_seq),
+                share: g_share_u,
+                demand: report.demand,
+            };
+            let cmd = plan.home_cmd("ack", self.index, &ack);
+            self.allocator.call_home(&cmd, 2).await.map(drop)
+        } else {
+            Ok(())
+        };
+        // User code, after the round's lock is released (a recorder may read the status)
+        // and once the round is up to date (a recorder or a subscriber may panic).
+        if let Err(e) = acked {
+            tracing::debug!(error = %e, "region: the home did not take the ack (the next refresh carries it)");
+        }
         self.metrics.granted.increment(1);
         self.metrics.share.set(g_share_u as f64);
         self.metrics.demand.set(report.demand as f64);
@@ -657,35 +686,42 @@ where
             .await;
     }
 
-    /// A refresh failed: on the home (`home`) or the local Redis, with `error` (none: the
-    /// local lease record went back, logged already).
-    fn failed(&self, error: Option<&GateError>, home: bool) {
+    /// A refresh failed, on the home (`home`) or the local Redis: count it. What to tell
+    /// of it ([`tell_failed`](Core::tell_failed)) is told once the refresh is done with its
+    /// own state: a recorder and a subscriber are user code, and may panic.
+    fn fail(&self, home: bool) -> Failed {
         let mut round = self.round();
         round.status.failures += 1;
         round.failing = round.failing.saturating_add(1);
         if home {
             round.status.home_reachable = false;
         }
-        let age = round.lease_granted.map(|at| at.elapsed());
-        // The lease ran out: the region admits at its safe share.
-        let ran_out = round.lease_end.is_none_or(|end| end <= Instant::now());
-        let (failures, safe) = (round.failing, round.status.safe);
-        // The metrics and the log go out after the lock is released (a recorder and a
-        // subscriber are user code).
-        drop(round);
+        Failed {
+            failures: round.failing,
+            home,
+            age: round.lease_granted.map(|at| at.elapsed()),
+            // The lease ran out: the region admits at its safe share.
+            ran_out: round.lease_end.is_none_or(|end| end <= Instant::now()),
+            safe: round.status.safe,
+        }
+    }
+
+    /// The metrics and the log of a failed refresh, with `error` (none: the local lease
+    /// record went back, logged already); outside the round's lock.
+    fn tell_failed(&self, failed: &Failed, error: Option<&GateError>) {
         self.metrics.failed.increment(1);
-        if let Some(age) = age {
+        if let Some(age) = failed.age {
             self.metrics.lease_age.set(age.as_secs_f64());
         }
-        if ran_out {
-            self.metrics.share.set(safe as f64);
+        if failed.ran_out {
+            self.metrics.share.set(failed.safe as f64);
         }
-        if failures.is_power_of_two() {
+        if failed.failures.is_power_of_two() {
             tracing::warn!(
                 allocator = %self.plan().name,
                 region = %self.region(),
-                failures,
-                redis = if home { "home" } else { "local" },
+                failures = failed.failures,
+                redis = if failed.home { "home" } else { "local" },
                 error = ?error.map(ToString::to_string),
                 "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
             );

@@ -414,7 +414,6 @@ async fn a_refresh_timed_out_on_the_local_redis_says_how_long_it_waited() {
 /// lock up, renewed it at each refresh, and the region's lease ran out with another
 /// process able to renew it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a recorder panicking on a failed refresh keeps a process cut off from the home at the lock"]
 async fn a_recorder_that_panics_on_a_failure_does_not_keep_the_lock_from_the_others() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

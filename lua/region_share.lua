@@ -17,9 +17,9 @@
 --   long (ms) the record and the counters are kept (absent: for ever). Takes or
 --   renews the lock: for ARGV[4], but while a lease is in force only until ARGV[5] before it
 --   ends (at least ARGV[6]). The holder gets {1, now_us, seq, share, expires_us - now_us,
---   admitted, rejected, us since the counters started (-1: unknown)}, and the counters start
---   again from 0; another process gets {0, now_us, seq, share, expires_us - now_us, 0, 0, -1}
---   (the lease, to show in its status).
+--   admitted, rejected, us since the counters started (-1: unknown), the lock's length in
+--   ms}, and the counters start again from 0; another process gets {0, now_us, seq, share,
+--   expires_us - now_us, 0, 0, -1, 0} (the lease, to show in its status).
 --   now_us is the time the lease written by 'apply' will count from.
 -- apply: ARGV[3] seq, ARGV[4] share, ARGV[5] tau, ARGV[6] expires_us (this Redis's clock),
 --   ARGV[7] '1' for a grant of the home's learning phase, ARGV[8] and ARGV[9] the safe share
@@ -63,7 +63,7 @@ if mode == 'report' then
   local holder = redis.call('GET', KEYS[3])
   local seq, share, _, expires = record()
   if holder and holder ~= token then
-    return {0, now, seq, share, expires - now, 0, 0, -1}
+    return {0, now, seq, share, expires - now, 0, 0, -1, 0}
   end
   -- A holder renews the lock at each refresh, also at one that gets no lease (its home call
   -- fails, or it dies first): counted from then, a lock that lapses for another process to
@@ -75,7 +75,8 @@ if mode == 'report' then
     local lapse = math.max(expires - tonumber(ARGV[5]), now + tonumber(ARGV[6]))
     px = math.min(px, math.ceil((lapse - now) / 1000))
   end
-  redis.call('SET', KEYS[3], token, 'PX', math.max(1, px))
+  px = math.max(1, px)
+  redis.call('SET', KEYS[3], token, 'PX', px)
   local keep = ARGV[7]
   if keep and held then
     redis.call('PEXPIRE', KEYS[1], keep)
@@ -88,7 +89,7 @@ if mode == 'report' then
   end
   local since = counts[3] and (now - tonumber(counts[3])) or -1
   return {1, now, seq, share, expires - now, tonumber(counts[1] or 0), tonumber(counts[2] or 0),
-    since}
+    since, px}
 end
 
 if mode == 'release' then

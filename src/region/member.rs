@@ -65,6 +65,9 @@ struct Round {
     failing: u32,
     /// Until then this process does not ask for the refresher lock (it gave it up).
     stand_down_until: Option<Instant>,
+    /// When the refresher lock this process last took may lapse, as seen here (counted
+    /// from before the call that took it): another process of the region may hold it then.
+    lock_until: Option<Instant>,
     demand: f64,
 }
 
@@ -274,6 +277,7 @@ where
                 home_failures: 0,
                 failing: 0,
                 stand_down_until: None,
+                lock_until: None,
                 demand: 0.0,
             }),
             metrics: Metrics {
@@ -424,7 +428,7 @@ where
                         .arg(micros(plan.home_timeout))
                         .arg(self.record_keep_ms);
                 },
-                8,
+                9,
             )
             .await
         {
@@ -444,9 +448,10 @@ where
             admitted,
             rejected,
             since,
+            lock_ms,
         ] = r[..]
         else {
-            unreachable!("the report has 8 values")
+            unreachable!("the report has 9 values")
         };
         let units = |x: i64| u64::try_from(x).unwrap_or(0);
         // The age of the lease in use, whoever obtained it (a lease is written to last its
@@ -478,6 +483,7 @@ where
                 0
             };
             round.status.leader = false;
+            round.lock_until = None;
             round.status.home_reachable = fresh;
             round.status.share = units(share);
             // As the metrics: not what this process measured when it last refreshed.
@@ -505,6 +511,8 @@ where
         let report = {
             let mut round = self.round();
             round.status.leader = true;
+            // The script set the lock after `started`: it lapses no sooner than this.
+            round.lock_until = Some(started + Duration::from_millis(units(lock_ms)));
             round.lease_granted = granted;
             // The counters cover the time since they were last reset, by whichever process
             // (on the local Redis clock); unknown the first time.
@@ -567,6 +575,7 @@ where
                     // Another process of the region may take the lock now: this one no
                     // longer refreshes (until it takes the lock again).
                     round.status.leader = false;
+                    round.lock_until = None;
                 }
                 // Counted, and the lock given up, before any user code runs: a recorder
                 // that panics here must not keep the lock from a process that reaches the
@@ -810,6 +819,10 @@ impl<C> Region<C> {
         let round = self.handle.core.round();
         let now = Instant::now();
         let mut status = round.status.clone();
+        // A process whose refreshes failed since it took the lock (on the local Redis: its
+        // lock is not renewed) no longer refreshes once the lock may have lapsed; another
+        // process of the region may hold it.
+        status.leader &= round.lock_until.is_some_and(|until| now < until);
         status.lease_left = round
             .lease_end
             .map_or(Duration::ZERO, |end| end.saturating_duration_since(now));

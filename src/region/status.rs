@@ -13,7 +13,9 @@ pub struct RegionStatus {
     pub region: String,
     /// Whether this process refreshes the region's lease (one process per region does; the
     /// others only decide). False from when it gives the refresher lock up after two failed
-    /// calls to the home until it takes the lock again.
+    /// calls to the home, or from when the lock it took may have lapsed (its refreshes
+    /// failed on the local Redis since, so it could not renew it), until it takes the lock
+    /// again.
     pub leader: bool,
     /// The share of the region's current lease (what its gates admit at until the lease
     /// ends), as of this process's last refresh (a process that does not refresh reads the

@@ -166,7 +166,6 @@ async fn a_process_that_no_longer_refreshes_does_not_show_a_learning_phase_long_
 /// `leader: true` for as long as its local Redis stayed away: the lock had lapsed to the
 /// other process long before.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a process whose local reports fail says it refreshes after its lock lapsed to another process"]
 async fn a_process_cut_off_from_its_local_redis_no_longer_says_it_refreshes() {
     let home = RedisServer::start();
     let local = RedisServer::start();

@@ -2,6 +2,7 @@
 //! lease, and the gates that admit at it.
 
 use std::fmt;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 // Real time: leases follow the Redis clocks, which never pause.
@@ -160,8 +161,11 @@ impl<C> Drop for Handle<C> {
 /// calls to the home in a row (then it leaves the lock to the others
 /// for a refresh interval, in which each of them comes to take it; if none does, it takes
 /// it back as that interval ends), so a process of the region that can reach the home
-/// takes over. When the last handle drops, this process stops refreshing; the region's lease
-/// then runs out unless another process refreshes it.
+/// takes over; and when a metrics recorder or a log subscriber panics inside a refresh's
+/// call to Redis (the panic then goes on, to [`refresh_now`](Region::refresh_now)'s caller;
+/// the background refresher goes on at its next tick). When the last handle drops, this
+/// process stops refreshing; the region's lease then runs out unless another process
+/// refreshes it.
 pub struct Region<C> {
     handle: Arc<Handle<C>>,
 }
@@ -417,21 +421,19 @@ where
             tokio::time::sleep(wait).await;
         }
         let started = Instant::now();
-        let r = match self
-            .local_call(
-                |c| {
-                    c.arg("report")
-                        .arg("")
-                        .arg(&self.token)
-                        .arg(lock_ms)
-                        .arg(micros(plan.refresh + plan.home_timeout))
-                        .arg(micros(plan.home_timeout))
-                        .arg(self.record_keep_ms);
-                },
-                9,
-            )
-            .await
-        {
+        let report = self.local_call(
+            |c| {
+                c.arg("report")
+                    .arg("")
+                    .arg(&self.token)
+                    .arg(lock_ms)
+                    .arg(micros(plan.refresh + plan.home_timeout))
+                    .arg(micros(plan.home_timeout))
+                    .arg(self.record_keep_ms);
+            },
+            9,
+        );
+        let r = match self.or_give_up(report).await {
             Ok(r) => r,
             Err(e) => {
                 let failed = self.fail(false);
@@ -541,7 +543,7 @@ where
             }
         };
         let cmd = plan.home_cmd("refresh", self.index, &report);
-        let grant = match self.allocator.call_home(&cmd, 5).await {
+        let grant = match self.or_give_up(self.allocator.call_home(&cmd, 5)).await {
             Ok(g) => {
                 let mut round = self.round();
                 round.home_failures = 0;
@@ -592,7 +594,7 @@ where
         let expires = local_now + g_left - i64::try_from(micros(plan.margin)).unwrap_or(0);
         let tau = plan.tau(units(g_share));
         let written = self
-            .local_call(
+            .or_give_up(self.local_call(
                 |c| {
                     c.arg("apply")
                         .arg("")
@@ -607,7 +609,7 @@ where
                         .arg(self.record_keep_ms);
                 },
                 2,
-            )
+            ))
             .await;
         let written = match written {
             Ok(written) => written,
@@ -680,6 +682,28 @@ where
                 failed,
                 "region: lease refresh works again",
             );
+        }
+    }
+
+    /// `call`, a call to Redis of a refresh; if it panics (a metrics recorder or a log
+    /// subscriber the backend calls: user code), the refresher lock is given up before the
+    /// panic goes on. The call's script may have run, taking or renewing the lock: a process
+    /// whose refreshes panic there every time would keep it for good, with no lease
+    /// written, while another process of the region could refresh. (It comes for the lock
+    /// again at its next tick.)
+    async fn or_give_up<T>(&self, call: impl Future<Output = T>) -> T {
+        match AssertUnwindSafe(call).catch_unwind().await {
+            Ok(v) => v,
+            Err(panic) => {
+                {
+                    let mut round = self.round();
+                    round.status.leader = false;
+                    round.lock_until = None;
+                }
+                // Its own call may panic as well, once the script has run.
+                let _ = AssertUnwindSafe(self.release()).catch_unwind().await;
+                std::panic::resume_unwind(panic)
+            }
         }
     }
 
@@ -761,6 +785,12 @@ where
     /// for the end of a stand-down: a process that gave the refresher lock up after two
     /// failed calls to the home leaves it to the others for a refresh interval, and a
     /// `refresh_now` meanwhile refreshes as that interval ends.
+    ///
+    /// # Panics
+    ///
+    /// When a metrics recorder or a log subscriber (user code) panics in the refresh: the
+    /// panic goes on once the refresh has kept its state (and given the refresher lock up,
+    /// if it came inside a call to Redis).
     ///
     /// # Cancel safety
     ///

@@ -461,7 +461,6 @@ async fn a_recorder_that_panics_on_a_failure_does_not_keep_the_lock_from_the_oth
 /// the panic: the process held it for good and never wrote a lease, and the region fell
 /// to its safe share with another process able to refresh.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a recorder panicking inside a refresh's Redis call keeps the refresher lock for good"]
 async fn a_recorder_that_panics_in_a_redis_call_does_not_keep_the_lock_from_the_others() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

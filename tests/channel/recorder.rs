@@ -218,7 +218,6 @@ fn hooked(
 /// `DropOldest`, by the last receiver's drop, and by a permit's send after it. The panic
 /// still reaches the caller, once the item is with the hook.
 #[test]
-#[ignore = "fault: a panicking recorder keeps an item the channel drops (counted) from on_drop"]
 fn a_recorder_panicking_on_a_drop_still_hands_the_item_to_the_hook() {
     let recorder = TestRecorder::default();
     let dropped =

@@ -3,6 +3,7 @@
 //! through the `on_drop` hook.
 
 use super::*;
+use crate::dropped::recorded_then;
 
 impl<T> Shared<T> {
     /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
@@ -85,19 +86,24 @@ impl<T> Shared<T> {
         st.stash.front().map_or(st.ring_taken, |(place, _)| *place)
     }
 
-    /// Count a dropped item and pass it to the hook with `why`. Called without the lock.
-    pub(super) fn dropped(&self, item: T, why: Dropped, counter: &Counter) {
-        counter.increment(1);
-        if let Some(hook) = &self.on_drop {
-            hook.call(item, &why);
-        }
+    /// Pass an item dropped by the channel (counted in `Stats` already) to the hook with
+    /// `why`, once `record` recorded the drop in the metrics (a recorder that panics does
+    /// not keep it from the hook: see [`recorded_then`]). Called without the lock.
+    pub(super) fn dropped(&self, item: T, why: Dropped, record: impl FnOnce()) {
+        recorded_then(record, || {
+            if let Some(hook) = &self.on_drop {
+                hook.call(item, &why);
+            }
+        });
     }
 
     /// Every receiver is gone: drop what is queued through `on_drop` (`Discarded`), after
     /// releasing the lock. Every item is counted (in `stats` and the metric) before the
     /// hook sees the first: a hook that panics leaves none uncounted (the items after it
-    /// are dropped as the panic unwinds, without the hook). `pushed`: items the caller
-    /// pushed, recorded in `sent_total` with them.
+    /// are dropped as the panic unwinds, without the hook). A metrics recorder that panics
+    /// keeps none from the hook: its panic goes on once they are all with it (see
+    /// [`recorded_then`]). `pushed`: items the caller pushed, recorded in `sent_total` with
+    /// them.
     pub(super) fn discard_rest(&self, mut st: MutexGuard<'_, State<T>>, pushed: u64) {
         let mut left: Vec<T> = st.stash.drain(..).map(|(_, item)| item).collect();
         while let Some(item) = self.ring.pop(&mut st.popper) {
@@ -107,13 +113,18 @@ impl<T> Shared<T> {
         self.depth_extra.store(0, Ordering::Relaxed);
         self.stashed.store(0, Ordering::Relaxed);
         drop(st);
-        self.metrics.dropped_closed.increment(left.len() as u64);
-        self.metrics.sent.increment(pushed);
-        self.set_depth();
-        if let Some(hook) = &self.on_drop {
-            for item in left {
-                hook.call(item, &Dropped::Discarded);
+        let n = left.len() as u64;
+        let record = || {
+            self.metrics.dropped_closed.increment(n);
+            self.metrics.sent.increment(pushed);
+            self.set_depth();
+        };
+        recorded_then(record, || {
+            if let Some(hook) = &self.on_drop {
+                for item in left {
+                    hook.call(item, &Dropped::Discarded);
+                }
             }
-        }
+        });
     }
 }

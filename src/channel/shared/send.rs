@@ -45,8 +45,10 @@ impl<T> Shared<T> {
                     self.enqueue_locked(&mut st, item, &mut out, &mut moves);
                     drop(st);
                     // Recorded before the hook sees the dropped item, as `drop_newest` does.
-                    drop(moves);
-                    self.dropped(oldest, Dropped::Oldest, &self.metrics.dropped_oldest);
+                    self.dropped(oldest, Dropped::Oldest, || {
+                        drop(moves);
+                        self.metrics.dropped_oldest.increment(1);
+                    });
                     Ok(Sent::DroppedOldest)
                 }
                 None => Ok(self.drop_newest(st, item)),
@@ -60,8 +62,10 @@ impl<T> Shared<T> {
     fn drop_newest(&self, mut st: MutexGuard<'_, State<T>>, item: T) -> Sent {
         st.dropped += 1;
         drop(st);
-        self.metrics.sent.increment(1);
-        self.dropped(item, Dropped::Newest, &self.metrics.dropped_newest);
+        self.dropped(item, Dropped::Newest, || {
+            self.metrics.sent.increment(1);
+            self.metrics.dropped_newest.increment(1);
+        });
         Sent::DroppedNewest
     }
 

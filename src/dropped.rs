@@ -169,7 +169,8 @@ pub(crate) fn recorded_then(record: impl FnOnce(), hand: impl FnOnce()) {
 /// The one item an adapter holds while it waits (for a pacer, a permit), with what sees it
 /// discarded: let go of by [`discard`](Held::discard) or when this is dropped (the adapter
 /// dropped or taken apart), the item is counted, then handed to the hook as
-/// [`Dropped::Discarded`].
+/// [`Dropped::Discarded`]. A metrics recorder that panics as it is counted does not keep
+/// it from the hook (see [`recorded_then`]).
 pub(crate) struct Held<T> {
     pub(crate) item: Option<T>,
     on_drop: Option<OnDrop<T>>,
@@ -190,10 +191,14 @@ impl<T> Held<T> {
     /// Discard the held item, if any: counted, then to the hook.
     pub(crate) fn discard(&mut self) {
         if let Some(item) = self.item.take() {
-            self.discarded.increment(1);
-            if let Some(hook) = &self.on_drop {
-                hook.call(item, &Dropped::Discarded);
-            }
+            recorded_then(
+                || self.discarded.increment(1),
+                || {
+                    if let Some(hook) = &self.on_drop {
+                        hook.call(item, &Dropped::Discarded);
+                    }
+                },
+            );
         }
     }
 }

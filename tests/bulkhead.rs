@@ -1769,7 +1769,6 @@ async fn an_adapter_counts_the_item_it_discards() {
 /// dropped or its bulkhead closed. The panic goes on once the hook has it.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a panicking recorder keeps the item an adapter discards from on_drop"]
 fn a_recorder_panicking_on_a_discard_still_hands_the_item_to_the_hook() {
     let rec = support::TestRecorder::default();
     for close in [false, true] {

@@ -208,6 +208,43 @@ async fn a_wait_times_out() {
     assert_eq!(b.waiting(), 0);
 }
 
+/// An acquisition with a `wait_timeout` panics when it has to wait outside a tokio runtime
+/// (its timer needs one), as documented; a caller that catches the panic holds a future
+/// still waiting in the queue. Polled again outside a runtime it panics again, and inside one
+/// it times out at the deadline its first wait set. (Its first poll had marked it started
+/// before the timer's start panicked, so every later poll took it for a wait without a
+/// timer: `Pending` outside a runtime, and in one it waited for ever.)
+#[test]
+#[ignore = "fault: polled again after its timer panicked, an acquisition waits with no timeout"]
+fn an_acquisition_polled_again_after_its_timer_panicked_still_times_out() {
+    use std::panic::catch_unwind;
+
+    let b = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let _held = b.try_acquire().unwrap();
+    let mut waiting = Box::pin(b.acquire());
+    let mut poll_outside = || catch_unwind(AssertUnwindSafe(|| waiting.as_mut().now_or_never()));
+    assert!(poll_outside().is_err(), "no runtime for the timer");
+    assert!(poll_outside().is_err(), "no runtime for the timer, again");
+    assert_eq!(b.waiting(), 1, "still in the queue");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let waited =
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(3600), waiting).await });
+    assert_eq!(
+        waited.map(|r| r.map(drop)),
+        Ok(Err(AcquireError::TimedOut)),
+        "timed out, not waiting for an hour"
+    );
+    assert_eq!(b.waiting(), 0);
+    assert_eq!(b.stats().timed_out, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_permit_granted_at_the_deadline_wins_over_the_timeout() {
     let b = Bulkhead::builder(1)

@@ -215,7 +215,6 @@ async fn a_wait_times_out() {
 /// before the timer's start panicked, so every later poll took it for a wait without a
 /// timer: `Pending` outside a runtime, and in one it waited for ever.)
 #[test]
-#[ignore = "fault: polled again after its timer panicked, an acquisition waits with no timeout"]
 fn an_acquisition_polled_again_after_its_timer_panicked_still_times_out() {
     use std::panic::catch_unwind;
 

@@ -32,6 +32,9 @@ pub(crate) struct Waiter {
     /// `BulkheadStats::waited` counts. (Read only once it queued: the fast path and an
     /// adapter parked behind its own work read no clock.)
     since: Option<Instant>,
+    /// When the wait times out, from its first poll that queued (bounded waits with a
+    /// timeout only): the timer is started for it.
+    deadline: Option<Instant>,
     #[pin]
     timer: Option<Sleep>,
 }
@@ -44,6 +47,7 @@ impl Waiter {
             started: false,
             ticket: Ticket::default(),
             since: None,
+            deadline: None,
             timer: None,
         }
     }
@@ -56,6 +60,7 @@ impl Waiter {
             started: false,
             ticket: Ticket::default(),
             since: None,
+            deadline: None,
             timer: None,
         }
     }
@@ -87,11 +92,17 @@ impl Waiter {
             *this.since = Some(now);
             // A deadline, not `sleep(timeout)`: tokio caps a sleep at 30 years, which would
             // shed a longer timeout early. No deadline, no timer: the wait never times out.
-            if *this.bounded
-                && let Some(deadline) = core.wait_timeout().and_then(|t| deadline(now, t))
-            {
-                this.timer.set(Some(tokio::time::sleep_until(deadline)));
+            if *this.bounded {
+                *this.deadline = core.wait_timeout().and_then(|t| deadline(now, t));
             }
+        }
+        // Started here rather than with the deadline: starting it panics outside a tokio
+        // runtime, and a caller that catches the panic and polls again (in one) still has
+        // its wait time out at the deadline of its first poll.
+        if let Some(deadline) = *this.deadline
+            && this.timer.is_none()
+        {
+            this.timer.set(Some(tokio::time::sleep_until(deadline)));
         }
         if let Some(timer) = this.timer.as_pin_mut() {
             ready!(timer.poll(cx));

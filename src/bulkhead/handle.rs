@@ -132,6 +132,9 @@ impl Bulkhead {
     /// timer when it has to wait: it panics if it is polled outside a tokio runtime with
     /// timers enabled and finds no free permit. Without a timeout, or with one that ends past
     /// any instant the clock can tell (`Duration::MAX`), it starts none and needs no runtime.
+    /// A future that panicked so still waits in the queue: polled again, it panics again
+    /// outside a runtime, and in one it times out at the deadline its first wait set;
+    /// dropped, it leaves the queue.
     ///
     /// # Cancel safety
     ///

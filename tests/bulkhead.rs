@@ -2046,6 +2046,59 @@ fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
     assert_eq!(b.in_flight(), 0, "the permit is back");
 }
 
+/// `bulkhead_map` catches a panic raised as the permit of a mapped future comes back (user
+/// code runs there), so that its queue of futures drops every one of them, and resumes it
+/// after. The future in its slot is dropped the same way, on its own: dropped while a
+/// panic unwinds through the stream's holder, it resumed a caught panic during that
+/// unwinding, and the process aborted. Here the permit is the last owner of its bulkhead,
+/// and the adaptive algorithm's `Drop` panics as the bulkhead goes. The first panic goes on,
+/// the second is dropped, as a metrics recorder's is there.
+#[test]
+#[ignore = "fault: bulkhead_map resumes a panic caught returning a permit while unwinding (abort)"]
+fn a_panic_returning_a_permit_does_not_abort_an_ordered_adapter_dropped_by_unwinding() {
+    use flowgate::adaptive::{AdaptiveLimit, Sample};
+    use std::sync::atomic::AtomicBool;
+
+    /// An algorithm whose drop panics once `armed`.
+    #[derive(Debug, Clone)]
+    struct Bomb(Arc<AtomicBool>);
+    impl AdaptiveLimit for Bomb {
+        fn limit(&self) -> u32 {
+            2
+        }
+        fn update(&mut self, _: &Sample) -> u32 {
+            2
+        }
+        fn name(&self) -> &'static str {
+            "bomb"
+        }
+    }
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            if self.0.load(Ordering::SeqCst) {
+                panic!("the algorithm's drop panics");
+            }
+        }
+    }
+
+    let armed = Arc::new(AtomicBool::new(false));
+    let b = Bulkhead::builder(2)
+        .adaptive(Bomb(armed.clone()))
+        .build()
+        .unwrap();
+    let items = futures::stream::iter(0..1u32);
+    let mut s = Box::pin(items.bulkhead_map(b.clone(), |_| futures::future::pending::<u32>()));
+    drop(b);
+    assert!(futures::executor::block_on(async { poll!(s.next()) }).is_pending());
+    armed.store(true, Ordering::SeqCst);
+    let unwound = std::panic::catch_unwind(AssertUnwindSafe(move || {
+        let _s = s;
+        panic!("the work failed");
+    }));
+    let first = unwound.expect_err("the work panicked");
+    assert_eq!(first.downcast_ref::<&str>(), Some(&"the work failed"));
+}
+
 /// Drop `value` while the recorder panics on every change to `id`; the panic came.
 #[cfg(feature = "metrics")]
 fn drop_as_the_recorder_panics<T>(recorder: &support::TestRecorder, id: &str, value: T) {

@@ -2054,7 +2054,6 @@ fn a_panicking_recorder_does_not_abort_a_permit_dropped_by_unwinding() {
 /// and the adaptive algorithm's `Drop` panics as the bulkhead goes. The first panic goes on,
 /// the second is dropped, as a metrics recorder's is there.
 #[test]
-#[ignore = "fault: bulkhead_map resumes a panic caught returning a permit while unwinding (abort)"]
 fn a_panic_returning_a_permit_does_not_abort_an_ordered_adapter_dropped_by_unwinding() {
     use flowgate::adaptive::{AdaptiveLimit, Sample};
     use std::sync::atomic::AtomicBool;

@@ -35,7 +35,9 @@ struct Held(Option<OwnedBulkheadPermit>);
 
 impl Drop for Held {
     /// A panic while the permit is returned (a metrics recorder's, a waker's) is held back
-    /// while [`Running`] drops its queue, and resumed at once anywhere else.
+    /// while [`Running`] drops its queue, and resumed at once anywhere else, unless the
+    /// thread already unwinds (the future dropped by that unwinding): a second panic there
+    /// would abort the process, so it is dropped and the first one goes on.
     fn drop(&mut self) {
         let Some(permit) = self.0.take() else { return };
         let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| drop(permit))) else {
@@ -48,7 +50,9 @@ impl Drop for Held {
             }
             None => Some(payload),
         });
-        if let Some(payload) = resume {
+        if let Some(payload) = resume
+            && !std::thread::panicking()
+        {
             std::panic::resume_unwind(payload);
         }
     }

@@ -2181,7 +2181,6 @@ fn a_panicking_recorder_does_not_lose_the_permits_of_a_dropped_ordered_adapter()
 /// task waits on). Every future is now dropped, and the panic goes on.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a panicking recorder leaks the futures of a dropped unordered adapter"]
 fn a_panicking_recorder_does_not_leak_the_futures_of_a_dropped_unordered_adapter() {
     use flowgate::adaptive::Aimd;
     use std::sync::atomic::AtomicBool;

@@ -1,7 +1,5 @@
 //! `bulkhead_map`: map each item under a permit, yield in input order.
 
-use std::any::Any;
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
@@ -16,7 +14,7 @@ use pin_project::pin_project;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::acquire::OwnedBulkheadPermit;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::{Panic, learn_ok, poll_slot};
+use crate::bulkhead::slot::{Panic, Queue, held_back, learn_ok, poll_slot};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -34,55 +32,16 @@ pub(crate) struct Permitted<Fut> {
 struct Held(Option<OwnedBulkheadPermit>);
 
 impl Drop for Held {
-    /// A panic while the permit is returned (a metrics recorder's, a waker's) is held back
-    /// while [`Running`] drops its queue, and resumed at once anywhere else, unless the
-    /// thread already unwinds (the future dropped by that unwinding): a second panic there
-    /// would abort the process, so it is dropped and the first one goes on.
+    /// Its return runs user code (a metrics recorder, a waker): see [`held_back`].
     fn drop(&mut self) {
-        let Some(permit) = self.0.take() else { return };
-        let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| drop(permit))) else {
-            return;
-        };
-        let resume = HELD_PANIC.with(|held| match &mut *held.borrow_mut() {
-            Some(first) => {
-                first.get_or_insert(payload);
-                None
-            }
-            None => Some(payload),
-        });
-        if let Some(payload) = resume
-            && !std::thread::panicking()
-        {
-            std::panic::resume_unwind(payload);
+        if let Some(permit) = self.0.take() {
+            held_back(|| drop(permit));
         }
     }
 }
 
-thread_local! {
-    /// While a [`Running`] queue is dropped (`Some`): the first panic its permits' returns
-    /// raised.
-    static HELD_PANIC: RefCell<Option<Option<Box<dyn Any + Send>>>> = const { RefCell::new(None) };
-}
-
-/// The mapped futures behind the oldest. `FuturesOrdered` leaks every future still queued
-/// when the drop of one panics (on purpose), and their permits with them; so while it is
-/// dropped a permit's return holds its panic back (see [`Held`]), resumed once every permit
-/// is back (unless the thread is already unwinding).
-struct Running<Fut: Future>(FuturesOrdered<Caught<Permitted<Fut>>>);
-
-impl<Fut: Future> Drop for Running<Fut> {
-    fn drop(&mut self) {
-        let outer = HELD_PANIC.with(|held| held.borrow_mut().replace(None));
-        let queue = std::mem::take(&mut self.0);
-        let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(queue)));
-        let held = HELD_PANIC.with(|held| std::mem::replace(&mut *held.borrow_mut(), outer));
-        if let Some(payload) = dropped.err().or(held.flatten())
-            && !std::thread::panicking()
-        {
-            std::panic::resume_unwind(payload);
-        }
-    }
-}
+/// The mapped futures behind the oldest; dropped, every one of them is (see [`Queue`]).
+type Running<Fut> = Queue<FuturesOrdered<Caught<Permitted<Fut>>>>;
 
 impl<Fut: Future> Future for Permitted<Fut> {
     type Output = Finished<Fut::Output>;
@@ -231,7 +190,7 @@ where
             f,
             slot: None,
             done: VecDeque::new(),
-            running: Running(FuturesOrdered::new()),
+            running: Queue(FuturesOrdered::new()),
             panic: None,
         }
     }

@@ -13,7 +13,7 @@ use pin_project::pin_project;
 use crate::adaptive::Outcome;
 use crate::bulkhead::Bulkhead;
 use crate::bulkhead::feed::Feed;
-use crate::bulkhead::slot::{Panic, Timed, poll_slot};
+use crate::bulkhead::slot::{Panic, Queue, Timed, poll_slot};
 use crate::dropped::{Dropped, OnDrop};
 use crate::error::ConfigError;
 
@@ -49,8 +49,8 @@ pub struct BulkheadMapUnordered<St: Stream, F, Fut> {
     /// The first future in flight, polled in place.
     #[pin]
     slot: Option<Timed<Fut>>,
-    /// The others.
-    running: FuturesUnordered<Timed<Fut>>,
+    /// The others; dropped, every one of them is (see [`Queue`]).
+    running: Queue<FuturesUnordered<Timed<Fut>>>,
     #[pin]
     feed: Feed<St>,
     f: F,
@@ -112,7 +112,7 @@ where
     ) -> Self {
         BulkheadMapUnordered {
             slot: None,
-            running: FuturesUnordered::new(),
+            running: Queue(FuturesUnordered::new()),
             feed: Feed::new(stream, bulkhead, on_drop),
             f,
             panic: None,
@@ -145,7 +145,7 @@ where
 impl<St: Stream, F, Fut> BulkheadMapUnordered<St, F, Fut> {
     /// Mapped futures in flight.
     fn in_flight(&self) -> usize {
-        self.running.len() + usize::from(self.slot.is_some())
+        self.running.0.len() + usize::from(self.slot.is_some())
     }
 }
 
@@ -175,18 +175,18 @@ where
             // in the free slot is polled at once.
             let was_free = this.slot.is_none();
             while let Some(item) = {
-                let own = usize::from(this.slot.is_some()) + this.running.len();
+                let own = usize::from(this.slot.is_some()) + this.running.0.len();
                 this.feed.as_mut().poll_start(cx, own)
             } {
                 let fut = Timed::new((this.f)(item), this.feed.start());
-                if place(this.slot.as_mut(), this.running, fut) {
+                if place(this.slot.as_mut(), &mut this.running.0, fut) {
                     break;
                 }
             }
             if was_free && this.slot.is_some() {
                 continue;
             }
-            match this.running.poll_next_unpin(cx) {
+            match this.running.0.poll_next_unpin(cx) {
                 Poll::Ready(Some(out)) => break out,
                 Poll::Ready(None) if this.slot.is_none() && this.feed.is_done() => {
                     return Poll::Ready(None);
@@ -207,7 +207,7 @@ where
             match this.feed.as_mut().poll_ready_item(cx) {
                 Some(item) if this.feed.may_keep() => {
                     let fut = Timed::new((this.f)(item), this.feed.start());
-                    place(this.slot.as_mut(), this.running, fut);
+                    place(this.slot.as_mut(), &mut this.running.0, fut);
                 }
                 next => {
                     if let Some(item) = next {

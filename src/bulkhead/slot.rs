@@ -1,6 +1,7 @@
 //! The slot of the bulkhead stream adapters: one mapped future polled in place.
 
 use std::any::Any;
+use std::cell::RefCell;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -46,9 +47,59 @@ impl<Fut: Future> Future for Timed<Fut> {
 
 #[pinned_drop]
 impl<Fut> PinnedDrop for Timed<Fut> {
+    /// The sample runs user code (a metrics recorder): see [`held_back`].
     fn drop(self: Pin<&mut Self>) {
         if let Some((grant, core)) = self.project().sample.take() {
-            core.record(grant, Outcome::Ignored);
+            held_back(|| core.record(grant, Outcome::Ignored));
+        }
+    }
+}
+
+thread_local! {
+    /// While a [`Queue`] drops its futures (`Some`): the first panic their drops raised.
+    static HELD_PANIC: RefCell<Option<Option<Box<dyn Any + Send>>>> = const { RefCell::new(None) };
+}
+
+/// Run `f`, user code run by the drop of a future in flight (its permit's return, its
+/// `Ignored` sample: a metrics recorder, a waker). Its panic is held back while a [`Queue`]
+/// drops its futures, resumed at once anywhere else, unless the thread already unwinds (the
+/// future dropped by that unwinding): a second panic there would abort the process, so it
+/// is dropped and the first one goes on.
+pub(crate) fn held_back(f: impl FnOnce()) {
+    let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(f)) else {
+        return;
+    };
+    let resume = HELD_PANIC.with(|held| match &mut *held.borrow_mut() {
+        Some(first) => {
+            first.get_or_insert(payload);
+            None
+        }
+        None => Some(payload),
+    });
+    if let Some(payload) = resume
+        && !std::thread::panicking()
+    {
+        std::panic::resume_unwind(payload);
+    }
+}
+
+/// The futures in flight behind an adapter's slot (a `FuturesOrdered` or
+/// `FuturesUnordered`). Those leak every future still queued when the drop of one panics
+/// (on purpose), and all those futures own with them; so while it is dropped the futures'
+/// drops hold their panics back (see [`held_back`]), resumed once every future is dropped
+/// (unless the thread is already unwinding).
+pub(crate) struct Queue<Q: Default>(pub(crate) Q);
+
+impl<Q: Default> Drop for Queue<Q> {
+    fn drop(&mut self) {
+        let outer = HELD_PANIC.with(|held| held.borrow_mut().replace(None));
+        let queue = std::mem::take(&mut self.0);
+        let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(queue)));
+        let held = HELD_PANIC.with(|held| std::mem::replace(&mut *held.borrow_mut(), outer));
+        if let Some(payload) = dropped.err().or(held.flatten())
+            && !std::thread::panicking()
+        {
+            std::panic::resume_unwind(payload);
         }
     }
 }

@@ -462,7 +462,23 @@ where
                 }),
             )
             .await;
-        self.metrics.latency.record(started.elapsed().as_secs_f64());
+        let latency = started.elapsed();
+        // The gate's state first, then the metrics: a recorder that panics takes the
+        // answer from this caller, not from the gate's health.
+        let settled = self.settle(reply, len, regular, within);
+        self.metrics.latency.record(latency.as_secs_f64());
+        settled
+    }
+
+    /// What `reply` (to a call made `regular`ly, given `within`, expecting `len` values)
+    /// comes to, the gate's health moved by it.
+    fn settle(
+        &self,
+        reply: Option<redis::RedisResult<Vec<i64>>>,
+        len: usize,
+        regular: bool,
+        within: Duration,
+    ) -> Result<Vec<i64>, CallError> {
         let error = match reply {
             Some(Ok(v)) if v.len() == len => {
                 self.answered();
@@ -533,7 +549,6 @@ where
 
     /// [`fail`](Backend::fail), with the next probe `until_probe` from now.
     fn fail_probing(&self, error: GateError, until_probe: Duration) -> CallError {
-        self.metrics.failures.increment(1);
         let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
         let next_probe = Instant::now() + until_probe;
         let was_healthy = matches!(*health, Health::Healthy);
@@ -545,6 +560,8 @@ where
             self.metrics.degraded.set(1.0);
         }
         drop(health);
+        // Counted once the gate is degraded: a recorder that panics keeps nothing from it.
+        self.metrics.failures.increment(1);
         if was_healthy {
             self.metrics.to_degraded.increment(1);
             // A dropped idle connection is probed at once: not "probing in 0ns".
@@ -574,10 +591,15 @@ where
         if let Health::Degraded { .. } = *health {
             *health = Health::Healthy;
             self.degraded.store(false, Ordering::Release);
-            // Under the lock, as in `fail`.
-            self.metrics.degraded.set(0.0);
-            drop(health);
-            self.reset();
+            // Under the lock, as in `fail`; what Redis may have lost is let go of even if
+            // the recorder panics here (the panic goes on after).
+            crate::dropped::recorded_then(
+                || self.metrics.degraded.set(0.0),
+                || {
+                    drop(health);
+                    self.reset();
+                },
+            );
             self.metrics.to_healthy.increment(1);
             tracing::info!(
                 gate = self.name.as_deref().unwrap_or(crate::metrics::DEFAULT_NAME),
@@ -621,16 +643,19 @@ mod tests {
 
     use super::*;
 
-    /// A connection that is never used.
+    /// A connection whose every call answers `[1]`, or (`Fake(false)`) never answers.
     #[derive(Clone)]
-    struct NoRedis;
+    struct Fake(bool);
 
-    impl ConnectionLike for NoRedis {
+    impl ConnectionLike for Fake {
         fn req_packed_command<'a>(
             &'a mut self,
             _: &'a redis::Cmd,
         ) -> redis::RedisFuture<'a, redis::Value> {
-            Box::pin(std::future::pending())
+            match self.0 {
+                true => Box::pin(async { Ok(redis::Value::Array(vec![redis::Value::Int(1)])) }),
+                false => Box::pin(std::future::pending()),
+            }
         }
         fn req_packed_commands<'a>(
             &'a mut self,
@@ -659,30 +684,6 @@ mod tests {
         }
         fn set(&self, _: f64) {
             (self.0)();
-        }
-    }
-
-    /// A connection whose every call answers `[1]`.
-    #[derive(Clone)]
-    struct AnswersOne;
-
-    impl ConnectionLike for AnswersOne {
-        fn req_packed_command<'a>(
-            &'a mut self,
-            _: &'a redis::Cmd,
-        ) -> redis::RedisFuture<'a, redis::Value> {
-            Box::pin(async { Ok(redis::Value::Array(vec![redis::Value::Int(1)])) })
-        }
-        fn req_packed_commands<'a>(
-            &'a mut self,
-            _: &'a redis::Pipeline,
-            _: usize,
-            _: usize,
-        ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-            Box::pin(std::future::pending())
-        }
-        fn get_db(&self) -> i64 {
-            0
         }
     }
 
@@ -736,7 +737,7 @@ mod tests {
     /// one left (set after the lock, the later transition's gauge could be set first).
     #[test]
     fn the_degraded_gauge_moves_with_the_state_under_its_lock() {
-        let backend: Arc<OnceLock<Backend<NoRedis>>> = Arc::default();
+        let backend: Arc<OnceLock<Backend<Fake>>> = Arc::default();
         // (the health lock was held, the gauge's new state) at each change of the gauge.
         let seen: Arc<Mutex<Vec<(bool, bool)>>> = Arc::default();
         let hook: Hook = {
@@ -750,7 +751,14 @@ mod tests {
         let recorder = HookRecorder(hook, names::DEGRADED);
         let second = Duration::from_secs(1);
         let built = metrics::with_local_recorder(&recorder, || {
-            Backend::new(NoRedis, second, second, None, "error", &Labels::new(None))
+            Backend::new(
+                Fake(false),
+                second,
+                second,
+                None,
+                "error",
+                &Labels::new(None),
+            )
         });
         let _ = backend.set(built);
         let b = backend.get().unwrap();
@@ -764,7 +772,6 @@ mod tests {
     /// panic goes on to the caller, the gate's state is what the answer says, and a
     /// recovery lets go of what Redis may have lost.
     #[test]
-    #[ignore = "fault: the latency was recorded before the answer was settled, a failure counted before the gate degraded, and the degraded gauge set before a recovery's reset, so a panic there left the gate healthy after a failure, degraded after a success, or its rejection cache kept"]
     fn a_recorder_panicking_on_a_calls_metrics_keeps_the_answer_from_the_gates_health() {
         for metric in [names::LATENCY, names::FAILURES, names::DEGRADED] {
             answer_settles_despite_a_recorder_panicking_on(metric);
@@ -778,7 +785,7 @@ mod tests {
         let resets = Arc::new(AtomicU64::new(0));
         let b = metrics::with_local_recorder(&recorder, || {
             Backend::new(
-                AnswersOne,
+                Fake(true),
                 second,
                 second,
                 None,

@@ -817,3 +817,62 @@ mod tests {
         assert_eq!(gate.inner.quotas.len(), 0);
     }
 }
+
+#[cfg(test)]
+mod races {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+    use crate::rate::Rate;
+
+    /// Requests on pairs of three shared buckets ([a, b], [b, c], [c, a]), raced from four
+    /// threads until every bucket is empty: each bucket is charged exactly once per admitted
+    /// request naming it, never by one refused, and never past its burst.
+    #[test]
+    fn racing_check_alls_charge_exactly_the_admitted_requests() {
+        let burst = 1_000u32;
+        let quota =
+            Quota::new(Rate::per(burst, Duration::from_secs(3_600)).unwrap(), burst).unwrap();
+        for round in 0..20 {
+            let gate = MemoryGate::new(Limit::TokenBucket(quota));
+            let keys = [
+                format!("a{round}"),
+                format!("b{round}"),
+                format!("c{round}"),
+            ];
+            let pairs = [(0, 1), (1, 2), (2, 0)];
+            let admitted: [AtomicU64; 3] = Default::default();
+            std::thread::scope(|s| {
+                for t in 0..4 {
+                    let (gate, keys, admitted) = (&gate, &keys, &admitted);
+                    s.spawn(move || {
+                        for i in 0..2_000usize {
+                            let p = (i + t) % 3;
+                            let (x, y) = pairs[p];
+                            let limits = [(keys[x].as_str(), quota), (keys[y].as_str(), quota)];
+                            let d = gate.check_all(&limits, 1).unwrap();
+                            assert_eq!(d[0].allowed, d[1].allowed);
+                            if d[0].allowed {
+                                admitted[p].fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    });
+                }
+            });
+            let n: Vec<u64> = admitted.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+            for (k, key) in keys.iter().enumerate() {
+                // Requests naming bucket k: pair k ([k, k+1]) and pair k-1 ([k-1, k]).
+                let charged = n[k] + n[(k + 2) % 3];
+                assert!(charged <= u64::from(burst), "{key}: {charged} charged");
+                let left = gate.check_all(&[(key.as_str(), quota)], 1).unwrap()[0];
+                let expected = u64::from(burst) - charged;
+                if expected == 0 {
+                    assert!(!left.allowed, "{key}: {left:?}");
+                } else {
+                    assert!(left.allowed, "{key}: {left:?}");
+                    assert_eq!(left.remaining, expected - 1, "{key}: {n:?}");
+                }
+            }
+        }
+    }
+}

@@ -228,7 +228,6 @@ mod tests {
     /// An item discarded while the metrics recorder panics counting it still reaches the
     /// hook: it was taken, the count panicked, and it went down with the unwinding.
     #[test]
-    #[ignore = "fault: a discarded item never reaches the hook when the recorder panics counting it"]
     fn a_discarded_item_reaches_the_hook_when_the_recorder_panics() {
         let recorder = PanickingRecorder::default();
         let counter =

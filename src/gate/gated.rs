@@ -120,7 +120,9 @@ enum State<Key> {
 ///
 /// A key or cost function that panics panics the poll, and so does a gate whose decision
 /// panics. The item stays at the gate: the next poll calls the functions again and asks the
-/// gate again, and a stream dropped instead reports it as [`Dropped::Discarded`].
+/// gate again, and a stream dropped instead reports it as [`Dropped::Discarded`]. A gate
+/// whose metrics recorder panics as it counts a decision has decided by then: what it
+/// admitted stays charged, and the item asked again is charged again.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K: KeyFn<S::Item>, C = UnitCost<<S as Stream>::Item>> {

@@ -162,6 +162,9 @@ impl Inner {
 /// `flowgate_gated_dropped_total{reason="gate_error"}`, the HTTP rate-limit layer counts the
 /// request as `bad_request`). The three gates count alike.
 ///
+/// A decision is counted once made, after the shard's lock: a metrics recorder that panics
+/// there panics the call, and what it admitted stays charged.
+///
 /// # Examples
 ///
 /// ```

@@ -1086,7 +1086,6 @@ async fn a_panicking_drop_hook_leaves_the_leaky_queue_counted_and_usable() {
 /// it.
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: the drop was recorded before the hook ran, and the item went down with the recorder's panic"]
 async fn a_recorder_panicking_as_the_leaky_queue_counts_a_drop_keeps_the_item_from_the_hook() {
     use futures::FutureExt;
     let recorder = support::TestRecorder::default();
@@ -1113,6 +1112,18 @@ async fn a_recorder_panicking_as_the_leaky_queue_counts_a_drop_keeps_the_item_fr
         "the dropped item reaches the hook"
     );
     assert_eq!(queue.dropped(), 1);
+    // The queue dropped with 0 and 1 in it, the recorder panicking on their count.
+    recorder.panic_on(
+        "flowgate_pace_dropped_total{name=panicky,policy=closed}",
+        true,
+    );
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(queue)));
+    assert!(unwound.is_err(), "the recorder's panic goes on");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [2, 0, 1],
+        "the queued items reach the hook"
+    );
 }
 
 /// An upstream that panics partway through a fill panics the poll, with the depth gauge

@@ -15,7 +15,7 @@ use pin_project::pin_project;
 use tokio::time::Sleep;
 
 use crate::demand::{BatchSource, Levels};
-use crate::dropped::{Dropped, OnDrop};
+use crate::dropped::{Dropped, OnDrop, recorded_then};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Counter, Gauge, Labels};
 
@@ -396,14 +396,22 @@ impl<T> Drop for Buffer<T> {
         if left == 0 {
             return;
         }
-        self.discarded.increment(left as u64);
-        self.gauge.set(0.0);
         self.queued_items = 0;
-        if let Some(hook) = &self.on_drop {
-            for item in self.current.by_ref().chain(self.queued.drain(..).flatten()) {
-                hook.call(item, &Dropped::Discarded);
-            }
-        }
+        // Every item to the hook, even if the recorder panics as they are counted (the
+        // panic goes on after: see `recorded_then`).
+        recorded_then(
+            || {
+                self.discarded.increment(left as u64);
+                self.gauge.set(0.0);
+            },
+            || {
+                if let Some(hook) = &self.on_drop {
+                    for item in self.current.by_ref().chain(self.queued.drain(..).flatten()) {
+                        hook.call(item, &Dropped::Discarded);
+                    }
+                }
+            },
+        );
     }
 }
 

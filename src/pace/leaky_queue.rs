@@ -10,7 +10,7 @@ use futures::Stream;
 use futures::stream::{Fuse, FusedStream, StreamExt};
 use pin_project::pin_project;
 
-use crate::dropped::{Dropped, OnDrop};
+use crate::dropped::{Dropped, OnDrop, recorded_then};
 use crate::error::ConfigError;
 use crate::metrics::{Counter, Gauge, Labels};
 use crate::overflow::Overflow;
@@ -61,8 +61,12 @@ impl<T> Queue<T> {
     /// depth gauge, which [`Filling`] sets).
     fn drop_item(&mut self, item: T, why: &Dropped) {
         self.dropped += 1;
-        self.metrics.dropped.increment(1);
-        self.hook(item, why);
+        // A recorder that panics as the drop is counted keeps it from the hook no more than
+        // a panicking hook keeps it from the count (see `recorded_then`).
+        recorded_then(
+            || self.metrics.dropped.increment(1),
+            || self.hook(item, why),
+        );
     }
 
     fn hook(&self, item: T, why: &Dropped) {
@@ -86,11 +90,18 @@ impl<T> Drop for Filling<'_, T> {
 impl<T> Drop for Queue<T> {
     fn drop(&mut self) {
         let left = self.items.len();
-        self.metrics.closed.increment(left as u64);
-        self.metrics.depth.set(0.0);
-        while let Some(item) = self.items.pop_front() {
-            self.hook(item, &Dropped::Discarded);
-        }
+        let items = std::mem::take(&mut self.items);
+        recorded_then(
+            || {
+                self.metrics.closed.increment(left as u64);
+                self.metrics.depth.set(0.0);
+            },
+            || {
+                for item in items {
+                    self.hook(item, &Dropped::Discarded);
+                }
+            },
+        );
     }
 }
 

@@ -209,8 +209,11 @@ fn polite_client_backs_off_a_dead_server_once_its_budget_is_empty() {
 
 /// Arguments out of range are refused at once, with what to give instead: a run of 10^11
 /// seconds aborted allocating its per-second counts, a million clients never got going.
+/// A bad argument exits with code 2, as in the other examples (it used to be 1, the code
+/// of a failed run).
 #[cfg(feature = "http")]
 #[test]
+#[ignore = "fault: polite_client exits 1 on a bad argument, where the other examples exit 2"]
 fn polite_client_refuses_runs_it_cannot_make() {
     let url = format!("http://127.0.0.1:{}/", closed_port());
     for (arg, value) in [("--secs", "100000000000"), ("--clients", "1000000")] {
@@ -221,7 +224,7 @@ fn polite_client_refuses_runs_it_cannot_make() {
         let (stdout, stderr) = text(&out);
         assert_eq!(
             out.status.code(),
-            Some(1),
+            Some(2),
             "{arg} {value}: {stdout}\n{stderr}"
         );
         assert!(stdout.is_empty(), "{arg} {value}: ran:\n{stdout}");
@@ -576,4 +579,61 @@ fn http_server_finishes_what_is_in_flight_when_terminated() {
         "the report under way was cut off: {answer:?}"
     );
     assert!(status.success(), "http_server ended with {status}");
+}
+
+/// `output()` of `cmd`, or `None` (the process killed) when it has not ended within `secs`.
+fn output_within(cmd: &mut Command, secs: u64) -> Option<Output> {
+    use std::time::{Duration, Instant};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the example runs");
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().expect("its status").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(child.wait_with_output().expect("its output"))
+}
+
+/// The examples that take no arguments say so: `--help` prints a usage line and stops, a
+/// typo is refused naming it (exit code 2). They used to ignore every argument: `--help`
+/// ran the whole tour, and `http_server --help` started serving.
+#[test]
+#[ignore = "fault: the examples without arguments ignore them (--help runs, http_server serves)"]
+fn examples_without_arguments_refuse_them() {
+    let mut names = vec!["quickstart", "bulkhead", "shaping"];
+    if cfg!(feature = "redis") {
+        names.push("consumer_loop");
+    }
+    if cfg!(feature = "http") {
+        names.push("http_server");
+    }
+    for name in names {
+        let run = |arg: &str| {
+            let mut cmd = example(name);
+            cmd.arg(arg).env("PORT", "0").env_remove("REDIS_URL");
+            output_within(&mut cmd, 60).unwrap_or_else(|| panic!("{name} {arg} did not stop"))
+        };
+        let help = run("--help");
+        let (stdout, stderr) = text(&help);
+        assert_eq!(help.status.code(), Some(0), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stdout.starts_with(&format!("usage: {name}")) && stdout.lines().count() == 1,
+            "{name} --help: {stdout}"
+        );
+        let typo = run("--bogus");
+        let (stdout, stderr) = text(&typo);
+        assert_eq!(typo.status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(stdout.is_empty(), "{name} --bogus ran:\n{stdout}");
+        assert!(
+            stderr.contains("unknown argument \"--bogus\"") && stderr.contains("usage:"),
+            "{name} --bogus: {stderr}"
+        );
+    }
 }

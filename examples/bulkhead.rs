@@ -15,6 +15,9 @@
 //! The clock is tokio's paused virtual clock, so the run is deterministic and finishes in
 //! well under a second. Run with `cargo run --example bulkhead`.
 
+#[path = "support/no_args.rs"]
+mod no_args;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -109,6 +112,9 @@ fn percentiles(v: &mut [Duration]) -> String {
 
 #[tokio::main(flavor = "current_thread", start_paused = true)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    no_args::refuse_arguments(
+        "usage: bulkhead (no arguments: a downstream past its knee, without and with a bulkhead)",
+    );
     println!(
         "{REQUESTS} requests, one every {ARRIVAL_EVERY:?}; downstream: {BASE_LATENCY:?} up to \
          {KNEE} concurrent calls, +{PER_CALL_ABOVE_KNEE:?} per call above\n"

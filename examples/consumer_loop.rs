@@ -20,6 +20,9 @@
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example consumer_loop
 //! ```
 
+#[path = "support/no_args.rs"]
+mod no_args;
+
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -325,6 +328,9 @@ async fn consume(
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    no_args::refuse_arguments(
+        "usage: consumer_loop (no arguments; with REDIS_URL, it reads a Redis Streams group)",
+    );
     let start = Instant::now();
     let result = match std::env::var("REDIS_URL") {
         Ok(url) => redis_streams(&url).await,

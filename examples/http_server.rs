@@ -27,6 +27,9 @@
 //! it fails or is slower than 50 ms later, each instance falls back to its own in-memory
 //! gate until Redis answers again).
 
+#[path = "support/no_args.rs"]
+mod no_args;
+
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -45,6 +48,9 @@ use sha2::{Digest, Sha256};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    no_args::refuse_arguments(
+        "usage: http_server (no arguments; PORT: its port, 3000 unless set; REDIS_URL: its Redis)",
+    );
     // flowgate's own log lines on stderr: the rejection summary (at most once a minute, with
     // the keys rejected most) and, with `REDIS_URL`, the fall back to memory and the return.
     tracing_subscriber::fmt()

@@ -33,7 +33,8 @@
 //! Every second it prints what the server answered (2xx/s, 429/s, and other/s: any other
 //! status, or no answer) and the retries of the jobs finished that second, then a table of
 //! both runs side by side, and the first failure of a run that had any. It exits with an
-//! error when no request succeeded (no server at `--url`).
+//! error when no request succeeded (no server at `--url`): code 1; a bad argument exits
+//! with code 2.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -101,7 +102,9 @@ fn args() -> Result<Args, BoxError> {
                 args.url = Some(v);
             }
             "-h" | "--help" => {
-                println!("polite_client [--secs N] [--clients N] [--url http://host:port/path]");
+                println!(
+                    "usage: polite_client [--secs N] [--clients N] [--url http://host:port/path]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)").into()),
@@ -450,7 +453,15 @@ async fn serve() -> Result<String, BoxError> {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    match run_all().await {
+    // A bad argument exits with 2, as in the other examples; a failed run with 1.
+    let args = match args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match run_all(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -459,8 +470,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run_all() -> Result<(), BoxError> {
-    let args = args()?;
+async fn run_all(args: Args) -> Result<(), BoxError> {
     let url = match &args.url {
         Some(url) => url.clone(),
         None => {

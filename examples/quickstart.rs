@@ -2,6 +2,9 @@
 //!
 //! Run with `cargo run --example quickstart`.
 
+#[path = "support/no_args.rs"]
+mod no_args;
+
 use std::time::Duration;
 
 use flowgate::bulkhead::{AcquireError, Bulkhead};
@@ -14,6 +17,9 @@ use futures::StreamExt;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    no_args::refuse_arguments(
+        "usage: quickstart (no arguments: a tour of flowgate on the in-memory defaults)",
+    );
     // 1. Value types validate their input: a typed error, never a panic.
     let quota = Quota::per_second(5)?.burst(10)?;
     println!("quota: {quota}");

@@ -213,7 +213,6 @@ fn polite_client_backs_off_a_dead_server_once_its_budget_is_empty() {
 /// of a failed run).
 #[cfg(feature = "http")]
 #[test]
-#[ignore = "fault: polite_client exits 1 on a bad argument, where the other examples exit 2"]
 fn polite_client_refuses_runs_it_cannot_make() {
     let url = format!("http://127.0.0.1:{}/", closed_port());
     for (arg, value) in [("--secs", "100000000000"), ("--clients", "1000000")] {
@@ -605,7 +604,6 @@ fn output_within(cmd: &mut Command, secs: u64) -> Option<Output> {
 /// typo is refused naming it (exit code 2). They used to ignore every argument: `--help`
 /// ran the whole tour, and `http_server --help` started serving.
 #[test]
-#[ignore = "fault: the examples without arguments ignore them (--help runs, http_server serves)"]
 fn examples_without_arguments_refuse_them() {
     let mut names = vec!["quickstart", "bulkhead", "shaping"];
     if cfg!(feature = "redis") {

@@ -22,6 +22,8 @@
 
 #[path = "support/no_args.rs"]
 mod no_args;
+#[path = "support/redis_url.rs"]
+mod redis_url;
 
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
@@ -164,21 +166,18 @@ fn id_of(offset: Option<u64>) -> String {
 
 async fn redis_streams(url: &str) -> Result<(), Error> {
     const ENTRIES: u64 = 1_000;
-    let connected = match redis::Client::open(url) {
-        Ok(client) => client
-            .get_multiplexed_async_connection()
-            .await
-            .map(|con| (client, con)),
-        Err(e) => Err(e),
-    };
-    let (client, mut con) = connected.unwrap_or_else(|e| {
-        eprintln!("cannot connect to Redis at REDIS_URL={url}: {e}");
-        eprintln!(
-            "start one: `redis-server --save \"\" --appendonly no &`, or unset REDIS_URL to \
+    let client = redis_url::client(url);
+    let mut con = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| {
+            eprintln!("cannot connect to Redis at REDIS_URL={url}: {e}");
+            eprintln!(
+                "start one: `redis-server --save \"\" --appendonly no &`, or unset REDIS_URL to \
              run on the in-memory source"
-        );
-        std::process::exit(1);
-    });
+            );
+            std::process::exit(1);
+        });
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
     let key = format!(
         "flowgate:consumer_loop:{}:{}",

@@ -22,6 +22,9 @@
 //! decision succeeds) and the run goes on; each worker reports its errors and one of
 //! them.
 
+#[path = "support/redis_url.rs"]
+mod redis_url;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -56,11 +59,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(2);
         }
     };
-    let connected = match redis::Client::open(url.as_str()) {
-        Ok(client) => client.get_multiplexed_async_connection().await,
-        Err(e) => Err(e),
-    };
-    let con = connected.unwrap_or_else(|e| no_redis(&url, &e));
+    let con = redis_url::client(&url)
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| no_redis(&url, &e));
     if let Some((prefix, start_ms)) = worker_of {
         return worker(con, prefix, start_ms).await;
     }

@@ -29,6 +29,9 @@
 
 #[path = "support/no_args.rs"]
 mod no_args;
+#[cfg(feature = "redis")]
+#[path = "support/redis_url.rs"]
+mod redis_url;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -232,7 +235,7 @@ async fn redis_gate(
 
     // Once running, the gate falls back by itself; at startup, say what to do instead, in a
     // second or so (the manager's default retries take some 10 s to give up).
-    let client = redis::Client::open(url).unwrap_or_else(|e| no_redis(url, &e));
+    let client = redis_url::client(url);
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_number_of_retries(2);

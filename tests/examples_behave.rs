@@ -641,7 +641,6 @@ fn examples_without_arguments_refuse_them() {
 /// `redis-server`, which would not have helped.
 #[cfg(feature = "redis")]
 #[test]
-#[ignore = "fault: a REDIS_URL that does not parse is told to start a redis-server"]
 fn examples_refuse_a_redis_url_that_does_not_parse() {
     let mut names = vec!["distributed", "consumer_loop"];
     if cfg!(feature = "http") {

@@ -70,7 +70,12 @@ fn args() -> Result<Args, Box<dyn Error>> {
     while let Some(arg) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
         match arg.as_str() {
-            "--url" => args.url = Some(value()?),
+            "--url" => {
+                let v = value()?;
+                // Refused now, naming the flag, before anything is printed.
+                knee_http::loopback_uri(&v).map_err(|e| format!("--url {v:?}: {e}"))?;
+                args.url = Some(v);
+            }
             "--knee" => args.knee = in_flight("--knee", &value()?)?,
             "--max-concurrency" => {
                 args.max_concurrency = Some(in_flight("--max-concurrency", &value()?)?);

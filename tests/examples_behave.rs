@@ -664,7 +664,6 @@ fn examples_refuse_a_redis_url_that_does_not_parse() {
 /// value, before anything is printed; it used to say "the plot goes to …" first, then
 /// refuse the scheme or host without naming `--url`.
 #[test]
-#[ignore = "fault: knee refuses a bad --url after printing where its plot goes, not naming --url"]
 fn knee_refuses_a_bad_url_naming_the_flag() {
     for url in ["ftp://127.0.0.1/", "http://192.0.2.1/"] {
         let out = example("knee")

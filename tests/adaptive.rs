@@ -1590,7 +1590,6 @@ proptest::proptest! {
 /// and the pacer kept pacing at the cut's 70/s, above the 10/s the controller had set.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a rate gauge panicking in AdaptivePacer's hand-over skips the latest-rate recheck"]
 fn a_panicking_rate_gauge_leaves_the_adaptive_pacer_at_the_latest_rate() {
     use std::future::Future;
     use std::sync::atomic::{AtomicBool, Ordering};

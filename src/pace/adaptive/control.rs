@@ -2,6 +2,7 @@
 //! rate to the pacer.
 
 use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::time::Duration;
 
@@ -143,14 +144,23 @@ impl Shared {
     /// Hand a rate from [`apply`](Self::apply) to the pacer and the gauge; call without the
     /// control lock. Two callers may hand over in the opposite order to the one they applied
     /// in: each checks afterwards that the pacer has the latest applied rate, and hands that
-    /// over if not, so the last word is always the latest rate.
+    /// over if not, so the last word is always the latest rate. A metrics recorder that
+    /// panics as the gauge is set (user code) does not skip that check: its panic is caught,
+    /// and resumed once the pacer has the latest rate.
     pub(super) fn hand_over(&self, mut rate: Option<f64>) {
+        let mut panicked = None;
         while let Some(r) = rate {
             self.pacer
                 .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
-            self.rate_gauge.set(r);
+            let set = std::panic::catch_unwind(AssertUnwindSafe(|| self.rate_gauge.set(r)));
+            if let Err(panic) = set {
+                panicked.get_or_insert(panic);
+            }
             let latest = self.lock().applied;
             rate = (latest != r).then_some(latest);
+        }
+        if let Some(panic) = panicked {
+            std::panic::resume_unwind(panic);
         }
     }
 }

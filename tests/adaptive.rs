@@ -1229,7 +1229,6 @@ fn a_panicking_recorder_does_not_keep_a_sample_from_the_bulkhead() {
 /// stayed at 20, and at 19 after the next sample raised the limit to 19.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a panicking sample counter keeps the adaptive bulkhead's gauges from the sample's change"]
 fn a_panicking_sample_counter_leaves_the_bulkhead_gauges_at_the_applied_limit() {
     use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -2,6 +2,7 @@
 //! their metrics.
 
 use std::fmt;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -123,16 +124,25 @@ pub(crate) struct Published<'a> {
 
 impl Published<'_> {
     /// Count the sample and move the gauges: user code, so with no lock held, and last.
+    /// Each is recorded whatever the ones before did: a change a recorder's panic skipped
+    /// would be lost for good (the next one is worked out from the value published), so a
+    /// panic is caught and resumed once all are recorded.
     pub(crate) fn publish(self) {
         let metrics = &self.adaptive.metrics;
-        metrics.samples[self.outcome].increment(1);
+        let count = || metrics.samples[self.outcome].increment(1);
         let gauges = [
             &metrics.max_in_flight,
             &metrics.rtt_min,
             &metrics.rtt_smoothed,
         ];
+        let mut panicked = std::panic::catch_unwind(AssertUnwindSafe(count)).err();
         for (gauge, change) in gauges.into_iter().zip(self.changes) {
-            gauge.add(change);
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| gauge.add(change))) {
+                panicked.get_or_insert(panic);
+            }
+        }
+        if let Some(panic) = panicked {
+            std::panic::resume_unwind(panic);
         }
     }
 }

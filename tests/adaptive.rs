@@ -1631,9 +1631,6 @@ fn a_panicking_rate_gauge_leaves_the_adaptive_pacer_at_the_latest_rate() {
     use std::sync::mpsc;
     use std::task::{Context, Wake, Waker};
 
-    use flowgate::Rate;
-    use flowgate::pace::AdaptivePacer;
-
     /// Wakes once into `woken`, then waits for `go`: the interleaving a preempted thread
     /// would give, made certain.
     struct Stall {
@@ -1653,20 +1650,7 @@ fn a_panicking_rate_gauge_leaves_the_adaptive_pacer_at_the_latest_rate() {
         }
     }
 
-    let recorder = recorder::TestRecorder::default();
-    let panics = Arc::new(AtomicBool::new(false));
-    let armed = panics.clone();
-    recorder.on_gauge(move || {
-        if armed.swap(false, Ordering::SeqCst) {
-            panic!("the recorder panics");
-        }
-    });
-    let adaptive = metrics::with_local_recorder(&recorder, || {
-        AdaptivePacer::builder(Rate::per_second(100).unwrap())
-            .name("race")
-            .build()
-            .unwrap()
-    });
+    let (recorder, panics, adaptive) = panicky_pacer("race");
     let gauge = || recorder.gauge("flowgate_pace_adaptive_rate{name=race}");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -1727,28 +1711,11 @@ fn a_panicking_rate_gauge_leaves_the_adaptive_pacer_at_the_latest_rate() {
 /// skipped both.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a panicking rate gauge keeps an AdaptivePacer's pause and cut from their counters"]
 fn a_panicking_rate_gauge_keeps_the_adaptive_pacer_cut_counted() {
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
 
-    use flowgate::Rate;
-    use flowgate::pace::AdaptivePacer;
-
-    let recorder = recorder::TestRecorder::default();
-    let panics = Arc::new(AtomicBool::new(false));
-    let armed = panics.clone();
-    recorder.on_gauge(move || {
-        if armed.swap(false, Ordering::SeqCst) {
-            panic!("the recorder panics");
-        }
-    });
-    let adaptive = metrics::with_local_recorder(&recorder, || {
-        AdaptivePacer::builder(Rate::per_second(100).unwrap())
-            .name("counted")
-            .build()
-            .unwrap()
-    });
+    let (recorder, panics, adaptive) = panicky_pacer("counted");
     panics.store(true, Ordering::SeqCst);
     let cut = catch_unwind(AssertUnwindSafe(|| {
         adaptive.on_back_pressure(Some(Duration::from_secs(1)));
@@ -1766,4 +1733,33 @@ fn a_panicking_rate_gauge_keeps_the_adaptive_pacer_cut_counted() {
         recorder.counter("flowgate_pace_adaptive_cuts_total{name=counted}"),
         1
     );
+}
+
+/// An `AdaptivePacer` of 100/s named `name`, its recorder, and a flag that makes the
+/// recorder panic once, on the next move of a gauge.
+#[cfg(feature = "metrics")]
+fn panicky_pacer(
+    name: &str,
+) -> (
+    recorder::TestRecorder,
+    Arc<std::sync::atomic::AtomicBool>,
+    flowgate::pace::AdaptivePacer,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let recorder = recorder::TestRecorder::default();
+    let panics = Arc::new(AtomicBool::new(false));
+    let armed = panics.clone();
+    recorder.on_gauge(move || {
+        if armed.swap(false, Ordering::SeqCst) {
+            panic!("the recorder panics");
+        }
+    });
+    let adaptive = metrics::with_local_recorder(&recorder, || {
+        flowgate::pace::AdaptivePacer::builder(flowgate::Rate::per_second(100).unwrap())
+            .name(name)
+            .build()
+            .unwrap()
+    });
+    (recorder, panics, adaptive)
 }

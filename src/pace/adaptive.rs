@@ -7,6 +7,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -385,14 +386,23 @@ impl AdaptivePacer {
         if let Some(end) = pause_end {
             self.inner.pacer.pause_until(end);
         }
-        self.inner.hand_over(rate);
+        let handed = catch_unwind(AssertUnwindSafe(|| self.inner.hand_over(rate)));
         // Counted once the pause and the cut are the pacer's: a metrics recorder is user
-        // code, run after the lock and unable to cost them by panicking.
-        if pause_end.is_some() {
-            self.inner.pauses.increment(1);
-        }
-        if new_epoch {
-            self.inner.cuts.increment(1);
+        // code, run after the lock and unable to cost them by panicking. Counted even when
+        // it panicked as the rate's gauge was set, or as the other was counted (the first
+        // panic goes on once both are).
+        let paused = catch_unwind(AssertUnwindSafe(|| {
+            if pause_end.is_some() {
+                self.inner.pauses.increment(1);
+            }
+        }));
+        let cut = catch_unwind(AssertUnwindSafe(|| {
+            if new_epoch {
+                self.inner.cuts.increment(1);
+            }
+        }));
+        if let Err(panic) = handed.and(paused).and(cut) {
+            resume_unwind(panic);
         }
     }
 

@@ -115,6 +115,9 @@ impl fmt::Debug for Adaptive {
 
 /// A sample's metrics, from [`Adaptive::record`]: its count and the gauges' changes, for
 /// [`publish`](Published::publish) to record once the bulkhead applied the sample's answer.
+/// Recorded when dropped, if not before: a panic as the answer is applied (a waker woken
+/// for a permit the answer frees) must not lose the change, which the gauges' next one is
+/// worked out from.
 #[must_use = "the sample's metrics are recorded by publish"]
 pub(crate) struct Published<'a> {
     adaptive: &'a Adaptive,
@@ -124,10 +127,17 @@ pub(crate) struct Published<'a> {
 
 impl Published<'_> {
     /// Count the sample and move the gauges: user code, so with no lock held, and last.
+    pub(crate) fn publish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Published<'_> {
     /// Each is recorded whatever the ones before did: a change a recorder's panic skipped
     /// would be lost for good (the next one is worked out from the value published), so a
-    /// panic is caught and resumed once all are recorded.
-    pub(crate) fn publish(self) {
+    /// panic is caught and resumed once all are recorded (dropped if the thread already
+    /// unwinds, where a second panic would abort).
+    fn drop(&mut self) {
         let metrics = &self.adaptive.metrics;
         let count = || metrics.samples[self.outcome].increment(1);
         let gauges = [
@@ -141,7 +151,9 @@ impl Published<'_> {
                 panicked.get_or_insert(panic);
             }
         }
-        if let Some(panic) = panicked {
+        if let Some(panic) = panicked
+            && !std::thread::panicking()
+        {
             std::panic::resume_unwind(panic);
         }
     }

@@ -7,7 +7,6 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -24,7 +23,7 @@ mod meter;
 mod rates;
 
 pub use builder::AdaptivePacerBuilder;
-use control::allowance_hold;
+use control::{allowance_hold, caught, resume};
 use meter::Meter;
 
 /// Names of the adaptive pacing metrics.
@@ -382,28 +381,24 @@ impl AdaptivePacer {
         let rate = self.inner.apply(&mut c, now);
         drop(c);
         // The pause first: the cut wakes the pacer's waiters, and none may pass before the
-        // `Retry-After` (a quota change keeps a pause).
+        // `Retry-After` (a quota change keeps a pause). Each step runs whatever the one
+        // before did (user code runs in them: a waiter's waker, a metrics recorder): a cut
+        // the pause's panic kept from the pacer was lost for good (the next rate within
+        // 0.1 % of it is not handed over). The first panic goes on once all have run.
+        let mut panicked = None;
         if let Some(end) = pause_end {
-            self.inner.pacer.pause_until(end);
+            caught(&mut panicked, || self.inner.pacer.pause_until(end));
         }
-        let handed = catch_unwind(AssertUnwindSafe(|| self.inner.hand_over(rate)));
+        caught(&mut panicked, || self.inner.hand_over(rate));
         // Counted once the pause and the cut are the pacer's: a metrics recorder is user
-        // code, run after the lock and unable to cost them by panicking. Counted even when
-        // it panicked as the rate's gauge was set, or as the other was counted (the first
-        // panic goes on once both are).
-        let paused = catch_unwind(AssertUnwindSafe(|| {
-            if pause_end.is_some() {
-                self.inner.pauses.increment(1);
-            }
-        }));
-        let cut = catch_unwind(AssertUnwindSafe(|| {
-            if new_epoch {
-                self.inner.cuts.increment(1);
-            }
-        }));
-        if let Err(panic) = handed.and(paused).and(cut) {
-            resume_unwind(panic);
+        // code, run after the lock and unable to cost them by panicking.
+        if pause_end.is_some() {
+            caught(&mut panicked, || self.inner.pauses.increment(1));
         }
+        if new_epoch {
+            caught(&mut panicked, || self.inner.cuts.increment(1));
+        }
+        resume(panicked);
     }
 
     /// The server's allowance, seen on any response: `remaining` units within `reset` (the
@@ -479,10 +474,13 @@ impl AdaptivePacer {
         let rate = self.inner.apply(&mut c, now);
         drop(c);
         // The hold first: a new rate wakes the pacer's waiters (a quota change keeps it).
+        // A waker's panic as the hold wakes them does not keep the rate from the pacer.
+        let mut panicked = None;
         if let Some(at) = hold {
-            self.inner.pacer.pause_until(at);
+            caught(&mut panicked, || self.inner.pacer.pause_until(at));
         }
-        self.inner.hand_over(rate);
+        caught(&mut panicked, || self.inner.hand_over(rate));
+        resume(panicked);
     }
 
     /// The server's policy: `quota` units per `window` (the `q` and `w` of the IETF

@@ -144,24 +144,40 @@ impl Shared {
     /// Hand a rate from [`apply`](Self::apply) to the pacer and the gauge; call without the
     /// control lock. Two callers may hand over in the opposite order to the one they applied
     /// in: each checks afterwards that the pacer has the latest applied rate, and hands that
-    /// over if not, so the last word is always the latest rate. A metrics recorder that
-    /// panics as the gauge is set (user code) does not skip that check: its panic is caught,
-    /// and resumed once the pacer has the latest rate.
+    /// over if not, so the last word is always the latest rate. User code that panics as
+    /// the rate is handed over (a metrics recorder as the gauge is set, a waiter's waker as
+    /// the pacer wakes its waiters) does not skip that check, nor the gauge: its panic is
+    /// caught, and resumed once the pacer and the gauge have the latest rate.
     pub(super) fn hand_over(&self, mut rate: Option<f64>) {
         let mut panicked = None;
         while let Some(r) = rate {
-            self.pacer
-                .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
-            let set = std::panic::catch_unwind(AssertUnwindSafe(|| self.rate_gauge.set(r)));
-            if let Err(panic) = set {
-                panicked.get_or_insert(panic);
-            }
+            caught(&mut panicked, || {
+                self.pacer
+                    .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
+            });
+            caught(&mut panicked, || self.rate_gauge.set(r));
             let latest = self.lock().applied;
             rate = (latest != r).then_some(latest);
         }
-        if let Some(panic) = panicked {
-            std::panic::resume_unwind(panic);
-        }
+        resume(panicked);
+    }
+}
+
+/// A panic caught, to resume once the steps after it have run.
+pub(super) type Panic = Box<dyn std::any::Any + Send>;
+
+/// Run `f`, a step that may run user code (a metrics recorder, a waker), keeping its panic
+/// in `first` if it is the first, so that the steps after it run.
+pub(super) fn caught(first: &mut Option<Panic>, f: impl FnOnce()) {
+    if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        first.get_or_insert(panic);
+    }
+}
+
+/// Resume the first panic [`caught`], if any.
+pub(super) fn resume(first: Option<Panic>) {
+    if let Some(panic) = first {
+        std::panic::resume_unwind(panic);
     }
 }
 

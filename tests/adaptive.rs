@@ -1284,6 +1284,51 @@ fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
     drop(waiter);
 }
 
+/// An algorithm (user code) panicking on a sample must not keep the sample from
+/// `flowgate_bulkhead_samples_total`: `adaptive_stats` counts it before the algorithm
+/// runs, and the metric, recorded only after, missed it, so the two disagreed for good.
+/// The permit comes back.
+#[cfg(feature = "metrics")]
+#[test]
+#[ignore = "fault: an algorithm panicking on a sample keeps it from the bulkhead's samples metric"]
+fn a_panicking_algorithm_keeps_its_sample_counted() {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    /// Panics on every sample.
+    #[derive(Debug, Clone)]
+    struct Panicky;
+    impl AdaptiveLimit for Panicky {
+        fn limit(&self) -> u32 {
+            10
+        }
+        fn update(&mut self, _: &Sample) -> u32 {
+            panic!("the algorithm panics");
+        }
+        fn name(&self) -> &'static str {
+            "panicky"
+        }
+    }
+
+    let recorder = recorder::TestRecorder::default();
+    let b = metrics::with_local_recorder(&recorder, || {
+        Bulkhead::builder(100)
+            .adaptive(Panicky)
+            .name("algorithm")
+            .build()
+            .unwrap()
+    });
+    let permit = b.try_acquire().unwrap();
+    let recorded = catch_unwind(AssertUnwindSafe(|| permit.record(Outcome::Ok)));
+    assert!(recorded.is_err(), "the algorithm panicked");
+    assert_eq!(b.adaptive_stats().unwrap().ok, 1);
+    assert_eq!(
+        recorder.counter("flowgate_bulkhead_samples_total{name=algorithm,outcome=ok}"),
+        1
+    );
+    assert_eq!(b.in_flight(), 0, "the permit came back");
+    assert_eq!(b.max_in_flight(), 10);
+}
+
 /// Drive `probe` in a closed loop on the pure algorithm until `end`: each round trip, the
 /// caller's calls (`limit`, or `caller` if fewer) start together and take `base` ms ×
 /// (1 + (n − knee) / 2) above the knee, `(knee, base)` being the downstream's at that time.

@@ -1290,7 +1290,6 @@ fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
 /// The permit comes back.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: an algorithm panicking on a sample keeps it from the bulkhead's samples metric"]
 fn a_panicking_algorithm_keeps_its_sample_counted() {
     use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -227,43 +227,45 @@ impl Adaptive {
     pub(crate) fn record(&self, grant: Grant, outcome: Outcome) -> (u32, Published<'_>) {
         let outcome_index = index(outcome);
         self.counts[outcome_index].fetch_add(1, Ordering::Relaxed);
-        let published = |changes| Published {
+        let mut published = Published {
             adaptive: self,
             outcome: outcome_index,
-            changes,
+            changes: [0.0; 3],
         };
         if outcome_index == 2 {
             // Ignored: nothing to learn, and no lock to take.
-            return (self.target(), published([0.0; 3]));
+            return (self.target(), published);
         }
-        let changes = {
-            let mut learner = self.lock();
-            // The clock is read under the lock, so the algorithm sees `now` in order: a
-            // `now` earlier than the last one is a clock that stepped back (see
-            // `Sample::now`), never a sample that lost a race for the lock.
-            let now = Instant::now();
-            let sample = Sample {
-                rtt: now.saturating_duration_since(grant.at),
-                in_flight: grant.in_flight,
-                outcome,
-                now: now.saturating_duration_since(self.epoch),
-            };
-            let limit = max_in_flight(
-                learner.algorithm.update(&sample),
-                self.reserve,
-                self.ceiling,
-            );
-            // Stored, and the gauges' changes worked out, under the lock: the last writer wrote
-            // the latest answer (stored after the lock, an older answer could land last).
-            self.target.store(limit, Ordering::Release);
-            let rtt = learner.algorithm.rtt_estimates();
-            learner.publish([
-                Some(f64::from(limit)),
-                rtt.min.map(|d| d.as_secs_f64()),
-                rtt.smoothed.map(|d| d.as_secs_f64()),
-            ])
+        // `published` is made before the lock is taken, so it is dropped after it: an
+        // algorithm (user code) that panics on the sample leaves it counted in the metrics,
+        // as in the stats, with no user code run under the lock.
+        let mut learner = self.lock();
+        // The clock is read under the lock, so the algorithm sees `now` in order: a
+        // `now` earlier than the last one is a clock that stepped back (see
+        // `Sample::now`), never a sample that lost a race for the lock.
+        let now = Instant::now();
+        let sample = Sample {
+            rtt: now.saturating_duration_since(grant.at),
+            in_flight: grant.in_flight,
+            outcome,
+            now: now.saturating_duration_since(self.epoch),
         };
-        (self.target(), published(changes))
+        let limit = max_in_flight(
+            learner.algorithm.update(&sample),
+            self.reserve,
+            self.ceiling,
+        );
+        // Stored, and the gauges' changes worked out, under the lock: the last writer wrote
+        // the latest answer (stored after the lock, an older answer could land last).
+        self.target.store(limit, Ordering::Release);
+        let rtt = learner.algorithm.rtt_estimates();
+        published.changes = learner.publish([
+            Some(f64::from(limit)),
+            rtt.min.map(|d| d.as_secs_f64()),
+            rtt.smoothed.map(|d| d.as_secs_f64()),
+        ]);
+        drop(learner);
+        (self.target(), published)
     }
 
     fn lock(&self) -> MutexGuard<'_, Learner> {

@@ -555,3 +555,78 @@ async fn requests_given_up_before_a_permit_are_counted_cancelled() {
     assert_eq!(counts(stats.critical), (0, 0, 0), "{stats:?}");
     assert_eq!(stats.cancelled(), 3);
 }
+
+/// A classifier that panics (user code, run in `call`) lets the panic go to the caller, and
+/// the request it was called with is counted: as `cancelled`, in the default class
+/// (`Normal`), as it ended with neither a permit nor a `503`. It was counted nowhere, so
+/// `admitted + shed + cancelled` fell short of the requests the layer was called with.
+/// The next request is classified and served as usual.
+#[tokio::test]
+#[ignore = "fault: a panicking classifier leaves its request uncounted"]
+async fn a_panicking_classifier_counts_its_request_cancelled() {
+    let bulkhead = Bulkhead::new(2).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .classify(|req| {
+            assert_ne!(req.uri.path(), "/boom", "classifier bug");
+            Class::Critical
+        })
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let req = |path: &str| Request::get(path).body(Empty::new()).unwrap();
+    let ready = svc.ready().await.unwrap();
+    let unwound =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready.call(req("/boom"))));
+    assert!(
+        unwound.is_err(),
+        "the classifier's panic goes to the caller"
+    );
+    let stats = layer.stats();
+    assert_eq!(stats.normal.cancelled, 1, "{stats:?}");
+    assert_eq!(stats.admitted() + stats.shed() + stats.cancelled(), 1);
+    assert_eq!(bulkhead.in_flight(), 0);
+    let res = svc.ready().await.unwrap().call(req("/ok")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    drop(res);
+    let stats = layer.stats();
+    assert_eq!((stats.critical.admitted, stats.cancelled()), (1, 1));
+}
+
+/// A closed bulkhead refuses every request with the layer's `503` (counted as shed, by
+/// class), the one waiting in the waiting room when it closes too (woken, not left to its
+/// timeout), and the critical ones: the reserve is not a way past a close.
+#[tokio::test(start_paused = true)]
+async fn a_closed_bulkhead_sheds_every_request_and_its_waiters() {
+    let bulkhead = Bulkhead::builder(1)
+        .wait_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let layer = layer(&bulkhead).wait(true).build().unwrap();
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let req = |path: &str| Request::get(path).body(Empty::new()).unwrap();
+    let held = bulkhead.try_acquire_owned().unwrap();
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/fast")));
+    assert!(futures::poll!(waiting.as_mut()).is_pending());
+    assert_eq!(bulkhead.waiting(), 1);
+    bulkhead.close();
+    let Poll::Ready(res) = futures::poll!(waiting.as_mut()) else {
+        panic!("the close wakes the waiter and refuses it");
+    };
+    assert_eq!(res.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    drop(held);
+    for path in ["/fast", "/health", "/report"] {
+        let res = svc.ready().await.unwrap().call(req(path)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        assert_eq!(res.headers()[header::RETRY_AFTER], "1", "{path}");
+    }
+    let stats = layer.stats();
+    let counts = |c: flowgate::http::ClassStats| (c.admitted, c.shed, c.cancelled);
+    assert_eq!(counts(stats.normal), (0, 2, 0), "{stats:?}");
+    assert_eq!(counts(stats.critical), (0, 1, 0), "{stats:?}");
+    assert_eq!(counts(stats.sheddable), (0, 1, 0), "{stats:?}");
+    assert_eq!(bulkhead.stats().closed, 4);
+}

@@ -97,8 +97,9 @@ pub struct ClassStats {
     pub shed: u64,
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
-    /// waiting room, or before its future was first polled). A request dropped once
-    /// admitted counts as admitted. `admitted + shed + cancelled` is every request the
+    /// waiting room, or before its future was first polled), or the classifier panicked
+    /// on it (counted in [`Class::Normal`]). A request dropped once admitted counts as
+    /// admitted. `admitted + shed + cancelled` is every request the
     /// layer's services were called with (and whose future has ended).
     pub cancelled: u64,
 }
@@ -161,7 +162,15 @@ struct Shared {
 
 impl Shared {
     fn classify(&self, req: &RequestInfo<'_>) -> Class {
-        self.classify.as_ref().map_or(Class::Normal, |f| f(req))
+        let Some(f) = &self.classify else {
+            return Class::Normal;
+        };
+        // A classifier that panics (user code) ends its request before it has a future to
+        // count it: it is counted here as it unwinds, cancelled in the default class.
+        let unclassified = Unclassified(self);
+        let class = f(req);
+        mem::forget(unclassified);
+        class
     }
 
     fn admitted(&self, class: Class) {
@@ -196,6 +205,15 @@ impl Shared {
             normal: of(Class::Normal),
             sheddable: of(Class::Sheddable),
         }
+    }
+}
+
+/// Counts its request cancelled (as `Normal`) if dropped: while its classifier runs.
+struct Unclassified<'a>(&'a Shared);
+
+impl Drop for Unclassified<'_> {
+    fn drop(&mut self) {
+        self.0.cancelled(Class::Normal);
     }
 }
 
@@ -392,7 +410,9 @@ impl ShedLayerBuilder {
     /// The classifier: a [`Class`] for each request, from its method, URI, headers and
     /// extensions (the body is not read). Default: every request is [`Class::Normal`].
     ///
-    /// It runs once per request, in `call`, and should be cheap (a path match).
+    /// It runs once per request, in `call`, and should be cheap (a path match). If it
+    /// panics, the panic goes to the caller of `call` and the request is counted in
+    /// [`ClassStats::cancelled`] of [`Class::Normal`] (it got neither a permit nor a `503`).
     pub fn classify<F>(mut self, classify: F) -> Self
     where
         F: Fn(&RequestInfo<'_>) -> Class + Send + Sync + 'static,

@@ -562,7 +562,6 @@ async fn requests_given_up_before_a_permit_are_counted_cancelled() {
 /// `admitted + shed + cancelled` fell short of the requests the layer was called with.
 /// The next request is classified and served as usual.
 #[tokio::test]
-#[ignore = "fault: a panicking classifier leaves its request uncounted"]
 async fn a_panicking_classifier_counts_its_request_cancelled() {
     let bulkhead = Bulkhead::new(2).unwrap();
     let layer = ShedLayer::builder(bulkhead.clone())

@@ -6,6 +6,8 @@
 //! size under critical work, and random steps in which no waiter sleeps while a permit it
 //! may take is free.
 
+use std::task::Poll;
+
 use futures::stream::FusedStream;
 
 use super::*;
@@ -413,4 +415,61 @@ async fn a_wait_timeout_sheds_less_than_two_milliseconds_after_it() {
             );
         }
     }
+}
+
+/// Resizing with permits out and waiters queued: lowered below the permits out, no waiter
+/// is granted until enough come back, and then critical work first, within the new
+/// `max_in_flight`, and normal work only within its new share (never the reserve); raised,
+/// the waiters left are granted at once. Every acquisition ends counted once.
+#[tokio::test]
+async fn resizing_with_permits_out_and_waiters_queued_keeps_the_order_and_the_reserve() {
+    let b = Bulkhead::builder(4).critical_reserve(1).build().unwrap();
+    let mut normal: Vec<_> = (0..3).map(|_| b.try_acquire_owned().unwrap()).collect();
+    let reserve = b.try_acquire_owned_with(Priority::Critical).unwrap();
+    let mut n1 = Box::pin(b.acquire_owned());
+    let mut n2 = Box::pin(b.acquire_owned());
+    let mut c1 = Box::pin(b.acquire_owned_with(Priority::Critical));
+    for w in [&mut n1, &mut n2] {
+        assert!(poll!(w.as_mut()).is_pending());
+    }
+    assert!(poll!(c1.as_mut()).is_pending());
+    b.set_max_in_flight(2).unwrap(); // normal share: 1
+    normal.pop();
+    normal.pop();
+    assert_eq!(
+        (b.in_flight(), b.waiting()),
+        (2, 3),
+        "2 out, at the new max"
+    );
+    assert!(poll!(c1.as_mut()).is_pending());
+    normal.pop();
+    let Poll::Ready(c1) = poll!(c1.as_mut()) else {
+        panic!("a permit under the new max goes to critical work first");
+    };
+    let c1 = c1.unwrap();
+    assert!(poll!(n1.as_mut()).is_pending());
+    drop(reserve);
+    assert!(
+        poll!(n1.as_mut()).is_pending(),
+        "1 out of 2: the last is the reserve"
+    );
+    assert_eq!(
+        b.stats().reserve_in_flight,
+        0,
+        "counted: 1 out, within the share"
+    );
+    drop(c1);
+    let Poll::Ready(n1) = poll!(n1.as_mut()) else {
+        panic!("FIFO within normal work");
+    };
+    assert!(poll!(n2.as_mut()).is_pending());
+    b.set_max_in_flight(5).unwrap();
+    let Poll::Ready(n2) = poll!(n2.as_mut()) else {
+        panic!("a raised max grants at once");
+    };
+    drop((n1.unwrap(), n2.unwrap()));
+    let s = b.stats();
+    assert_eq!((s.in_flight, s.waiting, s.reserve_in_flight), (0, 0, 0));
+    assert_eq!((s.admitted, s.waited, s.admitted_from_reserve), (7, 3, 2));
+    assert_eq!(s.acquisitions(), 7);
 }

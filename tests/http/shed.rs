@@ -556,6 +556,34 @@ async fn requests_given_up_before_a_permit_are_counted_cancelled() {
     assert_eq!(stats.cancelled(), 3);
 }
 
+/// A service that answers `200` at once.
+fn answers_ok() -> impl Service<
+    Request<Empty<Bytes>>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = impl Future + Send,
+> + Clone {
+    tower::service_fn(|_req: Request<Empty<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    })
+}
+
+fn request(path: &str) -> Request<Empty<Bytes>> {
+    Request::get(path).body(Empty::new()).unwrap()
+}
+
+/// A bulkhead of 1 with a waiting room of `max_waiting` and a timeout of a minute, and a
+/// layer over it in the waiting mode, classified by [`class_of`].
+fn waiting_layer(max_waiting: usize) -> (Bulkhead, ShedLayer) {
+    let bulkhead = Bulkhead::builder(1)
+        .max_waiting(max_waiting)
+        .wait_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let layer = layer(&bulkhead).wait(true).build().unwrap();
+    (bulkhead, layer)
+}
+
 /// A classifier that panics (user code, run in `call`) lets the panic go to the caller, and
 /// the request it was called with is counted: as `cancelled`, in the default class
 /// (`Normal`), as it ended with neither a permit nor a `503`. It was counted nowhere, so
@@ -571,13 +599,11 @@ async fn a_panicking_classifier_counts_its_request_cancelled() {
         })
         .build()
         .unwrap();
-    let mut svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
-        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
-    }));
-    let req = |path: &str| Request::get(path).body(Empty::new()).unwrap();
+    let mut svc = layer.layer(answers_ok());
     let ready = svc.ready().await.unwrap();
-    let unwound =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ready.call(req("/boom"))));
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ready.call(request("/boom"))
+    }));
     assert!(
         unwound.is_err(),
         "the classifier's panic goes to the caller"
@@ -586,7 +612,13 @@ async fn a_panicking_classifier_counts_its_request_cancelled() {
     assert_eq!(stats.normal.cancelled, 1, "{stats:?}");
     assert_eq!(stats.admitted() + stats.shed() + stats.cancelled(), 1);
     assert_eq!(bulkhead.in_flight(), 0);
-    let res = svc.ready().await.unwrap().call(req("/ok")).await.unwrap();
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/ok"))
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     drop(res);
     let stats = layer.stats();
@@ -598,17 +630,10 @@ async fn a_panicking_classifier_counts_its_request_cancelled() {
 /// timeout), and the critical ones: the reserve is not a way past a close.
 #[tokio::test(start_paused = true)]
 async fn a_closed_bulkhead_sheds_every_request_and_its_waiters() {
-    let bulkhead = Bulkhead::builder(1)
-        .wait_timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let layer = layer(&bulkhead).wait(true).build().unwrap();
-    let mut svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
-        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
-    }));
-    let req = |path: &str| Request::get(path).body(Empty::new()).unwrap();
+    let (bulkhead, layer) = waiting_layer(usize::MAX);
+    let mut svc = layer.layer(answers_ok());
     let held = bulkhead.try_acquire_owned().unwrap();
-    let mut waiting = Box::pin(svc.ready().await.unwrap().call(req("/fast")));
+    let mut waiting = Box::pin(svc.ready().await.unwrap().call(request("/fast")));
     assert!(futures::poll!(waiting.as_mut()).is_pending());
     assert_eq!(bulkhead.waiting(), 1);
     bulkhead.close();
@@ -618,7 +643,13 @@ async fn a_closed_bulkhead_sheds_every_request_and_its_waiters() {
     assert_eq!(res.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
     drop(held);
     for path in ["/fast", "/health", "/report"] {
-        let res = svc.ready().await.unwrap().call(req(path)).await.unwrap();
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request(path))
+            .await
+            .unwrap();
         assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
         assert_eq!(res.headers()[header::RETRY_AFTER], "1", "{path}");
     }
@@ -628,4 +659,54 @@ async fn a_closed_bulkhead_sheds_every_request_and_its_waiters() {
     assert_eq!(counts(stats.critical), (0, 1, 0), "{stats:?}");
     assert_eq!(counts(stats.sheddable), (0, 1, 0), "{stats:?}");
     assert_eq!(bulkhead.stats().closed, 4);
+}
+
+/// In the waiting mode, a critical request that finds the waiting room full pushes the
+/// newest normal waiter out (answered `503`, counted shed), waits in its place and is
+/// served first when a permit frees, ahead of an older normal waiter; a sheddable request
+/// never queues.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_critical_request_pushes_out_the_newest_normal_one_and_goes_first() {
+    let (bulkhead, layer) = waiting_layer(2);
+    let mut svc = layer.layer(answers_ok());
+    let held = bulkhead.try_acquire_owned().unwrap();
+    let mut older = Box::pin(svc.ready().await.unwrap().call(request("/fast")));
+    let mut newer = Box::pin(svc.ready().await.unwrap().call(request("/fast")));
+    assert!(futures::poll!(older.as_mut()).is_pending());
+    assert!(futures::poll!(newer.as_mut()).is_pending());
+    let report = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("/report"))
+        .await
+        .unwrap();
+    assert_eq!(report.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let mut critical = Box::pin(svc.ready().await.unwrap().call(request("/health")));
+    assert!(futures::poll!(critical.as_mut()).is_pending());
+    assert_eq!(bulkhead.waiting(), 2, "the room keeps its size");
+    let Poll::Ready(pushed) = futures::poll!(newer.as_mut()) else {
+        panic!("the newest normal waiter is pushed out at once");
+    };
+    assert_eq!(pushed.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    drop(held);
+    assert!(
+        futures::poll!(older.as_mut()).is_pending(),
+        "critical first"
+    );
+    let Poll::Ready(served) = futures::poll!(critical.as_mut()) else {
+        panic!("the freed permit goes to the critical waiter");
+    };
+    drop(served.unwrap());
+    let Poll::Ready(served) = futures::poll!(older.as_mut()) else {
+        panic!("then to the older normal waiter");
+    };
+    assert_eq!(served.unwrap().status(), StatusCode::OK);
+    let stats = layer.stats();
+    let counts = |c: flowgate::http::ClassStats| (c.admitted, c.shed, c.cancelled);
+    assert_eq!(counts(stats.normal), (1, 1, 0), "{stats:?}");
+    assert_eq!(counts(stats.critical), (1, 0, 0), "{stats:?}");
+    assert_eq!(counts(stats.sheddable), (0, 1, 0), "{stats:?}");
+    assert_eq!(bulkhead.stats().waiting_room_full, 1);
+    assert_eq!(bulkhead.stats().no_permit, 1);
 }

@@ -710,3 +710,58 @@ async fn a_waiting_critical_request_pushes_out_the_newest_normal_one_and_goes_fi
     assert_eq!(bulkhead.stats().waiting_room_full, 1);
     assert_eq!(bulkhead.stats().no_permit, 1);
 }
+
+/// Requests of every class racing on two threads, some given up while they wait, some
+/// while the inner service runs, with the bulkhead closed halfway: every request the layer
+/// was called with ends counted once (`admitted + shed + cancelled`), the bulkhead's own
+/// counts agree, and no permit is left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_requests_and_a_close_are_each_counted_once() {
+    const N: usize = 400;
+    let bulkhead = Bulkhead::builder(3)
+        .critical_reserve(1)
+        .max_waiting(4)
+        .wait_timeout(Duration::from_millis(2))
+        .build()
+        .unwrap();
+    let layer = layer(&bulkhead).wait(true).build().unwrap();
+    let svc = layer.layer(tower::service_fn(|_req: Request<Empty<Bytes>>| async {
+        tokio::task::yield_now().await;
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let svc = svc.clone();
+        let bulkhead = bulkhead.clone();
+        tasks.push(tokio::spawn(async move {
+            if i == N / 2 {
+                bulkhead.close();
+            }
+            let path = ["/fast", "/health", "/report"][i % 3];
+            let call = svc.oneshot(request(path));
+            if i % 5 == 0 {
+                // Given up at some point of its way.
+                let _ =
+                    tokio::time::timeout(Duration::from_micros(50 * (i % 7) as u64), call).await;
+            } else {
+                drop(call.await.unwrap());
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let stats = layer.stats();
+    assert_eq!(
+        stats.admitted() + stats.shed() + stats.cancelled(),
+        N as u64,
+        "{stats:?}"
+    );
+    let b = bulkhead.stats();
+    assert_eq!((b.in_flight, b.waiting), (0, 0), "{b:?}");
+    assert_eq!(b.admitted, stats.admitted(), "{b:?} {stats:?}");
+    // A waiter closed out or pushed out as it was given up: a refusal to the bulkhead,
+    // cancelled to the layer (no `503` was sent).
+    assert_eq!(b.acquisitions(), N as u64, "{b:?}");
+    assert!(b.shed() + b.closed >= stats.shed(), "{b:?} {stats:?}");
+}

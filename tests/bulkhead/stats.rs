@@ -393,3 +393,69 @@ async fn add_up(
     assert_eq!((stats.in_flight, stats.waiting), (0, 0));
     stats
 }
+
+/// Acquisitions of both priorities racing on two threads while a third task resizes the
+/// bulkhead up and down, some given up at once, some after a short wait, the rest waiting
+/// for their permit: each ends (none hangs), every acquisition is counted once, and
+/// nothing is left in flight or waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_racing_with_resizes_add_up_and_none_is_stranded() {
+    let b = Bulkhead::builder(8)
+        .critical_reserve(1)
+        .max_waiting(6)
+        .build()
+        .unwrap();
+    let made = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicUsize::new(0));
+    let resizer = {
+        let (b, stop) = (b.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut rng = Rng(99);
+            while stop.load(Ordering::SeqCst) == 0 {
+                b.set_max_in_flight(2 + (rng.next() % 7) as usize).unwrap();
+                tokio::task::yield_now().await;
+            }
+            b.set_max_in_flight(1_000).unwrap();
+        })
+    };
+    let tasks: Vec<_> = (0..12u64)
+        .map(|t| {
+            let (b, made) = (b.clone(), made.clone());
+            tokio::spawn(async move {
+                let mut rng = Rng(t + 7);
+                for _ in 0..300 {
+                    let priority = if rng.next().is_multiple_of(3) {
+                        Priority::Critical
+                    } else {
+                        Priority::Normal
+                    };
+                    made.fetch_add(1, Ordering::SeqCst);
+                    let mut acquire = pin!(b.acquire_with(priority));
+                    let permit = match rng.next() % 4 {
+                        0 => match poll!(acquire.as_mut()) {
+                            std::task::Poll::Ready(p) => p,
+                            std::task::Poll::Pending => continue,
+                        },
+                        1 => {
+                            match tokio::time::timeout(Duration::from_micros(200), acquire).await {
+                                Ok(p) => p,
+                                Err(_) => continue,
+                            }
+                        }
+                        _ => tokio::time::timeout(Duration::from_secs(20), acquire)
+                            .await
+                            .expect("no permit within 20 s"),
+                    };
+                    if let Ok(permit) = permit {
+                        tokio::task::yield_now().await;
+                        drop(permit);
+                    }
+                }
+            })
+        })
+        .collect();
+    let stats = add_up(&b, tasks, &made).await;
+    stop.store(1, Ordering::SeqCst);
+    resizer.await.unwrap();
+    assert!(stats.waited > 0, "{stats:?}");
+}

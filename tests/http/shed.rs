@@ -517,6 +517,43 @@ async fn shed_requests_are_counted_by_class() {
     assert_eq!((stats.critical.admitted, stats.shed()), (1, 3));
 }
 
+/// A metrics recorder that panics (user code) as the layer counts a `503`: the panic
+/// reaches whoever polls the response future, which is then dropped, and no `503` was
+/// sent. The request was counted as shed all the same (counted before the recorder was
+/// called), so the stats said one more `503` than `flowgate_http_shed_total` and the
+/// client saw. Now it is counted once, as `cancelled`, as a rate-limit layer counts a
+/// request whose recorder panicked; the next `503` is counted in both.
+#[cfg(feature = "metrics")]
+#[tokio::test]
+#[ignore = "fault: a 503 whose shed metric panics is counted shed though none was sent"]
+async fn a_recorder_that_panics_counting_a_503_counts_the_request_cancelled() {
+    use futures::FutureExt;
+    let recorder = crate::support::TestRecorder::default();
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        layer(&bulkhead).name("shed-panics").build().unwrap()
+    });
+    let id = "flowgate_http_shed_total{class=normal,name=shed-panics}";
+    let _held = bulkhead.try_acquire_owned().unwrap();
+    let send = || {
+        let fut = layer.layer(answers_ok()).oneshot(request("/fast"));
+        std::panic::AssertUnwindSafe(fut).catch_unwind()
+    };
+    recorder.panic_on(id, true);
+    assert!(
+        send().await.is_err(),
+        "the recorder's panic reached the caller"
+    );
+    recorder.panic_on(id, false);
+    let counts = |c: flowgate::http::ClassStats| (c.admitted, c.shed, c.cancelled);
+    assert_eq!(counts(layer.stats().normal), (0, 0, 1));
+    assert_eq!(recorder.counter(id), 0);
+    let res = send().await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(counts(layer.stats().normal), (0, 1, 1));
+    assert_eq!(recorder.counter(id), 1);
+}
+
 /// A request that ends before it got a permit or a `503` (its client went away while it
 /// waited in the bulkhead's waiting room, or before its future was polled) is counted as
 /// `cancelled` in its class: `admitted + shed + cancelled` is every request the layer was

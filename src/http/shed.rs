@@ -98,7 +98,8 @@ pub struct ClassStats {
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
     /// waiting room, or before its future was first polled), or the classifier panicked
-    /// on it (counted in [`Class::Normal`]). A request dropped once admitted counts as
+    /// on it (counted in [`Class::Normal`]), or a metrics recorder panicked as its `503`
+    /// was counted (the panic went to the caller, no `503` was sent). A request dropped once admitted counts as
     /// admitted. `admitted + shed + cancelled` is every request the layer's services were
     /// called with (and whose future has ended). A waiter the bulkhead closed out or
     /// pushed out of its waiting room just before it was dropped sent no `503`: cancelled
@@ -185,10 +186,12 @@ impl Shared {
         self.counts.add(6 + class.index(), 1);
     }
 
-    /// The `503` for a request of `class` the bulkhead refused.
+    /// The `503` for a request of `class` the bulkhead refused. The recorder (user code)
+    /// first: if it panics, no `503` is sent and the request is not counted here; its
+    /// response future, dropped still waiting, counts it as cancelled (once).
     fn refused<B>(&self, class: Class) -> Response<ResponseBody<B>> {
-        self.counts.add(3 + class.index(), 1);
         self.shed_metric[class.index()].increment(1);
+        self.counts.add(3 + class.index(), 1);
         problem::response(
             StatusCode::SERVICE_UNAVAILABLE,
             self.body.clone(),
@@ -658,10 +661,13 @@ where
                     this.state.set(State::Call(fut, Some(permit)));
                 }
                 Err(_) => {
+                    // Counted before the state leaves `Try` / `Wait`: a recorder that
+                    // panics leaves the request to be counted cancelled when dropped.
+                    let refused = this.shared.refused(class);
                     // The ready service and the request are dropped unused.
                     *this.pending = None;
                     this.state.set(State::Done);
-                    return Poll::Ready(Ok(this.shared.refused(class)));
+                    return Poll::Ready(Ok(refused));
                 }
             }
         }

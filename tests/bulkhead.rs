@@ -1295,7 +1295,6 @@ fn a_panicking_recorder_does_not_leak_the_permit_it_records() {
 /// change is recorded even if one before it panics; the panic still reaches the caller.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a recorder panicking on one bulkhead metric loses the other metrics' changes"]
 fn a_recorder_panicking_on_one_metric_does_not_lose_the_others() {
     use std::panic::catch_unwind;
 

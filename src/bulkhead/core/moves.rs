@@ -1,6 +1,8 @@
 //! The bulkhead's metrics, and the changes to them worked out under the waiters' lock and
 //! recorded after it.
 
+use std::panic::AssertUnwindSafe;
+
 use crate::bulkhead::error::AcquireError;
 use crate::metrics::{Counter, Gauge, Histogram, Labels, Tally};
 
@@ -81,18 +83,32 @@ impl<'a> Moves<'a> {
         why
     }
 
+    /// Record every change, each even if one before it panics (the `waiting` gauge's
+    /// change is published already: lost, it would stay off for good); the first panic is
+    /// resumed once all have run (dropped if the thread already unwinds).
     fn record(&self) {
         let metrics = &self.core.metrics;
+        let mut first = None;
+        let mut step = |f: &mut dyn FnMut()| {
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
+                first.get_or_insert(panic);
+            }
+        };
         if self.in_flight != 0 {
-            metrics.in_flight.add(self.in_flight as f64);
+            step(&mut || metrics.in_flight.add(self.in_flight as f64));
         }
         if self.waiting != 0.0 {
-            metrics.waiting.add(self.waiting);
+            step(&mut || metrics.waiting.add(self.waiting));
         }
         for (counter, &n) in metrics.rejected.iter().zip(&self.rejected) {
             if n > 0 {
-                counter.increment(n);
+                step(&mut || counter.increment(n));
             }
+        }
+        if let Some(panic) = first
+            && !std::thread::panicking()
+        {
+            std::panic::resume_unwind(panic);
         }
     }
 }

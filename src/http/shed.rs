@@ -99,12 +99,12 @@ pub struct ClassStats {
     /// permit or was refused (the client went away while the request waited in the
     /// waiting room, or before its future was first polled), or the classifier panicked
     /// on it (counted in [`Class::Normal`]), or a metrics recorder panicked as its `503`
-    /// was counted (the panic went to the caller, no `503` was sent). A request dropped once admitted counts as
-    /// admitted. `admitted + shed + cancelled` is every request the layer's services were
-    /// called with (and whose future has ended). A waiter the bulkhead closed out or
-    /// pushed out of its waiting room just before it was dropped sent no `503`: cancelled
-    /// here, while the bulkhead's own stats count its refusal (`closed`,
-    /// `waiting_room_full`).
+    /// was counted (the panic went to the caller, no `503` was sent). A request dropped
+    /// once admitted counts as admitted. `admitted + shed + cancelled` is every request
+    /// the layer's services were called with (and whose future has ended). A waiter the
+    /// bulkhead closed out or pushed out of its waiting room just before it was dropped
+    /// sent no `503`: cancelled here, while the bulkhead's own stats count its refusal
+    /// (`closed`, `waiting_room_full`).
     pub cancelled: u64,
 }
 

@@ -5,6 +5,7 @@ use std::fmt;
 use crate::decision::Decision;
 use crate::gate::GateError;
 use crate::metrics::Counter;
+use crate::sync::Panics;
 use std::sync::Arc;
 
 /// Why an item was dropped: removed without being delivered.
@@ -159,11 +160,10 @@ impl<T> std::panic::RefUnwindSafe for OnDrop<T> {}
 /// are seen (dropped as its panic unwound, they went unseen). So its panic is caught, and
 /// resumed once `hand` has run. Only on the paths that drop items.
 pub(crate) fn recorded_then(record: impl FnOnce(), hand: impl FnOnce()) {
-    let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(record));
+    let mut panics = Panics::new();
+    panics.run(record);
     hand();
-    if let Err(panic) = recorded {
-        std::panic::resume_unwind(panic);
-    }
+    panics.resume();
 }
 
 /// The one item an adapter holds while it waits (for a pacer, a permit), with what sees it
@@ -215,35 +215,5 @@ impl<T> fmt::Debug for Held<T> {
             .field("holding", &self.item.is_some())
             .field("on_drop", &self.on_drop.is_some())
             .finish()
-    }
-}
-
-#[cfg(all(test, feature = "metrics"))]
-mod tests {
-    use std::sync::Mutex;
-
-    use super::*;
-    use crate::metrics::{Labels, PanickingRecorder};
-
-    /// An item discarded while the metrics recorder panics counting it still reaches the
-    /// hook: it was taken, the count panicked, and it went down with the unwinding.
-    #[test]
-    fn a_discarded_item_reaches_the_hook_when_the_recorder_panics() {
-        let recorder = PanickingRecorder::default();
-        let counter =
-            metrics::with_local_recorder(&recorder, || Labels::new(None).counter("x", &[]));
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let sink = got.clone();
-        let mut held = Held::new(
-            Some(OnDrop::new(move |item: u32, _: &Dropped| {
-                sink.lock().unwrap().push(item)
-            })),
-            counter,
-        );
-        held.item = Some(7);
-        recorder.arm();
-        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(held)));
-        assert!(unwound.is_err(), "the recorder's panic reaches the caller");
-        assert_eq!(*got.lock().unwrap(), [7], "the item was lost");
     }
 }

@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
@@ -14,7 +13,7 @@ use crate::adaptive::Outcome;
 use crate::bulkhead::adaptive::Grant;
 use crate::bulkhead::core::{Core, Left, Polled, Ticket};
 use crate::bulkhead::error::{AcquireError, Priority};
-use crate::sync::{Arc, Key, WakerId};
+use crate::sync::{Arc, Key, Panics, WakerId};
 
 /// The state of one acquisition: its place in the queue and its timeout.
 #[pin_project]
@@ -575,22 +574,13 @@ impl PinnedDrop for Permits {
     fn drop(self: Pin<&mut Self>) {
         let this = self.project();
         let core = &**this.core;
-        let mut first = None;
-        let mut step = |f: &mut dyn FnMut()| {
-            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
-                first.get_or_insert(panic);
-            }
-        };
-        let mut waiter = this.waiter;
-        step(&mut || waiter.as_mut().cancel(core));
-        step(&mut || core.unpark(this.parked));
+        let mut panics = Panics::new();
+        let waiter = this.waiter;
+        panics.run(|| waiter.cancel(core));
+        panics.run(|| core.unpark(this.parked));
         for _ in 0..std::mem::take(this.held) {
-            step(&mut || core.release());
+            panics.run(|| core.release());
         }
-        if let Some(panic) = first
-            && !std::thread::panicking()
-        {
-            std::panic::resume_unwind(panic);
-        }
+        panics.resume();
     }
 }

@@ -2,7 +2,6 @@
 //! their metrics.
 
 use std::fmt;
-use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -10,7 +9,7 @@ use tokio::time::Instant;
 
 use crate::adaptive::{AdaptiveLimit, Outcome, RttEstimates, Sample};
 use crate::metrics::{Counter, Gauge, Labels};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Mutex, MutexGuard, Panics};
 
 /// Names of the adaptive bulkhead metrics.
 pub(crate) mod names {
@@ -139,23 +138,17 @@ impl Drop for Published<'_> {
     /// unwinds, where a second panic would abort).
     fn drop(&mut self) {
         let metrics = &self.adaptive.metrics;
-        let count = || metrics.samples[self.outcome].increment(1);
         let gauges = [
             &metrics.max_in_flight,
             &metrics.rtt_min,
             &metrics.rtt_smoothed,
         ];
-        let mut panicked = std::panic::catch_unwind(AssertUnwindSafe(count)).err();
+        let mut panics = Panics::new();
+        panics.run(|| metrics.samples[self.outcome].increment(1));
         for (gauge, change) in gauges.into_iter().zip(self.changes) {
-            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| gauge.add(change))) {
-                panicked.get_or_insert(panic);
-            }
+            panics.run(|| gauge.add(change));
         }
-        if let Some(panic) = panicked
-            && !std::thread::panicking()
-        {
-            std::panic::resume_unwind(panic);
-        }
+        panics.resume();
     }
 }
 

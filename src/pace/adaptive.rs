@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::metrics::{Counter, Gauge};
 use crate::pace::{Pacer, UntilReady};
 use crate::rate::Rate;
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, Panics};
 use crate::time::capped;
 
 mod builder;
@@ -23,7 +23,7 @@ mod meter;
 mod rates;
 
 pub use builder::AdaptivePacerBuilder;
-use control::{allowance_hold, caught, resume};
+use control::allowance_hold;
 use meter::Meter;
 
 /// Names of the adaptive pacing metrics.
@@ -385,20 +385,20 @@ impl AdaptivePacer {
         // before did (user code runs in them: a waiter's waker, a metrics recorder): a cut
         // the pause's panic kept from the pacer was lost for good (the next rate within
         // 0.1 % of it is not handed over). The first panic goes on once all have run.
-        let mut panicked = None;
+        let mut panics = Panics::new();
         if let Some(end) = pause_end {
-            caught(&mut panicked, || self.inner.pacer.pause_until(end));
+            panics.run(|| self.inner.pacer.pause_until(end));
         }
-        caught(&mut panicked, || self.inner.hand_over(rate));
+        panics.run(|| self.inner.hand_over(rate));
         // Counted once the pause and the cut are the pacer's: a metrics recorder is user
         // code, run after the lock and unable to cost them by panicking.
         if pause_end.is_some() {
-            caught(&mut panicked, || self.inner.pauses.increment(1));
+            panics.run(|| self.inner.pauses.increment(1));
         }
         if new_epoch {
-            caught(&mut panicked, || self.inner.cuts.increment(1));
+            panics.run(|| self.inner.cuts.increment(1));
         }
-        resume(panicked);
+        panics.resume();
     }
 
     /// The server's allowance, seen on any response: `remaining` units within `reset` (the
@@ -475,12 +475,12 @@ impl AdaptivePacer {
         drop(c);
         // The hold first: a new rate wakes the pacer's waiters (a quota change keeps it).
         // A waker's panic as the hold wakes them does not keep the rate from the pacer.
-        let mut panicked = None;
+        let mut panics = Panics::new();
         if let Some(at) = hold {
-            caught(&mut panicked, || self.inner.pacer.pause_until(at));
+            panics.run(|| self.inner.pacer.pause_until(at));
         }
-        caught(&mut panicked, || self.inner.hand_over(rate));
-        resume(panicked);
+        panics.run(|| self.inner.hand_over(rate));
+        panics.resume();
     }
 
     /// The server's policy: `quota` units per `window` (the `q` and `w` of the IETF

@@ -12,7 +12,7 @@ use crate::metrics::{Counter, Histogram, Labels};
 use crate::pace::AdaptivePacer;
 use crate::retry::backoff::{Backoff, GiveUp, Schedule};
 use crate::retry::budget::RetryBudget;
-use crate::sync::Arc;
+use crate::sync::{Arc, Panics};
 
 /// Names of the retry metrics.
 mod names {
@@ -366,9 +366,9 @@ impl RetryPolicy {
     /// Both run metrics recorders (user code): a panic there is caught and handed back, to
     /// be resumed once the other, and the budget through [`next`](Self::next), heard of the
     /// attempt.
-    pub(crate) fn record(&self, outcome: Outcome) -> Unheard {
+    pub(crate) fn record(&self, outcome: Outcome) -> Panics {
         let p = &*self.inner;
-        let mut unheard = Unheard(None);
+        let mut unheard = Panics::new();
         match outcome {
             Outcome::Success => {
                 if let Some(b) = &p.budget {
@@ -730,27 +730,6 @@ impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
         if !self.ended {
             self.policy.count_cancelled(self.retry_pending);
-        }
-    }
-}
-
-/// A panic caught while the budget or the pacer heard of an attempt (their metrics recorders
-/// are user code), kept so that the rest of the attempt's report still runs; resumed after.
-#[must_use = "a caught panic is resumed once the attempt is reported"]
-pub(crate) struct Unheard(Option<Box<dyn std::any::Any + Send>>);
-
-impl Unheard {
-    /// Run `f`, keeping its panic (the first one) for [`resume`](Self::resume).
-    fn run(&mut self, f: impl FnOnce()) {
-        if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-            self.0.get_or_insert(payload);
-        }
-    }
-
-    /// Resume the panic caught, if any.
-    pub(crate) fn resume(self) {
-        if let Some(payload) = self.0 {
-            std::panic::resume_unwind(payload);
         }
     }
 }

@@ -5,18 +5,21 @@
 //!
 //! Beside them, the waiting machinery every primitive shares: [`WaiterList`] (one FIFO list
 //! of waiting tasks with O(1) cancellation) and [`Deferred`] (the wakers collected under a
-//! lock, woken after it is released); [`with_reused`], a thread's reused buffer; and
+//! lock, woken after it is released); [`Panics`] (steps that each run even if one before
+//! them panics); [`with_reused`], a thread's reused buffer; and
 //! [`POLL_BUDGET`], how much an adapter does in one poll before it yields.
 
 mod deferred;
 #[cfg(flowgate_loom)]
 #[doc(hidden)]
 pub mod loom_models;
+mod panics;
 #[cfg(feature = "http")]
 mod reused;
 mod waiters;
 
 pub(crate) use deferred::Deferred;
+pub(crate) use panics::Panics;
 #[cfg(feature = "http")]
 pub(crate) use reused::with_reused;
 pub(crate) use waiters::{Cancelled, Key, Status, WaiterList, WakerId};

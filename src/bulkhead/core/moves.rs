@@ -1,10 +1,9 @@
 //! The bulkhead's metrics, and the changes to them worked out under the waiters' lock and
 //! recorded after it.
 
-use std::panic::AssertUnwindSafe;
-
 use crate::bulkhead::error::AcquireError;
 use crate::metrics::{Counter, Gauge, Histogram, Labels, Tally};
+use crate::sync::Panics;
 
 use super::Core;
 use super::queue::Waiters;
@@ -88,28 +87,19 @@ impl<'a> Moves<'a> {
     /// resumed once all have run (dropped if the thread already unwinds).
     fn record(&self) {
         let metrics = &self.core.metrics;
-        let mut first = None;
-        let mut step = |f: &mut dyn FnMut()| {
-            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
-                first.get_or_insert(panic);
-            }
-        };
+        let mut panics = Panics::new();
         if self.in_flight != 0 {
-            step(&mut || metrics.in_flight.add(self.in_flight as f64));
+            panics.run(|| metrics.in_flight.add(self.in_flight as f64));
         }
         if self.waiting != 0.0 {
-            step(&mut || metrics.waiting.add(self.waiting));
+            panics.run(|| metrics.waiting.add(self.waiting));
         }
         for (counter, &n) in metrics.rejected.iter().zip(&self.rejected) {
             if n > 0 {
-                step(&mut || counter.increment(n));
+                panics.run(|| counter.increment(n));
             }
         }
-        if let Some(panic) = first
-            && !std::thread::panicking()
-        {
-            std::panic::resume_unwind(panic);
-        }
+        panics.resume();
     }
 }
 

@@ -2,14 +2,13 @@
 //! rate to the pacer.
 
 use std::collections::VecDeque;
-use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::pace::Pacer;
-use crate::sync::MutexGuard;
+use crate::sync::{MutexGuard, Panics};
 
 use super::*;
 
@@ -149,35 +148,17 @@ impl Shared {
     /// the pacer wakes its waiters) does not skip that check, nor the gauge: its panic is
     /// caught, and resumed once the pacer and the gauge have the latest rate.
     pub(super) fn hand_over(&self, mut rate: Option<f64>) {
-        let mut panicked = None;
+        let mut panics = Panics::new();
         while let Some(r) = rate {
-            caught(&mut panicked, || {
+            panics.run(|| {
                 self.pacer
                     .set_quota(Pacer::default_quota(self.config.pacer_rate(r)));
             });
-            caught(&mut panicked, || self.rate_gauge.set(r));
+            panics.run(|| self.rate_gauge.set(r));
             let latest = self.lock().applied;
             rate = (latest != r).then_some(latest);
         }
-        resume(panicked);
-    }
-}
-
-/// A panic caught, to resume once the steps after it have run.
-pub(super) type Panic = Box<dyn std::any::Any + Send>;
-
-/// Run `f`, a step that may run user code (a metrics recorder, a waker), keeping its panic
-/// in `first` if it is the first, so that the steps after it run.
-pub(super) fn caught(first: &mut Option<Panic>, f: impl FnOnce()) {
-    if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
-        first.get_or_insert(panic);
-    }
-}
-
-/// Resume the first panic [`caught`], if any.
-pub(super) fn resume(first: Option<Panic>) {
-    if let Some(panic) = first {
-        std::panic::resume_unwind(panic);
+        panics.resume();
     }
 }
 

@@ -5,7 +5,6 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::HeaderMap;
 use http::header::{FORWARDED, HeaderName};
@@ -13,6 +12,7 @@ use ipnet::IpNet;
 
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::key::{KeyExtractor, PeerIp, RequestInfo, write_ip};
+use crate::http::warn_once::WarnOnce;
 
 /// The one header a [`ClientIp`] reads the proxy chain from.
 ///
@@ -103,7 +103,7 @@ pub struct ClientIp {
     source: ForwardedHeader,
     ipv6_per_64: bool,
     /// Whether this extractor (or a clone of it) has said a trusted peer sent no header.
-    warned: Arc<AtomicBool>,
+    warned: WarnOnce,
 }
 
 impl ClientIp {
@@ -186,11 +186,7 @@ impl ClientIp {
                 }
             }
         }
-        // Read before it is swapped: a flood of such requests writes no shared line.
-        if !sent
-            && !self.warned.load(Ordering::Relaxed)
-            && !self.warned.swap(true, Ordering::Relaxed)
-        {
+        if !sent && self.warned.first() {
             warn_no_header(self.source, peer);
         }
         nearest
@@ -321,7 +317,7 @@ impl ClientIpBuilder {
             trusted: self.trusted.into(),
             source: self.source,
             ipv6_per_64: self.ipv6_per_64,
-            warned: Arc::new(AtomicBool::new(false)),
+            warned: WarnOnce::default(),
         })
     }
 }

@@ -3,12 +3,12 @@
 use std::fmt::{self, Write as _};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::header::HeaderName;
 use http::{Extensions, HeaderMap, Method, Uri};
 
 use crate::error::{ConfigError, ConfigErrorKind};
+use crate::http::warn_once::WarnOnce;
 
 /// The parts of a request a [`KeyExtractor`] or a classifier reads (everything but the body).
 #[derive(Debug, Clone, Copy)]
@@ -135,7 +135,7 @@ pub struct PeerIp {
     source: &'static str,
     ipv6_per_64: bool,
     /// Whether this extractor (or a clone of it) has said it found no address.
-    warned: Arc<AtomicBool>,
+    warned: WarnOnce,
 }
 
 impl PeerIp {
@@ -154,7 +154,7 @@ impl PeerIp {
             read: Arc::new(move |ext: &Extensions| ext.get::<T>().map(get)),
             source: std::any::type_name::<T>(),
             ipv6_per_64: false,
-            warned: Arc::new(AtomicBool::new(false)),
+            warned: WarnOnce::default(),
         }
     }
 
@@ -172,7 +172,7 @@ impl PeerIp {
     #[must_use]
     pub fn peer(&self, req: &RequestInfo<'_>) -> Option<IpAddr> {
         let peer = (self.read)(req.extensions).map(|addr| addr.ip().to_canonical());
-        if peer.is_none() && !self.warned.swap(true, Ordering::Relaxed) {
+        if peer.is_none() && self.warned.first() {
             warn_no_peer(self.source);
         }
         peer
@@ -266,7 +266,7 @@ pub struct Header {
     name: HeaderName,
     max_len: usize,
     /// Whether this extractor (or a clone of it) has said it met a value too long.
-    warned: Arc<AtomicBool>,
+    warned: WarnOnce,
 }
 
 impl fmt::Debug for Header {
@@ -325,7 +325,7 @@ impl From<HeaderName> for Header {
         Header {
             name,
             max_len: Header::DEFAULT_MAX_LEN,
-            warned: Arc::new(AtomicBool::new(false)),
+            warned: WarnOnce::default(),
         }
     }
 }
@@ -338,9 +338,8 @@ impl KeyExtractor for Header {
         };
         let bytes = value.as_bytes();
         if bytes.len() > self.max_len {
-            // Once per extractor (read before it is swapped: a flood of such requests, the
-            // usual case, writes no shared line).
-            if !self.warned.load(Ordering::Relaxed) && !self.warned.swap(true, Ordering::Relaxed) {
+            // Once per extractor.
+            if self.warned.first() {
                 warn_too_long(&self.name, bytes.len(), self.max_len);
             }
             return false;

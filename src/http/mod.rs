@@ -30,6 +30,7 @@ mod rate_limit;
 mod shed;
 mod striped;
 mod topn;
+mod warn_once;
 
 pub use body::{BodyMode, InnerBody, ResponseBody, WrapBody};
 pub use client_ip::{ClientIp, ClientIpBuilder, ForwardedHeader};

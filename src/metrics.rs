@@ -320,69 +320,6 @@ impl Histogram {
     }
 }
 
-/// A recorder for tests whose counters panic while it is armed (and record nothing).
-#[cfg(all(test, feature = "metrics"))]
-#[derive(Clone, Default)]
-pub(crate) struct PanickingRecorder {
-    armed: Arc<std::sync::atomic::AtomicBool>,
-}
-
-#[cfg(all(test, feature = "metrics"))]
-impl PanickingRecorder {
-    /// Make the next counter increment panic (once).
-    pub(crate) fn arm(&self) {
-        self.armed.store(true, Ordering::Relaxed);
-    }
-}
-
-#[cfg(all(test, feature = "metrics"))]
-impl metrics::CounterFn for PanickingRecorder {
-    fn increment(&self, _: u64) {
-        if self.armed.swap(false, Ordering::Relaxed) {
-            panic!("the recorder panics");
-        }
-    }
-    fn absolute(&self, _: u64) {}
-}
-
-#[cfg(all(test, feature = "metrics"))]
-impl metrics::Recorder for PanickingRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::from_arc(Arc::new(self.clone()))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
 #[cfg(all(test, feature = "metrics"))]
 mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -1109,91 +1109,6 @@ async fn until_ready_waits_for_room_in_a_full_tracker() {
     assert_eq!(tracker.committable(), Some(12));
 }
 
-/// A metrics recorder whose counters and gauges panic while `armed` is set (and record
-/// nothing otherwise).
-#[cfg(feature = "metrics")]
-#[derive(Default, Clone)]
-struct PanickingRecorder {
-    armed: Arc<std::sync::atomic::AtomicBool>,
-}
-
-#[cfg(feature = "metrics")]
-impl PanickingRecorder {
-    fn record(&self) {
-        if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
-            panic!("the recorder panics");
-        }
-    }
-
-    /// Runs `f` while armed; returns whether it panicked.
-    fn armed_while(&self, f: impl FnOnce()) -> bool {
-        self.armed.store(true, std::sync::atomic::Ordering::Relaxed);
-        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-        self.armed
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        unwound.is_err()
-    }
-}
-
-#[cfg(feature = "metrics")]
-impl metrics::CounterFn for PanickingRecorder {
-    fn increment(&self, _: u64) {
-        self.record();
-    }
-    fn absolute(&self, _: u64) {}
-}
-
-#[cfg(feature = "metrics")]
-impl metrics::GaugeFn for PanickingRecorder {
-    fn increment(&self, _: f64) {
-        self.record();
-    }
-    fn decrement(&self, _: f64) {
-        self.record();
-    }
-    fn set(&self, _: f64) {
-        self.record();
-    }
-}
-
-#[cfg(feature = "metrics")]
-impl metrics::Recorder for PanickingRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::from_arc(Arc::new(self.clone()))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::from_arc(Arc::new(self.clone()))
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
 /// The tracker's metrics are recorded after its state is settled and its lock released, so
 /// a recorder that panics (user code, like a hook) neither leaves an abandoned offset at the
 /// head of `pending` (committable, but not committed past) nor skips waking `until_ready`
@@ -1201,7 +1116,7 @@ impl metrics::Recorder for PanickingRecorder {
 #[cfg(feature = "metrics")]
 #[tokio::test]
 async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready() {
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let tracker = metrics::with_local_recorder(&recorder, || {
         CommitTracker::builder().max_pending(1).build().unwrap()
     });
@@ -1235,7 +1150,7 @@ async fn a_panicking_recorder_leaves_the_tracker_settled_and_wakes_until_ready()
 #[cfg(feature = "metrics")]
 #[tokio::test]
 async fn a_panicking_recorder_in_track_counts_the_offset_it_holds_as_dropped() {
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let tracker = metrics::with_local_recorder(&recorder, CommitTracker::new);
     tracker.track(9).unwrap().done();
     assert!(
@@ -1257,7 +1172,7 @@ async fn a_panicking_recorder_in_track_counts_the_offset_it_holds_as_dropped() {
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn a_panicking_recorder_leaves_the_watermarks_resumed_and_wakes_the_wrapper() {
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let mut stream = metrics::with_local_recorder(&recorder, || {
         futures::stream::iter(0..10).watermarks(levels(1, 0))
     });
@@ -1283,7 +1198,7 @@ async fn a_panicking_recorder_leaves_the_watermarks_resumed_and_wakes_the_wrappe
 #[tokio::test]
 async fn a_panicking_recorder_as_an_item_leaves_the_watermarks_loses_no_item() {
     use futures::FutureExt;
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let mut stream = metrics::with_local_recorder(&recorder, || {
         futures::stream::iter(0..3).watermarks(levels(2, 0))
     });
@@ -1314,7 +1229,7 @@ async fn a_panicking_recorder_as_an_item_leaves_the_watermarks_loses_no_item() {
 #[tokio::test]
 async fn a_panicking_recorder_as_credit_is_used_loses_no_item() {
     use futures::FutureExt;
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let (mut stream, demand) =
         metrics::with_local_recorder(&recorder, || futures::stream::iter(0..3).with_demand(2));
     assert!(
@@ -1336,7 +1251,7 @@ async fn a_panicking_recorder_as_credit_is_used_loses_no_item() {
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
 async fn a_panicking_recorder_on_a_request_still_wakes_the_stream_waiting_for_credit() {
-    let recorder = PanickingRecorder::default();
+    let recorder = support::TestRecorder::default();
     let (mut stream, demand) =
         metrics::with_local_recorder(&recorder, || futures::stream::iter(0..10).with_demand(0));
     let next = tokio::spawn(async move { stream.next().await });

@@ -1155,7 +1155,7 @@ fn connected_clients(server: &RedisServer) -> u64 {
 async fn a_recorder_panicking_on_a_stale_ack_lets_the_background_task_end() {
     let server = RedisServer::start();
     let mut con = server.connect().await;
-    let recorder = super::PanickingRecorder::default();
+    let recorder = crate::support::TestRecorder::default();
     let builder = lost_group_builder(server.connect().await, "p");
     let source = metrics::with_local_recorder(&recorder, || {
         tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(builder.build()))

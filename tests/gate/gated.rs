@@ -648,3 +648,33 @@ async fn a_rejection_without_a_wait_is_asked_again_a_tick_later() {
     assert_eq!(asked.load(Ordering::Relaxed), 5);
     assert_eq!(start.elapsed(), Duration::from_millis(4));
 }
+
+/// An item dropped while the metrics recorder panics counting the drop still reaches the
+/// hook, and is counted in `dropped`.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_dropped_item_reaches_the_hook_when_the_recorder_panics() {
+    let hourly = Quota::new(flowgate::Rate::per_hour(1).unwrap(), 1).unwrap();
+    let gate = MemoryGate::new(Limit::TokenBucket(hourly));
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = got.clone();
+    let recorder = crate::support::TestRecorder::default();
+    let mut gated = metrics::with_local_recorder(&recorder, || {
+        Gated::builder(futures::stream::iter([1u32, 2]), gate, |_: &u32| "k")
+            .name("panicky")
+            .drop_rejected(true)
+            .on_drop(move |item, _| sink.lock().unwrap().push(item))
+            .build()
+            .unwrap()
+    });
+    let mut next = || futures::executor::block_on(gated.next());
+    assert_eq!(next(), Some(1));
+    let id = "flowgate_gated_dropped_total{name=panicky,reason=rejected}";
+    recorder.panic_on(id, true);
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut next));
+    recorder.panic_on(id, false);
+    assert!(unwound.is_err(), "the recorder's panic reaches the caller");
+    assert_eq!(next(), None);
+    assert_eq!(gated.dropped(), 1);
+    assert_eq!(*got.lock().unwrap(), [2], "the item was lost");
+}

@@ -21,12 +21,16 @@ struct Cell {
     samples: Mutex<Vec<f64>>,
     /// Panic on the next change ([`TestRecorder::panic_on`]).
     panics: AtomicBool,
+    /// The recorder's: panic on every counter's and gauge's change
+    /// ([`TestRecorder::armed_while`]).
+    every: Arc<AtomicBool>,
     on_gauge: Hook,
 }
 
 impl Cell {
-    fn maybe_panic(&self) {
-        if self.panics.load(Ordering::Relaxed) {
+    /// Panic if told to: for this metric, or (`every`: a counter or a gauge) for all.
+    fn maybe_panic(&self, every: bool) {
+        if self.panics.load(Ordering::Relaxed) || every && self.every.load(Ordering::Relaxed) {
             panic!("the recorder panics");
         }
     }
@@ -40,7 +44,7 @@ impl Cell {
 
 impl CounterFn for Cell {
     fn increment(&self, value: u64) {
-        self.maybe_panic();
+        self.maybe_panic(true);
         self.value.fetch_add(value, Ordering::Relaxed);
     }
     fn absolute(&self, value: u64) {
@@ -50,7 +54,7 @@ impl CounterFn for Cell {
 
 impl GaugeFn for Cell {
     fn increment(&self, value: f64) {
-        self.maybe_panic();
+        self.maybe_panic(true);
         // One atomic step: threads that record at once must not lose each other's changes.
         let _ = self
             .value
@@ -63,6 +67,7 @@ impl GaugeFn for Cell {
         GaugeFn::increment(self, -value);
     }
     fn set(&self, value: f64) {
+        self.maybe_panic(true);
         self.value.store(value.to_bits(), Ordering::Relaxed);
         self.moved();
     }
@@ -70,7 +75,7 @@ impl GaugeFn for Cell {
 
 impl HistogramFn for Cell {
     fn record(&self, value: f64) {
-        self.maybe_panic();
+        self.maybe_panic(false);
         self.samples.lock().unwrap().push(value);
     }
 }
@@ -80,6 +85,7 @@ impl HistogramFn for Cell {
 #[derive(Default, Clone)]
 pub struct TestRecorder {
     cells: Arc<Mutex<BTreeMap<String, Arc<Cell>>>>,
+    every: Arc<AtomicBool>,
     on_gauge: Hook,
 }
 
@@ -106,6 +112,7 @@ impl TestRecorder {
     fn new_cell(&self) -> Arc<Cell> {
         Arc::new(Cell {
             on_gauge: self.on_gauge.clone(),
+            every: self.every.clone(),
             ..Cell::default()
         })
     }
@@ -155,6 +162,15 @@ impl TestRecorder {
             .entry(id.to_string())
             .or_insert_with(|| self.new_cell());
         cell.panics.store(panics, Ordering::Relaxed);
+    }
+
+    /// Run `f` with every change to a counter or a gauge panicking (histograms record);
+    /// whether `f` panicked.
+    pub fn armed_while(&self, f: impl FnOnce()) -> bool {
+        self.every.store(true, Ordering::Relaxed);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        self.every.store(false, Ordering::Relaxed);
+        unwound.is_err()
     }
 
     /// Every registered metric id, sorted.

@@ -1,5 +1,6 @@
 //! The `Gate` trait.
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,6 +16,11 @@ use crate::sync::Arc;
 /// `Decision` per limit: `GateFuture<'a, Vec<Decision>>`).
 pub type GateFuture<'a, T = Decision> =
     Pin<Box<dyn Future<Output = Result<T, GateError>> + Send + 'a>>;
+
+/// A decision made without I/O ([`Gate::check_local_held`]), and the panic of the metrics
+/// recorder that counted it, if it panicked: the caller goes on with it once it has acted on
+/// the decision.
+pub(crate) type HeldDecision = (Result<Decision, GateError>, Option<Box<dyn Any + Send>>);
 
 /// An async keyed token gate: decides whether `cost` units for `key` may pass now.
 ///
@@ -77,6 +83,17 @@ pub trait Gate: Send + Sync + fmt::Debug {
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         let _ = (key, cost);
         None
+    }
+
+    /// [`check_local`](Gate::check_local), with the panic of the metrics recorder that
+    /// counted the decision caught and handed over beside it: the decision is made (an
+    /// admission charged), so the caller acts on it first and then goes on with the panic,
+    /// rather than ask again and be charged again. The stream adapters ask this.
+    ///
+    /// Crate-internal: the default answers `check_local`, with no panic held.
+    #[doc(hidden)]
+    fn check_local_held(&self, key: &str, cost: u32) -> Option<HeldDecision> {
+        self.check_local(key, cost).map(|decided| (decided, None))
     }
 
     /// All-or-nothing across several token buckets: admitted only if every `(key, quota)`
@@ -275,6 +292,10 @@ macro_rules! forward_gate {
 
             fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
                 (**self).check_local(key, cost)
+            }
+
+            fn check_local_held(&self, key: &str, cost: u32) -> Option<HeldDecision> {
+                (**self).check_local_held(key, cost)
             }
 
             fn check_all<'a>(

@@ -75,6 +75,10 @@ type Deciding<Key> = Pin<Box<dyn Future<Output = Asked<Key>> + Send>>;
 /// A gate's answer for the item at the gate, with its key and cost.
 type Asked<Key> = (Result<Decision, GateError>, Key, u32);
 
+/// The panic of the metrics recorder that counted a decision made in place, held until the
+/// decision is acted on ([`Gate::check_local_held`]).
+type HeldPanic = Option<Box<dyn std::any::Any + Send>>;
+
 enum State<Key> {
     /// No item at the gate.
     Idle,
@@ -82,6 +86,9 @@ enum State<Key> {
     Deciding(Deciding<Key>),
     /// Rejected or a transient error: waiting on the sleep to ask again.
     Waiting(Key, u32),
+    /// Admitted, and the poll that asked panicked (the gate's metrics recorder, as it
+    /// counted the admission): the item passes on the next poll, without asking again.
+    Admitted,
 }
 
 /// Stream of [`gated`](crate::FlowStreamExt::gated) and
@@ -121,8 +128,14 @@ enum State<Key> {
 /// A key or cost function that panics panics the poll, and so does a gate whose decision
 /// panics. The item stays at the gate: the next poll calls the functions again and asks the
 /// gate again, and a stream dropped instead reports it as [`Dropped::Discarded`]. A gate
-/// whose metrics recorder panics as it counts a decision has decided by then: what it
-/// admitted stays charged, and the item asked again is charged again.
+/// whose metrics recorder panics as it counts a decision has decided by then. One that
+/// decides in place (a [`MemoryGate`](crate::gate::MemoryGate)) hands the decision over
+/// with the panic, and the stream acts on it before the panic goes on: an admitted item
+/// passes on the next poll without being asked again (or, the stream dropped first, is
+/// reported as discarded), a rejected one waits its `retry_after` (shaping) or is dropped
+/// (policing). Through a future (a Redis round trip)
+/// the decision is lost with the panic: what it admitted stays charged, and the item asked
+/// again is charged again.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K: KeyFn<S::Item>, C = UnitCost<<S as Stream>::Item>> {
@@ -324,15 +337,21 @@ impl<S: Stream, G, K: KeyFn<S::Item>, C> Gated<S, G, K, C> {
     }
 }
 
-/// Ask `gate` about the item at the gate: in place when the gate decides without I/O,
-/// otherwise start a boxed decision in `state` and return `None`.
-fn ask<G, Key>(gate: &G, key: Key, cost: u32, state: &mut State<Key>) -> Option<Asked<Key>>
+/// Ask `gate` about the item at the gate: in place when the gate decides without I/O (with
+/// the panic of its metrics recorder held), otherwise start a boxed decision in `state` and
+/// return `None`.
+fn ask<G, Key>(
+    gate: &G,
+    key: Key,
+    cost: u32,
+    state: &mut State<Key>,
+) -> Option<(Asked<Key>, HeldPanic)>
 where
     G: Gate + Clone + 'static,
     Key: AsRef<str> + Send + 'static,
 {
-    if let Some(outcome) = gate.check_local(key.as_ref(), cost) {
-        return Some((outcome, key, cost));
+    if let Some((outcome, panic)) = gate.check_local_held(key.as_ref(), cost) {
+        return Some(((outcome, key, cost), panic));
     }
     let gate = gate.clone();
     *state = State::Deciding(Box::pin(async move {
@@ -357,7 +376,7 @@ where
         // An item dropped at the gate is followed at once by the next: within the budget.
         let mut budget = POLL_BUDGET;
         loop {
-            let (outcome, key, cost) = match this.state {
+            let ((outcome, key, cost), held_panic) = match this.state {
                 State::Idle => {
                     // The item is held before the key and cost functions see it: if one
                     // panics, the item stays at the gate (asked again on the next poll,
@@ -389,7 +408,7 @@ where
                         }
                     };
                     *this.state = State::Idle;
-                    asked
+                    (asked, None)
                 }
                 State::Waiting(..) => {
                     let sleep = this.sleep.as_mut().expect("a wait has a sleep");
@@ -403,9 +422,20 @@ where
                         None => continue,
                     }
                 }
+                State::Admitted => {
+                    *this.state = State::Idle;
+                    return Poll::Ready(this.held.item.take());
+                }
             };
             let wait = match outcome {
-                Ok(d) if d.allowed => return Poll::Ready(this.held.item.take()),
+                Ok(d) if d.allowed => {
+                    if let Some(panic) = held_panic {
+                        // Charged: it passes on the next poll, not asked again.
+                        *this.state = State::Admitted;
+                        std::panic::resume_unwind(panic);
+                    }
+                    return Poll::Ready(this.held.item.take());
+                }
                 Ok(d) if *this.shaping && d.retry_after.is_zero() => NO_WAIT_BACKOFF,
                 Ok(d) if *this.shaping => d.retry_after,
                 Err(e) if *this.shaping && e.is_transient() => ERROR_BACKOFF,
@@ -414,6 +444,9 @@ where
                         Ok(d) => Dropped::Rejected(d),
                         Err(e) => Dropped::GateError(e),
                     });
+                    if let Some(panic) = held_panic {
+                        std::panic::resume_unwind(panic);
+                    }
                     budget -= 1;
                     if budget == 0 {
                         // More may be ready: come back after the executor has run others.
@@ -429,6 +462,9 @@ where
                 None => *this.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
             }
             *this.state = State::Waiting(key, cost);
+            if let Some(panic) = held_panic {
+                std::panic::resume_unwind(panic);
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::hash::BuildHasher;
+use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use foldhash::fast::RandomState;
 use crate::clock::Clock;
 use crate::decision::Decision;
 use crate::error::{ConfigError, ConfigErrorKind};
-use crate::gate::api::{Gate, GateFuture};
+use crate::gate::api::{Gate, GateFuture, HeldDecision};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::limit::Limit;
 use crate::gate::multi::{MAX_QUOTAS, Merged, ShardedBuckets};
@@ -116,13 +117,19 @@ struct Inner {
 }
 
 impl Inner {
+    /// The counter of a decision.
+    #[inline]
+    fn outcome(&self, allowed: bool) -> &Counter {
+        if allowed {
+            &self.allowed
+        } else {
+            &self.rejected
+        }
+    }
+
     /// Count a decision in the metrics.
     fn count(&self, allowed: bool) {
-        if allowed {
-            self.allowed.increment(1);
-        } else {
-            self.rejected.increment(1);
-        }
+        self.outcome(allowed).increment(1);
     }
 
     /// Count `result`'s refusal for a full keyspace, if it is one, and pass it on.
@@ -163,7 +170,9 @@ impl Inner {
 /// request as `bad_request`). The three gates count alike.
 ///
 /// A decision is counted once made, after the shard's lock: a metrics recorder that panics
-/// there panics the call, and what it admitted stays charged.
+/// there panics the call, and what it admitted stays charged. A [`Gated`](crate::gate::Gated)
+/// stream over the gate acts on the decision first: an item so admitted passes on its next
+/// poll, without being asked (and charged) again.
 ///
 /// # Examples
 ///
@@ -313,7 +322,30 @@ impl MemoryGate {
     /// [`GateError::Cost`] (a cost of zero or above the capacity), [`GateError::InvalidKey`],
     /// [`GateError::KeyspaceFull`].
     pub fn check(&self, key: &str, cost: u32) -> Result<Decision, GateError> {
-        check_key(key)?;
+        self.decide(key, cost, |counter| counter.increment(1)).0
+    }
+
+    /// [`check`](MemoryGate::check), with the panic of a metrics recorder that panics as the
+    /// decision is counted caught and handed back beside it ([`Gate::check_local_held`]).
+    fn check_held(&self, key: &str, cost: u32) -> HeldDecision {
+        self.decide(key, cost, |counter| {
+            std::panic::catch_unwind(AssertUnwindSafe(|| counter.increment(1))).err()
+        })
+    }
+
+    /// Decide one request now, and `count` it in its counter once decided (after the
+    /// shard's lock); `count`'s answer beside the decision (its default when nothing was
+    /// decided).
+    #[inline(always)]
+    fn decide<R: Default>(
+        &self,
+        key: &str,
+        cost: u32,
+        count: impl FnOnce(&Counter) -> R,
+    ) -> (Result<Decision, GateError>, R) {
+        if let Err(e) = check_key(key) {
+            return (Err(e), R::default());
+        }
         let hash = self.inner.hasher.hash_one(key);
         let now = self.now();
         let decided = self.inner.shards[shard_of(hash)]
@@ -321,18 +353,16 @@ impl MemoryGate {
             .unwrap_or_else(PoisonError::into_inner)
             .check(hash, key, now, cost);
         match decided {
-            Ok(d) => {
-                self.inner.count(d.allowed);
-                Ok(d)
-            }
+            Ok(d) => (Ok(d), count(self.inner.outcome(d.allowed))),
             // A shard reports its own share of the keyspace: report the gate's.
             Err(KeyedError::KeyspaceFull { .. }) => {
-                self.inner.keyspace_full.increment(1);
-                Err(GateError::KeyspaceFull {
+                let counted = count(&self.inner.keyspace_full);
+                let full = GateError::KeyspaceFull {
                     max_keys: self.inner.max_keys,
-                })
+                };
+                (Err(full), counted)
             }
-            Err(KeyedError::Cost(e)) => Err(GateError::Cost(e)),
+            Err(KeyedError::Cost(e)) => (Err(GateError::Cost(e)), R::default()),
         }
     }
 
@@ -530,6 +560,12 @@ impl Gate for MemoryGate {
     /// Always `Some`: [`MemoryGate::check`].
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         Some(MemoryGate::check(self, key, cost))
+    }
+
+    /// Always `Some`: [`MemoryGate::check`], with the panic of a metrics recorder that
+    /// panics as it counts the decision held beside it.
+    fn check_local_held(&self, key: &str, cost: u32) -> Option<HeldDecision> {
+        Some(self.check_held(key, cost))
     }
 
     /// [`MemoryGate::check_all`], as a future that is ready at once, decided when this is

@@ -685,7 +685,6 @@ fn a_dropped_item_reaches_the_hook_when_the_recorder_panics() {
 /// item found the bucket empty and was dropped.
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: an item admitted as the recorder panics is asked again and charged twice"]
 fn an_item_admitted_as_the_recorder_panics_is_charged_once() {
     let two_an_hour = Quota::new(flowgate::Rate::per_hour(2).unwrap(), 2).unwrap();
     let recorder = crate::support::TestRecorder::default();
@@ -712,4 +711,33 @@ fn an_item_admitted_as_the_recorder_panics_is_charged_once() {
     assert_eq!(gated.dropped(), 1);
     // The admission whose count panicked is not recorded; the second is.
     assert_eq!(recorder.counter(allowed), 1);
+}
+
+/// Shaping: a rejection whose count panics (the recorder) sends the item to wait its
+/// `retry_after`, as a counted one does, and the gate is asked once more, after the wait.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn an_item_rejected_as_the_recorder_panics_waits_its_retry_after() {
+    use futures::FutureExt;
+    let recorder = crate::support::TestRecorder::default();
+    let mut gated = metrics::with_local_recorder(&recorder, || {
+        let gate = MemoryGate::builder(per_minute(1))
+            .name("wait")
+            .build()
+            .unwrap();
+        futures::stream::iter([1u32, 2]).gated(gate, |_: &u32| "k")
+    });
+    assert_eq!(gated.next().await, Some(1));
+    let rejected = "flowgate_gate_decisions_total{name=wait,outcome=rejected}";
+    recorder.panic_on(rejected, true);
+    let unwound = std::panic::AssertUnwindSafe(gated.next())
+        .catch_unwind()
+        .await;
+    recorder.panic_on(rejected, false);
+    assert!(unwound.is_err(), "the recorder's panic reaches the poll");
+    let start = tokio::time::Instant::now();
+    assert_eq!(gated.next().await, Some(2));
+    assert_eq!(start.elapsed(), Duration::from_secs(60));
+    assert_eq!(recorder.counter(rejected), 0, "asked again before the wait");
+    assert_eq!(gated.dropped(), 0);
 }

@@ -741,3 +741,34 @@ async fn an_item_rejected_as_the_recorder_panics_waits_its_retry_after() {
     assert_eq!(recorder.counter(rejected), 0, "asked again before the wait");
     assert_eq!(gated.dropped(), 0);
 }
+
+/// At the edges of time and rates: a gate whose clock has run for 700 years (past `u64`
+/// nanoseconds) decides, sweeps and decides all-or-nothing as on its first day, and a
+/// shaping stream told to wait centuries (a token every 584 years) waits without an
+/// `Instant` overflow and passes the item when the wait is over.
+#[tokio::test(start_paused = true)]
+async fn a_gate_and_a_stream_at_the_edges_of_time() {
+    let centuries = Quota::new(
+        flowgate::Rate::per(1, Duration::from_nanos(u64::MAX)).unwrap(),
+        1,
+    )
+    .unwrap();
+    let gate = MemoryGate::new(Limit::TokenBucket(centuries));
+    tokio::time::advance(Duration::from_secs(700 * 365 * 24 * 3_600)).await;
+    assert!(gate.check("k", 1).unwrap().allowed);
+    let d = gate.check("k", 1).unwrap();
+    assert!(!d.allowed && d.retry_after > Duration::from_secs(584 * 365 * 24 * 3_600));
+    assert_eq!(gate.sweep(), 0, "a busy key stays");
+    let limits = [("a", centuries), ("b", centuries)];
+    assert!(gate.check_all(&limits, 1).unwrap()[0].allowed);
+    let d = gate.check_all(&limits, 1).unwrap();
+    assert!(d.iter().all(|d| !d.allowed && !d.retry_after.is_zero()));
+    // The stream waits (a century at a time, `retry_after` capped), then passes.
+    let admitted_at = tokio::time::Instant::now();
+    let mut stream = futures::stream::iter([1u32]).gated(gate.clone(), |_: &u32| "k");
+    assert!(futures::poll!(stream.next()).is_pending());
+    tokio::time::advance(Duration::from_secs(200 * 365 * 24 * 3_600)).await;
+    assert!(futures::poll!(stream.next()).is_pending());
+    assert_eq!(stream.next().await, Some(1));
+    assert!(admitted_at.elapsed() >= Duration::from_nanos(u64::MAX));
+}

@@ -680,37 +680,48 @@ fn a_dropped_item_reaches_the_hook_when_the_recorder_panics() {
 }
 
 /// A metrics recorder that panics as a `MemoryGate` counts its admission of an item panics
-/// the poll, and the item passes on the next poll without being asked again: charged once.
-/// It was asked again, and charged again (the second of two tokens an hour), so the next
-/// item found the bucket empty and was dropped.
+/// the poll, and the item passes on the next poll without being asked again: charged once,
+/// on the gate and through a pointer to it. It was asked again, and charged again (the
+/// second of two tokens an hour), so the next item found the bucket empty and was dropped.
 #[cfg(feature = "metrics")]
 #[test]
 fn an_item_admitted_as_the_recorder_panics_is_charged_once() {
+    admitted_once("once", |gate| gate);
+    admitted_once("once-dyn", |gate| Arc::new(gate) as Arc<dyn Gate>);
+}
+
+/// Items 1, 2, 3 through `wrap(gate)` of two tokens an hour, the recorder panicking as the
+/// first admission is counted: 1 and 2 pass, 3 is dropped.
+#[cfg(feature = "metrics")]
+fn admitted_once<G: Gate + Clone + 'static>(name: &str, wrap: impl FnOnce(MemoryGate) -> G) {
     let two_an_hour = Quota::new(flowgate::Rate::per_hour(2).unwrap(), 2).unwrap();
     let recorder = crate::support::TestRecorder::default();
     let mut gated = metrics::with_local_recorder(&recorder, || {
         let gate = MemoryGate::builder(Limit::TokenBucket(two_an_hour))
-            .name("once")
+            .name(name)
             .build()
             .unwrap();
-        futures::stream::iter([1u32, 2, 3]).gated_drop(gate, |_: &u32| "k")
+        futures::stream::iter([1u32, 2, 3]).gated_drop(wrap(gate), |_: &u32| "k")
     });
-    let allowed = "flowgate_gate_decisions_total{name=once,outcome=allowed}";
-    recorder.panic_on(allowed, true);
+    let allowed = format!("flowgate_gate_decisions_total{{name={name},outcome=allowed}}");
+    recorder.panic_on(&allowed, true);
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         futures::executor::block_on(gated.next())
     }));
-    recorder.panic_on(allowed, false);
-    assert!(unwound.is_err(), "the recorder's panic reaches the poll");
+    recorder.panic_on(&allowed, false);
+    assert!(
+        unwound.is_err(),
+        "{name}: the recorder's panic reaches the poll"
+    );
     let rest: Vec<u32> = futures::executor::block_on((&mut gated).collect());
     assert_eq!(
         rest,
         [1, 2],
-        "1 was charged twice: 2 found the bucket empty"
+        "{name}: 1 was charged twice, 2 found the bucket empty"
     );
-    assert_eq!(gated.dropped(), 1);
+    assert_eq!(gated.dropped(), 1, "{name}");
     // The admission whose count panicked is not recorded; the second is.
-    assert_eq!(recorder.counter(allowed), 1);
+    assert_eq!(recorder.counter(&allowed), 1, "{name}");
 }
 
 /// Shaping: a rejection whose count panics (the recorder) sends the item to wait its

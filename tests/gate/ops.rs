@@ -296,11 +296,20 @@ async fn denied_and_busy_are_redis_failures_that_say_so_and_recover() {
 /// `SCRIPT LOAD` calls the server has run since its stats were last reset (`INFO
 /// commandstats`: `script|load` on Redis 7, every `SCRIPT` subcommand together before).
 fn script_loads(server: &RedisServer) -> u64 {
+    calls(server, &["script|load", "script"])
+}
+
+/// The calls of the commands `names` (as `INFO commandstats` names them) the server has run
+/// since its stats were last reset.
+fn calls(server: &RedisServer, names: &[&str]) -> u64 {
     let info: String = server
         .query_blocking(redis::cmd("INFO").arg("commandstats"))
         .unwrap();
     info.lines()
-        .filter(|l| l.starts_with("cmdstat_script|load:") || l.starts_with("cmdstat_script:"))
+        .filter(|l| {
+            let name = l.strip_prefix("cmdstat_").and_then(|l| l.split(':').next());
+            name.is_some_and(|name| names.contains(&name))
+        })
         .filter_map(|l| {
             l.split("calls=")
                 .nth(1)?
@@ -345,4 +354,45 @@ async fn calls_meeting_noscript_at_once_load_the_other_scripts_again_once() {
         others <= 10,
         "{loads} SCRIPT LOADs for {CALLS} calls: the other scripts were loaded {others} times"
     );
+}
+
+/// Calls that meet `NOSCRIPT` from one `SCRIPT FLUSH` let go once of what the gate held on
+/// the old server's word: the first to meet it forgets, loads its script again and takes a
+/// lease from the server as it is now; the second, sent before that, keeps that lease.
+/// Each call forgot on its own: the second threw away the lease the first had just taken
+/// (nine tokens debited in Redis, lost).
+#[tokio::test]
+#[ignore = "fault: a second call meeting NOSCRIPT from one SCRIPT FLUSH forgets the lease taken since"]
+async fn calls_meeting_noscript_from_one_flush_forget_once() {
+    let server = RedisServer::start();
+    let gate = RedisGate::builder(
+        server.connect().await,
+        Limit::TokenBucket(Quota::per_hour(10).unwrap()),
+    )
+    .lease(10)
+    .lease_ttl(Duration::from_secs(600))
+    .timeout(Duration::from_secs(5))
+    .build()
+    .await
+    .unwrap();
+    run(&server, &["SCRIPT", "FLUSH"]);
+    // Both sent before either is answered: each meets NOSCRIPT.
+    let mut a = Box::pin(gate.check("a", 1));
+    assert!(futures::poll!(a.as_mut()).is_pending());
+    let mut b = Box::pin(gate.check("b", 1));
+    assert!(futures::poll!(b.as_mut()).is_pending());
+    // `a` first: it forgets, loads its script and takes a lease (one token spent, nine kept).
+    assert!(a.await.unwrap().allowed);
+    assert_eq!(gate.leased_keys(), 1);
+    // Then `b`, whose NOSCRIPT came from the same flush.
+    assert!(b.await.unwrap().allowed);
+    assert_eq!(
+        gate.leased_keys(),
+        2,
+        "a's lease, taken after the flush, is kept"
+    );
+    for _ in 0..9 {
+        assert!(gate.check("a", 1).await.unwrap().allowed);
+    }
+    assert!(!gate.check("a", 1).await.unwrap().allowed);
 }

@@ -500,7 +500,11 @@ where
             for r in batch.drain(..) {
                 groups.entry(slot(r.key.as_bytes())).or_default().push(r);
             }
-            let calls = groups.into_values().map(|group| self.call(group));
+            // Each slot's call is a batch of its own: a panic in one (a metrics recorder)
+            // ends it alone, and the others go on to answer their callers.
+            let calls = groups
+                .into_values()
+                .map(|group| AssertUnwindSafe(self.call(group)).catch_unwind());
             futures::future::join_all(calls).await;
         } else {
             self.call(batch).await;

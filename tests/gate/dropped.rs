@@ -634,7 +634,6 @@ impl Recorder for PanicOnce {
 /// the batch's every call: the other slots' callers, whose calls Redis had answered, were
 /// answered by the failure policy (here an error) and counted `abandoned`.
 #[tokio::test]
-#[ignore = "fault: a recorder panic in one slot's call of a cluster batch fails the batch's other slots, answered by Redis"]
 async fn a_recorder_panic_in_one_slots_call_fails_no_other_slot() {
     let recorder = TestRecorder::default();
     let armed = std::sync::Arc::new(AtomicBool::new(false));

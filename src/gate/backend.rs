@@ -149,11 +149,33 @@ pub(crate) struct Backend<C> {
     /// Run when Redis may have lost its state (outside the health lock): see
     /// [`on_reset`](Backend::on_reset).
     on_reset: Option<Box<dyn Fn() + Send + Sync>>,
+    /// How many times it ran (counted before it runs).
+    resets: Resets,
     /// Every script the gate may call, loaded again together when Redis lacks one: see
     /// [`with_scripts`](Backend::with_scripts).
     scripts: Vec<redis::Script>,
     /// Whether that load is running (and asked for again meanwhile): one at a time.
     reloading: Arc<AtomicU8>,
+}
+
+/// How many times a backend let go of what its gate held on Redis's word (see
+/// [`Backend::on_reset`]), shared with what the gate keeps on it: an answer is kept (a
+/// rejection cached, a lease) only if none came since its request was sent (see
+/// [`Backend::eval_seen`]). Read under the lock of what keeps it, which the reset takes
+/// after it counts: either the answer sees the reset, or the reset sees what was kept.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Resets(Arc<AtomicU64>);
+
+impl Resets {
+    /// The count now.
+    pub(crate) fn now(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Whether none came since the count was `seen`.
+    pub(crate) fn none_since(&self, seen: u64) -> bool {
+        self.now() == seen
+    }
 }
 
 /// [`Backend::reloading`]: no load of the scripts is running...
@@ -313,6 +335,7 @@ where
                 to_healthy: transitions("healthy"),
             },
             on_reset: None,
+            resets: Resets::default(),
             scripts: Vec::new(),
             reloading: Arc::new(AtomicU8::new(IDLE)),
         }
@@ -337,10 +360,38 @@ where
         self
     }
 
-    fn reset(&self) {
+    /// The count of [`on_reset`](Backend::on_reset)'s runs, for what the gate keeps on
+    /// Redis's word.
+    pub(crate) fn resets(&self) -> &Resets {
+        &self.resets
+    }
+
+    /// Let go of what Redis may have lost; the count of resets after this one.
+    fn reset(&self) -> u64 {
+        let after = self.resets.0.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some(reset) = &self.on_reset {
             reset();
         }
+        after
+    }
+
+    /// A call sent when the count of resets was `sent` met `NOSCRIPT`: Redis lost its
+    /// scripts (and perhaps its keys) before it ran. Reset, unless a reset came since the
+    /// call was sent (another call met `NOSCRIPT` from the same loss first, or a probe
+    /// answered): what the gate took since then came from the server as it is now (sent
+    /// after that reset, on the one connection, it ran after this call), and is kept. Then
+    /// load the gate's other scripts.
+    fn lost_scripts(&self, script: &redis::Script, sent: u64) {
+        let first =
+            self.resets
+                .0
+                .compare_exchange(sent, sent + 1, Ordering::SeqCst, Ordering::SeqCst);
+        if first.is_ok()
+            && let Some(reset) = &self.on_reset
+        {
+            reset();
+        }
+        self.load_others(script);
     }
 
     /// Redis lacks `script`: load the other scripts of [`with_scripts`](Backend::with_scripts)
@@ -449,16 +500,32 @@ where
         len: usize,
         within: Duration,
     ) -> Result<Vec<i64>, CallError> {
+        let (reply, _) = self.eval_seen(script, cmd, len, within).await?;
+        Ok(reply)
+    }
+
+    /// [`eval`](Backend::eval), with the count of [`resets`](Backend::resets) when the
+    /// command that answered was sent: what the gate keeps on the answer's word is kept
+    /// only if no reset came since.
+    pub(crate) async fn eval_seen(
+        &self,
+        script: &redis::Script,
+        cmd: &redis::Cmd,
+        len: usize,
+        within: Duration,
+    ) -> Result<(Vec<i64>, u64), CallError> {
         let started = Instant::now();
         // Healthy at the start: not the probe of a degraded gate.
         let regular = !self.degraded.load(Ordering::Acquire);
         let mut conn = self.conn.clone();
+        let seen = AtomicU64::new(self.resets.now());
         let reply = self
             .within(
                 within,
                 query::<_, Vec<i64>>(&mut conn, script, cmd, || {
-                    self.reset();
-                    self.load_others(script);
+                    self.lost_scripts(script, seen.load(Ordering::Relaxed));
+                    // The command is sent again after that.
+                    seen.store(self.resets.now(), Ordering::Relaxed);
                 }),
             )
             .await;
@@ -467,23 +534,25 @@ where
         // answer from this caller, not from the gate's health.
         let settled = self.settle(reply, len, regular, within);
         self.metrics.latency.record(latency.as_secs_f64());
-        settled
+        let (reply, reset) = settled?;
+        // An answer that brings the gate back is of the server as it is now: kept.
+        Ok((reply, reset.unwrap_or_else(|| seen.into_inner())))
     }
 
     /// What `reply` (to a call made `regular`ly, given `within`, expecting `len` values)
-    /// comes to, the gate's health moved by it.
+    /// comes to, the gate's health moved by it; with the count of resets after the one it
+    /// made, if it brought the gate back.
     fn settle(
         &self,
         reply: Option<redis::RedisResult<Vec<i64>>>,
         len: usize,
         regular: bool,
         within: Duration,
-    ) -> Result<Vec<i64>, CallError> {
+    ) -> Result<(Vec<i64>, Option<u64>), CallError> {
         let error = match reply {
             Some(Ok(v)) if v.len() == len => {
                 self.answered();
-                self.healthy();
-                return Ok(v);
+                return Ok((v, self.healthy()));
             }
             Some(Ok(v)) => GateError::backend(BackendMessage(format!(
                 "unexpected reply from the gate script: {} values where {len} were expected",
@@ -583,11 +652,14 @@ where
         }
     }
 
-    fn healthy(&self) {
+    /// Mark the gate healthy; if it was degraded, let go of what Redis may have lost, and
+    /// return the count of resets after that.
+    fn healthy(&self) -> Option<u64> {
         if !self.degraded.load(Ordering::Acquire) {
-            return;
+            return None;
         }
         let mut health = self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut after = None;
         if let Health::Degraded { .. } = *health {
             *health = Health::Healthy;
             self.degraded.store(false, Ordering::Release);
@@ -597,7 +669,7 @@ where
                 || self.metrics.degraded.set(0.0),
                 || {
                     drop(health);
-                    self.reset();
+                    after = Some(self.reset());
                 },
             );
             self.metrics.to_healthy.increment(1);
@@ -606,6 +678,7 @@ where
                 "redis answers again: the gate is back on redis"
             );
         }
+        after
     }
 }
 

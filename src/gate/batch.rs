@@ -13,7 +13,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::Decision;
-use crate::gate::backend::{Backend, CallError, Probe};
+use crate::gate::backend::{Backend, CallError, Probe, Resets};
 use crate::gate::error::GateError;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts::LimitScript;
@@ -51,17 +51,29 @@ pub(crate) struct Outcomes {
     pub(crate) cache: RejectCache,
     /// The length of the gate's key prefix: a [`Request`]'s key without it is the caller's.
     pub(crate) prefix: usize,
+    /// The backend's resets: a rejection is cached only if none came since its request was
+    /// sent.
+    pub(crate) resets: Resets,
 }
 
 impl Outcomes {
-    /// Redis decided `decision` for `cost` on the caller's `key`, in a call sent at `sent`:
-    /// counted, and a rejection cached. Done where the answer is read, by the caller or by
-    /// what is left of its call when it has given up.
-    pub(crate) fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+    /// Redis decided `decision` for `cost` on the caller's `key`, in a call sent at `sent`
+    /// when the backend's count of resets was `seen`: counted, and a rejection cached
+    /// unless the gate let go of what Redis may have lost since (the rejection may be one
+    /// of them). Done where the answer is read, by the caller or by what is left of its
+    /// call when it has given up.
+    pub(crate) fn decided(
+        &self,
+        key: &str,
+        cost: u32,
+        (sent, seen): (Instant, u64),
+        decision: &Decision,
+    ) {
         self.count(decision);
         if !decision.allowed {
             let now = (Instant::now(), SystemTime::now());
-            self.cache.rejected(key, cost, sent, decision, now);
+            let fresh = || self.resets.none_since(seen);
+            self.cache.rejected(key, cost, sent, decision, now, fresh);
         }
     }
 
@@ -130,7 +142,7 @@ impl Drop for Sent<'_> {
                 error: Some(error),
                 until_probe: std::time::Duration::ZERO,
             };
-            r.answer(Err(failed), self.outcomes);
+            r.fail(failed, self.outcomes);
         }
     }
 }
@@ -144,13 +156,15 @@ pub(crate) struct Answer {
     /// For a decision: where it is decided if it is not read, and the request it answers
     /// (its Redis key, cost and start).
     unread: Option<(Arc<Outcomes>, String, u32, Instant)>,
+    /// The backend's count of resets when the call was sent.
+    seen: u64,
 }
 
 impl Answer {
     /// The answer `result` to `request`'s key, cost and start; a decision in it is
     /// [`decided`](Outcomes::decided) in `outcomes` unless it is read.
     fn new(
-        result: Result<Decision, CallError>,
+        (result, seen): (Result<Decision, CallError>, u64),
         (key, cost, started): (String, u32, Instant),
         outcomes: &Arc<Outcomes>,
     ) -> Answer {
@@ -160,13 +174,16 @@ impl Answer {
         Answer {
             result: Some(result),
             unread,
+            seen,
         }
     }
 
-    /// The result, for the caller, which decides it itself.
-    pub(crate) fn read(mut self) -> Result<Decision, CallError> {
+    /// The result, for the caller, which decides it itself; with the backend's count of
+    /// resets when the call was sent.
+    pub(crate) fn read(mut self) -> (Result<Decision, CallError>, u64) {
         self.unread = None;
-        self.result.take().expect("an answer is read once")
+        let result = self.result.take().expect("an answer is read once");
+        (result, self.seen)
     }
 }
 
@@ -176,22 +193,28 @@ impl Drop for Answer {
             (&self.unread, &self.result)
         {
             let key = key.get(outcomes.prefix..).unwrap_or(key);
-            outcomes.decided(key, *cost, *started, decision);
+            outcomes.decided(key, *cost, (*started, self.seen), decision);
         }
     }
 }
 
 impl Request {
-    /// Answer this request with `result`; the answer comes back if its caller is gone. Its
-    /// decision is then [`decided`](Outcomes::decided) when it is dropped, which runs the
-    /// metrics recorder (user code): drop it once every other caller is answered.
+    /// Answer this request with `result` (of a call sent when the backend's count of resets
+    /// was `.1`); the answer comes back if its caller is gone. Its decision is then
+    /// [`decided`](Outcomes::decided) when it is dropped, which runs the metrics recorder
+    /// (user code): drop it once every other caller is answered.
     fn answer(
         self,
-        result: Result<Decision, CallError>,
+        result: (Result<Decision, CallError>, u64),
         outcomes: &Arc<Outcomes>,
     ) -> Option<Answer> {
         let answer = Answer::new(result, (self.key, self.cost, self.started), outcomes);
         self.reply.send(answer).err()
+    }
+
+    /// Answer this request with `error` (which keeps nothing on Redis's word).
+    fn fail(self, error: CallError, outcomes: &Arc<Outcomes>) {
+        self.answer((Err(error), 0), outcomes);
     }
 }
 
@@ -410,7 +433,7 @@ where
                 self.backend
                     .fail(GateError::Timeout(self.backend.timeout()))
             });
-            r.answer(Err(error.clone()), &self.outcomes);
+            r.fail(error.clone(), &self.outcomes);
         }
         let Some(deadline) = batch.iter().map(|r| r.deadline).max() else {
             return;
@@ -433,7 +456,7 @@ where
         // A caller that gave up meanwhile was charged all the same: the answer it leaves
         // behind counts its decision.
         match decided {
-            Ok(decisions) => {
+            Ok((decisions, seen)) => {
                 // Every caller is answered before the decisions of those gone are counted: a
                 // recorder that panics there must not leave the callers after them
                 // unanswered (each would ask Redis again alone, and be charged twice).
@@ -441,14 +464,15 @@ where
                     .into_iter()
                     .zip(decisions)
                     .filter_map(|(r, decision)| {
-                        r.answer(decision.map_err(CallError::Request), &self.outcomes)
+                        let decision = decision.map_err(CallError::Request);
+                        r.answer((decision, seen), &self.outcomes)
                     })
                     .collect();
                 drop(unread);
             }
             Err(error) => {
                 for r in batch {
-                    r.answer(Err(error.clone()), &self.outcomes);
+                    r.fail(error.clone(), &self.outcomes);
                 }
             }
         }

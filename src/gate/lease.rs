@@ -334,7 +334,11 @@ impl Leases {
     /// Keep `tokens` granted for `key` in the place taken for it, from when the place was
     /// taken (the lease call's start), `now`, until `now + ttl`; the bucket in Redis is full
     /// again `reset_after` after `now`. Leases taken by concurrent calls add up, each
-    /// keeping its own expiry: none replaces another.
+    /// keeping its own expiry: none replaces another. Only if `fresh` (asked under the lock
+    /// [`clear`](Leases::clear) takes) says that the leases were not cleared since the
+    /// lease call was sent: Redis may have lost the bucket they were debited from, and
+    /// they are let go of (counted unspent). A clear racing this call then either comes
+    /// after it and lets go of them, or comes before it and keeps them out.
     pub(crate) fn keep(
         &self,
         mut place: Place<'_>,
@@ -342,6 +346,7 @@ impl Leases {
         tokens: u32,
         limit: u64,
         reset_after: Duration,
+        fresh: impl FnOnce() -> bool,
     ) {
         if tokens == 0 {
             return;
@@ -351,6 +356,11 @@ impl Leases {
         // The place becomes the key's entry (or goes, if the key has one already).
         state.reserved -= 1;
         place.leases = None;
+        if !fresh() {
+            drop(state);
+            self.count_unspent(u64::from(tokens));
+            return;
+        }
         let lease = state.leases.entry(key.to_owned()).or_insert_with(|| Lease {
             parts: VecDeque::new(),
             limit,
@@ -427,7 +437,7 @@ mod tests {
         let now = Instant::now();
         for i in 0..100 {
             let place = leases.place(now).expect("room");
-            leases.keep(place, &format!("k{i}"), 5, 10, 10 * hour);
+            leases.keep(place, &format!("k{i}"), 5, 10, 10 * hour, || true);
         }
         for _ in 0..1_000 {
             assert!(leases.place(now).is_none(), "full");
@@ -445,7 +455,7 @@ mod tests {
             Counter::default(),
         );
         let place = leases.place(now).expect("room");
-        leases.keep(place, "k", 5, 10, 2 * hour);
+        leases.keep(place, "k", 5, 10, 2 * hour, || true);
         assert!(leases.place(now).is_none(), "full");
         assert!(leases.place(now + hour).is_some(), "its tokens lapsed");
     }
@@ -508,7 +518,7 @@ mod accounting {
                 match op {
                     0 => if let Some(place) = leases.place(now) {
                         kept += u64::from(n);
-                        leases.keep(place, &key, n, 5, Duration::from_millis(100 * u64::from(n) + gap));
+                        leases.keep(place, &key, n, 5, Duration::from_millis(100 * u64::from(n) + gap), || true);
                     },
                     1 => if leases.spend(&key, n, now).is_some() { spent += u64::from(n) },
                     2 => leases.clear(),

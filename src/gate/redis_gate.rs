@@ -151,7 +151,10 @@ pub(super) struct Inner<C> {
 ///   `remaining` counts the units refilled since (as if no other instance took any
 ///   meanwhile, as `retry_after` does). Forgotten when Redis may have
 ///   lost its keys (restarted empty, failed over to a replica that missed writes): when the
-///   gate is back on Redis after a failure, and when Redis no longer has the gate's scripts.
+///   gate is back on Redis after a failure, and when Redis no longer has the gate's scripts
+///   (once for the calls that find that together: what a call took from the server since it
+///   forgot is kept); a rejection whose request was sent before the gate forgot, and
+///   answered only then, is not cached either.
 ///   A gate sees neither without calling Redis: one that has had no answer from Redis for a
 ///   `probe_interval` (all its traffic answered from the cache, a hot key over an hourly
 ///   limit, say) sends the next request on a cached key to Redis, and keeps the rejection
@@ -364,11 +367,13 @@ where
             let unread = inner.metrics.outcomes.unread(1);
             let decided = inner.eval.decide(&inner.backend, requests, within).await;
             unread.read();
-            let decision = decided?
+            let (mut decided, seen) = decided?;
+            let decision = decided
                 .pop()
                 .expect("one decision per request")
                 .map_err(CallError::Request)?;
-            gate.decided(&redis_key[inner.prefix.len()..], cost, started, &decision);
+            let key = &redis_key[inner.prefix.len()..];
+            gate.decided(key, cost, (started, seen), &decision);
             Ok(decision)
         })
     }
@@ -407,16 +412,16 @@ where
         batcher.submit(request).await?;
         // The driver answers by the deadline (its call's timeout ends there); the timer here
         // is the backstop for a driver whose runtime is not being driven.
-        let reply = match inner.backend.until(started + timeout, answer).await {
+        let (reply, seen) = match inner.backend.until(started + timeout, answer).await {
             Some(Ok(answer)) => answer.read(),
             // The driver went away with the request before sending it (its runtime shut
             // down): decide it here. (One it had sent is answered with a failure instead.)
             Some(Err(_)) => return self.call_one(key, cost, started, None, None).await,
-            None => Err(inner.backend.fail(GateError::Timeout(timeout))),
+            None => return Err(inner.backend.fail(GateError::Timeout(timeout))),
         };
         // Read here: a caller that gives up before this point leaves its answer to count it.
         if let Ok(decision) = &reply {
-            self.decided(key, cost, started, decision);
+            self.decided(key, cost, (started, seen), decision);
         }
         reply
     }

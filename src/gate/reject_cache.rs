@@ -168,6 +168,10 @@ impl RejectCache {
 
     /// Remember that Redis rejected `cost` on `key` for a request sent at `sent`; `read`:
     /// both clocks now (`(Instant::now(), SystemTime::now())`; tests pass their own).
+    /// Only if `fresh` (asked under the lock [`clear`](RejectCache::clear) takes) says that
+    /// the cache was not cleared since the request was sent: Redis may have lost the state
+    /// it rejected on. A clear racing this call then either comes after it and removes the
+    /// rejection, or comes before it and keeps it out.
     pub(crate) fn rejected(
         &self,
         key: &str,
@@ -175,6 +179,7 @@ impl RejectCache {
         sent: Instant,
         decision: &Decision,
         read: (Instant, SystemTime),
+        fresh: impl FnOnce() -> bool,
     ) {
         if self.capacity == 0 || decision.retry_after == Duration::ZERO {
             return;
@@ -186,6 +191,9 @@ impl RejectCache {
             return;
         };
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        if !fresh() {
+            return;
+        }
         if entries.map.len() >= self.capacity && !entries.map.contains_key(key) {
             // None has expired yet: no pass over them all (under the lock every check
             // takes) to find that out again for each new key.
@@ -319,7 +327,7 @@ mod tests {
             if d.allowed {
                 admitted_since[usize::from(key)] = true;
             } else {
-                cache.rejected(&name, cost, at, &d, (at, wall));
+                cache.rejected(&name, cost, at, &d, (at, wall), || true);
                 admitted_since[usize::from(key)] = false;
             }
         }
@@ -367,10 +375,10 @@ mod tests {
         let now = Instant::now();
         let read = (now, SystemTime::now());
         for i in 0..100 {
-            cache.rejected(&format!("live{i}"), 1, now, &hour, read);
+            cache.rejected(&format!("live{i}"), 1, now, &hour, read, || true);
         }
         for i in 0..1_000 {
-            cache.rejected(&format!("new{i}"), 1, now, &hour, read);
+            cache.rejected(&format!("new{i}"), 1, now, &hour, read, || true);
         }
         assert_eq!(cache.len(), 100);
         let sweeps = cache.sweeps.load(Ordering::Relaxed);
@@ -380,9 +388,9 @@ mod tests {
         let second_ago = now.checked_sub(Duration::from_secs(1)).unwrap();
         let mut short = hour;
         short.retry_after = Duration::from_millis(1);
-        cache.rejected("expired", 1, second_ago, &short, read);
-        cache.rejected("live", 1, now, &hour, read);
-        cache.rejected("new", 1, now, &hour, read);
+        cache.rejected("expired", 1, second_ago, &short, read, || true);
+        cache.rejected("live", 1, now, &hour, read, || true);
+        cache.rejected("new", 1, now, &hour, read, || true);
         assert!(
             cache.check("new", 1, now, || read.1).is_some(),
             "the expired entry made room"
@@ -396,8 +404,8 @@ mod tests {
         let mut b = Limiter::new(TokenBucket::new(Quota::per_second(1).unwrap()));
         b.check(Duration::ZERO, 1).unwrap();
         let d = b.check(Duration::ZERO, 1).unwrap();
-        cache.rejected("a", 1, now, &d, (now, wall));
-        cache.rejected("b", 1, now, &d, (now, wall));
+        cache.rejected("a", 1, now, &d, (now, wall), || true);
+        cache.rejected("b", 1, now, &d, (now, wall), || true);
         assert_eq!(cache.len(), 1);
         assert!(cache.check("b", 1, now, || wall).is_none());
         assert!(cache.check("a", 1, now, || wall).is_some());
@@ -424,7 +432,7 @@ mod tests {
         let (now, wall) = (Instant::now(), SystemTime::now());
         let ms = Duration::from_millis(1);
         // Sent 1 ms before it was recorded: an hour from the sending, on both clocks.
-        cache.rejected("k", 1, now, &hour, (now + ms, wall + ms));
+        cache.rejected("k", 1, now, &hour, (now + ms, wall + ms), || true);
         let left = |mono: Duration, wall_ran: Duration| {
             cache
                 .check("k", 1, now + mono, || wall + wall_ran)
@@ -456,13 +464,13 @@ mod tests {
         b.check(Duration::ZERO, 1).unwrap();
         let hour = b.check(Duration::ZERO, 1).unwrap();
         let (now, wall) = (Instant::now(), SystemTime::now());
-        cache.rejected("a", 1, now, &hour, (now, wall));
-        cache.rejected("b", 1, now, &hour, (now, wall));
+        cache.rejected("a", 1, now, &hour, (now, wall), || true);
+        cache.rejected("b", 1, now, &hour, (now, wall), || true);
         assert_eq!(cache.len(), 2);
         // The host slept two hours: the wall clock ran on, `Instant` did not.
         let later = now + Duration::from_millis(1);
         let woke = wall + Duration::from_secs(7200);
-        cache.rejected("c", 1, later, &hour, (later, woke));
+        cache.rejected("c", 1, later, &hour, (later, woke), || true);
         assert!(
             cache.check("c", 1, later, || woke).is_some(),
             "the new rejection is cached"

@@ -113,13 +113,14 @@ impl LimitScript {
     }
 
     /// Decide `requests` (key, cost) in one `EVALSHA` through `backend`, within `within`.
-    /// Each request gets its decision, or its key's own error.
+    /// Each request gets its decision, or its key's own error; with the count of the
+    /// backend's resets when the call was sent (see [`Backend::eval_seen`]).
     pub(crate) async fn decide<'a, C, R>(
         &self,
         backend: &Backend<C>,
         requests: R,
         within: Duration,
-    ) -> Result<Vec<Result<Decision, GateError>>, CallError>
+    ) -> Result<(Vec<Result<Decision, GateError>>, u64), CallError>
     where
         C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
         R: Iterator<Item = (&'a str, u32)> + Clone,
@@ -131,14 +132,17 @@ impl LimitScript {
         }
         self.add_args(&mut cmd, requests.clone().map(|(_, cost)| cost));
         let width = reply_width(&self.limit);
-        let v = backend.eval(&self.script, &cmd, width * n, within).await?;
-        Ok(requests
+        let (v, seen) = backend
+            .eval_seen(&self.script, &cmd, width * n, within)
+            .await?;
+        let decided = requests
             .zip(v.chunks_exact(width))
             .map(|((_, cost), r)| match key_failure(r[0]) {
                 Some(e) => Err(e),
                 None => Ok(decode(&self.limit, self.count, self.period_us, cost, r)),
             })
-            .collect())
+            .collect();
+        Ok((decided, seen))
     }
 }
 

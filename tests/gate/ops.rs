@@ -362,7 +362,6 @@ async fn calls_meeting_noscript_at_once_load_the_other_scripts_again_once() {
 /// Each call forgot on its own: the second threw away the lease the first had just taken
 /// (nine tokens debited in Redis, lost).
 #[tokio::test]
-#[ignore = "fault: a second call meeting NOSCRIPT from one SCRIPT FLUSH forgets the lease taken since"]
 async fn calls_meeting_noscript_from_one_flush_forget_once() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(
@@ -403,7 +402,6 @@ async fn calls_meeting_noscript_from_one_flush_forget_once() {
 /// new server admits the key. It was cached after the gate forgot, and refused the key for
 /// an hour.
 #[tokio::test]
-#[ignore = "fault: a rejection made before Redis lost its keys, read after the gate forgot, is cached"]
 async fn a_rejection_read_after_the_gate_forgot_the_old_server_is_not_cached() {
     let server = RedisServer::start();
     let gate = RedisGate::builder(

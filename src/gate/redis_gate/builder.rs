@@ -164,8 +164,8 @@ where
     /// Decisions served from a lease
     /// report the lease's remaining tokens and when the bucket in Redis is full again.
     /// Leases are dropped (their tokens lost) when Redis may have lost its keys, as the
-    /// rejection cache is forgotten: spent then, they would pass on top of a bucket the
-    /// new server holds full. Every leased token is spent here or counted in
+    /// rejection cache is forgotten (and a lease whose call was sent before that is not
+    /// kept): spent then, they would pass on top of a bucket the new server holds full. Every leased token is spent here or counted in
     /// `flowgate_gate_lease_unspent_total` when the gate lets go of it (expired, lapsed,
     /// dropped for a Redis that may have lost its keys, or held when the gate is dropped):
     /// the under-admission the leases cost. A gate sees that only when it calls Redis: one that has had
@@ -282,6 +282,14 @@ where
             load,
         )
         .await;
+        let backend = Backend::new(
+            self.conn,
+            self.timeout,
+            self.probe_interval,
+            self.name.clone(),
+            self.policy.as_str(),
+            &labels,
+        );
         let decisions = |outcome| labels.counter(names::DECISIONS, &[("outcome", outcome)]);
         let outcomes = Arc::new(Outcomes {
             allowed: decisions("allowed"),
@@ -289,6 +297,7 @@ where
             abandoned: decisions("abandoned"),
             cache: RejectCache::new(self.reject_cache, self.limit),
             prefix: self.prefix.len(),
+            resets: backend.resets().clone(),
         });
         // Redis may have lost its keys (restarted empty, failed over: back after a failure,
         // or without its scripts): the rejections cached before would refuse what it admits,
@@ -296,21 +305,14 @@ where
         let forget = Arc::clone(&outcomes);
         let forget_leases = leases.clone();
         let backend = Arc::new(
-            Backend::new(
-                self.conn,
-                self.timeout,
-                self.probe_interval,
-                self.name.clone(),
-                self.policy.as_str(),
-                &labels,
-            )
-            .on_reset(move || {
-                forget.cache.clear();
-                if let Some(leases) = &forget_leases {
-                    leases.clear();
-                }
-            })
-            .with_scripts(scripts),
+            backend
+                .on_reset(move || {
+                    forget.cache.clear();
+                    if let Some(leases) = &forget_leases {
+                        leases.clear();
+                    }
+                })
+                .with_scripts(scripts),
         );
         let batcher = (self.batch_size > 1).then(|| {
             let driver = Driver {

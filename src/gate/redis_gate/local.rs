@@ -98,8 +98,9 @@ where
         }
     }
 
-    /// [`Outcomes::decided`](crate::gate::batch::Outcomes::decided): counted, a rejection cached.
-    pub(super) fn decided(&self, key: &str, cost: u32, sent: Instant, decision: &Decision) {
+    /// [`Outcomes::decided`](crate::gate::batch::Outcomes::decided): counted, a rejection
+    /// cached (`sent`: when the request was sent, and the backend's count of resets then).
+    pub(super) fn decided(&self, key: &str, cost: u32, sent: (Instant, u64), decision: &Decision) {
         self.inner
             .metrics
             .outcomes
@@ -155,14 +156,17 @@ where
                 .lease(leases, place, quota, &redis_key, cost, started)
                 .await;
             unread.read();
-            if let Ok(decision) = &reply {
-                gate.decided(&redis_key[inner.prefix.len()..], cost, started, decision);
-            }
-            Ok(reply)
+            let key = &redis_key[inner.prefix.len()..];
+            Ok(reply.map(|(decision, seen)| {
+                gate.decided(key, cost, (started, seen), &decision);
+                decision
+            }))
         })
     }
 
-    /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`.
+    /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`
+    /// unless the gate let go of its leases since the call was sent; the decision, with the
+    /// backend's count of resets then.
     async fn lease(
         &self,
         leases: &Leases,
@@ -171,34 +175,30 @@ where
         redis_key: &str,
         cost: u32,
         started: Instant,
-    ) -> Result<Decision, CallError> {
+    ) -> Result<(Decision, u64), CallError> {
         let inner = &*self.inner;
         let mut cmd = scripts::evalsha(&inner.lease_script, 1);
         cmd.arg(redis_key);
         inner.eval.add_args(&mut cmd, [cost]);
         cmd.arg(leases.size.max(cost));
         let within = inner.backend.timeout().saturating_sub(started.elapsed());
-        let r = inner
-            .backend
-            .eval(&inner.lease_script, &cmd, 5, within)
+        let backend = &inner.backend;
+        let (r, seen) = backend
+            .eval_seen(&inner.lease_script, &cmd, 5, within)
             .await?;
         if let Some(e) = key_failure(r[0]) {
             return Err(CallError::Request(e));
         }
         let granted = u32::try_from(r[0]).unwrap_or(0);
         if granted < cost {
-            return Ok(decision_from(&[0, r[1], r[2], r[3], r[4]]));
+            return Ok((decision_from(&[0, r[1], r[2], r[3], r[4]]), seen));
         }
         let limit = u64::from(quota.burst_size());
         let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
         let key = &redis_key[inner.prefix.len()..];
-        leases.keep(place, key, granted - cost, limit, reset_after);
-        Ok(decision_from(&[
-            1,
-            r[1],
-            r[2] + i64::from(granted - cost),
-            0,
-            r[4],
-        ]))
+        let fresh = || backend.resets().none_since(seen);
+        leases.keep(place, key, granted - cost, limit, reset_after, fresh);
+        let decision = decision_from(&[1, r[1], r[2] + i64::from(granted - cost), 0, r[4]]);
+        Ok((decision, seen))
     }
 }

@@ -307,7 +307,10 @@ where
     ///
     /// Dropping the future before its request is on its way to Redis (never polled, or
     /// queued for a batch not sent yet) charges nothing, and the probe of a degraded gate
-    /// it was to make is left to the next call. After, Redis decides the request
+    /// it was to make is left to the next call (a queued one once the batch driver takes it
+    /// from its queue: as soon as the driver runs, or, with 4 batches in flight, when one
+    /// of them ends, within the timeout; the calls meanwhile are decided by the policy as
+    /// when the probe is in flight). After, Redis decides the request
     /// all the same (it may be charged; never over-admission), and what follows from the
     /// answer happens without the caller: the decision is counted, a rejection cached, a
     /// lease kept for the next callers. A call made alone (batching off, nothing else in

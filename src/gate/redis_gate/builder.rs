@@ -142,6 +142,15 @@ where
     ///
     /// Name keys so that what must be decided together shares a slot, with a hash tag:
     /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
+    ///
+    /// The gate has one health for the whole cluster, as for one server: a shard that fails
+    /// (its primary down until a replica takes over) degrades the gate, and the keys of
+    /// every shard are decided by the failure policy until a probe answers. The probe goes
+    /// to the shard of its own key: one that a shard still up answers brings the gate back,
+    /// and the next call to the shard still down degrades it again (each transition logged
+    /// and counted, and the rejection cache and leases forgotten when it comes back). A
+    /// batch's script calls, one per slot, are answered each on its own: one that fails (or
+    /// whose metrics recorder panics) fails only its own callers.
     pub fn cluster(mut self, cluster: bool) -> Self {
         self.cluster = cluster;
         self

@@ -5,12 +5,10 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use flowgate::Quota;
 use flowgate::gate::{FailurePolicy, Limit, RedisGate};
-use metrics::{Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use redis::aio::MultiplexedConnection;
 use tokio::runtime::Runtime;
 
@@ -596,38 +594,6 @@ async fn leased_tokens_never_spent_are_counted() {
     );
 }
 
-/// The test recorder, but the histogram named `.2` panics on its first record once `.1` is
-/// set (then records nothing).
-struct PanicOnce(TestRecorder, std::sync::Arc<AtomicBool>, &'static str);
-
-struct Once(std::sync::Arc<AtomicBool>);
-
-impl metrics::HistogramFn for Once {
-    fn record(&self, _: f64) {
-        if self.0.swap(false, Ordering::SeqCst) {
-            panic!("the recorder panics once");
-        }
-    }
-}
-
-impl Recorder for PanicOnce {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, meta: &Metadata<'_>) -> metrics::Counter {
-        self.0.register_counter(key, meta)
-    }
-    fn register_gauge(&self, key: &Key, meta: &Metadata<'_>) -> metrics::Gauge {
-        self.0.register_gauge(key, meta)
-    }
-    fn register_histogram(&self, key: &Key, meta: &Metadata<'_>) -> metrics::Histogram {
-        match key.name() == self.2 {
-            true => metrics::Histogram::from_arc(std::sync::Arc::new(Once(self.1.clone()))),
-            false => self.0.register_histogram(key, meta),
-        }
-    }
-}
-
 /// On a Cluster a batch goes to Redis as one script call per hash slot. A metrics recorder
 /// panicking in one of them (here as its round trip is recorded) costs that call alone:
 /// the callers of the batch's other slots get what Redis decided for them. The panic ended
@@ -636,13 +602,7 @@ impl Recorder for PanicOnce {
 #[tokio::test]
 async fn a_recorder_panic_in_one_slots_call_fails_no_other_slot() {
     let recorder = TestRecorder::default();
-    let armed = std::sync::Arc::new(AtomicBool::new(false));
-    let once = PanicOnce(
-        recorder.clone(),
-        armed.clone(),
-        "flowgate_gate_redis_seconds",
-    );
-    let _local = metrics::set_default_local_recorder(&once);
+    let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
     // A standalone server answers every slot: the batches are split all the same.
     let gate = RedisGate::builder(server.connect_untimed().await, per_hour(10))
@@ -665,10 +625,11 @@ async fn a_recorder_panic_in_one_slots_call_fails_no_other_slot() {
     assert!(futures::poll!(b.as_mut()).is_pending());
     assert!(eventually(|| batches() == [2.0]).await, "one batch of two");
     // The first of the two calls to be answered panics as its round trip is recorded.
-    armed.store(true, Ordering::SeqCst);
+    let round_trips = "flowgate_gate_redis_seconds{name=slots}";
+    recorder.panic_once_on(round_trips);
     server.resume();
     let (a, b) = (a.await, b.await);
-    assert!(!armed.load(Ordering::SeqCst), "a call panicked");
+    assert!(recorder.panicked_once(round_trips), "a call panicked");
     let by_redis = [&a, &b]
         .iter()
         .filter(|r| r.as_ref().is_ok_and(|d| d.allowed))

@@ -21,6 +21,8 @@ struct Cell {
     samples: Mutex<Vec<f64>>,
     /// Panic on the next change ([`TestRecorder::panic_on`]).
     panics: AtomicBool,
+    /// Panic on the next change only ([`TestRecorder::panic_once_on`]).
+    panics_once: AtomicBool,
     /// The recorder's: panic on every counter's and gauge's change
     /// ([`TestRecorder::armed_while`]).
     every: Arc<AtomicBool>,
@@ -30,7 +32,10 @@ struct Cell {
 impl Cell {
     /// Panic if told to: for this metric, or (`every`: a counter or a gauge) for all.
     fn maybe_panic(&self, every: bool) {
-        if self.panics.load(Ordering::Relaxed) || every && self.every.load(Ordering::Relaxed) {
+        if self.panics.load(Ordering::Relaxed)
+            || every && self.every.load(Ordering::Relaxed)
+            || self.panics_once.swap(false, Ordering::Relaxed)
+        {
             panic!("the recorder panics");
         }
     }
@@ -162,6 +167,26 @@ impl TestRecorder {
             .entry(id.to_string())
             .or_insert_with(|| self.new_cell());
         cell.panics.store(panics, Ordering::Relaxed);
+    }
+
+    /// Make the next change to `id` (as in [`panic_on`](Self::panic_on)) panic, and only
+    /// that one: that change records nothing, later ones record again. Whether it has
+    /// panicked yet: [`panicked_once`](Self::panicked_once).
+    pub fn panic_once_on(&self, id: &str) {
+        let cells = &mut *self.cells.lock().unwrap();
+        let cell = cells
+            .entry(id.to_string())
+            .or_insert_with(|| self.new_cell());
+        cell.panics_once.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the panic [`panic_once_on`](Self::panic_once_on) asked for on `id` came.
+    pub fn panicked_once(&self, id: &str) -> bool {
+        self.cells
+            .lock()
+            .unwrap()
+            .get(id)
+            .is_some_and(|c| !c.panics_once.load(Ordering::Relaxed))
     }
 
     /// Run `f` with every change to a counter or a gauge panicking (histograms record);

@@ -984,6 +984,52 @@ async fn keyless_requests_share_skip_or_are_refused_as_configured() {
     assert_eq!(refuse.stats().missing_key, 1);
 }
 
+/// A `Header` policy under `MissingKey::Refuse`: a client whose key is longer than
+/// `max_len` (a bearer token where an API key was expected) sent a key, so a `400` saying
+/// only "no key for the policy" misleads it; the detail says what was wrong with the header
+/// (too long, empty, bytes a key cannot hold, missing), and never echoes the value.
+#[tokio::test]
+#[ignore = "fault: a Header key over max_len under MissingKey::Refuse gets a 400 that says only \"no key\""]
+async fn a_refused_header_key_says_why_it_is_no_key_without_echoing_it() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(
+            Policy::new(
+                "per-key",
+                quota(5, Duration::from_secs(60)),
+                Header::new("x-api-key").unwrap(),
+            )
+            .missing_key(MissingKey::Refuse),
+        )
+        .build()
+        .unwrap();
+    let server = Server::start(app(layer.clone())).await;
+    let client = client();
+    let detail = |a: &crate::harness::Answer| {
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{a:?}");
+        let doc: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        doc["detail"].as_str().unwrap().to_owned()
+    };
+    let secret = format!("Bearer {}", "s".repeat(300));
+    let long = detail(&get(&client, &server.url("/"), &[("x-api-key", &secret)]).await);
+    assert!(
+        long.contains("per-key") && long.contains("x-api-key") && long.contains("longer than 256"),
+        "{long}"
+    );
+    assert!(!long.contains("Bearer") && !long.contains("sss"), "{long}");
+    let missing = detail(&get(&client, &server.url("/"), &[]).await);
+    assert!(missing.contains("no x-api-key"), "{missing}");
+    let empty = detail(&get(&client, &server.url("/"), &[("x-api-key", "")]).await);
+    assert!(empty.contains("empty"), "{empty}");
+    let bytes = detail(&get(&client, &server.url("/"), &[("x-api-key", "café")]).await);
+    assert!(
+        bytes.contains("visible ASCII") && !bytes.contains("caf"),
+        "{bytes}"
+    );
+    assert_eq!(layer.stats().missing_key, 4);
+    let ok = get(&client, &server.url("/"), &[("x-api-key", "k-1")]).await;
+    assert_eq!(ok.status, StatusCode::OK);
+}
+
 /// A per-key policy that skips keyless requests (the docs' API-key pattern): a client that
 /// sends its key on two field lines is counted under the key the app reads (the first
 /// line, as `HeaderMap::get` and the typed-header extractors read it), not let through

@@ -48,6 +48,20 @@ impl<'a> RequestInfo<'a> {
 pub trait KeyExtractor: Send + Sync + 'static {
     /// Append this request's key to `key`; `false` when it has none.
     fn extract(&self, req: &RequestInfo<'_>, key: &mut String) -> bool;
+
+    /// Why `req` has no key, for the client: the end of the `detail` of the `400 Bad
+    /// Request` that a [`MissingKey::Refuse`] policy answers (`the request has no key for
+    /// the policy "per-key": <this>`). Called only then, after [`extract`](Self::extract)
+    /// found no key (so it may allocate). The client reads it: say what is wrong with what
+    /// it sent, not the value itself (it may be a secret) nor how the server is set up.
+    ///
+    /// The default, `None`, says nothing more; [`Header`] names its header and what is
+    /// wrong with its value (missing, empty, longer than its `max_len`, bytes a key cannot
+    /// hold).
+    fn missing_reason(&self, req: &RequestInfo<'_>) -> Option<String> {
+        let _ = req;
+        None
+    }
 }
 
 impl<F> KeyExtractor for F
@@ -70,7 +84,9 @@ pub enum MissingKey {
     Shared(String),
     /// The policy does not apply to the request.
     Skip,
-    /// The request is refused with `400 Bad Request`.
+    /// The request is refused with `400 Bad Request`; the problem body's `detail` names the
+    /// policy and, where the extractor can say ([`KeyExtractor::missing_reason`]), what is
+    /// wrong with the request.
     Refuse,
 }
 
@@ -230,8 +246,9 @@ fn warn_no_peer(source: &'static str) {
 /// inner spaces. A value longer than `max_len` is most often a secret too long to be a key
 /// (a bearer token: a JWT is often 800 bytes and more): the first one this extractor (or
 /// a clone of it) meets is logged (a `tracing` warning), as every such request falls to
-/// the policy's `MissingKey` choice (by default, one bucket for all of them). A header
-/// sent on several field lines is keyed by its first line: the value the app reads
+/// the policy's `MissingKey` choice (by default, one bucket for all of them; under
+/// [`MissingKey::Refuse`], a `400` whose detail says which of these it was, without the
+/// value). A header sent on several field lines is keyed by its first line: the value the app reads
 /// (`HeaderMap::get`, the typed-header extractors), so a client cannot shed its key (and,
 /// under [`MissingKey::Skip`], its limit) by sending it twice.
 /// Over HTTP/2 a request has no `Host` field (hyper leaves the authority in the URI), so
@@ -359,6 +376,26 @@ impl KeyExtractor for Header {
             key.push(char::from(b));
         }
         true
+    }
+
+    /// What is wrong with the header: missing, empty, longer than `max_len`, or holding a
+    /// byte a key cannot hold (the value is never repeated).
+    fn missing_reason(&self, req: &RequestInfo<'_>) -> Option<String> {
+        let name = &self.name;
+        let Some(value) = req.headers.get(name) else {
+            return Some(format!("no {name} header"));
+        };
+        let bytes = value.as_bytes();
+        let what = if bytes.is_empty() {
+            "is empty".to_owned()
+        } else if bytes.len() > self.max_len {
+            format!("is longer than {} bytes", self.max_len)
+        } else if bytes.first() == Some(&b' ') || bytes.last() == Some(&b' ') {
+            "begins or ends with a space".to_owned()
+        } else {
+            "holds a byte other than visible ASCII and inner spaces".to_owned()
+        };
+        Some(format!("the {name} header {what}"))
     }
 }
 
@@ -612,6 +649,40 @@ pub(crate) mod tests {
             assert_eq!(key_of(&h, &request(None, &[("x-api-key", b"a\tb")])), None);
         });
         assert!(logged.is_empty(), "{logged:?}");
+    }
+
+    /// What `Header` says of a value that gives no key, for a `Refuse` policy's 400: never
+    /// the value itself; a closure says nothing.
+    #[test]
+    fn a_header_says_why_a_value_gives_no_key() {
+        let h = Header::new("X-Api-Key").unwrap();
+        let why = |value: Option<&[u8]>| {
+            let headers: Vec<(&str, &[u8])> = value.map(|v| ("x-api-key", v)).into_iter().collect();
+            let req = request(None, &headers);
+            assert_eq!(key_of(&h, &req), None);
+            h.missing_reason(&RequestInfo::of(&req)).unwrap()
+        };
+        assert_eq!(why(None), "no x-api-key header");
+        assert_eq!(why(Some(b"")), "the x-api-key header is empty");
+        assert_eq!(
+            why(Some(&[b'k'; 257])),
+            "the x-api-key header is longer than 256 bytes"
+        );
+        assert_eq!(
+            why(Some(b" k")),
+            "the x-api-key header begins or ends with a space"
+        );
+        for bad in [&b"k\tk"[..], b"caf\xc3\xa9"] {
+            assert_eq!(
+                why(Some(bad)),
+                "the x-api-key header holds a byte other than visible ASCII and inner spaces"
+            );
+        }
+        let closure = |_: &RequestInfo<'_>, _: &mut String| false;
+        assert_eq!(
+            closure.missing_reason(&RequestInfo::of(&request(None, &[]))),
+            None
+        );
     }
 
     #[test]

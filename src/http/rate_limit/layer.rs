@@ -97,7 +97,9 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   backend again (rounded up, at least 1), no fields; counted as `fail_closed`, not as a
 ///   rejection, and no key goes to the top-N sketch (an outage is not abuse by every key).
 /// - **No key**, with [`MissingKey::Refuse`](crate::http::MissingKey::Refuse): `400 Bad Request` with a problem body
-///   (`about:blank`) whose `detail` names the policy; counted as `missing_key`.
+///   (`about:blank`) whose `detail` names the policy and, where its extractor says
+///   ([`missing_reason`](crate::http::KeyExtractor::missing_reason): a
+///   [`Header`](crate::http::Header) missing, empty, too long), why; counted as `missing_key`.
 /// - **A request that can never be decided** (its cost above a policy's burst, or a key
 ///   the gate refuses: longer than 512 bytes): `400 Bad Request` with a problem body whose
 ///   `detail` says why; counted as `bad_request`. A cost of zero is a free request: it

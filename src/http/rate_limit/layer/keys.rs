@@ -98,13 +98,19 @@ impl<G> Shared<G> {
                         continue;
                     }
                     _ => {
+                        // Why, from the extractor (user code: asked before the count, so
+                        // that a panic leaves the request counted once, as cancelled).
+                        let why = entry.policy.key.missing_reason(req);
                         self.count(Outcome::MissingKey);
-                        return ControlFlow::Break(Verdict::Answer(problem::bad_request(
-                            &format!(
-                                "the request has no key for the policy \"{}\"",
-                                entry.policy.name
-                            ),
-                        )));
+                        let mut detail = format!(
+                            "the request has no key for the policy \"{}\"",
+                            entry.policy.name
+                        );
+                        if let Some(why) = why {
+                            detail.push_str(": ");
+                            detail.push_str(&why);
+                        }
+                        return ControlFlow::Break(Verdict::Answer(problem::bad_request(&detail)));
                     }
                 }
             }

@@ -2546,3 +2546,99 @@ async fn a_recorder_that_panics_counting_a_decision_counts_the_request_once() {
     assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(fut))).is_err());
     assert_eq!(layer.stats().cancelled, 3);
 }
+
+/// User code the layer runs for a request panics: a key extractor, the cost closure, an
+/// extractor's `missing_reason`. The panic reaches whoever polls the response future; the
+/// request is counted once (`cancelled`: it was not passed on), nothing is charged, and
+/// the next request on the same thread is decided as usual (the thread's reused keys are
+/// not left borrowed or holding the panicked request's keys).
+#[tokio::test]
+async fn a_panicking_extractor_cost_or_reason_counts_the_request_once_and_charges_nothing() {
+    use futures::FutureExt;
+    struct Refusing;
+    impl KeyExtractor for Refusing {
+        fn extract(&self, _: &RequestInfo<'_>, _: &mut String) -> bool {
+            false
+        }
+        fn missing_reason(&self, req: &RequestInfo<'_>) -> Option<String> {
+            assert!(req.headers.get("x-reason").is_none(), "reason panics");
+            None
+        }
+    }
+    let boom = |req: &RequestInfo<'_>, name: &str| req.headers.get(name).is_some();
+    let layer = RateLimitLayer::builder(gate())
+        .policy(per_client(quota(2, Duration::from_secs(60))))
+        .policy(
+            Policy::new(
+                "panicky",
+                quota(2, Duration::from_secs(60)),
+                move |req: &RequestInfo<'_>, key: &mut String| {
+                    assert!(!boom(req, "x-key-panic"), "extractor panics");
+                    key.push('k');
+                    true
+                },
+            )
+            .missing_key(MissingKey::Skip),
+        )
+        .cost(move |req: &RequestInfo<'_>| {
+            assert!(!boom(req, "x-cost-panic"), "cost panics");
+            1
+        })
+        .build()
+        .unwrap();
+    let send = |extra: &'static str| {
+        let mut req = Request::builder().header("x-client", "a");
+        if !extra.is_empty() {
+            req = req.header(extra, "1");
+        }
+        let fut = layer
+            .layer(tower::service_fn(ok_full))
+            .oneshot(req.body(()).unwrap());
+        std::panic::AssertUnwindSafe(fut).catch_unwind()
+    };
+    for (i, panicking) in ["x-key-panic", "x-cost-panic"].into_iter().enumerate() {
+        assert!(send(panicking).await.is_err(), "{panicking}");
+        let s = layer.stats();
+        assert_eq!(
+            (s.cancelled, outcomes(&s)),
+            (i as u64 + 1, i as u64 + 1),
+            "{s:?}"
+        );
+    }
+    // Nothing was charged: the burst of 2 is all there, then a 429.
+    for status in [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ] {
+        assert_eq!(send("").await.unwrap().unwrap().status(), status);
+    }
+    assert_eq!(layer.stats().admitted, 2);
+
+    // A panicking reason, under Refuse: counted once, as cancelled, not also missing_key.
+    let refuse = RateLimitLayer::builder(gate())
+        .policy(
+            Policy::new("refusing", quota(2, Duration::from_secs(60)), Refusing)
+                .missing_key(MissingKey::Refuse),
+        )
+        .build()
+        .unwrap();
+    let req = Request::builder().header("x-reason", "1").body(()).unwrap();
+    let fut = refuse.layer(tower::service_fn(ok_full)).oneshot(req);
+    assert!(
+        std::panic::AssertUnwindSafe(fut)
+            .catch_unwind()
+            .await
+            .is_err()
+    );
+    let s = refuse.stats();
+    assert_eq!((s.cancelled, outcomes(&s)), (1, 1), "{s:?}");
+    let req = Request::builder().body(()).unwrap();
+    let res = refuse
+        .layer(tower::service_fn(ok_full))
+        .oneshot(req)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(refuse.stats().missing_key, 1);
+}

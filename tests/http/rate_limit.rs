@@ -14,7 +14,7 @@ use axum::Router;
 use axum::extract::ConnectInfo;
 use axum::routing::get as route_get;
 use bytes::Bytes;
-use flowgate::gate::{Limit, MemoryGate};
+use flowgate::gate::{Gate, GateError, GateFuture, Limit, MemoryGate};
 use flowgate::http::{
     ClientIp, ForwardedHeader, Header, HeaderStyles, KeyExtractor, MissingKey, PeerIp, Policy,
     RateLimitLayer, RequestInfo,
@@ -2641,4 +2641,107 @@ async fn a_panicking_extractor_cost_or_reason_counts_the_request_once_and_charge
         .unwrap();
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(refuse.stats().missing_key, 1);
+}
+
+/// A gate of one's own whose `check_all` answers what the test sets: an error, or one
+/// decision per limit (through its future: the layer's remote path).
+#[derive(Debug, Clone)]
+struct Scripted(std::sync::Arc<std::sync::Mutex<Result<flowgate::Decision, GateError>>>);
+
+impl Gate for Scripted {
+    fn check<'a>(&'a self, _: &'a str, _: u32) -> GateFuture<'a> {
+        let answer = self.0.lock().unwrap().clone();
+        Box::pin(async move { answer })
+    }
+
+    fn check_all<'a>(
+        &'a self,
+        limits: &'a [(&'a str, Quota)],
+        _: u32,
+    ) -> GateFuture<'a, Vec<flowgate::Decision>> {
+        let answer = self.0.lock().unwrap().clone();
+        Box::pin(async move { answer.map(|d| vec![d; limits.len()]) })
+    }
+
+    fn validate_quotas(&self, _: &[Quota]) -> Result<(), flowgate::ConfigError> {
+        Ok(())
+    }
+
+    fn limit(&self) -> Limit {
+        Limit::TokenBucket(quota(1, Duration::from_secs(1)))
+    }
+}
+
+/// The failure paths, each in the real mode and in shadow mode, as the layer's docs list
+/// them: a gate error is a `503` with `Retry-After` (a degraded gate's wait until it asks
+/// its backend again, rounded up), a fail-closed decision a `503` with its `retry_after`
+/// rounded up, neither with fields nor a rejected key; a fail-open decision passes without
+/// fields. In shadow mode every one of them passes, without `Retry-After`, counted the
+/// same.
+#[tokio::test]
+async fn failure_paths_answer_and_count_as_documented_in_both_modes() {
+    let script = Scripted(std::sync::Arc::new(std::sync::Mutex::new(Ok(
+        flowgate::Decision::fail_open(),
+    ))));
+    let layer = |shadow: bool| {
+        RateLimitLayer::builder(script.clone())
+            .policy(per_client(quota(5, Duration::from_secs(60))))
+            .shadow(shadow)
+            .build()
+            .unwrap()
+    };
+    let (real, shadow) = (layer(false), layer(true));
+    let app = Router::new()
+        .route("/real", route_get(|| async { "ok" }).layer(real.clone()))
+        .route(
+            "/shadow",
+            route_get(|| async { "ok" }).layer(shadow.clone()),
+        );
+    let server = Server::start(app).await;
+    let client = client();
+    let h = [("x-client", "a")];
+    let cases: [(Result<flowgate::Decision, GateError>, u64); 3] = [
+        (
+            Err(GateError::Degraded {
+                next_probe_in: Duration::from_millis(2_500),
+            }),
+            3,
+        ),
+        (Err(GateError::Timeout(Duration::from_millis(50))), 1),
+        (
+            Ok(flowgate::Decision::fail_closed(Duration::from_millis(
+                1_200,
+            ))),
+            2,
+        ),
+    ];
+    for (answer, secs) in cases {
+        *script.0.lock().unwrap() = answer.clone();
+        let a = get(&client, &server.url("/real"), &h).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+        assert_eq!(retry_after(&a.headers), secs, "{answer:?}");
+        assert!(a.headers.get("ratelimit").is_none(), "{answer:?}");
+        assert!(violated(&a.body).is_empty(), "{answer:?}");
+        let b = get(&client, &server.url("/shadow"), &h).await;
+        assert_eq!(b.status, StatusCode::OK, "{answer:?}");
+        assert!(b.headers.get("retry-after").is_none(), "{answer:?}");
+    }
+    *script.0.lock().unwrap() = Ok(flowgate::Decision::fail_open());
+    for url in ["/real", "/shadow"] {
+        let a = get(&client, &server.url(url), &h).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert!(
+            a.headers.get("ratelimit").is_none(),
+            "fail-open says no quota"
+        );
+    }
+    for layer in [&real, &shadow] {
+        let s = layer.stats();
+        assert_eq!(
+            (s.gate_error, s.fail_closed, s.fail_open, outcomes(&s)),
+            (2, 1, 1, 4),
+            "{s:?}"
+        );
+        assert!(layer.top_rejected(5).is_empty());
+    }
 }

@@ -930,6 +930,36 @@ async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
     assert_eq!(drained(&mut con).await, 0);
 }
 
+/// `max` 0 breaks `poll_fetch`'s contract (`prefetch` never asks for 0): a fetch asked for
+/// 0 entries reads none (it read one, above `max`); it answers an empty batch, and the
+/// entries wait for the next fetch.
+#[tokio::test]
+#[ignore = "fault: a fetch asked for 0 entries reads one"]
+async fn a_fetch_asked_for_0_entries_reads_none() {
+    use flowgate::demand::BatchSource;
+    async fn fetched<S: BatchSource<Error = redis::RedisError> + Unpin>(
+        s: &mut S,
+        max: usize,
+    ) -> usize {
+        let batch = futures::future::poll_fn(|cx| Pin::new(&mut *s).poll_fetch(cx, max)).await;
+        batch.unwrap().unwrap().len()
+    }
+    let (server, mut con) = with_entries(2).await;
+    let mut source = source(&server, "zero").await;
+    assert_eq!(
+        fetched(&mut source, 1).await,
+        0,
+        "its own pending entries first: none"
+    );
+    assert_eq!(fetched(&mut source, 0).await, 0, "asked for 0");
+    assert_eq!(pending(&mut con).await, 0, "nothing read");
+    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
+    for e in take(&mut stream, 2).await {
+        e.ack.ack();
+    }
+    assert_eq!(flush(&mut stream).await, 2);
+}
+
 /// `consumer` is delivered all `n` entries and goes away without acknowledging any; then
 /// entry `deleted` (an index) is removed from the stream (`XDEL`) while it is pending for
 /// it. The ids delivered, in order.
@@ -1651,4 +1681,40 @@ async fn a_refused_xack_stops_the_reads_with_its_error_instead_of_queueing_acks_
     }
     flush(&mut stream).await;
     assert_eq!(pending(&mut con).await, 0, "every ack went through");
+}
+
+/// Every ack is acked, stale or unsent: the background task gives up on acks whose `XACK`
+/// is refused once every handle is gone (nothing left to wait for), and those are counted
+/// in `flowgate_demand_unsent_acks_total`. Their entries stay pending (delivered again:
+/// at-least-once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: acks the background task gives up on are counted nowhere"]
+async fn acks_the_background_task_gives_up_on_are_counted_as_unsent() {
+    let counters = Counters::new("given_up");
+    let (server, mut con) = with_entries(3).await;
+    let source = counters.build(
+        RedisStreamSource::builder(server.connect().await, KEY, GROUP, "g")
+            .block(Duration::from_millis(50))
+            .min_idle(Duration::from_secs(90))
+            .ack_interval(Duration::from_millis(5)),
+    );
+    let mut stream = Box::pin(prefetch(source, levels(3, 0)));
+    let held = take(&mut stream, 3).await;
+    drop(stream);
+    let acl = |rule: &'static str| redis::cmd("ACL").arg(&["SETUSER", "default", rule]).clone();
+    let _: () = acl("-xack").query_async(&mut con).await.unwrap();
+    for e in held {
+        e.ack.ack();
+    }
+    // The task sends, is refused, finds no handle left and ends.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while counters.get("unsent_acks").unwrap_or(3) < 3 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _: () = acl("+xack").query_async(&mut con).await.unwrap();
+    let counted = ["acked", "stale_acks", "unsent_acks"].map(|m| counters.get(m));
+    if let [Some(acked), Some(stale), Some(unsent)] = counted {
+        assert_eq!((acked, stale, unsent), (0, 0, 3), "the 3 acks given up");
+    }
+    assert_eq!(pending(&mut con).await, 3, "left pending: delivered again");
 }

@@ -47,10 +47,11 @@
 //! A `RedisStreamSource` spawns one background task on the runtime that builds it (none
 //! outside a runtime): it sends the acks made within `ack_interval`, also those made after
 //! the source itself is dropped, and keeps the entries still held from going idle. It ends
-//! once the source and every `Ack` are gone and the acks are sent. An entry is never lost:
-//! one dropped unacknowledged, or acknowledged when the runtime shuts down before its `XACK`
-//! is sent, stays pending and is delivered again (at the source's next start under the same
-//! consumer name, or claimed after `min_idle`). To stop without delivering again what was
+//! once the source and every `Ack` are gone and the acks are sent (or, with no handle left,
+//! once an `XACK` failed). An entry is never lost: one dropped unacknowledged, or
+//! acknowledged when the runtime shuts down before its `XACK` is sent, stays pending and is
+//! delivered again (at the source's next start under the same consumer name, or claimed
+//! after `min_idle`); such acks are counted in `flowgate_demand_unsent_acks_total`. To stop without delivering again what was
 //! done: stop polling the stream, let the work in flight finish and acknowledge, then call
 //! `flush_acks` (through [`Prefetch::get_mut`]) before the runtime shuts down. A source
 //! built again under the same name in the same process first sends what the one before
@@ -75,8 +76,8 @@
 //! `size_hint` was wrong, when it is dropped or taken apart with `into_inner`),
 //! `flowgate_demand_commit_abandoned_total` and `flowgate_demand_commit_dropped_total`
 //! (tokens given up, tokens dropped unfinished), `flowgate_demand_acked_total`, `flowgate_demand_claimed_total`,
-//! `flowgate_demand_group_recreated_total` and `flowgate_demand_stale_acks_total` (Redis
-//! Streams), all counters.
+//! `flowgate_demand_group_recreated_total`, `flowgate_demand_stale_acks_total` and
+//! `flowgate_demand_unsent_acks_total` (Redis Streams), all counters.
 
 mod commit;
 mod credit;

@@ -1688,7 +1688,6 @@ async fn a_refused_xack_stops_the_reads_with_its_error_instead_of_queueing_acks_
 /// in `flowgate_demand_unsent_acks_total`. Their entries stay pending (delivered again:
 /// at-least-once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: acks the background task gives up on are counted nowhere"]
 async fn acks_the_background_task_gives_up_on_are_counted_as_unsent() {
     let counters = Counters::new("given_up");
     let (server, mut con) = with_entries(3).await;

@@ -39,6 +39,8 @@ pub(super) struct AckQueue {
     /// Acks of entries of a group that was lost (see [`new_group`](Self::new_group)), and
     /// those an `XACK` sent but Redis did not acknowledge (see [`sent`](Self::sent)).
     stale: Counter,
+    /// Acks still queued when the queue goes (see its `Drop`): never sent.
+    unsent: Counter,
 }
 
 #[derive(Debug)]
@@ -59,7 +61,7 @@ pub(super) struct AckState {
 }
 
 impl AckQueue {
-    pub(super) fn new(acked: Counter, stale: Counter) -> Self {
+    pub(super) fn new(acked: Counter, stale: Counter, unsent: Counter) -> Self {
         AckQueue {
             state: Mutex::new(AckState {
                 ids: Vec::new(),
@@ -74,6 +76,7 @@ impl AckQueue {
             failing: AtomicBool::new(false),
             acked,
             stale,
+            unsent,
         }
     }
 
@@ -273,6 +276,24 @@ impl AckQueue {
     /// The source is gone.
     pub(super) fn release_source(&self) {
         self.release(None, false);
+    }
+}
+
+impl Drop for AckQueue {
+    /// The source, its `Ack`s and its background task are all gone: acks still queued are
+    /// never sent (the task gave up after an `XACK` that failed with no handle left; it
+    /// ended with its runtime; there was no runtime). Counted as unsent, and logged: their
+    /// entries stay pending, delivered again (at-least-once).
+    fn drop(&mut self) {
+        let unsent = self.lock().ids.len();
+        if unsent > 0 {
+            tracing::warn!(
+                unsent,
+                "redis stream acks never sent (the XACK failed, or no task was left to send \
+                 them): their entries stay pending and are delivered again"
+            );
+            self.unsent.increment(unsent as u64);
+        }
     }
 }
 

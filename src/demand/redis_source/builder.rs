@@ -17,6 +17,7 @@ pub(super) mod names {
     pub(crate) const CLAIMED: &str = "flowgate_demand_claimed_total";
     pub(crate) const GROUP_RECREATED: &str = "flowgate_demand_group_recreated_total";
     pub(crate) const STALE_ACKS: &str = "flowgate_demand_stale_acks_total";
+    pub(crate) const UNSENT_ACKS: &str = "flowgate_demand_unsent_acks_total";
 }
 
 /// Where a consumer group starts reading when this source creates it.

@@ -123,7 +123,12 @@ struct Counters {
 /// `flowgate_demand_acked_total` counts what Redis acknowledged: the count each `XACK`
 /// answers. The other ids sent are counted as stale: those no longer pending in the group
 /// (claimed and acknowledged by another consumer meanwhile), and those sent while the
-/// group was missing and this source had not noticed yet (`XACK` then answers 0).
+/// group was missing and this source had not noticed yet (`XACK` then answers 0). Acks
+/// never sent are counted in `flowgate_demand_unsent_acks_total` (and logged) once the
+/// source, its `Ack`s and its background task are all gone: those the task gave up on (an
+/// `XACK` that failed with no handle left), those left queued when the runtime shut down,
+/// or made without a runtime and never flushed. Their entries stay pending and are
+/// delivered again. So every ack made is acked, stale, or unsent.
 ///
 /// Ids of claimed entries are older than the new ones already seen: track them apart (or
 /// ack them directly) rather than in the same [`CommitTracker`](crate::demand::CommitTracker).
@@ -193,6 +198,7 @@ where
         let acks = Arc::new(AckQueue::new(
             labels.counter(names::ACKED, &[]),
             labels.counter(names::STALE_ACKS, &[]),
+            labels.counter(names::UNSENT_ACKS, &[]),
         ));
         acks.set_flusher(conn.clone(), config.clone());
         super::ack::register(&config, &acks);
@@ -540,8 +546,9 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Acks not sent yet, and those of entries still being worked on, are sent by the
-    /// background task. Without one (no tokio runtime at build) they stay pending and are
-    /// redelivered: never lost.
+    /// background task. Without one (no tokio runtime at build) their entries stay pending
+    /// and are redelivered: never lost; the acks are counted in
+    /// `flowgate_demand_unsent_acks_total` once the last `Ack` is gone.
     fn drop(&mut self) {
         // A fetch in progress first: the acks it took along go back to the queue while the
         // source still counts as a handle, so the background task is still there to send

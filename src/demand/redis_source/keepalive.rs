@@ -29,7 +29,8 @@ const KEEPALIVE_CHUNK: usize = 500;
 /// failed send is retried after the next interval while any handle is alive and the group
 /// it was meant for is not lost (and until one goes through, the source's fetches read
 /// nothing: see [`AckQueue::refused`]); after that, the entries stay pending and are
-/// redelivered (at-least-once). While the group is missing, `XACK` answers 0 (those acks
+/// redelivered (at-least-once), and the acks given up are counted in
+/// `flowgate_demand_unsent_acks_total` as the queue goes. While the group is missing, `XACK` answers 0 (those acks
 /// count as stale, not acked) and the keep-alive script fails: both are harmless, and the
 /// fetch path re-creates the group.
 pub(super) async fn keep_in_background<C: ConnectionLike>(

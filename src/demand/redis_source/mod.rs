@@ -38,7 +38,9 @@
 //! between the loss and the next fetch) reaches no group: `XACK` answers 0, not an error.
 //! Every `XACK` is counted by what Redis answers: that many in
 //! `flowgate_demand_acked_total`, the rest of the ids sent in
-//! `flowgate_demand_stale_acks_total`.
+//! `flowgate_demand_stale_acks_total`. Acks never sent (the background task gave up on
+//! them, or was gone) are counted in `flowgate_demand_unsent_acks_total` when the queue
+//! goes with the source's last handle.
 
 mod ack;
 mod builder;

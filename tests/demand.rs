@@ -359,7 +359,6 @@ fn a_fetch_asked_for_more_than_it_takes_returns_what_it_took() {
 /// item left. An in-memory source asked for 0 items answers an empty batch, takes nothing,
 /// and still gives every item afterwards.
 #[test]
-#[ignore = "fault: an IterSource asked for 0 items answers the end of the source"]
 fn a_fetch_asked_for_0_items_answers_an_empty_batch_not_the_end() {
     let cx = &mut Context::from_waker(Waker::noop());
     let mut source = IterSource::new(0..3u32);

@@ -31,7 +31,9 @@ pub trait BatchSource {
     /// that cannot fail.
     type Error;
 
-    /// Fetch at most `max` items (`max >= 1`).
+    /// Fetch at most `max` items (`max >= 1`: [`prefetch`](crate::demand::prefetch())
+    /// never asks for 0). Asked for 0 all the same, a fetch must not answer `None` unless
+    /// the source ended: the sources of this crate answer an empty batch, taking nothing.
     fn poll_fetch(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -149,7 +151,8 @@ impl<S: Stream> BatchSource for StreamSource<S> {
 
 /// Any [`Iterator`] as a [`BatchSource`]: an in-memory source (a `Vec` of jobs, a range of
 /// offsets, a decoder over bytes already read). A fetch takes up to `max` items at once, and
-/// at most 1024 (so that one poll does bounded work, however large `max` is); the source is
+/// at most 1024 (so that one poll does bounded work, however large `max` is; asked for 0,
+/// it answers an empty batch and takes nothing); the source is
 /// always ready, never fails, and ends the first time the iterator returns `None`
 /// (it is not called again). `next` runs inside `poll`, so it must not block: an iterator
 /// that does I/O belongs behind a real source.
@@ -206,6 +209,10 @@ impl<I: Iterator> BatchSource for IterSource<I> {
         let this = self.project();
         if *this.ended {
             return Poll::Ready(None);
+        }
+        if max == 0 {
+            // Not the end: nothing was asked for, and nothing is taken.
+            return Poll::Ready(Some(Ok(Vec::new())));
         }
         let max = max.min(ONE_FETCH);
         let batch: Vec<I::Item> = this.iter.by_ref().take(max).collect();

@@ -934,7 +934,6 @@ async fn an_unbounded_prefetch_window_asks_redis_for_at_most_max_count() {
 /// 0 entries reads none (it read one, above `max`); it answers an empty batch, and the
 /// entries wait for the next fetch.
 #[tokio::test]
-#[ignore = "fault: a fetch asked for 0 entries reads one"]
 async fn a_fetch_asked_for_0_entries_reads_none() {
     use flowgate::demand::BatchSource;
     async fn fetched<S: BatchSource<Error = redis::RedisError> + Unpin>(

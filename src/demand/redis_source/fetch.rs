@@ -495,8 +495,10 @@ where
     type Item = StreamEntry;
     type Error = RedisError;
 
-    /// Fetches at most `min(max, max_count)` entries. A fetch that finds the group lost
-    /// creates it again and returns an empty batch (or the error, if creating it fails).
+    /// Fetches at most `min(max, max_count)` entries (none for a `max` of 0: an empty batch
+    /// at once, nothing sent; a fetch in progress is finished with the `max` it started
+    /// with). A fetch that finds the group lost creates it again and returns an empty
+    /// batch (or the error, if creating it fails).
     /// After an `XACK` that failed, a fetch first sends the queued acks alone, and returns
     /// the error if Redis answers with one again, having read nothing.
     ///
@@ -518,6 +520,9 @@ where
         let this = self.get_mut();
         let mut fetch = match this.fetch.take() {
             Some(fetch) => fetch,
+            // Asked for nothing (`prefetch` never asks for 0): nothing is read (`COUNT` is
+            // at least 1); the queued acks wait for the next fetch or the background task.
+            None if max == 0 => return Poll::Ready(Some(Ok(Vec::new()))),
             None => this.start_fetch(max),
         };
         let result = match fetch.as_mut().poll(cx) {

@@ -46,10 +46,13 @@
 //! [`Sender::stats`], say); a waker's `clone` must not. The recorder
 //! is called once the state it records is settled: a recorder that panics (the panic
 //! reaches the caller) leaves no slot taken and no wake lost, and keeps no dropped item
-//! from the `on_drop` hook (the panic goes on once the item is with the hook). A receive
-//! whose recording panics loses the one item it was handing out, though: the item left
-//! the queue and counts in [`Stats::received`], but the panic, not the item, reaches the
-//! caller ([`Receiver::recv_many`] moves its items into the buffer first, and loses none).
+//! from the `on_drop` hook (the panic goes on once the item is with the hook). Nor does it
+//! lose the item a receive was handing out (nor does a waker that panics as the receive
+//! wakes a sender): the item waits in the receiver until the receive is recorded, and its
+//! next receive hands it out; a receiver dropped before that passes it to `on_drop`
+//! ([`Dropped::Discarded`](crate::Dropped::Discarded)), counted as dropped (it left the
+//! queue with its slot, and cannot go back). [`Receiver::recv_many`] moves its items into
+//! the buffer first, and loses none.
 //!
 //! A send into a channel with a free slot and no sender waiting takes no lock: it claims the
 //! slot with one compare-and-swap and pushes the item into a lock-free ring. The lock is

@@ -83,17 +83,21 @@ impl<T> Receiver<T> {
     pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
         match self.take_local() {
             Some(item) => Ok(item),
-            None => self.shared.try_recv(),
+            None => self.shared.try_recv(&mut self.local, &self.batch_len),
         }
     }
 
-    /// The next item of this receiver's batch; frees the batch's slots when it is used up.
+    /// The next item of this receiver's batch; frees the batch's slots when it is used up,
+    /// before the last item is handed out: a recorder or a waker that panics as they are
+    /// freed (user code) leaves the item here, for the next receive, and does not take it
+    /// with the panic. (It then holds no slot, as an item [`Shared::poll_recv_batch`] or
+    /// [`Shared::try_recv`] left after such a panic.)
     fn take_local(&mut self) -> Option<T> {
-        let item = self.local.pop_front()?;
-        self.batch_len.set(self.local.len());
-        if self.local.is_empty() {
+        if self.local.len() == 1 {
             self.shared.release_held(std::mem::take(&mut self.batch));
         }
+        let item = self.local.pop_front()?;
+        self.batch_len.set(self.local.len());
         Some(item)
     }
 

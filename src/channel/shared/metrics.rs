@@ -145,8 +145,9 @@ mod tests {
         }
         let stale = shared.depth();
         assert_eq!(stale, 40);
+        let (mut local, batch_len) = (VecDeque::new(), BatchLen::default());
         for i in 0..40 {
-            assert_eq!(shared.try_recv(), Ok(i));
+            assert_eq!(shared.try_recv(&mut local, &batch_len), Ok(i));
         }
         assert_eq!(shared.metrics.depth.value(), 0.0, "the receives set it");
         shared.publish_depth(stale);

@@ -36,18 +36,49 @@ impl<T> Shared<T> {
         moves.received(n);
     }
 
-    pub(crate) fn try_recv(&self) -> Result<T, TryRecvError> {
+    /// Receive one item without waiting, for a receiver whose batch is used up (`local`
+    /// empty, `batch_len` its length): handed over as [`hand_over`](Shared::hand_over) does.
+    pub(crate) fn try_recv(
+        &self,
+        local: &mut VecDeque<T>,
+        batch_len: &BatchLen,
+    ) -> Result<T, TryRecvError> {
         let mut out = Deferred::default();
         let mut moves = Moves::new(self);
         let mut st = self.lock();
         match self.pop_oldest(&mut st) {
             Some(item) => {
                 self.took(&mut st, 1, &mut out, &mut moves);
-                Ok(item)
+                Self::hand_over(item, st, moves, out, local, batch_len).ok_or(TryRecvError::Empty)
             }
             None if self.finished() => Err(TryRecvError::Closed),
             None => Err(TryRecvError::Empty),
         }
+    }
+
+    /// Hands `item`, just received (counted, its slot freed under `st`), to the caller once
+    /// the lock is released, the receive recorded (`moves`) and the wakes done (`out`):
+    /// meanwhile it waits at the front of the receiver's `local`, counted in its
+    /// `batch_len`, so a recorder or a waker that panics (user code) leaves it there, for
+    /// the receiver's next receive (or, the receiver dropped first, for `on_drop`: see
+    /// [`drop_receiver`](Shared::drop_receiver)), instead of taking it with the panic. It
+    /// holds no slot there: `local` then has one item more than the batch has places.
+    fn hand_over(
+        item: T,
+        st: MutexGuard<'_, State<T>>,
+        moves: Moves<'_, T>,
+        out: Deferred,
+        local: &mut VecDeque<T>,
+        batch_len: &BatchLen,
+    ) -> Option<T> {
+        local.push_front(item);
+        let waiting = local.len();
+        batch_len.set(waiting);
+        drop(st);
+        drop(moves);
+        drop(out);
+        batch_len.set(waiting - 1);
+        local.pop_front()
     }
 
     /// Take up to [`batch`](Shared::batch) items under one lock: the first is returned, the
@@ -100,7 +131,7 @@ impl<T> Shared<T> {
             st.received += held as u64;
             self.sync_recv_flag(&st);
             self.took(&mut st, 1, &mut out, &mut moves);
-            return Poll::Ready(Some(first));
+            return Poll::Ready(Self::hand_over(first, st, moves, out, local, batch_len));
         }
         if self.finished() {
             st.leave_receiver(waiting, &mut out);
@@ -240,31 +271,49 @@ impl<T> Shared<T> {
     /// the front of the queue, and is no longer counted. The last receiver
     /// going away drops what is buffered, through `on_drop` (`Discarded`), counted; so does
     /// a send that pushes after it (it sees `RX_GONE`).
+    ///
+    /// An item a receive took but did not hand out, its recording or a wake having panicked
+    /// (see [`hand_over`](Shared::hand_over)), holds no slot, so it cannot go back to the
+    /// queue: it is dropped through `on_drop` (`Discarded`), counted as dropped instead of
+    /// received.
     pub(crate) fn drop_receiver(
         &self,
         waiting: &mut Waiting,
-        items: VecDeque<T>,
+        mut items: VecDeque<T>,
         batch: Range<u64>,
         batch_len: &Arc<BatchLen>,
     ) {
-        let mut out = Deferred::default();
-        let mut moves = Moves::new(self);
-        let mut st = self.lock();
-        if waiting.is_waiting() {
-            self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
+        let loose = (items.len() > held(&batch))
+            .then(|| items.pop_front())
+            .flatten();
+        {
+            let mut out = Deferred::default();
+            let mut moves = Moves::new(self);
+            let mut st = self.lock();
+            if loose.is_some() {
+                st.received -= 1;
+                st.dropped += 1;
+            }
+            if waiting.is_waiting() {
+                self.cancel_recv_wait_locked(&mut st, waiting, &mut out);
+            }
+            if !batch.is_empty() || !items.is_empty() {
+                self.give_back(&mut st, items, batch, batch_len, &mut out, &mut moves);
+            }
+            st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
+            if st.batches.is_empty() {
+                self.close_locked(&mut st, &mut out);
+                // Pairs with the fence after a push: a push this drain misses sees `RX_GONE`.
+                self.hot.rx.fetch_or(RX_GONE, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                self.discard_rest(st, 0);
+            }
         }
-        if !batch.is_empty() || !items.is_empty() {
-            self.give_back(&mut st, items, batch, batch_len, &mut out, &mut moves);
+        if let Some(item) = loose {
+            self.dropped(item, Dropped::Discarded, || {
+                self.metrics.dropped_closed.increment(1);
+            });
         }
-        st.batches.retain(|b| !Arc::ptr_eq(b, batch_len));
-        if !st.batches.is_empty() {
-            return;
-        }
-        self.close_locked(&mut st, &mut out);
-        // Pairs with the fence after a push: a push this drain misses sees `RX_GONE`.
-        self.hot.rx.fetch_or(RX_GONE, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        self.discard_rest(st, 0);
     }
 }
 

@@ -1284,6 +1284,60 @@ fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
     drop(waiter);
 }
 
+/// A permit dropped without `record` is an `Ignored` sample, fed after the permit is
+/// returned: a return that panics (it grants a waiter whose waker panics) must not keep the
+/// sample from the algorithm's counts and `flowgate_bulkhead_samples_total`, for the
+/// borrowed permit and the owned one alike. (The panic skipped the sample: `ignored` stayed
+/// 0 while the permit was gone.)
+#[cfg(feature = "metrics")]
+#[test]
+#[ignore = "fault: a permit whose return panics (a waiter's waker) loses its Ignored sample"]
+fn a_permit_whose_return_panics_still_feeds_its_ignored_sample() {
+    use std::future::Future;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::task::{Context, Wake, Waker};
+
+    /// Panics when woken.
+    struct Panics;
+    impl Wake for Panics {
+        fn wake(self: Arc<Self>) {
+            panic!("the waker panics");
+        }
+    }
+
+    let recorder = recorder::TestRecorder::default();
+    let b = aimd_bulkhead(&recorder, "returned");
+    let ignored = "flowgate_bulkhead_samples_total{name=returned,outcome=ignored}";
+    let waker = Waker::from(Arc::new(Panics));
+    let mut permits: Vec<_> = (0..19).map(|_| b.try_acquire().unwrap()).collect();
+    let owned = b.try_acquire_owned().unwrap();
+    assert_eq!(b.in_flight(), b.max_in_flight(), "every permit taken");
+    let mut granted = Vec::new();
+    for (round, drop_one) in [
+        Box::new(|| drop(permits.pop().unwrap())) as Box<dyn FnOnce()>,
+        Box::new(|| drop(owned)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut waiter = Box::pin(b.acquire_owned());
+        let mut cx = Context::from_waker(&waker);
+        assert!(waiter.as_mut().poll(&mut cx).is_pending());
+        let dropped = catch_unwind(AssertUnwindSafe(drop_one));
+        assert!(dropped.is_err(), "round {round}: the waker panicked");
+        let n = round as u64 + 1;
+        assert_eq!(b.adaptive_stats().unwrap().ignored, n, "round {round}");
+        assert_eq!(recorder.counter(ignored), n, "round {round}");
+        // The waiter has the permit the drop returned (kept: the next round waits too).
+        let mut cx = Context::from_waker(Waker::noop());
+        match waiter.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Ok(permit)) => granted.push(permit),
+            other => panic!("round {round}: {other:?}"),
+        }
+        assert_eq!(b.in_flight(), b.max_in_flight(), "round {round}");
+    }
+}
+
 /// An algorithm (user code) panicking on a sample must not keep the sample from
 /// `flowgate_bulkhead_samples_total`: `adaptive_stats` counts it before the algorithm
 /// runs, and the metric, recorded only after, missed it, so the two disagreed for good.

@@ -1148,6 +1148,47 @@ async fn an_adapters_size_hint_counts_no_input_once_the_bulkhead_is_closed() {
     assert_eq!(spawned.count().await, 0);
 }
 
+/// What a user debugging a stall needs to see: a permit and an adapter show their
+/// bulkhead (name, permits in flight, the limit, the waiters, closed), and an adapter the
+/// item it holds waiting for a permit. (The permits showed `{ .. }`, the adapters neither
+/// their bulkhead nor their held item; the bulkhead not its waiters.)
+#[test]
+#[ignore = "fault: a permit's Debug shows nothing, an adapter's not its bulkhead"]
+fn debug_shows_the_bulkhead_of_a_permit_and_of_an_adapter() {
+    use std::task::{Context, Waker};
+
+    let b = Bulkhead::builder(3).name("db").build().unwrap();
+    let permit = b.try_acquire().unwrap();
+    let owned = b.try_acquire_owned().unwrap();
+    let _third = b.try_acquire().unwrap();
+    let mut adapter =
+        pin!(futures::stream::iter(0..2).bulkhead_map(b.clone(), |i| async move { i }));
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(
+        adapter.as_mut().poll_next(&mut cx).is_pending(),
+        "no permit"
+    );
+    let parts = [
+        "name: Some(\"db\")",
+        "in_flight: 3",
+        "max_in_flight: 3",
+        "waiting: 1",
+        "closed: false",
+    ];
+    let adapter_shown = format!("{adapter:?}");
+    for shown in [
+        format!("{permit:?}"),
+        format!("{owned:?}"),
+        format!("{b:?}"),
+        adapter_shown.clone(),
+    ] {
+        for part in parts {
+            assert!(shown.contains(part), "{part} in {shown}");
+        }
+    }
+    assert!(adapter_shown.contains("holding: true"), "{adapter_shown}");
+}
+
 #[test]
 fn public_types_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}
@@ -1572,6 +1613,106 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_after_racing_samples() {
         &stale_max[..stale_max.len().min(3)],
         &stale_gauge[..stale_gauge.len().min(3)],
     );
+}
+
+/// As above, and every raise of the limit wakes a parked adapter whose waker panics: the
+/// thread whose raise panics must still look at the target again, or the older limit it
+/// applied stays. (The panic skipped the look: when the other thread's newer sample had
+/// found the limit already at its answer, before the raise landed, nobody applied it.) The
+/// window is a few instructions wide, between two threads: no hook runs in it, so no test
+/// can place the other sample there for certain; many rounds find it.
+#[test]
+#[ignore = "fault: a raise of an adaptive limit that panics (a waker) skips the newer target"]
+fn an_adaptive_bulkhead_ends_at_the_latest_limit_when_a_raise_panics() {
+    use std::panic::catch_unwind;
+    use std::task::{Context, Wake, Waker};
+
+    use flowgate::adaptive::{AdaptiveLimit, Outcome, Sample};
+
+    /// Back-pressure samples flip the limit: 4, 5, 4, 5, ...; the others leave it.
+    #[derive(Debug, Clone)]
+    struct Flip(u32);
+    impl AdaptiveLimit for Flip {
+        fn limit(&self) -> u32 {
+            4 + self.0 % 2
+        }
+        fn update(&mut self, sample: &Sample) -> u32 {
+            if sample.outcome == Outcome::BackPressure {
+                self.0 += 1;
+            }
+            self.limit()
+        }
+        fn name(&self) -> &'static str {
+            "flip"
+        }
+    }
+
+    /// Panics when woken.
+    struct Panics;
+    impl Wake for Panics {
+        fn wake(self: Arc<Self>) {
+            panic!("the waker panics");
+        }
+    }
+
+    // About one round in 10,000 finds the window (two cores): 50,000 rounds miss it with
+    // a chance well under 1 %.
+    const ROUNDS: usize = 50_000;
+    let b = Bulkhead::builder(10).adaptive(Flip(0)).build().unwrap();
+    // An ordered adapter with as many outputs as the limit (the oldest pending, holding
+    // one permit; three finished behind it), parked for the limit to grow: every raise
+    // wakes it, and it keeps its place.
+    let mut adapter = Box::pin(futures::stream::iter(0..5).bulkhead_map(
+        b.clone(),
+        |i| async move {
+            if i == 0 {
+                std::future::pending::<()>().await;
+            }
+            i
+        },
+    ));
+    let waker = Waker::from(Arc::new(Panics));
+    assert!(
+        adapter
+            .as_mut()
+            .poll_next(&mut Context::from_waker(&waker))
+            .is_pending()
+    );
+    assert_eq!((b.in_flight(), b.max_in_flight()), (1, 4));
+    // A panic a round, caught: not printed.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut stale = Vec::new();
+    let theirs = b.clone();
+    support::lockstep(
+        ROUNDS,
+        move |start| {
+            let permit = theirs.try_acquire().unwrap();
+            start();
+            let _ = catch_unwind(AssertUnwindSafe(|| permit.record(Outcome::BackPressure)));
+        },
+        |start| {
+            let permit = b.try_acquire().unwrap();
+            start();
+            let _ = catch_unwind(AssertUnwindSafe(|| permit.record(Outcome::BackPressure)));
+        },
+        |round| {
+            let latest = b.adaptive_stats().unwrap().max_in_flight;
+            if b.max_in_flight() != latest {
+                stale.push((round, latest, b.max_in_flight()));
+            }
+        },
+    );
+    std::panic::set_hook(hook);
+    assert!(
+        stale.is_empty(),
+        "of {ROUNDS} rounds, {} ended with max_in_flight off the latest limit; the first \
+         (round, latest, applied): {:?}",
+        stale.len(),
+        &stale[..stale.len().min(3)],
+    );
+    assert_eq!(b.in_flight(), 1, "only the adapter's permit is out");
+    drop(adapter);
 }
 
 /// A waiter shed for critical work in the same poll in which it sees its timer expire (after

@@ -1291,7 +1291,6 @@ fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
 /// 0 while the permit was gone.)
 #[cfg(feature = "metrics")]
 #[test]
-#[ignore = "fault: a permit whose return panics (a waiter's waker) loses its Ignored sample"]
 fn a_permit_whose_return_panics_still_feeds_its_ignored_sample() {
     use std::future::Future;
     use std::panic::{AssertUnwindSafe, catch_unwind};

@@ -1153,7 +1153,6 @@ async fn an_adapters_size_hint_counts_no_input_once_the_bulkhead_is_closed() {
 /// item it holds waiting for a permit. (The permits showed `{ .. }`, the adapters neither
 /// their bulkhead nor their held item; the bulkhead not its waiters.)
 #[test]
-#[ignore = "fault: a permit's Debug shows nothing, an adapter's not its bulkhead"]
 fn debug_shows_the_bulkhead_of_a_permit_and_of_an_adapter() {
     use std::task::{Context, Waker};
 
@@ -1622,7 +1621,6 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_after_racing_samples() {
 /// window is a few instructions wide, between two threads: no hook runs in it, so no test
 /// can place the other sample there for certain; many rounds find it.
 #[test]
-#[ignore = "fault: a raise of an adaptive limit that panics (a waker) skips the newer target"]
 fn an_adaptive_bulkhead_ends_at_the_latest_limit_when_a_raise_panics() {
     use std::panic::catch_unwind;
     use std::task::{Context, Wake, Waker};

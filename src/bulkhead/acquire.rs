@@ -304,16 +304,20 @@ impl<'a> BulkheadPermit<'a> {
 impl Drop for BulkheadPermit<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.core.release();
-        if let Some(grant) = self.grant.take() {
-            self.core.record(grant, Outcome::Ignored);
+        match self.grant.take() {
+            None => self.core.release(),
+            Some(grant) => self.core.release_ignored(grant),
         }
     }
 }
 
 impl fmt::Debug for BulkheadPermit<'_> {
+    /// Its bulkhead, and (adaptive bulkheads) the grant its sample is owed for.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BulkheadPermit").finish_non_exhaustive()
+        f.debug_struct("BulkheadPermit")
+            .field("bulkhead", self.core)
+            .field("grant", &self.grant)
+            .finish()
     }
 }
 
@@ -353,17 +357,20 @@ impl OwnedBulkheadPermit {
 impl Drop for OwnedBulkheadPermit {
     #[inline]
     fn drop(&mut self) {
-        self.core.release();
-        if let Some(grant) = self.grant.take() {
-            self.core.record(grant, Outcome::Ignored);
+        match self.grant.take() {
+            None => self.core.release(),
+            Some(grant) => self.core.release_ignored(grant),
         }
     }
 }
 
 impl fmt::Debug for OwnedBulkheadPermit {
+    /// As [`BulkheadPermit`]'s.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OwnedBulkheadPermit")
-            .finish_non_exhaustive()
+            .field("bulkhead", &*self.core)
+            .field("grant", &self.grant)
+            .finish()
     }
 }
 
@@ -549,6 +556,12 @@ impl Permits {
 
     pub(crate) fn max_in_flight(&self) -> usize {
         self.core.max_in_flight() as usize
+    }
+
+    /// The permits held, and the bulkhead, for an adapter's `Debug`.
+    pub(crate) fn debug_fields(&self, d: &mut fmt::DebugStruct<'_, '_>) {
+        d.field("permits", &self.held)
+            .field("bulkhead", &*self.core);
     }
 
     /// The grant of a unit of work starting now, with the bulkhead owed its sample (adaptive

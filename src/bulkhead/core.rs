@@ -33,7 +33,7 @@ use crate::bulkhead::adaptive::{Adaptive, AdaptiveStats, Grant};
 use crate::bulkhead::error::{AcquireError, Priority};
 use crate::bulkhead::stats::{BulkheadStats, Counts};
 use crate::metrics::Counter;
-use crate::sync::{AtomicU64, Deferred, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Deferred, Mutex, MutexGuard, Ordering, Panics};
 
 use moves::{Metrics, Moves, publish_waiting};
 pub(crate) use queue::Ticket;
@@ -95,6 +95,7 @@ impl fmt::Debug for Core {
             .field("name", &self.name)
             .field("in_flight", &in_flight_of(s))
             .field("max_in_flight", &max_of(s))
+            .field("waiting", &self.waiting())
             .field("critical_reserve", &self.reserve)
             .field("max_waiting", &self.max_waiting)
             .field("wait_timeout", &self.wait_timeout)
@@ -357,13 +358,28 @@ impl Core {
         let (mut target, published) = adaptive.record(grant, outcome);
         // Another thread's sample may move the target between this thread's read and its
         // set, and that thread may apply its newer target first: after each set, look again,
-        // so that whoever sets last leaves the latest target applied.
+        // so that whoever sets last leaves the latest target applied. A set that panics (a
+        // waker woken by the raised limit, a metrics recorder) has applied its target all
+        // the same, and the look again must still come: the newer target may be nobody
+        // else's to apply (its thread found the limit at it before this set landed).
+        let mut panics = Panics::new();
         while target != self.max_in_flight() {
-            self.set_max_in_flight(target);
+            panics.run(|| self.set_max_in_flight(target));
             target = adaptive.target();
         }
         // The metrics last: a recorder that panics cannot keep the target from the bulkhead.
-        published.publish();
+        panics.run(|| published.publish());
+        panics.resume();
+    }
+
+    /// Return a permit of an adaptive bulkhead dropped without a sample, and feed its
+    /// [`Outcome::Ignored`] sample: each even if the other panics (returning it runs a
+    /// waker and a metrics recorder), or the sample would be lost from the counts.
+    pub(crate) fn release_ignored(&self, grant: Grant) {
+        let mut panics = Panics::new();
+        panics.run(|| self.release());
+        panics.run(|| self.record(grant, Outcome::Ignored));
+        panics.resume();
     }
 
     pub(crate) fn adaptive_stats(&self) -> Option<AdaptiveStats> {

@@ -1,5 +1,6 @@
 //! `Feed`: the input side shared by the bulkhead stream adapters.
 
+use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -179,7 +180,22 @@ impl<St: Stream> Feed<St> {
         self.stream.into_inner()
     }
 
-    pub(crate) fn inner(&self) -> &Fuse<St> {
-        &self.stream
+    /// An adapter's `Debug`: its inner stream, then `running` (its outputs to come), the
+    /// item it holds waiting for a permit, the permits it holds, and its bulkhead.
+    pub(crate) fn debug(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        name: &str,
+        running: usize,
+    ) -> fmt::Result
+    where
+        St: fmt::Debug,
+    {
+        let mut d = f.debug_struct(name);
+        d.field("stream", &self.stream)
+            .field("running", &running)
+            .field("holding", &self.next.item.is_some());
+        self.permits.debug_fields(&mut d);
+        d.finish_non_exhaustive()
     }
 }

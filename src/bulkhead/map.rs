@@ -331,10 +331,7 @@ where
     Fut: Future,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BulkheadMap")
-            .field("stream", self.feed.inner())
-            .field("running", &self.queued())
-            .finish_non_exhaustive()
+        self.feed.debug(f, "BulkheadMap", self.queued())
     }
 }
 

@@ -271,10 +271,7 @@ where
     St: Stream + fmt::Debug,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BulkheadMapUnordered")
-            .field("stream", self.feed.inner())
-            .field("running", &self.in_flight())
-            .finish_non_exhaustive()
+        self.feed.debug(f, "BulkheadMapUnordered", self.in_flight())
     }
 }
 

@@ -241,10 +241,7 @@ where
     Fut: Future,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BulkheadSpawnMap")
-            .field("stream", self.feed.inner())
-            .field("running", &self.running.len())
-            .finish_non_exhaustive()
+        self.feed.debug(f, "BulkheadSpawnMap", self.running.len())
     }
 }
 

@@ -96,6 +96,9 @@ impl Core {
             Status::Granted | Status::Gone => {}
         }
         match ticket.decided() {
+            // Shed between the look before the lock and the lock: the refusal's metric is
+            // recorded after the lock (a recorder is user code).
+            Some(Decided::Shed) => Polled::Refused(moves.refuse(AcquireError::WaitingRoomFull)),
             Some(verdict) => self.polled(verdict),
             None => {
                 // Closing removes every queued waiter; its next poll is refused.
@@ -140,7 +143,12 @@ impl Core {
             self.settle(&mut w, &mut moves);
             return Left::Removed;
         }
-        // Out of the queue before this lock: decided since the look above, or closed.
-        verdict.get().map_or(Left::Closed, left)
+        // Out of the queue before this lock: decided since the look above, or closed. A
+        // shed's refusal goes through `moves`: its metric is recorded after the lock.
+        match verdict.get() {
+            None => Left::Closed,
+            Some(Decided::Shed) => Left::Shed(moves.refuse(AcquireError::WaitingRoomFull)),
+            Some(decided) => left(decided),
+        }
     }
 }

@@ -9,6 +9,10 @@ mod support;
 #[path = "support/recorder.rs"]
 mod recorder;
 
+#[allow(dead_code)]
+#[path = "support/wakers.rs"]
+mod wakers;
+
 use std::time::Duration;
 
 use std::sync::{Arc, Mutex};
@@ -1254,21 +1258,13 @@ fn a_panicking_sample_counter_leaves_the_bulkhead_gauges_at_the_applied_limit() 
 fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
     use std::future::Future;
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    use std::task::{Context, Wake, Waker};
-
-    /// Panics when woken.
-    struct Panics;
-    impl Wake for Panics {
-        fn wake(self: Arc<Self>) {
-            panic!("the waker panics");
-        }
-    }
+    use std::task::Context;
 
     let recorder = recorder::TestRecorder::default();
     let b = aimd_bulkhead(&recorder, "woken");
     let gauge = || recorder.gauge("flowgate_bulkhead_max_in_flight{name=woken}");
     let mut permits: Vec<_> = (0..20).map(|_| b.try_acquire().unwrap()).collect();
-    let waker = Waker::from(Arc::new(Panics));
+    let waker = wakers::panicking_waker();
     let mut waiter = Box::pin(b.acquire());
     assert!(
         waiter
@@ -1294,20 +1290,12 @@ fn a_panicking_waker_leaves_the_bulkhead_gauges_at_the_applied_limit() {
 fn a_permit_whose_return_panics_still_feeds_its_ignored_sample() {
     use std::future::Future;
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    use std::task::{Context, Wake, Waker};
-
-    /// Panics when woken.
-    struct Panics;
-    impl Wake for Panics {
-        fn wake(self: Arc<Self>) {
-            panic!("the waker panics");
-        }
-    }
+    use std::task::{Context, Waker};
 
     let recorder = recorder::TestRecorder::default();
     let b = aimd_bulkhead(&recorder, "returned");
     let ignored = "flowgate_bulkhead_samples_total{name=returned,outcome=ignored}";
-    let waker = Waker::from(Arc::new(Panics));
+    let waker = wakers::panicking_waker();
     let mut permits: Vec<_> = (0..19).map(|_| b.try_acquire().unwrap()).collect();
     let owned = b.try_acquire_owned().unwrap();
     assert_eq!(b.in_flight(), b.max_in_flight(), "every permit taken");
@@ -1858,15 +1846,6 @@ fn a_panicking_rate_gauge_keeps_the_adaptive_pacer_cut_counted() {
 #[test]
 fn a_panicking_waker_keeps_no_cut_from_the_adaptive_pacer() {
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    use std::task::{Wake, Waker};
-
-    /// Panics when woken.
-    struct Panics;
-    impl Wake for Panics {
-        fn wake(self: Arc<Self>) {
-            panic!("the waker panics");
-        }
-    }
 
     let (recorder, _, adaptive) = panicky_pacer("paused");
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -1874,7 +1853,7 @@ fn a_panicking_waker_keeps_no_cut_from_the_adaptive_pacer() {
         .build()
         .unwrap();
     let _entered = rt.enter();
-    let waker = Waker::from(Arc::new(Panics));
+    let waker = wakers::panicking_waker();
     let waiter = in_line(&adaptive, &waker);
     let cut = catch_unwind(AssertUnwindSafe(|| {
         adaptive.on_back_pressure(Some(Duration::from_secs(1)));

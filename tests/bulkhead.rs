@@ -1623,7 +1623,7 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_after_racing_samples() {
 #[test]
 fn an_adaptive_bulkhead_ends_at_the_latest_limit_when_a_raise_panics() {
     use std::panic::catch_unwind;
-    use std::task::{Context, Wake, Waker};
+    use std::task::Context;
 
     use flowgate::adaptive::{AdaptiveLimit, Outcome, Sample};
 
@@ -1645,14 +1645,6 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_when_a_raise_panics() {
         }
     }
 
-    /// Panics when woken.
-    struct Panics;
-    impl Wake for Panics {
-        fn wake(self: Arc<Self>) {
-            panic!("the waker panics");
-        }
-    }
-
     // About one round in 10,000 finds the window (two cores): 50,000 rounds miss it with
     // a chance well under 1 %.
     const ROUNDS: usize = 50_000;
@@ -1669,7 +1661,7 @@ fn an_adaptive_bulkhead_ends_at_the_latest_limit_when_a_raise_panics() {
             i
         },
     ));
-    let waker = Waker::from(Arc::new(Panics));
+    let waker = support::panicking_waker();
     assert!(
         adapter
             .as_mut()

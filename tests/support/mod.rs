@@ -14,6 +14,7 @@
 //! - [`Logs`]: the `tracing` events of a test, with their levels, messages and fields.
 //! - `TestRecorder` (feature `metrics`): a `metrics` recorder that remembers every value.
 //! - [`jitters`]: a proptest strategy over every backoff `Jitter`.
+//! - [`panicking_waker`]: a waker that panics when woken.
 //!
 //! Everything a helper starts is stopped when its handle is dropped, including while a
 //! test unwinds from a panic. A missing `redis-server` (or `redis-cli`, for clusters) is
@@ -30,6 +31,7 @@ mod logs;
 mod recorder;
 mod server;
 mod tempdir;
+mod wakers;
 
 // Not every test binary uses every helper.
 #[allow(unused_imports)]
@@ -49,6 +51,8 @@ pub use recorder::TestRecorder;
 pub use server::{MISSING_REDIS, MISSING_REDIS_CLI, RedisServer};
 #[allow(unused_imports)]
 pub use tempdir::TempDir;
+#[allow(unused_imports)]
+pub use wakers::panicking_waker;
 
 /// Polls each future once with a waker that does nothing, asserting it waits: `n` waiters
 /// queued, in order (the O(1) cancellation tests then drop them newest first).

@@ -676,3 +676,133 @@ fn knee_refuses_a_bad_url_naming_the_flag() {
         assert!(stderr.contains(&format!("--url {url:?}: ")), "{stderr}");
     }
 }
+
+/// Every example built with this test's features, with an environment that keeps those
+/// that run until stopped or need Redis from doing either before they read their
+/// arguments.
+fn every_example() -> Vec<&'static str> {
+    let mut names = vec!["quickstart", "bulkhead", "shaping", "knee"];
+    if cfg!(feature = "redis") {
+        names.extend(["consumer_loop", "distributed", "regions"]);
+    }
+    if cfg!(feature = "http") {
+        names.extend(["http_server", "polite_client"]);
+    }
+    names
+}
+
+/// `example(name)` run with `args`, killed (and the test failed) if it has not ended
+/// within 60 s.
+fn run_example(name: &str, args: &[&std::ffi::OsStr]) -> Output {
+    let mut cmd = example(name);
+    cmd.args(args)
+        .env("PORT", "0")
+        .env("REDIS_URL", "redis://127.0.0.1:1/");
+    output_within(&mut cmd, 60).unwrap_or_else(|| panic!("{name} {args:?} did not stop"))
+}
+
+/// Every example answers `-h` and `--help` alike: its usage on stdout, exit code 0; and
+/// refuses a typo alike: named on stderr with the usage, exit code 2, nothing run. Each
+/// used to do it its own way: `distributed --help` printed its usage on stderr and exited
+/// with 2, `knee` and `polite_client` refused a typo without their usage.
+#[test]
+#[ignore = "fault: distributed --help exits 2; knee and polite_client refuse a typo without their usage"]
+fn every_example_answers_help_with_its_usage_and_refuses_a_typo() {
+    for name in every_example() {
+        for help in ["-h", "--help"] {
+            let out = run_example(name, &[help.as_ref()]);
+            let (stdout, stderr) = text(&out);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{name} {help}: {stdout}\n{stderr}"
+            );
+            assert!(
+                stdout.starts_with(&format!("usage: {name}")) && stderr.is_empty(),
+                "{name} {help}: {stdout}\n{stderr}"
+            );
+        }
+        let typo = run_example(name, &["--bogus".as_ref()]);
+        let (stdout, stderr) = text(&typo);
+        assert_eq!(typo.status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(stdout.is_empty(), "{name} --bogus ran:\n{stdout}");
+        assert!(
+            stderr.starts_with("error: unknown argument \"--bogus\"\n")
+                && stderr.contains(&format!("\nusage: {name}")),
+            "{name} --bogus: {stderr}"
+        );
+    }
+}
+
+/// An argument that is not UTF-8 (a file name from another locale, a stray byte) is a bad
+/// argument like any other: refused with exit code 2. `knee`, `polite_client`, `regions`
+/// and `distributed` read their arguments with `std::env::args`, which panics on one.
+#[cfg(unix)]
+#[test]
+#[ignore = "fault: knee, polite_client, regions and distributed panic on an argument that is not UTF-8"]
+fn every_example_refuses_an_argument_that_is_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"--out\xff");
+    for name in every_example() {
+        let out = run_example(name, &[bad]);
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains("is not UTF-8") && !stderr.contains("panicked"),
+            "{name}: {stderr}"
+        );
+    }
+}
+
+/// A knee search that fails is a failed run, exit code 1 as in the other examples (the
+/// README: "a bad argument or `REDIS_URL` exits with code 2, a failed run with 1"), here a
+/// `--url` that is a good loopback URL where nothing listens (as `distributed` exits with 1
+/// when no Redis answers at a good `REDIS_URL`); `knee` exited with 2 for every error.
+#[cfg(feature = "http")]
+#[test]
+#[ignore = "fault: knee exits 2, the code of a bad argument, when its run fails"]
+fn knee_exits_1_when_its_run_fails() {
+    let url = format!("http://127.0.0.1:{}/", closed_port());
+    let out = example("knee")
+        .args(["--url", &url])
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("nothing listens at"), "{stderr}");
+}
+
+/// Without `--out` the plot goes into the target directory cargo built the example in
+/// (`target/` of the crate unless `CARGO_TARGET_DIR` says otherwise), as `knee.svg`, and
+/// the example names that path: it went to `target/knee.svg` in the crate's source
+/// directory even when cargo builds elsewhere. Here the binary runs from a target
+/// directory of its own, as cargo lays one out.
+#[test]
+#[ignore = "fault: knee's default plot ignores the target directory it was built in"]
+fn knee_writes_its_default_plot_into_its_target_directory() {
+    let dir = support::TempDir::new("knee-target");
+    let target = dir.path().join("target");
+    let examples = target.join("debug").join("examples");
+    std::fs::create_dir_all(&examples).expect("a target directory");
+    let built = example("knee");
+    let knee = examples.join("knee");
+    std::fs::copy(built.get_program(), &knee).expect("the example copied");
+    let cwd = dir.path().join("cwd");
+    std::fs::create_dir(&cwd).expect("a working directory");
+    let out = Command::new(&knee)
+        .args(["--knee", "8", "--max-concurrency", "16"])
+        .current_dir(&cwd)
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let plot = target.join("knee.svg");
+    let said = format!("plot written to {}", plot.display());
+    assert!(stdout.contains(&said), "expected {said:?} in:\n{stdout}");
+    assert!(plot.is_file(), "no plot at {}", plot.display());
+    let left: Vec<_> = std::fs::read_dir(&cwd).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "wrote into the current directory: {left:?}"
+    );
+}

@@ -15,8 +15,8 @@
 //! The clock is tokio's paused virtual clock, so the run is deterministic and finishes in
 //! well under a second. Run with `cargo run --example bulkhead`.
 
-#[path = "support/no_args.rs"]
-mod no_args;
+#[path = "support/cli.rs"]
+mod cli;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -112,7 +112,7 @@ fn percentiles(v: &mut [Duration]) -> String {
 
 #[tokio::main(flavor = "current_thread", start_paused = true)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    no_args::refuse_arguments(
+    cli::no_arguments(
         "usage: bulkhead (no arguments: a downstream past its knee, without and with a bulkhead)",
     );
     println!(

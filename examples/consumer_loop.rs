@@ -20,8 +20,8 @@
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example consumer_loop
 //! ```
 
-#[path = "support/no_args.rs"]
-mod no_args;
+#[path = "support/cli.rs"]
+mod cli;
 #[path = "support/redis_url.rs"]
 mod redis_url;
 
@@ -327,7 +327,7 @@ async fn consume(
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    no_args::refuse_arguments(
+    cli::no_arguments(
         "usage: consumer_loop (no arguments; with REDIS_URL, it reads a Redis Streams group)",
     );
     let start = Instant::now();

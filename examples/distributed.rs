@@ -22,6 +22,8 @@
 //! decision succeeds) and the run goes on; each worker reports its errors and one of
 //! them.
 
+#[path = "support/cli.rs"]
+mod cli;
 #[path = "support/redis_url.rs"]
 mod redis_url;
 
@@ -49,22 +51,29 @@ fn epoch_us() -> u64 {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let worker_of = match args.as_slice() {
-        [] => None,
-        [mode, prefix, start_ms] if mode == "worker" => Some((prefix, start_ms.parse()?)),
-        _ => {
-            eprintln!("usage: distributed (no arguments; REDIS_URL names the Redis to share)");
-            std::process::exit(2);
+    // `worker PREFIX START_MS` is how the parent starts its copies: not for users.
+    let mut cli =
+        cli::Cli::new("usage: distributed (no arguments; REDIS_URL names the Redis to share)");
+    let worker_of = match cli.next_flag() {
+        None => None,
+        Some(mode) if mode == "worker" => {
+            let prefix = cli.value("worker");
+            let start_ms = cli.parsed("worker PREFIX", |v| {
+                v.parse::<u64>()
+                    .map_err(|e| format!("worker start {v:?}: {e}"))
+            });
+            Some((prefix, start_ms))
         }
+        Some(other) => cli.unknown(&other),
     };
+    cli.finish();
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
     let con = redis_url::client(&url)
         .get_multiplexed_async_connection()
         .await
         .unwrap_or_else(|e| no_redis(&url, &e));
     if let Some((prefix, start_ms)) = worker_of {
-        return worker(con, prefix, start_ms).await;
+        return worker(con, &prefix, start_ms).await;
     }
 
     // A fresh prefix: earlier runs (or other users of this Redis) do not interfere.

@@ -27,8 +27,8 @@
 //! it fails or is slower than 50 ms later, each instance falls back to its own in-memory
 //! gate until Redis answers again).
 
-#[path = "support/no_args.rs"]
-mod no_args;
+#[path = "support/cli.rs"]
+mod cli;
 #[cfg(feature = "redis")]
 #[path = "support/redis_url.rs"]
 mod redis_url;
@@ -51,7 +51,7 @@ use sha2::{Digest, Sha256};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    no_args::refuse_arguments(
+    cli::no_arguments(
         "usage: http_server (no arguments; PORT: its port, 3000 unless set; REDIS_URL: its Redis)",
     );
     // flowgate's own log lines on stderr: the rejection summary (at most once a minute, with

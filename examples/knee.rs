@@ -12,7 +12,8 @@
 //! progress bar, prints a table (concurrency, throughput, p50, p99), the knee and the
 //! recommendation, and writes an SVG plot of throughput and p99 against concurrency with
 //! the knee and the recommendation marked: to `--out` (relative to the current directory),
-//! by default to `target/knee.svg` in this crate's directory, wherever cargo runs from. It
+//! by default to `knee.svg` in the target directory cargo builds the example in (`target/`
+//! of this crate unless `CARGO_TARGET_DIR` says otherwise), wherever cargo runs from. It
 //! prints where, and checks that it can write there before the search starts. The ramp
 //! stops at `--max-concurrency` (1,024 unless given, at most 65,536) if nothing saturates
 //! before: a simulated `--knee` above it is refused, as the search could not find it.
@@ -26,7 +27,12 @@
 //! its `/` admits 100 requests a minute per client: a rate limit, not a concurrency one, so
 //! the search stops at its first step with an error that says so, and finds no knee). Only
 //! loopback addresses are accepted: the search overloads its target on purpose.
+//!
+//! A bad argument exits with code 2 before anything runs; a failed run (nothing listens at
+//! `--url`, a search that ends with an error) with 1.
 
+#[path = "support/cli.rs"]
+mod cli;
 #[path = "../tests/support/knee_http.rs"]
 mod knee_http;
 #[path = "support/plot_file.rs"]
@@ -51,6 +57,8 @@ struct Args {
     out: PathBuf,
 }
 
+const USAGE: &str = "usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]";
+
 /// A count of calls in flight: 1 or more.
 fn in_flight(flag: &str, v: &str) -> Result<u32, String> {
     match v.parse() {
@@ -59,49 +67,75 @@ fn in_flight(flag: &str, v: &str) -> Result<u32, String> {
     }
 }
 
-fn args() -> Result<Args, Box<dyn Error>> {
+/// Where the plot goes without `--out`: `knee.svg` in the target directory cargo built
+/// this example in (`<target>/<profile>/examples/knee`; `target/` of the crate unless
+/// `CARGO_TARGET_DIR` or `--target-dir` says otherwise), or in the current directory for a
+/// binary run from elsewhere.
+fn default_out() -> PathBuf {
+    let exe = std::env::current_exe().ok();
+    let target = exe.as_deref().and_then(|exe| {
+        let examples = exe.parent()?;
+        let profile = examples.parent()?;
+        (examples.file_name()? == "examples").then_some(profile.parent()?)
+    });
+    target.map_or_else(|| PathBuf::from("knee.svg"), |t| t.join("knee.svg"))
+}
+
+/// The command line; a bad argument is refused (exit code 2).
+fn args() -> Args {
     let mut args = Args {
         url: None,
         knee: 48,
         max_concurrency: None,
-        out: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/knee.svg")),
+        out: default_out(),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-        match arg.as_str() {
+    let mut cli = cli::Cli::new(USAGE);
+    while let Some(flag) = cli.next_flag() {
+        match flag.as_str() {
             "--url" => {
-                let v = value()?;
                 // Refused now, naming the flag, before anything is printed.
-                knee_http::loopback_uri(&v).map_err(|e| format!("--url {v:?}: {e}"))?;
+                let check =
+                    |v: &str| knee_http::loopback_uri(v).map_err(|e| format!("--url {v:?}: {e}"));
+                let v = cli.value(&flag);
+                check(&v).unwrap_or_else(|e| cli.refuse(e));
                 args.url = Some(v);
             }
-            "--knee" => args.knee = in_flight("--knee", &value()?)?,
+            "--knee" => args.knee = cli.parsed(&flag, |v| in_flight("--knee", v)),
             "--max-concurrency" => {
-                args.max_concurrency = Some(in_flight("--max-concurrency", &value()?)?);
+                args.max_concurrency = Some(cli.parsed(&flag, |v| in_flight(&flag, v)));
             }
-            "--out" => args.out = PathBuf::from(value()?),
-            "-h" | "--help" => {
-                println!(
-                    "usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)").into()),
+            "--out" => args.out = PathBuf::from(cli.value(&flag)),
+            other => cli.unknown(other),
         }
     }
-    Ok(args)
+    args
 }
 
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(2);
+/// What was wrong: the command line (exit code 2) or the run (exit code 1).
+enum Failure {
+    Argument(String),
+    Run(Box<dyn Error>),
+}
+
+impl<E: Into<Box<dyn Error>>> From<E> for Failure {
+    fn from(e: E) -> Failure {
+        Failure::Run(e.into())
     }
 }
 
-fn run() -> Result<(), Box<dyn Error>> {
-    let args = args()?;
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(Failure::Argument(e)) => cli::Cli::new(USAGE).refuse(e),
+        Err(Failure::Run(e)) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn run() -> Result<(), Failure> {
+    let args = args();
     let mut config = KneeConfig::builder();
     if let Some(max) = args.max_concurrency {
         config = config.max_concurrency(max);
@@ -109,7 +143,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     // Every other setting is the default: only the top can be refused.
     let config = config
         .build()
-        .map_err(|e| format!("--max-concurrency: {e}"))?;
+        .map_err(|e| Failure::Argument(format!("--max-concurrency: {e}")))?;
     // The ramp stops at `max_concurrency`: a simulated knee above it cannot be found.
     let max = config.max_concurrency();
     if args.url.is_none() && args.knee > max {
@@ -119,12 +153,11 @@ fn run() -> Result<(), Box<dyn Error>> {
         } else {
             "the search goes up to 65536 at most".to_owned()
         };
-        return Err(format!(
+        return Err(Failure::Argument(format!(
             "--knee {knee} is above --max-concurrency {max}, where the search stops: it cannot find it ({fix})"
-        )
-        .into());
+        )));
     }
-    let out = plot_file::writable(&args.out, "--out")?;
+    let out = plot_file::writable(&args.out, "--out").map_err(Failure::Argument)?;
     println!("the plot goes to {}", out.display());
     let (report, what) = match &args.url {
         Some(url) => {

@@ -36,6 +36,9 @@
 //! error when no request succeeded (no server at `--url`): code 1; a bad argument exits
 //! with code 2.
 
+#[path = "support/cli.rs"]
+mod cli;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -69,48 +72,42 @@ struct Args {
     url: Option<String>,
 }
 
-fn args() -> Result<Args, BoxError> {
+const USAGE: &str = "usage: polite_client [--secs N] [--clients N] [--url http://host:port/path]";
+
+/// A whole number from 1 to 1000, for `flag`.
+fn one_to_1000(flag: &str, v: &str) -> Result<u64, String> {
+    match v.parse() {
+        Ok(n @ 1..=1000) => Ok(n),
+        _ => Err(format!("{flag} {v:?}: give a whole number, 1 to 1000")),
+    }
+}
+
+/// The command line; a bad argument is refused (exit code 2).
+fn args() -> Args {
     let mut args = Args {
         secs: 10,
         clients: 8,
         url: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--secs" | "--clients" => {
-                let v = value()?;
-                let n = match v.parse() {
-                    Ok(n @ 1..=1000) => n,
-                    _ => return Err(format!("{arg} {v:?}: give a whole number, 1 to 1000").into()),
-                };
-                if arg == "--secs" {
-                    args.secs = n;
-                } else {
-                    args.clients = n as usize;
-                }
-            }
+    let mut cli = cli::Cli::new(USAGE);
+    while let Some(flag) = cli.next_flag() {
+        match flag.as_str() {
+            "--secs" => args.secs = cli.parsed(&flag, |v| one_to_1000(&flag, v)),
+            "--clients" => args.clients = cli.parsed(&flag, |v| one_to_1000(&flag, v)) as usize,
             "--url" => {
-                let v = value()?;
                 // The clients speak plain HTTP (hyper-util's `build_http`): refuse the rest now,
                 // not once per attempt during the run.
-                match v.parse::<http::Uri>() {
-                    Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {}
-                    _ => return Err(format!("--url {v:?}: give an http:// URL").into()),
-                }
-                args.url = Some(v);
+                args.url = Some(cli.parsed(&flag, |v| match v.parse::<http::Uri>() {
+                    Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {
+                        Ok(v.to_owned())
+                    }
+                    _ => Err(format!("--url {v:?}: give an http:// URL")),
+                }));
             }
-            "-h" | "--help" => {
-                println!(
-                    "usage: polite_client [--secs N] [--clients N] [--url http://host:port/path]"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)").into()),
+            other => cli.unknown(other),
         }
     }
-    Ok(args)
+    args
 }
 
 /// What happened in one second of a run.
@@ -454,14 +451,7 @@ async fn serve() -> Result<String, BoxError> {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     // A bad argument exits with 2, as in the other examples; a failed run with 1.
-    let args = match args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
-    match run_all(args).await {
+    match run_all(args()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -2,8 +2,8 @@
 //!
 //! Run with `cargo run --example quickstart`.
 
-#[path = "support/no_args.rs"]
-mod no_args;
+#[path = "support/cli.rs"]
+mod cli;
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use futures::StreamExt;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    no_args::refuse_arguments(
+    cli::no_arguments(
         "usage: quickstart (no arguments: a tour of flowgate on the in-memory defaults)",
     );
     // 1. Value types validate their input: a typed error, never a panic.

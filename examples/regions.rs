@@ -27,6 +27,8 @@
 //! Ctrl-C ends the run early, with the summary, and so do `SIGTERM` (`kill`) and `SIGHUP`
 //! (the terminal closed); the servers are killed however the run ends, but by `SIGKILL`.
 
+#[path = "support/cli.rs"]
+mod cli;
 #[path = "../tests/support/delay_proxy.rs"]
 mod delay_proxy;
 #[path = "support/plot_file.rs"]
@@ -75,69 +77,54 @@ struct Args {
 const USAGE: &str =
     "usage: regions [--secs N] [--latency-ms N] [--policy static|fair|proportional] [--svg PATH]";
 
-fn parse_args() -> Result<Args, String> {
+/// The command line; a bad argument is refused (exit code 2).
+fn parse_args() -> Args {
     let mut args = Args {
         secs: 30,
         one_way: Duration::from_millis(50),
         policy: Allocation::FairShare,
         svg: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-        match arg.as_str() {
+    let mut cli = cli::Cli::new(USAGE);
+    while let Some(flag) = cli.next_flag() {
+        match flag.as_str() {
             "--secs" => {
-                let v = value()?;
-                args.secs = match v.parse() {
-                    Ok(n @ 3..=3600) => n,
-                    _ => {
-                        return Err(format!(
-                            "--secs {v:?}: give a whole number of seconds, 3 to 3600"
-                        ));
-                    }
-                };
+                args.secs = cli.parsed(&flag, |v| match v.parse() {
+                    Ok(n @ 3..=3600) => Ok(n),
+                    _ => Err(format!(
+                        "--secs {v:?}: give a whole number of seconds, 3 to 3600"
+                    )),
+                });
             }
             "--latency-ms" => {
-                let v = value()?;
-                args.one_way = match v.parse() {
-                    Ok(n @ 0..=2000) => Duration::from_millis(n),
-                    _ => {
-                        return Err(format!(
-                            "--latency-ms {v:?}: give a one-way latency in ms, 0 to 2000"
-                        ));
-                    }
-                };
+                args.one_way = cli.parsed(&flag, |v| match v.parse() {
+                    Ok(n @ 0..=2000) => Ok(Duration::from_millis(n)),
+                    _ => Err(format!(
+                        "--latency-ms {v:?}: give a one-way latency in ms, 0 to 2000"
+                    )),
+                });
             }
             "--policy" => {
-                let v = value()?;
-                args.policy = match v.as_str() {
-                    "static" => Allocation::Static,
-                    "fair" => Allocation::FairShare,
-                    "proportional" => Allocation::ProportionalShare,
-                    _ => return Err(format!("--policy {v:?}: one of static, fair, proportional")),
-                };
+                args.policy = cli.parsed(&flag, |v| match v {
+                    "static" => Ok(Allocation::Static),
+                    "fair" => Ok(Allocation::FairShare),
+                    "proportional" => Ok(Allocation::ProportionalShare),
+                    _ => Err(format!("--policy {v:?}: one of static, fair, proportional")),
+                });
             }
             // A plot that cannot be written is said now, not after the whole run.
-            "--svg" => args.svg = Some(plot_file::writable(Path::new(&value()?), "--svg")?),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
+            "--svg" => {
+                args.svg = Some(cli.parsed(&flag, |v| plot_file::writable(Path::new(v), "--svg")));
             }
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+            other => cli.unknown(other),
         }
     }
-    Ok(args)
+    args
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = parse_args();
     let found = Command::new("redis-server")
         .arg("--version")
         .stdout(Stdio::null())

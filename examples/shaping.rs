@@ -18,8 +18,8 @@
 //! cargo run --example shaping
 //! ```
 
-#[path = "support/no_args.rs"]
-mod no_args;
+#[path = "support/cli.rs"]
+mod cli;
 
 use std::pin::pin;
 use std::time::Duration;
@@ -39,9 +39,7 @@ const IN_WIDTH: usize = 50;
 
 #[tokio::main(flavor = "current_thread", start_paused = true)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    no_args::refuse_arguments(
-        "usage: shaping (no arguments: three bursts of 1,000 items shaped to 200/s)",
-    );
+    cli::no_arguments("usage: shaping (no arguments: three bursts of 1,000 items shaped to 200/s)");
     let start = Instant::now();
     let bucket_of = |t: Instant| (t.duration_since(start).as_nanos() / BUCKET.as_nanos()) as usize;
 

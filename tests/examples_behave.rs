@@ -718,3 +718,29 @@ fn knee_writes_its_default_plot_into_its_target_directory() {
         "wrote into the current directory: {left:?}"
     );
 }
+
+/// A large simulated knee is found where it is, as a small one is: `--knee 1000` was found
+/// at 792. The simulated downstream's latency grew by the same 0.5 % a call whatever the
+/// knee (6× its base at a knee of 1,000), so its throughput flattened long before the
+/// knee, and the knee rule (97 % of the best throughput) read it there: a fault of the
+/// simulation, not of the search, which finds 46 for the default 48.
+#[test]
+#[ignore = "fault: knee's simulator flattens long before a large knee: --knee 1000 found at 792"]
+fn knee_finds_a_large_simulated_knee_where_it_is() {
+    let dir = support::TempDir::new("knee-large");
+    let out = example("knee")
+        .args(["--knee", "1000", "--out"])
+        .arg(dir.path().join("knee.svg"))
+        .output()
+        .expect("knee runs");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let knee: u32 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("knee: ")?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no knee in:\n{stdout}"));
+    assert!(
+        (900..=1100).contains(&knee),
+        "knee {knee} for 1000:\n{stdout}"
+    );
+}

@@ -725,7 +725,6 @@ fn knee_writes_its_default_plot_into_its_target_directory() {
 /// knee, and the knee rule (97 % of the best throughput) read it there: a fault of the
 /// simulation, not of the search, which finds 46 for the default 48.
 #[test]
-#[ignore = "fault: knee's simulator flattens long before a large knee: --knee 1000 found at 792"]
 fn knee_finds_a_large_simulated_knee_where_it_is() {
     let dir = support::TempDir::new("knee-large");
     let out = example("knee")

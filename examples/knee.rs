@@ -20,9 +20,9 @@
 //!
 //! The simulator answers a call in 25 ms alone, 24 % slower at its knee whatever the knee
 //! (a linear rise: the cost of sharing), and exponentially slower above it (a queue:
-//! steepness 1.1, see `flowgate::adaptive::sim`), with ±10 % jitter. Its throughput peaks at the knee; the knee
-//! the search reports is where the throughput reaches 97 % of its best (see
-//! `flowgate::adaptive::knee`), a little lower: 46 for 48, 963 for 1,000.
+//! steepness 1.1, see `flowgate::adaptive::sim`), with ±10 % jitter. Its throughput peaks
+//! at the knee; the knee the search reports is where the throughput reaches 97 % of its
+//! best (see `flowgate::adaptive::knee`), a little lower: 46 for 48, 963 for 1,000.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
 //! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
@@ -107,11 +107,11 @@ fn args() -> Args {
         match flag.as_str() {
             "--url" => {
                 // Refused now, naming the flag, before anything is printed.
-                let check =
-                    |v: &str| knee_http::loopback_uri(v).map_err(|e| format!("--url {v:?}: {e}"));
-                let v = cli.value(&flag);
-                check(&v).unwrap_or_else(|e| cli.refuse(e));
-                args.url = Some(v);
+                let url = cli.parsed(&flag, |v| match knee_http::loopback_uri(v) {
+                    Ok(_) => Ok(v.to_owned()),
+                    Err(e) => Err(format!("--url {v:?}: {e}")),
+                });
+                args.url = Some(url);
             }
             "--knee" => args.knee = cli.parsed(&flag, |v| in_flight("--knee", v)),
             "--max-concurrency" => {

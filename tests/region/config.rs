@@ -805,6 +805,8 @@ pub(super) struct CutOff {
     // Dropped in this order: the processes before the servers.
     pub(super) first: flowgate::region::Region<redis::aio::ConnectionManager>,
     pub(super) second: flowgate::region::Region<redis::aio::ConnectionManager>,
+    /// The allocator `first` joined from: its calls to the home go through `proxy`.
+    pub(super) via_proxy: QuotaAllocator<redis::aio::ConnectionManager>,
     pub(super) proxy: crate::support::DelayProxy,
     /// The home and the local Redis.
     pub(super) servers: (RedisServer, RedisServer),
@@ -852,6 +854,7 @@ impl CutOff {
         CutOff {
             first,
             second,
+            via_proxy,
             proxy,
             servers: (home, local),
         }
@@ -1427,6 +1430,7 @@ async fn a_lease_outlives_the_death_of_a_refreshing_process_after_a_failed_refre
         second,
         proxy,
         servers: _servers,
+        ..
     } = CutOff::start(
         "crash",
         lease,

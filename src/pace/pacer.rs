@@ -333,6 +333,11 @@ impl Pacer {
     /// applies from there; waiters recompute their due time at once. To keep the default
     /// burst for the new rate, pass [`Pacer::default_quota`]`(rate)`.
     ///
+    /// A change gives no units back: from that due time the bucket holds what the new rate
+    /// refills, up to the new burst (so a bucket full for less time than the new burst
+    /// takes to refill is not full at once under it), and a round trip through another
+    /// quota leaves the schedule as it was, or later.
+    ///
     /// # Examples
     ///
     /// ```
@@ -686,22 +691,19 @@ impl Inner {
     }
 
     fn set_quota(&self, quota: Quota) {
-        let now = self.elapsed(Instant::now());
         let mut out = Deferred::default();
         let mut st = self.lock();
-        let full_at = st.bucket.neutral_at(&st.gcra);
         // The next unit stays due when it was under the old quota (never later: the burst
         // the old quota let through early is not debt under the new one); from there the
         // new rate and burst apply, exactly (where the new quota's units cannot tell that
-        // instant, the first one after it that they can: never earlier). A bucket full now
-        // stays full. (The next unit may be due before the pacer's epoch, a bucket still
-        // holding units early in its life: the schedule is not cut at the epoch.)
+        // instant, the first one after it that they can: never earlier). A full bucket too:
+        // kept full as of when it filled, a bucket the carry to a smaller one took as full
+        // was full again under the larger one as the change back came, and every round
+        // trip gave the units spent from it back. (The next unit may be due before the
+        // pacer's epoch, a bucket still holding units early in its life: the schedule is
+        // not cut at the epoch.)
         let old = std::mem::replace(&mut st.bucket, TokenBucket::new(quota));
-        st.gcra = if full_at <= now {
-            st.bucket.state_full_at(full_at)
-        } else {
-            st.bucket.state_carried(&old, &st.gcra)
-        };
+        st.gcra = st.bucket.state_carried(&old, &st.gcra);
         st.wake_head_and_watcher(&mut out);
     }
 }

@@ -562,6 +562,7 @@ where
                 // intervals and a home timeout later, another process's tick (within a
                 // refresh) and its home call still fit in the lease, as `build` checks (3 ×
                 // refresh + 2 × home timeout + margin). After a third they may not.
+                let mut released = Ok(());
                 if failures >= 2 {
                     // This process cannot reach the home: let another one of the region try.
                     // Every other process ticks within a refresh interval of the release:
@@ -570,19 +571,27 @@ where
                     // another would: two failed calls before it stands down again (after
                     // one, a process alone whose home calls time out would put its next try
                     // off by another home timeout each time, past the lease).
-                    self.release().await;
-                    let mut round = self.round();
-                    round.stand_down_until = Some(Instant::now() + plan.refresh);
-                    round.home_failures = 0;
-                    // Another process of the region may take the lock now: this one no
-                    // longer refreshes (until it takes the lock again).
-                    round.status.leader = false;
-                    round.lock_until = None;
+                    {
+                        let mut round = self.round();
+                        round.home_failures = 0;
+                        // Another process of the region may take the lock now: this one no
+                        // longer refreshes (until it takes the lock again).
+                        round.status.leader = false;
+                        round.lock_until = None;
+                    }
+                    // The release is a call to Redis, whose recorder (user code) may panic
+                    // once the script has run: the stand-down and the count below hold all
+                    // the same, and the panic goes on after them.
+                    released = AssertUnwindSafe(self.release()).catch_unwind().await;
+                    self.round().stand_down_until = Some(Instant::now() + plan.refresh);
                 }
                 // Counted, and the lock given up, before any user code runs: a recorder
                 // that panics here must not keep the lock from a process that reaches the
                 // home.
                 self.tell_failed(&failed, Some(&e));
+                if let Err(panic) = released {
+                    std::panic::resume_unwind(panic);
+                }
                 return;
             }
         };

@@ -465,7 +465,6 @@ async fn a_recorder_that_panics_on_a_failure_does_not_keep_the_lock_from_the_oth
 /// stand-down: `failed` counted one of the two, and the process said it held the lock
 /// until it would have lapsed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a recorder panicking as a process stands down loses the failed count and leaves it saying it refreshes"]
 async fn a_recorder_that_panics_as_a_process_stands_down_loses_nothing() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

@@ -223,7 +223,6 @@ async fn a_process_cut_off_from_its_local_redis_no_longer_says_it_refreshes() {
 /// state). It said `learning: false` until a refresh came, then `true`: an operator who
 /// read the home after a restart saw one that had kept its state.
 #[tokio::test]
-#[ignore = "fault: the status of a home without state says it is not learning"]
 async fn a_home_without_state_says_it_learns() {
     let server = RedisServer::start();
     let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())

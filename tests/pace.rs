@@ -123,9 +123,10 @@ proptest! {
     /// twin that was not given it does. A round trip through another quota may delay the
     /// next unit by less than a nanosecond (where the other quota's units cannot tell its
     /// due time), never bring it forward: checked with a burst of 1, where the next unit's
-    /// due time is the whole schedule (a burst the old quota let through early is not debt
-    /// under a new one, as `set_quota` documents, so with a larger burst the round trip gives
-    /// spent burst units back: 4 at once where 3 were left, at 1 per 3.49 s, burst 4).
+    /// due time is the whole schedule. (With a larger burst, a pacer this young may have its
+    /// next unit due before its creation, which the other quota's bucket cannot hold: the
+    /// round trip may then leave it later by more, with fewer units, never more; see
+    /// `a_round_trip_through_a_smaller_burst_gives_no_unit_back`.)
     #[test]
     fn set_quota_of_the_same_quota_changes_nothing(
         count in prop_oneof![1u32..=10, Just(1_000_000), Just(3_000_000_000), Just(u32::MAX)],

@@ -693,15 +693,15 @@ impl Inner {
     fn set_quota(&self, quota: Quota) {
         let mut out = Deferred::default();
         let mut st = self.lock();
-        // The next unit stays due when it was under the old quota (never later: the burst
-        // the old quota let through early is not debt under the new one); from there the
-        // new rate and burst apply, exactly (where the new quota's units cannot tell that
-        // instant, the first one after it that they can: never earlier). A full bucket too:
-        // kept full as of when it filled, a bucket the carry to a smaller one took as full
-        // was full again under the larger one as the change back came, and every round
-        // trip gave the units spent from it back. (The next unit may be due before the
-        // pacer's epoch, a bucket still holding units early in its life: the schedule is
-        // not cut at the epoch.)
+        // The next unit stays due when it was under the old quota, a full bucket's too:
+        // never later (the burst the old quota let through early is not debt under the new
+        // one), and never earlier, so a change adds no unit. (A full bucket kept full
+        // instead: one the carry to a smaller burst took as full was full again under the
+        // larger one on the change back, and every round trip gave the units spent from it
+        // back.) From there the new rate and burst apply exactly (where the new quota's
+        // units cannot tell that instant, the first one after it that they can). The next
+        // unit may be due before the pacer's epoch, a bucket still holding units early in
+        // its life: the schedule is not cut at the epoch.
         let old = std::mem::replace(&mut st.bucket, TokenBucket::new(quota));
         st.gcra = st.bucket.state_carried(&old, &st.gcra);
         st.wake_head_and_watcher(&mut out);

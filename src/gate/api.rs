@@ -1,6 +1,5 @@
 //! The `Gate` trait.
 
-use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -10,7 +9,7 @@ use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
 use crate::gate::quotas::Registration;
 use crate::rate::Quota;
-use crate::sync::Arc;
+use crate::sync::{Arc, Panics};
 
 /// The future of [`Gate::check`] (a [`Decision`]) and of [`Gate::check_all`] (one
 /// `Decision` per limit: `GateFuture<'a, Vec<Decision>>`).
@@ -18,9 +17,9 @@ pub type GateFuture<'a, T = Decision> =
     Pin<Box<dyn Future<Output = Result<T, GateError>> + Send + 'a>>;
 
 /// A decision made without I/O ([`Gate::check_local_held`]), and the panic of the metrics
-/// recorder that counted it, if it panicked: the caller goes on with it once it has acted on
-/// the decision.
-pub(crate) type HeldDecision = (Result<Decision, GateError>, Option<Box<dyn Any + Send>>);
+/// recorder that counted it, if it panicked: the caller resumes it once it has acted on the
+/// decision.
+pub(crate) type HeldDecision = (Result<Decision, GateError>, Panics);
 
 /// An async keyed token gate: decides whether `cost` units for `key` may pass now.
 ///
@@ -93,7 +92,8 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// Crate-internal: the default answers `check_local`, with no panic held.
     #[doc(hidden)]
     fn check_local_held(&self, key: &str, cost: u32) -> Option<HeldDecision> {
-        self.check_local(key, cost).map(|decided| (decided, None))
+        self.check_local(key, cost)
+            .map(|decided| (decided, Panics::new()))
     }
 
     /// All-or-nothing across several token buckets: admitted only if every `(key, quota)`

@@ -18,7 +18,7 @@ use crate::error::ConfigError;
 use crate::gate::api::Gate;
 use crate::gate::error::GateError;
 use crate::metrics::{Counter, Labels};
-use crate::sync::POLL_BUDGET;
+use crate::sync::{POLL_BUDGET, Panics};
 
 /// How long `gated` waits before asking again after a transient backend error.
 const ERROR_BACKOFF: Duration = Duration::from_millis(100);
@@ -74,10 +74,6 @@ type Deciding<Key> = Pin<Box<dyn Future<Output = Asked<Key>> + Send>>;
 
 /// A gate's answer for the item at the gate, with its key and cost.
 type Asked<Key> = (Result<Decision, GateError>, Key, u32);
-
-/// The panic of the metrics recorder that counted a decision made in place, held until the
-/// decision is acted on ([`Gate::check_local_held`]).
-type HeldPanic = Option<Box<dyn std::any::Any + Send>>;
 
 enum State<Key> {
     /// No item at the gate.
@@ -345,7 +341,7 @@ fn ask<G, Key>(
     key: Key,
     cost: u32,
     state: &mut State<Key>,
-) -> Option<(Asked<Key>, HeldPanic)>
+) -> Option<(Asked<Key>, Panics)>
 where
     G: Gate + Clone + 'static,
     Key: AsRef<str> + Send + 'static,
@@ -408,7 +404,7 @@ where
                         }
                     };
                     *this.state = State::Idle;
-                    (asked, None)
+                    (asked, Panics::new())
                 }
                 State::Waiting(..) => {
                     let sleep = this.sleep.as_mut().expect("a wait has a sleep");
@@ -429,11 +425,11 @@ where
             };
             let wait = match outcome {
                 Ok(d) if d.allowed => {
-                    if let Some(panic) = held_panic {
-                        // Charged: it passes on the next poll, not asked again.
-                        *this.state = State::Admitted;
-                        std::panic::resume_unwind(panic);
-                    }
+                    // Charged: if the recorder panicked, the item passes on the next poll,
+                    // not asked again.
+                    *this.state = State::Admitted;
+                    held_panic.resume();
+                    *this.state = State::Idle;
                     return Poll::Ready(this.held.item.take());
                 }
                 Ok(d) if *this.shaping && d.retry_after.is_zero() => NO_WAIT_BACKOFF,
@@ -444,9 +440,7 @@ where
                         Ok(d) => Dropped::Rejected(d),
                         Err(e) => Dropped::GateError(e),
                     });
-                    if let Some(panic) = held_panic {
-                        std::panic::resume_unwind(panic);
-                    }
+                    held_panic.resume();
                     budget -= 1;
                     if budget == 0 {
                         // More may be ready: come back after the executor has run others.
@@ -462,9 +456,7 @@ where
                 None => *this.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
             }
             *this.state = State::Waiting(key, cost);
-            if let Some(panic) = held_panic {
-                std::panic::resume_unwind(panic);
-            }
+            held_panic.resume();
         }
     }
 

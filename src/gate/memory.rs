@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::hash::BuildHasher;
-use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::time::Duration;
 
@@ -19,7 +18,7 @@ use crate::gate::quotas::{QuotaRegistry, Registration};
 use crate::limit::{FixedWindow, Keyed, KeyedError, SlidingLog, SlidingWindow, TokenBucket};
 use crate::metrics::{Counter, Labels};
 use crate::rate::Quota;
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, Panics};
 
 const SHARDS: usize = 16;
 
@@ -329,7 +328,9 @@ impl MemoryGate {
     /// decision is counted caught and handed back beside it ([`Gate::check_local_held`]).
     fn check_held(&self, key: &str, cost: u32) -> HeldDecision {
         self.decide(key, cost, |counter| {
-            std::panic::catch_unwind(AssertUnwindSafe(|| counter.increment(1))).err()
+            let mut panics = Panics::new();
+            panics.run(|| counter.increment(1));
+            panics
         })
     }
 

@@ -10,8 +10,15 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 /// panic, unless the thread already unwinds from another one (the steps run by a drop during
 /// that unwinding), where a second panic would abort the process: then it is dropped and the
 /// first goes on. Later panics are dropped, as a second panic in one unwinding would be.
+///
+/// `pub` in this crate-private module, as a sealed type: [`Gate::check_local_held`]'s hidden
+/// signature holds it, and no implementor outside the crate can name it.
+///
+/// [`Gate::check_local_held`]: crate::gate::Gate::check_local_held
 #[must_use = "a caught panic is resumed once every step has run"]
-pub(crate) struct Panics(Option<Box<dyn Any + Send>>);
+#[derive(Debug, Default)]
+#[allow(unreachable_pub)]
+pub struct Panics(Option<Box<dyn Any + Send>>);
 
 impl Panics {
     /// None caught yet.

@@ -518,14 +518,14 @@ where
         // Healthy at the start: not the probe of a degraded gate.
         let regular = !self.degraded.load(Ordering::Acquire);
         let mut conn = self.conn.clone();
-        let seen = AtomicU64::new(self.resets.now());
+        let mut seen = self.resets.now();
         let reply = self
             .within(
                 within,
                 query::<_, Vec<i64>>(&mut conn, script, cmd, || {
-                    self.lost_scripts(script, seen.load(Ordering::Relaxed));
+                    self.lost_scripts(script, seen);
                     // The command is sent again after that.
-                    seen.store(self.resets.now(), Ordering::Relaxed);
+                    seen = self.resets.now();
                 }),
             )
             .await;
@@ -536,7 +536,7 @@ where
         self.metrics.latency.record(latency.as_secs_f64());
         let (reply, reset) = settled?;
         // An answer that brings the gate back is of the server as it is now: kept.
-        Ok((reply, reset.unwrap_or_else(|| seen.into_inner())))
+        Ok((reply, reset.unwrap_or(seen)))
     }
 
     /// What `reply` (to a call made `regular`ly, given `within`, expecting `len` values)

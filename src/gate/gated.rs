@@ -125,13 +125,15 @@ enum State<Key> {
 /// panics. The item stays at the gate: the next poll calls the functions again and asks the
 /// gate again, and a stream dropped instead reports it as [`Dropped::Discarded`]. A gate
 /// whose metrics recorder panics as it counts a decision has decided by then. One that
-/// decides in place (a [`MemoryGate`](crate::gate::MemoryGate)) hands the decision over
-/// with the panic, and the stream acts on it before the panic goes on: an admitted item
-/// passes on the next poll without being asked again (or, the stream dropped first, is
-/// reported as discarded), a rejected one waits its `retry_after` (shaping) or is dropped
-/// (policing). Through a future (a Redis round trip)
+/// decides in place (a [`MemoryGate`](crate::gate::MemoryGate); a
+/// [`RedisGate`](crate::gate::RedisGate) spending a leased token or answering a cached
+/// rejection) hands the decision over with the panic, and the stream acts on it before
+/// the panic goes on: an admitted item passes on the next poll without being asked again
+/// (or, the stream dropped first, is reported as discarded), a rejected one waits its
+/// `retry_after` (shaping) or is dropped (policing). Through a future (a Redis round trip)
 /// the decision is lost with the panic: what it admitted stays charged, and the item asked
-/// again is charged again.
+/// again is charged again. So is one of a gate of your own that decides in place through
+/// another ([`Gate::check_local`]): only flowgate's gates can hand the panic over.
 #[pin_project]
 #[must_use = "streams do nothing unless polled"]
 pub struct Gated<S: Stream, G, K: KeyFn<S::Item>, C = UnitCost<<S as Stream>::Item>> {

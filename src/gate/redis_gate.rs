@@ -17,7 +17,7 @@ use redis::aio::ConnectionLike;
 use tokio::sync::oneshot;
 
 use crate::decision::Decision;
-use crate::gate::api::{Gate, GateFuture};
+use crate::gate::api::{Gate, GateFuture, HeldDecision};
 use crate::gate::backend::{Backend, CallError, Probe};
 use crate::gate::batch::{Batcher, Call, Outcomes, Request};
 use crate::gate::error::GateError;
@@ -29,7 +29,7 @@ use crate::gate::scripts::LimitScript;
 use crate::gate::slot::fixed_slot;
 use crate::metrics::Counter;
 use crate::rate::Quota;
-use crate::sync::Arc;
+use crate::sync::{Arc, Panics};
 
 pub use builder::RedisGateBuilder;
 use local::Local;
@@ -321,6 +321,7 @@ where
         let now = Instant::now();
         let silent = match self.check_local_at(key, cost, now) {
             Local::Answer(answer) => return answer,
+            Local::Held(held) => return Ok(self.answer_held(held)),
             Local::Ask { silent } => silent,
         };
         let inner = &*self.inner;
@@ -469,6 +470,22 @@ where
     fn check_local(&self, key: &str, cost: u32) -> Option<Result<Decision, GateError>> {
         match self.check_local_at(key, cost, Instant::now()) {
             Local::Answer(answer) => Some(answer),
+            Local::Held(held) => Some(Ok(self.answer_held(held))),
+            Local::Ask { .. } => None,
+        }
+    }
+
+    /// [`check_local`](Gate::check_local), with the panic of a metrics recorder that panics
+    /// as it counts a leased token spent (or a cached rejection) held beside the decision.
+    fn check_local_held(&self, key: &str, cost: u32) -> Option<HeldDecision> {
+        match self.check_local_at(key, cost, Instant::now()) {
+            Local::Answer(answer) => Some((answer, Panics::new())),
+            Local::Held(held) => {
+                let mut panics = Panics::new();
+                let decision =
+                    self.answer_held_with(held, |counter| panics.run(|| counter.increment(1)));
+                Some((Ok(decision), panics))
+            }
             Local::Ask { .. } => None,
         }
     }

@@ -730,7 +730,6 @@ fn admitted_once<G: Gate + Clone + 'static>(name: &str, wrap: impl FnOnce(Memory
 /// token, so the next item found the bucket empty and was dropped.
 #[cfg(feature = "metrics")]
 #[tokio::test]
-#[ignore = "fault: a leased token spent as the recorder panics is lost, the item charged twice"]
 async fn an_item_admitted_from_a_lease_as_the_recorder_panics_is_charged_once() {
     use futures::FutureExt;
     let recorder = crate::support::TestRecorder::default();

@@ -15,14 +15,18 @@ use crate::gate::lease::{Leases, Place};
 use crate::gate::limit::Limit;
 use crate::gate::scripts;
 use crate::gate::scripts::decision_from;
+use crate::metrics::Counter;
 use crate::rate::Quota;
 
 use super::RedisGate;
 
 /// What a request gets without Redis.
 pub(super) enum Local {
-    /// Its answer: a malformed request, a leased token, a cached rejection.
+    /// Its answer: a malformed request.
     Answer(Result<Decision, GateError>),
+    /// Its decision, held here: a leased token (spent) or a cached rejection, not counted
+    /// yet ([`answer_held`](RedisGate::answer_held)).
+    Held(Held),
     /// Only Redis can decide it. `silent`: the gate has heard nothing from Redis for a
     /// probe interval (it may have lost its keys unseen), so Redis is asked before any
     /// leased token or cached rejection is used; they answer if Redis cannot.
@@ -60,21 +64,23 @@ where
 
     /// What `held` found, counted: the request's decision.
     pub(super) fn answer_held(&self, held: Held) -> Decision {
+        self.answer_held_with(held, |counter| counter.increment(1))
+    }
+
+    /// What `held` found, with `count` called with its counter: the request's decision.
+    pub(super) fn answer_held_with(&self, held: Held, count: impl FnOnce(&Counter)) -> Decision {
         let metrics = &self.inner.metrics;
-        match held {
-            Held::Leased(decision) => {
-                metrics.outcomes.allowed.increment(1);
-                decision
-            }
-            Held::Cached(decision) => {
-                metrics.cached.increment(1);
-                decision
-            }
-        }
+        let (counter, decision) = match held {
+            Held::Leased(decision) => (&metrics.outcomes.allowed, decision),
+            Held::Cached(decision) => (&metrics.cached, decision),
+        };
+        count(counter);
+        decision
     }
 
     /// What [`check`](RedisGate::check) decides without Redis: a malformed request, a
-    /// leased token, a cached rejection. [`Local::Ask`]: only Redis can decide.
+    /// leased token, a cached rejection (held, not counted yet). [`Local::Ask`]: only
+    /// Redis can decide.
     pub(super) fn check_local_at(&self, key: &str, cost: u32, now: Instant) -> Local {
         if let Err(e) = check_key(key) {
             return Local::Answer(Err(e));
@@ -94,7 +100,7 @@ where
         match self.held(key, cost, now) {
             None => Local::Ask { silent: false },
             Some(Held::Cached(_)) if backend.silent(now) => Local::Ask { silent: true },
-            Some(held) => Local::Answer(Ok(self.answer_held(held))),
+            Some(held) => Local::Held(held),
         }
     }
 

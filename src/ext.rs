@@ -265,7 +265,8 @@ pub trait FlowStreamExt: Stream {
     }
 
     /// Pass each item through `gate` under the key `key(&item)`, waiting `retry_after` when
-    /// it is rejected (shaping): items leave at the rate the gate allows. Each item costs 1.
+    /// it is rejected (shaping): items leave at the rate the gate allows (at most its burst
+    /// per 1 ms timer tick: see [`Gated`]). Each item costs 1.
     ///
     /// The key function returns anything that is `AsRef<str> + Send + 'static` (a
     /// `&'static str`, a `String`, an `Arc<str>`): flowgate allocates nothing for it. With an

@@ -99,6 +99,15 @@ enum State<Key> {
 /// - `gated_drop` (policing, or [`drop_rejected`](GatedBuilder::drop_rejected)): a rejected
 ///   item is dropped at once.
 ///
+/// Shaping waits on tokio's timers, which end on their next 1 ms tick, so a wait ends up to
+/// 1 ms late; the key's bucket banks that time only up to its burst. With a burst of at
+/// least an item's cost plus `rate × 1 ms` the rate holds; below that, what the lateness
+/// would have refilled is lost wait after wait, as for a [`Pacer`](crate::pace::Pacer) of
+/// `burst(1)`: a burst of 1 passes at most one item a tick (1M/s runs at about 1 000/s),
+/// and runs up to 10 % slow at 100/s. Give such a quota a larger burst, or, for spacing
+/// within one process, pace the stream with [`leaky`](crate::FlowStreamExt::leaky) (its
+/// default burst absorbs a timer's lateness).
+///
 /// One item is at the gate at a time, so items keep their order. A gate that decides
 /// without I/O ([`Gate::check_local`], such as a [`MemoryGate`](crate::gate::MemoryGate))
 /// is asked in place: nothing is allocated per item. Otherwise each decision is a boxed

@@ -649,6 +649,31 @@ async fn a_rejection_without_a_wait_is_asked_again_a_tick_later() {
     assert_eq!(start.elapsed(), Duration::from_millis(4));
 }
 
+/// Shaping waits on tokio's timers, which end on a 1 ms tick, and a key's bucket banks the
+/// time a wait runs late only up to its burst (as `Gated` documents): at a million a
+/// second, a burst of a tick's worth (1 000) keeps the rate, 10 000 items in 9 ms; a burst
+/// of 1 passes one item a tick, 100 items in 99 ms: a thousand a second.
+#[tokio::test(start_paused = true)]
+async fn a_shaping_stream_passes_at_most_a_burst_a_timer_tick() {
+    let million = |burst| {
+        let quota = Quota::per_second(1_000_000).unwrap().burst(burst).unwrap();
+        MemoryGate::new(Limit::TokenBucket(quota))
+    };
+    for (burst, items, took) in [(1_000, 10_000, 9), (1, 100, 99)] {
+        let start = tokio::time::Instant::now();
+        let passed = futures::stream::iter(0..items)
+            .gated(million(burst), |_: &u32| "k")
+            .count()
+            .await;
+        assert_eq!(passed, items as usize);
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(took),
+            "burst {burst}"
+        );
+    }
+}
+
 /// An item dropped while the metrics recorder panics counting the drop still reaches the
 /// hook, and is counted in `dropped`.
 #[cfg(feature = "metrics")]

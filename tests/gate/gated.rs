@@ -793,6 +793,69 @@ async fn an_item_admitted_from_a_lease_as_the_recorder_panics_is_charged_once() 
     assert_eq!(recorder.counter(allowed), 2);
 }
 
+/// After a poll that admitted an item as the recorder panicked counting it: the stream
+/// dropped before the item passed reports it once, as discarded; and under policing, an
+/// item rejected as the recorder panics is dropped once, as rejected, not asked again.
+#[cfg(feature = "metrics")]
+#[test]
+fn a_decision_held_with_a_recorder_panic_is_acted_on_once() {
+    let seen: Arc<Mutex<Vec<(u32, &'static str)>>> = Arc::default();
+    let hook = |seen: &Arc<Mutex<Vec<(u32, &'static str)>>>| {
+        let seen = seen.clone();
+        move |item, why: &Dropped| {
+            let why = match why {
+                Dropped::Rejected(_) => "rejected",
+                Dropped::Discarded => "discarded",
+                _ => "other",
+            };
+            seen.lock().unwrap().push((item, why));
+        }
+    };
+    let one_an_hour = Limit::TokenBucket(Quota::per_hour(1).unwrap());
+    let recorder = crate::support::TestRecorder::default();
+    let gate = metrics::with_local_recorder(&recorder, || {
+        MemoryGate::builder(one_an_hour)
+            .name("held")
+            .build()
+            .unwrap()
+    });
+    let decisions =
+        |outcome| format!("flowgate_gate_decisions_total{{name=held,outcome={outcome}}}");
+    let poll_panicking = |gated: &mut (dyn futures::Stream<Item = u32> + Unpin), outcome| {
+        recorder.panic_once_on(&decisions(outcome));
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            futures::executor::block_on(gated.next())
+        }));
+        assert!(unwound.is_err() && recorder.panicked_once(&decisions(outcome)));
+    };
+    // Admitted, then dropped before it passed.
+    let mut gated = Gated::builder(futures::stream::iter([1u32]), gate.clone(), |_: &u32| "a")
+        .drop_rejected(true)
+        .on_drop(hook(&seen))
+        .build()
+        .unwrap();
+    poll_panicking(&mut gated, "allowed");
+    drop(gated);
+    assert_eq!(*seen.lock().unwrap(), [(1, "discarded")]);
+    assert!(!gate.check("a", 1).unwrap().allowed, "charged");
+    seen.lock().unwrap().clear();
+    // Policing: 2 rejected as the recorder panics, dropped once; 3 then asked, not 2 again.
+    let mut gated = Gated::builder(
+        futures::stream::iter([2u32, 3]),
+        gate.clone(),
+        |_: &u32| "a",
+    )
+    .drop_rejected(true)
+    .on_drop(hook(&seen))
+    .build()
+    .unwrap();
+    poll_panicking(&mut gated, "rejected");
+    assert_eq!(*seen.lock().unwrap(), [(2, "rejected")]);
+    assert_eq!(futures::executor::block_on(gated.next()), None);
+    assert_eq!(*seen.lock().unwrap(), [(2, "rejected"), (3, "rejected")]);
+    assert_eq!(gated.dropped(), 2);
+}
+
 /// Shaping: a rejection whose count panics (the recorder) sends the item to wait its
 /// `retry_after`, as a counted one does, and the gate is asked once more, after the wait.
 #[cfg(feature = "metrics")]

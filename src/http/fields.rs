@@ -152,8 +152,10 @@ pub(crate) fn policy_params(limit: &Limit) -> (u64, u64) {
     let q = limit.capacity();
     let w_nanos = match limit {
         Limit::TokenBucket(quota) => {
-            u128::from(quota.burst_size()) * u128::from(rate.period_nanos())
-                / u128::from(rate.count())
+            // Rounded up here too: cut to whole nanoseconds first, a refill just over a
+            // whole second was that second, and `q / w` above the rate.
+            let units = u128::from(quota.burst_size()) * u128::from(rate.period_nanos());
+            units.div_ceil(u128::from(rate.count()))
         }
         _ => u128::from(rate.period_nanos()),
     };

@@ -16,8 +16,8 @@ use axum::routing::get as route_get;
 use bytes::Bytes;
 use flowgate::gate::{Gate, GateError, GateFuture, Limit, MemoryGate};
 use flowgate::http::{
-    ClientIp, ForwardedHeader, Header, HeaderStyles, KeyExtractor, MissingKey, PeerIp, Policy,
-    RateLimitLayer, RequestInfo,
+    ClientIp, Constant, ForwardedHeader, Header, HeaderStyles, KeyExtractor, MissingKey, PeerIp,
+    Policy, RateLimitLayer, RequestInfo,
 };
 use flowgate::{Quota, Rate};
 use http::{HeaderMap, Request, Response, StatusCode, header};
@@ -331,6 +331,82 @@ async fn a_client_that_waits_retry_after_then_succeeds() {
     assert_eq!(wait, 1, "700 ms rounded up");
     tokio::time::sleep(Duration::from_secs(wait)).await;
     assert_eq!(get(&client, &url, &h).await.status, StatusCode::OK);
+}
+
+/// `Retry-After` is exact to the second, over random layers of one to three policies
+/// (periods not whole milliseconds, bursts of 1 to 10, costs up to the smallest burst,
+/// paused time): after each `429`, the same request is refused a second before it and
+/// admitted once it has passed, and the largest `t` of the violated policies is it.
+/// (Coverage; passes.)
+#[tokio::test(start_paused = true)]
+async fn retry_after_is_never_early_nor_a_second_late_for_random_policies() {
+    /// xorshift: the same layers on every run.
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+    let mut x = 0x1234_5678_9abc_def1_u64;
+    let mut rejections = 0;
+    for scenario in 0..300 {
+        let mut builder = RateLimitLayer::builder(gate());
+        let mut smallest_burst = u32::MAX;
+        for i in 0..1 + next(&mut x) % 3 {
+            let count = 1 + (next(&mut x) % 20) as u32;
+            let period = Duration::from_millis(1 + next(&mut x) % 20_000)
+                + Duration::from_nanos(next(&mut x) % 1_000);
+            let burst = 1 + (next(&mut x) % 10) as u32;
+            smallest_burst = smallest_burst.min(burst);
+            let quota = Quota::new(Rate::per(count, period).unwrap(), burst).unwrap();
+            builder = builder.policy(Policy::new(format!("p{i}"), quota, Constant::new("k")));
+        }
+        let cost = 1 + (next(&mut x) % u64::from(smallest_burst)) as u32;
+        let layer = builder
+            .cost(move |_: &RequestInfo<'_>| cost)
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+        }));
+        let mut status = async || {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(Request::new(()))
+                .await
+                .unwrap();
+            (res.status(), res.headers().clone())
+        };
+        let mut refused = None;
+        for _ in 0..50 {
+            tokio::time::advance(Duration::from_millis(next(&mut x) % 300)).await;
+            let (s, headers) = status().await;
+            if s == StatusCode::TOO_MANY_REQUESTS {
+                refused = Some(headers);
+                break;
+            }
+        }
+        let Some(headers) = refused else { continue };
+        rejections += 1;
+        let wait = retry_after(&headers);
+        let at = format!("scenario {scenario}: {headers:?}");
+        let t = list(&headers, "ratelimit")
+            .iter()
+            .filter_map(|m| m.params.get("t").copied())
+            .max();
+        assert_eq!(t, Some(i64::try_from(wait).unwrap()), "{at}");
+        if wait >= 2 {
+            tokio::time::advance(Duration::from_secs(wait - 1)).await;
+            assert_eq!(status().await.0, StatusCode::TOO_MANY_REQUESTS, "{at}");
+            tokio::time::advance(Duration::from_secs(1)).await;
+        } else {
+            tokio::time::advance(Duration::from_secs(wait)).await;
+        }
+        assert_eq!(status().await.0, StatusCode::OK, "{at}");
+    }
+    assert!(rejections > 200, "{rejections} rejections");
 }
 
 #[tokio::test]

@@ -522,8 +522,6 @@ impl AdaptiveLimit for PanicsOnFirstOk {
 #[tokio::test(start_paused = true)]
 async fn a_panic_learning_from_a_finished_call_keeps_its_output_in_every_adapter() {
     use futures::FutureExt;
-    use futures::stream::BoxStream;
-    use std::panic::AssertUnwindSafe;
 
     fn work(sleeps: bool) -> impl FnMut(u64) -> futures::future::BoxFuture<'static, u64> {
         move |x| {
@@ -536,45 +534,93 @@ async fn a_panic_learning_from_a_finished_call_keeps_its_output_in_every_adapter
             .boxed()
         }
     }
-    type Adapter = fn(Bulkhead, bool) -> BoxStream<'static, u64>;
-    let adapters: [(&str, Adapter); 3] = [
-        ("bulkhead_map_unordered", |b, sleeps| {
-            futures::stream::iter(0..3u64)
-                .bulkhead_map_unordered(b, work(sleeps))
-                .boxed()
-        }),
-        ("bulkhead_map", |b, sleeps| {
-            futures::stream::iter(0..3u64)
-                .bulkhead_map(b, work(sleeps))
-                .boxed()
-        }),
-        ("bulkhead_spawn_map", |b, sleeps| {
-            futures::stream::iter(0..3u64)
-                .bulkhead_spawn_map(b, work(sleeps))
-                .boxed()
-        }),
-    ];
-    for (adapter, make) in adapters {
+    for adapter in ADAPTERS {
         for sleeps in [false, true] {
             let armed = Arc::new(std::sync::atomic::AtomicBool::new(true));
             let b = Bulkhead::builder(4)
                 .adaptive(PanicsOnFirstOk { armed })
                 .build()
                 .unwrap();
-            let mut out = make(b.clone(), sleeps);
-            let (mut got, mut panics) = (Vec::new(), 0);
-            loop {
-                match AssertUnwindSafe(out.next()).catch_unwind().await {
-                    Ok(Some(x)) => got.push(x),
-                    Ok(None) => break,
-                    Err(_) => panics += 1,
-                }
-            }
+            let (mut got, panics) =
+                outputs_and_panics(adapter_over(adapter, b.clone(), work(sleeps))).await;
             got.sort_unstable();
             let case = format!("{adapter}, sleeps: {sleeps}");
             assert_eq!((got, panics), (vec![0, 1, 2], 1), "{case}");
             assert_eq!(b.in_flight(), 0, "{case}");
             assert_eq!(b.adaptive_stats().unwrap().ok, 3, "{case}");
+        }
+    }
+}
+
+/// The bulkhead stream adapters, by name.
+const ADAPTERS: [&str; 3] = [
+    "bulkhead_map_unordered",
+    "bulkhead_map",
+    "bulkhead_spawn_map",
+];
+
+/// The adapter `name` over the items 0, 1 and 2, mapped by `work`.
+fn adapter_over<Fut>(
+    name: &str,
+    b: Bulkhead,
+    work: impl FnMut(u64) -> Fut + Send + 'static,
+) -> futures::stream::BoxStream<'static, u64>
+where
+    Fut: std::future::Future<Output = u64> + Send + 'static,
+{
+    let items = futures::stream::iter(0..3u64);
+    match name {
+        "bulkhead_map_unordered" => items.bulkhead_map_unordered(b, work).boxed(),
+        "bulkhead_map" => items.bulkhead_map(b, work).boxed(),
+        _ => items.bulkhead_spawn_map(b, work).boxed(),
+    }
+}
+
+/// Polls `out` to its end, catching the panics of its polls: its outputs, and how many of
+/// its polls panicked.
+async fn outputs_and_panics(mut out: futures::stream::BoxStream<'_, u64>) -> (Vec<u64>, usize) {
+    use futures::FutureExt;
+    let (mut got, mut panics) = (Vec::new(), 0);
+    loop {
+        match std::panic::AssertUnwindSafe(out.next())
+            .catch_unwind()
+            .await
+        {
+            Ok(Some(x)) => got.push(x),
+            Ok(None) => return (got, panics),
+            Err(_) => panics += 1,
+        }
+    }
+}
+
+/// A closure that panics on an item (user code) ends the call its permit was taken for
+/// before the call started: an ignored sample, as a permit dropped without `record` is,
+/// whichever adapter runs it, and whether the permit was taken for that item (item 0) or
+/// passed to it straight from the finished call before it (item 1, in the unordered
+/// adapter). The unordered adapter returned that permit without a sample: the bulkhead
+/// saw two calls end where three permits were granted.
+#[ignore = "fault: the unordered adapter feeds no sample for the permit of an item its closure panics on"]
+#[tokio::test(start_paused = true)]
+async fn a_closure_panicking_on_an_item_is_an_ignored_sample_in_every_adapter() {
+    fn work(panics_on: u64) -> impl FnMut(u64) -> futures::future::Ready<u64> {
+        move |x| {
+            assert_ne!(x, panics_on, "the closure panics");
+            futures::future::ready(x)
+        }
+    }
+    for adapter in ADAPTERS {
+        for panics_on in [0, 1] {
+            let b = Bulkhead::builder(1)
+                .adaptive(Recorder::new(1))
+                .build()
+                .unwrap();
+            let (got, panics) =
+                outputs_and_panics(adapter_over(adapter, b.clone(), work(panics_on))).await;
+            let case = format!("{adapter}, panics on {panics_on}");
+            assert_eq!((got.len(), panics), (2, 1), "{case}");
+            assert_eq!(b.in_flight(), 0, "{case}");
+            let stats = b.adaptive_stats().unwrap();
+            assert_eq!((stats.ok, stats.ignored), (2, 1), "{case}");
         }
     }
 }

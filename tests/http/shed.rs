@@ -7,6 +7,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -659,6 +660,119 @@ async fn a_panicking_classifier_counts_its_request_cancelled() {
     drop(res);
     let stats = layer.stats();
     assert_eq!((stats.critical.admitted, stats.cancelled()), (1, 1));
+}
+
+/// A service that answers `200` at once, whose `Clone` (`on_clone`) or `Drop` (user code
+/// both) panics once, when `armed`.
+struct Armed {
+    armed: Arc<AtomicBool>,
+    on_clone: bool,
+}
+
+impl Armed {
+    /// Whether this is the armed call: disarms it.
+    fn fires(&self, on_clone: bool) -> bool {
+        self.on_clone == on_clone && self.armed.swap(false, Ordering::SeqCst)
+    }
+}
+
+impl Clone for Armed {
+    fn clone(&self) -> Self {
+        assert!(!self.fires(true), "the service's clone panics");
+        Armed {
+            armed: self.armed.clone(),
+            on_clone: self.on_clone,
+        }
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        if !std::thread::panicking() && self.fires(false) {
+            panic!("the service panics as it is dropped");
+        }
+    }
+}
+
+impl Service<Request<Empty<Bytes>>> for Armed {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: Request<Empty<Bytes>>) -> Self::Future {
+        std::future::ready(Ok(Response::new(Full::new(Bytes::new()))))
+    }
+}
+
+/// The inner service's `Clone` (user code) runs in `call`, after the classifier, for the
+/// clone that stays when the ready service goes with the request: if it panics, the panic
+/// goes to the caller and the request is counted cancelled in its class, as it ended with
+/// neither a permit nor a `503`. It was counted nowhere, so `admitted + shed + cancelled`
+/// fell short of the requests the layer was called with. The next request is served.
+#[ignore = "fault: a request whose inner service clone panics in call is counted nowhere"]
+#[tokio::test]
+async fn an_inner_service_whose_clone_panics_counts_its_request_cancelled() {
+    let bulkhead = Bulkhead::new(2).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .classify(|_| Class::Critical)
+        .build()
+        .unwrap();
+    let armed = Arc::new(AtomicBool::new(true));
+    let mut svc = layer.layer(Armed {
+        armed: armed.clone(),
+        on_clone: true,
+    });
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.call(request("/"))));
+    assert!(unwound.is_err(), "the clone's panic goes to the caller");
+    let stats = layer.stats();
+    assert_eq!(stats.critical.cancelled, 1, "{stats:?}");
+    assert_eq!(stats.admitted() + stats.shed() + stats.cancelled(), 1);
+    assert_eq!(bulkhead.in_flight(), 0);
+    assert!(!armed.load(Ordering::SeqCst));
+    let res = svc.call(request("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    drop(res);
+    let stats = layer.stats();
+    assert_eq!((stats.critical.admitted, stats.cancelled()), (1, 1));
+}
+
+/// A refused request drops the ready inner service it held unused: user code (its
+/// `Drop`). If that panics, the panic goes to the caller, no `503` is sent, and the request
+/// is counted once, cancelled, as when a recorder panics counting its `503`. It was
+/// counted twice: shed as its `503` was made, then cancelled as its future was dropped.
+#[ignore = "fault: a refused request whose ready service panics as it is dropped is counted shed and cancelled"]
+#[tokio::test]
+async fn a_refused_requests_service_panicking_as_it_is_dropped_is_counted_once() {
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let armed = Arc::new(AtomicBool::new(false));
+    let mut svc = layer.layer(Armed {
+        armed: armed.clone(),
+        on_clone: false,
+    });
+    let busy = bulkhead.try_acquire().unwrap();
+    let refused = svc.call(request("/"));
+    armed.store(true, Ordering::SeqCst);
+    let unwound = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(refused)).await;
+    assert!(unwound.is_err(), "the drop's panic goes to the caller");
+    assert!(!armed.load(Ordering::SeqCst));
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.normal.shed, stats.normal.cancelled),
+        (0, 1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.admitted() + stats.shed() + stats.cancelled(), 1);
+    drop(busy);
+    let res = svc.call(request("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    drop(res);
+    assert_eq!(layer.stats().normal.admitted, 1);
+    assert_eq!(bulkhead.in_flight(), 0);
 }
 
 /// A closed bulkhead refuses every request with the layer's `503` (counted as shed, by

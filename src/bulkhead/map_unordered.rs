@@ -178,7 +178,7 @@ where
                 let own = usize::from(this.slot.is_some()) + this.running.0.len();
                 this.feed.as_mut().poll_start(cx, own)
             } {
-                let fut = Timed::new((this.f)(item), this.feed.start());
+                let fut = Timed::start(this.feed.start(), || (this.f)(item));
                 if place(this.slot.as_mut(), &mut this.running.0, fut) {
                     break;
                 }
@@ -206,7 +206,7 @@ where
             }
             match this.feed.as_mut().poll_ready_item(cx) {
                 Some(item) if this.feed.may_keep() => {
-                    let fut = Timed::new((this.f)(item), this.feed.start());
+                    let fut = Timed::start(this.feed.start(), || (this.f)(item));
                     place(this.slot.as_mut(), &mut this.running.0, fut);
                 }
                 next => {

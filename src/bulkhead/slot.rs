@@ -30,8 +30,35 @@ pub(crate) struct Timed<Fut> {
 }
 
 impl<Fut> Timed<Fut> {
-    pub(crate) fn new(fut: Fut, sample: Option<(Grant, Arc<Core>)>) -> Timed<Fut> {
-        Timed { fut, sample }
+    /// The future `make` answers, with `sample`, the grant of the unit of work it starts:
+    /// if `make` (an adapter's `f`, user code) panics, that grant is an
+    /// [`Outcome::Ignored`] sample as the panic unwinds, as the grant of a future dropped
+    /// before it completes is.
+    pub(crate) fn start(
+        sample: Option<(Grant, Arc<Core>)>,
+        make: impl FnOnce() -> Fut,
+    ) -> Timed<Fut> {
+        /// The grant of a future being made: ignored if dropped, when `make` panicked.
+        struct Unmade(Option<(Grant, Arc<Core>)>);
+        impl Drop for Unmade {
+            fn drop(&mut self) {
+                ignored(self.0.take());
+            }
+        }
+        let mut unmade = Unmade(sample);
+        let fut = make();
+        Timed {
+            fut,
+            sample: unmade.0.take(),
+        }
+    }
+}
+
+/// Feed the [`Outcome::Ignored`] sample of a unit of work that ended without finishing, if
+/// the bulkhead is adaptive. It runs user code (a metrics recorder): see [`held_back`].
+fn ignored(sample: Option<(Grant, Arc<Core>)>) {
+    if let Some((grant, core)) = sample {
+        held_back(|| core.record(grant, Outcome::Ignored));
     }
 }
 
@@ -47,11 +74,8 @@ impl<Fut: Future> Future for Timed<Fut> {
 
 #[pinned_drop]
 impl<Fut> PinnedDrop for Timed<Fut> {
-    /// The sample runs user code (a metrics recorder): see [`held_back`].
     fn drop(self: Pin<&mut Self>) {
-        if let Some((grant, core)) = self.project().sample.take() {
-            held_back(|| core.record(grant, Outcome::Ignored));
-        }
+        ignored(self.project().sample.take());
     }
 }
 

@@ -98,7 +98,8 @@ pub struct ClassStats {
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
     /// waiting room, or before its future was first polled), or the classifier panicked
-    /// on it (counted in [`Class::Normal`]), or a metrics recorder panicked as its `503`
+    /// on it (counted in [`Class::Normal`]), or the inner service's `Clone` panicked as
+    /// `call` kept a clone of it, or a metrics recorder panicked as its `503`
     /// was counted (the panic went to the caller, no `503` was sent). A request dropped
     /// once admitted counts as admitted. `admitted + shed + cancelled` is every request
     /// the layer's services were called with (and whose future has ended). A waiter the
@@ -171,7 +172,7 @@ impl Shared {
         };
         // A classifier that panics (user code) ends its request before it has a future to
         // count it: it is counted here as it unwinds, cancelled in the default class.
-        let unclassified = Unclassified(self);
+        let unclassified = Unstarted(self, Class::Normal);
         let class = f(req);
         mem::forget(unclassified);
         class
@@ -214,12 +215,14 @@ impl Shared {
     }
 }
 
-/// Counts its request cancelled (as `Normal`) if dropped: while its classifier runs.
-struct Unclassified<'a>(&'a Shared);
+/// Counts its request cancelled in its class if dropped: while user code runs in `call`,
+/// before the request has a future to count it (the classifier, as `Normal`; the inner
+/// service's `Clone`).
+struct Unstarted<'a>(&'a Shared, Class);
 
-impl Drop for Unclassified<'_> {
+impl Drop for Unstarted<'_> {
     fn drop(&mut self) {
-        self.0.cancelled(Class::Normal);
+        self.0.cancelled(self.1);
     }
 }
 
@@ -559,8 +562,11 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let class = self.shared.classify(&RequestInfo::of(&req));
-        // The service that was made ready goes with this request; a fresh clone stays.
+        // The service that was made ready goes with this request; a fresh clone stays. The
+        // clone is user code: if it panics, the request is counted as it unwinds.
+        let unstarted = Unstarted(&self.shared, class);
         let clone = self.inner.clone();
+        mem::forget(unstarted);
         let inner = mem::replace(&mut self.inner, clone);
         let state = if self.shared.wait && class != Class::Sheddable {
             // Takes nothing until polled.

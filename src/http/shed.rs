@@ -100,7 +100,8 @@ pub struct ClassStats {
     /// waiting room, or before its future was first polled), or the classifier panicked
     /// on it (counted in [`Class::Normal`]), or the inner service's `Clone` panicked as
     /// `call` kept a clone of it, or a metrics recorder panicked as its `503`
-    /// was counted (the panic went to the caller, no `503` was sent). A request dropped
+    /// was counted, or the refused request's drop or its ready inner service's did (the
+    /// panic went to the caller, no `503` was sent). A request dropped
     /// once admitted counts as admitted. `admitted + shed + cancelled` is every request
     /// the layer's services were called with (and whose future has ended). A waiter the
     /// bulkhead closed out or pushed out of its waiting room just before it was dropped
@@ -667,11 +668,12 @@ where
                     this.state.set(State::Call(fut, Some(permit)));
                 }
                 Err(_) => {
-                    // Counted before the state leaves `Try` / `Wait`: a recorder that
-                    // panics leaves the request to be counted cancelled when dropped.
-                    let refused = this.shared.refused(class);
-                    // The ready service and the request are dropped unused.
+                    // The ready service and the request are dropped unused, then the
+                    // request is counted shed, both before the state leaves `Try` / `Wait`:
+                    // either runs user code (their drops, a recorder), and one that panics
+                    // leaves the request to be counted cancelled, once, when dropped.
                     *this.pending = None;
+                    let refused = this.shared.refused(class);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(refused));
                 }

@@ -743,7 +743,6 @@ async fn an_inner_service_whose_clone_panics_counts_its_request_cancelled() {
 /// `Drop`). If that panics, the panic goes to the caller, no `503` is sent, and the request
 /// is counted once, cancelled, as when a recorder panics counting its `503`. It was
 /// counted twice: shed as its `503` was made, then cancelled as its future was dropped.
-#[ignore = "fault: a refused request whose ready service panics as it is dropped is counted shed and cancelled"]
 #[tokio::test]
 async fn a_refused_requests_service_panicking_as_it_is_dropped_is_counted_once() {
     let bulkhead = Bulkhead::new(1).unwrap();

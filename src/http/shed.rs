@@ -98,12 +98,12 @@ pub struct ClassStats {
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
     /// waiting room, or before its future was first polled), or the classifier panicked
-    /// on it (counted in [`Class::Normal`]), or the inner service's `Clone` panicked as
-    /// `call` kept a clone of it, or a metrics recorder panicked as its `503`
-    /// was counted, or the refused request's drop or its ready inner service's did (the
-    /// panic went to the caller, no `503` was sent). A request dropped
-    /// once admitted counts as admitted. `admitted + shed + cancelled` is every request
-    /// the layer's services were called with (and whose future has ended). A waiter the
+    /// on it (counted in [`Class::Normal`]), or user code panicked before it had a permit
+    /// or its `503` (the panic went to the caller, no `503` was sent): the inner service's
+    /// `Clone` as `call` kept a clone, or, refused, the drop of the request or of the
+    /// ready inner service it held, or a metrics recorder counting its `503`. A request
+    /// dropped once admitted counts as admitted. `admitted + shed + cancelled` is every
+    /// request the layer's services were called with (and whose future has ended). A waiter the
     /// bulkhead closed out or pushed out of its waiting room just before it was dropped
     /// sent no `503`: cancelled here, while the bulkhead's own stats count its refusal
     /// (`closed`, `waiting_room_full`).

@@ -112,17 +112,30 @@ async fn worker<T: KneeTarget + ?Sized>(
     timeout: Duration,
     tally: &Mutex<Tally>,
 ) {
+    // One timer for the worker's every call, moved to each call's deadline: a deadline
+    // only ever moves later, which tokio does without touching its timer wheel, where a
+    // timer of its own per call (`tokio::time::timeout`) is put in and taken out again.
+    let mut deadline = std::pin::pin!(tokio::time::sleep(timeout));
     loop {
         let sent = Instant::now();
         if sent >= end {
             break;
         }
-        let mut call = std::pin::pin!(tokio::time::timeout(timeout, target.call()));
-        // Whether the call answered within its first poll, without giving the runtime back.
-        let (answer, at_once) = match futures::poll!(call.as_mut()) {
-            Poll::Ready(answer) => (answer, true),
-            Poll::Pending => (call.await, false),
-        };
+        deadline.as_mut().reset(sent + timeout);
+        let mut call = std::pin::pin!(target.call());
+        // How often the call was polled: once when it answered within its first poll,
+        // without giving the runtime back.
+        let mut polls = 0_u32;
+        let answer = std::future::poll_fn(|cx| {
+            polls = polls.saturating_add(1);
+            // The call first: an answer at its deadline is an answer (as `timeout` does).
+            if let Poll::Ready(outcome) = call.as_mut().poll(cx) {
+                return Poll::Ready(Some(outcome));
+            }
+            deadline.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        let at_once = polls == 1;
         let outcome = answer.unwrap_or(Outcome::BackPressure);
         let answered = Instant::now();
         {

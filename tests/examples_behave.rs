@@ -1,8 +1,9 @@
 //! The examples as a new user meets them when things go wrong: a bad argument, a server
-//! that is not there, Redis going away. Each test builds one example (`cargo build
-//! --example`, into this test's own target directory, with this build's features, so
-//! nothing else is rebuilt) and runs its binary, checking what it says, that it stops
-//! early when it should, and that it waits instead of spinning on failures.
+//! that is not there, Redis going away. The examples are built first, once (`cargo build
+//! --examples`, into this test's own target directory, with this build's features, so
+//! nothing else is rebuilt), and each test runs their binaries, checking what they say,
+//! that they stop early when they should, and that they wait instead of spinning on
+//! failures.
 
 mod support;
 
@@ -14,32 +15,40 @@ use std::process::{Command, Output};
 fn example(name: &str) -> Command {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile_dir = exe.ancestors().nth(2).expect("<target>/<profile>");
-    let target_dir = profile_dir.parent().expect("<target>");
-    let features: Vec<&str> = [
-        ("redis", cfg!(feature = "redis")),
-        ("metrics", cfg!(feature = "metrics")),
-        ("http", cfg!(feature = "http")),
-    ]
-    .into_iter()
-    .filter_map(|(name, on)| on.then_some(name))
-    .collect();
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "--example",
-            name,
-            "--no-default-features",
-        ])
-        .args(["--features", &features.join(",")])
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(target_dir)
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "cargo build --example {name} failed");
+    build_examples(profile_dir.parent().expect("<target>"));
     Command::new(profile_dir.join("examples").join(name))
+}
+
+/// Builds every example this test binary's features allow into `target_dir`, once per
+/// test process, in one `cargo build`: each `cargo build` checks every dependency for
+/// freshness (most of a second even when nothing is rebuilt), and the tests here run some
+/// sixty examples.
+fn build_examples(target_dir: &Path) {
+    static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        // `default` too: a feature of its own to cargo, which `--all-features` turns on.
+        // Without it the features differ from those of `cargo test --all-features`, whose
+        // build has the examples already, and cargo built the crate and every example again.
+        let features: Vec<&str> = [
+            ("default", cfg!(feature = "default")),
+            ("redis", cfg!(feature = "redis")),
+            ("metrics", cfg!(feature = "metrics")),
+            ("http", cfg!(feature = "http")),
+        ]
+        .into_iter()
+        .filter_map(|(name, on)| on.then_some(name))
+        .collect();
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "--examples", "--no-default-features"])
+            .args(["--features", &features.join(",")])
+            .arg("--manifest-path")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(target_dir)
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "cargo build --examples failed");
+    });
 }
 
 /// Stdout and stderr as text.

@@ -298,8 +298,14 @@ async fn a_run_of_duration_max_does_not_panic() {
     assert!(still.is_err(), "a run of Duration::MAX ended");
 }
 
+/// A two-minute scenario runs on tokio's paused clock alone: the run ends when that clock
+/// has moved by exactly its 120 s, every wait of the driver and the downstream a timer the
+/// runtime jumps to whenever every task waits (so none of it is real time: about half a
+/// second optimised, ten times that unoptimised, as the module docs say; printed, not
+/// asserted, as a machine's speed is no property of the code), and it makes the 100 000-odd
+/// calls the docs say, no more work than that.
 #[test]
-fn a_two_minute_scenario_runs_in_well_under_a_second() {
+fn a_two_minute_scenario_runs_on_tokios_paused_clock() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -308,26 +314,22 @@ fn a_two_minute_scenario_runs_in_well_under_a_second() {
     let scenario = Scenario::capacity_drop();
     assert_eq!(scenario.duration(), secs(120));
     let wall = std::time::Instant::now();
-    let report = rt.block_on(async {
-        sim::drive(
+    let (report, simulated) = rt.block_on(async {
+        let start = tokio::time::Instant::now();
+        let report = sim::drive(
             &scenario.downstream(),
             &Bulkhead::new(40).unwrap(),
             &scenario.load(),
         )
-        .await
+        .await;
+        (report, start.elapsed())
     });
-    let took = wall.elapsed();
-    assert!(report.calls().len() > 100_000, "{}", report.calls().len());
-    // Optimised: about half a second here. Unoptimised builds are ten times slower.
-    let bound = if cfg!(debug_assertions) {
-        secs(30)
-    } else {
-        secs(1)
-    };
-    assert!(took < bound, "{took:?}");
+    assert_eq!(simulated, secs(120));
+    let calls = report.calls().len();
+    assert!((100_000..200_000).contains(&calls), "{calls} calls");
     eprintln!(
-        "120 s simulated in {took:?}, {} calls",
-        report.calls().len()
+        "120 s simulated in {:?} of real time, {calls} calls",
+        wall.elapsed()
     );
 }
 

@@ -777,9 +777,10 @@ async fn a_flat_plateau_refines_the_knee_not_the_plateau() {
 /// (the docs say so and say what to change); ramped to 2,048 the knee is found.
 #[tokio::test(start_paused = true)]
 async fn a_flat_plateau_needs_ten_times_the_knee_to_saturate() {
+    // 20 ms a call, not 10: half the calls to simulate, the same curve in calls in flight.
     let servers = || Servers {
         free: tokio::sync::Semaphore::new(200),
-        service: Duration::from_millis(10),
+        service: Duration::from_millis(20),
     };
     let report = find_knee(&servers(), &quick().refine_rounds(0).build().unwrap())
         .await

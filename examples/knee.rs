@@ -25,7 +25,7 @@
 //! best (see `flowgate::adaptive::knee`), a little lower: 46 for 48, 963 for 1,000.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
-//! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
+//! of simulated load take under a second of CPU in the debug build `cargo run` makes (it
 //! prints how long they took), and the answer is the same every time. Against a URL it
 //! runs in real time (5 s per step, up to some 20 steps): try it on the `/report` route of
 //! `cargo run --example http_server --features http`, run in another terminal (a 1 s
@@ -55,9 +55,13 @@ use flowgate::adaptive::sim::Downstream;
 use indicatif::{ProgressBar, ProgressStyle};
 use plotters::prelude::*;
 
+/// The simulated server's knee without `--knee`.
+const SIMULATED_KNEE: u32 = 48;
+
 struct Args {
     url: Option<String>,
-    knee: u32,
+    /// The simulated server's knee, when given (only without `--url`).
+    knee: Option<u32>,
     /// Where the ramp stops if nothing saturates before (the finder's default unless given).
     max_concurrency: Option<u32>,
     out: PathBuf,
@@ -70,7 +74,7 @@ struct Args {
 /// below it, and the knee found there (792 for 1,000).
 const SLOPE_TO_KNEE: f64 = 0.24;
 
-const USAGE: &str = "usage: knee [--url http://127.0.0.1:PORT/] [--knee N] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]";
+const USAGE: &str = "usage: knee [--url http://127.0.0.1:PORT/ | --knee N (simulated, default 48)] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]";
 
 /// A count of calls in flight: 1 or more.
 fn in_flight(flag: &str, v: &str) -> Result<u32, String> {
@@ -98,7 +102,7 @@ fn default_out() -> PathBuf {
 fn args() -> Args {
     let mut args = Args {
         url: None,
-        knee: 48,
+        knee: None,
         max_concurrency: None,
         out: default_out(),
     };
@@ -113,7 +117,7 @@ fn args() -> Args {
                 });
                 args.url = Some(url);
             }
-            "--knee" => args.knee = cli.parsed(&flag, |v| in_flight("--knee", v)),
+            "--knee" => args.knee = Some(cli.parsed(&flag, |v| in_flight("--knee", v))),
             "--max-concurrency" => {
                 args.max_concurrency = Some(cli.parsed(&flag, |v| in_flight(&flag, v)));
             }
@@ -159,8 +163,13 @@ fn run() -> Result<(), Failure> {
         .map_err(|e| Failure::Argument(format!("--max-concurrency: {e}")))?;
     // The ramp stops at `max_concurrency`: a simulated knee above it cannot be found.
     let max = config.max_concurrency();
-    if args.url.is_none() && args.knee > max {
-        let knee = args.knee;
+    if args.url.is_some() && args.knee.is_some() {
+        return Err(Failure::Argument(
+            "--knee sets the simulated server's knee; with --url the server's own is measured: give one or the other".to_owned(),
+        ));
+    }
+    let knee = args.knee.unwrap_or(SIMULATED_KNEE);
+    if args.url.is_none() && knee > max {
         let fix = if knee <= 65_536 {
             format!("give --max-concurrency {knee} or more")
         } else {
@@ -193,7 +202,6 @@ fn run() -> Result<(), Failure> {
                 .enable_all()
                 .start_paused(true)
                 .build()?;
-            let knee = args.knee;
             let target = runtime.block_on(async {
                 Downstream::builder()
                     .knee(knee)

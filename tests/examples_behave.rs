@@ -238,7 +238,6 @@ fn knee_refuses_a_knee_of_zero() {
 /// `--knee` sets the simulated server's knee; with `--url` the server's own is measured,
 /// so both together are refused before anything runs, not `--knee` quietly ignored.
 #[test]
-#[ignore = "fault: --knee beside --url is ignored, the run goes on against the url"]
 fn knee_refuses_a_simulated_knee_beside_a_url() {
     let out = example("knee")
         .args(["--url", "http://127.0.0.1:9/", "--knee", "100"])

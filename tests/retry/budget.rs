@@ -322,6 +322,50 @@ fn metrics_count_allowed_refused_and_abandoned_retries() {
     assert_eq!(budget.tokens(), 0.0);
 }
 
+/// A metrics recorder that panics as `try_retry` shows the tokens it took (the gauge, set
+/// before the answer is counted) still leaves the failure's question counted: the token is
+/// taken (the attempt failed), and the retry, whose answer the panic kept from the caller,
+/// counts as refused, so `allowed + refused` stays the retries asked. The gauge's panic
+/// skipped both counts: a token gone with no retry allowed or refused.
+#[cfg(feature = "metrics")]
+#[test]
+#[ignore = "fault: a tokens-gauge recorder panicking in try_retry takes the token and counts the retry neither allowed nor refused"]
+fn a_recorder_panicking_on_the_tokens_gauge_leaves_the_retry_counted_refused() {
+    let recorder = crate::support::TestRecorder::default();
+    let budget = metrics::with_local_recorder(&recorder, || {
+        RetryBudget::builder().name("gauge").build().unwrap()
+    });
+    let (tokens, allowed, refused) = (
+        "flowgate_retry_budget_tokens{name=gauge}",
+        "flowgate_retry_budget_retries_total{name=gauge,outcome=allowed}",
+        "flowgate_retry_budget_retries_total{name=gauge,outcome=refused}",
+    );
+    // From full (a retry would be allowed), and from 6 tokens (one would be refused).
+    for (before, answer) in [(10.0, true), (6.0, false)] {
+        while budget.tokens() > before {
+            budget.on_failure();
+        }
+        let stats = budget.stats();
+        assert_eq!(budget.would_allow(), answer, "from {before}");
+        recorder.panic_once_on(tokens);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| budget.try_retry()));
+        assert!(recorder.panicked_once(tokens), "from {before}");
+        assert!(
+            unwound.is_err(),
+            "the recorder's panic goes on, from {before}"
+        );
+        assert_eq!(budget.tokens(), before - 1.0, "the failure took its token");
+        let now = budget.stats();
+        assert_eq!(
+            (now.allowed - stats.allowed, now.refused - stats.refused),
+            (0, 1),
+            "from {before}: no answer reached the caller, so the retry was refused"
+        );
+    }
+    assert_eq!(recorder.counter(allowed), 0);
+    assert_eq!(recorder.counter(refused), 2);
+}
+
 #[test]
 fn public_types_are_send_sync_unpin() {
     fn check<T: Send + Sync + Unpin + 'static>() {}

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::metrics::{Counter, Gauge, Labels};
+use crate::sync::Panics;
 
 /// Metric names.
 pub(crate) mod names {
@@ -158,20 +159,44 @@ impl RetryBudget {
     /// allows the retry only if more than `max_tokens / 2` are left.
     ///
     /// Counted in [`stats`](RetryBudget::stats) and the metrics. Never waits.
+    ///
+    /// # Panics
+    ///
+    /// When a metrics recorder (user code) panics as the tokens or the answer are
+    /// recorded: the panic goes on once the failure took its token and the retry is counted
+    /// refused (its answer never reaches the caller, who does not retry).
     #[must_use = "the answer says whether to retry"]
     pub fn try_retry(&self) -> bool {
         let inner = &*self.inner;
-        let left = inner.take(MILLI);
-        let allowed = left > inner.threshold;
+        let (left, moved) = inner.take_unshown(MILLI);
+        // The recorders (user code) each run whatever the one before did, and one that
+        // panics keeps the answer from the caller: that retry was not allowed, and counts
+        // as refused (an allowed count would be neither made nor abandoned), so that
+        // `allowed + refused` stays the retries asked. The panic goes on once counted.
+        let mut panics = Panics::new();
+        let mut answered = true;
+        if moved {
+            answered = false;
+            panics.run(|| {
+                inner.show(left);
+                answered = true;
+            });
+        }
+        let mut allowed = answered && left > inner.threshold;
         if allowed {
-            // The recorder first: one that panics keeps the answer from the caller, so no
-            // retry was allowed (a count here would be neither made nor abandoned).
-            inner.allowed_total.increment(1);
+            allowed = false;
+            panics.run(|| {
+                inner.allowed_total.increment(1);
+                allowed = true;
+            });
+        }
+        if allowed {
             inner.allowed.fetch_add(1, Ordering::Relaxed);
         } else {
             inner.refused.fetch_add(1, Ordering::Relaxed);
-            inner.refused_total.increment(1);
+            panics.run(|| inner.refused_total.increment(1));
         }
+        panics.resume();
         allowed
     }
 
@@ -282,22 +307,29 @@ impl Inner {
         }
     }
 
-    /// Take `n` thousandths (down to zero at most); the tokens left afterwards.
-    fn take(&self, n: u64) -> u64 {
+    /// Take `n` thousandths (down to zero at most), and show the tokens left.
+    fn take(&self, n: u64) {
+        let (left, moved) = self.take_unshown(n);
+        if moved {
+            self.show(left);
+        }
+    }
+
+    /// Take `n` thousandths (down to zero at most), showing nothing (the gauge runs a
+    /// recorder: user code); the tokens left afterwards, and whether they moved (then to be
+    /// [shown](Inner::show)).
+    fn take_unshown(&self, n: u64) -> (u64, bool) {
         let mut cur = self.tokens.load(Ordering::Relaxed);
         loop {
             let new = cur.saturating_sub(n);
             if new == cur {
-                return new;
+                return (new, false);
             }
             match self
                 .tokens
                 .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => {
-                    self.show(new);
-                    return new;
-                }
+                Ok(_) => return (new, true),
                 Err(actual) => cur = actual,
             }
         }

@@ -557,3 +557,152 @@ async fn a_recorder_that_panics_in_a_redis_call_does_not_keep_the_lock_from_the_
     );
     assert!(!first.status().leader, "{:?}", first.status());
 }
+
+/// An allocator `name` as [`one_region`]'s, whose lease (60 s) is refreshed every 10 s: no
+/// background refresh within a test, only `refresh_now`.
+async fn quiet_region(server: &RedisServer, name: &str) -> QuotaAllocator<Conn> {
+    one_region(
+        server,
+        name,
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+    )
+    .await
+}
+
+/// `region.refresh_now()`, which a recorder is set to make panic: whether it panicked.
+async fn refresh_panics(region: &Region<Conn>) -> bool {
+    use futures::FutureExt;
+    std::panic::AssertUnwindSafe(region.refresh_now())
+        .catch_unwind()
+        .await
+        .is_err()
+}
+
+/// 20 requests through `region`'s gate: demand that grows its share at the next refresh
+/// (the one after it, with none, shrinks it).
+async fn demand(region: &Region<Conn>) {
+    let gate = region.gate();
+    for _ in 0..20 {
+        gate.check("api", 1).await.unwrap();
+    }
+}
+
+/// A recorder for [`a_recorder_that_panics_in_the_ack_still_counts_the_grant`]: the
+/// `TestRecorder`'s, except that the home's latency histogram panics on the `left`-th call
+/// timed once `left` is set (the home's script has run by then), and records nothing.
+struct HomeCallPanics {
+    inner: TestRecorder,
+    left: Arc<std::sync::atomic::AtomicU32>,
+}
+
+struct Countdown(Arc<std::sync::atomic::AtomicU32>);
+
+impl metrics::HistogramFn for Countdown {
+    fn record(&self, _: f64) {
+        use std::sync::atomic::Ordering;
+        let left = self.0.load(Ordering::SeqCst);
+        if left > 0 {
+            self.0.store(left - 1, Ordering::SeqCst);
+            assert!(left != 1, "the recorder panics as the home call is timed");
+        }
+    }
+}
+
+impl metrics::Recorder for HomeCallPanics {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(
+        &self,
+        key: &metrics::Key,
+        meta: &metrics::Metadata<'_>,
+    ) -> metrics::Counter {
+        metrics::Recorder::register_counter(&self.inner, key, meta)
+    }
+    fn register_gauge(&self, key: &metrics::Key, meta: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Recorder::register_gauge(&self.inner, key, meta)
+    }
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        meta: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        let home = key.name() == "flowgate_gate_redis_seconds"
+            && !key.labels().any(|l| l.key() == "region");
+        if home {
+            metrics::Histogram::from_arc(Arc::new(Countdown(self.left.clone())))
+        } else {
+            metrics::Recorder::register_histogram(&self.inner, key, meta)
+        }
+    }
+}
+
+/// A recorder that panics as the ack of a shrunk share is timed (the home's latency
+/// histogram, once the ack's script has run) still counts the refresh as granted and sets
+/// the region's gauges to the lease it wrote: the panic goes on after them. (It skipped
+/// `flowgate_region_refreshes_total{outcome="granted"}` and the gauges: the lease was
+/// written and in force, and counted nowhere.)
+#[tokio::test]
+#[ignore = "fault: a region's ack with a panicking recorder skips the granted count and the gauges"]
+async fn a_recorder_that_panics_in_the_ack_still_counts_the_grant() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    const NAME: &str = "panics-acking";
+    let granted =
+        format!("flowgate_region_refreshes_total{{name={NAME},outcome=granted,region=eu}}");
+    let share = format!("flowgate_region_share{{name={NAME},region=eu}}");
+    let server = RedisServer::start();
+    let recorder = TestRecorder::default();
+    let left = Arc::new(AtomicU32::new(0));
+    let panics = HomeCallPanics {
+        inner: recorder.clone(),
+        left: left.clone(),
+    };
+    let region = {
+        let _guard = metrics::set_default_local_recorder(&panics);
+        let alloc = quiet_region(&server, NAME).await;
+        alloc.join("eu", server.connect().await).await.unwrap()
+    };
+    // Demand grows the share; none shrinks it again, and the shrink is acked at once.
+    demand(&region).await;
+    region.refresh_now().await;
+    let grown = region.status();
+    assert!(grown.share > 1, "{grown}");
+    let counted = recorder.counter(&granted);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The refresh's home call is timed first, then the ack's.
+    left.store(2, Ordering::SeqCst);
+    assert!(
+        refresh_panics(&region).await,
+        "the recorder's panic goes on"
+    );
+    assert_eq!(left.load(Ordering::SeqCst), 0, "the ack was made");
+    let shrunk = region.status();
+    assert!(shrunk.share < grown.share, "{shrunk}");
+    assert_eq!(shrunk.refreshes, grown.refreshes + 1, "{shrunk}");
+    assert_eq!(
+        recorder.counter(&granted),
+        counted + 1,
+        "the refresh that got a lease counted"
+    );
+    assert_eq!(recorder.gauge(&share), Some(shrunk.share as f64));
+}

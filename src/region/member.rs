@@ -21,7 +21,7 @@ use crate::region::config::{Plan, QuotaAllocator, micros};
 use crate::region::gate::RegionGate;
 use crate::region::model::Report;
 use crate::region::status::RegionStatus;
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, Panics};
 
 /// Names of the region metrics (labels `name` = the allocator, `region`).
 pub(crate) mod names {
@@ -664,21 +664,34 @@ where
                 demand: report.demand,
             };
             let cmd = plan.home_cmd("ack", self.index, &ack);
-            self.allocator.call_home(&cmd, 2).await.map(drop)
+            // The call runs user code (the backend's recorder, once the script has run):
+            // its panic must not keep the lease written from being counted below.
+            AssertUnwindSafe(self.allocator.call_home(&cmd, 2))
+                .catch_unwind()
+                .await
+                .map(|acked| acked.map(drop))
         } else {
-            Ok(())
+            Ok(Ok(()))
         };
         // User code, after the round's lock is released (a recorder may read the status)
-        // and once the round is up to date (a recorder or a subscriber may panic).
-        if let Err(e) = acked {
-            tracing::debug!(error = %e, "region: the home did not take the ack (the next refresh carries it)");
+        // and once the round is up to date. Each step runs whatever the one before did (a
+        // recorder or a subscriber may panic, the ack's call too): the first panic goes on
+        // once the grant is counted and shown.
+        let mut panics = Panics::new();
+        match acked {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panics.run(|| {
+                tracing::debug!(error = %e, "region: the home did not take the ack (the next refresh carries it)");
+            }),
+            Err(panic) => panics.run(|| std::panic::resume_unwind(panic)),
         }
-        self.metrics.granted.increment(1);
-        self.metrics.share.set(g_share_u as f64);
-        self.metrics.demand.set(report.demand as f64);
-        self.metrics.utilisation.set(utilisation);
-        self.metrics.lease_age.set(0.0);
-        self.recovered(recovered);
+        panics.run(|| self.metrics.granted.increment(1));
+        panics.run(|| self.metrics.share.set(g_share_u as f64));
+        panics.run(|| self.metrics.demand.set(report.demand as f64));
+        panics.run(|| self.metrics.utilisation.set(utilisation));
+        panics.run(|| self.metrics.lease_age.set(0.0));
+        panics.run(|| self.recovered(recovered));
+        panics.resume();
     }
 
     /// A refresh succeeded after `failed` in a row failed: say so once, where their warnings

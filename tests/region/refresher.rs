@@ -662,7 +662,6 @@ impl metrics::Recorder for HomeCallPanics {
 /// `flowgate_region_refreshes_total{outcome="granted"}` and the gauges: the lease was
 /// written and in force, and counted nowhere.)
 #[tokio::test]
-#[ignore = "fault: a region's ack with a panicking recorder skips the granted count and the gauges"]
 async fn a_recorder_that_panics_in_the_ack_still_counts_the_grant() {
     use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -496,17 +496,21 @@ where
             round.lease_granted = granted;
             round.lease_end = Some(started + Duration::from_micros(units(left)));
             drop(round);
-            // User code, once the round is up to date (a recorder may panic).
-            self.metrics.follower.increment(1);
+            // User code, once the round is up to date; each step runs whatever the one
+            // before did (a recorder or a subscriber may panic), and the first panic goes
+            // on after them.
+            let mut panics = Panics::new();
+            panics.run(|| self.metrics.follower.increment(1));
             let effective = if left > 0 { units(share) } else { safe };
-            self.metrics.share.set(effective as f64);
+            panics.run(|| self.metrics.share.set(effective as f64));
             // Measured by the refreshing process, not this one.
-            self.metrics.demand.set(0.0);
-            self.metrics.utilisation.set(0.0);
+            panics.run(|| self.metrics.demand.set(0.0));
+            panics.run(|| self.metrics.utilisation.set(0.0));
             if let Some(age) = age {
-                self.metrics.lease_age.set(age.as_secs_f64());
+                panics.run(|| self.metrics.lease_age.set(age.as_secs_f64()));
             }
-            self.recovered(recovered);
+            panics.run(|| self.recovered(recovered));
+            panics.resume();
             return;
         }
         let enforced = if left > 0 { units(share) } else { safe };
@@ -631,12 +635,17 @@ where
         if written[0] != 1 {
             if written[1] == -1 {
                 let failed = self.fail(false);
-                tracing::warn!(
-                    allocator = %plan.name,
-                    region = %self.region(),
-                    "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
-                );
-                self.tell_failed(&failed, None);
+                // The warning (a subscriber may panic) does not keep the failure uncounted.
+                let mut panics = Panics::new();
+                panics.run(|| {
+                    tracing::warn!(
+                        allocator = %plan.name,
+                        region = %self.region(),
+                        "region: the local lease record went back since this refresh read it (the local Redis lost writes?); the lease was not written",
+                    );
+                });
+                panics.run(|| self.tell_failed(&failed, None));
+                panics.resume();
             } else {
                 // A newer lease is there (another process refreshed meanwhile): this
                 // refresh changed nothing.
@@ -762,25 +771,31 @@ where
     }
 
     /// The metrics and the log of a failed refresh, with `error` (none: the local lease
-    /// record went back, logged already); outside the round's lock.
+    /// record went back, logged already); outside the round's lock. Each step runs whatever
+    /// the one before did (a recorder or a subscriber may panic); the first panic goes on
+    /// after them.
     fn tell_failed(&self, failed: &Failed, error: Option<&GateError>) {
-        self.metrics.failed.increment(1);
+        let mut panics = Panics::new();
+        panics.run(|| self.metrics.failed.increment(1));
         if let Some(age) = failed.age {
-            self.metrics.lease_age.set(age.as_secs_f64());
+            panics.run(|| self.metrics.lease_age.set(age.as_secs_f64()));
         }
         if failed.ran_out {
-            self.metrics.share.set(failed.safe as f64);
+            panics.run(|| self.metrics.share.set(failed.safe as f64));
         }
         if failed.failures.is_power_of_two() {
-            tracing::warn!(
-                allocator = %self.plan().name,
-                region = %self.region(),
-                failures = failed.failures,
-                redis = if failed.home { "home" } else { "local" },
-                error = ?error.map(ToString::to_string),
-                "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
-            );
+            panics.run(|| {
+                tracing::warn!(
+                    allocator = %self.plan().name,
+                    region = %self.region(),
+                    failures = failed.failures,
+                    redis = if failed.home { "home" } else { "local" },
+                    error = ?error.map(ToString::to_string),
+                    "region: lease refresh failed; the region keeps its lease until it ends, then admits at its safe share",
+                );
+            });
         }
+        panics.resume();
     }
 }
 

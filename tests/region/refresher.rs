@@ -710,7 +710,6 @@ async fn a_recorder_that_panics_in_the_ack_still_counts_the_grant() {
 /// still lets it show the lease in use (`flowgate_region_share`): the panic goes on after
 /// the gauges. (It skipped them: the process showed the share of the lease before.)
 #[tokio::test]
-#[ignore = "fault: a region refresh's recorder panicking on one metric skips the metrics after it"]
 async fn a_recorder_that_panics_on_a_follower_refresh_still_shows_the_share() {
     const NAME: &str = "panics-following";
     let server = RedisServer::start();
@@ -742,7 +741,6 @@ async fn a_recorder_that_panics_on_a_follower_refresh_still_shows_the_share() {
 /// in use (`flowgate_region_lease_age_seconds`): the panic goes on after the gauges. (It
 /// skipped them: the gauge stayed at the 0 of the last grant.)
 #[tokio::test]
-#[ignore = "fault: a region refresh's recorder panicking on one metric skips the metrics after it"]
 async fn a_recorder_that_panics_on_a_failed_refresh_still_shows_the_lease_age() {
     const NAME: &str = "panics-aging";
     let server = RedisServer::start();

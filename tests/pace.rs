@@ -1506,7 +1506,6 @@ fn recorded_pacer(recorder: &support::TestRecorder, name: &str, burst: u32) -> P
 /// whole cost again from the start, and a lateness that panicked skipped the count.)
 #[cfg(feature = "metrics")]
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a recorder panicking as a pacer records a release skips the count, and the wait polled again takes its units a second time"]
 async fn a_recorder_panicking_on_a_release_neither_charges_again_nor_skips_its_count() {
     use futures::FutureExt;
     use std::panic::AssertUnwindSafe;

@@ -53,6 +53,10 @@ impl Paced {
         });
         while owed > 0 {
             chunk = chunk.min(owed);
+            // Kept before each attempt: a chunk that passes as a metrics recorder panics
+            // (the panic goes on from here) is through at the next poll, and only the
+            // units after it are owed then.
+            self.owed = Some((owed, chunk));
             match self.wait.poll_admit(self.pacer.inner(), chunk, cx) {
                 Poll::Ready(Ok(())) => owed -= chunk,
                 // Too big for the burst: ask again for half a burst (see above), keeping the
@@ -62,10 +66,7 @@ impl Paced {
                 }
                 // Only a zero cost is refused otherwise; `chunk` is at least 1 here.
                 Poll::Ready(Err(_)) => owed -= chunk,
-                Poll::Pending => {
-                    self.owed = Some((owed, chunk));
-                    return Poll::Pending;
-                }
+                Poll::Pending => return Poll::Pending,
             }
         }
         self.owed = None;

@@ -13,7 +13,7 @@ use crate::limit::{Algorithm, TokenBucket, TokenBucketState};
 use crate::metrics::{Counter, Histogram, Labels};
 use crate::pace::until_ready::UntilReady;
 use crate::rate::{Quota, Rate};
-use crate::sync::{Arc, Deferred, Key, Mutex, MutexGuard, WaiterList};
+use crate::sync::{Arc, Deferred, Key, Mutex, MutexGuard, Panics, WaiterList};
 use crate::time::capped;
 
 /// The timer lateness the default burst absorbs.
@@ -117,11 +117,21 @@ pub(crate) struct Inner {
 pub(crate) struct Ticket {
     id: Option<Key>,
     due: Option<Instant>,
+    /// Passed, and a metrics recorder panicked as the release was recorded (the panic went
+    /// on before the caller saw `Admit::Now`): the units are taken, and the next poll is
+    /// through without taking them again.
+    passed: bool,
 }
 
 impl Ticket {
     pub(crate) fn is_waiting(&self) -> bool {
         self.id.is_some()
+    }
+
+    /// Whether the last attempt passed and a recorder's panic kept that from its caller
+    /// (see `passed`); clears it.
+    pub(crate) fn take_passed(&mut self) -> bool {
+        std::mem::take(&mut self.passed)
     }
 }
 
@@ -277,7 +287,9 @@ impl Pacer {
     /// # Panics
     ///
     /// The future sleeps on a tokio timer when it has to wait: polling it outside a tokio
-    /// runtime with timers enabled panics unless it passes at once.
+    /// runtime with timers enabled panics unless it passes at once. A metrics recorder
+    /// (user code) that panics as the release is recorded panics the poll that passed: the
+    /// units are taken, and the future polled again is ready at once.
     ///
     /// # Cancel safety
     ///
@@ -606,13 +618,25 @@ impl Inner {
             Ok(Admit::Queued(look_again))
         };
         drop(guard);
-        // A metrics recorder is user code: it runs after the lock.
+        // A metrics recorder is user code: it runs after the lock. The ticket says it
+        // passed until the records have run: their panic goes on to the caller, which must
+        // not pay the units again when it polls again.
         if let Ok(Admit::Now) = admit {
-            if let Some(due) = ticket.due.take() {
-                self.lateness
-                    .record(now.saturating_duration_since(due).as_secs_f64());
+            ticket.passed = true;
+            match ticket.due.take() {
+                // Each record runs whatever the other did.
+                Some(due) => {
+                    let mut panics = Panics::new();
+                    panics.run(|| {
+                        self.lateness
+                            .record(now.saturating_duration_since(due).as_secs_f64());
+                    });
+                    panics.run(|| self.released.increment(u64::from(cost)));
+                    panics.resume();
+                }
+                None => self.released.increment(u64::from(cost)),
             }
-            self.released.increment(u64::from(cost));
+            ticket.passed = false;
         }
         admit
     }

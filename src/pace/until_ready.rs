@@ -36,6 +36,10 @@ impl Wait {
         cost: u32,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), CostError>> {
+        if self.ticket.take_passed() {
+            // Passed at the last poll, which a metrics recorder's panic cut short.
+            return Poll::Ready(Ok(()));
+        }
         loop {
             match pacer.admit(cx, cost, &mut self.ticket)? {
                 Admit::Now => return Poll::Ready(Ok(())),

@@ -30,5 +30,9 @@ mod hint;
 #[path = "retry/call.rs"]
 mod call;
 
+#[cfg(all(feature = "http", feature = "metrics"))]
+#[path = "retry/layer.rs"]
+mod layer;
+
 #[path = "retry/why.rs"]
 mod why;

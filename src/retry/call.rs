@@ -363,12 +363,11 @@ impl RetryPolicy {
     /// [`next`](Self::next), or as a request not sent again) and the pacer. Its round-trip
     /// time goes to the metrics afterwards, [`record_rtt`](Self::record_rtt).
     ///
-    /// Both run metrics recorders (user code): a panic there is caught and handed back, to
+    /// Both run metrics recorders (user code): a panic there is caught into `unheard`, to
     /// be resumed once the other, and the budget through [`next`](Self::next), heard of the
     /// attempt.
-    pub(crate) fn record(&self, outcome: Outcome) -> Panics {
+    pub(crate) fn record(&self, outcome: Outcome, unheard: &mut Panics) {
         let p = &*self.inner;
-        let mut unheard = Panics::new();
         match outcome {
             Outcome::Success => {
                 if let Some(b) = &p.budget {
@@ -388,7 +387,6 @@ impl RetryPolicy {
             }
             Outcome::Fatal | Outcome::Retry => {}
         }
-        unheard
     }
 
     /// Record an attempt's `rtt` (the attempt alone, never its wait for the pacer or a
@@ -680,7 +678,8 @@ where
             }
         };
         let rtt = started.elapsed();
-        let unheard = policy.record(outcome);
+        let mut unheard = Panics::new();
+        policy.record(outcome, &mut unheard);
         let next = match outcome {
             Outcome::Success => Err(Stop::Success),
             Outcome::Fatal => Err(Stop::Fatal),

@@ -17,7 +17,7 @@ use tower::Service;
 use crate::pace::UntilReady;
 use crate::retry::backoff::{GiveUp, Schedule};
 use crate::retry::hint::ServerHint;
-use crate::sync::Arc;
+use crate::sync::{Arc, Panics};
 use crate::time::capped;
 
 use super::response::feed_hint;
@@ -302,21 +302,27 @@ where
             let unanswered =
                 matches!(outcome, Outcome::BackPressure { .. }) && !matches!(result, Some(Ok(_)));
             let not_resent = !*this.retryable && (outcome == Outcome::Retry || unanswered);
+            // Each report runs whatever the one before did (user code runs in them: a
+            // metrics recorder, a waiter's waker): the first panic goes on once the budget
+            // and the pacer heard of the attempt (see `unheard.resume()` below).
+            let mut unheard = Panics::new();
             if not_resent {
                 // Not sent again (a `Retry`, a timeout, back-pressure without an answer);
                 // the downstream failed all the same.
                 if let Some(budget) = policy.budget() {
-                    budget.on_failure();
+                    unheard.run(|| budget.on_failure());
                 }
             }
             if let (Some(pacer), Some(Ok(res))) = (policy.pacer(), &result) {
-                feed_hint(
-                    pacer,
-                    &ServerHint::from_headers(res.headers(), SystemTime::now()),
-                    policy.backoff().max_retry_after(),
-                );
+                unheard.run(|| {
+                    feed_hint(
+                        pacer,
+                        &ServerHint::from_headers(res.headers(), SystemTime::now()),
+                        policy.backoff().max_retry_after(),
+                    );
+                });
             }
-            let unheard = policy.record(outcome);
+            policy.record(outcome, &mut unheard);
             let attempts = this.schedule.attempts();
             let next = match outcome {
                 Outcome::Success => Err(Stop::Success),

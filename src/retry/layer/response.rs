@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::retry::hint::{PolicyHint, ServerHint};
+use crate::sync::Panics;
 
 use super::*;
 
@@ -101,11 +102,14 @@ impl<B, E> Classify<Response<B>, E> for HttpClassify {
 /// `q=100;w=60000`): its window is shortened to `q × max_wait`, its quota kept (a zero
 /// `max_wait` gives the pacer no policy).
 pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Duration) {
+    // Each field reaches the pacer whatever the other did (user code runs as it takes
+    // one: a waiter's waker, a metrics recorder); the first panic goes on after both.
+    let mut panics = Panics::new();
     if let Some((quota, window)) = hint.sustained_rate_allowing() {
         // One unit per `max_wait` at the slowest: the pacer keeps a policy until another
         // one comes, so a slower one would hold every later request past any hint honoured.
         let units = u32::try_from(quota).unwrap_or(u32::MAX);
-        pacer.on_policy(quota, window.min(max_wait.saturating_mul(units)));
+        panics.run(|| pacer.on_policy(quota, window.min(max_wait.saturating_mul(units))));
     }
     // Of the policy closest to refusing, steered by its own quota (the sustained rate
     // above may be another policy's); a zero quota refills nothing, whatever its window.
@@ -136,8 +140,9 @@ pub(crate) fn feed_hint(pacer: &AdaptivePacer, hint: &ServerHint, max_wait: Dura
         // A zero `max_wait` honours no hint: a zero reset, which holds nothing.
         let units = u32::try_from(remaining.max(1)).unwrap_or(u32::MAX);
         let reset = reset.min(max_wait.saturating_mul(units));
-        pacer.on_allowance_of(remaining, reset, of);
+        panics.run(|| pacer.on_allowance_of(remaining, reset, of));
     }
+    panics.resume();
 }
 
 #[cfg(test)]

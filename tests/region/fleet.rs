@@ -367,19 +367,28 @@ fn starvation(e: &GateError) -> bool {
 
 /// The share each region's leader last got, in `statuses` (see [`Fleet::statuses`]).
 pub fn shares_of(statuses: &[Vec<Option<RegionStatus>>]) -> [u64; 3] {
+    by_leader(statuses, |s| {
+        if s.lease_left > Duration::ZERO {
+            s.share
+        } else {
+            s.safe
+        }
+    })
+}
+
+/// `value` of each region's leader's status in `statuses` (the largest, if more than one
+/// says it leads; 0 without a leader).
+pub fn by_leader(
+    statuses: &[Vec<Option<RegionStatus>>],
+    value: impl Fn(&RegionStatus) -> u64,
+) -> [u64; 3] {
     let mut out = [0; 3];
     for (r, procs) in statuses.iter().enumerate() {
         out[r] = procs
             .iter()
             .flatten()
             .filter(|s| s.leader)
-            .map(|s| {
-                if s.lease_left > Duration::ZERO {
-                    s.share
-                } else {
-                    s.safe
-                }
-            })
+            .map(&value)
             .max()
             .unwrap_or(0);
     }

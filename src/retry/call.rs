@@ -444,20 +444,27 @@ impl RetryPolicy {
 
     /// The operation was dropped before it ended: a `cancelled` stop; `retry_pending` when
     /// a retry was allowed and not sent yet (it is abandoned).
+    ///
+    /// Each count runs whatever the other did (a metrics recorder, a log subscriber: user
+    /// code), then the first panic goes on (dropped while the thread already unwinds).
     pub(crate) fn count_cancelled(&self, retry_pending: bool) {
+        let mut panics = Panics::new();
         if retry_pending {
-            self.abandon_retry();
+            panics.run(|| self.abandon_retry());
         }
-        self.inner.stopped[6].increment(1);
-        tracing::debug!(
-            policy = self
-                .inner
-                .name
-                .as_deref()
-                .unwrap_or(crate::metrics::DEFAULT_NAME),
-            retry_pending,
-            "retry: dropped before it ended",
-        );
+        panics.run(|| self.inner.stopped[6].increment(1));
+        panics.run(|| {
+            tracing::debug!(
+                policy = self
+                    .inner
+                    .name
+                    .as_deref()
+                    .unwrap_or(crate::metrics::DEFAULT_NAME),
+                retry_pending,
+                "retry: dropped before it ended",
+            );
+        });
+        panics.resume();
     }
 
     pub(crate) fn count_stop(&self, stop: &Stop) {

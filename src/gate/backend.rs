@@ -775,34 +775,25 @@ mod tests {
         }
     }
 
-    /// Hooks the metric named `.1`; every other metric is a no-op.
-    struct HookRecorder(Hook, &'static str);
+    /// Hooks the metric named `name`; every other metric does nothing.
+    fn hook_on(hook: Hook, name: &'static str) -> KeyRecorder {
+        KeyRecorder(Arc::new(move |key: &Key| {
+            if key.name() == name {
+                hook();
+            }
+        }))
+    }
 
-    impl Recorder for HookRecorder {
-        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-            if key.name() == self.1 {
-                Counter::from_arc(Arc::new(Hooked(self.0.clone())))
-            } else {
-                Counter::noop()
-            }
-        }
-        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-            if key.name() == self.1 {
-                Gauge::from_arc(Arc::new(Hooked(self.0.clone())))
-            } else {
-                Gauge::noop()
-            }
-        }
-        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
-            if key.name() == self.1 {
-                Histogram::from_arc(Arc::new(Hooked(self.0.clone())))
-            } else {
-                Histogram::noop()
-            }
-        }
+    /// A backend over `conn` (a timeout and a probe interval of 1 s), its metrics
+    /// registered with `recorder`.
+    fn backend<C>(conn: C, recorder: &dyn Recorder) -> Backend<C>
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let second = Duration::from_secs(1);
+        metrics::with_local_recorder(recorder, || {
+            Backend::new(conn, second, second, None, "error", &Labels::new(None))
+        })
     }
 
     /// The degraded gauge moves while the health lock is held, with the state: a failure
@@ -810,34 +801,117 @@ mod tests {
     /// one left (set after the lock, the later transition's gauge could be set first).
     #[test]
     fn the_degraded_gauge_moves_with_the_state_under_its_lock() {
-        let backend: Arc<OnceLock<Backend<Fake>>> = Arc::default();
-        // (the health lock was held, the gauge's new state) at each change of the gauge.
-        let seen: Arc<Mutex<Vec<(bool, bool)>>> = Arc::default();
+        let (backend, seen) = gauge_watched();
+        let b = backend.get().unwrap();
+        let _ = b.fail(GateError::Timeout(Duration::from_secs(1)));
+        b.healthy();
+        assert_eq!(*seen.lock().unwrap(), [(true, true), (true, false)]);
+    }
+
+    /// The degraded gauge is set outside the health lock: a metrics recorder is user code,
+    /// and one that is slow, or that calls the gate back, must not hold up or deadlock
+    /// every caller that takes the lock (a failure, a probe, a recovery).
+    #[test]
+    #[ignore = "fault: the degraded gauge is set while the health lock is held"]
+    fn the_degraded_gauge_is_set_outside_the_health_lock() {
+        let (backend, seen) = gauge_watched();
+        let b = backend.get().unwrap();
+        let second = Duration::from_secs(1);
+        let _ = b.fail(GateError::Timeout(second));
+        b.healthy();
+        assert_eq!(*seen.lock().unwrap(), [(false, true), (false, false)]);
+    }
+
+    /// A backend, set once built, for the hooks its recorder calls.
+    type Slot = Arc<OnceLock<Backend<Fake>>>;
+    /// At each change of the degraded gauge: whether the health lock was held, and whether
+    /// the gate was degraded.
+    type Seen = Arc<Mutex<Vec<(bool, bool)>>>;
+
+    /// A backend whose degraded gauge records what [`Seen`] holds.
+    fn gauge_watched() -> (Slot, Seen) {
+        let slot: Slot = Arc::default();
+        let seen: Seen = Arc::default();
         let hook: Hook = {
-            let (backend, seen) = (backend.clone(), seen.clone());
+            let (slot, seen) = (slot.clone(), seen.clone());
             Arc::new(move || {
-                let b = backend.get().expect("built");
+                let b = slot.get().expect("built");
                 let locked = matches!(b.health.try_lock(), Err(TryLockError::WouldBlock));
                 seen.lock().unwrap().push((locked, b.is_degraded()));
             })
         };
-        let recorder = HookRecorder(hook, names::DEGRADED);
+        let _ = slot.set(backend(Fake(false), &hook_on(hook, names::DEGRADED)));
+        (slot, seen)
+    }
+
+    /// Every metric op of this recorder calls its hook with the metric's key.
+    struct KeyRecorder(Arc<dyn Fn(&Key) + Send + Sync>);
+
+    impl KeyRecorder {
+        fn hook(&self, key: &Key) -> Arc<Hooked> {
+            let (hook, key) = (self.0.clone(), key.clone());
+            Arc::new(Hooked(Arc::new(move || hook(&key))))
+        }
+    }
+
+    impl Recorder for KeyRecorder {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(self.hook(key))
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::from_arc(self.hook(key))
+        }
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::from_arc(self.hook(key))
+        }
+    }
+
+    /// A recorder panicking as the degraded gauge moves keeps no count from the transition:
+    /// the failure and each transition are counted all the same, and the panic goes on.
+    #[test]
+    #[ignore = "fault: a degraded gauge that panics skips the failure's and the transitions' counts"]
+    fn a_degraded_gauge_panicking_keeps_no_count_from_a_transition() {
+        let counted: Arc<Mutex<Vec<String>>> = Arc::default();
+        let hook = {
+            let counted = counted.clone();
+            move |key: &Key| {
+                if key.name() == names::DEGRADED {
+                    panic!("a recorder panicking");
+                }
+                let to: Vec<&str> = key
+                    .labels()
+                    .filter(|l| l.key() == "to")
+                    .map(|l| l.value())
+                    .collect();
+                counted
+                    .lock()
+                    .unwrap()
+                    .push(format!("{} {to:?}", key.name()));
+            }
+        };
         let second = Duration::from_secs(1);
-        let built = metrics::with_local_recorder(&recorder, || {
-            Backend::new(
-                Fake(false),
-                second,
-                second,
-                None,
-                "error",
-                &Labels::new(None),
-            )
-        });
-        let _ = backend.set(built);
-        let b = backend.get().unwrap();
-        let _ = b.fail(GateError::Timeout(second));
-        b.healthy();
-        assert_eq!(*seen.lock().unwrap(), [(true, true), (true, false)]);
+        let b = backend(Fake(false), &KeyRecorder(Arc::new(hook)));
+        let unwound =
+            |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        assert!(unwound(&|| {
+            let _ = b.fail(GateError::Timeout(second));
+        }));
+        assert!(b.is_degraded());
+        assert!(unwound(&|| {
+            let _ = b.healthy();
+        }));
+        assert!(!b.is_degraded());
+        assert_eq!(
+            *counted.lock().unwrap(),
+            [
+                "flowgate_gate_failures_total []",
+                "flowgate_gate_transitions_total [\"degraded\"]",
+                "flowgate_gate_transitions_total [\"healthy\"]",
+            ]
+        );
     }
 
     /// A metrics recorder panicking as a call's latency or a failure is recorded (after
@@ -853,20 +927,9 @@ mod tests {
 
     fn answer_settles_despite_a_recorder_panicking_on(metric: &'static str) {
         let hook: Hook = Arc::new(|| panic!("a recorder panicking"));
-        let recorder = HookRecorder(hook, metric);
         let second = Duration::from_secs(1);
         let resets = Arc::new(AtomicU64::new(0));
-        let b = metrics::with_local_recorder(&recorder, || {
-            Backend::new(
-                Fake(true),
-                second,
-                second,
-                None,
-                "error",
-                &Labels::new(None),
-            )
-        })
-        .on_reset({
+        let b = backend(Fake(true), &hook_on(hook, metric)).on_reset({
             let resets = resets.clone();
             move || {
                 resets.fetch_add(1, Ordering::Relaxed);

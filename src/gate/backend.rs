@@ -746,19 +746,37 @@ mod tests {
 
     use super::*;
 
-    /// A connection whose every call answers `[1]`, or (`Fake(false)`) never answers.
+    /// A connection whose every call answers `[1]` once it takes a permit of its own.
     #[derive(Clone)]
-    struct Fake(bool);
+    struct Fake(Arc<tokio::sync::Semaphore>);
+
+    impl Fake {
+        /// Its calls answer at once.
+        fn answering() -> Fake {
+            Fake::held(tokio::sync::Semaphore::MAX_PERMITS)
+        }
+
+        /// Its calls never answer.
+        fn silent() -> Fake {
+            Fake::held(0)
+        }
+
+        /// `permits` of its calls answer (more once permits are added).
+        fn held(permits: usize) -> Fake {
+            Fake(Arc::new(tokio::sync::Semaphore::new(permits)))
+        }
+    }
 
     impl ConnectionLike for Fake {
         fn req_packed_command<'a>(
             &'a mut self,
             _: &'a redis::Cmd,
         ) -> redis::RedisFuture<'a, redis::Value> {
-            match self.0 {
-                true => Box::pin(async { Ok(redis::Value::Array(vec![redis::Value::Int(1)])) }),
-                false => Box::pin(std::future::pending()),
-            }
+            let permits = self.0.clone();
+            Box::pin(async move {
+                permits.acquire().await.expect("never closed").forget();
+                Ok(redis::Value::Array(vec![redis::Value::Int(1)]))
+            })
         }
         fn req_packed_commands<'a>(
             &'a mut self,
@@ -771,6 +789,56 @@ mod tests {
         fn get_db(&self) -> i64 {
             0
         }
+    }
+
+    /// `b`, with the count of its resets.
+    fn counting_resets<C>(b: Backend<C>) -> (Backend<C>, Arc<AtomicU64>)
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let resets = Arc::new(AtomicU64::new(0));
+        let counted = resets.clone();
+        let b = b.on_reset(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+        });
+        (b, resets)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// An answer to a call sent while the gate was healthy, read after another call failed
+    /// (timed out: Redis slow, not gone), is not a probe: the gate stays degraded until
+    /// its probe answers, and keeps what it holds on Redis's word. Taken for one, under a
+    /// Redis answering about its timeout each answer of a call in flight brought the gate
+    /// back (forgetting its leases and cached rejections) and the next timeout degraded it
+    /// again: a transition each way, logged and counted, per batch.
+    #[test]
+    #[ignore = "fault: an answer to a call sent before the gate degraded brings it back as a probe would"]
+    fn an_answer_to_a_call_sent_before_a_failure_does_not_bring_the_gate_back() {
+        let conn = Fake::held(0);
+        let second = Duration::from_secs(1);
+        let (b, resets) = counting_resets(backend(conn.clone(), &metrics::NoopRecorder));
+        let rt = runtime();
+        let (script, cmd) = (redis::Script::new("return {1}"), redis::cmd("EVALSHA"));
+        rt.block_on(async {
+            let mut sent = std::pin::pin!(b.eval(&script, &cmd, 1, second));
+            assert!(futures::poll!(sent.as_mut()).is_pending());
+            let _ = b.fail(GateError::Timeout(second));
+            conn.0.add_permits(1);
+            assert_eq!(sent.await.unwrap(), [1], "its caller has Redis's answer");
+            assert!(b.is_degraded(), "it was sent while healthy: not a probe");
+            assert_eq!(resets.load(Ordering::Relaxed), 0, "nothing let go of");
+            // A call made while degraded (the probe) brings the gate back.
+            conn.0.add_permits(1);
+            assert_eq!(b.eval(&script, &cmd, 1, second).await.unwrap(), [1]);
+            assert!(!b.is_degraded());
+            assert_eq!(resets.load(Ordering::Relaxed), 1);
+        });
     }
 
     type Hook = Arc<dyn Fn() + Send + Sync>;
@@ -831,7 +899,7 @@ mod tests {
     #[test]
     fn the_degraded_gauge_ends_at_the_health_when_transitions_race() {
         let second = Duration::from_secs(1);
-        let b = backend(Fake(false), &metrics::NoopRecorder);
+        let b = backend(Fake::silent(), &metrics::NoopRecorder);
         for _ in 0..200 {
             std::thread::scope(|s| {
                 let fail = || {
@@ -863,7 +931,7 @@ mod tests {
                 }
             })
         };
-        let _ = slot.set(backend(Fake(false), &hook_on(hook, names::DEGRADED)));
+        let _ = slot.set(backend(Fake::silent(), &hook_on(hook, names::DEGRADED)));
         let b = slot.get().unwrap();
         let _ = b.fail(GateError::Timeout(Duration::from_secs(1)));
         assert!(!b.is_degraded());
@@ -902,7 +970,7 @@ mod tests {
                 seen.lock().unwrap().push((locked, b.is_degraded()));
             })
         };
-        let _ = slot.set(backend(Fake(false), &hook_on(hook, names::DEGRADED)));
+        let _ = slot.set(backend(Fake::silent(), &hook_on(hook, names::DEGRADED)));
         (slot, seen)
     }
 
@@ -954,7 +1022,7 @@ mod tests {
             }
         };
         let second = Duration::from_secs(1);
-        let b = backend(Fake(false), &KeyRecorder(Arc::new(hook)));
+        let b = backend(Fake::silent(), &KeyRecorder(Arc::new(hook)));
         let unwound =
             |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
         assert!(unwound(&|| {
@@ -989,17 +1057,8 @@ mod tests {
     fn answer_settles_despite_a_recorder_panicking_on(metric: &'static str) {
         let hook: Hook = Arc::new(|| panic!("a recorder panicking"));
         let second = Duration::from_secs(1);
-        let resets = Arc::new(AtomicU64::new(0));
-        let b = backend(Fake(true), &hook_on(hook, metric)).on_reset({
-            let resets = resets.clone();
-            move || {
-                resets.fetch_add(1, Ordering::Relaxed);
-            }
-        });
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let (b, resets) = counting_resets(backend(Fake::answering(), &hook_on(hook, metric)));
+        let rt = runtime();
         let (script, cmd) = (redis::Script::new("return {1}"), redis::cmd("EVALSHA"));
         let call = |len| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -34,6 +34,19 @@ async fn eventually(mut done: impl FnMut() -> bool) -> bool {
     done()
 }
 
+/// A gate named `name` over `server` (untimed connection, 60 s timeout) of `n` an hour,
+/// leasing 10 tokens at a time for 10 minutes.
+async fn leasing(server: &RedisServer, name: &str, n: u32) -> RedisGate<MultiplexedConnection> {
+    RedisGate::builder(server.connect_untimed().await, per_hour(n))
+        .name(name)
+        .lease(10)
+        .lease_ttl(Duration::from_secs(600))
+        .timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap()
+}
+
 /// Sends `call` to the paused `server` and drops it there: polled once (its request goes to
 /// the connection), then the connection's task is given time to write it out before the
 /// caller gives up. The server is resumed afterwards. (The gate's connection must have no
@@ -186,14 +199,7 @@ async fn a_lease_taken_by_a_caller_that_gave_up_is_kept() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
-    let gate = RedisGate::builder(server.connect_untimed().await, per_hour(100))
-        .name("lease")
-        .lease(10)
-        .lease_ttl(Duration::from_secs(600))
-        .timeout(Duration::from_secs(60))
-        .build()
-        .await
-        .unwrap();
+    let gate = leasing(&server, "lease", 100).await;
     let count = |outcome| decisions(&recorder, "lease", outcome);
     let calls = || {
         recorder
@@ -640,4 +646,34 @@ async fn a_recorder_panic_in_one_slots_call_fails_no_other_slot() {
     );
     assert_eq!(decisions(&recorder, "slots", "abandoned"), 1);
     assert!(first.await.unwrap().allowed);
+}
+
+/// A metrics recorder panicking as a lease call's round trip is recorded (Redis has granted
+/// the lease by then) keeps no leased token from the gate: the tokens Redis debited beyond
+/// the caller's are kept for the next callers, and the decision is counted; the panic goes
+/// on to the caller. They were neither kept nor counted unspent: debited in Redis, and
+/// gone without a trace.
+#[tokio::test]
+#[ignore = "fault: a recorder panicking on a lease call's latency loses the tokens Redis leased"]
+async fn a_recorder_panic_on_a_lease_calls_round_trip_loses_no_leased_token() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = leasing(&server, "leased", 10).await;
+    let round_trips = "flowgate_gate_redis_seconds{name=leased}";
+    recorder.panic_once_on(round_trips);
+    let call = tokio::spawn({
+        let gate = gate.clone();
+        async move { gate.check("k", 1).await }
+    });
+    assert!(call.await.unwrap_err().is_panic());
+    assert!(recorder.panicked_once(round_trips));
+    assert_eq!(decisions(&recorder, "leased", "allowed"), 1, "counted");
+    // Redis debited the whole bucket: the caller's token, and nine leased.
+    let mut admitted = 0;
+    for _ in 0..10 {
+        admitted += u64::from(gate.check("k", 1).await.unwrap().allowed);
+    }
+    let unspent = recorder.counter("flowgate_gate_lease_unspent_total{name=leased}");
+    assert_eq!(admitted + unspent, 9, "{admitted} spent, {unspent} unspent");
 }

@@ -181,6 +181,23 @@ impl Resets {
     }
 }
 
+/// A call's round trip, recorded in the latency histogram when this is dropped: the caller
+/// holds it until what follows from Redis's answer is done (a lease kept, the decision
+/// counted, the callers of a batch answered), so a recorder that panics as it records (user
+/// code) takes none of that away; its panic goes on after.
+#[derive(Debug)]
+#[must_use = "the latency is recorded when this is dropped"]
+pub(crate) struct Latency<'a> {
+    histogram: &'a Histogram,
+    seconds: f64,
+}
+
+impl Drop for Latency<'_> {
+    fn drop(&mut self) {
+        self.histogram.record(self.seconds);
+    }
+}
+
 /// [`Backend::reloading`]: no load of the scripts is running...
 const IDLE: u8 = 0;
 /// ...one is...
@@ -504,20 +521,21 @@ where
         len: usize,
         within: Duration,
     ) -> Result<Vec<i64>, CallError> {
-        let (reply, _) = self.eval_seen(script, cmd, len, within).await?;
+        let (reply, _, _latency) = self.eval_seen(script, cmd, len, within).await?;
         Ok(reply)
     }
 
     /// [`eval`](Backend::eval), with the count of [`resets`](Backend::resets) when the
     /// command that answered was sent: what the gate keeps on the answer's word is kept
-    /// only if no reset came since.
+    /// only if no reset came since; and the call's [`Latency`], recorded when the caller
+    /// drops it, once what follows from the answer is done.
     pub(crate) async fn eval_seen(
         &self,
         script: &redis::Script,
         cmd: &redis::Cmd,
         len: usize,
         within: Duration,
-    ) -> Result<(Vec<i64>, u64), CallError> {
+    ) -> Result<(Vec<i64>, u64, Latency<'_>), CallError> {
         let started = Instant::now();
         // Healthy at the start: not the probe of a degraded gate.
         let regular = !self.degraded.load(Ordering::Acquire);
@@ -533,14 +551,16 @@ where
                 }),
             )
             .await;
-        let latency = started.elapsed();
+        let latency = Latency {
+            histogram: &self.metrics.latency,
+            seconds: started.elapsed().as_secs_f64(),
+        };
         // The gate's state first, then the metrics: a recorder that panics takes the
-        // answer from this caller, not from the gate's health.
-        let settled = self.settle(reply, len, regular, within);
-        self.metrics.latency.record(latency.as_secs_f64());
-        let (reply, reset) = settled?;
+        // answer from this caller, not from the gate's health (recorded here, after it,
+        // for a failure).
+        let (reply, reset) = self.settle(reply, len, regular, within)?;
         // An answer that brings the gate back is of the server as it is now: kept.
-        Ok((reply, reset.unwrap_or(seen)))
+        Ok((reply, reset.unwrap_or(seen), latency))
     }
 
     /// What `reply` (to a call made `regular`ly, given `within`, expecting `len` values)

@@ -456,7 +456,7 @@ where
         // A caller that gave up meanwhile was charged all the same: the answer it leaves
         // behind counts its decision.
         match decided {
-            Ok((decisions, seen)) => {
+            Ok((decisions, seen, latency)) => {
                 // Every caller is answered before the decisions of those gone are counted: a
                 // recorder that panics there must not leave the callers after them
                 // unanswered (each would ask Redis again alone, and be charged twice).
@@ -469,6 +469,9 @@ where
                     })
                     .collect();
                 drop(unread);
+                // Last: a recorder that panics as it records the round trip takes no
+                // answer from a caller.
+                drop(latency);
             }
             Err(error) => {
                 for r in batch {

@@ -371,7 +371,8 @@ where
             let unread = inner.metrics.outcomes.unread(1);
             let decided = inner.eval.decide(&inner.backend, requests, within).await;
             unread.read();
-            let (mut decided, seen) = decided?;
+            // The latency is recorded last, once the decision is counted.
+            let (mut decided, seen, _latency) = decided?;
             let decision = decided
                 .pop()
                 .expect("one decision per request")

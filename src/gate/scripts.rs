@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::decision::Decision;
 use crate::error::ConfigError;
-use crate::gate::backend::{Backend, CallError, key_failure};
+use crate::gate::backend::{Backend, CallError, Latency, key_failure};
 use crate::gate::error::GateError;
 use crate::gate::limit::Limit;
 
@@ -114,13 +114,14 @@ impl LimitScript {
 
     /// Decide `requests` (key, cost) in one `EVALSHA` through `backend`, within `within`.
     /// Each request gets its decision, or its key's own error; with the count of the
-    /// backend's resets when the call was sent (see [`Backend::eval_seen`]).
-    pub(crate) async fn decide<'a, C, R>(
+    /// backend's resets when the call was sent, and the call's latency, recorded when it is
+    /// dropped (see [`Backend::eval_seen`]).
+    pub(crate) async fn decide<'a, 'b, C, R>(
         &self,
-        backend: &Backend<C>,
+        backend: &'b Backend<C>,
         requests: R,
         within: Duration,
-    ) -> Result<(Vec<Result<Decision, GateError>>, u64), CallError>
+    ) -> Result<(Vec<Result<Decision, GateError>>, u64, Latency<'b>), CallError>
     where
         C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
         R: Iterator<Item = (&'a str, u32)> + Clone,
@@ -132,7 +133,7 @@ impl LimitScript {
         }
         self.add_args(&mut cmd, requests.clone().map(|(_, cost)| cost));
         let width = reply_width(&self.limit);
-        let (v, seen) = backend
+        let (v, seen, latency) = backend
             .eval_seen(&self.script, &cmd, width * n, within)
             .await?;
         let decided = requests
@@ -142,7 +143,7 @@ impl LimitScript {
                 None => Ok(decode(&self.limit, self.count, self.period_us, cost, r)),
             })
             .collect();
-        Ok((decided, seen))
+        Ok((decided, seen, latency))
     }
 }
 

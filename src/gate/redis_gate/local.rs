@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use redis::aio::ConnectionLike;
 
 use crate::decision::Decision;
-use crate::gate::backend::{CallError, Probe, key_failure};
+use crate::gate::backend::{CallError, Latency, Probe, key_failure};
 use crate::gate::error::{GateError, check_key};
 use crate::gate::finish::Finish;
 use crate::gate::lease::{Leases, Place};
@@ -163,8 +163,11 @@ where
                 .await;
             unread.read();
             let key = &redis_key[inner.prefix.len()..];
-            Ok(reply.map(|(decision, seen)| {
+            Ok(reply.map(|(decision, seen, latency)| {
                 gate.decided(key, cost, (started, seen), &decision);
+                // Last: a recorder that panics as it records the round trip takes neither
+                // the lease nor the count.
+                drop(latency);
                 decision
             }))
         })
@@ -172,7 +175,7 @@ where
 
     /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`
     /// unless the gate let go of its leases since the call was sent; the decision, with the
-    /// backend's count of resets then.
+    /// backend's count of resets then and the call's latency (recorded when dropped).
     async fn lease(
         &self,
         leases: &Leases,
@@ -181,7 +184,7 @@ where
         redis_key: &str,
         cost: u32,
         started: Instant,
-    ) -> Result<(Decision, u64), CallError> {
+    ) -> Result<(Decision, u64, Latency<'_>), CallError> {
         let inner = &*self.inner;
         let mut cmd = scripts::evalsha(&inner.lease_script, 1);
         cmd.arg(redis_key);
@@ -189,7 +192,7 @@ where
         cmd.arg(leases.size.max(cost));
         let within = inner.backend.timeout().saturating_sub(started.elapsed());
         let backend = &inner.backend;
-        let (r, seen) = backend
+        let (r, seen, latency) = backend
             .eval_seen(&inner.lease_script, &cmd, 5, within)
             .await?;
         if let Some(e) = key_failure(r[0]) {
@@ -197,7 +200,7 @@ where
         }
         let granted = u32::try_from(r[0]).unwrap_or(0);
         if granted < cost {
-            return Ok((decision_from(&[0, r[1], r[2], r[3], r[4]]), seen));
+            return Ok((decision_from(&[0, r[1], r[2], r[3], r[4]]), seen, latency));
         }
         let limit = u64::from(quota.burst_size());
         let reset_after = Duration::from_micros(u64::try_from(r[4]).unwrap_or(0));
@@ -205,6 +208,6 @@ where
         let fresh = || backend.resets().none_since(seen);
         leases.keep(place, key, granted - cost, limit, reset_after, fresh);
         let decision = decision_from(&[1, r[1], r[2] + i64::from(granted - cost), 0, r[4]]);
-        Ok((decision, seen))
+        Ok((decision, seen, latency))
     }
 }

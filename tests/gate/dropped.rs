@@ -47,6 +47,19 @@ async fn leasing(server: &RedisServer, name: &str, n: u32) -> RedisGate<Multiple
         .unwrap()
 }
 
+/// Runs `call` on a task, the next round trip of the gate named `name` panicking as
+/// `recorder` records it: the panic reaches the caller.
+async fn round_trip_panics<T: std::fmt::Debug + Send + 'static>(
+    recorder: &TestRecorder,
+    name: &str,
+    call: impl Future<Output = T> + Send + 'static,
+) {
+    let round_trips = format!("flowgate_gate_redis_seconds{{name={name}}}");
+    recorder.panic_once_on(&round_trips);
+    assert!(tokio::spawn(call).await.unwrap_err().is_panic());
+    assert!(recorder.panicked_once(&round_trips));
+}
+
 /// Sends `call` to the paused `server` and drops it there: polled once (its request goes to
 /// the connection), then the connection's task is given time to write it out before the
 /// caller gives up. The server is resumed afterwards. (The gate's connection must have no
@@ -660,14 +673,13 @@ async fn a_recorder_panic_on_a_lease_calls_round_trip_loses_no_leased_token() {
     let _local = metrics::set_default_local_recorder(&recorder);
     let server = RedisServer::start();
     let gate = leasing(&server, "leased", 10).await;
-    let round_trips = "flowgate_gate_redis_seconds{name=leased}";
-    recorder.panic_once_on(round_trips);
-    let call = tokio::spawn({
-        let gate = gate.clone();
-        async move { gate.check("k", 1).await }
-    });
-    assert!(call.await.unwrap_err().is_panic());
-    assert!(recorder.panicked_once(round_trips));
+    let first = gate.clone();
+    round_trip_panics(
+        &recorder,
+        "leased",
+        async move { first.check("k", 1).await },
+    )
+    .await;
     assert_eq!(decisions(&recorder, "leased", "allowed"), 1, "counted");
     // Redis debited the whole bucket: the caller's token, and nine leased.
     let mut admitted = 0;
@@ -676,4 +688,20 @@ async fn a_recorder_panic_on_a_lease_calls_round_trip_loses_no_leased_token() {
     }
     let unspent = recorder.counter("flowgate_gate_lease_unspent_total{name=leased}");
     assert_eq!(admitted + unspent, 9, "{admitted} spent, {unspent} unspent");
+}
+
+/// A metrics recorder panicking as a `check_all` call's round trip is recorded (Redis has
+/// decided, and charged every bucket) keeps no count from the decision: it is counted, and
+/// the panic goes on to the caller. It was not counted at all.
+#[tokio::test]
+#[ignore = "fault: a recorder panicking on a check_all call's latency loses the decision's count"]
+async fn a_recorder_panic_on_a_check_all_calls_round_trip_loses_no_count() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let server = RedisServer::start();
+    let gate = leasing(&server, "all", 10).await;
+    let q = Quota::per_hour(5).unwrap();
+    let all = async move { gate.check_all(&[("a", q), ("b", q)], 1).await };
+    round_trip_panics(&recorder, "all", all).await;
+    assert_eq!(decisions(&recorder, "all", "allowed"), 1, "counted");
 }

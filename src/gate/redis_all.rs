@@ -142,10 +142,11 @@ where
             let unread = inner.metrics.outcomes.unread(1);
             let reply = inner
                 .backend
-                .eval(&inner.all_script, &cmd, 5 * buckets, within)
+                .eval_seen(&inner.all_script, &cmd, 5 * buckets, within)
                 .await;
             unread.read();
-            let v = reply?;
+            // The latency is recorded last, once the decision is counted.
+            let (v, _, _latency) = reply?;
             if let Some(e) = v.chunks_exact(5).find_map(|r| key_failure(r[0])) {
                 return Ok(Err(e));
             }

@@ -694,7 +694,6 @@ async fn a_recorder_panic_on_a_lease_calls_round_trip_loses_no_leased_token() {
 /// decided, and charged every bucket) keeps no count from the decision: it is counted, and
 /// the panic goes on to the caller. It was not counted at all.
 #[tokio::test]
-#[ignore = "fault: a recorder panicking on a check_all call's latency loses the decision's count"]
 async fn a_recorder_panic_on_a_check_all_calls_round_trip_loses_no_count() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);

@@ -1662,6 +1662,8 @@ async fn a_hot_key_far_over_its_limit_rarely_reaches_redis() {
         con.clone(),
         Limit::TokenBucket(Quota::per_second(10).unwrap()),
     )
+    // Not a test of timeouts: a loaded host may take longer than the default 50 ms.
+    .timeout(Duration::from_secs(5))
     .build()
     .await
     .unwrap();

@@ -186,6 +186,8 @@ async fn a_script_flush_is_recovered_on_every_path_without_degrading() {
         let gate = RedisGate::builder(conn, Limit::TokenBucket(Quota::per_hour(100).unwrap()))
             .prefix(format!("lease{lease}:"))
             .lease(lease)
+            // Not a test of timeouts: a loaded host may take longer than the default 50 ms.
+            .timeout(Duration::from_secs(5))
             .build()
             .await
             .unwrap();

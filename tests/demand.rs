@@ -1784,6 +1784,10 @@ fn prefetch_builder_validates_everything() {
 #[path = "demand/redis_streams.rs"]
 mod redis_streams;
 
+#[cfg(feature = "metrics")]
+#[path = "demand/panics.rs"]
+mod panics;
+
 #[test]
 fn public_types_are_send_and_sync() {
     use flowgate::demand::{

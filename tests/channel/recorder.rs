@@ -333,3 +333,90 @@ fn a_recorder_panicking_on_a_receive_loses_no_item() {
     );
     assert_eq!(tx.try_send(7), Err(channel::SendError::Closed(7)));
 }
+
+/// Run `f` with the next change to the metric `id` panicking (that change records
+/// nothing); says whether `f` panicked, once the panic came.
+fn panicking_once<R>(recorder: &TestRecorder, id: &str, f: impl FnOnce() -> R) -> bool {
+    recorder.panic_once_on(id);
+    let unwound = catch_unwind(AssertUnwindSafe(f)).is_err();
+    assert!(recorder.panicked_once(id), "{id}: the panic came");
+    unwound
+}
+
+/// An operation that records several metrics records each even if the recorder panics on
+/// one before it (user code): a skipped count is lost for good, and a skipped depth stays
+/// on the gauge of a channel gone idle. One panic each, on the first of the metrics an
+/// operation records, and the rest are there: a sampled send's depth, a receive's count,
+/// `DropNewest`'s and `DropOldest`'s drops, and the send of an item discarded because the
+/// receivers are gone.
+#[test]
+#[ignore = "fault: a recorder panicking on one channel metric skips the ones after it"]
+fn a_recorder_panicking_on_one_metric_still_records_the_others() {
+    const DEPTH: &str = "flowgate_channel_depth{name=panicky}";
+    let dropped =
+        |policy: &str| format!("flowgate_channel_dropped_total{{name=panicky,policy={policy}}}");
+
+    // The 17th send samples the depth gauge, after counting the send.
+    let recorder = TestRecorder::default();
+    let (tx, _rx) = panicky(&recorder, 32);
+    for i in 0..16 {
+        tx.try_send(i).unwrap();
+    }
+    assert!(panicking_once(&recorder, SENT, || tx.try_send(16)));
+    assert_eq!(recorder.gauge(DEPTH), Some(17.0), "a sampled send's depth");
+
+    // A receive sets the depth gauge, then counts the item.
+    let recorder = TestRecorder::default();
+    let (tx, mut rx) = panicky(&recorder, 1);
+    tx.try_send(1).unwrap();
+    assert!(panicking_once(&recorder, DEPTH, || rx.try_recv()));
+    assert_eq!(rx.try_recv(), Ok(1));
+    assert_eq!(recorder.counter(RECEIVED), 1, "a receive's count");
+
+    // The drops count the send, then the drop.
+    for (overflow, policy) in [
+        (Overflow::DropNewest, "drop_newest"),
+        (Overflow::DropOldest, "drop_oldest"),
+    ] {
+        let recorder = TestRecorder::default();
+        let (tx, _rx, seen) = hooked(&recorder, 1, overflow);
+        tx.try_send(1).unwrap();
+        assert!(panicking_once(&recorder, SENT, || tx.try_send(2)));
+        assert_eq!(seen.lock().unwrap().len(), 1, "{policy}");
+        assert_eq!(recorder.counter(&dropped(policy)), 1, "{policy}'s count");
+    }
+
+    // A send after the receivers went counts the discard, then the send.
+    let recorder = TestRecorder::default();
+    let (tx, rx) = panicky(&recorder, 2);
+    let permit = tx.try_reserve().unwrap();
+    drop(rx);
+    assert!(panicking_once(&recorder, &dropped("closed"), || permit.send(7)));
+    assert_eq!(recorder.counter(SENT), 1, "the discarded item's send");
+}
+
+/// A receiver that uses up its batch frees the batch's slots (granted to a waiting sender,
+/// whose waker is woken), then records the depth and the items received: a sender's waker
+/// that panics (user code) skipped both, and the batch's items were never counted.
+#[test]
+#[ignore = "fault: a panicking sender waker skips the count of a batch used up"]
+fn a_panicking_sender_waker_still_counts_the_batch_used_up() {
+    let recorder = TestRecorder::default();
+    let (tx, mut rx) = panicky(&recorder, 2);
+    for i in 0..2 {
+        tx.try_send(i).unwrap();
+    }
+    // A batch of both: 0 handed out, 1 held; 2 takes the freed slot.
+    assert_eq!(block_on(rx.recv()), Some(0));
+    tx.try_send(2).unwrap();
+    let mut send = pin!(tx.send(3));
+    let waker = super::support::panicking_waker();
+    assert!(poll_with(send.as_mut(), &waker).is_pending(), "full");
+    assert!(catch_unwind(AssertUnwindSafe(|| rx.try_recv())).is_err());
+    assert_eq!(rx.try_recv(), Ok(1), "kept for the next receive");
+    assert_eq!(recorder.counter(RECEIVED), 2, "0 and 1");
+    assert_eq!(
+        recorder.gauge("flowgate_channel_depth{name=panicky}"),
+        Some(1.0)
+    );
+}

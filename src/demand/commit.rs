@@ -2,15 +2,15 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::pin::pin;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::PoisonError;
-
-use tokio::sync::Notify;
+use std::task::{Context, Poll};
 
 use crate::demand::error::TrackError;
 use crate::error::ConfigError;
 use crate::metrics::{Counter, Gauge, Labels};
-use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Arc, Deferred, Key, Mutex, MutexGuard, Panics, WaiterList};
 
 /// The bound on pending offsets of [`CommitTracker::new`].
 pub const DEFAULT_MAX_PENDING: usize = 65_536;
@@ -43,14 +43,15 @@ struct State {
     committable: Option<u64>,
     abandoned: u64,
     dropped: u64,
+    /// Tasks in [`CommitTracker::until_ready`], all woken when `pending` falls below
+    /// `max_pending` again (after the lock, each even if another's waker panics).
+    room: WaiterList<()>,
 }
 
 #[derive(Debug)]
 struct Shared {
     state: Mutex<State>,
     max_pending: usize,
-    /// Woken when `pending` falls below `max_pending` again (for `until_ready`).
-    room: Notify,
     name: Option<String>,
     pending_gauge: Gauge,
     abandoned_total: Counter,
@@ -149,7 +150,6 @@ impl CommitTracker {
             shared: Arc::new(Shared {
                 state: Mutex::new(State::default()),
                 max_pending,
-                room: Notify::new(),
                 pending_gauge: labels.gauge(names::PENDING, &[]),
                 abandoned_total: labels.counter(names::ABANDONED, &[]),
                 dropped_total: labels.counter(names::DROPPED, &[]),
@@ -216,15 +216,11 @@ impl CommitTracker {
     ///
     /// Cancel safe: dropping the future loses nothing.
     pub async fn until_ready(&self) {
-        loop {
-            let mut notified = pin!(self.shared.room.notified());
-            // Registered before the check, so room made after it is not missed.
-            notified.as_mut().enable();
-            if self.lock().pending.len() < self.shared.max_pending {
-                return;
-            }
-            notified.await;
+        UntilReady {
+            tracker: self,
+            key: None,
         }
+        .await
     }
 
     /// The highest offset that may be committed, if any.
@@ -260,11 +256,13 @@ impl CommitTracker {
 
     /// Mark `offset` finished and commit past the finished prefix. The state is settled
     /// under the lock; waiters are woken and the metrics recorded after it is released (both
-    /// run user code, wakers and the recorder), waiters first, so neither a panicking
-    /// recorder nor a slow one holds the lock or leaves a waiter unwoken. The pending gauge
+    /// run user code, wakers and the recorder), waiters first, each step even if one before
+    /// it panics, so neither a panicking waker or recorder nor a slow one holds the lock,
+    /// leaves a waiter unwoken or skips a count. The pending gauge
     /// moves by the change seen under the lock (`Gauge::add` commutes), so it stays exact
     /// whatever order concurrent calls record in.
     fn finish(&self, offset: u64, mark: Mark) {
+        let mut woken = Deferred::default();
         let mut st = self.lock();
         let before = st.pending.len();
         // Offsets are sorted: find it by binary search.
@@ -283,16 +281,21 @@ impl CommitTracker {
             st.pending.pop_front();
         }
         let after = st.pending.len();
-        drop(st);
         if before >= self.shared.max_pending && after < self.shared.max_pending {
-            self.shared.room.notify_waiters();
+            st.room.wake_all(&mut woken);
         }
+        drop(st);
+        // Each step even if one before it panics (a waker, the recorder): a skipped one
+        // would leave a count or the gauge wrong for good.
+        let mut panics = Panics::new();
+        panics.run(|| drop(woken));
         match mark {
-            Mark::Abandoned => self.shared.abandoned_total.increment(1),
-            Mark::Dropped => self.shared.dropped_total.increment(1),
+            Mark::Abandoned => panics.run(|| self.shared.abandoned_total.increment(1)),
+            Mark::Dropped => panics.run(|| self.shared.dropped_total.increment(1)),
             Mark::InFlight | Mark::Done => {}
         }
-        self.shared.pending_gauge.add(after as f64 - before as f64);
+        panics.run(|| self.shared.pending_gauge.add(after as f64 - before as f64));
+        panics.resume();
     }
 }
 
@@ -307,6 +310,44 @@ impl fmt::Debug for CommitTracker {
             .field("abandoned", &st.abandoned)
             .field("dropped", &st.dropped)
             .finish()
+    }
+}
+
+/// The future of [`CommitTracker::until_ready`]: it waits in the tracker's list of tasks
+/// waiting for room, which the finish that makes room wakes after its lock, each task even
+/// if another's waker panics. Dropped, it leaves the list (nothing else is lost).
+struct UntilReady<'a> {
+    tracker: &'a CommitTracker,
+    /// Its place in `State::room`, once it waited.
+    key: Option<Key>,
+}
+
+impl Future for UntilReady<'_> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        // Declared before the lock: the wakers given up are dropped after it is released.
+        let mut out = Deferred::default();
+        let this = &mut *self;
+        let mut st = this.tracker.lock();
+        if st.pending.len() < this.tracker.shared.max_pending {
+            if let Some(key) = this.key.take() {
+                st.room.cancel(key, &mut out);
+            }
+            return Poll::Ready(());
+        }
+        // Registered under the lock that room is made under: no wake is missed.
+        st.room.register(&mut this.key, cx.waker(), || (), &mut out);
+        Poll::Pending
+    }
+}
+
+impl Drop for UntilReady<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut out = Deferred::default();
+            self.tracker.lock().room.cancel(key, &mut out);
+        }
     }
 }
 

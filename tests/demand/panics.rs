@@ -58,7 +58,6 @@ fn panics(f: impl FnOnce()) -> bool {
 /// `flowgate_demand_commit_pending`: a recorder that panics on the count (user code) skipped
 /// the gauge, which then read the offset pending for good.
 #[test]
-#[ignore = "fault: a recorder panicking on the abandoned count skips the pending gauge"]
 fn a_recorder_panicking_on_the_abandoned_count_still_moves_the_pending_gauge() {
     let recorder = TestRecorder::default();
     let tracker = metrics::with_local_recorder(&recorder, || {
@@ -80,7 +79,6 @@ fn a_recorder_panicking_on_the_abandoned_count_still_moves_the_pending_gauge() {
 /// The tracker wakes `until_ready` before it records its metrics: a waker that panics (user
 /// code) skipped the count of the offset given up and the move of the pending gauge.
 #[tokio::test]
-#[ignore = "fault: a panicking until_ready waker skips the tracker's metrics"]
 async fn a_panicking_until_ready_waker_still_counts_the_offset_given_up() {
     let recorder = TestRecorder::default();
     let tracker = metrics::with_local_recorder(&recorder, || {
@@ -110,7 +108,6 @@ async fn a_panicking_until_ready_waker_still_counts_the_offset_given_up() {
 /// panics (user code) kept the ones after it from being woken (tokio's `Notify` drops the
 /// rest of its wakers unwoken), and they waited for ever with room to track.
 #[test]
-#[ignore = "fault: a panicking until_ready waker leaves the other waiters unwoken"]
 fn a_panicking_until_ready_waker_does_not_keep_the_others_waiting() {
     let tracker = CommitTracker::builder().max_pending(1).build().unwrap();
     let token = tracker.track(10).unwrap();

@@ -17,7 +17,7 @@ use crate::demand::Levels;
 use crate::demand::early::Early;
 use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
-use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Arc, Mutex, MutexGuard, Panics};
 
 /// The state a [`PauseSignal`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -51,7 +51,7 @@ struct Shared {
     min_hold: Duration,
     name: Option<String>,
     /// Moved after the lock is released, by each change seen under it
-    /// ([`record`](Shared::record)): the recorder is user code, and `Gauge::add` commutes,
+    /// ([`settle`](Shared::settle)): the recorder is user code, and `Gauge::add` commutes,
     /// so the gauges end at the state whatever order racing changes record in.
     in_flight_gauge: Gauge,
     paused_gauge: Gauge,
@@ -67,8 +67,8 @@ impl Shared {
     }
 
     /// Apply the hysteresis rule now. The caller holds the lock, so the signal is not sent
-    /// nor the gauges moved here: the caller calls [`publish`](Shared::publish) when the
-    /// state flipped, and [`record`](Shared::record), once it has released the lock.
+    /// nor the gauges moved here: the caller calls [`settle`](Shared::settle) once it has
+    /// released the lock.
     fn evaluate(&self, st: &mut State, now: Instant) -> Evaluated {
         let want_pause = st.in_flight >= self.levels.high();
         let want_resume = st.in_flight <= self.levels.low();
@@ -90,13 +90,37 @@ impl Shared {
         Evaluated::Flipped
     }
 
-    /// Move the gauges by a change made under the lock, once it is released and whatever
-    /// had to be woken was: `in_flight` by what it added, `paused` by a flip to `paused`.
-    fn record(&self, evaluated: Evaluated, paused: bool, in_flight: f64) {
-        self.in_flight_gauge.add(in_flight);
+    /// What a change made under the lock leaves to do once it is released, in this order:
+    /// [`publish`](Shared::publish) a flip (it wakes the signal's waiters), wake the
+    /// wrapper's `waker` (or only drop it: `wake` false), then move the gauges: `in_flight`
+    /// by what the change added, `paused` by a flip to `paused`. Each step is user code (a
+    /// waker, the metrics recorder) and each runs even if one before it panics: a skipped
+    /// wake leaves the wrapper waiting for ever, a skipped gauge reads wrong for good. The
+    /// first panic goes on once all have run.
+    fn settle(
+        &self,
+        evaluated: Evaluated,
+        paused: bool,
+        in_flight: f64,
+        waker: Option<Waker>,
+        wake: bool,
+    ) {
+        let mut panics = Panics::new();
         if evaluated == Evaluated::Flipped {
-            self.paused_gauge.add(if paused { 1.0 } else { -1.0 });
+            panics.run(|| self.publish());
         }
+        if let Some(waker) = waker {
+            panics.run(|| {
+                if wake {
+                    waker.wake();
+                }
+            });
+        }
+        panics.run(|| self.in_flight_gauge.add(in_flight));
+        if evaluated == Evaluated::Flipped {
+            panics.run(|| self.paused_gauge.add(if paused { 1.0 } else { -1.0 }));
+        }
+        panics.resume();
     }
 
     /// Send the pause state to the [`PauseSignal`]s; called without the lock, because
@@ -130,11 +154,7 @@ impl Shared {
         drop(st);
         // Outside the lock: sending wakes the signal's waiters, and a waker dropped may run
         // code of its own.
-        if evaluated == Evaluated::Flipped {
-            self.publish();
-        }
-        drop(waker);
-        self.record(evaluated, paused, 0.0);
+        self.settle(evaluated, paused, 0.0, waker, false);
     }
 
     fn done(&self) {
@@ -152,14 +172,7 @@ impl Shared {
         };
         drop(st);
         // Outside the lock: a waker runs code of its own when woken.
-        if evaluated == Evaluated::Flipped {
-            self.publish();
-        }
-        if let Some(w) = waker {
-            w.wake();
-        }
-        // Last: a recorder that panics has nothing left to skip.
-        self.record(evaluated, paused, -1.0);
+        self.settle(evaluated, paused, -1.0, waker, true);
     }
 }
 
@@ -478,11 +491,7 @@ impl<S: Stream> Stream for Watermarks<S> {
         drop(st);
         // Outside the lock: sending wakes the signal's waiters, dropping a waker may run code
         // of its own, and so may the timer (it drops the waker it held, or wakes ours).
-        if evaluated == Evaluated::Flipped {
-            this.shared.publish();
-        }
-        drop(old);
-        this.shared.record(evaluated, paused, 0.0);
+        this.shared.settle(evaluated, paused, 0.0, old, false);
         if let Evaluated::HeldUntil(at) = evaluated {
             // A change is held back by `min_hold`: come back when it may happen.
             let timer = match this.timer {
@@ -511,8 +520,8 @@ impl<S: Stream> Stream for Watermarks<S> {
             }
         }
         // The item stays held until it goes out with its ticket, and the ticket comes
-        // first: if the recorder panics, dropping the ticket gives the place back, and the
-        // next poll yields the item.
+        // first: if the recorder or a signal waiter's waker panics, dropping the ticket gives
+        // the place back (once the gauges counted it), and the next poll yields the item.
         let mut st = this.shared.lock();
         st.in_flight += 1;
         let evaluated = this.shared.evaluate(&mut st, Instant::now());
@@ -521,10 +530,7 @@ impl<S: Stream> Stream for Watermarks<S> {
         let ticket = Ticket {
             shared: Arc::clone(&this.shared.0),
         };
-        if evaluated == Evaluated::Flipped {
-            this.shared.publish();
-        }
-        this.shared.record(evaluated, paused, 1.0);
+        this.shared.settle(evaluated, paused, 1.0, None, false);
         Poll::Ready(this.early.take().map(|item| (item, ticket)))
     }
 

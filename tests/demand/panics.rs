@@ -127,7 +127,6 @@ fn a_panicking_until_ready_waker_does_not_keep_the_others_waiting() {
 /// `flowgate_demand_paused`: a recorder that panics on the first (user code) skipped the
 /// second, which then read paused while the signal said resumed.
 #[tokio::test]
-#[ignore = "fault: a recorder panicking on the in-flight gauge skips the paused gauge"]
 async fn a_recorder_panicking_on_the_in_flight_gauge_still_moves_the_paused_gauge() {
     let recorder = TestRecorder::default();
     let mut stream = named_watermarks(&recorder);
@@ -149,7 +148,6 @@ async fn a_recorder_panicking_on_the_in_flight_gauge_still_moves_the_paused_gaug
 /// that panics (user code) skipped both, which then read one item in flight and paused for
 /// good, with nothing in flight.
 #[tokio::test]
-#[ignore = "fault: a panicking wrapper waker skips the watermarks gauges"]
 async fn a_panicking_wrapper_waker_still_moves_the_gauges() {
     let recorder = TestRecorder::default();
     let mut stream = named_watermarks(&recorder);
@@ -174,7 +172,6 @@ async fn a_panicking_wrapper_waker_still_moves_the_gauges() {
 /// wrapper: a signal waiter's waker that panics (user code) as the resume is sent kept the
 /// wrapper from being woken, and it waited for ever with room to pull.
 #[tokio::test]
-#[ignore = "fault: a panicking signal waker leaves the wrapper unwoken"]
 async fn a_panicking_signal_waker_still_wakes_the_wrapper() {
     let mut stream = futures::stream::iter(0..10).watermarks(levels(1, 0));
     let (_, ticket) = stream.next().await.unwrap();
@@ -230,7 +227,6 @@ async fn a_panicking_signal_waker_does_not_keep_the_other_signals_waiting() {
 /// them, and the ticket the panic dropped took its item back from the in-flight gauge, which
 /// then read -1 (and the paused gauge -1) for good.
 #[tokio::test]
-#[ignore = "fault: a panicking signal waker skips the gauges of an item going out"]
 async fn a_panicking_signal_waker_as_an_item_goes_out_leaves_the_gauges_right() {
     let recorder = TestRecorder::default();
     let mut stream = named_watermarks(&recorder);

@@ -14,7 +14,7 @@ use crate::demand::early::Early;
 use crate::demand::error::RequestError;
 use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
-use crate::sync::Arc;
+use crate::sync::{Arc, Panics};
 
 /// Credit meaning "no limit".
 pub const UNBOUNDED: u64 = u64::MAX;
@@ -92,18 +92,23 @@ impl DemandHandle {
                 Some(c.saturating_add(n))
             })
             .unwrap_or_else(|c| c);
-        // Woken first: the metrics recorder is user code, and a panic there must not lose
-        // the wake (only a request that finds no credit left wakes the stream).
+        // Woken first, and each step even if the other panics (the waker and the metrics
+        // recorder are user code): a lost wake leaves the stream waiting with credit (only a
+        // request that finds no credit left wakes it), a lost move the gauge wrong for good.
+        let mut panics = Panics::new();
         if before == 0 {
-            self.credit.waker.wake();
+            panics.run(|| self.credit.waker.wake());
         }
         // The gauge moves by what this request changed, not to a value read back: changes
         // recorded by racing requests and the stream then add up to the credit left, in
         // whatever order the threads record them.
         let after = before.saturating_add(n);
-        self.credit
-            .outstanding
-            .add(counted(after) as f64 - counted(before) as f64);
+        panics.run(|| {
+            self.credit
+                .outstanding
+                .add(counted(after) as f64 - counted(before) as f64);
+        });
+        panics.resume();
         Ok(())
     }
 

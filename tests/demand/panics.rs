@@ -254,7 +254,6 @@ async fn a_panicking_signal_waker_as_an_item_goes_out_leaves_the_gauges_right() 
 /// `flowgate_demand_outstanding`: a stream's waker that panics (user code) skipped the
 /// gauge, which then read the credit short by the request for good.
 #[tokio::test]
-#[ignore = "fault: a panicking stream waker skips the outstanding gauge"]
 async fn a_panicking_stream_waker_still_counts_the_credit_requested() {
     let recorder = TestRecorder::default();
     let (mut stream, demand) = metrics::with_local_recorder(&recorder, || {

@@ -87,6 +87,7 @@ mod levels;
 mod prefetch;
 #[cfg(feature = "redis")]
 mod redis_source;
+mod signal;
 mod source;
 mod watermarks;
 
@@ -99,5 +100,6 @@ pub use prefetch::{Items, Prefetch, PrefetchBuilder, Results, prefetch};
 pub use redis_source::{
     Ack, BuildError, Origin, RedisStreamSource, RedisStreamSourceBuilder, StartFrom, StreamEntry,
 };
+pub use signal::PauseSignal;
 pub use source::{BatchSource, Fetched, IterSource, StreamSource};
-pub use watermarks::{Flow, PauseSignal, Ticket, Watermarks, WatermarksBuilder};
+pub use watermarks::{Flow, Ticket, Watermarks, WatermarksBuilder};

@@ -10,11 +10,11 @@ use std::time::Duration;
 use futures::Stream;
 use futures::stream::FusedStream;
 use pin_project::pin_project;
-use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use crate::demand::Levels;
 use crate::demand::early::Early;
+use crate::demand::signal::{PauseSignal, Signal};
 use crate::error::ConfigError;
 use crate::metrics::{Gauge, Labels};
 use crate::sync::{Arc, Mutex, MutexGuard, Panics};
@@ -58,7 +58,14 @@ struct Shared {
     /// `State::paused`, written under the lock, read by [`publish`](Shared::publish) after it
     /// was released.
     paused: AtomicBool,
-    signal: watch::Sender<Flow>,
+    signal: Arc<Signal>,
+}
+
+impl Drop for Shared {
+    /// The wrapper and every ticket are gone: no change can come to the signals.
+    fn drop(&mut self) {
+        self.signal.close();
+    }
 }
 
 impl Shared {
@@ -127,19 +134,12 @@ impl Shared {
     /// sending wakes the tasks waiting in [`PauseSignal::changed`].
     ///
     /// It sends the latest state, not the one the caller computed: two callers that flipped
-    /// it one after the other may publish in either order, and the watch's own lock orders
+    /// it one after the other may publish in either order, and the signal's own lock orders
     /// their sends; the last one reads the last flip. A change undone at once may be skipped,
-    /// as a watch keeps only its latest value anyway.
+    /// as the signal keeps only its latest value anyway.
     fn publish(&self) {
-        self.signal.send_if_modified(|flow| {
-            let now = flow_of(self.paused.load(Ordering::Acquire));
-            if *flow == now {
-                false
-            } else {
-                *flow = now;
-                true
-            }
-        });
+        self.signal
+            .send_with(|| flow_of(self.paused.load(Ordering::Acquire)));
     }
 
     /// The wrapper is gone (dropped, or taken apart with `into_inner`): nothing polls it
@@ -221,37 +221,6 @@ impl Drop for Ticket {
 impl fmt::Debug for Ticket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Ticket").finish_non_exhaustive()
-    }
-}
-
-/// Whether the source should be paused: a watch a consumer loop can await, to call
-/// `consumer.pause()` / `resume()` on its source.
-#[derive(Debug, Clone)]
-pub struct PauseSignal {
-    rx: watch::Receiver<Flow>,
-}
-
-impl PauseSignal {
-    /// The current state.
-    pub fn get(&self) -> Flow {
-        *self.rx.borrow()
-    }
-
-    /// Whether the source should be paused now.
-    pub fn is_paused(&self) -> bool {
-        self.get() == Flow::Paused
-    }
-
-    /// Wait for the next change and return the new state. `None` once no change can come:
-    /// the wrapper and every [`Ticket`] it handed out are gone.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel-safe: a change that happens while the future is dropped is not lost; the next
-    /// call returns at once with the state then (as `tokio::sync::watch::Receiver::changed`).
-    pub async fn changed(&mut self) -> Option<Flow> {
-        self.rx.changed().await.ok()?;
-        Some(*self.rx.borrow_and_update())
     }
 }
 
@@ -339,7 +308,6 @@ impl<S: Stream> Watermarks<S> {
 
     pub(crate) fn new(stream: S, levels: Levels, min_hold: Duration, name: Option<String>) -> Self {
         let labels = Labels::new(name.as_deref());
-        let (signal, _) = watch::channel(Flow::Resumed);
         Watermarks {
             stream,
             shared: Wrapper(Arc::new(Shared {
@@ -356,7 +324,7 @@ impl<S: Stream> Watermarks<S> {
                 paused_gauge: labels.gauge(names::PAUSED, &[]),
                 name,
                 paused: AtomicBool::new(false),
-                signal,
+                signal: Arc::new(Signal::new()),
             })),
             timer: None,
             early: Early::new(labels.counter(crate::demand::prefetch::names::DISCARDED, &[])),
@@ -375,9 +343,7 @@ impl<S: Stream> Watermarks<S> {
 
     /// A signal that follows the pause state.
     pub fn pause_signal(&self) -> PauseSignal {
-        PauseSignal {
-            rx: self.shared.signal.subscribe(),
-        }
+        self.shared.signal.subscribe()
     }
 
     /// Items handed out whose tickets are still alive.

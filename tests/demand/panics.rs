@@ -197,7 +197,6 @@ async fn a_panicking_signal_waker_still_wakes_the_wrapper() {
 /// with a change to see. Many waiters, so that some are behind the panicking one whatever
 /// the order they are woken in.
 #[tokio::test]
-#[ignore = "fault: a panicking signal waker leaves the other signal waiters unwoken"]
 async fn a_panicking_signal_waker_does_not_keep_the_other_signals_waiting() {
     let mut stream = futures::stream::iter(0..10).watermarks(levels(1, 0));
     let mut first = stream.pause_signal();

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::dropped::recorded_then;
+use crate::sync::Panics;
 
 impl<T> Shared<T> {
     /// Push an item into a slot claimed for it. Returns the `rx` flags seen after the push
@@ -114,10 +115,13 @@ impl<T> Shared<T> {
         self.stashed.store(0, Ordering::Relaxed);
         drop(st);
         let n = left.len() as u64;
+        // Each metric even if the recorder panics on one before it.
         let record = || {
-            self.metrics.dropped_closed.increment(n);
-            self.metrics.sent.increment(pushed);
-            self.set_depth();
+            let mut panics = Panics::new();
+            panics.run(|| self.metrics.dropped_closed.increment(n));
+            panics.run(|| self.metrics.sent.increment(pushed));
+            panics.run(|| self.set_depth());
+            panics.resume();
         };
         recorded_then(record, || {
             if let Some(hook) = &self.on_drop {

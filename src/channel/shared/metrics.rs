@@ -2,6 +2,7 @@
 //! ([`Moves`]), and the depth gauge, set exactly or sampled.
 
 use super::*;
+use crate::sync::Panics;
 
 /// The metric changes made under the channel's lock, recorded after it: a metrics recorder
 /// is user code, and one that reads the channel (an exporter taking `len()` or `stats()`)
@@ -48,17 +49,21 @@ impl<'a, T> Moves<'a, T> {
 }
 
 impl<T> Drop for Moves<'_, T> {
+    /// Each metric even if the recorder panics on one before it: a count skipped is lost
+    /// for good, and a depth skipped stays on the gauge of a channel gone idle.
     fn drop(&mut self) {
         let metrics = &self.shared.metrics;
+        let mut panics = Panics::new();
         if self.sent > 0 {
-            metrics.sent.increment(self.sent);
+            panics.run(|| metrics.sent.increment(self.sent));
         }
         if self.depth {
-            self.shared.set_depth();
+            panics.run(|| self.shared.set_depth());
         }
         if self.received > 0 {
-            metrics.received.increment(self.received);
+            panics.run(|| metrics.received.increment(self.received));
         }
+        panics.resume();
     }
 }
 
@@ -106,11 +111,19 @@ impl<T> Shared<T> {
     /// Record a push in the metrics; `depth`: update the depth gauge too. Only once the
     /// item is settled (the receivers it concerns woken, or it discarded): a recorder is
     /// user code, and one that panics must cost neither a wake nor the discard.
+    ///
+    /// A sampled send sets the depth even if the recorder panics as it counts the send (a
+    /// depth skipped stays on the gauge of a channel gone idle); the other sends record one
+    /// metric, with nothing after it to skip.
     #[inline]
     pub(super) fn record_push(&self, depth: bool) {
-        self.metrics.sent.increment(1);
         if depth {
-            self.set_depth();
+            let mut panics = Panics::new();
+            panics.run(|| self.metrics.sent.increment(1));
+            panics.run(|| self.set_depth());
+            panics.resume();
+        } else {
+            self.metrics.sent.increment(1);
         }
     }
 

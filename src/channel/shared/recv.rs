@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::task::{Context, Poll};
 
 use super::*;
+use crate::sync::Panics;
 
 impl<T> Shared<T> {
     /// Nothing more can come: closed, and no slot occupied (nothing queued, reserved, on
@@ -143,16 +144,20 @@ impl<T> Shared<T> {
     }
 
     /// A receiver used up its `batch` (the places `poll_recv_batch` set): the slots it held
-    /// are free. Recorded last, as in [`took`](Shared::took).
+    /// are free. Recorded last, as in [`took`](Shared::took); each step even if one before
+    /// it panics (freeing wakes the senders granted a slot, whose wakers are user code, as
+    /// the recorder is), or the batch would go uncounted.
     pub(crate) fn release_held(&self, batch: Range<u64>) {
         let n = held(&batch);
         if n == 0 {
             return;
         }
         self.depth_extra.fetch_sub(n, Ordering::Relaxed);
-        self.free(n);
-        self.set_depth();
-        self.metrics.received.increment(n as u64);
+        let mut panics = Panics::new();
+        panics.run(|| self.free(n));
+        panics.run(|| self.set_depth());
+        panics.run(|| self.metrics.received.increment(n as u64));
+        panics.resume();
     }
 
     /// A receiver is dropped with `items` not yet yielded, the last of its `batch` (the

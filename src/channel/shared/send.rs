@@ -4,6 +4,7 @@
 use std::task::{Context, Poll};
 
 use super::*;
+use crate::sync::Panics;
 
 impl<T> Shared<T> {
     /// Send without waiting. Under `Backpressure` a full buffer is `Full(item)`.
@@ -46,8 +47,10 @@ impl<T> Shared<T> {
                     drop(st);
                     // Recorded before the hook sees the dropped item, as `drop_newest` does.
                     self.dropped(oldest, Dropped::Oldest, || {
-                        drop(moves);
-                        self.metrics.dropped_oldest.increment(1);
+                        let mut panics = Panics::new();
+                        panics.run(|| drop(moves));
+                        panics.run(|| self.metrics.dropped_oldest.increment(1));
+                        panics.resume();
                     });
                     Ok(Sent::DroppedOldest)
                 }
@@ -63,8 +66,10 @@ impl<T> Shared<T> {
         st.dropped += 1;
         drop(st);
         self.dropped(item, Dropped::Newest, || {
-            self.metrics.sent.increment(1);
-            self.metrics.dropped_newest.increment(1);
+            let mut panics = Panics::new();
+            panics.run(|| self.metrics.sent.increment(1));
+            panics.run(|| self.metrics.dropped_newest.increment(1));
+            panics.resume();
         });
         Sent::DroppedNewest
     }

@@ -70,11 +70,12 @@ impl Signal {
         st.waiters.wake_all(&mut woken);
     }
 
-    /// A signal that has seen the state published so far.
-    pub(crate) fn subscribe(self: &Arc<Self>) -> PauseSignal {
+    /// A signal that has seen the state `signal` published so far. (Not a method on
+    /// `self: &Arc<Self>`: loom's `Arc` cannot be a receiver.)
+    pub(crate) fn subscribe(signal: &Arc<Signal>) -> PauseSignal {
         PauseSignal {
-            seen: self.lock().version,
-            signal: Arc::clone(self),
+            seen: signal.lock().version,
+            signal: Arc::clone(signal),
         }
     }
 }

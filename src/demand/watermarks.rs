@@ -343,7 +343,7 @@ impl<S: Stream> Watermarks<S> {
 
     /// A signal that follows the pause state.
     pub fn pause_signal(&self) -> PauseSignal {
-        self.shared.signal.subscribe()
+        Signal::subscribe(&self.shared.signal)
     }
 
     /// Items handed out whose tickets are still alive.

@@ -343,10 +343,11 @@ fn panicking_once<R>(recorder: &TestRecorder, id: &str, f: impl FnOnce() -> R) -
     unwound
 }
 
-/// An operation that records several metrics records each even if the recorder panics on
-/// one before it (user code): a skipped count is lost for good, and a skipped depth stays
-/// on the gauge of a channel gone idle. One panic each, on the first of the metrics an
-/// operation records, and the rest are there: a sampled send's depth, a receive's count,
+/// An operation that records several metrics records its counts even if the recorder
+/// panics on another metric (user code): a skipped count is lost for good. (A receive
+/// counts before it sets the depth gauge, rather than catch each step's panic on its hot
+/// path.) One panic each, on the first of the metrics an operation records, or a receive's
+/// depth, and the rest are there: a sampled send's depth, a receive's count,
 /// `DropNewest`'s and `DropOldest`'s drops, and the send of an item discarded because the
 /// receivers are gone.
 #[test]
@@ -364,8 +365,9 @@ fn a_recorder_panicking_on_one_metric_still_records_the_others() {
     assert!(panicking_once(&recorder, SENT, || tx.try_send(16)));
     assert_eq!(recorder.gauge(DEPTH), Some(17.0), "a sampled send's depth");
 
-    // A receive sets the depth gauge, then counts the item. (A send that finds the channel
-    // full sets the gauge to 1 first, so that the receive moves it.)
+    // A receive counts the item, then sets the depth gauge: a panic on the gauge leaves
+    // the count. (A send that finds the channel full sets the gauge to 1 first, so that the
+    // receive moves it.)
     let recorder = TestRecorder::default();
     let (tx, mut rx) = panicky(&recorder, 1);
     tx.try_send(1).unwrap();

@@ -49,21 +49,23 @@ impl<'a, T> Moves<'a, T> {
 }
 
 impl<T> Drop for Moves<'_, T> {
-    /// Each metric even if the recorder panics on one before it: a count skipped is lost
-    /// for good, and a depth skipped stays on the gauge of a channel gone idle.
+    /// The counts first, then the depth: a recorder that panics on the depth (user code)
+    /// has every count recorded; one that panics on a count leaves the depth gauge as it
+    /// was, until the channel's next change (one operation counts sends or receives, not
+    /// both). No `catch_unwind` here: this is every receive's and most sends' path, where
+    /// one per step cost a channel of two senders and two receivers a fifth of its
+    /// throughput.
     fn drop(&mut self) {
         let metrics = &self.shared.metrics;
-        let mut panics = Panics::new();
         if self.sent > 0 {
-            panics.run(|| metrics.sent.increment(self.sent));
-        }
-        if self.depth {
-            panics.run(|| self.shared.set_depth());
+            metrics.sent.increment(self.sent);
         }
         if self.received > 0 {
-            panics.run(|| metrics.received.increment(self.received));
+            metrics.received.increment(self.received);
         }
-        panics.resume();
+        if self.depth {
+            self.shared.set_depth();
+        }
     }
 }
 

@@ -153,13 +153,30 @@ impl<T> Shared<T> {
             return;
         }
         self.depth_extra.fetch_sub(n, Ordering::Relaxed);
+        // Recorded as the guard drops: after `free`, or as a sender's waker's panic unwinds
+        // from it. `free` itself runs outside any `catch_unwind` (this is the receive path).
+        let _recorded = ReleaseRecorded { shared: self, n };
+        self.free(n);
+    }
+}
+
+/// What [`Shared::release_held`] records once its slots are free, each step even if the
+/// recorder panics on the one before it.
+struct ReleaseRecorded<'a, T> {
+    shared: &'a Shared<T>,
+    n: usize,
+}
+
+impl<T> Drop for ReleaseRecorded<'_, T> {
+    fn drop(&mut self) {
         let mut panics = Panics::new();
-        panics.run(|| self.free(n));
-        panics.run(|| self.set_depth());
-        panics.run(|| self.metrics.received.increment(n as u64));
+        panics.run(|| self.shared.metrics.received.increment(self.n as u64));
+        panics.run(|| self.shared.set_depth());
         panics.resume();
     }
+}
 
+impl<T> Shared<T> {
     /// A receiver is dropped with `items` not yet yielded, the last of its `batch` (the
     /// places `poll_recv_batch` set, each holding a slot): the items go back to their
     /// places, ahead of every item in the ring, for other receivers.

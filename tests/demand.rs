@@ -867,6 +867,60 @@ async fn a_closed_channel_ends_what_is_built_on_it_without_more_credit_or_room()
     assert_eq!(stream.next().await, None);
 }
 
+/// What the stream sees of a channel that closes while it waits: the end only when it is
+/// polled again. Paused at `high` (or without credit) the stream does not poll the channel
+/// while it is open, so it is registered nowhere in it, and the close (the last sender
+/// dropped) wakes nothing; its `size_hint` says the end from then on, and the next poll (a
+/// ticket dropped, more credit asked for) sees it there. The docs said "a source that ends
+/// with `high` items in flight ends the stream" without that condition.
+#[test]
+fn a_channel_closed_while_the_stream_waits_is_seen_at_its_next_poll() {
+    let (waker, woken) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    let woken = move || woken.load(Ordering::SeqCst);
+
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let mut stream = rx.watermarks(levels(1, 0));
+    let Poll::Ready(Some((1, ticket))) = stream.poll_next_unpin(&mut cx) else {
+        panic!("1 was queued");
+    };
+    assert!(stream.poll_next_unpin(&mut cx).is_pending(), "paused, open");
+    drop(tx);
+    assert_eq!(futures::Stream::size_hint(stream.get_ref()), (0, Some(0)));
+    assert_eq!(woken(), 0, "the close wakes nothing");
+    drop(ticket);
+    assert_eq!(woken(), 1, "the ticket does");
+    assert!(matches!(stream.poll_next_unpin(&mut cx), Poll::Ready(None)));
+
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let (mut stream, demand) = rx.with_demand(1);
+    assert_eq!(stream.poll_next_unpin(&mut cx), Poll::Ready(Some(1)));
+    assert!(
+        stream.poll_next_unpin(&mut cx).is_pending(),
+        "no credit, open"
+    );
+    drop(tx);
+    assert_eq!(woken(), 1, "the close wakes nothing");
+    demand.request(1).unwrap();
+    assert_eq!(woken(), 2, "the request does");
+    assert_eq!(stream.poll_next_unpin(&mut cx), Poll::Ready(None));
+    assert_eq!(demand.outstanding(), 1, "the end used no credit");
+}
+
+/// A waker that counts its wakes.
+fn counting_waker() -> (Waker, Arc<AtomicU64>) {
+    struct Count(Arc<AtomicU64>);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let n = Arc::new(AtomicU64::new(0));
+    (Arc::new(Count(n.clone())).into(), n)
+}
+
 #[tokio::test]
 async fn watermarks_without_min_hold_follow_in_flight_at_once() {
     let mut stream = pin!(futures::stream::iter(0..10).watermarks(levels(2, 0)));

@@ -282,7 +282,9 @@ impl<T> Stream for Receiver<T> {
     /// under way may still bring), so an adapter that may not take an item
     /// ([`with_demand`](crate::FlowStreamExt::with_demand) without credit,
     /// [`watermarks`](crate::FlowStreamExt::watermarks) at `high`) sees the end when none
-    /// is left.
+    /// is left as it polls. (It does not poll the receiver while it waits, so a close that
+    /// comes then wakes nothing: the adapter sees the end at its next poll, with more
+    /// credit or room.)
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
             return (0, Some(0));

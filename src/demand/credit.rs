@@ -143,9 +143,13 @@ impl DemandHandle {
 /// instead of leaving it pending. Any other upstream is not polled without credit: its end
 /// is seen with the next unit of credit. (A `Prefetch` learns the end from a fetch, which
 /// it starts when its buffer falls to `low`: with a `low` of 0, not before its last item
-/// was taken.) An item such an upstream yields all the same (a wrong `size_hint`) is held
-/// for credit; dropped (or taken apart with [`into_inner`](Demanded::into_inner)) while it
-/// holds it, the stream discards it, counted in `flowgate_demand_discarded_total`.
+/// was taken.) The `size_hint` is read when the stream is polled without credit, and
+/// nothing wakes the stream when it changes later: a channel closed (or its last sender
+/// dropped) after the stream ran out of credit is seen at the next poll, with the next
+/// unit of credit, as any other upstream's end. An item such an upstream yields all the
+/// same (a wrong `size_hint`) is held for credit; dropped (or taken apart with
+/// [`into_inner`](Demanded::into_inner)) while it holds it, the stream discards it,
+/// counted in `flowgate_demand_discarded_total`.
 ///
 /// Without credit and with every [`DemandHandle`] dropped, nothing can ask for more: the
 /// stream then stays pending for ever (no demand is a valid state, as in Reactive Streams;

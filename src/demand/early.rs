@@ -13,7 +13,9 @@ use crate::metrics::Counter;
 /// The end of a stream needs no demand (Reactive Streams §2.9): while the adapter may not
 /// take an item, an upstream whose `size_hint` says none is left (an iterator; a prefetch
 /// that saw its source's end) is polled for its end, so an adapter whose credit or room was
-/// used up by the last items ends instead of waiting for ever. An item such an upstream
+/// used up by the last items ends instead of waiting for ever. The hint is read at that
+/// poll: an upstream whose hint changes while the adapter waits (a channel closed then) does
+/// not wake it, and its end is seen at the adapter's next poll. An item such an upstream
 /// yields all the same (a wrong `size_hint`) is held here until the adapter may take it.
 ///
 /// Dropped while it holds one (the adapter dropped, or taken apart with `into_inner`), the

@@ -244,10 +244,13 @@ impl fmt::Debug for Ticket {
 /// buffered; a channel [`Receiver`](crate::channel::Receiver) closed for sends, with
 /// nothing left to come) for its end, so a source that ends with `high` items in flight ends the
 /// stream (a consumer that keeps its tickets until the end gets it). Any other upstream is
-/// not polled while paused. An item such an upstream yields all the same (a wrong
-/// `size_hint`) is held for room; dropped (or taken apart with
-/// [`into_inner`](Watermarks::into_inner)) while it holds it, the wrapper discards it,
-/// counted in `flowgate_demand_discarded_total`.
+/// not polled while paused. The `size_hint` is read when the wrapper is polled while
+/// paused, and nothing wakes the wrapper when it changes later: a channel closed (or its
+/// last sender dropped) only after the wrapper paused is seen at its next poll, when a
+/// ticket is dropped (a consumer that keeps every ticket until the end waits for ever). An
+/// item such an upstream yields all the same (a wrong `size_hint`) is held for room;
+/// dropped (or taken apart with [`into_inner`](Watermarks::into_inner)) while it holds
+/// it, the wrapper discards it, counted in `flowgate_demand_discarded_total`.
 ///
 /// `stream.watermarks(levels)` has no `min_hold` and no name; set them with
 /// [`Watermarks::builder`].

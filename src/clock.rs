@@ -16,8 +16,10 @@
 //! | inside a multi-thread runtime, or outside any runtime | the time-stamp counter (`quanta`) |
 //!
 //! [`Clock::tokio`] and [`Clock::counter`] choose explicitly, for a gate built in one
-//! runtime and used in another. Where the counter is not usable (no invariant TSC, or not
-//! x86), `quanta` falls back to the OS monotonic clock by itself.
+//! runtime and used in another. `quanta` reads the time-stamp counter on x86-64 when the CPU
+//! has an invariant one (and `rdtscp`), and the system counter (`CNTVCT_EL0`) on 64-bit ARM
+//! but iOS; elsewhere (an x86-64 CPU without an invariant TSC, 32-bit x86, iOS, other
+//! architectures) it falls back to the OS monotonic clock by itself.
 //!
 //! Every source is monotonic for one clock; readings are durations since the clock was made,
 //! so two clocks (even two clones, which share their start) never need to agree on an
@@ -92,11 +94,12 @@ impl Clock {
     /// usable counter): the cheap source. It does not follow tokio's paused time.
     ///
     /// Cheap to make: the `quanta` clock is built once per process and copied. Building one
-    /// asks the CPU (`cpuid`) whether its counter can be used, which a virtual machine
-    /// traps: ~26 µs on a 2-vCPU KVM guest, where copying it takes nanoseconds. The first
-    /// one in a process also calibrates the counter against the OS clock: a busy loop in
-    /// `quanta` of at least 500 rounds, until the two agree, at most 200 ms. Make the first
-    /// gate, pacer or clock before serving, not in a task whose latency matters.
+    /// on x86-64 asks the CPU (`cpuid`) whether its counter can be used, which a virtual
+    /// machine traps: ~26 µs on a 2-vCPU KVM guest, where copying it takes nanoseconds. The
+    /// first one in a process (where there is a counter) also calibrates the counter against
+    /// the OS clock: a busy loop in `quanta` of at least 500 rounds, until the two agree, at
+    /// most 200 ms. Make the first gate, pacer or clock before serving, not in a task whose
+    /// latency matters.
     pub fn counter() -> Clock {
         static COUNTER: OnceLock<quanta::Clock> = OnceLock::new();
         let clock = COUNTER.get_or_init(quanta::Clock::new).clone();

@@ -40,6 +40,10 @@ pub struct Decision {
     /// Units that could still be admitted right now, after this decision.
     pub remaining: u64,
     /// When rejected: how long until the same request would be admitted. Zero when allowed.
+    ///
+    /// In the decisions of an all-or-nothing `check_all`, how long until this limit would
+    /// admit it: zero for a limit that had room but was not charged because another did
+    /// not, so the request's wait is the longest `retry_after` of its decisions.
     pub retry_after: Duration,
     /// How long until the limiter is back to its full quota (neutral state).
     pub reset_after: Duration,

@@ -100,7 +100,8 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// bucket has room for `cost`, and then charged on all of them; otherwise nothing is
     /// charged anywhere (layered throttling: IP + user + tenant). One decision per limit, in
     /// order; `allowed` is the same in all of them, and the limits that blocked have a
-    /// non-zero `retry_after`.
+    /// non-zero `retry_after`. Those that had room have none, though rejected too: the
+    /// request's wait is the longest `retry_after` of them all, not the first limit's.
     ///
     /// [`MemoryGate`](crate::gate::MemoryGate) and [`RedisGate`](crate::gate::RedisGate)
     /// forward to their inherent `check_all` (the Redis one under the gate's failure
@@ -137,6 +138,9 @@ pub trait Gate: Send + Sync + fmt::Debug {
     /// assert!(!d[0].allowed && !d[1].allowed);
     /// assert!(d[1].retry_after > Duration::ZERO); // the user's bucket is empty
     /// assert_eq!(d[0].remaining, 1); // and the IP's was not charged
+    /// assert_eq!(d[0].retry_after, Duration::ZERO); // nor did it block: wait the longest
+    /// let wait = d.iter().map(|d| d.retry_after).max();
+    /// assert_eq!(wait, Some(d[1].retry_after));
     /// # Ok(())
     /// # }
     /// ```

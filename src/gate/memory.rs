@@ -374,7 +374,8 @@ impl MemoryGate {
     /// falls back to this under [`FailurePolicy::Fallback`](crate::gate::FailurePolicy).
     ///
     /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
-    /// the limits that blocked have a non-zero `retry_after`. A key listed `n` times is one
+    /// the limits that blocked have a non-zero `retry_after` (those that had room have none:
+    /// the request's wait is the longest of them all). A key listed `n` times is one
     /// bucket charged `n × cost`. These buckets are apart from the gate's own limit (a key
     /// here and in [`check`](MemoryGate::check) are two buckets); they hold at most
     /// [`max_keys`](MemoryGate::max_keys) keys over every quota together (one quota may use

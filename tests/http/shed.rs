@@ -664,9 +664,9 @@ async fn a_panicking_classifier_counts_its_request_cancelled() {
 
 /// A service that answers `200` at once, whose `Clone` (`on_clone`) or `Drop` (user code
 /// both) panics once, when `armed`.
-struct Armed {
-    armed: Arc<AtomicBool>,
-    on_clone: bool,
+pub(crate) struct Armed {
+    pub(crate) armed: Arc<AtomicBool>,
+    pub(crate) on_clone: bool,
 }
 
 impl Armed {

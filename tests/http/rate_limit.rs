@@ -2726,7 +2726,6 @@ async fn a_panicking_extractor_cost_or_reason_counts_the_request_once_and_charge
 /// (as the `ShedLayer`'s did); it is counted `cancelled` (not passed on, nothing charged),
 /// and the next request is decided as usual.
 #[tokio::test]
-#[ignore = "fault: a request whose inner service's Clone panics in call is counted nowhere"]
 async fn an_inner_service_whose_clone_panics_counts_its_request_cancelled() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -161,7 +161,8 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// Labelled by `name`: `flowgate_http_decisions_total` by `outcome` (`admitted`,
 /// `rejected`, `shadow_rejected`, `gate_error`, `fail_open`, `fail_closed`, `missing_key`,
 /// `bad_request`, and `cancelled`: dropped before the gate answered, or after the recorder
-/// panicked counting the outcome), the same counts as [`stats`](RateLimitLayer::stats),
+/// panicked counting the outcome, or the inner service's `Clone` panicked in `call`), the
+/// same counts as [`stats`](RateLimitLayer::stats),
 /// each request in one outcome (but in shadow mode, see above). Keys are never labels.
 ///
 /// # Examples

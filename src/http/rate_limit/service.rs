@@ -90,9 +90,23 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> RateLimitFuture<S, G, B, K> {
-        // The service that was polled ready goes with the request; a fresh clone stays.
+        // The service that was polled ready goes with the request; a fresh clone stays. The
+        // clone is user code: if it panics, the request is counted as it unwinds (it has no
+        // future yet to count it).
+        let unstarted = Unstarted(&self.shared);
         let clone = self.inner.clone();
+        mem::forget(unstarted);
         let inner = mem::replace(&mut self.inner, clone);
         RateLimitFuture::new(Arc::clone(&self.shared), inner, req)
+    }
+}
+
+/// Counts its request cancelled if dropped: while the inner service's `Clone` runs in
+/// `call`, before the request has a [`RateLimitFuture`] to count it.
+struct Unstarted<'a, G>(&'a Shared<G>);
+
+impl<G> Drop for Unstarted<'_, G> {
+    fn drop(&mut self) {
+        self.0.cancelled();
     }
 }

@@ -31,7 +31,9 @@ pub struct RateLimitStats {
     /// Given up before it was decided: its response future was dropped before the gate
     /// answered (the client went away during a remote gate's round trip, or before the
     /// future was first polled), or dropped after a metrics recorder panicked as its
-    /// outcome was counted (the panic went to the caller, the request was not passed on).
+    /// outcome was counted (the panic went to the caller, the request was not passed on),
+    /// or the inner service's `Clone` panicked as `call` kept a clone of it (before the
+    /// request had a response future; nothing was decided).
     /// Its cost may be charged all the same (see
     /// [`RateLimitFuture`](crate::http::RateLimitFuture)). A request dropped once passed
     /// on counts as decided (`admitted`, say).

@@ -1213,6 +1213,47 @@ async fn a_recorder_panicking_on_a_stale_ack_lets_the_background_task_end() {
     );
 }
 
+/// A metrics recorder that panics (user code) as the background task counts what its
+/// `XACK` acknowledged does not end the task: the acks made after it are still sent within
+/// `ack_interval`, also once the source is gone. The panic ended the task: those acks went
+/// only with a fetch or `flush_acks`, those made after the source was dropped never (their
+/// entries stayed pending, to be delivered again), and held entries were no longer kept
+/// alive (claimed by other consumers while still being worked on).
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a metrics recorder panicking in the stream source's background task ends the task"]
+async fn a_recorder_panicking_in_the_background_task_does_not_end_it() {
+    let server = RedisServer::start();
+    let mut con = server.connect().await;
+    let counters = Counters::new("bg");
+    let recorder = &counters.recorder;
+    let source = counters.build(
+        RedisStreamSource::builder(server.connect().await, KEY, GROUP, "bg")
+            .block(Duration::from_millis(50))
+            .min_idle(Duration::from_millis(300))
+            .ack_interval(Duration::from_millis(10)),
+    );
+    produce(&mut con, 2).await;
+    let mut stream = Box::pin(prefetch(source, levels(2, 0)));
+    let mut held = take(&mut stream, 2).await;
+    // The source goes: the acks are the background task's to send.
+    drop(stream);
+    let acked = "flowgate_demand_acked_total{name=bg}";
+    recorder.panic_once_on(acked);
+    held.pop().unwrap().ack.ack();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !recorder.panicked_once(acked) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(recorder.panicked_once(acked), "the task counted its XACK");
+    held.pop().unwrap().ack.ack();
+    assert_eq!(
+        drained(&mut con).await,
+        0,
+        "the ack made after the panic is still sent by the background task"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_consumer_reading_on_keeps_well_over_500_held_entries_from_other_consumers() {
     const HELD: usize = 1_500;

@@ -19,7 +19,7 @@ use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts::LimitScript;
 use crate::gate::slot::slot;
 use crate::metrics::{Counter, Histogram};
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, Panics};
 
 /// How many batch calls may be in flight at once.
 const MAX_IN_FLIGHT: usize = 4;
@@ -132,18 +132,89 @@ struct Sent<'a> {
 
 impl Drop for Sent<'_> {
     fn drop(&mut self) {
-        for r in self.batch.drain(..) {
-            let error = GateError::backend(crate::gate::error::BackendMessage(
-                "the batch driver gave this request up in flight (its runtime shut down, \
-                 or a metrics recorder panicked in it): redis may have charged it"
-                    .into(),
-            ));
-            let failed = CallError::Backend {
-                error: Some(error),
-                until_probe: std::time::Duration::ZERO,
-            };
-            r.fail(failed, self.outcomes);
+        if self.batch.is_empty() {
+            return;
         }
+        let error = GateError::backend(crate::gate::error::BackendMessage(
+            "the batch driver gave this request up in flight (its runtime shut down, or a \
+             metrics recorder panicked in it): redis may have charged it"
+                .into(),
+        ));
+        let failed = CallError::Backend {
+            error: Some(error),
+            until_probe: std::time::Duration::ZERO,
+        };
+        let batch = std::mem::take(&mut self.batch);
+        Answering::new(
+            batch.into_iter().map(|r| (r, Err(failed.clone()))),
+            0,
+            self.outcomes,
+        )
+        .all();
+    }
+}
+
+/// The callers of a batch Redis answered (or failed), each to be sent its answer, in order.
+/// A caller's waker runs as its answer is sent (user code): one that panics must not leave
+/// the callers after it unanswered, or each would ask Redis again alone and be charged
+/// twice. So those left when this is dropped by that panic are answered as it unwinds, each
+/// under [`Panics`] (one more waker panicking there is dropped: the first goes on).
+struct Answering<'a, I: Iterator<Item = (Request, Result<Decision, CallError>)>> {
+    rest: I,
+    /// The backend's count of resets when the call was sent.
+    seen: u64,
+    outcomes: &'a Arc<Outcomes>,
+    /// The answers of callers gone: their decisions are counted (by the metrics recorder,
+    /// user code) when these are dropped, once every caller is answered.
+    unread: Vec<Answer>,
+    /// Every caller was answered by [`all`](Answering::all).
+    done: bool,
+}
+
+impl<'a, I: Iterator<Item = (Request, Result<Decision, CallError>)>> Answering<'a, I> {
+    fn new(rest: I, seen: u64, outcomes: &'a Arc<Outcomes>) -> Self {
+        Answering {
+            rest,
+            seen,
+            outcomes,
+            unread: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// Answer every caller left, then count the decisions of those gone.
+    fn all(mut self) {
+        self.answer_rest();
+        self.done = true;
+        drop(std::mem::take(&mut self.unread));
+    }
+
+    fn answer_rest(&mut self) {
+        for (r, result) in self.rest.by_ref() {
+            self.unread
+                .extend(r.answer((result, self.seen), self.outcomes));
+        }
+    }
+}
+
+impl<I: Iterator<Item = (Request, Result<Decision, CallError>)>> Drop for Answering<'_, I> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // A waker's panic cut `all` short: a pass per panic over the callers left (each
+        // pass consumes the caller whose waker panicked).
+        let mut panics = Panics::new();
+        let mut answered = false;
+        while !answered {
+            panics.run(|| {
+                self.answer_rest();
+                answered = true;
+            });
+        }
+        let unread = std::mem::take(&mut self.unread);
+        panics.run(|| drop(unread));
+        panics.resume();
     }
 }
 
@@ -459,24 +530,20 @@ where
             Ok((decisions, seen, latency)) => {
                 // Every caller is answered before the decisions of those gone are counted: a
                 // recorder that panics there must not leave the callers after them
-                // unanswered (each would ask Redis again alone, and be charged twice).
-                let unread: Vec<Answer> = batch
+                // unanswered (each would ask Redis again alone, and be charged twice); nor
+                // must a caller's waker that panics as it is answered (see `Answering`).
+                let answers = batch
                     .into_iter()
                     .zip(decisions)
-                    .filter_map(|(r, decision)| {
-                        let decision = decision.map_err(CallError::Request);
-                        r.answer((decision, seen), &self.outcomes)
-                    })
-                    .collect();
-                drop(unread);
+                    .map(|(r, decision)| (r, decision.map_err(CallError::Request)));
+                Answering::new(answers, seen, &self.outcomes).all();
                 // Last: a recorder that panics as it records the round trip takes no
                 // answer from a caller.
                 drop(latency);
             }
             Err(error) => {
-                for r in batch {
-                    r.fail(error.clone(), &self.outcomes);
-                }
+                let failed = batch.into_iter().map(|r| (r, Err(error.clone())));
+                Answering::new(failed, 0, &self.outcomes).all();
             }
         }
     }

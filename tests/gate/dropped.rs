@@ -427,7 +427,6 @@ async fn a_recorder_panic_on_a_gone_callers_decision_charges_no_batched_caller_t
 /// panic dropped them unanswered: each asked Redis again alone, was charged twice, and one
 /// Redis had admitted was refused (its token spent for nothing).
 #[tokio::test]
-#[ignore = "fault: a batched caller's panicking waker leaves the callers after it unanswered, each charged twice"]
 async fn a_panicking_waker_of_a_batched_caller_charges_no_other_caller_twice() {
     after_one_misbehaving_in_a_batch("woken", Misbehaving::WakerPanics).await;
 }

@@ -1221,7 +1221,6 @@ async fn a_recorder_panicking_on_a_stale_ack_lets_the_background_task_end() {
 /// alive (claimed by other consumers while still being worked on).
 #[cfg(feature = "metrics")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a metrics recorder panicking in the stream source's background task ends the task"]
 async fn a_recorder_panicking_in_the_background_task_does_not_end_it() {
     let server = RedisServer::start();
     let mut con = server.connect().await;

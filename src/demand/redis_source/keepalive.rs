@@ -1,7 +1,9 @@
 //! The source's background task: sends queued acks, keeps held entries from going idle.
 
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use futures::FutureExt;
 use redis::RedisResult;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
@@ -59,8 +61,14 @@ pub(super) async fn keep_in_background<C: ConnectionLike>(
             // Not later than the keep-alive: the wait must not hold it up.
             tokio::time::sleep_until((Instant::now() + cfg.ack_interval).min(next_touch)).await;
             // Failed, the ids are queued again: retried after the next interval, unless
-            // no handle is left to wait for.
-            if queue.send(&mut conn, &cfg).await.is_err() && queue.lock().handles == 0 {
+            // no handle is left to wait for. A panic of user code in the send (a metrics
+            // recorder counting its acks, the waker of a `flush_acks` or a fetch told that
+            // it is done) ends that send, not this task: once the source is gone, no other
+            // sends the acks, and none keeps the held entries alive.
+            let sent = AssertUnwindSafe(queue.send(&mut conn, &cfg))
+                .catch_unwind()
+                .await;
+            if matches!(sent, Ok(Err(_))) && queue.lock().handles == 0 {
                 return;
             }
         }

@@ -23,7 +23,8 @@ where
     /// every `(key, quota)` bucket has room for `cost`, and then charged on all of them;
     /// otherwise nothing is charged anywhere (layered throttling: IP + user + tenant).
     /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
-    /// the limits that blocked have a non-zero `retry_after`.
+    /// the limits that blocked have a non-zero `retry_after` (those that had room have none:
+    /// the request's wait is the longest of them all).
     ///
     /// - **Keys** get the gate's prefix, as in [`check`](RedisGate::check): give the keys of
     ///   each layer a name of its own (`ip:10.0.0.1`, `user:7`), since one key is one bucket

@@ -668,6 +668,64 @@ async fn an_allowance_lets_no_more_than_the_server_has_through_before_its_reset(
     }
 }
 
+/// Units a caller waiting on `a` in a loop gets in 2 s while responses come back every
+/// 370 µs, between the timer's 1 ms ticks as replies from the network do; each reports
+/// `allowance` (`remaining`, `reset`) if given.
+async fn released_between_ticks(a: &AdaptivePacer, allowance: Option<(u64, Duration)>) -> u64 {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let released = Arc::new(AtomicU64::new(0));
+    let (pacer, count) = (a.clone(), released.clone());
+    let caller = tokio::spawn(async move {
+        loop {
+            pacer.until_ready(1).await.unwrap();
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let step = Duration::from_micros(370);
+    let start = Instant::now();
+    while start.elapsed() < 2 * SECOND {
+        advance(step).await;
+        tokio::task::yield_now().await;
+        if let Some((remaining, reset)) = allowance {
+            a.on_allowance(remaining, reset);
+        }
+    }
+    caller.abort();
+    released.load(Ordering::Relaxed)
+}
+
+/// An allowance the pacer cannot use up before its reset holds nothing: a million left
+/// within a minute (`X-RateLimit-Remaining` / `-Reset`, no policy) reported with every
+/// response must not cost a pacer at 3 000/s or 10 000/s its timer tolerance. Each report
+/// held the schedule to one unit at that instant, so the units a late tick was to catch up
+/// were lost whenever a response came between ticks: 5 420 units in 2 s where 6 015 passed
+/// without the reports, 13 667 where 20 049 did.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: an ample allowance drops the pacer's timer tolerance at every response"]
+async fn an_allowance_the_pacer_cannot_use_up_costs_it_no_rate() {
+    for per_second in [3_000, 10_000] {
+        let build = || {
+            AdaptivePacer::builder(Rate::per_second(per_second).unwrap())
+                .build()
+                .unwrap()
+        };
+        // The rate for 2 s, as without the reports (the caller starts at an instant of
+        // another phase against the ticks each time: a unit more or less at the ends).
+        let due = 2 * u64::from(per_second);
+        let plain = released_between_ticks(&build(), None).await;
+        assert!(
+            plain >= due,
+            "{per_second}/s without the reports: {plain} in 2 s"
+        );
+        let ample = released_between_ticks(&build(), Some((1_000_000, 60 * SECOND))).await;
+        assert!(
+            ample >= due,
+            "{per_second}/s: {ample} in 2 s ({plain} without the reports)"
+        );
+    }
+}
+
 /// 30 s of one request and one success a second, far below a rate of 100/s: the rate
 /// must not grow.
 async fn one_response_a_second_leaves_the_rate_at_100(a: &AdaptivePacer) {

@@ -702,7 +702,6 @@ async fn released_between_ticks(a: &AdaptivePacer, allowance: Option<(u64, Durat
 /// were lost whenever a response came between ticks: 5 420 units in 2 s where 6 015 passed
 /// without the reports, 13 667 where 20 049 did.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: an ample allowance drops the pacer's timer tolerance at every response"]
 async fn an_allowance_the_pacer_cannot_use_up_costs_it_no_rate() {
     for per_second in [3_000, 10_000] {
         let build = || {

@@ -132,6 +132,7 @@ impl AdaptivePacerBuilder {
             floor,
             ceiling_rate: self.ceiling,
             floor_rate,
+            ceiling_burst: Pacer::default_quota(self.ceiling).burst_size(),
             decrease: self.decrease,
             increase: self.increase,
             cooldown: self.cooldown,

@@ -600,8 +600,10 @@ impl RetryPolicyBuilder {
 /// retried afterwards. Nothing is lost unseen: the budget and the pacer have heard of every
 /// attempt that ended (an attempt dropped under way has no outcome, so neither hears of
 /// it); the drop is counted once as a `cancelled` stop
-/// (`flowgate_retry_stopped_total{stop="cancelled"}`); an attempt dropped under way was
-/// made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram),
+/// (`flowgate_retry_stopped_total{stop="cancelled"}`), once the future was polled (dropped
+/// before its first poll, as a `select!` whose other branch was ready first drops it, it
+/// started nothing, and counts nothing: an `async fn` runs none of its body until polled);
+/// an attempt dropped under way was made and counts in `flowgate_retry_attempts_total` (not in the round-trip histogram),
 /// once `op` returned its future (an `op` that panics before returning it made none: its
 /// panic drops the operation as a drop does); a retry the budget allowed and the drop
 /// prevented is counted as [`abandoned`](crate::retry::RetryBudgetStats::abandoned) (its

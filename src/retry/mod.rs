@@ -82,8 +82,10 @@
 //! `flowgate_retry_stopped_total` by `stop` (`success`, `fatal`, `gave_up`, `budget`,
 //! `timed_out`, `not_retryable`, and `cancelled` for an operation dropped before it
 //! ended): each operation counts exactly one stop (an operation is a call of
-//! [`retry()`](retry()) or a request given to `Retry::call`; an error of `Retry`'s own
-//! `poll_ready`, before any request, is returned as a `fatal` stop and counted nowhere).
+//! [`retry()`](retry()) whose future was polled, or a request given to `Retry::call`; a
+//! `retry()` future dropped before its first poll did nothing and counts nothing, as an
+//! `async fn` does not start until polled; an error of `Retry`'s own `poll_ready`, before
+//! any request, is returned as a `fatal` stop and counted nowhere).
 //! The same reason is in what the caller gets, with or without the `metrics` feature:
 //! [`Retried::stop`], `RetryInfo::stop` on a response, [`RetryError::stop`] on an error.
 //!
@@ -91,10 +93,13 @@
 //!
 //! [`retry()`](retry()) and `RetryFuture` may be dropped at any point (a caller's timeout, a
 //! `select!`): the operation ends there, nothing is sent afterwards, and it is counted once,
-//! as a `cancelled` stop. An attempt under way was sent (it counts as an attempt, with no
-//! outcome for the budget or the pacer); a retry the budget allowed but not yet sent is
-//! counted as abandoned ([`RetryBudget::abandon_retry`]); its token stays taken, because
-//! the attempt before it did fail.
+//! as a `cancelled` stop. A `retry()` future dropped before its first poll (a `select!`
+//! whose other branch was ready first) started nothing and counts no stop; a `RetryFuture`
+//! never polled counts its `cancelled` stop, as its request was given to `call`. An attempt
+//! under way was sent (it counts as an attempt, with no outcome for the budget or the
+//! pacer); a retry the budget allowed but not yet sent is counted as abandoned
+//! ([`RetryBudget::abandon_retry`]); its token stays taken, because the attempt before it
+//! did fail.
 
 mod backoff;
 mod budget;

@@ -1612,6 +1612,71 @@ fn a_default_max_limit_gives_way_to_initial_and_min_limit() {
     assert_eq!(bulkhead.max_in_flight(), 2_000);
 }
 
+/// A `Probe` whose `initial` is at its default `max_limit` (1000, or an `initial` above
+/// it, which the default max rises to) holds from the start: there is no room to double.
+/// Its adaptive bulkhead then raises that max to its own bound, and the room is there: it
+/// slow-starts from `initial`, as one started one lower does. It held at its `initial`
+/// instead, and grew one trial step (a 32nd) at a time, every ninth window at best:
+/// `Bulkhead::builder(10_000).adaptive(Probe::builder().initial(1_000).build()?)` was at
+/// 1000 after four windows of calls that reached it, where an `initial` of 999 was at
+/// 10 000.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a Probe started at its default max_limit never slow-starts once a bulkhead raises that max"]
+async fn probe_slow_starts_from_its_default_max_once_a_bulkhead_raises_it() {
+    let after_four_windows = |initial: u32| {
+        let mut probe = Probe::builder().initial(initial).build().unwrap();
+        probe.bound(1, 10_000);
+        let mut now = Duration::ZERO;
+        for _ in 0..4 {
+            // A window of calls that reached the limit, none queued: one round trip, a
+            // quarter of the limit and one more calls, each 10 ms.
+            let limit = probe.limit();
+            now += 10 * MS;
+            for _ in 0..=limit / 4 {
+                probe.update(&Sample {
+                    rtt: 10 * MS,
+                    in_flight: limit,
+                    outcome: Outcome::Ok,
+                    now,
+                });
+            }
+        }
+        (probe.limit(), probe.in_slow_start())
+    };
+    for initial in [999, 1_000, 2_000] {
+        let reached = after_four_windows(initial);
+        assert_eq!(
+            reached,
+            (10_000, false),
+            "doubled from {initial} to the bound"
+        );
+    }
+    // A max given explicitly is kept: no room, no slow start.
+    let mut given = Probe::builder()
+        .initial(1_000)
+        .max_limit(1_000)
+        .build()
+        .unwrap();
+    given.bound(1, 10_000);
+    assert!(!given.in_slow_start());
+    // Through a bulkhead: the first window of calls that reach 1000 doubles it.
+    let bulkhead = Bulkhead::builder(10_000)
+        .adaptive(Probe::builder().initial(1_000).build().unwrap())
+        .build()
+        .unwrap();
+    let permits: Vec<_> = futures::future::join_all((0..1_000).map(|_| bulkhead.acquire()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    tokio::time::advance(10 * MS).await;
+    // The last granted first: the window's first call saw 1000 in flight.
+    for permit in permits.into_iter().rev() {
+        permit.record(Outcome::Ok);
+    }
+    assert_eq!(bulkhead.max_in_flight(), 2_000);
+}
+
 /// What an operator reads from an adaptive bulkhead's metrics agrees with
 /// [`Bulkhead::adaptive_stats`]: each sample counted once under its outcome (a permit
 /// dropped without an outcome is `ignored`), `max_in_flight` and the RTT estimates as the

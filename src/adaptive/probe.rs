@@ -201,6 +201,15 @@ impl Probe {
         self.up_next = false;
     }
 
+    /// Whether it holds as built, at its max, with nothing learnt yet: no window decided
+    /// (a round-trip time), no cut (which holds `probe_interval` windows in).
+    fn unstarted(&self) -> bool {
+        self.phase == (Phase::Hold { windows: 0 })
+            && self.srtt.get().is_none()
+            && self.base_rtt.is_none()
+            && self.previous.is_none()
+    }
+
     /// Congestion at `now`: back to the last level that showed none in slow start, else
     /// `limit × backoff_ratio`; the next trial (after one window) goes lower. The calls in
     /// flight now do not cut again.
@@ -455,8 +464,14 @@ impl AdaptiveLimit for Probe {
     fn bound(&mut self, min_limit: u32, max_limit: u32) {
         self.bounds.narrow(min_limit, max_limit, &mut self.limit);
         self.base = self.bounds.clamp(self.base);
-        if self.phase == Phase::SlowStart && self.limit >= f64::from(self.bounds.max) {
+        let at_max = self.limit >= f64::from(self.bounds.max);
+        if self.phase == Phase::SlowStart && at_max {
             self.hold(self.limit, self.base_rtt, 0);
+        } else if !at_max && self.unstarted() {
+            // Held from the start only because it began at its max (a default one, which
+            // these bounds raised), and nothing learnt since: as built with these bounds,
+            // it slow-starts.
+            self.phase = Phase::SlowStart;
         }
     }
 

@@ -21,8 +21,8 @@ use crate::error::{ConfigError, ConfigErrorKind};
 /// ```
 ///
 /// then `L ← (1 − smoothing)·L + smoothing·new`. Defaults: `alpha` 3, `beta` 6,
-/// `smoothing` 1. [`Outcome::BackPressure`] lowers the limit by `f(L)`, once per congestion
-/// epoch. An `Ok` sample of a call that saw less than half the limit in flight (an
+/// `smoothing` 1. [`Outcome::BackPressure`] makes `new = L − f(L)`, smoothed the same way
+/// (it lowers the limit by `smoothing × f(L)`), once per congestion epoch. An `Ok` sample of a call that saw less than half the limit in flight (an
 /// app-limited caller) changes the limit neither way: only its round-trip time counts,
 /// towards the no-load time. So does the first `Ok` sample, and the first after each probe
 /// (below): with no no-load time yet, its own round-trip time becomes it, and its queue

@@ -752,8 +752,18 @@ fn knee_writes_its_default_plot_into_its_target_directory() {
 #[test]
 fn knee_finds_a_large_simulated_knee_where_it_is() {
     let dir = support::TempDir::new("knee-large");
+    let (knee, stdout) = simulated_knee_found(&dir, 1000);
+    assert!(
+        (900..=1100).contains(&knee),
+        "knee {knee} for 1000:\n{stdout}"
+    );
+}
+
+/// The knee `knee` reports for a simulated downstream whose knee is `true_knee` (its plot
+/// written into `dir`), and what it printed.
+fn simulated_knee_found(dir: &support::TempDir, true_knee: u32) -> (u32, String) {
     let out = example("knee")
-        .args(["--knee", "1000", "--out"])
+        .args(["--knee", &true_knee.to_string(), "--out"])
         .arg(dir.path().join("knee.svg"))
         .output()
         .expect("knee runs");
@@ -763,8 +773,25 @@ fn knee_finds_a_large_simulated_knee_where_it_is() {
         .lines()
         .find_map(|l| l.strip_prefix("knee: ")?.split(' ').next()?.parse().ok())
         .unwrap_or_else(|| panic!("no knee in:\n{stdout}"));
-    assert!(
-        (900..=1100).contains(&knee),
-        "knee {knee} for 1000:\n{stdout}"
-    );
+    (knee, stdout)
+}
+
+/// A small simulated knee is found where it is, as the default one is: `--knee 4` was found
+/// at 7 and `--knee 2` at 4, with a recommendation of 4 and 2, each the whole true knee and
+/// not 65 % of it. The simulated downstream grew 1.1× slower per call above its knee
+/// whatever the knee, and that is too gentle for a small one: its throughput peaks at
+/// the knee only when `knee · ln 1.1 > 1 − slope` (`adaptive::sim`), about from a knee of
+/// 10 on; below, it went on rising well past the knee (to 9 or 10 calls in flight for a
+/// knee of 2 or 5), and the knee rule read it there.
+#[test]
+#[ignore = "fault: knee's simulator peaks above a small --knee, which is found too high"]
+fn knee_finds_a_small_simulated_knee_where_it_is() {
+    let dir = support::TempDir::new("knee-small");
+    for true_knee in [1u32, 2, 4, 6] {
+        let (knee, stdout) = simulated_knee_found(&dir, true_knee);
+        assert!(
+            (true_knee.saturating_sub(1).max(1)..=true_knee).contains(&knee),
+            "knee {knee} for {true_knee}:\n{stdout}"
+        );
+    }
 }

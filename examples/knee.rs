@@ -20,9 +20,10 @@
 //!
 //! The simulator answers a call in 25 ms alone, 24 % slower at its knee whatever the knee
 //! (a linear rise: the cost of sharing), and exponentially slower above it (a queue:
-//! steepness 1.1, see `flowgate::adaptive::sim`), with ±10 % jitter. Its throughput peaks
-//! at the knee; the knee the search reports is where the throughput reaches 97 % of its
-//! best (see `flowgate::adaptive::knee`), a little lower: 46 for 48, 963 for 1,000.
+//! steepness 1.1 from a knee of 48 up, steeper below it, see `flowgate::adaptive::sim`),
+//! with ±10 % jitter. Its throughput peaks at the knee; the knee the search reports is
+//! where the throughput reaches 97 % of its best (see `flowgate::adaptive::knee`), a
+//! little lower: 46 for 48, 963 for 1,000, 4 for 4.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
 //! of simulated load take under a second of CPU in the debug build `cargo run` makes (it
@@ -73,6 +74,21 @@ struct Args {
 /// knee (6× slower than alone at a knee of 1,000 with 0.005), its throughput flat from far
 /// below it, and the knee found there (792 for 1,000).
 const SLOPE_TO_KNEE: f64 = 0.24;
+
+/// How much slower each call above the knee makes the simulated downstream, at the default
+/// knee (48) and above. A smaller knee gets a steeper queue, `1.1^(48 / knee)`, so that its
+/// throughput peaks at its knee too: a downstream's throughput peaks at its knee only where
+/// `knee · ln k > 1 − slope` (`flowgate::adaptive::sim`), with 1.1 from a knee of about 10
+/// on; below, it rose well past the knee, and `--knee 4` was found at 7. Against
+/// `n / knee`, every knee up to 48 now has the default's curve.
+const STEEPNESS: f64 = 1.1;
+
+/// The simulated downstream's steepness for `knee` (see [`STEEPNESS`]).
+fn steepness(knee: u32) -> f64 {
+    STEEPNESS
+        .powf(f64::from(SIMULATED_KNEE) / f64::from(knee))
+        .max(STEEPNESS)
+}
 
 const USAGE: &str = "usage: knee [--url http://127.0.0.1:PORT/ | --knee N (simulated, default 48)] [--max-concurrency N (default 1024, at most 65536)] [--out FILE.svg]";
 
@@ -205,7 +221,7 @@ fn run() -> Result<(), Failure> {
             let target = runtime.block_on(async {
                 Downstream::builder()
                     .knee(knee)
-                    .steepness(1.1)
+                    .steepness(steepness(knee))
                     .slope(SLOPE_TO_KNEE / f64::from(knee))
                     .jitter(0.1)
                     .capacity(knee.saturating_mul(2))

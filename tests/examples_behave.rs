@@ -784,7 +784,6 @@ fn simulated_knee_found(dir: &support::TempDir, true_knee: u32) -> (u32, String)
 /// 10 on; below, it went on rising well past the knee (to 9 or 10 calls in flight for a
 /// knee of 2 or 5), and the knee rule read it there.
 #[test]
-#[ignore = "fault: knee's simulator peaks above a small --knee, which is found too high"]
 fn knee_finds_a_small_simulated_knee_where_it_is() {
     let dir = support::TempDir::new("knee-small");
     for true_knee in [1u32, 2, 4, 6] {

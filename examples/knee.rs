@@ -16,7 +16,10 @@
 //! of this crate unless `CARGO_TARGET_DIR` says otherwise), wherever cargo runs from. It
 //! prints where, and checks that it can write there before the search starts. The ramp
 //! stops at `--max-concurrency` (1,024 unless given, at most 65,536) if nothing saturates
-//! before: a simulated `--knee` above it is refused, as the search could not find it.
+//! before: a simulated `--knee` above it is refused, as the search could not find it. Nor
+//! does it find one at or just below it (`--knee 44 --max-concurrency 48`): a knee counts
+//! only once a step above it saturates, so such a run ends with "no knee found", telling
+//! to raise `--max-concurrency`.
 //!
 //! The simulator answers a call in 25 ms alone, 24 % slower at its knee whatever the knee
 //! (a linear rise: the cost of sharing), and exponentially slower above it (a queue:

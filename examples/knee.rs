@@ -21,12 +21,13 @@
 //! only once a step above it saturates, so such a run ends with "no knee found", telling
 //! to raise `--max-concurrency`.
 //!
-//! The simulator answers a call in 25 ms alone, 24 % slower at its knee whatever the knee
-//! (a linear rise: the cost of sharing), and exponentially slower above it (a queue:
-//! steepness 1.1 from a knee of 48 up, steeper below it, see `flowgate::adaptive::sim`),
-//! with ±10 % jitter. Its throughput peaks at the knee; the knee the search reports is
-//! where the throughput reaches 97 % of its best (see `flowgate::adaptive::knee`), a
-//! little lower: 46 for 48, 963 for 1,000, 4 for 4.
+//! The simulator answers a call in 25 ms alone, some 24 % slower at its knee whatever the
+//! knee (a linear rise, the cost of sharing: `0.24 × (knee − 1) / knee`, so less for a knee
+//! of a few, none for 1), and exponentially slower above it (a queue: steepness 1.1 from a
+//! knee of 48 up, steeper below it, see `flowgate::adaptive::sim`), with ±10 % jitter. Its
+//! throughput peaks at the knee; the knee the search reports is where the throughput
+//! reaches 97 % of its best (see `flowgate::adaptive::knee`), a little lower: 46 for 48,
+//! 963 for 1,000, 4 for 4.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
 //! of simulated load take under a second of CPU in the debug build `cargo run` makes (it

@@ -165,7 +165,10 @@ pub struct AdaptiveStatus {
 ///   second, a step that grows the longer no cut came (so a server that raised its limit
 ///   is found in seconds), and doubles every second while below half the last good rate
 ///   (after a deep cut). Growth is per second of time, not per response, so it does not
-///   depend on the rate.
+///   depend on the rate. After an outage in which nothing got through, the cuts take the
+///   last good rate down with the rate, to the floor: the climb back starts from there,
+///   with no memory of the rate before the outage, and takes tens of seconds, not seconds,
+///   to get back to a rate a hundred times the floor.
 /// - **Tracking** (the server sends `RateLimit` and `RateLimit-Policy`): the server's
 ///   remaining `r` is a shared bucket that every client of that server drains; its trend is
 ///   the aggregate's surplus over the sustained rate `q / w`. The rate is corrected by the

@@ -37,3 +37,6 @@ mod downstreams;
 
 #[path = "http/why.rs"]
 mod why;
+
+#[path = "http/journey.rs"]
+mod journey;

@@ -160,7 +160,9 @@ pub(super) struct Inner<C> {
 ///   limit, say) sends the next request on a cached key to Redis, and keeps the rejection
 ///   if Redis cannot answer. Bounded (`reject_cache`, default 10 000 keys).
 /// - **Failure policy**: every decision is bounded by `timeout` (default 50 ms). On an error
-///   or timeout the [`FailurePolicy`] decides; after a failure Redis is probed at most every
+///   or timeout the [`FailurePolicy`] decides (a request that timed out was sent: a Redis
+///   that was only slow or paused still runs its script when it resumes and charges it,
+///   whatever the policy answered); after a failure Redis is probed at most every
 ///   `probe_interval` (default 1 s) instead of being hammered, and the gate returns to Redis
 ///   by itself when a probe succeeds. Transitions are logged (`tracing`) and counted. Every
 ///   path (`check`, batches, leases, [`check_all`](RedisGate::check_all)) calls Redis

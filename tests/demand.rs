@@ -1179,7 +1179,6 @@ fn a_dropped_token_holds_the_commit_and_is_counted() {
 /// ones: with `max_pending` 2 and offsets 1 and 2 pending, it said "2 offsets are pending
 /// behind unfinished offset 1", where only offset 2 is behind it.
 #[test]
-#[ignore = "fault: PendingFull says max_pending offsets are pending behind the oldest, which is one of them"]
 fn a_full_tracker_says_how_many_offsets_it_holds_counting_the_oldest() {
     let tracker = CommitTracker::builder().max_pending(2).build().unwrap();
     let _a = tracker.track(1).unwrap();

@@ -59,8 +59,8 @@ impl fmt::Display for TrackError {
                 max_pending,
             } => write!(
                 f,
-                "offset {offset} not tracked: {max_pending} offsets are pending behind \
-                 unfinished offset {oldest}"
+                "offset {offset} not tracked: the tracker holds its {max_pending} pending \
+                 offsets, from unfinished offset {oldest} on"
             ),
         }
     }

@@ -51,9 +51,15 @@
 //! once an `XACK` failed). An entry is never lost: one dropped unacknowledged, or
 //! acknowledged when the runtime shuts down before its `XACK` is sent, stays pending and is
 //! delivered again (at the source's next start under the same consumer name, or claimed
-//! after `min_idle`); such acks are counted in `flowgate_demand_unsent_acks_total`. To stop without delivering again what was
-//! done: stop polling the stream, let the work in flight finish and acknowledge, then call
-//! `flush_acks` (through [`Prefetch::get_mut`]) before the runtime shuts down. A source
+//! after `min_idle`); such acks are counted in `flowgate_demand_unsent_acks_total`. To stop
+//! without delivering again what was done: stop taking new entries, let the work in flight
+//! finish and acknowledge, then call `flush_acks` (through [`Prefetch::get_mut`]) before the
+//! runtime shuts down. Work that an adapter of the stream itself runs
+//! ([`bulkhead_map_unordered`](crate::FlowStreamExt::bulkhead_map_unordered))
+//! moves only while the stream is polled, and polling it pulls more from the source: close
+//! its bulkhead ([`Bulkhead::close`](crate::bulkhead::Bulkhead::close)) and poll the stream
+//! until it ends (the one item the adapter held waiting for a permit is discarded
+//! unacknowledged, delivered again), then flush. A source
 //! built again under the same name in the same process first sends what the one before
 //! left queued.
 //!

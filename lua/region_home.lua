@@ -241,14 +241,31 @@ for j = 1, k do
   end
 end
 
+-- Each part rounded down, then the units left one each to the largest remainders (ties to
+-- the first listed), as the model: the parts add up to the whole of `free`.
 local function by_weight(ws)
   local total = 0
   for j = 1, k do
     total = total + ws[j]
   end
-  local out = {}
+  local out, rems, order, given = {}, {}, {}, 0
   for j = 1, k do
     out[j] = total == 0 and 0 or math.floor(free * ws[j] / total)
+    rems[j] = free * ws[j] - out[j] * total
+    order[j] = j
+    given = given + out[j]
+  end
+  if total == 0 then
+    return out
+  end
+  table.sort(order, function(a, b)
+    if rems[a] ~= rems[b] then
+      return rems[a] > rems[b]
+    end
+    return a < b
+  end)
+  for n = 1, free - given do
+    out[order[n]] = out[order[n]] + 1
   end
   return out
 end

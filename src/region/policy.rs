@@ -10,8 +10,10 @@ use std::fmt;
 /// Every policy first sets aside each region's safe share (see
 /// [`SafeShare`](crate::region::SafeShare)) and divides what is left; a region's target is its
 /// safe share plus its part of the rest. All arithmetic is on whole units of the global
-/// quota's period (a quota of 300 per second is divided in requests per second), rounded down,
-/// so the targets never add up to more than the capacity.
+/// quota's period (a quota of 300 per second is divided in requests per second), so the
+/// targets never add up to more than the capacity; a split by weight or by want rounds each
+/// part down and gives the units left one each to the largest remainders (ties to the first
+/// listed): 1 per second over three equal weights is 1 / 0 / 0.
 ///
 /// The demand-driven policies are the two algorithms of Doorman (YouTube's global rate
 /// limiter): a region's *want* is its measured demand (what it admitted plus what it
@@ -28,7 +30,7 @@ pub enum Allocation {
     #[default]
     FairShare,
     /// Everyone gets what it wants if the wants fit; otherwise each region gets the capacity
-    /// in proportion to its want. Capacity 120, wants 1000 / 50 / 10 → 113 / 5 / 1.
+    /// in proportion to its want. Capacity 120, wants 1000 / 50 / 10 → 113 / 6 / 1.
     ProportionalShare,
 }
 
@@ -84,18 +86,33 @@ impl fmt::Display for Allocation {
     }
 }
 
-/// `capacity` in proportion to `weights`, each part rounded down (all zero weights: nothing).
+/// `capacity` in proportion to `weights`, each part rounded down, then the units the
+/// rounding left one each to the largest remainders (ties to the first listed): the parts
+/// add up to the whole capacity (all zero weights: nothing). Rounded down alone, a capacity
+/// below the number of regions was lost whole (1 over three equal weights: 0 / 0 / 0).
 fn by_weight(capacity: u64, weights: &[u64]) -> Vec<u64> {
     let total: u128 = weights.iter().map(|&w| u128::from(w)).sum();
-    weights
+    if total == 0 {
+        return vec![0; weights.len()];
+    }
+    // capacity * w / total <= capacity: fits in a u64; the remainders are below `total`.
+    let (mut parts, rems): (Vec<u64>, Vec<u128>) = weights
         .iter()
         .map(|&w| {
-            // capacity * w / total <= capacity: fits in a u64. All weights zero: nothing.
-            (u128::from(capacity) * u128::from(w))
-                .checked_div(total)
-                .map_or(0, |part| u64::try_from(part).unwrap_or(0))
+            let share = u128::from(capacity) * u128::from(w);
+            (u64::try_from(share / total).unwrap_or(0), share % total)
         })
-        .collect()
+        .unzip();
+    // Below the number of regions: each part lost less than one unit.
+    let given: u128 = parts.iter().map(|&p| u128::from(p)).sum();
+    let left = usize::try_from(u128::from(capacity) - given).unwrap_or(usize::MAX);
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    // Largest remainder first, ties in index order, as the home script sorts them.
+    order.sort_by_key(|&i| (std::cmp::Reverse(rems[i]), i));
+    for &i in order.iter().take(left) {
+        parts[i] += 1;
+    }
+    parts
 }
 
 /// Max-min fair division (water filling): the smallest wants first, each getting at most an
@@ -133,7 +150,7 @@ mod tests {
         );
         assert_eq!(
             Allocation::ProportionalShare.divide(120, &[1, 1, 1], &[1000, 50, 10]),
-            [113, 5, 1]
+            [113, 6, 1]
         );
     }
 

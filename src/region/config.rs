@@ -213,12 +213,17 @@ pub(crate) fn micros(d: Duration) -> u64 {
 /// ```no_run
 /// use flowgate::region::{Allocation, QuotaAllocator};
 /// use flowgate::Quota;
+/// use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 ///
 /// #[tokio::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {
-///     let home = redis::Client::open("redis://home.internal:6379/")?
-///         .get_connection_manager()
-///         .await?;
+///     // Lazily: a home that is down as the process starts is no reason to stop it (the
+///     // region admits at its safe share until the home answers); `get_connection_manager`
+///     // would return an error then.
+///     let home = ConnectionManager::new_lazy_with_config(
+///         redis::Client::open("redis://home.internal:6379/")?,
+///         ConnectionManagerConfig::new(),
+///     )?;
 ///     let local = redis::Client::open("redis://127.0.0.1:6379/")?
 ///         .get_connection_manager()
 ///         .await?;

@@ -10,6 +10,19 @@ use redis::aio::ConnectionManager;
 
 use crate::support::RedisServer;
 
+/// An allocator `name` of 100/s (burst 10) for one region, "only", on short leases.
+fn only_region(home: ConnectionManager, name: &str) -> QuotaAllocator<ConnectionManager> {
+    QuotaAllocator::builder(home, Quota::per_second(100).unwrap().burst(10).unwrap())
+        .name(name)
+        .region(("only", 1))
+        .lease(Duration::from_secs(2))
+        .refresh_every(Duration::from_millis(300))
+        .home_timeout(Duration::from_millis(200))
+        .local_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap()
+}
+
 /// Sends requests and refreshes until the region's share is `share` and a request is
 /// admitted, for up to 10 s of real time (a generous wait, never an assertion on how long
 /// it took).
@@ -37,18 +50,7 @@ async fn until_at_share(region: &Region<ConnectionManager>, share: u64) -> bool 
 async fn a_region_whose_local_redis_restarted_empty_is_back_at_its_share_by_itself() {
     let home = RedisServer::start();
     let local = RedisServer::start();
-    let alloc = QuotaAllocator::builder(
-        home.fast_failing_manager().await,
-        Quota::per_second(100).unwrap().burst(10).unwrap(),
-    )
-    .name("restarted")
-    .region(("only", 1))
-    .lease(Duration::from_secs(2))
-    .refresh_every(Duration::from_millis(300))
-    .home_timeout(Duration::from_millis(200))
-    .local_timeout(Duration::from_millis(300))
-    .build()
-    .unwrap();
+    let alloc = only_region(home.fast_failing_manager().await, "restarted");
     assert!(alloc.init_home().await.unwrap());
     let region = alloc
         .join("only", local.fast_failing_manager().await)
@@ -63,6 +65,48 @@ async fn a_region_whose_local_redis_restarted_empty_is_back_at_its_share_by_itse
     assert!(
         until_at_share(&region, 100).await,
         "not back at its share after the local Redis restarted: {}",
+        region.status()
+    );
+}
+
+/// A process starts while the home Redis is down. Connected eagerly (as
+/// `ConnectionManager::new` does, after retrying for some 9 s), the home cannot even be
+/// handed to the builder, and a process that follows the README's example exits; connected
+/// lazily (as the `QuotaAllocator` example does), the process joins its region, admits at
+/// its safe share (nothing, here), and gets its share once the home is up, with no restart.
+#[tokio::test]
+async fn a_process_started_while_the_home_is_down_gets_its_share_once_the_home_is_up() {
+    use redis::aio::ConnectionManagerConfig;
+
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    home.kill();
+    // Eagerly, it fails (`ConnectionManager::new` after some 9 s of retries; one here).
+    let eager = ConnectionManagerConfig::new().set_number_of_retries(1);
+    assert!(
+        ConnectionManager::new_with_config(home.client(), eager)
+            .await
+            .is_err()
+    );
+    let lazy =
+        ConnectionManager::new_lazy_with_config(home.client(), ConnectionManagerConfig::new())
+            .unwrap();
+    let alloc = only_region(lazy, "home-down");
+    let region = alloc
+        .join("only", local.fast_failing_manager().await)
+        .await
+        .unwrap();
+    let status = region.status();
+    assert!(!status.home_reachable && status.share == 0, "{status}");
+    home.restart();
+    // A first deployment: the home starts without its learning phase.
+    let until = Instant::now() + Duration::from_secs(10);
+    while alloc.init_home().await.is_err() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        until_at_share(&region, 100).await,
+        "not at its share once the home is up: {}",
         region.status()
     );
 }

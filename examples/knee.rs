@@ -30,7 +30,7 @@
 //! 963 for 1,000, 4 for 4.
 //!
 //! Against the simulator the search runs under paused tokio time: its hundred-odd seconds
-//! of simulated load take under a second of CPU in the debug build `cargo run` makes (it
+//! of simulated load take about a second of CPU in the debug build `cargo run` makes (it
 //! prints how long they took), and the answer is the same every time. Against a URL it
 //! runs in real time (5 s per step, up to some 20 steps): try it on the `/report` route of
 //! `cargo run --example http_server --features http`, run in another terminal (a 1 s

@@ -131,6 +131,13 @@ impl Methods {
 /// keeps a fresh clone, `mem::replace`); later attempts make that service ready again
 /// themselves. Clones share the policy (and so its budget, pacer and metrics).
 ///
+/// Everything inside the layer is the server to it: a [`ShedLayer`](crate::http::ShedLayer)
+/// put inside it as an outbound bulkhead answers `503` with `Retry-After` when full, which
+/// the layer takes for the server's back-pressure (it pauses and cuts the shared pacer,
+/// spends budget and attempts). Bound outbound concurrency outside the layer instead (a
+/// [`Bulkhead`](crate::bulkhead::Bulkhead) around the call), knowing its permit is then
+/// held through the waits between attempts.
+///
 /// A retried response's body is read and dropped during the wait before the next attempt
 /// (up to 64 KiB or 1 024 frames; a longer one, or one still arriving when the wait ends,
 /// is dropped unread): hyper's client returns a connection to its pool only once its response was read,

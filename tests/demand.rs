@@ -155,7 +155,7 @@ proptest! {
             while let Some(item) = stream.next().await {
                 out.push(item.unwrap());
                 *consumed.lock().unwrap() += 1;
-                prop_assert!(flowgate::demand::Prefetch::buffered(&stream) <= high);
+                prop_assert!(stream.queued() <= high);
                 if pauses.next() == Some(0) {
                     tokio::task::yield_now().await;
                 }
@@ -422,9 +422,9 @@ async fn an_infallible_prefetch_yields_plain_items_and_keeps_its_buffer() {
     // Part consumed through the `Result` stream, the rest as plain items: `items()` keeps the
     // fetched batch and the fetch state.
     assert_eq!(stream.next().await, Some(Ok(0)));
-    assert_eq!(Prefetch::buffered(&stream), 3);
+    assert_eq!(stream.queued(), 3);
     let mut items = stream.items();
-    assert_eq!(Prefetch::buffered(&items), 3);
+    assert_eq!(items.queued(), 3);
     // 3 buffered, and at most the 6 the source says it has left.
     assert_eq!(items.size_hint(), (3, Some(9)));
     let rest: Vec<u32> = (&mut items).collect().await;
@@ -1723,7 +1723,7 @@ async fn the_buffered_gauge_reads_zero_when_the_stream_starves_or_ends() {
         poll!(stream.next()).is_pending(),
         "the refill waits on the source"
     );
-    assert_eq!(Prefetch::buffered(&stream), 0);
+    assert_eq!(stream.queued(), 0);
     assert_eq!(
         recorder.gauge(gauge),
         Some(0.0),
@@ -1829,7 +1829,7 @@ async fn the_buffered_gauge_reads_zero_when_a_fetch_error_is_yielded() {
         assert_eq!(stream.next().await, Some(Ok(7)));
     }
     assert_eq!(stream.next().await, Some(Err("broker down")));
-    assert_eq!(Prefetch::buffered(&stream), 0);
+    assert_eq!(stream.queued(), 0);
     assert_eq!(
         recorder.gauge(gauge),
         Some(0.0),
@@ -2059,7 +2059,7 @@ async fn a_batch_larger_than_asked_for_is_kept_whole() {
     let mut narrow = prefetch(wide.into_inner(), levels(2, 0)).items();
     assert_eq!(narrow.next().await, Some(0));
     assert_eq!(
-        Prefetch::buffered(&narrow),
+        narrow.queued(),
         7,
         "the 8 fetched for the wide stream, all kept: above `high` until consumed"
     );
@@ -2118,7 +2118,7 @@ async fn holding_2_to_5(
     });
     assert_eq!(stream.next().await, Some(0));
     assert_eq!(stream.next().await, Some(1));
-    assert_eq!(Prefetch::buffered(&stream), 4, "2, then 3..6 queued");
+    assert_eq!(stream.queued(), 4, "2, then 3..6 queued");
     stream
 }
 

@@ -46,7 +46,7 @@ use crate::metrics::{Counter, Gauge, Labels};
 /// `flowgate_demand_discarded_total` (under the stream's `name`), then each goes to the
 /// [`on_drop`](PrefetchBuilder::on_drop) hook, if one is set, in the order the stream would
 /// have yielded them, as [`Dropped::Discarded`]; the stream's share of
-/// `flowgate_demand_buffered` is taken back. ([`buffered`](Prefetch::buffered) says how
+/// `flowgate_demand_buffered` is taken back. ([`queued`](Prefetch::queued) says how
 /// many there are, before; there is no count to read on the stream, which drops nothing
 /// while it lives.) A fetch error not yet yielded is dropped with them. A source whose
 /// items are settled only when the application finishes them loses nothing: a
@@ -298,8 +298,21 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
     }
 
     /// Items fetched and not yet consumed.
-    pub fn buffered(&self) -> usize {
+    ///
+    /// (Named as [`LeakyQueue::queued`](crate::pace::LeakyQueue::queued) is. The former name,
+    /// `buffered`, is shadowed by `StreamExt::buffered` with `futures::StreamExt` in scope:
+    /// `stream.buffered()` does not compile there.)
+    pub fn queued(&self) -> usize {
         self.buffer.len()
+    }
+
+    /// Items fetched and not yet consumed: the former name of [`queued`](Self::queued).
+    #[deprecated(
+        since = "0.2.0",
+        note = "shadowed by `StreamExt::buffered` with `futures::StreamExt` in scope; use `queued`"
+    )]
+    pub fn buffered(&self) -> usize {
+        self.queued()
     }
 
     /// The levels: at most `high` items buffered, a fetch when the buffer falls to `low`.
@@ -631,7 +644,7 @@ impl<S: BatchSource, Y> Prefetch<S, Y> {
     fn hint(&self) -> (usize, Option<usize>) {
         // The buffer is certain; the source says at most how many more it may give (an
         // upper bound of 0 shows the end before the fetch that would find it).
-        let lo = self.buffered();
+        let lo = self.queued();
         let known = lo + usize::from(self.error.is_some());
         let more = if self.done {
             Some(0)
@@ -764,7 +777,7 @@ where
     Prefetch<S, Y>: Stream,
 {
     fn is_terminated(&self) -> bool {
-        self.done && self.buffered() == 0 && self.error.is_none()
+        self.done && self.queued() == 0 && self.error.is_none()
     }
 }
 
@@ -773,7 +786,7 @@ impl<S: BatchSource + fmt::Debug, Y> fmt::Debug for Prefetch<S, Y> {
         f.debug_struct("Prefetch")
             .field("source", &self.source)
             .field("name", &self.name)
-            .field("buffered", &self.buffered())
+            .field("queued", &self.queued())
             .field("levels", &self.levels)
             .field("fetching", &self.fetching)
             .field("retry_backoff", &(self.retry_min, self.retry_max))

@@ -33,6 +33,10 @@
 //!   clone, so its whole cost over `no limiter` is its decision and its plumbing). Not
 //!   printed with `LAYER_REJECT=1`, where flowgate answers without calling the inner
 //!   service.
+//! - `flowgate (around router)`: `flowgate (memory)`'s layer around the whole router
+//!   (`layer.layer(router)`, served as axum serves any service, through
+//!   `axum::ServiceExt::into_make_service`) instead of under `Router::layer`: without axum's
+//!   boxing and per-request clone of a layered route (`pass-through only`, below).
 //! - `pass-through only`: a layer of this file ([`PassThrough`]) whose `call` calls the
 //!   inner service and returns its future: what axum charges for any layer under
 //!   `Router::layer` (the layered route is boxed once more and cloned for each request).
@@ -91,6 +95,15 @@ use crate::support::alloc::{CountingAlloc, allocations};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
+
+/// A variant's service: a router (the layers under `Router::layer`) or a router inside
+/// flowgate's layer (the layer around the whole router, as `axum::serve` takes it through
+/// `axum::ServiceExt::into_make_service`).
+#[derive(Clone)]
+enum App {
+    Routed(Router),
+    Around(flowgate::http::RateLimit<Router, MemoryGate, flowgate::http::InnerBody>),
+}
 
 /// Requests per variant and round (`LAYER_REQUESTS` overrides).
 const REQUESTS: usize = 300_000;
@@ -184,7 +197,19 @@ fn main() {
         ("clone-after-ready only", base.clone().layer(Deferred)),
         ("pass-through only", base.clone().layer(PassThrough)),
     ]
-    .map(|(name, app)| (name, app.with_state(())));
+    .map(|(name, app)| (name, App::Routed(app.with_state(()))));
+    let around = (
+        "flowgate (around router)",
+        App::Around(
+            RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+                .inner_body()
+                .policy(Policy::new("per-key", quota, api_key()))
+                .build()
+                .expect("a valid layer")
+                .layer(base.clone().with_state(())),
+        ),
+    );
+    let apps: Vec<(&str, App)> = apps.into_iter().chain([around]).collect();
     let keys: Vec<HeaderValue> = (0..16)
         .map(|i| HeaderValue::from_str(&format!("cold-{i}")).expect("a valid header value"))
         .collect();
@@ -225,11 +250,11 @@ fn main() {
     }
     let medians: Vec<f64> = ns.iter().map(|v| support::median(v)).collect();
     println!(
-        "  variant                  ns/request   over no limiter   allocations/request   rejected"
+        "  variant                    ns/request   over no limiter   allocations/request   rejected"
     );
     for (i, (name, _)) in apps.iter().enumerate() {
         println!(
-            "  {name:22} {:>10.0}   {:>+15.0}   {:>19.2}   {:>7.1}%",
+            "  {name:24} {:>10.0}   {:>+15.0}   {:>19.2}   {:>7.1}%",
             medians[i],
             medians[i] - medians[0],
             allocs[i],
@@ -266,6 +291,10 @@ fn main() {
             at("clone-after-ready only") - at("pass-through only")
         );
     }
+    println!(
+        "  flowgate around the router instead of under Router::layer: {:+.0} ns per request",
+        at("flowgate (around router)") - at("flowgate (memory)")
+    );
     println!(
         "  A/A control, no limiter (A/A) minus no limiter: {:+.0} ns per request (the noise of the differences above in this run)",
         over("no limiter (A/A)")
@@ -373,7 +402,7 @@ impl<S: Service<R>, R> Service<R> for PassThroughService<S> {
 
 /// `requests` requests through `app` on a current-thread runtime of this thread's own: the
 /// allocations they made and how many were refused.
-fn run(app: &mut Router, keys: &[HeaderValue], requests: usize) -> (u64, usize) {
+fn run(app: &mut App, keys: &[HeaderValue], requests: usize) -> (u64, usize) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -387,10 +416,20 @@ fn run(app: &mut Router, keys: &[HeaderValue], requests: usize) -> (u64, usize) 
                 .header("x-api-key", keys[j % keys.len()].clone())
                 .body(axum::body::Body::empty())
                 .expect("a valid request");
-            let svc = <Router as ServiceExt<Request<axum::body::Body>>>::ready(app)
-                .await
-                .expect("the router is always ready");
-            let res = svc.call(req).await.expect("infallible");
+            let res = match app {
+                App::Routed(app) => {
+                    let svc = <Router as ServiceExt<Request<axum::body::Body>>>::ready(app)
+                        .await
+                        .expect("the router is always ready");
+                    svc.call(req).await.expect("infallible")
+                }
+                App::Around(app) => {
+                    let svc = ServiceExt::<Request<axum::body::Body>>::ready(app)
+                        .await
+                        .expect("the router is always ready");
+                    svc.call(req).await.expect("infallible")
+                }
+            };
             if res.status() == http::StatusCode::TOO_MANY_REQUESTS {
                 refused += 1;
             } else {

@@ -447,6 +447,54 @@ async fn h2_unmatched_routes_are_charged_under_layer_only() {
     assert_eq!(everything.stats().admitted, 3);
 }
 
+/// Around the whole router (`layer.layer(router)`, served as axum serves any service, which
+/// spares each request axum's boxing and clone of a layered route): the peer's address
+/// reaches the layer through `ConnectInfo`, and every request is decided, an unmatched
+/// path's too, with its fields.
+#[tokio::test]
+async fn around_the_router_the_layer_keys_by_peer_and_decides_every_path() {
+    use tower::Layer;
+    let layer = RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(
+        Quota::per_second(1).unwrap(),
+    )))
+    .policy(Policy::new(
+        "per-ip",
+        Quota::per_hour(3).unwrap().burst(3).unwrap(),
+        PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0),
+    ))
+    .inner_body()
+    .build()
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" }));
+    let server = Server::start_service(layer.layer(app)).await;
+    let client = crate::harness::client();
+    let mut seen = Vec::new();
+    for path in ["/", "/nowhere", "/", "/"] {
+        let res = crate::harness::get(&client, &server.url(path), &[]).await;
+        seen.push((res.status, res.headers.contains_key("ratelimit")));
+    }
+    assert_eq!(
+        seen,
+        [
+            (StatusCode::OK, true),
+            (StatusCode::NOT_FOUND, true),
+            (StatusCode::OK, true),
+            (StatusCode::TOO_MANY_REQUESTS, true),
+        ]
+    );
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.admitted, stats.rejected, stats.missing_key),
+        (3, 1, 0)
+    );
+    let top = layer.top_rejected(1);
+    assert_eq!(top.len(), 1);
+    assert!(
+        format!("{top:?}").contains("127.0.0.1"),
+        "keyed by the peer's address: {top:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_waiter_granted_a_permit_then_reset_hands_it_on() {
     use std::future::Future;

@@ -46,6 +46,34 @@ impl Server {
         Server { addr, task }
     }
 
+    /// `svc` (a layer around a whole router, say) served on 127.0.0.1:0 as axum serves any
+    /// service, with the peer's address in each request's `ConnectInfo`.
+    pub async fn start_service<S>(svc: S) -> Server
+    where
+        S: tower::Service<
+                Request<axum::body::Body>,
+                Response = axum::response::Response,
+                Error = std::convert::Infallible,
+            > + Clone
+            + Send
+            + 'static,
+        S::Future: Send,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            axum::serve(
+                listener,
+                axum::ServiceExt::<Request<axum::body::Body>>::into_make_service_with_connect_info::<
+                    SocketAddr,
+                >(svc),
+            )
+            .await
+            .unwrap();
+        });
+        Server { addr, task }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }

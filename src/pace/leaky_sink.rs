@@ -23,9 +23,10 @@ use crate::pace::paced::Paced;
 ///
 /// The wait for the pacer lives in the sink, not in the `send` future: a `send` given up
 /// while it waits (a timeout, a `select!`) leaves the sink in the pacer's line until the
-/// sink is polled again or dropped. Others stand behind it for at most the pacer's stall
-/// grace (10 ms past its turn), then step over it; the next `poll_ready` takes its place
-/// back, and the lateness it records runs from its old due time (the caller's gap counts).
+/// sink is polled again, closed or dropped. Others stand behind it for at most the pacer's
+/// stall grace (10 ms past its turn), then step over it; the next `poll_ready` takes its
+/// place back, and the lateness it records runs from its old due time (the caller's gap
+/// counts). `poll_close` leaves the line at once.
 ///
 /// # Panics
 ///
@@ -102,8 +103,12 @@ impl<Si: Sink<Item>, Item> Sink<Item> for LeakySink<Si> {
         self.project().sink.poll_flush(cx)
     }
 
+    /// Leaves the pacer's line (a send given up while it waited keeps the sink there), then
+    /// closes the inner sink: a closed sink sends nothing more.
     fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Si::Error>> {
-        self.project().sink.poll_close(cx)
+        let this = self.project();
+        this.paced.leave();
+        this.sink.poll_close(cx)
     }
 }
 

@@ -76,6 +76,13 @@ impl Paced {
     pub(crate) fn is_waiting(&self) -> bool {
         self.wait.is_waiting()
     }
+
+    /// Give up the place in line and the current item's units still owed (its holder will
+    /// pay for no more items: a closed sink).
+    pub(crate) fn leave(&mut self) {
+        self.owed = None;
+        self.wait.cancel(self.pacer.inner());
+    }
 }
 
 impl Drop for Paced {

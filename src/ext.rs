@@ -96,8 +96,8 @@ pub trait FlowStreamExt: Stream {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     ///
     /// # Examples
     ///
@@ -131,8 +131,8 @@ pub trait FlowStreamExt: Stream {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     fn leaky_with(self, pacer: Pacer) -> Leaky<Self, UnitCost<Self::Item>>
     where
         Self: Sized,
@@ -146,8 +146,8 @@ pub trait FlowStreamExt: Stream {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     fn leaky_cost<C>(self, pacer: Pacer, cost: C) -> Leaky<Self, C>
     where
         Self: Sized,
@@ -163,8 +163,8 @@ pub trait FlowStreamExt: Stream {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     ///
     /// # Examples
     ///
@@ -360,8 +360,8 @@ pub trait FlowSinkExt<Item>: Sink<Item> {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     ///
     /// # Examples
     ///
@@ -396,8 +396,8 @@ pub trait FlowSinkExt<Item>: Sink<Item> {
     ///
     /// # Panics
     ///
-    /// When polled outside a tokio runtime with its time driver enabled (it waits on tokio
-    /// timers).
+    /// When it has to wait outside a tokio runtime with its time driver enabled (it waits on
+    /// tokio timers); an item the pacer admits at once needs no runtime.
     fn leaky_sink_with(self, pacer: Pacer) -> LeakySink<Self>
     where
         Self: Sized,

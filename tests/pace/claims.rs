@@ -10,8 +10,8 @@ use crate::support::drain_checking_hints;
 use futures::Stream;
 use futures::stream::FusedStream;
 
-/// `Pacer::check` "never waits and needs no runtime"; `until_ready` and a `leaky` stream
-/// need one only when they have to wait.
+/// `Pacer::check` "never waits and needs no runtime"; `until_ready`, a `leaky` stream, a
+/// `leaky_queue` and a `leaky_sink` need one only when they have to wait.
 #[test]
 fn nothing_needs_a_runtime_until_something_waits() {
     let pacer = Pacer::new(Rate::per_second(1).unwrap()); // burst 2
@@ -25,6 +25,19 @@ fn nothing_needs_a_runtime_until_something_waits() {
     let out: Vec<u32> =
         futures::executor::block_on(futures::stream::iter(0..2).leaky_with(fresh).collect());
     assert_eq!(out, [0, 1], "the burst passes at once");
+
+    // The queue and the sink too (`FlowStreamExt` and `FlowSinkExt` say so).
+    let fresh = Pacer::new(Rate::per_second(1).unwrap());
+    let queue = futures::stream::iter(0..2).leaky_queue(fresh, nz(4), Overflow::Backpressure);
+    let out: Vec<u32> = futures::executor::block_on(queue.collect());
+    assert_eq!(out, [0, 1], "the burst leaves the queue at once");
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    let mut sink = tx.leaky_sink(Rate::per_second(1).unwrap());
+    futures::executor::block_on(async {
+        sink.send(0).await.unwrap();
+        sink.send(1).await.unwrap();
+    });
+    assert_eq!(rx.len(), 2, "the burst is sent at once");
 }
 
 /// "the long-run rate is exact from 1/s": with the default burst (2) at 1/s, two leave

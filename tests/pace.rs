@@ -7,6 +7,8 @@ mod support;
 mod adapters;
 #[path = "pace/claims.rs"]
 mod claims;
+#[path = "pace/journey.rs"]
+mod journey;
 
 use std::num::NonZeroUsize;
 use std::pin::pin;

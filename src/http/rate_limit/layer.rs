@@ -199,6 +199,18 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// [`inner_body`](crate::http::RateLimitLayerBuilder::inner_body) ([`InnerBody`](crate::http::InnerBody)) the inner body type
 /// itself, for bodies made from bytes (axum's `Body`): advised under axum, which boxes any
 /// other body type again.
+///
+/// # Under axum
+///
+/// - `Router::layer(layer)` decides every request the router answers, an unmatched path's
+///   too; `Router::route_layer(layer)` only those that match a route.
+/// - Around the whole router, `layer.layer(router)` (with [`tower::Layer`]) served through
+///   `axum::ServiceExt::into_make_service_with_connect_info::<SocketAddr>(..)`, it decides
+///   every request as under `Router::layer`, for less: axum boxes a layered route once more
+///   and clones it for each request, whatever the layer (about 850 instructions a request
+///   under callgrind, a quarter of what this layer adds under `Router::layer`; the
+///   `flowgate (around router)` row of `benches/http_layer.rs`). `ConnectInfo` reaches the
+///   layer all the same.
 pub struct RateLimitLayer<G, K = WrapBody> {
     pub(super) shared: Arc<Shared<G>>,
     pub(super) body: PhantomData<fn() -> K>,

@@ -7,7 +7,7 @@
 -- ARGV[3]  burst
 -- ARGV[4]  now in us, for differential tests only; empty in production: Redis TIME is used
 -- ARGV[5]  min: the cost of the request that needs the lease
--- ARGV[6]  max: the lease size wanted
+-- ARGV[6]  max: the lease size wanted; 0 (with min 0) takes nothing and writes nothing
 --
 -- If at least `min` tokens are there, takes min(max, available) of them, debited in Redis
 -- before any is used, so the instance that holds them can never over-admit. Otherwise takes
@@ -33,6 +33,11 @@ if not ok then
 end
 
 local available = math.floor((tau - math.min(used, tau)) / period)
+if want_max == 0 then
+  -- A touch: the gate asks whether Redis still holds its state (it would meet NOSCRIPT
+  -- after a restart) before it spends tokens it leased. Takes and writes nothing.
+  return {0, burst, available, 0, ceil_us(used, count)}
+end
 if available < want_min then
   local used_after = used + want_min * period
   -- reset: all of `used`, which exceeds tau only if the clock stepped back or a gate of a

@@ -286,6 +286,23 @@ impl Leases {
         Some(Decision::allow(limit, left, reset_after))
     }
 
+    /// Whether `key` holds at least `cost` tokens that can be spent at `now` (none spent).
+    pub(crate) fn holds(&self, key: &str, cost: u32, now: Instant) -> bool {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let Some(lease) = state.leases.get_mut(key) else {
+            return false;
+        };
+        let now = state.awake.at(now, Awake::read());
+        let (held, unspent) = lease.live(now, self.rate);
+        if held == 0 {
+            state.leases.remove(key);
+        }
+        drop(guard);
+        self.count_unspent(unspent);
+        held >= u64::from(cost)
+    }
+
     /// A place for one lease call, or `None` when the map is full: then take no lease.
     /// Every call holds one (whether or not its key has a lease), so keys with a lease plus
     /// calls in flight never exceed the capacity.

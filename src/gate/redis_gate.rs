@@ -329,7 +329,9 @@ where
         let inner = &*self.inner;
         let reply = match inner.backend.admit_probe(now) {
             Err(e) => Err(e),
-            Ok(probe) if inner.leases.is_some() => self.decide_lease(key, cost, now, probe).await,
+            Ok(probe) if inner.leases.is_some() => {
+                self.decide_lease(key, cost, now, probe, silent).await
+            }
             Ok(probe) => self.decide(key, cost, now, probe).await,
         };
         match reply {

@@ -455,7 +455,6 @@ async fn a_token_bucket_rate_lowered_in_a_rolling_deploy_reads_the_old_rates_sta
 /// leases lasted. The docs bound what an instance holds per key at `lease − 1` (per lease
 /// call in flight).
 #[tokio::test]
-#[ignore = "fault: a silent instance takes a new lease per request beside the one it holds, and is refused while holding paid tokens"]
 async fn an_instance_with_sparse_traffic_spends_its_lease_instead_of_hoarding_new_ones() {
     let server = RedisServer::start();
     const PROBE: Duration = Duration::from_millis(100);

@@ -179,7 +179,8 @@ where
     /// dropped for a Redis that may have lost its keys, or held when the gate is dropped):
     /// the under-admission the leases cost. A gate sees that only when it calls Redis: one that has had
     /// no answer from Redis for a `probe_interval` (all its traffic spent from leases) asks
-    /// it before it spends another leased token, and spends it only if Redis cannot answer.
+    /// it (taking nothing) before it spends another leased token, and spends it if Redis
+    /// still holds the gate's state, or cannot answer.
     /// `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;

@@ -29,7 +29,9 @@ pub(super) enum Local {
     Held(Held),
     /// Only Redis can decide it. `silent`: the gate has heard nothing from Redis for a
     /// probe interval (it may have lost its keys unseen), so Redis is asked before any
-    /// leased token or cached rejection is used; they answer if Redis cannot.
+    /// leased token or cached rejection is used; they answer if Redis cannot (and leased
+    /// tokens, if Redis still holds the gate's state: see
+    /// [`decide_lease`](RedisGate::decide_lease)).
     Ask { silent: bool },
 }
 
@@ -115,14 +117,32 @@ where
 
     /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
     /// With the lease map full, decide `cost` alone instead. `probe`: the probe of a
-    /// degraded gate this call is (see [`decide`](RedisGate::decide)).
+    /// degraded gate this call is (see [`decide`](RedisGate::decide)). `silent`: the gate
+    /// has heard nothing from Redis for a probe interval; if `key` holds `cost` leased
+    /// tokens, Redis is asked (taking nothing) whether it still holds the gate's state, and
+    /// they are spent if it does. (A new lease beside them left them unspent: an instance
+    /// whose requests came more than a probe interval apart took a lease for each, held
+    /// the whole quota, and was refused by the bucket it had emptied itself.)
     pub(super) async fn decide_lease(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
         probe: Option<Probe>,
+        silent: bool,
     ) -> Result<Decision, CallError> {
+        let mut probe = probe;
+        if let Some(leases) = &self.inner.leases
+            && silent
+            && leases.holds(key, cost, started)
+        {
+            self.touch(key, started, probe.take()).await?;
+            // Still there unless Redis was found to have lost its state meanwhile (a reset
+            // lets go of every lease): then a lease is taken from the server as it is now.
+            if let Some(decision) = leases.spend(key, cost, Instant::now()) {
+                return Ok(self.answer_held(Held::Leased(decision)));
+            }
+        }
         match self.call_lease(key, cost, started, probe).await {
             Ok(reply) => reply,
             Err(probe) => self.decide(key, cost, started, probe).await,
@@ -170,6 +190,38 @@ where
                 drop(latency);
                 decision
             }))
+        })
+    }
+
+    /// Ask Redis, taking nothing, whether it still holds the gate's state (a call that
+    /// meets `NOSCRIPT`, or brings a degraded gate back, lets go of every lease), bounded by
+    /// what is left of the timeout from `started`; finished (the gate's health settled by
+    /// the answer) even if the caller gives up meanwhile. `probe`: the probe this call is.
+    fn touch(
+        &self,
+        key: &str,
+        started: Instant,
+        probe: Option<Probe>,
+    ) -> Finish<impl Future<Output = Result<(), CallError>> + Send + use<C>> {
+        let gate = self.clone();
+        let redis_key = self.redis_key(key);
+        Finish::new(async move {
+            if let Some(probe) = probe {
+                probe.sent();
+            }
+            let inner = &*gate.inner;
+            // Lease nothing (min 0, max 0): the script takes and writes nothing.
+            let mut cmd = scripts::evalsha(&inner.lease_script, 1);
+            cmd.arg(&redis_key);
+            inner.eval.add_args(&mut cmd, [0]);
+            cmd.arg(0);
+            let within = inner.backend.timeout().saturating_sub(started.elapsed());
+            let backend = &inner.backend;
+            let r = backend.eval(&inner.lease_script, &cmd, 5, within).await?;
+            match key_failure(r[0]) {
+                Some(e) => Err(CallError::Request(e)),
+                None => Ok(()),
+            }
         })
     }
 

@@ -507,7 +507,6 @@ async fn an_instance_with_sparse_traffic_spends_its_lease_instead_of_hoarding_ne
 /// none of it counted in `flowgate_gate_lease_unspent_total`. A probe is charged for its
 /// own cost, as on a gate without leases.
 #[tokio::test]
-#[ignore = "fault: each probe of a paused Redis is a lease call, which Redis runs on resume: a lease taken for nobody per probe"]
 async fn the_probes_of_a_paused_redis_are_charged_their_cost_not_a_lease_each() {
     let server = RedisServer::start();
     const PROBE: Duration = Duration::from_millis(50);

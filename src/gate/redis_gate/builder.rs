@@ -177,10 +177,14 @@ where
     /// kept): spent then, they would pass on top of a bucket the new server holds full. Every leased token is spent here or counted in
     /// `flowgate_gate_lease_unspent_total` when the gate lets go of it (expired, lapsed,
     /// dropped for a Redis that may have lost its keys, or held when the gate is dropped):
-    /// the under-admission the leases cost. A gate sees that only when it calls Redis: one that has had
-    /// no answer from Redis for a `probe_interval` (all its traffic spent from leases) asks
-    /// it (taking nothing) before it spends another leased token, and spends it if Redis
-    /// still holds the gate's state, or cannot answer.
+    /// the under-admission the leases cost. A gate sees that only when it calls Redis: one
+    /// that has had no answer from Redis for a `probe_interval` (all its traffic spent from
+    /// leases) asks it (taking nothing) before it spends another leased token, and spends it
+    /// if Redis still holds the gate's state, or cannot answer.
+    /// A lease call that timed out (Redis slow, or paused) is run by Redis when it resumes:
+    /// up to `n` tokens debited for nobody, counted only as the failed call in
+    /// `flowgate_gate_failures_total`. So the probe of a degraded gate takes no lease: it is
+    /// decided for its own cost, once a probe interval while Redis is away.
     /// `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;

@@ -116,8 +116,8 @@ where
     }
 
     /// Take a lease of up to `lease` tokens (at least `cost`); spend `cost`, keep the rest.
-    /// With the lease map full, decide `cost` alone instead. `probe`: the probe of a
-    /// degraded gate this call is (see [`decide`](RedisGate::decide)). `silent`: the gate
+    /// With the lease map full, or for the probe of a degraded gate (`probe`, see
+    /// [`decide`](RedisGate::decide)), decide `cost` alone instead. `silent`: the gate
     /// has heard nothing from Redis for a probe interval; if `key` holds `cost` leased
     /// tokens, Redis is asked (taking nothing) whether it still holds the gate's state, and
     /// they are spent if it does. (A new lease beside them left them unspent: an instance
@@ -142,6 +142,13 @@ where
             if let Some(decision) = leases.spend(key, cost, Instant::now()) {
                 return Ok(self.answer_held(Held::Leased(decision)));
             }
+        }
+        // The probe of a degraded gate takes no lease: a Redis that is paused (or slow)
+        // runs it when it resumes, after the probe timed out, and a lease would be debited
+        // there for nobody, once per probe interval of the outage. Decided for its cost,
+        // as on a gate without leases.
+        if probe.is_some() {
+            return self.decide(key, cost, started, probe).await;
         }
         match self.call_lease(key, cost, started, probe).await {
             Ok(reply) => reply,

@@ -460,19 +460,7 @@ async fn an_instance_with_sparse_traffic_spends_its_lease_instead_of_hoarding_ne
     const PROBE: Duration = Duration::from_millis(100);
     let mut gates = Vec::new();
     for _ in 0..3 {
-        let gate = RedisGate::builder(
-            server.connect().await,
-            Limit::TokenBucket(Quota::per_hour(30).unwrap()),
-        )
-        .prefix("sparse:")
-        .timeout(Duration::from_secs(2))
-        .probe_interval(PROBE)
-        .lease(10)
-        .lease_ttl(Duration::from_secs(600))
-        .build()
-        .await
-        .unwrap();
-        gates.push(gate);
+        gates.push(leasing(&server, Quota::per_hour(30).unwrap(), PROBE).await);
     }
     let mut admitted = 0;
     for _ in 0..12 {
@@ -552,4 +540,48 @@ async fn the_probes_of_a_paused_redis_are_charged_their_cost_not_a_lease_each() 
         admitted >= 100 - 20,
         "{admitted} of 100 left after {probes} requests refused while Redis was paused"
     );
+}
+
+/// The call a silent instance makes before it spends a leased token takes nothing, but
+/// still finds out that Redis lost its state: after `FLUSHALL` with `SCRIPT FLUSH` (as the
+/// docs ask), it meets `NOSCRIPT`, the instance lets go of the 4 tokens it held, and the
+/// key admits the new bucket's burst of 5 and no more.
+#[tokio::test]
+async fn a_silent_lease_holder_lets_go_of_its_tokens_when_redis_was_flushed() {
+    let server = RedisServer::start();
+    const PROBE: Duration = Duration::from_millis(100);
+    let gate = leasing(&server, Quota::per_hour(5).unwrap(), PROBE).await;
+    assert!(gate.check("k", 1).await.unwrap().allowed);
+    assert_eq!(gate.leased_keys(), 1, "4 tokens held");
+    server
+        .query_blocking::<()>(&redis::cmd("FLUSHALL"))
+        .unwrap();
+    server
+        .query_blocking::<()>(redis::cmd("SCRIPT").arg("FLUSH"))
+        .unwrap();
+    tokio::time::sleep(PROBE * 2).await;
+    let mut admitted = 0;
+    while gate.check("k", 1).await.unwrap().allowed {
+        admitted += 1;
+        assert!(admitted <= 5, "a leased token of the old bucket passed");
+    }
+    assert_eq!(admitted, 5, "the new bucket's burst");
+}
+
+/// A gate of `quota` over its own connection to `server` (an instance of its own), leasing
+/// 10 tokens at a time, to spend within 10 minutes; probing every `probe`.
+async fn leasing(
+    server: &RedisServer,
+    quota: Quota,
+    probe: Duration,
+) -> RedisGate<MultiplexedConnection> {
+    RedisGate::builder(server.connect().await, Limit::TokenBucket(quota))
+        .prefix("leasing:")
+        .timeout(Duration::from_secs(2))
+        .probe_interval(probe)
+        .lease(10)
+        .lease_ttl(Duration::from_secs(600))
+        .build()
+        .await
+        .unwrap()
 }

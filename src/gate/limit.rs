@@ -24,7 +24,7 @@ pub enum Limit {
     /// Redis's single thread: about 0.5 µs an entry, so 14 ms at 30 000 entries, during
     /// which Redis serves no one else. Past the gate's `timeout` (50 ms by default) a
     /// healthy Redis reads as failing and the gate decides by its failure policy. For
-    /// limits of tens of thousands per window, use [`SlidingWindow`](Limit::SlidingWindow)
+    /// counts of tens of thousands per window, use [`SlidingWindow`](Limit::SlidingWindow)
     /// (a constant cost per decision).
     SlidingLog(Rate),
     /// [`SlidingWindow`](crate::limit::SlidingWindow): the weighted two-window counter.
@@ -56,7 +56,7 @@ impl Limit {
         }
     }
 
-    /// The rate: the refill rate of a token bucket, or the limit per window.
+    /// The rate: the refill rate of a token bucket, or the count per window.
     pub fn rate(&self) -> Rate {
         match self {
             Limit::TokenBucket(q) => q.rate(),
@@ -99,7 +99,7 @@ impl Limit {
             return Err(ConfigError::new(
                 "gate.limit",
                 ConfigErrorKind::TooLarge,
-                "burst (or limit) × period in microseconds must stay below 2^52 for exact arithmetic in Redis",
+                "burst (or count) × period in microseconds must stay below 2^52 for exact arithmetic in Redis",
             ));
         }
         Ok((count, period_us))

@@ -8,10 +8,11 @@ use crate::limit::Algorithm;
 use crate::limit::limiter::{from_nanos, join, split, window_start};
 use crate::rate::Rate;
 
-/// At most `limit` units per aligned window of length `window`.
+/// At most `count` units per aligned window of length `window` (the rate's count and
+/// period).
 ///
 /// Windows are aligned to the clock's origin: window `k` is `[k·window, (k+1)·window)`.
-/// The cheapest algorithm, and the coarsest: up to `2·limit` can pass in an interval of
+/// The cheapest algorithm, and the coarsest: up to `2·count` can pass in an interval of
 /// length `window` that straddles a boundary. Rejected requests get `retry_after` = the
 /// time to the next window.
 ///
@@ -69,7 +70,7 @@ impl FixedWindow {
         }
     }
 
-    /// The limit and window.
+    /// The count and window.
     pub fn rate(&self) -> Rate {
         self.rate
     }

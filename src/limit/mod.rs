@@ -9,9 +9,9 @@
 //! | algorithm | memory per key | guarantee |
 //! |---|---|---|
 //! | [`TokenBucket`] (GCRA) | one integer | cost in any interval `w` ≤ `burst + rate·w`, exactly |
-//! | [`FixedWindow`] | two integers | ≤ `limit` per aligned window |
-//! | [`SlidingLog`] | ≤ `limit` entries | ≤ `limit` in any interval of length `window`, exactly |
-//! | [`SlidingWindow`] | three integers | ≤ `limit` per aligned window; < `2·limit` in any interval (see its docs) |
+//! | [`FixedWindow`] | two integers | ≤ `count` per aligned window |
+//! | [`SlidingLog`] | ≤ `count` entries | ≤ `count` in any interval of length `window`, exactly |
+//! | [`SlidingWindow`] | three integers | ≤ `count` per aligned window; < `2·count` in any interval (see its docs) |
 //!
 //! [`Keyed`] holds one state per key under one algorithm, with bounded memory, and evicts
 //! keys whose state is back to neutral.

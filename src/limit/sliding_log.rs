@@ -9,11 +9,12 @@ use crate::limit::Algorithm;
 use crate::limit::limiter::{from_nanos, join, split};
 use crate::rate::Rate;
 
-/// At most `limit` units in *any* interval of length `window`: the exact sliding window.
+/// At most `count` units in *any* interval of length `window` (the rate's count and period):
+/// the exact sliding window.
 ///
 /// The log keeps one entry per admission time (a timestamp and the cost admitted then); an
 /// entry admitted at `t` counts while `now < t + window`. Memory is bounded: the live
-/// entries' costs sum to at most `limit`, so there are at most `limit` entries (fewer when
+/// entries' costs sum to at most `count`, so there are at most `count` entries (fewer when
 /// requests cost more than 1 or share a timestamp).
 ///
 /// # Cost
@@ -21,11 +22,11 @@ use crate::rate::Rate;
 /// A check reads the log from its oldest entry, as far as it must, whatever its length. An
 /// admitted check reads the entries that have stopped counting, drops them, and reads one
 /// more: each entry is read and dropped once, though the first check after a quiet spell
-/// drops every entry of it (up to `limit`). A rejected check drops nothing (its state stays
+/// drops every entry of it (up to `count`). A rejected check drops nothing (its state stays
 /// as it was) and reads at most `2 × cost` entries: those that have stopped counting
 /// weigh less than `cost` (else it would be admitted), and those it reads to find the
 /// `retry_after` weigh at most `cost`. With costs of 1, a rejected check reads two entries
-/// however long the log is. A key keeps the room its log grew to: at most `limit` entries
+/// however long the log is. A key keeps the room its log grew to: at most `count` entries
 /// of 16 bytes, rounded up to a power of two.
 ///
 /// # Examples
@@ -81,7 +82,7 @@ impl Entry {
 }
 
 impl SlidingLogState {
-    /// The number of log entries held (at most the limit).
+    /// The number of log entries held (at most the rate's count).
     pub fn entries(&self) -> usize {
         self.log.len()
     }
@@ -97,7 +98,7 @@ impl SlidingLog {
         }
     }
 
-    /// The limit and window.
+    /// The count and window.
     pub fn rate(&self) -> Rate {
         self.rate
     }

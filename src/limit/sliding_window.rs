@@ -10,21 +10,22 @@ use crate::rate::Rate;
 
 /// The sliding window counter: two counters, weighted, in constant memory.
 ///
-/// It estimates the count over the last `window` as
-/// `previous · (window − elapsed) / window + current`, where `current` counts the aligned
-/// window containing `now`, `previous` the one before, and `elapsed` is the time since the
-/// current window began; a request is admitted when `estimate + cost ≤ limit`. The
-/// arithmetic is exact integers (the estimate is compared multiplied by `window`).
+/// With `count` and `window` the rate's count and period, it estimates the units admitted
+/// over the last `window` as `previous · (window − elapsed) / window + current`, where
+/// `current` counts the aligned window containing `now`, `previous` the one before, and
+/// `elapsed` is the time since the current window began; a request is admitted when
+/// `estimate + cost ≤ count`. The arithmetic is exact integers (the estimate is compared
+/// multiplied by `window`).
 ///
 /// # Approximation bound
 ///
 /// The estimate assumes the previous window's requests were spread evenly. Guarantees:
-/// - at most `limit` units are admitted per aligned window;
+/// - at most `count` units are admitted per aligned window;
 /// - in any interval of length `window` ending at offset `e` into an aligned window whose
-///   predecessor admitted `p` units, at most `limit + p·e / window` units are admitted —
-///   always less than `2·limit`, and exactly `limit` when traffic is even.
+///   predecessor admitted `p` units, at most `count + p·e / window` units are admitted —
+///   always less than `2·count`, and exactly `count` when traffic is even.
 ///
-/// Use [`SlidingLog`](crate::limit::SlidingLog) when the bound must be `limit`.
+/// Use [`SlidingLog`](crate::limit::SlidingLog) when the bound must be `count`.
 ///
 /// # Examples
 ///
@@ -81,7 +82,7 @@ impl SlidingWindow {
         }
     }
 
-    /// The limit and window.
+    /// The count and window.
     pub fn rate(&self) -> Rate {
         self.rate
     }

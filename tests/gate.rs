@@ -14,6 +14,8 @@ mod dropped;
 mod failures;
 #[path = "gate/gated.rs"]
 mod gated;
+#[path = "gate/headroom.rs"]
+mod headroom;
 #[path = "gate/journeys.rs"]
 mod journeys;
 #[path = "gate/ops.rs"]

@@ -220,8 +220,11 @@ impl MemoryGateBuilder {
     /// ([`MemoryGate::max_keys`] reports the rounded figure). The keys are spread over 16
     /// shards by hash, each holding at most a 16th under its own lock, so the bound is exact
     /// however many threads insert at once; but a new key is refused with
-    /// [`GateError::KeyspaceFull`] when its shard is full, before the whole gate is (with a
-    /// thousand keys, at about three quarters), so leave some headroom. The buckets of
+    /// [`GateError::KeyspaceFull`] when its shard is full, before the whole gate is: as
+    /// distinct busy keys arrive, the first is refused at about half the gate with a hundred
+    /// keys (a third to three quarters, run to run: the hash is seeded at random), four
+    /// fifths with a thousand (as early as two thirds), and nine tenths with ten thousand.
+    /// So leave some headroom. The buckets of
     /// [`check_all`](MemoryGate::check_all) have as much room again, apart.
     ///
     /// A key's state is a few words for every limit but `Limit::SlidingLog`, which keeps

@@ -64,12 +64,16 @@
 //! | *evict* | remove idle per-key state to bound memory; never items | `MemoryGate`, `Keyed` (`sweep`, `max_keys`) |
 //!
 //! Builders follow one convention: `X::builder(..) -> XBuilder`, `name(impl Into<String>)`
-//! (the `name` label of the metrics), and `build()` that validates everything and returns
-//! `Result<X, ConfigError>` (an `async` one where building talks to Redis: the
-//! `RedisGateBuilder`'s, and the `RedisStreamSourceBuilder`'s, whose `BuildError` is a
-//! `ConfigError` or the Redis error that kept it from creating its group). Extension
-//! methods whose inputs are valid by their types ([`NonZeroUsize`](std::num::NonZeroUsize),
-//! [`Rate`], `demand::Levels`) return the adapter itself, so chains stay chains.
+//! (the `name` label of the metrics) where the part's metrics carry a name of its own, and
+//! `build()` that validates everything and returns `Result<X, ConfigError>` (an `async` one
+//! where building talks to Redis: the `RedisGateBuilder`'s, and the
+//! `RedisStreamSourceBuilder`'s, whose `BuildError` is a `ConfigError` or the Redis error that
+//! kept it from creating its group). The builders of the `leaky` and bulkhead adapters
+//! have no `name` (they record under their pacer's or bulkhead's), nor do those of parts
+//! that record no metrics: [`retry::Backoff`], the adaptive algorithms, the simulator, the
+//! knee finder's settings, `http::ClientIp`. Extension methods whose inputs are valid by
+//! their types ([`NonZeroUsize`](std::num::NonZeroUsize), [`Rate`], `demand::Levels`)
+//! return the adapter itself, so chains stay chains.
 //!
 //! ## Example
 //!

@@ -223,7 +223,8 @@ impl MemoryGateBuilder {
     /// [`GateError::KeyspaceFull`] when its shard is full, before the whole gate is: as
     /// distinct busy keys arrive, the first is refused at about half the gate with a hundred
     /// keys (a third to three quarters, run to run: the hash is seeded at random), four
-    /// fifths with a thousand (as early as two thirds), and nine tenths with ten thousand.
+    /// fifths with a thousand (before two thirds about one time in a hundred), and nine
+    /// tenths with ten thousand.
     /// So leave some headroom. The buckets of
     /// [`check_all`](MemoryGate::check_all) have as much room again, apart.
     ///

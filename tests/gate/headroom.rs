@@ -35,11 +35,12 @@ fn a_memory_gate_refuses_its_first_new_key_as_full_as_its_docs_say() {
     // "about half the gate with a hundred keys": 0.53 on average over 40 gates here.
     let (mean, _) = first_refusal(100, 40);
     assert!((0.42..0.64).contains(&mean), "100 keys: {mean:.2}");
-    // "four fifths with a thousand (as early as two thirds)": 0.81 on average, 0.65 lowest.
+    // "four fifths with a thousand (before two thirds about one time in a hundred)": 0.81 on
+    // average; below 2/3 in 1 % of 100 000 simulated gates, below 0.5 in none but one.
     // (The docs said three quarters.)
     let (mean, lowest) = first_refusal(1_000, 40);
     assert!((0.76..0.86).contains(&mean), "1 000 keys: {mean:.2}");
-    assert!(lowest >= 0.6, "1 000 keys: lowest {lowest:.2}");
+    assert!(lowest >= 0.45, "1 000 keys: lowest {lowest:.2}");
     // "nine tenths with ten thousand": 0.93 on average.
     let (mean, _) = first_refusal(10_000, 10);
     assert!((0.88..0.97).contains(&mean), "10 000 keys: {mean:.2}");

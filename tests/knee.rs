@@ -331,6 +331,31 @@ async fn a_first_step_that_measured_nothing_is_not_called_a_refusing_target() {
     assert!(msg.contains("step_duration"), "{msg}");
 }
 
+/// Without a warm-up, a worker's first call starts in the measured part of the step: calls
+/// longer than the step (5 s against 3 s) were counted as `Ok` calls started in it, none
+/// of them arrived within it, and the search went on at a throughput of 0 at every step,
+/// up to `max_concurrency`, and reported no knee without a word. With any warm-up the
+/// same target is an error that says to lengthen the step; without one too.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: with warmup 0, calls longer than the step give a report of zero throughput and no knee, not NothingMeasured"]
+async fn calls_longer_than_the_step_are_an_error_without_a_warmup_too() {
+    let slow = Scripted::new(Duration::from_secs(5), 0, Outcome::Ok);
+    for warmup in [Duration::from_millis(1), Duration::ZERO] {
+        let config = quick().warmup(warmup).max_concurrency(8).build().unwrap();
+        let result = find_knee(&slow, &config).await;
+        let err = result.expect_err(&format!("warm-up {warmup:?}: a report"));
+        assert_eq!(
+            err,
+            KneeError::NothingMeasured {
+                concurrency: 1,
+                ignored: 0
+            },
+            "warm-up {warmup:?}"
+        );
+        assert!(err.to_string().contains("step_duration"), "{err}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn ignored_outcomes_are_counted_apart() {
     let target = Scripted::new(Duration::from_millis(10), 4, Outcome::Ignored);

@@ -347,7 +347,9 @@ pub enum KneeError {
     /// it refuses: every call started after the warm-up ended
     /// [`Ignored`](Outcome::Ignored) (its answers say nothing about capacity: a wrong path
     /// answering `404`, a request the target cannot serve), or none of them ended within
-    /// the step (calls longer than the step's measured part).
+    /// the step (calls longer than the step's measured part; without a
+    /// [`warmup`](KneeConfigBuilder::warmup), a first call started in it and ended past
+    /// it).
     NothingMeasured {
         /// The lowest concurrency measured.
         concurrency: u32,
@@ -400,7 +402,7 @@ impl fmt::Display for KneeError {
                 ignored: 0,
             } => write!(
                 f,
-                "no call started at concurrency {concurrency} after the warm-up ended within the step: the calls take longer than step_duration minus warmup; lengthen KneeConfigBuilder::step_duration (and KneeConfigBuilder::timeout, if they take longer than it)"
+                "no call started at concurrency {concurrency} after the warm-up and ended within the step: the calls take longer than step_duration minus warmup; lengthen KneeConfigBuilder::step_duration (and KneeConfigBuilder::timeout, if they take longer than it)"
             ),
             KneeError::NothingMeasured {
                 concurrency,
@@ -663,7 +665,11 @@ impl<F: FnMut(&KneeProgress<'_>)> Search<'_, F> {
 }
 
 fn check_first(step: &KneeStep, config: &KneeConfig) -> Result<(), KneeError> {
-    if step.ok == 0 && step.back_pressure == 0 {
+    // No `Ok` answer arrived within the window, and none of the calls started in it said
+    // anything else: calls longer than the window (without a warm-up, a worker's first
+    // call starts in it), whose every step would measure a throughput of 0.
+    let none_arrived = step.throughput == 0.0 && step.ignored == 0;
+    if (step.ok == 0 || none_arrived) && step.back_pressure == 0 {
         return Err(KneeError::NothingMeasured {
             concurrency: step.concurrency,
             ignored: step.ignored,

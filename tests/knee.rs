@@ -202,7 +202,6 @@ async fn an_explicit_list_is_measured_as_given() {
 /// It used to refine all the same, 14 steps more (70 s at the default 5 s steps) at its
 /// highest concurrencies, for a report that still had no knee.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a ramp that ends without a saturation is refined all the same (14 steps more at its top) for no knee"]
 async fn a_ramp_without_a_saturation_is_not_refined() {
     // 10 ms a call however many are in flight: the throughput grows all the way.
     let target = Scripted::new(Duration::from_millis(10), 0, Outcome::Ok);

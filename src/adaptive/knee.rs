@@ -46,7 +46,9 @@
 //!    so the knee is seen up close. When that first step is the best throughput, up to the
 //!    step above it, so a peak that fell between two coarse steps is seen up close too. A
 //!    plateau of several steps is not refined: its best step is wherever the noise puts
-//!    it. A round with no new concurrency to measure ends the search.
+//!    it. A round with no new concurrency to measure ends the search. A ramp that reaches
+//!    `max_concurrency` without a (confirmed) saturation is not refined: it has no knee
+//!    (see [the knee rule](self#the-knee-rule)), and no step below its top could give it one.
 //!
 //! With an explicit list of concurrencies ([`steps`](KneeConfigBuilder::steps)) exactly
 //! those are measured, in increasing order, and nothing is refined.
@@ -570,13 +572,14 @@ where
                     saturated_at = Some(c);
                 }
             }
-            // This step, the doubling steps after it, every refining round.
-            let left = if ends {
-                1
-            } else {
-                ramp_len(c, config.max_concurrency)
+            // This step, the doubling steps after it, every refining round (none after a
+            // ramp that ends without a saturation).
+            let (left, refine) = match (ends, saturated_at) {
+                (false, _) => (ramp_len(c, config.max_concurrency), config.refine_len()),
+                (true, Some(_)) => (1, config.refine_len()),
+                (true, None) => (1, 0),
             };
-            let planned = search.steps.len() + left + config.refine_len();
+            let planned = search.steps.len() + left + refine;
             search.record(KneePhase::Ramp, step, planned);
             if ends {
                 break;
@@ -584,8 +587,15 @@ where
             c = c.saturating_mul(2).min(config.max_concurrency);
         }
         // Refining rounds: between the step below the knee and the step above the peak,
-        // each on a curve without holes (a hidden peak would misplace the round).
-        for round in 1..=config.refine_rounds {
+        // each on a curve without holes (a hidden peak would misplace the round). A ramp
+        // that ended without a saturation has no knee to refine, and no refining step
+        // below its top could give it one.
+        let rounds = if saturated_at.is_some() {
+            config.refine_rounds
+        } else {
+            0
+        };
+        for round in 1..=rounds {
             if config.recheck {
                 fill_holes(target, &mut search.steps, config).await;
             }
@@ -601,7 +611,7 @@ where
                 search.record(KneePhase::Refine(round), step, planned);
             }
         }
-        if config.recheck {
+        if config.recheck && rounds > 0 {
             fill_holes(target, &mut search.steps, config).await;
         }
     }

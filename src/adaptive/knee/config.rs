@@ -156,7 +156,8 @@ impl KneeConfigBuilder {
         self
     }
 
-    /// Refining rounds after the ramp (default 2; 0: none; at most 8).
+    /// Refining rounds after the ramp (default 2; 0: none; at most 8); none after a ramp
+    /// that reaches `max_concurrency` without a saturation (it has no knee to refine).
     pub fn refine_rounds(mut self, rounds: u32) -> Self {
         self.config.refine_rounds = rounds;
         self

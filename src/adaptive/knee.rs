@@ -47,8 +47,8 @@
 //!    step above it, so a peak that fell between two coarse steps is seen up close too. A
 //!    plateau of several steps is not refined: its best step is wherever the noise puts
 //!    it. A round with no new concurrency to measure ends the search. A ramp that reaches
-//!    `max_concurrency` without a (confirmed) saturation is not refined: it has no knee
-//!    (see [the knee rule](self#the-knee-rule)), and no step below its top could give it one.
+//!    `max_concurrency` without a (confirmed) saturation is not refined: it found no knee
+//!    to refine (see [the knee rule](self#the-knee-rule)).
 //!
 //! With an explicit list of concurrencies ([`steps`](KneeConfigBuilder::steps)) exactly
 //! those are measured, in increasing order, and nothing is refined.
@@ -588,8 +588,8 @@ where
         }
         // Refining rounds: between the step below the knee and the step above the peak,
         // each on a curve without holes (a hidden peak would misplace the round). A ramp
-        // that ended without a saturation has no knee to refine, and no refining step
-        // below its top could give it one.
+        // that ended without a saturation found no knee to refine (with `recheck`, none
+        // can be found without one).
         let rounds = if saturated_at.is_some() {
             config.refine_rounds
         } else {

@@ -12,6 +12,11 @@ use flowgate::limit::{
 use flowgate::{CostError, Decision, Quota, Rate};
 use proptest::prelude::*;
 
+#[path = "limit/backwards.rs"]
+mod backwards;
+#[path = "limit/end_of_time.rs"]
+mod end_of_time;
+
 /// A trace: strictly non-decreasing times (ns) with costs.
 fn trace(max_gap: u64, max_cost: u32) -> impl Strategy<Value = Vec<(u64, u32)>> {
     prop::collection::vec((0..=max_gap, 1..=max_cost), 1..300).prop_map(|steps| {

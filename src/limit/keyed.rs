@@ -17,11 +17,14 @@ use crate::limit::{Algorithm, KeyedError};
 ///
 /// The map holds one [`Algorithm::State`] per key (16 bytes for a token bucket) and the
 /// algorithm once. A key whose state is back to neutral (everything it consumed has been
-/// restored) behaves exactly like a new key, so it can be forgotten without changing any
-/// decision: that is how idle keys are evicted. (From then on: a new key is decided no
-/// earlier than the last sweep that evicted, since its own state would have taken an
-/// earlier `now`, from a thread that read the clock before the sweep, as no time passing;
-/// its waits still count from that `now`.)
+/// restored) behaves exactly like a new key from then on, so it can be forgotten without
+/// changing any decision made at that time or later: that is how idle keys are evicted.
+/// A `now` from before a sweep that evicted (a thread that read the clock before another
+/// swept) finds a key not held as a new key at the sweep's time, the latest it may have
+/// been evicted at, its waits counted from the `now` given: never as a fresh state at the
+/// earlier `now`, which would hand its burst out again. Kept, the key might have decided
+/// that earlier `now` more strictly still (see [`Algorithm`] on time going backwards: a
+/// token bucket's refill up to the sweep had not come yet).
 ///
 /// # Memory bound and the full-map policy
 ///
@@ -168,9 +171,9 @@ impl<K: Hash + Eq, A: Algorithm, S: BuildHasher> Keyed<K, A, S> {
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         // Decided no earlier than the last eviction: the key may have been one of those
-        // evicted, and its own state would have treated an earlier time as no time passing
-        // (a fresh state at that time would hand its burst out again). Its waits still
-        // count from the caller's `now`.
+        // evicted, and its own state would have decided an earlier time no more leniently
+        // than the sweep's (a fresh state at that time would hand its burst out again). Its
+        // waits still count from the caller's `now`.
         let late = self.swept_at.saturating_sub(now);
         let now = now.max(self.swept_at);
         let mut state = A::State::default();

@@ -15,7 +15,13 @@ use crate::error::CostError;
 ///
 /// `now` is the time since an origin of the caller's choice (the same for every call on one
 /// state), with nanosecond resolution. Time must not go backwards; if it does, the earlier
-/// `now` is treated as "no time has passed", which is conservative, and the decision's
+/// `now` is decided no more leniently than any later one the state has seen, which is
+/// conservative: [`FixedWindow`](crate::limit::FixedWindow) and
+/// [`SlidingLog`](crate::limit::SlidingLog) decide a `now` before their latest admission as
+/// at that admission (no time has passed), [`TokenBucket`](crate::limit::TokenBucket) more strictly (the refill
+/// between the earlier `now` and the later ones has not come yet), and
+/// [`SlidingWindow`](crate::limit::SlidingWindow) too (the previous window weighs as it did
+/// at the earlier `now`, or wholly before the current window began). The decision's
 /// `retry_after` and `reset_after` are counted from that earlier `now` (so the contract
 /// below holds for it too).
 ///

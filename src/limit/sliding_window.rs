@@ -149,7 +149,7 @@ impl Algorithm for SlidingWindow {
         self.roll(&mut rolled, now);
         // Below the window: `now` is in the window rolled to, or before it.
         let elapsed = (now.max(rolled.start()) - rolled.start()) as u64;
-        // Time going backwards is treated as no time passing; waits count from `now`.
+        // Time going back before the window is taken as its start; waits count from `now`.
         let behind = rolled.start().saturating_sub(now);
         let limit = u64::from(self.limit);
         let w = u128::from(self.window);

@@ -14,6 +14,8 @@ use proptest::prelude::*;
 
 #[path = "limit/backwards.rs"]
 mod backwards;
+#[path = "limit/carried.rs"]
+mod carried;
 #[path = "limit/end_of_time.rs"]
 mod end_of_time;
 

@@ -97,21 +97,14 @@ impl Algorithm for FixedWindow {
         // start: past the ~584 years of `u64` nanoseconds the windows go on.
         let reset = from_nanos(state.start() + u128::from(self.window) - now);
         let limit = u64::from(self.limit);
-        // `count <= limit` always holds; compare without adding (no overflow near u32::MAX).
-        if cost <= self.limit - state.count {
+        // What is left: none when the count is past the limit (a state counted under a
+        // higher one). Compared without adding (no overflow near u32::MAX).
+        let left = self.limit.saturating_sub(state.count);
+        if cost <= left {
             state.count += cost;
-            Ok(Decision::allow(
-                limit,
-                u64::from(self.limit - state.count),
-                reset,
-            ))
+            Ok(Decision::allow(limit, u64::from(left - cost), reset))
         } else {
-            Ok(Decision::reject(
-                limit,
-                u64::from(self.limit - state.count),
-                reset,
-                reset,
-            ))
+            Ok(Decision::reject(limit, u64::from(left), reset, reset))
         }
     }
 

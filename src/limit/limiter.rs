@@ -25,6 +25,13 @@ use crate::error::CostError;
 /// `retry_after` and `reset_after` are counted from that earlier `now` (so the contract
 /// below holds for it too).
 ///
+/// A state belongs to the configuration that made it. Checked under another (a limit
+/// lowered on a reload that keeps the states), the windows and the log count what it holds
+/// against the new limit and admit nothing past it; a [`TokenBucket`](crate::limit::TokenBucket)
+/// state counts time in units of its rate, so under another rate it means another time:
+/// carry it over with
+/// [`new.state_full_at(old.neutral_at(&state))`](crate::limit::TokenBucket::state_full_at).
+///
 /// Every implementation follows the same contract:
 /// - a rejected check leaves the state unchanged;
 /// - `cost == 0` is [`CostError::Zero`], `cost > capacity()` is

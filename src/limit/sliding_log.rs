@@ -149,8 +149,10 @@ impl Algorithm for SlidingLog {
         let (expired, freed) = self.expired(state, now);
         let total = state.total - freed;
         let limit = u64::from(self.limit);
-        // `total <= limit` always holds; compare without adding (no overflow near u32::MAX).
-        if cost <= self.limit - total {
+        // What is left: none when the log holds more than the limit (a state filled under a
+        // higher one). Compared without adding (no overflow near u32::MAX).
+        let left = self.limit.saturating_sub(total);
+        if cost <= left {
             state.log.drain(..expired);
             state.total = total + cost;
             match state.log.back_mut() {
@@ -159,23 +161,24 @@ impl Algorithm for SlidingLog {
             }
             Ok(Decision::allow(
                 limit,
-                u64::from(self.limit - state.total),
+                u64::from(left - cost),
                 self.reset_after(state, given),
             ))
         } else {
-            // Free the oldest entries until `cost` fits; the last one freed sets the wait.
-            let mut need = cost - (self.limit - total);
+            // Free the oldest entries until `cost` fits (at most `total`: `cost <= limit`);
+            // the last one freed sets the wait.
+            let mut need = u64::from(cost) + u64::from(total) - u64::from(self.limit);
             let mut retry = 0;
             for e in state.log.iter().skip(expired) {
                 retry = self.end(e) - given;
-                if e.cost >= need {
+                if u64::from(e.cost) >= need {
                     break;
                 }
-                need -= e.cost;
+                need -= u64::from(e.cost);
             }
             Ok(Decision::reject(
                 limit,
-                u64::from(self.limit - total),
+                u64::from(left),
                 from_nanos(retry),
                 self.reset_after(state, given),
             ))

@@ -10,7 +10,6 @@ use super::*;
 /// admitted until what they hold has gone below 5, with the decision's fields what the
 /// lower limit says (no panic, no count wrapped round into an admission).
 #[test]
-#[ignore = "fault: a window or log state holding more than a lowered limit panics (debug) or admits past it (release)"]
 fn a_state_holding_more_than_a_lowered_limit_admits_nothing_past_it() {
     let ms = Duration::from_millis;
     let (high, low) = (Rate::per_second(10).unwrap(), Rate::per_second(5).unwrap());

@@ -9,7 +9,10 @@ use crate::error::{ConfigError, ConfigErrorKind};
 use crate::rate::{Quota, Rate};
 
 /// The limit a gate enforces per key: an algorithm of [`limit`](crate::limit) and its
-/// parameters. The in-memory and Redis gates run the same math and give the same decisions.
+/// parameters. The in-memory and Redis gates run the same math and give the same decisions,
+/// but for two things: Redis counts in whole microseconds (its waits are rounded up to
+/// them), and its windows start at multiples of their length since the Unix epoch, where a
+/// [`MemoryGate`](crate::gate::MemoryGate)'s start at multiples since its clock's start.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Limit {

@@ -230,7 +230,8 @@ impl MemoryGateBuilder {
     ///
     /// A key's state is a few words for every limit but `Limit::SlidingLog`, which keeps
     /// the instant of each admission still in its window: up to the rate's `count` of them
-    /// a key, 16 bytes each (in a vector that grows by doubling, so up to twice that).
+    /// a key, 16 bytes each (in a vector that grows by doubling, so up to twice that, and
+    /// never below 4 of them).
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
         self

@@ -27,7 +27,7 @@ use crate::rate::Rate;
 /// weigh less than `cost` (else it would be admitted), and those it reads to find the
 /// `retry_after` weigh at most `cost`. With costs of 1, a rejected check reads two entries
 /// however long the log is. A key keeps the room its log grew to: at most `count` entries
-/// of 16 bytes, rounded up to a power of two.
+/// of 16 bytes, rounded up to a power of two, and at least 4 once it holds one.
 ///
 /// # Examples
 ///
@@ -194,5 +194,26 @@ impl Algorithm for SlidingLog {
             .log
             .back()
             .map_or(Duration::ZERO, |e| from_nanos(self.end(e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The room a key keeps, as documented: its limit in entries rounded up to a power of
+    /// two, and at least 4 (a vector's least room) once it holds one, however long it runs.
+    #[test]
+    fn a_log_keeps_its_limit_rounded_up_to_a_power_of_two_and_at_least_four() {
+        for limit in [1u32, 2, 3, 4, 5, 100] {
+            let log = SlidingLog::new(Rate::per(limit, Duration::from_nanos(1_000)).unwrap());
+            let mut state = SlidingLogState::default();
+            for t in 0..10_000 {
+                let _ = log.check(&mut state, Duration::from_nanos(t), 1);
+                assert!(state.entries() <= limit as usize);
+            }
+            let room = (limit as usize).next_power_of_two().max(4);
+            assert_eq!(state.log.capacity(), room, "limit {limit}");
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! by deciding atomically in Lua scripts (concurrent decisions share a script call) on the
 //! Redis server's clock, and keeps working by a [`FailurePolicy`] the user chose when Redis
 //! is slow or gone. A [`MemoryGate`] is the embedded default: same math, same decisions,
-//! one process.
+//! one process (but for what [`Limit`] lists: Redis rounds waits up to whole microseconds,
+//! and starts its windows on the Unix epoch).
 //!
 //! Both implement [`Gate`]: [`check`](Gate::check) decides now (admitted and consumed, or
 //! rejected with a `retry_after`), as a future because deciding may need I/O;

@@ -40,3 +40,6 @@ mod why;
 
 #[path = "http/journey.rs"]
 mod journey;
+
+#[path = "http/meet.rs"]
+mod meet;

@@ -94,6 +94,15 @@ impl Methods {
 /// 4. stops on success or a fatal outcome; else asks the backoff and the budget, waits
 ///    (the server's `Retry-After` when it sent one) and goes again, or stops.
 ///
+/// The server's fields count its quota units, and the pacer takes one unit per attempt:
+/// against a server that charges a request several units (a
+/// [`RateLimitLayer`](crate::http::RateLimitLayer) with a
+/// [`cost`](crate::http::RateLimitLayerBuilder::cost) of 5, say) the caps come out that
+/// many times too high (`r=4` reads as four more requests), and `429`s come back after
+/// the first one, each paused for by its `Retry-After` (one every 5 s for half a minute
+/// at a cost of 5 under a quota of 60 a minute). Give such a client a pacer whose
+/// [ceiling](crate::pace::AdaptivePacer::builder) is the server's rate divided by the cost.
+///
 /// The response is the last attempt's (on giving up after `429`s, the last `429`, its
 /// `Retry-After` and fields intact), with a [`RetryInfo`] in its extensions. The error is
 /// the last attempt's own error, [`RetryError::Inner`], [`RetryError::TimedOut`] when

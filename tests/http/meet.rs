@@ -325,3 +325,55 @@ async fn the_polite_client_and_the_protected_api_agree_over_http1_and_h2() {
     over_loopback(false).await;
     over_loopback(true).await;
 }
+
+/// The fields count the server's quota units; the polite client paces requests, one unit
+/// each. Where a request costs the server several units (`RateLimitLayerBuilder::cost`),
+/// the client reads a remaining of 4 as 4 more requests, and meets `429`s again and again
+/// after the first: `RetryLayer`'s docs say so (and what to do about it).
+#[tokio::test(start_paused = true)]
+async fn a_request_costing_several_units_is_paced_as_one_by_the_polite_client() {
+    let start = Instant::now();
+    let per_minute = quota(Rate::per_minute(60).unwrap(), 20);
+    let limit = RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(per_minute)))
+        .policy(Policy::new(
+            "per-minute",
+            per_minute,
+            flowgate::http::Constant::new("all"),
+        ))
+        .cost(|_: &RequestInfo<'_>| 5)
+        .build()
+        .unwrap();
+    let api = limit.layer(service_fn(|_req: Request<Empty<Bytes>>| async {
+        Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    }));
+    let refused = |mut polite: flowgate::retry::Retry<_, _>, from: Duration| async move {
+        let mut refused_at = Vec::new();
+        while start.elapsed() < from + Duration::from_secs(60) {
+            let req = Request::get("/").body(Empty::new()).unwrap();
+            let res = polite.ready().await.unwrap().call(req).await.unwrap();
+            let info = res
+                .extensions()
+                .get::<flowgate::retry::RetryInfo>()
+                .unwrap();
+            if info.attempts > 1 {
+                refused_at.push(start.elapsed() - from);
+            }
+        }
+        refused_at
+    };
+    // A refusal every five seconds for half a minute (at 6 s, 11 s, .. 26 s in this run):
+    // the fields alone do not keep it within the quota.
+    let refused_at = refused(polite(api.clone()), Duration::ZERO).await;
+    assert!(refused_at.len() >= 5, "{refused_at:?}");
+    // The docs' advice: a ceiling of the server's rate over the cost, 12 a minute.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let pacer = AdaptivePacer::builder(Rate::per_minute(12).unwrap())
+        .build()
+        .unwrap();
+    let policy = RetryPolicy::builder(Backoff::builder().seed(3).build().unwrap())
+        .pacer(pacer)
+        .build()
+        .unwrap();
+    let refused_at = refused(RetryLayer::new(policy).layer(api), start.elapsed()).await;
+    assert_eq!(refused_at, []);
+}

@@ -105,6 +105,8 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
     /// such a request gets `400 Bad Request` (see the layer's docs). The keys come first: a
     /// request without a key for a [`MissingKey::Refuse`] policy gets its `400` whatever
     /// its cost, and a request no policy applies to passes without the closure being called.
+    /// The fields count units, not requests: a client pacing by them one request per unit
+    /// (flowgate's `RetryLayer` does) sends up to the cost times the quota's rate.
     pub fn cost<F>(mut self, cost: F) -> Self
     where
         F: Fn(&RequestInfo<'_>) -> u32 + Send + Sync + 'static,

@@ -232,6 +232,7 @@ async fn the_polite_client_keeps_to_what_the_protected_api_writes() {
         journey(all, shadow).await;
         journey(HeaderStyles::DRAFT_03, shadow).await;
         journey(HeaderStyles::X_RATELIMIT, shadow).await;
+        journey(HeaderStyles::X_RATELIMIT_EPOCH, shadow).await;
     }
 }
 

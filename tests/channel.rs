@@ -18,6 +18,8 @@ mod mixed;
 mod recorder;
 #[path = "channel/wakers.rs"]
 mod wakers;
+#[path = "channel/walk.rs"]
+mod walk;
 
 use std::collections::HashSet;
 use std::panic::{RefUnwindSafe, UnwindSafe};

@@ -198,6 +198,9 @@ impl<T> Receiver<T> {
 
     /// How many items are buffered: queued, or taken by a receiver in a batch and not yet
     /// handed out (see [`poll_recv`](Receiver::poll_recv)).
+    ///
+    /// While a receive hands an item out, it may read one more than the capacity per
+    /// receiver doing so: see [`Sender::len`](crate::channel::Sender::len).
     pub fn len(&self) -> usize {
         self.shared.len()
     }

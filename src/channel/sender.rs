@@ -191,6 +191,13 @@ impl<T> Sender<T> {
 
     /// How many items are buffered: queued, or taken by a receiver in a batch and not yet
     /// handed out.
+    ///
+    /// An item a receive is handing out counts until the receive returns it, though its slot
+    /// is freed first (so that a metrics recorder or a waker that panics as the receive is
+    /// recorded and wakes a sender loses no slot: see the channel's
+    /// [Locks](crate::channel#locks) section). A send that takes that slot meanwhile (from
+    /// another thread, or from the recorder) makes `len()` read one more than the capacity
+    /// per receiver handing out an item, for that moment.
     pub fn len(&self) -> usize {
         self.shared.len()
     }

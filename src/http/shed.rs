@@ -347,7 +347,11 @@ impl fmt::Debug for Shared {
 /// With axum, `Router::layer(layer)` sheds every route and `Router::route_layer(layer)` the
 /// matched routes only: an unknown path's 404 passes by it, but a known path asked with a
 /// method it does not serve (a 405) goes through it, as axum wraps a path's whole method
-/// router. The same holds for [`RateLimitLayer`](crate::http::RateLimitLayer).
+/// router. The same holds for [`RateLimitLayer`](crate::http::RateLimitLayer). Around the
+/// whole router (`layer.layer(router)`, served through axum's
+/// `ServiceExt::into_make_service_with_connect_info`) it sheds what `Router::layer` sheds,
+/// without axum's boxing and per-request clone of a layered route (see
+/// [`RateLimitLayer`'s "Under axum"](crate::http::RateLimitLayer#under-axum)).
 #[derive(Clone)]
 pub struct ShedLayer {
     shared: Arc<Shared>,

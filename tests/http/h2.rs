@@ -495,6 +495,31 @@ async fn around_the_router_the_layer_keys_by_peer_and_decides_every_path() {
     );
 }
 
+/// `ShedLayer` around the whole router sheds every request, an unmatched path's too, as
+/// under `Router::layer`.
+#[tokio::test]
+async fn around_the_router_the_shed_layer_sheds_every_path() {
+    use tower::{Layer, ServiceExt};
+    let bulkhead = Bulkhead::builder(1).build().unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let app = layer.layer(Router::new().route("/", get(|| async { "ok" })));
+    let get_ = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let held = bulkhead.try_acquire_owned().unwrap();
+    for path in ["/", "/nowhere"] {
+        let res = app.clone().oneshot(get_(path)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+    }
+    drop(held);
+    let res = app.clone().oneshot(get_("/")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The permit stays with the response's body until it is dropped.
+    drop(res);
+    let res = app.oneshot(get_("/nowhere")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+    assert_eq!(layer.stats().normal.shed, 2);
+    assert_eq!(layer.stats().normal.admitted, 2);
+}
+
 #[tokio::test]
 async fn a_waiter_granted_a_permit_then_reset_hands_it_on() {
     use std::future::Future;

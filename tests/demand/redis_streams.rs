@@ -1752,3 +1752,207 @@ async fn acks_the_background_task_gives_up_on_are_counted_as_unsent() {
     }
     assert_eq!(pending(&mut con).await, 3, "left pending: delivered again");
 }
+
+/// The journey under a server that stops answering (SIGSTOP: a long GC pause, a partition)
+/// with entries held and acks queued: every fetch meanwhile fails with the connection's
+/// timeout (none hangs, none delivers), and once the server answers again every entry is
+/// processed (the reads Redis ran for fetches the client had given up on leave entries
+/// pending for this consumer: it claims them once idle), every ack counted as acked or
+/// stale, and nothing is left pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_server_under_the_source_loses_no_entry_and_no_ack() {
+    const N: u32 = 20;
+    let server = RedisServer::start();
+    let counters = Counters::new("paused");
+    let mut con = server.connect().await;
+    let source = counters.build(
+        RedisStreamSource::builder(server.connect().await, KEY, GROUP, "p")
+            .block(Duration::from_millis(50))
+            .min_idle(Duration::from_millis(300))
+            .claim_every(Duration::from_millis(100)),
+    );
+    produce(&mut con, N).await;
+    let mut stream = Box::pin(
+        Prefetch::builder(source, levels(4, 0))
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(50))
+            .build()
+            .unwrap(),
+    );
+    let mut seen: HashMap<u32, u32> = HashMap::new();
+    let mut acks = 0u64;
+    let mut held = take(&mut stream, 4).await;
+    for e in held.drain(..2) {
+        *seen.entry(e.get("n").unwrap()).or_default() += 1;
+        e.ack.ack();
+        acks += 1;
+    }
+
+    server.pause();
+    let mut errors = 0;
+    let until = tokio::time::Instant::now() + Duration::from_millis(1_500);
+    while tokio::time::Instant::now() < until {
+        match tokio::time::timeout(Duration::from_secs(2), stream.next()).await {
+            Ok(Some(Err(e))) => {
+                assert!(
+                    e.is_timeout() || e.is_io_error(),
+                    "why the fetch failed: {e}"
+                );
+                errors += 1;
+            }
+            Ok(Some(Ok(e))) => panic!("a paused server delivered {}", e.id),
+            Ok(None) => panic!("the stream ended"),
+            Err(_) => panic!("a fetch hung on the paused server"),
+        }
+    }
+    assert!(
+        errors >= 1,
+        "the fetches failed while the server was paused"
+    );
+    server.resume();
+
+    for e in held {
+        *seen.entry(e.get("n").unwrap()).or_default() += 1;
+        e.ack.ack();
+        acks += 1;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while seen.len() < N as usize && tokio::time::Instant::now() < deadline {
+        if let Some(e) = next_ok(&mut stream).await {
+            *seen.entry(e.get("n").unwrap()).or_default() += 1;
+            e.ack.ack();
+            acks += 1;
+        }
+    }
+    let mut values: Vec<u32> = seen.keys().copied().collect();
+    values.sort_unstable();
+    assert_eq!(values, (0..N).collect::<Vec<_>>(), "every entry processed");
+    flush(&mut stream).await;
+    assert_eq!(drained(&mut con).await, 0, "nothing left pending");
+    let counted = ["acked", "stale_acks", "unsent_acks"].map(|m| counters.get(m));
+    if let [Some(acked), Some(stale), Some(unsent)] = counted {
+        assert_eq!(acked + stale, acks, "every ack made is acked or stale");
+        assert_eq!(unsent, 0);
+        // An `XACK` Redis ran after the client gave up on its answer is sent again and
+        // answered 0: stale, not acked (see `flush_acks`).
+        assert!(acked <= acks, "acked {acked} of {acks}");
+    }
+}
+
+/// `ms-seq` as one increasing number, for a `CommitTracker`.
+fn offset_of(id: &str) -> u64 {
+    let (ms, seq) = id.split_once('-').unwrap();
+    (ms.parse::<u64>().unwrap() << 20) | seq.parse::<u64>().unwrap()
+}
+
+/// The consumer loop of the module's docs shut down with work in flight (close the
+/// bulkhead, poll the stream to its end, flush the acks), then started again under the same
+/// name: what the first run finished is acknowledged in Redis and never delivered again;
+/// what it fetched and did not finish (still buffered, or held waiting for a permit) is
+/// recovered first, each once; the rest comes new; nothing is lost. The commits of the
+/// first run never pass an offset it did not finish.
+#[tokio::test]
+async fn a_consumer_loop_shut_down_with_work_in_flight_and_started_again_loses_nothing() {
+    use flowgate::FlowStreamExt;
+    use flowgate::bulkhead::Bulkhead;
+    use flowgate::demand::{CommitToken, CommitTracker};
+    use std::collections::BTreeSet;
+    const N: u32 = 30;
+    let (server, mut con) = with_entries(N).await;
+    let bulkhead = Bulkhead::new(3).unwrap();
+    let tracker = CommitTracker::new();
+    let tracked = Arc::new(Mutex::new(Vec::new()));
+    let (t, log) = (tracker.clone(), tracked.clone());
+    let mut stream = Box::pin(
+        prefetch(source(&server, "c").await, levels(8, 2))
+            .then(move |r| {
+                let (t, log) = (t.clone(), log.clone());
+                async move {
+                    let e = r.unwrap();
+                    let token = t.track(offset_of(&e.id)).unwrap();
+                    log.lock().unwrap().push(token.offset());
+                    (e, token)
+                }
+            })
+            .bulkhead_map_unordered(bulkhead.clone(), |(e, token)| async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                (e, token)
+            }),
+    );
+    let mut processed = BTreeSet::new();
+    let mut finished = BTreeSet::new();
+    let mut finish = |(e, token): (StreamEntry, CommitToken)| {
+        assert!(
+            processed.insert(e.get::<u32>("n").unwrap()),
+            "processed twice"
+        );
+        finished.insert(token.offset());
+        e.ack.ack();
+        token.done();
+    };
+    for _ in 0..10 {
+        finish(stream.next().await.unwrap());
+    }
+    bulkhead.close();
+    while let Some(out) = tokio::time::timeout(Duration::from_secs(2), stream.next())
+        .await
+        .expect("the loop ends once its bulkhead is closed")
+    {
+        finish(out);
+    }
+    stream
+        .as_mut()
+        .get_pin_mut()
+        .get_pin_mut()
+        .get_pin_mut()
+        .get_mut()
+        .flush_acks()
+        .await
+        .unwrap();
+    drop(stream);
+    let committable = tracker.committable();
+    for offset in tracked.lock().unwrap().iter() {
+        if Some(*offset) <= committable {
+            assert!(
+                finished.contains(offset),
+                "committed past unfinished {offset}"
+            );
+        }
+    }
+    let unfinished = tracked.lock().unwrap().len() - finished.len();
+    assert_eq!(
+        tracker.dropped(),
+        unfinished as u64,
+        "tokens dropped unfinished"
+    );
+    let left = pending(&mut con).await;
+
+    let mut stream = Box::pin(prefetch(source(&server, "c").await, levels(8, 2)));
+    let mut recovered = BTreeSet::new();
+    let mut fresh = BTreeSet::new();
+    while (processed.len() + recovered.len() + fresh.len()) < N as usize {
+        let e = next(&mut stream)
+            .await
+            .unwrap_or_else(|| panic!("lost: {processed:?} {recovered:?} {fresh:?}"));
+        let n: u32 = e.get("n").unwrap();
+        assert!(
+            !processed.contains(&n),
+            "{n} was finished and acknowledged before"
+        );
+        let set = match e.origin {
+            Origin::OwnPending => &mut recovered,
+            Origin::New => &mut fresh,
+            Origin::Claimed => panic!("nothing to claim: {n}"),
+        };
+        assert!(set.insert(n), "{n} delivered twice");
+        e.ack.ack();
+    }
+    assert_eq!(
+        recovered.len() as u64,
+        left,
+        "what was pending is recovered"
+    );
+    assert!(recovered.is_disjoint(&fresh));
+    assert!(next(&mut stream).await.is_none(), "nothing more");
+    flush(&mut stream).await;
+    assert_eq!(drained(&mut con).await, 0, "every entry acknowledged once");
+}

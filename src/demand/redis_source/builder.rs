@@ -200,7 +200,9 @@ where
     /// The most entries one fetch asks Redis for (default 1,000; from 1 to 100,000): the
     /// `COUNT` of `XREADGROUP` and `XAUTOCLAIM` is the demand
     /// ([`prefetch`](crate::demand::prefetch()) asks for `high − buffered`), capped at this.
-    /// A `prefetch` window larger than this fills in several fetches.
+    /// A `prefetch` fetches only when its buffer falls to `low`, so with a window (`high −
+    /// low`) larger than this it holds at most `low + max_count` entries, not `high`: raise
+    /// `max_count` (or `low`) to buffer more.
     pub fn max_count(mut self, max: usize) -> Self {
         self.max_count = max;
         self

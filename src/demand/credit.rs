@@ -129,7 +129,9 @@ impl DemandHandle {
 /// credit remains, and never more items than were requested in total.
 ///
 /// The upstream is not polled while there is no credit (except for its end, below), so
-/// nothing is fetched ahead of demand. A unit of credit is used when its item comes: while
+/// nothing is pulled from it ahead of demand. An upstream that buffers still fetches by its
+/// own bounds once polled: over a [`Prefetch`](crate::demand::Prefetch), one unit of credit
+/// lets it fetch up to its `high` (its levels, not the credit, bound what is fetched). A unit of credit is used when its item comes: while
 /// the stream waits on its upstream the unit stays in [`DemandHandle::outstanding`], and a
 /// stream that is dropped there, taken apart by [`into_inner`](Demanded::into_inner), or
 /// whose upstream ends uses nothing. Every item uses a unit, an `Err` item of a fallible

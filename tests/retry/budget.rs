@@ -410,3 +410,46 @@ proptest! {
         prop_assert!(allowed * 1000 <= bound);
     }
 }
+
+/// A named budget at the default ratio (a tenth of a token a success) through a long run
+/// of random failures and successes: `flowgate_retry_budget_tokens` reads the tokens left after
+/// every call, not a sum of rounded changes drifting away from them, and reads 0 once the
+/// budget is dropped. (A gauge moved by its changes adds up their rounding errors in the
+/// recorder: 9.9 - 10 + 9.8 - 9.9 … is not 9.8 in `f64`.)
+#[cfg(feature = "metrics")]
+#[test]
+#[ignore = "fault: a set gauge sends changes from the previous value, so the recorder adds up their rounding: it drifts off the value and a dropped primitive leaves it off 0"]
+fn the_tokens_gauge_reads_the_tokens_left_through_a_long_run_and_0_once_dropped() {
+    let recorder = crate::support::TestRecorder::default();
+    let budget = metrics::with_local_recorder(&recorder, || {
+        RetryBudget::builder().name("drift").build().unwrap()
+    });
+    let id = "flowgate_retry_budget_tokens{name=drift}";
+    let mut wrong = Vec::new();
+    // One call in five fails, at random (a fixed seed): the tokens wander over the range.
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    for step in 0..20_000u32 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        if seed.is_multiple_of(5) {
+            budget.on_failure();
+        } else {
+            budget.on_success();
+        }
+        let (tokens, shown) = (budget.tokens(), recorder.gauge(id));
+        if shown != Some(tokens) {
+            wrong.push((step, tokens, shown));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of 20 000 calls left the gauge off the tokens left; the first and last \
+         (step, tokens, shown): {:?} {:?}",
+        wrong.len(),
+        wrong.first(),
+        wrong.last()
+    );
+    drop(budget);
+    assert_eq!(recorder.gauge(id), Some(0.0), "a dropped budget's gauge");
+}

@@ -72,7 +72,9 @@ pub(crate) struct Counter {
 /// A gauge handle (goes up and down): one primitive instance's contribution to its gauge.
 /// Clones share the contribution; when the last clone is dropped, the contribution is taken
 /// back, so gauges sharing a label (unnamed primitives) always show the sum of the live
-/// instances' values.
+/// instances' values. A [`set`](Gauge::set) is sent as the change from what the recorder was
+/// sent before, rounded as the recorder adds it, so rounding errors never add up: a gauge
+/// alone on its labels reads the value set, and 0 once dropped.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Gauge {
     #[cfg(feature = "metrics")]
@@ -83,7 +85,8 @@ pub(crate) struct Gauge {
 #[cfg(feature = "metrics")]
 struct Share {
     gauge: metrics::Gauge,
-    /// This instance's value, as `f64` bits.
+    /// This instance's value as the recorder was sent it (the sum of its changes, rounded
+    /// as the recorder adds them), as `f64` bits: what is taken back when it is dropped.
     value: AtomicU64,
 }
 
@@ -254,13 +257,35 @@ impl Gauge {
     pub(crate) fn set(&self, value: f64) {
         #[cfg(feature = "metrics")]
         if let Some(share) = &self.inner {
-            let old = f64::from_bits(share.value.swap(value.to_bits(), Ordering::AcqRel));
-            let delta = value - old;
-            if delta != 0.0 {
-                recording(|| share.gauge.increment(delta));
+            // Worked out from what was sent, not from the value set before: the recorder
+            // adds up the changes, rounded, and a change from the previous value would
+            // leave its rounding there for good (10 - 9.9 + 9.8 - … drifts off the tokens
+            // of a retry budget, and a dropped one's gauge off 0).
+            let mut moves = (0.0, 0.0);
+            let _ = share
+                .value
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |bits| {
+                    let shown = f64::from_bits(bits);
+                    moves = changes(shown, value);
+                    Some((shown + moves.0 + moves.1).to_bits())
+                });
+            for delta in [moves.0, moves.1] {
+                if delta != 0.0 {
+                    recording(|| share.gauge.increment(delta));
+                }
             }
         }
     }
+}
+
+/// The changes that move a gauge from `shown` to `value`: `value - shown`, and, if that
+/// change, rounded, lands off `value` (0.3 + (1.3 - 0.3) is not 1.3 in `f64`), what it
+/// missed by (exact: the two are that close), else 0.
+#[cfg(feature = "metrics")]
+#[inline]
+fn changes(shown: f64, value: f64) -> (f64, f64) {
+    let first = value - shown;
+    (first, value - (shown + first))
 }
 
 #[cfg(all(test, feature = "metrics"))]
@@ -459,6 +484,34 @@ mod tests {
             "the dropped instance's share is taken back"
         );
         drop(b);
+        assert_eq!(total.get(), 0.0);
+    }
+
+    #[test]
+    fn a_set_gauge_reads_each_value_set_and_0_once_dropped() {
+        let recorder = TestRecorder::default();
+        let gauge = metrics::with_local_recorder(&recorder, || {
+            Labels::new(Some("alone")).gauge("flowgate_test_depth", &[])
+        });
+        let total = recorder.gauges.lock().unwrap()[0].1.clone();
+        // Jumps whose changes round (1.3 - 0.3, 0.2 - 1.2), tiny and huge values.
+        for value in [
+            0.1,
+            1.3,
+            0.3,
+            1.2,
+            0.2,
+            9.9,
+            1e-9,
+            1e6 + 0.1,
+            0.7,
+            1e300,
+            3.3,
+        ] {
+            gauge.set(value);
+            assert_eq!(total.get(), value);
+        }
+        drop(gauge);
         assert_eq!(total.get(), 0.0);
     }
 }

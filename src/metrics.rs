@@ -281,9 +281,10 @@ impl Gauge {
 /// The changes that move a gauge from `shown` to `value`: `value - shown`, and, if that
 /// change, rounded, lands off `value` (0.3 + (1.3 - 0.3) is not 1.3 in `f64`), what it
 /// missed by (exact: the two are that close), else 0.
-#[cfg(feature = "metrics")]
+/// A primitive that works out its gauges' changes itself (to add them with no lock held)
+/// moves them with these too.
 #[inline]
-fn changes(shown: f64, value: f64) -> (f64, f64) {
+pub(crate) fn changes(shown: f64, value: f64) -> (f64, f64) {
     let first = value - shown;
     (first, value - (shown + first))
 }

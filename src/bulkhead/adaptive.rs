@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use tokio::time::Instant;
 
 use crate::adaptive::{AdaptiveLimit, Outcome, RttEstimates, Sample};
-use crate::metrics::{Counter, Gauge, Labels};
+use crate::metrics::{Counter, Gauge, Labels, changes};
 use crate::sync::{Mutex, MutexGuard, Panics};
 
 /// Names of the adaptive bulkhead metrics.
@@ -64,25 +64,28 @@ pub struct AdaptiveStats {
 /// The algorithm, and what its gauges were last moved to.
 struct Learner {
     algorithm: Box<dyn AdaptiveLimit>,
-    /// `max_in_flight`, the RTT minimum and the smoothed RTT, as last published. A metrics
-    /// recorder is user code: each change to a gauge is worked out here, under the lock, and
-    /// added to the gauge after it. Added changes commute, so the gauges end at the latest
-    /// values whichever thread adds its change last.
+    /// `max_in_flight`, the RTT minimum and the smoothed RTT, as last published: the sums
+    /// of the changes sent, rounded as a recorder adds them, so each change is worked out
+    /// from what the gauge shows and rounding errors do not add up. A metrics recorder is
+    /// user code: each change to a gauge is worked out here, under the lock, and added to
+    /// the gauge after it. Added changes commute, so the gauges end at the latest values
+    /// whichever thread adds its change last.
     published: [f64; 3],
 }
 
 impl Learner {
-    /// Publish `values` (`None`: unknown, left as it is): the change each gauge must move by.
-    fn publish(&mut self, values: [Option<f64>; 3]) -> [f64; 3] {
-        let mut changes = [0.0; 3];
-        for ((published, change), value) in self.published.iter_mut().zip(&mut changes).zip(values)
-        {
+    /// Publish `values` (`None`: unknown, left as it is): the changes each gauge must move
+    /// by ([`changes`]).
+    fn publish(&mut self, values: [Option<f64>; 3]) -> [[f64; 2]; 3] {
+        let mut moves = [[0.0; 2]; 3];
+        for ((published, moves), value) in self.published.iter_mut().zip(&mut moves).zip(values) {
             if let Some(value) = value {
-                *change = value - *published;
-                *published = value;
+                let (first, second) = changes(*published, value);
+                *moves = [first, second];
+                *published = *published + first + second;
             }
         }
-        changes
+        moves
     }
 }
 
@@ -121,7 +124,7 @@ impl fmt::Debug for Adaptive {
 pub(crate) struct Published<'a> {
     adaptive: &'a Adaptive,
     outcome: usize,
-    changes: [f64; 3],
+    changes: [[f64; 2]; 3],
 }
 
 impl Published<'_> {
@@ -145,8 +148,10 @@ impl Drop for Published<'_> {
         ];
         let mut panics = Panics::new();
         panics.run(|| metrics.samples[self.outcome].increment(1));
-        for (gauge, change) in gauges.into_iter().zip(self.changes) {
-            panics.run(|| gauge.add(change));
+        for (gauge, pair) in gauges.into_iter().zip(self.changes) {
+            for change in pair {
+                panics.run(|| gauge.add(change));
+            }
         }
         panics.resume();
     }
@@ -223,7 +228,7 @@ impl Adaptive {
         let mut published = Published {
             adaptive: self,
             outcome: outcome_index,
-            changes: [0.0; 3],
+            changes: [[0.0; 2]; 3],
         };
         if outcome_index == 2 {
             // Ignored: nothing to learn, and no lock to take.

@@ -5,6 +5,8 @@ mod support;
 
 #[path = "bulkhead/claims.rs"]
 mod claims;
+#[path = "bulkhead/journey.rs"]
+mod journey;
 #[path = "bulkhead/stats.rs"]
 mod stats;
 

@@ -30,8 +30,10 @@
 //! If the bulkhead is closed, the adapter stops pulling, yields what is in flight, then
 //! ends; the item it held is discarded (the bulkhead counts the refused wait as a `closed`
 //! refusal in `flowgate_bulkhead_rejected_total`). Dropped, the adapter discards the item it
-//! holds, drops the futures in flight (aborts the tasks of `bulkhead_spawn_map`), then
-//! returns their permits. Outputs finished and not yet yielded are dropped with it,
+//! holds and drops the futures in flight (`bulkhead_map_unordered` drops its futures first,
+//! the other two the item), then returns their permits; `bulkhead_spawn_map` aborts its
+//! tasks instead, and each task's future and permit go when the runtime stops it, after
+//! the drop. Outputs finished and not yet yielded are dropped with it,
 //! uncounted (their work was done): those of `bulkhead_map` waiting behind an older future,
 //! those of `bulkhead_spawn_map`'s finished tasks. A discarded item, either way, is counted
 //! in `flowgate_bulkhead_discarded_total` and goes to the adapter's `on_drop` hook, as

@@ -257,3 +257,80 @@ async fn an_adaptive_bulkhead_shared_by_requests_and_adapters_through_cuts_growt
         "{adaptive:?}"
     );
 }
+
+/// Each adapter dropped with a future in flight and an item waiting for a permit: the
+/// order in which the module docs say it lets go of them, and when the permits come back
+/// (at once for the in-poll adapters; as the runtime stops the aborted tasks for
+/// `bulkhead_spawn_map`).
+#[tokio::test]
+async fn a_dropped_adapter_lets_go_of_its_item_futures_and_permits_in_the_documented_order() {
+    type Log = Arc<Mutex<Vec<&'static str>>>;
+    struct Noted(Log);
+    impl Drop for Noted {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push("future");
+        }
+    }
+    let pending = |log: &Log| {
+        let noted = Noted(log.clone());
+        async move {
+            let _noted = noted;
+            std::future::pending::<u32>().await
+        }
+    };
+    for (adapter, first) in [
+        ("ordered", "item"),
+        ("unordered", "future"),
+        ("spawned", "item"),
+    ] {
+        let b = Bulkhead::new(2).unwrap();
+        let busy = b.try_acquire().unwrap();
+        let log = Log::default();
+        let (on_drop, f) = {
+            let (hook_log, f_log) = (log.clone(), log.clone());
+            (
+                move |_: u32, _: &Dropped| hook_log.lock().unwrap().push("item"),
+                move |_: u32| pending(&f_log),
+            )
+        };
+        let items = futures::stream::iter(0..2u32);
+        let mut s: std::pin::Pin<Box<dyn Stream<Item = u32> + Send>> = match adapter {
+            "ordered" => Box::pin(
+                BulkheadMap::builder(items, b.clone(), f)
+                    .on_drop(on_drop)
+                    .build()
+                    .unwrap(),
+            ),
+            "unordered" => Box::pin(
+                BulkheadMapUnordered::builder(items, b.clone(), f)
+                    .on_drop(on_drop)
+                    .build()
+                    .unwrap(),
+            ),
+            _ => Box::pin(
+                BulkheadSpawnMap::builder(items, b.clone(), f)
+                    .on_drop(on_drop)
+                    .build()
+                    .unwrap(),
+            ),
+        };
+        assert!(poll!(s.next()).is_pending());
+        tokio::task::yield_now().await;
+        assert_eq!(b.in_flight(), 2, "{adapter}");
+        drop(s);
+        if adapter == "spawned" {
+            assert_eq!(*log.lock().unwrap(), ["item"], "the task not stopped yet");
+            assert_eq!(b.in_flight(), 2, "its permit goes as the task stops");
+            for _ in 0..10 {
+                if b.in_flight() == 2 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+        let log = log.lock().unwrap().clone();
+        assert_eq!(log[0], first, "{adapter}: {log:?}");
+        assert_eq!(log.len(), 2, "{adapter}: {log:?}");
+        assert_eq!(b.in_flight(), 1, "{adapter}");
+        drop(busy);
+    }
+}

@@ -110,3 +110,57 @@ async fn a_process_started_while_the_home_is_down_gets_its_share_once_the_home_i
         region.status()
     );
 }
+
+/// A process calls `refresh_now` right after a refresh (a health check, a deploy hook, or
+/// one that waited for the background refresh to finish): the demand it reports is
+/// measured over the few milliseconds since, not a refresh interval. A region under steady
+/// load keeps (about) its demand and its share: one refresh's noise over a short window does
+/// take the share away (measured over a millisecond or two, none read as nothing: the
+/// demand fell to 0 and the share to 1 per second, every request rejected until the next
+/// refresh).
+#[tokio::test]
+#[ignore = "fault: refresh_now right after a refresh reports the few milliseconds since as the region's demand: none read as 0, and the share fell to 1"]
+async fn refresh_now_right_after_a_refresh_keeps_the_regions_share() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let home = RedisServer::start();
+    let local = RedisServer::start();
+    let alloc = only_region(home.fast_failing_manager().await, "short-window");
+    assert!(alloc.init_home().await.unwrap());
+    let region = alloc
+        .join("only", local.fast_failing_manager().await)
+        .await
+        .unwrap();
+    // Steady load of about 50 per second.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let gate = region.gate_with(FailurePolicy::Closed);
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = gate.check("k", 1).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    // Until the demand is measured and the share follows it (a few refreshes).
+    let until = Instant::now() + Duration::from_secs(10);
+    let measured = |s: flowgate::region::RegionStatus| s.demand >= 30 && s.share >= 30;
+    while !measured(region.status()) && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = region.status();
+    assert!(before.demand >= 30 && before.share >= 30, "{before}");
+    // The load pauses for the two refreshes: the second sees no request in its window.
+    stop.store(true, Ordering::Relaxed);
+    let _ = load.await;
+    region.refresh_now().await;
+    region.refresh_now().await;
+    let after = region.status();
+    // At least the 50 per second measured over whole intervals, not nothing.
+    assert!(
+        after.demand >= 20 && after.share >= 20,
+        "before: {before}; after two refresh_now in a row: {after}"
+    );
+}

@@ -366,7 +366,9 @@ where
     /// The weight of the newest measurement in a region's demand (an exponentially weighted
     /// moving average over refreshes; default 0.5, in (0, 1]). A measurement more than a
     /// quarter away from the average replaces it: demand that really moved is followed at
-    /// once, noise is smoothed.
+    /// once, noise is smoothed. One over less than half a refresh interval (a
+    /// [`refresh_now`](crate::region::Region::refresh_now) right after a refresh) only
+    /// raises it: a few milliseconds without a request say nothing of the demand.
     pub fn smoothing(mut self, weight: f64) -> Self {
         self.smoothing = weight;
         self

@@ -345,10 +345,22 @@ impl<C> Core<C> {
     }
 }
 
-/// The demand after a new measurement: an exponentially weighted moving average with weight
-/// `weight` for the new value, except that a measurement more than a quarter away from the
-/// average replaces it (demand that really moved is followed at once; noise is smoothed).
-fn smooth(average: f64, measured: f64, weight: f64) -> f64 {
+/// A measurement of demand over less than this part of a refresh interval is a short one.
+const SHORT: f64 = 0.5;
+
+/// The demand after a new measurement over `covered` of a refresh interval (at most 1): an
+/// exponentially weighted moving average with weight `weight` for the new value, except
+/// that a measurement more than a quarter away from the average replaces it (demand that
+/// really moved is followed at once; noise is smoothed). A short measurement (below
+/// [`SHORT`]: a `refresh_now` right after a refresh) only raises the demand: a window of a
+/// millisecond or two without a request says nothing of a demand of 50 per second (it read
+/// as none, and the region gave its share away for an interval), where requests it did see
+/// are demand.
+fn smooth(average: f64, measured: f64, weight: f64, covered: f64) -> f64 {
+    let measured = match covered < SHORT {
+        true => measured.max(average),
+        false => measured,
+    };
     if (measured - average).abs() > average / 4.0 {
         measured
     } else {
@@ -522,15 +534,19 @@ where
             round.lease_granted = granted;
             // The counters cover the time since they were last reset, by whichever process
             // (on the local Redis clock); unknown the first time.
-            let elapsed = if since > 0 {
+            let elapsed = if since >= 0 {
                 Duration::from_micros(units(since))
             } else {
                 plan.refresh
             };
-            let per_period =
-                |n: i64| units(n) as f64 * plan.period_us as f64 / elapsed.as_micros() as f64;
+            // The part of a refresh interval they cover: a `refresh_now` right after a
+            // refresh measures a few milliseconds.
+            let covered = (elapsed.as_secs_f64() / plan.refresh.as_secs_f64()).min(1.0);
+            let per_period = |n: i64| {
+                units(n) as f64 * plan.period_us as f64 / elapsed.as_micros().max(1) as f64
+            };
             let measured = per_period(admitted) + per_period(rejected);
-            round.demand = smooth(round.demand, measured, plan.smoothing);
+            round.demand = smooth(round.demand, measured, plan.smoothing, covered);
             round.status.utilisation = if enforced == 0 {
                 0.0
             } else {
@@ -821,7 +837,10 @@ where
     /// every interval). It first waits for a refresh already running in this process, and
     /// for the end of a stand-down: a process that gave the refresher lock up after two
     /// failed calls to the home leaves it to the others for a refresh interval, and a
-    /// `refresh_now` meanwhile refreshes as that interval ends.
+    /// `refresh_now` meanwhile refreshes as that interval ends. The demand it reports is
+    /// measured since the region's last refresh: over less than half an interval, it only
+    /// raises the region's demand (see
+    /// [`smoothing`](crate::region::QuotaAllocatorBuilder::smoothing)).
     ///
     /// # Panics
     ///
@@ -912,9 +931,16 @@ mod tests {
 
     #[test]
     fn demand_smooths_noise_and_follows_a_move_at_once() {
-        assert_eq!(smooth(100.0, 110.0, 0.5), 105.0);
-        assert_eq!(smooth(100.0, 10.0, 0.5), 10.0);
-        assert_eq!(smooth(0.0, 40.0, 0.5), 40.0);
-        assert_eq!(smooth(40.0, 0.0, 0.5), 0.0);
+        assert_eq!(smooth(100.0, 110.0, 0.5, 1.0), 105.0);
+        assert_eq!(smooth(100.0, 10.0, 0.5, 1.0), 10.0);
+        assert_eq!(smooth(0.0, 40.0, 0.5, 1.0), 40.0);
+        assert_eq!(smooth(40.0, 0.0, 0.5, 0.5), 0.0);
+    }
+
+    #[test]
+    fn a_short_measurement_only_raises_the_demand() {
+        assert_eq!(smooth(50.0, 0.0, 0.5, 0.01), 50.0);
+        assert_eq!(smooth(50.0, 0.0, 0.5, 0.0), 50.0);
+        assert_eq!(smooth(0.0, 2000.0, 0.5, 0.02), 2000.0);
     }
 }

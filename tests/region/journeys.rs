@@ -119,7 +119,6 @@ async fn a_process_started_while_the_home_is_down_gets_its_share_once_the_home_i
 /// demand fell to 0 and the share to 1 per second, every request rejected until the next
 /// refresh).
 #[tokio::test]
-#[ignore = "fault: refresh_now right after a refresh reports the few milliseconds since as the region's demand: none read as 0, and the share fell to 1"]
 async fn refresh_now_right_after_a_refresh_keeps_the_regions_share() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -580,7 +580,7 @@ async fn refresh_panics(region: &Region<Conn>) -> bool {
 }
 
 /// 20 requests through `region`'s gate: demand that grows its share at the next refresh
-/// (the one after it, with none, shrinks it).
+/// (the one after it, with none over at least half a refresh interval, shrinks it).
 async fn demand(region: &Region<Conn>) {
     let gate = region.gate();
     for _ in 0..20 {
@@ -687,7 +687,8 @@ async fn a_recorder_that_panics_in_the_ack_still_counts_the_grant() {
     let grown = region.status();
     assert!(grown.share > 1, "{grown}");
     let counted = recorder.counter(&granted);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Half a refresh interval without demand: a shorter window only raises it.
+    tokio::time::sleep(Duration::from_millis(5100)).await;
     // The refresh's home call is timed first, then the ack's.
     left.store(2, Ordering::SeqCst);
     assert!(

@@ -22,13 +22,15 @@ use crate::region::member::Region;
 ///
 /// Each key has its own bucket at the region's share (a global limit is usually one key,
 /// such as the API's name): the rate is the share, the burst the region's part of the
-/// global burst (at least one request). The share is read from the lease record in the
-/// same script, on the local Redis clock, so every process of the region switches at the
-/// same instant, and a lease that expired gives way to the safe share at once. When the
-/// share changes, a bucket keeps the tokens it has in hand (at most its new size; none at a
-/// share of 0, so a region whose share grows from 0 starts empty): no region gains tokens by
-/// a change, so the regions never hold more than the global burst (plus one request each)
-/// between them.
+/// global burst (at least one request). The region's demand, which moves its share, counts
+/// what the requests of all its keys cost together: with a key per tenant, the share
+/// follows their sum, and each tenant may admit at all of it (the global bound holds key by
+/// key). The share is read from the lease record in the same script, on the local Redis
+/// clock, so every process of the region switches at the same instant, and a lease that
+/// expired gives way to the safe share at once. When the share changes, a bucket keeps the
+/// tokens it has in hand (at most its new size; none at a share of 0, so a region whose
+/// share grows from 0 starts empty): no region gains tokens by a change, so the regions
+/// never hold more than the global burst (plus one request each) between them.
 ///
 /// A rejection while the region's share is 0, or for a cost above the region's bucket at
 /// its current share, says `retry_after` = one refresh interval. Under the demand-driven

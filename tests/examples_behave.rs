@@ -382,7 +382,7 @@ fn polite_client_lets_the_servers_limit_refill_between_its_runs() {
 /// the ports of the four servers it started, which are shut down here if still up.
 #[cfg(all(feature = "redis", unix))]
 fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::{BufRead, BufReader, Read};
     use std::time::{Duration, Instant};
 
     let mut child = example("regions")
@@ -412,6 +412,14 @@ fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
         })
         .unwrap_or_default();
     assert_eq!(ports.len(), 4, "no ports of its servers in:\n{head}");
+    // The servers by process, not by port: once the example is gone another test may start
+    // a server on a port of its (a probe by port once shut down such a server).
+    let pids: Vec<u32> = ports
+        .iter()
+        .map(|&port| {
+            redis_pid(port).unwrap_or_else(|| panic!("no process_id from :{port}:\n{head}"))
+        })
+        .collect();
     let kill = Command::new("kill")
         .args([signal, &child.id().to_string()])
         .status()
@@ -428,18 +436,22 @@ fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
     let mut stderr = Vec::new();
     let _ = child.stderr.take().map(|mut e| e.read_to_end(&mut stderr));
     head.push_str(&String::from_utf8_lossy(&rest));
-    // A server still up a moment later was left running: shut it down.
+    // A server still alive a moment later was left running: kill it.
     std::thread::sleep(Duration::from_millis(300));
     let left: Vec<u16> = ports
         .iter()
-        .copied()
-        .filter(|&port| {
-            let Ok(mut server) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-                return false;
-            };
-            let _ = server.write_all(b"SHUTDOWN NOSAVE\r\n");
-            true
+        .zip(&pids)
+        .filter(|&(_, &pid)| {
+            let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").starts_with(" Z"));
+            if alive {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+            alive
         })
+        .map(|(&port, _)| port)
         .collect();
     let out = Output {
         status,
@@ -447,6 +459,32 @@ fn regions_signalled(signal: &str) -> (Output, Vec<u16>, Vec<u16>) {
         stderr,
     };
     (out, ports, left)
+}
+
+/// The `process_id` the `redis-server` on `port` gives in `INFO server`.
+#[cfg(all(feature = "redis", unix))]
+fn redis_pid(port: u16) -> Option<u32> {
+    use std::io::{Read, Write};
+    let mut server = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    server
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    server.write_all(b"INFO server\r\n").ok()?;
+    let (mut seen, mut chunk) = (Vec::new(), [0u8; 4096]);
+    loop {
+        let n = server.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        seen.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        if let Some((pid, _)) = text
+            .split_once("process_id:")
+            .and_then(|(_, rest)| rest.split_once("\r\n"))
+        {
+            return pid.trim().parse().ok();
+        }
+    }
 }
 
 /// `SIGTERM` (`kill`, a service manager) and `SIGHUP` (the terminal closed) end the run as

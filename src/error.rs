@@ -17,7 +17,9 @@ pub enum ConfigErrorKind {
 
 /// A configuration value was rejected: zero, too large, or inconsistent with another.
 ///
-/// Every fallible constructor in flowgate returns this error instead of panicking. It names
+/// Every fallible constructor in flowgate returns this error instead of panicking (the
+/// Redis Streams source's builder within its `BuildError`, beside the Redis error that
+/// kept it from creating its group). It names
 /// the offending field and says why it was rejected, so the message can be shown to an
 /// operator as is.
 ///

@@ -46,7 +46,7 @@
 //! | word | means | where |
 //! |---|---|---|
 //! | *check* | decide now, consuming the cost if admitted; never waits for capacity; answers a [`Decision`]. A future only where deciding needs I/O (a gate may ask Redis). | `Limiter::check`, `Keyed::check`, `Gate::check`, `MemoryGate::check` (sync), `RedisGate::check` and `RegionGate::check` (async), `Gate::check_local` (sync), `check_all`, `Pacer::check` |
-//! | *until_ready* | wait until admitted; nothing is given back afterwards | `Pacer::until_ready`, `AdaptivePacer::until_ready`, `CommitTracker::until_ready` |
+//! | *until_ready* | wait until admitted (a `CommitTracker`: until it has room to track one more); nothing is given back afterwards | `Pacer::until_ready`, `AdaptivePacer::until_ready`, `CommitTracker::until_ready` |
 //! | *acquire* | wait for an RAII permit, given back when it drops | `Bulkhead::acquire`, `acquire_owned` |
 //! | *reserve* | wait for a channel slot: a permit to send one item | `Sender::reserve`, `reserve_owned` |
 //! | *try_* | the form of a waiting verb that does not wait: an error instead. One exception, named as gRPC names it: `RetryBudget::try_retry` never waits either, but answers a `bool` (whether the budget allows a retry) | `try_send`, `try_recv`, `try_reserve`, `try_acquire`; `try_retry` |

@@ -89,7 +89,10 @@ where
 
     /// The longest a decision may take before the failure policy applies (default 50 ms).
     /// `Duration::MAX` means no limit (as for every duration setting, anything above a
-    /// century is taken as a century): no timer is armed for a call.
+    /// century is taken as a century): no timer is armed for a call, and a call to a Redis
+    /// that stops answering without closing the connection (a paused server, a partition
+    /// that drops packets) waits as long as it does, and so does every call behind it, until
+    /// Redis answers or the connection fails (only then does the failure policy apply).
     ///
     /// The timeout runs on tokio's timers. Under tokio's paused time
     /// (`#[tokio::test(start_paused = true)]`, `tokio::time::pause()`) a timer fires as soon

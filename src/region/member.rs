@@ -357,9 +357,10 @@ const SHORT: f64 = 0.5;
 /// as none, and the region gave its share away for an interval), where requests it did see
 /// are demand.
 fn smooth(average: f64, measured: f64, weight: f64, covered: f64) -> f64 {
-    let measured = match covered < SHORT {
-        true => measured.max(average),
-        false => measured,
+    let measured = if covered < SHORT {
+        measured.max(average)
+    } else {
+        measured
     };
     if (measured - average).abs() > average / 4.0 {
         measured

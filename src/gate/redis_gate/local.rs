@@ -150,25 +150,21 @@ where
         if probe.is_some() {
             return self.decide(key, cost, started, probe).await;
         }
-        match self.call_lease(key, cost, started, probe).await {
-            Ok(reply) => reply,
-            Err(probe) => self.decide(key, cost, started, probe).await,
+        match self.call_lease(key, cost, started).await {
+            Some(reply) => reply,
+            None => self.decide(key, cost, started, None).await,
         }
     }
 
     /// The lease call of [`decide_lease`](RedisGate::decide_lease), in a script call of its
     /// own, finished (the lease kept, the decision counted) even if the caller gives up
-    /// meanwhile. `Err`, before anything is sent, when it takes no lease (the map is full),
-    /// with `probe` (the probe this call is) to send with the call made instead.
+    /// meanwhile. `None`, before anything is sent, when it takes no lease (the map is full).
     fn call_lease(
         &self,
         key: &str,
         cost: u32,
         started: Instant,
-        probe: Option<Probe>,
-    ) -> Finish<
-        impl Future<Output = Result<Result<Decision, CallError>, Option<Probe>>> + Send + use<C>,
-    > {
+    ) -> Finish<impl Future<Output = Option<Result<Decision, CallError>>> + Send + use<C>> {
         let gate = self.clone();
         let redis_key = self.redis_key(key);
         Finish::new(async move {
@@ -176,21 +172,16 @@ where
             // Leases are only built for token buckets.
             let (Some(leases), Limit::TokenBucket(quota)) = (&inner.leases, inner.eval.limit)
             else {
-                return Err(probe);
+                return None;
             };
-            let Some(place) = leases.place(started) else {
-                return Err(probe);
-            };
-            if let Some(probe) = probe {
-                probe.sent();
-            }
+            let place = leases.place(started)?;
             let unread = inner.metrics.outcomes.unread(1);
             let reply = gate
                 .lease(leases, place, quota, &redis_key, cost, started)
                 .await;
             unread.read();
             let key = &redis_key[inner.prefix.len()..];
-            Ok(reply.map(|(decision, seen, latency)| {
+            Some(reply.map(|(decision, seen, latency)| {
                 gate.decided(key, cost, (started, seen), &decision);
                 // Last: a recorder that panics as it records the round trip takes neither
                 // the lease nor the count.
@@ -218,10 +209,7 @@ where
             }
             let inner = &*gate.inner;
             // Lease nothing (min 0, max 0): the script takes and writes nothing.
-            let mut cmd = scripts::evalsha(&inner.lease_script, 1);
-            cmd.arg(&redis_key);
-            inner.eval.add_args(&mut cmd, [0]);
-            cmd.arg(0);
+            let cmd = gate.lease_cmd(&redis_key, 0, 0);
             let within = inner.backend.timeout().saturating_sub(started.elapsed());
             let backend = &inner.backend;
             let r = backend.eval(&inner.lease_script, &cmd, 5, within).await?;
@@ -230,6 +218,17 @@ where
                 None => Ok(()),
             }
         })
+    }
+
+    /// The lease script's call on `redis_key`: take `min` tokens or none, and up to `max`
+    /// when the bucket holds them (`0, 0`: take and write nothing).
+    fn lease_cmd(&self, redis_key: &str, min: u32, max: u32) -> redis::Cmd {
+        let inner = &*self.inner;
+        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
+        cmd.arg(redis_key);
+        inner.eval.add_args(&mut cmd, [min]);
+        cmd.arg(max);
+        cmd
     }
 
     /// Ask Redis for a lease on `redis_key` (the gate's bucket of `quota`), kept in `place`
@@ -245,10 +244,7 @@ where
         started: Instant,
     ) -> Result<(Decision, u64, Latency<'_>), CallError> {
         let inner = &*self.inner;
-        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
-        cmd.arg(redis_key);
-        inner.eval.add_args(&mut cmd, [cost]);
-        cmd.arg(leases.size.max(cost));
+        let cmd = self.lease_cmd(redis_key, cost, leases.size.max(cost));
         let within = inner.backend.timeout().saturating_sub(started.elapsed());
         let backend = &inner.backend;
         let (r, seen, latency) = backend

@@ -1232,6 +1232,46 @@ async fn a_request_that_can_never_pass_is_a_400_and_a_free_one_passes_undecided(
     assert_eq!(stats.admitted, 10);
 }
 
+/// A cost above one of several policies' bursts: the `400` names that policy and its
+/// burst. Before, its detail was the gate's error alone ("cost 6 exceeds the capacity 5"),
+/// which named no policy: a client under two could not tell which to ask less of.
+#[tokio::test]
+async fn a_cost_above_a_burst_names_the_policy_it_is_above() {
+    let layer = RateLimitLayer::builder(gate())
+        .policy(per_client(quota(5, Duration::from_secs(60))))
+        .policy(Policy::new(
+            "per-user",
+            quota(20, Duration::from_secs(60)),
+            by_user,
+        ))
+        .cost(|req: &RequestInfo<'_>| if req.uri.path() == "/" { 6 } else { 30 })
+        .build()
+        .unwrap();
+    let routes = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .route("/huge", route_get(|| async { "ok" }))
+        .layer(layer.clone());
+    let server = Server::start(routes).await;
+    let client = client();
+    let both = [("x-client", "c"), ("x-user", "u")];
+    let detail = |body: &[u8]| {
+        let doc: serde_json::Value = serde_json::from_slice(body).unwrap();
+        doc["detail"].as_str().unwrap().to_owned()
+    };
+    let one = get(&client, &server.url("/"), &both).await;
+    assert_eq!(one.status, StatusCode::BAD_REQUEST);
+    let d = detail(&one.body);
+    assert!(d.contains("\"per-client\" (burst 5)"), "{d}");
+    assert!(!d.contains("per-user"), "{d}");
+    let two = get(&client, &server.url("/huge"), &both).await;
+    assert_eq!(two.status, StatusCode::BAD_REQUEST);
+    let d = detail(&two.body);
+    assert!(d.contains("\"per-client\" (burst 5)"), "{d}");
+    assert!(d.contains("\"per-user\" (burst 20)"), "{d}");
+    assert!(d.contains("cost 30"), "{d}");
+    assert_eq!(layer.stats().bad_request, 2);
+}
+
 #[tokio::test]
 async fn bad_configurations_are_config_errors() {
     let p = |name: &str| Policy::new(name, quota(1, Duration::from_secs(1)), by_client);

@@ -102,7 +102,8 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///   [`Header`](crate::http::Header) missing, empty, too long), why; counted as `missing_key`.
 /// - **A request that can never be decided** (its cost above a policy's burst, or a key
 ///   the gate refuses: longer than 512 bytes): `400 Bad Request` with a problem body whose
-///   `detail` says why; counted as `bad_request`. A cost of zero is a free request: it
+///   `detail` says why (for a cost, each policy whose burst it is above, with the burst);
+///   counted as `bad_request`. A cost of zero is a free request: it
 ///   passes without a decision (and without fields).
 ///
 /// # Fields

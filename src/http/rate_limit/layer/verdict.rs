@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 
 use crate::decision::Decision;
+use crate::error::CostError;
 use crate::gate::GateError;
 use crate::http::fields::{self, Fields};
 use crate::http::problem::{self, QUOTA_EXCEEDED};
@@ -59,6 +60,30 @@ impl Verdict {
 }
 
 impl<G> Shared<G> {
+    /// The `detail` of a `400` for a request the gate refused: its error, and for a cost
+    /// above a burst, each policy of the request that can never admit it, with its own
+    /// burst (the gate's error names one capacity, not whose: with several policies the
+    /// client could not tell which to ask less of).
+    fn bad_request_detail(&self, keys: &Keys, e: &GateError) -> String {
+        let GateError::Cost(CostError::ExceedsCapacity { cost, .. }) = e else {
+            return e.to_string();
+        };
+        let over: Vec<String> = keys
+            .spans
+            .iter()
+            .map(|&(i, _, _)| &self.policies[i].policy)
+            .filter(|p| p.quota.burst_size() < *cost)
+            .map(|p| format!("{:?} (burst {})", p.name, p.quota.burst_size()))
+            .collect();
+        if over.is_empty() {
+            return e.to_string();
+        }
+        format!(
+            "cost {cost} exceeds the burst of {}: it could never be admitted",
+            over.join(", ")
+        )
+    }
+
     /// What to do with a request the gate decided (or failed to).
     pub(crate) fn conclude(
         &self,
@@ -74,7 +99,7 @@ impl<G> Shared<G> {
                 if self.shadow {
                     return Verdict::Pass(None);
                 }
-                return Verdict::Answer(problem::bad_request(&e.to_string()));
+                return Verdict::Answer(problem::bad_request(&self.bad_request_detail(keys, e)));
             }
             // A gate that answers the wrong number of decisions is as broken as one that
             // errs.

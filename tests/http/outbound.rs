@@ -1428,13 +1428,15 @@ async fn a_retry_never_sent_takes_no_turn_of_the_pacer() {
 
 /// Ready for its first call only; for the next ones `poll_ready` is `Pending` for ever
 /// (`fails: false`) or an error (`fails: true`). Every call answers `503` with
-/// `Retry-After: 1`.
+/// `Retry-After: 1`. (Used by tests that read metrics.)
+#[cfg(feature = "metrics")]
 #[derive(Clone)]
 struct ReadyOnce {
     calls: Arc<AtomicU32>,
     fails: bool,
 }
 
+#[cfg(feature = "metrics")]
 impl Service<Request<String>> for ReadyOnce {
     type Response = Response<String>;
     type Error = &'static str;

@@ -853,7 +853,9 @@ pub(super) struct CutOff {
     // Dropped in this order: the processes before the servers.
     pub(super) first: flowgate::region::Region<redis::aio::ConnectionManager>,
     pub(super) second: flowgate::region::Region<redis::aio::ConnectionManager>,
-    /// The allocator `first` joined from: its calls to the home go through `proxy`.
+    /// The allocator `first` joined from: its calls to the home go through `proxy`. (Read
+    /// only by the refresher tests, which need the `metrics` feature.)
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(super) via_proxy: QuotaAllocator<redis::aio::ConnectionManager>,
     pub(super) proxy: crate::support::DelayProxy,
     /// The home and the local Redis.

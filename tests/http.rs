@@ -32,6 +32,9 @@ mod contract;
 #[path = "http/h2.rs"]
 mod h2;
 
+#[path = "support/raw_http.rs"]
+mod raw_http;
+
 #[path = "http/downstreams.rs"]
 mod downstreams;
 

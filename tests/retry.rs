@@ -34,5 +34,13 @@ mod call;
 #[path = "retry/layer.rs"]
 mod layer;
 
+#[cfg(all(feature = "http", feature = "metrics"))]
+#[path = "support/raw_http.rs"]
+mod raw_http;
+
+#[cfg(all(feature = "http", feature = "metrics"))]
+#[path = "retry/journey.rs"]
+mod journey;
+
 #[path = "retry/why.rs"]
 mod why;

@@ -3,56 +3,24 @@
 //! `RetryLayer`. Real time: only counts and lower bounds (a wait never ends early) are
 //! asserted, and upper bounds as generous timeouts.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
 use flowgate::Rate;
 use flowgate::pace::AdaptivePacer;
 use flowgate::retry::{
-    Backoff, GiveUp, HttpClassify, Jitter, Retry, RetryError, RetryInfo, RetryLayer, RetryPolicy,
-    Stop,
+    Backoff, GiveUp, HttpClassify, Retry, RetryError, RetryInfo, RetryLayer, RetryPolicy, Stop,
 };
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{Method, Response, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 
+use crate::raw_http::{Act, Hyper, RawServer, backoff, hyper, ok, request};
+
 const SECOND: Duration = Duration::from_secs(1);
 const MS: Duration = Duration::from_millis(1);
-
-/// What the server does with one request.
-#[derive(Debug, Clone)]
-enum Act {
-    /// Answer `status` with these fields and `body` (keep-alive).
-    Answer {
-        status: u16,
-        fields: Vec<(&'static str, String)>,
-        body: &'static str,
-    },
-    /// Send the head of `status` with a `Content-Length` of 1 000, ten bytes of the body,
-    /// then reset the connection.
-    ResetMidBody { status: u16 },
-    /// Reset the connection without answering.
-    Reset,
-    /// Never answer (the connection stays open).
-    Hang,
-}
-
-fn ok() -> Act {
-    Act::Answer {
-        status: 200,
-        fields: Vec::new(),
-        body: "ok",
-    }
-}
 
 fn refuse(status: u16, retry_after: impl Into<String>) -> Act {
     Act::Answer {
@@ -60,175 +28,6 @@ fn refuse(status: u16, retry_after: impl Into<String>) -> Act {
         fields: vec![("retry-after", retry_after.into())],
         body: "busy",
     }
-}
-
-/// One request as the server read it: its method and when it came.
-#[derive(Debug, Clone)]
-struct Seen {
-    method: String,
-    at: Instant,
-}
-
-/// A raw HTTP/1.1 server on 127.0.0.1:0 acting `script(n)` on its n-th request (from 1);
-/// stopped when dropped.
-struct RawServer {
-    addr: std::net::SocketAddr,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for RawServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl RawServer {
-    async fn start(script: impl Fn(u32) -> Act + Send + Sync + 'static) -> RawServer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let calls = Arc::new(AtomicU32::new(0));
-        let script = Arc::new(script);
-        let task = {
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                loop {
-                    let (stream, _) = listener.accept().await.unwrap();
-                    let (seen, calls, script) = (seen.clone(), calls.clone(), script.clone());
-                    tokio::spawn(serve(stream, seen, calls, script));
-                }
-            })
-        };
-        RawServer { addr, seen, task }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}/", self.addr)
-    }
-
-    fn seen(&self) -> Vec<Seen> {
-        self.seen.lock().unwrap().clone()
-    }
-
-    fn calls(&self) -> usize {
-        self.seen.lock().unwrap().len()
-    }
-
-    /// The time between the arrivals of the `i`-th and the next request (from 0).
-    fn gap(&self, i: usize) -> Duration {
-        let seen = self.seen();
-        seen[i + 1].at - seen[i].at
-    }
-}
-
-/// One connection: read each request (head, and a body of its `Content-Length`), act.
-async fn serve(
-    mut stream: TcpStream,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    calls: Arc<AtomicU32>,
-    script: Arc<impl Fn(u32) -> Act + Send + Sync + 'static>,
-) {
-    let mut buf = Vec::new();
-    loop {
-        // The head.
-        let end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            let mut chunk = [0u8; 4096];
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-        let method = head.split(' ').next().unwrap_or_default().to_owned();
-        let length = head
-            .lines()
-            .filter_map(|l| l.split_once(':'))
-            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-            .and_then(|(_, v)| v.trim().parse::<usize>().ok())
-            .unwrap_or(0);
-        while buf.len() < end + length {
-            let mut chunk = [0u8; 4096];
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        buf.drain(..end + length);
-        seen.lock().unwrap().push(Seen {
-            method,
-            at: Instant::now(),
-        });
-        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-        match script(n) {
-            Act::Answer {
-                status,
-                fields,
-                body,
-            } => {
-                let mut out = format!(
-                    "HTTP/1.1 {status} {}\r\ncontent-length: {}\r\n",
-                    StatusCode::from_u16(status)
-                        .unwrap()
-                        .canonical_reason()
-                        .unwrap_or("Whatever"),
-                    body.len()
-                );
-                for (k, v) in fields {
-                    out.push_str(&format!("{k}: {v}\r\n"));
-                }
-                out.push_str("\r\n");
-                out.push_str(body);
-                if stream.write_all(out.as_bytes()).await.is_err() {
-                    return;
-                }
-            }
-            Act::ResetMidBody { status } => {
-                let out =
-                    format!("HTTP/1.1 {status} Whatever\r\ncontent-length: 1000\r\n\r\n0123456789");
-                let _ = stream.write_all(out.as_bytes()).await;
-                let _ = stream.flush().await;
-                // Let the client read the head before the reset.
-                tokio::time::sleep(50 * MS).await;
-                let _ = stream.set_zero_linger();
-                return;
-            }
-            Act::Reset => {
-                let _ = stream.set_zero_linger();
-                return;
-            }
-            Act::Hang => {
-                std::future::pending::<()>().await;
-            }
-        }
-    }
-}
-
-type Hyper = Client<HttpConnector, Full<Bytes>>;
-
-fn hyper() -> Hyper {
-    Client::builder(TokioExecutor::new()).build_http()
-}
-
-fn request(method: Method, url: &str) -> Request<Full<Bytes>> {
-    Request::builder()
-        .method(method)
-        .uri(url)
-        .body(Full::new(Bytes::from_static(b"payload")))
-        .unwrap()
-}
-
-/// A backoff without jitter (100 ms, 200 ms, ...), `attempts` at most, hints up to 60 s.
-fn backoff(attempts: u32) -> Backoff {
-    Backoff::builder()
-        .jitter(Jitter::None)
-        .max_attempts(attempts)
-        .seed(1)
-        .build()
-        .unwrap()
 }
 
 fn client(backoff: Backoff) -> Retry<Hyper, HttpClassify> {

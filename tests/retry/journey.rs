@@ -407,3 +407,79 @@ async fn refusals_do_not_cost_a_connection_each() {
         assert_eq!(server.connections(), 1, "Retry-After: {retry_after}");
     }
 }
+
+/// 300 concurrent `GET`s and `POST`s on four threads sharing a budget and an adaptive
+/// pacer, against a server answering `503` (`Retry-After: 0`), `500` and `200` by turns:
+/// every count agrees with the server's: the attempts it read, the attempts metric, the
+/// pacer's releases and the attempts the callers were told of; one stop per request; and
+/// the attempts beyond the first of each request are the budget's retries made
+/// (`allowed − abandoned`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_hundred_requests_on_four_threads_every_count_agrees() {
+    let server = RawServer::start(|n| match n % 3 {
+        0 => answer(503, &[("retry-after", "0")]),
+        1 => answer(500, &[]),
+        _ => ok(),
+    })
+    .await;
+    let recorder = TestRecorder::default();
+    let (budget, policy) = metrics::with_local_recorder(&recorder, || {
+        let budget = RetryBudget::builder()
+            .name("many")
+            .max_tokens(100)
+            .build()
+            .unwrap();
+        let pacer = AdaptivePacer::builder(Rate::per_second(2_000).unwrap())
+            .name("many")
+            .build()
+            .unwrap();
+        let policy = RetryPolicy::builder(backoff(4))
+            .name("many")
+            .budget(budget.clone())
+            .pacer(pacer)
+            .build()
+            .unwrap();
+        (budget, policy)
+    });
+    let client = RetryLayer::new(policy).layer(hyper());
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..300 {
+        let client = client.clone();
+        let url = server.url();
+        let method = if i % 2 == 0 {
+            Method::GET
+        } else {
+            Method::POST
+        };
+        tasks.spawn(async move { client.oneshot(request(method, &url)).await });
+    }
+    let mut told = 0;
+    while let Some(res) = tasks.join_next().await {
+        told += match res.unwrap() {
+            Ok(res) => info(&res).attempts,
+            Err(err) => err.attempts(),
+        };
+    }
+    let made = attempts(&recorder, "many");
+    assert_eq!(server.calls() as u64, made);
+    assert_eq!(u64::from(told), made);
+    assert_eq!(
+        recorder.counter("flowgate_pace_released_total{name=many}"),
+        made
+    );
+    let stops: u64 = [
+        "success",
+        "fatal",
+        "gave_up",
+        "budget",
+        "timed_out",
+        "not_retryable",
+        "cancelled",
+    ]
+    .iter()
+    .map(|stop| stopped(&recorder, "many", stop))
+    .sum();
+    assert_eq!(stops, 300);
+    let stats = budget.stats();
+    assert_eq!(made, 300 + stats.allowed - stats.abandoned, "{stats:?}");
+}

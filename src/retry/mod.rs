@@ -76,7 +76,10 @@
 //! `flowgate_retry_budget_tokens`.
 //!
 //! Labelled by the [`RetryPolicy`]'s `name` ([`retry()`](retry()) and `RetryLayer`):
-//! `flowgate_retry_attempts_total` (every attempt sent, one dropped under way included),
+//! `flowgate_retry_attempts_total` (every attempt sent, one dropped under way included;
+//! sent means handed to the operation or the inner service, so an attempt that never
+//! reached the server counts too: a connection refused, or one dropped before its request
+//! was written, which a server's own count of requests does not see),
 //! `flowgate_retry_attempt_seconds` (each attempt's own round-trip time, a histogram, for
 //! the attempts that ended: answered, failed or timed out) and
 //! `flowgate_retry_stopped_total` by `stop` (`success`, `fatal`, `gave_up`, `budget`,

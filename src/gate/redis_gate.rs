@@ -205,7 +205,8 @@ pub(super) struct Inner<C> {
 /// up after its request went to Redis is counted by what Redis decided for it when the answer comes, batched or not (a call it
 /// made alone is finished on the runtime without it), and a batched one whose own timeout
 /// ended first is then counted under `policy` too; `abandoned` counts the requests sent to
-/// Redis whose answer nothing was left to read, which Redis may have charged: a batch in
+/// Redis whose answer nothing was left to read, which Redis may have charged (a lease
+/// call: its whole lease, see [`lease`](RedisGateBuilder::lease)): a batch in
 /// flight when the batch driver's runtime shut down (its callers still waiting are then
 /// counted under `policy` too), a call given up outside any runtime or
 /// left to finish on a runtime that shut down),

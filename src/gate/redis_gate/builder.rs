@@ -187,7 +187,11 @@ where
     /// A lease call that timed out (Redis slow, or paused) is run by Redis when it resumes:
     /// up to `n` tokens debited for nobody, counted only as the failed call in
     /// `flowgate_gate_failures_total`. So the probe of a degraded gate takes no lease: it is
-    /// decided for its own cost, once a probe interval while Redis is away.
+    /// decided for its own cost, once a probe interval while Redis is away. A lease call
+    /// whose answer nothing is left to read (the runtime it ran on shut down while Redis
+    /// had it: a service stopping while Redis is slow or paused) debits up to `n` tokens
+    /// for nobody too, counted only as its request, `abandoned` in
+    /// `flowgate_gate_decisions_total`.
     /// `0` or `1` turns leases off.
     pub fn lease(mut self, n: u32) -> Self {
         self.lease = n;

@@ -220,7 +220,9 @@ where
 
     /// Build the gate, start its batch driver on the current runtime, and try to load its
     /// scripts (a failure to load is not an error: a script is sent again with the first
-    /// call that needs it).
+    /// call that needs it). The loading is given the timeout, and at least 500 ms: on a
+    /// Redis that does not answer (paused, or a partition that drops packets) `build`
+    /// returns the gate after that long, 500 ms with the default timeout of 50 ms.
     ///
     /// # Errors
     ///

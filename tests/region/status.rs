@@ -5,8 +5,23 @@ use std::time::Duration;
 
 use flowgate::Quota;
 use flowgate::region::QuotaAllocator;
+use redis::aio::MultiplexedConnection;
 
 use crate::support::RedisServer;
+
+/// An allocator named `name` of 50 a second with one region, `eu`, homed on `server`: a
+/// 30 s lease refreshed every 5 s (no background tick within a test).
+async fn fifty_a_second(server: &RedisServer, name: &str) -> QuotaAllocator<MultiplexedConnection> {
+    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
+        .name(name)
+        .region(("eu", 1))
+        .lease(Duration::from_secs(30))
+        .refresh_every(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    alloc.init_home().await.unwrap();
+    alloc
+}
 
 /// A refresh that got a lease from the home but could not write it to the local Redis (its
 /// lease record went back meanwhile: a restart that lost writes) did reach the home, and
@@ -52,14 +67,7 @@ async fn a_refresh_that_reached_the_home_shows_it_though_the_local_write_failed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_no_longer_refreshes_shows_no_demand_of_its_own() {
     let server = RedisServer::start();
-    let alloc = QuotaAllocator::builder(server.connect().await, Quota::per_second(50).unwrap())
-        .name("former")
-        .region(("eu", 1))
-        .lease(Duration::from_secs(30))
-        .refresh_every(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    alloc.init_home().await.unwrap();
+    let alloc = fifty_a_second(&server, "former").await;
     let first = alloc.join("eu", server.connect().await).await.unwrap();
     let second = alloc.join("eu", server.connect().await).await.unwrap();
     let gate = first.gate();
@@ -238,4 +246,35 @@ async fn a_home_without_state_says_it_learns() {
     assert!(alloc.init_home().await.unwrap());
     let status = alloc.status().await.unwrap();
     assert!(!status.learning, "{status}");
+}
+
+/// A `refresh_now` right after a refresh (here the one `join` makes) measures the few
+/// milliseconds since: the requests admitted in them, a burst from the region's bucket, are
+/// what the region admitted in its last interval, not a rate kept up for one. The
+/// utilisation is still admitted ÷ share over the last interval: what the short window
+/// admitted, and the rest of the interval at the utilisation measured before. (It read the
+/// burst as a rate: 20 requests in about 3 ms, 29180 % of a share of 50 a second.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a refresh_now right after a refresh reads a burst as a utilisation of hundreds of times the share"]
+async fn a_refresh_right_after_a_refresh_reads_no_burst_as_utilisation() {
+    let server = RedisServer::start();
+    let alloc = fifty_a_second(&server, "burst").await;
+    let region = alloc.join("eu", server.connect().await).await.unwrap();
+    let before = region.status().utilisation;
+    let gate = region.gate();
+    let mut admitted = 0;
+    for _ in 0..20 {
+        admitted += u32::from(gate.check("api", 1).await.unwrap().allowed);
+    }
+    assert!(admitted > 0);
+    region.refresh_now().await;
+    let after = region.status();
+    assert!(after.leader, "{after}");
+    // At most the admitted over an interval's share (50 a second for 5 s), and the few
+    // milliseconds of the interval before.
+    let most = f64::from(admitted) / 250.0 + 0.01;
+    assert!(
+        after.utilisation > before && after.utilisation <= most,
+        "a burst read as a rate: {after} (before: {before}, at most {most})"
+    );
 }

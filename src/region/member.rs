@@ -548,10 +548,15 @@ where
             };
             let measured = per_period(admitted) + per_period(rejected);
             round.demand = smooth(round.demand, measured, plan.smoothing, covered);
+            // Admitted ÷ share over the last interval: what the counters saw over the part
+            // they cover, and the rest of the interval at the utilisation measured before.
+            // (Their own rate, over a `refresh_now`'s few milliseconds, reads a burst the
+            // bucket let through as hundreds of times the share.)
             round.status.utilisation = if enforced == 0 {
                 0.0
             } else {
-                per_period(admitted) / enforced as f64
+                let used = per_period(admitted) / enforced as f64;
+                covered * used + (1.0 - covered) * round.status.utilisation
             };
             // Capped so the home's arithmetic stays exact (capacity ≤ 2^25 times a want
             // ≤ 2^27 + 2^24 stays below 2^53).

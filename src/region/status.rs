@@ -32,7 +32,10 @@ pub struct RegionStatus {
     /// it; 0 in a process that does not refresh (the refreshing process measures it).
     pub demand: u64,
     /// Admitted units per period over the last refresh interval ÷ the share it had (0 with
-    /// a share of 0; measured by the refreshing process: 0 in the others).
+    /// a share of 0; measured by the refreshing process: 0 in the others). A refresh that
+    /// comes less than an interval after the one before (a
+    /// [`refresh_now`](crate::region::Region::refresh_now)) counts what was admitted since
+    /// as part of that interval, the rest of it at the utilisation measured before.
     pub utilisation: f64,
     /// Whether the home was in its learning phase at this process's last refresh; false in
     /// a process that does not refresh (it makes no calls to the home).

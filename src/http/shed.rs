@@ -97,7 +97,8 @@ pub struct ClassStats {
     pub shed: u64,
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
-    /// waiting room, or before its future was first polled), or the classifier panicked
+    /// waiting room and the server saw it go, see [`wait`](ShedLayerBuilder::wait), or
+    /// before its future was first polled), or the classifier panicked
     /// on it (counted in [`Class::Normal`]), or user code panicked before it had a permit
     /// or its `503` (the panic went to the caller, no `503` was sent): the inner service's
     /// `Clone` as `call` kept a clone, or, refused, the drop of the request or of the
@@ -439,16 +440,27 @@ impl ShedLayerBuilder {
     ///
     /// - `false` (the default): refuse at once with `503` (tower's `LoadShed` behaviour);
     ///   the bulkhead's waiting room is not used.
-    /// - `true`: wait in the bulkhead's bounded waiting room, up to its
-    ///   [`wait_timeout`](crate::bulkhead::BulkheadBuilder::wait_timeout); a full room or
-    ///   the timeout is a `503`. The bulkhead must have a `wait_timeout` (see
-    ///   [`build`](ShedLayerBuilder::build)).
+    /// - `true`: wait in the bulkhead's waiting room (of its
+    ///   [`max_waiting`](crate::bulkhead::BulkheadBuilder::max_waiting), unbounded unless
+    ///   set), up to its [`wait_timeout`](crate::bulkhead::BulkheadBuilder::wait_timeout); a
+    ///   full room or the timeout is a `503`. The bulkhead must have a `wait_timeout` (see
+    ///   [`build`](ShedLayerBuilder::build)); one too long to ever end (`Duration::MAX`) is
+    ///   taken as given, and requests then wait as long as the bulkhead stays saturated.
     ///
     /// `Sheddable` requests never wait, in either mode.
     ///
     /// A waiting request holds the inner service that was ready for it (clone-after-ready),
     /// and with it whatever that service reserved when it was polled ready (a slot of an
     /// inner `ConcurrencyLimit`, say), until it is served or refused: at most `wait_timeout`.
+    ///
+    /// A client that goes away while its request waits gives its place back (the request
+    /// counts in [`ClassStats::cancelled`]) when the server drops the response future:
+    /// hyper does at the stream's reset over HTTP/2, and over HTTP/1 when it reads the
+    /// connection's end, which it looks for only once it has read the request's body. A
+    /// `GET`, or an upload that came in whole, leaves at once; an upload larger than hyper
+    /// reads ahead of the handler keeps its place until it times out (a `503` nobody reads,
+    /// counted in [`ClassStats::shed`]) or is served (counted admitted: the handler reads a
+    /// body cut short).
     pub fn wait(mut self, wait: bool) -> Self {
         self.wait = wait;
         self

@@ -46,3 +46,6 @@ mod journey;
 
 #[path = "http/meet.rs"]
 mod meet;
+
+#[path = "http/overload.rs"]
+mod overload;

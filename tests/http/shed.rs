@@ -28,7 +28,7 @@ const TEMPORARY_REDUCED_CAPACITY: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
 /// Polls `cond` every 5 ms until it holds; fails after `limit`.
-async fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
+pub(crate) async fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
     let start = Instant::now();
     while !cond() {
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
@@ -37,7 +37,7 @@ async fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
 }
 
 /// The `503` a shed request gets: `Retry-After: retry_after` and the problem document.
-fn assert_shed(answer: &Answer, retry_after: &str) {
+pub(crate) fn assert_shed(answer: &Answer, retry_after: &str) {
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
     assert_eq!(
         harness::field(&answer.headers, "retry-after").as_deref(),
@@ -594,7 +594,7 @@ async fn requests_given_up_before_a_permit_are_counted_cancelled() {
 }
 
 /// A service that answers `200` at once.
-fn answers_ok() -> impl Service<
+pub(crate) fn answers_ok() -> impl Service<
     Request<Empty<Bytes>>,
     Response = Response<Full<Bytes>>,
     Error = Infallible,
@@ -605,7 +605,7 @@ fn answers_ok() -> impl Service<
     })
 }
 
-fn request(path: &str) -> Request<Empty<Bytes>> {
+pub(crate) fn request(path: &str) -> Request<Empty<Bytes>> {
     Request::get(path).body(Empty::new()).unwrap()
 }
 

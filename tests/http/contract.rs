@@ -33,13 +33,13 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 
 use crate::harness::outcomes;
 
-type Req = Request<Empty<Bytes>>;
+pub(crate) type Req = Request<Empty<Bytes>>;
 
 fn req(path: &str) -> Req {
     Request::get(path).body(Empty::new()).unwrap()
 }
 
-fn ok() -> Response<Full<Bytes>> {
+pub(crate) fn ok() -> Response<Full<Bytes>> {
     Response::new(Full::new(Bytes::from_static(b"ok")))
 }
 
@@ -231,7 +231,7 @@ async fn a_faulty_inner_service_leaves_every_permit_in_the_bulkhead() {
 }
 
 /// A `ShedLayer` over an adaptive bulkhead of 100 whose AIMD limit starts at 50.
-fn adaptive_shed() -> (Bulkhead, ShedLayer) {
+pub(crate) fn adaptive_shed() -> (Bulkhead, ShedLayer) {
     let bulkhead = Bulkhead::builder(100)
         .adaptive(Aimd::builder().initial(50).build().unwrap())
         .build()
@@ -241,7 +241,7 @@ fn adaptive_shed() -> (Bulkhead, ShedLayer) {
 }
 
 /// Twenty requests for `path` through `svc`, 10 ms apart, each answered `status`.
-async fn twenty_answered<S, B>(svc: &S, path: &str, status: StatusCode)
+pub(crate) async fn twenty_answered<S, B>(svc: &S, path: &str, status: StatusCode)
 where
     S: Service<Req, Response = Response<B>> + Clone,
     S::Error: std::fmt::Debug,

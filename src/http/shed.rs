@@ -293,11 +293,13 @@ impl fmt::Debug for Shared {
 /// Over a bulkhead built with [`adaptive`](crate::bulkhead::BulkheadBuilder::adaptive), each
 /// admitted request is a sample for its algorithm when the inner service answers (the
 /// round-trip time from the permit's grant to the response head; the body still holds the
-/// permit): `503`, `504` and inner errors are back-pressure, `4xx` are ignored (a `429`
-/// among them: it refuses one client over its quota, as a rate-limit layer inside this one
-/// or the app's own throttle does, and says nothing of the server's capacity, so one
-/// client's excess cannot shrink the limit every client is served under), the rest is a
-/// served call; a request dropped before its answer is ignored, and so is the `503` of a
+/// permit): `503`, `504`, `408` and inner errors are back-pressure (a `408` from inside
+/// the server is a timeout's answer: axum's `HandleErrorLayer` + `timeout` recipe and
+/// tower-http's `TimeoutLayer::new` answer a handler out of time so; one of a request
+/// body read too slowly counts too), the other `4xx` are ignored (a `429` among them: it
+/// refuses one client over its quota, as a rate-limit layer inside this one or the app's
+/// own throttle does, and says nothing of the server's capacity, so one client's excess
+/// cannot shrink the limit every client is served under), the rest is a served call; a request dropped before its answer is ignored, and so is the `503` of a
 /// [`RateLimitLayer`](crate::http::RateLimitLayer) inside this one whose gate could not
 /// decide (Redis away: the service behind it never ran). The layer's
 /// own `503`s never reach the algorithm. Shedding works as above, against the bulkhead's
@@ -713,10 +715,11 @@ where
 }
 
 /// What the inner service's answer tells an adaptive bulkhead: `503`, `504` and errors (a
-/// timeout layer's among them) are back-pressure; `4xx` say nothing about the server's
-/// capacity (ignored): a `429` is one client over its own quota; nor does the `503` of a
-/// `RateLimitLayer` whose gate could not decide (the service behind it never ran); the
-/// rest is a served call.
+/// timeout layer's among them) are back-pressure, and so is `408`, the answer of a timeout
+/// layer that answers rather than fails (the request was whole: the server ran out of
+/// time); the other `4xx` say nothing about the server's capacity (ignored): a `429` is
+/// one client over its own quota; nor does the `503` of a `RateLimitLayer` whose gate could
+/// not decide (the service behind it never ran); the rest is a served call.
 fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
     match res {
         Err(_) => Outcome::BackPressure,
@@ -729,7 +732,9 @@ fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
             {
                 Outcome::Ignored
             }
-            StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => Outcome::BackPressure,
+            StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+            | StatusCode::REQUEST_TIMEOUT => Outcome::BackPressure,
             s if s.is_client_error() => Outcome::Ignored,
             _ => Outcome::Ok,
         },

@@ -652,7 +652,6 @@ async fn a_wait_timeout_that_never_ends_lets_a_request_wait_as_long_as_it_takes(
 /// inner timeout's error is). Taken for a client's `4xx`, the 408s were ignored: with every
 /// handler stuck the limit stayed at 50, learning nothing.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: handler timeouts answered 408 are ignored by the adaptive limit"]
 async fn handler_timeouts_answered_408_cut_a_shed_layers_adaptive_limit() {
     use crate::contract::{Req, adaptive_shed, ok, twenty_answered};
     let (bulkhead, layer) = adaptive_shed();

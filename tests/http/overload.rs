@@ -185,15 +185,35 @@ async fn serve(
     Arc<Semaphore>,
     mpsc::UnboundedSender<mpsc::Receiver<Bytes>>,
 ) {
+    serve_wrapped(|app| app.layer(layer.clone())).await
+}
+
+/// As [`serve`], the app in the layers `wrap` puts around it.
+async fn serve_wrapped(
+    wrap: impl FnOnce(Router) -> Router,
+) -> (
+    Clients,
+    Arc<Semaphore>,
+    mpsc::UnboundedSender<mpsc::Receiver<Bytes>>,
+) {
     let release = Arc::new(Semaphore::new(0));
     let (streams_tx, streams) = mpsc::unbounded_channel();
-    let server = Server::start(app(&release, streams).layer(layer.clone())).await;
+    let server = Server::start(wrap(app(&release, streams))).await;
     let clients = Clients {
         server,
         client: harness::client(),
         seen: Arc::default(),
     };
     (clients, release, streams_tx)
+}
+
+/// A rate limit of `n` an hour, every request on one key.
+fn rate_limit(n: u32) -> RateLimitLayer<MemoryGate> {
+    let quota = Quota::per_hour(n).unwrap();
+    RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
+        .policy(Policy::new("all", quota, Constant::new("k")))
+        .build()
+        .unwrap()
 }
 
 fn counts(c: ClassStats) -> (u64, u64, u64) {
@@ -443,9 +463,13 @@ async fn a_client_hanging_up_mid_upload_keeps_its_place_until_the_timeout() {
     drop(big);
     tokio::time::sleep(TIMEOUT / 2).await;
     assert_eq!(bulkhead.waiting(), 1, "hyper has not seen the hang-up");
-    eventually("timed out", TIMEOUT * 2, || bulkhead.waiting() == 0).await;
+    // The bulkhead lets the waiter go as its timer fires; the layer counts its 503 next.
+    eventually("shed after the timeout", TIMEOUT * 2, || {
+        counts(layer.stats().normal) == (3, 1, 1)
+    })
+    .await;
     assert!(hung_up.elapsed() >= TIMEOUT / 2, "{:?}", hung_up.elapsed());
-    assert_eq!(counts(layer.stats().normal), (3, 1, 1));
+    assert_eq!(bulkhead.waiting(), 0);
     assert_eq!(bulkhead.stats().timed_out, 1);
 
     // Or it is served when a permit frees, its client long gone.
@@ -455,8 +479,11 @@ async fn a_client_hanging_up_mid_upload_keeps_its_place_until_the_timeout() {
     tokio::time::sleep(TIMEOUT / 4).await;
     assert_eq!(bulkhead.waiting(), 1, "hyper has not seen the hang-up");
     release.add_permits(1);
-    eventually("admitted", SOON, || bulkhead.waiting() == 0).await;
-    assert_eq!(counts(layer.stats().normal), (4, 1, 1));
+    eventually("admitted", SOON, || {
+        counts(layer.stats().normal) == (4, 1, 1)
+    })
+    .await;
+    assert_eq!(bulkhead.waiting(), 0);
     release.add_permits(2);
     for s in slow {
         assert_eq!(s.await.unwrap().status, StatusCode::OK);
@@ -471,25 +498,9 @@ async fn a_client_hanging_up_mid_upload_keeps_its_place_until_the_timeout() {
 async fn a_rate_limit_inside_the_shed_charges_only_what_the_shed_admitted() {
     let bulkhead = bulkhead();
     let layer = shed(&bulkhead);
-    let gate = MemoryGate::new(Limit::TokenBucket(Quota::per_hour(5).unwrap()));
-    let rate = RateLimitLayer::builder(gate)
-        .policy(Policy::new(
-            "all",
-            Quota::per_hour(5).unwrap(),
-            Constant::new("k"),
-        ))
-        .build()
-        .unwrap();
-    let release = Arc::new(Semaphore::new(0));
-    let (_streams_tx, streams) = mpsc::unbounded_channel();
-    let app = app(&release, streams)
-        .layer(rate.clone())
-        .layer(layer.clone());
-    let c = Clients {
-        server: Server::start(app).await,
-        client: harness::client(),
-        seen: Arc::default(),
-    };
+    let rate = rate_limit(5);
+    let (c, release, _streams) =
+        serve_wrapped(|app| app.layer(rate.clone()).layer(layer.clone())).await;
     let remaining = |a: &Answer| harness::field(&a.headers, "ratelimit");
 
     // 3 slow requests charged 3 of 5.
@@ -583,28 +594,33 @@ async fn clients_hanging_up_under_resizes_leave_every_count_exact() {
     }
     resizing.abort();
     bulkhead.close();
-    eventually("every request ended", SOON, || {
-        let s = layer.stats();
-        s.admitted() + s.shed() + s.cancelled() == N as u64 && bulkhead.in_flight() == 0
-    })
-    .await;
-
+    // Every request a client read an answer to was counted; of those hung up, the ones
+    // the server got before the client went counted too (a connection the kernel had not
+    // handed to the server yet may never reach it).
     let (ok, shed) = c.seen.counts();
     let hung_up = hung_up.load(Ordering::SeqCst);
-    let s = layer.stats();
     assert_eq!(ok + shed + hung_up, N as u64);
-    // A client that hung up was counted one way or another: cancelled, or admitted or shed
-    // before the server saw it go.
+    let total = |s: &flowgate::http::ShedStats| s.admitted() + s.shed() + s.cancelled();
+    eventually("the requests that came ended", SOON, || {
+        total(&layer.stats()) >= N as u64 - hung_up && bulkhead.in_flight() == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let s = layer.stats();
+    assert!(total(&s) <= N as u64, "{s:?}");
     assert!(s.admitted() >= ok && s.shed() >= shed, "{s:?} {ok} {shed}");
+    // Those of the hung-up clients: cancelled, or admitted or shed before the server saw
+    // the client go.
     assert_eq!(
         (s.admitted() - ok) + (s.shed() - shed) + s.cancelled(),
-        hung_up,
+        total(&s) - (N as u64 - hung_up),
         "{s:?}"
     );
     let b = bulkhead.stats();
     assert_eq!((b.in_flight, b.waiting), (0, 0), "{b:?}");
     assert_eq!(b.admitted, s.admitted(), "{b:?} {s:?}");
-    assert_eq!(b.acquisitions(), N as u64, "{b:?}");
+    // A future dropped before its first poll asked the bulkhead for nothing.
+    assert!(b.acquisitions() <= total(&s), "{b:?} {s:?}");
     assert_eq!(b.no_permit, s.sheddable.shed, "{b:?} {s:?}");
     let shed_total: u64 = ["critical", "normal", "sheddable"]
         .iter()
@@ -675,4 +691,40 @@ async fn handler_timeouts_answered_408_cut_a_shed_layers_adaptive_limit() {
         bulkhead.max_in_flight() < before,
         "the limit stayed at {before}"
     );
+}
+
+/// A `RateLimitLayer` outside the `ShedLayer` (waiting mode): each request is charged as
+/// it passes the rate limit, before it waits; one shed after its wait gets the shed's
+/// `503` (its `Retry-After`, the problem document) with the rate limit's `RateLimit` field
+/// without `t` (not its refusal), and one whose client hangs up while it waits is admitted
+/// to the rate limit, cancelled to the shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_outside_the_shed_charges_each_request_before_it_waits() {
+    let bulkhead = bulkhead();
+    let layer = shed(&bulkhead);
+    let rate = rate_limit(10);
+    let (c, release, _streams) =
+        serve_wrapped(|app| app.layer(layer.clone()).layer(rate.clone())).await;
+    let slow: Vec<_> = (0..3).map(|_| c.spawn("/slow")).collect();
+    eventually("3 slow in flight", SOON, || bulkhead.in_flight() == 3).await;
+
+    let (late, took) = c.get("/fast").await;
+    assert!(took >= TIMEOUT, "{took:?}");
+    assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE);
+    let field = harness::field(&late.headers, "ratelimit").unwrap();
+    assert_eq!(field, r#""all";r=6"#, "charged before it waited; no t");
+
+    let hangs_up = c.raw("GET /fast HTTP/1.1\r\nhost: x\r\n\r\n", b"").await;
+    eventually("1 waiting", SOON, || bulkhead.waiting() == 1).await;
+    drop(hangs_up);
+    eventually("its place given back", SOON, || bulkhead.waiting() == 0).await;
+    release.add_permits(3);
+    for s in slow {
+        assert_eq!(s.await.unwrap().status, StatusCode::OK);
+    }
+    eventually("every permit back", SOON, || bulkhead.in_flight() == 0).await;
+    let (s, sh) = (rate.stats(), layer.stats());
+    assert_eq!((s.admitted, harness::outcomes(&s)), (5, 5), "{s:?}");
+    assert_eq!(counts(sh.normal), (3, 1, 1), "{sh:?}");
+    assert_eq!(c.seen.counts(), (3, 1));
 }

@@ -5,7 +5,10 @@
 use std::convert::Infallible;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::{HeaderMap, HeaderName, header::RETRY_AFTER};
+use http::{
+    HeaderMap, HeaderName,
+    header::{DATE, RETRY_AFTER},
+};
 use sfv::visitor::{
     EntryVisitor, Ignored, InnerListVisitor, ItemVisitor, ListVisitor, ParameterVisitor,
 };
@@ -94,8 +97,9 @@ pub struct PolicyHint {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ServerHint {
-    /// The server's `Retry-After`, relative to the `now` given (zero for a date in the
-    /// past).
+    /// The server's `Retry-After`, an HTTP-date taken relative to the response's `Date`
+    /// (else to the `now` given; see [`from_headers`](ServerHint::from_headers)), zero for
+    /// a date in the past.
     pub retry_after: Option<Duration>,
     /// The policies described by the fields, in the order the server listed them (those
     /// with a current remaining first when there were too many; see
@@ -107,11 +111,22 @@ impl ServerHint {
     /// The most policies kept from one response: 16.
     pub const MAX_POLICIES: usize = 16;
 
-    /// Parse the hint of a response's `headers`; `now` is the time an HTTP-date or a Unix
-    /// time is measured from (usually `SystemTime::now()` when the response arrives).
+    /// Parse the hint of a response's `headers`. An HTTP-date (`Retry-After`) or a Unix
+    /// time (`X-RateLimit-Reset`) is the server's clock: it is measured from the response's
+    /// own `Date` when it has a valid one, so that a client clock skewed from the server's
+    /// moves no hint (a client two minutes behind read `Retry-After` five seconds ahead
+    /// as two minutes and five seconds), and from `now` otherwise (usually
+    /// `SystemTime::now()` when the response arrives). `Date` has whole seconds and is
+    /// written before the response travels: a hint measured from it is never shorter than
+    /// the server meant, and up to a second plus the transit longer.
     ///
     /// Never fails and never panics: a malformed field is ignored (see the type's docs).
     pub fn from_headers(headers: &HeaderMap, now: SystemTime) -> ServerHint {
+        let now = headers
+            .get(DATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| httpdate::parse_http_date(v).ok())
+            .unwrap_or(now);
         let retry_after = headers
             .get(RETRY_AFTER)
             .and_then(|v| retry_after(v.as_bytes(), now));

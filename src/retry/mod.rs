@@ -66,7 +66,8 @@
 //! # Time
 //!
 //! Schedules measure time with `tokio::time`, so tests run under paused time; a
-//! `ServerHint` takes `now` explicitly (a `SystemTime`) for HTTP-dates and Unix times.
+//! `ServerHint` measures HTTP-dates and Unix times from the response's `Date` (the
+//! server's clock), else from the `now` it is given (a `SystemTime`).
 //!
 //! # Metrics
 //!

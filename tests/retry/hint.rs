@@ -149,6 +149,31 @@ fn the_drafts_throttled_response_with_an_http_date() {
     assert_eq!(h.retry_delay(), Some(5 * S));
 }
 
+/// A client clock skewed from the server's moves no hint: an HTTP-date `Retry-After` and a
+/// Unix-time `X-RateLimit-Reset` are measured from the response's `Date`. Before, they were
+/// measured from the client's `now`: two minutes behind, `Retry-After` five seconds ahead
+/// read as 125 s (past the retry layer's `max_retry_after`: the request stopped at once);
+/// two minutes ahead, as 0 (a retry at once, into the same refusal).
+#[test]
+fn a_skewed_client_clock_reads_dated_hints_from_the_responses_date() {
+    let fields = [
+        ("date", "Mon, 05 Aug 2019 09:27:00 GMT"),
+        ("retry-after", "Mon, 05 Aug 2019 09:27:05 GMT"),
+        ("x-ratelimit-limit", "10"),
+        ("x-ratelimit-reset", "1564997240"), // 09:27:20
+    ];
+    let skew = 120 * S;
+    for now in [draft_now() - skew, draft_now(), draft_now() + skew] {
+        let h = ServerHint::from_headers(&headers(&fields), now);
+        assert_eq!(h.retry_after, Some(5 * S), "{now:?}");
+        assert_eq!(h.reset(), Some(20 * S), "{now:?}");
+    }
+    // Without a valid `Date`, the caller's `now` it is.
+    let undated = [("date", "yesterday"), fields[1]];
+    let h = ServerHint::from_headers(&headers(&undated), draft_now() - skew);
+    assert_eq!(h.retry_after, Some(125 * S));
+}
+
 #[test]
 fn the_drafts_policies_with_limits() {
     // B.2.1

@@ -61,7 +61,8 @@ impl HttpClassify {
     }
 
     /// The outcome of a response with `status` and `headers` (see the table of the type).
-    /// A `Retry-After` given as an HTTP-date is measured from `SystemTime::now()`.
+    /// A `Retry-After` given as an HTTP-date is measured from the response's `Date`, else
+    /// from `SystemTime::now()` ([`ServerHint::from_headers`]).
     pub fn outcome(&self, status: StatusCode, headers: &HeaderMap) -> Outcome {
         match status.as_u16() {
             429 | 503 => Outcome::BackPressure {

@@ -122,20 +122,23 @@ impl ServerHint {
     ///
     /// Never fails and never panics: a malformed field is ignored (see the type's docs).
     pub fn from_headers(headers: &HeaderMap, now: SystemTime) -> ServerHint {
-        let now = headers
-            .get(DATE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| httpdate::parse_http_date(v).ok())
-            .unwrap_or(now);
+        // Read only for a dated hint: most responses have none.
+        let now = || {
+            headers
+                .get(DATE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| httpdate::parse_http_date(v).ok())
+                .unwrap_or(now)
+        };
         let retry_after = headers
             .get(RETRY_AFTER)
-            .and_then(|v| retry_after(v.as_bytes(), now));
+            .and_then(|v| retry_after(v.as_bytes(), &now));
         let mut policies = ietf(headers);
         if policies.is_empty() {
             policies.extend(draft_03(headers));
         }
         if policies.is_empty() {
-            policies.extend(x_ratelimit(headers, now));
+            policies.extend(x_ratelimit(headers, &now));
         }
         ServerHint {
             retry_after,
@@ -241,7 +244,7 @@ impl ServerHint {
 }
 
 /// `Retry-After`: delta-seconds (saturating) or an HTTP-date.
-fn retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
+fn retry_after(value: &[u8], now: &impl Fn() -> SystemTime) -> Option<Duration> {
     let value = value.trim_ascii();
     if value.is_empty() {
         return None;
@@ -253,7 +256,7 @@ fn retry_after(value: &[u8], now: SystemTime) -> Option<Duration> {
         return Some(Duration::from_secs(secs));
     }
     match httpdate::parse_http_date(std::str::from_utf8(value).ok()?) {
-        Ok(date) => Some(date.duration_since(now).unwrap_or(Duration::ZERO)),
+        Ok(date) => Some(date.duration_since(now()).unwrap_or(Duration::ZERO)),
         // `httpdate` knows no year before 1970: such a date is in the past all the same.
         Err(_) => before_1970(value).then_some(Duration::ZERO),
     }
@@ -595,7 +598,7 @@ fn draft_03(headers: &HeaderMap) -> Option<PolicyHint> {
 }
 
 /// `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds from now, or a Unix time).
-fn x_ratelimit(headers: &HeaderMap, now: SystemTime) -> Option<PolicyHint> {
+fn x_ratelimit(headers: &HeaderMap, now: &impl Fn() -> SystemTime) -> Option<PolicyHint> {
     let quota = integer_item(headers, &X_RATELIMIT_LIMIT);
     let remaining = integer_item(headers, &X_RATELIMIT_REMAINING);
     let reset = number_item_millis(headers, &X_RATELIMIT_RESET).map(|millis| {
@@ -612,7 +615,7 @@ fn x_ratelimit(headers: &HeaderMap, now: SystemTime) -> Option<PolicyHint> {
         match at {
             None => Duration::from_millis(millis),
             Some(at) => at
-                .and_then(|at| at.duration_since(now).ok())
+                .and_then(|at| at.duration_since(now()).ok())
                 .unwrap_or(Duration::ZERO),
         }
     });

@@ -7,6 +7,8 @@ mod support;
 
 #[path = "gate/all_or_nothing.rs"]
 mod all_or_nothing;
+#[path = "gate/cluster.rs"]
+mod cluster;
 #[cfg(feature = "metrics")]
 #[path = "gate/dropped.rs"]
 mod dropped;

@@ -744,8 +744,19 @@ where
 }
 
 /// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
-/// have the script (restarted, or `SCRIPT FLUSH`), call `reset`, load it and send the command
-/// again.
+/// have the script (restarted, failed over, `SCRIPT FLUSH`, or a Cluster node that joined
+/// since), call `reset`, load it and send the command again; if that still meets
+/// `NOSCRIPT`, send it with the script's source (`EVAL`, which leaves the script in the
+/// cache of the node that runs it).
+///
+/// The source goes with the command, so it reaches the node that lacks the script: on a
+/// Cluster, the one the command is sent on to by `ASK` or `MOVED`. `SCRIPT LOAD` goes to
+/// the nodes the client knows of, which a node receiving a slot as it joins the Cluster is
+/// not (nor is it if a node it goes to fails): loaded alone, the command sent again met
+/// `NOSCRIPT` again, every call on that slot failed while it moved, and the gate
+/// degraded. The load comes first all the same: on one connection, the other scripts the
+/// gate loads meanwhile (see `Backend::load_others`) are loaded before the command's
+/// answer comes back.
 async fn query<C, T>(
     conn: &mut C,
     script: &redis::Script,
@@ -756,14 +767,37 @@ where
     C: ConnectionLike,
     T: redis::FromRedisValue,
 {
+    let no_script = |e: &redis::RedisError| {
+        e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+    };
     match cmd.query_async(conn).await {
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+        Err(e) if no_script(&e) => {
             reset();
-            script.load_async(conn).await?;
-            cmd.query_async(conn).await
+            let loaded = script.load_async(conn).await;
+            let source = crate::gate::scripts::source_of(script.get_hash());
+            match (cmd.query_async(conn).await, source) {
+                (Err(e), Some(source)) if no_script(&e) => {
+                    with_source(cmd, source).query_async(conn).await
+                }
+                // Not loaded, and not sent: the load's error (Redis is failing).
+                (Err(e), _) if no_script(&e) => loaded.and(Err(e)),
+                (other, _) => other,
+            }
         }
         other => other,
     }
+}
+
+/// `cmd` (`EVALSHA <sha> <keys> ..`) as `EVAL <source> <keys> ..`.
+fn with_source(cmd: &redis::Cmd, source: &str) -> redis::Cmd {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(source);
+    for arg in cmd.args_iter().skip(2) {
+        if let redis::Arg::Simple(arg) = arg {
+            eval.arg(arg);
+        }
+    }
+    eval
 }
 
 #[cfg(all(test, feature = "metrics"))]

@@ -84,9 +84,10 @@ pub(super) struct Inner<C> {
 /// One limit across every instance of a service, decided by one atomic Lua script per
 /// request in Redis.
 ///
-/// - **Atomic and exact**: each decision is one script (`EVALSHA`, reloaded on `NOSCRIPT`
-///   after a restart or failover) running the same integer math as [`limit`](crate::limit)
-///   in microseconds; a rejected call consumes nothing.
+/// - **Atomic and exact**: each decision is one script (`EVALSHA`, sent again with its
+///   source on `NOSCRIPT`: after a restart or failover, or on a Cluster node new to it)
+///   running the same integer math as [`limit`](crate::limit) in microseconds; a rejected
+///   call consumes nothing.
 /// - **Server clock**: time comes from Redis `TIME`, so application clocks may disagree.
 ///   If that clock steps back (a failover to a replica whose clock is behind), each
 ///   algorithm decides as its model in [`limit`](crate::limit) does (a token bucket owes the

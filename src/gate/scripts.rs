@@ -57,6 +57,32 @@ compiled_once! {
     region_bucket = REGION_BUCKET;
 }
 
+/// The source of the crate's script whose SHA1 is `hash`: sent with a call whose script
+/// Redis lacks (see `backend::query`).
+pub(crate) fn source_of(hash: &str) -> Option<&'static str> {
+    static SOURCES: std::sync::OnceLock<Vec<(String, &'static str)>> = std::sync::OnceLock::new();
+    let sources = SOURCES.get_or_init(|| {
+        [
+            TOKEN_BUCKET,
+            FIXED_WINDOW,
+            SLIDING_LOG,
+            SLIDING_WINDOW,
+            TOKEN_BUCKET_ALL,
+            TOKEN_BUCKET_LEASE,
+            REGION_HOME,
+            REGION_SHARE,
+            REGION_BUCKET,
+        ]
+        .into_iter()
+        .map(|source| (redis::Script::new(source).get_hash().to_owned(), source))
+        .collect()
+    });
+    sources
+        .iter()
+        .find(|(h, _)| h == hash)
+        .map(|&(_, source)| source)
+}
+
 /// The script source for `limit`.
 fn source(limit: &Limit) -> &'static str {
     match limit {

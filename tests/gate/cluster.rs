@@ -117,7 +117,6 @@ fn end_migration(slot: u16, to: &RedisServer, all: &[&RedisServer]) {
 /// again. Every call on the slot failed until the move ended, and degraded the gate, whose
 /// keys on every shard were then decided by the failure policy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: NOSCRIPT on a node the client does not know fails every call on the slot"]
 async fn a_slot_moving_to_a_new_node_is_decided_by_redis_throughout() {
     let cluster = RedisCluster::start(3, 0);
     // Timeouts no loaded machine reaches: every failure is an error, every count Redis's.

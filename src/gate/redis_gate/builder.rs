@@ -154,6 +154,14 @@ where
     /// and counted, and the rejection cache and leases forgotten when it comes back). A
     /// batch's script calls, one per slot, are answered each on its own: one that fails (or
     /// whose metrics recorder panics) fails only its own callers.
+    ///
+    /// A primary that stops answering without closing its connections (its process paused
+    /// or stuck, its host cut off by a partition) keeps the gate degraded after its replica
+    /// has taken over, for as long as it stays so: redis-rs's cluster client learns the new
+    /// layout from a `MOVED` or a connection that fails, never from a timeout, so it sends
+    /// that slot's calls to the old primary, each one timing out, until it answers (`MOVED`)
+    /// or its connections close. A primary that dies (its connections refused) is left for
+    /// the new one within a few probes of the failover.
     pub fn cluster(mut self, cluster: bool) -> Self {
         self.cluster = cluster;
         self

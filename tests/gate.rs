@@ -1890,17 +1890,9 @@ async fn a_cluster_gate_is_exact_across_slots_and_recovers_after_failover() {
     }
 
     // Kill the master of one key: the policy applies at once, then the replica takes over.
-    let client = redis::cluster::ClusterClient::builder(cluster.seed_urls())
-        .connection_timeout(Duration::from_millis(300))
-        .response_timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
-    let con = client.get_async_connection().await.unwrap();
-    let gate = RedisGate::builder(con, Limit::TokenBucket(Quota::per_hour(5).unwrap()))
+    let gate = cluster::closed_gate(&cluster, Limit::TokenBucket(Quota::per_hour(5).unwrap()))
+        .await
         .cluster(true)
-        .failure_policy(FailurePolicy::Closed)
-        .timeout(Duration::from_millis(500))
-        .probe_interval(Duration::from_millis(200))
         .build()
         .await
         .unwrap();

@@ -4,13 +4,31 @@
 use std::time::{Duration, Instant};
 
 use flowgate::Quota;
-use flowgate::gate::{FailurePolicy, Limit, RedisGate};
+use flowgate::gate::{FailurePolicy, Limit, RedisGate, RedisGateBuilder};
 use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
 
 use super::support::{RedisCluster, RedisServer};
 
 fn per_hour(n: u32) -> Limit {
     Limit::TokenBucket(Quota::per_hour(n).unwrap())
+}
+
+/// A gate of `limit` over a connection that gives up on a node after 300 ms (as a service
+/// would configure it), failing `Closed` within 500 ms and probing every 200 ms.
+pub(super) async fn closed_gate(
+    cluster: &RedisCluster,
+    limit: Limit,
+) -> RedisGateBuilder<ClusterConnection> {
+    let client = ClusterClient::builder(cluster.seed_urls())
+        .connection_timeout(Duration::from_millis(300))
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    RedisGate::builder(client.get_async_connection().await.unwrap(), limit)
+        .failure_policy(FailurePolicy::Closed)
+        .timeout(Duration::from_millis(500))
+        .probe_interval(Duration::from_millis(200))
 }
 
 /// A cluster-enabled node that owns no slot yet and has met the cluster.
@@ -183,4 +201,113 @@ async fn a_slot_moving_to_a_new_node_is_decided_by_redis_throughout() {
         .query_blocking(redis::cmd("CLUSTER").arg("COUNTKEYSINSLOT").arg(slot))
         .unwrap();
     assert_eq!(on_new, 3, "the slot's keys are on the new node");
+}
+
+/// A master killed mid-run and its replica promoted, under `Closed`: every request is
+/// answered within the timeout (by Redis, or rejected by the policy), each is counted once
+/// (`allowed + rejected + policy == requests`), the failover shows as a failure and a
+/// transition each way, and the new master goes on from the replicated bucket: no more
+/// than the burst is admitted across the failover.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_is_counted_and_its_replica_goes_on_from_the_bucket() {
+    use super::support::TestRecorder;
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let cluster = RedisCluster::start(3, 1);
+    let gate = closed_gate(&cluster, per_hour(20))
+        .await
+        .name("failover")
+        .build()
+        .await
+        .unwrap();
+    let outcome = |o: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=failover,outcome={o}}}"
+        ))
+    };
+    let key = "k";
+    let (mut requests, mut by_redis, mut by_policy) = (0u64, 0u32, 0u64);
+    for _ in 0..5 {
+        requests += 1;
+        by_redis += u32::from(gate.check(key, 1).await.unwrap().allowed);
+    }
+    // Replicated (asynchronously) before the kill.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.node_for_key(&gate.redis_key(key)).kill();
+    let killed = Instant::now();
+    let mut back = None;
+    while killed.elapsed() < Duration::from_secs(60) {
+        requests += 1;
+        let d = gate.check(key, 1).await.unwrap();
+        if d.capacity == u64::MAX {
+            assert!(!d.allowed, "Closed rejects");
+            by_policy += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        by_redis += u32::from(d.allowed);
+        back.get_or_insert(killed.elapsed());
+        if !d.allowed {
+            break;
+        }
+    }
+    let back = back.expect("back on Redis within 60 s of the kill");
+    eprintln!("cluster: back on Redis {back:?} after the master was killed");
+    assert_eq!(by_redis, 20, "the burst, across the failover");
+    let counted = outcome("allowed") + outcome("rejected") + outcome("policy");
+    assert_eq!(counted, requests, "each request counted once");
+    assert_eq!(outcome("policy"), by_policy);
+    assert!(recorder.counter("flowgate_gate_failures_total{name=failover}") >= 1);
+    assert!(recorder.counter("flowgate_gate_transitions_total{name=failover,to=degraded}") >= 1);
+    assert!(recorder.counter("flowgate_gate_transitions_total{name=failover,to=healthy}") >= 1);
+    assert_eq!(
+        recorder.gauge("flowgate_gate_degraded{name=failover}"),
+        Some(0.0)
+    );
+}
+
+/// A master paused (connections open, nothing answered) past the timeout: every call on
+/// its slot is answered by the policy within the timeout, also once its replica has taken
+/// over (the client keeps sending the slot's calls to the old master, as the docs of
+/// `RedisGateBuilder::cluster` say), and the gate is back on Redis soon after the old
+/// master answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_master_keeps_its_slot_on_the_policy_until_it_answers() {
+    let cluster = RedisCluster::start(3, 1);
+    let gate = closed_gate(&cluster, per_hour(100))
+        .await
+        .build()
+        .await
+        .unwrap();
+    let key = "k";
+    assert!(gate.check(key, 1).await.unwrap().allowed);
+    let victim = cluster.node_for_key(&gate.redis_key(key));
+    victim.pause();
+    let paused = Instant::now();
+    // The replica takes over (3 masters answer again, the paused one not among them).
+    while cluster.masters().len() < 3 {
+        assert!(paused.elapsed() < Duration::from_secs(60), "no failover");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let promoted = Instant::now();
+    while promoted.elapsed() < Duration::from_secs(3) {
+        let d = gate.check(key, 1).await.unwrap();
+        assert_eq!(
+            (d.allowed, d.capacity),
+            (false, u64::MAX),
+            "decided by the policy"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    victim.resume();
+    let resumed = Instant::now();
+    loop {
+        let d = gate.check(key, 1).await.unwrap();
+        if d.capacity != u64::MAX && !gate.is_degraded() {
+            break;
+        }
+        assert!(resumed.elapsed() < Duration::from_secs(30), "never back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

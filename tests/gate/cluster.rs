@@ -31,6 +31,19 @@ pub(super) async fn closed_gate(
         .probe_interval(Duration::from_millis(200))
 }
 
+/// A gate of `limit` whose every failure is an error, over a connection with timeouts no
+/// loaded machine reaches (every count is Redis's decision).
+async fn exact_gate(cluster: &RedisCluster, limit: Limit) -> RedisGateBuilder<ClusterConnection> {
+    let client = ClusterClient::builder(cluster.seed_urls())
+        .connection_timeout(Duration::from_secs(10))
+        .response_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    RedisGate::builder(client.get_async_connection().await.unwrap(), limit)
+        .failure_policy(FailurePolicy::Error)
+        .timeout(Duration::from_secs(10))
+}
+
 /// A cluster-enabled node that owns no slot yet and has met the cluster.
 fn join_new_node(cluster: &RedisCluster) -> RedisServer {
     // As the harness starts the cluster's own nodes.
@@ -137,15 +150,8 @@ fn end_migration(slot: u16, to: &RedisServer, all: &[&RedisServer]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_moving_to_a_new_node_is_decided_by_redis_throughout() {
     let cluster = RedisCluster::start(3, 0);
-    // Timeouts no loaded machine reaches: every failure is an error, every count Redis's.
-    let client = ClusterClient::builder(cluster.seed_urls())
-        .connection_timeout(Duration::from_secs(10))
-        .response_timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
-    let gate = RedisGate::builder(client.get_async_connection().await.unwrap(), per_hour(5))
-        .failure_policy(FailurePolicy::Error)
-        .timeout(Duration::from_secs(10))
+    let gate = exact_gate(&cluster, per_hour(5))
+        .await
         .build()
         .await
         .unwrap();
@@ -310,4 +316,49 @@ async fn a_paused_master_keeps_its_slot_on_the_policy_until_it_answers() {
         assert!(resumed.elapsed() < Duration::from_secs(30), "never back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Keys of one slot (a tenant's, under one hash tag) batched while that slot moves
+/// between masters, one key moved already and the other not: each caller is decided as it
+/// would be alone (`ASK` for the moved key, the old master for the other).
+///
+/// Batched, the two keys go in one script call, which neither master can run while the
+/// slot is split between them (`TRYAGAIN`); redis-rs waits and sends it again until the
+/// gate's timeout: every caller of the batch failed with `Timeout` after the whole timeout
+/// (2 s here), and the gate degraded. The caller that found nothing in flight and called
+/// alone was decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a batch over a slot split by a migration fails (TRYAGAIN) where each call alone is decided"]
+async fn keys_of_a_moving_slot_batched_are_decided_as_alone() {
+    let cluster = RedisCluster::start(3, 0);
+    let gate = exact_gate(&cluster, per_hour(50))
+        .await
+        .timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let (moved, stays) = ("{t}:moved", "{t}:stays");
+    for key in [moved, stays] {
+        assert!(gate.check(key, 1).await.unwrap().allowed);
+    }
+    let from = cluster.node_for_key(&gate.redis_key(moved));
+    let to = cluster
+        .nodes()
+        .iter()
+        .find(|n| n.port() != from.port())
+        .unwrap();
+    let slot = keyslot(from, &gate.redis_key(moved));
+    begin_migration(slot, from, to);
+    migrate_keys(from, to, &[gate.redis_key(moved)]);
+    let calls = (0..8).map(|i| gate.check([moved, stays][i % 2], 1));
+    let got: Vec<String> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|d| match d {
+            Ok(d) => d.allowed.to_string(),
+            Err(e) => e.to_string(),
+        })
+        .collect();
+    assert_eq!(got, ["true"; 8], "each decided by Redis");
+    assert!(!gate.is_degraded());
 }

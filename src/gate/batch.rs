@@ -1,6 +1,5 @@
 //! Natural batching: concurrent decisions share one script call.
 
-use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -17,7 +16,6 @@ use crate::gate::backend::{Backend, CallError, Probe, Resets};
 use crate::gate::error::GateError;
 use crate::gate::reject_cache::RejectCache;
 use crate::gate::scripts::LimitScript;
-use crate::gate::slot::slot;
 use crate::metrics::{Counter, Histogram};
 use crate::sync::{Arc, Mutex, Panics};
 
@@ -458,7 +456,7 @@ pub(crate) struct Driver<C> {
     pub(crate) batch_size: Histogram,
     /// Where the decisions of callers that gave up are counted.
     pub(crate) outcomes: Arc<Outcomes>,
-    /// Redis Cluster: one script call per hash slot of the batch.
+    /// Redis Cluster: one script call per key of the batch (see [`Driver::dispatch`]).
     pub(crate) cluster: bool,
 }
 
@@ -584,20 +582,31 @@ where
         while in_flight.next().await.is_some() {}
     }
 
-    /// One batch: a single call, or one call per hash slot on a cluster.
+    /// One batch: a single call, or one call per key on a cluster.
+    ///
+    /// Per key, not per hash slot: while a slot moves between two nodes (its keys migrated
+    /// one by one), a script over keys of that slot that lie on both is refused by either
+    /// (`TRYAGAIN`), and redis-rs sends it again until the gate's timeout, so every caller
+    /// of the call failed; a script on one key is sent on to the node that holds it (`ASK`).
+    /// Keys under one hash tag share a slot, so this is when a tenant's keys move.
     async fn dispatch(&self, mut batch: Vec<Request>, _call: Call) {
         // Recorded here, where a recorder that panics costs this batch alone (never sent:
         // its callers ask Redis again alone).
         self.batch_size.record(batch.len() as f64);
         if self.cluster && batch.len() > 1 {
-            let mut groups: HashMap<u16, Vec<Request>> = HashMap::new();
+            // Stable: each key's requests stay in arrival order.
+            batch.sort_by(|a, b| a.key.cmp(&b.key));
+            let mut groups: Vec<Vec<Request>> = Vec::new();
             for r in batch.drain(..) {
-                groups.entry(slot(r.key.as_bytes())).or_default().push(r);
+                match groups.last_mut() {
+                    Some(group) if group[0].key == r.key => group.push(r),
+                    _ => groups.push(vec![r]),
+                }
             }
-            // Each slot's call is a batch of its own: a panic in one (a metrics recorder)
+            // Each key's call is a batch of its own: a panic in one (a metrics recorder)
             // ends it alone, and the others go on to answer their callers.
             let calls = groups
-                .into_values()
+                .into_iter()
                 .map(|group| AssertUnwindSafe(self.call(group)).catch_unwind());
             futures::future::join_all(calls).await;
         } else {

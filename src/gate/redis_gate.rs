@@ -213,7 +213,7 @@ pub(super) struct Inner<C> {
 /// left to finish on a runtime that shut down),
 /// `flowgate_gate_redis_seconds` (latency), `flowgate_gate_batch_size`,
 /// `flowgate_gate_failures_total` (failed calls to Redis, not callers: one per failed
-/// script call, which is one per batch, or on a Cluster one per hash slot the batch spans,
+/// script call, which is one per batch, or on a Cluster one per key the batch spans,
 /// and one per batch whose requests ran out of time in the queue before it was sent; and
 /// one more per batched caller whose own deadline passed before its batch's answer
 /// reached it, as when the batch timed out at that same deadline, or before its request

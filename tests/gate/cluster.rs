@@ -328,7 +328,6 @@ async fn a_paused_master_keeps_its_slot_on_the_policy_until_it_answers() {
 /// (2 s here), and the gate degraded. The caller that found nothing in flight and called
 /// alone was decided.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a batch over a slot split by a migration fails (TRYAGAIN) where each call alone is decided"]
 async fn keys_of_a_moving_slot_batched_are_decided_as_alone() {
     let cluster = RedisCluster::start(3, 0);
     let gate = exact_gate(&cluster, per_hour(50))

@@ -648,7 +648,7 @@ async fn leased_tokens_never_spent_are_counted() {
     );
 }
 
-/// On a Cluster a batch goes to Redis as one script call per hash slot. A metrics recorder
+/// On a Cluster a batch goes to Redis as one script call per key. A metrics recorder
 /// panicking in one of them (here as its round trip is recorded, which comes once its
 /// callers have Redis's answers) fails no caller of any slot: each gets what Redis decided
 /// for it. The panic ended the batch's every call: the other slots' callers, whose calls

@@ -137,11 +137,13 @@ where
         self
     }
 
-    /// The connection is a Redis Cluster connection: batches are split per hash slot, one
-    /// script call per slot, and `check_all` checks that its keys share a slot. Set by
-    /// itself for a `redis::cluster_async::ClusterConnection` (`false` does not turn it off
-    /// there: one script call over keys of several slots is refused with `CROSSSLOT`); set it
-    /// for a connection of your own type that talks to a Cluster.
+    /// The connection is a Redis Cluster connection: batches are split per key, one script
+    /// call per key (a script over several keys of one slot is refused while the slot moves
+    /// between nodes, `TRYAGAIN`, where one on a single key follows it), and `check_all`
+    /// checks that its keys share a slot. Set by itself for a
+    /// `redis::cluster_async::ClusterConnection` (`false` does not turn it off there: one
+    /// script call over keys of several slots is refused with `CROSSSLOT`); set it for a
+    /// connection of your own type that talks to a Cluster.
     ///
     /// Name keys so that what must be decided together shares a slot, with a hash tag:
     /// `{tenant-42}:user:7`. Keys without a tag spread over the whole cluster.
@@ -152,7 +154,7 @@ where
     /// to the shard of its own key: one that a shard still up answers brings the gate back,
     /// and the next call to the shard still down degrades it again (each transition logged
     /// and counted, and the rejection cache and leases forgotten when it comes back). A
-    /// batch's script calls, one per slot, are answered each on its own: one that fails (or
+    /// batch's script calls, one per key, are answered each on its own: one that fails (or
     /// whose metrics recorder panics) fails only its own callers.
     ///
     /// A primary that stops answering without closing its connections (its process paused

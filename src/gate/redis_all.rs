@@ -44,7 +44,10 @@ where
     ///   block have left); leases (leased tokens belong to the gate's own quota, not to the
     ///   quotas given here).
     /// - **Redis Cluster**: the keys must share a hash slot: use a hash tag, e.g.
-    ///   `{tenant-42}:ip:10.0.0.1` and `{tenant-42}:user:7`.
+    ///   `{tenant-42}:ip:10.0.0.1` and `{tenant-42}:user:7`. While that slot moves between
+    ///   nodes (resharding), a call whose keys lie on both is refused by either
+    ///   (`TRYAGAIN`), which redis-rs sends again until the gate's timeout: a Redis failure,
+    ///   decided by the failure policy (and the gate degrades) until the move ends.
     ///
     /// # Errors
     ///

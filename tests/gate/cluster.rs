@@ -361,3 +361,54 @@ async fn keys_of_a_moving_slot_batched_are_decided_as_alone() {
     assert_eq!(got, ["true"; 8], "each decided by Redis");
     assert!(!gate.is_degraded());
 }
+
+/// Two failovers of one shard: its master killed, restarted (a new process: no scripts,
+/// its data synced from the replica that took over, now its master), then that one killed
+/// in turn. The gate, whose scripts the twice-promoted node never had, is back on Redis
+/// with the bucket where it was: exactly the burst is admitted across both failovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_failovers_of_a_shard_keep_its_buckets_and_get_the_scripts_again() {
+    let cluster = RedisCluster::start(3, 1);
+    let gate = closed_gate(&cluster, per_hour(20))
+        .await
+        .build()
+        .await
+        .unwrap();
+    let key = "k";
+    let mut by_redis = 0;
+    // Until Redis decides a request (not the policy): whether it was admitted.
+    let decided = async || loop {
+        let d = gate.check(key, 1).await.unwrap();
+        if d.capacity != u64::MAX {
+            return d.allowed;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for _ in 0..5 {
+        by_redis += u32::from(decided().await);
+    }
+    for round in 0..2 {
+        // Replicated (asynchronously) before the kill.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let master = cluster.node_for_key(&gate.redis_key(key));
+        master.kill();
+        let started = Instant::now();
+        let back = tokio::time::timeout(Duration::from_secs(60), decided())
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: never back on Redis"));
+        eprintln!("round {round}: back on Redis in {:?}", started.elapsed());
+        by_redis += u32::from(back);
+        for _ in 0..4 {
+            by_redis += u32::from(decided().await);
+        }
+        if round == 0 {
+            // Back as a replica of the node that took over, synced from it.
+            master.restart();
+            cluster.wait_until_ok(Duration::from_secs(60));
+        }
+    }
+    while decided().await {
+        by_redis += 1;
+    }
+    assert_eq!(by_redis, 20, "the burst, across both failovers");
+}

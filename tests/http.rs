@@ -49,3 +49,6 @@ mod meet;
 
 #[path = "http/overload.rs"]
 mod overload;
+
+#[path = "http/keys.rs"]
+mod keys;

@@ -1,0 +1,376 @@
+//! A team behind a load balancer and a CDN keys a `RateLimitLayer` on the client IP behind
+//! trusted proxies, per API key and per user, over real HTTP/1 and HTTP/2 on loopback (IPv4
+//! and IPv6): the key each request is charged under, read back through `top_rejected` and
+//! the gate, whatever the spelling of the address, the header lines or the spoofed entries.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use axum::routing::get as route_get;
+use bytes::Bytes;
+use flowgate::gate::{Limit, MemoryGate};
+use flowgate::http::{
+    ClientIp, ForwardedHeader, Header, KeyExtractor, MissingKey, PeerIp, Policy, RateLimitLayer,
+};
+use flowgate::{Quota, Rate};
+use http::{HeaderValue, Request, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+use crate::harness::{Server, client, field};
+
+/// One request a minute per key.
+fn one_per_minute() -> Quota {
+    Quota::new(Rate::per(1, Duration::from_secs(60)).unwrap(), 1).unwrap()
+}
+
+fn gate() -> MemoryGate {
+    MemoryGate::new(Limit::TokenBucket(Quota::per_second(1).unwrap()))
+}
+
+fn connect_info() -> PeerIp {
+    PeerIp::from_extension(|c: &ConnectInfo<SocketAddr>| c.0)
+}
+
+/// The client IP from `source`, trusting `cidrs`, the peer from axum's connect info.
+fn behind(source: ForwardedHeader, cidrs: &[&str]) -> ClientIp {
+    let mut b = ClientIp::builder(source).peer(connect_info());
+    for cidr in cidrs {
+        b = b.trust(cidr);
+    }
+    b.build().unwrap()
+}
+
+/// A layer of one policy `name`, one request a minute per key.
+fn layer_of(name: &str, key: impl KeyExtractor) -> RateLimitLayer<MemoryGate> {
+    RateLimitLayer::builder(gate())
+        .policy(Policy::new(name.to_owned(), one_per_minute(), key))
+        .build()
+        .unwrap()
+}
+
+/// `layer` around a route answering `ok`, served on `bind`.
+async fn serve(bind: &str, layer: RateLimitLayer<MemoryGate>) -> Server {
+    let app = Router::new()
+        .route("/", route_get(|| async { "ok" }))
+        .layer(layer);
+    Server::start_on(bind, app).await
+}
+
+/// A GET with `headers` (several lines of one name stay several lines; values as bytes).
+fn request(url: &str, headers: &[(&str, &[u8])]) -> Request<Empty<Bytes>> {
+    let mut req = Request::get(url).body(Empty::new()).unwrap();
+    for (name, value) in headers {
+        req.headers_mut().append(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            HeaderValue::from_bytes(value).unwrap(),
+        );
+    }
+    req
+}
+
+/// What a request got: its status and body.
+async fn h1(url: &str, headers: &[(&str, &[u8])]) -> (StatusCode, String) {
+    let res = client().request(request(url, headers)).await.unwrap();
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The same over one HTTP/2 connection (h2c, prior knowledge) to `addr`.
+async fn h2(addr: SocketAddr, headers: &[(&str, &[u8])]) -> (StatusCode, String) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let res = send
+        .send_request(request(&format!("http://{addr}/"), headers))
+        .await
+        .unwrap();
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The rejected keys and their counts, by key.
+fn rejected(layer: &RateLimitLayer<MemoryGate>) -> Vec<(String, u64)> {
+    let mut keys: Vec<(String, u64)> = layer
+        .top_rejected(16)
+        .into_iter()
+        .map(|k| (k.key, k.count))
+        .collect();
+    keys.sort();
+    keys
+}
+
+fn url(server: &Server) -> String {
+    server.url("/")
+}
+
+/// Over an IPv6 loopback listener (the proxy at `::1`, a second hop in `fd00::/8`): one
+/// IPv6 client written every way proxies write it (case, zeros, brackets and a port, a
+/// zone id, several lines, spoofed entries to the left) is one bucket, and the key is its
+/// canonical text.
+#[tokio::test]
+async fn ipv6_spellings_are_one_key_and_spoofing_changes_nothing() {
+    let xff = behind(ForwardedHeader::XForwardedFor, &["::1", "fd00::/8"]);
+    let layer = layer_of("per-ip", xff);
+    let server = serve("[::1]:0", layer.clone()).await;
+    let url = url(&server);
+    let name = "x-forwarded-for";
+    assert_eq!(h1(&url, &[(name, b"2001:db8::7")]).await.0, StatusCode::OK);
+    for spelling in [
+        &b"2001:DB8:0:0:0:0:0:7"[..],
+        b"[2001:db8::7]:4711",
+        b"6.6.6.6, 2001:0db8::0007, fd00::2",
+        b"unknown, _hidden, [2001:db8::7], [fd00::3]:80,, fd00::2",
+        b"2001:db8::7%eth0",
+        b"[2001:db8::7%25eth0]:4711",
+    ] {
+        let (status, _) = h1(&url, &[(name, spelling)]).await;
+        assert_eq!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{}",
+            String::from_utf8_lossy(spelling)
+        );
+    }
+    // Several lines: the last line's last entry is the nearest hop; whatever the client
+    // wrote on its own line (or spoofed as a trusted hop) is left of the client.
+    let lines: [(&str, &[u8]); 3] = [
+        (name, b"fd00::9"),
+        (name, b"9.9.9.9, 2001:db8::7"),
+        (name, b"fd00::2"),
+    ];
+    assert_eq!(h1(&url, &lines).await.0, StatusCode::TOO_MANY_REQUESTS);
+    // The other header, written by the client, is never read.
+    let mixed: [(&str, &[u8]); 2] = [(name, b"2001:db8::7"), ("forwarded", b"for=1.1.1.1")];
+    assert_eq!(h1(&url, &mixed).await.0, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(rejected(&layer), [("per-ip:2001:db8::7".to_owned(), 8)]);
+    assert_eq!(layer.stats().admitted, 1);
+}
+
+/// `Forwarded` over HTTP/2 on an IPv6 listener: quoted IPv6 with ports, case, obfuscated
+/// and `unknown` identifiers, several lines; a client's own `X-Forwarded-For` is never read.
+#[tokio::test]
+async fn forwarded_over_h2_keys_the_client_behind_the_nearest_hops() {
+    let fwd = behind(ForwardedHeader::Forwarded, &["::1", "fd00::/8"]);
+    let layer = layer_of("per-ip", fwd);
+    let server = serve("[::1]:0", layer.clone()).await;
+    let a = server.addr;
+    let name = "forwarded";
+    let first = h2(
+        a,
+        &[(name, br#"for="[2001:db8:cafe::17]:4711";proto=https"#)],
+    )
+    .await;
+    assert_eq!(first.0, StatusCode::OK);
+    for spelling in [
+        &br#"FOR="[2001:DB8:CAFE:0::17]""#[..],
+        br#"for=1.2.3.4, for="[2001:db8:cafe::17]:4711";by=_lb, for="[fd00::2]""#,
+        br#"for="\"spoof", for=[2001:db8:cafe::17];host=example.com, For=fd00::2"#,
+        br#"for="[2001:db8:cafe::17%25eth0]:_port""#,
+    ] {
+        let (status, _) = h2(a, &[(name, spelling)]).await;
+        assert_eq!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{}",
+            String::from_utf8_lossy(spelling)
+        );
+    }
+    // An unknown or obfuscated client behind a trusted hop: the key is that hop.
+    for (i, hidden) in [
+        &b"for=unknown"[..],
+        b"for=_gazonk",
+        br#"for="_x";proto=http"#,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lines: [(&str, &[u8]); 2] = [(name, hidden), (name, b"for=\"[fd00::5]:80\"")];
+        let (status, _) = h2(a, &lines).await;
+        let want = if i == 0 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(status, want, "{}", String::from_utf8_lossy(hidden));
+    }
+    // No `Forwarded` at all from the trusted peer: the peer itself (its XFF is ignored).
+    assert_eq!(
+        h2(a, &[("x-forwarded-for", b"2001:db8::1")]).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h2(a, &[("x-forwarded-for", b"2001:db8::2")]).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        rejected(&layer),
+        [
+            ("per-ip:2001:db8:cafe::17".to_owned(), 4),
+            ("per-ip:::1".to_owned(), 1),
+            ("per-ip:fd00::5".to_owned(), 2),
+        ]
+    );
+}
+
+/// Every hop trusted: the key is the left-most address (a proxy's own request); a
+/// link-local client with a zone id is its address; an IPv4 client written IPv4-mapped by
+/// an IPv6 proxy is its IPv4 address, with or without the `/64` grouping.
+#[tokio::test]
+async fn all_trusted_link_local_and_mapped_clients() {
+    let xff = ClientIp::builder(ForwardedHeader::XForwardedFor)
+        .trust("::1")
+        .trust("fd00::/8")
+        .peer(connect_info())
+        .ipv6_per_64(true)
+        .build()
+        .unwrap();
+    let layer = layer_of("per-ip", xff);
+    let server = serve("[::1]:0", layer.clone()).await;
+    let url = url(&server);
+    let name = "x-forwarded-for";
+    let cases: [(&[u8], StatusCode); 8] = [
+        (b"fd00::5, fd00::6", StatusCode::OK),
+        (b"fd00::5:1, fd00::7", StatusCode::TOO_MANY_REQUESTS), // same /64 as fd00::5
+        (b"fe80::1%eth0", StatusCode::OK),
+        (b"[fe80::2%25eth1]:80", StatusCode::TOO_MANY_REQUESTS), // fe80::/64
+        (b"::ffff:203.0.113.9", StatusCode::OK),
+        (b"203.0.113.9:80, fd00::1", StatusCode::TOO_MANY_REQUESTS),
+        (b"[::FFFF:CB00:7109]:443", StatusCode::TOO_MANY_REQUESTS),
+        (b"203.0.113.10", StatusCode::OK),
+    ];
+    for (value, want) in cases {
+        let (status, _) = h1(&url, &[(name, value)]).await;
+        assert_eq!(status, want, "{}", String::from_utf8_lossy(value));
+    }
+    assert_eq!(
+        rejected(&layer),
+        [
+            ("per-ip:203.0.113.9".to_owned(), 2),
+            ("per-ip:fd00::/64".to_owned(), 1),
+            ("per-ip:fe80::/64".to_owned(), 1),
+        ]
+    );
+}
+
+/// Many hops and a long header: four hundred trusted hops after the client, and a client
+/// that wrote a long spoofed chain of its own, over HTTP/1 and HTTP/2.
+#[tokio::test]
+async fn many_hops_and_long_headers() {
+    let xff = behind(ForwardedHeader::XForwardedFor, &["127.0.0.0/8"]);
+    let layer = layer_of("per-ip", xff);
+    let server = serve("127.0.0.1:0", layer.clone()).await;
+    let hops: Vec<String> = (0..400)
+        .map(|i| format!("127.{}.{}.1", i / 256, i % 256))
+        .collect();
+    let spoof = "6.6.6.6, ".repeat(500);
+    let chain = format!("{spoof}198.51.100.4, {}", hops.join(", "));
+    let chain = chain.as_bytes();
+    assert_eq!(
+        h1(&url(&server), &[("x-forwarded-for", chain)]).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h2(server.addr, &[("x-forwarded-for", chain)]).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(rejected(&layer), [("per-ip:198.51.100.4".to_owned(), 1)]);
+}
+
+/// Three policies, three missing-key choices: per IP (shared bucket for keyless), per API
+/// key (skipped without one), per user (refused without one). Each bad header gets the
+/// documented 400 and charges nothing; a request is charged under exactly the keys it has.
+#[tokio::test]
+async fn missing_key_choices_per_policy_over_h1_and_h2() {
+    let gate = gate();
+    let two = Quota::new(Rate::per(2, Duration::from_secs(60)).unwrap(), 2).unwrap();
+    let layer = RateLimitLayer::builder(gate.clone())
+        .policy(Policy::new(
+            "per-ip",
+            two,
+            behind(ForwardedHeader::XForwardedFor, &["127.0.0.1"]),
+        ))
+        .policy(
+            Policy::new("per-key", two, Header::new("x-api-key").unwrap())
+                .missing_key(MissingKey::Skip),
+        )
+        .policy(
+            Policy::new("per-user", two, Header::new("x-user").unwrap())
+                .missing_key(MissingKey::Refuse),
+        )
+        .build()
+        .unwrap();
+    let server = serve("127.0.0.1:0", layer.clone()).await;
+    let ip: (&str, &[u8]) = ("x-forwarded-for", b"203.0.113.5");
+    let long = vec![b'u'; 10_000];
+    let bad: [(Option<&[u8]>, &str); 4] = [
+        (None, "no x-user header"),
+        (
+            Some(b"caf\xc3\xa9"),
+            "the x-user header holds a byte other than",
+        ),
+        (Some(b"a\tb"), "the x-user header holds a byte other than"),
+        (Some(&long), "the x-user header is longer than 256 bytes"),
+    ];
+    for (i, (user, why)) in bad.iter().enumerate() {
+        let mut headers = vec![ip, ("x-api-key", b"k-1")];
+        if let Some(user) = user {
+            headers.push(("x-user", user));
+        }
+        let (status, body) = if i % 2 == 0 {
+            h1(&url(&server), &headers).await
+        } else {
+            h2(server.addr, &headers).await
+        };
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{why}");
+        assert!(
+            body.contains("the request has no key for the policy \\\"per-user\\\": ")
+                && body.contains(why),
+            "{why}: {body}"
+        );
+    }
+    assert_eq!(layer.stats().missing_key, 4);
+    // No key charged by the refused requests; a keyed one is charged under all three.
+    let res = client()
+        .request(request(
+            &url(&server),
+            &[ip, ("x-api-key", b"k-1"), ("x-user", b"u 1")],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let remaining = field(res.headers(), "ratelimit").unwrap();
+    assert_eq!(
+        remaining,
+        r#""per-ip";r=1;t=30, "per-key";r=1;t=30, "per-user";r=1;t=30"#
+    );
+    // Without an API key, per-key is skipped: its member is absent.
+    let res = client()
+        .request(request(&url(&server), &[ip, ("x-user", b"u 2")]))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let remaining = field(res.headers(), "ratelimit").unwrap();
+    assert_eq!(remaining, r#""per-ip";r=0;t=60, "per-user";r=1;t=30"#);
+    // Read the buckets back through the gate (each check takes one more).
+    assert_eq!(
+        gate.check_all(&[("per-key:k-1", two)], 1).unwrap()[0].remaining,
+        0
+    );
+    assert_eq!(
+        gate.check_all(&[("per-user:u 1", two)], 1).unwrap()[0].remaining,
+        0
+    );
+    assert_eq!(
+        gate.check_all(&[("per-user:u 2", two)], 1).unwrap()[0].remaining,
+        0
+    );
+    assert!(!gate.check_all(&[("per-ip:203.0.113.5", two)], 1).unwrap()[0].allowed);
+}

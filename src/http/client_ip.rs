@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 use http::header::{FORWARDED, HeaderName};
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv6Net};
 
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::key::{KeyExtractor, PeerIp, RequestInfo, write_ip};
@@ -247,19 +247,16 @@ pub struct ClientIpBuilder {
 
 impl ClientIpBuilder {
     /// Trust the proxies in `cidr`: a network (`10.0.0.0/8`, `2001:db8::/32`) or one
-    /// address (`192.0.2.1`). Host bits are ignored (`10.1.2.3/8` is `10.0.0.0/8`). Text
-    /// that is neither fails [`build`](Self::build).
+    /// address (`192.0.2.1`). Host bits are ignored (`10.1.2.3/8` is `10.0.0.0/8`). An IPv6
+    /// zone id (`fe80::1%eth0`, `fe80::%eth0/64`) is dropped, as it is from the peer's
+    /// address and the header's entries. Text that is neither fails [`build`](Self::build).
     ///
     /// An IPv4 network also holds its proxies when a dual-stack listener reports them
     /// IPv4-mapped (`::ffff:10.0.0.1`); an IPv6 network never holds an IPv4 address, not
     /// even `::/0` (see [`ClientIp`]).
     pub fn trust(mut self, cidr: impl AsRef<str>) -> ClientIpBuilder {
         let text = cidr.as_ref().trim();
-        let net = text
-            .parse::<IpNet>()
-            .ok()
-            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
-        match net {
+        match parse_trusted(text) {
             Some(net) => self.trusted.push(canonical_net(net)),
             None => {
                 self.error.get_or_insert_with(|| {
@@ -319,6 +316,33 @@ impl ClientIpBuilder {
             ipv6_per_64: self.ipv6_per_64,
             warned: WarnOnce::default(),
         })
+    }
+}
+
+/// A trusted network or address as [`ClientIpBuilder::trust`] takes it: an IPv6 one may
+/// carry a zone id (`fe80::1%eth0`, `fe80::%eth0/64` as RFC 4007 §11.7 writes a prefix),
+/// dropped as [`parse_ipv6`] drops it.
+fn parse_trusted(text: &str) -> Option<IpNet> {
+    if let Ok(net) = text.parse::<IpNet>() {
+        return Some(net);
+    }
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        return Some(IpNet::from(ip));
+    }
+    let (addr, len) = match text.split_once('/') {
+        Some((addr, len)) => (addr, Some(len)),
+        None => (text, None),
+    };
+    if !addr.contains('%') {
+        return None;
+    }
+    let ip = parse_ipv6(addr)?;
+    match len {
+        None => Some(IpNet::from(IpAddr::V6(ip))),
+        Some(len) if !len.is_empty() && len.bytes().all(|b| b.is_ascii_digit()) => {
+            Ipv6Net::new(ip, len.parse().ok()?).ok().map(IpNet::V6)
+        }
+        Some(_) => None,
     }
 }
 

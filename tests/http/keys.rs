@@ -381,7 +381,6 @@ async fn missing_key_choices_per_policy_over_h1_and_h2() {
 /// socket address and from the header's entries. Before, `build` refused it as "neither a
 /// CIDR network nor an IP address", while the same text in `X-Forwarded-For` is read as one.
 #[test]
-#[ignore = "fault: trust() refuses a scoped IPv6 address that the header walk reads"]
 fn a_proxy_written_with_its_zone_id_is_trusted() {
     use flowgate::http::RequestInfo;
 

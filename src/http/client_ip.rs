@@ -254,6 +254,11 @@ impl ClientIpBuilder {
     /// An IPv4 network also holds its proxies when a dual-stack listener reports them
     /// IPv4-mapped (`::ffff:10.0.0.1`); an IPv6 network never holds an IPv4 address, not
     /// even `::/0` (see [`ClientIp`]).
+    ///
+    /// Every host of a trusted network is trusted as a proxy: one in it that is not a proxy
+    /// (an internal service calling the app directly) can write any `X-Forwarded-For` and
+    /// be charged under any client's key. Trust the proxies' own addresses, or the
+    /// narrowest network that holds only proxies.
     pub fn trust(mut self, cidr: impl AsRef<str>) -> ClientIpBuilder {
         let text = cidr.as_ref().trim();
         match parse_trusted(text) {

@@ -20,6 +20,8 @@ mod gated;
 mod headroom;
 #[path = "gate/journeys.rs"]
 mod journeys;
+#[path = "gate/memgate.rs"]
+mod memgate;
 #[path = "gate/memory_vs_lua.rs"]
 mod memory_vs_lua;
 #[path = "gate/ops.rs"]

@@ -381,7 +381,11 @@ impl MemoryGate {
     /// Returns one decision per limit, in order; `allowed` is the same in all of them, and
     /// the limits that blocked have a non-zero `retry_after` (those that had room have none:
     /// the request's wait is the longest of them all). A key listed `n` times is one
-    /// bucket charged `n × cost`. These buckets are apart from the gate's own limit (a key
+    /// bucket charged `n × cost`. A bucket is a key with its quota: the same key given
+    /// later with another quota (a limit changed at runtime) is another bucket, which
+    /// starts full (a fresh burst), while the old one keeps what was charged on it until
+    /// it is full again and evicted (a `RedisGate` keeps one bucket per key, and decides
+    /// what it holds under the new quota). These buckets are apart from the gate's own limit (a key
     /// here and in [`check`](MemoryGate::check) are two buckets); they hold at most
     /// [`max_keys`](MemoryGate::max_keys) keys over every quota together (one quota may use
     /// them all), spread over 16 shards by hash as the gate's own keys are, with at most 16

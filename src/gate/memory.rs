@@ -231,7 +231,12 @@ impl MemoryGateBuilder {
     /// A key's state is a few words for every limit but `Limit::SlidingLog`, which keeps
     /// the instant of each admission still in its window: up to the rate's `count` of them
     /// a key, 16 bytes each (in a vector that grows by doubling, so up to twice that, and
-    /// never below 4 of them).
+    /// never below 4 of them). Each key held also keeps a copy of itself (at most 512
+    /// bytes: a longer key is refused with [`GateError::InvalidKey`]), so size `max_keys`
+    /// by your keys too: 100 000 keys of 64 bytes are 6.4 MB of keys, and as much again
+    /// in the buckets of `check_all` when they are full. [`sweep`](MemoryGate::sweep) frees
+    /// the keys it evicts; each shard's table keeps the room it grew to (at most its share
+    /// of `max_keys`).
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
         self

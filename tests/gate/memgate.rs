@@ -60,6 +60,15 @@ impl Model {
     }
 }
 
+/// A current-thread runtime with tokio's time paused: a gate built in it reads that time.
+fn paused() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap()
+}
+
 fn parts(d: &Decision) -> (bool, u64, Duration, Duration) {
     (d.allowed, d.remaining, d.retry_after, d.reset_after)
 }
@@ -139,12 +148,7 @@ fn journey(
     max_keys: usize,
     steps: &[Step],
 ) -> Result<(), TestCaseError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    paused().block_on(async {
         let q = Quota::new(
             Rate::per(count, Duration::from_nanos(period_ns)).unwrap(),
             burst,
@@ -432,4 +436,137 @@ fn a_key_given_another_quota_is_another_bucket_that_starts_full() {
     let d = gate.check_all(&[("user:7", new)], 1).unwrap()[0];
     assert!(d.allowed && d.remaining == 7, "{d:?}");
     assert!(!gate.check_all(&[("user:7", old)], 1).unwrap()[0].allowed);
+}
+
+/// A gate of every window algorithm, its keys evicted as they go neutral (16 keys, a key a
+/// shard) or held (100 000), under paused time: each decision is that of the key's own
+/// limiter given the same times, so an evicted key starts afresh only where its own state
+/// had nothing left to remember.
+#[test]
+fn window_gates_decide_as_each_keys_own_limiter_through_evictions() {
+    use flowgate::limit::{Algorithm, FixedWindow, Limiter, SlidingLog, SlidingWindow};
+
+    fn run<A: Algorithm + Clone>(
+        limit: Limit,
+        algorithm: A,
+        max_keys: usize,
+        steps: &[(u64, u8, u32)],
+    ) -> Result<(), TestCaseError> {
+        paused().block_on(async {
+            let gate = MemoryGate::builder(limit)
+                .max_keys(max_keys)
+                .build()
+                .unwrap();
+            let mut models: HashMap<u8, Limiter<A>> = HashMap::new();
+            let mut now = Duration::ZERO;
+            for (i, &(gap, k, cost)) in steps.iter().enumerate() {
+                tokio::time::advance(Duration::from_nanos(gap)).await;
+                now += Duration::from_nanos(gap);
+                let got = gate.check(&format!("k{k}"), cost);
+                if full(max_keys, got.as_ref().err()) {
+                    continue;
+                }
+                let model = models
+                    .entry(k)
+                    .or_insert_with(|| Limiter::new(algorithm.clone()));
+                match (got, model.check(now, cost)) {
+                    (Ok(g), Ok(w)) => prop_assert_eq!(g, w, "step {} {:?} {:?}", i, limit, steps),
+                    (Err(GateError::Cost(g)), Err(w)) => prop_assert_eq!(g, w),
+                    (g, w) => prop_assert!(false, "step {}: {:?} vs {:?}", i, g, w),
+                }
+                if i % 7 == 0 {
+                    gate.sweep();
+                }
+            }
+            Ok(())
+        })
+    }
+
+    let mut runner = TestRunner::new(Config::with_cases(256));
+    let step = (
+        prop_oneof![3 => 0u64..400_000_000, 1 => Just(0u64), 1 => Just(86_400_000_000_000)],
+        0u8..12,
+        prop_oneof![1 => Just(0u32), 6 => 1u32..=6, 1 => Just(u32::MAX)],
+    );
+    runner
+        .run(
+            &(
+                1u32..=5,
+                1u64..2_000_000_000,
+                prop_oneof![Just(16usize), Just(100_000)],
+                prop::collection::vec(step, 1..100),
+            ),
+            |(n, p, max_keys, steps)| {
+                let rate = Rate::per(n, Duration::from_nanos(p)).unwrap();
+                let (fw, sw, sl) = (Limit::FixedWindow, Limit::SlidingWindow, Limit::SlidingLog);
+                run(fw(rate), FixedWindow::new(rate), max_keys, &steps)?;
+                run(sw(rate), SlidingWindow::new(rate), max_keys, &steps)?;
+                run(sl(rate), SlidingLog::new(rate), max_keys, &steps)
+            },
+        )
+        .unwrap();
+}
+
+/// Eight threads spend the bursts of 64 heavy clients while a flood of new keys fills
+/// their shards and another thread sweeps: no heavy client is evicted mid-burst, so each
+/// is admitted exactly its burst in all (nothing refills within the test), never a fresh
+/// one on top.
+#[test]
+fn concurrent_floods_and_sweeps_never_hand_out_a_second_burst() {
+    // 50 a year: no token comes back while the test runs; a flood key, charged once, is
+    // busy as long.
+    let q = Quota::new(
+        Rate::per(50, Duration::from_secs(365 * 86_400)).unwrap(),
+        50,
+    )
+    .unwrap();
+    let gate = MemoryGate::builder(Limit::TokenBucket(q))
+        .max_keys(1_024)
+        .build()
+        .unwrap();
+    let admitted: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let (gate, admitted, done) = (&gate, &admitted, &done);
+        s.spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                gate.sweep();
+            }
+        });
+        let workers: Vec<_> = (0..8)
+            .map(|t| {
+                s.spawn(move || {
+                    for i in 0..4_000usize {
+                        let heavy = (i * 7 + t) % 64;
+                        match gate.check(&format!("heavy-{heavy}"), 1) {
+                            Ok(d) if d.allowed => {
+                                admitted[heavy].fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(_) | Err(GateError::KeyspaceFull { .. }) => {}
+                            Err(e) => panic!("{e}"),
+                        }
+                        let _ = gate.check(&format!("flood-{t}-{i}"), 1);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    let full_bursts = admitted
+        .iter()
+        .filter(|n| n.load(Ordering::Relaxed) == 50)
+        .count();
+    assert!(full_bursts > 0, "no heavy client spent its burst");
+    for (k, n) in admitted.iter().enumerate() {
+        let n = n.load(Ordering::Relaxed);
+        assert!(n <= 50, "heavy-{k}: {n} admitted of a burst of 50");
+        if n > 0 {
+            // Held all along: what it has left is the burst less what it was admitted.
+            let d = gate.check(&format!("heavy-{k}"), 1).unwrap();
+            assert_eq!(u64::from(d.allowed) + d.remaining, 50 - n, "heavy-{k}");
+        }
+    }
 }

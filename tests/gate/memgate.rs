@@ -570,3 +570,42 @@ fn concurrent_floods_and_sweeps_never_hand_out_a_second_burst() {
         }
     }
 }
+
+/// What the gate's metrics and `Debug` say of a day's traffic is true: each request decided
+/// is counted once under its outcome (a `check_all` of three limits is one request), and
+/// a request refused for what it asks is not a decision; `Debug` names the gate, its limit
+/// and its bound.
+#[cfg(feature = "metrics")]
+#[test]
+fn metrics_and_debug_say_what_the_gate_did() {
+    let recorder = super::support::TestRecorder::default();
+    let q = Quota::per_hour(2).unwrap();
+    let gate = metrics::with_local_recorder(&recorder, || {
+        MemoryGate::builder(Limit::TokenBucket(q))
+            .name("api")
+            .max_keys(100)
+            .build()
+            .unwrap()
+    });
+    let count = |outcome: &str| {
+        recorder.counter(&format!(
+            "flowgate_gate_decisions_total{{name=api,outcome={outcome}}}"
+        ))
+    };
+    let limits = [("ip:1", q), ("user:1", q), ("tenant:1", q)];
+    for _ in 0..3 {
+        let _ = gate.check_all(&limits, 1).unwrap();
+        let _ = gate.check("k", 1).unwrap();
+    }
+    // Refused for what they ask: not decisions.
+    assert!(gate.check("k", 0).is_err());
+    assert!(gate.check("", 1).is_err());
+    assert!(gate.check_all(&limits, 3).is_err());
+    assert!(gate.check_all(&[], 1).is_err());
+    assert_eq!((count("allowed"), count("rejected")), (4, 2));
+    assert_eq!(count("keyspace_full"), 0);
+    let debug = format!("{gate:?}");
+    for part in ["MemoryGate", "\"api\"", "max_keys: 112", "TokenBucket"] {
+        assert!(debug.contains(part), "{part} not in {debug}");
+    }
+}

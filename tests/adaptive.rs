@@ -1,6 +1,9 @@
 //! Adaptive concurrency limits: the algorithms on the simulated downstream through an
-//! adaptive bulkhead, and the regressions the anchors shipped. Paused time throughout.
+//! adaptive bulkhead, and the regressions the anchors shipped. Paused time throughout, but
+//! for the journey against a real downstream on loopback (`adaptive/journey.rs`).
 
+#[path = "adaptive/journey.rs"]
+mod journey;
 #[path = "adaptive/support.rs"]
 mod support;
 

@@ -16,13 +16,14 @@ use crate::error::ConfigError;
 ///
 /// - **Increase**: +1 per [`Outcome::Ok`] sample whose call saw at least half the limit in
 ///   flight (a caller using less than half its limit is app-limited): the limit grows up to
-///   one more than twice the calls in flight, not beyond. Callers fewer than that (24
-///   callers, a limit of 49) are never held back by it: against a downstream that refuses
-///   every call above its capacity at once, each success adds 1 and only a cut per
-///   congestion epoch takes back a tenth, so the limit can stay above the callers and
-///   bound nothing (on loopback, a server of capacity 4 refusing at once and 24 callers:
-///   a limit of 25 to 30, most calls refused). With few callers, use
-///   [`Probe`](crate::adaptive::Probe) or a fixed limit near the capacity.
+///   one more than twice the calls in flight, not beyond (24 callers and no back-pressure:
+///   a limit of 49). Against a downstream that refuses every call above its capacity at
+///   once, the limit hovers one above the capacity: each success adds 1 and lets one more
+///   call in, which is refused, and its refusal (a call started after the last cut) takes
+///   a tenth back, so most calls are refused (on loopback, a server of capacity 4 refusing
+///   at once and 24 callers: a limit of 4 to 5, 1.5 to 2 calls refused for each one
+///   served). To keep them from being sent, use [`Probe`](crate::adaptive::Probe) or a
+///   fixed limit at the capacity.
 /// - **Decrease**: ×`backoff_ratio` (default 0.9, rounded down, at least `min_limit`) on
 ///   [`Outcome::BackPressure`] or an `Ok` sample taking `timeout` (default 5 s) or longer.
 ///   Once per congestion epoch: the calls that were already in flight when the limit was cut do not

@@ -372,3 +372,25 @@ async fn probe_on_the_noisy_scenario_is_where_its_docs_say() {
         assert!((37.0..=40.0).contains(&mean), "seed {seed}: {mean:.2}");
     }
 }
+
+/// `Aimd`'s docs: "on loopback, a server of capacity 4 refusing at once and 24 callers: a
+/// limit of 4 to 5, 1.5 to 2 calls refused for each one served" (they said 25 to 30: the
+/// limit above the callers, bounding nothing; each refusal of a call started after the
+/// last cut cuts, and refusals at once start after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aimd_with_few_callers_stays_where_its_docs_say() {
+    let aimd = Bulkhead::builder(1_000)
+        .adaptive(Aimd::builder().build().unwrap())
+        .build()
+        .unwrap();
+    let downstream = Downstream::start(4, Duration::from_millis(10), 0).await;
+    let seen = journey(&aimd, &downstream, 24, 0, &[(4, Duration::from_secs(4))]).await;
+    let mean = seen.mean(Duration::from_secs(2), Duration::from_secs(4));
+    let stats = aimd.adaptive_stats().unwrap();
+    println!("aimd, 24 callers, capacity 4: mean limit {mean:.1}; {stats:?}");
+    assert!((3.0..=6.0).contains(&mean), "{mean:.1}");
+    assert!(
+        stats.back_pressure > stats.ok && stats.back_pressure < 4 * stats.ok,
+        "most calls refused, not all: {stats:?}"
+    );
+}

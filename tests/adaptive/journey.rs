@@ -394,3 +394,41 @@ async fn aimd_with_few_callers_stays_where_its_docs_say() {
         "most calls refused, not all: {stats:?}"
     );
 }
+
+/// The clock jumps an hour ahead (a suspended VM) while 10 calls are in flight: each ends
+/// with a round trip of an hour, a timeout, and the algorithms that take one cut once for
+/// all of them (the calls were in flight at the cut), not once each; `set_max_in_flight`
+/// during adaptation lasts until the next sample, an ignored one included, as its docs say.
+#[tokio::test(start_paused = true)]
+async fn a_clock_jump_cuts_once_and_a_manual_limit_lasts_until_the_next_sample() {
+    let bulkheads = [
+        named(Probe::default(), "jump-probe"),
+        named(Aimd::builder().build().unwrap(), "jump-aimd"),
+        named(
+            flowgate::adaptive::Gradient2::builder().build().unwrap(),
+            "jump-gradient2",
+        ),
+    ];
+    for b in &bulkheads {
+        let before = b.max_in_flight();
+        let permits: Vec<_> = (0..10).map(|_| b.try_acquire().unwrap()).collect();
+        tokio::time::advance(Duration::from_secs(3_600)).await;
+        for p in permits {
+            p.record(Outcome::Ok);
+        }
+        let stats = b.adaptive_stats().unwrap();
+        assert_eq!(
+            b.max_in_flight(),
+            before * 9 / 10,
+            "{}: one cut of a tenth",
+            stats.algorithm
+        );
+        let learnt = b.max_in_flight();
+        b.set_max_in_flight(3).unwrap();
+        assert_eq!(b.max_in_flight(), 3);
+        assert_eq!(b.adaptive_stats().unwrap().max_in_flight, learnt);
+        drop(b.try_acquire().unwrap());
+        assert_eq!(b.max_in_flight(), learnt, "{}", stats.algorithm);
+        assert_eq!(b.in_flight(), 0);
+    }
+}

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionLike;
 
 use crate::gate::error::{BackendMessage, GateError};
+use crate::gate::scripts::{Script, ScriptCall};
 use crate::metrics::{Counter, Gauge, Histogram, Labels};
 use crate::sync::{Arc, Mutex, Panics};
 
@@ -156,7 +157,7 @@ pub(crate) struct Backend<C> {
     resets: Resets,
     /// Every script the gate may call, loaded again together when Redis lacks one: see
     /// [`with_scripts`](Backend::with_scripts).
-    scripts: Vec<redis::Script>,
+    scripts: Vec<&'static Script>,
     /// Whether that load is running (and asked for again meanwhile): one at a time.
     reloading: Arc<AtomicU8>,
 }
@@ -376,7 +377,7 @@ where
     /// first use, each would meet `NOSCRIPT` in turn, read as Redis having lost its state
     /// again, and forget (see [`on_reset`](Backend::on_reset)) what the gate took from the
     /// server since the first.
-    pub(crate) fn with_scripts(mut self, scripts: Vec<redis::Script>) -> Self {
+    pub(crate) fn with_scripts(mut self, scripts: Vec<&'static Script>) -> Self {
         self.scripts = scripts;
         self
     }
@@ -402,7 +403,7 @@ where
     /// answered): what the gate took since then came from the server as it is now (sent
     /// after that reset, on the one connection, it ran after this call), and is kept. Then
     /// load the gate's other scripts.
-    fn lost_scripts(&self, script: &redis::Script, sent: u64) {
+    fn lost_scripts(&self, script: &Script, sent: u64) {
         let first =
             self.resets
                 .0
@@ -423,15 +424,11 @@ where
     /// has it load every script once more when it ends, as Redis may have lost them again
     /// since it began. Without a runtime, or if a load fails, the first call that needs a
     /// script loads it.
-    fn load_others(&self, script: &redis::Script) {
+    fn load_others(&self, script: &Script) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if self
-            .scripts
-            .iter()
-            .all(|s| s.get_hash() == script.get_hash())
-        {
+        if self.scripts.iter().all(|s| s.hash() == script.hash()) {
             return;
         }
         let started = self
@@ -447,11 +444,11 @@ where
             state: self.reloading.clone(),
             ended: false,
         };
-        let mut load: Vec<redis::Script> = self
+        let mut load: Vec<&Script> = self
             .scripts
             .iter()
-            .filter(|s| s.get_hash() != script.get_hash())
-            .cloned()
+            .filter(|s| s.hash() != script.hash())
+            .copied()
             .collect();
         let every = self.scripts.clone();
         let mut conn = self.conn.clone();
@@ -460,7 +457,7 @@ where
             loop {
                 let pass = async {
                     for script in &load {
-                        if script.load_async(&mut conn).await.is_err() {
+                        if script.load(&mut conn).await.is_err() {
                             break;
                         }
                     }
@@ -510,18 +507,16 @@ where
         }))
     }
 
-    /// Send `cmd` (made by [`scripts::evalsha`](crate::gate::scripts::evalsha) for `script`)
-    /// within `within` and read `len` integers back: the one way every path calls Redis.
+    /// Send `call` within `within` and read `len` integers back: the one way every path calls Redis.
     /// Records the latency; a success marks the gate healthy, a failure is classified (see
     /// the module docs), and a Redis failure is counted and degrades the gate.
     pub(crate) async fn eval(
         &self,
-        script: &redis::Script,
-        cmd: &redis::Cmd,
+        call: &ScriptCall,
         len: usize,
         within: Duration,
     ) -> Result<Vec<i64>, CallError> {
-        let (reply, _, _latency) = self.eval_seen(script, cmd, len, within).await?;
+        let (reply, _, _latency) = self.eval_seen(call, len, within).await?;
         Ok(reply)
     }
 
@@ -531,8 +526,7 @@ where
     /// drops it, once what follows from the answer is done.
     pub(crate) async fn eval_seen(
         &self,
-        script: &redis::Script,
-        cmd: &redis::Cmd,
+        call: &ScriptCall,
         len: usize,
         within: Duration,
     ) -> Result<(Vec<i64>, u64, Latency<'_>), CallError> {
@@ -544,8 +538,8 @@ where
         let reply = self
             .within(
                 within,
-                query::<_, Vec<i64>>(&mut conn, script, cmd, || {
-                    self.lost_scripts(script, seen);
+                query::<_, Vec<i64>>(&mut conn, call, || {
+                    self.lost_scripts(call.script(), seen);
                     // The command is sent again after that.
                     seen = self.resets.now();
                 }),
@@ -743,7 +737,7 @@ where
     }
 }
 
-/// Send a command made by [`evalsha`](crate::gate::scripts::evalsha); if Redis does not
+/// Send `call`; if Redis does not
 /// have the script (restarted, failed over, `SCRIPT FLUSH`, or a Cluster node that joined
 /// since), call `reset`, load it and send the command again; if that still meets
 /// `NOSCRIPT`, send it with the script's source (`EVAL`, which leaves the script in the
@@ -757,12 +751,7 @@ where
 /// degraded. The load comes first all the same: on one connection, the other scripts the
 /// gate loads meanwhile (see `Backend::load_others`) are loaded before the command's
 /// answer comes back.
-async fn query<C, T>(
-    conn: &mut C,
-    script: &redis::Script,
-    cmd: &redis::Cmd,
-    reset: impl FnOnce(),
-) -> redis::RedisResult<T>
+async fn query<C, T>(conn: &mut C, call: &ScriptCall, reset: impl FnOnce()) -> redis::RedisResult<T>
 where
     C: ConnectionLike,
     T: redis::FromRedisValue,
@@ -770,34 +759,17 @@ where
     let no_script = |e: &redis::RedisError| {
         e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
     };
-    match cmd.query_async(conn).await {
+    match call.cmd().query_async(conn).await {
         Err(e) if no_script(&e) => {
             reset();
-            let loaded = script.load_async(conn).await;
-            let source = crate::gate::scripts::source_of(script.get_hash());
-            match (cmd.query_async(conn).await, source) {
-                (Err(e), Some(source)) if no_script(&e) => {
-                    with_source(cmd, source).query_async(conn).await
-                }
-                // Not loaded, and not sent: the load's error (Redis is failing).
-                (Err(e), _) if no_script(&e) => loaded.and(Err(e)),
-                (other, _) => other,
+            let _ = call.script().load(conn).await;
+            match call.cmd().query_async(conn).await {
+                Err(e) if no_script(&e) => call.with_source().query_async(conn).await,
+                other => other,
             }
         }
         other => other,
     }
-}
-
-/// `cmd` (`EVALSHA <sha> <keys> ..`) as `EVAL <source> <keys> ..`.
-fn with_source(cmd: &redis::Cmd, source: &str) -> redis::Cmd {
-    let mut eval = redis::cmd("EVAL");
-    eval.arg(source);
-    for arg in cmd.args_iter().skip(2) {
-        if let redis::Arg::Simple(arg) = arg {
-            eval.arg(arg);
-        }
-    }
-    eval
 }
 
 #[cfg(all(test, feature = "metrics"))]
@@ -888,9 +860,10 @@ mod tests {
         let second = Duration::from_secs(1);
         let (b, resets) = counting_resets(backend(conn.clone(), &metrics::NoopRecorder));
         let rt = runtime();
-        let (script, cmd) = (redis::Script::new("return {1}"), redis::cmd("EVALSHA"));
+        // The connection answers `[1]` to any command.
+        let call = crate::gate::scripts::token_bucket().call(0);
         rt.block_on(async {
-            let mut sent = std::pin::pin!(b.eval(&script, &cmd, 1, second));
+            let mut sent = std::pin::pin!(b.eval(&call, 1, second));
             assert!(futures::poll!(sent.as_mut()).is_pending());
             let _ = b.fail(GateError::Timeout(second));
             conn.0.add_permits(1);
@@ -899,7 +872,7 @@ mod tests {
             assert_eq!(resets.load(Ordering::Relaxed), 0, "nothing let go of");
             // A call made while degraded (the probe) brings the gate back.
             conn.0.add_permits(1);
-            assert_eq!(b.eval(&script, &cmd, 1, second).await.unwrap(), [1]);
+            assert_eq!(b.eval(&call, 1, second).await.unwrap(), [1]);
             assert!(!b.is_degraded());
             assert_eq!(resets.load(Ordering::Relaxed), 1);
         });
@@ -1123,10 +1096,11 @@ mod tests {
         let second = Duration::from_secs(1);
         let (b, resets) = counting_resets(backend(Fake::answering(), &hook_on(hook, metric)));
         let rt = runtime();
-        let (script, cmd) = (redis::Script::new("return {1}"), redis::cmd("EVALSHA"));
+        // The connection answers `[1]` to any command.
+        let script = crate::gate::scripts::token_bucket().call(0);
         let call = |len| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                rt.block_on(b.eval(&script, &cmd, len, second))
+                rt.block_on(b.eval(&script, len, second))
             }))
         };
         // An answer of one value where two were expected: a failure of Redis.

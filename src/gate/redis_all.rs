@@ -11,7 +11,7 @@ use crate::gate::finish::Finish;
 use crate::gate::limit::Limit;
 use crate::gate::multi::Merged;
 use crate::gate::redis_gate::{FailurePolicy, RedisGate};
-use crate::gate::scripts::{self, decision_from};
+use crate::gate::scripts::{ScriptCall, decision_from};
 use crate::gate::slot::slot;
 use crate::rate::Quota;
 
@@ -92,7 +92,7 @@ where
         }
         // KEYS: the buckets; ARGV: now (empty: Redis TIME), then each bucket's parameters
         // and cost.
-        let mut cmd = scripts::evalsha(&inner.all_script, keys.len());
+        let mut cmd = inner.all_script.call(keys.len());
         for key in &keys {
             cmd.arg(key);
         }
@@ -134,7 +134,7 @@ where
     /// runtime).
     fn call_all(
         &self,
-        cmd: redis::Cmd,
+        cmd: ScriptCall,
         buckets: usize,
     ) -> Finish<
         impl Future<Output = Result<Result<Vec<Decision>, GateError>, CallError>> + Send + use<C>,
@@ -144,10 +144,7 @@ where
             let inner = &*gate.inner;
             let within = inner.backend.timeout();
             let unread = inner.metrics.outcomes.unread(1);
-            let reply = inner
-                .backend
-                .eval_seen(&inner.all_script, &cmd, 5 * buckets, within)
-                .await;
+            let reply = inner.backend.eval_seen(&cmd, 5 * buckets, within).await;
             unread.read();
             // The latency is recorded last, once the decision is counted.
             let (v, _, _latency) = reply?;

@@ -25,7 +25,7 @@ use crate::gate::finish::Finish;
 use crate::gate::lease::Leases;
 use crate::gate::limit::Limit;
 use crate::gate::quotas::Registration;
-use crate::gate::scripts::LimitScript;
+use crate::gate::scripts::{LimitScript, Script};
 use crate::gate::slot::fixed_slot;
 use crate::metrics::Counter;
 use crate::rate::Quota;
@@ -70,11 +70,11 @@ pub(super) struct Inner<C> {
     batcher: Option<Batcher<C>>,
     /// The limit and its script.
     pub(super) eval: LimitScript,
-    pub(super) all_script: redis::Script,
+    pub(super) all_script: &'static Script,
     pub(super) cluster: bool,
     /// Shared with the backend's reset, which forgets them.
     leases: Option<Arc<Leases>>,
-    lease_script: redis::Script,
+    lease_script: &'static Script,
     prefix: String,
     pub(super) policy: FailurePolicy,
     name: Option<String>,

@@ -37,18 +37,110 @@ pub const REGION_SHARE: &str = script!("region_lease.lua", "region_share.lua");
 /// `lua/region_bucket.lua`: a token bucket at the region's current share.
 pub const REGION_BUCKET: &str = script!("region_lease.lua", "region_bucket.lua");
 
-/// `pub(crate) fn $name() -> &'static redis::Script`: `$source`, hashed once.
+/// One of the crate's scripts: its source and its SHA1, hashed once. A call of it
+/// ([`Script::call`]) carries it, so a Redis that lacks it can be sent its source (see
+/// `backend::query`).
+#[derive(Debug)]
+pub(crate) struct Script {
+    compiled: redis::Script,
+    source: &'static str,
+}
+
+impl Script {
+    fn new(source: &'static str) -> Script {
+        Script {
+            compiled: redis::Script::new(source),
+            source,
+        }
+    }
+
+    /// Its SHA1, as `EVALSHA` and `SCRIPT LOAD` name it.
+    pub(crate) fn hash(&self) -> &str {
+        self.compiled.get_hash()
+    }
+
+    /// `SCRIPT LOAD` it on `conn`.
+    pub(crate) async fn load<C: redis::aio::ConnectionLike>(
+        &self,
+        conn: &mut C,
+    ) -> redis::RedisResult<String> {
+        self.compiled.load_async(conn).await
+    }
+
+    /// `EVALSHA <its sha1> <keys>`, to be followed by the keys and the arguments.
+    pub(crate) fn call(&'static self, keys: usize) -> ScriptCall {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.hash()).arg(keys);
+        ScriptCall { script: self, cmd }
+    }
+}
+
+/// A call of one of the crate's scripts: `EVALSHA <sha1> <keys> <key>.. <arg>..`, built as
+/// one [`redis::Cmd`] (one buffer for every argument, unlike `ScriptInvocation`, which
+/// allocates each key and argument on its own and copies them again into a command). Only
+/// keys and arguments are added to it, so it can be sent as `EVAL <source> ..` as well
+/// ([`with_source`](ScriptCall::with_source)).
+#[derive(Debug, Clone)]
+pub(crate) struct ScriptCall {
+    script: &'static Script,
+    cmd: redis::Cmd,
+}
+
+impl ScriptCall {
+    /// Add a key or an argument.
+    pub(crate) fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut ScriptCall {
+        self.cmd.arg(arg);
+        self
+    }
+
+    /// The script it calls.
+    pub(crate) fn script(&self) -> &'static Script {
+        self.script
+    }
+
+    /// The call, by the script's SHA1.
+    pub(crate) fn cmd(&self) -> &redis::Cmd {
+        &self.cmd
+    }
+
+    /// The call with the script's source: `EVAL <source> <keys> ..`.
+    pub(crate) fn with_source(&self) -> redis::Cmd {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(self.script.source);
+        // After `EVALSHA <sha1>`; every argument is `Arg::Simple`, as `arg` adds them.
+        for arg in self.cmd.args_iter().skip(2) {
+            if let redis::Arg::Simple(arg) = arg {
+                eval.arg(arg);
+            }
+        }
+        eval
+    }
+}
+
+/// `pub(crate) fn $name() -> &'static Script`: `$source`, hashed once.
 macro_rules! compiled_once {
     ($($(#[$doc:meta])* $name:ident = $source:expr;)+) => {$(
         $(#[$doc])*
-        pub(crate) fn $name() -> &'static redis::Script {
-            static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-            SCRIPT.get_or_init(|| redis::Script::new($source))
+        pub(crate) fn $name() -> &'static Script {
+            static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+            SCRIPT.get_or_init(|| Script::new($source))
         }
     )+};
 }
 
 compiled_once! {
+    /// [`TOKEN_BUCKET`], compiled once.
+    token_bucket = TOKEN_BUCKET;
+    /// [`FIXED_WINDOW`], compiled once.
+    fixed_window = FIXED_WINDOW;
+    /// [`SLIDING_LOG`], compiled once.
+    sliding_log = SLIDING_LOG;
+    /// [`SLIDING_WINDOW`], compiled once.
+    sliding_window = SLIDING_WINDOW;
+    /// [`TOKEN_BUCKET_ALL`], compiled once.
+    token_bucket_all = TOKEN_BUCKET_ALL;
+    /// [`TOKEN_BUCKET_LEASE`], compiled once.
+    token_bucket_lease = TOKEN_BUCKET_LEASE;
     /// [`REGION_HOME`], compiled once.
     region_home = REGION_HOME;
     /// [`REGION_SHARE`], compiled once.
@@ -57,55 +149,20 @@ compiled_once! {
     region_bucket = REGION_BUCKET;
 }
 
-/// The source of the crate's script whose SHA1 is `hash`: sent with a call whose script
-/// Redis lacks (see `backend::query`).
-pub(crate) fn source_of(hash: &str) -> Option<&'static str> {
-    static SOURCES: std::sync::OnceLock<Vec<(String, &'static str)>> = std::sync::OnceLock::new();
-    let sources = SOURCES.get_or_init(|| {
-        [
-            TOKEN_BUCKET,
-            FIXED_WINDOW,
-            SLIDING_LOG,
-            SLIDING_WINDOW,
-            TOKEN_BUCKET_ALL,
-            TOKEN_BUCKET_LEASE,
-            REGION_HOME,
-            REGION_SHARE,
-            REGION_BUCKET,
-        ]
-        .into_iter()
-        .map(|source| (redis::Script::new(source).get_hash().to_owned(), source))
-        .collect()
-    });
-    sources
-        .iter()
-        .find(|(h, _)| h == hash)
-        .map(|&(_, source)| source)
-}
-
-/// The script source for `limit`.
-fn source(limit: &Limit) -> &'static str {
+/// The script of `limit`.
+fn script(limit: &Limit) -> &'static Script {
     match limit {
-        Limit::TokenBucket(_) => TOKEN_BUCKET,
-        Limit::FixedWindow(_) => FIXED_WINDOW,
-        Limit::SlidingLog(_) => SLIDING_LOG,
-        Limit::SlidingWindow(_) => SLIDING_WINDOW,
+        Limit::TokenBucket(_) => token_bucket(),
+        Limit::FixedWindow(_) => fixed_window(),
+        Limit::SlidingLog(_) => sliding_log(),
+        Limit::SlidingWindow(_) => sliding_window(),
     }
-}
-
-/// `EVALSHA <sha1 of script> <keys>`, to be followed by the keys and the arguments. Built as
-/// one [`redis::Cmd`] (one buffer for every argument, unlike `ScriptInvocation`, which
-/// allocates each key and argument on its own and copies them again into a command).
-pub(crate) fn evalsha(script: &redis::Script, keys: usize) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(keys);
-    cmd
 }
 
 /// The script of one limit, with the limit's parameters as Redis gets them.
 #[derive(Clone, Debug)]
 pub(crate) struct LimitScript {
-    pub(crate) script: redis::Script,
+    pub(crate) script: &'static Script,
     pub(crate) limit: Limit,
     pub(crate) count: u64,
     pub(crate) period_us: u64,
@@ -118,7 +175,7 @@ impl LimitScript {
     pub(crate) fn new(limit: Limit) -> Result<LimitScript, ConfigError> {
         let (count, period_us) = limit.redis_params()?;
         Ok(LimitScript {
-            script: redis::Script::new(source(&limit)),
+            script: script(&limit),
             limit,
             count,
             period_us,
@@ -127,7 +184,7 @@ impl LimitScript {
 
     /// Add the arguments of a call to `cmd` (after its keys): the limit's parameters, an
     /// empty `now` (Redis `TIME` decides), then one cost per key.
-    pub(crate) fn add_args(&self, cmd: &mut redis::Cmd, costs: impl IntoIterator<Item = u32>) {
+    pub(crate) fn add_args(&self, cmd: &mut ScriptCall, costs: impl IntoIterator<Item = u32>) {
         cmd.arg(self.count).arg(self.period_us);
         if let Limit::TokenBucket(q) = self.limit {
             cmd.arg(q.burst_size());
@@ -153,15 +210,13 @@ impl LimitScript {
         R: Iterator<Item = (&'a str, u32)> + Clone,
     {
         let n = requests.clone().count();
-        let mut cmd = evalsha(&self.script, n);
+        let mut cmd = self.script.call(n);
         for (key, _) in requests.clone() {
             cmd.arg(key);
         }
         self.add_args(&mut cmd, requests.clone().map(|(_, cost)| cost));
         let width = reply_width(&self.limit);
-        let (v, seen, latency) = backend
-            .eval_seen(&self.script, &cmd, width * n, within)
-            .await?;
+        let (v, seen, latency) = backend.eval_seen(&cmd, width * n, within).await?;
         let decided = requests
             .zip(v.chunks_exact(width))
             .map(|((_, cost), r)| match key_failure(r[0]) {
@@ -238,6 +293,70 @@ pub fn token_bucket_reply(
                 ceil_us(used_after.saturating_sub(tau)),
                 ceil_us(used),
             )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(cmd: &redis::Cmd) -> Vec<Vec<u8>> {
+        cmd.args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(arg) => arg.to_vec(),
+                _ => b"<not simple>".to_vec(),
+            })
+            .collect()
+    }
+
+    /// The call with its source names the same keys and arguments, after `EVAL <source>`.
+    #[test]
+    fn a_call_with_its_source_keeps_its_keys_and_arguments() {
+        let mut call = token_bucket_lease().call(1);
+        call.arg("key")
+            .arg(7_u64)
+            .arg("")
+            .arg(b"\xffbytes".as_slice());
+        let by_hash = args(call.cmd());
+        let by_source = args(&call.with_source());
+        assert_eq!(
+            by_hash[..2],
+            [b"EVALSHA".to_vec(), token_bucket_lease().hash().into()]
+        );
+        assert_eq!(
+            by_source[..2],
+            [b"EVAL".to_vec(), TOKEN_BUCKET_LEASE.into()]
+        );
+        assert_eq!(by_hash[2..], by_source[2..]);
+        assert_eq!(
+            by_source[2..],
+            [
+                b"1".to_vec(),
+                b"key".to_vec(),
+                b"7".to_vec(),
+                vec![],
+                b"\xffbytes".to_vec()
+            ]
+        );
+    }
+
+    /// Each script of the registry is hashed from its own source.
+    #[test]
+    fn each_compiled_script_is_its_source() {
+        for (script, source) in [
+            (token_bucket(), TOKEN_BUCKET),
+            (fixed_window(), FIXED_WINDOW),
+            (sliding_log(), SLIDING_LOG),
+            (sliding_window(), SLIDING_WINDOW),
+            (token_bucket_all(), TOKEN_BUCKET_ALL),
+            (token_bucket_lease(), TOKEN_BUCKET_LEASE),
+            (region_home(), REGION_HOME),
+            (region_share(), REGION_SHARE),
+            (region_bucket(), REGION_BUCKET),
+        ] {
+            assert_eq!(script.source, source);
+            assert_eq!(script.hash(), redis::Script::new(source).get_hash());
         }
     }
 }

@@ -169,9 +169,13 @@ impl Plan {
 
     /// A call of the home script: mode, region `i` (0-based) and its report, then the
     /// configuration.
-    pub(crate) fn home_cmd(&self, mode: &str, i: usize, report: &model::Report) -> redis::Cmd {
-        let script = scripts::region_home();
-        let mut cmd = scripts::evalsha(script, 1);
+    pub(crate) fn home_cmd(
+        &self,
+        mode: &str,
+        i: usize,
+        report: &model::Report,
+    ) -> scripts::ScriptCall {
+        let mut cmd = scripts::region_home().call(1);
         let cfg = self.model();
         cmd.arg(self.home_key())
             .arg(mode)
@@ -679,15 +683,11 @@ where
     /// One call of the home script, `len` integers back.
     pub(crate) async fn call_home(
         &self,
-        cmd: &redis::Cmd,
+        cmd: &scripts::ScriptCall,
         len: usize,
     ) -> Result<Vec<i64>, crate::gate::GateError> {
         use crate::gate::backend::CallError;
-        match self
-            .home
-            .eval(scripts::region_home(), cmd, len, self.plan.home_timeout)
-            .await
-        {
+        match self.home.eval(cmd, len, self.plan.home_timeout).await {
             Ok(v) => Ok(v),
             Err(CallError::Request(e)) => Err(e),
             Err(CallError::Backend { error, until_probe }) => {

@@ -147,7 +147,7 @@ where
         let reply = match core.local.admit(now) {
             Err(e) => Err(e),
             Ok(()) => {
-                let mut cmd = scripts::evalsha(scripts::region_bucket(), 3);
+                let mut cmd = scripts::region_bucket().call(3);
                 let mut bucket = String::with_capacity(core.keys.bucket_prefix.len() + key.len());
                 bucket.push_str(&core.keys.bucket_prefix);
                 bucket.push_str(key);
@@ -168,8 +168,7 @@ where
                 let gate = self.clone();
                 Finish::new(async move {
                     let local = &gate.region.core().local;
-                    let decided = match local.eval(scripts::region_bucket(), &cmd, 5, within).await
-                    {
+                    let decided = match local.eval(&cmd, 5, within).await {
                         Ok(v) => match key_failure(v[0]) {
                             Some(e) => Err(CallError::Request(e)),
                             None => Ok(gate.wait_for_refresh(decision_from(&v))),

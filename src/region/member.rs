@@ -379,10 +379,10 @@ where
     /// One call of the share script in the local Redis.
     async fn local_call(
         &self,
-        args: impl FnOnce(&mut redis::Cmd),
+        args: impl FnOnce(&mut scripts::ScriptCall),
         len: usize,
     ) -> Result<Vec<i64>, GateError> {
-        let mut cmd = scripts::evalsha(scripts::region_share(), 3);
+        let mut cmd = scripts::region_share().call(3);
         cmd.arg(&self.keys.record)
             .arg(&self.keys.counters)
             .arg(&self.keys.lock);
@@ -390,7 +390,6 @@ where
         match self
             .local
             .eval(
-                scripts::region_share(),
                 &cmd,
                 len,
                 self.plan().local_timeout.max(Duration::from_millis(500)),

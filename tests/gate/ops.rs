@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use flowgate::Quota;
 use flowgate::gate::{FailurePolicy, Limit, RedisGate};
+use flowgate::{Quota, Rate};
 use redis::aio::ConnectionManager;
 
 use super::support::RedisServer;
@@ -202,6 +202,64 @@ async fn a_script_flush_is_recovered_on_every_path_without_degrading() {
         assert!(all.iter().all(|d| d.allowed));
         assert!(!gate.is_degraded(), "lease {lease}");
     }
+}
+
+/// A Redis that refuses `SCRIPT LOAD` (renamed away, as some hosted Redis do) and starts
+/// with none of the gate's scripts: every call meets `NOSCRIPT`, the load fails, and the
+/// call goes with its script's source (`EVAL`), for every limit and path, batched, leased
+/// and `check_all` included; the gate never degrades, and each request is charged once.
+#[tokio::test]
+async fn a_redis_refusing_script_load_is_sent_each_scripts_source() {
+    let server = RedisServer::start_with_args(&["--rename-command", "SCRIPT", "NOT-SCRIPT"]);
+    let rate = Rate::per_hour(3).unwrap();
+    let limits = [
+        Limit::TokenBucket(Quota::per_hour(3).unwrap()),
+        Limit::FixedWindow(rate),
+        Limit::SlidingLog(rate),
+        Limit::SlidingWindow(rate),
+    ];
+    for (i, limit) in limits.into_iter().enumerate() {
+        let conn = ConnectionManager::new(server.client()).await.unwrap();
+        let gate = RedisGate::builder(conn, limit)
+            .prefix(format!("limit{i}:"))
+            .timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .unwrap();
+        let alone = [gate.check("alone", 1).await.unwrap().allowed];
+        let batch = futures::future::join_all((0..4).map(|_| gate.check("batched", 1))).await;
+        let batch: Vec<bool> = batch.into_iter().map(|d| d.unwrap().allowed).collect();
+        assert_eq!(alone, [true], "limit {i}");
+        assert_eq!(batch, [true, true, true, false], "limit {i}: 3 an hour");
+        if i == 0 {
+            let q = Quota::per_hour(1).unwrap();
+            let all = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
+            assert!(all.iter().all(|d| d.allowed));
+            let again = gate.check_all(&[("a", q), ("b", q)], 1).await.unwrap();
+            assert!(again.iter().all(|d| !d.allowed));
+        }
+        assert!(!gate.is_degraded(), "limit {i}");
+    }
+    let conn = ConnectionManager::new(server.client()).await.unwrap();
+    let leased = RedisGate::builder(conn, Limit::TokenBucket(Quota::per_hour(3).unwrap()))
+        .prefix("leased:")
+        .lease(2)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let mut taken = Vec::new();
+    for _ in 0..4 {
+        taken.push(leased.check("k", 1).await.unwrap().allowed);
+    }
+    assert_eq!(taken, [true, true, true, false], "leased: 3 an hour");
+    assert!(!leased.is_degraded());
+    let loaded: redis::RedisResult<Vec<bool>> = server.query_blocking(
+        redis::cmd("NOT-SCRIPT")
+            .arg("EXISTS")
+            .arg(redis::Script::new(flowgate::gate::lua::TOKEN_BUCKET_ALL).get_hash()),
+    );
+    assert_eq!(loaded.unwrap(), [true], "EVAL left it in the script cache");
 }
 
 /// After `SCRIPT FLUSH` (as after a restart: the server has none of the gate's scripts),

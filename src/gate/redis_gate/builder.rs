@@ -290,21 +290,20 @@ where
                 ));
             }
         };
-        let all_script = redis::Script::new(scripts::TOKEN_BUCKET_ALL);
-        let lease_script = redis::Script::new(scripts::TOKEN_BUCKET_LEASE);
+        let all_script = scripts::token_bucket_all();
+        let lease_script = scripts::token_bucket_lease();
         // Every script the gate may call, now and whenever Redis lacks one (`NOSCRIPT`): a
         // first call that met NOSCRIPT would read as Redis having lost its state, and forget
         // the rejections cached and the leases taken.
-        let lease = leases.as_ref().map(|_| &lease_script);
-        let scripts: Vec<redis::Script> = [Some(&eval.script), Some(&all_script), lease]
+        let lease = leases.as_ref().map(|_| lease_script);
+        let scripts: Vec<&scripts::Script> = [Some(eval.script), Some(all_script), lease]
             .into_iter()
             .flatten()
-            .cloned()
             .collect();
         let mut conn = self.conn.clone();
         let load = async {
             for script in &scripts {
-                if script.load_async(&mut conn).await.is_err() {
+                if script.load(&mut conn).await.is_err() {
                     break;
                 }
             }

@@ -13,8 +13,7 @@ use crate::gate::error::{GateError, check_key};
 use crate::gate::finish::Finish;
 use crate::gate::lease::{Leases, Place};
 use crate::gate::limit::Limit;
-use crate::gate::scripts;
-use crate::gate::scripts::decision_from;
+use crate::gate::scripts::{ScriptCall, decision_from};
 use crate::metrics::Counter;
 use crate::rate::Quota;
 
@@ -212,7 +211,7 @@ where
             let cmd = gate.lease_cmd(&redis_key, 0, 0);
             let within = inner.backend.timeout().saturating_sub(started.elapsed());
             let backend = &inner.backend;
-            let r = backend.eval(&inner.lease_script, &cmd, 5, within).await?;
+            let r = backend.eval(&cmd, 5, within).await?;
             match key_failure(r[0]) {
                 Some(e) => Err(CallError::Request(e)),
                 None => Ok(()),
@@ -222,9 +221,9 @@ where
 
     /// The lease script's call on `redis_key`: take `min` tokens or none, and up to `max`
     /// when the bucket holds them (`0, 0`: take and write nothing).
-    fn lease_cmd(&self, redis_key: &str, min: u32, max: u32) -> redis::Cmd {
+    fn lease_cmd(&self, redis_key: &str, min: u32, max: u32) -> ScriptCall {
         let inner = &*self.inner;
-        let mut cmd = scripts::evalsha(&inner.lease_script, 1);
+        let mut cmd = inner.lease_script.call(1);
         cmd.arg(redis_key);
         inner.eval.add_args(&mut cmd, [min]);
         cmd.arg(max);
@@ -247,9 +246,7 @@ where
         let cmd = self.lease_cmd(redis_key, cost, leases.size.max(cost));
         let within = inner.backend.timeout().saturating_sub(started.elapsed());
         let backend = &inner.backend;
-        let (r, seen, latency) = backend
-            .eval_seen(&inner.lease_script, &cmd, 5, within)
-            .await?;
+        let (r, seen, latency) = backend.eval_seen(&cmd, 5, within).await?;
         if let Some(e) = key_failure(r[0]) {
             return Err(CallError::Request(e));
         }

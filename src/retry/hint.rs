@@ -122,13 +122,16 @@ impl ServerHint {
     ///
     /// Never fails and never panics: a malformed field is ignored (see the type's docs).
     pub fn from_headers(headers: &HeaderMap, now: SystemTime) -> ServerHint {
-        // Read only for a dated hint: most responses have none.
+        // Read only for a dated hint (most responses have none), and once.
+        let date = std::cell::OnceCell::new();
         let now = || {
-            headers
-                .get(DATE)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| httpdate::parse_http_date(v).ok())
-                .unwrap_or(now)
+            *date.get_or_init(|| {
+                headers
+                    .get(DATE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| httpdate::parse_http_date(v).ok())
+                    .unwrap_or(now)
+            })
         };
         let retry_after = headers
             .get(RETRY_AFTER)

@@ -154,10 +154,17 @@ async fn in_memory() -> Result<(), Error> {
     Ok(())
 }
 
-/// `ms-seq` as one increasing number, for the `CommitTracker` (and back, for printing).
+/// `ms-seq` as one increasing number, for the `CommitTracker` (and back, for printing):
+/// 44 bits of milliseconds (until the year 2527) and 20 of sequence, enough for the ids
+/// `XADD *` makes (a sequence past a million within one millisecond would not fit).
 fn offset_of(id: &str) -> u64 {
     let (ms, seq) = id.split_once('-').expect("a stream id");
-    (ms.parse::<u64>().expect("ms") << 20) | seq.parse::<u64>().expect("seq")
+    let (ms, seq): (u64, u64) = (ms.parse().expect("ms"), seq.parse().expect("seq"));
+    assert!(
+        ms < 1 << 44 && seq < 1 << 20,
+        "stream id {id} does not fit this example's offsets"
+    );
+    (ms << 20) | seq
 }
 
 fn id_of(offset: Option<u64>) -> String {

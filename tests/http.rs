@@ -52,3 +52,6 @@ mod overload;
 
 #[path = "http/keys.rs"]
 mod keys;
+
+#[path = "http/outage.rs"]
+mod outage;

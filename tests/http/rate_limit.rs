@@ -53,12 +53,12 @@ fn by_user(req: &RequestInfo<'_>, key: &mut String) -> bool {
 }
 
 /// `burst` at once, refilling `burst` per `period`.
-fn quota(burst: u32, period: Duration) -> Quota {
+pub(crate) fn quota(burst: u32, period: Duration) -> Quota {
     Quota::new(Rate::per(burst, period).unwrap(), burst).unwrap()
 }
 
 /// The `per-client` policy: `quota`, keyed by the `x-client` header.
-fn per_client(quota: Quota) -> Policy {
+pub(crate) fn per_client(quota: Quota) -> Policy {
     Policy::new("per-client", quota, by_client)
 }
 

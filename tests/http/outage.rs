@@ -503,3 +503,72 @@ async fn redis_killed_then_restarted_under_a_default_connection_manager() {
     journey_back_within(&api, "pause", false, pause, resume, back).await;
     api.assert_counts_agree(2);
 }
+
+/// Clients that give up (a timeout of their own, shorter than the gate's) while Redis is
+/// paused: every request the layer saw is counted once, each cancelled one as `cancelled`
+/// and nowhere else; what the gate's policy decided agrees with the layer's counts, and
+/// the gate is back on Redis after the pause.
+#[tokio::test]
+async fn clients_that_give_up_during_a_pause_are_counted_once() {
+    let recorder = TestRecorder::default();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let api = Api::start(RedisServer::start(), recorder.clone()).await;
+    let sent_before = api.round("before", 4).await.len() / POLICIES.len();
+    api.redis.pause();
+    let client = client();
+    let mut calls = Vec::new();
+    for name in POLICIES {
+        for i in 0..16 {
+            let url = api.http.url(&format!("/{name}"));
+            let client = client.clone();
+            calls.push(async move {
+                let key = format!("gives-up-{i}");
+                let headers = [("x-client", key.as_str())];
+                let request = get(&client, &url, &headers);
+                tokio::time::timeout(TIMEOUT / 5, request).await.is_err()
+            });
+        }
+    }
+    let gave_up = futures::future::join_all(calls).await;
+    assert!(gave_up.iter().any(|g| *g), "no client gave up");
+    // Every call to Redis made for them has timed out by now.
+    tokio::time::sleep(TIMEOUT * 2).await;
+    api.redis.resume();
+    api.back_on_redis("after").await;
+    let sent_after = api.log.borrow().len() / POLICIES.len() - sent_before;
+    for (route, name) in POLICIES.iter().enumerate() {
+        let stats = api.layers[route].stats();
+        assert_eq!(
+            crate::harness::outcomes(&stats),
+            (sent_before + 16 + sent_after) as u64,
+            "{name}: {stats:?}"
+        );
+        // Each client that gave up left its request (a hyper server drops it with the
+        // connection): cancelled, and decided by nobody.
+        let gave_up = gave_up[route * 16..][..16].iter().filter(|g| **g).count();
+        assert_eq!(stats.cancelled, gave_up as u64, "{name}: {stats:?}");
+        let decisions = |o: &str| {
+            api.counter(
+                "flowgate_gate_decisions_total",
+                name,
+                &format!("outcome={o}"),
+            )
+        };
+        let (allowed, by_policy) = (decisions("allowed"), decisions("policy"));
+        let decided_by_policy = stats.fail_open + stats.fail_closed + stats.gate_error;
+        match *name {
+            "fallback" => assert_eq!(allowed + by_policy, stats.admitted, "{name}: {stats:?}"),
+            _ => assert_eq!(
+                (allowed, by_policy),
+                (stats.admitted, decided_by_policy),
+                "{name}: {stats:?}"
+            ),
+        }
+        // Their calls to Redis went on without them, and timed out: failed calls.
+        let failures = api.counter("flowgate_gate_failures_total", name, "");
+        assert!(
+            failures >= gave_up as u64,
+            "{name}: {failures} failed calls"
+        );
+    }
+}

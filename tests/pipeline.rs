@@ -637,7 +637,6 @@ async fn a_clock_jump_releases_at_most_the_burst_then_the_rate() {
 /// each at once. At 10.52 s: 151 produced, 11 delivered, 1 held, 8 in the channel, 131
 /// dropped; dropping the consumer then discards the held item and the channel's 8.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a receiver's batch keeps the slots of items it handed out, so DropNewest/Reject refuse items while the channel is not full"]
 async fn exact_counts_at_one_per_second_with_the_held_item_and_the_channel_discards() {
     let ledger = Arc::new(Ledger::default());
     let (tx, rx) = channel::builder(8)
@@ -806,7 +805,6 @@ async fn a_credit_window_from_the_sink_bounds_the_pipeline_and_it_still_ends() {
 /// `len()` at its capacity. A slow consumer takes items one by one while a producer sends
 /// three per item taken; every send the channel refuses must find it full.
 #[tokio::test]
-#[ignore = "fault: a receiver's batch keeps the slots of items it handed out, so DropNewest/Reject refuse items while the channel is not full"]
 async fn a_dropping_channel_refuses_items_only_when_it_is_full() {
     for policy in [Overflow::DropNewest, Overflow::Reject, Overflow::DropOldest] {
         let (tx, mut rx) = channel::builder::<u32>(8).overflow(policy).build().unwrap();

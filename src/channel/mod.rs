@@ -56,7 +56,8 @@
 //!
 //! A send into a channel with a free slot and no sender waiting takes no lock: it claims the
 //! slot with one compare-and-swap and pushes the item into a lock-free ring. The lock is
-//! taken by receivers (once per batch), by sends that find the channel full or must wake a
+//! taken by receivers (once per batch; under `Backpressure` only, a batch is more than one
+//! item: see [`Receiver::poll_recv`]), by sends that find the channel full or must wake a
 //! waiting receiver, by waiting senders, and by closing.
 //!
 //! With the `metrics` feature, sends that take no lock (permits' included) update the depth

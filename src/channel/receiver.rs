@@ -141,16 +141,20 @@ impl<T> Receiver<T> {
 
     /// Poll for the next item, registering the task when none is there.
     ///
-    /// To save locking, a receiver takes up to 32 buffered items at once (at most the
-    /// capacity, and at most its share of the queue — the items queued, those in receivers'
-    /// batches left out, divided by the number of receivers, and at least one — so with
-    /// several receivers none sits on items another one is idle for) and hands them out one
-    /// by one; they keep their slots in the channel until the last of them is handed out, so
-    /// the bound holds, [`len`](Receiver::len) counts them until they are handed out, and if
-    /// the receiver is dropped first they go back to the front of the queue, in their places
-    /// (behind items an earlier batch gave back, ahead of later ones), for the other
-    /// receivers. Under [`Overflow::DropOldest`](crate::Overflow::DropOldest) a receiver takes
-    /// one item at a time, so dropping the oldest item always finds the oldest one not yet
+    /// To save locking, under [`Overflow::Backpressure`](crate::Overflow::Backpressure) a
+    /// receiver takes up to 32 buffered items at once (at most the capacity, and at most its
+    /// share of the queue — the items queued, those in receivers' batches left out, divided
+    /// by the number of receivers, and at least one — so with several receivers none sits
+    /// on items another one is idle for) and hands them out one by one; the batch keeps its
+    /// slots in the channel until its last item is handed out (those of the items handed out
+    /// before it too), so the bound holds, [`len`](Receiver::len) counts its items until
+    /// they are handed out, and if the receiver is dropped first they go back to the front
+    /// of the queue, in their places (behind items an earlier batch gave back, ahead of
+    /// later ones), for the other receivers. So while a batch is being handed out, senders
+    /// may wait (and `try_send` find the channel full) with fewer than `capacity` items
+    /// buffered. Under the other policies a receiver takes one item at a time: they refuse
+    /// or drop items only when the channel holds `capacity` items not yet handed out, and
+    /// under `DropOldest` dropping the oldest item always finds the oldest one not yet
     /// handed out.
     ///
     /// A task waiting here is woken by every new item (not only by one item in turn, as a

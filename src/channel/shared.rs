@@ -388,17 +388,21 @@ impl<T> Shared<T> {
         self.stats_locked(&self.lock())
     }
 
-    /// How many items a receiver takes under one lock: up to 32, the whole of a smaller
-    /// channel. The batch's slots stay occupied until it is handed out, so senders wait for
-    /// it; at capacity 16 one lock per 16 items still beat one per 2 (an eighth of the
-    /// capacity, as before) by 1.2 to 1.6 times in the steady-state benches, where senders
-    /// mostly wait anyway. Under `DropOldest`, 1: a drop must take the oldest item not yet
-    /// handed out, and a batch is out of its reach.
+    /// How many items a receiver takes under one lock: under `Backpressure` up to 32, the
+    /// whole of a smaller channel. The batch's slots stay occupied until it is handed out,
+    /// so senders wait for it; at capacity 16 one lock per 16 items still beat one per 2
+    /// (an eighth of the capacity, as before) by 1.2 to 1.6 times in the steady-state
+    /// benches, where senders mostly wait anyway. Under the other policies, 1: they refuse
+    /// or drop an item when the channel is full, and the slots a batch holds for items
+    /// already handed out would make it full while it holds fewer items than its capacity
+    /// (a slow consumer's batch of 8 in a channel of 8, 6 of them handed out: every send
+    /// dropped or refused with 2 items buffered). Under `DropOldest` a drop must also take
+    /// the oldest item not yet handed out, and a batch is out of its reach.
     fn batch(&self) -> usize {
-        if self.overflow == Overflow::DropOldest {
-            1
-        } else {
+        if self.overflow == Overflow::Backpressure {
             self.capacity.clamp(1, 32)
+        } else {
+            1
         }
     }
 }

@@ -557,39 +557,78 @@ async fn pacing_through_the_channel_is_exact_at_one_per_second() {
 
 #[tokio::test(start_paused = true)]
 async fn pacing_through_the_channel_is_exact_at_a_million_per_second() {
-    let n = 200_000u32;
-    let (tx, rx) = channel::bounded::<u32>(1024).unwrap();
+    for queued in [false, true] {
+        let n = 200_000u32;
+        let (tx, rx) = channel::bounded::<u32>(1024).unwrap();
+        let producer = tokio::spawn(async move {
+            for i in 0..n {
+                tx.send(i).await.unwrap();
+            }
+        });
+        let p = Pacer::builder(Rate::per_second(1_000_000).unwrap())
+            .build()
+            .unwrap();
+        let burst = 1 + 5_000; // 1 + ceil(1M × 5 ms)
+        let start = Instant::now();
+        let mut per_ms: BTreeMap<u128, u32> = BTreeMap::new();
+        let mut next = 0;
+        let mut paced: Pin<Box<dyn Stream<Item = u32>>> = if queued {
+            Box::pin(LeakyQueue::builder(rx, p, 4096).build().unwrap())
+        } else {
+            Box::pin(Leaky::builder(rx, p).build().unwrap())
+        };
+        while let Some(i) = paced.next().await {
+            assert_eq!(i, next);
+            next += 1;
+            *per_ms.entry(start.elapsed().as_millis()).or_default() += 1;
+        }
+        producer.await.unwrap();
+        assert_eq!(next, n);
+        // By the end of ms k at most burst + 1000·k left, and the run ends on the schedule.
+        let mut total = 0;
+        for (ms, count) in &per_ms {
+            total += count;
+            assert!(
+                u128::from(total) <= burst + 1000 * ms,
+                "queued {queued}: {total} by {ms} ms: {per_ms:?}"
+            );
+        }
+        let last = *per_ms.keys().last().unwrap();
+        assert_eq!(last, u128::from(n - 5_001).div_ceil(1000), "{per_ms:?}");
+    }
+}
+
+/// The consumer dropped while the producer, a `LeakySink` over the channel's sender, waits
+/// for a slot in the full channel: its `send_all` fails with the item handed back, and the
+/// items in the channel are discarded, counted.
+#[tokio::test(start_paused = true)]
+async fn a_consumer_dropped_while_a_paced_producer_sink_waits_loses_nothing() {
+    let ledger = Arc::new(Ledger::default());
+    let (tx, mut rx) = counted_channel(Overflow::Backpressure);
+    let n = 40u32;
+    let source = ledger.clone();
     let producer = tokio::spawn(async move {
-        for i in 0..n {
-            tx.send(i).await.unwrap();
+        let mut sink = tx.leaky_sink_with(pacer(10, 1));
+        let mut items = futures::stream::iter((0..n).map(|id| Ok(Item::new(id, &source))));
+        let err = sink.send_all(&mut items).await.unwrap_err();
+        assert!(err.is_closed());
+        err.into_inner().settle("producer:closed");
+        while let Some(Ok(item)) = items.next().await {
+            item.settle("never sent");
         }
     });
-    let p = Pacer::builder(Rate::per_second(1_000_000).unwrap())
-        .build()
-        .unwrap();
-    let burst = 1 + 5_000; // 1 + ceil(1M × 5 ms)
-    let start = Instant::now();
-    let mut per_ms: BTreeMap<u128, u32> = BTreeMap::new();
-    let mut next = 0;
-    let mut paced = Leaky::builder(rx, p).build().unwrap();
-    while let Some(i) = paced.next().await {
-        assert_eq!(i, next);
-        next += 1;
-        *per_ms.entry(start.elapsed().as_millis()).or_default() += 1;
+    for _ in 0..5 {
+        rx.recv().await.unwrap().settle("delivered");
     }
+    sleep(Duration::from_millis(1_050)).await;
+    let in_channel = rx.len() as u64;
+    drop(rx);
     producer.await.unwrap();
-    assert_eq!(next, n);
-    // By the end of ms k at most burst + 1000·k left, and the run ends on the schedule.
-    let mut total = 0;
-    for (ms, count) in &per_ms {
-        total += count;
-        assert!(
-            u128::from(total) <= burst + 1000 * ms,
-            "{total} by {ms} ms: {per_ms:?}"
-        );
-    }
-    let last = *per_ms.keys().last().unwrap();
-    assert_eq!(last, u128::from(n - 5_001).div_ceil(1000), "{per_ms:?}");
+    let c = ledger.settled(n);
+    assert_eq!(sum(&c, "silent"), 0, "{c:?}");
+    assert_eq!(c.get("producer:closed"), Some(&1), "{c:?}");
+    assert_eq!(sum(&c, "channel:discarded"), in_channel, "{c:?}");
+    assert_eq!(in_channel, 8, "{c:?}"); // full: the producer waits for a slot
 }
 
 /// A clock jump (the runtime's clock advanced by an hour while items wait): the pacer

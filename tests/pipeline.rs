@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use flowgate::bulkhead::{Bulkhead, BulkheadMapUnordered};
 use flowgate::channel::{self, Receiver, SendError, Sender};
+use flowgate::demand::Levels;
 use flowgate::pace::{Leaky, LeakyQueue, Pacer};
 use flowgate::{Dropped, FlowSinkExt, FlowStreamExt, Overflow, Rate};
 use futures::{FutureExt, Sink, SinkExt, Stream, StreamExt};
@@ -357,14 +358,26 @@ fn counted_channel(policy: Overflow) -> (Sender<Item>, Receiver<Item>) {
         .unwrap()
 }
 
+/// The producer task sending `n` items in bursts of `burst` every `gap_ms` into a
+/// [`counted_channel`] under `policy`: the ledger, the task and the receiver.
+fn source(
+    n: u32,
+    policy: Overflow,
+    burst: u32,
+    gap_ms: u64,
+) -> (Arc<Ledger>, tokio::task::JoinHandle<()>, Receiver<Item>) {
+    let ledger = Arc::new(Ledger::default());
+    let (tx, rx) = counted_channel(policy);
+    let gap = Duration::from_millis(gap_ms);
+    let producer = tokio::spawn(produce(tx, ledger.clone(), n, burst, gap));
+    (ledger, producer, rx)
+}
+
 /// Start the pipeline: `n` items in bursts of `burst` every `gap_ms` into a channel of 8
 /// under `channel_policy`; pacing at 100/s into a queue of 4 under `queue_policy`; a
 /// bulkhead of 3 (40 ms of work each); a sink of 10 ms per item.
 fn rig(n: u32, channel_policy: Overflow, queue_policy: Overflow, burst: u32, gap_ms: u64) -> Rig {
-    let ledger = Arc::new(Ledger::default());
-    let (tx, rx) = counted_channel(channel_policy);
-    let gap = Duration::from_millis(gap_ms);
-    let producer = tokio::spawn(produce(tx, ledger.clone(), n, burst, gap));
+    let (ledger, producer, rx) = source(n, channel_policy, burst, gap_ms);
     let bulkhead = Bulkhead::new(3).unwrap();
     let out = consumer(rx, pacer(100, 2), 4, queue_policy, &bulkhead);
     let sink = SlowSink::new(Duration::from_millis(10));
@@ -793,16 +806,8 @@ async fn a_producer_sink_closed_but_kept_alive_ends_the_pipeline() {
 /// delivered, and the stream ends once the producer is gone.
 #[tokio::test(start_paused = true)]
 async fn a_credit_window_from_the_sink_bounds_the_pipeline_and_it_still_ends() {
-    let ledger = Arc::new(Ledger::default());
-    let (tx, rx) = counted_channel(Overflow::Backpressure);
     let n = 100;
-    let producer = tokio::spawn(produce(
-        tx,
-        ledger.clone(),
-        n,
-        25,
-        Duration::from_millis(100),
-    ));
+    let (ledger, producer, rx) = source(n, Overflow::Backpressure, 25, 100);
     let (demanded, demand) = rx.with_demand(4);
     let bulkhead = Bulkhead::new(3).unwrap();
     let f: fn(Item) -> Work = |item| Box::pin(work(item, 40));
@@ -869,4 +874,48 @@ async fn a_dropping_channel_refuses_items_only_when_it_is_full() {
             }
         }
     }
+}
+
+/// Watermarks on the consumer side: each item taken from the channel carries a ticket
+/// through the pacer, the bulkhead and the sink. At most `high` are in flight; the consumer
+/// dropped mid-stream with tickets in every stage lets go of them all (in flight back to
+/// 0, resumed), and every item is counted where it was.
+#[tokio::test(start_paused = true)]
+async fn watermarks_bound_the_pipeline_and_a_dropped_consumer_gives_every_ticket_back() {
+    let n = 100;
+    let (ledger, producer, rx) = source(n, Overflow::Backpressure, 25, 100);
+    let marked = rx.watermarks(Levels::new(5, 2).unwrap());
+    let signal = marked.pause_signal();
+    let bulkhead = Bulkhead::new(3).unwrap();
+    let paced = Leaky::builder(marked, pacer(100, 2)).build().unwrap();
+    let mut out = Box::pin(
+        paced.bulkhead_map_unordered(bulkhead.clone(), |(item, ticket)| {
+            let work = work(item, 40);
+            async move { (work.await, ticket) }
+        }),
+    );
+    let mut sink = SlowSink::new(Duration::from_millis(10));
+    let _ = tokio::time::timeout(Duration::from_millis(335), async {
+        while let Some((item, ticket)) = out.next().await {
+            sink.send(item).await.unwrap();
+            drop(ticket);
+        }
+    })
+    .await;
+    let in_flight = (*out).get_ref().get_ref().in_flight();
+    assert!((1..=5).contains(&in_flight), "{in_flight}");
+    drop(out);
+    drop(sink);
+    assert!(!signal.is_paused());
+    producer.await.unwrap();
+    let c = ledger.settled(n);
+    // No hooks here: the bulkhead's held item and the leaky one are dropped with their
+    // adapters (the adapters were built without one), the work in flight cancelled.
+    assert_eq!(
+        sum(&c, "channel:"),
+        c.get("channel:discarded").copied().unwrap_or(0)
+    );
+    assert!(sum(&c, "silent") <= 2, "{c:?}");
+    let delivered = c.get("delivered").copied().unwrap_or(0);
+    assert!(delivered > 0, "{c:?}");
 }

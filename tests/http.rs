@@ -55,3 +55,6 @@ mod keys;
 
 #[path = "http/outage.rs"]
 mod outage;
+
+#[path = "http/interop.rs"]
+mod interop;

@@ -144,12 +144,15 @@ impl fmt::Debug for HeaderStyles {
 pub(crate) use crate::decision::ceil_secs;
 
 /// The `q` and `w` of a limit (see the table in the module docs of
-/// [`http`](crate::http)): `q` is the capacity; `w` is the period of a window, and for a
-/// token bucket the time to refill from empty to full, so that `q / w` is the sustained
-/// rate (rounded so that it errs low). `w` is at least 1.
+/// [`http`](crate::http)): for a window, `q` is the capacity and `w` the period; for a
+/// token bucket `w` is the time to refill from empty to full, rounded up to a whole
+/// second, and `q` what the bucket admits in `w` from full (its rate over `w`, rounded
+/// down: the burst, or more when the refill takes less than `w`), so that `q / w` is the
+/// sustained rate, erring low by less than one unit per `w`. (The burst over a refill
+/// rounded up erred by up to the whole rate: 10/s with a burst of 1 showed `q=1;w=1`.)
+/// `w` is at least 1.
 pub(crate) fn policy_params(limit: &Limit) -> (u64, u64) {
     let rate = limit.rate();
-    let q = limit.capacity();
     let w_nanos = match limit {
         Limit::TokenBucket(quota) => {
             // Rounded up here too: cut to whole nanoseconds first, a refill just over a
@@ -159,8 +162,19 @@ pub(crate) fn policy_params(limit: &Limit) -> (u64, u64) {
         }
         _ => u128::from(rate.period_nanos()),
     };
-    let w = w_nanos.div_ceil(1_000_000_000);
-    (q, u64::try_from(w).unwrap_or(u64::MAX).max(1))
+    let w = w_nanos.div_ceil(1_000_000_000).max(1);
+    let q = match limit {
+        // What refills in `w`, rounded down: at least the burst, which refills within it.
+        Limit::TokenBucket(_) => {
+            let refilled =
+                w * 1_000_000_000 * u128::from(rate.count()) / u128::from(rate.period_nanos());
+            u64::try_from(refilled)
+                .unwrap_or(u64::MAX)
+                .max(limit.capacity())
+        }
+        _ => limit.capacity(),
+    };
+    (q, u64::try_from(w).unwrap_or(u64::MAX))
 }
 
 /// The `t` of a decision: time to full when admitted, time until the same request would

@@ -204,8 +204,8 @@ impl ServerHint {
 
     /// The server's sustained rate: `(quota, window)` of the policy with the lowest
     /// `quota / window`, among those with both (and a window above zero). For flowgate's
-    /// own server layer, a token bucket's `q` is its burst and `w` the time to refill it,
-    /// so `q / w` is its rate.
+    /// own server layer, a token bucket's `w` is the time to refill it (in whole seconds)
+    /// and `q` what refills in `w` (its burst, or more), so `q / w` is its rate.
     pub fn sustained_rate(&self) -> Option<(u64, Duration)> {
         let p = self.slowest(0)?;
         Some((p.quota?, p.window?))

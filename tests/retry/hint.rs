@@ -754,6 +754,9 @@ async fn round_trip(quota: Quota, styles: HeaderStyles, n: usize) {
     // `w`: the time to refill from empty, whole seconds rounded up.
     let w = (u128::from(burst) * u128::from(rate.period_nanos()))
         .div_ceil(u128::from(rate.count()) * 1_000_000_000) as u64;
+    // `q`: what refills in `w` (at least the burst).
+    let q = (u128::from(w) * 1_000_000_000 * u128::from(rate.count())
+        / u128::from(rate.period_nanos())) as u64;
     let ceil = |d: Duration| d.as_nanos().div_ceil(1_000_000_000) as u64;
     for i in 0..n {
         let req = Request::get("/")
@@ -783,9 +786,9 @@ async fn round_trip(quota: Quota, styles: HeaderStyles, n: usize) {
         }
         if styles.contains(HeaderStyles::IETF) {
             assert_eq!(hint.policy_names().collect::<Vec<_>>(), ["per-client"]);
-            assert_eq!(hint.sustained_rate(), Some((burst, Duration::from_secs(w))));
+            assert_eq!(hint.sustained_rate(), Some((q, Duration::from_secs(w))));
         } else {
-            assert_eq!(hint.quota(), Some(burst));
+            assert_eq!(hint.quota(), Some(q));
         }
         if d.allowed {
             assert_eq!(hint.retry_after, None);

@@ -9,15 +9,21 @@ fn secs(n: u64) -> Duration {
 
 #[test]
 fn q_and_w_per_algorithm() {
-    // Token bucket: q = burst; w = time to refill from empty (burst × period / count).
+    // Token bucket: w = time to refill from empty (burst × period / count), q = what
+    // refills in w (the burst when that is w exactly).
     let tb = Limit::TokenBucket(Quota::per_second(10).unwrap().burst(100).unwrap());
     assert_eq!(policy_params(&tb), (100, 10));
-    // Rounded up: 10 per 3 s, burst 5 → 1.5 s → 2; q/w errs low (2.5/s shown, 3.3/s real).
+    // Rounded up: 10 per 3 s, burst 5 → 1.5 s → 2; q = 6.67 rounded down (3/s shown,
+    // 3.3/s real; the burst alone, 5, showed 2.5/s).
     let tb = Limit::TokenBucket(Quota::new(Rate::per(10, secs(3)).unwrap(), 5).unwrap());
-    assert_eq!(policy_params(&tb), (5, 2));
-    // A refill under a second still says w=1 (w > 0).
+    assert_eq!(policy_params(&tb), (6, 2));
+    // A refill under a second still says w=1 (w > 0), and q all of the second's rate.
     let tb = Limit::TokenBucket(Quota::per_second(1000).unwrap());
     assert_eq!(policy_params(&tb), (1000, 1));
+    let tb = Limit::TokenBucket(Quota::new(Rate::per_second(10).unwrap(), 1).unwrap());
+    assert_eq!(policy_params(&tb), (10, 1));
+    let tb = Limit::TokenBucket(Quota::new(Rate::per_hour(1).unwrap(), 1).unwrap());
+    assert_eq!(policy_params(&tb), (1, 3600));
     for window in [
         Limit::FixedWindow(Rate::per(100, secs(60)).unwrap()),
         Limit::SlidingLog(Rate::per(100, secs(60)).unwrap()),
@@ -30,20 +36,21 @@ fn q_and_w_per_algorithm() {
 }
 
 /// `w` is the exact refill time rounded up once: 2 units of a bucket refilling 3 per
-/// 1.500000001 s take 1.000000000667 s, so `w` = 2 (`q / w` = 1/s, under the real
-/// 1.999999998/s). The refill time was first cut to whole nanoseconds (exactly 1 s), so `w`
-/// was 1 and `q / w` = 2/s: above what the bucket admits, where the docs promise a client
-/// reading the fields never sends more.
+/// 1.500000001 s take 1.000000000667 s, so `w` = 2 and `q` = 3 (`q / w` = 1.5/s, under the
+/// real 1.999999998/s). The refill time was first cut to whole nanoseconds (exactly 1 s), so
+/// `w` was 1 and `q / w` = 2/s: above what the bucket admits, where the docs promise a
+/// client reading the fields never sends more.
 #[test]
 fn w_never_shows_a_rate_above_the_buckets() {
     let rate = Rate::per(3, Duration::from_nanos(1_500_000_001)).unwrap();
     let tb = Limit::TokenBucket(Quota::new(rate, 2).unwrap());
-    assert_eq!(policy_params(&tb), (2, 2));
+    assert_eq!(policy_params(&tb), (3, 2));
 }
 
 proptest::proptest! {
     /// For any token bucket whose `w` fits in an sf-Integer, `q / w` is at most its rate
-    /// (`q × period <= w × count`), and `w` is the smallest whole second that says so (or 1).
+    /// (`q × period <= w × count`) and less than one unit per `w` under it, `q` is at least
+    /// the burst, and `w` is the smallest whole second the burst refills in (or 1).
     /// (Random quotas almost never meet the case above: coverage of the rule.)
     #[test]
     fn w_is_the_refill_time_rounded_up_once(
@@ -53,10 +60,13 @@ proptest::proptest! {
     ) {
         let rate = Rate::per(count, Duration::from_nanos(period_ns)).unwrap();
         let (q, w) = policy_params(&Limit::TokenBucket(Quota::new(rate, burst).unwrap()));
-        let refill = u128::from(q) * u128::from(period_ns);
         let shown = |w: u64| u128::from(w) * 1_000_000_000 * u128::from(count);
-        proptest::prop_assert!(refill <= shown(w), "q {q} w {w} count {count} period {period_ns} ns");
-        proptest::prop_assert!(w == 1 || refill > shown(w - 1), "w {w} is not the least");
+        let of = |q: u64| u128::from(q) * u128::from(period_ns);
+        proptest::prop_assert!(of(q) <= shown(w), "q {q} w {w} count {count} period {period_ns} ns");
+        proptest::prop_assert!(of(q + 1) > shown(w), "q {q} is not all of w {w}");
+        proptest::prop_assert!(q >= u64::from(burst), "q {q} under the burst {burst}");
+        let burst = of(u64::from(burst));
+        proptest::prop_assert!(w == 1 || burst > shown(w - 1), "w {w} is not the least");
     }
 }
 

@@ -114,13 +114,16 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 ///
 /// | limit | `q` | `w` (seconds) | `r` | `t` admitted | `t` rejected |
 /// |---|---|---|---|---|---|
-/// | token bucket (`Quota`: rate, burst) | the burst | time to refill from empty to full: ⌈burst × period / count⌉ | remaining | ⌈time to full⌉ | ⌈retry_after⌉ |
+/// | token bucket (`Quota`: rate, burst) | what refills in `w`: ⌊count × w / period⌋, at least the burst | time to refill from empty to full: ⌈burst × period / count⌉ | remaining | ⌈time to full⌉ | ⌈retry_after⌉ |
 /// | fixed window (`Rate`) | count | ⌈period⌉ | remaining | ⌈time to the window's end⌉ | ⌈retry_after⌉ |
 /// | sliding log / sliding window (`Rate`) | count | ⌈period⌉ | remaining | ⌈time to full⌉ | ⌈retry_after⌉ |
 ///
 /// A token bucket has no window. It sends `w` = the time the bucket takes to refill from
-/// empty, so that `q / w` is its sustained rate (rounded down, which errs on the side the
-/// draft asks: a client reading the fields never sends more than the bucket admits). The
+/// empty, in whole seconds, and `q` = what it refills in `w` (the burst when the refill
+/// takes `w` exactly; more when it is shorter: 10/s with a burst of 1 is `q=10;w=1`), so
+/// that `q / w` is its sustained rate (rounded down, by less than one unit per `w`, which
+/// errs on the side the draft asks: a client reading the fields never sends more than the
+/// bucket admits, and `r` never shows more than the burst). The
 /// policies of this layer are token buckets (what [`Gate::check_all`] decides); the rows for
 /// the windows are the mapping flowgate uses wherever a gate's own limit is shown.
 ///

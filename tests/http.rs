@@ -58,3 +58,6 @@ mod outage;
 
 #[path = "http/interop.rs"]
 mod interop;
+
+#[path = "http/graceful.rs"]
+mod graceful;

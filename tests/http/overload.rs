@@ -208,7 +208,7 @@ async fn serve_wrapped(
 }
 
 /// A rate limit of `n` an hour, every request on one key.
-fn rate_limit(n: u32) -> RateLimitLayer<MemoryGate> {
+pub(crate) fn rate_limit(n: u32) -> RateLimitLayer<MemoryGate> {
     let quota = Quota::per_hour(n).unwrap();
     RateLimitLayer::builder(MemoryGate::new(Limit::TokenBucket(quota)))
         .policy(Policy::new("all", quota, Constant::new("k")))

@@ -1,0 +1,206 @@
+//! Graceful shutdown of an axum service behind a `ShedLayer` (waiting room) and a
+//! `RateLimitLayer` over a `MemoryGate`, under steady load from real HTTP/1 clients on
+//! 127.0.0.1: the operator closes the bulkhead, then starts axum's graceful shutdown. The
+//! waiters get their `503` at once, the requests in flight finish, what the clients saw is
+//! what the layer and the bulkhead counted, no permit is left out, an adaptive bulkhead
+//! learns nothing from the refusals, and nothing is left running on the runtime.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use flowgate::adaptive::Aimd;
+use flowgate::bulkhead::Bulkhead;
+use flowgate::http::ShedLayer;
+use http::StatusCode;
+use http_body_util::{BodyExt, Empty};
+
+use crate::harness::{self, Answer};
+use crate::shed::{assert_shed, eventually};
+
+const CLIENTS: usize = 12;
+const SOON: Duration = Duration::from_secs(5);
+
+/// What the clients saw, all of them together.
+#[derive(Default)]
+struct Seen {
+    ok: AtomicU64,
+    shed: AtomicU64,
+    other: AtomicU64,
+    /// Requests that got no answer (the connection refused or closed before one).
+    failed: AtomicU64,
+    /// The longest a `503` took to come.
+    slowest_503_ms: AtomicU64,
+}
+
+fn alive() -> usize {
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+}
+
+/// The journey over `bulkhead`: load, close, graceful shutdown, and the counts after.
+async fn journey(bulkhead: Bulkhead) {
+    let before = alive();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .wait(true)
+        .name("api")
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/work",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(5..25))).await;
+                "done"
+            }),
+        )
+        .layer(crate::overload::rate_limit(1_000_000))
+        .layer(layer.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/work", listener.local_addr().unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .await
+            .unwrap();
+    });
+
+    let seen = Arc::new(Seen::default());
+    let done = Arc::new(AtomicBool::new(false));
+    let load: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (seen, done, url) = (seen.clone(), done.clone(), url.clone());
+            tokio::spawn(async move {
+                let client = harness::client();
+                while !done.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let req = http::Request::get(&url).body(Empty::new()).unwrap();
+                    let Ok(res) = client.request(req).await else {
+                        seen.failed.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        continue;
+                    };
+                    let (parts, body) = res.into_parts();
+                    let Ok(body) = body.collect().await else {
+                        seen.failed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let answer = Answer {
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: body.to_bytes(),
+                    };
+                    match answer.status {
+                        StatusCode::OK => seen.ok.fetch_add(1, Ordering::Relaxed),
+                        StatusCode::SERVICE_UNAVAILABLE => {
+                            assert_shed(&answer, "1");
+                            let ms = started.elapsed().as_millis() as u64;
+                            seen.slowest_503_ms.fetch_max(ms, Ordering::Relaxed);
+                            seen.shed.fetch_add(1, Ordering::Relaxed)
+                        }
+                        _ => seen.other.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+
+    // Steady load: every permit busy and a queue in the waiting room.
+    eventually("a queue", SOON, || bulkhead.waiting() >= 3).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        seen.shed.load(Ordering::Relaxed),
+        0,
+        "nothing shed before the close"
+    );
+
+    // SIGTERM: close the bulkhead, then start axum's graceful shutdown.
+    bulkhead.close();
+    let closed = Instant::now();
+    eventually("the waiting room empty", Duration::from_millis(200), || {
+        bulkhead.waiting() == 0
+    })
+    .await;
+    // A request after the close, on a fresh connection: a clear 503, at once.
+    let late = harness::get(&harness::client(), &url, &[]).await;
+    assert_shed(&late, "1");
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(SOON, server)
+        .await
+        .expect("graceful shutdown ends once the requests in flight are answered")
+        .unwrap();
+    let took = closed.elapsed();
+    done.store(true, Ordering::Relaxed);
+    for l in load {
+        tokio::time::timeout(SOON, l).await.unwrap().unwrap();
+    }
+    assert!(took < Duration::from_secs(2), "the shutdown took {took:?}");
+    let slowest = seen.slowest_503_ms.load(Ordering::Relaxed);
+    assert!(slowest < 1000, "a 503 took {slowest} ms");
+
+    // What the clients saw is what was counted; every permit back.
+    let ok = seen.ok.load(Ordering::Relaxed);
+    let shed = seen.shed.load(Ordering::Relaxed) + 1; // the late one
+    assert_eq!(seen.other.load(Ordering::Relaxed), 0);
+    assert!(ok > 0 && shed > 1, "{ok} ok, {shed} shed");
+    let stats = layer.stats();
+    assert_eq!(
+        (stats.admitted(), stats.shed(), stats.cancelled()),
+        (ok, shed, 0),
+        "{stats:?}"
+    );
+    let b = bulkhead.stats();
+    assert_eq!((b.admitted, b.closed, b.cancelled), (ok, shed, 0), "{b:?}");
+    assert_eq!(b.shed(), 0, "{b:?}");
+    assert_eq!((b.in_flight, b.waiting), (0, 0), "{b:?}");
+    assert!(b.waited > 0, "{b:?}");
+
+    // A second close is harmless; a later acquisition is still refused, and counted.
+    bulkhead.close();
+    assert!(bulkhead.is_closed());
+    assert!(bulkhead.try_acquire().is_err());
+    let again = bulkhead.stats();
+    assert_eq!((again.admitted, again.closed), (ok, shed + 1));
+    assert_eq!((again.in_flight, again.waiting), (0, 0));
+
+    // An adaptive bulkhead learnt from each admitted request once, and from no refusal.
+    if let Some(a) = bulkhead.adaptive_stats() {
+        assert_eq!(a.back_pressure, 0, "{a:?}");
+        assert_eq!(a.ok + a.ignored, ok, "{a:?}");
+    }
+
+    // Nothing the service started is left on the runtime.
+    drop((layer, bulkhead));
+    eventually("every task ended", SOON, || alive() <= before).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_under_load() {
+    let bulkhead = Bulkhead::builder(4)
+        .max_waiting(64)
+        .wait_timeout(Duration::from_secs(10))
+        .name("api")
+        .build()
+        .unwrap();
+    journey(bulkhead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_under_load_adaptive() {
+    let bulkhead = Bulkhead::builder(8)
+        .max_waiting(64)
+        .wait_timeout(Duration::from_secs(10))
+        .adaptive(Aimd::builder().initial(4).build().unwrap())
+        .name("api")
+        .build()
+        .unwrap();
+    let max_before = bulkhead.max_in_flight();
+    assert_eq!(max_before, 4);
+    journey(bulkhead).await;
+}

@@ -41,24 +41,22 @@ fn alive() -> usize {
         .num_alive_tasks()
 }
 
-/// The journey over `bulkhead`: load, close, graceful shutdown, and the counts after.
-async fn journey(bulkhead: Bulkhead) {
-    let before = alive();
+/// The journey over `bulkhead`, with `rate_limit` inside the shed: load, close, graceful
+/// shutdown, and the counts after; at the end no more tasks alive than `before`.
+async fn journey(bulkhead: Bulkhead, rate_limit: impl FnOnce(Router) -> Router, before: usize) {
     let layer = ShedLayer::builder(bulkhead.clone())
         .wait(true)
         .name("api")
         .build()
         .unwrap();
-    let app = Router::new()
-        .route(
-            "/work",
-            get(|| async {
-                tokio::time::sleep(Duration::from_millis(fastrand::u64(5..25))).await;
-                "done"
-            }),
-        )
-        .layer(crate::overload::rate_limit(1_000_000))
-        .layer(layer.clone());
+    let app = rate_limit(Router::new().route(
+        "/work",
+        get(|| async {
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(5..25))).await;
+            "done"
+        }),
+    ))
+    .layer(layer.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/work", listener.local_addr().unwrap());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -180,6 +178,11 @@ async fn journey(bulkhead: Bulkhead) {
     eventually("every task ended", SOON, || alive() <= before).await;
 }
 
+/// A generous limit over a `MemoryGate`, inside the shed.
+fn memory(app: Router) -> Router {
+    app.layer(crate::overload::rate_limit(1_000_000))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_under_load() {
     let bulkhead = Bulkhead::builder(4)
@@ -188,7 +191,7 @@ async fn graceful_shutdown_under_load() {
         .name("api")
         .build()
         .unwrap();
-    journey(bulkhead).await;
+    journey(bulkhead, memory, alive()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,5 +205,37 @@ async fn graceful_shutdown_under_load_adaptive() {
         .unwrap();
     let max_before = bulkhead.max_in_flight();
     assert_eq!(max_before, 4);
-    journey(bulkhead).await;
+    journey(bulkhead, memory, alive()).await;
+}
+
+/// The same over a `RedisGate` with batching and leases: its batch driver and its Redis
+/// connection end with the service.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_under_load_redis() {
+    use flowgate::Quota;
+    use flowgate::gate::{Limit, RedisGate};
+    use flowgate::http::{Constant, Policy, RateLimitLayer};
+
+    let redis = crate::support::RedisServer::start();
+    let before = alive();
+    let quota = Quota::per_hour(1_000_000).unwrap();
+    let gate = RedisGate::builder(
+        redis.fast_failing_manager().await,
+        Limit::TokenBucket(quota),
+    )
+    .lease(16)
+    .build()
+    .await
+    .unwrap();
+    let limit = RateLimitLayer::builder(gate)
+        .policy(Policy::new("all", quota, Constant::new("k")))
+        .build()
+        .unwrap();
+    let bulkhead = Bulkhead::builder(4)
+        .max_waiting(64)
+        .wait_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    journey(bulkhead, move |app| app.layer(limit), before).await;
 }

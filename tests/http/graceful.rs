@@ -42,8 +42,8 @@ fn alive() -> usize {
 }
 
 /// The journey over `bulkhead`, with `rate_limit` inside the shed: load, close, graceful
-/// shutdown, and the counts after; at the end no more tasks alive than `before`.
-async fn journey(bulkhead: Bulkhead, rate_limit: impl FnOnce(Router) -> Router, before: usize) {
+/// shutdown, and the counts after. The requests served.
+async fn journey(bulkhead: Bulkhead, rate_limit: impl FnOnce(Router) -> Router) -> u64 {
     let layer = ShedLayer::builder(bulkhead.clone())
         .wait(true)
         .name("api")
@@ -173,8 +173,11 @@ async fn journey(bulkhead: Bulkhead, rate_limit: impl FnOnce(Router) -> Router, 
         assert_eq!(a.ok + a.ignored, ok, "{a:?}");
     }
 
-    // Nothing the service started is left on the runtime.
-    drop((layer, bulkhead));
+    ok
+}
+
+/// Nothing the service started is left on the runtime: no more tasks alive than `before`.
+async fn all_ended(before: usize) {
     eventually("every task ended", SOON, || alive() <= before).await;
 }
 
@@ -191,7 +194,9 @@ async fn graceful_shutdown_under_load() {
         .name("api")
         .build()
         .unwrap();
-    journey(bulkhead, memory, alive()).await;
+    let before = alive();
+    journey(bulkhead, memory).await;
+    all_ended(before).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,7 +210,9 @@ async fn graceful_shutdown_under_load_adaptive() {
         .unwrap();
     let max_before = bulkhead.max_in_flight();
     assert_eq!(max_before, 4);
-    journey(bulkhead, memory, alive()).await;
+    let before = alive();
+    journey(bulkhead, memory).await;
+    all_ended(before).await;
 }
 
 /// The same over a `RedisGate` with batching and leases: its batch driver and its Redis
@@ -237,5 +244,10 @@ async fn graceful_shutdown_under_load_redis() {
         .wait_timeout(Duration::from_secs(10))
         .build()
         .unwrap();
-    journey(bulkhead, move |app| app.layer(limit), before).await;
+    let layer = limit.clone();
+    let ok = journey(bulkhead, move |app| app.layer(layer)).await;
+    let stats = limit.stats();
+    assert_eq!((stats.admitted, stats.fail_open), (ok, 0), "{stats:?}");
+    drop(limit);
+    all_ended(before).await;
 }

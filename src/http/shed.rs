@@ -355,6 +355,15 @@ impl fmt::Debug for Shared {
 /// `ServiceExt::into_make_service_with_connect_info`) it sheds what `Router::layer` sheds,
 /// without axum's boxing and per-request clone of a layered route (see
 /// [`RateLimitLayer`'s "Under axum"](crate::http::RateLimitLayer#under-axum)).
+///
+/// # Shutting down
+///
+/// Close the bulkhead ([`Bulkhead::close`](crate::bulkhead::Bulkhead::close)), then start
+/// the server's graceful shutdown (axum's `with_graceful_shutdown`): the requests in the
+/// waiting room get this layer's `503` at once (the same `Retry-After` and problem type as
+/// a shed: a client cannot tell going away from busy), new ones too, and the requests in
+/// flight finish. Started without the close, the graceful shutdown waits for the waiting
+/// room too: each request in it until it gets a permit or its `wait_timeout` runs out.
 #[derive(Clone)]
 pub struct ShedLayer {
     shared: Arc<Shared>,

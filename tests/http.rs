@@ -61,3 +61,6 @@ mod interop;
 
 #[path = "http/graceful.rs"]
 mod graceful;
+
+#[path = "http/rollout.rs"]
+mod rollout;

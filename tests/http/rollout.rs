@@ -355,6 +355,7 @@ async fn switching_to_enforcing_on_the_shared_gate_keeps_the_buckets() {
 #[tokio::test]
 async fn extremes_of_cost_and_key() {
     for shadowed in [false, true] {
+        let (logs, _guard) = crate::support::Logs::capture();
         let l = layer(gate(), shadowed, 64);
         let server = Server::start(app(l.clone())).await;
         let url = server.url("/");
@@ -417,6 +418,17 @@ async fn extremes_of_cost_and_key() {
                 );
             }
         }
+        // The 8 KiB value is said once, without the value.
+        let long_said: Vec<_> = logs
+            .events()
+            .into_iter()
+            .filter(|e| e.level == tracing::Level::WARN)
+            .filter(|e| {
+                e.fields.iter().any(|(_, v)| v.contains("8192")) || e.message.contains("8192")
+            })
+            .collect();
+        assert_eq!(long_said.len(), 1, "{long_said:?}");
+        assert!(!format!("{long_said:?}").contains(&long[..300]));
         let st: RateLimitStats = l.stats();
         assert_eq!(st.missing_key, 3, "{st:?}");
         assert_eq!(st.bad_request, 1, "{st:?}");
@@ -428,4 +440,31 @@ async fn extremes_of_cost_and_key() {
         }
         assert_eq!(l.top_rejected(1)[0].key, "per-ip:10.1.0.1");
     }
+}
+
+/// As documented: in shadow mode a request without an API key (a `400` when enforcing) is
+/// charged on `per-ip`, so that address's later requests are would-be rejections that the
+/// enforcing layer admits.
+#[tokio::test]
+async fn a_keyless_request_charged_in_shadow_is_a_documented_divergence() {
+    let client = client();
+    let mut stats = Vec::new();
+    for shadowed in [true, false] {
+        let l = layer(gate(), shadowed, 64);
+        let server = Server::start(app(l.clone())).await;
+        let url = server.url("/");
+        get(&client, &url, &[("x-forwarded-for", "10.2.0.1")]).await;
+        for _ in 0..3 {
+            let r = ("10.2.0.1".to_owned(), "z".to_owned(), 1);
+            send(&client, &url, &r).await;
+        }
+        stats.push(l.stats());
+    }
+    let (s, e) = (&stats[0], &stats[1]);
+    assert_eq!(
+        (s.missing_key, s.admitted, s.shadow_rejected),
+        (1, 3, 1),
+        "{s:?}"
+    );
+    assert_eq!((e.missing_key, e.admitted, e.rejected), (1, 3, 0), "{e:?}");
 }

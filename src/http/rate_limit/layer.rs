@@ -140,7 +140,17 @@ pub(super) type CostFn = dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync;
 /// that a [`MissingKey::Refuse`](crate::http::MissingKey::Refuse) policy would refuse with `400` is counted once as
 /// `missing_key`, and then decided (charged, and counted) on the other policies that apply,
 /// so that their fields are written (counted `admitted` when none applies): in shadow mode
-/// such a request counts in two outcomes.
+/// such a request counts in two outcomes (and, charged here and refused there, it leaves its
+/// other keys with less than an enforcing layer would: the shadow's later would-be
+/// rejections can exceed the enforcing layer's `429`s by that much). A request that can
+/// never be decided (`400`, `bad_request`) passes undecided, without fields.
+///
+/// To enforce, build the layer again with `shadow(false)` over the same gate (a clone of
+/// it: a [`MemoryGate`](crate::gate::MemoryGate)'s clones share its buckets) with the same
+/// policies and key prefix, and serve it in the shadow layer's place: it decides on the
+/// buckets the shadow layer charged, so no key starts over and no burst is granted twice.
+/// Its [`stats`](RateLimitLayer::stats) and top rejected keys start from zero. A new gate
+/// (or another prefix) starts every bucket full.
 ///
 /// # Abuse visibility
 ///

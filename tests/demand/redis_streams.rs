@@ -112,13 +112,7 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
         survivors.push(tokio::spawn(async move {
             let mut stream = Box::pin(prefetch(server_src, levels(100, 20)));
             let mut claimed = 0;
-            while !done.load(Ordering::SeqCst) {
-                let Ok(Some(e)) =
-                    tokio::time::timeout(Duration::from_millis(100), stream.next()).await
-                else {
-                    continue;
-                };
-                let e = e.unwrap();
+            while let Some(e) = next_until(&mut stream, &done).await {
                 claimed += usize::from(e.origin == Origin::Claimed);
                 let n: u32 = e.get("n").unwrap();
                 *seen.lock().unwrap().entry(n).or_default() += 1;
@@ -161,6 +155,19 @@ async fn a_group_processes_everything_at_least_once_when_a_consumer_dies() {
         0,
         "nothing left pending: acked == produced"
     );
+}
+
+/// The next entry, polling for one every 100 ms until `done`.
+async fn next_until<S>(stream: &mut S, done: &AtomicBool) -> Option<StreamEntry>
+where
+    S: futures::Stream<Item = redis::RedisResult<StreamEntry>> + Unpin,
+{
+    while !done.load(Ordering::SeqCst) {
+        if let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(100), stream.next()).await {
+            return Some(e.unwrap());
+        }
+    }
+    None
 }
 
 /// The next `n` entries.
@@ -1955,4 +1962,137 @@ async fn a_consumer_loop_shut_down_with_work_in_flight_and_started_again_loses_n
     assert!(next(&mut stream).await.is_none(), "nothing more");
     flush(&mut stream).await;
     assert_eq!(drained(&mut con).await, 0, "every entry acknowledged once");
+}
+
+/// What the group journey records: per entry, how often it was processed, and every
+/// entry a slow consumer got new (no other consumer may process those while it lives).
+#[derive(Default)]
+struct GroupLog {
+    seen: HashMap<u32, u32>,
+    acks_made: u64,
+    slow_new: Vec<u32>,
+}
+
+/// A consumer-group journey: consumers `a` (fast), `slow` (each entry takes longer than
+/// `min_idle`) and `doomed` (its task aborted mid-run holding entries) share a stream; `late`
+/// joins half-way. Every entry is processed at least once, Redis ends with nothing pending,
+/// and the counters agree with Redis: `acked` sums to the entries produced (each left the
+/// pending list once), every ack made is acked, stale or unsent, and none is unsent. The
+/// entries the live slow consumer held are never claimed by another.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_with_a_dead_a_slow_and_a_late_consumer_acks_every_entry_exactly_once() {
+    const N: u32 = 2_000;
+    let (server, mut con) = with_entries(N).await;
+    let log: Arc<Mutex<GroupLog>> = Default::default();
+    let done = Arc::new(AtomicBool::new(false));
+    let names = ["a", "slow", "doomed", "late"];
+    let counters: Vec<Arc<Counters>> = names.iter().map(|n| Arc::new(Counters::new(n))).collect();
+    let spawn = |i: usize| {
+        let (log, done, counters) = (log.clone(), done.clone(), counters[i].clone());
+        let name = names[i];
+        let builder = RedisStreamSource::builder(
+            tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(server.connect())
+            }),
+            KEY,
+            GROUP,
+            name,
+        )
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_millis(300))
+        .claim_every(Duration::from_millis(100));
+        let source = counters.build(builder);
+        tokio::spawn(async move {
+            let slow = name == "slow";
+            let mut stream = Box::pin(prefetch(
+                source,
+                if slow { levels(3, 0) } else { levels(50, 10) },
+            ));
+            while let Some(e) = next_until(&mut stream, &done).await {
+                let n: u32 = e.get("n").unwrap();
+                if slow {
+                    if e.origin == Origin::New {
+                        log.lock().unwrap().slow_new.push(n);
+                    }
+                    tokio::time::sleep(Duration::from_millis(450)).await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                {
+                    let mut log = log.lock().unwrap();
+                    *log.seen.entry(n).or_default() += 1;
+                    log.acks_made += 1;
+                    if log.seen.len() == N as usize {
+                        done.store(true, Ordering::SeqCst);
+                    }
+                }
+                e.ack.ack();
+            }
+            flush(&mut stream).await;
+        })
+    };
+    let a = spawn(0);
+    let slow = spawn(1);
+    let doomed = spawn(2);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    doomed.abort();
+    let _ = doomed.await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let late = spawn(3);
+    let finished = tokio::time::timeout(Duration::from_secs(60), async {
+        for t in [a, slow, late] {
+            t.await.unwrap();
+        }
+    })
+    .await;
+    let left = drained(&mut con).await;
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    assert!(
+        finished.is_ok(),
+        "timeout: {} of {N} processed, {left} pending",
+        log.seen.len()
+    );
+    assert_eq!(log.seen.len(), N as usize, "every entry processed");
+    assert_eq!(left, 0, "nothing pending in Redis");
+    for n in &log.slow_new {
+        assert_eq!(
+            log.seen[n], 1,
+            "{n}, held by the live slow consumer, processed again"
+        );
+    }
+    // The background task of the aborted consumer sends its acks after it is gone.
+    let sum = |m: &str| counters.iter().map(|c| c.get(m).unwrap()).sum::<u64>();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while sum("acked") + sum("stale_acks") + sum("unsent_acks") < log.acks_made
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // No entry was processed twice: the slow one's held entries were kept alive, and
+    // only what the doomed one dropped unacknowledged was claimed.
+    assert_eq!(
+        log.acks_made,
+        u64::from(N),
+        "each entry processed exactly once"
+    );
+    assert_eq!(sum("unsent_acks"), 0);
+    assert_eq!(
+        sum("acked") + sum("stale_acks"),
+        log.acks_made,
+        "every ack made is acked or stale"
+    );
+    // Acks a fetch of the doomed one carried when its task was aborted are sent again by
+    // its background task: Redis, which had them already, answers 0, and they count as
+    // stale (the fetch's cancel safety says so), so `acked` may fall short of what Redis
+    // acknowledged by those, never above it.
+    assert!(sum("acked") <= u64::from(N));
+    assert_eq!(
+        sum("acked") + counters[2].get("stale_acks").unwrap(),
+        u64::from(N),
+        "only the aborted fetch's acks count as stale"
+    );
+    for (c, name) in counters.iter().zip(names) {
+        assert!(c.get("acked").unwrap() > 0, "{name} did some work");
+    }
 }

@@ -2096,3 +2096,84 @@ async fn a_group_with_a_dead_a_slow_and_a_late_consumer_acks_every_entry_exactly
         assert!(c.get("acked").unwrap() > 0, "{name} did some work");
     }
 }
+
+/// The stream trimmed (`XTRIM MAXLEN 0`) under entries a live consumer holds: their acks
+/// are counted (acked, or stale if Redis dropped them from the pending list), nothing stays
+/// pending, and the consumer reads on.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_trimmed_under_held_entries_leaves_nothing_pending_and_reads_on() {
+    let (server, mut con) = with_entries(10).await;
+    let counters = Counters::new("trimmed");
+    let builder = RedisStreamSource::builder(server.connect().await, KEY, GROUP, "t")
+        .block(Duration::from_millis(50))
+        .min_idle(Duration::from_millis(300))
+        .claim_every(Duration::from_millis(100));
+    let mut stream = Box::pin(prefetch(counters.build(builder), levels(5, 0)));
+    let held = take(&mut stream, 5).await;
+    let _: u64 = redis::cmd("XTRIM")
+        .arg(KEY)
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // Past a few keep-alives and claim passes.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for e in held {
+        e.ack.ack();
+    }
+    produce(&mut con, 3).await;
+    let mut fresh = 0;
+    while let Some(e) = next(&mut stream).await {
+        assert_eq!(e.origin, Origin::New, "{}", e.id);
+        fresh += 1;
+        e.ack.ack();
+    }
+    assert_eq!(fresh, 3);
+    flush(&mut stream).await;
+    let (acked, stale) = (
+        counters.get("acked").unwrap(),
+        counters.get("stale_acks").unwrap(),
+    );
+    assert_eq!(
+        acked + stale,
+        8,
+        "every ack counted ({acked} acked, {stale} stale)"
+    );
+    assert_eq!(drained(&mut con).await, 0);
+}
+
+/// A consumer whose handler panics mid-batch: its task ends, the entries it held and its
+/// buffer go back to the pending list unacknowledged, and another consumer claims and
+/// finishes them; what it acknowledged before the panic reaches Redis, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_of_a_consumer_whose_handler_panics_are_claimed_by_another() {
+    const N: u32 = 40;
+    let (server, mut con) = with_entries(N).await;
+    let doomed = source(&server, "p").await;
+    let before = tokio::spawn(async move {
+        let mut stream = Box::pin(prefetch(doomed, levels(10, 2)));
+        loop {
+            let e = stream.next().await.unwrap().unwrap();
+            let n: u32 = e.get("n").unwrap();
+            assert!(n != 15, "handler fails on {n}");
+            e.ack.ack();
+        }
+    });
+    assert!(before.await.unwrap_err().is_panic());
+    let mut stream = Box::pin(prefetch(source(&server, "q").await, levels(10, 2)));
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while seen.len() < (N - 15) as usize && tokio::time::Instant::now() < deadline {
+        if let Some(e) = next(&mut stream).await {
+            let n: u32 = e.get("n").unwrap();
+            assert!(n >= 15, "{n} was acknowledged before the panic");
+            assert!(seen.insert(n), "{n} twice");
+            e.ack.ack();
+        }
+    }
+    assert_eq!(seen.len(), (N - 15) as usize, "{seen:?}");
+    flush(&mut stream).await;
+    assert_eq!(drained(&mut con).await, 0);
+}

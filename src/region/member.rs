@@ -20,7 +20,7 @@ use crate::metrics::{Counter, Gauge, Labels};
 use crate::region::config::{Plan, QuotaAllocator, micros};
 use crate::region::gate::RegionGate;
 use crate::region::model::Report;
-use crate::region::status::RegionStatus;
+use crate::region::status::{HomeError, RegionStatus};
 use crate::sync::{Arc, Mutex, Panics};
 
 /// Names of the region metrics (labels `name` = the allocator, `region`).
@@ -369,6 +369,30 @@ fn smooth(average: f64, measured: f64, weight: f64, covered: f64) -> f64 {
     }
 }
 
+/// What a failed call to the home tells of it: no answer, or the home's error reply.
+fn home_error(e: &GateError) -> HomeError {
+    match e {
+        GateError::Timeout(d) => HomeError::Timeout(*d),
+        GateError::Degraded { .. } => HomeError::NotAsked,
+        GateError::Backend(b) => match b.downcast_ref::<redis::RedisError>() {
+            // The client's own: no connection, or one lost under the call.
+            Some(r)
+                if r.code().is_none()
+                    && !matches!(
+                        r.kind(),
+                        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType
+                    ) =>
+            {
+                HomeError::Unreachable(r.to_string())
+            }
+            // Redis's error reply, or an answer that is not the script's.
+            _ => HomeError::Refused(b.to_string()),
+        },
+        // `WRONGTYPE` on the home's key.
+        other => HomeError::Refused(other.to_string()),
+    }
+}
+
 /// The largest demand reported (units per period): see `config::MAX_CAPACITY`.
 const MAX_DEMAND: u64 = 1 << 27;
 
@@ -499,6 +523,7 @@ where
             round.status.leader = false;
             round.lock_until = None;
             round.status.home_reachable = fresh;
+            round.status.home_error = None;
             round.status.share = units(share);
             // As the metrics: not what this process measured when it last refreshed.
             round.status.demand = 0;
@@ -574,12 +599,21 @@ where
                 round.home_failures = 0;
                 // Whatever becomes of the lease here (the local Redis may not take it).
                 round.status.home_reachable = true;
+                round.status.home_error = None;
                 g
             }
             Err(e) => {
                 let failed = self.fail(true);
                 let failures = {
                     let mut round = self.round();
+                    // Not sent (the connection waits for its next probe): the last call
+                    // that was is the one to tell of, if it failed.
+                    if !matches!(e, GateError::Degraded { .. }) || round.status.home_error.is_none()
+                    {
+                        let why = home_error(&e);
+                        round.status.home_reachable = matches!(why, HomeError::Refused(_));
+                        round.status.home_error = Some(why);
+                    }
                     round.home_failures += 1;
                     round.home_failures
                 };
@@ -778,9 +812,6 @@ where
         let mut round = self.round();
         round.status.failures += 1;
         round.failing = round.failing.saturating_add(1);
-        if home {
-            round.status.home_reachable = false;
-        }
         Failed {
             failures: round.failing,
             home,

@@ -183,4 +183,4 @@ pub use config::{QuotaAllocator, QuotaAllocatorBuilder, RegionSpec, SafeShare};
 pub use gate::RegionGate;
 pub use member::Region;
 pub use policy::Allocation;
-pub use status::{AllocatorStatus, HomeRegion, RegionStatus};
+pub use status::{AllocatorStatus, HomeError, HomeRegion, RegionStatus};

@@ -40,10 +40,19 @@ pub struct RegionStatus {
     /// Whether the home was in its learning phase at this process's last refresh; false in
     /// a process that does not refresh (it makes no calls to the home).
     pub learning: bool,
-    /// Whether the last call to the home succeeded; in a process that does not refresh (it
-    /// makes no calls to the home), whether the refreshing process's last one did: the
-    /// lease in use is at most a refresh interval and the home timeout old.
+    /// Whether the home answered this process's last call to it, with a lease or with an
+    /// error ([`home_error`](RegionStatus::home_error) says which); false when that call got
+    /// no answer or was not sent, and before this process's first call to the home (its
+    /// refreshes failed on the local Redis before they reached it). In a process that does
+    /// not refresh (it makes no calls to the home): whether the lease in use is fresh (at
+    /// most a refresh interval and the home timeout old), which it is while the refreshing
+    /// process gets leases; false when it is older, whatever the cause (the home away or
+    /// refusing the refreshing process, or that process stalled or gone).
     pub home_reachable: bool,
+    /// Why this process's last call to the home failed: no answer, or the home's error
+    /// reply (`None` when it got a lease, before this process's first call to the home, and
+    /// in a process that does not refresh).
+    pub home_error: Option<HomeError>,
     /// Refreshes that got a lease, and refreshes that failed (home or local Redis), by this
     /// process.
     pub refreshes: u64,
@@ -55,7 +64,7 @@ impl fmt::Display for RegionStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: share {} (safe {}), lease {:.1}s left, demand {}, utilisation {:.0}%{}{}",
+            "{}: share {} (safe {}), lease {:.1}s left, demand {}, utilisation {:.0}%{}",
             self.region,
             self.share,
             self.safe,
@@ -63,12 +72,50 @@ impl fmt::Display for RegionStatus {
             self.demand,
             self.utilisation * 100.0,
             if self.learning { ", home learning" } else { "" },
-            if self.home_reachable {
-                ""
-            } else {
-                ", home unreachable"
-            },
-        )
+        )?;
+        match &self.home_error {
+            Some(e) => write!(f, ", {e}"),
+            None if self.home_reachable => Ok(()),
+            // No call of this process's failed: it made none yet, or it does not refresh
+            // and the lease in use is not fresh.
+            None => f.write_str(", no fresh lease"),
+        }
+    }
+}
+
+/// Why a region's last call to the home failed; see
+/// [`RegionStatus::home_error`](crate::region::RegionStatus::home_error).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HomeError {
+    /// The home did not answer within the home timeout (this long).
+    Timeout(Duration),
+    /// The call did not reach the home: the connection failed, was refused or dropped
+    /// (the client's message).
+    Unreachable(String),
+    /// The call was not sent: a call to the home from this process (this region's, another
+    /// region's, or a [`QuotaAllocator::status`](crate::region::QuotaAllocator::status))
+    /// failed less than a refresh interval before, and the connection waits for its next
+    /// probe.
+    NotAsked,
+    /// The home answered with an error (Redis's reply, its code first): `OOM` when the home
+    /// is full (`maxmemory`), `READONLY` from a replica, `WRONGTYPE` or `ERR region home
+    /// state is unreadable` when something else wrote its key, `ERR region home holds
+    /// shares per …` for a quota of another period (see the [module docs](crate::region)
+    /// on changing the global quota).
+    Refused(String),
+}
+
+impl fmt::Display for HomeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HomeError::Timeout(d) => write!(f, "home unreachable: no answer within {d:?}"),
+            HomeError::Unreachable(why) => write!(f, "home unreachable: {why}"),
+            HomeError::NotAsked => {
+                f.write_str("home not asked: a call to it failed within the probe interval")
+            }
+            HomeError::Refused(why) => write!(f, "home refused the refresh: {why}"),
+        }
     }
 }
 

@@ -113,9 +113,15 @@ async fn a_deploy_that_writes_the_quota_per_another_period_keeps_the_bound() {
             );
         }
     }
-    // Refused by the home while us holds a grant per second: a failed refresh, shown.
+    // Refused by the home while us holds a grant per second: a failed refresh, shown as
+    // the home's answer.
     let st = eu.status();
-    assert!(st.failures > 0 && !st.home_reachable, "{st:?}");
+    assert!(st.failures > 0 && st.home_reachable, "{st:?}");
+    assert!(
+        matches!(&st.home_error, Some(flowgate::region::HomeError::Refused(m)) if m.contains("holds shares per")),
+        "{st:?}"
+    );
+    assert!(st.to_string().contains("home refused"), "{st}");
     // Once the last process per second has stopped and its lease ended, the home divides
     // per minute.
     assert!(us.leave().await);

@@ -285,8 +285,9 @@ async fn a_refresh_right_after_a_refresh_reads_no_burst_as_utilisation() {
 /// before this process had called the home at all (its local Redis down at `join`). Now it
 /// tells an error answer (the home's reply) from no answer, and both from no call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fault: a status says \"home unreachable\" when the home answered an error, or was never called"]
 async fn a_status_tells_an_error_answer_from_an_unreachable_home() {
+    use flowgate::region::HomeError;
+
     let server = RedisServer::start();
     let alloc = fifty_a_second(&server, "answered").await;
     let region = alloc.join("eu", server.connect().await).await.unwrap();
@@ -305,6 +306,10 @@ async fn a_status_tells_an_error_answer_from_an_unreachable_home() {
     let status = region.status();
     assert_eq!(status.failures, 1, "{status}");
     assert!(status.home_reachable, "the home answered: {status}");
+    assert!(
+        matches!(&status.home_error, Some(HomeError::Refused(m)) if m.contains("unreadable")),
+        "{status:?}"
+    );
     let shown = status.to_string();
     assert!(
         shown.contains("home refused") && shown.contains("unreadable"),
@@ -331,6 +336,13 @@ async fn a_status_tells_an_error_answer_from_an_unreachable_home() {
         .unwrap();
     let status = cut.status();
     assert!(!status.home_reachable, "{status}");
+    assert!(
+        matches!(
+            status.home_error,
+            Some(HomeError::Unreachable(_) | HomeError::Timeout(_))
+        ),
+        "{status:?}"
+    );
     assert!(status.to_string().contains("home unreachable"), "{status}");
 
     // A process whose local Redis is down at `join` never called the home: it does not say
@@ -341,5 +353,9 @@ async fn a_status_tells_an_error_answer_from_an_unreachable_home() {
     let alone = alloc.join("eu", conn).await.unwrap();
     let status = alone.status();
     assert_eq!((status.refreshes, status.failures), (0, 1), "{status}");
+    assert!(
+        !status.home_reachable && status.home_error.is_none(),
+        "{status:?}"
+    );
     assert!(!status.to_string().contains("unreachable"), "{status}");
 }

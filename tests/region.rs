@@ -17,6 +17,9 @@ mod fleet;
 mod handover;
 #[path = "region/history.rs"]
 mod history;
+#[cfg(all(feature = "http", feature = "metrics"))]
+#[path = "region/http_edge.rs"]
+mod http_edge;
 #[path = "region/journeys.rs"]
 mod journeys;
 #[path = "region/model.rs"]

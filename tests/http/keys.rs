@@ -414,3 +414,82 @@ fn a_proxy_written_with_its_zone_id_is_trusted() {
         assert_eq!(e.field(), "client_ip.trusted", "{bad:?}");
     }
 }
+
+/// The keyless bucket is no client's to take: a client whose key is the policy's
+/// `MissingKey::Shared` key (`x-api-key: -` under the default `"-"`, or a user's own shared
+/// key, from a `Header` or a closure) has a bucket of its own, and cannot spend (or be
+/// limited with) every keyless request's quota.
+#[tokio::test]
+#[ignore = "fault: a request key equal to the MissingKey::Shared key shares the keyless bucket"]
+async fn a_key_equal_to_the_shared_keyless_key_has_its_own_bucket() {
+    let by_closure = |req: &flowgate::http::RequestInfo<'_>, key: &mut String| match req
+        .headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(k) => {
+            key.push_str(k);
+            true
+        }
+        None => false,
+    };
+    let policies = [
+        (
+            Policy::new(
+                "per-key",
+                one_per_minute(),
+                Header::new("x-api-key").unwrap(),
+            ),
+            "-",
+        ),
+        (
+            Policy::new("per-key", one_per_minute(), by_closure)
+                .missing_key(MissingKey::Shared("anon".to_owned())),
+            "anon",
+        ),
+    ];
+    for (policy, shared) in policies {
+        let layer = RateLimitLayer::builder(gate())
+            .policy(policy)
+            .build()
+            .unwrap();
+        let server = serve("127.0.0.1:0", layer.clone()).await;
+        let url = url(&server);
+        let keyed: [(&str, &[u8]); 1] = [("x-api-key", shared.as_bytes())];
+        assert_eq!(h1(&url, &[]).await.0, StatusCode::OK, "{shared}: keyless");
+        assert_eq!(
+            h1(&url, &keyed).await.0,
+            StatusCode::OK,
+            "{shared}: a client sending the shared key has its own bucket"
+        );
+        assert_eq!(h1(&url, &keyed).await.0, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(h1(&url, &[]).await.0, StatusCode::TOO_MANY_REQUESTS);
+        // A key written as the escaped one is a third key, neither of those.
+        let escaped = format!("\\{shared}");
+        let escaped: [(&str, &[u8]); 1] = [("x-api-key", escaped.as_bytes())];
+        assert_eq!(h1(&url, &escaped).await.0, StatusCode::OK, "{shared}");
+        let keys = rejected(&layer);
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        assert!(
+            keys.contains(&(format!("per-key:{shared}"), 1)),
+            "the keyless bucket: {keys:?}"
+        );
+        assert!(
+            keys.contains(&(format!("per-key:\\{shared}"), 1)),
+            "the client's own: {keys:?}"
+        );
+    }
+    // A shared key that could be an escaped request's key is refused.
+    let e = RateLimitLayer::builder(gate())
+        .policy(
+            Policy::new(
+                "per-key",
+                one_per_minute(),
+                Header::new("x-api-key").unwrap(),
+            )
+            .missing_key(MissingKey::Shared("\\-".to_owned())),
+        )
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "rate_limit.policies", "{e}");
+}

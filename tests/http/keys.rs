@@ -493,3 +493,232 @@ async fn a_key_equal_to_the_shared_keyless_key_has_its_own_bucket() {
         .unwrap_err();
     assert_eq!(e.field(), "rate_limit.policies", "{e}");
 }
+
+/// A client's journey behind two layers of proxies (a CDN edge, then a load balancer that
+/// is the app's peer), as `X-Forwarded-For`: whatever a client writes (spoofed left-most
+/// entries, a trusted-looking address, its own line, garbage), its key is the address the
+/// CDN saw; IPv6 clients are counted per `/64` as documented, an IPv4 client written
+/// IPv4-mapped is its IPv4 address, and an `unknown` client is the hop that said so.
+#[tokio::test]
+async fn behind_a_cdn_and_a_load_balancer_the_key_is_the_client_the_cdn_saw() {
+    let xff = ClientIp::builder(ForwardedHeader::XForwardedFor)
+        .trust("127.0.0.1/32") // the load balancer
+        .trust("10.1.0.0/16") // the CDN's edges
+        .peer(connect_info())
+        .ipv6_per_64(true)
+        .build()
+        .unwrap();
+    let layer = layer_of("per-ip", xff);
+    let server = serve("127.0.0.1:0", layer.clone()).await;
+    let url = url(&server);
+    let name = "x-forwarded-for";
+    let cases: [(&[&[u8]], StatusCode); 13] = [
+        (&[b"203.0.113.7, 10.1.2.3"], StatusCode::OK),
+        (
+            &[b"1.1.1.1, 203.0.113.7, 10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        // A spoofed CDN address left of the client, the client with a port.
+        (
+            &[b"10.1.9.9, 203.0.113.7:5555, 10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        // The client's own line, then the CDN's.
+        (
+            &[b"6.6.6.6", b"203.0.113.7, 10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &[b"\"open, ;; =", b"203.0.113.7", b"10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &[b"::ffff:203.0.113.7, 10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        // IPv6 clients: per /64.
+        (&[b"2001:db8:1:2::5, 10.1.2.3"], StatusCode::OK),
+        (
+            &[b"[2001:db8:1:2:ffff::9]:443, 10.1.2.3"],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (&[b"2001:db8:1:3::5, 10.1.2.3"], StatusCode::OK),
+        // A client that wrote a whole fake chain: the CDN appended what it saw after it.
+        (
+            &[b"203.0.113.7, 10.1.2.3, 198.51.100.1, 10.1.2.4"],
+            StatusCode::OK,
+        ),
+        // The CDN could not tell: its own address is the key (nearest true hop).
+        (&[b"unknown, 10.1.2.3"], StatusCode::OK),
+        (&[b"_hidden, 10.1.2.3"], StatusCode::TOO_MANY_REQUESTS),
+        // The load balancer's own request (a health check): its address.
+        (&[], StatusCode::OK),
+    ];
+    for (lines, want) in cases {
+        let headers: Vec<(&str, &[u8])> = lines.iter().map(|l| (name, *l)).collect();
+        let (status, _) = h1(&url, &headers).await;
+        assert_eq!(
+            status,
+            want,
+            "{:?}",
+            lines
+                .iter()
+                .map(|l| String::from_utf8_lossy(l))
+                .collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(
+        rejected(&layer),
+        [
+            ("per-ip:10.1.2.3".to_owned(), 1),
+            ("per-ip:2001:db8:1:2::/64".to_owned(), 1),
+            ("per-ip:203.0.113.7".to_owned(), 5),
+        ]
+    );
+}
+
+/// The same journey as `Forwarded` on a dual-stack listener, reached over IPv4 and IPv6
+/// loopback (the load balancer trusted as one address each, `/128`, the IPv4 one written
+/// IPv4-mapped), behind a CDN in `fd00::/8`: quoted IPv6 with ports, obfuscated
+/// identifiers, several lines, a client's `X-Forwarded-For` never read; then trusted
+/// networks at `/0`: `::/0` holds no IPv4 peer, and `0.0.0.0/0` makes every IPv4 address
+/// a proxy, so the key is the left-most IPv4 entry, as documented (the client's own).
+#[tokio::test]
+async fn forwarded_through_two_layers_on_a_dual_stack_listener() {
+    let fwd = behind(
+        ForwardedHeader::Forwarded,
+        &["::ffff:127.0.0.1/128", "::1/128", "fd00::/8"],
+    );
+    let layer = layer_of("per-ip", fwd);
+    let server = serve("[::]:0", layer.clone()).await;
+    let port = server.addr.port();
+    let v4 = format!("http://127.0.0.1:{port}/");
+    let v6 = format!("http://[::1]:{port}/");
+    let name = "forwarded";
+    /// Where a request goes, its header lines, and what it gets.
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a [u8])], StatusCode);
+    let cases: [Case<'_>; 10] = [
+        (
+            &v6,
+            &[(
+                name,
+                br#"for="[2001:db8:cafe::1]:4711";proto=https, for="[fd00::2]""#,
+            )],
+            StatusCode::OK,
+        ),
+        (
+            &v4,
+            &[(name, br#"for=198.51.100.2;by=_cdn, for="[fd00::2]:80""#)],
+            StatusCode::OK,
+        ),
+        // An obfuscated hop on the last line: the walk stops, the key is the peer.
+        (
+            &v4,
+            &[
+                (name, br#"for="[2001:db8:cafe::1]""#),
+                (name, b"for=_edge-7"),
+            ],
+            StatusCode::OK,
+        ),
+        (
+            &v6,
+            &[
+                (name, b"for=6.6.6.6"),
+                (name, br#"for="[2001:db8:cafe::1]:4711", for="[fd00::3]""#),
+            ],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &v4,
+            &[(
+                name,
+                br#"for="[fd00::9]", For="[2001:DB8:CAFE::1]", for=fd00::2"#,
+            )],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &v6,
+            &[
+                ("x-forwarded-for", b"1.2.3.4"),
+                (name, br#"for=198.51.100.2, for="[fd00::2]""#),
+            ],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &v4,
+            &[(name, b"for=unknown")],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (
+            &v6,
+            &[(name, br#"for=unknown, for="[fd00::4]""#)],
+            StatusCode::OK,
+        ),
+        // Every hop trusted: the left-most.
+        (
+            &v6,
+            &[(name, br#"for="[fd00::4]:1""#)],
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        (&v6, &[], StatusCode::OK),
+    ];
+    for (url, headers, want) in cases {
+        let (status, _) = h1(url, headers).await;
+        assert_eq!(status, want, "{url} {headers:?}");
+    }
+    assert_eq!(
+        rejected(&layer),
+        [
+            ("per-ip:127.0.0.1".to_owned(), 1),
+            ("per-ip:198.51.100.2".to_owned(), 1),
+            ("per-ip:2001:db8:cafe::1".to_owned(), 2),
+            ("per-ip:fd00::4".to_owned(), 1),
+        ]
+    );
+
+    // `::/0` trusts every IPv6 address and no IPv4 one: the IPv4 peer is the key.
+    let layer = layer_of("per-ip", behind(ForwardedHeader::Forwarded, &["::/0"]));
+    let server = serve("[::]:0", layer.clone()).await;
+    let v4 = format!("http://127.0.0.1:{}/", server.addr.port());
+    let v6 = format!("http://[::1]:{}/", server.addr.port());
+    assert_eq!(h1(&v4, &[(name, b"for=192.0.2.1")]).await.0, StatusCode::OK);
+    assert_eq!(
+        h1(&v4, &[(name, b"for=192.0.2.2")]).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Over IPv6, every IPv6 hop is a proxy: the first IPv4 entry is the client.
+    let chain: &[u8] = br#"for="[2001:db8::1]", for=192.0.2.3, for="[2001:db8::2]""#;
+    assert_eq!(h1(&v6, &[(name, chain)]).await.0, StatusCode::OK);
+    assert_eq!(
+        h1(&v6, &[(name, b"for=192.0.2.3")]).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        rejected(&layer),
+        [
+            ("per-ip:127.0.0.1".to_owned(), 1),
+            ("per-ip:192.0.2.3".to_owned(), 1),
+        ]
+    );
+
+    // `0.0.0.0/0`: every IPv4 address is a proxy, so whatever an IPv4 client writes is
+    // believed (the left-most IPv4 entry, stopped by an IPv6 one): trust only proxies.
+    let layer = layer_of("per-ip", behind(ForwardedHeader::Forwarded, &["0.0.0.0/0"]));
+    let server = serve("127.0.0.1:0", layer.clone()).await;
+    let url = url(&server);
+    assert_eq!(
+        h1(&url, &[(name, b"for=192.0.2.9")]).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h1(&url, &[(name, b"for=192.0.2.10")]).await.0,
+        StatusCode::OK
+    );
+    let chain: &[u8] = br#"for=192.0.2.9, for="[2001:db8::5]", for=10.0.0.1"#;
+    assert_eq!(h1(&url, &[(name, chain)]).await.0, StatusCode::OK);
+    assert_eq!(
+        h1(&url, &[(name, b"for=\"[2001:db8::5]:80\"")]).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(rejected(&layer), [("per-ip:2001:db8::5".to_owned(), 1)]);
+}

@@ -820,3 +820,52 @@ proptest! {
         prop_assert_eq!(key_of(&c, &req), Some(expected.to_string()), "{}", line);
     }
 }
+
+/// A port is one to five digits, as RFC 7239's ABNF has it (`port = 1*5DIGIT`), its value
+/// unchecked: `:99999` is a port (ignored), six digits are not (the walk stops at the
+/// nearest trusted hop). Not a fault: a port never goes into a key, and the walk reads an
+/// entry only when the trusted proxy right of it wrote it, so a client writing an
+/// out-of-range port gains nothing.
+#[test]
+fn a_port_is_up_to_five_digits_its_value_unchecked() {
+    let c = xff();
+    let f = fwd();
+    let get = |c: &ClientIp, name: &str, line: &[u8]| {
+        key_of(c, &request(Some("10.0.0.1:1"), &[(name, line)])).unwrap()
+    };
+    for line in [
+        &b"203.0.113.9:99999, 10.0.0.2:65536"[..],
+        b"[2001:db8::9]:00080, 203.0.113.9:0",
+    ] {
+        assert_eq!(get(&c, "x-forwarded-for", line), "203.0.113.9");
+    }
+    assert_eq!(
+        get(&c, "x-forwarded-for", b"203.0.113.9:123456, 10.0.0.2"),
+        "10.0.0.2"
+    );
+    assert_eq!(
+        get(
+            &f,
+            "forwarded",
+            br#"for="203.0.113.9:99999", for="[2001:db8:ffff::1]:70000""#
+        ),
+        "203.0.113.9"
+    );
+    assert_eq!(
+        get(
+            &f,
+            "forwarded",
+            br#"for="203.0.113.9:100000", for=10.0.0.2"#
+        ),
+        "10.0.0.2"
+    );
+    // A spoofed entry left of the client, whatever its port, is never read.
+    assert_eq!(
+        get(
+            &c,
+            "x-forwarded-for",
+            b"10.0.0.9:99999, 203.0.113.9, 10.0.0.2"
+        ),
+        "203.0.113.9"
+    );
+}

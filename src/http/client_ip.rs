@@ -70,7 +70,10 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// Ports (`192.0.2.1:4711`, `[2001:db8::1]:4711`, an obfuscated `_port`) are accepted and
 /// ignored, and so is an IPv6 zone id (`fe80::1%eth0`, `[fe80::1%2]:4711`: proxies that
 /// write a link-local peer's socket address write it so; the zone names an interface of
-/// the proxy's host, not the client). Empty list elements are skipped (RFC 9110 §5.6.1).
+/// the proxy's host, not the client). A port is one to five digits, as RFC 7239 writes it
+/// (`1*5DIGIT`), its value unchecked (`:99999` is ignored as any port is): a port is never
+/// part of a key, and an entry is read only when a trusted proxy wrote it. Empty list
+/// elements are skipped (RFC 9110 §5.6.1).
 /// The number of hops has no limit of its own: the walk stops at the first untrusted
 /// address, so it reads no further left than the trusted proxies wrote (unless every hop
 /// is trusted), and its cost is the bytes it reads, without an allocation.
@@ -258,7 +261,8 @@ impl ClientIpBuilder {
     /// Every host of a trusted network is trusted as a proxy: one in it that is not a proxy
     /// (an internal service calling the app directly) can write any `X-Forwarded-For` and
     /// be charged under any client's key. Trust the proxies' own addresses, or the
-    /// narrowest network that holds only proxies.
+    /// narrowest network that holds only proxies: `0.0.0.0/0` (or `::/0`) makes every
+    /// IPv4 (IPv6) client a proxy, so the key is whatever such a client writes left-most.
     pub fn trust(mut self, cidr: impl AsRef<str>) -> ClientIpBuilder {
         let text = cidr.as_ref().trim();
         match parse_trusted(text) {

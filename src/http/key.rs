@@ -42,7 +42,9 @@ impl<'a> RequestInfo<'a> {
 /// costs no allocation) and returns `false` when the request has no key for this policy
 /// (no peer address, a missing header); what such a request gets is the policy's
 /// [`MissingKey`] choice. An empty key is no key: a request for which `extract` returns
-/// `true` without writing anything gets the `MissingKey` choice too.
+/// `true` without writing anything gets the `MissingKey` choice too. No key is the keyless
+/// bucket's: under [`MissingKey::Shared`], a key equal to the shared key (or beginning with
+/// `\`) is counted with a `\` before it.
 ///
 /// Any `Fn(&RequestInfo<'_>, &mut String) -> bool + Send + Sync + 'static` is an extractor.
 pub trait KeyExtractor: Send + Sync + 'static {
@@ -79,8 +81,13 @@ where
 pub enum MissingKey {
     /// All keyless requests share one bucket under this key (the default, `"-"`): they are
     /// limited together, never let through unlimited. The gate key it makes,
-    /// `<key prefix><policy name>:<key>`, must fit in 512 bytes (checked when the layer is
-    /// built).
+    /// `<key prefix><policy name>:<key>`, must fit in 512 bytes, and the key must not begin
+    /// with `\` (both checked when the layer is built).
+    ///
+    /// No request can join this bucket by sending its key: a key a request has that equals
+    /// it, or begins with `\`, is counted with a `\` before it (`x-api-key: -` under
+    /// `"-"` counts under `<key prefix><policy name>:\-`, its own bucket, as the gate,
+    /// `top_rejected` and the logs show it). Every other key is counted as written.
     Shared(String),
     /// The policy does not apply to the request.
     Skip,
@@ -89,6 +96,11 @@ pub enum MissingKey {
     /// wrong with the request.
     Refuse,
 }
+
+/// Written before a request's key that is its policy's [`MissingKey::Shared`] key or begins
+/// with this escape itself: so no request's key is the keyless bucket's key, and two keys
+/// stay two keys.
+pub(crate) const SHARED_ESCAPE: char = '\\';
 
 impl Default for MissingKey {
     fn default() -> MissingKey {

@@ -420,7 +420,6 @@ fn a_proxy_written_with_its_zone_id_is_trusted() {
 /// key, from a `Header` or a closure) has a bucket of its own, and cannot spend (or be
 /// limited with) every keyless request's quota.
 #[tokio::test]
-#[ignore = "fault: a request key equal to the MissingKey::Shared key shares the keyless bucket"]
 async fn a_key_equal_to_the_shared_keyless_key_has_its_own_bucket() {
     let by_closure = |req: &flowgate::http::RequestInfo<'_>, key: &mut String| match req
         .headers

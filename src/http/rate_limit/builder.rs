@@ -12,7 +12,7 @@ use crate::error::{ConfigError, ConfigErrorKind};
 use crate::gate::{Gate, MAX_KEY_LEN};
 use crate::http::body::{InnerBody, WrapBody};
 use crate::http::fields::{self, HeaderStyles, PolicyParts};
-use crate::http::key::{MissingKey, RequestInfo};
+use crate::http::key::{MissingKey, RequestInfo, SHARED_ESCAPE};
 use crate::http::problem::{self, QUOTA_EXCEEDED, TEMPORARY_REDUCED_CAPACITY};
 use crate::http::rate_limit::layer::{
     CostFn, DECISIONS, Entry, HeadClaim, MAX_POLICIES, Outcome, RateLimitLayer, Shared,
@@ -268,6 +268,18 @@ impl<G: Gate + 'static, K> RateLimitLayerBuilder<G, K> {
                             shared.len()
                         ),
                     );
+                }
+                if shared.starts_with(SHARED_ESCAPE) {
+                    return Err(ConfigError::new(
+                        "rate_limit.policies",
+                        ConfigErrorKind::Inconsistent,
+                        format!(
+                            "the shared key of policy {:?} for requests without one, {shared:?}, \
+                             begins with {SHARED_ESCAPE:?}, which the layer writes before a \
+                             request's key equal to the shared key: choose one that does not",
+                            p.name
+                        ),
+                    ));
                 }
             }
             if !fields::valid_name(&p.name) || p.name.contains(':') {

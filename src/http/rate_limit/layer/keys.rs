@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ops::ControlFlow;
 
 use crate::decision::Decision;
-use crate::http::key::{MissingKey, RequestInfo};
+use crate::http::key::{MissingKey, RequestInfo, SHARED_ESCAPE};
 use crate::http::problem;
 use crate::http::rate_limit::layer::verdict::Verdict;
 use crate::http::rate_limit::layer::{Entry, MAX_POLICIES, Outcome, Shared};
@@ -78,6 +78,13 @@ impl<G> Shared<G> {
             keys.buf.push_str(&entry.head);
             keys.scratch.clear();
             if entry.policy.key.extract(req, &mut keys.scratch) && !keys.scratch.is_empty() {
+                // A key that is the shared keyless key, or could be mistaken for one escaped
+                // so, is escaped: no request's key is the keyless bucket's.
+                if let MissingKey::Shared(shared) = &entry.policy.missing
+                    && (keys.scratch.starts_with(SHARED_ESCAPE) || keys.scratch == *shared)
+                {
+                    keys.buf.push(SHARED_ESCAPE);
+                }
                 keys.buf.push_str(&keys.scratch);
             } else {
                 match &entry.policy.missing {

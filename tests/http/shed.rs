@@ -913,3 +913,115 @@ async fn racing_requests_and_a_close_are_each_counted_once() {
     assert_eq!(b.acquisitions(), N as u64, "{b:?}");
     assert!(b.shed() + b.closed >= stats.shed(), "{b:?} {stats:?}");
 }
+
+/// `GET /` on `conn`: the whole answer, headers included.
+async fn answer(
+    conn: &mut hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    addr: SocketAddr,
+) -> Answer {
+    conn.ready().await.unwrap();
+    let req = Request::get("/")
+        .header(header::HOST, addr.to_string())
+        .body(Empty::new())
+        .unwrap();
+    let (parts, body) = conn.send_request(req).await.unwrap().into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// The `503` of a closed bulkhead (the server going away), as a client or a proxy reads it:
+/// `Connection: close` on HTTP/1.1 (reconnect, and so go elsewhere behind a balancer), no
+/// `Retry-After` (the server cannot say when it will serve again: the client's own backoff
+/// decides), and a problem document of its own (`about:blank`, "Service Unavailable", a
+/// `detail` saying so), not the `temporary-reduced-capacity` of a shed.
+pub(crate) fn assert_going_away(answer: &Answer) {
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(
+        harness::field(&answer.headers, "retry-after"),
+        None,
+        "{answer:?}"
+    );
+    assert_eq!(
+        harness::field(&answer.headers, "content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(doc["type"], "about:blank", "{doc}");
+    assert_eq!(doc["title"], "Service Unavailable", "{doc}");
+    assert_eq!(doc["status"], 503, "{doc}");
+    assert!(
+        doc["detail"].as_str().unwrap().contains("shutting down"),
+        "{doc}"
+    );
+}
+
+/// A client on a keep-alive HTTP/1.1 connection tells a closed bulkhead (the server going
+/// away) from a saturated one (busy): the busy `503` keeps the connection and says
+/// `Retry-After` and `temporary-reduced-capacity`; the going-away one closes it
+/// (`Connection: close`), sends no `Retry-After` and its own problem document. The layer
+/// counts them apart (`closed`, not `shed`), in its stats and its metrics.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault: a closed bulkhead's 503 looks like a shed (same Retry-After, problem type, count); the connection is kept"]
+async fn a_closed_bulkhead_answers_going_away_not_busy() {
+    let recorder = crate::support::TestRecorder::default();
+    let bulkhead = Bulkhead::new(1).unwrap();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        ShedLayer::builder(bulkhead.clone())
+            .retry_after(Duration::from_secs(3))
+            .name("going")
+            .build()
+            .unwrap()
+    });
+    let (addr, server) = bare_server(layer.clone()).await;
+    let mut conn = connect(addr).await;
+
+    // Busy: the one permit is held elsewhere.
+    let held = bulkhead.try_acquire_owned().unwrap();
+    let busy = answer(&mut conn, addr).await;
+    assert_shed(&busy, "3");
+    assert_eq!(harness::field(&busy.headers, "connection"), None);
+    drop(held);
+    let served = answer(&mut conn, addr).await;
+    assert_eq!(
+        served.status,
+        StatusCode::OK,
+        "the busy 503 kept the connection"
+    );
+
+    // Going away.
+    bulkhead.close();
+    let gone = answer(&mut conn, addr).await;
+    assert_going_away(&gone);
+    assert_eq!(
+        harness::field(&gone.headers, "connection").as_deref(),
+        Some("close")
+    );
+    eventually(
+        "the server closes the connection",
+        Duration::from_secs(5),
+        || conn.is_closed(),
+    )
+    .await;
+
+    let stats = layer.stats();
+    assert_eq!(
+        (
+            stats.normal.admitted,
+            stats.normal.shed,
+            stats.normal.cancelled
+        ),
+        (1, 1, 0),
+        "a closed refusal is no shed: {stats:?}"
+    );
+    assert_eq!(
+        recorder.counter("flowgate_http_shed_total{class=normal,name=going}"),
+        1
+    );
+    let b = bulkhead.stats();
+    assert_eq!((b.closed, b.no_permit, b.in_flight), (1, 1, 0), "{b:?}");
+    server.abort();
+}

@@ -1,5 +1,5 @@
 //! `ShedLayer`: a bulkhead in front of a service, answering `503` with `Retry-After` when it
-//! is saturated, by request class.
+//! is saturated, by request class, and a going-away `503` when it is closed.
 
 use std::fmt;
 use std::future::Future;
@@ -9,26 +9,35 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode, Version, header};
 use pin_project::{pin_project, pinned_drop};
 use tower::{Layer, Service};
 
 use crate::adaptive::Outcome;
-use crate::bulkhead::{AcquireOwned, Bulkhead, OwnedBulkheadPermit, Priority};
+use crate::bulkhead::{AcquireError, AcquireOwned, Bulkhead, OwnedBulkheadPermit, Priority};
 use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::body::ResponseBody;
 use crate::http::fields;
 use crate::http::key::RequestInfo;
-use crate::http::problem::{self, TEMPORARY_REDUCED_CAPACITY};
+use crate::http::problem::{self, PROBLEM_JSON, TEMPORARY_REDUCED_CAPACITY};
 use crate::http::striped::Striped;
 use crate::metrics::{Counter, Labels};
 use crate::sync::Arc;
 
 /// Names of the shed layer's metrics.
 pub(crate) mod names {
-    /// Requests the layer answered with `503`, by `class`.
+    /// Requests the layer shed with `503` (its bulkhead saturated), by `class`.
     pub(crate) const SHED: &str = "flowgate_http_shed_total";
+    /// Requests the layer refused with `503` because its bulkhead was closed, by `class`.
+    pub(crate) const CLOSED: &str = "flowgate_http_shed_closed_total";
 }
+
+/// The problem document of the `503` a closed bulkhead answers: the server is going away,
+/// which says nothing of its capacity (so not `temporary-reduced-capacity`), and has no
+/// more specific type than its status (`about:blank`, RFC 9457 §4.2.1).
+const GOING_AWAY: &str = "{\"type\":\"about:blank\",\"title\":\"Service Unavailable\",\
+     \"status\":503,\"detail\":\"The server is shutting down and takes no new requests: \
+     send the request again on a new connection\"}";
 
 /// How much a request matters when the bulkhead is saturated: what a [`ShedLayer`]'s
 /// classifier answers for each request.
@@ -90,11 +99,13 @@ impl fmt::Display for Class {
 pub struct ClassStats {
     /// Requests that got a permit and went on to the inner service.
     pub admitted: u64,
-    /// Requests answered with `503`: shed by the saturated bulkhead (no permit free, waiting
-    /// room full, waited past the timeout, pushed out by critical work) or refused by a
-    /// closed bulkhead. The bulkhead's `flowgate_bulkhead_rejected_total{reason}` tells the
-    /// reasons apart.
+    /// Requests shed with `503` by the saturated bulkhead (no permit free, waiting room
+    /// full, waited past the timeout, pushed out by critical work): the server is busy. The
+    /// bulkhead's `flowgate_bulkhead_rejected_total{reason}` tells the reasons apart.
     pub shed: u64,
+    /// Requests refused with the going-away `503` of a closed bulkhead (the server shutting
+    /// down; see [`ShedLayer`'s "Shutting down"](ShedLayer#shutting-down)).
+    pub closed: u64,
     /// Requests that ended with neither: their response future was dropped before it got a
     /// permit or was refused (the client went away while the request waited in the
     /// waiting room and the server saw it go, see [`wait`](ShedLayerBuilder::wait), or
@@ -103,8 +114,8 @@ pub struct ClassStats {
     /// or its `503` (the panic went to the caller, no `503` was sent): the inner service's
     /// `Clone` as `call` kept a clone, or, refused, the drop of the request or of the
     /// ready inner service it held, or a metrics recorder counting its `503`. A request
-    /// dropped once admitted counts as admitted. `admitted + shed + cancelled` is every
-    /// request the layer's services were called with (and whose future has ended). A waiter the
+    /// dropped once admitted counts as admitted. `admitted + shed + closed + cancelled` is
+    /// every request the layer's services were called with (and whose future has ended). A waiter the
     /// bulkhead closed out or pushed out of its waiting room just before it was dropped
     /// sent no `503`: cancelled here, while the bulkhead's own stats count its refusal
     /// (`closed`, `waiting_room_full`).
@@ -139,9 +150,14 @@ impl ShedStats {
         self.critical.admitted + self.normal.admitted + self.sheddable.admitted
     }
 
-    /// Requests answered with `503`, all classes together.
+    /// Requests shed with `503` (the bulkhead saturated), all classes together.
     pub fn shed(&self) -> u64 {
         self.critical.shed + self.normal.shed + self.sheddable.shed
+    }
+
+    /// Requests refused with `503` by the closed bulkhead, all classes together.
+    pub fn closed(&self) -> u64 {
+        self.critical.closed + self.normal.closed + self.sheddable.closed
     }
 
     /// Requests given up before a permit or a `503`, all classes together.
@@ -161,10 +177,11 @@ struct Shared {
     /// The problem document of every 503 (built once: shedding stays cheap under load).
     body: Bytes,
     name: Option<String>,
-    /// Per [`Class`]: admitted, then shed (`3 + class`), then cancelled (`6 + class`),
-    /// striped by thread.
-    counts: Striped<9>,
+    /// Per [`Class`]: admitted, then shed (`3 + class`), then cancelled (`6 + class`), then
+    /// closed (`9 + class`), striped by thread.
+    counts: Striped<12>,
     shed_metric: [Counter; 3],
+    closed_metric: [Counter; 3],
 }
 
 impl Shared {
@@ -189,10 +206,21 @@ impl Shared {
         self.counts.add(6 + class.index(), 1);
     }
 
-    /// The `503` for a request of `class` the bulkhead refused. The recorder (user code)
-    /// first: if it panics, no `503` is sent and the request is not counted here; its
-    /// response future, dropped still waiting, counts it as cancelled (once).
-    fn refused<B>(&self, class: Class) -> Response<ResponseBody<B>> {
+    /// The `503` for a request of `class` (over HTTP `version`) the bulkhead refused for
+    /// `why`. The recorder (user code) first: if it panics, no `503` is sent and the request
+    /// is not counted here; its response future, dropped still waiting, counts it as
+    /// cancelled (once).
+    fn refused<B>(
+        &self,
+        class: Class,
+        why: AcquireError,
+        version: Version,
+    ) -> Response<ResponseBody<B>> {
+        if why == AcquireError::Closed {
+            self.closed_metric[class.index()].increment(1);
+            self.counts.add(9 + class.index(), 1);
+            return going_away(version).map(ResponseBody::own);
+        }
         self.shed_metric[class.index()].increment(1);
         self.counts.add(3 + class.index(), 1);
         problem::response(
@@ -207,6 +235,7 @@ impl Shared {
         let of = |c: Class| ClassStats {
             admitted: self.counts.get(c.index()),
             shed: self.counts.get(3 + c.index()),
+            closed: self.counts.get(9 + c.index()),
             cancelled: self.counts.get(6 + c.index()),
         };
         ShedStats {
@@ -272,6 +301,9 @@ impl fmt::Debug for Shared {
 /// `violated-policies` is empty: shedding is about the server's capacity, not a quota policy
 /// a client could read in `RateLimit-Policy`.
 ///
+/// A closed bulkhead's refusal is not this `503` but a going-away one: see
+/// [Shutting down](#shutting-down).
+///
 /// # tower semantics
 ///
 /// `poll_ready` only asks the inner service; the permit is taken in the response future, so
@@ -284,8 +316,9 @@ impl fmt::Debug for Shared {
 ///
 /// # Metrics
 ///
-/// `flowgate_http_shed_total{name, class}`: requests answered with `503`, by class. The
-/// bulkhead's own metrics (`flowgate_bulkhead_in_flight`, `..._rejected_total{reason}`,
+/// `flowgate_http_shed_total{name, class}`: requests shed with `503` (the bulkhead
+/// saturated), by class; `flowgate_http_shed_closed_total{name, class}`: requests refused
+/// with the going-away `503` of a closed bulkhead, by class. The bulkhead's own metrics (`flowgate_bulkhead_in_flight`, `..._rejected_total{reason}`,
 /// `..._wait_seconds`) carry the bulkhead's name.
 ///
 /// # Adaptive bulkheads
@@ -299,10 +332,11 @@ impl fmt::Debug for Shared {
 /// body read too slowly counts too), the other `4xx` are ignored (a `429` among them: it
 /// refuses one client over its quota, as a rate-limit layer inside this one or the app's
 /// own throttle does, and says nothing of the server's capacity, so one client's excess
-/// cannot shrink the limit every client is served under), the rest is a served call; a request dropped before its answer is ignored, and so is the `503` of a
+/// cannot shrink the limit every client is served under), the rest is a served call; a
+/// request dropped before its answer is ignored, and so is the `503` of a
 /// [`RateLimitLayer`](crate::http::RateLimitLayer) inside this one whose gate could not
-/// decide (Redis away: the service behind it never ran). The layer's
-/// own `503`s never reach the algorithm. Shedding works as above, against the bulkhead's
+/// decide (Redis away: the service behind it never ran). The layer's own `503`s (shed or
+/// closed) never reach the algorithm. Shedding works as above, against the bulkhead's
 /// current `max_in_flight`.
 ///
 /// # Examples
@@ -360,10 +394,29 @@ impl fmt::Debug for Shared {
 ///
 /// Close the bulkhead ([`Bulkhead::close`](crate::bulkhead::Bulkhead::close)), then start
 /// the server's graceful shutdown (axum's `with_graceful_shutdown`): the requests in the
-/// waiting room get this layer's `503` at once (the same `Retry-After` and problem type as
-/// a shed: a client cannot tell going away from busy), new ones too, and the requests in
-/// flight finish. Started without the close, the graceful shutdown waits for the waiting
-/// room too: each request in it until it gets a permit or its `wait_timeout` runs out.
+/// waiting room get a going-away `503` at once, new ones too, and the requests in flight
+/// finish. Started without the close, the graceful shutdown waits for the waiting room
+/// too: each request in it until it gets a permit or its `wait_timeout` runs out.
+///
+/// The going-away `503` is told apart from a shed (busy) one the ways clients and proxies
+/// read:
+///
+/// - over HTTP/1, `Connection: close`: hyper closes the connection once the `503` is sent,
+///   and the client's next request opens a new one (behind a balancer, to another
+///   instance). Over HTTP/2 the server's graceful shutdown sends `GOAWAY`, which says the
+///   same for the whole connection (the field is not sent: HTTP/2 has none);
+/// - no `Retry-After`: the server cannot say when this origin serves again (perhaps never;
+///   another instance may serve now), and `Retry-After: 0` would send a client straight
+///   back to a listener that may still accept between the close and the shutdown. Without
+///   it a client's own backoff decides (the crate's retry layer takes a `503` without it as
+///   back-pressure and waits its jittered backoff);
+/// - a problem document of `about:blank`, titled "Service Unavailable", with a `detail`
+///   saying the server is shutting down, not the `temporary-reduced-capacity` of a shed;
+/// - counted apart: [`ClassStats::closed`] and `flowgate_http_shed_closed_total`, not
+///   `shed`.
+///
+/// The refused request never reached the inner service, so resending it (even a `POST`)
+/// cannot run it twice.
 #[derive(Clone)]
 pub struct ShedLayer {
     shared: Arc<Shared>,
@@ -516,6 +569,8 @@ impl ShedLayerBuilder {
             .saturating_add(u64::from(self.retry_after.subsec_nanos() > 0));
         let labels = Labels::new(self.name.as_deref());
         let shed_metric = Class::ALL.map(|c| labels.counter(names::SHED, &[("class", c.as_str())]));
+        let closed_metric =
+            Class::ALL.map(|c| labels.counter(names::CLOSED, &[("class", c.as_str())]));
         Ok(ShedLayer {
             shared: Arc::new(Shared {
                 bulkhead: self.bulkhead,
@@ -530,6 +585,7 @@ impl ShedLayerBuilder {
                 name: self.name,
                 counts: Striped::new(),
                 shed_metric,
+                closed_metric,
             }),
         })
     }
@@ -694,13 +750,18 @@ where
                     let fut = inner.call(req);
                     this.state.set(State::Call(fut, Some(permit)));
                 }
-                Err(_) => {
+                Err(why) => {
                     // The ready service and the request are dropped unused, then the
-                    // request is counted shed, both before the state leaves `Try` / `Wait`:
-                    // either runs user code (their drops, a recorder), and one that panics
-                    // leaves the request to be counted cancelled, once, when dropped.
+                    // request is counted shed (or closed), both before the state leaves
+                    // `Try` / `Wait`: either runs user code (their drops, a recorder), and
+                    // one that panics leaves the request to be counted cancelled, once,
+                    // when dropped.
+                    let version = this
+                        .pending
+                        .as_ref()
+                        .map_or(Version::HTTP_11, |(_, req)| req.version());
                     *this.pending = None;
-                    let refused = this.shared.refused(class);
+                    let refused = this.shared.refused(class, why, version);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(refused));
                 }
@@ -721,6 +782,22 @@ where
             self.shared.cancelled(self.class);
         }
     }
+}
+
+/// The `503` of a closed bulkhead: no `Retry-After`, the going-away problem document, and
+/// over HTTP/1 `Connection: close`, so that hyper closes the connection once it is sent and
+/// the client's next request opens a new one (to another instance, behind a balancer).
+/// HTTP/2 has no `Connection` field (hyper strips it); there the server's `GOAWAY` at its
+/// graceful shutdown tells the client.
+fn going_away(version: Version) -> Response<Bytes> {
+    let mut res = Response::new(Bytes::from_static(GOING_AWAY.as_bytes()));
+    *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let headers = res.headers_mut();
+    headers.insert(header::CONTENT_TYPE, PROBLEM_JSON);
+    if matches!(version, Version::HTTP_10 | Version::HTTP_11) {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    res
 }
 
 /// What the inner service's answer tells an adaptive bulkhead: `503`, `504` and errors (a

@@ -25,7 +25,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::harness::{self, Answer, Server};
-use crate::shed::{assert_shed, eventually};
+use crate::shed::{assert_going_away, assert_shed, eventually, totals};
 
 const TIMEOUT: Duration = Duration::from_millis(1500);
 const SOON: Duration = Duration::from_secs(5);
@@ -104,12 +104,13 @@ fn shed(bulkhead: &Bulkhead) -> ShedLayer {
         .unwrap()
 }
 
-/// What the clients saw: `200`s and `503`s (each checked as the layer's); other statuses
-/// are not counted here.
+/// What the clients saw: `200`s and `503`s (each checked as the layer's: a shed, or the
+/// going-away one of a closed bulkhead); other statuses are not counted here.
 #[derive(Default)]
 struct Seen {
     ok: AtomicU64,
     shed: AtomicU64,
+    closed: AtomicU64,
 }
 
 impl Seen {
@@ -118,19 +119,29 @@ impl Seen {
             StatusCode::OK => {
                 self.ok.fetch_add(1, Ordering::SeqCst);
             }
-            StatusCode::SERVICE_UNAVAILABLE => {
+            StatusCode::SERVICE_UNAVAILABLE if a.headers.contains_key("retry-after") => {
                 assert_shed(a, "2");
                 self.shed.fetch_add(1, Ordering::SeqCst);
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_going_away(a);
+                self.closed.fetch_add(1, Ordering::SeqCst);
             }
             _ => {}
         }
     }
 
+    /// The `200`s and the shed `503`s.
     fn counts(&self) -> (u64, u64) {
         (
             self.ok.load(Ordering::SeqCst),
             self.shed.load(Ordering::SeqCst),
         )
+    }
+
+    /// The going-away `503`s.
+    fn closed(&self) -> u64 {
+        self.closed.load(Ordering::SeqCst)
     }
 }
 
@@ -335,18 +346,15 @@ async fn an_overloaded_api_counts_what_its_clients_saw() {
     }
     eventually("every permit back", SOON, || in_flight(0)).await;
 
-    // The clients saw 11 answers of 200 and 6 of 503 (report, room full, pushed out,
-    // timed out, closed out, closed).
-    assert_eq!(c.seen.counts(), (11, 6));
+    // The clients saw 11 answers of 200, 4 shed 503s (report, room full, pushed out, timed
+    // out) and 2 going-away ones (closed out, closed).
+    assert_eq!((c.seen.counts(), c.seen.closed()), ((11, 4), 2));
     let stats = layer.stats();
-    assert_eq!(
-        (stats.admitted(), stats.shed(), stats.cancelled()),
-        (11, 6, 1),
-        "{stats:?}"
-    );
-    assert_eq!(counts(stats.critical), (3, 1, 0), "{stats:?}");
-    assert_eq!(counts(stats.normal), (8, 4, 1), "{stats:?}");
+    assert_eq!(totals(&stats), (11, 4, 2, 1), "{stats:?}");
+    assert_eq!(counts(stats.critical), (3, 0, 0), "{stats:?}");
+    assert_eq!(counts(stats.normal), (8, 3, 1), "{stats:?}");
     assert_eq!(counts(stats.sheddable), (0, 1, 0), "{stats:?}");
+    assert_eq!((stats.critical.closed, stats.normal.closed), (1, 1));
     let shed_total = |class: &str| {
         recorder.counter(&format!(
             "flowgate_http_shed_total{{class={class},name=api}}"
@@ -358,7 +366,20 @@ async fn an_overloaded_api_counts_what_its_clients_saw() {
             shed_total("normal"),
             shed_total("sheddable")
         ),
-        (1, 4, 1)
+        (0, 3, 1)
+    );
+    let closed_total = |class: &str| {
+        recorder.counter(&format!(
+            "flowgate_http_shed_closed_total{{class={class},name=api}}"
+        ))
+    };
+    assert_eq!(
+        (
+            closed_total("critical"),
+            closed_total("normal"),
+            closed_total("sheddable")
+        ),
+        (1, 1, 0)
     );
     let b = bulkhead.stats();
     assert_eq!(

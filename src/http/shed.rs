@@ -339,6 +339,24 @@ impl fmt::Debug for Shared {
 /// closed) never reach the algorithm. Shedding works as above, against the bulkhead's
 /// current `max_in_flight`.
 ///
+/// A `500` or a `502` of the inner service is a served call, not a drop: either is most
+/// often the application failing (a bug, an input it did not expect, a dependency that is
+/// down), not this server out of capacity, and taken as back-pressure one failing route
+/// would cut the limit every route is served under to its minimum, and hold it there,
+/// shedding sound requests for a bug. Netflix's concurrency-limits does the same on the
+/// server side (its gRPC interceptor drops only on `CANCELLED` and `DEADLINE_EXCEEDED`,
+/// its servlet filter counts every response a success).
+///
+/// To classify a response yourself, put an [`Outcome`] in its extensions, in a handler or a
+/// layer inside this one; it wins over the status. `Outcome::BackPressure` for a `502` of a
+/// handler whose upstream refused it for overload (`res.extensions_mut()
+/// .insert(Outcome::BackPressure)`, or `(Extension(Outcome::BackPressure),
+/// StatusCode::BAD_GATEWAY)` from an axum handler); `Outcome::Ignored` for a `500` that
+/// failed before doing the work, whose round trip, near zero, would otherwise pull a
+/// latency-based limit's lowest round trip down (see [`Outcome::Ok`]); `Outcome::Ok` for a
+/// `503` the application means as an answer, not as overload. The extension stays in the
+/// response (an outer `ShedLayer` reads it too).
+///
 /// # Examples
 ///
 /// ```
@@ -806,24 +824,29 @@ fn going_away(version: Version) -> Response<Bytes> {
 /// time); the other `4xx` say nothing about the server's capacity (ignored): a `429` is
 /// one client over its own quota; nor does the `503` of a `RateLimitLayer` whose gate could
 /// not decide (the service behind it never ran); the rest is a served call.
+/// An [`Outcome`] the inner service put in the response's extensions wins over all that.
 fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
-    match res {
-        Err(_) => Outcome::BackPressure,
-        Ok(res) => match res.status() {
-            StatusCode::SERVICE_UNAVAILABLE
-                if res
-                    .extensions()
-                    .get::<super::problem::Undecided>()
-                    .is_some() =>
-            {
-                Outcome::Ignored
-            }
-            StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT
-            | StatusCode::REQUEST_TIMEOUT => Outcome::BackPressure,
-            s if s.is_client_error() => Outcome::Ignored,
-            _ => Outcome::Ok,
-        },
+    let res = match res {
+        Err(_) => return Outcome::BackPressure,
+        Ok(res) => res,
+    };
+    if let Some(&marked) = res.extensions().get::<Outcome>() {
+        return marked;
+    }
+    match res.status() {
+        StatusCode::SERVICE_UNAVAILABLE
+            if res
+                .extensions()
+                .get::<super::problem::Undecided>()
+                .is_some() =>
+        {
+            Outcome::Ignored
+        }
+        StatusCode::SERVICE_UNAVAILABLE
+        | StatusCode::GATEWAY_TIMEOUT
+        | StatusCode::REQUEST_TIMEOUT => Outcome::BackPressure,
+        s if s.is_client_error() => Outcome::Ignored,
+        _ => Outcome::Ok,
     }
 }
 

@@ -1033,3 +1033,80 @@ async fn a_closed_bulkhead_answers_going_away_not_busy() {
     assert_eq!((b.closed, b.no_permit, b.in_flight), (1, 1, 0), "{b:?}");
     server.abort();
 }
+
+/// What an adaptive bulkhead learns from the inner service's answers, over a real server
+/// and client: a `500` or `502` is a served call (not a drop: a failing route must not cut
+/// the limit every route is served under), a `503` is back-pressure; and an
+/// [`Outcome`](flowgate::adaptive::Outcome) the handler put in the response's extensions wins
+/// over the status, either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_in_the_response_extensions_classifies_it_for_the_adaptive_limit() {
+    use axum::Extension;
+    use flowgate::adaptive::{Aimd, Outcome};
+
+    let bulkhead = Bulkhead::builder(64)
+        .adaptive(Aimd::builder().initial(16).build().unwrap())
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone()).build().unwrap();
+    let app = Router::new()
+        .route("/bug", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .route("/upstream-down", get(|| async { StatusCode::BAD_GATEWAY }))
+        .route("/busy", get(|| async { StatusCode::SERVICE_UNAVAILABLE }))
+        .route(
+            "/upstream-overloaded",
+            get(|| async { (Extension(Outcome::BackPressure), StatusCode::BAD_GATEWAY) }),
+        )
+        .route(
+            "/failed-at-once",
+            get(|| async {
+                (
+                    Extension(Outcome::Ignored),
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                )
+            }),
+        )
+        .route(
+            "/maintenance-page",
+            get(|| async { (Extension(Outcome::Ok), StatusCode::SERVICE_UNAVAILABLE) }),
+        )
+        .layer(layer.clone());
+    let server = Server::start(app).await;
+    let client = harness::client();
+    let mut learnt = Vec::new();
+    for (path, status) in [
+        ("/bug", 500),
+        ("/upstream-down", 502),
+        ("/busy", 503),
+        ("/upstream-overloaded", 502),
+        ("/failed-at-once", 500),
+        ("/maintenance-page", 503),
+    ] {
+        let before = bulkhead.adaptive_stats().unwrap();
+        let res = harness::get(&client, &server.url(path), &[]).await;
+        assert_eq!(res.status.as_u16(), status, "{path}");
+        eventually("the permit back", Duration::from_secs(5), || {
+            bulkhead.in_flight() == 0
+        })
+        .await;
+        let after = bulkhead.adaptive_stats().unwrap();
+        learnt.push((
+            path,
+            after.ok - before.ok,
+            after.back_pressure - before.back_pressure,
+            after.ignored - before.ignored,
+        ));
+    }
+    assert_eq!(
+        learnt,
+        [
+            ("/bug", 1, 0, 0),
+            ("/upstream-down", 1, 0, 0),
+            ("/busy", 0, 1, 0),
+            ("/upstream-overloaded", 0, 1, 0),
+            ("/failed-at-once", 0, 0, 1),
+            ("/maintenance-page", 1, 0, 0),
+        ]
+    );
+    assert_eq!(layer.stats().normal.admitted, 6);
+}

@@ -261,3 +261,205 @@ async fn graceful_shutdown_under_load_redis() {
     drop(limit);
     all_ended(before).await;
 }
+
+/// The journey over HTTP/2 (h2c, prior knowledge: axum's server, hyper-util's auto builder
+/// underneath) on one connection, as a gRPC-style or proxy client uses it: 3 streams in
+/// flight (one of them streaming its body), 5 in the waiting room. The operator closes the
+/// bulkhead: the 5 waiters get the going-away `503` at once (no `Connection` field over
+/// HTTP/2, no `Retry-After`). Then axum's graceful shutdown: the server sends `GOAWAY`,
+/// after which the client's new streams fail (they are not served, nor answered a 503);
+/// the 3 in flight finish on the same connection, the streamed one holding its permit
+/// until its last frame is sent; the server ends, every permit is back, and what the
+/// client saw is what the layer and the bulkhead counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_graceful_shutdown_under_load_sends_goaway_and_answers_everyone() {
+    use axum::body::Body;
+    use bytes::Bytes;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::sync::{Semaphore, mpsc};
+
+    const IN_FLIGHT: usize = 3;
+    const WAITING: usize = 5;
+    let bulkhead = Bulkhead::builder(IN_FLIGHT)
+        .max_waiting(64)
+        .wait_timeout(Duration::from_secs(60))
+        .name("h2")
+        .build()
+        .unwrap();
+    let layer = ShedLayer::builder(bulkhead.clone())
+        .wait(true)
+        .name("h2")
+        .build()
+        .unwrap();
+    let release = Arc::new(Semaphore::new(0));
+    let (frames_tx, frames_rx) = mpsc::channel::<Bytes>(4);
+    let frames_rx = Arc::new(tokio::sync::Mutex::new(Some(frames_rx)));
+    let app = Router::new()
+        .route(
+            "/work",
+            get({
+                let release = release.clone();
+                move || async move {
+                    release.acquire().await.unwrap().forget();
+                    "done"
+                }
+            }),
+        )
+        .route(
+            "/stream",
+            get(move || async move {
+                let rx = frames_rx.lock().await.take().unwrap();
+                let frames = futures::stream::unfold(rx, |mut rx| async move {
+                    rx.recv().await.map(|b| (Ok::<_, std::io::Error>(b), rx))
+                });
+                Body::from_stream(frames)
+            }),
+        )
+        .layer(layer.clone());
+    let (addr, stop_tx, server) = serve(app).await;
+
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let get = |path: &str| {
+        let mut send = send.clone();
+        let req = http::Request::get(format!("http://{addr}{path}"))
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        async move {
+            send.ready().await?;
+            send.send_request(req).await
+        }
+    };
+    let answer = |res: http::Response<hyper::body::Incoming>| async move {
+        let (parts, body) = res.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    };
+
+    // Under load: 3 streams hold the permits (the streamed one's head is out, its body not),
+    // 5 wait.
+    let streamed = get("/stream").await.unwrap();
+    assert_eq!(streamed.status(), StatusCode::OK);
+    let mut streamed = streamed.into_body();
+    let in_flight: Vec<_> = (1..IN_FLIGHT).map(|_| tokio::spawn(get("/work"))).collect();
+    eventually("every permit taken", SOON, || {
+        bulkhead.in_flight() == IN_FLIGHT
+    })
+    .await;
+    let waiting: Vec<_> = (0..WAITING).map(|_| tokio::spawn(get("/work"))).collect();
+    eventually("the waiting room full", SOON, || {
+        bulkhead.waiting() == WAITING
+    })
+    .await;
+
+    // SIGTERM: close the bulkhead; the waiters are answered at once.
+    bulkhead.close();
+    let joined = |task: tokio::task::JoinHandle<Result<_, hyper::Error>>| async move {
+        answer(
+            tokio::time::timeout(SOON, task)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap(),
+        )
+        .await
+    };
+    for w in waiting {
+        let gone = joined(w).await;
+        assert_going_away(&gone);
+        assert_eq!(harness::field(&gone.headers, "connection"), None, "HTTP/2");
+    }
+    assert_eq!((bulkhead.in_flight(), bulkhead.waiting()), (IN_FLIGHT, 0));
+
+    // Graceful shutdown: `GOAWAY`. Until the client has it, a new stream is refused by the
+    // closed bulkhead; after, it fails without an answer.
+    stop_tx.send(()).unwrap();
+    let mut refused_before_goaway = 0u64;
+    let deadline = Instant::now() + SOON;
+    loop {
+        assert!(Instant::now() < deadline, "no GOAWAY reached the client");
+        match tokio::time::timeout(SOON, get("/work"))
+            .await
+            .expect("a new stream is answered or fails")
+        {
+            Ok(res) => {
+                assert_going_away(&answer(res).await);
+                refused_before_goaway += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(_) => break,
+        }
+    }
+
+    // The requests in flight finish on the same connection, and the server waits for them.
+    assert!(
+        !server.is_finished(),
+        "the graceful shutdown waits for the streams in flight"
+    );
+    assert_eq!(bulkhead.in_flight(), IN_FLIGHT);
+    release.add_permits(IN_FLIGHT - 1);
+    for r in in_flight {
+        let done = joined(r).await;
+        assert_eq!(
+            (done.status, &done.body[..]),
+            (StatusCode::OK, &b"done"[..])
+        );
+    }
+    eventually("the plain requests' permits back", SOON, || {
+        bulkhead.in_flight() == 1
+    })
+    .await;
+    // The streamed body holds its permit until its last frame is sent.
+    frames_tx.send(Bytes::from_static(b"first ")).await.unwrap();
+    let first = streamed
+        .frame()
+        .await
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
+    assert_eq!(&first[..], b"first ");
+    assert_eq!(bulkhead.in_flight(), 1, "the body is not sent yet");
+    frames_tx.send(Bytes::from_static(b"last")).await.unwrap();
+    drop(frames_tx);
+    let rest = streamed.collect().await.unwrap().to_bytes();
+    assert_eq!(&rest[..], b"last");
+
+    tokio::time::timeout(SOON, server)
+        .await
+        .expect("graceful shutdown ends once the streams in flight are answered")
+        .unwrap();
+    tokio::time::timeout(SOON, conn)
+        .await
+        .expect("the server closed the connection")
+        .unwrap()
+        .unwrap();
+
+    // Every permit back; what the client saw is what was counted.
+    let closed = WAITING as u64 + refused_before_goaway;
+    let stats = layer.stats();
+    assert_eq!(
+        totals(&stats),
+        (IN_FLIGHT as u64, 0, closed, 0),
+        "{stats:?}"
+    );
+    let b = bulkhead.stats();
+    assert_eq!((b.in_flight, b.waiting), (0, 0), "{b:?}");
+    assert_eq!(
+        (b.admitted, b.closed, b.cancelled),
+        (IN_FLIGHT as u64, closed, 0),
+        "{b:?}"
+    );
+    assert_eq!(b.shed(), 0, "{b:?}");
+    assert_eq!(
+        b.waited, 0,
+        "the waiters were closed out, none admitted: {b:?}"
+    );
+}

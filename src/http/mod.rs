@@ -9,7 +9,8 @@
 //!   is a `429` with `Retry-After` and an RFC 9457 problem body naming the violated policies.
 //! - [`ShedLayer`] puts a [`Bulkhead`](crate::bulkhead::Bulkhead) in front of a service: a
 //!   classifier marks each request critical, normal or sheddable; when the bulkhead is full
-//!   the request gets a `503` with `Retry-After`, while critical routes keep their reserve.
+//!   the request gets a `503` with `Retry-After`, while critical routes keep their reserve;
+//!   when it is closed (the server shutting down), a going-away `503` a client tells apart.
 //! - Keys come from a [`KeyExtractor`]: the peer IP, the client IP behind trusted proxies
 //!   only, a header, a constant, or a closure.
 //! - Responses have a [`ResponseBody`] over the inner body by default; under axum, build the

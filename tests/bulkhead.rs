@@ -104,6 +104,31 @@ fn bad_configuration_is_a_config_error() {
     assert_eq!(b.max_in_flight(), 4);
 }
 
+/// `set_max_in_flight` at or below the critical reserve is refused in the caller's terms:
+/// the value it was given (`bulkhead.max_in_flight`), against the reserve set at build time,
+/// and what to give instead. It used to name `bulkhead.critical_reserve`, a setting the
+/// caller did not touch, and say "a reserve of 2 out of 2 permits".
+#[test]
+#[ignore = "fault: set_max_in_flight at or below the reserve blames bulkhead.critical_reserve"]
+fn set_max_in_flight_at_or_below_the_reserve_names_the_value_given() {
+    let b = Bulkhead::builder(4).critical_reserve(2).build().unwrap();
+    for asked in [1, 2] {
+        let e = b.set_max_in_flight(asked).unwrap_err();
+        assert_eq!(
+            (e.field(), e.kind()),
+            ("bulkhead.max_in_flight", ConfigErrorKind::Inconsistent)
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid bulkhead.max_in_flight: {asked} is not above the critical reserve of 2, which would leave no permit for normal work; set it to 3 or more"
+            )
+        );
+    }
+    assert_eq!(b.max_in_flight(), 4);
+    b.set_max_in_flight(3).unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn never_more_than_max_in_flight_under_random_durations_and_cancellations() {
     let b = Bulkhead::builder(5)

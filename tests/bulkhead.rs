@@ -109,7 +109,6 @@ fn bad_configuration_is_a_config_error() {
 /// and what to give instead. It used to name `bulkhead.critical_reserve`, a setting the
 /// caller did not touch, and say "a reserve of 2 out of 2 permits".
 #[test]
-#[ignore = "fault: set_max_in_flight at or below the reserve blames bulkhead.critical_reserve"]
 fn set_max_in_flight_at_or_below_the_reserve_names_the_value_given() {
     let b = Bulkhead::builder(4).critical_reserve(2).build().unwrap();
     for asked in [1, 2] {

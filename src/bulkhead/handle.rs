@@ -293,11 +293,22 @@ impl Bulkhead {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] on `bulkhead.max_in_flight` if it is zero or above 2³¹ − 1, on
-    /// `bulkhead.critical_reserve` if it is not above the critical reserve.
+    /// [`ConfigError`] on `bulkhead.max_in_flight` if it is zero or above 2³¹ − 1, or not
+    /// above the critical reserve set at build time (`Inconsistent`: it would leave no
+    /// permit for normal work).
     pub fn set_max_in_flight(&self, max_in_flight: usize) -> Result<(), ConfigError> {
         let max = check_max_in_flight(max_in_flight)?;
-        check_reserve(max, self.core.reserve() as usize)?;
+        let reserve = self.core.reserve();
+        if max <= reserve {
+            return Err(ConfigError::new(
+                "bulkhead.max_in_flight",
+                ConfigErrorKind::Inconsistent,
+                format!(
+                    "{max} is not above the critical reserve of {reserve}, which would leave no permit for normal work; set it to {} or more",
+                    reserve + 1
+                ),
+            ));
+        }
         self.core.set_max_in_flight(max);
         Ok(())
     }

@@ -469,6 +469,14 @@ impl BulkheadBuilder {
     /// use; an algorithm's `max_limit` left at its default, 1000, gives way to that bound,
     /// so a bulkhead of 10 000 can use them all). Normal work cannot take the reserve: this way it can reach the limit the
     /// algorithm learns (an algorithm grows its limit only from calls that reached it).
+    /// Critical calls are samples like any other, and count in flight for normal work too
+    /// (a normal call starts only while fewer than the limit are in flight, critical ones
+    /// included): a steady critical load takes its part of the limit, the reserve takes
+    /// its bursts above it, and the limit is learnt from the downstream's whole load. A
+    /// steady critical load at or above the limit leaves normal work nothing until the
+    /// limit grows past it, and a doubling of [`Probe`](crate::adaptive::Probe)'s slow
+    /// start that admits no more calls does not pay: its trials then raise it a step at a
+    /// time.
     /// Every permit then records when it was granted; a call ends with
     /// [`BulkheadPermit::record`] (or [`run`](Bulkhead::run), or a stream adapter's future
     /// completing: [`Outcome::Ok`]), and a permit dropped without an outcome is

@@ -910,6 +910,82 @@ fn a_channel_closed_while_the_stream_waits_is_seen_at_its_next_poll() {
 }
 
 /// A waker that counts its wakes.
+/// A channel that ends only after the stream built on it stopped pulling (paused at
+/// `high`, or without credit) ends that stream: a consumer that keeps every ticket (or asks
+/// for no more credit) until the end gets it. The producer drops its last sender (or closes
+/// the channel) a second after its items were taken, another receiver takes the last item
+/// of a closed channel, a permit reserved before the close is dropped unused: each is an
+/// end the stream is woken for, with nothing but the channel to wake it.
+#[tokio::test(start_paused = true)]
+#[ignore = "fault: a channel closed after watermarks paused over it never wakes it: collect waits for ever"]
+async fn a_channel_that_ends_while_the_stream_waits_wakes_it() {
+    /// What `stream` ends with, run on a task of its own, if it ends within 5 s (a
+    /// `timeout` around the stream itself would poll it once more as it expires, and see
+    /// the end then).
+    async fn ends<T: Send + 'static>(
+        stream: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        let task = tokio::spawn(stream);
+        let done = tokio::time::timeout(Duration::from_secs(5), task).await;
+        done.ok().map(Result::unwrap)
+    }
+    for close in [false, true] {
+        let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+        tx.try_send(1).unwrap();
+        tx.try_send(2).unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if close {
+                tx.close();
+                // A sender still alive: the close alone is the end.
+                std::future::pending::<()>().await;
+            }
+        });
+        let all = ends(rx.watermarks(levels(2, 0)).collect::<Vec<_>>()).await;
+        assert_eq!(all.map(|v| v.len()), Some(2), "close: {close}");
+    }
+
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(tx);
+    });
+    let (stream, demand) = rx.with_demand(1);
+    let all = ends(stream.collect::<Vec<_>>()).await;
+    assert_eq!(all, Some(vec![1]), "with_demand ended");
+    drop(demand);
+
+    // Closed with an item left, which another receiver takes: that is the end.
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    let mut other = rx.clone();
+    tx.try_send(1).unwrap();
+    let consumer = ends(rx.watermarks(levels(1, 0)).collect::<Vec<_>>());
+    let taker = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        tx.try_send(2).unwrap();
+        drop(tx);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        other.recv().await
+    };
+    let (all, taken) = tokio::join!(consumer, taker);
+    assert_eq!(taken, Some(2));
+    assert_eq!(all.map(|v| v.len()), Some(1), "the other's take ends it");
+
+    // A permit reserved before the close and dropped unused after it.
+    let (tx, rx) = flowgate::channel::bounded::<u32>(4).unwrap();
+    tx.try_send(1).unwrap();
+    let permit = tx.reserve().await.unwrap();
+    tx.close();
+    let consumer = ends(rx.watermarks(levels(1, 0)).collect::<Vec<_>>());
+    let release = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(permit);
+    };
+    let (all, ()) = tokio::join!(consumer, release);
+    assert_eq!(all.map(|v| v.len()), Some(1), "ended by the permit's drop");
+}
+
 fn counting_waker() -> (Waker, Arc<AtomicU64>) {
     struct Count(Arc<AtomicU64>);
     impl Wake for Count {

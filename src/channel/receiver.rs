@@ -289,9 +289,11 @@ impl<T> Stream for Receiver<T> {
     /// under way may still bring), so an adapter that may not take an item
     /// ([`with_demand`](crate::FlowStreamExt::with_demand) without credit,
     /// [`watermarks`](crate::FlowStreamExt::watermarks) at `high`) sees the end when none
-    /// is left as it polls. (It does not poll the receiver while it waits, so a close that
-    /// comes then wakes nothing: the adapter sees the end at its next poll, with more
-    /// credit or room.)
+    /// is left as it polls. Such an adapter does not poll the receiver while it waits, but
+    /// reading this hint registers it to be woken when the channel ends (closed with nothing
+    /// left to come, or closed: it then reads the hint again), so an end that comes while
+    /// it waits ends it too. That costs nothing per item: the channel wakes it only as it
+    /// closes or ends.
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
             return (0, Some(0));
@@ -300,6 +302,11 @@ impl<T> Stream for Receiver<T> {
         // Once closed, the count only falls, as items are handed out or permits and sends
         // given up; this receiver's batch and (alone) the queue stay in it until then.
         let hi = self.shared.most_to_come().map(|hi| hi.max(lo));
+        if hi != Some(0)
+            && let Some(waker) = crate::sync::end_watcher()
+        {
+            self.shared.watch_end(&self.batch_len, waker);
+        }
         (lo, hi)
     }
 }

@@ -74,6 +74,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::PoisonError;
+use std::task::Waker;
 
 use crate::channel::error::{ReserveError, SendError, Sent, Stats, TryRecvError};
 use crate::channel::ring::{Popper, Ring};
@@ -140,24 +141,56 @@ impl Metrics {
         }
     }
 }
-/// How many items of one receiver's batch it has not handed out yet, for `len()`.
+/// How many items of one receiver's batch it has not handed out yet, for `len()`; and the
+/// waker of an adapter over the receiver that watches for the channel's end (see
+/// [`Shared::watch_end`]).
 ///
-/// Written only by its receiver (a plain store: under the lock when a batch is taken or
-/// given back, without it as items are handed out), read by `len()`. On its own cache line,
-/// so the receiver's stores touch nothing the senders use.
-#[derive(Debug, Default)]
+/// The length is written only by its receiver (a plain store: under the lock when a batch
+/// is taken or given back, without it as items are handed out), read by `len()`. On its own
+/// cache line, so the receiver's stores touch nothing the senders use. The end watcher is
+/// touched only under the channel's lock, when an adapter that may not take an item reads
+/// the receiver's `size_hint` and when the channel closes or ends: never per item.
+#[derive(Debug)]
 #[repr(align(128))]
-pub(crate) struct BatchLen(AtomicUsize);
+pub(crate) struct BatchLen {
+    len: AtomicUsize,
+    end: Mutex<Option<Waker>>,
+}
+
+impl Default for BatchLen {
+    fn default() -> Self {
+        BatchLen {
+            len: AtomicUsize::new(0),
+            end: Mutex::new(None),
+        }
+    }
+}
 
 impl BatchLen {
     /// The receiver now has `n` items of its batch left.
     #[inline]
     pub(crate) fn set(&self, n: usize) {
-        self.0.store(n, Ordering::Relaxed);
+        self.len.store(n, Ordering::Relaxed);
     }
 
     fn get(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// Put `waker` in as the end watcher; the one it replaces, if any.
+    fn watch_end(&self, waker: Waker) -> Option<Waker> {
+        self.end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(waker)
+    }
+
+    /// Take the end watcher out, to wake it.
+    fn take_end(&self) -> Option<Waker> {
+        self.end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 }
 

@@ -145,10 +145,12 @@ impl DemandHandle {
 /// instead of leaving it pending. Any other upstream is not polled without credit: its end
 /// is seen with the next unit of credit. (A `Prefetch` learns the end from a fetch, which
 /// it starts when its buffer falls to `low`: with a `low` of 0, not before its last item
-/// was taken.) The `size_hint` is read when the stream is polled without credit, and
-/// nothing wakes the stream when it changes later: a channel closed (or its last sender
-/// dropped) after the stream ran out of credit is seen at the next poll, with the next
-/// unit of credit, as any other upstream's end. An item such an upstream yields all the
+/// was taken.) The `size_hint` is read when the stream is polled without credit; a channel
+/// `Receiver` registers the stream then to be woken when it ends, so a channel closed (or
+/// its last sender dropped) after the stream ran out of credit ends it without more credit.
+/// Nothing else wakes the stream when its upstream's hint changes later: any other
+/// upstream's end is seen at the next poll, with the next unit of credit (a `Prefetch`
+/// whose source answers its end then, too). An item such an upstream yields all the
 /// same (a wrong `size_hint`) is held for credit; dropped (or taken apart with
 /// [`into_inner`](Demanded::into_inner)) while it holds it, the stream discards it,
 /// counted in `flowgate_demand_discarded_total`.

@@ -14,9 +14,12 @@ use crate::metrics::Counter;
 /// take an item, an upstream whose `size_hint` says none is left (an iterator; a prefetch
 /// that saw its source's end) is polled for its end, so an adapter whose credit or room was
 /// used up by the last items ends instead of waiting for ever. The hint is read at that
-/// poll: an upstream whose hint changes while the adapter waits (a channel closed then) does
-/// not wake it, and its end is seen at the adapter's next poll. An item such an upstream
-/// yields all the same (a wrong `size_hint`) is held here until the adapter may take it.
+/// poll, watching for the end (see [`crate::sync::size_hint_watching_end`]): a channel
+/// receiver under it wakes the adapter when it ends later (a close while the adapter
+/// waits); any other upstream whose hint changes while the adapter waits (a prefetch whose
+/// source answers its end then) does not wake it, and its end is seen at the adapter's next
+/// poll. An item such an upstream yields all the same (a wrong `size_hint`) is held here
+/// until the adapter may take it.
 ///
 /// Dropped while it holds one (the adapter dropped, or taken apart with `into_inner`), the
 /// item is discarded: counted in `flowgate_demand_discarded_total` (the adapter's
@@ -53,7 +56,9 @@ impl<T> Early<T> {
         stream: Pin<&mut S>,
         cx: &mut Context<'_>,
     ) -> bool {
-        if self.item.is_some() || stream.size_hint().1 != Some(0) {
+        if self.item.is_some()
+            || crate::sync::size_hint_watching_end(&*stream, cx.waker()).1 != Some(0)
+        {
             return false;
         }
         match stream.poll_next(cx) {

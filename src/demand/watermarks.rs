@@ -245,10 +245,13 @@ impl fmt::Debug for Ticket {
 /// nothing left to come) for its end, so a source that ends with `high` items in flight ends the
 /// stream (a consumer that keeps its tickets until the end gets it). Any other upstream is
 /// not polled while paused. The `size_hint` is read when the wrapper is polled while
-/// paused, and nothing wakes the wrapper when it changes later: a channel closed (or its
-/// last sender dropped) only after the wrapper paused is seen at its next poll, when a
-/// ticket is dropped (a consumer that keeps every ticket until the end waits for ever). An
-/// item such an upstream yields all the same (a wrong `size_hint`) is held for room;
+/// paused; a channel `Receiver` registers the wrapper then to be woken when it ends, so a
+/// channel closed (or its last sender dropped) only after the wrapper paused ends the
+/// stream too. Nothing else wakes the wrapper when its upstream's hint changes later: a
+/// `Prefetch` whose source answers its end only after the wrapper paused (it learns it as
+/// it is polled) is seen once the wrapper has room again, a ticket dropped (a consumer that
+/// keeps every ticket until the end waits for ever there). An item such an upstream
+/// yields all the same (a wrong `size_hint`) is held for room;
 /// dropped (or taken apart with [`into_inner`](Watermarks::into_inner)) while it holds
 /// it, the wrapper discards it, counted in `flowgate_demand_discarded_total`.
 ///

@@ -6,10 +6,12 @@
 //! Beside them, the waiting machinery every primitive shares: [`WaiterList`] (one FIFO list
 //! of waiting tasks with O(1) cancellation) and [`Deferred`] (the wakers collected under a
 //! lock, woken after it is released); [`Panics`] (steps that each run even if one before
-//! them panics); [`with_reused`], a thread's reused buffer; and
+//! them panics); [`size_hint_watching_end`], how an adapter that may not take an item asks
+//! its upstream to wake it at its end; [`with_reused`], a thread's reused buffer; and
 //! [`POLL_BUDGET`], how much an adapter does in one poll before it yields.
 
 mod deferred;
+mod end_watch;
 #[cfg(flowgate_loom)]
 #[doc(hidden)]
 pub mod loom_models;
@@ -19,6 +21,7 @@ mod reused;
 mod waiters;
 
 pub(crate) use deferred::Deferred;
+pub(crate) use end_watch::{end_watcher, size_hint_watching_end};
 pub(crate) use panics::Panics;
 #[cfg(feature = "http")]
 pub(crate) use reused::with_reused;

@@ -10,7 +10,7 @@ use crate::sync::Panics;
 impl<T> Shared<T> {
     /// Nothing more can come: closed, and no slot occupied (nothing queued, reserved, on
     /// its way, or held in a receiver's batch: a receiver dropped with one gives it back).
-    fn finished(&self) -> bool {
+    pub(super) fn finished(&self) -> bool {
         let s = self.hot.state.load(Ordering::SeqCst);
         s & CLOSED != 0 && occupied(s) == 0
     }

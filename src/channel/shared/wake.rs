@@ -1,7 +1,7 @@
 //! Waiting receivers: the queue of each kind (futures, streams), and waking them, with
 //! the `RECV_WAIT` flag kept in step.
 
-use std::task::Context;
+use std::task::{Context, Waker};
 
 use super::*;
 
@@ -57,9 +57,34 @@ impl<T> Shared<T> {
         self.sync_recv_flag(st);
     }
 
+    /// The channel is closed or has ended: wake every waiting receiver, and every end
+    /// watcher (see [`watch_end`](Shared::watch_end)).
     pub(super) fn wake_receivers(&self, st: &mut State<T>, out: &mut Deferred) {
         st.recv_waiters.wake_all(out);
         st.stream_waiters.wake_all(out);
         self.sync_recv_flag(st);
+        for batch in &st.batches {
+            if let Some(waker) = batch.take_end() {
+                out.wake(waker);
+            }
+        }
+    }
+
+    /// An adapter over a receiver that may not take an item (`watermarks` at `high`,
+    /// `with_demand` without credit) read its `size_hint` watching for the end (see
+    /// [`crate::sync::size_hint_watching_end`]): wake `waker` once the channel is finished,
+    /// now if it is. One watcher per receiver, the latest; it is woken by the close too
+    /// (spuriously if items are left to come: the adapter then reads the hint again, and
+    /// watches again) and by the free that ends the channel. Only under the lock, which the
+    /// close holds and the end's free takes before it wakes receivers: a watcher put in
+    /// after them sees `finished` here.
+    pub(crate) fn watch_end(&self, batch: &BatchLen, waker: Waker) {
+        let mut out = Deferred::default();
+        let _st = self.lock();
+        if self.finished() {
+            out.wake(waker);
+        } else if let Some(old) = batch.watch_end(waker) {
+            out.discard(old);
+        }
     }
 }

@@ -1007,6 +1007,35 @@ async fn a_channel_that_ends_while_the_stream_waits_wakes_it() {
     assert_eq!(all.map(|v| v.len()), Some(1), "ended by the permit's drop");
 }
 
+/// Kafka commits the next offset to read: `committable() + 1`, as the tracker's docs say.
+/// An offset of `u64::MAX` has no next one, and the tracker took it: the sum then
+/// overflowed (a panic in a debug build; 0 in a release build, a commit that delivers the
+/// whole partition again). `track` refuses it with a typed error, tracking nothing, so the
+/// sum the docs give never overflows.
+#[test]
+#[ignore = "fault: track(u64::MAX) is taken, and the committable() + 1 the docs give overflows"]
+fn an_offset_with_no_next_one_is_refused_so_the_commit_never_overflows() {
+    let tracker = CommitTracker::new();
+    tracker.track(u64::MAX - 1).unwrap().done();
+    assert_eq!(tracker.committable().map(|o| o + 1), Some(u64::MAX));
+    let refused = tracker.track(u64::MAX);
+    let message = refused.as_ref().err().map(ToString::to_string);
+    assert!(refused.is_err(), "u64::MAX has no next offset to commit");
+    assert!(
+        message.is_some_and(|m| m.contains(&u64::MAX.to_string())),
+        "the error names the offset"
+    );
+    drop(refused);
+    assert_eq!(
+        (tracker.pending(), tracker.dropped()),
+        (0, 0),
+        "nothing tracked"
+    );
+    assert_eq!(tracker.committable().map(|o| o + 1), Some(u64::MAX));
+    // A fresh tracker too: not a matter of order.
+    assert!(CommitTracker::new().track(u64::MAX).is_err());
+}
+
 fn counting_waker() -> (Waker, Arc<AtomicU64>) {
     struct Count(Arc<AtomicU64>);
     impl Wake for Count {

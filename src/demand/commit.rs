@@ -94,7 +94,9 @@ struct Shared {
 /// or a token dropped unfinished (which then stops the consumer instead of growing memory
 /// without end). `flowgate_demand_commit_pending` shows how close it is.
 ///
-/// Kafka commits the *next* offset to read: commit `committable() + 1`.
+/// Kafka commits the *next* offset to read: commit `committable() + 1`. It never
+/// overflows: offsets go up to `u64::MAX - 1` ([`track`] refuses `u64::MAX` with
+/// [`TrackError::NoNextOffset`]).
 ///
 /// [`pending`]: CommitTracker::pending
 /// [`max_pending`]: CommitTracker::max_pending
@@ -170,11 +172,16 @@ impl CommitTracker {
     ///
     /// # Errors
     ///
+    /// - [`TrackError::NoNextOffset`] if `offset` is `u64::MAX`: it has no next offset,
+    ///   so its commit, `committable() + 1`, could not be written.
     /// - [`TrackError::OutOfOrder`] if `offset` is not above the last tracked offset.
     /// - [`TrackError::PendingFull`] if [`max_pending`](CommitTracker::max_pending) offsets
     ///   are pending; `offset` is not tracked (track it again once there is room, see
     ///   [`until_ready`](CommitTracker::until_ready)).
     pub fn track(&self, offset: u64) -> Result<CommitToken, TrackError> {
+        if offset == u64::MAX {
+            return Err(TrackError::NoNextOffset { offset });
+        }
         let mut st = self.lock();
         if let Some(last) = st.last_tracked
             && offset <= last

@@ -44,6 +44,13 @@ pub enum TrackError {
         /// The bound that was reached.
         max_pending: usize,
     },
+    /// `track(u64::MAX)`: the offset has no next one, so the commit that would follow it,
+    /// `committable() + 1` (Kafka commits the next offset to read), cannot be written. The
+    /// largest offset a tracker takes is `u64::MAX - 1`.
+    NoNextOffset {
+        /// The offset passed (`u64::MAX`).
+        offset: u64,
+    },
 }
 
 impl fmt::Display for TrackError {
@@ -61,6 +68,12 @@ impl fmt::Display for TrackError {
                 f,
                 "offset {offset} not tracked: the tracker holds its {max_pending} pending \
                  offsets, from unfinished offset {oldest} on"
+            ),
+            TrackError::NoNextOffset { offset } => write!(
+                f,
+                "offset {offset} not tracked: it has no next offset to commit \
+                 (committable() + 1); offsets go up to {}",
+                u64::MAX - 1
             ),
         }
     }

@@ -135,6 +135,10 @@ proptest! {
                         Err(TrackError::PendingFull { .. }) => {
                             prop_assert!(tracker.pending() >= max_pending)
                         }
+                        Err(TrackError::NoNextOffset { offset }) => {
+                            prop_assert_eq!(offset, o);
+                            prop_assert_eq!(o, u64::MAX)
+                        }
                         Err(e) => panic!("undocumented error {e:?}"),
                     }
                     prop_assert!(tracker.pending() <= max_pending);

@@ -1986,6 +1986,10 @@ mod redis_streams;
 #[path = "demand/panics.rs"]
 mod panics;
 
+#[cfg(all(feature = "redis", feature = "metrics"))]
+#[path = "demand/journey.rs"]
+mod journey;
+
 #[test]
 fn public_types_are_send_and_sync() {
     use flowgate::demand::{

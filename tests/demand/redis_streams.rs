@@ -16,8 +16,8 @@ use redis::aio::MultiplexedConnection;
 use super::levels;
 use super::support::RedisServer;
 
-const KEY: &str = "orders";
-const GROUP: &str = "billing";
+pub(super) const KEY: &str = "orders";
+pub(super) const GROUP: &str = "billing";
 
 async fn produce<C: redis::aio::ConnectionLike>(con: &mut C, n: u32) {
     for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
@@ -49,7 +49,7 @@ async fn source(server: &RedisServer, consumer: &str) -> RedisStreamSource<Multi
         .unwrap()
 }
 
-async fn pending(con: &mut MultiplexedConnection) -> u64 {
+pub(super) async fn pending(con: &mut MultiplexedConnection) -> u64 {
     let summary: redis::Value = redis::cmd("XPENDING")
         .arg(KEY)
         .arg(GROUP)
@@ -1846,7 +1846,7 @@ async fn a_paused_server_under_the_source_loses_no_entry_and_no_ack() {
 }
 
 /// `ms-seq` as one increasing number, for a `CommitTracker`.
-fn offset_of(id: &str) -> u64 {
+pub(super) fn offset_of(id: &str) -> u64 {
     let (ms, seq) = id.split_once('-').unwrap();
     (ms.parse::<u64>().unwrap() << 20) | seq.parse::<u64>().unwrap()
 }

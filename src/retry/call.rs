@@ -171,7 +171,11 @@ impl<T, E> Retried<T, E> {
 ///
 /// Its `Display` names the reason in lowercase, without a trailing period, then the
 /// attempts and the last attempt's error: `gave up after 5 attempts: connection reset`,
-/// `retry budget exhausted (2 attempts): connection reset`.
+/// `retry budget exhausted (2 attempts): connection reset` (so it says everything for an
+/// error that is only `Display`). As an [`Error`](std::error::Error) (when `E` is one) its
+/// [`source`](std::error::Error::source) is therefore the last attempt's error's own source,
+/// never that error again nor the [`GiveUp`]: a reporter walking the chain prints each
+/// message once. Reach the last attempt's error itself with [`inner`](RetryError::inner).
 ///
 /// # Examples
 ///
@@ -279,12 +283,15 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
     }
 }
 
+/// The source is the last attempt's error's own source, not that error: its message is in
+/// this one's `Display` already (as the reason's is), and a reporter that walks the chain
+/// (anyhow's `{:#}`, eyre) prints every message once. The last attempt's error itself is
+/// [`inner`](RetryError::inner).
 impl<E: std::error::Error + 'static> std::error::Error for RetryError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RetryError::Inner { error, .. } => Some(error),
-            RetryError::TimedOut { .. } => None,
-            RetryError::NotSent(give_up) => Some(give_up),
+            RetryError::Inner { error, .. } => error.source(),
+            RetryError::TimedOut { .. } | RetryError::NotSent(_) => None,
         }
     }
 }

@@ -37,7 +37,9 @@ pub enum Outcome {
     /// the pacer slows down (and pauses until `retry_after`, at most the backoff's
     /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)), then retry, if
     /// the budget allows, after `retry_after` when the server said, else the backoff's
-    /// delay.
+    /// delay. A zero `retry_after` (`Retry-After: 0`) means now: the retry goes at once
+    /// (plus any [`retry_after_jitter`](crate::retry::BackoffBuilder::retry_after_jitter)),
+    /// and the pacer is not paused (nor a pause counted), only slowed down.
     BackPressure {
         /// The server's `Retry-After`, if it sent one.
         retry_after: Option<Duration>,
@@ -387,9 +389,12 @@ impl RetryPolicy {
             Outcome::BackPressure { retry_after } => {
                 if let Some(pacer) = &p.pacer {
                     // Honoured up to the backoff's `max_retry_after`, as the schedule honours
-                    // it: a longer hint must not hold every later attempt for its length.
+                    // it: a longer hint must not hold every later attempt for its length. A
+                    // zero one (`Retry-After: 0`, "now") pauses nothing: no pause is counted,
+                    // and the pacer's burst is not taken by one that ends at once.
                     let max = p.backoff.max_retry_after();
-                    unheard.run(|| pacer.on_back_pressure(retry_after.map(|d| d.min(max))));
+                    let pause = retry_after.map(|d| d.min(max)).filter(|d| !d.is_zero());
+                    unheard.run(|| pacer.on_back_pressure(pause));
                 }
             }
             Outcome::Fatal | Outcome::Retry => {}

@@ -769,7 +769,6 @@ async fn a_recorder_panicking_on_an_abandoned_retry_still_counts_the_cancelled_s
 /// it was counted (`pauses`, `paused_until`) and took the pacer's burst, holding the next
 /// requests to one at a time as a real pause does when it ends.
 #[tokio::test(start_paused = true)]
-#[ignore = "fault: a Retry-After: 0 counts as a pause and takes the pacer's burst"]
 async fn a_retry_after_of_zero_retries_at_once_without_pausing_the_pacer() {
     let pacer = || {
         AdaptivePacer::builder(Rate::per_second(1_000).unwrap())

@@ -42,5 +42,9 @@ mod raw_http;
 #[path = "retry/journey.rs"]
 mod journey;
 
+#[cfg(all(feature = "http", feature = "metrics"))]
+#[path = "retry/restart.rs"]
+mod restart;
+
 #[path = "retry/why.rs"]
 mod why;

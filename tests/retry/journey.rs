@@ -62,6 +62,17 @@ fn stopped(recorder: &TestRecorder, name: &str, stop: &str) -> u64 {
     ))
 }
 
+/// Every `stop` label of `flowgate_retry_stopped_total`.
+pub(crate) const STOPS: [&str; 7] = [
+    "success",
+    "fatal",
+    "gave_up",
+    "budget",
+    "timed_out",
+    "not_retryable",
+    "cancelled",
+];
+
 /// A generous bound on one scenario.
 async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
     tokio::time::timeout(30 * SECOND, f)
@@ -467,18 +478,10 @@ async fn three_hundred_requests_on_four_threads_every_count_agrees() {
         recorder.counter("flowgate_pace_released_total{name=many}"),
         made
     );
-    let stops: u64 = [
-        "success",
-        "fatal",
-        "gave_up",
-        "budget",
-        "timed_out",
-        "not_retryable",
-        "cancelled",
-    ]
-    .iter()
-    .map(|stop| stopped(&recorder, "many", stop))
-    .sum();
+    let stops: u64 = STOPS
+        .iter()
+        .map(|stop| stopped(&recorder, "many", stop))
+        .sum();
     assert_eq!(stops, 300);
     let stats = budget.stats();
     assert_eq!(made, 300 + stats.allowed - stats.abandoned, "{stats:?}");

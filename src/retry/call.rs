@@ -33,6 +33,13 @@ pub enum Outcome {
     /// A transient failure (a `500`, a reset connection): retry after the backoff's delay,
     /// if the budget allows.
     Retry,
+    /// The attempt failed before its request reached the server (a refused connection, a
+    /// failed DNS lookup, a connect timeout: hyper-util's `Error::is_connect`): retried as
+    /// [`Retry`](Outcome::Retry) is, and by `RetryLayer` whatever the method, a `POST`
+    /// included, since nothing can have acted on it (Envoy's `connect-failure`, gRPC's
+    /// transparent retries). [`HttpClassify`](crate::retry::HttpClassify) cannot tell a
+    /// connect error from another transport error, so a classifier of your own says so.
+    Unsent,
     /// The downstream is overloaded or limiting this client (`429`, `503`, a timeout):
     /// the pacer slows down (and pauses until `retry_after`, at most the backoff's
     /// [`max_retry_after`](crate::retry::BackoffBuilder::max_retry_after)), then retry, if
@@ -397,7 +404,7 @@ impl RetryPolicy {
                     unheard.run(|| pacer.on_back_pressure(pause));
                 }
             }
-            Outcome::Fatal | Outcome::Retry => {}
+            Outcome::Fatal | Outcome::Retry | Outcome::Unsent => {}
         }
     }
 
@@ -409,7 +416,7 @@ impl RetryPolicy {
         self.inner.rtt.record(rtt.as_secs_f64());
     }
 
-    /// After a failed attempt (`Retry` / `BackPressure`): the wait before the next one, or
+    /// After a failed attempt (`Retry`, `Unsent` / `BackPressure`): the wait before the next one, or
     /// why not to retry. Takes a token from the budget; only a retry the schedule allows
     /// is asked of it (counted as allowed or refused).
     pub(crate) fn next(&self, schedule: &mut Schedule, outcome: Outcome) -> Result<Duration, Stop> {
@@ -581,8 +588,8 @@ impl RetryPolicyBuilder {
 ///
 /// Each attempt first waits for the policy's pacer (if any), then runs `op(attempt)`
 /// (`attempt` counts from 1) under the attempt timeout (if any). Its round-trip time is
-/// that attempt's alone, never the wait before it. After a [`Outcome::Retry`] or
-/// [`Outcome::BackPressure`], the backoff's schedule is asked, then the budget (which
+/// that attempt's alone, never the wait before it. After a [`Outcome::Retry`],
+/// [`Outcome::Unsent`] or [`Outcome::BackPressure`], the backoff's schedule is asked, then the budget (which
 /// hears of the failure either way): the wait is the server's `Retry-After` when it sent
 /// one, else the jittered backoff; the schedule gives up when attempts run out or the
 /// deadline would pass (at once, without waiting for a `Retry-After` past it).
@@ -704,7 +711,7 @@ where
         let next = match outcome {
             Outcome::Success => Err(Stop::Success),
             Outcome::Fatal => Err(Stop::Fatal),
-            Outcome::Retry | Outcome::BackPressure { .. } => policy
+            Outcome::Retry | Outcome::Unsent | Outcome::BackPressure { .. } => policy
                 .next(&mut schedule, outcome)
                 // A timed-out attempt not retried ends timed out, whatever stopped it.
                 .map_err(|stop| {

@@ -133,7 +133,29 @@ impl Methods {
 /// request may have been acted on, so for the others it is final ([`Stop::NotRetryable`];
 /// a timeout [`Stop::TimedOut`]; either way the budget counts the failure, and the
 /// pacer hears of back-pressure). Back-pressure in a response (a `429` or `503`) is
-/// retried for every method: the server refused the request without acting on it.
+/// retried for every method: the server refused the request without acting on it. So is
+/// an [`Outcome::Unsent`]: the request never reached the server. [`HttpClassify`] cannot
+/// tell a connect error from another transport error (the inner service's error type is
+/// any type), so by default a `POST` whose connection was refused is not sent again; a
+/// classifier of your own that knows its client's errors says which never left:
+///
+/// ```
+/// use flowgate::retry::{Backoff, HttpClassify, Outcome, RetryLayer, RetryPolicy};
+/// use http::Response;
+/// use hyper_util::client::legacy::Error;
+///
+/// let policy = RetryPolicy::builder(Backoff::builder().build()?).build()?;
+/// // hyper-util's client: a connect error (refused, DNS, connect timeout) was never sent.
+/// let layer = RetryLayer::new(policy).classify(
+///     |r: &Result<Response<hyper::body::Incoming>, Error>| match r {
+///         Ok(res) => HttpClassify::new().outcome(res.status(), res.headers()),
+///         Err(e) if e.is_connect() => Outcome::Unsent,
+///         Err(_) => Outcome::Retry,
+///     },
+/// );
+/// # let _ = layer;
+/// # Ok::<(), flowgate::ConfigError>(())
+/// ```
 ///
 /// The layer, its services and their futures follow tower's rules: `poll_ready` only asks
 /// the inner service; the service that was made ready goes with the request (the layer
@@ -244,7 +266,8 @@ impl<C> RetryLayer<C> {
     /// Retry an [`Outcome::Retry`], a timed-out attempt or back-pressure without a response
     /// (the classifier's for an error) only for these methods (by default the idempotent
     /// ones: `GET`, `HEAD`, `OPTIONS`, `TRACE`, `PUT`, `DELETE`). For any other method it
-    /// is final. Back-pressure in a response (a `429`, a `503`) is retried whatever the
+    /// is final. Back-pressure in a response (a `429`, a `503`) and an
+    /// [`Outcome::Unsent`] (the request never reached the server) are retried whatever the
     /// method.
     pub fn retry_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = Methods::Only(methods.into_iter().collect());

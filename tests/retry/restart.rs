@@ -329,3 +329,80 @@ async fn clients_sharing_a_budget_ride_out_a_server_restart() {
         "{report}"
     );
 }
+
+/// A server that is down, then up on the same port: a `POST` whose connection was refused
+/// never reached it, so a classifier that says so (`Outcome::Unsent`, from hyper-util's
+/// `is_connect`) has it sent again, whatever the method, until the server is up; the
+/// server reads it once. With the default classifier a refused `POST` is not sent again
+/// (it cannot tell a connect error from a reset one).
+#[tokio::test]
+async fn a_post_refused_a_connection_is_sent_again_once_the_server_is_up() {
+    use flowgate::retry::{HttpClassify, Outcome};
+    use hyper::body::Incoming;
+    use hyper_util::client::legacy::Error;
+
+    let addr = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let url = format!("http://{addr}/");
+    let recorder = TestRecorder::default();
+    // No jitter: attempts at 0, 100, 300, 700 ms and 1.5 s; the server is up from 200 ms.
+    let policy = metrics::with_local_recorder(&recorder, || {
+        RetryPolicy::builder(crate::raw_http::backoff(5))
+            .name("unsent")
+            .build()
+            .unwrap()
+    });
+    let unsent = |r: &Result<http::Response<Incoming>, Error>| match r {
+        Ok(res) => HttpClassify::new().outcome(res.status(), res.headers()),
+        Err(e) if e.is_connect() => Outcome::Unsent,
+        Err(_) => Outcome::Retry,
+    };
+    let default = RetryLayer::new(policy.clone()).layer(hyper());
+    let client = RetryLayer::new(policy).classify(unsent).layer(hyper());
+
+    // Down: the default classifier does not send the `POST` again.
+    let err = default
+        .clone()
+        .oneshot(request(Method::POST, &url))
+        .await
+        .unwrap_err();
+    assert_eq!((err.stop(), err.attempts()), (Stop::NotRetryable, 1));
+
+    let counts = Counts::default();
+    let up = {
+        let counts = counts.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(200 * MS).await;
+            serve(addr, counts).await
+        })
+    };
+    let start = Instant::now();
+    let res = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.oneshot(request(Method::POST, &url)),
+    )
+    .await
+    .expect("answered")
+    .unwrap();
+    let (_, server) = up.await.unwrap();
+    let info = res.extensions().get::<RetryInfo>().cloned().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(info.stop, Stop::Success);
+    assert!(
+        (2..=4).contains(&info.attempts),
+        "{info:?} after {:?}",
+        start.elapsed()
+    );
+    assert_eq!(
+        counts.seen.load(Ordering::SeqCst),
+        1,
+        "the server read the POST once"
+    );
+    assert_eq!(
+        recorder.counter("flowgate_retry_attempts_total{name=unsent}"),
+        1 + u64::from(info.attempts)
+    );
+    server.abort();
+}

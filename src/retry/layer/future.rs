@@ -337,7 +337,8 @@ where
                 Outcome::Retry | Outcome::BackPressure { .. } if not_resent => {
                     Err(Stop::NotRetryable)
                 }
-                Outcome::Retry | Outcome::BackPressure { .. } => {
+                // Never reached the server: sent again whatever the method.
+                Outcome::Retry | Outcome::Unsent | Outcome::BackPressure { .. } => {
                     policy.next(this.schedule, outcome).map_err(|stop| {
                         if result.is_none() {
                             Stop::TimedOut

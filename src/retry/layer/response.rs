@@ -20,7 +20,7 @@ use super::*;
 /// | `429 Too Many Requests`, `503 Service Unavailable` | [`BackPressure`](Outcome::BackPressure), with the server's [`retry_delay`](ServerHint::retry_delay): its `Retry-After`, else the reset of a `RateLimit` policy with nothing remaining |
 /// | `408 Request Timeout`, `500`, `502`, `504` | [`Retry`](Outcome::Retry) |
 /// | any other `4xx` or `5xx` | [`Fatal`](Outcome::Fatal) |
-/// | a transport error (`Err`) | [`Retry`](Outcome::Retry) |
+/// | a transport error (`Err`) | [`Retry`](Outcome::Retry), even a connect error: the error type is any type, so this classifier cannot tell one that never reached the server ([`Unsent`](Outcome::Unsent): see [`RetryLayer`]) |
 ///
 /// The layer retries a [`Retry`](Outcome::Retry) only for the methods it is told are safe
 /// to send twice (by default the idempotent ones; see [`RetryLayer::retry_methods`]), so a

@@ -270,6 +270,10 @@ async fn over_loopback(h2: bool) {
     let log: Log = Arc::default();
     let start = Instant::now();
     let mut tasks = Vec::new();
+    // Every task sends its first request together, before any answer can teach its client
+    // the quota (under load, tasks started one by one could be paced by the first answers
+    // and never meet a `429`).
+    let together = Arc::new(tokio::sync::Barrier::new(CLIENTS * TASKS));
     for client in 0..CLIENTS {
         let hyper = Client::builder(TokioExecutor::new())
             .http2_only(h2)
@@ -287,8 +291,9 @@ async fn over_loopback(h2: bool) {
             }
         }));
         for _ in 0..TASKS {
-            let (mut polite, url) = (polite.clone(), url.clone());
+            let (mut polite, url, together) = (polite.clone(), url.clone(), together.clone());
             tasks.push(tokio::spawn(async move {
+                together.wait().await;
                 while start.elapsed() < RUN {
                     let req = Request::get(url.as_str()).body(Empty::new()).unwrap();
                     let res = polite.ready().await.unwrap().call(req).await.unwrap();

@@ -290,10 +290,11 @@ impl<T> Stream for Receiver<T> {
     /// ([`with_demand`](crate::FlowStreamExt::with_demand) without credit,
     /// [`watermarks`](crate::FlowStreamExt::watermarks) at `high`) sees the end when none
     /// is left as it polls. Such an adapter does not poll the receiver while it waits, but
-    /// reading this hint registers it to be woken when the channel ends (closed with nothing
-    /// left to come, or closed: it then reads the hint again), so an end that comes while
-    /// it waits ends it too. That costs nothing per item: the channel wakes it only as it
-    /// closes or ends.
+    /// reading this hint registers it to be woken when the channel is closed or ends (and
+    /// when a receiver gives its batch back: woken while items are left to come, it reads
+    /// the hint again), so an end that comes while it waits ends it too. The first reading
+    /// by a task takes the channel's lock; readings by the task already registered do not,
+    /// and nothing is done per item sent or received.
     fn size_hint(&self) -> (usize, Option<usize>) {
         if self.terminated {
             return (0, Some(0));

@@ -185,6 +185,15 @@ impl BatchLen {
             .replace(waker)
     }
 
+    /// Whether `waker` (its task) is the end watcher already.
+    fn watching(&self, waker: &Waker) -> bool {
+        self.end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|w| w.will_wake(waker))
+    }
+
     /// Take the end watcher out, to wake it.
     fn take_end(&self) -> Option<Waker> {
         self.end

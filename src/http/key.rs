@@ -88,6 +88,11 @@ pub enum MissingKey {
     /// it, or begins with `\`, is counted with a `\` before it (`x-api-key: -` under
     /// `"-"` counts under `<key prefix><policy name>:\-`, its own bucket, as the gate,
     /// `top_rejected` and the logs show it). Every other key is counted as written.
+    ///
+    /// The escape is each policy's own: layers that count one policy name under one key
+    /// prefix on one gate (sharing its buckets on purpose) must give it the same
+    /// `MissingKey`, or a request through a layer whose policy has another choice (`Skip`,
+    /// `Refuse`, another shared key) and whose key is this one joins this bucket.
     Shared(String),
     /// The policy does not apply to the request.
     Skip,
@@ -339,7 +344,9 @@ impl Header {
     /// [`DEFAULT_MAX_LEN`](Self::DEFAULT_MAX_LEN)).
     ///
     /// The key goes into a gate key, `<key prefix><policy name>:<key>`, which a gate refuses
-    /// above 512 bytes: a value that fits `max_len` but makes a longer gate key gets
+    /// above 512 bytes (with the `\` written before a key that begins with one, or equals
+    /// the policy's [`MissingKey::Shared`] key): a value that fits `max_len` but makes a
+    /// longer gate key gets
     /// `400 Bad Request` from a [`RateLimitLayer`](crate::http::RateLimitLayer) (counted as
     /// `bad_request`). For secrets, key by a digest instead (see the type's docs).
     #[must_use]

@@ -806,10 +806,13 @@ where
 /// over HTTP/1 `Connection: close`, so that hyper closes the connection once it is sent and
 /// the client's next request opens a new one (to another instance, behind a balancer).
 /// HTTP/2 has no `Connection` field (hyper strips it); there the server's `GOAWAY` at its
-/// graceful shutdown tells the client.
+/// graceful shutdown tells the client. Marked [`Outcome::Ignored`], so that an adaptive
+/// `ShedLayer` around this one does not read the shutdown as back-pressure and cut its
+/// limit.
 fn going_away(version: Version) -> Response<Bytes> {
     let mut res = Response::new(Bytes::from_static(GOING_AWAY.as_bytes()));
     *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    res.extensions_mut().insert(Outcome::Ignored);
     let headers = res.headers_mut();
     headers.insert(header::CONTENT_TYPE, PROBLEM_JSON);
     if matches!(version, Version::HTTP_10 | Version::HTTP_11) {

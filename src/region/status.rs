@@ -42,7 +42,8 @@ pub struct RegionStatus {
     pub learning: bool,
     /// Whether the home answered this process's last call to it, with a lease or with an
     /// error ([`home_error`](RegionStatus::home_error) says which); false when that call got
-    /// no answer or was not sent, and before this process's first call to the home (its
+    /// no answer or was not sent (a call not sent after one the home refused keeps that
+    /// refusal: true, with its error), and before this process's first call to the home (its
     /// refreshes failed on the local Redis before they reached it). In a process that does
     /// not refresh (it makes no calls to the home): whether the lease in use is fresh (at
     /// most a refresh interval and the home timeout old), which it is while the refreshing

@@ -37,7 +37,10 @@ pub(crate) fn size_hint_watching_end<S: Stream + ?Sized>(
     stream: &S,
     waker: &Waker,
 ) -> (usize, Option<usize>) {
-    let before = WATCHER.with(|w| w.borrow_mut().replace(waker.clone()));
+    // A thread tearing down its locals watches nothing: the hint alone.
+    let Ok(before) = WATCHER.try_with(|w| w.borrow_mut().replace(waker.clone())) else {
+        return stream.size_hint();
+    };
     let _restore = Restore(before);
     stream.size_hint()
 }

@@ -1110,3 +1110,40 @@ async fn an_outcome_in_the_response_extensions_classifies_it_for_the_adaptive_li
     );
     assert_eq!(layer.stats().normal.admitted, 6);
 }
+
+/// A closed bulkhead's going-away `503` is the server shutting down, not overloaded: an
+/// adaptive `ShedLayer` around the closed one does not read it as back-pressure (it is
+/// marked `Outcome::Ignored`), so its limit is not cut as the server goes away.
+#[tokio::test]
+async fn an_outer_adaptive_limit_ignores_an_inner_going_away_503() {
+    use flowgate::adaptive::Aimd;
+
+    let outer = Bulkhead::builder(64)
+        .adaptive(Aimd::builder().initial(16).build().unwrap())
+        .build()
+        .unwrap();
+    let inner = Bulkhead::new(4).unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(ShedLayer::builder(inner.clone()).build().unwrap())
+        .layer(ShedLayer::builder(outer.clone()).build().unwrap());
+    let server = Server::start(app).await;
+    let client = harness::client();
+    inner.close();
+    let before = outer.adaptive_stats().unwrap();
+    let res = harness::get(&client, &server.url("/"), &[]).await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+    eventually("the permit back", Duration::from_secs(5), || {
+        outer.in_flight() == 0
+    })
+    .await;
+    let after = outer.adaptive_stats().unwrap();
+    assert_eq!(
+        (
+            after.ok - before.ok,
+            after.back_pressure - before.back_pressure,
+            after.ignored - before.ignored
+        ),
+        (0, 0, 1)
+    );
+}

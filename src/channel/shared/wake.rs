@@ -75,10 +75,18 @@ impl<T> Shared<T> {
     /// [`crate::sync::size_hint_watching_end`]): wake `waker` once the channel is finished,
     /// now if it is. One watcher per receiver, the latest; it is woken by the close too
     /// (spuriously if items are left to come: the adapter then reads the hint again, and
-    /// watches again) and by the free that ends the channel. Only under the lock, which the
+    /// watches again), by a receiver giving its batch back, and by the free that ends the
+    /// channel. Only under the lock, which the
     /// close holds and the end's free takes before it wakes receivers: a watcher put in
     /// after them sees `finished` here.
+    ///
+    /// A watcher already in for the same task returns at once, without the channel's lock
+    /// (`with_demand` granted one item at a time reads the hint after each): a watcher in is
+    /// one the next close or end takes out and wakes.
     pub(crate) fn watch_end(&self, batch: &BatchLen, waker: Waker) {
+        if batch.watching(&waker) {
+            return;
+        }
         let mut out = Deferred::default();
         let _st = self.lock();
         if self.finished() {

@@ -51,12 +51,24 @@ pub(crate) fn document(kind: &str, status: StatusCode, violated: &[&str]) -> Byt
 
 /// A `400 Bad Request` with a problem document (`about:blank`) whose `detail` says why.
 pub(crate) fn bad_request(detail: &str) -> Response<Bytes> {
-    let mut out = String::with_capacity(96 + detail.len());
-    out.push_str(r#"{"type":"about:blank","title":"Bad Request","status":400,"detail":""#);
+    about_blank(StatusCode::BAD_REQUEST, detail)
+}
+
+/// `status` with a problem document of no more specific type than the status itself
+/// (`about:blank`, RFC 9457 §4.2.1: the title is the status's reason phrase) whose
+/// `detail` says why.
+pub(crate) fn about_blank(status: StatusCode, detail: &str) -> Response<Bytes> {
+    let title = status.canonical_reason().unwrap_or("");
+    let mut out = String::with_capacity(80 + title.len() + detail.len());
+    out.push_str(r#"{"type":"about:blank","title":""#);
+    out.push_str(title);
+    out.push_str(r#"","status":"#);
+    out.push_str(status.as_str());
+    out.push_str(r#","detail":""#);
     push_json_str(&mut out, detail);
     out.push_str("\"}");
     let mut res = Response::new(Bytes::from(out));
-    *res.status_mut() = StatusCode::BAD_REQUEST;
+    *res.status_mut() = status;
     res.headers_mut().insert(header::CONTENT_TYPE, PROBLEM_JSON);
     res
 }
@@ -77,12 +89,6 @@ fn push_json_str(out: &mut String, s: &str) {
 
 /// A response a layer answers itself: `status`, `Retry-After: retry_after` and a problem
 /// document `body` (built once by the layer and cloned: a reference count, no copy).
-/// Marks, in its extensions, a `503` the rate-limit layer answered because its gate could
-/// not decide: the service behind it never ran, so it says nothing about that service's
-/// capacity (an outer `ShedLayer`'s adaptive limit ignores it).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Undecided;
-
 pub(crate) fn response(
     status: StatusCode,
     body: Bytes,

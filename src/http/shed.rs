@@ -19,7 +19,7 @@ use crate::error::{ConfigError, ConfigErrorKind};
 use crate::http::body::ResponseBody;
 use crate::http::fields;
 use crate::http::key::RequestInfo;
-use crate::http::problem::{self, PROBLEM_JSON, TEMPORARY_REDUCED_CAPACITY};
+use crate::http::problem::{self, TEMPORARY_REDUCED_CAPACITY};
 use crate::http::striped::Striped;
 use crate::metrics::{Counter, Labels};
 use crate::sync::Arc;
@@ -32,12 +32,11 @@ pub(crate) mod names {
     pub(crate) const CLOSED: &str = "flowgate_http_shed_closed_total";
 }
 
-/// The problem document of the `503` a closed bulkhead answers: the server is going away,
-/// which says nothing of its capacity (so not `temporary-reduced-capacity`), and has no
-/// more specific type than its status (`about:blank`, RFC 9457 §4.2.1).
-const GOING_AWAY: &str = "{\"type\":\"about:blank\",\"title\":\"Service Unavailable\",\
-     \"status\":503,\"detail\":\"The server is shutting down and takes no new requests: \
-     send the request again on a new connection\"}";
+/// The `detail` of the `503` a closed bulkhead answers: the server is going away, which
+/// says nothing of its capacity (so not `temporary-reduced-capacity`), and has no more
+/// specific type than its status (`about:blank`).
+const GOING_AWAY: &str = "The server is shutting down and takes no new requests: send the \
+     request again on a new connection";
 
 /// How much a request matters when the bulkhead is saturated: what a [`ShedLayer`]'s
 /// classifier answers for each request.
@@ -810,13 +809,11 @@ where
 /// `ShedLayer` around this one does not read the shutdown as back-pressure and cut its
 /// limit.
 fn going_away(version: Version) -> Response<Bytes> {
-    let mut res = Response::new(Bytes::from_static(GOING_AWAY.as_bytes()));
-    *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let mut res = problem::about_blank(StatusCode::SERVICE_UNAVAILABLE, GOING_AWAY);
     res.extensions_mut().insert(Outcome::Ignored);
-    let headers = res.headers_mut();
-    headers.insert(header::CONTENT_TYPE, PROBLEM_JSON);
     if matches!(version, Version::HTTP_10 | Version::HTTP_11) {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     res
 }
@@ -825,9 +822,11 @@ fn going_away(version: Version) -> Response<Bytes> {
 /// timeout layer's among them) are back-pressure, and so is `408`, the answer of a timeout
 /// layer that answers rather than fails (the request was whole: the server ran out of
 /// time); the other `4xx` say nothing about the server's capacity (ignored): a `429` is
-/// one client over its own quota; nor does the `503` of a `RateLimitLayer` whose gate could
-/// not decide (the service behind it never ran); the rest is a served call.
-/// An [`Outcome`] the inner service put in the response's extensions wins over all that.
+/// one client over its own quota; the rest is a served call. An [`Outcome`] in the
+/// response's extensions wins over all that: the inner service's, or `Ignored` on the
+/// answers of this crate's layers that say nothing of the server's capacity (the `503` of a
+/// `RateLimitLayer` whose gate could not decide, the going-away `503` of a closed
+/// `ShedLayer`).
 fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
     let res = match res {
         Err(_) => return Outcome::BackPressure,
@@ -837,14 +836,6 @@ fn outcome<B, E>(res: &Result<Response<B>, E>) -> Outcome {
         return marked;
     }
     match res.status() {
-        StatusCode::SERVICE_UNAVAILABLE
-            if res
-                .extensions()
-                .get::<super::problem::Undecided>()
-                .is_some() =>
-        {
-            Outcome::Ignored
-        }
         StatusCode::SERVICE_UNAVAILABLE
         | StatusCode::GATEWAY_TIMEOUT
         | StatusCode::REQUEST_TIMEOUT => Outcome::BackPressure,

@@ -237,7 +237,10 @@ impl<G> Shared<G> {
             self.gate_error_body.clone(),
             fields::integer_value(retry_after),
         );
-        res.extensions_mut().insert(problem::Undecided);
+        // The service behind never ran: this says nothing of its capacity (an outer
+        // `ShedLayer`'s adaptive limit ignores it).
+        res.extensions_mut()
+            .insert(crate::adaptive::Outcome::Ignored);
         Verdict::Answer(res)
     }
 

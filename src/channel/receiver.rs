@@ -303,10 +303,10 @@ impl<T> Stream for Receiver<T> {
         // Once closed, the count only falls, as items are handed out or permits and sends
         // given up; this receiver's batch and (alone) the queue stay in it until then.
         let hi = self.shared.most_to_come().map(|hi| hi.max(lo));
-        if hi != Some(0)
-            && let Some(waker) = crate::sync::end_watcher()
-        {
-            self.shared.watch_end(&self.batch_len, waker);
+        if hi != Some(0) {
+            // Woken (or dropped) here, once the lent watcher is given back.
+            let _wake =
+                crate::sync::with_end_watcher(|w| self.shared.watch_end(&self.batch_len, w));
         }
         (lo, hi)
     }

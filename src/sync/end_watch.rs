@@ -5,7 +5,7 @@
 //! reads the upstream's [`size_hint`](futures::Stream::size_hint) through
 //! [`size_hint_watching_end`], which lends its waker to the thread for that call; an
 //! upstream that can tell its end apart (a channel [`Receiver`](crate::channel::Receiver))
-//! takes it in its `size_hint` ([`end_watcher`]) and wakes it when it ends. Adapters in
+//! takes it in its `size_hint` ([`with_end_watcher`]) and wakes it when it ends. Adapters in
 //! between (`map`, `filter`, ...) pass the call on as they compute their own hint, so the
 //! channel is found under them. Upstreams that do not look cost nothing.
 
@@ -45,8 +45,12 @@ pub(crate) fn size_hint_watching_end<S: Stream + ?Sized>(
     stream.size_hint()
 }
 
-/// In a `size_hint`: the waker of the adapter watching for the end through
-/// [`size_hint_watching_end`], if one is.
-pub(crate) fn end_watcher() -> Option<Waker> {
-    WATCHER.try_with(|w| w.borrow().clone()).ok().flatten()
+/// In a `size_hint`: `f` with the waker of the adapter watching for the end through
+/// [`size_hint_watching_end`], if one is (lent: `f` clones it only to keep it, and wakes
+/// nothing while it is lent: what it returns is dropped after).
+pub(crate) fn with_end_watcher<R>(f: impl FnOnce(&Waker) -> R) -> Option<R> {
+    WATCHER
+        .try_with(|w| w.borrow().as_ref().map(f))
+        .ok()
+        .flatten()
 }

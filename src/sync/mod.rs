@@ -21,7 +21,7 @@ mod reused;
 mod waiters;
 
 pub(crate) use deferred::Deferred;
-pub(crate) use end_watch::{end_watcher, size_hint_watching_end};
+pub(crate) use end_watch::{size_hint_watching_end, with_end_watcher};
 pub(crate) use panics::Panics;
 #[cfg(feature = "http")]
 pub(crate) use reused::with_reused;

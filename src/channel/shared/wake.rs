@@ -83,16 +83,21 @@ impl<T> Shared<T> {
     /// A watcher already in for the same task returns at once, without the channel's lock
     /// (`with_demand` granted one item at a time reads the hint after each): a watcher in is
     /// one the next close or end takes out and wakes.
-    pub(crate) fn watch_end(&self, batch: &BatchLen, waker: Waker) {
-        if batch.watching(&waker) {
-            return;
-        }
+    ///
+    /// Returns the wakers to wake or drop, for the caller to let go of once it holds
+    /// nothing (the watcher is lent from a thread-local).
+    #[must_use = "the wakers are woken as the returned `Deferred` drops"]
+    pub(crate) fn watch_end(&self, batch: &BatchLen, waker: &Waker) -> Deferred {
         let mut out = Deferred::default();
+        if batch.watching(waker) {
+            return out;
+        }
         let _st = self.lock();
         if self.finished() {
-            out.wake(waker);
-        } else if let Some(old) = batch.watch_end(waker) {
+            out.wake(waker.clone());
+        } else if let Some(old) = batch.watch_end(waker.clone()) {
             out.discard(old);
         }
+        out
     }
 }

@@ -1593,22 +1593,14 @@ async fn a_dropped_request_counts_the_drop_and_abandons_the_allowed_retry() {
 /// The stops a policy named `name` counted, by `stop`: those counted at least once.
 #[cfg(feature = "metrics")]
 fn stops(recorder: &crate::support::TestRecorder, name: &str) -> Vec<(&'static str, u64)> {
-    [
-        "success",
-        "fatal",
-        "gave_up",
-        "budget",
-        "timed_out",
-        "not_retryable",
-        "cancelled",
-    ]
-    .into_iter()
-    .map(|stop| {
-        let id = format!("flowgate_retry_stopped_total{{name={name},stop={stop}}}");
-        (stop, recorder.counter(&id))
-    })
-    .filter(|&(_, n)| n > 0)
-    .collect()
+    crate::support::RETRY_STOPS
+        .into_iter()
+        .map(|stop| {
+            let id = format!("flowgate_retry_stopped_total{{name={name},stop={stop}}}");
+            (stop, recorder.counter(&id))
+        })
+        .filter(|&(_, n)| n > 0)
+        .collect()
 }
 
 /// A classifier that panics ends the request with its panic, here on the second answer,

@@ -63,15 +63,7 @@ fn stopped(recorder: &TestRecorder, name: &str, stop: &str) -> u64 {
 }
 
 /// Every `stop` label of `flowgate_retry_stopped_total`.
-pub(crate) const STOPS: [&str; 7] = [
-    "success",
-    "fatal",
-    "gave_up",
-    "budget",
-    "timed_out",
-    "not_retryable",
-    "cancelled",
-];
+pub(crate) use crate::support::RETRY_STOPS as STOPS;
 
 /// A generous bound on one scenario.
 async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {

@@ -54,6 +54,18 @@ pub use tempdir::TempDir;
 #[allow(unused_imports)]
 pub use wakers::panicking_waker;
 
+/// Every `stop` label of `flowgate_retry_stopped_total`.
+#[allow(dead_code)]
+pub const RETRY_STOPS: [&str; 7] = [
+    "success",
+    "fatal",
+    "gave_up",
+    "budget",
+    "timed_out",
+    "not_retryable",
+    "cancelled",
+];
+
 /// Polls each future once with a waker that does nothing, asserting it waits: `n` waiters
 /// queued, in order (the O(1) cancellation tests then drop them newest first).
 pub fn queue_waiters<F: std::future::Future>(
